@@ -1,0 +1,1 @@
+//! Communicators for the tensor-parallel, context-parallel and control groups of a mesh.

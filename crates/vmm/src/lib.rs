@@ -1,0 +1,1 @@
+//! Tagged virtual memory that releases and re-materializes physical memory at stable addresses.

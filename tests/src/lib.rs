@@ -1,0 +1,2 @@
+//! Cross-crate and multi-process integration tests live in `tests/tests/`.
+#![forbid(unsafe_code)]

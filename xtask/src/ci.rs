@@ -1,0 +1,22 @@
+//! `cargo xtask ci`: the whole gate CI runs, in the order that fails fastest.
+
+use crate::util::{self, cargo};
+use anyhow::Result;
+
+/// Feature sets clippy checks; the last one is also the set the tests run with.
+const CLIPPY_FEATURES: [&[&str]; 3] = [&[], &["--features", "cuda"], &["--features", "failpoints"]];
+
+pub(crate) fn run(_args: &[String]) -> Result<()> {
+    util::run(cargo().args(["fmt", "--all", "--check"]))?;
+    for features in CLIPPY_FEATURES {
+        util::run(
+            cargo()
+                .args(["clippy", "--workspace", "--all-targets", "--locked"])
+                .args(features)
+                .args(["--", "-D", "warnings"]),
+        )?;
+    }
+    // Tests run with fault injection compiled in, so the failure scenarios are exercised.
+    util::run(cargo().args(["test", "--workspace", "--locked", "--features", "failpoints"]))?;
+    Ok(())
+}

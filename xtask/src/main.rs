@@ -1,0 +1,33 @@
+//! Project automation, run as `cargo xtask <task>`: `ci`, `bench`, `gpu-test`, `fetch-model`.
+#![forbid(unsafe_code)]
+
+mod bench;
+mod ci;
+mod util;
+
+use anyhow::{bail, Result};
+
+const HELP: &str = "\
+cargo xtask <task> [args]
+
+tasks:
+  ci                      fmt check, clippy (default, failpoints, cuda features), all tests
+  bench <what> [--json]   benchmarks with their reference measured in the same run;
+                          <what>: collectives | vmm | all
+  help                    this text
+";
+
+fn main() -> Result<()> {
+    let mut args = std::env::args().skip(1);
+    let task = args.next().unwrap_or_else(|| "help".to_owned());
+    let rest: Vec<String> = args.collect();
+    match task.as_str() {
+        "ci" => ci::run(&rest),
+        "bench" => bench::run(&rest),
+        "help" | "--help" | "-h" => {
+            print!("{HELP}");
+            Ok(())
+        }
+        other => bail!("unknown task `{other}`\n\n{HELP}"),
+    }
+}
