@@ -1,1 +1,24 @@
 //! Communicators for the tensor-parallel, context-parallel and control groups of a mesh.
+//!
+//! [`Communicator`] is the interface every backend implements (byte buffers tagged with a
+//! [`DType`]); [`Collective`] adds typed methods over `f32`, `f16`, `bf16`, `i64` and `u8`
+//! slices. Backends:
+//!
+//! - [`local`]: threads of one process (tests);
+//! - [`shm`]: processes on one host, through one shared-memory segment per group;
+//! - [`tcp`]: processes on any hosts, ring algorithms over TCP;
+//! - `nccl` (feature `cuda`): NVIDIA GPUs.
+//!
+//! Every call has a deadline; every error names the operation, the group, this rank and the
+//! peer at fault; an [`AbortHandle`] unblocks a call from another thread.
+
+mod comm;
+mod dtype;
+mod error;
+pub mod local;
+pub mod shm;
+
+pub use comm::{AbortHandle, Collective, Communicator, DEFAULT_TIMEOUT};
+pub use dtype::{DType, Element, ReduceOp};
+pub use error::{Error, Op, Result, Site};
+pub use shm::{ShmComm, ShmOptions};

@@ -1,0 +1,274 @@
+//! Element types that travel through collectives, reduction operators and their kernels.
+
+use half::{bf16, f16};
+use std::fmt;
+
+/// The element type of a buffer, checked to agree on every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DType {
+    /// Raw bytes (no reduction other than wrapping sum, max, min).
+    U8,
+    /// 32-bit float.
+    F32,
+    /// IEEE half.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// 64-bit signed integer.
+    I64,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            DType::U8 => 1,
+            DType::F16 | DType::BF16 => 2,
+            DType::F32 => 4,
+            DType::I64 => 8,
+        }
+    }
+
+    /// The name users write.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::U8 => "u8",
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I64 => "i64",
+        }
+    }
+
+    pub(crate) const fn code(self) -> u32 {
+        match self {
+            DType::U8 => 1,
+            DType::F32 => 2,
+            DType::F16 => 3,
+            DType::BF16 => 4,
+            DType::I64 => 5,
+        }
+    }
+
+    pub(crate) fn from_code(code: u32) -> Option<DType> {
+        [DType::U8, DType::F32, DType::F16, DType::BF16, DType::I64]
+            .into_iter()
+            .find(|d| d.code() == code)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How `all_reduce` and `reduce_scatter` combine the ranks' values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum (f16/bf16 accumulate in f32; integers wrap).
+    Sum,
+    /// Maximum.
+    Max,
+    /// Minimum.
+    Min,
+}
+
+impl ReduceOp {
+    pub(crate) const fn code(self) -> u32 {
+        match self {
+            ReduceOp::Sum => 1,
+            ReduceOp::Max => 2,
+            ReduceOp::Min => 3,
+        }
+    }
+
+    pub(crate) fn from_code(code: u32) -> Option<ReduceOp> {
+        [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min].into_iter().find(|o| o.code() == code)
+    }
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+        })
+    }
+}
+
+/// A plain-data element type with a [`DType`].
+pub trait Element: bytemuck::Pod + Send + Sync {
+    /// Its dtype tag.
+    const DTYPE: DType;
+}
+
+impl Element for u8 {
+    const DTYPE: DType = DType::U8;
+}
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+}
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+}
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+}
+impl Element for i64 {
+    const DTYPE: DType = DType::I64;
+}
+
+/// Elements per block when reducing many sources: small enough that the accumulator stays in L1.
+const BLOCK: usize = 1024;
+
+/// Reduces `sources` element-wise, in the order given, into `out`.
+///
+/// Every rank that reduces the same sources in the same order gets bit-identical results, which
+/// tensor parallelism relies on. All slices must be `out.len()` bytes and aligned for `dtype`
+/// (callers check this at the API boundary).
+pub(crate) fn reduce(dtype: DType, op: ReduceOp, out: &mut [u8], sources: &[&[u8]]) {
+    debug_assert!(sources.iter().all(|s| s.len() == out.len()));
+    match dtype {
+        DType::U8 => reduce_native::<u8>(op, out, sources),
+        DType::F32 => reduce_native::<f32>(op, out, sources),
+        DType::I64 => reduce_native::<i64>(op, out, sources),
+        DType::F16 => reduce_half(op, out, sources, f16::to_f32, f16::from_f32),
+        DType::BF16 => reduce_half(op, out, sources, bf16::to_f32, bf16::from_f32),
+    }
+}
+
+trait Native: bytemuck::Pod + PartialOrd {
+    fn add(self, other: Self) -> Self;
+}
+impl Native for u8 {
+    fn add(self, other: Self) -> Self {
+        self.wrapping_add(other)
+    }
+}
+impl Native for i64 {
+    fn add(self, other: Self) -> Self {
+        self.wrapping_add(other)
+    }
+}
+impl Native for f32 {
+    fn add(self, other: Self) -> Self {
+        self + other
+    }
+}
+
+fn combine<T: Native>(op: ReduceOp) -> fn(T, T) -> T {
+    // NaN handling follows `PartialOrd`: a NaN in `acc` stays, a NaN in `x` is skipped. Every
+    // rank applies the same order, so results still agree bit for bit.
+    match op {
+        ReduceOp::Sum => T::add,
+        ReduceOp::Max => |acc, x| if x > acc { x } else { acc },
+        ReduceOp::Min => |acc, x| if x < acc { x } else { acc },
+    }
+}
+
+fn reduce_native<T: Native>(op: ReduceOp, out: &mut [u8], sources: &[&[u8]]) {
+    let out: &mut [T] = bytemuck::cast_slice_mut(out);
+    let srcs: Vec<&[T]> = sources.iter().map(|s| bytemuck::cast_slice(s)).collect();
+    let f = combine::<T>(op);
+    let Some((first, rest)) = srcs.split_first() else { return };
+    for start in (0..out.len()).step_by(BLOCK) {
+        let end = (start + BLOCK).min(out.len());
+        let acc = &mut out[start..end];
+        acc.copy_from_slice(&first[start..end]);
+        for src in rest {
+            for (a, &x) in acc.iter_mut().zip(&src[start..end]) {
+                *a = f(*a, x);
+            }
+        }
+    }
+}
+
+fn reduce_half<H: bytemuck::Pod>(
+    op: ReduceOp,
+    out: &mut [u8],
+    sources: &[&[u8]],
+    to_f32: fn(H) -> f32,
+    from_f32: fn(f32) -> H,
+) {
+    let out: &mut [H] = bytemuck::cast_slice_mut(out);
+    let srcs: Vec<&[H]> = sources.iter().map(|s| bytemuck::cast_slice(s)).collect();
+    let f = combine::<f32>(op);
+    let Some((first, rest)) = srcs.split_first() else { return };
+    let mut acc = [0f32; BLOCK];
+    for start in (0..out.len()).step_by(BLOCK) {
+        let end = (start + BLOCK).min(out.len());
+        let acc = &mut acc[..end - start];
+        for (a, &x) in acc.iter_mut().zip(&first[start..end]) {
+            *a = to_f32(x);
+        }
+        for src in rest {
+            for (a, &x) in acc.iter_mut().zip(&src[start..end]) {
+                *a = f(*a, to_f32(x));
+            }
+        }
+        for (o, &a) in out[start..end].iter_mut().zip(acc.iter()) {
+            *o = from_f32(a);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes<T: bytemuck::Pod>(v: &[T]) -> Vec<u8> {
+        bytemuck::cast_slice(v).to_vec()
+    }
+
+    #[test]
+    fn reduces_every_dtype_and_op() {
+        let a = [1.0f32, -2.0, 3.5];
+        let b = [4.0f32, 5.0, -1.0];
+        for (op, want) in [
+            (ReduceOp::Sum, [5.0f32, 3.0, 2.5]),
+            (ReduceOp::Max, [4.0, 5.0, 3.5]),
+            (ReduceOp::Min, [1.0, -2.0, -1.0]),
+        ] {
+            let mut out = vec![0u8; 12];
+            reduce(DType::F32, op, &mut out, &[&bytes(&a), &bytes(&b)]);
+            assert_eq!(bytemuck::cast_slice::<u8, f32>(&out), want, "{op}");
+        }
+        let mut out = vec![0u8; 16];
+        reduce(DType::I64, ReduceOp::Sum, &mut out, &[&bytes(&[i64::MAX, 2]), &bytes(&[1i64, 3])]);
+        assert_eq!(bytemuck::cast_slice::<u8, i64>(&out), [i64::MIN, 5]);
+
+        let h = |v: f32| bf16::from_f32(v);
+        let mut out = vec![0u8; 4];
+        reduce(
+            DType::BF16,
+            ReduceOp::Sum,
+            &mut out,
+            &[&bytes(&[h(1.0), h(2.0)]), &bytes(&[h(0.5), h(-2.0)])],
+        );
+        assert_eq!(bytemuck::cast_slice::<u8, bf16>(&out), [h(1.5), h(0.0)]);
+    }
+
+    #[test]
+    fn half_sums_accumulate_in_f32() {
+        // 2048 + 1 + 1 in f16 pairwise would round 2049 back to 2048 twice; f32 keeps 2050.
+        let x = |v: f32| f16::from_f32(v);
+        let srcs = [bytes(&[x(2048.0)]), bytes(&[x(1.0)]), bytes(&[x(1.0)])];
+        let refs: Vec<&[u8]> = srcs.iter().map(Vec::as_slice).collect();
+        let mut out = vec![0u8; 2];
+        reduce(DType::F16, ReduceOp::Sum, &mut out, &refs);
+        assert_eq!(bytemuck::cast_slice::<u8, f16>(&out)[0].to_f32(), 2050.0);
+    }
+
+    #[test]
+    fn codes_round_trip() {
+        for d in [DType::U8, DType::F32, DType::F16, DType::BF16, DType::I64] {
+            assert_eq!(DType::from_code(d.code()), Some(d));
+        }
+        for o in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+            assert_eq!(ReduceOp::from_code(o.code()), Some(o));
+        }
+    }
+}

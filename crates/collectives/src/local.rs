@@ -1,0 +1,32 @@
+//! The `local` backend: a group of threads in one process, for tests and single-process use.
+//!
+//! It is the shared-memory communicator over anonymous memory, so unit tests exercise the very
+//! code that runs between processes.
+
+use crate::error::{Error, Result};
+use crate::shm::{Segment, ShmComm, ShmOptions};
+use std::sync::Arc;
+
+/// Creates a group of `size` communicators, one per thread, named `group`.
+///
+/// # Errors
+/// `size` is zero or the shared memory cannot be mapped.
+pub fn group(size: usize, group: &str, opts: ShmOptions) -> Result<Vec<ShmComm>> {
+    if size == 0 || size > 64 {
+        return Err(Error::BackendUnavailable {
+            backend: "local",
+            reason: format!("a group needs 1 to 64 ranks, got {size}"),
+        });
+    }
+    let seg = Arc::new(
+        Segment::anonymous(size, opts)
+            .map_err(|e| Error::io(format!("mapping a local group of {size} ranks"), e))?,
+    );
+    (0..size)
+        .map(|rank| {
+            let mut comm = ShmComm::attach(seg.clone(), rank, group, "local")?;
+            comm.assume_joined();
+            Ok(comm)
+        })
+        .collect()
+}

@@ -1,0 +1,911 @@
+//! Shared-memory communicator: ranks on one host exchange data through one mapped segment.
+//!
+//! Every collective stages a rank's contribution in its own slot, meets the others at a barrier,
+//! and reads what it needs straight from their slots. Slots are double-buffered by operation
+//! parity, so a rank can start the next operation while a slow peer still reads the previous
+//! one, yet never two ahead (the next barrier waits for that peer). Large messages run in
+//! pieces of one slot. Each operation first posts a descriptor (sequence, op, dtype, bytes,
+//! root...) that every rank checks after the first barrier, so ranks that disagree all fail
+//! with the same clear error instead of hanging or corrupting data.
+//!
+//! Waiting spins briefly, then yields, then sleeps on a futex: four ranks on two cores stay
+//! fast because a waiting rank gives its core to the rank it waits for. A waiting rank also
+//! watches its peers: a failure flag set by a peer, a peer process that is gone, the deadline
+//! and the abort handle each end the wait with an error that names the peer.
+//!
+//! The same code serves the `local` backend: the segment is then anonymous memory shared by
+//! threads of one process.
+
+mod futex;
+mod segment;
+#[cfg(test)]
+mod tests;
+
+pub(crate) use segment::Segment;
+pub use segment::ShmOptions;
+
+use crate::comm::{check, AbortHandle, Communicator, DEFAULT_TIMEOUT};
+use crate::dtype::{reduce, DType, ReduceOp};
+use crate::error::{Error, Op, Result, Site};
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Messages of at most this many bytes per rank (times the group size) are reduced by every
+/// rank from all slots after one barrier; larger ones are reduce-scattered, then gathered.
+const SMALL_REDUCE_BYTES: usize = 128 << 10;
+/// How often a long wait checks that the peers it waits for still exist.
+const LIVENESS_EVERY: Duration = Duration::from_millis(20);
+/// Longest single futex sleep, so deadlines and liveness are checked regularly.
+const MAX_SLEEP: Duration = Duration::from_millis(10);
+
+/// Why a peer's failure flag is set; encoded with the rank that caused it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Blame {
+    /// The rank failed by itself (bad arguments, injected fault, mismatch).
+    Failed = 1,
+    /// The rank's process is gone.
+    Died = 2,
+    /// The rank did not arrive before the deadline.
+    Unresponsive = 3,
+}
+
+fn encode_blame(blame: Blame, origin: usize) -> u32 {
+    ((blame as u32) << 16) | (origin as u32 + 1)
+}
+
+fn decode_blame(word: u32) -> Option<(Blame, usize)> {
+    let origin = (word & 0xffff).checked_sub(1)? as usize;
+    let blame = match word >> 16 {
+        2 => Blame::Died,
+        3 => Blame::Unresponsive,
+        _ => Blame::Failed,
+    };
+    Some((blame, origin))
+}
+
+/// How long a waiter spins and yields before it sleeps.
+#[derive(Debug, Clone, Copy)]
+struct Patience {
+    spin: Duration,
+    yield_until: Duration,
+}
+
+impl Patience {
+    fn for_group(size: usize) -> Patience {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        if size <= cores {
+            Patience { spin: Duration::from_micros(50), yield_until: Duration::from_micros(200) }
+        } else {
+            // Oversubscribed: the rank we wait for may need this very core.
+            Patience { spin: Duration::from_micros(2), yield_until: Duration::from_millis(2) }
+        }
+    }
+}
+
+/// A shared-memory communicator (`shm` across processes, `local` across threads).
+pub struct ShmComm {
+    seg: Arc<Segment>,
+    rank: usize,
+    size: usize,
+    group: Arc<str>,
+    backend: &'static str,
+    timeout: Duration,
+    abort: AbortHandle,
+    /// Operations (pieces) issued; selects the slot parity.
+    seq: u64,
+    /// Barriers entered.
+    epoch: u64,
+    poisoned: Option<String>,
+    patience: Patience,
+    /// Peer process ids, known once every rank joined.
+    pids: Vec<u32>,
+}
+
+impl std::fmt::Debug for ShmComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmComm")
+            .field("group", &self.group)
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("backend", &self.backend)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Outcome of one look at the shared state during a wait.
+enum Poll {
+    Ready,
+    /// Bit mask of the group ranks still awaited.
+    Pending(u64),
+}
+
+/// The pieces `[off, off + len)` a message of `total` bytes is processed in; at least one, so
+/// ranks with an empty buffer still meet (and check) the others.
+fn pieces(total: usize, cap: usize) -> impl Iterator<Item = (usize, usize)> {
+    let n = total.div_ceil(cap).max(1);
+    (0..n).map(move |i| (i * cap, cap.min(total - (i * cap).min(total))))
+}
+
+/// Element range of part `r` of `n` elements in `parts`, remainder to the low parts.
+fn part(n: usize, parts: usize, r: usize) -> std::ops::Range<usize> {
+    let (q, rem) = (n / parts, n % parts);
+    let start = r * q + r.min(rem);
+    start..start + q + usize::from(r < rem)
+}
+
+fn mask_ranks(mask: u64) -> Vec<usize> {
+    (0..64).filter(|r| mask & (1 << r) != 0).collect()
+}
+
+/// Whether process `pid` still runs (a zombie counts as gone: it will never arrive).
+fn alive(pid: u32) -> bool {
+    if pid == 0 || pid == std::process::id() {
+        return true;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            let state =
+                stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+            !matches!(state, Some('Z' | 'X' | 'x'))
+        }
+        Err(_) => false,
+    }
+}
+
+impl ShmComm {
+    /// Creates the group's segment at `path` (normally under `/dev/shm`) and joins it as `rank`.
+    /// Call [`ShmComm::wait_for_peers`] once every rank has opened it.
+    ///
+    /// # Errors
+    /// The file exists already or cannot be created and mapped.
+    pub fn create(
+        path: &Path,
+        rank: usize,
+        size: usize,
+        group: &str,
+        opts: ShmOptions,
+    ) -> Result<ShmComm> {
+        let seg = Segment::create(path, size, opts)
+            .map_err(|e| Error::io(format!("creating shm segment {}", path.display()), e))?;
+        Self::attach(Arc::new(seg), rank, group, "shm")
+    }
+
+    /// Opens the segment another rank created at `path` and joins it as `rank`.
+    ///
+    /// # Errors
+    /// The file is missing or is not a segment of this version.
+    pub fn open(path: &Path, rank: usize, group: &str) -> Result<ShmComm> {
+        let seg = Segment::open(path)
+            .map_err(|e| Error::io(format!("opening shm segment {}", path.display()), e))?;
+        let size = seg.size();
+        Self::attach(Arc::new(seg), rank, group, "shm").and_then(|c| {
+            if rank < size {
+                Ok(c)
+            } else {
+                Err(Error::InvalidArgument {
+                    at: check::site(Op::Setup, &c.group, rank, size),
+                    reason: format!("rank {rank} is not in a segment made for {size} ranks"),
+                })
+            }
+        })
+    }
+
+    /// Joins `seg` as `rank` (records this process id) without waiting for the others.
+    pub(crate) fn attach(
+        seg: Arc<Segment>,
+        rank: usize,
+        group: &str,
+        backend: &'static str,
+    ) -> Result<ShmComm> {
+        let size = seg.size();
+        let group: Arc<str> = group.into();
+        if rank >= size {
+            return Err(check::invalid(
+                &check::site(Op::Setup, &group, rank, size),
+                format!("rank {rank} is not in a group of {size} ranks"),
+            ));
+        }
+        seg.rank(rank).pid.store(std::process::id(), Ordering::Release);
+        ring(&seg);
+        let abort = AbortHandle::default();
+        let waker = seg.clone();
+        abort.on_abort(move || ring_always(&waker));
+        Ok(ShmComm {
+            patience: Patience::for_group(size),
+            seg,
+            rank,
+            size,
+            group,
+            backend,
+            timeout: DEFAULT_TIMEOUT,
+            abort,
+            seq: 0,
+            epoch: 0,
+            poisoned: None,
+            pids: vec![0; size],
+        })
+    }
+
+    /// Waits until every rank has joined the segment; afterwards the segment's file may be
+    /// unlinked, and dead peers can be recognised by their process ids.
+    ///
+    /// # Errors
+    /// Timeout naming the ranks that never joined, or abort.
+    pub fn wait_for_peers(&mut self) -> Result<()> {
+        let at = self.site(Op::Setup);
+        let deadline = Instant::now() + self.timeout;
+        let size = self.size;
+        let result = self.wait(&at, deadline, |seg| {
+            let pending = (0..size)
+                .filter(|&r| seg.rank(r).pid.load(Ordering::Acquire) == 0)
+                .fold(0u64, |m, r| m | 1 << r);
+            if pending == 0 {
+                Poll::Ready
+            } else {
+                Poll::Pending(pending)
+            }
+        });
+        self.finish(result)?;
+        self.pids = (0..size).map(|r| self.seg.rank(r).pid.load(Ordering::Acquire)).collect();
+        Ok(())
+    }
+
+    /// Sets the process ids of all ranks (threads of this process).
+    pub(crate) fn assume_joined(&mut self) {
+        self.pids = vec![std::process::id(); self.size];
+    }
+
+    fn site(&self, op: Op) -> Site {
+        check::site(op, &self.group, self.rank, self.size)
+    }
+
+    /// Starts a call: refuses it when poisoned or aborted.
+    fn begin(&self, op: Op) -> Result<(Site, Instant)> {
+        let at = self.site(op);
+        if let Some(cause) = &self.poisoned {
+            return Err(Error::Poisoned { at, cause: cause.clone() });
+        }
+        if self.abort.is_aborted() {
+            return Err(Error::Aborted { at });
+        }
+        Ok((at, Instant::now() + self.timeout))
+    }
+
+    /// Ends a call: on error, poisons this communicator and tells the peers.
+    fn finish<T>(&mut self, result: Result<T>) -> Result<T> {
+        if let Err(e) = &result {
+            if self.poisoned.is_none() {
+                self.poisoned = Some(e.to_string());
+            }
+            let word = match e {
+                Error::PeerFailed { .. } | Error::PeerDied { .. } | Error::Timeout { .. } => {
+                    // Pass on the original culprit so every rank names the same one.
+                    let (blame, origin) = match e {
+                        Error::PeerDied { peer, .. } => (Blame::Died, *peer),
+                        Error::Timeout { waiting_for, .. } => {
+                            (Blame::Unresponsive, waiting_for.first().copied().unwrap_or(self.rank))
+                        }
+                        Error::PeerFailed { peer, .. } => (Blame::Failed, *peer),
+                        _ => unreachable!("matched above"),
+                    };
+                    encode_blame(blame, origin)
+                }
+                _ => encode_blame(Blame::Failed, self.rank),
+            };
+            let ctrl = self.seg.rank(self.rank);
+            let _ = ctrl.failed.compare_exchange(0, word, Ordering::AcqRel, Ordering::Acquire);
+            ring_always(&self.seg);
+        }
+        result
+    }
+
+    fn failpoint(at: &Site, point: &str) -> Result<()> {
+        mesh::failpoint::hit(point).map_err(|source| Error::Injected { at: at.clone(), source })
+    }
+
+    /// Waits until `poll` is ready, watching peers, the deadline and the abort handle.
+    fn wait(
+        &self,
+        at: &Site,
+        deadline: Instant,
+        mut poll: impl FnMut(&Segment) -> Poll,
+    ) -> Result<()> {
+        Self::failpoint(at, "shm.wait")?;
+        let seg = &*self.seg;
+        let (bell, sleepers) = seg.bell();
+        let start = Instant::now();
+        let mut last_liveness = start;
+        let mut iter = 0u32;
+        loop {
+            let seen = bell.load(Ordering::SeqCst);
+            let pending = match poll(seg) {
+                Poll::Ready => return Ok(()),
+                Poll::Pending(p) => p,
+            };
+            self.check_peers(at, start)?;
+            iter = iter.wrapping_add(1);
+            // Reading the clock costs ~20 ns; spinning checks it every 64 rounds.
+            if iter % 64 != 0 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let now = Instant::now();
+            let waited = now - start;
+            if waited < self.patience.spin {
+                continue;
+            }
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    at: at.clone(),
+                    elapsed: waited,
+                    waiting_for: mask_ranks(pending),
+                });
+            }
+            if now - last_liveness >= LIVENESS_EVERY {
+                last_liveness = now;
+                for r in mask_ranks(pending) {
+                    if !alive(self.pids[r]) {
+                        return Err(Error::PeerDied {
+                            at: at.clone(),
+                            peer: r,
+                            pid: self.pids[r],
+                            elapsed: waited,
+                        });
+                    }
+                }
+            }
+            if waited < self.patience.yield_until {
+                std::thread::yield_now();
+                continue;
+            }
+            sleepers.fetch_add(1, Ordering::SeqCst);
+            if bell.load(Ordering::SeqCst) == seen {
+                futex::wait(bell, seen, MAX_SLEEP.min(deadline - now));
+            }
+            sleepers.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Fails when a peer reported a failure or this call was aborted.
+    fn check_peers(&self, at: &Site, start: Instant) -> Result<()> {
+        for r in (0..self.size).filter(|&r| r != self.rank) {
+            let word = self.seg.rank(r).failed.load(Ordering::Acquire);
+            if let Some((blame, origin)) = decode_blame(word) {
+                let at = at.clone();
+                return Err(match blame {
+                    Blame::Died if origin != self.rank => Error::PeerDied {
+                        at,
+                        peer: origin,
+                        pid: self.pids.get(origin).copied().unwrap_or(0),
+                        elapsed: start.elapsed(),
+                    },
+                    Blame::Unresponsive if origin != self.rank => {
+                        Error::Timeout { at, elapsed: start.elapsed(), waiting_for: vec![origin] }
+                    }
+                    _ => {
+                        Error::PeerFailed { at, peer: if origin == self.rank { r } else { origin } }
+                    }
+                });
+            }
+        }
+        if self.abort.is_aborted() {
+            return Err(Error::Aborted { at: at.clone() });
+        }
+        Ok(())
+    }
+
+    /// Posts this rank's descriptor for the next operation piece; returns the slot parity.
+    fn post(&mut self, op: Op, dtype: DType, rop: Option<ReduceOp>, len: usize, aux: u64) -> usize {
+        self.seq += 1;
+        let parity = (self.seq & 1) as usize;
+        let desc = &self.seg.rank(self.rank).desc[parity];
+        let kind = u64::from(op.code()) << 32
+            | u64::from(dtype.code()) << 16
+            | u64::from(rop.map_or(0, ReduceOp::code));
+        desc.seq.store(self.seq, Ordering::Relaxed);
+        desc.kind.store(kind, Ordering::Relaxed);
+        desc.len.store(len as u64, Ordering::Relaxed);
+        desc.aux.store(aux, Ordering::Relaxed);
+        parity
+    }
+
+    /// Compares every peer's descriptor with this rank's (after a barrier made them visible).
+    fn check_descs(&self, at: &Site, parity: usize, aux_name: &'static str) -> Result<()> {
+        let mine = &self.seg.rank(self.rank).desc[parity];
+        let m = |d: &segment::Desc| {
+            (
+                d.seq.load(Ordering::Relaxed),
+                d.kind.load(Ordering::Relaxed),
+                d.len.load(Ordering::Relaxed),
+                d.aux.load(Ordering::Relaxed),
+            )
+        };
+        let (seq, kind, len, aux) = m(mine);
+        for r in (0..self.size).filter(|&r| r != self.rank) {
+            let (pseq, pkind, plen, paux) = m(&self.seg.rank(r).desc[parity]);
+            let mismatch = |what, mine: String, theirs: String| Error::Mismatch {
+                at: at.clone(),
+                peer: r,
+                what,
+                mine,
+                theirs,
+            };
+            let (op_of, dt_of, rop_of) = (
+                |k: u64| {
+                    Op::from_code((k >> 32) as u32).map_or("unknown".into(), |o| o.to_string())
+                },
+                |k: u64| {
+                    DType::from_code((k >> 16) as u32 & 0xffff)
+                        .map_or("unknown".into(), |d| d.to_string())
+                },
+                |k: u64| {
+                    ReduceOp::from_code(k as u32 & 0xffff).map_or("none".into(), |o| o.to_string())
+                },
+            );
+            if kind >> 32 != pkind >> 32 {
+                return Err(mismatch("operation", op_of(kind), op_of(pkind)));
+            }
+            if (kind >> 16) & 0xffff != (pkind >> 16) & 0xffff {
+                return Err(mismatch("dtype", dt_of(kind), dt_of(pkind)));
+            }
+            if kind & 0xffff != pkind & 0xffff {
+                return Err(mismatch("reduce op", rop_of(kind), rop_of(pkind)));
+            }
+            if seq != pseq {
+                return Err(mismatch("operation count", seq.to_string(), pseq.to_string()));
+            }
+            if len != plen {
+                return Err(mismatch("bytes", len.to_string(), plen.to_string()));
+            }
+            if aux != paux {
+                return Err(mismatch(aux_name, aux.to_string(), paux.to_string()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Arrives at the next barrier and waits for every rank.
+    fn barrier_wait(&mut self, at: &Site, deadline: Instant) -> Result<()> {
+        self.epoch += 1;
+        let epoch = self.epoch;
+        self.seg.rank(self.rank).epoch.store(epoch, Ordering::Release);
+        ring(&self.seg);
+        let size = self.size;
+        self.wait(at, deadline, |seg| {
+            let pending = (0..size)
+                .filter(|&r| seg.rank(r).epoch.load(Ordering::Acquire) < epoch)
+                .fold(0u64, |m, r| m | 1 << r);
+            if pending == 0 {
+                Poll::Ready
+            } else {
+                Poll::Pending(pending)
+            }
+        })
+    }
+
+    /// Copies `src` into this rank's slot `parity` at `off`.
+    fn stage(&self, parity: usize, off: usize, src: &[u8]) {
+        assert!(off + src.len() <= self.seg.slot_bytes());
+        // SAFETY: in bounds by the assert; only this rank writes its slot, and peers read it
+        // only after the next barrier (double buffering keeps them off the other parity).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.as_ptr(),
+                self.seg.slot(self.rank, parity).add(off),
+                src.len(),
+            );
+        }
+    }
+
+    /// Rank `r`'s slot `parity`, bytes `off..off + len`.
+    fn peek(&self, r: usize, parity: usize, off: usize, len: usize) -> &[u8] {
+        assert!(off + len <= self.seg.slot_bytes());
+        // SAFETY: in bounds by the assert; rank `r` wrote these bytes before the barrier this
+        // rank passed and will not write this parity again before the next barrier, which
+        // this rank has not entered while the slice lives.
+        unsafe { std::slice::from_raw_parts(self.seg.slot(r, parity).add(off), len) }
+    }
+
+    /// Bytes per piece for element type `dtype` when `ways` sub-pieces share one slot.
+    fn piece_cap(&self, dtype: DType, ways: usize) -> usize {
+        let per = self.seg.slot_bytes() / ways;
+        // Keep sub-pieces 64-byte aligned for the copy and reduce loops.
+        let align = 64usize.max(dtype.size());
+        (per / align * align).max(dtype.size())
+    }
+
+    fn all_reduce_inner(
+        &mut self,
+        at: &Site,
+        deadline: Instant,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        check::elements(at, "buffer", buf, dtype)?;
+        let total = buf.len();
+        let cap = self.piece_cap(dtype, 1);
+        for (off, len) in pieces(total, cap) {
+            let piece = &mut buf[off..off + len];
+            let p = self.post(Op::AllReduce, dtype, Some(op), total, 0);
+            Self::failpoint(at, "shm.send")?;
+            self.stage(p, 0, piece);
+            self.barrier_wait(at, deadline)?;
+            self.check_descs(at, p, "")?;
+            Self::failpoint(at, "shm.recv")?;
+            if len * self.size <= SMALL_REDUCE_BYTES {
+                let srcs: Vec<&[u8]> = (0..self.size).map(|r| self.peek(r, p, 0, len)).collect();
+                reduce(dtype, op, piece, &srcs);
+                continue;
+            }
+            // Reduce-scatter into the slots, then gather every rank's reduced chunk.
+            let elems = len / dtype.size();
+            let size = self.size;
+            let chunk = |r: usize| {
+                let e = part(elems, size, r);
+                e.start * dtype.size()..e.end * dtype.size()
+            };
+            let mine = chunk(self.rank);
+            let srcs: Vec<&[u8]> =
+                (0..self.size).map(|r| self.peek(r, p, mine.start, mine.len())).collect();
+            reduce(dtype, op, &mut piece[mine.clone()], &srcs);
+            drop(srcs);
+            self.stage(p, mine.start, &piece[mine.clone()]);
+            self.barrier_wait(at, deadline)?;
+            for r in (0..self.size).filter(|&r| r != self.rank) {
+                let c = chunk(r);
+                piece[c.clone()].copy_from_slice(self.peek(r, p, c.start, c.len()));
+            }
+        }
+        Ok(())
+    }
+
+    fn all_gather_inner(
+        &mut self,
+        at: &Site,
+        deadline: Instant,
+        send: &[u8],
+        recv: &mut [u8],
+        sizes: &[usize],
+        dtype: DType,
+    ) -> Result<()> {
+        check::gather(at, send, recv, sizes, dtype)?;
+        let total: usize = sizes.iter().sum();
+        let most = sizes.iter().copied().max().unwrap_or(0);
+        let starts: Vec<usize> =
+            sizes.iter().scan(0, |acc, &s| Some(std::mem::replace(acc, *acc + s))).collect();
+        let sizes_tag = fnv(sizes);
+        let cap = self.piece_cap(dtype, 1);
+        for (off, _) in pieces(most, cap) {
+            let span = |r: usize| {
+                let lo = off.min(sizes[r]);
+                lo..(off + cap).min(sizes[r])
+            };
+            let p = self.post(Op::AllGatherUneven, dtype, None, total, sizes_tag);
+            Self::failpoint(at, "shm.send")?;
+            self.stage(p, 0, &send[span(self.rank)]);
+            self.barrier_wait(at, deadline)?;
+            self.check_descs(at, p, "sizes")?;
+            Self::failpoint(at, "shm.recv")?;
+            for r in 0..self.size {
+                let s = span(r);
+                let dst = &mut recv[starts[r] + s.start..starts[r] + s.end];
+                if r == self.rank {
+                    dst.copy_from_slice(&send[s]);
+                } else {
+                    dst.copy_from_slice(self.peek(r, p, 0, s.len()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn broadcast_inner(
+        &mut self,
+        at: &Site,
+        deadline: Instant,
+        buf: &mut [u8],
+        dtype: DType,
+        root: usize,
+    ) -> Result<()> {
+        check::elements(at, "buffer", buf, dtype)?;
+        check::rank(at, "root", root)?;
+        let total = buf.len();
+        for (off, len) in pieces(total, self.piece_cap(dtype, 1)) {
+            let p = self.post(Op::Broadcast, dtype, None, total, root as u64);
+            if self.rank == root {
+                Self::failpoint(at, "shm.send")?;
+                self.stage(p, 0, &buf[off..off + len]);
+            }
+            self.barrier_wait(at, deadline)?;
+            self.check_descs(at, p, "root")?;
+            if self.rank != root {
+                Self::failpoint(at, "shm.recv")?;
+                buf[off..off + len].copy_from_slice(self.peek(root, p, 0, len));
+            }
+        }
+        Ok(())
+    }
+
+    /// Shared body of reduce_scatter (`op` set) and all_to_all (`op` none): every rank stages
+    /// sub-piece `j` of its chunk `j` for all `j`, then takes sub-piece `rank` of every slot.
+    #[allow(clippy::too_many_arguments)]
+    fn exchange_chunks(
+        &mut self,
+        at: &Site,
+        deadline: Instant,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: Option<ReduceOp>,
+    ) -> Result<()> {
+        let chunk = match op {
+            Some(_) => recv.len(),
+            None => recv.len() / self.size.max(1),
+        };
+        let cap = self.piece_cap(dtype, self.size);
+        let what = if op.is_some() { Op::ReduceScatter } else { Op::AllToAll };
+        for (off, len) in pieces(chunk, cap) {
+            let p = self.post(what, dtype, op, send.len(), 0);
+            Self::failpoint(at, "shm.send")?;
+            for j in 0..self.size {
+                self.stage(p, j * len, &send[j * chunk + off..j * chunk + off + len]);
+            }
+            self.barrier_wait(at, deadline)?;
+            self.check_descs(at, p, "")?;
+            Self::failpoint(at, "shm.recv")?;
+            let me = self.rank;
+            match op {
+                Some(op) => {
+                    let srcs: Vec<&[u8]> =
+                        (0..self.size).map(|r| self.peek(r, p, me * len, len)).collect();
+                    reduce(dtype, op, &mut recv[off..off + len], &srcs);
+                }
+                None => {
+                    for s in 0..self.size {
+                        recv[s * chunk + off..s * chunk + off + len].copy_from_slice(self.peek(
+                            s,
+                            p,
+                            me * len,
+                            len,
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `data` into the ring to `peer`, waiting for space.
+    fn stream_write(&self, at: &Site, deadline: Instant, peer: usize, data: &[u8]) -> Result<()> {
+        let pair = self.seg.pair(self.rank, peer);
+        let ring_buf = self.seg.ring(self.rank, peer);
+        let cap = self.seg.ring_bytes() as u64;
+        let mut done = 0;
+        while done < data.len() {
+            let written = pair.written.load(Ordering::Relaxed);
+            self.wait(at, deadline, |_| {
+                if written - pair.read.load(Ordering::Acquire) < cap {
+                    Poll::Ready
+                } else {
+                    Poll::Pending(1 << peer)
+                }
+            })?;
+            let free = cap - (written - pair.read.load(Ordering::Acquire));
+            let pos = (written % cap) as usize;
+            let n = (free as usize).min(data.len() - done).min(cap as usize - pos);
+            // SAFETY: `pos + n <= cap`, inside this pair's ring; the reader does not touch
+            // bytes between its read counter and our written counter plus free space.
+            unsafe {
+                std::ptr::copy_nonoverlapping(data[done..].as_ptr(), ring_buf.add(pos), n);
+            }
+            pair.written.store(written + n as u64, Ordering::Release);
+            ring(&self.seg);
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Reads `data.len()` bytes from the ring from `peer`.
+    fn stream_read(
+        &self,
+        at: &Site,
+        deadline: Instant,
+        peer: usize,
+        data: &mut [u8],
+    ) -> Result<()> {
+        let pair = self.seg.pair(peer, self.rank);
+        let ring_buf = self.seg.ring(peer, self.rank);
+        let cap = self.seg.ring_bytes() as u64;
+        let mut done = 0;
+        while done < data.len() {
+            let read = pair.read.load(Ordering::Relaxed);
+            self.wait(at, deadline, |_| {
+                if pair.written.load(Ordering::Acquire) > read {
+                    Poll::Ready
+                } else {
+                    Poll::Pending(1 << peer)
+                }
+            })?;
+            let avail = pair.written.load(Ordering::Acquire) - read;
+            let pos = (read % cap) as usize;
+            let n = (avail as usize).min(data.len() - done).min(cap as usize - pos);
+            // SAFETY: `pos + n <= cap`, inside this pair's ring; the writer published these
+            // bytes with its release store of `written` and will not overwrite them until our
+            // `read` store below.
+            unsafe {
+                std::ptr::copy_nonoverlapping(ring_buf.add(pos), data[done..].as_mut_ptr(), n);
+            }
+            pair.read.store(read + n as u64, Ordering::Release);
+            ring(&self.seg);
+            done += n;
+        }
+        Ok(())
+    }
+}
+
+/// A point-to-point message header: payload bytes and dtype.
+fn p2p_header(len: usize, dtype: DType) -> [u8; 16] {
+    let mut h = [0u8; 16];
+    h[..8].copy_from_slice(&(len as u64).to_le_bytes());
+    h[8..12].copy_from_slice(&dtype.code().to_le_bytes());
+    h
+}
+
+/// FNV-1a over a list of sizes: a cheap fingerprint every rank compares.
+fn fnv(sizes: &[usize]) -> u64 {
+    sizes
+        .iter()
+        .flat_map(|s| (*s as u64).to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Announces a change of shared state; wakes sleepers only when there are some.
+fn ring(seg: &Segment) {
+    let (bell, sleepers) = seg.bell();
+    bell.fetch_add(1, Ordering::SeqCst);
+    if sleepers.load(Ordering::SeqCst) > 0 {
+        futex::wake_all(bell);
+    }
+}
+
+fn ring_always(seg: &Segment) {
+    let (bell, _) = seg.bell();
+    bell.fetch_add(1, Ordering::SeqCst);
+    futex::wake_all(bell);
+}
+
+impl Communicator for ShmComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn group(&self) -> &str {
+        &self.group
+    }
+    fn backend(&self) -> &'static str {
+        self.backend
+    }
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+    fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+    fn abort_handle(&self) -> AbortHandle {
+        self.abort.clone()
+    }
+
+    fn all_reduce_raw(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        let (at, deadline) = self.begin(Op::AllReduce)?;
+        let r = self.all_reduce_inner(&at, deadline, buf, dtype, op);
+        self.finish(r)
+    }
+
+    fn all_gather_uneven_raw(
+        &mut self,
+        send: &[u8],
+        recv: &mut [u8],
+        sizes: &[usize],
+        dtype: DType,
+    ) -> Result<()> {
+        let (at, deadline) = self.begin(Op::AllGatherUneven)?;
+        let r = self.all_gather_inner(&at, deadline, send, recv, sizes, dtype);
+        self.finish(r)
+    }
+
+    fn all_gather_raw(&mut self, send: &[u8], recv: &mut [u8], dtype: DType) -> Result<()> {
+        let (at, deadline) = self.begin(Op::AllGather)?;
+        let sizes = vec![send.len(); self.size];
+        let r = self.all_gather_inner(&at, deadline, send, recv, &sizes, dtype);
+        self.finish(r)
+    }
+
+    fn reduce_scatter_raw(
+        &mut self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (at, deadline) = self.begin(Op::ReduceScatter)?;
+        let r = check::elements(&at, "send buffer", send, dtype)
+            .and_then(|()| check::elements(&at, "receive buffer", recv, dtype))
+            .and_then(|()| check::chunked(&at, send, recv.len(), "send buffer"))
+            .and_then(|()| self.exchange_chunks(&at, deadline, send, recv, dtype, Some(op)));
+        self.finish(r)
+    }
+
+    fn broadcast_raw(&mut self, buf: &mut [u8], dtype: DType, root: usize) -> Result<()> {
+        let (at, deadline) = self.begin(Op::Broadcast)?;
+        let r = self.broadcast_inner(&at, deadline, buf, dtype, root);
+        self.finish(r)
+    }
+
+    fn send_raw(&mut self, buf: &[u8], dtype: DType, peer: usize) -> Result<()> {
+        let (at, deadline) = self.begin(Op::Send)?;
+        let r = check::peer(&at, peer)
+            .and_then(|()| check::elements(&at, "buffer", buf, dtype))
+            .and_then(|()| Self::failpoint(&at, "shm.send"))
+            .and_then(|()| self.stream_write(&at, deadline, peer, &p2p_header(buf.len(), dtype)))
+            .and_then(|()| self.stream_write(&at, deadline, peer, buf));
+        self.finish(r)
+    }
+
+    fn recv_raw(&mut self, buf: &mut [u8], dtype: DType, peer: usize) -> Result<()> {
+        let (at, deadline) = self.begin(Op::Recv)?;
+        let r = check::peer(&at, peer)
+            .and_then(|()| check::elements(&at, "buffer", buf, dtype))
+            .and_then(|()| Self::failpoint(&at, "shm.recv"))
+            .and_then(|()| {
+                let mut header = [0u8; 16];
+                self.stream_read(&at, deadline, peer, &mut header)?;
+                if header != p2p_header(buf.len(), dtype) {
+                    let len = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
+                    let code = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
+                    let theirs = DType::from_code(code).map_or("unknown".into(), |d| d.to_string());
+                    return Err(Error::Mismatch {
+                        at: at.clone(),
+                        peer,
+                        what: "message",
+                        mine: format!("{} bytes of {dtype}", buf.len()),
+                        theirs: format!("{len} bytes of {theirs}"),
+                    });
+                }
+                self.stream_read(&at, deadline, peer, buf)
+            });
+        self.finish(r)
+    }
+
+    fn all_to_all_raw(&mut self, send: &[u8], recv: &mut [u8], dtype: DType) -> Result<()> {
+        let (at, deadline) = self.begin(Op::AllToAll)?;
+        let r = check::elements(&at, "send buffer", send, dtype)
+            .and_then(|()| check::elements(&at, "receive buffer", recv, dtype))
+            .and_then(|()| {
+                if send.len() != recv.len() || send.len() % (self.size * dtype.size()) != 0 {
+                    return Err(check::invalid(
+                        &at,
+                        format!(
+                            "send ({} bytes) and receive ({} bytes) must be equal and split into {} whole {dtype} chunks",
+                            send.len(),
+                            recv.len(),
+                            self.size
+                        ),
+                    ));
+                }
+                self.exchange_chunks(&at, deadline, send, recv, dtype, None)
+            });
+        self.finish(r)
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        let (at, deadline) = self.begin(Op::Barrier)?;
+        let p = self.post(Op::Barrier, DType::U8, None, 0, 0);
+        let r = self.barrier_wait(&at, deadline).and_then(|()| self.check_descs(&at, p, ""));
+        self.finish(r)
+    }
+}
