@@ -3,6 +3,7 @@
 
 mod bench;
 mod ci;
+mod fetch_model;
 mod util;
 
 use anyhow::{bail, Result};
@@ -14,6 +15,7 @@ tasks:
   ci                      fmt check, clippy (default, failpoints, cuda features), all tests
   bench <what> [--json]   benchmarks with their reference measured in the same run;
                           <what>: collectives | vmm | all
+  fetch-model             download the default model once into the cache; print its path
   help                    this text
 ";
 
@@ -24,6 +26,7 @@ fn main() -> Result<()> {
     match task.as_str() {
         "ci" => ci::run(&rest),
         "bench" => bench::run(&rest),
+        "fetch-model" => fetch_model::run(&rest),
         "help" | "--help" | "-h" => {
             print!("{HELP}");
             Ok(())

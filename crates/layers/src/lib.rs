@@ -1,4 +1,21 @@
-//! Tensors, kernels, tensor/context-parallel modules and the Llama-family model.
+//! Tensors, CPU kernels, the GGUF loader, the tokenizer and the single-rank Llama model.
 //!
-//! Not built yet: see the layers issue.
-#![forbid(unsafe_code)]
+//! Layout: [`tensor`] (the `Tensor` type and its storage), [`kernels`] (the `Backend` seam and
+//! the CPU kernels), [`gguf`] (reader and writer), [`config`] (model hyper-parameters),
+//! [`tokenizer`] (byte-level BPE and chat template), [`model`] (the Llama decoder, KV cache and
+//! greedy generation). Tensor/context-parallel modules come on top of these.
+//!
+//! `unsafe` is denied crate-wide; the two exceptions are local and documented: the `gemm` call
+//! in `kernels::cpu::matmul` and the file map in `mmap`.
+#![deny(unsafe_code)]
+
+pub mod error;
+pub mod gguf;
+pub mod kernels;
+mod mmap;
+pub mod tensor;
+#[cfg(test)]
+mod test_util;
+
+pub use error::{Error, Result};
+pub use tensor::{DType, Device, Storage, Tensor};

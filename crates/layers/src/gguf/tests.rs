@@ -1,0 +1,194 @@
+//! GGUF reader tests: round trips through [`GgufWriter`], hand-made quantized blocks, and
+//! malformed files.
+
+use super::*;
+use crate::test_util::{assert_close, random_vec, temp_path};
+
+fn write(w: &GgufWriter, stem: &str) -> PathBuf {
+    let p = temp_path(stem);
+    w.write(&p).unwrap();
+    p
+}
+
+#[test]
+fn metadata_of_every_type_round_trips() {
+    let mut w = GgufWriter::new();
+    let values = [
+        ("a.u8", Value::U8(7)),
+        ("a.i8", Value::I8(-7)),
+        ("a.u16", Value::U16(700)),
+        ("a.i16", Value::I16(-700)),
+        ("a.u32", Value::U32(70_000)),
+        ("a.i32", Value::I32(-70_000)),
+        ("a.f32", Value::F32(1.5)),
+        ("a.bool", Value::Bool(true)),
+        ("a.str", Value::String("héllo".into())),
+        ("a.arr", Value::Array(vec![Value::String("x".into()), Value::String("yz".into())])),
+        ("a.ints", Value::Array(vec![Value::I32(1), Value::I32(-2)])),
+        ("a.u64", Value::U64(1 << 40)),
+        ("a.i64", Value::I64(-(1 << 40))),
+        ("a.f64", Value::F64(0.25)),
+    ];
+    for (k, v) in &values {
+        w.metadata(k, v.clone());
+    }
+    let p = write(&w, "meta.gguf");
+    let f = GgufFile::open(&p).unwrap();
+    assert_eq!(f.version(), 3);
+    assert_eq!(f.alignment(), 32);
+    for (k, v) in &values {
+        assert_eq!(f.get(k), Some(v), "{k}");
+    }
+    assert_eq!(f.get_u64("a.u16").unwrap(), 700);
+    assert_eq!(f.get_f64("a.f32").unwrap(), 1.5);
+    assert_eq!(f.get_str("a.str").unwrap(), "héllo");
+    assert_eq!(f.get_array("a.ints").unwrap().len(), 2);
+    let err = f.get_u64("a.i8").unwrap_err();
+    assert!(err.to_string().contains("`a.i8`: expected an unsigned integer"), "{err}");
+    let err = f.get_str("missing.key").unwrap_err();
+    assert_eq!(err.to_string(), "metadata key `missing.key`: missing");
+    std::fs::remove_file(p).unwrap();
+}
+
+#[test]
+fn tensors_of_every_type_round_trip_with_row_and_column_slices() {
+    let (rows, cols) = (6, 64);
+    let x = random_vec(rows * cols, 3);
+    let mut w = GgufWriter::new();
+    w.tensor_f32("f32", &[rows, cols], &x)
+        .tensor_f16("f16", &[rows, cols], &x)
+        .tensor_bf16("bf16", &[rows, cols], &x)
+        .tensor_quantized("q8_0", &[rows, cols], BlockFormat::Q8_0, &x)
+        .tensor_quantized("q4_0", &[rows, cols], BlockFormat::Q4_0, &x)
+        .tensor_quantized("q4_1", &[rows, cols], BlockFormat::Q4_1, &x)
+        .tensor_f32("vec", &[5], &[1.0, 2.0, 3.0, 4.0, 5.0]);
+    let p = write(&w, "tensors.gguf");
+    let f = GgufFile::open(&p).unwrap();
+    for (name, tol, dtype) in [
+        ("f32", 0.0, DType::F32),
+        ("f16", 1e-3, DType::F16),
+        ("bf16", 1e-2, DType::BF16),
+        ("q8_0", 1e-2, DType::F32),
+        ("q4_0", 0.15, DType::F32),
+        ("q4_1", 0.08, DType::F32),
+    ] {
+        let info = f.tensor_info(name).unwrap();
+        assert_eq!((info.rows(), info.row_len(), info.shape()), (rows, cols, vec![rows, cols]));
+        let t = f.tensor(name).unwrap();
+        assert_eq!(t.shape(), &[rows, cols]);
+        assert_eq!(t.dtype(), dtype);
+        for (a, b) in t.data().iter().zip(&x) {
+            assert!((a - b).abs() <= tol, "{name}: {a} vs {b}");
+        }
+        let r = f.tensor_rows(name, 2..5).unwrap();
+        assert_eq!(r, t.data()[2 * cols..5 * cols]);
+        let c = f.tensor_cols(name, 32..48).unwrap();
+        let want: Vec<f32> = (0..rows).flat_map(|i| t.row(i)[32..48].to_vec()).collect();
+        assert_eq!(c, want);
+    }
+    assert_close(f.tensor("vec").unwrap().data(), &[1.0, 2.0, 3.0, 4.0, 5.0], 0.0);
+    let err = f.tensor_rows("f32", 4..7).unwrap_err();
+    assert!(err.to_string().contains("tensor `f32`: row range 4..7 outside its 6 rows"), "{err}");
+    let err = f.tensor_cols("f32", 60..65).unwrap_err();
+    assert!(err.to_string().contains("column range 60..65 outside its 64 columns"), "{err}");
+    let err = f.tensor("nope").unwrap_err();
+    assert!(err.to_string().starts_with("tensor `nope`: not found in"), "{err}");
+    std::fs::remove_file(p).unwrap();
+}
+
+#[test]
+fn hand_made_quantized_blocks_decode_as_computed_by_hand() {
+    // One Q8_0 row: d = 0.125, q = -16..16.
+    let mut q8 = f16::from_f32(0.125).to_le_bytes().to_vec();
+    q8.extend((0..32).map(|i| (i as i8 - 16) as u8));
+    // One Q4_1 row: d = 0.5, m = -2, byte j = (15 - j) << 4 | j.
+    let mut q41 = f16::from_f32(0.5).to_le_bytes().to_vec();
+    q41.extend(f16::from_f32(-2.0).to_le_bytes());
+    q41.extend((0..16u8).map(|j| ((15 - j) << 4) | j));
+    // One Q4_0 row: d = -1, every byte 0x9A (lo 10, hi 9).
+    let mut q40 = f16::from_f32(-1.0).to_le_bytes().to_vec();
+    q40.extend([0x9A; 16]);
+    let mut w = GgufWriter::new();
+    w.tensor_raw("q8", &[1, 32], GgmlType::Block(BlockFormat::Q8_0), q8)
+        .tensor_raw("q41", &[1, 32], GgmlType::Block(BlockFormat::Q4_1), q41)
+        .tensor_raw("q40", &[1, 32], GgmlType::Block(BlockFormat::Q4_0), q40);
+    let p = write(&w, "blocks.gguf");
+    let f = GgufFile::open(&p).unwrap();
+    let q8 = f.tensor("q8").unwrap();
+    assert_eq!(q8.data()[0], -2.0);
+    assert_eq!(q8.data()[17], 0.125);
+    let q41 = f.tensor("q41").unwrap();
+    assert_eq!(q41.data()[3], 0.5 * 3.0 - 2.0);
+    assert_eq!(q41.data()[16], 0.5 * 15.0 - 2.0);
+    let q40 = f.tensor("q40").unwrap();
+    assert_eq!(q40.data()[0], -(10.0 - 8.0));
+    assert_eq!(q40.data()[31], -(9.0 - 8.0));
+    std::fs::remove_file(p).unwrap();
+}
+
+#[test]
+fn malformed_files_name_the_offset_key_or_tensor() {
+    let bad_magic = temp_path("magic.gguf");
+    std::fs::write(&bad_magic, b"GGML\x03\0\0\0").unwrap();
+    let err = GgufFile::open(&bad_magic).unwrap_err().to_string();
+    assert!(err.contains("at offset 0: not a gguf file"), "{err}");
+
+    let mut w = GgufWriter::new();
+    w.metadata("general.name", Value::String("truncated model".into()));
+    let bytes = w.to_bytes();
+    let truncated = temp_path("trunc.gguf");
+    // Header 24 bytes, key 8 + 12, type 4: the string value's length sits at offset 48.
+    std::fs::write(&truncated, &bytes[..60]).unwrap();
+    let err = GgufFile::open(&truncated).unwrap_err().to_string();
+    assert!(
+        err.contains(
+            "at offset 48: the value of `general.name` 15 is larger than the rest of the file"
+        ),
+        "{err}"
+    );
+
+    let mut w = GgufWriter::new();
+    w.tensor_f32("w", &[4, 8], &[0.0; 32]);
+    let bytes = w.to_bytes();
+    let short = temp_path("short.gguf");
+    std::fs::write(&short, &bytes[..bytes.len() - 64]).unwrap();
+    let err = GgufFile::open(&short).unwrap_err().to_string();
+    assert!(
+        err.contains("tensor `w` (128 bytes at offset")
+            && err.contains("runs past the end of the file"),
+        "{err}"
+    );
+
+    let mut w = GgufWriter::new();
+    w.tensor_raw("k_quant", &[1, 256], GgmlType::Unsupported(12), vec![0; 144]);
+    let unsupported = write(&w, "unsupported.gguf");
+    let f = GgufFile::open(&unsupported).unwrap();
+    let err = f.tensor("k_quant").unwrap_err().to_string();
+    assert!(err.contains("tensor `k_quant`: type Unsupported(12)"), "{err}");
+
+    let mut w = GgufWriter::new();
+    w.metadata("general.alignment", Value::U32(3));
+    let align = write(&w, "align.gguf");
+    let err = GgufFile::open(&align).unwrap_err().to_string();
+    assert!(err.contains("`general.alignment`") && err.contains("power of two"), "{err}");
+
+    let missing = temp_path("does-not-exist.gguf");
+    let err = GgufFile::open(&missing).unwrap_err().to_string();
+    assert!(err.starts_with("opening ") && err.contains("does-not-exist.gguf"), "{err}");
+    for p in [bad_magic, truncated, short, unsupported, align] {
+        std::fs::remove_file(p).unwrap();
+    }
+}
+
+#[test]
+fn the_huge_counts_of_a_corrupt_header_are_rejected_before_allocating() {
+    let mut bytes = MAGIC.to_le_bytes().to_vec();
+    bytes.extend(3u32.to_le_bytes());
+    bytes.extend(u64::MAX.to_le_bytes());
+    bytes.extend(0u64.to_le_bytes());
+    let p = temp_path("huge.gguf");
+    std::fs::write(&p, bytes).unwrap();
+    let err = GgufFile::open(&p).unwrap_err().to_string();
+    assert!(err.contains("at offset 8: the tensor count"), "{err}");
+    std::fs::remove_file(p).unwrap();
+}

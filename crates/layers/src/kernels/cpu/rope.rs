@@ -1,0 +1,82 @@
+//! Rotary position embedding, "rotate-half" (Hugging Face / NeoX) convention.
+//!
+//! Within each head, element `i` is paired with element `i + rot_dim/2` for `i < rot_dim/2`
+//! and the pair is rotated by `pos · theta^(-2i/rot_dim)`; elements at `rot_dim..head_dim`
+//! pass through. GGUF llama checkpoints store the Q/K projection rows permuted for the
+//! interleaved (adjacent-pair) convention instead; the GGUF loader undoes that permutation
+//! (see `crate::model::unpermute_rows`), so every weight in memory is in the HF layout.
+
+/// Rotates `x` laid out as `[tokens, heads, head_dim]` in place; `positions[t]` is the absolute
+/// position of token `t`.
+///
+/// Lengths must agree (`x.len() == positions.len() * heads * head_dim`, `rot_dim` even and at
+/// most `head_dim`); callers check.
+pub fn rope(
+    x: &mut [f32],
+    positions: &[usize],
+    heads: usize,
+    head_dim: usize,
+    rot_dim: usize,
+    theta: f32,
+) {
+    let half = rot_dim / 2;
+    let inv_freq: Vec<f64> =
+        (0..half).map(|i| (theta as f64).powf(-((2 * i) as f64) / rot_dim as f64)).collect();
+    let mut cos = vec![0.0f32; half];
+    let mut sin = vec![0.0f32; half];
+    for (t, &pos) in positions.iter().enumerate() {
+        for i in 0..half {
+            // f64 angles: positions reach thousands, where f32 products lose the low bits.
+            let a = pos as f64 * inv_freq[i];
+            cos[i] = a.cos() as f32;
+            sin[i] = a.sin() as f32;
+        }
+        for h in 0..heads {
+            let base = (t * heads + h) * head_dim;
+            let v = &mut x[base..base + rot_dim];
+            let (lo, hi) = v.split_at_mut(half);
+            for i in 0..half {
+                let (a, b) = (lo[i], hi[i]);
+                lo[i] = a * cos[i] - b * sin[i];
+                hi[i] = b * cos[i] + a * sin[i];
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn position_zero_is_identity_and_rotation_preserves_norms() {
+        let orig: Vec<f32> = (0..16).map(|i| i as f32 * 0.1 - 0.5).collect();
+        let mut x = orig.clone();
+        rope(&mut x, &[0, 0], 1, 8, 8, 10000.0);
+        assert_eq!(x, orig);
+        let mut y = orig.clone();
+        rope(&mut y, &[5, 1000], 2, 4, 4, 10000.0);
+        for h in 0..4 {
+            let n0: f32 =
+                (0..2).map(|i| orig[h * 4 + i].powi(2) + orig[h * 4 + i + 2].powi(2)).sum();
+            let n1: f32 = (0..2).map(|i| y[h * 4 + i].powi(2) + y[h * 4 + i + 2].powi(2)).sum();
+            assert!((n0 - n1).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn first_pair_rotates_by_the_position_in_radians() {
+        // Pair (x0, x2) has frequency theta^0 = 1: angle = pos. Pair (x1, x3): theta^(-1/2).
+        let mut x = vec![1.0, 1.0, 0.0, 0.0];
+        rope(&mut x, &[3], 1, 4, 4, 100.0);
+        assert!((x[0] - 3f32.cos()).abs() < 1e-6 && (x[2] - 3f32.sin()).abs() < 1e-6);
+        assert!((x[1] - 0.3f32.cos()).abs() < 1e-6 && (x[3] - 0.3f32.sin()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn partial_rotary_leaves_the_tail_alone() {
+        let mut x = vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        rope(&mut x, &[7], 1, 6, 4, 10000.0);
+        assert_eq!(&x[4..], &[5.0, 6.0]);
+    }
+}

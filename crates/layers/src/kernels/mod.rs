@@ -1,0 +1,307 @@
+//! Kernels behind one seam: [`Backend`] takes and returns [`Tensor`]s and dispatches to the
+//! device's implementation.
+//!
+//! Model code calls only `Backend` methods, so a CUDA backend (feature `cuda`) slots in as one
+//! more variant without touching the modules. Each method documents its shapes; all compute is
+//! f32 with f32 accumulation.
+
+pub mod cpu;
+
+pub use cpu::attention::AttnShape;
+use cpu::CpuBackend;
+
+use crate::error::{Error, Result};
+use crate::tensor::{Device, Tensor};
+
+/// A weight matrix `[out_features, in_features]` as a linear layer stores it.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum Weight {
+    /// Dense f32, row-major.
+    F32(Tensor),
+}
+
+impl Weight {
+    /// `(out_features, in_features)`.
+    pub fn dims(&self) -> (usize, usize) {
+        match self {
+            Weight::F32(t) => (t.rows(), t.row_len()),
+        }
+    }
+}
+
+/// Where and how kernels run.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum Backend {
+    /// CPU kernels on a private thread pool.
+    Cpu(CpuBackend),
+}
+
+/// Batches up to this many rows run as repeated matrix-vector products instead of `gemm`,
+/// whose packing does not pay off for so few rows.
+const MATVEC_MAX_ROWS: usize = 2;
+
+fn check(op: &'static str, ok: bool, msg: impl FnOnce() -> String) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::shape(op, msg()))
+    }
+}
+
+impl Backend {
+    /// The CPU backend with `threads` worker threads.
+    ///
+    /// # Errors
+    /// [`Error::ThreadPool`] when the threads cannot be spawned.
+    pub fn cpu(threads: usize) -> Result<Self> {
+        Ok(Backend::Cpu(CpuBackend::new(threads)?))
+    }
+
+    /// The CUDA backend on device `ordinal`.
+    ///
+    /// # Errors
+    /// Always for now: [`Error::NotCompiledWith`] without feature `cuda`, and
+    /// [`Error::BackendUnavailable`] with it until the CUDA kernels exist.
+    pub fn cuda(ordinal: usize) -> Result<Self> {
+        if cfg!(feature = "cuda") {
+            Err(Error::BackendUnavailable {
+                backend: "cuda",
+                reason: format!("device {ordinal}: cuda kernels are not implemented yet"),
+            })
+        } else {
+            Err(Error::NotCompiledWith { feature: "cuda" })
+        }
+    }
+
+    /// The device tensors of this backend live on.
+    pub fn device(&self) -> Device {
+        match self {
+            Backend::Cpu(_) => Device::Cpu,
+        }
+    }
+
+    /// `x[m, k] · wᵀ` for `w` of `[n, k]`: returns `[m, n]`. `x` may have any leading shape;
+    /// the result keeps it and replaces the last dimension by `n`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `x`'s last dimension is not `k`.
+    pub fn linear(&self, x: &Tensor, w: &Weight) -> Result<Tensor> {
+        let (n, k) = w.dims();
+        check("linear", x.row_len() == k, || {
+            format!("input rows have {} elements, weight expects {k}", x.row_len())
+        })?;
+        let m = x.rows();
+        let mut shape = x.shape().to_vec();
+        *shape.last_mut().expect("row_len matched k so the shape is not empty") = n;
+        let mut out = Tensor::zeros(&shape);
+        match (self, w) {
+            (Backend::Cpu(cpu), Weight::F32(wt)) => cpu.install(|| {
+                if m <= MATVEC_MAX_ROWS {
+                    for (xr, or) in x.data().chunks_exact(k).zip(out.data_mut().chunks_exact_mut(n))
+                    {
+                        cpu::matvec::matvec(wt.data(), xr, or);
+                    }
+                    Ok(())
+                } else {
+                    cpu::matmul::matmul_nt(
+                        x.data(),
+                        wt.data(),
+                        out.data_mut(),
+                        m,
+                        n,
+                        k,
+                        cpu.threads(),
+                    )
+                }
+            })?,
+        }
+        Ok(out)
+    }
+
+    /// RMSNorm of every row of `x` with `weight` (one element per column).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the row length differs from the weight length.
+    pub fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
+        check("rms_norm", x.row_len() == weight.len(), || {
+            format!("rows of {} elements, weight of {}", x.row_len(), weight.len())
+        })?;
+        let mut out = Tensor::zeros(x.shape());
+        match self {
+            Backend::Cpu(_) => cpu::norm::rms_norm(x.data(), weight.data(), eps, out.data_mut()),
+        }
+        Ok(out)
+    }
+
+    /// Rotary embedding (rotate-half convention, see [`cpu::rope`]) of `x` viewed as
+    /// `[positions.len(), heads, head_dim]`, over the first `rot_dim` elements of each head.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the sizes disagree or `rot_dim` is odd or above `head_dim`.
+    pub fn rope(
+        &self,
+        x: &mut Tensor,
+        positions: &[usize],
+        heads: usize,
+        head_dim: usize,
+        rot_dim: usize,
+        theta: f32,
+    ) -> Result<()> {
+        check(
+            "rope",
+            x.len() == positions.len() * heads * head_dim
+                && rot_dim % 2 == 0
+                && rot_dim <= head_dim,
+            || {
+                format!(
+                    "{} elements for {} positions x {heads} heads x {head_dim}, rot_dim {rot_dim}",
+                    x.len(),
+                    positions.len()
+                )
+            },
+        )?;
+        match self {
+            Backend::Cpu(_) => {
+                cpu::rope::rope(x.data_mut(), positions, heads, head_dim, rot_dim, theta)
+            }
+        }
+        Ok(())
+    }
+
+    /// Causal attention (see [`cpu::attention::attention`]): `q` is `[q_pos.len(), q_heads,
+    /// head_dim]`, `k`/`v` are `[kv_pos.len(), kv_heads, head_dim]` as flat slices (a cache's
+    /// filled prefix). Returns the output shaped like `q` and, when `want_lse`, the per-row
+    /// log-sum-exp `[q_pos.len(), q_heads]`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the sizes disagree or `q_heads` is not a multiple of `kv_heads`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        q: &Tensor,
+        q_pos: &[usize],
+        k: &[f32],
+        v: &[f32],
+        kv_pos: &[usize],
+        shape: AttnShape,
+        want_lse: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let AttnShape { q_heads, kv_heads, head_dim } = shape;
+        check(
+            "attention",
+            kv_heads > 0
+                && q_heads % kv_heads == 0
+                && q.len() == q_pos.len() * q_heads * head_dim
+                && k.len() == kv_pos.len() * kv_heads * head_dim
+                && v.len() == k.len(),
+            || {
+                format!(
+                    "q {} for {} tokens, k {} v {} for {} keys, {shape:?}",
+                    q.len(),
+                    q_pos.len(),
+                    k.len(),
+                    v.len(),
+                    kv_pos.len()
+                )
+            },
+        )?;
+        let mut out = Tensor::zeros(&[q_pos.len(), q_heads, head_dim]);
+        let mut lse = want_lse.then(|| Tensor::zeros(&[q_pos.len(), q_heads]));
+        match self {
+            Backend::Cpu(cpu) => cpu.install(|| {
+                cpu::attention::attention(
+                    q.data(),
+                    q_pos,
+                    k,
+                    v,
+                    kv_pos,
+                    shape,
+                    out.data_mut(),
+                    lse.as_mut().map(|l| l.data_mut()),
+                )
+            }),
+        }
+        Ok((out, lse))
+    }
+
+    /// `gate = silu(gate) · up`, in place.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the lengths differ.
+    pub fn silu_mul(&self, gate: &mut Tensor, up: &Tensor) -> Result<()> {
+        check("silu_mul", gate.len() == up.len(), || format!("{} vs {}", gate.len(), up.len()))?;
+        match self {
+            Backend::Cpu(_) => cpu::activation::silu_mul(gate.data_mut(), up.data()),
+        }
+        Ok(())
+    }
+
+    /// `x += y` (the residual connection).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the lengths differ.
+    pub fn add_assign(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
+        check("add_assign", x.len() == y.len(), || format!("{} vs {}", x.len(), y.len()))?;
+        match self {
+            Backend::Cpu(_) => cpu::activation::add_assign(x.data_mut(), y.data()),
+        }
+        Ok(())
+    }
+
+    /// Rows `ids` of `table` (`[vocab, dim]`): returns `[ids.len(), dim]`.
+    ///
+    /// # Errors
+    /// [`Error::TokenOutOfRange`] for an id at or above the table's row count.
+    pub fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
+        let dim = table.row_len();
+        let mut out = Tensor::zeros(&[ids.len(), dim]);
+        for (index, (&id, row)) in ids.iter().zip(out.data_mut().chunks_exact_mut(dim)).enumerate()
+        {
+            if id as usize >= table.rows() {
+                return Err(Error::TokenOutOfRange { id, index, vocab: table.rows() });
+            }
+            row.copy_from_slice(table.row(id as usize));
+        }
+        Ok(out)
+    }
+
+    /// The index of the largest element of each row of `x`.
+    pub fn argmax_rows(&self, x: &Tensor) -> Vec<usize> {
+        (0..x.rows()).map(|r| cpu::activation::argmax(x.row(r)).unwrap_or(0)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_util::{assert_close, random_vec};
+
+    #[test]
+    fn linear_uses_matvec_and_gemm_with_the_same_result() {
+        let be = Backend::cpu(2).unwrap();
+        let (n, k) = (40, 24);
+        let w = Weight::F32(Tensor::from_vec(&[n, k], random_vec(n * k, 1)).unwrap());
+        let x = Tensor::from_vec(&[5, k], random_vec(5 * k, 2)).unwrap();
+        let all = be.linear(&x, &w).unwrap();
+        assert_eq!(all.shape(), &[5, n]);
+        for r in 0..5 {
+            let one =
+                be.linear(&Tensor::from_vec(&[1, k], x.row(r).to_vec()).unwrap(), &w).unwrap();
+            assert_close(one.data(), all.row(r), 1e-5);
+        }
+        let err = be.linear(&Tensor::zeros(&[1, 3]), &w).unwrap_err();
+        assert!(err.to_string().contains("weight expects 24"), "{err}");
+    }
+
+    #[test]
+    fn embedding_rejects_out_of_range_ids_and_cuda_reports_why() {
+        let be = Backend::cpu(1).unwrap();
+        let table = Tensor::from_vec(&[3, 2], vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
+        assert_eq!(be.embedding(&table, &[2, 0]).unwrap().data(), &[4.0, 5.0, 0.0, 1.0]);
+        let err = be.embedding(&table, &[1, 3]).unwrap_err();
+        assert!(err.to_string().contains("token id 3 at index 1"), "{err}");
+        assert!(Backend::cuda(0).unwrap_err().to_string().contains("cuda"));
+    }
+}
