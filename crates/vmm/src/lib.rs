@@ -1,1 +1,64 @@
 //! Tagged virtual memory that releases and re-materializes physical memory at stable addresses.
+//!
+//! A [`Manager`] hands out [`Allocation`]s, each with a [`Tag`] and a restore [`Policy`].
+//! An allocation's address range is reserved once and kept for its whole life;
+//! [`Manager::release`] gives the physical memory behind every allocation of some tags back
+//! to the OS (or the driver) and [`Manager::materialize`] maps fresh memory at the same
+//! addresses and restores the contents per policy, so pointers held by kernels, caches and
+//! captured graphs stay valid.
+//!
+//! ```
+//! use vmm::{Manager, Policy, Store, Tag};
+//!
+//! let dir = std::env::temp_dir().join("vmm-doc-spill");
+//! let manager = Manager::builder().spill_dir(&dir).build()?;
+//! let kv = manager.allocate(Tag::KV_CACHE, 1 << 20, Policy::Backup(Store::Spill))?;
+//! kv.write()?.fill(7);
+//! let base = kv.base();
+//!
+//! let receipts = manager.release([Tag::KV_CACHE])?;
+//! assert_eq!(receipts[0].bytes, 1 << 20);
+//! assert!(kv.read().is_err()); // released: no access
+//!
+//! manager.materialize(["kv_cache"])?;
+//! assert_eq!(kv.base(), base);
+//! assert!(kv.read()?.iter().all(|&b| b == 7));
+//! # Ok::<(), vmm::Error>(())
+//! ```
+//!
+//! Backends: host memory (memfds mapped into a reserved range; the default) and CUDA device
+//! memory (`cuMem*`, feature `cuda`). Probes: [`ProcessMemory`] (procfs) and
+//! [`DeviceMemory`] (NVML, feature `cuda`).
+
+mod backend;
+mod error;
+mod fail;
+mod manager;
+mod policy;
+mod probe;
+mod receipt;
+mod spill;
+mod tag;
+
+pub use backend::BackendKind;
+pub use error::{Error, Failure, Result};
+pub use manager::{
+    total_elapsed, Allocation, AllocationInfo, Manager, ManagerBuilder, ReadGuard, WriteGuard,
+};
+pub use policy::{Policy, Source, Store};
+pub use probe::{DeviceMemory, DeviceUsage, ProcessMemory};
+pub use receipt::{Op, Receipt};
+pub use spill::default_spill_dir;
+
+/// Whether the CUDA driver library can be loaded here (always false without the `cuda`
+/// feature). Creating a CUDA manager can still fail when no device is usable.
+pub fn cuda_driver_present() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        backend::cuda::driver_present()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
+}

@@ -1,0 +1,318 @@
+//! The CPU backend: a `PROT_NONE` reservation per allocation, with a memfd mapped over it
+//! (`MAP_FIXED | MAP_SHARED`) while the allocation is materialized.
+//!
+//! Releasing replaces the mapping by a fresh inaccessible reservation and closes the memfd,
+//! so its pages go back to the kernel; materializing maps a new memfd at the same address.
+
+use super::{Backend, HostBuf, Init, Phys};
+use crate::error::{Error, Result};
+use crate::policy::Store;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+
+/// Host memory backend.
+pub(crate) struct CpuBackend {
+    page: usize,
+    phys_bytes: u64,
+}
+
+impl CpuBackend {
+    pub(crate) fn new() -> Result<CpuBackend> {
+        Ok(CpuBackend { page: page_size(), phys_bytes: physical_memory() })
+    }
+}
+
+/// The system page size.
+pub(crate) fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(page).ok().filter(|p| p.is_power_of_two()).unwrap_or(4096)
+}
+
+fn physical_memory() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
+    u64::try_from(pages).unwrap_or(0).saturating_mul(page_size() as u64)
+}
+
+/// Maps an inaccessible, unbacked range; with `at` it replaces whatever is mapped there.
+fn reserve_at(at: Option<u64>, len: usize) -> Result<u64> {
+    let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+    if at.is_some() {
+        flags |= libc::MAP_FIXED;
+    }
+    let hint = at.unwrap_or(0) as *mut libc::c_void;
+    // SAFETY: without MAP_FIXED the kernel picks a free range. With MAP_FIXED, `at` is the base
+    // of a range of `len` bytes that this backend reserved earlier and still owns, so the call
+    // replaces only our own mapping; no reference into it is alive (the manager holds the
+    // allocation's write lock, so no guard exists).
+    let ptr = unsafe { libc::mmap(hint, len, libc::PROT_NONE, flags, -1, 0) };
+    if ptr == libc::MAP_FAILED {
+        return Err(Error::os(format!("mmap PROT_NONE reservation of {len} bytes")));
+    }
+    Ok(ptr as u64)
+}
+
+fn memfd(label: &str, len: usize) -> Result<OwnedFd> {
+    let name = std::ffi::CString::new(format!("tpctl-vmm:{label}")).unwrap_or_default();
+    // SAFETY: `name` is a valid NUL-terminated string that outlives the call.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(Error::os("memfd_create"));
+    }
+    // SAFETY: `fd` was just returned by memfd_create and nothing else owns it.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ftruncate on a valid descriptor; the length fits in off_t (checked by the manager,
+    // which caps allocations at physical memory).
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+        return Err(Error::os(format!("ftruncate of a memfd to {len} bytes")));
+    }
+    Ok(fd)
+}
+
+/// Copies `len` bytes of `file` at `offset` into the memfd at 0 inside the kernel.
+/// Returns false, having copied nothing, when the kernel cannot do it for this pair of files.
+fn kernel_copy(file: &File, offset: u64, fd: &OwnedFd, len: usize) -> io::Result<bool> {
+    let mut off_in = offset as libc::loff_t;
+    let mut off_out: libc::loff_t = 0;
+    let mut done = 0;
+    while done < len {
+        // SAFETY: both descriptors are valid and open; the offsets point to live locals.
+        let n = unsafe {
+            libc::copy_file_range(
+                file.as_raw_fd(),
+                &mut off_in,
+                fd.as_raw_fd(),
+                &mut off_out,
+                len - done,
+                0,
+            )
+        };
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            if done == 0
+                && matches!(
+                    err.raw_os_error(),
+                    Some(libc::EXDEV | libc::EINVAL | libc::EOPNOTSUPP | libc::ENOSYS)
+                )
+            {
+                return sendfile_copy(file, offset, fd, len);
+            }
+            return Err(err);
+        }
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("file ends {} bytes short", len - done),
+            ));
+        }
+        done += n as usize;
+    }
+    Ok(true)
+}
+
+/// `sendfile` into the memfd: the kernel copies page by page without zeroing first.
+fn sendfile_copy(file: &File, offset: u64, fd: &OwnedFd, len: usize) -> io::Result<bool> {
+    let mut off_in = offset as libc::off_t;
+    let mut done = 0;
+    while done < len {
+        // SAFETY: both descriptors are valid; `off_in` is a live local. The memfd's own file
+        // position starts at 0 and advances with each call, which is where the bytes go.
+        let n =
+            unsafe { libc::sendfile(fd.as_raw_fd(), file.as_raw_fd(), &mut off_in, len - done) };
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            if done == 0 && matches!(err.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) {
+                return Ok(false);
+            }
+            return Err(err);
+        }
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("file ends {} bytes short", len - done),
+            ));
+        }
+        done += n as usize;
+    }
+    Ok(true)
+}
+
+fn pwrite_all(fd: &OwnedFd, bytes: &[u8]) -> io::Result<()> {
+    let mut done = 0;
+    while done < bytes.len() {
+        let rest = &bytes[done..];
+        // SAFETY: `rest` is a live slice of `rest.len()` readable bytes; the descriptor is valid.
+        let n = unsafe {
+            libc::pwrite(fd.as_raw_fd(), rest.as_ptr().cast(), rest.len(), done as libc::off_t)
+        };
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
+impl CpuBackend {
+    fn map_fd(&self, addr: u64, len: usize, fd: &OwnedFd, populate: bool) -> Result<()> {
+        let mut flags = libc::MAP_SHARED | libc::MAP_FIXED;
+        if populate {
+            flags |= libc::MAP_POPULATE;
+        }
+        // SAFETY: `addr..addr+len` is a reservation this backend owns (the manager passes only
+        // its own allocations' ranges) and nothing references it, so MAP_FIXED replaces only
+        // our PROT_NONE placeholder. `fd` is a memfd of at least `len` bytes.
+        let ptr = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(Error::os(format!("mmap of a {len}-byte memfd at {addr:#x}")));
+        }
+        debug_assert_eq!(ptr as u64, addr);
+        Ok(())
+    }
+
+    fn fill(&self, addr: u64, len: usize, fd: &OwnedFd, init: Init<'_>) -> Result<()> {
+        match init {
+            Init::Fresh | Init::Zero => self.map_fd(addr, len, fd, false),
+            Init::Bytes(bytes) => {
+                // Writing into the memfd before mapping it lets the kernel allocate each page
+                // and copy into it once, without zeroing it first.
+                pwrite_all(fd, &bytes[..bytes.len().min(len)]).map_err(|e| {
+                    Error::os_with(format!("pwrite of {} bytes into a memfd", bytes.len()), e)
+                })?;
+                self.map_fd(addr, len, fd, true)
+            }
+            Init::File { file, offset, len: n, what } => {
+                let n = n.min(len);
+                let copied = kernel_copy(file, offset, fd, n)
+                    .map_err(|e| Error::os_with(format!("copying {n} bytes from {what}"), e))?;
+                self.map_fd(addr, len, fd, true)?;
+                if !copied {
+                    // SAFETY: the range was just mapped read-write with `len >= n` bytes and no
+                    // other reference to it exists yet.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, n) };
+                    file.read_exact_at(dst, offset)
+                        .map_err(|e| Error::os_with(format!("reading {n} bytes from {what}"), e))?;
+                }
+                Ok(())
+            }
+            Init::Fill { len: n, fill } => {
+                self.map_fd(addr, len, fd, true)?;
+                // SAFETY: as above, a fresh read-write mapping of `len >= n` bytes that nothing
+                // else references.
+                let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, n.min(len)) };
+                fill(dst)
+            }
+        }
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn granularity(&self) -> usize {
+        self.page
+    }
+
+    fn max_bytes(&self) -> u64 {
+        self.phys_bytes
+    }
+
+    fn default_store(&self) -> Store {
+        Store::Spill
+    }
+
+    fn reserve(&mut self, len: usize) -> Result<u64> {
+        reserve_at(None, len)
+    }
+
+    fn map(&mut self, addr: u64, len: usize, label: &str, init: Init<'_>) -> Result<Phys> {
+        let fd = memfd(label, len)?;
+        if let Err(e) = self.fill(addr, len, &fd, init) {
+            // Put the placeholder back: the range may be mapped to the memfd by now.
+            if let Err(undo) = reserve_at(Some(addr), len) {
+                tracing::error!(addr, len, error = %undo, "could not restore a reservation after a failed map");
+            }
+            return Err(e);
+        }
+        Ok(Phys::Fd(fd))
+    }
+
+    fn unmap(&mut self, addr: u64, len: usize, phys: Phys) -> Result<(), (Phys, Error)> {
+        match reserve_at(Some(addr), len) {
+            // Dropping the memfd closes it; with the mapping gone its pages are freed.
+            Ok(_) => Ok(()),
+            Err(e) => Err((phys, e)),
+        }
+    }
+
+    fn free(&mut self, addr: u64, len: usize, phys: Option<Phys>) -> Result<()> {
+        // SAFETY: the range is a reservation (maybe with a memfd mapped over it) that this
+        // backend owns; the manager frees an allocation only when its handle is dropped, so no
+        // reference into the range is alive.
+        let rc = unsafe { libc::munmap(addr as *mut libc::c_void, len) };
+        drop(phys);
+        if rc != 0 {
+            return Err(Error::os(format!("munmap of {len} bytes at {addr:#x}")));
+        }
+        Ok(())
+    }
+
+    fn host_ptr(&self, addr: u64) -> Option<*mut u8> {
+        Some(addr as *mut u8)
+    }
+
+    fn alloc_host(&self, len: usize) -> Result<HostBuf> {
+        if len == 0 {
+            return Ok(HostBuf::Heap(Vec::new()));
+        }
+        let oom = || {
+            Error::os_with(
+                format!("allocating a {len}-byte host backup"),
+                io::Error::from(io::ErrorKind::OutOfMemory),
+            )
+        };
+        let layout = std::alloc::Layout::array::<u8>(len).map_err(|_| oom())?;
+        // SAFETY: the layout has a non-zero size. `alloc_zeroed` gets large blocks straight from
+        // the kernel as untouched zero pages, so the backup copy faults each page in once
+        // instead of writing zeros first and the data second.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(oom());
+        }
+        // SAFETY: `ptr` came from the global allocator with the layout of `[u8; len]`, all
+        // `len` bytes are initialized (zero), and the Vec takes sole ownership.
+        Ok(HostBuf::Heap(unsafe { Vec::from_raw_parts(ptr, len, len) }))
+    }
+
+    fn copy_to_host(&self, addr: u64, dst: &mut [u8]) -> Result<()> {
+        // SAFETY: the manager calls this only on a materialized allocation while holding its
+        // write lock, so `addr..addr+dst.len()` is mapped and not aliased mutably.
+        let src = unsafe { std::slice::from_raw_parts(addr as *const u8, dst.len()) };
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn save(&self, addr: u64, len: usize, sink: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()> {
+        // SAFETY: as in `copy_to_host`: mapped, and locked against writers.
+        let src = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+        sink(src)
+    }
+}

@@ -1,0 +1,788 @@
+//! The manager: tagged allocations with stable addresses, released and materialized by tag.
+
+use crate::backend::{self, Backend, BackendKind, HostBuf, Init, Phys};
+use crate::error::{Error, Failure, Result};
+use crate::fail;
+use crate::policy::{Policy, SourceKind, Store};
+use crate::receipt::{Op, Receipt};
+use crate::spill::{default_spill_dir, SpillFile, SpillStore};
+use crate::tag::Tag;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::{
+    Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError,
+};
+use std::time::{Duration, Instant};
+
+/// Configures and creates a [`Manager`].
+#[derive(Clone, Debug, Default)]
+pub struct ManagerBuilder {
+    backend: BackendKind,
+    spill_dir: Option<PathBuf>,
+    spill_limit: Option<u64>,
+    default_store: Option<Store>,
+    max_allocation: Option<u64>,
+}
+
+impl ManagerBuilder {
+    /// The backend to drive (default [`BackendKind::Cpu`]).
+    pub fn backend(mut self, kind: BackendKind) -> Self {
+        self.backend = kind;
+        self
+    }
+
+    /// The directory for spill files (default [`crate::default_spill_dir`]). It is created on
+    /// the first spill.
+    pub fn spill_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.spill_dir = Some(dir.into());
+        self
+    }
+
+    /// A cap on the bytes all spill files hold together; a backup that would pass it fails
+    /// with [`Error::SpillFull`] before anything is released.
+    pub fn spill_limit(mut self, bytes: u64) -> Self {
+        self.spill_limit = Some(bytes);
+        self
+    }
+
+    /// What [`Store::Default`] means for this manager.
+    pub fn default_store(mut self, store: Store) -> Self {
+        self.default_store = Some(store);
+        self
+    }
+
+    /// A cap on the size of one allocation, below the backend's own limit (physical memory).
+    pub fn max_allocation(mut self, bytes: u64) -> Self {
+        self.max_allocation = Some(bytes);
+        self
+    }
+
+    /// Creates the manager.
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`] when the backend cannot run here (no CUDA driver or
+    /// device), [`Error::NotCompiledWith`] for CUDA without the `cuda` feature.
+    pub fn build(self) -> Result<Manager> {
+        let backend = backend::create(self.backend)?;
+        let mut default_store = self.default_store.unwrap_or(Store::Default);
+        if default_store == Store::Default {
+            default_store = backend.default_store();
+        }
+        let limit = backend.max_bytes();
+        let max_allocation = self.max_allocation.map_or(limit, |m| m.min(limit));
+        let spill =
+            SpillStore::new(self.spill_dir.unwrap_or_else(default_spill_dir), self.spill_limit);
+        let state = State {
+            backend,
+            allocs: BTreeMap::new(),
+            next_id: 1,
+            known: Tag::WELL_KNOWN.into_iter().collect(),
+            spill,
+            default_store,
+            max_allocation,
+        };
+        Ok(Manager { inner: Arc::new(Inner { state: Mutex::new(state) }) })
+    }
+}
+
+/// Owns every tagged allocation of a process and releases and materializes them by tag.
+///
+/// The intent is one manager per process (per device for CUDA): it is the single place that
+/// knows what memory exists and in which state. Tests may create several. All operations take
+/// one internal lock, so concurrent `release` and `materialize` calls are serialized and each
+/// one sees and leaves a consistent state. A `Manager` is cheap to clone (it is a handle) and
+/// is `Send + Sync`.
+#[derive(Clone)]
+pub struct Manager {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    state: Mutex<State>,
+}
+
+struct State {
+    backend: Box<dyn Backend>,
+    allocs: BTreeMap<u64, Arc<Shared>>,
+    next_id: u64,
+    known: BTreeSet<Tag>,
+    spill: SpillStore,
+    default_store: Store,
+    max_allocation: u64,
+}
+
+/// What a manager and an allocation handle share about one allocation.
+struct Shared {
+    id: u64,
+    tag: Tag,
+    bytes: usize,
+    mapped: usize,
+    base: u64,
+    policy: Policy,
+    store: Store,
+    backend: &'static str,
+    host_accessible: bool,
+    slot: RwLock<Slot>,
+}
+
+/// The mutable state of one allocation.
+struct Slot {
+    /// The physical memory while materialized; `None` while released.
+    phys: Option<Phys>,
+    /// The backup while released under [`Policy::Backup`].
+    backup: Option<Backup>,
+}
+
+enum Backup {
+    Host(HostBuf),
+    Spill(SpillFile),
+}
+
+impl Backup {
+    fn bytes(&self) -> u64 {
+        match self {
+            Backup::Host(buf) => buf.as_slice().len() as u64,
+            Backup::Spill(file) => file.bytes,
+        }
+    }
+}
+
+/// A snapshot of one allocation, from [`Manager::allocations`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AllocationInfo {
+    /// Allocation id, unique within the manager.
+    pub id: u64,
+    /// Its tag.
+    pub tag: Tag,
+    /// Bytes asked for.
+    pub bytes: u64,
+    /// Bytes reserved and mapped (rounded up to the backend's granularity).
+    pub mapped_bytes: u64,
+    /// Its base address.
+    pub base: u64,
+    /// Whether it is released.
+    pub released: bool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while the lock was held leaves every slot in a state this code wrote whole
+    // (slots change only after each backend step succeeds), so the data is still usable.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn try_write(shared: &Shared) -> Result<RwLockWriteGuard<'_, Slot>> {
+    match shared.slot.try_write() {
+        Ok(g) => Ok(g),
+        Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
+        Err(TryLockError::WouldBlock) => {
+            Err(Error::Busy { id: shared.id, tag: shared.tag.clone() })
+        }
+    }
+}
+
+impl Shared {
+    fn wrap(&self, source: Error) -> Error {
+        Error::Allocation {
+            id: self.id,
+            tag: self.tag.clone(),
+            bytes: self.bytes as u64,
+            source: Box::new(source),
+        }
+    }
+}
+
+impl Manager {
+    /// A manager for host memory with the default configuration.
+    ///
+    /// # Errors
+    /// Does not fail today; kept fallible like [`ManagerBuilder::build`].
+    pub fn cpu() -> Result<Manager> {
+        Manager::builder().build()
+    }
+
+    /// A builder to configure a manager.
+    pub fn builder() -> ManagerBuilder {
+        ManagerBuilder::default()
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        lock(&self.inner.state)
+    }
+
+    /// The backend's name (`cpu` or `cuda`).
+    pub fn backend_name(&self) -> &'static str {
+        self.state().backend.name()
+    }
+
+    /// The size every allocation is rounded up to a multiple of.
+    pub fn granularity(&self) -> usize {
+        self.state().backend.granularity()
+    }
+
+    /// The spill directory.
+    pub fn spill_dir(&self) -> PathBuf {
+        self.state().spill.dir().to_path_buf()
+    }
+
+    /// Bytes currently held in spill files.
+    pub fn spilled_bytes(&self) -> u64 {
+        self.state().spill.used()
+    }
+
+    /// Makes a user-defined tag known without allocating, so that releasing or materializing
+    /// it is a no-op rather than [`Error::UnknownTag`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidTag`] for a malformed name.
+    pub fn define_tag(&self, tag: impl AsRef<str>) -> Result<Tag> {
+        let tag = Tag::new(tag.as_ref())?;
+        self.state().known.insert(tag.clone());
+        Ok(tag)
+    }
+
+    /// Every tag this manager knows: the well-known ones and each one used or defined since.
+    pub fn known_tags(&self) -> Vec<Tag> {
+        self.state().known.iter().cloned().collect()
+    }
+
+    /// A snapshot of every live allocation, by id.
+    pub fn allocations(&self) -> Vec<AllocationInfo> {
+        let state = self.state();
+        state
+            .allocs
+            .values()
+            .map(|s| AllocationInfo {
+                id: s.id,
+                tag: s.tag.clone(),
+                bytes: s.bytes as u64,
+                mapped_bytes: s.mapped as u64,
+                base: s.base,
+                released: s.slot.read().unwrap_or_else(PoisonError::into_inner).phys.is_none(),
+            })
+            .collect()
+    }
+
+    /// Allocates `bytes` bytes (rounded up to the granularity) with `tag` and `policy`. The
+    /// allocation starts materialized and zeroed, at an address it keeps until it is dropped.
+    /// Dropping the [`Allocation`] frees it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidTag`], [`Error::ZeroSize`], [`Error::TooLarge`] (more than the physical
+    /// memory of the backend or the manager's cap), [`Error::BadSource`] for a reload file
+    /// shorter than the allocation, or [`Error::Allocation`] when reserving or mapping fails.
+    pub fn allocate(
+        &self,
+        tag: impl AsRef<str>,
+        bytes: usize,
+        policy: Policy,
+    ) -> Result<Allocation> {
+        let tag = Tag::new(tag.as_ref())?;
+        if bytes == 0 {
+            return Err(Error::ZeroSize { tag });
+        }
+        let mut state = self.state();
+        let gran = state.backend.granularity();
+        let too_large =
+            |limit: u64, why| Error::TooLarge { tag: tag.clone(), bytes: bytes as u64, limit, why };
+        let mapped = bytes
+            .checked_next_multiple_of(gran)
+            .ok_or_else(|| too_large(state.max_allocation, "the size overflows when rounded up"))?;
+        if mapped as u64 > state.max_allocation {
+            let why = if state.max_allocation == state.backend.max_bytes() {
+                "the backend's physical memory"
+            } else {
+                "the manager's max_allocation"
+            };
+            return Err(too_large(state.max_allocation, why));
+        }
+        if let Policy::Reload(source) = &policy {
+            if let SourceKind::File { file, offset, .. } = &*source.0 {
+                let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+                if len < offset.saturating_add(bytes as u64) {
+                    return Err(Error::BadSource {
+                        tag,
+                        source_desc: source.describe(),
+                        why: format!("the file has {len} bytes, the allocation needs {bytes} from offset {offset}"),
+                    });
+                }
+            }
+        }
+        let store = match &policy {
+            Policy::Backup(Store::Default) => state.default_store,
+            Policy::Backup(store) => *store,
+            _ => Store::Default,
+        };
+        let id = state.next_id;
+        let wrap = |source| Error::Allocation {
+            id,
+            tag: tag.clone(),
+            bytes: bytes as u64,
+            source: Box::new(source),
+        };
+        let base = state.backend.reserve(mapped).map_err(wrap)?;
+        let phys = match state.backend.map(base, mapped, tag.as_str(), Init::Zero) {
+            Ok(phys) => phys,
+            Err(e) => {
+                if let Err(undo) = state.backend.free(base, mapped, None) {
+                    tracing::error!(error = %undo, "could not free a reservation after a failed map");
+                }
+                return Err(wrap(e));
+            }
+        };
+        state.next_id += 1;
+        let host_accessible = state.backend.host_ptr(base).is_some();
+        let shared = Arc::new(Shared {
+            id,
+            tag: tag.clone(),
+            bytes,
+            mapped,
+            base,
+            policy,
+            store,
+            backend: state.backend.name(),
+            host_accessible,
+            slot: RwLock::new(Slot { phys: Some(phys), backup: None }),
+        });
+        state.allocs.insert(id, Arc::clone(&shared));
+        state.known.insert(tag);
+        Ok(Allocation { shared, inner: Arc::clone(&self.inner) })
+    }
+
+    /// Resolves `tags` to known tags, in order, without duplicates.
+    fn resolve<T: AsRef<str>>(
+        state: &State,
+        tags: impl IntoIterator<Item = T>,
+    ) -> Result<Vec<Tag>> {
+        let mut out: Vec<Tag> = Vec::new();
+        for t in tags {
+            let tag = Tag::new(t.as_ref())?;
+            if !state.known.contains(&tag) {
+                let known = state.known.iter().map(Tag::as_str).collect::<Vec<_>>().join(", ");
+                return Err(Error::UnknownTag { tag: tag.as_str().to_owned(), known });
+            }
+            if !out.contains(&tag) {
+                out.push(tag);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The allocations with one of `tags`, in tag order then id order.
+    fn targets(state: &State, tags: &[Tag]) -> Vec<Arc<Shared>> {
+        tags.iter()
+            .flat_map(|t| state.allocs.values().filter(move |s| &s.tag == t).cloned())
+            .collect()
+    }
+
+    /// Releases the physical memory of every allocation with one of `tags`, after backing up
+    /// the contents of those with [`Policy::Backup`]. Addresses stay reserved. Allocations
+    /// already released are left alone. Returns one receipt per distinct tag, in the order
+    /// given.
+    ///
+    /// The release runs in two phases: first every backup is taken, and if one fails nothing
+    /// has been released; then every allocation is unmapped.
+    ///
+    /// # Errors
+    /// Before any change: [`Error::InvalidTag`], [`Error::UnknownTag`], or
+    /// [`Error::ReleaseAborted`] (an allocation is borrowed by a guard, or a backup failed,
+    /// for example [`Error::SpillFull`] or a spill directory that cannot be written).
+    /// After some changes: [`Error::ReleasePartial`], which lists each allocation that could
+    /// not be unmapped (it stays materialized, contents intact) and the receipts of the rest.
+    pub fn release<T: AsRef<str>>(
+        &self,
+        tags: impl IntoIterator<Item = T>,
+    ) -> Result<Vec<Receipt>> {
+        let mut state = self.state();
+        let tags = Self::resolve(&state, tags)?;
+        let targets = Self::targets(&state, &tags);
+        let mut slots = Vec::with_capacity(targets.len());
+        for s in &targets {
+            slots.push(try_write(s).map_err(|e| Error::ReleaseAborted { source: Box::new(e) })?);
+        }
+        let mut receipts: Vec<Receipt> =
+            tags.iter().map(|t| Receipt::zero(t.clone(), Op::Release)).collect();
+
+        // Phase 1: backups. Nothing is released yet, so a failure just drops what was saved.
+        let mut backups: Vec<Option<Backup>> = Vec::with_capacity(targets.len());
+        for (s, slot) in targets.iter().zip(&slots) {
+            if slot.phys.is_none() || !matches!(s.policy, Policy::Backup(_)) {
+                backups.push(None);
+                continue;
+            }
+            let start = Instant::now();
+            let backup = Self::backup(&state, s)
+                .map_err(|e| Error::ReleaseAborted { source: Box::new(s.wrap(e)) })?;
+            let i = receipt_of(&receipts, &s.tag);
+            receipts[i].copied_bytes += backup.bytes();
+            receipts[i].elapsed += start.elapsed();
+            backups.push(Some(backup));
+        }
+
+        // Phase 2: unmap. A failure leaves that allocation materialized and goes on.
+        let mut failures = Vec::new();
+        for ((s, slot), backup) in targets.iter().zip(&mut slots).zip(backups) {
+            let Some(phys) = slot.phys.take() else { continue };
+            let start = Instant::now();
+            let unmapped = match fail::hit("vmm.unmap") {
+                Ok(()) => state.backend.unmap(s.base, s.mapped, phys),
+                Err(e) => Err((phys, e)),
+            };
+            let i = receipt_of(&receipts, &s.tag);
+            match unmapped {
+                Ok(()) => {
+                    slot.backup = backup;
+                    receipts[i].allocations += 1;
+                    receipts[i].bytes += s.mapped as u64;
+                }
+                Err((phys, e)) => {
+                    slot.phys = Some(phys);
+                    if let Some(b) = &backup {
+                        receipts[i].copied_bytes -= b.bytes();
+                    }
+                    failures.push(Failure { id: s.id, tag: s.tag.clone(), error: s.wrap(e) });
+                }
+            }
+            receipts[i].elapsed += start.elapsed();
+        }
+        drop(slots);
+        drop(state);
+        for r in &receipts {
+            tracing::debug!(tag = %r.tag, allocations = r.allocations, bytes = r.bytes, copied = r.copied_bytes, elapsed = ?r.elapsed, "released");
+        }
+        if failures.is_empty() {
+            Ok(receipts)
+        } else {
+            Err(Error::ReleasePartial { failures, receipts })
+        }
+    }
+
+    fn backup(state: &State, s: &Shared) -> Result<Backup> {
+        match s.store {
+            Store::Host | Store::Default => {
+                let mut buf = state.backend.alloc_host(s.mapped)?;
+                state.backend.copy_to_host(s.base, buf.as_mut_slice())?;
+                Ok(Backup::Host(buf))
+            }
+            Store::Spill => {
+                let file = state.spill.create(s.mapped as u64)?;
+                let mut offset = 0u64;
+                state.backend.save(s.base, s.mapped, &mut |piece| {
+                    state.spill.write_at(&file, piece, offset)?;
+                    offset += piece.len() as u64;
+                    Ok(())
+                })?;
+                Ok(Backup::Spill(file))
+            }
+        }
+    }
+
+    /// Maps fresh physical memory behind every released allocation with one of `tags`, at
+    /// its old address, and restores its contents per its policy. Allocations already
+    /// materialized are left alone. Returns one receipt per distinct tag, in the order given.
+    ///
+    /// # Errors
+    /// Before any change: [`Error::InvalidTag`], [`Error::UnknownTag`]. When an allocation
+    /// fails to map or restore (out of memory, a reload source fails, a spill file cannot be
+    /// read): [`Error::MaterializeRolledBack`], after every allocation mapped by this call was
+    /// released again, with its backup kept, so the state is as before the call.
+    pub fn materialize<T: AsRef<str>>(
+        &self,
+        tags: impl IntoIterator<Item = T>,
+    ) -> Result<Vec<Receipt>> {
+        let mut state = self.state();
+        let tags = Self::resolve(&state, tags)?;
+        let targets = Self::targets(&state, &tags);
+        let mut slots = Vec::with_capacity(targets.len());
+        for s in &targets {
+            slots.push(try_write(s)?);
+        }
+        let mut receipts: Vec<Receipt> =
+            tags.iter().map(|t| Receipt::zero(t.clone(), Op::Materialize)).collect();
+        let mut done: Vec<usize> = Vec::new();
+        let mut failed = None;
+        for (k, (s, slot)) in targets.iter().zip(&mut slots).enumerate() {
+            if slot.phys.is_some() {
+                continue;
+            }
+            let start = Instant::now();
+            match fail::hit("vmm.map").and_then(|()| Self::map_one(&mut state, s, slot)) {
+                Ok(copied) => {
+                    let i = receipt_of(&receipts, &s.tag);
+                    receipts[i].allocations += 1;
+                    receipts[i].bytes += s.mapped as u64;
+                    receipts[i].copied_bytes += copied;
+                    receipts[i].elapsed += start.elapsed();
+                    done.push(k);
+                }
+                Err(e) => {
+                    failed = Some(s.wrap(e));
+                    break;
+                }
+            }
+        }
+        if let Some(error) = failed {
+            let mut rolled_back = 0;
+            for &k in &done {
+                let (s, slot) = (&targets[k], &mut slots[k]);
+                let Some(phys) = slot.phys.take() else { continue };
+                match state.backend.unmap(s.base, s.mapped, phys) {
+                    Ok(()) => rolled_back += 1,
+                    Err((phys, e)) => {
+                        // It stays materialized with its contents restored: consistent, and
+                        // the backup is no longer needed.
+                        tracing::error!(id = s.id, tag = %s.tag, error = %e, "rollback could not unmap; allocation stays materialized");
+                        slot.phys = Some(phys);
+                        slot.backup = None;
+                    }
+                }
+            }
+            return Err(Error::MaterializeRolledBack { rolled_back, source: Box::new(error) });
+        }
+        // Commit: the restored allocations no longer need their backups.
+        for &k in &done {
+            slots[k].backup = None;
+        }
+        drop(slots);
+        drop(state);
+        for r in &receipts {
+            tracing::debug!(tag = %r.tag, allocations = r.allocations, bytes = r.bytes, copied = r.copied_bytes, elapsed = ?r.elapsed, "materialized");
+        }
+        Ok(receipts)
+    }
+
+    /// Maps and restores one allocation; returns the bytes copied in.
+    fn map_one(state: &mut State, s: &Shared, slot: &mut Slot) -> Result<u64> {
+        let label = s.tag.as_str();
+        let (phys, copied) = match (&s.policy, &slot.backup) {
+            (Policy::Discard, _) => (state.backend.map(s.base, s.mapped, label, Init::Fresh)?, 0),
+            (Policy::Zero, _) | (Policy::Backup(_), None) => {
+                (state.backend.map(s.base, s.mapped, label, Init::Zero)?, 0)
+            }
+            (Policy::Backup(_), Some(Backup::Host(buf))) => (
+                state.backend.map(s.base, s.mapped, label, Init::Bytes(buf.as_slice()))?,
+                buf.as_slice().len() as u64,
+            ),
+            (Policy::Backup(_), Some(Backup::Spill(file))) => {
+                let what = format!("the spill file in {}", state.spill.dir().display());
+                let len = usize::try_from(file.bytes).unwrap_or(usize::MAX);
+                let init = Init::File { file: &file.file, offset: 0, len, what: &what };
+                (state.backend.map(s.base, s.mapped, label, init)?, file.bytes)
+            }
+            (Policy::Reload(source), _) => {
+                let what = format!("reload source {}", source.describe());
+                let init = match &*source.0 {
+                    SourceKind::File { file, offset, .. } => {
+                        Init::File { file, offset: *offset, len: s.bytes, what: &what }
+                    }
+                    SourceKind::Fill(fill) => {
+                        let phys = state.backend.map(
+                            s.base,
+                            s.mapped,
+                            label,
+                            Init::Fill {
+                                len: s.bytes,
+                                fill: &mut |dst| {
+                                    fill(dst).map_err(|e| Error::Reload {
+                                        source_desc: source.describe(),
+                                        source: e,
+                                    })
+                                },
+                            },
+                        )?;
+                        slot.phys = Some(phys);
+                        return Ok(s.bytes as u64);
+                    }
+                };
+                (state.backend.map(s.base, s.mapped, label, init)?, s.bytes as u64)
+            }
+        };
+        slot.phys = Some(phys);
+        Ok(copied)
+    }
+}
+
+impl fmt::Debug for Manager {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = self.state();
+        f.debug_struct("Manager")
+            .field("backend", &state.backend.name())
+            .field("allocations", &state.allocs.len())
+            .field("spill_dir", &state.spill.dir())
+            .finish()
+    }
+}
+
+/// One tagged allocation. Its base address never changes; its memory is accessible only while
+/// it is materialized. Dropping it frees the memory and the address range.
+pub struct Allocation {
+    shared: Arc<Shared>,
+    inner: Arc<Inner>,
+}
+
+impl Allocation {
+    /// Id, unique within its manager.
+    pub fn id(&self) -> u64 {
+        self.shared.id
+    }
+
+    /// Its tag.
+    pub fn tag(&self) -> &Tag {
+        &self.shared.tag
+    }
+
+    /// Its restore policy.
+    pub fn policy(&self) -> &Policy {
+        &self.shared.policy
+    }
+
+    /// Bytes asked for.
+    pub fn bytes(&self) -> usize {
+        self.shared.bytes
+    }
+
+    /// Bytes reserved and mapped: [`Allocation::bytes`] rounded up to the granularity.
+    pub fn mapped_bytes(&self) -> usize {
+        self.shared.mapped
+    }
+
+    /// The base address, the same for the allocation's whole life. For the CUDA backend this
+    /// is the device pointer (`CUdeviceptr`).
+    pub fn base(&self) -> u64 {
+        self.shared.base
+    }
+
+    /// The base address as a host pointer; see [`Allocation::base`].
+    ///
+    /// The pointer stays the same across release and materialize, but dereferencing it is
+    /// sound only while the allocation is materialized and no release can run concurrently
+    /// (hold a guard from [`Allocation::read`] or [`Allocation::write`] for checked access).
+    /// While released the range is mapped `PROT_NONE` (CPU): an access faults.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.shared.base as *mut u8
+    }
+
+    /// Whether the allocation is released. May change right after it returns when other
+    /// threads release or materialize.
+    pub fn is_released(&self) -> bool {
+        self.shared.slot.read().unwrap_or_else(PoisonError::into_inner).phys.is_none()
+    }
+
+    fn check(&self, slot: &Slot) -> Result<()> {
+        let s = &self.shared;
+        if !s.host_accessible {
+            return Err(Error::NotHostAccessible {
+                id: s.id,
+                tag: s.tag.clone(),
+                backend: s.backend,
+            });
+        }
+        if slot.phys.is_none() {
+            return Err(Error::Released { id: s.id, tag: s.tag.clone(), bytes: s.bytes as u64 });
+        }
+        Ok(())
+    }
+
+    /// Shared access to the bytes. While the guard lives, a release or materialize of this
+    /// allocation fails with [`Error::Busy`]; a guard requested while one runs waits for it.
+    ///
+    /// # Errors
+    /// [`Error::Released`] while released; [`Error::NotHostAccessible`] for device memory.
+    pub fn read(&self) -> Result<ReadGuard<'_>> {
+        let slot = self.shared.slot.read().unwrap_or_else(PoisonError::into_inner);
+        self.check(&slot)?;
+        Ok(ReadGuard { _slot: slot, ptr: self.as_ptr(), len: self.shared.bytes })
+    }
+
+    /// Exclusive access to the bytes; see [`Allocation::read`].
+    ///
+    /// # Errors
+    /// [`Error::Released`] while released; [`Error::NotHostAccessible`] for device memory.
+    pub fn write(&self) -> Result<WriteGuard<'_>> {
+        let slot = self.shared.slot.write().unwrap_or_else(PoisonError::into_inner);
+        self.check(&slot)?;
+        Ok(WriteGuard { _slot: slot, ptr: self.as_ptr(), len: self.shared.bytes })
+    }
+}
+
+impl fmt::Debug for Allocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Allocation")
+            .field("id", &self.shared.id)
+            .field("tag", &self.shared.tag)
+            .field("bytes", &self.shared.bytes)
+            .field("base", &format_args!("{:#x}", self.shared.base))
+            .field("policy", &self.shared.policy.name())
+            .field("released", &self.is_released())
+            .finish()
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        let mut state = lock(&self.inner.state);
+        state.allocs.remove(&self.shared.id);
+        // No guard can be alive: guards borrow the handle being dropped.
+        let mut slot = self.shared.slot.write().unwrap_or_else(PoisonError::into_inner);
+        slot.backup = None;
+        let s = &self.shared;
+        if let Err(e) = state.backend.free(s.base, s.mapped, slot.phys.take()) {
+            tracing::error!(id = s.id, tag = %s.tag, error = %e, "freeing an allocation failed; its address range leaks");
+        }
+    }
+}
+
+/// Shared access to a materialized allocation's bytes, from [`Allocation::read`].
+pub struct ReadGuard<'a> {
+    _slot: RwLockReadGuard<'a, Slot>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl std::ops::Deref for ReadGuard<'_> {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the guard holds the allocation's read lock, taken after checking that it is
+        // materialized and host-addressable; release and materialize need the write lock, so
+        // `ptr..ptr+len` stays mapped read-write and nobody writes to it while the guard lives.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+/// Exclusive access to a materialized allocation's bytes, from [`Allocation::write`].
+pub struct WriteGuard<'a> {
+    _slot: RwLockWriteGuard<'a, Slot>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl std::ops::Deref for WriteGuard<'_> {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        // SAFETY: as for `ReadGuard`, with the write lock: the range is mapped and exclusive.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for WriteGuard<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the write lock makes this the only access to the mapped range, and `&mut self`
+        // makes the returned slice unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+/// The index of `tag`'s receipt; every target's tag has one.
+fn receipt_of(receipts: &[Receipt], tag: &Tag) -> usize {
+    receipts.iter().position(|r| &r.tag == tag).unwrap_or(0)
+}
+
+/// Total time in a set of receipts.
+pub fn total_elapsed(receipts: &[Receipt]) -> Duration {
+    receipts.iter().map(|r| r.elapsed).sum()
+}
+
+#[cfg(test)]
+mod tests;

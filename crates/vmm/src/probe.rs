@@ -1,0 +1,230 @@
+//! Memory probes: what a process holds in host memory (procfs) and what a device holds (NVML).
+//!
+//! A multi-rank sleep uses them to prove that every rank really gave its memory back.
+
+use crate::error::{Error, Result};
+use std::path::PathBuf;
+
+/// Host memory of one process, from `/proc/PID/smaps_rollup` (or `/proc/PID/status` where
+/// that is missing).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProcessMemory {
+    /// The process.
+    pub pid: u32,
+    /// Resident bytes (`Rss`).
+    pub resident: u64,
+    /// Resident anonymous bytes (`Anonymous`; `RssAnon` in `status`). Excludes shared
+    /// memory such as the memfds of the CPU backend.
+    pub anonymous: u64,
+    /// Resident bytes in shared pages (`Shared_Clean + Shared_Dirty`; `RssFile + RssShmem`
+    /// in `status`).
+    pub shared: u64,
+    /// Resident shared-memory bytes (`RssShmem` from `status`): memfds and tmpfs. This is
+    /// where the CPU backend's allocations show up.
+    pub shmem: u64,
+}
+
+impl ProcessMemory {
+    /// The calling process.
+    ///
+    /// # Errors
+    /// [`Error::Procfs`] when procfs cannot be read; [`Error::ProcfsFormat`] when a field
+    /// is missing.
+    pub fn current() -> Result<ProcessMemory> {
+        ProcessMemory::of(std::process::id())
+    }
+
+    /// Process `pid`.
+    ///
+    /// # Errors
+    /// [`Error::Procfs`] when the process does not exist or its files cannot be read;
+    /// [`Error::ProcfsFormat`] when a field is missing.
+    pub fn of(pid: u32) -> Result<ProcessMemory> {
+        let status_path = PathBuf::from(format!("/proc/{pid}/status"));
+        let status = std::fs::read_to_string(&status_path)
+            .map_err(|source| Error::Procfs { path: status_path.clone(), source })?;
+        let rollup_path = PathBuf::from(format!("/proc/{pid}/smaps_rollup"));
+        match std::fs::read_to_string(&rollup_path) {
+            Ok(rollup) => {
+                ProcessMemory::parse(pid, Some(&rollup), &status, &rollup_path, &status_path)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                ProcessMemory::parse(pid, None, &status, &rollup_path, &status_path)
+            }
+            Err(source) => Err(Error::Procfs { path: rollup_path, source }),
+        }
+    }
+
+    fn parse(
+        pid: u32,
+        rollup: Option<&str>,
+        status: &str,
+        rollup_path: &std::path::Path,
+        status_path: &std::path::Path,
+    ) -> Result<ProcessMemory> {
+        let need = |text: &str, path: &std::path::Path, field: &'static str| {
+            kib_field(text, field)
+                .ok_or_else(|| Error::ProcfsFormat { path: path.to_path_buf(), field })
+        };
+        let shmem = need(status, status_path, "RssShmem")?;
+        match rollup {
+            Some(r) => Ok(ProcessMemory {
+                pid,
+                resident: need(r, rollup_path, "Rss")?,
+                anonymous: need(r, rollup_path, "Anonymous")?,
+                shared: need(r, rollup_path, "Shared_Clean")?
+                    + need(r, rollup_path, "Shared_Dirty")?,
+                shmem,
+            }),
+            None => Ok(ProcessMemory {
+                pid,
+                resident: need(status, status_path, "VmRSS")?,
+                anonymous: need(status, status_path, "RssAnon")?,
+                shared: need(status, status_path, "RssFile")? + shmem,
+                shmem,
+            }),
+        }
+    }
+}
+
+/// The value of a `Field:   123 kB` line, in bytes.
+fn kib_field(text: &str, field: &str) -> Option<u64> {
+    text.lines().find_map(|line| {
+        let rest = line.strip_prefix(field)?.strip_prefix(':')?;
+        let mut words = rest.split_whitespace();
+        let n: u64 = words.next()?.parse().ok()?;
+        match words.next() {
+            Some("kB") => Some(n * 1024),
+            None => Some(n),
+            Some(_) => None,
+        }
+    })
+}
+
+/// Memory use of one device, from [`DeviceMemory::device`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceUsage {
+    /// Device index (NVML order).
+    pub index: u32,
+    /// Total bytes.
+    pub total: u64,
+    /// Used bytes, all processes together.
+    pub used: u64,
+    /// Free bytes.
+    pub free: u64,
+    /// Each compute process on the device with its bytes (`None` where the driver does not
+    /// say).
+    pub processes: Vec<(u32, Option<u64>)>,
+}
+
+impl DeviceUsage {
+    /// The bytes process `pid` holds on this device (0 when it holds none).
+    pub fn bytes_of(&self, pid: u32) -> Option<u64> {
+        match self.processes.iter().find(|(p, _)| *p == pid) {
+            Some((_, bytes)) => *bytes,
+            None => Some(0),
+        }
+    }
+}
+
+/// Device memory through NVML (feature `cuda`).
+pub struct DeviceMemory {
+    #[cfg(feature = "cuda")]
+    nvml: nvml_wrapper::Nvml,
+}
+
+impl std::fmt::Debug for DeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceMemory").finish_non_exhaustive()
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn nvml_err(op: &str) -> impl FnOnce(nvml_wrapper::error::NvmlError) -> Error + '_ {
+    move |e| Error::Nvml { op: op.to_owned(), reason: e.to_string() }
+}
+
+impl DeviceMemory {
+    /// Loads NVML.
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`] when the NVML library (libnvidia-ml) is missing or fails
+    /// to initialize; [`Error::NotCompiledWith`] without the `cuda` feature.
+    pub fn new() -> Result<DeviceMemory> {
+        #[cfg(feature = "cuda")]
+        {
+            let nvml = nvml_wrapper::Nvml::init().map_err(|e| Error::BackendUnavailable {
+                backend: "nvml",
+                reason: e.to_string(),
+            })?;
+            Ok(DeviceMemory { nvml })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            Err(Error::NotCompiledWith { feature: "cuda" })
+        }
+    }
+
+    /// The number of devices.
+    ///
+    /// # Errors
+    /// [`Error::Nvml`] when the query fails.
+    pub fn device_count(&self) -> Result<u32> {
+        #[cfg(feature = "cuda")]
+        {
+            self.nvml.device_count().map_err(nvml_err("device_count"))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            Err(Error::NotCompiledWith { feature: "cuda" })
+        }
+    }
+
+    /// Memory use of device `index` and of each compute process on it.
+    ///
+    /// # Errors
+    /// [`Error::Nvml`] when the device does not exist or a query fails.
+    pub fn device(&self, index: u32) -> Result<DeviceUsage> {
+        #[cfg(feature = "cuda")]
+        {
+            use nvml_wrapper::enums::device::UsedGpuMemory;
+            let device = self.nvml.device_by_index(index).map_err(nvml_err("device_by_index"))?;
+            let info = device.memory_info().map_err(nvml_err("memory_info"))?;
+            let processes = device
+                .running_compute_processes()
+                .map_err(nvml_err("running_compute_processes"))?
+                .into_iter()
+                .map(|p| {
+                    let bytes = match p.used_gpu_memory {
+                        UsedGpuMemory::Used(b) => Some(b),
+                        UsedGpuMemory::Unavailable => None,
+                    };
+                    (p.pid, bytes)
+                })
+                .collect();
+            Ok(DeviceUsage {
+                index,
+                total: info.total,
+                used: info.used,
+                free: info.free,
+                processes,
+            })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = index;
+            Err(Error::NotCompiledWith { feature: "cuda" })
+        }
+    }
+
+    /// Memory use of every device.
+    ///
+    /// # Errors
+    /// As [`DeviceMemory::device`].
+    pub fn devices(&self) -> Result<Vec<DeviceUsage>> {
+        (0..self.device_count()?).map(|i| self.device(i)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests;
