@@ -64,6 +64,17 @@ pub enum Error {
         expected: &'static str,
     },
 
+    /// A backend was chosen for an axis where it cannot work.
+    #[error("{axis} axis: backend {backend} {reason}")]
+    InvalidBackend {
+        /// The axis (`tp`, `cp` or `control`).
+        axis: &'static str,
+        /// The backend chosen for it.
+        backend: crate::Backend,
+        /// Why it cannot work there.
+        reason: String,
+    },
+
     /// A backend or device exists in this build but cannot be used on this machine.
     #[error("{backend} is unavailable: {reason}")]
     BackendUnavailable {

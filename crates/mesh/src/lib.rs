@@ -3,18 +3,29 @@
 //! Everything here is agreed on by every rank without communication (pure arithmetic over the
 //! world size and the layout) or exchanged once at start-up through the store.
 //!
+//! - [`layout`]: the TP x CP [`DeviceMesh`] ([`plan_mesh`], TP innermost:
+//!   `rank = cp_rank * tp + tp_rank`), its groups, and the [`TokenShard`] of each CP rank
+//!   ([`balanced_ranges`]).
+//! - [`backend`]: the communication [`Backend`] of each axis ([`AxisBackends`]).
 //! - [`rendezvous`]: who this process is ([`Rendezvous`]), read from the torchrun, Slurm or
 //!   OpenMPI environment.
 //! - [`store`]: the TCP key-value [`Store`] that rank 0 hosts ([`StoreServer`],
 //!   [`rendezvous_store`]).
+//! - [`device`]: the [`Device`] a rank owns (`LOCAL_RANK` picks the GPU).
 //! - [`failpoint`]: named fault-injection points (feature `failpoints`).
 #![forbid(unsafe_code)]
 
+pub mod backend;
+pub mod device;
 mod error;
 pub mod failpoint;
+pub mod layout;
 pub mod rendezvous;
 pub mod store;
 
+pub use backend::{AxisBackends, Backend};
+pub use device::{CudaProbe, Device, DriverProbe};
 pub use error::{Error, Result};
+pub use layout::{balanced_ranges, plan_mesh, DeviceMesh, MeshShape, TokenShard};
 pub use rendezvous::Rendezvous;
 pub use store::{rendezvous_store, Store, StoreServer};
