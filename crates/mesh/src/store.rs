@@ -5,13 +5,16 @@
 //! server, which answers with the keys still missing. A client whose server died gets
 //! [`Error::StoreUnreachable`], never a hang. After a failed call the connection is dropped
 //! (a late reply must not answer the next request); the next call reconnects once.
+//!
+//! Keys are free-form strings; [`Store::barrier`] uses the keys `barrier/NAME/arrived` and
+//! `barrier/NAME/done`.
 
 mod protocol;
 mod server;
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, TryLockError};
 use std::time::{Duration, Instant};
 
 use protocol::{read_frame, write_frame, Reply, Request};
@@ -27,7 +30,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest pause between two connection attempts while the server is not up yet.
 const MAX_BACKOFF: Duration = Duration::from_millis(500);
 
-/// A client of the store: `Send + Sync`, calls from several threads are serialized.
+/// A client of the store, `Send + Sync`. Calls from several threads do not queue behind each
+/// other: a call that finds the connection busy (say, with a long `wait`) opens a connection of
+/// its own for its duration.
 #[derive(Debug)]
 pub struct Store {
     addr: SocketAddr,
@@ -58,21 +63,18 @@ impl Store {
                             timeout.saturating_sub(start.elapsed()).max(Duration::from_millis(1));
                         match TcpStream::connect_timeout(&a, left.min(Duration::from_secs(5))) {
                             Ok(stream) => {
-                                let store = Store {
-                                    addr: a,
-                                    conn: Mutex::new(None),
-                                    timeout: DEFAULT_TIMEOUT,
-                                };
-                                let stream = store.prepare(stream).map_err(|source| {
-                                    Error::StoreConnect {
+                                let stream =
+                                    prepare(stream).map_err(|source| Error::StoreConnect {
                                         addr: a.to_string(),
                                         elapsed: start.elapsed(),
                                         source,
-                                    }
-                                })?;
-                                *store.lock() = Some(stream);
+                                    })?;
                                 tracing::debug!(addr = %a, elapsed = ?start.elapsed(), "store connected");
-                                return Ok(store);
+                                return Ok(Store {
+                                    addr: a,
+                                    conn: Mutex::new(Some(stream)),
+                                    timeout: DEFAULT_TIMEOUT,
+                                });
                             }
                             Err(e) => last = e,
                         }
@@ -253,21 +255,23 @@ impl Store {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Option<TcpStream>> {
-        // The guarded value is only ever replaced whole, so a poisoned lock is still coherent.
-        self.conn.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn prepare(&self, stream: TcpStream) -> io::Result<TcpStream> {
-        stream.set_nodelay(true)?;
-        Ok(stream)
-    }
-
     /// Sends one request and reads its reply within `deadline`.
     fn call(&self, op: &str, request: &Request, deadline: Duration) -> Result<Reply> {
         let start = Instant::now();
-        let mut conn = self.lock();
-        let result = self.exchange(&mut conn, request, start, deadline);
+        // A call in progress on another thread (a long `wait`) must not hold this one past its
+        // deadline, so a concurrent call gets a connection of its own for its duration.
+        let mut shared = match self.conn.try_lock() {
+            Ok(guard) => Some(guard),
+            // The guarded value is only ever replaced whole, so it is coherent after a panic.
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        };
+        let mut extra = None;
+        let conn = match shared.as_mut() {
+            Some(guard) => &mut **guard,
+            None => &mut extra,
+        };
+        let result = self.exchange(conn, request, start, deadline);
         let payload = match result {
             Ok(payload) => payload,
             Err(source) => {
@@ -319,8 +323,8 @@ impl Store {
             Some(stream) => stream,
             None => {
                 let stream = TcpStream::connect_timeout(&self.addr, left()?)
-                    .map_err(|e| io::Error::new(e.kind(), format!("reconnecting: {e}")))?;
-                conn.insert(self.prepare(stream)?)
+                    .map_err(|e| io::Error::new(e.kind(), format!("connecting: {e}")))?;
+                conn.insert(prepare(stream)?)
             }
         };
         stream.set_write_timeout(Some(left()?))?;
@@ -330,14 +334,17 @@ impl Store {
     }
 
     fn unexpected(&self, op: &str, reply: &Reply) -> Error {
-        // A reply of the wrong kind means the stream is out of step with the requests.
-        *self.lock() = None;
         Error::StoreProtocol {
             addr: self.addr,
             op: op.to_owned(),
             reason: format!("unexpected reply {reply:?}"),
         }
     }
+}
+
+fn prepare(stream: TcpStream) -> io::Result<TcpStream> {
+    stream.set_nodelay(true)?;
+    Ok(stream)
 }
 
 /// Makes the two socket errors that mean "server gone" and "server silent" say so.

@@ -65,6 +65,21 @@ fn wait_returns_values_set_later_by_other_clients() {
 }
 
 #[test]
+fn a_long_wait_does_not_block_other_calls_on_the_same_client() {
+    let (_server, store) = server();
+    let store = Arc::new(store);
+    let waiter = {
+        let store = Arc::clone(&store);
+        thread::spawn(move || store.wait(&["late"], LONG))
+    };
+    // Whether or not the wait holds the connection yet, the set gets through and releases it.
+    thread::sleep(Duration::from_millis(20));
+    store.set("late", b"here").unwrap();
+    assert_eq!(store.get("late").unwrap(), Some(b"here".to_vec()));
+    assert_eq!(joined(move || waiter.join().unwrap()).unwrap(), [b"here"]);
+}
+
+#[test]
 fn wait_timeout_names_the_missing_keys() {
     let (server, store) = server();
     store.set("present", b"x").unwrap();
