@@ -62,17 +62,59 @@ mod driver {
     /// Loads and initializes the driver once.
     ///
     /// cudarc panics when `libcuda` cannot be loaded. Its probe, `is_culib_present`, is an
-    /// unsafe function and this crate forbids unsafe code, so the probe is the first driver
-    /// call itself, with the panic caught (the panic hook still prints cudarc's message, which
-    /// says where it looked).
+    /// unsafe function and this crate forbids unsafe code, so the library is first looked for
+    /// where the dynamic loader would find it ([`findable`]), and the first driver call is then
+    /// made with a panic caught, for the cases the search cannot foresee.
     pub(super) fn init() -> Result<()> {
         static INIT: OnceLock<Result<(), String>> = OnceLock::new();
-        let outcome =
-            INIT.get_or_init(|| match std::panic::catch_unwind(cudarc::driver::result::init) {
+        let outcome = INIT.get_or_init(|| {
+            let candidates = cudarc::get_lib_name_candidates("cuda");
+            if !findable(&candidates) {
+                return Err(format!(
+                    "the CUDA driver library is not installed (looked for {} in LD_LIBRARY_PATH, \
+                     the loader cache and the system library directories)",
+                    candidates.first().map_or("libcuda", String::as_str)
+                ));
+            }
+            match std::panic::catch_unwind(cudarc::driver::result::init) {
                 Ok(Ok(())) => Ok(()),
                 Ok(Err(e)) => Err(format!("cuInit failed: {e}")),
                 Err(_) => Err("the CUDA driver library (libcuda) could not be loaded".to_owned()),
-            });
+            }
+        });
         outcome.clone().map_err(|reason| Error::BackendUnavailable { backend: "cuda", reason })
+    }
+
+    /// Whether the dynamic loader would likely find one of `names`: in `LD_LIBRARY_PATH`, in
+    /// `/etc/ld.so.cache` or in a system library directory. Off Linux it cannot tell and says
+    /// yes.
+    fn findable(names: &[String]) -> bool {
+        if !cfg!(target_os = "linux") {
+            return true;
+        }
+        let mut dirs: Vec<std::path::PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
+            .map(|p| std::env::split_paths(&p).collect())
+            .unwrap_or_default();
+        dirs.extend(
+            [
+                "/lib",
+                "/lib64",
+                "/usr/lib",
+                "/usr/lib64",
+                "/usr/lib/x86_64-linux-gnu",
+                "/usr/lib/aarch64-linux-gnu",
+                "/usr/lib/wsl/lib",
+            ]
+            .map(std::path::PathBuf::from),
+        );
+        if names.iter().any(|n| dirs.iter().any(|d| d.join(n).exists())) {
+            return true;
+        }
+        // The cache holds NUL-terminated names and paths.
+        let cache = std::fs::read("/etc/ld.so.cache").unwrap_or_default();
+        names.iter().any(|n| {
+            let needle = [n.as_bytes(), b"\0"].concat();
+            cache.windows(needle.len()).any(|w| w == needle.as_slice())
+        })
     }
 }
