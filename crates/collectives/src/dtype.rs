@@ -140,6 +140,38 @@ pub(crate) fn reduce(dtype: DType, op: ReduceOp, out: &mut [u8], sources: &[&[u8
     }
 }
 
+/// `acc = acc op src`, element-wise (f16/bf16 through f32).
+pub(crate) fn accumulate(dtype: DType, op: ReduceOp, acc: &mut [u8], src: &[u8]) {
+    debug_assert_eq!(acc.len(), src.len());
+    fn native<T: Native>(op: ReduceOp, acc: &mut [u8], src: &[u8]) {
+        let f = combine::<T>(op);
+        let src: &[T] = bytemuck::cast_slice(src);
+        for (a, &x) in bytemuck::cast_slice_mut::<u8, T>(acc).iter_mut().zip(src) {
+            *a = f(*a, x);
+        }
+    }
+    fn half<H: bytemuck::Pod>(
+        op: ReduceOp,
+        acc: &mut [u8],
+        src: &[u8],
+        to: fn(H) -> f32,
+        from: fn(f32) -> H,
+    ) {
+        let f = combine::<f32>(op);
+        let src: &[H] = bytemuck::cast_slice(src);
+        for (a, &x) in bytemuck::cast_slice_mut::<u8, H>(acc).iter_mut().zip(src) {
+            *a = from(f(to(*a), to(x)));
+        }
+    }
+    match dtype {
+        DType::U8 => native::<u8>(op, acc, src),
+        DType::F32 => native::<f32>(op, acc, src),
+        DType::I64 => native::<i64>(op, acc, src),
+        DType::F16 => half(op, acc, src, f16::to_f32, f16::from_f32),
+        DType::BF16 => half(op, acc, src, bf16::to_f32, bf16::from_f32),
+    }
+}
+
 trait Native: bytemuck::Pod + PartialOrd {
     fn add(self, other: Self) -> Self;
 }

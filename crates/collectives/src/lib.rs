@@ -13,12 +13,17 @@
 //! peer at fault; an [`AbortHandle`] unblocks a call from another thread.
 
 mod comm;
+mod common;
 mod dtype;
 mod error;
 pub mod local;
 pub mod shm;
+pub mod tcp;
 
 pub use comm::{AbortHandle, Collective, Communicator, DEFAULT_TIMEOUT};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Op, Result, Site};
 pub use shm::{ShmComm, ShmOptions};
+pub use tcp::TcpComm;
+#[cfg(test)]
+mod tests;

@@ -18,13 +18,12 @@
 
 mod futex;
 mod segment;
-#[cfg(test)]
-mod tests;
 
 pub(crate) use segment::Segment;
 pub use segment::ShmOptions;
 
 use crate::comm::{check, AbortHandle, Communicator, DEFAULT_TIMEOUT};
+use crate::common::{blame_word, blamed, fnv, part, pieces};
 use crate::dtype::{reduce, DType, ReduceOp};
 use crate::error::{Error, Op, Result, Site};
 use std::path::Path;
@@ -39,31 +38,6 @@ const SMALL_REDUCE_BYTES: usize = 128 << 10;
 const LIVENESS_EVERY: Duration = Duration::from_millis(20);
 /// Longest single futex sleep, so deadlines and liveness are checked regularly.
 const MAX_SLEEP: Duration = Duration::from_millis(10);
-
-/// Why a peer's failure flag is set; encoded with the rank that caused it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Blame {
-    /// The rank failed by itself (bad arguments, injected fault, mismatch).
-    Failed = 1,
-    /// The rank's process is gone.
-    Died = 2,
-    /// The rank did not arrive before the deadline.
-    Unresponsive = 3,
-}
-
-fn encode_blame(blame: Blame, origin: usize) -> u32 {
-    ((blame as u32) << 16) | (origin as u32 + 1)
-}
-
-fn decode_blame(word: u32) -> Option<(Blame, usize)> {
-    let origin = (word & 0xffff).checked_sub(1)? as usize;
-    let blame = match word >> 16 {
-        2 => Blame::Died,
-        3 => Blame::Unresponsive,
-        _ => Blame::Failed,
-    };
-    Some((blame, origin))
-}
 
 /// How long a waiter spins and yields before it sleeps.
 #[derive(Debug, Clone, Copy)]
@@ -119,20 +93,6 @@ enum Poll {
     Ready,
     /// Bit mask of the group ranks still awaited.
     Pending(u64),
-}
-
-/// The pieces `[off, off + len)` a message of `total` bytes is processed in; at least one, so
-/// ranks with an empty buffer still meet (and check) the others.
-fn pieces(total: usize, cap: usize) -> impl Iterator<Item = (usize, usize)> {
-    let n = total.div_ceil(cap).max(1);
-    (0..n).map(move |i| (i * cap, cap.min(total - (i * cap).min(total))))
-}
-
-/// Element range of part `r` of `n` elements in `parts`, remainder to the low parts.
-fn part(n: usize, parts: usize, r: usize) -> std::ops::Range<usize> {
-    let (q, rem) = (n / parts, n % parts);
-    let start = r * q + r.min(rem);
-    start..start + q + usize::from(r < rem)
 }
 
 fn mask_ranks(mask: u64) -> Vec<usize> {
@@ -279,21 +239,7 @@ impl ShmComm {
             if self.poisoned.is_none() {
                 self.poisoned = Some(e.to_string());
             }
-            let word = match e {
-                Error::PeerFailed { .. } | Error::PeerDied { .. } | Error::Timeout { .. } => {
-                    // Pass on the original culprit so every rank names the same one.
-                    let (blame, origin) = match e {
-                        Error::PeerDied { peer, .. } => (Blame::Died, *peer),
-                        Error::Timeout { waiting_for, .. } => {
-                            (Blame::Unresponsive, waiting_for.first().copied().unwrap_or(self.rank))
-                        }
-                        Error::PeerFailed { peer, .. } => (Blame::Failed, *peer),
-                        _ => unreachable!("matched above"),
-                    };
-                    encode_blame(blame, origin)
-                }
-                _ => encode_blame(Blame::Failed, self.rank),
-            };
+            let word = blame_word(e, self.rank);
             let ctrl = self.seg.rank(self.rank);
             let _ = ctrl.failed.compare_exchange(0, word, Ordering::AcqRel, Ordering::Acquire);
             ring_always(&self.seg);
@@ -372,22 +318,9 @@ impl ShmComm {
     fn check_peers(&self, at: &Site, start: Instant) -> Result<()> {
         for r in (0..self.size).filter(|&r| r != self.rank) {
             let word = self.seg.rank(r).failed.load(Ordering::Acquire);
-            if let Some((blame, origin)) = decode_blame(word) {
-                let at = at.clone();
-                return Err(match blame {
-                    Blame::Died if origin != self.rank => Error::PeerDied {
-                        at,
-                        peer: origin,
-                        pid: self.pids.get(origin).copied().unwrap_or(0),
-                        elapsed: start.elapsed(),
-                    },
-                    Blame::Unresponsive if origin != self.rank => {
-                        Error::Timeout { at, elapsed: start.elapsed(), waiting_for: vec![origin] }
-                    }
-                    _ => {
-                        Error::PeerFailed { at, peer: if origin == self.rank { r } else { origin } }
-                    }
-                });
+            let pid_of = |o: usize| self.pids.get(o).copied().unwrap_or(0);
+            if let Some(e) = blamed(word, at, r, pid_of, start.elapsed()) {
+                return Err(e);
             }
         }
         if self.abort.is_aborted() {
@@ -752,14 +685,6 @@ fn p2p_header(len: usize, dtype: DType) -> [u8; 16] {
     h[..8].copy_from_slice(&(len as u64).to_le_bytes());
     h[8..12].copy_from_slice(&dtype.code().to_le_bytes());
     h
-}
-
-/// FNV-1a over a list of sizes: a cheap fingerprint every rank compares.
-fn fnv(sizes: &[usize]) -> u64 {
-    sizes
-        .iter()
-        .flat_map(|s| (*s as u64).to_le_bytes())
-        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// Announces a change of shared state; wakes sleepers only when there are some.

@@ -1,0 +1,84 @@
+//! Small pieces every backend shares: failure blame, message splitting, fingerprints.
+
+/// Why a peer's failure flag is set; encoded with the rank that caused it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Blame {
+    /// The rank failed by itself (bad arguments, injected fault, mismatch).
+    Failed = 1,
+    /// The rank's process is gone.
+    Died = 2,
+    /// The rank did not arrive before the deadline.
+    Unresponsive = 3,
+}
+
+pub(crate) fn encode_blame(blame: Blame, origin: usize) -> u32 {
+    ((blame as u32) << 16) | (origin as u32 + 1)
+}
+
+pub(crate) fn decode_blame(word: u32) -> Option<(Blame, usize)> {
+    let origin = (word & 0xffff).checked_sub(1)? as usize;
+    let blame = match word >> 16 {
+        2 => Blame::Died,
+        3 => Blame::Unresponsive,
+        _ => Blame::Failed,
+    };
+    Some((blame, origin))
+}
+
+/// The failure word a rank publishes for error `e`: the original culprit, so every rank
+/// names the same one.
+pub(crate) fn blame_word(e: &crate::Error, me: usize) -> u32 {
+    use crate::Error;
+    match e {
+        Error::PeerDied { peer, .. } => encode_blame(Blame::Died, *peer),
+        Error::Timeout { waiting_for, .. } => {
+            encode_blame(Blame::Unresponsive, waiting_for.first().copied().unwrap_or(me))
+        }
+        Error::PeerFailed { peer, .. } => encode_blame(Blame::Failed, *peer),
+        _ => encode_blame(Blame::Failed, me),
+    }
+}
+
+/// The error a rank raises when a peer published failure `word` (or `None` for no failure).
+pub(crate) fn blamed(
+    word: u32,
+    at: &crate::Site,
+    reporter: usize,
+    pid_of: impl Fn(usize) -> u32,
+    elapsed: std::time::Duration,
+) -> Option<crate::Error> {
+    use crate::Error;
+    let (blame, origin) = decode_blame(word)?;
+    let at = at.clone();
+    Some(match blame {
+        Blame::Died if origin != at.rank => {
+            Error::PeerDied { at, peer: origin, pid: pid_of(origin), elapsed }
+        }
+        Blame::Unresponsive if origin != at.rank => {
+            Error::Timeout { at, elapsed, waiting_for: vec![origin] }
+        }
+        _ => Error::PeerFailed { peer: if origin == at.rank { reporter } else { origin }, at },
+    })
+}
+
+/// The pieces `[off, off + len)` a message of `total` bytes is processed in; at least one, so
+/// ranks with an empty buffer still meet (and check) the others.
+pub(crate) fn pieces(total: usize, cap: usize) -> impl Iterator<Item = (usize, usize)> {
+    let n = total.div_ceil(cap).max(1);
+    (0..n).map(move |i| (i * cap, cap.min(total - (i * cap).min(total))))
+}
+
+/// Element range of part `r` of `n` elements in `parts`, remainder to the low parts.
+pub(crate) fn part(n: usize, parts: usize, r: usize) -> std::ops::Range<usize> {
+    let (q, rem) = (n / parts, n % parts);
+    let start = r * q + r.min(rem);
+    start..start + q + usize::from(r < rem)
+}
+
+/// FNV-1a over a list of sizes: a cheap fingerprint every rank compares.
+pub(crate) fn fnv(sizes: &[usize]) -> u64 {
+    sizes
+        .iter()
+        .flat_map(|s| (*s as u64).to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
