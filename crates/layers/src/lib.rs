@@ -9,13 +9,19 @@
 //! in `kernels::cpu::matmul` and the file map in `mmap`.
 #![deny(unsafe_code)]
 
+pub mod config;
 pub mod error;
 pub mod gguf;
 pub mod kernels;
 mod mmap;
+pub mod model;
 pub mod tensor;
 #[cfg(test)]
 mod test_util;
+pub mod tokenizer;
 
+pub use config::LlamaConfig;
 pub use error::{Error, Result};
+pub use model::{KvCache, Logits, Model};
 pub use tensor::{DType, Device, Storage, Tensor};
+pub use tokenizer::Tokenizer;

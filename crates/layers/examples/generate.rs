@@ -1,0 +1,80 @@
+//! Greedy generation with the single-rank model, reporting prefill and decode speed.
+//!
+//! `cargo run -p tpctl-layers --example generate -- [--model PATH] [--threads N]
+//! [--max-new N] [--chat] PROMPT...` (the model defaults to the cached default model).
+
+use layers::model::default_model_path;
+use layers::{Model, Tokenizer};
+use std::io::Write;
+use std::time::Instant;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let (mut model, mut threads, mut max_new, mut chat) = (None, 2usize, 32usize, false);
+    let mut prompt = Vec::new();
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--model" => model = args.next(),
+            "--threads" => threads = args.next().ok_or("--threads needs a value")?.parse()?,
+            "--max-new" => max_new = args.next().ok_or("--max-new needs a value")?.parse()?,
+            "--chat" => chat = true,
+            _ => prompt.push(a),
+        }
+    }
+    let path = match model {
+        Some(p) => p.into(),
+        None => default_model_path().ok_or(
+            "no --model and the default model is not cached: run `cargo xtask fetch-model`",
+        )?,
+    };
+    let mut text =
+        if prompt.is_empty() { "The capital of France is".to_owned() } else { prompt.join(" ") };
+    if chat {
+        text = format!("<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n");
+    }
+    let t0 = Instant::now();
+    let model = Model::load(&path, threads)?;
+    let tok = Tokenizer::from_gguf(&layers::gguf::GgufFile::open(&path)?)?;
+    eprintln!(
+        "loaded {} in {:.2} s ({threads} threads)",
+        path.display(),
+        t0.elapsed().as_secs_f64()
+    );
+    let ids = tok.encode(&text)?;
+    let mut cache = model.new_cache(ids.len() + max_new);
+    let stop: Vec<u32> = tok.eos_id().into_iter().collect();
+    let t_prefill = Instant::now();
+    let mut first: Option<Instant> = None;
+    let mut shown = String::new();
+    let mut generated = Vec::new();
+    print!("{text}");
+    let out = model.generate(&ids, max_new, &stop, &mut cache, |id| {
+        first.get_or_insert_with(Instant::now);
+        generated.push(id);
+        if let Ok(s) = tok.decode(&generated, true) {
+            print!("{}", &s[shown.len().min(s.len())..]);
+            let _ = std::io::stdout().flush();
+            shown = s;
+        }
+    })?;
+    let end = Instant::now();
+    println!();
+    let first = first.unwrap_or(end);
+    let prefill_s = (first - t_prefill).as_secs_f64();
+    let decode_s = (end - first).as_secs_f64();
+    eprintln!(
+        "prefill: {} tokens in {:.3} s = {:.1} tok/s",
+        ids.len(),
+        prefill_s,
+        ids.len() as f64 / prefill_s
+    );
+    if out.len() > 1 {
+        eprintln!(
+            "decode: {} tokens in {:.3} s = {:.1} tok/s",
+            out.len() - 1,
+            decode_s,
+            (out.len() - 1) as f64 / decode_s
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,186 @@
+//! Llama-family hyper-parameters, read from GGUF metadata (a Hugging Face `config.json`
+//! reader can fill the same struct later).
+
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+
+/// The shape and constants of a Llama-family decoder.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    /// Decoder blocks.
+    pub n_layers: usize,
+    /// Hidden size (`embedding_length`).
+    pub hidden: usize,
+    /// MLP inner size (`feed_forward_length`).
+    pub ffn: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (GQA groups).
+    pub n_kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Rotary base.
+    pub rope_theta: f32,
+    /// Rotated elements per head (`rope.dimension_count`).
+    pub rope_dim: usize,
+    /// RMSNorm epsilon.
+    pub rms_eps: f32,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Trained context length.
+    pub context_length: usize,
+    /// Whether the LM head reuses the token embedding (no `output.weight`).
+    pub tied_embeddings: bool,
+}
+
+impl LlamaConfig {
+    /// Reads the config from `general.architecture`-prefixed keys (`llama.block_count`, ...).
+    /// The vocabulary size comes from `tokenizer.ggml.tokens` (else `<arch>.vocab_size`, else
+    /// the embedding's rows); the LM head is tied when `output.weight` is absent.
+    ///
+    /// # Errors
+    /// [`Error::Metadata`] naming the key that is missing, mistyped or inconsistent.
+    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        let arch = file.get_str("general.architecture")?;
+        if arch != "llama" {
+            return Err(Error::metadata(
+                "general.architecture",
+                format!("`{arch}` is not supported (llama is)"),
+            ));
+        }
+        let key = |k: &str| format!("{arch}.{k}");
+        let usize_key = |k: &str| -> Result<usize> { Ok(file.get_u64(&key(k))? as usize) };
+        let n_layers = usize_key("block_count")?;
+        let hidden = usize_key("embedding_length")?;
+        let ffn = usize_key("feed_forward_length")?;
+        let n_heads = usize_key("attention.head_count")?;
+        let n_kv_heads = if file.get(&key("attention.head_count_kv")).is_some() {
+            usize_key("attention.head_count_kv")?
+        } else {
+            n_heads
+        };
+        if n_heads == 0 || hidden % n_heads != 0 {
+            return Err(Error::metadata(
+                &key("attention.head_count"),
+                format!("{n_heads} heads do not divide the hidden size {hidden}"),
+            ));
+        }
+        if n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+            return Err(Error::metadata(
+                &key("attention.head_count_kv"),
+                format!("{n_kv_heads} kv heads do not divide {n_heads} query heads"),
+            ));
+        }
+        let head_dim = if file.get(&key("attention.key_length")).is_some() {
+            usize_key("attention.key_length")?
+        } else {
+            hidden / n_heads
+        };
+        let rope_dim = if file.get(&key("rope.dimension_count")).is_some() {
+            usize_key("rope.dimension_count")?
+        } else {
+            head_dim
+        };
+        if rope_dim % 2 != 0 || rope_dim > head_dim {
+            return Err(Error::metadata(
+                &key("rope.dimension_count"),
+                format!("{rope_dim} must be even and at most the head size {head_dim}"),
+            ));
+        }
+        let rope_theta = if file.get(&key("rope.freq_base")).is_some() {
+            file.get_f64(&key("rope.freq_base"))? as f32
+        } else {
+            10_000.0
+        };
+        let rms_eps = file.get_f64(&key("attention.layer_norm_rms_epsilon"))? as f32;
+        let context_length = usize_key("context_length")?;
+        let vocab_size = if let Ok(tokens) = file.get_array("tokenizer.ggml.tokens") {
+            tokens.len()
+        } else if file.get(&key("vocab_size")).is_some() {
+            usize_key("vocab_size")?
+        } else {
+            file.tensor_info("token_embd.weight")?.rows()
+        };
+        Ok(LlamaConfig {
+            n_layers,
+            hidden,
+            ffn,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            rope_theta,
+            rope_dim,
+            rms_eps,
+            vocab_size,
+            context_length,
+            tied_embeddings: !file.has_tensor("output.weight"),
+        })
+    }
+
+    /// Query heads per key/value head.
+    pub fn group_size(&self) -> usize {
+        self.n_heads / self.n_kv_heads
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::{GgufWriter, Value};
+    use crate::test_util::temp_path;
+
+    fn base() -> GgufWriter {
+        let mut w = GgufWriter::new();
+        w.metadata("general.architecture", Value::String("llama".into()))
+            .metadata("llama.block_count", Value::U32(2))
+            .metadata("llama.embedding_length", Value::U32(64))
+            .metadata("llama.feed_forward_length", Value::U32(96))
+            .metadata("llama.attention.head_count", Value::U32(4))
+            .metadata("llama.attention.head_count_kv", Value::U32(2))
+            .metadata("llama.rope.freq_base", Value::F32(100_000.0))
+            .metadata("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5))
+            .metadata("llama.context_length", Value::U32(128))
+            .metadata("tokenizer.ggml.tokens", Value::Array(vec![Value::String("a".into()); 5]));
+        w
+    }
+
+    #[test]
+    fn reads_every_field_and_defaults() {
+        let p = temp_path("config.gguf");
+        base().write(&p).unwrap();
+        let c = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap();
+        assert_eq!(
+            c,
+            LlamaConfig {
+                n_layers: 2,
+                hidden: 64,
+                ffn: 96,
+                n_heads: 4,
+                n_kv_heads: 2,
+                head_dim: 16,
+                rope_theta: 100_000.0,
+                rope_dim: 16,
+                rms_eps: 1e-5,
+                vocab_size: 5,
+                context_length: 128,
+                tied_embeddings: true,
+            }
+        );
+        assert_eq!(c.group_size(), 2);
+        std::fs::remove_file(p).unwrap();
+    }
+
+    #[test]
+    fn inconsistent_heads_name_the_key() {
+        let p = temp_path("config-bad.gguf");
+        let mut w = base();
+        w.metadata("llama.attention.head_count_kv", Value::U32(3));
+        w.write(&p).unwrap();
+        let err = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "metadata key `llama.attention.head_count_kv`: 3 kv heads do not divide 4 query heads"
+        );
+        std::fs::remove_file(p).unwrap();
+    }
+}

@@ -1,0 +1,435 @@
+//! The Llama-family decoder on one rank: attention and MLP blocks that can be loaded as shards,
+//! the single-rank [`Model`], its KV cache and greedy generation.
+//!
+//! Rotary embedding uses the rotate-half convention throughout; GGUF Q/K weights are
+//! un-permuted at load (see [`linear::unpermute_rows`]).
+
+pub mod cache;
+pub mod linear;
+#[cfg(test)]
+mod tests;
+
+pub use cache::{KvCache, LayerCache};
+pub use linear::{Linear, Shard, WeightSource};
+
+use crate::config::LlamaConfig;
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::kernels::{AttnShape, Backend, Weight};
+use crate::tensor::Tensor;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+/// The file name of the default model in the model cache (`cargo xtask fetch-model`).
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The model cache folder: `$TPCTL_CACHE`, else `$XDG_CACHE_HOME/tpctl/models`, else
+/// `~/.cache/tpctl/models` (the same rule as `cargo xtask fetch-model`).
+pub fn model_cache_dir() -> Option<PathBuf> {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    var("TPCTL_CACHE")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("tpctl").join("models")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache").join("tpctl").join("models")))
+}
+
+/// The default model's path, if it has been fetched into the cache.
+pub fn default_model_path() -> Option<PathBuf> {
+    model_cache_dir().map(|d| d.join(DEFAULT_MODEL_FILE)).filter(|p| p.is_file())
+}
+
+fn load_vector(src: &dyn WeightSource, name: &str, len: usize) -> Result<Tensor> {
+    let shape = src.shape(name)?;
+    if shape != [len] {
+        return Err(Error::tensor(name, format!("expected shape [{len}], found {shape:?}")));
+    }
+    Tensor::from_vec(&[len], src.rows(name, 0..1)?)
+}
+
+/// Self-attention of one layer over a range of whole KV heads (and their query heads).
+#[derive(Clone, Debug)]
+pub struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    kv_heads: Range<usize>,
+    q_heads: Range<usize>,
+    head_dim: usize,
+    rope_dim: usize,
+    rope_theta: f32,
+}
+
+impl Attention {
+    /// Loads layer `layer`'s attention for KV heads `kv_heads` (query heads follow by group);
+    /// the output projection keeps the matching input columns, so with a partial head range
+    /// [`Attention::project_out`] returns a partial sum to be all-reduced.
+    ///
+    /// # Errors
+    /// [`Error::Tensor`] for missing or misshapen weights, [`Error::Shape`] for a head range
+    /// outside the model.
+    pub fn load(
+        src: &dyn WeightSource,
+        layer: usize,
+        cfg: &LlamaConfig,
+        kv_heads: Range<usize>,
+    ) -> Result<Self> {
+        if kv_heads.is_empty() || kv_heads.end > cfg.n_kv_heads {
+            return Err(Error::shape(
+                "Attention::load",
+                format!("kv head range {kv_heads:?} of {} heads", cfg.n_kv_heads),
+            ));
+        }
+        let g = cfg.group_size();
+        let d = cfg.head_dim;
+        let q_heads = kv_heads.start * g..kv_heads.end * g;
+        let name = |t: &str| format!("blk.{layer}.{t}.weight");
+        let q = Linear::load_qk(src, &name("attn_q"), q_heads.clone(), d)?;
+        let k = Linear::load_qk(src, &name("attn_k"), kv_heads.clone(), d)?;
+        let v =
+            Linear::load(src, &name("attn_v"), &Shard::Rows(kv_heads.start * d..kv_heads.end * d))?;
+        let o = Linear::load(
+            src,
+            &name("attn_output"),
+            &Shard::Cols(q_heads.start * d..q_heads.end * d),
+        )?;
+        for (lin, t, want) in [
+            (&q, "attn_q", q_heads.len() * d),
+            (&k, "attn_k", kv_heads.len() * d),
+            (&o, "attn_output", cfg.hidden),
+        ] {
+            if lin.dims().0 != want || (t != "attn_output" && lin.dims().1 != cfg.hidden) {
+                return Err(Error::tensor(
+                    &name(t),
+                    format!(
+                        "shard has shape {:?}, expected {want} output rows of {} inputs",
+                        lin.dims(),
+                        cfg.hidden
+                    ),
+                ));
+            }
+        }
+        Ok(Attention {
+            q,
+            k,
+            v,
+            o,
+            kv_heads,
+            q_heads,
+            head_dim: d,
+            rope_dim: cfg.rope_dim,
+            rope_theta: cfg.rope_theta,
+        })
+    }
+
+    /// The query heads this shard computes.
+    pub fn q_heads(&self) -> Range<usize> {
+        self.q_heads.clone()
+    }
+
+    /// The KV heads this shard holds.
+    pub fn kv_heads(&self) -> Range<usize> {
+        self.kv_heads.clone()
+    }
+
+    fn shape(&self) -> AttnShape {
+        AttnShape {
+            q_heads: self.q_heads.len(),
+            kv_heads: self.kv_heads.len(),
+            head_dim: self.head_dim,
+        }
+    }
+
+    /// Projects normalized hidden states `x` (`[n, hidden]`) to rotated queries
+    /// `[n, q_heads, d]` and rotated keys and values `[n, kv_heads, d]`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `x` and `positions` disagree.
+    pub fn qkv(
+        &self,
+        be: &Backend,
+        x: &Tensor,
+        positions: &[usize],
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let s = self.shape();
+        let mut q = self.q.forward(be, x)?;
+        let mut k = self.k.forward(be, x)?;
+        let v = self.v.forward(be, x)?;
+        be.rope(&mut q, positions, s.q_heads, s.head_dim, self.rope_dim, self.rope_theta)?;
+        be.rope(&mut k, positions, s.kv_heads, s.head_dim, self.rope_dim, self.rope_theta)?;
+        Ok((q, k, v))
+    }
+
+    /// Attention of rotated queries at `positions` over everything in `cache`; returns
+    /// `[n, q_heads, d]` and, when `want_lse`, the log-sum-exp `[n, q_heads]`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the sizes disagree.
+    pub fn attend(
+        &self,
+        be: &Backend,
+        q: &Tensor,
+        positions: &[usize],
+        cache: &LayerCache,
+        want_lse: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        be.attention(q, positions, cache.k(), cache.v(), cache.positions(), self.shape(), want_lse)
+    }
+
+    /// The output projection of attention results `[n, q_heads, d]`: `[n, hidden]`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the sizes disagree.
+    pub fn project_out(&self, be: &Backend, attn: Tensor) -> Result<Tensor> {
+        let n = attn.shape()[0];
+        let width = attn.len() / n.max(1);
+        self.o.forward(be, &attn.reshape(&[n, width])?)
+    }
+
+    /// The whole layer on one rank: project, rotate, append to `cache`, attend, project out.
+    ///
+    /// # Errors
+    /// [`Error::CacheFull`] when the cache has no room; [`Error::Shape`] on size mismatches.
+    pub fn forward(
+        &self,
+        be: &Backend,
+        x: &Tensor,
+        positions: &[usize],
+        cache: &mut LayerCache,
+    ) -> Result<Tensor> {
+        let (q, k, v) = self.qkv(be, x, positions)?;
+        cache.append(k.data(), v.data(), positions)?;
+        let (attn, _) = self.attend(be, &q, positions, cache, false)?;
+        self.project_out(be, attn)
+    }
+}
+
+/// The SiLU-gated MLP of one layer over a range of the inner (feed-forward) dimension.
+#[derive(Clone, Debug)]
+pub struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Mlp {
+    /// Loads layer `layer`'s MLP for inner units `inner` (gate/up rows, down columns); with a
+    /// partial range the output is a partial sum to be all-reduced.
+    ///
+    /// # Errors
+    /// [`Error::Tensor`] for missing or misshapen weights.
+    pub fn load(src: &dyn WeightSource, layer: usize, inner: Range<usize>) -> Result<Self> {
+        let name = |t: &str| format!("blk.{layer}.{t}.weight");
+        Ok(Mlp {
+            gate: Linear::load(src, &name("ffn_gate"), &Shard::Rows(inner.clone()))?,
+            up: Linear::load(src, &name("ffn_up"), &Shard::Rows(inner.clone()))?,
+            down: Linear::load(src, &name("ffn_down"), &Shard::Cols(inner))?,
+        })
+    }
+
+    /// `down(silu(gate(x)) · up(x))`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `x` has the wrong width.
+    pub fn forward(&self, be: &Backend, x: &Tensor) -> Result<Tensor> {
+        let mut g = self.gate.forward(be, x)?;
+        let u = self.up.forward(be, x)?;
+        be.silu_mul(&mut g, &u)?;
+        self.down.forward(be, &g)
+    }
+}
+
+/// One decoder block.
+#[derive(Clone, Debug)]
+pub struct Block {
+    attn_norm: Tensor,
+    attn: Attention,
+    ffn_norm: Tensor,
+    mlp: Mlp,
+}
+
+/// Which rows of logits [`Model::forward`] computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// One row per input token.
+    All,
+    /// Only the last token's row (prefill before sampling).
+    Last,
+}
+
+/// A single-rank Llama-family decoder.
+#[derive(Clone, Debug)]
+pub struct Model {
+    config: LlamaConfig,
+    backend: Backend,
+    embed: Weight,
+    blocks: Vec<Block>,
+    norm: Tensor,
+    lm_head: Option<Linear>,
+}
+
+impl Model {
+    /// Loads a GGUF model onto the CPU backend with `threads` threads.
+    ///
+    /// # Errors
+    /// Any error of opening the file, reading the config or loading a weight.
+    pub fn load(path: impl AsRef<Path>, threads: usize) -> Result<Self> {
+        let file = GgufFile::open(path)?;
+        let config = LlamaConfig::from_gguf(&file)?;
+        Model::from_source(&file, config, Backend::cpu(threads)?)
+    }
+
+    /// Builds the model from any weight source.
+    ///
+    /// # Errors
+    /// [`Error::Tensor`] for missing or misshapen weights.
+    pub fn from_source(
+        src: &dyn WeightSource,
+        config: LlamaConfig,
+        backend: Backend,
+    ) -> Result<Self> {
+        if src.qk_interleaved() && config.rope_dim != config.head_dim {
+            return Err(Error::metadata(
+                "rope.dimension_count",
+                "partial rotary with interleaved q/k weights is not supported",
+            ));
+        }
+        let embed = Linear::load(src, "token_embd.weight", &Shard::Full)?;
+        if embed.dims() != (config.vocab_size, config.hidden) {
+            return Err(Error::tensor(
+                "token_embd.weight",
+                format!(
+                    "shape {:?}, expected ({}, {})",
+                    embed.dims(),
+                    config.vocab_size,
+                    config.hidden
+                ),
+            ));
+        }
+        let mut blocks = Vec::with_capacity(config.n_layers);
+        for l in 0..config.n_layers {
+            blocks.push(Block {
+                attn_norm: load_vector(src, &format!("blk.{l}.attn_norm.weight"), config.hidden)?,
+                attn: Attention::load(src, l, &config, 0..config.n_kv_heads)?,
+                ffn_norm: load_vector(src, &format!("blk.{l}.ffn_norm.weight"), config.hidden)?,
+                mlp: Mlp::load(src, l, 0..config.ffn)?,
+            });
+        }
+        let norm = load_vector(src, "output_norm.weight", config.hidden)?;
+        let lm_head = if config.tied_embeddings {
+            None
+        } else {
+            Some(Linear::load(src, "output.weight", &Shard::Full)?)
+        };
+        Ok(Model { config, backend, embed: embed.weight().clone(), blocks, norm, lm_head })
+    }
+
+    /// The hyper-parameters.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// The backend the model runs on.
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    /// An empty KV cache for `capacity` tokens.
+    pub fn new_cache(&self, capacity: usize) -> KvCache {
+        KvCache::new(self.config.n_layers, self.config.n_kv_heads, self.config.head_dim, capacity)
+    }
+
+    /// Runs `tokens` at absolute `positions` through the decoder, appending their keys and
+    /// values to `cache`, and returns logits `[rows, vocab]` (`rows` per `logits`). On error the
+    /// cache is left as it was.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `tokens` and `positions` differ in length or are empty,
+    /// [`Error::TokenOutOfRange`], [`Error::CacheFull`].
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        positions: &[usize],
+        cache: &mut KvCache,
+        logits: Logits,
+    ) -> Result<Tensor> {
+        if tokens.len() != positions.len() || tokens.is_empty() {
+            return Err(Error::shape(
+                "Model::forward",
+                format!("{} tokens with {} positions", tokens.len(), positions.len()),
+            ));
+        }
+        let before = cache.len();
+        let out = self.forward_inner(tokens, positions, cache, logits);
+        if out.is_err() {
+            cache.truncate(before);
+        }
+        out
+    }
+
+    fn forward_inner(
+        &self,
+        tokens: &[u32],
+        positions: &[usize],
+        cache: &mut KvCache,
+        logits: Logits,
+    ) -> Result<Tensor> {
+        let be = &self.backend;
+        let c = &self.config;
+        if cache.len() + tokens.len() > cache.capacity() {
+            return Err(Error::CacheFull {
+                len: cache.len(),
+                capacity: cache.capacity(),
+                requested: tokens.len(),
+            });
+        }
+        let Weight::F32(table) = &self.embed;
+        let mut x = be.embedding(table, tokens)?;
+        for (l, b) in self.blocks.iter().enumerate() {
+            let h = be.rms_norm(&x, &b.attn_norm, c.rms_eps)?;
+            let a = b.attn.forward(be, &h, positions, cache.layer_mut(l))?;
+            be.add_assign(&mut x, &a)?;
+            let h = be.rms_norm(&x, &b.ffn_norm, c.rms_eps)?;
+            let m = b.mlp.forward(be, &h)?;
+            be.add_assign(&mut x, &m)?;
+        }
+        if logits == Logits::Last && tokens.len() > 1 {
+            x = Tensor::from_vec(&[1, c.hidden], x.row(tokens.len() - 1).to_vec())?;
+        }
+        let x = be.rms_norm(&x, &self.norm, c.rms_eps)?;
+        be.linear(&x, self.lm_head.as_ref().map_or(&self.embed, Linear::weight))
+    }
+
+    /// Greedy decoding: prefills `prompt` after whatever `cache` holds, then appends the
+    /// argmax token until `max_new` tokens, a token in `stop` (included in the result), or a
+    /// full cache. `on_token` sees each new token as it is chosen.
+    ///
+    /// # Errors
+    /// As [`Model::forward`] (a full cache ends generation without an error once at least the
+    /// prompt fits).
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        max_new: usize,
+        stop: &[u32],
+        cache: &mut KvCache,
+        mut on_token: impl FnMut(u32),
+    ) -> Result<Vec<u32>> {
+        let mut out = Vec::new();
+        if max_new == 0 || prompt.is_empty() {
+            return Ok(out);
+        }
+        let start = cache.len();
+        let positions: Vec<usize> = (start..start + prompt.len()).collect();
+        let mut logits = self.forward(prompt, &positions, cache, Logits::Last)?;
+        loop {
+            let next = self.backend.argmax_rows(&logits)[0] as u32;
+            out.push(next);
+            on_token(next);
+            if out.len() >= max_new || stop.contains(&next) || cache.len() >= cache.capacity() {
+                return Ok(out);
+            }
+            let pos = cache.len();
+            logits = self.forward(&[next], &[pos], cache, Logits::Last)?;
+        }
+    }
+}

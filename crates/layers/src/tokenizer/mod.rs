@@ -1,0 +1,183 @@
+//! The tokenizer stored in GGUF metadata: byte-level BPE (`tokenizer.ggml.model` = `gpt2`)
+//! rebuilt with the `tokenizers` crate, plus the special ids and the chat template.
+//!
+//! The pre-tokenizer is `Sequence[Digits(individual_digits), ByteLevel(no prefix space,
+//! GPT-2 regex)]` and the decoder is ByteLevel: with the `smollm` pre-tokenizer tag this gives
+//! exactly llama.cpp's ids. Control and user-defined tokens (`token_type` 3 and 4) are added
+//! as special tokens, so `<|im_start|>` in text encodes to its single id.
+
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::{AddedToken, PreTokenizerWrapper};
+
+/// GGUF `token_type` of control tokens (`<|im_start|>`, `<|endoftext|>`).
+const TOKEN_TYPE_CONTROL: i64 = 3;
+/// GGUF `token_type` of user-defined tokens.
+const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+
+/// A byte-level BPE tokenizer with its special ids and chat template.
+#[derive(Clone, Debug)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    bos: Option<u32>,
+    eos: Option<u32>,
+    add_bos: bool,
+    chat_template: Option<String>,
+}
+
+fn tok_err(e: impl std::fmt::Display) -> Error {
+    Error::Tokenizer(e.to_string())
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer from `tokenizer.ggml.*` metadata.
+    ///
+    /// # Errors
+    /// [`Error::Metadata`] when a key is missing or mistyped, or the model is not `gpt2`
+    /// (byte-level BPE); [`Error::Tokenizer`] when the vocabulary and merges do not form a BPE.
+    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        let model = file.get_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(Error::metadata(
+                "tokenizer.ggml.model",
+                format!("`{model}` is not supported (gpt2 byte-level BPE is)"),
+            ));
+        }
+        let tokens = string_array(file, "tokenizer.ggml.tokens")?;
+        let merges = string_array(file, "tokenizer.ggml.merges")?;
+        let merges = merges
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                m.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())).ok_or_else(|| {
+                    Error::metadata(
+                        "tokenizer.ggml.merges",
+                        format!("entry {i} `{m}` is not two tokens separated by a space"),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let vocab: Vocab =
+            tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(tok_err)?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        let pre = file.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
+        let byte_level = ByteLevel::new(false, false, true);
+        let pre_tokenizer: PreTokenizerWrapper = match pre {
+            // SmolLM (and StarCoder-style) tokenizers split digits one by one first.
+            "smollm" | "starcoder" | "refact" => {
+                Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
+            }
+            other => {
+                if other != "default" && other != "gpt2" {
+                    tracing::warn!(
+                        pre = other,
+                        "unknown tokenizer.ggml.pre, using the gpt-2 byte-level split"
+                    );
+                }
+                byte_level.into()
+            }
+        };
+        inner.with_pre_tokenizer(Some(pre_tokenizer));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        if let Some(types) = file.get("tokenizer.ggml.token_type").and_then(|v| v.as_array()) {
+            let special: Vec<AddedToken> = types
+                .iter()
+                .zip(&tokens)
+                .filter(|(t, _)| {
+                    matches!(t.as_i64(), Some(TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED))
+                })
+                .map(|(_, tok)| AddedToken::from(tok.to_string(), true))
+                .collect();
+            inner.add_special_tokens(&special);
+        }
+        let id = |key: &str| -> Result<Option<u32>> {
+            match file.get(key) {
+                None => Ok(None),
+                Some(v) => v
+                    .as_u64()
+                    .map(|x| Some(x as u32))
+                    .ok_or_else(|| Error::metadata(key, "expected a token id")),
+            }
+        };
+        Ok(Tokenizer {
+            inner,
+            bos: id("tokenizer.ggml.bos_token_id")?,
+            eos: id("tokenizer.ggml.eos_token_id")?,
+            add_bos: file
+                .get("tokenizer.ggml.add_bos_token")
+                .and_then(|v| v.as_bool())
+                .unwrap_or(false),
+            chat_template: file
+                .get("tokenizer.chat_template")
+                .and_then(|v| v.as_str())
+                .map(str::to_owned),
+        })
+    }
+
+    /// Token ids of `text`; special-token text (`<|im_start|>`) maps to its id. Prepends the
+    /// BOS id when the model asks for it (`tokenizer.ggml.add_bos_token`).
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`] when encoding fails.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode_fast(text, false).map_err(tok_err)?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if let (true, Some(bos)) = (self.add_bos, self.bos) {
+            ids.push(bos);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// The text of `ids`; special tokens are dropped when `skip_special`.
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`] when an id is unknown.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner.decode(ids, skip_special).map_err(tok_err)
+    }
+
+    /// The beginning-of-sequence id.
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos
+    }
+
+    /// The end-of-sequence id.
+    pub fn eos_id(&self) -> Option<u32> {
+        self.eos
+    }
+
+    /// The id of a token's text form (`<|im_end|>`).
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The Jinja chat template from `tokenizer.chat_template`, if any.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// The vocabulary size, special tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+}
+
+fn string_array<'a>(file: &'a GgufFile, key: &str) -> Result<Vec<&'a str>> {
+    file.get_array(key)?
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            v.as_str().ok_or_else(|| Error::metadata(key, format!("entry {i} is not a string")))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,92 @@
+//! Tokenizer tests: a tiny hand-made vocabulary, and the real default model when cached.
+
+use super::*;
+use crate::gguf::{GgufWriter, Value};
+use crate::test_util::temp_path;
+
+fn strings(v: &[&str]) -> Value {
+    Value::Array(v.iter().map(|s| Value::String((*s).to_owned())).collect())
+}
+
+fn tiny() -> Tokenizer {
+    let tokens = ["<|endoftext|>", "a", "b", "ab", "Ġ", "Ġab", "1", "2", "12", "<|im_start|>", "Ċ"];
+    let types: Vec<Value> =
+        tokens.iter().map(|t| Value::I32(if t.starts_with("<|") { 3 } else { 1 })).collect();
+    let mut w = GgufWriter::new();
+    w.metadata("tokenizer.ggml.model", Value::String("gpt2".into()))
+        .metadata("tokenizer.ggml.pre", Value::String("smollm".into()))
+        .metadata("tokenizer.ggml.tokens", strings(&tokens))
+        .metadata("tokenizer.ggml.token_type", Value::Array(types))
+        .metadata("tokenizer.ggml.merges", strings(&["a b", "Ġ ab", "1 2"]))
+        .metadata("tokenizer.ggml.bos_token_id", Value::U32(9))
+        .metadata("tokenizer.ggml.eos_token_id", Value::U32(0))
+        .metadata("tokenizer.chat_template", Value::String("{{ messages }}".into()));
+    let p = temp_path("tok.gguf");
+    w.write(&p).unwrap();
+    let t = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).unwrap();
+    std::fs::remove_file(p).unwrap();
+    t
+}
+
+#[test]
+fn tiny_vocabulary_merges_splits_digits_and_keeps_special_tokens_whole() {
+    let t = tiny();
+    // "12" is a merge, but digits are split one by one before BPE sees them.
+    assert_eq!(t.encode("ab ab12").unwrap(), vec![3, 5, 6, 7]);
+    assert_eq!(t.encode("<|im_start|>ab\n").unwrap(), vec![9, 3, 10]);
+    assert_eq!(t.decode(&[9, 3, 5, 10], false).unwrap(), "<|im_start|>ab ab\n");
+    assert_eq!(t.decode(&[9, 3, 5], true).unwrap(), "ab ab");
+    assert_eq!((t.bos_id(), t.eos_id()), (Some(9), Some(0)));
+    assert_eq!(t.chat_template(), Some("{{ messages }}"));
+    assert_eq!(t.token_id("Ġab"), Some(5));
+    assert_eq!(t.vocab_size(), 11);
+}
+
+#[test]
+fn non_bpe_models_and_bad_merges_are_rejected_with_the_key() {
+    let mut w = GgufWriter::new();
+    w.metadata("tokenizer.ggml.model", Value::String("llama".into()));
+    let p = temp_path("tok-spm.gguf");
+    w.write(&p).unwrap();
+    let err = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "metadata key `tokenizer.ggml.model`: `llama` is not supported (gpt2 byte-level BPE is)"
+    );
+    let mut w = GgufWriter::new();
+    w.metadata("tokenizer.ggml.model", Value::String("gpt2".into()))
+        .metadata("tokenizer.ggml.tokens", strings(&["a"]))
+        .metadata("tokenizer.ggml.merges", strings(&["ab"]));
+    w.write(&p).unwrap();
+    let err = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
+    assert!(err.to_string().contains("`tokenizer.ggml.merges`: entry 0 `ab`"), "{err}");
+    std::fs::remove_file(p).unwrap();
+}
+
+#[test]
+fn real_model_tokenizer_when_cached() {
+    let Some(path) = crate::model::default_model_path() else {
+        eprintln!("note: default model not cached (run `cargo xtask fetch-model`); skipping");
+        return;
+    };
+    let t = Tokenizer::from_gguf(&GgufFile::open(path).unwrap()).unwrap();
+    assert_eq!(t.vocab_size(), 49152);
+    assert_eq!((t.bos_id(), t.eos_id()), (Some(1), Some(2)));
+    assert_eq!(t.token_id("<|im_start|>"), Some(1));
+    assert_eq!(t.token_id("<|im_end|>"), Some(2));
+    assert!(t.chat_template().is_some_and(|c| c.contains("<|im_start|>")));
+    for s in
+        ["The capital of France is", "12345 apples", "héllo wörld 🦀\tx\n\ny", "I'm you'll", ""]
+    {
+        let ids = t.encode(s).unwrap();
+        assert_eq!(t.decode(&ids, false).unwrap(), s);
+    }
+    // Digits are single tokens; special tokens in text are single ids.
+    assert_eq!(t.encode("2024").unwrap().len(), 4);
+    assert_eq!(t.encode("<|im_start|>user\nHi<|im_end|>").unwrap()[0], 1);
+    assert_eq!(t.encode("The capital of France is").unwrap(), REFERENCE_IDS);
+}
+
+/// The ids of "The capital of France is": one per word ("The", " capital", " of", " France",
+/// " is"), as the SmolLM2 vocabulary numbers them.
+const REFERENCE_IDS: &[u32] = &[504, 3575, 282, 4649, 314];
