@@ -6,6 +6,7 @@
 
 pub mod cache;
 pub mod linear;
+pub mod random;
 #[cfg(test)]
 mod tests;
 

@@ -1,1 +1,299 @@
-//! Model tests.
+//! Model tests: a naive reference forward pass on the raw GGUF weights, KV-cache consistency,
+//! shard sums, errors, and the real default model when cached.
+
+use super::random::RandomLlama;
+use super::*;
+use crate::test_util::{assert_close, temp_path};
+use crate::tokenizer::Tokenizer;
+
+fn write_model(spec: &RandomLlama, stem: &str) -> PathBuf {
+    let p = temp_path(stem);
+    spec.write(&p).unwrap();
+    p
+}
+
+/// Straightforward f64 Llama forward over all tokens (positions 0..n), on the GGUF weights as
+/// stored, with llama.cpp's interleaved (adjacent-pair) rotary embedding: an independent check
+/// of the un-permute + rotate-half path.
+fn reference_logits(file: &GgufFile, tokens: &[u32]) -> Vec<f32> {
+    let c = LlamaConfig::from_gguf(file).unwrap();
+    let get = |name: &str| -> Vec<f64> {
+        file.tensor(name).unwrap().data().iter().map(|&x| x as f64).collect()
+    };
+    let (n, h, d) = (tokens.len(), c.hidden, c.head_dim);
+    let matvec = |w: &[f64], x: &[f64]| -> Vec<f64> {
+        w.chunks(x.len()).map(|row| row.iter().zip(x).map(|(a, b)| a * b).sum()).collect()
+    };
+    let rms = |x: &[f64], w: &[f64]| -> Vec<f64> {
+        let s =
+            1.0 / (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + c.rms_eps as f64).sqrt();
+        x.iter().zip(w).map(|(a, b)| a * s * b).collect()
+    };
+    let rope = |v: &mut [f64], pos: usize| {
+        for head in v.chunks_mut(d) {
+            for i in 0..d / 2 {
+                let a = pos as f64 * (c.rope_theta as f64).powf(-((2 * i) as f64) / d as f64);
+                let (x0, x1) = (head[2 * i], head[2 * i + 1]);
+                head[2 * i] = x0 * a.cos() - x1 * a.sin();
+                head[2 * i + 1] = x1 * a.cos() + x0 * a.sin();
+            }
+        }
+    };
+    let embed = get("token_embd.weight");
+    let mut x: Vec<Vec<f64>> =
+        tokens.iter().map(|&t| embed[t as usize * h..][..h].to_vec()).collect();
+    for l in 0..c.n_layers {
+        let w = |t: &str| get(&format!("blk.{l}.{t}.weight"));
+        let (wq, wk, wv, wo) = (w("attn_q"), w("attn_k"), w("attn_v"), w("attn_output"));
+        let (an, fnorm, wg, wu, wd) =
+            (w("attn_norm"), w("ffn_norm"), w("ffn_gate"), w("ffn_up"), w("ffn_down"));
+        let hs: Vec<Vec<f64>> = x.iter().map(|r| rms(r, &an)).collect();
+        let mut q: Vec<Vec<f64>> = hs.iter().map(|r| matvec(&wq, r)).collect();
+        let mut k: Vec<Vec<f64>> = hs.iter().map(|r| matvec(&wk, r)).collect();
+        let v: Vec<Vec<f64>> = hs.iter().map(|r| matvec(&wv, r)).collect();
+        for t in 0..n {
+            rope(&mut q[t], t);
+            rope(&mut k[t], t);
+        }
+        for i in 0..n {
+            let mut attn = vec![0.0; c.n_heads * d];
+            for hd in 0..c.n_heads {
+                let g = hd / c.group_size();
+                let qv = &q[i][hd * d..][..d];
+                let s: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        qv.iter().zip(&k[j][g * d..][..d]).map(|(a, b)| a * b).sum::<f64>()
+                            / (d as f64).sqrt()
+                    })
+                    .collect();
+                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = s.iter().map(|v| (v - m).exp()).sum();
+                for (j, sv) in s.iter().enumerate() {
+                    for e in 0..d {
+                        attn[hd * d + e] += (sv - m).exp() / z * v[j][g * d + e];
+                    }
+                }
+            }
+            let o = matvec(&wo, &attn);
+            x[i].iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            let hh = rms(&x[i], &fnorm);
+            let act: Vec<f64> = matvec(&wg, &hh)
+                .iter()
+                .zip(matvec(&wu, &hh))
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            let m = matvec(&wd, &act);
+            x[i].iter_mut().zip(&m).for_each(|(a, b)| *a += b);
+        }
+    }
+    let head = if file.has_tensor("output.weight") { get("output.weight") } else { embed };
+    let fnorm = get("output_norm.weight");
+    x.iter().flat_map(|r| matvec(&head, &rms(r, &fnorm))).map(|v| v as f32).collect()
+}
+
+const PROMPT: [u32; 7] = [3, 17, 5, 40, 22, 9, 31];
+
+#[test]
+fn prefill_matches_the_naive_reference_with_interleaved_rope() {
+    for (spec, stem) in [
+        (RandomLlama::default(), "ref-tied.gguf"),
+        (
+            RandomLlama {
+                untied_head: true,
+                heads: 4,
+                kv_heads: 1,
+                seed: 7,
+                ..RandomLlama::default()
+            },
+            "ref-untied.gguf",
+        ),
+    ] {
+        let p = write_model(&spec, stem);
+        let model = Model::load(&p, 2).unwrap();
+        assert_eq!(model.config().tied_embeddings, !spec.untied_head);
+        let mut cache = model.new_cache(16);
+        let pos: Vec<usize> = (0..PROMPT.len()).collect();
+        let got = model.forward(&PROMPT, &pos, &mut cache, Logits::All).unwrap();
+        assert_eq!(got.shape(), &[PROMPT.len(), spec.vocab]);
+        let want = reference_logits(&GgufFile::open(&p).unwrap(), &PROMPT);
+        assert_close(got.data(), &want, 1e-4);
+        std::fs::remove_file(p).unwrap();
+    }
+}
+
+#[test]
+fn kv_cached_decode_and_chunked_prefill_match_one_full_prefill() {
+    let p = write_model(&RandomLlama { seed: 3, ..RandomLlama::default() }, "decode.gguf");
+    let model = Model::load(&p, 2).unwrap();
+    let n = PROMPT.len();
+    let pos: Vec<usize> = (0..n).collect();
+    let full = model.forward(&PROMPT, &pos, &mut model.new_cache(n), Logits::All).unwrap();
+
+    let mut cache = model.new_cache(n);
+    for t in 0..n {
+        let row = model.forward(&PROMPT[t..=t], &[t], &mut cache, Logits::All).unwrap();
+        assert_close(row.data(), full.row(t), 1e-4);
+    }
+    assert_eq!(cache.len(), n);
+
+    let mut cache = model.new_cache(n);
+    model.forward(&PROMPT[..3], &pos[..3], &mut cache, Logits::All).unwrap();
+    let rest = model.forward(&PROMPT[3..], &pos[3..], &mut cache, Logits::All).unwrap();
+    assert_close(rest.data(), &full.data()[3 * full.row_len()..], 1e-4);
+    let last = model.forward(&PROMPT, &pos, &mut model.new_cache(n), Logits::Last).unwrap();
+    assert_eq!(last.shape(), &[1, full.row_len()]);
+    assert_close(last.data(), full.row(n - 1), 1e-5);
+    std::fs::remove_file(p).unwrap();
+}
+
+#[test]
+fn greedy_generate_equals_argmax_of_recomputed_prefills() {
+    let p = write_model(&RandomLlama { seed: 5, ..RandomLlama::default() }, "gen.gguf");
+    let model = Model::load(&p, 1).unwrap();
+    let mut seen = Vec::new();
+    let out =
+        model.generate(&PROMPT[..3], 5, &[], &mut model.new_cache(8), |t| seen.push(t)).unwrap();
+    assert_eq!(out, seen);
+    assert_eq!(out.len(), 5);
+    let mut seq = PROMPT[..3].to_vec();
+    for &tok in &out {
+        let pos: Vec<usize> = (0..seq.len()).collect();
+        let logits =
+            model.forward(&seq, &pos, &mut model.new_cache(seq.len()), Logits::Last).unwrap();
+        assert_eq!(model.backend().argmax_rows(&logits)[0] as u32, tok);
+        seq.push(tok);
+    }
+    // Stops at a stop token (included) and when the cache is full.
+    let first_stop = out.iter().position(|&t| t == out[4]).unwrap();
+    let stop = model.generate(&PROMPT[..3], 5, &[out[4]], &mut model.new_cache(8), |_| {}).unwrap();
+    assert_eq!(stop, out[..=first_stop]);
+    let short = model.generate(&PROMPT[..3], 5, &[], &mut model.new_cache(5), |_| {}).unwrap();
+    assert_eq!(short, out[..3]);
+    std::fs::remove_file(p).unwrap();
+}
+
+#[test]
+fn head_and_inner_shards_sum_to_the_full_layer() {
+    let spec =
+        RandomLlama { heads: 6, kv_heads: 3, hidden: 48, seed: 11, ..RandomLlama::default() };
+    let p = write_model(&spec, "shards.gguf");
+    let file = GgufFile::open(&p).unwrap();
+    let cfg = LlamaConfig::from_gguf(&file).unwrap();
+    let be = Backend::cpu(2).unwrap();
+    let x = Tensor::from_vec(&[4, 48], crate::test_util::random_vec(4 * 48, 2)).unwrap();
+    let pos = [0, 1, 2, 3];
+    let run = |kv: Range<usize>| {
+        let attn = Attention::load(&file, 1, &cfg, kv.clone()).unwrap();
+        assert_eq!(attn.q_heads(), kv.start * 2..kv.end * 2);
+        let mut cache = LayerCache::new(kv.len(), cfg.head_dim, 4);
+        attn.forward(&be, &x, &pos, &mut cache).unwrap()
+    };
+    let full = run(0..3);
+    let mut sum = run(0..1);
+    be.add_assign(&mut sum, &run(1..3)).unwrap();
+    assert_close(sum.data(), full.data(), 1e-5);
+
+    let mlp_full = Mlp::load(&file, 0, 0..cfg.ffn).unwrap().forward(&be, &x).unwrap();
+    let mut mlp_sum = Mlp::load(&file, 0, 0..40).unwrap().forward(&be, &x).unwrap();
+    be.add_assign(
+        &mut mlp_sum,
+        &Mlp::load(&file, 0, 40..cfg.ffn).unwrap().forward(&be, &x).unwrap(),
+    )
+    .unwrap();
+    assert_close(mlp_sum.data(), mlp_full.data(), 1e-5);
+
+    let err = Attention::load(&file, 0, &cfg, 2..4).unwrap_err();
+    assert!(err.to_string().contains("kv head range 2..4 of 3 heads"), "{err}");
+    std::fs::remove_file(p).unwrap();
+}
+
+#[test]
+fn attention_split_over_two_caches_merges_by_log_sum_exp() {
+    // Context parallelism in miniature: keys of positions 0..3 on one "rank", 3..6 on another.
+    let p = write_model(&RandomLlama { seed: 13, ..RandomLlama::default() }, "cp.gguf");
+    let file = GgufFile::open(&p).unwrap();
+    let cfg = LlamaConfig::from_gguf(&file).unwrap();
+    let be = Backend::cpu(1).unwrap();
+    let attn = Attention::load(&file, 0, &cfg, 0..cfg.n_kv_heads).unwrap();
+    let x = Tensor::from_vec(&[6, 64], crate::test_util::random_vec(6 * 64, 4)).unwrap();
+    let pos: Vec<usize> = (0..6).collect();
+    let (q, k, v) = attn.qkv(&be, &x, &pos).unwrap();
+    let row = cfg.n_kv_heads * cfg.head_dim;
+    let mut all = LayerCache::new(cfg.n_kv_heads, cfg.head_dim, 6);
+    all.append(k.data(), v.data(), &pos).unwrap();
+    let (mut a, mut b) = (
+        LayerCache::new(cfg.n_kv_heads, cfg.head_dim, 3),
+        LayerCache::new(cfg.n_kv_heads, cfg.head_dim, 3),
+    );
+    a.append(&k.data()[..3 * row], &v.data()[..3 * row], &pos[..3]).unwrap();
+    b.append(&k.data()[3 * row..], &v.data()[3 * row..], &pos[3..]).unwrap();
+    let (full, _) = attn.attend(&be, &q, &pos, &all, false).unwrap();
+    let (mut oa, la) = attn.attend(&be, &q, &pos, &a, true).unwrap();
+    let (ob, lb) = attn.attend(&be, &q, &pos, &b, true).unwrap();
+    let mut la = la.unwrap();
+    crate::kernels::cpu::attention::merge_partial(
+        oa.data_mut(),
+        la.data_mut(),
+        ob.data(),
+        lb.unwrap().data(),
+        cfg.head_dim,
+    );
+    assert_close(oa.data(), full.data(), 1e-5);
+    std::fs::remove_file(p).unwrap();
+}
+
+#[test]
+fn bad_inputs_are_errors_and_leave_the_cache_unchanged() {
+    let p = write_model(&RandomLlama { quantized: true, ..RandomLlama::default() }, "errors.gguf");
+    let model = Model::load(&p, 1).unwrap();
+    let mut cache = model.new_cache(4);
+    model.forward(&[1, 2], &[0, 1], &mut cache, Logits::Last).unwrap();
+    let err = model.forward(&[1, 99], &[2, 3], &mut cache, Logits::Last).unwrap_err();
+    assert_eq!(err.to_string(), "token id 99 at index 1 is outside the vocabulary of 48 tokens");
+    let err = model.forward(&[1, 2, 3], &[2, 3, 4], &mut cache, Logits::Last).unwrap_err();
+    assert_eq!(err.to_string(), "kv cache full: 2 of 4 positions used, 3 more requested");
+    let err = model.forward(&[1], &[2, 3], &mut cache, Logits::Last).unwrap_err();
+    assert!(err.to_string().contains("1 tokens with 2 positions"), "{err}");
+    assert_eq!(cache.len(), 2);
+    assert!(Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).is_ok());
+    std::fs::remove_file(&p).unwrap();
+
+    let mut w = RandomLlama::default().writer();
+    w.tensor_f32("output_norm.weight", &[3], &[1.0; 3]);
+    let bad = temp_path("bad-norm.gguf");
+    w.write(&bad).unwrap();
+    let err = GgufFile::open(&bad).unwrap_err();
+    assert!(err.to_string().contains("tensor `output_norm.weight` appears twice"), "{err}");
+    std::fs::remove_file(bad).unwrap();
+}
+
+#[test]
+fn real_model_says_paris_when_cached() {
+    let Some(path) = default_model_path() else {
+        eprintln!("note: default model not cached (run `cargo xtask fetch-model`); skipping");
+        return;
+    };
+    let model = Model::load(&path, 2).unwrap();
+    let c = model.config();
+    assert_eq!(
+        (c.n_layers, c.hidden, c.ffn, c.n_heads, c.n_kv_heads, c.head_dim),
+        (30, 576, 1536, 9, 3, 64)
+    );
+    assert_eq!(
+        (c.vocab_size, c.context_length, c.rope_theta, c.tied_embeddings),
+        (49152, 8192, 100_000.0, true)
+    );
+    let tok = Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    let eos: Vec<u32> = tok.eos_id().into_iter().collect();
+    let prompt = tok.encode("The capital of France is").unwrap();
+    let out = model.generate(&prompt, 8, &eos, &mut model.new_cache(32), |_| {}).unwrap();
+    let text = tok.decode(&out, true).unwrap();
+    assert!(text.contains("Paris"), "continuation: {text:?}");
+
+    let chat =
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
+    let prompt = tok.encode(chat).unwrap();
+    let out = model.generate(&prompt, 16, &eos, &mut model.new_cache(64), |_| {}).unwrap();
+    let text = tok.decode(&out, true).unwrap();
+    assert!(text.contains("Paris"), "chat answer: {text:?}");
+}

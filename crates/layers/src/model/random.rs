@@ -1,0 +1,127 @@
+//! Small Llama models with random weights written as GGUF: fixtures for tests here and in the
+//! crates above (multi-rank tests need a model file that loads in milliseconds).
+
+use crate::error::Result;
+use crate::gguf::{GgufWriter, Value};
+use crate::kernels::cpu::quant::BlockFormat;
+use std::path::Path;
+
+/// The shape of a random Llama model. Weights are uniform in ±`scale`, norms near 1.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RandomLlama {
+    /// Decoder blocks.
+    pub layers: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// MLP inner size.
+    pub ffn: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Vocabulary size (tokens are named `t0`, `t1`, ...).
+    pub vocab: usize,
+    /// Whether to write a separate `output.weight` (else the LM head is tied).
+    pub untied_head: bool,
+    /// Store the projection matrices as Q8_0 instead of f32 (needs widths that are multiples
+    /// of 32).
+    pub quantized: bool,
+    /// Seed of the weights.
+    pub seed: u64,
+}
+
+impl Default for RandomLlama {
+    fn default() -> Self {
+        RandomLlama {
+            layers: 2,
+            hidden: 64,
+            ffn: 96,
+            heads: 4,
+            kv_heads: 2,
+            vocab: 48,
+            untied_head: false,
+            quantized: false,
+            seed: 1,
+        }
+    }
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.next() * scale).collect()
+    }
+}
+
+impl RandomLlama {
+    /// The GGUF writer holding this model (add metadata before writing if needed).
+    pub fn writer(&self) -> GgufWriter {
+        let mut rng = Rng(self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        let (h, d) = (self.hidden, self.hidden / self.heads);
+        let mut w = GgufWriter::new();
+        let u = |x: usize| Value::U32(x as u32);
+        w.metadata("general.architecture", Value::String("llama".into()))
+            .metadata("llama.block_count", u(self.layers))
+            .metadata("llama.embedding_length", u(h))
+            .metadata("llama.feed_forward_length", u(self.ffn))
+            .metadata("llama.attention.head_count", u(self.heads))
+            .metadata("llama.attention.head_count_kv", u(self.kv_heads))
+            .metadata("llama.rope.freq_base", Value::F32(10_000.0))
+            .metadata("llama.rope.dimension_count", u(d))
+            .metadata("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5))
+            .metadata("llama.context_length", u(256))
+            .metadata("tokenizer.ggml.model", Value::String("gpt2".into()))
+            .metadata(
+                "tokenizer.ggml.tokens",
+                Value::Array((0..self.vocab).map(|i| Value::String(format!("t{i}"))).collect()),
+            )
+            .metadata("tokenizer.ggml.merges", Value::Array(Vec::new()))
+            .metadata("tokenizer.ggml.eos_token_id", u(0));
+        let matrix = |w: &mut GgufWriter, rng: &mut Rng, name: &str, rows: usize, cols: usize| {
+            let data = rng.vec(rows * cols, 1.0 / (cols as f32).sqrt() * 1.5);
+            if self.quantized {
+                w.tensor_quantized(name, &[rows, cols], BlockFormat::Q8_0, &data);
+            } else {
+                w.tensor_f32(name, &[rows, cols], &data);
+            }
+        };
+        let norm = |w: &mut GgufWriter, rng: &mut Rng, name: &str| {
+            let data: Vec<f32> = rng.vec(h, 0.2).iter().map(|x| 1.0 + x).collect();
+            w.tensor_f32(name, &[h], &data);
+        };
+        matrix(&mut w, &mut rng, "token_embd.weight", self.vocab, h);
+        for l in 0..self.layers {
+            let n = |t: &str| format!("blk.{l}.{t}.weight");
+            norm(&mut w, &mut rng, &n("attn_norm"));
+            matrix(&mut w, &mut rng, &n("attn_q"), self.heads * d, h);
+            matrix(&mut w, &mut rng, &n("attn_k"), self.kv_heads * d, h);
+            matrix(&mut w, &mut rng, &n("attn_v"), self.kv_heads * d, h);
+            matrix(&mut w, &mut rng, &n("attn_output"), h, self.heads * d);
+            norm(&mut w, &mut rng, &n("ffn_norm"));
+            matrix(&mut w, &mut rng, &n("ffn_gate"), self.ffn, h);
+            matrix(&mut w, &mut rng, &n("ffn_up"), self.ffn, h);
+            matrix(&mut w, &mut rng, &n("ffn_down"), h, self.ffn);
+        }
+        norm(&mut w, &mut rng, "output_norm.weight");
+        if self.untied_head {
+            matrix(&mut w, &mut rng, "output.weight", self.vocab, h);
+        }
+        w
+    }
+
+    /// Writes the model to `path`.
+    ///
+    /// # Errors
+    /// [`crate::Error::Io`] when the file cannot be written.
+    pub fn write(&self, path: &Path) -> Result<()> {
+        self.writer().write(path)
+    }
+}
