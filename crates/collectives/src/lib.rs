@@ -16,14 +16,19 @@ mod comm;
 mod common;
 mod dtype;
 mod error;
+mod group;
 pub mod local;
+pub mod nccl;
 pub mod shm;
+mod solo;
 pub mod tcp;
 
 pub use comm::{AbortHandle, Collective, Communicator, DEFAULT_TIMEOUT};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Op, Result, Site};
+pub use group::{init_parallel, init_parallel_with, InitOptions, ParallelContext, World};
 pub use shm::{ShmComm, ShmOptions};
+pub use solo::Solo;
 pub use tcp::TcpComm;
 #[cfg(test)]
 mod tests;
