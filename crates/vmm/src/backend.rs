@@ -103,6 +103,8 @@ pub(crate) trait Backend: Send {
     fn alloc_host(&self, len: usize) -> Result<HostBuf>;
     /// Copies `dst.len()` bytes from `addr` into `dst`.
     fn copy_to_host(&self, addr: u64, dst: &mut [u8]) -> Result<()>;
+    /// Copies `src` to `addr`.
+    fn copy_from_host(&self, addr: u64, src: &[u8]) -> Result<()>;
     /// Calls `sink` with the `len` bytes at `addr`, in order, in one or more pieces.
     fn save(&self, addr: u64, len: usize, sink: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>;
 }

@@ -71,6 +71,20 @@ pub enum Error {
         /// Its tag.
         tag: Tag,
     },
+    /// A copy past the end of an allocation.
+    #[error("allocation {id} (tag `{tag}`, {bytes} bytes): {len} bytes at offset {offset} are out of bounds")]
+    OutOfBounds {
+        /// Allocation id.
+        id: u64,
+        /// Its tag.
+        tag: Tag,
+        /// Offset asked for.
+        offset: usize,
+        /// Length asked for.
+        len: usize,
+        /// The allocation's size.
+        bytes: u64,
+    },
     /// The allocation lives in memory this process cannot address directly (device memory).
     #[error("allocation {id} (tag `{tag}`) lives in {backend} memory, which the host cannot address: use the device pointer")]
     NotHostAccessible {

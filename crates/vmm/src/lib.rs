@@ -49,6 +49,7 @@ pub use policy::{Policy, Source, Store};
 pub use probe::{DeviceMemory, DeviceUsage, ProcessMemory};
 pub use receipt::{Op, Receipt};
 pub use spill::default_spill_dir;
+pub use tag::Tag;
 
 /// Whether the CUDA driver library can be loaded here (always false without the `cuda`
 /// feature). Creating a CUDA manager can still fail when no device is usable.

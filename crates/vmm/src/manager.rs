@@ -705,6 +705,52 @@ impl Allocation {
     }
 }
 
+impl Allocation {
+    fn copy_check(&self, slot: &Slot, offset: usize, len: usize) -> Result<()> {
+        let s = &self.shared;
+        if slot.phys.is_none() {
+            return Err(Error::Released { id: s.id, tag: s.tag.clone(), bytes: s.bytes as u64 });
+        }
+        if offset.checked_add(len).is_none_or(|end| end > s.bytes) {
+            return Err(Error::OutOfBounds {
+                id: s.id,
+                tag: s.tag.clone(),
+                offset,
+                len,
+                bytes: s.bytes as u64,
+            });
+        }
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes at `offset` into `dst`; works for every backend (a device to
+    /// host copy for CUDA).
+    ///
+    /// # Errors
+    /// [`Error::Released`] while released, [`Error::OutOfBounds`] past the end,
+    /// [`Error::Busy`] while a guard on this allocation is alive, or the backend's copy error.
+    pub fn read_into(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let state = lock(&self.inner.state);
+        // Not a blocking lock: the caller may hold a guard on this allocation.
+        let slot = try_write(&self.shared)?;
+        self.copy_check(&slot, offset, dst.len())?;
+        state.backend.copy_to_host(self.shared.base + offset as u64, dst)
+    }
+
+    /// Copies `src` to `offset`; works for every backend (a host to device copy for CUDA).
+    ///
+    /// # Errors
+    /// [`Error::Released`] while released, [`Error::OutOfBounds`] past the end,
+    /// [`Error::Busy`] while a guard on this allocation is alive, or the backend's copy error.
+    pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<()> {
+        let state = lock(&self.inner.state);
+        // Not a blocking lock: the caller may hold a guard on this allocation.
+        let slot = try_write(&self.shared)?;
+        self.copy_check(&slot, offset, src.len())?;
+        state.backend.copy_from_host(self.shared.base + offset as u64, src)
+    }
+}
+
 impl fmt::Debug for Allocation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Allocation")
@@ -739,6 +785,12 @@ pub struct ReadGuard<'a> {
     len: usize,
 }
 
+impl fmt::Debug for ReadGuard<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReadGuard").field("ptr", &self.ptr).field("len", &self.len).finish()
+    }
+}
+
 impl std::ops::Deref for ReadGuard<'_> {
     type Target = [u8];
 
@@ -755,6 +807,12 @@ pub struct WriteGuard<'a> {
     _slot: RwLockWriteGuard<'a, Slot>,
     ptr: *mut u8,
     len: usize,
+}
+
+impl fmt::Debug for WriteGuard<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WriteGuard").field("ptr", &self.ptr).field("len", &self.len).finish()
+    }
 }
 
 impl std::ops::Deref for WriteGuard<'_> {

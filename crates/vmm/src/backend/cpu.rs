@@ -310,6 +310,14 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn copy_from_host(&self, addr: u64, src: &[u8]) -> Result<()> {
+        // SAFETY: the manager calls this only on a materialized allocation while holding its
+        // write lock, so `addr..addr+src.len()` is mapped read-write and not otherwise borrowed.
+        let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, src.len()) };
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
     fn save(&self, addr: u64, len: usize, sink: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()> {
         // SAFETY: as in `copy_to_host`: mapped, and locked against writers.
         let src = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };

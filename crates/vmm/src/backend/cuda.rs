@@ -291,6 +291,11 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn copy_from_host(&self, addr: u64, src: &[u8]) -> Result<()> {
+        self.bind()?;
+        self.copy_in(addr, src)
+    }
+
     fn save(&self, addr: u64, len: usize, sink: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()> {
         self.bind()?;
         let mut staging = PinnedBuf::new(len.min(STAGING))?;

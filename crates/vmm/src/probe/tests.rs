@@ -1,1 +1,82 @@
+//! Tests of the procfs and NVML probes.
 
+use super::*;
+
+const ROLLUP: &str =
+    "55d4c2a1e000-7ffd5e1f2000 ---p 00000000 00:00 0                          [rollup]
+Rss:              538128 kB
+Pss:              536000 kB
+Shared_Clean:       1200 kB
+Shared_Dirty:         16 kB
+Private_Clean:       100 kB
+Private_Dirty:    536812 kB
+Anonymous:          9000 kB
+";
+
+const STATUS: &str = "Name:\tvmm\nVmRSS:\t  538128 kB\nRssAnon:\t    9000 kB\nRssFile:\t    1216 kB\nRssShmem:\t  527912 kB\n";
+
+#[test]
+fn parses_smaps_rollup_and_status() {
+    let p = std::path::Path::new("/proc/1/x");
+    let m = ProcessMemory::parse(7, Some(ROLLUP), STATUS, p, p).unwrap();
+    assert_eq!(
+        m,
+        ProcessMemory {
+            pid: 7,
+            resident: 538_128 * 1024,
+            anonymous: 9000 * 1024,
+            shared: 1216 * 1024,
+            shmem: 527_912 * 1024
+        }
+    );
+    let fallback = ProcessMemory::parse(7, None, STATUS, p, p).unwrap();
+    assert_eq!(fallback.resident, m.resident);
+    assert_eq!(fallback.shared, (1216 + 527_912) * 1024);
+}
+
+#[test]
+fn a_missing_field_is_named() {
+    let p = std::path::Path::new("/proc/1/status");
+    let err =
+        ProcessMemory::parse(1, None, "Name: x\nRssShmem: 1 kB\n", p, p).unwrap_err().to_string();
+    assert!(err.contains("VmRSS") && err.contains("/proc/1/status"), "{err}");
+}
+
+#[test]
+fn reads_this_process_and_names_a_missing_one() {
+    let me = ProcessMemory::current().unwrap();
+    assert!(me.resident > 0 && me.resident >= me.anonymous);
+    let err = ProcessMemory::of(u32::MAX).unwrap_err().to_string();
+    assert!(err.contains(&format!("/proc/{}/status", u32::MAX)), "{err}");
+}
+
+#[test]
+fn device_memory_is_unavailable_without_nvml_and_never_panics() {
+    let require = std::env::var("TPCTL_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    match DeviceMemory::new() {
+        Ok(nvml) => {
+            let devices = nvml.devices().unwrap();
+            assert!(!devices.is_empty() || !require, "NVML loaded but sees no device");
+            for d in devices {
+                assert!(d.used <= d.total, "{d:?}");
+            }
+        }
+        Err(e) => {
+            if cfg!(feature = "cuda") {
+                assert!(matches!(e, Error::BackendUnavailable { backend: "nvml", .. }), "{e}");
+            } else {
+                assert!(matches!(e, Error::NotCompiledWith { feature: "cuda" }), "{e}");
+            }
+            assert!(!require, "TPCTL_REQUIRE_GPU=1 but NVML is unusable: {e}");
+        }
+    }
+}
+
+#[test]
+fn bytes_of_a_process_not_on_the_device_is_zero() {
+    let usage =
+        DeviceUsage { processes: vec![(10, Some(5)), (11, None)], ..DeviceUsage::default() };
+    assert_eq!(usage.bytes_of(10), Some(5));
+    assert_eq!(usage.bytes_of(11), None);
+    assert_eq!(usage.bytes_of(12), Some(0));
+}
