@@ -77,8 +77,13 @@ pub(crate) fn part(n: usize, parts: usize, r: usize) -> std::ops::Range<usize> {
 
 /// FNV-1a over a list of sizes: a cheap fingerprint every rank compares.
 pub(crate) fn fnv(sizes: &[usize]) -> u64 {
-    sizes
+    let bytes: Vec<u8> = sizes.iter().flat_map(|s| (*s as u64).to_le_bytes()).collect();
+    fnv_bytes(&bytes)
+}
+
+/// FNV-1a over bytes.
+pub(crate) fn fnv_bytes(bytes: &[u8]) -> u64 {
+    bytes
         .iter()
-        .flat_map(|s| (*s as u64).to_le_bytes())
-        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+        .fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }

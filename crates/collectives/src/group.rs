@@ -255,13 +255,19 @@ impl ParallelContext {
     /// # Errors
     /// A rank does not reach the barrier before the deadline.
     pub fn shutdown(self, timeout: Duration) -> Result<()> {
-        if let (Some(world), true) = (&self.world, self.owns_world) {
-            let n = world.inits.load(Ordering::Relaxed);
-            world.store.barrier(
-                &format!("tpctl/{}/shutdown{n}", world.token),
-                world.rendezvous.world_size,
-                timeout,
-            )?;
+        let (Some(world), true) = (&self.world, self.owns_world) else { return Ok(()) };
+        let n = world.inits.load(Ordering::Relaxed);
+        let base = format!("tpctl/{}/shutdown{n}", world.token);
+        let size = world.rendezvous.world_size;
+        world.store.barrier(&base, size, timeout)?;
+        // Rank 0's store must outlive every other rank's last store call: each says it is done
+        // with the store, and rank 0 waits for all of them before its server stops.
+        if world.rendezvous.rank == 0 {
+            let keys: Vec<String> = (1..size).map(|r| format!("{base}/left/{r}")).collect();
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            world.store.wait(&keys, timeout)?;
+        } else {
+            world.store.set(&format!("{base}/left/{}", world.rendezvous.rank), b"")?;
         }
         Ok(())
     }

@@ -10,7 +10,7 @@
 //! A failing rank tells its peers with an abort frame, then shuts its connections down.
 
 use crate::comm::{check, AbortHandle, Communicator, DEFAULT_TIMEOUT};
-use crate::common::{blame_word, blamed, fnv, part};
+use crate::common::{blame_word, blamed, fnv, fnv_bytes, part};
 use crate::dtype::{accumulate, reduce, DType, ReduceOp};
 use crate::error::{Error, Op, Result, Site};
 use mesh::Store;
@@ -185,8 +185,7 @@ impl TcpComm {
         let addr =
             listener.local_addr().map_err(|e| Error::io(format!("{at}: listener address"), e))?;
         store.set(&format!("{key_prefix}/{rank}"), addr.to_string().as_bytes())?;
-        let tag = fnv(&[key_prefix.len(), size])
-            ^ key_prefix.bytes().fold(0, |h, b| h * 31 + u64::from(b));
+        let tag = fnv(&[size]) ^ fnv_bytes(key_prefix.as_bytes());
         let mut peers: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
 
         // Lower ranks listen, higher ranks connect: every pair gets exactly one connection.
