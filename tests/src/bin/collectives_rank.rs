@@ -4,9 +4,7 @@
 //! and exits with code 3.
 #![forbid(unsafe_code)]
 
-use collectives::{
-    init_parallel, Collective, Communicator, InitOptions, ParallelContext, ReduceOp,
-};
+use collectives::{init_parallel, Collective, InitOptions, ParallelContext, ReduceOp};
 use mesh::{AxisBackends, Backend};
 use std::time::Duration;
 
