@@ -114,6 +114,7 @@ fn main() {
 
     let memcpy = memcpy_baseline(bytes);
     let m = Manager::cpu().expect("cpu manager");
+    let kept = Manager::builder().keep_host_backups(true).build().expect("cpu manager");
     let source_path = m.spill_dir().join(format!("bench-reload-{}.bin", std::process::id()));
     std::fs::create_dir_all(m.spill_dir()).expect("spill dir");
     let mut model = vec![0u8; bytes];
@@ -122,16 +123,47 @@ fn main() {
     let source = Source::file(&source_path, 0).expect("reload source");
 
     let mut rows = Vec::new();
-    let cases: Vec<(Policy, Option<&[u8]>, &'static str)> = vec![
-        (Policy::Discard, None, "materialize maps lazily: pages fault in on first touch"),
-        (Policy::Zero, None, "fresh memfd pages are zero; mapped lazily"),
-        (Policy::Backup(Store::Host), None, "heap copy out, pwrite into a fresh memfd back"),
-        (Policy::Backup(Store::Spill), None, "one write to an unnamed file, kernel copy back"),
-        (Policy::Reload(source), Some(&model), "kernel copy from the (page-cached) file"),
+    type Case<'a> = (&'static str, &'a Manager, Policy, Option<&'a [u8]>, &'static str);
+    let cases: Vec<Case<'_>> = vec![
+        (
+            "discard",
+            &m,
+            Policy::Discard,
+            None,
+            "materialize maps lazily: pages fault in on first touch",
+        ),
+        ("zero", &m, Policy::Zero, None, "fresh memfd pages are zero; mapped lazily"),
+        (
+            "backup-host",
+            &m,
+            Policy::Backup(Store::Host),
+            None,
+            "copy into a fresh buffer; pwrite into a fresh memfd",
+        ),
+        (
+            "backup-host-kept",
+            &kept,
+            Policy::Backup(Store::Host),
+            None,
+            "keep_host_backups: buffer reused",
+        ),
+        (
+            "backup-spill",
+            &m,
+            Policy::Backup(Store::Spill),
+            None,
+            "one write to an unnamed file; kernel copy back",
+        ),
+        (
+            "reload",
+            &m,
+            Policy::Reload(source),
+            Some(&model),
+            "kernel copy from the (page-cached) file",
+        ),
     ];
-    for (policy, expect, note) in cases {
-        let name = policy.name();
-        let (release, materialize) = run_policy(&m, bytes, policy, expect);
+    for (name, manager, policy, expect, note) in cases {
+        let (release, materialize) = run_policy(manager, bytes, policy, expect);
         rows.push(Row { policy: name, release, materialize, note });
     }
     let _ = std::fs::remove_file(&source_path);
@@ -165,12 +197,12 @@ fn main() {
         gbps(bytes, memcpy)
     );
     println!(
-        "{:<13} {:>11} {:>9} {:>8} {:>11} {:>9} {:>8}  note",
-        "policy", "release ms", "GB/s", "x memcpy", "material ms", "GB/s", "x memcpy"
+        "{:<16} {:>10} {:>7} {:>8} {:>10} {:>7} {:>8}  note",
+        "policy", "release ms", "GB/s", "x memcpy", "mater. ms", "GB/s", "x memcpy"
     );
     for r in &rows {
         println!(
-            "{:<13} {:>11.1} {:>9.2} {:>8.2} {:>11.1} {:>9.2} {:>8.2}  {}",
+            "{:<16} {:>10.1} {:>7.2} {:>8.2} {:>10.1} {:>7.2} {:>8.2}  {}",
             r.policy,
             r.release.as_secs_f64() * 1e3,
             gbps(bytes, r.release),

@@ -55,6 +55,7 @@ pub(crate) enum Phys {
 /// Host memory that holds a backup: a heap buffer, or pinned memory for CUDA.
 pub(crate) enum HostBuf {
     Heap(Vec<u8>),
+    Mapped(cpu::MappedBuf),
     #[cfg(feature = "cuda")]
     Pinned(cuda::PinnedBuf),
 }
@@ -63,6 +64,7 @@ impl HostBuf {
     pub(crate) fn as_slice(&self) -> &[u8] {
         match self {
             HostBuf::Heap(v) => v,
+            HostBuf::Mapped(m) => m.as_slice(),
             #[cfg(feature = "cuda")]
             HostBuf::Pinned(p) => p.as_slice(),
         }
@@ -71,6 +73,7 @@ impl HostBuf {
     pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
         match self {
             HostBuf::Heap(v) => v,
+            HostBuf::Mapped(m) => m.as_mut_slice(),
             #[cfg(feature = "cuda")]
             HostBuf::Pinned(p) => p.as_mut_slice(),
         }

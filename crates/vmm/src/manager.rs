@@ -23,6 +23,7 @@ pub struct ManagerBuilder {
     spill_limit: Option<u64>,
     default_store: Option<Store>,
     max_allocation: Option<u64>,
+    keep_host_backups: bool,
 }
 
 impl ManagerBuilder {
@@ -58,6 +59,15 @@ impl ManagerBuilder {
         self
     }
 
+    /// Keep each host-store backup buffer after materialize and reuse it at the next release
+    /// (default off). Release then costs one copy into memory that is already faulted in,
+    /// instead of allocating the buffer; the price is that the buffer stays allocated (and,
+    /// for CUDA, pinned) for the allocation's whole life.
+    pub fn keep_host_backups(mut self, keep: bool) -> Self {
+        self.keep_host_backups = keep;
+        self
+    }
+
     /// Creates the manager.
     ///
     /// # Errors
@@ -81,6 +91,7 @@ impl ManagerBuilder {
             spill,
             default_store,
             max_allocation,
+            keep_host_backups: self.keep_host_backups,
         };
         Ok(Manager { inner: Arc::new(Inner { state: Mutex::new(state) }) })
     }
@@ -110,6 +121,7 @@ struct State {
     spill: SpillStore,
     default_store: Store,
     max_allocation: u64,
+    keep_host_backups: bool,
 }
 
 /// What a manager and an allocation handle share about one allocation.
@@ -132,6 +144,8 @@ struct Slot {
     phys: Option<Phys>,
     /// The backup while released under [`Policy::Backup`].
     backup: Option<Backup>,
+    /// A host backup buffer kept for the next release ([`ManagerBuilder::keep_host_backups`]).
+    spare: Option<HostBuf>,
 }
 
 enum Backup {
@@ -342,7 +356,7 @@ impl Manager {
             store,
             backend: state.backend.name(),
             host_accessible,
-            slot: RwLock::new(Slot { phys: Some(phys), backup: None }),
+            slot: RwLock::new(Slot { phys: Some(phys), backup: None, spare: None }),
         });
         state.allocs.insert(id, Arc::clone(&shared));
         state.known.insert(tag);
@@ -405,13 +419,13 @@ impl Manager {
 
         // Phase 1: backups. Nothing is released yet, so a failure just drops what was saved.
         let mut backups: Vec<Option<Backup>> = Vec::with_capacity(targets.len());
-        for (s, slot) in targets.iter().zip(&slots) {
+        for (s, slot) in targets.iter().zip(&mut slots) {
             if slot.phys.is_none() || !matches!(s.policy, Policy::Backup(_)) {
                 backups.push(None);
                 continue;
             }
             let start = Instant::now();
-            let backup = Self::backup(&state, s)
+            let backup = Self::backup(&state, s, slot.spare.take())
                 .map_err(|e| Error::ReleaseAborted { source: Box::new(s.wrap(e)) })?;
             let i = receipt_of(&receipts, &s.tag);
             receipts[i].copied_bytes += backup.bytes();
@@ -457,10 +471,13 @@ impl Manager {
         }
     }
 
-    fn backup(state: &State, s: &Shared) -> Result<Backup> {
+    fn backup(state: &State, s: &Shared, spare: Option<HostBuf>) -> Result<Backup> {
         match s.store {
             Store::Host | Store::Default => {
-                let mut buf = state.backend.alloc_host(s.mapped)?;
+                let mut buf = match spare {
+                    Some(buf) if buf.as_slice().len() == s.mapped => buf,
+                    _ => state.backend.alloc_host(s.mapped)?,
+                };
                 state.backend.copy_to_host(s.base, buf.as_mut_slice())?;
                 Ok(Backup::Host(buf))
             }
@@ -541,7 +558,10 @@ impl Manager {
         }
         // Commit: the restored allocations no longer need their backups.
         for &k in &done {
-            slots[k].backup = None;
+            match slots[k].backup.take() {
+                Some(Backup::Host(buf)) if state.keep_host_backups => slots[k].spare = Some(buf),
+                _ => {}
+            }
         }
         drop(slots);
         drop(state);
@@ -771,6 +791,7 @@ impl Drop for Allocation {
         // No guard can be alive: guards borrow the handle being dropped.
         let mut slot = self.shared.slot.write().unwrap_or_else(PoisonError::into_inner);
         slot.backup = None;
+        slot.spare = None;
         let s = &self.shared;
         if let Err(e) = state.backend.free(s.base, s.mapped, slot.phys.take()) {
             tracing::error!(id = s.id, tag = %s.tag, error = %e, "freeing an allocation failed; its address range leaks");

@@ -136,6 +136,20 @@ fn backup_to_host_and_spill_restores_identical_bytes() {
 }
 
 #[test]
+fn kept_host_backups_are_reused_and_still_restore_the_bytes() {
+    let m =
+        Manager::builder().spill_dir(scratch_dir("kept")).keep_host_backups(true).build().unwrap();
+    let a = m.allocate(Tag::KV_CACHE, 3 * MIB, Policy::Backup(Store::Host)).unwrap();
+    for i in 0..5 {
+        let data = pattern(i, a.bytes());
+        a.write().unwrap().copy_from_slice(&data);
+        m.release([Tag::KV_CACHE]).unwrap();
+        m.materialize([Tag::KV_CACHE]).unwrap();
+        assert_eq!(hash(&a.read().unwrap()), hash(&data), "cycle {i}");
+    }
+}
+
+#[test]
 fn reload_refills_from_a_file_or_a_function() {
     let dir = scratch_dir("reload");
     std::fs::create_dir_all(&dir).unwrap();
