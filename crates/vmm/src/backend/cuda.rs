@@ -249,9 +249,8 @@ impl Backend for CudaBackend {
             return Err((phys, e));
         }
         // SAFETY: `addr..addr+len` is mapped to `handle` by this backend.
-        if let Err(e) =
-            check(|| format!("cuMemUnmap({addr:#x}, {len})"), unsafe { sys::cuMemUnmap(addr, len) })
-        {
+        let r = unsafe { sys::cuMemUnmap(addr, len) };
+        if let Err(e) = check(|| format!("cuMemUnmap({addr:#x}, {len})"), r) {
             return Err((phys, e));
         }
         // A handle that fails to release after a successful unmap leaks device memory but the
@@ -284,11 +283,10 @@ impl Backend for CudaBackend {
 
     fn copy_to_host(&self, addr: u64, dst: &mut [u8]) -> Result<()> {
         self.bind()?;
-        // SAFETY: `addr..addr+dst.len()` is mapped device memory; `dst` is a live host slice.
         let len = dst.len();
-        check(|| format!("cuMemcpyDtoH({addr:#x}, {len} bytes)"), unsafe {
-            sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), addr, len)
-        })
+        // SAFETY: `addr..addr+len` is mapped device memory; `dst` is a live host slice.
+        let r = unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), addr, len) };
+        check(|| format!("cuMemcpyDtoH({addr:#x}, {len} bytes)"), r)
     }
 
     fn copy_from_host(&self, addr: u64, src: &[u8]) -> Result<()> {
