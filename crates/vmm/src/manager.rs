@@ -10,6 +10,7 @@ use crate::tag::Tag;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{
     Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError,
 };
@@ -136,6 +137,9 @@ struct Shared {
     backend: &'static str,
     host_accessible: bool,
     slot: RwLock<Slot>,
+    /// Mirrors `slot.phys.is_none()`, written with the slot's write lock held, so that state
+    /// queries never wait on (or deadlock with) a guard.
+    released: AtomicBool,
 }
 
 /// The mutable state of one allocation.
@@ -272,7 +276,7 @@ impl Manager {
                 bytes: s.bytes as u64,
                 mapped_bytes: s.mapped as u64,
                 base: s.base,
-                released: s.slot.read().unwrap_or_else(PoisonError::into_inner).phys.is_none(),
+                released: s.released.load(Ordering::Acquire),
             })
             .collect()
     }
@@ -357,6 +361,7 @@ impl Manager {
             backend: state.backend.name(),
             host_accessible,
             slot: RwLock::new(Slot { phys: Some(phys), backup: None, spare: None }),
+            released: AtomicBool::new(false),
         });
         state.allocs.insert(id, Arc::clone(&shared));
         state.known.insert(tag);
@@ -459,6 +464,7 @@ impl Manager {
             }
             receipts[i].elapsed += start.elapsed();
         }
+        publish(&targets, &slots);
         drop(slots);
         drop(state);
         for r in &receipts {
@@ -499,7 +505,8 @@ impl Manager {
     /// materialized are left alone. Returns one receipt per distinct tag, in the order given.
     ///
     /// # Errors
-    /// Before any change: [`Error::InvalidTag`], [`Error::UnknownTag`]. When an allocation
+    /// Before any change: [`Error::InvalidTag`], [`Error::UnknownTag`], [`Error::Busy`] (a
+    /// guard on one of the allocations is alive). When an allocation
     /// fails to map or restore (out of memory, a reload source fails, a spill file cannot be
     /// read): [`Error::MaterializeRolledBack`], after every allocation mapped by this call was
     /// released again, with its backup kept, so the state is as before the call.
@@ -554,6 +561,7 @@ impl Manager {
                     }
                 }
             }
+            publish(&targets, &slots);
             return Err(Error::MaterializeRolledBack { rolled_back, source: Box::new(error) });
         }
         // Commit: the restored allocations no longer need their backups.
@@ -563,6 +571,7 @@ impl Manager {
                 _ => {}
             }
         }
+        publish(&targets, &slots);
         drop(slots);
         drop(state);
         for r in &receipts {
@@ -685,7 +694,7 @@ impl Allocation {
     /// Whether the allocation is released. May change right after it returns when other
     /// threads release or materialize.
     pub fn is_released(&self) -> bool {
-        self.shared.slot.read().unwrap_or_else(PoisonError::into_inner).phys.is_none()
+        self.shared.released.load(Ordering::Acquire)
     }
 
     fn check(&self, slot: &Slot) -> Result<()> {
@@ -850,6 +859,13 @@ impl std::ops::DerefMut for WriteGuard<'_> {
         // SAFETY: the write lock makes this the only access to the mapped range, and `&mut self`
         // makes the returned slice unique.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+/// Updates the lock-free `released` flags of `targets` from their locked slots.
+fn publish(targets: &[Arc<Shared>], slots: &[RwLockWriteGuard<'_, Slot>]) {
+    for (s, slot) in targets.iter().zip(slots) {
+        s.released.store(slot.phys.is_none(), Ordering::Release);
     }
 }
 
