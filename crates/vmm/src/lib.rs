@@ -23,6 +23,7 @@
 //! manager.materialize(["kv_cache"])?;
 //! assert_eq!(kv.base(), base);
 //! assert!(kv.read()?.iter().all(|&b| b == 7));
+//! # std::fs::remove_dir_all(&dir).ok();
 //! # Ok::<(), vmm::Error>(())
 //! ```
 //!

@@ -30,14 +30,53 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
-fn scratch_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tpctl-vmm-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
+/// A directory for one test, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
-fn manager(name: &str) -> Manager {
-    Manager::builder().spill_dir(scratch_dir(name)).build().unwrap()
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+fn scratch_dir(name: &str) -> Scratch {
+    let dir = std::env::temp_dir().join(format!("tpctl-vmm-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    Scratch(dir)
+}
+
+/// A manager whose spill directory is removed with it. Spill files have no names, so removing
+/// the directory while allocations still hold them is fine.
+struct TestManager {
+    manager: Manager,
+    _dir: Scratch,
+}
+
+impl std::ops::Deref for TestManager {
+    type Target = Manager;
+
+    fn deref(&self) -> &Manager {
+        &self.manager
+    }
+}
+
+fn manager(name: &str) -> TestManager {
+    let dir = scratch_dir(name);
+    TestManager { manager: Manager::builder().spill_dir(&*dir).build().unwrap(), _dir: dir }
 }
 
 const CHILD_ENV: &str = "TPCTL_VMM_TEST_CHILD";
@@ -137,8 +176,8 @@ fn backup_to_host_and_spill_restores_identical_bytes() {
 
 #[test]
 fn kept_host_backups_are_reused_and_still_restore_the_bytes() {
-    let m =
-        Manager::builder().spill_dir(scratch_dir("kept")).keep_host_backups(true).build().unwrap();
+    let dir = scratch_dir("kept");
+    let m = Manager::builder().spill_dir(&*dir).keep_host_backups(true).build().unwrap();
     let a = m.allocate(Tag::KV_CACHE, 3 * MIB, Policy::Backup(Store::Host)).unwrap();
     for i in 0..5 {
         let data = pattern(i, a.bytes());
@@ -356,8 +395,8 @@ fn an_unwritable_spill_directory_fails_the_backup_and_loses_nothing() {
 
 #[test]
 fn a_full_spill_store_fails_the_backup_and_loses_nothing() {
-    let m =
-        Manager::builder().spill_dir(scratch_dir("cap")).spill_limit(32 * 1024).build().unwrap();
+    let dir = scratch_dir("cap");
+    let m = Manager::builder().spill_dir(&*dir).spill_limit(32 * 1024).build().unwrap();
     assert_backup_failure_releases_nothing(&m, "is full", || ());
 }
 
@@ -768,12 +807,15 @@ proptest! {
         }
         drop(live);
         prop_assert_eq!(m.spilled_bytes(), 0);
-        let _ = std::fs::remove_dir_all(m.spill_dir());
     }
 }
 
 #[test]
-fn scratch_dirs_are_per_process() {
-    assert!(scratch_dir("x").starts_with(std::env::temp_dir()));
-    assert!(!Path::new(&scratch_dir("x")).exists());
+fn scratch_dirs_are_per_process_and_removed() {
+    let dir = scratch_dir("x");
+    assert!(dir.starts_with(std::env::temp_dir()) && !dir.exists());
+    std::fs::create_dir_all(dir.join("sub")).unwrap();
+    let path = dir.to_path_buf();
+    drop(dir);
+    assert!(!path.exists());
 }
