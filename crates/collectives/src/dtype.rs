@@ -124,6 +124,91 @@ impl Element for i64 {
 /// Elements per block when reducing many sources: small enough that the accumulator stays in L1.
 const BLOCK: usize = 1024;
 
+/// A reduction operator as a type, so each kernel is compiled (and vectorised) per operator
+/// instead of calling through a function pointer per element.
+trait Combine<T>: Copy {
+    fn apply(self, acc: T, x: T) -> T;
+}
+
+#[derive(Clone, Copy)]
+struct SumOp;
+#[derive(Clone, Copy)]
+struct MaxOp;
+#[derive(Clone, Copy)]
+struct MinOp;
+
+/// Element types reduced natively.
+trait Native: bytemuck::Pod + PartialOrd {
+    fn add(self, other: Self) -> Self;
+}
+impl Native for u8 {
+    #[inline(always)]
+    fn add(self, other: Self) -> Self {
+        self.wrapping_add(other)
+    }
+}
+impl Native for i64 {
+    #[inline(always)]
+    fn add(self, other: Self) -> Self {
+        self.wrapping_add(other)
+    }
+}
+impl Native for f32 {
+    #[inline(always)]
+    fn add(self, other: Self) -> Self {
+        self + other
+    }
+}
+
+// NaN handling follows `PartialOrd`: a NaN in `acc` stays, a NaN in `x` is skipped. Every rank
+// applies the same order, so results still agree bit for bit.
+impl<T: Native> Combine<T> for SumOp {
+    #[inline(always)]
+    fn apply(self, acc: T, x: T) -> T {
+        acc.add(x)
+    }
+}
+impl<T: Native> Combine<T> for MaxOp {
+    #[inline(always)]
+    fn apply(self, acc: T, x: T) -> T {
+        if x > acc {
+            x
+        } else {
+            acc
+        }
+    }
+}
+impl<T: Native> Combine<T> for MinOp {
+    #[inline(always)]
+    fn apply(self, acc: T, x: T) -> T {
+        if x < acc {
+            x
+        } else {
+            acc
+        }
+    }
+}
+
+/// Calls `$body` with `$f` bound to the operator type of `$op`.
+macro_rules! with_op {
+    ($op:expr, $f:ident => $body:expr) => {
+        match $op {
+            ReduceOp::Sum => {
+                let $f = SumOp;
+                $body
+            }
+            ReduceOp::Max => {
+                let $f = MaxOp;
+                $body
+            }
+            ReduceOp::Min => {
+                let $f = MinOp;
+                $body
+            }
+        }
+    };
+}
+
 /// Reduces `sources` element-wise, in the order given, into `out`.
 ///
 /// Every rank that reduces the same sources in the same order gets bit-identical results, which
@@ -132,94 +217,70 @@ const BLOCK: usize = 1024;
 pub(crate) fn reduce(dtype: DType, op: ReduceOp, out: &mut [u8], sources: &[&[u8]]) {
     debug_assert!(sources.iter().all(|s| s.len() == out.len()));
     match dtype {
-        DType::U8 => reduce_native::<u8>(op, out, sources),
-        DType::F32 => reduce_native::<f32>(op, out, sources),
-        DType::I64 => reduce_native::<i64>(op, out, sources),
-        DType::F16 => reduce_half(op, out, sources, f16::to_f32, f16::from_f32),
-        DType::BF16 => reduce_half(op, out, sources, bf16::to_f32, bf16::from_f32),
+        DType::U8 => with_op!(op, f => reduce_native::<u8, _>(f, out, sources)),
+        DType::F32 => with_op!(op, f => reduce_native::<f32, _>(f, out, sources)),
+        DType::I64 => with_op!(op, f => reduce_native::<i64, _>(f, out, sources)),
+        DType::F16 => with_op!(op, f => reduce_half(f, out, sources, f16::to_f32, f16::from_f32)),
+        DType::BF16 => {
+            with_op!(op, f => reduce_half(f, out, sources, bf16::to_f32, bf16::from_f32))
+        }
     }
 }
 
 /// `acc = acc op src`, element-wise (f16/bf16 through f32).
 pub(crate) fn accumulate(dtype: DType, op: ReduceOp, acc: &mut [u8], src: &[u8]) {
     debug_assert_eq!(acc.len(), src.len());
-    fn native<T: Native>(op: ReduceOp, acc: &mut [u8], src: &[u8]) {
-        let f = combine::<T>(op);
-        let src: &[T] = bytemuck::cast_slice(src);
-        for (a, &x) in bytemuck::cast_slice_mut::<u8, T>(acc).iter_mut().zip(src) {
-            *a = f(*a, x);
-        }
-    }
-    fn half<H: bytemuck::Pod>(
-        op: ReduceOp,
-        acc: &mut [u8],
-        src: &[u8],
-        to: fn(H) -> f32,
-        from: fn(f32) -> H,
-    ) {
-        let f = combine::<f32>(op);
-        let src: &[H] = bytemuck::cast_slice(src);
-        for (a, &x) in bytemuck::cast_slice_mut::<u8, H>(acc).iter_mut().zip(src) {
-            *a = from(f(to(*a), to(x)));
-        }
-    }
     match dtype {
-        DType::U8 => native::<u8>(op, acc, src),
-        DType::F32 => native::<f32>(op, acc, src),
-        DType::I64 => native::<i64>(op, acc, src),
-        DType::F16 => half(op, acc, src, f16::to_f32, f16::from_f32),
-        DType::BF16 => half(op, acc, src, bf16::to_f32, bf16::from_f32),
+        DType::U8 => with_op!(op, f => accumulate_native::<u8, _>(f, acc, src)),
+        DType::F32 => with_op!(op, f => accumulate_native::<f32, _>(f, acc, src)),
+        DType::I64 => with_op!(op, f => accumulate_native::<i64, _>(f, acc, src)),
+        DType::F16 => with_op!(op, f => accumulate_half(f, acc, src, f16::to_f32, f16::from_f32)),
+        DType::BF16 => {
+            with_op!(op, f => accumulate_half(f, acc, src, bf16::to_f32, bf16::from_f32))
+        }
     }
 }
 
-trait Native: bytemuck::Pod + PartialOrd {
-    fn add(self, other: Self) -> Self;
-}
-impl Native for u8 {
-    fn add(self, other: Self) -> Self {
-        self.wrapping_add(other)
-    }
-}
-impl Native for i64 {
-    fn add(self, other: Self) -> Self {
-        self.wrapping_add(other)
-    }
-}
-impl Native for f32 {
-    fn add(self, other: Self) -> Self {
-        self + other
+#[inline(always)]
+fn fold_into<T: Copy, F: Combine<T>>(f: F, acc: &mut [T], src: &[T]) {
+    for (a, &x) in acc.iter_mut().zip(src) {
+        *a = f.apply(*a, x);
     }
 }
 
-fn combine<T: Native>(op: ReduceOp) -> fn(T, T) -> T {
-    // NaN handling follows `PartialOrd`: a NaN in `acc` stays, a NaN in `x` is skipped. Every
-    // rank applies the same order, so results still agree bit for bit.
-    match op {
-        ReduceOp::Sum => T::add,
-        ReduceOp::Max => |acc, x| if x > acc { x } else { acc },
-        ReduceOp::Min => |acc, x| if x < acc { x } else { acc },
+fn accumulate_native<T: Native, F: Combine<T>>(f: F, acc: &mut [u8], src: &[u8]) {
+    fold_into(f, bytemuck::cast_slice_mut::<u8, T>(acc), bytemuck::cast_slice(src));
+}
+
+fn accumulate_half<H: bytemuck::Pod, F: Combine<f32>>(
+    f: F,
+    acc: &mut [u8],
+    src: &[u8],
+    to_f32: fn(H) -> f32,
+    from_f32: fn(f32) -> H,
+) {
+    let src: &[H] = bytemuck::cast_slice(src);
+    for (a, &x) in bytemuck::cast_slice_mut::<u8, H>(acc).iter_mut().zip(src) {
+        *a = from_f32(f.apply(to_f32(*a), to_f32(x)));
     }
 }
 
-fn reduce_native<T: Native>(op: ReduceOp, out: &mut [u8], sources: &[&[u8]]) {
+fn reduce_native<T: Native, F: Combine<T>>(f: F, out: &mut [u8], sources: &[&[u8]]) {
     let out: &mut [T] = bytemuck::cast_slice_mut(out);
     let srcs: Vec<&[T]> = sources.iter().map(|s| bytemuck::cast_slice(s)).collect();
-    let f = combine::<T>(op);
     let Some((first, rest)) = srcs.split_first() else { return };
     for start in (0..out.len()).step_by(BLOCK) {
         let end = (start + BLOCK).min(out.len());
         let acc = &mut out[start..end];
         acc.copy_from_slice(&first[start..end]);
         for src in rest {
-            for (a, &x) in acc.iter_mut().zip(&src[start..end]) {
-                *a = f(*a, x);
-            }
+            fold_into(f, acc, &src[start..end]);
         }
     }
 }
 
-fn reduce_half<H: bytemuck::Pod>(
-    op: ReduceOp,
+fn reduce_half<H: bytemuck::Pod, F: Combine<f32>>(
+    f: F,
     out: &mut [u8],
     sources: &[&[u8]],
     to_f32: fn(H) -> f32,
@@ -227,7 +288,6 @@ fn reduce_half<H: bytemuck::Pod>(
 ) {
     let out: &mut [H] = bytemuck::cast_slice_mut(out);
     let srcs: Vec<&[H]> = sources.iter().map(|s| bytemuck::cast_slice(s)).collect();
-    let f = combine::<f32>(op);
     let Some((first, rest)) = srcs.split_first() else { return };
     let mut acc = [0f32; BLOCK];
     for start in (0..out.len()).step_by(BLOCK) {
@@ -238,7 +298,7 @@ fn reduce_half<H: bytemuck::Pod>(
         }
         for src in rest {
             for (a, &x) in acc.iter_mut().zip(&src[start..end]) {
-                *a = f(*a, to_f32(x));
+                *a = f.apply(*a, to_f32(x));
             }
         }
         for (o, &a) in out[start..end].iter_mut().zip(acc.iter()) {

@@ -49,18 +49,18 @@ const LAUNCHERS: [Launcher; 3] = [
         node_rank: "GROUP_RANK",
     },
     Launcher {
-        rank: "SLURM_PROCID",
-        world: "SLURM_NTASKS",
-        local_rank: "SLURM_LOCALID",
-        local_world: "SLURM_NTASKS_PER_NODE",
-        node_rank: "SLURM_NODEID",
-    },
-    Launcher {
         rank: "OMPI_COMM_WORLD_RANK",
         world: "OMPI_COMM_WORLD_SIZE",
         local_rank: "OMPI_COMM_WORLD_LOCAL_RANK",
         local_world: "OMPI_COMM_WORLD_LOCAL_SIZE",
         node_rank: "OMPI_COMM_WORLD_NODE_RANK",
+    },
+    Launcher {
+        rank: "SLURM_PROCID",
+        world: "SLURM_NTASKS",
+        local_rank: "SLURM_LOCALID",
+        local_world: "SLURM_NTASKS_PER_NODE",
+        node_rank: "SLURM_NODEID",
     },
 ];
 
@@ -100,7 +100,6 @@ impl Rendezvous {
     ///   ([`Error::MissingEnv`] naming the missing variable);
     /// - a number does not parse, the world size is zero, a rank is not below its world size
     ///   ([`Error::InvalidEnv`] naming the variable and its value);
-    /// - two launchers disagree ([`Error::EnvConflict`] naming both variables);
     /// - a world of more than one rank without `MASTER_ADDR` or `MASTER_PORT`, or with
     ///   `MASTER_PORT=0`.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Rendezvous> {
@@ -119,6 +118,9 @@ impl Rendezvous {
         };
 
         // A launcher is present when it names a rank or a world size; then it must name both.
+        // The innermost launcher describes this process: torchrun run under srun, or mpirun
+        // under Slurm, leaves the outer launcher's variables describing the launcher itself.
+        // So the first launcher present, in the order torchrun, OpenMPI, Slurm, is the one.
         let mut rank = Merged::default();
         let mut world = Merged::default();
         let mut local_rank = Merged::default();
@@ -140,6 +142,12 @@ impl Rendezvous {
                         var: launcher.rank,
                         why: format!("{var}={value} is set, so the rank must be too"),
                     })
+                }
+                (Some(_), Some(_)) if rank.value.is_some() => {
+                    tracing::debug!(
+                        rank_var = launcher.rank,
+                        "an outer launcher's variables are set too; the inner launcher's win"
+                    );
                 }
                 (Some(r), Some(w)) => {
                     rank.push(r)?;

@@ -1,7 +1,148 @@
-//! Collectives benchmark (shm and tcp, 2 and 4 ranks) against OpenMPI's `MPI_Allreduce`.
+//! Collectives benchmark (shm and tcp, 2 and 4 ranks) next to OpenMPI's `MPI_Allreduce`,
+//! measured in the same run from `shared/anchors/mpi_allreduce.c`.
 
-use anyhow::{bail, Result};
+use crate::util::{self, cargo, root};
+use anyhow::{Context, Result};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Command;
 
-pub(crate) fn run(_json: bool) -> Result<()> {
-    bail!("the collectives benchmark is not written yet")
+/// One measurement row, parsed from the flat JSON the bench binary prints.
+#[derive(Debug, Clone)]
+struct Row {
+    backend: String,
+    ranks: usize,
+    op: String,
+    bytes: usize,
+    time_us: f64,
+    algbw: f64,
+    busbw: f64,
+}
+
+fn field<'a>(json: &'a str, key: &str) -> Option<&'a str> {
+    let key = format!("\"{key}\":");
+    let start = json.find(&key)? + key.len();
+    let rest = &json[start..];
+    let end = rest.find([',', '}']).unwrap_or(rest.len());
+    Some(rest[..end].trim_matches('"'))
+}
+
+fn parse_row(line: &str) -> Option<Row> {
+    Some(Row {
+        backend: field(line, "backend")?.to_owned(),
+        ranks: field(line, "ranks")?.parse().ok()?,
+        op: field(line, "op")?.to_owned(),
+        bytes: field(line, "bytes")?.parse().ok()?,
+        time_us: field(line, "time_us")?.parse().ok()?,
+        algbw: field(line, "algbw_GBps")?.parse().ok()?,
+        busbw: field(line, "busbw_GBps")?.parse().ok()?,
+    })
+}
+
+pub(crate) fn run(json: bool) -> Result<()> {
+    let out = util::output(cargo().args([
+        "bench",
+        "--quiet",
+        "-p",
+        "tpctl-collectives",
+        "--bench",
+        "collectives",
+        "--",
+        "--json",
+    ]))?;
+    let rows: Vec<Row> = out.lines().filter_map(parse_row).collect();
+    anyhow::ensure!(!rows.is_empty(), "the collectives benchmark printed no rows:\n{out}");
+    let mpi = match mpi_anchor() {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("OpenMPI anchor not measured: {e:#}");
+            BTreeMap::new()
+        }
+    };
+    if json {
+        for r in &rows {
+            let reference = mpi.get(&(r.ranks, r.bytes)).filter(|_| r.op == "all_reduce");
+            println!(
+                "{{\"backend\":\"{}\",\"ranks\":{},\"op\":\"{}\",\"bytes\":{},\"time_us\":{:.2},\"algbw_GBps\":{:.3},\"busbw_GBps\":{:.3},\"openmpi_time_us\":{},\"speedup_vs_openmpi\":{}}}",
+                r.backend,
+                r.ranks,
+                r.op,
+                r.bytes,
+                r.time_us,
+                r.algbw,
+                r.busbw,
+                reference.map_or("null".to_owned(), |t| format!("{t:.2}")),
+                reference.map_or("null".to_owned(), |t| format!("{:.2}", t / r.time_us)),
+            );
+        }
+        return Ok(());
+    }
+    println!(
+        "{:<7} {:>5} {:<10} {:>9} {:>11} {:>10} {:>10} {:>12} {:>9}",
+        "backend", "ranks", "op", "bytes", "time_us", "algbw GB/s", "busbw GB/s", "OpenMPI us", "speedup"
+    );
+    for r in &rows {
+        let reference = mpi.get(&(r.ranks, r.bytes)).filter(|_| r.op == "all_reduce");
+        println!(
+            "{:<7} {:>5} {:<10} {:>9} {:>11.2} {:>10.3} {:>10.3} {:>12} {:>9}",
+            r.backend,
+            r.ranks,
+            r.op,
+            r.bytes,
+            r.time_us,
+            r.algbw,
+            r.busbw,
+            reference.map_or("-".to_owned(), |t| format!("{t:.2}")),
+            reference.map_or("-".to_owned(), |t| format!("{:.2}x", t / r.time_us)),
+        );
+    }
+    println!("speedup = OpenMPI MPI_Allreduce time / ours, same sizes, same machine, same run");
+    Ok(())
+}
+
+/// Builds and runs the OpenMPI anchor for 2 and 4 ranks: (ranks, bytes) -> time in us.
+fn mpi_anchor() -> Result<BTreeMap<(usize, usize), f64>> {
+    let source = root().join("../shared/anchors/mpi_allreduce.c");
+    anyhow::ensure!(source.exists(), "{} is missing", source.display());
+    ensure_openmpi()?;
+    let dir = root().join("target/anchors");
+    std::fs::create_dir_all(&dir)?;
+    let exe: PathBuf = dir.join("mpi_allreduce");
+    util::run(Command::new("mpicc").arg("-O2").arg("-o").arg(&exe).arg(&source))?;
+    let mut times = BTreeMap::new();
+    for np in [2usize, 4] {
+        let out = util::output(
+            Command::new("mpirun")
+                .args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string()])
+                .arg(&exe)
+                .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+                .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
+        )?;
+        for line in out.lines() {
+            // np=2 bytes=8 time_us=0.31 algbw_GBps=... busbw_GBps=...
+            let get = |k: &str| {
+                line.split_whitespace().find_map(|w| w.strip_prefix(k)).map(str::to_owned)
+            };
+            if let (Some(bytes), Some(t)) = (get("bytes="), get("time_us=")) {
+                times.insert((np, bytes.parse()?), t.parse()?);
+            }
+        }
+    }
+    anyhow::ensure!(!times.is_empty(), "the OpenMPI anchor printed nothing");
+    Ok(times)
+}
+
+/// Installs OpenMPI with apt when `mpicc` is missing (CI machines and fresh machines).
+fn ensure_openmpi() -> Result<()> {
+    if Command::new("mpicc").arg("--version").output().is_ok_and(|o| o.status.success()) {
+        return Ok(());
+    }
+    eprintln!("mpicc not found: installing openmpi-bin and libopenmpi-dev with apt-get");
+    util::run(Command::new("apt-get").args(["update", "-qq"]))
+        .context("apt-get update (needs root)")?;
+    util::run(
+        Command::new("apt-get")
+            .args(["install", "-y", "-qq", "openmpi-bin", "libopenmpi-dev"])
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
 }
