@@ -8,6 +8,8 @@
 pub mod cpu;
 
 pub use cpu::attention::AttnShape;
+use cpu::qmatrix::Q8Vector;
+pub use cpu::qmatrix::QMatrix;
 use cpu::CpuBackend;
 
 use crate::error::{Error, Result};
@@ -19,6 +21,8 @@ use crate::tensor::{Device, Tensor};
 pub enum Weight {
     /// Dense f32, row-major.
     F32(Tensor),
+    /// Block-quantized (Q8_0, Q4_0, Q4_1 as stored in the checkpoint).
+    Quant(QMatrix),
 }
 
 impl Weight {
@@ -26,6 +30,19 @@ impl Weight {
     pub fn dims(&self) -> (usize, usize) {
         match self {
             Weight::F32(t) => (t.rows(), t.row_len()),
+            Weight::Quant(q) => q.dims(),
+        }
+    }
+
+    /// Row `r` (one output feature's weights; a token's embedding) as f32.
+    pub fn row_f32(&self, r: usize) -> Vec<f32> {
+        match self {
+            Weight::F32(t) => t.row(r).to_vec(),
+            Weight::Quant(q) => {
+                let mut out = vec![0.0; q.dims().1];
+                q.dequantize_row(r, &mut out);
+                out
+            }
         }
     }
 }
@@ -41,6 +58,10 @@ pub enum Backend {
 /// Batches up to this many rows run as repeated matrix-vector products instead of `gemm`,
 /// whose packing does not pay off for so few rows.
 const MATVEC_MAX_ROWS: usize = 2;
+
+/// Batches up to this many rows multiply quantized weights directly; larger ones dequantize
+/// the matrix once and use `gemm` (the dequantization then costs less than the extra passes).
+const QMATVEC_MAX_ROWS: usize = 8;
 
 fn check(op: &'static str, ok: bool, msg: impl FnOnce() -> String) -> Result<()> {
     if ok {
@@ -114,6 +135,18 @@ impl Backend {
                         k,
                         cpu.threads(),
                     )
+                }
+            })?,
+            (Backend::Cpu(cpu), Weight::Quant(wq)) => cpu.install(|| {
+                if m <= QMATVEC_MAX_ROWS {
+                    for (xr, or) in x.data().chunks_exact(k).zip(out.data_mut().chunks_exact_mut(n))
+                    {
+                        cpu::qmatrix::qmatvec(wq, &Q8Vector::quantize(xr), or);
+                    }
+                    Ok(())
+                } else {
+                    let wt = wq.dequantize();
+                    cpu::matmul::matmul_nt(x.data(), &wt, out.data_mut(), m, n, k, cpu.threads())
                 }
             })?,
         }
@@ -254,15 +287,15 @@ impl Backend {
     ///
     /// # Errors
     /// [`Error::TokenOutOfRange`] for an id at or above the table's row count.
-    pub fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
-        let dim = table.row_len();
+    pub fn embedding(&self, table: &Weight, ids: &[u32]) -> Result<Tensor> {
+        let (vocab, dim) = table.dims();
         let mut out = Tensor::zeros(&[ids.len(), dim]);
         for (index, (&id, row)) in ids.iter().zip(out.data_mut().chunks_exact_mut(dim)).enumerate()
         {
-            if id as usize >= table.rows() {
-                return Err(Error::TokenOutOfRange { id, index, vocab: table.rows() });
+            if id as usize >= vocab {
+                return Err(Error::TokenOutOfRange { id, index, vocab });
             }
-            row.copy_from_slice(table.row(id as usize));
+            row.copy_from_slice(&table.row_f32(id as usize));
         }
         Ok(out)
     }
@@ -296,9 +329,31 @@ mod tests {
     }
 
     #[test]
+    fn quantized_linear_agrees_with_f32_for_decode_and_prefill_batches() {
+        use crate::kernels::cpu::quant::{quantize, BlockFormat};
+        let be = Backend::cpu(2).unwrap();
+        let (n, k) = (48, 64);
+        let wf = random_vec(n * k, 3);
+        let q = QMatrix::from_blocks(BlockFormat::Q4_1, n, k, &quantize(BlockFormat::Q4_1, &wf))
+            .unwrap();
+        let dense = Weight::F32(Tensor::from_vec(&[n, k], q.dequantize()).unwrap());
+        let quant = Weight::Quant(q);
+        for m in [1, 3, 12] {
+            let x = Tensor::from_vec(&[m, k], random_vec(m * k, 4)).unwrap();
+            let a = be.linear(&x, &dense).unwrap();
+            let b = be.linear(&x, &quant).unwrap();
+            for (g, w) in b.data().iter().zip(a.data()) {
+                assert!((g - w).abs() < 0.05, "m={m}: {g} vs {w}");
+            }
+        }
+        assert_eq!(quant.row_f32(5), dense.row_f32(5));
+    }
+
+    #[test]
     fn embedding_rejects_out_of_range_ids_and_cuda_reports_why() {
         let be = Backend::cpu(1).unwrap();
-        let table = Tensor::from_vec(&[3, 2], vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
+        let table =
+            Weight::F32(Tensor::from_vec(&[3, 2], vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]).unwrap());
         assert_eq!(be.embedding(&table, &[2, 0]).unwrap().data(), &[4.0, 5.0, 0.0, 1.0]);
         let err = be.embedding(&table, &[1, 3]).unwrap_err();
         assert!(err.to_string().contains("token id 3 at index 1"), "{err}");

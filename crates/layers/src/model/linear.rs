@@ -5,8 +5,10 @@
 //! by whole KV-head groups for attention; loading reads only the requested slice from the file.
 
 use crate::error::{Error, Result};
+use crate::gguf::GgmlType;
 use crate::gguf::GgufFile;
-use crate::kernels::{Backend, Weight};
+use crate::kernels::cpu::quant::BLOCK;
+use crate::kernels::{Backend, QMatrix, Weight};
 use crate::tensor::Tensor;
 use std::ops::Range;
 
@@ -34,6 +36,16 @@ pub trait WeightSource {
     /// As [`WeightSource::rows`].
     fn cols(&self, name: &str, cols: Range<usize>) -> Result<Vec<f32>>;
 
+    /// The slice `shard` of `name` in its stored block-quantized form, or `None` when the
+    /// tensor is not block-quantized or the slice does not fall on block boundaries.
+    ///
+    /// # Errors
+    /// As [`WeightSource::rows`].
+    fn quantized(&self, name: &str, shard: &Shard) -> Result<Option<QMatrix>> {
+        let _ = (name, shard);
+        Ok(None)
+    }
+
     /// Whether Q/K projection rows are stored permuted for interleaved (adjacent-pair) rotary
     /// embedding, as GGUF llama files are; they are un-permuted at load.
     fn qk_interleaved(&self) -> bool;
@@ -56,9 +68,43 @@ impl WeightSource for GgufFile {
         self.tensor_cols(name, cols)
     }
 
+    fn quantized(&self, name: &str, shard: &Shard) -> Result<Option<QMatrix>> {
+        let info = self.tensor_info(name)?;
+        let GgmlType::Block(format) = info.ggml_type else { return Ok(None) };
+        let (rows, cols) = (info.rows(), info.row_len());
+        let (row_range, col_range) = match shard {
+            Shard::Full => (0..rows, 0..cols),
+            Shard::Rows(r) => (r.clone(), 0..cols),
+            Shard::Cols(c) => (0..rows, c.clone()),
+        };
+        if col_range.start % BLOCK != 0 || col_range.end % BLOCK != 0 || col_range.end > cols {
+            return Ok(None);
+        }
+        let (_, bytes) = self.raw_rows(name, row_range.clone())?;
+        let bb = format.block_bytes();
+        let row_bytes = cols / BLOCK * bb;
+        let (b0, b1) = (col_range.start / BLOCK * bb, col_range.end / BLOCK * bb);
+        let picked: Vec<u8> = if col_range == (0..cols) {
+            bytes.to_vec()
+        } else {
+            bytes.chunks_exact(row_bytes).flat_map(|row| &row[b0..b1]).copied().collect()
+        };
+        Ok(QMatrix::from_blocks(format, row_range.len(), col_range.len(), &picked))
+    }
+
     fn qk_interleaved(&self) -> bool {
         true
     }
+}
+
+/// How a linear layer keeps its weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum WeightForm {
+    /// Keep block-quantized weights quantized (decode reads 4-8× fewer bytes); others as f32.
+    #[default]
+    Native,
+    /// Convert everything to f32.
+    F32,
 }
 
 /// The part of a `[out_features, in_features]` weight matrix a rank keeps.
@@ -85,11 +131,16 @@ impl Linear {
         Linear { weight }
     }
 
-    /// Loads `shard` of the 2-d tensor `name`.
+    /// Loads `shard` of the 2-d tensor `name`, in `form`.
     ///
     /// # Errors
     /// [`Error::Tensor`] when it is missing, not 2-d, or the shard is out of bounds.
-    pub fn load(src: &dyn WeightSource, name: &str, shard: &Shard) -> Result<Self> {
+    pub fn load(
+        src: &dyn WeightSource,
+        name: &str,
+        shard: &Shard,
+        form: WeightForm,
+    ) -> Result<Self> {
         let shape = src.shape(name)?;
         let [out, inp] = shape[..] else {
             return Err(Error::tensor(
@@ -97,6 +148,22 @@ impl Linear {
                 format!("expected a 2-d weight, found shape {shape:?}"),
             ));
         };
+        let in_bounds = match shard {
+            Shard::Full => true,
+            Shard::Rows(r) => r.start <= r.end && r.end <= out,
+            Shard::Cols(c) => c.start <= c.end && c.end <= inp,
+        };
+        if !in_bounds {
+            return Err(Error::tensor(
+                name,
+                format!("shard {shard:?} outside its shape {shape:?}"),
+            ));
+        }
+        if form == WeightForm::Native {
+            if let Some(q) = src.quantized(name, shard)? {
+                return Ok(Linear { weight: Weight::Quant(q) });
+            }
+        }
         let (shape, data) = match shard {
             Shard::Full => ([out, inp], src.rows(name, 0..out)?),
             Shard::Rows(r) => ([r.len(), inp], src.rows(name, r.clone())?),
@@ -116,20 +183,23 @@ impl Linear {
         name: &str,
         heads: Range<usize>,
         head_dim: usize,
+        form: WeightForm,
     ) -> Result<Self> {
-        let lin =
-            Linear::load(src, name, &Shard::Rows(heads.start * head_dim..heads.end * head_dim))?;
+        let rows = Shard::Rows(heads.start * head_dim..heads.end * head_dim);
+        let lin = Linear::load(src, name, &rows, form)?;
         if !src.qk_interleaved() {
             return Ok(lin);
         }
-        let Weight::F32(t) = lin.weight;
-        let shape = t.shape().to_vec();
-        Ok(Linear {
-            weight: Weight::F32(Tensor::from_vec(
-                &shape,
-                unpermute_rows(t.data(), shape[1], head_dim),
-            )?),
-        })
+        let weight = match lin.weight {
+            Weight::F32(t) => {
+                let shape = t.shape().to_vec();
+                Weight::F32(Tensor::from_vec(&shape, unpermute_rows(t.data(), shape[1], head_dim))?)
+            }
+            Weight::Quant(q) => {
+                Weight::Quant(q.select_rows(&unpermute_order(q.dims().0, head_dim)))
+            }
+        };
+        Ok(Linear { weight })
     }
 
     /// The weight.
@@ -149,6 +219,19 @@ impl Linear {
     pub fn forward(&self, be: &Backend, x: &Tensor) -> Result<Tensor> {
         be.linear(x, &self.weight)
     }
+}
+
+/// For each rotate-half row of `rows` rows (whole heads), the stored interleaved row it comes
+/// from (see [`unpermute_rows`]).
+pub fn unpermute_order(rows: usize, head_dim: usize) -> Vec<usize> {
+    let half = head_dim / 2;
+    (0..rows)
+        .map(|r| {
+            let (head, within) = (r / head_dim, r % head_dim);
+            let (h, i) = (within / half, within % half);
+            head * head_dim + 2 * i + h
+        })
+        .collect()
 }
 
 /// Undoes the GGUF llama Q/K row permutation head by head: within a head of `head_dim` rows,
@@ -179,5 +262,8 @@ mod tests {
         // Two heads of 4 rows, 1 column: rotate-half rows r0..r3 are stored as r0 r2 r1 r3.
         let gguf = [0.0, 2.0, 1.0, 3.0, 10.0, 12.0, 11.0, 13.0];
         assert_eq!(unpermute_rows(&gguf, 1, 4), vec![0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0]);
+        let order = unpermute_order(8, 4);
+        assert_eq!(order, vec![0, 2, 1, 3, 4, 6, 5, 7]);
+        assert_eq!(order.iter().map(|&i| gguf[i]).collect::<Vec<_>>(), unpermute_rows(&gguf, 1, 4));
     }
 }

@@ -11,7 +11,7 @@ pub mod random;
 mod tests;
 
 pub use cache::{KvCache, LayerCache};
-pub use linear::{Linear, Shard, WeightSource};
+pub use linear::{Linear, Shard, WeightForm, WeightSource};
 
 use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
@@ -73,6 +73,7 @@ impl Attention {
         layer: usize,
         cfg: &LlamaConfig,
         kv_heads: Range<usize>,
+        form: WeightForm,
     ) -> Result<Self> {
         if kv_heads.is_empty() || kv_heads.end > cfg.n_kv_heads {
             return Err(Error::shape(
@@ -84,15 +85,12 @@ impl Attention {
         let d = cfg.head_dim;
         let q_heads = kv_heads.start * g..kv_heads.end * g;
         let name = |t: &str| format!("blk.{layer}.{t}.weight");
-        let q = Linear::load_qk(src, &name("attn_q"), q_heads.clone(), d)?;
-        let k = Linear::load_qk(src, &name("attn_k"), kv_heads.clone(), d)?;
-        let v =
-            Linear::load(src, &name("attn_v"), &Shard::Rows(kv_heads.start * d..kv_heads.end * d))?;
-        let o = Linear::load(
-            src,
-            &name("attn_output"),
-            &Shard::Cols(q_heads.start * d..q_heads.end * d),
-        )?;
+        let q = Linear::load_qk(src, &name("attn_q"), q_heads.clone(), d, form)?;
+        let k = Linear::load_qk(src, &name("attn_k"), kv_heads.clone(), d, form)?;
+        let v_rows = Shard::Rows(kv_heads.start * d..kv_heads.end * d);
+        let v = Linear::load(src, &name("attn_v"), &v_rows, form)?;
+        let o_cols = Shard::Cols(q_heads.start * d..q_heads.end * d);
+        let o = Linear::load(src, &name("attn_output"), &o_cols, form)?;
         for (lin, t, want) in [
             (&q, "attn_q", q_heads.len() * d),
             (&k, "attn_k", kv_heads.len() * d),
@@ -218,12 +216,17 @@ impl Mlp {
     ///
     /// # Errors
     /// [`Error::Tensor`] for missing or misshapen weights.
-    pub fn load(src: &dyn WeightSource, layer: usize, inner: Range<usize>) -> Result<Self> {
+    pub fn load(
+        src: &dyn WeightSource,
+        layer: usize,
+        inner: Range<usize>,
+        form: WeightForm,
+    ) -> Result<Self> {
         let name = |t: &str| format!("blk.{layer}.{t}.weight");
         Ok(Mlp {
-            gate: Linear::load(src, &name("ffn_gate"), &Shard::Rows(inner.clone()))?,
-            up: Linear::load(src, &name("ffn_up"), &Shard::Rows(inner.clone()))?,
-            down: Linear::load(src, &name("ffn_down"), &Shard::Cols(inner))?,
+            gate: Linear::load(src, &name("ffn_gate"), &Shard::Rows(inner.clone()), form)?,
+            up: Linear::load(src, &name("ffn_up"), &Shard::Rows(inner.clone()), form)?,
+            down: Linear::load(src, &name("ffn_down"), &Shard::Cols(inner), form)?,
         })
     }
 
@@ -269,14 +272,23 @@ pub struct Model {
 }
 
 impl Model {
-    /// Loads a GGUF model onto the CPU backend with `threads` threads.
+    /// Loads a GGUF model onto the CPU backend with `threads` threads, keeping quantized
+    /// weights quantized.
     ///
     /// # Errors
     /// Any error of opening the file, reading the config or loading a weight.
     pub fn load(path: impl AsRef<Path>, threads: usize) -> Result<Self> {
+        Model::load_with(path, threads, WeightForm::Native)
+    }
+
+    /// [`Model::load`] with a choice of weight form.
+    ///
+    /// # Errors
+    /// As [`Model::load`].
+    pub fn load_with(path: impl AsRef<Path>, threads: usize, form: WeightForm) -> Result<Self> {
         let file = GgufFile::open(path)?;
         let config = LlamaConfig::from_gguf(&file)?;
-        Model::from_source(&file, config, Backend::cpu(threads)?)
+        Model::from_source(&file, config, Backend::cpu(threads)?, form)
     }
 
     /// Builds the model from any weight source.
@@ -287,6 +299,7 @@ impl Model {
         src: &dyn WeightSource,
         config: LlamaConfig,
         backend: Backend,
+        form: WeightForm,
     ) -> Result<Self> {
         if src.qk_interleaved() && config.rope_dim != config.head_dim {
             return Err(Error::metadata(
@@ -294,7 +307,7 @@ impl Model {
                 "partial rotary with interleaved q/k weights is not supported",
             ));
         }
-        let embed = Linear::load(src, "token_embd.weight", &Shard::Full)?;
+        let embed = Linear::load(src, "token_embd.weight", &Shard::Full, form)?;
         if embed.dims() != (config.vocab_size, config.hidden) {
             return Err(Error::tensor(
                 "token_embd.weight",
@@ -310,16 +323,16 @@ impl Model {
         for l in 0..config.n_layers {
             blocks.push(Block {
                 attn_norm: load_vector(src, &format!("blk.{l}.attn_norm.weight"), config.hidden)?,
-                attn: Attention::load(src, l, &config, 0..config.n_kv_heads)?,
+                attn: Attention::load(src, l, &config, 0..config.n_kv_heads, form)?,
                 ffn_norm: load_vector(src, &format!("blk.{l}.ffn_norm.weight"), config.hidden)?,
-                mlp: Mlp::load(src, l, 0..config.ffn)?,
+                mlp: Mlp::load(src, l, 0..config.ffn, form)?,
             });
         }
         let norm = load_vector(src, "output_norm.weight", config.hidden)?;
         let lm_head = if config.tied_embeddings {
             None
         } else {
-            Some(Linear::load(src, "output.weight", &Shard::Full)?)
+            Some(Linear::load(src, "output.weight", &Shard::Full, form)?)
         };
         Ok(Model { config, backend, embed: embed.weight().clone(), blocks, norm, lm_head })
     }
@@ -383,8 +396,7 @@ impl Model {
                 requested: tokens.len(),
             });
         }
-        let Weight::F32(table) = &self.embed;
-        let mut x = be.embedding(table, tokens)?;
+        let mut x = be.embedding(&self.embed, tokens)?;
         for (l, b) in self.blocks.iter().enumerate() {
             let h = be.rms_norm(&x, &b.attn_norm, c.rms_eps)?;
             let a = b.attn.forward(be, &h, positions, cache.layer_mut(l))?;

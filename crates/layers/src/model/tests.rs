@@ -183,7 +183,7 @@ fn head_and_inner_shards_sum_to_the_full_layer() {
     let x = Tensor::from_vec(&[4, 48], crate::test_util::random_vec(4 * 48, 2)).unwrap();
     let pos = [0, 1, 2, 3];
     let run = |kv: Range<usize>| {
-        let attn = Attention::load(&file, 1, &cfg, kv.clone()).unwrap();
+        let attn = Attention::load(&file, 1, &cfg, kv.clone(), WeightForm::F32).unwrap();
         assert_eq!(attn.q_heads(), kv.start * 2..kv.end * 2);
         let mut cache = LayerCache::new(kv.len(), cfg.head_dim, 4);
         attn.forward(&be, &x, &pos, &mut cache).unwrap()
@@ -193,16 +193,18 @@ fn head_and_inner_shards_sum_to_the_full_layer() {
     be.add_assign(&mut sum, &run(1..3)).unwrap();
     assert_close(sum.data(), full.data(), 1e-5);
 
-    let mlp_full = Mlp::load(&file, 0, 0..cfg.ffn).unwrap().forward(&be, &x).unwrap();
-    let mut mlp_sum = Mlp::load(&file, 0, 0..40).unwrap().forward(&be, &x).unwrap();
+    let mlp_full =
+        Mlp::load(&file, 0, 0..cfg.ffn, WeightForm::F32).unwrap().forward(&be, &x).unwrap();
+    let mut mlp_sum =
+        Mlp::load(&file, 0, 0..40, WeightForm::F32).unwrap().forward(&be, &x).unwrap();
     be.add_assign(
         &mut mlp_sum,
-        &Mlp::load(&file, 0, 40..cfg.ffn).unwrap().forward(&be, &x).unwrap(),
+        &Mlp::load(&file, 0, 40..cfg.ffn, WeightForm::F32).unwrap().forward(&be, &x).unwrap(),
     )
     .unwrap();
     assert_close(mlp_sum.data(), mlp_full.data(), 1e-5);
 
-    let err = Attention::load(&file, 0, &cfg, 2..4).unwrap_err();
+    let err = Attention::load(&file, 0, &cfg, 2..4, WeightForm::F32).unwrap_err();
     assert!(err.to_string().contains("kv head range 2..4 of 3 heads"), "{err}");
     std::fs::remove_file(p).unwrap();
 }
@@ -214,7 +216,7 @@ fn attention_split_over_two_caches_merges_by_log_sum_exp() {
     let file = GgufFile::open(&p).unwrap();
     let cfg = LlamaConfig::from_gguf(&file).unwrap();
     let be = Backend::cpu(1).unwrap();
-    let attn = Attention::load(&file, 0, &cfg, 0..cfg.n_kv_heads).unwrap();
+    let attn = Attention::load(&file, 0, &cfg, 0..cfg.n_kv_heads, WeightForm::F32).unwrap();
     let x = Tensor::from_vec(&[6, 64], crate::test_util::random_vec(6 * 64, 4)).unwrap();
     let pos: Vec<usize> = (0..6).collect();
     let (q, k, v) = attn.qkv(&be, &x, &pos).unwrap();

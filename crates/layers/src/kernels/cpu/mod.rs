@@ -8,6 +8,9 @@ pub mod attention;
 pub mod matmul;
 pub mod matvec;
 pub mod norm;
+#[cfg(target_arch = "x86_64")]
+mod qdot_avx2;
+pub mod qmatrix;
 pub mod quant;
 pub mod rope;
 
