@@ -80,6 +80,16 @@ impl World {
         Ok(World { rendezvous, store, _server: server, token, inits: AtomicU64::new(0) })
     }
 
+    /// Disconnects from the store; rank 0 then waits (at most `timeout`) for every other rank
+    /// to disconnect before its server stops, so no rank loses the reply to its last call.
+    pub fn close(self, timeout: Duration) {
+        let World { store, _server: server, .. } = self;
+        drop(store);
+        if let Some(server) = server {
+            server.drain(timeout);
+        }
+    }
+
     /// Where this rank sits in the job.
     pub fn rendezvous(&self) -> &Rendezvous {
         &self.rendezvous
@@ -255,19 +265,18 @@ impl ParallelContext {
     /// # Errors
     /// A rank does not reach the barrier before the deadline.
     pub fn shutdown(self, timeout: Duration) -> Result<()> {
-        let (Some(world), true) = (&self.world, self.owns_world) else { return Ok(()) };
+        let ParallelContext { world, owns_world, tp, cp, control, .. } = self;
+        drop((tp, cp, control));
+        let (Some(world), true) = (world, owns_world) else { return Ok(()) };
         let n = world.inits.load(Ordering::Relaxed);
-        let base = format!("tpctl/{}/shutdown{n}", world.token);
-        let size = world.rendezvous.world_size;
-        world.store.barrier(&base, size, timeout)?;
-        // Rank 0's store must outlive every other rank's last store call: each says it is done
-        // with the store, and rank 0 waits for all of them before its server stops.
-        if world.rendezvous.rank == 0 {
-            let keys: Vec<String> = (1..size).map(|r| format!("{base}/left/{r}")).collect();
-            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-            world.store.wait(&keys, timeout)?;
-        } else {
-            world.store.set(&format!("{base}/left/{}", world.rendezvous.rank), b"")?;
+        world.store.barrier(
+            &format!("tpctl/{}/shutdown{n}", world.token),
+            world.rendezvous.world_size,
+            timeout,
+        )?;
+        // Another context of this process may still use the world; then it closes it.
+        if let Ok(world) = Arc::try_unwrap(world) {
+            world.close(timeout);
         }
         Ok(())
     }

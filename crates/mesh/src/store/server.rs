@@ -93,6 +93,25 @@ impl StoreServer {
         self.stop();
     }
 
+    /// Stops the server once every client has disconnected, or at `timeout`, whichever comes
+    /// first. A job's last store calls are answered this way: stopping at once could close a
+    /// client's connection between the server acting on its last request and the reply.
+    pub fn drain(mut self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let open = self.shared.conns().streams.len();
+            if open == 0 {
+                break;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(open, addr = %self.addr, "store clients still connected at shutdown");
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        self.stop();
+    }
+
     fn stop(&mut self) {
         let Some(accept) = self.accept.take() else { return };
         self.shared.state().closed = true;
