@@ -7,6 +7,7 @@
 //! element of the log-sum-exp merge of partial results.
 
 use super::matvec::dot;
+use pulp::{Arch, Simd, WithSimd};
 use rayon::prelude::*;
 
 /// Head counts of one attention call. `q_heads` must be a multiple of `kv_heads`; query head
@@ -49,42 +50,79 @@ pub fn attention(
             &mut scratch[..]
         }
     };
+    let arch = Arch::new();
     out.par_chunks_mut(d).zip(lse.par_iter_mut()).enumerate().for_each_init(
         Vec::new,
         |scores, (row, (o, l))| {
             let (i, h) = (row / q_heads, row % q_heads);
-            let g = h / group;
-            let qv = &q[row * d..(row + 1) * d];
-            scores.clear();
-            let mut max = f32::NEG_INFINITY;
-            for (j, &p) in kv_pos.iter().enumerate() {
-                if p <= q_pos[i] {
-                    let s = dot(qv, &k[(j * kv_heads + g) * d..][..d]) * scale;
-                    max = max.max(s);
-                    scores.push((j, s));
-                }
-            }
-            o.fill(0.0);
-            if scores.is_empty() {
-                *l = f32::NEG_INFINITY;
-                return;
-            }
-            let mut sum = 0.0f32;
-            for (j, s) in scores.iter_mut() {
-                let e = (*s - max).exp();
-                sum += e;
-                let vv = &v[(*j * kv_heads + g) * d..][..d];
-                for (a, b) in o.iter_mut().zip(vv) {
-                    *a += e * b;
-                }
-            }
-            let inv = 1.0 / sum;
-            for a in o.iter_mut() {
-                *a *= inv;
-            }
-            *l = max + sum.ln();
+            let op = Row {
+                q: &q[row * d..(row + 1) * d],
+                q_pos: q_pos[i],
+                k,
+                v,
+                kv_pos,
+                stride: kv_heads * d,
+                offset: (h / group) * d,
+                scale,
+                scores,
+                out: o,
+            };
+            *l = arch.dispatch(op);
         },
     );
+}
+
+/// One query row of [`attention`], dispatched to the widest SIMD level available so the
+/// plain loops below vectorize for it. Returns the row's log-sum-exp.
+struct Row<'a> {
+    q: &'a [f32],
+    q_pos: usize,
+    k: &'a [f32],
+    v: &'a [f32],
+    kv_pos: &'a [usize],
+    /// Elements between consecutive tokens in `k`/`v`.
+    stride: usize,
+    /// This row's KV head within a token.
+    offset: usize,
+    scale: f32,
+    scores: &'a mut Vec<(usize, f32)>,
+    out: &'a mut [f32],
+}
+
+impl WithSimd for Row<'_> {
+    type Output = f32;
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, _simd: S) -> f32 {
+        let Row { q, q_pos, k, v, kv_pos, stride, offset, scale, scores, out } = self;
+        let d = q.len();
+        scores.clear();
+        let mut max = f32::NEG_INFINITY;
+        for (j, &p) in kv_pos.iter().enumerate() {
+            if p <= q_pos {
+                let s = dot(q, &k[j * stride + offset..][..d]) * scale;
+                max = max.max(s);
+                scores.push((j, s));
+            }
+        }
+        out.fill(0.0);
+        if scores.is_empty() {
+            return f32::NEG_INFINITY;
+        }
+        let mut sum = 0.0f32;
+        for &mut (j, s) in scores.iter_mut() {
+            let e = (s - max).exp();
+            sum += e;
+            for (a, b) in out.iter_mut().zip(&v[j * stride + offset..][..d]) {
+                *a += e * b;
+            }
+        }
+        let inv = 1.0 / sum;
+        for a in out.iter_mut() {
+            *a *= inv;
+        }
+        max + sum.ln()
+    }
 }
 
 /// Merges two partial attention results over disjoint key sets: `(out_a, lse_a)` is updated to

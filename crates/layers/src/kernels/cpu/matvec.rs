@@ -5,6 +5,7 @@
 //! spreads over the pool's threads; each output is one dot product with several independent
 //! accumulators so the compiler can keep the SIMD units busy.
 
+use pulp::{Arch, Simd, WithSimd};
 use rayon::prelude::*;
 
 /// Rows per parallel task: large enough that scheduling is negligible, small enough that the
@@ -12,7 +13,7 @@ use rayon::prelude::*;
 const ROWS_PER_TASK: usize = 16;
 
 /// Dot product with 16 independent accumulators (vectorizes without fast-math).
-#[inline]
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0.0f32; 16];
@@ -37,13 +38,30 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 pub fn matvec(w: &[f32], x: &[f32], out: &mut [f32]) {
     let k = x.len();
     debug_assert_eq!(w.len(), out.len() * k);
+    let arch = Arch::new();
     out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, chunk)| {
-        let base = c * ROWS_PER_TASK;
-        for (i, o) in chunk.iter_mut().enumerate() {
-            let r = base + i;
-            *o = dot(&w[r * k..(r + 1) * k], x);
-        }
+        let rows = &w[c * ROWS_PER_TASK * k..][..chunk.len() * k];
+        arch.dispatch(Rows { w: rows, x, out: chunk });
     });
+}
+
+/// A chunk of [`matvec`] rows, dispatched to the widest SIMD level available.
+struct Rows<'a> {
+    w: &'a [f32],
+    x: &'a [f32],
+    out: &'a mut [f32],
+}
+
+impl WithSimd for Rows<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, _simd: S) {
+        let k = self.x.len();
+        for (o, row) in self.out.iter_mut().zip(self.w.chunks_exact(k)) {
+            *o = dot(row, self.x);
+        }
+    }
 }
 
 #[cfg(test)]
