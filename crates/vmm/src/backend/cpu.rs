@@ -11,6 +11,8 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
+#[cfg(test)]
+use std::path::Path;
 
 /// Host memory backend.
 pub(crate) struct CpuBackend {
@@ -357,6 +359,68 @@ impl Drop for MappedBuf {
         // SAFETY: the mapping belongs to self and no slice of it outlives `&self`.
         unsafe {
             libc::munmap(self.ptr.cast(), self.len);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read_back(addr: u64, len: usize) -> Vec<u8> {
+        // SAFETY: the callers pass a range they just mapped and keep mapped during the read.
+        unsafe { std::slice::from_raw_parts(addr as *const u8, len) }.to_vec()
+    }
+
+    #[test]
+    fn maps_bytes_and_zeroes_the_tail_at_the_same_address() {
+        let mut b = CpuBackend::new().unwrap();
+        let len = 3 * b.granularity();
+        let addr = b.reserve(len).unwrap();
+        let data: Vec<u8> = (0..len / 2).map(|i| (i % 251) as u8 + 1).collect();
+        let phys = b.map(addr, len, "t", Init::Bytes(&data)).unwrap();
+        let got = read_back(addr, len);
+        assert_eq!(&got[..data.len()], &data[..]);
+        assert!(got[data.len()..].iter().all(|&x| x == 0));
+        b.unmap(addr, len, phys).map_err(|(_, e)| e).unwrap();
+        let phys = b.map(addr, len, "t", Init::Zero).unwrap();
+        assert!(read_back(addr, len).iter().all(|&x| x == 0));
+        b.free(addr, len, Some(phys)).unwrap();
+    }
+
+    /// Files on disk and on tmpfs take different kernel copy paths (`copy_file_range` or
+    /// `sendfile`); both must land the same bytes.
+    #[test]
+    fn maps_file_contents_from_disk_and_tmpfs() {
+        let mut b = CpuBackend::new().unwrap();
+        let page = b.granularity();
+        let len = 5 * page;
+        let contents: Vec<u8> = (0..4 * page + 100).map(|i| (i * 7 % 256) as u8).collect();
+        let mut dirs = vec![std::env::temp_dir()];
+        if Path::new("/dev/shm").is_dir() {
+            dirs.push("/dev/shm".into());
+        }
+        for dir in dirs {
+            let path = dir.join(format!("tpctl-vmm-cpu-test-{}", std::process::id()));
+            std::fs::write(&path, &contents).unwrap();
+            let file = File::open(&path).unwrap();
+            std::fs::remove_file(&path).unwrap();
+            let addr = b.reserve(len).unwrap();
+            let n = contents.len() - 3;
+            let init = Init::File { file: &file, offset: 3, len: n, what: "test file" };
+            let phys = b.map(addr, len, "t", init).unwrap();
+            let got = read_back(addr, len);
+            assert_eq!(&got[..n], &contents[3..], "{}", dir.display());
+            assert!(got[n..].iter().all(|&x| x == 0), "{}", dir.display());
+            b.free(addr, len, Some(phys)).unwrap();
+
+            // A file shorter than asked for is an error that names it.
+            let addr = b.reserve(len).unwrap();
+            let init =
+                Init::File { file: &file, offset: 0, len: contents.len() + 1, what: "test file" };
+            let err = b.map(addr, len, "t", init).unwrap_err();
+            assert!(err.to_string().contains("test file"), "{err}");
+            b.free(addr, len, None).unwrap();
         }
     }
 }
