@@ -4,7 +4,7 @@
 //! [--max-new N] [--chat] PROMPT...` (the model defaults to the cached default model).
 
 use layers::model::default_model_path;
-use layers::{Model, Tokenizer};
+use layers::{ChatMessage, Model, Tokenizer};
 use std::io::Write;
 use std::time::Instant;
 
@@ -29,12 +29,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut text =
         if prompt.is_empty() { "The capital of France is".to_owned() } else { prompt.join(" ") };
-    if chat {
-        text = format!("<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n");
-    }
     let t0 = Instant::now();
     let model = Model::load(&path, threads)?;
     let tok = Tokenizer::from_gguf(&layers::gguf::GgufFile::open(&path)?)?;
+    if chat {
+        text = tok.apply_chat_template(&[ChatMessage::new("user", &text)], true)?;
+    }
     eprintln!(
         "loaded {} in {:.2} s ({threads} threads)",
         path.display(),

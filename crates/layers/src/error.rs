@@ -74,6 +74,9 @@ pub enum Error {
     /// The tokenizer failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// The chat template is missing or failed to render.
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
     /// A thread pool could not be built.
     #[error("building a thread pool with {threads} threads: {message}")]
     ThreadPool {

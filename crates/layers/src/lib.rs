@@ -24,4 +24,4 @@ pub use config::LlamaConfig;
 pub use error::{Error, Result};
 pub use model::{KvCache, Logits, Model};
 pub use tensor::{DType, Device, Storage, Tensor};
-pub use tokenizer::Tokenizer;
+pub use tokenizer::{ChatMessage, Tokenizer};

@@ -20,6 +20,22 @@ const TOKEN_TYPE_CONTROL: i64 = 3;
 /// GGUF `token_type` of user-defined tokens.
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
+/// One message of a chat, as chat templates see it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChatMessage {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message with `role` and `content`.
+    pub fn new(role: &str, content: &str) -> Self {
+        ChatMessage { role: role.to_owned(), content: content.to_owned() }
+    }
+}
+
 /// A byte-level BPE tokenizer with its special ids and chat template.
 #[derive(Clone, Debug)]
 pub struct Tokenizer {
@@ -161,6 +177,47 @@ impl Tokenizer {
     /// The Jinja chat template from `tokenizer.chat_template`, if any.
     pub fn chat_template(&self) -> Option<&str> {
         self.chat_template.as_deref()
+    }
+
+    /// Renders the chat template (`tokenizer.chat_template`, Jinja) for `messages`, ending
+    /// with the assistant's opening when `add_generation_prompt`. The template sees
+    /// `messages` (each with `role` and `content`), `add_generation_prompt`, `bos_token` and
+    /// `eos_token`, and may call `raise_exception(msg)`.
+    ///
+    /// # Errors
+    /// [`Error::ChatTemplate`] when the model has no template or it fails to render.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let source = self.chat_template.as_deref().ok_or_else(|| {
+            Error::ChatTemplate("the model has no tokenizer.chat_template".into())
+        })?;
+        let mut env = minijinja::Environment::new();
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+            },
+        );
+        let template = env
+            .template_from_str(source)
+            .map_err(|e| Error::ChatTemplate(format!("parsing: {e}")))?;
+        let token =
+            |id: Option<u32>| id.and_then(|i| self.inner.id_to_token(i)).unwrap_or_default();
+        let messages: Vec<std::collections::BTreeMap<&str, &str>> = messages
+            .iter()
+            .map(|m| [("role", m.role.as_str()), ("content", m.content.as_str())].into())
+            .collect();
+        template
+            .render(minijinja::context! {
+                messages => messages,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => token(self.bos),
+                eos_token => token(self.eos),
+            })
+            .map_err(|e| Error::ChatTemplate(format!("rendering: {e}")))
     }
 
     /// The vocabulary size, special tokens included.

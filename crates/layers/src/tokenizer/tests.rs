@@ -8,6 +8,10 @@ fn strings(v: &[&str]) -> Value {
     Value::Array(v.iter().map(|s| Value::String((*s).to_owned())).collect())
 }
 
+const TINY_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}{% if m.role == 'bad' %}\
+{{ raise_exception('no bad roles') }}{% endif %}[{{ m.role }}]{{ m.content }}{% endfor %}\
+{% if add_generation_prompt %}[assistant]{% endif %}";
+
 fn tiny() -> Tokenizer {
     let tokens = ["<|endoftext|>", "a", "b", "ab", "Ġ", "Ġab", "1", "2", "12", "<|im_start|>", "Ċ"];
     let types: Vec<Value> =
@@ -20,7 +24,7 @@ fn tiny() -> Tokenizer {
         .metadata("tokenizer.ggml.merges", strings(&["a b", "Ġ ab", "1 2"]))
         .metadata("tokenizer.ggml.bos_token_id", Value::U32(9))
         .metadata("tokenizer.ggml.eos_token_id", Value::U32(0))
-        .metadata("tokenizer.chat_template", Value::String("{{ messages }}".into()));
+        .metadata("tokenizer.chat_template", Value::String(TINY_TEMPLATE.into()));
     let p = temp_path("tok.gguf");
     w.write(&p).unwrap();
     let t = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).unwrap();
@@ -37,9 +41,26 @@ fn tiny_vocabulary_merges_splits_digits_and_keeps_special_tokens_whole() {
     assert_eq!(t.decode(&[9, 3, 5, 10], false).unwrap(), "<|im_start|>ab ab\n");
     assert_eq!(t.decode(&[9, 3, 5], true).unwrap(), "ab ab");
     assert_eq!((t.bos_id(), t.eos_id()), (Some(9), Some(0)));
-    assert_eq!(t.chat_template(), Some("{{ messages }}"));
+    assert_eq!(t.chat_template(), Some(TINY_TEMPLATE));
     assert_eq!(t.token_id("Ġab"), Some(5));
     assert_eq!(t.vocab_size(), 11);
+}
+
+#[test]
+fn chat_template_renders_messages_and_reports_failures() {
+    let t = tiny();
+    let msgs = [ChatMessage::new("system", "be brief"), ChatMessage::new("user", "ab")];
+    assert_eq!(
+        t.apply_chat_template(&msgs, true).unwrap(),
+        "<|im_start|>[system]be brief[user]ab[assistant]"
+    );
+    assert_eq!(t.apply_chat_template(&msgs[1..], false).unwrap(), "<|im_start|>[user]ab");
+    let err = t.apply_chat_template(&[ChatMessage::new("bad", "x")], true).unwrap_err();
+    assert!(
+        err.to_string().starts_with("chat template: rendering:")
+            && err.to_string().contains("no bad roles"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -85,6 +106,12 @@ fn real_model_tokenizer_when_cached() {
     assert_eq!(t.encode("2024").unwrap().len(), 4);
     assert_eq!(t.encode("<|im_start|>user\nHi<|im_end|>").unwrap()[0], 1);
     assert_eq!(t.encode("The capital of France is").unwrap(), REFERENCE_IDS);
+    let chat = t.apply_chat_template(&[ChatMessage::new("user", "Hi")], true).unwrap();
+    assert_eq!(
+        chat,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
 }
 
 /// The ids of "The capital of France is": one per word ("The", " capital", " of", " France",
