@@ -1,9 +1,10 @@
 //! Greedy generation with the single-rank model, reporting prefill and decode speed.
 //!
 //! `cargo run -p tpctl-layers --example generate -- [--model PATH] [--threads N]
-//! [--max-new N] [--chat] PROMPT...` (the model defaults to the cached default model).
+//! [--max-new N] [--chat] [--f32] PROMPT...` (the model defaults to the cached default model;
+//! `--f32` dequantizes every weight at load instead of keeping the checkpoint's blocks).
 
-use layers::model::default_model_path;
+use layers::model::{default_model_path, WeightForm};
 use layers::{ChatMessage, Model, Tokenizer};
 use std::io::Write;
 use std::time::Instant;
@@ -11,6 +12,7 @@ use std::time::Instant;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let (mut model, mut threads, mut max_new, mut chat) = (None, 2usize, 32usize, false);
+    let mut form = WeightForm::Native;
     let mut prompt = Vec::new();
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -18,6 +20,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--threads" => threads = args.next().ok_or("--threads needs a value")?.parse()?,
             "--max-new" => max_new = args.next().ok_or("--max-new needs a value")?.parse()?,
             "--chat" => chat = true,
+            "--f32" => form = WeightForm::F32,
             _ => prompt.push(a),
         }
     }
@@ -30,7 +33,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut text =
         if prompt.is_empty() { "The capital of France is".to_owned() } else { prompt.join(" ") };
     let t0 = Instant::now();
-    let model = Model::load(&path, threads)?;
+    let model = Model::load_with(&path, threads, form)?;
     let tok = Tokenizer::from_gguf(&layers::gguf::GgufFile::open(&path)?)?;
     if chat {
         text = tok.apply_chat_template(&[ChatMessage::new("user", &text)], true)?;

@@ -299,3 +299,34 @@ fn real_model_says_paris_when_cached() {
     let text = tok.decode(&out, true).unwrap();
     assert!(text.contains("Paris"), "chat answer: {text:?}");
 }
+
+#[test]
+fn quantized_weights_track_the_f32_model() {
+    // Q8_0 projections: the native form keeps the blocks and quantizes activations for small
+    // batches; the f32 form dequantizes at load. Both run the same checkpoint.
+    let spec = RandomLlama { quantized: true, seed: 17, ..RandomLlama::default() };
+    let p = write_model(&spec, "quant.gguf");
+    let native = Model::load_with(&p, 2, WeightForm::Native).unwrap();
+    let dense = Model::load_with(&p, 2, WeightForm::F32).unwrap();
+    let pos: Vec<usize> = (0..PROMPT.len()).collect();
+    let want = dense.forward(&PROMPT, &pos, &mut dense.new_cache(8), Logits::All).unwrap();
+    let scale = want.data().iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    // Decode one token at a time (quantized matrix-vector path) against the f32 prefill.
+    let mut cache = native.new_cache(8);
+    for (t, &tok) in PROMPT.iter().enumerate() {
+        let got = native.forward(&[tok], &[t], &mut cache, Logits::All).unwrap();
+        for (g, w) in got.data().iter().zip(want.row(t)) {
+            assert!((g - w).abs() < 0.03 * scale, "token {t}: {g} vs {w} (scale {scale})");
+        }
+    }
+    std::fs::remove_file(p).unwrap();
+}
+
+#[test]
+fn models_and_tokenizers_can_be_shared_across_threads() {
+    fn shared<T: Send + Sync>() {}
+    shared::<Model>();
+    shared::<KvCache>();
+    shared::<Tokenizer>();
+    shared::<GgufFile>();
+}
