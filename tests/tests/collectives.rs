@@ -54,6 +54,19 @@ fn tp_rows_and_cp_columns_of_a_2x2_mesh() {
 }
 
 #[test]
+fn a_second_init_reuses_the_world_without_owning_it() {
+    for backend in ["shm", "tcp"] {
+        let outs = launch(
+            RANK,
+            3,
+            |_| env(&[("TPCTL_SCENARIO", "reuse"), ("TPCTL_BACKEND", backend)]),
+            DEADLINE,
+        );
+        all_ok(&outs);
+    }
+}
+
+#[test]
 fn mismatched_sizes_fail_on_every_rank() {
     for backend in ["shm", "tcp"] {
         let outs = launch(

@@ -366,3 +366,31 @@ per_backend!(
 fn kinds_cover_every_in_process_backend() {
     assert_eq!(KINDS.len(), 2);
 }
+
+#[test]
+fn a_single_rank_context_is_inert() {
+    use crate::{init_parallel_with, InitOptions};
+    let mut ctx = init_parallel_with(mesh::Rendezvous::single(), &InitOptions::default()).unwrap();
+    assert!(ctx.world().is_none() && !ctx.owns_world());
+    assert_eq!((ctx.mesh().tp(), ctx.mesh().cp()), (1, 1));
+    let mut x = [1.5f32, -2.0];
+    ctx.tp.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+    assert_eq!(x, [1.5, -2.0]);
+    let mut out = [0f32; 2];
+    ctx.cp.all_gather(&x, &mut out).unwrap();
+    assert_eq!(out, x);
+    ctx.control.barrier().unwrap();
+    // Arguments are still checked on one rank.
+    let err = ctx.cp.all_gather(&x, &mut [0f32; 3]).unwrap_err();
+    assert!(err.to_string().contains("receive buffer has 12 bytes"), "{err}");
+    ctx.shutdown(Duration::from_secs(1)).unwrap();
+}
+
+#[test]
+fn nccl_without_a_gpu_is_a_clear_error() {
+    let err = crate::nccl::available().unwrap_err().to_string();
+    let expected =
+        if cfg!(feature = "cuda") { "nccl backend unavailable" } else { "--features cuda" };
+    // A machine with CUDA and NCCL would pass `available`; CI machines have neither.
+    assert!(err.contains(expected), "{err}");
+}

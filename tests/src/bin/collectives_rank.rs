@@ -6,6 +6,7 @@
 
 use collectives::{init_parallel, Collective, InitOptions, ParallelContext, ReduceOp};
 use mesh::{AxisBackends, Backend};
+use std::sync::Arc;
 use std::time::Duration;
 
 fn main() {
@@ -57,6 +58,7 @@ fn run(scenario: &str) -> Result<(), collectives::Error> {
         "ops" => ops(),
         "mesh" => mesh_groups(),
         "repeat" => repeat(),
+        "reuse" => reuse(),
         "mismatch" => {
             let mut ctx = context(None)?;
             let c = &mut ctx.tp;
@@ -181,5 +183,23 @@ fn repeat() -> Result<(), collectives::Error> {
         check(x[0] == n, "repeated all_reduce")?;
     }
     ctx.shutdown(Duration::from_secs(20))?;
+    Ok(())
+}
+
+/// A second `init_parallel` in the same process reuses the world without owning it.
+fn reuse() -> Result<(), collectives::Error> {
+    let mut first = context(None)?;
+    let mut second = context(None)?;
+    check(first.owns_world() && !second.owns_world(), "world ownership")?;
+    check(
+        Arc::ptr_eq(first.world().expect("world"), second.world().expect("world")),
+        "the same world",
+    )?;
+    let mut x = [1i64];
+    second.tp.all_reduce(&mut x, ReduceOp::Sum)?;
+    check(x[0] == second.tp.size() as i64, "all_reduce on the reused world")?;
+    first.tp.all_reduce(&mut x, ReduceOp::Max)?;
+    second.shutdown(Duration::from_secs(20))?;
+    first.shutdown(Duration::from_secs(20))?;
     Ok(())
 }
