@@ -23,5 +23,5 @@ pub mod tokenizer;
 pub use config::LlamaConfig;
 pub use error::{Error, Result};
 pub use model::{KvCache, Logits, Model};
-pub use tensor::{DType, Device, Storage, Tensor};
+pub use tensor::{DType, Device, ExternalMemory, Storage, Tensor};
 pub use tokenizer::{ChatMessage, Tokenizer};

@@ -30,23 +30,49 @@ pub enum Device {
     Cuda(usize),
 }
 
-/// The memory behind a tensor.
+/// Memory that someone else owns and a tensor can live in, such as a `vmm` allocation whose
+/// pages can be released and restored while the tensor object stays put.
 ///
-/// Only the owned variant exists now. A `vmm`-backed variant will hold an allocation handle
-/// exposing `&mut [u8]` and view it as `f32`; callers use [`Storage::as_slice`] and
-/// [`Storage::as_mut_slice`] and never match on the variant.
-#[derive(Clone, Debug, PartialEq)]
+/// Implementations return the same region on every call; its address must be 4-byte aligned
+/// and its length a multiple of 4 (checked by [`Storage::external`]).
+pub trait ExternalMemory: Send + Sync + std::fmt::Debug {
+    /// The bytes.
+    fn bytes(&self) -> &[u8];
+    /// The bytes, mutably.
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+/// The memory behind a tensor: a heap vector, or external memory viewed as `f32`. Callers use
+/// [`Storage::as_slice`] and [`Storage::as_mut_slice`] and never match on the variant.
+#[derive(Debug)]
 #[non_exhaustive]
 pub enum Storage {
     /// A heap vector owned by the tensor.
     Owned(Vec<f32>),
+    /// Memory owned elsewhere (see [`ExternalMemory`]).
+    External(Box<dyn ExternalMemory>),
 }
 
 impl Storage {
+    /// Wraps external memory.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the region is not 4-byte aligned or not a whole number of `f32`s.
+    pub fn external(mem: Box<dyn ExternalMemory>) -> Result<Self> {
+        bytemuck::try_cast_slice::<u8, f32>(mem.bytes()).map_err(|e| {
+            Error::shape(
+                "Storage::external",
+                format!("{} bytes cannot hold f32 values: {e:?}", mem.bytes().len()),
+            )
+        })?;
+        Ok(Storage::External(mem))
+    }
+
     /// The elements.
     pub fn as_slice(&self) -> &[f32] {
         match self {
             Storage::Owned(v) => v,
+            Storage::External(m) => bytemuck::cast_slice(m.bytes()),
         }
     }
 
@@ -54,6 +80,7 @@ impl Storage {
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
         match self {
             Storage::Owned(v) => v,
+            Storage::External(m) => bytemuck::cast_slice_mut(m.bytes_mut()),
         }
     }
 
@@ -65,6 +92,19 @@ impl Storage {
     /// Whether there are no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// Cloning copies the elements into an owned vector (external memory is not shared).
+impl Clone for Storage {
+    fn clone(&self) -> Self {
+        Storage::Owned(self.as_slice().to_vec())
+    }
+}
+
+impl PartialEq for Storage {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
     }
 }
 
@@ -96,6 +136,26 @@ impl Tensor {
             device: Device::Cpu,
             storage: Storage::Owned(data),
         })
+    }
+
+    /// A tensor over `storage` with `shape`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the number of elements does not match the shape.
+    pub fn from_storage(shape: &[usize], storage: Storage) -> Result<Self> {
+        let n: usize = shape.iter().product();
+        if n != storage.len() {
+            return Err(Error::shape(
+                "Tensor::from_storage",
+                format!("shape {shape:?} needs {n} elements, storage has {}", storage.len()),
+            ));
+        }
+        Ok(Tensor { shape: shape.to_vec(), dtype: DType::F32, device: Device::Cpu, storage })
+    }
+
+    /// The storage.
+    pub fn storage(&self) -> &Storage {
+        &self.storage
     }
 
     /// A tensor of zeros.
@@ -166,10 +226,11 @@ impl Tensor {
         &self.data()[i * n..(i + 1) * n]
     }
 
-    /// The data, consumed.
+    /// The data, consumed (copied out of external memory).
     pub fn into_vec(self) -> Vec<f32> {
         match self.storage {
             Storage::Owned(v) => v,
+            other => other.as_slice().to_vec(),
         }
     }
 
@@ -200,6 +261,36 @@ mod tests {
         assert_eq!(t.row(1), &[3.0, 4.0, 5.0]);
         assert_eq!(t.dtype(), DType::F32);
         assert_eq!(t.device(), Device::Cpu);
+    }
+
+    /// External memory backed by a `Vec<u32>` (4-byte aligned), optionally skipping a byte to
+    /// make it misaligned.
+    #[derive(Debug)]
+    struct Words(Vec<u32>, usize);
+
+    impl ExternalMemory for Words {
+        fn bytes(&self) -> &[u8] {
+            &bytemuck::cast_slice(&self.0)[self.1..]
+        }
+        fn bytes_mut(&mut self) -> &mut [u8] {
+            &mut bytemuck::cast_slice_mut(&mut self.0)[self.1..]
+        }
+    }
+
+    #[test]
+    fn external_memory_is_viewed_as_f32_and_checked() {
+        let storage = Storage::external(Box::new(Words(vec![0; 6], 0))).unwrap();
+        let mut t = Tensor::from_storage(&[2, 3], storage).unwrap();
+        t.data_mut()[4] = 2.5;
+        assert_eq!(t.row(1), &[0.0, 2.5, 0.0]);
+        let copy = t.clone();
+        assert!(matches!(copy.storage(), Storage::Owned(_)));
+        assert_eq!(copy, t);
+        assert_eq!(t.into_vec(), vec![0.0, 0.0, 0.0, 0.0, 2.5, 0.0]);
+        let err = Storage::external(Box::new(Words(vec![0; 6], 1))).unwrap_err();
+        assert!(err.to_string().contains("23 bytes cannot hold f32 values"), "{err}");
+        let err = Tensor::from_storage(&[4], Storage::Owned(vec![0.0; 3])).unwrap_err();
+        assert!(err.to_string().contains("needs 4 elements, storage has 3"), "{err}");
     }
 
     #[test]

@@ -2,28 +2,48 @@
 //! position of each entry (a context-parallel rank holds an arbitrary subset of positions).
 
 use crate::error::{Error, Result};
+use crate::tensor::Storage;
 
-/// Keys and values of one layer, `[len, kv_heads, head_dim]` each, plus positions.
+/// Keys and values of one layer, `[capacity, kv_heads, head_dim]` each with the first `len`
+/// tokens filled, plus their positions. The two buffers are [`Storage`], so a cache can live
+/// in external (for example `vmm`) memory.
 #[derive(Clone, Debug)]
 pub struct LayerCache {
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: Storage,
+    v: Storage,
     positions: Vec<usize>,
     row: usize,
     capacity: usize,
 }
 
 impl LayerCache {
-    /// An empty cache for `capacity` tokens of `kv_heads × head_dim` keys and values.
+    /// An empty cache for `capacity` tokens of `kv_heads × head_dim` keys and values, in
+    /// owned memory.
     pub fn new(kv_heads: usize, head_dim: usize, capacity: usize) -> Self {
+        let n = capacity * kv_heads * head_dim;
+        LayerCache::with_storage(
+            Storage::Owned(vec![0.0; n]),
+            Storage::Owned(vec![0.0; n]),
+            kv_heads,
+            head_dim,
+        )
+        .expect("both buffers have the same whole number of rows")
+    }
+
+    /// An empty cache over the given key and value buffers; the capacity is what they hold.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the buffers differ in size or are not whole rows.
+    pub fn with_storage(k: Storage, v: Storage, kv_heads: usize, head_dim: usize) -> Result<Self> {
         let row = kv_heads * head_dim;
-        LayerCache {
-            k: Vec::with_capacity(capacity * row),
-            v: Vec::with_capacity(capacity * row),
-            positions: Vec::with_capacity(capacity),
-            row,
-            capacity,
+        if row == 0 || k.len() != v.len() || k.len() % row != 0 {
+            return Err(Error::shape(
+                "LayerCache::with_storage",
+                format!("k {} and v {} values for rows of {row}", k.len(), v.len()),
+            ));
         }
+        let capacity = k.len() / row;
+        Ok(LayerCache { k, v, positions: Vec::with_capacity(capacity), row, capacity })
     }
 
     /// Appends the keys and values of `positions.len()` tokens.
@@ -38,27 +58,25 @@ impl LayerCache {
                 format!("{n} tokens need {} values, got k {} v {}", n * self.row, k.len(), v.len()),
             ));
         }
-        if self.positions.len() + n > self.capacity {
-            return Err(Error::CacheFull {
-                len: self.positions.len(),
-                capacity: self.capacity,
-                requested: n,
-            });
+        let len = self.positions.len();
+        if len + n > self.capacity {
+            return Err(Error::CacheFull { len, capacity: self.capacity, requested: n });
         }
-        self.k.extend_from_slice(k);
-        self.v.extend_from_slice(v);
+        let range = len * self.row..(len + n) * self.row;
+        self.k.as_mut_slice()[range.clone()].copy_from_slice(k);
+        self.v.as_mut_slice()[range].copy_from_slice(v);
         self.positions.extend_from_slice(positions);
         Ok(())
     }
 
     /// The cached keys, `[len, kv_heads, head_dim]`.
     pub fn k(&self) -> &[f32] {
-        &self.k
+        &self.k.as_slice()[..self.positions.len() * self.row]
     }
 
     /// The cached values, `[len, kv_heads, head_dim]`.
     pub fn v(&self) -> &[f32] {
-        &self.v
+        &self.v.as_slice()[..self.positions.len() * self.row]
     }
 
     /// The absolute position of each cached token.
@@ -76,11 +94,14 @@ impl LayerCache {
         self.positions.is_empty()
     }
 
+    /// Tokens the cache can hold.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
     /// Keeps the first `len` tokens.
     pub fn truncate(&mut self, len: usize) {
         self.positions.truncate(len);
-        self.k.truncate(len * self.row);
-        self.v.truncate(len * self.row);
     }
 }
 
@@ -98,6 +119,13 @@ impl KvCache {
             layers: (0..n_layers).map(|_| LayerCache::new(kv_heads, head_dim, capacity)).collect(),
             capacity,
         }
+    }
+
+    /// A cache made of per-layer caches (for example over external memory); the capacity is
+    /// the smallest layer's.
+    pub fn from_layers(layers: Vec<LayerCache>) -> Self {
+        let capacity = layers.iter().map(LayerCache::capacity).min().unwrap_or(0);
+        KvCache { layers, capacity }
     }
 
     /// Layer `i`'s cache.
@@ -154,6 +182,15 @@ mod tests {
         assert!(err.to_string().contains("1 tokens need 2 values"), "{err}");
         c.truncate(1);
         assert_eq!(c.layer(0).v(), &[5.0, 6.0]);
+        assert_eq!(c.layer(0).capacity(), 3);
+        let err = LayerCache::with_storage(
+            Storage::Owned(vec![0.0; 6]),
+            Storage::Owned(vec![0.0; 4]),
+            1,
+            2,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("k 6 and v 4 values for rows of 2"), "{err}");
         assert_eq!(c.len(), 1);
         c.clear();
         assert!(c.is_empty());
