@@ -30,8 +30,9 @@ pub struct InitOptions {
     pub device: Device,
     /// Deadline of set-up steps and of every collective call.
     pub timeout: Duration,
-    /// Segment sizes of `shm` groups.
-    pub shm: ShmOptions,
+    /// Segment sizes of `shm` groups; `None` sizes each group for its ranks and this
+    /// machine's cores ([`ShmOptions::for_group`]).
+    pub shm: Option<ShmOptions>,
 }
 
 impl Default for InitOptions {
@@ -42,7 +43,7 @@ impl Default for InitOptions {
             backends: AxisBackends::default(),
             device: Device::Cpu,
             timeout: crate::DEFAULT_TIMEOUT,
-            shm: ShmOptions::default(),
+            shm: None,
         }
     }
 }
@@ -165,7 +166,8 @@ impl World {
                 .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
                 .collect();
             let path = shm_dir().join(file);
-            let comm = ShmComm::create(&path, 0, members.len(), name, opts.shm)?;
+            let shm = opts.shm.unwrap_or_else(|| ShmOptions::for_group(members.len()));
+            let comm = ShmComm::create(&path, 0, members.len(), name, shm)?;
             self.store.set(&path_key, path.to_string_lossy().as_bytes())?;
             comm
         } else {

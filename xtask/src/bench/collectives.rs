@@ -79,7 +79,15 @@ pub(crate) fn run(json: bool) -> Result<()> {
     }
     println!(
         "{:<7} {:>5} {:<10} {:>9} {:>11} {:>10} {:>10} {:>12} {:>9}",
-        "backend", "ranks", "op", "bytes", "time_us", "algbw GB/s", "busbw GB/s", "OpenMPI us", "speedup"
+        "backend",
+        "ranks",
+        "op",
+        "bytes",
+        "time_us",
+        "algbw GB/s",
+        "busbw GB/s",
+        "OpenMPI us",
+        "speedup"
     );
     for r in &rows {
         let reference = mpi.get(&(r.ranks, r.bytes)).filter(|_| r.op == "all_reduce");
