@@ -27,6 +27,16 @@ pub enum Error {
         /// What is wrong.
         message: String,
     },
+    /// A safetensors file is malformed.
+    #[error("safetensors {path} at offset {offset}: {message}")]
+    Safetensors {
+        /// The file.
+        path: PathBuf,
+        /// The byte offset in the file where the problem was found.
+        offset: u64,
+        /// What is wrong.
+        message: String,
+    },
     /// A metadata key is missing or has the wrong type.
     #[error("metadata key `{key}`: {message}")]
     Metadata {

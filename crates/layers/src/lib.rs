@@ -15,6 +15,7 @@ pub mod gguf;
 pub mod kernels;
 mod mmap;
 pub mod model;
+pub mod safetensors;
 pub mod tensor;
 #[cfg(test)]
 mod test_util;

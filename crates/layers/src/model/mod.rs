@@ -272,8 +272,8 @@ pub struct Model {
 }
 
 impl Model {
-    /// Loads a GGUF model onto the CPU backend with `threads` threads, keeping quantized
-    /// weights quantized.
+    /// Loads a model onto the CPU backend with `threads` threads, keeping quantized weights
+    /// quantized: a GGUF file, or a Hugging Face folder (`config.json` + safetensors).
     ///
     /// # Errors
     /// Any error of opening the file, reading the config or loading a weight.
@@ -286,6 +286,12 @@ impl Model {
     /// # Errors
     /// As [`Model::load`].
     pub fn load_with(path: impl AsRef<Path>, threads: usize, form: WeightForm) -> Result<Self> {
+        let path = path.as_ref();
+        if path.is_dir() {
+            let ck = crate::safetensors::HfCheckpoint::open(path)?;
+            let config = ck.config()?;
+            return Model::from_source(&ck, config, Backend::cpu(threads)?, form);
+        }
         let file = GgufFile::open(path)?;
         let config = LlamaConfig::from_gguf(&file)?;
         Model::from_source(&file, config, Backend::cpu(threads)?, form)

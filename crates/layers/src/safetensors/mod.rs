@@ -1,0 +1,371 @@
+//! Hugging Face checkpoints: `.safetensors` files (one, or several listed in
+//! `model.safetensors.index.json`) plus `config.json`, as a [`WeightSource`].
+//!
+//! Weights keep their Hugging Face names on disk; [`HfCheckpoint`] maps the GGUF llama names
+//! the model asks for (`blk.0.attn_q.weight`) onto them (`model.layers.0.self_attn.q_proj.weight`).
+//! Hugging Face stores Q/K rows in the rotate-half layout, so nothing is un-permuted.
+
+use crate::config::LlamaConfig;
+use crate::error::{Error, Result};
+use crate::model::WeightSource;
+use half::{bf16, f16};
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+/// Element types a safetensors tensor can be read from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StDType {
+    /// 32-bit float.
+    F32,
+    /// 16-bit float.
+    F16,
+    /// bfloat16.
+    BF16,
+}
+
+impl StDType {
+    fn size(self) -> usize {
+        match self {
+            StDType::F32 => 4,
+            StDType::F16 | StDType::BF16 => 2,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            StDType::F32 => "F32",
+            StDType::F16 => "F16",
+            StDType::BF16 => "BF16",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct StInfo {
+    dtype: StDType,
+    shape: Vec<usize>,
+    /// Absolute byte range in the file.
+    bytes: Range<usize>,
+}
+
+/// One memory-mapped `.safetensors` file.
+#[derive(Debug)]
+pub struct SafetensorsFile {
+    path: PathBuf,
+    map: memmap2::Mmap,
+    tensors: BTreeMap<String, StInfo>,
+}
+
+impl SafetensorsFile {
+    /// Opens and indexes `path`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when it cannot be mapped; [`Error::Safetensors`]
+    /// with the offset when the header is malformed or a tensor lies outside the file.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_owned();
+        let map = crate::mmap::map(&path)?;
+        let err = |offset: usize, message: String| Error::Safetensors {
+            path: path.clone(),
+            offset: offset as u64,
+            message,
+        };
+        if map.len() < 8 {
+            return Err(err(0, format!("file of {} bytes has no header length", map.len())));
+        }
+        let n = u64::from_le_bytes(map[..8].try_into().expect("8 bytes")) as usize;
+        if n > map.len() - 8 {
+            return Err(err(0, format!("header of {n} bytes is larger than the file")));
+        }
+        let header: serde_json::Value = serde_json::from_slice(&map[8..8 + n])
+            .map_err(|e| err(8, format!("header is not json: {e}")))?;
+        let obj = header.as_object().ok_or_else(|| err(8, "header is not a json object".into()))?;
+        let base = 8 + n;
+        let mut tensors = BTreeMap::new();
+        for (name, v) in obj {
+            if name == "__metadata__" {
+                continue;
+            }
+            let bad = |what: &str| err(8, format!("tensor `{name}`: {what}"));
+            let dtype = match v.get("dtype").and_then(|d| d.as_str()) {
+                Some("F32") => StDType::F32,
+                Some("F16") => StDType::F16,
+                Some("BF16") => StDType::BF16,
+                other => {
+                    return Err(bad(&format!("unsupported dtype {other:?} (F32, F16, BF16 are)")))
+                }
+            };
+            let shape: Vec<usize> = v
+                .get("shape")
+                .and_then(|s| s.as_array())
+                .and_then(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect())
+                .ok_or_else(|| bad("missing or bad shape"))?;
+            let offs: Vec<usize> = v
+                .get("data_offsets")
+                .and_then(|s| s.as_array())
+                .and_then(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect())
+                .filter(|o: &Vec<usize>| o.len() == 2)
+                .ok_or_else(|| bad("missing or bad data_offsets"))?;
+            let (start, end) = (base + offs[0], base + offs[1]);
+            let want = shape.iter().product::<usize>() * dtype.size();
+            if offs[0] > offs[1] || end > map.len() || end - start != want {
+                return Err(bad(&format!(
+                    "data {start}..{end} does not hold {want} bytes inside the file ({} bytes)",
+                    map.len()
+                )));
+            }
+            tensors.insert(name.clone(), StInfo { dtype, shape, bytes: start..end });
+        }
+        Ok(SafetensorsFile { path, map, tensors })
+    }
+
+    /// The tensor names.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    fn info(&self, name: &str) -> Result<&StInfo> {
+        self.tensors
+            .get(name)
+            .ok_or_else(|| Error::tensor(name, format!("not found in {}", self.path.display())))
+    }
+
+    /// Elements `range` (flat, row-major) of tensor `name`, as f32.
+    fn elements(&self, name: &str, range: Range<usize>) -> Result<Vec<f32>> {
+        let info = self.info(name)?;
+        let sz = info.dtype.size();
+        let bytes =
+            &self.map[info.bytes.start + range.start * sz..info.bytes.start + range.end * sz];
+        Ok(match info.dtype {
+            StDType::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            StDType::F16 => {
+                bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            }
+            StDType::BF16 => {
+                bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            }
+        })
+    }
+}
+
+/// Maps a GGUF llama tensor name to its Hugging Face name.
+pub fn hf_name(gguf: &str) -> Option<String> {
+    match gguf {
+        "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
+        "output_norm.weight" => return Some("model.norm.weight".into()),
+        "output.weight" => return Some("lm_head.weight".into()),
+        _ => {}
+    }
+    let rest = gguf.strip_prefix("blk.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let hf = match tail {
+        "attn_norm.weight" => "input_layernorm.weight",
+        "attn_q.weight" => "self_attn.q_proj.weight",
+        "attn_k.weight" => "self_attn.k_proj.weight",
+        "attn_v.weight" => "self_attn.v_proj.weight",
+        "attn_output.weight" => "self_attn.o_proj.weight",
+        "ffn_norm.weight" => "post_attention_layernorm.weight",
+        "ffn_gate.weight" => "mlp.gate_proj.weight",
+        "ffn_up.weight" => "mlp.up_proj.weight",
+        "ffn_down.weight" => "mlp.down_proj.weight",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}"))
+}
+
+/// A Hugging Face checkpoint folder: `config.json` and one or more `.safetensors` files.
+#[derive(Debug)]
+pub struct HfCheckpoint {
+    dir: PathBuf,
+    files: Vec<SafetensorsFile>,
+    /// Hugging Face tensor name -> index into `files`.
+    index: BTreeMap<String, usize>,
+}
+
+fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        what: "reading",
+        path: path.to_owned(),
+        source,
+    })?;
+    serde_json::from_str(&text)
+        .map_err(|e| Error::metadata(&path.display().to_string(), format!("not json: {e}")))
+}
+
+impl HfCheckpoint {
+    /// Opens `dir`: `model.safetensors`, or the files named by
+    /// `model.safetensors.index.json`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] for missing files, [`Error::Safetensors`] for malformed ones.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref().to_owned();
+        let index_path = dir.join("model.safetensors.index.json");
+        let names: Vec<String> = if index_path.is_file() {
+            let index = read_json(&index_path)?;
+            let map = index.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
+                Error::metadata("weight_map", format!("missing in {}", index_path.display()))
+            })?;
+            let mut files: Vec<String> =
+                map.values().filter_map(|v| v.as_str().map(str::to_owned)).collect();
+            files.sort();
+            files.dedup();
+            files
+        } else {
+            vec!["model.safetensors".to_owned()]
+        };
+        let mut files = Vec::new();
+        let mut index = BTreeMap::new();
+        for (i, name) in names.iter().enumerate() {
+            let f = SafetensorsFile::open(dir.join(name))?;
+            for t in f.names() {
+                index.insert(t.to_owned(), i);
+            }
+            files.push(f);
+        }
+        Ok(HfCheckpoint { dir, files, index })
+    }
+
+    /// The folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Reads `config.json` into a [`LlamaConfig`].
+    ///
+    /// # Errors
+    /// [`Error::Metadata`] naming the missing or mistyped key.
+    pub fn config(&self) -> Result<LlamaConfig> {
+        let path = self.dir.join("config.json");
+        let cfg = read_json(&path)?;
+        let num = |k: &str| -> Result<usize> {
+            cfg.get(k)
+                .and_then(|v| v.as_u64())
+                .map(|v| v as usize)
+                .ok_or_else(|| Error::metadata(k, "missing from config.json or not an integer"))
+        };
+        let float = |k: &str, default: f64| cfg.get(k).and_then(|v| v.as_f64()).unwrap_or(default);
+        let hidden = num("hidden_size")?;
+        let n_heads = num("num_attention_heads")?;
+        let n_kv_heads = num("num_key_value_heads").unwrap_or(n_heads);
+        if n_heads == 0 || hidden % n_heads != 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
+            return Err(Error::metadata(
+                "num_attention_heads",
+                format!("{n_heads} heads, {n_kv_heads} kv heads, hidden {hidden}"),
+            ));
+        }
+        let head_dim = num("head_dim").unwrap_or(hidden / n_heads);
+        let tied = cfg.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false)
+            || !self.index.contains_key("lm_head.weight");
+        Ok(LlamaConfig {
+            n_layers: num("num_hidden_layers")?,
+            hidden,
+            ffn: num("intermediate_size")?,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            rope_theta: float("rope_theta", 10_000.0) as f32,
+            rope_dim: head_dim,
+            rms_eps: float("rms_norm_eps", 1e-6) as f32,
+            vocab_size: num("vocab_size")?,
+            context_length: num("max_position_embeddings")?,
+            tied_embeddings: tied,
+        })
+    }
+
+    fn locate(&self, gguf: &str) -> Result<(&SafetensorsFile, String)> {
+        let hf = hf_name(gguf).ok_or_else(|| Error::tensor(gguf, "has no Hugging Face name"))?;
+        let i = *self
+            .index
+            .get(&hf)
+            .ok_or_else(|| Error::tensor(&hf, format!("not found in {}", self.dir.display())))?;
+        Ok((&self.files[i], hf))
+    }
+}
+
+impl WeightSource for HfCheckpoint {
+    fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        let (f, hf) = self.locate(name)?;
+        Ok(f.info(&hf)?.shape.clone())
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.locate(name).is_ok()
+    }
+
+    fn rows(&self, name: &str, rows: Range<usize>) -> Result<Vec<f32>> {
+        let (f, hf) = self.locate(name)?;
+        let info = f.info(&hf)?;
+        let row_len = info.shape.last().copied().unwrap_or(1);
+        let n_rows = info.shape.iter().rev().skip(1).product::<usize>();
+        if rows.start > rows.end || rows.end > n_rows {
+            return Err(Error::tensor(
+                &hf,
+                format!("row range {rows:?} outside its {n_rows} rows"),
+            ));
+        }
+        f.elements(&hf, rows.start * row_len..rows.end * row_len)
+    }
+
+    fn cols(&self, name: &str, cols: Range<usize>) -> Result<Vec<f32>> {
+        let (f, hf) = self.locate(name)?;
+        let info = f.info(&hf)?;
+        let row_len = info.shape.last().copied().unwrap_or(1);
+        if cols.start > cols.end || cols.end > row_len {
+            return Err(Error::tensor(
+                &hf,
+                format!("column range {cols:?} outside its {row_len} columns"),
+            ));
+        }
+        let n_rows = info.shape.iter().rev().skip(1).product::<usize>();
+        let mut out = Vec::with_capacity(n_rows * cols.len());
+        for r in 0..n_rows {
+            out.extend(f.elements(&hf, r * row_len + cols.start..r * row_len + cols.end)?);
+        }
+        Ok(out)
+    }
+
+    fn qk_interleaved(&self) -> bool {
+        false
+    }
+}
+
+/// Writes tensors (Hugging Face names, f32 or bf16 data) as one `.safetensors` file: a
+/// fixture writer for tests.
+pub fn write_safetensors(path: &Path, tensors: &[(&str, &[usize], StDType, &[f32])]) -> Result<()> {
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    for (name, shape, dtype, values) in tensors {
+        let start = data.len();
+        for &v in *values {
+            match dtype {
+                StDType::F32 => data.extend(v.to_le_bytes()),
+                StDType::F16 => data.extend(f16::from_f32(v).to_le_bytes()),
+                StDType::BF16 => data.extend(bf16::from_f32(v).to_le_bytes()),
+            }
+        }
+        header.insert(
+            (*name).to_owned(),
+            serde_json::json!({ "dtype": dtype.name(), "shape": shape, "data_offsets": [start, data.len()] }),
+        );
+    }
+    let mut head = serde_json::Value::Object(header).to_string().into_bytes();
+    head.resize(head.len().div_ceil(8) * 8, b' ');
+    let mut out = (head.len() as u64).to_le_bytes().to_vec();
+    out.extend(head);
+    out.extend(data);
+    std::fs::write(path, out).map_err(|source| Error::Io {
+        what: "writing",
+        path: path.to_owned(),
+        source,
+    })
+}
+
+#[cfg(test)]
+mod tests;

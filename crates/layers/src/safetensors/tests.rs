@@ -1,0 +1,151 @@
+//! Safetensors and Hugging Face checkpoint tests: the same random model as GGUF and as a
+//! Hugging Face folder gives the same logits; sharded indexes; malformed files.
+
+use super::*;
+use crate::gguf::GgufFile;
+use crate::model::linear::unpermute_rows;
+use crate::model::random::RandomLlama;
+use crate::model::{Logits, Model, WeightForm};
+use crate::test_util::temp_path;
+
+/// Writes `spec` as GGUF and as a Hugging Face folder (Q/K rows un-permuted to the
+/// rotate-half layout, as Hugging Face stores them); returns both paths.
+fn write_both(spec: &RandomLlama, stem: &str, shards: bool) -> (PathBuf, PathBuf) {
+    let gguf = temp_path(&format!("{stem}.gguf"));
+    spec.write(&gguf).unwrap();
+    let file = GgufFile::open(&gguf).unwrap();
+    let d = spec.hidden / spec.heads;
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    for info in file.tensor_infos() {
+        let t = file.tensor(&info.name).unwrap();
+        let mut data = t.data().to_vec();
+        if info.name.ends_with("attn_q.weight") || info.name.ends_with("attn_k.weight") {
+            data = unpermute_rows(&data, t.row_len(), d);
+        }
+        tensors.push((hf_name(&info.name).unwrap(), t.shape().to_vec(), data));
+    }
+    let dir = temp_path(stem);
+    std::fs::create_dir_all(&dir).unwrap();
+    let as_refs = |ts: &[(String, Vec<usize>, Vec<f32>)]| -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        ts.to_vec()
+    };
+    let write = |path: &Path, ts: &[(String, Vec<usize>, Vec<f32>)]| {
+        let refs: Vec<(&str, &[usize], StDType, &[f32])> = ts
+            .iter()
+            .map(|(n, s, v)| (n.as_str(), s.as_slice(), StDType::F32, v.as_slice()))
+            .collect();
+        write_safetensors(path, &refs).unwrap();
+    };
+    if shards {
+        let (a, b) = tensors.split_at(tensors.len() / 2);
+        write(&dir.join("model-00001-of-00002.safetensors"), a);
+        write(&dir.join("model-00002-of-00002.safetensors"), b);
+        let mut map = serde_json::Map::new();
+        for (file, part) in
+            [("model-00001-of-00002.safetensors", a), ("model-00002-of-00002.safetensors", b)]
+        {
+            for (n, _, _) in part {
+                map.insert(n.clone(), serde_json::Value::String(file.into()));
+            }
+        }
+        let index = serde_json::json!({ "metadata": {}, "weight_map": map });
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    } else {
+        write(&dir.join("model.safetensors"), &tensors);
+    }
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.ffn,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": spec.vocab,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": !spec.untied_head,
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    (gguf, dir)
+}
+
+#[test]
+fn a_hugging_face_folder_and_its_gguf_give_the_same_logits() {
+    for (spec, shards) in [
+        (RandomLlama { seed: 21, ..RandomLlama::default() }, false),
+        (RandomLlama { seed: 22, untied_head: true, kv_heads: 1, ..RandomLlama::default() }, true),
+    ] {
+        let (gguf, dir) = write_both(&spec, &format!("hf-{}", spec.seed), shards);
+        let from_gguf = Model::load_with(&gguf, 2, WeightForm::F32).unwrap();
+        let from_hf = Model::load_with(&dir, 2, WeightForm::F32).unwrap();
+        assert_eq!(from_hf.config(), from_gguf.config());
+        let toks = [4, 8, 15, 16, 23, 42];
+        let pos: Vec<usize> = (0..toks.len()).collect();
+        let a = from_gguf.forward(&toks, &pos, &mut from_gguf.new_cache(8), Logits::All).unwrap();
+        let b = from_hf.forward(&toks, &pos, &mut from_hf.new_cache(8), Logits::All).unwrap();
+        crate::test_util::assert_close(b.data(), a.data(), 1e-5);
+        std::fs::remove_file(gguf).unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
+#[test]
+fn half_precision_tensors_and_slices_read_back() {
+    let p = temp_path("half.safetensors");
+    let x: Vec<f32> = (0..12).map(|i| i as f32 * 0.5).collect();
+    write_safetensors(&p, &[("a", &[3, 4], StDType::BF16, &x), ("b", &[3, 4], StDType::F16, &x)])
+        .unwrap();
+    let f = SafetensorsFile::open(&p).unwrap();
+    assert_eq!(f.names().collect::<Vec<_>>(), ["a", "b"]);
+    assert_eq!(f.elements("a", 0..12).unwrap(), x);
+    assert_eq!(f.elements("b", 4..8).unwrap(), x[4..8]);
+    std::fs::remove_file(p).unwrap();
+}
+
+#[test]
+fn malformed_files_and_missing_keys_are_named() {
+    let p = temp_path("bad.safetensors");
+    std::fs::write(&p, 1000u64.to_le_bytes()).unwrap();
+    let err = SafetensorsFile::open(&p).unwrap_err().to_string();
+    assert!(err.contains("at offset 0: header of 1000 bytes is larger than the file"), "{err}");
+
+    let header = br#"{"w":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header);
+    bytes.extend([0; 8]);
+    std::fs::write(&p, &bytes).unwrap();
+    let err = SafetensorsFile::open(&p).unwrap_err().to_string();
+    assert!(err.contains("tensor `w`: unsupported dtype Some(\"I64\")"), "{err}");
+
+    let header = br#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header);
+    bytes.extend([0; 8]);
+    std::fs::write(&p, &bytes).unwrap();
+    let err = SafetensorsFile::open(&p).unwrap_err().to_string();
+    assert!(err.contains("tensor `w`: data") && err.contains("does not hold 16 bytes"), "{err}");
+    std::fs::remove_file(&p).unwrap();
+
+    let dir = temp_path("hf-missing");
+    std::fs::create_dir_all(&dir).unwrap();
+    write_safetensors(
+        &dir.join("model.safetensors"),
+        &[("model.norm.weight", &[2], StDType::F32, &[1.0, 1.0])],
+    )
+    .unwrap();
+    std::fs::write(dir.join("config.json"), r#"{"hidden_size": 2}"#).unwrap();
+    let ck = HfCheckpoint::open(&dir).unwrap();
+    let err = ck.config().unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "metadata key `num_attention_heads`: missing from config.json or not an integer"
+    );
+    let err = ck.rows("blk.0.attn_q.weight", 0..1).unwrap_err().to_string();
+    assert!(
+        err.starts_with("tensor `model.layers.0.self_attn.q_proj.weight`: not found in"),
+        "{err}"
+    );
+    assert_eq!(ck.rows("output_norm.weight", 0..1).unwrap(), vec![1.0, 1.0]);
+    std::fs::remove_dir_all(dir).unwrap();
+}
