@@ -26,9 +26,6 @@ fn write_both(spec: &RandomLlama, stem: &str, shards: bool) -> (PathBuf, PathBuf
     }
     let dir = temp_path(stem);
     std::fs::create_dir_all(&dir).unwrap();
-    let as_refs = |ts: &[(String, Vec<usize>, Vec<f32>)]| -> Vec<(String, Vec<usize>, Vec<f32>)> {
-        ts.to_vec()
-    };
     let write = |path: &Path, ts: &[(String, Vec<usize>, Vec<f32>)]| {
         let refs: Vec<(&str, &[usize], StDType, &[f32])> = ts
             .iter()
