@@ -1,6 +1,6 @@
 //! Greedy generation with the single-rank model, reporting prefill and decode speed.
 //!
-//! `cargo run -p tpctl-layers --example generate -- [--model PATH] [--threads N]
+//! `cargo run -p tpctl-layers --example generate -- [--model GGUF-or-HF-DIR] [--threads N]
 //! [--max-new N] [--chat] [--f32] PROMPT...` (the model defaults to the cached default model;
 //! `--f32` dequantizes every weight at load instead of keeping the checkpoint's blocks).
 
@@ -34,7 +34,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if prompt.is_empty() { "The capital of France is".to_owned() } else { prompt.join(" ") };
     let t0 = Instant::now();
     let model = Model::load_with(&path, threads, form)?;
-    let tok = Tokenizer::from_gguf(&layers::gguf::GgufFile::open(&path)?)?;
+    let tok = Tokenizer::load(&path)?;
     if chat {
         text = tok.apply_chat_template(&[ChatMessage::new("user", &text)], true)?;
     }

@@ -43,6 +43,9 @@ pub struct Tokenizer {
     bos: Option<u32>,
     eos: Option<u32>,
     add_bos: bool,
+    /// Let the tokenizer's own post-processor add special tokens (Hugging Face
+    /// `tokenizer.json`); GGUF tokenizers add BOS by `add_bos` instead.
+    post_process: bool,
     chat_template: Option<String>,
 }
 
@@ -129,11 +132,77 @@ impl Tokenizer {
                 .get("tokenizer.ggml.add_bos_token")
                 .and_then(|v| v.as_bool())
                 .unwrap_or(false),
+            post_process: false,
             chat_template: file
                 .get("tokenizer.chat_template")
                 .and_then(|v| v.as_str())
                 .map(str::to_owned),
         })
+    }
+
+    /// The tokenizer of a model path: a GGUF file's metadata, or a Hugging Face folder.
+    ///
+    /// # Errors
+    /// As [`Tokenizer::from_gguf`] and [`Tokenizer::from_hf_dir`].
+    pub fn load(path: &std::path::Path) -> Result<Self> {
+        if path.is_dir() {
+            Tokenizer::from_hf_dir(path)
+        } else {
+            Tokenizer::from_gguf(&GgufFile::open(path)?)
+        }
+    }
+
+    /// Loads a Hugging Face tokenizer folder: `tokenizer.json`, and from
+    /// `tokenizer_config.json` (when present) the BOS/EOS tokens and the chat template.
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`] when `tokenizer.json` cannot be read; [`Error::Io`] or
+    /// [`Error::Metadata`] when `tokenizer_config.json` exists but cannot be read or parsed.
+    pub fn from_hf_dir(dir: &std::path::Path) -> Result<Self> {
+        let json = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&json)
+            .map_err(|e| Error::Tokenizer(format!("{}: {e}", json.display())))?;
+        let cfg_path = dir.join("tokenizer_config.json");
+        let cfg = if cfg_path.is_file() {
+            let text = std::fs::read_to_string(&cfg_path).map_err(|source| Error::Io {
+                what: "reading",
+                path: cfg_path.clone(),
+                source,
+            })?;
+            serde_json::from_str(&text).map_err(|e| {
+                Error::metadata(&cfg_path.display().to_string(), format!("not json: {e}"))
+            })?
+        } else {
+            serde_json::Value::Null
+        };
+        // Special tokens are a string or an object with a `content` string.
+        let special = |key: &str| -> Option<u32> {
+            let v = cfg.get(key)?;
+            let text = v.as_str().or_else(|| v.get("content").and_then(|c| c.as_str()))?;
+            inner.token_to_id(text)
+        };
+        let chat_template = match cfg.get("chat_template") {
+            Some(serde_json::Value::String(t)) => Some(t.clone()),
+            // A list of named templates: take the default one.
+            Some(serde_json::Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
+            _ => None,
+        };
+        Ok(Tokenizer {
+            bos: special("bos_token"),
+            eos: special("eos_token"),
+            inner,
+            add_bos: false,
+            post_process: true,
+            chat_template,
+        })
+    }
+
+    /// The underlying `tokenizers` tokenizer.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
     }
 
     /// Token ids of `text`; special-token text (`<|im_start|>`) maps to its id. Prepends the
@@ -142,7 +211,7 @@ impl Tokenizer {
     /// # Errors
     /// [`Error::Tokenizer`] when encoding fails.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode_fast(text, false).map_err(tok_err)?;
+        let enc = self.inner.encode_fast(text, self.post_process).map_err(tok_err)?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if let (true, Some(bos)) = (self.add_bos, self.bos) {
             ids.push(bos);

@@ -64,6 +64,34 @@ fn chat_template_renders_messages_and_reports_failures() {
 }
 
 #[test]
+fn a_hugging_face_tokenizer_folder_loads_ids_specials_and_template() {
+    let t = tiny();
+    let dir = temp_path("hf-tok");
+    std::fs::create_dir_all(&dir).unwrap();
+    t.inner().save(dir.join("tokenizer.json"), false).unwrap();
+    let cfg = serde_json::json!({
+        "bos_token": "<|im_start|>",
+        "eos_token": { "content": "<|endoftext|>" },
+        "chat_template": TINY_TEMPLATE,
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    let hf = Tokenizer::from_hf_dir(&dir).unwrap();
+    assert_eq!(
+        hf.encode("<|im_start|>ab ab12\n").unwrap(),
+        t.encode("<|im_start|>ab ab12\n").unwrap()
+    );
+    assert_eq!((hf.bos_id(), hf.eos_id()), (Some(9), Some(0)));
+    let msgs = [ChatMessage::new("user", "ab")];
+    assert_eq!(
+        hf.apply_chat_template(&msgs, true).unwrap(),
+        t.apply_chat_template(&msgs, true).unwrap()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+    let err = Tokenizer::from_hf_dir(&dir).unwrap_err().to_string();
+    assert!(err.starts_with("tokenizer: ") && err.contains("tokenizer.json"), "{err}");
+}
+
+#[test]
 fn non_bpe_models_and_bad_merges_are_rejected_with_the_key() {
     let mut w = GgufWriter::new();
     w.metadata("tokenizer.ggml.model", Value::String("llama".into()));
