@@ -1,9 +1,18 @@
 //! Tensors, CPU kernels, the GGUF loader, the tokenizer and the single-rank Llama model.
 //!
 //! Layout: [`tensor`] (the `Tensor` type and its storage), [`kernels`] (the `Backend` seam and
-//! the CPU kernels), [`gguf`] (reader and writer), [`config`] (model hyper-parameters),
-//! [`tokenizer`] (byte-level BPE and chat template), [`model`] (the Llama decoder, KV cache and
-//! greedy generation). Tensor/context-parallel modules come on top of these.
+//! the CPU kernels), [`gguf`] (reader and writer), [`safetensors`] (Hugging Face checkpoints),
+//! [`config`] (model hyper-parameters), [`tokenizer`] (byte-level BPE and chat template),
+//! [`model`] (the Llama decoder, its shardable attention/MLP blocks, KV cache and greedy
+//! generation). Tensor/context-parallel modules come on top of these.
+//!
+//! Conventions every module relies on:
+//! - Tensors are row-major f32; weight matrices are `[out_features, in_features]`.
+//! - Rotary embedding is rotate-half (Hugging Face). GGUF stores Q/K rows permuted for the
+//!   interleaved form; loading un-permutes them per head, so all weights in memory are in the
+//!   Hugging Face layout and both checkpoint formats run the same kernels.
+//! - Attention masks by absolute position (`kv_pos <= q_pos`) and can return the log-sum-exp
+//!   of each row, so partial results over disjoint keys merge exactly.
 //!
 //! `unsafe` is denied crate-wide; the two exceptions are local and documented: the `gemm` call
 //! in `kernels::cpu::matmul` and the file map in `mmap`.

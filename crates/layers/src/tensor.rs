@@ -234,6 +234,40 @@ impl Tensor {
         }
     }
 
+    /// Splits the last dimension into consecutive parts of `sizes` elements (the outputs of
+    /// fused projections), each keeping the leading shape.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the sizes do not add up to the last dimension.
+    pub fn split_last(&self, sizes: &[usize]) -> Result<Vec<Tensor>> {
+        let n = self.row_len();
+        if sizes.iter().sum::<usize>() != n {
+            return Err(Error::shape(
+                "Tensor::split_last",
+                format!("{sizes:?} of a last dimension of {n}"),
+            ));
+        }
+        let lead = &self.shape[..self.shape.len().saturating_sub(1)];
+        let mut parts: Vec<Vec<f32>> =
+            sizes.iter().map(|&s| Vec::with_capacity(self.rows() * s)).collect();
+        for row in self.data().chunks_exact(n.max(1)) {
+            let mut at = 0;
+            for (p, &s) in parts.iter_mut().zip(sizes) {
+                p.extend_from_slice(&row[at..at + s]);
+                at += s;
+            }
+        }
+        parts
+            .into_iter()
+            .zip(sizes)
+            .map(|(p, &s)| {
+                let mut shape = lead.to_vec();
+                shape.push(s);
+                Tensor::from_vec(&shape, p)
+            })
+            .collect()
+    }
+
     /// The same data with another shape.
     ///
     /// # Errors
@@ -291,6 +325,16 @@ mod tests {
         assert!(err.to_string().contains("23 bytes cannot hold f32 values"), "{err}");
         let err = Tensor::from_storage(&[4], Storage::Owned(vec![0.0; 3])).unwrap_err();
         assert!(err.to_string().contains("needs 4 elements, storage has 3"), "{err}");
+    }
+
+    #[test]
+    fn split_last_cuts_every_row() {
+        let t = Tensor::from_vec(&[2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+        let parts = t.split_last(&[1, 2]).unwrap();
+        assert_eq!(parts[0].shape(), &[2, 1]);
+        assert_eq!(parts[0].data(), &[1.0, 4.0]);
+        assert_eq!(parts[1].data(), &[2.0, 3.0, 5.0, 6.0]);
+        assert!(t.split_last(&[2, 2]).is_err());
     }
 
     #[test]

@@ -34,6 +34,35 @@ impl Weight {
         }
     }
 
+    /// The rows of `parts` stacked in order (fusing projections that read the same input into
+    /// one product). Quantized parts stay quantized when they share a format; otherwise the
+    /// result is f32.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the parts differ in width or there are none.
+    pub fn concat_rows(parts: &[&Weight]) -> Result<Weight> {
+        let cols =
+            parts.first().ok_or_else(|| Error::shape("Weight::concat_rows", "no parts"))?.dims().1;
+        if parts.iter().any(|p| p.dims().1 != cols) {
+            let widths: Vec<usize> = parts.iter().map(|p| p.dims().1).collect();
+            return Err(Error::shape("Weight::concat_rows", format!("widths {widths:?} differ")));
+        }
+        let quants: Option<Vec<&QMatrix>> =
+            parts.iter().map(|p| if let Weight::Quant(q) = p { Some(q) } else { None }).collect();
+        if let Some(q) = quants.and_then(|q| QMatrix::concat_rows(&q)) {
+            return Ok(Weight::Quant(q));
+        }
+        let rows: usize = parts.iter().map(|p| p.dims().0).sum();
+        let mut data = Vec::with_capacity(rows * cols);
+        for p in parts {
+            match p {
+                Weight::F32(t) => data.extend_from_slice(t.data()),
+                Weight::Quant(q) => data.extend(q.dequantize()),
+            }
+        }
+        Ok(Weight::F32(Tensor::from_vec(&[rows, cols], data)?))
+    }
+
     /// Row `r` (one output feature's weights; a token's embedding) as f32.
     pub fn row_f32(&self, r: usize) -> Vec<f32> {
         match self {

@@ -202,6 +202,16 @@ impl Linear {
         Ok(Linear { weight })
     }
 
+    /// One layer computing all of `parts` from the same input: its output is their outputs
+    /// side by side (split with [`Tensor::split_last`]).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the parts differ in input width.
+    pub fn concat(parts: &[&Linear]) -> Result<Linear> {
+        let weights: Vec<&Weight> = parts.iter().map(|p| &p.weight).collect();
+        Ok(Linear { weight: Weight::concat_rows(&weights)? })
+    }
+
     /// The weight.
     pub fn weight(&self) -> &Weight {
         &self.weight

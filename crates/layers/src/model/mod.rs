@@ -38,7 +38,11 @@ pub fn default_model_path() -> Option<PathBuf> {
     model_cache_dir().map(|d| d.join(DEFAULT_MODEL_FILE)).filter(|p| p.is_file())
 }
 
-fn load_vector(src: &dyn WeightSource, name: &str, len: usize) -> Result<Tensor> {
+/// Loads the 1-d tensor `name` (a norm weight) of `len` elements.
+///
+/// # Errors
+/// [`Error::Tensor`] when it is missing or has another shape.
+pub fn load_vector(src: &dyn WeightSource, name: &str, len: usize) -> Result<Tensor> {
     let shape = src.shape(name)?;
     if shape != [len] {
         return Err(Error::tensor(name, format!("expected shape [{len}], found {shape:?}")));
@@ -49,9 +53,8 @@ fn load_vector(src: &dyn WeightSource, name: &str, len: usize) -> Result<Tensor>
 /// Self-attention of one layer over a range of whole KV heads (and their query heads).
 #[derive(Clone, Debug)]
 pub struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    /// Q, K and V projections fused into one product (rows: queries, keys, values).
+    qkv: Linear,
     o: Linear,
     kv_heads: Range<usize>,
     q_heads: Range<usize>,
@@ -94,6 +97,7 @@ impl Attention {
         for (lin, t, want) in [
             (&q, "attn_q", q_heads.len() * d),
             (&k, "attn_k", kv_heads.len() * d),
+            (&v, "attn_v", kv_heads.len() * d),
             (&o, "attn_output", cfg.hidden),
         ] {
             if lin.dims().0 != want || (t != "attn_output" && lin.dims().1 != cfg.hidden) {
@@ -108,9 +112,7 @@ impl Attention {
             }
         }
         Ok(Attention {
-            q,
-            k,
-            v,
+            qkv: Linear::concat(&[&q, &k, &v])?,
             o,
             kv_heads,
             q_heads,
@@ -150,9 +152,11 @@ impl Attention {
         positions: &[usize],
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let s = self.shape();
-        let mut q = self.q.forward(be, x)?;
-        let mut k = self.k.forward(be, x)?;
-        let v = self.v.forward(be, x)?;
+        let (qw, kvw) = (s.q_heads * s.head_dim, s.kv_heads * s.head_dim);
+        let mut parts = self.qkv.forward(be, x)?.split_last(&[qw, kvw, kvw])?.into_iter();
+        let (Some(mut q), Some(mut k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
+            return Err(Error::shape("Attention::qkv", "split gave fewer than three parts"));
+        };
         be.rope(&mut q, positions, s.q_heads, s.head_dim, self.rope_dim, self.rope_theta)?;
         be.rope(&mut k, positions, s.kv_heads, s.head_dim, self.rope_dim, self.rope_theta)?;
         Ok((q, k, v))
@@ -205,9 +209,10 @@ impl Attention {
 /// The SiLU-gated MLP of one layer over a range of the inner (feed-forward) dimension.
 #[derive(Clone, Debug)]
 pub struct Mlp {
-    gate: Linear,
-    up: Linear,
+    /// Gate and up projections fused into one product (rows: gate, then up).
+    gate_up: Linear,
     down: Linear,
+    inner: usize,
 }
 
 impl Mlp {
@@ -223,11 +228,24 @@ impl Mlp {
         form: WeightForm,
     ) -> Result<Self> {
         let name = |t: &str| format!("blk.{layer}.{t}.weight");
-        Ok(Mlp {
-            gate: Linear::load(src, &name("ffn_gate"), &Shard::Rows(inner.clone()), form)?,
-            up: Linear::load(src, &name("ffn_up"), &Shard::Rows(inner.clone()), form)?,
-            down: Linear::load(src, &name("ffn_down"), &Shard::Cols(inner), form)?,
-        })
+        let gate = Linear::load(src, &name("ffn_gate"), &Shard::Rows(inner.clone()), form)?;
+        let up = Linear::load(src, &name("ffn_up"), &Shard::Rows(inner.clone()), form)?;
+        let down = Linear::load(src, &name("ffn_down"), &Shard::Cols(inner.clone()), form)?;
+        if gate.dims() != up.dims()
+            || down.dims().1 != inner.len()
+            || down.dims().0 != gate.dims().1
+        {
+            return Err(Error::tensor(
+                &name("ffn_down"),
+                format!(
+                    "gate {:?}, up {:?} and down {:?} do not fit together",
+                    gate.dims(),
+                    up.dims(),
+                    down.dims()
+                ),
+            ));
+        }
+        Ok(Mlp { gate_up: Linear::concat(&[&gate, &up])?, down, inner: inner.len() })
     }
 
     /// `down(silu(gate(x)) · up(x))`.
@@ -235,8 +253,11 @@ impl Mlp {
     /// # Errors
     /// [`Error::Shape`] when `x` has the wrong width.
     pub fn forward(&self, be: &Backend, x: &Tensor) -> Result<Tensor> {
-        let mut g = self.gate.forward(be, x)?;
-        let u = self.up.forward(be, x)?;
+        let mut parts =
+            self.gate_up.forward(be, x)?.split_last(&[self.inner, self.inner])?.into_iter();
+        let (Some(mut g), Some(u)) = (parts.next(), parts.next()) else {
+            return Err(Error::shape("Mlp::forward", "split gave fewer than two parts"));
+        };
         be.silu_mul(&mut g, &u)?;
         self.down.forward(be, &g)
     }

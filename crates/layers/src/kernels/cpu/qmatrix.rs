@@ -112,6 +112,23 @@ impl QMatrix {
         out
     }
 
+    /// The rows of `parts` stacked in order, or `None` when the parts differ in width or bits.
+    pub fn concat_rows(parts: &[&QMatrix]) -> Option<QMatrix> {
+        let first = parts.first()?;
+        if parts.iter().any(|p| p.cols != first.cols || p.bits != first.bits) {
+            return None;
+        }
+        let mut out =
+            QMatrix { rows: 0, scales: Vec::new(), mins: Vec::new(), qs: Vec::new(), ..**first };
+        for p in parts {
+            out.rows += p.rows;
+            out.scales.extend_from_slice(&p.scales);
+            out.mins.extend_from_slice(&p.mins);
+            out.qs.extend_from_slice(&p.qs);
+        }
+        Some(out)
+    }
+
     /// `(rows, cols)`.
     pub fn dims(&self) -> (usize, usize) {
         (self.rows, self.cols)
@@ -380,6 +397,13 @@ mod tests {
             QMatrix::from_blocks(BlockFormat::Q4_1, rows, cols, &quantize(BlockFormat::Q4_1, &x))
                 .unwrap();
         let deq = m.dequantize();
+        let stacked = QMatrix::concat_rows(&[&m, &m.select_rows(&[1])]).unwrap();
+        assert_eq!(stacked.dims(), (rows + 1, cols));
+        assert_eq!(stacked.dequantize()[rows * cols..], deq[cols..2 * cols]);
+        let q8 =
+            QMatrix::from_blocks(BlockFormat::Q8_0, rows, cols, &quantize(BlockFormat::Q8_0, &x))
+                .unwrap();
+        assert!(QMatrix::concat_rows(&[&m, &q8]).is_none());
         let picked = m.select_rows(&[2, 0]).dequantize();
         assert_eq!(picked[..cols], deq[2 * cols..]);
         assert_eq!(picked[cols..], deq[..cols]);
