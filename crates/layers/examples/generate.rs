@@ -39,9 +39,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         text = tok.apply_chat_template(&[ChatMessage::new("user", &text)], true)?;
     }
     eprintln!(
-        "loaded {} in {:.2} s ({threads} threads)",
+        "loaded {} in {:.2} s ({:.0} MB of weights, {threads} threads)",
         path.display(),
-        t0.elapsed().as_secs_f64()
+        t0.elapsed().as_secs_f64(),
+        model.weight_bytes() as f64 / 1e6
     );
     let ids = tok.encode(&text)?;
     let mut cache = model.new_cache(ids.len() + max_new);

@@ -63,6 +63,14 @@ impl Weight {
         Ok(Weight::F32(Tensor::from_vec(&[rows, cols], data)?))
     }
 
+    /// Bytes held.
+    pub fn nbytes(&self) -> usize {
+        match self {
+            Weight::F32(t) => 4 * t.len(),
+            Weight::Quant(q) => q.nbytes(),
+        }
+    }
+
     /// Row `r` (one output feature's weights; a token's embedding) as f32.
     pub fn row_f32(&self, r: usize) -> Vec<f32> {
         match self {

@@ -3,6 +3,17 @@
 //!
 //! Rotary embedding uses the rotate-half convention throughout; GGUF Q/K weights are
 //! un-permuted at load (see [`linear::unpermute_rows`]).
+//!
+//! How the pieces serve the parallel model (not built here):
+//! - Tensor parallelism: a rank loads [`Attention::load`] for a range of whole KV heads
+//!   (its query heads follow) and [`Mlp::load`] for a range of inner units; both outputs are
+//!   then partial sums to all-reduce over the TP group. Inner ranges that are multiples of 32
+//!   keep `ffn_down`'s column shard in its quantized blocks. The embedding and LM head shard
+//!   by vocabulary rows with [`Linear::load`] and [`Shard::Rows`].
+//! - Context parallelism: a rank runs [`Attention::qkv`] for its tokens, appends the keys and
+//!   values it owns to its [`LayerCache`] (which records absolute positions), and
+//!   [`Attention::attend`] with `want_lse` gives partial outputs that
+//!   [`crate::kernels::cpu::attention::merge_partial`] combines exactly.
 
 pub mod cache;
 pub mod linear;
@@ -361,7 +372,33 @@ impl Model {
         } else {
             Some(Linear::load(src, "output.weight", &Shard::Full, form)?)
         };
-        Ok(Model { config, backend, embed: embed.weight().clone(), blocks, norm, lm_head })
+        let model = Model { config, backend, embed: embed.weight().clone(), blocks, norm, lm_head };
+        tracing::debug!(
+            layers = model.config.n_layers,
+            hidden = model.config.hidden,
+            weight_bytes = model.weight_bytes(),
+            "model loaded"
+        );
+        Ok(model)
+    }
+
+    /// Bytes held by the weights (quantized ones at their packed size).
+    pub fn weight_bytes(&self) -> usize {
+        let norms = (2 * self.blocks.len() + 1) * self.config.hidden * 4;
+        let linears: usize = self
+            .blocks
+            .iter()
+            .map(|b| {
+                b.attn.qkv.weight().nbytes()
+                    + b.attn.o.weight().nbytes()
+                    + b.mlp.gate_up.weight().nbytes()
+                    + b.mlp.down.weight().nbytes()
+            })
+            .sum();
+        self.embed.nbytes()
+            + linears
+            + norms
+            + self.lm_head.as_ref().map_or(0, |l| l.weight().nbytes())
     }
 
     /// The hyper-parameters.
