@@ -333,3 +333,40 @@ fn models_and_tokenizers_can_be_shared_across_threads() {
     shared::<Tokenizer>();
     shared::<GgufFile>();
 }
+
+#[test]
+fn quantized_shards_stay_quantized_and_sum_to_the_full_layer() {
+    // head_dim 16, groups of 2 query heads: one KV group is 32 columns of attn_output, a
+    // whole Q8_0 block; inner ranges split at 64 are block-aligned too.
+    let spec = RandomLlama { quantized: true, seed: 31, ..RandomLlama::default() };
+    let p = write_model(&spec, "qshards.gguf");
+    let file = GgufFile::open(&p).unwrap();
+    let cfg = LlamaConfig::from_gguf(&file).unwrap();
+    let be = Backend::cpu(2).unwrap();
+    let x = Tensor::from_vec(&[1, 64], crate::test_util::random_vec(64, 8)).unwrap();
+    let is_quant = |l: &Linear| matches!(l.weight(), Weight::Quant(_));
+    let run = |kv: Range<usize>| {
+        let attn = Attention::load(&file, 0, &cfg, kv.clone(), WeightForm::Native).unwrap();
+        assert!(is_quant(&attn.qkv) && is_quant(&attn.o), "kv {kv:?}");
+        let mut cache = LayerCache::new(kv.len(), cfg.head_dim, 1);
+        attn.forward(&be, &x, &[0], &mut cache).unwrap()
+    };
+    let full = run(0..2);
+    let mut sum = run(0..1);
+    be.add_assign(&mut sum, &run(1..2)).unwrap();
+    crate::test_util::assert_close(sum.data(), full.data(), 1e-4);
+
+    let mlp = |r: Range<usize>| {
+        let m = Mlp::load(&file, 1, r, WeightForm::Native).unwrap();
+        assert!(is_quant(&m.gate_up) && is_quant(&m.down));
+        m.forward(&be, &x).unwrap()
+    };
+    let full = mlp(0..96);
+    let mut sum = mlp(0..64);
+    be.add_assign(&mut sum, &mlp(64..96)).unwrap();
+    crate::test_util::assert_close(sum.data(), full.data(), 1e-4);
+    // An unaligned column shard falls back to f32 instead of failing.
+    let m = Mlp::load(&file, 1, 0..40, WeightForm::Native).unwrap();
+    assert!(is_quant(&m.gate_up) && !is_quant(&m.down));
+    std::fs::remove_file(p).unwrap();
+}
