@@ -85,7 +85,7 @@ struct Row<'a> {
     /// This row's KV head within a token.
     offset: usize,
     scale: f32,
-    scores: &'a mut Vec<(usize, f32)>,
+    scores: &'a mut Vec<f32>,
     out: &'a mut [f32],
 }
 
@@ -96,21 +96,25 @@ impl WithSimd for Row<'_> {
     fn with_simd<S: Simd>(self, _simd: S) -> f32 {
         let Row { q, q_pos, k, v, kv_pos, stride, offset, scale, scores, out } = self;
         let d = q.len();
+        out.fill(0.0);
+        // Keys after the last visible one never contribute: stop there.
+        let Some(last) = kv_pos.iter().rposition(|&p| p <= q_pos) else {
+            return f32::NEG_INFINITY;
+        };
         scores.clear();
+        scores.resize(last + 1, f32::NEG_INFINITY);
         let mut max = f32::NEG_INFINITY;
-        for (j, &p) in kv_pos.iter().enumerate() {
-            if p <= q_pos {
-                let s = dot(q, &k[j * stride + offset..][..d]) * scale;
-                max = max.max(s);
-                scores.push((j, s));
+        for (j, s) in scores.iter_mut().enumerate() {
+            if kv_pos[j] <= q_pos {
+                *s = dot(q, &k[j * stride + offset..][..d]) * scale;
+                max = max.max(*s);
             }
         }
-        out.fill(0.0);
-        if scores.is_empty() {
-            return f32::NEG_INFINITY;
-        }
         let mut sum = 0.0f32;
-        for &mut (j, s) in scores.iter_mut() {
+        for (j, &s) in scores.iter().enumerate() {
+            if s == f32::NEG_INFINITY {
+                continue;
+            }
             let e = (s - max).exp();
             sum += e;
             for (a, b) in out.iter_mut().zip(&v[j * stride + offset..][..d]) {

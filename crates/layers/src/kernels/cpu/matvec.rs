@@ -12,7 +12,9 @@ use rayon::prelude::*;
 /// two halves of a 576-row projection still land on different threads.
 const ROWS_PER_TASK: usize = 16;
 
-/// Dot product with 16 independent accumulators (vectorizes without fast-math).
+/// Dot product with 16 independent accumulators (vectorizes without fast-math), reduced as a
+/// tree: a sequential sum of the lanes would be a chain of 15 dependent adds, which costs more
+/// than the products for short vectors such as attention heads.
 #[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
@@ -25,7 +27,15 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
             acc[l] += x[l] * y[l];
         }
     }
-    let mut s: f32 = acc.iter().sum();
+    let mut half = [0.0f32; 8];
+    for l in 0..8 {
+        half[l] = acc[l] + acc[l + 8];
+    }
+    let mut quarter = [0.0f32; 4];
+    for l in 0..4 {
+        quarter[l] = half[l] + half[l + 4];
+    }
+    let mut s = (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
     for (x, y) in ar.iter().zip(br) {
         s += x * y;
     }
