@@ -3,7 +3,7 @@
 
 fn main() -> anyhow::Result<()> {
     anyhow::bail!(
-        "tpctl has no commands yet: the launcher arrives with the CLI issue; \
-         the libraries (mesh, collectives, vmm) are usable today"
+        "tpctl has no commands yet: run/serve arrive with the session engine; \
+         the libraries (mesh, collectives, vmm, layers) are usable today"
     )
 }

@@ -1,0 +1,302 @@
+//! `CONFIG.toml`: model, layout, runtime, sampling, sleep policy and server settings.
+//!
+//! Every table refuses unknown keys, and every error names the key with its line and column,
+//! so a typo never silently falls back to a default. Command-line flags override the file.
+
+use anyhow::{Context, Result};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The whole file. Every table is optional.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Which model to run.
+    #[serde(default)]
+    pub model: ModelConfig,
+    /// How ranks are laid out and connected.
+    #[serde(default)]
+    pub layout: LayoutConfig,
+    /// Per-rank runtime settings.
+    #[serde(default)]
+    pub runtime: RuntimeConfig,
+    /// Sampling defaults.
+    #[serde(default)]
+    pub sampling: SamplingConfig,
+    /// Restore policy per memory tag (`[sleep.kv_cache]`, `[sleep.weights]`).
+    #[serde(default)]
+    pub sleep: BTreeMap<String, SleepPolicy>,
+    /// HTTP server settings for `tpctl serve`.
+    #[serde(default)]
+    pub server: ServerConfig,
+}
+
+/// `[model]`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// A catalog name (fetched once into the cache) or a path to a GGUF file.
+    #[serde(default = "default_model")]
+    pub name: String,
+    /// Weight form: `native` keeps quantized weights quantized, `f32` converts them.
+    #[serde(default)]
+    pub weights: WeightsForm,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig { name: default_model(), weights: WeightsForm::default() }
+    }
+}
+
+fn default_model() -> String {
+    "smollm2-135m-instruct".to_owned()
+}
+
+/// How weights are kept in memory.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightsForm {
+    /// Quantized weights stay quantized.
+    #[default]
+    Native,
+    /// Everything in f32.
+    F32,
+}
+
+/// `[layout]`.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LayoutConfig {
+    /// Tensor-parallel ranks.
+    pub tp: Option<usize>,
+    /// Context-parallel ranks.
+    pub cp: Option<usize>,
+    /// Backend per axis.
+    #[serde(default)]
+    pub backends: BackendsConfig,
+}
+
+/// `[layout.backends]`: `local`, `shm`, `tcp` or `nccl` per axis.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BackendsConfig {
+    /// Tensor-parallel axis.
+    #[serde(default = "shm", deserialize_with = "parsed")]
+    pub tp: mesh::Backend,
+    /// Context-parallel axis.
+    #[serde(default = "shm", deserialize_with = "parsed")]
+    pub cp: mesh::Backend,
+    /// Control messages (step agreement, sleep/wakeup).
+    #[serde(default = "shm", deserialize_with = "parsed")]
+    pub control: mesh::Backend,
+}
+
+/// Deserializes a string through the type's `FromStr`, keeping its error message.
+fn parsed<'de, D, T>(de: D) -> std::result::Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: std::str::FromStr,
+    T::Err: std::fmt::Display,
+{
+    let text = String::deserialize(de)?;
+    text.parse().map_err(serde::de::Error::custom)
+}
+
+fn shm() -> mesh::Backend {
+    mesh::Backend::Shm
+}
+
+impl Default for BackendsConfig {
+    fn default() -> Self {
+        BackendsConfig { tp: shm(), cp: shm(), control: shm() }
+    }
+}
+
+/// `[runtime]`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RuntimeConfig {
+    /// Compute threads per rank (0: the cores divided by the ranks on this host).
+    #[serde(default)]
+    pub threads: usize,
+    /// Tokens of KV cache per rank.
+    #[serde(default = "default_kv_tokens")]
+    pub kv_cache_tokens: usize,
+    /// Deadline of one collective call, in seconds.
+    #[serde(default = "default_timeout")]
+    pub timeout_s: f64,
+}
+
+fn default_kv_tokens() -> usize {
+    4096
+}
+
+fn default_timeout() -> f64 {
+    60.0
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        RuntimeConfig {
+            threads: 0,
+            kv_cache_tokens: default_kv_tokens(),
+            timeout_s: default_timeout(),
+        }
+    }
+}
+
+/// `[sampling]`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SamplingConfig {
+    /// 0 is greedy.
+    #[serde(default)]
+    pub temperature: f32,
+    /// Nucleus sampling mass (1.0: off).
+    #[serde(default = "one")]
+    pub top_p: f32,
+    /// Keep the k most likely tokens (0: off).
+    #[serde(default)]
+    pub top_k: usize,
+    /// Random seed.
+    #[serde(default)]
+    pub seed: u64,
+    /// Tokens to generate per prompt.
+    #[serde(default = "default_max_tokens")]
+    pub max_tokens: usize,
+}
+
+fn one() -> f32 {
+    1.0
+}
+
+fn default_max_tokens() -> usize {
+    64
+}
+
+impl Default for SamplingConfig {
+    fn default() -> Self {
+        SamplingConfig {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 0,
+            max_tokens: default_max_tokens(),
+        }
+    }
+}
+
+/// `[sleep.TAG]`: how memory with this tag is restored after a wakeup.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SleepPolicy {
+    /// `discard`, `zero`, `backup` or `reload`.
+    pub restore: RestoreMode,
+    /// Where `backup` spills to (default: the cache dir).
+    pub spill_dir: Option<PathBuf>,
+}
+
+/// Restore modes of `[sleep.TAG]`.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum RestoreMode {
+    /// Contents are undefined after wakeup.
+    Discard,
+    /// Zeros after wakeup.
+    Zero,
+    /// Copied out before sleep, back after wakeup.
+    Backup,
+    /// Re-read from the model file.
+    Reload,
+}
+
+/// `[server]`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Address of the HTTP API.
+    #[serde(default = "default_listen")]
+    pub listen: String,
+    /// Required on every request when set; needed for a non-loopback address.
+    pub api_key: Option<String>,
+}
+
+fn default_listen() -> String {
+    "127.0.0.1:8000".to_owned()
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig { listen: default_listen(), api_key: None }
+    }
+}
+
+impl Config {
+    /// Parses a config from text; `origin` names it in errors.
+    ///
+    /// # Errors
+    /// Malformed TOML, an unknown key or a bad value, with its key, line and column.
+    pub fn parse(text: &str, origin: &str) -> Result<Config> {
+        let config: Config = toml::from_str(text).map_err(|e| {
+            // toml's message already holds the line, the column and the offending key.
+            anyhow::anyhow!("{origin}: {}", e.to_string().trim_end())
+        })?;
+        config.validate().with_context(|| format!("{origin}: invalid configuration"))?;
+        Ok(config)
+    }
+
+    /// Reads and parses `path`.
+    ///
+    /// # Errors
+    /// The file cannot be read, or see [`Config::parse`].
+    pub fn load(path: &Path) -> Result<Config> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading config {}", path.display()))?;
+        Config::parse(&text, &path.display().to_string())
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |key: &str, why: String| Err(anyhow::anyhow!("`{key}` {why}"));
+        if self.layout.tp == Some(0) {
+            return bad("layout.tp", "must be at least 1".into());
+        }
+        if self.layout.cp == Some(0) {
+            return bad("layout.cp", "must be at least 1".into());
+        }
+        if self.runtime.kv_cache_tokens == 0 {
+            return bad("runtime.kv_cache_tokens", "must be at least 1".into());
+        }
+        if !(self.runtime.timeout_s.is_finite() && self.runtime.timeout_s > 0.0) {
+            return bad(
+                "runtime.timeout_s",
+                format!("must be a positive number of seconds, not {}", self.runtime.timeout_s),
+            );
+        }
+        let s = &self.sampling;
+        if !(s.temperature.is_finite() && s.temperature >= 0.0) {
+            return bad(
+                "sampling.temperature",
+                format!("must be 0 or more, not {}", s.temperature),
+            );
+        }
+        if !(s.top_p > 0.0 && s.top_p <= 1.0) {
+            return bad("sampling.top_p", format!("must be in (0, 1], not {}", s.top_p));
+        }
+        for tag in self.sleep.keys() {
+            if tag.is_empty()
+                || !tag.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+            {
+                return bad(
+                    &format!("sleep.{tag}"),
+                    "is not a tag name (letters, digits, _ and -)".into(),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

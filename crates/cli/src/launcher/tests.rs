@@ -1,0 +1,97 @@
+//! The supervisor against real processes (`sh` scripts as ranks).
+
+use super::*;
+
+fn spec(script: &str, nproc: usize) -> Launch {
+    Launch {
+        program: "/bin/sh".into(),
+        args: vec!["-c".into(), script.into()],
+        nproc_per_node: nproc,
+        nnodes: 1,
+        node_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: 29_500,
+        env: vec![("EXTRA".into(), "yes".into())],
+        grace: Duration::from_millis(300),
+    }
+}
+
+/// Runs a launch on another thread with a deadline, so a hang fails the test.
+fn launch_within(spec: Launch, interrupted: Arc<AtomicBool>) -> Result<Outcome> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(launch(&spec, &interrupted)));
+    rx.recv_timeout(Duration::from_secs(30)).expect("the launch did not return within 30 s")
+}
+
+fn alive(pid: &str) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')))
+        .unwrap_or(false)
+}
+
+#[test]
+fn every_rank_succeeding_is_success() {
+    let never = AtomicBool::new(false);
+    let out =
+        launch(&spec("test \"$EXTRA\" = yes && test \"$WORLD_SIZE\" = 3", 3), &never).unwrap();
+    assert_eq!(out, Outcome::Success);
+}
+
+#[test]
+fn the_first_failure_stops_the_others_and_decides_the_code() {
+    let dir = std::env::temp_dir().join(format!("tpctl-launch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Rank 1 fails at once; the others would sleep for a minute (recording their pids).
+    let script = format!(
+        "echo $$ > {}/$RANK; if [ \"$RANK\" = 1 ]; then echo 'boom: bad weights' >&2; exit 7; fi; sleep 60",
+        dir.display()
+    );
+    let out = launch_within(spec(&script, 3), Arc::new(AtomicBool::new(false))).unwrap();
+    let Outcome::Failed(f) = out else { panic!("expected a failure, got {out:?}") };
+    assert_eq!((f.rank, f.code), (1, 7));
+    assert!(f.to_string().contains("rank 1 failed with exit code 7: boom: bad weights"), "{f}");
+    for r in ["0", "2"] {
+        let pid = std::fs::read_to_string(dir.join(r)).unwrap();
+        assert!(!alive(pid.trim()), "rank {r} (pid {pid}) outlived the launch");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_rank_ignoring_sigterm_is_killed_after_the_grace_period() {
+    let dir = std::env::temp_dir().join(format!("tpctl-stubborn-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = format!(
+        "if [ \"$RANK\" = 0 ]; then while [ ! -s {d}/sleep ]; do sleep 0.05; done; exit 3; fi; \
+         trap '' TERM; sleep 60 & echo $! > {d}/sleep.tmp; mv {d}/sleep.tmp {d}/sleep; wait",
+        d = dir.display()
+    );
+    let out = launch_within(spec(&script, 2), Arc::new(AtomicBool::new(false))).unwrap();
+    assert_eq!(out.exit_code(), 3);
+    // The rank's own child went with it: the whole process group was killed.
+    let pid = std::fs::read_to_string(dir.join("sleep")).unwrap_or_default();
+    assert!(!pid.trim().is_empty() && !alive(pid.trim()), "the rank's child {pid} survived");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_interrupt_stops_every_rank() {
+    let interrupted = Arc::new(AtomicBool::new(false));
+    let flag = interrupted.clone();
+    let setter = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        flag.store(true, Ordering::SeqCst);
+    });
+    let out = launch_within(spec("sleep 60", 2), interrupted).unwrap();
+    setter.join().unwrap();
+    assert_eq!(out, Outcome::Interrupted);
+    assert_eq!(out.exit_code(), 130);
+}
+
+#[test]
+fn a_program_that_cannot_start_is_an_error() {
+    let mut s = spec("true", 2);
+    s.program = "/nonexistent/tpctl-rank".into();
+    let err = launch_within(s, Arc::new(AtomicBool::new(false))).unwrap_err();
+    assert!(format!("{err:#}").contains("starting rank 0: /nonexistent/tpctl-rank"), "{err:#}");
+}
