@@ -1,4 +1,36 @@
-//! The per-rank engine: step agreement, session lifecycle and the sleep/wakeup protocol.
+//! The per-rank engine: step agreement, session lifecycle and the failure policy.
 //!
-//! Not built yet: see the session issue.
+//! Rank 0 runs a [`Leader`] (scheduler, tokenizer, sampler, output and metrics sinks); every
+//! other rank runs a [`Worker`], which owns none of these (its constructor takes no sink, and
+//! handing it one is an error). At each step boundary all ranks meet on the control group
+//! ([`protocol`]): an admission that agrees on go / stop / failed and carries rank 0's step
+//! plan, then a confirmation once every rank prepared the step. Models plug in through
+//! [`StepModel`] and [`ModelFactory`]; [`replicated`] runs the single-rank Llama model of the
+//! `layers` crate on every rank.
+//!
+//! This crate never prints: results go to rank 0's [`OutputSink`], numbers to its
+//! [`MetricsSink`], and what a rank went through is kept as [`Event`]s.
 #![forbid(unsafe_code)]
+
+mod engine;
+mod error;
+mod model;
+mod plan;
+pub mod protocol;
+pub mod replicated;
+mod sampler;
+mod scheduler;
+mod sink;
+
+pub use engine::{
+    Decider, Decision, EngineOptions, Event, Leader, Role, RunSummary, SessionReport, Sinks,
+    StopHandle, Worker,
+};
+pub use error::{BoxError, Error, Result};
+pub use model::{Logits, ModelFactory, StepModel};
+pub use plan::{PlanEntry, SeqId, SessionConfig, SessionDecision, StepPlan};
+pub use sampler::{argmax, Sampler, SamplingParams};
+pub use scheduler::{Prompt, Request};
+pub use sink::{
+    Collect, FinishReason, Finished, MetricsSink, NoMetrics, OutputSink, StepMetrics, TextCodec,
+};

@@ -1,0 +1,188 @@
+//! Step-agreement benchmark: the per-step coordination of the session engine (admission with
+//! rank 0's plan, decoding it, confirmation; no model) next to one 8-byte all_reduce on the
+//! same control group, in the same run, for 2 and 4 ranks on the shm and tcp backends.
+//!
+//! Run through `cargo xtask bench session`. Without `RANK` in the environment this program is
+//! the launcher: it starts the ranks (copies of itself) and prints a table, or one JSON object
+//! per configuration with `--json`.
+
+use collectives::{init_parallel, Collective, Communicator, InitOptions, ReduceOp};
+use mesh::{AxisBackends, Backend};
+use session::protocol::{self, Agreement, Contribution, Message, State};
+use session::{PlanEntry, StepPlan};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const ITERS: usize = 2000;
+const ROUNDS: usize = 5;
+
+fn main() {
+    if std::env::var_os("RANK").is_some() {
+        rank_main();
+        return;
+    }
+    let args: Vec<String> = std::env::args().collect();
+    let json = args.iter().any(|a| a == "--json");
+    let backends: Vec<String> = match args.iter().position(|a| a == "--backends") {
+        Some(i) => args[i + 1].split(',').map(str::to_owned).collect(),
+        None => vec!["shm".into(), "tcp".into()],
+    };
+    if !json {
+        println!(
+            "{:<7} {:>5} {:>14} {:>12} {:>8} {:>16}",
+            "backend", "ranks", "allreduce8_us", "step_us", "ratio", "step_64seq_us"
+        );
+    }
+    for backend in &backends {
+        for world in [2usize, 4] {
+            let line = launch(backend, world);
+            if json {
+                println!("{line}");
+            } else {
+                let f = |k: &str| field(&line, k).unwrap_or_default();
+                println!(
+                    "{:<7} {:>5} {:>14} {:>12} {:>8} {:>16}",
+                    f("backend"),
+                    f("ranks"),
+                    f("allreduce8_us"),
+                    f("step_us"),
+                    f("ratio"),
+                    f("step_64seq_us")
+                );
+            }
+        }
+    }
+}
+
+fn field(json: &str, key: &str) -> Option<String> {
+    let key = format!("\"{key}\":");
+    let start = json.find(&key)? + key.len();
+    let rest = &json[start..];
+    let end = rest.find([',', '}']).unwrap_or(rest.len());
+    Some(rest[..end].trim_matches('"').to_owned())
+}
+
+/// Starts `world` ranks on `backend` and returns rank 0's result line.
+fn launch(backend: &str, world: usize) -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let exe = std::env::current_exe().expect("own path");
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            Command::new(&exe)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("TPCTL_BENCH_BACKEND", backend)
+                .stdout(Stdio::piped())
+                .spawn()
+                .expect("start a rank")
+        })
+        .collect();
+    let mut line = String::new();
+    for (rank, child) in children.into_iter().enumerate() {
+        let out = child.wait_with_output().expect("rank output");
+        assert!(out.status.success(), "rank {rank} of {backend} x{world} failed: {}", out.status);
+        if rank == 0 {
+            line = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        }
+    }
+    line
+}
+
+/// A decode step of `seqs` running sequences.
+fn decode_plan(seqs: u64, step: u64) -> StepPlan {
+    StepPlan {
+        epoch: 0,
+        step,
+        entries: (0..seqs)
+            .map(|s| PlanEntry {
+                seq: s + 1,
+                start: 100 + step as u32,
+                tokens: vec![(s * 7 + step) as u32 % 32000],
+                sample: true,
+            })
+            .collect(),
+        released: Vec::new(),
+    }
+}
+
+/// Median over rounds of the mean time of `f` in microseconds.
+fn measure(comm: &mut dyn Communicator, mut f: impl FnMut(&mut dyn Communicator, u64)) -> f64 {
+    for i in 0..200 {
+        f(comm, i);
+    }
+    let mut rounds: Vec<f64> = (0..ROUNDS)
+        .map(|r| {
+            comm.barrier().expect("barrier");
+            let start = Instant::now();
+            for i in 0..ITERS {
+                f(comm, (r * ITERS + i) as u64 + 1000);
+            }
+            start.elapsed().as_secs_f64() * 1e6 / ITERS as f64
+        })
+        .collect();
+    rounds.sort_by(f64::total_cmp);
+    rounds[ROUNDS / 2]
+}
+
+fn coordination(seqs: u64) -> impl FnMut(&mut dyn Communicator, u64) {
+    let mut agreement = Agreement::new();
+    let mut buf = Vec::new();
+    move |comm, step| {
+        let rank = comm.rank();
+        if rank == 0 {
+            let plan = decode_plan(seqs, step + 1);
+            protocol::encode(&Message::Step(plan), 0, step, &mut buf);
+        }
+        let c = Contribution {
+            state: State::Go,
+            epoch: 0,
+            step,
+            message: (rank == 0).then_some(&buf[..]),
+        };
+        agreement.admit(comm, c).expect("admission");
+        if rank != 0 {
+            let (_, _, msg) = protocol::decode(agreement.message()).expect("a plan");
+            std::hint::black_box(msg);
+        }
+        agreement.confirm(comm, Contribution { message: None, ..c }).expect("confirmation");
+    }
+}
+
+fn rank_main() {
+    let backend: Backend = std::env::var("TPCTL_BENCH_BACKEND")
+        .unwrap_or_else(|_| "shm".into())
+        .parse()
+        .expect("backend");
+    let world: usize = std::env::var("WORLD_SIZE").expect("WORLD_SIZE").parse().expect("number");
+    let opts = InitOptions {
+        tp: Some(world),
+        head_groups: world,
+        backends: AxisBackends { tp: backend, cp: backend, control: backend },
+        timeout: Duration::from_secs(120),
+        ..InitOptions::default()
+    };
+    let mut ctx = init_parallel(&opts).expect("init_parallel");
+    let comm = ctx.control.as_mut();
+    let mut one = [0i64; 1];
+    let raw = measure(comm, |c, i| {
+        one[0] = i as i64;
+        c.all_reduce(&mut one, ReduceOp::Max).expect("all_reduce");
+    });
+    let step = measure(comm, coordination(4));
+    let large = measure(comm, coordination(64));
+    if ctx.rank() == 0 {
+        println!(
+            "{{\"backend\":\"{}\",\"ranks\":{world},\"allreduce8_us\":{raw:.2},\"step_us\":{step:.2},\"ratio\":{:.2},\"step_64seq_us\":{large:.2}}}",
+            backend.name(),
+            step / raw
+        );
+    }
+    ctx.shutdown(Duration::from_secs(30)).expect("shutdown");
+}

@@ -1,0 +1,282 @@
+//! The engine on a world of one rank (an inert context): the whole session lifecycle on rank 0
+//! with a small counting model. Multi-rank behavior is tested with real processes in
+//! `tests/tests/session.rs`.
+
+use super::*;
+use crate::error::BoxError;
+use crate::sampler::SamplingParams;
+use crate::sink::{Collect, FinishReason};
+use collectives::{init_parallel_with, InitOptions};
+use std::sync::Mutex;
+
+const VOCAB: usize = 16;
+
+/// Next token = last token + 1 (mod 16), as logits.
+struct Count {
+    seqs: std::collections::HashMap<SeqIdAlias, usize>,
+    fail_at: Option<u64>,
+}
+type SeqIdAlias = crate::plan::SeqId;
+
+impl StepModel for Count {
+    fn forward(&mut self, plan: &StepPlan) -> std::result::Result<Option<crate::Logits>, BoxError> {
+        if self.fail_at == Some(plan.step) {
+            return Err("the counting model broke".into());
+        }
+        let mut rows = Vec::new();
+        for e in &plan.entries {
+            let len = self.seqs.entry(e.seq).or_default();
+            assert_eq!(*len, e.start as usize, "positions continue the sequence");
+            *len += e.tokens.len();
+            if e.sample {
+                let next = (*e.tokens.last().unwrap() as usize + 1) % VOCAB;
+                rows.push((0..VOCAB).map(|i| if i == next { 1.0 } else { 0.0 }).collect());
+            }
+        }
+        Ok(Some(rows))
+    }
+
+    fn release(&mut self, seq: SeqIdAlias) {
+        self.seqs.remove(&seq);
+    }
+
+    fn context_len(&self) -> usize {
+        64
+    }
+}
+
+#[derive(Clone, Default)]
+struct Factory {
+    builds: Arc<Mutex<Vec<String>>>,
+}
+
+impl ModelFactory for Factory {
+    fn build(
+        &mut self,
+        config: &SessionConfig,
+        _rank: usize,
+    ) -> std::result::Result<Box<dyn StepModel>, BoxError> {
+        self.builds.lock().unwrap().push(config.model.clone());
+        if config.model == "broken" {
+            return Err("no such model".into());
+        }
+        let fail_at = config.model.strip_prefix("fail-at-").and_then(|s| s.parse().ok());
+        Ok(Box::new(Count { seqs: Default::default(), fail_at }))
+    }
+}
+
+#[derive(Clone, Default)]
+struct Metrics(Arc<Mutex<Vec<StepMetrics>>>);
+
+impl MetricsSink for Metrics {
+    fn step(&mut self, m: &StepMetrics) {
+        self.0.lock().unwrap().push(*m);
+    }
+}
+
+fn leader(factory: &Factory, out: &Collect, metrics: &Metrics) -> Leader {
+    let ctx = init_parallel_with(mesh::Rendezvous::single(), &InitOptions::default()).unwrap();
+    let opts = EngineOptions { tick: Duration::from_millis(5), ..EngineOptions::default() };
+    Leader::new(
+        ctx,
+        Box::new(factory.clone()),
+        Box::new(out.clone()),
+        Box::new(metrics.clone()),
+        opts,
+    )
+    .unwrap()
+}
+
+fn req(id: u64, prompt: &[u32], max_tokens: u32) -> Request {
+    Request::tokens(id, prompt.to_vec(), SamplingParams { max_tokens, ..SamplingParams::default() })
+}
+
+fn stop(_: &SessionReport) -> Decision {
+    Decision::Stop
+}
+
+fn closes(events: &[Event]) -> Vec<(u64, u64)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Closed { epoch, steps } => Some((*epoch, *steps)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_batch_runs_to_its_natural_end() {
+    let (f, out, m) = (Factory::default(), Collect::new(), Metrics::default());
+    let mut l = leader(&f, &out, &m);
+    let cfg = SessionConfig { token_budget: 3, ..SessionConfig::new("count") };
+    let summary = l.run(cfg, vec![req(1, &[1, 2, 3, 4], 3), req(2, &[9], 2)], &mut stop).unwrap();
+    let done = out.finished();
+    assert_eq!(done.len(), 2);
+    let one = done.iter().find(|d| d.request == 1).unwrap();
+    assert_eq!((one.tokens.clone(), one.reason), (vec![5, 6, 7], FinishReason::Length));
+    let two = done.iter().find(|d| d.request == 2).unwrap();
+    assert_eq!(two.tokens, vec![10, 11]);
+    assert_eq!(closes(l.events()), vec![(0, summary.steps)]);
+    let steps: Vec<u64> = l
+        .events()
+        .iter()
+        .filter_map(|e| if let Event::Step { step, .. } = e { Some(*step) } else { None })
+        .collect();
+    assert_eq!(steps, (1..=summary.steps).collect::<Vec<_>>());
+    let m = m.0.lock().unwrap();
+    assert!(m.iter().all(|s| s.prefill_tokens + s.decode_tokens <= 3), "{m:?}");
+    assert!(m.iter().any(|s| s.prefill_tokens > 0 && s.decode_tokens > 0), "{m:?}");
+    assert!(matches!(
+        l.run(SessionConfig::new("count"), vec![], &mut stop),
+        Err(Error::Finished { rank: 0 })
+    ));
+}
+
+#[test]
+fn max_steps_bounds_the_session_and_zero_steps_run_nothing() {
+    for (max, want) in [(2u64, 2u64), (0, 0)] {
+        let (f, out, m) = (Factory::default(), Collect::new(), Metrics::default());
+        let mut l = leader(&f, &out, &m);
+        let cfg = SessionConfig { max_steps: Some(max), ..SessionConfig::new("count") };
+        let mut reports = Vec::new();
+        let mut decide = |r: &SessionReport| {
+            reports.push(r.clone());
+            Decision::Stop
+        };
+        let summary = l.run(cfg, vec![req(1, &[1], 10)], &mut decide).unwrap();
+        assert_eq!(summary, RunSummary { sessions: 1, steps: want });
+        assert!(reports[0].step_limit);
+        let done = out.finished();
+        assert_eq!(done[0].reason, FinishReason::Cancelled);
+        assert_eq!(done[0].tokens.len() as u64, want);
+    }
+}
+
+#[test]
+fn a_stop_before_start_opens_and_closes_without_building() {
+    let (f, out, m) = (Factory::default(), Collect::new(), Metrics::default());
+    let mut l = leader(&f, &out, &m);
+    l.stop_handle().request_stop();
+    let summary = l.run(SessionConfig::new("count"), vec![req(1, &[1], 3)], &mut stop).unwrap();
+    assert_eq!(summary, RunSummary { sessions: 1, steps: 0 });
+    assert_eq!(l.events(), &[Event::Opened { epoch: 0 }, Event::Closed { epoch: 0, steps: 0 }]);
+    assert!(f.builds.lock().unwrap().is_empty());
+}
+
+#[test]
+fn a_replacement_opens_a_new_session_with_new_requests() {
+    let (f, out, m) = (Factory::default(), Collect::new(), Metrics::default());
+    let mut l = leader(&f, &out, &m);
+    let mut n = 0;
+    let mut decide = |r: &SessionReport| {
+        n += 1;
+        if r.epoch == 0 {
+            Decision::Replace(SessionConfig::new("count-2"), vec![req(7, &[3], 2)])
+        } else {
+            Decision::Stop
+        }
+    };
+    let summary = l.run(SessionConfig::new("count"), vec![req(1, &[1], 1)], &mut decide).unwrap();
+    assert_eq!(summary.sessions, 2);
+    assert_eq!(n, 2);
+    assert_eq!(*f.builds.lock().unwrap(), vec!["count".to_owned(), "count-2".to_owned()]);
+    assert_eq!(closes(l.events()).iter().map(|c| c.0).collect::<Vec<_>>(), vec![0, 1]);
+    let done = out.finished();
+    assert_eq!(done.iter().map(|d| d.request).collect::<Vec<_>>(), vec![1, 7]);
+    assert_eq!(done[1].tokens, vec![4, 5]);
+}
+
+#[test]
+fn serve_batches_requests_that_arrive_while_others_run() {
+    let (f, out, m) = (Factory::default(), Collect::new(), Metrics::default());
+    let mut l = leader(&f, &out, &m);
+    let (tx, rx) = std::sync::mpsc::channel();
+    tx.send(req(1, &[1, 2], 12)).unwrap();
+    tx.send(req(2, &[5], 3)).unwrap();
+    let feeder = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(30));
+        tx.send(req(3, &[8, 8, 8], 2)).unwrap();
+    });
+    let mut decide =
+        |r: &SessionReport| if r.finished >= 3 { Decision::Stop } else { Decision::KeepOpen };
+    l.serve(SessionConfig::new("count"), &rx, &mut decide).unwrap();
+    feeder.join().unwrap();
+    let done = out.finished();
+    assert_eq!(done.len(), 3, "{done:?}");
+    assert_eq!(done.iter().find(|d| d.request == 3).unwrap().tokens, vec![9, 10]);
+    assert_eq!(closes(l.events()).len(), 1);
+}
+
+#[test]
+fn an_idle_session_stops_when_asked() {
+    let (f, out, m) = (Factory::default(), Collect::new(), Metrics::default());
+    let mut l = leader(&f, &out, &m);
+    let (_tx, rx) = std::sync::mpsc::channel();
+    let handle = l.stop_handle();
+    let stopper = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(40));
+        handle.request_stop();
+    });
+    let mut decide = |_: &SessionReport| Decision::KeepOpen;
+    let summary = l.serve(SessionConfig::new("count"), &rx, &mut decide).unwrap();
+    stopper.join().unwrap();
+    assert_eq!(summary, RunSummary { sessions: 1, steps: 0 });
+    assert_eq!(closes(l.events()), vec![(0, 0)]);
+}
+
+#[test]
+fn failures_are_reported_with_their_place_and_close_the_session_once() {
+    struct Broken;
+    impl OutputSink for Broken {
+        fn token(&mut self, _: u64, _: u32, _: &str) -> std::result::Result<(), BoxError> {
+            Err("disk full".into())
+        }
+        fn finished(
+            &mut self,
+            _: u64,
+            _: FinishReason,
+            _: &[u32],
+        ) -> std::result::Result<(), BoxError> {
+            Ok(())
+        }
+    }
+    let cases: [(&str, bool, &str); 3] = [
+        ("broken", false, "session init at epoch 0 step 0 (rank 0): no such model"),
+        ("fail-at-2", false, "step at epoch 0 step 2 (rank 0): the counting model broke"),
+        ("count", true, "output sink at epoch 0 step 1 (rank 0): disk full"),
+    ];
+    for (model, broken_sink, want) in cases {
+        let ctx = init_parallel_with(mesh::Rendezvous::single(), &InitOptions::default()).unwrap();
+        let output: Box<dyn OutputSink> =
+            if broken_sink { Box::new(Broken) } else { Box::new(Collect::new()) };
+        let mut l = Leader::new(
+            ctx,
+            Box::new(Factory::default()),
+            output,
+            Box::new(crate::NoMetrics),
+            EngineOptions::default(),
+        )
+        .unwrap();
+        let e = l.run(SessionConfig::new(model), vec![req(1, &[1], 5)], &mut stop).unwrap_err();
+        assert_eq!(e.to_string(), want);
+        assert_eq!(closes(l.events()).len(), 1, "{model}");
+    }
+}
+
+#[test]
+fn roles_follow_the_rank() {
+    let ctx = || init_parallel_with(mesh::Rendezvous::single(), &InitOptions::default()).unwrap();
+    let e =
+        Worker::new(ctx(), Box::new(Factory::default()), EngineOptions::default()).err().unwrap();
+    assert!(e.to_string().contains("a worker runs on ranks 1 and up, this is rank 0"), "{e}");
+    let e = Role::new(ctx(), Box::new(Factory::default()), EngineOptions::default(), None)
+        .err()
+        .unwrap();
+    assert!(matches!(e, Error::WrongRole { rank: 0, .. }), "{e}");
+    let sinks = Sinks { output: Box::new(Collect::new()), metrics: Box::new(crate::NoMetrics) };
+    let role =
+        Role::new(ctx(), Box::new(Factory::default()), EngineOptions::default(), Some(sinks))
+            .unwrap();
+    assert!(matches!(role, Role::Leader(_)));
+}

@@ -1,0 +1,171 @@
+//! Errors of the session engine, each naming the rank, the epoch (session number), the step
+//! and the phase or control operation it happened in.
+
+/// Result of a session call.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The error type of user-supplied parts (models, factories, sinks, tokenizers).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Errors of the session crate.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A control collective failed (timeout, dead or failed peer, mismatch).
+    #[error("{op} at epoch {epoch} step {step} (rank {rank}): {source}")]
+    Collective {
+        /// The control operation (`admission`, `confirmation`, `plan broadcast`...).
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The session number.
+        epoch: u64,
+        /// The step this rank was at.
+        step: u64,
+        /// The communicator's error, naming the peer at fault.
+        #[source]
+        source: Box<collectives::Error>,
+    },
+    /// Another rank reported a failure through the step agreement; its own error is the
+    /// original one.
+    #[error(
+        "{op} at epoch {epoch} step {step} (rank {rank}): another rank failed: rank {peer} reported a failure"
+    )]
+    PeerFailed {
+        /// The control operation.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The session number.
+        epoch: u64,
+        /// The step.
+        step: u64,
+        /// The rank that failed.
+        peer: usize,
+    },
+    /// Ranks disagree on the epoch or step: a desynchronized job, never silently continued.
+    #[error("{op} at epoch {epoch} step {step} (rank {rank}): ranks disagree: {detail}")]
+    Desync {
+        /// The control operation.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// This rank's session number.
+        epoch: u64,
+        /// This rank's step.
+        step: u64,
+        /// What differs.
+        detail: String,
+    },
+    /// A control message does not decode.
+    #[error(
+        "{op} at epoch {epoch} step {step} (rank {rank}): malformed control message: {reason}"
+    )]
+    Protocol {
+        /// The control operation.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The session number.
+        epoch: u64,
+        /// The step.
+        step: u64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The model failed (building it, preparing a step or running one).
+    #[error("{phase} at epoch {epoch} step {step} (rank {rank}): {source}")]
+    Model {
+        /// `session init`, `prepare` or `step`.
+        phase: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The session number.
+        epoch: u64,
+        /// The step.
+        step: u64,
+        /// The model's error.
+        #[source]
+        source: BoxError,
+    },
+    /// A failpoint fired (feature `failpoints`).
+    #[error("{phase} at epoch {epoch} step {step} (rank {rank}): {source}")]
+    Injected {
+        /// The phase the failpoint sits in.
+        phase: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The session number.
+        epoch: u64,
+        /// The step.
+        step: u64,
+        /// The failpoint.
+        #[source]
+        source: mesh::failpoint::Injected,
+    },
+    /// Rank 0's output or metrics sink failed.
+    #[error("{what} at epoch {epoch} step {step} (rank 0): {source}")]
+    Sink {
+        /// `output sink` or `metrics sink`.
+        what: &'static str,
+        /// The session number.
+        epoch: u64,
+        /// The step.
+        step: u64,
+        /// The sink's error.
+        #[source]
+        source: BoxError,
+    },
+    /// Rank 0's tokenizer failed on a request.
+    #[error("tokenizer at epoch {epoch} (rank 0), request {request}: {source}")]
+    Codec {
+        /// The session number.
+        epoch: u64,
+        /// The request.
+        request: u64,
+        /// The tokenizer's error.
+        #[source]
+        source: BoxError,
+    },
+    /// Something only rank 0 may own was handed to a worker.
+    #[error("rank {rank} is a worker: workers own no {what}, only rank 0 does")]
+    WorkerOwnsNo {
+        /// This rank.
+        rank: usize,
+        /// What was offered (`output sink`, `metrics sink`, `tokenizer`).
+        what: &'static str,
+    },
+    /// A role was built on the wrong rank.
+    #[error("a {role} runs on {expected}, this is rank {rank}")]
+    WrongRole {
+        /// `leader` or `worker`.
+        role: &'static str,
+        /// Which ranks the role runs on.
+        expected: &'static str,
+        /// This rank.
+        rank: usize,
+    },
+    /// The engine already ran; its process groups are shut down or dropped.
+    #[error("the engine of rank {rank} already ran; its process groups are gone")]
+    Finished {
+        /// This rank.
+        rank: usize,
+    },
+    /// Coordinated shutdown failed after a successful run.
+    #[error("coordinated shutdown (rank {rank}): {source}")]
+    Shutdown {
+        /// This rank.
+        rank: usize,
+        /// The store barrier's error.
+        #[source]
+        source: Box<collectives::Error>,
+    },
+}
+
+impl Error {
+    /// Whether this error came from the control group itself (then it is already known to the
+    /// peers through the communicator, and the group cannot carry another message).
+    pub fn is_collective(&self) -> bool {
+        matches!(self, Error::Collective { .. } | Error::Desync { .. } | Error::Protocol { .. })
+    }
+}

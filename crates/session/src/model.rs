@@ -1,0 +1,50 @@
+//! The seam between the engine and a model: what a rank runs per step ([`StepModel`]) and how
+//! a session's model is built on every rank ([`ModelFactory`]).
+
+use crate::error::BoxError;
+use crate::plan::{SeqId, SessionConfig, StepPlan};
+use crate::sink::TextCodec;
+
+/// One logits row per sampled entry of a plan, in plan order.
+pub type Logits = Vec<Vec<f32>>;
+
+/// What one rank runs in a step. Every rank runs every admitted step with the same plan; a
+/// sharded model does its TP/CP collectives inside [`StepModel::forward`].
+pub trait StepModel: Send {
+    /// Runs the plan's tokens at their positions, keeping each sequence's state (KV cache).
+    /// Returns one logits row per entry with `sample` set, in plan order, on the ranks that
+    /// produce logits (rank 0 at least); other ranks may return `None`.
+    ///
+    /// # Errors
+    /// Any failure of the model; the engine reports it with the rank, epoch and step.
+    fn forward(&mut self, plan: &StepPlan) -> Result<Option<Logits>, BoxError>;
+
+    /// Frees a finished sequence's state.
+    fn release(&mut self, seq: SeqId);
+
+    /// The longest sequence (prompt and generated tokens) the model holds.
+    fn context_len(&self) -> usize;
+}
+
+/// Builds a session's model on each rank from the [`SessionConfig`] rank 0 broadcast.
+pub trait ModelFactory: Send {
+    /// Builds the model of a session on `rank`.
+    ///
+    /// # Errors
+    /// Any failure to load the model.
+    fn build(
+        &mut self,
+        config: &SessionConfig,
+        rank: usize,
+    ) -> Result<Box<dyn StepModel>, BoxError>;
+
+    /// The tokenizer of the session's model; only rank 0 asks. `None`: requests must come as
+    /// token ids and output is reported as ids only.
+    ///
+    /// # Errors
+    /// Any failure to load the tokenizer.
+    fn codec(&mut self, config: &SessionConfig) -> Result<Option<Box<dyn TextCodec>>, BoxError> {
+        let _ = config;
+        Ok(None)
+    }
+}

@@ -1,0 +1,366 @@
+//! The step agreement on the control group: what each rank contributes at a step boundary,
+//! how rank 0's message reaches every rank, and the byte layout of that message.
+//!
+//! # Admission (one `all_reduce(MAX)` of `i64` words)
+//!
+//! | word | every rank contributes | after MAX |
+//! | --- | --- | --- |
+//! | 0 | state: go = 0, stop = 1, failed = 2 | the worst state |
+//! | 1, 2 | epoch, step | the highest |
+//! | 3, 4 | -epoch, -step | minus the lowest: a mismatch is a [`Error::Desync`] |
+//! | 5 | rank + 1 if failed, else 0 | a failed rank, named in the peers' errors |
+//! | 6 | rank + 1 if asking to stop, else 0 | a rank that asked to stop |
+//! | 7 | rank 0: message length in bytes; others 0 | the length |
+//! | 8.. | rank 0: the message, little-endian bytes packed in words; others `i64::MIN` | the message |
+//!
+//! A message of up to [`INLINE_BYTES`] rides in the admission itself (so a step costs two
+//! collectives); a longer one is broadcast from rank 0 right after, and only when the state
+//! is go. The confirmation (the second check, after every rank prepared the step) is the
+//! first eight words alone; the different lengths make a rank that is one phase off fail
+//! with a mismatch instead of pairing the wrong calls.
+//!
+//! # Message (rank 0's bytes)
+//!
+//! `kind: u8, epoch: u64, step: u64`, then by kind (all integers little-endian):
+//! - 1 `Open`: a [`SessionConfig`] (`model: u32 len + utf-8`, `max_steps: u8 flag + u64`,
+//!   `token_budget: u32`, `max_batch: u32`);
+//! - 2 `Step`: `entries: u32`, each `seq: u64, start: u32, sample: u8, n: u32, tokens: n x u32`;
+//!   then `released: u32`, each `seq: u64`;
+//! - 3 `Idle`: nothing;
+//! - 4 `Close`: `decision: u8` (0 stop, 1 keep open, 2 replace) and, for replace, a
+//!   [`SessionConfig`].
+
+use crate::error::{Error, Result};
+use crate::plan::{PlanEntry, SessionConfig, SessionDecision, StepPlan};
+use collectives::{Collective, Communicator, ReduceOp};
+
+/// Words of the admission header (and of the whole confirmation).
+pub const HEADER_WORDS: usize = 8;
+/// The longest message that rides inside the admission reduce.
+pub const INLINE_BYTES: usize = 120;
+const ADMISSION_WORDS: usize = HEADER_WORDS + INLINE_BYTES / 8;
+
+/// What a rank says at a boundary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum State {
+    /// Ready to run what rank 0 sends.
+    Go = 0,
+    /// Asks the session to stop at this boundary.
+    Stop = 1,
+    /// Failed; it will not run the step.
+    Failed = 2,
+}
+
+/// One rank's contribution to a boundary.
+#[derive(Debug, Clone, Copy)]
+pub struct Contribution<'a> {
+    /// This rank's state.
+    pub state: State,
+    /// The session this rank is in.
+    pub epoch: u64,
+    /// The steps this rank completed in the session.
+    pub step: u64,
+    /// Rank 0's encoded [`Message`] (ignored on other ranks).
+    pub message: Option<&'a [u8]>,
+}
+
+/// What every rank learns from a boundary: identical everywhere.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Agreed {
+    /// The worst state any rank contributed.
+    pub state: State,
+    /// A rank that failed, if any.
+    pub failed: Option<usize>,
+    /// A rank that asked to stop, if any.
+    pub stopped: Option<usize>,
+}
+
+/// Rank 0's message at a boundary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Message {
+    /// A session opens with this config.
+    Open(SessionConfig),
+    /// Run this step.
+    Step(StepPlan),
+    /// Nothing to run this tick; the session stays open.
+    Idle,
+    /// The session's model work ended; rank 0 decided what follows.
+    Close(SessionDecision),
+}
+
+/// Reusable buffers for the boundaries of one rank, so a step allocates little.
+#[derive(Debug, Default)]
+pub struct Agreement {
+    words: Vec<i64>,
+    message: Vec<u8>,
+}
+
+impl Agreement {
+    /// Empty buffers.
+    pub fn new() -> Self {
+        Agreement::default()
+    }
+
+    /// The admission: every rank contributes its state, epoch and step; rank 0 also its
+    /// message, which every rank can then read with [`Agreement::message`] (empty unless the
+    /// agreed state is go).
+    ///
+    /// # Errors
+    /// [`Error::Collective`] when the reduce or broadcast fails (deadline, dead peer...),
+    /// [`Error::Desync`] when ranks are at different epochs or steps.
+    pub fn admit(&mut self, comm: &mut dyn Communicator, c: Contribution<'_>) -> Result<Agreed> {
+        let rank = comm.rank();
+        let message = if rank == 0 { c.message.unwrap_or(&[]) } else { &[] };
+        let inline = message.len() <= INLINE_BYTES;
+        self.words.clear();
+        self.words.extend_from_slice(&header(rank, &c, message.len()));
+        self.words.resize(ADMISSION_WORDS, i64::MIN);
+        if rank == 0 && inline {
+            for (w, chunk) in self.words[HEADER_WORDS..].iter_mut().zip(message.chunks(8)) {
+                let mut b = [0u8; 8];
+                b[..chunk.len()].copy_from_slice(chunk);
+                *w = i64::from_le_bytes(b);
+            }
+        }
+        let fail = |source| Error::Collective {
+            op: "admission",
+            rank,
+            epoch: c.epoch,
+            step: c.step,
+            source: Box::new(source),
+        };
+        comm.all_reduce(&mut self.words, ReduceOp::Max).map_err(fail)?;
+        let agreed = read_header(&self.words, rank, "admission", &c)?;
+        self.message.clear();
+        if agreed.state != State::Go {
+            return Ok(agreed);
+        }
+        let len = usize::try_from(self.words[7]).unwrap_or(0);
+        if len <= INLINE_BYTES {
+            for w in &self.words[HEADER_WORDS..] {
+                self.message.extend_from_slice(&w.to_le_bytes());
+            }
+            self.message.truncate(len);
+        } else {
+            if rank == 0 {
+                self.message.extend_from_slice(message);
+            } else {
+                self.message.resize(len, 0);
+            }
+            comm.broadcast(&mut self.message, 0).map_err(|source| Error::Collective {
+                op: "plan broadcast",
+                rank,
+                epoch: c.epoch,
+                step: c.step,
+                source: Box::new(source),
+            })?;
+        }
+        Ok(agreed)
+    }
+
+    /// The message of the last admission (empty unless it agreed on go).
+    pub fn message(&self) -> &[u8] {
+        &self.message
+    }
+
+    /// The confirmation after every rank prepared the step: state, epoch and step only.
+    ///
+    /// # Errors
+    /// As [`Agreement::admit`].
+    pub fn confirm(&mut self, comm: &mut dyn Communicator, c: Contribution<'_>) -> Result<Agreed> {
+        let rank = comm.rank();
+        let mut words = header(rank, &c, 0);
+        comm.all_reduce(&mut words, ReduceOp::Max).map_err(|source| Error::Collective {
+            op: "confirmation",
+            rank,
+            epoch: c.epoch,
+            step: c.step,
+            source: Box::new(source),
+        })?;
+        read_header(&words, rank, "confirmation", &c)
+    }
+}
+
+fn header(rank: usize, c: &Contribution<'_>, len: usize) -> [i64; HEADER_WORDS] {
+    let (epoch, step) = (c.epoch as i64, c.step as i64);
+    let me = rank as i64 + 1;
+    [
+        c.state as i64,
+        epoch,
+        step,
+        -epoch,
+        -step,
+        if c.state == State::Failed { me } else { 0 },
+        if c.state == State::Stop { me } else { 0 },
+        if rank == 0 { len as i64 } else { 0 },
+    ]
+}
+
+fn read_header(w: &[i64], rank: usize, op: &'static str, c: &Contribution<'_>) -> Result<Agreed> {
+    let (max_epoch, max_step, min_epoch, min_step) = (w[1], w[2], -w[3], -w[4]);
+    if max_epoch != min_epoch || max_step != min_step {
+        return Err(Error::Desync {
+            op,
+            rank,
+            epoch: c.epoch,
+            step: c.step,
+            detail: format!(
+                "ranks are at epochs {min_epoch}..={max_epoch} and steps {min_step}..={max_step}"
+            ),
+        });
+    }
+    let state = match w[0] {
+        0 => State::Go,
+        1 => State::Stop,
+        _ => State::Failed,
+    };
+    let who = |x: i64| usize::try_from(x - 1).ok();
+    Ok(Agreed { state, failed: who(w[5]), stopped: who(w[6]) })
+}
+
+/// Encodes rank 0's message for the boundary at (`epoch`, `step`) into `out` (cleared first).
+pub fn encode(msg: &Message, epoch: u64, step: u64, out: &mut Vec<u8>) {
+    out.clear();
+    let kind = match msg {
+        Message::Open(_) => 1u8,
+        Message::Step(_) => 2,
+        Message::Idle => 3,
+        Message::Close(_) => 4,
+    };
+    out.push(kind);
+    out.extend_from_slice(&epoch.to_le_bytes());
+    out.extend_from_slice(&step.to_le_bytes());
+    match msg {
+        Message::Open(cfg) => put_config(cfg, out),
+        Message::Step(plan) => {
+            put_u32(out, plan.entries.len() as u32);
+            for e in &plan.entries {
+                out.extend_from_slice(&e.seq.to_le_bytes());
+                put_u32(out, e.start);
+                out.push(u8::from(e.sample));
+                put_u32(out, e.tokens.len() as u32);
+                for t in &e.tokens {
+                    put_u32(out, *t);
+                }
+            }
+            put_u32(out, plan.released.len() as u32);
+            for s in &plan.released {
+                out.extend_from_slice(&s.to_le_bytes());
+            }
+        }
+        Message::Idle => {}
+        Message::Close(d) => match d {
+            SessionDecision::Stop => out.push(0),
+            SessionDecision::KeepOpen => out.push(1),
+            SessionDecision::Replace(cfg) => {
+                out.push(2);
+                put_config(cfg, out);
+            }
+        },
+    }
+}
+
+/// Decodes a message; returns its epoch, step and content.
+///
+/// # Errors
+/// A description of the first malformed field.
+pub fn decode(bytes: &[u8]) -> std::result::Result<(u64, u64, Message), String> {
+    let mut r = Reader { bytes, at: 0 };
+    let kind = r.u8("kind")?;
+    let epoch = r.u64("epoch")?;
+    let step = r.u64("step")?;
+    let msg = match kind {
+        1 => Message::Open(r.config()?),
+        2 => {
+            let n = r.u32("entry count")? as usize;
+            let mut entries = Vec::with_capacity(n.min(4096));
+            for _ in 0..n {
+                let seq = r.u64("seq")?;
+                let start = r.u32("start")?;
+                let sample = r.u8("sample flag")? != 0;
+                let len = r.u32("token count")? as usize;
+                let mut tokens = Vec::with_capacity(len.min(1 << 16));
+                for _ in 0..len {
+                    tokens.push(r.u32("token")?);
+                }
+                entries.push(PlanEntry { seq, start, tokens, sample });
+            }
+            let n = r.u32("released count")? as usize;
+            let mut released = Vec::with_capacity(n.min(4096));
+            for _ in 0..n {
+                released.push(r.u64("released seq")?);
+            }
+            Message::Step(StepPlan { epoch, step, entries, released })
+        }
+        3 => Message::Idle,
+        4 => Message::Close(match r.u8("decision")? {
+            0 => SessionDecision::Stop,
+            1 => SessionDecision::KeepOpen,
+            2 => SessionDecision::Replace(r.config()?),
+            d => return Err(format!("unknown decision {d}")),
+        }),
+        k => return Err(format!("unknown message kind {k}")),
+    };
+    if r.at != bytes.len() {
+        return Err(format!("{} trailing bytes after the message", bytes.len() - r.at));
+    }
+    Ok((epoch, step, msg))
+}
+
+fn put_u32(out: &mut Vec<u8>, v: u32) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+fn put_config(cfg: &SessionConfig, out: &mut Vec<u8>) {
+    put_u32(out, cfg.model.len() as u32);
+    out.extend_from_slice(cfg.model.as_bytes());
+    out.push(u8::from(cfg.max_steps.is_some()));
+    out.extend_from_slice(&cfg.max_steps.unwrap_or(0).to_le_bytes());
+    put_u32(out, cfg.token_budget);
+    put_u32(out, cfg.max_batch);
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize, what: &str) -> std::result::Result<&[u8], String> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.bytes.len()).ok_or_else(|| {
+            format!("{what} at byte {} runs past the end ({} bytes)", self.at, self.bytes.len())
+        })?;
+        let s = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    fn u8(&mut self, what: &str) -> std::result::Result<u8, String> {
+        Ok(self.take(1, what)?[0])
+    }
+
+    fn u32(&mut self, what: &str) -> std::result::Result<u32, String> {
+        let b = self.take(4, what)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn u64(&mut self, what: &str) -> std::result::Result<u64, String> {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(self.take(8, what)?);
+        Ok(u64::from_le_bytes(a))
+    }
+
+    fn config(&mut self) -> std::result::Result<SessionConfig, String> {
+        let len = self.u32("model length")? as usize;
+        let model = String::from_utf8(self.take(len, "model")?.to_vec())
+            .map_err(|_| "model is not utf-8".to_owned())?;
+        let has = self.u8("max_steps flag")? != 0;
+        let max = self.u64("max_steps")?;
+        let token_budget = self.u32("token_budget")?;
+        let max_batch = self.u32("max_batch")?;
+        Ok(SessionConfig { model, max_steps: has.then_some(max), token_budget, max_batch })
+    }
+}
+
+#[cfg(test)]
+mod tests;

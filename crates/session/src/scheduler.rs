@@ -1,0 +1,230 @@
+//! Rank 0's continuous-batching scheduler: requests join at step boundaries, running sequences
+//! decode one token per step next to prompt chunks of new ones, within a token budget.
+
+use crate::error::{BoxError, Error, Result};
+use crate::plan::{PlanEntry, SeqId, StepPlan};
+use crate::sampler::{Sampler, SamplingParams};
+use crate::sink::{FinishReason, TextCodec};
+
+/// A prompt as text (tokenized on rank 0) or as token ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// Text, encoded by the session's tokenizer.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<u32>),
+}
+
+/// One generation request, owned by rank 0.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// The caller's id, echoed in the output sink.
+    pub id: u64,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Sampling and stopping.
+    pub params: SamplingParams,
+}
+
+impl Request {
+    /// A request for `prompt` token ids with the given parameters.
+    pub fn tokens(id: u64, prompt: Vec<u32>, params: SamplingParams) -> Self {
+        Request { id, prompt: Prompt::Tokens(prompt), params }
+    }
+}
+
+/// What a step or an admission produced for the output sink.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Emit {
+    Token { request: u64, token: u32 },
+    Finished { request: u64, reason: FinishReason, tokens: Vec<u32> },
+}
+
+#[derive(Debug)]
+struct Seq {
+    id: SeqId,
+    request: u64,
+    prompt: Vec<u32>,
+    prefilled: usize,
+    generated: Vec<u32>,
+    sampler: Sampler,
+    stop: Vec<u32>,
+}
+
+impl Seq {
+    fn decoding(&self) -> bool {
+        self.prefilled == self.prompt.len()
+    }
+}
+
+/// Sequences of one session, in arrival order.
+#[derive(Debug)]
+pub(crate) struct Scheduler {
+    budget: usize,
+    max_batch: usize,
+    context: usize,
+    eos: Option<u32>,
+    seqs: Vec<Seq>,
+    released: Vec<SeqId>,
+    next_seq: SeqId,
+}
+
+impl Scheduler {
+    pub(crate) fn new(budget: u32, max_batch: u32, context: usize, eos: Option<u32>) -> Self {
+        Scheduler {
+            budget: (budget as usize).max(1),
+            max_batch: (max_batch as usize).max(1),
+            context,
+            eos,
+            seqs: Vec::new(),
+            released: Vec::new(),
+            next_seq: 1,
+        }
+    }
+
+    /// Whether any sequence is waiting or running.
+    pub(crate) fn has_work(&self) -> bool {
+        !self.seqs.is_empty()
+    }
+
+    /// Admits a request; a request that cannot run finishes at once (returned).
+    pub(crate) fn add(
+        &mut self,
+        req: Request,
+        codec: Option<&dyn TextCodec>,
+        epoch: u64,
+    ) -> Result<Option<Emit>> {
+        let prompt = match req.prompt {
+            Prompt::Tokens(t) => t,
+            Prompt::Text(text) => match codec {
+                Some(c) => c.encode(&text),
+                None => Err(BoxError::from("a text prompt needs a tokenizer; send token ids")),
+            }
+            .map_err(|source| Error::Codec { epoch, request: req.id, source })?,
+        };
+        if prompt.is_empty() || prompt.len() >= self.context {
+            return Ok(Some(Emit::Finished {
+                request: req.id,
+                reason: FinishReason::Rejected,
+                tokens: Vec::new(),
+            }));
+        }
+        if req.params.max_tokens == 0 {
+            return Ok(Some(Emit::Finished {
+                request: req.id,
+                reason: FinishReason::Length,
+                tokens: Vec::new(),
+            }));
+        }
+        let mut stop = req.params.stop.clone();
+        if let (Some(eos), false) = (self.eos, req.params.ignore_eos) {
+            stop.push(eos);
+        }
+        let id = self.next_seq;
+        self.next_seq += 1;
+        self.seqs.push(Seq {
+            id,
+            request: req.id,
+            prompt,
+            prefilled: 0,
+            generated: Vec::new(),
+            sampler: Sampler::new(req.params),
+            stop,
+        });
+        Ok(None)
+    }
+
+    /// The next step: decode tokens of running sequences first, then prompt chunks of waiting
+    /// ones, within the token budget and batch size. `None` when nothing can run.
+    pub(crate) fn plan(&mut self, epoch: u64, step: u64) -> Option<StepPlan> {
+        let mut budget = self.budget;
+        let mut entries = Vec::new();
+        for s in self.seqs.iter().filter(|s| s.decoding()) {
+            if budget == 0 || entries.len() == self.max_batch {
+                break;
+            }
+            let last = *s.generated.last()?;
+            let start = (s.prompt.len() + s.generated.len() - 1) as u32;
+            entries.push(PlanEntry { seq: s.id, start, tokens: vec![last], sample: true });
+            budget -= 1;
+        }
+        for s in self.seqs.iter().filter(|s| !s.decoding()) {
+            if budget == 0 || entries.len() == self.max_batch {
+                break;
+            }
+            let chunk = (s.prompt.len() - s.prefilled).min(budget);
+            let tokens = s.prompt[s.prefilled..s.prefilled + chunk].to_vec();
+            let sample = s.prefilled + chunk == s.prompt.len();
+            entries.push(PlanEntry { seq: s.id, start: s.prefilled as u32, tokens, sample });
+            budget -= chunk;
+        }
+        if entries.is_empty() {
+            return None;
+        }
+        Some(StepPlan { epoch, step, entries, released: std::mem::take(&mut self.released) })
+    }
+
+    /// Takes the results of `plan` (one logits row per sampled entry): samples, and finishes
+    /// the sequences that reached a limit or a stop token.
+    pub(crate) fn apply(
+        &mut self,
+        plan: &StepPlan,
+        logits: &[Vec<f32>],
+    ) -> std::result::Result<Vec<Emit>, String> {
+        let sampled = plan.sampled().count();
+        if logits.len() != sampled {
+            return Err(format!(
+                "the model returned {} logits rows for {sampled} sampled entries",
+                logits.len()
+            ));
+        }
+        let mut rows = logits.iter();
+        let mut out = Vec::new();
+        for e in &plan.entries {
+            let Some(i) = self.seqs.iter().position(|s| s.id == e.seq) else {
+                return Err(format!("sequence {} of the plan is not scheduled", e.seq));
+            };
+            let s = &mut self.seqs[i];
+            if !s.decoding() {
+                s.prefilled += e.tokens.len();
+            }
+            if !e.sample {
+                continue;
+            }
+            let row = rows.next().ok_or("fewer logits rows than sampled entries")?;
+            let token = s.sampler.sample(row);
+            s.generated.push(token);
+            out.push(Emit::Token { request: s.request, token });
+            let reason = if s.stop.contains(&token) {
+                Some(FinishReason::StopToken)
+            } else if s.generated.len() >= s.sampler.params().max_tokens as usize
+                || s.prompt.len() + s.generated.len() >= self.context
+            {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                let s = self.seqs.remove(i);
+                self.released.push(s.id);
+                out.push(Emit::Finished { request: s.request, reason, tokens: s.generated });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Ends every sequence still scheduled (the session closes under them).
+    pub(crate) fn cancel_all(&mut self) -> Vec<Emit> {
+        self.seqs
+            .drain(..)
+            .map(|s| Emit::Finished {
+                request: s.request,
+                reason: FinishReason::Cancelled,
+                tokens: s.generated,
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests;

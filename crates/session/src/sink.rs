@@ -1,0 +1,157 @@
+//! Rank 0's presentation parts: the tokenizer seam, the output sink and the metrics sink.
+//! Workers own none of these; their constructors take none.
+
+use crate::error::BoxError;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Text to tokens and back (rank 0 only).
+pub trait TextCodec: Send {
+    /// Token ids of `text`.
+    ///
+    /// # Errors
+    /// Text the tokenizer cannot encode.
+    fn encode(&self, text: &str) -> Result<Vec<u32>, BoxError>;
+    /// Text of `ids`.
+    ///
+    /// # Errors
+    /// Ids outside the vocabulary.
+    fn decode(&self, ids: &[u32]) -> Result<String, BoxError>;
+    /// The end-of-sequence token, if the model has one.
+    fn eos(&self) -> Option<u32>;
+}
+
+/// Why a request stopped producing tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// It produced `max_tokens` tokens or filled the model's context.
+    Length,
+    /// It produced a stop token.
+    StopToken,
+    /// The session stopped or closed before the request finished.
+    Cancelled,
+    /// The request was refused (an empty prompt).
+    Rejected,
+}
+
+impl FinishReason {
+    /// A short lowercase name.
+    pub fn name(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::StopToken => "stop",
+            FinishReason::Cancelled => "cancelled",
+            FinishReason::Rejected => "rejected",
+        }
+    }
+}
+
+/// Where rank 0 streams results. Only rank 0 owns one.
+pub trait OutputSink: Send {
+    /// A new token of request `request` (`text`: its decoded piece, empty without a tokenizer).
+    ///
+    /// # Errors
+    /// The sink cannot take the token; the engine fails the step with this error.
+    fn token(&mut self, request: u64, token: u32, text: &str) -> Result<(), BoxError>;
+    /// Request `request` finished with all its `tokens`.
+    ///
+    /// # Errors
+    /// As [`OutputSink::token`].
+    fn finished(
+        &mut self,
+        request: u64,
+        reason: FinishReason,
+        tokens: &[u32],
+    ) -> Result<(), BoxError>;
+}
+
+/// One step's numbers, from rank 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepMetrics {
+    /// The session.
+    pub epoch: u64,
+    /// The step.
+    pub step: u64,
+    /// Sequences in the step.
+    pub batch: usize,
+    /// Prompt tokens in the step.
+    pub prefill_tokens: usize,
+    /// Decode tokens in the step.
+    pub decode_tokens: usize,
+    /// Time in the step agreement (admission, plan, confirmation).
+    pub agreement: Duration,
+    /// Time in the model.
+    pub model: Duration,
+}
+
+/// Where rank 0 records metrics. Only rank 0 owns one.
+pub trait MetricsSink: Send {
+    /// A step ran.
+    fn step(&mut self, metrics: &StepMetrics);
+    /// A session closed after `steps` steps.
+    fn session_closed(&mut self, epoch: u64, steps: u64) {
+        let _ = (epoch, steps);
+    }
+}
+
+/// A metrics sink that drops everything.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoMetrics;
+
+impl MetricsSink for NoMetrics {
+    fn step(&mut self, _: &StepMetrics) {}
+}
+
+/// One finished request as [`Collect`] keeps it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finished {
+    /// The request.
+    pub request: u64,
+    /// Why it finished.
+    pub reason: FinishReason,
+    /// Its tokens.
+    pub tokens: Vec<u32>,
+    /// Their text, pieces concatenated.
+    pub text: String,
+}
+
+/// Finished requests, and the text so far of running ones.
+type Collected = (Vec<Finished>, std::collections::HashMap<u64, String>);
+
+/// An output sink that keeps finished requests in memory, shared with whoever holds a clone.
+#[derive(Debug, Default, Clone)]
+pub struct Collect {
+    inner: Arc<Mutex<Collected>>,
+}
+
+impl Collect {
+    /// An empty collection.
+    pub fn new() -> Self {
+        Collect::default()
+    }
+
+    /// The requests finished so far, in finishing order.
+    pub fn finished(&self) -> Vec<Finished> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).0.clone()
+    }
+}
+
+impl OutputSink for Collect {
+    fn token(&mut self, request: u64, _token: u32, text: &str) -> Result<(), BoxError> {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        g.1.entry(request).or_default().push_str(text);
+        Ok(())
+    }
+
+    fn finished(
+        &mut self,
+        request: u64,
+        reason: FinishReason,
+        tokens: &[u32],
+    ) -> Result<(), BoxError> {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let text = g.1.remove(&request).unwrap_or_default();
+        g.0.push(Finished { request, reason, tokens: tokens.to_vec(), text });
+        Ok(())
+    }
+}
