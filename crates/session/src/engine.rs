@@ -271,7 +271,12 @@ impl Core {
         let ctx = self.ctx.as_mut().ok_or(Error::Finished { rank })?;
         ctx.control.set_timeout(timeout);
         if let Some(m) = msg {
-            protocol::encode(m, epoch, step, &mut self.buf);
+            // A plan's header names the step it runs; other messages the boundary's step.
+            let (e, s) = match m {
+                Message::Step(plan) => (plan.epoch, plan.step),
+                _ => (epoch, step),
+            };
+            protocol::encode(m, e, s, &mut self.buf);
         }
         let c = Contribution { state, epoch, step, message: msg.map(|_| &self.buf[..]) };
         let agreed = self.agreement.admit(ctx.control.as_mut(), c)?;
