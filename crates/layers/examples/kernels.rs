@@ -4,7 +4,7 @@
 //! `cargo run -p tpctl-layers --example kernels -- [--threads N]`
 
 use layers::kernels::cpu::quant::{quantize, BlockFormat};
-use layers::kernels::{Backend, QMatrix, Weight};
+use layers::kernels::{AttnShape, Backend, QMatrix, Weight};
 use layers::Tensor;
 use std::time::Instant;
 
@@ -59,6 +59,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 (2 * m * n * k) as f64 / t / 1e9
             );
         }
+    }
+    // Attention over 1600 cached keys (9 query heads, 3 KV heads, head size 64).
+    let (t, shape) = (1600, AttnShape { q_heads: 9, kv_heads: 3, head_dim: 64 });
+    let kv: Vec<f32> = (0..t * 3 * 64).map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5).collect();
+    let kv_pos: Vec<usize> = (0..t).collect();
+    for n in [1, 64] {
+        let q =
+            Tensor::from_vec(&[n, 9, 64], (0..n * 9 * 64).map(|i| (i % 7) as f32 / 7.0).collect())?;
+        let q_pos: Vec<usize> = (t - n..t).collect();
+        let time = best_of(10, || drop(be.attention(&q, &q_pos, &kv, &kv, &kv_pos, shape, false)));
+        let flops = (n * 9 * t * 64 * 4) as f64;
+        println!(
+            "attention {n:>3} queries x {t} keys {:8.3} ms {:6.1} GFLOP/s",
+            time * 1e3,
+            flops / time / 1e9
+        );
     }
     Ok(())
 }

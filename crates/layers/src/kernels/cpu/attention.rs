@@ -6,7 +6,8 @@
 //! A row that sees no key yields zeros and a log-sum-exp of `-inf`, which is the neutral
 //! element of the log-sum-exp merge of partial results.
 
-use super::matvec::dot;
+use super::matmul::{gemm_strided, MatRef};
+use super::matvec::{simd_axpy, simd_axpy4, simd_dot};
 use pulp::{Arch, Simd, WithSimd};
 use rayon::prelude::*;
 
@@ -50,6 +51,10 @@ pub fn attention(
             &mut scratch[..]
         }
     };
+    if q_pos.len() >= BLOCKED_MIN_QUERIES {
+        attention_blocked(q, q_pos, k, v, kv_pos, shape, out, lse);
+        return;
+    }
     let arch = Arch::new();
     out.par_chunks_mut(d).zip(lse.par_iter_mut()).enumerate().for_each_init(
         Vec::new,
@@ -70,6 +75,115 @@ pub fn attention(
             *l = arch.dispatch(op);
         },
     );
+}
+
+/// From this many query tokens on, [`attention`] works on blocks of queries with `gemm`;
+/// below it (decode), one task per query row keeps both threads busy.
+const BLOCKED_MIN_QUERIES: usize = 4;
+
+/// Most query tokens per block of [`attention_blocked`].
+const MAX_QUERY_BLOCK: usize = 32;
+
+/// [`attention`] for many queries: per block of query tokens and KV head, the scores of the
+/// group's query heads against the visible prefix of the keys come from one `gemm`
+/// (`S = Q·Kᵀ`, keys read in place through strides), the rows are masked and normalized, and a
+/// second `gemm` forms `P·V`. Blocks run in parallel, each `gemm` on one thread.
+#[allow(clippy::too_many_arguments)]
+fn attention_blocked(
+    q: &[f32],
+    q_pos: &[usize],
+    k: &[f32],
+    v: &[f32],
+    kv_pos: &[usize],
+    shape: AttnShape,
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    let AttnShape { q_heads, kv_heads, head_dim: d } = shape;
+    let group = q_heads / kv_heads;
+    let scale = 1.0 / (d as f32).sqrt();
+    // At least ~8 blocks so both threads stay busy on short prompts.
+    let block = q_pos.len().div_ceil(8).clamp(1, MAX_QUERY_BLOCK);
+    let kv_stride = kv_heads * d;
+    out.par_chunks_mut(block * q_heads * d)
+        .zip(lse.par_chunks_mut(block * q_heads))
+        .enumerate()
+        .for_each(|(b, (ob, lb))| {
+            let first = b * block;
+            let n = lb.len() / q_heads;
+            let bpos = &q_pos[first..first + n];
+            let max_pos = bpos.iter().copied().max().unwrap_or(0);
+            // Keys after the last one any query of the block sees are never needed.
+            let Some(last) = kv_pos.iter().rposition(|&p| p <= max_pos) else {
+                ob.fill(0.0);
+                lb.fill(f32::NEG_INFINITY);
+                return;
+            };
+            let t = last + 1;
+            let m = n * group;
+            let mut qg = vec![0.0f32; m * d];
+            let mut scores = vec![0.0f32; m * t];
+            let mut og = vec![0.0f32; m * d];
+            for g in 0..kv_heads {
+                // The group's query rows, token-major: row i·group + h.
+                for i in 0..n {
+                    let src = &q[((first + i) * q_heads + g * group) * d..][..group * d];
+                    qg[i * group * d..(i + 1) * group * d].copy_from_slice(src);
+                }
+                let kt = MatRef { data: k, offset: g * d, row_stride: 1, col_stride: kv_stride };
+                let vg = MatRef { data: v, offset: g * d, row_stride: kv_stride, col_stride: 1 };
+                let ok = gemm_strided(MatRef::row_major(&qg, d), kt, &mut scores, t, m, t, d, 1)
+                    .and_then(|()| {
+                        for (r, row) in scores.chunks_exact_mut(t).enumerate() {
+                            let lse_at = &mut lb[(r / group) * q_heads + g * group + r % group];
+                            *lse_at = softmax_row(row, kv_pos, bpos[r / group], scale);
+                        }
+                        gemm_strided(MatRef::row_major(&scores, t), vg, &mut og, d, m, d, t, 1)
+                    });
+                // The views were built from lengths the caller checked; a failure here is a
+                // bug, and zeros with -inf (no keys) are the safest result to hand back.
+                debug_assert!(ok.is_ok(), "{ok:?}");
+                if ok.is_err() {
+                    og.fill(0.0);
+                    for r in 0..m {
+                        lb[(r / group) * q_heads + g * group + r % group] = f32::NEG_INFINITY;
+                    }
+                }
+                for i in 0..n {
+                    let dst = &mut ob[(i * q_heads + g * group) * d..][..group * d];
+                    dst.copy_from_slice(&og[i * group * d..(i + 1) * group * d]);
+                }
+            }
+        });
+}
+
+/// Turns one row of raw scores into attention weights in place: keys with `kv_pos > q_pos`
+/// get 0, the rest `softmax(score · scale)`. Returns the log-sum-exp (−∞ and an all-zero row
+/// when no key is visible).
+fn softmax_row(row: &mut [f32], kv_pos: &[usize], q_pos: usize, scale: f32) -> f32 {
+    let mut max = f32::NEG_INFINITY;
+    for (x, &p) in row.iter_mut().zip(kv_pos) {
+        if p <= q_pos {
+            *x *= scale;
+            max = max.max(*x);
+        } else {
+            *x = f32::NEG_INFINITY;
+        }
+    }
+    if max == f32::NEG_INFINITY {
+        row.fill(0.0);
+        return f32::NEG_INFINITY;
+    }
+    let mut sum = 0.0f32;
+    for x in row.iter_mut() {
+        *x = (*x - max).exp();
+        sum += *x;
+    }
+    let inv = 1.0 / sum;
+    for x in row.iter_mut() {
+        *x *= inv;
+    }
+    max + sum.ln()
 }
 
 /// One query row of [`attention`], dispatched to the widest SIMD level available so the
@@ -93,7 +207,7 @@ impl WithSimd for Row<'_> {
     type Output = f32;
 
     #[inline(always)]
-    fn with_simd<S: Simd>(self, _simd: S) -> f32 {
+    fn with_simd<S: Simd>(self, simd: S) -> f32 {
         let Row { q, q_pos, k, v, kv_pos, stride, offset, scale, scores, out } = self;
         let d = q.len();
         out.fill(0.0);
@@ -106,20 +220,31 @@ impl WithSimd for Row<'_> {
         let mut max = f32::NEG_INFINITY;
         for (j, s) in scores.iter_mut().enumerate() {
             if kv_pos[j] <= q_pos {
-                *s = dot(q, &k[j * stride + offset..][..d]) * scale;
+                *s = simd_dot(simd, q, &k[j * stride + offset..][..d]) * scale;
                 max = max.max(*s);
             }
         }
+        // Weights in place (masked keys get 0), then the weighted sum of values four keys at a
+        // time.
         let mut sum = 0.0f32;
-        for (j, &s) in scores.iter().enumerate() {
-            if s == f32::NEG_INFINITY {
-                continue;
-            }
-            let e = (s - max).exp();
-            sum += e;
-            for (a, b) in out.iter_mut().zip(&v[j * stride + offset..][..d]) {
-                *a += e * b;
-            }
+        for s in scores.iter_mut() {
+            *s = if *s == f32::NEG_INFINITY { 0.0 } else { (*s - max).exp() };
+            sum += *s;
+        }
+        let value = |j: usize| &v[j * stride + offset..][..d];
+        let quads = scores.chunks_exact(4);
+        let rest = quads.remainder().len();
+        for (c, e) in quads.enumerate() {
+            let j = 4 * c;
+            simd_axpy4(
+                simd,
+                [e[0], e[1], e[2], e[3]],
+                [value(j), value(j + 1), value(j + 2), value(j + 3)],
+                out,
+            );
+        }
+        for j in scores.len() - rest..scores.len() {
+            simd_axpy(simd, scores[j], value(j), out);
         }
         let inv = 1.0 / sum;
         for a in out.iter_mut() {
@@ -213,6 +338,28 @@ mod tests {
         attention(&q, &qp, &k, &v, &kp, s, &mut out, Some(&mut lse));
         assert_close(&out, &want, 1e-5);
         assert_close(&lse, &want_lse, 1e-5);
+    }
+
+    #[test]
+    fn blocked_and_row_paths_agree_with_naive_on_gqa_shapes_and_scattered_positions() {
+        // Keys arrive out of order and some queries see none of them (a context-parallel
+        // rank's view); 40 queries take the blocked path, 3 the row path.
+        let s = AttnShape { q_heads: 6, kv_heads: 2, head_dim: 16 };
+        let t = 50;
+        let k = random_vec(t * 2 * 16, 30);
+        let v = random_vec(t * 2 * 16, 31);
+        let kp: Vec<usize> = (0..t).map(|j| (j * 37) % 60 + 5).collect();
+        for n in [40, 3] {
+            let q = random_vec(n * 6 * 16, 32);
+            let qp: Vec<usize> = (0..n).map(|i| i * 2).collect();
+            let (want, want_lse) = naive(&q, &qp, &k, &v, &kp, s);
+            let mut out = vec![f32::NAN; want.len()];
+            let mut lse = vec![f32::NAN; want_lse.len()];
+            attention(&q, &qp, &k, &v, &kp, s, &mut out, Some(&mut lse));
+            assert_close(&out, &want, 1e-5);
+            assert_close(&lse, &want_lse, 1e-5);
+            assert!(lse.iter().any(|l| *l == f32::NEG_INFINITY), "some rows see no key");
+        }
     }
 
     #[test]

@@ -42,6 +42,62 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// [`dot`] on explicit SIMD vectors of `simd`'s width with two accumulators, for code that
+/// already runs inside a SIMD dispatch.
+#[inline(always)]
+pub(crate) fn simd_dot<S: Simd>(simd: S, a: &[f32], b: &[f32]) -> f32 {
+    let (ah, at) = S::as_simd_f32s(a);
+    let (bh, bt) = S::as_simd_f32s(b);
+    // Two named accumulators (an indexed array would live in memory, not registers).
+    let (mut acc0, mut acc1) = (simd.splat_f32s(0.0), simd.splat_f32s(0.0));
+    let (a2, b2) = (ah.chunks_exact(2), bh.chunks_exact(2));
+    if let (Some(x), Some(y)) = (a2.remainder().first(), b2.remainder().first()) {
+        acc1 = simd.mul_add_e_f32s(*x, *y, acc1);
+    }
+    for (x, y) in a2.zip(b2) {
+        acc0 = simd.mul_add_e_f32s(x[0], y[0], acc0);
+        acc1 = simd.mul_add_e_f32s(x[1], y[1], acc1);
+    }
+    let mut s = simd.reduce_sum_f32s(simd.add_f32s(acc0, acc1));
+    for (x, y) in at.iter().zip(bt) {
+        s += x * y;
+    }
+    s
+}
+
+/// `out += e · v` on explicit SIMD vectors of `simd`'s width.
+#[inline(always)]
+pub(crate) fn simd_axpy<S: Simd>(simd: S, e: f32, v: &[f32], out: &mut [f32]) {
+    let (oh, ot) = S::as_mut_simd_f32s(out);
+    let (vh, vt) = S::as_simd_f32s(v);
+    let es = simd.splat_f32s(e);
+    for (o, x) in oh.iter_mut().zip(vh) {
+        *o = simd.mul_add_e_f32s(es, *x, *o);
+    }
+    for (o, x) in ot.iter_mut().zip(vt) {
+        *o += e * x;
+    }
+}
+
+/// `out += Σ_i e[i] · v[i]` for four vectors at once: one load and store of `out` per four
+/// products instead of per product.
+#[inline(always)]
+pub(crate) fn simd_axpy4<S: Simd>(simd: S, e: [f32; 4], v: [&[f32]; 4], out: &mut [f32]) {
+    let (oh, ot) = S::as_mut_simd_f32s(out);
+    let vs = v.map(|x| S::as_simd_f32s(x));
+    let es = e.map(|x| simd.splat_f32s(x));
+    for (i, o) in oh.iter_mut().enumerate() {
+        let a = simd.mul_add_e_f32s(es[0], vs[0].0[i], *o);
+        let b = simd.mul_f32s(es[1], vs[1].0[i]);
+        let a = simd.mul_add_e_f32s(es[2], vs[2].0[i], a);
+        let b = simd.mul_add_e_f32s(es[3], vs[3].0[i], b);
+        *o = simd.add_f32s(a, b);
+    }
+    for (i, o) in ot.iter_mut().enumerate() {
+        *o += e[0] * vs[0].1[i] + e[1] * vs[1].1[i] + e[2] * vs[2].1[i] + e[3] * vs[3].1[i];
+    }
+}
+
 /// `out[r] = w[r, :] · x` for `w` of shape `[out.len(), x.len()]`, in the current rayon pool.
 ///
 /// Lengths must agree (`w.len() == out.len() * x.len()`); callers check them.
@@ -66,10 +122,10 @@ impl WithSimd for Rows<'_> {
     type Output = ();
 
     #[inline(always)]
-    fn with_simd<S: Simd>(self, _simd: S) {
+    fn with_simd<S: Simd>(self, simd: S) {
         let k = self.x.len();
         for (o, row) in self.out.iter_mut().zip(self.w.chunks_exact(k)) {
-            *o = dot(row, self.x);
+            *o = simd_dot(simd, row, self.x);
         }
     }
 }

@@ -28,45 +28,68 @@ fn hsum(v: __m256) -> f32 {
     a.iter().sum()
 }
 
-/// Σ_b sw[b]·sx[b]·Σ_j w[b,j]·x[b,j] for a row of 4-bit weights (`qs`: 16 bytes per block,
-/// low nibbles first) and 8-bit activations `x`.
+/// Σ_j w[j]·x[j] of one 4-bit block (`q`: 16 bytes, low nibbles first) as 8 f32 lanes.
 #[inline(always)]
-pub(super) fn row_dot_q4(v3: V3, qs: &[u8], x: &[u8], sw: &[f32], sx: &[f32]) -> f32 {
-    let mask = v3.avx._mm256_set1_epi8(0x0F);
-    let ones = v3.avx._mm256_set1_epi16(1);
-    let mut acc = [v3.avx._mm256_setzero_ps(); 2];
-    for (b, ((q, xb), (a, s))) in
-        qs.chunks_exact(BLOCK / 2).zip(x.chunks_exact(BLOCK)).zip(sw.iter().zip(sx)).enumerate()
-    {
-        let lo = load16(q);
-        let hi = v3.sse2._mm_srli_epi16::<4>(lo);
-        let w = v3.avx2._mm256_and_si256(v3.avx._mm256_set_m128i(hi, lo), mask);
-        let p16 = v3.avx2._mm256_maddubs_epi16(w, load32(xb));
-        let p32 = v3.avx2._mm256_madd_epi16(p16, ones);
-        let scale = v3.avx._mm256_set1_ps(a * s);
-        acc[b & 1] = v3.fma._mm256_fmadd_ps(v3.avx._mm256_cvtepi32_ps(p32), scale, acc[b & 1]);
-    }
-    hsum(v3.avx._mm256_add_ps(acc[0], acc[1]))
+fn q4_block(v3: V3, q: &[u8], x: &[u8]) -> __m256 {
+    let lo = load16(q);
+    let hi = v3.sse2._mm_srli_epi16::<4>(lo);
+    let w =
+        v3.avx2._mm256_and_si256(v3.avx._mm256_set_m128i(hi, lo), v3.avx._mm256_set1_epi8(0x0F));
+    let p16 = v3.avx2._mm256_maddubs_epi16(w, load32(x));
+    v3.avx._mm256_cvtepi32_ps(v3.avx2._mm256_madd_epi16(p16, v3.avx._mm256_set1_epi16(1)))
 }
 
-/// Σ_b sw[b]·sx[b]·Σ_j w[b,j]·x[b,j] for a row of 8-bit weights and 8-bit activations.
+/// Σ_j w[j]·x[j] of one 8-bit block as 8 f32 lanes.
+#[inline(always)]
+fn q8_block(v3: V3, w: &[u8], x: &[u8]) -> __m256 {
+    let (wv, xv) = (load32(w), load32(x));
+    // maddubs multiplies unsigned by signed bytes: move w's sign onto x.
+    let p16 = v3
+        .avx2
+        ._mm256_maddubs_epi16(v3.avx2._mm256_sign_epi8(wv, wv), v3.avx2._mm256_sign_epi8(xv, wv));
+    v3.avx._mm256_cvtepi32_ps(v3.avx2._mm256_madd_epi16(p16, v3.avx._mm256_set1_epi16(1)))
+}
+
+/// Σ_b sw[b]·sx[b]·Σ_j w[b,j]·x[b,j] for a row of 4-bit weights (`qs`: 16 bytes per block,
+/// low nibbles first) and 8-bit activations `x`. Two named accumulators (even and odd blocks)
+/// let the adds overlap; an indexed accumulator array would be kept in memory.
+#[inline(always)]
+pub(super) fn row_dot_q4(v3: V3, qs: &[u8], x: &[u8], sw: &[f32], sx: &[f32]) -> f32 {
+    let half = BLOCK / 2;
+    let (mut acc0, mut acc1) = (v3.avx._mm256_setzero_ps(), v3.avx._mm256_setzero_ps());
+    let nb = sw.len().min(sx.len());
+    let mut b = 0;
+    while b + 1 < nb {
+        let p0 = q4_block(v3, &qs[b * half..][..half], &x[b * BLOCK..][..BLOCK]);
+        let p1 = q4_block(v3, &qs[(b + 1) * half..][..half], &x[(b + 1) * BLOCK..][..BLOCK]);
+        acc0 = v3.fma._mm256_fmadd_ps(p0, v3.avx._mm256_set1_ps(sw[b] * sx[b]), acc0);
+        acc1 = v3.fma._mm256_fmadd_ps(p1, v3.avx._mm256_set1_ps(sw[b + 1] * sx[b + 1]), acc1);
+        b += 2;
+    }
+    if b < nb {
+        let p0 = q4_block(v3, &qs[b * half..][..half], &x[b * BLOCK..][..BLOCK]);
+        acc0 = v3.fma._mm256_fmadd_ps(p0, v3.avx._mm256_set1_ps(sw[b] * sx[b]), acc0);
+    }
+    hsum(v3.avx._mm256_add_ps(acc0, acc1))
+}
+
+/// Σ_b sw[b]·sx[b]·Σ_j w[b,j]·x[b,j] for a row of 8-bit weights and 8-bit activations, with
+/// the same two accumulators as [`row_dot_q4`].
 #[inline(always)]
 pub(super) fn row_dot_q8(v3: V3, w: &[u8], x: &[u8], sw: &[f32], sx: &[f32]) -> f32 {
-    let ones = v3.avx._mm256_set1_epi16(1);
-    let mut acc = [v3.avx._mm256_setzero_ps(); 2];
-    for (b, ((wb, xb), (a, s))) in
-        w.chunks_exact(BLOCK).zip(x.chunks_exact(BLOCK)).zip(sw.iter().zip(sx)).enumerate()
-    {
-        let wv = load32(wb);
-        let xv = load32(xb);
-        // maddubs multiplies unsigned by signed bytes: move w's sign onto x.
-        let p16 = v3.avx2._mm256_maddubs_epi16(
-            v3.avx2._mm256_sign_epi8(wv, wv),
-            v3.avx2._mm256_sign_epi8(xv, wv),
-        );
-        let p32 = v3.avx2._mm256_madd_epi16(p16, ones);
-        let scale = v3.avx._mm256_set1_ps(a * s);
-        acc[b & 1] = v3.fma._mm256_fmadd_ps(v3.avx._mm256_cvtepi32_ps(p32), scale, acc[b & 1]);
+    let (mut acc0, mut acc1) = (v3.avx._mm256_setzero_ps(), v3.avx._mm256_setzero_ps());
+    let nb = sw.len().min(sx.len());
+    let mut b = 0;
+    while b + 1 < nb {
+        let p0 = q8_block(v3, &w[b * BLOCK..][..BLOCK], &x[b * BLOCK..][..BLOCK]);
+        let p1 = q8_block(v3, &w[(b + 1) * BLOCK..][..BLOCK], &x[(b + 1) * BLOCK..][..BLOCK]);
+        acc0 = v3.fma._mm256_fmadd_ps(p0, v3.avx._mm256_set1_ps(sw[b] * sx[b]), acc0);
+        acc1 = v3.fma._mm256_fmadd_ps(p1, v3.avx._mm256_set1_ps(sw[b + 1] * sx[b + 1]), acc1);
+        b += 2;
     }
-    hsum(v3.avx._mm256_add_ps(acc[0], acc[1]))
+    if b < nb {
+        let p0 = q8_block(v3, &w[b * BLOCK..][..BLOCK], &x[b * BLOCK..][..BLOCK]);
+        acc0 = v3.fma._mm256_fmadd_ps(p0, v3.avx._mm256_set1_ps(sw[b] * sx[b]), acc0);
+    }
+    hsum(v3.avx._mm256_add_ps(acc0, acc1))
 }
