@@ -1,6 +1,7 @@
 //! `cargo xtask bench <what> [--json]`: benchmarks next to the reference they are judged by.
 
 mod collectives;
+mod session;
 mod vmm;
 
 use anyhow::{bail, Result};
@@ -14,11 +15,15 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         match w {
             "collectives" => collectives::run(json)?,
             "vmm" => vmm::run(json)?,
+            "session" => session::run(json)?,
             "all" => {
                 collectives::run(json)?;
                 vmm::run(json)?;
+                session::run(json)?;
             }
-            other => bail!("unknown benchmark `{other}`: expected collectives, vmm or all"),
+            other => {
+                bail!("unknown benchmark `{other}`: expected collectives, vmm, session or all")
+            }
         }
     }
     Ok(())

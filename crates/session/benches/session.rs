@@ -176,10 +176,20 @@ fn rank_main() {
         c.all_reduce(&mut one, ReduceOp::Max).expect("all_reduce");
     });
     let step = measure(comm, coordination(4));
+    let mut words = [0i64; protocol::HEADER_WORDS];
+    let header = measure(comm, |c, i| {
+        words[0] = i as i64;
+        c.all_reduce(&mut words, ReduceOp::Max).expect("all_reduce");
+    });
+    let mut agreement = Agreement::new();
+    let admit = measure(comm, |c, i| {
+        let cont = Contribution { state: State::Go, epoch: 0, step: i, message: None };
+        agreement.admit(c, cont).expect("admission");
+    });
     let large = measure(comm, coordination(64));
     if ctx.rank() == 0 {
         println!(
-            "{{\"backend\":\"{}\",\"ranks\":{world},\"allreduce8_us\":{raw:.2},\"step_us\":{step:.2},\"ratio\":{:.2},\"step_64seq_us\":{large:.2}}}",
+            "{{\"backend\":\"{}\",\"ranks\":{world},\"allreduce8_us\":{raw:.2},\"step_us\":{step:.2},\"ratio\":{:.2},\"step_64seq_us\":{large:.2},\"header_us\":{header:.2},\"admission_us\":{admit:.2}}}",
             backend.name(),
             step / raw
         );
