@@ -272,6 +272,33 @@ mod faults {
     }
 
     #[test]
+    fn a_panic_in_a_step_is_that_ranks_error_and_its_peer_is_told() {
+        let outs = start(2, "failure", &[("TPCTL_FAILPOINTS", "session.step=panic@1#1")]);
+        let all = show(&outs);
+        assert!(outs.iter().all(|o| o.code == Some(3)), "{all}");
+        let line = outs[1].last_line();
+        assert!(
+            line.contains(
+                "step at epoch 0 step 2 (rank 1): panicked: failpoint `session.step` fired"
+            ),
+            "{line}"
+        );
+        assert!(outs[0].last_line().contains("another rank failed: rank 1 reported"), "{all}");
+        invariants(&outs, &[]);
+    }
+
+    #[test]
+    fn workers_notice_a_dead_rank_0_while_the_session_idles() {
+        let outs = start(2, "stop-waiting", &[("TPCTL_FAILPOINTS", "session.idle=kill@0#1")]);
+        let all = show(&outs);
+        assert_eq!(outs[0].code, Some(137), "{all}");
+        assert_eq!(outs[1].code, Some(3), "{all}");
+        assert!(outs[1].last_line().contains("peer rank 0"), "{all}");
+        assert!(outs[1].elapsed < Duration::from_secs(10), "took {:?}", outs[1].elapsed);
+        invariants(&outs, &[0]);
+    }
+
+    #[test]
     fn a_rank_hanging_in_a_step_is_detected_and_named() {
         let outs = start(
             2,

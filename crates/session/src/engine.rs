@@ -12,7 +12,8 @@
 //!    every rank (failpoint `session.step`); rank 0 samples and writes to its sinks (failpoint
 //!    `session.sink`). A stop asked for at any time is contributed at the next admission.
 //! 3. **Close**: after the model work ends rank 0 decides ([`Decider`]); `KeepOpen` turns into
-//!    idle ticks (one boundary per `tick`, so workers notice a dead rank 0), `Stop` and
+//!    idle ticks (one boundary per `tick`, so workers notice a dead rank 0; failpoint
+//!    `session.idle` on rank 0), `Stop` and
 //!    `Replace` close the session on every rank at the same boundary.
 //! 4. **Cleanup**, no collective, in this order: failpoint `session.cleanup`; rank 0 reports
 //!    the requests still scheduled as cancelled (success path only); every sequence's state
@@ -23,7 +24,8 @@
 //!
 //! # Failure
 //!
-//! A rank whose own part fails (init, prepare, step, sink) contributes `failed` at the next
+//! Model code runs under `catch_unwind`: a panic is this rank's error, never an unwinding
+//! across the rank boundary. A rank whose own part fails (init, prepare, step, sink) contributes `failed` at the next
 //! control call it owes (the confirmation when preparing, else the next admission), skips
 //! everything else and returns its original error; its peers raise
 //! [`Error::PeerFailed`] naming it. A control-group failure (deadline, dead peer) is already
@@ -234,6 +236,25 @@ enum Owed {
     Confirmation,
 }
 
+/// Runs model code so that a panic becomes this rank's error (announced to the peers like
+/// any other) instead of unwinding across the rank boundary.
+fn guarded<T>(
+    phase: &'static str,
+    rank: usize,
+    epoch: u64,
+    step: u64,
+    f: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a non-string payload".to_owned());
+        Err(Error::Model { phase, rank, epoch, step, source: format!("panicked: {what}").into() })
+    })
+}
+
 fn injected(phase: &'static str, point: &str, rank: usize, epoch: u64, step: u64) -> Result<()> {
     mesh::failpoint::hit(point).map_err(|source| Error::Injected {
         phase,
@@ -364,13 +385,16 @@ impl Core {
     /// The model build of a session (failpoint `session.init`).
     fn build(&mut self, cfg: &SessionConfig, epoch: u64) -> Result<Box<dyn StepModel>> {
         let rank = self.rank;
-        injected("session init", "session.init", rank, epoch, 0)?;
-        self.factory.build(cfg, rank).map_err(|source| Error::Model {
-            phase: "session init",
-            rank,
-            epoch,
-            step: 0,
-            source,
+        let factory = &mut self.factory;
+        guarded("session init", rank, epoch, 0, || {
+            injected("session init", "session.init", rank, epoch, 0)?;
+            factory.build(cfg, rank).map_err(|source| Error::Model {
+                phase: "session init",
+                rank,
+                epoch,
+                step: 0,
+                source,
+            })
         })
     }
 
@@ -390,13 +414,15 @@ impl Core {
         plan: &StepPlan,
     ) -> Result<Option<crate::model::Logits>> {
         let (rank, epoch, step) = (self.rank, plan.epoch, plan.step);
-        injected("step", "session.step", rank, epoch, step)?;
-        model.forward(plan).map_err(|source| Error::Model {
-            phase: "step",
-            rank,
-            epoch,
-            step,
-            source,
+        guarded("step", rank, epoch, step, || {
+            injected("step", "session.step", rank, epoch, step)?;
+            model.forward(plan).map_err(|source| Error::Model {
+                phase: "step",
+                rank,
+                epoch,
+                step,
+                source,
+            })
         })
     }
 
@@ -541,6 +567,11 @@ impl Leader {
             let timeout =
                 if first { self.core.opts.transition_timeout } else { self.core.opts.step_timeout };
             first = false;
+            if matches!(msg, Message::Idle) {
+                // Stands for rank 0 dying or stalling while the session idles.
+                injected("idle tick", "session.idle", 0, epoch, s.steps)
+                    .map_err(|e| self.core.announce(e, Owed::Admission, epoch, s.steps))?;
+            }
             let state = self.core.state();
             let t0 = Instant::now();
             let (agreed, _) = self.core.boundary(state, epoch, s.steps, Some(&msg), timeout)?;
@@ -619,7 +650,9 @@ impl Leader {
                             self.admit(s, r)?;
                         }
                     }
-                    Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {}
+                    Err(RecvTimeoutError::Timeout) => {}
+                    // No sender left: nothing will arrive, but the ticks keep their pace.
+                    Err(RecvTimeoutError::Disconnected) => std::thread::sleep(self.core.opts.tick),
                 }
             }
         }
