@@ -423,8 +423,17 @@ impl GgufFile {
                 ));
             }
             info.offset += data_start;
-            let elems = info.dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
-            if let Some(size) = elems.and_then(|n| info.ggml_type.bytes_for(n as usize)) {
+            // Element counts beyond 2^48 cannot be real tensors; rejecting them keeps every
+            // later product of dimensions far from overflow.
+            let elems =
+                info.dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).filter(|&n| n < 1 << 48);
+            let Some(elems) = elems else {
+                return Err(c.err(
+                    at,
+                    format!("tensor `{}` has impossible dimensions {:?}", info.name, info.dims),
+                ));
+            };
+            if let Some(size) = info.ggml_type.bytes_for(elems as usize) {
                 if info.offset.checked_add(size as u64).is_none_or(|end| end > file_len) {
                     return Err(c.err(
                         at,

@@ -181,6 +181,16 @@ fn malformed_files_name_the_offset_key_or_tensor() {
 }
 
 #[test]
+fn impossible_dimensions_are_rejected_with_the_tensor_name() {
+    let mut w = GgufWriter::new();
+    w.tensor_raw("huge", &[1 << 40, 1 << 40], GgmlType::Unsupported(99), vec![0; 32]);
+    let p = write(&w, "huge-dims.gguf");
+    let err = GgufFile::open(&p).unwrap_err().to_string();
+    assert!(err.contains("tensor `huge` has impossible dimensions"), "{err}");
+    std::fs::remove_file(p).unwrap();
+}
+
+#[test]
 fn the_huge_counts_of_a_corrupt_header_are_rejected_before_allocating() {
     let mut bytes = MAGIC.to_le_bytes().to_vec();
     bytes.extend(3u32.to_le_bytes());

@@ -108,9 +108,12 @@ impl SafetensorsFile {
                 .and_then(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect())
                 .filter(|o: &Vec<usize>| o.len() == 2)
                 .ok_or_else(|| bad("missing or bad data_offsets"))?;
-            let (start, end) = (base + offs[0], base + offs[1]);
-            let want = shape.iter().product::<usize>() * dtype.size();
-            if offs[0] > offs[1] || end > map.len() || end - start != want {
+            let want = shape.iter().try_fold(dtype.size(), |a, &d| a.checked_mul(d));
+            let (start, end) = (base.saturating_add(offs[0]), base.saturating_add(offs[1]));
+            let fits = |w: usize| offs[0] <= offs[1] && end <= map.len() && end - start == w;
+            if !want.is_some_and(fits) {
+                let want =
+                    want.map_or_else(|| "an impossible number of".to_owned(), |w| w.to_string());
                 return Err(bad(&format!(
                     "data {start}..{end} does not hold {want} bytes inside the file ({} bytes)",
                     map.len()
