@@ -1,6 +1,6 @@
 //! Matrix multiplication through the `gemm` crate: `out[m, n] = a[m, k] · w[n, k]ᵀ`.
 //!
-//! This is the one module of the crate with `unsafe`: `gemm::gemm` is an `unsafe fn` taking raw
+//! One of the two modules of the crate with `unsafe` (with `mmap`): `gemm::gemm` is an `unsafe fn` taking raw
 //! pointers and strides. The safe wrapper below checks every length before the call, so the
 //! pointers it passes always cover the strided ranges gemm reads and writes.
 #![allow(unsafe_code)]
