@@ -1,8 +1,9 @@
 //! Matrix multiplication through the `gemm` crate: `out[m, n] = a[m, k] · w[n, k]ᵀ`.
 //!
-//! One of the two modules of the crate with `unsafe` (with `mmap`): `gemm::gemm` is an `unsafe fn` taking raw
-//! pointers and strides. The safe wrapper below checks every length before the call, so the
-//! pointers it passes always cover the strided ranges gemm reads and writes.
+//! One of the two modules of the crate with `unsafe` (the other is `mmap`): `gemm::gemm` is an
+//! `unsafe fn` taking raw pointers and strides. The safe wrappers below check every length and
+//! stride before the call, so the pointers they pass always cover the ranges gemm reads and
+//! writes.
 #![allow(unsafe_code)]
 
 use crate::error::{Error, Result};
