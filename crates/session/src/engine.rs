@@ -336,14 +336,7 @@ impl Core {
     /// After a local failure: tells the peers at the control call this rank owes (best
     /// effort, within the step deadline), then returns the original error.
     fn announce(&mut self, e: Error, owed: Owed, epoch: u64, step: u64) -> Error {
-        let known = matches!(
-            e,
-            Error::Collective { .. }
-                | Error::Desync { .. }
-                | Error::PeerFailed { .. }
-                | Error::Finished { .. }
-        );
-        if !known {
+        if !e.known_to_peers() {
             let timeout = self.opts.step_timeout;
             let _ = match owed {
                 Owed::Admission => {

@@ -163,9 +163,16 @@ pub enum Error {
 }
 
 impl Error {
-    /// Whether this error came from the control group itself (then it is already known to the
-    /// peers through the communicator, and the group cannot carry another message).
-    pub fn is_collective(&self) -> bool {
-        matches!(self, Error::Collective { .. } | Error::Desync { .. } | Error::Protocol { .. })
+    /// Whether every peer already knows of this failure: it came through the control group
+    /// itself (the communicator told the peers, or they saw the same disagreement), or it is
+    /// another rank's failure. A rank announces only failures that are not known yet.
+    pub fn known_to_peers(&self) -> bool {
+        matches!(
+            self,
+            Error::Collective { .. }
+                | Error::Desync { .. }
+                | Error::PeerFailed { .. }
+                | Error::Finished { .. }
+        )
     }
 }
