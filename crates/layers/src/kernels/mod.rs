@@ -3,7 +3,8 @@
 //!
 //! Model code calls only `Backend` methods, so a CUDA backend (feature `cuda`) slots in as one
 //! more variant without touching the modules. Each method documents its shapes; all compute is
-//! f32 with f32 accumulation.
+//! f32 with f32 accumulation, except that products with quantized weights multiply 8-bit
+//! quantized activations and sum each block of 32 in i32 before scaling (as GGML does).
 
 pub mod cpu;
 
@@ -152,7 +153,10 @@ impl Backend {
         })?;
         let m = x.rows();
         let mut shape = x.shape().to_vec();
-        *shape.last_mut().expect("row_len matched k so the shape is not empty") = n;
+        match shape.last_mut() {
+            Some(last) => *last = n,
+            None => shape.push(n),
+        }
         let mut out = Tensor::zeros(&shape);
         match (self, w) {
             (Backend::Cpu(cpu), Weight::F32(wt)) => cpu.install(|| {
