@@ -6,6 +6,12 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
+    /// A collective call of the parallel model failed.
+    #[error(transparent)]
+    Collective(#[from] collectives::Error),
+    /// The mesh or a token shard does not fit.
+    #[error(transparent)]
+    Mesh(#[from] mesh::Error),
     /// A file could not be opened, mapped or read.
     #[error("{what} {path}: {source}")]
     Io {

@@ -24,6 +24,7 @@ pub mod gguf;
 pub mod kernels;
 mod mmap;
 pub mod model;
+pub mod parallel;
 pub mod safetensors;
 pub mod tensor;
 #[cfg(test)]

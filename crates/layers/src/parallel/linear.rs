@@ -1,0 +1,343 @@
+//! Tensor-parallel linear layers, the vocabulary-parallel embedding and LM head, and the
+//! RMSNorm over a TP-sharded dimension.
+//!
+//! Conventions (Megatron's): a column-parallel layer keeps a range of output features and needs
+//! no collective; a row-parallel layer keeps the matching range of input features, so its
+//! output is a partial sum that an all-reduce over the TP group completes.
+
+use crate::error::{Error, Result};
+use crate::kernels::{Backend, Weight};
+use crate::model::{Linear, Shard, WeightForm, WeightSource};
+use crate::tensor::Tensor;
+use collectives::{Collective, Communicator, ReduceOp};
+use std::ops::Range;
+
+/// Ranges of `total` split over `parts`, each boundary a multiple of `align` where possible
+/// (remainder blocks to the low ranks), so quantized blocks are never cut.
+pub fn aligned_ranges(total: usize, parts: usize, align: usize) -> Vec<Range<usize>> {
+    if align > 1 && total % align == 0 && total / align >= parts {
+        mesh::balanced_ranges(total / align, parts)
+            .into_iter()
+            .map(|r| r.start * align..r.end * align)
+            .collect()
+    } else {
+        mesh::balanced_ranges(total, parts)
+    }
+}
+
+/// Interleaves per-rank blocks `[rank][rows, width_r]` into `[rows, sum(width_r)]`.
+fn interleave(blocks: &[f32], rows: usize, widths: &[usize]) -> Vec<f32> {
+    let total: usize = widths.iter().sum();
+    let mut out = vec![0f32; rows * total];
+    let mut block_start = 0;
+    let mut col = 0;
+    for &w in widths {
+        for r in 0..rows {
+            let src = &blocks[block_start + r * w..block_start + (r + 1) * w];
+            out[r * total + col..r * total + col + w].copy_from_slice(src);
+        }
+        block_start += rows * w;
+        col += w;
+    }
+    out
+}
+
+/// Gathers column shards `[rows, width_rank]` from every TP rank into `[rows, total]`.
+///
+/// # Errors
+/// A failed collective.
+pub fn gather_columns(
+    tp: &mut dyn Communicator,
+    local: &Tensor,
+    widths: &[usize],
+) -> Result<Tensor> {
+    let rows = local.rows();
+    let sizes: Vec<usize> = widths.iter().map(|w| w * rows).collect();
+    let mut blocks = vec![0f32; sizes.iter().sum()];
+    tp.all_gather_uneven(local.data(), &mut blocks, &sizes)?;
+    Tensor::from_vec(&[rows, widths.iter().sum()], interleave(&blocks, rows, widths))
+}
+
+/// A linear layer whose output features are split over the TP group.
+#[derive(Clone, Debug)]
+pub struct ColumnParallelLinear {
+    linear: Linear,
+    bias: Option<Vec<f32>>,
+    ranges: Vec<Range<usize>>,
+    rank: usize,
+}
+
+impl ColumnParallelLinear {
+    /// Loads this rank's output rows of `name` (`ranges[rank]`), and the matching slice of
+    /// `bias` when given.
+    ///
+    /// # Errors
+    /// A missing or misshapen tensor.
+    pub fn load(
+        src: &dyn WeightSource,
+        name: &str,
+        bias: Option<&str>,
+        ranges: Vec<Range<usize>>,
+        rank: usize,
+        form: WeightForm,
+    ) -> Result<Self> {
+        let rows = ranges[rank].clone();
+        let linear = Linear::load(src, name, &Shard::Rows(rows.clone()), form)?;
+        let bias = match bias {
+            Some(b) => Some(src.rows(b, 0..1).map(|v| v[rows].to_vec())?),
+            None => None,
+        };
+        Ok(ColumnParallelLinear { linear, bias, ranges, rank })
+    }
+
+    /// This rank's output features of `x`: `[n, ranges[rank].len()]`.
+    ///
+    /// # Errors
+    /// `x` has the wrong width.
+    pub fn forward(&self, be: &Backend, x: &Tensor) -> Result<Tensor> {
+        let mut y = self.linear.forward(be, x)?;
+        if let Some(b) = &self.bias {
+            for row in y.data_mut().chunks_exact_mut(b.len()) {
+                row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+            }
+        }
+        Ok(y)
+    }
+
+    /// Every output feature: the local ones gathered over TP.
+    ///
+    /// # Errors
+    /// As [`ColumnParallelLinear::forward`], or a failed collective.
+    pub fn forward_gathered(
+        &self,
+        be: &Backend,
+        tp: &mut dyn Communicator,
+        x: &Tensor,
+    ) -> Result<Tensor> {
+        let local = self.forward(be, x)?;
+        let widths: Vec<usize> = self.ranges.iter().map(|r| r.len()).collect();
+        gather_columns(tp, &local, &widths)
+    }
+
+    /// The output features this rank holds.
+    pub fn local_range(&self) -> Range<usize> {
+        self.ranges[self.rank].clone()
+    }
+}
+
+/// A linear layer whose input features are split over the TP group; its output is the
+/// all-reduced sum, with the bias added by TP rank 0 alone.
+#[derive(Clone, Debug)]
+pub struct RowParallelLinear {
+    linear: Linear,
+    bias: Option<Vec<f32>>,
+    cols: Range<usize>,
+}
+
+impl RowParallelLinear {
+    /// Loads input columns `cols` of `name`; `bias` only on the rank that adds it.
+    ///
+    /// # Errors
+    /// A missing or misshapen tensor.
+    pub fn load(
+        src: &dyn WeightSource,
+        name: &str,
+        bias: Option<&str>,
+        cols: Range<usize>,
+        adds_bias: bool,
+        form: WeightForm,
+    ) -> Result<Self> {
+        let linear = Linear::load(src, name, &Shard::Cols(cols.clone()), form)?;
+        let bias = match (bias, adds_bias) {
+            (Some(b), true) => Some(src.rows(b, 0..1)?),
+            _ => None,
+        };
+        Ok(RowParallelLinear { linear, bias, cols })
+    }
+
+    /// Wraps an already sharded layer.
+    pub fn from_linear(linear: Linear, cols: Range<usize>) -> Self {
+        RowParallelLinear { linear, bias: None, cols }
+    }
+
+    /// `all_reduce(x_local · W_localᵀ) + bias` over the TP group.
+    ///
+    /// # Errors
+    /// `x_local` has the wrong width, or a failed collective.
+    pub fn forward(
+        &self,
+        be: &Backend,
+        tp: &mut dyn Communicator,
+        x_local: &Tensor,
+    ) -> Result<Tensor> {
+        let mut y = self.linear.forward(be, x_local)?;
+        if let Some(b) = &self.bias {
+            for row in y.data_mut().chunks_exact_mut(b.len()) {
+                row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+            }
+        }
+        tp.all_reduce(y.data_mut(), ReduceOp::Sum)?;
+        Ok(y)
+    }
+
+    /// The input features this rank holds.
+    pub fn cols(&self) -> Range<usize> {
+        self.cols.clone()
+    }
+}
+
+/// The token embedding with the vocabulary split over the TP group: each rank looks up the
+/// ids in its range (zeros elsewhere) and an all-reduce completes every row.
+#[derive(Clone, Debug)]
+pub struct VocabParallelEmbedding {
+    table: Weight,
+    vocab: Range<usize>,
+    total: usize,
+}
+
+impl VocabParallelEmbedding {
+    /// Loads rows `vocab` of the embedding table `name` (`[vocab, hidden]`).
+    ///
+    /// # Errors
+    /// A missing or misshapen tensor.
+    pub fn load(
+        src: &dyn WeightSource,
+        name: &str,
+        vocab: Range<usize>,
+        form: WeightForm,
+    ) -> Result<Self> {
+        let total = src.shape(name)?.first().copied().unwrap_or(0);
+        let table = Linear::load(src, name, &Shard::Rows(vocab.clone()), form)?.weight().clone();
+        Ok(VocabParallelEmbedding { table, vocab, total })
+    }
+
+    /// Embeddings of `ids`: `[ids.len(), hidden]`, identical on every TP rank.
+    ///
+    /// # Errors
+    /// An id outside the vocabulary, or a failed collective.
+    pub fn forward(&self, tp: &mut dyn Communicator, ids: &[u32]) -> Result<Tensor> {
+        let hidden = self.table.dims().1;
+        let mut out = Tensor::zeros(&[ids.len(), hidden]);
+        for (index, (&id, row)) in
+            ids.iter().zip(out.data_mut().chunks_exact_mut(hidden)).enumerate()
+        {
+            let id_us = id as usize;
+            if id_us >= self.total {
+                return Err(Error::TokenOutOfRange { id, index, vocab: self.total });
+            }
+            if self.vocab.contains(&id_us) {
+                row.copy_from_slice(&self.table.row_f32(id_us - self.vocab.start));
+            }
+        }
+        tp.all_reduce(out.data_mut(), ReduceOp::Sum)?;
+        Ok(out)
+    }
+
+    /// The local table (tied LM heads reuse it).
+    pub fn table(&self) -> &Weight {
+        &self.table
+    }
+}
+
+/// The LM head with the vocabulary split over the TP group.
+#[derive(Clone, Debug)]
+pub struct ParallelLmHead {
+    weight: Weight,
+    ranges: Vec<Range<usize>>,
+    rank: usize,
+}
+
+impl ParallelLmHead {
+    /// A head over this rank's vocabulary rows `ranges[rank]` of `weight`.
+    pub fn new(weight: Weight, ranges: Vec<Range<usize>>, rank: usize) -> Self {
+        ParallelLmHead { weight, ranges, rank }
+    }
+
+    /// Full logits `[n, vocab]` on every TP rank (local logits gathered over TP).
+    ///
+    /// # Errors
+    /// `x` has the wrong width, or a failed collective.
+    pub fn logits(&self, be: &Backend, tp: &mut dyn Communicator, x: &Tensor) -> Result<Tensor> {
+        let local = be.linear(x, &self.weight)?;
+        let widths: Vec<usize> = self.ranges.iter().map(|r| r.len()).collect();
+        gather_columns(tp, &local, &widths)
+    }
+
+    /// Greedy tokens per row without gathering the logits: each rank's best (value, id) pair
+    /// is gathered and the largest wins, the lowest id on ties (as a serial argmax).
+    ///
+    /// # Errors
+    /// `x` has the wrong width, or a failed collective.
+    pub fn argmax(&self, be: &Backend, tp: &mut dyn Communicator, x: &Tensor) -> Result<Vec<u32>> {
+        let local = be.linear(x, &self.weight)?;
+        let n = local.rows();
+        let start = self.ranges[self.rank].start;
+        let mut best = vec![f32::NEG_INFINITY; n];
+        let mut ids = vec![i64::MAX; n];
+        for r in 0..n {
+            for (j, &v) in local.row(r).iter().enumerate() {
+                if v > best[r] {
+                    best[r] = v;
+                    ids[r] = (start + j) as i64;
+                }
+            }
+        }
+        let tp_size = tp.size();
+        let mut all_best = vec![0f32; n * tp_size];
+        let mut all_ids = vec![0i64; n * tp_size];
+        tp.all_gather(&best, &mut all_best)?;
+        tp.all_gather(&ids, &mut all_ids)?;
+        Ok((0..n)
+            .map(|r| {
+                let mut pick = (f32::NEG_INFINITY, i64::MAX);
+                for t in 0..tp_size {
+                    let cand = (all_best[t * n + r], all_ids[t * n + r]);
+                    if cand.0 > pick.0 || (cand.0 == pick.0 && cand.1 < pick.1) {
+                        pick = cand;
+                    }
+                }
+                pick.1.max(0) as u32
+            })
+            .collect())
+    }
+}
+
+/// RMSNorm over a hidden dimension split over the TP group: the sum of squares is
+/// all-reduced so every rank normalizes its slice by the full row's RMS.
+#[derive(Clone, Debug)]
+pub struct ParallelRmsNorm {
+    weight: Vec<f32>,
+    full_width: usize,
+    eps: f32,
+}
+
+impl ParallelRmsNorm {
+    /// A norm whose local weight slice is `weight` of a row `full_width` wide.
+    pub fn new(weight: Vec<f32>, full_width: usize, eps: f32) -> Self {
+        ParallelRmsNorm { weight, full_width, eps }
+    }
+
+    /// Normalizes `x_local` (`[n, weight.len()]`).
+    ///
+    /// # Errors
+    /// `x_local` has the wrong width, or a failed collective.
+    pub fn forward(&self, tp: &mut dyn Communicator, x_local: &Tensor) -> Result<Tensor> {
+        let w = self.weight.len();
+        if x_local.row_len() != w {
+            return Err(Error::shape(
+                "ParallelRmsNorm",
+                format!("rows of {} elements, weight slice of {w}", x_local.row_len()),
+            ));
+        }
+        let n = x_local.rows();
+        let mut sums: Vec<f32> =
+            (0..n).map(|r| x_local.row(r).iter().map(|v| v * v).sum()).collect();
+        tp.all_reduce(&mut sums, ReduceOp::Sum)?;
+        let mut out = x_local.clone();
+        for (r, row) in out.data_mut().chunks_exact_mut(w).enumerate() {
+            let scale = 1.0 / (sums[r] / self.full_width as f32 + self.eps).sqrt();
+            row.iter_mut().zip(&self.weight).for_each(|(x, g)| *x *= scale * g);
+        }
+        Ok(out)
+    }
+}

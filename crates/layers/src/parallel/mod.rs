@@ -1,0 +1,521 @@
+//! Tensor- and context-parallel modules and the sharded Llama-family model.
+//!
+//! A rank of a `tp × cp` mesh holds:
+//! - attention for a range of whole KV heads (`balanced_ranges` over the KV heads, so 9 query
+//!   heads in 3 KV groups on TP=2 split 6 + 3), its output projection row-parallel;
+//! - the MLP for a range of inner units (aligned to quantized blocks), down-projection
+//!   row-parallel;
+//! - the embedding and LM head for a range of the vocabulary;
+//! - its own tokens' keys and values, in its KV-cache shard.
+//!
+//! A step runs in one of two ways, the same on every rank:
+//! - **Prefill** (the sequence's cache is empty and it has at least `cp` tokens): tokens are
+//!   split over CP by [`TokenShard`]; each rank projects its tokens, the keys and values are
+//!   gathered over CP (`all_gather_uneven`), and each rank attends its queries to all of them
+//!   with global positions, keeping only its own keys and values.
+//! - **Extend** (decode, or more tokens after a prefill): every CP rank computes every new
+//!   token; each new token's keys and values go to the CP rank holding the fewest; every rank
+//!   attends to its cache shard and the partial outputs are merged by their log-sum-exp
+//!   (an empty shard contributes `-inf`), in rank order so every rank gets the same bits.
+//!
+//! Row-parallel outputs (attention output, MLP down) are all-reduced over TP. Logits end up on
+//! every rank: the last token's hidden state is broadcast over CP from the rank holding it,
+//! and the vocabulary-parallel LM head gathers over TP (or picks the argmax without gathering).
+
+mod linear;
+mod sequence;
+#[cfg(test)]
+mod tests;
+
+pub use linear::{
+    aligned_ranges, gather_columns, ColumnParallelLinear, ParallelLmHead, ParallelRmsNorm,
+    RowParallelLinear, VocabParallelEmbedding,
+};
+pub use sequence::{gather_tokens, gather_tokens_backward};
+
+use crate::config::LlamaConfig;
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::kernels::cpu::attention::merge_partial;
+use crate::kernels::{AttnShape, Backend};
+use crate::model::{
+    load_vector, Attention, KvCache, LayerCache, Linear, Logits, Mlp, Shard, WeightForm,
+    WeightSource,
+};
+use crate::tensor::Tensor;
+use collectives::{Collective, Communicator};
+use mesh::TokenShard;
+use std::ops::Range;
+use std::path::Path;
+
+/// The communicators a rank's forward pass uses.
+pub struct Comms<'a> {
+    /// Tensor-parallel group (this rank's row of the mesh).
+    pub tp: &'a mut dyn Communicator,
+    /// Context-parallel group (this rank's column).
+    pub cp: &'a mut dyn Communicator,
+}
+
+/// Where a rank sits in the mesh.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// Rank in the TP group.
+    pub tp_rank: usize,
+    /// TP group size.
+    pub tp: usize,
+    /// Rank in the CP group.
+    pub cp_rank: usize,
+    /// CP group size.
+    pub cp: usize,
+}
+
+impl Placement {
+    /// The placement of the owner of `comms`.
+    pub fn of(comms: &Comms<'_>) -> Placement {
+        Placement {
+            tp_rank: comms.tp.rank(),
+            tp: comms.tp.size(),
+            cp_rank: comms.cp.rank(),
+            cp: comms.cp.size(),
+        }
+    }
+
+    /// A single rank.
+    pub fn single() -> Placement {
+        Placement { tp_rank: 0, tp: 1, cp_rank: 0, cp: 1 }
+    }
+}
+
+/// The KV heads TP rank `rank` of `tp` holds: whole KV heads, balanced.
+///
+/// # Errors
+/// More TP ranks than KV heads: replicating KV heads over TP ranks is not supported yet.
+pub fn kv_head_range(cfg: &LlamaConfig, rank: usize, tp: usize) -> Result<Range<usize>> {
+    if tp > cfg.n_kv_heads {
+        return Err(Error::shape(
+            "tensor parallel attention",
+            format!(
+                "tp={tp} exceeds the model's {} KV heads; a KV head cannot be split (use tp <= {})",
+                cfg.n_kv_heads, cfg.n_kv_heads
+            ),
+        ));
+    }
+    Ok(mesh::balanced_ranges(cfg.n_kv_heads, tp)[rank].clone())
+}
+
+/// Inner MLP units of TP rank `rank`: balanced, in multiples of 32 (a quantized block) when
+/// the width allows.
+pub fn ffn_range(cfg: &LlamaConfig, rank: usize, tp: usize) -> Range<usize> {
+    aligned_ranges(cfg.ffn, tp, 32)[rank].clone()
+}
+
+/// Self-attention over this rank's KV heads, for both step kinds.
+#[derive(Clone, Debug)]
+pub struct ParallelAttention {
+    attn: Attention,
+    shape: AttnShape,
+}
+
+impl ParallelAttention {
+    /// Loads layer `layer`'s attention for TP rank `tp_rank` of `tp`.
+    ///
+    /// # Errors
+    /// Missing weights, or more TP ranks than KV heads.
+    pub fn load(
+        src: &dyn WeightSource,
+        layer: usize,
+        cfg: &LlamaConfig,
+        tp_rank: usize,
+        tp: usize,
+        form: WeightForm,
+    ) -> Result<Self> {
+        let kv = kv_head_range(cfg, tp_rank, tp)?;
+        let attn = Attention::load(src, layer, cfg, kv.clone(), form)?;
+        let shape = AttnShape {
+            q_heads: kv.len() * cfg.group_size(),
+            kv_heads: kv.len(),
+            head_dim: cfg.head_dim,
+        };
+        Ok(ParallelAttention { attn, shape })
+    }
+
+    /// Prefill: `x` holds this CP rank's tokens (at `positions`); every rank's keys and
+    /// values are gathered; this rank keeps its own in `cache`.
+    fn prefill(
+        &self,
+        be: &Backend,
+        comms: &mut Comms<'_>,
+        x: &Tensor,
+        all_positions: &[usize],
+        shard: &TokenShard,
+        cache: &mut LayerCache,
+    ) -> Result<Tensor> {
+        let positions = shard.select(all_positions)?;
+        let (q, k, v) = self.attn.qkv(be, x, positions)?;
+        let kv_width = self.shape.kv_heads * self.shape.head_dim;
+        let sizes: Vec<usize> = shard.sizes().iter().map(|s| s * kv_width).collect();
+        let total = all_positions.len() * kv_width;
+        let (mut k_all, mut v_all) = (vec![0f32; total], vec![0f32; total]);
+        comms.cp.all_gather_uneven(k.data(), &mut k_all, &sizes)?;
+        comms.cp.all_gather_uneven(v.data(), &mut v_all, &sizes)?;
+        cache.append(k.data(), v.data(), positions)?;
+        let (out, _) =
+            be.attention(&q, positions, &k_all, &v_all, all_positions, self.shape, false)?;
+        self.finish(be, comms, out)
+    }
+
+    /// Extend: `x` holds every new token on every CP rank; `owned` marks the ones whose keys
+    /// and values this rank keeps.
+    fn extend(
+        &self,
+        be: &Backend,
+        comms: &mut Comms<'_>,
+        x: &Tensor,
+        positions: &[usize],
+        owned: &[bool],
+        cache: &mut LayerCache,
+    ) -> Result<Tensor> {
+        let (q, k, v) = self.attn.qkv(be, x, positions)?;
+        let kv_width = self.shape.kv_heads * self.shape.head_dim;
+        let (mut mk, mut mv, mut mp) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, _) in owned.iter().enumerate().filter(|(_, &o)| o) {
+            mk.extend_from_slice(&k.data()[i * kv_width..(i + 1) * kv_width]);
+            mv.extend_from_slice(&v.data()[i * kv_width..(i + 1) * kv_width]);
+            mp.push(positions[i]);
+        }
+        cache.append(&mk, &mv, &mp)?;
+        let cp = comms.cp.size();
+        if cp == 1 {
+            let (out, _) = self.attn.attend(be, &q, positions, cache, false)?;
+            return self.finish(be, comms, out);
+        }
+        let (out, lse) = self.attn.attend(be, &q, positions, cache, true)?;
+        let lse = lse.ok_or_else(|| Error::shape("extend attention", "no log-sum-exp returned"))?;
+        // Gather every CP rank's partial output and merge them in rank order.
+        let (ow, lw) = (out.len(), lse.len());
+        let mut outs = vec![0f32; ow * cp];
+        let mut lses = vec![0f32; lw * cp];
+        comms.cp.all_gather(out.data(), &mut outs)?;
+        comms.cp.all_gather(lse.data(), &mut lses)?;
+        let (mut acc_o, mut acc_l) = (outs[..ow].to_vec(), lses[..lw].to_vec());
+        for r in 1..cp {
+            merge_partial(
+                &mut acc_o,
+                &mut acc_l,
+                &outs[r * ow..(r + 1) * ow],
+                &lses[r * lw..(r + 1) * lw],
+                self.shape.head_dim,
+            );
+        }
+        self.finish(be, comms, Tensor::from_vec(out.shape(), acc_o)?)
+    }
+
+    /// Output projection of this rank's heads, all-reduced over TP.
+    fn finish(&self, be: &Backend, comms: &mut Comms<'_>, attn: Tensor) -> Result<Tensor> {
+        let mut y = self.attn.project_out(be, attn)?;
+        comms.tp.all_reduce(y.data_mut(), collectives::ReduceOp::Sum)?;
+        Ok(y)
+    }
+}
+
+#[derive(Clone, Debug)]
+struct ParallelBlock {
+    attn_norm: Tensor,
+    attn: ParallelAttention,
+    ffn_norm: Tensor,
+    mlp: Mlp,
+}
+
+/// A sequence's KV cache on one rank: its shard of the keys and values, and how many tokens
+/// every CP rank holds (the same bookkeeping on every rank).
+#[derive(Debug)]
+pub struct ParallelCache {
+    local: KvCache,
+    cp_lens: Vec<usize>,
+}
+
+impl ParallelCache {
+    /// Tokens of the sequence, over all CP ranks.
+    pub fn len(&self) -> usize {
+        self.cp_lens.iter().sum()
+    }
+
+    /// Whether the sequence has no tokens yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Tokens this rank holds.
+    pub fn local_len(&self) -> usize {
+        self.local.len()
+    }
+
+    /// Tokens each CP rank holds.
+    pub fn cp_lens(&self) -> &[usize] {
+        &self.cp_lens
+    }
+
+    /// Tokens this rank can hold.
+    pub fn capacity(&self) -> usize {
+        self.local.capacity()
+    }
+
+    /// Forgets every token.
+    pub fn clear(&mut self) {
+        self.local.clear();
+        self.cp_lens.iter_mut().for_each(|l| *l = 0);
+    }
+}
+
+/// How one forward step is split over CP.
+enum Plan {
+    Prefill(TokenShard),
+    /// Which CP rank keeps each new token's keys and values.
+    Extend(Vec<usize>),
+}
+
+/// The Llama-family decoder sharded over a `tp × cp` mesh.
+#[derive(Clone, Debug)]
+pub struct ParallelModel {
+    config: LlamaConfig,
+    backend: Backend,
+    placement: Placement,
+    embed: VocabParallelEmbedding,
+    blocks: Vec<ParallelBlock>,
+    norm: Tensor,
+    lm_head: ParallelLmHead,
+}
+
+impl ParallelModel {
+    /// Loads this rank's shard of a GGUF model.
+    ///
+    /// # Errors
+    /// Opening the file, reading the config, loading a weight, or a layout the model cannot
+    /// be split into.
+    pub fn load(
+        path: impl AsRef<Path>,
+        placement: Placement,
+        threads: usize,
+        form: WeightForm,
+    ) -> Result<Self> {
+        let file = GgufFile::open(path.as_ref())?;
+        let config = LlamaConfig::from_gguf(&file)?;
+        ParallelModel::from_source(&file, config, Backend::cpu(threads)?, placement, form)
+    }
+
+    /// Builds this rank's shard from any weight source.
+    ///
+    /// # Errors
+    /// As [`ParallelModel::load`].
+    pub fn from_source(
+        src: &dyn WeightSource,
+        config: LlamaConfig,
+        backend: Backend,
+        placement: Placement,
+        form: WeightForm,
+    ) -> Result<Self> {
+        let Placement { tp_rank, tp, .. } = placement;
+        let vocab = aligned_ranges(config.vocab_size, tp, 1);
+        let embed =
+            VocabParallelEmbedding::load(src, "token_embd.weight", vocab[tp_rank].clone(), form)?;
+        let mut blocks = Vec::with_capacity(config.n_layers);
+        for l in 0..config.n_layers {
+            blocks.push(ParallelBlock {
+                attn_norm: load_vector(src, &format!("blk.{l}.attn_norm.weight"), config.hidden)?,
+                attn: ParallelAttention::load(src, l, &config, tp_rank, tp, form)?,
+                ffn_norm: load_vector(src, &format!("blk.{l}.ffn_norm.weight"), config.hidden)?,
+                mlp: Mlp::load(src, l, ffn_range(&config, tp_rank, tp), form)?,
+            });
+        }
+        let norm = load_vector(src, "output_norm.weight", config.hidden)?;
+        let head_weight = if config.tied_embeddings {
+            embed.table().clone()
+        } else {
+            Linear::load(src, "output.weight", &Shard::Rows(vocab[tp_rank].clone()), form)?
+                .weight()
+                .clone()
+        };
+        let lm_head = ParallelLmHead::new(head_weight, vocab, tp_rank);
+        Ok(ParallelModel { config, backend, placement, embed, blocks, norm, lm_head })
+    }
+
+    /// The hyper-parameters.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// Where this rank sits.
+    pub fn placement(&self) -> Placement {
+        self.placement
+    }
+
+    /// An empty cache for one sequence; `capacity` tokens on this rank.
+    pub fn new_cache(&self, capacity: usize) -> ParallelCache {
+        let kv = kv_head_range(&self.config, self.placement.tp_rank, self.placement.tp)
+            .map_or(self.config.n_kv_heads, |r| r.len());
+        ParallelCache {
+            local: KvCache::new(self.config.n_layers, kv, self.config.head_dim, capacity),
+            cp_lens: vec![0; self.placement.cp],
+        }
+    }
+
+    fn plan(&self, cache: &ParallelCache, n: usize) -> Result<Plan> {
+        let cp = self.placement.cp;
+        if cache.is_empty() && n >= cp {
+            return Ok(Plan::Prefill(TokenShard::new(n, cp, self.placement.cp_rank)?));
+        }
+        let mut lens = cache.cp_lens.clone();
+        let owners = (0..n)
+            .map(|_| {
+                let owner = (0..cp).min_by_key(|&r| (lens[r], r)).unwrap_or(0);
+                lens[owner] += 1;
+                owner
+            })
+            .collect();
+        Ok(Plan::Extend(owners))
+    }
+
+    /// Runs `tokens` (the next ones of the sequence in `cache`) and returns logits
+    /// `[rows, vocab]`, identical on every rank. On error the cache may hold part of the
+    /// step: clear it (the peers failed too).
+    ///
+    /// # Errors
+    /// Empty input, an id outside the vocabulary, a full cache, a failed collective.
+    pub fn forward(
+        &self,
+        comms: &mut Comms<'_>,
+        tokens: &[u32],
+        cache: &mut ParallelCache,
+        logits: Logits,
+    ) -> Result<Tensor> {
+        let x = self.hidden(comms, tokens, cache, logits)?;
+        self.lm_head.logits(&self.backend, comms.tp, &x)
+    }
+
+    /// Greedy next tokens (one per returned row) without gathering the logits.
+    ///
+    /// # Errors
+    /// As [`ParallelModel::forward`].
+    pub fn forward_argmax(
+        &self,
+        comms: &mut Comms<'_>,
+        tokens: &[u32],
+        cache: &mut ParallelCache,
+        logits: Logits,
+    ) -> Result<Vec<u32>> {
+        let x = self.hidden(comms, tokens, cache, logits)?;
+        self.lm_head.argmax(&self.backend, comms.tp, &x)
+    }
+
+    /// Greedy generation: `prompt`, then argmax tokens until `max_new`, a `stop` token or a
+    /// full cache. Every rank returns the same tokens.
+    ///
+    /// # Errors
+    /// As [`ParallelModel::forward`].
+    pub fn generate(
+        &self,
+        comms: &mut Comms<'_>,
+        prompt: &[u32],
+        max_new: usize,
+        stop: &[u32],
+        cache: &mut ParallelCache,
+        mut on_token: impl FnMut(u32),
+    ) -> Result<Vec<u32>> {
+        let mut out = Vec::new();
+        if max_new == 0 || prompt.is_empty() {
+            return Ok(out);
+        }
+        let mut next = self.forward_argmax(comms, prompt, cache, Logits::Last)?[0];
+        loop {
+            out.push(next);
+            on_token(next);
+            let full = cache.cp_lens.iter().min().copied().unwrap_or(0) >= cache.capacity();
+            if out.len() >= max_new || stop.contains(&next) || full {
+                return Ok(out);
+            }
+            next = self.forward_argmax(comms, &[next], cache, Logits::Last)?[0];
+        }
+    }
+
+    /// The final normalized hidden states of the rows `logits` asks for, on every rank.
+    fn hidden(
+        &self,
+        comms: &mut Comms<'_>,
+        tokens: &[u32],
+        cache: &mut ParallelCache,
+        logits: Logits,
+    ) -> Result<Tensor> {
+        if tokens.is_empty() {
+            return Err(Error::shape("ParallelModel::forward", "no tokens"));
+        }
+        let be = &self.backend;
+        let c = &self.config;
+        let start = cache.len();
+        let all_positions: Vec<usize> = (start..start + tokens.len()).collect();
+        let plan = self.plan(cache, tokens.len())?;
+        let me = self.placement.cp_rank;
+        // The rows this rank computes, and their positions.
+        let (local_tokens, positions) = match &plan {
+            Plan::Prefill(shard) => {
+                (shard.select(tokens)?.to_vec(), shard.select(&all_positions)?.to_vec())
+            }
+            Plan::Extend(_) => (tokens.to_vec(), all_positions.clone()),
+        };
+        let owned: Vec<bool> = match &plan {
+            Plan::Prefill(_) => Vec::new(),
+            Plan::Extend(owners) => owners.iter().map(|&o| o == me).collect(),
+        };
+        let needed = match &plan {
+            Plan::Prefill(shard) => shard.local().len(),
+            Plan::Extend(_) => owned.iter().filter(|&&o| o).count(),
+        };
+        if cache.local.len() + needed > cache.local.capacity() {
+            return Err(Error::CacheFull {
+                len: cache.local.len(),
+                capacity: cache.local.capacity(),
+                requested: needed,
+            });
+        }
+        let mut x = self.embed.forward(comms.tp, &local_tokens)?;
+        for (l, b) in self.blocks.iter().enumerate() {
+            let h = be.rms_norm(&x, &b.attn_norm, c.rms_eps)?;
+            let layer = cache.local.layer_mut(l);
+            let a = match &plan {
+                Plan::Prefill(shard) => {
+                    b.attn.prefill(be, comms, &h, &all_positions, shard, layer)?
+                }
+                Plan::Extend(_) => b.attn.extend(be, comms, &h, &positions, &owned, layer)?,
+            };
+            be.add_assign(&mut x, &a)?;
+            let h = be.rms_norm(&x, &b.ffn_norm, c.rms_eps)?;
+            let mut m = b.mlp.forward(be, &h)?;
+            comms.tp.all_reduce(m.data_mut(), collectives::ReduceOp::Sum)?;
+            be.add_assign(&mut x, &m)?;
+        }
+        match &plan {
+            Plan::Prefill(shard) => {
+                for (r, len) in cache.cp_lens.iter_mut().zip(shard.sizes()) {
+                    *r += len;
+                }
+            }
+            Plan::Extend(owners) => owners.iter().for_each(|&o| cache.cp_lens[o] += 1),
+        }
+        // Bring the rows asked for onto every rank.
+        let x = match (&plan, logits) {
+            (Plan::Prefill(shard), Logits::All) => gather_tokens(comms.cp, &x, shard)?,
+            (Plan::Prefill(_), Logits::Last) => {
+                // Shards ascend, so the last CP rank holds the last token.
+                let holder = self.placement.cp - 1;
+                let mut last =
+                    if me == holder { x.row(x.rows() - 1).to_vec() } else { vec![0f32; c.hidden] };
+                comms.cp.broadcast(&mut last, holder)?;
+                Tensor::from_vec(&[1, c.hidden], last)?
+            }
+            (Plan::Extend(_), Logits::All) => x,
+            (Plan::Extend(_), Logits::Last) => {
+                Tensor::from_vec(&[1, c.hidden], x.row(x.rows() - 1).to_vec())?
+            }
+        };
+        be.rms_norm(&x, &self.norm, c.rms_eps)
+    }
+}

@@ -1,0 +1,338 @@
+//! The parallel modules against their serial definitions, on thread meshes (`local` groups):
+//! each layer alone, the sequence collect and its adjoint, and the whole model in several
+//! `tp × cp` layouts against the single-rank model (prefill and 16 decode steps).
+
+use super::*;
+use crate::model::random::RandomLlama;
+use crate::model::Model;
+use crate::test_util::{random_vec, temp_path};
+use collectives::{local, ShmOptions};
+use std::path::PathBuf;
+use std::time::Duration;
+
+type Pair = (Box<dyn Communicator>, Box<dyn Communicator>);
+
+/// TP and CP communicators for every rank of a `tp × cp` mesh (TP innermost).
+fn mesh_comms(tp: usize, cp: usize) -> Vec<Pair> {
+    let mut tps: Vec<Option<Box<dyn Communicator>>> = (0..tp * cp).map(|_| None).collect();
+    let mut cps: Vec<Option<Box<dyn Communicator>>> = (0..tp * cp).map(|_| None).collect();
+    let opts = ShmOptions { slot_bytes: 64 << 10, ring_bytes: 16 << 10 };
+    for c in 0..cp {
+        for (t, comm) in
+            local::group(tp, &format!("tp[cp={c}]"), opts).unwrap().into_iter().enumerate()
+        {
+            tps[c * tp + t] = Some(Box::new(comm));
+        }
+    }
+    for t in 0..tp {
+        for (c, comm) in
+            local::group(cp, &format!("cp[tp={t}]"), opts).unwrap().into_iter().enumerate()
+        {
+            cps[c * tp + t] = Some(Box::new(comm));
+        }
+    }
+    tps.into_iter()
+        .zip(cps)
+        .map(|(t, c)| {
+            let (mut t, mut c) = (t.unwrap(), c.unwrap());
+            t.set_timeout(Duration::from_secs(30));
+            c.set_timeout(Duration::from_secs(30));
+            (t, c)
+        })
+        .collect()
+}
+
+/// Runs `f` on every rank of a `tp × cp` mesh, each on its own thread.
+fn on_mesh<R: Send>(
+    tp: usize,
+    cp: usize,
+    f: impl Fn(Placement, &mut Comms<'_>) -> R + Sync,
+) -> Vec<R> {
+    let pairs = mesh_comms(tp, cp);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = pairs
+            .into_iter()
+            .map(|(mut t, mut c)| {
+                let f = &f;
+                s.spawn(move || {
+                    let mut comms = Comms { tp: &mut *t, cp: &mut *c };
+                    let p = Placement::of(&comms);
+                    f(p, &mut comms)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+    })
+}
+
+fn write_model(spec: &RandomLlama, stem: &str) -> PathBuf {
+    let p = temp_path(stem);
+    spec.write(&p).unwrap();
+    p
+}
+
+/// Max |a - b| relative to the largest |b|.
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+#[test]
+fn aligned_ranges_keep_blocks_whole_when_they_can() {
+    assert_eq!(aligned_ranges(1536, 2, 32), vec![0..768, 768..1536]);
+    assert_eq!(
+        aligned_ranges(1536, 5, 32),
+        vec![0..320, 320..640, 640..960, 960..1248, 1248..1536]
+    );
+    // Not a whole number of blocks: plain balance.
+    assert_eq!(aligned_ranges(10, 3, 32), vec![0..4, 4..7, 7..10]);
+}
+
+#[test]
+fn linear_layers_embedding_and_head_match_the_full_layers() {
+    let spec = RandomLlama {
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 80,
+        vocab: 37,
+        seed: 21,
+        ..RandomLlama::default()
+    };
+    let path = write_model(&spec, "layers.gguf");
+    let file = GgufFile::open(&path).unwrap();
+    let be = Backend::cpu(1).unwrap();
+    let x = Tensor::from_vec(&[3, 48], random_vec(3 * 48, 4)).unwrap();
+    let full_up =
+        Linear::load(&file, "blk.0.ffn_up.weight", &Shard::Full, WeightForm::F32).unwrap();
+    let full_down =
+        Linear::load(&file, "blk.0.ffn_down.weight", &Shard::Full, WeightForm::F32).unwrap();
+    let up_want = full_up.forward(&be, &x).unwrap();
+    let down_in = Tensor::from_vec(&[3, 80], random_vec(3 * 80, 5)).unwrap();
+    let down_want = full_down.forward(&be, &down_in).unwrap();
+    let table = Linear::load(&file, "token_embd.weight", &Shard::Full, WeightForm::F32).unwrap();
+    let ids = [0u32, 36, 17, 5];
+    let emb_want = be.embedding(table.weight(), &ids).unwrap();
+    let logits_want = be.linear(&x, table.weight()).unwrap();
+    for tp in 1..=4 {
+        let got = on_mesh(tp, 1, |p, comms| {
+            let be = Backend::cpu(1).unwrap();
+            let ranges = mesh::balanced_ranges(80, tp);
+            let up = ColumnParallelLinear::load(
+                &file,
+                "blk.0.ffn_up.weight",
+                None,
+                ranges.clone(),
+                p.tp_rank,
+                WeightForm::F32,
+            )
+            .unwrap();
+            let up_all = up.forward_gathered(&be, comms.tp, &x).unwrap();
+            let cols = ranges[p.tp_rank].clone();
+            let down = RowParallelLinear::load(
+                &file,
+                "blk.0.ffn_down.weight",
+                None,
+                cols.clone(),
+                p.tp_rank == 0,
+                WeightForm::F32,
+            )
+            .unwrap();
+            let local_in: Vec<f32> =
+                (0..3).flat_map(|r| down_in.row(r)[cols.clone()].to_vec()).collect();
+            let local_in = Tensor::from_vec(&[3, cols.len()], local_in).unwrap();
+            let down_all = down.forward(&be, comms.tp, &local_in).unwrap();
+            let vocab = mesh::balanced_ranges(37, tp);
+            let emb = VocabParallelEmbedding::load(
+                &file,
+                "token_embd.weight",
+                vocab[p.tp_rank].clone(),
+                WeightForm::F32,
+            )
+            .unwrap();
+            let e = emb.forward(comms.tp, &ids).unwrap();
+            let head = ParallelLmHead::new(emb.table().clone(), vocab, p.tp_rank);
+            let logits = head.logits(&be, comms.tp, &x).unwrap();
+            let argmax = head.argmax(&be, comms.tp, &x).unwrap();
+            (up_all, down_all, e, logits, argmax)
+        });
+        let want_ids: Vec<u32> =
+            be.argmax_rows(&logits_want).into_iter().map(|i| i as u32).collect();
+        for (up, down, e, logits, argmax) in got {
+            assert!(rel_err(up.data(), up_want.data()) < 1e-5, "tp {tp} column-parallel");
+            assert!(rel_err(down.data(), down_want.data()) < 1e-5, "tp {tp} row-parallel");
+            assert_eq!(e.data(), emb_want.data(), "tp {tp} embedding");
+            assert!(rel_err(logits.data(), logits_want.data()) < 1e-5, "tp {tp} lm head");
+            assert_eq!(argmax, want_ids, "tp {tp} distributed argmax");
+        }
+    }
+    let err = on_mesh(2, 1, |_, comms| {
+        let emb = VocabParallelEmbedding::load(&file, "token_embd.weight", 0..19, WeightForm::F32)
+            .unwrap();
+        emb.forward(comms.tp, &[37]).unwrap_err().to_string()
+    });
+    assert!(err[0].contains("37"), "{}", err[0]);
+}
+
+#[test]
+fn parallel_rms_norm_matches_the_full_norm() {
+    let be = Backend::cpu(1).unwrap();
+    let (n, h) = (4, 30);
+    let x = Tensor::from_vec(&[n, h], random_vec(n * h, 8)).unwrap();
+    let w = Tensor::from_vec(&[h], random_vec(h, 9)).unwrap();
+    let want = be.rms_norm(&x, &w, 1e-5).unwrap();
+    for tp in [1, 2, 3, 4] {
+        let got = on_mesh(tp, 1, |p, comms| {
+            let cols = mesh::balanced_ranges(h, tp)[p.tp_rank].clone();
+            let norm = ParallelRmsNorm::new(w.data()[cols.clone()].to_vec(), h, 1e-5);
+            let local: Vec<f32> = (0..n).flat_map(|r| x.row(r)[cols.clone()].to_vec()).collect();
+            let out = norm
+                .forward(comms.tp, &Tensor::from_vec(&[n, cols.len()], local).unwrap())
+                .unwrap();
+            (cols, out)
+        });
+        for (cols, out) in got {
+            let want_local: Vec<f32> =
+                (0..n).flat_map(|r| want.row(r)[cols.clone()].to_vec()).collect();
+            assert!(rel_err(out.data(), &want_local) < 1e-5, "tp {tp}");
+        }
+    }
+}
+
+#[test]
+fn gather_tokens_and_its_adjoint_match_the_serial_definitions() {
+    let (tokens, width) = (11, 3);
+    for cp in 1..=4 {
+        let got = on_mesh(1, cp, |p, comms| {
+            let shard = TokenShard::new(tokens, cp, p.cp_rank).unwrap();
+            let rows: Vec<f32> =
+                shard.local().flat_map(|t| (0..width).map(move |c| (t * 10 + c) as f32)).collect();
+            let local = Tensor::from_vec(&[shard.local().len(), width], rows).unwrap();
+            let all = gather_tokens(comms.cp, &local, &shard).unwrap();
+            // Each rank's gradient of the gathered rows differs; the adjoint sums them.
+            let grad: Vec<f32> =
+                (0..tokens * width).map(|i| (i * (p.cp_rank + 1)) as f32).collect();
+            let grad = Tensor::from_vec(&[tokens, width], grad).unwrap();
+            let back = gather_tokens_backward(comms.cp, &grad, &shard).unwrap();
+            (shard, all, back)
+        });
+        let serial: Vec<f32> =
+            (0..tokens).flat_map(|t| (0..width).map(move |c| (t * 10 + c) as f32)).collect();
+        let factor: usize = (1..=cp).sum();
+        for (shard, all, back) in got {
+            assert_eq!(all.data(), &serial[..], "cp {cp} gather");
+            let want: Vec<f32> = shard
+                .local()
+                .flat_map(|t| (0..width).map(move |c| ((t * width + c) * factor) as f32))
+                .collect();
+            assert_eq!(back.data(), &want[..], "cp {cp} adjoint");
+        }
+    }
+}
+
+#[test]
+fn every_layout_matches_the_single_rank_model() {
+    // Uneven heads (3 KV heads over TP=2 split 2 + 1) and uneven tokens over CP.
+    let spec = RandomLlama {
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 80,
+        vocab: 40,
+        layers: 2,
+        seed: 33,
+        ..RandomLlama::default()
+    };
+    let path = write_model(&spec, "layouts.gguf");
+    let reference = Model::load_with(&path, 1, WeightForm::F32).unwrap();
+    let prompt: Vec<u32> = vec![3, 17, 5, 38, 0, 22, 9];
+    // The single-rank logits: the prompt, then 16 greedy steps.
+    let mut cache = reference.new_cache(64);
+    let positions: Vec<usize> = (0..prompt.len()).collect();
+    let prefill = reference.forward(&prompt, &positions, &mut cache, Logits::All).unwrap();
+    let mut next = reference
+        .backend()
+        .argmax_rows(&Tensor::from_vec(&[1, 40], prefill.row(prompt.len() - 1).to_vec()).unwrap())
+        [0] as u32;
+    let mut steps = Vec::new();
+    for _ in 0..16 {
+        let pos = cache.len();
+        let logits = reference.forward(&[next], &[pos], &mut cache, Logits::Last).unwrap();
+        steps.push((next, logits.clone()));
+        next = reference.backend().argmax_rows(&logits)[0] as u32;
+    }
+    for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (1, 3), (3, 2)] {
+        let got = on_mesh(tp, cp, |p, comms| {
+            let file = GgufFile::open(&path).unwrap();
+            let config = LlamaConfig::from_gguf(&file).unwrap();
+            let model = ParallelModel::from_source(
+                &file,
+                config,
+                Backend::cpu(1).unwrap(),
+                p,
+                WeightForm::F32,
+            )
+            .unwrap();
+            let mut cache = model.new_cache(64);
+            let pre = model.forward(comms, &prompt, &mut cache, Logits::All).unwrap();
+            let mut decode = Vec::new();
+            for (token, _) in &steps {
+                decode.push(model.forward(comms, &[*token], &mut cache, Logits::Last).unwrap());
+            }
+            (pre, decode, cache.cp_lens().to_vec())
+        });
+        for (rank, (pre, decode, lens)) in got.iter().enumerate() {
+            let e = rel_err(pre.data(), prefill.data());
+            assert!(e < 1e-4, "({tp},{cp}) rank {rank}: prefill logits off by {e}");
+            for (i, (logits, (_, want))) in decode.iter().zip(&steps).enumerate() {
+                let e = rel_err(logits.data(), want.data());
+                assert!(e < 1e-4, "({tp},{cp}) rank {rank}: decode step {i} off by {e}");
+            }
+            // Every token is held by exactly one CP rank, spread evenly.
+            assert_eq!(lens.iter().sum::<usize>(), prompt.len() + 16);
+            assert!(lens.iter().max().unwrap() - lens.iter().min().unwrap() <= 1, "{lens:?}");
+        }
+    }
+}
+
+#[test]
+fn parallel_greedy_generation_equals_single_rank() {
+    let spec = RandomLlama {
+        heads: 4,
+        kv_heads: 2,
+        hidden: 64,
+        ffn: 96,
+        vocab: 48,
+        seed: 44,
+        quantized: true,
+        ..RandomLlama::default()
+    };
+    let path = write_model(&spec, "generate.gguf");
+    let reference = Model::load(&path, 1).unwrap();
+    let prompt = [1u32, 2, 3, 4, 5];
+    let mut cache = reference.new_cache(64);
+    let want = reference.generate(&prompt, 12, &[], &mut cache, |_| {}).unwrap();
+    let got = on_mesh(2, 2, |p, comms| {
+        let model = ParallelModel::load(&path, p, 1, WeightForm::Native).unwrap();
+        let mut cache = model.new_cache(64);
+        model.generate(comms, &prompt, 12, &[], &mut cache, |_| {}).unwrap()
+    });
+    for g in got {
+        assert_eq!(g, want);
+    }
+}
+
+#[test]
+fn too_many_tp_ranks_for_the_kv_heads_is_a_clear_error() {
+    let spec = RandomLlama { heads: 4, kv_heads: 2, seed: 45, ..RandomLlama::default() };
+    let path = write_model(&spec, "toomany.gguf");
+    let err = ParallelModel::load(
+        &path,
+        Placement { tp_rank: 0, tp: 3, cp_rank: 0, cp: 1 },
+        1,
+        WeightForm::F32,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("tp=3 exceeds the model's 2 KV heads"), "{err}");
+}
