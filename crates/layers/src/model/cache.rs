@@ -21,13 +21,13 @@ impl LayerCache {
     /// owned memory.
     pub fn new(kv_heads: usize, head_dim: usize, capacity: usize) -> Self {
         let n = capacity * kv_heads * head_dim;
-        LayerCache::with_storage(
-            Storage::Owned(vec![0.0; n]),
-            Storage::Owned(vec![0.0; n]),
-            kv_heads,
-            head_dim,
-        )
-        .expect("both buffers have the same whole number of rows")
+        LayerCache {
+            k: Storage::Owned(vec![0.0; n]),
+            v: Storage::Owned(vec![0.0; n]),
+            positions: Vec::with_capacity(capacity),
+            row: kv_heads * head_dim,
+            capacity,
+        }
     }
 
     /// An empty cache over the given key and value buffers; the capacity is what they hold.
