@@ -336,3 +336,44 @@ fn too_many_tp_ranks_for_the_kv_heads_is_a_clear_error() {
     .unwrap_err();
     assert!(err.to_string().contains("tp=3 exceeds the model's 2 KV heads"), "{err}");
 }
+
+#[test]
+fn real_model_greedy_text_is_the_same_in_every_layout_when_cached() {
+    let Some(path) = crate::model::default_model_path() else {
+        eprintln!("note: default model not cached (run `cargo xtask fetch-model`); skipping");
+        return;
+    };
+    let tokenizer = crate::Tokenizer::load(&path).unwrap();
+    let prompts = ["The capital of France is", "def fibonacci(n):"];
+    let encoded: Vec<Vec<u32>> = prompts.iter().map(|p| tokenizer.encode(p).unwrap()).collect();
+    let mut results: Vec<((usize, usize), Vec<Vec<u32>>)> = Vec::new();
+    for (tp, cp) in [(1, 1), (2, 2), (3, 1)] {
+        let got = on_mesh(tp, cp, |p, comms| {
+            let model = ParallelModel::load(&path, p, 1, WeightForm::Native).unwrap();
+            encoded
+                .iter()
+                .map(|prompt| {
+                    let mut cache = model.new_cache(128);
+                    model.generate(comms, prompt, 12, &[], &mut cache, |_| {}).unwrap()
+                })
+                .collect::<Vec<_>>()
+        });
+        assert!(got.windows(2).all(|w| w[0] == w[1]), "({tp},{cp}): ranks disagree");
+        results.push(((tp, cp), got.into_iter().next().unwrap()));
+    }
+    let (_, single) = &results[0];
+    for (layout, tokens) in &results[1..] {
+        for (i, (a, b)) in tokens.iter().zip(single).enumerate() {
+            assert_eq!(
+                a,
+                b,
+                "{layout:?} prompt {:?}: {:?} vs single rank {:?}",
+                prompts[i],
+                tokenizer.decode(a, true).unwrap(),
+                tokenizer.decode(b, true).unwrap()
+            );
+        }
+    }
+    let text = tokenizer.decode(&single[0], true).unwrap();
+    assert!(text.contains("Paris"), "{text:?}");
+}
