@@ -346,7 +346,8 @@ fn real_model_greedy_text_is_the_same_in_every_layout_when_cached() {
     let tokenizer = crate::Tokenizer::load(&path).unwrap();
     let prompts = ["The capital of France is", "def fibonacci(n):"];
     let encoded: Vec<Vec<u32>> = prompts.iter().map(|p| tokenizer.encode(p).unwrap()).collect();
-    let mut results: Vec<((usize, usize), Vec<Vec<u32>>)> = Vec::new();
+    type Layout = (usize, usize);
+    let mut results: Vec<(Layout, Vec<Vec<u32>>)> = Vec::new();
     for (tp, cp) in [(1, 1), (2, 2), (3, 1)] {
         let got = on_mesh(tp, cp, |p, comms| {
             let model = ParallelModel::load(&path, p, 1, WeightForm::Native).unwrap();
