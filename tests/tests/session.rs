@@ -98,26 +98,32 @@ fn natural_end_on_2_and_4_ranks_gives_the_same_output() {
         assert_eq!(line.rsplit('=').next().unwrap().split(',').count(), n, "{line}");
     }
     assert_eq!(closed(&two[1]), vec!["closed session=0 steps=7"], "{}", show(&two));
+    let tcp = start(2, "natural", &[("TPCTL_BACKEND", "tcp")]);
+    all_ok(&tcp);
+    assert_eq!(outputs(&two[0]), outputs(&tcp[0]));
 }
 
 #[test]
 fn bounded_and_zero_steps() {
-    let outs = start(2, "bounded", &[]);
-    all_ok(&outs);
-    assert_eq!(lines(&outs[1], "step ").len(), 3);
-    assert!(outputs(&outs[0]).iter().all(|l| l.contains("reason=cancelled")), "{}", show(&outs));
-    let outs = start(2, "zero", &[]);
-    all_ok(&outs);
-    for o in &outs {
-        assert!(lines(o, "step ").is_empty());
-        assert_eq!(closed(o), vec!["closed session=0 steps=0"]);
+    for world in [2, 4] {
+        let outs = start(world, "bounded", &[]);
+        all_ok(&outs);
+        assert_eq!(lines(&outs[1], "step ").len(), 3);
+        let out = outputs(&outs[0]);
+        assert!(out.iter().all(|l| l.contains("reason=cancelled")), "{}", show(&outs));
+        let outs = start(world, "zero", &[]);
+        all_ok(&outs);
+        for o in &outs {
+            assert!(lines(o, "step ").is_empty());
+            assert_eq!(closed(o), vec!["closed session=0 steps=0"]);
+        }
     }
 }
 
 #[test]
 fn a_stop_before_start_on_either_rank_runs_nothing() {
-    for stop_rank in ["0", "1"] {
-        let outs = start(2, "stop-before-start", &[("TPCTL_STOP_RANK", stop_rank)]);
+    for (world, stop_rank) in [(2, "0"), (2, "1"), (4, "3")] {
+        let outs = start(world, "stop-before-start", &[("TPCTL_STOP_RANK", stop_rank)]);
         all_ok(&outs);
         for o in &outs {
             assert!(lines(o, "step ").is_empty(), "{}", show(&outs));
@@ -128,9 +134,11 @@ fn a_stop_before_start_on_either_rank_runs_nothing() {
 
 #[test]
 fn a_stop_while_waiting_for_input_reaches_every_rank() {
-    let outs = start(2, "stop-waiting", &[]);
-    all_ok(&outs);
-    assert!(lines(&outs[1], "step ").is_empty());
+    for world in [2, 4] {
+        let outs = start(world, "stop-waiting", &[]);
+        all_ok(&outs);
+        assert!(lines(&outs[1], "step ").is_empty());
+    }
 }
 
 #[test]
@@ -146,17 +154,23 @@ fn a_stop_right_after_admission_lets_the_admitted_step_run_everywhere() {
 
 #[test]
 fn a_worker_finishing_early_stops_every_rank_at_the_next_boundary() {
-    let outs = start(2, "worker-early", &[("TPCTL_STOP_RANK", "1"), ("TPCTL_STOP_STEP", "2")]);
-    all_ok(&outs);
-    assert_eq!(closed(&outs[0]), vec!["closed session=0 steps=2"]);
-    assert!(outputs(&outs[0]).iter().all(|l| l.contains("reason=cancelled")), "{}", show(&outs));
+    for (world, rank) in [(2, "1"), (4, "2")] {
+        let outs =
+            start(world, "worker-early", &[("TPCTL_STOP_RANK", rank), ("TPCTL_STOP_STEP", "2")]);
+        all_ok(&outs);
+        assert_eq!(closed(&outs[0]), vec!["closed session=0 steps=2"]);
+        let out = outputs(&outs[0]);
+        assert!(out.iter().all(|l| l.contains("reason=cancelled")), "{}", show(&outs));
+    }
 }
 
 #[test]
 fn serve_batches_requests_that_join_while_others_run() {
-    let outs = start(2, "serve", &[]);
-    all_ok(&outs);
-    assert_eq!(outputs(&outs[0]).len(), 5, "{}", show(&outs));
+    for world in [2, 4] {
+        let outs = start(world, "serve", &[]);
+        all_ok(&outs);
+        assert_eq!(outputs(&outs[0]).len(), 5, "{}", show(&outs));
+    }
 }
 
 #[test]
@@ -178,16 +192,19 @@ fn a_replacement_seen_only_by_rank_0_reaches_every_rank() {
 
 #[test]
 fn two_sessions_in_a_row_survive_a_cleanup_past_the_step_deadline() {
-    let outs = start(
-        2,
-        "two-sessions",
-        &[("TPCTL_TIMEOUT_MS", "1500"), ("TPCTL_FAILPOINTS", "session.cleanup=delay(2500)@1")],
-    );
-    all_ok(&outs);
-    for o in &outs {
-        assert_eq!(closed(o).len(), 2, "{}", show(&outs));
+    for world in [2, 4] {
+        let outs = start(
+            world,
+            "two-sessions",
+            &[("TPCTL_TIMEOUT_MS", "1500"), ("TPCTL_FAILPOINTS", "session.cleanup=delay(2500)@1")],
+        );
+        all_ok(&outs);
+        for o in &outs {
+            assert_eq!(closed(o).len(), 2, "{}", show(&outs));
+        }
+        let out = outputs(&outs[0]);
+        assert!(out.iter().any(|l| l.starts_with("out req=10 ")), "{}", show(&outs));
     }
-    assert!(outputs(&outs[0]).iter().any(|l| l.starts_with("out req=10 ")), "{}", show(&outs));
 }
 
 #[test]
@@ -246,6 +263,7 @@ mod faults {
     #[test]
     fn a_failure_in_rank_0s_output_sink_fails_every_rank() {
         injected_failure(2, "session.sink", 0, 1);
+        injected_failure(4, "session.sink", 0, 2);
         // Workers own no sink: the same failpoint armed on a worker never fires.
         let outs = start(2, "failure", &[("TPCTL_FAILPOINTS", "session.sink=error@1")]);
         all_ok(&outs);

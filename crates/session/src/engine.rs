@@ -8,7 +8,7 @@
 //!    `session.init`).
 //! 2. **Steps**. Each boundary starts with the admission (see [`crate::protocol`]); rank 0's
 //!    message is a step plan, an idle tick, or the close. For a plan every rank prepares (frees
-//!    finished sequences; failpoint `session.prepare`), then confirms; a confirmed step runs on
+//!    finished sequences, [`StepModel::prepare`]; failpoint `session.prepare`), then confirms; a confirmed step runs on
 //!    every rank (failpoint `session.step`); rank 0 samples and writes to its sinks (failpoint
 //!    `session.sink`). A stop asked for at any time is contributed at the next admission.
 //! 3. **Close**: after the model work ends rank 0 decides ([`Decider`]); `KeepOpen` turns into
@@ -391,13 +391,23 @@ impl Core {
         })
     }
 
-    /// Prepares a step (failpoint `session.prepare`): frees finished sequences.
+    /// Prepares an admitted step (failpoint `session.prepare`): frees finished sequences, then
+    /// the model's own preparation.
     fn prepare(&mut self, model: &mut dyn StepModel, plan: &StepPlan, epoch: u64) -> Result<()> {
-        injected("prepare", "session.prepare", self.rank, epoch, plan.step)?;
-        for seq in &plan.released {
-            model.release(*seq);
-        }
-        Ok(())
+        let (rank, step) = (self.rank, plan.step);
+        guarded("prepare", rank, epoch, step, || {
+            injected("prepare", "session.prepare", rank, epoch, step)?;
+            for seq in &plan.released {
+                model.release(*seq);
+            }
+            model.prepare(plan).map_err(|source| Error::Model {
+                phase: "prepare",
+                rank,
+                epoch,
+                step,
+                source,
+            })
+        })
     }
 
     /// Runs a confirmed step (failpoint `session.step`).

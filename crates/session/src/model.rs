@@ -19,6 +19,16 @@ pub trait StepModel: Send {
     /// Any failure of the model; the engine reports it with the rank, epoch and step.
     fn forward(&mut self, plan: &StepPlan) -> Result<Option<Logits>, BoxError>;
 
+    /// Gets ready for a step that every rank was admitted to, before the confirmation (for
+    /// example reserving cache room). The default does nothing.
+    ///
+    /// # Errors
+    /// Any failure; the engine reports it at the confirmation, so no rank runs the step.
+    fn prepare(&mut self, plan: &StepPlan) -> Result<(), BoxError> {
+        let _ = plan;
+        Ok(())
+    }
+
     /// Frees a finished sequence's state.
     fn release(&mut self, seq: SeqId);
 

@@ -82,7 +82,7 @@ fn settled_threads() -> usize {
     n
 }
 
-/// The replicated model, plus a stop request from inside a step (after its admission).
+/// The replicated model, plus a stop request right after a step's admission.
 struct Probe {
     inner: Box<dyn StepModel>,
     stop_at: Option<u64>,
@@ -90,12 +90,17 @@ struct Probe {
 }
 
 impl StepModel for Probe {
-    fn forward(&mut self, plan: &StepPlan) -> Result<Option<Logits>, BoxError> {
+    fn prepare(&mut self, plan: &StepPlan) -> Result<(), BoxError> {
+        // Between the admission and the confirmation of step `stop_at`.
         if self.stop_at == Some(plan.step) {
             if let Some(h) = self.stop.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
                 h.request_stop();
             }
         }
+        self.inner.prepare(plan)
+    }
+
+    fn forward(&mut self, plan: &StepPlan) -> Result<Option<Logits>, BoxError> {
         self.inner.forward(plan)
     }
 
@@ -151,10 +156,12 @@ fn run(scenario: &str, rank: usize) -> (Option<Role>, Outcome) {
 
 fn scenario_main(scenario: &str, rank: usize, slot: &mut Option<Role>) -> Outcome {
     let world = env_u64("WORLD_SIZE", 1) as usize;
+    let backend: Backend =
+        std::env::var("TPCTL_BACKEND").unwrap_or_else(|_| "shm".into()).parse()?;
     let opts = InitOptions {
         tp: Some(env_u64("TPCTL_TP", world as u64) as usize),
         head_groups: world,
-        backends: AxisBackends { tp: Backend::Shm, cp: Backend::Shm, control: Backend::Shm },
+        backends: AxisBackends { tp: backend, cp: backend, control: backend },
         timeout: Duration::from_secs(20),
         ..InitOptions::default()
     };
