@@ -106,3 +106,6 @@ impl TextCodec for LlamaCodec {
         self.0.eos_id()
     }
 }
+
+#[cfg(test)]
+mod tests;
