@@ -91,13 +91,13 @@ fn natural_end_on_2_and_4_ranks_gives_the_same_output() {
     all_ok(&four);
     assert_eq!(outputs(&two[0]), outputs(&four[0]));
     let out = outputs(&two[0]);
-    assert_eq!(out.len(), 3, "{}", show(&two));
-    for (req, n) in [(1, 4), (2, 6), (3, 3)] {
+    assert_eq!(out.len(), 4, "{}", show(&two));
+    for (req, n) in [(1, 4), (2, 6), (3, 3), (4, 5)] {
         let line = out.iter().find(|l| l.starts_with(&format!("out req={req} "))).unwrap();
         assert!(line.contains("reason=length"), "{line}");
         assert_eq!(line.rsplit('=').next().unwrap().split(',').count(), n, "{line}");
     }
-    assert_eq!(closed(&two[1]), vec!["closed session=0 steps=7"], "{}", show(&two));
+    assert_eq!(closed(&two[1]), vec!["closed session=0 steps=9"], "{}", show(&two));
     let tcp = start(2, "natural", &[("TPCTL_BACKEND", "tcp")]);
     all_ok(&tcp);
     assert_eq!(outputs(&two[0]), outputs(&tcp[0]));

@@ -211,8 +211,22 @@ fn scenario_main(scenario: &str, rank: usize, slot: &mut Option<Role>) -> Outcom
     let cfg = SessionConfig { token_budget: 4, max_batch: 8, ..SessionConfig::new(model.clone()) };
     let mut stop = |_: &SessionReport| Decision::Stop;
     match scenario {
-        "natural"
-        | "stop-before-start"
+        "natural" => {
+            // One request samples (temperature, top-k, top-p, seeded) next to greedy ones.
+            let params = SamplingParams {
+                max_tokens: 5,
+                temperature: 0.9,
+                top_k: 8,
+                top_p: 0.9,
+                seed: 42,
+                ignore_eos: true,
+                ..SamplingParams::default()
+            };
+            let mut requests = batch();
+            requests.push(Request::tokens(4, vec![11, 12], params));
+            leader.run(cfg, requests, &mut stop)?;
+        }
+        "stop-before-start"
         | "stop-after-admission"
         | "worker-early"
         | "sink-to-worker"
