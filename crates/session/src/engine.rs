@@ -34,7 +34,7 @@
 //! ([`ParallelContext::shutdown`]).
 
 use crate::error::{Error, Result};
-use crate::model::{ModelFactory, StepModel};
+use crate::model::{Groups, ModelFactory, StepModel};
 use crate::plan::{SessionConfig, SessionDecision, StepPlan};
 use crate::protocol::{self, Agreed, Agreement, Contribution, Message, State};
 use crate::scheduler::{Emit, Request, Scheduler};
@@ -236,6 +236,15 @@ enum Owed {
     Confirmation,
 }
 
+/// Lends the data groups of `ctx` to the model, with the step deadline on every call.
+fn groups(ctx: &mut ParallelContext, deadline: Duration) -> Groups<'_> {
+    let (rank, mesh) = (ctx.rank(), *ctx.mesh());
+    let ParallelContext { tp, cp, .. } = ctx;
+    tp.set_timeout(deadline);
+    cp.set_timeout(deadline);
+    Groups { rank, mesh, tp: tp.as_mut(), cp: cp.as_mut() }
+}
+
 /// Runs model code so that a panic becomes this rank's error (announced to the peers like
 /// any other) instead of unwinding across the rank boundary.
 fn guarded<T>(
@@ -378,10 +387,12 @@ impl Core {
     /// The model build of a session (failpoint `session.init`).
     fn build(&mut self, cfg: &SessionConfig, epoch: u64) -> Result<Box<dyn StepModel>> {
         let rank = self.rank;
+        let ctx = self.ctx.as_mut().ok_or(Error::Finished { rank })?;
+        let mut groups = groups(ctx, self.opts.step_timeout);
         let factory = &mut self.factory;
         guarded("session init", rank, epoch, 0, || {
             injected("session init", "session.init", rank, epoch, 0)?;
-            factory.build(cfg, rank).map_err(|source| Error::Model {
+            factory.build(cfg, &mut groups).map_err(|source| Error::Model {
                 phase: "session init",
                 rank,
                 epoch,
@@ -417,9 +428,11 @@ impl Core {
         plan: &StepPlan,
     ) -> Result<Option<crate::model::Logits>> {
         let (rank, epoch, step) = (self.rank, plan.epoch, plan.step);
+        let ctx = self.ctx.as_mut().ok_or(Error::Finished { rank })?;
+        let mut groups = groups(ctx, self.opts.step_timeout);
         guarded("step", rank, epoch, step, || {
             injected("step", "session.step", rank, epoch, step)?;
-            model.forward(plan).map_err(|source| Error::Model {
+            model.forward(plan, &mut groups).map_err(|source| Error::Model {
                 phase: "step",
                 rank,
                 epoch,

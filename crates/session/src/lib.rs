@@ -27,7 +27,7 @@ pub use engine::{
     StopHandle, Worker,
 };
 pub use error::{BoxError, Error, Result};
-pub use model::{Logits, ModelFactory, StepModel};
+pub use model::{Groups, Logits, ModelFactory, StepModel};
 pub use plan::{PlanEntry, SeqId, SessionConfig, SessionDecision, StepPlan};
 pub use sampler::{argmax, Sampler, SamplingParams};
 pub use scheduler::{Prompt, Request};

@@ -4,12 +4,38 @@
 use crate::error::BoxError;
 use crate::plan::{SeqId, SessionConfig, StepPlan};
 use crate::sink::TextCodec;
+use collectives::Communicator;
+use mesh::DeviceMesh;
+
+/// This rank's data groups, lent to the model for one call: a sharded model runs its TP and
+/// CP collectives on them (their deadline is the engine's step deadline). The control group
+/// stays with the engine.
+pub struct Groups<'a> {
+    /// This rank in the world.
+    pub rank: usize,
+    /// The mesh layout (this rank's TP and CP coordinates).
+    pub mesh: DeviceMesh,
+    /// The tensor-parallel group (this rank's row of the mesh).
+    pub tp: &'a mut dyn Communicator,
+    /// The context-parallel group (this rank's column of the mesh).
+    pub cp: &'a mut dyn Communicator,
+}
+
+impl std::fmt::Debug for Groups<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Groups")
+            .field("rank", &self.rank)
+            .field("tp", &(self.tp.rank(), self.tp.size()))
+            .field("cp", &(self.cp.rank(), self.cp.size()))
+            .finish()
+    }
+}
 
 /// One logits row per sampled entry of a plan, in plan order.
 pub type Logits = Vec<Vec<f32>>;
 
 /// What one rank runs in a step. Every rank runs every admitted step with the same plan; a
-/// sharded model does its TP/CP collectives inside [`StepModel::forward`].
+/// sharded model does its TP/CP collectives inside [`StepModel::forward`] on the [`Groups`].
 pub trait StepModel: Send {
     /// Runs the plan's tokens at their positions, keeping each sequence's state (KV cache).
     /// Returns one logits row per entry with `sample` set, in plan order, on the ranks that
@@ -17,7 +43,11 @@ pub trait StepModel: Send {
     ///
     /// # Errors
     /// Any failure of the model; the engine reports it with the rank, epoch and step.
-    fn forward(&mut self, plan: &StepPlan) -> Result<Option<Logits>, BoxError>;
+    fn forward(
+        &mut self,
+        plan: &StepPlan,
+        groups: &mut Groups<'_>,
+    ) -> Result<Option<Logits>, BoxError>;
 
     /// Gets ready for a step that every rank was admitted to, before the confirmation (for
     /// example reserving cache room). The default does nothing.
@@ -38,14 +68,15 @@ pub trait StepModel: Send {
 
 /// Builds a session's model on each rank from the [`SessionConfig`] rank 0 broadcast.
 pub trait ModelFactory: Send {
-    /// Builds the model of a session on `rank`.
+    /// Builds the model of a session on this rank (a sharded model loads the shard of its
+    /// mesh coordinates, and may run collectives on the groups).
     ///
     /// # Errors
     /// Any failure to load the model.
     fn build(
         &mut self,
         config: &SessionConfig,
-        rank: usize,
+        groups: &mut Groups<'_>,
     ) -> Result<Box<dyn StepModel>, BoxError>;
 
     /// The tokenizer of the session's model; only rank 0 asks. `None`: requests must come as

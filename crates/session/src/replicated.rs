@@ -3,7 +3,7 @@
 //! tokenizer on rank 0. The TP/CP-sharded model plugs into the same [`StepModel`] seam.
 
 use crate::error::BoxError;
-use crate::model::{Logits, ModelFactory, StepModel};
+use crate::model::{Groups, Logits, ModelFactory, StepModel};
 use crate::plan::{SeqId, SessionConfig, StepPlan};
 use crate::sink::TextCodec;
 use std::collections::HashMap;
@@ -25,8 +25,9 @@ impl ModelFactory for LlamaFactory {
     fn build(
         &mut self,
         config: &SessionConfig,
-        rank: usize,
+        groups: &mut Groups<'_>,
     ) -> Result<Box<dyn StepModel>, BoxError> {
+        let rank = groups.rank;
         let model = layers::Model::load(&config.model, self.threads)
             .map_err(|e| format!("loading {}: {e}", config.model))?;
         Ok(Box::new(ReplicatedLlama { model, caches: HashMap::new(), logits: rank == 0 }))
@@ -55,7 +56,12 @@ impl std::fmt::Debug for ReplicatedLlama {
 }
 
 impl StepModel for ReplicatedLlama {
-    fn forward(&mut self, plan: &StepPlan) -> Result<Option<Logits>, BoxError> {
+    fn forward(
+        &mut self,
+        plan: &StepPlan,
+        _groups: &mut Groups<'_>,
+    ) -> Result<Option<Logits>, BoxError> {
+        // Replicated: every rank computes the whole model, so no collective is needed.
         let capacity = self.context_len();
         let mut rows = Vec::new();
         for e in &plan.entries {

@@ -13,8 +13,9 @@ use collectives::{init_parallel, InitOptions};
 use mesh::{AxisBackends, Backend};
 use session::replicated::LlamaFactory;
 use session::{
-    BoxError, Collect, Decision, EngineOptions, Event, Logits, ModelFactory, NoMetrics, Request,
-    Role, SamplingParams, SessionConfig, SessionReport, Sinks, StepModel, StepPlan, StopHandle,
+    BoxError, Collect, Decision, EngineOptions, Event, Groups, Logits, ModelFactory, NoMetrics,
+    Request, Role, SamplingParams, SessionConfig, SessionReport, Sinks, StepModel, StepPlan,
+    StopHandle,
 };
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -100,8 +101,12 @@ impl StepModel for Probe {
         self.inner.prepare(plan)
     }
 
-    fn forward(&mut self, plan: &StepPlan) -> Result<Option<Logits>, BoxError> {
-        self.inner.forward(plan)
+    fn forward(
+        &mut self,
+        plan: &StepPlan,
+        groups: &mut Groups<'_>,
+    ) -> Result<Option<Logits>, BoxError> {
+        self.inner.forward(plan, groups)
     }
 
     fn release(&mut self, seq: u64) {
@@ -123,9 +128,9 @@ impl ModelFactory for ProbeFactory {
     fn build(
         &mut self,
         config: &SessionConfig,
-        rank: usize,
+        groups: &mut Groups<'_>,
     ) -> Result<Box<dyn StepModel>, BoxError> {
-        let inner = self.inner.build(config, rank)?;
+        let inner = self.inner.build(config, groups)?;
         Ok(Box::new(Probe { inner, stop_at: self.stop_at, stop: self.stop.clone() }))
     }
 

@@ -19,7 +19,11 @@ struct Count {
 type SeqIdAlias = crate::plan::SeqId;
 
 impl StepModel for Count {
-    fn forward(&mut self, plan: &StepPlan) -> std::result::Result<Option<crate::Logits>, BoxError> {
+    fn forward(
+        &mut self,
+        plan: &StepPlan,
+        _groups: &mut Groups<'_>,
+    ) -> std::result::Result<Option<crate::Logits>, BoxError> {
         if self.fail_at == Some(plan.step) {
             return Err("the counting model broke".into());
         }
@@ -54,7 +58,7 @@ impl ModelFactory for Factory {
     fn build(
         &mut self,
         config: &SessionConfig,
-        _rank: usize,
+        _groups: &mut Groups<'_>,
     ) -> std::result::Result<Box<dyn StepModel>, BoxError> {
         self.builds.lock().unwrap().push(config.model.clone());
         if config.model == "broken" {
