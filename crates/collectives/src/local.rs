@@ -30,3 +30,25 @@ pub fn group(size: usize, group: &str, opts: ShmOptions) -> Result<Vec<ShmComm>>
         })
         .collect()
 }
+
+/// TP and CP communicators for every rank of a `tp × cp` mesh of threads, indexed by global
+/// rank (`cp_rank * tp + tp_rank`, TP innermost): rows are TP groups named `tp[cp=j]`,
+/// columns CP groups named `cp[tp=i]`.
+///
+/// # Errors
+/// As [`group`].
+pub fn mesh(tp: usize, cp: usize, opts: ShmOptions) -> Result<Vec<(ShmComm, ShmComm)>> {
+    let mut tps: Vec<Option<ShmComm>> = (0..tp * cp).map(|_| None).collect();
+    let mut cps: Vec<Option<ShmComm>> = (0..tp * cp).map(|_| None).collect();
+    for c in 0..cp {
+        for (t, comm) in group(tp, &format!("tp[cp={c}]"), opts)?.into_iter().enumerate() {
+            tps[c * tp + t] = Some(comm);
+        }
+    }
+    for t in 0..tp {
+        for (c, comm) in group(cp, &format!("cp[tp={t}]"), opts)?.into_iter().enumerate() {
+            cps[c * tp + t] = Some(comm);
+        }
+    }
+    Ok(tps.into_iter().zip(cps).filter_map(|(t, c)| Some((t?, c?))).collect())
+}

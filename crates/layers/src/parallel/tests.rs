@@ -10,34 +10,16 @@ use collectives::{local, ShmOptions};
 use std::path::PathBuf;
 use std::time::Duration;
 
-type Pair = (Box<dyn Communicator>, Box<dyn Communicator>);
-
-/// TP and CP communicators for every rank of a `tp × cp` mesh (TP innermost).
-fn mesh_comms(tp: usize, cp: usize) -> Vec<Pair> {
-    let mut tps: Vec<Option<Box<dyn Communicator>>> = (0..tp * cp).map(|_| None).collect();
-    let mut cps: Vec<Option<Box<dyn Communicator>>> = (0..tp * cp).map(|_| None).collect();
+/// TP and CP communicators for every rank of a `tp × cp` thread mesh (TP innermost).
+fn mesh_comms(tp: usize, cp: usize) -> Vec<(Box<dyn Communicator>, Box<dyn Communicator>)> {
     let opts = ShmOptions { slot_bytes: 64 << 10, ring_bytes: 16 << 10 };
-    for c in 0..cp {
-        for (t, comm) in
-            local::group(tp, &format!("tp[cp={c}]"), opts).unwrap().into_iter().enumerate()
-        {
-            tps[c * tp + t] = Some(Box::new(comm));
-        }
-    }
-    for t in 0..tp {
-        for (c, comm) in
-            local::group(cp, &format!("cp[tp={t}]"), opts).unwrap().into_iter().enumerate()
-        {
-            cps[c * tp + t] = Some(Box::new(comm));
-        }
-    }
-    tps.into_iter()
-        .zip(cps)
-        .map(|(t, c)| {
-            let (mut t, mut c) = (t.unwrap(), c.unwrap());
+    local::mesh(tp, cp, opts)
+        .unwrap()
+        .into_iter()
+        .map(|(mut t, mut c)| {
             t.set_timeout(Duration::from_secs(30));
             c.set_timeout(Duration::from_secs(30));
-            (t, c)
+            (Box::new(t) as Box<dyn Communicator>, Box::new(c) as Box<dyn Communicator>)
         })
         .collect()
 }
