@@ -1,6 +1,7 @@
 //! `cargo xtask bench <what> [--json]`: benchmarks next to the reference they are judged by.
 
 mod collectives;
+mod model;
 mod session;
 mod vmm;
 
@@ -16,13 +17,17 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "collectives" => collectives::run(json)?,
             "vmm" => vmm::run(json)?,
             "session" => session::run(json)?,
+            "model" => model::run(json)?,
             "all" => {
                 collectives::run(json)?;
                 vmm::run(json)?;
                 session::run(json)?;
+                model::run(json)?;
             }
             other => {
-                bail!("unknown benchmark `{other}`: expected collectives, vmm, session or all")
+                bail!(
+                    "unknown benchmark `{other}`: expected collectives, vmm, session, model or all"
+                )
             }
         }
     }

@@ -46,6 +46,11 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// The default model's path in the cache, fetched first when missing.
+pub(crate) fn fetch_default() -> Result<PathBuf> {
+    fetch(&cache_dir()?)
+}
+
 /// Makes sure the model is in `dir` and returns its path; does nothing when it already is.
 fn fetch(dir: &Path) -> Result<PathBuf> {
     let target = dir.join(FILE_NAME);

@@ -14,7 +14,7 @@ cargo xtask <task> [args]
 tasks:
   ci                      fmt check, clippy (default, failpoints, cuda features), all tests
   bench <what> [--json]   benchmarks with their reference measured in the same run;
-                          <what>: collectives | vmm | all
+                          <what>: collectives | vmm | session | model | all
   fetch-model             download the default model once into the cache; print its path
   help                    this text
 ";

@@ -1,0 +1,118 @@
+//! Model benchmark: SmolLM2 prefill and decode tokens/s in several layouts, next to llama.cpp
+//! on the same f32 weights, measured in the same run (`shared/anchors/llamacpp_bench.py`).
+
+use crate::util::{self, cargo, root};
+use anyhow::{Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn field(json: &str, key: &str) -> Option<f64> {
+    let key = format!("\"{key}\":");
+    let start = json.find(&key)? + key.len();
+    let rest = &json[start..];
+    rest[..rest.find([',', '}']).unwrap_or(rest.len())].trim().parse().ok()
+}
+
+/// An f32 copy of `model` (every tensor dequantized), made once next to it.
+fn f32_model(model: &Path, anchors: &Path) -> Result<PathBuf> {
+    let out = model.with_file_name(
+        model
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("model.gguf")
+            .replace(".gguf", ".f32.gguf"),
+    );
+    if !out.exists() {
+        ensure_python_packages(&["gguf", "numpy"])?;
+        util::run(
+            Command::new("python3").arg(anchors.join("dequant_gguf.py")).arg(model).arg(&out),
+        )?;
+    }
+    Ok(out)
+}
+
+fn ensure_python_packages(packages: &[&str]) -> Result<()> {
+    let modules: Vec<String> = packages.iter().map(|p| p.replace('-', "_")).collect();
+    let check = format!("import {}", modules.join(", "));
+    if Command::new("python3").args(["-c", &check]).output().is_ok_and(|o| o.status.success()) {
+        return Ok(());
+    }
+    eprintln!("installing the reference's Python packages: {}", packages.join(" "));
+    util::run(Command::new("python3").args(["-m", "pip", "install", "-q"]).args(packages))
+}
+
+pub(crate) fn run(json: bool) -> Result<()> {
+    let anchors = root().join("../shared/anchors");
+    let q4 = crate::fetch_model::fetch_default()?;
+    let f32_path = f32_model(&q4, &anchors)?;
+    let ours = util::output(
+        cargo()
+            .args(["bench", "--quiet", "-p", "tpctl-layers", "--bench", "model", "--"])
+            .arg("--json")
+            .arg("--model")
+            .arg(&f32_path),
+    )?;
+    ensure_python_packages(&["llama-cpp-python"])
+        .context("llama.cpp reference (builds for ~10 minutes on 2 cores)")?;
+    let reference = util::output(
+        Command::new("python3")
+            .arg(anchors.join("llamacpp_bench.py"))
+            .arg(&f32_path)
+            .arg("2")
+            .arg("128")
+            .arg("64"),
+    )?;
+    let reference = reference
+        .lines()
+        .rev()
+        .find(|l| l.contains("prefill_tok_s"))
+        .context("llama.cpp printed no result")?
+        .to_owned();
+    let (ref_pf, ref_dc) = (
+        field(&reference, "prefill_tok_s").context("llama.cpp prefill")?,
+        field(&reference, "decode_tok_s").context("llama.cpp decode")?,
+    );
+    if !json {
+        println!("SmolLM2-135M-Instruct, f32 weights, 128-token prompt, 64 decoded tokens");
+        println!(
+            "{:<7} {:>8} {:>14} {:>13} {:>16} {:>15}",
+            "layout",
+            "threads",
+            "prefill tok/s",
+            "decode tok/s",
+            "prefill / llama",
+            "decode / llama"
+        );
+        println!(
+            "{:<7} {:>8} {:>14.1} {:>13.1} {:>16} {:>15}",
+            "llama", 2, ref_pf, ref_dc, "1.00x", "1.00x"
+        );
+    }
+    for line in ours.lines().filter(|l| l.contains("prefill_tok_s")) {
+        let get = |k| field(line, k).unwrap_or(f64::NAN);
+        let (tp, cp, threads, pf, dc) = (
+            get("tp"),
+            get("cp"),
+            get("threads_per_rank"),
+            get("prefill_tok_s"),
+            get("decode_tok_s"),
+        );
+        if json {
+            println!("{{\"tp\":{tp},\"cp\":{cp},\"threads_per_rank\":{threads},\"prefill_tok_s\":{pf:.1},\"decode_tok_s\":{dc:.1},\"llamacpp_prefill_tok_s\":{ref_pf:.1},\"llamacpp_decode_tok_s\":{ref_dc:.1},\"prefill_ratio\":{:.2},\"decode_ratio\":{:.2}}}", pf / ref_pf, dc / ref_dc);
+        } else {
+            println!(
+                "{:<7} {:>8} {:>14.1} {:>13.1} {:>15.2}x {:>14.2}x",
+                format!("{tp}x{cp}"),
+                threads,
+                pf,
+                dc,
+                pf / ref_pf,
+                dc / ref_dc
+            );
+        }
+    }
+    if !json {
+        println!("ratios: ours / llama.cpp (2 threads), same weights, same machine, same run");
+    }
+    Ok(())
+}
