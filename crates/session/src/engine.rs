@@ -344,17 +344,41 @@ impl Core {
 
     /// After a local failure: tells the peers at the control call this rank owes (best
     /// effort, within the step deadline), then returns the original error.
+    ///
+    /// A rank that failed only because a peer did (its model's data-group collective blamed
+    /// the peer) says so without claiming to be the origin, and then reports what the control
+    /// group tells it: the rank that failed on its own ([`Error::PeerFailed`]), or the
+    /// control group's own error naming a dead or hung rank by its global rank.
     fn announce(&mut self, e: Error, owed: Owed, epoch: u64, step: u64) -> Error {
-        if !e.known_to_peers() {
-            let timeout = self.opts.step_timeout;
-            let _ = match owed {
-                Owed::Admission => {
-                    self.boundary(State::Failed, epoch, step, None, timeout).map(|_| ())
-                }
-                Owed::Confirmation => self.confirm(State::Failed, epoch, step).map(|_| ()),
-            };
+        if e.known_to_peers() {
+            return e;
         }
-        e
+        self.poison_data_groups();
+        let follows = e.caused_by_peer();
+        let state = if follows { State::FailedAfterPeer } else { State::Failed };
+        let timeout = self.opts.step_timeout;
+        let told = match owed {
+            Owed::Admission => self.boundary(state, epoch, step, None, timeout).map(|_| ()),
+            Owed::Confirmation => self.confirm(state, epoch, step).map(|_| ()),
+        };
+        match told {
+            Err(other) if follows => other,
+            _ => e,
+        }
+    }
+
+    /// Wakes peers that wait for this rank inside a data-group collective of the step: the
+    /// collectives publish a rank's failure to its group when one of its calls fails, and a
+    /// broadcast from a root outside the group is refused before any data moves. (A group
+    /// that already failed refuses the call at once; a one-rank group has nobody to tell.)
+    fn poison_data_groups(&mut self) {
+        let Some(ctx) = self.ctx.as_mut() else { return };
+        for comm in [ctx.tp.as_mut(), ctx.cp.as_mut()] {
+            let n = comm.size();
+            if n > 1 {
+                let _ = comm.broadcast_raw(&mut [], collectives::DType::U8, n);
+            }
+        }
     }
 
     /// The exit path: coordinated shutdown after success, a non-blocking drop after failure.

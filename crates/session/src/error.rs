@@ -175,4 +175,13 @@ impl Error {
                 | Error::Finished { .. }
         )
     }
+
+    /// Whether this rank's failure is the consequence of another rank's: the model failed on
+    /// a data-group collective that blames a peer (it failed, died, closed or hung).
+    pub fn caused_by_peer(&self) -> bool {
+        let Error::Model { source, .. } = self else { return false };
+        source
+            .downcast_ref::<collectives::Error>()
+            .is_some_and(|e| e.peer().is_some() || matches!(e, collectives::Error::Poisoned { .. }))
+    }
 }

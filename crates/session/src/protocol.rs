@@ -5,10 +5,10 @@
 //!
 //! | word | every rank contributes | after MAX |
 //! | --- | --- | --- |
-//! | 0 | state: go = 0, stop = 1, failed = 2 | the worst state |
+//! | 0 | state: go = 0, stop = 1, failed = 2 (either kind) | the worst state |
 //! | 1, 2 | epoch, step | the highest |
 //! | 3, 4 | -epoch, -step | minus the lowest: a mismatch is a [`Error::Desync`] |
-//! | 5 | rank + 1 if failed, else 0 | a failed rank, named in the peers' errors |
+//! | 5 | rank + 1 if failed on its own, else 0 | the failed rank, named in the peers' errors |
 //! | 6 | rank + 1 if asking to stop, else 0 | a rank that asked to stop |
 //! | 7 | rank 0: message length in bytes; others 0 | the length |
 //! | 8.. | rank 0: the message, little-endian bytes packed in words; others `i64::MIN` | the message |
@@ -47,8 +47,21 @@ pub enum State {
     Go = 0,
     /// Asks the session to stop at this boundary.
     Stop = 1,
-    /// Failed; it will not run the step.
+    /// Failed on its own (the original failure); it will not run the step.
     Failed = 2,
+    /// Failed because another rank did (a data-group collective reported the peer): says
+    /// failed without claiming to be the origin, so the origin is the rank peers name.
+    FailedAfterPeer = 3,
+}
+
+impl State {
+    fn word(self) -> i64 {
+        match self {
+            State::Go => 0,
+            State::Stop => 1,
+            State::Failed | State::FailedAfterPeer => 2,
+        }
+    }
 }
 
 /// One rank's contribution to a boundary.
@@ -67,9 +80,9 @@ pub struct Contribution<'a> {
 /// What every rank learns from a boundary: identical everywhere.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Agreed {
-    /// The worst state any rank contributed.
+    /// The worst state any rank contributed ([`State::Failed`] for both kinds of failure).
     pub state: State,
-    /// A rank that failed, if any.
+    /// A rank that failed on its own, if any.
     pub failed: Option<usize>,
     /// A rank that asked to stop, if any.
     pub stopped: Option<usize>,
@@ -185,7 +198,7 @@ fn header(rank: usize, c: &Contribution<'_>, len: usize) -> [i64; HEADER_WORDS] 
     let (epoch, step) = (c.epoch as i64, c.step as i64);
     let me = rank as i64 + 1;
     [
-        c.state as i64,
+        c.state.word(),
         epoch,
         step,
         -epoch,

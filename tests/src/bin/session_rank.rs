@@ -9,7 +9,7 @@
 //! - last, `ok`, or `error: MESSAGE` with exit code 3.
 #![forbid(unsafe_code)]
 
-use collectives::{init_parallel, InitOptions};
+use collectives::{init_parallel, Collective, InitOptions, ReduceOp};
 use mesh::{AxisBackends, Backend};
 use session::replicated::LlamaFactory;
 use session::{
@@ -17,6 +17,7 @@ use session::{
     Request, Role, SamplingParams, SessionConfig, SessionReport, Sinks, StepModel, StepPlan,
     StopHandle,
 };
+use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -83,7 +84,8 @@ fn settled_threads() -> usize {
     n
 }
 
-/// The replicated model, plus a stop request right after a step's admission.
+/// The replicated model, plus a plan check across the TP and CP groups in every step, and a
+/// stop request right after a step's admission.
 struct Probe {
     inner: Box<dyn StepModel>,
     stop_at: Option<u64>,
@@ -106,6 +108,18 @@ impl StepModel for Probe {
         plan: &StepPlan,
         groups: &mut Groups<'_>,
     ) -> Result<Option<Logits>, BoxError> {
+        // Like a sharded model, meet the TP and CP peers inside the step, and check on the way
+        // that every rank runs the same plan.
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        format!("{plan:?}").hash(&mut hasher);
+        let h = (hasher.finish() >> 1) as i64;
+        for group in [&mut *groups.tp, &mut *groups.cp] {
+            let mut v = [h, -h];
+            group.all_reduce(&mut v, ReduceOp::Max)?;
+            if v[0] != -v[1] {
+                return Err(format!("ranks of group {} ran different plans", group.group()).into());
+            }
+        }
         self.inner.forward(plan, groups)
     }
 

@@ -132,3 +132,20 @@ fn admission_and_confirmation_out_of_phase_is_a_mismatch() {
     });
     assert!(got.iter().any(|e| e.contains("mismatch")), "{got:?}");
 }
+
+#[test]
+fn a_failure_after_a_peer_does_not_claim_to_be_the_origin() {
+    let got = on_threads(3, |rank, comm| {
+        let mut a = Agreement::new();
+        let state = [State::FailedAfterPeer, State::Go, State::Failed][rank];
+        let c = Contribution { state, epoch: 2, step: 9, message: None };
+        let first = a.admit(comm, c).unwrap();
+        let state = [State::FailedAfterPeer, State::Go, State::Go][rank];
+        let second = a.confirm(comm, Contribution { state, ..c }).unwrap();
+        (first, second)
+    });
+    for (first, second) in got {
+        assert_eq!(first, Agreed { state: State::Failed, failed: Some(2), stopped: None });
+        assert_eq!(second, Agreed { state: State::Failed, failed: None, stopped: None });
+    }
+}
