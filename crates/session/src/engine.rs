@@ -25,12 +25,15 @@
 //! # Failure
 //!
 //! Model code runs under `catch_unwind`: a panic is this rank's error, never an unwinding
-//! across the rank boundary. A rank whose own part fails (init, prepare, step, sink) contributes `failed` at the next
-//! control call it owes (the confirmation when preparing, else the next admission), skips
-//! everything else and returns its original error; its peers raise
-//! [`Error::PeerFailed`] naming it. A control-group failure (deadline, dead peer) is already
-//! known to every rank through the communicator. After any failure the process groups are
-//! dropped, which never blocks; after success they are shut down together
+//! across the rank boundary. A rank whose own part fails (init, prepare, step, sink) first
+//! wakes any peer waiting for it inside a TP/CP collective (its data groups report its
+//! failure), then contributes `failed` at the next control call it owes (the confirmation
+//! when preparing, else the next admission), skips everything else and returns its original
+//! error. Its peers raise [`Error::PeerFailed`] naming it; a peer whose own step failed only
+//! because of it ([`Error::caused_by_peer`]) contributes "failed after a peer", which names no
+//! origin, and then reports the origin too. A control-group failure (deadline, dead peer) is
+//! already known to every rank through the communicator. After any failure the process groups
+//! are dropped, which never blocks; after success they are shut down together
 //! ([`ParallelContext::shutdown`]).
 
 use crate::error::{Error, Result};
