@@ -55,10 +55,11 @@ pub(crate) fn run(json: bool) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:<7} {:>5} {:>16} {:>14} {:>10} {:>8} {:>18}",
+        "{:<7} {:>5} {:>16} {:>12} {:>15} {:>9} {:>7} {:>16}",
         "backend",
         "ranks",
         "all_reduce 8B us",
+        "admission us",
         "step (4 seq) us",
         "x allred",
         "target",
@@ -81,7 +82,7 @@ pub(crate) fn run(json: bool) -> Result<()> {
     }
     println!(
         "step = admission (plan inline) + plan decode + confirmation; 64 seq: the plan no longer \
-         fits inline and is broadcast; median of 5 rounds of 2000; target: under 3x the 8-byte \
+         fits inline and is broadcast; best of 9 interleaved rounds of 1000; target: under 3x the 8-byte \
          all_reduce, and under 100 us at 4 ranks"
     );
     Ok(())
