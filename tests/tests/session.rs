@@ -140,8 +140,8 @@ fn a_stop_before_start_on_either_rank_runs_nothing() {
 
 #[test]
 fn a_stop_while_waiting_for_input_reaches_every_rank() {
-    for world in [2, 4] {
-        let outs = start(world, "stop-waiting", &[]);
+    for (world, stop_rank) in [(2, "0"), (2, "1"), (4, "0"), (4, "2")] {
+        let outs = start(world, "stop-waiting", &[("TPCTL_STOP_RANK", stop_rank)]);
         all_ok(&outs);
         assert!(lines(&outs[1], "step ").is_empty());
     }

@@ -1003,7 +1003,7 @@ impl Worker {
                 }
                 Some(Message::Idle) => {}
                 Some(Message::Close(SessionDecision::Replace(cfg))) => return Ok(Some(cfg)),
-                Some(Message::Close(_)) => return Ok(None),
+                Some(Message::Close(SessionDecision::Stop)) => return Ok(None),
                 other => {
                     return Err(Error::Protocol {
                         op: "admission",

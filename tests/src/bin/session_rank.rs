@@ -222,7 +222,19 @@ fn scenario_main(scenario: &str, rank: usize, slot: &mut Option<Role>) -> Outcom
                 let e = w.set_metrics(Box::new(NoMetrics)).err().ok_or("a worker took metrics")?;
                 println!("refused: {e}");
             }
-            w.run()?;
+            // A worker asked to stop while the session idles (rank 0 waits for input).
+            let stopper = (scenario == "stop-waiting" && rank == stop_rank).then(|| {
+                let handle = w.stop_handle();
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(400));
+                    handle.request_stop();
+                })
+            });
+            let result = w.run();
+            if let Some(t) = stopper {
+                t.join().map_err(|_| "the stopper thread panicked")?;
+            }
+            result?;
             return Ok(());
         }
         Role::Leader(l) => l,
@@ -269,13 +281,17 @@ fn scenario_main(scenario: &str, rank: usize, slot: &mut Option<Role>) -> Outcom
         "stop-waiting" => {
             let (_tx, rx) = std::sync::mpsc::channel();
             let handle = leader.stop_handle();
-            let stopper = std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(400));
-                handle.request_stop();
+            let stopper = (stop_rank == 0).then(|| {
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(400));
+                    handle.request_stop();
+                })
             });
             let mut keep = |_: &SessionReport| Decision::KeepOpen;
             let result = leader.serve(cfg, &rx, &mut keep);
-            stopper.join().map_err(|_| "the stopper thread panicked")?;
+            if let Some(t) = stopper {
+                t.join().map_err(|_| "the stopper thread panicked")?;
+            }
             result?;
         }
         "serve" | "replace" => {
