@@ -230,6 +230,8 @@ struct Core {
     events: Vec<Event>,
     stop: StopHandle,
     buf: Vec<u8>,
+    /// The last decoded plan, whose buffers the next one reuses.
+    recycled: Option<Message>,
 }
 
 /// Where a local failure is announced.
@@ -288,6 +290,7 @@ impl Core {
             events: Vec::new(),
             stop: StopHandle::default(),
             buf: Vec::new(),
+            recycled: None,
         }
     }
 
@@ -319,7 +322,9 @@ impl Core {
             return Ok((agreed, None));
         }
         let bad = |reason: String| Error::Protocol { op: "admission", rank, epoch, step, reason };
-        let (e, s, m) = protocol::decode(self.agreement.message()).map_err(bad)?;
+        // The previous step's plan lends its buffers to this one.
+        let mut m = self.recycled.take().unwrap_or(Message::Idle);
+        let (e, s) = protocol::decode_into(self.agreement.message(), &mut m).map_err(bad)?;
         if e != epoch || (s != step && s != step + 1) {
             return Err(bad(format!("message is for epoch {e} step {s}")));
         }
@@ -1000,6 +1005,7 @@ impl Worker {
                     if let Err(e) = self.core.forward(m.as_mut(), &plan) {
                         return Err(self.core.announce(e, Owed::Admission, epoch, *steps));
                     }
+                    self.core.recycled = Some(Message::Step(plan));
                 }
                 Some(Message::Idle) => {}
                 Some(Message::Close(SessionDecision::Replace(cfg))) => return Ok(Some(cfg)),

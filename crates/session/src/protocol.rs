@@ -278,46 +278,76 @@ pub fn encode(msg: &Message, epoch: u64, step: u64, out: &mut Vec<u8>) {
 /// # Errors
 /// A description of the first malformed field.
 pub fn decode(bytes: &[u8]) -> std::result::Result<(u64, u64, Message), String> {
+    let mut msg = Message::Idle;
+    let (epoch, step) = decode_into(bytes, &mut msg)?;
+    Ok((epoch, step, msg))
+}
+
+/// Decodes a message into `out`, reusing the buffers of a step plan already there (a worker
+/// decodes one plan per step); returns its epoch and step. On error `out` is unspecified.
+///
+/// # Errors
+/// A description of the first malformed field.
+pub fn decode_into(bytes: &[u8], out: &mut Message) -> std::result::Result<(u64, u64), String> {
     let mut r = Reader { bytes, at: 0 };
     let kind = r.u8("kind")?;
     let epoch = r.u64("epoch")?;
     let step = r.u64("step")?;
-    let msg = match kind {
-        1 => Message::Open(r.config()?),
+    match kind {
+        1 => *out = Message::Open(r.config()?),
         2 => {
+            if !matches!(out, Message::Step(_)) {
+                *out = Message::Step(StepPlan::default());
+            }
+            let Message::Step(plan) = out else { unreachable!("set just above") };
+            plan.epoch = epoch;
+            plan.step = step;
             let n = r.u32("entry count")? as usize;
-            let mut entries = Vec::with_capacity(n.min(4096));
-            for _ in 0..n {
+            // Each entry takes at least 17 bytes: a count past the end is malformed.
+            if n > bytes.len() / 17 {
+                return Err(format!("{n} entries cannot fit in {} bytes", bytes.len()));
+            }
+            plan.entries.truncate(n);
+            for i in 0..n {
                 let seq = r.u64("seq")?;
                 let start = r.u32("start")?;
                 let sample = r.u8("sample flag")? != 0;
                 let len = r.u32("token count")? as usize;
-                let mut tokens = Vec::with_capacity(len.min(1 << 16));
-                for _ in 0..len {
-                    tokens.push(r.u32("token")?);
+                if i == plan.entries.len() {
+                    plan.entries.push(PlanEntry { seq, start, tokens: Vec::new(), sample });
                 }
-                entries.push(PlanEntry { seq, start, tokens, sample });
+                let e = &mut plan.entries[i];
+                (e.seq, e.start, e.sample) = (seq, start, sample);
+                e.tokens.clear();
+                let raw = r.take(len.checked_mul(4).ok_or("token count overflows")?, "tokens")?;
+                e.tokens.extend(
+                    raw.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+                );
             }
             let n = r.u32("released count")? as usize;
-            let mut released = Vec::with_capacity(n.min(4096));
-            for _ in 0..n {
-                released.push(r.u64("released seq")?);
-            }
-            Message::Step(StepPlan { epoch, step, entries, released })
+            let raw = r.take(n.checked_mul(8).ok_or("released count overflows")?, "released")?;
+            plan.released.clear();
+            plan.released.extend(raw.chunks_exact(8).map(|b| {
+                let mut a = [0u8; 8];
+                a.copy_from_slice(b);
+                u64::from_le_bytes(a)
+            }));
         }
-        3 => Message::Idle,
-        4 => Message::Close(match r.u8("decision")? {
-            0 => SessionDecision::Stop,
-            1 => SessionDecision::KeepOpen,
-            2 => SessionDecision::Replace(r.config()?),
-            d => return Err(format!("unknown decision {d}")),
-        }),
+        3 => *out = Message::Idle,
+        4 => {
+            *out = Message::Close(match r.u8("decision")? {
+                0 => SessionDecision::Stop,
+                1 => SessionDecision::KeepOpen,
+                2 => SessionDecision::Replace(r.config()?),
+                d => return Err(format!("unknown decision {d}")),
+            })
+        }
         k => return Err(format!("unknown message kind {k}")),
-    };
+    }
     if r.at != bytes.len() {
         return Err(format!("{} trailing bytes after the message", bytes.len() - r.at));
     }
-    Ok((epoch, step, msg))
+    Ok((epoch, step))
 }
 
 fn put_u32(out: &mut Vec<u8>, v: u32) {

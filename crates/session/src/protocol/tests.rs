@@ -149,3 +149,23 @@ fn a_failure_after_a_peer_does_not_claim_to_be_the_origin() {
         assert_eq!(second, Agreed { state: State::Failed, failed: None, stopped: None });
     }
 }
+
+#[test]
+fn decoding_into_a_previous_plan_reuses_it_exactly() {
+    let mut out = Message::Step(plan(9));
+    for p in [plan(2), StepPlan { entries: Vec::new(), ..plan(1) }, plan(5)] {
+        let mut buf = Vec::new();
+        encode(&Message::Step(p.clone()), 3, 7, &mut buf);
+        assert_eq!(decode_into(&buf, &mut out).unwrap(), (3, 7));
+        assert_eq!(out, Message::Step(p));
+    }
+    let mut buf = Vec::new();
+    encode(&Message::Idle, 3, 7, &mut buf);
+    decode_into(&buf, &mut out).unwrap();
+    assert_eq!(out, Message::Idle);
+    // A count that cannot fit is refused before anything is reserved.
+    let mut bad = vec![2u8];
+    bad.extend_from_slice(&[0; 16]);
+    bad.extend_from_slice(&u32::MAX.to_le_bytes());
+    assert!(decode(&bad).unwrap_err().contains("cannot fit"));
+}
