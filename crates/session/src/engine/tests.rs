@@ -284,3 +284,12 @@ fn roles_follow_the_rank() {
             .unwrap();
     assert!(matches!(role, Role::Leader(_)));
 }
+
+#[test]
+fn engines_can_move_to_another_thread() {
+    fn send<T: Send>() {}
+    send::<Leader>();
+    send::<Worker>();
+    send::<Role>();
+    send::<StopHandle>();
+}

@@ -47,3 +47,16 @@ fn top_k_and_top_p_keep_only_the_likely_tokens() {
     }
     assert!(seen.iter().all(|&x| x), "{seen:?}");
 }
+
+#[test]
+fn sampling_follows_the_softmax_of_the_kept_tokens() {
+    // Two tokens one nat apart: with temperature 1 the first is e times as likely.
+    let logits = [1.0, 0.0, -30.0];
+    for (top_k, top_p) in [(0, 1.0), (2, 1.0), (0, 0.999)] {
+        let mut s = Sampler::new(params(1.0, top_k, top_p, 11));
+        let n = 20_000;
+        let first = (0..n).filter(|_| s.sample(&logits) == 0).count() as f64 / n as f64;
+        let want = std::f64::consts::E / (1.0 + std::f64::consts::E);
+        assert!((first - want).abs() < 0.02, "top_k {top_k} top_p {top_p}: {first} vs {want}");
+    }
+}
