@@ -227,6 +227,22 @@ fn a_worker_refuses_sinks() {
     assert!(refused[1].contains("no metrics sink"), "{}", refused[1]);
 }
 
+#[test]
+fn a_rank_sigkilled_mid_step_is_named_by_its_peers() {
+    for (world, victim) in [(2usize, 1usize), (4, 3)] {
+        let spec = format!("{victim}:3");
+        let outs = start(world, "failure", &[("TPCTL_SIGKILL", &spec)]);
+        let all = show(&outs);
+        assert_eq!(outs[victim].code, None, "killed by a signal\n{all}");
+        for o in outs.iter().filter(|o| o.rank != victim) {
+            assert_eq!(o.code, Some(3), "{all}");
+            assert!(o.last_line().contains(&format!("rank {victim}")), "{}", o.last_line());
+            assert!(o.elapsed < Duration::from_secs(10), "took {:?}", o.elapsed);
+        }
+        invariants(&outs, &[victim]);
+    }
+}
+
 #[cfg(feature = "failpoints")]
 mod faults {
     use super::*;

@@ -90,6 +90,7 @@ struct Probe {
     inner: Box<dyn StepModel>,
     stop_at: Option<u64>,
     stop: Arc<Mutex<Option<StopHandle>>>,
+    sigkill_at: Option<u64>,
 }
 
 impl StepModel for Probe {
@@ -108,6 +109,12 @@ impl StepModel for Probe {
         plan: &StepPlan,
         groups: &mut Groups<'_>,
     ) -> Result<Option<Logits>, BoxError> {
+        if self.sigkill_at == Some(plan.step) {
+            // A real SIGKILL from outside the process, in the middle of the step.
+            let me = std::process::id().to_string();
+            let _ = std::process::Command::new("kill").args(["-KILL", &me]).status();
+            std::thread::sleep(Duration::from_secs(30));
+        }
         // Like a sharded model, meet the TP and CP peers inside the step, and check on the way
         // that every rank runs the same plan.
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
@@ -136,6 +143,7 @@ struct ProbeFactory {
     inner: LlamaFactory,
     stop_at: Option<u64>,
     stop: Arc<Mutex<Option<StopHandle>>>,
+    sigkill_at: Option<u64>,
 }
 
 impl ModelFactory for ProbeFactory {
@@ -145,7 +153,12 @@ impl ModelFactory for ProbeFactory {
         groups: &mut Groups<'_>,
     ) -> Result<Box<dyn StepModel>, BoxError> {
         let inner = self.inner.build(config, groups)?;
-        Ok(Box::new(Probe { inner, stop_at: self.stop_at, stop: self.stop.clone() }))
+        Ok(Box::new(Probe {
+            inner,
+            stop_at: self.stop_at,
+            stop: self.stop.clone(),
+            sigkill_at: self.sigkill_at,
+        }))
     }
 
     fn codec(
@@ -200,8 +213,17 @@ fn scenario_main(scenario: &str, rank: usize, slot: &mut Option<Role>) -> Outcom
         }
         _ => None,
     };
-    let factory =
-        Box::new(ProbeFactory { inner: LlamaFactory::new(1), stop_at, stop: stop_cell.clone() });
+    // `TPCTL_SIGKILL=RANK:STEP`: that rank is killed with SIGKILL inside that step.
+    let sigkill_at = std::env::var("TPCTL_SIGKILL").ok().and_then(|v| {
+        let (r, s) = v.split_once(':')?;
+        (r.parse::<usize>().ok()? == rank).then(|| s.parse().ok()).flatten()
+    });
+    let factory = Box::new(ProbeFactory {
+        inner: LlamaFactory::new(1),
+        stop_at,
+        stop: stop_cell.clone(),
+        sigkill_at,
+    });
     let collect = Collect::new();
     let sinks = || Sinks { output: Box::new(collect.clone()), metrics: Box::new(NoMetrics) };
     let role = slot.insert(Role::new(ctx, factory, engine, (rank == 0).then(sinks))?);
