@@ -15,8 +15,9 @@ const DEADLINE: Duration = Duration::from_secs(90);
 fn model() -> &'static str {
     static PATH: OnceLock<String> = OnceLock::new();
     PATH.get_or_init(|| {
-        let path: PathBuf =
-            std::env::temp_dir().join(format!("tpctl-session-{}.gguf", std::process::id()));
+        // Cargo's scratch folder for integration tests, inside the target directory.
+        let path: PathBuf = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("tpctl-session-{}.gguf", std::process::id()));
         layers::model::random::RandomLlama::default().write(&path).expect("write the model");
         path.to_string_lossy().into_owned()
     })
