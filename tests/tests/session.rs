@@ -203,7 +203,7 @@ fn two_sessions_in_a_row_survive_a_cleanup_past_the_step_deadline() {
         let outs = start(
             world,
             "two-sessions",
-            &[("TPCTL_TIMEOUT_MS", "1500"), ("TPCTL_FAILPOINTS", "session.cleanup=delay(2500)@1")],
+            &[("TPCTL_TIMEOUT_MS", "2000"), ("TPCTL_FAILPOINTS", "session.cleanup=delay(3500)@1")],
         );
         all_ok(&outs);
         for o in &outs {
@@ -344,7 +344,7 @@ mod faults {
         let outs = start(
             2,
             "failure",
-            &[("TPCTL_FAILPOINTS", "session.step=delay(4000)@1#2"), ("TPCTL_TIMEOUT_MS", "1000")],
+            &[("TPCTL_FAILPOINTS", "session.step=delay(6000)@1#2"), ("TPCTL_TIMEOUT_MS", "2000")],
         );
         let all = show(&outs);
         assert_eq!(outs[0].code, Some(3), "{all}");
