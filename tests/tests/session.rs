@@ -111,6 +111,18 @@ fn natural_end_on_2_and_4_ranks_gives_the_same_output() {
 }
 
 #[test]
+fn the_sharded_model_gives_the_replicated_output_on_a_2x2_mesh() {
+    let replicated = start(2, "natural", &[]);
+    all_ok(&replicated);
+    for (world, backend) in [(4, "shm"), (2, "shm"), (4, "tcp")] {
+        let sharded =
+            start(world, "natural", &[("TPCTL_SHARDED", "1"), ("TPCTL_BACKEND", backend)]);
+        all_ok(&sharded);
+        assert_eq!(outputs(&replicated[0]), outputs(&sharded[0]), "{world} ranks, {backend}");
+    }
+}
+
+#[test]
 fn bounded_and_zero_steps() {
     for world in [2, 4] {
         let outs = start(world, "bounded", &[]);

@@ -6,7 +6,7 @@
 //! ([`protocol`]): an admission that agrees on go / stop / failed and carries rank 0's step
 //! plan, then a confirmation once every rank prepared the step. Models plug in through
 //! [`StepModel`] and [`ModelFactory`]; [`replicated`] runs the single-rank Llama model of the
-//! `layers` crate on every rank.
+//! `layers` crate on every rank, [`sharded`] its TP/CP-sharded model.
 //!
 //! This crate never prints: results go to rank 0's [`OutputSink`], numbers to its
 //! [`MetricsSink`], and what a rank went through is kept as [`Event`]s.
@@ -20,6 +20,7 @@ pub mod protocol;
 pub mod replicated;
 mod sampler;
 mod scheduler;
+pub mod sharded;
 mod sink;
 
 pub use engine::{

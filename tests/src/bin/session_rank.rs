@@ -12,6 +12,7 @@
 use collectives::{init_parallel, Collective, InitOptions, ReduceOp};
 use mesh::{AxisBackends, Backend};
 use session::replicated::LlamaFactory;
+use session::sharded::ShardedFactory;
 use session::{
     BoxError, Collect, Decision, EngineOptions, Event, Groups, Logits, ModelFactory, NoMetrics,
     Request, Role, SamplingParams, SessionConfig, SessionReport, Sinks, StepModel, StepPlan,
@@ -140,7 +141,7 @@ impl StepModel for Probe {
 }
 
 struct ProbeFactory {
-    inner: LlamaFactory,
+    inner: Box<dyn ModelFactory>,
     stop_at: Option<u64>,
     stop: Arc<Mutex<Option<StopHandle>>>,
     sigkill_at: Option<u64>,
@@ -219,7 +220,12 @@ fn scenario_main(scenario: &str, rank: usize, slot: &mut Option<Role>) -> Outcom
         (r.parse::<usize>().ok()? == rank).then(|| s.parse().ok()).flatten()
     });
     let factory = Box::new(ProbeFactory {
-        inner: LlamaFactory::new(1),
+        // `TPCTL_SHARDED=1`: the TP/CP-sharded model instead of the replicated one.
+        inner: if std::env::var("TPCTL_SHARDED").is_ok_and(|v| v == "1") {
+            Box::new(ShardedFactory::new(1))
+        } else {
+            Box::new(LlamaFactory::new(1))
+        },
         stop_at,
         stop: stop_cell.clone(),
         sigkill_at,

@@ -1,0 +1,121 @@
+//! The TP/CP-sharded Llama model of the `layers` crate behind the [`StepModel`] seam: each rank
+//! loads the shard of its mesh coordinates and runs its collectives on the lent [`Groups`].
+
+use crate::error::BoxError;
+use crate::model::{Groups, Logits, ModelFactory, StepModel};
+use crate::plan::{SeqId, SessionConfig, StepPlan};
+use crate::replicated::LlamaFactory;
+use crate::sink::TextCodec;
+use layers::model::WeightForm;
+use layers::parallel::{Comms, ParallelCache, ParallelModel, Placement};
+use std::collections::HashMap;
+
+/// Builds a [`ShardedLlama`] from the GGUF file named by [`SessionConfig::model`].
+#[derive(Debug, Clone)]
+pub struct ShardedFactory {
+    threads: usize,
+    form: WeightForm,
+    /// Tokens of KV cache per sequence (over all CP ranks); `None`: the model's context.
+    context: Option<usize>,
+}
+
+impl ShardedFactory {
+    /// A factory whose shards compute with `threads` CPU threads per rank.
+    pub fn new(threads: usize) -> Self {
+        ShardedFactory { threads: threads.max(1), form: WeightForm::Native, context: None }
+    }
+
+    /// Keeps weights in `form` (quantized weights stay quantized by default).
+    pub fn with_weights(mut self, form: WeightForm) -> Self {
+        self.form = form;
+        self
+    }
+
+    /// Caps a sequence at `tokens` (prompt and generated), instead of the model's context.
+    pub fn with_context(mut self, tokens: usize) -> Self {
+        self.context = Some(tokens.max(1));
+        self
+    }
+}
+
+impl ModelFactory for ShardedFactory {
+    fn build(
+        &mut self,
+        config: &SessionConfig,
+        groups: &mut Groups<'_>,
+    ) -> Result<Box<dyn StepModel>, BoxError> {
+        let comms = Comms { tp: &mut *groups.tp, cp: &mut *groups.cp };
+        let placement = Placement::of(&comms);
+        let model = ParallelModel::load(&config.model, placement, self.threads, self.form)
+            .map_err(|e| format!("loading the {placement:?} shard of {}: {e}", config.model))?;
+        let context = self.context.unwrap_or(model.config().context_length);
+        Ok(Box::new(ShardedLlama {
+            model,
+            caches: HashMap::new(),
+            context,
+            logits: groups.rank == 0,
+        }))
+    }
+
+    fn codec(&mut self, config: &SessionConfig) -> Result<Option<Box<dyn TextCodec>>, BoxError> {
+        LlamaFactory::new(1).codec(config)
+    }
+}
+
+/// This rank's shard of the model, one KV-cache shard per sequence.
+pub struct ShardedLlama {
+    model: ParallelModel,
+    caches: HashMap<SeqId, ParallelCache>,
+    context: usize,
+    logits: bool,
+}
+
+impl std::fmt::Debug for ShardedLlama {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedLlama")
+            .field("placement", &self.model.placement())
+            .field("sequences", &self.caches.len())
+            .finish()
+    }
+}
+
+impl StepModel for ShardedLlama {
+    fn forward(
+        &mut self,
+        plan: &StepPlan,
+        groups: &mut Groups<'_>,
+    ) -> Result<Option<Logits>, BoxError> {
+        let mut comms = Comms { tp: &mut *groups.tp, cp: &mut *groups.cp };
+        // A CP rank holds about 1/cp of a sequence; one more token absorbs the rounding.
+        let capacity = self.context.div_ceil(self.model.placement().cp) + 1;
+        let mut rows = Vec::new();
+        for e in &plan.entries {
+            let cache = self.caches.entry(e.seq).or_insert_with(|| self.model.new_cache(capacity));
+            if cache.len() != e.start as usize {
+                return Err(format!(
+                    "sequence {} holds {} tokens but the plan starts at position {}",
+                    e.seq,
+                    cache.len(),
+                    e.start
+                )
+                .into());
+            }
+            let out = self
+                .model
+                .forward(&mut comms, &e.tokens, cache, layers::Logits::Last)
+                .map_err(|err| format!("sequence {}: {err}", e.seq))?;
+            if e.sample {
+                rows.push(out.row(out.rows() - 1).to_vec());
+            }
+        }
+        Ok(self.logits.then_some(rows))
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        self.caches.remove(&seq);
+    }
+
+    fn context_len(&self) -> usize {
+        self.context
+    }
+}
