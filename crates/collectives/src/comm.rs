@@ -42,6 +42,12 @@ pub trait Communicator: Send {
     /// A handle another thread can use to abort a call in progress.
     fn abort_handle(&self) -> AbortHandle;
 
+    /// Tells the group that this rank failed for `reason`, without blocking: peers waiting
+    /// for this rank (now or in their next call) fail with [`Error::PeerFailed`] naming it,
+    /// and this communicator is poisoned. A rank whose step failed calls this so that its
+    /// peers stop waiting for collectives it will never join.
+    fn fail(&mut self, reason: &str);
+
     /// Element-wise reduction; every rank ends with the same bits.
     ///
     /// # Errors

@@ -50,6 +50,10 @@ impl Communicator for Solo {
         self.abort.clone()
     }
 
+    fn fail(&mut self, _reason: &str) {
+        // Nobody else to tell.
+    }
+
     fn all_reduce_raw(&mut self, buf: &mut [u8], dtype: DType, _op: ReduceOp) -> Result<()> {
         check::elements(&self.site(Op::AllReduce), "buffer", buf, dtype)
     }

@@ -322,6 +322,21 @@ fn abort_unblocks_a_waiting_rank(kind: Kind) {
     drop(comms);
 }
 
+fn fail_wakes_the_peers_waiting_for_this_rank(kind: Kind) {
+    let got = on_group(kind, 3, tiny(), |c| {
+        if c.rank() == 1 {
+            c.fail("the model step failed");
+            return c.barrier().unwrap_err();
+        }
+        c.all_reduce(&mut [1f32; 4], ReduceOp::Sum).unwrap_err()
+    });
+    assert!(matches!(got[1], Error::Poisoned { .. }), "{}", got[1]);
+    assert!(got[1].to_string().contains("this rank failed: the model step failed"), "{}", got[1]);
+    for r in [0, 2] {
+        assert!(matches!(got[r], Error::PeerFailed { peer: 1, .. }), "rank {r}: {}", got[r]);
+    }
+}
+
 fn recv_checks_the_message_size(kind: Kind) {
     let got = on_group(kind, 2, tiny(), |c| {
         if c.rank() == 0 {
@@ -347,6 +362,7 @@ macro_rules! per_backend {
 }
 
 per_backend!(
+    fail_wakes_the_peers_waiting_for_this_rank,
     all_reduce_matches_serial_for_every_size_and_op,
     large_all_reduce_is_bit_identical_on_every_rank,
     all_reduce_other_dtypes,

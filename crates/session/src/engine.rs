@@ -376,16 +376,11 @@ impl Core {
     }
 
     /// Wakes peers that wait for this rank inside a data-group collective of the step: the
-    /// collectives publish a rank's failure to its group when one of its calls fails, and a
-    /// broadcast from a root outside the group is refused before any data moves. (A group
-    /// that already failed refuses the call at once; a one-rank group has nobody to tell.)
+    /// groups are told this rank failed, so their pending and next calls fail at once.
     fn poison_data_groups(&mut self) {
         let Some(ctx) = self.ctx.as_mut() else { return };
         for comm in [ctx.tp.as_mut(), ctx.cp.as_mut()] {
-            let n = comm.size();
-            if n > 1 {
-                let _ = comm.broadcast_raw(&mut [], collectives::DType::U8, n);
-            }
+            comm.fail("its step failed");
         }
     }
 

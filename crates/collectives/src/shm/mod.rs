@@ -725,6 +725,11 @@ impl Communicator for ShmComm {
         self.abort.clone()
     }
 
+    fn fail(&mut self, reason: &str) {
+        let at = self.site(Op::Barrier);
+        let _ = self.finish::<()>(Err(check::invalid(&at, format!("this rank failed: {reason}"))));
+    }
+
     fn all_reduce_raw(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         let (at, deadline) = self.begin(Op::AllReduce)?;
         let r = self.all_reduce_inner(&at, deadline, buf, dtype, op);
