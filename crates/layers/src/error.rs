@@ -6,6 +6,14 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
+    /// A catalog model could not be fetched or resolved.
+    #[error("model `{name}`: {message}")]
+    Fetch {
+        /// The catalog name (or path) asked for.
+        name: String,
+        /// What went wrong.
+        message: String,
+    },
     /// A collective call of the parallel model failed.
     #[error(transparent)]
     Collective(#[from] collectives::Error),

@@ -18,6 +18,7 @@
 //! in `kernels::cpu::matmul` and the file map in `mmap`.
 #![deny(unsafe_code)]
 
+pub mod catalog;
 pub mod config;
 pub mod error;
 pub mod gguf;
