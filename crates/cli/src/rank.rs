@@ -1,0 +1,104 @@
+//! A rank process (`tpctl __rank`, started by the launcher): joins the world, loads its shard
+//! and runs the session engine. Rank 0 tokenizes, prints and summarizes; workers print nothing
+//! but their errors.
+
+use crate::output::{summary, Meter, Printer, PromptInfo};
+use crate::spec::{OutputFormat, RankSpec};
+use anyhow::{Context, Result};
+use collectives::{init_parallel, InitOptions};
+use layers::model::WeightForm;
+use mesh::AxisBackends;
+use session::sharded::ShardedFactory;
+use session::{
+    Decision, EngineOptions, Leader, Request, SamplingParams, SessionConfig, SessionReport, Worker,
+};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Runs this rank of the job described by `TPCTL_RANK_SPEC`.
+///
+/// # Errors
+/// Any failure of this rank; a peer's failure surfaces as "another rank failed".
+pub fn run() -> Result<()> {
+    crate::launcher::watch_launcher();
+    let spec = RankSpec::from_env()?;
+    let file = layers::gguf::GgufFile::open(&spec.model)
+        .with_context(|| format!("opening {}", spec.model.display()))?;
+    let config = layers::LlamaConfig::from_gguf(&file)?;
+    let backends = AxisBackends {
+        tp: spec.backends[0].parse()?,
+        cp: spec.backends[1].parse()?,
+        control: spec.backends[2].parse()?,
+    };
+    let timeout = Duration::from_secs_f64(spec.timeout_s);
+    let opts = InitOptions {
+        tp: Some(spec.tp),
+        head_groups: config.n_kv_heads,
+        backends,
+        timeout,
+        ..InitOptions::default()
+    };
+    let ctx = init_parallel(&opts).context("joining the other ranks")?;
+    let form = if spec.native_weights { WeightForm::Native } else { WeightForm::F32 };
+    let factory = Box::new(
+        ShardedFactory::new(spec.threads).with_weights(form).with_context(spec.kv_cache_tokens),
+    );
+    let engine = EngineOptions { step_timeout: timeout, ..EngineOptions::default() };
+    let model = spec.model.to_string_lossy().into_owned();
+    if ctx.rank() != 0 {
+        let mut worker = Worker::new(ctx, factory, engine)?;
+        stop_on_signal(worker.stop_handle());
+        worker.run()?;
+        return Ok(());
+    }
+
+    let tokenizer = layers::Tokenizer::from_gguf(&file)?;
+    let mut prompts = Vec::with_capacity(spec.prompts.len());
+    for p in &spec.prompts {
+        let text = if p.chat {
+            tokenizer.apply_chat_template(&[layers::ChatMessage::new("user", &p.text)], true)?
+        } else {
+            p.text.clone()
+        };
+        prompts.push(PromptInfo { text: p.text.clone(), ids: tokenizer.encode(&text)? });
+    }
+    let s = &spec.sampling;
+    let requests: Vec<Request> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let params = SamplingParams {
+                max_tokens: s.max_tokens,
+                temperature: s.temperature,
+                top_k: s.top_k,
+                top_p: s.top_p,
+                seed: s.seed.wrapping_add(i as u64),
+                ..SamplingParams::default()
+            };
+            Request::tokens(i as u64, p.ids.clone(), params)
+        })
+        .collect();
+    let first_token = Arc::new(Mutex::new(None));
+    let meter = Meter::default();
+    let printer = Printer::new(spec.output, prompts, first_token.clone());
+    let mut leader = Leader::new(ctx, factory, Box::new(printer), Box::new(meter.clone()), engine)?;
+    stop_on_signal(leader.stop_handle());
+    let start = Instant::now();
+    let mut stop = |_: &SessionReport| Decision::Stop;
+    leader.run(SessionConfig::new(model), requests, &mut stop)?;
+    let totals = *meter.0.lock().unwrap_or_else(|e| e.into_inner());
+    let first = *first_token.lock().unwrap_or_else(|e| e.into_inner());
+    let line = summary(&totals, first, start.elapsed());
+    match spec.output {
+        OutputFormat::Text => println!("-- {line}"),
+        OutputFormat::Jsonl => eprintln!("{line}"),
+    }
+    Ok(())
+}
+
+/// SIGINT or SIGTERM (forwarded by the launcher) stops the engine at the next step boundary.
+fn stop_on_signal(stop: session::StopHandle) {
+    if let Err(e) = ctrlc::set_handler(move || stop.request_stop()) {
+        tracing::warn!("cannot install the stop handler: {e}");
+    }
+}

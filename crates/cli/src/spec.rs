@@ -1,0 +1,82 @@
+//! What the launcher hands every rank process: the resolved job, as JSON in the environment
+//! variable `TPCTL_RANK_SPEC`, so ranks never re-read files the launcher already checked.
+
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// The environment variable that carries a [`RankSpec`].
+pub const ENV: &str = "TPCTL_RANK_SPEC";
+
+/// How rank 0 prints results of `tpctl run`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum OutputFormat {
+    /// Generated text (streamed for a single prompt), then a summary.
+    Text,
+    /// One JSON object per prompt.
+    Jsonl,
+}
+
+/// One prompt of a `tpctl run`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PromptSpec {
+    /// The text as given.
+    pub text: String,
+    /// Whether to wrap it in the model's chat template as a user message.
+    pub chat: bool,
+}
+
+/// Sampling of every prompt.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sampling {
+    /// Tokens to generate per prompt.
+    pub max_tokens: u32,
+    /// 0 is greedy.
+    pub temperature: f32,
+    /// Nucleus mass.
+    pub top_p: f32,
+    /// Top-k (0: off).
+    pub top_k: usize,
+    /// Seed.
+    pub seed: u64,
+}
+
+/// The whole job, as every rank sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankSpec {
+    /// The model file (already fetched and checked by the launcher).
+    pub model: PathBuf,
+    /// Tensor-parallel size.
+    pub tp: usize,
+    /// Context-parallel size.
+    pub cp: usize,
+    /// Backends for the tp, cp and control axes (`shm`, `tcp`).
+    pub backends: [String; 3],
+    /// Compute threads per rank.
+    pub threads: usize,
+    /// Keep quantized weights quantized (`false`: convert to f32).
+    pub native_weights: bool,
+    /// KV-cache tokens per sequence.
+    pub kv_cache_tokens: usize,
+    /// Deadline of one collective, seconds.
+    pub timeout_s: f64,
+    /// Prompts (for `run`).
+    pub prompts: Vec<PromptSpec>,
+    /// Sampling.
+    pub sampling: Sampling,
+    /// Output format of rank 0.
+    pub output: OutputFormat,
+}
+
+impl RankSpec {
+    /// The spec in the environment of this process.
+    ///
+    /// # Errors
+    /// The variable is missing or does not parse.
+    pub fn from_env() -> anyhow::Result<RankSpec> {
+        let text = std::env::var(ENV).map_err(|_| {
+            anyhow::anyhow!("{ENV} is not set: `tpctl __rank` is started by `tpctl run`")
+        })?;
+        Ok(serde_json::from_str(&text)?)
+    }
+}
