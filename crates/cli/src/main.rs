@@ -36,7 +36,7 @@ enum Command {
     /// Launch the rank processes, run the prompts, stream rank 0's text and a summary.
     ///
     /// Example: tpctl run --tp 2 --cp 2 examples/smollm2.toml --prompt "The capital of France is"
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Download a catalog model into the cache (once) and print its path.
     ///
     /// Example: tpctl fetch smollm2-135m-instruct
@@ -119,7 +119,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.verbose, cli.quiet);
     let result = match cli.command {
-        Command::Run(args) => run(args, cli.verbose, cli.quiet),
+        Command::Run(args) => run(*args, cli.verbose, cli.quiet),
         Command::Fetch { model } => fetch(&model),
         Command::Models => models(),
         Command::Rank => tpctl::rank::run().map(|()| 0),
@@ -159,7 +159,7 @@ fn fetch(name: &str) -> Result<i32> {
 }
 
 fn models() -> Result<i32> {
-    println!("{:<24} {:<7} {}", "name", "cached", "description");
+    println!("{:<24} {:<7} description", "name", "cached");
     for e in layers::catalog::CATALOG {
         let cached = if e.is_cached() { "yes" } else { "no" };
         println!("{:<24} {:<7} {}", e.name, cached, e.description);
