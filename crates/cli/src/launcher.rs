@@ -26,6 +26,9 @@ use std::time::{Duration, Instant};
 
 /// Lines of each rank's standard error kept for the failure report.
 const KEPT_LINES: usize = 20;
+/// The exit code a rank uses when its failure only follows another rank's: the launcher
+/// reports an original failure in preference.
+pub const SECONDARY_EXIT: i32 = 3;
 /// How often the supervisor looks at its ranks.
 const POLL: Duration = Duration::from_millis(10);
 
@@ -211,12 +214,17 @@ pub fn launch(spec: &Launch, interrupted: &AtomicBool) -> Result<Outcome> {
 
 fn supervise(mut ranks: Vec<Rank>, grace: Duration, interrupted: &AtomicBool) -> Outcome {
     let mut outcome: Option<Outcome> = None;
+    // Failures in the order seen: the first original one is reported.
+    let mut failures: Vec<(usize, i32)> = Vec::new();
     let mut kill_at: Option<Instant> = None;
     loop {
         for r in &mut ranks {
             if r.status.is_none() {
                 if let Ok(Some(status)) = r.child.try_wait() {
                     r.status = Some(status);
+                    if !status.success() {
+                        failures.push((r.rank, code_of(status)));
+                    }
                     if !status.success() && outcome.is_none() {
                         // Let the pump finish so the report has the rank's last words.
                         let code = code_of(status);
@@ -257,6 +265,15 @@ fn supervise(mut ranks: Vec<Rank>, grace: Duration, interrupted: &AtomicBool) ->
         for pump in r.pumps.drain(..) {
             let _ = pump.join();
         }
+    }
+    // Ranks that failed because a peer did, or that the launcher stopped, say less than the
+    // rank whose failure started it all.
+    let stopped = |code: i32| code == SECONDARY_EXIT || code == 128 + 15 || code == 128 + 9;
+    if let (Some(Outcome::Failed(f)), Some(&(rank, code))) =
+        (&mut outcome, failures.iter().find(|(_, c)| !stopped(*c)))
+    {
+        f.rank = rank;
+        f.code = code;
     }
     match outcome {
         Some(Outcome::Failed(mut f)) => {

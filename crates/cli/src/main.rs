@@ -71,6 +71,9 @@ struct RunArgs {
     /// (one per line) when it is not a terminal, else a demo prompt runs.
     #[arg(long = "prompt")]
     prompts: Vec<String>,
+    /// A prompt as token ids, comma-separated (repeat for a batch), bypassing the tokenizer.
+    #[arg(long = "prompt-ids", value_name = "IDS")]
+    prompt_ids: Vec<String>,
     /// A file with one prompt per line.
     #[arg(long)]
     prompt_file: Option<PathBuf>,
@@ -122,15 +125,42 @@ fn main() -> ExitCode {
         Command::Run(args) => run(*args, cli.verbose, cli.quiet),
         Command::Fetch { model } => fetch(&model),
         Command::Models => models(),
-        Command::Rank => tpctl::rank::run().map(|()| 0),
+        Command::Rank => match tpctl::rank::run() {
+            Ok(()) => Ok(0),
+            Err(e) => {
+                eprintln!("error: {}", describe(&e));
+                let secondary = tpctl::rank::caused_by_peer(&e);
+                return ExitCode::from(if secondary {
+                    tpctl::rank::EXIT_PEER_FAILED as u8
+                } else {
+                    1
+                });
+            }
+        },
     };
     match result {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", describe(&e));
             ExitCode::from(1)
         }
     }
+}
+
+/// An error with its causes, each once: many errors already quote their cause in their own
+/// message, so a cause whose text is already there is not repeated.
+fn describe(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let part = cause.to_string();
+        if !text.contains(&part) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&part);
+        }
+    }
+    text
 }
 
 fn init_logging(verbose: u8, quiet: bool) {
@@ -142,8 +172,11 @@ fn init_logging(verbose: u8, quiet: bool) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    let _ =
-        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .try_init();
 }
 
 fn fetch(name: &str) -> Result<i32> {
@@ -179,7 +212,18 @@ fn prompts(args: &RunArgs) -> Result<Vec<PromptSpec>> {
         texts.extend(body.lines().filter(|l| !l.trim().is_empty()).map(str::to_owned));
     }
     let mut chat = args.chat;
-    if texts.is_empty() {
+    let mut specs = Vec::new();
+    for (i, list) in args.prompt_ids.iter().enumerate() {
+        let ids = list
+            .split(',')
+            .map(|t| t.trim().parse::<u32>())
+            .collect::<std::result::Result<Vec<u32>, _>>()
+            .with_context(|| {
+                format!("--prompt-ids #{i} `{list}`: expected comma-separated token ids")
+            })?;
+        specs.push(PromptSpec { text: list.clone(), chat: false, ids: Some(ids) });
+    }
+    if texts.is_empty() && specs.is_empty() {
         let stdin = std::io::stdin();
         if stdin.is_terminal() {
             texts.push(DEMO_PROMPT.to_owned());
@@ -193,10 +237,11 @@ fn prompts(args: &RunArgs) -> Result<Vec<PromptSpec>> {
             texts.extend(body.lines().filter(|l| !l.trim().is_empty()).map(str::to_owned));
         }
     }
-    if texts.is_empty() {
-        bail!("no prompt: give --prompt, --prompt-file or lines on standard input");
+    specs.extend(texts.into_iter().map(|text| PromptSpec { text, chat, ids: None }));
+    if specs.is_empty() {
+        bail!("no prompt: give --prompt, --prompt-ids, --prompt-file or lines on standard input");
     }
-    Ok(texts.into_iter().map(|text| PromptSpec { text, chat }).collect())
+    Ok(specs)
 }
 
 fn run(args: RunArgs, verbose: u8, quiet: bool) -> Result<i32> {

@@ -15,6 +15,29 @@ use session::{
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// The exit code of a rank whose failure follows another rank's (the launcher reports the
+/// original failure instead).
+pub const EXIT_PEER_FAILED: i32 = 3;
+
+/// Whether `e` is only the consequence of another rank's failure.
+pub fn caused_by_peer(e: &anyhow::Error) -> bool {
+    let blames_peer = |ce: &collectives::Error| {
+        matches!(
+            ce,
+            collectives::Error::PeerFailed { .. }
+                | collectives::Error::PeerDied { .. }
+                | collectives::Error::PeerClosed { .. }
+                | collectives::Error::Poisoned { .. }
+        )
+    };
+    e.chain().any(|c| {
+        c.downcast_ref::<session::Error>()
+            .is_some_and(|s| s.caused_by_peer() || matches!(s, session::Error::PeerFailed { .. }))
+            || c.downcast_ref::<collectives::Error>().is_some_and(blames_peer)
+            || matches!(c.downcast_ref::<layers::Error>(), Some(layers::Error::Collective(ce)) if blames_peer(ce))
+    })
+}
+
 /// Runs this rank of the job described by `TPCTL_RANK_SPEC`.
 ///
 /// # Errors
@@ -54,13 +77,25 @@ pub fn run() -> Result<()> {
 
     let tokenizer = layers::Tokenizer::from_gguf(&file)?;
     let mut prompts = Vec::with_capacity(spec.prompts.len());
-    for p in &spec.prompts {
-        let text = if p.chat {
-            tokenizer.apply_chat_template(&[layers::ChatMessage::new("user", &p.text)], true)?
-        } else {
-            p.text.clone()
+    for (i, p) in spec.prompts.iter().enumerate() {
+        let ids = match &p.ids {
+            Some(ids) => ids.clone(),
+            None if p.chat => tokenizer.encode(
+                &tokenizer
+                    .apply_chat_template(&[layers::ChatMessage::new("user", &p.text)], true)?,
+            )?,
+            None => tokenizer.encode(&p.text)?,
         };
-        prompts.push(PromptInfo { text: p.text.clone(), ids: tokenizer.encode(&text)? });
+        if ids.is_empty() {
+            anyhow::bail!("prompt {i} ({:?}) encodes to no tokens", p.text);
+        }
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= config.vocab_size) {
+            anyhow::bail!(
+                "prompt {i}: token id {bad} is outside the vocabulary of {}",
+                config.vocab_size
+            );
+        }
+        prompts.push(PromptInfo { text: p.text.clone(), ids });
     }
     let s = &spec.sampling;
     let requests: Vec<Request> = prompts

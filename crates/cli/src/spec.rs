@@ -20,10 +20,12 @@ pub enum OutputFormat {
 /// One prompt of a `tpctl run`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PromptSpec {
-    /// The text as given.
+    /// The text as given (for token-id prompts, the ids as written).
     pub text: String,
     /// Whether to wrap it in the model's chat template as a user message.
     pub chat: bool,
+    /// Token ids given directly (`--prompt-ids`), bypassing the tokenizer.
+    pub ids: Option<Vec<u32>>,
 }
 
 /// Sampling of every prompt.

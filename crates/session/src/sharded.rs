@@ -62,6 +62,15 @@ impl ModelFactory for ShardedFactory {
     }
 }
 
+/// A model failure on one sequence; keeps the cause (a collective that blames a peer, say)
+/// reachable through `source()`.
+#[derive(Debug, thiserror::Error)]
+#[error("sequence {seq}: {source}")]
+struct SequenceError {
+    seq: SeqId,
+    source: layers::Error,
+}
+
 /// This rank's shard of the model, one KV-cache shard per sequence.
 pub struct ShardedLlama {
     model: ParallelModel,
@@ -103,7 +112,7 @@ impl StepModel for ShardedLlama {
             let out = self
                 .model
                 .forward(&mut comms, &e.tokens, cache, layers::Logits::Last)
-                .map_err(|err| format!("sequence {}: {err}", e.seq))?;
+                .map_err(|source| SequenceError { seq: e.seq, source })?;
             if e.sample {
                 rows.push(out.row(out.rows() - 1).to_vec());
             }

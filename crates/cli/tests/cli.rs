@@ -1,0 +1,300 @@
+//! `tpctl` end to end, through the binary, on a tiny random model: identical greedy output in
+//! every layout, JSON lines, config errors, a failing rank and Ctrl-C leaving no process
+//! behind. Every wait has a deadline.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+const TPCTL: &str = env!("CARGO_BIN_EXE_tpctl");
+const DEADLINE: Duration = Duration::from_secs(90);
+
+fn scratch(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("tpctl-cli-{}-{name}", std::process::id()))
+}
+
+/// A small random Llama (6 query heads, 3 KV heads) with a byte-level tokenizer.
+fn model() -> &'static str {
+    static PATH: OnceLock<String> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let path = scratch("tiny.gguf");
+        let spec = layers::model::random::RandomLlama {
+            heads: 6,
+            kv_heads: 3,
+            hidden: 48,
+            ffn: 64,
+            seed: 7,
+            ..Default::default()
+        };
+        spec.write(&path).expect("write the tiny model");
+        path.to_string_lossy().into_owned()
+    })
+}
+
+/// A marker in the environment of every process of one invocation, to find leftovers.
+fn marker() -> String {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static N: AtomicUsize = AtomicUsize::new(0);
+    format!("tpctl-test-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Processes (not zombies) whose environment holds `mark`.
+fn leftovers(mark: &str) -> Vec<u32> {
+    let needle = format!("TPCTL_TEST_MARK={mark}");
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(env) = std::fs::read(entry.path().join("environ")) else { continue };
+        let zombie = std::fs::read_to_string(entry.path().join("stat"))
+            .map(|s| s.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')))
+            .unwrap_or(true);
+        if !zombie && env.split(|&b| b == 0).any(|kv| kv == needle.as_bytes()) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+fn start(args: &[&str], extra_env: &[(&str, &str)], mark: &str) -> Child {
+    let mut cmd = Command::new(TPCTL);
+    cmd.args(args)
+        .env("TPCTL_TEST_MARK", mark)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in extra_env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("start tpctl")
+}
+
+fn wait(mut child: Child, mark: &str) -> Output {
+    let start = Instant::now();
+    while child.try_wait().expect("wait for tpctl").is_none() {
+        if start.elapsed() > DEADLINE {
+            let _ = child.kill();
+            for pid in leftovers(mark) {
+                let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+            }
+            panic!("tpctl still running after {DEADLINE:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("collect output")
+}
+
+fn tpctl(args: &[&str], extra_env: &[(&str, &str)]) -> Output {
+    let mark = marker();
+    let out = wait(start(args, extra_env, &mark), &mark);
+    assert_eq!(leftovers(&mark), Vec::<u32>::new(), "processes left behind");
+    out
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+fn json_lines(out: &Output) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}\n{}", text(out))))
+        .collect()
+}
+
+#[test]
+fn greedy_output_is_identical_in_every_layout() {
+    let mut runs = Vec::new();
+    for (tp, cp) in [("1", "1"), ("2", "1"), ("1", "2"), ("2", "2"), ("3", "1")] {
+        let out = tpctl(
+            &[
+                "run",
+                "--model",
+                model(),
+                "--tp",
+                tp,
+                "--cp",
+                cp,
+                "--threads",
+                "1",
+                "--prompt-ids",
+                "1,2,3,4,5",
+                "--prompt-ids",
+                "9",
+                "--max-tokens",
+                "6",
+                "--output",
+                "jsonl",
+            ],
+            &[],
+        );
+        assert!(out.status.success(), "{}", text(&out));
+        let lines = json_lines(&out);
+        assert_eq!(lines.len(), 2, "{}", text(&out));
+        let mut ids: Vec<(String, Vec<u64>)> = lines
+            .iter()
+            .map(|l| {
+                let ids = l["token_ids"]
+                    .as_array()
+                    .expect("token_ids")
+                    .iter()
+                    .map(|t| t.as_u64().unwrap())
+                    .collect();
+                (l["prompt"].as_str().unwrap().to_owned(), ids)
+            })
+            .collect();
+        ids.sort();
+        runs.push(((tp, cp), ids));
+    }
+    for (layout, ids) in &runs[1..] {
+        assert_eq!(ids, &runs[0].1, "{layout:?} differs from (1,1)");
+    }
+    assert!(runs[0].1.iter().all(|(_, ids)| ids.len() == 6));
+}
+
+#[test]
+fn jsonl_lines_have_every_field() {
+    let out = tpctl(
+        &[
+            "run",
+            "--model",
+            model(),
+            "--prompt-ids",
+            "3,4",
+            "--max-tokens",
+            "3",
+            "--output",
+            "jsonl",
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let line = &json_lines(&out)[0];
+    for key in [
+        "prompt",
+        "prompt_token_ids",
+        "token_ids",
+        "text",
+        "finish_reason",
+        "time_to_first_token_ms",
+        "total_ms",
+    ] {
+        assert!(line.get(key).is_some(), "missing {key}: {line}");
+    }
+    assert_eq!(line["finish_reason"], "length");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("decode"),
+        "summary on stderr\n{}",
+        text(&out)
+    );
+}
+
+#[test]
+fn text_output_streams_and_summarizes() {
+    let out = tpctl(&["run", "--model", model(), "--prompt-ids", "1", "--max-tokens", "4"], &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.lines().last().is_some_and(|l| l.starts_with("-- time to first token")),
+        "{}",
+        text(&out)
+    );
+}
+
+#[test]
+fn bad_configs_and_layouts_are_clear_errors() {
+    let cfg = scratch("bad.toml");
+    for (body, needles) in [
+        ("[layout]\ntp = 2\ntpp = 1\n", &["line 3", "unknown field `tpp`"][..]),
+        ("[sampling]\ntop_p = 2.0\n", &["`sampling.top_p` must be in (0, 1]"]),
+    ] {
+        std::fs::write(&cfg, body).unwrap();
+        let out = tpctl(&["run", cfg.to_str().unwrap(), "--model", model(), "--prompt", "t1"], &[]);
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        for n in needles {
+            assert!(err.contains(n), "`{err}` lacks `{n}`");
+        }
+    }
+    let out = tpctl(&["run", "--model", model(), "--tp", "4", "--prompt", "t1"], &[]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--tp 4 exceeds the 3 KV heads"),
+        "{}",
+        text(&out)
+    );
+    let out = tpctl(&["run", "--model", "no-such-model", "--prompt", "t1"], &[]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a catalog name"), "{}", text(&out));
+    let out = tpctl(&["run", "--model", model(), "--prompt-ids", "1,x"], &[]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("expected comma-separated token ids"),
+        "{}",
+        text(&out)
+    );
+    let out = tpctl(&["run", "--model", model(), "--prompt-ids", "100000"], &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("outside the vocabulary"),
+        "{}",
+        text(&out)
+    );
+    let out = tpctl(&["run", "--model", model(), "--prompt", ""], &[]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("encodes to no tokens"),
+        "{}",
+        text(&out)
+    );
+}
+
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_failing_rank_stops_every_rank_with_its_own_error() {
+    let out = tpctl(
+        &[
+            "run",
+            "--model",
+            model(),
+            "--tp",
+            "2",
+            "--cp",
+            "2",
+            "--prompt-ids",
+            "1,2",
+            "--max-tokens",
+            "8",
+        ],
+        &[("TPCTL_FAILPOINTS", "session.step=error@2#2")],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("error: rank 2 failed with exit code 1"), "{}", text(&out));
+    assert!(err.contains("injected failure at failpoint `session.step`"), "{}", text(&out));
+}
+
+#[cfg(feature = "failpoints")]
+#[test]
+fn ctrl_c_stops_every_rank() {
+    let mark = marker();
+    let child = start(
+        &["run", "--model", model(), "--tp", "2", "--prompt-ids", "1", "--max-tokens", "200"],
+        &[("TPCTL_FAILPOINTS", "session.step=delay(100)")],
+        &mark,
+    );
+    // Wait until the ranks run, then interrupt the launcher as a terminal would.
+    let start = Instant::now();
+    while leftovers(&mark).len() < 3 && start.elapsed() < DEADLINE {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let status = Command::new("kill").arg("-INT").arg(child.id().to_string()).status().unwrap();
+    assert!(status.success());
+    let out = wait(child, &mark);
+    assert_eq!(leftovers(&mark), Vec::<u32>::new(), "processes left behind");
+    assert_eq!(out.status.code(), Some(130), "{}", text(&out));
+}
