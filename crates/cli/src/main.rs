@@ -68,7 +68,7 @@ struct RunArgs {
     #[arg(long)]
     model: Option<String>,
     /// A prompt (repeat for a batch). Without any, prompts are read from standard input
-    /// (one per line) when it is not a terminal, else a demo prompt runs.
+    /// (one per line) when it is not a terminal; with none there either, a demo prompt runs.
     #[arg(long = "prompt")]
     prompts: Vec<String>,
     /// A prompt as token ids, comma-separated (repeat for a batch), bypassing the tokenizer.
@@ -225,16 +225,17 @@ fn prompts(args: &RunArgs) -> Result<Vec<PromptSpec>> {
     }
     if texts.is_empty() && specs.is_empty() {
         let stdin = std::io::stdin();
-        if stdin.is_terminal() {
-            texts.push(DEMO_PROMPT.to_owned());
-            chat = true;
-        } else {
+        if !stdin.is_terminal() {
             let mut body = String::new();
             stdin
                 .lock()
                 .read_to_string(&mut body)
                 .context("reading prompts from standard input")?;
             texts.extend(body.lines().filter(|l| !l.trim().is_empty()).map(str::to_owned));
+        }
+        if texts.is_empty() {
+            texts.push(DEMO_PROMPT.to_owned());
+            chat = true;
         }
     }
     specs.extend(texts.into_iter().map(|text| PromptSpec { text, chat, ids: None }));
