@@ -23,7 +23,7 @@ fn f32_model(model: &Path, anchors: &Path) -> Result<PathBuf> {
             .replace(".gguf", ".f32.gguf"),
     );
     if !out.exists() {
-        ensure_python_packages(&["gguf", "numpy"])?;
+        ensure_python_packages(&["gguf", "numpy"], &["gguf", "numpy"])?;
         util::run(
             Command::new("python3").arg(anchors.join("dequant_gguf.py")).arg(model).arg(&out),
         )?;
@@ -31,8 +31,8 @@ fn f32_model(model: &Path, anchors: &Path) -> Result<PathBuf> {
     Ok(out)
 }
 
-fn ensure_python_packages(packages: &[&str]) -> Result<()> {
-    let modules: Vec<String> = packages.iter().map(|p| p.replace('-', "_")).collect();
+/// Installs `packages` with pip unless `modules` already import.
+fn ensure_python_packages(packages: &[&str], modules: &[&str]) -> Result<()> {
     let check = format!("import {}", modules.join(", "));
     if Command::new("python3").args(["-c", &check]).output().is_ok_and(|o| o.status.success()) {
         return Ok(());
@@ -52,7 +52,7 @@ pub(crate) fn run(json: bool) -> Result<()> {
             .arg("--model")
             .arg(&f32_path),
     )?;
-    ensure_python_packages(&["llama-cpp-python"])
+    ensure_python_packages(&["llama-cpp-python"], &["llama_cpp"])
         .context("llama.cpp reference (builds for ~10 minutes on 2 cores)")?;
     let reference = util::output(
         Command::new("python3")
