@@ -4,6 +4,7 @@
 mod bench;
 mod ci;
 mod fetch_model;
+mod gpu_test;
 mod util;
 
 use anyhow::{bail, Result};
@@ -15,6 +16,7 @@ tasks:
   ci                      fmt check, clippy (default, failpoints, cuda features), all tests
   bench <what> [--json]   benchmarks with their reference measured in the same run;
                           <what>: collectives | vmm | session | model | all
+  gpu-test                the GPU tests with --features cuda; fails without a usable GPU
   fetch-model             download the default model once into the cache; print its path
   help                    this text
 ";
@@ -27,6 +29,7 @@ fn main() -> Result<()> {
         "ci" => ci::run(&rest),
         "bench" => bench::run(&rest),
         "fetch-model" => fetch_model::run(&rest),
+        "gpu-test" => gpu_test::run(&rest),
         "help" | "--help" | "-h" => {
             print!("{HELP}");
             Ok(())
