@@ -6,7 +6,8 @@
 //!
 //! How the pieces serve the parallel model (not built here):
 //! - Tensor parallelism: a rank loads [`Attention::load`] for a range of whole KV heads
-//!   (its query heads follow) and [`Mlp::load`] for a range of inner units; both outputs are
+//!   (its query heads follow), or [`Attention::load_heads`] for one KV head and part of its
+//!   query heads when ranks outnumber KV heads, and [`Mlp::load`] for a range of inner units; both outputs are
 //!   then partial sums to all-reduce over the TP group. Inner ranges that are multiples of 32
 //!   keep `ffn_down`'s column shard in its quantized blocks. The embedding and LM head shard
 //!   by vocabulary rows with [`Linear::load`] and [`Shard::Rows`].
@@ -61,7 +62,8 @@ pub fn load_vector(src: &dyn WeightSource, name: &str, len: usize) -> Result<Ten
     Tensor::from_vec(&[len], src.rows(name, 0..1)?)
 }
 
-/// Self-attention of one layer over a range of whole KV heads (and their query heads).
+/// Self-attention of one layer over a range of whole KV heads (and their query heads), or
+/// over one KV head and part of its query heads.
 #[derive(Clone, Debug)]
 pub struct Attention {
     /// Q, K and V projections fused into one product (rows: queries, keys, values).
@@ -89,6 +91,29 @@ impl Attention {
         kv_heads: Range<usize>,
         form: WeightForm,
     ) -> Result<Self> {
+        let g = cfg.group_size();
+        let q_heads = kv_heads.start * g..kv_heads.end * g;
+        Attention::load_heads(src, layer, cfg, kv_heads, q_heads, form)
+    }
+
+    /// Loads layer `layer`'s attention for KV heads `kv_heads` and query heads `q_heads`:
+    /// either exactly the query heads of those KV heads' groups (as [`Attention::load`]), or
+    /// part of the group of a single KV head. The second form serves tensor parallelism with
+    /// more ranks than KV heads: the ranks sharing a KV head each hold its keys and values
+    /// and a share of its query heads. The output projection keeps the columns of `q_heads`,
+    /// so [`Attention::project_out`] returns a partial sum to be all-reduced.
+    ///
+    /// # Errors
+    /// [`Error::Tensor`] for missing or misshapen weights, [`Error::Shape`] for a head range
+    /// outside the model or query heads that do not belong to `kv_heads` as described.
+    pub fn load_heads(
+        src: &dyn WeightSource,
+        layer: usize,
+        cfg: &LlamaConfig,
+        kv_heads: Range<usize>,
+        q_heads: Range<usize>,
+        form: WeightForm,
+    ) -> Result<Self> {
         if kv_heads.is_empty() || kv_heads.end > cfg.n_kv_heads {
             return Err(Error::shape(
                 "Attention::load",
@@ -96,8 +121,21 @@ impl Attention {
             ));
         }
         let g = cfg.group_size();
+        let groups = kv_heads.start * g..kv_heads.end * g;
+        let part_of_one = kv_heads.len() == 1
+            && !q_heads.is_empty()
+            && groups.start <= q_heads.start
+            && q_heads.end <= groups.end;
+        if q_heads != groups && !part_of_one {
+            return Err(Error::shape(
+                "Attention::load",
+                format!(
+                    "query heads {q_heads:?} are neither the query heads {groups:?} of kv heads \
+                     {kv_heads:?} nor part of a single kv head's group of {g}"
+                ),
+            ));
+        }
         let d = cfg.head_dim;
-        let q_heads = kv_heads.start * g..kv_heads.end * g;
         let name = |t: &str| format!("blk.{layer}.{t}.weight");
         let q = Linear::load_qk(src, &name("attn_q"), q_heads.clone(), d, form)?;
         let k = Linear::load_qk(src, &name("attn_k"), kv_heads.clone(), d, form)?;

@@ -204,8 +204,23 @@ fn head_and_inner_shards_sum_to_the_full_layer() {
     .unwrap();
     assert_close(mlp_sum.data(), mlp_full.data(), 1e-5);
 
+    // One KV head shared by two shards, each with one of its two query heads.
+    let run_heads = |q: Range<usize>| {
+        let attn = Attention::load_heads(&file, 1, &cfg, 1..2, q.clone(), WeightForm::F32).unwrap();
+        assert_eq!((attn.kv_heads(), attn.q_heads()), (1..2, q));
+        let mut cache = LayerCache::new(1, cfg.head_dim, 4);
+        attn.forward(&be, &x, &pos, &mut cache).unwrap()
+    };
+    let mut split = run_heads(2..3);
+    be.add_assign(&mut split, &run_heads(3..4)).unwrap();
+    assert_close(split.data(), run(1..2).data(), 1e-5);
+
     let err = Attention::load(&file, 0, &cfg, 2..4, WeightForm::F32).unwrap_err();
     assert!(err.to_string().contains("kv head range 2..4 of 3 heads"), "{err}");
+    let err = Attention::load_heads(&file, 0, &cfg, 0..2, 1..3, WeightForm::F32).unwrap_err();
+    assert!(err.to_string().contains("query heads 1..3 are neither"), "{err}");
+    let err = Attention::load_heads(&file, 0, &cfg, 1..2, 1..3, WeightForm::F32).unwrap_err();
+    assert!(err.to_string().contains("query heads 2..4 of kv heads 1..2"), "{err}");
     std::fs::remove_file(p).unwrap();
 }
 

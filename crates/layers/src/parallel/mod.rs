@@ -2,7 +2,9 @@
 //!
 //! A rank of a `tp × cp` mesh holds:
 //! - attention for a range of whole KV heads (`balanced_ranges` over the KV heads, so 9 query
-//!   heads in 3 KV groups on TP=2 split 6 + 3), its output projection row-parallel;
+//!   heads in 3 KV groups on TP=2 split 6 + 3), or, with more TP ranks than KV heads, one KV
+//!   head replicated on `tp / n_kv_heads` ranks that split its query heads ([`head_shard`]);
+//!   the output projection row-parallel over the rank's query heads;
 //! - the MLP for a range of inner units (aligned to quantized blocks), down-projection
 //!   row-parallel;
 //! - the embedding and LM head for a range of the vocabulary;
@@ -86,21 +88,71 @@ impl Placement {
     }
 }
 
-/// The KV heads TP rank `rank` of `tp` holds: whole KV heads, balanced.
+/// The attention heads one TP rank holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeadShard {
+    /// KV heads: whole heads, or a single head that other ranks hold too.
+    pub kv: Range<usize>,
+    /// Query heads: the groups of `kv`, or a share of the single KV head's group.
+    pub q: Range<usize>,
+}
+
+/// The heads TP rank `rank` of `tp` holds.
+///
+/// With at most as many ranks as KV heads, each rank holds whole KV heads, balanced
+/// (`balanced_ranges` over the KV heads, so 9 query heads in 3 KV groups on TP=2 split
+/// 6 + 3), and their query heads. With more ranks than KV heads, `tp / n_kv_heads`
+/// consecutive ranks share each KV head: each holds that head's keys and values (the K/V
+/// projections and the cache are replicated) and a balanced share of its query heads.
 ///
 /// # Errors
-/// More TP ranks than KV heads: replicating KV heads over TP ranks is not supported yet.
-pub fn kv_head_range(cfg: &LlamaConfig, rank: usize, tp: usize) -> Result<Range<usize>> {
-    if tp > cfg.n_kv_heads {
+/// [`Error::Shape`] when `rank` is not below `tp`, when `tp` exceeds the KV heads without
+/// being a multiple of them, or when more ranks share a KV head than it has query heads.
+pub fn head_shard(cfg: &LlamaConfig, rank: usize, tp: usize) -> Result<HeadShard> {
+    let (n_kv, g) = (cfg.n_kv_heads, cfg.group_size());
+    if rank >= tp || n_kv == 0 {
+        return Err(Error::shape(
+            "tensor parallel attention",
+            format!("tp rank {rank} of tp={tp} over {n_kv} KV heads"),
+        ));
+    }
+    if tp <= n_kv {
+        let kv = mesh::balanced_ranges(n_kv, tp)[rank].clone();
+        return Ok(HeadShard { q: kv.start * g..kv.end * g, kv });
+    }
+    if tp % n_kv != 0 {
         return Err(Error::shape(
             "tensor parallel attention",
             format!(
-                "tp={tp} exceeds the model's {} KV heads; a KV head cannot be split (use tp <= {})",
-                cfg.n_kv_heads, cfg.n_kv_heads
+                "tp={tp} exceeds the model's {n_kv} KV heads and is not a multiple of them; \
+                 with more ranks than KV heads every KV head must be shared by the same number \
+                 of ranks (use tp <= {n_kv} or a multiple of {n_kv})"
             ),
         ));
     }
-    Ok(mesh::balanced_ranges(cfg.n_kv_heads, tp)[rank].clone())
+    let sharing = tp / n_kv;
+    if sharing > g {
+        return Err(Error::shape(
+            "tensor parallel attention",
+            format!(
+                "tp={tp} puts {sharing} ranks on each of the model's {n_kv} KV heads, more than \
+                 the {g} query heads of a KV head (use tp <= {})",
+                cfg.n_heads
+            ),
+        ));
+    }
+    let head = rank / sharing;
+    let share = mesh::balanced_ranges(g, sharing)[rank % sharing].clone();
+    Ok(HeadShard { kv: head..head + 1, q: head * g + share.start..head * g + share.end })
+}
+
+/// The KV heads TP rank `rank` of `tp` holds (see [`head_shard`]): whole KV heads, balanced,
+/// or the one KV head it shares with other ranks when ranks outnumber KV heads.
+///
+/// # Errors
+/// As [`head_shard`].
+pub fn kv_head_range(cfg: &LlamaConfig, rank: usize, tp: usize) -> Result<Range<usize>> {
+    Ok(head_shard(cfg, rank, tp)?.kv)
 }
 
 /// Inner MLP units of TP rank `rank`: balanced, in multiples of 32 (a quantized block) when
@@ -120,7 +172,7 @@ impl ParallelAttention {
     /// Loads layer `layer`'s attention for TP rank `tp_rank` of `tp`.
     ///
     /// # Errors
-    /// Missing weights, or more TP ranks than KV heads.
+    /// Missing weights, or a `tp` the heads cannot be split over (see [`head_shard`]).
     pub fn load(
         src: &dyn WeightSource,
         layer: usize,
@@ -129,13 +181,10 @@ impl ParallelAttention {
         tp: usize,
         form: WeightForm,
     ) -> Result<Self> {
-        let kv = kv_head_range(cfg, tp_rank, tp)?;
-        let attn = Attention::load(src, layer, cfg, kv.clone(), form)?;
-        let shape = AttnShape {
-            q_heads: kv.len() * cfg.group_size(),
-            kv_heads: kv.len(),
-            head_dim: cfg.head_dim,
-        };
+        let heads = head_shard(cfg, tp_rank, tp)?;
+        let attn = Attention::load_heads(src, layer, cfg, heads.kv.clone(), heads.q.clone(), form)?;
+        let shape =
+            AttnShape { q_heads: heads.q.len(), kv_heads: heads.kv.len(), head_dim: cfg.head_dim };
         Ok(ParallelAttention { attn, shape })
     }
 

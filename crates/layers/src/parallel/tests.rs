@@ -213,30 +213,20 @@ fn gather_tokens_and_its_adjoint_match_the_serial_definitions() {
     }
 }
 
-#[test]
-fn every_layout_matches_the_single_rank_model() {
-    // Uneven heads (3 KV heads over TP=2 split 2 + 1) and uneven tokens over CP.
-    let spec = RandomLlama {
-        heads: 6,
-        kv_heads: 3,
-        hidden: 48,
-        ffn: 80,
-        vocab: 40,
-        layers: 2,
-        seed: 33,
-        ..RandomLlama::default()
-    };
-    let path = write_model(&spec, "layouts.gguf");
+/// Runs `spec` in every `(tp, cp)` of `layouts` and compares prefill logits and 16 decode
+/// steps with the single-rank model (1e-4 relative); the CP ranks must share the tokens evenly.
+fn check_layouts(spec: &RandomLlama, stem: &str, layouts: &[(usize, usize)]) {
+    let path = write_model(spec, stem);
+    let vocab = spec.vocab;
     let reference = Model::load_with(&path, 1, WeightForm::F32).unwrap();
-    let prompt: Vec<u32> = vec![3, 17, 5, 38, 0, 22, 9];
+    let prompt: Vec<u32> = [3u32, 17, 5, 38, 0, 22, 9].iter().map(|t| t % vocab as u32).collect();
     // The single-rank logits: the prompt, then 16 greedy steps.
     let mut cache = reference.new_cache(64);
     let positions: Vec<usize> = (0..prompt.len()).collect();
     let prefill = reference.forward(&prompt, &positions, &mut cache, Logits::All).unwrap();
-    let mut next = reference
-        .backend()
-        .argmax_rows(&Tensor::from_vec(&[1, 40], prefill.row(prompt.len() - 1).to_vec()).unwrap())
-        [0] as u32;
+    let last = prefill.row(prompt.len() - 1).to_vec();
+    let mut next =
+        reference.backend().argmax_rows(&Tensor::from_vec(&[1, vocab], last).unwrap())[0] as u32;
     let mut steps = Vec::new();
     for _ in 0..16 {
         let pos = cache.len();
@@ -244,7 +234,7 @@ fn every_layout_matches_the_single_rank_model() {
         steps.push((next, logits.clone()));
         next = reference.backend().argmax_rows(&logits)[0] as u32;
     }
-    for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (1, 3), (3, 2)] {
+    for &(tp, cp) in layouts {
         let got = on_mesh(tp, cp, |p, comms| {
             let file = GgufFile::open(&path).unwrap();
             let config = LlamaConfig::from_gguf(&file).unwrap();
@@ -266,16 +256,102 @@ fn every_layout_matches_the_single_rank_model() {
         });
         for (rank, (pre, decode, lens)) in got.iter().enumerate() {
             let e = rel_err(pre.data(), prefill.data());
-            assert!(e < 1e-4, "({tp},{cp}) rank {rank}: prefill logits off by {e}");
+            assert!(e < 1e-4, "{stem} ({tp},{cp}) rank {rank}: prefill logits off by {e}");
             for (i, (logits, (_, want))) in decode.iter().zip(&steps).enumerate() {
                 let e = rel_err(logits.data(), want.data());
-                assert!(e < 1e-4, "({tp},{cp}) rank {rank}: decode step {i} off by {e}");
+                assert!(e < 1e-4, "{stem} ({tp},{cp}) rank {rank}: decode step {i} off by {e}");
             }
             // Every token is held by exactly one CP rank, spread evenly.
             assert_eq!(lens.iter().sum::<usize>(), prompt.len() + 16);
             assert!(lens.iter().max().unwrap() - lens.iter().min().unwrap() <= 1, "{lens:?}");
         }
     }
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn every_layout_matches_the_single_rank_model() {
+    // Uneven heads (3 KV heads over TP=2 split 2 + 1) and uneven tokens over CP.
+    let spec = RandomLlama {
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 80,
+        vocab: 40,
+        layers: 2,
+        seed: 33,
+        ..RandomLlama::default()
+    };
+    let layouts = [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (1, 3), (3, 2), (6, 1)];
+    check_layouts(&spec, "layouts.gguf", &layouts);
+}
+
+#[test]
+fn layouts_with_more_tp_ranks_than_kv_heads_match_the_single_rank_model() {
+    // 2 KV heads of 4 query heads each: at TP=4 two ranks share each KV head and take 2 of
+    // its query heads; at TP=8 every rank has one query head.
+    let spec = RandomLlama {
+        heads: 8,
+        kv_heads: 2,
+        hidden: 64,
+        ffn: 64,
+        vocab: 40,
+        layers: 2,
+        seed: 34,
+        ..RandomLlama::default()
+    };
+    check_layouts(&spec, "replicated.gguf", &[(4, 1), (4, 2), (8, 1)]);
+    // 3 query heads per KV head shared by 2 ranks: an uneven 2 + 1 split inside the group.
+    let uneven = RandomLlama {
+        heads: 6,
+        kv_heads: 2,
+        hidden: 48,
+        ffn: 48,
+        vocab: 40,
+        layers: 1,
+        seed: 35,
+        ..RandomLlama::default()
+    };
+    check_layouts(&uneven, "replicated-uneven.gguf", &[(4, 1)]);
+}
+
+#[test]
+fn head_shards_cover_every_query_head_once() {
+    let cfg = |heads, kv| LlamaConfig {
+        n_layers: 1,
+        hidden: heads * 4,
+        ffn: 8,
+        n_heads: heads,
+        n_kv_heads: kv,
+        head_dim: 4,
+        rope_theta: 10_000.0,
+        rope_dim: 4,
+        rms_eps: 1e-5,
+        vocab_size: 4,
+        context_length: 8,
+        tied_embeddings: true,
+    };
+    type Shards = Vec<(Range<usize>, Range<usize>)>;
+    let shards = |c: &LlamaConfig, tp| -> Shards {
+        (0..tp).map(|r| head_shard(c, r, tp).map(|h| (h.kv, h.q)).unwrap()).collect::<Vec<_>>()
+    };
+    // (heads, kv heads, tp) -> (kv, q) per rank.
+    let table: [((usize, usize, usize), Shards); 5] = [
+        ((9, 3, 2), vec![(0..2, 0..6), (2..3, 6..9)]),
+        ((8, 2, 2), vec![(0..1, 0..4), (1..2, 4..8)]),
+        ((8, 2, 4), vec![(0..1, 0..2), (0..1, 2..4), (1..2, 4..6), (1..2, 6..8)]),
+        ((6, 2, 4), vec![(0..1, 0..2), (0..1, 2..3), (1..2, 3..5), (1..2, 5..6)]),
+        ((4, 1, 3), vec![(0..1, 0..2), (0..1, 2..3), (0..1, 3..4)]),
+    ];
+    for ((heads, kv, tp), want) in table {
+        assert_eq!(shards(&cfg(heads, kv), tp), want, "heads {heads}, kv {kv}, tp {tp}");
+    }
+    let err = |heads, kv, rank, tp| head_shard(&cfg(heads, kv), rank, tp).unwrap_err().to_string();
+    let e = err(8, 2, 0, 3);
+    assert!(e.contains("tp=3") && e.contains("2 KV heads") && e.contains("not a multiple"), "{e}");
+    let e = err(4, 2, 0, 6);
+    assert!(e.contains("3 ranks on each of the model's 2 KV heads"), "{e}");
+    assert!(err(4, 2, 2, 2).contains("tp rank 2 of tp=2"));
 }
 
 #[test]
@@ -306,7 +382,7 @@ fn parallel_greedy_generation_equals_single_rank() {
 }
 
 #[test]
-fn too_many_tp_ranks_for_the_kv_heads_is_a_clear_error() {
+fn tp_beyond_the_kv_heads_but_not_a_multiple_is_a_clear_error() {
     let spec = RandomLlama { heads: 4, kv_heads: 2, seed: 45, ..RandomLlama::default() };
     let path = write_model(&spec, "toomany.gguf");
     let err = ParallelModel::load(
@@ -316,7 +392,9 @@ fn too_many_tp_ranks_for_the_kv_heads_is_a_clear_error() {
         WeightForm::F32,
     )
     .unwrap_err();
-    assert!(err.to_string().contains("tp=3 exceeds the model's 2 KV heads"), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("tp=3 exceeds the model's 2 KV heads"), "{msg}");
+    assert!(msg.contains("not a multiple of them"), "{msg}");
 }
 
 #[test]
