@@ -34,7 +34,9 @@ pub struct LlamaConfig {
 }
 
 impl LlamaConfig {
-    /// Reads the config from `general.architecture`-prefixed keys (`llama.block_count`, ...).
+    /// Reads the config from `general.architecture`-prefixed keys (`llama.block_count`, ...;
+    /// `llama` and `qwen2` are read, and Qwen2's rotary base defaults to 1e6 as in its
+    /// checkpoints, Llama's to 1e4).
     /// The vocabulary size comes from `tokenizer.ggml.tokens` (else `<arch>.vocab_size`, else
     /// the embedding's rows); the LM head is tied when `output.weight` is absent.
     ///
@@ -42,12 +44,16 @@ impl LlamaConfig {
     /// [`Error::Metadata`] naming the key that is missing, mistyped or inconsistent.
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let arch = file.get_str("general.architecture")?;
-        if arch != "llama" {
-            return Err(Error::metadata(
-                "general.architecture",
-                format!("`{arch}` is not supported (llama is)"),
-            ));
-        }
+        let default_theta = match arch {
+            "llama" => 10_000.0,
+            "qwen2" => 1_000_000.0,
+            _ => {
+                return Err(Error::metadata(
+                    "general.architecture",
+                    format!("`{arch}` is not supported (llama and qwen2 are)"),
+                ))
+            }
+        };
         let key = |k: &str| format!("{arch}.{k}");
         let usize_key = |k: &str| -> Result<usize> { Ok(file.get_u64(&key(k))? as usize) };
         let n_layers = usize_key("block_count")?;
@@ -90,7 +96,7 @@ impl LlamaConfig {
         let rope_theta = if file.get(&key("rope.freq_base")).is_some() {
             file.get_f64(&key("rope.freq_base"))? as f32
         } else {
-            10_000.0
+            default_theta
         };
         let rms_eps = file.get_f64(&key("attention.layer_norm_rms_epsilon"))? as f32;
         let context_length = usize_key("context_length")?;
@@ -167,6 +173,33 @@ mod tests {
             }
         );
         assert_eq!(c.group_size(), 2);
+        std::fs::remove_file(p).unwrap();
+    }
+
+    #[test]
+    fn qwen2_reads_its_own_keys_and_defaults_the_rotary_base_to_a_million() {
+        let p = temp_path("config-qwen2.gguf");
+        let mut w = GgufWriter::new();
+        w.metadata("general.architecture", Value::String("qwen2".into()))
+            .metadata("qwen2.block_count", Value::U32(1))
+            .metadata("qwen2.embedding_length", Value::U32(32))
+            .metadata("qwen2.feed_forward_length", Value::U32(64))
+            .metadata("qwen2.attention.head_count", Value::U32(4))
+            .metadata("qwen2.attention.head_count_kv", Value::U32(1))
+            .metadata("qwen2.attention.layer_norm_rms_epsilon", Value::F32(1e-6))
+            .metadata("qwen2.context_length", Value::U32(64))
+            .metadata("tokenizer.ggml.tokens", Value::Array(vec![Value::String("a".into()); 3]));
+        w.write(&p).unwrap();
+        let c = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap();
+        assert_eq!((c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim), (1, 4, 1, 8));
+        assert_eq!(c.rope_theta, 1_000_000.0);
+        std::fs::remove_file(p).unwrap();
+        let p = temp_path("config-arch.gguf");
+        let mut w = base();
+        w.metadata("general.architecture", Value::String("gemma".into()));
+        w.write(&p).unwrap();
+        let err = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
+        assert!(err.to_string().contains("`gemma` is not supported"), "{err}");
         std::fs::remove_file(p).unwrap();
     }
 

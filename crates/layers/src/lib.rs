@@ -8,9 +8,11 @@
 //!
 //! Conventions every module relies on:
 //! - Tensors are row-major f32; weight matrices are `[out_features, in_features]`.
-//! - Rotary embedding is rotate-half (Hugging Face). GGUF stores Q/K rows permuted for the
-//!   interleaved form; loading un-permutes them per head, so all weights in memory are in the
-//!   Hugging Face layout and both checkpoint formats run the same kernels.
+//! - Rotary embedding is rotate-half (Hugging Face). GGUF llama files store Q/K rows (and Q/K
+//!   biases) permuted for the interleaved form; loading un-permutes them per head, so all
+//!   weights in memory are in the Hugging Face layout and both checkpoint formats run the same
+//!   kernels. GGUF qwen2 files are stored rotate-half already; their Q/K/V biases are added
+//!   after the projection, before the rotation.
 //! - Attention masks by absolute position (`kv_pos <= q_pos`) and can return the log-sum-exp
 //!   of each row, so partial results over disjoint keys merge exactly.
 //!

@@ -324,6 +324,21 @@ impl Backend {
         Ok(())
     }
 
+    /// `x[.., i] += bias[i]`: a bias added to every row of `x`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `x`'s last dimension is not the bias length.
+    pub fn add_bias(&self, x: &mut Tensor, bias: &Tensor) -> Result<()> {
+        let width = x.shape().last().copied().unwrap_or(0);
+        check("add_bias", width == bias.len() && !bias.is_empty(), || {
+            format!("rows of {width} with a bias of {}", bias.len())
+        })?;
+        match self {
+            Backend::Cpu(_) => cpu::activation::add_rows(x.data_mut(), bias.data()),
+        }
+        Ok(())
+    }
+
     /// Rows `ids` of `table` (`[vocab, dim]`): returns `[ids.len(), dim]`.
     ///
     /// # Errors

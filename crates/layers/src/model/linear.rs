@@ -46,8 +46,8 @@ pub trait WeightSource {
         Ok(None)
     }
 
-    /// Whether Q/K projection rows are stored permuted for interleaved (adjacent-pair) rotary
-    /// embedding, as GGUF llama files are; they are un-permuted at load.
+    /// Whether Q/K projection rows (and Q/K biases) are stored permuted for interleaved
+    /// (adjacent-pair) rotary embedding, as GGUF llama files are; they are un-permuted at load.
     fn qk_interleaved(&self) -> bool;
 }
 
@@ -92,8 +92,10 @@ impl WeightSource for GgufFile {
         Ok(QMatrix::from_blocks(format, row_range.len(), col_range.len(), &picked))
     }
 
+    /// llama.cpp permutes Q/K rows for the llama architecture; Qwen2 files keep the Hugging
+    /// Face order (its NEOX rotary is rotate-half already).
     fn qk_interleaved(&self) -> bool {
-        true
+        self.get("general.architecture").and_then(|v| v.as_str()) != Some("qwen2")
     }
 }
 

@@ -62,12 +62,38 @@ pub fn load_vector(src: &dyn WeightSource, name: &str, len: usize) -> Result<Ten
     Tensor::from_vec(&[len], src.rows(name, 0..1)?)
 }
 
+/// The slice of heads `heads` (of `head_dim` rows each) of the optional 1-d bias `name`
+/// of `n_heads` heads; zeros when the file has no such bias. Query and key biases
+/// (`rotary`) are un-permuted like their weight rows when the source stores them interleaved.
+fn load_bias(
+    src: &dyn WeightSource,
+    name: &str,
+    heads: Range<usize>,
+    n_heads: usize,
+    head_dim: usize,
+    rotary: bool,
+) -> Result<Vec<f32>> {
+    let rows = heads.start * head_dim..heads.end * head_dim;
+    if !src.has(name) {
+        return Ok(vec![0.0; rows.len()]);
+    }
+    let full = load_vector(src, name, n_heads * head_dim)?;
+    let slice = &full.data()[rows];
+    Ok(if rotary && src.qk_interleaved() {
+        linear::unpermute_rows(slice, 1, head_dim)
+    } else {
+        slice.to_vec()
+    })
+}
+
 /// Self-attention of one layer over a range of whole KV heads (and their query heads), or
 /// over one KV head and part of its query heads.
 #[derive(Clone, Debug)]
 pub struct Attention {
     /// Q, K and V projections fused into one product (rows: queries, keys, values).
     qkv: Linear,
+    /// Optional Q, K and V biases (Qwen2), in the same row order as `qkv`.
+    qkv_bias: Option<Tensor>,
     o: Linear,
     kv_heads: Range<usize>,
     q_heads: Range<usize>,
@@ -160,8 +186,24 @@ impl Attention {
                 ));
             }
         }
+        let bias_name = |t: &str| format!("blk.{layer}.{t}.bias");
+        let biases = [
+            ("attn_q", q_heads.clone(), cfg.n_heads, true),
+            ("attn_k", kv_heads.clone(), cfg.n_kv_heads, true),
+            ("attn_v", kv_heads.clone(), cfg.n_kv_heads, false),
+        ];
+        let qkv_bias = if biases.iter().any(|(t, ..)| src.has(&bias_name(t))) {
+            let mut all = Vec::with_capacity((q_heads.len() + 2 * kv_heads.len()) * d);
+            for (t, heads, n, rotary) in biases {
+                all.extend(load_bias(src, &bias_name(t), heads, n, d, rotary)?);
+            }
+            Some(Tensor::from_vec(&[all.len()], all)?)
+        } else {
+            None
+        };
         Ok(Attention {
             qkv: Linear::concat(&[&q, &k, &v])?,
+            qkv_bias,
             o,
             kv_heads,
             q_heads,
@@ -169,6 +211,11 @@ impl Attention {
             rope_dim: cfg.rope_dim,
             rope_theta: cfg.rope_theta,
         })
+    }
+
+    /// Whether the Q/K/V projections carry biases.
+    pub fn has_bias(&self) -> bool {
+        self.qkv_bias.is_some()
     }
 
     /// The query heads this shard computes.
@@ -190,7 +237,8 @@ impl Attention {
     }
 
     /// Projects normalized hidden states `x` (`[n, hidden]`) to rotated queries
-    /// `[n, q_heads, d]` and rotated keys and values `[n, kv_heads, d]`.
+    /// `[n, q_heads, d]` and rotated keys and values `[n, kv_heads, d]` (biases, when the
+    /// model has them, are added before the rotation).
     ///
     /// # Errors
     /// [`Error::Shape`] when `x` and `positions` disagree.
@@ -202,7 +250,11 @@ impl Attention {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let s = self.shape();
         let (qw, kvw) = (s.q_heads * s.head_dim, s.kv_heads * s.head_dim);
-        let mut parts = self.qkv.forward(be, x)?.split_last(&[qw, kvw, kvw])?.into_iter();
+        let mut y = self.qkv.forward(be, x)?;
+        if let Some(bias) = &self.qkv_bias {
+            be.add_bias(&mut y, bias)?;
+        }
+        let mut parts = y.split_last(&[qw, kvw, kvw])?.into_iter();
         let (Some(mut q), Some(mut k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
             return Err(Error::shape("Attention::qkv", "split gave fewer than three parts"));
         };
@@ -428,6 +480,7 @@ impl Model {
             .iter()
             .map(|b| {
                 b.attn.qkv.weight().nbytes()
+                    + b.attn.qkv_bias.as_ref().map_or(0, |t| t.len() * 4)
                     + b.attn.o.weight().nbytes()
                     + b.mlp.gate_up.weight().nbytes()
                     + b.mlp.down.weight().nbytes()

@@ -28,6 +28,9 @@ pub struct RandomLlama {
     pub quantized: bool,
     /// Seed of the weights.
     pub seed: u64,
+    /// Write Q/K/V biases and call the architecture `qwen2` (whose Q/K rows are stored in the
+    /// rotate-half order, unlike llama's); the other weights are the same as without biases.
+    pub attn_bias: bool,
 }
 
 impl Default for RandomLlama {
@@ -42,6 +45,7 @@ impl Default for RandomLlama {
             untied_head: false,
             quantized: false,
             seed: 1,
+            attn_bias: false,
         }
     }
 }
@@ -68,16 +72,18 @@ impl RandomLlama {
         let (h, d) = (self.hidden, self.hidden / self.heads);
         let mut w = GgufWriter::new();
         let u = |x: usize| Value::U32(x as u32);
-        w.metadata("general.architecture", Value::String("llama".into()))
-            .metadata("llama.block_count", u(self.layers))
-            .metadata("llama.embedding_length", u(h))
-            .metadata("llama.feed_forward_length", u(self.ffn))
-            .metadata("llama.attention.head_count", u(self.heads))
-            .metadata("llama.attention.head_count_kv", u(self.kv_heads))
-            .metadata("llama.rope.freq_base", Value::F32(10_000.0))
-            .metadata("llama.rope.dimension_count", u(d))
-            .metadata("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5))
-            .metadata("llama.context_length", u(256))
+        let arch = if self.attn_bias { "qwen2" } else { "llama" };
+        let k = |key: &str| format!("{arch}.{key}");
+        w.metadata("general.architecture", Value::String(arch.into()))
+            .metadata(&k("block_count"), u(self.layers))
+            .metadata(&k("embedding_length"), u(h))
+            .metadata(&k("feed_forward_length"), u(self.ffn))
+            .metadata(&k("attention.head_count"), u(self.heads))
+            .metadata(&k("attention.head_count_kv"), u(self.kv_heads))
+            .metadata(&k("rope.freq_base"), Value::F32(10_000.0))
+            .metadata(&k("rope.dimension_count"), u(d))
+            .metadata(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5))
+            .metadata(&k("context_length"), u(256))
             .metadata("tokenizer.ggml.model", Value::String("gpt2".into()))
             .metadata(
                 "tokenizer.ggml.tokens",
@@ -109,6 +115,21 @@ impl RandomLlama {
             matrix(&mut w, &mut rng, &n("ffn_gate"), self.ffn, h);
             matrix(&mut w, &mut rng, &n("ffn_up"), self.ffn, h);
             matrix(&mut w, &mut rng, &n("ffn_down"), h, self.ffn);
+        }
+        if self.attn_bias {
+            // A separate stream, so the weights match the bias-free model of the same seed.
+            let mut bias_rng = Rng(self.seed.wrapping_mul(0xD1B5_4A32_D192_ED03) | 1);
+            for l in 0..self.layers {
+                for (t, rows) in
+                    [("attn_q", self.heads), ("attn_k", self.kv_heads), ("attn_v", self.kv_heads)]
+                {
+                    w.tensor_f32(
+                        &format!("blk.{l}.{t}.bias"),
+                        &[rows * d],
+                        &bias_rng.vec(rows * d, 0.5),
+                    );
+                }
+            }
         }
         norm(&mut w, &mut rng, "output_norm.weight");
         if self.untied_head {

@@ -12,9 +12,10 @@ fn write_model(spec: &RandomLlama, stem: &str) -> PathBuf {
     p
 }
 
-/// Straightforward f64 Llama forward over all tokens (positions 0..n), on the GGUF weights as
-/// stored, with llama.cpp's interleaved (adjacent-pair) rotary embedding: an independent check
-/// of the un-permute + rotate-half path.
+/// Straightforward f64 Llama forward over all tokens (positions 0..n), on the GGUF weights
+/// (and Q/K/V biases, when present) as stored, with llama.cpp's rotary embedding for the
+/// architecture: interleaved (adjacent pairs) for llama, an independent check of the
+/// un-permute + rotate-half path; rotate-half (NEOX) for qwen2.
 fn reference_logits(file: &GgufFile, tokens: &[u32]) -> Vec<f32> {
     let c = LlamaConfig::from_gguf(file).unwrap();
     let get = |name: &str| -> Vec<f64> {
@@ -29,15 +30,23 @@ fn reference_logits(file: &GgufFile, tokens: &[u32]) -> Vec<f32> {
             1.0 / (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + c.rms_eps as f64).sqrt();
         x.iter().zip(w).map(|(a, b)| a * s * b).collect()
     };
+    let neox = file.get_str("general.architecture").unwrap() == "qwen2";
     let rope = |v: &mut [f64], pos: usize| {
         for head in v.chunks_mut(d) {
             for i in 0..d / 2 {
                 let a = pos as f64 * (c.rope_theta as f64).powf(-((2 * i) as f64) / d as f64);
-                let (x0, x1) = (head[2 * i], head[2 * i + 1]);
-                head[2 * i] = x0 * a.cos() - x1 * a.sin();
-                head[2 * i + 1] = x1 * a.cos() + x0 * a.sin();
+                let (i0, i1) = if neox { (i, i + d / 2) } else { (2 * i, 2 * i + 1) };
+                let (x0, x1) = (head[i0], head[i1]);
+                head[i0] = x0 * a.cos() - x1 * a.sin();
+                head[i1] = x1 * a.cos() + x0 * a.sin();
             }
         }
+    };
+    let plus_bias = |mut y: Vec<f64>, name: &str| {
+        if file.has_tensor(name) {
+            y.iter_mut().zip(get(name)).for_each(|(a, b)| *a += b);
+        }
+        y
     };
     let embed = get("token_embd.weight");
     let mut x: Vec<Vec<f64>> =
@@ -48,9 +57,12 @@ fn reference_logits(file: &GgufFile, tokens: &[u32]) -> Vec<f32> {
         let (an, fnorm, wg, wu, wd) =
             (w("attn_norm"), w("ffn_norm"), w("ffn_gate"), w("ffn_up"), w("ffn_down"));
         let hs: Vec<Vec<f64>> = x.iter().map(|r| rms(r, &an)).collect();
-        let mut q: Vec<Vec<f64>> = hs.iter().map(|r| matvec(&wq, r)).collect();
-        let mut k: Vec<Vec<f64>> = hs.iter().map(|r| matvec(&wk, r)).collect();
-        let v: Vec<Vec<f64>> = hs.iter().map(|r| matvec(&wv, r)).collect();
+        let b = |t: &str| format!("blk.{l}.{t}.bias");
+        let mut q: Vec<Vec<f64>> =
+            hs.iter().map(|r| plus_bias(matvec(&wq, r), &b("attn_q"))).collect();
+        let mut k: Vec<Vec<f64>> =
+            hs.iter().map(|r| plus_bias(matvec(&wk, r), &b("attn_k"))).collect();
+        let v: Vec<Vec<f64>> = hs.iter().map(|r| plus_bias(matvec(&wv, r), &b("attn_v"))).collect();
         for t in 0..n {
             rope(&mut q[t], t);
             rope(&mut k[t], t);
@@ -119,6 +131,62 @@ fn prefill_matches_the_naive_reference_with_interleaved_rope() {
         assert_close(got.data(), &want, 1e-4);
         std::fs::remove_file(p).unwrap();
     }
+}
+
+#[test]
+fn attention_biases_match_the_naive_reference() {
+    // Qwen2: biases on every projection, Q/K rows in rotate-half order.
+    let qwen =
+        RandomLlama { attn_bias: true, heads: 4, kv_heads: 2, seed: 8, ..Default::default() };
+    let p = write_model(&qwen, "ref-qwen2.gguf");
+    let file = GgufFile::open(&p).unwrap();
+    assert_eq!(file.get_str("general.architecture").unwrap(), "qwen2");
+    assert!(!file.qk_interleaved());
+    let model = Model::load_with(&p, 2, WeightForm::F32).unwrap();
+    let pos: Vec<usize> = (0..PROMPT.len()).collect();
+    let got = model.forward(&PROMPT, &pos, &mut model.new_cache(16), Logits::All).unwrap();
+    assert_close(got.data(), &reference_logits(&file, &PROMPT), 1e-4);
+    // The biases matter: without them the logits differ.
+    let plain_path = write_model(&RandomLlama { attn_bias: false, ..qwen }, "plain.gguf");
+    let plain = Model::load(&plain_path, 1)
+        .unwrap()
+        .forward(&PROMPT, &pos, &mut model.new_cache(16), Logits::All)
+        .unwrap();
+    std::fs::remove_file(plain_path).unwrap();
+    assert!(plain.data().iter().zip(got.data()).any(|(a, b)| (a - b).abs() > 1e-2));
+    std::fs::remove_file(p).unwrap();
+
+    // Llama with biases: the Q/K biases are stored permuted like their weight rows and must be
+    // un-permuted the same way (one KV head, so the un-permutation of several heads shows).
+    let spec = RandomLlama { heads: 4, kv_heads: 1, seed: 9, ..RandomLlama::default() };
+    let d = spec.hidden / spec.heads;
+    let mut w = spec.writer();
+    for l in 0..spec.layers {
+        for (t, rows, seed) in [("attn_q", 4, 1), ("attn_k", 1, 2), ("attn_v", 1, 3)] {
+            let bias = crate::test_util::random_vec(rows * d, 100 * l as u64 + seed);
+            w.tensor_f32(&format!("blk.{l}.{t}.bias"), &[rows * d], &bias);
+        }
+    }
+    let p = temp_path("ref-llama-bias.gguf");
+    w.write(&p).unwrap();
+    let file = GgufFile::open(&p).unwrap();
+    let model = Model::load(&p, 2).unwrap();
+    assert!(model.blocks.iter().all(|b| b.attn.has_bias()));
+    let got = model.forward(&PROMPT, &pos, &mut model.new_cache(16), Logits::All).unwrap();
+    assert_close(got.data(), &reference_logits(&file, &PROMPT), 1e-4);
+    std::fs::remove_file(p).unwrap();
+}
+
+#[test]
+fn a_misshapen_bias_is_named() {
+    let spec = RandomLlama { seed: 10, ..RandomLlama::default() };
+    let mut w = spec.writer();
+    w.tensor_f32("blk.1.attn_k.bias", &[3], &[0.0; 3]);
+    let p = temp_path("bad-bias.gguf");
+    w.write(&p).unwrap();
+    let err = Model::load(&p, 1).unwrap_err().to_string();
+    assert!(err.contains("blk.1.attn_k.bias") && err.contains("expected shape [32]"), "{err}");
+    std::fs::remove_file(p).unwrap();
 }
 
 #[test]

@@ -316,6 +316,23 @@ fn layouts_with_more_tp_ranks_than_kv_heads_match_the_single_rank_model() {
 }
 
 #[test]
+fn qwen2_biases_are_sharded_with_their_heads() {
+    // Column-parallel biases: each TP rank adds its heads' slice (at TP=4 two ranks share
+    // each KV head, both adding its K/V bias).
+    let spec = RandomLlama {
+        heads: 4,
+        kv_heads: 2,
+        hidden: 48,
+        ffn: 64,
+        vocab: 40,
+        seed: 36,
+        attn_bias: true,
+        ..RandomLlama::default()
+    };
+    check_layouts(&spec, "qwen2-layouts.gguf", &[(2, 1), (1, 2), (2, 2), (4, 1)]);
+}
+
+#[test]
 fn head_shards_cover_every_query_head_once() {
     let cfg = |heads, kv| LlamaConfig {
         n_layers: 1,

@@ -14,6 +14,16 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
     }
 }
 
+/// Adds `bias` to every row of `x` (`x.len()` a multiple of `bias.len()`).
+pub fn add_rows(x: &mut [f32], bias: &[f32]) {
+    if bias.is_empty() {
+        return;
+    }
+    for row in x.chunks_exact_mut(bias.len()) {
+        add_assign(row, bias);
+    }
+}
+
 /// Index of the largest element (the first on ties; NaN never wins); `None` when empty.
 pub fn argmax(x: &[f32]) -> Option<usize> {
     let mut best: Option<(usize, f32)> = None;
