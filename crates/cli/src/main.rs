@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tpctl::config::{Config, WeightsForm};
 use tpctl::launcher::{self, Launch, Outcome};
-use tpctl::spec::{OutputFormat, PromptSpec, RankSpec, Sampling};
+use tpctl::spec::{OutputFormat, PromptSpec, RankSpec, Sampling, ServeSpec};
 
 /// The prompt used when none is given.
 const DEMO_PROMPT: &str =
@@ -37,6 +37,13 @@ enum Command {
     ///
     /// Example: tpctl run --tp 2 --cp 2 examples/smollm2.toml --prompt "The capital of France is"
     Run(Box<RunArgs>),
+    /// Launch the rank processes and serve an OpenAI-style HTTP API from rank 0.
+    ///
+    /// Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true
+    /// for SSE), GET /v1/models, /health, /metrics. Ctrl-C stops every rank.
+    ///
+    /// Example: tpctl serve --tp 2 --listen 127.0.0.1:8000
+    Serve(Box<ServeArgs>),
     /// Download a catalog model into the cache (once) and print its path.
     ///
     /// Example: tpctl fetch smollm2-135m-instruct
@@ -49,7 +56,7 @@ enum Command {
     ///
     /// Example: tpctl models
     Models,
-    /// One rank of a job (started by `tpctl run`; reads TPCTL_RANK_SPEC).
+    /// One rank of a job (started by `tpctl run` or `tpctl serve`; reads TPCTL_RANK_SPEC).
     #[command(name = "__rank", hide = true)]
     Rank,
 }
@@ -118,11 +125,40 @@ struct RunArgs {
     master_port: Option<u16>,
 }
 
+#[derive(Args, Debug)]
+struct ServeArgs {
+    /// Config file (TOML, see examples/); flags override it.
+    config: Option<PathBuf>,
+    /// Tensor-parallel ranks (split heads and MLP).
+    #[arg(long)]
+    tp: Option<usize>,
+    /// Context-parallel ranks (split tokens and the KV cache).
+    #[arg(long)]
+    cp: Option<usize>,
+    /// Catalog name or path of a GGUF file.
+    #[arg(long)]
+    model: Option<String>,
+    /// Compute threads per rank (default: cores / ranks on this node).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Backend of every axis (shm for one host, tcp across hosts).
+    #[arg(long)]
+    backend: Option<mesh::Backend>,
+    /// Address of the HTTP API (default 127.0.0.1:8000, or [server] listen; port 0 picks a
+    /// free one). Beyond loopback it needs an API key.
+    #[arg(long)]
+    listen: Option<String>,
+    /// Require `Authorization: Bearer KEY` on every request but /health.
+    #[arg(long, env = "TPCTL_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.verbose, cli.quiet);
     let result = match cli.command {
-        Command::Run(args) => run(*args, cli.verbose, cli.quiet),
+        Command::Run(args) => run(*args, None, cli.verbose, cli.quiet),
+        Command::Serve(args) => serve(*args, cli.verbose, cli.quiet),
         Command::Fetch { model } => fetch(&model),
         Command::Models => models(),
         Command::Rank => match tpctl::rank::run() {
@@ -245,7 +281,44 @@ fn prompts(args: &RunArgs) -> Result<Vec<PromptSpec>> {
     Ok(specs)
 }
 
-fn run(args: RunArgs, verbose: u8, quiet: bool) -> Result<i32> {
+/// `tpctl serve`: `run`'s launch with rank 0 serving HTTP instead of running prompts.
+fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
+    let config = match &args.config {
+        Some(path) => Config::load(path)?,
+        None => Config::default(),
+    };
+    let listen = args.listen.unwrap_or(config.server.listen);
+    let api_key = args.api_key.or(config.server.api_key).filter(|k| !k.is_empty());
+    tpctl::serve::check_listen(&listen, api_key.is_some())?;
+    // The name the API knows the model by: the catalog name or the path, as given.
+    let model_name = args.model.clone().unwrap_or(config.model.name);
+    let job = RunArgs {
+        config: args.config,
+        tp: args.tp,
+        cp: args.cp,
+        model: args.model,
+        prompts: Vec::new(),
+        prompt_ids: Vec::new(),
+        prompt_file: None,
+        max_tokens: None,
+        temperature: None,
+        top_p: None,
+        top_k: None,
+        seed: None,
+        chat: false,
+        output: OutputFormat::Text,
+        threads: args.threads,
+        backend: args.backend,
+        nnodes: 1,
+        node_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: None,
+    };
+    run(job, Some(ServeSpec { listen, api_key, model_name }), verbose, quiet)
+}
+
+/// Launches the job; with `serve` (which names the model for the API) rank 0 serves HTTP.
+fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Result<i32> {
     let config = match &args.config {
         Some(path) => Config::load(path)?,
         None => Config::default(),
@@ -295,7 +368,7 @@ fn run(args: RunArgs, verbose: u8, quiet: bool) -> Result<i32> {
         native_weights: config.model.weights == WeightsForm::Native,
         kv_cache_tokens: config.runtime.kv_cache_tokens,
         timeout_s: config.runtime.timeout_s,
-        prompts: prompts(&args)?,
+        prompts: if serve.is_none() { prompts(&args)? } else { Vec::new() },
         sampling: Sampling {
             max_tokens: args.max_tokens.unwrap_or(s.max_tokens as u32),
             temperature: args.temperature.unwrap_or(s.temperature),
@@ -304,6 +377,7 @@ fn run(args: RunArgs, verbose: u8, quiet: bool) -> Result<i32> {
             seed: args.seed.unwrap_or(s.seed),
         },
         output: args.output,
+        serve,
     };
     let master_port = match args.master_port {
         Some(p) => p,

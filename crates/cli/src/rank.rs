@@ -1,6 +1,6 @@
 //! A rank process (`tpctl __rank`, started by the launcher): joins the world, loads its shard
 //! and runs the session engine. Rank 0 tokenizes, prints and summarizes; workers print nothing
-//! but their errors.
+//! but their errors. With a serve spec rank 0 serves HTTP instead ([`crate::serve`]).
 
 use crate::output::{summary, Meter, Printer, PromptInfo};
 use crate::spec::{OutputFormat, RankSpec};
@@ -74,6 +74,18 @@ pub fn run() -> Result<()> {
         worker.run()?;
         return Ok(());
     }
+    if let Some(serve) = &spec.serve {
+        let rank0 = crate::serve::Rank0 {
+            ctx,
+            factory,
+            engine,
+            model,
+            file: &file,
+            config: &config,
+            context_tokens: spec.kv_cache_tokens,
+        };
+        return crate::serve::run(rank0, serve);
+    }
 
     let tokenizer = layers::Tokenizer::from_gguf(&file)?;
     let mut prompts = Vec::with_capacity(spec.prompts.len());
@@ -132,7 +144,7 @@ pub fn run() -> Result<()> {
 }
 
 /// SIGINT or SIGTERM (forwarded by the launcher) stops the engine at the next step boundary.
-fn stop_on_signal(stop: session::StopHandle) {
+pub(crate) fn stop_on_signal(stop: session::StopHandle) {
     if let Err(e) = ctrlc::set_handler(move || stop.request_stop()) {
         tracing::warn!("cannot install the stop handler: {e}");
     }

@@ -68,6 +68,20 @@ pub struct RankSpec {
     pub sampling: Sampling,
     /// Output format of rank 0.
     pub output: OutputFormat,
+    /// Set for `tpctl serve`: rank 0 serves HTTP instead of running `prompts`.
+    #[serde(default)]
+    pub serve: Option<ServeSpec>,
+}
+
+/// What rank 0 of `tpctl serve` needs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServeSpec {
+    /// Address of the HTTP API (`127.0.0.1:0` picks a free port).
+    pub listen: String,
+    /// Required as `Authorization: Bearer KEY` on every request but `/health` when set.
+    pub api_key: Option<String>,
+    /// The model's name in the API (`/v1/models`, the `model` field of requests).
+    pub model_name: String,
 }
 
 impl RankSpec {
@@ -77,7 +91,9 @@ impl RankSpec {
     /// The variable is missing or does not parse.
     pub fn from_env() -> anyhow::Result<RankSpec> {
         let text = std::env::var(ENV).map_err(|_| {
-            anyhow::anyhow!("{ENV} is not set: `tpctl __rank` is started by `tpctl run`")
+            anyhow::anyhow!(
+                "{ENV} is not set: `tpctl __rank` is started by `tpctl run` or `tpctl serve`"
+            )
         })?;
         Ok(serde_json::from_str(&text)?)
     }

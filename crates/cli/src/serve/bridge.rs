@@ -1,0 +1,129 @@
+//! Between the HTTP handlers and the engine: requests go into the engine's inbox, and the
+//! engine's output sink routes each token and each request's end to the channel its handler
+//! registered.
+
+use super::metrics::Metrics;
+use session::{BoxError, FinishReason, OutputSink, Request, SamplingParams};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+/// What the engine produced for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A new token and its decoded piece.
+    Token {
+        /// The token id.
+        token: u32,
+        /// Its text (may be empty for a partial character).
+        text: String,
+    },
+    /// The request ended.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Every generated token.
+        tokens: Vec<u32>,
+    },
+}
+
+/// The engine is gone (stopped or failed): nothing more is accepted.
+#[derive(Debug, Clone, Copy)]
+pub struct Closed;
+
+struct Entry {
+    tx: UnboundedSender<Event>,
+    start: Instant,
+    first_token: Option<Instant>,
+}
+
+/// Shared by every handler and the engine's output sink.
+#[derive(Clone)]
+pub struct Bridge {
+    pending: Arc<Mutex<HashMap<u64, Entry>>>,
+    next_id: Arc<AtomicU64>,
+    inbox: Sender<Request>,
+    metrics: Metrics,
+}
+
+impl Bridge {
+    /// A bridge that feeds `inbox` (the engine's) and records into `metrics`.
+    pub fn new(inbox: Sender<Request>, metrics: Metrics) -> Self {
+        Bridge { pending: Arc::default(), next_id: Arc::new(AtomicU64::new(0)), inbox, metrics }
+    }
+
+    /// Hands a checked request to the engine; its events arrive on the returned channel,
+    /// which closes without [`Event::Finished`] only when the engine stops first.
+    ///
+    /// # Errors
+    /// [`Closed`] when the engine no longer takes requests.
+    pub fn submit(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<(u64, UnboundedReceiver<Event>), Closed> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = unbounded_channel();
+        let prompt_tokens = prompt.len();
+        // Registered before the engine can see the request, so no event is missed.
+        self.lock().insert(id, Entry { tx, start: Instant::now(), first_token: None });
+        if self.inbox.send(Request::tokens(id, prompt, params)).is_err() {
+            self.lock().remove(&id);
+            return Err(Closed);
+        }
+        self.metrics.submitted(prompt_tokens);
+        Ok((id, rx))
+    }
+
+    /// Closes every pending request's channel (the engine stopped).
+    pub fn close_all(&self) {
+        self.lock().clear();
+    }
+
+    /// The engine's output sink.
+    pub fn sink(&self) -> Sink {
+        Sink(self.clone())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Entry>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Routes the engine's output to the handlers' channels.
+pub struct Sink(Bridge);
+
+impl OutputSink for Sink {
+    fn token(&mut self, request: u64, token: u32, text: &str) -> Result<(), BoxError> {
+        let mut pending = self.0.lock();
+        if let Some(entry) = pending.get_mut(&request) {
+            if entry.first_token.is_none() {
+                let now = Instant::now();
+                entry.first_token = Some(now);
+                self.0.metrics.first_token(now - entry.start);
+            }
+            // A client that went away still gets its request finished by the engine; its
+            // tokens are dropped here.
+            let _ = entry.tx.send(Event::Token { token, text: text.to_owned() });
+        }
+        self.0.metrics.generated(1);
+        Ok(())
+    }
+
+    fn finished(
+        &mut self,
+        request: u64,
+        reason: FinishReason,
+        tokens: &[u32],
+    ) -> Result<(), BoxError> {
+        let entry = self.0.lock().remove(&request);
+        if let Some(entry) = entry {
+            self.0.metrics.finished(reason, entry.start.elapsed());
+            let _ = entry.tx.send(Event::Finished { reason, tokens: tokens.to_vec() });
+        }
+        Ok(())
+    }
+}

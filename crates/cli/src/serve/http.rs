@@ -1,0 +1,797 @@
+//! The HTTP API (OpenAI-style): `POST /v1/completions`, `POST /v1/chat/completions` (both
+//! with SSE streaming), `GET /v1/models`, `GET /health` and `GET /metrics`.
+//!
+//! Every failure a client causes is a 4xx answer with an OpenAI-style body
+//! `{"error": {"message", "type", "code", "param"}}`; the engine only ever sees checked
+//! token-id prompts.
+
+use super::bridge::{Bridge, Closed, Event};
+use super::metrics::Metrics;
+use anyhow::{Context, Result};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use session::{FinishReason, SamplingParams};
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio_stream::wrappers::ReceiverStream;
+
+/// The largest request body, bytes (larger ones get 413).
+pub const BODY_LIMIT: usize = 1 << 20;
+
+/// `max_tokens` of a completion that gives none (OpenAI's default).
+const DEFAULT_COMPLETION_TOKENS: u32 = 16;
+
+/// What [`Api::new`] needs.
+pub struct ApiParts {
+    /// To the engine and back.
+    pub bridge: Bridge,
+    /// Counters for `/metrics`.
+    pub metrics: Metrics,
+    /// The model's tokenizer and chat template.
+    pub tokenizer: layers::Tokenizer,
+    /// The model's name in the API.
+    pub model_name: String,
+    /// Token ids must be below this.
+    pub vocab: usize,
+    /// Prompt and generated tokens of one request together fit in this.
+    pub context: usize,
+    /// Required bearer token, if any.
+    pub api_key: Option<String>,
+    /// Whether the engine's session is open.
+    pub ready: Arc<AtomicBool>,
+}
+
+/// The handlers' shared state.
+#[derive(Clone)]
+pub struct Api(Arc<Inner>);
+
+struct Inner {
+    bridge: Bridge,
+    metrics: Metrics,
+    tokenizer: layers::Tokenizer,
+    model_name: String,
+    vocab: usize,
+    context: usize,
+    api_key: Option<String>,
+    ready: Arc<AtomicBool>,
+    created: u64,
+}
+
+impl Api {
+    /// The state of a server over `parts`.
+    pub fn new(parts: ApiParts) -> Self {
+        Api(Arc::new(Inner {
+            bridge: parts.bridge,
+            metrics: parts.metrics,
+            tokenizer: parts.tokenizer,
+            model_name: parts.model_name,
+            vocab: parts.vocab,
+            context: parts.context,
+            api_key: parts.api_key,
+            ready: parts.ready,
+            created: unix_now(),
+        }))
+    }
+}
+
+/// Runs the server on `listener` until `shutdown` fires (or its sender is dropped).
+///
+/// # Errors
+/// The runtime cannot start or the listener fails.
+pub fn serve(
+    listener: std::net::TcpListener,
+    api: Api,
+    shutdown: tokio::sync::oneshot::Receiver<()>,
+) -> Result<()> {
+    let bridge = api.0.bridge.clone();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("http-worker")
+        .enable_io()
+        .enable_time()
+        .build()
+        .context("starting the HTTP runtime")?;
+    let result = runtime.block_on(async move {
+        let listener =
+            tokio::net::TcpListener::from_std(listener).context("registering the listener")?;
+        axum::serve(listener, router(api))
+            .with_graceful_shutdown(async move {
+                let _ = shutdown.await;
+                // Requests the engine will never finish now get their answer (503).
+                bridge.close_all();
+            })
+            .await
+            .context("serving HTTP")
+    });
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    result
+}
+
+/// The routes, behind the API-key check and the body limit.
+fn router(api: Api) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(api.clone(), guard))
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .with_state(api)
+}
+
+/// The route's name in the metrics: a known path, or `other` (so clients cannot grow the
+/// label set).
+fn route_label(path: &str) -> &'static str {
+    match path {
+        "/v1/completions" => "/v1/completions",
+        "/v1/chat/completions" => "/v1/chat/completions",
+        "/v1/models" => "/v1/models",
+        "/health" => "/health",
+        "/metrics" => "/metrics",
+        _ => "other",
+    }
+}
+
+/// Checks the API key (every route but `/health`) and counts the answer.
+async fn guard(State(api): State<Api>, req: Request, next: Next) -> Response {
+    let route = route_label(req.uri().path());
+    let allowed = route == "/health"
+        || api.0.api_key.as_deref().is_none_or(|key| bearer_matches(req.headers(), key));
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let response = if !allowed {
+        unauthorized().into_response()
+    } else if declared.is_some_and(|n| n > BODY_LIMIT as u64) {
+        // Refused before reading: no point in receiving what will be thrown away.
+        ApiError::too_large().into_response()
+    } else {
+        next.run(req).await
+    };
+    api.0.metrics.http(route, response.status().as_u16());
+    response
+}
+
+fn unauthorized() -> ApiError {
+    ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "authentication_error",
+        "invalid_api_key",
+        "missing or wrong API key: send `Authorization: Bearer KEY`",
+    )
+}
+
+/// Whether the request carries `Authorization: Bearer key`, compared in constant time.
+fn bearer_matches(headers: &HeaderMap, key: &str) -> bool {
+    let Some(given) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+    else {
+        return false;
+    };
+    let (a, b) = (given.trim().as_bytes(), key.as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// An OpenAI-style error answer.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    code: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        ApiError { status, kind, code, message: message.into() }
+    }
+
+    fn invalid(code: &'static str, message: impl Into<String>) -> Self {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", code, message)
+    }
+
+    fn too_large() -> Self {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "body_too_large",
+            format!("the request body exceeds {BODY_LIMIT} bytes"),
+        )
+    }
+
+    fn stopping() -> Self {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "shutting_down",
+            "the server is stopping and takes no more requests",
+        )
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "code": self.code,
+            "param": null,
+        }});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<Closed> for ApiError {
+    fn from(_: Closed) -> Self {
+        ApiError::stopping()
+    }
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "not_found",
+        format!("no route {} {}", req.method(), req.uri().path()),
+    )
+}
+
+async fn health(State(api): State<Api>) -> Response {
+    if api.0.ready.load(Ordering::SeqCst) {
+        (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"}))).into_response()
+    }
+}
+
+async fn metrics(State(api): State<Api>) -> Response {
+    let text = api.0.metrics.render();
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+async fn models(State(api): State<Api>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": api.0.model_name,
+            "object": "model",
+            "created": api.0.created,
+            "owned_by": "tpctl",
+            "max_model_len": api.0.context,
+        }],
+    }))
+}
+
+/// Sampling fields shared by both generation endpoints.
+#[derive(Debug, Default, Deserialize)]
+struct SamplingBody {
+    model: Option<String>,
+    max_tokens: Option<u64>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<i64>,
+    seed: Option<u64>,
+    stop: Option<Value>,
+    stop_token_ids: Option<Vec<u64>>,
+    ignore_eos: Option<bool>,
+    n: Option<u64>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionBody {
+    prompt: Option<Value>,
+    #[serde(flatten)]
+    sampling: SamplingBody,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatBody {
+    messages: Option<Vec<ChatMessageBody>>,
+    max_completion_tokens: Option<u64>,
+    #[serde(flatten)]
+    sampling: SamplingBody,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatMessageBody {
+    role: String,
+    content: Option<Value>,
+}
+
+/// The body as JSON of type `T`, or the 4xx that says why not.
+fn parse<T: serde::de::DeserializeOwned>(
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> std::result::Result<T, ApiError> {
+    let bytes = body.map_err(|r| {
+        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::too_large()
+        } else {
+            ApiError::invalid("invalid_body", format!("cannot read the request body: {r}"))
+        }
+    })?;
+    serde_json::from_slice(&bytes).map_err(|e| {
+        ApiError::invalid(
+            "invalid_json",
+            format!("the body is not valid JSON for this endpoint: {e}"),
+        )
+    })
+}
+
+/// A checked request, ready for the engine.
+struct Job {
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    stream: bool,
+    include_usage: bool,
+}
+
+impl Api {
+    fn check_model(&self, model: Option<&str>) -> std::result::Result<(), ApiError> {
+        match model {
+            Some(m) if m != self.0.model_name => Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "model_not_found",
+                format!(
+                    "the model `{m}` does not exist; this server serves `{}`",
+                    self.0.model_name
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn encode(&self, text: &str) -> std::result::Result<Vec<u32>, ApiError> {
+        if text.is_empty() {
+            return Err(ApiError::invalid("empty_prompt", "the prompt is empty"));
+        }
+        let ids = self.0.tokenizer.encode(text).map_err(|e| {
+            ApiError::invalid("invalid_prompt", format!("cannot tokenize the prompt: {e}"))
+        })?;
+        if ids.is_empty() {
+            return Err(ApiError::invalid("empty_prompt", "the prompt encodes to no tokens"));
+        }
+        Ok(ids)
+    }
+
+    fn check_id(&self, what: &str, id: u64) -> std::result::Result<u32, ApiError> {
+        if id >= self.0.vocab as u64 {
+            return Err(ApiError::invalid(
+                "invalid_token_id",
+                format!("{what}: token id {id} is outside the vocabulary of {}", self.0.vocab),
+            ));
+        }
+        Ok(id as u32)
+    }
+
+    /// The prompt of a completion: a string, token ids, or a one-element list of either.
+    fn completion_prompt(&self, prompt: Option<&Value>) -> std::result::Result<Vec<u32>, ApiError> {
+        let bad = || {
+            ApiError::invalid(
+                "invalid_prompt",
+                "`prompt` must be a string or an array of token ids (one prompt per request)",
+            )
+        };
+        match prompt {
+            None | Some(Value::Null) => {
+                Err(ApiError::invalid("missing_prompt", "`prompt` is required"))
+            }
+            Some(Value::String(s)) => self.encode(s),
+            Some(Value::Array(items)) if items.is_empty() => {
+                Err(ApiError::invalid("empty_prompt", "the prompt is empty"))
+            }
+            Some(Value::Array(items)) if items.len() == 1 && !items[0].is_number() => {
+                self.completion_prompt(items.first())
+            }
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| match v.as_u64() {
+                    Some(id) => self.check_id("prompt", id),
+                    None if v.is_number() => Err(ApiError::invalid(
+                        "invalid_token_id",
+                        format!("prompt: token id {v} is not a non-negative integer"),
+                    )),
+                    None => Err(bad()),
+                })
+                .collect(),
+            Some(_) => Err(bad()),
+        }
+    }
+
+    /// The prompt of a chat: its messages through the model's chat template.
+    fn chat_prompt(
+        &self,
+        messages: Option<&[ChatMessageBody]>,
+    ) -> std::result::Result<Vec<u32>, ApiError> {
+        let messages = match messages {
+            None => return Err(ApiError::invalid("missing_messages", "`messages` is required")),
+            Some([]) => return Err(ApiError::invalid("empty_messages", "`messages` is empty")),
+            Some(m) => m,
+        };
+        let mut chat = Vec::with_capacity(messages.len());
+        for (i, m) in messages.iter().enumerate() {
+            let content = match &m.content {
+                None | Some(Value::Null) => String::new(),
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => {
+                    let mut text = String::new();
+                    for part in parts {
+                        match (
+                            part.get("type").and_then(Value::as_str),
+                            part.get("text").and_then(Value::as_str),
+                        ) {
+                            (Some("text"), Some(t)) => text.push_str(t),
+                            _ => {
+                                return Err(ApiError::invalid(
+                                    "invalid_message",
+                                    format!("messages[{i}]: only text content parts are supported"),
+                                ))
+                            }
+                        }
+                    }
+                    text
+                }
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        "invalid_message",
+                        format!("messages[{i}].content must be a string or a list of text parts"),
+                    ))
+                }
+            };
+            chat.push(layers::ChatMessage::new(&m.role, &content));
+        }
+        let text = self.0.tokenizer.apply_chat_template(&chat, true).map_err(|e| {
+            ApiError::invalid(
+                "chat_template",
+                format!("cannot apply the model's chat template: {e}"),
+            )
+        })?;
+        self.encode(&text)
+    }
+
+    /// Checks the sampling fields against the prompt and the context.
+    fn job(
+        &self,
+        prompt: Vec<u32>,
+        s: &SamplingBody,
+        max_tokens: Option<u64>,
+        default_max: u64,
+    ) -> std::result::Result<Job, ApiError> {
+        let context = self.0.context;
+        if s.n.is_some_and(|n| n != 1) {
+            return Err(ApiError::invalid("unsupported_n", "only `n` = 1 is supported"));
+        }
+        let max_tokens = max_tokens.unwrap_or(default_max);
+        if max_tokens == 0 {
+            return Err(ApiError::invalid("invalid_max_tokens", "`max_tokens` must be at least 1"));
+        }
+        if prompt.len() as u64 + max_tokens > context as u64 {
+            return Err(ApiError::invalid(
+                "context_length_exceeded",
+                format!(
+                    "this model's maximum context length is {context} tokens, but {} were requested ({} in the prompt, {max_tokens} for the completion)",
+                    prompt.len() as u64 + max_tokens,
+                    prompt.len()
+                ),
+            ));
+        }
+        let temperature = s.temperature.unwrap_or(1.0);
+        if !(temperature.is_finite() && temperature >= 0.0) {
+            return Err(ApiError::invalid(
+                "invalid_temperature",
+                "`temperature` must be 0 or more",
+            ));
+        }
+        let top_p = s.top_p.unwrap_or(1.0);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(ApiError::invalid("invalid_top_p", "`top_p` must be in (0, 1]"));
+        }
+        let top_k = match s.top_k.unwrap_or(0) {
+            -1 | 0 => 0,
+            k if k > 0 => k as usize,
+            k => {
+                return Err(ApiError::invalid(
+                    "invalid_top_k",
+                    format!("`top_k` {k}: use -1 or 0 (all) or a positive count"),
+                ))
+            }
+        };
+        let mut stop = Vec::new();
+        for &id in s.stop_token_ids.iter().flatten() {
+            stop.push(self.check_id("stop_token_ids", id)?);
+        }
+        let stop_strings: Vec<&str> = match &s.stop {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::String(t)) => vec![t.as_str()],
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_str().ok_or_else(|| {
+                        ApiError::invalid(
+                            "invalid_stop",
+                            "`stop` must be a string or a list of strings",
+                        )
+                    })
+                })
+                .collect::<std::result::Result<_, _>>()?,
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    "invalid_stop",
+                    "`stop` must be a string or a list of strings",
+                ))
+            }
+        };
+        for text in stop_strings {
+            // The engine stops on tokens: a stop string must be one token.
+            match self.0.tokenizer.encode(text).ok().as_deref() {
+                Some(&[id]) => stop.push(self.check_id("stop", id as u64)?),
+                _ => {
+                    return Err(ApiError::invalid(
+                        "unsupported_stop",
+                        format!("stop string {text:?} is not a single token; use `stop_token_ids`"),
+                    ))
+                }
+            }
+        }
+        let seed = s.seed.unwrap_or_else(|| {
+            SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+        });
+        let params = SamplingParams {
+            max_tokens: max_tokens as u32,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            stop,
+            ignore_eos: s.ignore_eos.unwrap_or(false),
+        };
+        Ok(Job {
+            prompt,
+            params,
+            stream: s.stream.unwrap_or(false),
+            include_usage: s.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false),
+        })
+    }
+}
+
+/// The OpenAI name of a finish reason.
+fn finish_name(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Length => "length",
+        FinishReason::StopToken => "stop",
+        FinishReason::Cancelled => "abort",
+        FinishReason::Rejected => "rejected",
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+/// Which endpoint a response is for: the shape of its objects.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+impl Kind {
+    fn id(self, n: u64) -> String {
+        match self {
+            Kind::Completion => format!("cmpl-{n}"),
+            Kind::Chat => format!("chatcmpl-{n}"),
+        }
+    }
+}
+
+async fn completions(
+    State(api): State<Api>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> std::result::Result<Response, ApiError> {
+    let body: CompletionBody = parse(body)?;
+    api.check_model(body.sampling.model.as_deref())?;
+    let prompt = api.completion_prompt(body.prompt.as_ref())?;
+    let max = body.sampling.max_tokens;
+    let job = api.job(prompt, &body.sampling, max, DEFAULT_COMPLETION_TOKENS.into())?;
+    generate(api, job, Kind::Completion).await
+}
+
+async fn chat_completions(
+    State(api): State<Api>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> std::result::Result<Response, ApiError> {
+    let body: ChatBody = parse(body)?;
+    api.check_model(body.sampling.model.as_deref())?;
+    let prompt = api.chat_prompt(body.messages.as_deref())?;
+    let max = body.max_completion_tokens.or(body.sampling.max_tokens);
+    // Without a limit a chat reply may fill the context (OpenAI's default).
+    let room = api.0.context.saturating_sub(prompt.len()) as u64;
+    let job = api.job(prompt, &body.sampling, max, room)?;
+    generate(api, job, Kind::Chat).await
+}
+
+async fn generate(api: Api, job: Job, kind: Kind) -> std::result::Result<Response, ApiError> {
+    let prompt_tokens = job.prompt.len();
+    let (stream, include_usage) = (job.stream, job.include_usage);
+    let (n, rx) = api.0.bridge.submit(job.prompt, job.params)?;
+    let id = kind.id(n);
+    let created = unix_now();
+    let model = api.0.model_name.clone();
+    if stream {
+        let events = sse(rx, kind, Header { id, created, model, prompt_tokens, include_usage });
+        return Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response());
+    }
+    let (text, tokens, reason) = collect(rx).await?;
+    let (object, choice) = match kind {
+        Kind::Completion => (
+            "text_completion",
+            json!({"index": 0, "text": text, "token_ids": tokens, "logprobs": null, "finish_reason": finish_name(reason)}),
+        ),
+        Kind::Chat => (
+            "chat.completion",
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "token_ids": tokens, "logprobs": null, "finish_reason": finish_name(reason)}),
+        ),
+    };
+    Ok(Json(json!({
+        "id": id,
+        "object": object,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage(prompt_tokens, tokens.len()),
+    }))
+    .into_response())
+}
+
+/// Waits for a request's end: its text, tokens and finish reason.
+async fn collect(
+    mut rx: UnboundedReceiver<Event>,
+) -> std::result::Result<(String, Vec<u32>, FinishReason), ApiError> {
+    let mut text = String::new();
+    while let Some(event) = rx.recv().await {
+        match event {
+            Event::Token { text: piece, .. } => text.push_str(&piece),
+            Event::Finished { reason: FinishReason::Rejected, .. } => {
+                return Err(ApiError::invalid("rejected", "the engine refused the prompt"))
+            }
+            Event::Finished { reason: FinishReason::Cancelled, .. } => {
+                return Err(ApiError::stopping())
+            }
+            Event::Finished { reason, tokens } => return Ok((text, tokens, reason)),
+        }
+    }
+    Err(ApiError::stopping())
+}
+
+/// What every chunk of a stream repeats.
+struct Header {
+    id: String,
+    created: u64,
+    model: String,
+    prompt_tokens: usize,
+    include_usage: bool,
+}
+
+impl Header {
+    fn chunk(&self, kind: Kind, choices: Value) -> SseEvent {
+        let object = match kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion.chunk",
+        };
+        let value = json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        });
+        SseEvent::default().data(value.to_string())
+    }
+}
+
+/// The request's events as SSE chunks, then `data: [DONE]`. A task forwards them; it ends
+/// early when the client goes away (the engine still finishes the request).
+fn sse(
+    mut rx: UnboundedReceiver<Event>,
+    kind: Kind,
+    header: Header,
+) -> ReceiverStream<std::result::Result<SseEvent, Infallible>> {
+    let (tx, out) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        let send = |e: SseEvent| {
+            let tx = tx.clone();
+            async move { tx.send(Ok(e)).await.is_ok() }
+        };
+        if kind == Kind::Chat {
+            let first = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
+            if !send(header.chunk(kind, first)).await {
+                return;
+            }
+        }
+        let mut completion_tokens = 0;
+        let mut reason = FinishReason::Cancelled;
+        while let Some(event) = rx.recv().await {
+            match event {
+                Event::Token { token, text } => {
+                    completion_tokens += 1;
+                    let choice = match kind {
+                        Kind::Completion => {
+                            json!({"index": 0, "text": text, "token_ids": [token], "logprobs": null, "finish_reason": null})
+                        }
+                        Kind::Chat => {
+                            json!({"index": 0, "delta": {"content": text}, "token_ids": [token], "logprobs": null, "finish_reason": null})
+                        }
+                    };
+                    if !send(header.chunk(kind, json!([choice]))).await {
+                        return;
+                    }
+                }
+                Event::Finished { reason: r, .. } => {
+                    reason = r;
+                    break;
+                }
+            }
+        }
+        let last = match kind {
+            Kind::Completion => {
+                json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish_name(reason)})
+            }
+            Kind::Chat => {
+                json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish_name(reason)})
+            }
+        };
+        if !send(header.chunk(kind, json!([last]))).await {
+            return;
+        }
+        if header.include_usage {
+            let value = json!({
+                "id": header.id,
+                "object": if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" },
+                "created": header.created,
+                "model": header.model,
+                "choices": [],
+                "usage": usage(header.prompt_tokens, completion_tokens),
+            });
+            let chunk = SseEvent::default().data(value.to_string());
+            if !send(chunk).await {
+                return;
+            }
+        }
+        send(SseEvent::default().data("[DONE]")).await;
+    });
+    ReceiverStream::new(out)
+}

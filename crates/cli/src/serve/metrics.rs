@@ -1,0 +1,213 @@
+//! The numbers behind `GET /metrics`, in the Prometheus text format: HTTP requests by route
+//! and status, prompt and generated tokens, request latency and time to first token
+//! (histograms), finished requests by reason, running requests, and engine steps.
+
+use session::{FinishReason, MetricsSink, StepMetrics};
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Upper bounds of the latency buckets, seconds.
+const BUCKETS: [f64; 14] =
+    [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0];
+
+#[derive(Debug, Default, Clone)]
+struct Histogram {
+    /// Observations per bucket (not cumulative), the last one above every bound.
+    counts: [u64; BUCKETS.len() + 1],
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn observe(&mut self, d: Duration) {
+        let s = d.as_secs_f64();
+        let i = BUCKETS.iter().position(|&b| s <= b).unwrap_or(BUCKETS.len());
+        self.counts[i] += 1;
+        self.sum += s;
+        self.count += 1;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (bound, n) in BUCKETS.iter().zip(&self.counts) {
+            cumulative += n;
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", self.sum, self.count);
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    http: BTreeMap<(&'static str, u16), u64>,
+    submitted: u64,
+    prompt_tokens: u64,
+    generated_tokens: u64,
+    finished: BTreeMap<&'static str, u64>,
+    latency: Histogram,
+    first_token: Histogram,
+    steps: u64,
+    step_seconds: f64,
+    step_prefill_tokens: u64,
+    step_decode_tokens: u64,
+}
+
+/// Shared counters; cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct Metrics(Arc<Mutex<Inner>>);
+
+impl Metrics {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// An HTTP request on `route` was answered with `status`.
+    pub fn http(&self, route: &'static str, status: u16) {
+        *self.lock().http.entry((route, status)).or_default() += 1;
+    }
+
+    /// A request with `prompt_tokens` went to the engine.
+    pub fn submitted(&self, prompt_tokens: usize) {
+        let mut m = self.lock();
+        m.submitted += 1;
+        m.prompt_tokens += prompt_tokens as u64;
+    }
+
+    /// The engine produced `n` tokens.
+    pub fn generated(&self, n: u64) {
+        self.lock().generated_tokens += n;
+    }
+
+    /// A request's first token came `after` its submission.
+    pub fn first_token(&self, after: Duration) {
+        self.lock().first_token.observe(after);
+    }
+
+    /// A request ended for `reason`, `after` its submission.
+    pub fn finished(&self, reason: FinishReason, after: Duration) {
+        let mut m = self.lock();
+        *m.finished.entry(reason.name()).or_default() += 1;
+        m.latency.observe(after);
+    }
+
+    /// The engine's metrics sink, feeding the step counters.
+    pub fn engine_sink(&self) -> EngineMeter {
+        EngineMeter(self.clone())
+    }
+
+    /// Everything, in the Prometheus text format (version 0.0.4).
+    pub fn render(&self) -> String {
+        let m = self.lock();
+        let mut out = String::new();
+        let mut counter = |name: &str, help: &str, value: String| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}");
+        };
+        counter(
+            "tpctl_requests_total",
+            "Generation requests handed to the engine.",
+            m.submitted.to_string(),
+        );
+        counter(
+            "tpctl_prompt_tokens_total",
+            "Prompt tokens of the requests handed to the engine.",
+            m.prompt_tokens.to_string(),
+        );
+        counter(
+            "tpctl_generation_tokens_total",
+            "Tokens generated.",
+            m.generated_tokens.to_string(),
+        );
+        counter("tpctl_steps_total", "Engine steps run.", m.steps.to_string());
+        counter(
+            "tpctl_step_seconds_total",
+            "Time in engine steps (agreement and model).",
+            m.step_seconds.to_string(),
+        );
+        counter(
+            "tpctl_step_prefill_tokens_total",
+            "Prompt tokens processed in engine steps.",
+            m.step_prefill_tokens.to_string(),
+        );
+        counter(
+            "tpctl_step_decode_tokens_total",
+            "Decode tokens processed in engine steps.",
+            m.step_decode_tokens.to_string(),
+        );
+        let finished: u64 = m.finished.values().sum();
+        let _ = writeln!(
+            out,
+            "# HELP tpctl_requests_running Generation requests not finished yet.\n# TYPE tpctl_requests_running gauge\ntpctl_requests_running {}",
+            m.submitted.saturating_sub(finished)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP tpctl_requests_finished_total Generation requests finished, by reason.\n# TYPE tpctl_requests_finished_total counter"
+        );
+        for (reason, n) in &m.finished {
+            let _ = writeln!(out, "tpctl_requests_finished_total{{reason=\"{reason}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP tpctl_http_requests_total HTTP requests answered, by route and status.\n# TYPE tpctl_http_requests_total counter"
+        );
+        for ((route, status), n) in &m.http {
+            let _ = writeln!(
+                out,
+                "tpctl_http_requests_total{{route=\"{route}\",status=\"{status}\"}} {n}"
+            );
+        }
+        m.latency.render(
+            &mut out,
+            "tpctl_request_latency_seconds",
+            "Time from submission to the end of a generation request.",
+        );
+        m.first_token.render(
+            &mut out,
+            "tpctl_time_to_first_token_seconds",
+            "Time from submission to the first generated token.",
+        );
+        out
+    }
+}
+
+/// The engine's [`MetricsSink`]: step counts and times.
+pub struct EngineMeter(Metrics);
+
+impl MetricsSink for EngineMeter {
+    fn step(&mut self, s: &StepMetrics) {
+        let mut m = self.0.lock();
+        m.steps += 1;
+        m.step_seconds += (s.agreement + s.model).as_secs_f64();
+        m.step_prefill_tokens += s.prefill_tokens as u64;
+        m.step_decode_tokens += s.decode_tokens as u64;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let m = Metrics::default();
+        m.finished(FinishReason::Length, Duration::from_millis(3));
+        m.finished(FinishReason::StopToken, Duration::from_secs(2));
+        m.http("/v1/completions", 200);
+        let text = m.render();
+        for line in [
+            "tpctl_request_latency_seconds_bucket{le=\"0.005\"} 1",
+            "tpctl_request_latency_seconds_bucket{le=\"1\"} 1",
+            "tpctl_request_latency_seconds_bucket{le=\"2.5\"} 2",
+            "tpctl_request_latency_seconds_bucket{le=\"+Inf\"} 2",
+            "tpctl_request_latency_seconds_count 2",
+            "tpctl_requests_finished_total{reason=\"length\"} 1",
+            "tpctl_http_requests_total{route=\"/v1/completions\",status=\"200\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "`{line}` missing from\n{text}");
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! `tpctl serve` on rank 0: an OpenAI-style HTTP API over the session engine.
+//!
+//! The engine ([`session::Leader::serve`]) keeps rank 0's main thread, as in `tpctl run`; the
+//! HTTP server runs on a small tokio runtime in other threads. The two meet in the
+//! [`bridge`]: handlers check and tokenize a request, register a channel for its results and
+//! push it into the engine's inbox; the engine's output sink routes every token and the end
+//! of each request back to that channel. Requests join the running batch at the next step
+//! boundary (continuous batching).
+//!
+//! Nothing a client sends reaches the engine unchecked: prompts are token ids inside the
+//! vocabulary, shorter than the context together with `max_tokens`, so a request can fail
+//! only with a 4xx answer, never the session. A stop (SIGINT or SIGTERM, forwarded by the
+//! launcher) ends the session at the next step boundary on every rank.
+
+mod bridge;
+mod http;
+mod metrics;
+
+use crate::spec::ServeSpec;
+use anyhow::{bail, Context, Result};
+use collectives::ParallelContext;
+use session::{Decision, EngineOptions, Leader, ModelFactory, SessionConfig, SessionReport};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+pub use http::BODY_LIMIT;
+
+/// What rank 0 brings to the server: its engine parts and the model it loaded.
+pub struct Rank0<'a> {
+    /// Rank 0's process groups.
+    pub ctx: ParallelContext,
+    /// Builds the model shard of each session.
+    pub factory: Box<dyn ModelFactory>,
+    /// Engine deadlines.
+    pub engine: EngineOptions,
+    /// The model path, as the factory reads it.
+    pub model: String,
+    /// The opened model file (tokenizer and chat template).
+    pub file: &'a layers::gguf::GgufFile,
+    /// The model's configuration (vocabulary and context).
+    pub config: &'a layers::LlamaConfig,
+    /// KV-cache tokens per sequence: with the model's context, the longest sequence.
+    pub context_tokens: usize,
+}
+
+/// Refuses to expose an API without a key: a listener outside loopback needs one.
+///
+/// # Errors
+/// `listen` is not an address, or is not a loopback one and there is no key.
+pub fn check_listen(listen: &str, has_key: bool) -> Result<SocketAddr> {
+    let addr: SocketAddr = listen
+        .parse()
+        .with_context(|| format!("--listen `{listen}`: expected an address like 127.0.0.1:8000"))?;
+    if !addr.ip().is_loopback() && !has_key {
+        bail!(
+            "--listen {addr} is reachable from other machines: give --api-key (or [server] api_key) to serve beyond loopback"
+        );
+    }
+    Ok(addr)
+}
+
+/// Serves the HTTP API on rank 0 until a stop is requested.
+///
+/// # Errors
+/// The address cannot be bound, the tokenizer cannot be built, or the engine fails (its own
+/// failure or a peer's).
+pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
+    let addr = check_listen(&spec.listen, spec.api_key.is_some())?;
+    let tokenizer = layers::Tokenizer::from_gguf(rank0.file).context("building the tokenizer")?;
+    let listener = std::net::TcpListener::bind(addr)
+        .with_context(|| format!("binding the HTTP API to {addr}"))?;
+    listener.set_nonblocking(true).context("configuring the HTTP listener")?;
+    let local = listener.local_addr().context("reading the HTTP listener's address")?;
+
+    let metrics = metrics::Metrics::default();
+    let (inbox_tx, inbox) = std::sync::mpsc::channel();
+    let bridge = bridge::Bridge::new(inbox_tx, metrics.clone());
+    let ready = Arc::new(AtomicBool::new(false));
+    let context = rank0.config.context_length.min(rank0.context_tokens);
+    let api = http::Api::new(http::ApiParts {
+        bridge: bridge.clone(),
+        metrics: metrics.clone(),
+        tokenizer,
+        model_name: spec.model_name.clone(),
+        vocab: rank0.config.vocab_size,
+        context,
+        api_key: spec.api_key.clone(),
+        ready: ready.clone(),
+    });
+
+    let mut leader = Leader::new(
+        rank0.ctx,
+        rank0.factory,
+        Box::new(bridge.sink()),
+        Box::new(metrics.engine_sink()),
+        rank0.engine,
+    )?;
+    let stop = leader.stop_handle();
+    crate::rank::stop_on_signal(stop.clone());
+    let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
+    let server_stop = stop.clone();
+    std::thread::Builder::new()
+        .name("http".into())
+        .spawn(move || {
+            if let Err(e) = http::serve(listener, api, shutdown_rx) {
+                // Without its API the engine has no work left: stop every rank.
+                eprintln!("error: the HTTP server stopped: {e:#}");
+                server_stop.request_stop();
+            }
+        })
+        .context("starting the HTTP server thread")?;
+    println!(
+        "tpctl serve: {} on http://{local} (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics)",
+        spec.model_name
+    );
+
+    // The decider is first asked once the session is open (every rank built its shard), then
+    // once per idle tick.
+    let mut decider = |_: &SessionReport| {
+        ready.store(true, Ordering::SeqCst);
+        if stop.is_requested() {
+            Decision::Stop
+        } else {
+            Decision::KeepOpen
+        }
+    };
+    let result = leader.serve(SessionConfig::new(rank0.model), &inbox, &mut decider);
+    ready.store(false, Ordering::SeqCst);
+    let _ = shutdown_tx.send(());
+    drop(inbox);
+    bridge.close_all();
+    result.context("serving")?;
+    Ok(())
+}

@@ -1,0 +1,536 @@
+//! `tpctl serve` end to end, through the binary, on a tiny random model over loopback: the
+//! same greedy tokens as `tpctl run`, SSE streaming, concurrent requests, the metrics, bad
+//! requests answered with 4xx, the API key, and Ctrl-C leaving no process behind. Every wait
+//! has a deadline.
+
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+const TPCTL: &str = env!("CARGO_BIN_EXE_tpctl");
+const DEADLINE: Duration = Duration::from_secs(120);
+
+fn scratch(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("tpctl-serve-{}-{name}", std::process::id()))
+}
+
+/// A small random Llama (6 query heads, 3 KV heads, context 256, no chat template).
+fn model() -> &'static str {
+    static PATH: OnceLock<String> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let path = scratch("tiny.gguf");
+        let spec = layers::model::random::RandomLlama {
+            heads: 6,
+            kv_heads: 3,
+            hidden: 48,
+            ffn: 64,
+            seed: 7,
+            ..Default::default()
+        };
+        spec.write(&path).expect("write the tiny model");
+        path.to_string_lossy().into_owned()
+    })
+}
+
+/// A marker in the environment of every process of one invocation, to find leftovers.
+fn marker() -> String {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static N: AtomicUsize = AtomicUsize::new(0);
+    format!("tpctl-serve-test-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Processes (not zombies) whose environment holds `mark`.
+fn leftovers(mark: &str) -> Vec<u32> {
+    let needle = format!("TPCTL_TEST_MARK={mark}");
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(env) = std::fs::read(entry.path().join("environ")) else { continue };
+        let zombie = std::fs::read_to_string(entry.path().join("stat"))
+            .map(|s| s.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')))
+            .unwrap_or(true);
+        if !zombie && env.split(|&b| b == 0).any(|kv| kv == needle.as_bytes()) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+fn kill_all(mark: &str) {
+    for pid in leftovers(mark) {
+        let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+    }
+}
+
+/// Runs `tpctl` to the end (within the deadline).
+fn tpctl(args: &[&str]) -> Output {
+    let mark = marker();
+    let mut child = Command::new(TPCTL)
+        .args(args)
+        .env("TPCTL_TEST_MARK", &mark)
+        .env_remove("RUST_LOG")
+        .env_remove("TPCTL_API_KEY")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start tpctl");
+    let start = Instant::now();
+    while child.try_wait().expect("wait for tpctl").is_none() {
+        if start.elapsed() > DEADLINE {
+            let _ = child.kill();
+            kill_all(&mark);
+            panic!("tpctl {args:?} still running after {DEADLINE:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().expect("collect output");
+    assert_eq!(leftovers(&mark), Vec::<u32>::new(), "processes left behind");
+    out
+}
+
+/// A running `tpctl serve`; killed with everything it started if a test fails.
+struct Server {
+    child: Option<Child>,
+    mark: String,
+    addr: String,
+    log: Arc<Mutex<String>>,
+}
+
+impl Server {
+    /// Starts `tpctl serve --listen 127.0.0.1:0 ARGS` and waits until `/health` says ok.
+    fn start(args: &[&str]) -> Server {
+        let mark = marker();
+        let mut child = Command::new(TPCTL)
+            .args(["serve", "--model", model(), "--threads", "1", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .env("TPCTL_TEST_MARK", &mark)
+            .env_remove("RUST_LOG")
+            .env_remove("TPCTL_API_KEY")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start tpctl serve");
+        let log = Arc::new(Mutex::new(String::new()));
+        let (lines_tx, lines) = mpsc::channel();
+        let stdout = child.stdout.take().expect("stdout");
+        let stderr = child.stderr.take().expect("stderr");
+        for (stream, tx) in [
+            (Box::new(stdout) as Box<dyn Read + Send>, Some(lines_tx)),
+            (Box::new(stderr) as Box<dyn Read + Send>, None),
+        ] {
+            let log = log.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(|l| l.ok()) {
+                    log.lock().unwrap().push_str(&format!("{line}\n"));
+                    if let Some(tx) = &tx {
+                        let _ = tx.send(line);
+                    }
+                }
+            });
+        }
+        let mut server = Server { child: Some(child), mark, addr: String::new(), log };
+        let start = Instant::now();
+        while server.addr.is_empty() {
+            let left = DEADLINE.saturating_sub(start.elapsed());
+            match lines.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some((_, rest)) = line.split_once(" on http://") {
+                        server.addr = rest.split_whitespace().next().unwrap_or("").to_owned();
+                    }
+                }
+                Err(_) => panic!("tpctl serve announced no address\n{}", server.log()),
+            }
+        }
+        loop {
+            assert!(start.elapsed() < DEADLINE, "/health never ok\n{}", server.log());
+            if request(&server.addr, "GET", "/health", &[], None).status == 200 {
+                return server;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    fn get(&self, path: &str) -> Reply {
+        request(&self.addr, "GET", path, &[], None)
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Reply {
+        request(&self.addr, "POST", path, &[], Some(body.to_string().as_bytes()))
+    }
+
+    /// Interrupts the launcher as a terminal's Ctrl-C would, and waits for it.
+    fn interrupt(mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("running");
+        let status = Command::new("kill").arg("-INT").arg(child.id().to_string()).status();
+        assert!(status.is_ok_and(|s| s.success()));
+        let start = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait().expect("wait for tpctl serve") {
+                assert_eq!(leftovers(&self.mark), Vec::<u32>::new(), "processes left behind");
+                return status;
+            }
+            if start.elapsed() > DEADLINE {
+                let _ = child.kill();
+                kill_all(&self.mark);
+                panic!("tpctl serve still running after Ctrl-C\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+            kill_all(&self.mark);
+        }
+    }
+}
+
+/// An HTTP answer.
+#[derive(Debug)]
+struct Reply {
+    status: u16,
+    body: String,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {self:?}"))
+    }
+
+    /// The `data:` payloads of an SSE body.
+    fn events(&self) -> Vec<String> {
+        self.body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .map(|d| d.trim().to_owned())
+            .collect()
+    }
+}
+
+/// One HTTP/1.1 exchange (`Connection: close`) over loopback, with deadlines.
+fn request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&[u8]>,
+) -> Reply {
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    let body = body.unwrap_or_default();
+    if method == "POST" {
+        head.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        ));
+    }
+    head.push_str("\r\n");
+    let mut raw = head.into_bytes();
+    raw.extend_from_slice(body);
+    exchange(addr, &raw)
+}
+
+/// Sends `raw`, reads the answer until the server closes.
+fn exchange(addr: &str, raw: &[u8]) -> Reply {
+    let mut stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    stream.set_read_timeout(Some(DEADLINE)).unwrap();
+    stream.set_write_timeout(Some(DEADLINE)).unwrap();
+    // A server that refuses early may close before reading everything: answer first.
+    let _ = stream.write_all(raw);
+    let mut bytes = Vec::new();
+    let mut buf = [0u8; 8192];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => bytes.extend_from_slice(&buf[..n]),
+            Err(e) if bytes.is_empty() => panic!("reading from {addr}: {e}"),
+            Err(_) => break,
+        }
+    }
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    let (head, body) =
+        text.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP answer: {text:?}"));
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let chunked = head.lines().any(|l| {
+        let l = l.to_ascii_lowercase();
+        l.starts_with("transfer-encoding:") && l.contains("chunked")
+    });
+    let body = if chunked { dechunk(body) } else { body.to_owned() };
+    Reply { status, body }
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else { break };
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
+    }
+    out
+}
+
+fn ids(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("not token ids: {v}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+/// `tpctl run`'s greedy tokens for each prompt (comma-separated ids), with `--tp 2`.
+fn reference(prompts: &[&str], max_tokens: u32) -> Vec<Vec<u64>> {
+    let max = max_tokens.to_string();
+    let mut args = vec![
+        "run",
+        "--model",
+        model(),
+        "--tp",
+        "2",
+        "--threads",
+        "1",
+        "--max-tokens",
+        &max,
+        "--temperature",
+        "0",
+        "--output",
+        "jsonl",
+    ];
+    for p in prompts {
+        args.extend(["--prompt-ids", p]);
+    }
+    let out = tpctl(&args);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    prompts
+        .iter()
+        .map(|p| {
+            let line = lines.iter().find(|l| l["prompt"] == *p).expect("a line per prompt");
+            ids(&line["token_ids"])
+        })
+        .collect()
+}
+
+fn prompt_ids(p: &str) -> Value {
+    json!(p.split(',').map(|t| t.parse::<u32>().unwrap()).collect::<Vec<_>>())
+}
+
+fn completion(p: &str, max_tokens: u32) -> Value {
+    json!({"prompt": prompt_ids(p), "max_tokens": max_tokens, "temperature": 0})
+}
+
+/// The value of the metric line `name` (with labels) in a Prometheus text body.
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no `{name}` in\n{text}"))
+}
+
+fn assert_error(reply: &Reply, status: u16, code: &str) {
+    assert_eq!(reply.status, status, "{reply:?}");
+    let body = reply.json();
+    let error = &body["error"];
+    assert_eq!(error["code"], code, "{reply:?}");
+    assert!(error["message"].as_str().is_some_and(|m| !m.is_empty()), "{reply:?}");
+    assert!(error["type"].is_string(), "{reply:?}");
+}
+
+#[test]
+fn serve_answers_like_run_and_stops_on_ctrl_c() {
+    const MAX: u32 = 6;
+    let prompts = ["1,2,3,4,5", "9", "7,8", "40,41,42"];
+    let expected = reference(&prompts, MAX);
+    let server = Server::start(&["--tp", "2"]);
+    let log = || server.log();
+
+    let models = server.get("/v1/models").json();
+    assert_eq!(models["data"][0]["id"], model(), "{models}");
+
+    // Non-streaming: the same greedy tokens as `tpctl run`.
+    let mut ok = 0;
+    let mut generated = 0;
+    let reply = server.post("/v1/completions", &completion(prompts[0], MAX));
+    assert_eq!(reply.status, 200, "{reply:?}\n{}", log());
+    let body = reply.json();
+    assert_eq!(ids(&body["choices"][0]["token_ids"]), expected[0], "{body}");
+    assert_eq!(body["object"], "text_completion");
+    assert_eq!(body["usage"]["prompt_tokens"], 5);
+    assert_eq!(body["usage"]["completion_tokens"], expected[0].len());
+    assert!(body["choices"][0]["finish_reason"].is_string());
+    ok += 1;
+    generated += expected[0].len();
+
+    // Streaming: chunks whose tokens add up to the same, then [DONE].
+    let mut req = completion(prompts[0], MAX);
+    req["stream"] = json!(true);
+    let reply = server.post("/v1/completions", &req);
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let events = reply.events();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{reply:?}");
+    let chunks: Vec<Value> =
+        events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let streamed: Vec<u64> = chunks
+        .iter()
+        .flat_map(|c| c["choices"][0]["token_ids"].as_array().cloned().unwrap_or_default())
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    assert_eq!(streamed, expected[0], "{reply:?}");
+    let text: String =
+        chunks.iter().map(|c| c["choices"][0]["text"].as_str().unwrap_or("")).collect();
+    assert_eq!(text, body["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        body["choices"][0]["finish_reason"]
+    );
+    ok += 1;
+    generated += expected[0].len();
+
+    // Concurrent requests share the batch and each gets its own answer.
+    let addr = server.addr.clone();
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (addr, req) = (addr.clone(), completion(p, MAX).to_string());
+            std::thread::spawn(move || {
+                request(&addr, "POST", "/v1/completions", &[], Some(req.as_bytes()))
+            })
+        })
+        .collect();
+    for (handle, want) in handles.into_iter().zip(&expected) {
+        let reply = handle.join().expect("client thread");
+        assert_eq!(reply.status, 200, "{reply:?}");
+        assert_eq!(&ids(&reply.json()["choices"][0]["token_ids"]), want, "{reply:?}");
+        ok += 1;
+        generated += want.len();
+    }
+
+    // The tiny model has no chat template: a clear 400, and the server keeps going.
+    let chat = json!({"messages": [{"role": "user", "content": "t1 t2"}], "max_tokens": 3});
+    let reply = server.post("/v1/chat/completions", &chat);
+    assert_error(&reply, 400, "chat_template");
+    assert!(reply.body.contains("chat template"), "{reply:?}");
+
+    // Bad requests: 4xx with an OpenAI-style error, none reaches the engine.
+    let mut bad = 0;
+    let post_raw =
+        |body: &str| request(&addr, "POST", "/v1/completions", &[], Some(body.as_bytes()));
+    for (reply, status, code) in [
+        (post_raw("{\"prompt\": [1, 2"), 400, "invalid_json"),
+        (post_raw("{\"max_tokens\": \"many\", \"prompt\": [1]}"), 400, "invalid_json"),
+        (server.post("/v1/completions", &json!({"max_tokens": 3})), 400, "missing_prompt"),
+        (server.post("/v1/completions", &json!({"prompt": ""})), 400, "empty_prompt"),
+        (server.post("/v1/completions", &json!({"prompt": []})), 400, "empty_prompt"),
+        (
+            server.post("/v1/completions", &json!({"prompt": [1, 2], "max_tokens": 1_000_000})),
+            400,
+            "context_length_exceeded",
+        ),
+        (server.post("/v1/completions", &json!({"prompt": [1, 100000]})), 400, "invalid_token_id"),
+        (server.post("/v1/completions", &json!({"prompt": [1, -3]})), 400, "invalid_token_id"),
+        (
+            server.post("/v1/completions", &json!({"prompt": [1], "max_tokens": 0})),
+            400,
+            "invalid_max_tokens",
+        ),
+        (server.post("/v1/completions", &json!({"prompt": [1], "top_p": 0})), 400, "invalid_top_p"),
+        (
+            server.post("/v1/completions", &json!({"prompt": [1], "stop_token_ids": [99999]})),
+            400,
+            "invalid_token_id",
+        ),
+        (
+            server.post("/v1/completions", &json!({"prompt": [1], "model": "gpt-4"})),
+            404,
+            "model_not_found",
+        ),
+    ] {
+        assert_error(&reply, status, code);
+        bad += 1;
+    }
+    // A body over the 1 MiB limit is refused by its declared length, unread.
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{{\"prompt\": [",
+        2 << 20
+    );
+    let reply = exchange(&addr, head.as_bytes());
+    assert_error(&reply, 413, "body_too_large");
+    assert_error(&server.get("/v1/nothing"), 404, "not_found");
+
+    // The server still answers correctly after all that.
+    let reply = server.post("/v1/completions", &completion(prompts[1], MAX));
+    assert_eq!(ids(&reply.json()["choices"][0]["token_ids"]), expected[1], "{reply:?}");
+    ok += 1;
+    generated += expected[1].len();
+
+    let metrics = server.get("/metrics");
+    assert_eq!(metrics.status, 200, "{metrics:?}");
+    let m = &metrics.body;
+    let route = "tpctl_http_requests_total{route=\"/v1/completions\"";
+    assert_eq!(metric(m, &format!("{route},status=\"200\"}}")), ok as f64, "{m}");
+    assert_eq!(metric(m, &format!("{route},status=\"400\"}}")), (bad - 1) as f64, "{m}");
+    assert_eq!(metric(m, &format!("{route},status=\"404\"}}")), 1.0, "{m}");
+    assert_eq!(metric(m, &format!("{route},status=\"413\"}}")), 1.0, "{m}");
+    assert_eq!(metric(m, "tpctl_requests_total"), ok as f64, "{m}");
+    assert_eq!(metric(m, "tpctl_generation_tokens_total"), generated as f64, "{m}");
+    assert_eq!(metric(m, "tpctl_request_latency_seconds_count"), ok as f64, "{m}");
+    assert_eq!(metric(m, "tpctl_requests_running"), 0.0, "{m}");
+    assert!(metric(m, "tpctl_steps_total") >= MAX as f64, "{m}");
+
+    let status = server.interrupt();
+    assert_eq!(status.code(), Some(130), "{status:?}");
+}
+
+#[test]
+fn an_api_key_guards_every_route_but_health() {
+    let server = Server::start(&["--api-key", "s3cret"]);
+    let models =
+        |headers: &[(&str, &str)]| request(&server.addr, "GET", "/v1/models", headers, None);
+    assert_error(&models(&[]), 401, "invalid_api_key");
+    assert_error(&models(&[("Authorization", "Bearer wrong")]), 401, "invalid_api_key");
+    assert_eq!(models(&[("Authorization", "Bearer s3cret")]).status, 200);
+    let body = completion("1,2", 2).to_string();
+    let post = |headers: &[(&str, &str)]| {
+        request(&server.addr, "POST", "/v1/completions", headers, Some(body.as_bytes()))
+    };
+    assert_error(&post(&[]), 401, "invalid_api_key");
+    let reply = post(&[("Authorization", "Bearer s3cret")]);
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(reply.json()["usage"]["completion_tokens"], 2, "{reply:?}");
+    assert_error(&server.get("/metrics"), 401, "invalid_api_key");
+    assert_eq!(server.get("/health").status, 200);
+    assert_eq!(server.interrupt().code(), Some(130));
+}
+
+#[test]
+fn listening_beyond_loopback_needs_an_api_key() {
+    let out = tpctl(&["serve", "--model", model(), "--listen", "0.0.0.0:0"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("give --api-key"), "{err}");
+    let out = tpctl(&["serve", "--model", model(), "--listen", "localhost"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("expected an address like 127.0.0.1:8000"), "{err}");
+}
