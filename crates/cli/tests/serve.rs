@@ -38,6 +38,36 @@ fn model() -> &'static str {
     })
 }
 
+/// The tiny model with every token a control token (so text like `t5t6` encodes to
+/// `[5, 6]`) and a chat template made of such tokens; same weights as [`model`].
+fn chat_model() -> &'static str {
+    static PATH: OnceLock<String> = OnceLock::new();
+    PATH.get_or_init(|| {
+        use layers::gguf::Value;
+        let path = scratch("tiny-chat.gguf");
+        let spec = layers::model::random::RandomLlama {
+            heads: 6,
+            kv_heads: 3,
+            hidden: 48,
+            ffn: 64,
+            seed: 7,
+            ..Default::default()
+        };
+        let mut writer = spec.writer();
+        writer
+            .metadata(
+                "tokenizer.ggml.token_type",
+                Value::Array((0..spec.vocab).map(|_| Value::I32(3)).collect()),
+            )
+            .metadata("tokenizer.chat_template", Value::String(CHAT_TEMPLATE.into()));
+        writer.write(&path).expect("write the tiny chat model");
+        path.to_string_lossy().into_owned()
+    })
+}
+
+/// `t1`, each message, `t2`; then `t3` to open the reply.
+const CHAT_TEMPLATE: &str = "{% for m in messages %}t1{{ m.content }}t2{% endfor %}{% if add_generation_prompt %}t3{% endif %}";
+
 /// A marker in the environment of every process of one invocation, to find leftovers.
 fn marker() -> String {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -104,11 +134,12 @@ struct Server {
 }
 
 impl Server {
-    /// Starts `tpctl serve --listen 127.0.0.1:0 ARGS` and waits until `/health` says ok.
-    fn start(args: &[&str]) -> Server {
+    /// Starts `tpctl serve --model MODEL --listen 127.0.0.1:0 ARGS` and waits until
+    /// `/health` says ok.
+    fn start(model: &str, args: &[&str]) -> Server {
         let mark = marker();
         let mut child = Command::new(TPCTL)
-            .args(["serve", "--model", model(), "--threads", "1", "--listen", "127.0.0.1:0"])
+            .args(["serve", "--model", model, "--threads", "1", "--listen", "127.0.0.1:0"])
             .args(args)
             .env("TPCTL_TEST_MARK", &mark)
             .env_remove("RUST_LOG")
@@ -299,12 +330,12 @@ fn ids(v: &Value) -> Vec<u64> {
 }
 
 /// `tpctl run`'s greedy tokens for each prompt (comma-separated ids), with `--tp 2`.
-fn reference(prompts: &[&str], max_tokens: u32) -> Vec<Vec<u64>> {
+fn reference(model: &str, prompts: &[&str], max_tokens: u32) -> Vec<Vec<u64>> {
     let max = max_tokens.to_string();
     let mut args = vec![
         "run",
         "--model",
-        model(),
+        model,
         "--tp",
         "2",
         "--threads",
@@ -361,8 +392,8 @@ fn assert_error(reply: &Reply, status: u16, code: &str) {
 fn serve_answers_like_run_and_stops_on_ctrl_c() {
     const MAX: u32 = 6;
     let prompts = ["1,2,3,4,5", "9", "7,8", "40,41,42"];
-    let expected = reference(&prompts, MAX);
-    let server = Server::start(&["--tp", "2"]);
+    let expected = reference(model(), &prompts, MAX);
+    let server = Server::start(model(), &["--tp", "2"]);
     let log = || server.log();
 
     let models = server.get("/v1/models").json();
@@ -504,7 +535,7 @@ fn serve_answers_like_run_and_stops_on_ctrl_c() {
 
 #[test]
 fn an_api_key_guards_every_route_but_health() {
-    let server = Server::start(&["--api-key", "s3cret"]);
+    let server = Server::start(model(), &["--api-key", "s3cret"]);
     let models =
         |headers: &[(&str, &str)]| request(&server.addr, "GET", "/v1/models", headers, None);
     assert_error(&models(&[]), 401, "invalid_api_key");
@@ -533,4 +564,61 @@ fn listening_beyond_loopback_needs_an_api_key() {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("expected an address like 127.0.0.1:8000"), "{err}");
+}
+
+#[test]
+fn chat_completions_apply_the_chat_template() {
+    const MAX: u32 = 5;
+    // "t5t6" from the user becomes t1 t5 t6 t2 t3 through the template.
+    let expected = &reference(chat_model(), &["1,5,6,2,3"], MAX)[0];
+    let server = Server::start(chat_model(), &["--cp", "2"]);
+    let messages = json!([{"role": "user", "content": "t5t6"}]);
+    let reply = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": MAX, "temperature": 0}),
+    );
+    assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
+    let body = reply.json();
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(&ids(&body["choices"][0]["token_ids"]), expected, "{body}");
+    assert_eq!(body["usage"]["prompt_tokens"], 5);
+
+    // Content as text parts, streamed, with the usage chunk asked for.
+    let parts = json!([{"role": "user", "content": [{"type": "text", "text": "t5"}, {"type": "text", "text": "t6"}]}]);
+    let reply = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": parts, "max_tokens": MAX, "temperature": 0, "stream": true,
+                "stream_options": {"include_usage": true}}),
+    );
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let events = reply.events();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{reply:?}");
+    let chunks: Vec<Value> =
+        events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant", "{reply:?}");
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"), "{reply:?}");
+    let streamed: Vec<u64> = chunks
+        .iter()
+        .flat_map(|c| c["choices"][0]["token_ids"].as_array().cloned().unwrap_or_default())
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    assert_eq!(&streamed, expected, "{reply:?}");
+    let (usage, finish) = (&chunks[chunks.len() - 1], &chunks[chunks.len() - 2]);
+    assert_eq!(finish["choices"][0]["finish_reason"], body["choices"][0]["finish_reason"]);
+    assert_eq!(usage["usage"]["completion_tokens"], expected.len(), "{reply:?}");
+
+    // A text prompt goes through the tokenizer: the same tokens without the template.
+    let reply = server.post(
+        "/v1/completions",
+        &json!({"prompt": "t1t5t6t2t3", "max_tokens": MAX, "temperature": 0}),
+    );
+    assert_eq!(&ids(&reply.json()["choices"][0]["token_ids"]), expected, "{reply:?}");
+
+    let reply = server.post("/v1/chat/completions", &json!({"messages": []}));
+    assert_error(&reply, 400, "empty_messages");
+    let reply =
+        server.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": 7}]}));
+    assert_error(&reply, 400, "invalid_message");
+    assert_eq!(server.interrupt().code(), Some(130));
 }

@@ -795,3 +795,6 @@ fn sse(
     });
     ReceiverStream::new(out)
 }
+
+#[cfg(test)]
+mod tests;

@@ -133,3 +133,6 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
     result.context("serving")?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;
