@@ -508,6 +508,7 @@ fn serve_answers_like_run_and_stops_on_ctrl_c() {
     let reply = exchange(&addr, head.as_bytes());
     assert_error(&reply, 413, "body_too_large");
     assert_error(&server.get("/v1/nothing"), 404, "not_found");
+    assert_error(&server.get("/v1/completions"), 405, "method_not_allowed");
 
     // The server still answers correctly after all that.
     let reply = server.post("/v1/completions", &completion(prompts[1], MAX));

@@ -128,6 +128,7 @@ fn router(api: Api) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(api.clone(), guard))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(api)
@@ -256,6 +257,15 @@ async fn not_found(req: Request) -> ApiError {
         "invalid_request_error",
         "not_found",
         format!("no route {} {}", req.method(), req.uri().path()),
+    )
+}
+
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        "method_not_allowed",
+        format!("{} is not allowed on {}", req.method(), req.uri().path()),
     )
 }
 

@@ -5,6 +5,7 @@
 use session::{FinishReason, MetricsSink, StepMetrics};
 use std::collections::BTreeMap;
 use std::fmt::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -94,9 +95,9 @@ impl Metrics {
         m.latency.observe(after);
     }
 
-    /// The engine's metrics sink, feeding the step counters.
-    pub fn engine_sink(&self) -> EngineMeter {
-        EngineMeter(self.clone())
+    /// The engine's metrics sink, feeding the step counters; its first step sets `ready`.
+    pub fn engine_sink(&self, ready: Arc<AtomicBool>) -> EngineMeter {
+        EngineMeter { metrics: self.clone(), ready }
     }
 
     /// Everything, in the Prometheus text format (version 0.0.4).
@@ -175,11 +176,16 @@ impl Metrics {
 }
 
 /// The engine's [`MetricsSink`]: step counts and times.
-pub struct EngineMeter(Metrics);
+pub struct EngineMeter {
+    metrics: Metrics,
+    ready: Arc<AtomicBool>,
+}
 
 impl MetricsSink for EngineMeter {
     fn step(&mut self, s: &StepMetrics) {
-        let mut m = self.0.lock();
+        // A step ran, so the session is open (a busy engine may not idle for a while).
+        self.ready.store(true, Ordering::Relaxed);
+        let mut m = self.metrics.lock();
         m.steps += 1;
         m.step_seconds += (s.agreement + s.model).as_secs_f64();
         m.step_prefill_tokens += s.prefill_tokens as u64;

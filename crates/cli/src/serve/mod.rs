@@ -93,7 +93,7 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
         rank0.ctx,
         rank0.factory,
         Box::new(bridge.sink()),
-        Box::new(metrics.engine_sink()),
+        Box::new(metrics.engine_sink(ready.clone())),
         rank0.engine,
     )?;
     let stop = leader.stop_handle();
@@ -116,7 +116,7 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
     );
 
     // The decider is first asked once the session is open (every rank built its shard), then
-    // once per idle tick.
+    // once per idle tick; the metrics sink also marks the session ready at its first step.
     let mut decider = |_: &SessionReport| {
         ready.store(true, Ordering::SeqCst);
         if stop.is_requested() {
