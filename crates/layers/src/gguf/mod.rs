@@ -7,6 +7,8 @@
 //! `rows` = output features and a row length of input features.
 
 #[cfg(test)]
+mod fuzz;
+#[cfg(test)]
 mod tests;
 mod writer;
 
@@ -372,8 +374,13 @@ impl GgufFile {
         let n_tensors = c.count("the tensor count", 24)?;
         let n_kv = c.count("the metadata count", 12)?;
         let mut metadata = BTreeMap::new();
+        let mut alignment_at = 0;
         for _ in 0..n_kv {
+            let at = c.pos;
             let key = c.string("a metadata key")?;
+            if key == "general.alignment" {
+                alignment_at = at;
+            }
             let ty = c.u32(&format!("the type of `{key}`"))?;
             let value = c.value(ty, &key, 0)?;
             metadata.insert(key, value);
@@ -383,9 +390,9 @@ impl GgufFile {
             Some(v) => match v.as_u64() {
                 Some(a) if a > 0 && a.is_power_of_two() => a,
                 _ => {
-                    return Err(Error::metadata(
-                        "general.alignment",
-                        format!("{v:?} is not a power of two"),
+                    return Err(c.err(
+                        alignment_at,
+                        format!("metadata key `general.alignment`: {v:?} is not a power of two"),
                     ))
                 }
             },
@@ -422,11 +429,24 @@ impl GgufFile {
                     ),
                 ));
             }
-            info.offset += data_start;
+            let Some(offset) = info.offset.checked_add(data_start) else {
+                return Err(c.err(
+                    at,
+                    format!("tensor `{}` data offset {} is past any file", info.name, info.offset),
+                ));
+            };
+            info.offset = offset;
             // Element counts beyond 2^48 cannot be real tensors; rejecting them keeps every
-            // later product of dimensions far from overflow.
-            let elems =
-                info.dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).filter(|&n| n < 1 << 48);
+            // later product of dimensions far from overflow. Zero dimensions count as one here,
+            // so the row count of an empty tensor is bounded too.
+            let bounded = |one_for_zero: bool| {
+                info.dims
+                    .iter()
+                    .map(|&d| if one_for_zero { d.max(1) } else { d })
+                    .try_fold(1u64, |a, d| a.checked_mul(d))
+                    .filter(|&n| n < 1 << 48)
+            };
+            let elems = bounded(true).and(bounded(false));
             let Some(elems) = elems else {
                 return Err(c.err(
                     at,
@@ -553,7 +573,7 @@ impl GgufFile {
             ));
         }
         let row_bytes = info.ggml_type.bytes_for(info.row_len()).ok_or_else(|| {
-            Error::tensor(name, format!("type {:?} with rows of {} elements cannot be read (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)", info.ggml_type, info.row_len()))
+            Error::tensor(name, format!("type {:?} with rows of {} elements (data at offset {}) cannot be read (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)", info.ggml_type, info.row_len(), info.offset))
         })?;
         let start = info.offset as usize + rows.start * row_bytes;
         Ok((info, &self.map[start..start + rows.len() * row_bytes]))
@@ -599,6 +619,11 @@ impl GgufFile {
             ));
         }
         let (info, bytes) = self.raw_rows(name, 0..info.rows())?;
+        if cols.is_empty() || info.rows() == 0 {
+            // An empty tensor may still claim long rows, or many rows of nothing: there is
+            // nothing to decode, and the row buffer below must not be sized by the claim.
+            return Ok(Vec::new());
+        }
         let row_bytes = bytes.len() / info.rows().max(1);
         let mut row = vec![0.0f32; n];
         let mut out = Vec::with_capacity(info.rows() * cols.len());
