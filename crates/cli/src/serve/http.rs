@@ -501,7 +501,8 @@ impl Api {
         if s.n.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid("unsupported_n", "only `n` = 1 is supported"));
         }
-        let max_tokens = max_tokens.unwrap_or(default_max);
+        // A default of 0 (a chat prompt that fills the context) fails the context check below.
+        let max_tokens = max_tokens.unwrap_or(default_max.max(1));
         if max_tokens == 0 {
             return Err(ApiError::invalid("invalid_max_tokens", "`max_tokens` must be at least 1"));
         }
