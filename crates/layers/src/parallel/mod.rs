@@ -155,6 +155,30 @@ pub fn kv_head_range(cfg: &LlamaConfig, rank: usize, tp: usize) -> Result<Range<
     Ok(head_shard(cfg, rank, tp)?.kv)
 }
 
+/// The `head_groups` to give `mesh::plan_mesh` (and `InitOptions::head_groups`) for this
+/// model and a requested TP size. With `tp` unset, the KV heads, so the automatic choice
+/// `gcd(world, n_kv_heads)` keeps whole KV heads per rank; with `tp` set, the query heads, so
+/// a TP size above the KV heads reaches [`head_shard`], which checks it: a multiple of the KV
+/// heads, at most the query heads (see [`check_tp`]).
+pub fn mesh_head_groups(cfg: &LlamaConfig, tp: Option<usize>) -> usize {
+    match tp {
+        None => cfg.n_kv_heads,
+        Some(_) => cfg.n_heads,
+    }
+}
+
+/// Checks that attention can be split over `tp` ranks (see [`head_shard`]), before any rank
+/// starts.
+///
+/// # Errors
+/// As [`head_shard`], naming `tp` and the model's KV heads.
+pub fn check_tp(cfg: &LlamaConfig, tp: usize) -> Result<()> {
+    if tp == 0 {
+        return Err(Error::shape("tensor parallel attention", "tp=0: at least one rank is needed"));
+    }
+    (0..tp).try_for_each(|rank| head_shard(cfg, rank, tp).map(drop))
+}
+
 /// Inner MLP units of TP rank `rank`: balanced, in multiples of 32 (a quantized block) when
 /// the width allows.
 pub fn ffn_range(cfg: &LlamaConfig, rank: usize, tp: usize) -> Range<usize> {

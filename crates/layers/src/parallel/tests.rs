@@ -363,6 +363,16 @@ fn head_shards_cover_every_query_head_once() {
     for ((heads, kv, tp), want) in table {
         assert_eq!(shards(&cfg(heads, kv), tp), want, "heads {heads}, kv {kv}, tp {tp}");
     }
+    // What callers give `plan_mesh`, and the early check of a requested tp.
+    let c = cfg(8, 2);
+    assert_eq!((mesh_head_groups(&c, None), mesh_head_groups(&c, Some(4))), (2, 8));
+    let table = [(0, false), (1, true), (2, true), (3, false), (4, true), (5, false), (6, true)];
+    for (tp, ok) in table.into_iter().chain([(8, true), (10, false)]) {
+        assert_eq!(check_tp(&c, tp).is_ok(), ok, "tp {tp}");
+        let planned = mesh::plan_mesh(tp.max(1) * 2, Some(tp), mesh_head_groups(&c, Some(tp)));
+        assert_eq!(planned.is_ok(), (1..=8).contains(&tp), "plan_mesh with tp {tp}");
+    }
+    assert!(check_tp(&c, 16).unwrap_err().to_string().contains("tp=16 puts 8 ranks"));
     let err = |heads, kv, rank, tp| head_shard(&cfg(heads, kv), rank, tp).unwrap_err().to_string();
     let e = err(8, 2, 0, 3);
     assert!(e.contains("tp=3") && e.contains("2 KV heads") && e.contains("not a multiple"), "{e}");
