@@ -5,11 +5,12 @@ use super::*;
 use crate::gguf::GgufFile;
 use crate::model::linear::unpermute_rows;
 use crate::model::random::RandomLlama;
-use crate::model::{Logits, Model, WeightForm};
+use crate::model::{Logits, Model, WeightForm, WeightSource};
 use crate::test_util::temp_path;
 
-/// Writes `spec` as GGUF and as a Hugging Face folder (Q/K rows un-permuted to the
-/// rotate-half layout, as Hugging Face stores them); returns both paths.
+/// Writes `spec` as GGUF and as a Hugging Face folder (llama Q/K rows un-permuted to the
+/// rotate-half layout, as Hugging Face stores them; qwen2 files are stored so already);
+/// returns both paths.
 fn write_both(spec: &RandomLlama, stem: &str, shards: bool) -> (PathBuf, PathBuf) {
     let gguf = temp_path(&format!("{stem}.gguf"));
     spec.write(&gguf).unwrap();
@@ -19,7 +20,8 @@ fn write_both(spec: &RandomLlama, stem: &str, shards: bool) -> (PathBuf, PathBuf
     for info in file.tensor_infos() {
         let t = file.tensor(&info.name).unwrap();
         let mut data = t.data().to_vec();
-        if info.name.ends_with("attn_q.weight") || info.name.ends_with("attn_k.weight") {
+        let qk = info.name.ends_with("attn_q.weight") || info.name.ends_with("attn_k.weight");
+        if qk && file.qk_interleaved() {
             data = unpermute_rows(&data, t.row_len(), d);
         }
         tensors.push((hf_name(&info.name).unwrap(), t.shape().to_vec(), data));
@@ -72,6 +74,7 @@ fn a_hugging_face_folder_and_its_gguf_give_the_same_logits() {
     for (spec, shards) in [
         (RandomLlama { seed: 21, ..RandomLlama::default() }, false),
         (RandomLlama { seed: 22, untied_head: true, kv_heads: 1, ..RandomLlama::default() }, true),
+        (RandomLlama { seed: 23, attn_bias: true, ..RandomLlama::default() }, false),
     ] {
         let (gguf, dir) = write_both(&spec, &format!("hf-{}", spec.seed), shards);
         let from_gguf = Model::load_with(&gguf, 2, WeightForm::F32).unwrap();
