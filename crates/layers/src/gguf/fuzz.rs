@@ -152,7 +152,11 @@ fn every_truncation_and_every_huge_field_of_the_header_is_an_error_or_a_file() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 1000, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig {
+        cases: 1000,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn random_bytes_never_panic(

@@ -573,7 +573,16 @@ impl GgufFile {
             ));
         }
         let row_bytes = info.ggml_type.bytes_for(info.row_len()).ok_or_else(|| {
-            Error::tensor(name, format!("type {:?} with rows of {} elements (data at offset {}) cannot be read (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)", info.ggml_type, info.row_len(), info.offset))
+            Error::tensor(
+                name,
+                format!(
+                    "type {:?} with rows of {} elements (data at offset {}) cannot be read \
+                     (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)",
+                    info.ggml_type,
+                    info.row_len(),
+                    info.offset
+                ),
+            )
         })?;
         let start = info.offset as usize + rows.start * row_bytes;
         Ok((info, &self.map[start..start + rows.len() * row_bytes]))

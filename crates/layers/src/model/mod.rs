@@ -7,9 +7,9 @@
 //! How the pieces serve the parallel model (not built here):
 //! - Tensor parallelism: a rank loads [`Attention::load`] for a range of whole KV heads
 //!   (its query heads follow), or [`Attention::load_heads`] for one KV head and part of its
-//!   query heads when ranks outnumber KV heads, and [`Mlp::load`] for a range of inner units; both outputs are
-//!   then partial sums to all-reduce over the TP group. Inner ranges that are multiples of 32
-//!   keep `ffn_down`'s column shard in its quantized blocks. The embedding and LM head shard
+//!   query heads when ranks outnumber KV heads, and [`Mlp::load`] for a range of inner units;
+//!   both outputs are then partial sums to all-reduce over the TP group. Inner ranges that
+//!   are multiples of 32 keep `ffn_down`'s column shard in its quantized blocks. The embedding and LM head shard
 //!   by vocabulary rows with [`Linear::load`] and [`Shard::Rows`].
 //! - Context parallelism: a rank runs [`Attention::qkv`] for its tokens, appends the keys and
 //!   values it owns to its [`LayerCache`] (which records absolute positions), and
