@@ -41,10 +41,11 @@ fn every_rank_succeeding_is_success() {
 fn the_first_failure_stops_the_others_and_decides_the_code() {
     let dir = std::env::temp_dir().join(format!("tpctl-launch-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    // Rank 1 fails at once; the others would sleep for a minute (recording their pids).
+    // The others record their pids and would sleep for a minute; rank 1 fails once they have.
     let script = format!(
-        "echo $$ > {}/$RANK; if [ \"$RANK\" = 1 ]; then echo 'boom: bad weights' >&2; exit 7; fi; sleep 60",
-        dir.display()
+        "if [ \"$RANK\" = 1 ]; then while [ ! -s {d}/0 ] || [ ! -s {d}/2 ]; do sleep 0.02; done; \
+         echo 'boom: bad weights' >&2; exit 7; fi; echo $$ > {d}/$RANK.tmp; mv {d}/$RANK.tmp {d}/$RANK; sleep 60",
+        d = dir.display()
     );
     let out = launch_within(spec(&script, 3), Arc::new(AtomicBool::new(false))).unwrap();
     let Outcome::Failed(f) = out else { panic!("expected a failure, got {out:?}") };
