@@ -1,0 +1,189 @@
+//! What a rank's memory looks like to the control plane: [`RankMemory`] releases and
+//! materializes tags and probes the process, and [`VmmMemory`] implements it over a
+//! [`vmm::Manager`]. [`execute`] runs one action on one rank and undoes a partial one, so a
+//! rank's failure is always reported together with whether its memory is as before.
+
+use super::message::{Action, Probe, RankReceipt, Status, TagReceipt};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A failed memory operation on one rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryError {
+    /// Whether some memory changed before the failure (a partial release).
+    pub changed: bool,
+    /// What failed.
+    pub message: String,
+}
+
+/// The memory of one rank, as the control plane drives it.
+pub trait RankMemory: Send + Sync {
+    /// Checks that `tags` can be released or materialized, without changing anything.
+    ///
+    /// # Errors
+    /// Why not (an unknown or malformed tag).
+    fn check(&self, tags: &[String]) -> Result<(), String>;
+
+    /// Releases the physical memory of `tags`; one receipt per distinct tag, in order.
+    ///
+    /// # Errors
+    /// [`MemoryError`], saying whether anything changed.
+    fn release(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError>;
+
+    /// Maps the memory of `tags` again and restores it; one receipt per distinct tag.
+    ///
+    /// # Errors
+    /// [`MemoryError`], saying whether anything changed.
+    fn materialize(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError>;
+
+    /// Reads the process's memory (host resident bytes; device bytes on GPU).
+    fn probe(&self) -> Probe;
+}
+
+/// [`RankMemory`] over a [`vmm::Manager`]. On a CUDA manager the probe adds NVML's bytes of
+/// this process on `device`.
+#[derive(Clone)]
+pub struct VmmMemory {
+    manager: Arc<vmm::Manager>,
+    device: Option<u32>,
+    nvml: Option<Arc<vmm::DeviceMemory>>,
+}
+
+impl std::fmt::Debug for VmmMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VmmMemory").field("device", &self.device).finish_non_exhaustive()
+    }
+}
+
+impl VmmMemory {
+    /// Wraps `manager`. `device` is the NVML index of the GPU a CUDA manager allocates on
+    /// (ignored, and no NVML loaded, for a CPU manager).
+    pub fn new(manager: Arc<vmm::Manager>, device: Option<u32>) -> VmmMemory {
+        let nvml = if manager.backend_name() == "cpu" {
+            None
+        } else {
+            vmm::DeviceMemory::new().ok().map(Arc::new)
+        };
+        VmmMemory { manager, device, nvml }
+    }
+
+    /// The manager.
+    pub fn manager(&self) -> &Arc<vmm::Manager> {
+        &self.manager
+    }
+}
+
+fn receipts(rs: Vec<vmm::Receipt>) -> Vec<TagReceipt> {
+    rs.into_iter()
+        .map(|r| TagReceipt {
+            tag: r.tag.as_str().to_owned(),
+            allocations: r.allocations,
+            bytes: r.bytes,
+            copied_bytes: r.copied_bytes,
+            elapsed_us: r.elapsed.as_micros() as u64,
+        })
+        .collect()
+}
+
+impl RankMemory for VmmMemory {
+    fn check(&self, tags: &[String]) -> Result<(), String> {
+        let known = self.manager.known_tags();
+        for t in tags {
+            let tag = vmm::Tag::new(t.as_str()).map_err(|e| e.to_string())?;
+            if !known.contains(&tag) {
+                let names: Vec<&str> = known.iter().map(vmm::Tag::as_str).collect();
+                return Err(format!("unknown tag `{t}` (known tags: {})", names.join(", ")));
+            }
+        }
+        Ok(())
+    }
+
+    fn release(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
+        self.manager.release(tags).map(receipts).map_err(|e| MemoryError {
+            changed: matches!(e, vmm::Error::ReleasePartial { .. }),
+            message: e.to_string(),
+        })
+    }
+
+    fn materialize(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
+        // A failed materialize unmaps again what it mapped (MaterializeRolledBack): unchanged.
+        self.manager
+            .materialize(tags)
+            .map(receipts)
+            .map_err(|e| MemoryError { changed: false, message: e.to_string() })
+    }
+
+    fn probe(&self) -> Probe {
+        let resident = vmm::ProcessMemory::current().map(|m| m.resident).unwrap_or(0);
+        let mut devices = Vec::new();
+        if let (Some(nvml), Some(index)) = (&self.nvml, self.device) {
+            if let Ok(usage) = nvml.device(index) {
+                devices.push((index, usage.bytes_of(std::process::id()).unwrap_or(usage.used)));
+            }
+        }
+        Probe { resident, devices }
+    }
+}
+
+/// A rank without tagged memory: every tag is accepted and nothing moves (the control
+/// protocol alone, as the benchmark measures it).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoMemory;
+
+impl RankMemory for NoMemory {
+    fn check(&self, _tags: &[String]) -> Result<(), String> {
+        Ok(())
+    }
+    fn release(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
+        Ok(tags.iter().map(|t| TagReceipt { tag: t.clone(), ..TagReceipt::default() }).collect())
+    }
+    fn materialize(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
+        self.release(tags)
+    }
+    fn probe(&self) -> Probe {
+        Probe::default()
+    }
+}
+
+/// Runs `action` on `tags` with probes around it. A failure that changed memory is undone
+/// with the inverse action; the error's status is [`Status::Failed`] when the memory is as
+/// before and [`Status::Fatal`] when the undo failed too.
+pub(crate) fn execute(
+    rank: usize,
+    memory: &dyn RankMemory,
+    action: Action,
+    tags: &[String],
+) -> Result<RankReceipt, (Status, String)> {
+    let before = memory.probe();
+    let start = Instant::now();
+    let run = |a: Action| match a {
+        Action::Sleep => memory.release(tags),
+        Action::Wakeup => memory.materialize(tags),
+    };
+    match run(action) {
+        Ok(tag_receipts) => Ok(RankReceipt {
+            rank,
+            tags: tag_receipts,
+            before,
+            after: memory.probe(),
+            elapsed_us: start.elapsed().as_micros() as u64,
+            asleep: Vec::new(),
+        }),
+        Err(e) if !e.changed => Err((Status::Failed, format!("{action} {tags:?}: {}", e.message))),
+        Err(e) => match run(action.inverse()) {
+            Ok(_) => Err((
+                Status::Failed,
+                format!("{action} {tags:?}: {} (partial change undone)", e.message),
+            )),
+            Err(undo) => Err((
+                Status::Fatal,
+                format!(
+                    "{action} {tags:?}: {}; undoing it with {} failed: {}",
+                    e.message,
+                    action.inverse(),
+                    undo.message
+                ),
+            )),
+        },
+    }
+}

@@ -1,0 +1,238 @@
+//! The frames of the control channel: requests from rank 0 and the ACKs peers answer with.
+//!
+//! Every frame carries the operation id and the phase it belongs to, so a late ACK of an
+//! earlier operation, or an ACK of the wrong phase, is recognised and dropped instead of being
+//! taken as the answer to the current request.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// The memory operation of a sleep/wakeup call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    /// Release the physical memory of the tags.
+    Sleep,
+    /// Map the tags' memory again and restore it per policy.
+    Wakeup,
+}
+
+impl Action {
+    /// The action that undoes this one.
+    pub fn inverse(self) -> Action {
+        match self {
+            Action::Sleep => Action::Wakeup,
+            Action::Wakeup => Action::Sleep,
+        }
+    }
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Action::Sleep => "sleep",
+            Action::Wakeup => "wakeup",
+        })
+    }
+}
+
+/// The protocol phase a frame belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Quiesce and check the request; never touches memory.
+    Prepare,
+    /// Run the memory operation.
+    Commit,
+    /// Forget a prepared request (resume the engine); never touches memory.
+    Abort,
+    /// Undo a committed operation (run its inverse).
+    Rollback,
+    /// Report the rank's state and memory probe.
+    Status,
+    /// Stop the listener after acknowledging.
+    Shutdown,
+    /// The deployment is stopping after a failed rollback: acknowledge and stop.
+    FailStop,
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Phase::Prepare => "prepare",
+            Phase::Commit => "commit",
+            Phase::Abort => "abort",
+            Phase::Rollback => "rollback",
+            Phase::Status => "status",
+            Phase::Shutdown => "shutdown",
+            Phase::FailStop => "fail-stop",
+        })
+    }
+}
+
+/// What a frame says about its phase.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    /// A request from rank 0.
+    Request,
+    /// The phase succeeded on the sending peer.
+    Ok,
+    /// The phase failed; the peer's memory is as before the phase.
+    Failed,
+    /// The request was dropped because an ABORT for its operation had arrived first.
+    Aborted,
+    /// The phase failed and the peer could not restore its memory: only a fail-stop is safe.
+    Fatal,
+}
+
+/// How the engine reaches a step boundary before its memory goes away.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QuiesceMode {
+    /// Let the running requests finish, admit no new ones.
+    #[default]
+    Wait,
+    /// Fail the running requests with a clear reason.
+    Abort,
+    /// Pause the running requests; they continue after wakeup.
+    Keep,
+}
+
+/// A host or device memory reading of one rank.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Probe {
+    /// Resident bytes of the rank's process (procfs).
+    pub resident: u64,
+    /// Per device the rank uses: (NVML index, bytes used by this process). Empty on CPU.
+    pub devices: Vec<(u32, u64)>,
+}
+
+impl Probe {
+    /// The bytes the rank's tagged memory lives in: device bytes of this process when it uses
+    /// a device, resident host bytes otherwise.
+    pub fn measure(&self) -> u64 {
+        if self.devices.is_empty() {
+            self.resident
+        } else {
+            self.devices.iter().map(|(_, b)| b).sum()
+        }
+    }
+}
+
+/// What one operation did to one tag on one rank.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TagReceipt {
+    /// The tag.
+    pub tag: String,
+    /// Allocations whose state changed.
+    pub allocations: usize,
+    /// Bytes released (sleep) or mapped again (wakeup).
+    pub bytes: u64,
+    /// Bytes copied to a backup (sleep) or restored from one or reloaded (wakeup).
+    pub copied_bytes: u64,
+    /// Time spent on the tag, in microseconds.
+    pub elapsed_us: u64,
+}
+
+/// What one operation did on one rank.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankReceipt {
+    /// The rank.
+    pub rank: usize,
+    /// One receipt per tag asked for, in the order asked.
+    pub tags: Vec<TagReceipt>,
+    /// The memory probe just before the operation.
+    pub before: Probe,
+    /// The memory probe just after it.
+    pub after: Probe,
+    /// Wall time of the operation on this rank, in microseconds.
+    pub elapsed_us: u64,
+    /// Tags asleep on this rank after the operation.
+    pub asleep: Vec<String>,
+}
+
+impl RankReceipt {
+    /// Bytes released or restored over all tags.
+    pub fn bytes(&self) -> u64 {
+        self.tags.iter().map(|t| t.bytes).sum()
+    }
+
+    /// How far the probe moved: bytes freed by a sleep, or taken by a wakeup.
+    pub fn probe_delta(&self, action: Action) -> i64 {
+        let (b, a) = (self.before.measure() as i64, self.after.measure() as i64);
+        match action {
+            Action::Sleep => b - a,
+            Action::Wakeup => a - b,
+        }
+    }
+}
+
+/// One frame of the control channel, in both directions.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Message {
+    /// The operation this frame belongs to (0 for shutdown and status).
+    pub op_id: u64,
+    /// Its phase.
+    pub phase: Phase,
+    /// The memory operation (prepare, commit and rollback).
+    pub action: Option<Action>,
+    /// The tags (requests).
+    #[serde(default)]
+    pub tags: Vec<String>,
+    /// How to quiesce (prepare).
+    #[serde(default)]
+    pub mode: QuiesceMode,
+    /// Request, or the outcome of an ACK.
+    pub status: Status,
+    /// What failed, with the peer's context (ACKs with a failure status).
+    #[serde(default)]
+    pub error: Option<String>,
+    /// What the phase did to memory (ACKs of commit, rollback and status).
+    #[serde(default)]
+    pub receipt: Option<RankReceipt>,
+}
+
+impl Message {
+    /// A request from rank 0.
+    pub fn request(op_id: u64, phase: Phase, action: Option<Action>, tags: &[String]) -> Message {
+        Message {
+            op_id,
+            phase,
+            action,
+            tags: tags.to_vec(),
+            mode: QuiesceMode::default(),
+            status: Status::Request,
+            error: None,
+            receipt: None,
+        }
+    }
+
+    /// The ACK of `self` with `status`.
+    pub fn ack(&self, status: Status) -> Message {
+        Message {
+            op_id: self.op_id,
+            phase: self.phase,
+            action: self.action,
+            tags: Vec::new(),
+            mode: self.mode,
+            status,
+            error: None,
+            receipt: None,
+        }
+    }
+
+    /// Whether this frame answers a request of `op_id` in `phase`.
+    pub fn answers(&self, op_id: u64, phase: Phase) -> bool {
+        self.status != Status::Request && self.op_id == op_id && self.phase == phase
+    }
+
+    /// Encodes the frame: a 4-byte little-endian length, then JSON.
+    pub fn encode(&self) -> Vec<u8> {
+        let body = serde_json::to_vec(self).unwrap_or_default();
+        let mut out = Vec::with_capacity(4 + body.len());
+        out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        out.extend_from_slice(&body);
+        out
+    }
+}

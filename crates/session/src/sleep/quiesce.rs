@@ -1,0 +1,43 @@
+//! The engine hook: how the control plane brings a rank's engine to a step boundary before its
+//! memory goes away, and lets it run again afterwards.
+//!
+//! The session engine implements [`Quiesce`]; until then, [`Idle`] stands for an engine with
+//! nothing to stop. What an implementation must do, per [`QuiesceMode`]:
+//!
+//! - `Wait`: stop admitting requests, let the running ones finish, return at a step boundary.
+//! - `Abort`: fail the running requests with the reason "aborted: the deployment is going to
+//!   sleep", return at a step boundary.
+//! - `Keep`: pause the running requests at a step boundary, keeping their state; [`Quiesce::resume`]
+//!   continues them. With `kv_cache` restored by a backup, a paused generation continues
+//!   identically after wakeup; with `Discard`, the engine must recompute paused sequences
+//!   from their tokens (prefill again) before continuing.
+//!
+//! While the deployment is asleep, new requests wait for the wakeup (or are refused with HTTP
+//! 503 when configured so); weights restored by a backup or a reload give the same logits as
+//! before.
+
+pub use super::message::QuiesceMode;
+
+/// The engine as the control plane sees it. Calls come from the control plane's thread, one
+/// at a time (the sleep/wakeup lock serializes them).
+pub trait Quiesce: Send + Sync {
+    /// Brings the engine to a step boundary per `mode`; no step runs until [`Quiesce::resume`].
+    ///
+    /// # Errors
+    /// Why the engine cannot be quiesced; the operation is then aborted with nothing changed.
+    fn quiesce(&self, mode: QuiesceMode) -> Result<(), String>;
+
+    /// Lets the engine run again (after a wakeup, or after an aborted sleep).
+    fn resume(&self);
+}
+
+/// An engine with nothing to quiesce.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Idle;
+
+impl Quiesce for Idle {
+    fn quiesce(&self, _mode: QuiesceMode) -> Result<(), String> {
+        Ok(())
+    }
+    fn resume(&self) {}
+}

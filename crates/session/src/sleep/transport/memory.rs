@@ -1,0 +1,183 @@
+//! An in-process transport: the same frames as [`super::tcp`] over `std::sync::mpsc`
+//! channels, with fault injection (failed sends, lost frames, closed peers), so the protocol
+//! runs on real threads in unit tests.
+
+use super::{CoordinatorLink, Incoming, PeerLink};
+use crate::sleep::message::{Message, Phase, Status};
+use std::collections::HashMap;
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// A fault armed on a [`Faults`] set. Each fires once.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Sending a request of `phase` to `rank` fails.
+    FailSend {
+        /// The peer.
+        rank: usize,
+        /// The request's phase.
+        phase: Phase,
+    },
+    /// The ACK `rank` sends for `phase` is lost.
+    DropAck {
+        /// The peer.
+        rank: usize,
+        /// The ACK's phase.
+        phase: Phase,
+    },
+    /// Before its ACK for `phase`, `rank` sends an extra ACK of the same phase with this
+    /// (stale) operation id.
+    StaleAck {
+        /// The peer.
+        rank: usize,
+        /// The ACK's phase.
+        phase: Phase,
+        /// The stale operation id.
+        op_id: u64,
+    },
+}
+
+/// The faults armed on one in-memory world, shared by both ends.
+#[derive(Clone, Debug, Default)]
+pub struct Faults(Arc<Mutex<Vec<Fault>>>);
+
+impl Faults {
+    /// Arms `fault`.
+    pub fn arm(&self, fault: Fault) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(fault);
+    }
+
+    fn take(&self, pred: impl Fn(&Fault) -> bool) -> Option<Fault> {
+        let mut v = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let i = v.iter().position(pred)?;
+        Some(v.remove(i))
+    }
+}
+
+/// Rank 0's end of an in-memory world.
+#[derive(Debug)]
+pub struct MemoryCoordinator {
+    to_peer: HashMap<usize, Sender<Message>>,
+    from_peers: Mutex<Receiver<Incoming>>,
+    faults: Faults,
+}
+
+/// A peer's end of an in-memory world.
+#[derive(Debug)]
+pub struct MemoryPeer {
+    rank: usize,
+    from_coordinator: Receiver<Message>,
+    to_coordinator: Sender<Incoming>,
+    faults: Faults,
+}
+
+impl MemoryPeer {
+    /// This peer's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+}
+
+impl Drop for MemoryPeer {
+    fn drop(&mut self) {
+        // A peer that goes away closes its connection, as a dead process would.
+        let _ = self.to_coordinator.send(Incoming::Closed {
+            rank: self.rank,
+            reason: "peer closed the in-memory channel".into(),
+        });
+    }
+}
+
+/// A world of `world` ranks: rank 0's end and one end per peer (ranks 1..world).
+pub fn world(world: usize, faults: Faults) -> (MemoryCoordinator, Vec<MemoryPeer>) {
+    let (up_tx, up_rx) = channel();
+    let mut to_peer = HashMap::new();
+    let mut peers = Vec::new();
+    for rank in 1..world {
+        let (tx, rx) = channel();
+        to_peer.insert(rank, tx);
+        peers.push(MemoryPeer {
+            rank,
+            from_coordinator: rx,
+            to_coordinator: up_tx.clone(),
+            faults: faults.clone(),
+        });
+    }
+    (MemoryCoordinator { to_peer, from_peers: Mutex::new(up_rx), faults: faults.clone() }, peers)
+}
+
+impl CoordinatorLink for MemoryCoordinator {
+    fn peers(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = self.to_peer.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    fn send(&self, rank: usize, msg: &Message) -> Result<(), String> {
+        if self
+            .faults
+            .take(|f| matches!(f, Fault::FailSend { rank: r, phase } if *r == rank && *phase == msg.phase))
+            .is_some()
+        {
+            return Err(format!("send of {} to rank {rank} failed (injected)", msg.phase));
+        }
+        let tx = self.to_peer.get(&rank).ok_or_else(|| format!("no peer rank {rank}"))?;
+        tx.send(msg.clone()).map_err(|_| format!("rank {rank} closed the in-memory channel"))
+    }
+
+    fn recv(&self, deadline: Instant) -> Option<Incoming> {
+        let rx = self.from_peers.lock().unwrap_or_else(|e| e.into_inner());
+        let wait = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(wait) {
+            Ok(m) => Some(m),
+            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => None,
+        }
+    }
+}
+
+impl PeerLink for MemoryPeer {
+    fn recv(&mut self, deadline: Instant) -> Result<Option<Message>, String> {
+        let wait = deadline.saturating_duration_since(Instant::now());
+        match self.from_coordinator.recv_timeout(wait) {
+            Ok(m) => Ok(Some(m)),
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => {
+                Err("rank 0 closed the in-memory channel".into())
+            }
+        }
+    }
+
+    fn send(&mut self, msg: &Message) -> Result<(), String> {
+        let rank = self.rank;
+        let is = |f: &Fault, want: fn(&Fault) -> Option<(usize, Phase)>| {
+            want(f).is_some_and(|(r, p)| r == rank && p == msg.phase) && msg.status != Status::Request
+        };
+        if let Some(Fault::StaleAck { op_id, .. }) = self.faults.take(|f| {
+            is(f, |f| match f {
+                Fault::StaleAck { rank, phase, .. } => Some((*rank, *phase)),
+                _ => None,
+            })
+        }) {
+            let mut stale = msg.clone();
+            stale.op_id = op_id;
+            stale.error = Some("stale ack".into());
+            let _ = self.to_coordinator.send(Incoming::Frame { rank, msg: stale });
+        }
+        if self
+            .faults
+            .take(|f| {
+                is(f, |f| match f {
+                    Fault::DropAck { rank, phase } => Some((*rank, *phase)),
+                    _ => None,
+                })
+            })
+            .is_some()
+        {
+            return Ok(());
+        }
+        self.to_coordinator
+            .send(Incoming::Frame { rank, msg: msg.clone() })
+            .map_err(|_| "rank 0 closed the in-memory channel".to_string())
+    }
+}
