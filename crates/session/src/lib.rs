@@ -22,6 +22,7 @@ mod sampler;
 mod scheduler;
 pub mod sharded;
 mod sink;
+pub mod sleep;
 
 pub use engine::{
     Decider, Decision, EngineOptions, Event, Leader, Role, RunSummary, SessionReport, Sinks,

@@ -1,0 +1,632 @@
+//! Rank 0's side: the [`Coordinator`] runs sleep and wakeup as a two-phase commit over the
+//! control channel, with rollback, per-rank receipts and the deployment's state.
+
+use super::error::{Error, Outcome, RankFailure, Result};
+use super::memory::{execute, RankMemory};
+use super::message::{Action, Message, Phase, Probe, RankReceipt, Status, TagReceipt};
+use super::quiesce::{Quiesce, QuiesceMode};
+use super::transport::{CoordinatorLink, Incoming};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// The fraction of its tagged bytes every rank must give back for a verified sleep.
+pub const VERIFY_FRACTION: f64 = 0.9;
+
+/// The state of a deployment, as [`Coordinator::state`] reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeploymentState {
+    /// Every tag is materialized; the engine runs.
+    Running,
+    /// These tags are released on every rank.
+    Sleeping(Vec<String>),
+    /// A wakeup of these tags is in progress.
+    Waking(Vec<String>),
+    /// The deployment failed (a rank was lost, or a rollback failed); nothing more runs.
+    Failed(String),
+}
+
+/// Options of one sleep or wakeup call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OpOptions {
+    /// How to quiesce the engine (sleep).
+    pub mode: QuiesceMode,
+    /// Fail (and roll back) a sleep when any rank's memory probe dropped by less than
+    /// [`VERIFY_FRACTION`] of the bytes it released.
+    pub verify: bool,
+}
+
+/// Options of a [`Coordinator`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CoordinatorOptions {
+    /// How long rank 0 waits for the ACKs of one phase (from all peers together).
+    pub ack_timeout: Duration,
+}
+
+impl Default for CoordinatorOptions {
+    fn default() -> Self {
+        CoordinatorOptions { ack_timeout: Duration::from_secs(60) }
+    }
+}
+
+/// What a successful sleep or wakeup did, per rank and per tag.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpReceipt {
+    /// The operation's id (0 when nothing had to run).
+    pub op_id: u64,
+    /// The operation.
+    pub action: Action,
+    /// The tags asked for.
+    pub tags: Vec<String>,
+    /// One receipt per rank, in rank order.
+    pub ranks: Vec<RankReceipt>,
+    /// Wall time of the whole call, lock and quiesce included.
+    pub elapsed: Duration,
+}
+
+impl OpReceipt {
+    /// Bytes released or restored over every rank and tag.
+    pub fn bytes(&self) -> u64 {
+        self.ranks.iter().map(RankReceipt::bytes).sum()
+    }
+}
+
+/// One answer of a [`Coordinator::status`] fan-out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeploymentStatus {
+    /// The deployment's state.
+    pub state: DeploymentState,
+    /// Each rank's asleep tags and memory probe, in rank order (ranks that did not answer are
+    /// missing).
+    pub ranks: Vec<RankReceipt>,
+    /// Ranks that did not answer, with why.
+    pub failures: Vec<RankFailure>,
+}
+
+/// The reply of [`Coordinator::call`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reply {
+    /// A sleep or wakeup.
+    Op(OpReceipt),
+    /// A status.
+    Status(DeploymentStatus),
+}
+
+struct Inner {
+    state: DeploymentState,
+    asleep: BTreeSet<String>,
+    next_op: u64,
+    /// Whether rank 0's engine is quiesced.
+    paused: bool,
+    /// Peers whose connection closed.
+    lost: BTreeSet<usize>,
+}
+
+/// Rank 0's coordinator of sleep and wakeup. `Sync`: callers on several threads are
+/// serialized by the sleep/wakeup lock.
+pub struct Coordinator {
+    link: Box<dyn CoordinatorLink + Sync>,
+    memory: Arc<dyn RankMemory>,
+    engine: Arc<dyn Quiesce>,
+    opts: CoordinatorOptions,
+    op_lock: Mutex<()>,
+    inner: Mutex<Inner>,
+}
+
+impl std::fmt::Debug for Coordinator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Coordinator").field("peers", &self.link.peers()).finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The answers of one drained phase.
+struct Drained {
+    /// Every matching ACK, by rank.
+    acks: BTreeMap<usize, Message>,
+    /// Ranks that answered nothing (deadline) or whose connection closed.
+    silent: Vec<RankFailure>,
+}
+
+impl Drained {
+    /// Failures: ACKs with a failure status, then the silent ranks.
+    fn failures(&self) -> Vec<RankFailure> {
+        let mut v: Vec<RankFailure> = self
+            .acks
+            .iter()
+            .filter(|(_, m)| m.status != Status::Ok)
+            .map(|(&rank, m)| RankFailure {
+                rank,
+                phase: m.phase,
+                message: m.error.clone().unwrap_or_else(|| format!("{:?}", m.status)),
+            })
+            .collect();
+        v.extend(self.silent.iter().cloned());
+        v
+    }
+}
+
+impl Coordinator {
+    /// A coordinator over `link` (the control channel's rank 0 end), this rank's `memory` and
+    /// `engine`. With no peers it is the single-rank path: same lock, same receipts.
+    pub fn new(
+        link: impl CoordinatorLink + Sync + 'static,
+        memory: Arc<dyn RankMemory>,
+        engine: Arc<dyn Quiesce>,
+        opts: CoordinatorOptions,
+    ) -> Coordinator {
+        Coordinator {
+            link: Box::new(link),
+            memory,
+            engine,
+            opts,
+            op_lock: Mutex::new(()),
+            inner: Mutex::new(Inner {
+                state: DeploymentState::Running,
+                asleep: BTreeSet::new(),
+                next_op: 1,
+                paused: false,
+                lost: BTreeSet::new(),
+            }),
+        }
+    }
+
+    /// The number of ranks, rank 0 included.
+    pub fn world(&self) -> usize {
+        self.link.peers().len() + 1
+    }
+
+    /// The deployment's state (no communication).
+    pub fn state(&self) -> DeploymentState {
+        lock(&self.inner).state.clone()
+    }
+
+    /// Releases `tags` on every rank. Tags already asleep give a zero receipt.
+    ///
+    /// # Errors
+    /// [`Error::Failed`] listing every failing rank, with the [`Outcome`]: aborted with
+    /// nothing changed, every changed rank rolled back, or fail-stop when a rollback failed;
+    /// [`Error::Verify`] (rolled back) when `opts.verify` and a rank fell short;
+    /// [`Error::Quiesce`] when rank 0's engine cannot be quiesced;
+    /// [`Error::DeploymentFailed`] when the deployment failed earlier.
+    pub fn sleep(&self, tags: &[String], opts: OpOptions) -> Result<OpReceipt> {
+        self.run(Action::Sleep, tags, opts)
+    }
+
+    /// Materializes `tags` again on every rank and resumes the engine once nothing is asleep.
+    /// Tags already awake give a zero receipt.
+    ///
+    /// # Errors
+    /// As [`Coordinator::sleep`], without verification.
+    pub fn wakeup(&self, tags: &[String], opts: OpOptions) -> Result<OpReceipt> {
+        self.run(Action::Wakeup, tags, opts)
+    }
+
+    /// The control API entry point: fans out `method` (`sleep`, `wakeup` or `status`) to
+    /// every rank. Anything else is refused.
+    ///
+    /// # Errors
+    /// [`Error::MethodNotAllowed`] for any other method; otherwise the method's errors.
+    pub fn call(&self, method: &str, tags: &[String], opts: OpOptions) -> Result<Reply> {
+        match method {
+            "sleep" => self.sleep(tags, opts).map(Reply::Op),
+            "wakeup" | "wake_up" => self.wakeup(tags, opts).map(Reply::Op),
+            "status" => self.status().map(Reply::Status),
+            other => Err(Error::MethodNotAllowed { method: other.to_owned() }),
+        }
+    }
+
+    /// Asks every rank for its asleep tags and memory probe (bounded by the ACK timeout).
+    ///
+    /// # Errors
+    /// None today: ranks that do not answer are listed in [`DeploymentStatus::failures`].
+    pub fn status(&self) -> Result<DeploymentStatus> {
+        let _guard = lock(&self.op_lock);
+        let (state, asleep) = {
+            let inner = lock(&self.inner);
+            (inner.state.clone(), inner.asleep.iter().cloned().collect::<Vec<_>>())
+        };
+        let probe = self.memory.probe();
+        let mut ranks = vec![RankReceipt {
+            rank: 0,
+            before: probe.clone(),
+            after: probe,
+            asleep,
+            ..RankReceipt::default()
+        }];
+        let msg = Message::request(0, Phase::Status, None, &[]);
+        let (sent, mut failures) = self.fan_out(&msg, &self.live_peers(), false);
+        let drained = self.drain(0, Phase::Status, &sent);
+        failures.extend(drained.failures());
+        ranks.extend(drained.acks.into_values().filter_map(|m| m.receipt));
+        failures.sort_by_key(|f| f.rank);
+        Ok(DeploymentStatus { state, ranks, failures })
+    }
+
+    /// Sends the shutdown sentinel to every listener and drains their ACKs (bounded by the
+    /// ACK timeout).
+    ///
+    /// # Errors
+    /// [`Error::Channel`] naming every peer that did not acknowledge.
+    pub fn shutdown(&self) -> Result<()> {
+        let _guard = lock(&self.op_lock);
+        let msg = Message::request(0, Phase::Shutdown, None, &[]);
+        let (sent, mut failures) = self.fan_out(&msg, &self.live_peers(), false);
+        failures.extend(self.drain(0, Phase::Shutdown, &sent).failures());
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            failures.sort_by_key(|f| f.rank);
+            let list: Vec<String> = failures.iter().map(ToString::to_string).collect();
+            Err(Error::Channel { rank: 0, detail: format!("shutdown: {}", list.join("; ")) })
+        }
+    }
+
+    fn live_peers(&self) -> Vec<usize> {
+        let lost = lock(&self.inner).lost.clone();
+        self.link.peers().into_iter().filter(|r| !lost.contains(r)).collect()
+    }
+
+    /// Sends `msg` to `ranks` in turn, every frame before any answer is awaited (so the
+    /// round trips overlap). With `stop_on_failure`, the first failed send ends the fan-out.
+    /// Returns the ranks reached and the failures.
+    fn fan_out(
+        &self,
+        msg: &Message,
+        ranks: &[usize],
+        stop_on_failure: bool,
+    ) -> (Vec<usize>, Vec<RankFailure>) {
+        let mut sent = Vec::with_capacity(ranks.len());
+        let mut failures = Vec::new();
+        for &rank in ranks {
+            match self.link.send(rank, msg) {
+                Ok(()) => sent.push(rank),
+                Err(message) => {
+                    failures.push(RankFailure { rank, phase: msg.phase, message });
+                    if stop_on_failure {
+                        break;
+                    }
+                }
+            }
+        }
+        (sent, failures)
+    }
+
+    /// Collects the ACKs of `phase` for `op_id` from `from`, until all answered or the ACK
+    /// timeout passed. Frames of another operation or phase are dropped, never kept for later.
+    fn drain(&self, op_id: u64, phase: Phase, from: &[usize]) -> Drained {
+        let deadline = Instant::now() + self.opts.ack_timeout;
+        let mut waiting: BTreeSet<usize> = from.iter().copied().collect();
+        let mut acks = BTreeMap::new();
+        let mut silent = Vec::new();
+        while !waiting.is_empty() {
+            match self.link.recv(deadline) {
+                None => break,
+                Some(Incoming::Frame { rank, msg }) => {
+                    if msg.answers(op_id, phase) && waiting.remove(&rank) {
+                        acks.insert(rank, msg);
+                    } else {
+                        tracing::warn!(
+                            rank, op_id = msg.op_id, phase = %msg.phase, expected_op = op_id,
+                            expected_phase = %phase, "dropped a stale or unexpected control frame"
+                        );
+                    }
+                }
+                Some(Incoming::Closed { rank, reason }) => {
+                    lock(&self.inner).lost.insert(rank);
+                    if waiting.remove(&rank) {
+                        silent.push(RankFailure {
+                            rank,
+                            phase,
+                            message: format!("rank {rank} is lost: {reason}"),
+                        });
+                    }
+                }
+            }
+        }
+        let secs = self.opts.ack_timeout.as_secs_f64();
+        silent.extend(waiting.into_iter().map(|rank| RankFailure {
+            rank,
+            phase,
+            message: format!("no {phase} ack from rank {rank} within {secs:.1} s"),
+        }));
+        Drained { acks, silent }
+    }
+
+    /// ABORT to `ranks` and drain their ACKs; failures other than of already failed ranks are
+    /// added to `failures`.
+    fn abort(&self, op_id: u64, ranks: &[usize], failures: &mut Vec<RankFailure>) {
+        if ranks.is_empty() {
+            return;
+        }
+        let msg = Message::request(op_id, Phase::Abort, None, &[]);
+        let (sent, mut more) = self.fan_out(&msg, ranks, false);
+        more.extend(self.drain(op_id, Phase::Abort, &sent).failures());
+        for f in more {
+            if !failures.iter().any(|g| g.rank == f.rank) {
+                failures.push(f);
+            }
+        }
+    }
+
+    fn fail(
+        &self,
+        action: Action,
+        tags: &[String],
+        op_id: u64,
+        mut failures: Vec<RankFailure>,
+        outcome: Outcome,
+    ) -> Error {
+        failures.sort_by_key(|f| (f.rank, f.phase as u8));
+        Error::Failed { action, tags: tags.to_vec(), op_id, failures, outcome }
+    }
+
+    /// Ends an operation that changed no memory: resume the engine when this call paused it,
+    /// restore the state, record lost peers.
+    fn end_unchanged(&self, paused_here: bool) {
+        let mut inner = lock(&self.inner);
+        if paused_here && inner.asleep.is_empty() {
+            self.engine.resume();
+            inner.paused = false;
+        }
+        inner.state = if let Some(r) = inner.lost.iter().next() {
+            DeploymentState::Failed(format!("rank {r} is lost"))
+        } else if inner.asleep.is_empty() {
+            DeploymentState::Running
+        } else {
+            DeploymentState::Sleeping(inner.asleep.iter().cloned().collect())
+        };
+    }
+
+    /// Stops every listener after a failed rollback and marks the deployment failed.
+    fn fail_stop(&self, op_id: u64, why: &str) {
+        let msg = Message::request(op_id, Phase::FailStop, None, &[]);
+        let (sent, _) = self.fan_out(&msg, &self.live_peers(), false);
+        let _ = self.drain(op_id, Phase::FailStop, &sent);
+        lock(&self.inner).state = DeploymentState::Failed(format!("fail-stop in op {op_id}: {why}"));
+    }
+
+    fn run(&self, action: Action, tags: &[String], opts: OpOptions) -> Result<OpReceipt> {
+        let start = Instant::now();
+        let _guard = lock(&self.op_lock);
+        let (op_id, paused_here) = {
+            let mut inner = lock(&self.inner);
+            if let DeploymentState::Failed(reason) = &inner.state {
+                return Err(Error::DeploymentFailed {
+                    action: format!("{action} {tags:?}"),
+                    reason: reason.clone(),
+                });
+            }
+            let done = match action {
+                Action::Sleep => tags.iter().all(|t| inner.asleep.contains(t)),
+                Action::Wakeup => tags.iter().all(|t| !inner.asleep.contains(t)),
+            };
+            if done {
+                return Ok(self.zero_receipt(action, tags, start));
+            }
+            let op_id = inner.next_op;
+            inner.next_op += 1;
+            let mut paused_here = false;
+            if !inner.paused {
+                self.engine
+                    .quiesce(opts.mode)
+                    .map_err(|detail| Error::Quiesce { action, rank: 0, detail })?;
+                inner.paused = true;
+                paused_here = true;
+            }
+            if action == Action::Wakeup {
+                inner.state = DeploymentState::Waking(tags.to_vec());
+            }
+            (op_id, paused_here)
+        };
+        tracing::info!(op_id, %action, ?tags, "sleep/wakeup started");
+
+        // Phase 1: PREPARE everywhere; nothing changes memory.
+        let peers = self.live_peers();
+        let mut prepare = Message::request(op_id, Phase::Prepare, Some(action), tags);
+        prepare.mode = opts.mode;
+        let (prepared, mut failures) = self.fan_out(&prepare, &peers, true);
+        if let Err(e) = self.memory.check(tags) {
+            failures.push(RankFailure { rank: 0, phase: Phase::Prepare, message: e });
+        }
+        if let Err(e) = mesh::failpoint::hit("sleep.prepare") {
+            failures.push(RankFailure { rank: 0, phase: Phase::Prepare, message: e.to_string() });
+        }
+        if failures.is_empty() {
+            failures.extend(self.drain(op_id, Phase::Prepare, &prepared).failures());
+        }
+        if !failures.is_empty() {
+            self.abort(op_id, &prepared, &mut failures);
+            self.end_unchanged(paused_here);
+            return Err(self.fail(action, tags, op_id, failures, Outcome::Aborted));
+        }
+
+        // Phase 2: the local operation, then COMMIT to the prepared peers.
+        let local = match mesh::failpoint::hit("sleep.commit") {
+            Err(e) => Err((Status::Failed, e.to_string())),
+            Ok(()) => execute(0, &*self.memory, action, tags),
+        };
+        let local = match local {
+            Ok(r) => r,
+            Err((status, message)) => {
+                failures.push(RankFailure { rank: 0, phase: Phase::Commit, message });
+                self.abort(op_id, &prepared, &mut failures);
+                if status == Status::Fatal {
+                    self.fail_stop(op_id, "rank 0 could not undo its partial operation");
+                    return Err(self.fail(action, tags, op_id, failures, Outcome::FailStop));
+                }
+                self.end_unchanged(paused_here);
+                return Err(self.fail(action, tags, op_id, failures, Outcome::Aborted));
+            }
+        };
+        let commit = Message::request(op_id, Phase::Commit, Some(action), tags);
+        let (committed, send_failures) = self.fan_out(&commit, &prepared, true);
+        let uncommitted: Vec<usize> = prepared[committed.len()..].to_vec();
+        failures.extend(send_failures);
+        let drained = self.drain(op_id, Phase::Commit, &committed);
+        failures.extend(drained.failures());
+        // Ranks not committed still hold a prepared request: ABORT releases it.
+        self.abort(op_id, &uncommitted, &mut failures);
+
+        let mut receipts = vec![local];
+        receipts.extend(drained.acks.values().filter_map(|m| m.receipt.clone()));
+        if failures.is_empty() && opts.verify && action == Action::Sleep {
+            let short = Self::verify(&receipts);
+            if !short.is_empty() {
+                let outcome = self.roll_back(op_id, action, tags, &drained, short.clone());
+                return Err(Error::Verify {
+                    action,
+                    tags: tags.to_vec(),
+                    op_id,
+                    failures: short,
+                    outcome,
+                });
+            }
+        }
+        if !failures.is_empty() {
+            let outcome = self.roll_back(op_id, action, tags, &drained, failures.clone());
+            return Err(self.fail(action, tags, op_id, failures, outcome));
+        }
+
+        // Success everywhere.
+        let mut inner = lock(&self.inner);
+        for t in tags {
+            match action {
+                Action::Sleep => inner.asleep.insert(t.clone()),
+                Action::Wakeup => inner.asleep.remove(t),
+            };
+        }
+        let asleep: Vec<String> = inner.asleep.iter().cloned().collect();
+        receipts[0].asleep = asleep.clone();
+        if asleep.is_empty() {
+            if inner.paused {
+                self.engine.resume();
+                inner.paused = false;
+            }
+            inner.state = DeploymentState::Running;
+        } else {
+            inner.state = DeploymentState::Sleeping(asleep);
+        }
+        drop(inner);
+        receipts.sort_by_key(|r| r.rank);
+        tracing::info!(op_id, %action, ?tags, elapsed = ?start.elapsed(), "sleep/wakeup done");
+        Ok(OpReceipt { op_id, action, tags: tags.to_vec(), ranks: receipts, elapsed: start.elapsed() })
+    }
+
+    /// Ranks whose probe moved by less than [`VERIFY_FRACTION`] of the bytes they released.
+    fn verify(receipts: &[RankReceipt]) -> Vec<RankFailure> {
+        receipts
+            .iter()
+            .filter_map(|r| {
+                let tagged = r.bytes();
+                let freed = r.probe_delta(Action::Sleep);
+                let need = (tagged as f64 * VERIFY_FRACTION) as i64;
+                (freed < need).then(|| RankFailure {
+                    rank: r.rank,
+                    phase: Phase::Commit,
+                    message: format!(
+                        "released {tagged} tagged bytes but its memory dropped by only {freed} bytes (less than {:.0}%: a leak)",
+                        VERIFY_FRACTION * 100.0
+                    ),
+                })
+            })
+            .collect()
+    }
+
+    /// Rolls back rank 0 and every peer that committed (or may have), then sets the state.
+    /// Returns [`Outcome::RolledBack`], or [`Outcome::FailStop`] when any rollback failed or a
+    /// committed peer's state is unknown.
+    fn roll_back(
+        &self,
+        op_id: u64,
+        action: Action,
+        tags: &[String],
+        drained: &Drained,
+        mut failures: Vec<RankFailure>,
+    ) -> Outcome {
+        let lost = lock(&self.inner).lost.clone();
+        let mut fatal = drained.acks.values().any(|m| m.status == Status::Fatal);
+        // Committed peers that answered OK, and those that did not answer but are alive (their
+        // COMMIT may have run): both get ROLLBACK. A lost peer's memory went with its process.
+        let mut targets: Vec<usize> = drained
+            .acks
+            .iter()
+            .filter(|(_, m)| m.status == Status::Ok)
+            .map(|(&r, _)| r)
+            .collect();
+        let silent_alive: Vec<usize> =
+            drained.silent.iter().map(|f| f.rank).filter(|r| !lost.contains(r)).collect();
+        targets.extend(&silent_alive);
+        let rollback = Message::request(op_id, Phase::Rollback, Some(action), tags);
+        let (sent, send_failures) = self.fan_out(&rollback, &targets, false);
+        if !send_failures.is_empty() {
+            fatal = true;
+        }
+        failures.extend(send_failures);
+        let undo = action.inverse();
+        if undo == Action::Sleep {
+            // A wakeup that is undone puts rank 0 back to sleep: quiesce again if it resumed.
+            let mut inner = lock(&self.inner);
+            if !inner.paused {
+                if self.engine.quiesce(QuiesceMode::Keep).is_err() {
+                    fatal = true;
+                }
+                inner.paused = true;
+            }
+        }
+        if let Err((_, message)) = execute(0, &*self.memory, undo, tags) {
+            failures.push(RankFailure { rank: 0, phase: Phase::Rollback, message });
+            fatal = true;
+        }
+        let answers = self.drain(op_id, Phase::Rollback, &sent);
+        for (rank, m) in &answers.acks {
+            if m.status != Status::Ok {
+                // A silent peer that had not committed answers "not the last committed one":
+                // its memory is unchanged, which is what a rollback wants.
+                let untouched = silent_alive.contains(rank) && m.status == Status::Failed;
+                if !untouched {
+                    fatal = true;
+                }
+            }
+        }
+        if !answers.silent.is_empty() {
+            fatal = true;
+        }
+        failures.extend(answers.failures());
+        if fatal {
+            self.fail_stop(op_id, "a rollback failed");
+            return Outcome::FailStop;
+        }
+        let mut inner = lock(&self.inner);
+        if undo == Action::Wakeup && inner.asleep.is_empty() && inner.paused {
+            self.engine.resume();
+            inner.paused = false;
+        }
+        inner.state = if let Some(r) = inner.lost.iter().next() {
+            DeploymentState::Failed(format!("rank {r} is lost"))
+        } else if inner.asleep.is_empty() {
+            DeploymentState::Running
+        } else {
+            DeploymentState::Sleeping(inner.asleep.iter().cloned().collect())
+        };
+        Outcome::RolledBack
+    }
+
+    fn zero_receipt(&self, action: Action, tags: &[String], start: Instant) -> OpReceipt {
+        let asleep: Vec<String> = lock(&self.inner).asleep.iter().cloned().collect();
+        let ranks = (0..self.world())
+            .map(|rank| RankReceipt {
+                rank,
+                tags: tags.iter().map(|t| TagReceipt { tag: t.clone(), ..TagReceipt::default() }).collect(),
+                before: Probe::default(),
+                after: Probe::default(),
+                elapsed_us: 0,
+                asleep: asleep.clone(),
+            })
+            .collect();
+        OpReceipt { op_id: 0, action, tags: tags.to_vec(), ranks, elapsed: start.elapsed() }
+    }
+}
