@@ -281,7 +281,20 @@ impl Coordinator {
     ) -> (Vec<usize>, Vec<RankFailure>) {
         let mut sent = Vec::with_capacity(ranks.len());
         let mut failures = Vec::new();
+        let lost = lock(&self.inner).lost.clone();
         for &rank in ranks {
+            if lost.contains(&rank) {
+                // Its connection closed earlier: nothing to send, nothing to wait for.
+                failures.push(RankFailure {
+                    rank,
+                    phase: msg.phase,
+                    message: format!("rank {rank} is lost (its control connection closed)"),
+                });
+                if stop_on_failure {
+                    break;
+                }
+                continue;
+            }
             match self.link.send(rank, msg) {
                 Ok(()) => sent.push(rank),
                 Err(message) => {
@@ -386,7 +399,8 @@ impl Coordinator {
         let msg = Message::request(op_id, Phase::FailStop, None, &[]);
         let (sent, _) = self.fan_out(&msg, &self.live_peers(), false);
         let _ = self.drain(op_id, Phase::FailStop, &sent);
-        lock(&self.inner).state = DeploymentState::Failed(format!("fail-stop in op {op_id}: {why}"));
+        lock(&self.inner).state =
+            DeploymentState::Failed(format!("fail-stop in op {op_id}: {why}"));
     }
 
     fn run(&self, action: Action, tags: &[String], opts: OpOptions) -> Result<OpReceipt> {
@@ -405,15 +419,18 @@ impl Coordinator {
                 Action::Wakeup => tags.iter().all(|t| !inner.asleep.contains(t)),
             };
             if done {
-                return Ok(self.zero_receipt(action, tags, start));
+                let asleep: Vec<String> = inner.asleep.iter().cloned().collect();
+                return Ok(self.zero_receipt(action, tags, asleep, start));
             }
             let op_id = inner.next_op;
             inner.next_op += 1;
             let mut paused_here = false;
             if !inner.paused {
-                self.engine
-                    .quiesce(opts.mode)
-                    .map_err(|detail| Error::Quiesce { action, rank: 0, detail })?;
+                self.engine.quiesce(opts.mode).map_err(|detail| Error::Quiesce {
+                    action,
+                    rank: 0,
+                    detail,
+                })?;
                 inner.paused = true;
                 paused_here = true;
             }
@@ -435,9 +452,9 @@ impl Coordinator {
         if let Err(e) = mesh::failpoint::hit("sleep.prepare") {
             failures.push(RankFailure { rank: 0, phase: Phase::Prepare, message: e.to_string() });
         }
-        if failures.is_empty() {
-            failures.extend(self.drain(op_id, Phase::Prepare, &prepared).failures());
-        }
+        // Drained even after a local or send failure, so every failing rank is reported and
+        // no PREPARE ACK is left to be mistaken for a later answer.
+        failures.extend(self.drain(op_id, Phase::Prepare, &prepared).failures());
         if !failures.is_empty() {
             self.abort(op_id, &prepared, &mut failures);
             self.end_unchanged(paused_here);
@@ -476,7 +493,7 @@ impl Coordinator {
         if failures.is_empty() && opts.verify && action == Action::Sleep {
             let short = Self::verify(&receipts);
             if !short.is_empty() {
-                let outcome = self.roll_back(op_id, action, tags, &drained, short.clone());
+                let (outcome, short) = self.roll_back(op_id, action, tags, &drained, short);
                 return Err(Error::Verify {
                     action,
                     tags: tags.to_vec(),
@@ -487,7 +504,7 @@ impl Coordinator {
             }
         }
         if !failures.is_empty() {
-            let outcome = self.roll_back(op_id, action, tags, &drained, failures.clone());
+            let (outcome, failures) = self.roll_back(op_id, action, tags, &drained, failures);
             return Err(self.fail(action, tags, op_id, failures, outcome));
         }
 
@@ -513,7 +530,13 @@ impl Coordinator {
         drop(inner);
         receipts.sort_by_key(|r| r.rank);
         tracing::info!(op_id, %action, ?tags, elapsed = ?start.elapsed(), "sleep/wakeup done");
-        Ok(OpReceipt { op_id, action, tags: tags.to_vec(), ranks: receipts, elapsed: start.elapsed() })
+        Ok(OpReceipt {
+            op_id,
+            action,
+            tags: tags.to_vec(),
+            ranks: receipts,
+            elapsed: start.elapsed(),
+        })
     }
 
     /// Ranks whose probe moved by less than [`VERIFY_FRACTION`] of the bytes they released.
@@ -538,7 +561,7 @@ impl Coordinator {
 
     /// Rolls back rank 0 and every peer that committed (or may have), then sets the state.
     /// Returns [`Outcome::RolledBack`], or [`Outcome::FailStop`] when any rollback failed or a
-    /// committed peer's state is unknown.
+    /// committed peer's state is unknown, with `failures` plus those of the rollback.
     fn roll_back(
         &self,
         op_id: u64,
@@ -546,17 +569,13 @@ impl Coordinator {
         tags: &[String],
         drained: &Drained,
         mut failures: Vec<RankFailure>,
-    ) -> Outcome {
+    ) -> (Outcome, Vec<RankFailure>) {
         let lost = lock(&self.inner).lost.clone();
         let mut fatal = drained.acks.values().any(|m| m.status == Status::Fatal);
         // Committed peers that answered OK, and those that did not answer but are alive (their
         // COMMIT may have run): both get ROLLBACK. A lost peer's memory went with its process.
-        let mut targets: Vec<usize> = drained
-            .acks
-            .iter()
-            .filter(|(_, m)| m.status == Status::Ok)
-            .map(|(&r, _)| r)
-            .collect();
+        let mut targets: Vec<usize> =
+            drained.acks.iter().filter(|(_, m)| m.status == Status::Ok).map(|(&r, _)| r).collect();
         let silent_alive: Vec<usize> =
             drained.silent.iter().map(|f| f.rank).filter(|r| !lost.contains(r)).collect();
         targets.extend(&silent_alive);
@@ -598,7 +617,7 @@ impl Coordinator {
         failures.extend(answers.failures());
         if fatal {
             self.fail_stop(op_id, "a rollback failed");
-            return Outcome::FailStop;
+            return (Outcome::FailStop, failures);
         }
         let mut inner = lock(&self.inner);
         if undo == Action::Wakeup && inner.asleep.is_empty() && inner.paused {
@@ -612,15 +631,23 @@ impl Coordinator {
         } else {
             DeploymentState::Sleeping(inner.asleep.iter().cloned().collect())
         };
-        Outcome::RolledBack
+        (Outcome::RolledBack, failures)
     }
 
-    fn zero_receipt(&self, action: Action, tags: &[String], start: Instant) -> OpReceipt {
-        let asleep: Vec<String> = lock(&self.inner).asleep.iter().cloned().collect();
+    fn zero_receipt(
+        &self,
+        action: Action,
+        tags: &[String],
+        asleep: Vec<String>,
+        start: Instant,
+    ) -> OpReceipt {
         let ranks = (0..self.world())
             .map(|rank| RankReceipt {
                 rank,
-                tags: tags.iter().map(|t| TagReceipt { tag: t.clone(), ..TagReceipt::default() }).collect(),
+                tags: tags
+                    .iter()
+                    .map(|t| TagReceipt { tag: t.clone(), ..TagReceipt::default() })
+                    .collect(),
                 before: Probe::default(),
                 after: Probe::default(),
                 elapsed_us: 0,

@@ -127,8 +127,16 @@ impl Peer {
 
     fn prepare(&mut self, msg: &Message) -> Message {
         if self.early_aborts.remove(&msg.op_id) {
-            tracing::info!(rank = self.rank, op_id = msg.op_id, "prepare of an op aborted earlier: dropped");
-            return self.failed(msg, Status::Aborted, format!("op {} was aborted before its prepare arrived", msg.op_id));
+            tracing::info!(
+                rank = self.rank,
+                op_id = msg.op_id,
+                "prepare of an op aborted earlier: dropped"
+            );
+            return self.failed(
+                msg,
+                Status::Aborted,
+                format!("op {} was aborted before its prepare arrived", msg.op_id),
+            );
         }
         self.last_prepared = self.last_prepared.max(msg.op_id);
         self.early_aborts.retain(|&id| id > msg.op_id);
@@ -226,7 +234,11 @@ impl Peer {
         if undo == Action::Sleep && !self.paused {
             // A wakeup resumed the engine; it must stop again before its memory goes.
             if let Err(e) = self.engine.quiesce(QuiesceMode::Keep) {
-                return self.failed(msg, Status::Fatal, format!("rollback of op {}: quiescing the engine failed: {e}", msg.op_id));
+                return self.failed(
+                    msg,
+                    Status::Fatal,
+                    format!("rollback of op {}: quiescing the engine failed: {e}", msg.op_id),
+                );
             }
             self.paused = true;
         }
@@ -239,7 +251,9 @@ impl Peer {
                 ack
             }
             // A rollback that fails leaves this rank different from the others.
-            Err((_, e)) => self.failed(msg, Status::Fatal, format!("rollback of op {}: {e}", msg.op_id)),
+            Err((_, e)) => {
+                self.failed(msg, Status::Fatal, format!("rollback of op {}: {e}", msg.op_id))
+            }
         }
     }
 
@@ -306,7 +320,9 @@ impl ListenerHandle {
             Some(t) => t.join().unwrap_or_else(|_| {
                 Err(Error::Channel { rank, detail: "the sleep listener thread panicked".into() })
             }),
-            None => Err(Error::Channel { rank, detail: "the sleep listener was joined already".into() }),
+            None => {
+                Err(Error::Channel { rank, detail: "the sleep listener was joined already".into() })
+            }
         }
     }
 }

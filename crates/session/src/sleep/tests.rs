@@ -1,1 +1,694 @@
-//! Unit tests of the sleep/wakeup protocol.
+//! Unit tests of the sleep/wakeup protocol: a real coordinator and real listener threads over
+//! the in-memory transport (with fault injection) or TCP, with fake rank memory and a
+//! recording engine that prove what ran, where, and in which order.
+
+use super::transport::memory::{self, Fault, Faults, MemoryPeer};
+use super::transport::CoordinatorLink;
+use super::*;
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+
+/// Every event of every rank, in the order it happened.
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<Vec<String>>>);
+
+impl Log {
+    fn push(&self, e: String) {
+        self.0.lock().unwrap().push(e);
+    }
+    fn all(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+    fn of(&self, rank: usize) -> Vec<String> {
+        let p = format!("r{rank} ");
+        self.all().into_iter().filter(|e| e.starts_with(&p)).collect()
+    }
+    fn count(&self, rank: usize, what: &str) -> usize {
+        self.of(rank).iter().filter(|e| e.contains(what)).count()
+    }
+}
+
+#[derive(Default)]
+struct FakeState {
+    asleep: BTreeSet<String>,
+    fail_check: Option<String>,
+    fail_release: Option<MemoryError>,
+    fail_materialize: Option<MemoryError>,
+    /// The probe does not drop on release (memory kept somewhere).
+    leak: bool,
+    /// Time each release or materialize takes.
+    work: Duration,
+}
+
+/// Rank memory with 1 MiB per tag; resident = 10 MiB + 1 MiB per awake tag.
+struct Fake {
+    rank: usize,
+    log: Log,
+    st: Mutex<FakeState>,
+}
+
+impl Fake {
+    fn set(&self, f: impl FnOnce(&mut FakeState)) {
+        f(&mut self.st.lock().unwrap());
+    }
+    fn asleep(&self) -> Vec<String> {
+        self.st.lock().unwrap().asleep.iter().cloned().collect()
+    }
+}
+
+impl RankMemory for Fake {
+    fn check(&self, tags: &[String]) -> std::result::Result<(), String> {
+        match &self.st.lock().unwrap().fail_check {
+            Some(e) => Err(e.clone()),
+            None if tags.iter().any(|t| t == "bogus") => Err("unknown tag `bogus`".into()),
+            None => Ok(()),
+        }
+    }
+
+    fn release(&self, tags: &[String]) -> std::result::Result<Vec<TagReceipt>, MemoryError> {
+        self.log.push(format!("r{} release {}", self.rank, tags.join(",")));
+        let work = self.st.lock().unwrap().work;
+        std::thread::sleep(work);
+        let mut st = self.st.lock().unwrap();
+        if let Some(e) = st.fail_release.take() {
+            if e.changed {
+                st.asleep.insert(tags[0].clone());
+            }
+            return Err(e);
+        }
+        let out = tags
+            .iter()
+            .map(|t| TagReceipt {
+                tag: t.clone(),
+                allocations: usize::from(st.asleep.insert(t.clone())),
+                bytes: if st.asleep.contains(t) { MIB } else { 0 },
+                ..TagReceipt::default()
+            })
+            .collect();
+        self.log.push(format!("r{} released", self.rank));
+        Ok(out)
+    }
+
+    fn materialize(&self, tags: &[String]) -> std::result::Result<Vec<TagReceipt>, MemoryError> {
+        self.log.push(format!("r{} materialize {}", self.rank, tags.join(",")));
+        let work = self.st.lock().unwrap().work;
+        std::thread::sleep(work);
+        let mut st = self.st.lock().unwrap();
+        if let Some(e) = st.fail_materialize.take() {
+            return Err(e);
+        }
+        let out = tags
+            .iter()
+            .map(|t| {
+                let moved = st.asleep.remove(t);
+                TagReceipt {
+                    tag: t.clone(),
+                    allocations: usize::from(moved),
+                    bytes: if moved { MIB } else { 0 },
+                    ..TagReceipt::default()
+                }
+            })
+            .collect();
+        self.log.push(format!("r{} materialized", self.rank));
+        Ok(out)
+    }
+
+    fn probe(&self) -> Probe {
+        let st = self.st.lock().unwrap();
+        let awake = 4 - st.asleep.len() as u64;
+        let resident = if st.leak { 14 * MIB } else { 10 * MIB + awake * MIB };
+        Probe { resident, devices: Vec::new() }
+    }
+}
+
+/// An engine that records quiesce and resume, optionally slow or failing.
+struct Engine {
+    rank: usize,
+    log: Log,
+    slow_first: Mutex<Option<Duration>>,
+    fail: Mutex<Option<String>>,
+}
+
+impl Quiesce for Engine {
+    fn quiesce(&self, mode: QuiesceMode) -> std::result::Result<(), String> {
+        if let Some(d) = self.slow_first.lock().unwrap().take() {
+            std::thread::sleep(d);
+        }
+        if let Some(e) = self.fail.lock().unwrap().take() {
+            return Err(e);
+        }
+        self.log.push(format!("r{} quiesce {mode:?}", self.rank));
+        Ok(())
+    }
+    fn resume(&self) {
+        self.log.push(format!("r{} resume", self.rank));
+    }
+}
+
+struct World {
+    coord: Arc<Coordinator>,
+    listeners: Vec<ListenerHandle>,
+    mem: Vec<Arc<Fake>>,
+    engines: Vec<Arc<Engine>>,
+    log: Log,
+    faults: Faults,
+}
+
+fn tags(t: &[&str]) -> Vec<String> {
+    t.iter().map(|s| s.to_string()).collect()
+}
+
+fn parts(n: usize, log: &Log) -> (Vec<Arc<Fake>>, Vec<Arc<Engine>>) {
+    let mem = (0..n)
+        .map(|rank| Arc::new(Fake { rank, log: log.clone(), st: Mutex::default() }))
+        .collect();
+    let engines = (0..n)
+        .map(|rank| {
+            Arc::new(Engine {
+                rank,
+                log: log.clone(),
+                slow_first: Mutex::new(None),
+                fail: Mutex::new(None),
+            })
+        })
+        .collect();
+    (mem, engines)
+}
+
+/// A world of `n` ranks over the in-memory transport; `serve` says which peers run a
+/// listener (the others keep their end open and never answer).
+fn world_with(n: usize, ack_timeout: Duration, serve: impl Fn(usize) -> bool) -> World {
+    let log = Log::default();
+    let faults = Faults::default();
+    let (link, peers) = memory::world(n, faults.clone());
+    let (mem, engines) = parts(n, &log);
+    let mut listeners = Vec::new();
+    let mut silent = Vec::new();
+    for p in peers {
+        let r = p.rank();
+        if serve(r) {
+            listeners
+                .push(listener::spawn(r, p, mem[r].clone(), engines[r].clone()).expect("spawn"));
+        } else {
+            silent.push(p);
+        }
+    }
+    // Silent peers stay connected for the test's life.
+    std::mem::forget(silent);
+    let coord = Coordinator::new(
+        link,
+        mem[0].clone(),
+        engines[0].clone(),
+        CoordinatorOptions { ack_timeout },
+    );
+    World { coord: Arc::new(coord), listeners, mem, engines, log, faults }
+}
+
+fn world(n: usize) -> World {
+    world_with(n, Duration::from_secs(10), |_| true)
+}
+
+impl World {
+    fn shutdown(mut self) {
+        self.coord.shutdown().expect("shutdown");
+        for l in &mut self.listeners {
+            assert_eq!(l.join(Duration::from_secs(10)).expect("join"), ListenerExit::Shutdown);
+        }
+    }
+}
+
+fn ranks_of(e: &Error) -> Vec<usize> {
+    e.failures().iter().map(|f| f.rank).collect()
+}
+
+#[test]
+fn sleep_then_wakeup_quiesces_first_and_resumes_last_on_every_rank() {
+    let w = world(3);
+    let r = w.coord.sleep(&tags(&["weights", "kv_cache"]), OpOptions::default()).unwrap();
+    assert_eq!(r.ranks.len(), 3);
+    for (rank, rr) in r.ranks.iter().enumerate() {
+        assert_eq!(rr.rank, rank);
+        assert_eq!(rr.bytes(), 2 * MIB);
+        assert_eq!(rr.tags.len(), 2);
+        assert_eq!(rr.before.resident - rr.after.resident, 2 * MIB);
+    }
+    assert_eq!(w.coord.state(), DeploymentState::Sleeping(tags(&["kv_cache", "weights"])));
+    let r = w.coord.wakeup(&tags(&["weights", "kv_cache"]), OpOptions::default()).unwrap();
+    assert_eq!(r.bytes(), 6 * MIB);
+    assert_eq!(w.coord.state(), DeploymentState::Running);
+    for rank in 0..3 {
+        assert_eq!(
+            w.log.of(rank),
+            vec![
+                format!("r{rank} quiesce Wait"),
+                format!("r{rank} release weights,kv_cache"),
+                format!("r{rank} released"),
+                format!("r{rank} materialize weights,kv_cache"),
+                format!("r{rank} materialized"),
+                format!("r{rank} resume"),
+            ]
+        );
+    }
+    // Rank 0 quiesces before any peer hears of the operation, and releases only after every
+    // peer prepared (quiesced).
+    let all = w.log.all();
+    let pos = |e: &str| all.iter().position(|x| x == e).unwrap();
+    assert!(pos("r0 quiesce Wait") < pos("r1 quiesce Wait"));
+    assert!(pos("r2 quiesce Wait") < pos("r0 release weights,kv_cache"));
+    w.shutdown();
+}
+
+#[test]
+fn two_concurrent_callers_are_serialized() {
+    let w = world(2);
+    for m in &w.mem {
+        m.set(|s| s.work = Duration::from_millis(20));
+    }
+    let threads: Vec<_> = ["weights", "kv_cache"]
+        .into_iter()
+        .map(|t| {
+            let c = w.coord.clone();
+            std::thread::spawn(move || c.sleep(&tags(&[t]), OpOptions::default()))
+        })
+        .collect();
+    let ids: BTreeSet<u64> =
+        threads.into_iter().map(|t| t.join().unwrap().unwrap().op_id).collect();
+    assert_eq!(ids, BTreeSet::from([1, 2]));
+    // Each operation finished on every rank before the other began anywhere.
+    let memory_events: Vec<String> =
+        w.log.all().into_iter().filter(|e| e.contains("release")).collect();
+    let first = if memory_events[0].ends_with("weights") { "weights" } else { "kv_cache" };
+    let first_done = memory_events.iter().rposition(|e| e.ends_with(first)).unwrap();
+    let second_begin =
+        memory_events.iter().position(|e| !e.ends_with(first) && !e.ends_with("released")).unwrap();
+    assert!(first_done < second_begin, "{memory_events:?}");
+    assert_eq!(w.log.count(0, "quiesce"), 1);
+    w.shutdown();
+}
+
+#[test]
+fn one_peer_error_ack_surfaces_its_detail_and_nothing_changes() {
+    let w = world(3);
+    w.mem[2].set(|s| s.fail_check = Some("tag `weights` is pinned by a graph capture".into()));
+    let e = w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap_err();
+    assert_eq!(ranks_of(&e), vec![2]);
+    assert_eq!(e.outcome(), Some(Outcome::Aborted));
+    let text = e.to_string();
+    assert!(text.contains("rank 2 (prepare)"), "{text}");
+    assert!(text.contains("pinned by a graph capture"), "{text}");
+    assert!(w.log.all().iter().all(|e| !e.contains("release")));
+    // The engines that were quiesced for it run again.
+    for rank in [0, 1] {
+        assert_eq!(w.log.of(rank).last().unwrap(), &format!("r{rank} resume"));
+    }
+    assert_eq!(w.coord.state(), DeploymentState::Running);
+    w.shutdown();
+}
+
+#[test]
+fn two_of_three_peers_failing_both_appear_and_the_rest_roll_back() {
+    let w = world(4);
+    for r in [1, 3] {
+        w.mem[r].set(|s| {
+            s.fail_release = Some(MemoryError {
+                changed: false,
+                message: format!("spill directory full on rank {r}"),
+            })
+        });
+    }
+    let e = w.coord.sleep(&tags(&["kv_cache"]), OpOptions::default()).unwrap_err();
+    assert_eq!(ranks_of(&e), vec![1, 3]);
+    assert_eq!(e.outcome(), Some(Outcome::RolledBack));
+    let text = e.to_string();
+    assert!(text.contains("spill directory full on rank 1"), "{text}");
+    assert!(text.contains("spill directory full on rank 3"), "{text}");
+    for r in [0, 2] {
+        assert_eq!(w.log.count(r, "materialize kv_cache"), 1, "{:?}", w.log.of(r));
+    }
+    for m in &w.mem {
+        assert!(m.asleep().is_empty());
+    }
+    assert_eq!(w.coord.state(), DeploymentState::Running);
+    w.coord.sleep(&tags(&["kv_cache"]), OpOptions::default()).unwrap();
+    w.shutdown();
+}
+
+#[test]
+fn a_prepare_send_failing_part_way_aborts_the_prepared_without_a_local_operation() {
+    let w = world(4);
+    w.faults.arm(Fault::FailSend { rank: 2, phase: Phase::Prepare });
+    let e = w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap_err();
+    assert_eq!(ranks_of(&e), vec![2]);
+    assert_eq!(e.outcome(), Some(Outcome::Aborted));
+    assert!(e.to_string().contains("send of prepare to rank 2 failed"), "{e}");
+    assert_eq!(w.log.count(0, "release"), 0);
+    // Rank 1 was prepared and got the ABORT; ranks 2 and 3 never heard of the operation.
+    assert_eq!(w.log.of(1), vec!["r1 quiesce Wait".to_string(), "r1 resume".to_string()]);
+    assert!(w.log.of(2).is_empty() && w.log.of(3).is_empty());
+    // Every ACK was drained: the next operation gets only its own.
+    let r = w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap();
+    assert_eq!(r.op_id, 2);
+    assert_eq!(r.bytes(), 4 * MIB);
+    w.shutdown();
+}
+
+#[test]
+fn an_ack_that_never_arrives_is_bounded() {
+    let w = world_with(3, Duration::from_millis(200), |_| true);
+    w.faults.arm(Fault::DropAck { rank: 1, phase: Phase::Prepare });
+    let e = w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap_err();
+    assert_eq!(ranks_of(&e), vec![1]);
+    assert!(e.to_string().contains("no prepare ack from rank 1 within 0.2 s"), "{e}");
+    assert_eq!(e.outcome(), Some(Outcome::Aborted));
+    assert!(w.log.all().iter().all(|e| !e.contains("release")));
+    w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap();
+    w.shutdown();
+}
+
+#[test]
+fn a_commit_send_failure_aborts_the_uncommitted_and_rolls_back_the_committed() {
+    let w = world(4);
+    w.faults.arm(Fault::FailSend { rank: 2, phase: Phase::Commit });
+    let e = w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap_err();
+    assert_eq!(ranks_of(&e), vec![2]);
+    assert_eq!(e.outcome(), Some(Outcome::RolledBack));
+    // Rank 0 and rank 1 released, then were rolled back.
+    for r in [0, 1] {
+        assert_eq!(w.log.count(r, "release weights"), 1);
+        assert_eq!(w.log.count(r, "materialize weights"), 1);
+    }
+    // Ranks 2 (its COMMIT failed) and 3 (never sent) were aborted: no memory touched.
+    for r in [2, 3] {
+        assert_eq!(w.log.of(r), vec![format!("r{r} quiesce Wait"), format!("r{r} resume")]);
+    }
+    assert!(w.mem.iter().all(|m| m.asleep().is_empty()));
+    assert_eq!(w.coord.state(), DeploymentState::Running);
+    w.shutdown();
+}
+
+#[test]
+fn a_failed_rollback_stops_the_deployment() {
+    let mut w = world(3);
+    w.mem[2].set(|s| {
+        s.fail_release = Some(MemoryError { changed: false, message: "backup failed".into() })
+    });
+    w.mem[1].set(|s| {
+        s.fail_materialize = Some(MemoryError { changed: false, message: "out of memory".into() })
+    });
+    let e = w.coord.sleep(&tags(&["kv_cache"]), OpOptions::default()).unwrap_err();
+    assert_eq!(e.outcome(), Some(Outcome::FailStop));
+    let text = e.to_string();
+    assert!(text.contains("rank 1 (rollback)") && text.contains("out of memory"), "{text}");
+    assert!(text.contains("rank 2 (commit)") && text.contains("backup failed"), "{text}");
+    assert!(matches!(w.coord.state(), DeploymentState::Failed(_)));
+    let again = w.coord.sleep(&tags(&["kv_cache"]), OpOptions::default()).unwrap_err();
+    assert!(matches!(again, Error::DeploymentFailed { .. }), "{again}");
+    for l in &mut w.listeners {
+        let exit = l.join(Duration::from_secs(10)).unwrap_err();
+        assert!(matches!(exit, Error::FailStop { .. }), "{exit}");
+    }
+}
+
+#[test]
+fn a_local_failure_on_rank_0_still_drains_the_peers() {
+    let w = world(3);
+    w.mem[0].set(|s| {
+        s.fail_release = Some(MemoryError { changed: false, message: "rank 0 guard busy".into() })
+    });
+    let e = w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap_err();
+    assert_eq!(ranks_of(&e), vec![0]);
+    assert_eq!(e.outcome(), Some(Outcome::Aborted));
+    for r in [1, 2] {
+        assert_eq!(w.log.of(r), vec![format!("r{r} quiesce Wait"), format!("r{r} resume")]);
+    }
+    let r = w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap();
+    assert_eq!(r.op_id, 2);
+    w.shutdown();
+}
+
+#[test]
+fn a_partial_local_release_is_undone_before_the_abort() {
+    let w = world(2);
+    w.mem[0].set(|s| {
+        s.fail_release = Some(MemoryError { changed: true, message: "unmap failed".into() })
+    });
+    let e = w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap_err();
+    assert_eq!(e.outcome(), Some(Outcome::Aborted));
+    assert!(e.to_string().contains("partial change undone"), "{e}");
+    assert!(w.mem[0].asleep().is_empty());
+    assert_eq!(w.log.count(1, "release"), 0);
+    w.shutdown();
+}
+
+#[test]
+fn rank_0_and_a_peer_failing_together_are_both_reported() {
+    let w = world(3);
+    w.mem[0].set(|s| s.fail_check = Some("rank 0 says no".into()));
+    w.mem[2].set(|s| s.fail_check = Some("rank 2 says no".into()));
+    let e = w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap_err();
+    assert_eq!(ranks_of(&e), vec![0, 2]);
+    let text = e.to_string();
+    assert!(text.contains("rank 0 says no") && text.contains("rank 2 says no"), "{text}");
+    w.shutdown();
+}
+
+#[test]
+fn stale_acks_of_an_earlier_op_are_ignored() {
+    let w = world_with(3, Duration::from_millis(200), |_| true);
+    // Rank 1 answers op 1's PREPARE late, after rank 0 gave up on it.
+    *w.engines[1].slow_first.lock().unwrap() = Some(Duration::from_millis(600));
+    let e = w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap_err();
+    assert_eq!(ranks_of(&e), vec![1]);
+    // And a stale frame with an old op id arrives right before op 2's ACK.
+    w.faults.arm(Fault::StaleAck { rank: 2, phase: Phase::Commit, op_id: 1 });
+    std::thread::sleep(Duration::from_millis(100));
+    let r = loop {
+        // Op 1's late ACKs (prepare, abort) arrive while op 2 drains and must not count.
+        match w.coord.sleep(&tags(&["weights"]), OpOptions::default()) {
+            Ok(r) => break r,
+            Err(e) => assert!(ranks_of(&e) == vec![1], "{e}"),
+        }
+    };
+    assert!(r.op_id >= 2);
+    assert_eq!(r.bytes(), 3 * MIB);
+    assert!(w.mem.iter().all(|m| m.asleep() == tags(&["weights"])));
+    w.shutdown();
+}
+
+#[test]
+fn sleeping_tags_already_asleep_gives_a_zero_receipt() {
+    let w = world(2);
+    w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap();
+    let r = w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap();
+    assert_eq!((r.op_id, r.bytes(), r.ranks.len()), (0, 0, 2));
+    assert_eq!(w.log.count(1, "release weights"), 1);
+    let r = w.coord.wakeup(&tags(&["kv_cache"]), OpOptions::default()).unwrap();
+    assert_eq!(r.bytes(), 0);
+    w.shutdown();
+}
+
+#[test]
+fn verify_fails_when_one_rank_leaks_even_if_the_others_release() {
+    let w = world(3);
+    w.mem[2].set(|s| s.leak = true);
+    let opts = OpOptions { verify: true, ..OpOptions::default() };
+    let e = w.coord.sleep(&tags(&["weights", "kv_cache"]), opts).unwrap_err();
+    assert!(matches!(e, Error::Verify { .. }), "{e}");
+    assert_eq!(ranks_of(&e), vec![2]);
+    assert!(
+        e.to_string()
+            .contains("released 2097152 tagged bytes but its memory dropped by only 0 bytes"),
+        "{e}"
+    );
+    assert_eq!(e.outcome(), Some(Outcome::RolledBack));
+    assert!(w.mem.iter().all(|m| m.asleep().is_empty()));
+    w.mem[2].set(|s| s.leak = false);
+    w.coord.sleep(&tags(&["weights"]), opts).unwrap();
+    w.shutdown();
+}
+
+#[test]
+fn only_sleep_wakeup_and_status_are_fanned_out() {
+    let w = world(2);
+    let e = w.coord.call("reload_weights", &[], OpOptions::default()).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "control method `reload_weights` is not allowed: only sleep, wakeup and status are fanned out to all ranks"
+    );
+    w.coord.call("sleep", &tags(&["kv_cache"]), OpOptions::default()).unwrap();
+    let Reply::Status(s) = w.coord.call("status", &[], OpOptions::default()).unwrap() else {
+        unreachable!("status answers with a status")
+    };
+    assert_eq!(s.state, DeploymentState::Sleeping(tags(&["kv_cache"])));
+    assert_eq!(
+        s.ranks.iter().map(|r| r.asleep.clone()).collect::<Vec<_>>(),
+        vec![tags(&["kv_cache"]); 2]
+    );
+    w.shutdown();
+}
+
+#[test]
+fn a_single_rank_runs_the_same_path() {
+    let w = world(1);
+    let r = w
+        .coord
+        .sleep(&tags(&["weights"]), OpOptions { verify: true, ..Default::default() })
+        .unwrap();
+    assert_eq!(r.ranks.len(), 1);
+    w.coord.wakeup(&tags(&["weights"]), OpOptions::default()).unwrap();
+    assert_eq!(w.log.of(0).first().unwrap(), "r0 quiesce Wait");
+    w.shutdown();
+}
+
+#[test]
+fn rank_0s_shutdown_drain_is_bounded() {
+    let mut w = world_with(3, Duration::from_millis(200), |r| r != 2);
+    let e = w.coord.shutdown().unwrap_err();
+    assert!(e.to_string().contains("no shutdown ack from rank 2 within 0.2 s"), "{e}");
+    assert_eq!(w.listeners[0].join(Duration::from_secs(10)).unwrap(), ListenerExit::Shutdown);
+}
+
+/// A peer driven by hand: rank 0's end of a 2-rank world and the listener of rank 1.
+fn one_peer() -> (memory::MemoryCoordinator, ListenerHandle, Arc<Fake>, Log) {
+    let log = Log::default();
+    let (link, mut peers) = memory::world(2, Faults::default());
+    let (mem, engines) = parts(2, &log);
+    let peer: MemoryPeer = peers.remove(0);
+    let h = listener::spawn(1, peer, mem[1].clone(), engines[1].clone()).unwrap();
+    (link, h, mem[1].clone(), log)
+}
+
+fn ask(link: &memory::MemoryCoordinator, op_id: u64, phase: Phase) -> Message {
+    let msg = Message::request(op_id, phase, Some(Action::Sleep), &tags(&["weights"]));
+    link.send(1, &msg).unwrap();
+    match link.recv(Instant::now() + Duration::from_secs(10)) {
+        Some(transport::Incoming::Frame { msg, .. }) => msg,
+        other => panic!("no answer to {phase}: {other:?}"),
+    }
+}
+
+#[test]
+fn prepare_never_changes_memory() {
+    let (link, mut h, mem, log) = one_peer();
+    let before = mem.probe();
+    let ack = ask(&link, 1, Phase::Prepare);
+    assert!(ack.answers(1, Phase::Prepare) && ack.status == Status::Ok, "{ack:?}");
+    assert_eq!(mem.probe(), before);
+    assert_eq!(log.of(1), vec!["r1 quiesce Wait".to_string()]);
+    assert_eq!(ask(&link, 0, Phase::Shutdown).status, Status::Ok);
+    h.join(Duration::from_secs(10)).unwrap();
+}
+
+#[test]
+fn abort_releases_only_the_matching_request() {
+    let (link, mut h, mem, log) = one_peer();
+    assert_eq!(ask(&link, 5, Phase::Prepare).status, Status::Ok);
+    assert_eq!(ask(&link, 4, Phase::Abort).status, Status::Ok);
+    assert_eq!(log.of(1), vec!["r1 quiesce Wait".to_string()]);
+    assert_eq!(ask(&link, 5, Phase::Abort).status, Status::Ok);
+    assert_eq!(log.of(1), vec!["r1 quiesce Wait".to_string(), "r1 resume".to_string()]);
+    let ack = ask(&link, 5, Phase::Commit);
+    assert_eq!(ack.status, Status::Failed);
+    assert_eq!(ack.error.as_deref(), Some("commit of op 5: that op is not prepared on this rank"));
+    assert!(mem.asleep().is_empty());
+    ask(&link, 0, Phase::Shutdown);
+    h.join(Duration::from_secs(10)).unwrap();
+}
+
+#[test]
+fn an_early_abort_is_recorded_and_consumed() {
+    let (link, mut h, _mem, log) = one_peer();
+    assert_eq!(ask(&link, 7, Phase::Abort).status, Status::Ok);
+    let ack = ask(&link, 7, Phase::Prepare);
+    assert_eq!(ack.status, Status::Aborted);
+    assert!(log.of(1).is_empty(), "the aborted prepare must not quiesce");
+    // Consumed: it does not swallow a later request.
+    assert_eq!(ask(&link, 8, Phase::Prepare).status, Status::Ok);
+    assert_eq!(ask(&link, 8, Phase::Commit).status, Status::Ok);
+    ask(&link, 0, Phase::Shutdown);
+    h.join(Duration::from_secs(10)).unwrap();
+}
+
+#[test]
+fn the_shutdown_ack_is_sent_before_the_listener_exits() {
+    let (link, mut h, _mem, _log) = one_peer();
+    let ack = ask(&link, 0, Phase::Shutdown);
+    assert!(ack.answers(0, Phase::Shutdown));
+    assert_eq!(h.join(Duration::from_secs(10)).unwrap(), ListenerExit::Shutdown);
+    // After it exits, its end is closed.
+    match link.recv(Instant::now() + Duration::from_secs(10)) {
+        Some(transport::Incoming::Closed { rank: 1, .. }) => {}
+        other => panic!("expected the closed end of rank 1, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_listener_whose_coordinator_goes_away_names_rank_0() {
+    let (link, mut h, _mem, _log) = one_peer();
+    drop(link);
+    let e = h.join(Duration::from_secs(10)).unwrap_err();
+    assert_eq!(e.to_string(), "control channel (rank 1): rank 0 closed the in-memory channel");
+}
+
+#[test]
+fn the_tcp_channel_runs_the_protocol_between_threads() {
+    let server = mesh::StoreServer::bind(("127.0.0.1", 0)).unwrap();
+    let addr = server.local_addr();
+    let log = Log::default();
+    let (mem, engines) = parts(3, &log);
+    let peers: Vec<_> = (1..3)
+        .map(|rank| {
+            let (m, e): (Arc<dyn RankMemory>, Arc<dyn Quiesce>) =
+                (mem[rank].clone(), engines[rank].clone());
+            std::thread::spawn(move || {
+                let store = mesh::Store::connect(addr, Duration::from_secs(10)).unwrap();
+                match start(
+                    &store,
+                    rank,
+                    3,
+                    "127.0.0.1",
+                    m,
+                    e,
+                    CoordinatorOptions::default(),
+                    Duration::from_secs(10),
+                )
+                .unwrap()
+                {
+                    ControlPlane::Listener(mut h) => h.join(Duration::from_secs(30)),
+                    ControlPlane::Coordinator(_) => unreachable!("rank {rank} is a peer"),
+                }
+            })
+        })
+        .collect();
+    let store = mesh::Store::connect(addr, Duration::from_secs(10)).unwrap();
+    let ControlPlane::Coordinator(c) = start(
+        &store,
+        0,
+        3,
+        "127.0.0.1",
+        mem[0].clone(),
+        engines[0].clone(),
+        CoordinatorOptions::default(),
+        Duration::from_secs(10),
+    )
+    .unwrap() else {
+        unreachable!("rank 0 coordinates")
+    };
+    let r = c
+        .sleep(&tags(&["weights", "kv_cache"]), OpOptions { verify: true, ..Default::default() })
+        .unwrap();
+    assert_eq!(r.bytes(), 6 * MIB);
+    assert_eq!(r.ranks[2].asleep, tags(&["kv_cache", "weights"]));
+    let e = c.sleep(&tags(&["bogus"]), OpOptions::default()).unwrap_err();
+    assert_eq!(ranks_of(&e), vec![0, 1, 2]);
+    c.wakeup(&tags(&["weights", "kv_cache"]), OpOptions::default()).unwrap();
+    assert_eq!(c.status().unwrap().ranks.len(), 3);
+    c.shutdown().unwrap();
+    for p in peers {
+        assert_eq!(p.join().unwrap().unwrap(), ListenerExit::Shutdown);
+    }
+    assert!(mem.iter().all(|m| m.asleep().is_empty()));
+}

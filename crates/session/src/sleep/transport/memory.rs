@@ -151,7 +151,8 @@ impl PeerLink for MemoryPeer {
     fn send(&mut self, msg: &Message) -> Result<(), String> {
         let rank = self.rank;
         let is = |f: &Fault, want: fn(&Fault) -> Option<(usize, Phase)>| {
-            want(f).is_some_and(|(r, p)| r == rank && p == msg.phase) && msg.status != Status::Request
+            want(f).is_some_and(|(r, p)| r == rank && p == msg.phase)
+                && msg.status != Status::Request
         };
         if let Some(Fault::StaleAck { op_id, .. }) = self.faults.take(|f| {
             is(f, |f| match f {

@@ -45,7 +45,9 @@ impl FrameReader {
                 let len = u32::from_le_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]])
                     as usize;
                 if len > MAX_FRAME {
-                    return Err(format!("frame of {len} bytes exceeds {MAX_FRAME}: corrupt stream"));
+                    return Err(format!(
+                        "frame of {len} bytes exceeds {MAX_FRAME}: corrupt stream"
+                    ));
                 }
                 if self.buf.len() >= 4 + len {
                     let msg = serde_json::from_slice(&self.buf[4..4 + len])
