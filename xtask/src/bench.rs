@@ -3,6 +3,7 @@
 mod collectives;
 mod model;
 mod session;
+mod sleep;
 mod vmm;
 
 use anyhow::{bail, Result};
@@ -18,6 +19,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "vmm" => vmm::run(json)?,
             "session" => session::run(json)?,
             "model" => model::run(json)?,
+            "sleep" => sleep::run(json)?,
             "all" => {
                 collectives::run(json)?;
                 vmm::run(json)?;
