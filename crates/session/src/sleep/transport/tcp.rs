@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -250,10 +250,8 @@ impl CoordinatorLink for TcpCoordinator {
 
     fn recv(&self, deadline: Instant) -> Option<Incoming> {
         let rx = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok(m) => Some(m),
-            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => None,
-        }
+        // A disconnected queue means every peer end is gone: nothing more will come.
+        rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).ok()
     }
 }
 
