@@ -418,14 +418,8 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
 fn check_layout(model: &std::path::Path, tp: usize) -> Result<()> {
     let file = layers::gguf::GgufFile::open(model)?;
     let config = layers::LlamaConfig::from_gguf(&file)?;
-    if tp > config.n_kv_heads {
-        bail!(
-            "--tp {tp} exceeds the {} KV heads of {}: a KV head cannot be split; use --tp {} or less (and --cp for more ranks)",
-            config.n_kv_heads,
-            model.display(),
-            config.n_kv_heads
-        );
-    }
+    layers::parallel::check_tp(&config, tp)
+        .with_context(|| format!("--tp {tp} does not fit {}", model.display()))?;
     Ok(())
 }
 

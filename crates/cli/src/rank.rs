@@ -56,7 +56,7 @@ pub fn run() -> Result<()> {
     let timeout = Duration::from_secs_f64(spec.timeout_s);
     let opts = InitOptions {
         tp: Some(spec.tp),
-        head_groups: config.n_kv_heads,
+        head_groups: layers::parallel::mesh_head_groups(&config, Some(spec.tp)),
         backends,
         timeout,
         ..InitOptions::default()

