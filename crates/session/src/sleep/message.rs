@@ -229,6 +229,8 @@ impl Message {
 
     /// Encodes the frame: a 4-byte little-endian length, then JSON.
     pub fn encode(&self) -> Vec<u8> {
+        // Plain structs, enums and strings: serializing them cannot fail. Were it to, the empty
+        // body is a frame the receiver rejects as undecodable, naming this rank.
         let body = serde_json::to_vec(self).unwrap_or_default();
         let mut out = Vec::with_capacity(4 + body.len());
         out.extend_from_slice(&(body.len() as u32).to_le_bytes());

@@ -357,11 +357,11 @@ fn a_prepare_send_failing_part_way_aborts_the_prepared_without_a_local_operation
 
 #[test]
 fn an_ack_that_never_arrives_is_bounded() {
-    let w = world_with(3, Duration::from_millis(200), |_| true);
+    let w = world_with(3, Duration::from_secs(1), |_| true);
     w.faults.arm(Fault::DropAck { rank: 1, phase: Phase::Prepare });
     let e = w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap_err();
     assert_eq!(ranks_of(&e), vec![1]);
-    assert!(e.to_string().contains("no prepare ack from rank 1 within 0.2 s"), "{e}");
+    assert!(e.to_string().contains("no prepare ack from rank 1 within 1.0 s"), "{e}");
     assert_eq!(e.outcome(), Some(Outcome::Aborted));
     assert!(w.log.all().iter().all(|e| !e.contains("release")));
     w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap();
@@ -457,19 +457,22 @@ fn rank_0_and_a_peer_failing_together_are_both_reported() {
 
 #[test]
 fn stale_acks_of_an_earlier_op_are_ignored() {
-    let w = world_with(3, Duration::from_millis(200), |_| true);
+    let w = world_with(3, Duration::from_millis(500), |_| true);
     // Rank 1 answers op 1's PREPARE late, after rank 0 gave up on it.
-    *w.engines[1].slow_first.lock().unwrap() = Some(Duration::from_millis(600));
+    *w.engines[1].slow_first.lock().unwrap() = Some(Duration::from_millis(1200));
     let e = w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap_err();
     assert_eq!(ranks_of(&e), vec![1]);
     // And a stale frame with an old op id arrives right before op 2's ACK.
     w.faults.arm(Fault::StaleAck { rank: 2, phase: Phase::Commit, op_id: 1 });
-    std::thread::sleep(Duration::from_millis(100));
+    // Op 1's late ACKs (prepare, abort) reach rank 0 around now, so op 2's drains see them
+    // first; they must not count. A heavily loaded machine may need another try.
+    std::thread::sleep(Duration::from_millis(1000));
+    let mut tries = 0;
     let r = loop {
-        // Op 1's late ACKs (prepare, abort) arrive while op 2 drains and must not count.
+        tries += 1;
         match w.coord.sleep(&tags(&["weights"]), OpOptions::default()) {
             Ok(r) => break r,
-            Err(e) => assert!(ranks_of(&e) == vec![1], "{e}"),
+            Err(e) => assert!(ranks_of(&e) == vec![1] && tries < 5, "{e}"),
         }
     };
     assert!(r.op_id >= 2);
@@ -545,9 +548,9 @@ fn a_single_rank_runs_the_same_path() {
 
 #[test]
 fn rank_0s_shutdown_drain_is_bounded() {
-    let mut w = world_with(3, Duration::from_millis(200), |r| r != 2);
+    let mut w = world_with(3, Duration::from_secs(1), |r| r != 2);
     let e = w.coord.shutdown().unwrap_err();
-    assert!(e.to_string().contains("no shutdown ack from rank 2 within 0.2 s"), "{e}");
+    assert!(e.to_string().contains("no shutdown ack from rank 2 within 1.0 s"), "{e}");
     assert_eq!(w.listeners[0].join(Duration::from_secs(10)).unwrap(), ListenerExit::Shutdown);
 }
 

@@ -146,6 +146,7 @@ pub fn connect(
             }
         };
         stream.set_nodelay(true).map_err(|e| channel_err(rank, e.to_string()))?;
+        // The hello is a status request whose op id is the sender's rank.
         let hello = Message::request(rank as u64, super::super::message::Phase::Status, None, &[]);
         write_frame(&mut stream, &hello)
             .map_err(|e| channel_err(rank, format!("hello to rank 0 at {addr}: {e}")))?;
