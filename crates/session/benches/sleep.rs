@@ -7,8 +7,10 @@
 //! the launcher: it starts the ranks (copies of itself) for each configuration and prints one
 //! JSON object per configuration.
 
+use session::sleep::transport::{tcp, CoordinatorLink, Incoming};
 use session::sleep::{
-    self, ControlPlane, CoordinatorOptions, Idle, NoMemory, OpOptions, RankMemory, VmmMemory,
+    listener, ControlPlane, Coordinator, CoordinatorOptions, Idle, Message, NoMemory, OpOptions,
+    Phase, RankMemory, VmmMemory,
 };
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -73,6 +75,35 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Median time of one status round trip to every peer in turn (serially).
+fn sequential_sweep(link: &tcp::TcpCoordinator) -> f64 {
+    let peers = link.peers();
+    if peers.is_empty() {
+        return 0.0;
+    }
+    let msg = Message::request(0, Phase::Status, None, &[]);
+    let mut v = Vec::new();
+    for _ in 0..200 {
+        let t = Instant::now();
+        for &p in &peers {
+            link.send(p, &msg).expect("send");
+            loop {
+                match link.recv(Instant::now() + TIMEOUT) {
+                    Some(Incoming::Frame { rank, msg })
+                        if rank == p && msg.answers(0, Phase::Status) =>
+                    {
+                        break
+                    }
+                    Some(Incoming::Frame { .. }) => {}
+                    other => panic!("no status ack from rank {p}: {other:?}"),
+                }
+            }
+        }
+        v.push(t.elapsed().as_secs_f64());
+    }
+    median(v)
+}
+
 fn rank_main() {
     let mode = std::env::var("TPCTL_SLEEP_BENCH_MODE").unwrap_or_else(|_| "control".into());
     let mib: usize =
@@ -92,19 +123,25 @@ fn rank_main() {
     } else {
         Arc::new(NoMemory)
     };
-    let plane = sleep::start(
-        &store,
-        rv.rank,
-        rv.world_size,
-        "127.0.0.1",
-        memory,
-        Arc::new(Idle),
-        CoordinatorOptions::default(),
-        TIMEOUT,
-    )
-    .expect("control plane");
+    let endpoint = tcp::connect(&store, rv.rank, rv.world_size, "127.0.0.1", TIMEOUT)
+        .expect("control channel");
+    let plane = match endpoint {
+        tcp::Endpoint::Coordinator(link) => {
+            // The reference a serial fan-out would cost: one peer at a time, each round trip
+            // waited for before the next request goes out.
+            let seq = sequential_sweep(&link);
+            let c = Coordinator::new(link, memory, Arc::new(Idle), CoordinatorOptions::default());
+            (ControlPlane::Coordinator(c), seq)
+        }
+        tcp::Endpoint::Peer(link) => (
+            ControlPlane::Listener(
+                listener::spawn(rv.rank, link, memory, Arc::new(Idle)).expect("listener"),
+            ),
+            0.0,
+        ),
+    };
     match plane {
-        ControlPlane::Coordinator(c) => {
+        (ControlPlane::Coordinator(c), seq_sweep) => {
             let tags = vec!["weights".to_string()];
             let iters = if mode == "memory" { 5 } else { 300 };
             let (mut sleeps, mut wakeups, mut rank0_wakeups) = (Vec::new(), Vec::new(), Vec::new());
@@ -136,12 +173,23 @@ fn rank_main() {
             } else {
                 0.0
             };
+            let fanout = median(
+                (0..if mode == "memory" { 20 } else { 300 })
+                    .map(|_| {
+                        let t = Instant::now();
+                        c.status().expect("status");
+                        t.elapsed().as_secs_f64()
+                    })
+                    .collect(),
+            );
             let (s, w, w0) = (median(sleeps), median(wakeups), median(rank0_wakeups));
             let mib_out = if mode == "memory" { mib } else { 0 };
             let per_gib = |x: f64| if mode == "memory" { x / gib } else { 0.0 };
             println!(
-                "{{\"mode\":\"{mode}\",\"ranks\":{},\"mib_per_rank\":{mib_out},\"sleep_us\":{:.1},\"wakeup_us\":{:.1},\"wakeup_s_per_gib\":{:.4},\"rank0_wakeup_s_per_gib\":{:.4},\"memcpy_s_per_gib\":{:.4}}}",
+                "{{\"mode\":\"{mode}\",\"ranks\":{},\"mib_per_rank\":{mib_out},\"status_fanout_us\":{:.1},\"status_serial_us\":{:.1},\"sleep_us\":{:.1},\"wakeup_us\":{:.1},\"wakeup_s_per_gib\":{:.4},\"rank0_wakeup_s_per_gib\":{:.4},\"memcpy_s_per_gib\":{:.4}}}",
                 rv.world_size,
+                fanout * 1e6,
+                seq_sweep * 1e6,
                 s * 1e6,
                 w * 1e6,
                 per_gib(w),
@@ -150,7 +198,7 @@ fn rank_main() {
             );
             c.shutdown().expect("shutdown");
         }
-        ControlPlane::Listener(mut h) => {
+        (ControlPlane::Listener(mut h), _) => {
             h.join(Duration::from_secs(600)).expect("listener");
         }
     }

@@ -32,10 +32,12 @@ pub(crate) fn run(json: bool) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:<8} {:>5} {:>9} {:>12} {:>12} {:>14} {:>16} {:>14}",
+        "{:<8} {:>5} {:>9} {:>13} {:>13} {:>12} {:>12} {:>14} {:>16} {:>14}",
         "mode",
         "ranks",
         "MiB/rank",
+        "fan-out RT us",
+        "serial RT us",
         "sleep us",
         "wakeup us",
         "wakeup s/GiB",
@@ -45,10 +47,12 @@ pub(crate) fn run(json: bool) -> Result<()> {
     for l in rows {
         let f = |k| field(l, k).unwrap_or("?");
         println!(
-            "{:<8} {:>5} {:>9} {:>12} {:>12} {:>14} {:>16} {:>14}",
+            "{:<8} {:>5} {:>9} {:>13} {:>13} {:>12} {:>12} {:>14} {:>16} {:>14}",
             f("mode"),
             f("ranks"),
             f("mib_per_rank"),
+            f("status_fanout_us"),
+            f("status_serial_us"),
             f("sleep_us"),
             f("wakeup_us"),
             f("wakeup_s_per_gib"),
@@ -57,7 +61,9 @@ pub(crate) fn run(json: bool) -> Result<()> {
         );
     }
     println!(
-        "sleep/wakeup: median wall time of one call on rank 0 (lock, prepare fan-out, local op, \
+        "fan-out RT: one status round trip to every peer at once (how each protocol phase \
+         fans out); serial RT: the same round trips one peer at a time, the cost a serial \
+         fan-out would add per phase; sleep/wakeup: median wall time of one call on rank 0 (lock, prepare fan-out, local op, \
          commit fan-out, ACK drains); control: no tagged memory (protocol round trips only); \
          memory: MiB/rank of Backup(Spill) weights on every rank; wakeup s/GiB: whole wakeup \
          per GiB of one rank's memory (ranks restore concurrently), rank0: rank 0's own \
