@@ -441,6 +441,18 @@ impl ShmComm {
         unsafe { std::slice::from_raw_parts(self.seg.slot(r, parity).add(off), len) }
     }
 
+    /// This rank's own slot `parity`, bytes `off..off + len`, for writing a region no peer
+    /// reads before the next barrier.
+    #[allow(clippy::mut_from_ref)]
+    fn own_slot_mut(&self, parity: usize, off: usize, len: usize) -> &mut [u8] {
+        assert!(off + len <= self.seg.slot_bytes());
+        // SAFETY: in bounds by the assert; only this rank writes its slot, the caller writes a
+        // region that peers read only after the next barrier, and no other slice of this
+        // region exists while the returned one lives (the callers' other slices are of the
+        // user buffer and of peers' slots).
+        unsafe { std::slice::from_raw_parts_mut(self.seg.slot(self.rank, parity).add(off), len) }
+    }
+
     /// Bytes per piece for element type `dtype` when `ways` sub-pieces share one slot.
     fn piece_cap(&self, dtype: DType, ways: usize) -> usize {
         let per = self.seg.slot_bytes() / ways;
@@ -460,34 +472,51 @@ impl ShmComm {
         check::elements(at, "buffer", buf, dtype)?;
         let total = buf.len();
         let cap = self.piece_cap(dtype, 1);
+        let size = self.size;
         for (off, len) in pieces(total, cap) {
             let piece = &mut buf[off..off + len];
             let p = self.post(Op::AllReduce, dtype, Some(op), total, 0);
-            Self::failpoint(at, "shm.send")?;
-            self.stage(p, 0, piece);
-            self.barrier_wait(at, deadline)?;
-            self.check_descs(at, p, "")?;
-            Self::failpoint(at, "shm.recv")?;
-            if len * self.size <= SMALL_REDUCE_BYTES {
-                let srcs: Vec<&[u8]> = (0..self.size).map(|r| self.peek(r, p, 0, len)).collect();
-                reduce(dtype, op, piece, &srcs);
-                continue;
-            }
-            // Reduce-scatter into the slots, then gather every rank's reduced chunk.
+            let small = len * size <= SMALL_REDUCE_BYTES;
             let elems = len / dtype.size();
-            let size = self.size;
             let chunk = |r: usize| {
                 let e = part(elems, size, r);
                 e.start * dtype.size()..e.end * dtype.size()
             };
             let mine = chunk(self.rank);
-            let srcs: Vec<&[u8]> =
-                (0..self.size).map(|r| self.peek(r, p, mine.start, mine.len())).collect();
-            reduce(dtype, op, &mut piece[mine.clone()], &srcs);
-            drop(srcs);
-            self.stage(p, mine.start, &piece[mine.clone()]);
+            Self::failpoint(at, "shm.send")?;
+            if small {
+                self.stage(p, 0, piece);
+            } else {
+                // Peers read every chunk of this slot but this rank's own: leave that one out.
+                self.stage(p, 0, &piece[..mine.start]);
+                self.stage(p, mine.end, &piece[mine.end..]);
+            }
             self.barrier_wait(at, deadline)?;
-            for r in (0..self.size).filter(|&r| r != self.rank) {
+            self.check_descs(at, p, "")?;
+            Self::failpoint(at, "shm.recv")?;
+            if small {
+                let srcs: Vec<&[u8]> = (0..size).map(|r| self.peek(r, p, 0, len)).collect();
+                reduce(dtype, op, piece, &srcs);
+                continue;
+            }
+            // Reduce-scatter: this rank reduces its chunk (its own data from the buffer, the
+            // peers' from their slots) into its slot, where the peers gather it from.
+            {
+                let srcs: Vec<&[u8]> = (0..size)
+                    .map(|r| {
+                        if r == self.rank {
+                            &piece[mine.clone()]
+                        } else {
+                            self.peek(r, p, mine.start, mine.len())
+                        }
+                    })
+                    .collect();
+                let out = self.own_slot_mut(p, mine.start, mine.len());
+                reduce(dtype, op, out, &srcs);
+            }
+            piece[mine.clone()].copy_from_slice(self.peek(self.rank, p, mine.start, mine.len()));
+            self.barrier_wait(at, deadline)?;
+            for r in (0..size).filter(|&r| r != self.rank) {
                 let c = chunk(r);
                 piece[c.clone()].copy_from_slice(self.peek(r, p, c.start, c.len()));
             }
