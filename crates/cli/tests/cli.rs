@@ -2,59 +2,17 @@
 //! every layout, JSON lines, config errors, a failing rank and Ctrl-C leaving no process
 //! behind. Every wait has a deadline.
 
-use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-const TPCTL: &str = env!("CARGO_BIN_EXE_tpctl");
+mod common;
+
+use common::{kill_all, leftovers, marker, scratch, TPCTL};
+
 const DEADLINE: Duration = Duration::from_secs(90);
 
-fn scratch(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("tpctl-cli-{}-{name}", std::process::id()))
-}
-
-/// A small random Llama (6 query heads, 3 KV heads) with a byte-level tokenizer.
 fn model() -> &'static str {
-    static PATH: OnceLock<String> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let path = scratch("tiny.gguf");
-        let spec = layers::model::random::RandomLlama {
-            heads: 6,
-            kv_heads: 3,
-            hidden: 48,
-            ffn: 64,
-            seed: 7,
-            ..Default::default()
-        };
-        spec.write(&path).expect("write the tiny model");
-        path.to_string_lossy().into_owned()
-    })
-}
-
-/// A marker in the environment of every process of one invocation, to find leftovers.
-fn marker() -> String {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static N: AtomicUsize = AtomicUsize::new(0);
-    format!("tpctl-test-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
-}
-
-/// Processes (not zombies) whose environment holds `mark`.
-fn leftovers(mark: &str) -> Vec<u32> {
-    let needle = format!("TPCTL_TEST_MARK={mark}");
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(env) = std::fs::read(entry.path().join("environ")) else { continue };
-        let zombie = std::fs::read_to_string(entry.path().join("stat"))
-            .map(|s| s.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')))
-            .unwrap_or(true);
-        if !zombie && env.split(|&b| b == 0).any(|kv| kv == needle.as_bytes()) {
-            pids.push(pid);
-        }
-    }
-    pids
+    common::tiny_model()
 }
 
 fn start(args: &[&str], extra_env: &[(&str, &str)], mark: &str) -> Child {
@@ -76,9 +34,7 @@ fn wait(mut child: Child, mark: &str) -> Output {
     while child.try_wait().expect("wait for tpctl").is_none() {
         if start.elapsed() > DEADLINE {
             let _ = child.kill();
-            for pid in leftovers(mark) {
-                let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
-            }
+            kill_all(mark);
             panic!("tpctl still running after {DEADLINE:?}");
         }
         std::thread::sleep(Duration::from_millis(20));

@@ -6,40 +6,23 @@
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-const TPCTL: &str = env!("CARGO_BIN_EXE_tpctl");
+mod common;
+
+use common::{kill_all, leftovers, marker, scratch, TPCTL};
+
 const DEADLINE: Duration = Duration::from_secs(120);
 
-fn scratch(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("tpctl-serve-{}-{name}", std::process::id()))
-}
-
-/// A small random Llama (6 query heads, 3 KV heads, context 256, no chat template).
 fn model() -> &'static str {
-    static PATH: OnceLock<String> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let path = scratch("tiny.gguf");
-        let spec = layers::model::random::RandomLlama {
-            heads: 6,
-            kv_heads: 3,
-            hidden: 48,
-            ffn: 64,
-            seed: 7,
-            ..Default::default()
-        };
-        spec.write(&path).expect("write the tiny model");
-        path.to_string_lossy().into_owned()
-    })
+    common::tiny_model()
 }
 
-/// The tiny model with every token a control token (so text like `t5t6` encodes to
-/// `[5, 6]`) and a chat template made of such tokens; same weights as [`model`].
+/// The tiny model with a chat template that wraps each message in `t1 … t2` and opens the
+/// answer with `t3`.
 fn chat_model() -> &'static str {
     static PATH: OnceLock<String> = OnceLock::new();
     PATH.get_or_init(|| {
@@ -68,37 +51,6 @@ fn chat_model() -> &'static str {
 /// `t1`, each message, `t2`; then `t3` to open the reply.
 const CHAT_TEMPLATE: &str = "{% for m in messages %}t1{{ m.content }}t2{% endfor %}{% if add_generation_prompt %}t3{% endif %}";
 
-/// A marker in the environment of every process of one invocation, to find leftovers.
-fn marker() -> String {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static N: AtomicUsize = AtomicUsize::new(0);
-    format!("tpctl-serve-test-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
-}
-
-/// Processes (not zombies) whose environment holds `mark`.
-fn leftovers(mark: &str) -> Vec<u32> {
-    let needle = format!("TPCTL_TEST_MARK={mark}");
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(env) = std::fs::read(entry.path().join("environ")) else { continue };
-        let zombie = std::fs::read_to_string(entry.path().join("stat"))
-            .map(|s| s.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')))
-            .unwrap_or(true);
-        if !zombie && env.split(|&b| b == 0).any(|kv| kv == needle.as_bytes()) {
-            pids.push(pid);
-        }
-    }
-    pids
-}
-
-fn kill_all(mark: &str) {
-    for pid in leftovers(mark) {
-        let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
-    }
-}
-
-/// Runs `tpctl` to the end (within the deadline).
 fn tpctl(args: &[&str]) -> Output {
     let mark = marker();
     let mut child = Command::new(TPCTL)

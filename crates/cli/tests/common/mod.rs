@@ -1,0 +1,65 @@
+//! Helpers shared by the end-to-end tests: the tiny model, scratch paths, and finding the
+//! processes an invocation left behind.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+
+/// The `tpctl` binary under test.
+pub const TPCTL: &str = env!("CARGO_BIN_EXE_tpctl");
+
+/// A path in cargo's scratch folder, unique to this test process.
+pub fn scratch(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("tpctl-e2e-{}-{name}", std::process::id()))
+}
+
+/// A small random Llama (6 query heads, 3 KV heads, context 256, tokens `t0`..`t47`, no chat
+/// template), written once per test process.
+pub fn tiny_model() -> &'static str {
+    static PATH: OnceLock<String> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let path = scratch("tiny.gguf");
+        let spec = layers::model::random::RandomLlama {
+            heads: 6,
+            kv_heads: 3,
+            hidden: 48,
+            ffn: 64,
+            seed: 7,
+            ..Default::default()
+        };
+        spec.write(&path).expect("write the tiny model");
+        path.to_string_lossy().into_owned()
+    })
+}
+
+/// A marker to put in the environment (`TPCTL_TEST_MARK`) of every process of one invocation.
+pub fn marker() -> String {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static N: AtomicUsize = AtomicUsize::new(0);
+    format!("tpctl-test-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Processes (not zombies) whose environment holds `mark`.
+pub fn leftovers(mark: &str) -> Vec<u32> {
+    let needle = format!("TPCTL_TEST_MARK={mark}");
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(env) = std::fs::read(entry.path().join("environ")) else { continue };
+        let zombie = std::fs::read_to_string(entry.path().join("stat"))
+            .map(|s| s.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')))
+            .unwrap_or(true);
+        if !zombie && env.split(|&b| b == 0).any(|kv| kv == needle.as_bytes()) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Kills every process of an invocation (after a test failed its deadline).
+pub fn kill_all(mark: &str) {
+    for pid in leftovers(mark) {
+        let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+    }
+}
