@@ -8,6 +8,16 @@ mod vmm;
 
 use anyhow::{bail, Result};
 
+/// The value of `key` in a flat JSON object line as the bench binaries print it (no nesting,
+/// no commas inside values), without its quotes.
+pub(crate) fn field<'a>(json: &'a str, key: &str) -> Option<&'a str> {
+    let key = format!("\"{key}\":");
+    let start = json.find(&key)? + key.len();
+    let rest = &json[start..];
+    let end = rest.find([',', '}']).unwrap_or(rest.len());
+    Some(rest[..end].trim().trim_matches('"'))
+}
+
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let json = args.iter().any(|a| a == "--json");
     let what: Vec<&str> =
@@ -34,4 +44,16 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn fields_of_a_bench_line() {
+        let line = r#"{"backend":"shm","ranks":2,"time_us":0.28,"note":"x"}"#;
+        assert_eq!(super::field(line, "backend"), Some("shm"));
+        assert_eq!(super::field(line, "ranks"), Some("2"));
+        assert_eq!(super::field(line, "note"), Some("x"));
+        assert_eq!(super::field(line, "missing"), None);
+    }
 }

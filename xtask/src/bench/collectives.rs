@@ -1,6 +1,7 @@
 //! Collectives benchmark (shm and tcp, 2 and 4 ranks) next to OpenMPI's `MPI_Allreduce`,
 //! measured in the same run from `shared/anchors/mpi_allreduce.c`.
 
+use super::field;
 use crate::util::{self, cargo, root};
 use anyhow::{Context, Result};
 use std::collections::BTreeMap;
@@ -17,14 +18,6 @@ struct Row {
     time_us: f64,
     algbw: f64,
     busbw: f64,
-}
-
-fn field<'a>(json: &'a str, key: &str) -> Option<&'a str> {
-    let key = format!("\"{key}\":");
-    let start = json.find(&key)? + key.len();
-    let rest = &json[start..];
-    let end = rest.find([',', '}']).unwrap_or(rest.len());
-    Some(rest[..end].trim_matches('"'))
 }
 
 fn parse_row(line: &str) -> Option<Row> {

@@ -7,10 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn field(json: &str, key: &str) -> Option<f64> {
-    let key = format!("\"{key}\":");
-    let start = json.find(&key)? + key.len();
-    let rest = &json[start..];
-    rest[..rest.find([',', '}']).unwrap_or(rest.len())].trim().parse().ok()
+    super::field(json, key)?.parse().ok()
 }
 
 /// An f32 copy of `model` (every tensor dequantized), made once next to it.

@@ -3,6 +3,7 @@
 //! run, for 2 and 4 ranks. Runs the `session` bench binary of `tpctl-session`
 //! (`crates/session/benches/session.rs`).
 
+use super::field;
 use crate::util::{self, cargo};
 use anyhow::Result;
 
@@ -14,14 +15,6 @@ struct Row {
     step_us: f64,
     large_us: f64,
     admission_us: f64,
-}
-
-fn field<'a>(json: &'a str, key: &str) -> Option<&'a str> {
-    let key = format!("\"{key}\":");
-    let start = json.find(&key)? + key.len();
-    let rest = &json[start..];
-    let end = rest.find([',', '}']).unwrap_or(rest.len());
-    Some(rest[..end].trim_matches('"'))
 }
 
 fn parse_row(line: &str) -> Option<Row> {

@@ -3,16 +3,9 @@
 //! run. Runs the `sleep` bench binary of `tpctl-session` (`crates/session/benches/sleep.rs`);
 //! `TPCTL_SLEEP_BENCH_MIB` sets the MiB per rank (default 256).
 
+use super::field;
 use crate::util::{self, cargo};
 use anyhow::Result;
-
-fn field<'a>(json: &'a str, key: &str) -> Option<&'a str> {
-    let key = format!("\"{key}\":");
-    let start = json.find(&key)? + key.len();
-    let rest = &json[start..];
-    let end = rest.find([',', '}']).unwrap_or(rest.len());
-    Some(rest[..end].trim_matches('"'))
-}
 
 pub(crate) fn run(json: bool) -> Result<()> {
     let out = util::output(cargo().args([
