@@ -226,11 +226,22 @@ impl ParallelAttention {
         let positions = shard.select(all_positions)?;
         let (q, k, v) = self.attn.qkv(be, x, positions)?;
         let kv_width = self.shape.kv_heads * self.shape.head_dim;
-        let sizes: Vec<usize> = shard.sizes().iter().map(|s| s * kv_width).collect();
+        // One collective for both: each rank sends its keys then its values.
+        let sizes: Vec<usize> = shard.sizes().iter().map(|s| 2 * s * kv_width).collect();
         let total = all_positions.len() * kv_width;
-        let (mut k_all, mut v_all) = (vec![0f32; total], vec![0f32; total]);
-        comms.cp.all_gather_uneven(k.data(), &mut k_all, &sizes)?;
-        comms.cp.all_gather_uneven(v.data(), &mut v_all, &sizes)?;
+        let mut mine = Vec::with_capacity(k.len() + v.len());
+        mine.extend_from_slice(k.data());
+        mine.extend_from_slice(v.data());
+        let mut both = vec![0f32; 2 * total];
+        comms.cp.all_gather_uneven(&mine, &mut both, &sizes)?;
+        let (mut k_all, mut v_all) = (Vec::with_capacity(total), Vec::with_capacity(total));
+        let mut at = 0;
+        for size in &sizes {
+            let (ks, vs) = both[at..at + size].split_at(size / 2);
+            k_all.extend_from_slice(ks);
+            v_all.extend_from_slice(vs);
+            at += size;
+        }
         cache.append(k.data(), v.data(), positions)?;
         let (out, _) =
             be.attention(&q, positions, &k_all, &v_all, all_positions, self.shape, false)?;
@@ -264,21 +275,20 @@ impl ParallelAttention {
         }
         let (out, lse) = self.attn.attend(be, &q, positions, cache, true)?;
         let lse = lse.ok_or_else(|| Error::shape("extend attention", "no log-sum-exp returned"))?;
-        // Gather every CP rank's partial output and merge them in rank order.
+        // Gather every CP rank's partial output with its log-sum-exp (one collective: each
+        // rank sends `out ‖ lse`) and merge them in rank order.
         let (ow, lw) = (out.len(), lse.len());
-        let mut outs = vec![0f32; ow * cp];
-        let mut lses = vec![0f32; lw * cp];
-        comms.cp.all_gather(out.data(), &mut outs)?;
-        comms.cp.all_gather(lse.data(), &mut lses)?;
-        let (mut acc_o, mut acc_l) = (outs[..ow].to_vec(), lses[..lw].to_vec());
+        let mut mine = Vec::with_capacity(ow + lw);
+        mine.extend_from_slice(out.data());
+        mine.extend_from_slice(lse.data());
+        let mut all = vec![0f32; (ow + lw) * cp];
+        comms.cp.all_gather(&mine, &mut all)?;
+        let part = |r: usize| all[r * (ow + lw)..(r + 1) * (ow + lw)].split_at(ow);
+        let (first_o, first_l) = part(0);
+        let (mut acc_o, mut acc_l) = (first_o.to_vec(), first_l.to_vec());
         for r in 1..cp {
-            merge_partial(
-                &mut acc_o,
-                &mut acc_l,
-                &outs[r * ow..(r + 1) * ow],
-                &lses[r * lw..(r + 1) * lw],
-                self.shape.head_dim,
-            );
+            let (o, l) = part(r);
+            merge_partial(&mut acc_o, &mut acc_l, o, l, self.shape.head_dim);
         }
         self.finish(be, comms, Tensor::from_vec(out.shape(), acc_o)?)
     }
