@@ -6,6 +6,9 @@ use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// Interleaved rounds of ours and the reference.
+const ROUNDS: usize = 3;
+
 fn field(json: &str, key: &str) -> Option<f64> {
     super::field(json, key)?.parse().ok()
 }
@@ -42,33 +45,46 @@ pub(crate) fn run(json: bool) -> Result<()> {
     let anchors = root().join("../shared/anchors");
     let q4 = crate::fetch_model::fetch_default()?;
     let f32_path = f32_model(&q4, &anchors)?;
-    let ours = util::output(
-        cargo()
-            .args(["bench", "--quiet", "-p", "tpctl-layers", "--bench", "model", "--"])
-            .arg("--json")
-            .arg("--model")
-            .arg(&f32_path),
-    )?;
     ensure_python_packages(&["llama-cpp-python"], &["llama_cpp"])
         .context("llama.cpp reference (builds for ~10 minutes on 2 cores)")?;
-    let reference = util::output(
-        Command::new("python3")
-            .arg(anchors.join("llamacpp_bench.py"))
-            .arg(&f32_path)
-            .arg("2")
-            .arg("128")
-            .arg("64"),
-    )?;
-    let reference = reference
-        .lines()
-        .rev()
-        .find(|l| l.contains("prefill_tok_s"))
-        .context("llama.cpp printed no result")?
-        .to_owned();
-    let (ref_pf, ref_dc) = (
-        field(&reference, "prefill_tok_s").context("llama.cpp prefill")?,
-        field(&reference, "decode_tok_s").context("llama.cpp decode")?,
-    );
+    // Interleaved rounds of (ours, llama.cpp); each figure is its best round, so a burst of
+    // noise on a shared machine does not decide a ratio.
+    let (mut ref_pf, mut ref_dc) = (0f64, 0f64);
+    let mut best: Vec<(String, f64, f64)> = Vec::new();
+    for _ in 0..ROUNDS {
+        let ours = util::output(
+            cargo()
+                .args(["bench", "--quiet", "-p", "tpctl-layers", "--bench", "model", "--"])
+                .arg("--json")
+                .arg("--model")
+                .arg(&f32_path),
+        )?;
+        for line in ours.lines().filter(|l| l.contains("prefill_tok_s")) {
+            let get = |k| field(line, k).unwrap_or(f64::NAN);
+            let (pf, dc) = (get("prefill_tok_s"), get("decode_tok_s"));
+            let key = format!("{}x{} {}", get("tp"), get("cp"), get("threads_per_rank"));
+            match best.iter_mut().find(|b| b.0 == key) {
+                Some(b) => (b.1, b.2) = (b.1.max(pf), b.2.max(dc)),
+                None => best.push((key, pf, dc)),
+            }
+        }
+        let reference = util::output(
+            Command::new("python3")
+                .arg(anchors.join("llamacpp_bench.py"))
+                .arg(&f32_path)
+                .arg("2")
+                .arg("128")
+                .arg("64"),
+        )?;
+        let reference = reference
+            .lines()
+            .rev()
+            .find(|l| l.contains("prefill_tok_s"))
+            .context("llama.cpp printed no result")?
+            .to_owned();
+        ref_pf = ref_pf.max(field(&reference, "prefill_tok_s").context("llama.cpp prefill")?);
+        ref_dc = ref_dc.max(field(&reference, "decode_tok_s").context("llama.cpp decode")?);
+    }
     if !json {
         println!("SmolLM2-135M-Instruct, f32 weights, 128-token prompt, 64 decoded tokens");
         println!(
@@ -85,21 +101,14 @@ pub(crate) fn run(json: bool) -> Result<()> {
             "llama", 2, ref_pf, ref_dc, "1.00x", "1.00x"
         );
     }
-    for line in ours.lines().filter(|l| l.contains("prefill_tok_s")) {
-        let get = |k| field(line, k).unwrap_or(f64::NAN);
-        let (tp, cp, threads, pf, dc) = (
-            get("tp"),
-            get("cp"),
-            get("threads_per_rank"),
-            get("prefill_tok_s"),
-            get("decode_tok_s"),
-        );
+    for (key, pf, dc) in &best {
+        let (layout, threads) = key.split_once(' ').unwrap_or((key.as_str(), "?"));
         if json {
-            println!("{{\"tp\":{tp},\"cp\":{cp},\"threads_per_rank\":{threads},\"prefill_tok_s\":{pf:.1},\"decode_tok_s\":{dc:.1},\"llamacpp_prefill_tok_s\":{ref_pf:.1},\"llamacpp_decode_tok_s\":{ref_dc:.1},\"prefill_ratio\":{:.2},\"decode_ratio\":{:.2}}}", pf / ref_pf, dc / ref_dc);
+            println!("{{\"layout\":\"{layout}\",\"threads_per_rank\":{threads},\"prefill_tok_s\":{pf:.1},\"decode_tok_s\":{dc:.1},\"llamacpp_prefill_tok_s\":{ref_pf:.1},\"llamacpp_decode_tok_s\":{ref_dc:.1},\"prefill_ratio\":{:.2},\"decode_ratio\":{:.2}}}", pf / ref_pf, dc / ref_dc);
         } else {
             println!(
                 "{:<7} {:>8} {:>14.1} {:>13.1} {:>15.2}x {:>14.2}x",
-                format!("{tp}x{cp}"),
+                layout,
                 threads,
                 pf,
                 dc,
@@ -109,7 +118,10 @@ pub(crate) fn run(json: bool) -> Result<()> {
         }
     }
     if !json {
-        println!("ratios: ours / llama.cpp (2 threads), same weights, same machine, same run");
+        println!(
+            "ratios: ours / llama.cpp (2 threads), same weights, same machine, same run; \
+             best of {ROUNDS} interleaved rounds each"
+        );
     }
     Ok(())
 }
