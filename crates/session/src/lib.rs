@@ -20,6 +20,7 @@ pub mod protocol;
 pub mod replicated;
 mod sampler;
 mod scheduler;
+mod sequences;
 pub mod sharded;
 mod sink;
 pub mod sleep;

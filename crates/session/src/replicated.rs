@@ -1,10 +1,10 @@
-//! The adapter to the `layers` crate (the only module that names it): the single-rank Llama
-//! model run replicated, every rank computing the full model (tp = 1 per rank), and its
+//! The single-rank Llama model of the `layers` crate run replicated, every rank computing the full model (tp = 1 per rank), and its
 //! tokenizer on rank 0. The TP/CP-sharded model plugs into the same [`StepModel`] seam.
 
 use crate::error::BoxError;
 use crate::model::{Groups, Logits, ModelFactory, StepModel};
 use crate::plan::{SeqId, SessionConfig, StepPlan};
+use crate::sequences::run_entries;
 use crate::sink::TextCodec;
 use std::collections::HashMap;
 
@@ -63,27 +63,16 @@ impl StepModel for ReplicatedLlama {
     ) -> Result<Option<Logits>, BoxError> {
         // Replicated: every rank computes the whole model, so no collective is needed.
         let capacity = self.context_len();
-        let mut rows = Vec::new();
-        for e in &plan.entries {
-            let cache = self.caches.entry(e.seq).or_insert_with(|| self.model.new_cache(capacity));
-            if cache.len() != e.start as usize {
-                return Err(format!(
-                    "sequence {} holds {} tokens but the plan starts at position {}",
-                    e.seq,
-                    cache.len(),
-                    e.start
-                )
-                .into());
-            }
-            let positions: Vec<usize> = e.positions().collect();
-            let out = self
-                .model
-                .forward(&e.tokens, &positions, cache, layers::Logits::Last)
-                .map_err(|err| format!("sequence {}: {err}", e.seq))?;
-            if e.sample {
-                rows.push(out.row(out.rows() - 1).to_vec());
-            }
-        }
+        let model = &self.model;
+        let rows = run_entries(
+            plan,
+            &mut self.caches,
+            || model.new_cache(capacity),
+            |e, cache| {
+                let positions: Vec<usize> = e.positions().collect();
+                model.forward(&e.tokens, &positions, cache, layers::Logits::Last)
+            },
+        )?;
         Ok(self.logits.then_some(rows))
     }
 

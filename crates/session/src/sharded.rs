@@ -5,6 +5,7 @@ use crate::error::BoxError;
 use crate::model::{Groups, Logits, ModelFactory, StepModel};
 use crate::plan::{SeqId, SessionConfig, StepPlan};
 use crate::replicated::LlamaFactory;
+use crate::sequences::run_entries;
 use crate::sink::TextCodec;
 use layers::model::WeightForm;
 use layers::parallel::{Comms, ParallelCache, ParallelModel, Placement};
@@ -62,15 +63,6 @@ impl ModelFactory for ShardedFactory {
     }
 }
 
-/// A model failure on one sequence; keeps the cause (a collective that blames a peer, say)
-/// reachable through `source()`.
-#[derive(Debug, thiserror::Error)]
-#[error("sequence {seq}: {source}")]
-struct SequenceError {
-    seq: SeqId,
-    source: layers::Error,
-}
-
 /// This rank's shard of the model, one KV-cache shard per sequence.
 pub struct ShardedLlama {
     model: ParallelModel,
@@ -97,26 +89,13 @@ impl StepModel for ShardedLlama {
         let mut comms = Comms { tp: &mut *groups.tp, cp: &mut *groups.cp };
         // A CP rank holds about 1/cp of a sequence; one more token absorbs the rounding.
         let capacity = self.context.div_ceil(self.model.placement().cp) + 1;
-        let mut rows = Vec::new();
-        for e in &plan.entries {
-            let cache = self.caches.entry(e.seq).or_insert_with(|| self.model.new_cache(capacity));
-            if cache.len() != e.start as usize {
-                return Err(format!(
-                    "sequence {} holds {} tokens but the plan starts at position {}",
-                    e.seq,
-                    cache.len(),
-                    e.start
-                )
-                .into());
-            }
-            let out = self
-                .model
-                .forward(&mut comms, &e.tokens, cache, layers::Logits::Last)
-                .map_err(|source| SequenceError { seq: e.seq, source })?;
-            if e.sample {
-                rows.push(out.row(out.rows() - 1).to_vec());
-            }
-        }
+        let model = &self.model;
+        let rows = run_entries(
+            plan,
+            &mut self.caches,
+            || model.new_cache(capacity),
+            |e, cache| model.forward(&mut comms, &e.tokens, cache, layers::Logits::Last),
+        )?;
         Ok(self.logits.then_some(rows))
     }
 
