@@ -1,5 +1,6 @@
-//! The single-rank Llama model of the `layers` crate run replicated, every rank computing the full model (tp = 1 per rank), and its
-//! tokenizer on rank 0. The TP/CP-sharded model plugs into the same [`StepModel`] seam.
+//! The single-rank Llama model of the `layers` crate run replicated, every rank computing the
+//! full model (tp = 1 per rank), and its tokenizer on rank 0. The TP/CP-sharded model
+//! ([`crate::sharded`]) plugs into the same [`StepModel`] seam.
 
 use crate::error::BoxError;
 use crate::model::{Groups, Logits, ModelFactory, StepModel};
