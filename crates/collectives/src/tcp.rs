@@ -339,6 +339,8 @@ impl TcpComm {
         let start = Instant::now();
         loop {
             let mut interest: Vec<(usize, i16)> = Vec::new();
+            let closed =
+                |peer| Error::PeerClosed { at: at.clone(), peer, elapsed: start.elapsed() };
             for o in outs.iter_mut().filter(|o| !o.finished()) {
                 let mut stream = stream_of(&self.peers, at, o.peer)?;
                 self.mid_write[o.peer] = true;
@@ -346,14 +348,7 @@ impl TcpComm {
                     let head = &o.head[o.done.min(HDR)..];
                     let body = &o.data[o.done.saturating_sub(HDR)..];
                     match stream.write_vectored(&[IoSlice::new(head), IoSlice::new(body)]) {
-                        Ok(0) => {
-                            return Err(Error::PeerClosed {
-                                at: at.clone(),
-                                peer: o.peer,
-                                elapsed: start.elapsed(),
-                            })
-                        }
-                        Ok(n) => {
+                        Ok(n) if n > 0 => {
                             o.done += n;
                             if o.finished() {
                                 self.mid_write[o.peer] = false;
@@ -364,13 +359,8 @@ impl TcpComm {
                             interest.push((o.peer, libc::POLLOUT));
                             break;
                         }
-                        Err(_) => {
-                            return Err(Error::PeerClosed {
-                                at: at.clone(),
-                                peer: o.peer,
-                                elapsed: start.elapsed(),
-                            })
-                        }
+                        // End of stream or a reset: the peer is gone or gave up.
+                        _ => return Err(closed(o.peer)),
                     }
                 }
             }
@@ -383,14 +373,7 @@ impl TcpComm {
                         stream.read(&mut i.data[i.done - HDR..])
                     };
                     match r {
-                        Ok(0) => {
-                            return Err(Error::PeerClosed {
-                                at: at.clone(),
-                                peer: i.peer,
-                                elapsed: start.elapsed(),
-                            })
-                        }
-                        Ok(n) => {
+                        Ok(n) if n > 0 => {
                             let before = i.done;
                             i.done += n;
                             if before < HDR && i.done >= HDR {
@@ -404,13 +387,8 @@ impl TcpComm {
                             interest.push((i.peer, libc::POLLIN));
                             break;
                         }
-                        Err(_) => {
-                            return Err(Error::PeerClosed {
-                                at: at.clone(),
-                                peer: i.peer,
-                                elapsed: start.elapsed(),
-                            })
-                        }
+                        // End of stream or a reset: the peer is gone or gave up.
+                        _ => return Err(closed(i.peer)),
                     }
                 }
             }
