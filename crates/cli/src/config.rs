@@ -4,7 +4,7 @@
 //! so a typo never silently falls back to a default. Command-line flags override the file.
 
 use anyhow::{Context, Result};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -189,7 +189,7 @@ impl Default for SamplingConfig {
 }
 
 /// `[sleep.TAG]`: how memory with this tag is restored after a wakeup.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct SleepPolicy {
     /// `discard`, `zero`, `backup` or `reload`.
@@ -199,7 +199,7 @@ pub struct SleepPolicy {
 }
 
 /// Restore modes of `[sleep.TAG]`.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum RestoreMode {
     /// Contents are undefined after wakeup.

@@ -401,6 +401,8 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         },
         output: args.output,
         serve,
+        sleep: config.sleep.clone(),
+        control_socket: None,
     };
     let master_port = match args.master_port {
         Some(p) => p,

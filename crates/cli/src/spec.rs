@@ -2,6 +2,8 @@
 //! variable `TPCTL_RANK_SPEC`, so ranks never re-read files the launcher already checked.
 
 use serde::{Deserialize, Serialize};
+use crate::config::SleepPolicy;
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 /// The environment variable that carries a [`RankSpec`].
@@ -71,6 +73,13 @@ pub struct RankSpec {
     /// Set for `tpctl serve`: rank 0 serves HTTP instead of running `prompts`.
     #[serde(default)]
     pub serve: Option<ServeSpec>,
+    /// Restore policy per memory tag (`[sleep.TAG]`); tags not named use the defaults
+    /// (`weights`: reload, `kv_cache`: discard).
+    #[serde(default)]
+    pub sleep: BTreeMap<String, SleepPolicy>,
+    /// Where rank 0 listens for `tpctl sleep / wakeup / status / stop` (`None`: no socket).
+    #[serde(default)]
+    pub control_socket: Option<PathBuf>,
 }
 
 /// What rank 0 of `tpctl serve` needs.
