@@ -42,7 +42,9 @@ use crate::plan::{SessionConfig, SessionDecision, StepPlan};
 use crate::protocol::{self, Agreed, Agreement, Contribution, Message, State};
 use crate::scheduler::{Emit, Request, Scheduler};
 use crate::sink::{MetricsSink, OutputSink, StepMetrics, TextCodec};
+use crate::sleep::QuiesceMode;
 use collectives::ParallelContext;
+pub use gate::Gate;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
@@ -62,6 +64,9 @@ pub struct EngineOptions {
     pub tick: Duration,
     /// Deadline of the coordinated shutdown after success.
     pub shutdown_timeout: Duration,
+    /// How long a sleep waits for the engine to reach a step boundary (with mode `wait`,
+    /// for the running requests to finish).
+    pub quiesce_timeout: Duration,
 }
 
 impl Default for EngineOptions {
@@ -71,6 +76,7 @@ impl Default for EngineOptions {
             transition_timeout: Duration::from_secs(300),
             tick: Duration::from_millis(100),
             shutdown_timeout: Duration::from_secs(30),
+            quiesce_timeout: Duration::from_secs(120),
         }
     }
 }
@@ -218,6 +224,14 @@ impl Role {
             Role::Worker(w) => w.stop_handle(),
         }
     }
+
+    /// The gate the sleep/wakeup control plane quiesces this rank's engine through.
+    pub fn gate(&self) -> Arc<Gate> {
+        match self {
+            Role::Leader(l) => l.gate(),
+            Role::Worker(w) => w.gate(),
+        }
+    }
 }
 
 /// What leader and worker share.
@@ -229,6 +243,7 @@ struct Core {
     agreement: Agreement,
     events: Vec<Event>,
     stop: StopHandle,
+    gate: Arc<Gate>,
     buf: Vec<u8>,
     /// The last decoded plan, whose buffers the next one reuses.
     recycled: Option<Message>,
@@ -282,6 +297,7 @@ fn injected(phase: &'static str, point: &str, rank: usize, epoch: u64, step: u64
 impl Core {
     fn new(ctx: ParallelContext, factory: Box<dyn ModelFactory>, opts: EngineOptions) -> Self {
         Core {
+            gate: Arc::new(Gate::new(ctx.rank() == 0, opts.quiesce_timeout)),
             rank: ctx.rank(),
             ctx: Some(ctx),
             opts,
@@ -522,6 +538,11 @@ impl Leader {
         self.core.stop.clone()
     }
 
+    /// The gate the sleep/wakeup control plane quiesces this engine through.
+    pub fn gate(&self) -> Arc<Gate> {
+        self.core.gate.clone()
+    }
+
     /// Runs `requests` together in a session of `config`; when its model work ends (every
     /// request finished, or `max_steps`) `decider` says what follows. Consumes the process
     /// groups: shut down together on success, dropped on failure.
@@ -603,7 +624,16 @@ impl Leader {
             let mut replacement = None;
             let msg = if self.core.stop.is_requested() {
                 Message::Idle
+            } else if let Some(mode) = self.core.gate.request() {
+                self.quiesced_message(s, mode)
+                    .map_err(|e| self.core.announce(e, Owed::Admission, epoch, s.steps))?
             } else {
+                if std::mem::take(&mut s.parked) && self.core.gate.take_kv_lost() {
+                    // The KV cache came back empty: paused sequences prefill again.
+                    if let Some(sched) = s.sched.as_mut() {
+                        sched.recompute_all();
+                    }
+                }
                 self.next_message(s, config, inbox, decider, &mut replacement)
                     .map_err(|e| self.core.announce(e, Owed::Admission, epoch, s.steps))?
             };
@@ -727,6 +757,38 @@ impl Leader {
         })
     }
 
+    /// What rank 0 sends while a sleep quiesces the engine (see [`gate`]): with `wait` the
+    /// running requests go on (no new one is admitted), with `abort` they fail, with `keep`
+    /// they pause; then the engine parks and only idle ticks run until the gate opens.
+    fn quiesced_message(&mut self, s: &mut LeaderSession, mode: QuiesceMode) -> Result<Message> {
+        if s.parked {
+            std::thread::sleep(self.core.opts.tick);
+            return Ok(Message::Idle);
+        }
+        let Some(sched) = s.sched.as_mut() else {
+            s.parked = true;
+            self.core.gate.park();
+            return Ok(Message::Idle);
+        };
+        match mode {
+            QuiesceMode::Wait => {
+                if let Some(plan) = sched.plan(s.epoch, s.steps + 1) {
+                    return Ok(Message::Step(plan));
+                }
+            }
+            QuiesceMode::Abort => {
+                for e in sched.abort_all() {
+                    s.finished += 1;
+                    emit(self.output.as_mut(), s.codec.as_deref(), &e, s.epoch, s.steps)?;
+                }
+            }
+            QuiesceMode::Keep => {}
+        }
+        s.parked = true;
+        self.core.gate.park();
+        Ok(Message::Idle)
+    }
+
     /// Runs an admitted step on rank 0: prepare, confirm, model, sample, sinks.
     fn step(&mut self, s: &mut LeaderSession, plan: StepPlan, t0: Instant) -> Result<()> {
         let epoch = s.epoch;
@@ -807,6 +869,8 @@ struct LeaderSession {
     steps: u64,
     finished: u64,
     idle_ticks: u64,
+    /// Parked by a sleep (see [`gate`]).
+    parked: bool,
     model: Option<Box<dyn StepModel>>,
     sched: Option<Scheduler>,
     codec: Option<Box<dyn TextCodec>>,
@@ -819,6 +883,7 @@ impl LeaderSession {
             steps: 0,
             finished: 0,
             idle_ticks: 0,
+            parked: false,
             model: None,
             sched: None,
             codec: None,
@@ -897,6 +962,11 @@ impl Worker {
         self.core.stop.clone()
     }
 
+    /// The gate the sleep/wakeup control plane quiesces this engine through.
+    pub fn gate(&self) -> Arc<Gate> {
+        self.core.gate.clone()
+    }
+
     /// Follows rank 0 session by session until it stops; consumes the process groups like
     /// [`Leader::run`].
     ///
@@ -957,6 +1027,26 @@ impl Worker {
         Ok(summary)
     }
 
+    /// Prepares, confirms and runs one admitted step.
+    fn step(
+        &mut self,
+        model: &mut dyn StepModel,
+        plan: &StepPlan,
+        epoch: u64,
+        steps: &mut u64,
+    ) -> Result<()> {
+        if let Err(e) = self.core.prepare(model, plan, epoch) {
+            return Err(self.core.announce(e, Owed::Confirmation, epoch, *steps));
+        }
+        self.core.confirm(State::Go, epoch, *steps)?;
+        *steps += 1;
+        self.core.events.push(Event::Step { epoch, step: *steps });
+        if let Err(e) = self.core.forward(model, plan) {
+            return Err(self.core.announce(e, Owed::Admission, epoch, *steps));
+        }
+        Ok(())
+    }
+
     /// One session; `Some(config)` when a replacement follows.
     fn session(
         &mut self,
@@ -991,15 +1081,19 @@ impl Worker {
                             detail: format!("rank 0 planned step {}", plan.step),
                         });
                     }
-                    if let Err(e) = self.core.prepare(m.as_mut(), &plan, epoch) {
+                    if let Err(reason) = self.core.gate.enter_step() {
+                        let e = Error::Protocol {
+                            op: "plan",
+                            rank: self.core.rank,
+                            epoch,
+                            step: *steps,
+                            reason,
+                        };
                         return Err(self.core.announce(e, Owed::Confirmation, epoch, *steps));
                     }
-                    self.core.confirm(State::Go, epoch, *steps)?;
-                    *steps += 1;
-                    self.core.events.push(Event::Step { epoch, step: *steps });
-                    if let Err(e) = self.core.forward(m.as_mut(), &plan) {
-                        return Err(self.core.announce(e, Owed::Admission, epoch, *steps));
-                    }
+                    let ran = self.step(m.as_mut(), &plan, epoch, steps);
+                    self.core.gate.leave_step();
+                    ran?;
                     self.core.recycled = Some(Message::Step(plan));
                 }
                 Some(Message::Idle) => {}
@@ -1019,5 +1113,6 @@ impl Worker {
     }
 }
 
+mod gate;
 #[cfg(test)]
 mod tests;

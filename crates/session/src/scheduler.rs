@@ -45,6 +45,7 @@ struct Seq {
     id: SeqId,
     request: u64,
     prompt: Vec<u32>,
+    /// Tokens in the model's KV cache (prompt first, then generated ones).
     prefilled: usize,
     generated: Vec<u32>,
     sampler: Sampler,
@@ -52,8 +53,22 @@ struct Seq {
 }
 
 impl Seq {
+    /// Tokens to prefill before decoding: the prompt, and after a recompute every generated
+    /// token but the last (which the next decode step feeds).
+    fn context(&self) -> usize {
+        self.prompt.len() + self.generated.len().saturating_sub(1)
+    }
+
     fn decoding(&self) -> bool {
-        self.prefilled == self.prompt.len()
+        self.prefilled == self.context()
+    }
+
+    /// Token `i` of the sequence: the prompt, then the generated tokens.
+    fn token(&self, i: usize) -> u32 {
+        match i.checked_sub(self.prompt.len()) {
+            None => self.prompt[i],
+            Some(g) => self.generated[g],
+        }
     }
 }
 
@@ -144,7 +159,7 @@ impl Scheduler {
                 break;
             }
             let last = *s.generated.last()?;
-            let start = (s.prompt.len() + s.generated.len() - 1) as u32;
+            let start = s.prefilled as u32;
             entries.push(PlanEntry { seq: s.id, start, tokens: vec![last], sample: true });
             budget -= 1;
         }
@@ -152,9 +167,10 @@ impl Scheduler {
             if budget == 0 || entries.len() == self.max_batch {
                 break;
             }
-            let chunk = (s.prompt.len() - s.prefilled).min(budget);
-            let tokens = s.prompt[s.prefilled..s.prefilled + chunk].to_vec();
-            let sample = s.prefilled + chunk == s.prompt.len();
+            let chunk = (s.context() - s.prefilled).min(budget);
+            let tokens = (s.prefilled..s.prefilled + chunk).map(|i| s.token(i)).collect();
+            // A recomputed sequence already sampled its next token.
+            let sample = s.prefilled + chunk == s.context() && s.generated.is_empty();
             entries.push(PlanEntry { seq: s.id, start: s.prefilled as u32, tokens, sample });
             budget -= chunk;
         }
@@ -185,9 +201,7 @@ impl Scheduler {
                 return Err(format!("sequence {} of the plan is not scheduled", e.seq));
             };
             let s = &mut self.seqs[i];
-            if !s.decoding() {
-                s.prefilled += e.tokens.len();
-            }
+            s.prefilled += e.tokens.len();
             if !e.sample {
                 continue;
             }
@@ -211,6 +225,32 @@ impl Scheduler {
             }
         }
         Ok(out)
+    }
+
+    /// Makes every sequence prefill again from its tokens (prompt and generated) under a new
+    /// id, the old one released: the KV cache it had is gone (a discarded cache after a
+    /// sleep). The continuation is the same as without the interruption.
+    pub(crate) fn recompute_all(&mut self) {
+        for s in self.seqs.iter_mut().filter(|s| s.prefilled > 0) {
+            self.released.push(s.id);
+            s.id = self.next_seq;
+            self.next_seq += 1;
+            s.prefilled = 0;
+        }
+    }
+
+    /// Fails every running or waiting sequence: the deployment is going to sleep.
+    pub(crate) fn abort_all(&mut self) -> Vec<Emit> {
+        let mut out = Vec::with_capacity(self.seqs.len());
+        for s in self.seqs.drain(..) {
+            self.released.push(s.id);
+            out.push(Emit::Finished {
+                request: s.request,
+                reason: FinishReason::Aborted,
+                tokens: s.generated,
+            });
+        }
+        out
     }
 
     /// Ends every sequence still scheduled (the session closes under them).

@@ -32,6 +32,8 @@ pub enum FinishReason {
     Cancelled,
     /// The request was refused (an empty prompt).
     Rejected,
+    /// A sleep with mode `abort` failed it: the deployment is going to sleep.
+    Aborted,
 }
 
 impl FinishReason {
@@ -42,6 +44,7 @@ impl FinishReason {
             FinishReason::StopToken => "stop",
             FinishReason::Cancelled => "cancelled",
             FinishReason::Rejected => "rejected",
+            FinishReason::Aborted => "abort",
         }
     }
 }

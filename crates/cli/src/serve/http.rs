@@ -600,7 +600,7 @@ fn finish_name(reason: FinishReason) -> &'static str {
     match reason {
         FinishReason::Length => "length",
         FinishReason::StopToken => "stop",
-        FinishReason::Cancelled => "abort",
+        FinishReason::Cancelled | FinishReason::Aborted => "abort",
         FinishReason::Rejected => "rejected",
     }
 }

@@ -293,3 +293,153 @@ fn engines_can_move_to_another_thread() {
     send::<Role>();
     send::<StopHandle>();
 }
+
+/// Collects like [`Collect`] and, at the `at`-th token, tells the test and holds the engine
+/// until the test has asked the gate for a quiesce: the sleep lands mid-generation.
+struct Pausing {
+    inner: Collect,
+    at: usize,
+    seen: usize,
+    gate: Arc<Mutex<Option<Arc<Gate>>>>,
+    reached: std::sync::mpsc::Sender<()>,
+}
+
+impl OutputSink for Pausing {
+    fn token(&mut self, request: u64, token: u32, text: &str) -> std::result::Result<(), BoxError> {
+        self.seen += 1;
+        if self.seen == self.at {
+            self.reached.send(()).unwrap();
+            let gate = self.gate.lock().unwrap().clone().unwrap();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while gate.request().is_none() {
+                assert!(Instant::now() < deadline, "the test never asked for a quiesce");
+                std::thread::yield_now();
+            }
+        }
+        self.inner.token(request, token, text)
+    }
+    fn finished(
+        &mut self,
+        request: u64,
+        reason: FinishReason,
+        tokens: &[u32],
+    ) -> std::result::Result<(), BoxError> {
+        OutputSink::finished(&mut self.inner, request, reason, tokens)
+    }
+}
+
+/// Serves one request of `max_tokens` and quiesces the engine with `mode` at its 5th token;
+/// `between` runs while it is parked. Returns what finished and the prefill tokens of every
+/// step.
+fn sleep_mid_generation(
+    mode: QuiesceMode,
+    max_tokens: u32,
+    between: impl FnOnce(&Gate, &Collect),
+) -> (Vec<crate::sink::Finished>, Vec<usize>) {
+    use crate::sleep::Quiesce;
+    let (f, out, m) = (Factory::default(), Collect::new(), Metrics::default());
+    let (reached_tx, reached) = std::sync::mpsc::channel();
+    let slot = Arc::new(Mutex::new(None));
+    let sink =
+        Pausing { inner: out.clone(), at: 5, seen: 0, gate: slot.clone(), reached: reached_tx };
+    let ctx = init_parallel_with(mesh::Rendezvous::single(), &InitOptions::default()).unwrap();
+    let opts = EngineOptions { tick: Duration::from_millis(2), ..EngineOptions::default() };
+    let mut l =
+        Leader::new(ctx, Box::new(f.clone()), Box::new(sink), Box::new(m.clone()), opts).unwrap();
+    let gate = l.gate();
+    *slot.lock().unwrap() = Some(gate.clone());
+    let (tx, rx) = std::sync::mpsc::channel();
+    tx.send(req(1, &[1, 2, 3], max_tokens)).unwrap();
+    let engine = std::thread::spawn(move || {
+        let mut decide = |r: &SessionReport| {
+            if r.finished >= 2 {
+                Decision::Stop
+            } else {
+                Decision::KeepOpen
+            }
+        };
+        l.serve(SessionConfig::new("count"), &rx, &mut decide)
+    });
+    reached.recv_timeout(Duration::from_secs(10)).expect("the 5th token never came");
+    gate.quiesce(mode).expect("the engine parks");
+    assert!(gate.is_parked());
+    // A request that arrives while parked waits for the wakeup.
+    tx.send(req(2, &[7], 2)).unwrap();
+    between(&gate, &out);
+    gate.resume();
+    engine.join().unwrap().unwrap();
+    let prefills = m.0.lock().unwrap().iter().map(|s| s.prefill_tokens).collect();
+    (out.finished(), prefills)
+}
+
+#[test]
+fn keep_pauses_a_generation_and_it_continues_identically_after_resume() {
+    let (done, prefills) = sleep_mid_generation(QuiesceMode::Keep, 12, |gate, out| {
+        // Parked: no step runs, nothing finishes, the new request is not admitted.
+        let tokens = out.finished().len();
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(out.finished().len(), tokens);
+        assert!(gate.is_parked());
+    });
+    let one = done.iter().find(|d| d.request == 1).unwrap();
+    assert_eq!(one.reason, FinishReason::Length);
+    assert_eq!(one.tokens, (4..16).collect::<Vec<u32>>(), "same as an uninterrupted run");
+    assert_eq!(done.iter().find(|d| d.request == 2).unwrap().tokens, vec![8, 9]);
+    assert_eq!(prefills.iter().sum::<usize>(), 3 + 1, "the kept cache is not recomputed");
+}
+
+#[test]
+fn a_discarded_kv_cache_is_recomputed_from_the_tokens_after_resume() {
+    use crate::sleep::Quiesce;
+    // The counting model asserts that positions continue its cache: after the recompute the
+    // sequence starts again at 0 under a new id, and the output is unchanged.
+    let (done, prefills) = sleep_mid_generation(QuiesceMode::Keep, 12, |gate, _| {
+        gate.set_lossy(["kv_cache".to_string()]);
+        gate.released(&["kv_cache".to_string()]);
+    });
+    let one = done.iter().find(|d| d.request == 1).unwrap();
+    assert_eq!(one.tokens, (4..16).collect::<Vec<u32>>());
+    // The prompt (3) and the 4 generated tokens before the last are prefilled again, in one
+    // step with the prompt (1) of the request that waited.
+    assert!(prefills.contains(&(3 + 4 + 1)), "{prefills:?}");
+}
+
+#[test]
+fn abort_fails_the_running_request_and_wait_lets_it_finish() {
+    let (done, _) = sleep_mid_generation(QuiesceMode::Abort, 12, |_, out| {
+        let f = out.finished();
+        assert_eq!(f.len(), 1, "the running request ended before the sleep: {f:?}");
+        assert_eq!(f[0].reason, FinishReason::Aborted);
+    });
+    assert_eq!(done.iter().find(|d| d.request == 1).unwrap().tokens, vec![4, 5, 6, 7, 8]);
+
+    let (done, _) = sleep_mid_generation(QuiesceMode::Wait, 12, |_, out| {
+        let f = out.finished();
+        assert_eq!(f.len(), 1, "quiesce(wait) returns once the running request finished");
+        assert_eq!(f[0].tokens, (4..16).collect::<Vec<u32>>());
+    });
+    assert_eq!(done.len(), 2);
+}
+
+#[test]
+fn a_worker_gate_closes_between_steps_and_refuses_a_step_while_closed() {
+    use crate::sleep::Quiesce;
+    let gate = Arc::new(Gate::new(false, Duration::from_secs(5)));
+    gate.enter_step().unwrap();
+    let g = gate.clone();
+    let quiescer = std::thread::spawn(move || g.quiesce(QuiesceMode::Wait));
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(!gate.is_parked(), "a running step is never cut");
+    gate.leave_step();
+    quiescer.join().unwrap().unwrap();
+    assert!(gate.is_parked());
+    assert!(gate.enter_step().unwrap_err().contains("quiesced"));
+    gate.resume();
+    gate.enter_step().unwrap();
+
+    let slow = Gate::new(false, Duration::from_millis(30));
+    slow.enter_step().unwrap();
+    let err = slow.quiesce(QuiesceMode::Wait).unwrap_err();
+    assert!(err.contains("step boundary"), "{err}");
+    assert!(!slow.is_parked());
+}

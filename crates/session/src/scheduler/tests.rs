@@ -98,3 +98,30 @@ fn logits_rows_must_match_the_sampled_entries() {
     let p = s.plan(0, 1).unwrap();
     assert!(s.apply(&p, &[]).unwrap_err().contains("0 logits rows for 1"));
 }
+
+#[test]
+fn a_recomputed_sequence_prefills_its_tokens_again_and_decodes_on() {
+    let mut s = Scheduler::new(64, 8, 64, None);
+    s.add(req(1, 3, 10), None, 0).unwrap();
+    let mut step = 0;
+    let mut next = |s: &mut Scheduler, token: usize| {
+        step += 1;
+        let plan = s.plan(0, step).unwrap();
+        s.apply(&plan, &pick(&plan, token)).unwrap();
+        plan
+    };
+    next(&mut s, 5);
+    next(&mut s, 6);
+    let decode = next(&mut s, 7);
+    assert_eq!(decode.entries[0].start, 4);
+    s.recompute_all();
+    let plan = next(&mut s, 0);
+    assert_eq!(plan.released, vec![1], "the old cache is dropped");
+    let e = &plan.entries[0];
+    assert_ne!(e.seq, 1);
+    assert_eq!((e.start, e.tokens.len(), e.sample), (0, 5, false), "prompt + 2 generated");
+    assert_eq!(&e.tokens[3..], &[5, 6]);
+    let plan = next(&mut s, 2);
+    let e = &plan.entries[0];
+    assert_eq!((e.start, e.tokens.clone(), e.sample), (5, vec![7], true));
+}

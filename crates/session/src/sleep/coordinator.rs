@@ -467,7 +467,12 @@ impl Coordinator {
             Ok(()) => execute(0, &*self.memory, action, tags),
         };
         let local = match local {
-            Ok(r) => r,
+            Ok(r) => {
+                if action == Action::Sleep {
+                    self.engine.released(tags);
+                }
+                r
+            }
             Err((status, message)) => {
                 failures.push(RankFailure { rank: 0, phase: Phase::Commit, message });
                 self.abort(op_id, &prepared, &mut failures);

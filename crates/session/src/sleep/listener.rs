@@ -202,6 +202,9 @@ impl Peer {
         }
         match execute(self.rank, &*self.memory, action, &prepared.tags) {
             Ok(r) => {
+                if action == Action::Sleep {
+                    self.engine.released(&prepared.tags);
+                }
                 self.apply(action, &prepared.tags);
                 self.committed = Some((msg.op_id, action, prepared.tags.clone()));
                 self.resume_if_awake();

@@ -27,6 +27,12 @@ pub trait Quiesce: Send + Sync {
     /// Why the engine cannot be quiesced; the operation is then aborted with nothing changed.
     fn quiesce(&self, mode: QuiesceMode) -> Result<(), String>;
 
+    /// Told after this rank released the memory of `tags` (while quiesced), so the engine
+    /// knows which state a wakeup may not bring back (a discarded KV cache).
+    fn released(&self, tags: &[String]) {
+        let _ = tags;
+    }
+
     /// Lets the engine run again (after a wakeup, or after an aborted sleep).
     fn resume(&self);
 }
