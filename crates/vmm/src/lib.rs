@@ -38,6 +38,7 @@ mod manager;
 mod policy;
 mod probe;
 mod receipt;
+mod region;
 mod spill;
 mod tag;
 
@@ -49,6 +50,7 @@ pub use manager::{
 pub use policy::{Policy, Source, Store};
 pub use probe::{DeviceMemory, DeviceUsage, ProcessMemory};
 pub use receipt::{Op, Receipt};
+pub use region::{Region, Regions};
 pub use spill::default_spill_dir;
 pub use tag::Tag;
 
