@@ -31,6 +31,23 @@ pub trait Arena {
     fn alloc(&self, bytes: usize) -> Result<Box<dyn ExternalMemory>>;
 }
 
+/// `bytes` bytes from `arena`, checked to be exactly that many (alignment is checked where
+/// the region is viewed as elements, by [`crate::Storage::external`]).
+///
+/// # Errors
+/// [`Error::Arena`] when the arena fails or returns a region of another size.
+pub(crate) fn alloc_exact(arena: &dyn Arena, bytes: usize) -> Result<Box<dyn ExternalMemory>> {
+    let mem = arena.alloc(bytes)?;
+    let got = mem.bytes().len();
+    if got != bytes {
+        return Err(Error::Arena {
+            bytes,
+            source: format!("the arena returned a region of {got} bytes").into(),
+        });
+    }
+    Ok(mem)
+}
+
 /// An [`Arena`] on the heap: every region is its own zeroed allocation.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct HeapArena;

@@ -6,7 +6,7 @@
 //! and restored, without changing any code that only reads or writes the numbers.
 
 use crate::error::{Error, Result};
-use crate::memory::{Arena, WeightBuffers};
+use crate::memory::{alloc_exact, Arena, WeightBuffers};
 
 /// The element type a tensor was stored as. Compute tensors are always [`DType::F32`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -91,14 +91,7 @@ impl<T: bytemuck::Pod> Storage<T> {
         if src.is_empty() {
             return Ok(Storage::Owned(Vec::new()));
         }
-        let mut mem = arena.alloc(src.len())?;
-        let got = mem.bytes().len();
-        if got != src.len() {
-            return Err(Error::Arena {
-                bytes: src.len(),
-                source: format!("the arena returned a region of {got} bytes").into(),
-            });
-        }
+        let mut mem = alloc_exact(arena, src.len())?;
         mem.bytes_mut().copy_from_slice(src);
         Storage::external(mem)
     }
