@@ -397,7 +397,7 @@ mod tests {
         assert!(matches!(copy.storage(), Storage::Owned(_)));
         assert_eq!(copy, t);
         assert_eq!(t.into_vec(), vec![0.0, 0.0, 0.0, 0.0, 2.5, 0.0]);
-        let err = Storage::external(Box::new(Words(vec![0; 6], 1))).unwrap_err();
+        let err = Storage::<f32>::external(Box::new(Words(vec![0; 6], 1))).unwrap_err();
         assert!(err.to_string().contains("23 bytes cannot hold f32 values"), "{err}");
         let err = Tensor::from_storage(&[4], Storage::Owned(vec![0.0; 3])).unwrap_err();
         assert!(err.to_string().contains("needs 4 elements, storage has 3"), "{err}");
