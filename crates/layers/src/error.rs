@@ -117,6 +117,15 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// Arena memory for weights or a KV cache could not be provided (see [`crate::Arena`]).
+    #[error("arena allocation of {bytes} bytes: {source}")]
+    Arena {
+        /// The bytes asked for.
+        bytes: usize,
+        /// Why the arena could not provide them.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// The requested backend is not compiled into this build.
     #[error("backend not compiled in: rebuild with feature `{feature}`")]
     NotCompiledWith {

@@ -1,6 +1,7 @@
 //! Tensors, CPU kernels, the GGUF loader, the tokenizer and the single-rank Llama model.
 //!
-//! Layout: [`tensor`] (the `Tensor` type and its storage), [`kernels`] (the `Backend` seam and
+//! Layout: [`tensor`] (the `Tensor` type and its storage), [`memory`] (arenas that weights and
+//! KV caches can live in instead of the heap), [`kernels`] (the `Backend` seam and
 //! the CPU kernels), [`gguf`] (reader and writer), [`safetensors`] (Hugging Face checkpoints),
 //! [`config`] (model hyper-parameters), [`tokenizer`] (byte-level BPE and chat template),
 //! [`model`] (the Llama decoder, its shardable attention/MLP blocks, KV cache and greedy
@@ -25,6 +26,7 @@ pub mod config;
 pub mod error;
 pub mod gguf;
 pub mod kernels;
+pub mod memory;
 mod mmap;
 pub mod model;
 pub mod parallel;
@@ -36,6 +38,7 @@ pub mod tokenizer;
 
 pub use config::LlamaConfig;
 pub use error::{Error, Result};
+pub use memory::{Arena, HeapArena};
 pub use model::{KvCache, Logits, Model};
 pub use tensor::{DType, Device, ExternalMemory, Storage, Tensor};
 pub use tokenizer::{ChatMessage, Tokenizer};

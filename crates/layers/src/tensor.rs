@@ -1,11 +1,12 @@
 //! `Tensor`: a contiguous, row-major block of numbers with a shape, a dtype tag and a device.
 //!
 //! Compute is f32 on the CPU; F16/BF16 (and the GGUF block formats) are storage formats that
-//! loaders convert to f32. The storage is an enum so that a later variant can place the data
-//! inside a `vmm` allocation (tagged memory that can be released and restored) without
-//! changing any code that only reads or writes the numbers.
+//! loaders convert to f32. The storage ([`Storage`], also used for quantized matrices and KV
+//! caches) is a heap vector or external memory, such as a `vmm` allocation that can be released
+//! and restored, without changing any code that only reads or writes the numbers.
 
 use crate::error::{Error, Result};
+use crate::memory::{alloc_exact, Arena, WeightBuffers};
 
 /// The element type a tensor was stored as. Compute tensors are always [`DType::F32`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -33,8 +34,10 @@ pub enum Device {
 /// Memory that someone else owns and a tensor can live in, such as a `vmm` allocation whose
 /// pages can be released and restored while the tensor object stays put.
 ///
-/// Implementations return the same region on every call; its address must be 4-byte aligned
-/// and its length a multiple of 4 (checked by [`Storage::external`]).
+/// Implementations return the same region on every call; its address must be aligned for the
+/// element type viewed through it and its length a whole number of elements (checked by
+/// [`Storage::external`]). Memory from an [`crate::Arena`] is aligned to 64 bytes, enough for
+/// every element type.
 pub trait ExternalMemory: Send + Sync + std::fmt::Debug {
     /// The bytes.
     fn bytes(&self) -> &[u8];
@@ -42,34 +45,59 @@ pub trait ExternalMemory: Send + Sync + std::fmt::Debug {
     fn bytes_mut(&mut self) -> &mut [u8];
 }
 
-/// The memory behind a tensor: a heap vector, or external memory viewed as `f32`. Callers use
-/// [`Storage::as_slice`] and [`Storage::as_mut_slice`] and never match on the variant.
+/// The memory behind a tensor, a quantized matrix or a KV cache: a heap vector, or external
+/// memory viewed as elements of `T`. Callers use [`Storage::as_slice`] and
+/// [`Storage::as_mut_slice`] and never match on the variant.
+///
+/// Build the external variant with [`Storage::external`] (or [`Storage::copy_to`]), which
+/// check the alignment and size: a region built directly that does not hold whole, aligned
+/// elements makes the accessors panic.
 #[derive(Debug)]
 #[non_exhaustive]
-pub enum Storage {
-    /// A heap vector owned by the tensor.
-    Owned(Vec<f32>),
+pub enum Storage<T: bytemuck::Pod = f32> {
+    /// A heap vector owned by the storage.
+    Owned(Vec<T>),
     /// Memory owned elsewhere (see [`ExternalMemory`]).
     External(Box<dyn ExternalMemory>),
 }
 
-impl Storage {
+impl<T: bytemuck::Pod> Storage<T> {
     /// Wraps external memory.
     ///
     /// # Errors
-    /// [`Error::Shape`] when the region is not 4-byte aligned or not a whole number of `f32`s.
+    /// [`Error::Shape`] when the region is not aligned for `T` or not a whole number of `T`s.
     pub fn external(mem: Box<dyn ExternalMemory>) -> Result<Self> {
-        bytemuck::try_cast_slice::<u8, f32>(mem.bytes()).map_err(|e| {
+        bytemuck::try_cast_slice::<u8, T>(mem.bytes()).map_err(|e| {
             Error::shape(
                 "Storage::external",
-                format!("{} bytes cannot hold f32 values: {e:?}", mem.bytes().len()),
+                format!(
+                    "{} bytes cannot hold {} values: {e:?}",
+                    mem.bytes().len(),
+                    std::any::type_name::<T>()
+                ),
             )
         })?;
         Ok(Storage::External(mem))
     }
 
+    /// A copy of the elements in memory from `arena` (one allocation of exactly their bytes),
+    /// or an empty owned vector, without allocating, when there are none.
+    ///
+    /// # Errors
+    /// [`Error::Arena`] when the arena fails or returns a region of another size, and
+    /// [`Error::Shape`] when the region is not aligned for `T`.
+    pub fn copy_to(&self, arena: &dyn Arena) -> Result<Self> {
+        let src = self.bytes();
+        if src.is_empty() {
+            return Ok(Storage::Owned(Vec::new()));
+        }
+        let mut mem = alloc_exact(arena, src.len())?;
+        mem.bytes_mut().copy_from_slice(src);
+        Storage::external(mem)
+    }
+
     /// The elements.
-    pub fn as_slice(&self) -> &[f32] {
+    pub fn as_slice(&self) -> &[T] {
         match self {
             Storage::Owned(v) => v,
             Storage::External(m) => bytemuck::cast_slice(m.bytes()),
@@ -77,11 +105,16 @@ impl Storage {
     }
 
     /// The elements, mutably.
-    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
         match self {
             Storage::Owned(v) => v,
             Storage::External(m) => bytemuck::cast_slice_mut(m.bytes_mut()),
         }
+    }
+
+    /// The elements as bytes.
+    pub fn bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(self.as_slice())
     }
 
     /// Number of elements.
@@ -93,18 +126,37 @@ impl Storage {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Whether the elements live in external memory.
+    pub fn is_external(&self) -> bool {
+        matches!(self, Storage::External(_))
+    }
 }
 
 /// Cloning copies the elements into an owned vector (external memory is not shared).
-impl Clone for Storage {
+impl<T: bytemuck::Pod> Clone for Storage<T> {
     fn clone(&self) -> Self {
         Storage::Owned(self.as_slice().to_vec())
     }
 }
 
-impl PartialEq for Storage {
+impl<T: bytemuck::Pod + PartialEq> PartialEq for Storage<T> {
     fn eq(&self, other: &Self) -> bool {
         self.as_slice() == other.as_slice()
+    }
+}
+
+/// A storage is one weight buffer (left out when empty).
+impl<T: bytemuck::Pod> WeightBuffers for Storage<T> {
+    fn buffers<'a>(&'a self, out: &mut Vec<&'a [u8]>) {
+        if !self.is_empty() {
+            out.push(self.bytes());
+        }
+    }
+
+    fn move_to(&mut self, arena: &dyn Arena) -> Result<()> {
+        *self = self.copy_to(arena)?;
+        Ok(())
     }
 }
 
@@ -156,6 +208,19 @@ impl Tensor {
     /// The storage.
     pub fn storage(&self) -> &Storage {
         &self.storage
+    }
+
+    /// A copy with the elements in memory from `arena` (see [`Storage::copy_to`]).
+    ///
+    /// # Errors
+    /// As [`Storage::copy_to`].
+    pub fn copy_to(&self, arena: &dyn Arena) -> Result<Tensor> {
+        Ok(Tensor {
+            shape: self.shape.clone(),
+            dtype: self.dtype,
+            device: self.device,
+            storage: self.storage.copy_to(arena)?,
+        })
     }
 
     /// A tensor of zeros.
@@ -282,6 +347,17 @@ impl Tensor {
     }
 }
 
+/// A tensor is the one buffer of its storage.
+impl WeightBuffers for Tensor {
+    fn buffers<'a>(&'a self, out: &mut Vec<&'a [u8]>) {
+        self.storage.buffers(out);
+    }
+
+    fn move_to(&mut self, arena: &dyn Arena) -> Result<()> {
+        self.storage.move_to(arena)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -321,7 +397,7 @@ mod tests {
         assert!(matches!(copy.storage(), Storage::Owned(_)));
         assert_eq!(copy, t);
         assert_eq!(t.into_vec(), vec![0.0, 0.0, 0.0, 0.0, 2.5, 0.0]);
-        let err = Storage::external(Box::new(Words(vec![0; 6], 1))).unwrap_err();
+        let err = Storage::<f32>::external(Box::new(Words(vec![0; 6], 1))).unwrap_err();
         assert!(err.to_string().contains("23 bytes cannot hold f32 values"), "{err}");
         let err = Tensor::from_storage(&[4], Storage::Owned(vec![0.0; 3])).unwrap_err();
         assert!(err.to_string().contains("needs 4 elements, storage has 3"), "{err}");

@@ -14,6 +14,7 @@ pub use cpu::qmatrix::QMatrix;
 use cpu::CpuBackend;
 
 use crate::error::{Error, Result};
+use crate::memory::{Arena, WeightBuffers};
 use crate::tensor::{Device, Tensor};
 
 /// A weight matrix `[out_features, in_features]` as a linear layer stores it.
@@ -72,6 +73,19 @@ impl Weight {
         }
     }
 
+    /// A copy with every buffer in memory from `arena`, allocated in the order the crate's
+    /// weight listings use: the data of an f32 matrix; the scales, minimums (4-bit only) and
+    /// quants of a quantized one.
+    ///
+    /// # Errors
+    /// As [`crate::Storage::copy_to`].
+    pub fn copy_to(&self, arena: &dyn Arena) -> Result<Weight> {
+        Ok(match self {
+            Weight::F32(t) => Weight::F32(t.copy_to(arena)?),
+            Weight::Quant(q) => Weight::Quant(q.copy_to(arena)?),
+        })
+    }
+
     /// Row `r` (one output feature's weights; a token's embedding) as f32.
     pub fn row_f32(&self, r: usize) -> Vec<f32> {
         match self {
@@ -82,6 +96,20 @@ impl Weight {
                 out
             }
         }
+    }
+}
+
+impl WeightBuffers for Weight {
+    fn buffers<'a>(&'a self, out: &mut Vec<&'a [u8]>) {
+        match self {
+            Weight::F32(t) => t.buffers(out),
+            Weight::Quant(q) => q.buffers(out),
+        }
+    }
+
+    fn move_to(&mut self, arena: &dyn Arena) -> Result<()> {
+        *self = self.copy_to(arena)?;
+        Ok(())
     }
 }
 

@@ -9,6 +9,7 @@ use crate::gguf::GgmlType;
 use crate::gguf::GgufFile;
 use crate::kernels::cpu::quant::BLOCK;
 use crate::kernels::{Backend, QMatrix, Weight};
+use crate::memory::{Arena, WeightBuffers};
 use crate::tensor::Tensor;
 use std::ops::Range;
 
@@ -230,6 +231,16 @@ impl Linear {
     /// [`Error::Shape`] when the input width differs from `in_features`.
     pub fn forward(&self, be: &Backend, x: &Tensor) -> Result<Tensor> {
         be.linear(x, &self.weight)
+    }
+}
+
+impl WeightBuffers for Linear {
+    fn buffers<'a>(&'a self, out: &mut Vec<&'a [u8]>) {
+        self.weight.buffers(out);
+    }
+
+    fn move_to(&mut self, arena: &dyn Arena) -> Result<()> {
+        self.weight.move_to(arena)
     }
 }
 

@@ -29,6 +29,7 @@ use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kernels::{AttnShape, Backend, Weight};
+use crate::memory::{Arena, WeightBuffers};
 use crate::tensor::Tensor;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -307,6 +308,22 @@ impl Attention {
     }
 }
 
+/// The buffers in the order fused Q/K/V projection, its bias (when the model has one), output
+/// projection.
+impl WeightBuffers for Attention {
+    fn buffers<'a>(&'a self, out: &mut Vec<&'a [u8]>) {
+        self.qkv.buffers(out);
+        self.qkv_bias.buffers(out);
+        self.o.buffers(out);
+    }
+
+    fn move_to(&mut self, arena: &dyn Arena) -> Result<()> {
+        self.qkv.move_to(arena)?;
+        self.qkv_bias.move_to(arena)?;
+        self.o.move_to(arena)
+    }
+}
+
 /// The SiLU-gated MLP of one layer over a range of the inner (feed-forward) dimension.
 #[derive(Clone, Debug)]
 pub struct Mlp {
@@ -361,6 +378,19 @@ impl Mlp {
         };
         be.silu_mul(&mut g, &u)?;
         self.down.forward(be, &g)
+    }
+}
+
+/// The buffers in the order fused gate/up projection, down projection.
+impl WeightBuffers for Mlp {
+    fn buffers<'a>(&'a self, out: &mut Vec<&'a [u8]>) {
+        self.gate_up.buffers(out);
+        self.down.buffers(out);
+    }
+
+    fn move_to(&mut self, arena: &dyn Arena) -> Result<()> {
+        self.gate_up.move_to(arena)?;
+        self.down.move_to(arena)
     }
 }
 

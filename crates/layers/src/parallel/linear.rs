@@ -7,10 +7,12 @@
 
 use crate::error::{Error, Result};
 use crate::kernels::{Backend, Weight};
+use crate::memory::{Arena, WeightBuffers};
 use crate::model::{Linear, Shard, WeightForm, WeightSource};
 use crate::tensor::Tensor;
 use collectives::{Collective, Communicator, ReduceOp};
 use std::ops::Range;
+use std::sync::Arc;
 
 /// Ranges of `total` split over `parts`, each boundary a multiple of `align` where possible
 /// (remainder blocks to the low ranks), so quantized blocks are never cut.
@@ -187,10 +189,11 @@ impl RowParallelLinear {
 }
 
 /// The token embedding with the vocabulary split over the TP group: each rank looks up the
-/// ids in its range (zeros elsewhere) and an all-reduce completes every row.
+/// ids in its range (zeros elsewhere) and an all-reduce completes every row. A tied LM head
+/// shares the table ([`ParallelLmHead::tied`]).
 #[derive(Clone, Debug)]
 pub struct VocabParallelEmbedding {
-    table: Weight,
+    table: Arc<Weight>,
     vocab: Range<usize>,
     total: usize,
 }
@@ -208,7 +211,7 @@ impl VocabParallelEmbedding {
     ) -> Result<Self> {
         let total = src.shape(name)?.first().copied().unwrap_or(0);
         let table = Linear::load(src, name, &Shard::Rows(vocab.clone()), form)?.weight().clone();
-        Ok(VocabParallelEmbedding { table, vocab, total })
+        Ok(VocabParallelEmbedding { table: Arc::new(table), vocab, total })
     }
 
     /// Embeddings of `ids`: `[ids.len(), hidden]`, identical on every TP rank.
@@ -239,10 +242,24 @@ impl VocabParallelEmbedding {
     }
 }
 
+/// The one buffer group of the table. Moving replaces the shared table, so a head tied to it
+/// keeps the heap copy until it is tied again ([`ParallelLmHead::tie_to`]).
+impl WeightBuffers for VocabParallelEmbedding {
+    fn buffers<'a>(&'a self, out: &mut Vec<&'a [u8]>) {
+        self.table.buffers(out);
+    }
+
+    fn move_to(&mut self, arena: &dyn Arena) -> Result<()> {
+        self.table = Arc::new(self.table.copy_to(arena)?);
+        Ok(())
+    }
+}
+
 /// The LM head with the vocabulary split over the TP group.
 #[derive(Clone, Debug)]
 pub struct ParallelLmHead {
-    weight: Weight,
+    /// Shared with the embedding when the head is tied to it.
+    weight: Arc<Weight>,
     ranges: Vec<Range<usize>>,
     rank: usize,
 }
@@ -250,7 +267,28 @@ pub struct ParallelLmHead {
 impl ParallelLmHead {
     /// A head over this rank's vocabulary rows `ranges[rank]` of `weight`.
     pub fn new(weight: Weight, ranges: Vec<Range<usize>>, rank: usize) -> Self {
-        ParallelLmHead { weight, ranges, rank }
+        ParallelLmHead { weight: Arc::new(weight), ranges, rank }
+    }
+
+    /// A head tied to the embedding: it shares `embed`'s table (one copy in memory) over
+    /// the vocabulary rows `ranges[rank]` the table holds.
+    pub fn tied(embed: &VocabParallelEmbedding, ranges: Vec<Range<usize>>, rank: usize) -> Self {
+        ParallelLmHead { weight: Arc::clone(&embed.table), ranges, rank }
+    }
+
+    /// Whether this head shares `embed`'s table.
+    pub fn is_tied_to(&self, embed: &VocabParallelEmbedding) -> bool {
+        Arc::ptr_eq(&self.weight, &embed.table)
+    }
+
+    /// Shares `embed`'s table again after it moved (see [`WeightBuffers::move_to`]).
+    pub(crate) fn tie_to(&mut self, embed: &VocabParallelEmbedding) {
+        self.weight = Arc::clone(&embed.table);
+    }
+
+    /// The weight: this rank's vocabulary rows.
+    pub fn weight(&self) -> &Weight {
+        &self.weight
     }
 
     /// Full logits `[n, vocab]` on every TP rank (local logits gathered over TP).
@@ -299,6 +337,17 @@ impl ParallelLmHead {
                 pick.1.max(0) as u32
             })
             .collect())
+    }
+}
+
+impl WeightBuffers for ParallelLmHead {
+    fn buffers<'a>(&'a self, out: &mut Vec<&'a [u8]>) {
+        self.weight.buffers(out);
+    }
+
+    fn move_to(&mut self, arena: &dyn Arena) -> Result<()> {
+        self.weight = Arc::new(self.weight.copy_to(arena)?);
+        Ok(())
     }
 }
 

@@ -40,11 +40,12 @@ use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kernels::cpu::attention::merge_partial;
 use crate::kernels::{AttnShape, Backend};
+use crate::memory::{alloc_exact, padded, Arena, WeightBuffers};
 use crate::model::{
     load_vector, Attention, KvCache, LayerCache, Linear, Logits, Mlp, Shard, WeightForm,
     WeightSource,
 };
-use crate::tensor::Tensor;
+use crate::tensor::{Storage, Tensor};
 use collectives::{Collective, Communicator};
 use mesh::TokenShard;
 use std::ops::Range;
@@ -309,6 +310,24 @@ struct ParallelBlock {
     mlp: Mlp,
 }
 
+/// The buffers in the order attention norm, attention (see [`Attention`]'s order), MLP norm,
+/// MLP.
+impl WeightBuffers for ParallelBlock {
+    fn buffers<'a>(&'a self, out: &mut Vec<&'a [u8]>) {
+        self.attn_norm.buffers(out);
+        self.attn.attn.buffers(out);
+        self.ffn_norm.buffers(out);
+        self.mlp.buffers(out);
+    }
+
+    fn move_to(&mut self, arena: &dyn Arena) -> Result<()> {
+        self.attn_norm.move_to(arena)?;
+        self.attn.attn.move_to(arena)?;
+        self.ffn_norm.move_to(arena)?;
+        self.mlp.move_to(arena)
+    }
+}
+
 /// A sequence's KV cache on one rank: its shard of the keys and values, and how many tokens
 /// every CP rank holds (the same bookkeeping on every rank).
 #[derive(Debug)]
@@ -411,14 +430,13 @@ impl ParallelModel {
             });
         }
         let norm = load_vector(src, "output_norm.weight", config.hidden)?;
-        let head_weight = if config.tied_embeddings {
-            embed.table().clone()
+        let lm_head = if config.tied_embeddings {
+            ParallelLmHead::tied(&embed, vocab, tp_rank)
         } else {
-            Linear::load(src, "output.weight", &Shard::Rows(vocab[tp_rank].clone()), form)?
-                .weight()
-                .clone()
+            let rows = Shard::Rows(vocab[tp_rank].clone());
+            let weight = Linear::load(src, "output.weight", &rows, form)?.weight().clone();
+            ParallelLmHead::new(weight, vocab, tp_rank)
         };
-        let lm_head = ParallelLmHead::new(head_weight, vocab, tp_rank);
         Ok(ParallelModel { config, backend, placement, embed, blocks, norm, lm_head })
     }
 
@@ -432,14 +450,113 @@ impl ParallelModel {
         self.placement
     }
 
+    /// The bytes of every weight buffer this rank holds, in the order
+    /// [`ParallelModel::move_weights_to`] allocates them:
+    /// 1. the embedding table (this rank's vocabulary rows);
+    /// 2. for each layer: the attention norm, the fused Q/K/V projection, the Q/K/V bias (when
+    ///    the model has one), the output projection, the MLP norm, the fused gate/up
+    ///    projection and the down projection;
+    /// 3. the final norm;
+    /// 4. the LM head, unless it is tied to the embedding (the shared table is listed once).
+    ///
+    /// A matrix is one buffer of f32 values, or, quantized, its scales, its minimums (4-bit
+    /// formats only) and its quants. Empty buffers are left out.
+    pub fn weight_buffers(&self) -> Vec<&[u8]> {
+        let mut out = Vec::new();
+        self.embed.buffers(&mut out);
+        for b in &self.blocks {
+            b.buffers(&mut out);
+        }
+        self.norm.buffers(&mut out);
+        if !self.lm_head.is_tied_to(&self.embed) {
+            self.lm_head.buffers(&mut out);
+        }
+        out
+    }
+
+    /// The arena bytes [`ParallelModel::move_weights_to`] needs when its allocations are carved
+    /// out of one region: each of [`ParallelModel::weight_buffers`] rounded up to
+    /// [`crate::memory::ALIGN`], summed.
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_buffers().iter().map(|b| padded(b.len())).sum()
+    }
+
+    /// Moves every weight buffer into memory from `arena`: one allocation per buffer, of
+    /// exactly its length, in the order of [`ParallelModel::weight_buffers`]. The values are
+    /// copied bit for bit and the heap copies are freed; a tied LM head keeps sharing the
+    /// embedding table.
+    ///
+    /// # Errors
+    /// [`Error::Arena`] when an allocation fails or has the wrong size, [`Error::Shape`] when
+    /// one is misaligned. The buffers moved until then stay in the arena and the rest on the
+    /// heap: the model computes the same either way.
+    pub fn move_weights_to(&mut self, arena: &dyn Arena) -> Result<()> {
+        let tied = self.lm_head.is_tied_to(&self.embed);
+        self.embed.move_to(arena)?;
+        if tied {
+            self.lm_head.tie_to(&self.embed);
+        }
+        for b in &mut self.blocks {
+            b.move_to(arena)?;
+        }
+        self.norm.move_to(arena)?;
+        if !tied {
+            self.lm_head.move_to(arena)?;
+        }
+        Ok(())
+    }
+
+    /// KV heads this rank holds (its cache rows are this many heads wide).
+    fn local_kv_heads(&self) -> usize {
+        kv_head_range(&self.config, self.placement.tp_rank, self.placement.tp)
+            .map_or(self.config.n_kv_heads, |r| r.len())
+    }
+
+    /// Bytes of one layer's key (or value) buffer for `capacity` tokens.
+    fn cache_buffer_bytes(&self, capacity: usize) -> usize {
+        capacity * self.local_kv_heads() * self.config.head_dim * std::mem::size_of::<f32>()
+    }
+
     /// An empty cache for one sequence; `capacity` tokens on this rank.
     pub fn new_cache(&self, capacity: usize) -> ParallelCache {
-        let kv = kv_head_range(&self.config, self.placement.tp_rank, self.placement.tp)
-            .map_or(self.config.n_kv_heads, |r| r.len());
         ParallelCache {
-            local: KvCache::new(self.config.n_layers, kv, self.config.head_dim, capacity),
+            local: KvCache::new(
+                self.config.n_layers,
+                self.local_kv_heads(),
+                self.config.head_dim,
+                capacity,
+            ),
             cp_lens: vec![0; self.placement.cp],
         }
+    }
+
+    /// The arena bytes [`ParallelModel::new_cache_in`] needs for `capacity` tokens when its
+    /// allocations are carved out of one region: every layer's key and value buffer rounded up
+    /// to [`crate::memory::ALIGN`], summed.
+    pub fn cache_bytes(&self, capacity: usize) -> usize {
+        2 * self.config.n_layers * padded(self.cache_buffer_bytes(capacity))
+    }
+
+    /// An empty cache for one sequence, `capacity` tokens on this rank, whose keys and values
+    /// live in memory from `arena`: two allocations per layer, in the order layer 0 keys,
+    /// layer 0 values, layer 1 keys, ... (see [`ParallelModel::cache_bytes`]).
+    ///
+    /// # Errors
+    /// [`Error::Arena`] when an allocation fails or has the wrong size, [`Error::Shape`] when
+    /// one is misaligned.
+    pub fn new_cache_in(&self, capacity: usize, arena: &dyn Arena) -> Result<ParallelCache> {
+        let (kv, bytes) = (self.local_kv_heads(), self.cache_buffer_bytes(capacity));
+        let buffer = || Storage::external(alloc_exact(arena, bytes)?);
+        let layers = (0..self.config.n_layers)
+            .map(|_| {
+                let k = buffer()?;
+                LayerCache::with_storage(k, buffer()?, kv, self.config.head_dim)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ParallelCache {
+            local: KvCache::from_layers(layers),
+            cp_lens: vec![0; self.placement.cp],
+        })
     }
 
     fn plan(&self, cache: &ParallelCache, n: usize) -> Result<Plan> {

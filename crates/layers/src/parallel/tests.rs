@@ -1,8 +1,10 @@
 //! The parallel modules against their serial definitions, on thread meshes (`local` groups):
 //! each layer alone, the sequence collect and its adjoint, and the whole model in several
-//! `tp × cp` layouts against the single-rank model (prefill and 16 decode steps).
+//! `tp × cp` layouts against the single-rank model (prefill and 16 decode steps), and the
+//! model with its weights and caches in arena memory against the same model on the heap.
 
 use super::*;
+use crate::memory::Arena;
 use crate::model::random::RandomLlama;
 use crate::model::Model;
 use crate::test_util::{random_vec, temp_path};
@@ -464,4 +466,154 @@ fn real_model_greedy_text_is_the_same_in_every_layout_when_cached() {
     }
     let text = tokenizer.decode(&single[0], true).unwrap();
     assert!(text.contains("Paris"), "{text:?}");
+}
+
+/// A heap arena that records every allocation: its size and the address it starts at.
+#[derive(Default)]
+struct CountingArena {
+    allocs: std::sync::Mutex<Vec<(usize, usize)>>,
+}
+
+impl CountingArena {
+    fn allocs(&self) -> Vec<(usize, usize)> {
+        self.allocs.lock().unwrap().clone()
+    }
+}
+
+impl Arena for CountingArena {
+    fn alloc(&self, bytes: usize) -> Result<Box<dyn crate::ExternalMemory>> {
+        let mem = crate::HeapArena.alloc(bytes)?;
+        self.allocs.lock().unwrap().push((bytes, mem.bytes().as_ptr() as usize));
+        Ok(mem)
+    }
+}
+
+/// An arena that fails from its `fail_at`-th allocation on.
+struct FailingArena {
+    fail_at: usize,
+    count: std::sync::atomic::AtomicUsize,
+}
+
+impl Arena for FailingArena {
+    fn alloc(&self, bytes: usize) -> Result<Box<dyn crate::ExternalMemory>> {
+        let n = self.count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if n >= self.fail_at {
+            return Err(Error::Arena { bytes, source: "the test arena is full".into() });
+        }
+        crate::HeapArena.alloc(bytes)
+    }
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.data().iter().map(|x| x.to_bits()).collect()
+}
+
+/// Prefill (all rows) and `steps` greedy decode steps of `a` and `b` in lockstep, asserting
+/// bit-identical logits; the tokens are `a`'s choices.
+fn assert_same_logits(
+    comms: &mut Comms<'_>,
+    (a, a_cache): (&ParallelModel, &mut ParallelCache),
+    (b, b_cache): (&ParallelModel, &mut ParallelCache),
+    steps: usize,
+    what: &str,
+) {
+    let vocab = a.config().vocab_size as u32;
+    let mut tokens: Vec<u32> = [3u32, 17, 5, 38, 0, 22, 9].iter().map(|t| t % vocab).collect();
+    for step in 0..=steps {
+        let la = a.forward(comms, &tokens, a_cache, Logits::All).unwrap();
+        let lb = b.forward(comms, &tokens, b_cache, Logits::All).unwrap();
+        assert_eq!(bits(&la), bits(&lb), "{what}: step {step}");
+        let last = Tensor::from_vec(&[1, la.row_len()], la.row(la.rows() - 1).to_vec()).unwrap();
+        tokens = vec![a.backend.argmax_rows(&last)[0] as u32];
+    }
+}
+
+#[test]
+fn weights_and_caches_in_arena_memory_give_bit_identical_logits() {
+    let base = RandomLlama { seed: 46, ..RandomLlama::default() };
+    let specs = [
+        ("f32-tied", RandomLlama { ..base.clone() }),
+        ("f32-untied-bias", RandomLlama { untied_head: true, attn_bias: true, ..base.clone() }),
+        ("q8-tied", RandomLlama { quantized: true, ..base.clone() }),
+        ("q8-untied", RandomLlama { quantized: true, untied_head: true, ..base.clone() }),
+    ];
+    for (name, spec) in specs {
+        let path = write_model(&spec, &format!("arena-{name}.gguf"));
+        for (tp, cp) in [(1, 1), (2, 2)] {
+            let what = format!("{name} ({tp},{cp})");
+            on_mesh(tp, cp, |p, comms| {
+                let what = format!("{what} rank {}/{}", p.tp_rank, p.cp_rank);
+                let heap = ParallelModel::load(&path, p, 1, WeightForm::Native).unwrap();
+                let mut moved = heap.clone();
+                let arena = CountingArena::default();
+                moved.move_weights_to(&arena).unwrap();
+
+                // One allocation per listed buffer, of its exact size, in the listed order,
+                // and the moved model's buffers are those allocations, holding the same bytes.
+                let want = heap.weight_buffers();
+                let allocs = arena.allocs();
+                let sizes: Vec<usize> = want.iter().map(|b| b.len()).collect();
+                assert_eq!(allocs.iter().map(|a| a.0).collect::<Vec<_>>(), sizes, "{what}");
+                let got = moved.weight_buffers();
+                let at: Vec<usize> = got.iter().map(|b| b.as_ptr() as usize).collect();
+                assert_eq!(allocs.iter().map(|a| a.1).collect::<Vec<_>>(), at, "{what}");
+                assert_eq!(got, want, "{what}: moved bytes differ");
+                let padded: usize = sizes.iter().map(|s| s.div_ceil(64) * 64).sum();
+                assert_eq!(moved.weight_bytes(), padded, "{what}");
+                assert_eq!(heap.weight_bytes(), padded, "{what}");
+
+                // Every matrix is one buffer (f32) or two (Q8_0 scales and quants); a tied
+                // head shares the embedding's buffers, which are listed once.
+                let m = if spec.quantized { 2 } else { 1 };
+                let bias = usize::from(spec.attn_bias);
+                let head = if spec.untied_head { m } else { 0 };
+                let per_layer = 2 + 4 * m + bias;
+                assert_eq!(allocs.len(), m + spec.layers * per_layer + 1 + head, "{what}");
+                assert_eq!(moved.lm_head.is_tied_to(&moved.embed), !spec.untied_head, "{what}");
+                let shared = std::ptr::eq(moved.lm_head.weight(), moved.embed.table());
+                assert_eq!(shared, !spec.untied_head, "{what}");
+
+                // The cache: keys then values of each layer, each its exact size.
+                let cache_arena = CountingArena::default();
+                let mut cache_in = moved.new_cache_in(64, &cache_arena).unwrap();
+                let kv = kv_head_range(heap.config(), p.tp_rank, p.tp).unwrap().len();
+                let buffer = 64 * kv * heap.config().head_dim * 4;
+                let cache_allocs = cache_arena.allocs();
+                assert_eq!(cache_allocs.len(), 2 * spec.layers, "{what}");
+                assert!(cache_allocs.iter().all(|a| a.0 == buffer), "{what}");
+                assert_eq!(moved.cache_bytes(64), 2 * spec.layers * buffer.div_ceil(64) * 64);
+                assert_eq!(cache_in.capacity(), 64, "{what}");
+
+                let mut cache = heap.new_cache(64);
+                assert_same_logits(comms, (&heap, &mut cache), (&moved, &mut cache_in), 6, &what);
+                assert_eq!(cache.cp_lens(), cache_in.cp_lens(), "{what}");
+                // Moving to the plain heap arena works the same way.
+                let mut plain = heap.clone();
+                plain.move_weights_to(&crate::HeapArena).unwrap();
+                assert_eq!(plain.weight_buffers(), want, "{what}");
+                let (mut c1, mut c2) = (heap.new_cache(16), plain.new_cache(16));
+                assert_same_logits(comms, (&heap, &mut c1), (&plain, &mut c2), 3, &what);
+            });
+        }
+        std::fs::remove_file(path).unwrap();
+    }
+}
+
+#[test]
+fn a_failing_arena_is_an_error_and_leaves_a_working_model() {
+    let spec = RandomLlama { seed: 47, quantized: true, ..RandomLlama::default() };
+    let path = write_model(&spec, "arena-fail.gguf");
+    on_mesh(1, 1, |p, comms| {
+        let heap = ParallelModel::load(&path, p, 1, WeightForm::Native).unwrap();
+        let mut partly = heap.clone();
+        let arena = FailingArena { fail_at: 5, count: Default::default() };
+        let err = partly.move_weights_to(&arena).unwrap_err();
+        assert!(err.to_string().starts_with("arena allocation of "), "{err}");
+        assert!(err.to_string().ends_with(": the test arena is full"), "{err}");
+        let err = heap.new_cache_in(8, &arena).unwrap_err();
+        assert!(matches!(err, Error::Arena { .. }), "{err}");
+        let (mut c1, mut c2) = (heap.new_cache(32), partly.new_cache(32));
+        assert_same_logits(comms, (&heap, &mut c1), (&partly, &mut c2), 3, "partly moved");
+    });
+    std::fs::remove_file(path).unwrap();
 }

@@ -9,9 +9,12 @@
 //!
 //! Storage is repacked at load: scales (and minimums) as f32 arrays, quants as bytes, all in
 //! row-major block order. Q4_0 is stored as Q4_1 with minimum `-8·d`, so one 4-bit kernel
-//! serves both.
+//! serves both. The three arrays are [`Storage`], so a matrix can live in arena memory.
 
 use super::quant::{BlockFormat, BLOCK};
+use crate::error::Result;
+use crate::memory::{Arena, WeightBuffers};
+use crate::tensor::Storage;
 use half::f16;
 use pulp::{Arch, Simd, WithSimd};
 use rayon::prelude::*;
@@ -35,9 +38,10 @@ pub struct QMatrix {
     bits: QBits,
     rows: usize,
     cols: usize,
-    scales: Vec<f32>,
-    mins: Vec<f32>,
-    qs: Vec<u8>,
+    scales: Storage<f32>,
+    /// Empty for 8-bit weights.
+    mins: Storage<f32>,
+    qs: Storage<u8>,
 }
 
 impl QMatrix {
@@ -83,7 +87,19 @@ impl QMatrix {
                 (QBits::Four, mins, qs)
             }
         };
-        Some(QMatrix { bits, rows, cols, scales, mins, qs })
+        Some(QMatrix::from_parts(bits, rows, cols, scales, mins, qs))
+    }
+
+    fn from_parts(
+        bits: QBits,
+        rows: usize,
+        cols: usize,
+        scales: Vec<f32>,
+        mins: Vec<f32>,
+        qs: Vec<u8>,
+    ) -> Self {
+        let (scales, mins, qs) = (Storage::Owned(scales), Storage::Owned(mins), Storage::Owned(qs));
+        QMatrix { bits, rows, cols, scales, mins, qs }
     }
 
     /// The matrix made of rows `order[0]`, `order[1]`, ... of this one.
@@ -95,21 +111,16 @@ impl QMatrix {
             QBits::Eight => nb * BLOCK,
             QBits::Four => nb * BLOCK / 2,
         };
-        let mut out = QMatrix {
-            rows: order.len(),
-            scales: Vec::new(),
-            mins: Vec::new(),
-            qs: Vec::new(),
-            ..*self
-        };
+        let (scales, mins, qs) = (self.scales.as_slice(), self.mins.as_slice(), self.qs.as_slice());
+        let (mut out_scales, mut out_mins, mut out_qs) = (Vec::new(), Vec::new(), Vec::new());
         for &r in order {
-            out.scales.extend_from_slice(&self.scales[r * nb..(r + 1) * nb]);
+            out_scales.extend_from_slice(&scales[r * nb..(r + 1) * nb]);
             if self.bits == QBits::Four {
-                out.mins.extend_from_slice(&self.mins[r * nb..(r + 1) * nb]);
+                out_mins.extend_from_slice(&mins[r * nb..(r + 1) * nb]);
             }
-            out.qs.extend_from_slice(&self.qs[r * qrow..(r + 1) * qrow]);
+            out_qs.extend_from_slice(&qs[r * qrow..(r + 1) * qrow]);
         }
-        out
+        QMatrix::from_parts(self.bits, order.len(), self.cols, out_scales, out_mins, out_qs)
     }
 
     /// The rows of `parts` stacked in order, or `None` when the parts differ in width or bits.
@@ -118,15 +129,30 @@ impl QMatrix {
         if parts.iter().any(|p| p.cols != first.cols || p.bits != first.bits) {
             return None;
         }
-        let mut out =
-            QMatrix { rows: 0, scales: Vec::new(), mins: Vec::new(), qs: Vec::new(), ..**first };
+        let (mut rows, mut scales, mut mins, mut qs) = (0, Vec::new(), Vec::new(), Vec::new());
         for p in parts {
-            out.rows += p.rows;
-            out.scales.extend_from_slice(&p.scales);
-            out.mins.extend_from_slice(&p.mins);
-            out.qs.extend_from_slice(&p.qs);
+            rows += p.rows;
+            scales.extend_from_slice(p.scales.as_slice());
+            mins.extend_from_slice(p.mins.as_slice());
+            qs.extend_from_slice(p.qs.as_slice());
         }
-        Some(out)
+        Some(QMatrix::from_parts(first.bits, rows, first.cols, scales, mins, qs))
+    }
+
+    /// A copy with the scales, minimums and quants (in this order) in memory from `arena`
+    /// (see [`Storage::copy_to`]).
+    ///
+    /// # Errors
+    /// As [`Storage::copy_to`].
+    pub fn copy_to(&self, arena: &dyn Arena) -> Result<QMatrix> {
+        Ok(QMatrix {
+            bits: self.bits,
+            rows: self.rows,
+            cols: self.cols,
+            scales: self.scales.copy_to(arena)?,
+            mins: self.mins.copy_to(arena)?,
+            qs: self.qs.copy_to(arena)?,
+        })
     }
 
     /// `(rows, cols)`.
@@ -147,18 +173,19 @@ impl QMatrix {
     /// Dequantizes row `r` into `out` (`cols` values).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         let nb = self.cols / BLOCK;
+        let (scales, mins, qs) = (self.scales.as_slice(), self.mins.as_slice(), self.qs.as_slice());
         for (b, o) in out.chunks_exact_mut(BLOCK).enumerate() {
             let bi = r * nb + b;
-            let d = self.scales[bi];
+            let d = scales[bi];
             match self.bits {
                 QBits::Eight => {
-                    for (x, &q) in o.iter_mut().zip(&self.qs[bi * BLOCK..(bi + 1) * BLOCK]) {
+                    for (x, &q) in o.iter_mut().zip(&qs[bi * BLOCK..(bi + 1) * BLOCK]) {
                         *x = d * f32::from(q as i8);
                     }
                 }
                 QBits::Four => {
-                    let m = self.mins[bi];
-                    for (j, &q) in self.qs[bi * 16..(bi + 1) * 16].iter().enumerate() {
+                    let m = mins[bi];
+                    for (j, &q) in qs[bi * 16..(bi + 1) * 16].iter().enumerate() {
                         o[j] = d * f32::from(q & 15) + m;
                         o[j + 16] = d * f32::from(q >> 4) + m;
                     }
@@ -174,6 +201,20 @@ impl QMatrix {
             .enumerate()
             .for_each(|(r, row)| self.dequantize_row(r, row));
         out
+    }
+}
+
+/// The buffers in the order scales, minimums (4-bit weights only), quants.
+impl WeightBuffers for QMatrix {
+    fn buffers<'a>(&'a self, out: &mut Vec<&'a [u8]>) {
+        self.scales.buffers(out);
+        self.mins.buffers(out);
+        self.qs.buffers(out);
+    }
+
+    fn move_to(&mut self, arena: &dyn Arena) -> Result<()> {
+        *self = self.copy_to(arena)?;
+        Ok(())
     }
 }
 
@@ -241,19 +282,20 @@ impl WithSimd for RowsOp<'_> {
     fn with_simd<S: Simd>(self, _simd: S) -> Self::Output {
         let RowsOp { w, x, first_row, out, scratch } = self;
         let (cols, nb) = (w.cols, w.cols / BLOCK);
+        let (w_scales, w_mins, w_qs) = (w.scales.as_slice(), w.mins.as_slice(), w.qs.as_slice());
         scratch.resize(cols, 0);
         let (xq, xs, xsum) = (&x.qs[..cols], &x.scales[..nb], &x.sums[..nb]);
         for (i, o) in out.iter_mut().enumerate() {
             let r = first_row + i;
-            let scales = &w.scales[r * nb..(r + 1) * nb];
+            let scales = &w_scales[r * nb..(r + 1) * nb];
             *o = match w.bits {
                 QBits::Eight => {
-                    let qs: &[i8] = bytemuck_i8(&w.qs[r * cols..(r + 1) * cols]);
+                    let qs: &[i8] = bytemuck_i8(&w_qs[r * cols..(r + 1) * cols]);
                     row_dot(qs, xq, scales, xs)
                 }
                 QBits::Four => {
-                    unpack_nibbles(&w.qs[r * cols / 2..(r + 1) * cols / 2], scratch);
-                    let mins = &w.mins[r * nb..(r + 1) * nb];
+                    unpack_nibbles(&w_qs[r * cols / 2..(r + 1) * cols / 2], scratch);
+                    let mins = &w_mins[r * nb..(r + 1) * nb];
                     let min_term: f32 = mins.iter().zip(xsum).map(|(m, s)| m * s).sum();
                     row_dot(bytemuck_i8(scratch), xq, scales, xs) + min_term
                 }
@@ -357,17 +399,18 @@ impl WithSimd for Avx2Rows<'_> {
         use super::qdot_avx2::{row_dot_q4, row_dot_q8};
         let Avx2Rows { v3, w, x, first_row, out } = self;
         let (cols, nb) = (w.cols, w.cols / BLOCK);
+        let (w_scales, w_mins, w_qs) = (w.scales.as_slice(), w.mins.as_slice(), w.qs.as_slice());
         let xq: &[u8] = bytemuck::cast_slice(&x.qs[..cols]);
         let (xs, xsum) = (&x.scales[..nb], &x.sums[..nb]);
         for (i, o) in out.iter_mut().enumerate() {
             let r = first_row + i;
-            let scales = &w.scales[r * nb..(r + 1) * nb];
+            let scales = &w_scales[r * nb..(r + 1) * nb];
             *o = match w.bits {
-                QBits::Eight => row_dot_q8(v3, &w.qs[r * cols..(r + 1) * cols], xq, scales, xs),
+                QBits::Eight => row_dot_q8(v3, &w_qs[r * cols..(r + 1) * cols], xq, scales, xs),
                 QBits::Four => {
-                    let mins = &w.mins[r * nb..(r + 1) * nb];
+                    let mins = &w_mins[r * nb..(r + 1) * nb];
                     let min_term: f32 = mins.iter().zip(xsum).map(|(m, s)| m * s).sum();
-                    row_dot_q4(v3, &w.qs[r * cols / 2..(r + 1) * cols / 2], xq, scales, xs)
+                    row_dot_q4(v3, &w_qs[r * cols / 2..(r + 1) * cols / 2], xq, scales, xs)
                         + min_term
                 }
             };
@@ -433,6 +476,38 @@ mod tests {
             for (a, b) in portable.iter().zip(&out) {
                 assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{f:?}: {a} vs {b}");
             }
+        }
+    }
+
+    #[test]
+    fn a_matrix_in_arena_memory_multiplies_bit_for_bit_like_the_heap_one() {
+        let (rows, cols) = (40, 96);
+        let w = random_vec(rows * cols, 4);
+        let xq = Q8Vector::quantize(&random_vec(cols, 5));
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        for (f, buffers) in [(BlockFormat::Q8_0, 2), (BlockFormat::Q4_1, 3)] {
+            let heap = QMatrix::from_blocks(f, rows, cols, &quantize(f, &w)).unwrap();
+            let mut moved = heap.clone();
+            moved.move_to(&crate::HeapArena).unwrap();
+            let (mut before, mut after) = (Vec::new(), Vec::new());
+            heap.buffers(&mut before);
+            moved.buffers(&mut after);
+            // Scales, minimums (4-bit only), quants: same bytes, now in aligned arena memory.
+            assert_eq!(after.len(), buffers, "{f:?}");
+            assert_eq!(after, before, "{f:?}");
+            assert_eq!(before[0].len(), 4 * rows * cols / BLOCK);
+            assert!([&moved.scales, &moved.mins].iter().all(|s| s.is_external() || s.is_empty()));
+            assert!(moved.qs.is_external());
+            assert!(after.iter().all(|b| b.as_ptr() as usize % crate::memory::ALIGN == 0));
+            assert_eq!(moved.nbytes(), heap.nbytes());
+            for avx2 in [true, false] {
+                let (mut a, mut b) = (vec![0.0; rows], vec![0.0; rows]);
+                pool.install(|| qmatvec_with(&heap, &xq, &mut a, avx2));
+                pool.install(|| qmatvec_with(&moved, &xq, &mut b, avx2));
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "{f:?}, avx2 allowed: {avx2}");
+            }
+            assert_eq!(moved.dequantize(), heap.dequantize());
         }
     }
 }
