@@ -543,6 +543,19 @@ impl Leader {
         self.core.gate.clone()
     }
 
+    /// Quiesces through `gate` (made with [`Gate::for_rank`] for this rank) instead.
+    pub fn with_gate(mut self, gate: Arc<Gate>) -> Self {
+        self.core.gate = gate;
+        self
+    }
+
+    /// Stops when `stop` is asked (a handle made before the engine, say for a control
+    /// socket), instead of a handle of its own.
+    pub fn with_stop(mut self, stop: StopHandle) -> Self {
+        self.core.stop = stop;
+        self
+    }
+
     /// Runs `requests` together in a session of `config`; when its model work ends (every
     /// request finished, or `max_steps`) `decider` says what follows. Consumes the process
     /// groups: shut down together on success, dropped on failure.
@@ -965,6 +978,12 @@ impl Worker {
     /// The gate the sleep/wakeup control plane quiesces this engine through.
     pub fn gate(&self) -> Arc<Gate> {
         self.core.gate.clone()
+    }
+
+    /// Quiesces through `gate` (made with [`Gate::for_rank`] for this rank) instead.
+    pub fn with_gate(mut self, gate: Arc<Gate>) -> Self {
+        self.core.gate = gate;
+        self
     }
 
     /// Follows rank 0 session by session until it stops; consumes the process groups like

@@ -14,6 +14,7 @@
 
 mod engine;
 mod error;
+pub mod memory;
 mod model;
 mod plan;
 pub mod protocol;
@@ -26,7 +27,7 @@ mod sink;
 pub mod sleep;
 
 pub use engine::{
-    Decider, Decision, EngineOptions, Event, Leader, Role, RunSummary, SessionReport, Sinks,
+    Decider, Decision, EngineOptions, Event, Gate, Leader, Role, RunSummary, SessionReport, Sinks,
     StopHandle, Worker,
 };
 pub use error::{BoxError, Error, Result};

@@ -68,7 +68,7 @@ impl StepModel for ReplicatedLlama {
         let rows = run_entries(
             plan,
             &mut self.caches,
-            || model.new_cache(capacity),
+            || Ok(model.new_cache(capacity)),
             |e, cache| {
                 let positions: Vec<usize> = e.positions().collect();
                 model.forward(&e.tokens, &positions, cache, layers::Logits::Last)

@@ -39,12 +39,15 @@ impl SequenceCache for layers::parallel::ParallelCache {
 pub(crate) fn run_entries<C: SequenceCache>(
     plan: &StepPlan,
     caches: &mut HashMap<SeqId, C>,
-    mut new_cache: impl FnMut() -> C,
+    mut new_cache: impl FnMut() -> Result<C, BoxError>,
     mut forward: impl FnMut(&PlanEntry, &mut C) -> Result<layers::Tensor, layers::Error>,
 ) -> Result<Logits, BoxError> {
     let mut rows = Vec::new();
     for e in &plan.entries {
-        let cache = caches.entry(e.seq).or_insert_with(&mut new_cache);
+        let cache = match caches.entry(e.seq) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => v.insert(new_cache()?),
+        };
         if cache.tokens() != e.start as usize {
             return Err(format!(
                 "sequence {} holds {} tokens but the plan starts at position {}",

@@ -2,6 +2,7 @@
 //! loads the shard of its mesh coordinates and runs its collectives on the lent [`Groups`].
 
 use crate::error::BoxError;
+use crate::memory::{ModelMemory, ShardOrigin};
 use crate::model::{Groups, Logits, ModelFactory, StepModel};
 use crate::plan::{SeqId, SessionConfig, StepPlan};
 use crate::replicated::LlamaFactory;
@@ -18,12 +19,19 @@ pub struct ShardedFactory {
     form: WeightForm,
     /// Tokens of KV cache per sequence (over all CP ranks); `None`: the model's context.
     context: Option<usize>,
+    /// Where weights and KV caches live; `None`: the heap.
+    memory: Option<ModelMemory>,
 }
 
 impl ShardedFactory {
     /// A factory whose shards compute with `threads` CPU threads per rank.
     pub fn new(threads: usize) -> Self {
-        ShardedFactory { threads: threads.max(1), form: WeightForm::Native, context: None }
+        ShardedFactory {
+            threads: threads.max(1),
+            form: WeightForm::Native,
+            context: None,
+            memory: None,
+        }
     }
 
     /// Keeps weights in `form` (quantized weights stay quantized by default).
@@ -37,6 +45,13 @@ impl ShardedFactory {
         self.context = Some(tokens.max(1));
         self
     }
+
+    /// Keeps weights and KV caches in `memory`'s tagged allocations, so the deployment can
+    /// sleep ([`crate::memory`]).
+    pub fn with_memory(mut self, memory: ModelMemory) -> Self {
+        self.memory = Some(memory);
+        self
+    }
 }
 
 impl ModelFactory for ShardedFactory {
@@ -47,14 +62,20 @@ impl ModelFactory for ShardedFactory {
     ) -> Result<Box<dyn StepModel>, BoxError> {
         let comms = Comms { tp: &mut *groups.tp, cp: &mut *groups.cp };
         let placement = Placement::of(&comms);
-        let model = ParallelModel::load(&config.model, placement, self.threads, self.form)
+        let mut model = ParallelModel::load(&config.model, placement, self.threads, self.form)
             .map_err(|e| format!("loading the {placement:?} shard of {}: {e}", config.model))?;
+        if let Some(memory) = &self.memory {
+            let origin =
+                ShardOrigin { path: config.model.clone().into(), placement, form: self.form };
+            memory.place_weights(&mut model, &origin)?;
+        }
         let context = self.context.unwrap_or(model.config().context_length);
         Ok(Box::new(ShardedLlama {
             model,
             caches: HashMap::new(),
             context,
             logits: groups.rank == 0,
+            memory: self.memory.clone(),
         }))
     }
 
@@ -69,6 +90,7 @@ pub struct ShardedLlama {
     caches: HashMap<SeqId, ParallelCache>,
     context: usize,
     logits: bool,
+    memory: Option<ModelMemory>,
 }
 
 impl std::fmt::Debug for ShardedLlama {
@@ -89,11 +111,14 @@ impl StepModel for ShardedLlama {
         let mut comms = Comms { tp: &mut *groups.tp, cp: &mut *groups.cp };
         // A CP rank holds about 1/cp of a sequence; one more token absorbs the rounding.
         let capacity = self.context.div_ceil(self.model.placement().cp) + 1;
-        let model = &self.model;
+        let (model, memory) = (&self.model, self.memory.as_ref());
         let rows = run_entries(
             plan,
             &mut self.caches,
-            || model.new_cache(capacity),
+            || match memory {
+                Some(m) => m.new_cache(model, capacity).map_err(BoxError::from),
+                None => Ok(model.new_cache(capacity)),
+            },
             |e, cache| model.forward(&mut comms, &e.tokens, cache, layers::Logits::Last),
         )?;
         Ok(self.logits.then_some(rows))

@@ -11,7 +11,7 @@
 
 use crate::sleep::{Quiesce, QuiesceMode};
 use std::collections::BTreeSet;
-use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 #[derive(Debug, Default)]
@@ -43,6 +43,12 @@ impl Gate {
     /// waits at most `timeout` for the engine to reach a step boundary.
     pub(crate) fn new(leader: bool, timeout: Duration) -> Gate {
         Gate { state: Mutex::new(State::default()), changed: Condvar::new(), timeout, leader }
+    }
+
+    /// A gate for the engine of `rank`, made before the engine when the control plane must
+    /// start first (hand it to the engine with `with_gate`).
+    pub fn for_rank(rank: usize, timeout: Duration) -> Arc<Gate> {
+        Arc::new(Gate::new(rank == 0, timeout))
     }
 
     /// Names the tags whose contents do not survive a sleep (restored by discarding or
