@@ -312,6 +312,7 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
     };
     let listen = args.listen.unwrap_or(config.server.listen);
     let api_key = args.api_key.or(config.server.api_key).filter(|k| !k.is_empty());
+    let refuse_while_asleep = config.server.refuse_while_asleep;
     tpctl::serve::check_listen(&listen, api_key.is_some())?;
     // The name the API knows the model by: the catalog name or the path, as given.
     let model_name = args.model.clone().unwrap_or(config.model.name);
@@ -337,7 +338,8 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
         master_addr: "127.0.0.1".into(),
         master_port: None,
     };
-    run(job, Some(ServeSpec { listen, api_key, model_name }), verbose, quiet)
+    let spec = ServeSpec { listen, api_key, model_name, refuse_while_asleep };
+    run(job, Some(spec), verbose, quiet)
 }
 
 /// Launches the job; with `serve` (which names the model for the API) rank 0 serves HTTP.
