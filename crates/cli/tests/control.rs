@@ -447,6 +447,25 @@ fn the_binary_prints_receipts_status_and_failures() {
 }
 
 #[test]
+fn a_launch_under_a_live_or_bad_name_is_refused_before_any_rank_starts() {
+    let world = World::new(1);
+    let rt = runtime();
+    let _server =
+        Server::start(&sockets(&rt).join("dup.sock"), world.coordinator.clone(), nothing())
+            .expect("start");
+    for cmd in ["run", "serve"] {
+        let out = tpctl(&rt, &[cmd, "--deployment", "dup", "--model", "/nonexistent.gguf"]);
+        assert_eq!(out.status.code(), Some(1), "{cmd}");
+        let err = stderr(&out);
+        assert!(err.contains("deployment `dup` is already running"), "{cmd}: {err}");
+        assert!(err.contains("tpctl stop --deployment dup"), "{cmd}: {err}");
+    }
+    let out = tpctl(&rt, &["run", "--deployment", ".hidden", "--model", "/nonexistent.gguf"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("`.hidden` is not a deployment name"), "{}", stderr(&out));
+}
+
+#[test]
 fn every_control_command_has_an_example() {
     let rt = runtime();
     for cmd in ["sleep", "wakeup", "status", "stop", "serve", "run"] {
