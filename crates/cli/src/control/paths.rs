@@ -2,7 +2,7 @@
 //! named after it; and which of them are live.
 
 use anyhow::{bail, Context, Result};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 
@@ -67,7 +67,10 @@ pub fn socket_path(dir: &Path, name: &str) -> Result<PathBuf> {
 /// It cannot be created, is not a directory, or belongs to another user.
 pub fn prepare_dir(dir: &Path) -> Result<()> {
     if !dir.exists() {
-        std::fs::create_dir_all(dir)
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
             .with_context(|| format!("creating the control socket directory {}", dir.display()))?;
     }
     let meta = std::fs::symlink_metadata(dir)
