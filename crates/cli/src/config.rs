@@ -221,6 +221,10 @@ pub struct ServerConfig {
     pub listen: String,
     /// Required on every request when set; needed for a non-loopback address.
     pub api_key: Option<String>,
+    /// Answer completion requests with 503 while the deployment sleeps, instead of letting
+    /// them wait for the wakeup.
+    #[serde(default)]
+    pub refuse_while_asleep: bool,
 }
 
 fn default_listen() -> String {
@@ -229,7 +233,7 @@ fn default_listen() -> String {
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        ServerConfig { listen: default_listen(), api_key: None }
+        ServerConfig { listen: default_listen(), api_key: None, refuse_while_asleep: false }
     }
 }
 

@@ -1,8 +1,10 @@
 //! The `tpctl` command's library half: configuration, the process launcher, the rank entry
-//! point, rank 0's output and its HTTP API, kept apart from `main` so they can be tested directly.
+//! point, rank 0's output, its HTTP API and control socket, kept apart from `main` so they
+//! can be tested directly.
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod control;
 pub mod launcher;
 pub mod output;
 pub mod rank;

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tpctl::config::{Config, WeightsForm};
+use tpctl::control::{self, paths, render};
 use tpctl::launcher::{self, Launch, Outcome};
 use tpctl::spec::{OutputFormat, PromptSpec, RankSpec, Sampling, ServeSpec};
 
@@ -40,10 +41,34 @@ enum Command {
     /// Launch the rank processes and serve an OpenAI-style HTTP API from rank 0.
     ///
     /// Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true
-    /// for SSE), GET /v1/models, /health, /metrics. Ctrl-C stops every rank.
+    /// for SSE), GET /v1/models, /health, /metrics; vLLM-style POST /sleep?level=1&tags=..,
+    /// POST /wake_up?tags=.., GET /is_sleeping. Ctrl-C (or `tpctl stop`) stops every rank.
     ///
-    /// Example: tpctl serve --tp 2 --listen 127.0.0.1:8000
+    /// Example: tpctl serve --tp 2 --listen 127.0.0.1:8000 --deployment chat
     Serve(Box<ServeArgs>),
+    /// Put a running deployment to sleep: release the memory of the given tags on every rank.
+    ///
+    /// Prints a receipt per rank and tag (device, bytes released, memory probe before ->
+    /// after, time) and a total. `--level` 1 and 2 are accepted for vLLM compatibility and do
+    /// the same: each tag is restored on wakeup per its `[sleep.TAG]` policy (defaults:
+    /// weights reload, kv_cache discard). Exits 1, naming every failing rank, when the sleep
+    /// or its verification fails (the deployment is rolled back).
+    ///
+    /// Example: tpctl sleep --deployment chat --tags kv_cache,weights --mode wait --verify
+    Sleep(SleepArgs),
+    /// Wake a sleeping deployment: materialize the given tags (default: every tag asleep)
+    /// on every rank and restore them per their policy.
+    ///
+    /// Example: tpctl wakeup --deployment chat --tags weights
+    Wakeup(WakeupArgs),
+    /// Show a deployment's state and, per rank, the tags asleep and the memory in use.
+    ///
+    /// Example: tpctl status --deployment chat
+    Status(TargetArgs),
+    /// Stop a running deployment (every rank), as Ctrl-C on its launcher would.
+    ///
+    /// Example: tpctl stop --deployment chat
+    Stop(TargetArgs),
     /// Download a catalog model into the cache (once) and print its path.
     ///
     /// Example: tpctl fetch smollm2-135m-instruct
@@ -123,6 +148,10 @@ struct RunArgs {
     /// Port of rank 0's store (default: a free one on a single node).
     #[arg(long)]
     master_port: Option<u16>,
+    /// The deployment's name, for `tpctl sleep / wakeup / status / stop --deployment NAME`
+    /// (default: tpctl-PID, unique to this launch).
+    #[arg(long, value_name = "NAME")]
+    deployment: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -151,6 +180,68 @@ struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every request but /health.
     #[arg(long, env = "TPCTL_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// The deployment's name, for `tpctl sleep / wakeup / status / stop --deployment NAME`
+    /// (default: tpctl-PID, unique to this launch).
+    #[arg(long, value_name = "NAME")]
+    deployment: Option<String>,
+}
+
+/// Which deployment a control command talks to, and how.
+#[derive(Args, Debug)]
+struct TargetArgs {
+    /// The deployment's name, as given to `tpctl serve/run --deployment` (default: the only
+    /// running deployment of this user).
+    #[arg(long, value_name = "NAME", conflicts_with = "socket")]
+    deployment: Option<String>,
+    /// The control socket's path (instead of a name).
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// How long to wait for the reply, seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 300.0)]
+    timeout: f64,
+    /// Print the reply as JSON (one line) instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args, Debug)]
+struct SleepArgs {
+    /// Memory tags to release, comma-separated (default: all, i.e. weights,kv_cache).
+    #[arg(long, value_delimiter = ',', value_name = "TAGS")]
+    tags: Vec<String>,
+    /// vLLM's sleep level; 1 and 2 both sleep the tags with their configured restore policy.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=2))]
+    level: u8,
+    /// Running requests: `wait` for them to finish, `abort` them, or `keep` them paused until
+    /// the wakeup.
+    #[arg(long, value_enum, default_value_t = Mode::Wait)]
+    mode: Mode,
+    /// Fail (and roll back) when some rank's memory probe does not drop by at least 90% of
+    /// the bytes it released.
+    #[arg(long)]
+    verify: bool,
+    #[command(flatten)]
+    target: TargetArgs,
+}
+
+#[derive(Args, Debug)]
+struct WakeupArgs {
+    /// Memory tags to restore, comma-separated (default: every tag asleep).
+    #[arg(long, value_delimiter = ',', value_name = "TAGS")]
+    tags: Vec<String>,
+    #[command(flatten)]
+    target: TargetArgs,
+}
+
+/// What a sleep does to running requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Mode {
+    /// Let them finish, admit no new ones.
+    Wait,
+    /// Fail them.
+    Abort,
+    /// Pause them until the wakeup.
+    Keep,
 }
 
 fn main() -> ExitCode {
@@ -161,6 +252,27 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve(*args, cli.verbose, cli.quiet),
         Command::Fetch { model } => fetch(&model),
         Command::Models => models(),
+        Command::Sleep(args) => {
+            let mode = match args.mode {
+                Mode::Wait => session::sleep::QuiesceMode::Wait,
+                Mode::Abort => session::sleep::QuiesceMode::Abort,
+                Mode::Keep => session::sleep::QuiesceMode::Keep,
+            };
+            let request = control::Request {
+                method: "sleep".into(),
+                tags: args.tags,
+                level: Some(args.level),
+                mode,
+                verify: args.verify,
+            };
+            control_command(&args.target, &request)
+        }
+        Command::Wakeup(args) => {
+            let request = control::Request { tags: args.tags, ..control::Request::new("wakeup") };
+            control_command(&args.target, &request)
+        }
+        Command::Status(target) => control_command(&target, &control::Request::new("status")),
+        Command::Stop(target) => control_command(&target, &control::Request::new("stop")),
         Command::Rank => match tpctl::rank::run() {
             Ok(()) => Ok(0),
             Err(e) => {
@@ -262,6 +374,59 @@ fn models() -> Result<i32> {
     Ok(0)
 }
 
+/// `tpctl sleep / wakeup / status / stop`: one request to the deployment's control socket.
+/// The reply goes to standard output (a table, or JSON); a failure to standard error, with
+/// exit code 1.
+fn control_command(target: &TargetArgs, request: &control::Request) -> Result<i32> {
+    if !(target.timeout.is_finite() && target.timeout > 0.0) {
+        bail!("--timeout must be a positive number of seconds, not {}", target.timeout);
+    }
+    let socket = paths::resolve(
+        &paths::runtime_dir(),
+        target.deployment.as_deref(),
+        target.socket.as_deref(),
+    )?;
+    let reply = control::client::call(&socket, request, Duration::from_secs_f64(target.timeout))?;
+    if target.json {
+        println!("{}", serde_json::to_string(&reply)?);
+    }
+    if let Some(e) = reply.error.as_ref().filter(|_| !reply.ok) {
+        // The aggregate message names every failing rank already.
+        eprintln!("error: {}", e.message);
+        return Ok(1);
+    }
+    if target.json {
+        return Ok(0);
+    }
+    if let Some(op) = &reply.op {
+        print!("{}", render::receipt(op));
+    } else if let Some(status) = &reply.status {
+        print!("{}", render::status(status));
+        if !status.failures.is_empty() {
+            eprintln!("error: {} rank(s) did not answer the status", status.failures.len());
+            return Ok(1);
+        }
+    } else if reply.stopping == Some(true) {
+        println!("stopping {}", socket.display());
+    } else {
+        bail!("{} answered an empty reply", socket.display());
+    }
+    Ok(0)
+}
+
+/// The control socket of a launch, refused early when a live deployment already has it.
+fn control_socket(name: Option<&str>, check: bool) -> Result<(String, PathBuf)> {
+    let name = name.map_or_else(paths::default_name, str::to_owned);
+    let socket = paths::socket_path(&paths::runtime_dir(), &name)?;
+    if check && paths::occupant(&socket) == paths::Occupant::Live {
+        bail!(
+            "deployment `{name}` is already running (control socket {}): give another --deployment name, or stop it with `tpctl stop --deployment {name}`",
+            socket.display()
+        );
+    }
+    Ok((name, socket))
+}
+
 /// The prompts of a run: flags, then a file, then standard input, else the demo prompt.
 fn prompts(args: &RunArgs) -> Result<Vec<PromptSpec>> {
     let mut texts = args.prompts.clone();
@@ -312,6 +477,7 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
     };
     let listen = args.listen.unwrap_or(config.server.listen);
     let api_key = args.api_key.or(config.server.api_key).filter(|k| !k.is_empty());
+    let refuse_while_asleep = config.server.refuse_while_asleep;
     tpctl::serve::check_listen(&listen, api_key.is_some())?;
     // The name the API knows the model by: the catalog name or the path, as given.
     let model_name = args.model.clone().unwrap_or(config.model.name);
@@ -336,8 +502,10 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
         node_rank: 0,
         master_addr: "127.0.0.1".into(),
         master_port: None,
+        deployment: args.deployment,
     };
-    run(job, Some(ServeSpec { listen, api_key, model_name }), verbose, quiet)
+    let spec = ServeSpec { listen, api_key, model_name, refuse_while_asleep };
+    run(job, Some(spec), verbose, quiet)
 }
 
 /// Launches the job; with `serve` (which names the model for the API) rank 0 serves HTTP.
@@ -359,6 +527,8 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         bail!("tp x cp = {world} ranks do not split evenly over --nnodes {}", args.nnodes);
     }
     let nproc = world / args.nnodes;
+    // Rank 0, which serves the socket, runs on node 0.
+    let (deployment, socket) = control_socket(args.deployment.as_deref(), args.node_rank == 0)?;
     let model_arg = args.model.clone().unwrap_or_else(|| config.model.name.clone());
     let model = match layers::catalog::entry(&model_arg) {
         Some(entry) if !std::path::Path::new(&model_arg).exists() => fetch_with_progress(entry)?,
@@ -402,7 +572,7 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         output: args.output,
         serve,
         sleep: config.sleep.clone(),
-        control_socket: None,
+        control_socket: Some(socket.clone()),
     };
     let master_port = match args.master_port {
         Some(p) => p,
@@ -426,6 +596,9 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         env,
         grace: Duration::from_secs(5),
     };
+    if args.node_rank == 0 && !quiet {
+        eprintln!("tpctl: deployment {deployment} (control socket {})", socket.display());
+    }
     let interrupted = Arc::new(AtomicBool::new(false));
     let flag = interrupted.clone();
     ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))

@@ -83,6 +83,7 @@ pub fn run() -> Result<()> {
             file: &file,
             config: &config,
             context_tokens: spec.kv_cache_tokens,
+            control: None,
         };
         return crate::serve::run(rank0, serve);
     }

@@ -1,8 +1,8 @@
 //! What the launcher hands every rank process: the resolved job, as JSON in the environment
 //! variable `TPCTL_RANK_SPEC`, so ranks never re-read files the launcher already checked.
 
-use serde::{Deserialize, Serialize};
 use crate::config::SleepPolicy;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -91,6 +91,10 @@ pub struct ServeSpec {
     pub api_key: Option<String>,
     /// The model's name in the API (`/v1/models`, the `model` field of requests).
     pub model_name: String,
+    /// Answer completion requests with 503 while the deployment sleeps (`false`: they wait
+    /// in the engine's queue until the wakeup).
+    #[serde(default)]
+    pub refuse_while_asleep: bool,
 }
 
 impl RankSpec {

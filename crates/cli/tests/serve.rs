@@ -508,6 +508,21 @@ fn an_api_key_guards_every_route_but_health() {
 }
 
 #[test]
+fn serve_announces_its_deployment_and_its_control_socket() {
+    let name = format!("e2e-{}", std::process::id());
+    let server = Server::start(model(), &["--deployment", &name]);
+    let want = format!("tpctl: deployment {name} (control socket ");
+    let start = Instant::now();
+    while !server.log().contains(&want) {
+        assert!(start.elapsed() < DEADLINE, "`{want}` not announced\n{}", server.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let line = server.log().lines().find(|l| l.contains(&want)).unwrap_or_default().to_owned();
+    assert!(line.ends_with(&format!("/{name}.sock)")), "{line}");
+    assert_eq!(server.interrupt().code(), Some(130));
+}
+
+#[test]
 fn listening_beyond_loopback_needs_an_api_key() {
     let out = tpctl(&["serve", "--model", model(), "--listen", "0.0.0.0:0"]);
     assert_eq!(out.status.code(), Some(1));

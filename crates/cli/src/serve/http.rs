@@ -1,5 +1,11 @@
 //! The HTTP API (OpenAI-style): `POST /v1/completions`, `POST /v1/chat/completions` (both
-//! with SSE streaming), `GET /v1/models`, `GET /health` and `GET /metrics`.
+//! with SSE streaming), `GET /v1/models`, `GET /health` and `GET /metrics`; vLLM-style
+//! `POST /sleep?level=1&tags=kv_cache,weights&mode=wait&verify=false`,
+//! `POST /wake_up?tags=weights` and `GET /is_sleeping` (`{"is_sleeping": bool}`).
+//!
+//! `/sleep` and `/wake_up` block until every rank is done and answer the receipt (the
+//! control socket's `op` object); a failure is 400 (a bad parameter) or 500 with the
+//! aggregate error and its failing ranks. Without a coordinator they answer 503.
 //!
 //! Every failure a client causes is a 4xx answer with an OpenAI-style body
 //! `{"error": {"message", "type", "code", "param"}}`; the engine only ever sees checked
@@ -19,6 +25,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Value};
+use session::sleep::{Action, Coordinator, DeploymentState, OpOptions, QuiesceMode};
 use session::{FinishReason, SamplingParams};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -51,6 +58,10 @@ pub struct ApiParts {
     pub api_key: Option<String>,
     /// Whether the engine's session is open.
     pub ready: Arc<AtomicBool>,
+    /// The sleep/wakeup coordinator (`None`: `/sleep`, `/wake_up`, `/is_sleeping` answer 503).
+    pub control: Option<Arc<Coordinator>>,
+    /// Answer completions with 503 while the deployment sleeps.
+    pub refuse_while_asleep: bool,
 }
 
 /// The handlers' shared state.
@@ -66,6 +77,8 @@ struct Inner {
     context: usize,
     api_key: Option<String>,
     ready: Arc<AtomicBool>,
+    control: Option<Arc<Coordinator>>,
+    refuse_while_asleep: bool,
     created: u64,
 }
 
@@ -81,6 +94,8 @@ impl Api {
             context: parts.context,
             api_key: parts.api_key,
             ready: parts.ready,
+            control: parts.control,
+            refuse_while_asleep: parts.refuse_while_asleep,
             created: unix_now(),
         }))
     }
@@ -127,6 +142,9 @@ fn router(api: Api) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/sleep", post(sleep))
+        .route("/wake_up", post(wake_up))
+        .route("/is_sleeping", get(is_sleeping))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(api.clone(), guard))
@@ -143,6 +161,9 @@ fn route_label(path: &str) -> &'static str {
         "/v1/models" => "/v1/models",
         "/health" => "/health",
         "/metrics" => "/metrics",
+        "/sleep" => "/sleep",
+        "/wake_up" => "/wake_up",
+        "/is_sleeping" => "/is_sleeping",
         _ => "other",
     }
 }
@@ -278,7 +299,10 @@ async fn health(State(api): State<Api>) -> Response {
 }
 
 async fn metrics(State(api): State<Api>) -> Response {
-    let text = api.0.metrics.render();
+    let mut text = api.0.metrics.render();
+    if let Some(c) = &api.0.control {
+        super::metrics::render_sleep(&mut text, &c.state(), &crate::control::journal(c).snapshot());
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }
 
@@ -656,6 +680,19 @@ async fn chat_completions(
 }
 
 async fn generate(api: Api, job: Job, kind: Kind) -> std::result::Result<Response, ApiError> {
+    if api.0.refuse_while_asleep {
+        if let Some(tags) = api.0.control.as_ref().and_then(|c| asleep_tags(&c.state())) {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "sleeping",
+                format!(
+                    "the deployment is asleep ({}) and refuses requests until a wakeup (POST /wake_up or `tpctl wakeup`)",
+                    tags.join(",")
+                ),
+            ));
+        }
+    }
     let prompt_tokens = job.prompt.len();
     let (stream, include_usage) = (job.stream, job.include_usage);
     let (n, rx) = api.0.bridge.submit(job.prompt, job.params)?;
@@ -686,6 +723,175 @@ async fn generate(api: Api, job: Job, kind: Kind) -> std::result::Result<Respons
         "usage": usage(prompt_tokens, tokens.len()),
     }))
     .into_response())
+}
+
+/// The tags of a sleeping (or waking) deployment; `None` while it runs or failed.
+fn asleep_tags(state: &DeploymentState) -> Option<Vec<String>> {
+    match state {
+        DeploymentState::Sleeping(t) | DeploymentState::Waking(t) => Some(t.clone()),
+        DeploymentState::Running | DeploymentState::Failed(_) => None,
+    }
+}
+
+fn no_control() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_error",
+        "sleep_unavailable",
+        "sleep/wakeup is not available",
+    )
+}
+
+/// The pairs of a query string, percent-decoded (`+` is a space).
+fn query_pairs(query: Option<&str>) -> std::result::Result<Vec<(String, String)>, ApiError> {
+    let decode = |s: &str| -> std::result::Result<String, ApiError> {
+        let bad = || ApiError::invalid("invalid_query", format!("bad percent-encoding in `{s}`"));
+        let mut out = Vec::with_capacity(s.len());
+        let mut bytes = s.bytes();
+        while let Some(b) = bytes.next() {
+            match b {
+                b'+' => out.push(b' '),
+                b'%' => {
+                    let hex = [bytes.next().ok_or_else(bad)?, bytes.next().ok_or_else(bad)?];
+                    let hex = std::str::from_utf8(&hex).map_err(|_| bad())?;
+                    out.push(u8::from_str_radix(hex, 16).map_err(|_| bad())?);
+                }
+                b => out.push(b),
+            }
+        }
+        String::from_utf8(out).map_err(|_| bad())
+    };
+    query
+        .unwrap_or("")
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            Ok((decode(k)?, decode(v)?))
+        })
+        .collect()
+}
+
+/// What `/sleep` and `/wake_up` take from their query.
+struct OpQuery {
+    tags: Vec<String>,
+    opts: OpOptions,
+}
+
+/// Parses `tags` (comma-separated and/or repeated), `level` (1 or 2), `mode` and `verify`;
+/// `allowed` names the keys this route takes.
+fn op_query(query: Option<&str>, allowed: &[&str]) -> std::result::Result<OpQuery, ApiError> {
+    let mut out = OpQuery { tags: Vec::new(), opts: OpOptions::default() };
+    for (key, value) in query_pairs(query)? {
+        if !allowed.contains(&key.as_str()) {
+            return Err(ApiError::invalid(
+                "invalid_query",
+                format!(
+                    "unknown query parameter `{key}` (this route takes {})",
+                    allowed.join(", ")
+                ),
+            ));
+        }
+        match key.as_str() {
+            "tags" => out.tags.extend(
+                value.split(',').map(str::trim).filter(|t| !t.is_empty()).map(str::to_owned),
+            ),
+            "level" if !matches!(value.as_str(), "1" | "2") => {
+                return Err(ApiError::invalid(
+                    "invalid_level",
+                    format!("sleep level `{value}`: only 1 and 2 are supported"),
+                ));
+            }
+            "mode" => {
+                out.opts.mode = match value.as_str() {
+                    "wait" => QuiesceMode::Wait,
+                    "abort" => QuiesceMode::Abort,
+                    "keep" => QuiesceMode::Keep,
+                    other => {
+                        return Err(ApiError::invalid(
+                            "invalid_mode",
+                            format!("mode `{other}`: expected wait, abort or keep"),
+                        ))
+                    }
+                }
+            }
+            "verify" => {
+                out.opts.verify = match value.as_str() {
+                    "" | "true" | "1" => true,
+                    "false" | "0" => false,
+                    other => {
+                        return Err(ApiError::invalid(
+                            "invalid_verify",
+                            format!("verify `{other}`: expected true or false"),
+                        ))
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    crate::control::check_tags(&out.tags).map_err(|e| ApiError::invalid("invalid_tags", e))?;
+    Ok(out)
+}
+
+/// Runs a sleep or wakeup on a blocking thread and answers its receipt.
+async fn control_op(api: Api, action: Action, query: Option<&str>) -> Response {
+    let Some(coordinator) = api.0.control.clone() else {
+        return no_control().into_response();
+    };
+    let allowed: &[&str] = match action {
+        Action::Sleep => &["tags", "level", "mode", "verify"],
+        Action::Wakeup => &["tags"],
+    };
+    let q = match op_query(query, allowed) {
+        Ok(q) => q,
+        Err(e) => return e.into_response(),
+    };
+    let run = tokio::task::spawn_blocking(move || {
+        crate::control::run_op(&coordinator, action, &q.tags, q.opts)
+    })
+    .await;
+    match run {
+        Ok(Ok(op)) => Json(op).into_response(),
+        Ok(Err(e)) => {
+            let (status, kind, code) = if e.client_error {
+                (StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_tags")
+            } else {
+                (StatusCode::INTERNAL_SERVER_ERROR, "server_error", "sleep_failed")
+            };
+            let body = json!({"error": {
+                "message": e.message,
+                "type": kind,
+                "code": code,
+                "param": null,
+                "failures": e.failures,
+                "outcome": e.outcome,
+            }});
+            (status, Json(body)).into_response()
+        }
+        Err(join) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "sleep_failed",
+            format!("the {action} did not finish: {join}"),
+        )
+        .into_response(),
+    }
+}
+
+async fn sleep(State(api): State<Api>, uri: axum::http::Uri) -> Response {
+    control_op(api, Action::Sleep, uri.query()).await
+}
+
+async fn wake_up(State(api): State<Api>, uri: axum::http::Uri) -> Response {
+    control_op(api, Action::Wakeup, uri.query()).await
+}
+
+async fn is_sleeping(State(api): State<Api>) -> Response {
+    match &api.0.control {
+        None => no_control().into_response(),
+        Some(c) => Json(json!({"is_sleeping": asleep_tags(&c.state()).is_some()})).into_response(),
+    }
 }
 
 /// Waits for a request's end: its text, tokens and finish reason.
@@ -807,5 +1013,7 @@ fn sse(
     ReceiverStream::new(out)
 }
 
+#[cfg(test)]
+mod sleep_tests;
 #[cfg(test)]
 mod tests;

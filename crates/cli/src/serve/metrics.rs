@@ -1,7 +1,11 @@
 //! The numbers behind `GET /metrics`, in the Prometheus text format: HTTP requests by route
 //! and status, prompt and generated tokens, request latency and time to first token
-//! (histograms), finished requests by reason, running requests, and engine steps.
+//! (histograms), finished requests by reason, running requests, and engine steps; with a
+//! sleep/wakeup coordinator, the sleep state and what the latest operations did per rank
+//! ([`render_sleep`]).
 
+use crate::control::JournalSnapshot;
+use session::sleep::DeploymentState;
 use session::{FinishReason, MetricsSink, StepMetrics};
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -172,6 +176,68 @@ impl Metrics {
             "Time from submission to the first generated token.",
         );
         out
+    }
+}
+
+/// Appends the sleep metrics: `tpctl_sleeping` (1 while any tag is asleep or waking),
+/// operations and failures by action, and from the latest operations, bytes per rank and tag
+/// (released by a sleep, restored by a wakeup), resident bytes per rank and device bytes per
+/// rank and device.
+pub fn render_sleep(out: &mut String, state: &DeploymentState, journal: &JournalSnapshot) {
+    let sleeping = matches!(state, DeploymentState::Sleeping(_) | DeploymentState::Waking(_));
+    let failed = matches!(state, DeploymentState::Failed(_));
+    let mut gauge = |name: &str, help: &str, value: u8| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}");
+    };
+    gauge(
+        "tpctl_sleeping",
+        "1 while some memory tag is asleep (or waking) on every rank.",
+        sleeping.into(),
+    );
+    gauge(
+        "tpctl_deployment_failed",
+        "1 once the deployment failed (fail-stop or a lost rank).",
+        failed.into(),
+    );
+    let _ = writeln!(
+        out,
+        "# HELP tpctl_sleep_ops_total Sleep and wakeup operations that succeeded, by action.\n# TYPE tpctl_sleep_ops_total counter"
+    );
+    for action in ["sleep", "wakeup"] {
+        let n = journal.ops.get(action).copied().unwrap_or(0);
+        let _ = writeln!(out, "tpctl_sleep_ops_total{{action=\"{action}\"}} {n}");
+    }
+    let _ = writeln!(
+        out,
+        "# HELP tpctl_sleep_op_failures_total Sleep and wakeup operations that failed, by action.\n# TYPE tpctl_sleep_op_failures_total counter"
+    );
+    for action in ["sleep", "wakeup"] {
+        let n = journal.failures.get(action).copied().unwrap_or(0);
+        let _ = writeln!(out, "tpctl_sleep_op_failures_total{{action=\"{action}\"}} {n}");
+    }
+    let _ = writeln!(
+        out,
+        "# HELP tpctl_memory_tagged_bytes Bytes of a memory tag on a rank that its latest sleep released or wakeup restored.\n# TYPE tpctl_memory_tagged_bytes gauge"
+    );
+    for ((rank, tag), n) in &journal.tagged {
+        let _ = writeln!(out, "tpctl_memory_tagged_bytes{{rank=\"{rank}\",tag=\"{tag}\"}} {n}");
+    }
+    let _ = writeln!(
+        out,
+        "# HELP tpctl_rank_resident_bytes Resident host bytes of a rank's process after the latest sleep or wakeup.\n# TYPE tpctl_rank_resident_bytes gauge"
+    );
+    for (rank, n) in &journal.resident {
+        let _ = writeln!(out, "tpctl_rank_resident_bytes{{rank=\"{rank}\"}} {n}");
+    }
+    let _ = writeln!(
+        out,
+        "# HELP tpctl_rank_device_bytes Device bytes of a rank's process after the latest sleep or wakeup.\n# TYPE tpctl_rank_device_bytes gauge"
+    );
+    for ((rank, device), n) in &journal.device {
+        let _ = writeln!(
+            out,
+            "tpctl_rank_device_bytes{{rank=\"{rank}\",device=\"cuda:{device}\"}} {n}"
+        );
     }
 }
 

@@ -11,6 +11,11 @@
 //! vocabulary, shorter than the context together with `max_tokens`, so a request can fail
 //! only with a 4xx answer, never the session. A stop (SIGINT or SIGTERM, forwarded by the
 //! launcher) ends the session at the next step boundary on every rank.
+//!
+//! With a sleep/wakeup coordinator, vLLM-style `POST /sleep`, `POST /wake_up` and
+//! `GET /is_sleeping` put every rank's memory to sleep and back ([`crate::control::run_op`],
+//! the same operations as the control socket). While the deployment sleeps, completion
+//! requests wait in the engine's queue, or get 503 with `[server] refuse_while_asleep`.
 
 mod bridge;
 mod http;
@@ -42,6 +47,9 @@ pub struct Rank0<'a> {
     pub config: &'a layers::LlamaConfig,
     /// KV-cache tokens per sequence: with the model's context, the longest sequence.
     pub context_tokens: usize,
+    /// The deployment's sleep/wakeup coordinator, for `/sleep`, `/wake_up`, `/is_sleeping`
+    /// and the sleep metrics (`None`: those routes answer 503).
+    pub control: Option<Arc<session::sleep::Coordinator>>,
 }
 
 /// Refuses to expose an API without a key: a listener outside loopback needs one.
@@ -87,6 +95,8 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
         context,
         api_key: spec.api_key.clone(),
         ready: ready.clone(),
+        control: rank0.control.clone(),
+        refuse_while_asleep: spec.refuse_while_asleep,
     });
 
     let mut leader = Leader::new(
@@ -111,7 +121,7 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
         })
         .context("starting the HTTP server thread")?;
     println!(
-        "tpctl serve: {} on http://{local} (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics)",
+        "tpctl serve: {} on http://{local} (POST /v1/completions, /v1/chat/completions, /sleep, /wake_up; GET /v1/models, /is_sleeping, /health, /metrics)",
         spec.model_name
     );
 

@@ -1,0 +1,444 @@
+//! The control socket of a deployment: rank 0 serves it ([`Server`]), `tpctl sleep`,
+//! `tpctl wakeup`, `tpctl status` and `tpctl stop` are its clients ([`client`]).
+//!
+//! # Where
+//!
+//! One Unix socket per deployment, `$XDG_RUNTIME_DIR/tpctl/NAME.sock` (else
+//! `/tmp/tpctl-$UID/NAME.sock`), mode 0600 in a directory of mode 0700, so only the user who
+//! launched the deployment can put it to sleep ([`paths`]).
+//!
+//! # Wire protocol
+//!
+//! A client connects, writes one JSON request on one line, and reads one JSON reply on one
+//! line; then the server closes the connection. A request line is at most 64 KiB.
+//!
+//! ```text
+//! -> {"method":"sleep","tags":["kv_cache"],"level":1,"mode":"wait","verify":false}
+//! <- {"ok":true,"op":{"op_id":3,"action":"sleep","tags":["kv_cache"],"bytes":2097152,
+//!     "elapsed_us":1830,"ranks":[{"rank":0,"tags":[{"tag":"kv_cache","allocations":1,
+//!     "bytes":1048576,"copied_bytes":0,"elapsed_us":420}],"before":{"resident":...,
+//!     "devices":[[0,...]]},"after":{...},"elapsed_us":510,"asleep":["kv_cache"]},...]}}
+//! -> {"method":"wakeup","tags":[]}
+//! -> {"method":"status"}
+//! <- {"ok":true,"status":{"state":"sleeping","tags":["kv_cache"],"reason":null,
+//!     "ranks":[...],"failures":[]}}
+//! -> {"method":"stop"}
+//! <- {"ok":true,"stopping":true}
+//! <- {"ok":false,"error":{"message":"sleep [\"kv_cache\"] (op 4) failed on 1 rank(s), ...",
+//!     "failures":[{"rank":1,"phase":"commit","message":"..."}],"outcome":"rolled_back"}}
+//! ```
+//!
+//! Methods ([`Request`]):
+//! - `sleep {tags, level, mode, verify}`: releases `tags` on every rank. Empty `tags` means
+//!   every tag of a deployment ([`ALL_TAGS`]). `level` (1 or 2) is accepted for vLLM
+//!   compatibility and changes nothing: each tag is restored per its `[sleep.TAG]` policy.
+//!   `mode` (`wait`, `abort`, `keep`) says what happens to running requests; `verify` fails
+//!   (and rolls back) a sleep whose memory probe on some rank did not drop.
+//! - `wakeup {tags}`: materializes `tags` again; empty `tags` means every tag asleep.
+//! - `status`: the deployment's state and each rank's asleep tags and memory probe.
+//! - `stop`: answers, then stops the deployment (as Ctrl-C on the launcher would).
+//!
+//! Any other method is refused with an error reply. A failed operation replies `ok: false`
+//! with the aggregate error and every failing rank.
+//!
+//! The HTTP API of `tpctl serve` runs the same operations ([`run_op`]); both record them in
+//! the deployment's [`Journal`], which `/metrics` reads.
+
+pub mod client;
+pub mod paths;
+pub mod render;
+mod server;
+
+pub use server::Server;
+
+use serde::{Deserialize, Serialize};
+use session::sleep::{
+    Action, Coordinator, DeploymentState, DeploymentStatus, OpOptions, OpReceipt, Outcome, Phase,
+    QuiesceMode, RankFailure, RankReceipt,
+};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+/// The tags a sleep without tags releases: every tag a deployment allocates.
+pub const ALL_TAGS: [&str; 2] = ["weights", "kv_cache"];
+
+/// The most tags one request may name.
+pub const MAX_TAGS: usize = 16;
+
+/// One request line.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Request {
+    /// `sleep`, `wakeup`, `status` or `stop`.
+    pub method: String,
+    /// The tags (sleep, wakeup); empty means all (see the module docs).
+    #[serde(default)]
+    pub tags: Vec<String>,
+    /// vLLM's sleep level, 1 or 2 (both sleep `tags` with the configured restore policy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub level: Option<u8>,
+    /// What running requests do during a sleep.
+    #[serde(default)]
+    pub mode: QuiesceMode,
+    /// Fail a sleep whose memory probe did not drop on some rank.
+    #[serde(default)]
+    pub verify: bool,
+}
+
+impl Request {
+    /// A request of `method` with no tags and default options.
+    pub fn new(method: &str) -> Request {
+        Request { method: method.to_owned(), ..Request::default() }
+    }
+}
+
+/// One reply line: `ok` with exactly one of `op`, `status`, `stopping`, or not `ok` with
+/// `error`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reply {
+    /// Whether the request succeeded.
+    pub ok: bool,
+    /// The receipt of a sleep or wakeup.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<OpWire>,
+    /// The answer to a status.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<StatusWire>,
+    /// Set by a stop: the deployment is stopping.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stopping: Option<bool>,
+    /// Why the request failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorWire>,
+}
+
+impl Reply {
+    /// The reply refusing a caller's mistake (a bad method, tag or option).
+    pub fn refused(message: impl Into<String>) -> Reply {
+        Reply { ok: false, error: Some(ErrorWire::client(message)), ..Reply::default() }
+    }
+}
+
+/// [`OpReceipt`] on the wire.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpWire {
+    /// The operation's id (0 when nothing had to run: the tags were already so).
+    pub op_id: u64,
+    /// `sleep` or `wakeup`.
+    pub action: String,
+    /// The tags the operation ran on.
+    pub tags: Vec<String>,
+    /// Bytes released or restored over every rank and tag.
+    pub bytes: u64,
+    /// Wall time of the whole call on rank 0, in microseconds.
+    pub elapsed_us: u64,
+    /// One receipt per rank, in rank order.
+    pub ranks: Vec<RankReceipt>,
+}
+
+impl From<&OpReceipt> for OpWire {
+    fn from(r: &OpReceipt) -> Self {
+        OpWire {
+            op_id: r.op_id,
+            action: r.action.to_string(),
+            tags: r.tags.clone(),
+            bytes: r.bytes(),
+            elapsed_us: r.elapsed.as_micros() as u64,
+            ranks: r.ranks.clone(),
+        }
+    }
+}
+
+/// [`DeploymentStatus`] on the wire.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatusWire {
+    /// `running`, `sleeping`, `waking` or `failed`.
+    pub state: String,
+    /// The tags asleep (`sleeping`) or being woken (`waking`).
+    #[serde(default)]
+    pub tags: Vec<String>,
+    /// Why the deployment failed (`failed`).
+    #[serde(default)]
+    pub reason: Option<String>,
+    /// Each rank that answered: asleep tags and memory probe (`before` = `after`).
+    pub ranks: Vec<RankReceipt>,
+    /// Ranks that did not answer, with why.
+    #[serde(default)]
+    pub failures: Vec<FailureWire>,
+}
+
+impl From<&DeploymentStatus> for StatusWire {
+    fn from(s: &DeploymentStatus) -> Self {
+        let (state, tags, reason) = state_parts(&s.state);
+        StatusWire {
+            state: state.to_owned(),
+            tags,
+            reason,
+            ranks: s.ranks.clone(),
+            failures: s.failures.iter().map(FailureWire::from).collect(),
+        }
+    }
+}
+
+/// A state's name, tags and failure reason.
+fn state_parts(state: &DeploymentState) -> (&'static str, Vec<String>, Option<String>) {
+    match state {
+        DeploymentState::Running => ("running", Vec::new(), None),
+        DeploymentState::Sleeping(t) => ("sleeping", t.clone(), None),
+        DeploymentState::Waking(t) => ("waking", t.clone(), None),
+        DeploymentState::Failed(why) => ("failed", Vec::new(), Some(why.clone())),
+    }
+}
+
+/// One failing rank on the wire.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FailureWire {
+    /// The rank.
+    pub rank: usize,
+    /// The protocol phase it failed in.
+    pub phase: Phase,
+    /// What went wrong, in the rank's words.
+    pub message: String,
+}
+
+impl From<&RankFailure> for FailureWire {
+    fn from(f: &RankFailure) -> Self {
+        FailureWire { rank: f.rank, phase: f.phase, message: f.message.clone() }
+    }
+}
+
+/// A failed request on the wire.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorWire {
+    /// The whole error, every failing rank included.
+    pub message: String,
+    /// Every failing rank, in rank order (empty when no rank is to blame).
+    #[serde(default)]
+    pub failures: Vec<FailureWire>,
+    /// What state the failure left the deployment in: `aborted` (nothing changed),
+    /// `rolled_back` or `fail_stop`.
+    #[serde(default)]
+    pub outcome: Option<String>,
+    /// Whether the caller asked for something wrong (a bad tag, method or option) rather than
+    /// the deployment failing: HTTP answers 400 instead of 500.
+    #[serde(default)]
+    pub client_error: bool,
+}
+
+impl ErrorWire {
+    /// A caller's mistake.
+    pub fn client(message: impl Into<String>) -> ErrorWire {
+        ErrorWire { message: message.into(), client_error: true, ..ErrorWire::default() }
+    }
+}
+
+impl From<&session::sleep::Error> for ErrorWire {
+    fn from(e: &session::sleep::Error) -> Self {
+        ErrorWire {
+            message: e.to_string(),
+            failures: e.failures().iter().map(FailureWire::from).collect(),
+            outcome: e.outcome().map(|o| {
+                match o {
+                    Outcome::Aborted => "aborted",
+                    Outcome::RolledBack => "rolled_back",
+                    Outcome::FailStop => "fail_stop",
+                }
+                .to_owned()
+            }),
+            client_error: matches!(e, session::sleep::Error::MethodNotAllowed { .. }),
+        }
+    }
+}
+
+/// Checks the tags of a request: names of letters, digits, `_` and `-`, each once, at most
+/// [`MAX_TAGS`].
+///
+/// # Errors
+/// A message naming the bad tag.
+pub fn check_tags(tags: &[String]) -> Result<(), String> {
+    if tags.len() > MAX_TAGS {
+        return Err(format!("{} tags given; at most {MAX_TAGS} are allowed", tags.len()));
+    }
+    for (i, t) in tags.iter().enumerate() {
+        if t.is_empty()
+            || t.len() > 64
+            || !t.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        {
+            return Err(format!("`{t}` is not a tag name (letters, digits, _ and -)"));
+        }
+        if tags[..i].contains(t) {
+            return Err(format!("tag `{t}` is given twice"));
+        }
+    }
+    Ok(())
+}
+
+/// The tags an operation runs on: `tags` as given, or when empty, [`ALL_TAGS`] for a sleep
+/// and the tags asleep for a wakeup (all of them when the state names none).
+pub fn expand_tags(action: Action, tags: &[String], state: &DeploymentState) -> Vec<String> {
+    if !tags.is_empty() {
+        return tags.to_vec();
+    }
+    match (action, state) {
+        (Action::Wakeup, DeploymentState::Sleeping(t) | DeploymentState::Waking(t))
+            if !t.is_empty() =>
+        {
+            t.clone()
+        }
+        _ => ALL_TAGS.iter().map(|t| (*t).to_owned()).collect(),
+    }
+}
+
+/// Runs a sleep or wakeup on every rank (blocking: up to the coordinator's ACK timeouts),
+/// with the tags expanded per [`expand_tags`], and records it in the deployment's journal.
+///
+/// # Errors
+/// The checked tags are bad ([`ErrorWire::client_error`]), or the operation failed: the
+/// aggregate error with every failing rank.
+pub fn run_op(
+    coordinator: &Arc<Coordinator>,
+    action: Action,
+    tags: &[String],
+    opts: OpOptions,
+) -> Result<OpWire, ErrorWire> {
+    check_tags(tags).map_err(ErrorWire::client)?;
+    let tags = expand_tags(action, tags, &coordinator.state());
+    let journal = journal(coordinator);
+    let result = match action {
+        Action::Sleep => coordinator.sleep(&tags, opts),
+        Action::Wakeup => coordinator.wakeup(&tags, opts),
+    };
+    match result {
+        Ok(receipt) => {
+            journal.record_op(&receipt);
+            Ok(OpWire::from(&receipt))
+        }
+        Err(e) => {
+            journal.record_failure(action);
+            Err(ErrorWire::from(&e))
+        }
+    }
+}
+
+/// What the journal keeps: counts of operations and failures, and the latest per-rank
+/// numbers of the operations that ran.
+#[derive(Debug, Default)]
+struct Record {
+    ops: BTreeMap<String, u64>,
+    failures: BTreeMap<String, u64>,
+    tagged: BTreeMap<(usize, String), u64>,
+    resident: BTreeMap<usize, u64>,
+    device: BTreeMap<(usize, u32), u64>,
+}
+
+/// The sleep/wakeup operations of one deployment, as `/metrics` shows them. Cheap to clone.
+#[derive(Clone, Debug, Default)]
+pub struct Journal(Arc<Mutex<Record>>);
+
+/// What a [`Journal`] holds, read at once.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct JournalSnapshot {
+    /// Operations that succeeded, by action (`sleep`, `wakeup`).
+    pub ops: BTreeMap<String, u64>,
+    /// Operations that failed, by action.
+    pub failures: BTreeMap<String, u64>,
+    /// Per (rank, tag): the bytes the latest operation that moved the tag released or
+    /// restored.
+    pub tagged: BTreeMap<(usize, String), u64>,
+    /// Per rank: resident host bytes after the latest operation.
+    pub resident: BTreeMap<usize, u64>,
+    /// Per (rank, device index): the process's device bytes after the latest operation.
+    pub device: BTreeMap<(usize, u32), u64>,
+}
+
+impl Journal {
+    fn lock(&self) -> MutexGuard<'_, Record> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records a successful operation. One that had nothing to do (op id 0) only counts.
+    pub fn record_op(&self, receipt: &OpReceipt) {
+        let mut r = self.lock();
+        *r.ops.entry(receipt.action.to_string()).or_default() += 1;
+        if receipt.op_id == 0 {
+            return;
+        }
+        for rank in &receipt.ranks {
+            for t in &rank.tags {
+                r.tagged.insert((rank.rank, t.tag.clone()), t.bytes);
+            }
+            r.resident.insert(rank.rank, rank.after.resident);
+            for &(index, bytes) in &rank.after.devices {
+                r.device.insert((rank.rank, index), bytes);
+            }
+        }
+    }
+
+    /// Records a failed operation.
+    pub fn record_failure(&self, action: Action) {
+        *self.lock().failures.entry(action.to_string()).or_default() += 1;
+    }
+
+    /// Everything recorded so far.
+    pub fn snapshot(&self) -> JournalSnapshot {
+        let r = self.lock();
+        JournalSnapshot {
+            ops: r.ops.clone(),
+            failures: r.failures.clone(),
+            tagged: r.tagged.clone(),
+            resident: r.resident.clone(),
+            device: r.device.clone(),
+        }
+    }
+}
+
+/// The journals of the live coordinators of this process (one in a deployment's rank 0).
+static JOURNALS: Mutex<Vec<(Weak<Coordinator>, Journal)>> = Mutex::new(Vec::new());
+
+/// The journal of `coordinator`'s deployment. Rank 0 starts the control socket and the HTTP
+/// API separately, each with the same coordinator; keyed by it, they share one journal
+/// without either having to hand it to the other.
+pub fn journal(coordinator: &Arc<Coordinator>) -> Journal {
+    let mut all = JOURNALS.lock().unwrap_or_else(|e| e.into_inner());
+    all.retain(|(c, _)| c.strong_count() > 0);
+    let key = Arc::downgrade(coordinator);
+    if let Some((_, j)) = all.iter().find(|(c, _)| c.ptr_eq(&key)) {
+        return j.clone();
+    }
+    let j = Journal::default();
+    all.push((key, j.clone()));
+    j
+}
+
+/// Serves one request on `coordinator` (the socket server's dispatch, without `stop`, which
+/// only the server can do).
+pub(crate) fn dispatch(coordinator: &Arc<Coordinator>, req: &Request) -> Reply {
+    if let Some(level) = req.level {
+        if !(1..=2).contains(&level) {
+            return Reply::refused(format!("sleep level {level}: only 1 and 2 are supported"));
+        }
+    }
+    let opts = OpOptions { mode: req.mode, verify: req.verify };
+    let action = match req.method.as_str() {
+        "sleep" => Action::Sleep,
+        "wakeup" | "wake_up" => Action::Wakeup,
+        "status" => {
+            return match coordinator.status() {
+                Ok(s) => Reply { ok: true, status: Some(StatusWire::from(&s)), ..Reply::default() },
+                Err(e) => Reply { ok: false, error: Some(ErrorWire::from(&e)), ..Reply::default() },
+            }
+        }
+        other => {
+            return Reply::refused(format!(
+                "unknown control method `{other}`: expected sleep, wakeup, status or stop"
+            ))
+        }
+    };
+    match run_op(coordinator, action, &req.tags, opts) {
+        Ok(op) => Reply { ok: true, op: Some(op), ..Reply::default() },
+        Err(e) => Reply { ok: false, error: Some(e), ..Reply::default() },
+    }
+}
+
+#[cfg(test)]
+mod tests;

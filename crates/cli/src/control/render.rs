@@ -1,0 +1,147 @@
+//! Control replies as people read them: a receipt table per rank and tag, a status table per
+//! rank, bytes in binary units and times in the unit that fits.
+
+use super::{OpWire, StatusWire};
+use session::sleep::Probe;
+
+/// `n` bytes in binary units: `512 B`, `1.5 KiB`, `3.0 GiB`.
+pub fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut value = n as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+/// `us` microseconds as `250 us`, `12.5 ms` or `3.20 s`.
+pub fn micros(us: u64) -> String {
+    if us < 1_000 {
+        format!("{us} us")
+    } else if us < 1_000_000 {
+        format!("{:.1} ms", us as f64 / 1e3)
+    } else {
+        format!("{:.2} s", us as f64 / 1e6)
+    }
+}
+
+/// The devices of a probe: `cpu`, or `cuda:N` per device the rank uses.
+pub fn device(probe: &Probe) -> String {
+    if probe.devices.is_empty() {
+        "cpu".to_owned()
+    } else {
+        let names: Vec<String> = probe.devices.iter().map(|(i, _)| format!("cuda:{i}")).collect();
+        names.join(",")
+    }
+}
+
+/// Rows as columns padded to their widest cell, two spaces apart, one line each.
+fn table(rows: &[Vec<String>]) -> String {
+    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..columns)
+        .map(|c| rows.iter().filter_map(|r| r.get(c)).map(|s| s.chars().count()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for row in rows {
+        let mut line = String::new();
+        for (c, cell) in row.iter().enumerate() {
+            line.push_str(&format!("{cell:<w$}  ", w = widths[c]));
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// A sleep or wakeup receipt: one row per rank and tag (the rank's probe, before -> after, on
+/// its first row; device bytes on a GPU, resident bytes on CPU), then a total line.
+pub fn receipt(op: &OpWire) -> String {
+    let mut rows = vec![["rank", "device", "tag", "bytes", "probe before -> after", "time"]
+        .map(str::to_owned)
+        .to_vec()];
+    for r in &op.ranks {
+        let probe = format!("{} -> {}", bytes(r.before.measure()), bytes(r.after.measure()));
+        let dev = device(&r.after);
+        if r.tags.is_empty() {
+            rows.push(vec![
+                r.rank.to_string(),
+                dev.clone(),
+                "-".into(),
+                bytes(0),
+                probe.clone(),
+                micros(r.elapsed_us),
+            ]);
+        }
+        for (i, t) in r.tags.iter().enumerate() {
+            rows.push(vec![
+                r.rank.to_string(),
+                dev.clone(),
+                t.tag.clone(),
+                bytes(t.bytes),
+                if i == 0 { probe.clone() } else { String::new() },
+                micros(t.elapsed_us),
+            ]);
+        }
+    }
+    let verb = if op.action == "sleep" { "released" } else { "restored" };
+    let mut out = table(&rows);
+    let total = if op.op_id == 0 {
+        format!(
+            "total: {} {} on {} rank(s): nothing to do (already {})",
+            op.action,
+            op.tags.join(","),
+            op.ranks.len(),
+            if op.action == "sleep" { "asleep" } else { "awake" }
+        )
+    } else {
+        format!(
+            "total: {} {} on {} rank(s): {} {verb} in {} (op {})",
+            op.action,
+            op.tags.join(","),
+            op.ranks.len(),
+            bytes(op.bytes),
+            micros(op.elapsed_us),
+            op.op_id
+        )
+    };
+    out.push_str(&total);
+    out.push('\n');
+    out
+}
+
+/// A status: the state, one row per rank (asleep tags, resident host bytes, device bytes),
+/// and the ranks that did not answer.
+pub fn status(s: &StatusWire) -> String {
+    let mut out = match (s.state.as_str(), &s.reason) {
+        (state, Some(reason)) => format!("state: {state} ({reason})\n"),
+        (state, None) if !s.tags.is_empty() => format!("state: {state} ({})\n", s.tags.join(",")),
+        (state, None) => format!("state: {state}\n"),
+    };
+    let mut rows =
+        vec![["rank", "device", "asleep", "resident", "device memory"].map(str::to_owned).to_vec()];
+    for r in &s.ranks {
+        let asleep = if r.asleep.is_empty() { "-".to_owned() } else { r.asleep.join(",") };
+        let device_bytes = if r.after.devices.is_empty() {
+            "-".to_owned()
+        } else {
+            bytes(r.after.devices.iter().map(|(_, b)| b).sum())
+        };
+        rows.push(vec![
+            r.rank.to_string(),
+            device(&r.after),
+            asleep,
+            bytes(r.after.resident),
+            device_bytes,
+        ]);
+    }
+    out.push_str(&table(&rows));
+    for f in &s.failures {
+        out.push_str(&format!("rank {} did not answer ({}): {}\n", f.rank, f.phase, f.message));
+    }
+    out
+}

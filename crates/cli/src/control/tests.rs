@@ -1,0 +1,180 @@
+//! Tags, names and the rendering of receipts and status, without a socket.
+
+use super::paths::{check_name, socket_path};
+use super::render::{bytes, micros, receipt, status};
+use super::*;
+use session::sleep::{Probe, TagReceipt};
+use std::path::Path;
+
+fn strings(t: &[&str]) -> Vec<String> {
+    t.iter().map(|s| (*s).to_owned()).collect()
+}
+
+#[test]
+fn bytes_and_times_use_the_unit_that_fits() {
+    for (n, text) in [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1.0 KiB"),
+        (1536, "1.5 KiB"),
+        (5 << 20, "5.0 MiB"),
+        (3 << 30, "3.0 GiB"),
+        ((1 << 40) + (1 << 39), "1.5 TiB"),
+    ] {
+        assert_eq!(bytes(n), text);
+    }
+    for (us, text) in [(0, "0 us"), (999, "999 us"), (1500, "1.5 ms"), (3_200_000, "3.20 s")] {
+        assert_eq!(micros(us), text);
+    }
+}
+
+fn rank(rank: usize, devices: Vec<(u32, u64)>, tags: &[(&str, u64)]) -> RankReceipt {
+    RankReceipt {
+        rank,
+        tags: tags
+            .iter()
+            .map(|&(t, b)| TagReceipt {
+                tag: t.into(),
+                allocations: 1,
+                bytes: b,
+                copied_bytes: 0,
+                elapsed_us: 2500,
+            })
+            .collect(),
+        before: Probe { resident: 3 << 30, devices: devices.clone() },
+        after: Probe {
+            resident: 1 << 30,
+            devices: devices.iter().map(|&(i, b)| (i, b - (2 << 30))).collect(),
+        },
+        elapsed_us: 5000,
+        asleep: strings(&["weights"]),
+    }
+}
+
+#[test]
+fn a_receipt_has_a_row_per_rank_and_tag_and_a_total() {
+    let op = OpWire {
+        op_id: 7,
+        action: "sleep".into(),
+        tags: strings(&["weights", "kv_cache"]),
+        bytes: 4 << 30,
+        elapsed_us: 1_250_000,
+        ranks: vec![
+            rank(0, Vec::new(), &[("weights", 1 << 30), ("kv_cache", 1 << 30)]),
+            rank(1, vec![(3, 10 << 30)], &[("weights", 1 << 30), ("kv_cache", 1 << 30)]),
+        ],
+    };
+    let text = receipt(&op);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 6, "{text}");
+    // Columns line up: every cell of a column starts where its header does.
+    let at = |h: &str| lines[0].find(h).unwrap();
+    assert_eq!(lines[3].find("cuda:3"), Some(at("device")), "{text}");
+    assert_eq!(lines[3].find("1.0 GiB"), Some(at("bytes")), "{text}");
+    assert_eq!(lines[3].find("10.0 GiB -> 8.0 GiB"), Some(at("probe")), "{text}");
+    assert_eq!(lines[1].find("3.0 GiB -> 1.0 GiB"), Some(at("probe")), "{text}");
+    assert_eq!(lines[1].find("2.5 ms"), Some(at("time")), "{text}");
+    assert!(lines[1].starts_with("0     cpu     weights"), "{text}");
+    // The probe is shown once per rank.
+    assert!(!lines[2].contains("->"), "{text}");
+    assert_eq!(
+        lines[5],
+        "total: sleep weights,kv_cache on 2 rank(s): 4.0 GiB released in 1.25 s (op 7)"
+    );
+
+    let nothing = OpWire { op_id: 0, action: "wakeup".into(), ..op };
+    assert!(receipt(&nothing).ends_with("nothing to do (already awake)\n"));
+}
+
+#[test]
+fn a_status_shows_the_state_each_rank_and_who_did_not_answer() {
+    let s = StatusWire {
+        state: "sleeping".into(),
+        tags: strings(&["weights"]),
+        reason: None,
+        ranks: vec![rank(0, Vec::new(), &[]), rank(1, vec![(1, 4 << 30)], &[])],
+        failures: vec![FailureWire {
+            rank: 2,
+            phase: Phase::Status,
+            message: "no status ack from rank 2 within 10.0 s".into(),
+        }],
+    };
+    let text = status(&s);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[0], "state: sleeping (weights)");
+    assert_eq!(
+        lines[1].split_whitespace().collect::<Vec<_>>(),
+        ["rank", "device", "asleep", "resident", "device", "memory"]
+    );
+    assert_eq!(
+        lines[2].split_whitespace().collect::<Vec<_>>(),
+        ["0", "cpu", "weights", "1.0", "GiB", "-"]
+    );
+    assert_eq!(
+        lines[3].split_whitespace().collect::<Vec<_>>(),
+        ["1", "cuda:1", "weights", "1.0", "GiB", "2.0", "GiB"]
+    );
+    assert_eq!(lines[4], "rank 2 did not answer (status): no status ack from rank 2 within 10.0 s");
+    let failed = StatusWire { state: "failed".into(), reason: Some("rank 1 is lost".into()), ..s };
+    assert!(status(&failed).starts_with("state: failed (rank 1 is lost)\n"));
+}
+
+#[test]
+fn tags_are_names_each_given_once() {
+    assert!(check_tags(&strings(&["weights", "kv_cache", "lora-1"])).is_ok());
+    for (bad, why) in [
+        (strings(&[""]), "is not a tag name"),
+        (strings(&["kv cache"]), "is not a tag name"),
+        (strings(&["a/b"]), "is not a tag name"),
+        (strings(&["weights", "weights"]), "given twice"),
+        (vec!["t".to_owned(); MAX_TAGS + 1], "at most 16"),
+    ] {
+        let e = check_tags(&bad).unwrap_err();
+        assert!(e.contains(why), "{bad:?}: {e}");
+    }
+}
+
+#[test]
+fn empty_tags_mean_all_for_a_sleep_and_the_asleep_ones_for_a_wakeup() {
+    let all = strings(&ALL_TAGS);
+    let running = DeploymentState::Running;
+    let sleeping = DeploymentState::Sleeping(strings(&["kv_cache"]));
+    assert_eq!(expand_tags(Action::Sleep, &[], &running), all);
+    assert_eq!(expand_tags(Action::Sleep, &[], &sleeping), all);
+    assert_eq!(expand_tags(Action::Wakeup, &[], &sleeping), strings(&["kv_cache"]));
+    assert_eq!(expand_tags(Action::Wakeup, &[], &running), all);
+    assert_eq!(
+        expand_tags(Action::Wakeup, &strings(&["weights"]), &sleeping),
+        strings(&["weights"])
+    );
+}
+
+#[test]
+fn deployment_names_make_short_socket_paths() {
+    for good in ["chat", "tpctl-1234", "a.b_c-9"] {
+        assert!(check_name(good).is_ok(), "{good}");
+    }
+    for bad in ["", ".hidden", "a/b", "a b", &"x".repeat(65)] {
+        assert!(check_name(bad).is_err(), "{bad}");
+    }
+    assert_eq!(
+        socket_path(Path::new("/run/user/1/tpctl"), "chat").unwrap(),
+        Path::new("/run/user/1/tpctl/chat.sock")
+    );
+    let deep = format!("/{}", "d".repeat(90));
+    let e = socket_path(Path::new(&deep), &"n".repeat(20)).unwrap_err().to_string();
+    assert!(e.contains("longer than the 107 bytes"), "{e}");
+}
+
+#[test]
+fn a_request_line_defaults_everything_but_the_method_and_refuses_unknown_fields() {
+    let r: Request = serde_json::from_str(r#"{"method":"sleep"}"#).unwrap();
+    assert_eq!(r, Request::new("sleep"));
+    let r: Request = serde_json::from_str(
+        r#"{"method":"sleep","tags":["weights"],"level":2,"mode":"keep","verify":true}"#,
+    )
+    .unwrap();
+    assert_eq!((r.level, r.mode, r.verify), (Some(2), QuiesceMode::Keep, true));
+    let e = serde_json::from_str::<Request>(r#"{"method":"sleep","tag":["weights"]}"#).unwrap_err();
+    assert!(e.to_string().contains("unknown field `tag`"), "{e}");
+}

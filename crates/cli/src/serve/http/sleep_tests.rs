@@ -1,0 +1,343 @@
+//! `/sleep`, `/wake_up`, `/is_sleeping`, the sleep metrics and `refuse_while_asleep`, over
+//! real HTTP against a real multi-rank coordinator (in-memory control channel, listener
+//! threads, fake rank memory). Every wait has a deadline.
+
+use super::{serve, Api, ApiParts};
+use crate::serve::bridge::Bridge;
+use crate::serve::metrics::Metrics;
+use serde_json::Value;
+use session::sleep::transport::memory::{self, Faults};
+use session::sleep::{
+    listener, Coordinator, CoordinatorOptions, Idle, ListenerHandle, MemoryError, Probe,
+    RankMemory, TagReceipt,
+};
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::AtomicBool;
+use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+const MIB: u64 = 1 << 20;
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// 1 MiB per tag (`weights`, `kv_cache`); resident 10 MiB plus 1 MiB per awake tag.
+#[derive(Default)]
+struct Fake {
+    asleep: Mutex<BTreeSet<String>>,
+    fail_release: Mutex<Option<String>>,
+}
+
+impl RankMemory for Fake {
+    fn check(&self, tags: &[String]) -> Result<(), String> {
+        match tags.iter().find(|t| !["weights", "kv_cache"].contains(&t.as_str())) {
+            Some(t) => Err(format!("unknown tag `{t}`")),
+            None => Ok(()),
+        }
+    }
+    fn release(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
+        if let Some(message) = self.fail_release.lock().unwrap().take() {
+            return Err(MemoryError { changed: false, message });
+        }
+        let mut asleep = self.asleep.lock().unwrap();
+        Ok(tags
+            .iter()
+            .map(|t| {
+                let moved = asleep.insert(t.clone());
+                TagReceipt {
+                    tag: t.clone(),
+                    bytes: if moved { MIB } else { 0 },
+                    ..Default::default()
+                }
+            })
+            .collect())
+    }
+    fn materialize(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
+        let mut asleep = self.asleep.lock().unwrap();
+        Ok(tags
+            .iter()
+            .map(|t| {
+                let moved = asleep.remove(t);
+                TagReceipt {
+                    tag: t.clone(),
+                    bytes: if moved { MIB } else { 0 },
+                    ..Default::default()
+                }
+            })
+            .collect())
+    }
+    fn probe(&self) -> Probe {
+        let awake = 2 - self.asleep.lock().unwrap().len() as u64;
+        Probe { resident: 10 * MIB + awake * MIB, devices: Vec::new() }
+    }
+}
+
+struct World {
+    coordinator: Arc<Coordinator>,
+    memory: Vec<Arc<Fake>>,
+    listeners: Vec<ListenerHandle>,
+}
+
+impl World {
+    fn new(n: usize) -> World {
+        let (link, peers) = memory::world(n, Faults::default());
+        let memory: Vec<Arc<Fake>> = (0..n).map(|_| Arc::new(Fake::default())).collect();
+        let listeners = peers
+            .into_iter()
+            .map(|p| {
+                let r = p.rank();
+                listener::spawn(r, p, memory[r].clone(), Arc::new(Idle)).expect("spawn")
+            })
+            .collect();
+        let opts = CoordinatorOptions { ack_timeout: Duration::from_secs(10) };
+        let coordinator = Arc::new(Coordinator::new(link, memory[0].clone(), Arc::new(Idle), opts));
+        World { coordinator, memory, listeners }
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        let _ = self.coordinator.shutdown();
+        for l in &mut self.listeners {
+            let _ = l.join(Duration::from_secs(10));
+        }
+    }
+}
+
+/// The tiny model's tokenizer (tokens `t0`..`t47`), written once per test process.
+fn tokenizer() -> layers::Tokenizer {
+    static PATH: OnceLock<std::path::PathBuf> = OnceLock::new();
+    let path = PATH.get_or_init(|| {
+        let path = std::env::temp_dir().join(format!("tpctl-http-{}.gguf", std::process::id()));
+        let spec = layers::model::random::RandomLlama {
+            heads: 6,
+            kv_heads: 3,
+            hidden: 48,
+            ffn: 64,
+            seed: 7,
+            ..Default::default()
+        };
+        spec.write(&path).expect("write the tiny model");
+        path
+    });
+    let file = layers::gguf::GgufFile::open(path).expect("open the tiny model");
+    layers::Tokenizer::from_gguf(&file).expect("its tokenizer")
+}
+
+/// A running HTTP API; the engine's inbox is the test's to read.
+struct Http {
+    addr: String,
+    inbox: Receiver<session::Request>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Http {
+    fn start(
+        control: Option<Arc<Coordinator>>,
+        refuse_while_asleep: bool,
+        key: Option<&str>,
+    ) -> Http {
+        let metrics = Metrics::default();
+        let (inbox_tx, inbox) = std::sync::mpsc::channel();
+        let api = Api::new(ApiParts {
+            bridge: Bridge::new(inbox_tx, metrics.clone()),
+            metrics,
+            tokenizer: tokenizer(),
+            model_name: "tiny".into(),
+            vocab: 48,
+            context: 256,
+            api_key: key.map(str::to_owned),
+            ready: Arc::new(AtomicBool::new(true)),
+            control,
+            refuse_while_asleep,
+        });
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let thread = std::thread::spawn(move || serve(listener, api, rx).expect("serve"));
+        Http { addr, inbox, shutdown: Some(tx), thread: Some(thread) }
+    }
+
+    /// One exchange (`Connection: close`): the status and the body.
+    fn call(&self, method: &str, path: &str, headers: &[&str], body: &str) -> (u16, String) {
+        let mut s = TcpStream::connect(&self.addr).unwrap();
+        s.set_read_timeout(Some(DEADLINE)).unwrap();
+        s.set_write_timeout(Some(DEADLINE)).unwrap();
+        let mut head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        );
+        for h in headers {
+            head.push_str(&format!("{h}\r\n"));
+        }
+        s.write_all(format!("{head}\r\n{body}").as_bytes()).unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).expect("an answer within the deadline");
+        let status = raw.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        let body = raw.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+        (status, body)
+    }
+
+    fn json(&self, method: &str, path: &str) -> (u16, Value) {
+        let (status, body) = self.call(method, path, &[], "");
+        (status, serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}")))
+    }
+
+    fn metric(&self, line_start: &str) -> String {
+        let (status, text) = self.call("GET", "/metrics", &[], "");
+        assert_eq!(status, 200);
+        text.lines()
+            .find_map(|l| l.strip_prefix(line_start).map(|v| v.trim().to_owned()))
+            .unwrap_or_else(|| panic!("`{line_start}` missing from\n{text}"))
+    }
+}
+
+impl Drop for Http {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let start = std::time::Instant::now();
+            while !t.is_finished() && start.elapsed() < DEADLINE {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+fn message(v: &Value) -> &str {
+    v["error"]["message"].as_str().unwrap_or_default()
+}
+
+#[test]
+fn without_a_coordinator_the_sleep_routes_answer_503() {
+    let http = Http::start(None, false, None);
+    for (method, path) in [("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")] {
+        let (status, v) = http.json(method, path);
+        assert_eq!(status, 503, "{path}");
+        assert_eq!(message(&v), "sleep/wakeup is not available", "{path}");
+    }
+}
+
+#[test]
+fn sleep_and_wake_up_reach_every_rank_and_show_in_the_metrics() {
+    let world = World::new(2);
+    let http = Http::start(Some(world.coordinator.clone()), true, None);
+    assert_eq!(http.json("GET", "/is_sleeping"), (200, serde_json::json!({"is_sleeping": false})));
+    assert_eq!(http.metric("tpctl_sleeping "), "0");
+
+    let (status, op) = http.json("POST", "/sleep?level=1&tags=kv_cache&mode=wait");
+    assert_eq!(status, 200, "{op}");
+    assert_eq!(op["action"], "sleep");
+    assert_eq!(op["bytes"], 2 * MIB);
+    assert_eq!(op["ranks"].as_array().map(Vec::len), Some(2));
+    assert_eq!(op["ranks"][1]["tags"][0]["tag"], "kv_cache");
+    assert!(world.memory.iter().all(|m| m.asleep.lock().unwrap().contains("kv_cache")));
+    assert_eq!(http.json("GET", "/is_sleeping"), (200, serde_json::json!({"is_sleeping": true})));
+    assert_eq!(http.metric("tpctl_sleeping "), "1");
+    assert_eq!(
+        http.metric("tpctl_memory_tagged_bytes{rank=\"1\",tag=\"kv_cache\"} "),
+        MIB.to_string()
+    );
+    assert_eq!(http.metric("tpctl_rank_resident_bytes{rank=\"0\"} "), (11 * MIB).to_string());
+    assert_eq!(http.metric("tpctl_sleep_ops_total{action=\"sleep\"} "), "1");
+
+    // refuse_while_asleep: completions get 503 and never reach the engine.
+    let (status, body) =
+        http.call("POST", "/v1/completions", &[], r#"{"prompt":[1,2,3],"max_tokens":2}"#);
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("the deployment is asleep (kv_cache)"), "{body}");
+    assert!(http.inbox.try_recv().is_err());
+
+    // vLLM's repeated `tags` works as well as a list.
+    let (status, op) = http.json("POST", "/wake_up?tags=kv_cache&tags=weights");
+    assert_eq!(status, 200, "{op}");
+    assert_eq!(op["tags"], serde_json::json!(["kv_cache", "weights"]));
+    assert_eq!(op["bytes"], 2 * MIB);
+    assert_eq!(http.json("GET", "/is_sleeping").1["is_sleeping"], false);
+    assert_eq!(http.metric("tpctl_sleeping "), "0");
+    assert_eq!(http.metric("tpctl_sleep_ops_total{action=\"wakeup\"} "), "1");
+    assert_eq!(http.metric("tpctl_rank_resident_bytes{rank=\"1\"} "), (12 * MIB).to_string());
+    assert_eq!(http.metric("tpctl_http_requests_total{route=\"/sleep\",status=\"200\"} "), "1");
+}
+
+#[test]
+fn while_asleep_completions_wait_in_the_engine_queue_by_default() {
+    let world = World::new(2);
+    let http = Http::start(Some(world.coordinator.clone()), false, None);
+    assert_eq!(http.json("POST", "/sleep").0, 200);
+    // The client gives up quickly; the request is in the inbox, waiting for the engine.
+    let addr = http.addr.clone();
+    std::thread::spawn(move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        let body = r#"{"prompt":[5,6],"max_tokens":1}"#;
+        let req = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let _ = s.write_all(req.as_bytes());
+        std::thread::sleep(Duration::from_secs(2));
+    });
+    let request = http.inbox.recv_timeout(DEADLINE).expect("the request reached the engine");
+    assert_eq!(request.prompt, session::Prompt::Tokens(vec![5, 6]));
+}
+
+#[test]
+fn bad_sleep_parameters_are_400_and_change_nothing() {
+    let world = World::new(2);
+    let http = Http::start(Some(world.coordinator.clone()), false, None);
+    for (path, expect) in [
+        ("/sleep?level=3", "sleep level `3`: only 1 and 2"),
+        ("/sleep?mode=later", "mode `later`: expected wait, abort or keep"),
+        ("/sleep?verify=maybe", "verify `maybe`"),
+        ("/sleep?tags=kv%20cache", "`kv cache` is not a tag name"),
+        ("/sleep?tags=kv_cache,kv_cache", "given twice"),
+        ("/sleep?tags=%zz", "bad percent-encoding"),
+        ("/wake_up?level=1", "unknown query parameter `level` (this route takes tags)"),
+    ] {
+        let (status, v) = http.json("POST", path);
+        assert_eq!(status, 400, "{path}: {v}");
+        assert!(message(&v).contains(expect), "{path}: {v}");
+    }
+    assert_eq!(http.json("GET", "/sleep").0, 405);
+    assert!(world.memory.iter().all(|m| m.asleep.lock().unwrap().is_empty()));
+    assert_eq!(http.metric("tpctl_sleep_ops_total{action=\"sleep\"} "), "0");
+}
+
+#[test]
+fn a_failing_rank_is_a_500_naming_it_and_counts_as_a_failure() {
+    let world = World::new(3);
+    *world.memory[2].fail_release.lock().unwrap() = Some("spill directory full".into());
+    let http = Http::start(Some(world.coordinator.clone()), false, None);
+    let (status, v) = http.json("POST", "/sleep?tags=weights");
+    assert_eq!(status, 500, "{v}");
+    assert!(
+        message(&v)
+            .contains("rank 2 (commit): commit of op 1: sleep [\"weights\"]: spill directory full"),
+        "{v}"
+    );
+    assert_eq!(v["error"]["failures"][0]["rank"], 2);
+    assert_eq!(v["error"]["outcome"], "rolled_back");
+    assert_eq!(http.metric("tpctl_sleep_op_failures_total{action=\"sleep\"} "), "1");
+    assert_eq!(http.json("GET", "/is_sleeping").1["is_sleeping"], false);
+}
+
+#[test]
+fn the_api_key_guards_the_sleep_routes() {
+    let world = World::new(2);
+    let http = Http::start(Some(world.coordinator.clone()), false, Some("k3y"));
+    assert_eq!(http.call("POST", "/sleep", &[], "").0, 401);
+    assert_eq!(http.call("GET", "/is_sleeping", &[], "").0, 401);
+    assert!(world.memory.iter().all(|m| m.asleep.lock().unwrap().is_empty()));
+    let (status, body) =
+        http.call("POST", "/sleep?tags=weights", &["Authorization: Bearer k3y"], "");
+    assert_eq!(status, 200, "{body}");
+    assert!(world.memory.iter().all(|m| m.asleep.lock().unwrap().contains("weights")));
+}
