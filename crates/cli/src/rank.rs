@@ -2,15 +2,19 @@
 //! and runs the session engine. Rank 0 tokenizes, prints and summarizes; workers print nothing
 //! but their errors. With a serve spec rank 0 serves HTTP instead ([`crate::serve`]).
 
+use crate::config::RestoreMode;
 use crate::output::{summary, Meter, Printer, PromptInfo};
 use crate::spec::{OutputFormat, RankSpec};
 use anyhow::{Context, Result};
 use collectives::{init_parallel, InitOptions};
 use layers::model::WeightForm;
 use mesh::AxisBackends;
+use session::memory::{ModelMemory, Restore};
 use session::sharded::ShardedFactory;
+use session::sleep::{self, ControlPlane, Coordinator, CoordinatorOptions, VmmMemory};
 use session::{
-    Decision, EngineOptions, Leader, Request, SamplingParams, SessionConfig, SessionReport, Worker,
+    Decision, EngineOptions, Gate, Leader, Request, SamplingParams, SessionConfig, SessionReport,
+    StopHandle, Worker,
 };
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -62,33 +66,74 @@ pub fn run() -> Result<()> {
         ..InitOptions::default()
     };
     let ctx = init_parallel(&opts).context("joining the other ranks")?;
+    let memory = model_memory(&spec)?;
     let form = if spec.native_weights { WeightForm::Native } else { WeightForm::F32 };
     let factory = Box::new(
-        ShardedFactory::new(spec.threads).with_weights(form).with_context(spec.kv_cache_tokens),
+        ShardedFactory::new(spec.threads)
+            .with_weights(form)
+            .with_context(spec.kv_cache_tokens)
+            .with_memory(memory.clone()),
     );
     let engine = EngineOptions { step_timeout: timeout, ..EngineOptions::default() };
+    let gate = Gate::for_rank(ctx.rank(), engine.quiesce_timeout);
+    gate.set_lossy(memory.lossy_tags());
+    let plane = control_plane(&ctx, &memory, gate.clone(), timeout)?;
     let model = spec.model.to_string_lossy().into_owned();
-    if ctx.rank() != 0 {
-        let mut worker = Worker::new(ctx, factory, engine)?;
-        stop_on_signal(worker.stop_handle());
-        worker.run()?;
-        return Ok(());
+    let coordinator = match plane {
+        ControlPlane::Coordinator(c) => Arc::new(c),
+        ControlPlane::Listener(mut listener) => {
+            let mut worker = Worker::new(ctx, factory, engine)?.with_gate(gate);
+            stop_on_signal(worker.stop_handle());
+            let ran = worker.run();
+            // Rank 0 sends the listener its shutdown when it leaves; a lost rank 0 closes it.
+            if let Err(e) = listener.join(Duration::from_secs(5)) {
+                tracing::debug!("control listener: {e}");
+            }
+            ran?;
+            return Ok(());
+        }
+    };
+    let stop = StopHandle::default();
+    let control = control_socket(&spec, &coordinator, &stop)?;
+    let ran = lead(&spec, ctx, factory, engine, gate, stop, model, &file, &config, &coordinator);
+    drop(control);
+    if let Err(e) = coordinator.shutdown() {
+        tracing::debug!("control plane shutdown: {e}");
     }
+    ran
+}
+
+/// Rank 0's part once the control plane runs: serve HTTP, or run the prompts.
+#[allow(clippy::too_many_arguments)]
+fn lead(
+    spec: &RankSpec,
+    ctx: collectives::ParallelContext,
+    factory: Box<ShardedFactory>,
+    engine: EngineOptions,
+    gate: Arc<Gate>,
+    stop: StopHandle,
+    model: String,
+    file: &layers::gguf::GgufFile,
+    config: &layers::LlamaConfig,
+    coordinator: &Arc<Coordinator>,
+) -> Result<()> {
     if let Some(serve) = &spec.serve {
         let rank0 = crate::serve::Rank0 {
             ctx,
             factory,
             engine,
             model,
-            file: &file,
-            config: &config,
+            file,
+            config,
             context_tokens: spec.kv_cache_tokens,
-            control: None,
+            gate,
+            stop,
+            control: Some(coordinator.clone()),
         };
         return crate::serve::run(rank0, serve);
     }
 
-    let tokenizer = layers::Tokenizer::from_gguf(&file)?;
+    let tokenizer = layers::Tokenizer::from_gguf(file)?;
     let mut prompts = Vec::with_capacity(spec.prompts.len());
     for (i, p) in spec.prompts.iter().enumerate() {
         let ids = match &p.ids {
@@ -129,7 +174,9 @@ pub fn run() -> Result<()> {
     let first_token = Arc::new(Mutex::new(None));
     let meter = Meter::default();
     let printer = Printer::new(spec.output, prompts, first_token.clone());
-    let mut leader = Leader::new(ctx, factory, Box::new(printer), Box::new(meter.clone()), engine)?;
+    let mut leader = Leader::new(ctx, factory, Box::new(printer), Box::new(meter.clone()), engine)?
+        .with_gate(gate)
+        .with_stop(stop);
     stop_on_signal(leader.stop_handle());
     let start = Instant::now();
     let mut stop = |_: &SessionReport| Decision::Stop;
@@ -142,6 +189,66 @@ pub fn run() -> Result<()> {
         OutputFormat::Jsonl => eprintln!("{line}"),
     }
     Ok(())
+}
+
+/// The restore policy of `tag` per the spec, else its default.
+fn restore(spec: &RankSpec, tag: &str, default: Restore) -> Restore {
+    spec.sleep.get(tag).map_or(default, |p| match p.restore {
+        RestoreMode::Discard => Restore::Discard,
+        RestoreMode::Zero => Restore::Zero,
+        RestoreMode::Backup => Restore::Backup,
+        RestoreMode::Reload => Restore::Reload,
+    })
+}
+
+/// Where this rank's weights and KV caches live: host memory the deployment can sleep.
+fn model_memory(spec: &RankSpec) -> Result<ModelMemory> {
+    let spill = spec.sleep.values().find_map(|p| p.spill_dir.clone());
+    ModelMemory::host(
+        spill,
+        restore(spec, "weights", Restore::Reload),
+        restore(spec, "kv_cache", Restore::Discard),
+    )
+    .map_err(|e| anyhow::anyhow!("sleep policy: {e}"))
+}
+
+/// Starts this rank's end of the sleep/wakeup control plane, collectively, before any engine
+/// runs: rank 0's coordinator, a listener thread elsewhere.
+fn control_plane(
+    ctx: &collectives::ParallelContext,
+    memory: &ModelMemory,
+    gate: Arc<Gate>,
+    timeout: Duration,
+) -> Result<ControlPlane> {
+    let rank_memory = Arc::new(VmmMemory::new(memory.manager().clone(), None));
+    let opts = CoordinatorOptions { ack_timeout: timeout };
+    let Some(world) = ctx.world() else {
+        // One rank: a coordinator without peers.
+        let (link, _) = sleep::transport::memory::world(1, Default::default());
+        return Ok(ControlPlane::Coordinator(Coordinator::new(link, rank_memory, gate, opts)));
+    };
+    let rv = world.rendezvous();
+    let host = if rv.single_host() { "127.0.0.1" } else { rv.master_addr.as_str() };
+    sleep::start(world.store(), rv.rank, rv.world_size, host, rank_memory, gate, opts, timeout)
+        .context("starting the sleep/wakeup control plane")
+}
+
+/// Rank 0's control socket for `tpctl sleep / wakeup / status / stop`, when the spec names
+/// one. `stop` stops the engine at its next step boundary.
+fn control_socket(
+    spec: &RankSpec,
+    coordinator: &Arc<Coordinator>,
+    stop: &StopHandle,
+) -> Result<Option<crate::control::Server>> {
+    let Some(path) = &spec.control_socket else { return Ok(None) };
+    let stop = stop.clone();
+    let server = crate::control::Server::start(
+        path,
+        coordinator.clone(),
+        Arc::new(move || stop.request_stop()),
+    )
+    .with_context(|| format!("control socket {}", path.display()))?;
+    Ok(Some(server))
 }
 
 /// SIGINT or SIGTERM (forwarded by the launcher) stops the engine at the next step boundary.

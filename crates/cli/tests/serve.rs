@@ -6,6 +6,7 @@
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
+use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -89,10 +90,16 @@ impl Server {
     /// Starts `tpctl serve --model MODEL --listen 127.0.0.1:0 ARGS` and waits until
     /// `/health` says ok.
     fn start(model: &str, args: &[&str]) -> Server {
+        Server::start_with(model, args, &[])
+    }
+
+    /// As [`Server::start`], with `env` in the environment of the launcher and the ranks.
+    fn start_with(model: &str, args: &[&str], env: &[(&str, &str)]) -> Server {
         let mark = marker();
         let mut child = Command::new(TPCTL)
             .args(["serve", "--model", model, "--threads", "1", "--listen", "127.0.0.1:0"])
             .args(args)
+            .envs(env.iter().copied())
             .env("TPCTL_TEST_MARK", &mark)
             .env_remove("RUST_LOG")
             .env_remove("TPCTL_API_KEY")
@@ -154,10 +161,17 @@ impl Server {
     }
 
     /// Interrupts the launcher as a terminal's Ctrl-C would, and waits for it.
-    fn interrupt(mut self) -> ExitStatus {
-        let mut child = self.child.take().expect("running");
+    fn interrupt(self) -> ExitStatus {
+        let child = self.child.as_ref().expect("running");
         let status = Command::new("kill").arg("-INT").arg(child.id().to_string()).status();
         assert!(status.is_ok_and(|s| s.success()));
+        self.wait()
+    }
+
+    /// Waits for the launcher to exit (stopped, or failed), and checks that no process of it
+    /// is left.
+    fn wait(mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("running");
         let start = Instant::now();
         loop {
             if let Some(status) = child.try_wait().expect("wait for tpctl serve") {
@@ -167,7 +181,7 @@ impl Server {
             if start.elapsed() > DEADLINE {
                 let _ = child.kill();
                 kill_all(&self.mark);
-                panic!("tpctl serve still running after Ctrl-C\n{}", self.log());
+                panic!("tpctl serve still running\n{}", self.log());
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -589,4 +603,179 @@ fn chat_completions_apply_the_chat_template() {
         server.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": 7}]}));
     assert_error(&reply, 400, "invalid_message");
     assert_eq!(server.interrupt().code(), Some(130));
+}
+
+/// A runtime directory (`$XDG_RUNTIME_DIR`) of its own, short enough for socket paths.
+fn runtime_dir(name: &str) -> String {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("rt-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create the runtime dir");
+    dir.to_string_lossy().into_owned()
+}
+
+/// `tpctl ARGS --json` against the deployments of `runtime`: exit code and the JSON reply.
+fn control(runtime: &str, args: &[&str]) -> (i32, Value, String) {
+    let out = Command::new(TPCTL)
+        .args(args)
+        .arg("--json")
+        .env("XDG_RUNTIME_DIR", runtime)
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run tpctl");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let reply = stdout.lines().last().map_or(Value::Null, |l| serde_json::from_str(l).unwrap());
+    (out.status.code().unwrap_or(-1), reply, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// The default model, when `cargo xtask fetch-model` (CI runs it) cached it.
+fn default_model() -> Option<String> {
+    let path = layers::model::default_model_path()?;
+    Some(path.to_string_lossy().into_owned())
+}
+
+/// The greedy text of `prompt` from a running server.
+fn greedy_text(server: &Server, prompt: &str, max_tokens: u32) -> String {
+    let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+    let reply = server.post("/v1/completions", &body);
+    assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
+    reply.json()["choices"][0]["text"].as_str().expect("text").to_owned()
+}
+
+/// The integration of issue "multi-rank sleep/wakeup": four real rank processes (tp 2, cp 2)
+/// serving the real model. `tpctl sleep --verify` frees, on every rank on its own, at least 90%
+/// of the rank's tagged bytes (weights and KV cache); `tpctl wakeup` restores them (weights
+/// reloaded from the GGUF); the greedy text after the wakeup is the text before the sleep; and
+/// `tpctl stop` ends the deployment with no process left.
+#[test]
+fn sleep_frees_every_ranks_memory_and_wakeup_gives_the_same_text() {
+    let Some(model) = default_model() else {
+        eprintln!("note: default model not cached (run `cargo xtask fetch-model`); skipping");
+        return;
+    };
+    let rt = runtime_dir("real");
+    let env = [("XDG_RUNTIME_DIR", rt.as_str())];
+    let server =
+        Server::start_with(&model, &["--tp", "2", "--cp", "2", "--deployment", "real"], &env);
+    let prompt = "The capital of France is";
+    let before = greedy_text(&server, prompt, 16);
+    assert!(before.contains("Paris"), "{before}");
+
+    let (code, reply, err) = control(&rt, &["sleep", "--verify"]);
+    assert_eq!(code, 0, "{err}\n{reply}\n{}", server.log());
+    let ranks = reply["op"]["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 4, "{reply}");
+    for r in ranks {
+        let tags: Vec<&str> =
+            r["tags"].as_array().unwrap().iter().map(|t| t["tag"].as_str().unwrap()).collect();
+        assert!(tags.contains(&"weights") && tags.contains(&"kv_cache"), "{r}");
+        let bytes: u64 =
+            r["tags"].as_array().unwrap().iter().map(|t| t["bytes"].as_u64().unwrap()).sum();
+        assert!(bytes > 20 << 20, "rank {} released only {bytes} bytes", r["rank"]);
+        let freed = r["before"]["resident"]
+            .as_u64()
+            .unwrap()
+            .saturating_sub(r["after"]["resident"].as_u64().unwrap());
+        assert!(
+            freed >= bytes * 9 / 10,
+            "rank {}: resident memory dropped by {freed} of {bytes} bytes",
+            r["rank"]
+        );
+    }
+    assert_eq!(server.get("/is_sleeping").json()["is_sleeping"], true);
+    let (code, status, err) = control(&rt, &["status"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(status["status"]["state"], "sleeping", "{status}");
+
+    // Asleep again: nothing to do, a zero receipt.
+    let (code, again, _) = control(&rt, &["sleep"]);
+    assert_eq!((code, again["op"]["bytes"].as_u64()), (0, Some(0)), "{again}");
+
+    let (code, reply, err) = control(&rt, &["wakeup"]);
+    assert_eq!(code, 0, "{err}\n{reply}");
+    assert_eq!(reply["op"]["ranks"].as_array().map(Vec::len), Some(4));
+    assert_eq!(server.get("/is_sleeping").json()["is_sleeping"], false);
+    assert_eq!(greedy_text(&server, prompt, 16), before, "the same text after the wakeup");
+
+    let (code, reply, err) = control(&rt, &["stop"]);
+    assert_eq!(code, 0, "{err}\n{reply}");
+    assert!(server.wait().success());
+}
+
+/// Generations that run while the deployment goes to sleep with mode `keep` continue after
+/// the wakeup with exactly the tokens of an uninterrupted run, whether the KV cache was
+/// discarded (recomputed from the tokens) or spilled; a request sent while asleep waits for
+/// the wakeup; mode `abort` ends running requests with finish reason `abort`.
+#[test]
+fn generations_survive_a_sleep_with_mode_keep_and_abort_ends_them() {
+    const MAX: u32 = 200;
+    let prompt = "1,2,3";
+    let expected = reference(model(), &[prompt], MAX).remove(0);
+    for (name, config) in [("discard", "discard"), ("backup", "backup")] {
+        let rt = runtime_dir(name);
+        let toml = scratch(&format!("sleep-{name}.toml"));
+        std::fs::write(&toml, format!("[sleep.kv_cache]\nrestore = \"{config}\"\n")).unwrap();
+        let env = [("XDG_RUNTIME_DIR", rt.as_str())];
+        let args = ["--tp", "2", "--cp", "2", "--deployment", name, toml.to_str().unwrap()];
+        let server = Arc::new(Server::start_with(model(), &args, &env));
+        let running = {
+            let server = server.clone();
+            std::thread::spawn(move || server.post("/v1/completions", &completion(prompt, MAX)))
+        };
+        let (code, reply, err) = control(&rt, &["sleep", "--tags", "kv_cache", "--mode", "keep"]);
+        assert_eq!(code, 0, "{name}: {err}\n{reply}\n{}", server.log());
+        let waiting = {
+            let server = server.clone();
+            std::thread::spawn(move || server.post("/v1/completions", &completion("4,5", 3)))
+        };
+        let (code, _, err) = control(&rt, &["wakeup"]);
+        assert_eq!(code, 0, "{name}: {err}");
+        let done = running.join().unwrap();
+        assert_eq!(done.status, 200, "{done:?}");
+        assert_eq!(
+            ids(&done.json()["choices"][0]["token_ids"]),
+            expected,
+            "{name}: {}",
+            server.log()
+        );
+        assert_eq!(waiting.join().unwrap().status, 200);
+
+        let running = {
+            let server = server.clone();
+            std::thread::spawn(move || server.post("/v1/completions", &completion(prompt, MAX)))
+        };
+        // Let it start, then abort it.
+        std::thread::sleep(Duration::from_millis(50));
+        let (code, _, err) = control(&rt, &["sleep", "--mode", "abort"]);
+        assert_eq!(code, 0, "{name}: {err}");
+        let done = running.join().unwrap().json();
+        let reason = done["choices"][0]["finish_reason"].as_str().unwrap().to_owned();
+        // A request that finished before the sleep came is not aborted.
+        let n = ids(&done["choices"][0]["token_ids"]).len();
+        assert!(reason == "abort" && n < MAX as usize || n == MAX as usize, "{done}");
+        let (code, _, err) = control(&rt, &["wakeup"]);
+        assert_eq!(code, 0, "{name}: {err}");
+        let (code, _, err) = control(&rt, &["stop"]);
+        assert_eq!(code, 0, "{name}: {err}");
+        let server = Arc::try_unwrap(server).ok().expect("the only handle");
+        assert!(server.wait().success());
+    }
+}
+
+/// A rank killed while it prepares or commits a sleep: the call fails naming it, and the
+/// launcher stops the whole deployment (no rank is left running, let alone half asleep).
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_rank_killed_during_a_sleep_stops_the_deployment() {
+    for (point, rank) in [("sleep.prepare", 2), ("sleep.commit", 3)] {
+        let rt = runtime_dir(point);
+        let fail = format!("{point}=kill@{rank}");
+        let env = [("XDG_RUNTIME_DIR", rt.as_str()), ("TPCTL_FAILPOINTS", fail.as_str())];
+        let server = Server::start_with(model(), &["--tp", "2", "--cp", "2"], &env);
+        let (code, reply, err) = control(&rt, &["sleep"]);
+        assert_ne!(code, 0, "{point}: {reply}");
+        assert!(err.contains(&format!("rank {rank}")), "{point}: {err}\n{}", server.log());
+        let status = server.wait();
+        assert!(!status.success(), "{point}: the deployment fails");
+    }
 }

@@ -205,6 +205,7 @@ fn scenario_main(scenario: &str, rank: usize, slot: &mut Option<Role>) -> Outcom
         transition_timeout: Duration::from_secs(30),
         tick: Duration::from_millis(env_u64("TPCTL_TICK_MS", 100)),
         shutdown_timeout: Duration::from_secs(20),
+        ..EngineOptions::default()
     };
     let stop_rank = env_u64("TPCTL_STOP_RANK", 0) as usize;
     let stop_cell = Arc::new(Mutex::new(None));

@@ -194,6 +194,8 @@ fn serve_connection(
                 Reply::refused(format!("the request line is longer than {MAX_REQUEST} bytes"));
             return write_reply(&stream, &reply);
         }
+        // A liveness probe (`tpctl` looking for deployments) connects and closes at once.
+        Ok(0) => return Ok(()),
         Ok(_) => serde_json::from_str::<Request>(line.trim()),
     };
     let request = match request {

@@ -47,6 +47,10 @@ pub struct Rank0<'a> {
     pub config: &'a layers::LlamaConfig,
     /// KV-cache tokens per sequence: with the model's context, the longest sequence.
     pub context_tokens: usize,
+    /// The gate the control plane quiesces the engine through.
+    pub gate: Arc<session::Gate>,
+    /// Stops the engine (Ctrl-C, `tpctl stop`).
+    pub stop: session::StopHandle,
     /// The deployment's sleep/wakeup coordinator, for `/sleep`, `/wake_up`, `/is_sleeping`
     /// and the sleep metrics (`None`: those routes answer 503).
     pub control: Option<Arc<session::sleep::Coordinator>>,
@@ -105,7 +109,9 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
         Box::new(bridge.sink()),
         Box::new(metrics.engine_sink(ready.clone())),
         rank0.engine,
-    )?;
+    )?
+    .with_gate(rank0.gate)
+    .with_stop(rank0.stop);
     let stop = leader.stop_handle();
     crate::rank::stop_on_signal(stop.clone());
     let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
