@@ -16,6 +16,10 @@ pub(crate) fn run(_args: &[String]) -> Result<()> {
                 .args(["--", "-D", "warnings"]),
         )?;
     }
+    // The tests that check the real model (greedy text per layout, sleep/wakeup of its
+    // weights) need it in the cache; fetched once, then reused.
+    let model = crate::fetch_model::fetch_default()?;
+    println!("default model: {}", model.display());
     // Tests run with fault injection compiled in, so the failure scenarios are exercised.
     util::run(cargo().args(["test", "--workspace", "--locked", "--features", "failpoints"]))?;
     Ok(())
