@@ -11,11 +11,15 @@ use layers::model::WeightForm;
 use mesh::AxisBackends;
 use session::memory::{ModelMemory, Restore};
 use session::sharded::ShardedFactory;
-use session::sleep::{self, ControlPlane, Coordinator, CoordinatorOptions, VmmMemory};
+use session::sleep::{
+    self, ControlPlane, Coordinator, CoordinatorOptions, DeploymentState, ListenerExit,
+    ListenerHandle, VmmMemory,
+};
 use session::{
     Decision, EngineOptions, Gate, Leader, Request, SamplingParams, SessionConfig, SessionReport,
     StopHandle, Worker,
 };
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -81,26 +85,83 @@ pub fn run() -> Result<()> {
     let model = spec.model.to_string_lossy().into_owned();
     let coordinator = match plane {
         ControlPlane::Coordinator(c) => Arc::new(c),
-        ControlPlane::Listener(mut listener) => {
+        ControlPlane::Listener(listener) => {
             let mut worker = Worker::new(ctx, factory, engine)?.with_gate(gate);
             stop_on_signal(worker.stop_handle());
+            let watch = watch_listener(listener, worker.stop_handle());
             let ran = worker.run();
-            // Rank 0 sends the listener its shutdown when it leaves; a lost rank 0 closes it.
-            if let Err(e) = listener.join(Duration::from_secs(5)) {
-                tracing::debug!("control listener: {e}");
-            }
+            watch.engine_done.store(true, Ordering::SeqCst);
+            let exit = watch.thread.join().unwrap_or_else(|_| Ok(ListenerExit::Shutdown));
             ran?;
+            if let Err(e @ sleep::Error::FailStop { .. }) = exit {
+                return Err(e).context("the deployment was stopped by a failed sleep/wakeup");
+            }
             return Ok(());
         }
     };
     let stop = StopHandle::default();
     let control = control_socket(&spec, &coordinator, &stop)?;
+    let failed = watch_coordinator(&coordinator, &stop);
     let ran = lead(&spec, ctx, factory, engine, gate, stop, model, &file, &config, &coordinator);
+    failed.store(true, Ordering::SeqCst);
     drop(control);
+    if let DeploymentState::Failed(reason) = coordinator.state() {
+        ran?;
+        anyhow::bail!("the deployment was stopped by a failed sleep/wakeup: {reason}");
+    }
     if let Err(e) = coordinator.shutdown() {
         tracing::debug!("control plane shutdown: {e}");
     }
     ran
+}
+
+/// A worker's control listener, watched while the engine runs.
+struct ListenerWatch {
+    engine_done: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<sleep::Result<ListenerExit>>,
+}
+
+/// Watches the listener: when it ends while the engine still runs (rank 0 stopped the
+/// deployment after a failed rollback, or rank 0 is gone), the engine stops at its next step
+/// boundary on every rank. Once the engine is done, waits a little for rank 0's shutdown.
+fn watch_listener(mut listener: ListenerHandle, stop: StopHandle) -> ListenerWatch {
+    let engine_done = Arc::new(AtomicBool::new(false));
+    let done = engine_done.clone();
+    let thread = std::thread::spawn(move || loop {
+        if listener.is_finished() {
+            let exit = listener.join(Duration::ZERO);
+            if !done.load(Ordering::SeqCst) {
+                tracing::error!("sleep/wakeup control listener ended: {exit:?}");
+                stop.request_stop();
+            }
+            return exit;
+        }
+        if done.load(Ordering::SeqCst) {
+            // Rank 0 sends its shutdown when it leaves; a lost rank 0 closes the channel.
+            return listener.join(Duration::from_secs(5));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    });
+    ListenerWatch { engine_done, thread }
+}
+
+/// Stops rank 0's engine (and so every rank) when the coordinator fails the deployment (a
+/// rollback failed: no rank may run on half-restored memory). Returns the flag that ends the
+/// watch.
+fn watch_coordinator(coordinator: &Arc<Coordinator>, stop: &StopHandle) -> Arc<AtomicBool> {
+    let ended = Arc::new(AtomicBool::new(false));
+    let (coordinator, stop, end) = (coordinator.clone(), stop.clone(), ended.clone());
+    std::thread::spawn(move || {
+        while !end.load(Ordering::SeqCst) {
+            if let DeploymentState::Failed(reason) = coordinator.state() {
+                tracing::error!("the deployment failed: {reason}; stopping every rank");
+                stop.request_stop();
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    ended
 }
 
 /// Rank 0's part once the control plane runs: serve HTTP, or run the prompts.

@@ -779,3 +779,26 @@ fn a_rank_killed_during_a_sleep_stops_the_deployment() {
         assert!(!status.success(), "{point}: the deployment fails");
     }
 }
+
+/// A sleep whose rollback fails on one rank (rank 3 refuses its commit, rank 1 cannot map its
+/// memory back): the deployment is failed and stopped on every rank rather than left half
+/// asleep, and the client hears `fail_stop`.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_failed_rollback_stops_every_rank() {
+    let rt = runtime_dir("failstop");
+    let env = [
+        ("XDG_RUNTIME_DIR", rt.as_str()),
+        ("TPCTL_FAILPOINTS", "sleep.commit=error@3;vmm.map=error@1"),
+    ];
+    let server = Server::start_with(model(), &["--tp", "2", "--cp", "2"], &env);
+    let (code, reply, err) = control(&rt, &["sleep"]);
+    assert_ne!(code, 0, "{reply}");
+    assert_eq!(reply["error"]["outcome"], "fail_stop", "{reply}\n{err}\n{}", server.log());
+    assert!(err.contains("rank 3") && err.contains("rank 1"), "{err}");
+    let log = server.log.clone();
+    let status = server.wait();
+    let log = log.lock().unwrap().clone();
+    assert!(!status.success(), "the deployment fails\n{log}");
+    assert!(log.contains("stopped by a failed sleep/wakeup"), "{log}");
+}

@@ -1,8 +1,9 @@
 //! Private failpoints (feature `failpoints`), in the syntax of `mesh::failpoint`.
 //!
 //! vmm does not depend on mesh, so it reads `TPCTL_FAILPOINTS` itself and acts only on
-//! entries whose point starts with `vmm.`: `vmm.POINT=error[#SKIP]` or
-//! `vmm.POINT=delay(MS)[#SKIP]`. Points: `vmm.map` (before each allocation is mapped by a
+//! entries whose point starts with `vmm.`: `vmm.POINT=error[@RANK][#SKIP]` or
+//! `vmm.POINT=delay(MS)[@RANK][#SKIP]` (`@RANK`: only in the process whose `RANK` environment
+//! variable is RANK). Points: `vmm.map` (before each allocation is mapped by a
 //! materialize) and `vmm.unmap` (before each allocation is unmapped by a release).
 
 use crate::error::Result;
@@ -39,7 +40,9 @@ mod active {
         hits: AtomicU64,
     }
 
-    fn parse(entry: &str) -> Option<Armed> {
+    /// The armed failpoint of `entry`; `Some(None)` when it is for another rank; `None` when
+    /// it does not parse.
+    fn parse(entry: &str) -> Option<Option<Armed>> {
         let (point, rest) = entry.split_once('=')?;
         let point = point.trim();
         if !point.starts_with("vmm.") {
@@ -49,11 +52,22 @@ mod active {
             Some((a, s)) => (a, s.trim().parse().ok()?),
             None => (rest, 0),
         };
+        let action = match action.split_once('@') {
+            Some((a, rank)) => {
+                let rank: usize = rank.trim().parse().ok()?;
+                let here = std::env::var("RANK").ok().and_then(|r| r.parse::<usize>().ok());
+                if here.unwrap_or(0) != rank {
+                    return Some(None);
+                }
+                a
+            }
+            None => action,
+        };
         let action = match action.trim() {
             "error" => Action::Error,
             a => Action::Delay(a.strip_prefix("delay(")?.strip_suffix(')')?.trim().parse().ok()?),
         };
-        Some(Armed { point: point.to_owned(), action, skip, hits: AtomicU64::new(0) })
+        Some(Some(Armed { point: point.to_owned(), action, skip, hits: AtomicU64::new(0) }))
     }
 
     fn armed() -> &'static [Armed] {
@@ -63,7 +77,7 @@ mod active {
             let mut armed = Vec::new();
             for entry in spec.split(';').map(str::trim).filter(|e| e.starts_with("vmm.")) {
                 match parse(entry) {
-                    Some(a) => armed.push(a),
+                    Some(a) => armed.extend(a),
                     // A mistyped spec in a fault-injection run must not silently test nothing.
                     None => tracing::error!(entry, "TPCTL_FAILPOINTS: cannot parse vmm entry"),
                 }
