@@ -91,7 +91,7 @@ pub fn run() -> Result<()> {
             let watch = watch_listener(listener, worker.stop_handle());
             let ran = worker.run();
             watch.engine_done.store(true, Ordering::SeqCst);
-            let exit = watch.thread.join().unwrap_or_else(|_| Ok(ListenerExit::Shutdown));
+            let exit = watch.thread.join().unwrap_or(Ok(ListenerExit::Shutdown));
             ran?;
             if let Err(e @ sleep::Error::FailStop { .. }) = exit {
                 return Err(e).context("the deployment was stopped by a failed sleep/wakeup");
