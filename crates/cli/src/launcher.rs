@@ -10,6 +10,7 @@
 //! - Ranks watch their parent (`TPCTL_LAUNCHER_PID`) and exit if the launcher disappears, so
 //!   no rank outlives it even when the launcher itself is killed.
 
+use crate::progress::{self, LoadBar};
 use anyhow::{Context, Result};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
@@ -143,14 +144,21 @@ fn pump_stdout(rank: usize, out: impl Read + Send + 'static) -> JoinHandle<()> {
     })
 }
 
+/// Copies a rank's standard error with a prefix, keeping its last lines; load-progress lines
+/// go to the bar instead.
 fn pump_stderr(
-    rank: usize,
+    (rank, local): (usize, usize),
     err: impl Read + Send + 'static,
     tail: Arc<Mutex<VecDeque<String>>>,
+    bar: Arc<LoadBar>,
 ) -> JoinHandle<()> {
     std::thread::spawn(move || {
         for line in BufReader::new(err).lines().map_while(|l| l.ok()) {
-            eprintln!("[rank {rank}] {line}");
+            if let Some((done, total)) = progress::parse(&line) {
+                bar.update(local, done, total);
+                continue;
+            }
+            bar.println(&format!("[rank {rank}] {line}"));
             let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
             if t.len() == KEPT_LINES {
                 t.pop_front();
@@ -169,6 +177,7 @@ fn pump_stderr(
 pub fn launch(spec: &Launch, interrupted: &AtomicBool) -> Result<Outcome> {
     let world = spec.nproc_per_node * spec.nnodes;
     let mut ranks: Vec<Rank> = Vec::with_capacity(spec.nproc_per_node);
+    let bar = Arc::new(LoadBar::new(spec.nproc_per_node));
     for local in 0..spec.nproc_per_node {
         let rank = spec.node_rank * spec.nproc_per_node + local;
         let mut cmd = Command::new(&spec.program);
@@ -205,11 +214,13 @@ pub fn launch(spec: &Launch, interrupted: &AtomicBool) -> Result<Outcome> {
             pumps.push(pump_stdout(rank, out));
         }
         if let Some(err) = child.stderr.take() {
-            pumps.push(pump_stderr(rank, err, tail.clone()));
+            pumps.push(pump_stderr((rank, local), err, tail.clone(), bar.clone()));
         }
         ranks.push(Rank { rank, child, status: None, tail, pumps });
     }
-    Ok(supervise(ranks, spec.grace, interrupted))
+    let outcome = supervise(ranks, spec.grace, interrupted);
+    bar.clear();
+    Ok(outcome)
 }
 
 fn supervise(mut ranks: Vec<Rank>, grace: Duration, interrupted: &AtomicBool) -> Outcome {

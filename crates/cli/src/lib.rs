@@ -7,6 +7,7 @@ pub mod config;
 pub mod control;
 pub mod launcher;
 pub mod output;
+pub mod progress;
 pub mod rank;
 pub mod serve;
 pub mod spec;

@@ -76,7 +76,8 @@ pub fn run() -> Result<()> {
         ShardedFactory::new(spec.threads)
             .with_weights(form)
             .with_context(spec.kv_cache_tokens)
-            .with_memory(memory.clone()),
+            .with_memory(memory.clone())
+            .with_progress(Arc::new(crate::progress::report)),
     );
     let engine = EngineOptions { step_timeout: timeout, ..EngineOptions::default() };
     let gate = Gate::for_rank(ctx.rank(), engine.quiesce_timeout);

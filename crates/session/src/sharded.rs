@@ -13,7 +13,7 @@ use layers::parallel::{Comms, ParallelCache, ParallelModel, Placement};
 use std::collections::HashMap;
 
 /// Builds a [`ShardedLlama`] from the GGUF file named by [`SessionConfig::model`].
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ShardedFactory {
     threads: usize,
     form: WeightForm,
@@ -21,6 +21,22 @@ pub struct ShardedFactory {
     context: Option<usize>,
     /// Where weights and KV caches live; `None`: the heap.
     memory: Option<ModelMemory>,
+    /// Told `(done, total)` while a shard loads.
+    progress: Option<Progress>,
+}
+
+/// A load-progress callback: `(steps done, steps in all)`.
+pub type Progress = std::sync::Arc<dyn Fn(usize, usize) + Send + Sync>;
+
+impl std::fmt::Debug for ShardedFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedFactory")
+            .field("threads", &self.threads)
+            .field("form", &self.form)
+            .field("context", &self.context)
+            .field("memory", &self.memory)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ShardedFactory {
@@ -31,6 +47,7 @@ impl ShardedFactory {
             form: WeightForm::Native,
             context: None,
             memory: None,
+            progress: None,
         }
     }
 
@@ -52,6 +69,13 @@ impl ShardedFactory {
         self.memory = Some(memory);
         self
     }
+
+    /// Reports the progress of every shard load to `progress` (the file's layers, then the
+    /// move into tagged memory).
+    pub fn with_progress(mut self, progress: Progress) -> Self {
+        self.progress = Some(progress);
+        self
+    }
 }
 
 impl ModelFactory for ShardedFactory {
@@ -62,12 +86,28 @@ impl ModelFactory for ShardedFactory {
     ) -> Result<Box<dyn StepModel>, BoxError> {
         let comms = Comms { tp: &mut *groups.tp, cp: &mut *groups.cp };
         let placement = Placement::of(&comms);
-        let mut model = ParallelModel::load(&config.model, placement, self.threads, self.form)
-            .map_err(|e| format!("loading the {placement:?} shard of {}: {e}", config.model))?;
+        let report = |done, total| {
+            if let Some(p) = &self.progress {
+                // One more step: the move into tagged memory.
+                p(done, total + 1);
+            }
+        };
+        let mut model = ParallelModel::load_with_progress(
+            &config.model,
+            placement,
+            self.threads,
+            self.form,
+            &mut |done, total| report(done, total),
+        )
+        .map_err(|e| format!("loading the {placement:?} shard of {}: {e}", config.model))?;
         if let Some(memory) = &self.memory {
             let origin =
                 ShardOrigin { path: config.model.clone().into(), placement, form: self.form };
             memory.place_weights(&mut model, &origin)?;
+        }
+        if let Some(p) = &self.progress {
+            let steps = model.config().n_layers + 3;
+            p(steps, steps);
         }
         let context = self.context.unwrap_or(model.config().context_length);
         Ok(Box::new(ShardedLlama {

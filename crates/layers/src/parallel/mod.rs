@@ -400,9 +400,25 @@ impl ParallelModel {
         threads: usize,
         form: WeightForm,
     ) -> Result<Self> {
+        ParallelModel::load_with_progress(path, placement, threads, form, &mut |_, _| {})
+    }
+
+    /// As [`ParallelModel::load`], calling `progress(done, total)` as the shard loads (after
+    /// the embedding, each layer and the head: `total` is the layer count plus 2).
+    ///
+    /// # Errors
+    /// As [`ParallelModel::load`].
+    pub fn load_with_progress(
+        path: impl AsRef<Path>,
+        placement: Placement,
+        threads: usize,
+        form: WeightForm,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
         let file = GgufFile::open(path.as_ref())?;
         let config = LlamaConfig::from_gguf(&file)?;
-        ParallelModel::from_source(&file, config, Backend::cpu(threads)?, placement, form)
+        let backend = Backend::cpu(threads)?;
+        ParallelModel::from_source_with_progress(&file, config, backend, placement, form, progress)
     }
 
     /// Builds this rank's shard from any weight source.
@@ -416,10 +432,35 @@ impl ParallelModel {
         placement: Placement,
         form: WeightForm,
     ) -> Result<Self> {
+        ParallelModel::from_source_with_progress(
+            src,
+            config,
+            backend,
+            placement,
+            form,
+            &mut |_, _| {},
+        )
+    }
+
+    /// As [`ParallelModel::from_source`], reporting progress as
+    /// [`ParallelModel::load_with_progress`] does.
+    ///
+    /// # Errors
+    /// As [`ParallelModel::load`].
+    pub fn from_source_with_progress(
+        src: &dyn WeightSource,
+        config: LlamaConfig,
+        backend: Backend,
+        placement: Placement,
+        form: WeightForm,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
         let Placement { tp_rank, tp, .. } = placement;
+        let total = config.n_layers + 2;
         let vocab = aligned_ranges(config.vocab_size, tp, 1);
         let embed =
             VocabParallelEmbedding::load(src, "token_embd.weight", vocab[tp_rank].clone(), form)?;
+        progress(1, total);
         let mut blocks = Vec::with_capacity(config.n_layers);
         for l in 0..config.n_layers {
             blocks.push(ParallelBlock {
@@ -428,6 +469,7 @@ impl ParallelModel {
                 ffn_norm: load_vector(src, &format!("blk.{l}.ffn_norm.weight"), config.hidden)?,
                 mlp: Mlp::load(src, l, ffn_range(&config, tp_rank, tp), form)?,
             });
+            progress(l + 2, total);
         }
         let norm = load_vector(src, "output_norm.weight", config.hidden)?;
         let lm_head = if config.tied_embeddings {
@@ -437,6 +479,7 @@ impl ParallelModel {
             let weight = Linear::load(src, "output.weight", &rows, form)?.weight().clone();
             ParallelLmHead::new(weight, vocab, tp_rank)
         };
+        progress(total, total);
         Ok(ParallelModel { config, backend, placement, embed, blocks, norm, lm_head })
     }
 
