@@ -802,3 +802,51 @@ fn a_failed_rollback_stops_every_rank() {
     assert!(!status.success(), "the deployment fails\n{log}");
     assert!(log.contains("stopped by a failed sleep/wakeup"), "{log}");
 }
+
+/// A client that goes away mid-generation cancels its request: the engine stops generating
+/// for it at the next step (steps are slowed down so the generation is surely running), and
+/// the metrics count it as cancelled. Both a streaming and a plain request.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_client_that_disconnects_cancels_its_request() {
+    const MAX: u32 = 200;
+    let env = [("TPCTL_FAILPOINTS", "session.step=delay(20)")];
+    let server = Server::start_with(model(), &["--tp", "2"], &env);
+    for (n, stream) in [(1.0, true), (2.0, false)] {
+        let body = json!({"prompt": prompt_ids("1,2,3"), "max_tokens": MAX, "stream": stream});
+        let body = body.to_string();
+        let raw = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let mut conn = TcpStream::connect(&server.addr).unwrap();
+        conn.set_read_timeout(Some(DEADLINE)).unwrap();
+        conn.write_all(raw.as_bytes()).unwrap();
+        if stream {
+            // Two tokens arrive, then the client leaves.
+            let mut seen = String::new();
+            let mut buf = [0u8; 4096];
+            while seen.matches("data:").count() < 2 {
+                let k = conn.read(&mut buf).expect("streamed tokens");
+                assert!(k > 0, "the stream ended early: {seen}");
+                seen.push_str(&String::from_utf8_lossy(&buf[..k]));
+            }
+        } else {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        drop(conn);
+        let name = "tpctl_requests_finished_total{reason=\"cancelled\"}";
+        let start = Instant::now();
+        loop {
+            let text = server.get("/metrics").body;
+            if text.contains(name) && metric(&text, name) == n {
+                let generated = metric(&text, "tpctl_generation_tokens_total");
+                assert!(generated < f64::from(MAX) * n, "{generated} tokens generated\n{text}");
+                break;
+            }
+            assert!(start.elapsed() < DEADLINE, "never cancelled\n{text}\n{}", server.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    assert_eq!(server.interrupt().code(), Some(130));
+}

@@ -722,6 +722,12 @@ impl Leader {
         replacement: &mut Option<Vec<Request>>,
     ) -> Result<Message> {
         let limit = config.max_steps.is_some_and(|m| s.steps >= m);
+        if let Some(sched) = s.sched.as_mut() {
+            for e in sched.take_cancelled() {
+                s.finished += 1;
+                emit(self.output.as_mut(), s.codec.as_deref(), &e, s.epoch, s.steps)?;
+            }
+        }
         if let Some(inbox) = inbox.filter(|_| !limit) {
             // Requests that arrived during the last step join now.
             while let Ok(r) = inbox.try_recv() {

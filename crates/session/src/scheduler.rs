@@ -5,6 +5,8 @@ use crate::error::{BoxError, Error, Result};
 use crate::plan::{PlanEntry, SeqId, StepPlan};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::sink::{FinishReason, TextCodec};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 /// A prompt as text (tokenized on rank 0) or as token ids.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,12 +26,43 @@ pub struct Request {
     pub prompt: Prompt,
     /// Sampling and stopping.
     pub params: SamplingParams,
+    /// Set by the caller to end the request early (its client went away).
+    pub cancel: Option<Cancel>,
 }
 
 impl Request {
     /// A request for `prompt` token ids with the given parameters.
     pub fn tokens(id: u64, prompt: Vec<u32>, params: SamplingParams) -> Self {
-        Request { id, prompt: Prompt::Tokens(prompt), params }
+        Request { id, prompt: Prompt::Tokens(prompt), params, cancel: None }
+    }
+
+    /// Ends early, with [`FinishReason::Cancelled`], once `cancel` is set.
+    pub fn with_cancel(mut self, cancel: Cancel) -> Self {
+        self.cancel = Some(cancel);
+        self
+    }
+}
+
+/// Cancels a request: the engine drops it at its next step boundary (its KV cache is freed on
+/// every rank) and reports it finished with [`FinishReason::Cancelled`].
+#[derive(Debug, Clone, Default)]
+pub struct Cancel(Arc<AtomicBool>);
+
+impl Cancel {
+    /// Asks for the cancellation.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether it was asked for.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+impl PartialEq for Cancel {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
     }
 }
 
@@ -50,6 +83,7 @@ struct Seq {
     generated: Vec<u32>,
     sampler: Sampler,
     stop: Vec<u32>,
+    cancel: Option<Cancel>,
 }
 
 impl Seq {
@@ -145,6 +179,7 @@ impl Scheduler {
             generated: Vec::new(),
             sampler: Sampler::new(req.params),
             stop,
+            cancel: req.cancel,
         });
         Ok(None)
     }
@@ -225,6 +260,26 @@ impl Scheduler {
             }
         }
         Ok(out)
+    }
+
+    /// Ends the sequences whose request was cancelled; their caches are released with the
+    /// next plan.
+    pub(crate) fn take_cancelled(&mut self) -> Vec<Emit> {
+        let mut out = Vec::new();
+        let released = &mut self.released;
+        self.seqs.retain_mut(|s| {
+            if !s.cancel.as_ref().is_some_and(Cancel::is_cancelled) {
+                return true;
+            }
+            released.push(s.id);
+            out.push(Emit::Finished {
+                request: s.request,
+                reason: FinishReason::Cancelled,
+                tokens: std::mem::take(&mut s.generated),
+            });
+            false
+        });
+        out
     }
 
     /// Makes every sequence prefill again from its tokens (prompt and generated) under a new

@@ -3,7 +3,7 @@
 //! registered.
 
 use super::metrics::Metrics;
-use session::{BoxError, FinishReason, OutputSink, Request, SamplingParams};
+use session::{BoxError, Cancel, FinishReason, OutputSink, Request, SamplingParams};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
@@ -28,6 +28,33 @@ pub enum Event {
         /// Every generated token.
         tokens: Vec<u32>,
     },
+}
+
+/// The events of one request, as [`Bridge::submit`] returns them.
+#[derive(Debug)]
+pub struct Events {
+    /// The request's id.
+    pub id: u64,
+    rx: UnboundedReceiver<Event>,
+    cancel: Cancel,
+    finished: bool,
+}
+
+impl Events {
+    /// The next event; `None` once the request finished or the engine stopped.
+    pub async fn recv(&mut self) -> Option<Event> {
+        let event = self.rx.recv().await;
+        self.finished |= matches!(event, Some(Event::Finished { .. }) | None);
+        event
+    }
+}
+
+impl Drop for Events {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.cancel.cancel();
+        }
+    }
 }
 
 /// The engine is gone (stopped or failed): nothing more is accepted.
@@ -55,27 +82,26 @@ impl Bridge {
         Bridge { pending: Arc::default(), next_id: Arc::new(AtomicU64::new(0)), inbox, metrics }
     }
 
-    /// Hands a checked request to the engine; its events arrive on the returned channel,
-    /// which closes without [`Event::Finished`] only when the engine stops first.
+    /// Hands a checked request to the engine; its events arrive on the returned [`Events`],
+    /// which end without [`Event::Finished`] only when the engine stops first. Dropping the
+    /// `Events` before the end (the client went away) cancels the request.
     ///
     /// # Errors
     /// [`Closed`] when the engine no longer takes requests.
-    pub fn submit(
-        &self,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-    ) -> Result<(u64, UnboundedReceiver<Event>), Closed> {
+    pub fn submit(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<Events, Closed> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = unbounded_channel();
         let prompt_tokens = prompt.len();
+        let cancel = Cancel::default();
         // Registered before the engine can see the request, so no event is missed.
         self.lock().insert(id, Entry { tx, start: Instant::now(), first_token: None });
-        if self.inbox.send(Request::tokens(id, prompt, params)).is_err() {
+        let request = Request::tokens(id, prompt, params).with_cancel(cancel.clone());
+        if self.inbox.send(request).is_err() {
             self.lock().remove(&id);
             return Err(Closed);
         }
         self.metrics.submitted(prompt_tokens);
-        Ok((id, rx))
+        Ok(Events { id, rx, cancel, finished: false })
     }
 
     /// Closes every pending request's channel (the engine stopped).

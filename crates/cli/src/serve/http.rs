@@ -11,7 +11,7 @@
 //! `{"error": {"message", "type", "code", "param"}}`; the engine only ever sees checked
 //! token-id prompts.
 
-use super::bridge::{Bridge, Closed, Event};
+use super::bridge::{Bridge, Closed, Event, Events};
 use super::metrics::Metrics;
 use anyhow::{Context, Result};
 use axum::body::Bytes;
@@ -31,7 +31,6 @@ use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_stream::wrappers::ReceiverStream;
 
 /// The largest request body, bytes (larger ones get 413).
@@ -695,8 +694,8 @@ async fn generate(api: Api, job: Job, kind: Kind) -> std::result::Result<Respons
     }
     let prompt_tokens = job.prompt.len();
     let (stream, include_usage) = (job.stream, job.include_usage);
-    let (n, rx) = api.0.bridge.submit(job.prompt, job.params)?;
-    let id = kind.id(n);
+    let rx = api.0.bridge.submit(job.prompt, job.params)?;
+    let id = kind.id(rx.id);
     let created = unix_now();
     let model = api.0.model_name.clone();
     if stream {
@@ -896,7 +895,7 @@ async fn is_sleeping(State(api): State<Api>) -> Response {
 
 /// Waits for a request's end: its text, tokens and finish reason.
 async fn collect(
-    mut rx: UnboundedReceiver<Event>,
+    mut rx: Events,
 ) -> std::result::Result<(String, Vec<u32>, FinishReason), ApiError> {
     let mut text = String::new();
     while let Some(event) = rx.recv().await {
@@ -941,9 +940,9 @@ impl Header {
 }
 
 /// The request's events as SSE chunks, then `data: [DONE]`. A task forwards them; it ends
-/// early when the client goes away (the engine still finishes the request).
+/// early when the client goes away, which cancels the request (see [`Events`]).
 fn sse(
-    mut rx: UnboundedReceiver<Event>,
+    mut rx: Events,
     kind: Kind,
     header: Header,
 ) -> ReceiverStream<std::result::Result<SseEvent, Infallible>> {

@@ -443,3 +443,42 @@ fn a_worker_gate_closes_between_steps_and_refuses_a_step_while_closed() {
     assert!(err.contains("step boundary"), "{err}");
     assert!(!slow.is_parked());
 }
+
+#[test]
+fn a_cancelled_request_stops_generating_and_the_others_go_on() {
+    let (f, out, m) = (Factory::default(), Collect::new(), Metrics::default());
+    let (reached_tx, reached) = std::sync::mpsc::channel();
+    let slot = Arc::new(Mutex::new(None));
+    let sink =
+        Pausing { inner: out.clone(), at: 3, seen: 0, gate: slot.clone(), reached: reached_tx };
+    let ctx = init_parallel_with(mesh::Rendezvous::single(), &InitOptions::default()).unwrap();
+    let opts = EngineOptions { tick: Duration::from_millis(2), ..EngineOptions::default() };
+    let mut l =
+        Leader::new(ctx, Box::new(f.clone()), Box::new(sink), Box::new(m.clone()), opts).unwrap();
+    let gate = l.gate();
+    *slot.lock().unwrap() = Some(gate.clone());
+    let cancel = crate::Cancel::default();
+    let (tx, rx) = std::sync::mpsc::channel();
+    tx.send(req(1, &[1], 40).with_cancel(cancel.clone())).unwrap();
+    let engine = std::thread::spawn(move || {
+        let mut decide =
+            |r: &SessionReport| if r.finished >= 2 { Decision::Stop } else { Decision::KeepOpen };
+        l.serve(SessionConfig::new("count"), &rx, &mut decide)
+    });
+    reached.recv_timeout(Duration::from_secs(10)).expect("the 3rd token never came");
+    // Hold the engine at the 3rd token until the cancel is in, via the pausing sink's gate
+    // check: ask for a quiesce that is resumed at once.
+    cancel.cancel();
+    {
+        use crate::sleep::Quiesce;
+        gate.quiesce(QuiesceMode::Keep).unwrap();
+        gate.resume();
+    }
+    tx.send(req(2, &[7], 2)).unwrap();
+    engine.join().unwrap().unwrap();
+    let done = out.finished();
+    let one = done.iter().find(|d| d.request == 1).unwrap();
+    assert_eq!(one.reason, FinishReason::Cancelled);
+    assert_eq!(one.tokens, vec![2, 3, 4], "no token after the cancel");
+    assert_eq!(done.iter().find(|d| d.request == 2).unwrap().tokens, vec![8, 9]);
+}

@@ -79,8 +79,12 @@ fn unrunnable_requests_finish_at_once_and_close_cancels_the_rest() {
     assert!(matches!(empty, Emit::Finished { reason: FinishReason::Rejected, .. }));
     let zero = s.add(req(2, 3, 0), None, 0).unwrap().unwrap();
     assert!(matches!(zero, Emit::Finished { reason: FinishReason::Length, .. }));
-    let text =
-        Request { id: 3, prompt: Prompt::Text("hi".into()), params: SamplingParams::default() };
+    let text = Request {
+        id: 3,
+        prompt: Prompt::Text("hi".into()),
+        params: SamplingParams::default(),
+        cancel: None,
+    };
     assert!(s.add(text, None, 0).unwrap_err().to_string().contains("needs a tokenizer"));
     s.add(req(4, 2, 4), None, 0).unwrap();
     s.add(req(5, 2, 4), None, 0).unwrap();
@@ -124,4 +128,25 @@ fn a_recomputed_sequence_prefills_its_tokens_again_and_decodes_on() {
     let plan = next(&mut s, 2);
     let e = &plan.entries[0];
     assert_eq!((e.start, e.tokens.clone(), e.sample), (5, vec![7], true));
+}
+
+#[test]
+fn a_cancelled_request_ends_at_the_next_boundary_and_frees_its_sequence() {
+    let mut s = Scheduler::new(64, 8, 64, None);
+    let cancel = Cancel::default();
+    s.add(req(1, 3, 10).with_cancel(cancel.clone()), None, 0).unwrap();
+    s.add(req(2, 2, 10), None, 0).unwrap();
+    let plan = s.plan(0, 1).unwrap();
+    s.apply(&plan, &pick(&plan, 5)).unwrap();
+    assert!(s.take_cancelled().is_empty(), "nothing cancelled yet");
+    cancel.cancel();
+    let ended = s.take_cancelled();
+    assert_eq!(
+        ended,
+        vec![Emit::Finished { request: 1, reason: FinishReason::Cancelled, tokens: vec![5] }]
+    );
+    let plan = s.plan(0, 2).unwrap();
+    assert_eq!(plan.released, vec![1], "its cache is freed on every rank");
+    assert_eq!(plan.entries.len(), 1);
+    assert!(s.take_cancelled().is_empty(), "reported once");
 }
