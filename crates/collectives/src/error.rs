@@ -204,6 +204,27 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// An NCCL call failed on this rank (NCCL's own description, and its last error message).
+    /// The communicator was aborted.
+    #[error("{at}: nccl {call} failed: {reason}")]
+    Nccl {
+        /// Where.
+        at: Site,
+        /// The NCCL function.
+        call: &'static str,
+        /// NCCL's error code and message.
+        reason: String,
+    },
+    /// A CUDA driver call failed on this rank (device, stream, copies of the staging buffer).
+    #[error("{at}: cuda {call} failed: {reason}")]
+    Cuda {
+        /// Where.
+        at: Site,
+        /// The CUDA call.
+        call: &'static str,
+        /// The driver's error.
+        reason: String,
+    },
     /// The backend needs a cargo feature this build lacks.
     #[error("this build has no `{feature}` support: rebuild with `--features {feature}`")]
     NotCompiledWith {

@@ -3,10 +3,13 @@
 //! Every rank builds the same groups in the same order: its TP group (a row of the mesh), its
 //! CP group (a column), then the control group (every rank), each with the backend chosen for
 //! that axis. A group's first member leads its set-up: for `shm` it creates the segment and
-//! publishes its path; for `tcp` every member publishes its listening address.
+//! publishes its path; for `tcp` every member publishes its listening address; for `nccl` it
+//! makes the NCCL unique id and publishes it, and each member uses the CUDA device of
+//! [`InitOptions::device`] (normally `cuda:LOCAL_RANK`, from [`Device::select`]).
 
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
+use crate::nccl::NcclCommunicator;
 use crate::shm::{ShmComm, ShmOptions};
 use crate::solo::Solo;
 use crate::tcp::TcpComm;
@@ -133,11 +136,24 @@ impl World {
                 opts.timeout,
             )?),
             Backend::Nccl => {
-                crate::nccl::available()?;
-                return Err(Error::BackendUnavailable {
-                    backend: "nccl",
-                    reason: "the NCCL communicator is not built yet; use shm or tcp".to_owned(),
-                });
+                let Device::Cuda(device) = opts.device else {
+                    return Err(Error::BackendUnavailable {
+                        backend: "nccl",
+                        reason: format!(
+                            "group {name} runs on {}, not a CUDA device; use shm or tcp",
+                            opts.device
+                        ),
+                    });
+                };
+                Box::new(NcclCommunicator::connect(
+                    &self.store,
+                    &key,
+                    name,
+                    rank,
+                    members.len(),
+                    device,
+                    opts.timeout,
+                )?)
             }
             Backend::Local => {
                 return Err(Error::BackendUnavailable {
