@@ -136,22 +136,30 @@ struct RunArgs {
     /// Backend of every axis (shm for one host, tcp across hosts).
     #[arg(long)]
     backend: Option<mesh::Backend>,
-    /// Nodes in the job (torchrun convention).
+    #[command(flatten)]
+    nodes: NodeArgs,
+    /// The deployment's name, for `tpctl sleep / wakeup / status / stop --deployment NAME`
+    /// (default: tpctl-PID, unique to this launch).
+    #[arg(long, value_name = "NAME")]
+    deployment: Option<String>,
+}
+
+/// Where this launcher's ranks sit in a job of several nodes (torchrun conventions). Inside
+/// Slurm or mpirun the ranks take their place from those launchers' environment instead.
+#[derive(Args, Debug, Clone)]
+struct NodeArgs {
+    /// Nodes in the job; each runs `tpctl` with the same layout and its own --node-rank.
     #[arg(long, default_value_t = 1)]
     nnodes: usize,
     /// This node's index.
     #[arg(long, default_value_t = 0)]
     node_rank: usize,
-    /// Host of rank 0.
+    /// Host of rank 0 (reachable from every node).
     #[arg(long, default_value = "127.0.0.1")]
     master_addr: String,
     /// Port of rank 0's store (default: a free one on a single node).
     #[arg(long)]
     master_port: Option<u16>,
-    /// The deployment's name, for `tpctl sleep / wakeup / status / stop --deployment NAME`
-    /// (default: tpctl-PID, unique to this launch).
-    #[arg(long, value_name = "NAME")]
-    deployment: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -180,6 +188,8 @@ struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every request but /health.
     #[arg(long, env = "TPCTL_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    #[command(flatten)]
+    nodes: NodeArgs,
     /// The deployment's name, for `tpctl sleep / wakeup / status / stop --deployment NAME`
     /// (default: tpctl-PID, unique to this launch).
     #[arg(long, value_name = "NAME")]
@@ -498,10 +508,7 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
         output: OutputFormat::Text,
         threads: args.threads,
         backend: args.backend,
-        nnodes: 1,
-        node_rank: 0,
-        master_addr: "127.0.0.1".into(),
-        master_port: None,
+        nodes: args.nodes,
         deployment: args.deployment,
     };
     let spec = ServeSpec { listen, api_key, model_name, refuse_while_asleep };
@@ -519,16 +526,17 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
     if tp == 0 || cp == 0 {
         bail!("--tp and --cp must be at least 1");
     }
-    if args.nnodes == 0 || args.node_rank >= args.nnodes {
-        bail!("--node-rank {} is not below --nnodes {}", args.node_rank, args.nnodes);
+    if args.nodes.nnodes == 0 || args.nodes.node_rank >= args.nodes.nnodes {
+        bail!("--node-rank {} is not below --nnodes {}", args.nodes.node_rank, args.nodes.nnodes);
     }
     let world = tp * cp;
-    if world % args.nnodes != 0 {
-        bail!("tp x cp = {world} ranks do not split evenly over --nnodes {}", args.nnodes);
+    if world % args.nodes.nnodes != 0 {
+        bail!("tp x cp = {world} ranks do not split evenly over --nnodes {}", args.nodes.nnodes);
     }
-    let nproc = world / args.nnodes;
+    let nproc = world / args.nodes.nnodes;
     // Rank 0, which serves the socket, runs on node 0.
-    let (deployment, socket) = control_socket(args.deployment.as_deref(), args.node_rank == 0)?;
+    let (deployment, socket) =
+        control_socket(args.deployment.as_deref(), args.nodes.node_rank == 0)?;
     let model_arg = args.model.clone().unwrap_or_else(|| config.model.name.clone());
     let model = match layers::catalog::entry(&model_arg) {
         Some(entry) if !std::path::Path::new(&model_arg).exists() => fetch_with_progress(entry)?,
@@ -539,7 +547,7 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         Some(b) => [b.to_string(), b.to_string(), b.to_string()],
         None => {
             let b = &config.layout.backends;
-            let default_all = args.nnodes > 1;
+            let default_all = args.nodes.nnodes > 1;
             let pick =
                 |x: mesh::Backend| if default_all { "tcp".to_owned() } else { x.to_string() };
             [pick(b.tp), pick(b.cp), pick(b.control)]
@@ -574,9 +582,9 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         sleep: config.sleep.clone(),
         control_socket: Some(socket.clone()),
     };
-    let master_port = match args.master_port {
+    let master_port = match args.nodes.master_port {
         Some(p) => p,
-        None if args.nnodes == 1 => free_port()?,
+        None if args.nodes.nnodes == 1 => free_port()?,
         None => bail!("--master-port is needed with --nnodes > 1"),
     };
     let mut env = vec![(tpctl::spec::ENV.to_owned(), serde_json::to_string(&spec)?)];
@@ -589,14 +597,14 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         program: std::env::current_exe().context("finding the tpctl executable")?,
         args: vec!["__rank".into()],
         nproc_per_node: nproc,
-        nnodes: args.nnodes,
-        node_rank: args.node_rank,
-        master_addr: args.master_addr.clone(),
+        nnodes: args.nodes.nnodes,
+        node_rank: args.nodes.node_rank,
+        master_addr: args.nodes.master_addr.clone(),
         master_port,
         env,
         grace: Duration::from_secs(5),
     };
-    if args.node_rank == 0 && !quiet {
+    if args.nodes.node_rank == 0 && !quiet {
         eprintln!("tpctl: deployment {deployment} (control socket {})", socket.display());
     }
     let interrupted = Arc::new(AtomicBool::new(false));

@@ -850,3 +850,55 @@ fn a_client_that_disconnects_cancels_its_request() {
     }
     assert_eq!(server.interrupt().code(), Some(130));
 }
+
+/// Two launchers, as on two nodes (torchrun conventions, over loopback): node 0 serves, node
+/// 1 runs the other half of the ranks; answers match `tpctl run`, and Ctrl-C on node 0 ends
+/// node 1's ranks too.
+#[test]
+fn serve_spans_two_nodes() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = port.to_string();
+    let nodes = |rank: &str| {
+        vec![
+            "--tp".to_owned(),
+            "2".into(),
+            "--nnodes".into(),
+            "2".into(),
+            "--node-rank".into(),
+            rank.into(),
+            "--master-port".into(),
+            port.clone(),
+        ]
+    };
+    let mark = marker();
+    let mut node1 = Command::new(TPCTL)
+        .args(["serve", "--model", model(), "--threads", "1", "--listen", "127.0.0.1:0"])
+        .args(nodes("1"))
+        .env("TPCTL_TEST_MARK", &mark)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start node 1");
+    let args0 = nodes("0");
+    let args0: Vec<&str> = args0.iter().map(String::as_str).collect();
+    let server = Server::start(model(), &args0);
+    let expected = reference(model(), &["1,2,3"], 6).remove(0);
+    let reply = server.post("/v1/completions", &completion("1,2,3", 6));
+    assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
+    assert_eq!(ids(&reply.json()["choices"][0]["token_ids"]), expected);
+    assert_eq!(server.interrupt().code(), Some(130));
+    let start = Instant::now();
+    loop {
+        if node1.try_wait().unwrap().is_some() {
+            break;
+        }
+        if start.elapsed() > DEADLINE {
+            let _ = node1.kill();
+            kill_all(&mark);
+            panic!("node 1 still runs after node 0 stopped");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(leftovers(&mark), Vec::<u32>::new(), "node 1 left processes behind");
+}
