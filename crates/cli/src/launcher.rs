@@ -154,8 +154,8 @@ fn pump_stderr(
 ) -> JoinHandle<()> {
     std::thread::spawn(move || {
         for line in BufReader::new(err).lines().map_while(|l| l.ok()) {
-            if let Some((done, total)) = progress::parse(&line) {
-                bar.update(local, done, total);
+            if let Some((kind, done, total)) = progress::parse(&line) {
+                bar.take(local, kind, done, total);
                 continue;
             }
             bar.println(&format!("[rank {rank}] {line}"));

@@ -32,6 +32,10 @@ pub struct Printer {
     timings: HashMap<u64, Timing>,
     stream: bool,
     first_token: Arc<Mutex<Option<Duration>>>,
+    /// Tokens generated, or counted as done (a request that finished early), out of `budget`.
+    generated: usize,
+    budget: usize,
+    max_tokens: usize,
 }
 
 impl Printer {
@@ -40,10 +44,14 @@ impl Printer {
     pub fn new(
         format: OutputFormat,
         prompts: Vec<PromptInfo>,
+        max_tokens: usize,
         first_token: Arc<Mutex<Option<Duration>>>,
     ) -> Self {
         let stream = format == OutputFormat::Text && prompts.len() == 1;
         Printer {
+            generated: 0,
+            budget: max_tokens * prompts.len(),
+            max_tokens,
             format,
             prompts,
             start: Instant::now(),
@@ -75,6 +83,9 @@ impl OutputSink for Printer {
             out(text)?;
         } else {
             self.texts.entry(request).or_default().push_str(text);
+            // Nothing shows while the text is held back: a bar on the launcher says how far.
+            self.generated += 1;
+            crate::progress::report_generation(self.generated, self.budget);
         }
         Ok(())
     }
@@ -88,6 +99,11 @@ impl OutputSink for Printer {
         let now = self.start.elapsed();
         let timing = self.timings.entry(request).or_default();
         timing.finished = Some(now);
+        if !self.stream {
+            // What it did not generate is done too.
+            self.generated += self.max_tokens.saturating_sub(tokens.len());
+            crate::progress::report_generation(self.generated, self.budget);
+        }
         let text = self.texts.remove(&request).unwrap_or_default();
         let prompt = self
             .prompts

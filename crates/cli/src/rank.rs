@@ -235,7 +235,8 @@ fn lead(
         .collect();
     let first_token = Arc::new(Mutex::new(None));
     let meter = Meter::default();
-    let printer = Printer::new(spec.output, prompts, first_token.clone());
+    let max_tokens = spec.sampling.max_tokens as usize;
+    let printer = Printer::new(spec.output, prompts, max_tokens, first_token.clone());
     let mut leader = Leader::new(ctx, factory, Box::new(printer), Box::new(meter.clone()), engine)?
         .with_gate(gate)
         .with_stop(stop);
