@@ -635,18 +635,19 @@ impl Leader {
         let mut first = true;
         loop {
             let mut replacement = None;
+            if self.core.gate.take_kv_lost() {
+                // A sleep discarded the KV cache: paused sequences prefill again once the
+                // engine runs (no step runs while it is parked).
+                if let Some(sched) = s.sched.as_mut() {
+                    sched.recompute_all();
+                }
+            }
             let msg = if self.core.stop.is_requested() {
                 Message::Idle
             } else if let Some(mode) = self.core.gate.request() {
                 self.quiesced_message(s, mode)
                     .map_err(|e| self.core.announce(e, Owed::Admission, epoch, s.steps))?
             } else {
-                if std::mem::take(&mut s.parked) && self.core.gate.take_kv_lost() {
-                    // The KV cache came back empty: paused sequences prefill again.
-                    if let Some(sched) = s.sched.as_mut() {
-                        sched.recompute_all();
-                    }
-                }
                 self.next_message(s, config, inbox, decider, &mut replacement)
                     .map_err(|e| self.core.announce(e, Owed::Admission, epoch, s.steps))?
             };
@@ -780,12 +781,13 @@ impl Leader {
     /// running requests go on (no new one is admitted), with `abort` they fail, with `keep`
     /// they pause; then the engine parks and only idle ticks run until the gate opens.
     fn quiesced_message(&mut self, s: &mut LeaderSession, mode: QuiesceMode) -> Result<Message> {
-        if s.parked {
+        // The gate's own state, never a copy: a wakeup and the next sleep may both land
+        // between two boundaries.
+        if self.core.gate.is_parked() {
             std::thread::sleep(self.core.opts.tick);
             return Ok(Message::Idle);
         }
         let Some(sched) = s.sched.as_mut() else {
-            s.parked = true;
             self.core.gate.park();
             return Ok(Message::Idle);
         };
@@ -803,7 +805,6 @@ impl Leader {
             }
             QuiesceMode::Keep => {}
         }
-        s.parked = true;
         self.core.gate.park();
         Ok(Message::Idle)
     }
@@ -888,8 +889,6 @@ struct LeaderSession {
     steps: u64,
     finished: u64,
     idle_ticks: u64,
-    /// Parked by a sleep (see [`gate`]).
-    parked: bool,
     model: Option<Box<dyn StepModel>>,
     sched: Option<Scheduler>,
     codec: Option<Box<dyn TextCodec>>,
@@ -902,7 +901,6 @@ impl LeaderSession {
             steps: 0,
             finished: 0,
             idle_ticks: 0,
-            parked: false,
             model: None,
             sched: None,
             codec: None,

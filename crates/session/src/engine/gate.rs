@@ -99,7 +99,7 @@ impl Gate {
         self.changed.notify_all();
     }
 
-    /// Takes whether the contents of the KV cache were lost during the last sleep.
+    /// Takes whether the contents of the KV cache were lost in a sleep since the last call.
     pub(crate) fn take_kv_lost(&self) -> bool {
         let mut s = self.lock();
         let lost = s.lost.remove("kv_cache");

@@ -482,3 +482,40 @@ fn a_cancelled_request_stops_generating_and_the_others_go_on() {
     assert_eq!(one.tokens, vec![2, 3, 4], "no token after the cancel");
     assert_eq!(done.iter().find(|d| d.request == 2).unwrap().tokens, vec![8, 9]);
 }
+
+#[test]
+fn a_sleep_right_after_a_wakeup_parks_the_engine_again() {
+    use crate::sleep::Quiesce;
+    let (f, out, m) = (Factory::default(), Collect::new(), Metrics::default());
+    let ctx = init_parallel_with(mesh::Rendezvous::single(), &InitOptions::default()).unwrap();
+    // A long tick: the wakeup and the next sleep land between two boundaries.
+    let opts = EngineOptions {
+        tick: Duration::from_millis(50),
+        quiesce_timeout: Duration::from_secs(5),
+        ..EngineOptions::default()
+    };
+    let mut l =
+        Leader::new(ctx, Box::new(f.clone()), Box::new(out.clone()), Box::new(m.clone()), opts)
+            .unwrap();
+    let (gate, stop) = (l.gate(), l.stop_handle());
+    let (tx, rx) = std::sync::mpsc::channel::<Request>();
+    let engine = std::thread::spawn(move || {
+        let mut decide = |_: &SessionReport| Decision::KeepOpen;
+        l.serve(SessionConfig::new("count"), &rx, &mut decide)
+    });
+    for cycle in 0..5 {
+        let mode = if cycle % 2 == 0 { QuiesceMode::Wait } else { QuiesceMode::Keep };
+        gate.quiesce(mode).unwrap_or_else(|e| panic!("cycle {cycle}: {e}"));
+        assert!(gate.is_parked());
+        gate.resume();
+    }
+    tx.send(req(1, &[1], 3)).unwrap();
+    let start = Instant::now();
+    while out.finished().is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(10), "the engine runs again");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    stop.request_stop();
+    engine.join().unwrap().unwrap();
+    assert_eq!(out.finished()[0].tokens, vec![2, 3, 4]);
+}
