@@ -85,8 +85,9 @@ pub(crate) fn run(json: bool) -> Result<()> {
          memory as tpctl holds it, weights reloaded from the file at wakeup, plus one \
          {CACHE_TOKENS}-token KV cache (discarded), both slept; tp x cp: the model's mesh (TP as \
          wide as its 3 KV heads allow, the rest CP), MiB/rank: the largest rank's bytes from \
-         the receipts; res. drop: the smallest drop of one rank's resident memory during a \
-         sleep, as % of the bytes that rank released; wakeup s/GiB: whole wakeup per GiB of \
+         the receipts; res. drop: the smallest drop of one rank's resident memory during the \
+         first sleep, as % of the bytes that rank released (a discarded KV cache comes back \
+         untouched, so later sleeps free less: later_resident_drop_pct in --json); wakeup s/GiB: whole wakeup per GiB of \
          the largest rank's memory (ranks restore concurrently), rank0: rank 0's own \
          materialize, next to memcpy of the same bytes in the same run; after the model \
          cycles every rank checked that its weights hash as before the first sleep"
