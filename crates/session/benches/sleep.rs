@@ -1,22 +1,39 @@
 //! Sleep/wakeup benchmark: latency of the multi-rank control protocol alone (no tagged
-//! memory) and with `TPCTL_SLEEP_BENCH_MIB` MiB (default 256) of tagged memory per rank
-//! (backup to a spill file), for 1, 2, 4 and 8 rank processes, with a memcpy of the same bytes
-//! measured in the same run as the reference for wakeup time per GiB.
+//! memory), with `TPCTL_SLEEP_BENCH_MIB` MiB (default 256) of tagged memory per rank (backup to
+//! a spill file), and with each rank's shard of the real default model in vmm memory as `tpctl`
+//! holds it (weights reloaded from the file, one KV cache discarded), for 1, 2, 4 and 8 rank
+//! processes, with a memcpy of the same bytes measured in the same run as the reference for
+//! wakeup time per GiB.
 //!
-//! Run through `cargo xtask bench sleep`. Without `RANK` in the environment this program is
-//! the launcher: it starts the ranks (copies of itself) for each configuration and prints one
-//! JSON object per configuration.
+//! Run through `cargo xtask bench sleep`, which fetches the model first. Without `RANK` in the
+//! environment this program is the launcher: it starts the ranks (copies of itself) for each
+//! configuration and prints one JSON object per configuration.
+//!
+//! `sleep [--ranks 1,2,4,8] [--modes control,memory,model]`; the model is
+//! `TPCTL_SLEEP_BENCH_MODEL`, else the default model in the cache. Without one the `model`
+//! mode is skipped with a note.
 
+use layers::model::WeightForm;
+use layers::parallel::{ParallelCache, ParallelModel, Placement};
+use session::memory::{ModelMemory, Restore, ShardOrigin};
 use session::sleep::transport::{tcp, CoordinatorLink, Incoming};
 use session::sleep::{
-    listener, ControlPlane, Coordinator, CoordinatorOptions, Idle, Message, NoMemory, OpOptions,
-    Phase, RankMemory, VmmMemory,
+    listener, Action, ControlPlane, Coordinator, CoordinatorOptions, Idle, Message, NoMemory,
+    OpOptions, OpReceipt, Phase, RankMemory, VmmMemory,
 };
+use std::hash::{DefaultHasher, Hasher};
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const TIMEOUT: Duration = Duration::from_secs(120);
+/// The modes, in the order they run.
+const MODES: [&str; 3] = ["control", "memory", "model"];
+/// The model the `model` mode loads (else the default model in the cache).
+const MODEL_ENV: &str = "TPCTL_SLEEP_BENCH_MODEL";
+/// Tokens of the one KV cache each rank of the `model` mode holds.
+const CACHE_TOKENS: usize = 1024;
 
 fn main() {
     if std::env::var_os("RANK").is_some() {
@@ -24,21 +41,66 @@ fn main() {
         return;
     }
     let args: Vec<String> = std::env::args().collect();
-    let worlds: Vec<usize> = match args.iter().position(|a| a == "--ranks") {
-        Some(i) => args[i + 1].split(',').map(|s| s.parse().expect("a rank count")).collect(),
+    let list = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .map(|i| args.get(i + 1).unwrap_or_else(|| panic!("{name} needs a value")).split(','))
+    };
+    let worlds: Vec<usize> = match list("--ranks") {
+        Some(v) => v.map(|s| s.parse().expect("a rank count")).collect(),
         None => vec![1, 2, 4, 8],
     };
-    for mode in ["control", "memory"] {
+    let modes: Vec<&str> = match list("--modes") {
+        Some(v) => v
+            .map(|m| *MODES.iter().find(|k| **k == m).unwrap_or_else(|| panic!("unknown mode {m}")))
+            .collect(),
+        None => MODES.to_vec(),
+    };
+    let model = std::env::var_os(MODEL_ENV)
+        .filter(|p| !p.is_empty())
+        .map(PathBuf::from)
+        .or_else(layers::model::default_model_path);
+    for mode in modes {
+        let mut env = Vec::new();
+        if mode == "model" {
+            let Some(path) = &model else {
+                eprintln!(
+                    "note: no model for the `model` mode (set {MODEL_ENV} or run `cargo xtask \
+                     fetch-model`): skipping it"
+                );
+                continue;
+            };
+            env.push((MODEL_ENV, path.display().to_string()));
+        }
         for &world in &worlds {
-            for line in launch(mode, world) {
+            let mut env = env.clone();
+            if let Some(path) = model.as_ref().filter(|_| mode == "model") {
+                let (tp, cp) = model_layout(path, world);
+                env.push(("TPCTL_SLEEP_BENCH_TP", tp.to_string()));
+                env.push(("TPCTL_SLEEP_BENCH_CP", cp.to_string()));
+            }
+            for line in launch(mode, world, &env) {
                 println!("{line}");
             }
         }
     }
 }
 
+/// The `tp x cp` mesh of `world` ranks for the model at `path`: TP as wide as its attention
+/// heads allow (every rank its own shard where they can be split `world` ways; SmolLM2's 3 KV
+/// heads cannot be split 4 or 8 ways), the rest of the world CP (replicated shards).
+fn model_layout(path: &Path, world: usize) -> (usize, usize) {
+    let file = layers::gguf::GgufFile::open(path).expect("open the model");
+    let cfg = layers::LlamaConfig::from_gguf(&file).expect("the model's config");
+    let tp = (1..=world)
+        .rev()
+        .find(|&tp| world % tp == 0 && layers::parallel::check_tp(&cfg, tp).is_ok())
+        .expect("tp=1 always splits");
+    (tp, world / tp)
+}
+
 /// Starts `world` ranks and returns rank 0's result lines.
-fn launch(mode: &str, world: usize) -> Vec<String> {
+fn launch(mode: &str, world: usize, env: &[(&str, String)]) -> Vec<String> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("a free port")
@@ -54,20 +116,19 @@ fn launch(mode: &str, world: usize) -> Vec<String> {
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
                 .env("TPCTL_SLEEP_BENCH_MODE", mode)
+                .envs(env.iter().map(|(k, v)| (k, v)))
                 .stdout(Stdio::piped())
                 .spawn()
                 .expect("start a rank")
         })
         .collect();
-    let mut lines = Vec::new();
-    for (rank, child) in children.into_iter().enumerate() {
-        let out = child.wait_with_output().expect("rank output");
+    // Every rank is waited for before any failure is raised, so none is left running.
+    let outputs: Vec<_> =
+        children.into_iter().map(|c| c.wait_with_output().expect("rank output")).collect();
+    for (rank, out) in outputs.iter().enumerate() {
         assert!(out.status.success(), "rank {rank} of {mode} x{world} failed: {}", out.status);
-        if rank == 0 {
-            lines.extend(String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned));
-        }
     }
-    lines
+    String::from_utf8_lossy(&outputs[0].stdout).lines().map(str::to_owned).collect()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -104,6 +165,117 @@ fn sequential_sweep(link: &tcp::TcpCoordinator) -> f64 {
     median(v)
 }
 
+/// Median time of a memcpy of `bytes` bytes.
+fn memcpy_time(bytes: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let mut v = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&dst);
+        v.push(t.elapsed().as_secs_f64());
+    }
+    median(v)
+}
+
+/// One rank's shard of the model in vmm memory, held as `tpctl` holds it: weights reloaded
+/// from the file at wakeup, one KV cache whose contents a wakeup discards.
+struct ModelShard {
+    memory: ModelMemory,
+    placement: Placement,
+    model: ParallelModel,
+    /// Held so its pages are committed and released with the weights.
+    _cache: ParallelCache,
+    /// [`weights_hash`] before the first sleep.
+    hash: u64,
+}
+
+impl ModelShard {
+    /// Loads the shard of `placement` of the model at `path` into the memory of a host
+    /// manager spilling to `spill`.
+    fn load(path: &Path, placement: Placement, spill: &Path) -> ModelShard {
+        let memory =
+            ModelMemory::host(Some(spill.to_path_buf()), Restore::Reload, Restore::Discard)
+                .expect("model memory");
+        let form = WeightForm::Native;
+        let mut model = ParallelModel::load(path, placement, 1, form).expect("load the shard");
+        let origin = ShardOrigin { path: path.to_path_buf(), placement, form };
+        memory.place_weights(&mut model, &origin).expect("place the weights");
+        let cache = memory.new_cache(&model, CACHE_TOKENS).expect("a KV cache");
+        let hash = weights_hash(&model);
+        ModelShard { memory, placement, model, _cache: cache, hash }
+    }
+
+    /// Fails the rank (a non-zero exit the launcher reports) unless the weights hash as they
+    /// did before the first sleep.
+    fn verify(&self, rank: usize) {
+        let now = weights_hash(&self.model);
+        if now != self.hash {
+            eprintln!(
+                "rank {rank}: the weights after the wakeup differ from those before the sleep \
+                 (hash {now:016x}, was {:016x})",
+                self.hash
+            );
+            std::process::exit(1);
+        }
+    }
+}
+
+/// A hash of every weight buffer, in order, lengths included.
+fn weights_hash(model: &ParallelModel) -> u64 {
+    let mut h = DefaultHasher::new();
+    for b in model.weight_buffers() {
+        h.write_usize(b.len());
+        h.write(b);
+    }
+    h.finish()
+}
+
+/// What the cycles of one configuration measured on rank 0.
+#[derive(Default)]
+struct Cycles {
+    sleeps: Vec<f64>,
+    wakeups: Vec<f64>,
+    /// Rank 0's own wakeup, per GiB of its bytes.
+    rank0_wakeups_per_gib: Vec<f64>,
+    /// Per sleep: the fewest bytes one rank released.
+    min_bytes: Vec<u64>,
+    /// Per sleep: the most bytes one rank released.
+    max_bytes: Vec<u64>,
+    /// Per sleep: the smallest drop of one rank's resident memory, as a fraction of the
+    /// bytes that rank released.
+    min_drop: Vec<f64>,
+    /// The same for the first sleep (a warm-up one), when every byte had been written: a
+    /// discarded KV cache comes back untouched, so later sleeps release pages that were not
+    /// resident any more.
+    first_drop: f64,
+}
+
+impl Cycles {
+    fn record(&mut self, sleep: &OpReceipt, s: f64, wakeup: &OpReceipt, w: f64) {
+        let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+        self.sleeps.push(s);
+        self.wakeups.push(w);
+        let r0 = &wakeup.ranks[0];
+        self.rank0_wakeups_per_gib.push(r0.elapsed_us as f64 / 1e6 / gib(r0.bytes()).max(1e-12));
+        let bytes = sleep.ranks.iter().map(|r| r.bytes());
+        self.min_bytes.push(bytes.clone().min().unwrap_or(0));
+        self.max_bytes.push(bytes.max().unwrap_or(0));
+        self.min_drop.push(min_drop(sleep));
+    }
+}
+
+/// The smallest drop of one rank's resident memory in `sleep`, as a fraction of the bytes
+/// that rank released.
+fn min_drop(sleep: &OpReceipt) -> f64 {
+    sleep
+        .ranks
+        .iter()
+        .map(|r| r.probe_delta(Action::Sleep) as f64 / r.bytes().max(1) as f64)
+        .fold(f64::INFINITY, f64::min)
+}
+
 fn rank_main() {
     let mode = std::env::var("TPCTL_SLEEP_BENCH_MODE").unwrap_or_else(|_| "control".into());
     let mib: usize =
@@ -111,26 +283,43 @@ fn rank_main() {
     let rv = mesh::Rendezvous::from_env().expect("rendezvous");
     let (_server, store) = mesh::rendezvous_store(&rv, TIMEOUT).expect("store");
     let spill = std::env::temp_dir().join(format!("tpctl-sleep-bench-{}", std::process::id()));
-    let manager = Arc::new(vmm::Manager::builder().spill_dir(&spill).build().expect("manager"));
-    let mut keep = Vec::new();
-    let memory: Arc<dyn RankMemory> = if mode == "memory" {
-        let a = manager
-            .allocate(vmm::Tag::WEIGHTS, mib << 20, vmm::Policy::Backup(vmm::Store::Spill))
-            .expect("allocate");
-        a.write().expect("write").fill(1);
-        keep.push(a);
-        Arc::new(VmmMemory::new(manager.clone(), None))
-    } else {
-        Arc::new(NoMemory)
+    let mut synthetic = None;
+    let mut shard = None;
+    let memory: Arc<dyn RankMemory> = match mode.as_str() {
+        "memory" => {
+            let manager =
+                Arc::new(vmm::Manager::builder().spill_dir(&spill).build().expect("manager"));
+            let a = manager
+                .allocate(vmm::Tag::WEIGHTS, mib << 20, vmm::Policy::Backup(vmm::Store::Spill))
+                .expect("allocate");
+            a.write().expect("write").fill(1);
+            synthetic = Some(a);
+            Arc::new(VmmMemory::new(manager, None))
+        }
+        "model" => {
+            let path = PathBuf::from(std::env::var_os(MODEL_ENV).expect("the model's path"));
+            let env = |k: &str| -> usize {
+                std::env::var(k).ok().and_then(|v| v.parse().ok()).expect("the model's mesh")
+            };
+            let (tp, cp) = (env("TPCTL_SLEEP_BENCH_TP"), env("TPCTL_SLEEP_BENCH_CP"));
+            // TP innermost, as in `mesh::DeviceMesh`: rank = cp_rank * tp + tp_rank.
+            let placement = Placement { tp_rank: rv.rank % tp, tp, cp_rank: rv.rank / tp, cp };
+            let s = ModelShard::load(&path, placement, &spill);
+            let memory = Arc::new(VmmMemory::new(s.memory.manager().clone(), None));
+            shard = Some(s);
+            memory
+        }
+        _ => Arc::new(NoMemory),
     };
     let endpoint = tcp::connect(&store, rv.rank, rv.world_size, "127.0.0.1", TIMEOUT)
         .expect("control channel");
+    let opts = CoordinatorOptions { ack_timeout: TIMEOUT };
     let plane = match endpoint {
         tcp::Endpoint::Coordinator(link) => {
             // The reference a serial fan-out would cost: one peer at a time, each round trip
             // waited for before the next request goes out.
             let seq = sequential_sweep(&link);
-            let c = Coordinator::new(link, memory, Arc::new(Idle), CoordinatorOptions::default());
+            let c = Coordinator::new(link, memory, Arc::new(Idle), opts);
             (ControlPlane::Coordinator(c), seq)
         }
         tcp::Endpoint::Peer(link) => (
@@ -142,39 +331,33 @@ fn rank_main() {
     };
     match plane {
         (ControlPlane::Coordinator(c), seq_sweep) => {
-            let tags = vec!["weights".to_string()];
-            let iters = if mode == "memory" { 5 } else { 300 };
-            let (mut sleeps, mut wakeups, mut rank0_wakeups) = (Vec::new(), Vec::new(), Vec::new());
-            for i in 0..iters + 3 {
+            let tags: Vec<String> = match mode.as_str() {
+                "model" => vec!["weights".into(), "kv_cache".into()],
+                _ => vec!["weights".into()],
+            };
+            // Each wakeup of the model reloads every shard from the file: a few are enough.
+            let (warmup, iters) = match mode.as_str() {
+                "memory" => (3, 5),
+                "model" => (1, 5),
+                _ => (3, 300),
+            };
+            let mut cycles = Cycles::default();
+            for i in 0..warmup + iters {
                 let t = Instant::now();
-                c.sleep(&tags, OpOptions::default()).expect("sleep");
+                let sleep = c.sleep(&tags, OpOptions::default()).expect("sleep");
                 let s = t.elapsed().as_secs_f64();
                 let t = Instant::now();
-                let r = c.wakeup(&tags, OpOptions::default()).expect("wakeup");
+                let wakeup = c.wakeup(&tags, OpOptions::default()).expect("wakeup");
                 let w = t.elapsed().as_secs_f64();
-                if i >= 3 {
-                    sleeps.push(s);
-                    wakeups.push(w);
-                    rank0_wakeups.push(r.ranks[0].elapsed_us as f64 / 1e6);
+                if i == 0 {
+                    cycles.first_drop = min_drop(&sleep);
+                }
+                if i >= warmup {
+                    cycles.record(&sleep, s, &wakeup, w);
                 }
             }
-            let gib = mib as f64 / 1024.0;
-            let memcpy_s = if mode == "memory" {
-                let src = vec![1u8; mib << 20];
-                let mut dst = vec![0u8; mib << 20];
-                let mut v = Vec::new();
-                for _ in 0..5 {
-                    let t = Instant::now();
-                    dst.copy_from_slice(std::hint::black_box(&src));
-                    std::hint::black_box(&dst);
-                    v.push(t.elapsed().as_secs_f64());
-                }
-                median(v)
-            } else {
-                0.0
-            };
             let fanout = median(
-                (0..if mode == "memory" { 20 } else { 300 })
+                (0..if mode == "control" { 300 } else { 20 })
                     .map(|_| {
                         let t = Instant::now();
                         c.status().expect("status");
@@ -182,26 +365,63 @@ fn rank_main() {
                     })
                     .collect(),
             );
-            let (s, w, w0) = (median(sleeps), median(wakeups), median(rank0_wakeups));
-            let mib_out = if mode == "memory" { mib } else { 0 };
-            let per_gib = |x: f64| if mode == "memory" { x / gib } else { 0.0 };
-            println!(
-                "{{\"mode\":\"{mode}\",\"ranks\":{},\"mib_per_rank\":{mib_out},\"status_fanout_us\":{:.1},\"status_serial_us\":{:.1},\"sleep_us\":{:.1},\"wakeup_us\":{:.1},\"wakeup_s_per_gib\":{:.4},\"rank0_wakeup_s_per_gib\":{:.4},\"memcpy_s_per_gib\":{:.4}}}",
+            let (s, w) = (median(cycles.sleeps), median(cycles.wakeups));
+            let common = format!(
+                "\"mode\":\"{mode}\",\"ranks\":{},\"status_fanout_us\":{:.1},\"status_serial_us\":{:.1},\"sleep_us\":{:.1},\"wakeup_us\":{:.1}",
                 rv.world_size,
                 fanout * 1e6,
                 seq_sweep * 1e6,
                 s * 1e6,
-                w * 1e6,
-                per_gib(w),
-                per_gib(w0),
-                per_gib(memcpy_s)
+                w * 1e6
             );
+            let line = match mode.as_str() {
+                "control" => format!(
+                    "{{{common},\"mib_per_rank\":0,\"wakeup_s_per_gib\":0.0000,\"rank0_wakeup_s_per_gib\":0.0000,\"memcpy_s_per_gib\":0.0000}}"
+                ),
+                _ => {
+                    // Per GiB of the largest rank's bytes: ranks restore concurrently, so the
+                    // largest one decides the wakeup.
+                    let max = cycles.max_bytes.iter().copied().max().unwrap_or(0);
+                    let min = cycles.min_bytes.iter().copied().min().unwrap_or(0);
+                    let gib = max as f64 / f64::from(1u32 << 30);
+                    let memcpy = memcpy_time(max as usize);
+                    let mib_per_rank = if mode == "memory" {
+                        mib.to_string()
+                    } else {
+                        format!("{:.1}", max as f64 / f64::from(1u32 << 20))
+                    };
+                    let layout = match &shard {
+                        Some(s) => {
+                            format!(",\"layout\":\"{}x{}\"", s.placement.tp, s.placement.cp)
+                        }
+                        None => String::new(),
+                    };
+                    format!(
+                        "{{{common}{layout},\"mib_per_rank\":{mib_per_rank},\"min_mib_per_rank\":{:.1},\"resident_drop_pct\":{:.1},\"later_resident_drop_pct\":{:.1},\"wakeup_s_per_gib\":{:.4},\"rank0_wakeup_s_per_gib\":{:.4},\"memcpy_s_per_gib\":{:.4}}}",
+                        min as f64 / f64::from(1u32 << 20),
+                        cycles.first_drop * 100.0,
+                        median(cycles.min_drop) * 100.0,
+                        w / gib,
+                        median(cycles.rank0_wakeups_per_gib),
+                        memcpy / gib
+                    )
+                }
+            };
+            println!("{line}");
             c.shutdown().expect("shutdown");
+            // After the shutdown, so the peers stop cleanly and check their own shards.
+            if let Some(s) = &shard {
+                s.verify(rv.rank);
+            }
         }
         (ControlPlane::Listener(mut h), _) => {
             h.join(Duration::from_secs(600)).expect("listener");
+            if let Some(s) = &shard {
+                s.verify(rv.rank);
+            }
         }
     }
-    drop(keep);
+    drop(synthetic);
+    drop(shard);
     std::fs::remove_dir_all(&spill).ok();
 }
