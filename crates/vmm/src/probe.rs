@@ -55,6 +55,26 @@ impl ProcessMemory {
         }
     }
 
+    /// Resident bytes of the calling process from the kernel's counters (`/proc/self/statm`):
+    /// a few microseconds, where [`ProcessMemory::current`] walks every mapping
+    /// (`smaps_rollup`: milliseconds for a large process). The counters are the same `VmRSS`
+    /// reports.
+    ///
+    /// # Errors
+    /// [`Error::Procfs`] when procfs cannot be read; [`Error::ProcfsFormat`] when the field is
+    /// missing.
+    pub fn resident_now() -> Result<u64> {
+        let path = PathBuf::from("/proc/self/statm");
+        let statm = std::fs::read_to_string(&path)
+            .map_err(|source| Error::Procfs { path: path.clone(), source })?;
+        let pages: u64 = statm
+            .split_whitespace()
+            .nth(1)
+            .and_then(|w| w.parse().ok())
+            .ok_or(Error::ProcfsFormat { path, field: "resident" })?;
+        Ok(pages * page_size())
+    }
+
     fn parse(
         pid: u32,
         rollup: Option<&str>,
@@ -85,6 +105,12 @@ impl ProcessMemory {
             }),
         }
     }
+}
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf only reads a configuration value.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(size).ok().filter(|&s| s > 0).unwrap_or(4096)
 }
 
 /// The value of a `Field:   123 kB` line, in bytes.

@@ -114,7 +114,7 @@ impl RankMemory for VmmMemory {
     }
 
     fn probe(&self) -> Probe {
-        let resident = vmm::ProcessMemory::current().map(|m| m.resident).unwrap_or(0);
+        let resident = vmm::ProcessMemory::resident_now().unwrap_or(0);
         let mut devices = Vec::new();
         if let (Some(nvml), Some(index)) = (&self.nvml, self.device) {
             if let Ok(usage) = nvml.device(index) {

@@ -80,3 +80,15 @@ fn bytes_of_a_process_not_on_the_device_is_zero() {
     assert_eq!(usage.bytes_of(11), None);
     assert_eq!(usage.bytes_of(12), Some(0));
 }
+
+#[test]
+fn the_fast_resident_reading_agrees_with_the_full_one_and_sees_new_pages() {
+    let full = ProcessMemory::current().unwrap().resident;
+    let fast = ProcessMemory::resident_now().unwrap();
+    // Both are the kernel's RSS counters, read at slightly different moments.
+    assert!(fast.abs_diff(full) < 16 << 20, "fast {fast} vs full {full}");
+    let touched = vec![1u8; 64 << 20];
+    let grown = ProcessMemory::resident_now().unwrap();
+    assert!(grown >= fast + (60 << 20), "{fast} -> {grown} after touching 64 MiB");
+    drop(touched);
+}
