@@ -606,3 +606,36 @@ impl CudaBackend {
         Ok(idx.into_iter().map(|i| i as usize).collect())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NVRTC works without a GPU, so this runs wherever `libnvrtc.so.12` loads (skipping with a
+    /// note elsewhere, unless `TPCTL_REQUIRE_GPU=1`).
+    #[test]
+    fn cuda_kernels_compile_with_nvrtc() {
+        // SAFETY: as in `CudaBackend::new`: only loads the library by name.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            let require = std::env::var("TPCTL_REQUIRE_GPU").is_ok_and(|v| v == "1");
+            assert!(!require, "TPCTL_REQUIRE_GPU=1 but NVRTC is not on the loader path");
+            eprintln!("note: NVRTC is not on the loader path, not compiling the kernels");
+            return;
+        }
+        let ptx = ptx().unwrap_or_else(|log| panic!("{log}"));
+        let text = ptx.to_src();
+        for name in [
+            "rms_norm",
+            "rope",
+            "silu_mul",
+            "add_assign",
+            "add_rows",
+            "embedding",
+            "argmax_rows",
+            "dequantize",
+            "attention",
+        ] {
+            assert!(text.contains(&format!(".entry {name}(")), "no kernel `{name}` in the PTX");
+        }
+    }
+}
