@@ -1,17 +1,20 @@
 //! Kernels behind one seam: [`Backend`] takes and returns [`Tensor`]s and dispatches to the
 //! device's implementation.
 //!
-//! Model code calls only `Backend` methods, so a CUDA backend (feature `cuda`) slots in as one
-//! more variant without touching the modules. Each method documents its shapes; all compute is
-//! f32 with f32 accumulation, except that products with quantized weights multiply 8-bit
-//! quantized activations and sum each block of 32 in i32 before scaling (as GGML does).
+//! Model code calls only `Backend` methods, so the CUDA backend (feature `cuda`, see [`cuda`])
+//! is one more variant that takes and returns the same host tensors. Each method documents its
+//! shapes; all compute is f32 with f32 accumulation, except that on the CPU products with
+//! quantized weights multiply 8-bit quantized activations and sum each block of 32 in i32
+//! before scaling (as GGML does); the CUDA backend multiplies the dequantized f32 weights.
 
 pub mod cpu;
+pub mod cuda;
 
 pub use cpu::attention::AttnShape;
 use cpu::qmatrix::Q8Vector;
 pub use cpu::qmatrix::QMatrix;
 use cpu::CpuBackend;
+pub use cuda::CudaBackend;
 
 use crate::error::{Error, Result};
 use crate::memory::{Arena, WeightBuffers};
@@ -119,6 +122,9 @@ impl WeightBuffers for Weight {
 pub enum Backend {
     /// CPU kernels on a private thread pool.
     Cpu(CpuBackend),
+    /// CUDA kernels on one device, staging host tensors through device memory (without
+    /// feature `cuda` no value of this variant can be made).
+    Cuda(CudaBackend),
 }
 
 /// Batches up to this many rows run as repeated matrix-vector products instead of `gemm`,
@@ -146,26 +152,22 @@ impl Backend {
         Ok(Backend::Cpu(CpuBackend::new(threads)?))
     }
 
-    /// The CUDA backend on device `ordinal`.
+    /// The CUDA backend on device `ordinal` (see [`CudaBackend`]).
     ///
     /// # Errors
-    /// Always for now: [`Error::NotCompiledWith`] without feature `cuda`, and
-    /// [`Error::BackendUnavailable`] with it until the CUDA kernels exist.
+    /// [`Error::NotCompiledWith`] without feature `cuda`; with it
+    /// [`Error::BackendUnavailable`] saying why the device cannot be used (no driver library,
+    /// no device `ordinal`, NVRTC or cuBLAS missing, the kernels' compile log).
     pub fn cuda(ordinal: usize) -> Result<Self> {
-        if cfg!(feature = "cuda") {
-            Err(Error::BackendUnavailable {
-                backend: "cuda",
-                reason: format!("device {ordinal}: cuda kernels are not implemented yet"),
-            })
-        } else {
-            Err(Error::NotCompiledWith { feature: "cuda" })
-        }
+        Ok(Backend::Cuda(CudaBackend::new(ordinal)?))
     }
 
-    /// The device tensors of this backend live on.
+    /// The device the kernels run on. Tensors passed to and returned from a backend are in
+    /// host memory on every backend; the CUDA backend copies them.
     pub fn device(&self) -> Device {
         match self {
             Backend::Cpu(_) => Device::Cpu,
+            Backend::Cuda(cuda) => Device::Cuda(cuda.ordinal()),
         }
     }
 
@@ -218,6 +220,7 @@ impl Backend {
                     cpu::matmul::matmul_nt(x.data(), &wt, out.data_mut(), m, n, k, cpu.threads())
                 }
             })?,
+            (Backend::Cuda(cuda), w) => cuda.linear(x.data(), w, (m, n, k), out.data_mut())?,
         }
         Ok(out)
     }
@@ -233,6 +236,7 @@ impl Backend {
         let mut out = Tensor::zeros(x.shape());
         match self {
             Backend::Cpu(_) => cpu::norm::rms_norm(x.data(), weight.data(), eps, out.data_mut()),
+            Backend::Cuda(cuda) => cuda.rms_norm(x.data(), weight.data(), eps, out.data_mut())?,
         }
         Ok(out)
     }
@@ -267,6 +271,9 @@ impl Backend {
         match self {
             Backend::Cpu(_) => {
                 cpu::rope::rope(x.data_mut(), positions, heads, head_dim, rot_dim, theta)
+            }
+            Backend::Cuda(cuda) => {
+                cuda.rope(x.data_mut(), positions, (heads, head_dim, rot_dim), theta)?
             }
         }
         Ok(())
@@ -324,6 +331,16 @@ impl Backend {
                     lse.as_mut().map(|l| l.data_mut()),
                 )
             }),
+            Backend::Cuda(cuda) => cuda.attention(
+                q.data(),
+                q_pos,
+                k,
+                v,
+                kv_pos,
+                shape,
+                out.data_mut(),
+                lse.as_mut().map(|l| l.data_mut()),
+            )?,
         }
         Ok((out, lse))
     }
@@ -336,6 +353,7 @@ impl Backend {
         check("silu_mul", gate.len() == up.len(), || format!("{} vs {}", gate.len(), up.len()))?;
         match self {
             Backend::Cpu(_) => cpu::activation::silu_mul(gate.data_mut(), up.data()),
+            Backend::Cuda(cuda) => cuda.silu_mul(gate.data_mut(), up.data())?,
         }
         Ok(())
     }
@@ -348,6 +366,7 @@ impl Backend {
         check("add_assign", x.len() == y.len(), || format!("{} vs {}", x.len(), y.len()))?;
         match self {
             Backend::Cpu(_) => cpu::activation::add_assign(x.data_mut(), y.data()),
+            Backend::Cuda(cuda) => cuda.add_assign(x.data_mut(), y.data())?,
         }
         Ok(())
     }
@@ -363,6 +382,7 @@ impl Backend {
         })?;
         match self {
             Backend::Cpu(_) => cpu::activation::add_rows(x.data_mut(), bias.data()),
+            Backend::Cuda(cuda) => cuda.add_rows(x.data_mut(), bias.data())?,
         }
         Ok(())
     }
@@ -373,20 +393,37 @@ impl Backend {
     /// [`Error::TokenOutOfRange`] for an id at or above the table's row count.
     pub fn embedding(&self, table: &Weight, ids: &[u32]) -> Result<Tensor> {
         let (vocab, dim) = table.dims();
+        if let Some((index, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+            return Err(Error::TokenOutOfRange { id, index, vocab });
+        }
         let mut out = Tensor::zeros(&[ids.len(), dim]);
-        for (index, (&id, row)) in ids.iter().zip(out.data_mut().chunks_exact_mut(dim)).enumerate()
-        {
-            if id as usize >= vocab {
-                return Err(Error::TokenOutOfRange { id, index, vocab });
+        match self {
+            Backend::Cpu(_) if dim == 0 => {}
+            Backend::Cpu(_) => {
+                for (&id, row) in ids.iter().zip(out.data_mut().chunks_exact_mut(dim)) {
+                    row.copy_from_slice(&table.row_f32(id as usize));
+                }
             }
-            row.copy_from_slice(&table.row_f32(id as usize));
+            Backend::Cuda(cuda) => cuda.embedding(table, ids, out.data_mut())?,
         }
         Ok(out)
     }
 
-    /// The index of the largest element of each row of `x`.
+    /// The index of the largest element of each row of `x` (the first on ties; NaN never wins;
+    /// 0 for a row without a number).
+    ///
+    /// This cannot fail: should the CUDA kernel fail, the host computes the answer from the
+    /// host tensor instead (and logs a warning).
     pub fn argmax_rows(&self, x: &Tensor) -> Vec<usize> {
-        (0..x.rows()).map(|r| cpu::activation::argmax(x.row(r)).unwrap_or(0)).collect()
+        let host =
+            || (0..x.rows()).map(|r| cpu::activation::argmax(x.row(r)).unwrap_or(0)).collect();
+        match self {
+            Backend::Cpu(_) => host(),
+            Backend::Cuda(cuda) => cuda.argmax_rows(x.data(), x.rows()).unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "cuda argmax failed; computed on the host instead");
+                host()
+            }),
+        }
     }
 }
 

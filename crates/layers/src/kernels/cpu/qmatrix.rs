@@ -165,6 +165,13 @@ impl QMatrix {
         self.bits
     }
 
+    /// The repacked arrays in row-major block order: one scale per block, one minimum per
+    /// block (empty for 8-bit weights), and the quants (one byte per 8-bit weight; for 4-bit
+    /// weights 16 bytes per block, elements 0..16 in the low nibbles, 16..32 in the high ones).
+    pub fn parts(&self) -> (&[f32], &[f32], &[u8]) {
+        (self.scales.as_slice(), self.mins.as_slice(), self.qs.as_slice())
+    }
+
     /// Bytes held (quants, scales and minimums).
     pub fn nbytes(&self) -> usize {
         self.qs.len() + 4 * (self.scales.len() + self.mins.len())

@@ -1,0 +1,641 @@
+//! The CUDA backend proper (feature `cuda`): cuBLAS for products, NVRTC-compiled kernels for
+//! everything else, behind the same host-tensor seam as the CPU backend.
+//!
+//! How data moves, and what it costs:
+//! - Activations stay in host memory between calls. Every op copies its inputs to the device,
+//!   runs, copies the result back and waits for the stream. That is one round trip over PCIe
+//!   (or NVLink-C2C) and one synchronization per op: simple and exactly as correct as the CPU
+//!   backend, but far from the GPU's speed for small batches, where the copies and launch
+//!   latencies dominate. Keeping activations on the device needs device tensors in the model,
+//!   which this seam deliberately does not have yet.
+//! - Weight matrices ([`Weight`]) are uploaded once and cached for the life of the backend,
+//!   keyed by the address and length of their host buffer (weights live in allocations that
+//!   keep their addresses), and checked on every use against a fingerprint of 64 sampled
+//!   words, so a freed buffer whose address is reused by another weight is noticed in
+//!   practice. A weight rewritten in place at an unsampled word is not: call
+//!   [`CudaBackend::clear_weight_cache`] after changing weights in place (a restore that
+//!   zeroes or reloads them).
+//! - Quantized weights are dequantized on the device at first use, and only the f32 copy is
+//!   kept: products then go through cuBLAS sgemm like dense ones. This costs 4x (Q8_0) to 7x
+//!   (Q4) more device memory and bandwidth than the packed form; a 135M-parameter model takes
+//!   about 540 MB. The dequantization rounds exactly as the CPU's `QMatrix::dequantize`, so a
+//!   quantized product here equals the CPU's f32 product on the dequantized matrix (the CPU's
+//!   decode path instead quantizes the activations to 8 bits, which differs by about 1%).
+//! - Small per-call vectors (norm weights, biases) are copied per call like activations.
+//!
+//! Kernels are compiled from `kernels.cu` with NVRTC once per process (the PTX is kept in a
+//! `OnceLock`) and loaded into each backend's context; all work runs on one stream per backend.
+//! Runtime failures (out of device memory, a failed launch) are reported as
+//! [`Error::BackendUnavailable`] naming the op.
+#![allow(unsafe_code)]
+
+use crate::error::{Error, Result};
+use crate::kernels::cpu::attention::AttnShape;
+use crate::kernels::cpu::qmatrix::QBits;
+use crate::kernels::Weight;
+use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
+use std::collections::HashMap;
+use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The CUDA C source of every kernel.
+const SOURCE: &str = include_str!("kernels.cu");
+
+/// Threads per block of the element-wise and row kernels (`BLOCK` in `kernels.cu`).
+const BLOCK: u32 = 256;
+/// Threads per block of `attention` (`ATTN_BLOCK` in `kernels.cu`).
+const ATTN_BLOCK: u32 = 128;
+/// Largest head dimension `attention` handles (`ATTN_BLOCK * ATTN_DIMS` in `kernels.cu`).
+const ATTN_MAX_HEAD_DIM: usize = 512;
+
+fn unavailable(reason: impl Into<String>) -> Error {
+    Error::BackendUnavailable { backend: "cuda", reason: reason.into() }
+}
+
+/// Turns a foreign error into [`Error::BackendUnavailable`] with what was being done.
+trait OrUnavailable<T> {
+    fn or_unavailable(self, what: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T, E: fmt::Display> OrUnavailable<T> for std::result::Result<T, E> {
+    fn or_unavailable(self, what: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|e| unavailable(format!("{}: {e}", what())))
+    }
+}
+
+/// `x` as an `i32` kernel argument.
+fn int(op: &str, what: &str, x: usize) -> Result<i32> {
+    i32::try_from(x)
+        .map_err(|_| unavailable(format!("{op}: {what} = {x} exceeds the kernels' 32-bit sizes")))
+}
+
+/// One thread per element, `BLOCK` per block.
+fn elementwise(op: &str, n: usize) -> Result<LaunchConfig> {
+    let blocks = n.div_ceil(BLOCK as usize);
+    let blocks = u32::try_from(blocks)
+        .ok()
+        .filter(|&b| b <= i32::MAX as u32)
+        .ok_or_else(|| unavailable(format!("{op}: {n} elements need too many thread blocks")))?;
+    Ok(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 })
+}
+
+/// One block of `threads` per row.
+fn per_row(op: &str, rows: usize, threads: u32) -> Result<LaunchConfig> {
+    let blocks = int(op, "rows", rows)? as u32;
+    Ok(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 })
+}
+
+/// The kernels' PTX, compiled once per process. A failure is kept too: it does not fix itself.
+fn ptx() -> std::result::Result<&'static Ptx, String> {
+    static PTX: OnceLock<std::result::Result<Ptx, String>> = OnceLock::new();
+    PTX.get_or_init(|| {
+        // No fused multiply-add, so products and sums round as on the CPU.
+        let opts = CompileOptions {
+            fmad: Some(false),
+            name: Some("tpctl_kernels.cu".into()),
+            ..Default::default()
+        };
+        cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| match e {
+            CompileError::CompileError { nvrtc, log, .. } => {
+                format!(
+                    "nvrtc failed to compile the kernels ({nvrtc:?}):\n{}",
+                    log.to_string_lossy()
+                )
+            }
+            other => format!("nvrtc: {other}"),
+        })
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+/// The loaded kernels of one context.
+struct Kernels {
+    rms_norm: CudaFunction,
+    rope: CudaFunction,
+    silu_mul: CudaFunction,
+    add_assign: CudaFunction,
+    add_rows: CudaFunction,
+    embedding: CudaFunction,
+    argmax_rows: CudaFunction,
+    dequantize: CudaFunction,
+    attention: CudaFunction,
+}
+
+/// Where a cached weight came from: the address and length of its (first) host buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct WeightKey {
+    addr: usize,
+    len: usize,
+}
+
+struct CachedWeight {
+    fingerprint: u64,
+    data: Arc<CudaSlice<f32>>,
+}
+
+/// A hash of the length and 64 evenly spaced 32-bit words of each of `parts` (all of them when
+/// shorter): cheap enough for every call, and enough to notice a different weight at a reused
+/// address.
+fn fingerprint(parts: &[&[u8]]) -> u64 {
+    const SAMPLES: usize = 64;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for p in parts {
+        p.len().hash(&mut h);
+        let words = p.len() / 4;
+        let step = words.div_ceil(SAMPLES).max(1);
+        for w in (0..words).step_by(step) {
+            p[4 * w..4 * w + 4].hash(&mut h);
+        }
+        p[4 * words..].hash(&mut h);
+    }
+    h.finish()
+}
+
+struct Inner {
+    ordinal: usize,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    k: Kernels,
+    weights: Mutex<HashMap<WeightKey, CachedWeight>>,
+}
+
+/// Kernels on CUDA device `ordinal`, taking and returning host tensors (see the module docs
+/// for the copies this implies). Clones share the device state and the weight cache.
+#[derive(Clone)]
+pub struct CudaBackend {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("ordinal", &self.inner.ordinal)
+            .field("cached_weights", &self.cache().len())
+            .finish()
+    }
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`: checks that the driver, NVRTC and cuBLAS libraries load and the
+    /// device exists, creates a stream and a cuBLAS handle, and loads the kernels.
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`] naming what is missing: the driver library, a device
+    /// `ordinal`, NVRTC or cuBLAS, or the compile log when the kernels fail to compile.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let at = |reason: String| unavailable(format!("device {ordinal}: {reason}"));
+        // cudarc panics when a library it calls into cannot be loaded; probe each first.
+        // SAFETY: the probes only try to load the shared libraries by name and drop them
+        // again; loading runs the CUDA libraries' own initializers and nothing else.
+        let (driver, nvrtc, cublas) = unsafe {
+            (
+                cudarc::driver::sys::is_culib_present(),
+                cudarc::nvrtc::sys::is_culib_present(),
+                cudarc::cublas::sys::is_culib_present(),
+            )
+        };
+        if !driver {
+            return Err(
+                at("the CUDA driver library (libcuda.so) is not on the loader path".into()),
+            );
+        }
+        let count = CudaContext::device_count().map_err(|e| at(format!("cuInit failed: {e}")))?;
+        if ordinal >= usize::try_from(count).unwrap_or(0) {
+            return Err(at(format!("no such device: {count} CUDA device(s) visible")));
+        }
+        if !nvrtc {
+            return Err(at("NVRTC (libnvrtc.so.12) is not on the loader path".into()));
+        }
+        if !cublas {
+            return Err(at("cuBLAS (libcublas.so.12) is not on the loader path".into()));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| at(format!("creating a context: {e}")))?;
+        let stream = ctx.new_stream().map_err(|e| at(format!("creating a stream: {e}")))?;
+        let blas = CudaBlas::new(stream.clone())
+            .map_err(|e| at(format!("creating a cuBLAS handle: {e}")))?;
+        let ptx = ptx().map_err(at)?;
+        let module = ctx.load_module(ptx.clone()).map_err(|e| {
+            at(format!("loading the kernels' PTX (a driver older than NVRTC?): {e}"))
+        })?;
+        let f = |name: &str| {
+            module.load_function(name).map_err(|e| at(format!("kernel `{name}`: {e}")))
+        };
+        let k = Kernels {
+            rms_norm: f("rms_norm")?,
+            rope: f("rope")?,
+            silu_mul: f("silu_mul")?,
+            add_assign: f("add_assign")?,
+            add_rows: f("add_rows")?,
+            embedding: f("embedding")?,
+            argmax_rows: f("argmax_rows")?,
+            dequantize: f("dequantize")?,
+            attention: f("attention")?,
+        };
+        tracing::debug!(ordinal, "cuda backend ready");
+        let inner = Inner { ordinal, stream, blas, k, weights: Mutex::new(HashMap::new()) };
+        Ok(CudaBackend { inner: Arc::new(inner) })
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.inner.ordinal
+    }
+
+    /// Drops every cached device copy of a weight (the next use uploads it again). Needed
+    /// after weights change in place; weights that move to new buffers are re-uploaded anyway.
+    pub fn clear_weight_cache(&self) {
+        self.cache().clear();
+    }
+
+    /// Device bytes held by cached weights.
+    pub fn cached_weight_bytes(&self) -> usize {
+        self.cache().values().map(|w| w.data.num_bytes()).sum()
+    }
+
+    fn cache(&self) -> std::sync::MutexGuard<'_, HashMap<WeightKey, CachedWeight>> {
+        // The map stays consistent even if a holder panicked: entries are inserted whole.
+        self.inner.weights.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.inner.stream
+    }
+
+    /// A device copy of `host`.
+    fn upload<T: DeviceRepr>(&self, op: &str, host: &[T]) -> Result<CudaSlice<T>> {
+        self.stream().clone_htod(host).or_unavailable(|| format!("{op}: copying to the device"))
+    }
+
+    /// A device buffer of `len` zeros.
+    fn zeros(&self, op: &str, len: usize) -> Result<CudaSlice<f32>> {
+        self.stream().alloc_zeros(len).or_unavailable(|| format!("{op}: allocating {len} floats"))
+    }
+
+    /// Copies `dev` into `host` (same length) and waits for the stream.
+    fn download<T: DeviceRepr>(&self, op: &str, dev: &CudaSlice<T>, host: &mut [T]) -> Result<()> {
+        let stream = self.stream();
+        stream.memcpy_dtoh(dev, host).or_unavailable(|| format!("{op}: copying to the host"))?;
+        stream.synchronize().or_unavailable(|| format!("{op}: waiting for the device"))
+    }
+
+    /// The device copy of `w` as dense f32 `[rows, cols]`, uploading (and dequantizing) it on
+    /// first use.
+    fn weight(&self, op: &str, w: &Weight) -> Result<Arc<CudaSlice<f32>>> {
+        let (key, print) = match w {
+            Weight::F32(t) => {
+                let bytes: &[u8] = bytemuck::cast_slice(t.data());
+                (
+                    WeightKey { addr: bytes.as_ptr() as usize, len: bytes.len() },
+                    fingerprint(&[bytes]),
+                )
+            }
+            Weight::Quant(q) => {
+                let (scales, mins, qs) = q.parts();
+                let parts: [&[u8]; 3] =
+                    [bytemuck::cast_slice(scales), bytemuck::cast_slice(mins), qs];
+                (WeightKey { addr: qs.as_ptr() as usize, len: qs.len() }, fingerprint(&parts))
+            }
+        };
+        // Held through the upload, so two threads never upload the same weight twice.
+        let mut cache = self.cache();
+        if let Some(hit) = cache.get(&key).filter(|c| c.fingerprint == print) {
+            return Ok(hit.data.clone());
+        }
+        let data = Arc::new(match w {
+            Weight::F32(t) => self.upload(op, t.data())?,
+            Weight::Quant(q) => self.dequantize(op, q)?,
+        });
+        cache.insert(key, CachedWeight { fingerprint: print, data: data.clone() });
+        Ok(data)
+    }
+
+    /// Uploads a quantized matrix and expands it to f32 on the device.
+    fn dequantize(&self, op: &str, q: &crate::kernels::QMatrix) -> Result<CudaSlice<f32>> {
+        let (rows, cols) = q.dims();
+        let n = rows * cols;
+        let mut out = self.zeros(op, n.max(1))?;
+        if n == 0 {
+            return Ok(out);
+        }
+        let (scales, mins, qs) = q.parts();
+        let four_bit = i32::from(q.bits() == QBits::Four);
+        let scales = self.upload(op, scales)?;
+        // 8-bit weights have no minimums; the kernel never reads them, but needs a pointer.
+        let mins = if mins.is_empty() { self.zeros(op, 1)? } else { self.upload(op, mins)? };
+        let qs = self.upload(op, qs)?;
+        let n64 = n as u64;
+        let cfg = elementwise(op, n)?;
+        let mut b = self.stream().launch_builder(&self.inner.k.dequantize);
+        b.arg(&scales).arg(&mins).arg(&qs).arg(&mut out).arg(&n64).arg(&four_bit);
+        // SAFETY: the arguments match `dequantize(const float*, const float*, const unsigned
+        // char*, float*, u64, int)`. For n = rows·cols elements it reads n/32 scales, n/32
+        // minimums (4-bit only), n (8-bit) or n/2 (4-bit) quant bytes, and writes n floats:
+        // exactly the lengths of the buffers uploaded from a well-formed `QMatrix`.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{op}: launching dequantize"))?;
+        Ok(out)
+    }
+
+    /// `out[m, n] = x[m, k] · wᵀ` (`w` of `[n, k]`) with cuBLAS sgemm.
+    pub(crate) fn linear(
+        &self,
+        x: &[f32],
+        w: &Weight,
+        (m, n, k): (usize, usize, usize),
+        out: &mut [f32],
+    ) -> Result<()> {
+        const OP: &str = "linear";
+        if m == 0 || n == 0 || k == 0 {
+            out.fill(0.0);
+            return Ok(());
+        }
+        let wd = self.weight(OP, w)?;
+        let xd = self.upload(OP, x)?;
+        let mut od = self.zeros(OP, m * n)?;
+        // cuBLAS is column-major. Row-major out[m, n] is column-major outᵀ[n, m] = W·xᵀ, where
+        // the row-major weight buffer read column-major is Wᵀ[k, n] (so transpose it back) and
+        // the row-major x buffer is xᵀ[k, m] as it stands.
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: int(OP, "out_features", n)?,
+            n: int(OP, "rows", m)?,
+            k: int(OP, "in_features", k)?,
+            alpha: 1.0f32,
+            lda: int(OP, "in_features", k)?,
+            ldb: int(OP, "in_features", k)?,
+            beta: 0.0f32,
+            ldc: int(OP, "out_features", n)?,
+        };
+        // SAFETY: with these dimensions sgemm reads n·k floats of the weight (lda = k,
+        // transposed), k·m of x (ldb = k) and writes n·m of out (ldc = n); the weight buffer
+        // holds the n·k values of `w`, x and out were allocated with m·k and m·n. beta = 0, so
+        // out's prior contents are not read.
+        unsafe { self.inner.blas.gemm(cfg, &*wd, &xd, &mut od) }
+            .or_unavailable(|| format!("{OP}: sgemm {m}x{k} by {k}x{n}"))?;
+        self.download(OP, &od, out)
+    }
+
+    /// RMSNorm of rows of `weight.len()` elements.
+    pub(crate) fn rms_norm(
+        &self,
+        x: &[f32],
+        weight: &[f32],
+        eps: f32,
+        out: &mut [f32],
+    ) -> Result<()> {
+        const OP: &str = "rms_norm";
+        let d = weight.len();
+        if x.is_empty() || d == 0 {
+            return Ok(());
+        }
+        let rows = x.len() / d;
+        let xd = self.upload(OP, x)?;
+        let wd = self.upload(OP, weight)?;
+        let mut od = self.zeros(OP, x.len())?;
+        let d32 = int(OP, "row length", d)?;
+        let cfg = per_row(OP, rows, BLOCK)?;
+        let mut b = self.stream().launch_builder(&self.inner.k.rms_norm);
+        b.arg(&xd).arg(&wd).arg(&mut od).arg(&d32).arg(&eps);
+        // SAFETY: the arguments match `rms_norm(const float*, const float*, float*, int,
+        // float)`; block r reads and writes row r (d floats) of x and out, which hold rows·d
+        // floats, and reads the d floats of the weight.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        self.download(OP, &od, out)
+    }
+
+    /// Rotate-half rotary embedding in place (see `cpu::rope::rope`).
+    pub(crate) fn rope(
+        &self,
+        x: &mut [f32],
+        positions: &[usize],
+        (heads, head_dim, rot_dim): (usize, usize, usize),
+        theta: f32,
+    ) -> Result<()> {
+        const OP: &str = "rope";
+        let pairs = positions.len() * heads * (rot_dim / 2);
+        if pairs == 0 {
+            return Ok(());
+        }
+        let mut xd = self.upload(OP, x)?;
+        let pos: Vec<u64> = positions.iter().map(|&p| p as u64).collect();
+        let pd = self.upload(OP, &pos)?;
+        let args = [
+            int(OP, "tokens", positions.len())?,
+            int(OP, "heads", heads)?,
+            int(OP, "head_dim", head_dim)?,
+            int(OP, "rot_dim", rot_dim)?,
+        ];
+        let cfg = elementwise(OP, pairs)?;
+        let mut b = self.stream().launch_builder(&self.inner.k.rope);
+        b.arg(&mut xd).arg(&pd);
+        for a in &args {
+            b.arg(a);
+        }
+        b.arg(&theta);
+        // SAFETY: the arguments match `rope(float*, const u64*, int, int, int, int, float)`.
+        // Thread (t, h, i) for i < rot_dim/2 reads position t and rewrites elements i and
+        // i + rot_dim/2 of head h of token t; the caller checked x holds tokens·heads·head_dim
+        // floats with rot_dim <= head_dim, and threads past the last pair return at once.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        self.download(OP, &xd, x)
+    }
+
+    /// Causal GQA attention with per-row log-sum-exp (see `cpu::attention::attention`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attention(
+        &self,
+        q: &[f32],
+        q_pos: &[usize],
+        k: &[f32],
+        v: &[f32],
+        kv_pos: &[usize],
+        shape: AttnShape,
+        out: &mut [f32],
+        lse: Option<&mut [f32]>,
+    ) -> Result<()> {
+        const OP: &str = "attention";
+        let AttnShape { q_heads, kv_heads, head_dim } = shape;
+        let rows = q_pos.len() * q_heads;
+        if head_dim > ATTN_MAX_HEAD_DIM {
+            return Err(Error::shape(
+                OP,
+                format!("head_dim {head_dim} exceeds the cuda kernel's {ATTN_MAX_HEAD_DIM}"),
+            ));
+        }
+        if rows == 0 || head_dim == 0 || kv_pos.is_empty() {
+            // No keys at all: zeros and -inf, the neutral partial result.
+            out.fill(0.0);
+            if let Some(l) = lse {
+                l.fill(f32::NEG_INFINITY);
+            }
+            return Ok(());
+        }
+        let to_u64 = |p: &[usize]| p.iter().map(|&x| x as u64).collect::<Vec<u64>>();
+        let qd = self.upload(OP, q)?;
+        let qpd = self.upload(OP, &to_u64(q_pos))?;
+        let kd = self.upload(OP, k)?;
+        let vd = self.upload(OP, v)?;
+        let kpd = self.upload(OP, &to_u64(kv_pos))?;
+        let mut od = self.zeros(OP, q.len())?;
+        let mut ld = self.zeros(OP, rows)?;
+        let args = [
+            int(OP, "keys", kv_pos.len())?,
+            int(OP, "q_heads", q_heads)?,
+            int(OP, "kv_heads", kv_heads)?,
+            int(OP, "head_dim", head_dim)?,
+        ];
+        // The CPU scales by 1/sqrt(d) computed in f32 the same way.
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let cfg = per_row(OP, rows, ATTN_BLOCK)?;
+        let mut b = self.stream().launch_builder(&self.inner.k.attention);
+        b.arg(&qd).arg(&qpd).arg(&kd).arg(&vd).arg(&kpd);
+        for a in &args {
+            b.arg(a);
+        }
+        b.arg(&scale).arg(&mut od).arg(&mut ld);
+        // SAFETY: the arguments match `attention(const float*, const u64*, const float*,
+        // const float*, const u64*, int, int, int, int, float, float*, float*)`. Block r
+        // (query token r / q_heads) reads q_pos and row r of q (head_dim floats), all n_kv key
+        // positions and head g of every key and value row, and writes row r of out and
+        // lse[r]. The caller checked q holds q_pos.len()·q_heads·head_dim floats, k and v
+        // kv_pos.len()·kv_heads·head_dim, q_heads a multiple of kv_heads (so g < kv_heads);
+        // head_dim <= 512 fits the kernel's per-thread output slots and shared query copy.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        self.download(OP, &od, out)?;
+        match lse {
+            Some(l) => self.download(OP, &ld, l),
+            None => Ok(()),
+        }
+    }
+
+    /// Launches one of the element-wise kernels `f(float* x, const float* y, u64 n, ...)` on
+    /// `x` with `y`, plus `width` for `add_rows`, and copies `x` back.
+    fn binary(
+        &self,
+        op: &str,
+        f: &CudaFunction,
+        x: &mut [f32],
+        y: &[f32],
+        width: Option<i32>,
+    ) -> Result<()> {
+        if x.is_empty() {
+            return Ok(());
+        }
+        let mut xd = self.upload(op, x)?;
+        let yd = self.upload(op, y)?;
+        let n = x.len() as u64;
+        let cfg = elementwise(op, x.len())?;
+        let mut b = self.stream().launch_builder(f);
+        b.arg(&mut xd).arg(&yd).arg(&n);
+        if let Some(w) = width.as_ref() {
+            b.arg(w);
+        }
+        // SAFETY: the caller passes a kernel of signature `(float*, const float*, u64)` (or
+        // `(float*, const float*, u64, int)` with `width`); element i < n of x is updated
+        // from element i of y (i % width for add_rows), and the callers checked that y has
+        // x's length (or, for add_rows, that width = y.len() > 0 divides it).
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{op}: launch"))?;
+        self.download(op, &xd, x)
+    }
+
+    /// `gate = silu(gate) · up`.
+    pub(crate) fn silu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<()> {
+        self.binary("silu_mul", &self.inner.k.silu_mul, gate, up, None)
+    }
+
+    /// `x += y`.
+    pub(crate) fn add_assign(&self, x: &mut [f32], y: &[f32]) -> Result<()> {
+        self.binary("add_assign", &self.inner.k.add_assign, x, y, None)
+    }
+
+    /// `bias` added to every row of `x`.
+    pub(crate) fn add_rows(&self, x: &mut [f32], bias: &[f32]) -> Result<()> {
+        let width = int("add_bias", "bias length", bias.len())?;
+        self.binary("add_bias", &self.inner.k.add_rows, x, bias, Some(width))
+    }
+
+    /// Rows `ids` of `table` (ids already checked against its row count).
+    pub(crate) fn embedding(&self, table: &Weight, ids: &[u32], out: &mut [f32]) -> Result<()> {
+        const OP: &str = "embedding";
+        let dim = table.dims().1;
+        if ids.is_empty() || dim == 0 {
+            return Ok(());
+        }
+        let td = self.weight(OP, table)?;
+        let idd = self.upload(OP, ids)?;
+        let mut od = self.zeros(OP, ids.len() * dim)?;
+        let args = [int(OP, "tokens", ids.len())?, int(OP, "dim", dim)?];
+        let cfg = elementwise(OP, ids.len() * dim)?;
+        let mut b = self.stream().launch_builder(&self.inner.k.embedding);
+        b.arg(&*td).arg(&idd).arg(&mut od).arg(&args[0]).arg(&args[1]);
+        // SAFETY: the arguments match `embedding(const float*, const unsigned int*, float*,
+        // int, int)`; element (r, c) reads ids[r] and table[ids[r]·dim + c], and the caller
+        // checked every id is below the table's row count; out holds ids.len()·dim floats.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        self.download(OP, &od, out)
+    }
+
+    /// The index of the largest element of each of `rows` rows of `x` (first on ties, NaN
+    /// never wins, 0 for a row without a number).
+    pub(crate) fn argmax_rows(&self, x: &[f32], rows: usize) -> Result<Vec<usize>> {
+        const OP: &str = "argmax_rows";
+        if rows == 0 || x.is_empty() {
+            return Ok(vec![0; rows]);
+        }
+        let cols = int(OP, "columns", x.len() / rows)?;
+        let xd = self.upload(OP, x)?;
+        let mut od = self
+            .stream()
+            .alloc_zeros::<u32>(rows)
+            .or_unavailable(|| format!("{OP}: allocating"))?;
+        let cfg = per_row(OP, rows, BLOCK)?;
+        let mut b = self.stream().launch_builder(&self.inner.k.argmax_rows);
+        b.arg(&xd).arg(&cols).arg(&mut od);
+        // SAFETY: the arguments match `argmax_rows(const float*, int, unsigned int*)`; block
+        // r reads row r (cols floats) of x, which holds rows·cols, and writes out[r] of rows.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        let mut idx = vec![0u32; rows];
+        self.download(OP, &od, &mut idx)?;
+        Ok(idx.into_iter().map(|i| i as usize).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NVRTC works without a GPU, so this runs wherever `libnvrtc.so.12` loads (skipping with a
+    /// note elsewhere, unless `TPCTL_REQUIRE_GPU=1`).
+    #[test]
+    fn cuda_kernels_compile_with_nvrtc() {
+        // SAFETY: as in `CudaBackend::new`: only loads the library by name.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            let require = std::env::var("TPCTL_REQUIRE_GPU").is_ok_and(|v| v == "1");
+            assert!(!require, "TPCTL_REQUIRE_GPU=1 but NVRTC is not on the loader path");
+            eprintln!("note: NVRTC is not on the loader path, not compiling the kernels");
+            return;
+        }
+        let ptx = ptx().unwrap_or_else(|log| panic!("{log}"));
+        let text = ptx.to_src();
+        for name in [
+            "rms_norm",
+            "rope",
+            "silu_mul",
+            "add_assign",
+            "add_rows",
+            "embedding",
+            "argmax_rows",
+            "dequantize",
+            "attention",
+        ] {
+            assert!(text.contains(&format!(".entry {name}(")), "no kernel `{name}` in the PTX");
+        }
+    }
+}

@@ -1,0 +1,228 @@
+// Element-wise and attention kernels of the CUDA backend (`kernels::cuda`), compiled once per
+// process with NVRTC. Each kernel mirrors the CPU function of the same name in `kernels::cpu`;
+// the module is compiled with `--fmad=false` so products and sums round as the CPU's do.
+//
+// Conventions: every array is row-major f32 unless said otherwise; sizes are 32-bit (the Rust
+// side checks they fit); reductions use shared memory and need `blockDim.x == BLOCK`, a power
+// of two. Positions are 64-bit, as `usize` is on the host.
+
+#define BLOCK 256
+#define ATTN_BLOCK 128
+// Output elements per thread in `attention`: head_dim <= ATTN_BLOCK * ATTN_DIMS.
+#define ATTN_DIMS 4
+
+typedef unsigned long long u64;
+
+// NVRTC compiles without the C headers, so neither INFINITY nor isnan is assumed.
+#define NEG_INF __int_as_float((int)0xff800000u)
+
+// Sum of `v` over the block; every thread gets the result. `buf` holds BLOCK floats.
+__device__ float block_sum(float v, float* buf, int n) {
+    buf[threadIdx.x] = v;
+    __syncthreads();
+    for (int s = n / 2; s > 0; s /= 2) {
+        if ((int)threadIdx.x < s) buf[threadIdx.x] += buf[threadIdx.x + s];
+        __syncthreads();
+    }
+    float r = buf[0];
+    __syncthreads();
+    return r;
+}
+
+// Maximum of `v` over the block (-inf when every value is -inf); every thread gets it.
+__device__ float block_max(float v, float* buf, int n) {
+    buf[threadIdx.x] = v;
+    __syncthreads();
+    for (int s = n / 2; s > 0; s /= 2) {
+        if ((int)threadIdx.x < s) buf[threadIdx.x] = fmaxf(buf[threadIdx.x], buf[threadIdx.x + s]);
+        __syncthreads();
+    }
+    float r = buf[0];
+    __syncthreads();
+    return r;
+}
+
+// out = x / sqrt(mean(x^2) + eps) * w, one block per row of `d` elements.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int d, float eps) {
+    __shared__ float buf[BLOCK];
+    const float* xr = x + (u64)blockIdx.x * d;
+    float* yr = out + (u64)blockIdx.x * d;
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < d; i += BLOCK) acc += xr[i] * xr[i];
+    float ms = block_sum(acc, buf, BLOCK) / (float)d;
+    float scale = 1.0f / sqrtf(ms + eps);
+    for (int i = threadIdx.x; i < d; i += BLOCK) yr[i] = xr[i] * scale * w[i];
+}
+
+// Rotate-half rotary embedding of x[tokens, heads, head_dim] in place; one thread per rotated
+// pair. Angles in double precision, as on the CPU.
+extern "C" __global__ void rope(float* x, const u64* pos, int tokens, int heads, int head_dim,
+                                int rot_dim, float theta) {
+    int half = rot_dim / 2;
+    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 total = (u64)tokens * heads * half;
+    if (idx >= total) return;
+    int i = (int)(idx % half);
+    u64 th = idx / half;
+    int h = (int)(th % heads);
+    u64 t = th / heads;
+    double inv_freq = pow((double)theta, -(double)(2 * i) / (double)rot_dim);
+    double a = (double)pos[t] * inv_freq;
+    float c = (float)cos(a);
+    float s = (float)sin(a);
+    float* v = x + (t * heads + h) * (u64)head_dim;
+    float lo = v[i], hi = v[i + half];
+    v[i] = lo * c - hi * s;
+    v[i + half] = hi * c + lo * s;
+}
+
+// gate = silu(gate) * up.
+extern "C" __global__ void silu_mul(float* gate, const float* up, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float g = gate[i];
+        gate[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+// x += y.
+extern "C" __global__ void add_assign(float* x, const float* y, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+// x[r, c] += bias[c] for rows of `width` elements.
+extern "C" __global__ void add_rows(float* x, const float* bias, u64 n, int width) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += bias[i % width];
+}
+
+// out[i, :] = table[ids[i], :]; ids were checked against the table on the host.
+extern "C" __global__ void embedding(const float* table, const unsigned int* ids, float* out,
+                                     int n_ids, int dim) {
+    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (u64)n_ids * dim) return;
+    u64 r = idx / dim;
+    int c = (int)(idx % dim);
+    out[idx] = table[(u64)ids[r] * dim + c];
+}
+
+// Index of the largest element of each row (first on ties, NaN never wins, 0 when nothing
+// qualifies); one block per row.
+extern "C" __global__ void argmax_rows(const float* x, int cols, unsigned int* out) {
+    __shared__ float vals[BLOCK];
+    __shared__ int idxs[BLOCK];
+    const float* row = x + (u64)blockIdx.x * cols;
+    float best = 0.0f;
+    int bi = -1;
+    for (int i = threadIdx.x; i < cols; i += BLOCK) {
+        float v = row[i];
+        // v == v skips NaN; strictly greater keeps the first of equal values.
+        if (v == v && (bi < 0 || v > best)) {
+            best = v;
+            bi = i;
+        }
+    }
+    vals[threadIdx.x] = best;
+    idxs[threadIdx.x] = bi;
+    __syncthreads();
+    for (int s = BLOCK / 2; s > 0; s /= 2) {
+        if ((int)threadIdx.x < s) {
+            int j = idxs[threadIdx.x + s];
+            float v = vals[threadIdx.x + s];
+            int i0 = idxs[threadIdx.x];
+            float v0 = vals[threadIdx.x];
+            if (j >= 0 && (i0 < 0 || v > v0 || (v == v0 && j < i0))) {
+                vals[threadIdx.x] = v;
+                idxs[threadIdx.x] = j;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = idxs[0] < 0 ? 0u : (unsigned int)idxs[0];
+}
+
+// Dequantizes a repacked `QMatrix` (see `kernels::cpu::qmatrix`): 8-bit w = d*q, 4-bit
+// w = d*nibble + m with nibbles 0..16 of a block in the low halves of its 16 bytes.
+extern "C" __global__ void dequantize(const float* scales, const float* mins,
+                                      const unsigned char* qs, float* out, u64 n, int four_bit) {
+    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n) return;
+    u64 b = idx / 32;
+    int j = (int)(idx % 32);
+    float d = scales[b];
+    if (four_bit) {
+        unsigned char q = qs[b * 16 + (j % 16)];
+        float nib = (float)(j < 16 ? (q & 15) : (q >> 4));
+        out[idx] = d * nib + mins[b];
+    } else {
+        out[idx] = d * (float)(signed char)qs[idx];
+    }
+}
+
+// Causal grouped-query attention with the log-sum-exp of each row. One block per (query
+// token, query head) row; keys are visited in tiles of ATTN_BLOCK with an online softmax
+// (running maximum `m` and sum `l`), each thread owning output elements tid, tid+ATTN_BLOCK, ...
+// Query i sees key j when kv_pos[j] <= q_pos[i]; a row that sees no key gets zeros and -inf.
+extern "C" __global__ void attention(const float* q, const u64* q_pos, const float* k,
+                                     const float* v, const u64* kv_pos, int n_kv, int q_heads,
+                                     int kv_heads, int head_dim, float scale, float* out,
+                                     float* lse) {
+    __shared__ float qs[ATTN_BLOCK * ATTN_DIMS];
+    __shared__ float p[ATTN_BLOCK];
+    __shared__ float buf[ATTN_BLOCK];
+    int row = blockIdx.x;
+    int i = row / q_heads;
+    int h = row % q_heads;
+    int g = h / (q_heads / kv_heads);
+    int tid = threadIdx.x;
+    u64 qp = q_pos[i];
+    u64 stride = (u64)kv_heads * head_dim;
+    const float* qr = q + (u64)row * head_dim;
+    for (int c = tid; c < head_dim; c += ATTN_BLOCK) qs[c] = qr[c];
+    __syncthreads();
+    float acc[ATTN_DIMS];
+    for (int e = 0; e < ATTN_DIMS; e++) acc[e] = 0.0f;
+    float m = NEG_INF;
+    float l = 0.0f;
+    for (int j0 = 0; j0 < n_kv; j0 += ATTN_BLOCK) {
+        int j = j0 + tid;
+        float s = NEG_INF;
+        if (j < n_kv && kv_pos[j] <= qp) {
+            const float* kr = k + (u64)j * stride + (u64)g * head_dim;
+            float dot = 0.0f;
+            for (int c = 0; c < head_dim; c++) dot += qs[c] * kr[c];
+            s = dot * scale;
+        }
+        float tile_max = block_max(s, buf, ATTN_BLOCK);
+        // Uniform across the block: every thread read the same reduced value.
+        if (tile_max == NEG_INF) continue;
+        float m_new = fmaxf(m, tile_max);
+        float e = s == NEG_INF ? 0.0f : expf(s - m_new);
+        p[tid] = e;
+        float tile_sum = block_sum(e, buf, ATTN_BLOCK);
+        float corr = m == NEG_INF ? 0.0f : expf(m - m_new);
+        l = l * corr + tile_sum;
+        m = m_new;
+        int tile = min(ATTN_BLOCK, n_kv - j0);
+        for (int d = 0; d < ATTN_DIMS; d++) {
+            int c = tid + d * ATTN_BLOCK;
+            if (c >= head_dim) break;
+            float a = acc[d] * corr;
+            for (int jj = 0; jj < tile; jj++) {
+                float w = p[jj];
+                if (w != 0.0f) a += w * v[(u64)(j0 + jj) * stride + (u64)g * head_dim + c];
+            }
+            acc[d] = a;
+        }
+        // p is rewritten by the next tile.
+        __syncthreads();
+    }
+    float* orow = out + (u64)row * head_dim;
+    for (int d = 0; d < ATTN_DIMS; d++) {
+        int c = tid + d * ATTN_BLOCK;
+        if (c >= head_dim) break;
+        orow[c] = m == NEG_INF ? 0.0f : acc[d] / l;
+    }
+    if (tid == 0) lse[row] = m == NEG_INF ? NEG_INF : m + logf(l);
+}

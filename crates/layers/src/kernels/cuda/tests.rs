@@ -1,0 +1,329 @@
+//! The CUDA backend against the CPU backend: every `Backend` method on random inputs, and a
+//! random model (single rank and on a 2 x 2 thread mesh) giving the same greedy tokens and
+//! logits. Without a usable GPU these tests print a note and return, unless
+//! `TPCTL_REQUIRE_GPU=1`, when they fail; the error test runs everywhere.
+//!
+//! Tolerances: 1e-4 relative (to max(1, |want|)) for f32 ops; quantized products are checked
+//! at 1e-4 against the CPU's f32 product on the dequantized matrix (the same arithmetic) and
+//! at 0.05 absolute against the CPU's quantized-activation path; whole models at 1e-3
+//! relative to the largest logit, since differences compound over layers.
+
+use crate::config::LlamaConfig;
+use crate::error::Error;
+use crate::gguf::GgufFile;
+use crate::kernels::cpu::quant::{quantize, BlockFormat};
+use crate::kernels::{AttnShape, Backend, QMatrix, Weight};
+use crate::model::random::RandomLlama;
+use crate::model::{Logits, Model, WeightForm};
+use crate::parallel::{Comms, ParallelModel, Placement};
+use crate::tensor::{Device, Tensor};
+use crate::test_util::{assert_close, random_vec, temp_path};
+use collectives::{local, Communicator, ShmOptions};
+use std::time::Duration;
+
+/// The CUDA backend on device 0, or `None` (with a note) when there is no usable GPU.
+fn gpu() -> Option<Backend> {
+    let require = std::env::var("TPCTL_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    match Backend::cuda(0) {
+        Ok(be) => Some(be),
+        Err(e) => {
+            assert!(!require, "TPCTL_REQUIRE_GPU=1 but the cuda backend is unusable: {e}");
+            eprintln!("note: skipping a GPU test, the cuda backend is unusable: {e}");
+            None
+        }
+    }
+}
+
+fn cpu() -> Backend {
+    Backend::cpu(2).unwrap()
+}
+
+fn tensor(shape: &[usize], seed: u64) -> Tensor {
+    Tensor::from_vec(shape, random_vec(shape.iter().product(), seed)).unwrap()
+}
+
+#[test]
+fn cuda_backend_without_a_device_is_a_clear_error() {
+    // No machine has this device, so this checks the error path everywhere.
+    let err = Backend::cuda(4096).unwrap_err();
+    let msg = err.to_string();
+    match err {
+        Error::NotCompiledWith { feature } => assert_eq!(feature, "cuda"),
+        Error::BackendUnavailable { backend, reason } => {
+            assert_eq!(backend, "cuda");
+            assert!(reason.starts_with("device 4096: "), "{msg}");
+        }
+        other => panic!("unexpected error: {other}"),
+    }
+    assert!(msg.contains("cuda"), "{msg}");
+    // Device 0 either works (on a GPU machine) or says why, without panicking.
+    if let Some(be) = gpu() {
+        assert_eq!(be.device(), Device::Cuda(0));
+    }
+}
+
+#[test]
+fn cuda_norm_rope_and_elementwise_ops_match_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = cpu();
+    // RMSNorm: rows wider and narrower than a thread block.
+    for (rows, d) in [(3, 64), (5, 576), (2, 1000)] {
+        let x = tensor(&[rows, d], 1);
+        let w = tensor(&[d], 2);
+        let want = cpu.rms_norm(&x, &w, 1e-5).unwrap();
+        let got = gpu.rms_norm(&x, &w, 1e-5).unwrap();
+        assert_eq!(got.shape(), want.shape());
+        assert_close(got.data(), want.data(), 1e-4);
+    }
+    // RoPE, full and partial, at large positions.
+    for (heads, head_dim, rot_dim) in [(4, 16, 16), (3, 64, 32), (2, 128, 128)] {
+        let positions = [0usize, 1, 7, 1000, 8191];
+        let mut a = tensor(&[positions.len(), heads * head_dim], 3);
+        let mut b = a.clone();
+        cpu.rope(&mut a, &positions, heads, head_dim, rot_dim, 10_000.0).unwrap();
+        gpu.rope(&mut b, &positions, heads, head_dim, rot_dim, 10_000.0).unwrap();
+        assert_close(b.data(), a.data(), 1e-4);
+    }
+    // SiLU-gated product, residual add, bias add.
+    let (mut g1, up) = (tensor(&[7, 300], 4), tensor(&[7, 300], 5));
+    let mut g2 = g1.clone();
+    cpu.silu_mul(&mut g1, &up).unwrap();
+    gpu.silu_mul(&mut g2, &up).unwrap();
+    assert_close(g2.data(), g1.data(), 1e-4);
+    let (mut x1, y) = (tensor(&[3, 1025], 6), tensor(&[3, 1025], 7));
+    let mut x2 = x1.clone();
+    cpu.add_assign(&mut x1, &y).unwrap();
+    gpu.add_assign(&mut x2, &y).unwrap();
+    assert_close(x2.data(), x1.data(), 1e-4);
+    let bias = tensor(&[1025], 8);
+    cpu.add_bias(&mut x1, &bias).unwrap();
+    gpu.add_bias(&mut x2, &bias).unwrap();
+    assert_close(x2.data(), x1.data(), 1e-4);
+    // Shape errors are the same on both.
+    let err = gpu.add_assign(&mut x2, &bias).unwrap_err();
+    assert!(err.to_string().contains("add_assign"), "{err}");
+}
+
+#[test]
+fn cuda_embedding_and_argmax_match_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = cpu();
+    let (vocab, dim) = (50, 64);
+    let dense = random_vec(vocab * dim, 9);
+    let mut tables = vec![Weight::F32(Tensor::from_vec(&[vocab, dim], dense.clone()).unwrap())];
+    for f in [BlockFormat::Q8_0, BlockFormat::Q4_0, BlockFormat::Q4_1] {
+        let q = QMatrix::from_blocks(f, vocab, dim, &quantize(f, &dense)).unwrap();
+        tables.push(Weight::Quant(q));
+    }
+    let ids = [3u32, 0, 49, 3, 17];
+    for table in &tables {
+        let want = cpu.embedding(table, &ids).unwrap();
+        let got = gpu.embedding(table, &ids).unwrap();
+        // A gather of exactly dequantized values: bit-identical.
+        assert_eq!(got.data(), want.data());
+        let err = gpu.embedding(table, &[1, 50]).unwrap_err();
+        assert!(err.to_string().contains("token id 50 at index 1"), "{err}");
+    }
+    // Argmax: ties take the first, NaN never wins, rows wider than a block.
+    let mut x = random_vec(4 * 3000, 10);
+    x[5] = 7.0;
+    x[2900] = 7.0;
+    x[3000] = f32::NAN;
+    x[5999] = 9.0;
+    x[2 * 3000..3 * 3000].fill(f32::NAN);
+    let x = Tensor::from_vec(&[4, 3000], x).unwrap();
+    let want = cpu.argmax_rows(&x);
+    assert_eq!(want[0], 5);
+    assert_eq!(want[2], 0);
+    assert_eq!(gpu.argmax_rows(&x), want);
+    let wide = tensor(&[2, 49152], 11);
+    assert_eq!(gpu.argmax_rows(&wide), cpu.argmax_rows(&wide));
+}
+
+#[test]
+fn cuda_linear_matches_cpu_for_f32_and_quantized_weights() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = cpu();
+    for (n, k) in [(40, 64), (33, 96), (576, 1536)] {
+        let wf = random_vec(n * k, 12);
+        let dense = Weight::F32(Tensor::from_vec(&[n, k], wf.clone()).unwrap());
+        for m in [1, 3, 17] {
+            let x = tensor(&[m, k], 13);
+            let want = cpu.linear(&x, &dense).unwrap();
+            let got = gpu.linear(&x, &dense).unwrap();
+            assert_eq!(got.shape(), &[m, n]);
+            assert_close(got.data(), want.data(), 1e-4);
+        }
+        for f in [BlockFormat::Q8_0, BlockFormat::Q4_0, BlockFormat::Q4_1] {
+            let q = QMatrix::from_blocks(f, n, k, &quantize(f, &wf)).unwrap();
+            let deq = Weight::F32(Tensor::from_vec(&[n, k], q.dequantize()).unwrap());
+            let quant = Weight::Quant(q);
+            for m in [1, 12] {
+                let x = tensor(&[m, k], 14);
+                let got = gpu.linear(&x, &quant).unwrap();
+                assert_close(got.data(), cpu.linear(&x, &deq).unwrap().data(), 1e-4);
+                for (g, w) in got.data().iter().zip(cpu.linear(&x, &quant).unwrap().data()) {
+                    assert!((g - w).abs() < 0.05, "{f:?} m={m}: {g} vs {w}");
+                }
+            }
+        }
+    }
+    // A 3-d input keeps its leading shape.
+    let w = Weight::F32(tensor(&[8, 32], 15));
+    let x = tensor(&[2, 3, 32], 16);
+    let got = gpu.linear(&x, &w).unwrap();
+    assert_eq!(got.shape(), &[2, 3, 8]);
+    assert_close(got.data(), cpu.linear(&x, &w).unwrap().data(), 1e-4);
+}
+
+#[test]
+fn cuda_weight_cache_uploads_once_and_notices_a_new_weight_at_a_reused_address() {
+    let Some(gpu) = gpu() else { return };
+    let Backend::Cuda(dev) = &gpu else { unreachable!("gpu() returns the cuda backend") };
+    let cpu = cpu();
+    let x = tensor(&[2, 64], 17);
+    let before = dev.cached_weight_bytes();
+    let w = Weight::F32(tensor(&[48, 64], 18));
+    gpu.linear(&x, &w).unwrap();
+    let after_one = dev.cached_weight_bytes();
+    assert_eq!(after_one - before, 48 * 64 * 4);
+    gpu.linear(&x, &w).unwrap();
+    assert_eq!(dev.cached_weight_bytes(), after_one, "the second use hits the cache");
+    // Free it and make weights of the same size until one lands at the same address (the
+    // allocator usually reuses it at once); each must give its own product.
+    drop(w);
+    for seed in 19..27 {
+        let w = Weight::F32(tensor(&[48, 64], seed));
+        assert_close(gpu.linear(&x, &w).unwrap().data(), cpu.linear(&x, &w).unwrap().data(), 1e-4);
+    }
+    dev.clear_weight_cache();
+    assert_eq!(dev.cached_weight_bytes(), 0);
+}
+
+#[test]
+fn cuda_attention_matches_cpu_with_log_sum_exp() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = cpu();
+    // (q_heads, kv_heads, head_dim, queries, keys): GQA prefill, decode over many key tiles,
+    // head_dim above the block size, and MHA.
+    let cases = [(6, 2, 16, 9, 9), (9, 3, 64, 1, 300), (4, 2, 160, 5, 130), (2, 2, 128, 40, 40)];
+    for (seed, &(q_heads, kv_heads, head_dim, n, t)) in cases.iter().enumerate() {
+        let shape = AttnShape { q_heads, kv_heads, head_dim };
+        let seed = 100 + 10 * seed as u64;
+        let q = tensor(&[n, q_heads, head_dim], seed);
+        let k = random_vec(t * kv_heads * head_dim, seed + 1);
+        let v = random_vec(t * kv_heads * head_dim, seed + 2);
+        // Prefill-like (queries are the last n keys) and scattered (a CP rank's view, where
+        // some queries see no key).
+        let layouts: [(Vec<usize>, Vec<usize>); 2] = [
+            ((t - n..t).collect(), (0..t).collect()),
+            ((0..n).map(|i| i * 3).collect(), (0..t).map(|j| (j * 37) % (t + 11) + 2).collect()),
+        ];
+        for (qp, kp) in &layouts {
+            let (want, want_lse) = cpu.attention(&q, qp, &k, &v, kp, shape, true).unwrap();
+            let (got, got_lse) = gpu.attention(&q, qp, &k, &v, kp, shape, true).unwrap();
+            assert_eq!(got.shape(), want.shape());
+            assert_close(got.data(), want.data(), 1e-4);
+            assert_close(got_lse.unwrap().data(), want_lse.unwrap().data(), 1e-4);
+            let (plain, none) = gpu.attention(&q, qp, &k, &v, kp, shape, false).unwrap();
+            assert!(none.is_none());
+            assert_eq!(plain.data(), got.data());
+        }
+    }
+    // No keys at all: zeros and -inf.
+    let shape = AttnShape { q_heads: 2, kv_heads: 1, head_dim: 8 };
+    let (out, lse) =
+        gpu.attention(&tensor(&[1, 2, 8], 1), &[4], &[], &[], &[], shape, true).unwrap();
+    assert_eq!(out.data(), &[0.0; 16]);
+    assert_eq!(lse.unwrap().data(), &[f32::NEG_INFINITY; 2]);
+}
+
+/// Prefill logits of `prompt` and 12 greedy tokens after it.
+fn run_model(model: &Model, prompt: &[u32]) -> (Tensor, Vec<u32>) {
+    let mut cache = model.new_cache(64);
+    let positions: Vec<usize> = (0..prompt.len()).collect();
+    let logits = model.forward(prompt, &positions, &mut cache, Logits::All).unwrap();
+    let mut cache = model.new_cache(64);
+    let tokens = model.generate(prompt, 12, &[], &mut cache, |_| {}).unwrap();
+    (logits, tokens)
+}
+
+/// `|a - b|` at most `tol` times the largest `|b|`.
+fn assert_rel(a: &[f32], b: &[f32], tol: f32, what: &str) {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+    let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale;
+    assert!(err < tol, "{what}: off by {err} relative");
+}
+
+#[test]
+fn cuda_random_model_gives_the_cpu_greedy_tokens_and_logits() {
+    let Some(gpu) = gpu() else { return };
+    let prompt = [3u32, 17, 5, 38, 0, 22, 9];
+    let specs = [
+        ("f32", RandomLlama::default()),
+        ("q8_0", RandomLlama { quantized: true, untied_head: true, seed: 2, ..Default::default() }),
+        ("qwen2 biases", RandomLlama { attn_bias: true, seed: 3, ..Default::default() }),
+    ];
+    for (name, spec) in specs {
+        let path = temp_path("cuda-model.gguf");
+        spec.write(&path).unwrap();
+        let file = GgufFile::open(&path).unwrap();
+        let config = LlamaConfig::from_gguf(&file).unwrap();
+        // The CPU runs the dequantized weights: the arithmetic the CUDA backend does.
+        let cpu =
+            Model::from_source(&file, config.clone(), Backend::cpu(1).unwrap(), WeightForm::F32)
+                .unwrap();
+        let dev = Model::from_source(&file, config, gpu.clone(), WeightForm::Native).unwrap();
+        let (want_logits, want_tokens) = run_model(&cpu, &prompt);
+        let (got_logits, got_tokens) = run_model(&dev, &prompt);
+        assert_rel(got_logits.data(), want_logits.data(), 1e-3, name);
+        assert_eq!(got_tokens, want_tokens, "{name}");
+        std::fs::remove_file(path).unwrap();
+    }
+}
+
+#[test]
+fn cuda_parallel_model_on_a_tp2_cp2_mesh_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let spec = RandomLlama { layers: 2, heads: 4, kv_heads: 2, ..Default::default() };
+    let path = temp_path("cuda-parallel.gguf");
+    spec.write(&path).unwrap();
+    let prompt = [3u32, 17, 5, 38, 0, 22, 9];
+    let cpu = Model::load_with(&path, 1, WeightForm::F32).unwrap();
+    let (_, want) = run_model(&cpu, &prompt);
+    let opts = ShmOptions { slot_bytes: 64 << 10, ring_bytes: 16 << 10 };
+    let pairs = local::mesh(2, 2, opts).unwrap();
+    // Four ranks on threads share the one GPU (and its backend, as clones).
+    let got: Vec<Vec<u32>> = std::thread::scope(|s| {
+        let handles: Vec<_> = pairs
+            .into_iter()
+            .map(|(mut t, mut c)| {
+                let (gpu, path) = (gpu.clone(), &path);
+                s.spawn(move || {
+                    t.set_timeout(Duration::from_secs(60));
+                    c.set_timeout(Duration::from_secs(60));
+                    let mut comms = Comms { tp: &mut t, cp: &mut c };
+                    let placement = Placement::of(&comms);
+                    let file = GgufFile::open(path).unwrap();
+                    let config = LlamaConfig::from_gguf(&file).unwrap();
+                    let model = ParallelModel::from_source(
+                        &file,
+                        config,
+                        gpu,
+                        placement,
+                        WeightForm::Native,
+                    )
+                    .unwrap();
+                    let mut cache = model.new_cache(64);
+                    model.generate(&mut comms, &prompt, 12, &[], &mut cache, |_| {}).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+    });
+    for (rank, tokens) in got.iter().enumerate() {
+        assert_eq!(tokens, &want, "rank {rank}");
+    }
+    std::fs::remove_file(path).unwrap();
+}
