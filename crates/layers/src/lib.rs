@@ -17,8 +17,9 @@
 //! - Attention masks by absolute position (`kv_pos <= q_pos`) and can return the log-sum-exp
 //!   of each row, so partial results over disjoint keys merge exactly.
 //!
-//! `unsafe` is denied crate-wide; the two exceptions are local and documented: the `gemm` call
-//! in `kernels::cpu::matmul` and the file map in `mmap`.
+//! `unsafe` is denied crate-wide; the exceptions are local and documented: the `gemm` call in
+//! `kernels::cpu::matmul`, the file map in `mmap`, and the kernel launches and device copies of
+//! `kernels::cuda` (feature `cuda`).
 #![deny(unsafe_code)]
 
 pub mod catalog;
