@@ -15,6 +15,9 @@ use std::process::Command;
 const FILTERS: [&str; 4] = ["cuda", "gpu", "nvml", "nccl"];
 
 pub(crate) fn run(_args: &[String]) -> Result<()> {
+    // The real-model GPU test needs the default model; fetched once, then reused.
+    let model = crate::fetch_model::fetch_default()?;
+    println!("default model: {}", model.display());
     let mut cmd = cargo();
     cmd.args(["test", "--workspace", "--features", "cuda", "--"]).args(FILTERS);
     cmd.env("TPCTL_REQUIRE_GPU", "1");

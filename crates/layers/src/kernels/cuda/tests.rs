@@ -283,6 +283,32 @@ fn cuda_random_model_gives_the_cpu_greedy_tokens_and_logits() {
     }
 }
 
+/// The default model (SmolLM2-135M, Q4_1/Q8_0 weights) on the GPU: the CPU's greedy tokens and
+/// logits within the same tolerance. Needs the model in the cache (`cargo xtask fetch-model`;
+/// `cargo xtask gpu-test` fetches it).
+#[test]
+fn cuda_real_model_gives_the_cpu_greedy_tokens_and_logits() {
+    let Some(gpu) = gpu() else { return };
+    let Some(path) = crate::model::default_model_path() else {
+        let require = std::env::var("TPCTL_REQUIRE_GPU").is_ok_and(|v| v == "1");
+        assert!(!require, "TPCTL_REQUIRE_GPU=1 but the default model is not cached");
+        eprintln!("note: default model not cached; skipping");
+        return;
+    };
+    let file = GgufFile::open(&path).unwrap();
+    let config = LlamaConfig::from_gguf(&file).unwrap();
+    let cpu = Model::from_source(&file, config.clone(), Backend::cpu(2).unwrap(), WeightForm::F32)
+        .unwrap();
+    let dev = Model::from_source(&file, config, gpu, WeightForm::Native).unwrap();
+    // "The capital of France is" in SmolLM2's vocabulary.
+    let tok = crate::Tokenizer::from_gguf(&file).unwrap();
+    let prompt = tok.encode("The capital of France is").unwrap();
+    let (want_logits, want_tokens) = run_model(&cpu, &prompt);
+    let (got_logits, got_tokens) = run_model(&dev, &prompt);
+    assert_rel(got_logits.data(), want_logits.data(), 1e-3, "smollm2");
+    assert_eq!(got_tokens, want_tokens);
+}
+
 #[test]
 fn cuda_parallel_model_on_a_tp2_cp2_mesh_matches_cpu() {
     let Some(gpu) = gpu() else { return };
