@@ -135,7 +135,10 @@ impl ModelMemory {
             .allocate(vmm::Tag::WEIGHTS, bytes, policy)
             .map_err(|e| format!("allocating {bytes} bytes of weights: {e}"))?;
         let arena = VmmArena::new(alloc).map_err(|e| e.to_string())?;
-        model.move_weights_to(&arena).map_err(|e| format!("moving the weights: {e}"))
+        model.move_weights_to(&arena).map_err(|e| format!("moving the weights: {e}"))?;
+        // The heap copies are gone; give their pages back rather than keep them resident.
+        vmm::trim_heap();
+        Ok(())
     }
 
     /// A KV cache of `capacity` tokens for one sequence of `model`, in its own `kv_cache`
@@ -186,6 +189,8 @@ impl ShardOrigin {
             dst.copy_from_slice(b);
             offset += b.len();
         }
+        drop(model);
+        vmm::trim_heap();
         Ok(())
     }
 }

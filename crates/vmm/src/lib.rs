@@ -66,3 +66,17 @@ pub fn cuda_driver_present() -> bool {
         false
     }
 }
+
+/// Returns the C heap's free memory to the OS (glibc `malloc_trim`; nothing elsewhere).
+///
+/// A reload that builds a whole model shard on the heap to copy it into its allocation frees
+/// it again, but glibc keeps large freed ranges mapped; after a wakeup that would leave the
+/// process's resident memory well above where it was before the sleep.
+pub fn trim_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks the allocator's own free lists; no Rust object refers to
+    // free heap memory.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
