@@ -127,6 +127,20 @@ pub struct RuntimeConfig {
     /// Deadline of one collective call, in seconds.
     #[serde(default = "default_timeout")]
     pub timeout_s: f64,
+    /// Where the kernels run: `cpu`, or `cuda` (each rank on the GPU of its `LOCAL_RANK`).
+    #[serde(default)]
+    pub device: ComputeDevice,
+}
+
+/// `runtime.device`.
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ComputeDevice {
+    /// CPU kernels.
+    #[default]
+    Cpu,
+    /// CUDA kernels (feature `cuda`), on the GPU of each rank's `LOCAL_RANK`.
+    Cuda,
 }
 
 fn default_kv_tokens() -> usize {
@@ -143,6 +157,7 @@ impl Default for RuntimeConfig {
             threads: 0,
             kv_cache_tokens: default_kv_tokens(),
             timeout_s: default_timeout(),
+            device: ComputeDevice::Cpu,
         }
     }
 }

@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tpctl::config::{Config, WeightsForm};
+use tpctl::config::{ComputeDevice, Config, WeightsForm};
 use tpctl::control::{self, paths, render};
 use tpctl::launcher::{self, Launch, Outcome};
 use tpctl::spec::{OutputFormat, PromptSpec, RankSpec, Sampling, ServeSpec};
@@ -133,6 +133,10 @@ struct RunArgs {
     /// Compute threads per rank (default: cores / ranks on this node).
     #[arg(long)]
     threads: Option<usize>,
+    /// Where the kernels run (default: [runtime] device, else cpu); cuda needs a build with
+    /// `--features cuda` and puts each rank on the GPU of its LOCAL_RANK.
+    #[arg(long, value_enum)]
+    device: Option<ComputeDevice>,
     /// Backend of every axis (shm for one host, tcp across hosts).
     #[arg(long)]
     backend: Option<mesh::Backend>,
@@ -178,6 +182,10 @@ struct ServeArgs {
     /// Compute threads per rank (default: cores / ranks on this node).
     #[arg(long)]
     threads: Option<usize>,
+    /// Where the kernels run (default: [runtime] device, else cpu); cuda needs a build with
+    /// `--features cuda` and puts each rank on the GPU of its LOCAL_RANK.
+    #[arg(long, value_enum)]
+    device: Option<ComputeDevice>,
     /// Backend of every axis (shm for one host, tcp across hosts).
     #[arg(long)]
     backend: Option<mesh::Backend>,
@@ -507,6 +515,7 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
         chat: false,
         output: OutputFormat::Text,
         threads: args.threads,
+        device: args.device,
         backend: args.backend,
         nodes: args.nodes,
         deployment: args.deployment,
@@ -560,6 +569,13 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         (cores / nproc).max(1)
     });
     let s = &config.sampling;
+    let device = args.device.unwrap_or(config.runtime.device);
+    if device == ComputeDevice::Cuda && !cfg!(feature = "cuda") {
+        bail!(
+            "--device cuda (or [runtime] device = \"cuda\"): this tpctl was built without CUDA; \
+             build it with `cargo build --release -p tpctl --features cuda`"
+        );
+    }
     let spec = RankSpec {
         model,
         tp,
@@ -580,6 +596,7 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         output: args.output,
         serve,
         sleep: config.sleep.clone(),
+        device,
         control_socket: Some(socket.clone()),
     };
     let master_port = match args.nodes.master_port {

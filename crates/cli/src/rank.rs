@@ -2,18 +2,19 @@
 //! and runs the session engine. Rank 0 tokenizes, prints and summarizes; workers print nothing
 //! but their errors. With a serve spec rank 0 serves HTTP instead ([`crate::serve`]).
 
-use crate::config::RestoreMode;
+use crate::config::{ComputeDevice, RestoreMode};
 use crate::output::{summary, Meter, Printer, PromptInfo};
 use crate::spec::{OutputFormat, RankSpec};
 use anyhow::{Context, Result};
-use collectives::{init_parallel, InitOptions};
+use collectives::{init_parallel_with, InitOptions};
+use layers::kernels::Backend;
 use layers::model::WeightForm;
 use mesh::AxisBackends;
-use session::memory::{ModelMemory, Restore};
+use session::memory::{ModelMemory, ModelRankMemory, Restore};
 use session::sharded::ShardedFactory;
 use session::sleep::{
     self, ControlPlane, Coordinator, CoordinatorOptions, DeploymentState, ListenerExit,
-    ListenerHandle, VmmMemory,
+    ListenerHandle,
 };
 use session::{
     Decision, EngineOptions, Gate, Leader, Request, SamplingParams, SessionConfig, SessionReport,
@@ -62,14 +63,19 @@ pub fn run() -> Result<()> {
         control: spec.backends[2].parse()?,
     };
     let timeout = Duration::from_secs_f64(spec.timeout_s);
+    let rv = mesh::Rendezvous::from_env()?;
+    let compute = compute_backend(&spec, &rv)?;
+    // NCCL groups live on this rank's GPU; every other backend stages through the host.
+    let uses_nccl = [backends.tp, backends.cp].contains(&mesh::Backend::Nccl);
     let opts = InitOptions {
         tp: Some(spec.tp),
         head_groups: layers::parallel::mesh_head_groups(&config, Some(spec.tp)),
         backends,
         timeout,
+        device: mesh::Device::select(&rv, uses_nccl).context("choosing this rank's device")?,
         ..InitOptions::default()
     };
-    let ctx = init_parallel(&opts).context("joining the other ranks")?;
+    let ctx = init_parallel_with(rv, &opts).context("joining the other ranks")?;
     let memory = model_memory(&spec)?;
     let form = if spec.native_weights { WeightForm::Native } else { WeightForm::F32 };
     let factory = Box::new(
@@ -77,12 +83,14 @@ pub fn run() -> Result<()> {
             .with_weights(form)
             .with_context(spec.kv_cache_tokens)
             .with_memory(memory.clone())
+            .with_backend(compute.clone())
             .with_progress(Arc::new(crate::progress::report)),
     );
     let engine = EngineOptions { step_timeout: timeout, ..EngineOptions::default() };
     let gate = Gate::for_rank(ctx.rank(), engine.quiesce_timeout);
     gate.set_lossy(memory.lossy_tags());
-    let plane = control_plane(&ctx, &memory, gate.clone(), timeout)?;
+    let rank_memory = Arc::new(ModelRankMemory::new(&memory, compute));
+    let plane = control_plane(&ctx, rank_memory, gate.clone(), timeout)?;
     let model = spec.model.to_string_lossy().into_owned();
     let coordinator = match plane {
         ControlPlane::Coordinator(c) => Arc::new(c),
@@ -264,6 +272,25 @@ fn restore(spec: &RankSpec, tag: &str, default: Restore) -> Restore {
     })
 }
 
+/// The kernels of this rank: the CPU with the spec's threads, or a GPU: that of its
+/// `LOCAL_RANK`, wrapping around when a node has more ranks than GPUs (ranks then share a GPU;
+/// their collectives stage through host memory anyway unless an axis uses NCCL).
+fn compute_backend(spec: &RankSpec, rv: &mesh::Rendezvous) -> Result<Backend> {
+    match spec.device {
+        ComputeDevice::Cpu => Backend::cpu(spec.threads).context("starting the CPU kernels"),
+        ComputeDevice::Cuda => {
+            use mesh::CudaProbe;
+            let count = mesh::DriverProbe.device_count().context("counting the GPUs")?;
+            if count == 0 {
+                anyhow::bail!("--device cuda: this machine has no CUDA device");
+            }
+            let ordinal = rv.local_rank.unwrap_or(0) % count;
+            Backend::cuda(ordinal)
+                .with_context(|| format!("starting the CUDA kernels on cuda:{ordinal}"))
+        }
+    }
+}
+
 /// Where this rank's weights and KV caches live: host memory the deployment can sleep.
 fn model_memory(spec: &RankSpec) -> Result<ModelMemory> {
     let spill = spec.sleep.values().find_map(|p| p.spill_dir.clone());
@@ -279,11 +306,10 @@ fn model_memory(spec: &RankSpec) -> Result<ModelMemory> {
 /// runs: rank 0's coordinator, a listener thread elsewhere.
 fn control_plane(
     ctx: &collectives::ParallelContext,
-    memory: &ModelMemory,
+    rank_memory: Arc<ModelRankMemory>,
     gate: Arc<Gate>,
     timeout: Duration,
 ) -> Result<ControlPlane> {
-    let rank_memory = Arc::new(VmmMemory::new(memory.manager().clone(), None));
     let opts = CoordinatorOptions { ack_timeout: timeout };
     let Some(world) = ctx.world() else {
         // One rank: a coordinator without peers.

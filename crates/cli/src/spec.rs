@@ -1,7 +1,7 @@
 //! What the launcher hands every rank process: the resolved job, as JSON in the environment
 //! variable `TPCTL_RANK_SPEC`, so ranks never re-read files the launcher already checked.
 
-use crate::config::SleepPolicy;
+use crate::config::{ComputeDevice, SleepPolicy};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -80,6 +80,9 @@ pub struct RankSpec {
     /// Where rank 0 listens for `tpctl sleep / wakeup / status / stop` (`None`: no socket).
     #[serde(default)]
     pub control_socket: Option<PathBuf>,
+    /// Where the kernels run.
+    #[serde(default)]
+    pub device: ComputeDevice,
 }
 
 /// What rank 0 of `tpctl serve` needs.

@@ -207,6 +207,18 @@ fn bad_configs_and_layouts_are_clear_errors() {
     );
 }
 
+/// Without CUDA compiled in, `--device cuda` is refused before any rank starts, saying how to
+/// get a CUDA build.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn device_cuda_needs_a_cuda_build() {
+    let out = tpctl(&["run", "--model", model(), "--device", "cuda", "--prompt", "t1"], &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("built without CUDA") && err.contains("--features cuda"), "{err}");
+    assert!(!err.contains("[rank"), "no rank started: {err}");
+}
+
 #[cfg(feature = "failpoints")]
 #[test]
 fn a_failing_rank_stops_every_rank_with_its_own_error() {

@@ -908,3 +908,46 @@ fn serve_spans_two_nodes() {
     }
     assert_eq!(leftovers(&mark), Vec::<u32>::new(), "node 1 left processes behind");
 }
+
+/// The GPU path end to end (feature `cuda`; `cargo xtask gpu-test` runs it with
+/// `TPCTL_REQUIRE_GPU=1`): two ranks on the GPU (sharing one when there is one) give the CPU's
+/// greedy tokens; a sleep of the weights returns device memory on every rank (NVML, in the
+/// receipt's probes), and after the wakeup the tokens are the same.
+#[cfg(feature = "cuda")]
+#[test]
+fn gpu_serve_gives_the_cpu_tokens_and_a_sleep_returns_device_memory() {
+    if let Err(e) = layers::kernels::Backend::cuda(0) {
+        let require = std::env::var("TPCTL_REQUIRE_GPU").is_ok_and(|v| v == "1");
+        assert!(!require, "TPCTL_REQUIRE_GPU=1 but the GPU is unusable: {e}");
+        eprintln!("note: no usable GPU ({e}); skipping");
+        return;
+    }
+    let expected = reference(model(), &["1,2,3"], 8).remove(0);
+    let rt = runtime_dir("gpu");
+    let env = [("XDG_RUNTIME_DIR", rt.as_str())];
+    let args = ["--tp", "2", "--device", "cuda", "--deployment", "gpu"];
+    let server = Server::start_with(model(), &args, &env);
+    let tokens = |server: &Server| {
+        let reply = server.post("/v1/completions", &completion("1,2,3", 8));
+        assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
+        ids(&reply.json()["choices"][0]["token_ids"])
+    };
+    assert_eq!(tokens(&server), expected, "the GPU gives the CPU's greedy tokens");
+    let (code, reply, err) = control(&rt, &["sleep", "--tags", "weights"]);
+    assert_eq!(code, 0, "{err}\n{reply}\n{}", server.log());
+    for r in reply["op"]["ranks"].as_array().expect("ranks") {
+        let device = |probe: &Value| probe["devices"][0][1].as_u64();
+        let (before, after) = (device(&r["before"]), device(&r["after"]));
+        assert!(
+            before.is_some() && after < before,
+            "rank {}: device bytes {before:?} -> {after:?}",
+            r["rank"]
+        );
+    }
+    let (code, _, err) = control(&rt, &["wakeup"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(tokens(&server), expected, "the same tokens after the wakeup");
+    let (code, _, err) = control(&rt, &["stop"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(server.wait().success());
+}

@@ -15,6 +15,7 @@
 //! Access to this memory is unchecked (plain slices, as kernels need): the engine's gate
 //! guarantees that no step runs while it is released.
 
+use crate::sleep::{MemoryError, Probe, RankMemory, TagReceipt, VmmMemory};
 use layers::model::WeightForm;
 use layers::parallel::{ParallelCache, ParallelModel, Placement};
 use layers::tensor::ExternalMemory;
@@ -160,6 +161,62 @@ impl ModelMemory {
         alloc.write().map_err(|e| e.to_string())?.fill(0);
         let arena = VmmArena::new(alloc).map_err(|e| e.to_string())?;
         model.new_cache_in(capacity, &arena).map_err(|e| e.to_string())
+    }
+}
+
+/// The control plane's view of one rank's model memory ([`RankMemory`]): the tagged
+/// allocations and, when the kernels run on a GPU, the device copies of the weights, dropped
+/// with a sleep of `weights` (the backend uploads them again at first use after the wakeup)
+/// and read through NVML in the probes.
+pub struct ModelRankMemory {
+    vmm: VmmMemory,
+    backend: layers::kernels::Backend,
+}
+
+impl std::fmt::Debug for ModelRankMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelRankMemory")
+            .field("vmm", &self.vmm)
+            .field("device", &self.backend.device())
+            .finish()
+    }
+}
+
+impl ModelRankMemory {
+    /// The memory of `memory`'s allocations, for a model computing on `backend`.
+    pub fn new(memory: &ModelMemory, backend: layers::kernels::Backend) -> ModelRankMemory {
+        let manager = memory.manager().clone();
+        let vmm = match backend.device() {
+            layers::Device::Cuda(ordinal) => {
+                VmmMemory::with_device(manager, u32::try_from(ordinal).unwrap_or(u32::MAX))
+            }
+            _ => VmmMemory::new(manager, None),
+        };
+        ModelRankMemory { vmm, backend }
+    }
+}
+
+impl RankMemory for ModelRankMemory {
+    fn check(&self, tags: &[String]) -> Result<(), String> {
+        self.vmm.check(tags)
+    }
+
+    fn release(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
+        let receipts = self.vmm.release(tags)?;
+        if tags.iter().any(|t| t == vmm::Tag::WEIGHTS.as_str()) {
+            if let layers::kernels::Backend::Cuda(gpu) = &self.backend {
+                gpu.clear_weight_cache();
+            }
+        }
+        Ok(receipts)
+    }
+
+    fn materialize(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
+        self.vmm.materialize(tags)
+    }
+
+    fn probe(&self) -> Probe {
+        self.vmm.probe()
     }
 }
 

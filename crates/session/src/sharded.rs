@@ -23,6 +23,8 @@ pub struct ShardedFactory {
     memory: Option<ModelMemory>,
     /// Told `(done, total)` while a shard loads.
     progress: Option<Progress>,
+    /// The kernels' backend; `None`: the CPU with `threads` threads.
+    backend: Option<layers::kernels::Backend>,
 }
 
 /// A load-progress callback: `(steps done, steps in all)`.
@@ -35,6 +37,7 @@ impl std::fmt::Debug for ShardedFactory {
             .field("form", &self.form)
             .field("context", &self.context)
             .field("memory", &self.memory)
+            .field("backend", &self.backend.as_ref().map(layers::kernels::Backend::device))
             .finish_non_exhaustive()
     }
 }
@@ -48,6 +51,7 @@ impl ShardedFactory {
             context: None,
             memory: None,
             progress: None,
+            backend: None,
         }
     }
 
@@ -67,6 +71,12 @@ impl ShardedFactory {
     /// sleep ([`crate::memory`]).
     pub fn with_memory(mut self, memory: ModelMemory) -> Self {
         self.memory = Some(memory);
+        self
+    }
+
+    /// Computes on `backend` (a GPU's) instead of the CPU.
+    pub fn with_backend(mut self, backend: layers::kernels::Backend) -> Self {
+        self.backend = Some(backend);
         self
     }
 
@@ -92,10 +102,14 @@ impl ModelFactory for ShardedFactory {
                 p(done, total + 1);
             }
         };
-        let mut model = ParallelModel::load_with_progress(
+        let backend = match &self.backend {
+            Some(b) => b.clone(),
+            None => layers::kernels::Backend::cpu(self.threads)?,
+        };
+        let mut model = ParallelModel::load_on(
             &config.model,
             placement,
-            self.threads,
+            backend,
             self.form,
             &mut |done, total| report(done, total),
         )

@@ -415,9 +415,22 @@ impl ParallelModel {
         form: WeightForm,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
+        ParallelModel::load_on(path, placement, Backend::cpu(threads)?, form, progress)
+    }
+
+    /// As [`ParallelModel::load_with_progress`], computing on `backend` (a GPU's, say).
+    ///
+    /// # Errors
+    /// As [`ParallelModel::load`].
+    pub fn load_on(
+        path: impl AsRef<Path>,
+        placement: Placement,
+        backend: Backend,
+        form: WeightForm,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
         let file = GgufFile::open(path.as_ref())?;
         let config = LlamaConfig::from_gguf(&file)?;
-        let backend = Backend::cpu(threads)?;
         ParallelModel::from_source_with_progress(&file, config, backend, placement, form, progress)
     }
 

@@ -67,6 +67,14 @@ impl VmmMemory {
         VmmMemory { manager, device, nvml }
     }
 
+    /// Wraps a manager of any backend and adds NVML's reading of GPU `device` (by NVML index)
+    /// to the probe, when NVML loads: for ranks whose kernels run on a GPU while their tagged
+    /// memory is host memory.
+    pub fn with_device(manager: Arc<vmm::Manager>, device: u32) -> VmmMemory {
+        let nvml = vmm::DeviceMemory::new().ok().map(Arc::new);
+        VmmMemory { manager, device: Some(device), nvml }
+    }
+
     /// The manager.
     pub fn manager(&self) -> &Arc<vmm::Manager> {
         &self.manager
