@@ -137,7 +137,8 @@ struct RunArgs {
     /// `--features cuda` and puts each rank on the GPU of its LOCAL_RANK.
     #[arg(long, value_enum)]
     device: Option<ComputeDevice>,
-    /// Backend of every axis (shm for one host, tcp across hosts).
+    /// Backend of every axis: shm (one host), tcp (any hosts) or nccl (GPUs; the control
+    /// axis then stays on shm or tcp).
     #[arg(long)]
     backend: Option<mesh::Backend>,
     #[command(flatten)]
@@ -186,7 +187,8 @@ struct ServeArgs {
     /// `--features cuda` and puts each rank on the GPU of its LOCAL_RANK.
     #[arg(long, value_enum)]
     device: Option<ComputeDevice>,
-    /// Backend of every axis (shm for one host, tcp across hosts).
+    /// Backend of every axis: shm (one host), tcp (any hosts) or nccl (GPUs; the control
+    /// axis then stays on shm or tcp).
     #[arg(long)]
     backend: Option<mesh::Backend>,
     /// Address of the HTTP API (default 127.0.0.1:8000, or [server] listen; port 0 picks a
@@ -553,6 +555,11 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
     };
     check_layout(&model, tp)?;
     let backends = match args.backend {
+        // NCCL carries data only: the control axis (step agreement) stays on the host.
+        Some(mesh::Backend::Nccl) => {
+            let control = if args.nodes.nnodes > 1 { "tcp" } else { "shm" };
+            ["nccl".to_owned(), "nccl".to_owned(), control.to_owned()]
+        }
         Some(b) => [b.to_string(), b.to_string(), b.to_string()],
         None => {
             let b = &config.layout.backends;
@@ -562,6 +569,12 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
             [pick(b.tp), pick(b.cp), pick(b.control)]
         }
     };
+    if backends.iter().any(|b| b == "nccl") && !cfg!(feature = "cuda") {
+        bail!(
+            "the nccl backend: this tpctl was built without CUDA; build it with \
+             `cargo build --release -p tpctl --features cuda`"
+        );
+    }
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let threads = args.threads.unwrap_or(if config.runtime.threads > 0 {
         config.runtime.threads
