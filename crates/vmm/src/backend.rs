@@ -30,7 +30,8 @@ pub enum BackendKind {
 
 /// How a fresh mapping is filled before anyone can see it.
 pub(crate) enum Init<'a> {
-    /// Whatever the backend hands out (zero on CPU, undefined on CUDA).
+    /// Whatever the backend hands out (zero on CPU, undefined on CUDA), physically held from
+    /// the start (the CPU backend faults every page in).
     Fresh,
     /// Zeros.
     Zero,

@@ -190,7 +190,11 @@ impl CpuBackend {
 
     fn fill(&self, addr: u64, len: usize, fd: &OwnedFd, init: Init<'_>) -> Result<()> {
         match init {
-            Init::Fresh | Init::Zero => self.map_fd(addr, len, fd, false),
+            // A discarded allocation comes back held, as device memory does after a materialize
+            // (so the next release gives back what a receipt says); a new one is zero pages
+            // that the kernel allocates as they are written.
+            Init::Fresh => self.map_fd(addr, len, fd, true),
+            Init::Zero => self.map_fd(addr, len, fd, false),
             Init::Bytes(bytes) => {
                 // Writing into the memfd before mapping it lets the kernel allocate each page
                 // and copy into it once, without zeroing it first.
