@@ -250,8 +250,15 @@ impl CudaBackend {
 
     /// Drops every cached device copy of a weight (the next use uploads it again). Needed
     /// after weights change in place; weights that move to new buffers are re-uploaded anyway.
+    ///
+    /// The device copies are freed on the backend's stream, into the driver's memory pool; its
+    /// default release threshold (0) gives the memory back to the device at the next
+    /// synchronization, done here, so a sleep's NVML reading sees it.
     pub fn clear_weight_cache(&self) {
         self.cache().clear();
+        if let Err(e) = self.stream().synchronize() {
+            tracing::warn!("cuda:{}: waiting for freed weights: {e}", self.inner.ordinal);
+        }
     }
 
     /// Device bytes held by cached weights.
