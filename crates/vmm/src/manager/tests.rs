@@ -622,6 +622,39 @@ fn cuda_backend_is_unavailable_or_works_and_never_panics() {
     assert!(got.iter().all(|&b| b == 0));
 }
 
+/// On a GPU: releasing a tag gives its physical memory back to the device, as NVML sees it for
+/// this process (at least 95% of the tagged bytes), and materializing takes it again.
+#[test]
+fn cuda_release_returns_device_memory_as_nvml_sees_it() {
+    let require = std::env::var("TPCTL_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    let (m, nvml) = match (
+        Manager::builder().backend(BackendKind::Cuda { device: 0 }).build(),
+        crate::DeviceMemory::new(),
+    ) {
+        (Ok(m), Ok(nvml)) => (m, nvml),
+        (m, nvml) => {
+            let why = format!("{:?} / {:?}", m.err(), nvml.err());
+            assert!(!require, "TPCTL_REQUIRE_GPU=1 but CUDA or NVML is unusable: {why}");
+            eprintln!("skipping: {why}");
+            return;
+        }
+    };
+    const BYTES: usize = 512 * MIB;
+    let pid = std::process::id();
+    let used = || nvml.device(0).unwrap().bytes_of(pid).unwrap_or(0);
+    let a = m.allocate(Tag::WEIGHTS, BYTES, Policy::Discard).unwrap();
+    let held = used();
+    m.release([Tag::WEIGHTS]).unwrap();
+    let released = used();
+    assert!(
+        held.saturating_sub(released) >= (BYTES as u64) * 95 / 100,
+        "device bytes of this process {held} -> {released} after releasing {BYTES}"
+    );
+    m.materialize([Tag::WEIGHTS]).unwrap();
+    assert!(used() >= released + (BYTES as u64) * 95 / 100, "materialize takes it again");
+    drop(a);
+}
+
 #[cfg(feature = "failpoints")]
 mod failpoints {
     use super::*;
