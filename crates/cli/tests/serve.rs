@@ -923,16 +923,36 @@ fn gpu_serve_gives_the_cpu_tokens_and_a_sleep_returns_device_memory() {
         return;
     }
     let expected = reference(model(), &["1,2,3"], 8).remove(0);
-    let rt = runtime_dir("gpu");
+    // One GPU: the two ranks share it over shared memory; two or more: also NCCL between them.
+    let gpus = {
+        use mesh::CudaProbe;
+        mesh::DriverProbe.device_count().unwrap_or(0)
+    };
+    let mut variants = vec![None];
+    if gpus >= 2 {
+        variants.push(Some("nccl"));
+    }
+    for backend in variants {
+        gpu_sleep_cycle(&expected, backend);
+    }
+}
+
+/// One deployment of [`gpu_serve_gives_the_cpu_tokens_and_a_sleep_returns_device_memory`].
+#[cfg(feature = "cuda")]
+fn gpu_sleep_cycle(expected: &[u64], backend: Option<&str>) {
+    let rt = runtime_dir(&format!("gpu-{}", backend.unwrap_or("shm")));
     let env = [("XDG_RUNTIME_DIR", rt.as_str())];
-    let args = ["--tp", "2", "--device", "cuda", "--deployment", "gpu"];
+    let mut args = vec!["--tp", "2", "--device", "cuda", "--deployment", "gpu"];
+    if let Some(b) = backend {
+        args.extend(["--backend", b]);
+    }
     let server = Server::start_with(model(), &args, &env);
     let tokens = |server: &Server| {
         let reply = server.post("/v1/completions", &completion("1,2,3", 8));
         assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
         ids(&reply.json()["choices"][0]["token_ids"])
     };
-    assert_eq!(tokens(&server), expected, "the GPU gives the CPU's greedy tokens");
+    assert_eq!(tokens(&server), expected, "the GPU ({backend:?}) gives the CPU's greedy tokens");
     let (code, reply, err) = control(&rt, &["sleep", "--tags", "weights"]);
     assert_eq!(code, 0, "{err}\n{reply}\n{}", server.log());
     for r in reply["op"]["ranks"].as_array().expect("ranks") {
@@ -946,7 +966,7 @@ fn gpu_serve_gives_the_cpu_tokens_and_a_sleep_returns_device_memory() {
     }
     let (code, _, err) = control(&rt, &["wakeup"]);
     assert_eq!(code, 0, "{err}");
-    assert_eq!(tokens(&server), expected, "the same tokens after the wakeup");
+    assert_eq!(tokens(&server), expected, "the same tokens after the wakeup ({backend:?})");
     let (code, _, err) = control(&rt, &["stop"]);
     assert_eq!(code, 0, "{err}");
     assert!(server.wait().success());
