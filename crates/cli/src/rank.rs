@@ -110,11 +110,11 @@ pub fn run() -> Result<()> {
     };
     let stop = StopHandle::default();
     let control = control_socket(&spec, &coordinator, &stop)?;
-    let failed = watch_coordinator(&coordinator, &stop);
+    let watch = watch_coordinator(&coordinator, &stop);
     let ran = lead(&spec, ctx, factory, engine, gate, stop, model, &file, &config, &coordinator);
-    failed.store(true, Ordering::SeqCst);
+    watch.engine_done.store(true, Ordering::SeqCst);
     drop(control);
-    if let DeploymentState::Failed(reason) = coordinator.state() {
+    if let Ok(Some(reason)) = watch.thread.join() {
         ran?;
         anyhow::bail!("the deployment was stopped by a failed sleep/wakeup: {reason}");
     }
@@ -154,23 +154,31 @@ fn watch_listener(mut listener: ListenerHandle, stop: StopHandle) -> ListenerWat
     ListenerWatch { engine_done, thread }
 }
 
-/// Stops rank 0's engine (and so every rank) when the coordinator fails the deployment (a
-/// rollback failed: no rank may run on half-restored memory). Returns the flag that ends the
-/// watch.
-fn watch_coordinator(coordinator: &Arc<Coordinator>, stop: &StopHandle) -> Arc<AtomicBool> {
-    let ended = Arc::new(AtomicBool::new(false));
-    let (coordinator, stop, end) = (coordinator.clone(), stop.clone(), ended.clone());
-    std::thread::spawn(move || {
-        while !end.load(Ordering::SeqCst) {
+/// Rank 0's coordinator, watched while the engine runs.
+struct CoordinatorWatch {
+    engine_done: Arc<AtomicBool>,
+    /// Why the watch stopped the engine, if it did.
+    thread: std::thread::JoinHandle<Option<String>>,
+}
+
+/// Stops rank 0's engine (and so every rank) when the coordinator fails the deployment while
+/// the engine runs (a rollback failed, or a rank was lost: no rank may run on half-restored
+/// memory). A peer that leaves after the engine finished is no failure.
+fn watch_coordinator(coordinator: &Arc<Coordinator>, stop: &StopHandle) -> CoordinatorWatch {
+    let engine_done = Arc::new(AtomicBool::new(false));
+    let (coordinator, stop, done) = (coordinator.clone(), stop.clone(), engine_done.clone());
+    let thread = std::thread::spawn(move || {
+        while !done.load(Ordering::SeqCst) {
             if let DeploymentState::Failed(reason) = coordinator.state() {
                 tracing::error!("the deployment failed: {reason}; stopping every rank");
                 stop.request_stop();
-                return;
+                return Some(reason);
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+        None
     });
-    ended
+    CoordinatorWatch { engine_done, thread }
 }
 
 /// Rank 0's part once the control plane runs: serve HTTP, or run the prompts.
