@@ -971,3 +971,63 @@ fn gpu_sleep_cycle(expected: &[u64], backend: Option<&str>) {
     assert_eq!(code, 0, "{err}");
     assert!(server.wait().success());
 }
+
+/// A sleep asked for as soon as the control socket exists, while rank 1 still builds its model
+/// (slowed down), succeeds once every rank holds its weights (each releases some), and after
+/// the wakeup the deployment answers like `tpctl run`.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_sleep_during_start_up_waits_for_the_model_build() {
+    let rt = runtime_dir("startup");
+    let expected = reference(model(), &["1,2,3"], 6).remove(0);
+    let env =
+        [("XDG_RUNTIME_DIR", rt.as_str()), ("TPCTL_FAILPOINTS", "session.init=delay(1500)@1")];
+    let mark = marker();
+    let mut child = Command::new(TPCTL)
+        .args(["serve", "--model", model(), "--threads", "1", "--listen", "127.0.0.1:0"])
+        .args(["--tp", "2", "--deployment", "startup"])
+        .envs(env.iter().copied())
+        .env("TPCTL_TEST_MARK", &mark)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start tpctl serve");
+    let socket = PathBuf::from(&rt).join("tpctl").join("startup.sock");
+    let start = Instant::now();
+    while !socket.exists() {
+        if start.elapsed() > DEADLINE {
+            let _ = child.kill();
+            kill_all(&mark);
+            panic!("no control socket at {}", socket.display());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (code, reply, err) = control(&rt, &["sleep", "--verify"]);
+    let (wake, _, wake_err) = control(&rt, &["wakeup"]);
+    // The address line, then a request.
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    let mut addr = String::new();
+    while addr.is_empty() && out.read_line(&mut line).unwrap_or(0) > 0 {
+        if let Some((_, rest)) = line.split_once(" on http://") {
+            addr = rest.split_whitespace().next().unwrap_or("").to_owned();
+        }
+        line.clear();
+    }
+    let body = completion("1,2,3", 6).to_string();
+    let reply_http = request(&addr, "POST", "/v1/completions", &[], Some(body.as_bytes()));
+    let _ = Command::new("kill").arg("-INT").arg(child.id().to_string()).status();
+    let _ = child.wait();
+    kill_all(&mark);
+    assert_eq!(code, 0, "{err}\n{reply}");
+    // Every rank released its weights: the slow one after its build.
+    for r in reply["op"]["ranks"].as_array().expect("ranks") {
+        let weights = r["tags"].as_array().unwrap().iter().find(|t| t["tag"] == "weights");
+        let bytes = weights.and_then(|t| t["bytes"].as_u64()).unwrap_or(0);
+        assert!(bytes > 0, "rank {} released no weights: {reply}", r["rank"]);
+    }
+    assert_eq!(wake, 0, "{wake_err}");
+    assert_eq!(reply_http.status, 200, "{reply_http:?}");
+    assert_eq!(ids(&reply_http.json()["choices"][0]["token_ids"]), expected);
+}

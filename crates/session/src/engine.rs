@@ -1078,7 +1078,18 @@ impl Worker {
         model: &mut Option<Box<dyn StepModel>>,
         steps: &mut u64,
     ) -> Result<Option<SessionConfig>> {
-        match self.core.build(cfg, epoch) {
+        // The build writes the model's memory: a sleep that comes meanwhile waits for it.
+        let built = match self.core.gate.enter_step() {
+            Ok(()) => {
+                let built = self.core.build(cfg, epoch);
+                self.core.gate.leave_step();
+                built
+            }
+            Err(reason) => {
+                Err(Error::Protocol { op: "open", rank: self.core.rank, epoch, step: 0, reason })
+            }
+        };
+        match built {
             Ok(m) => *model = Some(m),
             Err(e) => return Err(self.core.announce(e, Owed::Admission, epoch, 0)),
         }

@@ -5,9 +5,10 @@
 //! Rank 0 decides every step, so quiescing the deployment is rank 0's business: its
 //! [`Leader`](super::Leader) polls the gate at each boundary and, per [`QuiesceMode`], stops
 //! admitting (`wait`), fails the running requests (`abort`) or keeps them (`keep`), then parks:
-//! it runs only idle ticks until the gate opens. A worker only has to finish the step it is
-//! in: its gate closes as soon as no step runs, and a step that arrives while it is closed is a
-//! protocol error (its memory may be gone), never a step run over released memory.
+//! it runs only idle ticks until the gate opens. A worker only has to finish the step (or the
+//! session's model build) it is in: its gate closes as soon as none runs, and a step that
+//! arrives while it is closed is a protocol error (its memory may be gone), never a step run
+//! over released memory.
 
 use crate::sleep::{Quiesce, QuiesceMode};
 use std::collections::BTreeSet;
@@ -20,7 +21,7 @@ struct State {
     request: Option<QuiesceMode>,
     /// The engine stands at a step boundary and runs no step until the gate opens.
     parked: bool,
-    /// A step runs on this rank (workers).
+    /// A step or a model build runs on this rank (workers).
     busy: bool,
     /// Tags whose contents do not survive a sleep.
     lossy: BTreeSet<String>,
@@ -82,11 +83,14 @@ impl Gate {
         }
     }
 
-    /// A worker starts a step. Refused while the gate is closed.
+    /// A worker starts a step (or a session's model build: anything that touches the model's
+    /// memory). Refused while the gate is closed.
     pub(crate) fn enter_step(&self) -> Result<(), String> {
         let mut s = self.lock();
         if s.parked {
-            return Err("rank 0 planned a step while this rank is quiesced for a sleep".into());
+            return Err(
+                "rank 0 asked for model work while this rank is quiesced for a sleep".into()
+            );
         }
         s.busy = true;
         Ok(())
