@@ -10,7 +10,7 @@ use collectives::{init_parallel, Collective, Communicator, InitOptions, ReduceOp
 use mesh::{AxisBackends, Backend};
 use session::protocol::{self, Agreement, Contribution, Message, State};
 use session::{PlanEntry, StepPlan};
-use std::process::{Command, Stdio};
+mod common;
 use std::time::{Duration, Instant};
 
 const ITERS: usize = 1000;
@@ -64,35 +64,8 @@ fn field(json: &str, key: &str) -> Option<String> {
 
 /// Starts `world` ranks on `backend` and returns rank 0's result line.
 fn launch(backend: &str, world: usize) -> String {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
-    let exe = std::env::current_exe().expect("own path");
-    let children: Vec<_> = (0..world)
-        .map(|rank| {
-            Command::new(&exe)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("TPCTL_BENCH_BACKEND", backend)
-                .stdout(Stdio::piped())
-                .spawn()
-                .expect("start a rank")
-        })
-        .collect();
-    let mut line = String::new();
-    for (rank, child) in children.into_iter().enumerate() {
-        let out = child.wait_with_output().expect("rank output");
-        assert!(out.status.success(), "rank {rank} of {backend} x{world} failed: {}", out.status);
-        if rank == 0 {
-            line = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-        }
-    }
-    line
+    let env = [("TPCTL_BENCH_BACKEND", backend.to_owned())];
+    common::launch_ranks(backend, world, &env).join("\n").trim().to_owned()
 }
 
 /// A decode step of `seqs` running sequences.

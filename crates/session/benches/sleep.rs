@@ -23,7 +23,7 @@ use session::sleep::{
 };
 use std::hash::{DefaultHasher, Hasher};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -101,34 +101,9 @@ fn model_layout(path: &Path, world: usize) -> (usize, usize) {
 
 /// Starts `world` ranks and returns rank 0's result lines.
 fn launch(mode: &str, world: usize, env: &[(&str, String)]) -> Vec<String> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
-    let exe = std::env::current_exe().expect("own path");
-    let children: Vec<_> = (0..world)
-        .map(|rank| {
-            Command::new(&exe)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("TPCTL_SLEEP_BENCH_MODE", mode)
-                .envs(env.iter().map(|(k, v)| (k, v)))
-                .stdout(Stdio::piped())
-                .spawn()
-                .expect("start a rank")
-        })
-        .collect();
-    // Every rank is waited for before any failure is raised, so none is left running.
-    let outputs: Vec<_> =
-        children.into_iter().map(|c| c.wait_with_output().expect("rank output")).collect();
-    for (rank, out) in outputs.iter().enumerate() {
-        assert!(out.status.success(), "rank {rank} of {mode} x{world} failed: {}", out.status);
-    }
-    String::from_utf8_lossy(&outputs[0].stdout).lines().map(str::to_owned).collect()
+    let mut env = env.to_vec();
+    env.push(("TPCTL_SLEEP_BENCH_MODE", mode.to_owned()));
+    common::launch_ranks(mode, world, &env)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
