@@ -10,7 +10,7 @@
 //! - Ranks watch their parent (`TPCTL_LAUNCHER_PID`) and exit if the launcher disappears, so
 //!   no rank outlives it even when the launcher itself is killed.
 
-use crate::progress::{self, LoadBar};
+use crate::progress::{self, ProgressBars};
 use anyhow::{Context, Result};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
@@ -150,7 +150,7 @@ fn pump_stderr(
     (rank, local): (usize, usize),
     err: impl Read + Send + 'static,
     tail: Arc<Mutex<VecDeque<String>>>,
-    bar: Arc<LoadBar>,
+    bar: Arc<ProgressBars>,
 ) -> JoinHandle<()> {
     std::thread::spawn(move || {
         for line in BufReader::new(err).lines().map_while(|l| l.ok()) {
@@ -177,7 +177,7 @@ fn pump_stderr(
 pub fn launch(spec: &Launch, interrupted: &AtomicBool) -> Result<Outcome> {
     let world = spec.nproc_per_node * spec.nnodes;
     let mut ranks: Vec<Rank> = Vec::with_capacity(spec.nproc_per_node);
-    let bar = Arc::new(LoadBar::new(spec.nproc_per_node));
+    let bar = Arc::new(ProgressBars::new(spec.nproc_per_node));
     for local in 0..spec.nproc_per_node {
         let rank = spec.node_rank * spec.nproc_per_node + local;
         let mut cmd = Command::new(&spec.program);

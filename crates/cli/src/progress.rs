@@ -4,7 +4,7 @@
 //!
 //! A rank started by the launcher reports `(done, total)` steps as a marker line on its
 //! standard error ([`report`], [`report_generation`]); the launcher takes these lines out of
-//! the rank's stream and draws them with `indicatif` ([`LoadBar`]) only when its standard error
+//! the rank's stream and draws them with `indicatif` ([`ProgressBars`]) only when its standard error
 //! is a terminal. Rank processes started by another launcher (torchrun, mpirun, Slurm) print
 //! nothing.
 
@@ -64,7 +64,7 @@ pub fn parse(line: &str) -> Option<(Kind, usize, usize)> {
 
 /// The launcher's bars: its ranks' loads, then a run's generation.
 #[derive(Debug)]
-pub struct LoadBar {
+pub struct ProgressBars {
     bar: ProgressBar,
     /// `(done, total)` per local rank; total 0 until the rank reports.
     ranks: Mutex<Vec<(usize, usize)>>,
@@ -73,10 +73,10 @@ pub struct LoadBar {
     draw: bool,
 }
 
-impl LoadBar {
+impl ProgressBars {
     /// A bar for `ranks` local ranks, drawn on standard error when it is a terminal.
-    pub fn new(ranks: usize) -> LoadBar {
-        LoadBar::with_target(ranks, std::io::stderr().is_terminal())
+    pub fn new(ranks: usize) -> ProgressBars {
+        ProgressBars::with_target(ranks, std::io::stderr().is_terminal())
     }
 
     fn target(draw: bool) -> ProgressDrawTarget {
@@ -87,15 +87,20 @@ impl LoadBar {
         }
     }
 
-    fn with_target(ranks: usize, draw: bool) -> LoadBar {
-        let bar = ProgressBar::with_draw_target(Some(0), LoadBar::target(draw));
+    fn with_target(ranks: usize, draw: bool) -> ProgressBars {
+        let bar = ProgressBar::with_draw_target(Some(0), ProgressBars::target(draw));
         bar.set_style(
             ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} [{elapsed}]")
                 .unwrap_or_else(|_| ProgressStyle::default_bar())
                 .progress_chars("=> "),
         );
         bar.set_message(format!("loading shards (0/{ranks} ranks ready)"));
-        LoadBar { bar, ranks: Mutex::new(vec![(0, 0); ranks]), generation: Mutex::new(None), draw }
+        ProgressBars {
+            bar,
+            ranks: Mutex::new(vec![(0, 0); ranks]),
+            generation: Mutex::new(None),
+            draw,
+        }
     }
 
     /// Takes one progress line of rank `local`.
@@ -110,7 +115,8 @@ impl LoadBar {
     pub fn generated(&self, done: usize, total: usize) {
         let mut slot = self.generation.lock().unwrap_or_else(PoisonError::into_inner);
         let bar = slot.get_or_insert_with(|| {
-            let bar = ProgressBar::with_draw_target(Some(total as u64), LoadBar::target(self.draw));
+            let bar =
+                ProgressBar::with_draw_target(Some(total as u64), ProgressBars::target(self.draw));
             bar.set_style(
                 ProgressStyle::with_template(
                     "generating [{bar:30}] {pos}/{len} tokens [{elapsed}]",
@@ -188,7 +194,7 @@ mod tests {
 
     #[test]
     fn the_bar_sums_the_ranks_and_finishes_when_all_are_ready() {
-        let bar = LoadBar::with_target(2, false);
+        let bar = ProgressBars::with_target(2, false);
         bar.update(0, 3, 10);
         assert_eq!(bar.position(), (3, 10), "rank 1 has not reported yet");
         bar.update(1, 5, 10);
@@ -204,9 +210,9 @@ mod tests {
 
     #[test]
     fn the_generation_bar_follows_rank_0_and_finishes_at_its_total() {
-        let bar = LoadBar::with_target(1, false);
+        let bar = ProgressBars::with_target(1, false);
         bar.take(0, Kind::Generate, 5, 64);
-        let position = |b: &LoadBar| {
+        let position = |b: &ProgressBars| {
             let g = b.generation.lock().unwrap();
             let g = g.as_ref().unwrap();
             (g.position(), g.length(), g.is_finished())
