@@ -4,9 +4,9 @@
 //!
 //! A rank started by the launcher reports `(done, total)` steps as a marker line on its
 //! standard error ([`report`], [`report_generation`]); the launcher takes these lines out of
-//! the rank's stream and draws them with `indicatif` ([`ProgressBars`]) only when its standard error
-//! is a terminal. Rank processes started by another launcher (torchrun, mpirun, Slurm) print
-//! nothing.
+//! the rank's stream and draws them with `indicatif` ([`ProgressBars`]) only when its
+//! standard error is a terminal. Rank processes started by another launcher (torchrun, mpirun,
+//! Slurm) print nothing.
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
