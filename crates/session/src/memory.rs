@@ -42,6 +42,16 @@ impl Restore {
     pub fn keeps_contents(self) -> bool {
         matches!(self, Restore::Backup | Restore::Reload)
     }
+
+    /// The vmm policy, except for [`Restore::Reload`] (`None`), which needs its source.
+    fn policy(self) -> Option<vmm::Policy> {
+        match self {
+            Restore::Discard => Some(vmm::Policy::Discard),
+            Restore::Zero => Some(vmm::Policy::Zero),
+            Restore::Backup => Some(vmm::Policy::Backup(vmm::Store::Spill)),
+            Restore::Reload => None,
+        }
+    }
 }
 
 /// The memory of one rank's model: the vmm manager and the restore policy per tag.
@@ -50,6 +60,8 @@ pub struct ModelMemory {
     manager: Arc<vmm::Manager>,
     weights: Restore,
     kv_cache: Restore,
+    /// The policy of every KV-cache allocation.
+    kv_policy: vmm::Policy,
 }
 
 impl ModelMemory {
@@ -63,13 +75,13 @@ impl ModelMemory {
         weights: Restore,
         kv_cache: Restore,
     ) -> Result<ModelMemory, String> {
-        if kv_cache == Restore::Reload {
-            return Err("the KV cache cannot be reloaded: use discard, zero or backup".into());
-        }
+        let kv_policy = kv_cache.policy().ok_or_else(|| {
+            "the KV cache cannot be reloaded: use discard, zero or backup".to_owned()
+        })?;
         for tag in [vmm::Tag::WEIGHTS, vmm::Tag::KV_CACHE] {
             manager.define_tag(tag).map_err(|e| e.to_string())?;
         }
-        Ok(ModelMemory { manager, weights, kv_cache })
+        Ok(ModelMemory { manager, weights, kv_cache, kv_policy })
     }
 
     /// Host memory (a CPU manager spilling backups to `spill_dir`, default
@@ -104,15 +116,6 @@ impl ModelMemory {
             .collect()
     }
 
-    fn policy(&self, restore: Restore, reload: impl FnOnce() -> vmm::Source) -> vmm::Policy {
-        match restore {
-            Restore::Discard => vmm::Policy::Discard,
-            Restore::Zero => vmm::Policy::Zero,
-            Restore::Backup => vmm::Policy::Backup(vmm::Store::Spill),
-            Restore::Reload => vmm::Policy::Reload(reload()),
-        }
-    }
-
     /// Moves `model`'s weights into one `weights` allocation. With [`Restore::Reload`] the
     /// shard described by `origin` is loaded again at wakeup.
     ///
@@ -127,9 +130,11 @@ impl ModelMemory {
         if bytes == 0 {
             return Ok(());
         }
-        let origin = origin.clone();
-        let policy = self.policy(self.weights, || {
-            vmm::Source::from_fn(move |buf| origin.fill(buf).map_err(std::io::Error::other))
+        let policy = self.weights.policy().unwrap_or_else(|| {
+            let origin = origin.clone();
+            vmm::Policy::Reload(vmm::Source::from_fn(move |buf| {
+                origin.fill(buf).map_err(std::io::Error::other)
+            }))
         });
         let alloc = self
             .manager
@@ -153,10 +158,9 @@ impl ModelMemory {
         capacity: usize,
     ) -> Result<ParallelCache, String> {
         let bytes = model.cache_bytes(capacity);
-        let policy = self.policy(self.kv_cache, || unreachable!("checked in ModelMemory::new"));
         let alloc = self
             .manager
-            .allocate(vmm::Tag::KV_CACHE, bytes, policy)
+            .allocate(vmm::Tag::KV_CACHE, bytes, self.kv_policy.clone())
             .map_err(|e| format!("allocating a {bytes}-byte KV cache: {e}"))?;
         alloc.write().map_err(|e| e.to_string())?.fill(0);
         let arena = VmmArena::new(alloc).map_err(|e| e.to_string())?;
