@@ -4,7 +4,7 @@
 //! `cargo run -p tpctl-layers --example kernels -- [--threads N]`
 
 use layers::kernels::cpu::quant::{quantize, BlockFormat};
-use layers::kernels::{AttnShape, Backend, QMatrix, Weight};
+use layers::kernels::{AttnShape, Backend, Kv, QMatrix, Weight};
 use layers::Tensor;
 use std::time::Instant;
 
@@ -68,7 +68,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let q =
             Tensor::from_vec(&[n, 9, 64], (0..n * 9 * 64).map(|i| (i % 7) as f32 / 7.0).collect())?;
         let q_pos: Vec<usize> = (t - n..t).collect();
-        let time = best_of(10, || drop(be.attention(&q, &q_pos, &kv, &kv, &kv_pos, shape, false)));
+        let time = best_of(10, || {
+            drop(be.attention(&q, &q_pos, Kv::Host { k: &kv, v: &kv }, &kv_pos, shape, false))
+        });
         let flops = (n * 9 * t * 64 * 4) as f64;
         println!(
             "attention {n:>3} queries x {t} keys {:8.3} ms {:6.1} GFLOP/s",

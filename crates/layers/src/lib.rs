@@ -39,7 +39,7 @@ pub mod tokenizer;
 
 pub use config::LlamaConfig;
 pub use error::{Error, Result};
-pub use memory::{Arena, HeapArena};
+pub use memory::{Arena, DeviceArena, DeviceMemory, HeapArena};
 pub use model::{KvCache, Logits, Model};
 pub use tensor::{DType, Device, ExternalMemory, Storage, Tensor};
 pub use tokenizer::{ChatMessage, Tokenizer};

@@ -31,6 +31,49 @@ pub trait Arena {
     fn alloc(&self, bytes: usize) -> Result<Box<dyn ExternalMemory>>;
 }
 
+/// Device memory that someone else owns, such as a `vmm` CUDA allocation that a sleep unmaps
+/// and a wakeup maps again at the same address. The CUDA backend keeps weights and KV caches in
+/// it; this crate never dereferences it on the host.
+///
+/// Implementations return the same address and length on every call. Their owner guarantees
+/// that the memory is mapped whenever a kernel may touch it (the session engine quiesces every
+/// rank before a sleep) and that it belongs to the device of the backend it is given to.
+pub trait DeviceMemory: Send + Sync + std::fmt::Debug {
+    /// The device address of the first byte (a `CUdeviceptr`), a multiple of [`ALIGN`].
+    fn device_ptr(&self) -> u64;
+    /// The length in bytes.
+    fn size(&self) -> usize;
+}
+
+/// A source of device memory for the CUDA backend's weights and KV caches.
+pub trait DeviceArena: Send + Sync {
+    /// A region of exactly `bytes` bytes of device memory whose address is a multiple of
+    /// [`ALIGN`]; its contents are unspecified.
+    ///
+    /// # Errors
+    /// [`Error::Arena`] when the memory cannot be provided.
+    fn alloc_device(&self, bytes: usize) -> Result<Box<dyn DeviceMemory>>;
+}
+
+/// `bytes` bytes of device memory from `arena`, checked to be exactly that many and aligned.
+///
+/// # Errors
+/// [`Error::Arena`] when the arena fails or returns a region of another size or alignment.
+pub(crate) fn alloc_device_exact(
+    arena: &dyn DeviceArena,
+    bytes: usize,
+) -> Result<Box<dyn DeviceMemory>> {
+    let mem = arena.alloc_device(bytes)?;
+    let (got, at) = (mem.size(), mem.device_ptr());
+    if got != bytes || at % ALIGN as u64 != 0 {
+        return Err(Error::Arena {
+            bytes,
+            source: format!("the device arena returned {got} bytes at {at:#x}").into(),
+        });
+    }
+    Ok(mem)
+}
+
 /// `bytes` bytes from `arena`, checked to be exactly that many (alignment is checked where
 /// the region is viewed as elements, by [`crate::Storage::external`]).
 ///

@@ -14,10 +14,10 @@ pub use cpu::attention::AttnShape;
 use cpu::qmatrix::Q8Vector;
 pub use cpu::qmatrix::QMatrix;
 use cpu::CpuBackend;
-pub use cuda::CudaBackend;
+pub use cuda::{CudaBackend, PoolArena};
 
 use crate::error::{Error, Result};
-use crate::memory::{Arena, WeightBuffers};
+use crate::memory::{Arena, DeviceMemory, WeightBuffers};
 use crate::tensor::{Device, Tensor};
 
 /// A weight matrix `[out_features, in_features]` as a linear layer stores it.
@@ -113,6 +113,34 @@ impl WeightBuffers for Weight {
     fn move_to(&mut self, arena: &dyn Arena) -> Result<()> {
         *self = self.copy_to(arena)?;
         Ok(())
+    }
+}
+
+/// The keys and values attention reads: host slices `[n_kv, kv_heads, head_dim]`, or the
+/// buffers of a device KV cache whose first `n_kv` rows are filled (CUDA backend only).
+#[derive(Clone, Copy, Debug)]
+pub enum Kv<'a> {
+    /// Host memory, exactly the rows to read.
+    Host {
+        /// Keys.
+        k: &'a [f32],
+        /// Values.
+        v: &'a [f32],
+    },
+    /// Device memory holding at least the rows to read.
+    Device {
+        /// Keys.
+        k: &'a dyn DeviceMemory,
+        /// Values.
+        v: &'a dyn DeviceMemory,
+    },
+}
+
+/// The error for device memory handed to the CPU backend.
+fn device_memory_on_cpu(op: &str) -> Error {
+    Error::BackendUnavailable {
+        backend: "cpu",
+        reason: format!("{op}: the data lives in device memory, which only the CUDA backend reads"),
     }
 }
 
@@ -280,38 +308,42 @@ impl Backend {
     }
 
     /// Causal attention (see [`cpu::attention::attention`]): `q` is `[q_pos.len(), q_heads,
-    /// head_dim]`, `k`/`v` are `[kv_pos.len(), kv_heads, head_dim]` as flat slices (a cache's
-    /// filled prefix). Returns the output shaped like `q` and, when `want_lse`, the per-row
+    /// head_dim]`, the keys and values `[kv_pos.len(), kv_heads, head_dim]` (a cache's filled
+    /// prefix). Returns the output shaped like `q` and, when `want_lse`, the per-row
     /// log-sum-exp `[q_pos.len(), q_heads]`.
     ///
     /// # Errors
-    /// [`Error::Shape`] when the sizes disagree or `q_heads` is not a multiple of `kv_heads`.
-    #[allow(clippy::too_many_arguments)]
+    /// [`Error::Shape`] when the sizes disagree or `q_heads` is not a multiple of `kv_heads`;
+    /// [`Error::BackendUnavailable`] for device keys and values on the CPU backend.
     pub fn attention(
         &self,
         q: &Tensor,
         q_pos: &[usize],
-        k: &[f32],
-        v: &[f32],
+        kv: Kv<'_>,
         kv_pos: &[usize],
         shape: AttnShape,
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let AttnShape { q_heads, kv_heads, head_dim } = shape;
+        let need = kv_pos.len() * kv_heads * head_dim;
+        let (k_len, v_len, fits) = match kv {
+            Kv::Host { k, v } => (k.len(), v.len(), k.len() == need && v.len() == need),
+            Kv::Device { k, v } => {
+                let (kf, vf) = (k.size() / 4, v.size() / 4);
+                (kf, vf, kf >= need && vf >= need)
+            }
+        };
         check(
             "attention",
             kv_heads > 0
                 && q_heads % kv_heads == 0
                 && q.len() == q_pos.len() * q_heads * head_dim
-                && k.len() == kv_pos.len() * kv_heads * head_dim
-                && v.len() == k.len(),
+                && fits,
             || {
                 format!(
-                    "q {} for {} tokens, k {} v {} for {} keys, {shape:?}",
+                    "q {} for {} tokens, k {k_len} v {v_len} for {} keys, {shape:?}",
                     q.len(),
                     q_pos.len(),
-                    k.len(),
-                    v.len(),
                     kv_pos.len()
                 )
             },
@@ -319,23 +351,25 @@ impl Backend {
         let mut out = Tensor::zeros(&[q_pos.len(), q_heads, head_dim]);
         let mut lse = want_lse.then(|| Tensor::zeros(&[q_pos.len(), q_heads]));
         match self {
-            Backend::Cpu(cpu) => cpu.install(|| {
-                cpu::attention::attention(
-                    q.data(),
-                    q_pos,
-                    k,
-                    v,
-                    kv_pos,
-                    shape,
-                    out.data_mut(),
-                    lse.as_mut().map(|l| l.data_mut()),
-                )
-            }),
+            Backend::Cpu(cpu) => {
+                let Kv::Host { k, v } = kv else { return Err(device_memory_on_cpu("attention")) };
+                cpu.install(|| {
+                    cpu::attention::attention(
+                        q.data(),
+                        q_pos,
+                        k,
+                        v,
+                        kv_pos,
+                        shape,
+                        out.data_mut(),
+                        lse.as_mut().map(|l| l.data_mut()),
+                    )
+                });
+            }
             Backend::Cuda(cuda) => cuda.attention(
                 q.data(),
                 q_pos,
-                k,
-                v,
+                kv,
                 kv_pos,
                 shape,
                 out.data_mut(),
@@ -343,6 +377,27 @@ impl Backend {
             )?,
         }
         Ok((out, lse))
+    }
+
+    /// Copies `src` into device memory `dst` from its `offset`-th f32 on.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the values do not fit; [`Error::BackendUnavailable`] on the CPU
+    /// backend or when the copy fails.
+    pub(crate) fn write_device(
+        &self,
+        dst: &dyn DeviceMemory,
+        offset: usize,
+        src: &[f32],
+    ) -> Result<()> {
+        let floats = dst.size() / 4;
+        check("write_device", offset + src.len() <= floats, || {
+            format!("{} values at {offset} overflow {floats}", src.len())
+        })?;
+        match self {
+            Backend::Cpu(_) => Err(device_memory_on_cpu("kv cache append")),
+            Backend::Cuda(cuda) => cuda.write_device(dst, offset, src),
+        }
     }
 
     /// `gate = silu(gate) · up`, in place.

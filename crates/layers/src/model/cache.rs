@@ -1,16 +1,27 @@
 //! The KV cache: per layer, the keys and values of every token seen so far, with the absolute
 //! position of each entry (a context-parallel rank holds an arbitrary subset of positions).
+//!
+//! The keys and values live in host memory ([`Storage`]: the heap or an arena) or, for the
+//! CUDA backend, in device memory ([`DeviceMemory`]), where attention reads them in place.
 
 use crate::error::{Error, Result};
+use crate::kernels::{Backend, Kv};
+use crate::memory::DeviceMemory;
 use crate::tensor::Storage;
 
+/// Where a layer's keys and values live.
+#[derive(Debug)]
+enum Buffers {
+    Host { k: Storage, v: Storage },
+    Device { k: Box<dyn DeviceMemory>, v: Box<dyn DeviceMemory> },
+}
+
 /// Keys and values of one layer, `[capacity, kv_heads, head_dim]` each with the first `len`
-/// tokens filled, plus their positions. The two buffers are [`Storage`], so a cache can live
-/// in external (for example `vmm`) memory.
-#[derive(Clone, Debug)]
+/// tokens filled, plus their positions. The buffers are host [`Storage`] (so a cache can live
+/// in external, for example `vmm`, memory) or device memory for the CUDA backend.
+#[derive(Debug)]
 pub struct LayerCache {
-    k: Storage,
-    v: Storage,
+    buffers: Buffers,
     positions: Vec<usize>,
     row: usize,
     capacity: usize,
@@ -22,35 +33,80 @@ impl LayerCache {
     pub fn new(kv_heads: usize, head_dim: usize, capacity: usize) -> Self {
         let n = capacity * kv_heads * head_dim;
         LayerCache {
-            k: Storage::Owned(vec![0.0; n]),
-            v: Storage::Owned(vec![0.0; n]),
+            buffers: Buffers::Host {
+                k: Storage::Owned(vec![0.0; n]),
+                v: Storage::Owned(vec![0.0; n]),
+            },
             positions: Vec::with_capacity(capacity),
             row: kv_heads * head_dim,
             capacity,
         }
     }
 
-    /// An empty cache over the given key and value buffers; the capacity is what they hold.
+    /// An empty cache over the given host key and value buffers; the capacity is what they
+    /// hold.
     ///
     /// # Errors
     /// [`Error::Shape`] when the buffers differ in size or are not whole rows.
     pub fn with_storage(k: Storage, v: Storage, kv_heads: usize, head_dim: usize) -> Result<Self> {
         let row = kv_heads * head_dim;
-        if row == 0 || k.len() != v.len() || k.len() % row != 0 {
-            return Err(Error::shape(
-                "LayerCache::with_storage",
-                format!("k {} and v {} values for rows of {row}", k.len(), v.len()),
-            ));
-        }
-        let capacity = k.len() / row;
-        Ok(LayerCache { k, v, positions: Vec::with_capacity(capacity), row, capacity })
+        let values = Self::capacity_of("LayerCache::with_storage", k.len(), v.len(), row)?;
+        Ok(Self::empty(Buffers::Host { k, v }, row, values))
     }
 
-    /// Appends the keys and values of `positions.len()` tokens.
+    /// An empty cache over key and value buffers in device memory, read and written only by
+    /// the CUDA backend of that device; the capacity is what they hold.
     ///
     /// # Errors
-    /// [`Error::CacheFull`] when they do not fit; [`Error::Shape`] when the lengths disagree.
-    pub fn append(&mut self, k: &[f32], v: &[f32], positions: &[usize]) -> Result<()> {
+    /// [`Error::Shape`] when the buffers differ in size or are not whole rows of f32.
+    pub fn on_device(
+        k: Box<dyn DeviceMemory>,
+        v: Box<dyn DeviceMemory>,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Self> {
+        let row = kv_heads * head_dim;
+        let floats = |m: &dyn DeviceMemory| {
+            if m.size() % 4 == 0 {
+                Ok(m.size() / 4)
+            } else {
+                Err(Error::shape(
+                    "LayerCache::on_device",
+                    format!("{} bytes are not whole f32 values", m.size()),
+                ))
+            }
+        };
+        let (kf, vf) = (floats(k.as_ref())?, floats(v.as_ref())?);
+        let capacity = Self::capacity_of("LayerCache::on_device", kf, vf, row)?;
+        Ok(Self::empty(Buffers::Device { k, v }, row, capacity))
+    }
+
+    /// Tokens that buffers of `k` and `v` values hold in rows of `row`.
+    fn capacity_of(op: &'static str, k: usize, v: usize, row: usize) -> Result<usize> {
+        if row == 0 || k != v || k % row != 0 {
+            return Err(Error::shape(op, format!("k {k} and v {v} values for rows of {row}")));
+        }
+        Ok(k / row)
+    }
+
+    fn empty(buffers: Buffers, row: usize, capacity: usize) -> Self {
+        LayerCache { buffers, positions: Vec::with_capacity(capacity), row, capacity }
+    }
+
+    /// Appends the keys and values of `positions.len()` tokens; `be` writes them when the
+    /// cache lives in device memory (it must then be the CUDA backend of that device).
+    ///
+    /// # Errors
+    /// [`Error::CacheFull`] when they do not fit; [`Error::Shape`] when the lengths disagree;
+    /// [`Error::BackendUnavailable`] when a device cache is given a CPU backend or the copy
+    /// fails. The cache is unchanged on error.
+    pub fn append(
+        &mut self,
+        be: &Backend,
+        k: &[f32],
+        v: &[f32],
+        positions: &[usize],
+    ) -> Result<()> {
         let n = positions.len();
         if k.len() != n * self.row || v.len() != n * self.row {
             return Err(Error::shape(
@@ -62,21 +118,35 @@ impl LayerCache {
         if len + n > self.capacity {
             return Err(Error::CacheFull { len, capacity: self.capacity, requested: n });
         }
-        let range = len * self.row..(len + n) * self.row;
-        self.k.as_mut_slice()[range.clone()].copy_from_slice(k);
-        self.v.as_mut_slice()[range].copy_from_slice(v);
+        match &mut self.buffers {
+            Buffers::Host { k: kb, v: vb } => {
+                let range = len * self.row..(len + n) * self.row;
+                kb.as_mut_slice()[range.clone()].copy_from_slice(k);
+                vb.as_mut_slice()[range].copy_from_slice(v);
+            }
+            Buffers::Device { k: kb, v: vb } => {
+                be.write_device(kb.as_ref(), len * self.row, k)?;
+                be.write_device(vb.as_ref(), len * self.row, v)?;
+            }
+        }
         self.positions.extend_from_slice(positions);
         Ok(())
     }
 
-    /// The cached keys, `[len, kv_heads, head_dim]`.
-    pub fn k(&self) -> &[f32] {
-        &self.k.as_slice()[..self.positions.len() * self.row]
+    /// The cached keys and values, `[len, kv_heads, head_dim]` each, where they live.
+    pub fn kv(&self) -> Kv<'_> {
+        let filled = self.positions.len() * self.row;
+        match &self.buffers {
+            Buffers::Host { k, v } => {
+                Kv::Host { k: &k.as_slice()[..filled], v: &v.as_slice()[..filled] }
+            }
+            Buffers::Device { k, v } => Kv::Device { k: k.as_ref(), v: v.as_ref() },
+        }
     }
 
-    /// The cached values, `[len, kv_heads, head_dim]`.
-    pub fn v(&self) -> &[f32] {
-        &self.v.as_slice()[..self.positions.len() * self.row]
+    /// Whether the keys and values live in device memory.
+    pub fn is_on_device(&self) -> bool {
+        matches!(self.buffers, Buffers::Device { .. })
     }
 
     /// The absolute position of each cached token.
@@ -106,7 +176,7 @@ impl LayerCache {
 }
 
 /// The caches of all layers of one sequence.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct KvCache {
     layers: Vec<LayerCache>,
     capacity: usize,
@@ -170,18 +240,40 @@ impl KvCache {
 mod tests {
     use super::*;
 
+    /// The host keys and values of a layer.
+    fn host(c: &LayerCache) -> (&[f32], &[f32]) {
+        match c.kv() {
+            Kv::Host { k, v } => (k, v),
+            Kv::Device { .. } => panic!("a host cache reported device memory"),
+        }
+    }
+
+    /// Device memory that is never touched: only its size matters to the checks below.
+    #[derive(Debug)]
+    struct Fake(usize);
+
+    impl DeviceMemory for Fake {
+        fn device_ptr(&self) -> u64 {
+            0x1000
+        }
+        fn size(&self) -> usize {
+            self.0
+        }
+    }
+
     #[test]
     fn append_truncate_and_overflow() {
+        let be = Backend::cpu(1).unwrap();
         let mut c = KvCache::new(2, 1, 2, 3);
-        c.layer_mut(0).append(&[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.0], &[0, 1]).unwrap();
+        c.layer_mut(0).append(&be, &[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.0], &[0, 1]).unwrap();
         assert_eq!(c.layer(0).positions(), &[0, 1]);
-        assert_eq!(c.layer(0).k(), &[1.0, 2.0, 3.0, 4.0]);
-        let err = c.layer_mut(0).append(&[0.0; 4], &[0.0; 4], &[2, 3]).unwrap_err();
+        assert_eq!(host(c.layer(0)).0, &[1.0, 2.0, 3.0, 4.0]);
+        let err = c.layer_mut(0).append(&be, &[0.0; 4], &[0.0; 4], &[2, 3]).unwrap_err();
         assert_eq!(err.to_string(), "kv cache full: 2 of 3 positions used, 2 more requested");
-        let err = c.layer_mut(0).append(&[0.0; 3], &[0.0; 2], &[2]).unwrap_err();
+        let err = c.layer_mut(0).append(&be, &[0.0; 3], &[0.0; 2], &[2]).unwrap_err();
         assert!(err.to_string().contains("1 tokens need 2 values"), "{err}");
         c.truncate(1);
-        assert_eq!(c.layer(0).v(), &[5.0, 6.0]);
+        assert_eq!(host(c.layer(0)).1, &[5.0, 6.0]);
         assert_eq!(c.layer(0).capacity(), 3);
         let err = LayerCache::with_storage(
             Storage::Owned(vec![0.0; 6]),
@@ -194,5 +286,24 @@ mod tests {
         assert_eq!(c.len(), 1);
         c.clear();
         assert!(c.is_empty());
+        assert!(!c.layer(0).is_on_device());
+    }
+
+    /// A device cache is sized from its buffers, and a CPU backend refuses to write it
+    /// (leaving it unchanged) rather than touch device memory.
+    #[test]
+    fn a_device_cache_needs_a_device_backend() {
+        let mut c = LayerCache::on_device(Box::new(Fake(48)), Box::new(Fake(48)), 3, 2).unwrap();
+        assert!(c.is_on_device());
+        assert_eq!(c.capacity(), 2);
+        let be = Backend::cpu(1).unwrap();
+        let err = c.append(&be, &[0.0; 6], &[0.0; 6], &[0]).unwrap_err();
+        assert!(err.to_string().contains("device memory"), "{err}");
+        assert!(c.is_empty());
+        assert!(matches!(c.kv(), Kv::Device { k, .. } if k.size() == 48));
+        let err = LayerCache::on_device(Box::new(Fake(48)), Box::new(Fake(24)), 3, 2);
+        assert!(err.unwrap_err().to_string().contains("k 12 and v 6 values"));
+        let err = LayerCache::on_device(Box::new(Fake(46)), Box::new(Fake(46)), 3, 2);
+        assert!(err.unwrap_err().to_string().contains("46 bytes are not whole f32 values"));
     }
 }

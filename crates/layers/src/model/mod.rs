@@ -277,7 +277,7 @@ impl Attention {
         cache: &LayerCache,
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        be.attention(q, positions, cache.k(), cache.v(), cache.positions(), self.shape(), want_lse)
+        be.attention(q, positions, cache.kv(), cache.positions(), self.shape(), want_lse)
     }
 
     /// The output projection of attention results `[n, q_heads, d]`: `[n, hidden]`.
@@ -302,7 +302,7 @@ impl Attention {
         cache: &mut LayerCache,
     ) -> Result<Tensor> {
         let (q, k, v) = self.qkv(be, x, positions)?;
-        cache.append(k.data(), v.data(), positions)?;
+        cache.append(be, k.data(), v.data(), positions)?;
         let (attn, _) = self.attend(be, &q, positions, cache, false)?;
         self.project_out(be, attn)
     }

@@ -305,13 +305,13 @@ fn attention_split_over_two_caches_merges_by_log_sum_exp() {
     let (q, k, v) = attn.qkv(&be, &x, &pos).unwrap();
     let row = cfg.n_kv_heads * cfg.head_dim;
     let mut all = LayerCache::new(cfg.n_kv_heads, cfg.head_dim, 6);
-    all.append(k.data(), v.data(), &pos).unwrap();
+    all.append(&be, k.data(), v.data(), &pos).unwrap();
     let (mut a, mut b) = (
         LayerCache::new(cfg.n_kv_heads, cfg.head_dim, 3),
         LayerCache::new(cfg.n_kv_heads, cfg.head_dim, 3),
     );
-    a.append(&k.data()[..3 * row], &v.data()[..3 * row], &pos[..3]).unwrap();
-    b.append(&k.data()[3 * row..], &v.data()[3 * row..], &pos[3..]).unwrap();
+    a.append(&be, &k.data()[..3 * row], &v.data()[..3 * row], &pos[..3]).unwrap();
+    b.append(&be, &k.data()[3 * row..], &v.data()[3 * row..], &pos[3..]).unwrap();
     let (full, _) = attn.attend(&be, &q, &pos, &all, false).unwrap();
     let (mut oa, la) = attn.attend(&be, &q, &pos, &a, true).unwrap();
     let (ob, lb) = attn.attend(&be, &q, &pos, &b, true).unwrap();

@@ -39,8 +39,8 @@ use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kernels::cpu::attention::merge_partial;
-use crate::kernels::{AttnShape, Backend};
-use crate::memory::{alloc_exact, padded, Arena, WeightBuffers};
+use crate::kernels::{AttnShape, Backend, Kv};
+use crate::memory::{alloc_device_exact, alloc_exact, padded, Arena, DeviceArena, WeightBuffers};
 use crate::model::{
     load_vector, Attention, KvCache, LayerCache, Linear, Logits, Mlp, Shard, WeightForm,
     WeightSource,
@@ -243,9 +243,15 @@ impl ParallelAttention {
             v_all.extend_from_slice(vs);
             at += size;
         }
-        cache.append(k.data(), v.data(), positions)?;
-        let (out, _) =
-            be.attention(&q, positions, &k_all, &v_all, all_positions, self.shape, false)?;
+        cache.append(be, k.data(), v.data(), positions)?;
+        let (out, _) = be.attention(
+            &q,
+            positions,
+            Kv::Host { k: &k_all, v: &v_all },
+            all_positions,
+            self.shape,
+            false,
+        )?;
         self.finish(be, comms, out)
     }
 
@@ -268,7 +274,7 @@ impl ParallelAttention {
             mv.extend_from_slice(&v.data()[i * kv_width..(i + 1) * kv_width]);
             mp.push(positions[i]);
         }
-        cache.append(&mk, &mv, &mp)?;
+        cache.append(be, &mk, &mv, &mp)?;
         let cp = comms.cp.size();
         if cp == 1 {
             let (out, _) = self.attn.attend(be, &q, positions, cache, false)?;
@@ -613,6 +619,37 @@ impl ParallelModel {
             local: KvCache::from_layers(layers),
             cp_lens: vec![0; self.placement.cp],
         })
+    }
+
+    /// An empty cache for one sequence, `capacity` tokens on this rank, whose keys and values
+    /// live in device memory from `arena`, in the allocation order of
+    /// [`ParallelModel::new_cache_in`] (and [`ParallelModel::cache_bytes`] bytes in all). Only
+    /// a model computing on the CUDA backend of that device can use it.
+    ///
+    /// # Errors
+    /// [`Error::Arena`] when an allocation fails or has the wrong size or alignment.
+    pub fn new_cache_on_device(
+        &self,
+        capacity: usize,
+        arena: &dyn DeviceArena,
+    ) -> Result<ParallelCache> {
+        let (kv, bytes) = (self.local_kv_heads(), self.cache_buffer_bytes(capacity));
+        let buffer = || alloc_device_exact(arena, bytes);
+        let layers = (0..self.config.n_layers)
+            .map(|_| {
+                let k = buffer()?;
+                LayerCache::on_device(k, buffer()?, kv, self.config.head_dim)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ParallelCache {
+            local: KvCache::from_layers(layers),
+            cp_lens: vec![0; self.placement.cp],
+        })
+    }
+
+    /// The backend the model computes on.
+    pub fn backend(&self) -> &Backend {
+        &self.backend
     }
 
     fn plan(&self, cache: &ParallelCache, n: usize) -> Result<Plan> {

@@ -617,3 +617,40 @@ fn a_failing_arena_is_an_error_and_leaves_a_working_model() {
     });
     std::fs::remove_file(path).unwrap();
 }
+
+/// Device memory that is never dereferenced (the CPU backend must refuse it).
+#[derive(Debug)]
+struct Unmapped(usize);
+
+impl crate::memory::DeviceMemory for Unmapped {
+    fn device_ptr(&self) -> u64 {
+        0x7000_0000
+    }
+    fn size(&self) -> usize {
+        self.0
+    }
+}
+
+struct UnmappedArena;
+
+impl crate::memory::DeviceArena for UnmappedArena {
+    fn alloc_device(&self, bytes: usize) -> Result<Box<dyn crate::memory::DeviceMemory>> {
+        Ok(Box::new(Unmapped(bytes)))
+    }
+}
+
+/// A device KV cache is laid out like an arena one, and a model on the CPU backend refuses to
+/// run on it with an error that says why, instead of touching device addresses.
+#[test]
+fn a_device_cache_on_the_cpu_backend_is_a_clear_error() {
+    let path = temp_path("device-cache.gguf");
+    RandomLlama::default().write(&path).unwrap();
+    let model = ParallelModel::load(&path, Placement::single(), 1, WeightForm::F32).unwrap();
+    let mut cache = model.new_cache_on_device(16, &UnmappedArena).unwrap();
+    assert_eq!(cache.capacity(), model.new_cache(16).capacity());
+    let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
+    let mut comms = Comms { tp: &mut tp, cp: &mut cp };
+    let err = model.forward(&mut comms, &[1, 2, 3], &mut cache, Logits::Last).unwrap_err();
+    assert!(err.to_string().contains("device memory, which only the CUDA backend"), "{err}");
+    std::fs::remove_file(path).unwrap();
+}

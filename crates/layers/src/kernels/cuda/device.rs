@@ -14,7 +14,12 @@
 //!   words, so a freed buffer whose address is reused by another weight is noticed in
 //!   practice. A weight rewritten in place at an unsampled word is not: call
 //!   [`CudaBackend::clear_weight_cache`] after changing weights in place (a restore that
-//!   zeroes or reloads them).
+//!   zeroes or reloads them). The device copies come from the driver's memory pool, or from a
+//!   [`DeviceArena`] given with [`CudaBackend::keep_weights_in`] (tagged `vmm` memory that a
+//!   sleep unmaps): there a cleared weight keeps its region and is written into it again at
+//!   its next use, so the weights keep their device addresses across a sleep.
+//! - A KV cache in device memory ([`Kv::Device`]) is appended to with one host-to-device copy
+//!   of the new rows and read in place by `attention`; a host one is uploaded per call.
 //! - Quantized weights are dequantized on the device at first use, and only the f32 copy is
 //!   kept: products then go through cuBLAS sgemm like dense ones. This costs 4x (Q8_0) to 7x
 //!   (Q4) more device memory and bandwidth than the packed form; a 135M-parameter model takes
@@ -32,11 +37,13 @@
 use crate::error::{Error, Result};
 use crate::kernels::cpu::attention::AttnShape;
 use crate::kernels::cpu::qmatrix::QBits;
-use crate::kernels::Weight;
+use crate::kernels::{Kv, Weight};
+use crate::memory::{alloc_device_exact, DeviceArena, DeviceMemory};
 use cudarc::cublas::sys::cublasOperation_t;
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 use std::collections::HashMap;
@@ -135,9 +142,28 @@ struct WeightKey {
     len: usize,
 }
 
+/// The device memory of one cached weight, dense f32.
+enum Slot {
+    /// From the driver's memory pool; freed when the weight leaves the cache.
+    Pool(CudaSlice<f32>),
+    /// A region of the weight arena; kept (and written again) when the weight is cleared.
+    Arena(Box<dyn DeviceMemory>),
+}
+
+impl Slot {
+    fn floats(&self) -> usize {
+        match self {
+            Slot::Pool(s) => s.len(),
+            Slot::Arena(m) => m.size() / 4,
+        }
+    }
+}
+
 struct CachedWeight {
     fingerprint: u64,
-    data: Arc<CudaSlice<f32>>,
+    /// Whether the slot holds the weight's values (false after a clear kept an arena slot).
+    fresh: bool,
+    slot: Arc<Slot>,
 }
 
 /// A hash of the length and 64 evenly spaced 32-bit words of each of `parts` (all of them when
@@ -158,12 +184,19 @@ fn fingerprint(parts: &[&[u8]]) -> u64 {
     h.finish()
 }
 
+/// The weight cache and where its slots come from.
+#[derive(Default)]
+struct WeightCache {
+    entries: HashMap<WeightKey, CachedWeight>,
+    arena: Option<Arc<dyn DeviceArena>>,
+}
+
 struct Inner {
     ordinal: usize,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     k: Kernels,
-    weights: Mutex<HashMap<WeightKey, CachedWeight>>,
+    weights: Mutex<WeightCache>,
 }
 
 /// Kernels on CUDA device `ordinal`, taking and returning host tensors (see the module docs
@@ -177,7 +210,7 @@ impl fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CudaBackend")
             .field("ordinal", &self.inner.ordinal)
-            .field("cached_weights", &self.cache().len())
+            .field("cached_weights", &self.cache().entries.len())
             .finish()
     }
 }
@@ -239,7 +272,7 @@ impl CudaBackend {
             attention: f("attention")?,
         };
         tracing::debug!(ordinal, "cuda backend ready");
-        let inner = Inner { ordinal, stream, blas, k, weights: Mutex::new(HashMap::new()) };
+        let inner = Inner { ordinal, stream, blas, k, weights: Mutex::default() };
         Ok(CudaBackend { inner: Arc::new(inner) })
     }
 
@@ -248,31 +281,60 @@ impl CudaBackend {
         self.inner.ordinal
     }
 
-    /// Drops every cached device copy of a weight (the next use uploads it again). Needed
-    /// after weights change in place; weights that move to new buffers are re-uploaded anyway.
+    /// Keeps the device copies of weights in memory from `arena` from now on (regions of
+    /// exactly a weight's f32 size, one per weight, never returned): the weights cached so far
+    /// are dropped and uploaded there at their next use.
+    pub fn keep_weights_in(&self, arena: Arc<dyn DeviceArena>) {
+        let mut cache = self.cache();
+        cache.entries.clear();
+        cache.arena = Some(arena);
+        drop(cache);
+        self.wait_for_frees();
+    }
+
+    /// Forgets the device values of every cached weight: the next use of a weight uploads it
+    /// again. Needed after weights change in place, and when the arena's memory was unmapped
+    /// (a sleep); weights that move to new host buffers are uploaded again anyway.
     ///
-    /// The device copies are freed on the backend's stream, into the driver's memory pool; its
-    /// default release threshold (0) gives the memory back to the device at the next
-    /// synchronization, done here, so a sleep's NVML reading sees it.
+    /// Copies in pool memory are freed, on the backend's stream, into the driver's memory
+    /// pool; its default release threshold (0) gives the memory back to the device at the
+    /// next synchronization, done here, so a sleep's NVML reading sees it. Copies in arena
+    /// memory keep their regions (the arena's owner releases those).
     pub fn clear_weight_cache(&self) {
-        self.cache().clear();
+        let mut cache = self.cache();
+        cache.entries.retain(|_, w| matches!(*w.slot, Slot::Arena(_)));
+        cache.entries.values_mut().for_each(|w| w.fresh = false);
+        drop(cache);
+        self.wait_for_frees();
+    }
+
+    fn wait_for_frees(&self) {
         if let Err(e) = self.stream().synchronize() {
             tracing::warn!("cuda:{}: waiting for freed weights: {e}", self.inner.ordinal);
         }
     }
 
-    /// Device bytes held by cached weights.
+    /// Device bytes held by cached weights (arena regions included).
     pub fn cached_weight_bytes(&self) -> usize {
-        self.cache().values().map(|w| w.data.num_bytes()).sum()
+        self.cache().entries.values().map(|w| 4 * w.slot.floats()).sum()
     }
 
-    fn cache(&self) -> std::sync::MutexGuard<'_, HashMap<WeightKey, CachedWeight>> {
+    fn cache(&self) -> std::sync::MutexGuard<'_, WeightCache> {
         // The map stays consistent even if a holder panicked: entries are inserted whole.
         self.inner.weights.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn stream(&self) -> &Arc<CudaStream> {
         &self.inner.stream
+    }
+
+    /// Makes the backend's context current on this thread, for the raw driver and cuBLAS
+    /// calls (the safe API binds it itself).
+    fn bind(&self, op: &str) -> Result<()> {
+        self.stream()
+            .context()
+            .bind_to_thread()
+            .or_unavailable(|| format!("{op}: binding the context"))
     }
 
     /// A device copy of `host`.
@@ -292,9 +354,55 @@ impl CudaBackend {
         stream.synchronize().or_unavailable(|| format!("{op}: waiting for the device"))
     }
 
+    /// The device address of `s`, for raw calls on the backend's stream. The slice must
+    /// outlive the work queued with the address (every op ends by synchronizing the stream).
+    fn addr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        s.device_ptr(self.stream()).0
+    }
+
+    /// The device address of a weight slot; see [`CudaBackend::addr`].
+    fn slot_addr(&self, slot: &Slot) -> u64 {
+        match slot {
+            Slot::Pool(s) => self.addr(s),
+            Slot::Arena(m) => m.device_ptr(),
+        }
+    }
+
+    /// Copies `src` to device address `dst` and waits for the copy.
+    ///
+    /// # Safety
+    /// `dst..dst + 4·src.len()` is device memory of this backend's context that nothing else
+    /// uses while the copy runs.
+    unsafe fn copy_to_addr(&self, op: &str, dst: u64, src: &[f32]) -> Result<()> {
+        self.bind(op)?;
+        let stream = self.stream();
+        // SAFETY: the caller vouches for the destination; `src` is a live host slice and the
+        // stream is synchronized before it can be dropped.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, stream.cu_stream()) }
+            .or_unavailable(|| format!("{op}: copying {} floats to the device", src.len()))?;
+        stream.synchronize().or_unavailable(|| format!("{op}: waiting for the device"))
+    }
+
+    /// Copies `src` into device memory `dst` from its `offset`-th f32 on (the caller checked
+    /// that they fit).
+    pub(crate) fn write_device(
+        &self,
+        dst: &dyn DeviceMemory,
+        offset: usize,
+        src: &[f32],
+    ) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        debug_assert!(4 * (offset + src.len()) <= dst.size());
+        // SAFETY: `DeviceMemory` promises `dst` is mapped memory of this device while kernels
+        // may run; the range lies inside it (checked by the caller).
+        unsafe { self.copy_to_addr("kv cache append", dst.device_ptr() + 4 * offset as u64, src) }
+    }
+
     /// The device copy of `w` as dense f32 `[rows, cols]`, uploading (and dequantizing) it on
-    /// first use.
-    fn weight(&self, op: &str, w: &Weight) -> Result<Arc<CudaSlice<f32>>> {
+    /// first use, or again after a clear.
+    fn weight(&self, op: &str, w: &Weight) -> Result<Arc<Slot>> {
         let (key, print) = match w {
             Weight::F32(t) => {
                 let bytes: &[u8] = bytemuck::cast_slice(t.data());
@@ -312,24 +420,39 @@ impl CudaBackend {
         };
         // Held through the upload, so two threads never upload the same weight twice.
         let mut cache = self.cache();
-        if let Some(hit) = cache.get(&key).filter(|c| c.fingerprint == print) {
-            return Ok(hit.data.clone());
+        if let Some(hit) = cache.entries.get(&key).filter(|c| c.fresh && c.fingerprint == print) {
+            return Ok(hit.slot.clone());
         }
-        let data = Arc::new(match w {
-            Weight::F32(t) => self.upload(op, t.data())?,
-            Weight::Quant(q) => self.dequantize(op, q)?,
-        });
-        cache.insert(key, CachedWeight { fingerprint: print, data: data.clone() });
-        Ok(data)
+        let (rows, cols) = w.dims();
+        let floats = (rows * cols).max(1);
+        // A cleared weight is written into the region it had, so its address does not change.
+        let slot = match cache.entries.remove(&key) {
+            Some(old) if old.slot.floats() == floats => old.slot,
+            _ => Arc::new(match &cache.arena {
+                Some(arena) => Slot::Arena(alloc_device_exact(arena.as_ref(), 4 * floats)?),
+                None => Slot::Pool(self.zeros(op, floats)?),
+            }),
+        };
+        let dst = self.slot_addr(&slot);
+        match w {
+            // SAFETY: the slot holds `floats` >= rows·cols floats of this device, and is used
+            // by no one else while the cache's lock is held.
+            Weight::F32(t) => unsafe { self.copy_to_addr(op, dst, t.data())? },
+            Weight::Quant(q) => self.dequantize(op, q, dst)?,
+        }
+        cache
+            .entries
+            .insert(key, CachedWeight { fingerprint: print, fresh: true, slot: slot.clone() });
+        Ok(slot)
     }
 
-    /// Uploads a quantized matrix and expands it to f32 on the device.
-    fn dequantize(&self, op: &str, q: &crate::kernels::QMatrix) -> Result<CudaSlice<f32>> {
+    /// Uploads a quantized matrix and expands it to f32 on the device at address `out`, which
+    /// holds at least rows·cols floats.
+    fn dequantize(&self, op: &str, q: &crate::kernels::QMatrix, out: u64) -> Result<()> {
         let (rows, cols) = q.dims();
         let n = rows * cols;
-        let mut out = self.zeros(op, n.max(1))?;
         if n == 0 {
-            return Ok(out);
+            return Ok(());
         }
         let (scales, mins, qs) = q.parts();
         let four_bit = i32::from(q.bits() == QBits::Four);
@@ -340,13 +463,15 @@ impl CudaBackend {
         let n64 = n as u64;
         let cfg = elementwise(op, n)?;
         let mut b = self.stream().launch_builder(&self.inner.k.dequantize);
-        b.arg(&scales).arg(&mins).arg(&qs).arg(&mut out).arg(&n64).arg(&four_bit);
+        b.arg(&scales).arg(&mins).arg(&qs).arg(&out).arg(&n64).arg(&four_bit);
         // SAFETY: the arguments match `dequantize(const float*, const float*, const unsigned
         // char*, float*, u64, int)`. For n = rows·cols elements it reads n/32 scales, n/32
         // minimums (4-bit only), n (8-bit) or n/2 (4-bit) quant bytes, and writes n floats:
-        // exactly the lengths of the buffers uploaded from a well-formed `QMatrix`.
+        // exactly the lengths of the buffers uploaded from a well-formed `QMatrix`, and at
+        // most what `out` holds (the caller's promise).
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{op}: launching dequantize"))?;
-        Ok(out)
+        // The uploaded parts are freed on return: wait until the kernel has read them.
+        self.stream().synchronize().or_unavailable(|| format!("{op}: waiting for dequantize"))
     }
 
     /// `out[m, n] = x[m, k] · wᵀ` (`w` of `[n, k]`) with cuBLAS sgemm.
@@ -368,24 +493,37 @@ impl CudaBackend {
         // cuBLAS is column-major. Row-major out[m, n] is column-major outᵀ[n, m] = W·xᵀ, where
         // the row-major weight buffer read column-major is Wᵀ[k, n] (so transpose it back) and
         // the row-major x buffer is xᵀ[k, m] as it stands.
-        let cfg = GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_T,
-            transb: cublasOperation_t::CUBLAS_OP_N,
-            m: int(OP, "out_features", n)?,
-            n: int(OP, "rows", m)?,
-            k: int(OP, "in_features", k)?,
-            alpha: 1.0f32,
-            lda: int(OP, "in_features", k)?,
-            ldb: int(OP, "in_features", k)?,
-            beta: 0.0f32,
-            ldc: int(OP, "out_features", n)?,
-        };
-        // SAFETY: with these dimensions sgemm reads n·k floats of the weight (lda = k,
-        // transposed), k·m of x (ldb = k) and writes n·m of out (ldc = n); the weight buffer
-        // holds the n·k values of `w`, x and out were allocated with m·k and m·n. beta = 0, so
-        // out's prior contents are not read.
-        unsafe { self.inner.blas.gemm(cfg, &*wd, &xd, &mut od) }
-            .or_unavailable(|| format!("{OP}: sgemm {m}x{k} by {k}x{n}"))?;
+        let (rows, cols, inner) =
+            (int(OP, "out_features", n)?, int(OP, "rows", m)?, int(OP, "in_features", k)?);
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (wp, xp) = (self.slot_addr(&wd), self.addr(&xd));
+        let (out_ptr, record) = od.device_ptr_mut(self.stream());
+        self.bind(OP)?;
+        // SAFETY: the handle was created on this backend's stream and context (bound above).
+        // With these dimensions sgemm reads n·k floats of the weight (lda = k, transposed),
+        // k·m of x (ldb = k) and writes n·m of out (ldc = n); the weight slot holds the n·k
+        // values of `w`, x and out were allocated with m·k and m·n floats and live until the
+        // download below has synchronized the stream. beta = 0, so out is not read.
+        unsafe {
+            cudarc::cublas::result::sgemm(
+                *self.inner.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                rows,
+                cols,
+                inner,
+                &alpha,
+                wp as *const f32,
+                inner,
+                xp as *const f32,
+                inner,
+                &beta,
+                out_ptr as *mut f32,
+                rows,
+            )
+        }
+        .or_unavailable(|| format!("{OP}: sgemm {m}x{k} by {k}x{n}"))?;
+        drop(record);
         self.download(OP, &od, out)
     }
 
@@ -460,8 +598,7 @@ impl CudaBackend {
         &self,
         q: &[f32],
         q_pos: &[usize],
-        k: &[f32],
-        v: &[f32],
+        kv: Kv<'_>,
         kv_pos: &[usize],
         shape: AttnShape,
         out: &mut [f32],
@@ -487,8 +624,15 @@ impl CudaBackend {
         let to_u64 = |p: &[usize]| p.iter().map(|&x| x as u64).collect::<Vec<u64>>();
         let qd = self.upload(OP, q)?;
         let qpd = self.upload(OP, &to_u64(q_pos))?;
-        let kd = self.upload(OP, k)?;
-        let vd = self.upload(OP, v)?;
+        // Host keys and values are uploaded for this call; a device cache is read in place.
+        let mut staged = None;
+        let (kp, vp) = match kv {
+            Kv::Host { k, v } => {
+                let (kd, vd) = staged.insert((self.upload(OP, k)?, self.upload(OP, v)?));
+                (self.addr(kd), self.addr(vd))
+            }
+            Kv::Device { k, v } => (k.device_ptr(), v.device_ptr()),
+        };
         let kpd = self.upload(OP, &to_u64(kv_pos))?;
         let mut od = self.zeros(OP, q.len())?;
         let mut ld = self.zeros(OP, rows)?;
@@ -502,7 +646,7 @@ impl CudaBackend {
         let scale = 1.0 / (head_dim as f32).sqrt();
         let cfg = per_row(OP, rows, ATTN_BLOCK)?;
         let mut b = self.stream().launch_builder(&self.inner.k.attention);
-        b.arg(&qd).arg(&qpd).arg(&kd).arg(&vd).arg(&kpd);
+        b.arg(&qd).arg(&qpd).arg(&kp).arg(&vp).arg(&kpd);
         for a in &args {
             b.arg(a);
         }
@@ -511,8 +655,10 @@ impl CudaBackend {
         // const float*, const u64*, int, int, int, int, float, float*, float*)`. Block r
         // (query token r / q_heads) reads q_pos and row r of q (head_dim floats), all n_kv key
         // positions and head g of every key and value row, and writes row r of out and
-        // lse[r]. The caller checked q holds q_pos.len()·q_heads·head_dim floats, k and v
-        // kv_pos.len()·kv_heads·head_dim, q_heads a multiple of kv_heads (so g < kv_heads);
+        // lse[r]. The caller checked q holds q_pos.len()·q_heads·head_dim floats, k and v at
+        // least kv_pos.len()·kv_heads·head_dim (staged ones live until the download below
+        // synchronizes; a device cache is mapped while steps run, as `DeviceMemory`
+        // promises), q_heads a multiple of kv_heads (so g < kv_heads);
         // head_dim <= 512 fits the kernel's per-thread output slots and shared query copy.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
         self.download(OP, &od, out)?;
@@ -576,12 +722,13 @@ impl CudaBackend {
             return Ok(());
         }
         let td = self.weight(OP, table)?;
+        let table_ptr = self.slot_addr(&td);
         let idd = self.upload(OP, ids)?;
         let mut od = self.zeros(OP, ids.len() * dim)?;
         let args = [int(OP, "tokens", ids.len())?, int(OP, "dim", dim)?];
         let cfg = elementwise(OP, ids.len() * dim)?;
         let mut b = self.stream().launch_builder(&self.inner.k.embedding);
-        b.arg(&*td).arg(&idd).arg(&mut od).arg(&args[0]).arg(&args[1]);
+        b.arg(&table_ptr).arg(&idd).arg(&mut od).arg(&args[0]).arg(&args[1]);
         // SAFETY: the arguments match `embedding(const float*, const unsigned int*, float*,
         // int, int)`; element (r, c) reads ids[r] and table[ids[r]·dim + c], and the caller
         // checked every id is below the table's row count; out holds ids.len()·dim floats.
@@ -611,6 +758,103 @@ impl CudaBackend {
         let mut idx = vec![0u32; rows];
         self.download(OP, &od, &mut idx)?;
         Ok(idx.into_iter().map(|i| i as usize).collect())
+    }
+}
+
+/// A [`DeviceArena`] of driver-pool memory: one buffer carved front to back, for a KV cache
+/// or weights that never sleep (tests; callers without `vmm`). Regions keep the buffer alive.
+pub struct PoolArena {
+    buf: Arc<CudaSlice<u8>>,
+    base: u64,
+    next: Mutex<usize>,
+}
+
+impl fmt::Debug for PoolArena {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PoolArena").field("bytes", &self.buf.len()).finish_non_exhaustive()
+    }
+}
+
+/// A region of a [`PoolArena`].
+#[derive(Debug)]
+struct PoolRegion {
+    _buf: Arc<PoolBuf>,
+    ptr: u64,
+    bytes: usize,
+}
+
+/// Keeps a pool buffer alive for its regions (a newtype, so it can be `Debug`).
+struct PoolBuf(#[allow(dead_code)] Arc<CudaSlice<u8>>);
+
+impl fmt::Debug for PoolBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("PoolBuf")
+    }
+}
+
+impl DeviceMemory for PoolRegion {
+    fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn size(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl PoolArena {
+    /// `bytes` bytes of zeroed device memory on `backend`'s device.
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`] when the device is out of memory.
+    pub fn new(backend: &CudaBackend, bytes: usize) -> Result<PoolArena> {
+        let buf = backend
+            .stream()
+            .alloc_zeros::<u8>(bytes.max(1))
+            .or_unavailable(|| format!("device arena: allocating {bytes} bytes"))?;
+        let base = backend.addr(&buf);
+        Ok(PoolArena { buf: Arc::new(buf), base, next: Mutex::new(0) })
+    }
+}
+
+#[cfg(test)]
+impl PoolArena {
+    /// Overwrites every byte with `value`, as a lost mapping would (tests).
+    pub(crate) fn scribble(&self, backend: &CudaBackend, value: u8) {
+        backend.bind("scribble").unwrap();
+        let stream = backend.stream();
+        // SAFETY: the range is exactly the arena's buffer, alive while `self` is.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                self.base,
+                value,
+                self.buf.len(),
+                stream.cu_stream(),
+            )
+        }
+        .unwrap();
+        stream.synchronize().unwrap();
+    }
+}
+
+impl DeviceArena for PoolArena {
+    fn alloc_device(&self, bytes: usize) -> Result<Box<dyn DeviceMemory>> {
+        let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
+        let offset = next.next_multiple_of(crate::memory::ALIGN);
+        let end = offset.checked_add(bytes).filter(|&e| e <= self.buf.len());
+        let Some(end) = end else {
+            return Err(Error::Arena {
+                bytes,
+                source: format!(
+                    "the device arena has {} of {} bytes left",
+                    self.buf.len() - offset.min(self.buf.len()),
+                    self.buf.len()
+                )
+                .into(),
+            });
+        };
+        *next = end;
+        let keep = Arc::new(PoolBuf(self.buf.clone()));
+        Ok(Box::new(PoolRegion { _buf: keep, ptr: self.base + offset as u64, bytes }))
     }
 }
 

@@ -10,12 +10,12 @@
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
-pub use device::CudaBackend;
+pub use device::{CudaBackend, PoolArena};
 
 #[cfg(not(feature = "cuda"))]
 mod stub;
 #[cfg(not(feature = "cuda"))]
-pub use stub::CudaBackend;
+pub use stub::{CudaBackend, PoolArena};
 
 #[cfg(test)]
 mod tests;

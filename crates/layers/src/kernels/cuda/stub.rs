@@ -2,8 +2,10 @@
 //! exist only so that the dispatch in `Backend` compiles unchanged.
 
 use crate::error::{Error, Result};
-use crate::kernels::{AttnShape, Weight};
+use crate::kernels::{AttnShape, Kv, Weight};
+use crate::memory::{DeviceArena, DeviceMemory};
 use std::convert::Infallible;
+use std::sync::Arc;
 
 /// The CUDA backend, not compiled into this build (enable feature `cuda`).
 #[derive(Clone, Debug)]
@@ -28,6 +30,11 @@ impl CudaBackend {
 
     /// Drops every cached device copy of a weight.
     pub fn clear_weight_cache(&self) {
+        match self.never {}
+    }
+
+    /// Keeps the device copies of weights in memory from `arena`.
+    pub fn keep_weights_in(&self, _arena: Arc<dyn DeviceArena>) {
         match self.never {}
     }
 
@@ -70,12 +77,20 @@ impl CudaBackend {
         &self,
         _q: &[f32],
         _q_pos: &[usize],
-        _k: &[f32],
-        _v: &[f32],
+        _kv: Kv<'_>,
         _kv_pos: &[usize],
         _shape: AttnShape,
         _out: &mut [f32],
         _lse: Option<&mut [f32]>,
+    ) -> Result<()> {
+        match self.never {}
+    }
+
+    pub(crate) fn write_device(
+        &self,
+        _dst: &dyn DeviceMemory,
+        _offset: usize,
+        _src: &[f32],
     ) -> Result<()> {
         match self.never {}
     }
@@ -97,6 +112,35 @@ impl CudaBackend {
     }
 
     pub(crate) fn argmax_rows(&self, _x: &[f32], _rows: usize) -> Result<Vec<usize>> {
+        match self.never {}
+    }
+}
+
+/// A device arena in the driver's memory pool, not compiled into this build.
+#[derive(Debug)]
+pub struct PoolArena {
+    never: Infallible,
+}
+
+impl PoolArena {
+    /// Cannot be called: no [`CudaBackend`] exists in this build.
+    ///
+    /// # Errors
+    /// Never returns.
+    pub fn new(backend: &CudaBackend, _bytes: usize) -> Result<PoolArena> {
+        match backend.never {}
+    }
+}
+
+#[cfg(test)]
+impl PoolArena {
+    pub(crate) fn scribble(&self, _backend: &CudaBackend, _value: u8) {
+        match self.never {}
+    }
+}
+
+impl DeviceArena for PoolArena {
+    fn alloc_device(&self, _bytes: usize) -> Result<Box<dyn DeviceMemory>> {
         match self.never {}
     }
 }

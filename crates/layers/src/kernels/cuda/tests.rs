@@ -12,7 +12,7 @@ use crate::config::LlamaConfig;
 use crate::error::Error;
 use crate::gguf::GgufFile;
 use crate::kernels::cpu::quant::{quantize, BlockFormat};
-use crate::kernels::{AttnShape, Backend, QMatrix, Weight};
+use crate::kernels::{AttnShape, Backend, Kv, QMatrix, Weight};
 use crate::model::random::RandomLlama;
 use crate::model::{Logits, Model, WeightForm};
 use crate::parallel::{Comms, ParallelModel, Placement};
@@ -220,20 +220,24 @@ fn cuda_attention_matches_cpu_with_log_sum_exp() {
             ((0..n).map(|i| i * 3).collect(), (0..t).map(|j| (j * 37) % (t + 11) + 2).collect()),
         ];
         for (qp, kp) in &layouts {
-            let (want, want_lse) = cpu.attention(&q, qp, &k, &v, kp, shape, true).unwrap();
-            let (got, got_lse) = gpu.attention(&q, qp, &k, &v, kp, shape, true).unwrap();
+            let (want, want_lse) =
+                cpu.attention(&q, qp, Kv::Host { k: &k, v: &v }, kp, shape, true).unwrap();
+            let (got, got_lse) =
+                gpu.attention(&q, qp, Kv::Host { k: &k, v: &v }, kp, shape, true).unwrap();
             assert_eq!(got.shape(), want.shape());
             assert_close(got.data(), want.data(), 1e-4);
             assert_close(got_lse.unwrap().data(), want_lse.unwrap().data(), 1e-4);
-            let (plain, none) = gpu.attention(&q, qp, &k, &v, kp, shape, false).unwrap();
+            let (plain, none) =
+                gpu.attention(&q, qp, Kv::Host { k: &k, v: &v }, kp, shape, false).unwrap();
             assert!(none.is_none());
             assert_eq!(plain.data(), got.data());
         }
     }
     // No keys at all: zeros and -inf.
     let shape = AttnShape { q_heads: 2, kv_heads: 1, head_dim: 8 };
-    let (out, lse) =
-        gpu.attention(&tensor(&[1, 2, 8], 1), &[4], &[], &[], &[], shape, true).unwrap();
+    let (out, lse) = gpu
+        .attention(&tensor(&[1, 2, 8], 1), &[4], Kv::Host { k: &[], v: &[] }, &[], shape, true)
+        .unwrap();
     assert_eq!(out.data(), &[0.0; 16]);
     assert_eq!(lse.unwrap().data(), &[f32::NEG_INFINITY; 2]);
 }
@@ -351,5 +355,111 @@ fn cuda_parallel_model_on_a_tp2_cp2_mesh_matches_cpu() {
     for (rank, tokens) in got.iter().enumerate() {
         assert_eq!(tokens, &want, "rank {rank}");
     }
+    std::fs::remove_file(path).unwrap();
+}
+
+/// The CUDA backend of `be` (the tests only call this with one).
+fn cuda_of(be: &Backend) -> &crate::kernels::CudaBackend {
+    match be {
+        Backend::Cuda(c) => c,
+        Backend::Cpu(_) => panic!("not the cuda backend"),
+    }
+}
+
+/// `steps` greedy decode steps after `prompt`, returning every step's logits.
+fn decode(
+    model: &ParallelModel,
+    cache: &mut crate::parallel::ParallelCache,
+    prompt: &[u32],
+    steps: usize,
+) -> Vec<Vec<f32>> {
+    let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
+    let mut comms = Comms { tp: &mut tp, cp: &mut cp };
+    let mut tokens = prompt.to_vec();
+    let mut rows = Vec::new();
+    for _ in 0..steps {
+        let out = model.forward(&mut comms, &tokens, cache, Logits::Last).unwrap();
+        let row = out.row(out.rows() - 1).to_vec();
+        let next = row.iter().enumerate().fold(0, |b, (i, &x)| if x > row[b] { i } else { b });
+        tokens = vec![next as u32];
+        rows.push(row);
+    }
+    rows
+}
+
+/// A KV cache in device memory is appended to and read in place; the logits are bit for bit
+/// those of a host cache (uploaded per call) on the same GPU, over prefill and decode.
+#[test]
+fn cuda_device_kv_cache_gives_the_host_cache_logits() {
+    let Some(gpu) = gpu() else { return };
+    let path = temp_path("cuda-device-kv.gguf");
+    RandomLlama { quantized: true, seed: 5, ..Default::default() }.write(&path).unwrap();
+    let model = ParallelModel::load_on(
+        &path,
+        Placement::single(),
+        gpu.clone(),
+        WeightForm::Native,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let arena = crate::kernels::PoolArena::new(cuda_of(&gpu), model.cache_bytes(32)).unwrap();
+    let mut device = model.new_cache_on_device(32, &arena).unwrap();
+    let mut host = model.new_cache(32);
+    let prompt = [3u32, 17, 5, 38, 0, 22, 9];
+    assert_eq!(decode(&model, &mut device, &prompt, 8), decode(&model, &mut host, &prompt, 8));
+    assert_eq!(device.len(), host.len());
+    // Full means full on the device too, and the failed step leaves it usable.
+    let err = model
+        .forward(
+            &mut Comms {
+                tp: &mut collectives::Solo::new("tp"),
+                cp: &mut collectives::Solo::new("cp"),
+            },
+            &[1u32; 32],
+            &mut device,
+            Logits::Last,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("kv cache full"), "{err}");
+    std::fs::remove_file(path).unwrap();
+}
+
+/// Weights kept in a device arena: the logits match the CPU's; after the arena's memory is
+/// overwritten (as a sleep loses it) a cleared cache writes every weight again into the same
+/// regions (no new device memory) and the logits are bit for bit the first ones, while without
+/// the clear they are wrong (so the overwrite did hit the weights).
+#[test]
+fn cuda_weights_in_an_arena_are_written_again_in_place_after_a_clear() {
+    let Some(gpu) = gpu() else { return };
+    let path = temp_path("cuda-arena-weights.gguf");
+    RandomLlama { quantized: true, seed: 6, ..Default::default() }.write(&path).unwrap();
+    let cuda = cuda_of(&gpu).clone();
+    let arena = std::sync::Arc::new(crate::kernels::PoolArena::new(&cuda, 64 << 20).unwrap());
+    cuda.keep_weights_in(arena.clone());
+    let model = ParallelModel::load_on(
+        &path,
+        Placement::single(),
+        gpu.clone(),
+        WeightForm::Native,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let cpu = ParallelModel::load(&path, Placement::single(), 1, WeightForm::F32).unwrap();
+    let prompt = [3u32, 17, 5, 38, 0, 22, 9];
+    let first = decode(&model, &mut model.new_cache(32), &prompt, 4);
+    let want = decode(&cpu, &mut cpu.new_cache(32), &prompt, 4);
+    for (got, want) in first.iter().zip(&want) {
+        assert_rel(got, want, 1e-3, "arena weights");
+    }
+    let held = cuda.cached_weight_bytes();
+    assert!(held > 0);
+
+    arena.scribble(&cuda, 0x7f);
+    let stale = decode(&model, &mut model.new_cache(32), &prompt, 1);
+    assert_ne!(stale[0], first[0], "overwriting the arena did not change the weights");
+    cuda.clear_weight_cache();
+    assert_eq!(cuda.cached_weight_bytes(), held, "arena regions are kept by a clear");
+    assert_eq!(decode(&model, &mut model.new_cache(32), &prompt, 4), first);
+    assert_eq!(cuda.cached_weight_bytes(), held, "the weights went back into their regions");
     std::fs::remove_file(path).unwrap();
 }
