@@ -7,8 +7,10 @@
 //! major); when such libraries are found under Python's `nvidia` packages, a folder with
 //! unversioned links to them, and their own folders, are put on `LD_LIBRARY_PATH` first.
 //!
-//! After the tests, one benchmark line: the default model's prefill and decode tokens/s on the
-//! GPU next to the CPU, one rank each, from `tpctl run`'s summary.
+//! After the tests, the benchmarks: the default model's prefill and decode tokens/s on the GPU
+//! next to the CPU, one rank each, from `tpctl run`'s summary; and NCCL all-reduce bus
+//! bandwidth on device buffers with nccl-tests' formula (the `nccl` bench of
+//! `tpctl-collectives`, one rank per GPU; it says it skipped on a machine with one GPU).
 
 use crate::util::{self, cargo, root};
 use anyhow::Result;
@@ -30,7 +32,14 @@ pub(crate) fn run(_args: &[String]) -> Result<()> {
         cmd.env("LD_LIBRARY_PATH", paths);
     }
     util::run(&mut cmd)?;
-    benchmark_line(&model, library_path.as_deref())
+    benchmark_line(&model, library_path.as_deref())?;
+    let mut bench = cargo();
+    bench.args(["bench", "--quiet", "-p", "tpctl-collectives", "--features", "cuda"]);
+    bench.args(["--bench", "nccl"]);
+    if let Some(paths) = &library_path {
+        bench.env("LD_LIBRARY_PATH", paths);
+    }
+    util::run(&mut bench)
 }
 
 /// Libraries cudarc loads at run time that the PyPI packages ship under other names.

@@ -76,7 +76,7 @@ pub fn run() -> Result<()> {
         ..InitOptions::default()
     };
     let ctx = init_parallel_with(rv, &opts).context("joining the other ranks")?;
-    let memory = model_memory(&spec)?;
+    let memory = model_memory(&spec, &compute)?;
     let form = if spec.native_weights { WeightForm::Native } else { WeightForm::F32 };
     let factory = Box::new(
         ShardedFactory::new(spec.threads)
@@ -299,15 +299,20 @@ fn compute_backend(spec: &RankSpec, rv: &mesh::Rendezvous) -> Result<Backend> {
     }
 }
 
-/// Where this rank's weights and KV caches live: host memory the deployment can sleep.
-fn model_memory(spec: &RankSpec) -> Result<ModelMemory> {
+/// Where this rank's weights and KV caches live: host memory the deployment can sleep, plus
+/// the GPU's memory (KV caches, device copies of the weights) when the kernels run there.
+fn model_memory(spec: &RankSpec, compute: &Backend) -> Result<ModelMemory> {
     let spill = spec.sleep.values().find_map(|p| p.spill_dir.clone());
-    ModelMemory::host(
+    let memory = ModelMemory::host(
         spill,
         restore(spec, "weights", Restore::Reload),
         restore(spec, "kv_cache", Restore::Discard),
     )
-    .map_err(|e| anyhow::anyhow!("sleep policy: {e}"))
+    .map_err(|e| anyhow::anyhow!("sleep policy: {e}"))?;
+    match compute.device() {
+        layers::Device::Cuda(ordinal) => memory.with_device(ordinal).map_err(anyhow::Error::msg),
+        _ => Ok(memory),
+    }
 }
 
 /// Starts this rank's end of the sleep/wakeup control plane, collectively, before any engine

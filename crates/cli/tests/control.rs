@@ -59,6 +59,7 @@ impl RankMemory for FakeMemory {
                     tag: t.clone(),
                     allocations: usize::from(moved),
                     bytes: if moved { MIB } else { 0 },
+                    device_bytes: if moved && self.gpu { MIB } else { 0 },
                     copied_bytes: 0,
                     elapsed_us: 250,
                 }
@@ -76,6 +77,7 @@ impl RankMemory for FakeMemory {
                     tag: t.clone(),
                     allocations: usize::from(moved),
                     bytes: if moved { MIB } else { 0 },
+                    device_bytes: if moved && self.gpu { MIB } else { 0 },
                     copied_bytes: 0,
                     elapsed_us: 1500,
                 }

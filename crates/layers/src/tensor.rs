@@ -27,7 +27,7 @@ pub enum Device {
     /// Host memory.
     #[default]
     Cpu,
-    /// A CUDA device by ordinal (needs feature `cuda`; no kernels yet).
+    /// A CUDA device by ordinal (needs feature `cuda`).
     Cuda(usize),
 }
 

@@ -12,10 +12,18 @@
 //!   receipt reports are bytes the rank really held. [`Restore::Discard`] (the default) makes
 //!   the engine recompute paused sequences after the wakeup (see [`crate::Gate`]).
 //!
-//! Access to this memory is unchecked (plain slices, as kernels need): the engine's gate
-//! guarantees that no step runs while it is released.
+//! - On a GPU ([`ModelMemory::with_device`]), a second manager holds device memory under the
+//!   same tags: the device copies of the weights (the CUDA backend's weight cache, in chunks
+//!   of [`WEIGHT_CHUNK`]; discarded by a sleep and written again from the host weights at
+//!   their next use, at the same addresses) and the KV caches themselves (one device
+//!   allocation per sequence, read in place by attention). Receipts count both, and say which
+//!   bytes were device memory.
+//!
+//! Access to this memory is unchecked (plain slices and device addresses, as kernels need):
+//! the engine's gate guarantees that no step runs while it is released.
 
 use crate::sleep::{MemoryError, Probe, RankMemory, TagReceipt, VmmMemory};
+use layers::kernels::Backend;
 use layers::model::WeightForm;
 use layers::parallel::{ParallelCache, ParallelModel, Placement};
 use layers::tensor::ExternalMemory;
@@ -54,10 +62,16 @@ impl Restore {
     }
 }
 
-/// The memory of one rank's model: the vmm manager and the restore policy per tag.
+/// The size of the device allocations that hold the weights' device copies (a weight larger
+/// than this gets an allocation of its own size).
+pub const WEIGHT_CHUNK: usize = 64 << 20;
+
+/// The memory of one rank's model: the vmm manager (and, on a GPU, the device one) and the
+/// restore policy per tag.
 #[derive(Clone, Debug)]
 pub struct ModelMemory {
     manager: Arc<vmm::Manager>,
+    device: Option<Arc<vmm::Manager>>,
     weights: Restore,
     kv_cache: Restore,
     /// The policy of every KV-cache allocation.
@@ -81,7 +95,36 @@ impl ModelMemory {
         for tag in [vmm::Tag::WEIGHTS, vmm::Tag::KV_CACHE] {
             manager.define_tag(tag).map_err(|e| e.to_string())?;
         }
-        Ok(ModelMemory { manager, weights, kv_cache, kv_policy })
+        Ok(ModelMemory { manager, device: None, weights, kv_cache, kv_policy })
+    }
+
+    /// Adds the device memory of CUDA device `ordinal`: models computing there keep their KV
+    /// caches and their weights' device copies in it (see the module docs).
+    ///
+    /// # Errors
+    /// The device manager cannot be built (no CUDA driver, no such device, a build without
+    /// feature `cuda`).
+    pub fn with_device(mut self, ordinal: usize) -> Result<ModelMemory, String> {
+        let manager = vmm::Manager::builder()
+            .backend(vmm::BackendKind::Cuda { device: ordinal })
+            .spill_dir(self.manager.spill_dir())
+            .build()
+            .map_err(|e| format!("device memory on cuda:{ordinal}: {e}"))?;
+        for tag in [vmm::Tag::WEIGHTS, vmm::Tag::KV_CACHE] {
+            manager.define_tag(tag).map_err(|e| e.to_string())?;
+        }
+        self.device = Some(Arc::new(manager));
+        Ok(self)
+    }
+
+    /// The device manager, when the model computes on a GPU.
+    pub fn device_manager(&self) -> Option<&Arc<vmm::Manager>> {
+        self.device.as_ref()
+    }
+
+    /// The device manager when `backend` computes on the GPU it allocates on.
+    fn device_for(&self, backend: &Backend) -> Option<&Arc<vmm::Manager>> {
+        matches!(backend, Backend::Cuda(_)).then_some(self.device.as_ref()).flatten()
     }
 
     /// Host memory (a CPU manager spilling backups to `spill_dir`, default
@@ -144,6 +187,17 @@ impl ModelMemory {
         model.move_weights_to(&arena).map_err(|e| format!("moving the weights: {e}"))?;
         // The heap copies are gone; give their pages back rather than keep them resident.
         vmm::trim_heap();
+        if let (Some(device), Backend::Cuda(gpu)) =
+            (self.device_for(model.backend()), model.backend())
+        {
+            // Derived from the host weights, so a wakeup need not restore them.
+            gpu.keep_weights_in(Arc::new(VmmDeviceArena::new(
+                device.clone(),
+                vmm::Tag::WEIGHTS,
+                vmm::Policy::Discard,
+                WEIGHT_CHUNK,
+            )));
+        }
         Ok(())
     }
 
@@ -158,6 +212,16 @@ impl ModelMemory {
         capacity: usize,
     ) -> Result<ParallelCache, String> {
         let bytes = model.cache_bytes(capacity);
+        if let Some(device) = self.device_for(model.backend()) {
+            // One allocation of exactly the cache's size (allocated zeroed and mapped).
+            let arena = VmmDeviceArena::new(
+                device.clone(),
+                vmm::Tag::KV_CACHE,
+                self.kv_policy.clone(),
+                bytes,
+            );
+            return model.new_cache_on_device(capacity, &arena).map_err(|e| e.to_string());
+        }
         let alloc = self
             .manager
             .allocate(vmm::Tag::KV_CACHE, bytes, self.kv_policy.clone())
@@ -168,59 +232,88 @@ impl ModelMemory {
     }
 }
 
-/// The control plane's view of one rank's model memory ([`RankMemory`]): the tagged
-/// allocations and, when the kernels run on a GPU, the device copies of the weights, dropped
-/// with a sleep of `weights` (the backend uploads them again at first use after the wakeup)
-/// and read through NVML in the probes.
+/// The control plane's view of one rank's model memory ([`RankMemory`]): the tagged host
+/// allocations and, on a GPU, the device ones, with NVML's reading of the device in the probes.
+/// A sleep of `weights` also clears the CUDA backend's weight cache, so the device copies are
+/// written again (from the restored host weights) at their next use.
 pub struct ModelRankMemory {
-    vmm: VmmMemory,
-    backend: layers::kernels::Backend,
+    host: VmmMemory,
+    device: Option<VmmMemory>,
+    backend: Backend,
 }
 
 impl std::fmt::Debug for ModelRankMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ModelRankMemory")
-            .field("vmm", &self.vmm)
-            .field("device", &self.backend.device())
+            .field("host", &self.host)
+            .field("device", &self.device)
+            .field("backend", &self.backend.device())
             .finish()
     }
 }
 
 impl ModelRankMemory {
     /// The memory of `memory`'s allocations, for a model computing on `backend`.
-    pub fn new(memory: &ModelMemory, backend: layers::kernels::Backend) -> ModelRankMemory {
+    pub fn new(memory: &ModelMemory, backend: Backend) -> ModelRankMemory {
         let manager = memory.manager().clone();
-        let vmm = match backend.device() {
+        let (host, device) = match backend.device() {
             layers::Device::Cuda(ordinal) => {
-                VmmMemory::with_device(manager, u32::try_from(ordinal).unwrap_or(u32::MAX))
+                let index = u32::try_from(ordinal).unwrap_or(u32::MAX);
+                (
+                    VmmMemory::with_device(manager, index),
+                    memory.device.clone().map(|m| VmmMemory::new(m, Some(index))),
+                )
             }
-            _ => VmmMemory::new(manager, None),
+            _ => (VmmMemory::new(manager, None), None),
         };
-        ModelRankMemory { vmm, backend }
+        ModelRankMemory { host, device, backend }
+    }
+}
+
+/// `more` added into `into`, tag by tag (both list the same tags, in the same order).
+fn merge(into: &mut [TagReceipt], more: Vec<TagReceipt>) {
+    for m in more {
+        if let Some(t) = into.iter_mut().find(|t| t.tag == m.tag) {
+            t.allocations += m.allocations;
+            t.bytes += m.bytes;
+            t.device_bytes += m.device_bytes;
+            t.copied_bytes += m.copied_bytes;
+            t.elapsed_us += m.elapsed_us;
+        }
     }
 }
 
 impl RankMemory for ModelRankMemory {
     fn check(&self, tags: &[String]) -> Result<(), String> {
-        self.vmm.check(tags)
+        self.host.check(tags)
     }
 
     fn release(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
-        let receipts = self.vmm.release(tags)?;
         if tags.iter().any(|t| t == vmm::Tag::WEIGHTS.as_str()) {
-            if let layers::kernels::Backend::Cuda(gpu) = &self.backend {
+            if let Backend::Cuda(gpu) = &self.backend {
                 gpu.clear_weight_cache();
             }
+        }
+        let mut receipts = self.host.release(tags)?;
+        if let Some(device) = &self.device {
+            // The host memory is released already: the caller undoes both.
+            let more = device.release(tags).map_err(|e| MemoryError { changed: true, ..e })?;
+            merge(&mut receipts, more);
         }
         Ok(receipts)
     }
 
     fn materialize(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
-        self.vmm.materialize(tags)
+        let mut receipts = self.host.materialize(tags)?;
+        if let Some(device) = &self.device {
+            let more = device.materialize(tags).map_err(|e| MemoryError { changed: true, ..e })?;
+            merge(&mut receipts, more);
+        }
+        Ok(receipts)
     }
 
     fn probe(&self) -> Probe {
-        self.vmm.probe()
+        self.host.probe()
     }
 }
 
@@ -293,6 +386,88 @@ impl ExternalMemory for VmmBytes {
     }
 }
 
+/// A [`layers::DeviceArena`] over device allocations of one tag: regions are cut front to
+/// back from the newest allocation, and a region that does not fit starts a new one of
+/// `chunk` bytes (or its own size, when larger). The allocations live as long as their regions.
+pub struct VmmDeviceArena {
+    manager: Arc<vmm::Manager>,
+    tag: vmm::Tag,
+    policy: vmm::Policy,
+    chunk: usize,
+    /// The newest allocation and the offset of its first free byte.
+    last: Mutex<Option<(Arc<vmm::Allocation>, usize)>>,
+}
+
+impl std::fmt::Debug for VmmDeviceArena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VmmDeviceArena")
+            .field("tag", &self.tag)
+            .field("chunk", &self.chunk)
+            .finish_non_exhaustive()
+    }
+}
+
+impl VmmDeviceArena {
+    /// An arena allocating `tag` memory with `policy` from `manager`, `chunk` bytes at a time.
+    pub fn new(
+        manager: Arc<vmm::Manager>,
+        tag: vmm::Tag,
+        policy: vmm::Policy,
+        chunk: usize,
+    ) -> VmmDeviceArena {
+        VmmDeviceArena { manager, tag, policy, chunk, last: Mutex::new(None) }
+    }
+}
+
+impl layers::DeviceArena for VmmDeviceArena {
+    fn alloc_device(&self, bytes: usize) -> layers::Result<Box<dyn layers::DeviceMemory>> {
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        let fits = |(alloc, next): &(Arc<vmm::Allocation>, usize)| {
+            let offset = next.next_multiple_of(ALIGN);
+            (offset + bytes <= alloc.bytes()).then(|| (alloc.clone(), offset))
+        };
+        let (alloc, offset) = match last.as_ref().and_then(fits) {
+            Some(found) => found,
+            None => {
+                let size = self.chunk.max(bytes).max(1);
+                let alloc = self
+                    .manager
+                    .allocate(&self.tag, size, self.policy.clone())
+                    .map_err(|e| layers::Error::Arena { bytes, source: Box::new(e) })?;
+                (Arc::new(alloc), 0)
+            }
+        };
+        *last = Some((alloc.clone(), offset + bytes));
+        Ok(Box::new(DeviceRegion { alloc, offset, bytes }))
+    }
+}
+
+/// `bytes` bytes of a device allocation, from `offset`.
+struct DeviceRegion {
+    alloc: Arc<vmm::Allocation>,
+    offset: usize,
+    bytes: usize,
+}
+
+impl std::fmt::Debug for DeviceRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceRegion")
+            .field("allocation", &self.alloc.id())
+            .field("offset", &self.offset)
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+impl layers::DeviceMemory for DeviceRegion {
+    fn device_ptr(&self) -> u64 {
+        self.alloc.base() + self.offset as u64
+    }
+    fn size(&self) -> usize {
+        self.bytes
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -357,6 +532,75 @@ mod tests {
         let after = generate(&model, &mut cache, &next, 4);
         assert_eq!(after, generate(&heap, &mut heap_cache, &next, 4));
         assert_eq!(memory.lossy_tags(), Vec::<String>::new());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// The device arena's bookkeeping, over a host manager (addresses are only computed, never
+    /// read): regions are aligned and packed into the newest allocation, a region that does
+    /// not fit starts a new chunk (its own size when larger), and a sleep of the tag releases
+    /// every chunk.
+    #[test]
+    fn the_device_arena_packs_regions_into_chunks_of_its_tag() {
+        use layers::DeviceArena;
+        let dir = std::env::temp_dir().join(format!("tpctl-memory-d-{}", std::process::id()));
+        let manager = Arc::new(vmm::Manager::builder().spill_dir(&dir).build().unwrap());
+        let chunk = 1 << 20;
+        let arena =
+            VmmDeviceArena::new(manager.clone(), vmm::Tag::WEIGHTS, vmm::Policy::Discard, chunk);
+        let a = arena.alloc_device(100).unwrap();
+        let b = arena.alloc_device(200).unwrap();
+        assert_eq!(b.device_ptr(), a.device_ptr() + 128, "packed at the next aligned byte");
+        let big = arena.alloc_device(3 << 20).unwrap();
+        let c = arena.alloc_device(10).unwrap();
+        for r in [&a, &b, &big, &c] {
+            assert_eq!(r.device_ptr() % ALIGN as u64, 0);
+        }
+        assert_eq!((a.size(), big.size(), c.size()), (100, 3 << 20, 10));
+        let sizes: Vec<u64> = manager.allocations().iter().map(|i| i.bytes).collect();
+        assert_eq!(
+            sizes,
+            [chunk, 3 << 20, chunk].map(|b| b as u64),
+            "a chunk, the big one, a new one"
+        );
+        let receipts = manager.release(["weights"]).unwrap();
+        assert_eq!(receipts[0].allocations, 3);
+        manager.materialize(["weights"]).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Host and device receipts of a tag add up, and device bytes stay counted apart.
+    #[test]
+    fn host_and_device_receipts_merge_tag_by_tag() {
+        let receipt = |tag: &str, bytes, device_bytes| TagReceipt {
+            tag: tag.into(),
+            allocations: 1,
+            bytes,
+            device_bytes,
+            copied_bytes: 0,
+            elapsed_us: 10,
+        };
+        let mut host = vec![receipt("weights", 100, 0), receipt("kv_cache", 50, 0)];
+        merge(&mut host, vec![receipt("kv_cache", 400, 400), receipt("weights", 700, 700)]);
+        assert_eq!(
+            host[0],
+            TagReceipt { allocations: 2, elapsed_us: 20, ..receipt("weights", 800, 700) }
+        );
+        assert_eq!(
+            host[1],
+            TagReceipt { allocations: 2, elapsed_us: 20, ..receipt("kv_cache", 450, 400) }
+        );
+    }
+
+    /// Without a GPU the device manager cannot be made, and says so.
+    #[test]
+    fn device_memory_without_a_gpu_is_a_clear_error() {
+        if vmm::cuda_driver_present() {
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("tpctl-memory-g-{}", std::process::id()));
+        let m = ModelMemory::host(Some(dir.clone()), Restore::Reload, Restore::Discard).unwrap();
+        let err = m.with_device(0).unwrap_err();
+        assert!(err.starts_with("device memory on cuda:0: "), "{err}");
         std::fs::remove_dir_all(&dir).ok();
     }
 

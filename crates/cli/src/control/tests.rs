@@ -37,6 +37,7 @@ fn rank(rank: usize, devices: Vec<(u32, u64)>, tags: &[(&str, u64)]) -> RankRece
                 tag: t.into(),
                 allocations: 1,
                 bytes: b,
+                device_bytes: 0,
                 copied_bytes: 0,
                 elapsed_us: 2500,
             })

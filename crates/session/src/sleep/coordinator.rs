@@ -544,21 +544,40 @@ impl Coordinator {
         })
     }
 
-    /// Ranks whose probe moved by less than [`VERIFY_FRACTION`] of the bytes they released.
-    fn verify(receipts: &[RankReceipt]) -> Vec<RankFailure> {
+    /// Ranks whose memory dropped by less than [`VERIFY_FRACTION`] of the bytes they released:
+    /// resident host memory against the host bytes, and the device memory NVML reports for the
+    /// process against the device bytes (a rank that released device memory it cannot read
+    /// fails too: nothing would show a leak).
+    pub(super) fn verify(receipts: &[RankReceipt]) -> Vec<RankFailure> {
+        let pct = VERIFY_FRACTION * 100.0;
+        let need = |bytes: u64| (bytes as f64 * VERIFY_FRACTION) as i64;
         receipts
             .iter()
             .filter_map(|r| {
-                let tagged = r.bytes();
-                let freed = r.probe_delta(Action::Sleep);
-                let need = (tagged as f64 * VERIFY_FRACTION) as i64;
-                (freed < need).then(|| RankFailure {
+                let device = r.device_bytes();
+                let host = r.bytes() - device;
+                let mut short = Vec::new();
+                let freed = r.host_delta(Action::Sleep);
+                if freed < need(host) {
+                    short.push(format!(
+                        "released {host} tagged host bytes but its resident memory dropped by only {freed} bytes (less than {pct:.0}%: a leak)"
+                    ));
+                }
+                if device > 0 {
+                    match r.device_delta(Action::Sleep) {
+                        Some(freed) if freed < need(device) => short.push(format!(
+                            "released {device} tagged device bytes but its device memory dropped by only {freed} bytes (less than {pct:.0}%: a leak)"
+                        )),
+                        Some(_) => {}
+                        None => short.push(format!(
+                            "released {device} tagged device bytes but cannot read its device memory (NVML did not load)"
+                        )),
+                    }
+                }
+                (!short.is_empty()).then(|| RankFailure {
                     rank: r.rank,
                     phase: Phase::Commit,
-                    message: format!(
-                        "released {tagged} tagged bytes but its memory dropped by only {freed} bytes (less than {:.0}%: a leak)",
-                        VERIFY_FRACTION * 100.0
-                    ),
+                    message: short.join("; "),
                 })
             })
             .collect()

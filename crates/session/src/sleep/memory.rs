@@ -79,14 +79,21 @@ impl VmmMemory {
     pub fn manager(&self) -> &Arc<vmm::Manager> {
         &self.manager
     }
+
+    /// Whether the manager's allocations are device memory.
+    fn on_device(&self) -> bool {
+        self.manager.backend_name() != "cpu"
+    }
 }
 
-fn receipts(rs: Vec<vmm::Receipt>) -> Vec<TagReceipt> {
+/// The receipts of a manager, whose bytes are device memory when `device`.
+fn receipts(rs: Vec<vmm::Receipt>, device: bool) -> Vec<TagReceipt> {
     rs.into_iter()
         .map(|r| TagReceipt {
             tag: r.tag.as_str().to_owned(),
             allocations: r.allocations,
             bytes: r.bytes,
+            device_bytes: if device { r.bytes } else { 0 },
             copied_bytes: r.copied_bytes,
             elapsed_us: r.elapsed.as_micros() as u64,
         })
@@ -107,7 +114,8 @@ impl RankMemory for VmmMemory {
     }
 
     fn release(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
-        self.manager.release(tags).map(receipts).map_err(|e| MemoryError {
+        let device = self.on_device();
+        self.manager.release(tags).map(|r| receipts(r, device)).map_err(|e| MemoryError {
             changed: matches!(e, vmm::Error::ReleasePartial { .. }),
             message: e.to_string(),
         })
@@ -117,7 +125,7 @@ impl RankMemory for VmmMemory {
         // A failed materialize unmaps again what it mapped (MaterializeRolledBack): unchanged.
         self.manager
             .materialize(tags)
-            .map(receipts)
+            .map(|r| receipts(r, self.on_device()))
             .map_err(|e| MemoryError { changed: false, message: e.to_string() })
     }
 

@@ -129,6 +129,9 @@ pub struct TagReceipt {
     pub allocations: usize,
     /// Bytes released (sleep) or mapped again (wakeup).
     pub bytes: u64,
+    /// Of [`TagReceipt::bytes`], those in device (GPU) memory; the rest is host memory.
+    #[serde(default)]
+    pub device_bytes: u64,
     /// Bytes copied to a backup (sleep) or restored from one or reloaded (wakeup).
     pub copied_bytes: u64,
     /// Time spent on the tag, in microseconds.
@@ -158,9 +161,31 @@ impl RankReceipt {
         self.tags.iter().map(|t| t.bytes).sum()
     }
 
+    /// Of [`RankReceipt::bytes`], those in device memory.
+    pub fn device_bytes(&self) -> u64 {
+        self.tags.iter().map(|t| t.device_bytes).sum()
+    }
+
     /// How far the probe moved: bytes freed by a sleep, or taken by a wakeup.
     pub fn probe_delta(&self, action: Action) -> i64 {
-        let (b, a) = (self.before.measure() as i64, self.after.measure() as i64);
+        Self::delta(self.before.measure(), self.after.measure(), action)
+    }
+
+    /// How far the resident host memory moved (as [`RankReceipt::probe_delta`]).
+    pub fn host_delta(&self, action: Action) -> i64 {
+        Self::delta(self.before.resident, self.after.resident, action)
+    }
+
+    /// How far this process's device memory moved, summed over its devices (as
+    /// [`RankReceipt::probe_delta`]); `None` without a device reading before and after.
+    pub fn device_delta(&self, action: Action) -> Option<i64> {
+        let sum = |p: &Probe| p.devices.iter().map(|(_, b)| b).sum::<u64>();
+        (!self.before.devices.is_empty() && !self.after.devices.is_empty())
+            .then(|| Self::delta(sum(&self.before), sum(&self.after), action))
+    }
+
+    fn delta(before: u64, after: u64, action: Action) -> i64 {
+        let (b, a) = (before as i64, after as i64);
         match action {
             Action::Sleep => b - a,
             Action::Wakeup => a - b,

@@ -502,8 +502,9 @@ fn verify_fails_when_one_rank_leaks_even_if_the_others_release() {
     assert!(matches!(e, Error::Verify { .. }), "{e}");
     assert_eq!(ranks_of(&e), vec![2]);
     assert!(
-        e.to_string()
-            .contains("released 2097152 tagged bytes but its memory dropped by only 0 bytes"),
+        e.to_string().contains(
+            "released 2097152 tagged host bytes but its resident memory dropped by only 0 bytes"
+        ),
         "{e}"
     );
     assert_eq!(e.outcome(), Some(Outcome::RolledBack));
@@ -694,4 +695,62 @@ fn the_tcp_channel_runs_the_protocol_between_threads() {
         assert_eq!(p.join().unwrap().unwrap(), ListenerExit::Shutdown);
     }
     assert!(mem.iter().all(|m| m.asleep().is_empty()));
+}
+
+/// Verification weighs host and device memory apart: resident memory must drop by 90% of the
+/// host bytes and the device reading by 90% of the device bytes; a rank that released device
+/// memory it cannot read fails, naming why.
+#[test]
+fn verify_checks_host_and_device_bytes_separately() {
+    let tag = |bytes, device_bytes| TagReceipt {
+        tag: "weights".into(),
+        bytes,
+        device_bytes,
+        ..TagReceipt::default()
+    };
+    let receipt = |rank, resident: (u64, u64), device: Option<(u64, u64)>| RankReceipt {
+        rank,
+        tags: vec![tag(100 * MIB, 60 * MIB)],
+        before: Probe {
+            resident: resident.0,
+            devices: device.map(|d| vec![(0, d.0)]).unwrap_or_default(),
+        },
+        after: Probe {
+            resident: resident.1,
+            devices: device.map(|d| vec![(0, d.1)]).unwrap_or_default(),
+        },
+        ..RankReceipt::default()
+    };
+    let ranks = [
+        // Host 40 MiB freed of 40, device 60 of 60: fine.
+        receipt(0, (50 * MIB, 10 * MIB), Some((70 * MIB, 10 * MIB))),
+        // The device kept its memory although the host freed 100 MiB (more than the total).
+        receipt(1, (200 * MIB, 100 * MIB), Some((70 * MIB, 60 * MIB))),
+        // The host kept its memory.
+        receipt(2, (50 * MIB, 45 * MIB), Some((70 * MIB, 10 * MIB))),
+        // No device reading.
+        receipt(3, (50 * MIB, 10 * MIB), None),
+    ];
+    let failures = Coordinator::verify(&ranks);
+    let by_rank: Vec<(usize, &str)> =
+        failures.iter().map(|f| (f.rank, f.message.as_str())).collect();
+    assert_eq!(by_rank.len(), 3, "{by_rank:?}");
+    assert!(
+        by_rank[0].0 == 1
+            && by_rank[0].1.contains(
+                "62914560 tagged device bytes but its device memory dropped by only 10485760"
+            ),
+        "{by_rank:?}"
+    );
+    assert!(
+        by_rank[1].0 == 2
+            && by_rank[1].1.contains(
+                "41943040 tagged host bytes but its resident memory dropped by only 5242880"
+            ),
+        "{by_rank:?}"
+    );
+    assert!(
+        by_rank[2].0 == 3 && by_rank[2].1.contains("cannot read its device memory"),
+        "{by_rank:?}"
+    );
 }
