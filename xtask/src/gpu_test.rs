@@ -103,15 +103,16 @@ fn find_versioned(dir: &Path, prefix: &str, depth: usize) -> Option<PathBuf> {
     entries.iter().filter(|p| p.is_dir()).find_map(|p| find_versioned(p, prefix, depth - 1))
 }
 
-/// Prints the default model's tokens/s on the GPU next to the CPU (`tpctl run`, one rank, 64
-/// greedy tokens), from each run's summary line.
+/// Prints the default model's tokens/s on the GPU (f32 and bf16 weights) next to the CPU
+/// (`tpctl run`, one rank, 64 greedy tokens), from each run's summary line.
 fn benchmark_line(model: &Path, library_path: Option<&std::ffi::OsStr>) -> Result<()> {
     let model = model.to_string_lossy();
     let mut summaries = Vec::new();
-    for device in ["cpu", "cuda"] {
+    for (device, dtype) in [("cpu", "f32"), ("cuda", "f32"), ("cuda", "bf16")] {
         let mut cmd = cargo();
         cmd.args(["run", "--quiet", "-p", "tpctl", "--features", "cuda", "--", "run"])
-            .args(["--model", &model, "--device", device, "--max-tokens", "64"])
+            .args(["--model", &model, "--device", device, "--dtype", dtype])
+            .args(["--max-tokens", "64"])
             .args(["--temperature", "0", "--prompt", "The capital of France is"]);
         if let Some(paths) = library_path {
             cmd.env("LD_LIBRARY_PATH", paths);
@@ -122,7 +123,7 @@ fn benchmark_line(model: &Path, library_path: Option<&std::ffi::OsStr>) -> Resul
             .find_map(|l| l.strip_prefix("-- "))
             .map(str::to_owned)
             .unwrap_or_else(|| format!("no summary line in:\n{out}"));
-        summaries.push(format!("{device:>4}: {summary}"));
+        summaries.push(format!("{device:>4} {dtype:>4}: {summary}"));
     }
     println!("GPU benchmark (SmolLM2-135M Q4_1, one rank, 64 tokens):");
     for s in summaries {

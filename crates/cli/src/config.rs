@@ -130,6 +130,33 @@ pub struct RuntimeConfig {
     /// Where the kernels run: `cpu`, or `cuda` (each rank on the GPU of its `LOCAL_RANK`).
     #[serde(default)]
     pub device: ComputeDevice,
+    /// The element type of the weight matrices on a GPU: `f32`, `bf16` or `f16` (the CPU
+    /// always computes in f32).
+    #[serde(default)]
+    pub dtype: ComputeDtype,
+}
+
+/// `runtime.dtype`.
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ComputeDtype {
+    /// 32-bit floats (the CPU's arithmetic).
+    #[default]
+    F32,
+    /// bfloat16 weights and products, accumulated in f32 (half the device memory).
+    Bf16,
+    /// IEEE half weights and products, accumulated in f32 (half the device memory).
+    F16,
+}
+
+impl From<ComputeDtype> for layers::kernels::GemmDtype {
+    fn from(d: ComputeDtype) -> Self {
+        match d {
+            ComputeDtype::F32 => layers::kernels::GemmDtype::F32,
+            ComputeDtype::Bf16 => layers::kernels::GemmDtype::Bf16,
+            ComputeDtype::F16 => layers::kernels::GemmDtype::F16,
+        }
+    }
 }
 
 /// `runtime.device`.
@@ -158,6 +185,7 @@ impl Default for RuntimeConfig {
             kv_cache_tokens: default_kv_tokens(),
             timeout_s: default_timeout(),
             device: ComputeDevice::Cpu,
+            dtype: ComputeDtype::F32,
         }
     }
 }

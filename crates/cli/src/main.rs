@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tpctl::config::{ComputeDevice, Config, WeightsForm};
+use tpctl::config::{ComputeDevice, ComputeDtype, Config, WeightsForm};
 use tpctl::control::{self, paths, render};
 use tpctl::launcher::{self, Launch, Outcome};
 use tpctl::spec::{OutputFormat, PromptSpec, RankSpec, Sampling, ServeSpec};
@@ -137,6 +137,10 @@ struct RunArgs {
     /// `--features cuda` and puts each rank on the GPU of its LOCAL_RANK.
     #[arg(long, value_enum)]
     device: Option<ComputeDevice>,
+    /// Element type of the weight matrices on the GPU (default: [runtime] dtype, else f32);
+    /// bf16 and f16 halve their device memory and need --device cuda.
+    #[arg(long, value_enum)]
+    dtype: Option<ComputeDtype>,
     /// Backend of every axis: shm (one host), tcp (any hosts) or nccl (GPUs; the control
     /// axis then stays on shm or tcp).
     #[arg(long)]
@@ -187,6 +191,10 @@ struct ServeArgs {
     /// `--features cuda` and puts each rank on the GPU of its LOCAL_RANK.
     #[arg(long, value_enum)]
     device: Option<ComputeDevice>,
+    /// Element type of the weight matrices on the GPU (default: [runtime] dtype, else f32);
+    /// bf16 and f16 halve their device memory and need --device cuda.
+    #[arg(long, value_enum)]
+    dtype: Option<ComputeDtype>,
     /// Backend of every axis: shm (one host), tcp (any hosts) or nccl (GPUs; the control
     /// axis then stays on shm or tcp).
     #[arg(long)]
@@ -518,6 +526,7 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
         output: OutputFormat::Text,
         threads: args.threads,
         device: args.device,
+        dtype: args.dtype,
         backend: args.backend,
         nodes: args.nodes,
         deployment: args.deployment,
@@ -589,6 +598,14 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
              build it with `cargo build --release -p tpctl --features cuda`"
         );
     }
+    let dtype = args.dtype.unwrap_or(config.runtime.dtype);
+    if dtype != ComputeDtype::F32 && device != ComputeDevice::Cuda {
+        bail!(
+            "--dtype {} (or [runtime] dtype): the CPU kernels compute in f32; half precision \
+             needs --device cuda",
+            layers::kernels::GemmDtype::from(dtype).name()
+        );
+    }
     let spec = RankSpec {
         model,
         tp,
@@ -610,6 +627,7 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         serve,
         sleep: config.sleep.clone(),
         device,
+        dtype,
         control_socket: Some(socket.clone()),
     };
     let master_port = match args.nodes.master_port {

@@ -1,7 +1,7 @@
 //! What the launcher hands every rank process: the resolved job, as JSON in the environment
 //! variable `TPCTL_RANK_SPEC`, so ranks never re-read files the launcher already checked.
 
-use crate::config::{ComputeDevice, SleepPolicy};
+use crate::config::{ComputeDevice, ComputeDtype, SleepPolicy};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -83,6 +83,9 @@ pub struct RankSpec {
     /// Where the kernels run.
     #[serde(default)]
     pub device: ComputeDevice,
+    /// The element type of the weight matrices on a GPU.
+    #[serde(default)]
+    pub dtype: ComputeDtype,
 }
 
 /// What rank 0 of `tpctl serve` needs.

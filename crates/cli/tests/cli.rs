@@ -219,6 +219,16 @@ fn device_cuda_needs_a_cuda_build() {
     assert!(!err.contains("[rank"), "no rank started: {err}");
 }
 
+/// Half precision is a GPU setting: on the CPU it is refused before any rank starts.
+#[test]
+fn half_precision_needs_the_gpu() {
+    let out = tpctl(&["run", "--model", model(), "--dtype", "bf16", "--prompt", "t1"], &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--dtype bf16") && err.contains("needs --device cuda"), "{err}");
+    assert!(!err.contains("[rank"), "no rank started: {err}");
+}
+
 #[cfg(feature = "failpoints")]
 #[test]
 fn a_failing_rank_stops_every_rank_with_its_own_error() {

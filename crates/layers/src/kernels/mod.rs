@@ -136,6 +136,53 @@ pub enum Kv<'a> {
     },
 }
 
+/// The element type the CUDA backend keeps weight matrices in and multiplies them in (cuBLAS,
+/// accumulating in f32). Half types halve the device memory and bandwidth of the weights at
+/// about 3 (bf16) or 4 (f16) significant digits per element; the activations are rounded to
+/// the same type for the product. The CPU backend always computes in f32.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum GemmDtype {
+    /// 32-bit floats: the CPU's arithmetic.
+    #[default]
+    F32,
+    /// bfloat16 (8 exponent bits, as f32: no overflow).
+    Bf16,
+    /// IEEE half (5 exponent bits: magnitudes above 65504 overflow).
+    F16,
+}
+
+impl GemmDtype {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            GemmDtype::F32 => 4,
+            GemmDtype::Bf16 | GemmDtype::F16 => 2,
+        }
+    }
+
+    /// The name used in configs: `f32`, `bf16`, `f16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmDtype::F32 => "f32",
+            GemmDtype::Bf16 => "bf16",
+            GemmDtype::F16 => "f16",
+        }
+    }
+}
+
+impl std::str::FromStr for GemmDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" | "float32" => Ok(GemmDtype::F32),
+            "bf16" | "bfloat16" => Ok(GemmDtype::Bf16),
+            "f16" | "float16" | "half" => Ok(GemmDtype::F16),
+            other => Err(format!("unknown dtype `{other}` (f32, bf16 or f16)")),
+        }
+    }
+}
+
 /// The error for device memory handed to the CPU backend.
 fn device_memory_on_cpu(op: &str) -> Error {
     Error::BackendUnavailable {
@@ -188,6 +235,15 @@ impl Backend {
     /// no device `ordinal`, NVRTC or cuBLAS missing, the kernels' compile log).
     pub fn cuda(ordinal: usize) -> Result<Self> {
         Ok(Backend::Cuda(CudaBackend::new(ordinal)?))
+    }
+
+    /// The CUDA backend on device `ordinal`, keeping weight matrices in `dtype` (see
+    /// [`GemmDtype`]).
+    ///
+    /// # Errors
+    /// As [`Backend::cuda`].
+    pub fn cuda_with(ordinal: usize, dtype: GemmDtype) -> Result<Self> {
+        Ok(Backend::Cuda(CudaBackend::with_gemm_dtype(ordinal, dtype)?))
     }
 
     /// The device the kernels run on. Tensors passed to and returned from a backend are in

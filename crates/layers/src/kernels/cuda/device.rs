@@ -20,12 +20,15 @@
 //!   its next use, so the weights keep their device addresses across a sleep.
 //! - A KV cache in device memory ([`Kv::Device`]) is appended to with one host-to-device copy
 //!   of the new rows and read in place by `attention`; a host one is uploaded per call.
-//! - Quantized weights are dequantized on the device at first use, and only the f32 copy is
-//!   kept: products then go through cuBLAS sgemm like dense ones. This costs 4x (Q8_0) to 7x
-//!   (Q4) more device memory and bandwidth than the packed form; a 135M-parameter model takes
-//!   about 540 MB. The dequantization rounds exactly as the CPU's `QMatrix::dequantize`, so a
+//! - Quantized weights are dequantized on the device at first use, and only the dense copy is
+//!   kept, in the backend's [`GemmDtype`]: products then go through cuBLAS like dense ones
+//!   (sgemm for f32; `cublasGemmEx` with f32 accumulation for bf16/f16, after rounding the
+//!   activations to the same type). In f32 this costs 4x (Q8_0) to 7x (Q4) more device memory
+//!   and bandwidth than the packed form (a 135M-parameter model takes about 540 MB; half that
+//!   in bf16). The dequantization rounds exactly as the CPU's `QMatrix::dequantize`, so an f32
 //!   quantized product here equals the CPU's f32 product on the dequantized matrix (the CPU's
 //!   decode path instead quantizes the activations to 8 bits, which differs by about 1%).
+//!   Embedding tables are kept in f32 whatever the dtype (a tied LM head has both copies).
 //! - Small per-call vectors (norm weights, biases) are copied per call like activations.
 //!
 //! Kernels are compiled from `kernels.cu` with NVRTC once per process (the PTX is kept in a
@@ -37,9 +40,9 @@
 use crate::error::{Error, Result};
 use crate::kernels::cpu::attention::AttnShape;
 use crate::kernels::cpu::qmatrix::QBits;
-use crate::kernels::{Kv, Weight};
+use crate::kernels::{GemmDtype, Kv, Weight};
 use crate::memory::{alloc_device_exact, DeviceArena, DeviceMemory};
-use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
@@ -133,28 +136,32 @@ struct Kernels {
     argmax_rows: CudaFunction,
     dequantize: CudaFunction,
     attention: CudaFunction,
+    to_bf16: CudaFunction,
+    to_f16: CudaFunction,
 }
 
-/// Where a cached weight came from: the address and length of its (first) host buffer.
+/// Where a cached weight came from (the address and length of its first host buffer) and the
+/// element type of its device copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct WeightKey {
     addr: usize,
     len: usize,
+    dtype: GemmDtype,
 }
 
-/// The device memory of one cached weight, dense f32.
+/// The device memory of one cached weight: dense, row-major, in its key's dtype.
 enum Slot {
     /// From the driver's memory pool; freed when the weight leaves the cache.
-    Pool(CudaSlice<f32>),
+    Pool(CudaSlice<u8>),
     /// A region of the weight arena; kept (and written again) when the weight is cleared.
     Arena(Box<dyn DeviceMemory>),
 }
 
 impl Slot {
-    fn floats(&self) -> usize {
+    fn bytes(&self) -> usize {
         match self {
             Slot::Pool(s) => s.len(),
-            Slot::Arena(m) => m.size() / 4,
+            Slot::Arena(m) => m.size(),
         }
     }
 }
@@ -193,6 +200,7 @@ struct WeightCache {
 
 struct Inner {
     ordinal: usize,
+    dtype: GemmDtype,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     k: Kernels,
@@ -210,6 +218,7 @@ impl fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CudaBackend")
             .field("ordinal", &self.inner.ordinal)
+            .field("dtype", &self.inner.dtype)
             .field("cached_weights", &self.cache().entries.len())
             .finish()
     }
@@ -223,6 +232,14 @@ impl CudaBackend {
     /// [`Error::BackendUnavailable`] naming what is missing: the driver library, a device
     /// `ordinal`, NVRTC or cuBLAS, or the compile log when the kernels fail to compile.
     pub fn new(ordinal: usize) -> Result<Self> {
+        Self::with_gemm_dtype(ordinal, GemmDtype::F32)
+    }
+
+    /// Opens device `ordinal` as [`CudaBackend::new`] does, keeping weight matrices in `dtype`.
+    ///
+    /// # Errors
+    /// As [`CudaBackend::new`].
+    pub fn with_gemm_dtype(ordinal: usize, dtype: GemmDtype) -> Result<Self> {
         let at = |reason: String| unavailable(format!("device {ordinal}: {reason}"));
         // cudarc panics when a library it calls into cannot be loaded; probe each first.
         // SAFETY: the probes only try to load the shared libraries by name and drop them
@@ -270,15 +287,22 @@ impl CudaBackend {
             argmax_rows: f("argmax_rows")?,
             dequantize: f("dequantize")?,
             attention: f("attention")?,
+            to_bf16: f("to_bf16")?,
+            to_f16: f("to_f16")?,
         };
-        tracing::debug!(ordinal, "cuda backend ready");
-        let inner = Inner { ordinal, stream, blas, k, weights: Mutex::default() };
+        tracing::debug!(ordinal, dtype = dtype.name(), "cuda backend ready");
+        let inner = Inner { ordinal, dtype, stream, blas, k, weights: Mutex::default() };
         Ok(CudaBackend { inner: Arc::new(inner) })
     }
 
     /// The device ordinal.
     pub fn ordinal(&self) -> usize {
         self.inner.ordinal
+    }
+
+    /// The element type of the weight matrices on the device.
+    pub fn gemm_dtype(&self) -> GemmDtype {
+        self.inner.dtype
     }
 
     /// Keeps the device copies of weights in memory from `arena` from now on (regions of
@@ -316,7 +340,7 @@ impl CudaBackend {
 
     /// Device bytes held by cached weights (arena regions included).
     pub fn cached_weight_bytes(&self) -> usize {
-        self.cache().entries.values().map(|w| 4 * w.slot.floats()).sum()
+        self.cache().entries.values().map(|w| w.slot.bytes()).sum()
     }
 
     fn cache(&self) -> std::sync::MutexGuard<'_, WeightCache> {
@@ -400,50 +424,94 @@ impl CudaBackend {
         unsafe { self.copy_to_addr("kv cache append", dst.device_ptr() + 4 * offset as u64, src) }
     }
 
-    /// The device copy of `w` as dense f32 `[rows, cols]`, uploading (and dequantizing) it on
-    /// first use, or again after a clear.
-    fn weight(&self, op: &str, w: &Weight) -> Result<Arc<Slot>> {
-        let (key, print) = match w {
+    /// The device copy of `w` as dense `[rows, cols]` in `dtype`, uploading (and dequantizing)
+    /// it on first use, or again after a clear.
+    fn weight(&self, op: &str, w: &Weight, dtype: GemmDtype) -> Result<Arc<Slot>> {
+        let (addr, len, print) = match w {
             Weight::F32(t) => {
                 let bytes: &[u8] = bytemuck::cast_slice(t.data());
-                (
-                    WeightKey { addr: bytes.as_ptr() as usize, len: bytes.len() },
-                    fingerprint(&[bytes]),
-                )
+                (bytes.as_ptr() as usize, bytes.len(), fingerprint(&[bytes]))
             }
             Weight::Quant(q) => {
                 let (scales, mins, qs) = q.parts();
                 let parts: [&[u8]; 3] =
                     [bytemuck::cast_slice(scales), bytemuck::cast_slice(mins), qs];
-                (WeightKey { addr: qs.as_ptr() as usize, len: qs.len() }, fingerprint(&parts))
+                (qs.as_ptr() as usize, qs.len(), fingerprint(&parts))
             }
         };
+        let key = WeightKey { addr, len, dtype };
         // Held through the upload, so two threads never upload the same weight twice.
         let mut cache = self.cache();
         if let Some(hit) = cache.entries.get(&key).filter(|c| c.fresh && c.fingerprint == print) {
             return Ok(hit.slot.clone());
         }
         let (rows, cols) = w.dims();
-        let floats = (rows * cols).max(1);
+        let bytes = (rows * cols).max(1) * dtype.size();
         // A cleared weight is written into the region it had, so its address does not change.
         let slot = match cache.entries.remove(&key) {
-            Some(old) if old.slot.floats() == floats => old.slot,
+            Some(old) if old.slot.bytes() == bytes => old.slot,
             _ => Arc::new(match &cache.arena {
-                Some(arena) => Slot::Arena(alloc_device_exact(arena.as_ref(), 4 * floats)?),
-                None => Slot::Pool(self.zeros(op, floats)?),
+                Some(arena) => Slot::Arena(alloc_device_exact(arena.as_ref(), bytes)?),
+                None => Slot::Pool(
+                    self.stream()
+                        .alloc_zeros::<u8>(bytes)
+                        .or_unavailable(|| format!("{op}: allocating {bytes} bytes"))?,
+                ),
             }),
         };
         let dst = self.slot_addr(&slot);
-        match w {
-            // SAFETY: the slot holds `floats` >= rows·cols floats of this device, and is used
-            // by no one else while the cache's lock is held.
-            Weight::F32(t) => unsafe { self.copy_to_addr(op, dst, t.data())? },
-            Weight::Quant(q) => self.dequantize(op, q, dst)?,
+        match (dtype, w) {
+            // SAFETY: the slot holds at least rows·cols floats of this device and is used by
+            // no one else while the cache's lock is held.
+            (GemmDtype::F32, Weight::F32(t)) => unsafe { self.copy_to_addr(op, dst, t.data())? },
+            (GemmDtype::F32, Weight::Quant(q)) => self.dequantize(op, q, dst)?,
+            (half, _) => {
+                // Dense f32 first, then rounded into the slot.
+                let n = rows * cols;
+                let dense = match w {
+                    Weight::F32(t) => self.upload(op, t.data())?,
+                    Weight::Quant(q) => {
+                        let out = self.zeros(op, n.max(1))?;
+                        self.dequantize(op, q, self.addr(&out))?;
+                        out
+                    }
+                };
+                self.round_to(op, half, self.addr(&dense), dst, n)?;
+                // `dense` is freed on return: wait until the rounding has read it.
+                self.stream().synchronize().or_unavailable(|| format!("{op}: waiting"))?;
+            }
         }
         cache
             .entries
             .insert(key, CachedWeight { fingerprint: print, fresh: true, slot: slot.clone() });
         Ok(slot)
+    }
+
+    /// Rounds `n` floats at device address `src` to `dtype` (bf16 or f16) at `dst`.
+    fn round_to(&self, op: &str, dtype: GemmDtype, src: u64, dst: u64, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let f = match dtype {
+            GemmDtype::Bf16 => &self.inner.k.to_bf16,
+            GemmDtype::F16 => &self.inner.k.to_f16,
+            GemmDtype::F32 => {
+                return Err(unavailable(format!(
+                    "{op}: rounding f32 to f32 is a copy, not a kernel"
+                )));
+            }
+        };
+        let n64 = n as u64;
+        let cfg = elementwise(op, n)?;
+        let mut b = self.stream().launch_builder(f);
+        b.arg(&src).arg(&dst).arg(&n64);
+        // SAFETY: the arguments match `to_bf16` / `to_f16(const float*, unsigned short*, u64)`;
+        // thread i < n reads float i of `src` and writes half i of `dst`, and the callers pass
+        // buffers of at least n floats and n halves of this device, alive until the stream is
+        // synchronized.
+        unsafe { b.launch(cfg) }
+            .or_unavailable(|| format!("{op}: launching to_{}", dtype.name()))?;
+        Ok(())
     }
 
     /// Uploads a quantized matrix and expands it to f32 on the device at address `out`, which
@@ -487,42 +555,90 @@ impl CudaBackend {
             out.fill(0.0);
             return Ok(());
         }
-        let wd = self.weight(OP, w)?;
+        let dtype = self.inner.dtype;
+        let wd = self.weight(OP, w, dtype)?;
         let xd = self.upload(OP, x)?;
         let mut od = self.zeros(OP, m * n)?;
+        // The activations in the weights' type (a half copy for bf16/f16).
+        let half = match dtype {
+            GemmDtype::F32 => None,
+            _ => {
+                let h = self
+                    .stream()
+                    .alloc_zeros::<u16>(m * k)
+                    .or_unavailable(|| format!("{OP}: allocating {} halves", m * k))?;
+                self.round_to(OP, dtype, self.addr(&xd), self.addr(&h), m * k)?;
+                Some(h)
+            }
+        };
+        let xp = half.as_ref().map_or_else(|| self.addr(&xd), |h| self.addr(h));
+        let wp = self.slot_addr(&wd);
         // cuBLAS is column-major. Row-major out[m, n] is column-major outᵀ[n, m] = W·xᵀ, where
         // the row-major weight buffer read column-major is Wᵀ[k, n] (so transpose it back) and
         // the row-major x buffer is xᵀ[k, m] as it stands.
-        let (rows, cols, inner) =
-            (int(OP, "out_features", n)?, int(OP, "rows", m)?, int(OP, "in_features", k)?);
+        let rows = int(OP, "out_features", n)?;
+        let cols = int(OP, "rows", m)?;
+        let inner = int(OP, "in_features", k)?;
         let (alpha, beta) = (1.0f32, 0.0f32);
-        let (wp, xp) = (self.slot_addr(&wd), self.addr(&xd));
         let (out_ptr, record) = od.device_ptr_mut(self.stream());
         self.bind(OP)?;
+        let handle = *self.inner.blas.handle();
+        let (transa, transb) = (cublasOperation_t::CUBLAS_OP_T, cublasOperation_t::CUBLAS_OP_N);
         // SAFETY: the handle was created on this backend's stream and context (bound above).
-        // With these dimensions sgemm reads n·k floats of the weight (lda = k, transposed),
-        // k·m of x (ldb = k) and writes n·m of out (ldc = n); the weight slot holds the n·k
-        // values of `w`, x and out were allocated with m·k and m·n floats and live until the
-        // download below has synchronized the stream. beta = 0, so out is not read.
-        unsafe {
-            cudarc::cublas::result::sgemm(
-                *self.inner.blas.handle(),
-                cublasOperation_t::CUBLAS_OP_T,
-                cublasOperation_t::CUBLAS_OP_N,
-                rows,
-                cols,
-                inner,
-                &alpha,
-                wp as *const f32,
-                inner,
-                xp as *const f32,
-                inner,
-                &beta,
-                out_ptr as *mut f32,
-                rows,
-            )
-        }
-        .or_unavailable(|| format!("{OP}: sgemm {m}x{k} by {k}x{n}"))?;
+        // With these dimensions the product reads n·k elements of the weight (lda = k,
+        // transposed), k·m of x (ldb = k) and writes n·m floats of out (ldc = n); the weight
+        // slot holds the n·k values of `w` in `dtype`, x (or its half copy, of the same type
+        // as the weight) and out were allocated with m·k and m·n elements and live until the
+        // download below has synchronized the stream. beta = 0, so out is not read; alpha and
+        // beta are f32, as the f32 compute type of GemmEx wants.
+        let done = unsafe {
+            match dtype {
+                GemmDtype::F32 => cudarc::cublas::result::sgemm(
+                    handle,
+                    transa,
+                    transb,
+                    rows,
+                    cols,
+                    inner,
+                    &alpha,
+                    wp as *const f32,
+                    inner,
+                    xp as *const f32,
+                    inner,
+                    &beta,
+                    out_ptr as *mut f32,
+                    rows,
+                ),
+                half => {
+                    let t = match half {
+                        GemmDtype::Bf16 => cudaDataType::CUDA_R_16BF,
+                        _ => cudaDataType::CUDA_R_16F,
+                    };
+                    cudarc::cublas::result::gemm_ex(
+                        handle,
+                        transa,
+                        transb,
+                        rows,
+                        cols,
+                        inner,
+                        (&alpha as *const f32).cast(),
+                        wp as *const std::ffi::c_void,
+                        t,
+                        inner,
+                        xp as *const std::ffi::c_void,
+                        t,
+                        inner,
+                        (&beta as *const f32).cast(),
+                        out_ptr as *mut std::ffi::c_void,
+                        cudaDataType::CUDA_R_32F,
+                        rows,
+                        cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+            }
+        };
+        done.or_unavailable(|| format!("{OP}: {} gemm {m}x{k} by {k}x{n}", dtype.name()))?;
         drop(record);
         self.download(OP, &od, out)
     }
@@ -721,7 +837,7 @@ impl CudaBackend {
         if ids.is_empty() || dim == 0 {
             return Ok(());
         }
-        let td = self.weight(OP, table)?;
+        let td = self.weight(OP, table, GemmDtype::F32)?;
         let table_ptr = self.slot_addr(&td);
         let idd = self.upload(OP, ids)?;
         let mut od = self.zeros(OP, ids.len() * dim)?;
@@ -885,6 +1001,8 @@ mod tests {
             "argmax_rows",
             "dequantize",
             "attention",
+            "to_bf16",
+            "to_f16",
         ] {
             assert!(text.contains(&format!(".entry {name}(")), "no kernel `{name}` in the PTX");
         }

@@ -226,3 +226,27 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
     }
     if (tid == 0) lse[row] = m == NEG_INF ? NEG_INF : m + logf(l);
 }
+
+// y[i] = x[i] rounded to bfloat16 (nearest, ties to even; NaN stays NaN), as raw bits. Done on
+// the bits, so it needs neither cuda_bf16.h nor an sm_80 conversion instruction.
+extern "C" __global__ void to_bf16(const float* x, unsigned short* y, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    unsigned int u = __float_as_uint(x[i]);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        y[i] = (unsigned short)((u >> 16) | 0x40u);
+        return;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    y[i] = (unsigned short)(u >> 16);
+}
+
+// y[i] = x[i] rounded to IEEE half (nearest, ties to even; saturating to infinity), as raw
+// bits, with the PTX conversion every architecture has.
+extern "C" __global__ void to_f16(const float* x, unsigned short* y, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x[i]));
+    y[i] = h;
+}

@@ -2,7 +2,7 @@
 //! exist only so that the dispatch in `Backend` compiles unchanged.
 
 use crate::error::{Error, Result};
-use crate::kernels::{AttnShape, Kv, Weight};
+use crate::kernels::{AttnShape, GemmDtype, Kv, Weight};
 use crate::memory::{DeviceArena, DeviceMemory};
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -21,6 +21,19 @@ impl CudaBackend {
     /// Always [`Error::NotCompiledWith`] naming feature `cuda`.
     pub fn new(_ordinal: usize) -> Result<Self> {
         Err(Error::NotCompiledWith { feature: "cuda" })
+    }
+
+    /// Always fails: the backend is not compiled in.
+    ///
+    /// # Errors
+    /// Always [`Error::NotCompiledWith`] naming feature `cuda`.
+    pub fn with_gemm_dtype(_ordinal: usize, _dtype: GemmDtype) -> Result<Self> {
+        Err(Error::NotCompiledWith { feature: "cuda" })
+    }
+
+    /// The element type of the weight matrices on the device.
+    pub fn gemm_dtype(&self) -> GemmDtype {
+        match self.never {}
     }
 
     /// The device ordinal.
