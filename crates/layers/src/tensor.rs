@@ -3,10 +3,14 @@
 //! Compute is f32 on the CPU; F16/BF16 (and the GGUF block formats) are storage formats that
 //! loaders convert to f32. The storage ([`Storage`], also used for quantized matrices and KV
 //! caches) is a heap vector or external memory, such as a `vmm` allocation that can be released
-//! and restored, without changing any code that only reads or writes the numbers.
+//! and restored, without changing any code that only reads or writes the numbers. A backend's
+//! output may also live on its device ([`DeviceData`]): it is copied to the host the first time
+//! host code reads it, so model code runs unchanged while consecutive kernels pass their results
+//! on the device.
 
 use crate::error::{Error, Result};
 use crate::memory::{alloc_exact, Arena, WeightBuffers};
+use std::sync::{Arc, OnceLock};
 
 /// The element type a tensor was stored as. Compute tensors are always [`DType::F32`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -45,9 +49,49 @@ pub trait ExternalMemory: Send + Sync + std::fmt::Debug {
     fn bytes_mut(&mut self) -> &mut [u8];
 }
 
-/// The memory behind a tensor, a quantized matrix or a KV cache: a heap vector, or external
-/// memory viewed as elements of `T`. Callers use [`Storage::as_slice`] and
-/// [`Storage::as_mut_slice`] and never match on the variant.
+/// Data a backend keeps on its device (a kernel's output), read by the host through a copy.
+pub trait DeviceData: Send + Sync + std::fmt::Debug {
+    /// The device it lives on.
+    fn device(&self) -> Device;
+
+    /// Its length in bytes.
+    fn byte_len(&self) -> usize;
+
+    /// Copies all of it into `out` (exactly [`DeviceData::byte_len`] bytes), after the work
+    /// that produces it.
+    ///
+    /// # Errors
+    /// The copy failed (the device is unusable), with the reason.
+    fn download(&self, out: &mut [u8]) -> std::result::Result<(), String>;
+
+    /// `self`, for the backend that made it to find its own type.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// Device data and, once host code has read it, its host copy.
+#[derive(Debug)]
+pub struct OnDevice<T> {
+    data: Arc<dyn DeviceData>,
+    host: OnceLock<Vec<T>>,
+}
+
+impl<T: bytemuck::Pod> OnDevice<T> {
+    /// The host copy, made on first use. A copy that fails means the device is gone and the
+    /// data with it; there is nothing to return, so it panics with the reason.
+    fn host(&self) -> &Vec<T> {
+        self.host.get_or_init(|| {
+            let mut v = vec![T::zeroed(); self.data.byte_len() / std::mem::size_of::<T>()];
+            if let Err(e) = self.data.download(bytemuck::cast_slice_mut(&mut v)) {
+                panic!("copying a tensor from {:?} to the host failed: {e}", self.data.device());
+            }
+            v
+        })
+    }
+}
+
+/// The memory behind a tensor, a quantized matrix or a KV cache: a heap vector, external
+/// memory viewed as elements of `T`, or a backend's device data. Callers use
+/// [`Storage::as_slice`] and [`Storage::as_mut_slice`] and never match on the variant.
 ///
 /// Build the external variant with [`Storage::external`] (or [`Storage::copy_to`]), which
 /// check the alignment and size: a region built directly that does not hold whole, aligned
@@ -59,6 +103,9 @@ pub enum Storage<T: bytemuck::Pod = f32> {
     Owned(Vec<T>),
     /// Memory owned elsewhere (see [`ExternalMemory`]).
     External(Box<dyn ExternalMemory>),
+    /// A backend's device data, copied to the host on the first host access (reads keep the
+    /// device data; a mutable access turns the storage into an owned host vector).
+    Device(OnDevice<T>),
 }
 
 impl<T: bytemuck::Pod> Storage<T> {
@@ -80,6 +127,39 @@ impl<T: bytemuck::Pod> Storage<T> {
         Ok(Storage::External(mem))
     }
 
+    /// Wraps a backend's device data.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when its length is not a whole number of `T`s.
+    pub fn device(data: Arc<dyn DeviceData>) -> Result<Self> {
+        let size = std::mem::size_of::<T>();
+        if data.byte_len() % size != 0 {
+            return Err(Error::shape(
+                "Storage::device",
+                format!("{} bytes are not whole {size}-byte values", data.byte_len()),
+            ));
+        }
+        Ok(Storage::Device(OnDevice { data, host: OnceLock::new() }))
+    }
+
+    /// The device data, when the storage lives on a device.
+    pub fn device_data(&self) -> Option<&Arc<dyn DeviceData>> {
+        match self {
+            Storage::Device(d) => Some(&d.data),
+            _ => None,
+        }
+    }
+
+    /// The device data for a backend about to overwrite it in place: `Some` only when the
+    /// storage lives on a device and no clone shares the data. The host copy, if any, is
+    /// dropped (it will be stale).
+    pub fn device_data_for_write(&mut self) -> Option<&Arc<dyn DeviceData>> {
+        let Storage::Device(d) = self else { return None };
+        Arc::get_mut(&mut d.data)?;
+        d.host = OnceLock::new();
+        Some(&d.data)
+    }
+
     /// A copy of the elements in memory from `arena` (one allocation of exactly their bytes),
     /// or an empty owned vector, without allocating, when there are none.
     ///
@@ -96,19 +176,28 @@ impl<T: bytemuck::Pod> Storage<T> {
         Storage::external(mem)
     }
 
-    /// The elements.
+    /// The elements (copied from the device on first use for device data).
     pub fn as_slice(&self) -> &[T] {
         match self {
             Storage::Owned(v) => v,
             Storage::External(m) => bytemuck::cast_slice(m.bytes()),
+            Storage::Device(d) => d.host(),
         }
     }
 
-    /// The elements, mutably.
+    /// The elements, mutably. Device data is copied to the host and the storage becomes an
+    /// owned vector.
     pub fn as_mut_slice(&mut self) -> &mut [T] {
+        if let Storage::Device(d) = self {
+            d.host();
+            let host = std::mem::take(&mut d.host).into_inner().unwrap_or_default();
+            *self = Storage::Owned(host);
+        }
         match self {
             Storage::Owned(v) => v,
             Storage::External(m) => bytemuck::cast_slice_mut(m.bytes_mut()),
+            // Not reached: device data was turned into an owned vector just above.
+            Storage::Device(d) => d.host.get_mut().map_or(&mut [], Vec::as_mut_slice),
         }
     }
 
@@ -117,9 +206,12 @@ impl<T: bytemuck::Pod> Storage<T> {
         bytemuck::cast_slice(self.as_slice())
     }
 
-    /// Number of elements.
+    /// Number of elements (device data is not copied to find out).
     pub fn len(&self) -> usize {
-        self.as_slice().len()
+        match self {
+            Storage::Device(d) => d.data.byte_len() / std::mem::size_of::<T>(),
+            other => other.as_slice().len(),
+        }
     }
 
     /// Whether there are no elements.
@@ -133,10 +225,16 @@ impl<T: bytemuck::Pod> Storage<T> {
     }
 }
 
-/// Cloning copies the elements into an owned vector (external memory is not shared).
+/// Cloning copies the elements into an owned vector (external memory is not shared); device
+/// data is shared (a backend writes in place only into data no clone shares).
 impl<T: bytemuck::Pod> Clone for Storage<T> {
     fn clone(&self) -> Self {
-        Storage::Owned(self.as_slice().to_vec())
+        match self {
+            Storage::Device(d) => {
+                Storage::Device(OnDevice { data: d.data.clone(), host: d.host.clone() })
+            }
+            other => Storage::Owned(other.as_slice().to_vec()),
+        }
     }
 }
 
@@ -165,7 +263,6 @@ impl<T: bytemuck::Pod> WeightBuffers for Storage<T> {
 pub struct Tensor {
     shape: Vec<usize>,
     dtype: DType,
-    device: Device,
     storage: Storage,
 }
 
@@ -182,12 +279,37 @@ impl Tensor {
                 format!("shape {shape:?} needs {n} elements, got {}", data.len()),
             ));
         }
-        Ok(Tensor {
-            shape: shape.to_vec(),
-            dtype: DType::F32,
-            device: Device::Cpu,
-            storage: Storage::Owned(data),
-        })
+        Ok(Tensor { shape: shape.to_vec(), dtype: DType::F32, storage: Storage::Owned(data) })
+    }
+
+    /// A tensor over a backend's device data with `shape`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the data does not hold exactly the shape's f32 elements.
+    pub fn from_device(shape: &[usize], data: Arc<dyn DeviceData>) -> Result<Self> {
+        Tensor::from_storage(shape, Storage::device(data)?)
+    }
+
+    /// The storage mutably, for a backend that writes device data in place (see
+    /// [`Storage::device_data_for_write`]) or replaces it.
+    pub fn storage_mut(&mut self) -> &mut Storage {
+        &mut self.storage
+    }
+
+    /// Replaces the data with a backend's device data of the same length.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the length differs.
+    pub fn set_device_data(&mut self, data: Arc<dyn DeviceData>) -> Result<()> {
+        let storage = Storage::device(data)?;
+        if storage.len() != self.len() {
+            return Err(Error::shape(
+                "Tensor::set_device_data",
+                format!("{} elements for a tensor of {}", storage.len(), self.len()),
+            ));
+        }
+        self.storage = storage;
+        Ok(())
     }
 
     /// A tensor over `storage` with `shape`.
@@ -202,7 +324,7 @@ impl Tensor {
                 format!("shape {shape:?} needs {n} elements, storage has {}", storage.len()),
             ));
         }
-        Ok(Tensor { shape: shape.to_vec(), dtype: DType::F32, device: Device::Cpu, storage })
+        Ok(Tensor { shape: shape.to_vec(), dtype: DType::F32, storage })
     }
 
     /// The storage.
@@ -218,7 +340,6 @@ impl Tensor {
         Ok(Tensor {
             shape: self.shape.clone(),
             dtype: self.dtype,
-            device: self.device,
             storage: self.storage.copy_to(arena)?,
         })
     }
@@ -226,12 +347,7 @@ impl Tensor {
     /// A tensor of zeros.
     pub fn zeros(shape: &[usize]) -> Self {
         let n = shape.iter().product();
-        Tensor {
-            shape: shape.to_vec(),
-            dtype: DType::F32,
-            device: Device::Cpu,
-            storage: Storage::Owned(vec![0.0; n]),
-        }
+        Tensor { shape: shape.to_vec(), dtype: DType::F32, storage: Storage::Owned(vec![0.0; n]) }
     }
 
     /// The same data with the dtype tag it was stored as on disk (compute stays f32).
@@ -250,9 +366,13 @@ impl Tensor {
         self.dtype
     }
 
-    /// The device.
+    /// Where the data lives: a device while a backend's output has not been written by the
+    /// host, the host otherwise (reading keeps the device data; writing moves it to the host).
     pub fn device(&self) -> Device {
-        self.device
+        match &self.storage {
+            Storage::Device(d) => d.data.device(),
+            _ => Device::Cpu,
+        }
     }
 
     /// Number of elements.
@@ -280,7 +400,7 @@ impl Tensor {
         self.storage.as_slice()
     }
 
-    /// The elements in row-major order, mutably.
+    /// The elements in row-major order, mutably (device data moves to the host).
     pub fn data_mut(&mut self) -> &mut [f32] {
         self.storage.as_mut_slice()
     }
@@ -411,6 +531,93 @@ mod tests {
         assert_eq!(parts[0].data(), &[1.0, 4.0]);
         assert_eq!(parts[1].data(), &[2.0, 3.0, 5.0, 6.0]);
         assert!(t.split_last(&[2, 2]).is_err());
+    }
+
+    /// "Device" data held on the host, counting the copies made from it.
+    #[derive(Debug)]
+    struct FakeDevice {
+        values: Vec<f32>,
+        downloads: Arc<std::sync::atomic::AtomicUsize>,
+        fail: bool,
+    }
+
+    impl FakeDevice {
+        fn new(values: Vec<f32>) -> Arc<FakeDevice> {
+            Arc::new(FakeDevice { values, downloads: Default::default(), fail: false })
+        }
+    }
+
+    impl DeviceData for FakeDevice {
+        fn device(&self) -> Device {
+            Device::Cuda(3)
+        }
+        fn byte_len(&self) -> usize {
+            4 * self.values.len()
+        }
+        fn download(&self, out: &mut [u8]) -> std::result::Result<(), String> {
+            if self.fail {
+                return Err("device lost".into());
+            }
+            self.downloads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            out.copy_from_slice(bytemuck::cast_slice(&self.values));
+            Ok(())
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+
+    /// Device data is copied to the host once, at the first read; shape queries never copy;
+    /// clones share it (so it is not writable in place until they are gone); a write moves the
+    /// tensor to the host.
+    #[test]
+    fn device_data_is_copied_to_the_host_once_on_first_read() {
+        let dev = FakeDevice::new(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        let counter = dev.downloads.clone();
+        let downloads = || counter.load(std::sync::atomic::Ordering::SeqCst);
+        let mut t = Tensor::from_device(&[2, 3], dev).unwrap();
+        assert_eq!((t.len(), t.rows(), t.row_len(), t.device()), (6, 2, 3, Device::Cuda(3)));
+        let t2 = t.clone().reshape(&[3, 2]).unwrap();
+        assert_eq!(downloads(), 0, "shapes, clones and reshapes do not copy");
+        assert!(t.storage_mut().device_data_for_write().is_none(), "a clone shares the data");
+        drop(t2);
+        assert!(t.storage_mut().device_data_for_write().is_some());
+        assert_eq!(t.row(1), &[4.0, 5.0, 6.0]);
+        assert_eq!(t.data(), &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        assert_eq!(downloads(), 1);
+        assert_eq!(t.device(), Device::Cuda(3), "reading keeps the device data");
+        // Writing in place drops the host copy: the next read copies again.
+        assert!(t.storage_mut().device_data_for_write().is_some());
+        assert_eq!(t.data()[0], 1.0);
+        assert_eq!(downloads(), 2);
+        t.data_mut()[0] = 9.0;
+        assert_eq!(t.device(), Device::Cpu);
+        assert_eq!(t.data(), &[9.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        assert!(t.storage().device_data().is_none());
+        assert_eq!(downloads(), 2);
+
+        let err = Tensor::from_device(&[4], FakeDevice::new(vec![0.0; 3])).unwrap_err();
+        assert!(err.to_string().contains("needs 4 elements, storage has 3"), "{err}");
+        let mut t = Tensor::zeros(&[3]);
+        t.set_device_data(FakeDevice::new(vec![7.0; 3])).unwrap();
+        assert_eq!((t.device(), t.data()), (Device::Cuda(3), &[7.0; 3][..]));
+        let err = t.set_device_data(FakeDevice::new(vec![7.0; 2])).unwrap_err();
+        assert!(err.to_string().contains("2 elements for a tensor of 3"), "{err}");
+    }
+
+    /// A failed copy from the device says which device and why.
+    #[test]
+    fn a_lost_device_is_named_when_its_data_is_read() {
+        let dev = Arc::new(FakeDevice {
+            values: vec![0.0; 2],
+            downloads: Default::default(),
+            fail: true,
+        });
+        let t = Tensor::from_device(&[2], dev).unwrap();
+        let read = std::panic::AssertUnwindSafe(|| t.data().to_vec());
+        let got = std::panic::catch_unwind(read).unwrap_err();
+        let msg = got.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert_eq!(msg, "copying a tensor from Cuda(3) to the host failed: device lost");
     }
 
     #[test]

@@ -2,10 +2,12 @@
 //! device's implementation.
 //!
 //! Model code calls only `Backend` methods, so the CUDA backend (feature `cuda`, see [`cuda`])
-//! is one more variant that takes and returns the same host tensors. Each method documents its
+//! is one more variant that takes and returns the same tensors; its outputs stay on the device
+//! until host code reads them (see [`crate::tensor::DeviceData`]). Each method documents its
 //! shapes; all compute is f32 with f32 accumulation, except that on the CPU products with
 //! quantized weights multiply 8-bit quantized activations and sum each block of 32 in i32
-//! before scaling (as GGML does); the CUDA backend multiplies the dequantized f32 weights.
+//! before scaling (as GGML does); the CUDA backend multiplies the dequantized weights (in f32,
+//! or bf16/f16 with [`GemmDtype`]).
 
 pub mod cpu;
 pub mod cuda;
@@ -197,7 +199,7 @@ fn device_memory_on_cpu(op: &str) -> Error {
 pub enum Backend {
     /// CPU kernels on a private thread pool.
     Cpu(CpuBackend),
-    /// CUDA kernels on one device, staging host tensors through device memory (without
+    /// CUDA kernels on one device, its outputs kept in device memory (without
     /// feature `cuda` no value of this variant can be made).
     Cuda(CudaBackend),
 }
@@ -246,8 +248,8 @@ impl Backend {
         Ok(Backend::Cuda(CudaBackend::with_gemm_dtype(ordinal, dtype)?))
     }
 
-    /// The device the kernels run on. Tensors passed to and returned from a backend are in
-    /// host memory on every backend; the CUDA backend copies them.
+    /// The device the kernels run on. The CUDA backend takes tensors wherever they are and
+    /// returns its outputs on its device (host code reading them gets a copy).
     pub fn device(&self) -> Device {
         match self {
             Backend::Cpu(_) => Device::Cpu,
@@ -271,9 +273,13 @@ impl Backend {
             Some(last) => *last = n,
             None => shape.push(n),
         }
+        let cpu = match self {
+            Backend::Cpu(cpu) => cpu,
+            Backend::Cuda(cuda) => return cuda.linear(x, w, (m, n, k), &shape),
+        };
         let mut out = Tensor::zeros(&shape);
-        match (self, w) {
-            (Backend::Cpu(cpu), Weight::F32(wt)) => cpu.install(|| {
+        match w {
+            Weight::F32(wt) => cpu.install(|| {
                 if m <= MATVEC_MAX_ROWS {
                     for (xr, or) in x.data().chunks_exact(k).zip(out.data_mut().chunks_exact_mut(n))
                     {
@@ -292,7 +298,7 @@ impl Backend {
                     )
                 }
             })?,
-            (Backend::Cpu(cpu), Weight::Quant(wq)) => cpu.install(|| {
+            Weight::Quant(wq) => cpu.install(|| {
                 if m <= QMATVEC_MAX_ROWS {
                     for (xr, or) in x.data().chunks_exact(k).zip(out.data_mut().chunks_exact_mut(n))
                     {
@@ -304,7 +310,6 @@ impl Backend {
                     cpu::matmul::matmul_nt(x.data(), &wt, out.data_mut(), m, n, k, cpu.threads())
                 }
             })?,
-            (Backend::Cuda(cuda), w) => cuda.linear(x.data(), w, (m, n, k), out.data_mut())?,
         }
         Ok(out)
     }
@@ -317,12 +322,14 @@ impl Backend {
         check("rms_norm", x.row_len() == weight.len(), || {
             format!("rows of {} elements, weight of {}", x.row_len(), weight.len())
         })?;
-        let mut out = Tensor::zeros(x.shape());
         match self {
-            Backend::Cpu(_) => cpu::norm::rms_norm(x.data(), weight.data(), eps, out.data_mut()),
-            Backend::Cuda(cuda) => cuda.rms_norm(x.data(), weight.data(), eps, out.data_mut())?,
+            Backend::Cpu(_) => {
+                let mut out = Tensor::zeros(x.shape());
+                cpu::norm::rms_norm(x.data(), weight.data(), eps, out.data_mut());
+                Ok(out)
+            }
+            Backend::Cuda(cuda) => cuda.rms_norm(x, weight, eps),
         }
-        Ok(out)
     }
 
     /// Rotary embedding (rotate-half convention, see [`cpu::rope`]) of `x` viewed as
@@ -356,9 +363,7 @@ impl Backend {
             Backend::Cpu(_) => {
                 cpu::rope::rope(x.data_mut(), positions, heads, head_dim, rot_dim, theta)
             }
-            Backend::Cuda(cuda) => {
-                cuda.rope(x.data_mut(), positions, (heads, head_dim, rot_dim), theta)?
-            }
+            Backend::Cuda(cuda) => cuda.rope(x, positions, (heads, head_dim, rot_dim), theta)?,
         }
         Ok(())
     }
@@ -404,35 +409,63 @@ impl Backend {
                 )
             },
         )?;
+        let cpu = match self {
+            Backend::Cpu(cpu) => cpu,
+            Backend::Cuda(cuda) => return cuda.attention(q, q_pos, kv, kv_pos, shape, want_lse),
+        };
         let mut out = Tensor::zeros(&[q_pos.len(), q_heads, head_dim]);
         let mut lse = want_lse.then(|| Tensor::zeros(&[q_pos.len(), q_heads]));
-        match self {
-            Backend::Cpu(cpu) => {
-                let Kv::Host { k, v } = kv else { return Err(device_memory_on_cpu("attention")) };
-                cpu.install(|| {
-                    cpu::attention::attention(
-                        q.data(),
-                        q_pos,
-                        k,
-                        v,
-                        kv_pos,
-                        shape,
-                        out.data_mut(),
-                        lse.as_mut().map(|l| l.data_mut()),
-                    )
-                });
-            }
-            Backend::Cuda(cuda) => cuda.attention(
+        let Kv::Host { k, v } = kv else { return Err(device_memory_on_cpu("attention")) };
+        cpu.install(|| {
+            cpu::attention::attention(
                 q.data(),
                 q_pos,
-                kv,
+                k,
+                v,
                 kv_pos,
                 shape,
                 out.data_mut(),
                 lse.as_mut().map(|l| l.data_mut()),
-            )?,
-        }
+            )
+        });
         Ok((out, lse))
+    }
+
+    /// Splits the last dimension of `x` into consecutive parts of `sizes` elements (see
+    /// [`Tensor::split_last`]); on the CUDA backend the parts stay on the device.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the sizes do not add up to the last dimension.
+    pub fn split_last(&self, x: &Tensor, sizes: &[usize]) -> Result<Vec<Tensor>> {
+        let width = x.row_len();
+        check("split_last", sizes.iter().sum::<usize>() == width, || {
+            format!("{sizes:?} of a last dimension of {width}")
+        })?;
+        match self {
+            Backend::Cpu(_) => x.split_last(sizes),
+            Backend::Cuda(cuda) => cuda.split_last(x, sizes),
+        }
+    }
+
+    /// Copies `src`'s elements into device memory `dst` from its `offset`-th f32 on (a device
+    /// copy when `src` is the CUDA backend's output).
+    ///
+    /// # Errors
+    /// As [`Backend::write_device`].
+    pub(crate) fn write_tensor(
+        &self,
+        dst: &dyn DeviceMemory,
+        offset: usize,
+        src: &Tensor,
+    ) -> Result<()> {
+        let floats = dst.size() / 4;
+        check("write_device", offset + src.len() <= floats, || {
+            format!("{} values at {offset} overflow {floats}", src.len())
+        })?;
+        match self {
+            Backend::Cpu(_) => Err(device_memory_on_cpu("kv cache append")),
+            Backend::Cuda(cuda) => cuda.write_tensor(dst, offset, src),
+        }
     }
 
     /// Copies `src` into device memory `dst` from its `offset`-th f32 on.
@@ -464,7 +497,7 @@ impl Backend {
         check("silu_mul", gate.len() == up.len(), || format!("{} vs {}", gate.len(), up.len()))?;
         match self {
             Backend::Cpu(_) => cpu::activation::silu_mul(gate.data_mut(), up.data()),
-            Backend::Cuda(cuda) => cuda.silu_mul(gate.data_mut(), up.data())?,
+            Backend::Cuda(cuda) => cuda.silu_mul(gate, up)?,
         }
         Ok(())
     }
@@ -477,7 +510,7 @@ impl Backend {
         check("add_assign", x.len() == y.len(), || format!("{} vs {}", x.len(), y.len()))?;
         match self {
             Backend::Cpu(_) => cpu::activation::add_assign(x.data_mut(), y.data()),
-            Backend::Cuda(cuda) => cuda.add_assign(x.data_mut(), y.data())?,
+            Backend::Cuda(cuda) => cuda.add_assign(x, y)?,
         }
         Ok(())
     }
@@ -493,7 +526,7 @@ impl Backend {
         })?;
         match self {
             Backend::Cpu(_) => cpu::activation::add_rows(x.data_mut(), bias.data()),
-            Backend::Cuda(cuda) => cuda.add_rows(x.data_mut(), bias.data())?,
+            Backend::Cuda(cuda) => cuda.add_rows(x, bias)?,
         }
         Ok(())
     }
@@ -507,15 +540,14 @@ impl Backend {
         if let Some((index, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
             return Err(Error::TokenOutOfRange { id, index, vocab });
         }
+        if let Backend::Cuda(cuda) = self {
+            return cuda.embedding(table, ids);
+        }
         let mut out = Tensor::zeros(&[ids.len(), dim]);
-        match self {
-            Backend::Cpu(_) if dim == 0 => {}
-            Backend::Cpu(_) => {
-                for (&id, row) in ids.iter().zip(out.data_mut().chunks_exact_mut(dim)) {
-                    row.copy_from_slice(&table.row_f32(id as usize));
-                }
+        if dim > 0 {
+            for (&id, row) in ids.iter().zip(out.data_mut().chunks_exact_mut(dim)) {
+                row.copy_from_slice(&table.row_f32(id as usize));
             }
-            Backend::Cuda(cuda) => cuda.embedding(table, ids, out.data_mut())?,
         }
         Ok(out)
     }
@@ -530,7 +562,7 @@ impl Backend {
             || (0..x.rows()).map(|r| cpu::activation::argmax(x.row(r)).unwrap_or(0)).collect();
         match self {
             Backend::Cpu(_) => host(),
-            Backend::Cuda(cuda) => cuda.argmax_rows(x.data(), x.rows()).unwrap_or_else(|e| {
+            Backend::Cuda(cuda) => cuda.argmax_rows(x).unwrap_or_else(|e| {
                 tracing::warn!(error = %e, "cuda argmax failed; computed on the host instead");
                 host()
             }),

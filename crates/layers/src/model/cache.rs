@@ -107,17 +107,7 @@ impl LayerCache {
         v: &[f32],
         positions: &[usize],
     ) -> Result<()> {
-        let n = positions.len();
-        if k.len() != n * self.row || v.len() != n * self.row {
-            return Err(Error::shape(
-                "kv cache append",
-                format!("{n} tokens need {} values, got k {} v {}", n * self.row, k.len(), v.len()),
-            ));
-        }
-        let len = self.positions.len();
-        if len + n > self.capacity {
-            return Err(Error::CacheFull { len, capacity: self.capacity, requested: n });
-        }
+        let (n, len) = (positions.len(), self.check_append(positions.len(), k.len(), v.len())?);
         match &mut self.buffers {
             Buffers::Host { k: kb, v: vb } => {
                 let range = len * self.row..(len + n) * self.row;
@@ -131,6 +121,44 @@ impl LayerCache {
         }
         self.positions.extend_from_slice(positions);
         Ok(())
+    }
+
+    /// Appends the keys and values of `positions.len()` tokens from tensors: as
+    /// [`LayerCache::append`], but a device cache takes a backend's device outputs with a
+    /// copy on the device.
+    ///
+    /// # Errors
+    /// As [`LayerCache::append`].
+    pub fn append_tensors(
+        &mut self,
+        be: &Backend,
+        k: &crate::Tensor,
+        v: &crate::Tensor,
+        positions: &[usize],
+    ) -> Result<()> {
+        let Buffers::Device { k: kb, v: vb } = &self.buffers else {
+            return self.append(be, k.data(), v.data(), positions);
+        };
+        let len = self.check_append(positions.len(), k.len(), v.len())?;
+        be.write_tensor(kb.as_ref(), len * self.row, k)?;
+        be.write_tensor(vb.as_ref(), len * self.row, v)?;
+        self.positions.extend_from_slice(positions);
+        Ok(())
+    }
+
+    /// Checks that `n` tokens of `k` and `v` values fit; returns the cached length.
+    fn check_append(&self, n: usize, k: usize, v: usize) -> Result<usize> {
+        if k != n * self.row || v != n * self.row {
+            return Err(Error::shape(
+                "kv cache append",
+                format!("{n} tokens need {} values, got k {k} v {v}", n * self.row),
+            ));
+        }
+        let len = self.positions.len();
+        if len + n > self.capacity {
+            return Err(Error::CacheFull { len, capacity: self.capacity, requested: n });
+        }
+        Ok(len)
     }
 
     /// The cached keys and values, `[len, kv_heads, head_dim]` each, where they live.

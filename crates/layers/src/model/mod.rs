@@ -255,7 +255,7 @@ impl Attention {
         if let Some(bias) = &self.qkv_bias {
             be.add_bias(&mut y, bias)?;
         }
-        let mut parts = y.split_last(&[qw, kvw, kvw])?.into_iter();
+        let mut parts = be.split_last(&y, &[qw, kvw, kvw])?.into_iter();
         let (Some(mut q), Some(mut k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
             return Err(Error::shape("Attention::qkv", "split gave fewer than three parts"));
         };
@@ -302,7 +302,7 @@ impl Attention {
         cache: &mut LayerCache,
     ) -> Result<Tensor> {
         let (q, k, v) = self.qkv(be, x, positions)?;
-        cache.append(be, k.data(), v.data(), positions)?;
+        cache.append_tensors(be, &k, &v, positions)?;
         let (attn, _) = self.attend(be, &q, positions, cache, false)?;
         self.project_out(be, attn)
     }
@@ -372,7 +372,7 @@ impl Mlp {
     /// [`Error::Shape`] when `x` has the wrong width.
     pub fn forward(&self, be: &Backend, x: &Tensor) -> Result<Tensor> {
         let mut parts =
-            self.gate_up.forward(be, x)?.split_last(&[self.inner, self.inner])?.into_iter();
+            be.split_last(&self.gate_up.forward(be, x)?, &[self.inner, self.inner])?.into_iter();
         let (Some(mut g), Some(u)) = (parts.next(), parts.next()) else {
             return Err(Error::shape("Mlp::forward", "split gave fewer than two parts"));
         };

@@ -14,6 +14,18 @@ use collectives::{Collective, Communicator, ReduceOp};
 use std::ops::Range;
 use std::sync::Arc;
 
+/// `t` summed over the TP group in place. A group of one is the identity, so nothing moves (a
+/// device tensor stays on its device).
+///
+/// # Errors
+/// A failed collective.
+pub(crate) fn all_reduce_sum(tp: &mut dyn Communicator, t: &mut Tensor) -> Result<()> {
+    if tp.size() > 1 {
+        tp.all_reduce(t.data_mut(), ReduceOp::Sum)?;
+    }
+    Ok(())
+}
+
 /// Ranges of `total` split over `parts`, each boundary a multiple of `align` where possible
 /// (remainder blocks to the low ranks), so quantized blocks are never cut.
 pub fn aligned_ranges(total: usize, parts: usize, align: usize) -> Vec<Range<usize>> {
@@ -178,7 +190,7 @@ impl RowParallelLinear {
                 row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
             }
         }
-        tp.all_reduce(y.data_mut(), ReduceOp::Sum)?;
+        all_reduce_sum(tp, &mut y)?;
         Ok(y)
     }
 
@@ -214,11 +226,15 @@ impl VocabParallelEmbedding {
         Ok(VocabParallelEmbedding { table: Arc::new(table), vocab, total })
     }
 
-    /// Embeddings of `ids`: `[ids.len(), hidden]`, identical on every TP rank.
+    /// Embeddings of `ids`: `[ids.len(), hidden]`, identical on every TP rank. Without
+    /// tensor parallelism the backend looks them up (on its device).
     ///
     /// # Errors
     /// An id outside the vocabulary, or a failed collective.
-    pub fn forward(&self, tp: &mut dyn Communicator, ids: &[u32]) -> Result<Tensor> {
+    pub fn forward(&self, be: &Backend, tp: &mut dyn Communicator, ids: &[u32]) -> Result<Tensor> {
+        if tp.size() == 1 && self.vocab.len() == self.total {
+            return be.embedding(&self.table, ids);
+        }
         let hidden = self.table.dims().1;
         let mut out = Tensor::zeros(&[ids.len(), hidden]);
         for (index, (&id, row)) in

@@ -29,6 +29,7 @@ mod sequence;
 #[cfg(test)]
 mod tests;
 
+use linear::all_reduce_sum;
 pub use linear::{
     aligned_ranges, gather_columns, ColumnParallelLinear, ParallelLmHead, ParallelRmsNorm,
     RowParallelLinear, VocabParallelEmbedding,
@@ -243,7 +244,7 @@ impl ParallelAttention {
             v_all.extend_from_slice(vs);
             at += size;
         }
-        cache.append(be, k.data(), v.data(), positions)?;
+        cache.append_tensors(be, &k, &v, positions)?;
         let (out, _) = be.attention(
             &q,
             positions,
@@ -267,14 +268,19 @@ impl ParallelAttention {
         cache: &mut LayerCache,
     ) -> Result<Tensor> {
         let (q, k, v) = self.attn.qkv(be, x, positions)?;
-        let kv_width = self.shape.kv_heads * self.shape.head_dim;
-        let (mut mk, mut mv, mut mp) = (Vec::new(), Vec::new(), Vec::new());
-        for (i, _) in owned.iter().enumerate().filter(|(_, &o)| o) {
-            mk.extend_from_slice(&k.data()[i * kv_width..(i + 1) * kv_width]);
-            mv.extend_from_slice(&v.data()[i * kv_width..(i + 1) * kv_width]);
-            mp.push(positions[i]);
+        if owned.iter().all(|&o| o) {
+            // Every new token is this rank's (always without CP): append them as they are.
+            cache.append_tensors(be, &k, &v, positions)?;
+        } else {
+            let kv_width = self.shape.kv_heads * self.shape.head_dim;
+            let (mut mk, mut mv, mut mp) = (Vec::new(), Vec::new(), Vec::new());
+            for (i, _) in owned.iter().enumerate().filter(|(_, &o)| o) {
+                mk.extend_from_slice(&k.data()[i * kv_width..(i + 1) * kv_width]);
+                mv.extend_from_slice(&v.data()[i * kv_width..(i + 1) * kv_width]);
+                mp.push(positions[i]);
+            }
+            cache.append(be, &mk, &mv, &mp)?;
         }
-        cache.append(be, &mk, &mv, &mp)?;
         let cp = comms.cp.size();
         if cp == 1 {
             let (out, _) = self.attn.attend(be, &q, positions, cache, false)?;
@@ -303,7 +309,7 @@ impl ParallelAttention {
     /// Output projection of this rank's heads, all-reduced over TP.
     fn finish(&self, be: &Backend, comms: &mut Comms<'_>, attn: Tensor) -> Result<Tensor> {
         let mut y = self.attn.project_out(be, attn)?;
-        comms.tp.all_reduce(y.data_mut(), collectives::ReduceOp::Sum)?;
+        all_reduce_sum(comms.tp, &mut y)?;
         Ok(y)
     }
 }
@@ -769,7 +775,7 @@ impl ParallelModel {
                 requested: needed,
             });
         }
-        let mut x = self.embed.forward(comms.tp, &local_tokens)?;
+        let mut x = self.embed.forward(be, comms.tp, &local_tokens)?;
         for (l, b) in self.blocks.iter().enumerate() {
             let h = be.rms_norm(&x, &b.attn_norm, c.rms_eps)?;
             let layer = cache.local.layer_mut(l);
@@ -782,7 +788,7 @@ impl ParallelModel {
             be.add_assign(&mut x, &a)?;
             let h = be.rms_norm(&x, &b.ffn_norm, c.rms_eps)?;
             let mut m = b.mlp.forward(be, &h)?;
-            comms.tp.all_reduce(m.data_mut(), collectives::ReduceOp::Sum)?;
+            all_reduce_sum(comms.tp, &mut m)?;
             be.add_assign(&mut x, &m)?;
         }
         match &plan {

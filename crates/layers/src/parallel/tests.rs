@@ -135,7 +135,7 @@ fn linear_layers_embedding_and_head_match_the_full_layers() {
                 WeightForm::F32,
             )
             .unwrap();
-            let e = emb.forward(comms.tp, &ids).unwrap();
+            let e = emb.forward(&be, comms.tp, &ids).unwrap();
             let head = ParallelLmHead::new(emb.table().clone(), vocab, p.tp_rank);
             let logits = head.logits(&be, comms.tp, &x).unwrap();
             let argmax = head.argmax(&be, comms.tp, &x).unwrap();
@@ -154,7 +154,7 @@ fn linear_layers_embedding_and_head_match_the_full_layers() {
     let err = on_mesh(2, 1, |_, comms| {
         let emb = VocabParallelEmbedding::load(&file, "token_embd.weight", 0..19, WeightForm::F32)
             .unwrap();
-        emb.forward(comms.tp, &[37]).unwrap_err().to_string()
+        emb.forward(&Backend::cpu(1).unwrap(), comms.tp, &[37]).unwrap_err().to_string()
     });
     assert!(err[0].contains("37"), "{}", err[0]);
 }

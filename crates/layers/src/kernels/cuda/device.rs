@@ -1,13 +1,13 @@
 //! The CUDA backend proper (feature `cuda`): cuBLAS for products, NVRTC-compiled kernels for
-//! everything else, behind the same host-tensor seam as the CPU backend.
+//! everything else, behind the same tensor seam as the CPU backend.
 //!
 //! How data moves, and what it costs:
-//! - Activations stay in host memory between calls. Every op copies its inputs to the device,
-//!   runs, copies the result back and waits for the stream. That is one round trip over PCIe
-//!   (or NVLink-C2C) and one synchronization per op: simple and exactly as correct as the CPU
-//!   backend, but far from the GPU's speed for small batches, where the copies and launch
-//!   latencies dominate. Keeping activations on the device needs device tensors in the model,
-//!   which this seam deliberately does not have yet.
+//! - Activations stay on the device. Every op returns a tensor over its output buffer
+//!   ([`DeviceBuf`] as [`DeviceData`]) without waiting; the next op reads it in place (an
+//!   input in host memory is uploaded for the call), in-place ops write the buffer when no
+//!   clone shares it (else a device copy first), and the host gets a copy, after a stream
+//!   synchronization, only when host code reads the numbers. All of a backend's work runs on
+//!   its one stream, so queued kernels see their inputs and buffers are freed in stream order.
 //! - Weight matrices ([`Weight`]) are uploaded once and cached for the life of the backend,
 //!   keyed by the address and length of their host buffer (weights live in allocations that
 //!   keep their addresses), and checked on every use against a fingerprint of 64 sampled
@@ -42,6 +42,7 @@ use crate::kernels::cpu::attention::AttnShape;
 use crate::kernels::cpu::qmatrix::QBits;
 use crate::kernels::{GemmDtype, Kv, Weight};
 use crate::memory::{alloc_device_exact, DeviceArena, DeviceMemory};
+use crate::tensor::{DeviceData, Tensor};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
@@ -138,6 +139,7 @@ struct Kernels {
     attention: CudaFunction,
     to_bf16: CudaFunction,
     to_f16: CudaFunction,
+    copy_cols: CudaFunction,
 }
 
 /// Where a cached weight came from (the address and length of its first host buffer) and the
@@ -289,6 +291,7 @@ impl CudaBackend {
             attention: f("attention")?,
             to_bf16: f("to_bf16")?,
             to_f16: f("to_f16")?,
+            copy_cols: f("copy_cols")?,
         };
         tracing::debug!(ordinal, dtype = dtype.name(), "cuda backend ready");
         let inner = Inner { ordinal, dtype, stream, blas, k, weights: Mutex::default() };
@@ -439,15 +442,59 @@ impl CudaBackend {
                 (qs.as_ptr() as usize, qs.len(), fingerprint(&parts))
             }
         };
-        let key = WeightKey { addr, len, dtype };
+        let (rows, cols) = w.dims();
+        let n = rows * cols;
+        self.cached(op, WeightKey { addr, len, dtype }, print, n, |dst| match (dtype, w) {
+            // SAFETY: the slot holds at least n floats of this device and is used by no one
+            // else while the cache's lock is held.
+            (GemmDtype::F32, Weight::F32(t)) => unsafe { self.copy_to_addr(op, dst, t.data()) },
+            (GemmDtype::F32, Weight::Quant(q)) => self.dequantize(op, q, dst),
+            (half, _) => {
+                // Dense f32 first, then rounded into the slot.
+                let dense = match w {
+                    Weight::F32(t) => self.upload(op, t.data())?,
+                    Weight::Quant(q) => {
+                        let out = self.zeros(op, n.max(1))?;
+                        self.dequantize(op, q, self.addr(&out))?;
+                        out
+                    }
+                };
+                self.round_to(op, half, self.addr(&dense), dst, n)?;
+                // `dense` is freed on return: wait until the rounding has read it.
+                self.stream().synchronize().or_unavailable(|| format!("{op}: waiting"))
+            }
+        })
+    }
+
+    /// The device copy of a small f32 vector of the model (a norm's weight), cached like the
+    /// weight matrices.
+    fn vector(&self, op: &str, v: &[f32]) -> Result<Arc<Slot>> {
+        let bytes: &[u8] = bytemuck::cast_slice(v);
+        let key =
+            WeightKey { addr: bytes.as_ptr() as usize, len: bytes.len(), dtype: GemmDtype::F32 };
+        // SAFETY: as in `weight`: the slot holds at least v.len() floats and is this call's.
+        self.cached(op, key, fingerprint(&[bytes]), v.len(), |dst| unsafe {
+            self.copy_to_addr(op, dst, v)
+        })
+    }
+
+    /// The cache entry of `key` when it is current (fingerprint `print`, not cleared since),
+    /// else a slot of `elements` values of the key's dtype filled by `fill` (given its device
+    /// address): the entry's old slot when it has that size, so a weight keeps its address.
+    fn cached(
+        &self,
+        op: &str,
+        key: WeightKey,
+        print: u64,
+        elements: usize,
+        fill: impl FnOnce(u64) -> Result<()>,
+    ) -> Result<Arc<Slot>> {
         // Held through the upload, so two threads never upload the same weight twice.
         let mut cache = self.cache();
         if let Some(hit) = cache.entries.get(&key).filter(|c| c.fresh && c.fingerprint == print) {
             return Ok(hit.slot.clone());
         }
-        let (rows, cols) = w.dims();
-        let bytes = (rows * cols).max(1) * dtype.size();
-        // A cleared weight is written into the region it had, so its address does not change.
+        let bytes = elements.max(1) * key.dtype.size();
         let slot = match cache.entries.remove(&key) {
             Some(old) if old.slot.bytes() == bytes => old.slot,
             _ => Arc::new(match &cache.arena {
@@ -459,28 +506,7 @@ impl CudaBackend {
                 ),
             }),
         };
-        let dst = self.slot_addr(&slot);
-        match (dtype, w) {
-            // SAFETY: the slot holds at least rows·cols floats of this device and is used by
-            // no one else while the cache's lock is held.
-            (GemmDtype::F32, Weight::F32(t)) => unsafe { self.copy_to_addr(op, dst, t.data())? },
-            (GemmDtype::F32, Weight::Quant(q)) => self.dequantize(op, q, dst)?,
-            (half, _) => {
-                // Dense f32 first, then rounded into the slot.
-                let n = rows * cols;
-                let dense = match w {
-                    Weight::F32(t) => self.upload(op, t.data())?,
-                    Weight::Quant(q) => {
-                        let out = self.zeros(op, n.max(1))?;
-                        self.dequantize(op, q, self.addr(&out))?;
-                        out
-                    }
-                };
-                self.round_to(op, half, self.addr(&dense), dst, n)?;
-                // `dense` is freed on return: wait until the rounding has read it.
-                self.stream().synchronize().or_unavailable(|| format!("{op}: waiting"))?;
-            }
-        }
+        fill(self.slot_addr(&slot))?;
         cache
             .entries
             .insert(key, CachedWeight { fingerprint: print, fresh: true, slot: slot.clone() });
@@ -542,22 +568,69 @@ impl CudaBackend {
         self.stream().synchronize().or_unavailable(|| format!("{op}: waiting for dequantize"))
     }
 
-    /// `out[m, n] = x[m, k] · wᵀ` (`w` of `[n, k]`) with cuBLAS sgemm.
+    /// The device address of `t`'s elements for a kernel to read: its own device buffer when
+    /// it is this backend's output (read in place), else a copy uploaded for the call (device
+    /// data of another backend goes through the host). The returned [`Input`] keeps an upload
+    /// alive; the caller keeps `t` borrowed while queuing the work.
+    fn input(&self, op: &str, t: &Tensor) -> Result<Input> {
+        if let Some(buf) = self.own(t.storage().device_data()) {
+            return Ok(Input { ptr: self.addr(buf), _staged: None });
+        }
+        let staged = self.upload(op, t.data())?;
+        Ok(Input { ptr: self.addr(&staged), _staged: Some(staged) })
+    }
+
+    /// `data`'s buffer when it is an output of this backend (same stream, so no ordering to add).
+    fn own<'a>(&self, data: Option<&'a Arc<dyn DeviceData>>) -> Option<&'a CudaSlice<f32>> {
+        let buf = data?.as_any().downcast_ref::<DeviceBuf>()?;
+        Arc::ptr_eq(&buf.stream, self.stream()).then_some(&buf.buf)
+    }
+
+    /// The device address of `t`'s elements for a kernel to overwrite in place: its own buffer
+    /// when it is this backend's output and no clone shares it, else a fresh device copy that
+    /// becomes `t`'s data. Either way `t` is device data whose host copy is gone.
+    fn writable(&self, op: &str, t: &mut Tensor) -> Result<u64> {
+        if let Some(buf) = self.own(t.storage_mut().device_data_for_write()) {
+            return Ok(self.addr(buf));
+        }
+        let buf = match self.own(t.storage().device_data()) {
+            Some(shared) => self
+                .stream()
+                .clone_dtod(shared)
+                .or_unavailable(|| format!("{op}: copying on the device"))?,
+            None => self.upload(op, t.data())?,
+        };
+        let ptr = self.addr(&buf);
+        t.set_device_data(self.wrap(buf))?;
+        Ok(ptr)
+    }
+
+    /// `buf` as tensor data that stays on the device until the host reads it.
+    fn wrap(&self, buf: CudaSlice<f32>) -> Arc<dyn DeviceData> {
+        Arc::new(DeviceBuf { buf, stream: self.stream().clone(), ordinal: self.inner.ordinal })
+    }
+
+    /// A tensor of `shape` over the output `buf`.
+    fn output(&self, shape: &[usize], buf: CudaSlice<f32>) -> Result<Tensor> {
+        Tensor::from_device(shape, self.wrap(buf))
+    }
+
+    /// `x[m, k] · wᵀ` (`w` of `[n, k]`) shaped `shape`, with cuBLAS: sgemm in f32, GemmEx with
+    /// f32 accumulation in bf16/f16.
     pub(crate) fn linear(
         &self,
-        x: &[f32],
+        x: &Tensor,
         w: &Weight,
         (m, n, k): (usize, usize, usize),
-        out: &mut [f32],
-    ) -> Result<()> {
+        shape: &[usize],
+    ) -> Result<Tensor> {
         const OP: &str = "linear";
         if m == 0 || n == 0 || k == 0 {
-            out.fill(0.0);
-            return Ok(());
+            return Ok(Tensor::zeros(shape));
         }
         let dtype = self.inner.dtype;
         let wd = self.weight(OP, w, dtype)?;
-        let xd = self.upload(OP, x)?;
+        let xd = self.input(OP, x)?;
         let mut od = self.zeros(OP, m * n)?;
         // The activations in the weights' type (a half copy for bf16/f16).
         let half = match dtype {
@@ -567,11 +640,11 @@ impl CudaBackend {
                     .stream()
                     .alloc_zeros::<u16>(m * k)
                     .or_unavailable(|| format!("{OP}: allocating {} halves", m * k))?;
-                self.round_to(OP, dtype, self.addr(&xd), self.addr(&h), m * k)?;
+                self.round_to(OP, dtype, xd.ptr, self.addr(&h), m * k)?;
                 Some(h)
             }
         };
-        let xp = half.as_ref().map_or_else(|| self.addr(&xd), |h| self.addr(h));
+        let xp = half.as_ref().map_or(xd.ptr, |h| self.addr(h));
         let wp = self.slot_addr(&wd);
         // cuBLAS is column-major. Row-major out[m, n] is column-major outᵀ[n, m] = W·xᵀ, where
         // the row-major weight buffer read column-major is Wᵀ[k, n] (so transpose it back) and
@@ -587,10 +660,10 @@ impl CudaBackend {
         // SAFETY: the handle was created on this backend's stream and context (bound above).
         // With these dimensions the product reads n·k elements of the weight (lda = k,
         // transposed), k·m of x (ldb = k) and writes n·m floats of out (ldc = n); the weight
-        // slot holds the n·k values of `w` in `dtype`, x (or its half copy, of the same type
-        // as the weight) and out were allocated with m·k and m·n elements and live until the
-        // download below has synchronized the stream. beta = 0, so out is not read; alpha and
-        // beta are f32, as the f32 compute type of GemmEx wants.
+        // slot holds the n·k values of `w` in `dtype`, x (or its half copy, of the weight's
+        // type) and out hold m·k and m·n elements. Every buffer is freed stream-ordered, after
+        // the product. beta = 0, so out is not read; alpha and beta are f32, as the f32
+        // compute type of GemmEx wants.
         let done = unsafe {
             match dtype {
                 GemmDtype::F32 => cudarc::cublas::result::sgemm(
@@ -601,9 +674,9 @@ impl CudaBackend {
                     cols,
                     inner,
                     &alpha,
-                    wp as *const f32,
+                    xp_as(wp),
                     inner,
-                    xp as *const f32,
+                    xp_as(xp),
                     inner,
                     &beta,
                     out_ptr as *mut f32,
@@ -640,41 +713,36 @@ impl CudaBackend {
         };
         done.or_unavailable(|| format!("{OP}: {} gemm {m}x{k} by {k}x{n}", dtype.name()))?;
         drop(record);
-        self.download(OP, &od, out)
+        self.output(shape, od)
     }
 
     /// RMSNorm of rows of `weight.len()` elements.
-    pub(crate) fn rms_norm(
-        &self,
-        x: &[f32],
-        weight: &[f32],
-        eps: f32,
-        out: &mut [f32],
-    ) -> Result<()> {
+    pub(crate) fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
         const OP: &str = "rms_norm";
         let d = weight.len();
         if x.is_empty() || d == 0 {
-            return Ok(());
+            return Ok(Tensor::zeros(x.shape()));
         }
         let rows = x.len() / d;
-        let xd = self.upload(OP, x)?;
-        let wd = self.upload(OP, weight)?;
+        let xd = self.input(OP, x)?;
+        let wd = self.vector(OP, weight.data())?;
+        let wp = self.slot_addr(&wd);
         let mut od = self.zeros(OP, x.len())?;
         let d32 = int(OP, "row length", d)?;
         let cfg = per_row(OP, rows, BLOCK)?;
         let mut b = self.stream().launch_builder(&self.inner.k.rms_norm);
-        b.arg(&xd).arg(&wd).arg(&mut od).arg(&d32).arg(&eps);
+        b.arg(&xd.ptr).arg(&wp).arg(&mut od).arg(&d32).arg(&eps);
         // SAFETY: the arguments match `rms_norm(const float*, const float*, float*, int,
         // float)`; block r reads and writes row r (d floats) of x and out, which hold rows·d
-        // floats, and reads the d floats of the weight.
+        // floats, and reads the d floats of the weight's device copy.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
-        self.download(OP, &od, out)
+        self.output(x.shape(), od)
     }
 
     /// Rotate-half rotary embedding in place (see `cpu::rope::rope`).
     pub(crate) fn rope(
         &self,
-        x: &mut [f32],
+        x: &mut Tensor,
         positions: &[usize],
         (heads, head_dim, rot_dim): (usize, usize, usize),
         theta: f32,
@@ -684,7 +752,7 @@ impl CudaBackend {
         if pairs == 0 {
             return Ok(());
         }
-        let mut xd = self.upload(OP, x)?;
+        let xp = self.writable(OP, x)?;
         let pos: Vec<u64> = positions.iter().map(|&p| p as u64).collect();
         let pd = self.upload(OP, &pos)?;
         let args = [
@@ -695,7 +763,7 @@ impl CudaBackend {
         ];
         let cfg = elementwise(OP, pairs)?;
         let mut b = self.stream().launch_builder(&self.inner.k.rope);
-        b.arg(&mut xd).arg(&pd);
+        b.arg(&xp).arg(&pd);
         for a in &args {
             b.arg(a);
         }
@@ -704,25 +772,26 @@ impl CudaBackend {
         // Thread (t, h, i) for i < rot_dim/2 reads position t and rewrites elements i and
         // i + rot_dim/2 of head h of token t; the caller checked x holds tokens·heads·head_dim
         // floats with rot_dim <= head_dim, and threads past the last pair return at once.
+        // `writable` made x's buffer this tensor's own.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
-        self.download(OP, &xd, x)
+        Ok(())
     }
 
-    /// Causal GQA attention with per-row log-sum-exp (see `cpu::attention::attention`).
-    #[allow(clippy::too_many_arguments)]
+    /// Causal GQA attention with per-row log-sum-exp (see `cpu::attention::attention`):
+    /// returns `[q_pos.len(), q_heads, head_dim]` and, when `want_lse`, `[q_pos.len(), q_heads]`.
     pub(crate) fn attention(
         &self,
-        q: &[f32],
+        q: &Tensor,
         q_pos: &[usize],
         kv: Kv<'_>,
         kv_pos: &[usize],
         shape: AttnShape,
-        out: &mut [f32],
-        lse: Option<&mut [f32]>,
-    ) -> Result<()> {
+        want_lse: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         const OP: &str = "attention";
         let AttnShape { q_heads, kv_heads, head_dim } = shape;
         let rows = q_pos.len() * q_heads;
+        let (out_shape, lse_shape) = ([q_pos.len(), q_heads, head_dim], [q_pos.len(), q_heads]);
         if head_dim > ATTN_MAX_HEAD_DIM {
             return Err(Error::shape(
                 OP,
@@ -731,14 +800,13 @@ impl CudaBackend {
         }
         if rows == 0 || head_dim == 0 || kv_pos.is_empty() {
             // No keys at all: zeros and -inf, the neutral partial result.
-            out.fill(0.0);
-            if let Some(l) = lse {
-                l.fill(f32::NEG_INFINITY);
-            }
-            return Ok(());
+            let lse = want_lse
+                .then(|| Tensor::from_vec(&lse_shape, vec![f32::NEG_INFINITY; rows]))
+                .transpose()?;
+            return Ok((Tensor::zeros(&out_shape), lse));
         }
         let to_u64 = |p: &[usize]| p.iter().map(|&x| x as u64).collect::<Vec<u64>>();
-        let qd = self.upload(OP, q)?;
+        let qd = self.input(OP, q)?;
         let qpd = self.upload(OP, &to_u64(q_pos))?;
         // Host keys and values are uploaded for this call; a device cache is read in place.
         let mut staged = None;
@@ -750,7 +818,7 @@ impl CudaBackend {
             Kv::Device { k, v } => (k.device_ptr(), v.device_ptr()),
         };
         let kpd = self.upload(OP, &to_u64(kv_pos))?;
-        let mut od = self.zeros(OP, q.len())?;
+        let mut od = self.zeros(OP, rows * head_dim)?;
         let mut ld = self.zeros(OP, rows)?;
         let args = [
             int(OP, "keys", kv_pos.len())?,
@@ -762,7 +830,7 @@ impl CudaBackend {
         let scale = 1.0 / (head_dim as f32).sqrt();
         let cfg = per_row(OP, rows, ATTN_BLOCK)?;
         let mut b = self.stream().launch_builder(&self.inner.k.attention);
-        b.arg(&qd).arg(&qpd).arg(&kp).arg(&vp).arg(&kpd);
+        b.arg(&qd.ptr).arg(&qpd).arg(&kp).arg(&vp).arg(&kpd);
         for a in &args {
             b.arg(a);
         }
@@ -772,70 +840,105 @@ impl CudaBackend {
         // (query token r / q_heads) reads q_pos and row r of q (head_dim floats), all n_kv key
         // positions and head g of every key and value row, and writes row r of out and
         // lse[r]. The caller checked q holds q_pos.len()·q_heads·head_dim floats, k and v at
-        // least kv_pos.len()·kv_heads·head_dim (staged ones live until the download below
-        // synchronizes; a device cache is mapped while steps run, as `DeviceMemory`
-        // promises), q_heads a multiple of kv_heads (so g < kv_heads);
-        // head_dim <= 512 fits the kernel's per-thread output slots and shared query copy.
+        // least kv_pos.len()·kv_heads·head_dim (staged ones are freed stream-ordered, after
+        // the kernel; a device cache is mapped while steps run, as `DeviceMemory` promises),
+        // q_heads a multiple of kv_heads (so g < kv_heads); head_dim <= 512 fits the kernel's
+        // per-thread output slots and shared query copy.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
-        self.download(OP, &od, out)?;
-        match lse {
-            Some(l) => self.download(OP, &ld, l),
-            None => Ok(()),
-        }
+        let lse = want_lse.then(|| self.output(&lse_shape, ld)).transpose()?;
+        Ok((self.output(&out_shape, od)?, lse))
     }
 
     /// Launches one of the element-wise kernels `f(float* x, const float* y, u64 n, ...)` on
-    /// `x` with `y`, plus `width` for `add_rows`, and copies `x` back.
+    /// `x` with `y` (plus `width` for `add_rows`), in place on `x`'s device data.
     fn binary(
         &self,
         op: &str,
         f: &CudaFunction,
-        x: &mut [f32],
-        y: &[f32],
+        x: &mut Tensor,
+        y: &Tensor,
         width: Option<i32>,
     ) -> Result<()> {
         if x.is_empty() {
             return Ok(());
         }
-        let mut xd = self.upload(op, x)?;
-        let yd = self.upload(op, y)?;
+        let yd = self.input(op, y)?;
+        let xp = self.writable(op, x)?;
         let n = x.len() as u64;
         let cfg = elementwise(op, x.len())?;
         let mut b = self.stream().launch_builder(f);
-        b.arg(&mut xd).arg(&yd).arg(&n);
+        b.arg(&xp).arg(&yd.ptr).arg(&n);
         if let Some(w) = width.as_ref() {
             b.arg(w);
         }
         // SAFETY: the caller passes a kernel of signature `(float*, const float*, u64)` (or
         // `(float*, const float*, u64, int)` with `width`); element i < n of x is updated
         // from element i of y (i % width for add_rows), and the callers checked that y has
-        // x's length (or, for add_rows, that width = y.len() > 0 divides it).
+        // x's length (or, for add_rows, that width = y.len() > 0 divides it). x's buffer is
+        // its own (`writable`), so y, read before, is never the same buffer.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{op}: launch"))?;
-        self.download(op, &xd, x)
+        Ok(())
     }
 
     /// `gate = silu(gate) · up`.
-    pub(crate) fn silu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<()> {
+    pub(crate) fn silu_mul(&self, gate: &mut Tensor, up: &Tensor) -> Result<()> {
         self.binary("silu_mul", &self.inner.k.silu_mul, gate, up, None)
     }
 
     /// `x += y`.
-    pub(crate) fn add_assign(&self, x: &mut [f32], y: &[f32]) -> Result<()> {
+    pub(crate) fn add_assign(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
         self.binary("add_assign", &self.inner.k.add_assign, x, y, None)
     }
 
     /// `bias` added to every row of `x`.
-    pub(crate) fn add_rows(&self, x: &mut [f32], bias: &[f32]) -> Result<()> {
+    pub(crate) fn add_rows(&self, x: &mut Tensor, bias: &Tensor) -> Result<()> {
         let width = int("add_bias", "bias length", bias.len())?;
         self.binary("add_bias", &self.inner.k.add_rows, x, bias, Some(width))
     }
 
-    /// Rows `ids` of `table` (ids already checked against its row count).
-    pub(crate) fn embedding(&self, table: &Weight, ids: &[u32], out: &mut [f32]) -> Result<()> {
+    /// Consecutive column blocks of `sizes` of every row of `x` (see [`Tensor::split_last`]),
+    /// each a device tensor.
+    pub(crate) fn split_last(&self, x: &Tensor, sizes: &[usize]) -> Result<Vec<Tensor>> {
+        const OP: &str = "split_last";
+        let (rows, width) = (x.rows(), x.row_len());
+        if x.is_empty() {
+            return x.split_last(sizes);
+        }
+        let xd = self.input(OP, x)?;
+        let lead = &x.shape()[..x.shape().len().saturating_sub(1)];
+        let mut at = 0usize;
+        let mut parts = Vec::with_capacity(sizes.len());
+        for &size in sizes {
+            let mut shape = lead.to_vec();
+            shape.push(size);
+            if size == 0 {
+                parts.push(Tensor::zeros(&shape));
+                continue;
+            }
+            let mut od = self.zeros(OP, rows * size)?;
+            let args = [int(OP, "width", width)?, int(OP, "offset", at)?, int(OP, "size", size)?];
+            let n = (rows * size) as u64;
+            let cfg = elementwise(OP, rows * size)?;
+            let mut b = self.stream().launch_builder(&self.inner.k.copy_cols);
+            b.arg(&xd.ptr).arg(&mut od).arg(&n).arg(&args[0]).arg(&args[1]).arg(&args[2]);
+            // SAFETY: the arguments match `copy_cols(const float*, float*, u64, int, int,
+            // int)`; element i < n = rows·size of out reads x[(i / size)·width + offset +
+            // i % size], inside x's rows·width elements because the caller checked that the
+            // sizes add up to width (so offset + size <= width).
+            unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+            parts.push(self.output(&shape, od)?);
+            at += size;
+        }
+        Ok(parts)
+    }
+
+    /// Rows `ids` of `table` (ids already checked against its row count): `[ids.len(), dim]`.
+    pub(crate) fn embedding(&self, table: &Weight, ids: &[u32]) -> Result<Tensor> {
         const OP: &str = "embedding";
         let dim = table.dims().1;
+        let shape = [ids.len(), dim];
         if ids.is_empty() || dim == 0 {
-            return Ok(());
+            return Ok(Tensor::zeros(&shape));
         }
         let td = self.weight(OP, table, GemmDtype::F32)?;
         let table_ptr = self.slot_addr(&td);
@@ -849,31 +952,119 @@ impl CudaBackend {
         // int, int)`; element (r, c) reads ids[r] and table[ids[r]·dim + c], and the caller
         // checked every id is below the table's row count; out holds ids.len()·dim floats.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
-        self.download(OP, &od, out)
+        self.output(&shape, od)
     }
 
-    /// The index of the largest element of each of `rows` rows of `x` (first on ties, NaN
-    /// never wins, 0 for a row without a number).
-    pub(crate) fn argmax_rows(&self, x: &[f32], rows: usize) -> Result<Vec<usize>> {
+    /// The index of the largest element of each row of `x` (first on ties, NaN never wins, 0
+    /// for a row without a number).
+    pub(crate) fn argmax_rows(&self, x: &Tensor) -> Result<Vec<usize>> {
         const OP: &str = "argmax_rows";
+        let rows = x.rows();
         if rows == 0 || x.is_empty() {
             return Ok(vec![0; rows]);
         }
-        let cols = int(OP, "columns", x.len() / rows)?;
-        let xd = self.upload(OP, x)?;
+        let cols = int(OP, "columns", x.row_len())?;
+        let xd = self.input(OP, x)?;
         let mut od = self
             .stream()
             .alloc_zeros::<u32>(rows)
             .or_unavailable(|| format!("{OP}: allocating"))?;
         let cfg = per_row(OP, rows, BLOCK)?;
         let mut b = self.stream().launch_builder(&self.inner.k.argmax_rows);
-        b.arg(&xd).arg(&cols).arg(&mut od);
+        b.arg(&xd.ptr).arg(&cols).arg(&mut od);
         // SAFETY: the arguments match `argmax_rows(const float*, int, unsigned int*)`; block
         // r reads row r (cols floats) of x, which holds rows·cols, and writes out[r] of rows.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
         let mut idx = vec![0u32; rows];
         self.download(OP, &od, &mut idx)?;
         Ok(idx.into_iter().map(|i| i as usize).collect())
+    }
+
+    /// Appends `src`'s elements to device memory `dst` from its `offset`-th f32 on (the
+    /// caller checked that they fit): a device-to-device copy for this backend's outputs.
+    pub(crate) fn write_tensor(
+        &self,
+        dst: &dyn DeviceMemory,
+        offset: usize,
+        src: &Tensor,
+    ) -> Result<()> {
+        const OP: &str = "kv cache append";
+        let Some(buf) = self.own(src.storage().device_data()) else {
+            return self.write_device(dst, offset, src.data());
+        };
+        if src.is_empty() {
+            return Ok(());
+        }
+        debug_assert!(4 * (offset + src.len()) <= dst.size());
+        self.bind(OP)?;
+        let from = self.addr(buf);
+        // SAFETY: `DeviceMemory` promises `dst` is mapped memory of this device while kernels
+        // may run, and the range lies inside it (checked by the caller); `buf` holds the
+        // src.len() floats read, on this stream, and is freed stream-ordered after the copy.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                dst.device_ptr() + 4 * offset as u64,
+                from,
+                4 * src.len(),
+                self.stream().cu_stream(),
+            )
+        }
+        .or_unavailable(|| format!("{OP}: copying {} floats on the device", src.len()))
+    }
+}
+
+/// A device address for a kernel, with the upload behind it (if any) kept alive.
+struct Input {
+    ptr: u64,
+    _staged: Option<CudaSlice<f32>>,
+}
+
+/// A device address as the `const float*` cuBLAS wants.
+fn xp_as(ptr: u64) -> *const f32 {
+    ptr as *const f32
+}
+
+/// An output of a [`CudaBackend`]: its buffer and the stream that writes it.
+struct DeviceBuf {
+    buf: CudaSlice<f32>,
+    stream: Arc<CudaStream>,
+    ordinal: usize,
+}
+
+impl fmt::Debug for DeviceBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceBuf")
+            .field("ordinal", &self.ordinal)
+            .field("len", &self.buf.len())
+            .finish()
+    }
+}
+
+impl DeviceData for DeviceBuf {
+    fn device(&self) -> crate::tensor::Device {
+        crate::tensor::Device::Cuda(self.ordinal)
+    }
+
+    fn byte_len(&self) -> usize {
+        4 * self.buf.len()
+    }
+
+    fn download(&self, out: &mut [u8]) -> std::result::Result<(), String> {
+        let stream = &self.stream;
+        stream.context().bind_to_thread().map_err(|e| e.to_string())?;
+        let (src, _record) = self.buf.device_ptr(stream);
+        let n = out.len().min(self.byte_len());
+        // SAFETY: `src` holds byte_len bytes of this stream's device; `out` is a live host
+        // slice, and the stream is synchronized before it is returned to the caller.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(&mut out[..n], src, stream.cu_stream())
+        }
+        .map_err(|e| e.to_string())?;
+        stream.synchronize().map_err(|e| e.to_string())
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
@@ -1003,6 +1194,7 @@ mod tests {
             "attention",
             "to_bf16",
             "to_f16",
+            "copy_cols",
         ] {
             assert!(text.contains(&format!(".entry {name}(")), "no kernel `{name}` in the PTX");
         }

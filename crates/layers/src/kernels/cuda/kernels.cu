@@ -250,3 +250,13 @@ extern "C" __global__ void to_f16(const float* x, unsigned short* y, u64 n) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x[i]));
     y[i] = h;
 }
+
+// out[r, c] = x[r, offset + c] for c < size: one column block of rows of `width` (splitting a
+// fused projection's output). One thread per output element.
+extern "C" __global__ void copy_cols(const float* x, float* out, u64 n, int width, int offset,
+                                     int size) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    u64 r = i / (u64)size;
+    out[i] = x[r * (u64)width + (u64)offset + i % (u64)size];
+}

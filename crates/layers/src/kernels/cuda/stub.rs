@@ -4,6 +4,7 @@
 use crate::error::{Error, Result};
 use crate::kernels::{AttnShape, GemmDtype, Kv, Weight};
 use crate::memory::{DeviceArena, DeviceMemory};
+use crate::tensor::Tensor;
 use std::convert::Infallible;
 use std::sync::Arc;
 
@@ -58,27 +59,21 @@ impl CudaBackend {
 
     pub(crate) fn linear(
         &self,
-        _x: &[f32],
+        _x: &Tensor,
         _w: &Weight,
         _mnk: (usize, usize, usize),
-        _out: &mut [f32],
-    ) -> Result<()> {
+        _shape: &[usize],
+    ) -> Result<Tensor> {
         match self.never {}
     }
 
-    pub(crate) fn rms_norm(
-        &self,
-        _x: &[f32],
-        _w: &[f32],
-        _eps: f32,
-        _out: &mut [f32],
-    ) -> Result<()> {
+    pub(crate) fn rms_norm(&self, _x: &Tensor, _w: &Tensor, _eps: f32) -> Result<Tensor> {
         match self.never {}
     }
 
     pub(crate) fn rope(
         &self,
-        _x: &mut [f32],
+        _x: &mut Tensor,
         _positions: &[usize],
         _dims: (usize, usize, usize),
         _theta: f32,
@@ -88,14 +83,13 @@ impl CudaBackend {
 
     pub(crate) fn attention(
         &self,
-        _q: &[f32],
+        _q: &Tensor,
         _q_pos: &[usize],
         _kv: Kv<'_>,
         _kv_pos: &[usize],
         _shape: AttnShape,
-        _out: &mut [f32],
-        _lse: Option<&mut [f32]>,
-    ) -> Result<()> {
+        _want_lse: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         match self.never {}
     }
 
@@ -108,23 +102,36 @@ impl CudaBackend {
         match self.never {}
     }
 
-    pub(crate) fn silu_mul(&self, _gate: &mut [f32], _up: &[f32]) -> Result<()> {
+    pub(crate) fn write_tensor(
+        &self,
+        _dst: &dyn DeviceMemory,
+        _offset: usize,
+        _src: &Tensor,
+    ) -> Result<()> {
         match self.never {}
     }
 
-    pub(crate) fn add_assign(&self, _x: &mut [f32], _y: &[f32]) -> Result<()> {
+    pub(crate) fn silu_mul(&self, _gate: &mut Tensor, _up: &Tensor) -> Result<()> {
         match self.never {}
     }
 
-    pub(crate) fn add_rows(&self, _x: &mut [f32], _bias: &[f32]) -> Result<()> {
+    pub(crate) fn add_assign(&self, _x: &mut Tensor, _y: &Tensor) -> Result<()> {
         match self.never {}
     }
 
-    pub(crate) fn embedding(&self, _table: &Weight, _ids: &[u32], _out: &mut [f32]) -> Result<()> {
+    pub(crate) fn add_rows(&self, _x: &mut Tensor, _bias: &Tensor) -> Result<()> {
         match self.never {}
     }
 
-    pub(crate) fn argmax_rows(&self, _x: &[f32], _rows: usize) -> Result<Vec<usize>> {
+    pub(crate) fn split_last(&self, _x: &Tensor, _sizes: &[usize]) -> Result<Vec<Tensor>> {
+        match self.never {}
+    }
+
+    pub(crate) fn embedding(&self, _table: &Weight, _ids: &[u32]) -> Result<Tensor> {
+        match self.never {}
+    }
+
+    pub(crate) fn argmax_rows(&self, _x: &Tensor) -> Result<Vec<usize>> {
         match self.never {}
     }
 }

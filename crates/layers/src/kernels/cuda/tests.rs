@@ -530,3 +530,38 @@ fn cuda_half_precision_models_stay_close_to_the_cpu() {
     let text = tok.decode(&tokens, true).unwrap();
     assert!(text.contains("Paris"), "bf16 continuation: {text:?}");
 }
+
+/// Outputs stay on the device between kernels: a norm, a product, a split, a rotation and a
+/// residual add chain on the GPU without a host copy, the result is the CPU's, and only a
+/// host write moves it to the host. A shared output is copied, not overwritten, by an
+/// in-place kernel.
+#[test]
+fn cuda_outputs_stay_on_the_device_until_the_host_reads_them() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = cpu();
+    let x = tensor(&[3, 64], 31);
+    let norm = tensor(&[64], 32);
+    let w = Weight::F32(tensor(&[96, 64], 33));
+    let run = |be: &Backend| {
+        let h = be.rms_norm(&x, &norm, 1e-5).unwrap();
+        let y = be.linear(&h, &w).unwrap();
+        let mut parts = be.split_last(&y, &[64, 32]).unwrap().into_iter();
+        let (mut a, b) = (parts.next().unwrap(), parts.next().unwrap());
+        be.rope(&mut a, &[0, 1, 2], 2, 32, 32, 10_000.0).unwrap();
+        let shared = a.clone();
+        be.add_assign(&mut a, &x).unwrap();
+        (a, b, shared)
+    };
+    let (a, b, shared) = run(&gpu);
+    for t in [&a, &b, &shared] {
+        assert_eq!(t.device(), Device::Cuda(0), "an output went to the host");
+    }
+    let (want_a, want_b, want_shared) = run(&cpu);
+    assert_close(a.data(), want_a.data(), 1e-4);
+    assert_close(b.data(), want_b.data(), 1e-4);
+    assert_close(shared.data(), want_shared.data(), 1e-4);
+    assert_eq!(a.device(), Device::Cuda(0), "reading keeps the device copy");
+    let mut a = a;
+    a.data_mut()[0] += 1.0;
+    assert_eq!(a.device(), Device::Cpu);
+}
