@@ -101,6 +101,36 @@ pub trait Communicator: Send {
     /// As [`Communicator::all_reduce_raw`].
     fn barrier(&mut self) -> Result<()>;
 
+    /// The CUDA device whose memory [`Communicator::all_reduce_device_ptr`] reduces in place,
+    /// for a backend that works on device buffers (NCCL); `None` for the host backends.
+    fn cuda_device(&self) -> Option<usize> {
+        None
+    }
+
+    /// In-place all-reduce of `bytes` bytes of `dtype` elements at device address `ptr` on
+    /// [`Communicator::cuda_device`]; returns when the reduction has completed.
+    ///
+    /// # Safety
+    /// `ptr..ptr + bytes` is memory of that device, and no other work reads or writes it until
+    /// this returns.
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`] on a backend without device buffers; otherwise as
+    /// [`Communicator::all_reduce_raw`].
+    unsafe fn all_reduce_device_ptr(
+        &mut self,
+        ptr: u64,
+        bytes: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let _ = (ptr, bytes, dtype, op);
+        Err(Error::BackendUnavailable {
+            backend: self.backend(),
+            reason: format!("the {} group reduces host memory, not device buffers", self.group()),
+        })
+    }
+
     /// Equal-size all-gather.
     ///
     /// # Errors

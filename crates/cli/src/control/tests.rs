@@ -42,10 +42,11 @@ fn rank(rank: usize, devices: Vec<(u32, u64)>, tags: &[(&str, u64)]) -> RankRece
                 elapsed_us: 2500,
             })
             .collect(),
-        before: Probe { resident: 3 << 30, devices: devices.clone() },
+        before: Probe { resident: 3 << 30, devices: devices.clone(), ..Probe::default() },
         after: Probe {
             resident: 1 << 30,
             devices: devices.iter().map(|&(i, b)| (i, b - (2 << 30))).collect(),
+            ..Probe::default()
         },
         elapsed_us: 5000,
         asleep: strings(&["weights"]),

@@ -861,6 +861,27 @@ impl Communicator for NcclCommunicator {
         }
     }
 
+    fn cuda_device(&self) -> Option<usize> {
+        Some(self.device)
+    }
+
+    unsafe fn all_reduce_device_ptr(
+        &mut self,
+        ptr: u64,
+        bytes: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.device_call(Op::AllReduce, |me, at| {
+            device_elements(at, "buffer", bytes, dtype)?;
+            // SAFETY: the caller guarantees `bytes` bytes of this device at `ptr`, untouched by
+            // other work until the reduction (waited for by `run`) completes.
+            me.run(at, |me| unsafe {
+                me.enqueue_all_reduce(ptr, ptr, bytes / dtype.size(), dtype, op)
+            })
+        })
+    }
+
     fn all_reduce_raw(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         let at = self.begin(Op::AllReduce)?;
         let result = (|| {

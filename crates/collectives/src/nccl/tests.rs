@@ -337,3 +337,28 @@ fn nccl_fail_tells_the_peers_through_the_store() {
     assert!(matches!(err, Error::PeerFailed { peer: 1, .. }), "{err}");
     assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
 }
+
+/// The trait's device entry point on a one-rank NCCL group: it names its device, reduces a
+/// device buffer in place (the identity for one rank) and checks the length.
+#[cfg(feature = "cuda")]
+#[test]
+fn nccl_reduces_a_raw_device_buffer_through_the_trait() {
+    if gpus("nccl_reduces_a_raw_device_buffer_through_the_trait", 1).is_none() {
+        return;
+    }
+    use cudarc::driver::DevicePtr;
+    let id = NcclId::new().unwrap();
+    let mut c = NcclCommunicator::from_id(&id, "tp", 0, 1, 0, Duration::from_secs(30)).unwrap();
+    assert_eq!(Communicator::cuda_device(&c), Some(0));
+    let stream = c.stream().clone();
+    let host: Vec<f32> = (0..16).map(|i| i as f32 - 3.5).collect();
+    let buf = stream.clone_htod(&host).unwrap();
+    let ptr = buf.device_ptr(&stream).0;
+    stream.synchronize().unwrap();
+    // SAFETY: `buf` holds 64 bytes of device 0 and nothing else uses it during the call.
+    unsafe { c.all_reduce_device_ptr(ptr, 64, crate::DType::F32, ReduceOp::Sum) }.unwrap();
+    assert_eq!(stream.clone_dtoh(&buf).unwrap(), host);
+    // SAFETY: as above; the call fails before touching the buffer.
+    let err = unsafe { c.all_reduce_device_ptr(ptr, 6, crate::DType::F32, ReduceOp::Sum) };
+    assert!(err.unwrap_err().to_string().contains("not a whole number of f32"));
+}

@@ -21,6 +21,7 @@ pub use cuda::{CudaBackend, PoolArena};
 use crate::error::{Error, Result};
 use crate::memory::{Arena, DeviceMemory, WeightBuffers};
 use crate::tensor::{Device, Tensor};
+use collectives::{Collective, Communicator};
 
 /// A weight matrix `[out_features, in_features]` as a linear layer stores it.
 #[derive(Clone, Debug, PartialEq)]
@@ -429,6 +430,25 @@ impl Backend {
             )
         });
         Ok((out, lse))
+    }
+
+    /// `t` summed over `comm`'s group in place. A group of one is the identity (nothing
+    /// moves); a CUDA backend's tensor is reduced on the device when the communicator works on
+    /// this backend's device (NCCL), and through host memory otherwise.
+    ///
+    /// # Errors
+    /// A failed collective (see [`collectives::Error`]).
+    pub fn all_reduce_sum(&self, comm: &mut dyn Communicator, t: &mut Tensor) -> Result<()> {
+        if comm.size() == 1 {
+            return Ok(());
+        }
+        if let Backend::Cuda(cuda) = self {
+            if comm.cuda_device() == Some(cuda.ordinal()) {
+                return cuda.all_reduce_sum(comm, t);
+            }
+        }
+        comm.all_reduce(t.data_mut(), collectives::ReduceOp::Sum)?;
+        Ok(())
     }
 
     /// Splits the last dimension of `x` into consecutive parts of `sizes` elements (see

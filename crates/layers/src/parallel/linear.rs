@@ -14,18 +14,6 @@ use collectives::{Collective, Communicator, ReduceOp};
 use std::ops::Range;
 use std::sync::Arc;
 
-/// `t` summed over the TP group in place. A group of one is the identity, so nothing moves (a
-/// device tensor stays on its device).
-///
-/// # Errors
-/// A failed collective.
-pub(crate) fn all_reduce_sum(tp: &mut dyn Communicator, t: &mut Tensor) -> Result<()> {
-    if tp.size() > 1 {
-        tp.all_reduce(t.data_mut(), ReduceOp::Sum)?;
-    }
-    Ok(())
-}
-
 /// Ranges of `total` split over `parts`, each boundary a multiple of `align` where possible
 /// (remainder blocks to the low ranks), so quantized blocks are never cut.
 pub fn aligned_ranges(total: usize, parts: usize, align: usize) -> Vec<Range<usize>> {
@@ -190,7 +178,7 @@ impl RowParallelLinear {
                 row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
             }
         }
-        all_reduce_sum(tp, &mut y)?;
+        be.all_reduce_sum(tp, &mut y)?;
         Ok(y)
     }
 

@@ -29,7 +29,6 @@ mod sequence;
 #[cfg(test)]
 mod tests;
 
-use linear::all_reduce_sum;
 pub use linear::{
     aligned_ranges, gather_columns, ColumnParallelLinear, ParallelLmHead, ParallelRmsNorm,
     RowParallelLinear, VocabParallelEmbedding,
@@ -309,7 +308,7 @@ impl ParallelAttention {
     /// Output projection of this rank's heads, all-reduced over TP.
     fn finish(&self, be: &Backend, comms: &mut Comms<'_>, attn: Tensor) -> Result<Tensor> {
         let mut y = self.attn.project_out(be, attn)?;
-        all_reduce_sum(comms.tp, &mut y)?;
+        be.all_reduce_sum(comms.tp, &mut y)?;
         Ok(y)
     }
 }
@@ -788,7 +787,7 @@ impl ParallelModel {
             be.add_assign(&mut x, &a)?;
             let h = be.rms_norm(&x, &b.ffn_norm, c.rms_eps)?;
             let mut m = b.mlp.forward(be, &h)?;
-            all_reduce_sum(comms.tp, &mut m)?;
+            be.all_reduce_sum(comms.tp, &mut m)?;
             be.add_assign(&mut x, &m)?;
         }
         match &plan {

@@ -320,7 +320,7 @@ impl Coordinator {
                 None => break,
                 Some(Incoming::Frame { rank, msg }) => {
                     if msg.answers(op_id, phase) && waiting.remove(&rank) {
-                        acks.insert(rank, msg);
+                        acks.insert(rank, *msg);
                     } else {
                         tracing::warn!(
                             rank, op_id = msg.op_id, phase = %msg.phase, expected_op = op_id,

@@ -131,13 +131,14 @@ impl RankMemory for VmmMemory {
 
     fn probe(&self) -> Probe {
         let resident = vmm::ProcessMemory::resident_now().unwrap_or(0);
-        let mut devices = Vec::new();
+        let (mut devices, mut device_used) = (Vec::new(), Vec::new());
         if let (Some(nvml), Some(index)) = (&self.nvml, self.device) {
             if let Ok(usage) = nvml.device(index) {
                 devices.push((index, usage.bytes_of(std::process::id()).unwrap_or(usage.used)));
+                device_used.push((index, usage.used));
             }
         }
-        Probe { resident, devices }
+        Probe { resident, devices, device_used }
     }
 }
 

@@ -104,8 +104,12 @@ pub enum QuiesceMode {
 pub struct Probe {
     /// Resident bytes of the rank's process (procfs).
     pub resident: u64,
-    /// Per device the rank uses: (NVML index, bytes used by this process). Empty on CPU.
+    /// Per device the rank uses: (NVML index, bytes used by this process; the device's used
+    /// bytes where the driver does not report processes). Empty on CPU.
     pub devices: Vec<(u32, u64)>,
+    /// Per device the rank uses: (NVML index, bytes used by all processes together).
+    #[serde(default)]
+    pub device_used: Vec<(u32, u64)>,
 }
 
 impl Probe {

@@ -120,7 +120,7 @@ impl RankMemory for Fake {
         let st = self.st.lock().unwrap();
         let awake = 4 - st.asleep.len() as u64;
         let resident = if st.leak { 14 * MIB } else { 10 * MIB + awake * MIB };
-        Probe { resident, devices: Vec::new() }
+        Probe { resident, ..Probe::default() }
     }
 }
 
@@ -569,7 +569,7 @@ fn ask(link: &memory::MemoryCoordinator, op_id: u64, phase: Phase) -> Message {
     let msg = Message::request(op_id, phase, Some(Action::Sleep), &tags(&["weights"]));
     link.send(1, &msg).unwrap();
     match link.recv(Instant::now() + Duration::from_secs(10)) {
-        Some(transport::Incoming::Frame { msg, .. }) => msg,
+        Some(transport::Incoming::Frame { msg, .. }) => *msg,
         other => panic!("no answer to {phase}: {other:?}"),
     }
 }
@@ -714,10 +714,12 @@ fn verify_checks_host_and_device_bytes_separately() {
         before: Probe {
             resident: resident.0,
             devices: device.map(|d| vec![(0, d.0)]).unwrap_or_default(),
+            ..Probe::default()
         },
         after: Probe {
             resident: resident.1,
             devices: device.map(|d| vec![(0, d.1)]).unwrap_or_default(),
+            ..Probe::default()
         },
         ..RankReceipt::default()
     };

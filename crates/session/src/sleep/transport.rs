@@ -20,8 +20,8 @@ pub enum Incoming {
     Frame {
         /// The sending peer.
         rank: usize,
-        /// The frame.
-        msg: Message,
+        /// The frame (boxed: a receipt makes it far larger than the other variant).
+        msg: Box<Message>,
     },
     /// The connection to `rank` closed or broke; nothing more will come from it.
     Closed {

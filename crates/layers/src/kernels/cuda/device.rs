@@ -43,6 +43,7 @@ use crate::kernels::cpu::qmatrix::QBits;
 use crate::kernels::{GemmDtype, Kv, Weight};
 use crate::memory::{alloc_device_exact, DeviceArena, DeviceMemory};
 use crate::tensor::{DeviceData, Tensor};
+use collectives::{Communicator, DType, ReduceOp};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
@@ -978,6 +979,23 @@ impl CudaBackend {
         let mut idx = vec![0u32; rows];
         self.download(OP, &od, &mut idx)?;
         Ok(idx.into_iter().map(|i| i as usize).collect())
+    }
+
+    /// `t` summed over `comm`'s group in place on the device (`comm` works on this device:
+    /// NCCL). The stream is synchronized first, so the reduction, on the communicator's own
+    /// stream, reads the finished values; it has completed when this returns.
+    pub(crate) fn all_reduce_sum(&self, comm: &mut dyn Communicator, t: &mut Tensor) -> Result<()> {
+        const OP: &str = "all_reduce";
+        if t.is_empty() {
+            return Ok(());
+        }
+        let ptr = self.writable(OP, t)?;
+        self.stream().synchronize().or_unavailable(|| format!("{OP}: waiting for the device"))?;
+        // SAFETY: `writable` made `ptr` t's own buffer of t.len() floats on this device (the
+        // communicator's, checked by the caller), and the idle stream and the borrow of `t`
+        // keep other work off it until the reduction returns.
+        unsafe { comm.all_reduce_device_ptr(ptr, 4 * t.len(), DType::F32, ReduceOp::Sum) }?;
+        Ok(())
     }
 
     /// Appends `src`'s elements to device memory `dst` from its `offset`-th f32 on (the

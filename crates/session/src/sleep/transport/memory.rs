@@ -161,7 +161,7 @@ impl PeerLink for MemoryPeer {
             let mut stale = msg.clone();
             stale.op_id = op_id;
             stale.error = Some("stale ack".into());
-            let _ = self.to_coordinator.send(Incoming::Frame { rank, msg: stale });
+            let _ = self.to_coordinator.send(Incoming::Frame { rank, msg: Box::new(stale) });
         }
         if self
             .faults
@@ -176,7 +176,7 @@ impl PeerLink for MemoryPeer {
             return Ok(());
         }
         self.to_coordinator
-            .send(Incoming::Frame { rank, msg: msg.clone() })
+            .send(Incoming::Frame { rank, msg: Box::new(msg.clone()) })
             .map_err(|_| "rank 0 closed the in-memory channel".to_string())
     }
 }

@@ -209,7 +209,7 @@ fn pump(rank: usize, mut stream: TcpStream, tx: Sender<Incoming>, stop: &AtomicB
         let deadline = Instant::now() + POLL;
         match reader.next(&mut stream, deadline, Some(stop)) {
             Ok(Some(msg)) => {
-                if tx.send(Incoming::Frame { rank, msg }).is_err() {
+                if tx.send(Incoming::Frame { rank, msg: Box::new(msg) }).is_err() {
                     return;
                 }
             }
