@@ -53,6 +53,10 @@ pub fn gather_columns(
     local: &Tensor,
     widths: &[usize],
 ) -> Result<Tensor> {
+    if tp.size() == 1 {
+        // Nothing to gather (and a device tensor stays on its device).
+        return Ok(local.clone());
+    }
     let rows = local.rows();
     let sizes: Vec<usize> = widths.iter().map(|w| w * rows).collect();
     let mut blocks = vec![0f32; sizes.iter().sum()];
@@ -312,6 +316,10 @@ impl ParallelLmHead {
     /// `x` has the wrong width, or a failed collective.
     pub fn argmax(&self, be: &Backend, tp: &mut dyn Communicator, x: &Tensor) -> Result<Vec<u32>> {
         let local = be.linear(x, &self.weight)?;
+        if tp.size() == 1 {
+            // The whole vocabulary is here: the backend's argmax (on its device).
+            return Ok(be.argmax_rows(&local).into_iter().map(|i| i as u32).collect());
+        }
         let n = local.rows();
         let start = self.ranges[self.rank].start;
         let mut best = vec![f32::NEG_INFINITY; n];

@@ -309,9 +309,9 @@ impl CudaBackend {
         self.inner.dtype
     }
 
-    /// Keeps the device copies of weights in memory from `arena` from now on (regions of
-    /// exactly a weight's f32 size, one per weight, never returned): the weights cached so far
-    /// are dropped and uploaded there at their next use.
+    /// Keeps the device copies of weights (and norm vectors) in memory from `arena` from now on:
+    /// one region of exactly the copy's size per weight, never returned. The weights cached so
+    /// far are dropped and uploaded there at their next use.
     pub fn keep_weights_in(&self, arena: Arc<dyn DeviceArena>) {
         let mut cache = self.cache();
         cache.entries.clear();
@@ -383,7 +383,8 @@ impl CudaBackend {
     }
 
     /// The device address of `s`, for raw calls on the backend's stream. The slice must
-    /// outlive the work queued with the address (every op ends by synchronizing the stream).
+    /// outlive the work queued with the address; dropping it is enough, as a slice is freed in
+    /// stream order, after the work queued before.
     fn addr<T>(&self, s: &CudaSlice<T>) -> u64 {
         s.device_ptr(self.stream()).0
     }
