@@ -478,14 +478,7 @@ impl Backend {
         offset: usize,
         src: &Tensor,
     ) -> Result<()> {
-        let floats = dst.size() / 4;
-        check("write_device", offset + src.len() <= floats, || {
-            format!("{} values at {offset} overflow {floats}", src.len())
-        })?;
-        match self {
-            Backend::Cpu(_) => Err(device_memory_on_cpu("kv cache append")),
-            Backend::Cuda(cuda) => cuda.write_tensor(dst, offset, src),
-        }
+        self.device_writer(dst, offset, src.len())?.write_tensor(dst, offset, src)
     }
 
     /// Copies `src` into device memory `dst` from its `offset`-th f32 on.
@@ -499,13 +492,26 @@ impl Backend {
         offset: usize,
         src: &[f32],
     ) -> Result<()> {
+        self.device_writer(dst, offset, src.len())?.write_device(dst, offset, src)
+    }
+
+    /// The CUDA backend, to write `len` floats into `dst` from its `offset`-th one.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when they do not fit; [`Error::BackendUnavailable`] on the CPU.
+    fn device_writer(
+        &self,
+        dst: &dyn DeviceMemory,
+        offset: usize,
+        len: usize,
+    ) -> Result<&CudaBackend> {
         let floats = dst.size() / 4;
-        check("write_device", offset + src.len() <= floats, || {
-            format!("{} values at {offset} overflow {floats}", src.len())
+        check("write_device", offset + len <= floats, || {
+            format!("{len} values at {offset} overflow {floats}")
         })?;
         match self {
             Backend::Cpu(_) => Err(device_memory_on_cpu("kv cache append")),
-            Backend::Cuda(cuda) => cuda.write_device(dst, offset, src),
+            Backend::Cuda(cuda) => Ok(cuda),
         }
     }
 

@@ -676,9 +676,9 @@ impl CudaBackend {
                     cols,
                     inner,
                     &alpha,
-                    xp_as(wp),
+                    wp as *const f32,
                     inner,
-                    xp_as(xp),
+                    xp as *const f32,
                     inner,
                     &beta,
                     out_ptr as *mut f32,
@@ -1036,11 +1036,6 @@ impl CudaBackend {
 struct Input {
     ptr: u64,
     _staged: Option<CudaSlice<f32>>,
-}
-
-/// A device address as the `const float*` cuBLAS wants.
-fn xp_as(ptr: u64) -> *const f32 {
-    ptr as *const f32
 }
 
 /// An output of a [`CudaBackend`]: its buffer and the stream that writes it.
