@@ -7,6 +7,12 @@
 //! major); when such libraries are found under Python's `nvidia` packages, a folder with
 //! unversioned links to them, and their own folders, are put on `LD_LIBRARY_PATH` first.
 //!
+//! `cargo xtask gpu-test --bundle [DIR]` runs nothing: it builds the same tests and puts them,
+//! stripped, with the `tpctl` binary, the NCCL benchmark, the default model (in parts small
+//! enough for a device machine's 64 MiB transfers) and `run.sh` into DIR (default
+//! `target/gpu-bundle`), for a GPU machine without Rust; `run.sh` does there what this task
+//! does here (see `docs/gpu.md`).
+//!
 //! After the tests, the benchmarks: the default model's prefill and decode tokens/s on the GPU
 //! next to the CPU, one rank each, from `tpctl run`'s summary; and NCCL all-reduce bus
 //! bandwidth on device buffers with nccl-tests' formula (the `nccl` bench of
@@ -20,7 +26,13 @@ use std::process::Command;
 /// Test-name filters selecting the GPU tests.
 const FILTERS: [&str; 4] = ["cuda", "gpu", "nvml", "nccl"];
 
-pub(crate) fn run(_args: &[String]) -> Result<()> {
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    match args {
+        [] => {}
+        [flag] if flag == "--bundle" => return bundle(&root().join("target/gpu-bundle")),
+        [flag, dir] if flag == "--bundle" => return bundle(Path::new(dir)),
+        _ => anyhow::bail!("usage: cargo xtask gpu-test [--bundle [DIR]]"),
+    }
     // The real-model GPU test needs the default model; fetched once, then reused.
     let model = crate::fetch_model::fetch_default()?;
     println!("default model: {}", model.display());
@@ -130,6 +142,141 @@ fn benchmark_line(model: &Path, library_path: Option<&std::ffi::OsStr>) -> Resul
         println!("  {s}");
     }
     Ok(())
+}
+
+/// The script that runs a bundle on the GPU machine.
+const RUN_SH: &str = include_str!("gpu_bundle/run.sh");
+
+/// The largest model part: with the working tree, one part must fit one 64 MiB transfer.
+const MODEL_PART: u64 = 60 << 20;
+
+/// Test targets with GPU tests (`package target`), as cargo names them.
+const GPU_TEST_TARGETS: [&str; 6] = [
+    "tpctl-layers layers",
+    "tpctl-vmm vmm",
+    "tpctl-collectives collectives",
+    "tpctl-collectives nccl_processes",
+    "tpctl-session session",
+    "tpctl serve",
+];
+
+/// Builds the GPU bundle in `dir` (see the module docs).
+fn bundle(dir: &Path) -> Result<()> {
+    let model = crate::fetch_model::fetch_default()?;
+    let bin = dir.join("bin");
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(&bin)?;
+    let mut tests = cargo();
+    tests.args(["test", "--workspace", "--features", "cuda", "--no-run", "--message-format=json"]);
+    for (package, target, exe) in artifacts(&util::output(&mut tests)?) {
+        let wanted = GPU_TEST_TARGETS.contains(&format!("{package} {target}").as_str());
+        if wanted && exe.contains("/deps/") {
+            copy_stripped(Path::new(&exe), &bin.join(format!("test-{target}")))?;
+        } else if package == "tpctl" && target == "tpctl" && !exe.contains("/deps/") {
+            copy_stripped(Path::new(&exe), &bin.join("tpctl"))?;
+        }
+    }
+    let mut bench = cargo();
+    bench.args(["test", "-p", "tpctl-collectives", "--features", "cuda", "--bench", "nccl"]);
+    bench.args(["--no-run", "--message-format=json"]);
+    for (_, target, exe) in artifacts(&util::output(&mut bench)?) {
+        if target == "nccl" {
+            copy_stripped(Path::new(&exe), &bin.join("nccl-bench"))?;
+        }
+    }
+    let found = std::fs::read_dir(&bin)?.count();
+    if found != GPU_TEST_TARGETS.len() + 2 {
+        anyhow::bail!(
+            "expected {} binaries in {}, found {found}",
+            GPU_TEST_TARGETS.len() + 2,
+            bin.display()
+        );
+    }
+    util::run(
+        Command::new("tar").arg("-czf").arg(dir.join("bin.tar.gz")).arg("-C").arg(&bin).arg("."),
+    )?;
+    std::fs::remove_dir_all(&bin)?;
+    let parts = split_file(&model, &dir.join("model"), MODEL_PART)?;
+    let name = model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    std::fs::write(dir.join("model/NAME"), name)?;
+    std::fs::write(dir.join("model/PARTS"), parts.len().to_string())?;
+    let script = dir.join("run.sh");
+    std::fs::write(&script, RUN_SH)?;
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    let size = |p: &Path| std::fs::metadata(p).map(|m| m.len() >> 20).unwrap_or(0);
+    println!("GPU bundle in {}:", dir.display());
+    println!("  bin.tar.gz  {} MiB", size(&dir.join("bin.tar.gz")));
+    for p in &parts {
+        println!(
+            "  model/{}  {} MiB",
+            p.file_name().unwrap_or_default().to_string_lossy(),
+            size(p)
+        );
+    }
+    println!("run it on the GPU machine with run.sh (docs/gpu.md: one transfer per model part)");
+    Ok(())
+}
+
+/// `(package name, target name, executable)` of every artifact with an executable in cargo's
+/// JSON messages (read by key: the lines are flat enough, and xtask has no JSON parser).
+fn artifacts(messages: &str) -> Vec<(String, String, String)> {
+    messages
+        .lines()
+        .filter(|l| l.contains(r#""reason":"compiler-artifact""#))
+        .filter_map(|l| {
+            let exe = json_str(l, "executable")?;
+            // A package id ends in `#name@version` (or `#version` when the name is the folder's).
+            let id = json_str(l, "package_id")?;
+            let manifest = json_str(l, "manifest_path")?;
+            let package = match id.rsplit_once('#').map(|(_, v)| v) {
+                Some(v) if v.contains('@') => v.split('@').next().unwrap_or_default().to_owned(),
+                _ => package_of(manifest)?,
+            };
+            Some((package, json_str(l, "name")?.to_owned(), exe.to_owned()))
+        })
+        .collect()
+}
+
+/// The package name in the manifest at `path`.
+fn package_of(path: &str) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("name = \""))
+        .map(|rest| rest.trim_end_matches('"').to_owned())
+}
+
+/// The first string value of `key` in the flat JSON `line` (no escapes in the values read).
+fn json_str<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    let start = line.find(&format!("\"{key}\":\""))? + key.len() + 4;
+    let len = line[start..].find('"')?;
+    Some(&line[start..start + len])
+}
+
+/// Copies `from` to `to` and strips its symbols (when `strip` is installed).
+fn copy_stripped(from: &Path, to: &Path) -> Result<()> {
+    std::fs::copy(from, to)?;
+    if Command::new("strip").arg(to).status().map(|s| !s.success()).unwrap_or(true) {
+        eprintln!("note: could not strip {}; it stays as built", to.display());
+    }
+    Ok(())
+}
+
+/// Splits `file` into `dir/part-00`, `dir/part-01`, ... of at most `size` bytes each.
+fn split_file(file: &Path, dir: &Path, size: u64) -> Result<Vec<PathBuf>> {
+    use std::io::Read;
+    std::fs::create_dir_all(dir)?;
+    let mut input = std::fs::File::open(file)?;
+    let mut parts = Vec::new();
+    loop {
+        let path = dir.join(format!("part-{:02}", parts.len()));
+        let mut out = std::fs::File::create(&path)?;
+        let copied = std::io::copy(&mut (&mut input).take(size), &mut out)?;
+        if copied == 0 {
+            std::fs::remove_file(&path)?;
+            return Ok(parts);
+        }
+        parts.push(path);
+    }
 }
 
 fn link_points_to(link: &Path, target: &Path) -> bool {

@@ -16,7 +16,9 @@ tasks:
   ci                      fmt check, clippy (default, failpoints, cuda features), all tests
   bench <what> [--json]   benchmarks with their reference measured in the same run;
                           <what>: collectives | vmm | session | model | all
-  gpu-test                the GPU tests with --features cuda; fails without a usable GPU
+  gpu-test [--bundle [DIR]]
+                          the GPU tests with --features cuda; fails without a usable GPU;
+                          --bundle: build them with run.sh for a GPU machine without Rust
   fetch-model             download the default model once into the cache; print its path
   help                    this text
 ";

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{kill_all, leftovers, marker, scratch, TPCTL};
+use common::{kill_all, leftovers, marker, scratch, tpctl_bin};
 
 const DEADLINE: Duration = Duration::from_secs(90);
 
@@ -16,7 +16,7 @@ fn model() -> &'static str {
 }
 
 fn start(args: &[&str], extra_env: &[(&str, &str)], mark: &str) -> Child {
-    let mut cmd = Command::new(TPCTL);
+    let mut cmd = Command::new(tpctl_bin());
     cmd.args(args)
         .env("TPCTL_TEST_MARK", mark)
         .env_remove("RUST_LOG")

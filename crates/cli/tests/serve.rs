@@ -6,7 +6,6 @@
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -14,7 +13,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{kill_all, leftovers, marker, scratch, TPCTL};
+use common::{kill_all, leftovers, marker, scratch, scratch_root, tpctl_bin};
 
 const DEADLINE: Duration = Duration::from_secs(120);
 
@@ -54,7 +53,7 @@ const CHAT_TEMPLATE: &str = "{% for m in messages %}t1{{ m.content }}t2{% endfor
 
 fn tpctl(args: &[&str]) -> Output {
     let mark = marker();
-    let mut child = Command::new(TPCTL)
+    let mut child = Command::new(tpctl_bin())
         .args(args)
         .env("TPCTL_TEST_MARK", &mark)
         .env_remove("RUST_LOG")
@@ -96,7 +95,7 @@ impl Server {
     /// As [`Server::start`], with `env` in the environment of the launcher and the ranks.
     fn start_with(model: &str, args: &[&str], env: &[(&str, &str)]) -> Server {
         let mark = marker();
-        let mut child = Command::new(TPCTL)
+        let mut child = Command::new(tpctl_bin())
             .args(["serve", "--model", model, "--threads", "1", "--listen", "127.0.0.1:0"])
             .args(args)
             .envs(env.iter().copied())
@@ -607,8 +606,7 @@ fn chat_completions_apply_the_chat_template() {
 
 /// A runtime directory (`$XDG_RUNTIME_DIR`) of its own, short enough for socket paths.
 fn runtime_dir(name: &str) -> String {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("rt-{}-{name}", std::process::id()));
+    let dir = scratch_root().join(format!("rt-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("create the runtime dir");
     dir.to_string_lossy().into_owned()
@@ -616,7 +614,7 @@ fn runtime_dir(name: &str) -> String {
 
 /// `tpctl ARGS --json` against the deployments of `runtime`: exit code and the JSON reply.
 fn control(runtime: &str, args: &[&str]) -> (i32, Value, String) {
-    let out = Command::new(TPCTL)
+    let out = Command::new(tpctl_bin())
         .args(args)
         .arg("--json")
         .env("XDG_RUNTIME_DIR", runtime)
@@ -886,7 +884,7 @@ fn serve_spans_two_nodes() {
         ]
     };
     let mark = marker();
-    let mut node1 = Command::new(TPCTL)
+    let mut node1 = Command::new(tpctl_bin())
         .args(["serve", "--model", model(), "--threads", "1", "--listen", "127.0.0.1:0"])
         .args(nodes("1"))
         .env("TPCTL_TEST_MARK", &mark)
@@ -1003,7 +1001,7 @@ fn a_sleep_during_start_up_waits_for_the_model_build() {
     let env =
         [("XDG_RUNTIME_DIR", rt.as_str()), ("TPCTL_FAILPOINTS", "session.init=delay(1500)@1")];
     let mark = marker();
-    let mut child = Command::new(TPCTL)
+    let mut child = Command::new(tpctl_bin())
         .args(["serve", "--model", model(), "--threads", "1", "--listen", "127.0.0.1:0"])
         .args(["--tp", "2", "--deployment", "startup"])
         .envs(env.iter().copied())
@@ -1013,7 +1011,7 @@ fn a_sleep_during_start_up_waits_for_the_model_build() {
         .stderr(Stdio::null())
         .spawn()
         .expect("start tpctl serve");
-    let socket = PathBuf::from(&rt).join("tpctl").join("startup.sock");
+    let socket = std::path::PathBuf::from(&rt).join("tpctl").join("startup.sock");
     let start = Instant::now();
     while !socket.exists() {
         if start.elapsed() > DEADLINE {

@@ -5,13 +5,21 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
-/// The `tpctl` binary under test.
-pub const TPCTL: &str = env!("CARGO_BIN_EXE_tpctl");
+/// The `tpctl` binary under test: `$TPCTL_BIN` when set (the tests run from a bundle on a
+/// machine without the build tree, see `cargo xtask gpu-test --bundle`), else cargo's build.
+pub fn tpctl_bin() -> String {
+    std::env::var("TPCTL_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_tpctl").to_owned())
+}
 
-/// A path in cargo's scratch folder, unique to this test process.
+/// The scratch folder: `$TPCTL_TEST_TMPDIR` when set (as [`tpctl_bin`]), else cargo's.
+pub fn scratch_root() -> PathBuf {
+    std::env::var_os("TPCTL_TEST_TMPDIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")), PathBuf::from)
+}
+
+/// A path in the scratch folder, unique to this test process.
 pub fn scratch(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("tpctl-e2e-{}-{name}", std::process::id()))
+    scratch_root().join(format!("tpctl-e2e-{}-{name}", std::process::id()))
 }
 
 /// A small random Llama (6 query heads, 3 KV heads, context 256, tokens `t0`..`t47`, no chat
