@@ -288,6 +288,40 @@ mod tests {
     use super::*;
 
     #[test]
+    fn artifacts_are_read_from_cargo_messages() {
+        let messages = concat!(
+            r#"{"reason":"compiler-artifact","package_id":"path+file:///r/crates/layers#tpctl-layers@0.1.0","manifest_path":"/r/crates/layers/Cargo.toml","target":{"kind":["lib"],"name":"layers"},"executable":"/r/target/debug/deps/layers-1a"}"#,
+            "\n",
+            r#"{"reason":"compiler-artifact","package_id":"path+file:///r/crates/mesh#tpctl-mesh@0.1.0","manifest_path":"/r/crates/mesh/Cargo.toml","target":{"kind":["lib"],"name":"mesh"},"executable":null}"#,
+            "\n",
+            r#"{"reason":"build-finished","success":true}"#,
+        );
+        assert_eq!(
+            artifacts(messages),
+            vec![(
+                "tpctl-layers".to_owned(),
+                "layers".to_owned(),
+                "/r/target/debug/deps/layers-1a".to_owned()
+            )]
+        );
+    }
+
+    #[test]
+    fn a_file_splits_into_parts_that_join_back() {
+        let dir = std::env::temp_dir().join(format!("xtask-split-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let data: Vec<u8> = (0..2500u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(dir.join("model"), &data).unwrap();
+        let parts = split_file(&dir.join("model"), &dir.join("parts"), 1000).unwrap();
+        let sizes: Vec<u64> = parts.iter().map(|p| std::fs::metadata(p).unwrap().len()).collect();
+        assert_eq!(sizes, vec![1000, 1000, 500]);
+        let joined: Vec<u8> = parts.iter().flat_map(|p| std::fs::read(p).unwrap()).collect();
+        assert_eq!(joined, data);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn versioned_libraries_are_found_in_nested_package_folders() {
         let dir = std::env::temp_dir().join(format!("xtask-gpu-libs-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
