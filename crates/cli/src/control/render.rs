@@ -2,7 +2,7 @@
 //! rank, bytes in binary units and times in the unit that fits.
 
 use super::{OpWire, StatusWire};
-use session::sleep::Probe;
+use session::sleep::{Probe, TagReceipt};
 
 /// `n` bytes in binary units: `512 B`, `1.5 KiB`, `3.0 GiB`.
 pub fn bytes(n: u64) -> String {
@@ -58,6 +58,15 @@ fn table(rows: &[Vec<String>]) -> String {
     out
 }
 
+/// A tag's bytes, with the part in device memory when there is one.
+fn tag_bytes(t: &TagReceipt) -> String {
+    if t.device_bytes == 0 {
+        bytes(t.bytes)
+    } else {
+        format!("{} ({} on device)", bytes(t.bytes), bytes(t.device_bytes))
+    }
+}
+
 /// A sleep or wakeup receipt: one row per rank and tag (the rank's probe, before -> after, on
 /// its first row; device bytes on a GPU, resident bytes on CPU), then a total line.
 pub fn receipt(op: &OpWire) -> String {
@@ -82,7 +91,7 @@ pub fn receipt(op: &OpWire) -> String {
                 r.rank.to_string(),
                 dev.clone(),
                 t.tag.clone(),
-                bytes(t.bytes),
+                tag_bytes(t),
                 if i == 0 { probe.clone() } else { String::new() },
                 micros(t.elapsed_us),
             ]);

@@ -37,7 +37,7 @@ fn rank(rank: usize, devices: Vec<(u32, u64)>, tags: &[(&str, u64)]) -> RankRece
                 tag: t.into(),
                 allocations: 1,
                 bytes: b,
-                device_bytes: 0,
+                device_bytes: if devices.is_empty() { 0 } else { b },
                 copied_bytes: 0,
                 elapsed_us: 2500,
             })
@@ -72,7 +72,8 @@ fn a_receipt_has_a_row_per_rank_and_tag_and_a_total() {
     // Columns line up: every cell of a column starts where its header does.
     let at = |h: &str| lines[0].find(h).unwrap();
     assert_eq!(lines[3].find("cuda:3"), Some(at("device")), "{text}");
-    assert_eq!(lines[3].find("1.0 GiB"), Some(at("bytes")), "{text}");
+    assert_eq!(lines[3].find("1.0 GiB (1.0 GiB on device)"), Some(at("bytes")), "{text}");
+    assert!(!lines[1].contains("on device"), "{text}");
     assert_eq!(lines[3].find("10.0 GiB -> 8.0 GiB"), Some(at("probe")), "{text}");
     assert_eq!(lines[1].find("3.0 GiB -> 1.0 GiB"), Some(at("probe")), "{text}");
     assert_eq!(lines[1].find("2.5 ms"), Some(at("time")), "{text}");
