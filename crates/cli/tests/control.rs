@@ -399,8 +399,8 @@ fn the_binary_prints_receipts_status_and_failures() {
     assert_eq!(
         row(3),
         [
-            "1", "cuda:1", "kv_cache", "1.0", "MiB", "102.0", "MiB", "->", "100.0", "MiB", "250",
-            "us"
+            "1", "cuda:1", "kv_cache", "1.0", "MiB", "(1.0", "MiB", "on", "device)", "102.0",
+            "MiB", "->", "100.0", "MiB", "250", "us"
         ],
         "{text}"
     );
