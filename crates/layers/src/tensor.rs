@@ -77,7 +77,8 @@ pub struct OnDevice<T> {
 
 impl<T: bytemuck::Pod> OnDevice<T> {
     /// The host copy, made on first use. A copy that fails means the device is gone and the
-    /// data with it; there is nothing to return, so it panics with the reason.
+    /// data with it; there is nothing to return, so it panics with the reason (the session
+    /// engine turns a panic in a model call into a failed step that names the rank).
     fn host(&self) -> &Vec<T> {
         self.host.get_or_init(|| {
             let mut v = vec![T::zeroed(); self.data.byte_len() / std::mem::size_of::<T>()];
