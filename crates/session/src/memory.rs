@@ -71,7 +71,8 @@ pub const WEIGHT_CHUNK: usize = 64 << 20;
 #[derive(Clone, Debug)]
 pub struct ModelMemory {
     manager: Arc<vmm::Manager>,
-    device: Option<Arc<vmm::Manager>>,
+    /// The CUDA device ordinal and its manager, on a GPU.
+    device: Option<(usize, Arc<vmm::Manager>)>,
     weights: Restore,
     kv_cache: Restore,
     /// The policy of every KV-cache allocation.
@@ -113,18 +114,20 @@ impl ModelMemory {
         for tag in [vmm::Tag::WEIGHTS, vmm::Tag::KV_CACHE] {
             manager.define_tag(tag).map_err(|e| e.to_string())?;
         }
-        self.device = Some(Arc::new(manager));
+        self.device = Some((ordinal, Arc::new(manager)));
         Ok(self)
     }
 
     /// The device manager, when the model computes on a GPU.
     pub fn device_manager(&self) -> Option<&Arc<vmm::Manager>> {
-        self.device.as_ref()
+        self.device.as_ref().map(|(_, m)| m)
     }
 
-    /// The device manager when `backend` computes on the GPU it allocates on.
+    /// The device manager when `backend` computes on the GPU it allocates on (a backend on
+    /// another device, or the CPU, keeps host memory).
     fn device_for(&self, backend: &Backend) -> Option<&Arc<vmm::Manager>> {
-        matches!(backend, Backend::Cuda(_)).then_some(self.device.as_ref()).flatten()
+        let (ordinal, manager) = self.device.as_ref()?;
+        (backend.device() == layers::Device::Cuda(*ordinal)).then_some(manager)
     }
 
     /// Host memory (a CPU manager spilling backups to `spill_dir`, default
@@ -261,7 +264,7 @@ impl ModelRankMemory {
                 let index = u32::try_from(ordinal).unwrap_or(u32::MAX);
                 (
                     VmmMemory::with_device(manager, index),
-                    memory.device.clone().map(|m| VmmMemory::new(m, Some(index))),
+                    memory.device_for(&backend).map(|m| VmmMemory::new(m.clone(), Some(index))),
                 )
             }
             _ => (VmmMemory::new(manager, None), None),
