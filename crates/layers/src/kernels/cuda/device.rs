@@ -208,7 +208,13 @@ struct Inner {
     blas: CudaBlas,
     k: Kernels,
     weights: Mutex<WeightCache>,
+    /// Position arrays uploaded lately, most recent last (see [`CudaBackend::positions`]).
+    positions: Mutex<Vec<(Vec<u64>, Arc<CudaSlice<u64>>)>>,
 }
+
+/// Position arrays kept on the device: a step's query positions and its keys' positions (the
+/// same in every layer), with room for a CP rank's two views.
+const POSITION_CACHE: usize = 4;
 
 /// Kernels on CUDA device `ordinal`, taking and returning host tensors (see the module docs
 /// for the copies this implies). Clones share the device state and the weight cache.
@@ -295,7 +301,15 @@ impl CudaBackend {
             copy_cols: f("copy_cols")?,
         };
         tracing::debug!(ordinal, dtype = dtype.name(), "cuda backend ready");
-        let inner = Inner { ordinal, dtype, stream, blas, k, weights: Mutex::default() };
+        let inner = Inner {
+            ordinal,
+            dtype,
+            stream,
+            blas,
+            k,
+            weights: Mutex::default(),
+            positions: Mutex::default(),
+        };
         Ok(CudaBackend { inner: Arc::new(inner) })
     }
 
@@ -466,6 +480,27 @@ impl CudaBackend {
                 self.stream().synchronize().or_unavailable(|| format!("{op}: waiting"))
             }
         })
+    }
+
+    /// `positions` as u64 on the device. Every layer of a step passes the same query and key
+    /// positions, so the last few arrays are kept and a repeat is not uploaded again (checked
+    /// by value: the host comparison costs far less than a copy and its synchronization).
+    fn positions(&self, op: &str, positions: &[usize]) -> Result<Arc<CudaSlice<u64>>> {
+        let wanted: Vec<u64> = positions.iter().map(|&p| p as u64).collect();
+        let mut cache = self.inner.positions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = cache.iter().position(|(p, _)| *p == wanted) {
+            let hit = cache.remove(i);
+            let dev = hit.1.clone();
+            cache.push(hit);
+            return Ok(dev);
+        }
+        let dev = Arc::new(self.upload(op, &wanted)?);
+        if cache.len() == POSITION_CACHE {
+            // Freed in stream order, after the kernels queued with it.
+            cache.remove(0);
+        }
+        cache.push((wanted, dev.clone()));
+        Ok(dev)
     }
 
     /// The device copy of a small f32 vector of the model (a norm's weight), cached like the
@@ -755,8 +790,7 @@ impl CudaBackend {
             return Ok(());
         }
         let xp = self.writable(OP, x)?;
-        let pos: Vec<u64> = positions.iter().map(|&p| p as u64).collect();
-        let pd = self.upload(OP, &pos)?;
+        let pd = self.positions(OP, positions)?;
         let args = [
             int(OP, "tokens", positions.len())?,
             int(OP, "heads", heads)?,
@@ -765,7 +799,7 @@ impl CudaBackend {
         ];
         let cfg = elementwise(OP, pairs)?;
         let mut b = self.stream().launch_builder(&self.inner.k.rope);
-        b.arg(&xp).arg(&pd);
+        b.arg(&xp).arg(&*pd);
         for a in &args {
             b.arg(a);
         }
@@ -807,9 +841,8 @@ impl CudaBackend {
                 .transpose()?;
             return Ok((Tensor::zeros(&out_shape), lse));
         }
-        let to_u64 = |p: &[usize]| p.iter().map(|&x| x as u64).collect::<Vec<u64>>();
         let qd = self.input(OP, q)?;
-        let qpd = self.upload(OP, &to_u64(q_pos))?;
+        let qpd = self.positions(OP, q_pos)?;
         // Host keys and values are uploaded for this call; a device cache is read in place.
         let mut staged = None;
         let (kp, vp) = match kv {
@@ -819,7 +852,7 @@ impl CudaBackend {
             }
             Kv::Device { k, v } => (k.device_ptr(), v.device_ptr()),
         };
-        let kpd = self.upload(OP, &to_u64(kv_pos))?;
+        let kpd = self.positions(OP, kv_pos)?;
         let mut od = self.zeros(OP, rows * head_dim)?;
         let mut ld = self.zeros(OP, rows)?;
         let args = [
@@ -832,7 +865,7 @@ impl CudaBackend {
         let scale = 1.0 / (head_dim as f32).sqrt();
         let cfg = per_row(OP, rows, ATTN_BLOCK)?;
         let mut b = self.stream().launch_builder(&self.inner.k.attention);
-        b.arg(&qd.ptr).arg(&qpd).arg(&kp).arg(&vp).arg(&kpd);
+        b.arg(&qd.ptr).arg(&*qpd).arg(&kp).arg(&vp).arg(&*kpd);
         for a in &args {
             b.arg(a);
         }
