@@ -209,8 +209,11 @@ struct Inner {
     k: Kernels,
     weights: Mutex<WeightCache>,
     /// Position arrays uploaded lately, most recent last (see [`CudaBackend::positions`]).
-    positions: Mutex<Vec<(Vec<u64>, Arc<CudaSlice<u64>>)>>,
+    positions: Mutex<Vec<DevicePositions>>,
 }
+
+/// A position array and its device copy.
+type DevicePositions = (Vec<u64>, Arc<CudaSlice<u64>>);
 
 /// Position arrays kept on the device: a step's query positions and its keys' positions (the
 /// same in every layer), with room for a CP rank's two views.
