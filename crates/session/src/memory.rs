@@ -118,11 +118,6 @@ impl ModelMemory {
         Ok(self)
     }
 
-    /// The device manager, when the model computes on a GPU.
-    pub fn device_manager(&self) -> Option<&Arc<vmm::Manager>> {
-        self.device.as_ref().map(|(_, m)| m)
-    }
-
     /// The device manager when `backend` computes on the GPU it allocates on (a backend on
     /// another device, or the CPU, keeps host memory).
     fn device_for(&self, backend: &Backend) -> Option<&Arc<vmm::Manager>> {

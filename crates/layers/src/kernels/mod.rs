@@ -173,19 +173,6 @@ impl GemmDtype {
     }
 }
 
-impl std::str::FromStr for GemmDtype {
-    type Err = String;
-
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "f32" | "float32" => Ok(GemmDtype::F32),
-            "bf16" | "bfloat16" => Ok(GemmDtype::Bf16),
-            "f16" | "float16" | "half" => Ok(GemmDtype::F16),
-            other => Err(format!("unknown dtype `{other}` (f32, bf16 or f16)")),
-        }
-    }
-}
-
 /// The error for device memory handed to the CPU backend.
 fn device_memory_on_cpu(op: &str) -> Error {
     Error::BackendUnavailable {

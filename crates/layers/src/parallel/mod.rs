@@ -614,15 +614,9 @@ impl ParallelModel {
     pub fn new_cache_in(&self, capacity: usize, arena: &dyn Arena) -> Result<ParallelCache> {
         let (kv, bytes) = (self.local_kv_heads(), self.cache_buffer_bytes(capacity));
         let buffer = || Storage::external(alloc_exact(arena, bytes)?);
-        let layers = (0..self.config.n_layers)
-            .map(|_| {
-                let k = buffer()?;
-                LayerCache::with_storage(k, buffer()?, kv, self.config.head_dim)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(ParallelCache {
-            local: KvCache::from_layers(layers),
-            cp_lens: vec![0; self.placement.cp],
+        self.cache_of_layers(|| {
+            let k = buffer()?;
+            LayerCache::with_storage(k, buffer()?, kv, self.config.head_dim)
         })
     }
 
@@ -640,12 +634,16 @@ impl ParallelModel {
     ) -> Result<ParallelCache> {
         let (kv, bytes) = (self.local_kv_heads(), self.cache_buffer_bytes(capacity));
         let buffer = || alloc_device_exact(arena, bytes);
-        let layers = (0..self.config.n_layers)
-            .map(|_| {
-                let k = buffer()?;
-                LayerCache::on_device(k, buffer()?, kv, self.config.head_dim)
-            })
-            .collect::<Result<Vec<_>>>()?;
+        self.cache_of_layers(|| {
+            let k = buffer()?;
+            LayerCache::on_device(k, buffer()?, kv, self.config.head_dim)
+        })
+    }
+
+    /// An empty cache of one layer cache per model layer, each made by `layer` in order.
+    fn cache_of_layers(&self, layer: impl FnMut() -> Result<LayerCache>) -> Result<ParallelCache> {
+        let layers =
+            std::iter::repeat_with(layer).take(self.config.n_layers).collect::<Result<Vec<_>>>()?;
         Ok(ParallelCache {
             local: KvCache::from_layers(layers),
             cp_lens: vec![0; self.placement.cp],
