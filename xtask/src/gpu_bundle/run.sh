@@ -5,18 +5,103 @@
 #
 # Usage: run.sh [OUT]   (logs go to OUT, default ./out beside this script)
 #
+# Environment: TPCTL_GPU_BUDGET_S (default 420) bounds the whole run: every step runs under
+# `timeout` with what is left of it (capped per step), so a hung NCCL init or kernel cannot eat
+# the machine's time. A step that timed out is reported as such and counts as a failure.
+#
 # The bundle: bin.tar.gz (the tpctl binary, the GPU test binaries, the NCCL benchmark), model/
 # (the default model in parts, joined here once) and this script. Exits non-zero when a test
-# failed.
+# failed or the preflight found a blocker.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${1:-$here/out}"
-mkdir -p "$out" "$here/bin"
+mkdir -p "$out"
 log="$out/gpu-test.log"
 : >"$log"
 say() { echo "$@" | tee -a "$log"; }
+start=$SECONDS
+budget="${TPCTL_GPU_BUDGET_S:-420}"
+status=0
 
-[ -x "$here/bin/tpctl" ] || tar -xzf "$here/bin.tar.gz" -C "$here/bin"
+# Runs "$@" under a timeout of min(CAP, what is left of the budget) seconds, output to the log.
+# Usage: step CAP command...
+step() {
+    local cap=$1
+    shift
+    local left=$((budget - (SECONDS - start)))
+    local limit=$((cap < left ? cap : left))
+    if [ "$limit" -le 5 ]; then
+        say "SKIPPED (budget spent): $*"
+        status=1
+        return 1
+    fi
+    local t0=$SECONDS
+    timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$log"
+    local rc=${PIPESTATUS[0]}
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+        say "TIMED OUT after ${limit}s: $*"
+    fi
+    say "   (rc $rc, $((SECONDS - t0))s)"
+    return "$rc"
+}
+
+# Fresh binaries every run: a warm machine may hold an older bundle's.
+rm -rf "$here/bin"
+mkdir -p "$here/bin"
+tar -xzf "$here/bin.tar.gz" -C "$here/bin"
+
+say "== preflight"
+say "glibc: $(ldd --version 2>&1 | head -n 1)"
+say "kernel: $(uname -r)"
+smi="$(nvidia-smi --query-gpu=name,memory.total,driver_version,compute_mode,mig.mode.current,compute_cap --format=csv,noheader 2>&1)"
+say "gpu: $smi"
+driver_cuda="$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9]*\)\.\([0-9]*\).*/\1.\2/p' | head -n 1)"
+say "driver CUDA version: ${driver_cuda:-unknown}"
+driver_major="${driver_cuda%%.*}"
+say "libcuda: $(ldconfig -p 2>/dev/null | grep -m1 'libcuda.so.1 ' | sed 's/.*=> //' || echo 'not in ldconfig')"
+case "$smi" in
+*Prohibited*) say "BLOCKER: compute mode is Prohibited"; exit 2 ;;
+esac
+
+# cudarc loads NCCL, cuBLAS and NVRTC by unversioned names; the wheels ship versioned ones.
+# Every entry of `nvidia.__path__` is searched; a library whose CUDA major is newer than the
+# driver's is skipped (NVRTC newer than the driver writes PTX the driver cannot load).
+libs="$here/libs"
+rm -rf "$libs"
+mkdir -p "$libs"
+path="$libs"
+roots="$(python3 -c 'import nvidia; print("\n".join(nvidia.__path__))' 2>/dev/null || true)"
+say "nvidia packages: $(echo $roots)"
+for lib in nccl cublas nvrtc; do
+    chosen=""
+    for f in $(for r in $roots; do find "$r" -maxdepth 4 -name "lib$lib.so.[0-9]*" 2>/dev/null; done | sort -r); do
+        dir="$(dirname "$f")"
+        # cu12 / cu13 folders name the CUDA major; NCCL's name is its own version.
+        major="$(echo "$f" | sed -n 's/.*\/cu\([0-9][0-9]*\)\/.*/\1/p')"
+        [ -z "$major" ] && [ "$lib" != nccl ] && major="$(basename "$f" | sed -n "s/lib$lib\.so\.\([0-9]*\).*/\1/p")"
+        if [ -n "$major" ] && [ -n "$driver_major" ] && [ "$major" -gt "$driver_major" ]; then
+            say "$lib: skipping $f (CUDA $major > driver's $driver_major)"
+            continue
+        fi
+        chosen="$f"
+        break
+    done
+    if [ -n "$chosen" ]; then
+        ln -sf "$chosen" "$libs/lib$lib.so"
+        path="$path:$(dirname "$chosen")"
+        say "$lib: $chosen"
+    else
+        say "$lib: not found under Python's nvidia packages"
+    fi
+done
+export LD_LIBRARY_PATH="$path:${LD_LIBRARY_PATH:-}"
+missing="$(ldd "$here/bin/tpctl" 2>&1 | grep -E 'not found|GLIBC' || true)"
+if [ -n "$missing" ]; then
+    say "BLOCKER: tpctl cannot start here:"
+    say "$missing"
+    exit 2
+fi
+say "nvml sees processes: $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>&1 | wc -l) listed now"
 
 # The default model, where the tests look for it.
 export TPCTL_CACHE="$here/cache"
@@ -32,31 +117,12 @@ if [ ! -f "$TPCTL_CACHE/$name" ]; then
 fi
 say "model: $(wc -c <"$TPCTL_CACHE/$name") bytes ($name)"
 
-# cudarc loads NCCL, cuBLAS and NVRTC by unversioned names; the wheels ship versioned ones.
-libs="$here/libs"
-mkdir -p "$libs"
-path="$libs"
-nvidia="$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || true)"
-for lib in nccl cublas nvrtc; do
-    f="$(find "$nvidia" -maxdepth 4 -name "lib$lib.so.[0-9]*" 2>/dev/null | sort | head -n 1)"
-    if [ -n "$f" ]; then
-        ln -sf "$f" "$libs/lib$lib.so"
-        path="$path:$(dirname "$f")"
-        say "$lib: $f"
-    else
-        say "$lib: not found under Python's nvidia packages"
-    fi
-done
-export LD_LIBRARY_PATH="$path:${LD_LIBRARY_PATH:-}"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$log"
-
 # The GPU tests: every test whose name mentions cuda, gpu, nvml or nccl must pass on the GPU.
 export TPCTL_REQUIRE_GPU=1 TPCTL_BIN="$here/bin/tpctl" TPCTL_TEST_TMPDIR="$here/tmp"
 mkdir -p "$TPCTL_TEST_TMPDIR"
-status=0
 for t in "$here"/bin/test-*; do
     say "== $(basename "$t")"
-    if ! "$t" cuda gpu nvml nccl 2>&1 | tee -a "$log"; then
+    if ! step 120 "$t" cuda gpu nvml nccl; then
         status=1
         say "FAILED: $(basename "$t")"
     fi
@@ -67,12 +133,19 @@ done
 say "== tpctl run, SmolLM2-135M Q4_1, one rank, 64 tokens"
 for cfg in "cpu f32" "cuda f32" "cuda bf16"; do
     set -- $cfg
-    line="$("$here/bin/tpctl" run --model "$TPCTL_CACHE/$name" --device "$1" --dtype "$2" \
-        --max-tokens 64 --temperature 0 --prompt "The capital of France is" 2>&1 \
-        | grep '^-- ' || echo "no summary (failed)")"
-    say "$1 $2: $line"
+    step 60 "$here/bin/tpctl" run --model "$TPCTL_CACHE/$name" --device "$1" --dtype "$2" \
+        --max-tokens 64 --temperature 0 --prompt "The capital of France is" >"$out/run-$1-$2.txt"
+    say "$1 $2: $(grep -a '^-- ' "$out/run-$1-$2.txt" || echo "no summary (failed)")"
+    say "   text: $(head -c 300 "$out/run-$1-$2.txt" | tr '\n' ' ')"
 done
+# The CPU with the weights dequantized to f32 computes what the GPU computes (f32 products of
+# the same values; the native CPU decode rounds activations to 8 bits): the texts should agree.
+printf '[model]\nweights = "f32"\n' >"$out/f32-weights.toml"
+step 60 "$here/bin/tpctl" run "$out/f32-weights.toml" --model "$TPCTL_CACHE/$name" \
+    --max-tokens 64 --temperature 0 --prompt "The capital of France is" >"$out/run-cpu-f32w.txt"
+say "cpu f32 weights: $(grep -a '^-- ' "$out/run-cpu-f32w.txt" || echo "no summary (failed)")"
+say "   text: $(head -c 300 "$out/run-cpu-f32w.txt" | tr '\n' ' ')"
 say "== nccl all_reduce"
-"$here/bin/nccl-bench" 2>&1 | tee -a "$log" || status=1
-say "exit status $status"
+step 60 "$here/bin/nccl-bench" || status=1
+say "exit status $status, $((SECONDS - start))s"
 exit $status

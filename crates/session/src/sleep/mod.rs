@@ -32,8 +32,9 @@
 //! Receipts ([`OpReceipt`]) hold, per rank and per tag, the bytes released or restored, the
 //! rank's memory probe before and after (resident host memory; NVML bytes of the process on a
 //! GPU) and the time taken. With [`OpOptions::verify`], a sleep fails (and is rolled back)
-//! when any single rank's probe dropped by less than 90% of the bytes it released, so one
-//! rank's leak is never hidden by another rank's release.
+//! when any single rank's probe dropped by less than 90% of the bytes it released (less 1 MiB
+//! of probe noise, [`VERIFY_SLACK`]), so one rank's leak is never hidden by another rank's
+//! release.
 //!
 //! Requests around a sleep are the engine's business, through [`Quiesce`] (see
 //! [`quiesce`] for what each mode must do).
@@ -48,7 +49,7 @@ pub mod transport;
 
 pub use coordinator::{
     Coordinator, CoordinatorOptions, DeploymentState, DeploymentStatus, OpOptions, OpReceipt,
-    Reply, VERIFY_FRACTION,
+    Reply, VERIFY_FRACTION, VERIFY_SLACK,
 };
 pub use error::{Error, Outcome, RankFailure, Result};
 pub use listener::{ListenerExit, ListenerHandle};

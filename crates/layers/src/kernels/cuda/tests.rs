@@ -162,8 +162,12 @@ fn cuda_linear_matches_cpu_for_f32_and_quantized_weights() {
                 let x = tensor(&[m, k], 14);
                 let got = gpu.linear(&x, &quant).unwrap();
                 assert_close(got.data(), cpu.linear(&x, &deq).unwrap().data(), 1e-4);
-                for (g, w) in got.data().iter().zip(cpu.linear(&x, &quant).unwrap().data()) {
-                    assert!((g - w).abs() < 0.05, "{f:?} m={m}: {g} vs {w}");
+                // The CPU's quantized decode rounds activations to 8 bits: within 2% of the
+                // largest output.
+                let want = cpu.linear(&x, &quant).unwrap();
+                let scale = want.data().iter().fold(0f32, |a, v| a.max(v.abs()));
+                for (g, w) in got.data().iter().zip(want.data()) {
+                    assert!((g - w).abs() <= 0.02 * scale, "{f:?} m={m}: {g} vs {w} (max {scale})");
                 }
             }
         }
@@ -485,11 +489,13 @@ fn cuda_half_precision_linear_matches_cpu_within_rounding() {
         let q = QMatrix::from_blocks(BlockFormat::Q8_0, n, k, &quantize(BlockFormat::Q8_0, &wf))
             .unwrap();
         let deq = Weight::F32(Tensor::from_vec(&[n, k], q.dequantize()).unwrap());
+        // One weight object for every product: the device cache is keyed by its address.
+        let quant = Weight::Quant(q);
         for m in [1, 9] {
             let x = tensor(&[m, k], 22);
             let got = gpu.linear(&x, &dense).unwrap();
             assert_rel(got.data(), cpu.linear(&x, &dense).unwrap().data(), tol, dtype.name());
-            let got = gpu.linear(&x, &Weight::Quant(q.clone())).unwrap();
+            let got = gpu.linear(&x, &quant).unwrap();
             assert_rel(got.data(), cpu.linear(&x, &deq).unwrap().data(), tol, dtype.name());
         }
         assert_eq!(cuda_of(&gpu).gemm_dtype(), dtype);
