@@ -4,16 +4,16 @@
 //! Model code calls only `Backend` methods, so the CUDA backend (feature `cuda`, see [`cuda`])
 //! is one more variant that takes and returns the same tensors; its outputs stay on the device
 //! until host code reads them (see [`crate::tensor::DeviceData`]). Each method documents its
-//! shapes; all compute is f32 with f32 accumulation, except that on the CPU products with
-//! quantized weights multiply 8-bit quantized activations and sum each block of 32 in i32
-//! before scaling (as GGML does); the CUDA backend multiplies the dequantized weights (in f32,
-//! or bf16/f16 with [`GemmDtype`]).
+//! shapes; all compute is f32 with f32 accumulation. Quantized weights are a storage format
+//! only: every product multiplies f32 activations by the dequantized weight values (on the
+//! CPU dequantized in registers, see [`cpu::qmatrix`]), so decode, batches and prefill differ
+//! only in summation order; the CUDA backend multiplies the dequantized weights in f32, or
+//! in bf16/f16 with [`GemmDtype`].
 
 pub mod cpu;
 pub mod cuda;
 
 pub use cpu::attention::AttnShape;
-use cpu::qmatrix::Q8Vector;
 pub use cpu::qmatrix::QMatrix;
 use cpu::CpuBackend;
 pub use cuda::{CudaBackend, PoolArena};
@@ -196,9 +196,10 @@ pub enum Backend {
 /// whose packing does not pay off for so few rows.
 const MATVEC_MAX_ROWS: usize = 2;
 
-/// Batches up to this many rows multiply quantized weights directly; larger ones dequantize
-/// the matrix once and use `gemm` (the dequantization then costs less than the extra passes).
-const QMATVEC_MAX_ROWS: usize = 8;
+/// Batches up to this many rows multiply quantized weights directly (each block dequantized
+/// once per tile of rows); larger ones (prefill chunks) dequantize the matrix once and use
+/// `gemm`, whose blocking then pays off.
+const QMATMUL_MAX_ROWS: usize = 32;
 
 fn check(op: &'static str, ok: bool, msg: impl FnOnce() -> String) -> Result<()> {
     if ok {
@@ -287,11 +288,8 @@ impl Backend {
                 }
             })?,
             Weight::Quant(wq) => cpu.install(|| {
-                if m <= QMATVEC_MAX_ROWS {
-                    for (xr, or) in x.data().chunks_exact(k).zip(out.data_mut().chunks_exact_mut(n))
-                    {
-                        cpu::qmatrix::qmatvec(wq, &Q8Vector::quantize(xr), or);
-                    }
+                if m <= QMATMUL_MAX_ROWS {
+                    cpu::qmatrix::qmatmul(wq, x.data(), m, out.data_mut());
                     Ok(())
                 } else {
                     let wt = wq.dequantize();

@@ -1,26 +1,19 @@
-//! AVX2 row dot products for [`super::qmatrix`]: the same arithmetic as the portable
-//! kernels, written with explicit multiply-add instructions (what GGML does), because the
-//! compiler's auto-vectorizer does not find `pmaddubsw` in plain loops.
+//! AVX2 kernels for [`super::qmatrix::qmatmul`]: each block of 32 quantized weights is
+//! dequantized into four registers of f32 (`d·q + m`, multiplied then added, so the values are
+//! exactly [`super::qmatrix::QMatrix::dequantize_row`]'s) and multiplied into the f32
+//! activations of up to `T` rows at once, so the weights are read and dequantized once per
+//! tile of rows.
 //!
 //! The intrinsics come from `pulp`'s `V3` token, which proves at run time that the CPU has
 //! AVX2 and FMA and exposes them as safe functions; callers run these kernels inside
 //! `V3::vectorize`, so everything inlines into code compiled for those features.
+//!
+//! Each activation row has its own two accumulators (even and odd quarters of a block), and
+//! its operations do not depend on the other rows of the tile: a row's result is the same
+//! bits whatever tile it is computed in.
 
-use super::quant::BLOCK;
-use core::arch::x86_64::{__m128i, __m256, __m256i};
+use core::arch::x86_64::{__m128i, __m256};
 use pulp::x86::V3;
-
-#[inline(always)]
-fn load32(b: &[u8]) -> __m256i {
-    let a: [u8; 32] = b[..32].try_into().expect("a block has 32 bytes");
-    pulp::cast(a)
-}
-
-#[inline(always)]
-fn load16(b: &[u8]) -> __m128i {
-    let a: [u8; 16] = b[..16].try_into().expect("a 4-bit block has 16 bytes");
-    pulp::cast(a)
-}
 
 #[inline(always)]
 fn hsum(v: __m256) -> f32 {
@@ -28,68 +21,107 @@ fn hsum(v: __m256) -> f32 {
     a.iter().sum()
 }
 
-/// Σ_j w[j]·x[j] of one 4-bit block (`q`: 16 bytes, low nibbles first) as 8 f32 lanes.
 #[inline(always)]
-fn q4_block(v3: V3, q: &[u8], x: &[u8]) -> __m256 {
-    let lo = load16(q);
-    let hi = v3.sse2._mm_srli_epi16::<4>(lo);
-    let w =
-        v3.avx2._mm256_and_si256(v3.avx._mm256_set_m128i(hi, lo), v3.avx._mm256_set1_epi8(0x0F));
-    let p16 = v3.avx2._mm256_maddubs_epi16(w, load32(x));
-    v3.avx._mm256_cvtepi32_ps(v3.avx2._mm256_madd_epi16(p16, v3.avx._mm256_set1_epi16(1)))
+fn to_f32(v3: V3, v: __m128i, signed: bool) -> __m256 {
+    let i = if signed { v3.avx2._mm256_cvtepi8_epi32(v) } else { v3.avx2._mm256_cvtepu8_epi32(v) };
+    v3.avx._mm256_cvtepi32_ps(i)
 }
 
-/// Σ_j w[j]·x[j] of one 8-bit block as 8 f32 lanes.
-#[inline(always)]
-fn q8_block(v3: V3, w: &[u8], x: &[u8]) -> __m256 {
-    let (wv, xv) = (load32(w), load32(x));
-    // maddubs multiplies unsigned by signed bytes: move w's sign onto x.
-    let p16 = v3
-        .avx2
-        ._mm256_maddubs_epi16(v3.avx2._mm256_sign_epi8(wv, wv), v3.avx2._mm256_sign_epi8(xv, wv));
-    v3.avx._mm256_cvtepi32_ps(v3.avx2._mm256_madd_epi16(p16, v3.avx._mm256_set1_epi16(1)))
+/// A weight row's blocks, dequantized one at a time.
+pub(super) trait Blocks: Copy {
+    /// Blocks in the row.
+    fn len(&self) -> usize;
+    /// Block `b` as four registers of f32 (elements 0..8, 8..16, 16..24, 24..32).
+    fn get(&self, v3: V3, b: usize) -> [__m256; 4];
 }
 
-/// Σ_b sw[b]·sx[b]·Σ_j w[b,j]·x[b,j] for a row of 4-bit weights (`qs`: 16 bytes per block,
-/// low nibbles first) and 8-bit activations `x`. Two named accumulators (even and odd blocks)
-/// let the adds overlap; an indexed accumulator array would be kept in memory.
-#[inline(always)]
-pub(super) fn row_dot_q4(v3: V3, qs: &[u8], x: &[u8], sw: &[f32], sx: &[f32]) -> f32 {
-    let half = BLOCK / 2;
-    let (mut acc0, mut acc1) = (v3.avx._mm256_setzero_ps(), v3.avx._mm256_setzero_ps());
-    let nb = sw.len().min(sx.len());
-    let mut b = 0;
-    while b + 1 < nb {
-        let p0 = q4_block(v3, &qs[b * half..][..half], &x[b * BLOCK..][..BLOCK]);
-        let p1 = q4_block(v3, &qs[(b + 1) * half..][..half], &x[(b + 1) * BLOCK..][..BLOCK]);
-        acc0 = v3.fma._mm256_fmadd_ps(p0, v3.avx._mm256_set1_ps(sw[b] * sx[b]), acc0);
-        acc1 = v3.fma._mm256_fmadd_ps(p1, v3.avx._mm256_set1_ps(sw[b + 1] * sx[b + 1]), acc1);
-        b += 2;
-    }
-    if b < nb {
-        let p0 = q4_block(v3, &qs[b * half..][..half], &x[b * BLOCK..][..BLOCK]);
-        acc0 = v3.fma._mm256_fmadd_ps(p0, v3.avx._mm256_set1_ps(sw[b] * sx[b]), acc0);
-    }
-    hsum(v3.avx._mm256_add_ps(acc0, acc1))
+/// A 4-bit row: 16 bytes per block (low nibbles are elements 0..16), a scale and a minimum.
+#[derive(Clone, Copy)]
+pub(super) struct Q4Row<'a> {
+    pub qs: &'a [[u8; 16]],
+    pub scales: &'a [f32],
+    pub mins: &'a [f32],
 }
 
-/// Σ_b sw[b]·sx[b]·Σ_j w[b,j]·x[b,j] for a row of 8-bit weights and 8-bit activations, with
-/// the same two accumulators as [`row_dot_q4`].
+/// An 8-bit row: 32 signed bytes per block and a scale.
+#[derive(Clone, Copy)]
+pub(super) struct Q8Row<'a> {
+    pub qs: &'a [[u8; 32]],
+    pub scales: &'a [f32],
+}
+
+/// Eight 4-bit values (the low bytes of `q`) as `d·q + m`: multiplied, then added, as
+/// [`super::qmatrix::QMatrix::dequantize_row`] does.
 #[inline(always)]
-pub(super) fn row_dot_q8(v3: V3, w: &[u8], x: &[u8], sw: &[f32], sx: &[f32]) -> f32 {
-    let (mut acc0, mut acc1) = (v3.avx._mm256_setzero_ps(), v3.avx._mm256_setzero_ps());
-    let nb = sw.len().min(sx.len());
-    let mut b = 0;
-    while b + 1 < nb {
-        let p0 = q8_block(v3, &w[b * BLOCK..][..BLOCK], &x[b * BLOCK..][..BLOCK]);
-        let p1 = q8_block(v3, &w[(b + 1) * BLOCK..][..BLOCK], &x[(b + 1) * BLOCK..][..BLOCK]);
-        acc0 = v3.fma._mm256_fmadd_ps(p0, v3.avx._mm256_set1_ps(sw[b] * sx[b]), acc0);
-        acc1 = v3.fma._mm256_fmadd_ps(p1, v3.avx._mm256_set1_ps(sw[b + 1] * sx[b + 1]), acc1);
-        b += 2;
+fn dequant4(v3: V3, q: __m128i, d: __m256, m: __m256) -> __m256 {
+    v3.avx._mm256_add_ps(v3.avx._mm256_mul_ps(d, to_f32(v3, q, false)), m)
+}
+
+impl Blocks for Q4Row<'_> {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.scales.len()
     }
-    if b < nb {
-        let p0 = q8_block(v3, &w[b * BLOCK..][..BLOCK], &x[b * BLOCK..][..BLOCK]);
-        acc0 = v3.fma._mm256_fmadd_ps(p0, v3.avx._mm256_set1_ps(sw[b] * sx[b]), acc0);
+
+    #[inline(always)]
+    fn get(&self, v3: V3, b: usize) -> [__m256; 4] {
+        let q: __m128i = pulp::cast(self.qs[b]);
+        let mask = v3.sse2._mm_set1_epi8(0x0F);
+        let lo = v3.sse2._mm_and_si128(q, mask);
+        let hi = v3.sse2._mm_and_si128(v3.sse2._mm_srli_epi16::<4>(q), mask);
+        let (d, m) = (v3.avx._mm256_set1_ps(self.scales[b]), v3.avx._mm256_set1_ps(self.mins[b]));
+        [
+            dequant4(v3, lo, d, m),
+            dequant4(v3, v3.sse2._mm_srli_si128::<8>(lo), d, m),
+            dequant4(v3, hi, d, m),
+            dequant4(v3, v3.sse2._mm_srli_si128::<8>(hi), d, m),
+        ]
     }
-    hsum(v3.avx._mm256_add_ps(acc0, acc1))
+}
+
+impl Blocks for Q8Row<'_> {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.scales.len()
+    }
+
+    #[inline(always)]
+    fn get(&self, v3: V3, b: usize) -> [__m256; 4] {
+        let [a, c]: [__m128i; 2] = pulp::cast(self.qs[b]);
+        let d = v3.avx._mm256_set1_ps(self.scales[b]);
+        [
+            v3.avx._mm256_mul_ps(d, to_f32(v3, a, true)),
+            v3.avx._mm256_mul_ps(d, to_f32(v3, v3.sse2._mm_srli_si128::<8>(a), true)),
+            v3.avx._mm256_mul_ps(d, to_f32(v3, c, true)),
+            v3.avx._mm256_mul_ps(d, to_f32(v3, v3.sse2._mm_srli_si128::<8>(c), true)),
+        ]
+    }
+}
+
+/// `row · x[t]` for the `T` activation rows `xs`, each as long as the row in groups of 8.
+#[inline(always)]
+pub(super) fn row_dots<const T: usize, B: Blocks>(
+    v3: V3,
+    row: B,
+    xs: [&[[f32; 8]]; T],
+) -> [f32; T] {
+    let nb = row.len();
+    let xs = xs.map(|x| &x[..4 * nb]);
+    let zero = v3.avx._mm256_setzero_ps();
+    let (mut acc0, mut acc1) = ([zero; T], [zero; T]);
+    for b in 0..nb {
+        let w = row.get(v3, b);
+        for t in 0..T {
+            let x = &xs[t][4 * b..4 * b + 4];
+            acc0[t] = v3.fma._mm256_fmadd_ps(w[0], pulp::cast(x[0]), acc0[t]);
+            acc1[t] = v3.fma._mm256_fmadd_ps(w[1], pulp::cast(x[1]), acc1[t]);
+            acc0[t] = v3.fma._mm256_fmadd_ps(w[2], pulp::cast(x[2]), acc0[t]);
+            acc1[t] = v3.fma._mm256_fmadd_ps(w[3], pulp::cast(x[3]), acc1[t]);
+        }
+    }
+    let mut out = [0f32; T];
+    for t in 0..T {
+        out[t] = hsum(v3.avx._mm256_add_ps(acc0[t], acc1[t]));
+    }
+    out
 }

@@ -1,11 +1,13 @@
-//! Weight matrices kept block-quantized for decode, and their matrix-vector product.
+//! Weight matrices kept block-quantized, and their products with f32 activations.
 //!
-//! Decode (one token) reads every weight once, so its speed is the memory bandwidth divided by
-//! the weight bytes: 4-bit weights move 7× fewer bytes than f32. The activation vector is
-//! quantized to 8 bits per block of 32 (one f32 scale per block, as GGML's Q8 formats), and
-//! each block's dot product runs in 16/32-bit integers, which vectorize well. Kernels are
-//! dispatched at run time to the widest SIMD level the CPU has (through `pulp`), without
-//! `target-cpu=native`.
+//! Quantization is a storage format only: products multiply f32 activations by the
+//! dequantized weights (`d·q + m`, the values [`QMatrix::dequantize`] gives), dequantized in
+//! registers block by block, so every path (decode, a batch, a prefill chunk) computes f32
+//! products of the same weight values and differs only in summation order. Decode reads every
+//! weight once, so its speed is the memory bandwidth divided by the weight bytes: 4-bit
+//! weights move 7× fewer bytes than f32, and a batch of rows reads them once per tile.
+//! Kernels are dispatched at run time to the widest SIMD level the CPU has (through `pulp`),
+//! without `target-cpu=native`.
 //!
 //! Storage is repacked at load: scales (and minimums) as f32 arrays, quants as bytes, all in
 //! row-major block order. Q4_0 is stored as Q4_1 with minimum `-8·d`, so one 4-bit kernel
@@ -225,61 +227,73 @@ impl WeightBuffers for QMatrix {
     }
 }
 
-/// An activation vector quantized to 8 bits per block of 32.
-#[derive(Clone, Debug, Default)]
-pub struct Q8Vector {
-    scales: Vec<f32>,
-    /// `scale · Σ q` per block, for the minimum term of 4-bit weights.
-    sums: Vec<f32>,
-    qs: Vec<i8>,
+/// Activation rows multiplied together: each weight block is dequantized once per tile.
+const X_TILE: usize = 4;
+
+/// `out[i, r] = x[i, :] · w[r, :]` for the `m` rows of `x` (`[m, cols]`, row-major) into
+/// `out` (`[m, rows]`), in the current rayon pool: f32 products of the dequantized weights
+/// (dequantized in registers, block by block, never into a matrix), so the result differs
+/// from the f32 product with [`QMatrix::dequantize`]'s matrix only by summation order. Each
+/// weight block is read once per tile of [`X_TILE`] rows, so a batch of decode rows costs
+/// little more memory traffic than one.
+///
+/// A row's result does not depend on the other rows of `x`: a sequence decoded alone or in
+/// a batch gets the same bits.
+///
+/// Lengths must agree (`x.len() == m * cols`, `out.len() == m * rows`); callers check.
+pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32]) {
+    qmatmul_with(w, x, m, out, true);
 }
 
-impl Q8Vector {
-    /// Quantizes `x` (a multiple of 32 values).
-    pub fn quantize(x: &[f32]) -> Self {
-        let nb = x.len() / BLOCK;
-        let mut v = Q8Vector {
-            scales: Vec::with_capacity(nb),
-            sums: Vec::with_capacity(nb),
-            qs: Vec::with_capacity(x.len()),
-        };
-        for blk in x.chunks_exact(BLOCK) {
-            let amax = blk.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for &val in blk {
-                let q = (val * id).round() as i8;
-                sum += i32::from(q);
-                v.qs.push(q);
+/// [`qmatmul`], optionally without the AVX2 kernels (so tests cover the portable ones too).
+fn qmatmul_with(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32], allow_avx2: bool) {
+    if m == 0 || w.rows == 0 {
+        return;
+    }
+    // Tasks own ranges of weight rows; with several activation rows they write a
+    // `[rows, m]` block, transposed into `out` at the end.
+    let mut transposed = if m == 1 { Vec::new() } else { vec![0f32; w.rows * m] };
+    let target: &mut [f32] = if m == 1 { out } else { &mut transposed };
+    let chunk = ROWS_PER_TASK * m;
+    #[cfg(target_arch = "x86_64")]
+    if let Some(v3) = pulp::x86::V3::try_new().filter(|_| allow_avx2) {
+        target.par_chunks_mut(chunk).enumerate().for_each(|(c, part)| {
+            <pulp::x86::V3 as Simd>::vectorize(
+                v3,
+                Avx2Rows { v3, w, x, m, first_row: c * ROWS_PER_TASK, out: part },
+            );
+        });
+    } else {
+        portable(w, x, m, target);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = allow_avx2;
+        portable(w, x, m, target);
+    }
+    if m > 1 {
+        for (r, col) in transposed.chunks_exact(m).enumerate() {
+            for (i, v) in col.iter().enumerate() {
+                out[i * w.rows + r] = *v;
             }
-            v.scales.push(d);
-            v.sums.push(d * sum as f32);
         }
-        v
     }
 }
 
-/// Unpacks one 4-bit row into bytes 0..=15 in element order, eight nibbles per operation.
-#[inline(always)]
-fn unpack_nibbles(qs: &[u8], out: &mut [u8]) {
-    const LOW: u64 = 0x0F0F_0F0F_0F0F_0F0F;
-    for (dst, src) in out.chunks_exact_mut(BLOCK).zip(qs.chunks_exact(BLOCK / 2)) {
-        let a = u64::from_le_bytes(src[..8].try_into().expect("8 bytes"));
-        let b = u64::from_le_bytes(src[8..16].try_into().expect("8 bytes"));
-        dst[..8].copy_from_slice(&(a & LOW).to_le_bytes());
-        dst[8..16].copy_from_slice(&(b & LOW).to_le_bytes());
-        dst[16..24].copy_from_slice(&((a >> 4) & LOW).to_le_bytes());
-        dst[24..32].copy_from_slice(&((b >> 4) & LOW).to_le_bytes());
-    }
+fn portable(w: &QMatrix, x: &[f32], m: usize, target: &mut [f32]) {
+    let arch = Arch::new();
+    target.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, part)| {
+        arch.dispatch(RowsOp { w, x, m, first_row: c * ROWS_PER_TASK, out: part });
+    });
 }
 
+/// Rows `first_row..` of [`qmatmul`] on portable code: `out` is `[rows of the task, m]`.
 struct RowsOp<'a> {
     w: &'a QMatrix,
-    x: &'a Q8Vector,
+    x: &'a [f32],
+    m: usize,
     first_row: usize,
     out: &'a mut [f32],
-    scratch: &'a mut Vec<u8>,
 }
 
 impl WithSimd for RowsOp<'_> {
@@ -287,112 +301,39 @@ impl WithSimd for RowsOp<'_> {
 
     #[inline(always)]
     fn with_simd<S: Simd>(self, _simd: S) -> Self::Output {
-        let RowsOp { w, x, first_row, out, scratch } = self;
-        let (cols, nb) = (w.cols, w.cols / BLOCK);
-        let (w_scales, w_mins, w_qs) = (w.scales.as_slice(), w.mins.as_slice(), w.qs.as_slice());
-        scratch.resize(cols, 0);
-        let (xq, xs, xsum) = (&x.qs[..cols], &x.scales[..nb], &x.sums[..nb]);
-        for (i, o) in out.iter_mut().enumerate() {
-            let r = first_row + i;
-            let scales = &w_scales[r * nb..(r + 1) * nb];
-            *o = match w.bits {
-                QBits::Eight => {
-                    let qs: &[i8] = bytemuck_i8(&w_qs[r * cols..(r + 1) * cols]);
-                    row_dot(qs, xq, scales, xs)
-                }
-                QBits::Four => {
-                    unpack_nibbles(&w_qs[r * cols / 2..(r + 1) * cols / 2], scratch);
-                    let mins = &w_mins[r * nb..(r + 1) * nb];
-                    let min_term: f32 = mins.iter().zip(xsum).map(|(m, s)| m * s).sum();
-                    row_dot(bytemuck_i8(scratch), xq, scales, xs) + min_term
-                }
-            };
-        }
-    }
-}
-
-/// Lanes of the per-row accumulators: one AVX2 register of i32 / f32.
-const LANES: usize = 8;
-
-/// Σ_j w[j]·x[j] of one block, as 8 i32 lanes: each lane sums adjacent pairs, the shape of
-/// the widening multiply-add instruction (`pmaddwd`) the compiler turns it into.
-#[inline(always)]
-fn block_lanes(w: &[i8], x: &[i8]) -> [i32; LANES] {
-    let mut p = [0i32; LANES];
-    for (wl, xl) in w.chunks_exact(2 * LANES).zip(x.chunks_exact(2 * LANES)) {
-        for l in 0..LANES {
-            p[l] += i32::from(wl[2 * l]) * i32::from(xl[2 * l])
-                + i32::from(wl[2 * l + 1]) * i32::from(xl[2 * l + 1]);
-        }
-    }
-    p
-}
-
-/// Σ_b scale_w[b]·scale_x[b]·Σ_j w[b,j]·x[b,j] over a row of signed bytes. Each block's
-/// integer lanes are scaled into f32 lanes, so no block needs a horizontal reduction; two
-/// accumulators (even and odd blocks) hide the add latency. The lanes are added once.
-#[inline(always)]
-fn row_dot(w: &[i8], x: &[i8], sw: &[f32], sx: &[f32]) -> f32 {
-    let mut acc = [[0.0f32; LANES]; 2];
-    let pairs = w.chunks_exact(2 * BLOCK).zip(x.chunks_exact(2 * BLOCK));
-    for (i, (wc, xc)) in pairs.enumerate() {
-        for (h, a) in acc.iter_mut().enumerate() {
-            let p = block_lanes(&wc[h * BLOCK..][..BLOCK], &xc[h * BLOCK..][..BLOCK]);
-            let scale = sw[2 * i + h] * sx[2 * i + h];
-            for l in 0..LANES {
-                a[l] += p[l] as f32 * scale;
+        let RowsOp { w, x, m, first_row, out } = self;
+        let cols = w.cols;
+        let mut row = vec![0f32; cols];
+        for (j, o) in out.chunks_exact_mut(m).enumerate() {
+            w.dequantize_row(first_row + j, &mut row);
+            for (i, o) in o.iter_mut().enumerate() {
+                *o = dot_lanes(&row, &x[i * cols..(i + 1) * cols]);
             }
         }
     }
-    let nb = w.len() / BLOCK;
-    if nb % 2 == 1 {
-        let b = nb - 1;
-        let p = block_lanes(&w[b * BLOCK..][..BLOCK], &x[b * BLOCK..][..BLOCK]);
-        let scale = sw[b] * sx[b];
-        for l in 0..LANES {
-            acc[0][l] += p[l] as f32 * scale;
+}
+
+/// `Σ w[j]·x[j]` in the lane order of the AVX2 kernels (two accumulators of 8 lanes, by
+/// quarter block), without fused multiply-adds.
+#[inline(always)]
+fn dot_lanes(w: &[f32], x: &[f32]) -> f32 {
+    let mut acc = [[0f32; 8]; 2];
+    for (i, (wq, xq)) in w.chunks_exact(8).zip(x.chunks_exact(8)).enumerate() {
+        let a = &mut acc[i % 2];
+        for l in 0..8 {
+            a[l] += wq[l] * xq[l];
         }
     }
-    (0..LANES).map(|l| acc[0][l] + acc[1][l]).sum()
+    (0..8).map(|l| acc[0][l] + acc[1][l]).sum()
 }
 
-/// Views bytes as signed bytes without copying (same size and alignment).
-#[inline(always)]
-fn bytemuck_i8(b: &[u8]) -> &[i8] {
-    bytemuck::cast_slice(b)
-}
-
-/// `out[r] = w[r, :] · x` with `x` quantized, in the current rayon pool.
-///
-/// Lengths must agree (`out.len() == rows`, `x` quantized from `cols` values); callers check.
-pub fn qmatvec(w: &QMatrix, x: &Q8Vector, out: &mut [f32]) {
-    qmatvec_with(w, x, out, true);
-}
-
-/// [`qmatvec`], optionally without the AVX2 kernels (so tests cover the portable ones too).
-fn qmatvec_with(w: &QMatrix, x: &Q8Vector, out: &mut [f32], allow_avx2: bool) {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(v3) = pulp::x86::V3::try_new().filter(|_| allow_avx2) {
-        out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, chunk)| {
-            <pulp::x86::V3 as Simd>::vectorize(
-                v3,
-                Avx2Rows { v3, w, x, first_row: c * ROWS_PER_TASK, out: chunk },
-            );
-        });
-        return;
-    }
-    let arch = Arch::new();
-    out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each_init(Vec::new, |scratch, (c, chunk)| {
-        arch.dispatch(RowsOp { w, x, first_row: c * ROWS_PER_TASK, out: chunk, scratch });
-    });
-}
-
-/// Rows of [`qmatvec`] on the AVX2 kernels.
+/// Rows `first_row..` of [`qmatmul`] on the AVX2 kernels: `out` is `[rows of the task, m]`.
 #[cfg(target_arch = "x86_64")]
 struct Avx2Rows<'a> {
     v3: pulp::x86::V3,
     w: &'a QMatrix,
-    x: &'a Q8Vector,
+    x: &'a [f32],
+    m: usize,
     first_row: usize,
     out: &'a mut [f32],
 }
@@ -403,25 +344,54 @@ impl WithSimd for Avx2Rows<'_> {
 
     #[inline(always)]
     fn with_simd<S: Simd>(self, _simd: S) -> Self::Output {
-        use super::qdot_avx2::{row_dot_q4, row_dot_q8};
-        let Avx2Rows { v3, w, x, first_row, out } = self;
+        use super::qdot_avx2::{Q4Row, Q8Row};
+        let Avx2Rows { v3, w, x, m, first_row, out } = self;
         let (cols, nb) = (w.cols, w.cols / BLOCK);
         let (w_scales, w_mins, w_qs) = (w.scales.as_slice(), w.mins.as_slice(), w.qs.as_slice());
-        let xq: &[u8] = bytemuck::cast_slice(&x.qs[..cols]);
-        let (xs, xsum) = (&x.scales[..nb], &x.sums[..nb]);
-        for (i, o) in out.iter_mut().enumerate() {
-            let r = first_row + i;
+        let (x8, _) = pulp::as_arrays::<8, f32>(x);
+        for (j, o) in out.chunks_exact_mut(m).enumerate() {
+            let r = first_row + j;
             let scales = &w_scales[r * nb..(r + 1) * nb];
-            *o = match w.bits {
-                QBits::Eight => row_dot_q8(v3, &w_qs[r * cols..(r + 1) * cols], xq, scales, xs),
-                QBits::Four => {
-                    let mins = &w_mins[r * nb..(r + 1) * nb];
-                    let min_term: f32 = mins.iter().zip(xsum).map(|(m, s)| m * s).sum();
-                    row_dot_q4(v3, &w_qs[r * cols / 2..(r + 1) * cols / 2], xq, scales, xs)
-                        + min_term
+            match w.bits {
+                QBits::Eight => {
+                    let (qs, _) = pulp::as_arrays::<32, u8>(&w_qs[r * cols..(r + 1) * cols]);
+                    avx2_tiles(v3, Q8Row { qs, scales }, x8, cols / 8, o);
                 }
-            };
+                QBits::Four => {
+                    let half = &w_qs[r * cols / 2..(r + 1) * cols / 2];
+                    let (qs, _) = pulp::as_arrays::<16, u8>(half);
+                    let mins = &w_mins[r * nb..(r + 1) * nb];
+                    avx2_tiles(v3, Q4Row { qs, scales, mins }, x8, cols / 8, o);
+                }
+            }
         }
+    }
+}
+
+/// Every activation row (`x` in groups of 8, `groups` per row) times one weight row, in
+/// tiles of up to [`X_TILE`] rows: `out[i]` for row `i`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn avx2_tiles<B: super::qdot_avx2::Blocks>(
+    v3: pulp::x86::V3,
+    row: B,
+    x: &[[f32; 8]],
+    groups: usize,
+    out: &mut [f32],
+) {
+    use super::qdot_avx2::row_dots;
+    let mut i = 0;
+    while i < out.len() {
+        let xr = |k: usize| &x[(i + k) * groups..(i + k + 1) * groups];
+        let t = (out.len() - i).min(X_TILE);
+        let o = &mut out[i..i + t];
+        match t {
+            1 => o.copy_from_slice(&row_dots(v3, row, [xr(0)])),
+            2 => o.copy_from_slice(&row_dots(v3, row, [xr(0), xr(1)])),
+            3 => o.copy_from_slice(&row_dots(v3, row, [xr(0), xr(1), xr(2)])),
+            _ => o.copy_from_slice(&row_dots(v3, row, [xr(0), xr(1), xr(2), xr(3)])),
+        }
+        i += t;
     }
 }
 
@@ -459,29 +429,66 @@ mod tests {
         assert_eq!(picked[cols..], deq[..cols]);
     }
 
+    /// `x · deq(w)ᵀ` in f64, and the bound of an f32 sum's rounding for each element.
+    fn reference(deq: &[f32], x: &[f32], m: usize, cols: usize) -> Vec<(f64, f64)> {
+        let rows = deq.len() / cols;
+        let mut out = vec![(0.0, 0.0); m * rows];
+        for i in 0..m {
+            for r in 0..rows {
+                let (w, xi) = (&deq[r * cols..(r + 1) * cols], &x[i * cols..(i + 1) * cols]);
+                let dot: f64 = w.iter().zip(xi).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum();
+                let mag: f64 = w.iter().zip(xi).map(|(a, b)| f64::from((a * b).abs())).sum();
+                out[i * rows + r] = (dot, mag * cols as f64 * f64::from(f32::EPSILON));
+            }
+        }
+        out
+    }
+
     #[test]
-    fn qmatvec_matches_the_f32_product_of_the_dequantized_matrix() {
+    fn qmatmul_is_the_f32_product_of_the_dequantized_matrix() {
         let (rows, cols) = (70, 256);
         let w = random_vec(rows * cols, 2);
-        let x = random_vec(cols, 3);
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         for f in [BlockFormat::Q8_0, BlockFormat::Q4_0, BlockFormat::Q4_1] {
-            let m = QMatrix::from_blocks(f, rows, cols, &quantize(f, &w)).unwrap();
-            let deq = m.dequantize();
-            let want: Vec<f32> =
-                deq.chunks(cols).map(|r| r.iter().zip(&x).map(|(a, b)| a * b).sum()).collect();
-            let xq = Q8Vector::quantize(&x);
-            let mut out = vec![0.0; rows];
-            pool.install(|| qmatvec(&m, &xq, &mut out));
-            // The activation's 8-bit rounding bounds the error: |Δ| ≲ Σ|w|·amax/254.
-            for (g, w) in out.iter().zip(&want) {
-                assert!((g - w).abs() < 0.05 * (cols as f32).sqrt() / 8.0, "{f:?}: {g} vs {w}");
+            let q = QMatrix::from_blocks(f, rows, cols, &quantize(f, &w)).unwrap();
+            let deq = q.dequantize();
+            for m in [1, 2, 3, 4, 5, 7, 8, 9, 16, 33] {
+                let x = random_vec(m * cols, 3 + m as u64);
+                let want = reference(&deq, &x, m, cols);
+                for avx2 in [true, false] {
+                    let mut out = vec![0.0; m * rows];
+                    pool.install(|| qmatmul_with(&q, &x, m, &mut out, avx2));
+                    for (g, (w, bound)) in out.iter().zip(&want) {
+                        assert!(
+                            (f64::from(*g) - w).abs() <= *bound,
+                            "{f:?} m={m} avx2 allowed {avx2}: {g} vs {w} (bound {bound})"
+                        );
+                    }
+                }
             }
-            // The portable kernels compute the same integer sums: equal up to f32 rounding.
-            let mut portable = vec![0.0; rows];
-            pool.install(|| qmatvec_with(&m, &xq, &mut portable, false));
-            for (a, b) in portable.iter().zip(&out) {
-                assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{f:?}: {a} vs {b}");
+        }
+    }
+
+    /// A row's product is the same bits alone and in any batch (every tile size and place).
+    #[test]
+    fn a_rows_product_does_not_depend_on_the_rest_of_the_batch() {
+        let (rows, cols) = (45, 192);
+        let w = random_vec(rows * cols, 6);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        for f in [BlockFormat::Q8_0, BlockFormat::Q4_1] {
+            let q = QMatrix::from_blocks(f, rows, cols, &quantize(f, &w)).unwrap();
+            let batch = random_vec(11 * cols, 7);
+            for avx2 in [true, false] {
+                let mut all = vec![0.0; 11 * rows];
+                pool.install(|| qmatmul_with(&q, &batch, 11, &mut all, avx2));
+                for i in [0, 3, 4, 9, 10] {
+                    let mut one = vec![0.0; rows];
+                    pool.install(|| {
+                        qmatmul_with(&q, &batch[i * cols..(i + 1) * cols], 1, &mut one, avx2)
+                    });
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&one), bits(&all[i * rows..(i + 1) * rows]), "{f:?} row {i}");
+                }
             }
         }
     }
@@ -490,7 +497,7 @@ mod tests {
     fn a_matrix_in_arena_memory_multiplies_bit_for_bit_like_the_heap_one() {
         let (rows, cols) = (40, 96);
         let w = random_vec(rows * cols, 4);
-        let xq = Q8Vector::quantize(&random_vec(cols, 5));
+        let x = random_vec(3 * cols, 5);
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         for (f, buffers) in [(BlockFormat::Q8_0, 2), (BlockFormat::Q4_1, 3)] {
             let heap = QMatrix::from_blocks(f, rows, cols, &quantize(f, &w)).unwrap();
@@ -508,9 +515,9 @@ mod tests {
             assert!(after.iter().all(|b| b.as_ptr() as usize % crate::memory::ALIGN == 0));
             assert_eq!(moved.nbytes(), heap.nbytes());
             for avx2 in [true, false] {
-                let (mut a, mut b) = (vec![0.0; rows], vec![0.0; rows]);
-                pool.install(|| qmatvec_with(&heap, &xq, &mut a, avx2));
-                pool.install(|| qmatvec_with(&moved, &xq, &mut b, avx2));
+                let (mut a, mut b) = (vec![0.0; 3 * rows], vec![0.0; 3 * rows]);
+                pool.install(|| qmatmul_with(&heap, &x, 3, &mut a, avx2));
+                pool.install(|| qmatmul_with(&moved, &x, 3, &mut b, avx2));
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&a), bits(&b), "{f:?}, avx2 allowed: {avx2}");
             }

@@ -26,8 +26,8 @@
 //!   activations to the same type). In f32 this costs 4x (Q8_0) to 7x (Q4) more device memory
 //!   and bandwidth than the packed form (a 135M-parameter model takes about 540 MB; half that
 //!   in bf16). The dequantization rounds exactly as the CPU's `QMatrix::dequantize`, so an f32
-//!   quantized product here equals the CPU's f32 product on the dequantized matrix (the CPU's
-//!   decode path instead quantizes the activations to 8 bits, which differs by about 1%).
+//!   quantized product here equals the CPU's (an f32 product of the same dequantized values,
+//!   in another summation order).
 //!   Embedding tables are kept in f32 whatever the dtype (a tied LM head has both copies).
 //! - Small per-call vectors (norm weights, biases) are copied per call like activations.
 //!
