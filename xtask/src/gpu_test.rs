@@ -60,13 +60,29 @@ const LIBRARIES: [&str; 3] = ["nccl", "cublas", "nvrtc"];
 /// `LD_LIBRARY_PATH` with a folder of unversioned links to the `nvidia` Python packages'
 /// NCCL, cuBLAS and NVRTC first, then those libraries' own folders (for the libraries they
 /// load in turn: cublasLt, nvrtc-builtins), then the old value; `None` when none is found.
+///
+/// Every entry of `nvidia.__path__` is searched; a library in a `cuN` folder newer than the
+/// driver's CUDA major is skipped (NVRTC newer than the driver writes PTX it cannot load).
 fn library_path() -> Result<Option<std::ffi::OsString>> {
-    let Some(nvidia) = nvidia_packages() else { return Ok(None) };
+    let roots = nvidia_packages();
+    if roots.is_empty() {
+        return Ok(None);
+    }
+    let driver = driver_cuda_major();
     let links = root().join("target/gpu-libs");
     std::fs::create_dir_all(&links)?;
     let mut dirs = vec![links.clone()];
     for name in LIBRARIES {
-        let Some(lib) = find_versioned(&nvidia, &format!("lib{name}.so."), 4) else { continue };
+        let prefix = format!("lib{name}.so.");
+        let usable = |lib: &PathBuf| match (cuda_major_of(lib), driver) {
+            (Some(major), Some(driver)) if major > driver => {
+                eprintln!("{name}: skipping {} (CUDA {major} > driver's {driver})", lib.display());
+                false
+            }
+            _ => true,
+        };
+        let found = roots.iter().flat_map(|r| find_all_versioned(r, &prefix, 4)).find(usable);
+        let Some(lib) = found else { continue };
         let link = links.join(format!("lib{name}.so"));
         if !link_points_to(&link, &lib) {
             let _ = std::fs::remove_file(&link);
@@ -85,34 +101,62 @@ fn library_path() -> Result<Option<std::ffi::OsString>> {
     Ok(Some(std::env::join_paths(dirs)?))
 }
 
-/// The folder of Python's `nvidia` namespace package, where the CUDA wheels install.
-fn nvidia_packages() -> Option<PathBuf> {
-    let out = Command::new("python3")
-        .args(["-c", "import nvidia; print(list(nvidia.__path__)[0])"])
+/// The folders of Python's `nvidia` namespace package (every entry of its `__path__`), where
+/// the CUDA wheels install.
+fn nvidia_packages() -> Vec<PathBuf> {
+    let Some(out) = Command::new("python3")
+        .args(["-c", "import nvidia; print('\\n'.join(nvidia.__path__))"])
         .output()
         .ok()
-        .filter(|o| o.status.success())?;
-    let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    dir.is_dir().then_some(dir)
+        .filter(|o| o.status.success())
+    else {
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&out.stdout).lines().map(PathBuf::from).filter(|d| d.is_dir()).collect()
+}
+
+/// The CUDA major version the driver supports, from `nvidia-smi`'s banner.
+fn driver_cuda_major() -> Option<u32> {
+    let out = Command::new("nvidia-smi").output().ok().filter(|o| o.status.success())?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rest = &text[text.find("CUDA Version:")? + "CUDA Version:".len()..];
+    rest.trim_start().split('.').next()?.parse().ok()
+}
+
+/// The CUDA major a wheel's library was built for, from a `cuN` folder in its path
+/// (`.../nvidia/cu13/lib/libcublas.so.13`); `None` when no folder names one.
+fn cuda_major_of(lib: &Path) -> Option<u32> {
+    lib.components().find_map(|c| c.as_os_str().to_str()?.strip_prefix("cu")?.parse().ok())
 }
 
 /// The first file under `dir` (at most `depth` folders down) named `PREFIX<version>`.
+#[cfg(test)]
 fn find_versioned(dir: &Path, prefix: &str, depth: usize) -> Option<PathBuf> {
-    let mut entries: Vec<_> = std::fs::read_dir(dir).ok()?.flatten().map(|e| e.path()).collect();
+    find_all_versioned(dir, prefix, depth).into_iter().next()
+}
+
+/// Every file under `dir` (at most `depth` folders down) named `PREFIX<version>`: a folder's
+/// files in name order, then its subfolders' in name order.
+fn find_all_versioned(dir: &Path, prefix: &str, depth: usize) -> Vec<PathBuf> {
+    let Ok(read) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut entries: Vec<_> = read.flatten().map(|e| e.path()).collect();
     entries.sort();
-    for path in &entries {
-        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let version = name.strip_prefix(prefix);
-        if path.is_file()
-            && version.is_some_and(|v| v.chars().all(|c| c.is_ascii_digit() || c == '.'))
-        {
-            return Some(path.clone());
+    let mut found: Vec<PathBuf> = entries
+        .iter()
+        .filter(|path| {
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+            let version = name.as_deref().and_then(|n| n.strip_prefix(prefix));
+            path.is_file()
+                && version.is_some_and(|v| v.chars().all(|c| c.is_ascii_digit() || c == '.'))
+        })
+        .cloned()
+        .collect();
+    if depth > 0 {
+        for sub in entries.iter().filter(|p| p.is_dir()) {
+            found.extend(find_all_versioned(sub, prefix, depth - 1));
         }
     }
-    if depth == 0 {
-        return None;
-    }
-    entries.iter().filter(|p| p.is_dir()).find_map(|p| find_versioned(p, prefix, depth - 1))
+    found
 }
 
 /// Prints the default model's tokens/s on the GPU (f32 and bf16 weights) next to the CPU
@@ -343,6 +387,14 @@ mod tests {
         assert_eq!(found("libcublas.so."), Some("cu13/lib/libcublas.so.13.0.2.14".into()));
         assert_eq!(found("libnvrtc.so."), Some("cuda_nvrtc/lib/libnvrtc.so.13".into()));
         assert_eq!(find_versioned(&dir, "libnccl.so.", 1), None, "too deep");
+        // Every match, for a choice by the driver's CUDA version.
+        std::fs::create_dir_all(dir.join("cu12/lib")).unwrap();
+        std::fs::write(dir.join("cu12/lib/libcublas.so.12"), b"").unwrap();
+        let all = find_all_versioned(&dir, "libcublas.so.", 4);
+        assert_eq!(all.len(), 2, "{all:?}");
+        let majors: Vec<Option<u32>> = all.iter().map(|p| cuda_major_of(p)).collect();
+        assert_eq!(majors, vec![Some(12), Some(13)]);
+        assert_eq!(cuda_major_of(&dir.join("nccl/lib/libnccl.so.2")), None);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
