@@ -98,13 +98,9 @@ impl Blocks for Q8Row<'_> {
     }
 }
 
-/// `row · x[t]` for the `T` activation rows `xs`, each as long as the row in groups of 8.
+/// `row · x[t]` for the `T` activation rows `xs`, each as long as the row, 8 per register.
 #[inline(always)]
-pub(super) fn row_dots<const T: usize, B: Blocks>(
-    v3: V3,
-    row: B,
-    xs: [&[[f32; 8]]; T],
-) -> [f32; T] {
+pub(super) fn row_dots<const T: usize, B: Blocks>(v3: V3, row: B, xs: [&[__m256]; T]) -> [f32; T] {
     let nb = row.len();
     let xs = xs.map(|x| &x[..4 * nb]);
     let zero = v3.avx._mm256_setzero_ps();
@@ -113,10 +109,10 @@ pub(super) fn row_dots<const T: usize, B: Blocks>(
         let w = row.get(v3, b);
         for t in 0..T {
             let x = &xs[t][4 * b..4 * b + 4];
-            acc0[t] = v3.fma._mm256_fmadd_ps(w[0], pulp::cast(x[0]), acc0[t]);
-            acc1[t] = v3.fma._mm256_fmadd_ps(w[1], pulp::cast(x[1]), acc1[t]);
-            acc0[t] = v3.fma._mm256_fmadd_ps(w[2], pulp::cast(x[2]), acc0[t]);
-            acc1[t] = v3.fma._mm256_fmadd_ps(w[3], pulp::cast(x[3]), acc1[t]);
+            acc0[t] = v3.fma._mm256_fmadd_ps(w[0], x[0], acc0[t]);
+            acc1[t] = v3.fma._mm256_fmadd_ps(w[1], x[1], acc1[t]);
+            acc0[t] = v3.fma._mm256_fmadd_ps(w[2], x[2], acc0[t]);
+            acc1[t] = v3.fma._mm256_fmadd_ps(w[3], x[3], acc1[t]);
         }
     }
     let mut out = [0f32; T];

@@ -257,6 +257,10 @@ fn qmatmul_with(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32], allow_avx2: b
     let chunk = ROWS_PER_TASK * m;
     #[cfg(target_arch = "x86_64")]
     if let Some(v3) = pulp::x86::V3::try_new().filter(|_| allow_avx2) {
+        // The activations as registers, converted once: the kernels then load them directly.
+        let x: Vec<core::arch::x86_64::__m256> =
+            pulp::as_arrays::<8, f32>(x).0.iter().map(|a| pulp::cast(*a)).collect();
+        let x = &x[..];
         target.par_chunks_mut(chunk).enumerate().for_each(|(c, part)| {
             <pulp::x86::V3 as Simd>::vectorize(
                 v3,
@@ -332,7 +336,8 @@ fn dot_lanes(w: &[f32], x: &[f32]) -> f32 {
 struct Avx2Rows<'a> {
     v3: pulp::x86::V3,
     w: &'a QMatrix,
-    x: &'a [f32],
+    /// The activations, 8 per register.
+    x: &'a [core::arch::x86_64::__m256],
     m: usize,
     first_row: usize,
     out: &'a mut [f32],
@@ -348,34 +353,33 @@ impl WithSimd for Avx2Rows<'_> {
         let Avx2Rows { v3, w, x, m, first_row, out } = self;
         let (cols, nb) = (w.cols, w.cols / BLOCK);
         let (w_scales, w_mins, w_qs) = (w.scales.as_slice(), w.mins.as_slice(), w.qs.as_slice());
-        let (x8, _) = pulp::as_arrays::<8, f32>(x);
         for (j, o) in out.chunks_exact_mut(m).enumerate() {
             let r = first_row + j;
             let scales = &w_scales[r * nb..(r + 1) * nb];
             match w.bits {
                 QBits::Eight => {
                     let (qs, _) = pulp::as_arrays::<32, u8>(&w_qs[r * cols..(r + 1) * cols]);
-                    avx2_tiles(v3, Q8Row { qs, scales }, x8, cols / 8, o);
+                    avx2_tiles(v3, Q8Row { qs, scales }, x, cols / 8, o);
                 }
                 QBits::Four => {
                     let half = &w_qs[r * cols / 2..(r + 1) * cols / 2];
                     let (qs, _) = pulp::as_arrays::<16, u8>(half);
                     let mins = &w_mins[r * nb..(r + 1) * nb];
-                    avx2_tiles(v3, Q4Row { qs, scales, mins }, x8, cols / 8, o);
+                    avx2_tiles(v3, Q4Row { qs, scales, mins }, x, cols / 8, o);
                 }
             }
         }
     }
 }
 
-/// Every activation row (`x` in groups of 8, `groups` per row) times one weight row, in
-/// tiles of up to [`X_TILE`] rows: `out[i]` for row `i`.
+/// Every activation row (`x` 8 per register, `groups` registers per row) times one weight
+/// row, in tiles of up to [`X_TILE`] rows: `out[i]` for row `i`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn avx2_tiles<B: super::qdot_avx2::Blocks>(
     v3: pulp::x86::V3,
     row: B,
-    x: &[[f32; 8]],
+    x: &[core::arch::x86_64::__m256],
     groups: usize,
     out: &mut [f32],
 ) {
