@@ -251,7 +251,8 @@ impl From<&session::sleep::Error> for ErrorWire {
 }
 
 /// Checks the tags of a request: names of letters, digits, `_` and `-`, each once, at most
-/// [`MAX_TAGS`].
+/// [`MAX_TAGS`], and each one a tag a deployment has ([`ALL_TAGS`]): a misspelt tag is the
+/// caller's mistake (HTTP 400), never a failed operation on the ranks.
 ///
 /// # Errors
 /// A message naming the bad tag.
@@ -268,6 +269,12 @@ pub fn check_tags(tags: &[String]) -> Result<(), String> {
         }
         if tags[..i].contains(t) {
             return Err(format!("tag `{t}` is given twice"));
+        }
+        if !ALL_TAGS.contains(&t.as_str()) {
+            return Err(format!(
+                "unknown tag `{t}`: a deployment's memory is tagged {}",
+                ALL_TAGS.join(" and ")
+            ));
         }
     }
     Ok(())

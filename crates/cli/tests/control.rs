@@ -279,6 +279,7 @@ fn unknown_methods_bad_options_and_garbage_are_refused_clearly() {
             Request { tags: tags(&["kv cache"]), ..Request::new("sleep") },
             "`kv cache` is not a tag name",
         ),
+        (Request { tags: tags(&["bogus"]), ..Request::new("sleep") }, "unknown tag `bogus`"),
     ] {
         let reply = call(&path, &request);
         assert!(!reply.ok);

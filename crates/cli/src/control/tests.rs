@@ -123,9 +123,11 @@ fn a_status_shows_the_state_each_rank_and_who_did_not_answer() {
 }
 
 #[test]
-fn tags_are_names_each_given_once() {
-    assert!(check_tags(&strings(&["weights", "kv_cache", "lora-1"])).is_ok());
+fn tags_are_the_deployments_each_given_once() {
+    assert!(check_tags(&strings(&["weights", "kv_cache"])).is_ok());
+    assert!(check_tags(&strings(&["kv_cache"])).is_ok());
     for (bad, why) in [
+        (strings(&["weights", "lora-1"]), "unknown tag `lora-1`: a deployment's memory is tagged"),
         (strings(&[""]), "is not a tag name"),
         (strings(&["kv cache"]), "is not a tag name"),
         (strings(&["a/b"]), "is not a tag name"),

@@ -299,6 +299,11 @@ fn bad_sleep_parameters_are_400_and_change_nothing() {
         ("/sleep?verify=maybe", "verify `maybe`"),
         ("/sleep?tags=kv%20cache", "`kv cache` is not a tag name"),
         ("/sleep?tags=kv_cache,kv_cache", "given twice"),
+        (
+            "/sleep?tags=bogus",
+            "unknown tag `bogus`: a deployment's memory is tagged weights and kv_cache",
+        ),
+        ("/wake_up?tags=weights,bogus", "unknown tag `bogus`"),
         ("/sleep?tags=%zz", "bad percent-encoding"),
         ("/wake_up?level=1", "unknown query parameter `level` (this route takes tags)"),
     ] {
