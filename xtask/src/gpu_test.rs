@@ -129,12 +129,6 @@ fn cuda_major_of(lib: &Path) -> Option<u32> {
     lib.components().find_map(|c| c.as_os_str().to_str()?.strip_prefix("cu")?.parse().ok())
 }
 
-/// The first file under `dir` (at most `depth` folders down) named `PREFIX<version>`.
-#[cfg(test)]
-fn find_versioned(dir: &Path, prefix: &str, depth: usize) -> Option<PathBuf> {
-    find_all_versioned(dir, prefix, depth).into_iter().next()
-}
-
 /// Every file under `dir` (at most `depth` folders down) named `PREFIX<version>`: a folder's
 /// files in name order, then its subfolders' in name order.
 fn find_all_versioned(dir: &Path, prefix: &str, depth: usize) -> Vec<PathBuf> {
@@ -363,6 +357,11 @@ mod tests {
         let joined: Vec<u8> = parts.iter().flat_map(|p| std::fs::read(p).unwrap()).collect();
         assert_eq!(joined, data);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The first file under `dir` (at most `depth` folders down) named `PREFIX<version>`.
+    fn find_versioned(dir: &Path, prefix: &str, depth: usize) -> Option<PathBuf> {
+        find_all_versioned(dir, prefix, depth).into_iter().next()
     }
 
     #[test]

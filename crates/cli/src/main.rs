@@ -245,7 +245,7 @@ struct SleepArgs {
     #[arg(long, value_enum, default_value_t = Mode::Wait)]
     mode: Mode,
     /// Fail (and roll back) when some rank's memory probe does not drop by at least 90% of
-    /// the bytes it released.
+    /// the bytes it released (less 1 MiB of measurement noise).
     #[arg(long)]
     verify: bool,
     #[command(flatten)]

@@ -254,14 +254,13 @@ fn qmatmul_with(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32], allow_avx2: b
     // `[rows, m]` block, transposed into `out` at the end.
     let mut transposed = if m == 1 { Vec::new() } else { vec![0f32; w.rows * m] };
     let target: &mut [f32] = if m == 1 { out } else { &mut transposed };
-    let chunk = ROWS_PER_TASK * m;
     #[cfg(target_arch = "x86_64")]
     if let Some(v3) = pulp::x86::V3::try_new().filter(|_| allow_avx2) {
         // The activations as registers, converted once: the kernels then load them directly.
         let x: Vec<core::arch::x86_64::__m256> =
             pulp::as_arrays::<8, f32>(x).0.iter().map(|a| pulp::cast(*a)).collect();
         let x = &x[..];
-        target.par_chunks_mut(chunk).enumerate().for_each(|(c, part)| {
+        target.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, part)| {
             <pulp::x86::V3 as Simd>::vectorize(
                 v3,
                 Avx2Rows { v3, w, x, m, first_row: c * ROWS_PER_TASK, out: part },
@@ -284,6 +283,7 @@ fn qmatmul_with(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32], allow_avx2: b
     }
 }
 
+/// [`qmatmul_with`]'s tasks on the portable kernels, into `target` (`[rows, m]`).
 fn portable(w: &QMatrix, x: &[f32], m: usize, target: &mut [f32]) {
     let arch = Arch::new();
     target.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, part)| {
