@@ -454,6 +454,48 @@ impl Tensor {
             .collect()
     }
 
+    /// Entries `range` of the first dimension (tokens, for `[tokens, ...]` activations), as a
+    /// new host tensor keeping the other dimensions.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a scalar or a range past the first dimension.
+    pub fn slice_first(&self, range: std::ops::Range<usize>) -> Result<Tensor> {
+        let first = self.shape.first().copied().unwrap_or(0);
+        if range.start > range.end || range.end > first {
+            return Err(Error::shape(
+                "Tensor::slice_first",
+                format!("{range:?} of a first dimension of {first} ({:?})", self.shape),
+            ));
+        }
+        let step = self.len() / first.max(1);
+        let mut shape = self.shape.clone();
+        shape[0] = range.len();
+        Tensor::from_vec(&shape, self.data()[range.start * step..range.end * step].to_vec())
+    }
+
+    /// `parts` stacked along their first dimension (the inverse of
+    /// [`Tensor::slice_first`]).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when there are no parts or their other dimensions differ.
+    pub fn cat_first(parts: &[Tensor]) -> Result<Tensor> {
+        let Some(head) = parts.first() else {
+            return Err(Error::shape("Tensor::cat_first", "no parts"));
+        };
+        let inner = &head.shape[1.min(head.shape.len())..];
+        if let Some(odd) = parts.iter().find(|p| p.shape.is_empty() || &p.shape[1..] != inner) {
+            return Err(Error::shape(
+                "Tensor::cat_first",
+                format!("parts of shapes {:?} and {:?}", head.shape, odd.shape),
+            ));
+        }
+        let mut shape = head.shape.clone();
+        shape[0] = parts.iter().map(|p| p.shape[0]).sum();
+        let mut data = Vec::with_capacity(parts.iter().map(Tensor::len).sum());
+        parts.iter().for_each(|p| data.extend_from_slice(p.data()));
+        Tensor::from_vec(&shape, data)
+    }
+
     /// The same data with another shape.
     ///
     /// # Errors
@@ -492,6 +534,20 @@ mod tests {
         assert_eq!(t.row(1), &[3.0, 4.0, 5.0]);
         assert_eq!(t.dtype(), DType::F32);
         assert_eq!(t.device(), Device::Cpu);
+    }
+
+    #[test]
+    fn slices_of_the_first_dimension_stack_back_to_the_whole() {
+        let t = Tensor::from_vec(&[4, 2, 3], (0..24).map(|x| x as f32).collect()).unwrap();
+        let (a, b) = (t.slice_first(0..1).unwrap(), t.slice_first(1..4).unwrap());
+        assert_eq!((a.shape(), b.shape()), (&[1, 2, 3][..], &[3, 2, 3][..]));
+        assert_eq!(b.data()[0], 6.0);
+        let whole = Tensor::cat_first(&[a, b]).unwrap();
+        assert_eq!((whole.shape(), whole.data()), (t.shape(), t.data()));
+        assert!(t.slice_first(3..5).is_err());
+        let odd = Tensor::zeros(&[1, 3, 2]);
+        let err = Tensor::cat_first(&[t, odd]).unwrap_err();
+        assert!(err.to_string().contains("[1, 3, 2]"), "{err}");
     }
 
     /// External memory backed by a `Vec<u32>` (4-byte aligned), optionally skipping a byte to

@@ -1,13 +1,15 @@
-//! The single-rank Llama model of the `layers` crate run replicated, every rank computing the
-//! full model (tp = 1 per rank), and its tokenizer on rank 0. The TP/CP-sharded model
+//! The Llama model of the `layers` crate run replicated, every rank computing the full model
+//! (a one-rank placement with one-rank groups of its own), and its tokenizer on rank 0. The TP/CP-sharded model
 //! ([`crate::sharded`]) plugs into the same [`StepModel`] seam.
 
 use crate::error::BoxError;
 use crate::model::{Groups, Logits, ModelFactory, StepModel};
 use crate::plan::{SeqId, SessionConfig, StepPlan};
-use crate::sequences::run_entries;
+use crate::sequences::Sequences;
 use crate::sink::TextCodec;
-use std::collections::HashMap;
+use collectives::Solo;
+use layers::model::WeightForm;
+use layers::parallel::{Comms, ParallelModel, Placement};
 
 /// Builds a [`ReplicatedLlama`] from the GGUF file named by [`SessionConfig::model`].
 #[derive(Debug, Clone)]
@@ -29,9 +31,19 @@ impl ModelFactory for LlamaFactory {
         groups: &mut Groups<'_>,
     ) -> Result<Box<dyn StepModel>, BoxError> {
         let rank = groups.rank;
-        let model = layers::Model::load(&config.model, self.threads)
-            .map_err(|e| format!("loading {}: {e}", config.model))?;
-        Ok(Box::new(ReplicatedLlama { model, caches: HashMap::new(), logits: rank == 0 }))
+        let model = ParallelModel::load(
+            &config.model,
+            Placement::single(),
+            self.threads,
+            WeightForm::Native,
+        )
+        .map_err(|e| format!("loading {}: {e}", config.model))?;
+        Ok(Box::new(ReplicatedLlama {
+            model,
+            sequences: Sequences::default(),
+            groups: (Solo::new("replicated-tp"), Solo::new("replicated-cp")),
+            logits: rank == 0,
+        }))
     }
 
     fn codec(&mut self, config: &SessionConfig) -> Result<Option<Box<dyn TextCodec>>, BoxError> {
@@ -43,16 +55,18 @@ impl ModelFactory for LlamaFactory {
     }
 }
 
-/// The whole single-rank model on this rank, one KV cache per sequence.
+/// The whole model on this rank, one KV cache per sequence.
 pub struct ReplicatedLlama {
-    model: layers::Model,
-    caches: HashMap<SeqId, layers::KvCache>,
+    model: ParallelModel,
+    sequences: Sequences,
+    /// The one-rank TP and CP groups the model computes in.
+    groups: (Solo, Solo),
     logits: bool,
 }
 
 impl std::fmt::Debug for ReplicatedLlama {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ReplicatedLlama").field("sequences", &self.caches.len()).finish()
+        f.debug_struct("ReplicatedLlama").field("sequences", &self.sequences.len()).finish()
     }
 }
 
@@ -65,20 +79,14 @@ impl StepModel for ReplicatedLlama {
         // Replicated: every rank computes the whole model, so no collective is needed.
         let capacity = self.context_len();
         let model = &self.model;
-        let rows = run_entries(
-            plan,
-            &mut self.caches,
-            || Ok(model.new_cache(capacity)),
-            |e, cache| {
-                let positions: Vec<usize> = e.positions().collect();
-                model.forward(&e.tokens, &positions, cache, layers::Logits::Last)
-            },
-        )?;
-        Ok(self.logits.then_some(rows))
+        let (tp, cp) = &mut self.groups;
+        let mut comms = Comms { tp, cp };
+        let rows = self.sequences.run(model, &mut comms, plan, || Ok(model.new_cache(capacity)))?;
+        Ok(rows.filter(|_| self.logits))
     }
 
     fn release(&mut self, seq: SeqId) {
-        self.caches.remove(&seq);
+        self.sequences.release(seq);
     }
 
     fn context_len(&self) -> usize {

@@ -1,66 +1,108 @@
-//! What the `layers` adapters share: running a step plan entry by entry, each with its
-//! sequence's KV cache, and keeping the logits of the entries that sample.
+//! What the `layers` adapters share: the KV caches of a rank's sequences, and a step's plan run
+//! as one batched forward pass of a [`ParallelModel`] over them.
 
 use crate::error::BoxError;
 use crate::model::Logits;
-use crate::plan::{PlanEntry, SeqId, StepPlan};
+use crate::plan::{SeqId, StepPlan};
+use layers::parallel::{Comms, ParallelCache, ParallelModel, Sequence};
 use std::collections::HashMap;
 
-/// A model failure on one sequence; keeps the cause (a collective that blames a peer, say)
-/// reachable through `source()`.
+/// A model failure on one sequence; keeps the cause reachable through `source()`.
 #[derive(Debug, thiserror::Error)]
 #[error("sequence {seq}: {source}")]
 pub(crate) struct SequenceError {
     seq: SeqId,
+    source: BoxError,
+}
+
+/// A failure of a step's batched forward pass; keeps the cause (a collective that blames a
+/// peer, say) reachable through `source()`.
+#[derive(Debug, thiserror::Error)]
+#[error("step {step} ({sequences} sequences, {tokens} tokens): {source}")]
+pub(crate) struct StepError {
+    step: u64,
+    sequences: usize,
+    tokens: usize,
     source: layers::Error,
 }
 
-/// A KV cache of one sequence, as the adapters see it.
-pub(crate) trait SequenceCache {
-    /// Tokens it holds.
-    fn tokens(&self) -> usize;
+/// The KV-cache shards of the sequences this rank holds.
+#[derive(Debug, Default)]
+pub(crate) struct Sequences {
+    caches: HashMap<SeqId, ParallelCache>,
 }
 
-impl SequenceCache for layers::KvCache {
-    fn tokens(&self) -> usize {
-        self.len()
+impl Sequences {
+    /// Sequences held.
+    pub(crate) fn len(&self) -> usize {
+        self.caches.len()
     }
-}
 
-impl SequenceCache for layers::parallel::ParallelCache {
-    fn tokens(&self) -> usize {
-        self.len()
+    /// Frees a sequence's cache.
+    pub(crate) fn release(&mut self, seq: SeqId) {
+        self.caches.remove(&seq);
     }
-}
 
-/// Runs every entry of `plan` with its sequence's cache (made by `new_cache` on first use),
-/// checking that the plan continues where the cache ends, and returns the last logits row of
-/// every entry that samples, in plan order.
-pub(crate) fn run_entries<C: SequenceCache>(
-    plan: &StepPlan,
-    caches: &mut HashMap<SeqId, C>,
-    mut new_cache: impl FnMut() -> Result<C, BoxError>,
-    mut forward: impl FnMut(&PlanEntry, &mut C) -> Result<layers::Tensor, layers::Error>,
-) -> Result<Logits, BoxError> {
-    let mut rows = Vec::new();
-    for e in &plan.entries {
-        let cache = match caches.entry(e.seq) {
-            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => v.insert(new_cache()?),
-        };
-        if cache.tokens() != e.start as usize {
-            return Err(format!(
-                "sequence {} holds {} tokens but the plan starts at position {}",
-                e.seq,
-                cache.tokens(),
-                e.start
-            )
-            .into());
+    /// Runs every entry of `plan` as one forward pass of `model`, each with its sequence's
+    /// cache (made by `new_cache` on first use), after checking that the plan continues
+    /// where each cache ends and that every entry fits. Returns the last logits row of every
+    /// entry that samples, in plan order, where the model delivers logits (TP 0, CP 0).
+    pub(crate) fn run(
+        &mut self,
+        model: &ParallelModel,
+        comms: &mut Comms<'_>,
+        plan: &StepPlan,
+        new_cache: impl FnMut() -> Result<ParallelCache, BoxError>,
+    ) -> Result<Option<Logits>, BoxError> {
+        let mut taken = Vec::with_capacity(plan.entries.len());
+        let out = self.take(model, plan, new_cache, &mut taken).and_then(|()| {
+            let mut seqs: Vec<Sequence<'_>> = taken
+                .iter_mut()
+                .zip(&plan.entries)
+                .map(|((_, cache), e)| Sequence { tokens: &e.tokens, cache, sample: e.sample })
+                .collect();
+            model.forward_batch(comms, &mut seqs).map_err(|source| {
+                let error = StepError {
+                    step: plan.step,
+                    sequences: plan.entries.len(),
+                    tokens: plan.tokens(),
+                    source,
+                };
+                BoxError::from(error)
+            })
+        });
+        self.caches.extend(taken);
+        let logits = out?;
+        Ok(logits.map(|t| t.data().chunks_exact(t.row_len().max(1)).map(<[f32]>::to_vec).collect()))
+    }
+
+    /// Moves the caches of `plan`'s sequences into `taken`, in plan order, checking each.
+    fn take(
+        &mut self,
+        model: &ParallelModel,
+        plan: &StepPlan,
+        mut new_cache: impl FnMut() -> Result<ParallelCache, BoxError>,
+        taken: &mut Vec<(SeqId, ParallelCache)>,
+    ) -> Result<(), BoxError> {
+        for e in &plan.entries {
+            let fail = |source: BoxError| SequenceError { seq: e.seq, source };
+            if taken.iter().any(|(seq, _)| *seq == e.seq) {
+                return Err(fail(format!("appears twice in step {}", plan.step).into()).into());
+            }
+            let cache = match self.caches.remove(&e.seq) {
+                Some(cache) => cache,
+                None => new_cache()?,
+            };
+            let held = cache.len();
+            taken.push((e.seq, cache));
+            if held != e.start as usize {
+                let msg =
+                    format!("holds {held} tokens but the plan starts at position {}", e.start);
+                return Err(fail(msg.into()).into());
+            }
+            let cache = &taken[taken.len() - 1].1;
+            model.check_room(cache, e.tokens.len()).map_err(|err| fail(err.into()))?;
         }
-        let out = forward(e, cache).map_err(|source| SequenceError { seq: e.seq, source })?;
-        if e.sample {
-            rows.push(out.row(out.rows() - 1).to_vec());
-        }
+        Ok(())
     }
-    Ok(rows)
 }

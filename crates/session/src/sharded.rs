@@ -6,11 +6,10 @@ use crate::memory::{ModelMemory, ShardOrigin};
 use crate::model::{Groups, Logits, ModelFactory, StepModel};
 use crate::plan::{SeqId, SessionConfig, StepPlan};
 use crate::replicated::LlamaFactory;
-use crate::sequences::run_entries;
+use crate::sequences::Sequences;
 use crate::sink::TextCodec;
 use layers::model::WeightForm;
-use layers::parallel::{Comms, ParallelCache, ParallelModel, Placement};
-use std::collections::HashMap;
+use layers::parallel::{Comms, ParallelModel, Placement};
 
 /// Builds a [`ShardedLlama`] from the GGUF file named by [`SessionConfig::model`].
 #[derive(Clone)]
@@ -126,9 +125,8 @@ impl ModelFactory for ShardedFactory {
         let context = self.context.unwrap_or(model.config().context_length);
         Ok(Box::new(ShardedLlama {
             model,
-            caches: HashMap::new(),
+            sequences: Sequences::default(),
             context,
-            logits: groups.rank == 0,
             memory: self.memory.clone(),
         }))
     }
@@ -141,9 +139,8 @@ impl ModelFactory for ShardedFactory {
 /// This rank's shard of the model, one KV-cache shard per sequence.
 pub struct ShardedLlama {
     model: ParallelModel,
-    caches: HashMap<SeqId, ParallelCache>,
+    sequences: Sequences,
     context: usize,
-    logits: bool,
     memory: Option<ModelMemory>,
 }
 
@@ -151,7 +148,7 @@ impl std::fmt::Debug for ShardedLlama {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShardedLlama")
             .field("placement", &self.model.placement())
-            .field("sequences", &self.caches.len())
+            .field("sequences", &self.sequences.len())
             .finish()
     }
 }
@@ -166,20 +163,15 @@ impl StepModel for ShardedLlama {
         // A CP rank holds about 1/cp of a sequence; one more token absorbs the rounding.
         let capacity = self.context.div_ceil(self.model.placement().cp) + 1;
         let (model, memory) = (&self.model, self.memory.as_ref());
-        let rows = run_entries(
-            plan,
-            &mut self.caches,
-            || match memory {
-                Some(m) => m.new_cache(model, capacity).map_err(BoxError::from),
-                None => Ok(model.new_cache(capacity)),
-            },
-            |e, cache| model.forward(&mut comms, &e.tokens, cache, layers::Logits::Last),
-        )?;
-        Ok(self.logits.then_some(rows))
+        // The logits come back on rank 0 (TP 0, CP 0) only.
+        self.sequences.run(model, &mut comms, plan, || match memory {
+            Some(m) => m.new_cache(model, capacity).map_err(BoxError::from),
+            None => Ok(model.new_cache(capacity)),
+        })
     }
 
     fn release(&mut self, seq: SeqId) {
-        self.caches.remove(&seq);
+        self.sequences.release(seq);
     }
 
     fn context_len(&self) -> usize {

@@ -309,6 +309,46 @@ impl ParallelLmHead {
         gather_columns(tp, &local, &widths)
     }
 
+    /// Full logits `[n, vocab]` on TP rank `root` only (`None` on the others, which send it
+    /// their columns).
+    ///
+    /// # Errors
+    /// `x` has the wrong width, or a failed collective.
+    pub fn logits_to(
+        &self,
+        be: &Backend,
+        tp: &mut dyn Communicator,
+        x: &Tensor,
+        root: usize,
+    ) -> Result<Option<Tensor>> {
+        let local = be.linear(x, &self.weight)?;
+        if tp.size() == 1 {
+            return Ok(Some(local));
+        }
+        if tp.rank() != root {
+            tp.send(local.data(), root)?;
+            return Ok(None);
+        }
+        let n = x.rows();
+        let vocab = self.ranges.last().map_or(0, |r| r.end);
+        let mut out = vec![0f32; n * vocab];
+        let mut part = Vec::new();
+        for (r, range) in self.ranges.iter().enumerate() {
+            let cols: &[f32] = if r == root {
+                local.data()
+            } else {
+                part.resize(n * range.len(), 0.0);
+                tp.recv(&mut part, r)?;
+                &part
+            };
+            for (row, src) in out.chunks_exact_mut(vocab).zip(cols.chunks_exact(range.len().max(1)))
+            {
+                row[range.clone()].copy_from_slice(src);
+            }
+        }
+        Ok(Some(Tensor::from_vec(&[n, vocab], out)?))
+    }
+
     /// Greedy tokens per row without gathering the logits: each rank's best (value, id) pair
     /// is gathered and the largest wins, the lowest id on ties (as a serial argmax).
     ///

@@ -213,96 +213,152 @@ impl ParallelAttention {
         Ok(ParallelAttention { attn, shape })
     }
 
-    /// Prefill: `x` holds this CP rank's tokens (at `positions`); every rank's keys and
-    /// values are gathered; this rank keeps its own in `cache`.
-    fn prefill(
+    /// Attention of one layer for every sequence of a step: `h` holds this rank's rows of all
+    /// of them, packed in `parts` order at `positions`, and `caches` their layer caches in the
+    /// same order. Q/K/V and the output projection are one product each over all rows; each
+    /// sequence attends over its own keys and values; with CP, one collective per layer
+    /// carries every prefill's key/value shards and every extend's partial outputs.
+    fn forward(
         &self,
         be: &Backend,
         comms: &mut Comms<'_>,
-        x: &Tensor,
-        all_positions: &[usize],
-        shard: &TokenShard,
-        cache: &mut LayerCache,
+        h: &Tensor,
+        positions: &[usize],
+        parts: &[Part],
+        caches: &mut [&mut LayerCache],
     ) -> Result<Tensor> {
-        let positions = shard.select(all_positions)?;
-        let (q, k, v) = self.attn.qkv(be, x, positions)?;
+        let (q, k, v) = self.attn.qkv(be, h, positions)?;
+        let cp = comms.cp.size();
+        // A step of one sequence uses the projections as they are (on the device, say).
+        let rows = |t: &Tensor, p: &Part| -> Result<Tensor> {
+            if parts.len() == 1 {
+                Ok(t.clone())
+            } else {
+                t.slice_first(p.rows.clone())
+            }
+        };
         let kv_width = self.shape.kv_heads * self.shape.head_dim;
-        // One collective for both: each rank sends its keys then its values.
-        let sizes: Vec<usize> = shard.sizes().iter().map(|s| 2 * s * kv_width).collect();
-        let total = all_positions.len() * kv_width;
-        let mut mine = Vec::with_capacity(k.len() + v.len());
-        mine.extend_from_slice(k.data());
-        mine.extend_from_slice(v.data());
-        let mut both = vec![0f32; 2 * total];
-        comms.cp.all_gather_uneven(&mine, &mut both, &sizes)?;
-        let (mut k_all, mut v_all) = (Vec::with_capacity(total), Vec::with_capacity(total));
-        let mut at = 0;
-        for size in &sizes {
-            let (ks, vs) = both[at..at + size].split_at(size / 2);
-            k_all.extend_from_slice(ks);
-            v_all.extend_from_slice(vs);
-            at += size;
+        let mut queries = Vec::with_capacity(parts.len());
+        // Extend outputs (partial with CP); prefill outputs come after the exchange.
+        let mut outs: Vec<Option<Tensor>> = Vec::with_capacity(parts.len());
+        let mut mine = Vec::new();
+        for (p, cache) in parts.iter().zip(caches.iter_mut()) {
+            let (qe, ke, ve) = (rows(&q, p)?, rows(&k, p)?, rows(&v, p)?);
+            match &p.split {
+                Split::Prefill(_) => {
+                    cache.append_tensors(be, &ke, &ve, &p.positions)?;
+                    mine.extend_from_slice(ke.data());
+                    mine.extend_from_slice(ve.data());
+                    outs.push(None);
+                }
+                Split::Extend(_) if p.owned.iter().all(|&o| o) => {
+                    // Every new token is this rank's (always without CP).
+                    cache.append_tensors(be, &ke, &ve, &p.positions)?;
+                }
+                Split::Extend(_) => {
+                    let (mut mk, mut mv, mut mp) = (Vec::new(), Vec::new(), Vec::new());
+                    for (i, _) in p.owned.iter().enumerate().filter(|(_, &o)| o) {
+                        mk.extend_from_slice(&ke.data()[i * kv_width..(i + 1) * kv_width]);
+                        mv.extend_from_slice(&ve.data()[i * kv_width..(i + 1) * kv_width]);
+                        mp.push(p.positions[i]);
+                    }
+                    cache.append(be, &mk, &mv, &mp)?;
+                }
+            }
+            if let Split::Extend(_) = p.split {
+                let (out, lse) = self.attn.attend(be, &qe, &p.positions, cache, cp > 1)?;
+                if cp > 1 {
+                    let lse = lse.ok_or_else(|| {
+                        Error::shape("extend attention", "no log-sum-exp returned")
+                    })?;
+                    mine.extend_from_slice(out.data());
+                    mine.extend_from_slice(lse.data());
+                }
+                outs.push(Some(out));
+            }
+            queries.push(qe);
         }
-        cache.append_tensors(be, &k, &v, positions)?;
-        let (out, _) = be.attention(
-            &q,
-            positions,
-            Kv::Host { k: &k_all, v: &v_all },
-            all_positions,
-            self.shape,
-            false,
-        )?;
+        if cp > 1 {
+            self.exchange(be, comms.cp, &mine, parts, &queries, &mut outs)?;
+        }
+        let outs = outs
+            .into_iter()
+            .map(|o| o.ok_or_else(|| Error::shape("attention", "a sequence has no output")))
+            .collect::<Result<Vec<_>>>()?;
+        let out = match <[Tensor; 1]>::try_from(outs) {
+            Ok([one]) => one,
+            Err(outs) => Tensor::cat_first(&outs)?,
+        };
         self.finish(be, comms, out)
     }
 
-    /// Extend: `x` holds every new token on every CP rank; `owned` marks the ones whose keys
-    /// and values this rank keeps.
-    fn extend(
+    /// The CP exchange of one layer: every rank sends `mine` (per part, in order: a prefill's
+    /// keys then values, an extend's partial output then log-sum-exp); then each prefill
+    /// attends to every rank's keys and values and each extend merges the partial outputs in
+    /// rank order, so every rank gets the same bits.
+    fn exchange(
         &self,
         be: &Backend,
-        comms: &mut Comms<'_>,
-        x: &Tensor,
-        positions: &[usize],
-        owned: &[bool],
-        cache: &mut LayerCache,
-    ) -> Result<Tensor> {
-        let (q, k, v) = self.attn.qkv(be, x, positions)?;
-        if owned.iter().all(|&o| o) {
-            // Every new token is this rank's (always without CP): append them as they are.
-            cache.append_tensors(be, &k, &v, positions)?;
-        } else {
-            let kv_width = self.shape.kv_heads * self.shape.head_dim;
-            let (mut mk, mut mv, mut mp) = (Vec::new(), Vec::new(), Vec::new());
-            for (i, _) in owned.iter().enumerate().filter(|(_, &o)| o) {
-                mk.extend_from_slice(&k.data()[i * kv_width..(i + 1) * kv_width]);
-                mv.extend_from_slice(&v.data()[i * kv_width..(i + 1) * kv_width]);
-                mp.push(positions[i]);
+        cp: &mut dyn Communicator,
+        mine: &[f32],
+        parts: &[Part],
+        queries: &[Tensor],
+        outs: &mut [Option<Tensor>],
+    ) -> Result<()> {
+        let ranks = cp.size();
+        let AttnShape { q_heads, kv_heads, head_dim } = self.shape;
+        let piece = |p: &Part, r: usize| match &p.split {
+            Split::Prefill(shard) => 2 * shard.sizes()[r] * kv_heads * head_dim,
+            Split::Extend(_) => p.positions.len() * q_heads * (head_dim + 1),
+        };
+        let sizes: Vec<usize> =
+            (0..ranks).map(|r| parts.iter().map(|p| piece(p, r)).sum()).collect();
+        let mut all = vec![0f32; sizes.iter().sum()];
+        cp.all_gather_uneven(mine, &mut all, &sizes)?;
+        // Where each part's piece starts in each rank's segment.
+        let mut at: Vec<usize> =
+            sizes.iter().scan(0, |end, s| Some(std::mem::replace(end, *end + s))).collect();
+        let pieces: Vec<Vec<&[f32]>> = parts
+            .iter()
+            .map(|p| {
+                (0..ranks)
+                    .map(|r| {
+                        let start = at[r];
+                        at[r] += piece(p, r);
+                        &all[start..at[r]]
+                    })
+                    .collect()
+            })
+            .collect();
+        for (((p, q), out), pieces) in parts.iter().zip(queries).zip(outs.iter_mut()).zip(&pieces) {
+            match &p.split {
+                Split::Prefill(_) => {
+                    let total = p.all_positions.len() * kv_heads * head_dim;
+                    let (mut k_all, mut v_all) =
+                        (Vec::with_capacity(total), Vec::with_capacity(total));
+                    for both in pieces {
+                        let (ks, vs) = both.split_at(both.len() / 2);
+                        k_all.extend_from_slice(ks);
+                        v_all.extend_from_slice(vs);
+                    }
+                    let kv = Kv::Host { k: &k_all, v: &v_all };
+                    let (o, _) =
+                        be.attention(q, &p.positions, kv, &p.all_positions, self.shape, false)?;
+                    *out = Some(o);
+                }
+                Split::Extend(_) => {
+                    let width = p.positions.len() * q_heads * head_dim;
+                    let (first_o, first_l) = pieces[0].split_at(width);
+                    let (mut acc_o, mut acc_l) = (first_o.to_vec(), first_l.to_vec());
+                    for rest in &pieces[1..] {
+                        let (o, l) = rest.split_at(width);
+                        merge_partial(&mut acc_o, &mut acc_l, o, l, head_dim);
+                    }
+                    *out = Some(Tensor::from_vec(&[p.positions.len(), q_heads, head_dim], acc_o)?);
+                }
             }
-            cache.append(be, &mk, &mv, &mp)?;
         }
-        let cp = comms.cp.size();
-        if cp == 1 {
-            let (out, _) = self.attn.attend(be, &q, positions, cache, false)?;
-            return self.finish(be, comms, out);
-        }
-        let (out, lse) = self.attn.attend(be, &q, positions, cache, true)?;
-        let lse = lse.ok_or_else(|| Error::shape("extend attention", "no log-sum-exp returned"))?;
-        // Gather every CP rank's partial output with its log-sum-exp (one collective: each
-        // rank sends `out ‖ lse`) and merge them in rank order.
-        let (ow, lw) = (out.len(), lse.len());
-        let mut mine = Vec::with_capacity(ow + lw);
-        mine.extend_from_slice(out.data());
-        mine.extend_from_slice(lse.data());
-        let mut all = vec![0f32; (ow + lw) * cp];
-        comms.cp.all_gather(&mine, &mut all)?;
-        let part = |r: usize| all[r * (ow + lw)..(r + 1) * (ow + lw)].split_at(ow);
-        let (first_o, first_l) = part(0);
-        let (mut acc_o, mut acc_l) = (first_o.to_vec(), first_l.to_vec());
-        for r in 1..cp {
-            let (o, l) = part(r);
-            merge_partial(&mut acc_o, &mut acc_l, o, l, self.shape.head_dim);
-        }
-        self.finish(be, comms, Tensor::from_vec(out.shape(), acc_o)?)
+        Ok(())
     }
 
     /// Output projection of this rank's heads, all-reduced over TP.
@@ -380,11 +436,49 @@ impl ParallelCache {
     }
 }
 
-/// How one forward step is split over CP.
-enum Plan {
+/// How one sequence's tokens of a step are split over CP.
+enum Split {
     Prefill(TokenShard),
     /// Which CP rank keeps each new token's keys and values.
     Extend(Vec<usize>),
+}
+
+/// One sequence's place in a step on this rank.
+struct Part {
+    split: Split,
+    /// This rank's rows of the sequence in the step's packed activations.
+    rows: Range<usize>,
+    /// Positions of all the sequence's tokens in the step.
+    all_positions: Vec<usize>,
+    /// Positions of this rank's rows.
+    positions: Vec<usize>,
+    /// Extend: which rows' keys and values this rank keeps.
+    owned: Vec<bool>,
+}
+
+impl Part {
+    /// Tokens of the step each CP rank keeps.
+    fn kept(&self, ranks: usize) -> Vec<usize> {
+        match &self.split {
+            Split::Prefill(shard) => shard.sizes().to_vec(),
+            Split::Extend(owners) => {
+                let mut kept = vec![0; ranks];
+                owners.iter().for_each(|&o| kept[o] += 1);
+                kept
+            }
+        }
+    }
+}
+
+/// One sequence of a batched step (see [`ParallelModel::forward_batch`]).
+#[derive(Debug)]
+pub struct Sequence<'a> {
+    /// The next token ids, continuing where `cache` ends.
+    pub tokens: &'a [u32],
+    /// The sequence's KV-cache shard on this rank.
+    pub cache: &'a mut ParallelCache,
+    /// Whether the logits of its last token are wanted.
+    pub sample: bool,
 }
 
 /// The Llama-family decoder sharded over a `tp × cp` mesh.
@@ -655,10 +749,13 @@ impl ParallelModel {
         &self.backend
     }
 
-    fn plan(&self, cache: &ParallelCache, n: usize) -> Result<Plan> {
+    /// How `n` more tokens of the sequence in `cache` split over CP: a prefill when the
+    /// cache is empty and every CP rank gets a token (never with one CP rank: an extend keeps
+    /// its keys and values where attention reads them), an extend otherwise.
+    fn split(&self, cache: &ParallelCache, n: usize) -> Result<Split> {
         let cp = self.placement.cp;
-        if cache.is_empty() && n >= cp {
-            return Ok(Plan::Prefill(TokenShard::new(n, cp, self.placement.cp_rank)?));
+        if cp > 1 && cache.is_empty() && n >= cp {
+            return Ok(Split::Prefill(TokenShard::new(n, cp, self.placement.cp_rank)?));
         }
         let mut lens = cache.cp_lens.clone();
         let owners = (0..n)
@@ -668,7 +765,59 @@ impl ParallelModel {
                 owner
             })
             .collect();
-        Ok(Plan::Extend(owners))
+        Ok(Split::Extend(owners))
+    }
+
+    /// Checks that `n` more tokens fit in `cache` on this rank.
+    ///
+    /// # Errors
+    /// [`Error::CacheFull`] when they do not; [`Error::Shape`] for no tokens.
+    pub fn check_room(&self, cache: &ParallelCache, n: usize) -> Result<()> {
+        self.part_into(cache, &[], n, 0, &mut Vec::new()).map(drop)
+    }
+
+    /// The place of `n` tokens of the sequence in `cache` in a step whose rows before it
+    /// number `at`; of `tokens` (empty when only checking), the rows this rank computes are
+    /// appended to `local`.
+    fn part_into(
+        &self,
+        cache: &ParallelCache,
+        tokens: &[u32],
+        n: usize,
+        at: usize,
+        local: &mut Vec<u32>,
+    ) -> Result<Part> {
+        if n == 0 {
+            return Err(Error::shape("ParallelModel::forward", "a sequence with no tokens"));
+        }
+        let start = cache.len();
+        let all_positions: Vec<usize> = (start..start + n).collect();
+        let me = self.placement.cp_rank;
+        let split = self.split(cache, n)?;
+        let (positions, owned, needed) = match &split {
+            Split::Prefill(shard) => {
+                if !tokens.is_empty() {
+                    local.extend_from_slice(shard.select(tokens)?);
+                }
+                let positions = shard.select(&all_positions)?.to_vec();
+                let needed = positions.len();
+                (positions, Vec::new(), needed)
+            }
+            Split::Extend(owners) => {
+                local.extend_from_slice(tokens);
+                let owned: Vec<bool> = owners.iter().map(|&o| o == me).collect();
+                let needed = owned.iter().filter(|&&o| o).count();
+                (all_positions.clone(), owned, needed)
+            }
+        };
+        if cache.local.len() + needed > cache.local.capacity() {
+            return Err(Error::CacheFull {
+                len: cache.local.len(),
+                capacity: cache.local.capacity(),
+                requested: needed,
+            });
+        }
+        Ok(Part { rows: at..at + positions.len(), split, all_positions, positions, owned })
     }
 
     /// Runs `tokens` (the next ones of the sequence in `cache`) and returns logits
@@ -703,6 +852,62 @@ impl ParallelModel {
         self.lm_head.argmax(&self.backend, comms.tp, &x)
     }
 
+    /// One step of many sequences as one forward pass: their tokens packed into one
+    /// activation matrix (every linear layer one product over all of them, one TP all-reduce
+    /// per layer and, with CP, one exchange per layer), each sequence attending over its own
+    /// cache. Returns the logits `[sampled, vocab]` of the last token of every sequence with
+    /// `sample` set, in order, on the rank at TP 0 and CP 0 only (`None` elsewhere): the other
+    /// ranks send it their share rather than gathering the vocabulary everywhere.
+    ///
+    /// A sequence's logits are those of [`ParallelModel::forward`] on it alone up to f32
+    /// summation order: the kernels a linear layer picks depend on the step's row count.
+    /// On error the caches may hold part of the step: clear them (the peers failed too).
+    ///
+    /// # Errors
+    /// A sequence with no tokens or no room left ([`Error::CacheFull`]), an id outside the
+    /// vocabulary, a failed collective.
+    pub fn forward_batch(
+        &self,
+        comms: &mut Comms<'_>,
+        seqs: &mut [Sequence<'_>],
+    ) -> Result<Option<Tensor>> {
+        let (x, parts) = self.layers(comms, seqs)?;
+        let Placement { cp_rank, cp, .. } = self.placement;
+        let sampled: Vec<&Part> =
+            seqs.iter().zip(&parts).filter(|(s, _)| s.sample).map(|(_, p)| p).collect();
+        let hidden = self.config.hidden;
+        // Prefill rows end on the last CP rank (shards ascend); it sends them to CP rank 0.
+        let holder = cp - 1;
+        let from_holder: Vec<usize> = sampled
+            .iter()
+            .filter(|p| matches!(p.split, Split::Prefill(_)))
+            .map(|p| p.rows.end - 1)
+            .collect();
+        if cp_rank != 0 {
+            if cp_rank == holder && !from_holder.is_empty() {
+                let mut rows = Vec::with_capacity(from_holder.len() * hidden);
+                from_holder.iter().for_each(|&r| rows.extend_from_slice(x.row(r)));
+                comms.cp.send(&rows, 0)?;
+            }
+            return Ok(None);
+        }
+        let mut received = vec![0f32; from_holder.len() * hidden];
+        if !from_holder.is_empty() {
+            comms.cp.recv(&mut received, holder)?;
+        }
+        let mut received = received.chunks_exact(hidden);
+        let mut rows = Vec::with_capacity(sampled.len() * hidden);
+        for p in &sampled {
+            match p.split {
+                Split::Prefill(_) => rows.extend_from_slice(received.next().unwrap_or_default()),
+                Split::Extend(_) => rows.extend_from_slice(x.row(p.rows.end - 1)),
+            }
+        }
+        let x = Tensor::from_vec(&[sampled.len(), hidden], rows)?;
+        let x = self.backend.rms_norm(&x, &self.norm, self.config.rms_eps)?;
+        self.lm_head.logits_to(&self.backend, comms.tp, &x, 0)
+    }
+
     /// Greedy generation: `prompt`, then argmax tokens until `max_new`, a `stop` token or a
     /// full cache. Every rank returns the same tokens.
     ///
@@ -733,6 +938,44 @@ impl ParallelModel {
         }
     }
 
+    /// The decoder stack over one step of `seqs`: returns this rank's rows of the last hidden
+    /// states (before the final norm), packed in order, and each sequence's place.
+    fn layers(
+        &self,
+        comms: &mut Comms<'_>,
+        seqs: &mut [Sequence<'_>],
+    ) -> Result<(Tensor, Vec<Part>)> {
+        if seqs.is_empty() {
+            return Err(Error::shape("ParallelModel::forward_batch", "no sequences"));
+        }
+        let (be, c) = (&self.backend, &self.config);
+        let mut tokens = Vec::new();
+        let mut parts = Vec::with_capacity(seqs.len());
+        for s in seqs.iter() {
+            let at = tokens.len();
+            parts.push(self.part_into(s.cache, s.tokens, s.tokens.len(), at, &mut tokens)?);
+        }
+        let positions: Vec<usize> =
+            parts.iter().flat_map(|p| p.positions.iter().copied()).collect();
+        let mut x = self.embed.forward(be, comms.tp, &tokens)?;
+        for (l, b) in self.blocks.iter().enumerate() {
+            let h = be.rms_norm(&x, &b.attn_norm, c.rms_eps)?;
+            let mut caches: Vec<&mut LayerCache> =
+                seqs.iter_mut().map(|s| s.cache.local.layer_mut(l)).collect();
+            let a = b.attn.forward(be, comms, &h, &positions, &parts, &mut caches)?;
+            be.add_assign(&mut x, &a)?;
+            let h = be.rms_norm(&x, &b.ffn_norm, c.rms_eps)?;
+            let mut m = b.mlp.forward(be, &h)?;
+            be.all_reduce_sum(comms.tp, &mut m)?;
+            be.add_assign(&mut x, &m)?;
+        }
+        for (s, p) in seqs.iter_mut().zip(&parts) {
+            let kept = p.kept(self.placement.cp);
+            s.cache.cp_lens.iter_mut().zip(kept).for_each(|(len, k)| *len += k);
+        }
+        Ok((x, parts))
+    }
+
     /// The final normalized hidden states of the rows `logits` asks for, on every rank.
     fn hidden(
         &self,
@@ -741,77 +984,29 @@ impl ParallelModel {
         cache: &mut ParallelCache,
         logits: Logits,
     ) -> Result<Tensor> {
-        if tokens.is_empty() {
-            return Err(Error::shape("ParallelModel::forward", "no tokens"));
-        }
-        let be = &self.backend;
         let c = &self.config;
-        let start = cache.len();
-        let all_positions: Vec<usize> = (start..start + tokens.len()).collect();
-        let plan = self.plan(cache, tokens.len())?;
-        let me = self.placement.cp_rank;
-        // The rows this rank computes, and their positions.
-        let (local_tokens, positions) = match &plan {
-            Plan::Prefill(shard) => {
-                (shard.select(tokens)?.to_vec(), shard.select(&all_positions)?.to_vec())
-            }
-            Plan::Extend(_) => (tokens.to_vec(), all_positions.clone()),
-        };
-        let owned: Vec<bool> = match &plan {
-            Plan::Prefill(_) => Vec::new(),
-            Plan::Extend(owners) => owners.iter().map(|&o| o == me).collect(),
-        };
-        let needed = match &plan {
-            Plan::Prefill(shard) => shard.local().len(),
-            Plan::Extend(_) => owned.iter().filter(|&&o| o).count(),
-        };
-        if cache.local.len() + needed > cache.local.capacity() {
-            return Err(Error::CacheFull {
-                len: cache.local.len(),
-                capacity: cache.local.capacity(),
-                requested: needed,
-            });
-        }
-        let mut x = self.embed.forward(be, comms.tp, &local_tokens)?;
-        for (l, b) in self.blocks.iter().enumerate() {
-            let h = be.rms_norm(&x, &b.attn_norm, c.rms_eps)?;
-            let layer = cache.local.layer_mut(l);
-            let a = match &plan {
-                Plan::Prefill(shard) => {
-                    b.attn.prefill(be, comms, &h, &all_positions, shard, layer)?
-                }
-                Plan::Extend(_) => b.attn.extend(be, comms, &h, &positions, &owned, layer)?,
-            };
-            be.add_assign(&mut x, &a)?;
-            let h = be.rms_norm(&x, &b.ffn_norm, c.rms_eps)?;
-            let mut m = b.mlp.forward(be, &h)?;
-            be.all_reduce_sum(comms.tp, &mut m)?;
-            be.add_assign(&mut x, &m)?;
-        }
-        match &plan {
-            Plan::Prefill(shard) => {
-                for (r, len) in cache.cp_lens.iter_mut().zip(shard.sizes()) {
-                    *r += len;
-                }
-            }
-            Plan::Extend(owners) => owners.iter().for_each(|&o| cache.cp_lens[o] += 1),
-        }
+        let mut seqs = [Sequence { tokens, cache, sample: true }];
+        let (x, mut parts) = self.layers(comms, &mut seqs)?;
+        let part = parts.remove(0);
         // Bring the rows asked for onto every rank.
-        let x = match (&plan, logits) {
-            (Plan::Prefill(shard), Logits::All) => gather_tokens(comms.cp, &x, shard)?,
-            (Plan::Prefill(_), Logits::Last) => {
+        let x = match (&part.split, logits) {
+            (Split::Prefill(shard), Logits::All) => gather_tokens(comms.cp, &x, shard)?,
+            (Split::Prefill(_), Logits::Last) => {
                 // Shards ascend, so the last CP rank holds the last token.
                 let holder = self.placement.cp - 1;
-                let mut last =
-                    if me == holder { x.row(x.rows() - 1).to_vec() } else { vec![0f32; c.hidden] };
+                let mut last = if self.placement.cp_rank == holder {
+                    x.row(x.rows() - 1).to_vec()
+                } else {
+                    vec![0f32; c.hidden]
+                };
                 comms.cp.broadcast(&mut last, holder)?;
                 Tensor::from_vec(&[1, c.hidden], last)?
             }
-            (Plan::Extend(_), Logits::All) => x,
-            (Plan::Extend(_), Logits::Last) => {
+            (Split::Extend(_), Logits::All) => x,
+            (Split::Extend(_), Logits::Last) => {
                 Tensor::from_vec(&[1, c.hidden], x.row(x.rows() - 1).to_vec())?
             }
         };
-        be.rms_norm(&x, &self.norm, c.rms_eps)
+        self.backend.rms_norm(&x, &self.norm, c.rms_eps)
     }
 }

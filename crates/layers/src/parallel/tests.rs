@@ -426,6 +426,132 @@ fn tp_beyond_the_kv_heads_but_not_a_multiple_is_a_clear_error() {
     assert!(msg.contains("not a multiple of them"), "{msg}");
 }
 
+/// One sequence's share of a batched step in [`batched_steps_match_each_sequence_alone`]:
+/// (sequence, tokens, sample).
+type Entry = (usize, Vec<u32>, bool);
+
+/// Three steps of five sequences mixing prefills, prefill chunks, a one-token prompt and
+/// decodes of uneven lengths.
+fn mixed_steps(vocab: u32) -> Vec<Vec<Entry>> {
+    let ids = |seed: u32, n: u32| (0..n).map(|i| (seed * 7 + i * 13) % vocab).collect::<Vec<_>>();
+    vec![
+        vec![(0, ids(1, 7), true), (1, ids(2, 5), true), (2, ids(3, 4), false)],
+        vec![
+            (0, ids(4, 1), true),
+            (2, ids(5, 5), true),
+            (1, ids(6, 1), true),
+            (3, ids(7, 1), true),
+        ],
+        vec![
+            (3, ids(8, 1), true),
+            (4, ids(9, 8), true),
+            (0, ids(10, 1), true),
+            (1, ids(11, 1), false),
+            (2, ids(12, 1), true),
+        ],
+    ]
+}
+
+#[test]
+fn batched_steps_match_each_sequence_alone() {
+    let spec = RandomLlama {
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 80,
+        vocab: 40,
+        layers: 2,
+        seed: 41,
+        ..RandomLlama::default()
+    };
+    let path = write_model(&spec, "batched.gguf");
+    let steps = mixed_steps(spec.vocab as u32);
+    // Each sequence alone on one rank, chunk by chunk as the steps feed it.
+    let reference = Model::load_with(&path, 1, WeightForm::F32).unwrap();
+    let mut caches: Vec<KvCache> = (0..5).map(|_| reference.new_cache(64)).collect();
+    let want: Vec<Vec<Tensor>> = steps
+        .iter()
+        .map(|step| {
+            let mut rows = Vec::new();
+            for (seq, tokens, sample) in step {
+                let cache = &mut caches[*seq];
+                let positions: Vec<usize> = (cache.len()..cache.len() + tokens.len()).collect();
+                let logits = reference.forward(tokens, &positions, cache, Logits::Last).unwrap();
+                if *sample {
+                    rows.push(logits);
+                }
+            }
+            rows
+        })
+        .collect();
+    for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)] {
+        let got = on_mesh(tp, cp, |p, comms| {
+            let file = GgufFile::open(&path).unwrap();
+            let config = LlamaConfig::from_gguf(&file).unwrap();
+            let cpu = Backend::cpu(1).unwrap();
+            let model = ParallelModel::from_source(&file, config, cpu, p, WeightForm::F32).unwrap();
+            let mut caches: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
+            let mut out = Vec::new();
+            for step in &steps {
+                let mut by_seq: Vec<Option<&mut ParallelCache>> =
+                    caches.iter_mut().map(Some).collect();
+                let mut seqs: Vec<Sequence<'_>> = step
+                    .iter()
+                    .map(|(seq, tokens, sample)| Sequence {
+                        tokens,
+                        cache: by_seq[*seq].take().unwrap(),
+                        sample: *sample,
+                    })
+                    .collect();
+                out.push(model.forward_batch(comms, &mut seqs).unwrap());
+            }
+            let lens: Vec<usize> = caches.iter().map(ParallelCache::len).collect();
+            (p, out, lens)
+        });
+        for (p, out, lens) in got {
+            assert_eq!(lens, [9, 7, 10, 2, 8], "({tp},{cp}) {p:?}: tokens per sequence");
+            if (p.tp_rank, p.cp_rank) != (0, 0) {
+                assert!(out.iter().all(Option::is_none), "({tp},{cp}) {p:?} got logits");
+                continue;
+            }
+            for (i, (logits, want)) in out.iter().zip(&want).enumerate() {
+                let logits = logits.as_ref().expect("rank 0 gets the logits");
+                assert_eq!(logits.shape(), [want.len(), spec.vocab], "({tp},{cp}) step {i}");
+                for (r, w) in want.iter().enumerate() {
+                    let e = rel_err(logits.row(r), w.data());
+                    assert!(e < 1e-4, "({tp},{cp}) step {i} row {r}: logits off by {e}");
+                    let best = |x: &[f32]| {
+                        reference
+                            .backend()
+                            .argmax_rows(&Tensor::from_vec(&[1, x.len()], x.to_vec()).unwrap())[0]
+                    };
+                    assert_eq!(best(logits.row(r)), best(w.data()), "({tp},{cp}) step {i} row {r}");
+                }
+            }
+        }
+    }
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn a_batch_with_no_room_for_one_sequence_is_refused_before_it_runs() {
+    let spec = RandomLlama { layers: 1, seed: 5, ..RandomLlama::default() };
+    let path = write_model(&spec, "batched-full.gguf");
+    let model = ParallelModel::load(&path, Placement::single(), 1, WeightForm::F32).unwrap();
+    let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
+    let mut comms = Comms { tp: &mut tp, cp: &mut cp };
+    let (mut roomy, mut small) = (model.new_cache(16), model.new_cache(2));
+    let mut seqs = [
+        Sequence { tokens: &[1, 2], cache: &mut roomy, sample: true },
+        Sequence { tokens: &[3, 4, 5], cache: &mut small, sample: true },
+    ];
+    let err = model.forward_batch(&mut comms, &mut seqs).unwrap_err();
+    assert!(matches!(err, Error::CacheFull { capacity: 2, requested: 3, .. }), "{err}");
+    assert!(roomy.is_empty() && small.is_empty(), "a refused step changed a cache");
+    assert!(model.check_room(&roomy, 16).is_ok() && model.check_room(&roomy, 17).is_err());
+    std::fs::remove_file(path).unwrap();
+}
+
 #[test]
 fn real_model_greedy_text_is_the_same_in_every_layout_when_cached() {
     let Some(path) = crate::model::default_model_path() else {
