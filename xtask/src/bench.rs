@@ -2,6 +2,7 @@
 
 mod collectives;
 mod model;
+mod serve;
 mod session;
 mod sleep;
 mod vmm;
@@ -30,6 +31,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "session" => session::run(json)?,
             "model" => model::run(json)?,
             "sleep" => sleep::run(json)?,
+            "serve" => serve::run(json)?,
             "all" => {
                 collectives::run(json)?;
                 vmm::run(json)?;
@@ -38,7 +40,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             }
             other => {
                 bail!(
-                    "unknown benchmark `{other}`: expected collectives, vmm, session, model or all"
+                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, sleep or all"
                 )
             }
         }

@@ -36,15 +36,16 @@
 //! are dropped, which never blocks; after success they are shut down together
 //! ([`ParallelContext::shutdown`]).
 
-use crate::error::{Error, Result};
+use crate::error::{BoxError, Error, Result};
 use crate::model::{Groups, ModelFactory, StepModel};
 use crate::plan::{SessionConfig, SessionDecision, StepPlan};
 use crate::protocol::{self, Agreed, Agreement, Contribution, Message, State};
 use crate::scheduler::{Emit, Request, Scheduler};
-use crate::sink::{MetricsSink, OutputSink, StepMetrics, TextCodec};
+use crate::sink::{MetricsSink, OutputSink, StepMetrics, TextCodec, TextStream};
 use crate::sleep::QuiesceMode;
 use collectives::ParallelContext;
 pub use gate::Gate;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
@@ -694,10 +695,10 @@ impl Leader {
             source,
         })?;
         let eos = codec.as_ref().and_then(|c| c.eos());
+        s.text = Text { codec, streams: HashMap::new() };
         s.sched =
             Some(Scheduler::new(config.token_budget, config.max_batch, model.context_len(), eos));
         s.model = Some(model);
-        s.codec = codec;
         for r in requests {
             self.admit(s, r)?;
         }
@@ -706,9 +707,9 @@ impl Leader {
 
     fn admit(&mut self, s: &mut LeaderSession, r: Request) -> Result<()> {
         let Some(sched) = s.sched.as_mut() else { return Ok(()) };
-        if let Some(done) = sched.add(r, s.codec.as_deref(), s.epoch)? {
+        if let Some(done) = sched.add(r, s.text.codec(), s.epoch)? {
             s.finished += 1;
-            emit(self.output.as_mut(), s.codec.as_deref(), &done, s.epoch, s.steps)?;
+            emit(self.output.as_mut(), &mut s.text, &[done], s.epoch, s.steps)?;
         }
         Ok(())
     }
@@ -726,7 +727,7 @@ impl Leader {
         if let Some(sched) = s.sched.as_mut() {
             for e in sched.take_cancelled() {
                 s.finished += 1;
-                emit(self.output.as_mut(), s.codec.as_deref(), &e, s.epoch, s.steps)?;
+                emit(self.output.as_mut(), &mut s.text, &[e], s.epoch, s.steps)?;
             }
         }
         if let Some(inbox) = inbox.filter(|_| !limit) {
@@ -800,7 +801,7 @@ impl Leader {
             QuiesceMode::Abort => {
                 for e in sched.abort_all() {
                     s.finished += 1;
-                    emit(self.output.as_mut(), s.codec.as_deref(), &e, s.epoch, s.steps)?;
+                    emit(self.output.as_mut(), &mut s.text, &[e], s.epoch, s.steps)?;
                 }
             }
             QuiesceMode::Keep => {}
@@ -839,13 +840,9 @@ impl Leader {
             Err(e) => return Err(self.core.announce(e, Owed::Admission, epoch, s.steps)),
         };
         let sunk = injected("output sink", "session.sink", 0, epoch, plan.step).and_then(|()| {
-            for e in &emitted {
-                if matches!(e, Emit::Finished { .. }) {
-                    s.finished += 1;
-                }
-                emit(self.output.as_mut(), s.codec.as_deref(), e, epoch, plan.step)?;
-            }
-            Ok(())
+            s.finished +=
+                emitted.iter().filter(|e| matches!(e, Emit::Finished { .. })).count() as u64;
+            emit(self.output.as_mut(), &mut s.text, &emitted, epoch, plan.step)
         });
         if let Err(e) = sunk {
             return Err(self.core.announce(e, Owed::Admission, epoch, s.steps));
@@ -867,15 +864,13 @@ impl Leader {
     fn cleanup(&mut self, mut s: LeaderSession, success: bool) {
         let cancelled = s.sched.as_mut().map(Scheduler::cancel_all).unwrap_or_default();
         if success {
-            for e in &cancelled {
-                // The session is over: a sink failure now has no step left to fail.
-                let _ = emit(self.output.as_mut(), s.codec.as_deref(), e, s.epoch, s.steps);
-            }
+            // The session is over: a sink failure now has no step left to fail.
+            let _ = emit(self.output.as_mut(), &mut s.text, &cancelled, s.epoch, s.steps);
         }
         let (epoch, steps) = (s.epoch, s.steps);
         let model = s.model.take();
         self.core.cleanup_model(model);
-        drop(s.codec.take());
+        drop(std::mem::take(&mut s.text));
         if success {
             self.metrics.session_closed(epoch, steps);
         }
@@ -891,7 +886,7 @@ struct LeaderSession {
     idle_ticks: u64,
     model: Option<Box<dyn StepModel>>,
     sched: Option<Scheduler>,
-    codec: Option<Box<dyn TextCodec>>,
+    text: Text,
 }
 
 impl LeaderSession {
@@ -903,31 +898,61 @@ impl LeaderSession {
             idle_ticks: 0,
             model: None,
             sched: None,
-            codec: None,
+            text: Text::default(),
         }
     }
 }
 
+/// Rank 0's tokenizer and the detokenization state of each request with tokens out.
+#[derive(Default)]
+struct Text {
+    codec: Option<Box<dyn TextCodec>>,
+    streams: HashMap<u64, TextStream>,
+}
+
+impl Text {
+    fn codec(&self) -> Option<&dyn TextCodec> {
+        self.codec.as_deref()
+    }
+
+    /// The text `token` adds to `request`, in whole characters (`last` flushes the rest).
+    fn piece(&mut self, request: u64, token: u32, last: bool) -> Result<String, BoxError> {
+        let Some(codec) = &self.codec else { return Ok(String::new()) };
+        let stream = self.streams.entry(request).or_default();
+        let text = codec.decode_next(stream, token, last);
+        if last {
+            self.streams.remove(&request);
+        }
+        text
+    }
+}
+
+/// Hands `events` to the sink in order, with each token's text; a request's last token
+/// (its `Finished` follows in the same events) flushes the characters still open.
 fn emit(
     out: &mut dyn OutputSink,
-    codec: Option<&dyn TextCodec>,
-    e: &Emit,
+    text: &mut Text,
+    events: &[Emit],
     epoch: u64,
     step: u64,
 ) -> Result<()> {
     let sink = |source| Error::Sink { what: "output sink", epoch, step, source };
-    match e {
-        Emit::Token { request, token } => {
-            let text = match codec {
-                Some(c) => c.decode(&[*token]).map_err(sink)?,
-                None => String::new(),
-            };
-            out.token(*request, *token, &text).map_err(sink)
-        }
-        Emit::Finished { request, reason, tokens } => {
-            out.finished(*request, *reason, tokens).map_err(sink)
+    for (i, e) in events.iter().enumerate() {
+        match e {
+            Emit::Token { request, token } => {
+                let last = events[i + 1..]
+                    .iter()
+                    .any(|f| matches!(f, Emit::Finished { request: r, .. } if r == request));
+                let piece = text.piece(*request, *token, last).map_err(sink)?;
+                out.token(*request, *token, &piece).map_err(sink)?;
+            }
+            Emit::Finished { request, reason, tokens } => {
+                text.streams.remove(request);
+                out.finished(*request, *reason, tokens).map_err(sink)?;
+            }
         }
     }
+    Ok(())
 }
 
 /// The engine of a rank other than 0: runs what rank 0 sends, owns no sink, tokenizer or

@@ -95,7 +95,7 @@ impl StepModel for ReplicatedLlama {
 }
 
 /// The model's tokenizer as a [`TextCodec`].
-struct LlamaCodec(layers::Tokenizer);
+pub(crate) struct LlamaCodec(pub(crate) layers::Tokenizer);
 
 impl TextCodec for LlamaCodec {
     fn encode(&self, text: &str) -> Result<Vec<u32>, BoxError> {
@@ -104,6 +104,15 @@ impl TextCodec for LlamaCodec {
 
     fn decode(&self, ids: &[u32]) -> Result<String, BoxError> {
         Ok(self.0.decode(ids, true)?)
+    }
+
+    fn decode_next(
+        &self,
+        stream: &mut crate::sink::TextStream,
+        token: u32,
+        last: bool,
+    ) -> Result<String, BoxError> {
+        Ok(self.0.decode_next(stream, token, last)?)
     }
 
     fn eos(&self) -> Option<u32> {

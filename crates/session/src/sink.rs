@@ -2,6 +2,7 @@
 //! Workers own none of these; their constructors take none.
 
 use crate::error::BoxError;
+pub use layers::tokenizer::TextStream;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -17,6 +18,22 @@ pub trait TextCodec: Send {
     /// # Errors
     /// Ids outside the vocabulary.
     fn decode(&self, ids: &[u32]) -> Result<String, BoxError>;
+    /// The text `token` adds to a request whose earlier tokens `stream` has seen, in whole
+    /// characters: a character split over several tokens comes out with the last of them.
+    /// `last` (the request's final token) flushes what is left. The default decodes each
+    /// token alone.
+    ///
+    /// # Errors
+    /// As [`TextCodec::decode`].
+    fn decode_next(
+        &self,
+        stream: &mut TextStream,
+        token: u32,
+        last: bool,
+    ) -> Result<String, BoxError> {
+        let _ = (stream, last);
+        self.decode(&[token])
+    }
     /// The end-of-sequence token, if the model has one.
     fn eos(&self) -> Option<u32>;
 }

@@ -14,7 +14,7 @@ fn field(json: &str, key: &str) -> Option<f64> {
 }
 
 /// An f32 copy of `model` (every tensor dequantized), made once next to it.
-fn f32_model(model: &Path, anchors: &Path) -> Result<PathBuf> {
+pub(crate) fn f32_model(model: &Path, anchors: &Path) -> Result<PathBuf> {
     let out = model.with_file_name(
         model
             .file_name()
@@ -32,7 +32,7 @@ fn f32_model(model: &Path, anchors: &Path) -> Result<PathBuf> {
 }
 
 /// Installs `packages` with pip unless `modules` already import.
-fn ensure_python_packages(packages: &[&str], modules: &[&str]) -> Result<()> {
+pub(crate) fn ensure_python_packages(packages: &[&str], modules: &[&str]) -> Result<()> {
     let check = format!("import {}", modules.join(", "));
     if Command::new("python3").args(["-c", &check]).output().is_ok_and(|o| o.status.success()) {
         return Ok(());

@@ -36,6 +36,15 @@ impl ChatMessage {
     }
 }
 
+/// One sequence's incremental decoding state (see [`Tokenizer::decode_next`]): the ids
+/// whose text is not settled yet and the text they decode to.
+#[derive(Clone, Debug, Default)]
+pub struct TextStream {
+    ids: Vec<u32>,
+    prefix: String,
+    prefix_index: usize,
+}
+
 /// A byte-level BPE tokenizer with its special ids and chat template.
 #[derive(Clone, Debug)]
 pub struct Tokenizer {
@@ -226,6 +235,33 @@ impl Tokenizer {
     /// [`Error::Tokenizer`] when an id is unknown.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
         self.inner.decode(ids, skip_special).map_err(tok_err)
+    }
+
+    /// The text `id` adds to a sequence whose earlier ids `stream` has seen, special tokens
+    /// skipped: whole characters only, so a character whose bytes are split over several
+    /// tokens comes out with the last of them (the `tokenizers` streaming decoder). With
+    /// `flush` (the sequence's last token) an incomplete character left at the end comes out
+    /// too, as U+FFFD, and the stream starts over.
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`] when the tokenizer's decoder fails.
+    pub fn decode_next(&self, stream: &mut TextStream, id: u32, flush: bool) -> Result<String> {
+        let TextStream { ids, prefix, prefix_index } = stream;
+        let piece =
+            tokenizers::step_decode_stream(&*self.inner, id, true, ids, prefix, prefix_index)
+                .map_err(tok_err)?;
+        let text = match piece {
+            Some(text) => text,
+            None if flush => {
+                let all = self.inner.decode(ids, true).map_err(tok_err)?;
+                all.strip_prefix(prefix.as_str()).unwrap_or_default().to_owned()
+            }
+            None => String::new(),
+        };
+        if flush {
+            *stream = TextStream::default();
+        }
+        Ok(text)
     }
 
     /// The beginning-of-sequence id.

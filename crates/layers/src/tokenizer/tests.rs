@@ -145,3 +145,39 @@ fn real_model_tokenizer_when_cached() {
 /// The ids of "The capital of France is": one per word ("The", " capital", " of", " France",
 /// " is"), as the SmolLM2 vocabulary numbers them.
 const REFERENCE_IDS: &[u32] = &[504, 3575, 282, 4649, 314];
+
+#[test]
+fn streamed_decoding_keeps_split_characters_whole() {
+    // Byte-level pieces: "é" is C3 A9 ("Ã©"), "🦀" F0 9F A6 80 ("ðŁ¦Ģ"), "猫" E7 8C AB ("çĮ«").
+    let tokens = ["<|endoftext|>", "a", "Ġ", "Ã", "©", "ð", "Ł", "¦", "Ģ", "ç", "Į", "«"];
+    let types: Vec<Value> =
+        tokens.iter().map(|t| Value::I32(if t.starts_with("<|") { 3 } else { 1 })).collect();
+    let mut w = GgufWriter::new();
+    w.metadata("tokenizer.ggml.model", Value::String("gpt2".into()))
+        .metadata("tokenizer.ggml.tokens", strings(&tokens))
+        .metadata("tokenizer.ggml.token_type", Value::Array(types))
+        .metadata("tokenizer.ggml.merges", strings(&[]))
+        .metadata("tokenizer.ggml.eos_token_id", Value::U32(0));
+    let p = temp_path("tok-stream.gguf");
+    w.write(&p).unwrap();
+    let t = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).unwrap();
+    std::fs::remove_file(p).unwrap();
+
+    let text = "aé 🦀猫a";
+    let ids = t.encode(text).unwrap();
+    assert_eq!(ids.len(), 12, "every multi-byte character is split into byte tokens: {ids:?}");
+    let mut stream = TextStream::default();
+    let pieces: Vec<String> =
+        ids.iter().map(|&id| t.decode_next(&mut stream, id, false).unwrap()).collect();
+    assert_eq!(pieces.concat(), text);
+    assert!(pieces.iter().all(|p| !p.contains('\u{fffd}')), "{pieces:?}");
+    assert_eq!(pieces[..5], ["a", "", "é", " ", ""], "a character comes out with its last byte");
+    // Piece by piece, as before, the bytes of a character came out as replacement characters.
+    assert!(t.decode(&ids[1..2], true).unwrap().contains('\u{fffd}'));
+    // A sequence that ends inside a character flushes it as U+FFFD and starts over.
+    let mut stream = TextStream::default();
+    assert_eq!(t.decode_next(&mut stream, ids[0], false).unwrap(), "a");
+    assert_eq!(t.decode_next(&mut stream, ids[4], false).unwrap(), "");
+    assert_eq!(t.decode_next(&mut stream, ids[5], true).unwrap(), "\u{fffd}");
+    assert_eq!(t.decode_next(&mut stream, ids[0], true).unwrap(), "a");
+}

@@ -67,6 +67,55 @@ impl ModelFactory for Factory {
         let fail_at = config.model.strip_prefix("fail-at-").and_then(|s| s.parse().ok());
         Ok(Box::new(Count { seqs: Default::default(), fail_at }))
     }
+
+    fn codec(
+        &mut self,
+        config: &SessionConfig,
+    ) -> std::result::Result<Option<Box<dyn crate::sink::TextCodec>>, BoxError> {
+        Ok((config.model == "bytes").then(|| {
+            Box::new(crate::replicated::LlamaCodec(byte_tokenizer()))
+                as Box<dyn crate::sink::TextCodec>
+        }))
+    }
+}
+
+/// Byte-level pieces in counting order: from token 0 the counting model writes "a", then the
+/// four bytes of "🦀" (F0 9F A6 80), the three of "猫" (E7 8C AB) and the two of "é" (C3 A9).
+const BYTE_PIECES: [&str; 11] = ["<|endoftext|>", "a", "ð", "Ł", "¦", "Ģ", "ç", "Į", "«", "Ã", "©"];
+
+fn byte_tokenizer() -> layers::Tokenizer {
+    use layers::gguf::{GgufFile, GgufWriter, Value};
+    let strings = |v: &[&str]| Value::Array(v.iter().map(|s| Value::String((*s).into())).collect());
+    let types = BYTE_PIECES.iter().map(|t| Value::I32(if t.starts_with("<|") { 3 } else { 1 }));
+    let mut w = GgufWriter::new();
+    w.metadata("tokenizer.ggml.model", Value::String("gpt2".into()))
+        .metadata("tokenizer.ggml.tokens", strings(&BYTE_PIECES))
+        .metadata("tokenizer.ggml.token_type", Value::Array(types.collect()))
+        .metadata("tokenizer.ggml.merges", strings(&[]))
+        .metadata("tokenizer.ggml.eos_token_id", Value::U32(0));
+    let path = std::env::temp_dir().join(format!("tpctl-engine-bytes-{}.gguf", std::process::id()));
+    w.write(&path).unwrap();
+    let t = layers::Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    std::fs::remove_file(path).unwrap();
+    t
+}
+
+#[test]
+fn characters_split_over_tokens_come_out_whole() {
+    let (f, out, m) = (Factory::default(), Collect::new(), Metrics::default());
+    let mut l = leader(&f, &out, &m);
+    // Request 1 writes all ten pieces; request 2 stops after the first two bytes of "🦀".
+    let cfg = SessionConfig::new("bytes");
+    l.run(cfg, vec![req(1, &[0], 10), req(2, &[0], 3)], &mut stop).unwrap();
+    let done = out.finished();
+    let text = |id| done.iter().find(|d| d.request == id).unwrap().text.clone();
+    assert_eq!(text(1), "a🦀猫é", "pieces decoded one by one would be replacement characters");
+    // An unfinished character at the end is flushed as U+FFFD, once.
+    let two = text(2);
+    assert!(
+        two.starts_with('a') && two.ends_with('\u{fffd}') && !two[1..].contains('a'),
+        "{two:?}"
+    );
 }
 
 #[derive(Clone, Default)]

@@ -1,0 +1,279 @@
+//! Serving benchmark: a warm `tpctl serve` measured from an HTTP client, next to llama.cpp on
+//! the same GGUF file and the same prompt ids, measured in the same run
+//! (`shared/anchors/llamacpp_batch.py`, 2 threads).
+//!
+//! - Single stream: 128 prompt ids, 64 tokens (`ignore_eos`, greedy). Prefill tok/s is the
+//!   prompt over the time to the first streamed token; decode tok/s the 63 later tokens over
+//!   the time from the first to the last.
+//! - 8 concurrent streams of 32 prompt ids, 64 tokens each: aggregate decode tok/s, 8 x 63
+//!   tokens over the time from the last stream's first token to the last token, against
+//!   llama.cpp decoding the same 8 prompts in one batch per step; and against our own single
+//!   stream.
+//!
+//! Each figure is the best of [`ROUNDS`] rounds, so a burst of noise on a shared machine does
+//! not decide a ratio.
+
+use super::model::{ensure_python_packages, f32_model};
+use crate::util::{self, cargo, root};
+use anyhow::{bail, ensure, Context, Result};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Rounds of each measurement; the best counts.
+const ROUNDS: usize = 3;
+/// Tokens generated per request.
+const DECODE: usize = 64;
+/// Concurrent streams and their prompt length.
+const STREAMS: usize = 8;
+const STREAM_PROMPT: usize = 32;
+/// The single stream's prompt length.
+const SINGLE_PROMPT: usize = 128;
+/// How long a server may take to load before the benchmark gives up.
+const LOAD_DEADLINE: Duration = Duration::from_secs(300);
+/// How long one request may take.
+const REQUEST_DEADLINE: Duration = Duration::from_secs(300);
+
+/// What llama.cpp measured on one file, and the prompt ids it used.
+struct Reference {
+    prefill: f64,
+    decode: f64,
+    prompts: Vec<Vec<u32>>,
+}
+
+/// Runs `llamacpp_batch.py` for `seqs` sequences of `prompt` ids and [`DECODE`] tokens.
+fn reference(anchors: &Path, model: &Path, seqs: usize, prompt: usize) -> Result<Reference> {
+    let out = util::output(
+        Command::new("python3")
+            .arg(anchors.join("llamacpp_batch.py"))
+            .arg(model)
+            .arg("2")
+            .arg(seqs.to_string())
+            .arg(prompt.to_string())
+            .arg(DECODE.to_string()),
+    )?;
+    let line = out
+        .lines()
+        .rev()
+        .find(|l| l.contains("prefill_tok_s"))
+        .context("llama.cpp printed no result")?;
+    let v: Value = serde_json::from_str(line).context("llama.cpp's result line")?;
+    let num = |k: &str| v[k].as_f64().with_context(|| format!("llama.cpp's `{k}`"));
+    let prompts: Vec<Vec<u32>> =
+        serde_json::from_value(v["prompt_ids"].clone()).context("llama.cpp's `prompt_ids`")?;
+    ensure!(
+        prompts.len() == seqs && prompts.iter().all(|p| p.len() == prompt),
+        "llama.cpp used other prompts: {line}"
+    );
+    Ok(Reference { prefill: num("prefill_tok_s")?, decode: num("decode_tok_s")?, prompts })
+}
+
+/// A `tpctl serve` deployment on a free local port, stopped (Ctrl-C, as a user would) when
+/// dropped.
+struct Server {
+    child: Child,
+    base: String,
+}
+
+impl Server {
+    fn start(tpctl: &Path, model: &Path, tp: usize, cp: usize, threads: usize) -> Result<Server> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let base = format!("http://127.0.0.1:{port}");
+        eprintln!("$ tpctl serve --tp {tp} --cp {cp} --threads {threads} {}", model.display());
+        let child = Command::new(tpctl)
+            .args(["serve", "--quiet", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--tp", &tp.to_string(), "--cp", &cp.to_string()])
+            .args(["--threads", &threads.to_string(), "--model"])
+            .arg(model)
+            .stdout(Stdio::null())
+            .spawn()
+            .context("starting tpctl serve")?;
+        let mut server = Server { child, base };
+        let since = Instant::now();
+        loop {
+            if let Some(status) = server.child.try_wait()? {
+                bail!("tpctl serve exited while loading: {status}");
+            }
+            if ureq::get(&format!("{}/health", server.base)).call().is_ok() {
+                return Ok(server);
+            }
+            if since.elapsed() > LOAD_DEADLINE {
+                bail!("tpctl serve was not ready within {LOAD_DEADLINE:?}");
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let pid = self.child.id().to_string();
+        let _ = Command::new("kill").args(["-INT", &pid]).status();
+        let since = Instant::now();
+        while since.elapsed() < Duration::from_secs(30) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// When one streamed request's first and last tokens arrived, from a shared start.
+#[derive(Clone, Copy)]
+struct Arrivals {
+    first: Duration,
+    last: Duration,
+}
+
+/// One greedy streamed completion of `prompt` ids, [`DECODE`] tokens with `ignore_eos`.
+fn stream(base: &str, prompt: &[u32], start: Instant) -> Result<Arrivals> {
+    let agent: ureq::Agent =
+        ureq::Agent::config_builder().timeout_global(Some(REQUEST_DEADLINE)).build().into();
+    let body = json!({
+        "prompt": prompt, "max_tokens": DECODE, "ignore_eos": true,
+        "temperature": 0.0, "stream": true,
+    });
+    let response = agent.post(&format!("{base}/v1/completions")).send_json(&body)?;
+    let reader = BufReader::new(response.into_body().into_reader());
+    let (mut first, mut tokens) = (None, 0);
+    for line in reader.lines() {
+        let line = line?;
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data == "[DONE]" {
+            break;
+        }
+        let event: Value = serde_json::from_str(data).context("a streamed event")?;
+        let ids = event["choices"][0]["token_ids"].as_array().map_or(0, Vec::len);
+        if ids > 0 {
+            first.get_or_insert_with(|| start.elapsed());
+            tokens += ids;
+        }
+    }
+    let last = start.elapsed();
+    ensure!(tokens == DECODE, "the server streamed {tokens} tokens, {DECODE} were asked for");
+    Ok(Arrivals { first: first.context("no token streamed")?, last })
+}
+
+/// What tpctl measured in one layout.
+#[derive(Default)]
+struct Measured {
+    prefill: f64,
+    decode: f64,
+    batch_decode: f64,
+}
+
+fn measure(server: &Server, single: &[u32], prompts: &[Vec<u32>]) -> Result<Measured> {
+    // Warm up: the first request pays for lazily built state.
+    stream(&server.base, &single[..8], Instant::now())?;
+    let mut best = Measured::default();
+    for _ in 0..ROUNDS {
+        let a = stream(&server.base, single, Instant::now())?;
+        best.prefill = best.prefill.max(single.len() as f64 / a.first.as_secs_f64());
+        let decode = (DECODE - 1) as f64 / (a.last - a.first).as_secs_f64();
+        best.decode = best.decode.max(decode);
+
+        let start = Instant::now();
+        let all: Vec<Arrivals> = std::thread::scope(|s| {
+            let handles: Vec<_> =
+                prompts.iter().map(|p| s.spawn(|| stream(&server.base, p, start))).collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))?)
+                .collect::<Result<Vec<_>>>()
+        })?;
+        let first = all.iter().map(|a| a.first).max().unwrap_or_default();
+        let last = all.iter().map(|a| a.last).max().unwrap_or_default();
+        let tokens = (prompts.len() * (DECODE - 1)) as f64;
+        best.batch_decode = best.batch_decode.max(tokens / (last - first).as_secs_f64());
+    }
+    Ok(best)
+}
+
+/// The layouts measured: (tp, cp, threads per rank) on a 2-core machine.
+const LAYOUTS: [(usize, usize, usize); 3] = [(1, 1, 2), (2, 1, 1), (2, 2, 1)];
+
+pub(crate) fn run(json: bool) -> Result<()> {
+    let anchors = root().join("../shared/anchors");
+    let q4 = crate::fetch_model::fetch_default()?;
+    let f32_path = f32_model(&q4, &anchors)?;
+    ensure_python_packages(&["llama-cpp-python"], &["llama_cpp"])
+        .context("llama.cpp reference (builds for ~10 minutes on 2 cores)")?;
+    util::run(cargo().args(["build", "--release", "--quiet", "-p", "tpctl"]))?;
+    let tpctl = root().join("target/release/tpctl");
+    let models: [(&str, PathBuf); 2] = [("f32", f32_path), ("Q4_1", q4)];
+    if !json {
+        println!(
+            "SmolLM2-135M-Instruct through `tpctl serve` (HTTP, streamed, greedy, ignore_eos) \
+             next to llama.cpp (2 threads) on the same file and prompt ids"
+        );
+        println!(
+            "{:<5} {:<6} {:>4} | {:>22} | {:>22} | {:>24} {:>8}",
+            "file",
+            "layout",
+            "thr",
+            "prefill 128 tok/s",
+            "decode tok/s",
+            "8 streams decode tok/s",
+            "/ single"
+        );
+    }
+    for (name, model) in &models {
+        let single_ref = reference(&anchors, model, 1, SINGLE_PROMPT)?;
+        let batch_ref = reference(&anchors, model, STREAMS, STREAM_PROMPT)?;
+        for (tp, cp, threads) in LAYOUTS {
+            let server = Server::start(&tpctl, model, tp, cp, threads)?;
+            let m = measure(&server, &single_ref.prompts[0], &batch_ref.prompts)?;
+            drop(server);
+            let ratio = |ours: f64, theirs: f64| ours / theirs;
+            if json {
+                let row = json!({
+                    "file": name, "tp": tp, "cp": cp, "threads_per_rank": threads,
+                    "prefill_tok_s": round1(m.prefill), "llamacpp_prefill_tok_s": single_ref.prefill,
+                    "decode_tok_s": round1(m.decode), "llamacpp_decode_tok_s": single_ref.decode,
+                    "batch_decode_tok_s": round1(m.batch_decode),
+                    "llamacpp_batch_decode_tok_s": batch_ref.decode,
+                    "prefill_ratio": round2(ratio(m.prefill, single_ref.prefill)),
+                    "decode_ratio": round2(ratio(m.decode, single_ref.decode)),
+                    "batch_decode_ratio": round2(ratio(m.batch_decode, batch_ref.decode)),
+                    "batch_over_single": round2(m.batch_decode / m.decode),
+                });
+                println!("{row}");
+            } else {
+                let cell = |ours: f64, theirs: f64| {
+                    format!("{ours:.1} ({theirs:.1}) {:.2}x", ratio(ours, theirs))
+                };
+                println!(
+                    "{:<5} {:<6} {:>4} | {:>22} | {:>22} | {:>24} {:>7.2}x",
+                    name,
+                    format!("{tp}x{cp}"),
+                    threads,
+                    cell(m.prefill, single_ref.prefill),
+                    cell(m.decode, single_ref.decode),
+                    cell(m.batch_decode, batch_ref.decode),
+                    m.batch_decode / m.decode
+                );
+            }
+        }
+    }
+    if !json {
+        println!(
+            "cells: ours (llama.cpp) ours/llama.cpp; llama.cpp 8 streams = the 8 prompts decoded in \
+             one batch per step; / single = our 8-stream aggregate over our single-stream decode; \
+             best of {ROUNDS} rounds each, same machine, same run"
+        );
+    }
+    Ok(())
+}
+
+fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
