@@ -1,4 +1,5 @@
-//! Model benchmark: prefill and decode tokens/s of SmolLM2 in several `tp × cp` layouts.
+//! Model benchmark: prefill and decode tokens/s of SmolLM2 in several `tp × cp` layouts, one
+//! sequence alone and [`BATCH`] sequences decoded together (one batched step for all).
 //!
 //! Run through `cargo xtask bench model`, which also measures llama.cpp on the same f32
 //! weights in the same run. Ranks are threads of this process joined by `local` groups (the
@@ -7,7 +8,7 @@
 //! `model [--model PATH] [--prompt-tokens N] [--decode-tokens N] [--json]`
 
 use collectives::{local, ShmOptions};
-use layers::parallel::{Comms, ParallelModel, Placement};
+use layers::parallel::{Comms, ParallelCache, ParallelModel, Placement, Sequence};
 use layers::{Logits, Tokenizer};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -15,6 +16,9 @@ use std::time::{Duration, Instant};
 /// (tp, cp, threads per rank)
 const LAYOUTS: [(usize, usize, usize); 3] = [(1, 1, 2), (2, 1, 1), (2, 2, 1)];
 const REPEATS: usize = 3;
+/// Sequences decoded together, and their prompt length.
+const BATCH: usize = 8;
+const BATCH_PROMPT: usize = 32;
 
 fn arg(args: &[String], name: &str) -> Option<String> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
@@ -37,24 +41,40 @@ fn main() {
     let mut prompt = tokenizer.encode(&text).expect("encode");
     prompt.truncate(n_prompt);
     if !json {
-        println!("{:<7} {:>8} {:>14} {:>13}", "layout", "threads", "prefill tok/s", "decode tok/s");
+        println!(
+            "{:<7} {:>8} {:>14} {:>13} {:>18}",
+            "layout",
+            "threads",
+            "prefill tok/s",
+            "decode tok/s",
+            format!("{BATCH}-seq decode tok/s")
+        );
     }
     for (tp, cp, threads) in LAYOUTS {
-        let (prefill, decode) = run_layout(&path, &prompt, n_decode, tp, cp, threads);
+        let (prefill, decode, batch) = run_layout(&path, &prompt, n_decode, tp, cp, threads);
         let (pf, dc) =
             (prompt.len() as f64 / prefill.as_secs_f64(), n_decode as f64 / decode.as_secs_f64());
+        let bt = (BATCH * n_decode) as f64 / batch.as_secs_f64();
         if json {
             println!(
-                "{{\"tp\":{tp},\"cp\":{cp},\"threads_per_rank\":{threads},\"prompt_tokens\":{},\"prefill_tok_s\":{pf:.1},\"decode_tokens\":{n_decode},\"decode_tok_s\":{dc:.1}}}",
+                "{{\"tp\":{tp},\"cp\":{cp},\"threads_per_rank\":{threads},\"prompt_tokens\":{},\"prefill_tok_s\":{pf:.1},\"decode_tokens\":{n_decode},\"decode_tok_s\":{dc:.1},\"batch\":{BATCH},\"batch_decode_tok_s\":{bt:.1}}}",
                 prompt.len()
             );
         } else {
-            println!("{:<7} {:>8} {:>14.1} {:>13.1}", format!("{tp}x{cp}"), threads, pf, dc);
+            println!(
+                "{:<7} {:>8} {:>14.1} {:>13.1} {:>18.1}",
+                format!("{tp}x{cp}"),
+                threads,
+                pf,
+                dc,
+                bt
+            );
         }
     }
 }
 
-/// Best prefill and decode times over `REPEATS` runs on a `tp × cp` thread mesh.
+/// Best prefill, decode and batched decode times over `REPEATS` runs on a `tp × cp` thread
+/// mesh.
 fn run_layout(
     path: &PathBuf,
     prompt: &[u32],
@@ -62,7 +82,7 @@ fn run_layout(
     tp: usize,
     cp: usize,
     threads: usize,
-) -> (Duration, Duration) {
+) -> (Duration, Duration, Duration) {
     let comms = local::mesh(tp, cp, ShmOptions::default()).expect("thread mesh");
     let times = std::thread::scope(|s| {
         let handles: Vec<_> = comms
@@ -78,7 +98,8 @@ fn run_layout(
                         layers::model::WeightForm::Native,
                     )
                     .expect("load model");
-                    let (mut best_pf, mut best_dc) = (Duration::MAX, Duration::MAX);
+                    let (mut best_pf, mut best_dc, mut best_bt) =
+                        (Duration::MAX, Duration::MAX, Duration::MAX);
                     for _ in 0..REPEATS {
                         let mut cache = model.new_cache(prompt.len() + n_decode + 1);
                         comms.tp.barrier().expect("barrier");
@@ -96,12 +117,47 @@ fn run_layout(
                         let t2 = Instant::now();
                         best_pf = best_pf.min(t1 - t0);
                         best_dc = best_dc.min(t2 - t1);
+                        best_bt = best_bt.min(batched_decode(&model, &mut comms, prompt, n_decode));
                     }
-                    (best_pf, best_dc)
+                    (best_pf, best_dc, best_bt)
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().expect("rank")).collect::<Vec<_>>()
     });
     times[0]
+}
+
+/// [`BATCH`] sequences (prompts of [`BATCH_PROMPT`] ids from `prompt`, each shifted) prefilled
+/// in one step, then `n_decode` steps of one token each for all of them; returns the time of
+/// the decode steps. The fed tokens are fixed (the speed does not depend on them), so no rank
+/// waits for rank 0's logits.
+fn batched_decode(
+    model: &ParallelModel,
+    comms: &mut Comms<'_>,
+    prompt: &[u32],
+    n_decode: usize,
+) -> Duration {
+    let prompts: Vec<Vec<u32>> = (0..BATCH)
+        .map(|s| prompt.iter().cycle().skip(s).take(BATCH_PROMPT).copied().collect())
+        .collect();
+    let mut caches: Vec<ParallelCache> =
+        (0..BATCH).map(|_| model.new_cache(BATCH_PROMPT + n_decode + 1)).collect();
+    let mut step = |tokens: &[&[u32]], caches: &mut [ParallelCache]| {
+        let mut seqs: Vec<Sequence<'_>> = tokens
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(tokens, cache)| Sequence { tokens, cache, sample: true })
+            .collect();
+        model.forward_batch(comms, &mut seqs).expect("batched step");
+    };
+    let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    step(&refs, &mut caches);
+    let t0 = Instant::now();
+    for i in 0..n_decode {
+        let next: Vec<[u32; 1]> = prompts.iter().map(|p| [p[i % p.len()]]).collect();
+        let refs: Vec<&[u32]> = next.iter().map(|t| &t[..]).collect();
+        step(&refs, &mut caches);
+    }
+    t0.elapsed()
 }

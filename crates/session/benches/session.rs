@@ -79,6 +79,7 @@ fn decode_plan(seqs: u64, step: u64) -> StepPlan {
                 start: 100 + step as u32,
                 tokens: vec![(s * 7 + step) as u32 % 32000],
                 sample: true,
+                reserve: 4096,
             })
             .collect(),
         released: Vec::new(),

@@ -16,6 +16,9 @@ pub struct PlanEntry {
     /// Whether rank 0 samples a token from this entry's last logits row (false for a prompt
     /// chunk that is not the last one).
     pub sample: bool,
+    /// The most tokens the sequence can hold (its prompt and every token it may generate,
+    /// within the model's context): a model sizes a new sequence's KV cache by it.
+    pub reserve: u32,
 }
 
 impl PlanEntry {

@@ -250,6 +250,7 @@ pub fn encode(msg: &Message, epoch: u64, step: u64, out: &mut Vec<u8>) {
             for e in &plan.entries {
                 out.extend_from_slice(&e.seq.to_le_bytes());
                 put_u32(out, e.start);
+                put_u32(out, e.reserve);
                 out.push(u8::from(e.sample));
                 put_u32(out, e.tokens.len() as u32);
                 for t in &e.tokens {
@@ -303,21 +304,23 @@ pub fn decode_into(bytes: &[u8], out: &mut Message) -> std::result::Result<(u64,
             plan.epoch = epoch;
             plan.step = step;
             let n = r.u32("entry count")? as usize;
-            // Each entry takes at least 17 bytes: a count past the end is malformed.
-            if n > bytes.len() / 17 {
+            // Each entry takes at least 21 bytes: a count past the end is malformed.
+            if n > bytes.len() / 21 {
                 return Err(format!("{n} entries cannot fit in {} bytes", bytes.len()));
             }
             plan.entries.truncate(n);
             for i in 0..n {
                 let seq = r.u64("seq")?;
                 let start = r.u32("start")?;
+                let reserve = r.u32("reserve")?;
                 let sample = r.u8("sample flag")? != 0;
                 let len = r.u32("token count")? as usize;
                 if i == plan.entries.len() {
-                    plan.entries.push(PlanEntry { seq, start, tokens: Vec::new(), sample });
+                    let tokens = Vec::new();
+                    plan.entries.push(PlanEntry { seq, start, tokens, sample, reserve });
                 }
                 let e = &mut plan.entries[i];
-                (e.seq, e.start, e.sample) = (seq, start, sample);
+                (e.seq, e.start, e.sample, e.reserve) = (seq, start, sample, reserve);
                 e.tokens.clear();
                 let raw = r.take(len.checked_mul(4).ok_or("token count overflows")?, "tokens")?;
                 e.tokens.extend(

@@ -77,11 +77,15 @@ impl StepModel for ReplicatedLlama {
         _groups: &mut Groups<'_>,
     ) -> Result<Option<Logits>, BoxError> {
         // Replicated: every rank computes the whole model, so no collective is needed.
-        let capacity = self.context_len();
+        let context = self.context_len();
         let model = &self.model;
         let (tp, cp) = &mut self.groups;
         let mut comms = Comms { tp, cp };
-        let rows = self.sequences.run(model, &mut comms, plan, || Ok(model.new_cache(capacity)))?;
+        // A new sequence's cache holds what it can reach, not the whole context.
+        let capacity =
+            |e: &crate::plan::PlanEntry| (e.reserve as usize).clamp(e.tokens.len(), context);
+        let rows =
+            self.sequences.run(model, &mut comms, plan, |e| Ok(model.new_cache(capacity(e))))?;
         Ok(rows.filter(|_| self.logits))
     }
 

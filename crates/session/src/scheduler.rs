@@ -93,6 +93,13 @@ impl Seq {
         self.prompt.len() + self.generated.len().saturating_sub(1)
     }
 
+    /// The most tokens the sequence can hold in a model's cache of `context` tokens: its
+    /// prompt and every token it may generate.
+    fn reserve(&self, context: usize) -> u32 {
+        let limit = self.prompt.len() + self.sampler.params().max_tokens as usize;
+        u32::try_from(limit.min(context)).unwrap_or(u32::MAX)
+    }
+
     fn decoding(&self) -> bool {
         self.prefilled == self.context()
     }
@@ -194,8 +201,8 @@ impl Scheduler {
                 break;
             }
             let last = *s.generated.last()?;
-            let start = s.prefilled as u32;
-            entries.push(PlanEntry { seq: s.id, start, tokens: vec![last], sample: true });
+            let (start, reserve) = (s.prefilled as u32, s.reserve(self.context));
+            entries.push(PlanEntry { seq: s.id, start, tokens: vec![last], sample: true, reserve });
             budget -= 1;
         }
         for s in self.seqs.iter().filter(|s| !s.decoding()) {
@@ -206,7 +213,8 @@ impl Scheduler {
             let tokens = (s.prefilled..s.prefilled + chunk).map(|i| s.token(i)).collect();
             // A recomputed sequence already sampled its next token.
             let sample = s.prefilled + chunk == s.context() && s.generated.is_empty();
-            entries.push(PlanEntry { seq: s.id, start: s.prefilled as u32, tokens, sample });
+            let (start, reserve) = (s.prefilled as u32, s.reserve(self.context));
+            entries.push(PlanEntry { seq: s.id, start, tokens, sample, reserve });
             budget -= chunk;
         }
         if entries.is_empty() {

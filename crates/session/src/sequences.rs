@@ -3,7 +3,7 @@
 
 use crate::error::BoxError;
 use crate::model::Logits;
-use crate::plan::{SeqId, StepPlan};
+use crate::plan::{PlanEntry, SeqId, StepPlan};
 use layers::parallel::{Comms, ParallelCache, ParallelModel, Sequence};
 use std::collections::HashMap;
 
@@ -44,7 +44,7 @@ impl Sequences {
     }
 
     /// Runs every entry of `plan` as one forward pass of `model`, each with its sequence's
-    /// cache (made by `new_cache` on first use), after checking that the plan continues
+    /// cache (made by `new_cache` for the sequence's first entry), after checking that the plan continues
     /// where each cache ends and that every entry fits. Returns the last logits row of every
     /// entry that samples, in plan order, where the model delivers logits (TP 0, CP 0).
     pub(crate) fn run(
@@ -52,7 +52,7 @@ impl Sequences {
         model: &ParallelModel,
         comms: &mut Comms<'_>,
         plan: &StepPlan,
-        new_cache: impl FnMut() -> Result<ParallelCache, BoxError>,
+        new_cache: impl FnMut(&PlanEntry) -> Result<ParallelCache, BoxError>,
     ) -> Result<Option<Logits>, BoxError> {
         let mut taken = Vec::with_capacity(plan.entries.len());
         let out = self.take(model, plan, new_cache, &mut taken).and_then(|()| {
@@ -81,7 +81,7 @@ impl Sequences {
         &mut self,
         model: &ParallelModel,
         plan: &StepPlan,
-        mut new_cache: impl FnMut() -> Result<ParallelCache, BoxError>,
+        mut new_cache: impl FnMut(&PlanEntry) -> Result<ParallelCache, BoxError>,
         taken: &mut Vec<(SeqId, ParallelCache)>,
     ) -> Result<(), BoxError> {
         for e in &plan.entries {
@@ -91,7 +91,7 @@ impl Sequences {
             }
             let cache = match self.caches.remove(&e.seq) {
                 Some(cache) => cache,
-                None => new_cache()?,
+                None => new_cache(e)?,
             };
             let held = cache.len();
             taken.push((e.seq, cache));

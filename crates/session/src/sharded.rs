@@ -4,7 +4,7 @@
 use crate::error::BoxError;
 use crate::memory::{ModelMemory, ShardOrigin};
 use crate::model::{Groups, Logits, ModelFactory, StepModel};
-use crate::plan::{SeqId, SessionConfig, StepPlan};
+use crate::plan::{PlanEntry, SeqId, SessionConfig, StepPlan};
 use crate::replicated::LlamaFactory;
 use crate::sequences::Sequences;
 use crate::sink::TextCodec;
@@ -160,13 +160,17 @@ impl StepModel for ShardedLlama {
         groups: &mut Groups<'_>,
     ) -> Result<Option<Logits>, BoxError> {
         let mut comms = Comms { tp: &mut *groups.tp, cp: &mut *groups.cp };
-        // A CP rank holds about 1/cp of a sequence; one more token absorbs the rounding.
-        let capacity = self.context.div_ceil(self.model.placement().cp) + 1;
-        let (model, memory) = (&self.model, self.memory.as_ref());
+        let (model, memory, context) = (&self.model, self.memory.as_ref(), self.context);
+        // A new sequence's cache holds what it can reach (its prompt and every token it may
+        // generate), not the whole context. A CP rank holds about 1/cp of a sequence; one
+        // more token absorbs the rounding.
+        let capacity = |e: &PlanEntry| {
+            (e.reserve as usize).clamp(e.tokens.len(), context).div_ceil(model.placement().cp) + 1
+        };
         // The logits come back on rank 0 (TP 0, CP 0) only.
-        self.sequences.run(model, &mut comms, plan, || match memory {
-            Some(m) => m.new_cache(model, capacity).map_err(BoxError::from),
-            None => Ok(model.new_cache(capacity)),
+        self.sequences.run(model, &mut comms, plan, |e| match memory {
+            Some(m) => m.new_cache(model, capacity(e)).map_err(BoxError::from),
+            None => Ok(model.new_cache(capacity(e))),
         })
     }
 

@@ -192,14 +192,12 @@ pub enum Backend {
     Cuda(CudaBackend),
 }
 
-/// Batches up to this many rows run as repeated matrix-vector products instead of `gemm`,
-/// whose packing does not pay off for so few rows.
-const MATVEC_MAX_ROWS: usize = 2;
-
-/// Batches up to this many rows multiply quantized weights directly (each block dequantized
-/// once per tile of rows); larger ones (prefill chunks) dequantize the matrix once and use
-/// `gemm`, whose blocking then pays off.
-const QMATMUL_MAX_ROWS: usize = 32;
+/// Batches up to this many rows (decode steps, short chunks) multiply the weights directly:
+/// each weight row is read once and used for every row of the batch, f32 weights as they are
+/// and quantized ones dequantized in registers, so a row's result does not depend on the rest
+/// of the batch. Larger ones (prefill chunks) use `gemm` (quantized weights dequantized once
+/// per product), whose blocking then pays off.
+const SMALL_BATCH_MAX_ROWS: usize = 32;
 
 fn check(op: &'static str, ok: bool, msg: impl FnOnce() -> String) -> Result<()> {
     if ok {
@@ -269,11 +267,8 @@ impl Backend {
         let mut out = Tensor::zeros(&shape);
         match w {
             Weight::F32(wt) => cpu.install(|| {
-                if m <= MATVEC_MAX_ROWS {
-                    for (xr, or) in x.data().chunks_exact(k).zip(out.data_mut().chunks_exact_mut(n))
-                    {
-                        cpu::matvec::matvec(wt.data(), xr, or);
-                    }
+                if m <= SMALL_BATCH_MAX_ROWS {
+                    cpu::matvec::matmul_rows(wt.data(), x.data(), m, out.data_mut());
                     Ok(())
                 } else {
                     cpu::matmul::matmul_nt(
@@ -288,7 +283,7 @@ impl Backend {
                 }
             })?,
             Weight::Quant(wq) => cpu.install(|| {
-                if m <= QMATMUL_MAX_ROWS {
+                if m <= SMALL_BATCH_MAX_ROWS {
                     cpu::qmatrix::qmatmul(wq, x.data(), m, out.data_mut());
                     Ok(())
                 } else {

@@ -8,8 +8,14 @@ fn plan(tokens: usize) -> StepPlan {
         epoch: 3,
         step: 7,
         entries: vec![
-            PlanEntry { seq: 1, start: 0, tokens: (0..tokens as u32).collect(), sample: true },
-            PlanEntry { seq: 9, start: 12, tokens: vec![5], sample: true },
+            PlanEntry {
+                seq: 1,
+                start: 0,
+                tokens: (0..tokens as u32).collect(),
+                sample: true,
+                reserve: 64,
+            },
+            PlanEntry { seq: 9, start: 12, tokens: vec![5], sample: true, reserve: 40 },
         ],
         released: vec![4, 2],
     }

@@ -32,7 +32,12 @@ fn prompts_are_chunked_to_the_budget_and_decode_goes_first() {
     // A second request joins: its prompt is prefilled next to the first one's decode token.
     s.add(req(11, 5, 1), None, 0).unwrap();
     let p3 = s.plan(0, 3).unwrap();
-    assert_eq!(p3.entries[0], PlanEntry { seq: 1, start: 6, tokens: vec![3], sample: true });
+    // Its cache needs room for the prompt and the 2 tokens it may generate.
+    let reserve = 6 + 2;
+    assert_eq!(
+        p3.entries[0],
+        PlanEntry { seq: 1, start: 6, tokens: vec![3], sample: true, reserve }
+    );
     assert_eq!(
         (p3.entries[1].seq, p3.entries[1].tokens.len(), p3.entries[1].sample),
         (2, 3, false)

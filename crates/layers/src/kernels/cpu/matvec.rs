@@ -1,9 +1,12 @@
-//! Matrix-vector products for decode (`m` = 1): row-parallel dot products.
+//! Products of f32 weights with the few activation rows of a decode step (a batch of
+//! sequences, one token each): row-parallel dot products.
 //!
-//! At `m` = 1 the work is bound by memory bandwidth (each weight is read once and used once),
-//! where `gemm`'s packing and tiling only cost. The rows are split into chunks that rayon
-//! spreads over the pool's threads; each output is one dot product with several independent
-//! accumulators so the compiler can keep the SIMD units busy.
+//! Decode is bound by memory bandwidth: each weight is read once per step, where `gemm`'s
+//! packing of the weight matrix (a copy of it per call) and tiling only cost. The weight rows
+//! are split into chunks that rayon spreads over the pool's threads; each weight row is
+//! multiplied into the activation rows by tiles of [`X_TILE`], while it sits in L1, with
+//! independent accumulators per activation row so the compiler keeps the SIMD units busy and a
+//! row's result does not depend on the rest of the batch.
 
 use pulp::{Arch, Simd, WithSimd};
 use rayon::prelude::*;
@@ -98,23 +101,51 @@ pub(crate) fn simd_axpy4<S: Simd>(simd: S, e: [f32; 4], v: [&[f32]; 4], out: &mu
     }
 }
 
-/// `out[r] = w[r, :] · x` for `w` of shape `[out.len(), x.len()]`, in the current rayon pool.
+/// Activation rows multiplied by one weight row at a time in [`matmul_rows`]: one
+/// accumulator each, plus the weight register, fit the 16 registers of AVX2.
+const X_TILE: usize = 8;
+
+/// How far ahead of the product [`row_dots`] asks for weights (bytes): the weights stream
+/// from memory, and a hint this far ahead keeps more of them in flight than the hardware
+/// prefetcher alone does while the tile's products run (measured 1.3x at 8 rows).
+const PREFETCH_AHEAD: usize = 1024;
+
+/// `out[i, r] = x[i, :] · w[r, :]` for the `m` rows of `x` (`[m, k]`) and `w` of shape
+/// `[rows, k]`, into `out` (`[m, rows]`), in the current rayon pool. Every weight is read from
+/// memory once for all `m` rows. A row's result is the same bits alone or in any batch.
 ///
-/// Lengths must agree (`w.len() == out.len() * x.len()`); callers check them.
-pub fn matvec(w: &[f32], x: &[f32], out: &mut [f32]) {
-    let k = x.len();
-    debug_assert_eq!(w.len(), out.len() * k);
+/// Lengths must agree (`x.len() == m * k`, `w.len() == rows * k`, `out.len() == m * rows`);
+/// callers check them.
+pub fn matmul_rows(w: &[f32], x: &[f32], m: usize, out: &mut [f32]) {
+    if m == 0 || out.is_empty() {
+        return;
+    }
+    let (k, rows) = (x.len() / m, out.len() / m);
+    debug_assert_eq!(w.len(), rows * k);
+    // Tasks own ranges of weight rows; with several activation rows they write a `[rows, m]`
+    // block, transposed into `out` at the end.
+    let mut transposed = if m == 1 { Vec::new() } else { vec![0f32; rows * m] };
+    let target: &mut [f32] = if m == 1 { out } else { &mut transposed };
     let arch = Arch::new();
-    out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(|(c, chunk)| {
-        let rows = &w[c * ROWS_PER_TASK * k..][..chunk.len() * k];
-        arch.dispatch(Rows { w: rows, x, out: chunk });
+    target.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, chunk)| {
+        let w = &w[c * ROWS_PER_TASK * k..][..chunk.len() / m * k];
+        arch.dispatch(Rows { w, x, m, out: chunk });
     });
+    if m > 1 {
+        for (r, col) in transposed.chunks_exact(m).enumerate() {
+            for (i, v) in col.iter().enumerate() {
+                out[i * rows + r] = *v;
+            }
+        }
+    }
 }
 
-/// A chunk of [`matvec`] rows, dispatched to the widest SIMD level available.
+/// A chunk of [`matmul_rows`]' weight rows, dispatched to the widest SIMD level available:
+/// `out` is `[rows of the chunk, m]`.
 struct Rows<'a> {
     w: &'a [f32],
     x: &'a [f32],
+    m: usize,
     out: &'a mut [f32],
 }
 
@@ -123,11 +154,79 @@ impl WithSimd for Rows<'_> {
 
     #[inline(always)]
     fn with_simd<S: Simd>(self, simd: S) {
-        let k = self.x.len();
-        for (o, row) in self.out.iter_mut().zip(self.w.chunks_exact(k)) {
-            *o = simd_dot(simd, row, self.x);
+        let Rows { w, x, m, out } = self;
+        let k = x.len() / m;
+        for (o, row) in out.chunks_exact_mut(m).zip(w.chunks_exact(k)) {
+            let mut i = 0;
+            while i < m {
+                let t = (m - i).min(X_TILE);
+                let (x, o) = (&x[i * k..(i + t) * k], &mut o[i..i + t]);
+                match t {
+                    1 => tile::<S, 1>(simd, row, x, o),
+                    2 => tile::<S, 2>(simd, row, x, o),
+                    3 => tile::<S, 3>(simd, row, x, o),
+                    4 => tile::<S, 4>(simd, row, x, o),
+                    5 => tile::<S, 5>(simd, row, x, o),
+                    6 => tile::<S, 6>(simd, row, x, o),
+                    7 => tile::<S, 7>(simd, row, x, o),
+                    _ => tile::<S, 8>(simd, row, x, o),
+                }
+                i += t;
+            }
         }
     }
+}
+
+/// `out[t] = row · x[t]` for the `T` rows of `x`.
+#[inline(always)]
+fn tile<S: Simd, const T: usize>(simd: S, row: &[f32], x: &[f32], out: &mut [f32]) {
+    let k = row.len();
+    let xs: [&[f32]; T] = core::array::from_fn(|t| &x[t * k..(t + 1) * k]);
+    out.copy_from_slice(&row_dots(simd, row, xs));
+}
+
+/// `w · x[t]` for the `T` activation rows `xs`, each as long as `w`: per row one accumulator
+/// over the SIMD-wide part in order, reduced, then the tail, whatever `T` is.
+#[inline(always)]
+fn row_dots<S: Simd, const T: usize>(simd: S, w: &[f32], xs: [&[f32]; T]) -> [f32; T] {
+    let (wh, wt) = S::as_simd_f32s(w);
+    let xh = xs.map(|x| &S::as_simd_f32s(x).0[..wh.len()]);
+    let mut acc = [simd.splat_f32s(0.0); T];
+    let lanes = std::mem::size_of::<S::f32s>() / 4;
+    let per_line = (16 / lanes.max(1)).max(1);
+    for (i, wv) in wh.iter().enumerate() {
+        if i % per_line == 0 {
+            prefetch(w.as_ptr().wrapping_add(i * lanes + PREFETCH_AHEAD / 4));
+        }
+        for t in 0..T {
+            acc[t] = simd.mul_add_e_f32s(*wv, xh[t][i], acc[t]);
+        }
+    }
+    let mut out = [0f32; T];
+    let head = w.len() - wt.len();
+    for t in 0..T {
+        let mut s = simd.reduce_sum_f32s(acc[t]);
+        for (a, b) in wt.iter().zip(&xs[t][head..]) {
+            s += a * b;
+        }
+        out[t] = s;
+    }
+    out
+}
+
+/// Asks the CPU to start loading the cache line holding `p` into L1: a hint, with no effect
+/// on any result. The one `unsafe` of this module: the intrinsic takes a raw pointer.
+#[inline(always)]
+#[allow(unsafe_code)]
+fn prefetch(p: *const f32) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never faults and reads nothing into the program, whatever the
+    // address (`p` may point past the slice; it is only a hint).
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
 }
 
 #[cfg(test)]
@@ -146,15 +245,27 @@ mod tests {
     }
 
     #[test]
-    fn matvec_matches_naive_in_a_two_thread_pool() {
+    fn matmul_rows_matches_naive_and_a_row_does_not_depend_on_the_batch() {
         let (rows, cols) = (77, 129);
         let w = random_vec(rows * cols, 5);
-        let x = random_vec(cols, 6);
-        let want: Vec<f32> =
-            (0..rows).map(|r| (0..cols).map(|c| w[r * cols + c] * x[c]).sum()).collect();
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-        let mut out = vec![0.0; rows];
-        pool.install(|| matvec(&w, &x, &mut out));
-        assert_close(&out, &want, 1e-4);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for m in [1, 2, 3, 4, 5, 9] {
+            let x = random_vec(m * cols, 6 + m as u64);
+            let want: Vec<f32> = (0..m * rows)
+                .map(|o| {
+                    let (i, r) = (o / rows, o % rows);
+                    (0..cols).map(|c| w[r * cols + c] * x[i * cols + c]).sum()
+                })
+                .collect();
+            let mut out = vec![0.0; m * rows];
+            pool.install(|| matmul_rows(&w, &x, m, &mut out));
+            assert_close(&out, &want, 1e-4);
+            for i in 0..m {
+                let mut one = vec![0.0; rows];
+                pool.install(|| matmul_rows(&w, &x[i * cols..(i + 1) * cols], 1, &mut one));
+                assert_eq!(bits(&one), bits(&out[i * rows..(i + 1) * rows]), "m={m} row {i}");
+            }
+        }
     }
 }

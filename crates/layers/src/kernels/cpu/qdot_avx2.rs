@@ -8,9 +8,9 @@
 //! AVX2 and FMA and exposes them as safe functions; callers run these kernels inside
 //! `V3::vectorize`, so everything inlines into code compiled for those features.
 //!
-//! Each activation row has its own two accumulators (even and odd quarters of a block), and
-//! its operations do not depend on the other rows of the tile: a row's result is the same
-//! bits whatever tile it is computed in.
+//! Each activation row has its own accumulator (the block's four quarters in order), and its
+//! operations do not depend on the other rows of the tile: a row's result is the same bits
+//! whatever tile it is computed in.
 
 use core::arch::x86_64::{__m128i, __m256};
 use pulp::x86::V3;
@@ -103,21 +103,16 @@ impl Blocks for Q8Row<'_> {
 pub(super) fn row_dots<const T: usize, B: Blocks>(v3: V3, row: B, xs: [&[__m256]; T]) -> [f32; T] {
     let nb = row.len();
     let xs = xs.map(|x| &x[..4 * nb]);
-    let zero = v3.avx._mm256_setzero_ps();
-    let (mut acc0, mut acc1) = ([zero; T], [zero; T]);
+    let mut acc = [v3.avx._mm256_setzero_ps(); T];
     for b in 0..nb {
         let w = row.get(v3, b);
         for t in 0..T {
             let x = &xs[t][4 * b..4 * b + 4];
-            acc0[t] = v3.fma._mm256_fmadd_ps(w[0], x[0], acc0[t]);
-            acc1[t] = v3.fma._mm256_fmadd_ps(w[1], x[1], acc1[t]);
-            acc0[t] = v3.fma._mm256_fmadd_ps(w[2], x[2], acc0[t]);
-            acc1[t] = v3.fma._mm256_fmadd_ps(w[3], x[3], acc1[t]);
+            acc[t] = v3.fma._mm256_fmadd_ps(w[0], x[0], acc[t]);
+            acc[t] = v3.fma._mm256_fmadd_ps(w[1], x[1], acc[t]);
+            acc[t] = v3.fma._mm256_fmadd_ps(w[2], x[2], acc[t]);
+            acc[t] = v3.fma._mm256_fmadd_ps(w[3], x[3], acc[t]);
         }
     }
-    let mut out = [0f32; T];
-    for t in 0..T {
-        out[t] = hsum(v3.avx._mm256_add_ps(acc0[t], acc1[t]));
-    }
-    out
+    acc.map(hsum)
 }

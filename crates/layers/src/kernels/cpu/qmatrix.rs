@@ -227,8 +227,9 @@ impl WeightBuffers for QMatrix {
     }
 }
 
-/// Activation rows multiplied together: each weight block is dequantized once per tile.
-const X_TILE: usize = 4;
+/// Activation rows multiplied together: each weight block is dequantized once per tile (one
+/// accumulator per row, the block's four registers and the constants fit AVX2's 16).
+const X_TILE: usize = 8;
 
 /// `out[i, r] = x[i, :] · w[r, :]` for the `m` rows of `x` (`[m, cols]`, row-major) into
 /// `out` (`[m, rows]`), in the current rayon pool: f32 products of the dequantized weights
@@ -317,18 +318,17 @@ impl WithSimd for RowsOp<'_> {
     }
 }
 
-/// `Σ w[j]·x[j]` in the lane order of the AVX2 kernels (two accumulators of 8 lanes, by
-/// quarter block), without fused multiply-adds.
+/// `Σ w[j]·x[j]` in the lane order of the AVX2 kernels (one accumulator of 8 lanes), without
+/// fused multiply-adds.
 #[inline(always)]
 fn dot_lanes(w: &[f32], x: &[f32]) -> f32 {
-    let mut acc = [[0f32; 8]; 2];
-    for (i, (wq, xq)) in w.chunks_exact(8).zip(x.chunks_exact(8)).enumerate() {
-        let a = &mut acc[i % 2];
+    let mut acc = [0f32; 8];
+    for (wq, xq) in w.chunks_exact(8).zip(x.chunks_exact(8)) {
         for l in 0..8 {
-            a[l] += wq[l] * xq[l];
+            acc[l] += wq[l] * xq[l];
         }
     }
-    (0..8).map(|l| acc[0][l] + acc[1][l]).sum()
+    acc.iter().sum()
 }
 
 /// Rows `first_row..` of [`qmatmul`] on the AVX2 kernels: `out` is `[rows of the task, m]`.
@@ -383,20 +383,37 @@ fn avx2_tiles<B: super::qdot_avx2::Blocks>(
     groups: usize,
     out: &mut [f32],
 ) {
-    use super::qdot_avx2::row_dots;
     let mut i = 0;
     while i < out.len() {
-        let xr = |k: usize| &x[(i + k) * groups..(i + k + 1) * groups];
         let t = (out.len() - i).min(X_TILE);
-        let o = &mut out[i..i + t];
+        let (x, o) = (&x[i * groups..(i + t) * groups], &mut out[i..i + t]);
         match t {
-            1 => o.copy_from_slice(&row_dots(v3, row, [xr(0)])),
-            2 => o.copy_from_slice(&row_dots(v3, row, [xr(0), xr(1)])),
-            3 => o.copy_from_slice(&row_dots(v3, row, [xr(0), xr(1), xr(2)])),
-            _ => o.copy_from_slice(&row_dots(v3, row, [xr(0), xr(1), xr(2), xr(3)])),
+            1 => avx2_tile::<1, B>(v3, row, x, o),
+            2 => avx2_tile::<2, B>(v3, row, x, o),
+            3 => avx2_tile::<3, B>(v3, row, x, o),
+            4 => avx2_tile::<4, B>(v3, row, x, o),
+            5 => avx2_tile::<5, B>(v3, row, x, o),
+            6 => avx2_tile::<6, B>(v3, row, x, o),
+            7 => avx2_tile::<7, B>(v3, row, x, o),
+            _ => avx2_tile::<8, B>(v3, row, x, o),
         }
         i += t;
     }
+}
+
+/// `out[t] = row · x[t]` for the `T` activation rows of `x` (`groups` registers each).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn avx2_tile<const T: usize, B: super::qdot_avx2::Blocks>(
+    v3: pulp::x86::V3,
+    row: B,
+    x: &[core::arch::x86_64::__m256],
+    out: &mut [f32],
+) {
+    let groups = x.len() / T;
+    let xs: [&[core::arch::x86_64::__m256]; T] =
+        core::array::from_fn(|t| &x[t * groups..(t + 1) * groups]);
+    out.copy_from_slice(&super::qdot_avx2::row_dots(v3, row, xs));
 }
 
 #[cfg(test)]
