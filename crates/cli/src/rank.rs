@@ -78,14 +78,12 @@ pub fn run() -> Result<()> {
     let ctx = init_parallel_with(rv, &opts).context("joining the other ranks")?;
     let memory = model_memory(&spec, &compute)?;
     let form = if spec.native_weights { WeightForm::Native } else { WeightForm::F32 };
-    let factory = Box::new(
-        ShardedFactory::new(spec.threads)
-            .with_weights(form)
-            .with_context(spec.kv_cache_tokens)
-            .with_memory(memory.clone())
-            .with_backend(compute.clone())
-            .with_progress(Arc::new(crate::progress::report)),
-    );
+    let factory = ShardedFactory::new(spec.threads)
+        .with_weights(form)
+        .with_context(spec.kv_cache_tokens)
+        .with_memory(memory.clone())
+        .with_backend(compute.clone())
+        .with_progress(Arc::new(crate::progress::report));
     let engine = EngineOptions { step_timeout: timeout, ..EngineOptions::default() };
     let gate = Gate::for_rank(ctx.rank(), engine.quiesce_timeout);
     gate.set_lossy(memory.lossy_tags());
@@ -95,7 +93,7 @@ pub fn run() -> Result<()> {
     let coordinator = match plane {
         ControlPlane::Coordinator(c) => Arc::new(c),
         ControlPlane::Listener(listener) => {
-            let mut worker = Worker::new(ctx, factory, engine)?.with_gate(gate);
+            let mut worker = Worker::new(ctx, Box::new(factory), engine)?.with_gate(gate);
             stop_on_signal(worker.stop_handle());
             let watch = watch_listener(listener, worker.stop_handle());
             let ran = worker.run();
@@ -186,7 +184,7 @@ fn watch_coordinator(coordinator: &Arc<Coordinator>, stop: &StopHandle) -> Coord
 fn lead(
     spec: &RankSpec,
     ctx: collectives::ParallelContext,
-    factory: Box<ShardedFactory>,
+    factory: ShardedFactory,
     engine: EngineOptions,
     gate: Arc<Gate>,
     stop: StopHandle,
@@ -195,10 +193,14 @@ fn lead(
     config: &layers::LlamaConfig,
     coordinator: &Arc<Coordinator>,
 ) -> Result<()> {
+    // One tokenizer on rank 0: prompts are encoded and output decoded with the same one.
+    let tokenizer = Arc::new(layers::Tokenizer::from_gguf(file).context("building the tokenizer")?);
+    let factory = Box::new(factory.with_tokenizer(tokenizer.clone()));
     if let Some(serve) = &spec.serve {
         let rank0 = crate::serve::Rank0 {
             ctx,
             factory,
+            tokenizer,
             engine,
             model,
             file,
@@ -211,7 +213,6 @@ fn lead(
         return crate::serve::run(rank0, serve);
     }
 
-    let tokenizer = layers::Tokenizer::from_gguf(file)?;
     let mut prompts = Vec::with_capacity(spec.prompts.len());
     for (i, p) in spec.prompts.iter().enumerate() {
         let ids = match &p.ids {

@@ -51,7 +51,7 @@ impl ModelFactory for LlamaFactory {
             .map_err(|e| format!("opening {}: {e}", config.model))?;
         let tok = layers::Tokenizer::from_gguf(&file)
             .map_err(|e| format!("tokenizer of {}: {e}", config.model))?;
-        Ok(Some(Box::new(LlamaCodec(tok))))
+        Ok(Some(Box::new(LlamaCodec(std::sync::Arc::new(tok)))))
     }
 }
 
@@ -99,7 +99,7 @@ impl StepModel for ReplicatedLlama {
 }
 
 /// The model's tokenizer as a [`TextCodec`].
-pub(crate) struct LlamaCodec(pub(crate) layers::Tokenizer);
+pub(crate) struct LlamaCodec(pub(crate) std::sync::Arc<layers::Tokenizer>);
 
 impl TextCodec for LlamaCodec {
     fn encode(&self, text: &str) -> Result<Vec<u32>, BoxError> {

@@ -24,6 +24,8 @@ pub struct ShardedFactory {
     progress: Option<Progress>,
     /// The kernels' backend; `None`: the CPU with `threads` threads.
     backend: Option<layers::kernels::Backend>,
+    /// Rank 0's tokenizer, shared with its caller; `None`: loaded from the model file.
+    tokenizer: Option<std::sync::Arc<layers::Tokenizer>>,
 }
 
 /// A load-progress callback: `(steps done, steps in all)`.
@@ -51,7 +53,15 @@ impl ShardedFactory {
             memory: None,
             progress: None,
             backend: None,
+            tokenizer: None,
         }
+    }
+
+    /// Decodes rank 0's output with `tokenizer` (the one its caller encodes prompts with), so
+    /// rank 0 holds one tokenizer, not two.
+    pub fn with_tokenizer(mut self, tokenizer: std::sync::Arc<layers::Tokenizer>) -> Self {
+        self.tokenizer = Some(tokenizer);
+        self
     }
 
     /// Keeps weights in `form` (quantized weights stay quantized by default).
@@ -132,7 +142,10 @@ impl ModelFactory for ShardedFactory {
     }
 
     fn codec(&mut self, config: &SessionConfig) -> Result<Option<Box<dyn TextCodec>>, BoxError> {
-        LlamaFactory::new(1).codec(config)
+        match &self.tokenizer {
+            Some(t) => Ok(Some(Box::new(crate::replicated::LlamaCodec(t.clone())))),
+            None => LlamaFactory::new(1).codec(config),
+        }
     }
 }
 

@@ -46,7 +46,7 @@ pub struct ApiParts {
     /// Counters for `/metrics`.
     pub metrics: Metrics,
     /// The model's tokenizer and chat template.
-    pub tokenizer: layers::Tokenizer,
+    pub tokenizer: std::sync::Arc<layers::Tokenizer>,
     /// The model's name in the API.
     pub model_name: String,
     /// Token ids must be below this.
@@ -70,7 +70,7 @@ pub struct Api(Arc<Inner>);
 struct Inner {
     bridge: Bridge,
     metrics: Metrics,
-    tokenizer: layers::Tokenizer,
+    tokenizer: std::sync::Arc<layers::Tokenizer>,
     model_name: String,
     vocab: usize,
     context: usize,

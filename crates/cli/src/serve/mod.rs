@@ -37,11 +37,13 @@ pub struct Rank0<'a> {
     pub ctx: ParallelContext,
     /// Builds the model shard of each session.
     pub factory: Box<dyn ModelFactory>,
+    /// The model's tokenizer and chat template (the factory decodes with the same one).
+    pub tokenizer: Arc<layers::Tokenizer>,
     /// Engine deadlines.
     pub engine: EngineOptions,
     /// The model path, as the factory reads it.
     pub model: String,
-    /// The opened model file (tokenizer and chat template).
+    /// The opened model file.
     pub file: &'a layers::gguf::GgufFile,
     /// The model's configuration (vocabulary and context).
     pub config: &'a layers::LlamaConfig,
@@ -79,7 +81,7 @@ pub fn check_listen(listen: &str, has_key: bool) -> Result<SocketAddr> {
 /// failure or a peer's).
 pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
     let addr = check_listen(&spec.listen, spec.api_key.is_some())?;
-    let tokenizer = layers::Tokenizer::from_gguf(rank0.file).context("building the tokenizer")?;
+    let tokenizer = rank0.tokenizer.clone();
     let listener = std::net::TcpListener::bind(addr)
         .with_context(|| format!("binding the HTTP API to {addr}"))?;
     listener.set_nonblocking(true).context("configuring the HTTP listener")?;

@@ -73,7 +73,7 @@ impl ModelFactory for Factory {
         config: &SessionConfig,
     ) -> std::result::Result<Option<Box<dyn crate::sink::TextCodec>>, BoxError> {
         Ok((config.model == "bytes").then(|| {
-            Box::new(crate::replicated::LlamaCodec(byte_tokenizer()))
+            Box::new(crate::replicated::LlamaCodec(Arc::new(byte_tokenizer())))
                 as Box<dyn crate::sink::TextCodec>
         }))
     }

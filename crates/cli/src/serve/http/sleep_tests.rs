@@ -144,7 +144,7 @@ impl Http {
         let api = Api::new(ApiParts {
             bridge: Bridge::new(inbox_tx, metrics.clone()),
             metrics,
-            tokenizer: tokenizer(),
+            tokenizer: tokenizer().into(),
             model_name: "tiny".into(),
             vocab: 48,
             context: 256,
