@@ -96,7 +96,8 @@ struct RunArgs {
     /// Context-parallel ranks (split tokens and the KV cache).
     #[arg(long)]
     cp: Option<usize>,
-    /// Catalog name or path of a GGUF file.
+    /// Catalog name, path of a GGUF file, or a Hugging Face folder (config.json, *.safetensors
+    /// in F32/F16/BF16, tokenizer.json)
     #[arg(long)]
     model: Option<String>,
     /// A prompt (repeat for a batch). Without any, prompts are read from standard input
@@ -181,7 +182,8 @@ struct ServeArgs {
     /// Context-parallel ranks (split tokens and the KV cache).
     #[arg(long)]
     cp: Option<usize>,
-    /// Catalog name or path of a GGUF file.
+    /// Catalog name, path of a GGUF file, or a Hugging Face folder (config.json, *.safetensors
+    /// in F32/F16/BF16, tokenizer.json)
     #[arg(long)]
     model: Option<String>,
     /// Compute threads per rank (default: cores / ranks on this node).
@@ -670,8 +672,7 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
 
 /// Refuses a layout the model cannot be split into before any rank starts.
 fn check_layout(model: &std::path::Path, tp: usize) -> Result<()> {
-    let file = layers::gguf::GgufFile::open(model)?;
-    let config = layers::LlamaConfig::from_gguf(&file)?;
+    let config = layers::model::load_config(model)?;
     layers::parallel::check_tp(&config, tp)
         .with_context(|| format!("--tp {tp} does not fit {}", model.display()))?;
     Ok(())

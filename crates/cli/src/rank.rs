@@ -54,9 +54,8 @@ pub fn caused_by_peer(e: &anyhow::Error) -> bool {
 pub fn run() -> Result<()> {
     crate::launcher::watch_launcher();
     let spec = RankSpec::from_env()?;
-    let file = layers::gguf::GgufFile::open(&spec.model)
+    let config = layers::model::load_config(&spec.model)
         .with_context(|| format!("opening {}", spec.model.display()))?;
-    let config = layers::LlamaConfig::from_gguf(&file)?;
     let backends = AxisBackends {
         tp: spec.backends[0].parse()?,
         cp: spec.backends[1].parse()?,
@@ -109,7 +108,7 @@ pub fn run() -> Result<()> {
     let stop = StopHandle::default();
     let control = control_socket(&spec, &coordinator, &stop)?;
     let watch = watch_coordinator(&coordinator, &stop);
-    let ran = lead(&spec, ctx, factory, engine, gate, stop, model, &file, &config, &coordinator);
+    let ran = lead(&spec, ctx, factory, engine, gate, stop, model, &config, &coordinator);
     watch.engine_done.store(true, Ordering::SeqCst);
     drop(control);
     if let Ok(Some(reason)) = watch.thread.join() {
@@ -189,12 +188,12 @@ fn lead(
     gate: Arc<Gate>,
     stop: StopHandle,
     model: String,
-    file: &layers::gguf::GgufFile,
     config: &layers::LlamaConfig,
     coordinator: &Arc<Coordinator>,
 ) -> Result<()> {
     // One tokenizer on rank 0: prompts are encoded and output decoded with the same one.
-    let tokenizer = Arc::new(layers::Tokenizer::from_gguf(file).context("building the tokenizer")?);
+    let tokenizer =
+        Arc::new(layers::Tokenizer::load(&spec.model).context("building the tokenizer")?);
     let factory = Box::new(factory.with_tokenizer(tokenizer.clone()));
     if let Some(serve) = &spec.serve {
         let rank0 = crate::serve::Rank0 {
@@ -203,7 +202,6 @@ fn lead(
             tokenizer,
             engine,
             model,
-            file,
             config,
             context_tokens: spec.kv_cache_tokens,
             gate,

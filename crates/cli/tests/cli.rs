@@ -116,6 +116,40 @@ fn greedy_output_is_identical_in_every_layout() {
     assert!(runs[0].1.iter().all(|(_, ids)| ids.len() == 6));
 }
 
+/// The tiny model of `common` as a Hugging Face folder (config.json, two safetensors shards with their
+/// index, tokenizer.json), written once per test process.
+fn tiny_hf_model() -> &'static str {
+    static PATH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let dir = scratch("tiny-hf");
+        let spec = layers::model::random::RandomLlama {
+            heads: 6,
+            kv_heads: 3,
+            hidden: 48,
+            ffn: 64,
+            seed: 7,
+            ..Default::default()
+        };
+        spec.write_hf(&dir, true).expect("write the tiny model as a Hugging Face folder");
+        dir.to_string_lossy().into_owned()
+    })
+}
+
+#[test]
+fn a_hugging_face_folder_runs_like_its_gguf_in_every_layout() {
+    let ids = |model: &str, tp: &str, cp: &str| {
+        let args = ["run", "--model", model, "--tp", tp, "--cp", cp, "--threads", "1"];
+        let rest = ["--prompt-ids", "1,2,3,4,5", "--max-tokens", "6", "--output", "jsonl"];
+        let out = tpctl(&[&args[..], &rest[..]].concat(), &[]);
+        assert!(out.status.success(), "{model} ({tp},{cp}): {}", text(&out));
+        json_lines(&out)[0]["token_ids"].clone()
+    };
+    let want = ids(model(), "1", "1");
+    for (tp, cp) in [("1", "1"), ("2", "2"), ("3", "1")] {
+        assert_eq!(ids(tiny_hf_model(), tp, cp), want, "({tp},{cp})");
+    }
+}
+
 #[test]
 fn jsonl_lines_have_every_field() {
     let out = tpctl(

@@ -318,7 +318,7 @@ impl RankMemory for ModelRankMemory {
 /// Where a shard's weights come from, to load them again for [`Restore::Reload`].
 #[derive(Clone, Debug)]
 pub struct ShardOrigin {
-    /// The GGUF file.
+    /// The model: a GGUF file or a Hugging Face folder.
     pub path: PathBuf,
     /// The shard.
     pub placement: Placement,

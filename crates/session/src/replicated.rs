@@ -47,9 +47,7 @@ impl ModelFactory for LlamaFactory {
     }
 
     fn codec(&mut self, config: &SessionConfig) -> Result<Option<Box<dyn TextCodec>>, BoxError> {
-        let file = layers::gguf::GgufFile::open(&config.model)
-            .map_err(|e| format!("opening {}: {e}", config.model))?;
-        let tok = layers::Tokenizer::from_gguf(&file)
+        let tok = layers::Tokenizer::load(std::path::Path::new(&config.model))
             .map_err(|e| format!("tokenizer of {}: {e}", config.model))?;
         Ok(Some(Box::new(LlamaCodec(std::sync::Arc::new(tok)))))
     }

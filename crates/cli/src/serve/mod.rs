@@ -43,8 +43,6 @@ pub struct Rank0<'a> {
     pub engine: EngineOptions,
     /// The model path, as the factory reads it.
     pub model: String,
-    /// The opened model file.
-    pub file: &'a layers::gguf::GgufFile,
     /// The model's configuration (vocabulary and context).
     pub config: &'a layers::LlamaConfig,
     /// KV-cache tokens per sequence: with the model's context, the longest sequence.

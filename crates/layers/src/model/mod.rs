@@ -87,6 +87,19 @@ fn load_bias(
     })
 }
 
+/// The hyper-parameters of the model at `path`: a GGUF file's metadata, or a Hugging Face
+/// folder's `config.json`.
+///
+/// # Errors
+/// The file or folder cannot be opened, or a key is missing or mistyped.
+pub fn load_config(path: &Path) -> Result<LlamaConfig> {
+    if path.is_dir() {
+        crate::safetensors::HfCheckpoint::open(path)?.config()
+    } else {
+        LlamaConfig::from_gguf(&GgufFile::open(path)?)
+    }
+}
+
 /// Self-attention of one layer over a range of whole KV heads (and their query heads), or
 /// over one KV head and part of its query heads.
 #[derive(Clone, Debug)]

@@ -145,4 +145,92 @@ impl RandomLlama {
     pub fn write(&self, path: &Path) -> Result<()> {
         self.writer().write(path)
     }
+
+    /// Writes the model as a Hugging Face folder `dir` (created if needed): `config.json`,
+    /// the weights in f32 safetensors (in two shards with `model.safetensors.index.json` when
+    /// `shards`, else `model.safetensors`), Q/K rows in the rotate-half layout Hugging Face
+    /// stores, and `tokenizer.json` with `tokenizer_config.json` (its EOS token). The model
+    /// computes the same as the GGUF file of [`RandomLlama::write`].
+    ///
+    /// # Errors
+    /// [`crate::Error::Io`] when a file cannot be written.
+    pub fn write_hf(&self, dir: &Path, shards: bool) -> Result<()> {
+        use crate::model::WeightSource;
+        use crate::safetensors::{hf_name, write_safetensors, StDType};
+        use crate::Error;
+        let io = |path: &Path| {
+            let path = path.to_owned();
+            move |source| Error::Io { what: "writing", path, source }
+        };
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let gguf = dir.join("model.gguf.tmp");
+        self.write(&gguf)?;
+        let file = crate::gguf::GgufFile::open(&gguf)?;
+        let d = self.hidden / self.heads;
+        let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+        for info in file.tensor_infos() {
+            let t = file.tensor(&info.name)?;
+            let mut data = t.data().to_vec();
+            let qk = info.name.ends_with("attn_q.weight") || info.name.ends_with("attn_k.weight");
+            if qk && file.qk_interleaved() {
+                data = super::linear::unpermute_rows(&data, t.row_len(), d);
+            }
+            let name = hf_name(&info.name)
+                .ok_or_else(|| Error::tensor(&info.name, "has no Hugging Face name".to_owned()))?;
+            tensors.push((name, t.shape().to_vec(), data));
+        }
+        let tokenizer = crate::Tokenizer::from_gguf(&file)?;
+        drop(file);
+        std::fs::remove_file(&gguf).map_err(io(&gguf))?;
+        let write = |name: &str, ts: &[(String, Vec<usize>, Vec<f32>)]| {
+            let refs: Vec<(&str, &[usize], StDType, &[f32])> = ts
+                .iter()
+                .map(|(n, s, v)| (n.as_str(), s.as_slice(), StDType::F32, v.as_slice()))
+                .collect();
+            write_safetensors(&dir.join(name), &refs)
+        };
+        let json = |name: &str, value: serde_json::Value| {
+            let path = dir.join(name);
+            std::fs::write(&path, value.to_string()).map_err(io(&path))
+        };
+        if shards {
+            let (a, b) = tensors.split_at(tensors.len() / 2);
+            let names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"];
+            let mut map = serde_json::Map::new();
+            for (name, part) in names.into_iter().zip([a, b]) {
+                write(name, part)?;
+                for (n, _, _) in part {
+                    map.insert(n.clone(), serde_json::Value::String(name.into()));
+                }
+            }
+            json(
+                "model.safetensors.index.json",
+                serde_json::json!({ "metadata": {}, "weight_map": map }),
+            )?;
+        } else {
+            write("model.safetensors", &tensors)?;
+        }
+        json(
+            "config.json",
+            serde_json::json!({
+                "architectures": [if self.attn_bias { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
+                "hidden_size": self.hidden,
+                "intermediate_size": self.ffn,
+                "num_hidden_layers": self.layers,
+                "num_attention_heads": self.heads,
+                "num_key_value_heads": self.kv_heads,
+                "rope_theta": 10000.0,
+                "rms_norm_eps": 1e-5,
+                "vocab_size": self.vocab,
+                "max_position_embeddings": 256,
+                "tie_word_embeddings": !self.untied_head,
+            }),
+        )?;
+        let path = dir.join("tokenizer.json");
+        tokenizer
+            .inner()
+            .save(&path, false)
+            .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
+        json("tokenizer_config.json", serde_json::json!({ "eos_token": "t0" }))
+    }
 }

@@ -494,7 +494,8 @@ pub struct ParallelModel {
 }
 
 impl ParallelModel {
-    /// Loads this rank's shard of a GGUF model.
+    /// Loads this rank's shard of a model: a GGUF file, or a Hugging Face folder
+    /// (`config.json` and safetensors); only the rank's slices of each tensor are read.
     ///
     /// # Errors
     /// Opening the file, reading the config, loading a weight, or a layout the model cannot
@@ -534,7 +535,15 @@ impl ParallelModel {
         form: WeightForm,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
-        let file = GgufFile::open(path.as_ref())?;
+        let path = path.as_ref();
+        if path.is_dir() {
+            let ck = crate::safetensors::HfCheckpoint::open(path)?;
+            let config = ck.config()?;
+            return ParallelModel::from_source_with_progress(
+                &ck, config, backend, placement, form, progress,
+            );
+        }
+        let file = GgufFile::open(path)?;
         let config = LlamaConfig::from_gguf(&file)?;
         ParallelModel::from_source_with_progress(&file, config, backend, placement, form, progress)
     }

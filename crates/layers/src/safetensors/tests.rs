@@ -2,70 +2,17 @@
 //! Hugging Face folder gives the same logits; sharded indexes; malformed files.
 
 use super::*;
-use crate::gguf::GgufFile;
-use crate::model::linear::unpermute_rows;
 use crate::model::random::RandomLlama;
 use crate::model::{Logits, Model, WeightForm, WeightSource};
 use crate::test_util::temp_path;
 
-/// Writes `spec` as GGUF and as a Hugging Face folder (llama Q/K rows un-permuted to the
-/// rotate-half layout, as Hugging Face stores them; qwen2 files are stored so already);
-/// returns both paths.
+/// Writes `spec` as GGUF and as a Hugging Face folder ([`RandomLlama::write_hf`]); returns
+/// both paths.
 fn write_both(spec: &RandomLlama, stem: &str, shards: bool) -> (PathBuf, PathBuf) {
     let gguf = temp_path(&format!("{stem}.gguf"));
     spec.write(&gguf).unwrap();
-    let file = GgufFile::open(&gguf).unwrap();
-    let d = spec.hidden / spec.heads;
-    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
-    for info in file.tensor_infos() {
-        let t = file.tensor(&info.name).unwrap();
-        let mut data = t.data().to_vec();
-        let qk = info.name.ends_with("attn_q.weight") || info.name.ends_with("attn_k.weight");
-        if qk && file.qk_interleaved() {
-            data = unpermute_rows(&data, t.row_len(), d);
-        }
-        tensors.push((hf_name(&info.name).unwrap(), t.shape().to_vec(), data));
-    }
     let dir = temp_path(stem);
-    std::fs::create_dir_all(&dir).unwrap();
-    let write = |path: &Path, ts: &[(String, Vec<usize>, Vec<f32>)]| {
-        let refs: Vec<(&str, &[usize], StDType, &[f32])> = ts
-            .iter()
-            .map(|(n, s, v)| (n.as_str(), s.as_slice(), StDType::F32, v.as_slice()))
-            .collect();
-        write_safetensors(path, &refs).unwrap();
-    };
-    if shards {
-        let (a, b) = tensors.split_at(tensors.len() / 2);
-        write(&dir.join("model-00001-of-00002.safetensors"), a);
-        write(&dir.join("model-00002-of-00002.safetensors"), b);
-        let mut map = serde_json::Map::new();
-        for (file, part) in
-            [("model-00001-of-00002.safetensors", a), ("model-00002-of-00002.safetensors", b)]
-        {
-            for (n, _, _) in part {
-                map.insert(n.clone(), serde_json::Value::String(file.into()));
-            }
-        }
-        let index = serde_json::json!({ "metadata": {}, "weight_map": map });
-        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
-    } else {
-        write(&dir.join("model.safetensors"), &tensors);
-    }
-    let config = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": spec.hidden,
-        "intermediate_size": spec.ffn,
-        "num_hidden_layers": spec.layers,
-        "num_attention_heads": spec.heads,
-        "num_key_value_heads": spec.kv_heads,
-        "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": spec.vocab,
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": !spec.untied_head,
-    });
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    spec.write_hf(&dir, shards).unwrap();
     (gguf, dir)
 }
 
