@@ -885,6 +885,11 @@ impl ParallelModel {
         let sampled: Vec<&Part> =
             seqs.iter().zip(&parts).filter(|(s, _)| s.sample).map(|(_, p)| p).collect();
         let hidden = self.config.hidden;
+        if sampled.is_empty() {
+            // Nothing to sample (prompt chunks only): no rank moves anything.
+            let root = (cp_rank, self.placement.tp_rank) == (0, 0);
+            return Ok(root.then(|| Tensor::zeros(&[0, self.config.vocab_size])));
+        }
         // Prefill rows end on the last CP rank (shards ascend); it sends them to CP rank 0.
         let holder = cp - 1;
         let from_holder: Vec<usize> = sampled

@@ -432,12 +432,15 @@ fn tp_beyond_the_kv_heads_but_not_a_multiple_is_a_clear_error() {
 /// (sequence, tokens, sample).
 type Entry = (usize, Vec<u32>, bool);
 
-/// Three steps of five sequences mixing prefills, prefill chunks, a one-token prompt and
+/// Four steps of five sequences mixing prefills, prefill chunks (one step of nothing but a
+/// chunk: nothing sampled), a one-token prompt and
 /// decodes of uneven lengths.
 fn mixed_steps(vocab: u32) -> Vec<Vec<Entry>> {
     let ids = |seed: u32, n: u32| (0..n).map(|i| (seed * 7 + i * 13) % vocab).collect::<Vec<_>>();
     vec![
         vec![(0, ids(1, 7), true), (1, ids(2, 5), true), (2, ids(3, 4), false)],
+        // Prompt chunks only: nothing is sampled.
+        vec![(4, ids(13, 3), false)],
         vec![
             (0, ids(4, 1), true),
             (2, ids(5, 5), true),
@@ -446,7 +449,7 @@ fn mixed_steps(vocab: u32) -> Vec<Vec<Entry>> {
         ],
         vec![
             (3, ids(8, 1), true),
-            (4, ids(9, 8), true),
+            (4, ids(9, 5), true),
             (0, ids(10, 1), true),
             (1, ids(11, 1), false),
             (2, ids(12, 1), true),
