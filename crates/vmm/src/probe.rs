@@ -144,12 +144,12 @@ pub struct DeviceUsage {
 }
 
 impl DeviceUsage {
-    /// The bytes process `pid` holds on this device (0 when it holds none).
+    /// The bytes process `pid` holds on this device; `None` when the driver does not say,
+    /// or does not list the process at all. An unlisted process is unknown, not empty: in a
+    /// container NVML lists processes by the host's PIDs (or none), so a process that holds
+    /// memory may be missing from the list. Callers fall back to the device's used bytes.
     pub fn bytes_of(&self, pid: u32) -> Option<u64> {
-        match self.processes.iter().find(|(p, _)| *p == pid) {
-            Some((_, bytes)) => *bytes,
-            None => Some(0),
-        }
+        self.processes.iter().find(|(p, _)| *p == pid).and_then(|(_, bytes)| *bytes)
     }
 }
 

@@ -433,8 +433,7 @@ fn tp_beyond_the_kv_heads_but_not_a_multiple_is_a_clear_error() {
 type Entry = (usize, Vec<u32>, bool);
 
 /// Four steps of five sequences mixing prefills, prefill chunks (one step of nothing but a
-/// chunk: nothing sampled), a one-token prompt and
-/// decodes of uneven lengths.
+/// chunk: nothing sampled), a one-token prompt and decodes of uneven lengths.
 fn mixed_steps(vocab: u32) -> Vec<Vec<Entry>> {
     let ids = |seed: u32, n: u32| (0..n).map(|i| (seed * 7 + i * 13) % vocab).collect::<Vec<_>>();
     vec![
