@@ -256,7 +256,7 @@ impl ModelRankMemory {
         let manager = memory.manager().clone();
         let (host, device) = match backend.device() {
             layers::Device::Cuda(ordinal) => {
-                let index = u32::try_from(ordinal).unwrap_or(u32::MAX);
+                let index = nvml_index(ordinal);
                 (
                     VmmMemory::with_device(manager, index),
                     memory.device_for(&backend).map(|m| VmmMemory::new(m.clone(), Some(index))),
@@ -265,6 +265,22 @@ impl ModelRankMemory {
             _ => (VmmMemory::new(manager, None), None),
         };
         ModelRankMemory { host, device, backend }
+    }
+}
+
+/// NVML's index of the GPU that CUDA calls `ordinal` (see [`vmm::nvml_device_of_cuda_ordinal`]),
+/// or the ordinal itself when NVML cannot say.
+fn nvml_index(ordinal: usize) -> u32 {
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let fallback = u32::try_from(ordinal).unwrap_or(u32::MAX);
+    let Some(device) = vmm::nvml_device_of_cuda_ordinal(ordinal, visible.as_deref()) else {
+        return fallback;
+    };
+    match &device {
+        vmm::NvmlDevice::Index(index) => *index,
+        vmm::NvmlDevice::Uuid(_) => {
+            vmm::DeviceMemory::new().and_then(|nvml| nvml.index_of(&device)).unwrap_or(fallback)
+        }
     }
 }
 

@@ -48,7 +48,9 @@ pub use manager::{
     total_elapsed, Allocation, AllocationInfo, Manager, ManagerBuilder, ReadGuard, WriteGuard,
 };
 pub use policy::{Policy, Source, Store};
-pub use probe::{DeviceMemory, DeviceUsage, ProcessMemory};
+pub use probe::{
+    nvml_device_of_cuda_ordinal, DeviceMemory, DeviceUsage, NvmlDevice, ProcessMemory,
+};
 pub use receipt::{Op, Receipt};
 pub use region::{Region, Regions};
 pub use spill::default_spill_dir;

@@ -153,6 +153,39 @@ impl DeviceUsage {
     }
 }
 
+/// How NVML names a device a CUDA ordinal refers to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NvmlDevice {
+    /// NVML's index (NVML numbers every device of the machine).
+    Index(u32),
+    /// The device's UUID (`GPU-...`, or `MIG-...` for a MIG instance).
+    Uuid(String),
+}
+
+/// The NVML device behind CUDA ordinal `ordinal`, given `CUDA_VISIBLE_DEVICES` (`visible`):
+/// CUDA numbers only the devices that variable lists, in its order, while NVML numbers all of
+/// them, so with `CUDA_VISIBLE_DEVICES=2,3` CUDA's device 0 is NVML's device 2. Entries are
+/// indices or UUIDs; as CUDA does, the list ends at the first entry that is neither. `None`
+/// when the ordinal is past the list.
+pub fn nvml_device_of_cuda_ordinal(ordinal: usize, visible: Option<&str>) -> Option<NvmlDevice> {
+    let Some(visible) = visible else {
+        return u32::try_from(ordinal).ok().map(NvmlDevice::Index);
+    };
+    visible
+        .split(',')
+        .map(str::trim)
+        .map_while(|entry| {
+            if let Ok(index) = entry.parse::<u32>() {
+                Some(NvmlDevice::Index(index))
+            } else if entry.starts_with("GPU-") || entry.starts_with("MIG-") {
+                Some(NvmlDevice::Uuid(entry.to_owned()))
+            } else {
+                None
+            }
+        })
+        .nth(ordinal)
+}
+
 /// Device memory through NVML (feature `cuda`).
 pub struct DeviceMemory {
     #[cfg(feature = "cuda")]
@@ -203,6 +236,24 @@ impl DeviceMemory {
         #[cfg(not(feature = "cuda"))]
         {
             Err(Error::NotCompiledWith { feature: "cuda" })
+        }
+    }
+
+    /// NVML's index of `device`.
+    ///
+    /// # Errors
+    /// [`Error::Nvml`] when no device has that UUID or the query fails.
+    pub fn index_of(&self, device: &NvmlDevice) -> Result<u32> {
+        match device {
+            NvmlDevice::Index(index) => Ok(*index),
+            #[cfg(feature = "cuda")]
+            NvmlDevice::Uuid(uuid) => self
+                .nvml
+                .device_by_uuid(uuid.as_str())
+                .and_then(|d| d.index())
+                .map_err(nvml_err("device_by_uuid")),
+            #[cfg(not(feature = "cuda"))]
+            NvmlDevice::Uuid(_) => Err(Error::NotCompiledWith { feature: "cuda" }),
         }
     }
 

@@ -94,3 +94,17 @@ fn the_fast_resident_reading_agrees_with_the_full_one_and_sees_new_pages() {
     assert!(grown >= fast + (60 << 20), "{fast} -> {grown} after touching 64 MiB");
     drop(touched);
 }
+
+#[test]
+fn cuda_ordinals_map_to_nvml_devices_through_cuda_visible_devices() {
+    let of = nvml_device_of_cuda_ordinal;
+    assert_eq!(of(1, None), Some(NvmlDevice::Index(1)));
+    assert_eq!(of(0, Some("2,3")), Some(NvmlDevice::Index(2)));
+    assert_eq!(of(1, Some("2, 3")), Some(NvmlDevice::Index(3)));
+    assert_eq!(of(2, Some("2,3")), None);
+    let uuid = "GPU-8a1e2f3c-0000-1111-2222-333344445555";
+    assert_eq!(of(1, Some(&format!("0,{uuid}"))), Some(NvmlDevice::Uuid(uuid.to_owned())));
+    // As CUDA reads it, the list ends at the first entry that is neither an index nor a UUID.
+    assert_eq!(of(1, Some("4,bogus,5")), None);
+    assert_eq!(of(0, Some("")), None);
+}
