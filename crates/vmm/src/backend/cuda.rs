@@ -94,6 +94,16 @@ impl CudaBackend {
         check(|| "cuCtxSetCurrent".into(), unsafe { sys::cuCtxSetCurrent(self.ctx) })
     }
 
+    /// Binds the context and waits for all of its work: the kernels' streams (the model's
+    /// backend shares this primary context, on streams of its own that the synchronous copies
+    /// here do not order with) finish reading or writing memory before it is copied out,
+    /// unmapped or freed.
+    fn settle(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: a current context is bound (just above).
+        check(|| "cuCtxSynchronize".into(), unsafe { sys::cuCtxSynchronize() })
+    }
+
     fn prop(&self) -> sys::CUmemAllocationProp {
         // SAFETY: the struct is plain old data for which all-zero is a valid value; the fields
         // that matter are set below.
@@ -245,7 +255,7 @@ impl Backend for CudaBackend {
                 Error::Cuda { op: "unmap".into(), code: "not a cuda allocation".into() },
             ));
         };
-        if let Err(e) = self.bind() {
+        if let Err(e) = self.settle() {
             return Err((phys, e));
         }
         // SAFETY: `addr..addr+len` is mapped to `handle` by this backend.
@@ -262,7 +272,7 @@ impl Backend for CudaBackend {
     }
 
     fn free(&mut self, addr: u64, len: usize, phys: Option<Phys>) -> Result<()> {
-        self.bind()?;
+        self.settle()?;
         if let Some(Phys::Cuda(handle)) = phys {
             self.release_handle(addr, len, handle, true)?;
         }
@@ -282,7 +292,7 @@ impl Backend for CudaBackend {
     }
 
     fn copy_to_host(&self, addr: u64, dst: &mut [u8]) -> Result<()> {
-        self.bind()?;
+        self.settle()?;
         let len = dst.len();
         // SAFETY: `addr..addr+len` is mapped device memory; `dst` is a live host slice.
         let r = unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), addr, len) };
@@ -295,7 +305,7 @@ impl Backend for CudaBackend {
     }
 
     fn save(&self, addr: u64, len: usize, sink: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()> {
-        self.bind()?;
+        self.settle()?;
         let mut staging = PinnedBuf::new(len.min(STAGING))?;
         let mut done = 0;
         while done < len {
