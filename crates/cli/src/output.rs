@@ -116,6 +116,7 @@ impl OutputSink for Printer {
             OutputFormat::Jsonl => {
                 let ttft = timing.first_token.map(|d| d.as_secs_f64() * 1e3);
                 let line = serde_json::json!({
+                    "index": request,
                     "prompt": prompt.text,
                     "prompt_token_ids": prompt.ids,
                     "token_ids": tokens,

@@ -15,7 +15,8 @@ pub const ENV: &str = "TPCTL_RANK_SPEC";
 pub enum OutputFormat {
     /// Generated text (streamed for a single prompt), then a summary.
     Text,
-    /// One JSON object per prompt.
+    /// One JSON object per prompt, as each finishes; `index` is the prompt's position in the
+    /// input.
     Jsonl,
 }
 

@@ -159,6 +159,8 @@ fn jsonl_lines_have_every_field() {
             model(),
             "--prompt-ids",
             "3,4",
+            "--prompt-ids",
+            "5",
             "--max-tokens",
             "3",
             "--output",
@@ -167,8 +169,17 @@ fn jsonl_lines_have_every_field() {
         &[],
     );
     assert!(out.status.success(), "{}", text(&out));
-    let line = &json_lines(&out)[0];
+    // Lines come as prompts finish; `index` says which input each answers.
+    let lines = json_lines(&out);
+    let mut answered: Vec<(u64, serde_json::Value)> = lines
+        .iter()
+        .map(|l| (l["index"].as_u64().expect("index"), l["prompt_token_ids"].clone()))
+        .collect();
+    answered.sort_by_key(|(i, _)| *i);
+    assert_eq!(answered, [(0, serde_json::json!([3, 4])), (1, serde_json::json!([5]))]);
+    let line = &lines[0];
     for key in [
+        "index",
         "prompt",
         "prompt_token_ids",
         "token_ids",
