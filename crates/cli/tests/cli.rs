@@ -116,21 +116,15 @@ fn greedy_output_is_identical_in_every_layout() {
     assert!(runs[0].1.iter().all(|(_, ids)| ids.len() == 6));
 }
 
-/// The tiny model of `common` as a Hugging Face folder (config.json, two safetensors shards with their
-/// index, tokenizer.json), written once per test process.
+/// `common::tiny_spec` as a Hugging Face folder (config.json, two safetensors shards with
+/// their index, tokenizer.json), written once per test process.
 fn tiny_hf_model() -> &'static str {
     static PATH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     PATH.get_or_init(|| {
         let dir = scratch("tiny-hf");
-        let spec = layers::model::random::RandomLlama {
-            heads: 6,
-            kv_heads: 3,
-            hidden: 48,
-            ffn: 64,
-            seed: 7,
-            ..Default::default()
-        };
-        spec.write_hf(&dir, true).expect("write the tiny model as a Hugging Face folder");
+        common::tiny_spec()
+            .write_hf(&dir, true)
+            .expect("write the tiny model as a Hugging Face folder");
         dir.to_string_lossy().into_owned()
     })
 }

@@ -23,20 +23,24 @@ pub fn scratch(name: &str) -> PathBuf {
 }
 
 /// A small random Llama (6 query heads, 3 KV heads, context 256, tokens `t0`..`t47`, no chat
-/// template), written once per test process.
+/// template).
+pub fn tiny_spec() -> layers::model::random::RandomLlama {
+    layers::model::random::RandomLlama {
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 64,
+        seed: 7,
+        ..Default::default()
+    }
+}
+
+/// [`tiny_spec`] as GGUF, written once per test process.
 pub fn tiny_model() -> &'static str {
     static PATH: OnceLock<String> = OnceLock::new();
     PATH.get_or_init(|| {
         let path = scratch("tiny.gguf");
-        let spec = layers::model::random::RandomLlama {
-            heads: 6,
-            kv_heads: 3,
-            hidden: 48,
-            ffn: 64,
-            seed: 7,
-            ..Default::default()
-        };
-        spec.write(&path).expect("write the tiny model");
+        tiny_spec().write(&path).expect("write the tiny model");
         path.to_string_lossy().into_owned()
     })
 }
