@@ -235,6 +235,17 @@ impl Backend {
         Ok(Backend::Cuda(CudaBackend::with_gemm_dtype(ordinal, dtype)?))
     }
 
+    /// Runs `f` with this backend's CPU workers as the calling context: the kernels `f`
+    /// launches split their work from a worker thread instead of handing every op from this
+    /// thread to the pool and sleeping until it is done (on a decode step, ~150 small ops, the
+    /// hand-offs cost more than the arithmetic). The CUDA backend runs `f` here.
+    pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match self {
+            Backend::Cpu(cpu) => cpu.install(f),
+            Backend::Cuda(_) => f(),
+        }
+    }
+
     /// The device the kernels run on. The CUDA backend takes tensors wherever they are and
     /// returns its outputs on its device (host code reading them gets a copy).
     pub fn device(&self) -> Device {

@@ -842,8 +842,10 @@ impl ParallelModel {
         cache: &mut ParallelCache,
         logits: Logits,
     ) -> Result<Tensor> {
-        let x = self.hidden(comms, tokens, cache, logits)?;
-        self.lm_head.logits(&self.backend, comms.tp, &x)
+        self.backend.run(|| {
+            let x = self.hidden(comms, tokens, cache, logits)?;
+            self.lm_head.logits(&self.backend, comms.tp, &x)
+        })
     }
 
     /// Greedy next tokens (one per returned row) without gathering the logits.
@@ -857,8 +859,10 @@ impl ParallelModel {
         cache: &mut ParallelCache,
         logits: Logits,
     ) -> Result<Vec<u32>> {
-        let x = self.hidden(comms, tokens, cache, logits)?;
-        self.lm_head.argmax(&self.backend, comms.tp, &x)
+        self.backend.run(|| {
+            let x = self.hidden(comms, tokens, cache, logits)?;
+            self.lm_head.argmax(&self.backend, comms.tp, &x)
+        })
     }
 
     /// One step of many sequences as one forward pass: their tokens packed into one
@@ -876,6 +880,14 @@ impl ParallelModel {
     /// A sequence with no tokens or no room left ([`Error::CacheFull`]), an id outside the
     /// vocabulary, a failed collective.
     pub fn forward_batch(
+        &self,
+        comms: &mut Comms<'_>,
+        seqs: &mut [Sequence<'_>],
+    ) -> Result<Option<Tensor>> {
+        self.backend.run(|| self.forward_batch_here(comms, seqs))
+    }
+
+    fn forward_batch_here(
         &self,
         comms: &mut Comms<'_>,
         seqs: &mut [Sequence<'_>],
