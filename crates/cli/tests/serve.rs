@@ -706,26 +706,33 @@ fn sleep_frees_every_ranks_memory_and_wakeup_gives_the_same_text() {
     assert!(server.wait().success());
 }
 
-/// Generations that run while the deployment goes to sleep with mode `keep` continue after
-/// the wakeup with exactly the tokens of an uninterrupted run, whether the KV cache was
-/// discarded (recomputed from the tokens) or spilled; a request sent while asleep waits for
-/// the wakeup; mode `abort` ends running requests with finish reason `abort`.
+/// Generations (a batch of three, Q4_1 weights) that run while the deployment goes to sleep
+/// with mode `keep` continue after the wakeup with exactly the tokens of an uninterrupted
+/// run, whether the KV cache was discarded (recomputed from the tokens) or spilled; a request
+/// sent while asleep waits for the wakeup; mode `abort` ends running requests with finish
+/// reason `abort`.
 #[test]
 fn generations_survive_a_sleep_with_mode_keep_and_abort_ends_them() {
     const MAX: u32 = 200;
-    let prompt = "1,2,3";
-    let expected = reference(model(), &[prompt], MAX).remove(0);
+    // A batch of three on a Q4_1 model: the sleep lands in the middle of their steps.
+    let model = common::tiny_q4_model();
+    let prompts = ["1,2,3", "9,8", "20,21,22,23,24"];
+    let expected = reference(model, &prompts, MAX);
+    let prompt = prompts[0];
     for (name, config) in [("discard", "discard"), ("backup", "backup")] {
         let rt = runtime_dir(name);
         let toml = scratch(&format!("sleep-{name}.toml"));
         std::fs::write(&toml, format!("[sleep.kv_cache]\nrestore = \"{config}\"\n")).unwrap();
         let env = [("XDG_RUNTIME_DIR", rt.as_str())];
         let args = ["--tp", "2", "--cp", "2", "--deployment", name, toml.to_str().unwrap()];
-        let server = Arc::new(Server::start_with(model(), &args, &env));
-        let running = {
-            let server = server.clone();
-            std::thread::spawn(move || server.post("/v1/completions", &completion(prompt, MAX)))
-        };
+        let server = Arc::new(Server::start_with(model, &args, &env));
+        let running: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let (server, p) = (server.clone(), p.to_string());
+                std::thread::spawn(move || server.post("/v1/completions", &completion(&p, MAX)))
+            })
+            .collect();
         let (code, reply, err) = control(&rt, &["sleep", "--tags", "kv_cache", "--mode", "keep"]);
         assert_eq!(code, 0, "{name}: {err}\n{reply}\n{}", server.log());
         let waiting = {
@@ -734,15 +741,14 @@ fn generations_survive_a_sleep_with_mode_keep_and_abort_ends_them() {
         };
         let (code, _, err) = control(&rt, &["wakeup"]);
         assert_eq!(code, 0, "{name}: {err}");
-        let done = running.join().unwrap();
-        assert_eq!(done.status, 200, "{done:?}");
-        assert_eq!(
-            ids(&done.json()["choices"][0]["token_ids"]),
-            expected,
-            "{name}: {}",
-            server.log()
-        );
+        for (i, (done, expected)) in running.into_iter().zip(&expected).enumerate() {
+            let done = done.join().unwrap();
+            assert_eq!(done.status, 200, "{done:?}");
+            let got = ids(&done.json()["choices"][0]["token_ids"]);
+            assert_eq!(&got, expected, "{name}, prompt {i}: {}", server.log());
+        }
         assert_eq!(waiting.join().unwrap().status, 200);
+        let expected = &expected[0];
 
         let running = {
             let server = server.clone();
@@ -1048,4 +1054,59 @@ fn a_sleep_during_start_up_waits_for_the_model_build() {
     assert_eq!(wake, 0, "{wake_err}");
     assert_eq!(reply_http.status, 200, "{reply_http:?}");
     assert_eq!(ids(&reply_http.json()["choices"][0]["token_ids"]), expected);
+}
+
+#[test]
+fn characters_split_over_tokens_come_out_whole_in_run_sse_and_answers() {
+    // Nine tokens: "😀", "中", " ", "😀", "中", each character but the space in two tokens.
+    const MAX: u32 = 9;
+    let expected = common::LOOKUP_TEXT.repeat(2).trim_end().to_owned();
+    let whole = |piece: &str| !piece.contains('\u{fffd}');
+
+    // `tpctl run` on two ranks: the printed text and the jsonl line.
+    let max = MAX.to_string();
+    let args = ["run", "--model", common::lookup_model(), "--tp", "2", "--max-tokens", &max];
+    let out = tpctl(&[&args[..], &["--prompt-ids", "1,2"]].concat());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains(&expected) && whole(&stdout), "{stdout:?}");
+    let out = tpctl(&[&args[..], &["--prompt-ids", "1,2", "--output", "jsonl"]].concat());
+    let line: Value = serde_json::from_slice(&out.stdout).expect("one jsonl line");
+    assert_eq!(line["text"], expected.as_str(), "{line}");
+
+    let server = Server::start(common::lookup_model(), &[]);
+    let mut req = completion("1,2", MAX);
+    let reply = server.post("/v1/completions", &req);
+    assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
+    assert_eq!(reply.json()["choices"][0]["text"], expected.as_str(), "{reply:?}");
+
+    // Streamed: no chunk carries half a character, and together they are the answer.
+    req["stream"] = json!(true);
+    let reply = server.post("/v1/completions", &req);
+    let events = reply.events();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{reply:?}");
+    let pieces: Vec<String> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .map(|c| c["choices"][0]["text"].as_str().unwrap_or("").to_owned())
+        .collect();
+    assert!(pieces.iter().all(|p| whole(p)), "{pieces:?}");
+    assert_eq!(pieces.concat(), expected, "{pieces:?}");
+    assert!(pieces.iter().any(|p| p == "😀"), "the emoji comes in one chunk: {pieces:?}");
+
+    // Chat, streamed (the message is one token, the space): the same through the deltas.
+    let reply = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": " "}], "max_tokens": MAX,
+                "temperature": 0, "stream": true}),
+    );
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let events = reply.events();
+    let deltas: String = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .map(|c| c["choices"][0]["delta"]["content"].as_str().unwrap_or("").to_owned())
+        .collect();
+    assert_eq!(deltas, expected, "{reply:?}");
+    assert_eq!(server.interrupt().code(), Some(130));
 }

@@ -516,7 +516,12 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("tpctl-memory-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("tiny.gguf");
-        let spec = RandomLlama { quantized: true, hidden: 256, ffn: 512, ..Default::default() };
+        let spec = RandomLlama {
+            quantized: Some(layers::kernels::cpu::quant::BlockFormat::Q8_0),
+            hidden: 256,
+            ffn: 512,
+            ..Default::default()
+        };
         spec.write(&path).unwrap();
         let placement = Placement::single();
         let form = WeightForm::Native;

@@ -1,6 +1,8 @@
 //! Helpers shared by the end-to-end tests: the tiny model, scratch paths, and finding the
 //! processes an invocation left behind.
 
+#![allow(dead_code)] // each test binary uses a part of these helpers
+
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
@@ -74,4 +76,49 @@ pub fn kill_all(mark: &str) {
     for pid in leftovers(mark) {
         let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
     }
+}
+
+/// Text that [`lookup_model`] writes over and over: an emoji, a CJK character and a space,
+/// each character but the space split over two tokens.
+pub const LOOKUP_TEXT: &str = "😀中 ";
+
+/// A model whose greedy output after any prompt is [`LOOKUP_TEXT`] repeated: a lookup table
+/// ([`layers::model::random::RandomLlama::next_token`]) over the tiny model's shape, with
+/// tokens 10..=14 holding "😀" (F0 9F | 98 80), "中" (E4 B8 | AD) and " ". Every other token
+/// leads to token 10, so any prompt starts the cycle. Its chat template joins the messages.
+pub fn lookup_model() -> &'static str {
+    static PATH: OnceLock<String> = OnceLock::new();
+    PATH.get_or_init(|| {
+        use layers::model::random::byte_level;
+        let (emoji, cjk) = ("😀".as_bytes(), "中".as_bytes());
+        let pieces = [&emoji[..2], &emoji[2..], &cjk[..2], &cjk[2..], b" "];
+        let mut spec = tiny_spec();
+        spec.token_names =
+            pieces.iter().enumerate().map(|(i, p)| (10 + i as u32, byte_level(p))).collect();
+        let mut next = vec![10; spec.vocab];
+        next[10..15].copy_from_slice(&[11, 12, 13, 14, 10]);
+        spec.next_token = Some(next);
+        let mut writer = spec.writer();
+        let template = "{% for m in messages %}{{ m.content }}{% endfor %}";
+        writer.metadata("tokenizer.chat_template", layers::gguf::Value::String(template.into()));
+        let path = scratch("lookup.gguf");
+        writer.write(&path).expect("write the lookup model");
+        path.to_string_lossy().into_owned()
+    })
+}
+
+/// The default random model's shape (hidden 64, MLP 96, 4 query and 2 KV heads, tokens
+/// `t0`..`t47`) with its matrices stored as Q4_1, as the default SmolLM2 file stores them.
+pub fn tiny_q4_model() -> &'static str {
+    static PATH: OnceLock<String> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let spec = layers::model::random::RandomLlama {
+            quantized: Some(layers::kernels::cpu::quant::BlockFormat::Q4_1),
+            seed: 11,
+            ..Default::default()
+        };
+        let path = scratch("tiny-q4_1.gguf");
+        spec.write(&path).expect("write the Q4_1 model");
+        path.to_string_lossy().into_owned()
+    })
 }

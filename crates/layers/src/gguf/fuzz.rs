@@ -6,6 +6,7 @@
 
 use super::*;
 use crate::config::LlamaConfig;
+use crate::kernels::cpu::quant::BlockFormat;
 use crate::model::random::RandomLlama;
 use crate::model::{Shard, WeightSource};
 use crate::test_util::{random_vec, temp_path};
@@ -50,7 +51,7 @@ fn tiny_model_file() -> Vec<u8> {
         heads: 2,
         kv_heads: 1,
         vocab: 6,
-        quantized: true,
+        quantized: Some(BlockFormat::Q8_0),
         ..RandomLlama::default()
     }
     .writer()

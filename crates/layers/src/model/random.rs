@@ -23,14 +23,24 @@ pub struct RandomLlama {
     pub vocab: usize,
     /// Whether to write a separate `output.weight` (else the LM head is tied).
     pub untied_head: bool,
-    /// Store the projection matrices as Q8_0 instead of f32 (needs widths that are multiples
-    /// of 32).
-    pub quantized: bool,
+    /// Store the projection matrices (and the embedding) in this block format instead of f32
+    /// (needs widths that are multiples of 32).
+    pub quantized: Option<BlockFormat>,
     /// Seed of the weights.
     pub seed: u64,
     /// Write Q/K/V biases and call the architecture `qwen2` (whose Q/K rows are stored in the
     /// rotate-half order, unlike llama's); the other weights are the same as without biases.
     pub attn_bias: bool,
+    /// Names replacing `t{id}` for some tokens, spelled the way byte-level BPE stores them
+    /// (one character per byte, see [`byte_level`]), so a token can hold part of a multi-byte
+    /// character.
+    pub token_names: Vec<(u32, String)>,
+    /// When set, the model is a lookup table instead of random: after token `i` its greedy
+    /// choice is `next_token[i]`, whatever came before. Every block adds nothing to the
+    /// residual stream (zero attention output and MLP down projections), the embedding is
+    /// one-hot and the (untied) head maps each token to its successor; needs `hidden >= vocab`.
+    /// For tests that need a known output through the whole stack.
+    pub next_token: Option<Vec<u32>>,
 }
 
 impl Default for RandomLlama {
@@ -43,9 +53,44 @@ impl Default for RandomLlama {
             kv_heads: 2,
             vocab: 48,
             untied_head: false,
-            quantized: false,
+            quantized: None,
             seed: 1,
             attn_bias: false,
+            token_names: Vec::new(),
+            next_token: None,
+        }
+    }
+}
+
+/// `bytes` spelled the way byte-level BPE vocabularies (GPT-2's and those derived from it)
+/// store tokens: printable Latin-1 bytes as themselves, the others as the characters from
+/// U+0100 on, in byte order.
+pub fn byte_level(bytes: &[u8]) -> String {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    bytes
+        .iter()
+        .map(|&b| {
+            if printable(b) {
+                char::from(b)
+            } else {
+                let n = (0..b).filter(|&c| !printable(c)).count() as u32;
+                char::from_u32(0x100 + n).unwrap_or('?')
+            }
+        })
+        .collect()
+}
+
+/// Overwrites a random matrix of the lookup-table model (see [`RandomLlama::next_token`]).
+fn lookup_weights(name: &str, next: &[u32], cols: usize, data: &mut [f32]) {
+    if name.ends_with("attn_output.weight") || name.ends_with("ffn_down.weight") {
+        data.fill(0.0);
+    } else if name == "token_embd.weight" {
+        data.fill(0.0);
+        (0..data.len() / cols).for_each(|i| data[i * cols + i] = 1.0);
+    } else if name == "output.weight" {
+        data.fill(0.0);
+        for (i, &j) in next.iter().enumerate() {
+            data[j as usize * cols + i] = 1.0;
         }
     }
 }
@@ -87,14 +132,17 @@ impl RandomLlama {
             .metadata("tokenizer.ggml.model", Value::String("gpt2".into()))
             .metadata(
                 "tokenizer.ggml.tokens",
-                Value::Array((0..self.vocab).map(|i| Value::String(format!("t{i}"))).collect()),
+                Value::Array((0..self.vocab).map(|i| Value::String(self.token_name(i))).collect()),
             )
             .metadata("tokenizer.ggml.merges", Value::Array(Vec::new()))
             .metadata("tokenizer.ggml.eos_token_id", u(0));
         let matrix = |w: &mut GgufWriter, rng: &mut Rng, name: &str, rows: usize, cols: usize| {
-            let data = rng.vec(rows * cols, 1.0 / (cols as f32).sqrt() * 1.5);
-            if self.quantized {
-                w.tensor_quantized(name, &[rows, cols], BlockFormat::Q8_0, &data);
+            let mut data = rng.vec(rows * cols, 1.0 / (cols as f32).sqrt() * 1.5);
+            if let Some(next) = &self.next_token {
+                lookup_weights(name, next, cols, &mut data);
+            }
+            if let Some(format) = self.quantized {
+                w.tensor_quantized(name, &[rows, cols], format, &data);
             } else {
                 w.tensor_f32(name, &[rows, cols], &data);
             }
@@ -132,10 +180,17 @@ impl RandomLlama {
             }
         }
         norm(&mut w, &mut rng, "output_norm.weight");
-        if self.untied_head {
+        if self.untied_head || self.next_token.is_some() {
             matrix(&mut w, &mut rng, "output.weight", self.vocab, h);
         }
         w
+    }
+
+    fn token_name(&self, id: usize) -> String {
+        self.token_names
+            .iter()
+            .find(|(i, _)| *i as usize == id)
+            .map_or_else(|| format!("t{id}"), |(_, name)| name.clone())
     }
 
     /// Writes the model to `path`.
@@ -223,7 +278,7 @@ impl RandomLlama {
                 "rms_norm_eps": 1e-5,
                 "vocab_size": self.vocab,
                 "max_position_embeddings": 256,
-                "tie_word_embeddings": !self.untied_head,
+                "tie_word_embeddings": !(self.untied_head || self.next_token.is_some()),
             }),
         )?;
         let path = dir.join("tokenizer.json");
@@ -232,5 +287,38 @@ impl RandomLlama {
             .save(&path, false)
             .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
         json("tokenizer_config.json", serde_json::json!({ "eos_token": "t0" }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_level_spells_bytes_as_gpt2_vocabularies_do() {
+        assert_eq!(byte_level(b"a b"), "a\u{120}b"); // space is "Ġ"
+        assert_eq!(byte_level("😀".as_bytes()), "ðŁĺĢ");
+        assert_eq!(byte_level("中".as_bytes()), "ä¸Ń");
+        assert_eq!(byte_level(b"\n"), "Ċ");
+    }
+
+    #[test]
+    fn a_lookup_model_predicts_the_successor_of_every_token() {
+        use crate::parallel::{Comms, ParallelCache, ParallelModel};
+        use crate::Logits;
+        let next: Vec<u32> = (0..48).map(|i| (i * 7 + 3) % 48).collect();
+        let spec = RandomLlama { next_token: Some(next.clone()), ..Default::default() };
+        let path = crate::test_util::temp_path("lookup.gguf");
+        spec.write(&path).unwrap();
+        let (placement, form) =
+            (crate::parallel::Placement::single(), crate::model::WeightForm::F32);
+        let model = ParallelModel::load(&path, placement, 1, form).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
+        let mut comms = Comms { tp: &mut tp, cp: &mut cp };
+        let mut cache: ParallelCache = model.new_cache(64);
+        let prompt: Vec<u32> = (0..48).collect();
+        let ids = model.forward_argmax(&mut comms, &prompt, &mut cache, Logits::All).unwrap();
+        assert_eq!(ids, next);
     }
 }

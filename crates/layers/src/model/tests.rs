@@ -3,6 +3,7 @@
 
 use super::random::RandomLlama;
 use super::*;
+use crate::kernels::cpu::quant::BlockFormat;
 use crate::test_util::{assert_close, temp_path};
 use crate::tokenizer::Tokenizer;
 
@@ -329,7 +330,10 @@ fn attention_split_over_two_caches_merges_by_log_sum_exp() {
 
 #[test]
 fn bad_inputs_are_errors_and_leave_the_cache_unchanged() {
-    let p = write_model(&RandomLlama { quantized: true, ..RandomLlama::default() }, "errors.gguf");
+    let p = write_model(
+        &RandomLlama { quantized: Some(BlockFormat::Q8_0), ..RandomLlama::default() },
+        "errors.gguf",
+    );
     let model = Model::load(&p, 1).unwrap();
     let mut cache = model.new_cache(4);
     model.forward(&[1, 2], &[0, 1], &mut cache, Logits::Last).unwrap();
@@ -390,7 +394,8 @@ fn real_model_says_paris_when_cached() {
 fn quantized_weights_track_the_f32_model() {
     // Q8_0 projections: the native form keeps the blocks and dequantizes them in registers;
     // the f32 form dequantizes at load. Both multiply the same values.
-    let spec = RandomLlama { quantized: true, seed: 17, ..RandomLlama::default() };
+    let spec =
+        RandomLlama { quantized: Some(BlockFormat::Q8_0), seed: 17, ..RandomLlama::default() };
     let p = write_model(&spec, "quant.gguf");
     let native = Model::load_with(&p, 2, WeightForm::Native).unwrap();
     let dense = Model::load_with(&p, 2, WeightForm::F32).unwrap();
@@ -422,7 +427,8 @@ fn models_and_tokenizers_can_be_shared_across_threads() {
 fn quantized_shards_stay_quantized_and_sum_to_the_full_layer() {
     // head_dim 16, groups of 2 query heads: one KV group is 32 columns of attn_output, a
     // whole Q8_0 block; inner ranges split at 64 are block-aligned too.
-    let spec = RandomLlama { quantized: true, seed: 31, ..RandomLlama::default() };
+    let spec =
+        RandomLlama { quantized: Some(BlockFormat::Q8_0), seed: 31, ..RandomLlama::default() };
     let p = write_model(&spec, "qshards.gguf");
     let file = GgufFile::open(&p).unwrap();
     let cfg = LlamaConfig::from_gguf(&file).unwrap();

@@ -6,6 +6,7 @@
 //! against the same model on the heap.
 
 use super::*;
+use crate::kernels::cpu::quant::BlockFormat;
 use crate::memory::Arena;
 use crate::model::random::RandomLlama;
 use crate::model::Model;
@@ -394,7 +395,7 @@ fn parallel_greedy_generation_equals_single_rank() {
         ffn: 96,
         vocab: 48,
         seed: 44,
-        quantized: true,
+        quantized: Some(BlockFormat::Q8_0),
         ..RandomLlama::default()
     };
     let path = write_model(&spec, "generate.gguf");
@@ -796,8 +797,11 @@ fn weights_and_caches_in_arena_memory_give_bit_identical_logits() {
     let specs = [
         ("f32-tied", RandomLlama { ..base.clone() }),
         ("f32-untied-bias", RandomLlama { untied_head: true, attn_bias: true, ..base.clone() }),
-        ("q8-tied", RandomLlama { quantized: true, ..base.clone() }),
-        ("q8-untied", RandomLlama { quantized: true, untied_head: true, ..base.clone() }),
+        ("q8-tied", RandomLlama { quantized: Some(BlockFormat::Q8_0), ..base.clone() }),
+        (
+            "q8-untied",
+            RandomLlama { quantized: Some(BlockFormat::Q8_0), untied_head: true, ..base.clone() },
+        ),
     ];
     for (name, spec) in specs {
         let path = write_model(&spec, &format!("arena-{name}.gguf"));
@@ -826,7 +830,7 @@ fn weights_and_caches_in_arena_memory_give_bit_identical_logits() {
 
                 // Every matrix is one buffer (f32) or two (Q8_0 scales and quants); a tied
                 // head shares the embedding's buffers, which are listed once.
-                let m = if spec.quantized { 2 } else { 1 };
+                let m = if spec.quantized.is_some() { 2 } else { 1 };
                 let bias = usize::from(spec.attn_bias);
                 let head = if spec.untied_head { m } else { 0 };
                 let per_layer = 2 + 4 * m + bias;
@@ -863,7 +867,8 @@ fn weights_and_caches_in_arena_memory_give_bit_identical_logits() {
 
 #[test]
 fn a_failing_arena_is_an_error_and_leaves_a_working_model() {
-    let spec = RandomLlama { seed: 47, quantized: true, ..RandomLlama::default() };
+    let spec =
+        RandomLlama { seed: 47, quantized: Some(BlockFormat::Q8_0), ..RandomLlama::default() };
     let path = write_model(&spec, "arena-fail.gguf");
     on_mesh(1, 1, |p, comms| {
         let heap = ParallelModel::load(&path, p, 1, WeightForm::Native).unwrap();

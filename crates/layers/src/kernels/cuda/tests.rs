@@ -265,7 +265,15 @@ fn cuda_random_model_gives_the_cpu_greedy_tokens_and_logits() {
     let prompt = [3u32, 17, 5, 38, 0, 22, 9];
     let specs = [
         ("f32", RandomLlama::default()),
-        ("q8_0", RandomLlama { quantized: true, untied_head: true, seed: 2, ..Default::default() }),
+        (
+            "q8_0",
+            RandomLlama {
+                quantized: Some(BlockFormat::Q8_0),
+                untied_head: true,
+                seed: 2,
+                ..Default::default()
+            },
+        ),
         ("qwen2 biases", RandomLlama { attn_bias: true, seed: 3, ..Default::default() }),
     ];
     for (name, spec) in specs {
@@ -392,7 +400,9 @@ fn decode(
 fn cuda_device_kv_cache_gives_the_host_cache_logits() {
     let Some(gpu) = gpu() else { return };
     let path = temp_path("cuda-device-kv.gguf");
-    RandomLlama { quantized: true, seed: 5, ..Default::default() }.write(&path).unwrap();
+    RandomLlama { quantized: Some(BlockFormat::Q8_0), seed: 5, ..Default::default() }
+        .write(&path)
+        .unwrap();
     let model = ParallelModel::load_on(
         &path,
         Placement::single(),
@@ -431,7 +441,9 @@ fn cuda_device_kv_cache_gives_the_host_cache_logits() {
 fn cuda_weights_in_an_arena_are_written_again_in_place_after_a_clear() {
     let Some(gpu) = gpu() else { return };
     let path = temp_path("cuda-arena-weights.gguf");
-    RandomLlama { quantized: true, seed: 6, ..Default::default() }.write(&path).unwrap();
+    RandomLlama { quantized: Some(BlockFormat::Q8_0), seed: 6, ..Default::default() }
+        .write(&path)
+        .unwrap();
     let cuda = cuda_of(&gpu).clone();
     let arena = std::sync::Arc::new(crate::kernels::PoolArena::new(&cuda, 64 << 20).unwrap());
     cuda.keep_weights_in(arena.clone());
@@ -504,7 +516,9 @@ fn cuda_half_precision_linear_matches_cpu_within_rounding() {
 fn cuda_half_precision_models_stay_close_to_the_cpu() {
     let prompt = [3u32, 17, 5, 38, 0, 22, 9];
     let path = temp_path("cuda-half-model.gguf");
-    RandomLlama { quantized: true, seed: 7, ..Default::default() }.write(&path).unwrap();
+    RandomLlama { quantized: Some(BlockFormat::Q8_0), seed: 7, ..Default::default() }
+        .write(&path)
+        .unwrap();
     let cpu = Model::load_with(&path, 1, WeightForm::F32).unwrap();
     let (want, _) = run_model(&cpu, &prompt);
     for (dtype, tol) in [(GemmDtype::Bf16, 5e-2), (GemmDtype::F16, 1e-2)] {
