@@ -5,7 +5,8 @@
 //! weights in the same run. Ranks are threads of this process joined by `local` groups (the
 //! shared-memory communicator over anonymous memory), each with its own thread pool.
 //!
-//! `model [--model PATH] [--prompt-tokens N] [--decode-tokens N] [--json]`
+//! `model [--model PATH] [--prompt-tokens N] [--decode-tokens N] [--layout TPxCPxTHREADS] [--json]`
+//! (`--layout 1x1x2` measures that layout alone, for a profiler).
 
 use collectives::{local, ShmOptions};
 use layers::parallel::{Comms, ParallelCache, ParallelModel, Placement, Sequence};
@@ -50,7 +51,14 @@ fn main() {
             format!("{BATCH}-seq decode tok/s")
         );
     }
-    for (tp, cp, threads) in LAYOUTS {
+    let layouts: Vec<(usize, usize, usize)> = match arg(&args, "--layout") {
+        Some(l) => {
+            let n: Vec<usize> = l.split('x').map(|v| v.parse().expect("TPxCPxTHREADS")).collect();
+            vec![(n[0], n[1], n[2])]
+        }
+        None => LAYOUTS.to_vec(),
+    };
+    for (tp, cp, threads) in layouts {
         let (prefill, decode, batch) = run_layout(&path, &prompt, n_decode, tp, cp, threads);
         let (pf, dc) =
             (prompt.len() as f64 / prefill.as_secs_f64(), n_decode as f64 / decode.as_secs_f64());

@@ -156,60 +156,94 @@ impl WithSimd for Rows<'_> {
     fn with_simd<S: Simd>(self, simd: S) {
         let Rows { w, x, m, out } = self;
         let k = x.len() / m;
-        for (o, row) in out.chunks_exact_mut(m).zip(w.chunks_exact(k)) {
-            let mut i = 0;
-            while i < m {
-                let t = (m - i).min(X_TILE);
-                let (x, o) = (&x[i * k..(i + t) * k], &mut o[i..i + t]);
-                match t {
-                    1 => tile::<S, 1>(simd, row, x, o),
-                    2 => tile::<S, 2>(simd, row, x, o),
-                    3 => tile::<S, 3>(simd, row, x, o),
-                    4 => tile::<S, 4>(simd, row, x, o),
-                    5 => tile::<S, 5>(simd, row, x, o),
-                    6 => tile::<S, 6>(simd, row, x, o),
-                    7 => tile::<S, 7>(simd, row, x, o),
-                    _ => tile::<S, 8>(simd, row, x, o),
-                }
-                i += t;
+        let mut i = 0;
+        while i < m {
+            let t = (m - i).min(X_TILE);
+            let x = &x[i * k..(i + t) * k];
+            match t {
+                1 => weight_rows::<S, 1, 8>(simd, w, x, m, &mut out[i..]),
+                2 => weight_rows::<S, 2, 4>(simd, w, x, m, &mut out[i..]),
+                3 => weight_rows::<S, 3, 2>(simd, w, x, m, &mut out[i..]),
+                4 => weight_rows::<S, 4, 2>(simd, w, x, m, &mut out[i..]),
+                5 => weight_rows::<S, 5, 1>(simd, w, x, m, &mut out[i..]),
+                6 => weight_rows::<S, 6, 1>(simd, w, x, m, &mut out[i..]),
+                7 => weight_rows::<S, 7, 1>(simd, w, x, m, &mut out[i..]),
+                _ => weight_rows::<S, 8, 1>(simd, w, x, m, &mut out[i..]),
+            }
+            i += t;
+        }
+    }
+}
+
+/// Every weight row of `w` times the `T` activation rows `x`, `R` weight rows at a time:
+/// `out[r * stride + t]` gets row `r`'s product with `x[t]`. The `R` rows give the core
+/// independent chains of multiply-adds (and memory streams) when `T` alone would leave it
+/// waiting, without changing any row's order of summation.
+#[inline(always)]
+fn weight_rows<S: Simd, const T: usize, const R: usize>(
+    simd: S,
+    w: &[f32],
+    x: &[f32],
+    stride: usize,
+    out: &mut [f32],
+) {
+    let k = x.len() / T;
+    let xs: [&[f32]; T] = core::array::from_fn(|t| &x[t * k..(t + 1) * k]);
+    let mut rows = w.chunks_exact(k);
+    let mut r = 0;
+    while rows.len() >= R {
+        let ws: [&[f32]; R] = core::array::from_fn(|_| rows.next().unwrap_or_default());
+        let dots = row_dots::<S, T, R>(simd, ws, xs);
+        for (j, d) in dots.iter().enumerate() {
+            out[(r + j) * stride..][..T].copy_from_slice(d);
+        }
+        r += R;
+    }
+    for row in rows {
+        out[r * stride..][..T].copy_from_slice(&row_dots::<S, T, 1>(simd, [row], xs)[0]);
+        r += 1;
+    }
+}
+
+/// `ws[r] · xs[t]` for `R` weight rows and `T` activation rows, all as long: per pair one
+/// accumulator over the SIMD-wide part in order, reduced, then the tail, whatever `R` and `T`
+/// are (so a result does not depend on the batch or on its neighbours).
+#[inline(always)]
+fn row_dots<S: Simd, const T: usize, const R: usize>(
+    simd: S,
+    ws: [&[f32]; R],
+    xs: [&[f32]; T],
+) -> [[f32; T]; R] {
+    let n = ws[0].len();
+    let whs = ws.map(|w| S::as_simd_f32s(w).0);
+    let wide = whs[0].len();
+    let xh = xs.map(|x| &S::as_simd_f32s(x).0[..wide]);
+    let mut acc = [[simd.splat_f32s(0.0); T]; R];
+    let lanes = std::mem::size_of::<S::f32s>() / 4;
+    let per_line = (16 / lanes.max(1)).max(1);
+    for i in 0..wide {
+        if i % per_line == 0 {
+            for w in &ws {
+                prefetch(w.as_ptr().wrapping_add(i * lanes + PREFETCH_AHEAD / 4));
+            }
+        }
+        for r in 0..R {
+            let wv = whs[r][i];
+            for t in 0..T {
+                acc[r][t] = simd.mul_add_e_f32s(wv, xh[t][i], acc[r][t]);
             }
         }
     }
-}
-
-/// `out[t] = row · x[t]` for the `T` rows of `x`.
-#[inline(always)]
-fn tile<S: Simd, const T: usize>(simd: S, row: &[f32], x: &[f32], out: &mut [f32]) {
-    let k = row.len();
-    let xs: [&[f32]; T] = core::array::from_fn(|t| &x[t * k..(t + 1) * k]);
-    out.copy_from_slice(&row_dots(simd, row, xs));
-}
-
-/// `w · x[t]` for the `T` activation rows `xs`, each as long as `w`: per row one accumulator
-/// over the SIMD-wide part in order, reduced, then the tail, whatever `T` is.
-#[inline(always)]
-fn row_dots<S: Simd, const T: usize>(simd: S, w: &[f32], xs: [&[f32]; T]) -> [f32; T] {
-    let (wh, wt) = S::as_simd_f32s(w);
-    let xh = xs.map(|x| &S::as_simd_f32s(x).0[..wh.len()]);
-    let mut acc = [simd.splat_f32s(0.0); T];
-    let lanes = std::mem::size_of::<S::f32s>() / 4;
-    let per_line = (16 / lanes.max(1)).max(1);
-    for (i, wv) in wh.iter().enumerate() {
-        if i % per_line == 0 {
-            prefetch(w.as_ptr().wrapping_add(i * lanes + PREFETCH_AHEAD / 4));
-        }
+    let head = wide * lanes;
+    let mut out = [[0f32; T]; R];
+    for r in 0..R {
         for t in 0..T {
-            acc[t] = simd.mul_add_e_f32s(*wv, xh[t][i], acc[t]);
+            let mut s = simd.reduce_sum_f32s(acc[r][t]);
+            for (a, b) in ws[r][head..n].iter().zip(&xs[t][head..]) {
+                s += a * b;
+            }
+            out[r][t] = s;
         }
-    }
-    let mut out = [0f32; T];
-    let head = w.len() - wt.len();
-    for t in 0..T {
-        let mut s = simd.reduce_sum_f32s(acc[t]);
-        for (a, b) in wt.iter().zip(&xs[t][head..]) {
-            s += a * b;
-        }
-        out[t] = s;
     }
     out
 }

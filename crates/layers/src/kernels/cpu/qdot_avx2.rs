@@ -98,21 +98,30 @@ impl Blocks for Q8Row<'_> {
     }
 }
 
-/// `row · x[t]` for the `T` activation rows `xs`, each as long as the row, 8 per register.
+/// `rows[r] · x[t]` for `R` weight rows and the `T` activation rows `xs`, each as long as the
+/// rows, 8 per register. Each pair has its own accumulator: the `R` rows are independent
+/// chains of multiply-adds, and a result is the same bits whatever `R` and `T` are.
 #[inline(always)]
-pub(super) fn row_dots<const T: usize, B: Blocks>(v3: V3, row: B, xs: [&[__m256]; T]) -> [f32; T] {
-    let nb = row.len();
+pub(super) fn row_dots<const T: usize, const R: usize, B: Blocks>(
+    v3: V3,
+    rows: [B; R],
+    xs: [&[__m256]; T],
+) -> [[f32; T]; R] {
+    let nb = rows[0].len();
     let xs = xs.map(|x| &x[..4 * nb]);
-    let mut acc = [v3.avx._mm256_setzero_ps(); T];
+    let mut acc = [[v3.avx._mm256_setzero_ps(); T]; R];
     for b in 0..nb {
-        let w = row.get(v3, b);
-        for t in 0..T {
-            let x = &xs[t][4 * b..4 * b + 4];
-            acc[t] = v3.fma._mm256_fmadd_ps(w[0], x[0], acc[t]);
-            acc[t] = v3.fma._mm256_fmadd_ps(w[1], x[1], acc[t]);
-            acc[t] = v3.fma._mm256_fmadd_ps(w[2], x[2], acc[t]);
-            acc[t] = v3.fma._mm256_fmadd_ps(w[3], x[3], acc[t]);
+        for r in 0..R {
+            let w = rows[r].get(v3, b);
+            for t in 0..T {
+                let x = &xs[t][4 * b..4 * b + 4];
+                let a = &mut acc[r][t];
+                *a = v3.fma._mm256_fmadd_ps(w[0], x[0], *a);
+                *a = v3.fma._mm256_fmadd_ps(w[1], x[1], *a);
+                *a = v3.fma._mm256_fmadd_ps(w[2], x[2], *a);
+                *a = v3.fma._mm256_fmadd_ps(w[3], x[3], *a);
+            }
         }
     }
-    acc.map(hsum)
+    acc.map(|a| a.map(hsum))
 }

@@ -353,67 +353,90 @@ impl WithSimd for Avx2Rows<'_> {
         let Avx2Rows { v3, w, x, m, first_row, out } = self;
         let (cols, nb) = (w.cols, w.cols / BLOCK);
         let (w_scales, w_mins, w_qs) = (w.scales.as_slice(), w.mins.as_slice(), w.qs.as_slice());
-        for (j, o) in out.chunks_exact_mut(m).enumerate() {
-            let r = first_row + j;
-            let scales = &w_scales[r * nb..(r + 1) * nb];
-            match w.bits {
-                QBits::Eight => {
-                    let (qs, _) = pulp::as_arrays::<32, u8>(&w_qs[r * cols..(r + 1) * cols]);
-                    avx2_tiles(v3, Q8Row { qs, scales }, x, cols / 8, o);
-                }
-                QBits::Four => {
-                    let half = &w_qs[r * cols / 2..(r + 1) * cols / 2];
-                    let (qs, _) = pulp::as_arrays::<16, u8>(half);
-                    let mins = &w_mins[r * nb..(r + 1) * nb];
-                    avx2_tiles(v3, Q4Row { qs, scales, mins }, x, cols / 8, o);
-                }
-            }
+        let scales = move |r: usize| &w_scales[(first_row + r) * nb..][..nb];
+        let tiles = Avx2Tiles { v3, x, groups: cols / 8, m, rows: out.len() / m };
+        match w.bits {
+            QBits::Eight => tiles.run(
+                |r| {
+                    let qs = &w_qs[(first_row + r) * cols..][..cols];
+                    Q8Row { qs: pulp::as_arrays::<32, u8>(qs).0, scales: scales(r) }
+                },
+                out,
+            ),
+            QBits::Four => tiles.run(
+                |r| {
+                    let qs = &w_qs[(first_row + r) * cols / 2..][..cols / 2];
+                    let mins = &w_mins[(first_row + r) * nb..][..nb];
+                    Q4Row { qs: pulp::as_arrays::<16, u8>(qs).0, scales: scales(r), mins }
+                },
+                out,
+            ),
         }
     }
 }
 
-/// Every activation row (`x` 8 per register, `groups` registers per row) times one weight
-/// row, in tiles of up to [`X_TILE`] rows: `out[i]` for row `i`.
+/// The weight rows of one task times every activation row (`x` 8 per register, `groups`
+/// registers per row), into `out` (`[rows, m]`).
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn avx2_tiles<B: super::qdot_avx2::Blocks>(
+#[derive(Clone, Copy)]
+struct Avx2Tiles<'a> {
     v3: pulp::x86::V3,
-    row: B,
-    x: &[core::arch::x86_64::__m256],
+    x: &'a [core::arch::x86_64::__m256],
     groups: usize,
-    out: &mut [f32],
-) {
-    let mut i = 0;
-    while i < out.len() {
-        let t = (out.len() - i).min(X_TILE);
-        let (x, o) = (&x[i * groups..(i + t) * groups], &mut out[i..i + t]);
-        match t {
-            1 => avx2_tile::<1, B>(v3, row, x, o),
-            2 => avx2_tile::<2, B>(v3, row, x, o),
-            3 => avx2_tile::<3, B>(v3, row, x, o),
-            4 => avx2_tile::<4, B>(v3, row, x, o),
-            5 => avx2_tile::<5, B>(v3, row, x, o),
-            6 => avx2_tile::<6, B>(v3, row, x, o),
-            7 => avx2_tile::<7, B>(v3, row, x, o),
-            _ => avx2_tile::<8, B>(v3, row, x, o),
-        }
-        i += t;
-    }
+    m: usize,
+    rows: usize,
 }
 
-/// `out[t] = row · x[t]` for the `T` activation rows of `x` (`groups` registers each).
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn avx2_tile<const T: usize, B: super::qdot_avx2::Blocks>(
-    v3: pulp::x86::V3,
-    row: B,
-    x: &[core::arch::x86_64::__m256],
-    out: &mut [f32],
-) {
-    let groups = x.len() / T;
-    let xs: [&[core::arch::x86_64::__m256]; T] =
-        core::array::from_fn(|t| &x[t * groups..(t + 1) * groups]);
-    out.copy_from_slice(&super::qdot_avx2::row_dots(v3, row, xs));
+impl Avx2Tiles<'_> {
+    /// Activation rows in tiles of up to [`X_TILE`]; with few of them, several weight rows at
+    /// once (independent chains of multiply-adds for the core, the same sums for every row).
+    #[inline(always)]
+    fn run<B: super::qdot_avx2::Blocks>(self, row: impl Fn(usize) -> B + Copy, out: &mut [f32]) {
+        let mut i = 0;
+        while i < self.m {
+            let t = (self.m - i).min(X_TILE);
+            let o = &mut out[i..];
+            match t {
+                1 => self.tile::<1, 4, B>(row, i, o),
+                2 => self.tile::<2, 2, B>(row, i, o),
+                3 => self.tile::<3, 2, B>(row, i, o),
+                4 => self.tile::<4, 1, B>(row, i, o),
+                5 => self.tile::<5, 1, B>(row, i, o),
+                6 => self.tile::<6, 1, B>(row, i, o),
+                7 => self.tile::<7, 1, B>(row, i, o),
+                _ => self.tile::<8, 1, B>(row, i, o),
+            }
+            i += t;
+        }
+    }
+
+    /// Activation rows `first..first + T` times every weight row, `R` weight rows at a time:
+    /// `out[r * m + t]`.
+    #[inline(always)]
+    fn tile<const T: usize, const R: usize, B: super::qdot_avx2::Blocks>(
+        self,
+        row: impl Fn(usize) -> B,
+        first: usize,
+        out: &mut [f32],
+    ) {
+        use super::qdot_avx2::row_dots;
+        let g = self.groups;
+        let xs: [&[core::arch::x86_64::__m256]; T] =
+            core::array::from_fn(|t| &self.x[(first + t) * g..][..g]);
+        let mut r = 0;
+        while r + R <= self.rows {
+            let dots = row_dots::<T, R, B>(self.v3, core::array::from_fn(|j| row(r + j)), xs);
+            for (j, d) in dots.iter().enumerate() {
+                out[(r + j) * self.m..][..T].copy_from_slice(d);
+            }
+            r += R;
+        }
+        for r in r..self.rows {
+            let [d] = row_dots::<T, 1, B>(self.v3, [row(r)], xs);
+            out[r * self.m..][..T].copy_from_slice(&d);
+        }
+    }
 }
 
 #[cfg(test)]
