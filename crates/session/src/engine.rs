@@ -359,12 +359,7 @@ impl Core {
 
     /// A failure reported by another rank becomes this rank's error.
     fn check(&self, agreed: &Agreed, op: &'static str, epoch: u64, step: u64) -> Result<()> {
-        match (agreed.state, agreed.failed) {
-            (State::Failed, Some(peer)) if peer != self.rank => {
-                Err(Error::PeerFailed { op, rank: self.rank, epoch, step, peer })
-            }
-            _ => Ok(()),
-        }
+        peer_failure(agreed, self.rank, op, epoch, step)
     }
 
     /// After a local failure: tells the peers at the control call this rank owes (best
@@ -387,6 +382,8 @@ impl Core {
             Owed::Confirmation => self.confirm(state, epoch, step).map(|_| ()),
         };
         match told {
+            // What it blamed says more than "no rank was the origin".
+            Err(Error::PeersFailed { .. }) => e,
             Err(other) if follows => other,
             _ => e,
         }
@@ -1173,5 +1170,25 @@ impl Worker {
 }
 
 mod gate;
+/// The error an agreement in the failed state is for `rank`: the rank that failed on its own
+/// when one did ([`Error::PeerFailed`]); [`Error::PeersFailed`] when every failing rank failed
+/// after a peer (a data-group collective timed out or was poisoned on each of them); none when
+/// the agreement did not fail or `rank` is the origin (its own error is the one to report).
+fn peer_failure(
+    agreed: &Agreed,
+    rank: usize,
+    op: &'static str,
+    epoch: u64,
+    step: u64,
+) -> Result<()> {
+    match (agreed.state, agreed.failed) {
+        (State::Failed, Some(peer)) if peer != rank => {
+            Err(Error::PeerFailed { op, rank, epoch, step, peer })
+        }
+        (State::Failed, None) => Err(Error::PeersFailed { op, rank, epoch, step }),
+        _ => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests;

@@ -43,6 +43,22 @@ pub enum Error {
         /// The rank that failed.
         peer: usize,
     },
+    /// Ranks failed, each after a peer (a data-group collective timed out or was poisoned on
+    /// every one of them), and none reported a failure of its own: the failing ranks' errors
+    /// name whom they blamed.
+    #[error(
+        "{op} at epoch {epoch} step {step} (rank {rank}): other ranks failed, each on a collective with a peer; none reported a failure of its own (see their errors)"
+    )]
+    PeersFailed {
+        /// The control operation.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The session number.
+        epoch: u64,
+        /// The step.
+        step: u64,
+    },
     /// Ranks disagree on the epoch or step: a desynchronized job, never silently continued.
     #[error("{op} at epoch {epoch} step {step} (rank {rank}): ranks disagree: {detail}")]
     Desync {
@@ -172,6 +188,7 @@ impl Error {
             Error::Collective { .. }
                 | Error::Desync { .. }
                 | Error::PeerFailed { .. }
+                | Error::PeersFailed { .. }
                 | Error::Finished { .. }
         )
     }

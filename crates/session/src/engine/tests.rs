@@ -568,3 +568,20 @@ fn a_sleep_right_after_a_wakeup_parks_the_engine_again() {
     engine.join().unwrap().unwrap();
     assert_eq!(out.finished()[0].tokens, vec![2, 3, 4]);
 }
+
+#[test]
+fn a_failed_agreement_is_an_error_for_every_rank_but_its_origin() {
+    let agreed = |failed| Agreed { state: State::Failed, failed, stopped: None };
+    // Rank 2 failed on its own: the others name it, rank 2 reports its own error.
+    let e = peer_failure(&agreed(Some(2)), 1, "admission", 3, 7).unwrap_err();
+    assert!(matches!(e, Error::PeerFailed { peer: 2, rank: 1, step: 7, .. }), "{e}");
+    assert!(peer_failure(&agreed(Some(2)), 2, "admission", 3, 7).is_ok());
+    // Every failing rank failed after a peer (a data-group timeout on each): no origin, and
+    // a healthy rank still stops rather than running the step alone.
+    let e = peer_failure(&agreed(None), 0, "confirmation", 3, 7).unwrap_err();
+    assert!(matches!(e, Error::PeersFailed { rank: 0, .. }), "{e}");
+    assert!(e.known_to_peers(), "not announced again");
+    assert!(e.to_string().contains("none reported a failure of its own"), "{e}");
+    let go = Agreed { state: State::Go, failed: None, stopped: None };
+    assert!(peer_failure(&go, 1, "admission", 3, 7).is_ok());
+}
