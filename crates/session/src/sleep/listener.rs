@@ -9,7 +9,7 @@
 
 use super::error::{Error, Result};
 use super::memory::{execute, RankMemory};
-use super::message::{Action, Message, Phase, Probe, RankReceipt, Status};
+use super::message::{Action, Message, Phase, Probe, RankReceipt, Received, Status};
 use super::quiesce::{Quiesce, QuiesceMode};
 use super::transport::PeerLink;
 use std::collections::BTreeSet;
@@ -71,7 +71,21 @@ pub fn serve(
     };
     loop {
         let msg = match link.recv(Instant::now() + POLL) {
-            Ok(Some(m)) => m,
+            Ok(Some(Received::Frame(m))) => m,
+            Ok(Some(Received::Undecodable(bad))) => {
+                // The connection is fine: answer the request it was, when that can be read,
+                // so rank 0 fails the operation now instead of at its deadline.
+                tracing::warn!(rank, reason = %bad.reason, "undecodable request");
+                if let (Some(op_id), Some(phase)) = (bad.op_id, bad.phase) {
+                    let mut ack = Message::request(op_id, phase, None, &[]).ack(Status::Failed);
+                    ack.error =
+                        Some(format!("rank {rank} could not decode the request: {}", bad.reason));
+                    if let Err(detail) = link.send(&ack) {
+                        return Err(Error::Channel { rank, detail });
+                    }
+                }
+                continue;
+            }
             Ok(None) => continue,
             Err(detail) => return Err(Error::Channel { rank, detail }),
         };

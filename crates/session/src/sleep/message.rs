@@ -256,6 +256,24 @@ impl Message {
         self.status != Status::Request && self.op_id == op_id && self.phase == phase
     }
 
+    /// Decodes a frame's body (its JSON). A body that is not a whole frame still gives its
+    /// operation id and phase when they can be read, so the receiver can answer a failure
+    /// to the right request.
+    ///
+    /// # Errors
+    /// [`Undecodable`] with what could be read and why the rest could not.
+    pub fn decode(body: &[u8]) -> Result<Message, Undecodable> {
+        serde_json::from_slice(body).map_err(|e| {
+            let partial: Option<serde_json::Value> = serde_json::from_slice(body).ok();
+            let field = |name: &str| partial.as_ref().and_then(|v| v.get(name)).cloned();
+            Undecodable {
+                op_id: field("op_id").and_then(|v| v.as_u64()),
+                phase: field("phase").and_then(|v| serde_json::from_value(v).ok()),
+                reason: format!("undecodable frame of {} bytes: {e}", body.len()),
+            }
+        })
+    }
+
     /// Encodes the frame: a 4-byte little-endian length, then JSON.
     pub fn encode(&self) -> Vec<u8> {
         // Plain structs, enums and strings: serializing them cannot fail. Were it to, the empty
@@ -266,4 +284,26 @@ impl Message {
         out.extend_from_slice(&body);
         out
     }
+}
+
+/// A frame whose body is not a [`Message`]: what could be read of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Undecodable {
+    /// The operation id, when the body has a readable one.
+    pub op_id: Option<u64>,
+    /// The phase, when the body has a readable one.
+    pub phase: Option<Phase>,
+    /// Why it did not decode.
+    pub reason: String,
+}
+
+/// What a peer receives on the control channel: a request, or a frame that arrived whole
+/// but did not decode (the connection is still good: the listener answers it with a failure
+/// rather than hanging up).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Received {
+    /// A decoded frame.
+    Frame(Message),
+    /// A frame that did not decode.
+    Undecodable(Undecodable),
 }

@@ -773,3 +773,32 @@ fn verify_checks_host_and_device_bytes_separately() {
         "{by_rank:?}"
     );
 }
+
+#[test]
+fn an_undecodable_request_is_answered_with_a_failure_and_the_listener_stays() {
+    let w = world(3);
+    w.faults.arm(Fault::Garble { rank: 2, phase: Phase::Prepare });
+    let e = w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap_err();
+    assert_eq!(ranks_of(&e), vec![2]);
+    assert_eq!(e.outcome(), Some(Outcome::Aborted));
+    assert!(e.to_string().contains("rank 2 could not decode the request"), "{e}");
+    assert!(w.log.all().iter().all(|e| !e.contains("release")));
+    // Rank 2's listener is still there: the next operation runs on every rank.
+    let r = w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap();
+    assert_eq!(r.bytes(), 3 * MIB, "every rank released its weights");
+    w.shutdown();
+}
+
+#[test]
+fn a_frame_body_that_does_not_decode_still_names_its_request() {
+    let msg = Message::request(9, Phase::Commit, Some(Action::Sleep), &tags(&["kv_cache"]));
+    let body = &msg.encode()[4..];
+    assert_eq!(Message::decode(body).unwrap(), msg);
+    let mut v: serde_json::Value = serde_json::from_slice(body).unwrap();
+    v["status"] = serde_json::json!("sideways");
+    let bad = Message::decode(v.to_string().as_bytes()).unwrap_err();
+    assert_eq!((bad.op_id, bad.phase), (Some(9), Some(Phase::Commit)));
+    assert!(bad.reason.contains("undecodable frame"), "{}", bad.reason);
+    let bad = Message::decode(b"{\"op_id\": 3, \"pha").unwrap_err();
+    assert_eq!((bad.op_id, bad.phase), (None, None));
+}

@@ -10,7 +10,7 @@
 pub mod memory;
 pub mod tcp;
 
-use super::message::Message;
+use super::message::{Message, Received};
 use std::time::Instant;
 
 /// What rank 0 receives from its peers.
@@ -50,11 +50,11 @@ pub trait CoordinatorLink: Send {
 
 /// A peer's end of the control channel.
 pub trait PeerLink: Send {
-    /// The next request from rank 0, or `Ok(None)` once `deadline` passed.
+    /// The next frame from rank 0 (decoded or not), or `Ok(None)` once `deadline` passed.
     ///
     /// # Errors
     /// A message when the connection to rank 0 closed or broke.
-    fn recv(&mut self, deadline: Instant) -> Result<Option<Message>, String>;
+    fn recv(&mut self, deadline: Instant) -> Result<Option<Received>, String>;
 
     /// Sends an ACK to rank 0.
     ///

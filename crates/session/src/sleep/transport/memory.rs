@@ -3,7 +3,7 @@
 //! runs on real threads in unit tests.
 
 use super::{CoordinatorLink, Incoming, PeerLink};
-use crate::sleep::message::{Message, Phase, Status};
+use crate::sleep::message::{Message, Phase, Received, Status, Undecodable};
 use std::collections::HashMap;
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
@@ -36,6 +36,14 @@ pub enum Fault {
         /// The stale operation id.
         op_id: u64,
     },
+    /// The request of `phase` reaches `rank` whole but undecodable (its op id and phase
+    /// still readable).
+    Garble {
+        /// The peer.
+        rank: usize,
+        /// The request's phase.
+        phase: Phase,
+    },
 }
 
 /// The faults armed on one in-memory world, shared by both ends.
@@ -58,7 +66,7 @@ impl Faults {
 /// Rank 0's end of an in-memory world.
 #[derive(Debug)]
 pub struct MemoryCoordinator {
-    to_peer: HashMap<usize, Sender<Message>>,
+    to_peer: HashMap<usize, Sender<Received>>,
     from_peers: Mutex<Receiver<Incoming>>,
     faults: Faults,
 }
@@ -67,7 +75,7 @@ pub struct MemoryCoordinator {
 #[derive(Debug)]
 pub struct MemoryPeer {
     rank: usize,
-    from_coordinator: Receiver<Message>,
+    from_coordinator: Receiver<Received>,
     to_coordinator: Sender<Incoming>,
     faults: Faults,
 }
@@ -122,8 +130,21 @@ impl CoordinatorLink for MemoryCoordinator {
         {
             return Err(format!("send of {} to rank {rank} failed (injected)", msg.phase));
         }
+        let garbled = self
+            .faults
+            .take(|f| matches!(f, Fault::Garble { rank: r, phase } if *r == rank && *phase == msg.phase))
+            .is_some();
+        let frame = if garbled {
+            Received::Undecodable(Undecodable {
+                op_id: Some(msg.op_id),
+                phase: Some(msg.phase),
+                reason: "undecodable frame (injected)".into(),
+            })
+        } else {
+            Received::Frame(msg.clone())
+        };
         let tx = self.to_peer.get(&rank).ok_or_else(|| format!("no peer rank {rank}"))?;
-        tx.send(msg.clone()).map_err(|_| format!("rank {rank} closed the in-memory channel"))
+        tx.send(frame).map_err(|_| format!("rank {rank} closed the in-memory channel"))
     }
 
     fn recv(&self, deadline: Instant) -> Option<Incoming> {
@@ -135,7 +156,7 @@ impl CoordinatorLink for MemoryCoordinator {
 }
 
 impl PeerLink for MemoryPeer {
-    fn recv(&mut self, deadline: Instant) -> Result<Option<Message>, String> {
+    fn recv(&mut self, deadline: Instant) -> Result<Option<Received>, String> {
         let wait = deadline.saturating_duration_since(Instant::now());
         match self.from_coordinator.recv_timeout(wait) {
             Ok(m) => Ok(Some(m)),

@@ -6,7 +6,7 @@
 
 use super::{CoordinatorLink, Incoming, PeerLink};
 use crate::sleep::error::{Error, Result};
-use crate::sleep::message::Message;
+use crate::sleep::message::{Message, Received};
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -39,7 +39,7 @@ impl FrameReader {
         stream: &mut TcpStream,
         deadline: Instant,
         stop: Option<&AtomicBool>,
-    ) -> std::result::Result<Option<Message>, String> {
+    ) -> std::result::Result<Option<Received>, String> {
         loop {
             if self.buf.len() >= 4 {
                 let len = u32::from_le_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]])
@@ -50,10 +50,12 @@ impl FrameReader {
                     ));
                 }
                 if self.buf.len() >= 4 + len {
-                    let msg = serde_json::from_slice(&self.buf[4..4 + len])
-                        .map_err(|e| format!("undecodable frame of {len} bytes: {e}"));
+                    let frame = match Message::decode(&self.buf[4..4 + len]) {
+                        Ok(msg) => Received::Frame(msg),
+                        Err(bad) => Received::Undecodable(bad),
+                    };
                     self.buf.drain(..4 + len);
-                    return msg.map(Some);
+                    return Ok(Some(frame));
                 }
             }
             let now = Instant::now();
@@ -166,10 +168,16 @@ fn accept_peers(listener: TcpListener, world: usize, deadline: Instant) -> Resul
             Ok((mut stream, from)) => {
                 stream.set_nonblocking(false).map_err(|e| channel_err(0, e.to_string()))?;
                 stream.set_nodelay(true).map_err(|e| channel_err(0, e.to_string()))?;
-                let hello = FrameReader::default()
+                let hello = match FrameReader::default()
                     .next(&mut stream, deadline, None)
                     .map_err(|e| channel_err(0, format!("hello from {from}: {e}")))?
-                    .ok_or_else(|| channel_err(0, format!("no hello from {from} in time")))?;
+                {
+                    Some(Received::Frame(hello)) => hello,
+                    Some(Received::Undecodable(bad)) => {
+                        return Err(channel_err(0, format!("hello from {from}: {}", bad.reason)))
+                    }
+                    None => return Err(channel_err(0, format!("no hello from {from} in time"))),
+                };
                 let peer = hello.op_id as usize;
                 if peer == 0 || peer >= world || streams.contains_key(&peer) {
                     return Err(channel_err(
@@ -208,10 +216,15 @@ fn pump(rank: usize, mut stream: TcpStream, tx: Sender<Incoming>, stop: &AtomicB
     loop {
         let deadline = Instant::now() + POLL;
         match reader.next(&mut stream, deadline, Some(stop)) {
-            Ok(Some(msg)) => {
+            Ok(Some(Received::Frame(msg))) => {
                 if tx.send(Incoming::Frame { rank, msg: Box::new(msg) }).is_err() {
                     return;
                 }
+            }
+            // An ACK that does not decode answers nothing: the coordinator's deadline for
+            // that ACK names the peer.
+            Ok(Some(Received::Undecodable(bad))) => {
+                tracing::warn!(rank, reason = %bad.reason, "dropped an undecodable ack");
             }
             Ok(None) if stop.load(Ordering::Relaxed) => return,
             Ok(None) => {}
@@ -257,7 +270,7 @@ impl CoordinatorLink for TcpCoordinator {
 }
 
 impl PeerLink for TcpPeer {
-    fn recv(&mut self, deadline: Instant) -> std::result::Result<Option<Message>, String> {
+    fn recv(&mut self, deadline: Instant) -> std::result::Result<Option<Received>, String> {
         self.reader
             .next(&mut self.stream, deadline, None)
             .map_err(|e| format!("connection to rank 0: {e}"))
