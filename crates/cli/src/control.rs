@@ -165,6 +165,9 @@ pub struct StatusWire {
     /// Ranks that did not answer, with why.
     #[serde(default)]
     pub failures: Vec<FailureWire>,
+    /// The sleep or wakeup running when the status was asked: only rank 0 answered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_progress: Option<String>,
 }
 
 impl From<&DeploymentStatus> for StatusWire {
@@ -176,6 +179,7 @@ impl From<&DeploymentStatus> for StatusWire {
             reason,
             ranks: s.ranks.clone(),
             failures: s.failures.iter().map(FailureWire::from).collect(),
+            in_progress: s.in_progress.clone(),
         }
     }
 }

@@ -131,6 +131,9 @@ pub fn status(s: &StatusWire) -> String {
         (state, None) if !s.tags.is_empty() => format!("state: {state} ({})\n", s.tags.join(",")),
         (state, None) => format!("state: {state}\n"),
     };
+    if let Some(op) = &s.in_progress {
+        out.push_str(&format!("in progress: {op} (only rank 0 answered; ask again after it)\n"));
+    }
     let mut rows =
         vec![["rank", "device", "asleep", "resident", "device memory"].map(str::to_owned).to_vec()];
     for r in &s.ranks {

@@ -101,6 +101,7 @@ fn a_status_shows_the_state_each_rank_and_who_did_not_answer() {
             phase: Phase::Status,
             message: "no status ack from rank 2 within 10.0 s".into(),
         }],
+        in_progress: None,
     };
     let text = status(&s);
     let lines: Vec<&str> = text.lines().collect();
@@ -118,6 +119,11 @@ fn a_status_shows_the_state_each_rank_and_who_did_not_answer() {
         ["1", "cuda:1", "weights", "1.0", "GiB", "2.0", "GiB"]
     );
     assert_eq!(lines[4], "rank 2 did not answer (status): no status ack from rank 2 within 10.0 s");
+    let busy = StatusWire { in_progress: Some("sleep [\"weights\"]".into()), ..s.clone() };
+    assert_eq!(
+        status(&busy).lines().nth(1),
+        Some("in progress: sleep [\"weights\"] (only rank 0 answered; ask again after it)")
+    );
     let failed = StatusWire { state: "failed".into(), reason: Some("rank 1 is lost".into()), ..s };
     assert!(status(&failed).starts_with("state: failed (rank 1 is lost)\n"));
 }

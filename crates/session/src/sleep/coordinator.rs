@@ -87,6 +87,9 @@ pub struct DeploymentStatus {
     pub ranks: Vec<RankReceipt>,
     /// Ranks that did not answer, with why.
     pub failures: Vec<RankFailure>,
+    /// The sleep or wakeup running when the status was asked (`"sleep [\"kv_cache\"]"`):
+    /// the control channel is its, so only rank 0 answered, from what it knows.
+    pub in_progress: Option<String>,
 }
 
 /// The reply of [`Coordinator::call`].
@@ -106,6 +109,8 @@ struct Inner {
     paused: bool,
     /// Peers whose connection closed.
     lost: BTreeSet<usize>,
+    /// The operation that holds the sleep/wakeup lock, if any.
+    running: Option<String>,
 }
 
 /// Rank 0's coordinator of sleep and wakeup. `Sync`: callers on several threads are
@@ -176,6 +181,7 @@ impl Coordinator {
                 next_op: 1,
                 paused: false,
                 lost: BTreeSet::new(),
+                running: None,
             }),
         }
     }
@@ -226,14 +232,21 @@ impl Coordinator {
     }
 
     /// Asks every rank for its asleep tags and memory probe (bounded by the ACK timeout).
+    /// While a sleep or wakeup runs (its quiesce may take minutes) it does not wait: rank 0
+    /// answers alone and [`DeploymentStatus::in_progress`] names the operation.
     ///
     /// # Errors
     /// None today: ranks that do not answer are listed in [`DeploymentStatus::failures`].
     pub fn status(&self) -> Result<DeploymentStatus> {
-        let _guard = lock(&self.op_lock);
-        let (state, asleep) = {
+        let guard = match self.op_lock.try_lock() {
+            Ok(guard) => Some(guard),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        let (state, asleep, running) = {
             let inner = lock(&self.inner);
-            (inner.state.clone(), inner.asleep.iter().cloned().collect::<Vec<_>>())
+            let asleep = inner.asleep.iter().cloned().collect::<Vec<_>>();
+            (inner.state.clone(), asleep, inner.running.clone())
         };
         let probe = self.memory.probe();
         let mut ranks = vec![RankReceipt {
@@ -243,13 +256,17 @@ impl Coordinator {
             asleep,
             ..RankReceipt::default()
         }];
+        if guard.is_none() {
+            let in_progress = running.or_else(|| Some("an operation".into()));
+            return Ok(DeploymentStatus { state, ranks, failures: Vec::new(), in_progress });
+        }
         let msg = Message::request(0, Phase::Status, None, &[]);
         let (sent, mut failures) = self.fan_out(&msg, &self.live_peers(), false);
         let drained = self.drain(0, Phase::Status, &sent);
         failures.extend(drained.failures());
         ranks.extend(drained.acks.into_values().filter_map(|m| m.receipt));
         failures.sort_by_key(|f| f.rank);
-        Ok(DeploymentStatus { state, ranks, failures })
+        Ok(DeploymentStatus { state, ranks, failures, in_progress: None })
     }
 
     /// Sends the shutdown sentinel to every listener and drains their ACKs (bounded by the
@@ -412,7 +429,23 @@ impl Coordinator {
     fn run(&self, action: Action, tags: &[String], opts: OpOptions) -> Result<OpReceipt> {
         let start = Instant::now();
         let _guard = lock(&self.op_lock);
-        let (op_id, paused_here) = {
+        lock(&self.inner).running = Some(format!("{action} {tags:?}"));
+        let result = self.run_locked(action, tags, opts, start);
+        lock(&self.inner).running = None;
+        result
+    }
+
+    /// [`Coordinator::run`] under the sleep/wakeup lock. The state lock is only ever held
+    /// for moments (never across the engine's quiesce or a phase's ACKs), so the state,
+    /// status and metrics answer while an operation runs.
+    fn run_locked(
+        &self,
+        action: Action,
+        tags: &[String],
+        opts: OpOptions,
+        start: Instant,
+    ) -> Result<OpReceipt> {
+        let (op_id, pause) = {
             let mut inner = lock(&self.inner);
             if let DeploymentState::Failed(reason) = &inner.state {
                 return Err(Error::DeploymentFailed {
@@ -430,21 +463,24 @@ impl Coordinator {
             }
             let op_id = inner.next_op;
             inner.next_op += 1;
-            let mut paused_here = false;
-            if !inner.paused {
-                self.engine.quiesce(opts.mode).map_err(|detail| Error::Quiesce {
-                    action,
-                    rank: 0,
-                    detail,
-                })?;
-                inner.paused = true;
-                paused_here = true;
-            }
+            (op_id, !inner.paused)
+        };
+        // Only operations change `paused`, and they hold the sleep/wakeup lock.
+        if pause {
+            self.engine.quiesce(opts.mode).map_err(|detail| Error::Quiesce {
+                action,
+                rank: 0,
+                detail,
+            })?;
+        }
+        let paused_here = pause;
+        {
+            let mut inner = lock(&self.inner);
+            inner.paused = true;
             if action == Action::Wakeup {
                 inner.state = DeploymentState::Waking(tags.to_vec());
             }
-            (op_id, paused_here)
-        };
+        }
         tracing::info!(op_id, %action, ?tags, "sleep/wakeup started");
 
         // Phase 1: PREPARE everywhere; nothing changes memory.
@@ -617,13 +653,14 @@ impl Coordinator {
         failures.extend(send_failures);
         let undo = action.inverse();
         if undo == Action::Sleep {
-            // A wakeup that is undone puts rank 0 back to sleep: quiesce again if it resumed.
-            let mut inner = lock(&self.inner);
-            if !inner.paused {
+            // A wakeup that is undone puts rank 0 back to sleep: quiesce again if it resumed
+            // (without the state lock: a quiesce may take long).
+            let paused = lock(&self.inner).paused;
+            if !paused {
                 if self.engine.quiesce(QuiesceMode::Keep).is_err() {
                     fatal = true;
                 }
-                inner.paused = true;
+                lock(&self.inner).paused = true;
             }
         }
         if let Err((_, message)) = execute(0, &*self.memory, undo, tags) {

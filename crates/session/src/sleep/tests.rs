@@ -130,12 +130,18 @@ struct Engine {
     log: Log,
     slow_first: Mutex<Option<Duration>>,
     fail: Mutex<Option<String>>,
+    /// When set, the next quiesce says it started, then waits to be released.
+    hold: Mutex<Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>>,
 }
 
 impl Quiesce for Engine {
     fn quiesce(&self, mode: QuiesceMode) -> std::result::Result<(), String> {
         if let Some(d) = self.slow_first.lock().unwrap().take() {
             std::thread::sleep(d);
+        }
+        if let Some((started, release)) = self.hold.lock().unwrap().take() {
+            started.send(()).unwrap();
+            release.recv_timeout(Duration::from_secs(30)).expect("the test releases the quiesce");
         }
         if let Some(e) = self.fail.lock().unwrap().take() {
             return Err(e);
@@ -172,6 +178,7 @@ fn parts(n: usize, log: &Log) -> (Vec<Arc<Fake>>, Vec<Arc<Engine>>) {
                 log: log.clone(),
                 slow_first: Mutex::new(None),
                 fail: Mutex::new(None),
+                hold: Mutex::new(None),
             })
         })
         .collect();
@@ -801,4 +808,29 @@ fn a_frame_body_that_does_not_decode_still_names_its_request() {
     assert!(bad.reason.contains("undecodable frame"), "{}", bad.reason);
     let bad = Message::decode(b"{\"op_id\": 3, \"pha").unwrap_err();
     assert_eq!((bad.op_id, bad.phase), (None, None));
+}
+
+#[test]
+fn state_and_status_answer_while_a_quiesce_holds_the_operation() {
+    use std::sync::mpsc::channel;
+    let w = world(3);
+    let ((started_tx, started), (release, release_rx)) = (channel(), channel());
+    *w.engines[0].hold.lock().unwrap() = Some((started_tx, release_rx));
+    let coord = w.coord.clone();
+    let op = std::thread::spawn(move || coord.sleep(&tags(&["kv_cache"]), OpOptions::default()));
+    started.recv_timeout(Duration::from_secs(10)).expect("the quiesce started");
+    // Asked while rank 0's engine is still quiescing: neither waits for it.
+    let (coord, (tx, rx)) = (w.coord.clone(), channel());
+    std::thread::spawn(move || tx.send((coord.state(), coord.status().unwrap())).unwrap());
+    let (state, status) =
+        rx.recv_timeout(Duration::from_secs(10)).expect("state and status answer mid-quiesce");
+    assert_eq!(state, DeploymentState::Running);
+    assert_eq!(status.in_progress.as_deref(), Some("sleep [\"kv_cache\"]"));
+    assert_eq!(status.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(), vec![0]);
+    release.send(()).unwrap();
+    op.join().unwrap().unwrap();
+    let status = w.coord.status().unwrap();
+    assert_eq!((status.in_progress, status.ranks.len()), (None, 3));
+    assert_eq!(status.state, DeploymentState::Sleeping(tags(&["kv_cache"])));
+    w.shutdown();
 }
