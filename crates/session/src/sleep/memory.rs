@@ -173,9 +173,21 @@ pub(crate) fn execute(
 ) -> Result<RankReceipt, (Status, String)> {
     let before = memory.probe();
     let start = Instant::now();
-    let run = |a: Action| match a {
-        Action::Sleep => memory.release(tags),
-        Action::Wakeup => memory.materialize(tags),
+    // A panic inside the memory layer is a failure that may have changed memory part way:
+    // it is undone like one, so the protocol's ABORT, drain and rollback still run.
+    let run = |a: Action| {
+        let op = std::panic::AssertUnwindSafe(|| match a {
+            Action::Sleep => memory.release(tags),
+            Action::Wakeup => memory.materialize(tags),
+        });
+        std::panic::catch_unwind(op).unwrap_or_else(|panic| {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a non-string payload".into());
+            Err(MemoryError { changed: true, message: format!("panicked: {what}") })
+        })
     };
     match run(action) {
         Ok(tag_receipts) => Ok(RankReceipt {

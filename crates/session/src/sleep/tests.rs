@@ -41,6 +41,8 @@ struct FakeState {
     leak: bool,
     /// Time each release or materialize takes.
     work: Duration,
+    /// The next release panics after releasing its first tag.
+    panic_release: bool,
 }
 
 /// Rank memory with 1 MiB per tag; resident = 10 MiB + 1 MiB per awake tag.
@@ -73,6 +75,11 @@ impl RankMemory for Fake {
         let work = self.st.lock().unwrap().work;
         std::thread::sleep(work);
         let mut st = self.st.lock().unwrap();
+        if std::mem::take(&mut st.panic_release) {
+            st.asleep.insert(tags[0].clone());
+            drop(st);
+            panic!("release of {} on rank {} hit a bug", tags[0], self.rank);
+        }
         if let Some(e) = st.fail_release.take() {
             if e.changed {
                 st.asleep.insert(tags[0].clone());
@@ -833,4 +840,27 @@ fn state_and_status_answer_while_a_quiesce_holds_the_operation() {
     assert_eq!((status.in_progress, status.ranks.len()), (None, 3));
     assert_eq!(status.state, DeploymentState::Sleeping(tags(&["kv_cache"])));
     w.shutdown();
+}
+
+#[test]
+fn a_panic_in_a_ranks_memory_operation_is_undone_and_every_rank_goes_on() {
+    for panicking in [0, 2] {
+        let w = world(3);
+        w.mem[panicking].set(|s| s.panic_release = true);
+        let e = w.coord.sleep(&tags(&["weights", "kv_cache"]), OpOptions::default()).unwrap_err();
+        assert_eq!(ranks_of(&e), vec![panicking], "{e}");
+        assert!(e.to_string().contains("panicked: release of weights"), "{e}");
+        assert!(e.to_string().contains("partial change undone"), "{e}");
+        // Rank 0 fails before any peer commits (ABORT); a peer fails in its commit, after
+        // the others committed (ROLLBACK).
+        let outcome = if panicking == 0 { Outcome::Aborted } else { Outcome::RolledBack };
+        assert_eq!(e.outcome(), Some(outcome));
+        for (rank, m) in w.mem.iter().enumerate() {
+            assert!(m.asleep().is_empty(), "rank {rank}: {:?}", m.asleep());
+            assert_eq!(w.log.of(rank).last().unwrap(), &format!("r{rank} resume"));
+        }
+        assert_eq!(w.coord.state(), DeploymentState::Running);
+        w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap();
+        w.shutdown();
+    }
 }
