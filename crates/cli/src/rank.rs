@@ -97,8 +97,9 @@ pub fn run() -> Result<()> {
             let watch = watch_listener(listener, worker.stop_handle());
             let ran = worker.run();
             watch.engine_done.store(true, Ordering::SeqCst);
-            let exit = watch.thread.join().unwrap_or(Ok(ListenerExit::Shutdown));
+            // A failed rank reports at once: it does not wait for rank 0's shutdown.
             ran?;
+            let exit = watch.thread.join().unwrap_or(Ok(ListenerExit::Shutdown));
             if let Err(e @ sleep::Error::FailStop { .. }) = exit {
                 return Err(e).context("the deployment was stopped by a failed sleep/wakeup");
             }
@@ -115,8 +116,11 @@ pub fn run() -> Result<()> {
         ran?;
         anyhow::bail!("the deployment was stopped by a failed sleep/wakeup: {reason}");
     }
-    if let Err(e) = coordinator.shutdown() {
-        tracing::debug!("control plane shutdown: {e}");
+    // After a failure no rank waits for its peers: they see the control channel close.
+    if ran.is_ok() {
+        if let Err(e) = coordinator.shutdown() {
+            tracing::debug!("control plane shutdown: {e}");
+        }
     }
     ran
 }
