@@ -268,15 +268,28 @@ pub struct ServerConfig {
     /// them wait for the wakeup.
     #[serde(default)]
     pub refuse_while_asleep: bool,
+    /// Otherwise the seconds a completion request waits for the wakeup before it gets 503
+    /// (with `Retry-After`).
+    #[serde(default = "default_asleep_wait_timeout")]
+    pub asleep_wait_timeout: f64,
 }
 
 fn default_listen() -> String {
     "127.0.0.1:8000".to_owned()
 }
 
+fn default_asleep_wait_timeout() -> f64 {
+    60.0
+}
+
 impl Default for ServerConfig {
     fn default() -> Self {
-        ServerConfig { listen: default_listen(), api_key: None, refuse_while_asleep: false }
+        ServerConfig {
+            listen: default_listen(),
+            api_key: None,
+            refuse_while_asleep: false,
+            asleep_wait_timeout: default_asleep_wait_timeout(),
+        }
     }
 }
 

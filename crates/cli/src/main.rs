@@ -508,6 +508,10 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
     let listen = args.listen.unwrap_or(config.server.listen);
     let api_key = args.api_key.or(config.server.api_key).filter(|k| !k.is_empty());
     let refuse_while_asleep = config.server.refuse_while_asleep;
+    let asleep_wait_s = config.server.asleep_wait_timeout;
+    if !(asleep_wait_s.is_finite() && asleep_wait_s >= 0.0) {
+        bail!("[server] asleep_wait_timeout = {asleep_wait_s}: expected seconds, 0 or more");
+    }
     tpctl::serve::check_listen(&listen, api_key.is_some())?;
     // The name the API knows the model by: the catalog name or the path, as given.
     let model_name = args.model.clone().unwrap_or(config.model.name);
@@ -533,7 +537,8 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
         nodes: args.nodes,
         deployment: args.deployment,
     };
-    let spec = ServeSpec { listen, api_key, model_name, refuse_while_asleep };
+    let asleep_wait_ms = (asleep_wait_s * 1000.0).min(u64::MAX as f64) as u64;
+    let spec = ServeSpec { listen, api_key, model_name, refuse_while_asleep, asleep_wait_ms };
     run(job, Some(spec), verbose, quiet)
 }
 

@@ -99,9 +99,12 @@ pub struct ServeSpec {
     /// The model's name in the API (`/v1/models`, the `model` field of requests).
     pub model_name: String,
     /// Answer completion requests with 503 while the deployment sleeps (`false`: they wait
-    /// in the engine's queue until the wakeup).
+    /// for the wakeup, at most `asleep_wait_ms`).
     #[serde(default)]
     pub refuse_while_asleep: bool,
+    /// Milliseconds a completion request waits for a wakeup before it gets 503.
+    #[serde(default)]
+    pub asleep_wait_ms: u64,
 }
 
 impl RankSpec {

@@ -74,3 +74,14 @@ fn errors_name_the_key_line_and_column() {
         }
     }
 }
+
+#[test]
+fn the_example_config_parses_with_every_key_it_shows() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/smollm2.toml");
+    let config = Config::load(&path).unwrap();
+    assert_eq!(config.server.asleep_wait_timeout, 60.0);
+    assert!(!config.server.refuse_while_asleep);
+    let text = "[server]\nasleep_wait_timeout = 2.5\n";
+    assert_eq!(Config::parse(text, "t.toml").unwrap().server.asleep_wait_timeout, 2.5);
+    assert_eq!(Config::default().server.asleep_wait_timeout, 60.0);
+}

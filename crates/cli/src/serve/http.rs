@@ -61,6 +61,8 @@ pub struct ApiParts {
     pub control: Option<Arc<Coordinator>>,
     /// Answer completions with 503 while the deployment sleeps.
     pub refuse_while_asleep: bool,
+    /// Otherwise how long a completion waits for the wakeup before it gets 503.
+    pub asleep_wait: Duration,
 }
 
 /// The handlers' shared state.
@@ -78,6 +80,7 @@ struct Inner {
     ready: Arc<AtomicBool>,
     control: Option<Arc<Coordinator>>,
     refuse_while_asleep: bool,
+    asleep_wait: Duration,
     created: u64,
 }
 
@@ -95,6 +98,7 @@ impl Api {
             ready: parts.ready,
             control: parts.control,
             refuse_while_asleep: parts.refuse_while_asleep,
+            asleep_wait: parts.asleep_wait,
             created: unix_now(),
         }))
     }
@@ -218,6 +222,8 @@ struct ApiError {
     kind: &'static str,
     code: &'static str,
     message: String,
+    /// Seconds for a `Retry-After` header (503s that will pass).
+    retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -227,7 +233,13 @@ impl ApiError {
         code: &'static str,
         message: impl Into<String>,
     ) -> Self {
-        ApiError { status, kind, code, message: message.into() }
+        ApiError { status, kind, code, message: message.into(), retry_after: None }
+    }
+
+    /// A 503 for a deployment that is asleep.
+    fn sleeping(message: String, retry_after: Option<u64>) -> Self {
+        let e = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "sleeping", message);
+        ApiError { retry_after, ..e }
     }
 
     fn invalid(code: &'static str, message: impl Into<String>) -> Self {
@@ -261,7 +273,11 @@ impl IntoResponse for ApiError {
             "code": self.code,
             "param": null,
         }});
-        (self.status, Json(body)).into_response()
+        let mut response = (self.status, Json(body)).into_response();
+        if let Some(seconds) = self.retry_after {
+            response.headers_mut().insert(header::RETRY_AFTER, seconds.into());
+        }
+        response
     }
 }
 
@@ -289,11 +305,15 @@ async fn method_not_allowed(req: Request) -> ApiError {
     )
 }
 
+/// `GET /health`: 200 once the model is loaded, asleep or not (as vLLM's), saying which.
 async fn health(State(api): State<Api>) -> Response {
-    if api.0.ready.load(Ordering::SeqCst) {
-        (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"}))).into_response()
+    if !api.0.ready.load(Ordering::SeqCst) {
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"})))
+            .into_response();
+    }
+    match api.asleep() {
+        Some(tags) => Json(json!({"status": "sleeping", "tags": tags})).into_response(),
+        None => Json(json!({"status": "ok"})).into_response(),
     }
 }
 
@@ -314,6 +334,7 @@ async fn models(State(api): State<Api>) -> Json<Value> {
             "created": api.0.created,
             "owned_by": "tpctl",
             "max_model_len": api.0.context,
+            "sleeping": api.asleep().is_some(),
         }],
     }))
 }
@@ -679,19 +700,7 @@ async fn chat_completions(
 }
 
 async fn generate(api: Api, job: Job, kind: Kind) -> std::result::Result<Response, ApiError> {
-    if api.0.refuse_while_asleep {
-        if let Some(tags) = api.0.control.as_ref().and_then(|c| asleep_tags(&c.state())) {
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "server_error",
-                "sleeping",
-                format!(
-                    "the deployment is asleep ({}) and refuses requests until a wakeup (POST /wake_up or `tpctl wakeup`)",
-                    tags.join(",")
-                ),
-            ));
-        }
-    }
+    api.wait_awake().await?;
     let prompt_tokens = job.prompt.len();
     let (stream, include_usage) = (job.stream, job.include_usage);
     let rx = api.0.bridge.submit(job.prompt, job.params)?;
@@ -723,6 +732,49 @@ async fn generate(api: Api, job: Job, kind: Kind) -> std::result::Result<Respons
     }))
     .into_response())
 }
+
+impl Api {
+    /// The tags asleep (or waking), if the deployment sleeps.
+    fn asleep(&self) -> Option<Vec<String>> {
+        self.0.control.as_ref().and_then(|c| asleep_tags(&c.state()))
+    }
+
+    /// Returns once the deployment is awake: at once with `refuse_while_asleep`'s 503, or
+    /// after at most `asleep_wait` with a 503 that asks to retry later.
+    async fn wait_awake(&self) -> std::result::Result<(), ApiError> {
+        let Some(tags) = self.asleep() else { return Ok(()) };
+        if self.0.refuse_while_asleep {
+            return Err(ApiError::sleeping(
+                format!(
+                    "the deployment is asleep ({}) and refuses requests until a wakeup (POST /wake_up or `tpctl wakeup`)",
+                    tags.join(",")
+                ),
+                None,
+            ));
+        }
+        let deadline = tokio::time::Instant::now() + self.0.asleep_wait;
+        while let Some(tags) = self.asleep() {
+            if tokio::time::Instant::now() >= deadline {
+                return Err(ApiError::sleeping(
+                    format!(
+                        "the deployment stayed asleep ({}) for {:.0} s, the limit of [server] asleep_wait_timeout; retry after a wakeup",
+                        tags.join(","),
+                        self.0.asleep_wait.as_secs_f64()
+                    ),
+                    Some(ASLEEP_RETRY_AFTER_S),
+                ));
+            }
+            tokio::time::sleep(ASLEEP_POLL).await;
+        }
+        Ok(())
+    }
+}
+
+/// How often a request that waits for a wakeup looks at the deployment's state.
+const ASLEEP_POLL: Duration = Duration::from_millis(20);
+
+/// The `Retry-After` of a request that waited for a wakeup in vain (seconds).
+const ASLEEP_RETRY_AFTER_S: u64 = 5;
 
 /// The tags of a sleeping (or waking) deployment; `None` while it runs or failed.
 fn asleep_tags(state: &DeploymentState) -> Option<Vec<String>> {

@@ -15,7 +15,8 @@
 //! With a sleep/wakeup coordinator, vLLM-style `POST /sleep`, `POST /wake_up` and
 //! `GET /is_sleeping` put every rank's memory to sleep and back ([`crate::control::run_op`],
 //! the same operations as the control socket). While the deployment sleeps, completion
-//! requests wait in the engine's queue, or get 503 with `[server] refuse_while_asleep`.
+//! requests wait for the wakeup (at most `[server] asleep_wait_timeout`, then 503 with
+//! `Retry-After`), or get 503 at once with `[server] refuse_while_asleep`.
 
 mod bridge;
 mod http;
@@ -101,6 +102,7 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
         ready: ready.clone(),
         control: rank0.control.clone(),
         refuse_while_asleep: spec.refuse_while_asleep,
+        asleep_wait: std::time::Duration::from_millis(spec.asleep_wait_ms),
     });
 
     let mut leader = Leader::new(

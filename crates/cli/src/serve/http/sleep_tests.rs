@@ -139,6 +139,16 @@ impl Http {
         refuse_while_asleep: bool,
         key: Option<&str>,
     ) -> Http {
+        Http::start_with(control, refuse_while_asleep, key, Duration::from_secs(60))
+    }
+
+    /// As [`Http::start`], with completions waiting at most `asleep_wait` for a wakeup.
+    fn start_with(
+        control: Option<Arc<Coordinator>>,
+        refuse_while_asleep: bool,
+        key: Option<&str>,
+        asleep_wait: Duration,
+    ) -> Http {
         let metrics = Metrics::default();
         let (inbox_tx, inbox) = std::sync::mpsc::channel();
         let api = Api::new(ApiParts {
@@ -152,6 +162,7 @@ impl Http {
             ready: Arc::new(AtomicBool::new(true)),
             control,
             refuse_while_asleep,
+            asleep_wait,
         });
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.set_nonblocking(true).unwrap();
@@ -163,6 +174,14 @@ impl Http {
 
     /// One exchange (`Connection: close`): the status and the body.
     fn call(&self, method: &str, path: &str, headers: &[&str], body: &str) -> (u16, String) {
+        let raw = self.raw(method, path, headers, body);
+        let status = raw.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        let body = raw.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+        (status, body)
+    }
+
+    /// One exchange: the whole answer, status line and headers included.
+    fn raw(&self, method: &str, path: &str, headers: &[&str], body: &str) -> String {
         let mut s = TcpStream::connect(&self.addr).unwrap();
         s.set_read_timeout(Some(DEADLINE)).unwrap();
         s.set_write_timeout(Some(DEADLINE)).unwrap();
@@ -176,9 +195,7 @@ impl Http {
         s.write_all(format!("{head}\r\n{body}").as_bytes()).unwrap();
         let mut raw = String::new();
         s.read_to_string(&mut raw).expect("an answer within the deadline");
-        let status = raw.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-        let body = raw.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
-        (status, body)
+        raw
     }
 
     fn json(&self, method: &str, path: &str) -> (u16, Value) {
@@ -269,11 +286,10 @@ fn sleep_and_wake_up_reach_every_rank_and_show_in_the_metrics() {
 }
 
 #[test]
-fn while_asleep_completions_wait_in_the_engine_queue_by_default() {
+fn while_asleep_completions_wait_for_the_wakeup_then_reach_the_engine() {
     let world = World::new(2);
     let http = Http::start(Some(world.coordinator.clone()), false, None);
     assert_eq!(http.json("POST", "/sleep").0, 200);
-    // The client gives up quickly; the request is in the inbox, waiting for the engine.
     let addr = http.addr.clone();
     std::thread::spawn(move || {
         let mut s = TcpStream::connect(addr).unwrap();
@@ -283,10 +299,36 @@ fn while_asleep_completions_wait_in_the_engine_queue_by_default() {
             body.len()
         );
         let _ = s.write_all(req.as_bytes());
-        std::thread::sleep(Duration::from_secs(2));
+        let _ = s.read_to_end(&mut Vec::new());
     });
+    // Asleep: it waits in the server, not in the parked engine's queue.
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(http.inbox.try_recv().is_err(), "reached the engine while asleep");
+    assert_eq!(http.json("POST", "/wake_up").0, 200);
     let request = http.inbox.recv_timeout(DEADLINE).expect("the request reached the engine");
     assert_eq!(request.prompt, session::Prompt::Tokens(vec![5, 6]));
+}
+
+#[test]
+fn a_request_that_waits_past_the_limit_gets_503_with_retry_after() {
+    let world = World::new(2);
+    let wait = Duration::from_millis(100);
+    let http = Http::start_with(Some(world.coordinator.clone()), false, None, wait);
+    assert_eq!(http.json("GET", "/health"), (200, serde_json::json!({"status": "ok"})));
+    assert_eq!(http.json("GET", "/v1/models").1["data"][0]["sleeping"], false);
+    assert_eq!(http.json("POST", "/sleep?tags=kv_cache").0, 200);
+    // Health stays 200 while asleep (as vLLM's), and says so.
+    let asleep = serde_json::json!({"status": "sleeping", "tags": ["kv_cache"]});
+    assert_eq!(http.json("GET", "/health"), (200, asleep));
+    assert_eq!(http.json("GET", "/v1/models").1["data"][0]["sleeping"], true);
+    let raw = http.raw("POST", "/v1/completions", &[], r#"{"prompt":[1,2],"max_tokens":2}"#);
+    assert!(raw.starts_with("HTTP/1.1 503"), "{raw}");
+    assert!(raw.to_ascii_lowercase().contains("\r\nretry-after: 5\r\n"), "{raw}");
+    assert!(
+        raw.contains("stayed asleep (kv_cache)") && raw.contains("asleep_wait_timeout"),
+        "{raw}"
+    );
+    assert!(http.inbox.try_recv().is_err());
 }
 
 #[test]
