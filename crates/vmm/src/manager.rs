@@ -412,6 +412,21 @@ impl Manager {
         &self,
         tags: impl IntoIterator<Item = T>,
     ) -> Result<Vec<Receipt>> {
+        self.release_with(tags, &[])
+    }
+
+    /// [`Manager::release`], with the contents of every allocation of a tag listed in
+    /// `backups` copied to that store first, whatever its policy: the next materialize
+    /// restores that copy instead of applying the policy. A caller's choice for one release,
+    /// such as vLLM's sleep level 1, which keeps weights in host memory for a fast wakeup.
+    ///
+    /// # Errors
+    /// As [`Manager::release`].
+    pub fn release_with<T: AsRef<str>>(
+        &self,
+        tags: impl IntoIterator<Item = T>,
+        backups: &[(Tag, Store)],
+    ) -> Result<Vec<Receipt>> {
         let mut state = self.state();
         let tags = Self::resolve(&state, tags)?;
         let targets = Self::targets(&state, &tags);
@@ -423,24 +438,36 @@ impl Manager {
             tags.iter().map(|t| Receipt::zero(t.clone(), Op::Release)).collect();
 
         // Phase 1: backups. Nothing is released yet, so a failure just drops what was saved.
-        let mut backups: Vec<Option<Backup>> = Vec::with_capacity(targets.len());
+        let mut saved: Vec<Option<Backup>> = Vec::with_capacity(targets.len());
         for (s, slot) in targets.iter().zip(&mut slots) {
-            if slot.phys.is_none() || !matches!(s.policy, Policy::Backup(_)) {
-                backups.push(None);
+            let asked = backups.iter().find(|(t, _)| *t == s.tag).map(|(_, store)| match store {
+                Store::Default => state.default_store,
+                store => *store,
+            });
+            let store = match (&s.policy, asked) {
+                (_, Some(store)) => store,
+                (Policy::Backup(_), None) => s.store,
+                _ => {
+                    saved.push(None);
+                    continue;
+                }
+            };
+            if slot.phys.is_none() {
+                saved.push(None);
                 continue;
             }
             let start = Instant::now();
-            let backup = Self::backup(&state, s, slot.spare.take())
+            let backup = Self::backup(&state, s, store, slot.spare.take())
                 .map_err(|e| Error::ReleaseAborted { source: Box::new(s.wrap(e)) })?;
             let i = receipt_of(&receipts, &s.tag);
             receipts[i].copied_bytes += backup.bytes();
             receipts[i].elapsed += start.elapsed();
-            backups.push(Some(backup));
+            saved.push(Some(backup));
         }
 
         // Phase 2: unmap. A failure leaves that allocation materialized and goes on.
         let mut failures = Vec::new();
-        for ((s, slot), backup) in targets.iter().zip(&mut slots).zip(backups) {
+        for ((s, slot), backup) in targets.iter().zip(&mut slots).zip(saved) {
             let Some(phys) = slot.phys.take() else { continue };
             let start = Instant::now();
             let unmapped = match fail::hit("vmm.unmap") {
@@ -477,8 +504,8 @@ impl Manager {
         }
     }
 
-    fn backup(state: &State, s: &Shared, spare: Option<HostBuf>) -> Result<Backup> {
-        match s.store {
+    fn backup(state: &State, s: &Shared, store: Store, spare: Option<HostBuf>) -> Result<Backup> {
+        match store {
             Store::Host | Store::Default => {
                 let mut buf = match spare {
                     Some(buf) if buf.as_slice().len() == s.mapped => buf,
@@ -583,22 +610,25 @@ impl Manager {
     /// Maps and restores one allocation; returns the bytes copied in.
     fn map_one(state: &mut State, s: &Shared, slot: &mut Slot) -> Result<u64> {
         let label = s.tag.as_str();
+        // A backup taken by the release is the contents: restored whatever the policy.
         let (phys, copied) = match (&s.policy, &slot.backup) {
-            (Policy::Discard, _) => (state.backend.map(s.base, s.mapped, label, Init::Fresh)?, 0),
-            (Policy::Zero, _) | (Policy::Backup(_), None) => {
-                (state.backend.map(s.base, s.mapped, label, Init::Zero)?, 0)
-            }
-            (Policy::Backup(_), Some(Backup::Host(buf))) => (
+            (_, Some(Backup::Host(buf))) => (
                 state.backend.map(s.base, s.mapped, label, Init::Bytes(buf.as_slice()))?,
                 buf.as_slice().len() as u64,
             ),
-            (Policy::Backup(_), Some(Backup::Spill(file))) => {
+            (_, Some(Backup::Spill(file))) => {
                 let what = format!("the spill file in {}", state.spill.dir().display());
                 let len = usize::try_from(file.bytes).unwrap_or(usize::MAX);
                 let init = Init::File { file: &file.file, offset: 0, len, what: &what };
                 (state.backend.map(s.base, s.mapped, label, init)?, file.bytes)
             }
-            (Policy::Reload(source), _) => {
+            (Policy::Discard, None) => {
+                (state.backend.map(s.base, s.mapped, label, Init::Fresh)?, 0)
+            }
+            (Policy::Zero | Policy::Backup(_), None) => {
+                (state.backend.map(s.base, s.mapped, label, Init::Zero)?, 0)
+            }
+            (Policy::Reload(source), None) => {
                 let what = format!("reload source {}", source.describe());
                 let init = match &*source.0 {
                     SourceKind::File { file, offset, .. } => {

@@ -862,3 +862,37 @@ fn scratch_dirs_are_per_process_and_removed() {
     drop(dir);
     assert!(!path.exists());
 }
+
+#[test]
+fn a_release_can_back_up_any_policy_and_its_copy_wins_over_the_policy() {
+    let m = manager("release-with");
+    let reloaded = pattern(1, 3 * MIB);
+    let source = reloaded.clone();
+    let w = m
+        .allocate(
+            Tag::WEIGHTS,
+            3 * MIB,
+            Policy::Reload(Source::from_fn(move |dst| {
+                dst.copy_from_slice(&source[..dst.len()]);
+                Ok(())
+            })),
+        )
+        .unwrap();
+    let kv = m.allocate(Tag::KV_CACHE, MIB, Policy::Discard).unwrap();
+    let updated = pattern(2, w.bytes());
+    w.write().unwrap().copy_from_slice(&updated);
+    // Backed up for this release only: the wakeup restores the current bytes, not the source.
+    for store in [Store::Host, Store::Spill] {
+        let r = m.release_with([Tag::WEIGHTS, Tag::KV_CACHE], &[(Tag::WEIGHTS, store)]).unwrap();
+        assert_eq!(r[0].copied_bytes, w.mapped_bytes() as u64, "{store:?}");
+        assert_eq!(r[1].copied_bytes, 0, "{store:?}: the KV cache keeps its policy");
+        let r = m.materialize([Tag::WEIGHTS, Tag::KV_CACHE]).unwrap();
+        assert_eq!(r[0].copied_bytes, w.mapped_bytes() as u64, "{store:?}");
+        assert_eq!(hash(&w.read().unwrap()), hash(&updated), "{store:?}");
+    }
+    // A plain release applies the policy: the source's bytes come back.
+    m.release([Tag::WEIGHTS]).unwrap();
+    m.materialize([Tag::WEIGHTS]).unwrap();
+    assert_eq!(hash(&w.read().unwrap()), hash(&reloaded));
+    drop(kv);
+}
