@@ -30,8 +30,11 @@
 //!
 //! Methods ([`Request`]):
 //! - `sleep {tags, level, mode, verify}`: releases `tags` on every rank. Empty `tags` means
-//!   every tag of a deployment ([`ALL_TAGS`]). `level` (1 or 2) is accepted for vLLM
-//!   compatibility and changes nothing: each tag is restored per its `[sleep.TAG]` policy.
+//!   every tag of a deployment ([`ALL_TAGS`]). `level` is vLLM's: 1 keeps the weights'
+//!   contents for a fast wakeup (host memory on a GPU, a spill file on the CPU), 2 discards
+//!   them and reloads them from the checkpoint at the wakeup; the KV cache is discarded at
+//!   both. A tag with its own `[sleep.TAG] restore` keeps it at every level; no level applies
+//!   each tag's configured policy (by default: weights reloaded, KV cache discarded).
 //!   `mode` (`wait`, `abort`, `keep`) says what happens to running requests; `verify` fails
 //!   (and rolls back) a sleep whose memory probe on some rank did not drop.
 //! - `wakeup {tags}`: materializes `tags` again; empty `tags` means every tag asleep.
@@ -74,7 +77,7 @@ pub struct Request {
     /// The tags (sleep, wakeup); empty means all (see the module docs).
     #[serde(default)]
     pub tags: Vec<String>,
-    /// vLLM's sleep level, 1 or 2 (both sleep `tags` with the configured restore policy).
+    /// vLLM's sleep level, 1 or 2 (see the module docs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub level: Option<u8>,
     /// What running requests do during a sleep.
@@ -429,7 +432,7 @@ pub(crate) fn dispatch(coordinator: &Arc<Coordinator>, req: &Request) -> Reply {
             return Reply::refused(format!("sleep level {level}: only 1 and 2 are supported"));
         }
     }
-    let opts = OpOptions { mode: req.mode, verify: req.verify };
+    let opts = OpOptions { mode: req.mode, verify: req.verify, level: req.level };
     let action = match req.method.as_str() {
         "sleep" => Action::Sleep,
         "wakeup" | "wake_up" => Action::Wakeup,

@@ -49,10 +49,13 @@ enum Command {
     /// Put a running deployment to sleep: release the memory of the given tags on every rank.
     ///
     /// Prints a receipt per rank and tag (device, bytes released, memory probe before ->
-    /// after, time) and a total. `--level` 1 and 2 are accepted for vLLM compatibility and do
-    /// the same: each tag is restored on wakeup per its `[sleep.TAG]` policy (defaults:
-    /// weights reload, kv_cache discard). Exits 1, naming every failing rank, when the sleep
-    /// or its verification fails (the deployment is rolled back).
+    /// after, time, restore) and a total. Without `--level` each tag comes back per its
+    /// `[sleep.TAG] restore` (defaults: weights reloaded from the checkpoint, kv_cache
+    /// discarded). `--level` is vLLM's: 1 keeps the weights' contents for a fast wakeup (in
+    /// host memory on a GPU, in a spill file on the CPU), 2 discards them and reloads them from
+    /// the checkpoint; the KV cache is discarded at both, and a tag with its own `[sleep.TAG]
+    /// restore` keeps it. Exits 1, naming every failing rank, when the sleep or its
+    /// verification fails (the deployment is rolled back).
     ///
     /// Example: tpctl sleep --deployment chat --tags kv_cache,weights --mode wait --verify
     Sleep(SleepArgs),
@@ -239,9 +242,10 @@ struct SleepArgs {
     /// Memory tags to release, comma-separated (default: all, i.e. weights,kv_cache).
     #[arg(long, value_delimiter = ',', value_name = "TAGS")]
     tags: Vec<String>,
-    /// vLLM's sleep level; 1 and 2 both sleep the tags with their configured restore policy.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=2))]
-    level: u8,
+    /// vLLM's sleep level: 1 keeps the weights' contents for a fast wakeup, 2 reloads them
+    /// from the checkpoint (default: each tag's `[sleep.TAG] restore`).
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=2))]
+    level: Option<u8>,
     /// Running requests: `wait` for them to finish, `abort` them, or `keep` them paused until
     /// the wakeup.
     #[arg(long, value_enum, default_value_t = Mode::Wait)]
@@ -291,7 +295,7 @@ fn main() -> ExitCode {
             let request = control::Request {
                 method: "sleep".into(),
                 tags: args.tags,
-                level: Some(args.level),
+                level: args.level,
                 mode,
                 verify: args.verify,
             };

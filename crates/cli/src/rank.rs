@@ -312,6 +312,8 @@ fn model_memory(spec: &RankSpec, compute: &Backend) -> Result<ModelMemory> {
         restore(spec, "kv_cache", Restore::Discard),
     )
     .map_err(|e| anyhow::anyhow!("sleep policy: {e}"))?;
+    // Sleep level 1 keeps the weights' contents, unless their restore is configured.
+    let memory = memory.with_level_one_weights(!spec.sleep.contains_key("weights"));
     match compute.device() {
         layers::Device::Cuda(ordinal) => memory.with_device(ordinal).map_err(anyhow::Error::msg),
         _ => Ok(memory),

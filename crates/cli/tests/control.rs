@@ -62,6 +62,7 @@ impl RankMemory for FakeMemory {
                     device_bytes: if moved && self.gpu { MIB } else { 0 },
                     copied_bytes: 0,
                     elapsed_us: 250,
+                    restore: "discard".into(),
                 }
             })
             .collect())
@@ -80,6 +81,7 @@ impl RankMemory for FakeMemory {
                     device_bytes: if moved && self.gpu { MIB } else { 0 },
                     copied_bytes: 0,
                     elapsed_us: 1500,
+                    restore: "discard".into(),
                 }
             })
             .collect())
@@ -388,20 +390,24 @@ fn the_binary_prints_receipts_status_and_failures() {
     let text = stdout(&out);
     let lines: Vec<&str> = text.lines().collect();
     let cols: Vec<&str> = lines[0].split("  ").map(str::trim).filter(|c| !c.is_empty()).collect();
-    assert_eq!(cols, ["rank", "device", "tag", "bytes", "probe before -> after", "time"], "{text}");
+    let header = ["rank", "device", "tag", "bytes", "probe before -> after", "time", "restore"];
+    assert_eq!(cols, header, "{text}");
     let row = |i: usize| lines[i].split_whitespace().collect::<Vec<_>>();
     // Rank 0 on CPU: resident 12 MiB -> 10 MiB; rank 1 on "GPU" 1: device bytes.
     assert_eq!(
         row(1),
-        ["0", "cpu", "kv_cache", "1.0", "MiB", "12.0", "MiB", "->", "10.0", "MiB", "250", "us"],
+        [
+            "0", "cpu", "kv_cache", "1.0", "MiB", "12.0", "MiB", "->", "10.0", "MiB", "250", "us",
+            "discard"
+        ],
         "{text}"
     );
-    assert_eq!(row(2), ["0", "cpu", "weights", "1.0", "MiB", "250", "us"], "{text}");
+    assert_eq!(row(2), ["0", "cpu", "weights", "1.0", "MiB", "250", "us", "discard"], "{text}");
     assert_eq!(
         row(3),
         [
             "1", "cuda:1", "kv_cache", "1.0", "MiB", "(1.0", "MiB", "on", "device)", "102.0",
-            "MiB", "->", "100.0", "MiB", "250", "us"
+            "MiB", "->", "100.0", "MiB", "250", "us", "discard"
         ],
         "{text}"
     );

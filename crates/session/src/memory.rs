@@ -46,6 +46,16 @@ pub enum Restore {
 }
 
 impl Restore {
+    /// Its name in receipts and configs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Restore::Discard => "discard",
+            Restore::Zero => "zero",
+            Restore::Backup => "backup",
+            Restore::Reload => "reload",
+        }
+    }
+
     /// Whether a wakeup brings the contents back.
     pub fn keeps_contents(self) -> bool {
         matches!(self, Restore::Backup | Restore::Reload)
@@ -77,6 +87,9 @@ pub struct ModelMemory {
     kv_cache: Restore,
     /// The policy of every KV-cache allocation.
     kv_policy: vmm::Policy,
+    /// Tags whose contents a sleep at level 1 backs up (to host memory) whatever their
+    /// policy.
+    level_one: Vec<vmm::Tag>,
 }
 
 impl ModelMemory {
@@ -96,7 +109,14 @@ impl ModelMemory {
         for tag in [vmm::Tag::WEIGHTS, vmm::Tag::KV_CACHE] {
             manager.define_tag(tag).map_err(|e| e.to_string())?;
         }
-        Ok(ModelMemory { manager, device: None, weights, kv_cache, kv_policy })
+        Ok(ModelMemory {
+            manager,
+            device: None,
+            weights,
+            kv_cache,
+            kv_policy,
+            level_one: Vec::new(),
+        })
     }
 
     /// Adds the device memory of CUDA device `ordinal`: models computing there keep their KV
@@ -146,6 +166,24 @@ impl ModelMemory {
     /// The manager.
     pub fn manager(&self) -> &Arc<vmm::Manager> {
         &self.manager
+    }
+
+    /// Whether a sleep at level 1 keeps the weights' contents (the manager's default store:
+    /// a pinned host copy on a GPU, a spill file on the CPU), restored from there at the
+    /// wakeup instead of per their policy, as vLLM's level 1 does. Off by default; the
+    /// launcher turns it on unless the weights' restore policy is configured.
+    pub fn with_level_one_weights(mut self, keep: bool) -> ModelMemory {
+        self.level_one = if keep { vec![vmm::Tag::WEIGHTS] } else { Vec::new() };
+        self
+    }
+
+    /// The configured restore policy of `tag`.
+    fn restore_of(&self, tag: &str) -> Option<Restore> {
+        match tag {
+            t if t == vmm::Tag::WEIGHTS.as_str() => Some(self.weights),
+            t if t == vmm::Tag::KV_CACHE.as_str() => Some(self.kv_cache),
+            _ => None,
+        }
     }
 
     /// The tags whose contents a wakeup does not bring back.
@@ -238,6 +276,10 @@ pub struct ModelRankMemory {
     host: VmmMemory,
     device: Option<VmmMemory>,
     backend: Backend,
+    memory: ModelMemory,
+    /// Per tag, how its latest sleep left its contents to come back (for the wakeup's
+    /// receipt).
+    pending: Mutex<std::collections::BTreeMap<String, Restore>>,
 }
 
 impl std::fmt::Debug for ModelRankMemory {
@@ -264,7 +306,11 @@ impl ModelRankMemory {
             }
             _ => (VmmMemory::new(manager, None), None),
         };
-        ModelRankMemory { host, device, backend }
+        ModelRankMemory { host, device, backend, memory: memory.clone(), pending: Mutex::default() }
+    }
+
+    fn pending(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<String, Restore>> {
+        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -303,16 +349,40 @@ impl RankMemory for ModelRankMemory {
     }
 
     fn release(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
+        self.release_at(tags, None)
+    }
+
+    fn release_at(
+        &self,
+        tags: &[String],
+        level: Option<u8>,
+    ) -> Result<Vec<TagReceipt>, MemoryError> {
         if tags.iter().any(|t| t == vmm::Tag::WEIGHTS.as_str()) {
             if let Backend::Cuda(gpu) = &self.backend {
                 gpu.clear_weight_cache();
             }
         }
-        let mut receipts = self.host.release(tags)?;
+        let backups: Vec<(vmm::Tag, vmm::Store)> = match level {
+            Some(1) => {
+                self.memory.level_one.iter().map(|t| (t.clone(), vmm::Store::Default)).collect()
+            }
+            _ => Vec::new(),
+        };
+        let mut receipts = self.host.release_with(tags, &backups)?;
         if let Some(device) = &self.device {
             // The host memory is released already: the caller undoes both.
             let more = device.release(tags).map_err(|e| MemoryError { changed: true, ..e })?;
             merge(&mut receipts, more);
+        }
+        let mut pending = self.pending();
+        for r in &mut receipts {
+            let backed_up = backups.iter().any(|(t, _)| t.as_str() == r.tag);
+            let restore =
+                if backed_up { Some(Restore::Backup) } else { self.memory.restore_of(&r.tag) };
+            if let Some(restore) = restore {
+                r.restore = restore.name().to_owned();
+                pending.insert(r.tag.clone(), restore);
+            }
         }
         Ok(receipts)
     }
@@ -322,6 +392,11 @@ impl RankMemory for ModelRankMemory {
         if let Some(device) = &self.device {
             let more = device.materialize(tags).map_err(|e| MemoryError { changed: true, ..e })?;
             merge(&mut receipts, more);
+        }
+        let mut pending = self.pending();
+        for r in &mut receipts {
+            let restore = pending.remove(&r.tag).or_else(|| self.memory.restore_of(&r.tag));
+            r.restore = restore.map(|x| x.name().to_owned()).unwrap_or_default();
         }
         Ok(receipts)
     }
@@ -554,6 +629,60 @@ mod tests {
         std::fs::remove_dir_all(&dir).ok();
     }
 
+    /// vLLM's levels through the control plane's view: level 1 keeps the weights' contents
+    /// (copied out at the sleep, back at the wakeup), level 2 reloads them from the file, the
+    /// KV cache keeps its policy at both, and the generation continues identically; with the
+    /// weights' policy configured, level 1 keeps that policy.
+    #[test]
+    fn sleep_levels_choose_how_the_weights_come_back_and_receipts_say_so() {
+        use crate::sleep::RankMemory;
+        let dir = std::env::temp_dir().join(format!("tpctl-memory-l-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tiny.gguf");
+        RandomLlama { seed: 9, ..Default::default() }.write(&path).unwrap();
+        let (placement, form) = (Placement::single(), WeightForm::Native);
+        let origin = ShardOrigin { path: path.clone(), placement, form };
+        for keep in [true, false] {
+            let memory =
+                ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Backup)
+                    .unwrap()
+                    .with_level_one_weights(keep);
+            let mut model = ParallelModel::load(&path, placement, 1, form).unwrap();
+            memory.place_weights(&mut model, &origin).unwrap();
+            let mut cache = memory.new_cache(&model, 64).unwrap();
+            let heap = ParallelModel::load(&path, placement, 1, form).unwrap();
+            let mut heap_cache = heap.new_cache(64);
+            let rank = ModelRankMemory::new(&memory, model.backend().clone());
+            let mapped = model.weight_bytes().next_multiple_of(memory.manager().granularity());
+            let mut next = vec![1, 2, 3];
+            for level in [Some(1), Some(2), None] {
+                let want = generate(&heap, &mut heap_cache, &next, 2);
+                let tags = ["weights".to_owned(), "kv_cache".to_owned()];
+                let slept = rank.release_at(&tags, level).unwrap();
+                let woke = rank.materialize(&tags).unwrap();
+                let kept = keep && level == Some(1);
+                let (restore, copied_out) = if kept { ("backup", mapped) } else { ("reload", 0) };
+                let what = format!("keep {keep}, level {level:?}");
+                assert_eq!(
+                    (slept[0].restore.as_str(), slept[0].copied_bytes),
+                    (restore, copied_out as u64),
+                    "{what}"
+                );
+                assert_eq!(woke[0].restore, restore, "{what}");
+                assert!(woke[0].copied_bytes >= model.weight_bytes() as u64, "{what}");
+                assert_eq!(
+                    (slept[1].restore.as_str(), woke[1].restore.as_str()),
+                    ("backup", "backup"),
+                    "{what}"
+                );
+                let got = generate(&model, &mut cache, &next, 2);
+                assert_eq!(got, want, "{what}");
+                next = vec![crate::argmax(got.last().unwrap())];
+            }
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
     /// The device arena's bookkeeping, over a host manager (addresses are only computed, never
     /// read): regions are aligned and packed into the newest allocation, a region that does
     /// not fit starts a new chunk (its own size when larger), and a sleep of the tag releases
@@ -597,6 +726,7 @@ mod tests {
             device_bytes,
             copied_bytes: 0,
             elapsed_us: 10,
+            restore: String::new(),
         };
         let mut host = vec![receipt("weights", 100, 0), receipt("kv_cache", 50, 0)];
         merge(&mut host, vec![receipt("kv_cache", 400, 400), receipt("weights", 700, 700)]);

@@ -67,12 +67,22 @@ fn tag_bytes(t: &TagReceipt) -> String {
     }
 }
 
+/// How a tag comes back, and the bytes copied to (sleep) or from (wakeup) its backup or
+/// checkpoint when there were any: `reload`, `backup (1.0 GiB copied)`.
+fn restore(t: &TagReceipt) -> String {
+    match (t.restore.as_str(), t.copied_bytes) {
+        ("", _) => "-".into(),
+        (r, 0) => r.to_owned(),
+        (r, n) => format!("{r} ({} copied)", bytes(n)),
+    }
+}
+
 /// A sleep or wakeup receipt: one row per rank and tag (the rank's probe, before -> after, on
-/// its first row; device bytes on a GPU, resident bytes on CPU), then a total line.
+/// its first row; device bytes on a GPU, resident bytes on CPU; how the tag comes back, with
+/// the bytes copied to or from its backup or checkpoint), then a total line.
 pub fn receipt(op: &OpWire) -> String {
-    let mut rows = vec![["rank", "device", "tag", "bytes", "probe before -> after", "time"]
-        .map(str::to_owned)
-        .to_vec()];
+    let header = ["rank", "device", "tag", "bytes", "probe before -> after", "time", "restore"];
+    let mut rows = vec![header.map(str::to_owned).to_vec()];
     for r in &op.ranks {
         let probe = format!("{} -> {}", bytes(r.before.measure()), bytes(r.after.measure()));
         let dev = device(&r.after);
@@ -84,6 +94,7 @@ pub fn receipt(op: &OpWire) -> String {
                 bytes(0),
                 probe.clone(),
                 micros(r.elapsed_us),
+                "-".into(),
             ]);
         }
         for (i, t) in r.tags.iter().enumerate() {
@@ -94,6 +105,7 @@ pub fn receipt(op: &OpWire) -> String {
                 tag_bytes(t),
                 if i == 0 { probe.clone() } else { String::new() },
                 micros(t.elapsed_us),
+                restore(t),
             ]);
         }
     }

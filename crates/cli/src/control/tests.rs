@@ -40,6 +40,7 @@ fn rank(rank: usize, devices: Vec<(u32, u64)>, tags: &[(&str, u64)]) -> RankRece
                 device_bytes: if devices.is_empty() { 0 } else { b },
                 copied_bytes: 0,
                 elapsed_us: 2500,
+                restore: "reload".into(),
             })
             .collect(),
         before: Probe { resident: 3 << 30, devices: devices.clone(), ..Probe::default() },
@@ -78,6 +79,7 @@ fn a_receipt_has_a_row_per_rank_and_tag_and_a_total() {
     assert_eq!(lines[1].find("3.0 GiB -> 1.0 GiB"), Some(at("probe")), "{text}");
     assert_eq!(lines[1].find("2.5 ms"), Some(at("time")), "{text}");
     assert!(lines[1].starts_with("0     cpu     weights"), "{text}");
+    assert_eq!(lines[1].find("reload"), Some(at("restore")), "{text}");
     // The probe is shown once per rank.
     assert!(!lines[2].contains("->"), "{text}");
     assert_eq!(

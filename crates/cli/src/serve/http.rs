@@ -847,11 +847,17 @@ fn op_query(query: Option<&str>, allowed: &[&str]) -> std::result::Result<OpQuer
             "tags" => out.tags.extend(
                 value.split(',').map(str::trim).filter(|t| !t.is_empty()).map(str::to_owned),
             ),
-            "level" if !matches!(value.as_str(), "1" | "2") => {
-                return Err(ApiError::invalid(
-                    "invalid_level",
-                    format!("sleep level `{value}`: only 1 and 2 are supported"),
-                ));
+            "level" => {
+                out.opts.level = match value.as_str() {
+                    "1" => Some(1),
+                    "2" => Some(2),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            "invalid_level",
+                            format!("sleep level `{value}`: only 1 and 2 are supported"),
+                        ))
+                    }
+                }
             }
             "mode" => {
                 out.opts.mode = match value.as_str() {

@@ -40,6 +40,9 @@ pub struct OpOptions {
     /// Fail (and roll back) a sleep when any rank's memory probe dropped by less than
     /// [`VERIFY_FRACTION`] of the bytes it released.
     pub verify: bool,
+    /// vLLM's sleep level (1 or 2; see [`RankMemory::release_at`]); `None` applies each
+    /// tag's configured restore policy.
+    pub level: Option<u8>,
 }
 
 /// Options of a [`Coordinator`].
@@ -487,6 +490,7 @@ impl Coordinator {
         let peers = self.live_peers();
         let mut prepare = Message::request(op_id, Phase::Prepare, Some(action), tags);
         prepare.mode = opts.mode;
+        prepare.level = opts.level;
         let (prepared, mut failures) = self.fan_out(&prepare, &peers, true);
         if let Err(e) = self.memory.check(tags) {
             failures.push(RankFailure { rank: 0, phase: Phase::Prepare, message: e });
@@ -506,7 +510,7 @@ impl Coordinator {
         // Phase 2: the local operation, then COMMIT to the prepared peers.
         let local = match mesh::failpoint::hit("sleep.commit") {
             Err(e) => Err((Status::Failed, e.to_string())),
-            Ok(()) => execute(0, &*self.memory, action, tags),
+            Ok(()) => execute(0, &*self.memory, action, tags, opts.level),
         };
         let local = match local {
             Ok(r) => {
@@ -663,7 +667,7 @@ impl Coordinator {
                 lock(&self.inner).paused = true;
             }
         }
-        if let Err((_, message)) = execute(0, &*self.memory, undo, tags) {
+        if let Err((_, message)) = execute(0, &*self.memory, undo, tags, None) {
             failures.push(RankFailure { rank: 0, phase: Phase::Rollback, message });
             fatal = true;
         }

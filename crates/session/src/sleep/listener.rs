@@ -214,7 +214,7 @@ impl Peer {
             self.resume_if_awake();
             return self.failed(msg, Status::Failed, format!("commit of op {}: {e}", msg.op_id));
         }
-        match execute(self.rank, &*self.memory, action, &prepared.tags) {
+        match execute(self.rank, &*self.memory, action, &prepared.tags, prepared.level) {
             Ok(r) => {
                 if action == Action::Sleep {
                     self.engine.released(&prepared.tags);
@@ -259,7 +259,7 @@ impl Peer {
             }
             self.paused = true;
         }
-        match execute(self.rank, &*self.memory, undo, &tags) {
+        match execute(self.rank, &*self.memory, undo, &tags, None) {
             Ok(r) => {
                 self.apply(undo, &tags);
                 self.resume_if_awake();

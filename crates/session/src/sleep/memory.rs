@@ -30,6 +30,22 @@ pub trait RankMemory: Send + Sync {
     /// [`MemoryError`], saying whether anything changed.
     fn release(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError>;
 
+    /// Releases `tags` at vLLM's sleep `level`: 1 keeps the contents of the tags the memory
+    /// marks for it (the weights, unless configured otherwise) in host memory for a fast
+    /// wakeup; 2, or none, applies each tag's configured restore policy. The default ignores
+    /// the level.
+    ///
+    /// # Errors
+    /// As [`RankMemory::release`].
+    fn release_at(
+        &self,
+        tags: &[String],
+        level: Option<u8>,
+    ) -> Result<Vec<TagReceipt>, MemoryError> {
+        let _ = level;
+        self.release(tags)
+    }
+
     /// Maps the memory of `tags` again and restores it; one receipt per distinct tag.
     ///
     /// # Errors
@@ -80,6 +96,25 @@ impl VmmMemory {
         &self.manager
     }
 
+    /// Releases `tags`, backing up the contents of the tags in `backups` to their store
+    /// whatever their policy (see [`vmm::Manager::release_with`]).
+    ///
+    /// # Errors
+    /// As [`RankMemory::release`].
+    pub fn release_with(
+        &self,
+        tags: &[String],
+        backups: &[(vmm::Tag, vmm::Store)],
+    ) -> Result<Vec<TagReceipt>, MemoryError> {
+        let device = self.on_device();
+        self.manager.release_with(tags, backups).map(|r| receipts(r, device)).map_err(|e| {
+            MemoryError {
+                changed: matches!(e, vmm::Error::ReleasePartial { .. }),
+                message: e.to_string(),
+            }
+        })
+    }
+
     /// Whether the manager's allocations are device memory.
     fn on_device(&self) -> bool {
         self.manager.backend_name() != "cpu"
@@ -96,6 +131,7 @@ fn receipts(rs: Vec<vmm::Receipt>, device: bool) -> Vec<TagReceipt> {
             device_bytes: if device { r.bytes } else { 0 },
             copied_bytes: r.copied_bytes,
             elapsed_us: r.elapsed.as_micros() as u64,
+            restore: String::new(),
         })
         .collect()
 }
@@ -114,11 +150,7 @@ impl RankMemory for VmmMemory {
     }
 
     fn release(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
-        let device = self.on_device();
-        self.manager.release(tags).map(|r| receipts(r, device)).map_err(|e| MemoryError {
-            changed: matches!(e, vmm::Error::ReleasePartial { .. }),
-            message: e.to_string(),
-        })
+        self.release_with(tags, &[])
     }
 
     fn materialize(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
@@ -170,6 +202,7 @@ pub(crate) fn execute(
     memory: &dyn RankMemory,
     action: Action,
     tags: &[String],
+    level: Option<u8>,
 ) -> Result<RankReceipt, (Status, String)> {
     let before = memory.probe();
     let start = Instant::now();
@@ -177,7 +210,7 @@ pub(crate) fn execute(
     // it is undone like one, so the protocol's ABORT, drain and rollback still run.
     let run = |a: Action| {
         let op = std::panic::AssertUnwindSafe(|| match a {
-            Action::Sleep => memory.release(tags),
+            Action::Sleep => memory.release_at(tags, level),
             Action::Wakeup => memory.materialize(tags),
         });
         std::panic::catch_unwind(op).unwrap_or_else(|panic| {

@@ -138,6 +138,10 @@ pub struct TagReceipt {
     pub device_bytes: u64,
     /// Bytes copied to a backup (sleep) or restored from one or reloaded (wakeup).
     pub copied_bytes: u64,
+    /// How the tag's contents come back (sleep) or came back (wakeup): `discard`, `zero`,
+    /// `backup` or `reload`; empty where the memory does not say.
+    #[serde(default)]
+    pub restore: String,
     /// Time spent on the tag, in microseconds.
     pub elapsed_us: u64,
 }
@@ -212,6 +216,9 @@ pub struct Message {
     /// How to quiesce (prepare).
     #[serde(default)]
     pub mode: QuiesceMode,
+    /// vLLM's sleep level of a sleep (prepare; the commit runs what was prepared).
+    #[serde(default)]
+    pub level: Option<u8>,
     /// Request, or the outcome of an ACK.
     pub status: Status,
     /// What failed, with the peer's context (ACKs with a failure status).
@@ -231,6 +238,7 @@ impl Message {
             action,
             tags: tags.to_vec(),
             mode: QuiesceMode::default(),
+            level: None,
             status: Status::Request,
             error: None,
             receipt: None,
@@ -245,6 +253,7 @@ impl Message {
             action: self.action,
             tags: Vec::new(),
             mode: self.mode,
+            level: self.level,
             status,
             error: None,
             receipt: None,

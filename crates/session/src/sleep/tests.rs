@@ -43,6 +43,8 @@ struct FakeState {
     work: Duration,
     /// The next release panics after releasing its first tag.
     panic_release: bool,
+    /// The level of the latest release.
+    level: Option<u8>,
 }
 
 /// Rank memory with 1 MiB per tag; resident = 10 MiB + 1 MiB per awake tag.
@@ -68,6 +70,15 @@ impl RankMemory for Fake {
             None if tags.iter().any(|t| t == "bogus") => Err("unknown tag `bogus`".into()),
             None => Ok(()),
         }
+    }
+
+    fn release_at(
+        &self,
+        tags: &[String],
+        level: Option<u8>,
+    ) -> std::result::Result<Vec<TagReceipt>, MemoryError> {
+        self.st.lock().unwrap().level = level;
+        self.release(tags)
     }
 
     fn release(&self, tags: &[String]) -> std::result::Result<Vec<TagReceipt>, MemoryError> {
@@ -863,4 +874,18 @@ fn a_panic_in_a_ranks_memory_operation_is_undone_and_every_rank_goes_on() {
         w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap();
         w.shutdown();
     }
+}
+
+#[test]
+fn the_sleep_level_reaches_every_ranks_memory() {
+    let w = world(3);
+    for level in [Some(1), Some(2), None] {
+        let opts = OpOptions { level, ..OpOptions::default() };
+        w.coord.sleep(&tags(&["weights"]), opts).unwrap();
+        for m in &w.mem {
+            assert_eq!(m.st.lock().unwrap().level, level, "rank {}", m.rank);
+        }
+        w.coord.wakeup(&tags(&["weights"]), OpOptions::default()).unwrap();
+    }
+    w.shutdown();
 }
