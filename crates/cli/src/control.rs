@@ -86,6 +86,9 @@ pub struct Request {
     /// Fail a sleep whose memory probe did not drop on some rank.
     #[serde(default)]
     pub verify: bool,
+    /// The checkpoint `update_weights` loads (a GGUF file or a Hugging Face folder).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
 }
 
 impl Request {
@@ -321,7 +324,35 @@ pub fn run_op(
     let result = match action {
         Action::Sleep => coordinator.sleep(&tags, opts),
         Action::Wakeup => coordinator.wakeup(&tags, opts),
+        Action::Update | Action::Revert => {
+            return Err(ErrorWire::client(format!("{action} is not a sleep or wakeup")))
+        }
     };
+    record(&journal, action, result)
+}
+
+/// Replaces the weights on every rank with those of the checkpoint at `model` (see
+/// [`Coordinator::update_weights`]) and records it in the deployment's journal.
+///
+/// # Errors
+/// The operation's error, on the wire.
+pub fn run_update(
+    coordinator: &Arc<Coordinator>,
+    model: &str,
+    opts: OpOptions,
+) -> Result<OpWire, ErrorWire> {
+    if model.trim().is_empty() {
+        return Err(ErrorWire::client("update_weights needs the checkpoint: model=PATH"));
+    }
+    let result = coordinator.update_weights(model, opts);
+    record(&journal(coordinator), Action::Update, result)
+}
+
+fn record(
+    journal: &Journal,
+    action: Action,
+    result: session::sleep::Result<session::sleep::OpReceipt>,
+) -> Result<OpWire, ErrorWire> {
     match result {
         Ok(receipt) => {
             journal.record_op(&receipt);
@@ -442,9 +473,16 @@ pub(crate) fn dispatch(coordinator: &Arc<Coordinator>, req: &Request) -> Reply {
                 Err(e) => Reply { ok: false, error: Some(ErrorWire::from(&e)), ..Reply::default() },
             }
         }
+        "update_weights" => {
+            let model = req.model.as_deref().unwrap_or_default();
+            return match run_update(coordinator, model, opts) {
+                Ok(op) => Reply { ok: true, op: Some(op), ..Reply::default() },
+                Err(e) => Reply { ok: false, error: Some(e), ..Reply::default() },
+            };
+        }
         other => {
             return Reply::refused(format!(
-                "unknown control method `{other}`: expected sleep, wakeup, status or stop"
+                "unknown control method `{other}`: expected sleep, wakeup, update_weights, status or stop"
             ))
         }
     };

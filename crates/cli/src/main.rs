@@ -64,6 +64,16 @@ enum Command {
     ///
     /// Example: tpctl wakeup --deployment chat --tags weights
     Wakeup(WakeupArgs),
+    /// Replace a running deployment's weights with another checkpoint of the same model
+    /// (same architecture and shapes: a fine-tuned or re-trained copy), on every rank.
+    ///
+    /// Works asleep (the wakeup then loads the new checkpoint) or awake (the engine quiesces
+    /// per `--mode` first; paused requests continue, computed again with the new weights).
+    /// Two-phase: every rank loads and checks its shard first, and any failure leaves the old
+    /// weights everywhere. Exits 1, naming every failing rank, when it fails.
+    ///
+    /// Example: tpctl reload --deployment chat --model /ckpt/step-2000.gguf
+    Reload(ReloadArgs),
     /// Show a deployment's state and, per rank, the tags asleep and the memory in use.
     ///
     /// Example: tpctl status --deployment chat
@@ -259,6 +269,19 @@ struct SleepArgs {
 }
 
 #[derive(Args, Debug)]
+struct ReloadArgs {
+    /// The checkpoint to load: a GGUF file or a Hugging Face folder, as the ranks see it.
+    #[arg(long, value_name = "PATH")]
+    model: String,
+    /// Running requests: `wait` for them to finish, `abort` them, or `keep` them paused and
+    /// continue them (recomputed) with the new weights.
+    #[arg(long, value_enum, default_value_t = Mode::Wait)]
+    mode: Mode,
+    #[command(flatten)]
+    target: TargetArgs,
+}
+
+#[derive(Args, Debug)]
 struct WakeupArgs {
     /// Memory tags to restore, comma-separated (default: every tag asleep).
     #[arg(long, value_delimiter = ',', value_name = "TAGS")]
@@ -278,6 +301,16 @@ enum Mode {
     Keep,
 }
 
+impl From<Mode> for session::sleep::QuiesceMode {
+    fn from(mode: Mode) -> Self {
+        match mode {
+            Mode::Wait => session::sleep::QuiesceMode::Wait,
+            Mode::Abort => session::sleep::QuiesceMode::Abort,
+            Mode::Keep => session::sleep::QuiesceMode::Keep,
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.verbose, cli.quiet);
@@ -287,17 +320,22 @@ fn main() -> ExitCode {
         Command::Fetch { model } => fetch(&model),
         Command::Models => models(),
         Command::Sleep(args) => {
-            let mode = match args.mode {
-                Mode::Wait => session::sleep::QuiesceMode::Wait,
-                Mode::Abort => session::sleep::QuiesceMode::Abort,
-                Mode::Keep => session::sleep::QuiesceMode::Keep,
-            };
+            let mode = args.mode.into();
             let request = control::Request {
                 method: "sleep".into(),
                 tags: args.tags,
                 level: args.level,
                 mode,
                 verify: args.verify,
+                model: None,
+            };
+            control_command(&args.target, &request)
+        }
+        Command::Reload(args) => {
+            let request = control::Request {
+                model: Some(args.model),
+                mode: args.mode.into(),
+                ..control::Request::new("update_weights")
             };
             control_command(&args.target, &request)
         }

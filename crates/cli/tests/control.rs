@@ -274,7 +274,7 @@ fn unknown_methods_bad_options_and_garbage_are_refused_clearly() {
     for (request, expect) in [
         (
             Request::new("shutdown"),
-            "unknown control method `shutdown`: expected sleep, wakeup, status or stop",
+            "unknown control method `shutdown`: expected sleep, wakeup, update_weights, status or stop",
         ),
         (Request { level: Some(3), ..Request::new("sleep") }, "sleep level 3: only 1 and 2"),
         (
@@ -282,6 +282,7 @@ fn unknown_methods_bad_options_and_garbage_are_refused_clearly() {
             "`kv cache` is not a tag name",
         ),
         (Request { tags: tags(&["bogus"]), ..Request::new("sleep") }, "unknown tag `bogus`"),
+        (Request::new("update_weights"), "update_weights needs the checkpoint: model=PATH"),
     ] {
         let reply = call(&path, &request);
         assert!(!reply.ok);

@@ -1110,3 +1110,77 @@ fn characters_split_over_tokens_come_out_whole_in_run_sse_and_answers() {
     assert_eq!(deltas, expected, "{reply:?}");
     assert_eq!(server.interrupt().code(), Some(130));
 }
+
+/// A weight update as an RL trainer drives it: the served model's weights replaced by another
+/// checkpoint of the same shapes (awake, then asleep at level 2 with the wakeup loading it),
+/// each time answering exactly as a fresh `tpctl run` on that checkpoint; a checkpoint of other
+/// shapes is refused on every rank and the live weights stay.
+#[test]
+fn a_weight_update_serves_the_new_checkpoint_like_a_fresh_start() {
+    const MAX: u32 = 12;
+    let write = |name: &str, spec: layers::model::random::RandomLlama| {
+        let path = scratch(name);
+        spec.write(&path).expect("write a checkpoint");
+        path.to_string_lossy().into_owned()
+    };
+    let first = common::tiny_model().to_owned();
+    let second = write(
+        "update-b.gguf",
+        layers::model::random::RandomLlama { seed: 8, ..common::tiny_spec() },
+    );
+    let other_shapes = write(
+        "update-c.gguf",
+        layers::model::random::RandomLlama { ffn: 96, ..common::tiny_spec() },
+    );
+    let prompts = ["1,2,3", "9,8"];
+    let (want_first, want_second) =
+        (reference(&first, &prompts, MAX), reference(&second, &prompts, MAX));
+    assert_ne!(want_first, want_second, "the checkpoints must answer differently");
+    let answers = |server: &Server| -> Vec<Vec<u64>> {
+        prompts
+            .iter()
+            .map(|p| {
+                let reply = server.post("/v1/completions", &completion(p, MAX));
+                assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
+                ids(&reply.json()["choices"][0]["token_ids"])
+            })
+            .collect()
+    };
+
+    let rt = runtime_dir("update");
+    let env = [("XDG_RUNTIME_DIR", rt.as_str())];
+    let server =
+        Server::start_with(&first, &["--tp", "2", "--cp", "2", "--deployment", "rl"], &env);
+    assert_eq!(answers(&server), want_first);
+
+    // Awake: the engine quiesces, every rank loads its shard, and the answers change.
+    let (code, reply, err) = control(&rt, &["reload", "--model", &second]);
+    assert_eq!(code, 0, "{err}\n{reply}\n{}", server.log());
+    assert_eq!(reply["op"]["action"], "update_weights", "{reply}");
+    assert_eq!(reply["op"]["ranks"].as_array().map(Vec::len), Some(4), "{reply}");
+    assert_eq!(answers(&server), want_second);
+    let models = server.get("/v1/models").json();
+    assert_eq!(models["data"][0]["checkpoint"], second.as_str(), "{models}");
+
+    // Other shapes: refused in PREPARE on every rank, nothing changes.
+    let (code, reply, err) = control(&rt, &["reload", "--model", &other_shapes]);
+    assert_eq!(code, 1, "{reply}");
+    assert!(err.contains("does not fit the live weights"), "{err}");
+    for rank in 0..4 {
+        assert!(err.contains(&format!("rank {rank} (prepare)")), "rank {rank}: {err}");
+    }
+    assert_eq!(answers(&server), want_second);
+
+    // Asleep at level 2 (weights discarded): the update makes the wakeup load the first again.
+    let (code, _, err) = control(&rt, &["sleep", "--level", "2"]);
+    assert_eq!(code, 0, "{err}");
+    let reply = server.post(&format!("/update_weights?model={first}"), &json!({}));
+    assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
+    let (code, _, err) = control(&rt, &["wakeup"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(answers(&server), want_first);
+    let metrics = server.get("/metrics").body;
+    assert!(metrics.contains("tpctl_sleep_ops_total{action=\"update_weights\"} 2"), "{metrics}");
+    assert!(metrics.contains("tpctl_sleep_op_failures_total{action=\"update_weights\"} 1"));
+    assert_eq!(server.interrupt().code(), Some(130));
+}

@@ -90,6 +90,34 @@ pub struct ModelMemory {
     /// Tags whose contents a sleep at level 1 backs up (to host memory) whatever their
     /// policy.
     level_one: Vec<vmm::Tag>,
+    /// Where the weights live and which checkpoint they are (shared by clones).
+    live: Arc<Mutex<LiveWeights>>,
+}
+
+/// A rank's weights in tagged memory: their allocation, the checkpoint they came from, and
+/// a weight update between its PREPARE and its COMMIT.
+#[derive(Default)]
+struct LiveWeights {
+    arena: Option<Arc<VmmArena>>,
+    origin: Option<ShardOrigin>,
+    /// The weight buffers' lengths, in order, and the model's shape (its context length
+    /// aside): what another checkpoint must match, on this rank and globally.
+    layout: Vec<usize>,
+    config: Option<layers::LlamaConfig>,
+    /// A checkpoint loaded and checked by a PREPARE.
+    staged: Option<(ShardOrigin, ParallelModel)>,
+    /// The checkpoint the latest update replaced, for its rollback.
+    previous: Option<ShardOrigin>,
+}
+
+impl std::fmt::Debug for LiveWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LiveWeights")
+            .field("origin", &self.origin)
+            .field("staged", &self.staged.as_ref().map(|(o, _)| o))
+            .field("previous", &self.previous)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ModelMemory {
@@ -116,6 +144,7 @@ impl ModelMemory {
             kv_cache,
             kv_policy,
             level_one: Vec::new(),
+            live: Arc::default(),
         })
     }
 
@@ -177,6 +206,89 @@ impl ModelMemory {
         self
     }
 
+    /// Loads this rank's shard of the checkpoint at `model` and checks that its weight
+    /// buffers match the live ones one for one; keeps it for [`ModelMemory::update`].
+    ///
+    /// # Errors
+    /// The weights are not in tagged memory, the checkpoint does not load, or its buffers
+    /// differ (another architecture, other shapes, another quantization).
+    pub fn prepare_update(&self, model: &str) -> Result<(), String> {
+        let (current, layout, config) = {
+            let live = lock_live(&self.live);
+            let current = live.origin.clone().ok_or("the weights are not in tagged memory")?;
+            (current, live.layout.clone(), live.config.clone())
+        };
+        let origin = ShardOrigin { path: PathBuf::from(model), ..current };
+        let loaded = ParallelModel::load(&origin.path, origin.placement, 1, origin.form)
+            .map_err(|e| format!("loading {model}: {e}"))?;
+        let shape = shape_of(loaded.config());
+        if config.as_ref() != Some(&shape) {
+            return Err(format!(
+                "{model} does not fit the live weights: its shape {shape:?} differs from the live {config:?}"
+            ));
+        }
+        let got: Vec<usize> = loaded.weight_buffers().iter().map(|b| b.len()).collect();
+        if got != layout {
+            let at = got.iter().zip(&layout).position(|(a, b)| a != b);
+            let at = at.unwrap_or(got.len().min(layout.len()));
+            return Err(format!(
+                "{model} does not fit the live weights: {} weight buffers against {}, the first difference at buffer {at} ({} bytes against {})",
+                got.len(),
+                layout.len(),
+                got.get(at).copied().unwrap_or(0),
+                layout.get(at).copied().unwrap_or(0),
+            ));
+        }
+        lock_live(&self.live).staged = Some((origin, loaded));
+        Ok(())
+    }
+
+    /// Writes the staged checkpoint's weights over the live ones (released weights: only
+    /// makes it what the wakeup reloads). Returns the bytes written.
+    ///
+    /// # Errors
+    /// Nothing staged (changed nothing), or the allocation cannot be written.
+    pub fn update(&self) -> Result<u64, MemoryError> {
+        let mut live = lock_live(&self.live);
+        let Some((origin, model)) = live.staged.take() else {
+            let message = "no weight update is staged".to_owned();
+            return Err(MemoryError { changed: false, message });
+        };
+        let written = live.write(&model.weight_buffers())?;
+        live.previous = live.origin.replace(origin);
+        Ok(written)
+    }
+
+    /// Puts back the checkpoint the latest update replaced (loaded again from its file).
+    ///
+    /// # Errors
+    /// No update to revert, or the old checkpoint cannot be loaded or written.
+    pub fn revert(&self) -> Result<u64, MemoryError> {
+        let mut live = lock_live(&self.live);
+        let Some(previous) = live.previous.take() else {
+            let message = "no weight update to revert".to_owned();
+            return Err(MemoryError { changed: false, message });
+        };
+        let model = ParallelModel::load(&previous.path, previous.placement, 1, previous.form)
+            .map_err(|e| MemoryError {
+                changed: false,
+                message: format!("reloading {}: {e}", previous.path.display()),
+            })?;
+        let written = live.write(&model.weight_buffers())?;
+        live.origin = Some(previous);
+        Ok(written)
+    }
+
+    /// Forgets a staged update.
+    pub fn drop_update(&self) {
+        lock_live(&self.live).staged = None;
+    }
+
+    /// The checkpoint the weights came from.
+    pub fn checkpoint(&self) -> Option<PathBuf> {
+        lock_live(&self.live).origin.as_ref().map(|o| o.path.clone())
+    }
+
     /// The configured restore policy of `tag`.
     fn restore_of(&self, tag: &str) -> Option<Restore> {
         match tag {
@@ -210,8 +322,11 @@ impl ModelMemory {
             return Ok(());
         }
         let policy = self.weights.policy().unwrap_or_else(|| {
-            let origin = origin.clone();
+            // The checkpoint live at the wakeup: a weight update may have replaced it.
+            let live = self.live.clone();
             vmm::Policy::Reload(vmm::Source::from_fn(move |buf| {
+                let origin = lock_live(&live).origin.clone();
+                let origin = origin.ok_or_else(|| std::io::Error::other("no live checkpoint"))?;
                 origin.fill(buf).map_err(std::io::Error::other)
             }))
         });
@@ -219,8 +334,15 @@ impl ModelMemory {
             .manager
             .allocate(vmm::Tag::WEIGHTS, bytes, policy)
             .map_err(|e| format!("allocating {bytes} bytes of weights: {e}"))?;
-        let arena = VmmArena::new(alloc).map_err(|e| e.to_string())?;
-        model.move_weights_to(&arena).map_err(|e| format!("moving the weights: {e}"))?;
+        let arena = Arc::new(VmmArena::new(alloc).map_err(|e| e.to_string())?);
+        model.move_weights_to(&*arena).map_err(|e| format!("moving the weights: {e}"))?;
+        {
+            let mut live = lock_live(&self.live);
+            live.layout = model.weight_buffers().iter().map(|b| b.len()).collect();
+            live.config = Some(shape_of(model.config()));
+            live.origin = Some(origin.clone());
+            live.arena = Some(arena);
+        }
         // The heap copies are gone; give their pages back rather than keep them resident.
         vmm::trim_heap();
         if let (Some(device), Backend::Cuda(gpu)) =
@@ -265,6 +387,40 @@ impl ModelMemory {
         alloc.write().map_err(|e| e.to_string())?.fill(0);
         let arena = VmmArena::new(alloc).map_err(|e| e.to_string())?;
         model.new_cache_in(capacity, &arena).map_err(|e| e.to_string())
+    }
+}
+
+/// `config` without what a checkpoint may change (its context length).
+fn shape_of(config: &layers::LlamaConfig) -> layers::LlamaConfig {
+    layers::LlamaConfig { context_length: 0, ..config.clone() }
+}
+
+fn lock_live(live: &Mutex<LiveWeights>) -> std::sync::MutexGuard<'_, LiveWeights> {
+    live.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl LiveWeights {
+    /// Writes `buffers` over the live weights, laid out as [`ModelMemory::place_weights`]
+    /// placed them; nothing when the weights are released (the wakeup reloads them).
+    fn write(&self, buffers: &[&[u8]]) -> Result<u64, MemoryError> {
+        let fail = |message: String| MemoryError { changed: false, message };
+        let arena = self
+            .arena
+            .as_ref()
+            .ok_or_else(|| fail("the weights are not in tagged memory".into()))?;
+        let regions = arena.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let alloc = regions.allocation();
+        if alloc.is_released() {
+            return Ok(0);
+        }
+        let mut bytes = alloc.write().map_err(|e| fail(format!("writing the weights: {e}")))?;
+        let mut offset = 0usize;
+        for b in buffers {
+            offset = offset.next_multiple_of(ALIGN);
+            bytes[offset..offset + b.len()].copy_from_slice(b);
+            offset += b.len();
+        }
+        Ok(offset as u64)
     }
 }
 
@@ -401,8 +557,44 @@ impl RankMemory for ModelRankMemory {
         Ok(receipts)
     }
 
+    fn prepare_update(&self, model: &str) -> Result<(), String> {
+        self.memory.prepare_update(model)
+    }
+
+    fn update(&self) -> Result<Vec<TagReceipt>, MemoryError> {
+        let written = self.memory.update()?;
+        Ok(vec![self.weights_written(written)])
+    }
+
+    fn revert(&self) -> Result<Vec<TagReceipt>, MemoryError> {
+        let written = self.memory.revert()?;
+        Ok(vec![self.weights_written(written)])
+    }
+
+    fn drop_update(&self) {
+        self.memory.drop_update();
+    }
+
     fn probe(&self) -> Probe {
         self.host.probe()
+    }
+}
+
+impl ModelRankMemory {
+    /// The receipt of weights replaced in place: `written` bytes copied (none while asleep);
+    /// the GPU's copies of the old ones are dropped.
+    fn weights_written(&self, written: u64) -> TagReceipt {
+        if let Backend::Cuda(gpu) = &self.backend {
+            gpu.clear_weight_cache();
+        }
+        TagReceipt {
+            tag: vmm::Tag::WEIGHTS.as_str().to_owned(),
+            allocations: usize::from(written > 0),
+            bytes: written,
+            copied_bytes: written,
+            restore: "reload".into(),
+            ..TagReceipt::default()
+        }
     }
 }
 

@@ -109,7 +109,11 @@ pub fn receipt(op: &OpWire) -> String {
             ]);
         }
     }
-    let verb = if op.action == "sleep" { "released" } else { "restored" };
+    let verb = match op.action.as_str() {
+        "sleep" => "released",
+        "update_weights" => "loaded",
+        _ => "restored",
+    };
     let mut out = table(&rows);
     let total = if op.op_id == 0 {
         format!(

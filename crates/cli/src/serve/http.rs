@@ -147,6 +147,7 @@ fn router(api: Api) -> Router {
         .route("/metrics", get(metrics))
         .route("/sleep", post(sleep))
         .route("/wake_up", post(wake_up))
+        .route("/update_weights", post(update_weights))
         .route("/is_sleeping", get(is_sleeping))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -166,6 +167,7 @@ fn route_label(path: &str) -> &'static str {
         "/metrics" => "/metrics",
         "/sleep" => "/sleep",
         "/wake_up" => "/wake_up",
+        "/update_weights" => "/update_weights",
         "/is_sleeping" => "/is_sleeping",
         _ => "other",
     }
@@ -335,6 +337,7 @@ async fn models(State(api): State<Api>) -> Json<Value> {
             "owned_by": "tpctl",
             "max_model_len": api.0.context,
             "sleeping": api.asleep().is_some(),
+            "checkpoint": api.0.control.as_ref().and_then(|c| c.checkpoint()),
         }],
     }))
 }
@@ -827,12 +830,14 @@ fn query_pairs(query: Option<&str>) -> std::result::Result<Vec<(String, String)>
 struct OpQuery {
     tags: Vec<String>,
     opts: OpOptions,
+    /// The checkpoint of a weight update.
+    model: Option<String>,
 }
 
 /// Parses `tags` (comma-separated and/or repeated), `level` (1 or 2), `mode` and `verify`;
 /// `allowed` names the keys this route takes.
 fn op_query(query: Option<&str>, allowed: &[&str]) -> std::result::Result<OpQuery, ApiError> {
-    let mut out = OpQuery { tags: Vec::new(), opts: OpOptions::default() };
+    let mut out = OpQuery { tags: Vec::new(), opts: OpOptions::default(), model: None };
     for (key, value) in query_pairs(query)? {
         if !allowed.contains(&key.as_str()) {
             return Err(ApiError::invalid(
@@ -844,6 +849,7 @@ fn op_query(query: Option<&str>, allowed: &[&str]) -> std::result::Result<OpQuer
             ));
         }
         match key.as_str() {
+            "model" => out.model = Some(value.clone()),
             "tags" => out.tags.extend(
                 value.split(',').map(str::trim).filter(|t| !t.is_empty()).map(str::to_owned),
             ),
@@ -899,13 +905,19 @@ async fn control_op(api: Api, action: Action, query: Option<&str>) -> Response {
     let allowed: &[&str] = match action {
         Action::Sleep => &["tags", "level", "mode", "verify"],
         Action::Wakeup => &["tags"],
+        Action::Update | Action::Revert => &["model", "mode"],
     };
     let q = match op_query(query, allowed) {
         Ok(q) => q,
         Err(e) => return e.into_response(),
     };
-    let run = tokio::task::spawn_blocking(move || {
-        crate::control::run_op(&coordinator, action, &q.tags, q.opts)
+    let run = tokio::task::spawn_blocking(move || match action {
+        Action::Update | Action::Revert => {
+            crate::control::run_update(&coordinator, q.model.as_deref().unwrap_or_default(), q.opts)
+        }
+        Action::Sleep | Action::Wakeup => {
+            crate::control::run_op(&coordinator, action, &q.tags, q.opts)
+        }
     })
     .await;
     match run {
@@ -914,7 +926,11 @@ async fn control_op(api: Api, action: Action, query: Option<&str>) -> Response {
             let (status, kind, code) = if e.client_error {
                 (StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_tags")
             } else {
-                (StatusCode::INTERNAL_SERVER_ERROR, "server_error", "sleep_failed")
+                let code = match action {
+                    Action::Update | Action::Revert => "update_failed",
+                    Action::Sleep | Action::Wakeup => "sleep_failed",
+                };
+                (StatusCode::INTERNAL_SERVER_ERROR, "server_error", code)
             };
             let body = json!({"error": {
                 "message": e.message,
@@ -942,6 +958,12 @@ async fn sleep(State(api): State<Api>, uri: axum::http::Uri) -> Response {
 
 async fn wake_up(State(api): State<Api>, uri: axum::http::Uri) -> Response {
     control_op(api, Action::Wakeup, uri.query()).await
+}
+
+/// `POST /update_weights?model=PATH&mode=wait`: every rank loads its shard of the checkpoint
+/// into its live weights (SGLang's `/update_weights_from_disk`, vLLM's `reload_weights`).
+async fn update_weights(State(api): State<Api>, uri: axum::http::Uri) -> Response {
+    control_op(api, Action::Update, uri.query()).await
 }
 
 async fn is_sleeping(State(api): State<Api>) -> Response {

@@ -201,17 +201,17 @@ pub fn render_sleep(out: &mut String, state: &DeploymentState, journal: &Journal
     );
     let _ = writeln!(
         out,
-        "# HELP tpctl_sleep_ops_total Sleep and wakeup operations that succeeded, by action.\n# TYPE tpctl_sleep_ops_total counter"
+        "# HELP tpctl_sleep_ops_total Sleep, wakeup and weight-update operations that succeeded, by action.\n# TYPE tpctl_sleep_ops_total counter"
     );
-    for action in ["sleep", "wakeup"] {
+    for action in ["sleep", "wakeup", "update_weights"] {
         let n = journal.ops.get(action).copied().unwrap_or(0);
         let _ = writeln!(out, "tpctl_sleep_ops_total{{action=\"{action}\"}} {n}");
     }
     let _ = writeln!(
         out,
-        "# HELP tpctl_sleep_op_failures_total Sleep and wakeup operations that failed, by action.\n# TYPE tpctl_sleep_op_failures_total counter"
+        "# HELP tpctl_sleep_op_failures_total Sleep, wakeup and weight-update operations that failed, by action.\n# TYPE tpctl_sleep_op_failures_total counter"
     );
-    for action in ["sleep", "wakeup"] {
+    for action in ["sleep", "wakeup", "update_weights"] {
         let n = journal.failures.get(action).copied().unwrap_or(0);
         let _ = writeln!(out, "tpctl_sleep_op_failures_total{{action=\"{action}\"}} {n}");
     }

@@ -145,6 +145,11 @@ impl Quiesce for Gate {
         s.lost.extend(lost);
     }
 
+    fn weights_changed(&self) {
+        // The caches hold keys and values of the old weights: recompute as after a discard.
+        self.lock().lost.insert("kv_cache".to_owned());
+    }
+
     fn resume(&self) {
         let mut s = self.lock();
         s.request = None;

@@ -114,6 +114,9 @@ struct Inner {
     lost: BTreeSet<usize>,
     /// The operation that holds the sleep/wakeup lock, if any.
     running: Option<String>,
+    /// The checkpoint the latest weight update loaded (`None`: the one the deployment
+    /// started with).
+    checkpoint: Option<String>,
 }
 
 /// Rank 0's coordinator of sleep and wakeup. `Sync`: callers on several threads are
@@ -185,6 +188,7 @@ impl Coordinator {
                 paused: false,
                 lost: BTreeSet::new(),
                 running: None,
+                checkpoint: None,
             }),
         }
     }
@@ -208,7 +212,7 @@ impl Coordinator {
     /// [`Error::Quiesce`] when rank 0's engine cannot be quiesced;
     /// [`Error::DeploymentFailed`] when the deployment failed earlier.
     pub fn sleep(&self, tags: &[String], opts: OpOptions) -> Result<OpReceipt> {
-        self.run(Action::Sleep, tags, opts)
+        self.run(Action::Sleep, tags, opts, None)
     }
 
     /// Materializes `tags` again on every rank and resumes the engine once nothing is asleep.
@@ -217,7 +221,30 @@ impl Coordinator {
     /// # Errors
     /// As [`Coordinator::sleep`], without verification.
     pub fn wakeup(&self, tags: &[String], opts: OpOptions) -> Result<OpReceipt> {
-        self.run(Action::Wakeup, tags, opts)
+        self.run(Action::Wakeup, tags, opts, None)
+    }
+
+    /// Replaces the weights on every rank with those of the checkpoint at `model` (a GGUF
+    /// file or a Hugging Face folder of the same architecture and shapes), asleep or awake
+    /// (awake: the engine quiesces per `opts.mode` first, and paused requests are computed
+    /// again with the new weights). Two-phase like a sleep: every rank loads and checks its
+    /// shard before any rank changes, and a failure puts the old weights back everywhere.
+    /// Asleep, the new checkpoint is what the wakeup reloads.
+    ///
+    /// # Errors
+    /// As [`Coordinator::sleep`]; a checkpoint that does not fit fails in PREPARE on every
+    /// rank, with nothing changed.
+    pub fn update_weights(&self, model: &str, opts: OpOptions) -> Result<OpReceipt> {
+        let tags = [vmm::Tag::WEIGHTS.as_str().to_owned()];
+        let receipt = self.run(Action::Update, &tags, opts, Some(model))?;
+        lock(&self.inner).checkpoint = Some(model.to_owned());
+        Ok(receipt)
+    }
+
+    /// The checkpoint the latest weight update loaded; `None` while the deployment runs the
+    /// one it started with.
+    pub fn checkpoint(&self) -> Option<String> {
+        lock(&self.inner).checkpoint.clone()
     }
 
     /// The control API entry point: fans out `method` (`sleep`, `wakeup` or `status`) to
@@ -429,11 +456,20 @@ impl Coordinator {
             DeploymentState::Failed(format!("fail-stop in op {op_id}: {why}"));
     }
 
-    fn run(&self, action: Action, tags: &[String], opts: OpOptions) -> Result<OpReceipt> {
+    fn run(
+        &self,
+        action: Action,
+        tags: &[String],
+        opts: OpOptions,
+        model: Option<&str>,
+    ) -> Result<OpReceipt> {
         let start = Instant::now();
         let _guard = lock(&self.op_lock);
-        lock(&self.inner).running = Some(format!("{action} {tags:?}"));
-        let result = self.run_locked(action, tags, opts, start);
+        lock(&self.inner).running = Some(match model {
+            Some(m) => format!("{action} {m}"),
+            None => format!("{action} {tags:?}"),
+        });
+        let result = self.run_locked(action, tags, opts, model, start);
         lock(&self.inner).running = None;
         result
     }
@@ -446,6 +482,7 @@ impl Coordinator {
         action: Action,
         tags: &[String],
         opts: OpOptions,
+        model: Option<&str>,
         start: Instant,
     ) -> Result<OpReceipt> {
         let (op_id, pause) = {
@@ -459,6 +496,7 @@ impl Coordinator {
             let done = match action {
                 Action::Sleep => tags.iter().all(|t| inner.asleep.contains(t)),
                 Action::Wakeup => tags.iter().all(|t| !inner.asleep.contains(t)),
+                Action::Update | Action::Revert => false,
             };
             if done {
                 let asleep: Vec<String> = inner.asleep.iter().cloned().collect();
@@ -491,8 +529,14 @@ impl Coordinator {
         let mut prepare = Message::request(op_id, Phase::Prepare, Some(action), tags);
         prepare.mode = opts.mode;
         prepare.level = opts.level;
+        prepare.model = model.map(str::to_owned);
         let (prepared, mut failures) = self.fan_out(&prepare, &peers, true);
-        if let Err(e) = self.memory.check(tags) {
+        let checked = match (action, model) {
+            (Action::Update, Some(model)) => self.memory.prepare_update(model),
+            (Action::Update, None) => Err("a weight update names no checkpoint".into()),
+            _ => self.memory.check(tags),
+        };
+        if let Err(e) = checked {
             failures.push(RankFailure { rank: 0, phase: Phase::Prepare, message: e });
         }
         if let Err(e) = mesh::failpoint::hit("sleep.prepare") {
@@ -502,6 +546,9 @@ impl Coordinator {
         // no PREPARE ACK is left to be mistaken for a later answer.
         failures.extend(self.drain(op_id, Phase::Prepare, &prepared).failures());
         if !failures.is_empty() {
+            if action == Action::Update {
+                self.memory.drop_update();
+            }
             self.abort(op_id, &prepared, &mut failures);
             self.end_unchanged(paused_here);
             return Err(self.fail(action, tags, op_id, failures, Outcome::Aborted));
@@ -514,8 +561,10 @@ impl Coordinator {
         };
         let local = match local {
             Ok(r) => {
-                if action == Action::Sleep {
-                    self.engine.released(tags);
+                match action {
+                    Action::Sleep => self.engine.released(tags),
+                    Action::Update => self.engine.weights_changed(),
+                    Action::Wakeup | Action::Revert => {}
                 }
                 r
             }
@@ -565,6 +614,7 @@ impl Coordinator {
             match action {
                 Action::Sleep => inner.asleep.insert(t.clone()),
                 Action::Wakeup => inner.asleep.remove(t),
+                Action::Update | Action::Revert => false,
             };
         }
         let asleep: Vec<String> = inner.asleep.iter().cloned().collect();
@@ -667,9 +717,13 @@ impl Coordinator {
                 lock(&self.inner).paused = true;
             }
         }
-        if let Err((_, message)) = execute(0, &*self.memory, undo, tags, None) {
-            failures.push(RankFailure { rank: 0, phase: Phase::Rollback, message });
-            fatal = true;
+        match execute(0, &*self.memory, undo, tags, None) {
+            Err((_, message)) => {
+                failures.push(RankFailure { rank: 0, phase: Phase::Rollback, message });
+                fatal = true;
+            }
+            Ok(_) if undo == Action::Revert => self.engine.weights_changed(),
+            Ok(_) => {}
         }
         let answers = self.drain(op_id, Phase::Rollback, &sent);
         for (rank, m) in &answers.acks {

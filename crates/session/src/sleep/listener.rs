@@ -71,7 +71,7 @@ pub fn serve(
     };
     loop {
         let msg = match link.recv(Instant::now() + POLL) {
-            Ok(Some(Received::Frame(m))) => m,
+            Ok(Some(Received::Frame(m))) => *m,
             Ok(Some(Received::Undecodable(bad))) => {
                 // The connection is fine: answer the request it was, when that can be read,
                 // so rank 0 fails the operation now instead of at its deadline.
@@ -157,7 +157,12 @@ impl Peer {
         if let Err(e) = mesh::failpoint::hit("sleep.prepare") {
             return self.failed(msg, Status::Failed, format!("prepare of op {}: {e}", msg.op_id));
         }
-        if let Err(e) = self.memory.check(&msg.tags) {
+        let checked = match (msg.action, msg.model.as_deref()) {
+            (Some(Action::Update), Some(model)) => self.memory.prepare_update(model),
+            (Some(Action::Update), None) => Err("a weight update names no checkpoint".into()),
+            _ => self.memory.check(&msg.tags),
+        };
+        if let Err(e) = checked {
             return self.failed(msg, Status::Failed, format!("prepare of op {}: {e}", msg.op_id));
         }
         if !self.paused {
@@ -185,6 +190,9 @@ impl Peer {
     fn abort(&mut self, msg: &Message) -> Message {
         match &self.prepared {
             Some(p) if p.op_id == msg.op_id => {
+                if p.action == Some(Action::Update) {
+                    self.memory.drop_update();
+                }
                 self.prepared = None;
                 self.resume_if_awake();
             }
@@ -216,8 +224,10 @@ impl Peer {
         }
         match execute(self.rank, &*self.memory, action, &prepared.tags, prepared.level) {
             Ok(r) => {
-                if action == Action::Sleep {
-                    self.engine.released(&prepared.tags);
+                match action {
+                    Action::Sleep => self.engine.released(&prepared.tags),
+                    Action::Update => self.engine.weights_changed(),
+                    Action::Wakeup | Action::Revert => {}
                 }
                 self.apply(action, &prepared.tags);
                 self.committed = Some((msg.op_id, action, prepared.tags.clone()));
@@ -261,6 +271,9 @@ impl Peer {
         }
         match execute(self.rank, &*self.memory, undo, &tags, None) {
             Ok(r) => {
+                if undo == Action::Revert {
+                    self.engine.weights_changed();
+                }
                 self.apply(undo, &tags);
                 self.resume_if_awake();
                 let mut ack = msg.ack(Status::Ok);
@@ -279,6 +292,7 @@ impl Peer {
             match action {
                 Action::Sleep => self.asleep.insert(t.clone()),
                 Action::Wakeup => self.asleep.remove(t),
+                Action::Update | Action::Revert => false,
             };
         }
     }

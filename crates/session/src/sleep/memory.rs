@@ -46,6 +46,36 @@ pub trait RankMemory: Send + Sync {
         self.release(tags)
     }
 
+    /// Stages a weight update from the checkpoint at `model` (a GGUF file or a Hugging Face
+    /// folder): loads this rank's shard and checks that it fits the live weights exactly,
+    /// changing nothing live. The default refuses.
+    ///
+    /// # Errors
+    /// Why the checkpoint cannot replace the live weights (unreadable, another architecture
+    /// or other shapes).
+    fn prepare_update(&self, model: &str) -> Result<(), String> {
+        Err(format!("this rank's memory cannot load new weights (asked for {model})"))
+    }
+
+    /// Makes the staged checkpoint the live weights (asleep: the one the wakeup reloads).
+    ///
+    /// # Errors
+    /// [`MemoryError`]; nothing staged is an error that changed nothing.
+    fn update(&self) -> Result<Vec<TagReceipt>, MemoryError> {
+        Err(MemoryError { changed: false, message: "no weight update is staged".into() })
+    }
+
+    /// Puts back the weights the last update replaced.
+    ///
+    /// # Errors
+    /// [`MemoryError`].
+    fn revert(&self) -> Result<Vec<TagReceipt>, MemoryError> {
+        Err(MemoryError { changed: false, message: "no weight update to revert".into() })
+    }
+
+    /// Forgets a staged update (its operation was aborted).
+    fn drop_update(&self) {}
+
     /// Maps the memory of `tags` again and restores it; one receipt per distinct tag.
     ///
     /// # Errors
@@ -212,6 +242,8 @@ pub(crate) fn execute(
         let op = std::panic::AssertUnwindSafe(|| match a {
             Action::Sleep => memory.release_at(tags, level),
             Action::Wakeup => memory.materialize(tags),
+            Action::Update => memory.update(),
+            Action::Revert => memory.revert(),
         });
         std::panic::catch_unwind(op).unwrap_or_else(|panic| {
             let what = panic

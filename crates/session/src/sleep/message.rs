@@ -15,6 +15,11 @@ pub enum Action {
     Sleep,
     /// Map the tags' memory again and restore it per policy.
     Wakeup,
+    /// Load the weights of the checkpoint the PREPARE staged into the live `weights`
+    /// allocation (asleep: make it what the wakeup reloads).
+    Update,
+    /// Put back the weights an update replaced (its rollback).
+    Revert,
 }
 
 impl Action {
@@ -23,6 +28,8 @@ impl Action {
         match self {
             Action::Sleep => Action::Wakeup,
             Action::Wakeup => Action::Sleep,
+            Action::Update => Action::Revert,
+            Action::Revert => Action::Update,
         }
     }
 }
@@ -32,6 +39,8 @@ impl fmt::Display for Action {
         f.write_str(match self {
             Action::Sleep => "sleep",
             Action::Wakeup => "wakeup",
+            Action::Update => "update_weights",
+            Action::Revert => "revert_weights",
         })
     }
 }
@@ -196,7 +205,7 @@ impl RankReceipt {
         let (b, a) = (before as i64, after as i64);
         match action {
             Action::Sleep => b - a,
-            Action::Wakeup => a - b,
+            Action::Wakeup | Action::Update | Action::Revert => a - b,
         }
     }
 }
@@ -219,6 +228,9 @@ pub struct Message {
     /// vLLM's sleep level of a sleep (prepare; the commit runs what was prepared).
     #[serde(default)]
     pub level: Option<u8>,
+    /// The checkpoint a weight update loads (prepare).
+    #[serde(default)]
+    pub model: Option<String>,
     /// Request, or the outcome of an ACK.
     pub status: Status,
     /// What failed, with the peer's context (ACKs with a failure status).
@@ -239,6 +251,7 @@ impl Message {
             tags: tags.to_vec(),
             mode: QuiesceMode::default(),
             level: None,
+            model: None,
             status: Status::Request,
             error: None,
             receipt: None,
@@ -254,6 +267,7 @@ impl Message {
             tags: Vec::new(),
             mode: self.mode,
             level: self.level,
+            model: None,
             status,
             error: None,
             receipt: None,
@@ -311,8 +325,8 @@ pub struct Undecodable {
 /// rather than hanging up).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Received {
-    /// A decoded frame.
-    Frame(Message),
+    /// A decoded frame (boxed: far larger than the other variant).
+    Frame(Box<Message>),
     /// A frame that did not decode.
     Undecodable(Undecodable),
 }

@@ -33,6 +33,10 @@ pub trait Quiesce: Send + Sync {
         let _ = tags;
     }
 
+    /// Told after this rank's weights were replaced (while quiesced): every KV cache was
+    /// computed with the old ones, so paused sequences must be computed again.
+    fn weights_changed(&self) {}
+
     /// Lets the engine run again (after a wakeup, or after an aborted sleep).
     fn resume(&self);
 }

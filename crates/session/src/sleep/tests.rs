@@ -45,6 +45,10 @@ struct FakeState {
     panic_release: bool,
     /// The level of the latest release.
     level: Option<u8>,
+    /// The live checkpoint, the staged one, the one an update replaced.
+    weights: (String, Option<String>, Option<String>),
+    /// The next weight update fails (after changing nothing).
+    fail_update: bool,
 }
 
 /// Rank memory with 1 MiB per tag; resident = 10 MiB + 1 MiB per awake tag.
@@ -70,6 +74,36 @@ impl RankMemory for Fake {
             None if tags.iter().any(|t| t == "bogus") => Err("unknown tag `bogus`".into()),
             None => Ok(()),
         }
+    }
+
+    fn prepare_update(&self, model: &str) -> std::result::Result<(), String> {
+        if model.contains("other-shapes") {
+            return Err(format!("{model} does not fit"));
+        }
+        self.st.lock().unwrap().weights.1 = Some(model.to_owned());
+        Ok(())
+    }
+
+    fn update(&self) -> std::result::Result<Vec<TagReceipt>, MemoryError> {
+        let mut st = self.st.lock().unwrap();
+        if std::mem::take(&mut st.fail_update) {
+            return Err(MemoryError { changed: false, message: "disk read error".into() });
+        }
+        let staged = st.weights.1.take().expect("a staged update");
+        let old = std::mem::replace(&mut st.weights.0, staged);
+        st.weights.2 = Some(old);
+        Ok(vec![TagReceipt { tag: "weights".into(), bytes: MIB, ..TagReceipt::default() }])
+    }
+
+    fn revert(&self) -> std::result::Result<Vec<TagReceipt>, MemoryError> {
+        let mut st = self.st.lock().unwrap();
+        let old = st.weights.2.take().expect("an update to revert");
+        st.weights.0 = old;
+        Ok(vec![TagReceipt { tag: "weights".into(), bytes: MIB, ..TagReceipt::default() }])
+    }
+
+    fn drop_update(&self) {
+        self.st.lock().unwrap().weights.1 = None;
     }
 
     fn release_at(
@@ -887,5 +921,37 @@ fn the_sleep_level_reaches_every_ranks_memory() {
         }
         w.coord.wakeup(&tags(&["weights"]), OpOptions::default()).unwrap();
     }
+    w.shutdown();
+}
+
+#[test]
+fn a_weight_update_reaches_every_rank_or_none() {
+    let w = world(3);
+    let live = |w: &World| -> Vec<String> {
+        w.mem.iter().map(|m| m.st.lock().unwrap().weights.0.clone()).collect()
+    };
+    w.coord.update_weights("step-100.gguf", OpOptions::default()).unwrap();
+    assert_eq!(live(&w), vec!["step-100.gguf"; 3]);
+    assert_eq!(w.coord.checkpoint().as_deref(), Some("step-100.gguf"));
+    // The engines were paused for it and run again.
+    for rank in 0..3 {
+        assert_eq!(
+            w.log.of(rank),
+            vec![format!("r{rank} quiesce Wait"), format!("r{rank} resume")]
+        );
+    }
+    // Refused in PREPARE: nothing changes, nothing stays staged.
+    let e = w.coord.update_weights("other-shapes.gguf", OpOptions::default()).unwrap_err();
+    assert_eq!(ranks_of(&e), vec![0, 1, 2]);
+    assert_eq!(e.outcome(), Some(Outcome::Aborted));
+    assert!(w.mem.iter().all(|m| m.st.lock().unwrap().weights.1.is_none()));
+    // Rank 2 fails its COMMIT after the others loaded: they put the old weights back.
+    w.mem[2].set(|s| s.fail_update = true);
+    let e = w.coord.update_weights("step-200.gguf", OpOptions::default()).unwrap_err();
+    assert_eq!(ranks_of(&e), vec![2]);
+    assert_eq!(e.outcome(), Some(Outcome::RolledBack));
+    assert_eq!(live(&w), vec!["step-100.gguf"; 3]);
+    assert_eq!(w.coord.checkpoint().as_deref(), Some("step-100.gguf"));
+    assert_eq!(w.coord.state(), DeploymentState::Running);
     w.shutdown();
 }

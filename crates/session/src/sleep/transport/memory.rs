@@ -141,7 +141,7 @@ impl CoordinatorLink for MemoryCoordinator {
                 reason: "undecodable frame (injected)".into(),
             })
         } else {
-            Received::Frame(msg.clone())
+            Received::Frame(Box::new(msg.clone()))
         };
         let tx = self.to_peer.get(&rank).ok_or_else(|| format!("no peer rank {rank}"))?;
         tx.send(frame).map_err(|_| format!("rank {rank} closed the in-memory channel"))

@@ -51,7 +51,7 @@ impl FrameReader {
                 }
                 if self.buf.len() >= 4 + len {
                     let frame = match Message::decode(&self.buf[4..4 + len]) {
-                        Ok(msg) => Received::Frame(msg),
+                        Ok(msg) => Received::Frame(Box::new(msg)),
                         Err(bad) => Received::Undecodable(bad),
                     };
                     self.buf.drain(..4 + len);
@@ -172,7 +172,7 @@ fn accept_peers(listener: TcpListener, world: usize, deadline: Instant) -> Resul
                     .next(&mut stream, deadline, None)
                     .map_err(|e| channel_err(0, format!("hello from {from}: {e}")))?
                 {
-                    Some(Received::Frame(hello)) => hello,
+                    Some(Received::Frame(hello)) => *hello,
                     Some(Received::Undecodable(bad)) => {
                         return Err(channel_err(0, format!("hello from {from}: {}", bad.reason)))
                     }
@@ -217,7 +217,7 @@ fn pump(rank: usize, mut stream: TcpStream, tx: Sender<Incoming>, stop: &AtomicB
         let deadline = Instant::now() + POLL;
         match reader.next(&mut stream, deadline, Some(stop)) {
             Ok(Some(Received::Frame(msg))) => {
-                if tx.send(Incoming::Frame { rank, msg: Box::new(msg) }).is_err() {
+                if tx.send(Incoming::Frame { rank, msg }).is_err() {
                     return;
                 }
             }
