@@ -13,6 +13,7 @@ mod qdot_avx2;
 pub mod qmatrix;
 pub mod quant;
 pub mod rope;
+pub mod sgemm;
 
 use crate::error::{Error, Result};
 use std::sync::Arc;
