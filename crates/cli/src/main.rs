@@ -599,7 +599,7 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         bail!("--node-rank {} is not below --nnodes {}", args.nodes.node_rank, args.nodes.nnodes);
     }
     let world = tp * cp;
-    if world % args.nodes.nnodes != 0 {
+    if !world.is_multiple_of(args.nodes.nnodes) {
         bail!("tp x cp = {world} ranks do not split evenly over --nnodes {}", args.nodes.nnodes);
     }
     let nproc = world / args.nodes.nnodes;

@@ -276,13 +276,13 @@ pub(crate) mod check {
 
     /// `buf` holds whole, aligned elements of `dtype`.
     pub(crate) fn elements(at: &Site, name: &str, buf: &[u8], dtype: DType) -> Result<()> {
-        if buf.len() % dtype.size() != 0 {
+        if !buf.len().is_multiple_of(dtype.size()) {
             return Err(invalid(
                 at,
                 format!("{name} has {} bytes, not a whole number of {dtype} elements", buf.len()),
             ));
         }
-        if (buf.as_ptr() as usize) % dtype.size() != 0 {
+        if !(buf.as_ptr() as usize).is_multiple_of(dtype.size()) {
             return Err(invalid(at, format!("{name} is not aligned for {dtype}")));
         }
         Ok(())

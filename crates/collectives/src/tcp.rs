@@ -731,7 +731,7 @@ impl TcpComm {
     ) -> Result<()> {
         check::elements(at, "send buffer", send, dtype)?;
         check::elements(at, "receive buffer", recv, dtype)?;
-        if send.len() != recv.len() || send.len() % (self.size * dtype.size()) != 0 {
+        if send.len() != recv.len() || !send.len().is_multiple_of(self.size * dtype.size()) {
             return Err(check::invalid(
                 at,
                 format!(

@@ -18,8 +18,9 @@
 //!   of each row, so partial results over disjoint keys merge exactly.
 //!
 //! `unsafe` is denied crate-wide; the exceptions are local and documented: the `gemm` call in
-//! `kernels::cpu::matmul`, the file map in `mmap`, and the kernel launches and device copies of
-//! `kernels::cuda` (feature `cuda`).
+//! `kernels::cpu::matmul`, the AVX-512 loads and stores of `kernels::cpu::sgemm`, the prefetch
+//! hint of `kernels::cpu::matvec`, the file map in `mmap`, and the kernel launches and device
+//! copies of `kernels::cuda` (feature `cuda`).
 #![deny(unsafe_code)]
 
 pub mod catalog;

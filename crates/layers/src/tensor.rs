@@ -134,7 +134,7 @@ impl<T: bytemuck::Pod> Storage<T> {
     /// [`Error::Shape`] when its length is not a whole number of `T`s.
     pub fn device(data: Arc<dyn DeviceData>) -> Result<Self> {
         let size = std::mem::size_of::<T>();
-        if data.byte_len() % size != 0 {
+        if !data.byte_len().is_multiple_of(size) {
             return Err(Error::shape(
                 "Storage::device",
                 format!("{} bytes are not whole {size}-byte values", data.byte_len()),

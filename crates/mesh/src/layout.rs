@@ -55,7 +55,7 @@ pub fn plan_mesh(world: usize, tp: Option<usize>, head_groups: usize) -> Result<
     if tp == 0 {
         return Err(Error::mesh("tp=0: the tensor-parallel size must be at least 1"));
     }
-    if world % tp != 0 {
+    if !world.is_multiple_of(tp) {
         return Err(Error::mesh(format!("tp={tp} does not divide world size {world}")));
     }
     if tp > head_groups {

@@ -94,7 +94,7 @@ fn model_layout(path: &Path, world: usize) -> (usize, usize) {
     let cfg = layers::LlamaConfig::from_gguf(&file).expect("the model's config");
     let tp = (1..=world)
         .rev()
-        .find(|&tp| world % tp == 0 && layers::parallel::check_tp(&cfg, tp).is_ok())
+        .find(|&tp| world.is_multiple_of(tp) && layers::parallel::check_tp(&cfg, tp).is_ok())
         .expect("tp=1 always splits");
     (tp, world / tp)
 }

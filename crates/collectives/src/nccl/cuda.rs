@@ -1009,7 +1009,7 @@ impl Communicator for NcclCommunicator {
                     format!("send buffer has {} bytes, receive buffer {}", send.len(), recv.len()),
                 ));
             }
-            if send.len() % (self.size * dtype.size()) != 0 {
+            if !send.len().is_multiple_of(self.size * dtype.size()) {
                 return Err(check::invalid(
                     &at,
                     format!(
@@ -1218,7 +1218,7 @@ impl NcclCommunicator {
 }
 
 fn device_elements(at: &Site, name: &str, len: usize, dtype: DType) -> Result<()> {
-    if len % dtype.size() != 0 {
+    if !len.is_multiple_of(dtype.size()) {
         return Err(check::invalid(
             at,
             format!("{name} has {len} bytes, not a whole number of {dtype} elements"),

@@ -273,7 +273,7 @@ impl ShmComm {
             self.check_peers(at, start)?;
             iter = iter.wrapping_add(1);
             // Reading the clock costs ~20 ns; spinning checks it every 64 rounds.
-            if iter % 64 != 0 {
+            if !iter.is_multiple_of(64) {
                 std::hint::spin_loop();
                 continue;
             }
@@ -845,7 +845,7 @@ impl Communicator for ShmComm {
         let r = check::elements(&at, "send buffer", send, dtype)
             .and_then(|()| check::elements(&at, "receive buffer", recv, dtype))
             .and_then(|()| {
-                if send.len() != recv.len() || send.len() % (self.size * dtype.size()) != 0 {
+                if send.len() != recv.len() || !send.len().is_multiple_of(self.size * dtype.size()) {
                     return Err(check::invalid(
                         &at,
                         format!(

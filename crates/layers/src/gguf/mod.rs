@@ -186,7 +186,7 @@ impl GgmlType {
         match self {
             GgmlType::F32 => Some(4 * n),
             GgmlType::F16 | GgmlType::BF16 => Some(2 * n),
-            GgmlType::Block(f) => (n % BLOCK == 0).then(|| n / BLOCK * f.block_bytes()),
+            GgmlType::Block(f) => n.is_multiple_of(BLOCK).then(|| n / BLOCK * f.block_bytes()),
             GgmlType::Unsupported(_) => None,
         }
     }

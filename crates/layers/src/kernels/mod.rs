@@ -195,8 +195,8 @@ pub enum Backend {
 /// Batches up to this many rows (decode steps, short chunks) multiply the weights directly:
 /// each weight row is read once and used for every row of the batch, f32 weights as they are
 /// and quantized ones dequantized in registers, so a row's result does not depend on the rest
-/// of the batch. Larger ones (prefill chunks) use `gemm` (quantized weights dequantized once
-/// per product), whose blocking then pays off.
+/// of the batch. Larger ones (prefill chunks) use a blocked product (quantized weights
+/// dequantized once per product): [`cpu::sgemm`] with AVX-512, the `gemm` crate without.
 const SMALL_BATCH_MAX_ROWS: usize = 32;
 
 fn check(op: &'static str, ok: bool, msg: impl FnOnce() -> String) -> Result<()> {
@@ -281,6 +281,9 @@ impl Backend {
                 if m <= SMALL_BATCH_MAX_ROWS {
                     cpu::matvec::matmul_rows(wt.data(), x.data(), m, out.data_mut());
                     Ok(())
+                } else if cpu::sgemm::matmul_nt_avx512(x.data(), wt.data(), out.data_mut(), m, n, k)
+                {
+                    Ok(())
                 } else {
                     cpu::matmul::matmul_nt(
                         x.data(),
@@ -299,6 +302,9 @@ impl Backend {
                     Ok(())
                 } else {
                     let wt = wq.dequantize();
+                    if cpu::sgemm::matmul_nt_avx512(x.data(), &wt, out.data_mut(), m, n, k) {
+                        return Ok(());
+                    }
                     cpu::matmul::matmul_nt(x.data(), &wt, out.data_mut(), m, n, k, cpu.threads())
                 }
             })?,
@@ -341,7 +347,7 @@ impl Backend {
         check(
             "rope",
             x.len() == positions.len() * heads * head_dim
-                && rot_dim % 2 == 0
+                && rot_dim.is_multiple_of(2)
                 && rot_dim <= head_dim,
             || {
                 format!(

@@ -67,7 +67,7 @@ impl LayerCache {
     ) -> Result<Self> {
         let row = kv_heads * head_dim;
         let floats = |m: &dyn DeviceMemory| {
-            if m.size() % 4 == 0 {
+            if m.size().is_multiple_of(4) {
                 Ok(m.size() / 4)
             } else {
                 Err(Error::shape(
@@ -83,7 +83,7 @@ impl LayerCache {
 
     /// Tokens that buffers of `k` and `v` values hold in rows of `row`.
     fn capacity_of(op: &'static str, k: usize, v: usize, row: usize) -> Result<usize> {
-        if row == 0 || k != v || k % row != 0 {
+        if row == 0 || k != v || !k.is_multiple_of(row) {
             return Err(Error::shape(op, format!("k {k} and v {v} values for rows of {row}")));
         }
         Ok(k / row)

@@ -17,7 +17,7 @@ use std::sync::Arc;
 /// Ranges of `total` split over `parts`, each boundary a multiple of `align` where possible
 /// (remainder blocks to the low ranks), so quantized blocks are never cut.
 pub fn aligned_ranges(total: usize, parts: usize, align: usize) -> Vec<Range<usize>> {
-    if align > 1 && total % align == 0 && total / align >= parts {
+    if align > 1 && total.is_multiple_of(align) && total / align >= parts {
         mesh::balanced_ranges(total / align, parts)
             .into_iter()
             .map(|r| r.start * align..r.end * align)

@@ -121,7 +121,7 @@ pub fn head_shard(cfg: &LlamaConfig, rank: usize, tp: usize) -> Result<HeadShard
         let kv = mesh::balanced_ranges(n_kv, tp)[rank].clone();
         return Ok(HeadShard { q: kv.start * g..kv.end * g, kv });
     }
-    if tp % n_kv != 0 {
+    if !tp.is_multiple_of(n_kv) {
         return Err(Error::shape(
             "tensor parallel attention",
             format!(

@@ -57,7 +57,7 @@ impl QMatrix {
         bytes: &[u8],
     ) -> Option<Self> {
         let nb = rows * (cols / BLOCK);
-        if cols % BLOCK != 0 || bytes.len() != nb * format.block_bytes() {
+        if !cols.is_multiple_of(BLOCK) || bytes.len() != nb * format.block_bytes() {
             return None;
         }
         let f16_at = |b: &[u8], at: usize| f16::from_le_bytes([b[at], b[at + 1]]).to_f32();
@@ -556,7 +556,9 @@ mod tests {
             assert_eq!(before[0].len(), 4 * rows * cols / BLOCK);
             assert!([&moved.scales, &moved.mins].iter().all(|s| s.is_external() || s.is_empty()));
             assert!(moved.qs.is_external());
-            assert!(after.iter().all(|b| b.as_ptr() as usize % crate::memory::ALIGN == 0));
+            assert!(after
+                .iter()
+                .all(|b| (b.as_ptr() as usize).is_multiple_of(crate::memory::ALIGN)));
             assert_eq!(moved.nbytes(), heap.nbytes());
             for avx2 in [true, false] {
                 let (mut a, mut b) = (vec![0.0; 3 * rows], vec![0.0; 3 * rows]);

@@ -15,8 +15,7 @@
 //! pointers, and the tasks share `out`, each writing only its own columns of every row. Every
 //! pointer comes from a slice whose bounds are checked before the loop that uses it.
 //!
-//! Needs Rust 1.89, where the AVX-512 intrinsics and target features became stable; the
-//! workspace still declares 1.85.
+//! Needs Rust 1.89, where the AVX-512 intrinsics and target features became stable.
 #![allow(unsafe_code)]
 
 /// `out[m, n] = a[m, k] · w[n, k]ᵀ` (row-major, f32 accumulation) on the threads of the current
@@ -45,7 +44,6 @@ pub fn matmul_nt_avx512(
 }
 
 #[cfg(target_arch = "x86_64")]
-#[clippy::msrv = "1.89"]
 mod x86 {
     use core::arch::x86_64::*;
     use core::marker::PhantomData;
