@@ -1184,3 +1184,49 @@ fn a_weight_update_serves_the_new_checkpoint_like_a_fresh_start() {
     assert!(metrics.contains("tpctl_sleep_op_failures_total{action=\"update_weights\"} 1"));
     assert_eq!(server.interrupt().code(), Some(130));
 }
+
+/// OpenAI's sampling fields take effect, bad values are 400 naming the field, and a field this
+/// server does not implement is refused unless it asks for nothing.
+#[test]
+fn sampling_fields_apply_and_unsupported_ones_are_refused() {
+    let server = Server::start(model(), &[]);
+    let ask = |extra: Value| {
+        let mut body = completion("1,2", 4);
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        server.post("/v1/completions", &body)
+    };
+    // A large bias decides every greedy step; penalties and min_p are accepted.
+    let reply = ask(json!({"logit_bias": {"7": 100}}));
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(ids(&reply.json()["choices"][0]["token_ids"]), vec![7; 4]);
+    let reply = ask(json!({"logit_bias": {"7": 100}, "frequency_penalty": 2.0,
+                           "presence_penalty": 2.0, "repetition_penalty": 1.3, "min_p": 0.05}));
+    assert_eq!(reply.status, 200, "{reply:?}");
+    // Fields that ask for nothing pass: what OpenAI SDKs send by default.
+    let neutral = json!({"logprobs": null, "echo": false, "n": 1, "user": "u-1", "best_of": 1,
+                         "response_format": {"type": "text"}, "top_logprobs": 0});
+    assert_eq!(ask(neutral).status, 200);
+    for (extra, code, says) in [
+        (json!({"logprobs": 2}), "unsupported_parameter", "`logprobs`"),
+        (json!({"echo": true}), "unsupported_parameter", "`echo`"),
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            "unsupported_parameter",
+            "json_object",
+        ),
+        (json!({"guided_json": {}}), "unsupported_parameter", "`guided_json`"),
+        (json!({"presence_penalty": 3}), "invalid_sampling", "`presence_penalty` 3"),
+        (json!({"repetition_penalty": 0}), "invalid_sampling", "`repetition_penalty`"),
+        (json!({"min_p": 1.5}), "invalid_sampling", "`min_p`"),
+        (json!({"logit_bias": {"x": 1}}), "invalid_logit_bias", "expected a token id"),
+        (json!({"logit_bias": {"99999": 1}}), "invalid_token_id", "logit_bias"),
+        (json!({"logit_bias": {"7": 500}}), "invalid_logit_bias", "outside -100 to 100"),
+    ] {
+        let reply = ask(extra.clone());
+        assert_error(&reply, 400, code);
+        assert!(reply.body.contains(says), "{extra}: {}", reply.body);
+    }
+    assert_eq!(server.interrupt().code(), Some(130));
+}

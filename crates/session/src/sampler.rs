@@ -19,6 +19,30 @@ pub struct SamplingParams {
     pub stop: Vec<u32>,
     /// Whether to keep going past the end-of-sequence token.
     pub ignore_eos: bool,
+    /// Subtracted from the logit of every token the request generated at least once
+    /// (OpenAI's `presence_penalty`).
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time the request generated it (OpenAI's
+    /// `frequency_penalty`).
+    pub frequency_penalty: f32,
+    /// Divides the positive logits (multiplies the negative ones) of every token in the
+    /// prompt or the output (the Hugging Face / vLLM `repetition_penalty`; 1 changes nothing).
+    pub repetition_penalty: f32,
+    /// Keeps only tokens at least this fraction as likely as the most likely one (vLLM's
+    /// `min_p`; 0 keeps all). Applies when sampling, not to greedy decoding.
+    pub min_p: f32,
+    /// Added to the logits of these tokens (OpenAI's `logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+impl SamplingParams {
+    /// Whether any parameter changes the logits before the choice.
+    fn adjusts_logits(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || !self.logit_bias.is_empty()
+    }
 }
 
 impl Default for SamplingParams {
@@ -31,6 +55,11 @@ impl Default for SamplingParams {
             seed: 0,
             stop: Vec::new(),
             ignore_eos: false,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            min_p: 0.0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -41,13 +70,15 @@ pub struct Sampler {
     params: SamplingParams,
     state: u64,
     scratch: Vec<(f32, u32)>,
+    /// The adjusted logits of a step, when a penalty or a bias applies.
+    adjusted: Vec<f32>,
 }
 
 impl Sampler {
     /// A sampler seeded from `params.seed`.
     pub fn new(params: SamplingParams) -> Self {
         let state = params.seed ^ 0x9E37_79B9_7F4A_7C15;
-        Sampler { params, state, scratch: Vec::new() }
+        Sampler { params, state, scratch: Vec::new(), adjusted: Vec::new() }
     }
 
     /// The parameters.
@@ -63,6 +94,54 @@ impl Sampler {
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^= z >> 31;
         (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Picks the next token of a request from its logits row, after the penalties of the
+    /// tokens it has seen (`prompt`, and `generated` so far) and the logit bias.
+    pub fn sample_next(&mut self, logits: &[f32], prompt: &[u32], generated: &[u32]) -> u32 {
+        if !self.params.adjusts_logits() {
+            return self.sample(logits);
+        }
+        let mut adjusted = std::mem::take(&mut self.adjusted);
+        adjusted.clear();
+        adjusted.extend_from_slice(logits);
+        self.adjust(&mut adjusted, prompt, generated);
+        let token = self.sample(&adjusted);
+        self.adjusted = adjusted;
+        token
+    }
+
+    /// Applies the repetition, frequency and presence penalties, then the logit bias.
+    fn adjust(&self, logits: &mut [f32], prompt: &[u32], generated: &[u32]) {
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 {
+            let mut seen: Vec<u32> = prompt.iter().chain(generated).copied().collect();
+            seen.sort_unstable();
+            seen.dedup();
+            for &t in &seen {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = if *l > 0.0 {
+                        *l / p.repetition_penalty
+                    } else {
+                        *l * p.repetition_penalty
+                    };
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            let mut counts: Vec<u32> = generated.to_vec();
+            counts.sort_unstable();
+            for run in counts.chunk_by(|a, b| a == b) {
+                if let Some(l) = logits.get_mut(run[0] as usize) {
+                    *l -= p.presence_penalty + p.frequency_penalty * run.len() as f32;
+                }
+            }
+        }
+        for &(t, bias) in &p.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += bias;
+            }
+        }
     }
 
     /// Picks a token from one logits row. NaN logits are never picked; an all-NaN or empty
@@ -94,8 +173,13 @@ impl Sampler {
         // Without top-p the order of the candidates does not matter, only their weights.
         let t = f64::from(self.params.temperature);
         let top = cand.iter().map(|c| c.0).fold(f32::NEG_INFINITY, f32::max);
-        let weights: Vec<f64> =
-            cand.iter().map(|(l, _)| ((f64::from(*l) - f64::from(top)) / t).exp()).collect();
+        // Relative to the most likely token's (1); min_p drops those below its fraction.
+        let floor = f64::from(self.params.min_p);
+        let weights: Vec<f64> = cand
+            .iter()
+            .map(|(l, _)| ((f64::from(*l) - f64::from(top)) / t).exp())
+            .map(|w| if w >= floor { w } else { 0.0 })
+            .collect();
         let total: f64 = weights.iter().sum();
         let mut keep = weights.len();
         if self.params.top_p < 1.0 {
@@ -110,7 +194,9 @@ impl Sampler {
         }
         let kept: f64 = weights[..keep].iter().sum();
         let mut u = self.uniform() * kept;
-        let mut pick = cand[keep - 1].1;
+        // Rounding can leave `u` past the end: the last kept token with weight takes it.
+        let last = weights[..keep].iter().rposition(|w| *w > 0.0).unwrap_or(0);
+        let mut pick = cand[last].1;
         for (w, (_, id)) in weights[..keep].iter().zip(&cand) {
             if u < *w {
                 pick = *id;

@@ -249,7 +249,7 @@ impl Scheduler {
                 continue;
             }
             let row = rows.next().ok_or("fewer logits rows than sampled entries")?;
-            let token = s.sampler.sample(row);
+            let token = s.sampler.sample_next(row, &s.prompt, &s.generated);
             s.generated.push(token);
             out.push(Emit::Token { request: s.request, token });
             let reason = if s.stop.contains(&token) {

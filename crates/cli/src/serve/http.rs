@@ -357,6 +357,43 @@ struct SamplingBody {
     n: Option<u64>,
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    repetition_penalty: Option<f32>,
+    min_p: Option<f32>,
+    /// Token id (as a string, OpenAI's form) to a bias added to its logit.
+    logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    /// Every other field: accepted only where it asks for nothing ([`check_unsupported`]).
+    #[serde(flatten)]
+    other: serde_json::Map<String, Value>,
+}
+
+/// Refuses the fields this server does not implement unless their value asks for nothing
+/// (`"logprobs": false`, `"echo": false`, `"n": 1`, ...): a client never gets a silently
+/// different answer. `user` is accepted and ignored, as it only labels the request.
+fn check_unsupported(other: &serde_json::Map<String, Value>) -> std::result::Result<(), ApiError> {
+    for (key, value) in other {
+        let neutral = match key.as_str() {
+            "user" | "parallel_tool_calls" => true,
+            "logprobs" | "echo" => {
+                matches!(value, Value::Null | Value::Bool(false)) || value.as_u64() == Some(0)
+            }
+            "top_logprobs" => value.is_null() || value.as_u64() == Some(0),
+            "best_of" => value.is_null() || value.as_u64() == Some(1),
+            "suffix" => value.is_null() || value.as_str() == Some(""),
+            "response_format" => value.is_null() || value["type"] == "text",
+            "tools" | "functions" => value.is_null() || value.as_array().is_some_and(Vec::is_empty),
+            "tool_choice" | "function_call" => value.is_null() || value == "none",
+            _ => false,
+        };
+        if !neutral {
+            return Err(ApiError::invalid(
+                "unsupported_parameter",
+                format!("`{key}` = {value} is not supported by this server"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -548,6 +585,35 @@ impl Api {
         if s.n.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid("unsupported_n", "only `n` = 1 is supported"));
         }
+        check_unsupported(&s.other)?;
+        let within = |name: &str, v: Option<f32>, ok: fn(f32) -> bool, range: &str| match v {
+            Some(x) if !(x.is_finite() && ok(x)) => Err(ApiError::invalid(
+                "invalid_sampling",
+                format!("`{name}` {x}: expected {range}"),
+            )),
+            _ => Ok(()),
+        };
+        within("presence_penalty", s.presence_penalty, |x| x.abs() <= 2.0, "-2 to 2")?;
+        within("frequency_penalty", s.frequency_penalty, |x| x.abs() <= 2.0, "-2 to 2")?;
+        within("repetition_penalty", s.repetition_penalty, |x| x > 0.0, "above 0")?;
+        within("min_p", s.min_p, |x| (0.0..=1.0).contains(&x), "0 to 1")?;
+        let mut logit_bias = Vec::new();
+        for (id, &bias) in s.logit_bias.iter().flatten() {
+            let parsed = id.parse::<u64>().map_err(|_| {
+                ApiError::invalid(
+                    "invalid_logit_bias",
+                    format!("`logit_bias` key {id:?}: expected a token id"),
+                )
+            })?;
+            let id = self.check_id("logit_bias", parsed)?;
+            if !(bias.is_finite() && bias.abs() <= 100.0) {
+                return Err(ApiError::invalid(
+                    "invalid_logit_bias",
+                    format!("`logit_bias` of token {id}: {bias} is outside -100 to 100"),
+                ));
+            }
+            logit_bias.push((id, bias));
+        }
         // A default of 0 (a chat prompt that fills the context) fails the context check below.
         let max_tokens = max_tokens.unwrap_or(default_max.max(1));
         if max_tokens == 0 {
@@ -632,6 +698,11 @@ impl Api {
             seed,
             stop,
             ignore_eos: s.ignore_eos.unwrap_or(false),
+            presence_penalty: s.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: s.frequency_penalty.unwrap_or(0.0),
+            repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
+            min_p: s.min_p.unwrap_or(0.0),
+            logit_bias,
         };
         Ok(Job {
             prompt,

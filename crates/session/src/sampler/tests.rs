@@ -60,3 +60,40 @@ fn sampling_follows_the_softmax_of_the_kept_tokens() {
         assert!((first - want).abs() < 0.02, "top_k {top_k} top_p {top_p}: {first} vs {want}");
     }
 }
+
+#[test]
+fn penalties_and_bias_move_the_greedy_choice() {
+    let logits = [1.0, 3.0, 2.9, -1.0];
+    let greedy = |p: SamplingParams, prompt: &[u32], generated: &[u32]| {
+        Sampler::new(p).sample_next(&logits, prompt, generated)
+    };
+    let base = SamplingParams::default();
+    assert_eq!(greedy(base.clone(), &[], &[1]), 1, "no penalty: the maximum");
+    // Presence: token 1 was generated, 3.0 - 0.5 < 2.9.
+    let p = SamplingParams { presence_penalty: 0.5, ..base.clone() };
+    assert_eq!(greedy(p.clone(), &[], &[1]), 2);
+    assert_eq!(greedy(p, &[1], &[]), 1, "the prompt does not count for presence");
+    // Frequency: 0.04 per time; once is not enough, three times is.
+    let p = SamplingParams { frequency_penalty: 0.04, ..base.clone() };
+    assert_eq!(greedy(p.clone(), &[], &[1]), 1);
+    assert_eq!(greedy(p, &[], &[1, 1, 1]), 2);
+    // Repetition counts the prompt too, and divides positive logits: 3.0 / 1.1 < 2.9.
+    let p = SamplingParams { repetition_penalty: 1.1, ..base.clone() };
+    assert_eq!(greedy(p.clone(), &[1], &[]), 2);
+    assert_eq!(greedy(p, &[], &[]), 1);
+    // A bias can make any token win, and out-of-vocabulary ids are ignored.
+    let p = SamplingParams { logit_bias: vec![(3, 10.0), (99, 5.0)], ..base };
+    assert_eq!(greedy(p, &[], &[]), 3);
+}
+
+#[test]
+fn min_p_drops_unlikely_tokens_when_sampling() {
+    // Token 1 is e^3 ~ 20x as likely as 0 and 2: min_p 0.1 keeps only token 1.
+    let logits = [0.0, 3.0, 0.0];
+    let mut s = Sampler::new(SamplingParams { min_p: 0.1, ..params(1.0, 0, 1.0, 5) });
+    for _ in 0..200 {
+        assert_eq!(s.sample(&logits), 1);
+    }
+    let mut s = Sampler::new(params(1.0, 0, 1.0, 5));
+    assert!((0..200).any(|_| s.sample(&logits) != 1), "without min_p the others come up");
+}
