@@ -221,6 +221,10 @@ struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every request but /health.
     #[arg(long, env = "TPCTL_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// The model's name in the API (`/v1/models`, requests' `model` field); default: the
+    /// `--model` as given, or the config's.
+    #[arg(long, value_name = "NAME")]
+    served_model_name: Option<String>,
     #[command(flatten)]
     nodes: NodeArgs,
     /// The deployment's name, for `tpctl sleep / wakeup / status / stop --deployment NAME`
@@ -556,7 +560,8 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
     }
     tpctl::serve::check_listen(&listen, api_key.is_some())?;
     // The name the API knows the model by: the catalog name or the path, as given.
-    let model_name = args.model.clone().unwrap_or(config.model.name);
+    let model_name =
+        args.served_model_name.or_else(|| args.model.clone()).unwrap_or(config.model.name);
     let job = RunArgs {
         config: args.config,
         tp: args.tp,

@@ -1230,3 +1230,41 @@ fn sampling_fields_apply_and_unsupported_ones_are_refused() {
     }
     assert_eq!(server.interrupt().code(), Some(130));
 }
+
+/// vLLM's utility routes and the OpenAI SDK's `models.retrieve`, under a served name with a
+/// slash in it (as Hugging Face ids have).
+#[test]
+fn tokenize_detokenize_version_and_model_retrieval() {
+    let server = Server::start(chat_model(), &["--served-model-name", "org/tiny-chat"]);
+    let post = |path: &str, body: Value| server.post(path, &body);
+    let reply = post("/tokenize", json!({"prompt": "t1t5"}));
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(reply.json()["tokens"], json!([1, 5]));
+    assert_eq!(reply.json()["count"], 2);
+    // Messages go through the chat template, with or without the assistant's turn.
+    let messages = json!([{"role": "user", "content": "t5t6"}]);
+    let reply = post("/tokenize", json!({"messages": messages}));
+    assert_eq!(reply.json()["tokens"], json!([1, 5, 6, 2, 3]), "{reply:?}");
+    let reply = post("/tokenize", json!({"messages": messages, "add_generation_prompt": false}));
+    assert_eq!(reply.json()["tokens"], json!([1, 5, 6, 2]), "{reply:?}");
+    let reply = post("/detokenize", json!({"tokens": [1, 5]}));
+    assert_eq!(reply.json()["prompt"], "t1t5", "{reply:?}");
+    assert_error(&post("/detokenize", json!({"tokens": [99999]})), 400, "invalid_token_id");
+    assert_error(&post("/tokenize", json!({"prompt": "t1", "bogus": 1})), 400, "invalid_json");
+    assert_error(
+        &post("/tokenize", json!({"prompt": "t1", "model": "gpt-4"})),
+        404,
+        "model_not_found",
+    );
+
+    assert!(server.get("/version").json()["version"].is_string());
+    let model = server.get("/v1/models/org/tiny-chat");
+    assert_eq!(model.status, 200, "{model:?}");
+    assert_eq!(model.json()["id"], "org/tiny-chat");
+    assert_eq!(server.get("/v1/models").json()["data"][0]["id"], "org/tiny-chat");
+    assert_error(&server.get("/v1/models/gpt-4"), 404, "model_not_found");
+    let reply =
+        post("/v1/completions", json!({"prompt": [1], "max_tokens": 1, "model": "org/tiny-chat"}));
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(server.interrupt().code(), Some(130));
+}

@@ -143,6 +143,10 @@ fn router(api: Api) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model_by_id))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/version", get(version))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/sleep", post(sleep))
@@ -163,6 +167,10 @@ fn route_label(path: &str) -> &'static str {
         "/v1/completions" => "/v1/completions",
         "/v1/chat/completions" => "/v1/chat/completions",
         "/v1/models" => "/v1/models",
+        p if p.starts_with("/v1/models/") => "/v1/models/{id}",
+        "/tokenize" => "/tokenize",
+        "/detokenize" => "/detokenize",
+        "/version" => "/version",
         "/health" => "/health",
         "/metrics" => "/metrics",
         "/sleep" => "/sleep",
@@ -328,18 +336,76 @@ async fn metrics(State(api): State<Api>) -> Response {
 }
 
 async fn models(State(api): State<Api>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": api.0.model_name,
-            "object": "model",
-            "created": api.0.created,
-            "owned_by": "tpctl",
-            "max_model_len": api.0.context,
-            "sleeping": api.asleep().is_some(),
-            "checkpoint": api.0.control.as_ref().and_then(|c| c.checkpoint()),
-        }],
-    }))
+    Json(json!({"object": "list", "data": [api.model_card()]}))
+}
+
+/// `GET /v1/models/{id}` (the OpenAI SDK's `models.retrieve`): the model, or 404.
+async fn model_by_id(
+    State(api): State<Api>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> std::result::Result<Json<Value>, ApiError> {
+    api.check_model(Some(&id))?;
+    Ok(Json(api.model_card()))
+}
+
+/// `GET /version`, as vLLM answers it.
+async fn version() -> Json<Value> {
+    Json(json!({"version": env!("CARGO_PKG_VERSION")}))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenizeBody {
+    model: Option<String>,
+    prompt: Option<Value>,
+    messages: Option<Vec<ChatMessageBody>>,
+    /// For `messages`: whether to open the assistant's turn (default true).
+    add_generation_prompt: Option<bool>,
+}
+
+/// `POST /tokenize` (vLLM's): the token ids of a prompt, or of chat messages rendered by the
+/// chat template, as a completion would see them.
+async fn tokenize(
+    State(api): State<Api>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> std::result::Result<Json<Value>, ApiError> {
+    let body: TokenizeBody = parse(body)?;
+    api.check_model(body.model.as_deref())?;
+    let tokens = match (&body.prompt, &body.messages) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid("invalid_body", "give `prompt` or `messages`, not both"))
+        }
+        (_, Some(m)) => {
+            api.chat_prompt_with(Some(m), body.add_generation_prompt.unwrap_or(true))?
+        }
+        (p, None) => api.completion_prompt(p.as_ref())?,
+    };
+    Ok(Json(json!({"count": tokens.len(), "max_model_len": api.0.context, "tokens": tokens})))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DetokenizeBody {
+    model: Option<String>,
+    tokens: Vec<u64>,
+}
+
+/// `POST /detokenize` (vLLM's): the text of token ids.
+async fn detokenize(
+    State(api): State<Api>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> std::result::Result<Json<Value>, ApiError> {
+    let body: DetokenizeBody = parse(body)?;
+    api.check_model(body.model.as_deref())?;
+    let ids = body
+        .tokens
+        .iter()
+        .map(|&id| api.check_id("tokens", id))
+        .collect::<std::result::Result<Vec<u32>, _>>()?;
+    let text = api.0.tokenizer.decode(&ids, false).map_err(|e| {
+        ApiError::invalid("invalid_tokens", format!("the tokens do not decode: {e}"))
+    })?;
+    Ok(Json(json!({"prompt": text})))
 }
 
 /// Sampling fields shared by both generation endpoints.
@@ -527,6 +593,16 @@ impl Api {
         &self,
         messages: Option<&[ChatMessageBody]>,
     ) -> std::result::Result<Vec<u32>, ApiError> {
+        self.chat_prompt_with(messages, true)
+    }
+
+    /// The token ids of `messages` through the chat template, opening the assistant's turn
+    /// when `add_generation_prompt`.
+    fn chat_prompt_with(
+        &self,
+        messages: Option<&[ChatMessageBody]>,
+        add_generation_prompt: bool,
+    ) -> std::result::Result<Vec<u32>, ApiError> {
         let messages = match messages {
             None => return Err(ApiError::invalid("missing_messages", "`messages` is required")),
             Some([]) => return Err(ApiError::invalid("empty_messages", "`messages` is empty")),
@@ -564,12 +640,13 @@ impl Api {
             };
             chat.push(layers::ChatMessage::new(&m.role, &content));
         }
-        let text = self.0.tokenizer.apply_chat_template(&chat, true).map_err(|e| {
-            ApiError::invalid(
-                "chat_template",
-                format!("cannot apply the model's chat template: {e}"),
-            )
-        })?;
+        let text =
+            self.0.tokenizer.apply_chat_template(&chat, add_generation_prompt).map_err(|e| {
+                ApiError::invalid(
+                    "chat_template",
+                    format!("cannot apply the model's chat template: {e}"),
+                )
+            })?;
         self.encode(&text)
     }
 
@@ -808,6 +885,19 @@ async fn generate(api: Api, job: Job, kind: Kind) -> std::result::Result<Respons
 }
 
 impl Api {
+    /// The model's entry in `/v1/models`.
+    fn model_card(&self) -> Value {
+        json!({
+            "id": self.0.model_name,
+            "object": "model",
+            "created": self.0.created,
+            "owned_by": "tpctl",
+            "max_model_len": self.0.context,
+            "sleeping": self.asleep().is_some(),
+            "checkpoint": self.0.control.as_ref().and_then(|c| c.checkpoint()),
+        })
+    }
+
     /// The tags asleep (or waking), if the deployment sleeps.
     fn asleep(&self) -> Option<Vec<String>> {
         self.0.control.as_ref().and_then(|c| asleep_tags(&c.state()))
