@@ -1268,3 +1268,40 @@ fn tokenize_detokenize_version_and_model_retrieval() {
     assert_eq!(reply.status, 200, "{reply:?}");
     assert_eq!(server.interrupt().code(), Some(130));
 }
+
+/// Stop strings of any length, split over tokens, end the answer before them (streamed or
+/// not), with finish reason `stop`.
+#[test]
+fn stop_strings_split_over_tokens_end_the_answer_before_them() {
+    let server = Server::start(common::lookup_model(), &[]);
+    // The model writes "😀中 😀中 ..."; "中 😀" spans four tokens.
+    let mut req = completion("1", 12);
+    req["stop"] = json!(["zzz", "中 😀"]);
+    let reply = server.post("/v1/completions", &req);
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let body = reply.json();
+    assert_eq!(body["choices"][0]["text"], "😀", "{body}");
+    assert_eq!(body["choices"][0]["finish_reason"], "stop", "{body}");
+    req["stream"] = json!(true);
+    let reply = server.post("/v1/completions", &req);
+    let events = reply.events();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{reply:?}");
+    let chunks: Vec<Value> =
+        events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let text: String =
+        chunks.iter().map(|c| c["choices"][0]["text"].as_str().unwrap_or("")).collect();
+    assert_eq!(text, "😀", "{reply:?}");
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+    // A stop string that never comes: the whole answer, the end held back for it included.
+    let mut req = completion("1", 5);
+    req["stop"] = json!(" 😀x");
+    let body = server.post("/v1/completions", &req).json();
+    assert_eq!(body["choices"][0]["text"], "😀中 ", "{body}");
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    assert_error(
+        &server.post("/v1/completions", &json!({"prompt": [1], "stop": [""]})),
+        400,
+        "invalid_stop",
+    );
+    assert_eq!(server.interrupt().code(), Some(130));
+}

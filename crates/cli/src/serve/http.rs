@@ -511,6 +511,8 @@ fn parse<T: serde::de::DeserializeOwned>(
 struct Job {
     prompt: Vec<u32>,
     params: SamplingParams,
+    /// Stop strings, matched on the generated text.
+    stop_text: Vec<String>,
     stream: bool,
     include_usage: bool,
 }
@@ -752,18 +754,10 @@ impl Api {
                 ))
             }
         };
-        for text in stop_strings {
-            // The engine stops on tokens: a stop string must be one token.
-            match self.0.tokenizer.encode(text).ok().as_deref() {
-                Some(&[id]) => stop.push(self.check_id("stop", id as u64)?),
-                _ => {
-                    return Err(ApiError::invalid(
-                        "unsupported_stop",
-                        format!("stop string {text:?} is not a single token; use `stop_token_ids`"),
-                    ))
-                }
-            }
+        if stop_strings.iter().any(|t| t.is_empty()) {
+            return Err(ApiError::invalid("invalid_stop", "a stop string is empty"));
         }
+        let stop_text: Vec<String> = stop_strings.iter().map(|t| (*t).to_owned()).collect();
         let seed = s.seed.unwrap_or_else(|| {
             SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
         });
@@ -784,6 +778,7 @@ impl Api {
         Ok(Job {
             prompt,
             params,
+            stop_text,
             stream: s.stream.unwrap_or(false),
             include_usage: s.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false),
         })
@@ -859,10 +854,11 @@ async fn generate(api: Api, job: Job, kind: Kind) -> std::result::Result<Respons
     let created = unix_now();
     let model = api.0.model_name.clone();
     if stream {
-        let events = sse(rx, kind, Header { id, created, model, prompt_tokens, include_usage });
+        let header = Header { id, created, model, prompt_tokens, include_usage };
+        let events = sse(rx, kind, header, StopText::new(job.stop_text));
         return Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response());
     }
-    let (text, tokens, reason) = collect(rx).await?;
+    let (text, tokens, reason) = collect(rx, StopText::new(job.stop_text)).await?;
     let (object, choice) = match kind {
         Kind::Completion => (
             "text_completion",
@@ -1137,21 +1133,81 @@ async fn is_sleeping(State(api): State<Api>) -> Response {
 /// Waits for a request's end: its text, tokens and finish reason.
 async fn collect(
     mut rx: Events,
+    mut stops: StopText,
 ) -> std::result::Result<(String, Vec<u32>, FinishReason), ApiError> {
     let mut text = String::new();
+    let mut tokens = Vec::new();
     while let Some(event) = rx.recv().await {
         match event {
-            Event::Token { text: piece, .. } => text.push_str(&piece),
+            Event::Token { token, text: piece } => {
+                tokens.push(token);
+                let (out, hit) = stops.push(&piece);
+                text.push_str(&out);
+                if hit {
+                    // Dropping the events cancels the rest of the generation.
+                    return Ok((text, tokens, FinishReason::StopToken));
+                }
+            }
             Event::Finished { reason: FinishReason::Rejected, .. } => {
                 return Err(ApiError::invalid("rejected", "the engine refused the prompt"))
             }
             Event::Finished { reason: FinishReason::Cancelled, .. } => {
                 return Err(ApiError::stopping())
             }
-            Event::Finished { reason, tokens } => return Ok((text, tokens, reason)),
+            Event::Finished { reason, tokens } => {
+                text.push_str(&stops.finish());
+                return Ok((text, tokens, reason));
+            }
         }
     }
     Err(ApiError::stopping())
+}
+
+/// Stop strings matched on a request's text as it comes: the text before the first match is
+/// let through and the rest dropped (OpenAI's `stop`, the stop string not included). Text
+/// that may be the beginning of a stop string is held back until the next piece decides.
+#[derive(Debug, Default)]
+struct StopText {
+    stops: Vec<String>,
+    held: String,
+}
+
+impl StopText {
+    fn new(stops: Vec<String>) -> Self {
+        StopText { stops, held: String::new() }
+    }
+
+    /// Takes the next piece: the text that can go out now, and whether a stop string ended
+    /// the request.
+    fn push(&mut self, piece: &str) -> (String, bool) {
+        if self.stops.is_empty() {
+            return (piece.to_owned(), false);
+        }
+        self.held.push_str(piece);
+        let first = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min();
+        if let Some(at) = first {
+            let out = self.held[..at].to_owned();
+            self.held.clear();
+            return (out, true);
+        }
+        // Hold back the longest end of the text that begins some stop string.
+        let keep = self
+            .stops
+            .iter()
+            .flat_map(|s| (1..s.len()).filter(|&n| s.is_char_boundary(n)).map(|n| &s[..n]))
+            .filter(|prefix| self.held.ends_with(prefix))
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
+        let out = self.held[..self.held.len() - keep].to_owned();
+        self.held.drain(..self.held.len() - keep);
+        (out, false)
+    }
+
+    /// The text still held back when the request ended without a stop string.
+    fn finish(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
 }
 
 /// What every chunk of a stream repeats.
@@ -1186,6 +1242,7 @@ fn sse(
     mut rx: Events,
     kind: Kind,
     header: Header,
+    mut stops: StopText,
 ) -> ReceiverStream<std::result::Result<SseEvent, Infallible>> {
     let (tx, out) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
@@ -1205,6 +1262,7 @@ fn sse(
             match event {
                 Event::Token { token, text } => {
                     completion_tokens += 1;
+                    let (text, hit) = stops.push(&text);
                     let choice = match kind {
                         Kind::Completion => {
                             json!({"index": 0, "text": text, "token_ids": [token], "logprobs": null, "finish_reason": null})
@@ -1216,9 +1274,27 @@ fn sse(
                     if !send(header.chunk(kind, json!([choice]))).await {
                         return;
                     }
+                    if hit {
+                        reason = FinishReason::StopToken;
+                        break;
+                    }
                 }
                 Event::Finished { reason: r, .. } => {
                     reason = r;
+                    let rest = stops.finish();
+                    if !rest.is_empty() {
+                        let choice = match kind {
+                            Kind::Completion => {
+                                json!({"index": 0, "text": rest, "token_ids": [], "logprobs": null, "finish_reason": null})
+                            }
+                            Kind::Chat => {
+                                json!({"index": 0, "delta": {"content": rest}, "token_ids": [], "logprobs": null, "finish_reason": null})
+                            }
+                        };
+                        if !send(header.chunk(kind, json!([choice]))).await {
+                            return;
+                        }
+                    }
                     break;
                 }
             }
