@@ -554,6 +554,7 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
     let listen = args.listen.unwrap_or(config.server.listen);
     let api_key = args.api_key.or(config.server.api_key).filter(|k| !k.is_empty());
     let refuse_while_asleep = config.server.refuse_while_asleep;
+    let has_config = args.config.is_some();
     let asleep_wait_s = config.server.asleep_wait_timeout;
     if !(asleep_wait_s.is_finite() && asleep_wait_s >= 0.0) {
         bail!("[server] asleep_wait_timeout = {asleep_wait_s}: expected seconds, 0 or more");
@@ -585,7 +586,15 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
         deployment: args.deployment,
     };
     let asleep_wait_ms = (asleep_wait_s * 1000.0).min(u64::MAX as f64) as u64;
-    let spec = ServeSpec { listen, api_key, model_name, refuse_while_asleep, asleep_wait_ms };
+    // A config file's [sampling] gives the defaults of requests that leave fields out.
+    let defaults = has_config.then(|| tpctl::spec::SamplingDefaults {
+        temperature: config.sampling.temperature,
+        top_p: config.sampling.top_p,
+        top_k: config.sampling.top_k,
+        max_tokens: u32::try_from(config.sampling.max_tokens).unwrap_or(u32::MAX),
+    });
+    let spec =
+        ServeSpec { listen, api_key, model_name, refuse_while_asleep, asleep_wait_ms, defaults };
     run(job, Some(spec), verbose, quiet)
 }
 

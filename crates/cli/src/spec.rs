@@ -105,7 +105,26 @@ pub struct ServeSpec {
     /// Milliseconds a completion request waits for a wakeup before it gets 503.
     #[serde(default)]
     pub asleep_wait_ms: u64,
+    /// The sampling a request gets for the fields it leaves out (a config file's
+    /// `[sampling]`); `None`: OpenAI's defaults.
+    #[serde(default)]
+    pub defaults: Option<SamplingDefaults>,
 }
+
+/// A server's sampling defaults, from a config file's `[sampling]`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SamplingDefaults {
+    /// 0 is greedy.
+    pub temperature: f32,
+    /// Nucleus mass.
+    pub top_p: f32,
+    /// The k most likely tokens (0: all).
+    pub top_k: usize,
+    /// Tokens of a completion that does not say.
+    pub max_tokens: u32,
+}
+
+impl Eq for SamplingDefaults {}
 
 impl RankSpec {
     /// The spec in the environment of this process.

@@ -1305,3 +1305,20 @@ fn stop_strings_split_over_tokens_end_the_answer_before_them() {
     );
     assert_eq!(server.interrupt().code(), Some(130));
 }
+
+/// A config file's `[sampling]` gives the defaults of the fields a request leaves out.
+#[test]
+fn the_config_files_sampling_gives_the_servers_defaults() {
+    let toml = scratch("sampling.toml");
+    std::fs::write(&toml, "[sampling]\ntemperature = 0\nmax_tokens = 5\n").unwrap();
+    let expected = reference(model(), &["3,4"], 5).remove(0);
+    let server = Server::start(model(), &[toml.to_str().unwrap()]);
+    let reply = server.post("/v1/completions", &json!({"prompt": prompt_ids("3,4")}));
+    assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
+    assert_eq!(ids(&reply.json()["choices"][0]["token_ids"]), expected, "greedy, 5 tokens");
+    // A field given in the request wins.
+    let reply =
+        server.post("/v1/completions", &json!({"prompt": prompt_ids("3,4"), "max_tokens": 2}));
+    assert_eq!(ids(&reply.json()["choices"][0]["token_ids"]), expected[..2]);
+    assert_eq!(server.interrupt().code(), Some(130));
+}

@@ -63,6 +63,8 @@ pub struct ApiParts {
     pub refuse_while_asleep: bool,
     /// Otherwise how long a completion waits for the wakeup before it gets 503.
     pub asleep_wait: Duration,
+    /// The sampling of fields a request leaves out (`None`: OpenAI's).
+    pub defaults: Option<crate::spec::SamplingDefaults>,
 }
 
 /// The handlers' shared state.
@@ -81,6 +83,7 @@ struct Inner {
     control: Option<Arc<Coordinator>>,
     refuse_while_asleep: bool,
     asleep_wait: Duration,
+    defaults: Option<crate::spec::SamplingDefaults>,
     created: u64,
 }
 
@@ -99,6 +102,7 @@ impl Api {
             control: parts.control,
             refuse_while_asleep: parts.refuse_while_asleep,
             asleep_wait: parts.asleep_wait,
+            defaults: parts.defaults,
             created: unix_now(),
         }))
     }
@@ -708,18 +712,19 @@ impl Api {
                 ),
             ));
         }
-        let temperature = s.temperature.unwrap_or(1.0);
+        let d = self.0.defaults;
+        let temperature = s.temperature.unwrap_or(d.map_or(1.0, |d| d.temperature));
         if !(temperature.is_finite() && temperature >= 0.0) {
             return Err(ApiError::invalid(
                 "invalid_temperature",
                 "`temperature` must be 0 or more",
             ));
         }
-        let top_p = s.top_p.unwrap_or(1.0);
+        let top_p = s.top_p.unwrap_or(d.map_or(1.0, |d| d.top_p));
         if !(top_p > 0.0 && top_p <= 1.0) {
             return Err(ApiError::invalid("invalid_top_p", "`top_p` must be in (0, 1]"));
         }
-        let top_k = match s.top_k.unwrap_or(0) {
+        let top_k = match s.top_k.unwrap_or(d.map_or(0, |d| d.top_k as i64)) {
             -1 | 0 => 0,
             k if k > 0 => k as usize,
             k => {
@@ -827,7 +832,8 @@ async fn completions(
     api.check_model(body.sampling.model.as_deref())?;
     let prompt = api.completion_prompt(body.prompt.as_ref())?;
     let max = body.sampling.max_tokens;
-    let job = api.job(prompt, &body.sampling, max, DEFAULT_COMPLETION_TOKENS.into())?;
+    let default_max = api.0.defaults.map_or(DEFAULT_COMPLETION_TOKENS, |d| d.max_tokens);
+    let job = api.job(prompt, &body.sampling, max, default_max.into())?;
     generate(api, job, Kind::Completion).await
 }
 

@@ -103,6 +103,7 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
         control: rank0.control.clone(),
         refuse_while_asleep: spec.refuse_while_asleep,
         asleep_wait: std::time::Duration::from_millis(spec.asleep_wait_ms),
+        defaults: spec.defaults,
     });
 
     let mut leader = Leader::new(

@@ -163,6 +163,7 @@ impl Http {
             control,
             refuse_while_asleep,
             asleep_wait,
+            defaults: None,
         });
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.set_nonblocking(true).unwrap();
