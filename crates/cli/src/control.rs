@@ -371,7 +371,8 @@ fn record(
 struct Record {
     ops: BTreeMap<String, u64>,
     failures: BTreeMap<String, u64>,
-    tagged: BTreeMap<(usize, String), u64>,
+    released: BTreeMap<(usize, String), u64>,
+    restored: BTreeMap<(usize, String), u64>,
     resident: BTreeMap<usize, u64>,
     device: BTreeMap<(usize, u32), u64>,
 }
@@ -387,9 +388,10 @@ pub struct JournalSnapshot {
     pub ops: BTreeMap<String, u64>,
     /// Operations that failed, by action.
     pub failures: BTreeMap<String, u64>,
-    /// Per (rank, tag): the bytes the latest operation that moved the tag released or
-    /// restored.
-    pub tagged: BTreeMap<(usize, String), u64>,
+    /// Per (rank, tag): the bytes the latest sleep that moved the tag released.
+    pub released: BTreeMap<(usize, String), u64>,
+    /// Per (rank, tag): the bytes the latest wakeup that moved the tag restored.
+    pub restored: BTreeMap<(usize, String), u64>,
     /// Per rank: resident host bytes after the latest operation.
     pub resident: BTreeMap<usize, u64>,
     /// Per (rank, device index): the process's device bytes after the latest operation.
@@ -409,8 +411,16 @@ impl Journal {
             return;
         }
         for rank in &receipt.ranks {
-            for t in &rank.tags {
-                r.tagged.insert((rank.rank, t.tag.clone()), t.bytes);
+            let mut moved = match receipt.action {
+                Action::Sleep => Some(&mut r.released),
+                Action::Wakeup => Some(&mut r.restored),
+                Action::Update | Action::Revert => None,
+            };
+            // Only tags the operation moved: a tag already asleep (or awake) keeps its figure.
+            for t in rank.tags.iter().filter(|t| t.allocations > 0 || t.bytes > 0) {
+                if let Some(moved) = moved.as_deref_mut() {
+                    moved.insert((rank.rank, t.tag.clone()), t.bytes);
+                }
             }
             r.resident.insert(rank.rank, rank.after.resident);
             for &(index, bytes) in &rank.after.devices {
@@ -430,7 +440,8 @@ impl Journal {
         JournalSnapshot {
             ops: r.ops.clone(),
             failures: r.failures.clone(),
-            tagged: r.tagged.clone(),
+            released: r.released.clone(),
+            restored: r.restored.clone(),
             resident: r.resident.clone(),
             device: r.device.clone(),
         }

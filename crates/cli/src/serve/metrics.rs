@@ -215,12 +215,22 @@ pub fn render_sleep(out: &mut String, state: &DeploymentState, journal: &Journal
         let n = journal.failures.get(action).copied().unwrap_or(0);
         let _ = writeln!(out, "tpctl_sleep_op_failures_total{{action=\"{action}\"}} {n}");
     }
-    let _ = writeln!(
-        out,
-        "# HELP tpctl_memory_tagged_bytes Bytes of a memory tag on a rank that its latest sleep released or wakeup restored.\n# TYPE tpctl_memory_tagged_bytes gauge"
-    );
-    for ((rank, tag), n) in &journal.tagged {
-        let _ = writeln!(out, "tpctl_memory_tagged_bytes{{rank=\"{rank}\",tag=\"{tag}\"}} {n}");
+    for (name, help, figures) in [
+        (
+            "tpctl_memory_released_bytes",
+            "Bytes of a memory tag on a rank that the latest sleep moving it released.",
+            &journal.released,
+        ),
+        (
+            "tpctl_memory_restored_bytes",
+            "Bytes of a memory tag on a rank that the latest wakeup moving it restored.",
+            &journal.restored,
+        ),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for ((rank, tag), n) in figures {
+            let _ = writeln!(out, "{name}{{rank=\"{rank}\",tag=\"{tag}\"}} {n}");
+        }
     }
     let _ = writeln!(
         out,

@@ -261,7 +261,7 @@ fn sleep_and_wake_up_reach_every_rank_and_show_in_the_metrics() {
     assert_eq!(http.json("GET", "/is_sleeping"), (200, serde_json::json!({"is_sleeping": true})));
     assert_eq!(http.metric("tpctl_sleeping "), "1");
     assert_eq!(
-        http.metric("tpctl_memory_tagged_bytes{rank=\"1\",tag=\"kv_cache\"} "),
+        http.metric("tpctl_memory_released_bytes{rank=\"1\",tag=\"kv_cache\"} "),
         MIB.to_string()
     );
     assert_eq!(http.metric("tpctl_rank_resident_bytes{rank=\"0\"} "), (11 * MIB).to_string());
@@ -283,6 +283,11 @@ fn sleep_and_wake_up_reach_every_rank_and_show_in_the_metrics() {
     assert_eq!(http.metric("tpctl_sleeping "), "0");
     assert_eq!(http.metric("tpctl_sleep_ops_total{action=\"wakeup\"} "), "1");
     assert_eq!(http.metric("tpctl_rank_resident_bytes{rank=\"1\"} "), (12 * MIB).to_string());
+    // The sleep's figure stays next to the wakeup's (a wakeup may move fewer allocations).
+    let released = http.metric("tpctl_memory_released_bytes{rank=\"0\",tag=\"kv_cache\"} ");
+    assert_eq!(released, MIB.to_string());
+    let restored = http.metric("tpctl_memory_restored_bytes{rank=\"0\",tag=\"kv_cache\"} ");
+    assert_eq!(restored, MIB.to_string());
     assert_eq!(http.metric("tpctl_http_requests_total{route=\"/sleep\",status=\"200\"} "), "1");
 }
 
