@@ -2,9 +2,7 @@
 //! environment, and collect what each printed, with a deadline on every wait.
 #![forbid(unsafe_code)]
 
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 /// What one rank process left behind.
@@ -33,24 +31,7 @@ impl RankOutput {
 /// connections (other tests' ranks) draw their local ports from that range, so a port taken
 /// from it could be in use again before rank 0 binds it.
 pub fn free_port() -> u16 {
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
-        .unwrap_or(32768);
-    let (low, span) = (10_000, ephemeral.saturating_sub(10_000).max(1));
-    let seed = std::process::id().wrapping_mul(2_654_435_761);
-    for _ in 0..1000 {
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let port = low + seed.wrapping_add(n.wrapping_mul(7919)) % span;
-        if let Ok(port) = u16::try_from(port) {
-            if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-                return port;
-            }
-        }
-    }
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    l.local_addr().expect("local address").port()
+    mesh::rendezvous::free_master_port().expect("bind a loopback port")
 }
 
 /// Starts `world` copies of `program` as ranks 0..world of one job (torchrun variables on

@@ -739,7 +739,7 @@ fn check_layout(model: &std::path::Path, tp: usize) -> Result<()> {
     Ok(())
 }
 
+/// The master port of a one-node job (see [`mesh::rendezvous::free_master_port`]).
 fn free_port() -> Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
-    Ok(listener.local_addr()?.port())
+    mesh::rendezvous::free_master_port().context("finding a free port")
 }

@@ -355,3 +355,33 @@ fn slurm_tasks_per_node(
 
 #[cfg(test)]
 mod tests;
+
+/// A loopback port nobody listens on now, for a job's master port: picked below the kernel's
+/// ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`), so no outgoing connection of
+/// this host can take it between the pick and rank 0's bind, as one could a port the kernel
+/// handed out. Successive calls in a process try different ports; falls back to a kernel-chosen
+/// port when none below the range is free.
+///
+/// # Errors
+/// Not even a kernel-chosen port can be bound.
+pub fn free_master_port() -> std::io::Result<u16> {
+    use std::net::TcpListener;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    let (low, span) = (10_000, ephemeral.saturating_sub(10_000).max(1));
+    let seed = std::process::id().wrapping_mul(2_654_435_761);
+    for _ in 0..1000 {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = low + seed.wrapping_add(n.wrapping_mul(7919)) % span;
+        if let Ok(port) = u16::try_from(port) {
+            if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}

@@ -227,3 +227,18 @@ fn the_innermost_launcher_wins() {
     .unwrap();
     assert_eq!((r.rank, r.world_size), (3, 4));
 }
+
+#[test]
+fn a_master_port_is_free_and_below_the_ephemeral_range() {
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok());
+    let (a, b) = (free_master_port().unwrap(), free_master_port().unwrap());
+    assert_ne!(a, b, "successive picks differ");
+    for port in [a, b] {
+        assert!(std::net::TcpListener::bind(("127.0.0.1", port)).is_ok(), "{port} is free");
+        if let Some(low) = ephemeral {
+            assert!(port < low, "{port} is below the ephemeral range from {low}");
+        }
+    }
+}
