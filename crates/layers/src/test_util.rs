@@ -29,3 +29,16 @@ pub(crate) fn temp_path(stem: &str) -> std::path::PathBuf {
     let n = N.fetch_add(1, Ordering::Relaxed);
     std::env::temp_dir().join(format!("tpctl-layers-{}-{n}-{stem}", std::process::id()))
 }
+
+/// `a[m, k] · w[n, k]ᵀ` summed in f64: the reference the matrix products are checked against.
+pub(crate) fn naive_matmul_nt(a: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+    let mut out = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            out[i * n + j] = (0..k)
+                .map(|p| f64::from(a[i * k + p]) * f64::from(w[j * k + p]))
+                .sum::<f64>() as f32;
+        }
+    }
+    out
+}

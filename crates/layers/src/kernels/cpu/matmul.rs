@@ -160,17 +160,7 @@ pub fn matmul_nt(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_util::{assert_close, random_vec};
-
-    fn naive(a: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
-        let mut out = vec![0.0; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                out[i * n + j] = (0..k).map(|p| a[i * k + p] * w[j * k + p]).sum();
-            }
-        }
-        out
-    }
+    use crate::test_util::{assert_close, naive_matmul_nt as naive, random_vec};
 
     #[test]
     fn matches_naive_on_odd_shapes_and_thread_counts() {

@@ -320,19 +320,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_util::random_vec;
-
-    fn naive(a: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
-        let mut out = vec![0.0; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                out[i * n + j] = (0..k)
-                    .map(|p| f64::from(a[i * k + p]) * f64::from(w[j * k + p]))
-                    .sum::<f64>() as f32;
-            }
-        }
-        out
-    }
+    use crate::test_util::{naive_matmul_nt as naive, random_vec};
 
     fn has_avx512() -> bool {
         #[cfg(target_arch = "x86_64")]
