@@ -2,6 +2,7 @@
 //! control channel, with rollback, per-rank receipts and the deployment's state.
 
 use super::error::{Error, Outcome, RankFailure, Result};
+use super::lock::{Held, LocalLock, OpLock};
 use super::memory::{execute, RankMemory};
 use super::message::{Action, Message, Phase, Probe, RankReceipt, Status, TagReceipt};
 use super::quiesce::{Quiesce, QuiesceMode};
@@ -126,7 +127,7 @@ pub struct Coordinator {
     memory: Arc<dyn RankMemory>,
     engine: Arc<dyn Quiesce>,
     opts: CoordinatorOptions,
-    op_lock: Mutex<()>,
+    op_lock: Arc<dyn OpLock>,
     inner: Mutex<Inner>,
 }
 
@@ -180,7 +181,7 @@ impl Coordinator {
             memory,
             engine,
             opts,
-            op_lock: Mutex::new(()),
+            op_lock: Arc::new(LocalLock::default()),
             inner: Mutex::new(Inner {
                 state: DeploymentState::Running,
                 asleep: BTreeSet::new(),
@@ -191,6 +192,14 @@ impl Coordinator {
                 checkpoint: None,
             }),
         }
+    }
+
+    /// This coordinator with `lock` as its sleep/wakeup lock instead of a [`LocalLock`] (see
+    /// [`super::lock`]).
+    #[must_use]
+    pub fn with_lock(mut self, lock: Arc<dyn OpLock>) -> Coordinator {
+        self.op_lock = lock;
+        self
     }
 
     /// The number of ranks, rank 0 included.
@@ -268,11 +277,7 @@ impl Coordinator {
     /// # Errors
     /// None today: ranks that do not answer are listed in [`DeploymentStatus::failures`].
     pub fn status(&self) -> Result<DeploymentStatus> {
-        let guard = match self.op_lock.try_lock() {
-            Ok(guard) => Some(guard),
-            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        };
+        let guard = Held::try_acquire(&*self.op_lock);
         let (state, asleep, running) = {
             let inner = lock(&self.inner);
             let asleep = inner.asleep.iter().cloned().collect::<Vec<_>>();
@@ -305,7 +310,7 @@ impl Coordinator {
     /// # Errors
     /// [`Error::Channel`] naming every peer that did not acknowledge.
     pub fn shutdown(&self) -> Result<()> {
-        let _guard = lock(&self.op_lock);
+        let _guard = Held::acquire(&*self.op_lock);
         let msg = Message::request(0, Phase::Shutdown, None, &[]);
         let (sent, mut failures) = self.fan_out(&msg, &self.live_peers(), false);
         failures.extend(self.drain(0, Phase::Shutdown, &sent).failures());
@@ -464,7 +469,7 @@ impl Coordinator {
         model: Option<&str>,
     ) -> Result<OpReceipt> {
         let start = Instant::now();
-        let _guard = lock(&self.op_lock);
+        let _guard = Held::acquire(&*self.op_lock);
         lock(&self.inner).running = Some(match model {
             Some(m) => format!("{action} {m}"),
             None => format!("{action} {tags:?}"),

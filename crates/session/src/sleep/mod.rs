@@ -8,7 +8,8 @@
 //!
 //! `Coordinator::sleep(tags)` / `wakeup(tags)`:
 //!
-//! 1. take the sleep/wakeup lock (concurrent callers are serialized; a single rank too);
+//! 1. take the sleep/wakeup lock ([`OpLock`]; concurrent callers are serialized; a single
+//!    rank too);
 //! 2. quiesce rank 0's engine at a step boundary ([`Quiesce`], [`QuiesceMode`]);
 //! 3. PREPARE `{op_id, action, tags}` to every peer, all frames sent before any ACK is
 //!    awaited; a peer quiesces, checks the tags and ACKs without touching memory;
@@ -42,6 +43,7 @@
 mod coordinator;
 mod error;
 pub mod listener;
+pub mod lock;
 mod memory;
 mod message;
 pub mod quiesce;
@@ -53,6 +55,7 @@ pub use coordinator::{
 };
 pub use error::{Error, Outcome, RankFailure, Result};
 pub use listener::{ListenerExit, ListenerHandle};
+pub use lock::{LocalLock, OpLock};
 pub use memory::{MemoryError, NoMemory, RankMemory, VmmMemory};
 pub use message::{Action, Message, Phase, Probe, RankReceipt, Status, TagReceipt};
 pub use quiesce::{Idle, Quiesce, QuiesceMode};

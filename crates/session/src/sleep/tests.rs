@@ -237,12 +237,66 @@ fn parts(n: usize, log: &Log) -> (Vec<Arc<Fake>>, Vec<Arc<Engine>>) {
     (mem, engines)
 }
 
+/// A sleep/wakeup lock that logs when it is taken and given back.
+struct SpyLock {
+    inner: LocalLock,
+    log: Log,
+}
+
+impl OpLock for SpyLock {
+    fn acquire(&self) {
+        self.inner.acquire();
+        self.log.push("lock taken".into());
+    }
+    fn try_acquire(&self) -> bool {
+        let took = self.inner.try_acquire();
+        if took {
+            self.log.push("lock taken (try)".into());
+        }
+        took
+    }
+    fn release(&self) {
+        self.log.push("lock given back".into());
+        self.inner.release();
+    }
+}
+
+/// Rank 0's end of the in-memory transport, logging every ACK it receives
+/// (`"link got prepare ack 3 from r1"`) and every closed peer.
+struct SpyLink {
+    inner: memory::MemoryCoordinator,
+    log: Log,
+}
+
+impl CoordinatorLink for SpyLink {
+    fn peers(&self) -> Vec<usize> {
+        self.inner.peers()
+    }
+    fn send(&self, rank: usize, msg: &Message) -> std::result::Result<(), String> {
+        self.inner.send(rank, msg)
+    }
+    fn recv(&self, deadline: Instant) -> Option<transport::Incoming> {
+        let got = self.inner.recv(deadline);
+        match &got {
+            Some(transport::Incoming::Frame { rank, msg }) => {
+                self.log.push(format!("link got {} ack {} from r{rank}", msg.phase, msg.op_id))
+            }
+            Some(transport::Incoming::Closed { rank, .. }) => {
+                self.log.push(format!("link closed r{rank}"));
+            }
+            None => {}
+        }
+        got
+    }
+}
+
 /// A world of `n` ranks over the in-memory transport; `serve` says which peers run a
 /// listener (the others keep their end open and never answer).
 fn world_with(n: usize, ack_timeout: Duration, serve: impl Fn(usize) -> bool) -> World {
     let log = Log::default();
     let faults = Faults::default();
     let (link, peers) = memory::world(n, faults.clone());
+    let link = SpyLink { inner: link, log: log.clone() };
     let (mem, engines) = parts(n, &log);
     let mut listeners = Vec::new();
     let mut silent = Vec::new();
@@ -257,12 +311,14 @@ fn world_with(n: usize, ack_timeout: Duration, serve: impl Fn(usize) -> bool) ->
     }
     // Silent peers stay connected for the test's life.
     std::mem::forget(silent);
+    let lock = SpyLock { inner: LocalLock::default(), log: log.clone() };
     let coord = Coordinator::new(
         link,
         mem[0].clone(),
         engines[0].clone(),
         CoordinatorOptions { ack_timeout },
-    );
+    )
+    .with_lock(Arc::new(lock));
     World { coord: Arc::new(coord), listeners, mem, engines, log, faults }
 }
 
@@ -516,27 +572,138 @@ fn rank_0_and_a_peer_failing_together_are_both_reported() {
 
 #[test]
 fn stale_acks_of_an_earlier_op_are_ignored() {
-    let w = world_with(3, Duration::from_millis(500), |_| true);
-    // Rank 1 answers op 1's PREPARE late, after rank 0 gave up on it.
-    *w.engines[1].slow_first.lock().unwrap() = Some(Duration::from_millis(1200));
+    let w = world_with(3, Duration::from_secs(2), |_| true);
+    // Rank 1's PREPARE ACK of op 1 is held back until rank 0 gave up on it.
+    w.faults.arm(Fault::HoldAck { rank: 1, phase: Phase::Prepare });
     let e = w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap_err();
     assert_eq!(ranks_of(&e), vec![1]);
-    // And a stale frame with an old op id arrives right before op 2's ACK.
+    assert!(e.to_string().contains("no prepare ack from rank 1"), "{e}");
+    assert_eq!(w.faults.held(), 1);
+    // The late ACK reaches rank 0 before anything of op 2, and a stale COMMIT ACK with op 1's
+    // id comes right before rank 2's real one: op 2's drains see both first and must not count
+    // them (the stale one says Failed and carries no receipt).
+    assert_eq!(w.faults.deliver_held(), 1);
     w.faults.arm(Fault::StaleAck { rank: 2, phase: Phase::Commit, op_id: 1 });
-    // Op 1's late ACKs (prepare, abort) reach rank 0 around now, so op 2's drains see them
-    // first; they must not count. A heavily loaded machine may need another try.
-    std::thread::sleep(Duration::from_millis(1000));
-    let mut tries = 0;
-    let r = loop {
-        tries += 1;
-        match w.coord.sleep(&tags(&["weights"]), OpOptions::default()) {
-            Ok(r) => break r,
-            Err(e) => assert!(ranks_of(&e) == vec![1] && tries < 5, "{e}"),
-        }
-    };
-    assert!(r.op_id >= 2);
+    let r = w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap();
+    assert_eq!(r.op_id, 2);
     assert_eq!(r.bytes(), 3 * MIB);
     assert!(w.mem.iter().all(|m| m.asleep() == tags(&["weights"])));
+    let all = w.log.all();
+    let pos = |e: &str| all.iter().position(|x| x == e).unwrap_or_else(|| panic!("{e}: {all:?}"));
+    assert!(pos("link got prepare ack 1 from r1") < pos("link got prepare ack 2 from r1"));
+    assert!(pos("link got commit ack 1 from r2") < pos("link got commit ack 2 from r2"));
+    w.shutdown();
+}
+
+#[test]
+fn an_ack_of_the_wrong_phase_is_dropped() {
+    let w = world(3);
+    // Rank 1 sends a failed "commit" ACK of op 1 while rank 0 waits for PREPARE ACKs, and
+    // rank 2 a failed "prepare" ACK while it waits for COMMIT ACKs: neither is an answer.
+    w.faults.arm(Fault::WrongPhaseAck { rank: 1, phase: Phase::Prepare, sent_as: Phase::Commit });
+    w.faults.arm(Fault::WrongPhaseAck { rank: 2, phase: Phase::Commit, sent_as: Phase::Prepare });
+    let r = w.coord.sleep(&tags(&["kv_cache"]), OpOptions::default()).unwrap();
+    assert_eq!(r.ranks.len(), 3, "every rank's receipt: {r:?}");
+    assert_eq!(r.bytes(), 3 * MIB);
+    let all = w.log.all();
+    let pos = |e: &str| all.iter().position(|x| x == e).unwrap_or_else(|| panic!("{e}: {all:?}"));
+    // Both strays reached rank 0 before the real ACKs that followed them.
+    assert!(pos("link got commit ack 1 from r1") < pos("link got prepare ack 1 from r1"));
+    assert!(pos("link got prepare ack 1 from r2") < pos("link got commit ack 1 from r2"));
+    assert!(w.mem.iter().all(|m| m.asleep() == tags(&["kv_cache"])));
+    w.shutdown();
+}
+
+#[test]
+fn every_prepare_and_abort_ack_is_received_before_the_error_is_raised() {
+    let w = world(3);
+    // Rank 1 refuses at once; rank 2 prepares slowly. The error must wait for rank 2's
+    // PREPARE ACK and then for both ABORT ACKs, so no answer of this op is left in flight.
+    w.mem[1].set(|s| s.fail_check = Some("tag `weights` is busy".into()));
+    *w.engines[2].slow_first.lock().unwrap() = Some(Duration::from_millis(300));
+    let e = w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap_err();
+    w.log.push("error raised".into());
+    assert_eq!(ranks_of(&e), vec![1]);
+    let all = w.log.all();
+    let pos = |e: &str| all.iter().position(|x| x == e).unwrap_or_else(|| panic!("{e}: {all:?}"));
+    let raised = pos("error raised");
+    for ack in [
+        "link got prepare ack 1 from r1",
+        "link got prepare ack 1 from r2",
+        "link got abort ack 1 from r1",
+        "link got abort ack 1 from r2",
+    ] {
+        assert!(pos(ack) < raised, "{ack} came after the error: {all:?}");
+    }
+    // And the lock was given back only then.
+    assert!(pos("link got abort ack 1 from r2") < pos("lock given back"));
+    assert!(w.mem.iter().all(|m| m.asleep().is_empty()));
+    w.shutdown();
+}
+
+/// The events of `log` that are not a peer's, in order: the lock's, rank 0's and the link's.
+fn rank0_view(log: &Log) -> Vec<String> {
+    log.all().into_iter().filter(|e| !e.starts_with('r') || e.starts_with("r0 ")).collect()
+}
+
+#[test]
+fn the_lock_is_held_from_before_the_quiesce_until_after_the_last_ack() {
+    let w = world(3);
+    w.coord.sleep(&tags(&["kv_cache"]), OpOptions::default()).unwrap();
+    // A failing operation gives it back too, after its ABORTs.
+    w.mem[2].set(|s| s.fail_check = Some("no".into()));
+    w.coord.wakeup(&tags(&["kv_cache"]), OpOptions::default()).unwrap_err();
+    w.mem[2].set(|s| s.fail_check = None);
+    w.coord.wakeup(&tags(&["kv_cache"]), OpOptions::default()).unwrap();
+    let view = rank0_view(&w.log);
+    let ack = |phase: &str, op: u64, rank: usize| format!("link got {phase} ack {op} from r{rank}");
+    let mut want = vec!["lock taken".to_string(), "r0 quiesce Wait".into()];
+    want.extend([ack("prepare", 1, 1), ack("prepare", 1, 2)]);
+    want.extend(["r0 release kv_cache".into(), "r0 released".into()]);
+    want.extend([ack("commit", 1, 1), ack("commit", 1, 2), "lock given back".into()]);
+    // Op 2 fails in PREPARE on rank 2: ABORT to both, then the lock.
+    want.push("lock taken".into());
+    want.extend([ack("prepare", 2, 1), ack("prepare", 2, 2)]);
+    want.extend([ack("abort", 2, 1), ack("abort", 2, 2), "lock given back".into()]);
+    want.push("lock taken".into());
+    want.extend([ack("prepare", 3, 1), ack("prepare", 3, 2)]);
+    want.extend(["r0 materialize kv_cache".into(), "r0 materialized".into()]);
+    want.extend([ack("commit", 3, 1), ack("commit", 3, 2), "r0 resume".into()]);
+    want.push("lock given back".into());
+    // Peers answer in any order: compare each phase's ACKs as a set.
+    fn phase(e: &str) -> Option<&str> {
+        e.strip_prefix("link got ").and_then(|e| e.split(" from").next())
+    }
+    let norm = |mut v: Vec<String>| {
+        for acks in v.chunk_by_mut(|a, b| phase(a).is_some() && phase(a) == phase(b)) {
+            acks.sort();
+        }
+        v
+    };
+    assert_eq!(norm(view), norm(want));
+    w.shutdown();
+}
+
+#[test]
+fn a_single_rank_takes_the_lock_for_sleep_and_for_wakeup() {
+    let w = world(1);
+    w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap();
+    w.coord.wakeup(&tags(&["weights"]), OpOptions::default()).unwrap();
+    assert_eq!(
+        w.log.all(),
+        [
+            "lock taken",
+            "r0 quiesce Wait",
+            "r0 release weights",
+            "r0 released",
+            "lock given back",
+            "lock taken",
+            "r0 materialize weights",
+            "r0 materialized",
+            "r0 resume",
+            "lock given back",
+        ]
+    );
     w.shutdown();
 }
 

@@ -36,6 +36,23 @@ pub enum Fault {
         /// The stale operation id.
         op_id: u64,
     },
+    /// Before its ACK for `phase`, `rank` sends a failed ACK of the same operation that says
+    /// it answers `sent_as`.
+    WrongPhaseAck {
+        /// The peer.
+        rank: usize,
+        /// The ACK's phase.
+        phase: Phase,
+        /// The phase the extra ACK claims.
+        sent_as: Phase,
+    },
+    /// The ACK `rank` sends for `phase` is held back until [`Faults::deliver_held`].
+    HoldAck {
+        /// The peer.
+        rank: usize,
+        /// The ACK's phase.
+        phase: Phase,
+    },
     /// The request of `phase` reaches `rank` whole but undecodable (its op id and phase
     /// still readable).
     Garble {
@@ -46,20 +63,62 @@ pub enum Fault {
     },
 }
 
-/// The faults armed on one in-memory world, shared by both ends.
+impl Fault {
+    /// The peer and phase of an ACK this fault acts on, if it acts on ACKs.
+    fn ack(&self) -> Option<(usize, Phase)> {
+        match *self {
+            Fault::DropAck { rank, phase }
+            | Fault::StaleAck { rank, phase, .. }
+            | Fault::WrongPhaseAck { rank, phase, .. }
+            | Fault::HoldAck { rank, phase } => Some((rank, phase)),
+            Fault::FailSend { .. } | Fault::Garble { .. } => None,
+        }
+    }
+}
+
+/// An ACK held back by [`Fault::HoldAck`], with the queue it goes to.
+type HeldAck = (Sender<Incoming>, Incoming);
+
+/// The faults armed on one in-memory world, shared by both ends, and the ACKs held back.
 #[derive(Clone, Debug, Default)]
-pub struct Faults(Arc<Mutex<Vec<Fault>>>);
+pub struct Faults {
+    armed: Arc<Mutex<Vec<Fault>>>,
+    held: Arc<Mutex<Vec<HeldAck>>>,
+}
 
 impl Faults {
     /// Arms `fault`.
     pub fn arm(&self, fault: Fault) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(fault);
+        self.armed.lock().unwrap_or_else(|e| e.into_inner()).push(fault);
+    }
+
+    /// Delivers the ACKs [`Fault::HoldAck`] held back, in the order they were sent; how many.
+    pub fn deliver_held(&self) -> usize {
+        let held = std::mem::take(&mut *self.held.lock().unwrap_or_else(|e| e.into_inner()));
+        let n = held.len();
+        for (to, frame) in held {
+            let _ = to.send(frame);
+        }
+        n
+    }
+
+    /// The number of ACKs held back now.
+    pub fn held(&self) -> usize {
+        self.held.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     fn take(&self, pred: impl Fn(&Fault) -> bool) -> Option<Fault> {
-        let mut v = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v = self.armed.lock().unwrap_or_else(|e| e.into_inner());
         let i = v.iter().position(pred)?;
         Some(v.remove(i))
+    }
+
+    /// Takes the first armed fault that acts on this ACK of `rank` and is of `kind`.
+    fn take_ack(&self, rank: usize, msg: &Message, kind: fn(&Fault) -> bool) -> Option<Fault> {
+        if msg.status == Status::Request {
+            return None;
+        }
+        self.take(|f| kind(f) && f.ack() == Some((rank, msg.phase)))
     }
 }
 
@@ -169,35 +228,38 @@ impl PeerLink for MemoryPeer {
 
     fn send(&mut self, msg: &Message) -> Result<(), String> {
         let rank = self.rank;
-        let is = |f: &Fault, want: fn(&Fault) -> Option<(usize, Phase)>| {
-            want(f).is_some_and(|(r, p)| r == rank && p == msg.phase)
-                && msg.status != Status::Request
+        let faults = &self.faults;
+        let extra = |mut m: Message, error: &str| {
+            m.status = Status::Failed;
+            m.receipt = None;
+            m.error = Some(error.into());
+            Incoming::Frame { rank, msg: Box::new(m) }
         };
-        if let Some(Fault::StaleAck { op_id, .. }) = self.faults.take(|f| {
-            is(f, |f| match f {
-                Fault::StaleAck { rank, phase, .. } => Some((*rank, *phase)),
-                _ => None,
-            })
-        }) {
+        if let Some(Fault::StaleAck { op_id, .. }) =
+            faults.take_ack(rank, msg, |f| matches!(f, Fault::StaleAck { .. }))
+        {
             let mut stale = msg.clone();
             stale.op_id = op_id;
-            stale.error = Some("stale ack".into());
-            let _ = self.to_coordinator.send(Incoming::Frame { rank, msg: Box::new(stale) });
+            let _ = self.to_coordinator.send(extra(stale, "stale ack"));
         }
-        if self
-            .faults
-            .take(|f| {
-                is(f, |f| match f {
-                    Fault::DropAck { rank, phase } => Some((*rank, *phase)),
-                    _ => None,
-                })
-            })
-            .is_some()
+        if let Some(Fault::WrongPhaseAck { sent_as, .. }) =
+            faults.take_ack(rank, msg, |f| matches!(f, Fault::WrongPhaseAck { .. }))
         {
+            let mut wrong = msg.clone();
+            wrong.phase = sent_as;
+            let _ = self.to_coordinator.send(extra(wrong, "an ack of the wrong phase"));
+        }
+        if faults.take_ack(rank, msg, |f| matches!(f, Fault::DropAck { .. })).is_some() {
+            return Ok(());
+        }
+        let frame = Incoming::Frame { rank, msg: Box::new(msg.clone()) };
+        if faults.take_ack(rank, msg, |f| matches!(f, Fault::HoldAck { .. })).is_some() {
+            let held = (self.to_coordinator.clone(), frame);
+            faults.held.lock().unwrap_or_else(|e| e.into_inner()).push(held);
             return Ok(());
         }
         self.to_coordinator
-            .send(Incoming::Frame { rank, msg: Box::new(msg.clone()) })
+            .send(frame)
             .map_err(|_| "rank 0 closed the in-memory channel".to_string())
     }
 }
