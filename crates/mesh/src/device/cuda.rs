@@ -31,18 +31,25 @@ impl CudaProbe for DriverProbe {
 
     fn current_device(&self) -> Result<Option<usize>> {
         driver::init()?;
-        match cudarc::driver::result::ctx::get_current().map_err(driver::unavailable)? {
-            None => Ok(None),
-            // Reading the device of a context is `cuCtxGetDevice`, which cudarc only offers as
-            // an unsafe raw binding, and this crate forbids unsafe code.
-            Some(_) => Err(crate::error::Error::BackendUnavailable {
-                backend: "cuda",
-                reason: "a CUDA context is current on this thread but tpctl-mesh cannot read \
-                         its device (cuCtxGetDevice needs unsafe code); set LOCAL_RANK or pass \
-                         a CudaProbe that can"
-                    .into(),
-            }),
+        if cudarc::driver::result::ctx::get_current().map_err(driver::unavailable)?.is_none() {
+            return Ok(None);
         }
+        let device = driver::current_context_device()?;
+        // A `CUdevice` is a handle; the ordinal is the index whose handle it is.
+        let count = self.device_count()?;
+        for ordinal in 0..count {
+            let handle = i32::try_from(ordinal).map_err(|_| driver::too_many(count))?;
+            if cudarc::driver::result::device::get(handle).map_err(driver::unavailable)? == device {
+                return Ok(Some(ordinal));
+            }
+        }
+        Err(crate::error::Error::BackendUnavailable {
+            backend: "cuda",
+            reason: format!(
+                "the CUDA context current on this thread is on device handle {device}, which is \
+                 none of the {count} visible devices"
+            ),
+        })
     }
 }
 
@@ -51,6 +58,23 @@ mod driver {
     use std::sync::OnceLock;
 
     use crate::error::{Error, Result};
+
+    pub(super) fn too_many(count: usize) -> Error {
+        Error::BackendUnavailable { backend: "cuda", reason: format!("{count} CUDA devices") }
+    }
+
+    /// The device of the context current on this thread (`cuCtxGetDevice`, which cudarc
+    /// offers only as a raw binding). Call it after [`init`] and with a context current.
+    #[allow(unsafe_code)]
+    pub(super) fn current_context_device() -> Result<cudarc::driver::sys::CUdevice> {
+        let mut device: cudarc::driver::sys::CUdevice = 0;
+        // SAFETY: the driver is loaded and initialized (`init` succeeded, so the dynamically
+        // loaded symbol exists); `cuCtxGetDevice` writes one `CUdevice` through the pointer,
+        // which points at a live local of that type, and reads nothing else.
+        let status = unsafe { cudarc::driver::sys::cuCtxGetDevice(&mut device) };
+        status.result().map_err(unavailable)?;
+        Ok(device)
+    }
 
     pub(super) fn unavailable(e: cudarc::driver::DriverError) -> Error {
         Error::BackendUnavailable {

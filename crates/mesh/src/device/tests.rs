@@ -92,3 +92,22 @@ fn cuda_driver_probe() {
         Err(e) => panic!("CUDA device selection failed: {e}"),
     }
 }
+
+/// Without `LOCAL_RANK`, a caller that made a device current keeps it (issue 16, fault 6: the
+/// driver probe used to refuse). Skips without a GPU unless `TPCTL_REQUIRE_GPU=1`.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_keeps_the_callers_current_device() {
+    let require = std::env::var("TPCTL_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    let count = match DriverProbe.device_count() {
+        Ok(n) if n > 0 => n,
+        Ok(_) | Err(_) if !require => return eprintln!("skipped: no usable CUDA device"),
+        other => panic!("no usable CUDA device: {other:?}"),
+    };
+    // The last device, so the answer is not the default's cuda:0 where there are several.
+    let ctx = cudarc::driver::CudaContext::new(count - 1).expect("a context on the last device");
+    assert_eq!(DriverProbe.current_device().unwrap(), Some(count - 1));
+    let rv = Rendezvous { world_size: 2, ..Rendezvous::single() };
+    assert_eq!(Device::select(&rv, true).unwrap(), Device::Cuda(count - 1));
+    drop(ctx);
+}
