@@ -37,14 +37,20 @@
 //!   each tag's configured policy (by default: weights reloaded, KV cache discarded).
 //!   `mode` (`wait`, `abort`, `keep`) says what happens to running requests; `verify` fails
 //!   (and rolls back) a sleep whose memory probe on some rank did not drop.
-//! - `wakeup {tags}`: materializes `tags` again; empty `tags` means every tag asleep.
+//! - `wakeup {tags, model}`: materializes `tags` again; empty `tags` means every tag asleep.
+//!   `model`, only while the weights are asleep, names the checkpoint they come back from
+//!   (an `update_weights` first, then the wakeup: [`run_wakeup`]).
+//! - `update_weights {model, mode}`: every rank loads its shard of the checkpoint at `model`
+//!   (same architecture and shapes) into its weights, asleep or awake (awake: quiesced per
+//!   `mode` first), two-phase: a failure anywhere leaves the old weights everywhere.
 //! - `status`: the deployment's state and each rank's asleep tags and memory probe.
 //! - `stop`: answers, then stops the deployment (as Ctrl-C on the launcher would).
 //!
 //! Any other method is refused with an error reply. A failed operation replies `ok: false`
 //! with the aggregate error and every failing rank.
 //!
-//! The HTTP API of `tpctl serve` runs the same operations ([`run_op`]); both record them in
+//! The HTTP API of `tpctl serve` runs the same operations ([`run_op`], [`run_wakeup`],
+//! [`run_update`]); both record them in
 //! the deployment's [`Journal`], which `/metrics` reads.
 
 pub mod client;
@@ -86,7 +92,8 @@ pub struct Request {
     /// Fail a sleep whose memory probe did not drop on some rank.
     #[serde(default)]
     pub verify: bool,
-    /// The checkpoint `update_weights` loads (a GGUF file or a Hugging Face folder).
+    /// The checkpoint `update_weights` (or a `wakeup` of sleeping weights) loads (a GGUF
+    /// file or a Hugging Face folder).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
 }
@@ -331,6 +338,43 @@ pub fn run_op(
     record(&journal, action, result)
 }
 
+/// A wakeup that first names the checkpoint it loads: after a sleep that discarded the
+/// weights (level 2), `model` is staged on every rank as a weight update (two-phase, nothing
+/// changed on a failure), and the wakeup then loads it. Without `model`, [`run_op`].
+///
+/// # Errors
+/// `model` while the weights are awake (a client error: that is `update_weights`), or the
+/// update's or the wakeup's error. A wakeup that fails after the update leaves the new
+/// checkpoint staged, still asleep: the next wakeup loads it.
+pub fn run_wakeup(
+    coordinator: &Arc<Coordinator>,
+    tags: &[String],
+    model: Option<&str>,
+    opts: OpOptions,
+) -> Result<OpWire, ErrorWire> {
+    if let Some(model) = model {
+        let weights = ALL_TAGS[0];
+        let asleep = match coordinator.state() {
+            DeploymentState::Sleeping(t) | DeploymentState::Waking(t) => t,
+            _ => Vec::new(),
+        };
+        if !asleep.iter().any(|t| t == weights) {
+            return Err(ErrorWire::client(format!(
+                "a wakeup names a checkpoint (model={model}) only while the weights are asleep; \
+                 awake, replace them with update_weights"
+            )));
+        }
+        check_tags(tags).map_err(ErrorWire::client)?;
+        if !tags.is_empty() && !tags.iter().any(|t| t == weights) {
+            return Err(ErrorWire::client(format!(
+                "a wakeup that names a checkpoint (model={model}) must wake the weights"
+            )));
+        }
+        run_update(coordinator, model, opts)?;
+    }
+    run_op(coordinator, Action::Wakeup, tags, opts)
+}
+
 /// Replaces the weights on every rank with those of the checkpoint at `model` (see
 /// [`Coordinator::update_weights`]) and records it in the deployment's journal.
 ///
@@ -497,7 +541,11 @@ pub(crate) fn dispatch(coordinator: &Arc<Coordinator>, req: &Request) -> Reply {
             ))
         }
     };
-    match run_op(coordinator, action, &req.tags, opts) {
+    let result = match action {
+        Action::Wakeup => run_wakeup(coordinator, &req.tags, req.model.as_deref(), opts),
+        _ => run_op(coordinator, action, &req.tags, opts),
+    };
+    match result {
         Ok(op) => Reply { ok: true, op: Some(op), ..Reply::default() },
         Err(e) => Reply { ok: false, error: Some(e), ..Reply::default() },
     }

@@ -62,6 +62,9 @@ enum Command {
     /// Wake a sleeping deployment: materialize the given tags (default: every tag asleep)
     /// on every rank and restore them per their policy.
     ///
+    /// After a sleep that discarded the weights (`--level 2`), `--model PATH` wakes them from
+    /// another checkpoint of the same shapes (as `tpctl reload` then `tpctl wakeup`).
+    ///
     /// Example: tpctl wakeup --deployment chat --tags weights
     Wakeup(WakeupArgs),
     /// Replace a running deployment's weights with another checkpoint of the same model
@@ -290,6 +293,10 @@ struct WakeupArgs {
     /// Memory tags to restore, comma-separated (default: every tag asleep).
     #[arg(long, value_delimiter = ',', value_name = "TAGS")]
     tags: Vec<String>,
+    /// Load the weights from this checkpoint (a GGUF file or a Hugging Face folder of the
+    /// same shapes) instead of the live one; only while the weights are asleep.
+    #[arg(long, value_name = "PATH")]
+    model: Option<String>,
     #[command(flatten)]
     target: TargetArgs,
 }
@@ -344,7 +351,11 @@ fn main() -> ExitCode {
             control_command(&args.target, &request)
         }
         Command::Wakeup(args) => {
-            let request = control::Request { tags: args.tags, ..control::Request::new("wakeup") };
+            let request = control::Request {
+                tags: args.tags,
+                model: args.model,
+                ..control::Request::new("wakeup")
+            };
             control_command(&args.target, &request)
         }
         Command::Status(target) => control_command(&target, &control::Request::new("status")),

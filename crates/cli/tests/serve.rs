@@ -1179,8 +1179,21 @@ fn a_weight_update_serves_the_new_checkpoint_like_a_fresh_start() {
     let (code, _, err) = control(&rt, &["wakeup"]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(answers(&server), want_first);
+
+    // The wakeup itself may name the checkpoint, only while the weights are asleep.
+    let reply = server.post(&format!("/wake_up?model={second}"), &json!({}));
+    assert_eq!(reply.status, 400, "{reply:?}");
+    assert!(reply.body.contains("only while the weights are asleep"), "{reply:?}");
+    let (code, _, err) = control(&rt, &["sleep", "--level", "2"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, reply, err) = control(&rt, &["wakeup", "--model", &second]);
+    assert_eq!(code, 0, "{err}\n{reply}\n{}", server.log());
+    assert_eq!(reply["op"]["action"], "wakeup", "{reply}");
+    assert_eq!(answers(&server), want_second);
+    let models = server.get("/v1/models").json();
+    assert_eq!(models["data"][0]["checkpoint"], second.as_str(), "{models}");
     let metrics = server.get("/metrics").body;
-    assert!(metrics.contains("tpctl_sleep_ops_total{action=\"update_weights\"} 2"), "{metrics}");
+    assert!(metrics.contains("tpctl_sleep_ops_total{action=\"update_weights\"} 3"), "{metrics}");
     assert!(metrics.contains("tpctl_sleep_op_failures_total{action=\"update_weights\"} 1"));
     assert_eq!(server.interrupt().code(), Some(130));
 }

@@ -1,7 +1,9 @@
 //! The HTTP API (OpenAI-style): `POST /v1/completions`, `POST /v1/chat/completions` (both
 //! with SSE streaming), `GET /v1/models`, `GET /health` and `GET /metrics`; vLLM-style
 //! `POST /sleep?level=1&tags=kv_cache,weights&mode=wait&verify=false`,
-//! `POST /wake_up?tags=weights` and `GET /is_sleeping` (`{"is_sleeping": bool}`).
+//! `POST /wake_up?tags=weights` (`&model=PATH`: from another checkpoint, after a level-2
+//! sleep), `POST /update_weights?model=PATH&mode=wait` and `GET /is_sleeping`
+//! (`{"is_sleeping": bool}`).
 //!
 //! `/sleep` and `/wake_up` block until every rank is done and answer the receipt (the
 //! control socket's `op` object); a failure is 400 (a bad parameter) or 500 with the
@@ -1067,7 +1069,7 @@ async fn control_op(api: Api, action: Action, query: Option<&str>) -> Response {
     };
     let allowed: &[&str] = match action {
         Action::Sleep => &["tags", "level", "mode", "verify"],
-        Action::Wakeup => &["tags"],
+        Action::Wakeup => &["tags", "model"],
         Action::Update | Action::Revert => &["model", "mode"],
     };
     let q = match op_query(query, allowed) {
@@ -1078,9 +1080,10 @@ async fn control_op(api: Api, action: Action, query: Option<&str>) -> Response {
         Action::Update | Action::Revert => {
             crate::control::run_update(&coordinator, q.model.as_deref().unwrap_or_default(), q.opts)
         }
-        Action::Sleep | Action::Wakeup => {
-            crate::control::run_op(&coordinator, action, &q.tags, q.opts)
+        Action::Wakeup => {
+            crate::control::run_wakeup(&coordinator, &q.tags, q.model.as_deref(), q.opts)
         }
+        Action::Sleep => crate::control::run_op(&coordinator, action, &q.tags, q.opts),
     })
     .await;
     match run {
