@@ -353,7 +353,7 @@ fn bad_sleep_parameters_are_400_and_change_nothing() {
         ),
         ("/wake_up?tags=weights,bogus", "unknown tag `bogus`"),
         ("/sleep?tags=%zz", "bad percent-encoding"),
-        ("/wake_up?level=1", "unknown query parameter `level` (this route takes tags)"),
+        ("/wake_up?level=1", "unknown query parameter `level` (this route takes tags, model)"),
     ] {
         let (status, v) = http.json("POST", path);
         assert_eq!(status, 400, "{path}: {v}");
