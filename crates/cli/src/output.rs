@@ -71,7 +71,13 @@ fn out(text: &str) -> Result<(), BoxError> {
 }
 
 impl OutputSink for Printer {
-    fn token(&mut self, request: u64, _token: u32, text: &str) -> Result<(), BoxError> {
+    fn token(
+        &mut self,
+        request: u64,
+        _token: u32,
+        text: &str,
+        _logprobs: Option<&session::TokenLogprobs>,
+    ) -> Result<(), BoxError> {
         let now = self.start.elapsed();
         let t = self.timings.entry(request).or_default();
         if t.first_token.is_none() {

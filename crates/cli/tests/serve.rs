@@ -1222,7 +1222,8 @@ fn sampling_fields_apply_and_unsupported_ones_are_refused() {
                          "response_format": {"type": "text"}, "top_logprobs": 0});
     assert_eq!(ask(neutral).status, 200);
     for (extra, code, says) in [
-        (json!({"logprobs": 2}), "unsupported_parameter", "`logprobs`"),
+        (json!({"logprobs": 21}), "invalid_logprobs", "`logprobs` 21"),
+        (json!({"logprobs": true}), "invalid_logprobs", "expected an integer"),
         (json!({"echo": true}), "unsupported_parameter", "`echo`"),
         (
             json!({"response_format": {"type": "json_object"}}),
@@ -1241,6 +1242,102 @@ fn sampling_fields_apply_and_unsupported_ones_are_refused() {
         assert_error(&reply, 400, code);
         assert!(reply.body.contains(says), "{extra}: {}", reply.body);
     }
+    assert_eq!(server.interrupt().code(), Some(130));
+}
+
+/// Log-probabilities in every answer shape: the model's own distribution (normalized over a
+/// 20-token vocabulary, the same before and after temperature), the chosen token's entry
+/// consistent with the alternatives, streamed equal to answered, in OpenAI's completions and
+/// chat shapes.
+#[test]
+fn logprobs_are_the_models_distribution_in_every_answer_shape() {
+    const MAX: u32 = 5;
+    let path = scratch("vocab20.gguf");
+    let spec = layers::model::random::RandomLlama { vocab: 20, ..common::tiny_spec() };
+    spec.write(&path).expect("write the model");
+    let server = Server::start(path.to_str().unwrap(), &[]);
+    let ask = |extra: Value| {
+        let mut body = completion("1,2,3", MAX);
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let reply = server.post("/v1/completions", &body);
+        assert_eq!(reply.status, 200, "{reply:?}");
+        reply
+    };
+    let greedy = ask(json!({"logprobs": 20})).json();
+    let choice = &greedy["choices"][0];
+    let lp = &choice["logprobs"];
+    let f = |v: &Value| v.as_f64().unwrap();
+    let token_ids = ids(&choice["token_ids"]);
+    assert_eq!(token_ids.len(), MAX as usize);
+    for (i, id) in token_ids.iter().enumerate() {
+        let top = lp["top_logprobs"][i].as_object().unwrap();
+        assert_eq!(top.len(), 20, "every token of the vocabulary: {top:?}");
+        let total: f64 = top.values().map(|v| f(v).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-4, "token {i}: probabilities sum to {total}");
+        // Greedy: the chosen token is the most likely one.
+        let chosen = f(&lp["token_logprobs"][i]);
+        let best = top.values().map(f).fold(f64::NEG_INFINITY, f64::max);
+        assert_eq!(chosen, best, "token {i}");
+        assert_eq!(lp["tokens"][i], format!("t{id}"));
+        assert!(top.contains_key(&format!("t{id}")));
+    }
+    let offsets: Vec<u64> = ids(&lp["text_offset"]);
+    assert_eq!(offsets[0], 0);
+    assert!(offsets.windows(2).all(|w| w[0] < w[1]), "{offsets:?}");
+
+    // Sampled at a high temperature, the first position's numbers are the same: they are the
+    // model's, not the sampler's; the chosen token's entry is its own alternative's number.
+    let hot = ask(json!({"logprobs": 20, "temperature": 3.0, "seed": 11})).json();
+    let hot_lp = &hot["choices"][0]["logprobs"];
+    assert_eq!(hot_lp["top_logprobs"][0], lp["top_logprobs"][0]);
+    for i in 0..MAX as usize {
+        let name = hot_lp["tokens"][i].as_str().unwrap();
+        assert_eq!(hot_lp["token_logprobs"][i], hot_lp["top_logprobs"][i][name], "token {i}");
+    }
+
+    // Streamed: the same numbers, one token per chunk.
+    let streamed = ask(json!({"logprobs": 3, "stream": true}));
+    let chunks: Vec<Value> = streamed
+        .events()
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str(e).unwrap())
+        .filter(|c: &Value| !c["choices"][0]["logprobs"].is_null())
+        .collect();
+    assert_eq!(chunks.len(), MAX as usize);
+    for (i, c) in chunks.iter().enumerate() {
+        let l = &c["choices"][0]["logprobs"];
+        assert_eq!(l["token_logprobs"][0], lp["token_logprobs"][i], "token {i}");
+        assert_eq!(l["text_offset"][0], lp["text_offset"][i], "token {i}");
+        assert_eq!(l["top_logprobs"][0].as_object().unwrap().len(), 3);
+    }
+    // Without the field: null, as before.
+    assert!(ask(json!({})).json()["choices"][0]["logprobs"].is_null());
+    assert_eq!(server.interrupt().code(), Some(130));
+
+    // Chat: `logprobs: true` and `top_logprobs`, in the chat shape.
+    let server = Server::start(chat_model(), &[]);
+    let body = json!({"messages": [{"role": "user", "content": "t5t6"}], "max_tokens": 3,
+                      "temperature": 0, "logprobs": true, "top_logprobs": 2});
+    let reply = server.post("/v1/chat/completions", &body);
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let content = reply.json()["choices"][0]["logprobs"]["content"].clone();
+    let content = content.as_array().unwrap();
+    assert_eq!(content.len(), 3);
+    for e in content {
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 2);
+        assert_eq!(top[0]["token"], e["token"], "greedy takes the most likely: {e}");
+        assert_eq!(top[0]["logprob"], e["logprob"]);
+        assert!(f(&top[0]["logprob"]) >= f(&top[1]["logprob"]));
+        let bytes: Vec<u8> =
+            e["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect();
+        assert_eq!(bytes, e["token"].as_str().unwrap().as_bytes());
+    }
+    let bad = json!({"messages": [{"role": "user", "content": "t5"}], "top_logprobs": 2});
+    assert_error(&server.post("/v1/chat/completions", &bad), 400, "invalid_logprobs");
     assert_eq!(server.interrupt().code(), Some(130));
 }
 

@@ -936,12 +936,12 @@ fn emit(
     let sink = |source| Error::Sink { what: "output sink", epoch, step, source };
     for (i, e) in events.iter().enumerate() {
         match e {
-            Emit::Token { request, token } => {
+            Emit::Token { request, token, logprobs } => {
                 let last = events[i + 1..]
                     .iter()
                     .any(|f| matches!(f, Emit::Finished { request: r, .. } if r == request));
                 let piece = text.piece(*request, *token, last).map_err(sink)?;
-                out.token(*request, *token, &piece).map_err(sink)?;
+                out.token(*request, *token, &piece, logprobs.as_ref()).map_err(sink)?;
             }
             Emit::Finished { request, reason, tokens } => {
                 text.streams.remove(request);

@@ -33,7 +33,7 @@ pub use engine::{
 pub use error::{BoxError, Error, Result};
 pub use model::{Groups, Logits, ModelFactory, StepModel};
 pub use plan::{PlanEntry, SeqId, SessionConfig, SessionDecision, StepPlan};
-pub use sampler::{argmax, Sampler, SamplingParams};
+pub use sampler::{argmax, Sampler, SamplingParams, TokenLogprobs};
 pub use scheduler::{Cancel, Prompt, Request};
 pub use sink::{
     Collect, FinishReason, Finished, MetricsSink, NoMetrics, OutputSink, StepMetrics, TextCodec,

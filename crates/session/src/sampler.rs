@@ -33,6 +33,9 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// Added to the logits of these tokens (OpenAI's `logit_bias`).
     pub logit_bias: Vec<(u32, f32)>,
+    /// Report each generated token's log-probability and those of the `n` most likely
+    /// tokens at its position (OpenAI's `logprobs` / `top_logprobs`); `None` computes none.
+    pub logprobs: Option<usize>,
 }
 
 impl SamplingParams {
@@ -60,6 +63,52 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             min_p: 0.0,
             logit_bias: Vec::new(),
+            logprobs: None,
+        }
+    }
+}
+
+/// A generated token's log-probability and the most likely alternatives at its position,
+/// from the model's own distribution (the log-softmax of its logits, before temperature,
+/// penalties, bias or truncation: vLLM's default, the numbers llama.cpp reports).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The generated token's log-probability.
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, most likely first (ties by the
+    /// lower id); as many as asked for.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    /// The log-probabilities of `token` and of the `top` most likely tokens in `logits`.
+    /// NaN logits count as impossible.
+    pub fn of(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
+        let max = logits.iter().copied().filter(|l| !l.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits
+            .iter()
+            .filter(|l| !l.is_nan())
+            .map(|&l| (f64::from(l) - f64::from(max)).exp())
+            .sum();
+        let lse = f64::from(max) + sum.ln();
+        let logprob =
+            |l: f32| if l.is_nan() { f32::NEG_INFINITY } else { (f64::from(l) - lse) as f32 };
+        let mut best: Vec<(f32, u32)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| !l.is_nan())
+            .map(|(i, &l)| (l, i as u32))
+            .collect();
+        let order = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+        let top = top.min(best.len());
+        if top > 0 && top < best.len() {
+            best.select_nth_unstable_by(top - 1, order);
+        }
+        best.truncate(top);
+        best.sort_unstable_by(order);
+        TokenLogprobs {
+            logprob: logits.get(token as usize).map_or(f32::NEG_INFINITY, |&l| logprob(l)),
+            top: best.into_iter().map(|(l, id)| (id, logprob(l))).collect(),
         }
     }
 }
@@ -142,6 +191,12 @@ impl Sampler {
                 *l += bias;
             }
         }
+    }
+
+    /// The log-probabilities the request asked for (see [`SamplingParams::logprobs`]) of
+    /// `token`, chosen from the model's `logits`.
+    pub fn logprobs(&self, logits: &[f32], token: u32) -> Option<TokenLogprobs> {
+        self.params.logprobs.map(|top| TokenLogprobs::of(logits, token, top))
     }
 
     /// Picks a token from one logits row. NaN logits are never picked; an all-NaN or empty

@@ -3,7 +3,7 @@
 
 use crate::error::{BoxError, Error, Result};
 use crate::plan::{PlanEntry, SeqId, StepPlan};
-use crate::sampler::{Sampler, SamplingParams};
+use crate::sampler::{Sampler, SamplingParams, TokenLogprobs};
 use crate::sink::{FinishReason, TextCodec};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -67,9 +67,9 @@ impl PartialEq for Cancel {
 }
 
 /// What a step or an admission produced for the output sink.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Emit {
-    Token { request: u64, token: u32 },
+    Token { request: u64, token: u32, logprobs: Option<TokenLogprobs> },
     Finished { request: u64, reason: FinishReason, tokens: Vec<u32> },
 }
 
@@ -250,8 +250,9 @@ impl Scheduler {
             }
             let row = rows.next().ok_or("fewer logits rows than sampled entries")?;
             let token = s.sampler.sample_next(row, &s.prompt, &s.generated);
+            let logprobs = s.sampler.logprobs(row, token);
             s.generated.push(token);
-            out.push(Emit::Token { request: s.request, token });
+            out.push(Emit::Token { request: s.request, token, logprobs });
             let reason = if s.stop.contains(&token) {
                 Some(FinishReason::StopToken)
             } else if s.generated.len() >= s.sampler.params().max_tokens as usize

@@ -2,6 +2,7 @@
 //! Workers own none of these; their constructors take none.
 
 use crate::error::BoxError;
+use crate::sampler::TokenLogprobs;
 pub use layers::tokenizer::TextStream;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -68,11 +69,20 @@ impl FinishReason {
 
 /// Where rank 0 streams results. Only rank 0 owns one.
 pub trait OutputSink: Send {
-    /// A new token of request `request` (`text`: its decoded piece, empty without a tokenizer).
+    /// A new token of request `request` (`text`: its decoded piece, empty without a
+    /// tokenizer; `logprobs`: when the request asked for them, [`SamplingParams::logprobs`]).
     ///
     /// # Errors
     /// The sink cannot take the token; the engine fails the step with this error.
-    fn token(&mut self, request: u64, token: u32, text: &str) -> Result<(), BoxError>;
+    ///
+    /// [`SamplingParams::logprobs`]: crate::SamplingParams::logprobs
+    fn token(
+        &mut self,
+        request: u64,
+        token: u32,
+        text: &str,
+        logprobs: Option<&TokenLogprobs>,
+    ) -> Result<(), BoxError>;
     /// Request `request` finished with all its `tokens`.
     ///
     /// # Errors
@@ -157,7 +167,13 @@ impl Collect {
 }
 
 impl OutputSink for Collect {
-    fn token(&mut self, request: u64, _token: u32, text: &str) -> Result<(), BoxError> {
+    fn token(
+        &mut self,
+        request: u64,
+        _token: u32,
+        text: &str,
+        _logprobs: Option<&TokenLogprobs>,
+    ) -> Result<(), BoxError> {
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         g.1.entry(request).or_default().push_str(text);
         Ok(())

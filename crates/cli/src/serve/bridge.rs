@@ -3,7 +3,7 @@
 //! registered.
 
 use super::metrics::Metrics;
-use session::{BoxError, Cancel, FinishReason, OutputSink, Request, SamplingParams};
+use session::{BoxError, Cancel, FinishReason, OutputSink, Request, SamplingParams, TokenLogprobs};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
@@ -12,7 +12,7 @@ use std::time::Instant;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 /// What the engine produced for one request.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// A new token and its decoded piece.
     Token {
@@ -20,6 +20,8 @@ pub enum Event {
         token: u32,
         /// Its text (may be empty for a partial character).
         text: String,
+        /// Its log-probabilities, when the request asked for them.
+        logprobs: Option<TokenLogprobs>,
     },
     /// The request ended.
     Finished {
@@ -123,7 +125,13 @@ impl Bridge {
 pub struct Sink(Bridge);
 
 impl OutputSink for Sink {
-    fn token(&mut self, request: u64, token: u32, text: &str) -> Result<(), BoxError> {
+    fn token(
+        &mut self,
+        request: u64,
+        token: u32,
+        text: &str,
+        logprobs: Option<&TokenLogprobs>,
+    ) -> Result<(), BoxError> {
         let mut pending = self.0.lock();
         if let Some(entry) = pending.get_mut(&request) {
             if entry.first_token.is_none() {
@@ -133,7 +141,8 @@ impl OutputSink for Sink {
             }
             // A client that went away still gets its request finished by the engine; its
             // tokens are dropped here.
-            let _ = entry.tx.send(Event::Token { token, text: text.to_owned() });
+            let logprobs = logprobs.cloned();
+            let _ = entry.tx.send(Event::Token { token, text: text.to_owned(), logprobs });
         }
         self.0.metrics.generated(1);
         Ok(())

@@ -14,6 +14,7 @@
 //! token-id prompts.
 
 use super::bridge::{Bridge, Closed, Event, Events};
+use super::logprobs::Scored;
 use super::metrics::Metrics;
 use anyhow::{Context, Result};
 use axum::body::Bytes;
@@ -28,7 +29,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use session::sleep::{Action, Coordinator, DeploymentState, OpOptions, QuiesceMode};
-use session::{FinishReason, SamplingParams};
+use session::{FinishReason, SamplingParams, TokenLogprobs};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -233,7 +234,7 @@ fn bearer_matches(headers: &HeaderMap, key: &str) -> bool {
 
 /// An OpenAI-style error answer.
 #[derive(Debug)]
-struct ApiError {
+pub(super) struct ApiError {
     status: StatusCode,
     kind: &'static str,
     code: &'static str,
@@ -258,8 +259,14 @@ impl ApiError {
         ApiError { retry_after, ..e }
     }
 
-    fn invalid(code: &'static str, message: impl Into<String>) -> Self {
+    pub(super) fn invalid(code: &'static str, message: impl Into<String>) -> Self {
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", code, message)
+    }
+
+    /// What the answer says.
+    #[cfg(test)]
+    pub(super) fn message(&self) -> &str {
+        &self.message
     }
 
     fn too_large() -> Self {
@@ -435,22 +442,23 @@ struct SamplingBody {
     min_p: Option<f32>,
     /// Token id (as a string, OpenAI's form) to a bias added to its logit.
     logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    /// Completions: the number of alternatives; chat: whether (see [`super::logprobs`]).
+    logprobs: Option<Value>,
+    /// Chat: the number of alternatives.
+    top_logprobs: Option<Value>,
     /// Every other field: accepted only where it asks for nothing ([`check_unsupported`]).
     #[serde(flatten)]
     other: serde_json::Map<String, Value>,
 }
 
 /// Refuses the fields this server does not implement unless their value asks for nothing
-/// (`"logprobs": false`, `"echo": false`, `"n": 1`, ...): a client never gets a silently
+/// (`"echo": false`, `"best_of": 1`, ...): a client never gets a silently
 /// different answer. `user` is accepted and ignored, as it only labels the request.
 fn check_unsupported(other: &serde_json::Map<String, Value>) -> std::result::Result<(), ApiError> {
     for (key, value) in other {
         let neutral = match key.as_str() {
             "user" | "parallel_tool_calls" => true,
-            "logprobs" | "echo" => {
-                matches!(value, Value::Null | Value::Bool(false)) || value.as_u64() == Some(0)
-            }
-            "top_logprobs" => value.is_null() || value.as_u64() == Some(0),
+            "echo" => matches!(value, Value::Null | Value::Bool(false)),
             "best_of" => value.is_null() || value.as_u64() == Some(1),
             "suffix" => value.is_null() || value.as_str() == Some(""),
             "response_format" => value.is_null() || value["type"] == "text",
@@ -521,6 +529,12 @@ struct Job {
     stop_text: Vec<String>,
     stream: bool,
     include_usage: bool,
+}
+
+impl Job {
+    fn wants_logprobs(&self) -> bool {
+        self.params.logprobs.is_some()
+    }
 }
 
 impl Api {
@@ -661,6 +675,7 @@ impl Api {
     /// Checks the sampling fields against the prompt and the context.
     fn job(
         &self,
+        kind: Kind,
         prompt: Vec<u32>,
         s: &SamplingBody,
         max_tokens: Option<u64>,
@@ -671,6 +686,11 @@ impl Api {
             return Err(ApiError::invalid("unsupported_n", "only `n` = 1 is supported"));
         }
         check_unsupported(&s.other)?;
+        let (lp, top_lp) = (s.logprobs.as_ref(), s.top_logprobs.as_ref());
+        let logprobs = match kind {
+            Kind::Completion => super::logprobs::completion_request(lp, top_lp)?,
+            Kind::Chat => super::logprobs::chat_request(lp, top_lp)?,
+        };
         let within = |name: &str, v: Option<f32>, ok: fn(f32) -> bool, range: &str| match v {
             Some(x) if !(x.is_finite() && ok(x)) => Err(ApiError::invalid(
                 "invalid_sampling",
@@ -781,6 +801,7 @@ impl Api {
             repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
             min_p: s.min_p.unwrap_or(0.0),
             logit_bias,
+            logprobs,
         };
         Ok(Job {
             prompt,
@@ -835,7 +856,7 @@ async fn completions(
     let prompt = api.completion_prompt(body.prompt.as_ref())?;
     let max = body.sampling.max_tokens;
     let default_max = api.0.defaults.map_or(DEFAULT_COMPLETION_TOKENS, |d| d.max_tokens);
-    let job = api.job(prompt, &body.sampling, max, default_max.into())?;
+    let job = api.job(Kind::Completion, prompt, &body.sampling, max, default_max.into())?;
     generate(api, job, Kind::Completion).await
 }
 
@@ -849,7 +870,7 @@ async fn chat_completions(
     let max = body.max_completion_tokens.or(body.sampling.max_tokens);
     // Without a limit a chat reply may fill the context (OpenAI's default).
     let room = api.0.context.saturating_sub(prompt.len()) as u64;
-    let job = api.job(prompt, &body.sampling, max, room)?;
+    let job = api.job(Kind::Chat, prompt, &body.sampling, max, room)?;
     generate(api, job, Kind::Chat).await
 }
 
@@ -857,24 +878,30 @@ async fn generate(api: Api, job: Job, kind: Kind) -> std::result::Result<Respons
     api.wait_awake().await?;
     let prompt_tokens = job.prompt.len();
     let (stream, include_usage) = (job.stream, job.include_usage);
+    let scorer = job.wants_logprobs().then(|| Scorer(api.0.tokenizer.clone()));
     let rx = api.0.bridge.submit(job.prompt, job.params)?;
     let id = kind.id(rx.id);
     let created = unix_now();
     let model = api.0.model_name.clone();
     if stream {
         let header = Header { id, created, model, prompt_tokens, include_usage };
-        let events = sse(rx, kind, header, StopText::new(job.stop_text));
+        let events = sse(rx, kind, header, StopText::new(job.stop_text), scorer);
         return Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response());
     }
-    let (text, tokens, reason) = collect(rx, StopText::new(job.stop_text)).await?;
+    let (text, tokens, reason, scored) = collect(rx, StopText::new(job.stop_text), scorer).await?;
+    let logprobs = match (kind, scored) {
+        (_, None) => Value::Null,
+        (Kind::Completion, Some(s)) => super::logprobs::completion(&s, 0),
+        (Kind::Chat, Some(s)) => super::logprobs::chat(&s),
+    };
     let (object, choice) = match kind {
         Kind::Completion => (
             "text_completion",
-            json!({"index": 0, "text": text, "token_ids": tokens, "logprobs": null, "finish_reason": finish_name(reason)}),
+            json!({"index": 0, "text": text, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish_name(reason)}),
         ),
         Kind::Chat => (
             "chat.completion",
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "token_ids": tokens, "logprobs": null, "finish_reason": finish_name(reason)}),
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish_name(reason)}),
         ),
     };
     Ok(Json(json!({
@@ -1139,22 +1166,42 @@ async fn is_sleeping(State(api): State<Api>) -> Response {
     }
 }
 
-/// Waits for a request's end: its text, tokens and finish reason.
+/// Token texts for log-probabilities: each token decoded alone.
+#[derive(Clone)]
+struct Scorer(std::sync::Arc<layers::Tokenizer>);
+
+impl Scorer {
+    fn score(&self, token: u32, logprobs: Option<TokenLogprobs>) -> Option<Scored> {
+        let decode = |id: u32| self.0.decode(&[id], false).unwrap_or_default();
+        logprobs.map(|lp| Scored::new(token, lp, decode))
+    }
+}
+
+/// A request's answer: its text, tokens, finish reason, and each token's log-probabilities
+/// when the request asked for them.
+type Collected = (String, Vec<u32>, FinishReason, Option<Vec<Scored>>);
+
+/// Waits for a request's end.
 async fn collect(
     mut rx: Events,
     mut stops: StopText,
-) -> std::result::Result<(String, Vec<u32>, FinishReason), ApiError> {
+    scorer: Option<Scorer>,
+) -> std::result::Result<Collected, ApiError> {
     let mut text = String::new();
     let mut tokens = Vec::new();
+    let mut scored = scorer.as_ref().map(|_| Vec::new());
     while let Some(event) = rx.recv().await {
         match event {
-            Event::Token { token, text: piece } => {
+            Event::Token { token, text: piece, logprobs } => {
                 tokens.push(token);
+                if let (Some(scorer), Some(all)) = (&scorer, &mut scored) {
+                    all.extend(scorer.score(token, logprobs));
+                }
                 let (out, hit) = stops.push(&piece);
                 text.push_str(&out);
                 if hit {
                     // Dropping the events cancels the rest of the generation.
-                    return Ok((text, tokens, FinishReason::StopToken));
+                    return Ok((text, tokens, FinishReason::StopToken, scored));
                 }
             }
             Event::Finished { reason: FinishReason::Rejected, .. } => {
@@ -1165,7 +1212,7 @@ async fn collect(
             }
             Event::Finished { reason, tokens } => {
                 text.push_str(&stops.finish());
-                return Ok((text, tokens, reason));
+                return Ok((text, tokens, reason, scored));
             }
         }
     }
@@ -1252,6 +1299,7 @@ fn sse(
     kind: Kind,
     header: Header,
     mut stops: StopText,
+    scorer: Option<Scorer>,
 ) -> ReceiverStream<std::result::Result<SseEvent, Infallible>> {
     let (tx, out) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
@@ -1266,18 +1314,30 @@ fn sse(
             }
         }
         let mut completion_tokens = 0;
+        // Characters of the completion's token texts so far (`text_offset`).
+        let mut offset = 0;
         let mut reason = FinishReason::Cancelled;
         while let Some(event) = rx.recv().await {
             match event {
-                Event::Token { token, text } => {
+                Event::Token { token, text, logprobs } => {
                     completion_tokens += 1;
+                    let scored = scorer.as_ref().and_then(|s| s.score(token, logprobs));
+                    let logprobs = match (kind, &scored) {
+                        (_, None) => Value::Null,
+                        (Kind::Completion, Some(s)) => {
+                            let v = super::logprobs::completion(std::slice::from_ref(s), offset);
+                            offset += s.text.chars().count();
+                            v
+                        }
+                        (Kind::Chat, Some(s)) => super::logprobs::chat(std::slice::from_ref(s)),
+                    };
                     let (text, hit) = stops.push(&text);
                     let choice = match kind {
                         Kind::Completion => {
-                            json!({"index": 0, "text": text, "token_ids": [token], "logprobs": null, "finish_reason": null})
+                            json!({"index": 0, "text": text, "token_ids": [token], "logprobs": logprobs, "finish_reason": null})
                         }
                         Kind::Chat => {
-                            json!({"index": 0, "delta": {"content": text}, "token_ids": [token], "logprobs": null, "finish_reason": null})
+                            json!({"index": 0, "delta": {"content": text}, "token_ids": [token], "logprobs": logprobs, "finish_reason": null})
                         }
                     };
                     if !send(header.chunk(kind, json!([choice]))).await {

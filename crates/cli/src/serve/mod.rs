@@ -20,6 +20,7 @@
 
 mod bridge;
 mod http;
+mod logprobs;
 mod metrics;
 
 use crate::spec::ServeSpec;

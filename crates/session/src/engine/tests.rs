@@ -282,7 +282,13 @@ fn an_idle_session_stops_when_asked() {
 fn failures_are_reported_with_their_place_and_close_the_session_once() {
     struct Broken;
     impl OutputSink for Broken {
-        fn token(&mut self, _: u64, _: u32, _: &str) -> std::result::Result<(), BoxError> {
+        fn token(
+            &mut self,
+            _: u64,
+            _: u32,
+            _: &str,
+            _: Option<&crate::TokenLogprobs>,
+        ) -> std::result::Result<(), BoxError> {
             Err("disk full".into())
         }
         fn finished(
@@ -354,7 +360,13 @@ struct Pausing {
 }
 
 impl OutputSink for Pausing {
-    fn token(&mut self, request: u64, token: u32, text: &str) -> std::result::Result<(), BoxError> {
+    fn token(
+        &mut self,
+        request: u64,
+        token: u32,
+        text: &str,
+        logprobs: Option<&crate::TokenLogprobs>,
+    ) -> std::result::Result<(), BoxError> {
         self.seen += 1;
         if self.seen == self.at {
             self.reached.send(()).unwrap();
@@ -365,7 +377,7 @@ impl OutputSink for Pausing {
                 std::thread::yield_now();
             }
         }
-        self.inner.token(request, token, text)
+        self.inner.token(request, token, text, logprobs)
     }
     fn finished(
         &mut self,

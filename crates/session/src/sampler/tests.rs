@@ -97,3 +97,39 @@ fn min_p_drops_unlikely_tokens_when_sampling() {
     let mut s = Sampler::new(params(1.0, 0, 1.0, 5));
     assert!((0..200).any(|_| s.sample(&logits) != 1), "without min_p the others come up");
 }
+
+#[test]
+fn logprobs_are_the_log_softmax_of_the_raw_logits() {
+    let logits = [1.0f32, 3.0, f32::NAN, 3.0, -2.0];
+    let lp = TokenLogprobs::of(&logits, 4, 3);
+    let lse = [1.0f64, 3.0, 3.0, -2.0].iter().map(|l| l.exp()).sum::<f64>().ln();
+    assert!((f64::from(lp.logprob) - (-2.0 - lse)).abs() < 1e-6, "{lp:?}");
+    // Most likely first, the tie by the lower id; NaN never listed.
+    let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+    assert_eq!(ids, [1, 3, 0]);
+    assert_eq!(lp.top[0].1, lp.top[1].1);
+    let all = TokenLogprobs::of(&logits, 2, 10);
+    assert_eq!(all.logprob, f32::NEG_INFINITY);
+    assert_eq!(all.top.len(), 4);
+    let total: f64 = all.top.iter().map(|t| f64::from(t.1).exp()).sum();
+    assert!((total - 1.0).abs() < 1e-6, "{total}");
+}
+
+#[test]
+fn logprobs_ignore_temperature_and_bias_and_only_come_when_asked() {
+    let logits = [0.5f32, 2.0, 1.0];
+    let plain = Sampler::new(SamplingParams::default());
+    assert_eq!(plain.logprobs(&logits, 1), None);
+    let params = SamplingParams {
+        temperature: 0.7,
+        logit_bias: vec![(0, 50.0)],
+        logprobs: Some(1),
+        ..SamplingParams::default()
+    };
+    let mut s = Sampler::new(params);
+    let token = s.sample_next(&logits, &[], &[]);
+    assert_eq!(token, 0, "the bias decides the choice");
+    let lp = s.logprobs(&logits, token).unwrap();
+    assert_eq!(lp, TokenLogprobs::of(&logits, 0, 1));
+    assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [1]);
+}

@@ -28,7 +28,10 @@ fn prompts_are_chunked_to_the_budget_and_decode_goes_first() {
         (p2.entries[0].start, p2.entries[0].tokens.clone(), p2.entries[0].sample),
         (4, vec![5, 6], true)
     );
-    assert_eq!(s.apply(&p2, &pick(&p2, 3)).unwrap(), vec![Emit::Token { request: 10, token: 3 }]);
+    assert_eq!(
+        s.apply(&p2, &pick(&p2, 3)).unwrap(),
+        vec![Emit::Token { request: 10, token: 3, logprobs: None }]
+    );
     // A second request joins: its prompt is prefilled next to the first one's decode token.
     s.add(req(11, 5, 1), None, 0).unwrap();
     let p3 = s.plan(0, 3).unwrap();
@@ -46,7 +49,7 @@ fn prompts_are_chunked_to_the_budget_and_decode_goes_first() {
     assert_eq!(
         out,
         vec![
-            Emit::Token { request: 10, token: 5 },
+            Emit::Token { request: 10, token: 5, logprobs: None },
             Emit::Finished { request: 10, reason: FinishReason::Length, tokens: vec![3, 5] }
         ]
     );
