@@ -150,6 +150,10 @@ struct RunArgs {
     /// Compute threads per rank (default: cores / ranks on this node).
     #[arg(long)]
     threads: Option<usize>,
+    /// The most tokens of one sequence, prompt and generated (vLLM's name; default:
+    /// [runtime] kv_cache_tokens, else 4096): each sequence's KV cache is sized for it.
+    #[arg(long, value_name = "TOKENS", value_parser = clap::value_parser!(u32).range(1..))]
+    max_model_len: Option<u32>,
     /// Where the kernels run (default: [runtime] device, else cpu); cuda needs a build with
     /// `--features cuda` and puts each rank on the GPU of its LOCAL_RANK.
     #[arg(long, value_enum)]
@@ -205,6 +209,10 @@ struct ServeArgs {
     /// Compute threads per rank (default: cores / ranks on this node).
     #[arg(long)]
     threads: Option<usize>,
+    /// The most tokens of one sequence, prompt and generated (vLLM's name; default:
+    /// [runtime] kv_cache_tokens, else 4096): each sequence's KV cache is sized for it.
+    #[arg(long, value_name = "TOKENS", value_parser = clap::value_parser!(u32).range(1..))]
+    max_model_len: Option<u32>,
     /// Where the kernels run (default: [runtime] device, else cpu); cuda needs a build with
     /// `--features cuda` and puts each rank on the GPU of its LOCAL_RANK.
     #[arg(long, value_enum)]
@@ -219,8 +227,15 @@ struct ServeArgs {
     backend: Option<mesh::Backend>,
     /// Address of the HTTP API (default 127.0.0.1:8000, or [server] listen; port 0 picks a
     /// free one). Beyond loopback it needs an API key.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["host", "port"])]
     listen: Option<String>,
+    /// The HTTP API's host, as vLLM names it (with --port; default: that of --listen's
+    /// default or [server] listen).
+    #[arg(long)]
+    host: Option<String>,
+    /// The HTTP API's port, as vLLM names it (with --host).
+    #[arg(long)]
+    port: Option<u16>,
     /// Require `Authorization: Bearer KEY` on every request but /health.
     #[arg(long, env = "TPCTL_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
@@ -562,7 +577,11 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
         Some(path) => Config::load(path)?,
         None => Config::default(),
     };
-    let listen = args.listen.unwrap_or(config.server.listen);
+    let listen = match (args.listen, args.host, args.port) {
+        (Some(listen), _, _) => listen,
+        (None, None, None) => config.server.listen,
+        (None, host, port) => join_host_port(&config.server.listen, host, port)?,
+    };
     let api_key = args.api_key.or(config.server.api_key).filter(|k| !k.is_empty());
     let refuse_while_asleep = config.server.refuse_while_asleep;
     let has_config = args.config.is_some();
@@ -590,6 +609,7 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
         chat: false,
         output: OutputFormat::Text,
         threads: args.threads,
+        max_model_len: args.max_model_len,
         device: args.device,
         dtype: args.dtype,
         backend: args.backend,
@@ -607,6 +627,25 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
     let spec =
         ServeSpec { listen, api_key, model_name, refuse_while_asleep, asleep_wait_ms, defaults };
     run(job, Some(spec), verbose, quiet)
+}
+
+/// `--host` / `--port` over the host and port of `listen` (the configured or default
+/// address) for the one left out.
+fn join_host_port(listen: &str, host: Option<String>, port: Option<u16>) -> Result<String> {
+    let (base_host, base_port) = listen
+        .rsplit_once(':')
+        .with_context(|| format!("[server] listen = {listen:?}: expected HOST:PORT"))?;
+    let host = host.unwrap_or_else(|| base_host.to_owned());
+    let port = match port {
+        Some(p) => p.to_string(),
+        None => base_port.to_owned(),
+    };
+    // An IPv6 literal needs brackets before its port.
+    if host.contains(':') && !host.starts_with('[') {
+        Ok(format!("[{host}]:{port}"))
+    } else {
+        Ok(format!("{host}:{port}"))
+    }
 }
 
 /// Launches the job; with `serve` (which names the model for the API) rank 0 serves HTTP.
@@ -687,7 +726,7 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         backends,
         threads,
         native_weights: config.model.weights == WeightsForm::Native,
-        kv_cache_tokens: config.runtime.kv_cache_tokens,
+        kv_cache_tokens: args.max_model_len.map_or(config.runtime.kv_cache_tokens, |n| n as usize),
         timeout_s: config.runtime.timeout_s,
         prompts: if serve.is_none() { prompts(&args)? } else { Vec::new() },
         sampling: Sampling {

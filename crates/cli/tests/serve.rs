@@ -95,8 +95,12 @@ impl Server {
     /// As [`Server::start`], with `env` in the environment of the launcher and the ranks.
     fn start_with(model: &str, args: &[&str], env: &[(&str, &str)]) -> Server {
         let mark = marker();
+        // `--host` / `--port` replace `--listen` (clap refuses both).
+        let vllm_address = args.iter().any(|a| *a == "--host" || *a == "--port");
+        let listen: &[&str] = if vllm_address { &[] } else { &["--listen", "127.0.0.1:0"] };
         let mut child = Command::new(tpctl_bin())
-            .args(["serve", "--model", model, "--threads", "1", "--listen", "127.0.0.1:0"])
+            .args(["serve", "--model", model, "--threads", "1"])
+            .args(listen)
             .args(args)
             .envs(env.iter().copied())
             .env("TPCTL_TEST_MARK", &mark)
@@ -1339,6 +1343,26 @@ fn logprobs_are_the_models_distribution_in_every_answer_shape() {
     let bad = json!({"messages": [{"role": "user", "content": "t5"}], "top_logprobs": 2});
     assert_error(&server.post("/v1/chat/completions", &bad), 400, "invalid_logprobs");
     assert_eq!(server.interrupt().code(), Some(130));
+}
+
+/// vLLM's `--host`, `--port` and `--max-model-len`: the address is theirs, and the context
+/// of a request is the given length.
+#[test]
+fn vllms_host_port_and_max_model_len_flags() {
+    let server =
+        Server::start(model(), &["--host", "127.0.0.1", "--port", "0", "--max-model-len", "40"]);
+    assert!(server.addr.starts_with("127.0.0.1:"), "{}", server.addr);
+    let models = server.get("/v1/models").json();
+    assert_eq!(models["data"][0]["max_model_len"], 40, "{models}");
+    let reply = server.post("/v1/completions", &completion("1,2,3", 38));
+    assert_error(&reply, 400, "context_length_exceeded");
+    assert!(reply.body.contains("maximum context length is 40 tokens"), "{}", reply.body);
+    assert_eq!(server.post("/v1/completions", &completion("1,2,3", 37)).status, 200);
+    assert_eq!(server.interrupt().code(), Some(130));
+    let out = tpctl(&["serve", "--model", model(), "--listen", "127.0.0.1:0", "--port", "9"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot be used with"), "{err}");
 }
 
 /// vLLM's utility routes and the OpenAI SDK's `models.retrieve`, under a served name with a
