@@ -1228,7 +1228,8 @@ fn sampling_fields_apply_and_unsupported_ones_are_refused() {
     for (extra, code, says) in [
         (json!({"logprobs": 21}), "invalid_logprobs", "`logprobs` 21"),
         (json!({"logprobs": true}), "invalid_logprobs", "expected an integer"),
-        (json!({"echo": true}), "unsupported_parameter", "`echo`"),
+        (json!({"echo": true, "logprobs": 1}), "unsupported_parameter", "`echo` with `logprobs`"),
+        (json!({"n": 17}), "invalid_n", "`n` 17: expected 1 to 16"),
         (
             json!({"response_format": {"type": "json_object"}}),
             "unsupported_parameter",
@@ -1342,6 +1343,81 @@ fn logprobs_are_the_models_distribution_in_every_answer_shape() {
     }
     let bad = json!({"messages": [{"role": "user", "content": "t5"}], "top_logprobs": 2});
     assert_error(&server.post("/v1/chat/completions", &bad), 400, "invalid_logprobs");
+    assert_eq!(server.interrupt().code(), Some(130));
+}
+
+/// `n` choices are sequences of the batch with seeds `seed`, `seed + 1`, ... (each equal to
+/// that seed's single answer), streamed interleaved by index; `echo` puts the prompt's text
+/// first.
+#[test]
+fn n_choices_and_echo() {
+    const MAX: u32 = 6;
+    let server = Server::start(model(), &[]);
+    let ask = |extra: Value| {
+        let mut body = completion("1,2,3", MAX);
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let reply = server.post("/v1/completions", &body);
+        assert_eq!(reply.status, 200, "{reply:?}");
+        reply
+    };
+    let sampled = json!({"temperature": 1.5, "seed": 5, "n": 3});
+    let three = ask(sampled.clone()).json();
+    let choices = three["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    assert_eq!(three["usage"]["completion_tokens"], 3 * MAX);
+    assert_eq!(three["usage"]["prompt_tokens"], 3);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        let alone = ask(json!({"temperature": 1.5, "seed": 5 + i}));
+        assert_eq!(c["token_ids"], alone.json()["choices"][0]["token_ids"], "choice {i}");
+    }
+
+    // Streamed: every choice's chunks carry its index and the same tokens.
+    let mut streamed = sampled.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let chunks: Vec<Value> = ask(streamed)
+        .events()
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    for (i, c) in choices.iter().enumerate() {
+        let of_i = |c: &&Value| c["choices"][0]["index"] == i;
+        let tokens: Vec<u64> = chunks
+            .iter()
+            .filter(of_i)
+            .filter(|c| c["choices"][0]["token_ids"].is_array())
+            .flat_map(|c| ids(&c["choices"][0]["token_ids"]))
+            .collect();
+        assert_eq!(tokens, ids(&c["token_ids"]), "choice {i}");
+        let finish =
+            chunks.iter().filter(of_i).filter(|c| !c["choices"][0]["finish_reason"].is_null());
+        assert_eq!(finish.count(), 1, "choice {i}");
+    }
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 3 * MAX);
+
+    // Echo: the prompt's text, then the completion, streamed the same way.
+    let prompt = server.post("/detokenize", &json!({"tokens": [1, 2, 3]})).json()["prompt"].clone();
+    let plain = ask(json!({})).json()["choices"][0]["text"].clone();
+    let echoed = ask(json!({"echo": true})).json();
+    let want = format!("{}{}", prompt.as_str().unwrap(), plain.as_str().unwrap());
+    assert_eq!(echoed["choices"][0]["text"], want.as_str());
+    assert_eq!(echoed["usage"]["completion_tokens"], MAX);
+    let text: String = ask(json!({"echo": true, "stream": true}))
+        .events()
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| {
+            serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(text, want);
     assert_eq!(server.interrupt().code(), Some(130));
 }
 

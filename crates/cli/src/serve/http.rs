@@ -42,6 +42,9 @@ pub const BODY_LIMIT: usize = 1 << 20;
 /// `max_tokens` of a completion that gives none (OpenAI's default).
 const DEFAULT_COMPLETION_TOKENS: u32 = 16;
 
+/// The most choices (`n`) one request may ask for: each is a sequence of the batch.
+const MAX_CHOICES: u64 = 16;
+
 /// What [`Api::new`] needs.
 pub struct ApiParts {
     /// To the engine and back.
@@ -452,13 +455,12 @@ struct SamplingBody {
 }
 
 /// Refuses the fields this server does not implement unless their value asks for nothing
-/// (`"echo": false`, `"best_of": 1`, ...): a client never gets a silently
+/// (`"best_of": 1`, `"suffix": ""`, ...): a client never gets a silently
 /// different answer. `user` is accepted and ignored, as it only labels the request.
 fn check_unsupported(other: &serde_json::Map<String, Value>) -> std::result::Result<(), ApiError> {
     for (key, value) in other {
         let neutral = match key.as_str() {
             "user" | "parallel_tool_calls" => true,
-            "echo" => matches!(value, Value::Null | Value::Bool(false)),
             "best_of" => value.is_null() || value.as_u64() == Some(1),
             "suffix" => value.is_null() || value.as_str() == Some(""),
             "response_format" => value.is_null() || value["type"] == "text",
@@ -484,6 +486,8 @@ struct StreamOptions {
 #[derive(Debug, Deserialize)]
 struct CompletionBody {
     prompt: Option<Value>,
+    /// Answer the prompt's text before the completion.
+    echo: Option<bool>,
     #[serde(flatten)]
     sampling: SamplingBody,
 }
@@ -525,6 +529,10 @@ fn parse<T: serde::de::DeserializeOwned>(
 struct Job {
     prompt: Vec<u32>,
     params: SamplingParams,
+    /// Choices: independent sequences of the same prompt (seeds `seed`, `seed + 1`, ...).
+    n: usize,
+    /// Text every choice begins with (`echo`: the prompt's).
+    echo: Option<String>,
     /// Stop strings, matched on the generated text.
     stop_text: Vec<String>,
     stream: bool,
@@ -682,9 +690,16 @@ impl Api {
         default_max: u64,
     ) -> std::result::Result<Job, ApiError> {
         let context = self.0.context;
-        if s.n.is_some_and(|n| n != 1) {
-            return Err(ApiError::invalid("unsupported_n", "only `n` = 1 is supported"));
-        }
+        let n = match s.n {
+            None => 1,
+            Some(n) if (1..=MAX_CHOICES).contains(&n) => n as usize,
+            Some(n) => {
+                return Err(ApiError::invalid(
+                    "invalid_n",
+                    format!("`n` {n}: expected 1 to {MAX_CHOICES}"),
+                ))
+            }
+        };
         check_unsupported(&s.other)?;
         let (lp, top_lp) = (s.logprobs.as_ref(), s.top_logprobs.as_ref());
         let logprobs = match kind {
@@ -806,6 +821,8 @@ impl Api {
         Ok(Job {
             prompt,
             params,
+            n,
+            echo: None,
             stop_text,
             stream: s.stream.unwrap_or(false),
             include_usage: s.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false),
@@ -856,7 +873,16 @@ async fn completions(
     let prompt = api.completion_prompt(body.prompt.as_ref())?;
     let max = body.sampling.max_tokens;
     let default_max = api.0.defaults.map_or(DEFAULT_COMPLETION_TOKENS, |d| d.max_tokens);
-    let job = api.job(Kind::Completion, prompt, &body.sampling, max, default_max.into())?;
+    let echo =
+        if body.echo.unwrap_or(false) { Some(api.prompt_text(&body, &prompt)?) } else { None };
+    let mut job = api.job(Kind::Completion, prompt, &body.sampling, max, default_max.into())?;
+    if echo.is_some() && job.wants_logprobs() {
+        return Err(ApiError::invalid(
+            "unsupported_parameter",
+            "`echo` with `logprobs` asks for the prompt's log-probabilities, which this server does not compute",
+        ));
+    }
+    job.echo = echo;
     generate(api, job, Kind::Completion).await
 }
 
@@ -879,43 +905,91 @@ async fn generate(api: Api, job: Job, kind: Kind) -> std::result::Result<Respons
     let prompt_tokens = job.prompt.len();
     let (stream, include_usage) = (job.stream, job.include_usage);
     let scorer = job.wants_logprobs().then(|| Scorer(api.0.tokenizer.clone()));
-    let rx = api.0.bridge.submit(job.prompt, job.params)?;
-    let id = kind.id(rx.id);
+    // One sequence per choice, all in the batch together; dropping them cancels the rest.
+    let mut choices = Vec::with_capacity(job.n);
+    for i in 0..job.n as u64 {
+        let params = SamplingParams { seed: job.params.seed.wrapping_add(i), ..job.params.clone() };
+        choices.push(api.0.bridge.submit(job.prompt.clone(), params)?);
+    }
+    let id = kind.id(choices[0].id);
     let created = unix_now();
     let model = api.0.model_name.clone();
+    let answer = Answer { kind, stops: job.stop_text, scorer, echo: job.echo };
     if stream {
         let header = Header { id, created, model, prompt_tokens, include_usage };
-        let events = sse(rx, kind, header, StopText::new(job.stop_text), scorer);
+        let events = sse(choices, header, answer);
         return Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response());
     }
-    let (text, tokens, reason, scored) = collect(rx, StopText::new(job.stop_text), scorer).await?;
-    let logprobs = match (kind, scored) {
-        (_, None) => Value::Null,
-        (Kind::Completion, Some(s)) => super::logprobs::completion(&s, 0),
-        (Kind::Chat, Some(s)) => super::logprobs::chat(&s),
-    };
-    let (object, choice) = match kind {
-        Kind::Completion => (
-            "text_completion",
-            json!({"index": 0, "text": text, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish_name(reason)}),
-        ),
-        Kind::Chat => (
-            "chat.completion",
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish_name(reason)}),
-        ),
+    let mut out = Vec::with_capacity(choices.len());
+    let mut completion_tokens = 0;
+    for (index, rx) in choices.into_iter().enumerate() {
+        let (body, tokens, reason, scored) =
+            collect(rx, StopText::new(answer.stops.clone()), answer.scorer.clone()).await?;
+        completion_tokens += tokens.len();
+        let text = match &answer.echo {
+            Some(prompt) => format!("{prompt}{body}"),
+            None => body,
+        };
+        let logprobs = match (kind, scored) {
+            (_, None) => Value::Null,
+            (Kind::Completion, Some(s)) => super::logprobs::completion(&s, 0),
+            (Kind::Chat, Some(s)) => super::logprobs::chat(&s),
+        };
+        out.push(match kind {
+            Kind::Completion => {
+                json!({"index": index, "text": text, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish_name(reason)})
+            }
+            Kind::Chat => {
+                json!({"index": index, "message": {"role": "assistant", "content": text}, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish_name(reason)})
+            }
+        });
+    }
+    let object = match kind {
+        Kind::Completion => "text_completion",
+        Kind::Chat => "chat.completion",
     };
     Ok(Json(json!({
         "id": id,
         "object": object,
         "created": created,
         "model": model,
-        "choices": [choice],
-        "usage": usage(prompt_tokens, tokens.len()),
+        "choices": out,
+        "usage": usage(prompt_tokens, completion_tokens),
     }))
     .into_response())
 }
 
+/// How a request's choices are answered: the endpoint's shape, the stop strings, the
+/// log-probabilities' token texts and the echoed prompt.
+#[derive(Clone)]
+struct Answer {
+    kind: Kind,
+    stops: Vec<String>,
+    scorer: Option<Scorer>,
+    echo: Option<String>,
+}
+
 impl Api {
+    /// The text `echo` repeats: the prompt as given, or its token ids decoded.
+    fn prompt_text(
+        &self,
+        body: &CompletionBody,
+        ids: &[u32],
+    ) -> std::result::Result<String, ApiError> {
+        match &body.prompt {
+            Some(Value::String(s)) => return Ok(s.clone()),
+            Some(Value::Array(items)) if items.len() == 1 => {
+                if let Some(s) = items[0].as_str() {
+                    return Ok(s.to_owned());
+                }
+            }
+            _ => {}
+        }
+        self.0.tokenizer.decode(ids, false).map_err(|e| {
+            ApiError::invalid("invalid_prompt", format!("the prompt ids do not decode: {e}"))
+        })
+    }
+
     /// The model's entry in `/v1/models`.
     fn model_card(&self) -> Value {
         json!({
@@ -1292,27 +1366,99 @@ impl Header {
     }
 }
 
-/// The request's events as SSE chunks, then `data: [DONE]`. A task forwards them; it ends
-/// early when the client goes away, which cancels the request (see [`Events`]).
+/// The request's events as SSE chunks (every choice's, as they come), then the usage when
+/// asked for, then `data: [DONE]`. A task per choice forwards them; they end early when the
+/// client goes away, which cancels the requests (see [`Events`]).
 fn sse(
-    mut rx: Events,
-    kind: Kind,
+    choices: Vec<Events>,
     header: Header,
-    mut stops: StopText,
-    scorer: Option<Scorer>,
+    answer: Answer,
 ) -> ReceiverStream<std::result::Result<SseEvent, Infallible>> {
     let (tx, out) = tokio::sync::mpsc::channel(64);
+    let header = Arc::new(header);
+    let kind = answer.kind;
     tokio::spawn(async move {
+        let tasks: Vec<_> = choices
+            .into_iter()
+            .enumerate()
+            .map(|(index, rx)| {
+                let choice = Choice { index, header: header.clone(), answer: answer.clone() };
+                tokio::spawn(choice.stream(rx, tx.clone()))
+            })
+            .collect();
+        let mut completion_tokens = 0;
+        for task in tasks {
+            match task.await {
+                Ok(Some(tokens)) => completion_tokens += tokens,
+                // The client went away (or a task failed): nothing more to send.
+                Ok(None) | Err(_) => return,
+            }
+        }
         let send = |e: SseEvent| {
             let tx = tx.clone();
             async move { tx.send(Ok(e)).await.is_ok() }
         };
-        if kind == Kind::Chat {
-            let first = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
-            if !send(header.chunk(kind, first)).await {
+        if header.include_usage {
+            let value = json!({
+                "id": header.id,
+                "object": if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" },
+                "created": header.created,
+                "model": header.model,
+                "choices": [],
+                "usage": usage(header.prompt_tokens, completion_tokens),
+            });
+            if !send(SseEvent::default().data(value.to_string())).await {
                 return;
             }
         }
+        send(SseEvent::default().data("[DONE]")).await;
+    });
+    ReceiverStream::new(out)
+}
+
+/// One choice of a streamed answer.
+struct Choice {
+    index: usize,
+    header: Arc<Header>,
+    answer: Answer,
+}
+
+impl Choice {
+    /// Forwards this choice's events as chunks into `tx`; its completion tokens, or `None`
+    /// when the client went away.
+    async fn stream(
+        self,
+        mut rx: Events,
+        tx: tokio::sync::mpsc::Sender<std::result::Result<SseEvent, Infallible>>,
+    ) -> Option<usize> {
+        let Choice { index, header, answer } = self;
+        let kind = answer.kind;
+        let send = |choice: Value| {
+            let tx = tx.clone();
+            let chunk = header.chunk(kind, json!([choice]));
+            async move { tx.send(Ok(chunk)).await.is_ok() }
+        };
+        // A piece of text (with its token and log-probabilities, when it has them).
+        let piece = |text: &str, token: Option<u32>, logprobs: Value| match kind {
+            Kind::Completion => json!({"index": index, "text": text,
+                "token_ids": token.into_iter().collect::<Vec<_>>(), "logprobs": logprobs,
+                "finish_reason": null}),
+            Kind::Chat => json!({"index": index, "delta": {"content": text},
+                "token_ids": token.into_iter().collect::<Vec<_>>(), "logprobs": logprobs,
+                "finish_reason": null}),
+        };
+        if kind == Kind::Chat {
+            let first = json!({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null});
+            if !send(first).await {
+                return None;
+            }
+        }
+        if let Some(prompt) = &answer.echo {
+            if !send(piece(prompt, None, Value::Null)).await {
+                return None;
+            }
+        }
+        let mut stops = StopText::new(answer.stops.clone());
         let mut completion_tokens = 0;
         // Characters of the completion's token texts so far (`text_offset`).
         let mut offset = 0;
@@ -1321,7 +1467,7 @@ fn sse(
             match event {
                 Event::Token { token, text, logprobs } => {
                     completion_tokens += 1;
-                    let scored = scorer.as_ref().and_then(|s| s.score(token, logprobs));
+                    let scored = answer.scorer.as_ref().and_then(|s| s.score(token, logprobs));
                     let logprobs = match (kind, &scored) {
                         (_, None) => Value::Null,
                         (Kind::Completion, Some(s)) => {
@@ -1332,16 +1478,8 @@ fn sse(
                         (Kind::Chat, Some(s)) => super::logprobs::chat(std::slice::from_ref(s)),
                     };
                     let (text, hit) = stops.push(&text);
-                    let choice = match kind {
-                        Kind::Completion => {
-                            json!({"index": 0, "text": text, "token_ids": [token], "logprobs": logprobs, "finish_reason": null})
-                        }
-                        Kind::Chat => {
-                            json!({"index": 0, "delta": {"content": text}, "token_ids": [token], "logprobs": logprobs, "finish_reason": null})
-                        }
-                    };
-                    if !send(header.chunk(kind, json!([choice]))).await {
-                        return;
+                    if !send(piece(&text, Some(token), logprobs)).await {
+                        return None;
                     }
                     if hit {
                         reason = FinishReason::StopToken;
@@ -1351,18 +1489,8 @@ fn sse(
                 Event::Finished { reason: r, .. } => {
                     reason = r;
                     let rest = stops.finish();
-                    if !rest.is_empty() {
-                        let choice = match kind {
-                            Kind::Completion => {
-                                json!({"index": 0, "text": rest, "token_ids": [], "logprobs": null, "finish_reason": null})
-                            }
-                            Kind::Chat => {
-                                json!({"index": 0, "delta": {"content": rest}, "token_ids": [], "logprobs": null, "finish_reason": null})
-                            }
-                        };
-                        if !send(header.chunk(kind, json!([choice]))).await {
-                            return;
-                        }
+                    if !rest.is_empty() && !send(piece(&rest, None, Value::Null)).await {
+                        return None;
                     }
                     break;
                 }
@@ -1370,32 +1498,14 @@ fn sse(
         }
         let last = match kind {
             Kind::Completion => {
-                json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish_name(reason)})
+                json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish_name(reason)})
             }
             Kind::Chat => {
-                json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish_name(reason)})
+                json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish_name(reason)})
             }
         };
-        if !send(header.chunk(kind, json!([last]))).await {
-            return;
-        }
-        if header.include_usage {
-            let value = json!({
-                "id": header.id,
-                "object": if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" },
-                "created": header.created,
-                "model": header.model,
-                "choices": [],
-                "usage": usage(header.prompt_tokens, completion_tokens),
-            });
-            let chunk = SseEvent::default().data(value.to_string());
-            if !send(chunk).await {
-                return;
-            }
-        }
-        send(SseEvent::default().data("[DONE]")).await;
-    });
-    ReceiverStream::new(out)
+        send(last).await.then_some(completion_tokens)
+    }
 }
 
 #[cfg(test)]
