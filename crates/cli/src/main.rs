@@ -571,6 +571,17 @@ fn prompts(args: &RunArgs) -> Result<Vec<PromptSpec>> {
     Ok(specs)
 }
 
+/// [`prompts`], and when none was given (the demo), the demo prompt on standard error, so
+/// the answer that follows reads as one.
+fn prompts_shown(args: &RunArgs, quiet: bool) -> Result<Vec<PromptSpec>> {
+    let specs = prompts(args)?;
+    if !quiet && specs.len() == 1 && specs[0].text == DEMO_PROMPT && args.prompts.is_empty() {
+        eprintln!("No prompt given (--prompt, --prompt-file or standard input): the demo prompt.");
+        eprintln!("> {DEMO_PROMPT}");
+    }
+    Ok(specs)
+}
+
 /// `tpctl serve`: `run`'s launch with rank 0 serving HTTP instead of running prompts.
 fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
     let config = match &args.config {
@@ -728,7 +739,7 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         native_weights: config.model.weights == WeightsForm::Native,
         kv_cache_tokens: args.max_model_len.map_or(config.runtime.kv_cache_tokens, |n| n as usize),
         timeout_s: config.runtime.timeout_s,
-        prompts: if serve.is_none() { prompts(&args)? } else { Vec::new() },
+        prompts: if serve.is_none() { prompts_shown(&args, quiet)? } else { Vec::new() },
         sampling: Sampling {
             max_tokens: args.max_tokens.unwrap_or(s.max_tokens as u32),
             temperature: args.temperature.unwrap_or(s.temperature),

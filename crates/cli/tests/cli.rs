@@ -204,6 +204,18 @@ fn text_output_streams_and_summarizes() {
     );
 }
 
+/// Without a prompt anywhere, the demo runs and shows its prompt before the answer.
+#[test]
+fn the_demo_shows_its_prompt() {
+    let out = tpctl(&["run", "--model", common::lookup_model(), "--max-tokens", "2"], &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("> Explain in two sentences"), "{err}");
+    let quiet =
+        tpctl(&["run", "--quiet", "--model", common::lookup_model(), "--max-tokens", "2"], &[]);
+    assert!(!String::from_utf8_lossy(&quiet.stderr).contains("> Explain"));
+}
+
 #[test]
 fn bad_configs_and_layouts_are_clear_errors() {
     let cfg = scratch("bad.toml");
