@@ -634,10 +634,31 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
         top_p: config.sampling.top_p,
         top_k: config.sampling.top_k,
         max_tokens: u32::try_from(config.sampling.max_tokens).unwrap_or(u32::MAX),
+        ..tpctl::spec::SamplingDefaults::default()
     });
     let spec =
         ServeSpec { listen, api_key, model_name, refuse_while_asleep, asleep_wait_ms, defaults };
     run(job, Some(spec), verbose, quiet)
+}
+
+/// A server without a config file's `[sampling]` takes its defaults from the model's
+/// `generation_config.json` (a Hugging Face folder's), as vLLM does; fields it leaves out keep
+/// OpenAI's.
+fn with_generation_defaults(mut spec: ServeSpec, model: &std::path::Path) -> Result<ServeSpec> {
+    if spec.defaults.is_some() {
+        return Ok(spec);
+    }
+    if let Some(g) = layers::GenerationConfig::load(model)? {
+        let openai = tpctl::spec::SamplingDefaults::default();
+        spec.defaults = Some(tpctl::spec::SamplingDefaults {
+            temperature: g.temperature.unwrap_or(openai.temperature),
+            top_p: g.top_p.unwrap_or(openai.top_p),
+            top_k: g.top_k.unwrap_or(openai.top_k),
+            repetition_penalty: g.repetition_penalty.unwrap_or(openai.repetition_penalty),
+            ..openai
+        });
+    }
+    Ok(spec)
 }
 
 /// `--host` / `--port` over the host and port of `listen` (the configured or default
@@ -730,6 +751,7 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
             layers::kernels::GemmDtype::from(dtype).name()
         );
     }
+    let serve = serve.map(|spec| with_generation_defaults(spec, &model)).transpose()?;
     let spec = RankSpec {
         model,
         tp,

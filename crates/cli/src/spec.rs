@@ -111,7 +111,8 @@ pub struct ServeSpec {
     pub defaults: Option<SamplingDefaults>,
 }
 
-/// A server's sampling defaults, from a config file's `[sampling]`.
+/// A server's sampling defaults, from a config file's `[sampling]` or the model's
+/// `generation_config.json`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct SamplingDefaults {
     /// 0 is greedy.
@@ -122,6 +123,26 @@ pub struct SamplingDefaults {
     pub top_k: usize,
     /// Tokens of a completion that does not say.
     pub max_tokens: u32,
+    /// The Hugging Face repetition penalty (1: none).
+    #[serde(default = "one")]
+    pub repetition_penalty: f32,
+}
+
+fn one() -> f32 {
+    1.0
+}
+
+impl Default for SamplingDefaults {
+    /// OpenAI's: temperature 1, no truncation, 16 tokens, no penalty.
+    fn default() -> Self {
+        SamplingDefaults {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_tokens: 16,
+            repetition_penalty: 1.0,
+        }
+    }
 }
 
 impl Eq for SamplingDefaults {}

@@ -1346,6 +1346,30 @@ fn logprobs_are_the_models_distribution_in_every_answer_shape() {
     assert_eq!(server.interrupt().code(), Some(130));
 }
 
+/// A Hugging Face folder's `generation_config.json`: its `eos_token_id` list ends a
+/// generation, and its sampling is the server's default (here greedy).
+#[test]
+fn a_folders_generation_config_gives_end_ids_and_defaults() {
+    const MAX: u32 = 8;
+    let want = reference(model(), &["1,2,3"], MAX).remove(0);
+    // The first generated token not seen before it (after the first, if there is one): the
+    // generation must end right there.
+    let end = (1..want.len()).find(|&i| !want[..i].contains(&want[i])).unwrap_or(0);
+    let dir = scratch("tiny-hf-gencfg");
+    common::tiny_spec().write_hf(&dir, true).expect("write the folder");
+    let config = json!({"eos_token_id": [want[end], 99999], "temperature": 0.0, "top_p": 0.9});
+    std::fs::write(dir.join("generation_config.json"), config.to_string()).unwrap();
+    let server = Server::start(dir.to_str().unwrap(), &[]);
+    let body = json!({"prompt": prompt_ids("1,2,3"), "max_tokens": MAX});
+    let reply = server.post("/v1/completions", &body).json();
+    assert_eq!(ids(&reply["choices"][0]["token_ids"]), want[..=end], "{reply}");
+    assert_eq!(reply["choices"][0]["finish_reason"], "stop");
+    let body = json!({"prompt": prompt_ids("1,2,3"), "max_tokens": MAX, "ignore_eos": true});
+    let reply = server.post("/v1/completions", &body).json();
+    assert_eq!(ids(&reply["choices"][0]["token_ids"]), want, "{reply}");
+    assert_eq!(server.interrupt().code(), Some(130));
+}
+
 /// `n` choices are sequences of the batch with seeds `seed`, `seed + 1`, ... (each equal to
 /// that seed's single answer), streamed interleaved by index; `echo` puts the prompt's text
 /// first.

@@ -26,6 +26,7 @@
 pub mod catalog;
 pub mod config;
 pub mod error;
+pub mod generation;
 pub mod gguf;
 pub mod kernels;
 pub mod memory;
@@ -40,6 +41,7 @@ pub mod tokenizer;
 
 pub use config::LlamaConfig;
 pub use error::{Error, Result};
+pub use generation::GenerationConfig;
 pub use memory::{Arena, DeviceArena, DeviceMemory, HeapArena};
 pub use model::{KvCache, Logits, Model};
 pub use tensor::{DType, Device, ExternalMemory, Storage, Tensor};

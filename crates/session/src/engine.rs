@@ -691,7 +691,7 @@ impl Leader {
             step: 0,
             source,
         })?;
-        let eos = codec.as_ref().and_then(|c| c.eos());
+        let eos = codec.as_ref().map(|c| c.eos_ids()).unwrap_or_default();
         s.text = Text { codec, streams: HashMap::new() };
         s.sched =
             Some(Scheduler::new(config.token_budget, config.max_batch, model.context_len(), eos));

@@ -120,6 +120,10 @@ impl TextCodec for LlamaCodec {
     fn eos(&self) -> Option<u32> {
         self.0.eos_id()
     }
+
+    fn eos_ids(&self) -> Vec<u32> {
+        self.0.eos_ids()
+    }
 }
 
 #[cfg(test)]

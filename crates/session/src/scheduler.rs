@@ -119,14 +119,15 @@ pub(crate) struct Scheduler {
     budget: usize,
     max_batch: usize,
     context: usize,
-    eos: Option<u32>,
+    /// The ids that end a request unless it ignores them.
+    eos: Vec<u32>,
     seqs: Vec<Seq>,
     released: Vec<SeqId>,
     next_seq: SeqId,
 }
 
 impl Scheduler {
-    pub(crate) fn new(budget: u32, max_batch: u32, context: usize, eos: Option<u32>) -> Self {
+    pub(crate) fn new(budget: u32, max_batch: u32, context: usize, eos: Vec<u32>) -> Self {
         Scheduler {
             budget: (budget as usize).max(1),
             max_batch: (max_batch as usize).max(1),
@@ -173,8 +174,8 @@ impl Scheduler {
             }));
         }
         let mut stop = req.params.stop.clone();
-        if let (Some(eos), false) = (self.eos, req.params.ignore_eos) {
-            stop.push(eos);
+        if !req.params.ignore_eos {
+            stop.extend(self.eos.iter().filter(|id| !req.params.stop.contains(id)));
         }
         let id = self.next_seq;
         self.next_seq += 1;

@@ -37,6 +37,12 @@ pub trait TextCodec: Send {
     }
     /// The end-of-sequence token, if the model has one.
     fn eos(&self) -> Option<u32>;
+    /// Every token that ends a generation (a request that does not ignore them stops at
+    /// any): [`TextCodec::eos`] and the model's others (an end-of-turn token). The default
+    /// is the end-of-sequence token alone.
+    fn eos_ids(&self) -> Vec<u32> {
+        self.eos().into_iter().collect()
+    }
 }
 
 /// Why a request stopped producing tokens.

@@ -813,7 +813,9 @@ impl Api {
             ignore_eos: s.ignore_eos.unwrap_or(false),
             presence_penalty: s.presence_penalty.unwrap_or(0.0),
             frequency_penalty: s.frequency_penalty.unwrap_or(0.0),
-            repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
+            repetition_penalty: s
+                .repetition_penalty
+                .unwrap_or(d.map_or(1.0, |d| d.repetition_penalty)),
             min_p: s.min_p.unwrap_or(0.0),
             logit_bias,
             logprobs,

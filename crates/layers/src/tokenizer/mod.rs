@@ -51,6 +51,9 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     bos: Option<u32>,
     eos: Option<u32>,
+    /// Other ids that end a generation: GGUF's end-of-turn token, a Hugging Face folder's
+    /// `generation_config.json` `eos_token_id` list.
+    more_eos: Vec<u32>,
     add_bos: bool,
     /// Let the tokenizer's own post-processor add special tokens (Hugging Face
     /// `tokenizer.json`); GGUF tokenizers add BOS by `add_bos` instead.
@@ -137,6 +140,7 @@ impl Tokenizer {
             inner,
             bos: id("tokenizer.ggml.bos_token_id")?,
             eos: id("tokenizer.ggml.eos_token_id")?,
+            more_eos: id("tokenizer.ggml.eot_token_id")?.into_iter().collect(),
             add_bos: file
                 .get("tokenizer.ggml.add_bos_token")
                 .and_then(|v| v.as_bool())
@@ -161,8 +165,9 @@ impl Tokenizer {
         }
     }
 
-    /// Loads a Hugging Face tokenizer folder: `tokenizer.json`, and from
-    /// `tokenizer_config.json` (when present) the BOS/EOS tokens and the chat template.
+    /// Loads a Hugging Face tokenizer folder: `tokenizer.json`, from `tokenizer_config.json`
+    /// (when present) the BOS/EOS tokens and the chat template, and from
+    /// `generation_config.json` (when present) the other ids that end a generation.
     ///
     /// # Errors
     /// [`Error::Tokenizer`] when `tokenizer.json` cannot be read; [`Error::Io`] or
@@ -199,9 +204,11 @@ impl Tokenizer {
                 .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
             _ => None,
         };
+        let more_eos = crate::GenerationConfig::load(dir)?.map(|g| g.eos).unwrap_or_default();
         Ok(Tokenizer {
             bos: special("bos_token"),
             eos: special("eos_token"),
+            more_eos,
             inner,
             add_bos: false,
             post_process: true,
@@ -272,6 +279,19 @@ impl Tokenizer {
     /// The end-of-sequence id.
     pub fn eos_id(&self) -> Option<u32> {
         self.eos
+    }
+
+    /// Every id that ends a generation: the end-of-sequence id first, then the model's other
+    /// ones (GGUF `tokenizer.ggml.eot_token_id`, `generation_config.json`'s `eos_token_id`),
+    /// each once.
+    pub fn eos_ids(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = self.eos.into_iter().collect();
+        for &id in &self.more_eos {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+        ids
     }
 
     /// The id of a token's text form (`<|im_end|>`).

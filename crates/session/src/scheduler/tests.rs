@@ -14,7 +14,7 @@ fn pick(plan: &StepPlan, token: usize) -> Vec<Vec<f32>> {
 
 #[test]
 fn prompts_are_chunked_to_the_budget_and_decode_goes_first() {
-    let mut s = Scheduler::new(4, 8, 100, None);
+    let mut s = Scheduler::new(4, 8, 100, Vec::new());
     assert!(s.add(req(10, 6, 2), None, 0).unwrap().is_none());
     let p1 = s.plan(0, 1).unwrap();
     assert_eq!(p1.entries.len(), 1);
@@ -64,7 +64,7 @@ fn prompts_are_chunked_to_the_budget_and_decode_goes_first() {
 
 #[test]
 fn stop_tokens_eos_and_context_end_requests() {
-    let mut s = Scheduler::new(64, 8, 6, Some(7));
+    let mut s = Scheduler::new(64, 8, 6, vec![7]);
     s.add(req(1, 3, 50), None, 0).unwrap();
     let p = s.plan(0, 1).unwrap();
     let out = s.apply(&p, &pick(&p, 7)).unwrap();
@@ -82,7 +82,7 @@ fn stop_tokens_eos_and_context_end_requests() {
 
 #[test]
 fn unrunnable_requests_finish_at_once_and_close_cancels_the_rest() {
-    let mut s = Scheduler::new(8, 1, 10, None);
+    let mut s = Scheduler::new(8, 1, 10, Vec::new());
     let empty = s.add(req(1, 0, 4), None, 0).unwrap().unwrap();
     assert!(matches!(empty, Emit::Finished { reason: FinishReason::Rejected, .. }));
     let zero = s.add(req(2, 3, 0), None, 0).unwrap().unwrap();
@@ -105,7 +105,7 @@ fn unrunnable_requests_finish_at_once_and_close_cancels_the_rest() {
 
 #[test]
 fn logits_rows_must_match_the_sampled_entries() {
-    let mut s = Scheduler::new(8, 4, 10, None);
+    let mut s = Scheduler::new(8, 4, 10, Vec::new());
     s.add(req(1, 2, 4), None, 0).unwrap();
     let p = s.plan(0, 1).unwrap();
     assert!(s.apply(&p, &[]).unwrap_err().contains("0 logits rows for 1"));
@@ -113,7 +113,7 @@ fn logits_rows_must_match_the_sampled_entries() {
 
 #[test]
 fn a_recomputed_sequence_prefills_its_tokens_again_and_decodes_on() {
-    let mut s = Scheduler::new(64, 8, 64, None);
+    let mut s = Scheduler::new(64, 8, 64, Vec::new());
     s.add(req(1, 3, 10), None, 0).unwrap();
     let mut step = 0;
     let mut next = |s: &mut Scheduler, token: usize| {
@@ -140,7 +140,7 @@ fn a_recomputed_sequence_prefills_its_tokens_again_and_decodes_on() {
 
 #[test]
 fn a_cancelled_request_ends_at_the_next_boundary_and_frees_its_sequence() {
-    let mut s = Scheduler::new(64, 8, 64, None);
+    let mut s = Scheduler::new(64, 8, 64, Vec::new());
     let cancel = Cancel::default();
     s.add(req(1, 3, 10).with_cancel(cancel.clone()), None, 0).unwrap();
     s.add(req(2, 2, 10), None, 0).unwrap();
