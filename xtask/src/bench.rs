@@ -1,6 +1,7 @@
 //! `cargo xtask bench <what> [--json]`: benchmarks next to the reference they are judged by.
 
 mod collectives;
+mod cycles;
 mod model;
 mod serve;
 mod session;
@@ -32,6 +33,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "model" => model::run(json)?,
             "sleep" => sleep::run(json)?,
             "serve" => serve::run(json)?,
+            "cycles" => cycles::run(json)?,
             "all" => {
                 collectives::run(json)?;
                 vmm::run(json)?;
@@ -40,7 +42,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             }
             other => {
                 bail!(
-                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, sleep or all"
+                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, sleep, cycles or all"
                 )
             }
         }

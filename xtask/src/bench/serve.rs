@@ -72,13 +72,26 @@ fn reference(anchors: &Path, model: &Path, seqs: usize, prompt: usize) -> Result
 
 /// A `tpctl serve` deployment on a free local port, stopped (Ctrl-C, as a user would) when
 /// dropped.
-struct Server {
+pub(super) struct Server {
     child: Child,
-    base: String,
+    /// The API's address, `http://127.0.0.1:PORT`.
+    pub(super) base: String,
 }
 
 impl Server {
-    fn start(tpctl: &Path, model: &Path, tp: usize, cp: usize, threads: usize) -> Result<Server> {
+    /// Starts `tpctl serve` in a `tp` x `cp` layout with `threads` compute threads per rank and
+    /// waits until `/health` answers.
+    ///
+    /// # Errors
+    /// The server could not start, exited while loading, or was not ready within
+    /// [`LOAD_DEADLINE`].
+    pub(super) fn start(
+        tpctl: &Path,
+        model: &Path,
+        tp: usize,
+        cp: usize,
+        threads: usize,
+    ) -> Result<Server> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let base = format!("http://127.0.0.1:{port}");
         eprintln!("$ tpctl serve --tp {tp} --cp {cp} --threads {threads} {}", model.display());
@@ -104,6 +117,11 @@ impl Server {
             }
             std::thread::sleep(Duration::from_millis(200));
         }
+    }
+
+    /// The process id of the `tpctl serve` launcher (its ranks are its children).
+    pub(super) fn pid(&self) -> u32 {
+        self.child.id()
     }
 }
 
