@@ -1,6 +1,7 @@
 //! The API-key check, route labels and stop strings.
 
-use super::{bearer_matches, route_label, StopText};
+use super::answer::StopText;
+use super::{bearer_matches, route_label};
 use axum::http::{header, HeaderMap, HeaderValue};
 
 fn with_auth(value: &str) -> HeaderMap {

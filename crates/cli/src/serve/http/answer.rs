@@ -1,0 +1,429 @@
+//! Answers: the generation endpoints, each choice's events collected into one OpenAI
+//! response or streamed as SSE chunks, stop strings cut from the text, log-probabilities
+//! shaped per endpoint.
+
+use super::super::bridge::{Event, Events};
+use super::super::logprobs::Scored;
+use super::request::{parse, ChatBody, CompletionBody, Job};
+use super::{unix_now, Api, ApiError, DEFAULT_COMPLETION_TOKENS};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+use session::{FinishReason, SamplingParams, TokenLogprobs};
+use std::convert::Infallible;
+use std::sync::Arc;
+use tokio_stream::wrappers::ReceiverStream;
+
+/// The OpenAI name of a finish reason.
+pub(super) fn finish_name(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Length => "length",
+        FinishReason::StopToken => "stop",
+        FinishReason::Cancelled | FinishReason::Aborted => "abort",
+        FinishReason::Rejected => "rejected",
+    }
+}
+
+pub(super) fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+/// Which endpoint a response is for: the shape of its objects.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    Completion,
+    Chat,
+}
+
+impl Kind {
+    pub(super) fn id(self, n: u64) -> String {
+        match self {
+            Kind::Completion => format!("cmpl-{n}"),
+            Kind::Chat => format!("chatcmpl-{n}"),
+        }
+    }
+}
+
+pub(super) async fn completions(
+    State(api): State<Api>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> std::result::Result<Response, ApiError> {
+    let body: CompletionBody = parse(body)?;
+    api.check_model(body.sampling.model.as_deref())?;
+    let prompt = api.completion_prompt(body.prompt.as_ref())?;
+    let max = body.sampling.max_tokens;
+    let default_max = api.0.defaults.map_or(DEFAULT_COMPLETION_TOKENS, |d| d.max_tokens);
+    let echo =
+        if body.echo.unwrap_or(false) { Some(api.prompt_text(&body, &prompt)?) } else { None };
+    let mut job = api.job(Kind::Completion, prompt, &body.sampling, max, default_max.into())?;
+    if echo.is_some() && job.wants_logprobs() {
+        return Err(ApiError::invalid(
+            "unsupported_parameter",
+            "`echo` with `logprobs` asks for the prompt's log-probabilities, which this server does not compute",
+        ));
+    }
+    job.echo = echo;
+    generate(api, job, Kind::Completion).await
+}
+
+pub(super) async fn chat_completions(
+    State(api): State<Api>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> std::result::Result<Response, ApiError> {
+    let body: ChatBody = parse(body)?;
+    api.check_model(body.sampling.model.as_deref())?;
+    let prompt = api.chat_prompt(body.messages.as_deref())?;
+    let max = body.max_completion_tokens.or(body.sampling.max_tokens);
+    // Without a limit a chat reply may fill the context (OpenAI's default).
+    let room = api.0.context.saturating_sub(prompt.len()) as u64;
+    let job = api.job(Kind::Chat, prompt, &body.sampling, max, room)?;
+    generate(api, job, Kind::Chat).await
+}
+
+pub(super) async fn generate(
+    api: Api,
+    job: Job,
+    kind: Kind,
+) -> std::result::Result<Response, ApiError> {
+    api.wait_awake().await?;
+    let prompt_tokens = job.prompt.len();
+    let (stream, include_usage) = (job.stream, job.include_usage);
+    let scorer = job.wants_logprobs().then(|| Scorer(api.0.tokenizer.clone()));
+    // One sequence per choice, all in the batch together; dropping them cancels the rest.
+    let mut choices = Vec::with_capacity(job.n);
+    for i in 0..job.n as u64 {
+        let params = SamplingParams { seed: job.params.seed.wrapping_add(i), ..job.params.clone() };
+        choices.push(api.0.bridge.submit(job.prompt.clone(), params)?);
+    }
+    let id = kind.id(choices[0].id);
+    let created = unix_now();
+    let model = api.0.model_name.clone();
+    let answer = Answer { kind, stops: job.stop_text, scorer, echo: job.echo };
+    if stream {
+        let header = Header { id, created, model, prompt_tokens, include_usage };
+        let events = sse(choices, header, answer);
+        return Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response());
+    }
+    let mut out = Vec::with_capacity(choices.len());
+    let mut completion_tokens = 0;
+    for (index, rx) in choices.into_iter().enumerate() {
+        let (body, tokens, reason, scored) =
+            collect(rx, StopText::new(answer.stops.clone()), answer.scorer.clone()).await?;
+        completion_tokens += tokens.len();
+        let text = match &answer.echo {
+            Some(prompt) => format!("{prompt}{body}"),
+            None => body,
+        };
+        let logprobs = match (kind, scored) {
+            (_, None) => Value::Null,
+            (Kind::Completion, Some(s)) => super::super::logprobs::completion(&s, 0),
+            (Kind::Chat, Some(s)) => super::super::logprobs::chat(&s),
+        };
+        out.push(match kind {
+            Kind::Completion => {
+                json!({"index": index, "text": text, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish_name(reason)})
+            }
+            Kind::Chat => {
+                json!({"index": index, "message": {"role": "assistant", "content": text}, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish_name(reason)})
+            }
+        });
+    }
+    let object = match kind {
+        Kind::Completion => "text_completion",
+        Kind::Chat => "chat.completion",
+    };
+    Ok(Json(json!({
+        "id": id,
+        "object": object,
+        "created": created,
+        "model": model,
+        "choices": out,
+        "usage": usage(prompt_tokens, completion_tokens),
+    }))
+    .into_response())
+}
+
+/// How a request's choices are answered: the endpoint's shape, the stop strings, the
+/// log-probabilities' token texts and the echoed prompt.
+#[derive(Clone)]
+pub(super) struct Answer {
+    kind: Kind,
+    stops: Vec<String>,
+    scorer: Option<Scorer>,
+    echo: Option<String>,
+}
+
+/// Token texts for log-probabilities: each token decoded alone.
+#[derive(Clone)]
+pub(super) struct Scorer(std::sync::Arc<layers::Tokenizer>);
+
+impl Scorer {
+    pub(super) fn score(&self, token: u32, logprobs: Option<TokenLogprobs>) -> Option<Scored> {
+        let decode = |id: u32| self.0.decode(&[id], false).unwrap_or_default();
+        logprobs.map(|lp| Scored::new(token, lp, decode))
+    }
+}
+
+/// A request's answer: its text, tokens, finish reason, and each token's log-probabilities
+/// when the request asked for them.
+pub(super) type Collected = (String, Vec<u32>, FinishReason, Option<Vec<Scored>>);
+
+/// Waits for a request's end.
+pub(super) async fn collect(
+    mut rx: Events,
+    mut stops: StopText,
+    scorer: Option<Scorer>,
+) -> std::result::Result<Collected, ApiError> {
+    let mut text = String::new();
+    let mut tokens = Vec::new();
+    let mut scored = scorer.as_ref().map(|_| Vec::new());
+    while let Some(event) = rx.recv().await {
+        match event {
+            Event::Token { token, text: piece, logprobs } => {
+                tokens.push(token);
+                if let (Some(scorer), Some(all)) = (&scorer, &mut scored) {
+                    all.extend(scorer.score(token, logprobs));
+                }
+                let (out, hit) = stops.push(&piece);
+                text.push_str(&out);
+                if hit {
+                    // Dropping the events cancels the rest of the generation.
+                    return Ok((text, tokens, FinishReason::StopToken, scored));
+                }
+            }
+            Event::Finished { reason: FinishReason::Rejected, .. } => {
+                return Err(ApiError::invalid("rejected", "the engine refused the prompt"))
+            }
+            Event::Finished { reason: FinishReason::Cancelled, .. } => {
+                return Err(ApiError::stopping())
+            }
+            Event::Finished { reason, tokens } => {
+                text.push_str(&stops.finish());
+                return Ok((text, tokens, reason, scored));
+            }
+        }
+    }
+    Err(ApiError::stopping())
+}
+
+/// Stop strings matched on a request's text as it comes: the text before the first match is
+/// let through and the rest dropped (OpenAI's `stop`, the stop string not included). Text
+/// that may be the beginning of a stop string is held back until the next piece decides.
+#[derive(Debug, Default)]
+pub(super) struct StopText {
+    stops: Vec<String>,
+    held: String,
+}
+
+impl StopText {
+    pub(super) fn new(stops: Vec<String>) -> Self {
+        StopText { stops, held: String::new() }
+    }
+
+    /// Takes the next piece: the text that can go out now, and whether a stop string ended
+    /// the request.
+    pub(super) fn push(&mut self, piece: &str) -> (String, bool) {
+        if self.stops.is_empty() {
+            return (piece.to_owned(), false);
+        }
+        self.held.push_str(piece);
+        let first = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min();
+        if let Some(at) = first {
+            let out = self.held[..at].to_owned();
+            self.held.clear();
+            return (out, true);
+        }
+        // Hold back the longest end of the text that begins some stop string.
+        let keep = self
+            .stops
+            .iter()
+            .flat_map(|s| (1..s.len()).filter(|&n| s.is_char_boundary(n)).map(|n| &s[..n]))
+            .filter(|prefix| self.held.ends_with(prefix))
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
+        let out = self.held[..self.held.len() - keep].to_owned();
+        self.held.drain(..self.held.len() - keep);
+        (out, false)
+    }
+
+    /// The text still held back when the request ended without a stop string.
+    pub(super) fn finish(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+/// What every chunk of a stream repeats.
+pub(super) struct Header {
+    pub(super) id: String,
+    pub(super) created: u64,
+    pub(super) model: String,
+    pub(super) prompt_tokens: usize,
+    pub(super) include_usage: bool,
+}
+
+impl Header {
+    pub(super) fn chunk(&self, kind: Kind, choices: Value) -> SseEvent {
+        let object = match kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion.chunk",
+        };
+        let value = json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        });
+        SseEvent::default().data(value.to_string())
+    }
+}
+
+/// The request's events as SSE chunks (every choice's, as they come), then the usage when
+/// asked for, then `data: [DONE]`. A task per choice forwards them; they end early when the
+/// client goes away, which cancels the requests (see [`Events`]).
+pub(super) fn sse(
+    choices: Vec<Events>,
+    header: Header,
+    answer: Answer,
+) -> ReceiverStream<std::result::Result<SseEvent, Infallible>> {
+    let (tx, out) = tokio::sync::mpsc::channel(64);
+    let header = Arc::new(header);
+    let kind = answer.kind;
+    tokio::spawn(async move {
+        let tasks: Vec<_> = choices
+            .into_iter()
+            .enumerate()
+            .map(|(index, rx)| {
+                let choice = Choice { index, header: header.clone(), answer: answer.clone() };
+                tokio::spawn(choice.stream(rx, tx.clone()))
+            })
+            .collect();
+        let mut completion_tokens = 0;
+        for task in tasks {
+            match task.await {
+                Ok(Some(tokens)) => completion_tokens += tokens,
+                // The client went away (or a task failed): nothing more to send.
+                Ok(None) | Err(_) => return,
+            }
+        }
+        let send = |e: SseEvent| {
+            let tx = tx.clone();
+            async move { tx.send(Ok(e)).await.is_ok() }
+        };
+        if header.include_usage {
+            let value = json!({
+                "id": header.id,
+                "object": if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" },
+                "created": header.created,
+                "model": header.model,
+                "choices": [],
+                "usage": usage(header.prompt_tokens, completion_tokens),
+            });
+            if !send(SseEvent::default().data(value.to_string())).await {
+                return;
+            }
+        }
+        send(SseEvent::default().data("[DONE]")).await;
+    });
+    ReceiverStream::new(out)
+}
+
+/// One choice of a streamed answer.
+pub(super) struct Choice {
+    index: usize,
+    header: Arc<Header>,
+    answer: Answer,
+}
+
+impl Choice {
+    /// Forwards this choice's events as chunks into `tx`; its completion tokens, or `None`
+    /// when the client went away.
+    pub(super) async fn stream(
+        self,
+        mut rx: Events,
+        tx: tokio::sync::mpsc::Sender<std::result::Result<SseEvent, Infallible>>,
+    ) -> Option<usize> {
+        let Choice { index, header, answer } = self;
+        let kind = answer.kind;
+        let send = |choice: Value| {
+            let tx = tx.clone();
+            let chunk = header.chunk(kind, json!([choice]));
+            async move { tx.send(Ok(chunk)).await.is_ok() }
+        };
+        // A piece of text (with its token and log-probabilities, when it has them).
+        let piece = |text: &str, token: Option<u32>, logprobs: Value| match kind {
+            Kind::Completion => json!({"index": index, "text": text,
+                "token_ids": token.into_iter().collect::<Vec<_>>(), "logprobs": logprobs,
+                "finish_reason": null}),
+            Kind::Chat => json!({"index": index, "delta": {"content": text},
+                "token_ids": token.into_iter().collect::<Vec<_>>(), "logprobs": logprobs,
+                "finish_reason": null}),
+        };
+        if kind == Kind::Chat {
+            let first = json!({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null});
+            if !send(first).await {
+                return None;
+            }
+        }
+        if let Some(prompt) = &answer.echo {
+            if !send(piece(prompt, None, Value::Null)).await {
+                return None;
+            }
+        }
+        let mut stops = StopText::new(answer.stops.clone());
+        let mut completion_tokens = 0;
+        // Characters of the completion's token texts so far (`text_offset`).
+        let mut offset = 0;
+        let mut reason = FinishReason::Cancelled;
+        while let Some(event) = rx.recv().await {
+            match event {
+                Event::Token { token, text, logprobs } => {
+                    completion_tokens += 1;
+                    let scored = answer.scorer.as_ref().and_then(|s| s.score(token, logprobs));
+                    let logprobs = match (kind, &scored) {
+                        (_, None) => Value::Null,
+                        (Kind::Completion, Some(s)) => {
+                            let v =
+                                super::super::logprobs::completion(std::slice::from_ref(s), offset);
+                            offset += s.text.chars().count();
+                            v
+                        }
+                        (Kind::Chat, Some(s)) => {
+                            super::super::logprobs::chat(std::slice::from_ref(s))
+                        }
+                    };
+                    let (text, hit) = stops.push(&text);
+                    if !send(piece(&text, Some(token), logprobs)).await {
+                        return None;
+                    }
+                    if hit {
+                        reason = FinishReason::StopToken;
+                        break;
+                    }
+                }
+                Event::Finished { reason: r, .. } => {
+                    reason = r;
+                    let rest = stops.finish();
+                    if !rest.is_empty() && !send(piece(&rest, None, Value::Null)).await {
+                        return None;
+                    }
+                    break;
+                }
+            }
+        }
+        let last = match kind {
+            Kind::Completion => {
+                json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish_name(reason)})
+            }
+            Kind::Chat => {
+                json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish_name(reason)})
+            }
+        };
+        send(last).await.then_some(completion_tokens)
+    }
+}
