@@ -15,7 +15,7 @@ cargo xtask <task> [args]
 tasks:
   ci                      fmt check, clippy (default, failpoints, cuda features), all tests
   bench <what> [--json]   benchmarks with their reference measured in the same run;
-                          <what>: collectives | vmm | session | model | serve | sleep | all
+                          <what>: collectives | vmm | session | model | serve | sleep | cycles | all
   gpu-test [--bundle [DIR]]
                           the GPU tests with --features cuda; fails without a usable GPU;
                           --bundle: build them with run.sh for a GPU machine without Rust
