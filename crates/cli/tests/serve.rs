@@ -1156,6 +1156,9 @@ fn a_weight_update_serves_the_new_checkpoint_like_a_fresh_start() {
     let server =
         Server::start_with(&first, &["--tp", "2", "--cp", "2", "--deployment", "rl"], &env);
     assert_eq!(answers(&server), want_first);
+    let live = |path: &str| format!("tpctl_weights_checkpoint_info{{checkpoint=\"{path}\"}} 1");
+    assert!(server.get("/metrics").body.contains(&live(&first)), "{}", server.get("/metrics").body);
+    assert_eq!(server.get("/v1/models").json()["data"][0]["checkpoint"], first.as_str());
 
     // Awake: the engine quiesces, every rank loads its shard, and the answers change.
     let (code, reply, err) = control(&rt, &["reload", "--model", &second]);
@@ -1165,6 +1168,7 @@ fn a_weight_update_serves_the_new_checkpoint_like_a_fresh_start() {
     assert_eq!(answers(&server), want_second);
     let models = server.get("/v1/models").json();
     assert_eq!(models["data"][0]["checkpoint"], second.as_str(), "{models}");
+    assert!(server.get("/metrics").body.contains(&live(&second)));
 
     // Other shapes: refused in PREPARE on every rank, nothing changes.
     let (code, reply, err) = control(&rt, &["reload", "--model", &other_shapes]);

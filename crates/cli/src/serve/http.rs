@@ -50,6 +50,8 @@ pub struct ApiParts {
     pub tokenizer: std::sync::Arc<layers::Tokenizer>,
     /// The model's name in the API.
     pub model_name: String,
+    /// The checkpoint the deployment started with (its path), live until a weight update.
+    pub checkpoint: String,
     /// Token ids must be below this.
     pub vocab: usize,
     /// Prompt and generated tokens of one request together fit in this.
@@ -77,6 +79,7 @@ struct Inner {
     metrics: Metrics,
     tokenizer: std::sync::Arc<layers::Tokenizer>,
     model_name: String,
+    checkpoint: String,
     vocab: usize,
     context: usize,
     api_key: Option<String>,
@@ -96,6 +99,7 @@ impl Api {
             metrics: parts.metrics,
             tokenizer: parts.tokenizer,
             model_name: parts.model_name,
+            checkpoint: parts.checkpoint,
             vocab: parts.vocab,
             context: parts.context,
             api_key: parts.api_key,
@@ -340,6 +344,7 @@ async fn health(State(api): State<Api>) -> Response {
 
 async fn metrics(State(api): State<Api>) -> Response {
     let mut text = api.0.metrics.render();
+    super::metrics::render_checkpoint(&mut text, &api.checkpoint());
     if let Some(c) = &api.0.control {
         super::metrics::render_sleep(&mut text, &c.state(), &crate::control::journal(c).snapshot());
     }
@@ -424,6 +429,15 @@ fn unix_now() -> u64 {
 }
 
 impl Api {
+    /// The live checkpoint: the latest weight update's, or the one the deployment started with.
+    fn checkpoint(&self) -> String {
+        self.0
+            .control
+            .as_ref()
+            .and_then(|c| c.checkpoint())
+            .unwrap_or_else(|| self.0.checkpoint.clone())
+    }
+
     /// The model's entry in `/v1/models`.
     fn model_card(&self) -> Value {
         json!({
@@ -433,7 +447,7 @@ impl Api {
             "owned_by": "tpctl",
             "max_model_len": self.0.context,
             "sleeping": self.asleep().is_some(),
-            "checkpoint": self.0.control.as_ref().and_then(|c| c.checkpoint()),
+            "checkpoint": self.checkpoint(),
         })
     }
 

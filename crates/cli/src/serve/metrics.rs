@@ -179,6 +179,21 @@ impl Metrics {
     }
 }
 
+/// The live checkpoint as an info gauge: `tpctl_weights_checkpoint_info{checkpoint="PATH"} 1`.
+pub fn render_checkpoint(out: &mut String, checkpoint: &str) {
+    let name = "tpctl_weights_checkpoint_info";
+    let _ = writeln!(
+        out,
+        "# HELP {name} The checkpoint whose weights are live (the latest weight update's, or the one the deployment started with).\n# TYPE {name} gauge\n{name}{{checkpoint=\"{}\"}} 1",
+        label_value(checkpoint)
+    );
+}
+
+/// `value` escaped for a Prometheus label: backslash, double quote and newline.
+fn label_value(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
 /// Appends the sleep metrics: `tpctl_sleeping` (1 while any tag is asleep or waking),
 /// operations and failures by action, and from the latest operations, bytes per rank and tag
 /// (released by a sleep, restored by a wakeup), resident bytes per rank and device bytes per

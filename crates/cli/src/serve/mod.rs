@@ -97,6 +97,7 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
         metrics: metrics.clone(),
         tokenizer,
         model_name: spec.model_name.clone(),
+        checkpoint: rank0.model.clone(),
         vocab: rank0.config.vocab_size,
         context,
         api_key: spec.api_key.clone(),

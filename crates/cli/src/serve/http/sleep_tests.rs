@@ -156,6 +156,7 @@ impl Http {
             metrics,
             tokenizer: tokenizer().into(),
             model_name: "tiny".into(),
+            checkpoint: "tiny.gguf".into(),
             vocab: 48,
             context: 256,
             api_key: key.map(str::to_owned),
