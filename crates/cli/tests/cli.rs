@@ -144,6 +144,20 @@ fn a_hugging_face_folder_runs_like_its_gguf_in_every_layout() {
     }
 }
 
+/// A GGUF split in three files (as llama.cpp's `gguf-split` names them) runs like the one file.
+#[test]
+fn a_split_gguf_runs_like_the_single_file() {
+    let parts = common::tiny_spec().writer().write_split(&scratch("tiny-split"), 3).unwrap();
+    let ids = |model: &str| {
+        let args = ["run", "--model", model, "--tp", "2", "--threads", "1", "--prompt-ids"];
+        let out =
+            tpctl(&[&args[..], &["1,2,3", "--max-tokens", "5", "--output", "jsonl"]].concat(), &[]);
+        assert!(out.status.success(), "{model}: {}", text(&out));
+        json_lines(&out)[0]["token_ids"].clone()
+    };
+    assert_eq!(ids(parts[0].to_str().unwrap()), ids(model()));
+}
+
 #[test]
 fn jsonl_lines_have_every_field() {
     let out = tpctl(

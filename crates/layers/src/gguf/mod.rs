@@ -210,8 +210,10 @@ pub struct TensorInfo {
     pub dims: Vec<u64>,
     /// The element type.
     pub ggml_type: GgmlType,
-    /// Absolute byte offset of the data in the file.
+    /// Absolute byte offset of the data in its file.
     pub offset: u64,
+    /// Which file of a split model holds the data (0 for a model in one file).
+    pub part: usize,
 }
 
 impl TensorInfo {
@@ -231,11 +233,14 @@ impl TensorInfo {
     }
 }
 
-/// An open GGUF file.
+/// An open GGUF file, or the files of a split model (`NAME-00001-of-00003.gguf`, as
+/// llama.cpp's `gguf-split` writes them: every part has `split.no` and `split.count`, the first
+/// all the other metadata), read as one.
 #[derive(Debug)]
 pub struct GgufFile {
     path: PathBuf,
-    map: memmap2::Mmap,
+    /// One map per part; `TensorInfo::part` indexes it.
+    maps: Vec<memmap2::Mmap>,
     version: u32,
     alignment: u64,
     metadata: BTreeMap<String, Value>,
@@ -360,7 +365,91 @@ impl GgufFile {
     /// [`Error::Io`] when the file cannot be mapped, [`Error::Gguf`] (with the byte offset)
     /// when it is not a well-formed GGUF v2/v3 file or a tensor lies outside it.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref().to_owned();
+        let first = GgufFile::open_one(path.as_ref())?;
+        match first.get("split.count").and_then(Value::as_u64) {
+            Some(n) if n > 1 => GgufFile::open_split(first, n as usize),
+            _ => Ok(first),
+        }
+    }
+
+    /// The parts of a split model, from its first part: the siblings named
+    /// `PREFIX-0000i-of-0000n.gguf`, each checked to say it is part `i` of `n`.
+    fn open_split(first: GgufFile, count: usize) -> Result<Self> {
+        let err = |path: &Path, message: String| Error::Gguf {
+            path: path.to_owned(),
+            offset: 0,
+            message,
+        };
+        let name = first.path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_owned();
+        let suffix = format!("-00001-of-{count:05}.gguf");
+        let Some(prefix) = name.strip_suffix(&suffix) else {
+            return Err(err(
+                &first.path,
+                format!(
+                    "part of a model split in {count} files (split.count): open the first, \
+                     named PREFIX{suffix}"
+                ),
+            ));
+        };
+        let mut merged = first;
+        merged.check_part(0, count)?;
+        for no in 1..count {
+            let path =
+                merged.path.with_file_name(format!("{prefix}-{:05}-of-{count:05}.gguf", no + 1));
+            if !path.is_file() {
+                return Err(err(
+                    &path,
+                    format!("part {} of {count} of the split model is missing", no + 1),
+                ));
+            }
+            let part = GgufFile::open_one(&path)?;
+            part.check_part(no, count)?;
+            let at = merged.maps.len();
+            for mut info in part.tensors {
+                info.part = at;
+                if merged.index.insert(info.name.clone(), merged.tensors.len()).is_some() {
+                    return Err(err(&path, format!("tensor `{}` appears in two parts", info.name)));
+                }
+                merged.tensors.push(info);
+            }
+            merged.maps.extend(part.maps);
+        }
+        if let Some(want) = merged.get("split.tensors.count").and_then(Value::as_u64) {
+            if want != merged.tensors.len() as u64 {
+                return Err(err(
+                    &merged.path,
+                    format!(
+                        "split.tensors.count says {want} tensors, the {count} parts hold {}",
+                        merged.tensors.len()
+                    ),
+                ));
+            }
+        }
+        Ok(merged)
+    }
+
+    /// Checks that this file says it is part `no` (from 0) of `count`.
+    fn check_part(&self, no: usize, count: usize) -> Result<()> {
+        let says = |key: &str| self.get(key).and_then(Value::as_u64);
+        if says("split.no") != Some(no as u64) || says("split.count") != Some(count as u64) {
+            return Err(Error::Gguf {
+                path: self.path.clone(),
+                offset: 0,
+                message: format!(
+                    "expected part {} of {count} of a split model, but split.no = {:?}, \
+                     split.count = {:?}",
+                    no + 1,
+                    says("split.no"),
+                    says("split.count")
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Opens one file.
+    fn open_one(path: &Path) -> Result<Self> {
+        let path = path.to_owned();
         let map = crate::mmap::map(&path)?;
         let mut c = Cursor { bytes: &map, pos: 0, path: &path };
         let magic = c.u32("the magic number")?;
@@ -413,7 +502,7 @@ impl GgufFile {
             }
             let ggml_type = GgmlType::from_id(c.u32(&format!("the type of tensor `{name}`"))?);
             let offset = c.u64(&format!("the offset of tensor `{name}`"))?;
-            infos.push((at, TensorInfo { name, dims, ggml_type, offset }));
+            infos.push((at, TensorInfo { name, dims, ggml_type, offset, part: 0 }));
         }
         let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
         let file_len = map.len() as u64;
@@ -466,7 +555,7 @@ impl GgufFile {
             }
             tensors.push(info);
         }
-        Ok(GgufFile { path, map, version, alignment, metadata, tensors, index })
+        Ok(GgufFile { path, maps: vec![map], version, alignment, metadata, tensors, index })
     }
 
     /// The file's path.
@@ -585,7 +674,7 @@ impl GgufFile {
             )
         })?;
         let start = info.offset as usize + rows.start * row_bytes;
-        Ok((info, &self.map[start..start + rows.len() * row_bytes]))
+        Ok((info, &self.maps[info.part][start..start + rows.len() * row_bytes]))
     }
 
     /// The whole tensor `name`, converted to f32, shaped outermost first.

@@ -202,3 +202,40 @@ fn the_huge_counts_of_a_corrupt_header_are_rejected_before_allocating() {
     assert!(err.contains("at offset 8: the tensor count"), "{err}");
     std::fs::remove_file(p).unwrap();
 }
+
+#[test]
+fn a_split_model_reads_as_one_file_and_a_missing_or_wrong_part_is_named() {
+    let mut w = GgufWriter::new();
+    w.metadata("general.architecture", Value::String("llama".into()));
+    let data: Vec<Vec<f32>> = (0..5).map(|i| random_vec(64, i)).collect();
+    for (i, d) in data.iter().enumerate() {
+        w.tensor_f32(&format!("t{i}"), &[4, 16], d);
+    }
+    let prefix = temp_path("split-model");
+    let paths = w.write_split(&prefix, 3).unwrap();
+    assert_eq!(paths.len(), 3);
+    assert!(paths[0].to_string_lossy().ends_with("split-model-00001-of-00003.gguf"));
+    let f = GgufFile::open(&paths[0]).unwrap();
+    assert_eq!(f.get_str("general.architecture").unwrap(), "llama");
+    assert_eq!(f.tensor_infos().len(), 5);
+    for (i, d) in data.iter().enumerate() {
+        assert_eq!(f.tensor(&format!("t{i}")).unwrap().data(), &d[..], "t{i}");
+    }
+    assert!(f.tensor_infos().iter().any(|t| t.part == 2));
+    // Opening a later part names the first; a missing part is named.
+    let later = GgufFile::open(&paths[1]).unwrap_err().to_string();
+    assert!(later.contains("open the first"), "{later}");
+    std::fs::remove_file(&paths[2]).unwrap();
+    let missing = GgufFile::open(&paths[0]).unwrap_err().to_string();
+    assert!(missing.contains("part 3 of 3") && missing.contains("00003-of-00003"), "{missing}");
+    // A part that says it is another one.
+    std::fs::copy(&paths[1], &paths[2]).unwrap();
+    let wrong = GgufFile::open(&paths[0]).unwrap_err().to_string();
+    assert!(
+        wrong.contains("expected part 3 of 3") && wrong.contains("split.no = Some(1)"),
+        "{wrong}"
+    );
+    for p in &paths {
+        let _ = std::fs::remove_file(p);
+    }
+}

@@ -130,6 +130,34 @@ impl GgufWriter {
         out
     }
 
+    /// Writes the model split in `parts` files as llama.cpp's `gguf-split` does:
+    /// `PREFIX-0000i-of-0000n.gguf` next to each other, each with `split.no`, `split.count` and
+    /// `split.tensors.count`, the first with every other metadata entry, the tensors in order
+    /// in chunks of about equal count. Returns the paths, the first first.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when a file cannot be written.
+    pub fn write_split(&self, prefix: &Path, parts: usize) -> Result<Vec<std::path::PathBuf>> {
+        let parts = parts.clamp(1, self.tensors.len().max(1));
+        let per = self.tensors.len().div_ceil(parts);
+        let name = prefix.file_name().and_then(|n| n.to_str()).unwrap_or("model");
+        let mut paths = Vec::with_capacity(parts);
+        for no in 0..parts {
+            let mut part = GgufWriter::new();
+            if no == 0 {
+                part.metadata = self.metadata.clone();
+            }
+            part.metadata("split.no", Value::U16(no as u16))
+                .metadata("split.count", Value::U16(parts as u16))
+                .metadata("split.tensors.count", Value::I32(self.tensors.len() as i32));
+            part.tensors = self.tensors.iter().skip(no * per).take(per).cloned().collect();
+            let path = prefix.with_file_name(format!("{name}-{:05}-of-{parts:05}.gguf", no + 1));
+            part.write(&path)?;
+            paths.push(path);
+        }
+        Ok(paths)
+    }
+
     /// Writes the file.
     ///
     /// # Errors
