@@ -5,6 +5,7 @@ mod bench;
 mod ci;
 mod fetch_model;
 mod gpu_test;
+mod tidy;
 mod util;
 
 use anyhow::{bail, Result};

@@ -1,0 +1,72 @@
+//! Tidy checks of the workspace's shape, run as tests (`cargo test -p xtask`, so `cargo xtask
+//! ci` runs them): the crate graph is the one docs/architecture.md draws, and nothing points up.
+
+#[cfg(test)]
+mod tests {
+    use crate::util::root;
+    use std::collections::BTreeSet;
+
+    /// The workspace crates each crate may depend on (normal dependencies), as
+    /// docs/architecture.md draws them. A new arrow changes this table and that drawing together.
+    const ALLOWED: [(&str, &[&str]); 6] = [
+        ("mesh", &[]),
+        ("collectives", &["mesh"]),
+        ("vmm", &[]),
+        ("layers", &["mesh", "collectives"]),
+        ("session", &["mesh", "collectives", "vmm", "layers"]),
+        ("cli", &["mesh", "collectives", "vmm", "layers", "session"]),
+    ];
+
+    /// The workspace crates named in the `[dependencies]` of `manifest` (the keys are the
+    /// crates' library names, `mesh.workspace = true`, as the workspace declares them).
+    fn workspace_deps(manifest: &str, workspace: &BTreeSet<&str>) -> BTreeSet<String> {
+        let mut deps = BTreeSet::new();
+        let mut in_deps = false;
+        for line in manifest.lines().map(str::trim) {
+            if line.starts_with('[') {
+                in_deps = line == "[dependencies]";
+                continue;
+            }
+            let key = line.split(['.', '=', ' ']).next().unwrap_or("");
+            if in_deps && workspace.contains(key) {
+                deps.insert(key.to_owned());
+            }
+        }
+        deps
+    }
+
+    #[test]
+    fn crates_depend_only_on_the_crates_below_them() {
+        let workspace: BTreeSet<&str> = ALLOWED.iter().map(|(c, _)| *c).collect();
+        let dirs: BTreeSet<String> = std::fs::read_dir(root().join("crates"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            dirs,
+            workspace.iter().map(|c| (*c).to_owned()).collect(),
+            "crates/ and this table disagree: a new crate needs its row (and docs/architecture.md)"
+        );
+        for (krate, allowed) in ALLOWED {
+            let path = root().join("crates").join(krate).join("Cargo.toml");
+            let manifest = std::fs::read_to_string(&path).unwrap();
+            let deps = workspace_deps(&manifest, &workspace);
+            let extra: Vec<&String> =
+                deps.iter().filter(|d| !allowed.contains(&d.as_str())).collect();
+            assert!(
+                extra.is_empty(),
+                "{krate} depends on {extra:?}, which docs/architecture.md puts above or beside it"
+            );
+        }
+    }
+
+    #[test]
+    fn the_reader_of_manifests_sees_workspace_dependencies_only() {
+        let workspace: BTreeSet<&str> = ["mesh", "layers"].into();
+        let manifest =
+            "[package]\nname = \"x\"\n[dependencies]\nmesh.workspace = true\nserde = \"1\"\n\
+                        layers = { workspace = true }\n[dev-dependencies]\nvmm.workspace = true\n";
+        let deps = workspace_deps(manifest, &workspace);
+        assert_eq!(deps, ["layers".to_owned(), "mesh".to_owned()].into());
+    }
+}
