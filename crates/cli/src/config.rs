@@ -358,5 +358,138 @@ impl Config {
     }
 }
 
+/// What the command line says about a launch (`tpctl run` and `tpctl serve` alike); `None`
+/// leaves the setting to the config file, then to the default.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LaunchFlags {
+    /// `--tp`.
+    pub tp: Option<usize>,
+    /// `--cp`.
+    pub cp: Option<usize>,
+    /// `--model`.
+    pub model: Option<String>,
+    /// `--threads`.
+    pub threads: Option<usize>,
+    /// `--max-model-len`.
+    pub max_model_len: Option<u32>,
+    /// `--device`.
+    pub device: Option<ComputeDevice>,
+    /// `--dtype`.
+    pub dtype: Option<ComputeDtype>,
+    /// `--backend` (every axis).
+    pub backend: Option<mesh::Backend>,
+    /// `--nnodes`.
+    pub nnodes: usize,
+    /// `--node-rank`.
+    pub node_rank: usize,
+}
+
+/// A launch's settings, resolved: flags over the config file over the defaults, and checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchSettings {
+    /// Tensor-parallel ranks.
+    pub tp: usize,
+    /// Context-parallel ranks.
+    pub cp: usize,
+    /// Rank processes on this node.
+    pub nproc: usize,
+    /// The model as given (a path, catalog name or Hugging Face id), not resolved yet.
+    pub model: String,
+    /// The backend of the TP, CP and control axes.
+    pub backends: [mesh::Backend; 3],
+    /// Compute threads per rank.
+    pub threads: usize,
+    /// Tokens of one sequence (its KV cache).
+    pub kv_cache_tokens: usize,
+    /// Where the kernels run.
+    pub device: ComputeDevice,
+    /// Element type of the weights on a GPU.
+    pub dtype: ComputeDtype,
+}
+
+impl Config {
+    /// The launch `flags` ask for on a machine with `cores` cores, this config filling what
+    /// they leave out; `cuda_built` says whether this tpctl has the CUDA backends.
+    ///
+    /// # Errors
+    /// A layout of zero ranks, a node rank outside `--nnodes`, ranks that do not split over
+    /// the nodes, NCCL or `--device cuda` without CUDA, half precision on the CPU.
+    pub fn launch(
+        &self,
+        flags: &LaunchFlags,
+        cores: usize,
+        cuda_built: bool,
+    ) -> Result<LaunchSettings> {
+        use anyhow::bail;
+        let tp = flags.tp.or(self.layout.tp).unwrap_or(1);
+        let cp = flags.cp.or(self.layout.cp).unwrap_or(1);
+        if tp == 0 || cp == 0 {
+            bail!("--tp and --cp must be at least 1");
+        }
+        let nnodes = flags.nnodes;
+        if nnodes == 0 || flags.node_rank >= nnodes {
+            bail!("--node-rank {} is not below --nnodes {nnodes}", flags.node_rank);
+        }
+        let world = tp * cp;
+        if !world.is_multiple_of(nnodes) {
+            bail!("tp x cp = {world} ranks do not split evenly over --nnodes {nnodes}");
+        }
+        let nproc = world / nnodes;
+        let backends = match flags.backend {
+            // NCCL carries data only: the control axis (step agreement) stays on the host.
+            Some(mesh::Backend::Nccl) => {
+                let control = if nnodes > 1 { mesh::Backend::Tcp } else { mesh::Backend::Shm };
+                [mesh::Backend::Nccl, mesh::Backend::Nccl, control]
+            }
+            Some(b) => [b, b, b],
+            // Across nodes shared memory cannot carry an axis: TCP everywhere.
+            None if nnodes > 1 => [mesh::Backend::Tcp; 3],
+            None => {
+                let b = &self.layout.backends;
+                [b.tp, b.cp, b.control]
+            }
+        };
+        if backends.contains(&mesh::Backend::Nccl) && !cuda_built {
+            bail!(
+                "the nccl backend: this tpctl was built without CUDA; build it with \
+                 `cargo build --release -p tpctl --features cuda`"
+            );
+        }
+        let threads = flags.threads.unwrap_or(if self.runtime.threads > 0 {
+            self.runtime.threads
+        } else {
+            (cores / nproc).max(1)
+        });
+        let device = flags.device.unwrap_or(self.runtime.device);
+        if device == ComputeDevice::Cuda && !cuda_built {
+            bail!(
+                "--device cuda (or [runtime] device = \"cuda\"): this tpctl was built without \
+                 CUDA; build it with `cargo build --release -p tpctl --features cuda`"
+            );
+        }
+        let dtype = flags.dtype.unwrap_or(self.runtime.dtype);
+        if dtype != ComputeDtype::F32 && device != ComputeDevice::Cuda {
+            bail!(
+                "--dtype {} (or [runtime] dtype): the CPU kernels compute in f32; half \
+                 precision needs --device cuda",
+                layers::kernels::GemmDtype::from(dtype).name()
+            );
+        }
+        Ok(LaunchSettings {
+            tp,
+            cp,
+            nproc,
+            model: flags.model.clone().unwrap_or_else(|| self.model.name.clone()),
+            backends,
+            threads,
+            kv_cache_tokens: flags
+                .max_model_len
+                .map_or(self.runtime.kv_cache_tokens, |n| n as usize),
+            device,
+            dtype,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests;

@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tpctl::config::{ComputeDevice, ComputeDtype, Config, WeightsForm};
+use tpctl::config::{ComputeDevice, ComputeDtype, Config, LaunchFlags, WeightsForm};
 use tpctl::control::{self, paths, render};
 use tpctl::launcher::{self, Launch, Outcome};
 use tpctl::spec::{OutputFormat, PromptSpec, RankSpec, Sampling, ServeSpec};
@@ -102,8 +102,9 @@ enum Command {
     Rank,
 }
 
+/// What `tpctl run` and `tpctl serve` share: the model, the layout, the nodes, the runtime.
 #[derive(Args, Debug)]
-struct RunArgs {
+struct LaunchArgs {
     /// Config file (TOML, see examples/); flags override it.
     config: Option<PathBuf>,
     /// Tensor-parallel ranks (split heads and MLP).
@@ -112,10 +113,60 @@ struct RunArgs {
     /// Context-parallel ranks (split tokens and the KV cache).
     #[arg(long)]
     cp: Option<usize>,
-    /// Catalog name, path of a GGUF file, or a Hugging Face folder (config.json, *.safetensors
-    /// in F32/F16/BF16, tokenizer.json)
+    /// Catalog name, path of a GGUF file (the first part of a split one), a Hugging Face
+    /// folder (config.json, *.safetensors in F32/F16/BF16, tokenizer.json), or a Hugging Face
+    /// id (org/name) in the local Hugging Face cache
     #[arg(long)]
     model: Option<String>,
+    /// Compute threads per rank (default: cores / ranks on this node).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// The most tokens of one sequence, prompt and generated (vLLM's name; default:
+    /// [runtime] kv_cache_tokens, else 4096): each sequence's KV cache is sized for it.
+    #[arg(long, value_name = "TOKENS", value_parser = clap::value_parser!(u32).range(1..))]
+    max_model_len: Option<u32>,
+    /// Where the kernels run (default: [runtime] device, else cpu); cuda needs a build with
+    /// `--features cuda` and puts each rank on the GPU of its LOCAL_RANK.
+    #[arg(long, value_enum)]
+    device: Option<ComputeDevice>,
+    /// Element type of the weight matrices on the GPU (default: [runtime] dtype, else f32);
+    /// bf16 and f16 halve their device memory and need --device cuda.
+    #[arg(long, value_enum)]
+    dtype: Option<ComputeDtype>,
+    /// Backend of every axis: shm (one host), tcp (any hosts) or nccl (GPUs; the control
+    /// axis then stays on shm or tcp).
+    #[arg(long)]
+    backend: Option<mesh::Backend>,
+    #[command(flatten)]
+    nodes: NodeArgs,
+    /// The deployment's name, for `tpctl sleep / wakeup / status / stop --deployment NAME`
+    /// (default: tpctl-PID, unique to this launch).
+    #[arg(long, value_name = "NAME")]
+    deployment: Option<String>,
+}
+
+impl LaunchArgs {
+    /// The flags the config file's settings give way to.
+    fn flags(&self) -> LaunchFlags {
+        LaunchFlags {
+            tp: self.tp,
+            cp: self.cp,
+            model: self.model.clone(),
+            threads: self.threads,
+            max_model_len: self.max_model_len,
+            device: self.device,
+            dtype: self.dtype,
+            backend: self.backend,
+            nnodes: self.nodes.nnodes,
+            node_rank: self.nodes.node_rank,
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+struct RunArgs {
+    #[command(flatten)]
+    launch: LaunchArgs,
     /// A prompt (repeat for a batch). Without any, prompts are read from standard input
     /// (one per line) when it is not a terminal; with none there either, a demo prompt runs.
     #[arg(long = "prompt")]
@@ -147,31 +198,6 @@ struct RunArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     output: OutputFormat,
-    /// Compute threads per rank (default: cores / ranks on this node).
-    #[arg(long)]
-    threads: Option<usize>,
-    /// The most tokens of one sequence, prompt and generated (vLLM's name; default:
-    /// [runtime] kv_cache_tokens, else 4096): each sequence's KV cache is sized for it.
-    #[arg(long, value_name = "TOKENS", value_parser = clap::value_parser!(u32).range(1..))]
-    max_model_len: Option<u32>,
-    /// Where the kernels run (default: [runtime] device, else cpu); cuda needs a build with
-    /// `--features cuda` and puts each rank on the GPU of its LOCAL_RANK.
-    #[arg(long, value_enum)]
-    device: Option<ComputeDevice>,
-    /// Element type of the weight matrices on the GPU (default: [runtime] dtype, else f32);
-    /// bf16 and f16 halve their device memory and need --device cuda.
-    #[arg(long, value_enum)]
-    dtype: Option<ComputeDtype>,
-    /// Backend of every axis: shm (one host), tcp (any hosts) or nccl (GPUs; the control
-    /// axis then stays on shm or tcp).
-    #[arg(long)]
-    backend: Option<mesh::Backend>,
-    #[command(flatten)]
-    nodes: NodeArgs,
-    /// The deployment's name, for `tpctl sleep / wakeup / status / stop --deployment NAME`
-    /// (default: tpctl-PID, unique to this launch).
-    #[arg(long, value_name = "NAME")]
-    deployment: Option<String>,
 }
 
 /// Where this launcher's ranks sit in a job of several nodes (torchrun conventions). Inside
@@ -194,37 +220,8 @@ struct NodeArgs {
 
 #[derive(Args, Debug)]
 struct ServeArgs {
-    /// Config file (TOML, see examples/); flags override it.
-    config: Option<PathBuf>,
-    /// Tensor-parallel ranks (split heads and MLP).
-    #[arg(long)]
-    tp: Option<usize>,
-    /// Context-parallel ranks (split tokens and the KV cache).
-    #[arg(long)]
-    cp: Option<usize>,
-    /// Catalog name, path of a GGUF file, or a Hugging Face folder (config.json, *.safetensors
-    /// in F32/F16/BF16, tokenizer.json)
-    #[arg(long)]
-    model: Option<String>,
-    /// Compute threads per rank (default: cores / ranks on this node).
-    #[arg(long)]
-    threads: Option<usize>,
-    /// The most tokens of one sequence, prompt and generated (vLLM's name; default:
-    /// [runtime] kv_cache_tokens, else 4096): each sequence's KV cache is sized for it.
-    #[arg(long, value_name = "TOKENS", value_parser = clap::value_parser!(u32).range(1..))]
-    max_model_len: Option<u32>,
-    /// Where the kernels run (default: [runtime] device, else cpu); cuda needs a build with
-    /// `--features cuda` and puts each rank on the GPU of its LOCAL_RANK.
-    #[arg(long, value_enum)]
-    device: Option<ComputeDevice>,
-    /// Element type of the weight matrices on the GPU (default: [runtime] dtype, else f32);
-    /// bf16 and f16 halve their device memory and need --device cuda.
-    #[arg(long, value_enum)]
-    dtype: Option<ComputeDtype>,
-    /// Backend of every axis: shm (one host), tcp (any hosts) or nccl (GPUs; the control
-    /// axis then stays on shm or tcp).
-    #[arg(long)]
-    backend: Option<mesh::Backend>,
+    #[command(flatten)]
+    launch: LaunchArgs,
     /// Address of the HTTP API (default 127.0.0.1:8000, or [server] listen; port 0 picks a
     /// free one). Beyond loopback it needs an API key.
     #[arg(long, conflicts_with_all = ["host", "port"])]
@@ -243,12 +240,6 @@ struct ServeArgs {
     /// `--model` as given, or the config's.
     #[arg(long, value_name = "NAME")]
     served_model_name: Option<String>,
-    #[command(flatten)]
-    nodes: NodeArgs,
-    /// The deployment's name, for `tpctl sleep / wakeup / status / stop --deployment NAME`
-    /// (default: tpctl-PID, unique to this launch).
-    #[arg(long, value_name = "NAME")]
-    deployment: Option<String>,
 }
 
 /// Which deployment a control command talks to, and how.
@@ -584,7 +575,7 @@ fn prompts_shown(args: &RunArgs, quiet: bool) -> Result<Vec<PromptSpec>> {
 
 /// `tpctl serve`: `run`'s launch with rank 0 serving HTTP instead of running prompts.
 fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
-    let config = match &args.config {
+    let config = match &args.launch.config {
         Some(path) => Config::load(path)?,
         None => Config::default(),
     };
@@ -595,7 +586,7 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
     };
     let api_key = args.api_key.or(config.server.api_key).filter(|k| !k.is_empty());
     let refuse_while_asleep = config.server.refuse_while_asleep;
-    let has_config = args.config.is_some();
+    let has_config = args.launch.config.is_some();
     let asleep_wait_s = config.server.asleep_wait_timeout;
     if !(asleep_wait_s.is_finite() && asleep_wait_s >= 0.0) {
         bail!("[server] asleep_wait_timeout = {asleep_wait_s}: expected seconds, 0 or more");
@@ -603,12 +594,9 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
     tpctl::serve::check_listen(&listen, api_key.is_some())?;
     // The name the API knows the model by: the catalog name or the path, as given.
     let model_name =
-        args.served_model_name.or_else(|| args.model.clone()).unwrap_or(config.model.name);
+        args.served_model_name.or_else(|| args.launch.model.clone()).unwrap_or(config.model.name);
     let job = RunArgs {
-        config: args.config,
-        tp: args.tp,
-        cp: args.cp,
-        model: args.model,
+        launch: args.launch,
         prompts: Vec::new(),
         prompt_ids: Vec::new(),
         prompt_file: None,
@@ -619,13 +607,6 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
         seed: None,
         chat: false,
         output: OutputFormat::Text,
-        threads: args.threads,
-        max_model_len: args.max_model_len,
-        device: args.device,
-        dtype: args.dtype,
-        backend: args.backend,
-        nodes: args.nodes,
-        deployment: args.deployment,
     };
     let asleep_wait_ms = (asleep_wait_s * 1000.0).min(u64::MAX as f64) as u64;
     // A config file's [sampling] gives the defaults of requests that leave fields out.
@@ -682,84 +663,33 @@ fn join_host_port(listen: &str, host: Option<String>, port: Option<u16>) -> Resu
 
 /// Launches the job; with `serve` (which names the model for the API) rank 0 serves HTTP.
 fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Result<i32> {
-    let config = match &args.config {
+    let config = match &args.launch.config {
         Some(path) => Config::load(path)?,
         None => Config::default(),
     };
-    let tp = args.tp.or(config.layout.tp).unwrap_or(1);
-    let cp = args.cp.or(config.layout.cp).unwrap_or(1);
-    if tp == 0 || cp == 0 {
-        bail!("--tp and --cp must be at least 1");
-    }
-    if args.nodes.nnodes == 0 || args.nodes.node_rank >= args.nodes.nnodes {
-        bail!("--node-rank {} is not below --nnodes {}", args.nodes.node_rank, args.nodes.nnodes);
-    }
-    let world = tp * cp;
-    if !world.is_multiple_of(args.nodes.nnodes) {
-        bail!("tp x cp = {world} ranks do not split evenly over --nnodes {}", args.nodes.nnodes);
-    }
-    let nproc = world / args.nodes.nnodes;
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let settings = config.launch(&args.launch.flags(), cores, cfg!(feature = "cuda"))?;
+    let nodes = &args.launch.nodes;
     // Rank 0, which serves the socket, runs on node 0.
     let (deployment, socket) =
-        control_socket(args.deployment.as_deref(), args.nodes.node_rank == 0)?;
-    let model_arg = args.model.clone().unwrap_or_else(|| config.model.name.clone());
-    let model = match layers::catalog::entry(&model_arg) {
-        Some(entry) if !std::path::Path::new(&model_arg).exists() => fetch_with_progress(entry)?,
-        _ => layers::catalog::resolve(&model_arg, true)?,
-    };
-    check_layout(&model, tp)?;
-    let backends = match args.backend {
-        // NCCL carries data only: the control axis (step agreement) stays on the host.
-        Some(mesh::Backend::Nccl) => {
-            let control = if args.nodes.nnodes > 1 { "tcp" } else { "shm" };
-            ["nccl".to_owned(), "nccl".to_owned(), control.to_owned()]
+        control_socket(args.launch.deployment.as_deref(), nodes.node_rank == 0)?;
+    let model = match layers::catalog::entry(&settings.model) {
+        Some(entry) if !std::path::Path::new(&settings.model).exists() => {
+            fetch_with_progress(entry)?
         }
-        Some(b) => [b.to_string(), b.to_string(), b.to_string()],
-        None => {
-            let b = &config.layout.backends;
-            let default_all = args.nodes.nnodes > 1;
-            let pick =
-                |x: mesh::Backend| if default_all { "tcp".to_owned() } else { x.to_string() };
-            [pick(b.tp), pick(b.cp), pick(b.control)]
-        }
+        _ => layers::catalog::resolve(&settings.model, true)?,
     };
-    if backends.iter().any(|b| b == "nccl") && !cfg!(feature = "cuda") {
-        bail!(
-            "the nccl backend: this tpctl was built without CUDA; build it with \
-             `cargo build --release -p tpctl --features cuda`"
-        );
-    }
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    let threads = args.threads.unwrap_or(if config.runtime.threads > 0 {
-        config.runtime.threads
-    } else {
-        (cores / nproc).max(1)
-    });
+    check_layout(&model, settings.tp)?;
     let s = &config.sampling;
-    let device = args.device.unwrap_or(config.runtime.device);
-    if device == ComputeDevice::Cuda && !cfg!(feature = "cuda") {
-        bail!(
-            "--device cuda (or [runtime] device = \"cuda\"): this tpctl was built without CUDA; \
-             build it with `cargo build --release -p tpctl --features cuda`"
-        );
-    }
-    let dtype = args.dtype.unwrap_or(config.runtime.dtype);
-    if dtype != ComputeDtype::F32 && device != ComputeDevice::Cuda {
-        bail!(
-            "--dtype {} (or [runtime] dtype): the CPU kernels compute in f32; half precision \
-             needs --device cuda",
-            layers::kernels::GemmDtype::from(dtype).name()
-        );
-    }
     let serve = serve.map(|spec| with_generation_defaults(spec, &model)).transpose()?;
     let spec = RankSpec {
         model,
-        tp,
-        cp,
-        backends,
-        threads,
+        tp: settings.tp,
+        cp: settings.cp,
+        backends: settings.backends.map(|b| b.to_string()),
+        threads: settings.threads,
         native_weights: config.model.weights == WeightsForm::Native,
-        kv_cache_tokens: args.max_model_len.map_or(config.runtime.kv_cache_tokens, |n| n as usize),
+        kv_cache_tokens: settings.kv_cache_tokens,
         timeout_s: config.runtime.timeout_s,
         prompts: if serve.is_none() { prompts_shown(&args, quiet)? } else { Vec::new() },
         sampling: Sampling {
@@ -772,13 +702,13 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         output: args.output,
         serve,
         sleep: config.sleep.clone(),
-        device,
-        dtype,
+        device: settings.device,
+        dtype: settings.dtype,
         control_socket: Some(socket.clone()),
     };
-    let master_port = match args.nodes.master_port {
+    let master_port = match nodes.master_port {
         Some(p) => p,
-        None if args.nodes.nnodes == 1 => free_port()?,
+        None if nodes.nnodes == 1 => free_port()?,
         None => bail!("--master-port is needed with --nnodes > 1"),
     };
     let mut env = vec![(tpctl::spec::ENV.to_owned(), serde_json::to_string(&spec)?)];
@@ -790,15 +720,15 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
     let launch = Launch {
         program: std::env::current_exe().context("finding the tpctl executable")?,
         args: vec!["__rank".into()],
-        nproc_per_node: nproc,
-        nnodes: args.nodes.nnodes,
-        node_rank: args.nodes.node_rank,
-        master_addr: args.nodes.master_addr.clone(),
+        nproc_per_node: settings.nproc,
+        nnodes: nodes.nnodes,
+        node_rank: nodes.node_rank,
+        master_addr: nodes.master_addr.clone(),
         master_port,
         env,
         grace: Duration::from_secs(5),
     };
-    if args.nodes.node_rank == 0 && !quiet {
+    if nodes.node_rank == 0 && !quiet {
         eprintln!("tpctl: deployment {deployment} (control socket {})", socket.display());
     }
     let interrupted = Arc::new(AtomicBool::new(false));

@@ -85,3 +85,66 @@ fn the_example_config_parses_with_every_key_it_shows() {
     assert_eq!(Config::parse(text, "t.toml").unwrap().server.asleep_wait_timeout, 2.5);
     assert_eq!(Config::default().server.asleep_wait_timeout, 60.0);
 }
+
+/// One node's flags with the given layout.
+fn flags(tp: Option<usize>, cp: Option<usize>) -> LaunchFlags {
+    LaunchFlags { tp, cp, nnodes: 1, ..LaunchFlags::default() }
+}
+
+#[test]
+fn launch_settings_take_flags_over_the_file_over_the_defaults() {
+    let none = Config::default().launch(&flags(None, None), 8, false).unwrap();
+    assert_eq!((none.tp, none.cp, none.nproc, none.threads), (1, 1, 1, 8));
+    assert_eq!(none.model, Config::default().model.name);
+    assert_eq!(none.kv_cache_tokens, 4096);
+    assert_eq!(none.backends, [mesh::Backend::Shm; 3]);
+    let file = Config::parse(
+        "[layout]\ntp = 2\ncp = 2\n[runtime]\nthreads = 3\nkv_cache_tokens = 512\n[model]\nname = \"m.gguf\"\n",
+        "launch.toml",
+    )
+    .unwrap();
+    let from_file = file.launch(&flags(None, None), 8, false).unwrap();
+    assert_eq!((from_file.tp, from_file.cp, from_file.nproc), (2, 2, 4));
+    assert_eq!((from_file.threads, from_file.kv_cache_tokens), (3, 512));
+    assert_eq!(from_file.model, "m.gguf");
+    let over = LaunchFlags {
+        tp: Some(4),
+        model: Some("x.gguf".into()),
+        threads: Some(1),
+        max_model_len: Some(64),
+        backend: Some(mesh::Backend::Tcp),
+        ..flags(None, Some(1))
+    };
+    let flagged = file.launch(&over, 8, false).unwrap();
+    assert_eq!((flagged.tp, flagged.cp, flagged.threads, flagged.kv_cache_tokens), (4, 1, 1, 64));
+    assert_eq!(flagged.model, "x.gguf");
+    assert_eq!(flagged.backends, [mesh::Backend::Tcp; 3]);
+    // Threads default to the cores over this node's ranks.
+    let split = Config::default().launch(&flags(Some(2), Some(2)), 8, false).unwrap();
+    assert_eq!(split.threads, 2);
+    // Two nodes: half the ranks each, TCP on every axis unless told.
+    let two = LaunchFlags { nnodes: 2, node_rank: 1, ..flags(Some(4), None) };
+    let two = Config::default().launch(&two, 8, false).unwrap();
+    assert_eq!((two.nproc, two.backends), (2, [mesh::Backend::Tcp; 3]));
+    // NCCL keeps the control axis on the host.
+    let nccl = LaunchFlags { backend: Some(mesh::Backend::Nccl), ..flags(Some(2), None) };
+    let nccl = Config::default().launch(&nccl, 8, true).unwrap();
+    assert_eq!(nccl.backends, [mesh::Backend::Nccl, mesh::Backend::Nccl, mesh::Backend::Shm]);
+}
+
+#[test]
+fn launch_settings_refuse_what_cannot_run() {
+    let cfg = Config::default();
+    let err = |f: LaunchFlags, cuda: bool| cfg.launch(&f, 8, cuda).unwrap_err().to_string();
+    assert_eq!(err(flags(Some(0), None), false), "--tp and --cp must be at least 1");
+    let outside = LaunchFlags { nnodes: 2, node_rank: 2, ..flags(Some(2), None) };
+    assert_eq!(err(outside, false), "--node-rank 2 is not below --nnodes 2");
+    let uneven = LaunchFlags { nnodes: 2, ..flags(Some(3), None) };
+    assert!(err(uneven, false).contains("3 ranks do not split evenly over --nnodes 2"));
+    let nccl = LaunchFlags { backend: Some(mesh::Backend::Nccl), ..flags(None, None) };
+    assert!(err(nccl, false).contains("built without CUDA"));
+    let gpu = LaunchFlags { device: Some(ComputeDevice::Cuda), ..flags(None, None) };
+    assert!(err(gpu, false).contains("--device cuda"));
+    let half = LaunchFlags { dtype: Some(ComputeDtype::Bf16), ..flags(None, None) };
+    assert!(err(half, true).contains("half precision needs --device cuda"));
+}
