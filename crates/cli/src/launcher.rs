@@ -52,6 +52,8 @@ pub struct Launch {
     pub master_port: u16,
     /// Extra environment for every rank.
     pub env: Vec<(String, String)>,
+    /// Extra environment for global rank 0 alone (a secret only it needs: the API key).
+    pub rank0_env: Vec<(String, String)>,
     /// Time ranks get to stop after SIGINT or SIGTERM before SIGKILL.
     pub grace: Duration,
 }
@@ -191,10 +193,15 @@ pub fn launch(spec: &Launch, interrupted: &AtomicBool) -> Result<Outcome> {
             .env("MASTER_PORT", spec.master_port.to_string())
             .env("TPCTL_LAUNCHER_PID", std::process::id().to_string())
             .envs(spec.env.iter().map(|(k, v)| (k, v)))
+            // The launcher's own API key variable is not every rank's business.
+            .env_remove(crate::spec::API_KEY_ENV)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0);
+        if rank == 0 {
+            cmd.envs(spec.rank0_env.iter().map(|(k, v)| (k, v)));
+        }
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {

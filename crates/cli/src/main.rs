@@ -234,7 +234,7 @@ struct ServeArgs {
     #[arg(long)]
     port: Option<u16>,
     /// Require `Authorization: Bearer KEY` on every request but /health.
-    #[arg(long, env = "TPCTL_API_KEY", hide_env_values = true)]
+    #[arg(long, env = tpctl::spec::API_KEY_ENV, hide_env_values = true)]
     api_key: Option<String>,
     /// The model's name in the API (`/v1/models`, requests' `model` field); default: the
     /// `--model` as given, or the config's.
@@ -711,6 +711,8 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         None if nodes.nnodes == 1 => free_port()?,
         None => bail!("--master-port is needed with --nnodes > 1"),
     };
+    // The spec (every rank's) leaves the API key out; rank 0 alone gets it (`rank0_env`).
+    let api_key = spec.serve.as_ref().and_then(|s| s.api_key.clone());
     let mut env = vec![(tpctl::spec::ENV.to_owned(), serde_json::to_string(&spec)?)];
     if std::env::var_os("RUST_LOG").is_none() {
         let level =
@@ -726,6 +728,10 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         master_addr: nodes.master_addr.clone(),
         master_port,
         env,
+        rank0_env: api_key
+            .map(|k| (tpctl::spec::RANK0_API_KEY_ENV.to_owned(), k))
+            .into_iter()
+            .collect(),
         grace: Duration::from_secs(5),
     };
     if nodes.node_rank == 0 && !quiet {

@@ -89,12 +89,22 @@ pub struct RankSpec {
     pub dtype: ComputeDtype,
 }
 
+/// The API key's variable for the launcher (`--api-key`'s `env`): removed from the ranks'
+/// environment.
+pub const API_KEY_ENV: &str = "TPCTL_API_KEY";
+
+/// Where rank 0 alone finds the API key (see [`ServeSpec::api_key`]).
+pub const RANK0_API_KEY_ENV: &str = "TPCTL_RANK0_API_KEY";
+
 /// What rank 0 of `tpctl serve` needs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServeSpec {
     /// Address of the HTTP API (`127.0.0.1:0` picks a free port).
     pub listen: String,
-    /// Required as `Authorization: Bearer KEY` on every request but `/health` when set.
+    /// Required as `Authorization: Bearer KEY` on every request but `/health` when set. Never
+    /// in `TPCTL_RANK_SPEC` (every rank reads that): the launcher hands it to rank 0 alone in
+    /// [`RANK0_API_KEY_ENV`], and [`RankSpec::from_env`] puts it back here on rank 0.
+    #[serde(skip)]
     pub api_key: Option<String>,
     /// The model's name in the API (`/v1/models`, the `model` field of requests).
     pub model_name: String,
@@ -158,6 +168,10 @@ impl RankSpec {
                 "{ENV} is not set: `tpctl __rank` is started by `tpctl run` or `tpctl serve`"
             )
         })?;
-        Ok(serde_json::from_str(&text)?)
+        let mut spec: RankSpec = serde_json::from_str(&text)?;
+        if let Some(serve) = &mut spec.serve {
+            serve.api_key = std::env::var(RANK0_API_KEY_ENV).ok().filter(|k| !k.is_empty());
+        }
+        Ok(spec)
     }
 }

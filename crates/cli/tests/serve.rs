@@ -505,7 +505,22 @@ fn serve_answers_like_run_and_stops_on_ctrl_c() {
 
 #[test]
 fn an_api_key_guards_every_route_but_health() {
-    let server = Server::start(model(), &["--api-key", "s3cret"]);
+    let server = Server::start(model(), &["--api-key", "s3cret", "--tp", "2"]);
+    // Only rank 0 holds the key: not the other rank, not the spec every rank reads.
+    let environ = |pid: &u32| std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    let holders: Vec<Vec<u8>> = common::leftovers(&server.mark)
+        .iter()
+        .map(environ)
+        .filter(|env| env.split(|&b| b == 0).any(|kv| kv.starts_with(b"TPCTL_RANK_SPEC=")))
+        .collect();
+    assert_eq!(holders.len(), 2, "two rank processes");
+    let has = |env: &Vec<u8>, what: &[u8]| env.windows(what.len()).any(|w| w == what);
+    let keyed = holders.iter().filter(|env| has(env, b"TPCTL_RANK0_API_KEY=s3cret")).count();
+    assert_eq!(keyed, 1, "the key reaches rank 0 alone");
+    for env in &holders {
+        let spec = env.split(|&b| b == 0).find(|kv| kv.starts_with(b"TPCTL_RANK_SPEC=")).unwrap();
+        assert!(!has(&spec.to_vec(), b"s3cret"), "the key is in the rank spec");
+    }
     let models =
         |headers: &[(&str, &str)]| request(&server.addr, "GET", "/v1/models", headers, None);
     assert_error(&models(&[]), 401, "invalid_api_key");

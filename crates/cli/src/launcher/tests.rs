@@ -12,6 +12,7 @@ fn spec(script: &str, nproc: usize) -> Launch {
         master_addr: "127.0.0.1".into(),
         master_port: 29_500,
         env: vec![("EXTRA".into(), "yes".into())],
+        rank0_env: Vec::new(),
         grace: Duration::from_millis(300),
     }
 }
