@@ -340,6 +340,14 @@ fn completion(p: &str, max_tokens: u32) -> Value {
     json!({"prompt": prompt_ids(p), "max_tokens": max_tokens, "temperature": 0})
 }
 
+/// `body` with the fields of `extra` set (added or replaced).
+fn with(mut body: Value, extra: &Value) -> Value {
+    for (k, v) in extra.as_object().expect("extra fields are an object") {
+        body[k] = v.clone();
+    }
+    body
+}
+
 /// The value of the metric line `name` (with labels) in a Prometheus text body.
 fn metric(text: &str, name: &str) -> f64 {
     text.lines()
@@ -1226,13 +1234,7 @@ fn a_weight_update_serves_the_new_checkpoint_like_a_fresh_start() {
 #[test]
 fn sampling_fields_apply_and_unsupported_ones_are_refused() {
     let server = Server::start(model(), &[]);
-    let ask = |extra: Value| {
-        let mut body = completion("1,2", 4);
-        for (k, v) in extra.as_object().unwrap() {
-            body[k] = v.clone();
-        }
-        server.post("/v1/completions", &body)
-    };
+    let ask = |extra: Value| server.post("/v1/completions", &with(completion("1,2", 4), &extra));
     // A large bias decides every greedy step; penalties and min_p are accepted.
     let reply = ask(json!({"logit_bias": {"7": 100}}));
     assert_eq!(reply.status, 200, "{reply:?}");
@@ -1281,11 +1283,7 @@ fn logprobs_are_the_models_distribution_in_every_answer_shape() {
     spec.write(&path).expect("write the model");
     let server = Server::start(path.to_str().unwrap(), &[]);
     let ask = |extra: Value| {
-        let mut body = completion("1,2,3", MAX);
-        for (k, v) in extra.as_object().unwrap() {
-            body[k] = v.clone();
-        }
-        let reply = server.post("/v1/completions", &body);
+        let reply = server.post("/v1/completions", &with(completion("1,2,3", MAX), &extra));
         assert_eq!(reply.status, 200, "{reply:?}");
         reply
     };
@@ -1397,11 +1395,7 @@ fn n_choices_and_echo() {
     const MAX: u32 = 6;
     let server = Server::start(model(), &[]);
     let ask = |extra: Value| {
-        let mut body = completion("1,2,3", MAX);
-        for (k, v) in extra.as_object().unwrap() {
-            body[k] = v.clone();
-        }
-        let reply = server.post("/v1/completions", &body);
+        let reply = server.post("/v1/completions", &with(completion("1,2,3", MAX), &extra));
         assert_eq!(reply.status, 200, "{reply:?}");
         reply
     };
