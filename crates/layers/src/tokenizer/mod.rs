@@ -1,24 +1,61 @@
-//! The tokenizer stored in GGUF metadata: byte-level BPE (`tokenizer.ggml.model` = `gpt2`)
-//! rebuilt with the `tokenizers` crate, plus the special ids and the chat template.
+//! The tokenizer stored in GGUF metadata, giving llama.cpp's ids: byte-level BPE
+//! (`tokenizer.ggml.model` = `gpt2`) rebuilt with the `tokenizers` crate behind the
+//! pre-tokenizer llama.cpp runs for the file's `tokenizer.ggml.pre` tag ([`pre`]), or
+//! SentencePiece (`llama`) merged by score as llama.cpp does ([`spm`]); or a Hugging Face
+//! `tokenizer.json`. Plus the special ids and the chat template.
 //!
-//! The pre-tokenizer is `Sequence[Digits(individual_digits), ByteLevel(no prefix space,
-//! GPT-2 regex)]` and the decoder is ByteLevel: with the `smollm` pre-tokenizer tag this gives
-//! exactly llama.cpp's ids. Control and user-defined tokens (`token_type` 3 and 4) are added
-//! as special tokens, so `<|im_start|>` in text encodes to its single id.
+//! Control, user-defined and unknown tokens (`token_type` 3, 4 and 2) written in text are
+//! encoded as their single ids (`<|im_start|>`), found as llama.cpp finds them ([`special`]).
+
+mod pre;
+mod special;
+mod spm;
 
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
+use special::{Fragment, Specials};
+use spm::Spm;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{Vocab, BPE};
-use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::pre_tokenizers::digits::Digits;
-use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::{AddedToken, PreTokenizerWrapper};
+use tokenizers::AddedToken;
 
-/// GGUF `token_type` of control tokens (`<|im_start|>`, `<|endoftext|>`).
-const TOKEN_TYPE_CONTROL: i64 = 3;
-/// GGUF `token_type` of user-defined tokens.
-const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+/// What a GGUF `token_type` says of a token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// 1: an ordinary piece.
+    Normal,
+    /// 2: the unknown token.
+    Unknown,
+    /// 3: a control token (`<s>`, `<|im_start|>`).
+    Control,
+    /// 4: a user-defined token, kept whole in text and always shown.
+    UserDefined,
+    /// 5: an unused slot.
+    Unused,
+    /// 6: a byte token `<0xNN>` (SentencePiece's byte fallback).
+    Byte,
+    /// 0 or any other value.
+    Undefined,
+}
+
+impl Kind {
+    fn from_gguf(t: i64) -> Kind {
+        match t {
+            1 => Kind::Normal,
+            2 => Kind::Unknown,
+            3 => Kind::Control,
+            4 => Kind::UserDefined,
+            5 => Kind::Unused,
+            6 => Kind::Byte,
+            _ => Kind::Undefined,
+        }
+    }
+
+    /// Whether llama.cpp keeps the token whole when it is written in text.
+    fn is_special(self) -> bool {
+        matches!(self, Kind::Control | Kind::UserDefined | Kind::Unknown)
+    }
+}
 
 /// One message of a chat, as chat templates see it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -37,28 +74,46 @@ impl ChatMessage {
 }
 
 /// One sequence's incremental decoding state (see [`Tokenizer::decode_next`]): the ids
-/// whose text is not settled yet and the text they decode to.
+/// whose text is not settled yet and the text they decode to, or for SentencePiece the bytes
+/// of an unfinished character.
 #[derive(Clone, Debug, Default)]
 pub struct TextStream {
     ids: Vec<u32>,
     prefix: String,
     prefix_index: usize,
+    bytes: Vec<u8>,
 }
 
-/// A byte-level BPE tokenizer with its special ids and chat template.
+/// A tokenizer with its special ids and chat template.
 #[derive(Clone, Debug)]
 pub struct Tokenizer {
+    /// The `tokenizers` tokenizer: all of the work for a Hugging Face folder; for GGUF
+    /// byte-level BPE the encoding of text between special tokens, and the decoding; for
+    /// SentencePiece only [`Tokenizer::inner`] (Hugging Face's equivalent).
     inner: tokenizers::Tokenizer,
+    codec: Codec,
     bos: Option<u32>,
     eos: Option<u32>,
     /// Other ids that end a generation: GGUF's end-of-turn token, a Hugging Face folder's
     /// `generation_config.json` `eos_token_id` list.
     more_eos: Vec<u32>,
     add_bos: bool,
+    add_eos: bool,
     /// Let the tokenizer's own post-processor add special tokens (Hugging Face
     /// `tokenizer.json`); GGUF tokenizers add BOS by `add_bos` instead.
     post_process: bool,
     chat_template: Option<String>,
+}
+
+/// How text becomes ids and back.
+#[derive(Clone, Debug)]
+enum Codec {
+    /// A Hugging Face `tokenizer.json`: `inner` does everything.
+    HuggingFace,
+    /// GGUF byte-level BPE: special tokens are cut out of the text, `inner` does the rest.
+    Bpe(Specials),
+    /// GGUF SentencePiece: special tokens are cut out of the text, [`Spm`] does the rest.
+    Spm(Specials, Box<Spm>),
 }
 
 fn tok_err(e: impl std::fmt::Display) -> Error {
@@ -66,67 +121,69 @@ fn tok_err(e: impl std::fmt::Display) -> Error {
 }
 
 impl Tokenizer {
-    /// Builds the tokenizer from `tokenizer.ggml.*` metadata.
+    /// Builds the tokenizer from `tokenizer.ggml.*` metadata, to give the ids llama.cpp gives.
+    ///
+    /// `tokenizer.ggml.model` `gpt2` is byte-level BPE, split first by the regexes of
+    /// `tokenizer.ggml.pre` (`default` when absent); `llama` is SentencePiece, with
+    /// `tokenizer.ggml.scores`, byte fallback and `tokenizer.ggml.add_space_prefix` (default
+    /// true). BOS is added when `tokenizer.ggml.add_bos_token` says so, by default for
+    /// SentencePiece and the Llama 3 and Tekken pre-tokenizers; EOS when
+    /// `tokenizer.ggml.add_eos_token` says so. SentencePiece's BOS and EOS ids default to 1
+    /// and 2, as in llama.cpp.
     ///
     /// # Errors
-    /// [`Error::Metadata`] when a key is missing or mistyped, or the model is not `gpt2`
-    /// (byte-level BPE); [`Error::Tokenizer`] when the vocabulary and merges do not form a BPE.
+    /// [`Error::Metadata`] when a key is missing or mistyped, the model is neither `gpt2` nor
+    /// `llama`, or `tokenizer.ggml.pre` names no pre-tokenizer llama.cpp has (and this crate
+    /// knows); [`Error::Tokenizer`] when the vocabulary and merges do not form a BPE.
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let model = file.get_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(Error::metadata(
-                "tokenizer.ggml.model",
-                format!("`{model}` is not supported (gpt2 byte-level BPE is)"),
-            ));
-        }
         let tokens = string_array(file, "tokenizer.ggml.tokens")?;
-        let merges = string_array(file, "tokenizer.ggml.merges")?;
-        let merges = merges
-            .iter()
-            .enumerate()
-            .map(|(i, m)| {
-                m.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())).ok_or_else(|| {
-                    Error::metadata(
-                        "tokenizer.ggml.merges",
-                        format!("entry {i} `{m}` is not two tokens separated by a space"),
-                    )
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let vocab: Vocab =
-            tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
-        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(tok_err)?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        let pre = file.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
-        let byte_level = ByteLevel::new(false, false, true);
-        let pre_tokenizer: PreTokenizerWrapper = match pre {
-            // SmolLM (and StarCoder-style) tokenizers split digits one by one first.
-            "smollm" | "starcoder" | "refact" => {
-                Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
+        let kinds = token_kinds(file, tokens.len())?;
+        let specials = Specials::new(
+            tokens
+                .iter()
+                .zip(&kinds)
+                .enumerate()
+                .filter(|(_, (_, kind))| kind.is_special())
+                .map(|(id, (token, _))| ((*token).to_owned(), id as u32))
+                .collect(),
+        );
+        let flag = |key: &str| -> Result<Option<bool>> {
+            file.get(key)
+                .map(|v| v.as_bool().ok_or_else(|| Error::metadata(key, "expected a bool")))
+                .transpose()
+        };
+        let (inner, codec, add_bos, default_ids) = match model {
+            "gpt2" => {
+                let tag = match file.get("tokenizer.ggml.pre") {
+                    None => "default",
+                    Some(v) => v.as_str().ok_or_else(|| {
+                        Error::metadata("tokenizer.ggml.pre", "expected a string")
+                    })?,
+                };
+                let pre = pre::lookup(tag)?;
+                let inner = byte_level_bpe(file, &tokens, &kinds, pre)?;
+                (inner, Codec::Bpe(specials), pre.add_bos, [None, None])
+            }
+            "llama" => {
+                let scores = token_scores(file, tokens.len())?;
+                let pieces = tokens.iter().map(|t| (*t).to_owned()).collect();
+                let add_space_prefix = flag("tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
+                let spm = Spm::new(pieces, scores, kinds, add_space_prefix);
+                let inner = spm.hugging_face()?;
+                let default = |id: u32| ((id as usize) < tokens.len()).then_some(id);
+                (inner, Codec::Spm(specials, Box::new(spm)), true, [default(1), default(2)])
             }
             other => {
-                if other != "default" && other != "gpt2" {
-                    tracing::warn!(
-                        pre = other,
-                        "unknown tokenizer.ggml.pre, using the gpt-2 byte-level split"
-                    );
-                }
-                byte_level.into()
+                return Err(Error::metadata(
+                    "tokenizer.ggml.model",
+                    format!(
+                        "`{other}` is not supported (gpt2 byte-level BPE and llama \
+                         SentencePiece are)"
+                    ),
+                ))
             }
         };
-        inner.with_pre_tokenizer(Some(pre_tokenizer));
-        inner.with_decoder(Some(ByteLevelDecoder::default()));
-        if let Some(types) = file.get("tokenizer.ggml.token_type").and_then(|v| v.as_array()) {
-            let special: Vec<AddedToken> = types
-                .iter()
-                .zip(&tokens)
-                .filter(|(t, _)| {
-                    matches!(t.as_i64(), Some(TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED))
-                })
-                .map(|(_, tok)| AddedToken::from(tok.to_string(), true))
-                .collect();
-            inner.add_special_tokens(&special);
-        }
         let id = |key: &str| -> Result<Option<u32>> {
             match file.get(key) {
                 None => Ok(None),
@@ -136,15 +193,15 @@ impl Tokenizer {
                     .ok_or_else(|| Error::metadata(key, "expected a token id")),
             }
         };
+        let [default_bos, default_eos] = default_ids;
         Ok(Tokenizer {
             inner,
-            bos: id("tokenizer.ggml.bos_token_id")?,
-            eos: id("tokenizer.ggml.eos_token_id")?,
+            codec,
+            bos: id("tokenizer.ggml.bos_token_id")?.or(default_bos),
+            eos: id("tokenizer.ggml.eos_token_id")?.or(default_eos),
             more_eos: id("tokenizer.ggml.eot_token_id")?.into_iter().collect(),
-            add_bos: file
-                .get("tokenizer.ggml.add_bos_token")
-                .and_then(|v| v.as_bool())
-                .unwrap_or(false),
+            add_bos: flag("tokenizer.ggml.add_bos_token")?.unwrap_or(add_bos),
+            add_eos: flag("tokenizer.ggml.add_eos_token")?.unwrap_or(false),
             post_process: false,
             chat_template: file
                 .get("tokenizer.chat_template")
@@ -210,50 +267,123 @@ impl Tokenizer {
             eos: special("eos_token"),
             more_eos,
             inner,
+            codec: Codec::HuggingFace,
             add_bos: false,
+            add_eos: false,
             post_process: true,
             chat_template,
         })
     }
 
-    /// The underlying `tokenizers` tokenizer.
+    /// The underlying `tokenizers` tokenizer. For a SentencePiece GGUF it is a BPE built the
+    /// way Hugging Face converts such vocabularies, whose ids can differ from
+    /// [`Tokenizer::encode`]'s (llama.cpp's) where merge scores tie or a piece holds a
+    /// character that is no token by itself.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
 
     /// Token ids of `text`; special-token text (`<|im_start|>`) maps to its id. Prepends the
-    /// BOS id when the model asks for it (`tokenizer.ggml.add_bos_token`).
+    /// BOS id and appends the EOS id when the model asks for them
+    /// (`tokenizer.ggml.add_bos_token`, `tokenizer.ggml.add_eos_token`).
     ///
     /// # Errors
     /// [`Error::Tokenizer`] when encoding fails.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode_fast(text, self.post_process).map_err(tok_err)?;
-        let mut ids = Vec::with_capacity(enc.len() + 1);
+        let mut ids = Vec::with_capacity(text.len() / 3 + 2);
         if let (true, Some(bos)) = (self.add_bos, self.bos) {
             ids.push(bos);
         }
-        ids.extend_from_slice(enc.get_ids());
+        match &self.codec {
+            Codec::HuggingFace => {
+                let enc = self.inner.encode_fast(text, self.post_process).map_err(tok_err)?;
+                ids.extend_from_slice(enc.get_ids());
+            }
+            Codec::Bpe(specials) => {
+                for fragment in specials.split(text) {
+                    match fragment {
+                        Fragment::Text(text) => {
+                            let enc = self.inner.encode_fast(text, false).map_err(tok_err)?;
+                            ids.extend_from_slice(enc.get_ids());
+                        }
+                        Fragment::Token(id) => ids.push(id),
+                    }
+                }
+            }
+            Codec::Spm(specials, spm) => {
+                // A space goes in front of the text and after every special token.
+                let mut prefix = spm.add_space_prefix;
+                for fragment in specials.split(text) {
+                    match fragment {
+                        Fragment::Text(text) => {
+                            spm.encode(text, prefix, &mut ids)?;
+                            prefix = false;
+                        }
+                        Fragment::Token(id) => {
+                            ids.push(id);
+                            prefix = spm.add_space_prefix;
+                        }
+                    }
+                }
+            }
+        }
+        if let (true, Some(eos)) = (self.add_eos, self.eos) {
+            ids.push(eos);
+        }
         Ok(ids)
     }
 
-    /// The text of `ids`; special tokens are dropped when `skip_special`.
+    /// The text of `ids`; special tokens are dropped when `skip_special`. For SentencePiece,
+    /// as llama.cpp's `llama_detokenize`: the space put in front of the text is removed from
+    /// the first token, and with `skip_special` a leading BOS the model adds (and its space
+    /// kept) and a trailing EOS it adds are dropped.
     ///
     /// # Errors
     /// [`Error::Tokenizer`] when an id is unknown.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special).map_err(tok_err)
+        let Codec::Spm(_, spm) = &self.codec else {
+            return self.inner.decode(ids, skip_special).map_err(tok_err);
+        };
+        let mut ids = ids;
+        let mut strip_space = spm.add_space_prefix;
+        if skip_special && self.add_bos && self.bos.is_some() && ids.first() == self.bos.as_ref() {
+            ids = &ids[1..];
+            strip_space = false;
+        }
+        if skip_special && self.add_eos && self.eos.is_some() && ids.last() == self.eos.as_ref() {
+            ids = &ids[..ids.len() - 1];
+        }
+        let mut bytes = Vec::new();
+        for (i, &id) in ids.iter().enumerate() {
+            let piece = spm_bytes(spm, id, !skip_special)?;
+            let piece = match piece.strip_prefix(b" ") {
+                Some(rest) if i == 0 && strip_space => rest,
+                _ => &piece,
+            };
+            bytes.extend_from_slice(piece);
+        }
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
     }
 
     /// The text `id` adds to a sequence whose earlier ids `stream` has seen, special tokens
     /// skipped: whole characters only, so a character whose bytes are split over several
-    /// tokens comes out with the last of them (the `tokenizers` streaming decoder). With
+    /// tokens comes out with the last of them (the `tokenizers` streaming decoder; for
+    /// SentencePiece, the bytes of each token's piece as llama.cpp gives them). With
     /// `flush` (the sequence's last token) an incomplete character left at the end comes out
     /// too, as U+FFFD, and the stream starts over.
     ///
     /// # Errors
-    /// [`Error::Tokenizer`] when the tokenizer's decoder fails.
+    /// [`Error::Tokenizer`] when the tokenizer's decoder fails or the id is unknown.
     pub fn decode_next(&self, stream: &mut TextStream, id: u32, flush: bool) -> Result<String> {
-        let TextStream { ids, prefix, prefix_index } = stream;
+        if let Codec::Spm(_, spm) = &self.codec {
+            stream.bytes.extend_from_slice(&spm_bytes(spm, id, false)?);
+            let text = settled_text(&mut stream.bytes, flush);
+            if flush {
+                *stream = TextStream::default();
+            }
+            return Ok(text);
+        }
+        let TextStream { ids, prefix, prefix_index, .. } = stream;
         let piece =
             tokenizers::step_decode_stream(&*self.inner, id, true, ids, prefix, prefix_index)
                 .map_err(tok_err)?;
@@ -296,7 +426,18 @@ impl Tokenizer {
 
     /// The id of a token's text form (`<|im_end|>`).
     pub fn token_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
+        match &self.codec {
+            Codec::Spm(_, spm) => spm.id(token),
+            _ => self.inner.token_to_id(token),
+        }
+    }
+
+    /// The text form of a token id, as the vocabulary spells it.
+    fn token_text(&self, id: u32) -> Option<String> {
+        match &self.codec {
+            Codec::Spm(_, spm) => spm.piece(id).map(str::to_owned),
+            _ => self.inner.id_to_token(id),
+        }
     }
 
     /// The Jinja chat template from `tokenizer.chat_template`, if any.
@@ -329,8 +470,7 @@ impl Tokenizer {
         let template = env
             .template_from_str(source)
             .map_err(|e| Error::ChatTemplate(format!("parsing: {e}")))?;
-        let token =
-            |id: Option<u32>| id.and_then(|i| self.inner.id_to_token(i)).unwrap_or_default();
+        let token = |id: Option<u32>| id.and_then(|i| self.token_text(i)).unwrap_or_default();
         let messages: Vec<std::collections::BTreeMap<&str, &str>> = messages
             .iter()
             .map(|m| [("role", m.role.as_str()), ("content", m.content.as_str())].into())
@@ -347,8 +487,146 @@ impl Tokenizer {
 
     /// The vocabulary size, special tokens included.
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        match &self.codec {
+            Codec::Spm(_, spm) => spm.len(),
+            _ => self.inner.get_vocab_size(true),
+        }
     }
+}
+
+/// The byte-level BPE of `tokens` and `tokenizer.ggml.merges` behind `pre`'s splits. Control
+/// and unknown tokens are its special tokens (dropped when decoding skips them), user-defined
+/// ones plain added tokens (always shown, as llama.cpp shows them).
+fn byte_level_bpe(
+    file: &GgufFile,
+    tokens: &[&str],
+    kinds: &[Kind],
+    pre: &pre::PreTokenizer,
+) -> Result<tokenizers::Tokenizer> {
+    let merges = string_array(file, "tokenizer.ggml.merges")?;
+    let merges = merges
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            m.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())).ok_or_else(|| {
+                Error::metadata(
+                    "tokenizer.ggml.merges",
+                    format!("entry {i} `{m}` is not two tokens separated by a space"),
+                )
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .ignore_merges(pre.ignore_merges)
+        .build()
+        .map_err(tok_err)?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    inner.with_pre_tokenizer(Some(pre.build()?));
+    inner.with_decoder(Some(ByteLevelDecoder::default()));
+    let added = |special: fn(Kind) -> bool| -> Vec<AddedToken> {
+        tokens
+            .iter()
+            .zip(kinds)
+            .filter(|(_, kind)| special(**kind))
+            .map(|(token, kind)| {
+                let special = *kind != Kind::UserDefined;
+                AddedToken::from(token.to_string(), special).normalized(false)
+            })
+            .collect()
+    };
+    inner.add_special_tokens(&added(|k| matches!(k, Kind::Control | Kind::Unknown)));
+    inner.add_tokens(&added(|k| k == Kind::UserDefined));
+    Ok(inner)
+}
+
+/// The kind of each of `n` tokens (`tokenizer.ggml.token_type`; all normal without it).
+fn token_kinds(file: &GgufFile, n: usize) -> Result<Vec<Kind>> {
+    const KEY: &str = "tokenizer.ggml.token_type";
+    let Some(types) = file.get(KEY) else {
+        return Ok(vec![Kind::Normal; n]);
+    };
+    let types = types.as_array().ok_or_else(|| Error::metadata(KEY, "expected an array"))?;
+    if types.len() < n {
+        return Err(Error::metadata(KEY, format!("{} entries for {n} tokens", types.len())));
+    }
+    types[..n]
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            t.as_i64()
+                .map(Kind::from_gguf)
+                .ok_or_else(|| Error::metadata(KEY, format!("entry {i} is not an integer")))
+        })
+        .collect()
+}
+
+/// The score of each of `n` tokens (`tokenizer.ggml.scores`; all 0 without it).
+fn token_scores(file: &GgufFile, n: usize) -> Result<Vec<f32>> {
+    const KEY: &str = "tokenizer.ggml.scores";
+    let Some(scores) = file.get(KEY) else {
+        return Ok(vec![0.0; n]);
+    };
+    let scores = scores.as_array().ok_or_else(|| Error::metadata(KEY, "expected an array"))?;
+    if scores.len() < n {
+        return Err(Error::metadata(KEY, format!("{} entries for {n} tokens", scores.len())));
+    }
+    scores[..n]
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            s.as_f64()
+                .map(|s| s as f32)
+                .ok_or_else(|| Error::metadata(KEY, format!("entry {i} is not a number")))
+        })
+        .collect()
+}
+
+/// The bytes of SentencePiece token `id` (see [`Spm::bytes`]).
+fn spm_bytes(spm: &Spm, id: u32, special: bool) -> Result<std::borrow::Cow<'_, [u8]>> {
+    spm.bytes(id, special).ok_or_else(|| {
+        Error::Tokenizer(format!("token id {id} is outside the vocabulary of {}", spm.len()))
+    })
+}
+
+/// The text of the complete characters at the start of `bytes`, which keeps the bytes of an
+/// unfinished character at its end (or, with `flush`, gives them as U+FFFD too). Bytes that
+/// can start no character come out as U+FFFD.
+fn settled_text(bytes: &mut Vec<u8>, flush: bool) -> String {
+    let mut text = String::new();
+    let mut rest: &[u8] = bytes;
+    loop {
+        match std::str::from_utf8(rest) {
+            Ok(s) => {
+                text.push_str(s);
+                rest = &[];
+                break;
+            }
+            Err(e) => {
+                let (valid, after) = rest.split_at(e.valid_up_to());
+                text.push_str(&String::from_utf8_lossy(valid));
+                match e.error_len() {
+                    Some(bad) => {
+                        text.push('\u{fffd}');
+                        rest = &after[bad..];
+                    }
+                    None if flush => {
+                        text.push('\u{fffd}');
+                        rest = &[];
+                        break;
+                    }
+                    None => {
+                        rest = after;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    let kept = rest.len();
+    bytes.drain(..bytes.len() - kept);
+    text
 }
 
 fn string_array<'a>(file: &'a GgufFile, key: &str) -> Result<Vec<&'a str>> {

@@ -1,4 +1,6 @@
-//! Tokenizer tests: a tiny hand-made vocabulary, and the real default model when cached.
+//! Tokenizer tests: tiny hand-made vocabularies (byte-level BPE and SentencePiece), the
+//! pre-tokenizer table, and the real default model when cached. The ids of every
+//! pre-tokenizer against llama.cpp's are checked in `tests/gguf_tokenizers.rs`.
 
 use super::*;
 use crate::gguf::{GgufWriter, Value};
@@ -91,25 +93,238 @@ fn a_hugging_face_tokenizer_folder_loads_ids_specials_and_template() {
     assert!(err.starts_with("tokenizer: ") && err.contains("tokenizer.json"), "{err}");
 }
 
-#[test]
-fn non_bpe_models_and_bad_merges_are_rejected_with_the_key() {
-    let mut w = GgufWriter::new();
-    w.metadata("tokenizer.ggml.model", Value::String("llama".into()));
-    let p = temp_path("tok-spm.gguf");
+fn write_and_load(w: &GgufWriter, stem: &str) -> Result<Tokenizer> {
+    let p = temp_path(stem);
     w.write(&p).unwrap();
-    let err = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
+    let t = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap());
+    std::fs::remove_file(p).unwrap();
+    t
+}
+
+#[test]
+fn unknown_models_pre_tokenizers_and_bad_merges_are_rejected_with_the_key() {
+    let mut w = GgufWriter::new();
+    w.metadata("tokenizer.ggml.model", Value::String("bert".into()))
+        .metadata("tokenizer.ggml.tokens", strings(&["a"]));
+    let err = write_and_load(&w, "tok-bert.gguf").unwrap_err();
     assert_eq!(
         err.to_string(),
-        "metadata key `tokenizer.ggml.model`: `llama` is not supported (gpt2 byte-level BPE is)"
+        "metadata key `tokenizer.ggml.model`: `bert` is not supported (gpt2 byte-level BPE and \
+         llama SentencePiece are)"
     );
     let mut w = GgufWriter::new();
     w.metadata("tokenizer.ggml.model", Value::String("gpt2".into()))
         .metadata("tokenizer.ggml.tokens", strings(&["a"]))
         .metadata("tokenizer.ggml.merges", strings(&["ab"]));
-    w.write(&p).unwrap();
-    let err = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
+    let err = write_and_load(&w, "tok-merges.gguf").unwrap_err();
     assert!(err.to_string().contains("`tokenizer.ggml.merges`: entry 0 `ab`"), "{err}");
-    std::fs::remove_file(p).unwrap();
+    w.metadata("tokenizer.ggml.merges", strings(&[]))
+        .metadata("tokenizer.ggml.pre", Value::String("no-such-tag".into()));
+    let err = write_and_load(&w, "tok-pre.gguf").unwrap_err().to_string();
+    assert!(
+        err.starts_with(
+            "metadata key `tokenizer.ggml.pre`: unknown pre-tokenizer `no-such-tag` (known \
+             families: default, gpt-2, starcoder, llama-bpe,"
+        ),
+        "{err}"
+    );
+    w.metadata("tokenizer.ggml.pre", Value::U32(1));
+    let err = write_and_load(&w, "tok-pre.gguf").unwrap_err().to_string();
+    assert_eq!(err, "metadata key `tokenizer.ggml.pre`: expected a string");
+    w.metadata("tokenizer.ggml.pre", Value::String("qwen2".into()))
+        .metadata("tokenizer.ggml.token_type", Value::Array(vec![]));
+    let err = write_and_load(&w, "tok-types.gguf").unwrap_err().to_string();
+    assert_eq!(err, "metadata key `tokenizer.ggml.token_type`: 0 entries for 1 tokens");
+}
+
+#[test]
+fn every_pre_tokenizer_tag_is_in_one_family_and_every_family_builds() {
+    let mut seen = std::collections::HashSet::new();
+    for family in pre::TABLE {
+        family.build().unwrap_or_else(|e| panic!("{}: {e}", family.tags[0]));
+        for tag in family.tags {
+            assert!(seen.insert(*tag), "tag {tag} is in two families");
+            assert!(std::ptr::eq(pre::lookup(tag).unwrap(), family), "{tag}");
+        }
+    }
+    for tag in ["llama-bpe", "qwen2", "deepseek-llm", "deepseek-coder", "falcon", "mpt", "gpt-4o"] {
+        assert!(seen.contains(tag), "{tag}");
+    }
+}
+
+/// The words a family's pre-tokenizer cuts `text` into (spaces shown as `Ġ`).
+fn words(tag: &str, text: &str) -> Vec<String> {
+    use tokenizers::PreTokenizer as _;
+    let mut s = tokenizers::PreTokenizedString::from(text);
+    pre::lookup(tag).unwrap().build().unwrap().pre_tokenize(&mut s).unwrap();
+    s.get_splits(tokenizers::OffsetReferential::Original, tokenizers::OffsetType::Char)
+        .into_iter()
+        .map(|(w, _, _)| w.to_owned())
+        .collect()
+}
+
+#[test]
+fn pre_tokenizers_split_as_llama_cpp_does() {
+    // Llama 3: numbers by three digits, case-insensitive contractions, a space or a symbol
+    // joins the word after it, newlines stay with what precedes them.
+    assert_eq!(words("llama-bpe", "12345 IT'S"), ["123", "45", "ĠIT", "'S"]);
+    assert_eq!(words("llama-bpe", "a  \n\nb"), ["a", "ĠĠĊĊ", "b"]);
+    // Qwen 2: single digits. StarCoder family: single digits, then GPT-2's split.
+    assert_eq!(words("qwen2", "x=12"), ["x", "=", "1", "2"]);
+    assert_eq!(words("smollm", "ab12 cd"), ["ab", "1", "2", "Ġcd"]);
+    // GPT-2: lower-case contractions only, whitespace runs leave their last space to the word.
+    assert_eq!(words("gpt-2", "IT'S it's   x"), ["IT", "'", "S", "Ġit", "'s", "ĠĠ", "Ġx"]);
+    // Tekken: words break before an upper-case letter that follows a lower-case one.
+    assert_eq!(words("tekken", "camelCase"), ["camel", "Case"]);
+    // DeepSeek LLM: its letter class holds the Kelvin and Ohm signs as written (an editor's
+    // normalization would turn them into `K` and `Ω`, and `K-ℭ` into a range from `K`).
+    let letters = pre::lookup("deepseek-llm").unwrap().regexes[1];
+    assert!(letters.contains("\u{2126}\u{2128}\u{212a}-\u{212d}"), "{letters}");
+    // Its punctuation class spans ASCII letters too, so it cuts what the letters joined, and
+    // its CJK class runs from U+0800 to U+4E00, so it isolates the Kelvin sign as well.
+    assert_eq!(words("deepseek-llm", "caf\u{e9} \u{212a}"), ["caf", "Ã©", "Ġ", "âĦª"]);
+}
+
+/// A SentencePiece vocabulary: `<unk>`, `<s>`, `</s>`, the 256 byte tokens (ids 3..=258),
+/// then `▁` 259, `a` 260, `b` 261, `ba` 262 and `ab` 263 (equal scores), `▁é` 264 (though `é`
+/// is no token) and the user-defined `<|x|>` 265.
+fn tiny_spm(add_space_prefix: bool) -> Tokenizer {
+    let mut pieces: Vec<String> = ["<unk>", "<s>", "</s>"].map(String::from).to_vec();
+    pieces.extend((0..=255).map(|b| format!("<0x{b:02X}>")));
+    let mut kinds = vec![2, 3, 3];
+    kinds.extend([6; 256]);
+    let mut scores = vec![0.0; pieces.len()];
+    for (piece, score, kind) in [
+        ("\u{2581}", -1.0, 1),
+        ("a", -2.0, 1),
+        ("b", -3.0, 1),
+        ("ba", -5.0, 1),
+        ("ab", -5.0, 1),
+        ("\u{2581}\u{e9}", -4.0, 1),
+        ("<|x|>", 0.0, 4),
+    ] {
+        pieces.push(piece.to_owned());
+        scores.push(score);
+        kinds.push(kind);
+    }
+    let mut w = GgufWriter::new();
+    w.metadata("tokenizer.ggml.model", Value::String("llama".into()))
+        .metadata(
+            "tokenizer.ggml.tokens",
+            Value::Array(pieces.into_iter().map(Value::String).collect()),
+        )
+        .metadata(
+            "tokenizer.ggml.scores",
+            Value::Array(scores.into_iter().map(Value::F32).collect()),
+        )
+        .metadata(
+            "tokenizer.ggml.token_type",
+            Value::Array(kinds.into_iter().map(Value::I32).collect()),
+        )
+        .metadata("tokenizer.ggml.add_space_prefix", Value::Bool(add_space_prefix));
+    write_and_load(&w, "tok-spm.gguf").unwrap()
+}
+
+#[test]
+fn sentencepiece_merges_the_best_score_leftmost_first_and_falls_back_to_bytes() {
+    let t = tiny_spm(true);
+    // Each expectation is what llama.cpp (llama-cpp-python 0.3.36, vocab_only) gives.
+    for (text, ids) in [
+        // `ab` and `ba` score alike: the leftmost pair merges first.
+        ("aba", &[1, 259, 263, 260][..]),
+        // `▁é` is a token though `é` is not: two symbols merge whenever their text is one.
+        ("é", &[1, 264]),
+        ("ab é", &[1, 259, 263, 264]),
+        // A space goes in front of the text and after each special token.
+        ("<|x|>ab", &[1, 265, 259, 263]),
+        ("a<|x|>b", &[1, 259, 260, 265, 259, 261]),
+        // A character that is no token is spelled with its UTF-8 bytes.
+        ("éé", &[1, 264, 198, 172]),
+        ("中", &[1, 259, 231, 187, 176]),
+        ("", &[1]),
+    ] {
+        assert_eq!(t.encode(text).unwrap(), ids, "{text:?}");
+    }
+    // Hugging Face's conversion ranks merges by pair, so there `ba` (the lower id) wins the
+    // tie, and `▁` + `é` cannot merge as `é` is not a token: hence the hand-written merger.
+    let hf = |text: &str| t.inner().encode_fast(text, false).unwrap().get_ids().to_vec();
+    assert_eq!(hf("aba"), [259, 260, 262]);
+    assert_eq!(hf("é"), [259, 198, 172]);
+    assert_eq!((t.bos_id(), t.eos_id(), t.vocab_size()), (Some(1), Some(2), 266));
+    assert_eq!((t.token_id("ab"), t.token_id("<|x|>")), (Some(263), Some(265)));
+    let t = tiny_spm(false);
+    assert_eq!(t.encode("aba").unwrap(), [1, 263, 260]);
+    assert_eq!(t.encode("a<|x|>b").unwrap(), [1, 260, 265, 261]);
+}
+
+#[test]
+fn sentencepiece_decodes_as_llama_cpp_detokenizes() {
+    let t = tiny_spm(true);
+    let ids = [1, 259, 263, 264, 198, 172, 265, 2];
+    // Skipping special tokens drops the BOS the model adds, and then keeps the space that
+    // was put in front of the text; control tokens vanish, user-defined ones stay.
+    assert_eq!(t.decode(&ids, true).unwrap(), " ab éé<|x|>");
+    assert_eq!(t.decode(&ids, false).unwrap(), "<s> ab éé<|x|></s>");
+    // Without a BOS first, the space put in front of the text goes.
+    assert_eq!(t.decode(&ids[1..], true).unwrap(), "ab éé<|x|>");
+    assert_eq!(t.decode(&[264, 198], true).unwrap(), "é\u{fffd}");
+    let err = t.decode(&[266], true).unwrap_err().to_string();
+    assert_eq!(err, "tokenizer: token id 266 is outside the vocabulary of 266");
+    assert_eq!(tiny_spm(false).decode(&[259, 260], true).unwrap(), " a");
+}
+
+#[test]
+fn sentencepiece_streams_whole_characters() {
+    let t = tiny_spm(true);
+    // " ab", then 中 (E4 B8 AD) in three byte tokens, then "a", then the control token </s>.
+    let ids = [259, 263, 231, 187, 176, 260, 2];
+    let mut stream = TextStream::default();
+    let pieces: Vec<String> =
+        ids.iter().map(|&id| t.decode_next(&mut stream, id, false).unwrap()).collect();
+    assert_eq!(pieces, [" ", "ab", "", "", "中", "a", ""]);
+    let mut stream = TextStream::default();
+    assert_eq!(t.decode_next(&mut stream, 231, false).unwrap(), "");
+    assert_eq!(t.decode_next(&mut stream, 187, true).unwrap(), "\u{fffd}");
+    assert_eq!(t.decode_next(&mut stream, 260, true).unwrap(), "a");
+    // A byte that starts no character comes out as U+FFFD at once.
+    let mut stream = TextStream::default();
+    assert_eq!(t.decode_next(&mut stream, 3 + 0xff, false).unwrap(), "\u{fffd}");
+}
+
+#[test]
+fn special_tokens_are_cut_longest_first() {
+    let s = special::Specials::new(vec![
+        ("<a>".into(), 1),
+        ("<a><b>".into(), 2),
+        ("<b>".into(), 3),
+        ("xy".into(), 4),
+        ("yzw".into(), 5),
+        (String::new(), 6),
+    ]);
+    use special::Fragment::{Text, Token};
+    assert_eq!(s.split(""), []);
+    assert_eq!(s.split("x"), [Text("x")]);
+    assert_eq!(s.split("<a><b><b>x<a>"), [Token(2), Token(3), Text("x"), Token(1)]);
+    // `yzw` is longer than `xy`, so it is cut first, though `xy` starts earlier (a
+    // leftmost-first search, as Hugging Face's, would take `xy`).
+    assert_eq!(s.split("xyzw xy"), [Text("x"), Token(5), Text(" "), Token(4)]);
+}
+
+#[test]
+fn user_defined_tokens_stay_whole_and_show_when_special_ones_are_skipped() {
+    let tokens = ["<|c|>", "<u>", "a", "b"];
+    let mut w = GgufWriter::new();
+    w.metadata("tokenizer.ggml.model", Value::String("gpt2".into()))
+        .metadata("tokenizer.ggml.pre", Value::String("gpt-2".into()))
+        .metadata("tokenizer.ggml.tokens", strings(&tokens))
+        .metadata("tokenizer.ggml.token_type", Value::Array([3, 4, 1, 1].map(Value::I32).to_vec()))
+        .metadata("tokenizer.ggml.merges", strings(&[]))
+        .metadata("tokenizer.ggml.add_eos_token", Value::Bool(true))
+        .metadata("tokenizer.ggml.eos_token_id", Value::U32(0));
+    let t = write_and_load(&w, "tok-user.gguf").unwrap();
+    assert_eq!(t.encode("a<u>b<|c|>").unwrap(), [2, 1, 3, 0, 0]);
+    assert_eq!(t.decode(&[2, 1, 3, 0], true).unwrap(), "a<u>b");
+    assert_eq!(t.decode(&[2, 1, 3, 0], false).unwrap(), "a<u>b<|c|>");
 }
 
 #[test]
