@@ -284,9 +284,18 @@ def main():
         "corpus": CORPUS,
         "cases": cases,
     }
+    # One corpus string and one case a line, so that a refresh diffs by case.
+    compact = {"ensure_ascii": False, "separators": (",", ":")}
+    lines = ["{"]
+    for key in ["generator", "llama_cpp_python"]:
+        lines.append(f"{json.dumps(key)}:{json.dumps(fixture[key], **compact)},")
+    lines.append('"corpus":[')
+    lines.append(",\n".join(json.dumps(text, **compact) for text in CORPUS))
+    lines.append('],\n"cases":[')
+    lines.append(",\n".join(json.dumps(case, **compact) for case in cases))
+    lines.append("]}")
     with open(os.path.join(args.out, "ids.json"), "w", encoding="utf-8") as f:
-        json.dump(fixture, f, ensure_ascii=False, separators=(",", ":"))
-        f.write("\n")
+        f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
