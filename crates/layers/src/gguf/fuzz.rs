@@ -37,7 +37,7 @@ fn every_type_file() -> Vec<u8> {
         .tensor_quantized("q41", &[2, 64], quant::BlockFormat::Q4_1, &x)
         .tensor_f32("vec", &[5], &x[..5])
         .tensor_f32("cube", &[2, 2, 3], &x[..12])
-        .tensor_raw("odd", &[4], GgmlType::Unsupported(12), vec![0; 16]);
+        .tensor_raw("odd", &[4], GgmlType::Unsupported(16), vec![0; 16]);
     w.to_bytes()
 }
 

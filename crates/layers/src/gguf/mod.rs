@@ -8,10 +8,12 @@
 
 #[cfg(test)]
 mod fuzz;
+pub mod kquant;
 #[cfg(test)]
 mod tests;
 mod writer;
 
+pub use kquant::QuantFormat;
 pub use writer::GgufWriter;
 
 use crate::error::{Error, Result};
@@ -147,11 +149,65 @@ pub enum GgmlType {
     F16,
     /// bfloat16 (id 30).
     BF16,
-    /// A block-quantized format (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8).
+    /// A block-quantized format that [`QMatrix`](crate::kernels::QMatrix) keeps as stored
+    /// (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8).
     Block(BlockFormat),
+    /// A block-quantized format read by dequantizing: the K-quants, Q5_0, Q5_1, IQ4_NL and
+    /// IQ4_XS (see [`kquant`]).
+    Quant(QuantFormat),
     /// Any other id: listed, but reading it is an error.
     Unsupported(u32),
 }
+
+/// GGML's names of its type ids (`ggml.h`; ids 4, 5 and 31..=33, 36..=38 are retired).
+const GGML_TYPE_NAMES: [&str; 42] = [
+    "F32",
+    "F16",
+    "Q4_0",
+    "Q4_1",
+    "Q4_2",
+    "Q4_3",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q8_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "Q8_K",
+    "IQ2_XXS",
+    "IQ2_XS",
+    "IQ3_XXS",
+    "IQ1_S",
+    "IQ4_NL",
+    "IQ3_S",
+    "IQ2_S",
+    "IQ4_XS",
+    "I8",
+    "I16",
+    "I32",
+    "I64",
+    "F64",
+    "IQ1_M",
+    "BF16",
+    "Q4_0_4_4",
+    "Q4_0_4_8",
+    "Q4_0_8_8",
+    "TQ1_0",
+    "TQ2_0",
+    "IQ4_NL_4_4",
+    "IQ4_NL_4_8",
+    "IQ4_NL_8_8",
+    "MXFP4",
+    "NVFP4",
+    "Q1_0",
+];
+
+/// The types tpctl reads, as the "supported" part of its errors says them.
+pub const SUPPORTED_TYPES: &str =
+    "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS";
 
 impl GgmlType {
     /// The type for a GGUF type id.
@@ -163,7 +219,9 @@ impl GgmlType {
             3 => GgmlType::Block(BlockFormat::Q4_1),
             8 => GgmlType::Block(BlockFormat::Q8_0),
             30 => GgmlType::BF16,
-            other => GgmlType::Unsupported(other),
+            other => {
+                QuantFormat::from_id(other).map_or(GgmlType::Unsupported(other), GgmlType::Quant)
+            }
         }
     }
 
@@ -176,7 +234,24 @@ impl GgmlType {
             GgmlType::Block(BlockFormat::Q4_1) => 3,
             GgmlType::Block(BlockFormat::Q8_0) => 8,
             GgmlType::BF16 => 30,
+            GgmlType::Quant(f) => f.id(),
             GgmlType::Unsupported(id) => id,
+        }
+    }
+
+    /// GGML's name of the type (`Q4_K`, `IQ2_XXS`), or `None` for an id GGML never had.
+    pub fn name(self) -> Option<&'static str> {
+        GGML_TYPE_NAMES.get(self.id() as usize).copied()
+    }
+
+    /// Elements per block (1 for the float types, `None` for unsupported ones): a row's length
+    /// must be a multiple of it.
+    pub fn block_len(self) -> Option<usize> {
+        match self {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => Some(1),
+            GgmlType::Block(_) => Some(BLOCK),
+            GgmlType::Quant(f) => Some(f.block_len()),
+            GgmlType::Unsupported(_) => None,
         }
     }
 
@@ -187,6 +262,9 @@ impl GgmlType {
             GgmlType::F32 => Some(4 * n),
             GgmlType::F16 | GgmlType::BF16 => Some(2 * n),
             GgmlType::Block(f) => n.is_multiple_of(BLOCK).then(|| n / BLOCK * f.block_bytes()),
+            GgmlType::Quant(f) => {
+                n.is_multiple_of(f.block_len()).then(|| n / f.block_len() * f.block_bytes())
+            }
             GgmlType::Unsupported(_) => None,
         }
     }
@@ -197,6 +275,16 @@ impl GgmlType {
             GgmlType::F16 => DType::F16,
             GgmlType::BF16 => DType::BF16,
             _ => DType::F32,
+        }
+    }
+}
+
+/// GGML's name (`Q4_K`), or `type N` for an id GGML never had.
+impl std::fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.name() {
+            Some(name) => f.write_str(name),
+            None => write!(f, "type {}", self.id()),
         }
     }
 }
@@ -648,6 +736,22 @@ impl GgufFile {
             .ok_or_else(|| Error::tensor(name, format!("not found in {}", self.path.display())))
     }
 
+    /// Checks that every tensor's type can be read, so a model is refused before any rank
+    /// loads it.
+    ///
+    /// # Errors
+    /// [`Error::Tensor`] naming the first tensor of a type tpctl cannot read (with GGML's name
+    /// of the type) or whose rows are not whole blocks of its type.
+    pub fn check_types(&self) -> Result<()> {
+        match self.tensors.iter().find(|t| t.ggml_type.bytes_for(t.row_len()).is_none()) {
+            Some(info) => Err(Error::tensor(
+                &info.name,
+                format!("{} in {}", unreadable(info), self.path.display()),
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// The raw bytes of rows `rows` of tensor `name`.
     ///
     /// # Errors
@@ -662,16 +766,7 @@ impl GgufFile {
             ));
         }
         let row_bytes = info.ggml_type.bytes_for(info.row_len()).ok_or_else(|| {
-            Error::tensor(
-                name,
-                format!(
-                    "type {:?} with rows of {} elements (data at offset {}) cannot be read \
-                     (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)",
-                    info.ggml_type,
-                    info.row_len(),
-                    info.offset
-                ),
-            )
+            Error::tensor(name, format!("{} (data at offset {})", unreadable(info), info.offset))
         })?;
         let start = info.offset as usize + rows.start * row_bytes;
         Ok((info, &self.maps[info.part][start..start + rows.len() * row_bytes]))
@@ -752,8 +847,24 @@ fn decode(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
             }
         }
         GgmlType::Block(f) => quant::dequantize(f, bytes, out),
+        GgmlType::Quant(f) => kquant::dequantize(f, bytes, out),
         // `raw_rows` rejects unsupported types before any caller gets here.
         GgmlType::Unsupported(_) => {}
+    }
+}
+
+/// Why the tensor of `info` cannot be read (its type or its row length).
+fn unreadable(info: &TensorInfo) -> String {
+    let ty = info.ggml_type;
+    match ty.block_len() {
+        None => format!(
+            "type {ty} (GGML type {}) is not supported (supported: {SUPPORTED_TYPES})",
+            ty.id()
+        ),
+        Some(block) => format!(
+            "type {ty} needs rows of whole blocks of {block} elements, but its rows have {}",
+            info.row_len()
+        ),
     }
 }
 

@@ -160,11 +160,14 @@ fn malformed_files_name_the_offset_key_or_tensor() {
     );
 
     let mut w = GgufWriter::new();
-    w.tensor_raw("k_quant", &[1, 256], GgmlType::Unsupported(12), vec![0; 144]);
+    w.tensor_raw("i_quant", &[1, 256], GgmlType::from_id(16), vec![0; 66]);
     let unsupported = write(&w, "unsupported.gguf");
     let f = GgufFile::open(&unsupported).unwrap();
-    let err = f.tensor("k_quant").unwrap_err().to_string();
-    assert!(err.contains("tensor `k_quant`: type Unsupported(12)"), "{err}");
+    let err = f.tensor("i_quant").unwrap_err().to_string();
+    assert!(
+        err.contains("tensor `i_quant`: type IQ2_XXS (GGML type 16) is not supported"),
+        "{err}"
+    );
 
     let mut w = GgufWriter::new();
     w.metadata("general.alignment", Value::U32(3));
@@ -237,5 +240,64 @@ fn a_split_model_reads_as_one_file_and_a_missing_or_wrong_part_is_named() {
     );
     for p in &paths {
         let _ = std::fs::remove_file(p);
+    }
+}
+
+#[test]
+fn every_ggml_type_id_has_its_ggml_name() {
+    let names: Vec<String> = [0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 20, 23, 29, 30, 39]
+        .into_iter()
+        .map(|id| GgmlType::from_id(id).to_string())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+            "Q6_K", "Q8_K", "IQ2_XXS", "IQ4_NL", "IQ4_XS", "IQ1_M", "BF16", "MXFP4"
+        ]
+    );
+    assert_eq!(GgmlType::from_id(12), GgmlType::Quant(QuantFormat::Q4_K));
+    assert_eq!(GgmlType::from_id(16), GgmlType::Unsupported(16));
+    assert_eq!(GgmlType::from_id(1000).to_string(), "type 1000");
+    for id in 0..64 {
+        assert_eq!(GgmlType::from_id(id).id(), id);
+    }
+}
+
+#[test]
+fn check_types_names_the_first_unreadable_tensor_and_its_type() {
+    let mut w = GgufWriter::new();
+    w.tensor_f32("fine", &[1, 32], &[0.5; 32]).tensor_raw(
+        "blk.0.attn_q.weight",
+        &[2, 256],
+        GgmlType::from_id(16),
+        vec![0; 132],
+    );
+    let p = write(&w, "iq2.gguf");
+    let err = GgufFile::open(&p).unwrap().check_types().unwrap_err().to_string();
+    assert!(
+        err.starts_with(
+            "tensor `blk.0.attn_q.weight`: type IQ2_XXS (GGML type 16) is not supported"
+        ) && err.contains("Q4_K")
+            && err.contains("iq2.gguf"),
+        "{err}"
+    );
+
+    // A K-quant whose rows are not whole super-blocks (llama.cpp never writes one).
+    let mut w = GgufWriter::new();
+    w.tensor_raw("short_rows", &[1, 128], GgmlType::Quant(QuantFormat::Q4_K), vec![0; 72]);
+    let p2 = write(&w, "short-rows.gguf");
+    let f = GgufFile::open(&p2).unwrap();
+    let err = f.check_types().unwrap_err().to_string();
+    assert!(
+        err.contains(
+            "tensor `short_rows`: type Q4_K needs rows of whole blocks of 256 elements, \
+                      but its rows have 128"
+        ),
+        "{err}"
+    );
+    assert!(f.tensor("short_rows").unwrap_err().to_string().contains("type Q4_K needs rows"));
+    for p in [p, p2] {
+        std::fs::remove_file(p).unwrap();
     }
 }

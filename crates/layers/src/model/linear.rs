@@ -5,12 +5,12 @@
 //! by whole KV-head groups for attention; loading reads only the requested slice from the file.
 
 use crate::error::{Error, Result};
-use crate::gguf::GgmlType;
-use crate::gguf::GgufFile;
-use crate::kernels::cpu::quant::BLOCK;
+use crate::gguf::{kquant, GgmlType, GgufFile};
+use crate::kernels::cpu::quant::{BlockFormat, BLOCK};
 use crate::kernels::{Backend, QMatrix, Weight};
 use crate::memory::{Arena, WeightBuffers};
 use crate::tensor::Tensor;
+use std::borrow::Cow;
 use std::ops::Range;
 
 /// A checkpoint that can hand out slices of its tensors as f32. Names are GGUF llama names
@@ -69,9 +69,15 @@ impl WeightSource for GgufFile {
         self.tensor_cols(name, cols)
     }
 
+    /// Q8_0, Q4_0 and Q4_1 as stored; Q5_0, IQ4_NL and Q3_K repacked losslessly as Q8_0
+    /// ([`kquant::to_q8_0`]); `None` for the other formats, which load as f32.
     fn quantized(&self, name: &str, shard: &Shard) -> Result<Option<QMatrix>> {
         let info = self.tensor_info(name)?;
-        let GgmlType::Block(format) = info.ggml_type else { return Ok(None) };
+        let format = match info.ggml_type {
+            GgmlType::Block(format) => format,
+            GgmlType::Quant(f) if f.fits_q8_0() => BlockFormat::Q8_0,
+            _ => return Ok(None),
+        };
         let (rows, cols) = (info.rows(), info.row_len());
         let (row_range, col_range) = match shard {
             Shard::Full => (0..rows, 0..cols),
@@ -81,12 +87,19 @@ impl WeightSource for GgufFile {
         if col_range.start % BLOCK != 0 || col_range.end % BLOCK != 0 || col_range.end > cols {
             return Ok(None);
         }
-        let (_, bytes) = self.raw_rows(name, row_range.clone())?;
+        let (info, stored) = self.raw_rows(name, row_range.clone())?;
+        let bytes = match info.ggml_type {
+            GgmlType::Quant(f) => match kquant::to_q8_0(f, stored) {
+                Some(q8) => Cow::Owned(q8),
+                None => return Ok(None),
+            },
+            _ => Cow::Borrowed(stored),
+        };
         let bb = format.block_bytes();
         let row_bytes = cols / BLOCK * bb;
         let (b0, b1) = (col_range.start / BLOCK * bb, col_range.end / BLOCK * bb);
-        let picked: Vec<u8> = if col_range == (0..cols) {
-            bytes.to_vec()
+        let picked: Cow<'_, [u8]> = if col_range == (0..cols) {
+            bytes
         } else {
             bytes.chunks_exact(row_bytes).flat_map(|row| &row[b0..b1]).copied().collect()
         };
@@ -103,7 +116,8 @@ impl WeightSource for GgufFile {
 /// How a linear layer keeps its weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum WeightForm {
-    /// Keep block-quantized weights quantized (decode reads 4-8× fewer bytes); others as f32.
+    /// Keep block-quantized weights quantized (decode reads 4-8× fewer bytes): Q8_0, Q4_0 and
+    /// Q4_1 as stored, Q5_0, IQ4_NL and Q3_K as 8-bit; others as f32.
     #[default]
     Native,
     /// Convert everything to f32.

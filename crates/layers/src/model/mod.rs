@@ -100,6 +100,20 @@ pub fn load_config(path: &Path) -> Result<LlamaConfig> {
     }
 }
 
+/// Checks that tpctl can read every tensor of the GGUF file at `path` (a Hugging Face
+/// folder's dtypes are checked as it opens), so an unsupported model is refused before any
+/// rank starts.
+///
+/// # Errors
+/// The file cannot be opened, or [`Error::Tensor`] naming the first tensor of a type tpctl
+/// cannot read, with GGML's name of the type (`IQ2_XXS`).
+pub fn check_weights(path: &Path) -> Result<()> {
+    if path.is_dir() {
+        return Ok(());
+    }
+    GgufFile::open(path)?.check_types()
+}
+
 /// Self-attention of one layer over a range of whole KV heads (and their query heads), or
 /// over one KV head and part of its query heads.
 #[derive(Clone, Debug)]
