@@ -19,8 +19,10 @@ It writes, under `--out` (default `crates/layers/tests/fixtures/kquant`):
   subnormal f16 scales, and all positive) quantized by `ggml_quantize_chunk`, and next to it
   `q4_k.want`, the f32 values `gguf.quants.dequantize` gives for those bytes.
 - `tiny-Q4_K_M.gguf`: a random two-layer Llama (hidden 256, FFN 256, 4 query and 2 KV heads of
-  64, 32 tokens `t0`..`t31`) written in f32 and quantized to Q4_K_M by `llama_model_quantize`
-  (every row a whole number of 256-element super-blocks: Q4_K and Q6_K tensors).
+  64, a BPE vocabulary of 32 tokens; weights uniform in ±4/√cols, large enough that greedy
+  decoding wanders instead of repeating one token) written in f32 and quantized to Q4_K_M by
+  `llama_model_quantize` (every row a whole number of 256-element super-blocks: Q4_K and Q6_K
+  tensors).
 - `tiny-Q4_K_M-odd.gguf`: the same with hidden 160, one layer: rows of 160 are not whole
   super-blocks, so llama.cpp falls back to Q5_0 (and Q8_0 for Q6_K) for them, as it does
   for SmolLM2 (hidden 576); only the FFN down projection (rows of 256) is Q4_K or Q6_K.
@@ -138,12 +140,17 @@ def write_f32_llama(path: str, hidden: int, ffn: int, layers: int, seed: int) ->
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(0)
     w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(vocab)])
-    w.add_token_merges([])
+    # A byte-level BPE vocabulary closed under its merges (gguf-py drops an empty merge list,
+    # and a BPE tokenizer needs one).
+    digits = [str(i) for i in range(10)]
+    tokens = ["t", *digits, *[f"t{d}" for d in digits], *"abcdefghijk"]
+    assert len(tokens) == vocab
+    w.add_token_list(tokens)
+    w.add_token_merges([f"t {d}" for d in digits])
     w.add_eos_token_id(0)
 
     def matrix(name: str, rows: int, cols: int) -> None:
-        scale = 1.5 / np.sqrt(cols)
+        scale = 4.0 / np.sqrt(cols)
         w.add_tensor(name, rng.uniform(-scale, scale, (rows, cols)).astype(np.float32))
 
     def norm(name: str) -> None:

@@ -750,8 +750,10 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
     Ok(outcome.exit_code())
 }
 
-/// Refuses a layout the model cannot be split into before any rank starts.
+/// Refuses a model with tensors tpctl cannot read, or a layout the model cannot be split
+/// into, before any rank starts.
 fn check_layout(model: &std::path::Path, tp: usize) -> Result<()> {
+    layers::model::check_weights(model)?;
     let config = layers::model::load_config(model)?;
     layers::parallel::check_tp(&config, tp)
         .with_context(|| format!("--tp {tp} does not fit {}", model.display()))?;
