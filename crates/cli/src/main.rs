@@ -143,6 +143,10 @@ struct LaunchArgs {
     /// (default: tpctl-PID, unique to this launch).
     #[arg(long, value_name = "NAME")]
     deployment: Option<String>,
+    /// A Jinja chat template to use instead of the model's (rendered as Hugging Face renders
+    /// templates: trim_blocks, lstrip_blocks, Python string methods, tojson, strftime_now).
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<PathBuf>,
 }
 
 impl LaunchArgs {
@@ -705,6 +709,18 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         device: settings.device,
         dtype: settings.dtype,
         control_socket: Some(socket.clone()),
+        chat_template: args
+            .launch
+            .chat_template
+            .as_ref()
+            .map(|p| {
+                let text = std::fs::read_to_string(p)
+                    .with_context(|| format!("--chat-template {}: cannot read it", p.display()))?;
+                layers::tokenizer::chat::check(&text)
+                    .with_context(|| format!("--chat-template {}", p.display()))?;
+                anyhow::Ok(text)
+            })
+            .transpose()?,
     };
     let master_port = match nodes.master_port {
         Some(p) => p,

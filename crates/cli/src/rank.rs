@@ -196,8 +196,11 @@ fn lead(
     coordinator: &Arc<Coordinator>,
 ) -> Result<()> {
     // One tokenizer on rank 0: prompts are encoded and output decoded with the same one.
-    let tokenizer =
-        Arc::new(layers::Tokenizer::load(&spec.model).context("building the tokenizer")?);
+    let mut tokenizer = layers::Tokenizer::load(&spec.model).context("building the tokenizer")?;
+    if let Some(template) = &spec.chat_template {
+        tokenizer = tokenizer.with_chat_template(template.clone());
+    }
+    let tokenizer = Arc::new(tokenizer);
     let factory = Box::new(factory.with_tokenizer(tokenizer.clone()));
     if let Some(serve) = &spec.serve {
         let rank0 = crate::serve::Rank0 {

@@ -87,6 +87,9 @@ pub struct RankSpec {
     /// The element type of the weight matrices on a GPU.
     #[serde(default)]
     pub dtype: ComputeDtype,
+    /// A chat template that replaces the model's (`--chat-template FILE`'s text).
+    #[serde(default)]
+    pub chat_template: Option<String>,
 }
 
 /// The API key's variable for the launcher (`--api-key`'s `env`): removed from the ranks'

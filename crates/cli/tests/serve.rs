@@ -1387,6 +1387,65 @@ fn a_folders_generation_config_gives_end_ids_and_defaults() {
     assert_eq!(server.interrupt().code(), Some(130));
 }
 
+/// A chat template from `--chat-template FILE`, rendered as Hugging Face renders templates:
+/// Python string methods, `tools` (with `tool_choice: "none"`), `chat_template_kwargs`, other
+/// message fields, `add_generation_prompt`; a bad template file stops the launch.
+#[test]
+fn chat_templates_take_tools_arguments_and_python_methods() {
+    let template = scratch("tools-template.jinja");
+    let source = "{% if tools %}{% for t in tools %}t{{ t.function.name.split('_')[1] }}{% endfor %}{% endif %}\n\
+        {% for m in messages %}\n    t1{{ m.content.strip() }}{% if m.name is defined %}t{{ m.name|length }}{% endif %}t2\n{% endfor %}\n\
+        {% if flag %}t8{% endif %}{% if add_generation_prompt %}t3{% endif %}";
+    std::fs::write(&template, source).unwrap();
+    // The chat model's tokens are all special: `t5` in text is token 5.
+    let server = Server::start(chat_model(), &["--chat-template", template.to_str().unwrap()]);
+    let ids = |body: Value| {
+        let reply = server.post("/tokenize", &body);
+        assert_eq!(reply.status, 200, "{reply:?}");
+        ids(&reply.json()["tokens"])
+    };
+    // `.strip()` and the whitespace control: exactly the tokens of the text.
+    let plain = json!({"messages": [{"role": "user", "content": "  t5t6 "}]});
+    assert_eq!(ids(plain), [1, 5, 6, 2, 3]);
+    let named = json!({"messages": [{"role": "user", "content": "t5", "name": "abcd"}],
+                       "add_generation_prompt": false});
+    assert_eq!(ids(named), [1, 5, 4, 2]);
+    // Through a chat completion: tools and template arguments reach the template.
+    let prompt_tokens = |extra: Value| {
+        let body = with(
+            json!({"messages": [{"role": "user", "content": "t5"}], "max_tokens": 1, "temperature": 0}),
+            &extra,
+        );
+        let reply = server.post("/v1/chat/completions", &body);
+        assert_eq!(reply.status, 200, "{reply:?}");
+        reply.json()["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let base = prompt_tokens(json!({}));
+    assert_eq!(base, 4, "t1 t5 t2 t3");
+    let tool = json!({"type": "function", "function": {"name": "get_7", "parameters": {}}});
+    assert_eq!(prompt_tokens(json!({"tools": [tool], "tool_choice": "none"})), base + 1);
+    assert_eq!(prompt_tokens(json!({"chat_template_kwargs": {"flag": true}})), base + 1);
+    let reply = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "t5"}], "tools": [tool]}),
+    );
+    assert_error(&reply, 400, "unsupported_parameter");
+    assert!(reply.body.contains("tool_choice"), "{}", reply.body);
+    let reply = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "t5"}], "chat_template_kwargs": {"messages": []}}),
+    );
+    assert_error(&reply, 400, "chat_template");
+    assert_eq!(server.interrupt().code(), Some(130));
+    // A template that does not parse stops the launch, naming the file.
+    std::fs::write(&template, "{% for m in messages %}").unwrap();
+    let out =
+        tpctl(&["serve", "--model", chat_model(), "--chat-template", template.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--chat-template") && err.contains("tools-template.jinja"), "{err}");
+}
+
 /// `n` choices are sequences of the batch with seeds `seed`, `seed + 1`, ... (each equal to
 /// that seed's single answer), streamed interleaved by index; `echo` puts the prompt's text
 /// first.

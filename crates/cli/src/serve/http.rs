@@ -392,7 +392,11 @@ async fn tokenize(
             return Err(ApiError::invalid("invalid_body", "give `prompt` or `messages`, not both"))
         }
         (_, Some(m)) => {
-            api.chat_prompt_with(Some(m), body.add_generation_prompt.unwrap_or(true))?
+            let options = request::ChatOptions {
+                add_generation_prompt: body.add_generation_prompt.unwrap_or(true),
+                ..request::ChatOptions::default()
+            };
+            api.chat_prompt_with(Some(m), &options)?
         }
         (p, None) => api.completion_prompt(p.as_ref())?,
     };

@@ -7,6 +7,7 @@
 //! Control, user-defined and unknown tokens (`token_type` 3, 4 and 2) written in text are
 //! encoded as their single ids (`<|im_start|>`), found as llama.cpp finds them ([`special`]).
 
+pub mod chat;
 mod pre;
 mod special;
 mod spm;
@@ -445,44 +446,49 @@ impl Tokenizer {
         self.chat_template.as_deref()
     }
 
-    /// Renders the chat template (`tokenizer.chat_template`, Jinja) for `messages`, ending
-    /// with the assistant's opening when `add_generation_prompt`. The template sees
-    /// `messages` (each with `role` and `content`), `add_generation_prompt`, `bos_token` and
-    /// `eos_token`, and may call `raise_exception(msg)`.
+    /// Replaces the chat template (`--chat-template FILE`).
+    #[must_use]
+    pub fn with_chat_template(mut self, source: String) -> Self {
+        self.chat_template = Some(source);
+        self
+    }
+
+    /// Renders the chat template for `messages` (role and text each), ending with the
+    /// assistant's opening when `add_generation_prompt`: [`Tokenizer::render_chat`] of plain
+    /// messages.
     ///
     /// # Errors
-    /// [`Error::ChatTemplate`] when the model has no template or it fails to render.
+    /// As [`Tokenizer::render_chat`].
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        let messages = messages
+            .iter()
+            .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+            .collect();
+        self.render_chat(&chat::ChatRequest {
+            messages,
+            add_generation_prompt,
+            ..Default::default()
+        })
+    }
+
+    /// Renders the chat template (`tokenizer.chat_template`, or the one given with
+    /// [`Tokenizer::with_chat_template`]) for `request` as Hugging Face renders it (see
+    /// [`chat`]), with this vocabulary's BOS and EOS texts and the local time.
+    ///
+    /// # Errors
+    /// [`Error::ChatTemplate`] when the model has no template or it fails to render (its
+    /// `raise_exception` message included).
+    pub fn render_chat(&self, request: &chat::ChatRequest) -> Result<String> {
         let source = self.chat_template.as_deref().ok_or_else(|| {
             Error::ChatTemplate("the model has no tokenizer.chat_template".into())
         })?;
-        let mut env = minijinja::Environment::new();
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> std::result::Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-            },
-        );
-        let template = env
-            .template_from_str(source)
-            .map_err(|e| Error::ChatTemplate(format!("parsing: {e}")))?;
         let token = |id: Option<u32>| id.and_then(|i| self.token_text(i)).unwrap_or_default();
-        let messages: Vec<std::collections::BTreeMap<&str, &str>> = messages
-            .iter()
-            .map(|m| [("role", m.role.as_str()), ("content", m.content.as_str())].into())
-            .collect();
-        template
-            .render(minijinja::context! {
-                messages => messages,
-                add_generation_prompt => add_generation_prompt,
-                bos_token => token(self.bos),
-                eos_token => token(self.eos),
-            })
-            .map_err(|e| Error::ChatTemplate(format!("rendering: {e}")))
+        let now = chrono::Local::now().naive_local();
+        chat::render(source, request, &token(self.bos), &token(self.eos), now)
     }
 
     /// The vocabulary size, special tokens included.

@@ -76,7 +76,7 @@ pub(super) async fn chat_completions(
 ) -> std::result::Result<Response, ApiError> {
     let body: ChatBody = parse(body)?;
     api.check_model(body.sampling.model.as_deref())?;
-    let prompt = api.chat_prompt(body.messages.as_deref())?;
+    let prompt = api.chat_prompt(&body)?;
     let max = body.max_completion_tokens.or(body.sampling.max_tokens);
     // Without a limit a chat reply may fill the context (OpenAI's default).
     let room = api.0.context.saturating_sub(prompt.len()) as u64;

@@ -86,6 +86,13 @@ pub(super) struct CompletionBody {
 pub(super) struct ChatBody {
     pub(super) messages: Option<Vec<ChatMessageBody>>,
     pub(super) max_completion_tokens: Option<u64>,
+    /// Tool definitions, rendered into the prompt by the chat template (with
+    /// `tool_choice: "none"`: this server does not parse tool calls out of the answer).
+    pub(super) tools: Option<Vec<Value>>,
+    /// Extra variables of the chat template (vLLM's field: `{"enable_thinking": false}`).
+    pub(super) chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// Open the assistant's turn (vLLM's field; default true).
+    pub(super) add_generation_prompt: Option<bool>,
     #[serde(flatten)]
     pub(super) sampling: SamplingBody,
 }
@@ -94,6 +101,17 @@ pub(super) struct ChatBody {
 pub(super) struct ChatMessageBody {
     pub(super) role: String,
     pub(super) content: Option<Value>,
+    /// Every other field (`tool_calls`, `tool_call_id`, `name`, ...), passed to the template.
+    #[serde(flatten)]
+    pub(super) other: serde_json::Map<String, Value>,
+}
+
+/// What a chat's template is rendered with besides its messages.
+#[derive(Debug, Default)]
+pub(super) struct ChatOptions<'a> {
+    pub(super) add_generation_prompt: bool,
+    pub(super) tools: Option<&'a [Value]>,
+    pub(super) kwargs: Option<&'a serde_json::Map<String, Value>>,
 }
 
 /// The body as JSON of type `T`, or the 4xx that says why not.
@@ -211,27 +229,38 @@ impl Api {
         }
     }
 
-    /// The prompt of a chat: its messages through the model's chat template.
-    pub(super) fn chat_prompt(
-        &self,
-        messages: Option<&[ChatMessageBody]>,
-    ) -> std::result::Result<Vec<u32>, ApiError> {
-        self.chat_prompt_with(messages, true)
+    /// The prompt of a chat: its messages (and tools, template arguments) through the
+    /// model's chat template.
+    pub(super) fn chat_prompt(&self, body: &ChatBody) -> std::result::Result<Vec<u32>, ApiError> {
+        let tools = body.tools.as_deref().filter(|t| !t.is_empty());
+        if tools.is_some()
+            && body.sampling.other.get("tool_choice").and_then(Value::as_str) != Some("none")
+        {
+            return Err(ApiError::invalid(
+                "unsupported_parameter",
+                "`tools` needs `tool_choice`: \"none\": this server renders the tools into the prompt but does not parse tool calls out of the answer",
+            ));
+        }
+        let options = ChatOptions {
+            add_generation_prompt: body.add_generation_prompt.unwrap_or(true),
+            tools,
+            kwargs: body.chat_template_kwargs.as_ref(),
+        };
+        self.chat_prompt_with(body.messages.as_deref(), &options)
     }
 
-    /// The token ids of `messages` through the chat template, opening the assistant's turn
-    /// when `add_generation_prompt`.
+    /// The token ids of `messages` through the chat template with `options`.
     pub(super) fn chat_prompt_with(
         &self,
         messages: Option<&[ChatMessageBody]>,
-        add_generation_prompt: bool,
+        options: &ChatOptions<'_>,
     ) -> std::result::Result<Vec<u32>, ApiError> {
         let messages = match messages {
             None => return Err(ApiError::invalid("missing_messages", "`messages` is required")),
             Some([]) => return Err(ApiError::invalid("empty_messages", "`messages` is empty")),
             Some(m) => m,
         };
-        let mut chat = Vec::with_capacity(messages.len());
+        let mut chat: Vec<Value> = Vec::with_capacity(messages.len());
         for (i, m) in messages.iter().enumerate() {
             let content = match &m.content {
                 None | Some(Value::Null) => String::new(),
@@ -261,15 +290,23 @@ impl Api {
                     ))
                 }
             };
-            chat.push(layers::ChatMessage::new(&m.role, &content));
+            let mut message = m.other.clone();
+            message.insert("role".into(), m.role.clone().into());
+            message.insert("content".into(), content.into());
+            chat.push(Value::Object(message));
         }
-        let text =
-            self.0.tokenizer.apply_chat_template(&chat, add_generation_prompt).map_err(|e| {
-                ApiError::invalid(
-                    "chat_template",
-                    format!("cannot apply the model's chat template: {e}"),
-                )
-            })?;
+        let request = layers::tokenizer::chat::ChatRequest {
+            messages: chat,
+            tools: options.tools.map(|t| Value::Array(t.to_vec())),
+            add_generation_prompt: options.add_generation_prompt,
+            extra: options.kwargs.cloned().unwrap_or_default(),
+        };
+        let text = self.0.tokenizer.render_chat(&request).map_err(|e| {
+            ApiError::invalid(
+                "chat_template",
+                format!("cannot apply the model's chat template: {e}"),
+            )
+        })?;
         self.encode(&text)
     }
 
