@@ -10,6 +10,8 @@ pub mod matvec;
 pub mod norm;
 #[cfg(target_arch = "x86_64")]
 mod qdot_avx2;
+#[cfg(target_arch = "x86_64")]
+mod qdot_avx512;
 pub mod qmatrix;
 pub mod quant;
 pub mod rope;

@@ -6,8 +6,9 @@
 //! products of the same weight values and differs only in summation order. Decode reads every
 //! weight once, so its speed is the memory bandwidth divided by the weight bytes: 4-bit
 //! weights move 7× fewer bytes than f32, and a batch of rows reads them once per tile.
-//! Kernels are dispatched at run time to the widest SIMD level the CPU has (through `pulp`),
-//! without `target-cpu=native`.
+//! Kernels are chosen at run time, without `target-cpu=native`: AVX-512 (`qdot_avx512`) when
+//! the CPU has AVX-512F, else AVX2 (`qdot_avx2`, through `pulp`), else portable code; the same
+//! family for every batch size, so a row's bits do not depend on how many rows share a call.
 //!
 //! Storage is repacked at load: scales (and minimums) as f32 arrays, quants as bytes, all in
 //! row-major block order. Q4_0 is stored as Q4_1 with minimum `-8·d`, so one 4-bit kernel
@@ -21,7 +22,7 @@ use half::f16;
 use pulp::{Arch, Simd, WithSimd};
 use rayon::prelude::*;
 
-/// Rows per parallel task in [`qmatvec`].
+/// Weight rows per parallel task in [`qmatmul`].
 const ROWS_PER_TASK: usize = 32;
 
 /// Bits per quantized weight.
@@ -227,36 +228,72 @@ impl WeightBuffers for QMatrix {
     }
 }
 
-/// Activation rows multiplied together: each weight block is dequantized once per tile (one
-/// accumulator per row, the block's four registers and the constants fit AVX2's 16).
+/// Activation rows multiplied together by the AVX2 kernels: each weight block is dequantized
+/// once per tile (one accumulator per row, the block's four registers and the constants fit
+/// AVX2's 16).
 const X_TILE: usize = 8;
 
 /// `out[i, r] = x[i, :] · w[r, :]` for the `m` rows of `x` (`[m, cols]`, row-major) into
 /// `out` (`[m, rows]`), in the current rayon pool: f32 products of the dequantized weights
 /// (dequantized in registers, block by block, never into a matrix), so the result differs
 /// from the f32 product with [`QMatrix::dequantize`]'s matrix only by summation order. Each
-/// weight block is read once per tile of [`X_TILE`] rows, so a batch of decode rows costs
-/// little more memory traffic than one.
+/// weight block is read once per tile of up to 8 rows, so a batch of decode rows costs little
+/// more memory traffic than one.
 ///
-/// A row's result does not depend on the other rows of `x`: a sequence decoded alone or in
-/// a batch gets the same bits.
+/// The kernels are the widest the CPU has (AVX-512F, else AVX2 with FMA, else portable code),
+/// the same for every `m`. A row's result does not depend on the other rows of `x`: a sequence
+/// decoded alone or in a batch gets the same bits.
 ///
 /// Lengths must agree (`x.len() == m * cols`, `out.len() == m * rows`); callers check.
 pub fn qmatmul(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32]) {
-    qmatmul_with(w, x, m, out, true);
+    qmatmul_with(w, x, m, out, Kernels::Avx512);
 }
 
-/// [`qmatmul`], optionally without the AVX2 kernels (so tests cover the portable ones too).
-fn qmatmul_with(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32], allow_avx2: bool) {
+/// The kernel families of [`qmatmul`], narrowest first.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Kernels {
+    /// Plain Rust (`pulp`'s dispatch), in the AVX2 kernels' lane order.
+    Portable,
+    /// AVX2 and FMA, 8 lanes per accumulator.
+    Avx2,
+    /// AVX-512F, 16 lanes per accumulator.
+    Avx512,
+}
+
+/// [`qmatmul`] on the widest kernels the CPU has, but no wider than `widest` (so tests cover
+/// the narrower ones too); returns the kernels that ran (`Portable` when there was nothing to
+/// compute).
+fn qmatmul_with(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32], widest: Kernels) -> Kernels {
     if m == 0 || w.rows == 0 {
-        return;
+        return Kernels::Portable;
     }
     // Tasks own ranges of weight rows; with several activation rows they write a
     // `[rows, m]` block, transposed into `out` at the end.
     let mut transposed = if m == 1 { Vec::new() } else { vec![0f32; w.rows * m] };
     let target: &mut [f32] = if m == 1 { out } else { &mut transposed };
-    #[cfg(target_arch = "x86_64")]
-    if let Some(v3) = pulp::x86::V3::try_new().filter(|_| allow_avx2) {
+    let ran = tasks(w, x, m, target, widest);
+    if m > 1 {
+        for (r, col) in transposed.chunks_exact(m).enumerate() {
+            for (i, v) in col.iter().enumerate() {
+                out[i * w.rows + r] = *v;
+            }
+        }
+    }
+    ran
+}
+
+/// [`qmatmul_with`]'s tasks, into `target` (`[rows, m]`).
+#[cfg(target_arch = "x86_64")]
+fn tasks(w: &QMatrix, x: &[f32], m: usize, target: &mut [f32], widest: Kernels) -> Kernels {
+    use super::qdot_avx512::Avx512;
+    if let Some(k) = Avx512::try_new().filter(|_| widest >= Kernels::Avx512) {
+        target.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, part)| {
+            k.rows(w, x, m, c * ROWS_PER_TASK, part);
+        });
+        return Kernels::Avx512;
+    }
+    if let Some(v3) = pulp::x86::V3::try_new().filter(|_| widest >= Kernels::Avx2) {
         // The activations as registers, converted once: the kernels then load them directly.
         let x: Vec<core::arch::x86_64::__m256> =
             pulp::as_arrays::<8, f32>(x).0.iter().map(|a| pulp::cast(*a)).collect();
@@ -267,21 +304,17 @@ fn qmatmul_with(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32], allow_avx2: b
                 Avx2Rows { v3, w, x, m, first_row: c * ROWS_PER_TASK, out: part },
             );
         });
-    } else {
-        portable(w, x, m, target);
+        return Kernels::Avx2;
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = allow_avx2;
-        portable(w, x, m, target);
-    }
-    if m > 1 {
-        for (r, col) in transposed.chunks_exact(m).enumerate() {
-            for (i, v) in col.iter().enumerate() {
-                out[i * w.rows + r] = *v;
-            }
-        }
-    }
+    portable(w, x, m, target);
+    Kernels::Portable
+}
+
+/// [`qmatmul_with`]'s tasks, into `target` (`[rows, m]`).
+#[cfg(not(target_arch = "x86_64"))]
+fn tasks(w: &QMatrix, x: &[f32], m: usize, target: &mut [f32], _widest: Kernels) -> Kernels {
+    portable(w, x, m, target);
+    Kernels::Portable
 }
 
 /// [`qmatmul_with`]'s tasks on the portable kernels, into `target` (`[rows, m]`).
@@ -488,51 +521,132 @@ mod tests {
         out
     }
 
+    /// The kernels [`qmatmul_with`] should run when allowed up to `widest` on this CPU.
+    fn expected(widest: Kernels) -> Kernels {
+        #[cfg(target_arch = "x86_64")]
+        let has = if std::is_x86_feature_detected!("avx512f") {
+            Kernels::Avx512
+        } else if pulp::x86::V3::try_new().is_some() {
+            Kernels::Avx2
+        } else {
+            Kernels::Portable
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let has = Kernels::Portable;
+        has.min(widest)
+    }
+
+    const ALL_KERNELS: [Kernels; 3] = [Kernels::Avx512, Kernels::Avx2, Kernels::Portable];
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
     #[test]
     fn qmatmul_is_the_f32_product_of_the_dequantized_matrix() {
         let (rows, cols) = (70, 256);
         let w = random_vec(rows * cols, 2);
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let mut ran = Vec::new();
         for f in [BlockFormat::Q8_0, BlockFormat::Q4_0, BlockFormat::Q4_1] {
             let q = QMatrix::from_blocks(f, rows, cols, &quantize(f, &w)).unwrap();
             let deq = q.dequantize();
-            for m in [1, 2, 3, 4, 5, 7, 8, 9, 16, 33] {
+            for m in [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33] {
                 let x = random_vec(m * cols, 3 + m as u64);
                 let want = reference(&deq, &x, m, cols);
-                for avx2 in [true, false] {
+                for widest in ALL_KERNELS {
                     let mut out = vec![0.0; m * rows];
-                    pool.install(|| qmatmul_with(&q, &x, m, &mut out, avx2));
+                    let k = pool.install(|| qmatmul_with(&q, &x, m, &mut out, widest));
+                    assert_eq!(k, expected(widest), "{f:?} m={m}, up to {widest:?}");
                     for (g, (w, bound)) in out.iter().zip(&want) {
                         assert!(
                             (f64::from(*g) - w).abs() <= *bound,
-                            "{f:?} m={m} avx2 allowed {avx2}: {g} vs {w} (bound {bound})"
+                            "{f:?} m={m} on {k:?}: {g} vs {w} (bound {bound})"
                         );
+                    }
+                    ran.push(k);
+                }
+            }
+        }
+        ran.sort();
+        ran.dedup();
+        eprintln!("checked kernels: {ran:?}");
+    }
+
+    /// A row's product is the same bits alone and in any batch: every batch size up to past
+    /// both kernels' tiles (so every tile size, and rows in every place of a tile), on every
+    /// kernel family the CPU has.
+    #[test]
+    fn a_rows_product_does_not_depend_on_the_rest_of_the_batch() {
+        let (rows, cols) = (45, 192);
+        let w = random_vec(rows * cols, 6);
+        let most = X_TILE.max(super::super::qdot_avx512::X_TILE) + 3;
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        for f in [BlockFormat::Q8_0, BlockFormat::Q4_1] {
+            let q = QMatrix::from_blocks(f, rows, cols, &quantize(f, &w)).unwrap();
+            let batch = random_vec(most * cols, 7);
+            for widest in ALL_KERNELS {
+                let alone: Vec<Vec<f32>> = (0..most)
+                    .map(|i| {
+                        let mut one = vec![0.0; rows];
+                        let x = &batch[i * cols..(i + 1) * cols];
+                        let k = pool.install(|| qmatmul_with(&q, x, 1, &mut one, widest));
+                        assert_eq!(k, expected(widest));
+                        one
+                    })
+                    .collect();
+                for m in 2..=most {
+                    let mut all = vec![0.0; m * rows];
+                    let k =
+                        pool.install(|| qmatmul_with(&q, &batch[..m * cols], m, &mut all, widest));
+                    for (i, one) in alone.iter().take(m).enumerate() {
+                        let got = &all[i * rows..(i + 1) * rows];
+                        assert_eq!(bits(one), bits(got), "{f:?} on {k:?}: row {i} of {m}");
                     }
                 }
             }
         }
     }
 
-    /// A row's product is the same bits alone and in any batch (every tile size and place).
+    /// `Σ w[j]·x[j]` in the AVX-512 kernels' order: fused multiply-adds into 16 lanes (`j` into
+    /// lane `j % 16`, in order), then the lanes summed by `qdot_avx512::hsum`'s tree.
+    fn fused_lanes16(w: &[f32], x: &[f32]) -> f32 {
+        let mut a = [0f32; 16];
+        for (j, (w, x)) in w.iter().zip(x).enumerate() {
+            a[j % 16] = w.mul_add(*x, a[j % 16]);
+        }
+        let s8: [f32; 8] = core::array::from_fn(|l| a[l] + a[l + 8]);
+        let s4: [f32; 4] = core::array::from_fn(|l| s8[l] + s8[l + 4]);
+        (s4[0] + s4[2]) + (s4[1] + s4[3])
+    }
+
+    /// The AVX-512 kernels multiply exactly the dequantized weights, in the order of
+    /// `fused_lanes16`: bit for bit, for every batch size past a tile.
     #[test]
-    fn a_rows_product_does_not_depend_on_the_rest_of_the_batch() {
-        let (rows, cols) = (45, 192);
-        let w = random_vec(rows * cols, 6);
+    fn the_avx512_kernels_are_the_16_lane_fused_sum_of_the_dequantized_weights() {
+        let (rows, cols) = (37, 160);
+        let w = random_vec(rows * cols, 8);
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-        for f in [BlockFormat::Q8_0, BlockFormat::Q4_1] {
+        for f in [BlockFormat::Q8_0, BlockFormat::Q4_0, BlockFormat::Q4_1] {
             let q = QMatrix::from_blocks(f, rows, cols, &quantize(f, &w)).unwrap();
-            let batch = random_vec(11 * cols, 7);
-            for avx2 in [true, false] {
-                let mut all = vec![0.0; 11 * rows];
-                pool.install(|| qmatmul_with(&q, &batch, 11, &mut all, avx2));
-                for i in [0, 3, 4, 9, 10] {
-                    let mut one = vec![0.0; rows];
-                    pool.install(|| {
-                        qmatmul_with(&q, &batch[i * cols..(i + 1) * cols], 1, &mut one, avx2)
-                    });
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&one), bits(&all[i * rows..(i + 1) * rows]), "{f:?} row {i}");
+            let deq = q.dequantize();
+            for m in 1..=17 {
+                let x = random_vec(m * cols, 9 + m as u64);
+                let mut out = vec![0.0; m * rows];
+                let k = pool.install(|| qmatmul_with(&q, &x, m, &mut out, Kernels::Avx512));
+                if k != Kernels::Avx512 {
+                    // Without AVX-512F the widest kernels the CPU has must have run instead.
+                    assert_eq!(k, expected(Kernels::Avx512));
+                    eprintln!("note: the CPU lacks AVX-512F; {k:?} ran in its place");
+                    return;
                 }
+                let want: Vec<f32> = (0..m * rows)
+                    .map(|o| {
+                        let (i, r) = (o / rows, o % rows);
+                        fused_lanes16(&deq[r * cols..][..cols], &x[i * cols..][..cols])
+                    })
+                    .collect();
+                assert_eq!(bits(&out), bits(&want), "{f:?} m={m}");
             }
         }
     }
@@ -560,12 +674,11 @@ mod tests {
                 .iter()
                 .all(|b| (b.as_ptr() as usize).is_multiple_of(crate::memory::ALIGN)));
             assert_eq!(moved.nbytes(), heap.nbytes());
-            for avx2 in [true, false] {
+            for widest in ALL_KERNELS {
                 let (mut a, mut b) = (vec![0.0; 3 * rows], vec![0.0; 3 * rows]);
-                pool.install(|| qmatmul_with(&heap, &x, 3, &mut a, avx2));
-                pool.install(|| qmatmul_with(&moved, &x, 3, &mut b, avx2));
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&a), bits(&b), "{f:?}, avx2 allowed: {avx2}");
+                let k = pool.install(|| qmatmul_with(&heap, &x, 3, &mut a, widest));
+                pool.install(|| qmatmul_with(&moved, &x, 3, &mut b, widest));
+                assert_eq!(bits(&a), bits(&b), "{f:?} on {k:?}");
             }
             assert_eq!(moved.dequantize(), heap.dequantize());
         }

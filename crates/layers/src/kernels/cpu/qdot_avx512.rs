@@ -1,0 +1,293 @@
+//! AVX-512 kernels for [`super::qmatrix::qmatmul`]: each block of 32 quantized weights is
+//! dequantized into two registers of 16 f32 (elements 0..16 and 16..32) and multiplied into
+//! the f32 activations of up to [`X_TILE`] rows at once, so the weights are read and
+//! dequantized once per tile of rows.
+//!
+//! A 4-bit block's values are `d·q + m` for `q` in 0..16, so the kernel computes those 16
+//! values once per block (multiplied, then added, exactly as
+//! [`super::qmatrix::QMatrix::dequantize_row`] does) and picks each weight's value from them
+//! with one permute per 16 weights, indexed by the nibbles: the weights are the same f32
+//! values, for fewer instructions than converting every nibble to f32. The low nibbles are
+//! elements 0..16 of the block and the high nibbles 16..32, which is one register each.
+//!
+//! Every (weight row, activation row) pair has one accumulator of 16 lanes, into which the
+//! blocks are multiplied and added in order (the low half, then the high half), and which is
+//! summed by [`hsum`]'s fixed tree: the operations on a pair do not depend on the other rows
+//! of the tile, so a row's result is the same bits whatever tile it is computed in.
+//!
+//! A decoded row reads each weight once, so decode is limited by how fast the weights stream
+//! in; the rows of a tile are short streams side by side, which the hardware prefetchers do
+//! not follow well, so the kernels prefetch each row's quants [`PREFETCH`] bytes ahead (on
+//! this project's machines that made the single-row product about 1.5× faster).
+//!
+//! One of the modules of the crate with `unsafe`: the kernels are compiled for AVX-512F, and
+//! the safe entry point, a method of [`Avx512`], calls them because that token exists only
+//! when the CPU has it; the loads take pointers into arrays of exactly one register's bytes.
+//!
+//! Needs Rust 1.89, where the AVX-512 intrinsics and target features became stable.
+#![allow(unsafe_code)]
+
+use super::qmatrix::{QBits, QMatrix};
+use super::quant::BLOCK;
+use core::arch::x86_64::*;
+
+/// Activation rows multiplied together: with two weight rows, their 16 accumulators, the two
+/// blocks' four registers and the constants fit in the 32 zmm registers.
+pub(super) const X_TILE: usize = 8;
+/// How far ahead of each row's quants the kernels prefetch, in bytes (several tiles of rows
+/// ahead; 2 KiB was slower, 8 KiB no faster).
+const PREFETCH: usize = 4096;
+
+/// Proof that the CPU has AVX-512F, which the kernels need.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Avx512(());
+
+impl Avx512 {
+    /// The token, when the CPU has AVX-512F.
+    pub(super) fn try_new() -> Option<Self> {
+        std::is_x86_feature_detected!("avx512f").then_some(Avx512(()))
+    }
+
+    /// Rows `first_row..` of [`super::qmatrix::qmatmul`] of `w` and the `m` rows of `x`
+    /// (`[m, cols]`): `out` is `[rows of the task, m]`, `out[r · m + i]` the product of weight
+    /// row `first_row + r` and activation row `i`.
+    ///
+    /// Lengths must agree (`x.len() == m · cols`, `out.len()` a multiple of `m`, the rows in
+    /// `w`); slicing panics otherwise.
+    pub(super) fn rows(self, w: &QMatrix, x: &[f32], m: usize, first_row: usize, out: &mut [f32]) {
+        let (scales, mins, qs) = w.parts();
+        let nb = w.dims().1 / BLOCK;
+        let rows = out.len() / m;
+        let x = pulp::as_arrays::<16, f32>(&x[..m * nb * BLOCK]).0;
+        let job = Job { scales: &scales[first_row * nb..][..rows * nb], mins, qs, nb, x, m };
+        match w.bits() {
+            QBits::Four => {
+                let mins = &mins[first_row * nb..][..rows * nb];
+                let qs = &qs[first_row * nb * 16..][..rows * nb * 16];
+                // SAFETY: `self` exists only when the CPU has AVX-512F.
+                unsafe { Job { mins, qs, ..job }.run::<true>(out) }
+            }
+            QBits::Eight => {
+                let qs = &qs[first_row * nb * 32..][..rows * nb * 32];
+                // SAFETY: as above.
+                unsafe { Job { qs, ..job }.run::<false>(out) }
+            }
+        }
+    }
+}
+
+/// A task's weight rows and every activation row.
+#[derive(Clone, Copy)]
+struct Job<'a> {
+    /// The task's rows' scales, `nb` per row.
+    scales: &'a [f32],
+    /// Their minimums (4-bit weights), `nb` per row.
+    mins: &'a [f32],
+    /// Their quants, `nb · 16` (4-bit) or `nb · 32` bytes per row.
+    qs: &'a [u8],
+    /// Blocks per row.
+    nb: usize,
+    /// The activations, 16 values per array, `2 · nb` arrays per row.
+    x: &'a [[f32; 16]],
+    m: usize,
+}
+
+/// One weight row's blocks: `qs` holds 16 bytes per block (4-bit) or 32 (8-bit).
+#[derive(Clone, Copy)]
+struct Row<'a> {
+    scales: &'a [f32],
+    mins: &'a [f32],
+    qs: &'a [[u8; 16]],
+}
+
+impl<'a> Job<'a> {
+    /// Weight row `r` of the task, for `FOUR`-bit weights (8-bit otherwise).
+    #[inline(always)]
+    fn row<const FOUR: bool>(&self, r: usize) -> Row<'a> {
+        let nb = self.nb;
+        let per_block = if FOUR { 1 } else { 2 };
+        let qs = pulp::as_arrays::<16, u8>(self.qs).0;
+        Row {
+            scales: &self.scales[r * nb..][..nb],
+            mins: if FOUR { &self.mins[r * nb..][..nb] } else { &[] },
+            qs: &qs[r * nb * per_block..][..nb * per_block],
+        }
+    }
+
+    /// Every activation row, in tiles of up to [`X_TILE`], each against `R` weight rows at a
+    /// time: 4 for a lone row (independent chains of multiply-adds for the core), 2 for more
+    /// (each activation load then serves two rows; on the model's shapes this was faster than
+    /// 1 for every tile size, and 3 runs out of registers). The sums are the same for every
+    /// tile.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn run<const FOUR: bool>(self, out: &mut [f32]) {
+        let mut i = 0;
+        while i < self.m {
+            let t = (self.m - i).min(X_TILE);
+            match t {
+                1 => self.tile::<1, 4, FOUR>(i, out),
+                2 => self.tile::<2, 2, FOUR>(i, out),
+                3 => self.tile::<3, 2, FOUR>(i, out),
+                4 => self.tile::<4, 2, FOUR>(i, out),
+                5 => self.tile::<5, 2, FOUR>(i, out),
+                6 => self.tile::<6, 2, FOUR>(i, out),
+                7 => self.tile::<7, 2, FOUR>(i, out),
+                _ => self.tile::<8, 2, FOUR>(i, out),
+            }
+            i += t;
+        }
+    }
+
+    /// Activation rows `first..first + T` times every weight row of the task, `R` weight rows
+    /// at a time, into `out[r · m + first + t]`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn tile<const T: usize, const R: usize, const FOUR: bool>(self, first: usize, out: &mut [f32]) {
+        let g = 2 * self.nb;
+        let xs: [&[[f32; 16]]; T] = core::array::from_fn(|t| &self.x[(first + t) * g..][..g]);
+        let rows = out.len() / self.m;
+        let mut r = 0;
+        while r + R <= rows {
+            let dots =
+                row_dots::<T, R, FOUR>(core::array::from_fn(|j| self.row::<FOUR>(r + j)), xs);
+            for (j, d) in dots.iter().enumerate() {
+                out[(r + j) * self.m + first..][..T].copy_from_slice(d);
+            }
+            r += R;
+        }
+        for r in r..rows {
+            let [d] = row_dots::<T, 1, FOUR>([self.row::<FOUR>(r)], xs);
+            out[r * self.m + first..][..T].copy_from_slice(&d);
+        }
+    }
+}
+
+/// `rows[r] · xs[t]` for `R` weight rows and `T` activation rows (each `2 · nb` arrays of 16),
+/// one accumulator per pair.
+///
+/// # Panics
+/// When the rows do not all hold `nb` blocks, or an activation row is not `2 · nb` arrays.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn row_dots<const T: usize, const R: usize, const FOUR: bool>(
+    rows: [Row<'_>; R],
+    xs: [&[[f32; 16]]; T],
+) -> [[f32; T]; R] {
+    let nb = rows[0].scales.len();
+    let per_block = if FOUR { 1 } else { 2 };
+    assert!(rows.iter().all(|r| {
+        r.scales.len() == nb && r.qs.len() == per_block * nb && (!FOUR || r.mins.len() == nb)
+    }));
+    assert!(xs.iter().all(|x| x.len() == 2 * nb));
+    // Pointers, checked above: with slices, every load would keep its bounds check.
+    let xs: [*const [f32; 16]; T] = core::array::from_fn(|t| xs[t].as_ptr());
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    for b in 0..nb {
+        for r in 0..R {
+            // A hint only: the address may lie past the matrix, which a prefetch does not
+            // fault on (`wrapping_add` keeps the pointer arithmetic defined).
+            let ahead = rows[r].qs.as_ptr().wrapping_add(b * per_block).cast::<i8>();
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(PREFETCH));
+            // SAFETY: `b < nb`, and the row holds `nb` blocks (checked above).
+            let [lo, hi] = unsafe {
+                if FOUR {
+                    q4_block(rows[r], b)
+                } else {
+                    q8_block(rows[r], b)
+                }
+            };
+            for t in 0..T {
+                // SAFETY: `2 · b + 1 < 2 · nb`, the length of activation row `t`.
+                let (xl, xh) = unsafe { (load(xs[t].add(2 * b)), load(xs[t].add(2 * b + 1))) };
+                let a = &mut acc[r][t];
+                *a = _mm512_fmadd_ps(lo, xl, *a);
+                *a = _mm512_fmadd_ps(hi, xh, *a);
+            }
+        }
+    }
+    let mut out = [[0.0; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            out[r][t] = hsum(acc[r][t]);
+        }
+    }
+    out
+}
+
+/// Block `b` of a 4-bit row: `d·q + m` for the 16 values of `q`, then each nibble's value.
+///
+/// # Safety
+/// The CPU has AVX-512F, and the row has more than `b` blocks.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn q4_block(row: Row<'_>, b: usize) -> [__m512; 2] {
+    let steps = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    );
+    // SAFETY: the row has more than `b` blocks, by the caller's promise.
+    let (d, m, q) = unsafe {
+        (*row.scales.get_unchecked(b), *row.mins.get_unchecked(b), row.qs.as_ptr().add(b))
+    };
+    let values = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d), steps), _mm512_set1_ps(m));
+    // One byte per lane: the permute reads the low 4 bits of each lane, the low nibble.
+    // SAFETY: `q` points to the block's 16 bytes.
+    let q = _mm512_cvtepu8_epi32(unsafe { load_bytes(q) });
+    [_mm512_permutexvar_ps(q, values), _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), values)]
+}
+
+/// Block `b` of an 8-bit row: `d·q`.
+///
+/// # Safety
+/// The CPU has AVX-512F, and the row has more than `b` blocks.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn q8_block(row: Row<'_>, b: usize) -> [__m512; 2] {
+    // SAFETY: the row has more than `b` blocks of two arrays of 16 bytes, by the caller's
+    // promise.
+    let (d, q) = unsafe { (*row.scales.get_unchecked(b), row.qs.as_ptr().add(2 * b)) };
+    let d = _mm512_set1_ps(d);
+    // SAFETY: `q` and the array after it are the block's 32 bytes.
+    let (lo, hi) = unsafe { (load_bytes(q), load_bytes(q.add(1))) };
+    [
+        _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo))),
+        _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi))),
+    ]
+}
+
+/// The 16 bytes at `q` as a register.
+///
+/// # Safety
+/// The CPU has AVX-512F, and `q` points into a live array.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn load_bytes(q: *const [u8; 16]) -> __m128i {
+    // SAFETY: the caller's promise; the load has no alignment requirement.
+    unsafe { _mm_loadu_si128(q.cast()) }
+}
+
+/// The 16 floats at `x` as a register.
+///
+/// # Safety
+/// The CPU has AVX-512F, and `x` points into a live array.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn load(x: *const [f32; 16]) -> __m512 {
+    // SAFETY: the caller's promise; the load has no alignment requirement.
+    unsafe { _mm512_loadu_ps(x.cast()) }
+}
+
+/// The sum of the 16 lanes as a fixed tree: lanes `l` and `l + 8` first, then `l` and `l + 4`,
+/// `l` and `l + 2`, and the last two (the twin of the tests' scalar reference).
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn hsum(v: __m512) -> f32 {
+    let lo = _mm512_castps512_ps256(v);
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+    let s8 = _mm256_add_ps(lo, hi);
+    let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+    let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2)))
+}
