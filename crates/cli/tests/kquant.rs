@@ -6,12 +6,12 @@
 
 use layers::gguf::{GgmlType, GgufFile, GgufWriter};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Output;
+use std::time::Duration;
 
 mod common;
 
-use common::{kill_all, leftovers, marker, scratch, tpctl_bin};
+use common::scratch;
 
 const DEADLINE: Duration = Duration::from_secs(90);
 
@@ -20,28 +20,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn tpctl(args: &[&str]) -> Output {
-    let mark = marker();
-    let mut child = Command::new(tpctl_bin())
-        .args(args)
-        .env("TPCTL_TEST_MARK", &mark)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start tpctl");
-    let start = Instant::now();
-    while child.try_wait().expect("wait for tpctl").is_none() {
-        if start.elapsed() > DEADLINE {
-            let _ = child.kill();
-            kill_all(&mark);
-            panic!("tpctl still running after {DEADLINE:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().expect("collect output");
-    assert_eq!(leftovers(&mark), Vec::<u32>::new(), "processes left behind");
-    out
+    common::run_tpctl(args, DEADLINE)
 }
 
 fn text(out: &Output) -> String {

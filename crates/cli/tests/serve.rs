@@ -52,29 +52,7 @@ fn chat_model() -> &'static str {
 const CHAT_TEMPLATE: &str = "{% for m in messages %}t1{{ m.content }}t2{% endfor %}{% if add_generation_prompt %}t3{% endif %}";
 
 fn tpctl(args: &[&str]) -> Output {
-    let mark = marker();
-    let mut child = Command::new(tpctl_bin())
-        .args(args)
-        .env("TPCTL_TEST_MARK", &mark)
-        .env_remove("RUST_LOG")
-        .env_remove("TPCTL_API_KEY")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start tpctl");
-    let start = Instant::now();
-    while child.try_wait().expect("wait for tpctl").is_none() {
-        if start.elapsed() > DEADLINE {
-            let _ = child.kill();
-            kill_all(&mark);
-            panic!("tpctl {args:?} still running after {DEADLINE:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().expect("collect output");
-    assert_eq!(leftovers(&mark), Vec::<u32>::new(), "processes left behind");
-    out
+    common::run_tpctl(args, DEADLINE)
 }
 
 /// A running `tpctl serve`; killed with everything it started if a test fails.

@@ -4,7 +4,7 @@
 #![allow(dead_code)] // each test binary uses a part of these helpers
 
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 
 /// The `tpctl` binary under test: `$TPCTL_BIN` when set (the tests run from a bundle on a
@@ -121,4 +121,32 @@ pub fn tiny_q4_model() -> &'static str {
         spec.write(&path).expect("write the Q4_1 model");
         path.to_string_lossy().into_owned()
     })
+}
+
+/// Runs `tpctl ARGS` to its end (no RUST_LOG, no API key from the environment), killing it and
+/// everything it started if it outlives `deadline`, and checking nothing is left behind.
+pub fn run_tpctl(args: &[&str], deadline: std::time::Duration) -> Output {
+    let mark = marker();
+    let mut child = Command::new(tpctl_bin())
+        .args(args)
+        .env("TPCTL_TEST_MARK", &mark)
+        .env_remove("RUST_LOG")
+        .env_remove("TPCTL_API_KEY")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start tpctl");
+    let start = std::time::Instant::now();
+    while child.try_wait().expect("wait for tpctl").is_none() {
+        if start.elapsed() > deadline {
+            let _ = child.kill();
+            kill_all(&mark);
+            panic!("tpctl {args:?} still running after {deadline:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().expect("collect output");
+    assert_eq!(leftovers(&mark), Vec::<u32>::new(), "processes left behind");
+    out
 }
