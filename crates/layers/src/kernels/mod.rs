@@ -137,6 +137,8 @@ pub enum Kv<'a> {
         /// Values.
         v: &'a dyn DeviceMemory,
     },
+    /// Host memory in blocks of a paged KV cache (CPU backend only).
+    Paged(cpu::attention::KvBlocks<'a>),
 }
 
 /// The element type the CUDA backend keeps weight matrices in and multiplies them in (cuBLAS,
@@ -391,6 +393,11 @@ impl Backend {
                 let (kf, vf) = (k.size() / 4, v.size() / 4);
                 (kf, vf, kf >= need && vf >= need)
             }
+            Kv::Paged(blocks) => {
+                let (k, v) = blocks.blocks();
+                let sum = |b: &[&[f32]]| b.iter().map(|x| x.len()).sum::<usize>();
+                (sum(k), sum(v), blocks.holds(kv_pos.len(), kv_heads * head_dim))
+            }
         };
         check(
             "attention",
@@ -413,13 +420,20 @@ impl Backend {
         };
         let mut out = Tensor::zeros(&[q_pos.len(), q_heads, head_dim]);
         let mut lse = want_lse.then(|| Tensor::zeros(&[q_pos.len(), q_heads]));
-        let Kv::Host { k, v } = kv else { return Err(device_memory_on_cpu("attention")) };
+        let (k, v);
+        let blocks = match kv {
+            Kv::Host { k: kh, v: vh } => {
+                (k, v) = ([kh], [vh]);
+                cpu::attention::KvBlocks::contiguous(&k, &v)
+            }
+            Kv::Paged(blocks) => blocks,
+            Kv::Device { .. } => return Err(device_memory_on_cpu("attention")),
+        };
         cpu.install(|| {
-            cpu::attention::attention(
+            cpu::attention::attention_blocks(
                 q.data(),
                 q_pos,
-                k,
-                v,
+                blocks,
                 kv_pos,
                 shape,
                 out.data_mut(),

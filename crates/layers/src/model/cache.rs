@@ -272,7 +272,7 @@ mod tests {
     fn host(c: &LayerCache) -> (&[f32], &[f32]) {
         match c.kv() {
             Kv::Host { k, v } => (k, v),
-            Kv::Device { .. } => panic!("a host cache reported device memory"),
+            Kv::Device { .. } | Kv::Paged(_) => panic!("a host cache reported other memory"),
         }
     }
 

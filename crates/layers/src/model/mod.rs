@@ -18,12 +18,14 @@
 
 pub mod cache;
 pub mod linear;
+pub mod paged;
 pub mod random;
 #[cfg(test)]
 mod tests;
 
 pub use cache::{KvCache, LayerCache};
 pub use linear::{Linear, Shard, WeightForm, WeightSource};
+pub use paged::{KvPool, PagedCache};
 
 use crate::config::LlamaConfig;
 use crate::error::{Error, Result};

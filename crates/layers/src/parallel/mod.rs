@@ -42,14 +42,15 @@ use crate::kernels::cpu::attention::merge_partial;
 use crate::kernels::{AttnShape, Backend, Kv};
 use crate::memory::{alloc_device_exact, alloc_exact, padded, Arena, DeviceArena, WeightBuffers};
 use crate::model::{
-    load_vector, Attention, KvCache, LayerCache, Linear, Logits, Mlp, Shard, WeightForm,
-    WeightSource,
+    load_vector, Attention, KvCache, KvPool, LayerCache, Linear, Logits, Mlp, PagedCache, Shard,
+    WeightForm, WeightSource,
 };
 use crate::tensor::{Storage, Tensor};
 use collectives::{Collective, Communicator};
 use mesh::TokenShard;
 use std::ops::Range;
 use std::path::Path;
+use std::sync::Arc;
 
 /// The communicators a rank's forward pass uses.
 pub struct Comms<'a> {
@@ -156,6 +157,20 @@ pub fn kv_head_range(cfg: &LlamaConfig, rank: usize, tp: usize) -> Result<Range<
     Ok(head_shard(cfg, rank, tp)?.kv)
 }
 
+/// Bytes of one KV block of `block_size` tokens on the TP rank holding the most KV heads: a
+/// pool sized in bytes holds this many fewer blocks, the same count on every rank (see
+/// [`KvPool`]).
+///
+/// # Errors
+/// As [`head_shard`].
+pub fn kv_block_bytes(cfg: &LlamaConfig, tp: usize, block_size: usize) -> Result<usize> {
+    let mut most = 0;
+    for rank in 0..tp.max(1) {
+        most = most.max(kv_head_range(cfg, rank, tp.max(1))?.len());
+    }
+    Ok(KvPool::bytes(cfg.n_layers, most, cfg.head_dim, block_size, 1))
+}
+
 /// The `head_groups` to give `mesh::plan_mesh` (and `InitOptions::head_groups`) for this
 /// model and a requested TP size. With `tp` unset, the KV heads, so the automatic choice
 /// `gcd(world, n_kv_heads)` keeps whole KV heads per rank; with `tp` set, the query heads, so
@@ -213,21 +228,23 @@ impl ParallelAttention {
         Ok(ParallelAttention { attn, shape })
     }
 
-    /// Attention of one layer for every sequence of a step: `h` holds this rank's rows of all
-    /// of them, packed in `parts` order at `positions`, and `caches` their layer caches in the
-    /// same order. Q/K/V and the output projection are one product each over all rows; each
-    /// sequence attends over its own keys and values; with CP, one collective per layer
-    /// carries every prefill's key/value shards and every extend's partial outputs.
+    /// Attention of layer `layer` for every sequence of a step: `h` holds this rank's rows of
+    /// all of them, packed in `parts` order, and `caches` their caches in the same order.
+    /// Q/K/V and the output projection are one product each over all rows; each sequence
+    /// attends over its own keys and values; with CP, one collective per layer carries every
+    /// prefill's key/value shards and every extend's partial outputs.
     fn forward(
         &self,
         be: &Backend,
         comms: &mut Comms<'_>,
         h: &Tensor,
-        positions: &[usize],
         parts: &[Part],
-        caches: &mut [&mut LayerCache],
+        layer: usize,
+        caches: &mut [&mut ParallelCache],
     ) -> Result<Tensor> {
-        let (q, k, v) = self.attn.qkv(be, h, positions)?;
+        let positions: Vec<usize> =
+            parts.iter().flat_map(|p| p.positions.iter().copied()).collect();
+        let (q, k, v) = self.attn.qkv(be, h, &positions)?;
         let cp = comms.cp.size();
         // A step of one sequence uses the projections as they are (on the device, say).
         let rows = |t: &Tensor, p: &Part| -> Result<Tensor> {
@@ -246,14 +263,14 @@ impl ParallelAttention {
             let (qe, ke, ve) = (rows(&q, p)?, rows(&k, p)?, rows(&v, p)?);
             match &p.split {
                 Split::Prefill(_) => {
-                    cache.append_tensors(be, &ke, &ve, &p.positions)?;
+                    cache.append_tensors(be, layer, &ke, &ve, &p.positions)?;
                     mine.extend_from_slice(ke.data());
                     mine.extend_from_slice(ve.data());
                     outs.push(None);
                 }
                 Split::Extend(_) if p.owned.iter().all(|&o| o) => {
                     // Every new token is this rank's (always without CP).
-                    cache.append_tensors(be, &ke, &ve, &p.positions)?;
+                    cache.append_tensors(be, layer, &ke, &ve, &p.positions)?;
                 }
                 Split::Extend(_) => {
                     let (mut mk, mut mv, mut mp) = (Vec::new(), Vec::new(), Vec::new());
@@ -262,11 +279,13 @@ impl ParallelAttention {
                         mv.extend_from_slice(&ve.data()[i * kv_width..(i + 1) * kv_width]);
                         mp.push(p.positions[i]);
                     }
-                    cache.append(be, &mk, &mv, &mp)?;
+                    cache.append(be, layer, &mk, &mv, &mp)?;
                 }
             }
             if let Split::Extend(_) = p.split {
-                let (out, lse) = self.attn.attend(be, &qe, &p.positions, cache, cp > 1)?;
+                let (out, lse) = cache.with_kv(layer, |kv, kv_pos| {
+                    be.attention(&qe, &p.positions, kv, kv_pos, self.shape, cp > 1)
+                })?;
                 if cp > 1 {
                     let lse = lse.ok_or_else(|| {
                         Error::shape("extend attention", "no log-sum-exp returned")
@@ -399,11 +418,102 @@ impl WeightBuffers for ParallelBlock {
 /// every CP rank holds (the same bookkeeping on every rank).
 #[derive(Debug)]
 pub struct ParallelCache {
-    local: KvCache,
+    local: Local,
     cp_lens: Vec<usize>,
 }
 
+/// Where a rank keeps a sequence's keys and values.
+#[derive(Debug)]
+enum Local {
+    /// Buffers of its own (host or device), sized for the sequence.
+    Own(KvCache),
+    /// Blocks of the rank's pool, named by the sequence's block table.
+    Paged(PagedCache),
+}
+
 impl ParallelCache {
+    /// Appends `layer`'s keys and values of `positions.len()` tokens.
+    fn append(
+        &mut self,
+        be: &Backend,
+        layer: usize,
+        k: &[f32],
+        v: &[f32],
+        positions: &[usize],
+    ) -> Result<()> {
+        match &mut self.local {
+            Local::Own(c) => c.layer_mut(layer).append(be, k, v, positions),
+            Local::Paged(c) => c.append(layer, k, v, positions),
+        }
+    }
+
+    /// As [`ParallelCache::append`] from tensors (a device cache copies device outputs on
+    /// the device).
+    fn append_tensors(
+        &mut self,
+        be: &Backend,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+        positions: &[usize],
+    ) -> Result<()> {
+        match &mut self.local {
+            Local::Own(c) => c.layer_mut(layer).append_tensors(be, k, v, positions),
+            Local::Paged(c) => c.append(layer, k.data(), v.data(), positions),
+        }
+    }
+
+    /// Calls `f` with `layer`'s keys and values and their positions.
+    fn with_kv<R>(&self, layer: usize, f: impl FnOnce(Kv<'_>, &[usize]) -> R) -> R {
+        match &self.local {
+            Local::Own(c) => f(c.layer(layer).kv(), c.layer(layer).positions()),
+            Local::Paged(c) => c.with_kv(layer, f),
+        }
+    }
+
+    /// Appends blocks of the pool to a paged cache's block table (room for more tokens).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a cache with buffers of its own, or a block outside the pool.
+    pub fn extend_table(&mut self, blocks: &[u32]) -> Result<()> {
+        match &mut self.local {
+            Local::Paged(c) => c.extend_table(blocks),
+            Local::Own(_) if blocks.is_empty() => Ok(()),
+            Local::Own(_) => Err(Error::shape(
+                "kv block table",
+                "blocks given to a cache with buffers of its own",
+            )),
+        }
+    }
+
+    /// Takes the first `tokens` tokens of an empty paged cache as already in its blocks (a
+    /// shared prompt prefix). Only without CP: with CP a rank's blocks hold an uneven share.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] with CP, for a cache that is not paged or not empty;
+    /// [`Error::CacheFull`] when the table does not cover the prefix.
+    pub fn assume_prefix(&mut self, tokens: usize) -> Result<()> {
+        match (&mut self.local, self.cp_lens.as_mut_slice()) {
+            (Local::Paged(c), [len]) => {
+                c.assume_prefix(tokens)?;
+                *len = tokens;
+                Ok(())
+            }
+            _ => Err(Error::shape(
+                "kv cache prefix",
+                "a cached prefix needs a paged cache and one CP rank",
+            )),
+        }
+    }
+
+    /// The block table of a paged cache (empty otherwise).
+    pub fn table(&self) -> &[u32] {
+        match &self.local {
+            Local::Paged(c) => c.table(),
+            Local::Own(_) => &[],
+        }
+    }
+
     /// Tokens of the sequence, over all CP ranks.
     pub fn len(&self) -> usize {
         self.cp_lens.iter().sum()
@@ -416,7 +526,10 @@ impl ParallelCache {
 
     /// Tokens this rank holds.
     pub fn local_len(&self) -> usize {
-        self.local.len()
+        match &self.local {
+            Local::Own(c) => c.len(),
+            Local::Paged(c) => c.len(),
+        }
     }
 
     /// Tokens each CP rank holds.
@@ -426,12 +539,18 @@ impl ParallelCache {
 
     /// Tokens this rank can hold.
     pub fn capacity(&self) -> usize {
-        self.local.capacity()
+        match &self.local {
+            Local::Own(c) => c.capacity(),
+            Local::Paged(c) => c.capacity(),
+        }
     }
 
-    /// Forgets every token.
+    /// Forgets every token (a paged cache keeps its block table).
     pub fn clear(&mut self) {
-        self.local.clear();
+        match &mut self.local {
+            Local::Own(c) => c.clear(),
+            Local::Paged(c) => c.truncate(0),
+        }
         self.cp_lens.iter_mut().for_each(|l| *l = 0);
     }
 }
@@ -690,12 +809,12 @@ impl ParallelModel {
     /// An empty cache for one sequence; `capacity` tokens on this rank.
     pub fn new_cache(&self, capacity: usize) -> ParallelCache {
         ParallelCache {
-            local: KvCache::new(
+            local: Local::Own(KvCache::new(
                 self.config.n_layers,
                 self.local_kv_heads(),
                 self.config.head_dim,
                 capacity,
-            ),
+            )),
             cp_lens: vec![0; self.placement.cp],
         }
     }
@@ -748,7 +867,57 @@ impl ParallelModel {
         let layers =
             std::iter::repeat_with(layer).take(self.config.n_layers).collect::<Result<Vec<_>>>()?;
         Ok(ParallelCache {
-            local: KvCache::from_layers(layers),
+            local: Local::Own(KvCache::from_layers(layers)),
+            cp_lens: vec![0; self.placement.cp],
+        })
+    }
+
+    /// A KV pool of `blocks` blocks of `block_size` tokens for this rank's heads, in owned
+    /// memory (see [`KvPool`]).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `block_size` is not a power of two.
+    pub fn new_pool(&self, block_size: usize, blocks: usize) -> Result<KvPool> {
+        let c = &self.config;
+        KvPool::new(c.n_layers, self.local_kv_heads(), c.head_dim, block_size, blocks)
+    }
+
+    /// Bytes of this rank's KV pool of `blocks` blocks of `block_size` tokens.
+    pub fn pool_bytes(&self, block_size: usize, blocks: usize) -> usize {
+        let c = &self.config;
+        KvPool::bytes(c.n_layers, self.local_kv_heads(), c.head_dim, block_size, blocks)
+    }
+
+    /// A KV pool for this rank's heads over `storage` (one `kv_cache` allocation, say): as
+    /// many blocks of `block_size` tokens as it holds.
+    ///
+    /// # Errors
+    /// As [`KvPool::with_storage`].
+    pub fn pool_in(&self, storage: Storage, block_size: usize) -> Result<KvPool> {
+        let c = &self.config;
+        KvPool::with_storage(storage, c.n_layers, self.local_kv_heads(), c.head_dim, block_size)
+    }
+
+    /// An empty cache for one sequence whose keys and values live in blocks of `pool` (none
+    /// yet: see [`ParallelCache::extend_table`]).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the pool was made for another model or rank.
+    pub fn new_paged_cache(&self, pool: &Arc<KvPool>) -> Result<ParallelCache> {
+        let row = self.local_kv_heads() * self.config.head_dim;
+        if pool.layers() != self.config.n_layers || pool.row() != row {
+            return Err(Error::shape(
+                "paged kv cache",
+                format!(
+                    "a pool of {} layers × {} values for a rank of {} layers × {row}",
+                    pool.layers(),
+                    pool.row(),
+                    self.config.n_layers
+                ),
+            ));
+        }
+        Ok(ParallelCache {
+            local: Local::Paged(PagedCache::new(pool.clone())),
             cp_lens: vec![0; self.placement.cp],
         })
     }
@@ -819,10 +988,10 @@ impl ParallelModel {
                 (all_positions.clone(), owned, needed)
             }
         };
-        if cache.local.len() + needed > cache.local.capacity() {
+        if cache.local_len() + needed > cache.capacity() {
             return Err(Error::CacheFull {
-                len: cache.local.len(),
-                capacity: cache.local.capacity(),
+                len: cache.local_len(),
+                capacity: cache.capacity(),
                 requested: needed,
             });
         }
@@ -981,14 +1150,12 @@ impl ParallelModel {
             let at = tokens.len();
             parts.push(self.part_into(s.cache, s.tokens, s.tokens.len(), at, &mut tokens)?);
         }
-        let positions: Vec<usize> =
-            parts.iter().flat_map(|p| p.positions.iter().copied()).collect();
         let mut x = self.embed.forward(be, comms.tp, &tokens)?;
         for (l, b) in self.blocks.iter().enumerate() {
             let h = be.rms_norm(&x, &b.attn_norm, c.rms_eps)?;
-            let mut caches: Vec<&mut LayerCache> =
-                seqs.iter_mut().map(|s| s.cache.local.layer_mut(l)).collect();
-            let a = b.attn.forward(be, comms, &h, &positions, &parts, &mut caches)?;
+            let mut caches: Vec<&mut ParallelCache> =
+                seqs.iter_mut().map(|s| &mut *s.cache).collect();
+            let a = b.attn.forward(be, comms, &h, &parts, l, &mut caches)?;
             be.add_assign(&mut x, &a)?;
             let h = be.rms_norm(&x, &b.ffn_norm, c.rms_eps)?;
             let mut m = b.mlp.forward(be, &h)?;

@@ -538,6 +538,105 @@ fn batched_steps_match_each_sequence_alone() {
     std::fs::remove_file(path).unwrap();
 }
 
+/// The mixed steps of [`mixed_steps`] give the same logits, bit for bit, with every
+/// sequence's keys and values in scattered 4-token blocks of one shared pool as in buffers of
+/// its own, in every layout; and a sequence that takes another's first block as its cached
+/// prefix continues exactly as one that computed it.
+#[test]
+fn paged_caches_give_the_logits_of_own_buffers() {
+    let spec = RandomLlama {
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 80,
+        vocab: 40,
+        layers: 2,
+        seed: 43,
+        ..RandomLlama::default()
+    };
+    let path = write_model(&spec, "paged.gguf");
+    let steps = mixed_steps(spec.vocab as u32);
+    for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2)] {
+        let got = on_mesh(tp, cp, |p, comms| {
+            let file = GgufFile::open(&path).unwrap();
+            let config = LlamaConfig::from_gguf(&file).unwrap();
+            let cpu = Backend::cpu(1).unwrap();
+            let model = ParallelModel::from_source(&file, config, cpu, p, WeightForm::F32).unwrap();
+            let pool = Arc::new(model.new_pool(4, 90).unwrap());
+            let run = |comms: &mut Comms<'_>, caches: &mut [ParallelCache]| {
+                let mut out = Vec::new();
+                for step in &steps {
+                    let mut by_seq: Vec<Option<&mut ParallelCache>> =
+                        caches.iter_mut().map(Some).collect();
+                    let mut seqs: Vec<Sequence<'_>> = step
+                        .iter()
+                        .map(|(seq, tokens, sample)| Sequence {
+                            tokens,
+                            cache: by_seq[*seq].take().unwrap(),
+                            sample: *sample,
+                        })
+                        .collect();
+                    out.push(model.forward_batch(comms, &mut seqs).unwrap());
+                }
+                out
+            };
+            let mut own: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
+            let mut paged: Vec<ParallelCache> = (0..5u32)
+                .map(|s| {
+                    let mut c = model.new_paged_cache(&pool).unwrap();
+                    let table: Vec<u32> = (0..16).map(|b| (s * 16 + b) * 7 % 80).collect();
+                    c.extend_table(&table).unwrap();
+                    c
+                })
+                .collect();
+            let want = run(comms, &mut own);
+            let got = run(comms, &mut paged);
+            (p, want, got)
+        });
+        for (p, want, got) in got {
+            for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                let (w, g) = (w.as_ref().map(Tensor::data), g.as_ref().map(Tensor::data));
+                assert_eq!(w, g, "({tp},{cp}) {p:?} step {i}");
+            }
+        }
+    }
+    // Prefix reuse on one rank: B's first block is A's.
+    let model = ParallelModel::load(&path, Placement::single(), 1, WeightForm::F32).unwrap();
+    let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
+    let mut comms = Comms { tp: &mut tp, cp: &mut cp };
+    let pool = Arc::new(model.new_pool(4, 8).unwrap());
+    let (a_tokens, b_tokens) = ([3, 9, 4, 1, 7, 7], [3, 9, 4, 1, 2, 5, 8]);
+    let mut a = model.new_paged_cache(&pool).unwrap();
+    a.extend_table(&[5, 2]).unwrap();
+    model
+        .forward_batch(
+            &mut comms,
+            &mut [Sequence { tokens: &a_tokens, cache: &mut a, sample: true }],
+        )
+        .unwrap();
+    let mut fresh = model.new_paged_cache(&pool).unwrap();
+    fresh.extend_table(&[0, 1]).unwrap();
+    let want = model
+        .forward_batch(
+            &mut comms,
+            &mut [Sequence { tokens: &b_tokens, cache: &mut fresh, sample: true }],
+        )
+        .unwrap();
+    let mut reused = model.new_paged_cache(&pool).unwrap();
+    reused.extend_table(&[5, 3]).unwrap();
+    reused.assume_prefix(4).unwrap();
+    let got = model
+        .forward_batch(
+            &mut comms,
+            &mut [Sequence { tokens: &b_tokens[4..], cache: &mut reused, sample: true }],
+        )
+        .unwrap();
+    assert_eq!(reused.len(), b_tokens.len());
+    let e = rel_err(got.unwrap().data(), want.unwrap().data());
+    assert!(e < 1e-5, "the reused prefix changed the logits by {e}");
+    std::fs::remove_file(path).unwrap();
+}
+
 #[test]
 fn a_batch_with_no_room_for_one_sequence_is_refused_before_it_runs() {
     let spec = RandomLlama { layers: 1, seed: 5, ..RandomLlama::default() };

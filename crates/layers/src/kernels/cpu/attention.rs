@@ -23,6 +23,84 @@ pub struct AttnShape {
     pub head_dim: usize,
 }
 
+/// Keys and values in blocks of a power-of-two number of tokens (a paged KV cache): token `j`
+/// is row `j % block_size` of block `j / block_size`, each block laid out `[block_size,
+/// kv_heads, head_dim]` (the last one may be partly filled). Contiguous keys and values are
+/// one block.
+#[derive(Clone, Copy, Debug)]
+pub struct KvBlocks<'a> {
+    k: &'a [&'a [f32]],
+    v: &'a [&'a [f32]],
+    shift: u32,
+}
+
+impl<'a> KvBlocks<'a> {
+    /// Blocks of `block_size` tokens; `None` unless `block_size` is a power of two and `k`
+    /// and `v` have as many blocks.
+    pub fn new(k: &'a [&'a [f32]], v: &'a [&'a [f32]], block_size: usize) -> Option<Self> {
+        (block_size.is_power_of_two() && k.len() == v.len()).then(|| KvBlocks {
+            k,
+            v,
+            shift: block_size.trailing_zeros(),
+        })
+    }
+
+    /// One block holding every token.
+    pub fn contiguous(k: &'a [&'a [f32]; 1], v: &'a [&'a [f32]; 1]) -> Self {
+        KvBlocks { k, v, shift: usize::BITS - 1 }
+    }
+
+    /// Tokens per block (for a contiguous view, more than any length).
+    pub fn block_size(&self) -> usize {
+        1 << self.shift
+    }
+
+    /// The blocks of keys and of values.
+    pub fn blocks(&self) -> (&'a [&'a [f32]], &'a [&'a [f32]]) {
+        (self.k, self.v)
+    }
+
+    /// Whether the blocks hold `tokens` rows of `row` values: every block before the last
+    /// of them full, the last holding the rest.
+    pub fn holds(&self, tokens: usize, row: usize) -> bool {
+        let mut left = tokens;
+        for (kb, vb) in self.k.iter().zip(self.v) {
+            if left == 0 {
+                break;
+            }
+            let n = left.min(self.block_size());
+            if kb.len() < n * row || vb.len() < n * row {
+                return false;
+            }
+            left -= n;
+        }
+        left == 0
+    }
+
+    /// Block and element offset of token `j`'s row.
+    #[inline(always)]
+    fn at(&self, j: usize, stride: usize) -> (usize, usize) {
+        (j >> self.shift, (j & ((1usize << self.shift) - 1)) * stride)
+    }
+
+    /// The first `tokens` rows of `row` values of keys and of values, copied into two
+    /// contiguous buffers.
+    pub fn gather(&self, tokens: usize, row: usize) -> (Vec<f32>, Vec<f32>) {
+        let (mut k, mut v) = (Vec::with_capacity(tokens * row), Vec::with_capacity(tokens * row));
+        let mut left = tokens;
+        for (kb, vb) in self.k.iter().zip(self.v) {
+            let n = left.min(self.block_size());
+            k.extend_from_slice(&kb[..n * row]);
+            v.extend_from_slice(&vb[..n * row]);
+            left -= n;
+            if left == 0 {
+                break;
+            }
+        }
+        (k, v)
+    }
+}
+
 /// `out[i, h] = softmax_j(q[i,h]·k[j,g] / sqrt(d)) · v[j,g]` over visible keys, with `q` and
 /// `out` laid out `[q_pos.len(), q_heads, head_dim]`, `k` and `v` `[kv_pos.len(), kv_heads,
 /// head_dim]`. When `lse` is given (`[q_pos.len(), q_heads]`) it receives the natural-log
@@ -40,6 +118,24 @@ pub fn attention(
     out: &mut [f32],
     lse: Option<&mut [f32]>,
 ) {
+    let (k, v) = ([k], [v]);
+    attention_blocks(q, q_pos, KvBlocks::contiguous(&k, &v), kv_pos, shape, out, lse);
+}
+
+/// [`attention`] over keys and values in blocks (a paged KV cache): the same results, bit for
+/// bit, as over the same rows laid out contiguously. One query row per task reads the blocks
+/// in place; many queries (prefill) work on a contiguous copy of the rows.
+///
+/// Lengths must agree; callers check (see [`KvBlocks::holds`]).
+pub fn attention_blocks(
+    q: &[f32],
+    q_pos: &[usize],
+    kv: KvBlocks<'_>,
+    kv_pos: &[usize],
+    shape: AttnShape,
+    out: &mut [f32],
+    lse: Option<&mut [f32]>,
+) {
     let AttnShape { q_heads, kv_heads, head_dim: d } = shape;
     let group = q_heads / kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
@@ -52,7 +148,12 @@ pub fn attention(
         }
     };
     if q_pos.len() >= BLOCKED_MIN_QUERIES {
-        attention_blocked(q, q_pos, k, v, kv_pos, shape, out, lse);
+        if let ([k], [v]) = kv.blocks() {
+            attention_blocked(q, q_pos, k, v, kv_pos, shape, out, lse);
+        } else {
+            let (k, v) = kv.gather(kv_pos.len(), kv_heads * d);
+            attention_blocked(q, q_pos, &k, &v, kv_pos, shape, out, lse);
+        }
         return;
     }
     let arch = Arch::new();
@@ -63,8 +164,7 @@ pub fn attention(
             let op = Row {
                 q: &q[row * d..(row + 1) * d],
                 q_pos: q_pos[i],
-                k,
-                v,
+                kv,
                 kv_pos,
                 stride: kv_heads * d,
                 offset: (h / group) * d,
@@ -191,8 +291,7 @@ fn softmax_row(row: &mut [f32], kv_pos: &[usize], q_pos: usize, scale: f32) -> f
 struct Row<'a> {
     q: &'a [f32],
     q_pos: usize,
-    k: &'a [f32],
-    v: &'a [f32],
+    kv: KvBlocks<'a>,
     kv_pos: &'a [usize],
     /// Elements between consecutive tokens in `k`/`v`.
     stride: usize,
@@ -208,8 +307,16 @@ impl WithSimd for Row<'_> {
 
     #[inline(always)]
     fn with_simd<S: Simd>(self, simd: S) -> f32 {
-        let Row { q, q_pos, k, v, kv_pos, stride, offset, scale, scores, out } = self;
+        let Row { q, q_pos, kv, kv_pos, stride, offset, scale, scores, out } = self;
         let d = q.len();
+        let key = |j: usize| {
+            let (b, at) = kv.at(j, stride);
+            &kv.k[b][at + offset..][..d]
+        };
+        let value = |j: usize| {
+            let (b, at) = kv.at(j, stride);
+            &kv.v[b][at + offset..][..d]
+        };
         out.fill(0.0);
         // Keys after the last visible one never contribute: stop there.
         let Some(last) = kv_pos.iter().rposition(|&p| p <= q_pos) else {
@@ -220,7 +327,7 @@ impl WithSimd for Row<'_> {
         let mut max = f32::NEG_INFINITY;
         for (j, s) in scores.iter_mut().enumerate() {
             if kv_pos[j] <= q_pos {
-                *s = simd_dot(simd, q, &k[j * stride + offset..][..d]) * scale;
+                *s = simd_dot(simd, q, key(j)) * scale;
                 max = max.max(*s);
             }
         }
@@ -231,7 +338,6 @@ impl WithSimd for Row<'_> {
             *s = if *s == f32::NEG_INFINITY { 0.0 } else { (*s - max).exp() };
             sum += *s;
         }
-        let value = |j: usize| &v[j * stride + offset..][..d];
         let quads = scores.chunks_exact(4);
         let rest = quads.remainder().len();
         for (c, e) in quads.enumerate() {

@@ -854,6 +854,12 @@ impl CudaBackend {
                 (self.addr(kd), self.addr(vd))
             }
             Kv::Device { k, v } => (k.device_ptr(), v.device_ptr()),
+            Kv::Paged(blocks) => {
+                // Host blocks are copied into one buffer per tensor and uploaded.
+                let (k, v) = blocks.gather(kv_pos.len(), kv_heads * head_dim);
+                let (kd, vd) = staged.insert((self.upload(OP, &k)?, self.upload(OP, &v)?));
+                (self.addr(kd), self.addr(vd))
+            }
         };
         let kpd = self.positions(OP, kv_pos)?;
         let mut od = self.zeros(OP, rows * head_dim)?;
