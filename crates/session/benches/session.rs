@@ -80,6 +80,7 @@ fn decode_plan(seqs: u64, step: u64) -> StepPlan {
                 tokens: vec![(s * 7 + step) as u32 % 32000],
                 sample: true,
                 reserve: 4096,
+                blocks: Vec::new(),
             })
             .collect(),
         released: Vec::new(),

@@ -693,8 +693,11 @@ impl Leader {
         })?;
         let eos = codec.as_ref().map(|c| c.eos_ids()).unwrap_or_default();
         s.text = Text { codec, streams: HashMap::new() };
-        s.sched =
-            Some(Scheduler::new(config.token_budget, config.max_batch, model.context_len(), eos));
+        let sched = Scheduler::new(config.token_budget, config.max_batch, model.context_len(), eos);
+        s.sched = Some(match model.kv_layout() {
+            Some(layout) => sched.with_kv(layout),
+            None => sched,
+        });
         s.model = Some(model);
         for r in requests {
             self.admit(s, r)?;
@@ -845,6 +848,7 @@ impl Leader {
             return Err(self.core.announce(e, Owed::Admission, epoch, s.steps));
         }
         let prefill = plan.entries.iter().filter(|e| !e.is_decode()).map(|e| e.tokens.len()).sum();
+        let load = sched.take_load();
         self.metrics.step(&StepMetrics {
             epoch,
             step: plan.step,
@@ -853,6 +857,12 @@ impl Leader {
             decode_tokens: plan.tokens() - prefill,
             agreement,
             model: model_time,
+            running: load.running,
+            waiting: load.waiting,
+            kv_usage: load.kv_usage,
+            prefix_queries: load.prefix_queries,
+            prefix_hits: load.prefix_hits,
+            preemptions: load.preemptions,
         });
         Ok(())
     }

@@ -12,6 +12,7 @@
 //! [`MetricsSink`], and what a rank went through is kept as [`Event`]s.
 #![forbid(unsafe_code)]
 
+mod blocks;
 mod engine;
 mod error;
 pub mod memory;
@@ -31,7 +32,7 @@ pub use engine::{
     StopHandle, Worker,
 };
 pub use error::{BoxError, Error, Result};
-pub use model::{Groups, Logits, ModelFactory, StepModel};
+pub use model::{Groups, KvLayout, Logits, ModelFactory, StepModel};
 pub use plan::{PlanEntry, SeqId, SessionConfig, SessionDecision, StepPlan};
 pub use sampler::{argmax, Sampler, SamplingParams, TokenLogprobs};
 pub use scheduler::{Cancel, Prompt, Request};

@@ -359,6 +359,31 @@ impl ModelMemory {
         Ok(())
     }
 
+    /// `model`'s paged KV pool of `blocks` blocks of `block_size` tokens, in one `kv_cache`
+    /// allocation: a sleep releases it whole and a wakeup restores it by its policy. Its pages
+    /// are committed as blocks are first written.
+    ///
+    /// # Errors
+    /// The allocation fails.
+    pub fn new_pool(
+        &self,
+        model: &ParallelModel,
+        block_size: usize,
+        blocks: usize,
+    ) -> Result<layers::model::KvPool, String> {
+        use layers::memory::Arena;
+        let bytes = model.pool_bytes(block_size, blocks);
+        let alloc = self
+            .manager
+            .allocate(vmm::Tag::KV_CACHE, bytes, self.kv_policy.clone())
+            .map_err(|e| format!("allocating a {bytes}-byte KV pool: {e}"))?;
+        let arena = VmmArena::new(alloc).map_err(|e| e.to_string())?;
+        let storage =
+            layers::tensor::Storage::external(arena.alloc(bytes).map_err(|e| e.to_string())?)
+                .map_err(|e| e.to_string())?;
+        model.pool_in(storage, block_size).map_err(|e| e.to_string())
+    }
+
     /// A KV cache of `capacity` tokens for one sequence of `model`, in its own `kv_cache`
     /// allocation (committed now).
     ///

@@ -31,6 +31,22 @@ impl std::fmt::Debug for Groups<'_> {
     }
 }
 
+/// How a model keeps its sequences' keys and values in a paged pool, the same on every rank
+/// (see [`StepModel::kv_layout`]): rank 0's scheduler hands out the blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Blocks in every rank's pool.
+    pub blocks: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Ranks a sequence's tokens are spread over (context parallelism): a rank holds at most
+    /// `ceil(n / spread)` of a sequence's `n` tokens.
+    pub spread: u32,
+    /// Whether full blocks are remembered by their tokens and reused by later prompts that
+    /// start the same way.
+    pub prefix_caching: bool,
+}
+
 /// One logits row per sampled entry of a plan, in plan order.
 pub type Logits = Vec<Vec<f32>>;
 
@@ -61,6 +77,13 @@ pub trait StepModel: Send {
 
     /// Frees a finished sequence's state.
     fn release(&mut self, seq: SeqId);
+
+    /// The paged KV pool, when the model keeps its caches in one: plans then name the blocks
+    /// each sequence gets ([`PlanEntry::blocks`](crate::PlanEntry::blocks)). `None` (the
+    /// default): each sequence's cache is the model's own business.
+    fn kv_layout(&self) -> Option<KvLayout> {
+        None
+    }
 
     /// The longest sequence (prompt and generated tokens) the model holds.
     fn context_len(&self) -> usize;

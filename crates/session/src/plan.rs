@@ -17,8 +17,13 @@ pub struct PlanEntry {
     /// chunk that is not the last one).
     pub sample: bool,
     /// The most tokens the sequence can hold (its prompt and every token it may generate,
-    /// within the model's context): a model sizes a new sequence's KV cache by it.
+    /// within the model's context): a model with a cache per sequence sizes it by this.
     pub reserve: u32,
+    /// Blocks of the rank's KV pool the sequence gets in this step, appended to its block
+    /// table before the step runs (a paged KV cache; empty otherwise). A sequence's first
+    /// entry with `start > 0` begins with a cached prompt prefix: its first blocks already
+    /// hold tokens `0..start`.
+    pub blocks: Vec<u32>,
 }
 
 impl PlanEntry {

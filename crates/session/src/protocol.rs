@@ -24,8 +24,8 @@
 //! `kind: u8, epoch: u64, step: u64`, then by kind (all integers little-endian):
 //! - 1 `Open`: a [`SessionConfig`] (`model: u32 len + utf-8`, `max_steps: u8 flag + u64`,
 //!   `token_budget: u32`, `max_batch: u32`);
-//! - 2 `Step`: `entries: u32`, each `seq: u64, start: u32, sample: u8, n: u32, tokens: n x u32`;
-//!   then `released: u32`, each `seq: u64`;
+//! - 2 `Step`: `entries: u32`, each `seq: u64, start: u32, reserve: u32, sample: u8, n: u32,
+//!   tokens: n x u32, b: u32, blocks: b x u32`; then `released: u32`, each `seq: u64`;
 //! - 3 `Idle`: nothing;
 //! - 4 `Close`: `decision: u8` (0 stop, 1 keep open, 2 replace) and, for replace, a
 //!   [`SessionConfig`].
@@ -256,6 +256,10 @@ pub fn encode(msg: &Message, epoch: u64, step: u64, out: &mut Vec<u8>) {
                 for t in &e.tokens {
                     put_u32(out, *t);
                 }
+                put_u32(out, e.blocks.len() as u32);
+                for b in &e.blocks {
+                    put_u32(out, *b);
+                }
             }
             put_u32(out, plan.released.len() as u32);
             for s in &plan.released {
@@ -304,8 +308,8 @@ pub fn decode_into(bytes: &[u8], out: &mut Message) -> std::result::Result<(u64,
             plan.epoch = epoch;
             plan.step = step;
             let n = r.u32("entry count")? as usize;
-            // Each entry takes at least 21 bytes: a count past the end is malformed.
-            if n > bytes.len() / 21 {
+            // Each entry takes at least 25 bytes: a count past the end is malformed.
+            if n > bytes.len() / 25 {
                 return Err(format!("{n} entries cannot fit in {} bytes", bytes.len()));
             }
             plan.entries.truncate(n);
@@ -316,16 +320,14 @@ pub fn decode_into(bytes: &[u8], out: &mut Message) -> std::result::Result<(u64,
                 let sample = r.u8("sample flag")? != 0;
                 let len = r.u32("token count")? as usize;
                 if i == plan.entries.len() {
-                    let tokens = Vec::new();
-                    plan.entries.push(PlanEntry { seq, start, tokens, sample, reserve });
+                    let (tokens, blocks) = (Vec::new(), Vec::new());
+                    plan.entries.push(PlanEntry { seq, start, tokens, sample, reserve, blocks });
                 }
                 let e = &mut plan.entries[i];
                 (e.seq, e.start, e.sample, e.reserve) = (seq, start, sample, reserve);
-                e.tokens.clear();
-                let raw = r.take(len.checked_mul(4).ok_or("token count overflows")?, "tokens")?;
-                e.tokens.extend(
-                    raw.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-                );
+                r.u32s(len, "tokens", &mut e.tokens)?;
+                let len = r.u32("block count")? as usize;
+                r.u32s(len, "blocks", &mut e.blocks)?;
             }
             let n = r.u32("released count")? as usize;
             let raw = r.take(n.checked_mul(8).ok_or("released count overflows")?, "released")?;
@@ -388,6 +390,20 @@ impl Reader<'_> {
     fn u32(&mut self, what: &str) -> std::result::Result<u32, String> {
         let b = self.take(4, what)?;
         Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    /// `n` little-endian u32 values into `out` (cleared first).
+    fn u32s(
+        &mut self,
+        n: usize,
+        what: &str,
+        out: &mut Vec<u32>,
+    ) -> std::result::Result<(), String> {
+        let raw =
+            self.take(n.checked_mul(4).ok_or_else(|| format!("{what} count overflows"))?, what)?;
+        out.clear();
+        out.extend(raw.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+        Ok(())
     }
 
     fn u64(&mut self, what: &str) -> std::result::Result<u64, String> {

@@ -1,7 +1,15 @@
 //! Rank 0's continuous-batching scheduler: requests join at step boundaries, running sequences
 //! decode one token per step next to prompt chunks of new ones, within a token budget.
+//!
+//! With a paged KV pool ([`KvLayout`]) it also hands out the pool's blocks (the same ids on
+//! every rank): a prompt chunk runs only when its blocks are free (requests wait in arrival
+//! order, never fail), a running sequence that needs a block when none is free preempts the
+//! most recently arrived sequence holding blocks (which recomputes later, with the same
+//! tokens), and a new prompt starts after the longest cached prefix of full blocks.
 
+use crate::blocks::BlockManager;
 use crate::error::{BoxError, Error, Result};
+use crate::model::KvLayout;
 use crate::plan::{PlanEntry, SeqId, StepPlan};
 use crate::sampler::{Sampler, SamplingParams, TokenLogprobs};
 use crate::sink::{FinishReason, TextCodec};
@@ -84,6 +92,12 @@ struct Seq {
     sampler: Sampler,
     stop: Vec<u32>,
     cancel: Option<Cancel>,
+    /// Blocks of the KV pool the sequence holds, in table order.
+    blocks: Vec<u32>,
+    /// How many of `blocks` the ranks were given already.
+    sent: usize,
+    /// Full blocks remembered for prefix reuse.
+    registered: usize,
 }
 
 impl Seq {
@@ -104,6 +118,13 @@ impl Seq {
         self.prefilled == self.context()
     }
 
+    /// The blocks the ranks have not been given yet; from now on they have.
+    fn unsent(&mut self) -> Vec<u32> {
+        let blocks = self.blocks[self.sent..].to_vec();
+        self.sent = self.blocks.len();
+        blocks
+    }
+
     /// Token `i` of the sequence: the prompt, then the generated tokens.
     fn token(&self, i: usize) -> u32 {
         match i.checked_sub(self.prompt.len()) {
@@ -111,6 +132,45 @@ impl Seq {
             Some(g) => self.generated[g],
         }
     }
+}
+
+/// The paged KV pool's bookkeeping.
+#[derive(Debug)]
+struct Pool {
+    blocks: BlockManager,
+    spread: usize,
+    prefix_caching: bool,
+    /// Blocks a new sequence leaves free for the running ones to grow into.
+    watermark: usize,
+}
+
+impl Pool {
+    /// Blocks a rank needs for `tokens` tokens of one sequence.
+    fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.spread).div_ceil(self.blocks.block_size())
+    }
+
+    /// Tokens of one sequence that `blocks` blocks hold on every rank.
+    fn tokens_in(&self, blocks: usize) -> usize {
+        blocks * self.blocks.block_size() * self.spread
+    }
+}
+
+/// How full the scheduler is, for the metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Load {
+    /// Sequences with tokens in the KV cache.
+    pub(crate) running: usize,
+    /// Sequences waiting for their first step (or to recompute after a preemption).
+    pub(crate) waiting: usize,
+    /// Share of the pool's blocks held by sequences (0 without a pool).
+    pub(crate) kv_usage: f64,
+    /// Prompt tokens looked up in the prefix cache since the previous report.
+    pub(crate) prefix_queries: u64,
+    /// Prompt tokens found in the prefix cache since the previous report.
+    pub(crate) prefix_hits: u64,
+    /// Sequences preempted since the previous report.
+    pub(crate) preemptions: u64,
 }
 
 /// Sequences of one session, in arrival order.
@@ -124,6 +184,10 @@ pub(crate) struct Scheduler {
     seqs: Vec<Seq>,
     released: Vec<SeqId>,
     next_seq: SeqId,
+    pool: Option<Pool>,
+    preemptions: u64,
+    /// The counters at the previous [`Scheduler::take_load`]: queries, hits, preemptions.
+    reported: (u64, u64, u64),
 }
 
 impl Scheduler {
@@ -136,6 +200,41 @@ impl Scheduler {
             seqs: Vec::new(),
             released: Vec::new(),
             next_seq: 1,
+            pool: None,
+            preemptions: 0,
+            reported: (0, 0, 0),
+        }
+    }
+
+    /// Hands out the blocks of a paged KV pool of `layout` (see the module docs).
+    pub(crate) fn with_kv(mut self, layout: KvLayout) -> Self {
+        let spread = (layout.spread as usize).max(1);
+        // Prefix reuse needs a rank's blocks to hold the same tokens for every sequence.
+        let prefix_caching = layout.prefix_caching && spread == 1;
+        let blocks = BlockManager::new(layout.blocks, layout.block_size, prefix_caching);
+        let watermark = (blocks.total() / 100).max(1);
+        self.pool = Some(Pool { blocks, spread, prefix_caching, watermark });
+        self
+    }
+
+    /// How full the scheduler is, with the counters since the previous call.
+    pub(crate) fn take_load(&mut self) -> Load {
+        let paged = self.pool.is_some();
+        let running =
+            self.seqs.iter().filter(|s| if paged { s.sent > 0 } else { s.prefilled > 0 }).count();
+        let (mut queries, mut hits, mut kv_usage) = (0, 0, 0.0);
+        if let Some(p) = &self.pool {
+            kv_usage = p.blocks.used() as f64 / p.blocks.total().max(1) as f64;
+            (queries, hits) = (p.blocks.stats().queries, p.blocks.stats().hits);
+        }
+        let (q0, h0, p0) = std::mem::replace(&mut self.reported, (queries, hits, self.preemptions));
+        Load {
+            running,
+            waiting: self.seqs.len() - running,
+            kv_usage,
+            prefix_queries: queries - q0,
+            prefix_hits: hits - h0,
+            preemptions: self.preemptions - p0,
         }
     }
 
@@ -188,40 +287,141 @@ impl Scheduler {
             sampler: Sampler::new(req.params),
             stop,
             cancel: req.cancel,
+            blocks: Vec::new(),
+            sent: 0,
+            registered: 0,
         });
         Ok(None)
     }
 
     /// The next step: decode tokens of running sequences first, then prompt chunks of waiting
-    /// ones, within the token budget and batch size. `None` when nothing can run.
+    /// ones in arrival order, within the token budget, the batch size and the KV pool's free
+    /// blocks. `None` when nothing can run.
     pub(crate) fn plan(&mut self, epoch: u64, step: u64) -> Option<StepPlan> {
         let mut budget = self.budget;
         let mut entries = Vec::new();
-        for s in self.seqs.iter().filter(|s| s.decoding()) {
-            if budget == 0 || entries.len() == self.max_batch {
-                break;
+        let mut i = 0;
+        while i < self.seqs.len() && budget > 0 && entries.len() < self.max_batch {
+            if !self.seqs[i].decoding() {
+                i += 1;
+                continue;
             }
+            if !self.grow(i) {
+                // It preempted itself: it prefills again later.
+                i += 1;
+                continue;
+            }
+            let s = &mut self.seqs[i];
             let last = *s.generated.last()?;
             let (start, reserve) = (s.prefilled as u32, s.reserve(self.context));
-            entries.push(PlanEntry { seq: s.id, start, tokens: vec![last], sample: true, reserve });
+            let blocks = s.unsent();
+            entries.push(PlanEntry {
+                seq: s.id,
+                start,
+                tokens: vec![last],
+                sample: true,
+                reserve,
+                blocks,
+            });
             budget -= 1;
+            i += 1;
         }
-        for s in self.seqs.iter().filter(|s| !s.decoding()) {
+        for s in self.seqs.iter_mut().filter(|s| !s.decoding()) {
             if budget == 0 || entries.len() == self.max_batch {
                 break;
             }
-            let chunk = (s.context() - s.prefilled).min(budget);
+            let mut chunk = (s.context() - s.prefilled).min(budget);
+            if let Some(pool) = &mut self.pool {
+                chunk = Self::admit(pool, s, chunk);
+                if chunk == 0 {
+                    // First come, first served: later prompts wait too.
+                    break;
+                }
+            }
             let tokens = (s.prefilled..s.prefilled + chunk).map(|i| s.token(i)).collect();
             // A recomputed sequence already sampled its next token.
             let sample = s.prefilled + chunk == s.context() && s.generated.is_empty();
             let (start, reserve) = (s.prefilled as u32, s.reserve(self.context));
-            entries.push(PlanEntry { seq: s.id, start, tokens, sample, reserve });
+            let blocks = s.unsent();
+            entries.push(PlanEntry { seq: s.id, start, tokens, sample, reserve, blocks });
             budget -= chunk;
         }
         if entries.is_empty() {
             return None;
         }
         Some(StepPlan { epoch, step, entries, released: std::mem::take(&mut self.released) })
+    }
+
+    /// Makes sure decoding sequence `i` has a block for its next token, preempting the most
+    /// recently arrived sequence after it that holds blocks while none is free; returns false
+    /// when `i` itself had to be preempted.
+    fn grow(&mut self, i: usize) -> bool {
+        let Some(need) = self.pool.as_ref().map(|p| p.blocks_for(self.seqs[i].prefilled + 1))
+        else {
+            return true;
+        };
+        loop {
+            let missing = need.saturating_sub(self.seqs[i].blocks.len());
+            if missing == 0 {
+                return true;
+            }
+            if let Some(got) = self.pool.as_mut().and_then(|p| p.blocks.allocate(missing)) {
+                self.seqs[i].blocks.extend(got);
+                return true;
+            }
+            let victim = (i + 1..self.seqs.len())
+                .rev()
+                .find(|&j| !self.seqs[j].blocks.is_empty())
+                .unwrap_or(i);
+            self.preemptions += 1;
+            self.requeue(victim);
+            if victim == i {
+                return false;
+            }
+        }
+    }
+
+    /// Frees sequence `i`'s blocks; it prefills again from its tokens under a new id (its
+    /// full blocks stay cached for that, while nobody needs them).
+    fn requeue(&mut self, i: usize) {
+        let s = &mut self.seqs[i];
+        if let Some(pool) = &mut self.pool {
+            pool.blocks.release(&s.blocks);
+        }
+        (s.blocks, s.sent, s.registered, s.prefilled) = (Vec::new(), 0, 0, 0);
+        self.released.push(s.id);
+        s.id = self.next_seq;
+        self.next_seq += 1;
+    }
+
+    /// The tokens of `want` that `s`, about to prefill, gets blocks for now (0: it waits).
+    /// A sequence that has none yet first takes the longest cached prefix of its tokens.
+    fn admit(pool: &mut Pool, s: &mut Seq, want: usize) -> usize {
+        let fresh = s.blocks.is_empty();
+        if fresh && s.prefilled == 0 && pool.prefix_caching {
+            let context = s.context();
+            let tokens: Vec<u32> = (0..context).map(|i| s.token(i)).collect();
+            // At least one token is computed, for its logits.
+            let hits = pool.blocks.lookup(&tokens, (context - 1) / pool.blocks.block_size());
+            s.prefilled = hits.len() * pool.blocks.block_size();
+            s.registered = hits.len();
+            s.blocks = hits;
+        }
+        let want = want.min(s.context() - s.prefilled);
+        let spare = if fresh { pool.watermark } else { 0 };
+        let room = s.blocks.len() + pool.blocks.available().saturating_sub(spare);
+        let chunk = want.min(pool.tokens_in(room).saturating_sub(s.prefilled));
+        let missing = pool.blocks_for(s.prefilled + chunk).saturating_sub(s.blocks.len());
+        if chunk == 0 || missing == 0 {
+            return chunk;
+        }
+        match pool.blocks.allocate(missing) {
+            Some(got) => {
+                s.blocks.extend(got);
+                chunk
+            }
+            None => 0,
+        }
     }
 
     /// Takes the results of `plan` (one logits row per sampled entry): samples, and finishes
@@ -246,6 +446,15 @@ impl Scheduler {
             };
             let s = &mut self.seqs[i];
             s.prefilled += e.tokens.len();
+            if let Some(pool) = self.pool.as_mut().filter(|p| p.prefix_caching) {
+                let full = s.prefilled / pool.blocks.block_size();
+                if full > s.registered {
+                    let tokens: Vec<u32> =
+                        (0..full * pool.blocks.block_size()).map(|i| s.token(i)).collect();
+                    pool.blocks.register(&s.blocks[..full], &tokens);
+                    s.registered = full;
+                }
+            }
             if !e.sample {
                 continue;
             }
@@ -265,7 +474,7 @@ impl Scheduler {
             };
             if let Some(reason) = reason {
                 let s = self.seqs.remove(i);
-                self.released.push(s.id);
+                self.free(&s);
                 out.push(Emit::Finished { request: s.request, reason, tokens: s.generated });
             }
         }
@@ -276,39 +485,50 @@ impl Scheduler {
     /// next plan.
     pub(crate) fn take_cancelled(&mut self) -> Vec<Emit> {
         let mut out = Vec::new();
-        let released = &mut self.released;
-        self.seqs.retain_mut(|s| {
-            if !s.cancel.as_ref().is_some_and(Cancel::is_cancelled) {
-                return true;
+        let mut i = 0;
+        while i < self.seqs.len() {
+            if !self.seqs[i].cancel.as_ref().is_some_and(Cancel::is_cancelled) {
+                i += 1;
+                continue;
             }
-            released.push(s.id);
+            let s = self.seqs.remove(i);
+            self.free(&s);
             out.push(Emit::Finished {
                 request: s.request,
                 reason: FinishReason::Cancelled,
-                tokens: std::mem::take(&mut s.generated),
+                tokens: s.generated,
             });
-            false
-        });
+        }
         out
+    }
+
+    /// Releases a sequence that left the scheduler: its id on every rank, its blocks here.
+    fn free(&mut self, s: &Seq) {
+        self.released.push(s.id);
+        if let Some(pool) = &mut self.pool {
+            pool.blocks.release(&s.blocks);
+        }
     }
 
     /// Makes every sequence prefill again from its tokens (prompt and generated) under a new
     /// id, the old one released: the KV cache it had is gone (a discarded cache after a
     /// sleep). The continuation is the same as without the interruption.
     pub(crate) fn recompute_all(&mut self) {
-        for s in self.seqs.iter_mut().filter(|s| s.prefilled > 0) {
-            self.released.push(s.id);
-            s.id = self.next_seq;
-            self.next_seq += 1;
-            s.prefilled = 0;
+        if let Some(pool) = &mut self.pool {
+            pool.blocks.forget_cached();
+        }
+        for i in 0..self.seqs.len() {
+            if self.seqs[i].prefilled > 0 || !self.seqs[i].blocks.is_empty() {
+                self.requeue(i);
+            }
         }
     }
 
     /// Fails every running or waiting sequence: the deployment is going to sleep.
     pub(crate) fn abort_all(&mut self) -> Vec<Emit> {
         let mut out = Vec::with_capacity(self.seqs.len());
-        for s in self.seqs.drain(..) {
-            self.released.push(s.id);
+        for s in std::mem::take(&mut self.seqs) {
+            self.free(&s);
             out.push(Emit::Finished {
                 request: s.request,
                 reason: FinishReason::Aborted,

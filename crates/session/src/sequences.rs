@@ -89,12 +89,21 @@ impl Sequences {
             if taken.iter().any(|(seq, _)| *seq == e.seq) {
                 return Err(fail(format!("appears twice in step {}", plan.step).into()).into());
             }
-            let cache = match self.caches.remove(&e.seq) {
-                Some(cache) => cache,
-                None => new_cache(e)?,
+            let (mut cache, new) = match self.caches.remove(&e.seq) {
+                Some(cache) => (cache, false),
+                None => (new_cache(e)?, true),
             };
+            let grown = cache.extend_table(&e.blocks).and_then(|()| {
+                // A new sequence that starts later begins with a cached prompt prefix.
+                if new && e.start > 0 {
+                    cache.assume_prefix(e.start as usize)
+                } else {
+                    Ok(())
+                }
+            });
             let held = cache.len();
             taken.push((e.seq, cache));
+            grown.map_err(|err| fail(err.into()))?;
             if held != e.start as usize {
                 let msg =
                     format!("holds {held} tokens but the plan starts at position {}", e.start);

@@ -3,13 +3,15 @@
 
 use crate::error::BoxError;
 use crate::memory::{ModelMemory, ShardOrigin};
-use crate::model::{Groups, Logits, ModelFactory, StepModel};
+use crate::model::{Groups, KvLayout, Logits, ModelFactory, StepModel};
 use crate::plan::{PlanEntry, SeqId, SessionConfig, StepPlan};
 use crate::replicated::LlamaFactory;
 use crate::sequences::Sequences;
 use crate::sink::TextCodec;
+use layers::model::KvPool;
 use layers::model::WeightForm;
 use layers::parallel::{Comms, ParallelModel, Placement};
+use std::sync::Arc;
 
 /// Builds a [`ShardedLlama`] from the GGUF file named by [`SessionConfig::model`].
 #[derive(Clone)]
@@ -26,6 +28,50 @@ pub struct ShardedFactory {
     backend: Option<layers::kernels::Backend>,
     /// Rank 0's tokenizer, shared with its caller; `None`: loaded from the model file.
     tokenizer: Option<std::sync::Arc<layers::Tokenizer>>,
+    /// A paged KV pool per rank; `None`: a cache per sequence.
+    kv: Option<KvCacheConfig>,
+}
+
+/// A paged KV cache: one pool per rank, the same number of blocks on every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvCacheConfig {
+    /// Bytes of the pool on the rank holding the most KV heads (the others hold as many
+    /// blocks in fewer bytes).
+    pub bytes: u64,
+    /// Tokens per block (a power of two).
+    pub block_size: usize,
+    /// Whether full blocks are reused by later prompts that start with the same tokens
+    /// (without context parallelism only).
+    pub prefix_caching: bool,
+}
+
+impl KvCacheConfig {
+    /// Blocks of `block_size` tokens in a pool of `bytes` bytes for `config` split over `tp`
+    /// ranks, and the blocks one sequence of `context` tokens split over `cp` ranks needs.
+    ///
+    /// # Errors
+    /// The heads cannot be split over `tp`, or the pool cannot hold one sequence of
+    /// `context` tokens (the message names the sizes and what to change).
+    pub fn blocks(
+        &self,
+        config: &layers::LlamaConfig,
+        (tp, cp): (usize, usize),
+        context: usize,
+    ) -> Result<usize, String> {
+        let block = layers::parallel::kv_block_bytes(config, tp, self.block_size)
+            .map_err(|e| e.to_string())?;
+        let blocks = usize::try_from(self.bytes).unwrap_or(usize::MAX) / block.max(1);
+        let need = context.div_ceil(cp.max(1)).div_ceil(self.block_size);
+        if blocks < need {
+            return Err(format!(
+                "kv_cache_memory of {} bytes holds {blocks} blocks of {} tokens ({block} bytes                  each per rank), but one sequence of the context length {context} needs {need}:                  raise kv_cache_memory to at least {} bytes or lower max-model-len",
+                self.bytes,
+                self.block_size,
+                need * block
+            ));
+        }
+        Ok(blocks)
+    }
 }
 
 /// A load-progress callback: `(steps done, steps in all)`.
@@ -54,7 +100,16 @@ impl ShardedFactory {
             progress: None,
             backend: None,
             tokenizer: None,
+            kv: None,
         }
+    }
+
+    /// Keeps every rank's KV caches in one paged pool sized by `kv` (see [`KvCacheConfig`]);
+    /// rank 0's scheduler then hands out its blocks. Only for the CPU backend: on a GPU each
+    /// sequence keeps a device cache of its own.
+    pub fn with_kv_cache(mut self, kv: KvCacheConfig) -> Self {
+        self.kv = Some(kv);
+        self
     }
 
     /// Decodes rank 0's output with `tokenizer` (the one its caller encodes prompts with), so
@@ -133,11 +188,29 @@ impl ModelFactory for ShardedFactory {
             p(steps, steps);
         }
         let context = self.context.unwrap_or(model.config().context_length);
+        let pool = match self.kv {
+            Some(kv) if model.backend().device() == layers::Device::Cpu => {
+                let blocks = kv.blocks(model.config(), (placement.tp, placement.cp), context)?;
+                let pool = match &self.memory {
+                    Some(m) => m.new_pool(&model, kv.block_size, blocks)?,
+                    None => model.new_pool(kv.block_size, blocks)?,
+                };
+                let layout = KvLayout {
+                    blocks: u32::try_from(blocks).map_err(|_| format!("{blocks} KV blocks"))?,
+                    block_size: kv.block_size as u32,
+                    spread: placement.cp as u32,
+                    prefix_caching: kv.prefix_caching,
+                };
+                Some((Arc::new(pool), layout))
+            }
+            _ => None,
+        };
         Ok(Box::new(ShardedLlama {
             model,
             sequences: Sequences::default(),
             context,
             memory: self.memory.clone(),
+            pool,
         }))
     }
 
@@ -155,6 +228,8 @@ pub struct ShardedLlama {
     sequences: Sequences,
     context: usize,
     memory: Option<ModelMemory>,
+    /// The paged KV pool every sequence's cache lives in, when there is one.
+    pool: Option<(Arc<KvPool>, KvLayout)>,
 }
 
 impl std::fmt::Debug for ShardedLlama {
@@ -180,15 +255,21 @@ impl StepModel for ShardedLlama {
         let capacity = |e: &PlanEntry| {
             (e.reserve as usize).clamp(e.tokens.len(), context).div_ceil(model.placement().cp) + 1
         };
+        let pool = self.pool.as_ref().map(|(p, _)| p);
         // The logits come back on rank 0 (TP 0, CP 0) only.
-        self.sequences.run(model, &mut comms, plan, |e| match memory {
-            Some(m) => m.new_cache(model, capacity(e)).map_err(BoxError::from),
-            None => Ok(model.new_cache(capacity(e))),
+        self.sequences.run(model, &mut comms, plan, |e| match (pool, memory) {
+            (Some(pool), _) => model.new_paged_cache(pool).map_err(BoxError::from),
+            (None, Some(m)) => m.new_cache(model, capacity(e)).map_err(BoxError::from),
+            (None, None) => Ok(model.new_cache(capacity(e))),
         })
     }
 
     fn release(&mut self, seq: SeqId) {
         self.sequences.release(seq);
+    }
+
+    fn kv_layout(&self) -> Option<KvLayout> {
+        self.pool.as_ref().map(|(_, layout)| *layout)
     }
 
     fn context_len(&self) -> usize {

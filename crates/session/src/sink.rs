@@ -118,6 +118,18 @@ pub struct StepMetrics {
     pub agreement: Duration,
     /// Time in the model.
     pub model: Duration,
+    /// Requests with tokens in the KV cache after the step.
+    pub running: usize,
+    /// Requests waiting for room (or to recompute after a preemption) after the step.
+    pub waiting: usize,
+    /// Share of the paged KV pool's blocks held by requests (0 without a pool).
+    pub kv_usage: f64,
+    /// Prompt tokens looked up in the prefix cache in this step.
+    pub prefix_queries: u64,
+    /// Prompt tokens found in the prefix cache (not computed again) in this step.
+    pub prefix_hits: u64,
+    /// Requests preempted in this step (their blocks freed; they recompute later).
+    pub preemptions: u64,
 }
 
 /// Where rank 0 records metrics. Only rank 0 owns one.

@@ -14,8 +14,16 @@ fn plan(tokens: usize) -> StepPlan {
                 tokens: (0..tokens as u32).collect(),
                 sample: true,
                 reserve: 64,
+                blocks: vec![3, 0, 7],
             },
-            PlanEntry { seq: 9, start: 12, tokens: vec![5], sample: true, reserve: 40 },
+            PlanEntry {
+                seq: 9,
+                start: 12,
+                tokens: vec![5],
+                sample: true,
+                reserve: 40,
+                blocks: vec![],
+            },
         ],
         released: vec![4, 2],
     }

@@ -1,6 +1,7 @@
 //! Scheduler: budgets, chunked prefill next to decode, joins and leaves at boundaries.
 
 use super::*;
+use crate::model::KvLayout;
 
 fn req(id: u64, len: usize, max_tokens: u32) -> Request {
     let params = SamplingParams { max_tokens, ..SamplingParams::default() };
@@ -39,7 +40,7 @@ fn prompts_are_chunked_to_the_budget_and_decode_goes_first() {
     let reserve = 6 + 2;
     assert_eq!(
         p3.entries[0],
-        PlanEntry { seq: 1, start: 6, tokens: vec![3], sample: true, reserve }
+        PlanEntry { seq: 1, start: 6, tokens: vec![3], sample: true, reserve, blocks: vec![] }
     );
     assert_eq!(
         (p3.entries[1].seq, p3.entries[1].tokens.len(), p3.entries[1].sample),
@@ -157,4 +158,161 @@ fn a_cancelled_request_ends_at_the_next_boundary_and_frees_its_sequence() {
     assert_eq!(plan.released, vec![1], "its cache is freed on every rank");
     assert_eq!(plan.entries.len(), 1);
     assert!(s.take_cancelled().is_empty(), "reported once");
+}
+
+/// A paged pool of `blocks` blocks of 4 tokens, no context parallelism.
+fn paged(budget: u32, context: usize, blocks: u32, prefix_caching: bool) -> Scheduler {
+    let layout = KvLayout { blocks, block_size: 4, spread: 1, prefix_caching };
+    Scheduler::new(budget, 8, context, Vec::new()).with_kv(layout)
+}
+
+/// What every rank does with the plans: block tables per sequence, checked against the pool.
+#[derive(Default)]
+struct Ranks {
+    tables: std::collections::HashMap<SeqId, Vec<u32>>,
+    /// Token sequences of each request, as emitted.
+    out: std::collections::BTreeMap<u64, Vec<u32>>,
+    preemptions: u64,
+    hits: u64,
+    load: Load,
+}
+
+impl Ranks {
+    /// Runs `s` to the end; the "model" samples `position % 7`, so a sequence's tokens do not
+    /// depend on how it was scheduled. Checks on every step that each entry fits its table and
+    /// that no two live sequences hold the same block (no prefix sharing here).
+    fn run(&mut self, s: &mut Scheduler, total: usize, shared: bool) {
+        for step in 1..1000 {
+            if self.step(s, step, total, shared).is_none() {
+                break;
+            }
+        }
+        assert!(!s.has_work(), "every request finished");
+    }
+
+    /// One step of [`Ranks::run`]; the plan, or `None` when nothing ran.
+    fn step(
+        &mut self,
+        s: &mut Scheduler,
+        step: u64,
+        total: usize,
+        shared: bool,
+    ) -> Option<StepPlan> {
+        let plan = s.plan(0, step)?;
+        for seq in &plan.released {
+            self.tables.remove(seq);
+        }
+        for e in &plan.entries {
+            let table = self.tables.entry(e.seq).or_default();
+            table.extend(&e.blocks);
+            assert!(table.iter().all(|&b| (b as usize) < total));
+            let end = e.start as usize + e.tokens.len();
+            assert!(end <= table.len() * 4, "step {step}: {e:?} overflows {table:?}");
+        }
+        if !shared {
+            let mut held: Vec<u32> = self.tables.values().flatten().copied().collect();
+            let n = held.len();
+            held.sort_unstable();
+            held.dedup();
+            assert_eq!(held.len(), n, "step {step}: a block held twice");
+            assert!(n <= total);
+        }
+        let logits: Vec<Vec<f32>> = plan
+            .entries
+            .iter()
+            .filter(|e| e.sample)
+            .map(|e| {
+                let pos = e.start as usize + e.tokens.len();
+                (0..8).map(|i| if i == pos % 7 { 1.0 } else { 0.0 }).collect()
+            })
+            .collect();
+        for emit in s.apply(&plan, &logits).unwrap() {
+            if let Emit::Finished { request, reason, tokens } = emit {
+                assert_eq!(reason, FinishReason::Length);
+                self.out.insert(request, tokens);
+            }
+        }
+        let load = s.take_load();
+        assert!(load.kv_usage <= 1.0);
+        self.preemptions += load.preemptions;
+        self.hits += load.prefix_hits;
+        self.load = load;
+        Some(plan)
+    }
+}
+
+#[test]
+fn a_full_pool_makes_requests_wait_or_preempts_and_every_request_gets_its_tokens() {
+    // Roomy: every request runs at once.
+    let mut roomy = paged(64, 64, 100, false);
+    // Tight: 6 blocks of 4 tokens for 4 requests of up to 6 + 10 tokens (4 blocks each).
+    let mut tight = paged(64, 64, 6, false);
+    for s in [&mut roomy, &mut tight] {
+        for id in 0..4 {
+            assert!(s.add(req(id, 6, 10), None, 0).unwrap().is_none());
+        }
+    }
+    let (mut want, mut got) = (Ranks::default(), Ranks::default());
+    want.run(&mut roomy, 100, false);
+    got.run(&mut tight, 6, false);
+    assert_eq!(want.preemptions, 0);
+    assert!(got.preemptions > 0, "the tight pool had to preempt");
+    assert_eq!(got.out.len(), 4);
+    assert_eq!(got.out, want.out, "preempted requests recompute to the same tokens");
+}
+
+#[test]
+fn a_waiting_prompt_holds_no_step_and_starts_when_blocks_free_up() {
+    // 5 blocks: the first request takes 3 of them (prompt 9, one block left spare).
+    let mut s = paged(64, 64, 5, false);
+    for id in 1..=3 {
+        s.add(req(id, 9, 2), None, 0).unwrap();
+    }
+    let mut ranks = Ranks::default();
+    let p1 = ranks.step(&mut s, 1, 5, false).unwrap();
+    assert_eq!(p1.entries.len(), 2, "the third prompt waits");
+    assert_eq!(p1.entries[0].blocks, vec![0, 1, 2]);
+    // The second prompt gets what is left above the watermark: one block, 4 tokens.
+    assert_eq!((p1.entries[1].tokens.len(), p1.entries[1].blocks.len()), (4, 1));
+    assert_eq!((ranks.load.running, ranks.load.waiting), (2, 1));
+    assert!((ranks.load.kv_usage - 0.8).abs() < 1e-9);
+    // The first decodes in its room (and finishes), the second takes the last block; the
+    // third still waits.
+    let p2 = ranks.step(&mut s, 2, 5, false).unwrap();
+    assert_eq!(p2.entries.iter().map(|e| e.tokens.len()).collect::<Vec<_>>(), [1, 4]);
+    assert_eq!(p2.entries[1].blocks, [4]);
+    assert_eq!((ranks.load.running, ranks.load.waiting, ranks.load.kv_usage), (1, 1, 0.4));
+    ranks.run(&mut s, 5, false);
+    assert_eq!(ranks.out.len(), 3);
+}
+
+#[test]
+fn a_prompt_starting_with_cached_blocks_skips_them_and_counts_the_hit() {
+    let mut s = paged(64, 64, 16, true);
+    // 10 prompt tokens: blocks [1..4] and [5..8] are full and cached once computed.
+    s.add(req(1, 10, 1), None, 0).unwrap();
+    let mut ranks = Ranks::default();
+    ranks.run(&mut s, 16, true);
+    assert_eq!(ranks.hits, 0);
+    // The same first 8 tokens, then others.
+    let mut prompt: Vec<u32> = (1..=8).collect();
+    prompt.extend([20, 21, 22]);
+    let params = SamplingParams { max_tokens: 2, ..SamplingParams::default() };
+    s.add(Request::tokens(2, prompt, params.clone()), None, 0).unwrap();
+    let plan = s.plan(0, 100).unwrap();
+    let e = &plan.entries[0];
+    assert_eq!((e.start, e.tokens.clone()), (8, vec![20, 21, 22]), "the prefix is skipped");
+    assert_eq!(&e.blocks[..2], &[0, 1], "the cached blocks come first");
+    s.apply(&plan, &pick(&plan, 1)).unwrap();
+    let load = s.take_load();
+    assert_eq!((load.prefix_queries, load.prefix_hits), (8, 8));
+    // A prompt that differs in its first block finds nothing.
+    s.add(Request::tokens(3, vec![9; 11], params), None, 0).unwrap();
+    let plan = s.plan(0, 101).unwrap();
+    assert_eq!(plan.entries.iter().find(|e| e.tokens.len() > 1).unwrap().start, 0);
+    // A lost cache forgets every cached block.
+    s.recompute_all();
+    let mut ranks = Ranks::default();
+    ranks.run(&mut s, 16, true);
+    assert_eq!(ranks.hits, 0, "nothing is reused after the cache was lost");
 }
