@@ -122,6 +122,33 @@ fn the_sharded_model_gives_the_replicated_output_on_a_2x2_mesh() {
     }
 }
 
+/// A paged KV pool with room for one 40-token sequence serves four 26-token requests that
+/// share an 8-token prefix: they wait, preempt and recompute, and reuse the cached prefix
+/// (one CP rank), and the greedy tokens are those of the replicated model with caches of its
+/// own.
+#[test]
+fn a_tiny_paged_pool_preempts_and_reuses_prefixes_without_changing_the_output() {
+    let replicated = start(2, "shared-prefix", &[]);
+    all_ok(&replicated);
+    assert_eq!(outputs(&replicated[0]).len(), 4, "{}", show(&replicated));
+    for world in [2, 4] {
+        let paged = start(world, "shared-prefix", &[("TPCTL_SHARDED", "1"), ("TPCTL_PAGED", "1")]);
+        all_ok(&paged);
+        assert_eq!(outputs(&replicated[0]), outputs(&paged[0]), "{world} ranks");
+        let counts = lines(&paged[0], "kv ");
+        assert_eq!(counts.len(), 1, "{}", show(&paged));
+        let (preemptions, hits) = counts[0]
+            .strip_prefix("kv preemptions=")
+            .and_then(|c| c.split_once(" prefix_hits="))
+            .map(|(p, h)| (p.parse::<u64>().unwrap(), h.parse::<u64>().unwrap()))
+            .unwrap();
+        assert!(preemptions > 0, "{world} ranks: the pool never ran full: {}", counts[0]);
+        if world == 2 {
+            assert!(hits > 0, "no prompt reused the shared prefix: {}", counts[0]);
+        }
+    }
+}
+
 #[test]
 fn bounded_and_zero_steps() {
     for world in [2, 4] {

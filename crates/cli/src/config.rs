@@ -134,6 +134,109 @@ pub struct RuntimeConfig {
     /// always computes in f32).
     #[serde(default)]
     pub dtype: ComputeDtype,
+    /// The paged KV pool of each rank: bytes (`4294967296`, `"4GiB"`), or a fraction of the
+    /// memory available at launch split over this node's ranks (`0.2`). Default: room for 2
+    /// sequences of max-model-len tokens, at most a tenth of the available memory.
+    #[serde(default)]
+    pub kv_cache_memory: Option<KvMemory>,
+    /// Tokens per KV block (a power of two up to 256).
+    #[serde(default = "default_block_size")]
+    pub block_size: usize,
+    /// Whether prompts reuse the cached blocks of earlier prompts that start the same way
+    /// (without context parallelism).
+    #[serde(default = "yes")]
+    pub prefix_caching: bool,
+    /// The most requests in one step (vLLM's max_num_seqs).
+    #[serde(default = "default_max_num_seqs")]
+    pub max_num_seqs: u32,
+}
+
+/// The size of the KV pool: bytes, or a fraction of the memory available at launch.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum KvMemory {
+    /// Bytes per rank.
+    Bytes(u64),
+    /// A share of the memory available at launch, split over this node's ranks.
+    Fraction(f64),
+}
+
+impl std::str::FromStr for KvMemory {
+    type Err = String;
+
+    /// `0.25` (a fraction), `1073741824` (bytes), `512MiB`, `4GiB`, `2GB`.
+    fn from_str(text: &str) -> std::result::Result<Self, String> {
+        let t = text.trim();
+        let units = [("KiB", 1u64 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30), ("TiB", 1 << 40)];
+        let units =
+            units.into_iter().chain([("KB", 1000), ("MB", 1_000_000), ("GB", 1_000_000_000)]);
+        let bad = || {
+            format!(
+                "{text:?} is not a KV cache size: give bytes (1073741824, 512MiB, 4GiB) or a \
+                 fraction of the available memory (0.2)"
+            )
+        };
+        for (unit, scale) in units {
+            if let Some(n) = t.strip_suffix(unit) {
+                let n: f64 = n.trim().parse().map_err(|_| bad())?;
+                return KvMemory::Bytes((n * scale as f64) as u64).checked().map_err(|_| bad());
+            }
+        }
+        if let Ok(bytes) = t.parse::<u64>() {
+            return KvMemory::Bytes(bytes).checked();
+        }
+        t.parse::<f64>().map_err(|_| bad()).map(KvMemory::Fraction)?.checked()
+    }
+}
+
+impl KvMemory {
+    /// Itself, when it is a size at all: some bytes, or a fraction in (0, 1].
+    fn checked(self) -> std::result::Result<Self, String> {
+        match self {
+            KvMemory::Bytes(0) => Err("a KV cache of 0 bytes holds nothing".into()),
+            KvMemory::Fraction(f) if !(f > 0.0 && f <= 1.0) => {
+                Err(format!("a fraction of the available memory is in (0, 1], not {f}"))
+            }
+            ok => Ok(ok),
+        }
+    }
+
+    /// Bytes per rank, with `available` bytes of memory shared by `ranks` ranks.
+    pub fn bytes(self, available: u64, ranks: usize) -> u64 {
+        match self {
+            KvMemory::Bytes(b) => b,
+            KvMemory::Fraction(f) => (f * available as f64 / ranks.max(1) as f64) as u64,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for KvMemory {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Int(u64),
+            Float(f64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Int(b) => KvMemory::Bytes(b).checked(),
+            Raw::Float(f) => KvMemory::Fraction(f).checked(),
+            Raw::Text(t) => t.parse(),
+        }
+        .map_err(serde::de::Error::custom)
+    }
+}
+
+fn default_block_size() -> usize {
+    16
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn default_max_num_seqs() -> u32 {
+    32
 }
 
 /// `runtime.dtype`.
@@ -186,6 +289,10 @@ impl Default for RuntimeConfig {
             timeout_s: default_timeout(),
             device: ComputeDevice::Cpu,
             dtype: ComputeDtype::F32,
+            kv_cache_memory: None,
+            block_size: default_block_size(),
+            prefix_caching: true,
+            max_num_seqs: default_max_num_seqs(),
         }
     }
 }
@@ -328,6 +435,16 @@ impl Config {
         if self.runtime.kv_cache_tokens == 0 {
             return bad("runtime.kv_cache_tokens", "must be at least 1".into());
         }
+        let bs = self.runtime.block_size;
+        if !(bs.is_power_of_two() && bs <= 256) {
+            return bad(
+                "runtime.block_size",
+                format!("must be a power of two up to 256, not {bs}"),
+            );
+        }
+        if self.runtime.max_num_seqs == 0 {
+            return bad("runtime.max_num_seqs", "must be at least 1".into());
+        }
         if !(self.runtime.timeout_s.is_finite() && self.runtime.timeout_s > 0.0) {
             return bad(
                 "runtime.timeout_s",
@@ -360,7 +477,7 @@ impl Config {
 
 /// What the command line says about a launch (`tpctl run` and `tpctl serve` alike); `None`
 /// leaves the setting to the config file, then to the default.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct LaunchFlags {
     /// `--tp`.
     pub tp: Option<usize>,
@@ -378,6 +495,12 @@ pub struct LaunchFlags {
     pub dtype: Option<ComputeDtype>,
     /// `--backend` (every axis).
     pub backend: Option<mesh::Backend>,
+    /// `--kv-cache-memory`.
+    pub kv_cache_memory: Option<KvMemory>,
+    /// `--max-num-seqs`.
+    pub max_num_seqs: Option<u32>,
+    /// `--no-prefix-caching`.
+    pub no_prefix_caching: bool,
     /// `--nnodes`.
     pub nnodes: usize,
     /// `--node-rank`.
@@ -385,7 +508,7 @@ pub struct LaunchFlags {
 }
 
 /// A launch's settings, resolved: flags over the config file over the defaults, and checked.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct LaunchSettings {
     /// Tensor-parallel ranks.
     pub tp: usize,
@@ -405,6 +528,14 @@ pub struct LaunchSettings {
     pub device: ComputeDevice,
     /// Element type of the weights on a GPU.
     pub dtype: ComputeDtype,
+    /// The KV pool's size (`None`: the default).
+    pub kv_cache_memory: Option<KvMemory>,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Whether prompts reuse cached prefix blocks.
+    pub prefix_caching: bool,
+    /// The most requests in one step.
+    pub max_num_seqs: u32,
 }
 
 impl Config {
@@ -487,8 +618,20 @@ impl Config {
                 .map_or(self.runtime.kv_cache_tokens, |n| n as usize),
             device,
             dtype,
+            kv_cache_memory: flags.kv_cache_memory.or(self.runtime.kv_cache_memory),
+            block_size: self.runtime.block_size,
+            prefix_caching: self.runtime.prefix_caching && !flags.no_prefix_caching,
+            max_num_seqs: flags.max_num_seqs.unwrap_or(self.runtime.max_num_seqs),
         })
     }
+}
+
+/// The memory available for new allocations on this host (`MemAvailable` of /proc/meminfo).
+pub fn host_available_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 #[cfg(test)]

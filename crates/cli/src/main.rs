@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tpctl::config::{ComputeDevice, ComputeDtype, Config, LaunchFlags, WeightsForm};
+use tpctl::config::{self, ComputeDevice, ComputeDtype, Config, LaunchFlags, WeightsForm};
 use tpctl::control::{self, paths, render};
 use tpctl::launcher::{self, Launch, Outcome};
 use tpctl::spec::{OutputFormat, PromptSpec, RankSpec, Sampling, ServeSpec};
@@ -122,9 +122,22 @@ struct LaunchArgs {
     #[arg(long)]
     threads: Option<usize>,
     /// The most tokens of one sequence, prompt and generated (vLLM's name; default:
-    /// [runtime] kv_cache_tokens, else 4096): each sequence's KV cache is sized for it.
+    /// [runtime] kv_cache_tokens, else 4096).
     #[arg(long, value_name = "TOKENS", value_parser = clap::value_parser!(u32).range(1..))]
     max_model_len: Option<u32>,
+    /// Each rank's KV pool, shared by all requests: bytes (4GiB, 512MiB, 1073741824) or a
+    /// fraction of the memory available at launch, split over this node's ranks (0.2).
+    /// Default: [runtime] kv_cache_memory, else room for 2 sequences of max-model-len tokens,
+    /// at most a tenth of the available memory. Requests wait when it is full.
+    #[arg(long, value_name = "SIZE")]
+    kv_cache_memory: Option<config::KvMemory>,
+    /// The most requests in one step (default: [runtime] max_num_seqs, else 32).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    max_num_seqs: Option<u32>,
+    /// Do not reuse the KV blocks of earlier prompts that start the same way (prefix caching
+    /// is on by default without context parallelism).
+    #[arg(long)]
+    no_prefix_caching: bool,
     /// Where the kernels run (default: [runtime] device, else cpu); cuda needs a build with
     /// `--features cuda` and puts each rank on the GPU of its LOCAL_RANK.
     #[arg(long, value_enum)]
@@ -161,6 +174,9 @@ impl LaunchArgs {
             device: self.device,
             dtype: self.dtype,
             backend: self.backend,
+            kv_cache_memory: self.kv_cache_memory,
+            max_num_seqs: self.max_num_seqs,
+            no_prefix_caching: self.no_prefix_caching,
             nnodes: self.nodes.nnodes,
             node_rank: self.nodes.node_rank,
         }
@@ -694,6 +710,16 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         threads: settings.threads,
         native_weights: config.model.weights == WeightsForm::Native,
         kv_cache_tokens: settings.kv_cache_tokens,
+        kv_cache: {
+            let available = config::host_available_bytes().unwrap_or(8 << 30);
+            session::sharded::KvCacheConfig {
+                bytes: settings.kv_cache_memory.map(|m| m.bytes(available, settings.nproc)),
+                cap_bytes: available / 10 / settings.nproc.max(1) as u64,
+                block_size: settings.block_size,
+                prefix_caching: settings.prefix_caching,
+            }
+        },
+        max_num_seqs: settings.max_num_seqs,
         timeout_s: config.runtime.timeout_s,
         prompts: if serve.is_none() { prompts_shown(&args, quiet)? } else { Vec::new() },
         sampling: Sampling {

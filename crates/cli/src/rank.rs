@@ -80,6 +80,7 @@ pub fn run() -> Result<()> {
     let factory = ShardedFactory::new(spec.threads)
         .with_weights(form)
         .with_context(spec.kv_cache_tokens)
+        .with_kv_cache(spec.kv_cache)
         .with_memory(memory.clone())
         .with_backend(compute.clone())
         .with_progress(Arc::new(crate::progress::report));
@@ -211,6 +212,7 @@ fn lead(
             model,
             config,
             context_tokens: spec.kv_cache_tokens,
+            max_num_seqs: spec.max_num_seqs,
             gate,
             stop,
             control: Some(coordinator.clone()),
@@ -265,7 +267,8 @@ fn lead(
     stop_on_signal(leader.stop_handle());
     let start = Instant::now();
     let mut stop = |_: &SessionReport| Decision::Stop;
-    leader.run(SessionConfig::new(model), requests, &mut stop)?;
+    let session = SessionConfig { max_batch: spec.max_num_seqs, ..SessionConfig::new(model) };
+    leader.run(session, requests, &mut stop)?;
     let totals = *meter.0.lock().unwrap_or_else(|e| e.into_inner());
     let first = *first_token.lock().unwrap_or_else(|e| e.into_inner());
     let line = summary(&totals, first, start.elapsed());

@@ -63,6 +63,10 @@ pub struct RankSpec {
     pub native_weights: bool,
     /// KV-cache tokens per sequence.
     pub kv_cache_tokens: usize,
+    /// Each rank's paged KV pool.
+    pub kv_cache: session::sharded::KvCacheConfig,
+    /// The most requests in one step.
+    pub max_num_seqs: u32,
     /// Deadline of one collective, seconds.
     pub timeout_s: f64,
     /// Prompts (for `run`).

@@ -360,8 +360,9 @@ impl ModelMemory {
     }
 
     /// `model`'s paged KV pool of `blocks` blocks of `block_size` tokens, in one `kv_cache`
-    /// allocation: a sleep releases it whole and a wakeup restores it by its policy. Its pages
-    /// are committed as blocks are first written.
+    /// allocation, committed now (resident memory is the pool's size from the start, and a
+    /// sleep gives all of it back): a sleep releases it whole and a wakeup restores it by its
+    /// policy.
     ///
     /// # Errors
     /// The allocation fails.
@@ -377,6 +378,7 @@ impl ModelMemory {
             .manager
             .allocate(vmm::Tag::KV_CACHE, bytes, self.kv_policy.clone())
             .map_err(|e| format!("allocating a {bytes}-byte KV pool: {e}"))?;
+        alloc.write().map_err(|e| e.to_string())?.fill(0);
         let arena = VmmArena::new(alloc).map_err(|e| e.to_string())?;
         let storage =
             layers::tensor::Storage::external(arena.alloc(bytes).map_err(|e| e.to_string())?)

@@ -33,17 +33,23 @@ pub struct ShardedFactory {
 }
 
 /// A paged KV cache: one pool per rank, the same number of blocks on every rank.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct KvCacheConfig {
     /// Bytes of the pool on the rank holding the most KV heads (the others hold as many
-    /// blocks in fewer bytes).
-    pub bytes: u64,
+    /// blocks in fewer bytes). `None`: room for [`DEFAULT_SEQUENCES`] sequences of the whole
+    /// context, at most `cap_bytes`, at least one sequence.
+    pub bytes: Option<u64>,
+    /// The most bytes of a default-sized pool.
+    pub cap_bytes: u64,
     /// Tokens per block (a power of two).
     pub block_size: usize,
     /// Whether full blocks are reused by later prompts that start with the same tokens
     /// (without context parallelism only).
     pub prefix_caching: bool,
 }
+
+/// Sequences of the whole context a default-sized KV pool holds (when its cap allows).
+pub const DEFAULT_SEQUENCES: usize = 2;
 
 impl KvCacheConfig {
     /// Blocks of `block_size` tokens in a pool of `bytes` bytes for `config` split over `tp`
@@ -59,13 +65,19 @@ impl KvCacheConfig {
         context: usize,
     ) -> Result<usize, String> {
         let block = layers::parallel::kv_block_bytes(config, tp, self.block_size)
-            .map_err(|e| e.to_string())?;
-        let blocks = usize::try_from(self.bytes).unwrap_or(usize::MAX) / block.max(1);
+            .map_err(|e| e.to_string())?
+            .max(1);
         let need = context.div_ceil(cp.max(1)).div_ceil(self.block_size);
+        let Some(bytes) = self.bytes else {
+            let cap = usize::try_from(self.cap_bytes).unwrap_or(usize::MAX) / block;
+            return Ok((need * DEFAULT_SEQUENCES).min(cap).max(need));
+        };
+        let blocks = usize::try_from(bytes).unwrap_or(usize::MAX) / block;
         if blocks < need {
             return Err(format!(
-                "kv_cache_memory of {} bytes holds {blocks} blocks of {} tokens ({block} bytes                  each per rank), but one sequence of the context length {context} needs {need}:                  raise kv_cache_memory to at least {} bytes or lower max-model-len",
-                self.bytes,
+                "kv_cache_memory of {bytes} bytes holds {blocks} blocks of {} tokens ({block} \
+                 bytes each per rank), but one sequence of the context length {context} needs \
+                 {need}: raise kv_cache_memory to at least {} bytes or lower max-model-len",
                 self.block_size,
                 need * block
             ));

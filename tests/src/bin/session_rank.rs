@@ -12,11 +12,11 @@
 use collectives::{init_parallel, Collective, InitOptions, ReduceOp};
 use mesh::{AxisBackends, Backend};
 use session::replicated::LlamaFactory;
-use session::sharded::ShardedFactory;
+use session::sharded::{KvCacheConfig, ShardedFactory};
 use session::{
-    BoxError, Collect, Decision, EngineOptions, Event, Groups, Logits, ModelFactory, NoMetrics,
-    Request, Role, SamplingParams, SessionConfig, SessionReport, Sinks, StepModel, StepPlan,
-    StopHandle,
+    BoxError, Collect, Decision, EngineOptions, Event, Groups, KvLayout, Logits, MetricsSink,
+    ModelFactory, NoMetrics, Request, Role, SamplingParams, SessionConfig, SessionReport, Sinks,
+    StepMetrics, StepModel, StepPlan, StopHandle,
 };
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
@@ -50,6 +50,10 @@ fn main() {
                 tokens.join(",")
             );
         }
+    }
+    if let Some(counts) = KV_COUNTS.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        let (preemptions, hits) = *counts.0.lock().unwrap_or_else(|e| e.into_inner());
+        println!("kv preemptions={preemptions} prefix_hits={hits}");
     }
     drop(role);
     println!("threads={}", settled_threads());
@@ -138,7 +142,25 @@ impl StepModel for Probe {
     fn context_len(&self) -> usize {
         self.inner.context_len()
     }
+
+    fn kv_layout(&self) -> Option<KvLayout> {
+        self.inner.kv_layout()
+    }
 }
+
+/// Rank 0's count of KV preemptions and prefix-cache hits, printed at the end.
+#[derive(Clone, Default)]
+struct KvCounts(Arc<Mutex<(u64, u64)>>);
+
+impl MetricsSink for KvCounts {
+    fn step(&mut self, m: &StepMetrics) {
+        let mut c = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        c.0 += m.preemptions;
+        c.1 += m.prefix_hits;
+    }
+}
+
+static KV_COUNTS: Mutex<Option<KvCounts>> = Mutex::new(None);
 
 struct ProbeFactory {
     inner: Box<dyn ModelFactory>,
@@ -223,7 +245,18 @@ fn scenario_main(scenario: &str, rank: usize, slot: &mut Option<Role>) -> Outcom
     let factory = Box::new(ProbeFactory {
         // `TPCTL_SHARDED=1`: the TP/CP-sharded model instead of the replicated one.
         inner: if std::env::var("TPCTL_SHARDED").is_ok_and(|v| v == "1") {
-            Box::new(ShardedFactory::new(1))
+            let factory = ShardedFactory::new(1);
+            // `TPCTL_PAGED=1`: a paged KV pool with room for one 40-token sequence only.
+            Box::new(if std::env::var("TPCTL_PAGED").is_ok_and(|v| v == "1") {
+                factory.with_context(40).with_kv_cache(KvCacheConfig {
+                    bytes: None,
+                    cap_bytes: 0,
+                    block_size: 4,
+                    prefix_caching: true,
+                })
+            } else {
+                factory
+            })
         } else {
             Box::new(LlamaFactory::new(1))
         },
@@ -232,11 +265,13 @@ fn scenario_main(scenario: &str, rank: usize, slot: &mut Option<Role>) -> Outcom
         sigkill_at,
     });
     let collect = Collect::new();
-    let sinks = || Sinks { output: Box::new(collect.clone()), metrics: Box::new(NoMetrics) };
+    let counts = KvCounts::default();
+    let sinks = || Sinks { output: Box::new(collect.clone()), metrics: Box::new(counts.clone()) };
     let role = slot.insert(Role::new(ctx, factory, engine, (rank == 0).then(sinks))?);
     *stop_cell.lock().unwrap_or_else(|e| e.into_inner()) = Some(role.stop_handle());
     if rank == 0 {
         *OUTPUT.lock().unwrap_or_else(|e| e.into_inner()) = Some(collect.clone());
+        *KV_COUNTS.lock().unwrap_or_else(|e| e.into_inner()) = Some(counts.clone());
     }
     if scenario == "stop-before-start" && rank == stop_rank {
         role.stop_handle().request_stop();
@@ -292,6 +327,18 @@ fn scenario_main(scenario: &str, rank: usize, slot: &mut Option<Role>) -> Outcom
         | "sink-to-worker"
         | "failure" => {
             leader.run(cfg, batch(), &mut stop)?;
+        }
+        "shared-prefix" => {
+            // Four prompts that share their first 8 tokens, 16 greedy tokens each: more than
+            // a 40-token paged pool holds at once.
+            let requests = (0..4u32)
+                .map(|i| {
+                    let mut prompt: Vec<u32> = (5..13).collect();
+                    prompt.extend([20 + i, 30 + i]);
+                    req(u64::from(i) + 1, &prompt, 16)
+                })
+                .collect();
+            leader.run(cfg, requests, &mut stop)?;
         }
         "bounded" => {
             leader.run(SessionConfig { max_steps: Some(3), ..cfg }, batch(), &mut stop)?;

@@ -59,6 +59,12 @@ struct Inner {
     step_seconds: f64,
     step_prefill_tokens: u64,
     step_decode_tokens: u64,
+    /// Requests with tokens in the KV cache at the latest step.
+    engine_running: usize,
+    kv_usage: f64,
+    prefix_queries: u64,
+    prefix_hits: u64,
+    preemptions: u64,
 }
 
 /// Shared counters; cheap to clone.
@@ -142,11 +148,43 @@ impl Metrics {
             "Decode tokens processed in engine steps.",
             m.step_decode_tokens.to_string(),
         );
+        counter(
+            "tpctl_prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache.",
+            m.prefix_queries.to_string(),
+        );
+        counter(
+            "tpctl_prefix_cache_hits_total",
+            "Prompt tokens found in the prefix cache (not computed again).",
+            m.prefix_hits.to_string(),
+        );
+        counter(
+            "tpctl_preemptions_total",
+            "Requests preempted for KV cache room (recomputed later).",
+            m.preemptions.to_string(),
+        );
         let finished: u64 = m.finished.values().sum();
-        let _ = writeln!(
-            out,
-            "# HELP tpctl_requests_running Generation requests not finished yet.\n# TYPE tpctl_requests_running gauge\ntpctl_requests_running {}",
-            m.submitted.saturating_sub(finished)
+        let unfinished = m.submitted.saturating_sub(finished);
+        let running = (m.engine_running as u64).min(unfinished);
+        let mut gauge = |name: &str, help: &str, value: String| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}");
+        };
+        gauge(
+            "tpctl_requests_running",
+            "Generation requests with tokens in the KV cache.",
+            running.to_string(),
+        );
+        gauge(
+            "tpctl_requests_waiting",
+            "Generation requests not finished and not running (queued, waiting for KV cache \
+             room, or preempted).",
+            (unfinished - running).to_string(),
+        );
+        gauge(
+            "tpctl_kv_cache_usage_ratio",
+            "Share of the KV pool's blocks held by requests (rank 0's view, the same on every \
+             rank).",
+            m.kv_usage.to_string(),
         );
         let _ = writeln!(
             out,
@@ -281,6 +319,11 @@ impl MetricsSink for EngineMeter {
         m.step_seconds += (s.agreement + s.model).as_secs_f64();
         m.step_prefill_tokens += s.prefill_tokens as u64;
         m.step_decode_tokens += s.decode_tokens as u64;
+        m.engine_running = s.running;
+        m.kv_usage = s.kv_usage;
+        m.prefix_queries += s.prefix_queries;
+        m.prefix_hits += s.prefix_hits;
+        m.preemptions += s.preemptions;
     }
 }
 

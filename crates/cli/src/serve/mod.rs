@@ -49,6 +49,8 @@ pub struct Rank0<'a> {
     pub config: &'a layers::LlamaConfig,
     /// KV-cache tokens per sequence: with the model's context, the longest sequence.
     pub context_tokens: usize,
+    /// The most requests in one step.
+    pub max_num_seqs: u32,
     /// The gate the control plane quiesces the engine through.
     pub gate: Arc<session::Gate>,
     /// Stops the engine (Ctrl-C, `tpctl stop`).
@@ -146,7 +148,9 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
             Decision::KeepOpen
         }
     };
-    let result = leader.serve(SessionConfig::new(rank0.model), &inbox, &mut decider);
+    let session =
+        SessionConfig { max_batch: rank0.max_num_seqs, ..SessionConfig::new(rank0.model) };
+    let result = leader.serve(session, &inbox, &mut decider);
     ready.store(false, Ordering::SeqCst);
     let _ = shutdown_tx.send(());
     drop(inbox);
