@@ -672,6 +672,9 @@ fn sleep_frees_every_ranks_memory_and_wakeup_gives_the_same_text() {
         let tags: Vec<&str> =
             r["tags"].as_array().unwrap().iter().map(|t| t["tag"].as_str().unwrap()).collect();
         assert!(tags.contains(&"weights") && tags.contains(&"kv_cache"), "{r}");
+        // The KV cache is one pool per rank, released whole.
+        let kv = r["tags"].as_array().unwrap().iter().find(|t| t["tag"] == "kv_cache").unwrap();
+        assert_eq!(kv["allocations"], 1, "{r}");
         let bytes: u64 =
             r["tags"].as_array().unwrap().iter().map(|t| t["bytes"].as_u64().unwrap()).sum();
         assert!(bytes > 20 << 20, "rank {} released only {bytes} bytes", r["rank"]);
@@ -1605,4 +1608,66 @@ fn the_config_files_sampling_gives_the_servers_defaults() {
         server.post("/v1/completions", &json!({"prompt": prompt_ids("3,4"), "max_tokens": 2}));
     assert_eq!(ids(&reply.json()["choices"][0]["token_ids"]), expected[..2]);
     assert_eq!(server.interrupt().code(), Some(130));
+}
+
+/// A prompt that starts like an earlier one reuses the earlier one's KV blocks: the same
+/// greedy tokens, and `/metrics` counts the reused tokens; with `--no-prefix-caching` nothing
+/// is looked up. The pool's usage is a gauge.
+#[test]
+fn a_repeated_prompt_prefix_is_reused_and_counted() {
+    let prompt: Vec<u32> = (0..40u32).map(|i| i * 7 % 40 + 1).collect();
+    let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
+    let mut answers = Vec::new();
+    for flags in [&[][..], &["--no-prefix-caching"][..]] {
+        let server = Server::start(model(), flags);
+        for _ in 0..2 {
+            let reply = server.post("/v1/completions", &body);
+            assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
+            answers.push(ids(&reply.json()["choices"][0]["token_ids"]));
+        }
+        let metrics = server.get("/metrics");
+        let m = &metrics.body;
+        // Two full 16-token blocks of the 40 (the last token is always computed).
+        let (queries, hits) = if flags.is_empty() { (64.0, 32.0) } else { (0.0, 0.0) };
+        assert_eq!(metric(m, "tpctl_prefix_cache_queries_total"), queries, "{flags:?}\n{m}");
+        assert_eq!(metric(m, "tpctl_prefix_cache_hits_total"), hits, "{flags:?}\n{m}");
+        let usage = metric(m, "tpctl_kv_cache_usage_ratio");
+        assert!((0.0..=1.0).contains(&usage), "{m}");
+        assert_eq!(metric(m, "tpctl_requests_waiting"), 0.0, "{m}");
+        let status = server.interrupt();
+        assert_eq!(status.code(), Some(130), "{status:?}");
+    }
+    assert!(answers.iter().all(|a| *a == answers[0] && a.len() == 8), "{answers:?}");
+}
+
+/// With `[sleep.kv_cache] restore = "backup"` the prefix cache survives a sleep (the prompt
+/// sent again right after the wakeup reuses its blocks); with `discard` it is emptied (no hit,
+/// the blocks hold nothing any more). The answers are the same either way.
+#[test]
+fn the_prefix_cache_survives_a_backup_sleep_and_a_discard_empties_it() {
+    let prompt: Vec<u32> = (0..40u32).map(|i| i * 11 % 40 + 2).collect();
+    let body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0});
+    for (name, restore, hits) in [("pfx-backup", "backup", 32.0), ("pfx-discard", "discard", 0.0)] {
+        let rt = runtime_dir(name);
+        let toml = scratch(&format!("{name}.toml"));
+        std::fs::write(&toml, format!("[sleep.kv_cache]\nrestore = \"{restore}\"\n")).unwrap();
+        let env = [("XDG_RUNTIME_DIR", rt.as_str())];
+        let args = ["--deployment", name, toml.to_str().unwrap()];
+        let server = Server::start_with(model(), &args, &env);
+        let before = server.post("/v1/completions", &body);
+        assert_eq!(before.status, 200, "{before:?}\n{}", server.log());
+        for op in [&["sleep", "--tags", "kv_cache"][..], &["wakeup"]] {
+            let (code, reply, err) = control(&rt, op);
+            assert_eq!(code, 0, "{name} {op:?}: {err}\n{reply}");
+        }
+        let after = server.post("/v1/completions", &body);
+        assert_eq!(after.status, 200, "{after:?}");
+        let answer = |r: &Reply| ids(&r.json()["choices"][0]["token_ids"]);
+        assert_eq!(answer(&after), answer(&before), "{name}");
+        let m = server.get("/metrics").body;
+        assert_eq!(metric(&m, "tpctl_prefix_cache_queries_total"), 64.0, "{name}\n{m}");
+        assert_eq!(metric(&m, "tpctl_prefix_cache_hits_total"), hits, "{name}\n{m}");
+        let status = server.interrupt();
+        assert_eq!(status.code(), Some(130), "{status:?}");
+    }
 }

@@ -122,7 +122,6 @@ impl BlockManager {
     }
 
     /// Cached blocks, held or evictable.
-    #[cfg(test)]
     pub(crate) fn cached(&self) -> usize {
         self.cache.len()
     }

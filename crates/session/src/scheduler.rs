@@ -515,7 +515,14 @@ impl Scheduler {
     /// sleep). The continuation is the same as without the interruption.
     pub(crate) fn recompute_all(&mut self) {
         if let Some(pool) = &mut self.pool {
+            let cached = pool.blocks.cached();
             pool.blocks.forget_cached();
+            tracing::info!(
+                cached_blocks = cached,
+                sequences = self.seqs.iter().filter(|s| s.prefilled > 0).count(),
+                "the KV cache's contents are gone: its prefix cache is emptied and running \
+                 sequences recompute"
+            );
         }
         for i in 0..self.seqs.len() {
             if self.seqs[i].prefilled > 0 || !self.seqs[i].blocks.is_empty() {

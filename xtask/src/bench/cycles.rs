@@ -364,7 +364,7 @@ pub(crate) fn run(json: bool) -> Result<()> {
     let tpctl = root().join("target/release/tpctl");
     let prompts: Vec<Vec<u32>> = (0..CLIENTS).map(prompt).collect();
 
-    let server = Server::start(&tpctl, &model, tp, cp, 1)?;
+    let server = Server::start(&tpctl, &model, (tp, cp, 1), &[])?;
     let reference = answer_all(&server.base, &prompts).context("the answers before any sleep")?;
     for (i, a) in reference.iter().enumerate() {
         ensure!(

@@ -10,6 +10,10 @@
 //!   llama.cpp decoding the same 8 prompts in one batch per step; and against our own single
 //!   stream.
 //!
+//! - A chat workload: 8 clients at once, each a 400-token shared system prompt and 32 tokens
+//!   of its own, with and without prefix caching: mean time to first token, aggregate tok/s,
+//!   the prefix cache's hits and each rank's resident memory next to the KV pool's budget.
+//!
 //! Each figure is the best of [`ROUNDS`] rounds, so a burst of noise on a shared machine does
 //! not decide a ratio.
 
@@ -88,17 +92,22 @@ impl Server {
     pub(super) fn start(
         tpctl: &Path,
         model: &Path,
-        tp: usize,
-        cp: usize,
-        threads: usize,
+        (tp, cp, threads): (usize, usize, usize),
+        extra: &[&str],
     ) -> Result<Server> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let base = format!("http://127.0.0.1:{port}");
-        eprintln!("$ tpctl serve --tp {tp} --cp {cp} --threads {threads} {}", model.display());
+        eprintln!(
+            "$ tpctl serve --tp {tp} --cp {cp} --threads {threads} {} {}",
+            extra.join(" "),
+            model.display()
+        );
         let child = Command::new(tpctl)
             .args(["serve", "--quiet", "--listen", &format!("127.0.0.1:{port}")])
             .args(["--tp", &tp.to_string(), "--cp", &cp.to_string()])
-            .args(["--threads", &threads.to_string(), "--model"])
+            .args(["--threads", &threads.to_string()])
+            .args(extra)
+            .arg("--model")
             .arg(model)
             .stdout(Stdio::null())
             .spawn()
@@ -244,7 +253,8 @@ pub(crate) fn run(json: bool) -> Result<()> {
         let single_ref = reference(&anchors, model, 1, SINGLE_PROMPT)?;
         let batch_ref = reference(&anchors, model, STREAMS, STREAM_PROMPT)?;
         for (tp, cp, threads) in LAYOUTS {
-            let server = Server::start(&tpctl, model, tp, cp, threads)?;
+            // The rounds repeat one prompt: no prefix reuse, so each round computes it all.
+            let server = Server::start(&tpctl, model, (tp, cp, threads), &["--no-prefix-caching"])?;
             let m = measure(&server, &single_ref.prompts[0], &batch_ref.prompts)?;
             drop(server);
             let ratio = |ours: f64, theirs: f64| ours / theirs;
@@ -285,7 +295,134 @@ pub(crate) fn run(json: bool) -> Result<()> {
              best of {ROUNDS} rounds each, same machine, same run"
         );
     }
+    let q4 = &models[1].1;
+    let with = chat_workload(&tpctl, q4, &[])?;
+    let without = chat_workload(&tpctl, q4, &["--no-prefix-caching"])?;
+    if json {
+        for (name, c) in [("prefix_caching", &with), ("no_prefix_caching", &without)] {
+            let row = json!({
+                "workload": "chat", "file": "Q4_1", "tp": 1, "cp": 1, "threads_per_rank": 2,
+                "mode": name, "clients": STREAMS, "system_prompt": SYSTEM_PROMPT,
+                "ttft_ms": round1(c.ttft_ms), "tok_s": round1(c.tok_s),
+                "prefix_hit_tokens": c.hits, "rank_rss_mib": c.rss_mib, "pool_mib": POOL_MIB,
+            });
+            println!("{row}");
+        }
+    } else {
+        println!(
+            "\nchat workload: {STREAMS} clients, a {SYSTEM_PROMPT}-token shared system prompt + \
+             {STREAM_PROMPT} own tokens, {DECODE} tokens each (Q4_1, 1x1, 2 threads, \
+             --kv-cache-memory {POOL_MIB}MiB)"
+        );
+        println!(
+            "{:<20} | {:>14} | {:>16} | {:>18} | {:>14}",
+            "", "mean TTFT ms", "aggregate tok/s", "prefix hit tokens", "rank RSS MiB"
+        );
+        for (name, c) in [("prefix caching", &with), ("no prefix caching", &without)] {
+            println!(
+                "{name:<20} | {:>14.1} | {:>16.1} | {:>18} | {:>14}",
+                c.ttft_ms,
+                c.tok_s,
+                c.hits,
+                c.rss_mib.iter().map(u64::to_string).collect::<Vec<_>>().join(" ")
+            );
+        }
+        println!(
+            "with / without: TTFT {:.2}x, throughput {:.2}x; best of {ROUNDS} rounds; RSS after \
+             the last round (weights, pool of {POOL_MIB} MiB, runtime)",
+            without.ttft_ms / with.ttft_ms,
+            with.tok_s / without.tok_s
+        );
+    }
     Ok(())
+}
+
+/// The shared system prompt of the chat workload, in tokens.
+const SYSTEM_PROMPT: usize = 400;
+/// The KV pool of the chat workload's server.
+const POOL_MIB: u64 = 256;
+
+/// What the chat workload measured.
+struct Chat {
+    /// Mean time to the first token over the clients, ms.
+    ttft_ms: f64,
+    /// Tokens generated over the wall time of a round.
+    tok_s: f64,
+    /// Prompt tokens the server reused (its prefix cache's hits).
+    hits: u64,
+    /// Resident memory of each rank after the last round.
+    rss_mib: Vec<u64>,
+}
+
+/// [`STREAMS`] clients at once, each a [`SYSTEM_PROMPT`]-token shared prefix and
+/// [`STREAM_PROMPT`] tokens of its own, against a server started with `extra` flags; the shared
+/// prompt is sent once first (a chat service's earlier traffic).
+fn chat_workload(tpctl: &Path, model: &Path, extra: &[&str]) -> Result<Chat> {
+    let pool = format!("{POOL_MIB}MiB");
+    let mut flags = vec!["--kv-cache-memory", pool.as_str()];
+    flags.extend(extra);
+    let server = Server::start(tpctl, model, (1, 1, 2), &flags)?;
+    // Ids of ordinary tokens, fixed: a deterministic walk over the vocabulary.
+    let ids = |seed: u32, n: usize| -> Vec<u32> {
+        (0..n as u32).map(|i| 200 + (seed.wrapping_mul(7919) + i * 104_729) % 40_000).collect()
+    };
+    let system = ids(1, SYSTEM_PROMPT);
+    stream(&server.base, &system, Instant::now())?;
+    let mut best = Chat { ttft_ms: f64::INFINITY, tok_s: 0.0, hits: 0, rss_mib: Vec::new() };
+    for round in 0..ROUNDS {
+        let prompts: Vec<Vec<u32>> = (0..STREAMS)
+            .map(|c| {
+                let mut p = system.clone();
+                p.extend(ids(100 + (round * STREAMS + c) as u32, STREAM_PROMPT));
+                p
+            })
+            .collect();
+        let start = Instant::now();
+        let all: Vec<Arrivals> = std::thread::scope(|s| {
+            let handles: Vec<_> =
+                prompts.iter().map(|p| s.spawn(|| stream(&server.base, p, start))).collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))?)
+                .collect::<Result<Vec<_>>>()
+        })?;
+        let ttft = all.iter().map(|a| a.first.as_secs_f64()).sum::<f64>() / all.len() as f64;
+        let last = all.iter().map(|a| a.last).max().unwrap_or_default();
+        best.ttft_ms = best.ttft_ms.min(ttft * 1e3);
+        best.tok_s = best.tok_s.max((STREAMS * DECODE) as f64 / last.as_secs_f64());
+    }
+    let metrics =
+        ureq::get(&format!("{}/metrics", server.base)).call()?.into_body().read_to_string()?;
+    best.hits = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("tpctl_prefix_cache_hits_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0) as u64;
+    best.rss_mib = children_rss(server.pid()).into_iter().map(|b| b >> 20).collect();
+    Ok(best)
+}
+
+/// Resident bytes of every child process of `parent` (a launcher's ranks), by pid.
+fn children_rss(parent: u32) -> Vec<u64> {
+    let mut out: Vec<(u32, u64)> = Vec::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    for entry in dir.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else { continue };
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        };
+        if field("PPid:") == Some(u64::from(parent)) {
+            out.push((pid, field("VmRSS:").unwrap_or(0) * 1024));
+        }
+    }
+    out.sort_unstable();
+    out.into_iter().map(|(_, rss)| rss).collect()
 }
 
 fn round1(x: f64) -> f64 {

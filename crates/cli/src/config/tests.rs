@@ -148,3 +148,55 @@ fn launch_settings_refuse_what_cannot_run() {
     let half = LaunchFlags { dtype: Some(ComputeDtype::Bf16), ..flags(None, None) };
     assert!(err(half, true).contains("half precision needs --device cuda"));
 }
+
+/// `kv_cache_memory` takes bytes, sizes with units and fractions, in the file and on the
+/// command line (the flag wins), and refuses what is not a size, naming the key.
+#[test]
+fn the_kv_cache_settings_parse_and_bad_ones_name_their_key() {
+    let parsed = |v: &str| v.parse::<KvMemory>();
+    assert_eq!(parsed("1073741824"), Ok(KvMemory::Bytes(1 << 30)));
+    assert_eq!(parsed("512MiB"), Ok(KvMemory::Bytes(512 << 20)));
+    assert_eq!(parsed("2 GB"), Ok(KvMemory::Bytes(2_000_000_000)));
+    assert_eq!(parsed("0.25"), Ok(KvMemory::Fraction(0.25)));
+    for bad in ["0", "1.5", "-0.1", "lots", "GiB"] {
+        assert!(parsed(bad).is_err(), "{bad} was taken");
+    }
+    assert_eq!(KvMemory::Fraction(0.5).bytes(8 << 30, 4), 1 << 30);
+    assert_eq!(KvMemory::Bytes(123).bytes(8 << 30, 4), 123);
+
+    let file = Config::parse(
+        "[runtime]\nkv_cache_memory = \"64MiB\"\nblock_size = 32\nprefix_caching = false\nmax_num_seqs = 4\n",
+        "kv.toml",
+    )
+    .unwrap();
+    let s = file.launch(&flags(None, None), 8, false).unwrap();
+    assert_eq!(
+        (s.kv_cache_memory, s.block_size, s.prefix_caching, s.max_num_seqs),
+        (Some(KvMemory::Bytes(64 << 20)), 32, false, 4)
+    );
+    let over = LaunchFlags {
+        kv_cache_memory: Some(KvMemory::Fraction(0.1)),
+        max_num_seqs: Some(2),
+        ..flags(None, None)
+    };
+    let s = file.launch(&over, 8, false).unwrap();
+    assert_eq!((s.kv_cache_memory, s.max_num_seqs), (Some(KvMemory::Fraction(0.1)), 2));
+    let d = Config::default().launch(&flags(None, None), 8, false).unwrap();
+    assert_eq!(
+        (d.kv_cache_memory, d.block_size, d.prefix_caching, d.max_num_seqs),
+        (None, 16, true, 32)
+    );
+    let no = LaunchFlags { no_prefix_caching: true, ..flags(None, None) };
+    assert!(!Config::default().launch(&no, 8, false).unwrap().prefix_caching);
+
+    for (text, key) in [
+        ("[runtime]\nkv_cache_memory = 0\n", "kv_cache_memory"),
+        ("[runtime]\nkv_cache_memory = 2.0\n", "kv_cache_memory"),
+        ("[runtime]\nkv_cache_memory = \"much\"\n", "kv_cache_memory"),
+        ("[runtime]\nblock_size = 12\n", "runtime.block_size"),
+        ("[runtime]\nmax_num_seqs = 0\n", "runtime.max_num_seqs"),
+    ] {
+        let err = format!("{:#}", Config::parse(text, "bad.toml").unwrap_err());
+        assert!(err.contains(key), "{text}: {err}");
+    }
+}
