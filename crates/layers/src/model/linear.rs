@@ -5,7 +5,8 @@
 //! by whole KV-head groups for attention; loading reads only the requested slice from the file.
 
 use crate::error::{Error, Result};
-use crate::gguf::{kquant, GgmlType, GgufFile};
+use crate::gguf::kquant::{self, QuantFormat};
+use crate::gguf::{GgmlType, GgufFile};
 use crate::kernels::cpu::quant::{BlockFormat, BLOCK};
 use crate::kernels::{Backend, QMatrix, Weight};
 use crate::memory::{Arena, WeightBuffers};
@@ -69,13 +70,16 @@ impl WeightSource for GgufFile {
         self.tensor_cols(name, cols)
     }
 
-    /// Q8_0, Q4_0 and Q4_1 as stored; Q5_0, IQ4_NL and Q3_K repacked losslessly as Q8_0
-    /// ([`kquant::to_q8_0`]); `None` for the other formats, which load as f32.
+    /// Q8_0, Q4_0 and Q4_1 as stored; Q4_K as 4-bit blocks of 32 ([`kquant::q4_k_four_bit`]);
+    /// Q5_0, IQ4_NL and Q3_K repacked losslessly as Q8_0 ([`kquant::to_q8_0`]); `None` for the
+    /// other formats, which load as f32.
     fn quantized(&self, name: &str, shard: &Shard) -> Result<Option<QMatrix>> {
         let info = self.tensor_info(name)?;
+        // `None`: Q4_K, repacked below.
         let format = match info.ggml_type {
-            GgmlType::Block(format) => format,
-            GgmlType::Quant(f) if f.fits_q8_0() => BlockFormat::Q8_0,
+            GgmlType::Block(format) => Some(format),
+            GgmlType::Quant(f) if f.fits_q8_0() => Some(BlockFormat::Q8_0),
+            GgmlType::Quant(QuantFormat::Q4_K) => None,
             _ => return Ok(None),
         };
         let (rows, cols) = (info.rows(), info.row_len());
@@ -87,6 +91,19 @@ impl WeightSource for GgufFile {
         if col_range.start % BLOCK != 0 || col_range.end % BLOCK != 0 || col_range.end > cols {
             return Ok(None);
         }
+        let Some(format) = format else {
+            let (_, stored) = self.raw_rows(name, row_range.clone())?;
+            let four = kquant::q4_k_four_bit(stored);
+            let (nb, c0, c1) = (cols / BLOCK, col_range.start / BLOCK, col_range.end / BLOCK);
+            let picked = (0..row_range.len()).map(|r| r * nb + c0..r * nb + c1);
+            let (mut scales, mut mins, mut qs) = (Vec::new(), Vec::new(), Vec::new());
+            for blocks in picked {
+                scales.extend_from_slice(&four.scales[blocks.clone()]);
+                mins.extend_from_slice(&four.mins[blocks.clone()]);
+                qs.extend_from_slice(&four.qs[blocks.start * 16..blocks.end * 16]);
+            }
+            return Ok(QMatrix::four_bit(row_range.len(), col_range.len(), scales, mins, qs));
+        };
         let (info, stored) = self.raw_rows(name, row_range.clone())?;
         let bytes = match info.ggml_type {
             GgmlType::Quant(f) => match kquant::to_q8_0(f, stored) {
@@ -117,7 +134,7 @@ impl WeightSource for GgufFile {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum WeightForm {
     /// Keep block-quantized weights quantized (decode reads 4-8× fewer bytes): Q8_0, Q4_0 and
-    /// Q4_1 as stored, Q5_0, IQ4_NL and Q3_K as 8-bit; others as f32.
+    /// Q4_1 as stored, Q4_K as 4-bit, Q5_0, IQ4_NL and Q3_K as 8-bit; others as f32.
     #[default]
     Native,
     /// Convert everything to f32.

@@ -93,6 +93,27 @@ impl QMatrix {
         Some(QMatrix::from_parts(bits, rows, cols, scales, mins, qs))
     }
 
+    /// A 4-bit matrix from its parts, per block of 32 weights (row-major): `w = d·q + m`
+    /// with one scale `d` and one minimum `m` per block and 16 bytes of nibbles (byte `j`
+    /// holds element `j` low, `j + 16` high). Formats with other blocks (Q4_K's 256-weight
+    /// super-blocks of eight 32-weight sub-blocks) repack to this.
+    ///
+    /// Returns `None` when `cols` is not a multiple of 32 or a part has the wrong length.
+    pub fn four_bit(
+        rows: usize,
+        cols: usize,
+        scales: Vec<f32>,
+        mins: Vec<f32>,
+        qs: Vec<u8>,
+    ) -> Option<Self> {
+        let nb = rows * (cols / BLOCK);
+        let fits = cols.is_multiple_of(BLOCK)
+            && scales.len() == nb
+            && mins.len() == nb
+            && qs.len() == nb * BLOCK / 2;
+        fits.then(|| QMatrix::from_parts(QBits::Four, rows, cols, scales, mins, qs))
+    }
+
     fn from_parts(
         bits: QBits,
         rows: usize,
