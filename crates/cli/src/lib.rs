@@ -3,6 +3,7 @@
 //! can be tested directly.
 #![forbid(unsafe_code)]
 
+pub mod catalog;
 pub mod config;
 pub mod control;
 pub mod launcher;

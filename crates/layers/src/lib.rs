@@ -23,7 +23,6 @@
 //! copies of `kernels::cuda` (feature `cuda`).
 #![deny(unsafe_code)]
 
-pub mod catalog;
 pub mod config;
 pub mod error;
 pub mod generation;

