@@ -1,5 +1,6 @@
 //! `cargo xtask bench <what> [--json]`: benchmarks next to the reference they are judged by.
 
+mod agree;
 mod collectives;
 mod cycles;
 mod model;
@@ -34,6 +35,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "sleep" => sleep::run(json)?,
             "serve" => serve::run(json)?,
             "cycles" => cycles::run(json)?,
+            "agree" => agree::run(json)?,
             "all" => {
                 collectives::run(json)?;
                 vmm::run(json)?;
@@ -42,7 +44,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             }
             other => {
                 bail!(
-                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, sleep, cycles or all"
+                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, sleep, cycles, agree or all"
                 )
             }
         }

@@ -16,7 +16,8 @@ cargo xtask <task> [args]
 tasks:
   ci                      fmt check, clippy (default, failpoints, cuda features), all tests
   bench <what> [--json]   benchmarks with their reference measured in the same run;
-                          <what>: collectives | vmm | session | model | serve | sleep | cycles | all
+                          <what>: collectives | vmm | session | model | serve | sleep | cycles |
+                          agree (greedy ids and logprobs vs llama.cpp) | all
   gpu-test [--bundle [DIR]]
                           the GPU tests with --features cuda; fails without a usable GPU;
                           --bundle: build them with run.sh for a GPU machine without Rust
