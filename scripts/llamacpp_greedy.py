@@ -4,7 +4,9 @@ margin between the two best logits, for `cargo xtask bench agree` to compare tpc
 Usage: python3 llamacpp_greedy.py MODEL.gguf THREADS N_PROMPTS PROMPT_TOKENS DECODE_TOKENS
 Prints one JSON object: {"prompts": [[ids]], "runs": [{"ids": [...], "logprobs": [...],
 "margins": [...]}]}; a continuation stops after an end-of-generation token, as tpctl run does.
-The prompts are the first PROMPT_TOKENS tokens of fixed English and code texts."""
+The prompts are the first PROMPT_TOKENS tokens of fixed English and code texts. The KV cache is
+f32, as tpctl's; with quantized weights llama.cpp still rounds activations to 8 bits for its
+dot products, which tpctl does not."""
 import json, sys
 import numpy as np
 import llama_cpp as L
@@ -21,6 +23,9 @@ cp.n_ubatch = cp.n_batch
 cp.n_threads = threads
 cp.n_threads_batch = threads
 cp.no_perf = True
+# Keys and values in f32, as tpctl keeps them (llama.cpp's default is f16).
+cp.type_k = L.GGML_TYPE_F32
+cp.type_v = L.GGML_TYPE_F32
 ctx = L.llama_init_from_model(model, cp)
 
 texts = ["The quick brown fox jumps over the lazy dog. ", "Once upon a time there was a small village by the sea. ",

@@ -106,7 +106,7 @@ impl Gate {
     /// Takes whether the contents of the KV cache were lost in a sleep since the last call.
     pub(crate) fn take_kv_lost(&self) -> bool {
         let mut s = self.lock();
-        let lost = s.lost.remove("kv_cache");
+        let lost = s.lost.remove(vmm::Tag::KV_CACHE.as_str());
         s.lost.clear();
         lost
     }
@@ -147,7 +147,7 @@ impl Quiesce for Gate {
 
     fn weights_changed(&self) {
         // The caches hold keys and values of the old weights: recompute as after a discard.
-        self.lock().lost.insert("kv_cache".to_owned());
+        self.lock().lost.insert(vmm::Tag::KV_CACHE.as_str().to_owned());
     }
 
     fn resume(&self) {
