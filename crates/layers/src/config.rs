@@ -31,6 +31,42 @@ pub struct LlamaConfig {
     pub context_length: usize,
     /// Whether the LM head reuses the token embedding (no `output.weight`).
     pub tied_embeddings: bool,
+    /// Rotary frequency factors, one per rotated pair: pair `i`'s angle is divided by
+    /// `rope_freq_factors[i]` (Llama 3's rope scaling, GGUF's `rope_freqs.weight`; linear
+    /// scaling is one factor everywhere). `None`: no scaling.
+    pub rope_freq_factors: Option<Vec<f32>>,
+}
+
+/// Llama 3's rope scaling (`rope_scaling` with `rope_type: "llama3"` in `config.json`): the
+/// frequency factors of its `rot_dim / 2` rotated pairs for rotary base `theta`. Wavelengths
+/// shorter than `original_context / high_freq_factor` are kept, longer than
+/// `original_context / low_freq_factor` divided by `factor`, and those between interpolated.
+pub fn llama3_rope_factors(
+    theta: f64,
+    rot_dim: usize,
+    factor: f64,
+    low_freq_factor: f64,
+    high_freq_factor: f64,
+    original_context: f64,
+) -> Vec<f32> {
+    let (low_wavelen, high_wavelen) =
+        (original_context / low_freq_factor, original_context / high_freq_factor);
+    (0..rot_dim / 2)
+        .map(|i| {
+            let inv_freq = theta.powf(-((2 * i) as f64) / rot_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / inv_freq;
+            let scaled = if wavelen < high_wavelen {
+                inv_freq
+            } else if wavelen > low_wavelen {
+                inv_freq / factor
+            } else {
+                let smooth = (original_context / wavelen - low_freq_factor)
+                    / (high_freq_factor - low_freq_factor);
+                (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
+            };
+            (inv_freq / scaled) as f32
+        })
+        .collect()
 }
 
 impl LlamaConfig {
@@ -107,6 +143,35 @@ impl LlamaConfig {
         } else {
             file.tensor_info("token_embd.weight")?.rows()
         };
+        let rope_freq_factors =
+            if file.has_tensor("rope_freqs.weight") {
+                let factors = file.tensor_rows("rope_freqs.weight", 0..1)?;
+                if factors.len() != rope_dim / 2 || !factors.iter().all(|&f| f > 0.0) {
+                    return Err(Error::metadata(
+                        "rope_freqs.weight",
+                        format!(
+                            "{} factors for {} rotated pairs, all positive",
+                            factors.len(),
+                            rope_dim / 2
+                        ),
+                    ));
+                }
+                Some(factors)
+            } else {
+                match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
+                    None | Some("none") => None,
+                    Some("linear") => {
+                        let factor = file.get_f64(&key("rope.scaling.factor"))? as f32;
+                        Some(vec![factor; rope_dim / 2])
+                    }
+                    Some(other) => return Err(Error::metadata(
+                        &key("rope.scaling.type"),
+                        format!(
+                            "`{other}` rope scaling is not supported (linear and Llama 3's are)"
+                        ),
+                    )),
+                }
+            };
         Ok(LlamaConfig {
             n_layers,
             hidden,
@@ -120,6 +185,7 @@ impl LlamaConfig {
             vocab_size,
             context_length,
             tied_embeddings: !file.has_tensor("output.weight"),
+            rope_freq_factors,
         })
     }
 
@@ -170,6 +236,7 @@ mod tests {
                 vocab_size: 5,
                 context_length: 128,
                 tied_embeddings: true,
+                rope_freq_factors: None,
             }
         );
         assert_eq!(c.group_size(), 2);
@@ -214,6 +281,52 @@ mod tests {
             err.to_string(),
             "metadata key `llama.attention.head_count_kv`: 3 kv heads do not divide 4 query heads"
         );
+        std::fs::remove_file(p).unwrap();
+    }
+
+    /// Llama 3's factors keep short wavelengths, divide long ones by `factor` and interpolate
+    /// between; a GGUF file's `rope_freqs.weight` and linear scaling are read, other kinds are
+    /// refused by name.
+    #[test]
+    fn rope_scaling_factors_come_from_llama3_rules_and_the_file() {
+        // Llama 3.1 8B: theta 5e5, head 128, factor 8, low 1, high 4, trained on 8192.
+        let f = llama3_rope_factors(500_000.0, 128, 8.0, 1.0, 4.0, 8192.0);
+        assert_eq!(f.len(), 64);
+        assert_eq!(f[0], 1.0, "the highest frequency is kept");
+        assert_eq!(f[63], 8.0, "the lowest is divided by the factor");
+        assert!(f.windows(2).all(|w| w[0] <= w[1]), "{f:?}");
+        let between: Vec<usize> = (0..64).filter(|&i| f[i] > 1.0 && f[i] < 8.0).collect();
+        assert!(!between.is_empty(), "{f:?}");
+        for i in between {
+            let inv = 500_000f64.powf(-((2 * i) as f64) / 128.0);
+            let wavelen = 2.0 * std::f64::consts::PI / inv;
+            assert!((2048.0..=8192.0).contains(&wavelen), "pair {i}: wavelength {wavelen}");
+            let smooth = (8192.0 / wavelen - 1.0) / 3.0;
+            let want = 1.0 / ((1.0 - smooth) / 8.0 + smooth);
+            assert!((f64::from(f[i]) - want).abs() < 1e-5, "pair {i}: {} vs {want}", f[i]);
+        }
+
+        let p = temp_path("rope-freqs.gguf");
+        let factors: Vec<f32> = (0..8).map(|i| 1.0 + i as f32).collect();
+        base().tensor_f32("rope_freqs.weight", &[8], &factors).write(&p).unwrap();
+        let c = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap();
+        assert_eq!(c.rope_freq_factors.as_deref(), Some(&factors[..]));
+        let mut linear = base();
+        linear
+            .metadata("llama.rope.scaling.type", Value::String("linear".into()))
+            .metadata("llama.rope.scaling.factor", Value::F32(4.0));
+        linear.write(&p).unwrap();
+        let c = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap();
+        assert_eq!(c.rope_freq_factors, Some(vec![4.0; 8]));
+        let mut yarn = base();
+        yarn.metadata("llama.rope.scaling.type", Value::String("yarn".into()));
+        yarn.write(&p).unwrap();
+        let err = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
+        assert!(err.to_string().contains("llama.rope.scaling.type"), "{err}");
+        let short = base().tensor_f32("rope_freqs.weight", &[3], &[1.0; 3]).write(&p);
+        short.unwrap();
+        let err = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
+        assert!(err.to_string().contains("3 factors for 8 rotated pairs"), "{err}");
         std::fs::remove_file(p).unwrap();
     }
 }

@@ -346,22 +346,55 @@ impl Backend {
         rot_dim: usize,
         theta: f32,
     ) -> Result<()> {
+        self.rope_scaled(x, positions, (heads, head_dim, rot_dim), theta, None)
+    }
+
+    /// [`Backend::rope`] with per-pair frequency factors (see
+    /// [`cpu::rope::rope_scaled`]); factors that are all 1 are no scaling.
+    ///
+    /// # Errors
+    /// As [`Backend::rope`]; [`Error::Shape`] when there are not `rot_dim / 2` factors;
+    /// [`Error::BackendUnavailable`] for factors other than 1 on the CUDA backend.
+    pub fn rope_scaled(
+        &self,
+        x: &mut Tensor,
+        positions: &[usize],
+        (heads, head_dim, rot_dim): (usize, usize, usize),
+        theta: f32,
+        factors: Option<&[f32]>,
+    ) -> Result<()> {
         check(
             "rope",
             x.len() == positions.len() * heads * head_dim
                 && rot_dim.is_multiple_of(2)
-                && rot_dim <= head_dim,
+                && rot_dim <= head_dim
+                && factors.is_none_or(|f| f.len() == rot_dim / 2),
             || {
                 format!(
-                    "{} elements for {} positions x {heads} heads x {head_dim}, rot_dim {rot_dim}",
+                    "{} elements for {} positions x {heads} heads x {head_dim}, rot_dim {rot_dim}, \
+                     {:?} frequency factors",
                     x.len(),
-                    positions.len()
+                    positions.len(),
+                    factors.map(<[f32]>::len)
                 )
             },
         )?;
+        let factors = factors.filter(|f| f.iter().any(|&s| s != 1.0));
         match self {
-            Backend::Cpu(_) => {
-                cpu::rope::rope(x.data_mut(), positions, heads, head_dim, rot_dim, theta)
+            Backend::Cpu(_) => cpu::rope::rope_scaled(
+                x.data_mut(),
+                positions,
+                (heads, head_dim, rot_dim),
+                theta,
+                factors,
+            ),
+            Backend::Cuda(_) if factors.is_some() => {
+                return Err(Error::BackendUnavailable {
+                    backend: "cuda",
+                    reason: "rope frequency factors (Llama 3 or linear rope scaling) are not \
+                             implemented on the GPU yet; run this model with --device cpu"
+                        .into(),
+                })
             }
             Backend::Cuda(cuda) => cuda.rope(x, positions, (heads, head_dim, rot_dim), theta)?,
         }

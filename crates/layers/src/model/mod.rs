@@ -130,6 +130,7 @@ pub struct Attention {
     head_dim: usize,
     rope_dim: usize,
     rope_theta: f32,
+    rope_factors: Option<std::sync::Arc<[f32]>>,
 }
 
 impl Attention {
@@ -240,6 +241,7 @@ impl Attention {
             head_dim: d,
             rope_dim: cfg.rope_dim,
             rope_theta: cfg.rope_theta,
+            rope_factors: cfg.rope_freq_factors.as_deref().map(Into::into),
         })
     }
 
@@ -288,8 +290,9 @@ impl Attention {
         let (Some(mut q), Some(mut k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
             return Err(Error::shape("Attention::qkv", "split gave fewer than three parts"));
         };
-        be.rope(&mut q, positions, s.q_heads, s.head_dim, self.rope_dim, self.rope_theta)?;
-        be.rope(&mut k, positions, s.kv_heads, s.head_dim, self.rope_dim, self.rope_theta)?;
+        let (theta, factors) = (self.rope_theta, self.rope_factors.as_deref());
+        be.rope_scaled(&mut q, positions, (s.q_heads, s.head_dim, self.rope_dim), theta, factors)?;
+        be.rope_scaled(&mut k, positions, (s.kv_heads, s.head_dim, self.rope_dim), theta, factors)?;
         Ok((q, k, v))
     }
 

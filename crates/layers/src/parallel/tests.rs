@@ -352,6 +352,7 @@ fn head_shards_cover_every_query_head_once() {
         vocab_size: 4,
         context_length: 8,
         tied_embeddings: true,
+        rope_freq_factors: None,
     };
     type Shards = Vec<(Range<usize>, Range<usize>)>;
     let shards = |c: &LlamaConfig, tp| -> Shards {

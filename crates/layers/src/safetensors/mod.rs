@@ -267,6 +267,38 @@ impl HfCheckpoint {
             ));
         }
         let head_dim = num("head_dim").unwrap_or(hidden / n_heads);
+        let rope_theta = float("rope_theta", 10_000.0);
+        let rope_freq_factors = match cfg.get("rope_scaling").filter(|v| !v.is_null()) {
+            None => None,
+            Some(rs) => {
+                let kind = rs.get("rope_type").or_else(|| rs.get("type")).and_then(|v| v.as_str());
+                let field = |k: &str| {
+                    rs.get(k).and_then(|v| v.as_f64()).ok_or_else(|| {
+                        Error::metadata(&format!("rope_scaling.{k}"), "missing or not a number")
+                    })
+                };
+                match kind {
+                    Some("llama3") => Some(crate::config::llama3_rope_factors(
+                        rope_theta,
+                        head_dim,
+                        field("factor")?,
+                        field("low_freq_factor")?,
+                        field("high_freq_factor")?,
+                        field("original_max_position_embeddings")?,
+                    )),
+                    Some("linear") => Some(vec![field("factor")? as f32; head_dim / 2]),
+                    Some("default") => None,
+                    other => {
+                        return Err(Error::metadata(
+                            "rope_scaling.rope_type",
+                            format!(
+                                "{other:?} rope scaling is not supported (llama3 and linear are)"
+                            ),
+                        ))
+                    }
+                }
+            }
+        };
         let tied = cfg.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false)
             || !self.index.contains_key("lm_head.weight");
         Ok(LlamaConfig {
@@ -276,12 +308,13 @@ impl HfCheckpoint {
             n_heads,
             n_kv_heads,
             head_dim,
-            rope_theta: float("rope_theta", 10_000.0) as f32,
+            rope_theta: rope_theta as f32,
             rope_dim: head_dim,
             rms_eps: float("rms_norm_eps", 1e-6) as f32,
             vocab_size: num("vocab_size")?,
             context_length: num("max_position_embeddings")?,
             tied_embeddings: tied,
+            rope_freq_factors,
         })
     }
 

@@ -96,3 +96,37 @@ fn malformed_files_and_missing_keys_are_named() {
     assert_eq!(ck.rows("output_norm.weight", 0..1).unwrap(), vec![1.0, 1.0]);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// `rope_scaling` of kind llama3 gives Llama 3's frequency factors, linear one factor
+/// everywhere, and another kind is refused by its key.
+#[test]
+fn rope_scaling_in_config_json_sets_the_frequency_factors() {
+    let spec = RandomLlama::default();
+    let (_, dir) = write_both(&spec, "rope-scaling", false);
+    let config = dir.join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let head = spec.hidden / spec.heads;
+    let cases = [
+        (
+            serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+            Ok(Some(crate::config::llama3_rope_factors(10_000.0, head, 8.0, 1.0, 4.0, 64.0))),
+        ),
+        (serde_json::json!({"type": "linear", "factor": 2.0}), Ok(Some(vec![2.0; head / 2]))),
+        (serde_json::Value::Null, Ok(None)),
+        (serde_json::json!({"rope_type": "yarn", "factor": 4.0}), Err("rope_scaling.rope_type")),
+    ];
+    for (scaling, want) in cases {
+        json["rope_scaling"] = scaling.clone();
+        std::fs::write(&config, json.to_string()).unwrap();
+        let got = HfCheckpoint::open(&dir).and_then(|ck| ck.config());
+        match want {
+            Ok(factors) => assert_eq!(got.unwrap().rope_freq_factors, factors, "{scaling}"),
+            Err(key) => {
+                let err = got.unwrap_err().to_string();
+                assert!(err.contains(key), "{scaling}: {err}");
+            }
+        }
+    }
+}

@@ -19,9 +19,26 @@ pub fn rope(
     rot_dim: usize,
     theta: f32,
 ) {
+    rope_scaled(x, positions, (heads, head_dim, rot_dim), theta, None);
+}
+
+/// [`rope`] with the angle of pair `i` divided by `factors[i]` (`rot_dim / 2` of them): the
+/// frequency factors of Llama 3's rope scaling (GGUF's `rope_freqs.weight`), or one factor
+/// everywhere for linear scaling. `None` is [`rope`].
+pub fn rope_scaled(
+    x: &mut [f32],
+    positions: &[usize],
+    (heads, head_dim, rot_dim): (usize, usize, usize),
+    theta: f32,
+    factors: Option<&[f32]>,
+) {
     let half = rot_dim / 2;
-    let inv_freq: Vec<f64> =
-        (0..half).map(|i| (theta as f64).powf(-((2 * i) as f64) / rot_dim as f64)).collect();
+    let inv_freq: Vec<f64> = (0..half)
+        .map(|i| {
+            let f = (theta as f64).powf(-((2 * i) as f64) / rot_dim as f64);
+            factors.map_or(f, |s| f / f64::from(s[i]))
+        })
+        .collect();
     let mut cos = vec![0.0f32; half];
     let mut sin = vec![0.0f32; half];
     for (t, &pos) in positions.iter().enumerate() {
@@ -78,5 +95,28 @@ mod tests {
         let mut x = vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
         rope(&mut x, &[7], 1, 6, 4, 10000.0);
         assert_eq!(&x[4..], &[5.0, 6.0]);
+    }
+
+    /// Linear scaling by 2 at position 2p is the plain rotation at position p, bit for bit,
+    /// and a factor divides only its own pair's angle.
+    #[test]
+    fn frequency_factors_divide_each_pairs_angle() {
+        let orig: Vec<f32> = (0..32).map(|i| (i as f32 * 0.37).sin()).collect();
+        let (mut scaled, mut plain) = (orig.clone(), orig.clone());
+        rope_scaled(&mut scaled, &[14, 400], (2, 8, 8), 10000.0, Some(&[2.0; 4]));
+        rope(&mut plain, &[7, 200], 2, 8, 8, 10000.0);
+        assert_eq!(scaled, plain);
+        // Only pair 1 (elements 1 and 5) slows down.
+        let mut one = orig[..8].to_vec();
+        rope_scaled(&mut one, &[9], (1, 8, 8), 10000.0, Some(&[1.0, 3.0, 1.0, 1.0]));
+        let mut base = orig[..8].to_vec();
+        rope(&mut base, &[9], 1, 8, 8, 10000.0);
+        for i in [0, 2, 3, 4, 6, 7] {
+            assert_eq!(one[i], base[i], "element {i}");
+        }
+        let a = 9.0f64 * 10000f64.powf(-2.0 / 8.0) / 3.0;
+        let (x, y) = (f64::from(orig[1]), f64::from(orig[5]));
+        assert!((f64::from(one[1]) - (x * a.cos() - y * a.sin())).abs() < 1e-6);
+        assert!((f64::from(one[5]) - (y * a.cos() + x * a.sin())).abs() < 1e-6);
     }
 }
