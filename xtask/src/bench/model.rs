@@ -31,6 +31,25 @@ pub(crate) fn f32_model(model: &Path, anchors: &Path) -> Result<PathBuf> {
     Ok(out)
 }
 
+/// `f32` (a GGUF file) quantized by llama.cpp's own quantizer to `kind` (`Q4_K_M`, ...), next
+/// to it in the cache; made once (needs llama-cpp-python).
+pub(crate) fn llamacpp_quantized(f32: &Path, anchors: &Path, kind: &str) -> Result<PathBuf> {
+    let name = f32.file_name().and_then(|n| n.to_str()).unwrap_or("model.f32.gguf");
+    let out = f32.with_file_name(name.replace(".f32.gguf", &format!(".{kind}.gguf")));
+    if !out.exists() {
+        let scratch = out.with_extension("partial");
+        util::run(
+            Command::new("python3")
+                .arg(anchors.join("quantize_gguf.py"))
+                .arg(f32)
+                .arg(&scratch)
+                .arg(kind),
+        )?;
+        std::fs::rename(&scratch, &out).context("moving the quantized file into place")?;
+    }
+    Ok(out)
+}
+
 /// Installs `packages` with pip unless `modules` already import.
 pub(crate) fn ensure_python_packages(packages: &[&str], modules: &[&str]) -> Result<()> {
     let check = format!("import {}", modules.join(", "));

@@ -10,6 +10,7 @@
 //!   llama.cpp decoding the same 8 prompts in one batch per step; and against our own single
 //!   stream.
 //!
+//! - The same on llama.cpp's own Q4_K_M quantization of the model (one rank).
 //! - A chat workload: 8 clients at once, each a 400-token shared system prompt and 32 tokens
 //!   of its own, with and without prefix caching: mean time to first token, aggregate tok/s,
 //!   the prefix cache's hits and each rank's resident memory next to the KV pool's budget.
@@ -17,7 +18,7 @@
 //! Each figure is the best of [`ROUNDS`] rounds, so a burst of noise on a shared machine does
 //! not decide a ratio.
 
-use super::model::{ensure_python_packages, f32_model};
+use super::model::{ensure_python_packages, f32_model, llamacpp_quantized};
 use crate::util::{self, cargo, root};
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::{json, Value};
@@ -232,14 +233,15 @@ pub(crate) fn run(json: bool) -> Result<()> {
         .context("llama.cpp reference (builds for ~10 minutes on 2 cores)")?;
     util::run(cargo().args(["build", "--release", "--quiet", "-p", "tpctl"]))?;
     let tpctl = root().join("target/release/tpctl");
-    let models: [(&str, PathBuf); 2] = [("f32", f32_path), ("Q4_1", q4)];
+    let q4_k_m = llamacpp_quantized(&f32_path, &anchors, "Q4_K_M")?;
+    let models: [(&str, PathBuf); 3] = [("f32", f32_path), ("Q4_1", q4), ("Q4_K_M", q4_k_m)];
     if !json {
         println!(
             "SmolLM2-135M-Instruct through `tpctl serve` (HTTP, streamed, greedy, ignore_eos) \
              next to llama.cpp (2 threads) on the same file and prompt ids"
         );
         println!(
-            "{:<5} {:<6} {:>4} | {:>22} | {:>22} | {:>24} {:>8}",
+            "{:<6} {:<6} {:>4} | {:>22} | {:>22} | {:>24} {:>8}",
             "file",
             "layout",
             "thr",
@@ -252,7 +254,9 @@ pub(crate) fn run(json: bool) -> Result<()> {
     for (name, model) in &models {
         let single_ref = reference(&anchors, model, 1, SINGLE_PROMPT)?;
         let batch_ref = reference(&anchors, model, STREAMS, STREAM_PROMPT)?;
-        for (tp, cp, threads) in LAYOUTS {
+        // llama.cpp's K-quant file (Q4_K 4-bit in memory, Q6_K as f32): one rank only.
+        let layouts = if *name == "Q4_K_M" { &LAYOUTS[..1] } else { &LAYOUTS[..] };
+        for &(tp, cp, threads) in layouts {
             // The rounds repeat one prompt: no prefix reuse, so each round computes it all.
             let server = Server::start(&tpctl, model, (tp, cp, threads), &["--no-prefix-caching"])?;
             let m = measure(&server, &single_ref.prompts[0], &batch_ref.prompts)?;
@@ -276,7 +280,7 @@ pub(crate) fn run(json: bool) -> Result<()> {
                     format!("{ours:.1} ({theirs:.1}) {:.2}x", ratio(ours, theirs))
                 };
                 println!(
-                    "{:<5} {:<6} {:>4} | {:>22} | {:>22} | {:>24} {:>7.2}x",
+                    "{:<6} {:<6} {:>4} | {:>22} | {:>22} | {:>24} {:>7.2}x",
                     name,
                     format!("{tp}x{cp}"),
                     threads,
