@@ -1369,7 +1369,7 @@ fn a_folders_generation_config_gives_end_ids_and_defaults() {
 }
 
 /// A chat template from `--chat-template FILE`, rendered as Hugging Face renders templates:
-/// Python string methods, `tools` (with `tool_choice: "none"`), `chat_template_kwargs`, other
+/// Python string methods, `tools` (`tool_choice` "none" or "auto"), `chat_template_kwargs`, other
 /// message fields, `add_generation_prompt`; a bad template file stops the launch.
 #[test]
 fn chat_templates_take_tools_arguments_and_python_methods() {
@@ -1405,10 +1405,12 @@ fn chat_templates_take_tools_arguments_and_python_methods() {
     assert_eq!(base, 4, "t1 t5 t2 t3");
     let tool = json!({"type": "function", "function": {"name": "get_7", "parameters": {}}});
     assert_eq!(prompt_tokens(json!({"tools": [tool], "tool_choice": "none"})), base + 1);
+    assert_eq!(prompt_tokens(json!({"tools": [tool]})), base + 1);
     assert_eq!(prompt_tokens(json!({"chat_template_kwargs": {"flag": true}})), base + 1);
     let reply = server.post(
         "/v1/chat/completions",
-        &json!({"messages": [{"role": "user", "content": "t5"}], "tools": [tool]}),
+        &json!({"messages": [{"role": "user", "content": "t5"}], "tools": [tool],
+                "tool_choice": "required"}),
     );
     assert_error(&reply, 400, "unsupported_parameter");
     assert!(reply.body.contains("tool_choice"), "{}", reply.body);
@@ -1670,4 +1672,97 @@ fn the_prefix_cache_survives_a_backup_sleep_and_a_discard_empties_it() {
         let status = server.interrupt();
         assert_eq!(status.code(), Some(130), "{status:?}");
     }
+}
+
+/// A model whose greedy answer to any prompt is "Let me check. " and one Hermes-format tool
+/// call, token by token, then its end token (a lookup table, see `common::lookup_model`).
+fn tool_model() -> &'static str {
+    static PATH: OnceLock<String> = OnceLock::new();
+    PATH.get_or_init(|| {
+        use layers::model::random::byte_level;
+        let pieces = [
+            "Let me check. ",
+            "<tool_call>",
+            "{\"name\": \"get_weather\", ",
+            "\"arguments\": {\"city\": \"Paris\"}}",
+            "</tool_call>",
+            // A one-character token for prompts.
+            "?",
+        ];
+        let mut spec = common::tiny_spec();
+        spec.token_names = pieces
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (10 + i as u32, byte_level(p.as_bytes())))
+            .collect();
+        let mut next = vec![10; spec.vocab];
+        next[10..16].copy_from_slice(&[11, 12, 13, 14, 0, 10]);
+        spec.next_token = Some(next);
+        let mut writer = spec.writer();
+        let template = "{% for m in messages %}{{ m.content }}{% endfor %}";
+        writer.metadata("tokenizer.chat_template", layers::gguf::Value::String(template.into()));
+        // The end token is a control token: it ends the answer without showing in its text.
+        use layers::gguf::Value as V;
+        let types = (0..spec.vocab).map(|i| V::I32(if i == 0 { 3 } else { 1 })).collect();
+        writer.metadata("tokenizer.ggml.token_type", V::Array(types));
+        let path = scratch("tool-call.gguf");
+        writer.write(&path).expect("write the tool-call model");
+        path.to_string_lossy().into_owned()
+    })
+}
+
+/// With `tools` (and `tool_choice` "auto", the default) an answer's `<tool_call>` blocks
+/// become `tool_calls` with finish reason `tool_calls`, streamed or not; with "none", or
+/// without tools, the answer is text.
+#[test]
+fn tool_calls_are_parsed_out_of_chat_answers() {
+    let server = Server::start(tool_model(), &[]);
+    let tool = json!({"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
+    let chat = |extra: Value| {
+        let body = with(
+            json!({"messages": [{"role": "user", "content": "?"}], "max_tokens": 10, "temperature": 0}),
+            &extra,
+        );
+        let reply = server.post("/v1/chat/completions", &body);
+        assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
+        reply
+    };
+    let choice = chat(json!({"tools": [tool]})).json()["choices"][0].clone();
+    assert_eq!(choice["finish_reason"], "tool_calls", "{choice}");
+    let message = &choice["message"];
+    assert_eq!(message["content"], "Let me check. ", "{choice}");
+    let call = &message["tool_calls"][0];
+    assert_eq!(
+        (&call["type"], &call["function"]["name"]),
+        (&json!("function"), &json!("get_weather"))
+    );
+    let args: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Paris"}));
+    assert!(call["id"].as_str().unwrap().starts_with("call_"), "{call}");
+    assert_eq!(message["tool_calls"].as_array().unwrap().len(), 1);
+
+    let raw = "Let me check. <tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>";
+    for extra in [json!({"tools": [tool], "tool_choice": "none"}), json!({})] {
+        let choice = chat(extra.clone()).json()["choices"][0].clone();
+        assert_eq!(choice["message"]["content"], raw, "{extra}: {choice}");
+        assert_eq!(choice["finish_reason"], "stop", "{extra}");
+        assert!(choice["message"].get("tool_calls").is_none(), "{extra}");
+    }
+
+    // Streamed: the content as deltas, then the calls, then the finish reason.
+    let events = chat(json!({"tools": [tool], "stream": true})).events();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> =
+        events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+    let content: String = deltas.iter().filter_map(|d| d["content"].as_str()).collect();
+    assert_eq!(content, "Let me check. ", "{chunks:?}");
+    let calls: Vec<&Value> = deltas.iter().filter_map(|d| d.get("tool_calls")).collect();
+    assert_eq!(calls.len(), 1, "{chunks:?}");
+    assert_eq!(calls[0][0]["function"]["name"], "get_weather");
+    let last = &chunks.last().unwrap()["choices"][0];
+    assert_eq!(last["finish_reason"], "tool_calls", "{last}");
+    assert_eq!(server.interrupt().code(), Some(130));
 }

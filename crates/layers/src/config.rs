@@ -143,35 +143,36 @@ impl LlamaConfig {
         } else {
             file.tensor_info("token_embd.weight")?.rows()
         };
-        let rope_freq_factors =
-            if file.has_tensor("rope_freqs.weight") {
-                let factors = file.tensor_rows("rope_freqs.weight", 0..1)?;
-                if factors.len() != rope_dim / 2 || !factors.iter().all(|&f| f > 0.0) {
-                    return Err(Error::metadata(
-                        "rope_freqs.weight",
-                        format!(
-                            "{} factors for {} rotated pairs, all positive",
-                            factors.len(),
-                            rope_dim / 2
-                        ),
-                    ));
+        let rope_freq_factors = if file.has_tensor("rope_freqs.weight") {
+            let factors = file.tensor_rows("rope_freqs.weight", 0..1)?;
+            if factors.len() != rope_dim / 2 || !factors.iter().all(|&f| f > 0.0) {
+                return Err(Error::metadata(
+                    "rope_freqs.weight",
+                    format!(
+                        "{} factors for {} rotated pairs, all positive",
+                        factors.len(),
+                        rope_dim / 2
+                    ),
+                ));
+            }
+            Some(factors)
+        } else {
+            match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
+                None | Some("none") => None,
+                Some("linear") => {
+                    let factor = file.get_f64(&key("rope.scaling.factor"))? as f32;
+                    Some(vec![factor; rope_dim / 2])
                 }
-                Some(factors)
-            } else {
-                match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
-                    None | Some("none") => None,
-                    Some("linear") => {
-                        let factor = file.get_f64(&key("rope.scaling.factor"))? as f32;
-                        Some(vec![factor; rope_dim / 2])
-                    }
-                    Some(other) => return Err(Error::metadata(
+                Some(other) => {
+                    return Err(Error::metadata(
                         &key("rope.scaling.type"),
                         format!(
                             "`{other}` rope scaling is not supported (linear and Llama 3's are)"
                         ),
-                    )),
+                    ))
                 }
-            };
+            }
+        };
         Ok(LlamaConfig {
             n_layers,
             hidden,

@@ -22,6 +22,7 @@ mod bridge;
 mod http;
 mod logprobs;
 mod metrics;
+mod tools;
 
 use crate::spec::ServeSpec;
 use anyhow::{bail, Context, Result};

@@ -4,6 +4,7 @@
 
 use super::super::bridge::{Event, Events};
 use super::super::logprobs::Scored;
+use super::super::tools::ToolText;
 use super::request::{parse, ChatBody, CompletionBody, Job};
 use super::{unix_now, Api, ApiError, DEFAULT_COMPLETION_TOKENS};
 use axum::body::Bytes;
@@ -80,7 +81,9 @@ pub(super) async fn chat_completions(
     let max = body.max_completion_tokens.or(body.sampling.max_tokens);
     // Without a limit a chat reply may fill the context (OpenAI's default).
     let room = api.0.context.saturating_sub(prompt.len()) as u64;
-    let job = api.job(Kind::Chat, prompt, &body.sampling, max, room)?;
+    let mut job = api.job(Kind::Chat, prompt, &body.sampling, max, room)?;
+    job.tool_calls = body.tools.as_ref().is_some_and(|t| !t.is_empty())
+        && body.sampling.other.get("tool_choice").and_then(Value::as_str) != Some("none");
     generate(api, job, Kind::Chat).await
 }
 
@@ -102,7 +105,8 @@ pub(super) async fn generate(
     let id = kind.id(choices[0].id);
     let created = unix_now();
     let model = api.0.model_name.clone();
-    let answer = Answer { kind, stops: job.stop_text, scorer, echo: job.echo };
+    let answer =
+        Answer { kind, stops: job.stop_text, scorer, echo: job.echo, tool_calls: job.tool_calls };
     if stream {
         let header = Header { id, created, model, prompt_tokens, include_usage };
         let events = sse(choices, header, answer);
@@ -128,7 +132,8 @@ pub(super) async fn generate(
                 json!({"index": index, "text": text, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish_name(reason)})
             }
             Kind::Chat => {
-                json!({"index": index, "message": {"role": "assistant", "content": text}, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish_name(reason)})
+                let (message, finish) = chat_message(text, reason, answer.tool_calls, &id);
+                json!({"index": index, "message": message, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish})
             }
         });
     }
@@ -147,14 +152,38 @@ pub(super) async fn generate(
     .into_response())
 }
 
+/// A chat answer's `message` and finish reason: with `tool_calls`, the answer's calls are
+/// parsed out of its text ([`ToolText`]) and the reason is `tool_calls` when there are some.
+fn chat_message(
+    text: String,
+    reason: FinishReason,
+    tool_calls: bool,
+    id: &str,
+) -> (Value, &'static str) {
+    if !tool_calls {
+        return (json!({"role": "assistant", "content": text}), finish_name(reason));
+    }
+    let mut parsed = ToolText::default();
+    let mut content = parsed.push(&text);
+    let (rest, calls) = parsed.finish();
+    content.push_str(&rest);
+    if calls.is_empty() {
+        return (json!({"role": "assistant", "content": content}), finish_name(reason));
+    }
+    let calls: Vec<Value> = calls.iter().enumerate().map(|(i, c)| c.to_json(id, i)).collect();
+    let content = (!content.trim().is_empty()).then_some(content);
+    (json!({"role": "assistant", "content": content, "tool_calls": calls}), "tool_calls")
+}
+
 /// How a request's choices are answered: the endpoint's shape, the stop strings, the
-/// log-probabilities' token texts and the echoed prompt.
+/// log-probabilities' token texts, the echoed prompt and whether to parse tool calls.
 #[derive(Clone)]
 pub(super) struct Answer {
     kind: Kind,
     stops: Vec<String>,
     scorer: Option<Scorer>,
     echo: Option<String>,
+    tool_calls: bool,
 }
 
 /// Token texts for log-probabilities: each token decoded alone.
@@ -376,6 +405,8 @@ impl Choice {
             }
         }
         let mut stops = StopText::new(answer.stops.clone());
+        // Content passes through; from a `<tool_call>` on, the text is held for the end.
+        let mut tools = answer.tool_calls.then(ToolText::default);
         let mut completion_tokens = 0;
         // Characters of the completion's token texts so far (`text_offset`).
         let mut offset = 0;
@@ -397,7 +428,10 @@ impl Choice {
                             super::super::logprobs::chat(std::slice::from_ref(s))
                         }
                     };
-                    let (text, hit) = stops.push(&text);
+                    let (mut text, hit) = stops.push(&text);
+                    if let Some(tools) = &mut tools {
+                        text = tools.push(&text);
+                    }
                     if !send(piece(&text, Some(token), logprobs)).await {
                         return None;
                     }
@@ -408,7 +442,10 @@ impl Choice {
                 }
                 Event::Finished { reason: r, .. } => {
                     reason = r;
-                    let rest = stops.finish();
+                    let mut rest = stops.finish();
+                    if let Some(tools) = &mut tools {
+                        rest = tools.push(&rest);
+                    }
                     if !rest.is_empty() && !send(piece(&rest, None, Value::Null)).await {
                         return None;
                     }
@@ -416,12 +453,28 @@ impl Choice {
                 }
             }
         }
+        let mut finish = finish_name(reason);
+        if let Some(tools) = tools {
+            let (rest, calls) = tools.finish();
+            if !rest.is_empty() && !send(piece(&rest, None, Value::Null)).await {
+                return None;
+            }
+            if !calls.is_empty() {
+                let calls: Vec<Value> =
+                    calls.iter().enumerate().map(|(i, c)| c.to_json(&header.id, i)).collect();
+                let delta = json!({"index": index, "delta": {"tool_calls": calls}, "logprobs": null, "finish_reason": null});
+                if !send(delta).await {
+                    return None;
+                }
+                finish = "tool_calls";
+            }
+        }
         let last = match kind {
             Kind::Completion => {
-                json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish_name(reason)})
+                json!({"index": index, "text": "", "logprobs": null, "finish_reason": finish})
             }
             Kind::Chat => {
-                json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish_name(reason)})
+                json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": finish})
             }
         };
         send(last).await.then_some(completion_tokens)

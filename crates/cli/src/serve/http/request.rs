@@ -55,7 +55,9 @@ pub(super) fn check_unsupported(
             "suffix" => value.is_null() || value.as_str() == Some(""),
             "response_format" => value.is_null() || value["type"] == "text",
             "tools" | "functions" => value.is_null() || value.as_array().is_some_and(Vec::is_empty),
-            "tool_choice" | "function_call" => value.is_null() || value == "none",
+            "function_call" => value.is_null() || value == "none",
+            // With `tools`: answers are parsed for calls ("auto") or not ("none").
+            "tool_choice" => value.is_null() || value == "none" || value == "auto",
             _ => false,
         };
         if !neutral {
@@ -86,8 +88,9 @@ pub(super) struct CompletionBody {
 pub(super) struct ChatBody {
     pub(super) messages: Option<Vec<ChatMessageBody>>,
     pub(super) max_completion_tokens: Option<u64>,
-    /// Tool definitions, rendered into the prompt by the chat template (with
-    /// `tool_choice: "none"`: this server does not parse tool calls out of the answer).
+    /// Tool definitions, rendered into the prompt by the chat template; with `tool_choice`
+    /// `"auto"` (the default) the answer's `<tool_call>` blocks become `tool_calls`
+    /// (`serve::tools`), with `"none"` it is left as text.
     pub(super) tools: Option<Vec<Value>>,
     /// Extra variables of the chat template (vLLM's field: `{"enable_thinking": false}`).
     pub(super) chat_template_kwargs: Option<serde_json::Map<String, Value>>,
@@ -145,6 +148,8 @@ pub(super) struct Job {
     pub(super) stop_text: Vec<String>,
     pub(super) stream: bool,
     pub(super) include_usage: bool,
+    /// Parse the answer for tool calls (a chat with `tools` and `tool_choice` `"auto"`).
+    pub(super) tool_calls: bool,
 }
 
 impl Job {
@@ -233,14 +238,6 @@ impl Api {
     /// model's chat template.
     pub(super) fn chat_prompt(&self, body: &ChatBody) -> std::result::Result<Vec<u32>, ApiError> {
         let tools = body.tools.as_deref().filter(|t| !t.is_empty());
-        if tools.is_some()
-            && body.sampling.other.get("tool_choice").and_then(Value::as_str) != Some("none")
-        {
-            return Err(ApiError::invalid(
-                "unsupported_parameter",
-                "`tools` needs `tool_choice`: \"none\": this server renders the tools into the prompt but does not parse tool calls out of the answer",
-            ));
-        }
         let options = ChatOptions {
             add_generation_prompt: body.add_generation_prompt.unwrap_or(true),
             tools,
@@ -458,6 +455,7 @@ impl Api {
             stop_text,
             stream: s.stream.unwrap_or(false),
             include_usage: s.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false),
+            tool_calls: false,
         })
     }
 }
