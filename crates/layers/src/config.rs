@@ -71,8 +71,8 @@ pub fn llama3_rope_factors(
 
 impl LlamaConfig {
     /// Reads the config from `general.architecture`-prefixed keys (`llama.block_count`, ...;
-    /// `llama` and `qwen2` are read, and Qwen2's rotary base defaults to 1e6 as in its
-    /// checkpoints, Llama's to 1e4).
+    /// `llama`, `qwen2` and `phi3` are read, and Qwen2's rotary base defaults to 1e6 as in its
+    /// checkpoints, the others' to 1e4).
     /// The vocabulary size comes from `tokenizer.ggml.tokens` (else `<arch>.vocab_size`, else
     /// the embedding's rows); the LM head is tied when `output.weight` is absent.
     ///
@@ -81,12 +81,12 @@ impl LlamaConfig {
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let arch = file.get_str("general.architecture")?;
         let default_theta = match arch {
-            "llama" => 10_000.0,
+            "llama" | "phi3" => 10_000.0,
             "qwen2" => 1_000_000.0,
             _ => {
                 return Err(Error::metadata(
                     "general.architecture",
-                    format!("`{arch}` is not supported (llama and qwen2 are)"),
+                    format!("`{arch}` is not supported (llama, qwen2 and phi3 are)"),
                 ))
             }
         };

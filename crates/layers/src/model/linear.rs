@@ -53,6 +53,14 @@ pub trait WeightSource {
     fn qk_interleaved(&self) -> bool;
 }
 
+impl GgufFile {
+    /// Whether the file stores Q/K/V as one `attn_qkv` tensor and the gate with the up
+    /// projection in `ffn_up` (Phi-3): load it through [`super::fused::FusedSource`].
+    pub fn has_fused_projections(&self) -> bool {
+        self.has_tensor("blk.0.attn_qkv.weight")
+    }
+}
+
 impl WeightSource for GgufFile {
     fn shape(&self, name: &str) -> Result<Vec<usize>> {
         Ok(self.tensor_info(name)?.shape())
@@ -123,10 +131,10 @@ impl WeightSource for GgufFile {
         Ok(QMatrix::from_blocks(format, row_range.len(), col_range.len(), &picked))
     }
 
-    /// llama.cpp permutes Q/K rows for the llama architecture; Qwen2 files keep the Hugging
-    /// Face order (its NEOX rotary is rotate-half already).
+    /// llama.cpp permutes Q/K rows for the llama architecture; Qwen2 and Phi-3 files keep the
+    /// Hugging Face order (their NEOX rotary is rotate-half already).
     fn qk_interleaved(&self) -> bool {
-        self.get("general.architecture").and_then(|v| v.as_str()) != Some("qwen2")
+        !matches!(self.get("general.architecture").and_then(|v| v.as_str()), Some("qwen2" | "phi3"))
     }
 }
 

@@ -17,6 +17,7 @@
 //!   [`crate::kernels::cpu::attention::merge_partial`] combines exactly.
 
 pub mod cache;
+pub mod fused;
 pub mod linear;
 pub mod paged;
 pub mod random;
@@ -478,7 +479,14 @@ impl Model {
         }
         let file = GgufFile::open(path)?;
         let config = LlamaConfig::from_gguf(&file)?;
-        Model::from_source(&file, config, Backend::cpu(threads)?, form)
+        let fused;
+        let src: &dyn WeightSource = if file.has_fused_projections() {
+            fused = fused::FusedSource::new(&file, &config);
+            &fused
+        } else {
+            &file
+        };
+        Model::from_source(src, config, Backend::cpu(threads)?, form)
     }
 
     /// Builds the model from any weight source.

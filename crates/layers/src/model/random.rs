@@ -41,6 +41,10 @@ pub struct RandomLlama {
     /// one-hot and the (untied) head maps each token to its successor; needs `hidden >= vocab`.
     /// For tests that need a known output through the whole stack.
     pub next_token: Option<Vec<u32>>,
+    /// Write the same model as Phi-3's GGUF files store it (architecture `phi3`): Q, K and V
+    /// in one `attn_qkv` tensor and the gate rows before the up rows in `ffn_up`, Q/K rows in
+    /// the rotate-half order. Loads to the same weights as the llama file of the same seed.
+    pub fused: bool,
 }
 
 impl Default for RandomLlama {
@@ -58,6 +62,7 @@ impl Default for RandomLlama {
             attn_bias: false,
             token_names: Vec::new(),
             next_token: None,
+            fused: false,
         }
     }
 }
@@ -117,7 +122,11 @@ impl RandomLlama {
         let (h, d) = (self.hidden, self.hidden / self.heads);
         let mut w = GgufWriter::new();
         let u = |x: usize| Value::U32(x as u32);
-        let arch = if self.attn_bias { "qwen2" } else { "llama" };
+        let arch = match (self.attn_bias, self.fused) {
+            (true, _) => "qwen2",
+            (false, true) => "phi3",
+            (false, false) => "llama",
+        };
         let k = |key: &str| format!("{arch}.{key}");
         w.metadata("general.architecture", Value::String(arch.into()))
             .metadata(&k("block_count"), u(self.layers))
@@ -136,16 +145,22 @@ impl RandomLlama {
             )
             .metadata("tokenizer.ggml.merges", Value::Array(Vec::new()))
             .metadata("tokenizer.ggml.eos_token_id", u(0));
-        let matrix = |w: &mut GgufWriter, rng: &mut Rng, name: &str, rows: usize, cols: usize| {
+        let data = |rng: &mut Rng, name: &str, rows: usize, cols: usize| {
             let mut data = rng.vec(rows * cols, 1.0 / (cols as f32).sqrt() * 1.5);
             if let Some(next) = &self.next_token {
                 lookup_weights(name, next, cols, &mut data);
             }
+            data
+        };
+        let put = |w: &mut GgufWriter, name: &str, rows: usize, cols: usize, data: &[f32]| {
             if let Some(format) = self.quantized {
-                w.tensor_quantized(name, &[rows, cols], format, &data);
+                w.tensor_quantized(name, &[rows, cols], format, data);
             } else {
-                w.tensor_f32(name, &[rows, cols], &data);
+                w.tensor_f32(name, &[rows, cols], data);
             }
+        };
+        let matrix = |w: &mut GgufWriter, rng: &mut Rng, name: &str, rows: usize, cols: usize| {
+            put(w, name, rows, cols, &data(rng, name, rows, cols));
         };
         let norm = |w: &mut GgufWriter, rng: &mut Rng, name: &str| {
             let data: Vec<f32> = rng.vec(h, 0.2).iter().map(|x| 1.0 + x).collect();
@@ -155,13 +170,30 @@ impl RandomLlama {
         for l in 0..self.layers {
             let n = |t: &str| format!("blk.{l}.{t}.weight");
             norm(&mut w, &mut rng, &n("attn_norm"));
-            matrix(&mut w, &mut rng, &n("attn_q"), self.heads * d, h);
-            matrix(&mut w, &mut rng, &n("attn_k"), self.kv_heads * d, h);
-            matrix(&mut w, &mut rng, &n("attn_v"), self.kv_heads * d, h);
+            if self.fused {
+                // The llama file's Q/K rows are permuted for interleaved rotary; Phi-3's are not.
+                let q = data(&mut rng, &n("attn_q"), self.heads * d, h);
+                let k = data(&mut rng, &n("attn_k"), self.kv_heads * d, h);
+                let v = data(&mut rng, &n("attn_v"), self.kv_heads * d, h);
+                let mut qkv = super::linear::unpermute_rows(&q, h, d);
+                qkv.extend(super::linear::unpermute_rows(&k, h, d));
+                qkv.extend(v);
+                put(&mut w, &n("attn_qkv"), (self.heads + 2 * self.kv_heads) * d, h, &qkv);
+            } else {
+                matrix(&mut w, &mut rng, &n("attn_q"), self.heads * d, h);
+                matrix(&mut w, &mut rng, &n("attn_k"), self.kv_heads * d, h);
+                matrix(&mut w, &mut rng, &n("attn_v"), self.kv_heads * d, h);
+            }
             matrix(&mut w, &mut rng, &n("attn_output"), h, self.heads * d);
             norm(&mut w, &mut rng, &n("ffn_norm"));
-            matrix(&mut w, &mut rng, &n("ffn_gate"), self.ffn, h);
-            matrix(&mut w, &mut rng, &n("ffn_up"), self.ffn, h);
+            if self.fused {
+                let mut gate_up = data(&mut rng, &n("ffn_gate"), self.ffn, h);
+                gate_up.extend(data(&mut rng, &n("ffn_up"), self.ffn, h));
+                put(&mut w, &n("ffn_up"), 2 * self.ffn, h, &gate_up);
+            } else {
+                matrix(&mut w, &mut rng, &n("ffn_gate"), self.ffn, h);
+                matrix(&mut w, &mut rng, &n("ffn_up"), self.ffn, h);
+            }
             matrix(&mut w, &mut rng, &n("ffn_down"), h, self.ffn);
         }
         if self.attn_bias {

@@ -664,7 +664,14 @@ impl ParallelModel {
         }
         let file = GgufFile::open(path)?;
         let config = LlamaConfig::from_gguf(&file)?;
-        ParallelModel::from_source_with_progress(&file, config, backend, placement, form, progress)
+        let fused;
+        let src: &dyn WeightSource = if file.has_fused_projections() {
+            fused = crate::model::fused::FusedSource::new(&file, &config);
+            &fused
+        } else {
+            &file
+        };
+        ParallelModel::from_source_with_progress(src, config, backend, placement, form, progress)
     }
 
     /// Builds this rank's shard from any weight source.

@@ -1021,3 +1021,41 @@ fn a_device_cache_on_the_cpu_backend_is_a_clear_error() {
     assert!(err.to_string().contains("device memory, which only the CUDA backend"), "{err}");
     std::fs::remove_file(path).unwrap();
 }
+
+/// A Phi-3 file (fused `attn_qkv` and gate/up `ffn_up`, rotate-half Q/K rows) of the same
+/// weights as a llama file gives the llama file's logits bit for bit: on one rank with f32,
+/// Q8_0 and Q4_1 matrices kept as stored, and sharded over TP and CP.
+#[test]
+fn phi3_fused_files_load_the_weights_of_their_llama_twins() {
+    for quantized in [None, Some(BlockFormat::Q8_0), Some(BlockFormat::Q4_1)] {
+        let spec = RandomLlama { quantized, seed: 23, ..RandomLlama::default() };
+        let llama = write_model(&spec, "twin-llama.gguf");
+        let phi3 = write_model(&RandomLlama { fused: true, ..spec.clone() }, "twin-phi3.gguf");
+        assert!(GgufFile::open(&phi3).unwrap().has_fused_projections());
+        let tokens = [3u32, 9, 4, 1, 7];
+        let pos: Vec<usize> = (0..tokens.len()).collect();
+        let logits = |path: &PathBuf| {
+            let m = Model::load_with(path, 1, WeightForm::Native).unwrap();
+            m.forward(&tokens, &pos, &mut m.new_cache(8), Logits::All).unwrap()
+        };
+        assert_eq!(logits(&phi3).data(), logits(&llama).data(), "{quantized:?}");
+        if quantized.is_none() {
+            for (tp, cp) in [(2, 1), (1, 2)] {
+                let run = |path: &PathBuf| {
+                    on_mesh(tp, cp, |p, comms| {
+                        let model = ParallelModel::load(path, p, 1, WeightForm::Native).unwrap();
+                        let mut cache = model.new_cache(16);
+                        model
+                            .forward(comms, &tokens, &mut cache, Logits::Last)
+                            .unwrap()
+                            .data()
+                            .to_vec()
+                    })
+                };
+                assert_eq!(run(&phi3), run(&llama), "({tp},{cp})");
+            }
+        }
+        std::fs::remove_file(llama).unwrap();
+        std::fs::remove_file(phi3).unwrap();
+    }
+}
