@@ -143,6 +143,12 @@ impl LlamaConfig {
         } else {
             file.tensor_info("token_embd.weight")?.rows()
         };
+        if file.has_tensor("rope_factors_long.weight") {
+            return Err(Error::metadata(
+                "rope_factors_long.weight",
+                "long-context rope scaling (Phi-3's longrope) is not supported",
+            ));
+        }
         let rope_freq_factors = if file.has_tensor("rope_freqs.weight") {
             let factors = file.tensor_rows("rope_freqs.weight", 0..1)?;
             if factors.len() != rope_dim / 2 || !factors.iter().all(|&f| f > 0.0) {
@@ -324,6 +330,10 @@ mod tests {
         yarn.write(&p).unwrap();
         let err = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
         assert!(err.to_string().contains("llama.rope.scaling.type"), "{err}");
+        let long = base().tensor_f32("rope_factors_long.weight", &[8], &[1.0; 8]).write(&p);
+        long.unwrap();
+        let err = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
+        assert!(err.to_string().contains("longrope"), "{err}");
         let short = base().tensor_f32("rope_freqs.weight", &[3], &[1.0; 3]).write(&p);
         short.unwrap();
         let err = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
