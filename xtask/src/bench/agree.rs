@@ -10,9 +10,9 @@
 //!   largest difference from llama.cpp's log-probability of the same token, over every token
 //!   both chose alike.
 
-use super::model::{ensure_python_packages, f32_model};
+use super::model::{release_tpctl, Reference};
 use super::serve::Server;
-use crate::util::{self, cargo, root};
+use crate::util::{self, root};
 use anyhow::{ensure, Context, Result};
 use serde_json::{json, Value};
 use std::path::Path;
@@ -26,7 +26,7 @@ const DECODE: usize = 32;
 const LAYOUTS: [(usize, usize); 3] = [(1, 1), (2, 2), (3, 1)];
 
 /// llama.cpp's greedy continuations.
-struct Reference {
+struct Greedy {
     prompts: Vec<Vec<u32>>,
     runs: Vec<Run>,
 }
@@ -37,7 +37,7 @@ struct Run {
     margins: Vec<f64>,
 }
 
-fn reference(model: &Path) -> Result<Reference> {
+fn reference(model: &Path) -> Result<Greedy> {
     let out =
         util::output(
             Command::new("python3")
@@ -61,7 +61,7 @@ fn reference(model: &Path) -> Result<Reference> {
             })
         })
         .collect::<Result<_>>()?;
-    let r = Reference { prompts: serde_json::from_value(list(&v, "prompts"))?, runs };
+    let r = Greedy { prompts: serde_json::from_value(list(&v, "prompts"))?, runs };
     ensure!(r.prompts.len() == PROMPTS && r.runs.len() == PROMPTS, "llama.cpp ran other prompts");
     Ok(r)
 }
@@ -127,13 +127,8 @@ fn served_logprobs(
 }
 
 pub(crate) fn run(json: bool) -> Result<()> {
-    let anchors = root().join("../shared/anchors");
-    let q4 = crate::fetch_model::fetch_default()?;
-    let f32_path = f32_model(&q4, &anchors)?;
-    ensure_python_packages(&["llama-cpp-python"], &["llama_cpp"])
-        .context("llama.cpp reference (builds for ~10 minutes on 2 cores)")?;
-    util::run(cargo().args(["build", "--release", "--quiet", "-p", "tpctl"]))?;
-    let tpctl = root().join("target/release/tpctl");
+    let Reference { q4, f32: f32_path, .. } = Reference::prepare()?;
+    let tpctl = release_tpctl()?;
     for (name, model) in [("Q4_1", &q4), ("f32", &f32_path)] {
         let r = reference(model)?;
         for layout in LAYOUTS {

@@ -50,6 +50,32 @@ pub(crate) fn llamacpp_quantized(f32: &Path, anchors: &Path, kind: &str) -> Resu
     Ok(out)
 }
 
+/// What a benchmark against llama.cpp starts from: the anchors folder, the default Q4_1 model
+/// and its f32 copy, with llama-cpp-python installed.
+pub(crate) struct Reference {
+    pub(crate) anchors: PathBuf,
+    pub(crate) q4: PathBuf,
+    pub(crate) f32: PathBuf,
+}
+
+impl Reference {
+    /// Fetches the model, makes its f32 copy and installs llama-cpp-python, once each.
+    pub(crate) fn prepare() -> Result<Reference> {
+        let anchors = root().join("../shared/anchors");
+        let q4 = crate::fetch_model::fetch_default()?;
+        let f32 = f32_model(&q4, &anchors)?;
+        ensure_python_packages(&["llama-cpp-python"], &["llama_cpp"])
+            .context("llama.cpp reference (builds for ~10 minutes on 2 cores)")?;
+        Ok(Reference { anchors, q4, f32 })
+    }
+}
+
+/// The release `tpctl` binary, built now.
+pub(crate) fn release_tpctl() -> Result<PathBuf> {
+    util::run(cargo().args(["build", "--release", "--quiet", "-p", "tpctl"]))?;
+    Ok(root().join("target/release/tpctl"))
+}
+
 /// Installs `packages` with pip unless `modules` already import.
 pub(crate) fn ensure_python_packages(packages: &[&str], modules: &[&str]) -> Result<()> {
     let check = format!("import {}", modules.join(", "));
@@ -61,11 +87,7 @@ pub(crate) fn ensure_python_packages(packages: &[&str], modules: &[&str]) -> Res
 }
 
 pub(crate) fn run(json: bool) -> Result<()> {
-    let anchors = root().join("../shared/anchors");
-    let q4 = crate::fetch_model::fetch_default()?;
-    let f32_path = f32_model(&q4, &anchors)?;
-    ensure_python_packages(&["llama-cpp-python"], &["llama_cpp"])
-        .context("llama.cpp reference (builds for ~10 minutes on 2 cores)")?;
+    let Reference { anchors, f32: f32_path, .. } = Reference::prepare()?;
     // Interleaved rounds of (ours, llama.cpp); each figure is its best round, so a burst of
     // noise on a shared machine does not decide a ratio.
     let (mut ref_pf, mut ref_dc) = (0f64, 0f64);

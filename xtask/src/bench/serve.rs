@@ -18,8 +18,8 @@
 //! Each figure is the best of [`ROUNDS`] rounds, so a burst of noise on a shared machine does
 //! not decide a ratio.
 
-use super::model::{ensure_python_packages, f32_model, llamacpp_quantized};
-use crate::util::{self, cargo, root};
+use super::model::llamacpp_quantized;
+use crate::util;
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
@@ -187,6 +187,18 @@ fn stream(base: &str, prompt: &[u32], start: Instant) -> Result<Arrivals> {
     Ok(Arrivals { first: first.context("no token streamed")?, last })
 }
 
+/// Every prompt streamed at once, one client thread each, timed from one shared start.
+fn concurrently(base: &str, prompts: &[Vec<u32>]) -> Result<Vec<Arrivals>> {
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = prompts.iter().map(|p| s.spawn(|| stream(base, p, start))).collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))?)
+            .collect::<Result<Vec<_>>>()
+    })
+}
+
 /// What tpctl measured in one layout.
 #[derive(Default)]
 struct Measured {
@@ -205,15 +217,7 @@ fn measure(server: &Server, single: &[u32], prompts: &[Vec<u32>]) -> Result<Meas
         let decode = (DECODE - 1) as f64 / (a.last - a.first).as_secs_f64();
         best.decode = best.decode.max(decode);
 
-        let start = Instant::now();
-        let all: Vec<Arrivals> = std::thread::scope(|s| {
-            let handles: Vec<_> =
-                prompts.iter().map(|p| s.spawn(|| stream(&server.base, p, start))).collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))?)
-                .collect::<Result<Vec<_>>>()
-        })?;
+        let all = concurrently(&server.base, prompts)?;
         let first = all.iter().map(|a| a.first).max().unwrap_or_default();
         let last = all.iter().map(|a| a.last).max().unwrap_or_default();
         let tokens = (prompts.len() * (DECODE - 1)) as f64;
@@ -226,13 +230,9 @@ fn measure(server: &Server, single: &[u32], prompts: &[Vec<u32>]) -> Result<Meas
 const LAYOUTS: [(usize, usize, usize); 3] = [(1, 1, 2), (2, 1, 1), (2, 2, 1)];
 
 pub(crate) fn run(json: bool) -> Result<()> {
-    let anchors = root().join("../shared/anchors");
-    let q4 = crate::fetch_model::fetch_default()?;
-    let f32_path = f32_model(&q4, &anchors)?;
-    ensure_python_packages(&["llama-cpp-python"], &["llama_cpp"])
-        .context("llama.cpp reference (builds for ~10 minutes on 2 cores)")?;
-    util::run(cargo().args(["build", "--release", "--quiet", "-p", "tpctl"]))?;
-    let tpctl = root().join("target/release/tpctl");
+    let super::model::Reference { anchors, q4, f32: f32_path } =
+        super::model::Reference::prepare()?;
+    let tpctl = super::model::release_tpctl()?;
     let q4_k_m = llamacpp_quantized(&f32_path, &anchors, "Q4_K_M")?;
     let models: [(&str, PathBuf); 3] = [("f32", f32_path), ("Q4_1", q4), ("Q4_K_M", q4_k_m)];
     if !json {
@@ -381,15 +381,7 @@ fn chat_workload(tpctl: &Path, model: &Path, extra: &[&str]) -> Result<Chat> {
                 p
             })
             .collect();
-        let start = Instant::now();
-        let all: Vec<Arrivals> = std::thread::scope(|s| {
-            let handles: Vec<_> =
-                prompts.iter().map(|p| s.spawn(|| stream(&server.base, p, start))).collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))?)
-                .collect::<Result<Vec<_>>>()
-        })?;
+        let all = concurrently(&server.base, &prompts)?;
         let ttft = all.iter().map(|a| a.first.as_secs_f64()).sum::<f64>() / all.len() as f64;
         let last = all.iter().map(|a| a.last).max().unwrap_or_default();
         best.ttft_ms = best.ttft_ms.min(ttft * 1e3);

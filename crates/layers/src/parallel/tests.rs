@@ -458,6 +458,30 @@ fn mixed_steps(vocab: u32) -> Vec<Vec<Entry>> {
     ]
 }
 
+/// Runs `steps` (entries of sequence index, tokens, sample) as batched forward passes over
+/// `caches`; each step's logits.
+fn run_steps(
+    model: &ParallelModel,
+    comms: &mut Comms<'_>,
+    steps: &[Vec<Entry>],
+    caches: &mut [ParallelCache],
+) -> Vec<Option<Tensor>> {
+    let mut out = Vec::new();
+    for step in steps {
+        let mut by_seq: Vec<Option<&mut ParallelCache>> = caches.iter_mut().map(Some).collect();
+        let mut seqs: Vec<Sequence<'_>> = step
+            .iter()
+            .map(|(seq, tokens, sample)| Sequence {
+                tokens,
+                cache: by_seq[*seq].take().unwrap(),
+                sample: *sample,
+            })
+            .collect();
+        out.push(model.forward_batch(comms, &mut seqs).unwrap());
+    }
+    out
+}
+
 #[test]
 fn batched_steps_match_each_sequence_alone() {
     let spec = RandomLlama {
@@ -497,20 +521,7 @@ fn batched_steps_match_each_sequence_alone() {
             let cpu = Backend::cpu(1).unwrap();
             let model = ParallelModel::from_source(&file, config, cpu, p, WeightForm::F32).unwrap();
             let mut caches: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
-            let mut out = Vec::new();
-            for step in &steps {
-                let mut by_seq: Vec<Option<&mut ParallelCache>> =
-                    caches.iter_mut().map(Some).collect();
-                let mut seqs: Vec<Sequence<'_>> = step
-                    .iter()
-                    .map(|(seq, tokens, sample)| Sequence {
-                        tokens,
-                        cache: by_seq[*seq].take().unwrap(),
-                        sample: *sample,
-                    })
-                    .collect();
-                out.push(model.forward_batch(comms, &mut seqs).unwrap());
-            }
+            let out = run_steps(&model, comms, &steps, &mut caches);
             let lens: Vec<usize> = caches.iter().map(ParallelCache::len).collect();
             (p, out, lens)
         });
@@ -564,23 +575,6 @@ fn paged_caches_give_the_logits_of_own_buffers() {
             let cpu = Backend::cpu(1).unwrap();
             let model = ParallelModel::from_source(&file, config, cpu, p, WeightForm::F32).unwrap();
             let pool = Arc::new(model.new_pool(4, 90).unwrap());
-            let run = |comms: &mut Comms<'_>, caches: &mut [ParallelCache]| {
-                let mut out = Vec::new();
-                for step in &steps {
-                    let mut by_seq: Vec<Option<&mut ParallelCache>> =
-                        caches.iter_mut().map(Some).collect();
-                    let mut seqs: Vec<Sequence<'_>> = step
-                        .iter()
-                        .map(|(seq, tokens, sample)| Sequence {
-                            tokens,
-                            cache: by_seq[*seq].take().unwrap(),
-                            sample: *sample,
-                        })
-                        .collect();
-                    out.push(model.forward_batch(comms, &mut seqs).unwrap());
-                }
-                out
-            };
             let mut own: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
             let mut paged: Vec<ParallelCache> = (0..5u32)
                 .map(|s| {
@@ -590,8 +584,8 @@ fn paged_caches_give_the_logits_of_own_buffers() {
                     c
                 })
                 .collect();
-            let want = run(comms, &mut own);
-            let got = run(comms, &mut paged);
+            let want = run_steps(&model, comms, &steps, &mut own);
+            let got = run_steps(&model, comms, &steps, &mut paged);
             (p, want, got)
         });
         for (p, want, got) in got {
