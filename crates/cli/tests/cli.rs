@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 
 mod common;
 
+use common::describe as text;
+
 use common::{kill_all, leftovers, marker, scratch, tpctl_bin};
 
 const DEADLINE: Duration = Duration::from_secs(90);
@@ -47,15 +49,6 @@ fn tpctl(args: &[&str], extra_env: &[(&str, &str)]) -> Output {
     let out = wait(start(args, extra_env, &mark), &mark);
     assert_eq!(leftovers(&mark), Vec::<u32>::new(), "processes left behind");
     out
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 fn json_lines(out: &Output) -> Vec<serde_json::Value> {

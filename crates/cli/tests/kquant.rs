@@ -11,6 +11,8 @@ use std::time::Duration;
 
 mod common;
 
+use common::describe as text;
+
 use common::scratch;
 
 const DEADLINE: Duration = Duration::from_secs(90);
@@ -21,15 +23,6 @@ fn fixture(name: &str) -> PathBuf {
 
 fn tpctl(args: &[&str]) -> Output {
     common::run_tpctl(args, DEADLINE)
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 /// A copy of `src` with every tensor dequantized to f32 and the same metadata (what gguf-py's

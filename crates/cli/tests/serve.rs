@@ -76,17 +76,11 @@ impl Server {
         // `--host` / `--port` replace `--listen` (clap refuses both).
         let vllm_address = args.iter().any(|a| *a == "--host" || *a == "--port");
         let listen: &[&str] = if vllm_address { &[] } else { &["--listen", "127.0.0.1:0"] };
-        let mut child = Command::new(tpctl_bin())
+        let mut child = common::tpctl_command(&mark)
             .args(["serve", "--model", model, "--threads", "1"])
             .args(listen)
             .args(args)
             .envs(env.iter().copied())
-            .env("TPCTL_TEST_MARK", &mark)
-            .env_remove("RUST_LOG")
-            .env_remove("TPCTL_API_KEY")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
             .spawn()
             .expect("start tpctl serve");
         let log = Arc::new(Mutex::new(String::new()));

@@ -374,12 +374,7 @@ impl ModelMemory {
     ) -> Result<layers::model::KvPool, String> {
         use layers::memory::Arena;
         let bytes = model.pool_bytes(block_size, blocks);
-        let alloc = self
-            .manager
-            .allocate(vmm::Tag::KV_CACHE, bytes, self.kv_policy.clone())
-            .map_err(|e| format!("allocating a {bytes}-byte KV pool: {e}"))?;
-        alloc.write().map_err(|e| e.to_string())?.fill(0);
-        let arena = VmmArena::new(alloc).map_err(|e| e.to_string())?;
+        let arena = self.committed_kv(bytes, "KV pool")?;
         let storage =
             layers::tensor::Storage::external(arena.alloc(bytes).map_err(|e| e.to_string())?)
                 .map_err(|e| e.to_string())?;
@@ -407,13 +402,19 @@ impl ModelMemory {
             );
             return model.new_cache_on_device(capacity, &arena).map_err(|e| e.to_string());
         }
+        let arena = self.committed_kv(bytes, "KV cache")?;
+        model.new_cache_in(capacity, &arena).map_err(|e| e.to_string())
+    }
+
+    /// One host `kv_cache` allocation of `bytes`, zeroed (so committed) now, as an arena;
+    /// `what` names it in the error.
+    fn committed_kv(&self, bytes: usize, what: &str) -> Result<VmmArena, String> {
         let alloc = self
             .manager
             .allocate(vmm::Tag::KV_CACHE, bytes, self.kv_policy.clone())
-            .map_err(|e| format!("allocating a {bytes}-byte KV cache: {e}"))?;
+            .map_err(|e| format!("allocating a {bytes}-byte {what}: {e}"))?;
         alloc.write().map_err(|e| e.to_string())?.fill(0);
-        let arena = VmmArena::new(alloc).map_err(|e| e.to_string())?;
-        model.new_cache_in(capacity, &arena).map_err(|e| e.to_string())
+        VmmArena::new(alloc).map_err(|e| e.to_string())
     }
 }
 

@@ -123,20 +123,34 @@ pub fn tiny_q4_model() -> &'static str {
     })
 }
 
-/// Runs `tpctl ARGS` to its end (no RUST_LOG, no API key from the environment), killing it and
-/// everything it started if it outlives `deadline`, and checking nothing is left behind.
-pub fn run_tpctl(args: &[&str], deadline: std::time::Duration) -> Output {
-    let mark = marker();
-    let mut child = Command::new(tpctl_bin())
-        .args(args)
-        .env("TPCTL_TEST_MARK", &mark)
+/// A `tpctl` command whose processes carry `mark` (see [`kill_all`]), without RUST_LOG or an
+/// API key from the environment, stdin closed, stdout and stderr piped.
+pub fn tpctl_command(mark: &str) -> Command {
+    let mut cmd = Command::new(tpctl_bin());
+    cmd.env("TPCTL_TEST_MARK", mark)
         .env_remove("RUST_LOG")
         .env_remove("TPCTL_API_KEY")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start tpctl");
+        .stderr(Stdio::piped());
+    cmd
+}
+
+/// An exited process's code, stdout and stderr, for assertion messages.
+pub fn describe(out: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Runs `tpctl ARGS` to its end (no RUST_LOG, no API key from the environment), killing it and
+/// everything it started if it outlives `deadline`, and checking nothing is left behind.
+pub fn run_tpctl(args: &[&str], deadline: std::time::Duration) -> Output {
+    let mark = marker();
+    let mut child = tpctl_command(&mark).args(args).spawn().expect("start tpctl");
     let start = std::time::Instant::now();
     while child.try_wait().expect("wait for tpctl").is_none() {
         if start.elapsed() > deadline {
