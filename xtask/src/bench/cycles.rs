@@ -190,6 +190,17 @@ fn largest_rank_bytes(receipt: &Value) -> Result<u64> {
         .try_fold(0, |max, b| b.map(|b| max.max(b)))
 }
 
+/// The most `kv_cache` bytes and allocations one rank's receipt in `receipt` released: the KV
+/// pool, one allocation per rank.
+fn kv_pool(receipt: &Value) -> (u64, u64) {
+    let tags =
+        receipt["ranks"].as_array().into_iter().flatten().filter_map(|r| r["tags"].as_array());
+    tags.flatten()
+        .filter(|t| t["tag"] == "kv_cache")
+        .map(|t| (t["bytes"].as_u64().unwrap_or(0), t["allocations"].as_u64().unwrap_or(0)))
+        .fold((0, 0), |(b, a), (tb, ta)| (b.max(tb), a.max(ta)))
+}
+
 /// What one cycle measured.
 struct Cycle {
     level: u8,
@@ -198,6 +209,8 @@ struct Cycle {
     wakeup: Duration,
     /// Bytes released on the largest rank.
     bytes: u64,
+    /// `kv_cache` bytes and allocations released on the rank with the most.
+    kv: (u64, u64),
     /// Resident bytes of the deployment after the wakeup.
     resident: u64,
 }
@@ -286,11 +299,12 @@ impl Load<'_> {
                 .with_context(|| format!("cycle {i} (level {level}, mode {mode})"))?;
             let bytes = largest_rank_bytes(&receipt)
                 .with_context(|| format!("cycle {i}'s sleep receipt: {receipt}"))?;
+            let kv = kv_pool(&receipt);
             let (_, wakeup) = control(&agent, self.base, "/wake_up")
                 .with_context(|| format!("cycle {i} (level {level}, mode {mode})"))?;
             since = self.streamed.load(Ordering::Acquire);
             let resident = resident_tree(pid)?;
-            cycles.push(Cycle { level, mode, sleep, wakeup, bytes, resident });
+            cycles.push(Cycle { level, mode, sleep, wakeup, bytes, kv, resident });
         }
         Ok(cycles)
     }
@@ -444,6 +458,8 @@ pub(crate) fn run(json: bool) -> Result<()> {
     let resident_end = cycles[n - 1].resident;
     let resident_max = cycles[warm - 1..].iter().map(|c| c.resident).max().unwrap_or(0);
     let growth = mib(resident_end) - mib(resident_warm);
+    let kv_bytes = cycles.iter().map(|c| c.kv.0).max().unwrap_or(0);
+    let kv_allocations = cycles.iter().map(|c| c.kv.1).max().unwrap_or(0);
     let summary = json!({
         "summary": true, "layout": format!("{tp}x{cp}"), "cycles": n,
         "cycles_per_s": round2(n as f64 / wall.as_secs_f64()), "wall_s": round2(wall.as_secs_f64()),
@@ -452,6 +468,7 @@ pub(crate) fn run(json: bool) -> Result<()> {
         "warmup_cycles": warm, "resident_mib_warm": round2(mib(resident_warm)),
         "resident_mib_end": round2(mib(resident_end)), "resident_mib_max": round2(mib(resident_max)),
         "resident_growth_mib": round2(growth),
+        "kv_cache_mib_per_rank": round2(mib(kv_bytes)), "kv_cache_allocations_per_rank": kv_allocations,
     });
 
     if json {
@@ -543,6 +560,11 @@ fn print_table(rows: &[Value], summary: &Value, tp: usize, cp: usize) {
         f("resident_mib_end"),
         f("resident_mib_max"),
         f("resident_growth_mib"),
+    );
+    println!(
+        "KV cache released by a sleep: {:.1} MiB in {} allocation(s) on the rank with the most",
+        f("kv_cache_mib_per_rank"),
+        summary["kv_cache_allocations_per_rank"],
     );
     println!(
         "medians; sleep/wakeup: client wall time of POST /sleep and POST /wake_up (every \
