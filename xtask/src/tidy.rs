@@ -69,4 +69,30 @@ mod tests {
         let deps = workspace_deps(manifest, &workspace);
         assert_eq!(deps, ["layers".to_owned(), "mesh".to_owned()].into());
     }
+
+    /// The CUDA kernels, compiled with NVRTC only on a GPU machine, at least parse and
+    /// type-check as C++ with the CUDA built-ins declared (`cuda/shim.h`): a typo must not
+    /// cost a GPU run. Needs a C++ compiler (`c++`), which the Rust toolchain's linker
+    /// usually brings.
+    #[test]
+    fn the_cuda_kernels_parse_as_cpp() {
+        let shim = root().join("xtask/src/cuda/shim.h");
+        let source = root().join("crates/layers/src/kernels/cuda/kernels.cu");
+        let out = std::process::Command::new("c++")
+            .args(["-fsyntax-only", "-Wall", "-Werror", "-x", "c++", "-include"])
+            .arg(&shim)
+            .arg(&source)
+            .output();
+        let out = match out {
+            Ok(out) => out,
+            Err(e) => panic!("running `c++` to check {}: {e}", source.display()),
+        };
+        assert!(
+            out.status.success(),
+            "{} does not compile as C++ with the built-ins of {}:\n{}",
+            source.display(),
+            shim.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }

@@ -717,6 +717,10 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
                 cap_bytes: available / 10 / settings.nproc.max(1) as u64,
                 block_size: settings.block_size,
                 prefix_caching: settings.prefix_caching,
+                device_fraction: match settings.kv_cache_memory {
+                    Some(config::KvMemory::Fraction(f)) => Some(f),
+                    _ => None,
+                },
             }
         },
         max_num_seqs: settings.max_num_seqs,

@@ -359,8 +359,16 @@ impl ModelMemory {
         Ok(())
     }
 
+    /// Free bytes of the GPU `backend` computes on, as NVML reports them; `None` on the CPU or
+    /// when NVML cannot say.
+    pub fn device_free_bytes(&self, backend: &Backend) -> Option<u64> {
+        let layers::Device::Cuda(ordinal) = backend.device() else { return None };
+        let nvml = vmm::DeviceMemory::new().ok()?;
+        nvml.device(nvml_index(ordinal)).ok().map(|usage| usage.free)
+    }
+
     /// `model`'s paged KV pool of `blocks` blocks of `block_size` tokens, in one `kv_cache`
-    /// allocation, committed now (resident memory is the pool's size from the start, and a
+    /// allocation (on the model's GPU when it computes on one), committed now (resident memory is the pool's size from the start, and a
     /// sleep gives all of it back): a sleep releases it whole and a wakeup restores it by its
     /// policy.
     ///
@@ -374,6 +382,18 @@ impl ModelMemory {
     ) -> Result<layers::model::KvPool, String> {
         use layers::memory::Arena;
         let bytes = model.pool_bytes(block_size, blocks);
+        if let Some(device) = self.device_for(model.backend()) {
+            // One allocation of exactly the pool's size on the model's GPU.
+            let arena = VmmDeviceArena::new(
+                device.clone(),
+                vmm::Tag::KV_CACHE,
+                self.kv_policy.clone(),
+                bytes,
+            );
+            return model
+                .pool_on_device(&arena, block_size, blocks)
+                .map_err(|e| format!("allocating a {bytes}-byte KV pool on the GPU: {e}"));
+        }
         let arena = self.committed_kv(bytes, "KV pool")?;
         let storage =
             layers::tensor::Storage::external(arena.alloc(bytes).map_err(|e| e.to_string())?)

@@ -33,7 +33,7 @@ pub struct ShardedFactory {
 }
 
 /// A paged KV cache: one pool per rank, the same number of blocks on every rank.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct KvCacheConfig {
     /// Bytes of the pool on the rank holding the most KV heads (the others hold as many
     /// blocks in fewer bytes). `None`: room for [`DEFAULT_SEQUENCES`] sequences of the whole
@@ -46,6 +46,10 @@ pub struct KvCacheConfig {
     /// Whether full blocks are reused by later prompts that start with the same tokens
     /// (without context parallelism only).
     pub prefix_caching: bool,
+    /// On a GPU, the pool's share of the device's free memory once the weights are loaded,
+    /// replacing `bytes` (which then holds that share of the host's memory, for the CPU).
+    #[serde(default)]
+    pub device_fraction: Option<f64>,
 }
 
 /// Sequences of the whole context a default-sized KV pool holds (when its cap allows).
@@ -117,11 +121,21 @@ impl ShardedFactory {
     }
 
     /// Keeps every rank's KV caches in one paged pool sized by `kv` (see [`KvCacheConfig`]);
-    /// rank 0's scheduler then hands out its blocks. Only for the CPU backend: on a GPU each
-    /// sequence keeps a device cache of its own.
+    /// rank 0's scheduler then hands out its blocks. With a GPU backend and memory (see
+    /// [`ShardedFactory::with_memory`]) the pool lives in the GPU's memory.
     pub fn with_kv_cache(mut self, kv: KvCacheConfig) -> Self {
         self.kv = Some(kv);
         self
+    }
+
+    /// `kv` with its share of the GPU's free memory resolved to bytes, when the model
+    /// computes on a GPU and `kv` asks for a share of it.
+    fn on_this_device(&self, kv: KvCacheConfig, model: &ParallelModel) -> KvCacheConfig {
+        let (Some(share), Some(memory)) = (kv.device_fraction, &self.memory) else { return kv };
+        match memory.device_free_bytes(model.backend()) {
+            Some(free) => KvCacheConfig { bytes: Some((free as f64 * share) as u64), ..kv },
+            None => kv,
+        }
     }
 
     /// Decodes rank 0's output with `tokenizer` (the one its caller encodes prompts with), so
@@ -201,7 +215,8 @@ impl ModelFactory for ShardedFactory {
         }
         let context = self.context.unwrap_or(model.config().context_length);
         let pool = match self.kv {
-            Some(kv) if model.backend().device() == layers::Device::Cpu => {
+            Some(kv) => {
+                let kv = self.on_this_device(kv, &model);
                 let blocks = kv.blocks(model.config(), (placement.tp, placement.cp), context)?;
                 let pool = match &self.memory {
                     Some(m) => m.new_pool(&model, kv.block_size, blocks)?,
@@ -215,7 +230,7 @@ impl ModelFactory for ShardedFactory {
                 };
                 Some((Arc::new(pool), layout))
             }
-            _ => None,
+            None => None,
         };
         Ok(Box::new(ShardedLlama {
             model,

@@ -253,6 +253,7 @@ fn scenario_main(scenario: &str, rank: usize, slot: &mut Option<Role>) -> Outcom
                     cap_bytes: 0,
                     block_size: 4,
                     prefix_caching: true,
+                    device_fraction: None,
                 })
             } else {
                 factory

@@ -137,8 +137,46 @@ pub enum Kv<'a> {
         /// Values.
         v: &'a dyn DeviceMemory,
     },
-    /// Host memory in blocks of a paged KV cache (CPU backend only).
+    /// Host memory in blocks of a paged KV cache.
     Paged(cpu::attention::KvBlocks<'a>),
+    /// Device memory in blocks of a paged KV cache (CUDA backend only).
+    PagedDevice(DeviceBlocks<'a>),
+}
+
+/// One layer's keys and values of a sequence in a paged KV pool in device memory: token `j` is
+/// row `j % block_size` of block `table[j / block_size]`, whose keys of this layer start
+/// `block · block_stride + keys` floats into the pool, `[block_size, kv_heads, head_dim]`, and
+/// its values `block · block_stride + values` floats in.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceBlocks<'a> {
+    /// The pool.
+    pub memory: &'a dyn DeviceMemory,
+    /// The sequence's blocks in token order.
+    pub table: &'a [u32],
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Floats from the start of one block to the next.
+    pub block_stride: usize,
+    /// Floats from the start of a block to this layer's keys.
+    pub keys: usize,
+    /// Floats from the start of a block to this layer's values.
+    pub values: usize,
+}
+
+impl DeviceBlocks<'_> {
+    /// Whether the blocks hold `tokens` rows of `row` values inside the pool.
+    pub fn holds(&self, tokens: usize, row: usize) -> bool {
+        if self.block_size == 0 {
+            return tokens == 0;
+        }
+        let Some(used) = self.table.get(..tokens.div_ceil(self.block_size)) else {
+            return false;
+        };
+        let Some(&last) = used.iter().max() else { return true };
+        let end =
+            last as usize * self.block_stride + self.keys.max(self.values) + self.block_size * row;
+        4 * end <= self.memory.size()
+    }
 }
 
 /// The element type the CUDA backend keeps weight matrices in and multiplies them in (cuBLAS,
@@ -431,6 +469,10 @@ impl Backend {
                 let sum = |b: &[&[f32]]| b.iter().map(|x| x.len()).sum::<usize>();
                 (sum(k), sum(v), blocks.holds(kv_pos.len(), kv_heads * head_dim))
             }
+            Kv::PagedDevice(blocks) => {
+                let floats = blocks.memory.size() / 4;
+                (floats, floats, blocks.holds(kv_pos.len(), kv_heads * head_dim))
+            }
         };
         check(
             "attention",
@@ -460,7 +502,9 @@ impl Backend {
                 cpu::attention::KvBlocks::contiguous(&k, &v)
             }
             Kv::Paged(blocks) => blocks,
-            Kv::Device { .. } => return Err(device_memory_on_cpu("attention")),
+            Kv::Device { .. } | Kv::PagedDevice(_) => {
+                return Err(device_memory_on_cpu("attention"))
+            }
         };
         cpu.install(|| {
             cpu::attention::attention_blocks(
@@ -511,18 +555,22 @@ impl Backend {
         }
     }
 
-    /// Copies `src`'s elements into device memory `dst` from its `offset`-th f32 on (a device
-    /// copy when `src` is the CUDA backend's output).
+    /// Copies elements `range` of `src` into device memory `dst` from its `offset`-th f32 on
+    /// (a device copy when `src` is the CUDA backend's output).
     ///
     /// # Errors
-    /// As [`Backend::write_device`].
+    /// As [`Backend::write_device`], and [`Error::Shape`] when `range` is not in `src`.
     pub(crate) fn write_tensor(
         &self,
         dst: &dyn DeviceMemory,
         offset: usize,
         src: &Tensor,
+        range: std::ops::Range<usize>,
     ) -> Result<()> {
-        self.device_writer(dst, offset, src.len())?.write_tensor(dst, offset, src)
+        check("write_device", range.start <= range.end && range.end <= src.len(), || {
+            format!("values {range:?} of a tensor of {}", src.len())
+        })?;
+        self.device_writer(dst, offset, range.len())?.write_tensor(dst, offset, src, range)
     }
 
     /// Copies `src` into device memory `dst` from its `offset`-th f32 on.

@@ -140,8 +140,8 @@ impl LayerCache {
             return self.append(be, k.data(), v.data(), positions);
         };
         let len = self.check_append(positions.len(), k.len(), v.len())?;
-        be.write_tensor(kb.as_ref(), len * self.row, k)?;
-        be.write_tensor(vb.as_ref(), len * self.row, v)?;
+        be.write_tensor(kb.as_ref(), len * self.row, k, 0..k.len())?;
+        be.write_tensor(vb.as_ref(), len * self.row, v, 0..v.len())?;
         self.positions.extend_from_slice(positions);
         Ok(())
     }
@@ -272,7 +272,9 @@ mod tests {
     fn host(c: &LayerCache) -> (&[f32], &[f32]) {
         match c.kv() {
             Kv::Host { k, v } => (k, v),
-            Kv::Device { .. } | Kv::Paged(_) => panic!("a host cache reported other memory"),
+            Kv::Device { .. } | Kv::Paged(_) | Kv::PagedDevice(_) => {
+                panic!("a host cache reported other memory")
+            }
         }
     }
 

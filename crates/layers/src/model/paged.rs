@@ -11,19 +11,36 @@
 
 use crate::error::{Error, Result};
 use crate::kernels::cpu::attention::KvBlocks;
-use crate::kernels::Kv;
-use crate::tensor::Storage;
-use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard};
+use crate::kernels::{Backend, DeviceBlocks, Kv};
+use crate::memory::DeviceMemory;
+use crate::tensor::{Storage, Tensor};
+use std::sync::{Arc, PoisonError, RwLock};
 
 /// One rank's KV blocks, in one buffer (a `kv_cache` allocation, say).
 #[derive(Debug)]
 pub struct KvPool {
-    data: RwLock<Storage>,
+    data: Blocks,
     layers: usize,
     /// Values per token of one layer's keys (or values): `kv_heads × head_dim`.
     row: usize,
     block_size: usize,
     blocks: usize,
+}
+
+/// Where a pool's blocks live.
+#[derive(Debug)]
+enum Blocks {
+    /// Host memory, read by the CPU backend in place.
+    Host(RwLock<Storage>),
+    /// Device memory, read and written by the CUDA backend of that device only.
+    Device(Box<dyn DeviceMemory>),
+}
+
+/// The keys and values of tokens being appended.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    Host(&'a [f32], &'a [f32]),
+    Tensors(&'a Tensor, &'a Tensor),
 }
 
 impl KvPool {
@@ -60,6 +77,42 @@ impl KvPool {
         head_dim: usize,
         block_size: usize,
     ) -> Result<Self> {
+        let floats = storage.len();
+        Self::over(
+            Blocks::Host(RwLock::new(storage)),
+            floats,
+            layers,
+            kv_heads,
+            head_dim,
+            block_size,
+        )
+    }
+
+    /// A pool over device memory `memory` (one `kv_cache` allocation of a GPU, say), written
+    /// and read by the CUDA backend of that device; it holds as many blocks as fit.
+    ///
+    /// # Errors
+    /// As [`KvPool::with_storage`].
+    pub fn on_device(
+        memory: Box<dyn DeviceMemory>,
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        block_size: usize,
+    ) -> Result<Self> {
+        let floats = memory.size() / 4;
+        Self::over(Blocks::Device(memory), floats, layers, kv_heads, head_dim, block_size)
+    }
+
+    /// A pool of `data` holding `floats` values, checked to be whole blocks.
+    fn over(
+        data: Blocks,
+        floats: usize,
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        block_size: usize,
+    ) -> Result<Self> {
         let row = kv_heads * head_dim;
         let block_floats = 2 * layers * block_size * row;
         if !block_size.is_power_of_two() || block_floats == 0 {
@@ -71,14 +124,14 @@ impl KvPool {
                 ),
             ));
         }
-        if !storage.len().is_multiple_of(block_floats) {
+        if !floats.is_multiple_of(block_floats) {
             return Err(Error::shape(
                 "KvPool",
-                format!("{} values are not whole blocks of {block_floats}", storage.len()),
+                format!("{floats} values are not whole blocks of {block_floats}"),
             ));
         }
-        let blocks = storage.len() / block_floats;
-        Ok(KvPool { data: RwLock::new(storage), layers, row, block_size, blocks })
+        let blocks = floats / block_floats;
+        Ok(KvPool { data, layers, row, block_size, blocks })
     }
 
     /// Bytes of a pool of `blocks` blocks.
@@ -112,6 +165,11 @@ impl KvPool {
         self.row
     }
 
+    /// Whether the blocks live in device memory.
+    pub fn is_on_device(&self) -> bool {
+        matches!(self.data, Blocks::Device(_))
+    }
+
     /// Element offset of block `block`'s keys of `layer` (its values follow).
     fn offset(&self, block: u32, layer: usize) -> usize {
         (block as usize * self.layers + layer) * 2 * self.block_size * self.row
@@ -132,38 +190,73 @@ impl KvPool {
     }
 
     /// Writes the keys and values of tokens `at..at + n` of a sequence with block table
-    /// `table` in `layer` (`n` from the lengths of `k` and `v`).
-    fn write(&self, layer: usize, table: &[u32], at: usize, k: &[f32], v: &[f32]) -> Result<()> {
+    /// `table` in `layer` (`n` from the lengths of the rows); `be` writes a device pool.
+    fn write(
+        &self,
+        be: &Backend,
+        layer: usize,
+        table: &[u32],
+        at: usize,
+        rows: Rows<'_>,
+    ) -> Result<()> {
         let (row, bs) = (self.row, self.block_size);
-        let n = k.len() / row;
-        if k.len() != v.len() || k.len() != n * row || layer >= self.layers {
+        let (k_len, v_len) = match rows {
+            Rows::Host(k, v) => (k.len(), v.len()),
+            Rows::Tensors(k, v) => (k.len(), v.len()),
+        };
+        let n = k_len / row;
+        if k_len != v_len || k_len != n * row || layer >= self.layers {
             return Err(Error::shape(
                 "kv pool write",
-                format!(
-                    "layer {layer} of {}, k {} v {} for rows of {row}",
-                    self.layers,
-                    k.len(),
-                    v.len()
-                ),
+                format!("layer {layer} of {}, k {k_len} v {v_len} for rows of {row}", self.layers),
             ));
         }
         if at + n > table.len() * bs {
             return Err(Error::CacheFull { len: at, capacity: table.len() * bs, requested: n });
         }
-        let mut data = self.data.write().unwrap_or_else(PoisonError::into_inner);
-        let data = data.as_mut_slice();
-        for (i, (kr, vr)) in k.chunks_exact(row).zip(v.chunks_exact(row)).enumerate() {
-            let t = at + i;
-            let start = self.offset(table[t / bs], layer) + (t % bs) * row;
-            data[start..start + row].copy_from_slice(kr);
-            data[start + bs * row..start + (bs + 1) * row].copy_from_slice(vr);
+        // Runs of tokens within one block, contiguous there and in the source: (offset in the
+        // pool, offset in the source, values).
+        let runs = block_runs(at, n, bs).map(|(t, len)| {
+            (self.offset(table[t / bs], layer) + (t % bs) * row, (t - at) * row, len * row)
+        });
+        match (&self.data, rows) {
+            (Blocks::Host(data), _) => {
+                let (k, v) = match rows {
+                    Rows::Host(k, v) => (k, v),
+                    Rows::Tensors(k, v) => (k.data(), v.data()),
+                };
+                let mut data = data.write().unwrap_or_else(PoisonError::into_inner);
+                let data = data.as_mut_slice();
+                for (dst, src, len) in runs {
+                    data[dst..dst + len].copy_from_slice(&k[src..src + len]);
+                    data[dst + bs * row..][..len].copy_from_slice(&v[src..src + len]);
+                }
+            }
+            (Blocks::Device(mem), Rows::Host(k, v)) => {
+                for (dst, src, len) in runs {
+                    be.write_device(mem.as_ref(), dst, &k[src..src + len])?;
+                    be.write_device(mem.as_ref(), dst + bs * row, &v[src..src + len])?;
+                }
+            }
+            (Blocks::Device(mem), Rows::Tensors(k, v)) => {
+                for (dst, src, len) in runs {
+                    be.write_tensor(mem.as_ref(), dst, k, src..src + len)?;
+                    be.write_tensor(mem.as_ref(), dst + bs * row, v, src..src + len)?;
+                }
+            }
         }
         Ok(())
     }
+}
 
-    fn read(&self) -> RwLockReadGuard<'_, Storage> {
-        self.data.read().unwrap_or_else(PoisonError::into_inner)
-    }
+/// Tokens `at..at + n` cut where blocks of `block_size` tokens end: (first token, tokens).
+fn block_runs(at: usize, n: usize, block_size: usize) -> impl Iterator<Item = (usize, usize)> {
+    let end = at + n;
+    std::iter::successors((n > 0).then_some(at), move |&t| {
+        let next = (t / block_size + 1) * block_size;
+        (next < end).then_some(next)
+    })
+    .map(move |t| (t, (block_size - t % block_size).min(end - t)))
 }
 
 /// One sequence's tokens on this rank in a [`KvPool`]: its block table, and per layer how many
@@ -224,33 +317,66 @@ impl PagedCache {
         &self.pool
     }
 
-    /// Appends the keys and values of `positions.len()` tokens to `layer`.
+    /// Appends the keys and values of `positions.len()` tokens to `layer`; `be` writes them
+    /// when the pool lives in device memory (it must then be the CUDA backend of that
+    /// device).
     ///
     /// # Errors
     /// [`Error::CacheFull`] when the table has no room; [`Error::Shape`] when the lengths
-    /// disagree. The cache is unchanged on error.
+    /// disagree; [`Error::BackendUnavailable`] when a device pool is given a CPU backend or
+    /// the copy fails. The cache's length is unchanged on error.
     pub fn append(
         &mut self,
+        be: &Backend,
         layer: usize,
         k: &[f32],
         v: &[f32],
         positions: &[usize],
     ) -> Result<()> {
+        self.append_rows(be, layer, Rows::Host(k, v), positions)
+    }
+
+    /// As [`PagedCache::append`] from tensors: a device pool takes a backend's device outputs
+    /// with copies on the device.
+    ///
+    /// # Errors
+    /// As [`PagedCache::append`].
+    pub fn append_tensors(
+        &mut self,
+        be: &Backend,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+        positions: &[usize],
+    ) -> Result<()> {
+        self.append_rows(be, layer, Rows::Tensors(k, v), positions)
+    }
+
+    fn append_rows(
+        &mut self,
+        be: &Backend,
+        layer: usize,
+        rows: Rows<'_>,
+        positions: &[usize],
+    ) -> Result<()> {
         let at = *self.filled.get(layer).ok_or_else(|| {
             Error::shape("kv cache append", format!("layer {layer} of {}", self.filled.len()))
         })?;
-        if k.len() != positions.len() * self.pool.row {
+        let k_len = match rows {
+            Rows::Host(k, _) => k.len(),
+            Rows::Tensors(k, _) => k.len(),
+        };
+        if k_len != positions.len() * self.pool.row {
             return Err(Error::shape(
                 "kv cache append",
                 format!(
-                    "{} tokens need {} values, got {}",
+                    "{} tokens need {} values, got {k_len}",
                     positions.len(),
                     positions.len() * self.pool.row,
-                    k.len()
                 ),
             ));
         }
-        self.pool.write(layer, &self.table, at, k, v)?;
+        self.pool.write(be, layer, &self.table, at, rows)?;
         // The first layer to reach a token records its position.
         let known = self.positions.len().saturating_sub(at).min(positions.len());
         self.positions.extend_from_slice(&positions[known..]);
@@ -263,9 +389,24 @@ impl PagedCache {
     pub fn with_kv<R>(&self, layer: usize, f: impl FnOnce(Kv<'_>, &[usize]) -> R) -> R {
         let tokens = self.filled.get(layer).copied().unwrap_or(0);
         let (bs, row) = (self.pool.block_size, self.pool.row);
-        let data = self.pool.read();
-        let data = data.as_slice();
         let used = &self.table[..tokens.div_ceil(bs)];
+        let positions = &self.positions[..tokens];
+        let data = match &self.pool.data {
+            Blocks::Host(data) => data.read().unwrap_or_else(PoisonError::into_inner),
+            Blocks::Device(memory) => {
+                let keys = self.pool.offset(0, layer);
+                let blocks = DeviceBlocks {
+                    memory: memory.as_ref(),
+                    table: used,
+                    block_size: bs,
+                    block_stride: self.pool.offset(1, 0),
+                    keys,
+                    values: keys + bs * row,
+                };
+                return f(Kv::PagedDevice(blocks), positions);
+            }
+        };
+        let data = data.as_slice();
         let k: Vec<&[f32]> =
             used.iter().map(|&b| &data[self.pool.offset(b, layer)..][..bs * row]).collect();
         let v: Vec<&[f32]> = used
@@ -274,7 +415,7 @@ impl PagedCache {
             .collect();
         // The table's blocks were checked against the pool and the size is a power of two.
         let blocks = KvBlocks::new(&k, &v, bs).expect("a power-of-two block size");
-        f(Kv::Paged(blocks), &self.positions[..tokens])
+        f(Kv::Paged(blocks), positions)
     }
 
     /// Tokens held (in the first layer, which every forward pass fills first).
@@ -329,8 +470,8 @@ mod tests {
             for layer in 0..3 {
                 // Two appends, the second across a block boundary.
                 let cut = tokens / 2;
-                cache.append(layer, &k[..cut * row], &v[..cut * row], &pos[..cut]).unwrap();
-                cache.append(layer, &k[cut * row..], &v[cut * row..], &pos[cut..]).unwrap();
+                cache.append(&be, layer, &k[..cut * row], &v[..cut * row], &pos[..cut]).unwrap();
+                cache.append(&be, layer, &k[cut * row..], &v[cut * row..], &pos[cut..]).unwrap();
             }
             assert_eq!((cache.len(), cache.capacity()), (tokens, table.len() * bs));
             for n_q in [1, 9] {
@@ -354,16 +495,17 @@ mod tests {
 
     #[test]
     fn a_full_table_refuses_more_tokens_and_ids_outside_the_pool() {
+        let be = Backend::cpu(1).unwrap();
         let pool = Arc::new(KvPool::new(1, 1, 2, 2, 3).unwrap());
         let mut cache = PagedCache::new(pool.clone());
         let err = cache.extend_table(&[1, 3]).unwrap_err();
         assert!(err.to_string().contains("block 3 of a pool of 3 blocks"), "{err}");
         assert!(cache.table().is_empty());
         cache.extend_table(&[2]).unwrap();
-        let err = cache.append(0, &[0.0; 6], &[0.0; 6], &[0, 1, 2]).unwrap_err();
+        let err = cache.append(&be, 0, &[0.0; 6], &[0.0; 6], &[0, 1, 2]).unwrap_err();
         assert!(matches!(err, Error::CacheFull { capacity: 2, requested: 3, .. }), "{err}");
         assert!(cache.is_empty());
-        cache.append(0, &[1.0; 4], &[2.0; 4], &[0, 1]).unwrap();
+        cache.append(&be, 0, &[1.0; 4], &[2.0; 4], &[0, 1]).unwrap();
         cache.truncate(1);
         assert_eq!(cache.len(), 1);
         let err = KvPool::new(1, 1, 2, 3, 1).unwrap_err();
@@ -375,5 +517,58 @@ mod tests {
         reused.assume_prefix(1).unwrap();
         reused.with_kv(0, |_, positions| assert_eq!(positions, &[0]));
         assert!(reused.assume_prefix(1).is_err());
+    }
+
+    /// Device memory that is never touched: only its size matters.
+    #[derive(Debug)]
+    struct Fake(usize);
+
+    impl DeviceMemory for Fake {
+        fn device_ptr(&self) -> u64 {
+            0x1000
+        }
+        fn size(&self) -> usize {
+            self.0
+        }
+    }
+
+    /// A pool in device memory hands attention its blocks through the table (offsets of the
+    /// layer's keys and values, bounds checked against the memory), and the CPU backend
+    /// neither writes nor reads it.
+    #[test]
+    fn a_device_pool_names_its_blocks_and_is_refused_by_the_cpu() {
+        let be = Backend::cpu(1).unwrap();
+        // 2 layers × (k, v) × 4 tokens × 8 values: blocks of 128 floats.
+        let pool = Arc::new(KvPool::on_device(Box::new(Fake(3 * 128 * 4)), 2, 1, 8, 4).unwrap());
+        assert!(pool.is_on_device());
+        assert_eq!(pool.blocks(), 3);
+        let err = KvPool::on_device(Box::new(Fake(100 * 4)), 2, 1, 8, 4).unwrap_err();
+        assert!(err.to_string().contains("whole blocks of 128"), "{err}");
+        let mut cache = PagedCache::new(pool);
+        cache.extend_table(&[2, 0]).unwrap();
+        let err = cache.append(&be, 0, &[0.0; 8], &[0.0; 8], &[0]).unwrap_err();
+        assert!(matches!(err, Error::BackendUnavailable { .. }), "{err}");
+        assert!(cache.is_empty());
+        cache.with_kv(1, |kv, positions| {
+            let Kv::PagedDevice(b) = kv else { panic!("a device pool gave {kv:?}") };
+            assert!(positions.is_empty());
+            assert_eq!((b.block_size, b.block_stride, b.keys, b.values), (4, 128, 64, 96));
+            assert_eq!(b.table, &[] as &[u32]);
+        });
+        let blocks = |table| DeviceBlocks {
+            memory: &Fake(3 * 128 * 4),
+            table,
+            block_size: 4,
+            block_stride: 128,
+            keys: 64,
+            values: 96,
+        };
+        assert!(blocks(&[2, 0]).holds(8, 8));
+        assert!(!blocks(&[2, 0]).holds(9, 8), "more tokens than the table's blocks");
+        assert!(!blocks(&[3]).holds(1, 8), "a block past the end of the memory");
+        let q = Tensor::zeros(&[1, 1, 8]);
+        let shape = AttnShape { q_heads: 1, kv_heads: 1, head_dim: 8 };
+        let err = be.attention(&q, &[0], Kv::PagedDevice(blocks(&[2])), &[0], shape, false);
+        assert!(err.unwrap_err().to_string().contains("device memory"));
     }
 }

@@ -443,7 +443,7 @@ impl ParallelCache {
     ) -> Result<()> {
         match &mut self.local {
             Local::Own(c) => c.layer_mut(layer).append(be, k, v, positions),
-            Local::Paged(c) => c.append(layer, k, v, positions),
+            Local::Paged(c) => c.append(be, layer, k, v, positions),
         }
     }
 
@@ -459,7 +459,7 @@ impl ParallelCache {
     ) -> Result<()> {
         match &mut self.local {
             Local::Own(c) => c.layer_mut(layer).append_tensors(be, k, v, positions),
-            Local::Paged(c) => c.append(layer, k.data(), v.data(), positions),
+            Local::Paged(c) => c.append_tensors(be, layer, k, v, positions),
         }
     }
 
@@ -905,6 +905,23 @@ impl ParallelModel {
         KvPool::with_storage(storage, c.n_layers, self.local_kv_heads(), c.head_dim, block_size)
     }
 
+    /// A KV pool of `blocks` blocks of `block_size` tokens for this rank's heads in device
+    /// memory from `arena` (one `kv_cache` allocation on the GPU the model computes on), read
+    /// and written by the CUDA backend in place.
+    ///
+    /// # Errors
+    /// [`Error::Arena`] when the memory cannot be had; as [`KvPool::on_device`].
+    pub fn pool_on_device(
+        &self,
+        arena: &dyn DeviceArena,
+        block_size: usize,
+        blocks: usize,
+    ) -> Result<KvPool> {
+        let memory = alloc_device_exact(arena, self.pool_bytes(block_size, blocks))?;
+        let c = &self.config;
+        KvPool::on_device(memory, c.n_layers, self.local_kv_heads(), c.head_dim, block_size)
+    }
+
     /// An empty cache for one sequence whose keys and values live in blocks of `pool` (none
     /// yet: see [`ParallelCache::extend_table`]).
     ///
@@ -912,6 +929,12 @@ impl ParallelModel {
     /// [`Error::Shape`] when the pool was made for another model or rank.
     pub fn new_paged_cache(&self, pool: &Arc<KvPool>) -> Result<ParallelCache> {
         let row = self.local_kv_heads() * self.config.head_dim;
+        if pool.is_on_device() && self.backend.device() == crate::Device::Cpu {
+            return Err(Error::BackendUnavailable {
+                backend: "cpu",
+                reason: "a KV pool in device memory is read only by the CUDA backend".into(),
+            });
+        }
         if pool.layers() != self.config.n_layers || pool.row() != row {
             return Err(Error::shape(
                 "paged kv cache",

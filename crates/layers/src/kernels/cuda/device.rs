@@ -846,8 +846,13 @@ impl CudaBackend {
         }
         let qd = self.input(OP, q)?;
         let qpd = self.positions(OP, q_pos)?;
-        // Host keys and values are uploaded for this call; a device cache is read in place.
+        // Host keys and values are uploaded for this call; a device cache is read in place,
+        // a paged one through its block table (uploaded here).
         let mut staged = None;
+        let mut table = None;
+        // Key row j is at `table[j / block_size] · block_stride + (j % block_size) · row`
+        // with a table, at `j · row` without.
+        let (mut block_size, mut block_stride) = (1, 0u64);
         let (kp, vp) = match kv {
             Kv::Host { k, v } => {
                 let (kd, vd) = staged.insert((self.upload(OP, k)?, self.upload(OP, v)?));
@@ -860,7 +865,16 @@ impl CudaBackend {
                 let (kd, vd) = staged.insert((self.upload(OP, &k)?, self.upload(OP, &v)?));
                 (self.addr(kd), self.addr(vd))
             }
+            Kv::PagedDevice(blocks) => {
+                let used = kv_pos.len().div_ceil(blocks.block_size);
+                table = Some(self.upload(OP, &blocks.table[..used])?);
+                block_size = int(OP, "block_size", blocks.block_size)?;
+                block_stride = blocks.block_stride as u64;
+                let base = blocks.memory.device_ptr();
+                (base + 4 * blocks.keys as u64, base + 4 * blocks.values as u64)
+            }
         };
+        let tp = table.as_ref().map_or(0, |t| self.addr(t));
         let kpd = self.positions(OP, kv_pos)?;
         let mut od = self.zeros(OP, rows * head_dim)?;
         let mut ld = self.zeros(OP, rows)?;
@@ -875,19 +889,24 @@ impl CudaBackend {
         let cfg = per_row(OP, rows, ATTN_BLOCK)?;
         let mut b = self.stream().launch_builder(&self.inner.k.attention);
         b.arg(&qd.ptr).arg(&*qpd).arg(&kp).arg(&vp).arg(&*kpd);
+        b.arg(&tp).arg(&block_size).arg(&block_stride);
         for a in &args {
             b.arg(a);
         }
         b.arg(&scale).arg(&mut od).arg(&mut ld);
         // SAFETY: the arguments match `attention(const float*, const u64*, const float*,
-        // const float*, const u64*, int, int, int, int, float, float*, float*)`. Block r
-        // (query token r / q_heads) reads q_pos and row r of q (head_dim floats), all n_kv key
-        // positions and head g of every key and value row, and writes row r of out and
-        // lse[r]. The caller checked q holds q_pos.len()·q_heads·head_dim floats, k and v at
-        // least kv_pos.len()·kv_heads·head_dim (staged ones are freed stream-ordered, after
-        // the kernel; a device cache is mapped while steps run, as `DeviceMemory` promises),
-        // q_heads a multiple of kv_heads (so g < kv_heads); head_dim <= 512 fits the kernel's
-        // per-thread output slots and shared query copy.
+        // const float*, const u64*, const unsigned*, int, u64, int, int, int, int, float,
+        // float*, float*)`. Block r (query token r / q_heads) reads q_pos and row r of q
+        // (head_dim floats), all n_kv key positions and head g of every key and value row,
+        // and writes row r of out and lse[r]. The caller checked q holds
+        // q_pos.len()·q_heads·head_dim floats and that the keys and values hold
+        // kv_pos.len() rows of kv_heads·head_dim: contiguous buffers at least that long
+        // (staged ones are freed stream-ordered, after the kernel; a device cache is mapped
+        // while steps run, as `DeviceMemory` promises), or a paged pool whose table (uploaded
+        // above, ceil(n_kv / block_size) ids, freed stream-ordered) names blocks that lie
+        // inside it (`DeviceBlocks::holds`); q_heads is a multiple of kv_heads (so
+        // g < kv_heads); head_dim <= 512 fits the kernel's per-thread output slots and shared
+        // query copy.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
         let lse = want_lse.then(|| self.output(&lse_shape, ld)).transpose()?;
         Ok((self.output(&out_shape, od)?, lse))
@@ -1041,36 +1060,39 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Appends `src`'s elements to device memory `dst` from its `offset`-th f32 on (the
-    /// caller checked that they fit): a device-to-device copy for this backend's outputs.
+    /// Copies elements `range` of `src` to device memory `dst` from its `offset`-th f32 on
+    /// (the caller checked that they fit and lie in `src`): a device-to-device copy for this
+    /// backend's outputs.
     pub(crate) fn write_tensor(
         &self,
         dst: &dyn DeviceMemory,
         offset: usize,
         src: &Tensor,
+        range: std::ops::Range<usize>,
     ) -> Result<()> {
         const OP: &str = "kv cache append";
         let Some(buf) = self.own(src.storage().device_data()) else {
-            return self.write_device(dst, offset, src.data());
+            return self.write_device(dst, offset, &src.data()[range]);
         };
-        if src.is_empty() {
+        if range.is_empty() {
             return Ok(());
         }
-        debug_assert!(4 * (offset + src.len()) <= dst.size());
+        debug_assert!(4 * (offset + range.len()) <= dst.size() && range.end <= src.len());
         self.bind(OP)?;
-        let from = self.addr(buf);
+        let from = self.addr(buf) + 4 * range.start as u64;
         // SAFETY: `DeviceMemory` promises `dst` is mapped memory of this device while kernels
         // may run, and the range lies inside it (checked by the caller); `buf` holds the
-        // src.len() floats read, on this stream, and is freed stream-ordered after the copy.
+        // src.len() floats of which `range` is read, on this stream, and is freed
+        // stream-ordered after the copy.
         unsafe {
             cudarc::driver::result::memcpy_dtod_async(
                 dst.device_ptr() + 4 * offset as u64,
                 from,
-                4 * src.len(),
+                4 * range.len(),
                 self.stream().cu_stream(),
             )
         }
-        .or_unavailable(|| format!("{OP}: copying {} floats on the device", src.len()))
+        .or_unavailable(|| format!("{OP}: copying {} floats on the device", range.len()))
     }
 }
 

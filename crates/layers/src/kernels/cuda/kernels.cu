@@ -160,14 +160,25 @@ extern "C" __global__ void dequantize(const float* scales, const float* mins,
     }
 }
 
+// Offset in floats of key (and value) row j from `k` (and `v`): j * stride for contiguous
+// keys (table == 0); with a paged cache's block table, row j % block_size of block
+// table[j / block_size], blocks `block_stride` floats apart.
+__device__ u64 kv_row(int j, const unsigned int* table, int block_size, u64 block_stride,
+                      u64 stride) {
+    if (table == 0) return (u64)j * stride;
+    return (u64)table[j / block_size] * block_stride + (u64)(j % block_size) * stride;
+}
+
 // Causal grouped-query attention with the log-sum-exp of each row. One block per (query
 // token, query head) row; keys are visited in tiles of ATTN_BLOCK with an online softmax
 // (running maximum `m` and sum `l`), each thread owning output elements tid, tid+ATTN_BLOCK, ...
 // Query i sees key j when kv_pos[j] <= q_pos[i]; a row that sees no key gets zeros and -inf.
+// Keys and values are contiguous rows, or blocks of a paged cache named by `table` (kv_row).
 extern "C" __global__ void attention(const float* q, const u64* q_pos, const float* k,
-                                     const float* v, const u64* kv_pos, int n_kv, int q_heads,
-                                     int kv_heads, int head_dim, float scale, float* out,
-                                     float* lse) {
+                                     const float* v, const u64* kv_pos,
+                                     const unsigned int* table, int block_size,
+                                     u64 block_stride, int n_kv, int q_heads, int kv_heads,
+                                     int head_dim, float scale, float* out, float* lse) {
     __shared__ float qs[ATTN_BLOCK * ATTN_DIMS];
     __shared__ float p[ATTN_BLOCK];
     __shared__ float buf[ATTN_BLOCK];
@@ -189,7 +200,8 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
         int j = j0 + tid;
         float s = NEG_INF;
         if (j < n_kv && kv_pos[j] <= qp) {
-            const float* kr = k + (u64)j * stride + (u64)g * head_dim;
+            const float* kr =
+                k + kv_row(j, table, block_size, block_stride, stride) + (u64)g * head_dim;
             float dot = 0.0f;
             for (int c = 0; c < head_dim; c++) dot += qs[c] * kr[c];
             s = dot * scale;
@@ -211,7 +223,10 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
             float a = acc[d] * corr;
             for (int jj = 0; jj < tile; jj++) {
                 float w = p[jj];
-                if (w != 0.0f) a += w * v[(u64)(j0 + jj) * stride + (u64)g * head_dim + c];
+                if (w != 0.0f) {
+                    u64 r = kv_row(j0 + jj, table, block_size, block_stride, stride);
+                    a += w * v[r + (u64)g * head_dim + c];
+                }
             }
             acc[d] = a;
         }

@@ -107,6 +107,7 @@ impl CudaBackend {
         _dst: &dyn DeviceMemory,
         _offset: usize,
         _src: &Tensor,
+        _range: std::ops::Range<usize>,
     ) -> Result<()> {
         match self.never {}
     }

@@ -433,6 +433,54 @@ fn cuda_device_kv_cache_gives_the_host_cache_logits() {
     std::fs::remove_file(path).unwrap();
 }
 
+/// A paged KV pool in device memory: two sequences write their tokens through scrambled block
+/// tables (blocks of 4 tokens, so appends cross block boundaries) and attention reads them in
+/// place through the tables; each sequence's logits are bit for bit those of a host cache of
+/// its own, also when it goes on after the other one wrote its blocks.
+#[test]
+fn cuda_paged_device_pool_gives_the_host_cache_logits() {
+    let Some(gpu) = gpu() else { return };
+    let path = temp_path("cuda-paged-kv.gguf");
+    RandomLlama { quantized: Some(BlockFormat::Q8_0), seed: 7, ..Default::default() }
+        .write(&path)
+        .unwrap();
+    let model = ParallelModel::load_on(
+        &path,
+        Placement::single(),
+        gpu.clone(),
+        WeightForm::Native,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let (block_size, blocks) = (4, 16);
+    let arena = crate::kernels::PoolArena::new(cuda_of(&gpu), model.pool_bytes(block_size, blocks))
+        .unwrap();
+    let pool = std::sync::Arc::new(model.pool_on_device(&arena, block_size, blocks).unwrap());
+    assert!(pool.is_on_device());
+    let (mut a, mut b) =
+        (model.new_paged_cache(&pool).unwrap(), model.new_paged_cache(&pool).unwrap());
+    a.extend_table(&[13, 2, 7, 9, 0, 15, 4, 11]).unwrap();
+    b.extend_table(&[1, 3, 5, 6, 8, 10, 12, 14]).unwrap();
+    let (mut host_a, mut host_b) = (model.new_cache(32), model.new_cache(32));
+    let (prompt_a, prompt_b) = ([3u32, 17, 5, 38, 0, 22, 9], [8u32, 1, 30, 2, 2]);
+    assert_eq!(decode(&model, &mut a, &prompt_a, 6), decode(&model, &mut host_a, &prompt_a, 6));
+    assert_eq!(decode(&model, &mut b, &prompt_b, 6), decode(&model, &mut host_b, &prompt_b, 6));
+    assert_eq!(decode(&model, &mut a, &[4], 5), decode(&model, &mut host_a, &[4], 5));
+    assert_eq!((a.len(), b.len()), (host_a.len(), host_b.len()));
+    // A CPU model cannot use a device pool: a clear error, not a read of device memory.
+    let cpu_model = ParallelModel::load_on(
+        &path,
+        Placement::single(),
+        cpu(),
+        WeightForm::Native,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let err = cpu_model.new_paged_cache(&pool).unwrap_err();
+    assert!(err.to_string().contains("device memory"), "{err}");
+    std::fs::remove_file(path).unwrap();
+}
+
 /// Weights kept in a device arena: the logits match the CPU's; after the arena's memory is
 /// overwritten (as a sleep loses it) a cleared cache writes every weight again into the same
 /// regions (no new device memory) and the logits are bit for bit the first ones, while without
