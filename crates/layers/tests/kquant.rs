@@ -54,23 +54,24 @@ fn every_format_dequantizes_to_gguf_py_values_bit_for_bit() {
     }
 }
 
-/// Q5_0, IQ4_NL and Q3_K load as 8-bit matrices and Q4_K as 4-bit ones, holding exactly the
-/// dequantized values, for every shard; the other formats are left to f32 loading.
+/// Q5_0, IQ4_NL and Q3_K load as 8-bit matrices, Q4_K as 4-bit ones, and Q5_1, Q2_K, Q5_K,
+/// Q6_K and IQ4_XS as bytes with a scale per 16, holding exactly the dequantized values, for
+/// every shard: no format is left to f32 loading.
 #[test]
-fn the_8_bit_repackings_hold_the_dequantized_values() {
+fn the_repackings_hold_the_dequantized_values() {
     let file = blocks();
     for f in QuantFormat::ALL {
         let (name, want, rows, cols) = want(&file, f);
         let shards = [Shard::Full, Shard::Rows(1..3), Shard::Cols(32..96), Shard::Cols(224..256)];
         for shard in shards {
             let q = file.quantized(&name, &shard).unwrap();
-            let q4_k = f == QuantFormat::Q4_K;
-            let Some(q) = q else {
-                assert!(!f.fits_q8_0() && !q4_k, "{name} {shard:?} was not repacked");
-                continue;
+            let q = q.unwrap_or_else(|| panic!("{name} {shard:?} was not repacked"));
+            let bits = match f {
+                QuantFormat::Q4_K => QBits::Four,
+                f if f.fits_q8_0() => QBits::Eight,
+                _ => QBits::Eight16,
             };
-            assert!(f.fits_q8_0() || q4_k, "{name} was repacked");
-            assert_eq!(q.bits(), if q4_k { QBits::Four } else { QBits::Eight }, "{name}");
+            assert_eq!(q.bits(), bits, "{name}");
             let (r, c) = match &shard {
                 Shard::Full => (0..rows, 0..cols),
                 Shard::Rows(r) => (r.clone(), 0..cols),

@@ -145,6 +145,19 @@ impl QuantFormat {
     pub fn fits_q8_0(self) -> bool {
         matches!(self, QuantFormat::Q5_0 | QuantFormat::IQ4_NL | QuantFormat::Q3_K)
     }
+
+    /// Whether [`to_eight16`] repacks this format (its values are `d·q` or `d·q + m` with a
+    /// scale and minimum per 16 elements and `q` in −128..=127).
+    pub fn fits_eight16(self) -> bool {
+        matches!(
+            self,
+            QuantFormat::Q5_1
+                | QuantFormat::Q2_K
+                | QuantFormat::Q5_K
+                | QuantFormat::Q6_K
+                | QuantFormat::IQ4_XS
+        )
+    }
 }
 
 fn f16_at(b: &[u8], at: usize) -> f32 {
@@ -390,6 +403,108 @@ pub fn q4_k_four_bit(bytes: &[u8]) -> FourBit {
     four
 }
 
+/// Blocks in the form of [`QMatrix::eight16`](crate::kernels::QMatrix::eight16): one signed
+/// byte per element, in order, with a scale per 16 elements and a minimum per 16 (or none).
+/// `scale·q + min` (or `scale·q`) is bit for bit the dequantized value: each scale and minimum
+/// is the product ggml computes before it multiplies the quant, and `x + (−y)` is `x − y` in
+/// IEEE arithmetic.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Eight16 {
+    /// One scale per 16 elements.
+    pub scales: Vec<f32>,
+    /// One minimum per 16 elements, or none (Q6_K, IQ4_XS).
+    pub mins: Vec<f32>,
+    /// One signed byte per element.
+    pub qs: Vec<u8>,
+}
+
+/// Repacks whole blocks of `format` into [`Eight16`], or `None` when the format has no such
+/// form (see [`QuantFormat::fits_eight16`]). `bytes` must be whole blocks.
+pub fn to_eight16(format: QuantFormat, bytes: &[u8]) -> Option<Eight16> {
+    if !format.fits_eight16() {
+        return None;
+    }
+    let n = bytes.len() / format.block_bytes() * format.block_len();
+    let with_mins = matches!(format, QuantFormat::Q5_1 | QuantFormat::Q2_K | QuantFormat::Q5_K);
+    let mut out = Eight16 {
+        scales: Vec::with_capacity(n / 16),
+        mins: Vec::with_capacity(if with_mins { n / 16 } else { 0 }),
+        qs: Vec::with_capacity(n),
+    };
+    // A scale (and minimum) shared by the next `times` groups of 16.
+    let group = |out: &mut Eight16, d: f32, m: Option<f32>, times: usize| {
+        for _ in 0..times {
+            out.scales.push(d);
+            out.mins.extend(m);
+        }
+    };
+    for blk in bytes.chunks_exact(format.block_bytes()) {
+        match format {
+            QuantFormat::Q5_1 => {
+                let (d, m) = (f16_at(blk, 0), f16_at(blk, 2));
+                group(&mut out, d, Some(m), 2);
+                out.qs.extend(five_bit(
+                    &blk[8..24],
+                    u32::from_le_bytes([blk[4], blk[5], blk[6], blk[7]]),
+                ));
+            }
+            QuantFormat::Q2_K => {
+                let (scales, qs) = (&blk[..16], &blk[16..80]);
+                let (d, dmin) = (f16_at(blk, 80), f16_at(blk, 82));
+                for (i, &sc) in scales.iter().enumerate() {
+                    let dl = d * f32::from(sc & 0x0f);
+                    let ml = dmin * f32::from(sc >> 4);
+                    group(&mut out, dl, Some(-ml), 1);
+                    let (n, j, l0) = (i / 8, i % 8 / 2, i % 2 * 16);
+                    out.qs.extend((l0..l0 + 16).map(|l| (qs[32 * n + l] >> (2 * j)) & 3));
+                }
+            }
+            QuantFormat::Q5_K => {
+                let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+                let (scales, qh, qs) = (&blk[4..16], &blk[16..48], &blk[48..176]);
+                for i in 0..8 {
+                    let (sc, m) = scale_min_k4(i, scales);
+                    group(&mut out, d * f32::from(sc), Some(-(dmin * f32::from(m))), 2);
+                    let c = i / 2;
+                    out.qs.extend((0..32).map(|l| {
+                        let byte = qs[32 * c + l];
+                        let low = if i % 2 == 0 { byte & 0x0f } else { byte >> 4 };
+                        low | (((qh[l] >> i) & 1) << 4)
+                    }));
+                }
+            }
+            QuantFormat::Q6_K => {
+                let (ql, qh, scales) = (&blk[..128], &blk[128..192], &blk[192..208]);
+                let d = f16_at(blk, 208);
+                for (i, &sc) in scales.iter().enumerate() {
+                    group(&mut out, d * f32::from(sc as i8), None, 1);
+                    let (n, k, l0) = (i / 8, i % 8 / 2, i % 2 * 16);
+                    out.qs.extend((l0..l0 + 16).map(|l| {
+                        let low = ql[64 * n + 32 * (k % 2) + l];
+                        let low = if k < 2 { low & 0x0f } else { low >> 4 };
+                        let high = (qh[32 * n + l] >> (2 * k)) & 3;
+                        // In −32..=31: the two's complement byte of `q − 32`.
+                        (low | (high << 4)).wrapping_sub(32)
+                    }));
+                }
+            }
+            QuantFormat::IQ4_XS => {
+                let d = f16_at(blk, 0);
+                let qs = &blk[8..136];
+                for i in 0..8 {
+                    group(&mut out, d * (iq4_xs_scale(blk, i) - 32) as f32, None, 2);
+                    let q = &qs[16 * i..16 * i + 16];
+                    let value = |n: u8| IQ4_VALUES[usize::from(n)] as u8;
+                    out.qs.extend(q.iter().map(|&b| value(b & 0x0f)));
+                    out.qs.extend(q.iter().map(|&b| value(b >> 4)));
+                }
+            }
+            _ => unreachable!("checked by fits_eight16"),
+        }
+    }
+    Some(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -463,5 +578,55 @@ mod tests {
             .map(|f| f.block_bytes() as f64 * 8.0 / f.block_len() as f64)
             .collect();
         assert_eq!(bits, [5.5, 6.0, 2.625, 3.4375, 4.5, 5.5, 6.5625, 4.5, 4.25]);
+    }
+
+    /// `blocks` pseudo-random blocks of `format` whose f16 scales are ordinary numbers.
+    fn random_blocks(format: QuantFormat, blocks: usize, seed: u32) -> Vec<u8> {
+        let mut state = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+        let mut bytes: Vec<u8> = (0..blocks * format.block_bytes())
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 17;
+                state ^= state << 5;
+                (state >> 8) as u8
+            })
+            .collect();
+        let halves: &[usize] = match format {
+            QuantFormat::Q5_1 | QuantFormat::Q5_K => &[0, 2],
+            QuantFormat::Q2_K => &[80, 82],
+            QuantFormat::Q6_K => &[208],
+            _ => &[0],
+        };
+        for (b, blk) in bytes.chunks_exact_mut(format.block_bytes()).enumerate() {
+            for (k, &at) in halves.iter().enumerate() {
+                let v =
+                    f16::from_f32(0.013 * (1 + b + 3 * k) as f32 * if k == 0 { 1.0 } else { 0.7 });
+                blk[at..at + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        bytes
+    }
+
+    #[test]
+    fn the_eight16_form_is_the_dequantized_value_bit_for_bit() {
+        for format in QuantFormat::ALL {
+            let bytes = random_blocks(format, 3, format.id());
+            let Some(e) = to_eight16(format, &bytes) else {
+                assert!(!format.fits_eight16(), "{format:?}");
+                continue;
+            };
+            let n = 3 * format.block_len();
+            let mut want = vec![0.0; n];
+            dequantize(format, &bytes, &mut want);
+            assert_eq!((e.scales.len(), e.qs.len()), (n / 16, n), "{format:?}");
+            assert!(e.mins.is_empty() || e.mins.len() == n / 16, "{format:?}");
+            for (i, w) in want.iter().enumerate() {
+                let mut got = e.scales[i / 16] * f32::from(e.qs[i] as i8);
+                if let Some(m) = e.mins.get(i / 16) {
+                    got += m;
+                }
+                assert_eq!(got.to_bits(), w.to_bits(), "{format:?} element {i}: {got} vs {w}");
+            }
+        }
     }
 }

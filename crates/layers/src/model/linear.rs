@@ -79,15 +79,17 @@ impl WeightSource for GgufFile {
     }
 
     /// Q8_0, Q4_0 and Q4_1 as stored; Q4_K as 4-bit blocks of 32 ([`kquant::q4_k_four_bit`]);
-    /// Q5_0, IQ4_NL and Q3_K repacked losslessly as Q8_0 ([`kquant::to_q8_0`]); `None` for the
-    /// other formats, which load as f32.
+    /// Q5_0, IQ4_NL and Q3_K repacked losslessly as Q8_0 ([`kquant::to_q8_0`]); Q5_1, Q2_K,
+    /// Q5_K, Q6_K and IQ4_XS as bytes with a scale per 16 ([`kquant::to_eight16`]); `None` for
+    /// the other formats, which load as f32.
     fn quantized(&self, name: &str, shard: &Shard) -> Result<Option<QMatrix>> {
         let info = self.tensor_info(name)?;
-        // `None`: Q4_K, repacked below.
+        // `None`: Q4_K or an `Eight16` format, repacked below.
         let format = match info.ggml_type {
             GgmlType::Block(format) => Some(format),
             GgmlType::Quant(f) if f.fits_q8_0() => Some(BlockFormat::Q8_0),
             GgmlType::Quant(QuantFormat::Q4_K) => None,
+            GgmlType::Quant(f) if f.fits_eight16() => None,
             _ => return Ok(None),
         };
         let (rows, cols) = (info.rows(), info.row_len());
@@ -98,6 +100,25 @@ impl WeightSource for GgufFile {
         };
         if col_range.start % BLOCK != 0 || col_range.end % BLOCK != 0 || col_range.end > cols {
             return Ok(None);
+        }
+        if let GgmlType::Quant(f) = info.ggml_type {
+            if f.fits_eight16() {
+                let (_, stored) = self.raw_rows(name, row_range.clone())?;
+                let Some(e) = kquant::to_eight16(f, stored) else { return Ok(None) };
+                // Per row: `2·nb` scales (and minimums) and `cols` bytes; the columns' share.
+                let (ng, g0, g1) = (cols / 16, col_range.start / 16, col_range.end / 16);
+                let (mut scales, mut mins, mut qs) = (Vec::new(), Vec::new(), Vec::new());
+                for r in 0..row_range.len() {
+                    scales.extend_from_slice(&e.scales[r * ng + g0..r * ng + g1]);
+                    if !e.mins.is_empty() {
+                        mins.extend_from_slice(&e.mins[r * ng + g0..r * ng + g1]);
+                    }
+                    qs.extend_from_slice(
+                        &e.qs[r * cols + col_range.start..r * cols + col_range.end],
+                    );
+                }
+                return Ok(QMatrix::eight16(row_range.len(), col_range.len(), scales, mins, qs));
+            }
         }
         let Some(format) = format else {
             let (_, stored) = self.raw_rows(name, row_range.clone())?;

@@ -50,6 +50,15 @@ pub(super) struct Q8Row<'a> {
     pub scales: &'a [f32],
 }
 
+/// An 8-bit row with a scale per 16 weights (two per block) and a minimum per 16 (or none:
+/// `mins` empty).
+#[derive(Clone, Copy)]
+pub(super) struct Q8x16Row<'a> {
+    pub qs: &'a [[u8; 32]],
+    pub scales: &'a [f32],
+    pub mins: &'a [f32],
+}
+
 /// Eight 4-bit values (the low bytes of `q`) as `d·q + m`: multiplied, then added, as
 /// [`super::qmatrix::QMatrix::dequantize_row`] does.
 #[inline(always)]
@@ -94,6 +103,37 @@ impl Blocks for Q8Row<'_> {
             v3.avx._mm256_mul_ps(d, to_f32(v3, v3.sse2._mm_srli_si128::<8>(a), true)),
             v3.avx._mm256_mul_ps(d, to_f32(v3, c, true)),
             v3.avx._mm256_mul_ps(d, to_f32(v3, v3.sse2._mm_srli_si128::<8>(c), true)),
+        ]
+    }
+}
+
+impl Blocks for Q8x16Row<'_> {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.qs.len()
+    }
+
+    #[inline(always)]
+    fn get(&self, v3: V3, b: usize) -> [__m256; 4] {
+        let [a, c]: [__m128i; 2] = pulp::cast(self.qs[b]);
+        let (d0, d1) = (self.scales[2 * b], self.scales[2 * b + 1]);
+        let (d0, d1) = (v3.avx._mm256_set1_ps(d0), v3.avx._mm256_set1_ps(d1));
+        let w = [
+            v3.avx._mm256_mul_ps(d0, to_f32(v3, a, true)),
+            v3.avx._mm256_mul_ps(d0, to_f32(v3, v3.sse2._mm_srli_si128::<8>(a), true)),
+            v3.avx._mm256_mul_ps(d1, to_f32(v3, c, true)),
+            v3.avx._mm256_mul_ps(d1, to_f32(v3, v3.sse2._mm_srli_si128::<8>(c), true)),
+        ];
+        if self.mins.is_empty() {
+            return w;
+        }
+        let (m0, m1) = (self.mins[2 * b], self.mins[2 * b + 1]);
+        let (m0, m1) = (v3.avx._mm256_set1_ps(m0), v3.avx._mm256_set1_ps(m1));
+        [
+            v3.avx._mm256_add_ps(w[0], m0),
+            v3.avx._mm256_add_ps(w[1], m0),
+            v3.avx._mm256_add_ps(w[2], m1),
+            v3.avx._mm256_add_ps(w[3], m1),
         ]
     }
 }

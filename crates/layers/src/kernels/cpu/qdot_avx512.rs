@@ -38,6 +38,11 @@ pub(super) const X_TILE: usize = 8;
 /// ahead; 2 KiB was slower, 8 KiB no faster).
 const PREFETCH: usize = 4096;
 
+/// The weight forms, as the kernels' const parameter (see [`QBits`]).
+const EIGHT: u8 = 0;
+const FOUR: u8 = 1;
+const EIGHT16: u8 = 2;
+
 /// Proof that the CPU has AVX-512F, which the kernels need.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Avx512(());
@@ -65,12 +70,22 @@ impl Avx512 {
                 let mins = &mins[first_row * nb..][..rows * nb];
                 let qs = &qs[first_row * nb * 16..][..rows * nb * 16];
                 // SAFETY: `self` exists only when the CPU has AVX-512F.
-                unsafe { Job { mins, qs, ..job }.run::<true>(out) }
+                unsafe { Job { mins, qs, ..job }.run::<FOUR>(out) }
             }
             QBits::Eight => {
                 let qs = &qs[first_row * nb * 32..][..rows * nb * 32];
                 // SAFETY: as above.
-                unsafe { Job { qs, ..job }.run::<false>(out) }
+                unsafe { Job { qs, ..job }.run::<EIGHT>(out) }
+            }
+            QBits::Eight16 => {
+                let scales = &scales[first_row * 2 * nb..][..rows * 2 * nb];
+                let mins = match mins {
+                    [] => mins,
+                    all => &all[first_row * 2 * nb..][..rows * 2 * nb],
+                };
+                let qs = &qs[first_row * nb * 32..][..rows * nb * 32];
+                // SAFETY: as above.
+                unsafe { Job { scales, mins, qs, ..job }.run::<EIGHT16>(out) }
             }
         }
     }
@@ -79,9 +94,10 @@ impl Avx512 {
 /// A task's weight rows and every activation row.
 #[derive(Clone, Copy)]
 struct Job<'a> {
-    /// The task's rows' scales, `nb` per row.
+    /// The task's rows' scales, `nb` per row (`2 · nb` for [`QBits::Eight16`]).
     scales: &'a [f32],
-    /// Their minimums (4-bit weights), `nb` per row.
+    /// Their minimums, as many as the scales (4-bit weights, and `Eight16` ones with
+    /// minimums) or none.
     mins: &'a [f32],
     /// Their quants, `nb · 16` (4-bit) or `nb · 32` bytes per row.
     qs: &'a [u8],
@@ -92,7 +108,8 @@ struct Job<'a> {
     m: usize,
 }
 
-/// One weight row's blocks: `qs` holds 16 bytes per block (4-bit) or 32 (8-bit).
+/// One weight row's blocks: `qs` holds 16 bytes per block (4-bit) or 32 (8-bit); a scale per
+/// block (two for `Eight16`) and as many minimums or none.
 #[derive(Clone, Copy)]
 struct Row<'a> {
     scales: &'a [f32],
@@ -101,15 +118,16 @@ struct Row<'a> {
 }
 
 impl<'a> Job<'a> {
-    /// Weight row `r` of the task, for `FOUR`-bit weights (8-bit otherwise).
+    /// Weight row `r` of the task, for weights of form `K`.
     #[inline(always)]
-    fn row<const FOUR: bool>(&self, r: usize) -> Row<'a> {
+    fn row<const K: u8>(&self, r: usize) -> Row<'a> {
         let nb = self.nb;
-        let per_block = if FOUR { 1 } else { 2 };
+        let per_block = if K == FOUR { 1 } else { 2 };
+        let ns = if K == EIGHT16 { 2 * nb } else { nb };
         let qs = pulp::as_arrays::<16, u8>(self.qs).0;
         Row {
-            scales: &self.scales[r * nb..][..nb],
-            mins: if FOUR { &self.mins[r * nb..][..nb] } else { &[] },
+            scales: &self.scales[r * ns..][..ns],
+            mins: if K == EIGHT || self.mins.is_empty() { &[] } else { &self.mins[r * ns..][..ns] },
             qs: &qs[r * nb * per_block..][..nb * per_block],
         }
     }
@@ -123,19 +141,19 @@ impl<'a> Job<'a> {
     /// # Safety
     /// The CPU has AVX-512F.
     #[target_feature(enable = "avx512f")]
-    unsafe fn run<const FOUR: bool>(self, out: &mut [f32]) {
+    unsafe fn run<const K: u8>(self, out: &mut [f32]) {
         let mut i = 0;
         while i < self.m {
             let t = (self.m - i).min(X_TILE);
             match t {
-                1 => self.tile::<1, 4, FOUR>(i, out),
-                2 => self.tile::<2, 2, FOUR>(i, out),
-                3 => self.tile::<3, 2, FOUR>(i, out),
-                4 => self.tile::<4, 2, FOUR>(i, out),
-                5 => self.tile::<5, 2, FOUR>(i, out),
-                6 => self.tile::<6, 2, FOUR>(i, out),
-                7 => self.tile::<7, 2, FOUR>(i, out),
-                _ => self.tile::<8, 2, FOUR>(i, out),
+                1 => self.tile::<1, 4, K>(i, out),
+                2 => self.tile::<2, 2, K>(i, out),
+                3 => self.tile::<3, 2, K>(i, out),
+                4 => self.tile::<4, 2, K>(i, out),
+                5 => self.tile::<5, 2, K>(i, out),
+                6 => self.tile::<6, 2, K>(i, out),
+                7 => self.tile::<7, 2, K>(i, out),
+                _ => self.tile::<8, 2, K>(i, out),
             }
             i += t;
         }
@@ -145,21 +163,20 @@ impl<'a> Job<'a> {
     /// at a time, into `out[r · m + first + t]`.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    fn tile<const T: usize, const R: usize, const FOUR: bool>(self, first: usize, out: &mut [f32]) {
+    fn tile<const T: usize, const R: usize, const K: u8>(self, first: usize, out: &mut [f32]) {
         let g = 2 * self.nb;
         let xs: [&[[f32; 16]]; T] = core::array::from_fn(|t| &self.x[(first + t) * g..][..g]);
         let rows = out.len() / self.m;
         let mut r = 0;
         while r + R <= rows {
-            let dots =
-                row_dots::<T, R, FOUR>(core::array::from_fn(|j| self.row::<FOUR>(r + j)), xs);
+            let dots = row_dots::<T, R, K>(core::array::from_fn(|j| self.row::<K>(r + j)), xs);
             for (j, d) in dots.iter().enumerate() {
                 out[(r + j) * self.m + first..][..T].copy_from_slice(d);
             }
             r += R;
         }
         for r in r..rows {
-            let [d] = row_dots::<T, 1, FOUR>([self.row::<FOUR>(r)], xs);
+            let [d] = row_dots::<T, 1, K>([self.row::<K>(r)], xs);
             out[r * self.m + first..][..T].copy_from_slice(&d);
         }
     }
@@ -172,14 +189,18 @@ impl<'a> Job<'a> {
 /// When the rows do not all hold `nb` blocks, or an activation row is not `2 · nb` arrays.
 #[target_feature(enable = "avx512f")]
 #[inline]
-fn row_dots<const T: usize, const R: usize, const FOUR: bool>(
+fn row_dots<const T: usize, const R: usize, const K: u8>(
     rows: [Row<'_>; R],
     xs: [&[[f32; 16]]; T],
 ) -> [[f32; T]; R] {
-    let nb = rows[0].scales.len();
-    let per_block = if FOUR { 1 } else { 2 };
+    let per_block = if K == FOUR { 1 } else { 2 };
+    let nb = rows[0].qs.len() / per_block;
+    let ns = if K == EIGHT16 { 2 * nb } else { nb };
+    let with_mins = K == FOUR || (K == EIGHT16 && !rows[0].mins.is_empty());
     assert!(rows.iter().all(|r| {
-        r.scales.len() == nb && r.qs.len() == per_block * nb && (!FOUR || r.mins.len() == nb)
+        r.scales.len() == ns
+            && r.qs.len() == per_block * nb
+            && r.mins.len() == if with_mins { ns } else { 0 }
     }));
     assert!(xs.iter().all(|x| x.len() == 2 * nb));
     // Pointers, checked above: with slices, every load would keep its bounds check.
@@ -193,10 +214,11 @@ fn row_dots<const T: usize, const R: usize, const FOUR: bool>(
             _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(PREFETCH));
             // SAFETY: `b < nb`, and the row holds `nb` blocks (checked above).
             let [lo, hi] = unsafe {
-                if FOUR {
-                    q4_block(rows[r], b)
-                } else {
-                    q8_block(rows[r], b)
+                match K {
+                    FOUR => q4_block(rows[r], b),
+                    EIGHT16 if with_mins => q8x16_block::<true>(rows[r], b),
+                    EIGHT16 => q8x16_block::<false>(rows[r], b),
+                    _ => q8_block(rows[r], b),
                 }
             };
             for t in 0..T {
@@ -255,6 +277,33 @@ unsafe fn q8_block(row: Row<'_>, b: usize) -> [__m512; 2] {
         _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo))),
         _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi))),
     ]
+}
+
+/// Block `b` of an 8-bit row with a scale per 16 weights: `d·q`, plus `m` with `MINS`.
+///
+/// # Safety
+/// The CPU has AVX-512F, and the row has more than `b` blocks, two scales each (and two
+/// minimums with `MINS`).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn q8x16_block<const MINS: bool>(row: Row<'_>, b: usize) -> [__m512; 2] {
+    // SAFETY: the row has more than `b` blocks of two arrays of 16 bytes and two scales (and
+    // minimums), by the caller's promise.
+    let (d, q) = unsafe { (row.scales.as_ptr().add(2 * b), row.qs.as_ptr().add(2 * b)) };
+    // SAFETY: as above: `d` and the scale after it are the block's.
+    let (d0, d1) = unsafe { (_mm512_set1_ps(*d), _mm512_set1_ps(*d.add(1))) };
+    // SAFETY: `q` and the array after it are the block's 32 bytes.
+    let (lo, hi) = unsafe { (load_bytes(q), load_bytes(q.add(1))) };
+    let lo = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+    let hi = _mm512_mul_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)));
+    if !MINS {
+        return [lo, hi];
+    }
+    // SAFETY: with `MINS` the row has two minimums per block, by the caller's promise.
+    let m = unsafe { row.mins.as_ptr().add(2 * b) };
+    // SAFETY: as above.
+    let (m0, m1) = unsafe { (_mm512_set1_ps(*m), _mm512_set1_ps(*m.add(1))) };
+    [_mm512_add_ps(lo, m0), _mm512_add_ps(hi, m1)]
 }
 
 /// The 16 bytes at `q` as a register.

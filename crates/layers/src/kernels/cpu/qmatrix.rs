@@ -12,7 +12,10 @@
 //!
 //! Storage is repacked at load: scales (and minimums) as f32 arrays, quants as bytes, all in
 //! row-major block order. Q4_0 is stored as Q4_1 with minimum `-8·d`, so one 4-bit kernel
-//! serves both. The three arrays are [`Storage`], so a matrix can live in arena memory.
+//! serves both. Formats whose quants do not fit a nibble or whose scales change every 16
+//! weights (Q6_K, Q5_K, Q2_K, Q5_1, IQ4_XS) are kept as one signed byte per weight with a scale
+//! (and a minimum) per 16 weights ([`QBits::Eight16`]), the same values as ggml's. The three
+//! arrays are [`Storage`], so a matrix can live in arena memory.
 
 use super::quant::{BlockFormat, BLOCK};
 use crate::error::Result;
@@ -33,6 +36,9 @@ pub enum QBits {
     /// One nibble per weight (low nibbles are elements 0..16 of a block, high 16..32):
     /// `w = d · q + m`.
     Four,
+    /// One signed byte per weight with a scale per 16 weights, and a minimum per 16 unless
+    /// the matrix has none: `w = d · q + m` (or `d · q`).
+    Eight16,
 }
 
 /// A block-quantized `[rows, cols]` matrix (`cols` a multiple of 32).
@@ -41,8 +47,10 @@ pub struct QMatrix {
     bits: QBits,
     rows: usize,
     cols: usize,
+    /// One per block of 32 weights, or per 16 ([`QBits::Eight16`]).
     scales: Storage<f32>,
-    /// Empty for 8-bit weights.
+    /// As many as the scales for 4-bit weights, none for 8-bit ones, either for
+    /// [`QBits::Eight16`].
     mins: Storage<f32>,
     qs: Storage<u8>,
 }
@@ -114,6 +122,35 @@ impl QMatrix {
         fits.then(|| QMatrix::from_parts(QBits::Four, rows, cols, scales, mins, qs))
     }
 
+    /// A matrix of one signed byte per weight (`qs`, row-major) with a scale per 16 weights and
+    /// a minimum per 16 (or none: `mins` empty): `w = d·q + m`, or `d·q`. Formats with finer
+    /// scales or more levels than a nibble (Q6_K, Q5_K, Q2_K, Q5_1, IQ4_XS) repack to this.
+    ///
+    /// Returns `None` when `cols` is not a multiple of 32 or a part has the wrong length.
+    pub fn eight16(
+        rows: usize,
+        cols: usize,
+        scales: Vec<f32>,
+        mins: Vec<f32>,
+        qs: Vec<u8>,
+    ) -> Option<Self> {
+        let groups = rows * (cols / 16);
+        let fits = cols.is_multiple_of(BLOCK)
+            && scales.len() == groups
+            && (mins.is_empty() || mins.len() == groups)
+            && qs.len() == rows * cols;
+        fits.then(|| QMatrix::from_parts(QBits::Eight16, rows, cols, scales, mins, qs))
+    }
+
+    /// Scales (and minimums, where there are any) per row, and quant bytes per row.
+    fn per_row(&self) -> (usize, usize, usize) {
+        let nb = self.cols / BLOCK;
+        let per_scale = if self.bits == QBits::Eight16 { 2 * nb } else { nb };
+        let mins = if self.mins.is_empty() { 0 } else { per_scale };
+        let qs = if self.bits == QBits::Four { self.cols / 2 } else { self.cols };
+        (per_scale, mins, qs)
+    }
+
     fn from_parts(
         bits: QBits,
         rows: usize,
@@ -130,19 +167,13 @@ impl QMatrix {
     ///
     /// Indices must be below `rows`; callers check.
     pub fn select_rows(&self, order: &[usize]) -> QMatrix {
-        let nb = self.cols / BLOCK;
-        let qrow = match self.bits {
-            QBits::Eight => nb * BLOCK,
-            QBits::Four => nb * BLOCK / 2,
-        };
+        let (ns, nm, nq) = self.per_row();
         let (scales, mins, qs) = (self.scales.as_slice(), self.mins.as_slice(), self.qs.as_slice());
         let (mut out_scales, mut out_mins, mut out_qs) = (Vec::new(), Vec::new(), Vec::new());
         for &r in order {
-            out_scales.extend_from_slice(&scales[r * nb..(r + 1) * nb]);
-            if self.bits == QBits::Four {
-                out_mins.extend_from_slice(&mins[r * nb..(r + 1) * nb]);
-            }
-            out_qs.extend_from_slice(&qs[r * qrow..(r + 1) * qrow]);
+            out_scales.extend_from_slice(&scales[r * ns..(r + 1) * ns]);
+            out_mins.extend_from_slice(&mins[r * nm..(r + 1) * nm]);
+            out_qs.extend_from_slice(&qs[r * nq..(r + 1) * nq]);
         }
         QMatrix::from_parts(self.bits, order.len(), self.cols, out_scales, out_mins, out_qs)
     }
@@ -150,7 +181,12 @@ impl QMatrix {
     /// The rows of `parts` stacked in order, or `None` when the parts differ in width or bits.
     pub fn concat_rows(parts: &[&QMatrix]) -> Option<QMatrix> {
         let first = parts.first()?;
-        if parts.iter().any(|p| p.cols != first.cols || p.bits != first.bits) {
+        let differ = |p: &&QMatrix| {
+            p.cols != first.cols
+                || p.bits != first.bits
+                || p.mins.is_empty() != first.mins.is_empty()
+        };
+        if parts.iter().any(differ) {
             return None;
         }
         let (mut rows, mut scales, mut mins, mut qs) = (0, Vec::new(), Vec::new(), Vec::new());
@@ -189,9 +225,10 @@ impl QMatrix {
         self.bits
     }
 
-    /// The repacked arrays in row-major block order: one scale per block, one minimum per
-    /// block (empty for 8-bit weights), and the quants (one byte per 8-bit weight; for 4-bit
-    /// weights 16 bytes per block, elements 0..16 in the low nibbles, 16..32 in the high ones).
+    /// The repacked arrays in row-major block order: one scale per block (per 16 weights for
+    /// [`QBits::Eight16`]), as many minimums (none for 8-bit weights, none or as many for
+    /// `Eight16`), and the quants (one byte per 8-bit weight; for 4-bit weights 16 bytes per
+    /// block, elements 0..16 in the low nibbles, 16..32 in the high ones).
     pub fn parts(&self) -> (&[f32], &[f32], &[u8]) {
         (self.scales.as_slice(), self.mins.as_slice(), self.qs.as_slice())
     }
@@ -207,7 +244,7 @@ impl QMatrix {
         let (scales, mins, qs) = (self.scales.as_slice(), self.mins.as_slice(), self.qs.as_slice());
         for (b, o) in out.chunks_exact_mut(BLOCK).enumerate() {
             let bi = r * nb + b;
-            let d = scales[bi];
+            let d = scales.get(bi).copied().unwrap_or_default();
             match self.bits {
                 QBits::Eight => {
                     for (x, &q) in o.iter_mut().zip(&qs[bi * BLOCK..(bi + 1) * BLOCK]) {
@@ -219,6 +256,18 @@ impl QMatrix {
                     for (j, &q) in qs[bi * 16..(bi + 1) * 16].iter().enumerate() {
                         o[j] = d * f32::from(q & 15) + m;
                         o[j + 16] = d * f32::from(q >> 4) + m;
+                    }
+                }
+                QBits::Eight16 => {
+                    let qs = &qs[bi * BLOCK..(bi + 1) * BLOCK];
+                    for (h, (o, q)) in o.chunks_exact_mut(16).zip(qs.chunks_exact(16)).enumerate() {
+                        let d = scales[2 * bi + h];
+                        for (x, &q) in o.iter_mut().zip(q) {
+                            *x = d * f32::from(q as i8);
+                        }
+                        if let Some(&m) = mins.get(2 * bi + h) {
+                            o.iter_mut().for_each(|x| *x += m);
+                        }
                     }
                 }
             }
@@ -403,7 +452,7 @@ impl WithSimd for Avx2Rows<'_> {
 
     #[inline(always)]
     fn with_simd<S: Simd>(self, _simd: S) -> Self::Output {
-        use super::qdot_avx2::{Q4Row, Q8Row};
+        use super::qdot_avx2::{Q4Row, Q8Row, Q8x16Row};
         let Avx2Rows { v3, w, x, m, first_row, out } = self;
         let (cols, nb) = (w.cols, w.cols / BLOCK);
         let (w_scales, w_mins, w_qs) = (w.scales.as_slice(), w.mins.as_slice(), w.qs.as_slice());
@@ -425,6 +474,21 @@ impl WithSimd for Avx2Rows<'_> {
                 },
                 out,
             ),
+            QBits::Eight16 => {
+                let ng = 2 * nb;
+                let mins = move |r: usize| match w_mins {
+                    [] => w_mins,
+                    all => &all[(first_row + r) * ng..][..ng],
+                };
+                tiles.run(
+                    |r| {
+                        let qs = &w_qs[(first_row + r) * cols..][..cols];
+                        let scales = &w_scales[(first_row + r) * ng..][..ng];
+                        Q8x16Row { qs: pulp::as_arrays::<32, u8>(qs).0, scales, mins: mins(r) }
+                    },
+                    out,
+                )
+            }
         }
     }
 }
@@ -527,6 +591,56 @@ mod tests {
         assert_eq!(picked[cols..], deq[..cols]);
     }
 
+    /// `w` (`[rows, cols]`) as a matrix of every form: Q8_0, Q4_0 and Q4_1 blocks, and bytes
+    /// with a scale per 16 weights without and with minimums (6-bit and 5-bit quants, as Q6_K
+    /// and Q5_K repack).
+    fn forms(rows: usize, cols: usize, w: &[f32]) -> Vec<(&'static str, QMatrix)> {
+        let mut out: Vec<(&'static str, QMatrix)> =
+            [("Q8_0", BlockFormat::Q8_0), ("Q4_0", BlockFormat::Q4_0), ("Q4_1", BlockFormat::Q4_1)]
+                .into_iter()
+                .map(|(name, f)| {
+                    (name, QMatrix::from_blocks(f, rows, cols, &quantize(f, w)).unwrap())
+                })
+                .collect();
+        let (mut scales6, mut scales5, mut mins) = (vec![], vec![], vec![]);
+        let (mut qs6, mut qs5) = (vec![], vec![]);
+        for g in w.chunks_exact(16) {
+            let (lo, hi) = g.iter().fold((f32::MAX, f32::MIN), |(l, h), &x| (l.min(x), h.max(x)));
+            let d6 = lo.abs().max(hi.abs()) / 31.0;
+            scales6.push(d6);
+            qs6.extend(g.iter().map(|x| (x / d6).round().clamp(-32.0, 31.0) as i8 as u8));
+            let d5 = (hi - lo) / 31.0;
+            scales5.push(d5);
+            mins.push(lo);
+            qs5.extend(g.iter().map(|x| ((x - lo) / d5).round().clamp(0.0, 31.0) as u8));
+        }
+        let six = QMatrix::eight16(rows, cols, scales6, Vec::new(), qs6).unwrap();
+        let five = QMatrix::eight16(rows, cols, scales5, mins, qs5).unwrap();
+        out.extend([("Eight16", six), ("Eight16+min", five)]);
+        out
+    }
+
+    #[test]
+    fn eight16_rows_select_stack_and_refuse_a_mix_with_and_without_minimums() {
+        let (rows, cols) = (3, 64);
+        let w = random_vec(rows * cols, 11);
+        let all = forms(rows, cols, &w);
+        for (name, q) in &all[3..] {
+            let deq = q.dequantize();
+            let picked = q.select_rows(&[2, 0]).dequantize();
+            assert_eq!(picked[..cols], deq[2 * cols..], "{name}");
+            assert_eq!(picked[cols..], deq[..cols], "{name}");
+            let stacked = QMatrix::concat_rows(&[q, &q.select_rows(&[1])]).unwrap();
+            assert_eq!(stacked.dequantize()[rows * cols..], deq[cols..2 * cols], "{name}");
+            // Close to the weights: 6-bit levels of the group's range.
+            let err = deq.iter().zip(&w).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(err < 0.05, "{name}: {err}");
+        }
+        assert!(QMatrix::concat_rows(&[&all[3].1, &all[4].1]).is_none());
+        assert!(QMatrix::eight16(1, 32, vec![1.0; 2], vec![0.0; 1], vec![0; 32]).is_none());
+        assert!(QMatrix::eight16(1, 48, vec![1.0; 3], Vec::new(), vec![0; 48]).is_none());
+    }
+
     /// `x · deq(w)ᵀ` in f64, and the bound of an f32 sum's rounding for each element.
     fn reference(deq: &[f32], x: &[f32], m: usize, cols: usize) -> Vec<(f64, f64)> {
         let rows = deq.len() / cols;
@@ -569,8 +683,7 @@ mod tests {
         let w = random_vec(rows * cols, 2);
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         let mut ran = Vec::new();
-        for f in [BlockFormat::Q8_0, BlockFormat::Q4_0, BlockFormat::Q4_1] {
-            let q = QMatrix::from_blocks(f, rows, cols, &quantize(f, &w)).unwrap();
+        for (f, q) in forms(rows, cols, &w) {
             let deq = q.dequantize();
             for m in [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33] {
                 let x = random_vec(m * cols, 3 + m as u64);
@@ -603,8 +716,7 @@ mod tests {
         let w = random_vec(rows * cols, 6);
         let most = X_TILE.max(super::super::qdot_avx512::X_TILE) + 3;
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-        for f in [BlockFormat::Q8_0, BlockFormat::Q4_1] {
-            let q = QMatrix::from_blocks(f, rows, cols, &quantize(f, &w)).unwrap();
+        for (f, q) in forms(rows, cols, &w) {
             let batch = random_vec(most * cols, 7);
             for widest in ALL_KERNELS {
                 let alone: Vec<Vec<f32>> = (0..most)
@@ -648,8 +760,7 @@ mod tests {
         let (rows, cols) = (37, 160);
         let w = random_vec(rows * cols, 8);
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-        for f in [BlockFormat::Q8_0, BlockFormat::Q4_0, BlockFormat::Q4_1] {
-            let q = QMatrix::from_blocks(f, rows, cols, &quantize(f, &w)).unwrap();
+        for (f, q) in forms(rows, cols, &w) {
             let deq = q.dequantize();
             for m in 1..=17 {
                 let x = random_vec(m * cols, 9 + m as u64);

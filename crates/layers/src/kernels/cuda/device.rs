@@ -589,18 +589,25 @@ impl CudaBackend {
             return Ok(());
         }
         let (scales, mins, qs) = q.parts();
-        let four_bit = i32::from(q.bits() == QBits::Four);
+        let kind: i32 = match q.bits() {
+            QBits::Eight => 0,
+            QBits::Four => 1,
+            QBits::Eight16 if q.parts().1.is_empty() => 2,
+            QBits::Eight16 => 3,
+        };
         let scales = self.upload(op, scales)?;
-        // 8-bit weights have no minimums; the kernel never reads them, but needs a pointer.
+        // 8-bit weights have no minimums (nor may `Eight16` ones); the kernel then never reads
+        // them, but needs a pointer.
         let mins = if mins.is_empty() { self.zeros(op, 1)? } else { self.upload(op, mins)? };
         let qs = self.upload(op, qs)?;
         let n64 = n as u64;
         let cfg = elementwise(op, n)?;
         let mut b = self.stream().launch_builder(&self.inner.k.dequantize);
-        b.arg(&scales).arg(&mins).arg(&qs).arg(&out).arg(&n64).arg(&four_bit);
+        b.arg(&scales).arg(&mins).arg(&qs).arg(&out).arg(&n64).arg(&kind);
         // SAFETY: the arguments match `dequantize(const float*, const float*, const unsigned
-        // char*, float*, u64, int)`. For n = rows·cols elements it reads n/32 scales, n/32
-        // minimums (4-bit only), n (8-bit) or n/2 (4-bit) quant bytes, and writes n floats:
+        // char*, float*, u64, int)`. For n = rows·cols elements it reads n/32 scales (n/16 for
+        // kinds 2 and 3), as many minimums (kinds 1 and 3 only), n (8-bit) or n/2 (4-bit)
+        // quant bytes, and writes n floats:
         // exactly the lengths of the buffers uploaded from a well-formed `QMatrix`, and at
         // most what `out` holds (the caller's promise).
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{op}: launching dequantize"))?;

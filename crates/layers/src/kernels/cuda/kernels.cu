@@ -142,21 +142,26 @@ extern "C" __global__ void argmax_rows(const float* x, int cols, unsigned int* o
     if (threadIdx.x == 0) out[blockIdx.x] = idxs[0] < 0 ? 0u : (unsigned int)idxs[0];
 }
 
-// Dequantizes a repacked `QMatrix` (see `kernels::cpu::qmatrix`): 8-bit w = d*q, 4-bit
-// w = d*nibble + m with nibbles 0..16 of a block in the low halves of its 16 bytes.
+// Dequantizes a repacked `QMatrix` (see `kernels::cpu::qmatrix`), by `kind`: 0, 8-bit w = d*q
+// (a scale per 32); 1, 4-bit w = d*nibble + m with nibbles 0..16 of a block in the low halves
+// of its 16 bytes; 2, 8-bit w = d*q with a scale per 16; 3, as 2 with w = d*q + m, a minimum
+// per 16.
 extern "C" __global__ void dequantize(const float* scales, const float* mins,
-                                      const unsigned char* qs, float* out, u64 n, int four_bit) {
+                                      const unsigned char* qs, float* out, u64 n, int kind) {
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n) return;
     u64 b = idx / 32;
     int j = (int)(idx % 32);
-    float d = scales[b];
-    if (four_bit) {
+    if (kind == 1) {
         unsigned char q = qs[b * 16 + (j % 16)];
         float nib = (float)(j < 16 ? (q & 15) : (q >> 4));
-        out[idx] = d * nib + mins[b];
+        out[idx] = scales[b] * nib + mins[b];
+    } else if (kind >= 2) {
+        u64 g = idx / 16;
+        float w = scales[g] * (float)(signed char)qs[idx];
+        out[idx] = kind == 3 ? w + mins[g] : w;
     } else {
-        out[idx] = d * (float)(signed char)qs[idx];
+        out[idx] = scales[b] * (float)(signed char)qs[idx];
     }
 }
 
