@@ -10,7 +10,7 @@
 //!   llama.cpp decoding the same 8 prompts in one batch per step; and against our own single
 //!   stream.
 //!
-//! - The same on llama.cpp's own Q4_K_M quantization of the model (one rank).
+//! - The same on llama.cpp's own Q4_K_M and Q6_K quantizations of the model (one rank).
 //! - A chat workload: 8 clients at once, each a 400-token shared system prompt and 32 tokens
 //!   of its own, with and without prefix caching: mean time to first token, aggregate tok/s,
 //!   the prefix cache's hits and each rank's resident memory next to the KV pool's budget.
@@ -234,7 +234,9 @@ pub(crate) fn run(json: bool) -> Result<()> {
         super::model::Reference::prepare()?;
     let tpctl = super::model::release_tpctl()?;
     let q4_k_m = llamacpp_quantized(&f32_path, &anchors, "Q4_K_M")?;
-    let models: [(&str, PathBuf); 3] = [("f32", f32_path), ("Q4_1", q4), ("Q4_K_M", q4_k_m)];
+    let q6_k = llamacpp_quantized(&f32_path, &anchors, "Q6_K")?;
+    let models: [(&str, PathBuf); 4] =
+        [("f32", f32_path), ("Q4_1", q4), ("Q4_K_M", q4_k_m), ("Q6_K", q6_k)];
     if !json {
         println!(
             "SmolLM2-135M-Instruct through `tpctl serve` (HTTP, streamed, greedy, ignore_eos) \
@@ -254,8 +256,8 @@ pub(crate) fn run(json: bool) -> Result<()> {
     for (name, model) in &models {
         let single_ref = reference(&anchors, model, 1, SINGLE_PROMPT)?;
         let batch_ref = reference(&anchors, model, STREAMS, STREAM_PROMPT)?;
-        // llama.cpp's K-quant file (Q4_K 4-bit in memory, Q6_K as f32): one rank only.
-        let layouts = if *name == "Q4_K_M" { &LAYOUTS[..1] } else { &LAYOUTS[..] };
+        // llama.cpp's K-quant files (Q4_K 4-bit in memory, Q6_K a byte per weight): one rank.
+        let layouts = if name.contains("_K") { &LAYOUTS[..1] } else { &LAYOUTS[..] };
         for &(tp, cp, threads) in layouts {
             // The rounds repeat one prompt: no prefix reuse, so each round computes it all.
             let server = Server::start(&tpctl, model, (tp, cp, threads), &["--no-prefix-caching"])?;
