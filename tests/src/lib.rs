@@ -46,7 +46,31 @@ pub fn launch(
     env: impl Fn(usize) -> Vec<(String, String)>,
     deadline: Duration,
 ) -> Vec<RankOutput> {
-    let port = free_port();
+    // A port free when it was picked can be taken before rank 0 binds it (by another test's
+    // rank picking its own ports): that start, and only that, is retried on a new port.
+    for _ in 1..PORT_ATTEMPTS {
+        let port = free_port();
+        let outs = launch_on(port, program, world, &env, deadline);
+        let taken = format!("cannot listen on 127.0.0.1:{port}: Address already in use");
+        if !outs.iter().any(|o| o.stderr.contains(&taken)) {
+            return outs;
+        }
+        eprintln!("note: port {port} was taken before rank 0 could listen on it; starting again");
+    }
+    launch_on(free_port(), program, world, &env, deadline)
+}
+
+/// Starts of a world whose rendezvous port another process took in the meantime.
+const PORT_ATTEMPTS: usize = 3;
+
+/// [`launch`] on rendezvous port `port`.
+fn launch_on(
+    port: u16,
+    program: &str,
+    world: usize,
+    env: &impl Fn(usize) -> Vec<(String, String)>,
+    deadline: Duration,
+) -> Vec<RankOutput> {
     let start = Instant::now();
     let mut children: Vec<(usize, Child)> = (0..world)
         .map(|rank| {

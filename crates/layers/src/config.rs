@@ -35,6 +35,20 @@ pub struct LlamaConfig {
     /// `rope_freq_factors[i]` (Llama 3's rope scaling, GGUF's `rope_freqs.weight`; linear
     /// scaling is one factor everywhere). `None`: no scaling.
     pub rope_freq_factors: Option<Vec<f32>>,
+    /// The MLP's activation of the gate projection.
+    pub activation: Activation,
+    /// A factor on the token embeddings before the first block (Gemma: `sqrt(hidden)`).
+    pub embedding_scale: Option<f32>,
+}
+
+/// The activation of an MLP's gate projection, multiplied into its up projection.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Activation {
+    /// `x · sigmoid(x)` (Llama, Qwen2, Phi-3).
+    #[default]
+    Silu,
+    /// GELU in its tanh approximation (Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
 }
 
 /// Llama 3's rope scaling (`rope_scaling` with `rope_type: "llama3"` in `config.json`): the
@@ -71,8 +85,9 @@ pub fn llama3_rope_factors(
 
 impl LlamaConfig {
     /// Reads the config from `general.architecture`-prefixed keys (`llama.block_count`, ...;
-    /// `llama`, `qwen2` and `phi3` are read, and Qwen2's rotary base defaults to 1e6 as in its
-    /// checkpoints, the others' to 1e4).
+    /// `llama`, `qwen2`, `phi3` and `gemma` are read, and Qwen2's rotary base defaults to 1e6
+    /// as in its checkpoints, the others' to 1e4; Gemma's MLP uses GELU and its embeddings are
+    /// scaled by `sqrt(hidden)`).
     /// The vocabulary size comes from `tokenizer.ggml.tokens` (else `<arch>.vocab_size`, else
     /// the embedding's rows); the LM head is tied when `output.weight` is absent.
     ///
@@ -81,12 +96,12 @@ impl LlamaConfig {
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let arch = file.get_str("general.architecture")?;
         let default_theta = match arch {
-            "llama" | "phi3" => 10_000.0,
+            "llama" | "phi3" | "gemma" => 10_000.0,
             "qwen2" => 1_000_000.0,
             _ => {
                 return Err(Error::metadata(
                     "general.architecture",
-                    format!("`{arch}` is not supported (llama, qwen2 and phi3 are)"),
+                    format!("`{arch}` is not supported (llama, qwen2, phi3 and gemma are)"),
                 ))
             }
         };
@@ -193,6 +208,9 @@ impl LlamaConfig {
             context_length,
             tied_embeddings: !file.has_tensor("output.weight"),
             rope_freq_factors,
+            // Gemma (its converter already adds Gemma's `1 +` to the norm weights).
+            activation: if arch == "gemma" { Activation::GeluTanh } else { Activation::Silu },
+            embedding_scale: (arch == "gemma").then(|| (hidden as f32).sqrt()),
         })
     }
 
@@ -243,6 +261,8 @@ mod tests {
                 vocab_size: 5,
                 context_length: 128,
                 tied_embeddings: true,
+                activation: Activation::Silu,
+                embedding_scale: None,
                 rope_freq_factors: None,
             }
         );

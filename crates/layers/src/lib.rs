@@ -38,7 +38,7 @@ pub mod tensor;
 mod test_util;
 pub mod tokenizer;
 
-pub use config::LlamaConfig;
+pub use config::{Activation, LlamaConfig};
 pub use error::{Error, Result};
 pub use generation::GenerationConfig;
 pub use memory::{Arena, DeviceArena, DeviceMemory, HeapArena};

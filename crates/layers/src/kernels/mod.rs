@@ -620,6 +620,35 @@ impl Backend {
         Ok(())
     }
 
+    /// `gate = act(gate) · up`, in place, for the MLP's activation `act`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the lengths differ.
+    pub fn gated(&self, act: crate::Activation, gate: &mut Tensor, up: &Tensor) -> Result<()> {
+        match act {
+            crate::Activation::Silu => return self.silu_mul(gate, up),
+            crate::Activation::GeluTanh => {}
+        }
+        check("gelu_mul", gate.len() == up.len(), || format!("{} vs {}", gate.len(), up.len()))?;
+        match self {
+            Backend::Cpu(_) => cpu::activation::gelu_tanh_mul(gate.data_mut(), up.data()),
+            Backend::Cuda(cuda) => cuda.gelu_tanh_mul(gate, up)?,
+        }
+        Ok(())
+    }
+
+    /// `x *= s`, in place.
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`] when the device fails.
+    pub fn scale(&self, x: &mut Tensor, s: f32) -> Result<()> {
+        match self {
+            Backend::Cpu(_) => cpu::activation::scale(x.data_mut(), s),
+            Backend::Cuda(cuda) => cuda.scale(x, s)?,
+        }
+        Ok(())
+    }
+
     /// `x += y` (the residual connection).
     ///
     /// # Errors

@@ -152,10 +152,11 @@ impl WeightSource for GgufFile {
         Ok(QMatrix::from_blocks(format, row_range.len(), col_range.len(), &picked))
     }
 
-    /// llama.cpp permutes Q/K rows for the llama architecture; Qwen2 and Phi-3 files keep the
-    /// Hugging Face order (their NEOX rotary is rotate-half already).
+    /// llama.cpp permutes Q/K rows for the llama architecture; Qwen2, Phi-3 and Gemma files
+    /// keep the Hugging Face order (their NEOX rotary is rotate-half already).
     fn qk_interleaved(&self) -> bool {
-        !matches!(self.get("general.architecture").and_then(|v| v.as_str()), Some("qwen2" | "phi3"))
+        let arch = self.get("general.architecture").and_then(|v| v.as_str());
+        !matches!(arch, Some("qwen2" | "phi3" | "gemma"))
     }
 }
 

@@ -364,6 +364,8 @@ pub struct Mlp {
     gate_up: Linear,
     down: Linear,
     inner: usize,
+    /// The gate's activation.
+    activation: crate::Activation,
 }
 
 impl Mlp {
@@ -396,10 +398,20 @@ impl Mlp {
                 ),
             ));
         }
-        Ok(Mlp { gate_up: Linear::concat(&[&gate, &up])?, down, inner: inner.len() })
+        Ok(Mlp {
+            gate_up: Linear::concat(&[&gate, &up])?,
+            down,
+            inner: inner.len(),
+            activation: crate::Activation::Silu,
+        })
     }
 
-    /// `down(silu(gate(x)) · up(x))`.
+    /// The same MLP with `activation` on its gate (SiLU when loaded).
+    pub fn with_activation(self, activation: crate::Activation) -> Self {
+        Mlp { activation, ..self }
+    }
+
+    /// `down(act(gate(x)) · up(x))`, `act` SiLU unless set otherwise.
     ///
     /// # Errors
     /// [`Error::Shape`] when `x` has the wrong width.
@@ -409,7 +421,7 @@ impl Mlp {
         let (Some(mut g), Some(u)) = (parts.next(), parts.next()) else {
             return Err(Error::shape("Mlp::forward", "split gave fewer than two parts"));
         };
-        be.silu_mul(&mut g, &u)?;
+        be.gated(self.activation, &mut g, &u)?;
         self.down.forward(be, &g)
     }
 }
@@ -523,7 +535,7 @@ impl Model {
                 attn_norm: load_vector(src, &format!("blk.{l}.attn_norm.weight"), config.hidden)?,
                 attn: Attention::load(src, l, &config, 0..config.n_kv_heads, form)?,
                 ffn_norm: load_vector(src, &format!("blk.{l}.ffn_norm.weight"), config.hidden)?,
-                mlp: Mlp::load(src, l, 0..config.ffn, form)?,
+                mlp: Mlp::load(src, l, 0..config.ffn, form)?.with_activation(config.activation),
             });
         }
         let norm = load_vector(src, "output_norm.weight", config.hidden)?;
@@ -622,6 +634,9 @@ impl Model {
             });
         }
         let mut x = be.embedding(&self.embed, tokens)?;
+        if let Some(s) = c.embedding_scale {
+            be.scale(&mut x, s)?;
+        }
         for (l, b) in self.blocks.iter().enumerate() {
             let h = be.rms_norm(&x, &b.attn_norm, c.rms_eps)?;
             let a = b.attn.forward(be, &h, positions, cache.layer_mut(l))?;

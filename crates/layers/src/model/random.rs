@@ -45,6 +45,9 @@ pub struct RandomLlama {
     /// in one `attn_qkv` tensor and the gate rows before the up rows in `ffn_up`, Q/K rows in
     /// the rotate-half order. Loads to the same weights as the llama file of the same seed.
     pub fused: bool,
+    /// Write the model as a Gemma file (architecture `gemma`): GELU in the MLP, embeddings
+    /// scaled by `sqrt(hidden)`, Q/K rows in the rotate-half order.
+    pub gemma: bool,
 }
 
 impl Default for RandomLlama {
@@ -63,6 +66,7 @@ impl Default for RandomLlama {
             token_names: Vec::new(),
             next_token: None,
             fused: false,
+            gemma: false,
         }
     }
 }
@@ -122,10 +126,11 @@ impl RandomLlama {
         let (h, d) = (self.hidden, self.hidden / self.heads);
         let mut w = GgufWriter::new();
         let u = |x: usize| Value::U32(x as u32);
-        let arch = match (self.attn_bias, self.fused) {
-            (true, _) => "qwen2",
-            (false, true) => "phi3",
-            (false, false) => "llama",
+        let arch = match (self.attn_bias, self.fused, self.gemma) {
+            (true, _, _) => "qwen2",
+            (false, true, _) => "phi3",
+            (false, false, true) => "gemma",
+            (false, false, false) => "llama",
         };
         let k = |key: &str| format!("{arch}.{key}");
         w.metadata("general.architecture", Value::String(arch.into()))

@@ -720,7 +720,8 @@ impl ParallelModel {
                 attn_norm: load_vector(src, &format!("blk.{l}.attn_norm.weight"), config.hidden)?,
                 attn: ParallelAttention::load(src, l, &config, tp_rank, tp, form)?,
                 ffn_norm: load_vector(src, &format!("blk.{l}.ffn_norm.weight"), config.hidden)?,
-                mlp: Mlp::load(src, l, ffn_range(&config, tp_rank, tp), form)?,
+                mlp: Mlp::load(src, l, ffn_range(&config, tp_rank, tp), form)?
+                    .with_activation(config.activation),
             });
             progress(l + 2, total);
         }
@@ -1181,6 +1182,9 @@ impl ParallelModel {
             parts.push(self.part_into(s.cache, s.tokens, s.tokens.len(), at, &mut tokens)?);
         }
         let mut x = self.embed.forward(be, comms.tp, &tokens)?;
+        if let Some(s) = c.embedding_scale {
+            be.scale(&mut x, s)?;
+        }
         for (l, b) in self.blocks.iter().enumerate() {
             let h = be.rms_norm(&x, &b.attn_norm, c.rms_eps)?;
             let mut caches: Vec<&mut ParallelCache> =

@@ -337,6 +337,27 @@ fn qwen2_biases_are_sharded_with_their_heads() {
     check_layouts(&spec, "qwen2-layouts.gguf", &[(2, 1), (1, 2), (2, 2), (4, 1)]);
 }
 
+/// A Gemma file: GELU-gated MLP and embeddings scaled by `sqrt(hidden)` (read from the
+/// architecture), the same in every layout as on one rank, and not the llama model of the
+/// same weights.
+#[test]
+fn gemma_files_gate_with_gelu_scale_embeddings_and_match_across_layouts() {
+    let spec = RandomLlama { gemma: true, seed: 52, ..RandomLlama::default() };
+    let path = write_model(&spec, "gemma.gguf");
+    let config = LlamaConfig::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    assert_eq!(config.activation, crate::Activation::GeluTanh);
+    assert_eq!(config.embedding_scale, Some((spec.hidden as f32).sqrt()));
+    let llama = write_model(&RandomLlama { gemma: false, ..spec.clone() }, "gemma-twin.gguf");
+    let logits = |path: &std::path::Path| {
+        let m = Model::load_with(path, 1, WeightForm::F32).unwrap();
+        let mut cache = m.new_cache(8);
+        m.forward(&[3, 17, 5], &[0, 1, 2], &mut cache, Logits::Last).unwrap().data().to_vec()
+    };
+    // The same weights (Q/K in the other rotary order) give other logits.
+    assert!(rel_err(&logits(&path), &logits(&llama)) > 1e-2);
+    check_layouts(&spec, "gemma-layouts.gguf", &[(2, 1), (1, 2), (2, 2)]);
+}
+
 #[test]
 fn head_shards_cover_every_query_head_once() {
     let cfg = |heads, kv| LlamaConfig {
@@ -353,6 +374,8 @@ fn head_shards_cover_every_query_head_once() {
         context_length: 8,
         tied_embeddings: true,
         rope_freq_factors: None,
+        activation: crate::config::Activation::Silu,
+        embedding_scale: None,
     };
     type Shards = Vec<(Range<usize>, Range<usize>)>;
     let shards = |c: &LlamaConfig, tp| -> Shards {

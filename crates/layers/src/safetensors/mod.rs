@@ -257,6 +257,14 @@ impl HfCheckpoint {
                 .ok_or_else(|| Error::metadata(k, "missing from config.json or not an integer"))
         };
         let float = |k: &str, default: f64| cfg.get(k).and_then(|v| v.as_f64()).unwrap_or(default);
+        let model_type = cfg.get("model_type").and_then(|v| v.as_str()).unwrap_or("llama");
+        if model_type.starts_with("gemma") {
+            // Its norms apply `1 + w` and its MLP GELU; its GGUF files carry both.
+            return Err(Error::metadata(
+                "model_type",
+                format!("`{model_type}` folders are not supported: load the model's GGUF file"),
+            ));
+        }
         let hidden = num("hidden_size")?;
         let n_heads = num("num_attention_heads")?;
         let n_kv_heads = num("num_key_value_heads").unwrap_or(n_heads);
@@ -315,6 +323,8 @@ impl HfCheckpoint {
             context_length: num("max_position_embeddings")?,
             tied_embeddings: tied,
             rope_freq_factors,
+            activation: crate::config::Activation::Silu,
+            embedding_scale: None,
         })
     }
 

@@ -132,6 +132,8 @@ struct Kernels {
     rms_norm: CudaFunction,
     rope: CudaFunction,
     silu_mul: CudaFunction,
+    gelu_tanh_mul: CudaFunction,
+    scale: CudaFunction,
     add_assign: CudaFunction,
     add_rows: CudaFunction,
     embedding: CudaFunction,
@@ -293,6 +295,8 @@ impl CudaBackend {
             rms_norm: f("rms_norm")?,
             rope: f("rope")?,
             silu_mul: f("silu_mul")?,
+            gelu_tanh_mul: f("gelu_tanh_mul")?,
+            scale: f("scale")?,
             add_assign: f("add_assign")?,
             add_rows: f("add_rows")?,
             embedding: f("embedding")?,
@@ -955,6 +959,28 @@ impl CudaBackend {
         self.binary("silu_mul", &self.inner.k.silu_mul, gate, up, None)
     }
 
+    /// `gate = gelu_tanh(gate) · up`.
+    pub(crate) fn gelu_tanh_mul(&self, gate: &mut Tensor, up: &Tensor) -> Result<()> {
+        self.binary("gelu_tanh_mul", &self.inner.k.gelu_tanh_mul, gate, up, None)
+    }
+
+    /// `x *= s`.
+    pub(crate) fn scale(&self, x: &mut Tensor, s: f32) -> Result<()> {
+        const OP: &str = "scale";
+        if x.is_empty() {
+            return Ok(());
+        }
+        let xp = self.writable(OP, x)?;
+        let n = x.len() as u64;
+        let cfg = elementwise(OP, x.len())?;
+        let mut b = self.stream().launch_builder(&self.inner.k.scale);
+        b.arg(&xp).arg(&s).arg(&n);
+        // SAFETY: the arguments match `scale(float*, float, u64)`; element i < n of x, its own
+        // buffer (`writable`) of n floats, is multiplied in place.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        Ok(())
+    }
+
     /// `x += y`.
     pub(crate) fn add_assign(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
         self.binary("add_assign", &self.inner.k.add_assign, x, y, None)
@@ -1271,6 +1297,8 @@ mod tests {
             "rms_norm",
             "rope",
             "silu_mul",
+            "gelu_tanh_mul",
+            "scale",
             "add_assign",
             "add_rows",
             "embedding",

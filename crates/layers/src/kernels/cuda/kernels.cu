@@ -85,6 +85,22 @@ extern "C" __global__ void silu_mul(float* gate, const float* up, u64 n) {
     }
 }
 
+// gate = gelu(gate) * up, GELU in its tanh approximation (as cpu::activation::gelu_tanh).
+extern "C" __global__ void gelu_tanh_mul(float* gate, const float* up, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float x = gate[i];
+        float t = tanhf(0.7978846f * x * (1.0f + 0.044715f * x * x));
+        gate[i] = 0.5f * x * (1.0f + t) * up[i];
+    }
+}
+
+// x *= s.
+extern "C" __global__ void scale(float* x, float s, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= s;
+}
+
 // x += y.
 extern "C" __global__ void add_assign(float* x, const float* y, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;

@@ -116,6 +116,14 @@ impl CudaBackend {
         match self.never {}
     }
 
+    pub(crate) fn gelu_tanh_mul(&self, _gate: &mut Tensor, _up: &Tensor) -> Result<()> {
+        match self.never {}
+    }
+
+    pub(crate) fn scale(&self, _x: &mut Tensor, _s: f32) -> Result<()> {
+        match self.never {}
+    }
+
     pub(crate) fn add_assign(&self, _x: &mut Tensor, _y: &Tensor) -> Result<()> {
         match self.never {}
     }
