@@ -290,10 +290,10 @@ mod tests {
         std::fs::remove_file(p).unwrap();
         let p = temp_path("config-arch.gguf");
         let mut w = base();
-        w.metadata("general.architecture", Value::String("gemma".into()));
+        w.metadata("general.architecture", Value::String("gemma2".into()));
         w.write(&p).unwrap();
         let err = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
-        assert!(err.to_string().contains("`gemma` is not supported"), "{err}");
+        assert!(err.to_string().contains("`gemma2` is not supported"), "{err}");
         std::fs::remove_file(p).unwrap();
     }
 

@@ -267,6 +267,10 @@ impl RandomLlama {
             if qk && file.qk_interleaved() {
                 data = super::linear::unpermute_rows(&data, t.row_len(), d);
             }
+            if self.gemma && info.name.ends_with("norm.weight") {
+                // Hugging Face's Gemma norms scale by `1 + w`; its GGUF files store the sum.
+                data.iter_mut().for_each(|v| *v -= 1.0);
+            }
             let name = hf_name(&info.name)
                 .ok_or_else(|| Error::tensor(&info.name, "has no Hugging Face name".to_owned()))?;
             tensors.push((name, t.shape().to_vec(), data));
@@ -305,7 +309,13 @@ impl RandomLlama {
         json(
             "config.json",
             serde_json::json!({
-                "architectures": [if self.attn_bias { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
+                "architectures": [match (self.attn_bias, self.gemma) {
+                    (true, _) => "Qwen2ForCausalLM",
+                    (false, true) => "GemmaForCausalLM",
+                    (false, false) => "LlamaForCausalLM",
+                }],
+                "model_type": if self.gemma { "gemma" } else if self.attn_bias { "qwen2" } else { "llama" },
+                "hidden_activation": if self.gemma { "gelu_pytorch_tanh" } else { "silu" },
                 "hidden_size": self.hidden,
                 "intermediate_size": self.ffn,
                 "num_hidden_layers": self.layers,

@@ -192,6 +192,9 @@ pub struct HfCheckpoint {
     files: Vec<SafetensorsFile>,
     /// Hugging Face tensor name -> index into `files`.
     index: BTreeMap<String, usize>,
+    /// Added to every RMSNorm weight as it is read: Gemma's norms scale by `1 + w` (its GGUF
+    /// files store the sum); 0 for the others.
+    norm_offset: f32,
 }
 
 fn read_json(path: &Path) -> Result<serde_json::Value> {
@@ -235,7 +238,19 @@ impl HfCheckpoint {
             }
             files.push(f);
         }
-        Ok(HfCheckpoint { dir, files, index })
+        let config = read_json(&dir.join("config.json")).ok();
+        let model_type = config.as_ref().and_then(|c| c.get("model_type")?.as_str());
+        let norm_offset = if model_type == Some("gemma") { 1.0 } else { 0.0 };
+        Ok(HfCheckpoint { dir, files, index, norm_offset })
+    }
+
+    /// `values` of tensor `name` (GGUF name) as the model uses them: Gemma's norm weights
+    /// with their offset added.
+    fn as_used(&self, name: &str, mut values: Vec<f32>) -> Vec<f32> {
+        if self.norm_offset != 0.0 && name.ends_with("norm.weight") {
+            values.iter_mut().for_each(|v| *v += self.norm_offset);
+        }
+        values
     }
 
     /// The folder.
@@ -258,11 +273,12 @@ impl HfCheckpoint {
         };
         let float = |k: &str, default: f64| cfg.get(k).and_then(|v| v.as_f64()).unwrap_or(default);
         let model_type = cfg.get("model_type").and_then(|v| v.as_str()).unwrap_or("llama");
-        if model_type.starts_with("gemma") {
-            // Its norms apply `1 + w` and its MLP GELU; its GGUF files carry both.
+        let gemma = model_type == "gemma";
+        if model_type.starts_with("gemma") && !gemma {
+            // Soft-capping, sliding windows and extra norms: not this block.
             return Err(Error::metadata(
                 "model_type",
-                format!("`{model_type}` folders are not supported: load the model's GGUF file"),
+                format!("`{model_type}` is not supported (gemma is)"),
             ));
         }
         let hidden = num("hidden_size")?;
@@ -323,8 +339,13 @@ impl HfCheckpoint {
             context_length: num("max_position_embeddings")?,
             tied_embeddings: tied,
             rope_freq_factors,
-            activation: crate::config::Activation::Silu,
-            embedding_scale: None,
+            // Gemma's `gelu_pytorch_tanh` MLP and `sqrt(hidden)`-scaled embeddings.
+            activation: if gemma {
+                crate::config::Activation::GeluTanh
+            } else {
+                crate::config::Activation::Silu
+            },
+            embedding_scale: gemma.then(|| (hidden as f32).sqrt()),
         })
     }
 
@@ -359,7 +380,7 @@ impl WeightSource for HfCheckpoint {
                 format!("row range {rows:?} outside its {n_rows} rows"),
             ));
         }
-        f.elements(&hf, rows.start * row_len..rows.end * row_len)
+        Ok(self.as_used(name, f.elements(&hf, rows.start * row_len..rows.end * row_len)?))
     }
 
     fn cols(&self, name: &str, cols: Range<usize>) -> Result<Vec<f32>> {
@@ -377,7 +398,7 @@ impl WeightSource for HfCheckpoint {
         for r in 0..n_rows {
             out.extend(f.elements(&hf, r * row_len + cols.start..r * row_len + cols.end)?);
         }
-        Ok(out)
+        Ok(self.as_used(name, out))
     }
 
     fn qk_interleaved(&self) -> bool {
