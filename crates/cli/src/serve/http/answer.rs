@@ -4,7 +4,7 @@
 
 use super::super::bridge::{Event, Events};
 use super::super::logprobs::Scored;
-use super::super::tools::ToolText;
+use super::super::tools::{ToolFormat, ToolText};
 use super::request::{parse, ChatBody, CompletionBody, Job};
 use super::{unix_now, Api, ApiError, DEFAULT_COMPLETION_TOKENS};
 use axum::body::Bytes;
@@ -82,8 +82,9 @@ pub(super) async fn chat_completions(
     // Without a limit a chat reply may fill the context (OpenAI's default).
     let room = api.0.context.saturating_sub(prompt.len()) as u64;
     let mut job = api.job(Kind::Chat, prompt, &body.sampling, max, room)?;
-    job.tool_calls = body.tools.as_ref().is_some_and(|t| !t.is_empty())
+    let tools = body.tools.as_ref().is_some_and(|t| !t.is_empty())
         && body.sampling.other.get("tool_choice").and_then(Value::as_str) != Some("none");
+    job.tool_calls = tools.then(|| ToolFormat::of_template(api.0.tokenizer.chat_template()));
     generate(api, job, Kind::Chat).await
 }
 
@@ -157,13 +158,13 @@ pub(super) async fn generate(
 fn chat_message(
     text: String,
     reason: FinishReason,
-    tool_calls: bool,
+    tool_calls: Option<ToolFormat>,
     id: &str,
 ) -> (Value, &'static str) {
-    if !tool_calls {
+    let Some(format) = tool_calls else {
         return (json!({"role": "assistant", "content": text}), finish_name(reason));
-    }
-    let mut parsed = ToolText::default();
+    };
+    let mut parsed = ToolText::new(format);
     let mut content = parsed.push(&text);
     let (rest, calls) = parsed.finish();
     content.push_str(&rest);
@@ -183,7 +184,8 @@ pub(super) struct Answer {
     stops: Vec<String>,
     scorer: Option<Scorer>,
     echo: Option<String>,
-    tool_calls: bool,
+    /// How the answer's tool calls are written, when they are parsed out of it.
+    tool_calls: Option<ToolFormat>,
 }
 
 /// Token texts for log-probabilities: each token decoded alone.
@@ -406,7 +408,7 @@ impl Choice {
         }
         let mut stops = StopText::new(answer.stops.clone());
         // Content passes through; from a `<tool_call>` on, the text is held for the end.
-        let mut tools = answer.tool_calls.then(ToolText::default);
+        let mut tools = answer.tool_calls.map(ToolText::new);
         let mut completion_tokens = 0;
         // Characters of the completion's token texts so far (`text_offset`).
         let mut offset = 0;

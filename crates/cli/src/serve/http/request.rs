@@ -89,8 +89,9 @@ pub(super) struct ChatBody {
     pub(super) messages: Option<Vec<ChatMessageBody>>,
     pub(super) max_completion_tokens: Option<u64>,
     /// Tool definitions, rendered into the prompt by the chat template; with `tool_choice`
-    /// `"auto"` (the default) the answer's `<tool_call>` blocks become `tool_calls`
-    /// (`serve::tools`), with `"none"` it is left as text.
+    /// `"auto"` (the default) the answer's calls (in the format its chat template teaches:
+    /// Hermes, Mistral or Llama 3 JSON) become `tool_calls` (`serve::tools`), with `"none"`
+    /// it is left as text.
     pub(super) tools: Option<Vec<Value>>,
     /// Extra variables of the chat template (vLLM's field: `{"enable_thinking": false}`).
     pub(super) chat_template_kwargs: Option<serde_json::Map<String, Value>>,
@@ -148,8 +149,9 @@ pub(super) struct Job {
     pub(super) stop_text: Vec<String>,
     pub(super) stream: bool,
     pub(super) include_usage: bool,
-    /// Parse the answer for tool calls (a chat with `tools` and `tool_choice` `"auto"`).
-    pub(super) tool_calls: bool,
+    /// Parse the answer for tool calls written in this format (a chat with `tools` and
+    /// `tool_choice` `"auto"`).
+    pub(super) tool_calls: Option<crate::serve::tools::ToolFormat>,
 }
 
 impl Job {
@@ -455,7 +457,7 @@ impl Api {
             stop_text,
             stream: s.stream.unwrap_or(false),
             include_usage: s.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false),
-            tool_calls: false,
+            tool_calls: None,
         })
     }
 }
