@@ -48,6 +48,9 @@ pub struct RandomLlama {
     /// Write the model as a Gemma file (architecture `gemma`): GELU in the MLP, embeddings
     /// scaled by `sqrt(hidden)`, Q/K rows in the rotate-half order.
     pub gemma: bool,
+    /// Elements per head when not `hidden / heads` (Gemma 7B's heads are wider: its queries
+    /// are 4096 wide over a hidden size of 3072).
+    pub head_dim: Option<usize>,
 }
 
 impl Default for RandomLlama {
@@ -67,6 +70,7 @@ impl Default for RandomLlama {
             next_token: None,
             fused: false,
             gemma: false,
+            head_dim: None,
         }
     }
 }
@@ -123,7 +127,7 @@ impl RandomLlama {
     /// The GGUF writer holding this model (add metadata before writing if needed).
     pub fn writer(&self) -> GgufWriter {
         let mut rng = Rng(self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-        let (h, d) = (self.hidden, self.hidden / self.heads);
+        let (h, d) = (self.hidden, self.head_dim());
         let mut w = GgufWriter::new();
         let u = |x: usize| Value::U32(x as u32);
         let arch = match (self.attn_bias, self.fused, self.gemma) {
@@ -141,6 +145,8 @@ impl RandomLlama {
             .metadata(&k("attention.head_count_kv"), u(self.kv_heads))
             .metadata(&k("rope.freq_base"), Value::F32(10_000.0))
             .metadata(&k("rope.dimension_count"), u(d))
+            .metadata(&k("attention.key_length"), u(d))
+            .metadata(&k("attention.value_length"), u(d))
             .metadata(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5))
             .metadata(&k("context_length"), u(256))
             .metadata("tokenizer.ggml.model", Value::String("gpt2".into()))
@@ -223,6 +229,11 @@ impl RandomLlama {
         w
     }
 
+    /// Elements per head.
+    fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.hidden / self.heads)
+    }
+
     fn token_name(&self, id: usize) -> String {
         self.token_names
             .iter()
@@ -258,7 +269,7 @@ impl RandomLlama {
         let gguf = dir.join("model.gguf.tmp");
         self.write(&gguf)?;
         let file = crate::gguf::GgufFile::open(&gguf)?;
-        let d = self.hidden / self.heads;
+        let d = self.head_dim();
         let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
         for info in file.tensor_infos() {
             let t = file.tensor(&info.name)?;
@@ -321,6 +332,7 @@ impl RandomLlama {
                 "num_hidden_layers": self.layers,
                 "num_attention_heads": self.heads,
                 "num_key_value_heads": self.kv_heads,
+                "head_dim": self.head_dim(),
                 "rope_theta": 10000.0,
                 "rms_norm_eps": 1e-5,
                 "vocab_size": self.vocab,

@@ -356,6 +356,9 @@ fn gemma_files_gate_with_gelu_scale_embeddings_and_match_across_layouts() {
     // The same weights (Q/K in the other rotary order) give other logits.
     assert!(rel_err(&logits(&path), &logits(&llama)) > 1e-2);
     check_layouts(&spec, "gemma-layouts.gguf", &[(2, 1), (1, 2), (2, 2)]);
+    // Heads wider than hidden / heads (Gemma 7B's shape): queries 96 wide over a hidden 64.
+    let wide = RandomLlama { head_dim: Some(24), seed: 53, ..spec };
+    check_layouts(&wide, "gemma-wide-heads.gguf", &[(2, 1), (1, 2)]);
 }
 
 #[test]
