@@ -42,3 +42,16 @@ pub(crate) fn naive_matmul_nt(a: &[f32], w: &[f32], m: usize, n: usize, k: usize
     }
     out
 }
+
+/// Device memory that is never touched: only its size matters to the checks that get it.
+#[derive(Debug)]
+pub(crate) struct FakeDeviceMemory(pub(crate) usize);
+
+impl crate::memory::DeviceMemory for FakeDeviceMemory {
+    fn device_ptr(&self) -> u64 {
+        0x1000
+    }
+    fn size(&self) -> usize {
+        self.0
+    }
+}

@@ -382,14 +382,7 @@ impl ModelMemory {
     ) -> Result<layers::model::KvPool, String> {
         use layers::memory::Arena;
         let bytes = model.pool_bytes(block_size, blocks);
-        if let Some(device) = self.device_for(model.backend()) {
-            // One allocation of exactly the pool's size on the model's GPU.
-            let arena = VmmDeviceArena::new(
-                device.clone(),
-                vmm::Tag::KV_CACHE,
-                self.kv_policy.clone(),
-                bytes,
-            );
+        if let Some(arena) = self.device_kv(model, bytes) {
             return model
                 .pool_on_device(&arena, block_size, blocks)
                 .map_err(|e| format!("allocating a {bytes}-byte KV pool on the GPU: {e}"));
@@ -412,18 +405,18 @@ impl ModelMemory {
         capacity: usize,
     ) -> Result<ParallelCache, String> {
         let bytes = model.cache_bytes(capacity);
-        if let Some(device) = self.device_for(model.backend()) {
-            // One allocation of exactly the cache's size (allocated zeroed and mapped).
-            let arena = VmmDeviceArena::new(
-                device.clone(),
-                vmm::Tag::KV_CACHE,
-                self.kv_policy.clone(),
-                bytes,
-            );
+        if let Some(arena) = self.device_kv(model, bytes) {
             return model.new_cache_on_device(capacity, &arena).map_err(|e| e.to_string());
         }
         let arena = self.committed_kv(bytes, "KV cache")?;
         model.new_cache_in(capacity, &arena).map_err(|e| e.to_string())
+    }
+
+    /// One `kv_cache` allocation of exactly `bytes` on `model`'s GPU (allocated zeroed and
+    /// mapped), as an arena; `None` when the model computes on the CPU.
+    fn device_kv(&self, model: &ParallelModel, bytes: usize) -> Option<VmmDeviceArena> {
+        let device = self.device_for(model.backend())?;
+        Some(VmmDeviceArena::new(device.clone(), vmm::Tag::KV_CACHE, self.kv_policy.clone(), bytes))
     }
 
     /// One host `kv_cache` allocation of `bytes`, zeroed (so committed) now, as an arena;

@@ -278,18 +278,7 @@ mod tests {
         }
     }
 
-    /// Device memory that is never touched: only its size matters to the checks below.
-    #[derive(Debug)]
-    struct Fake(usize);
-
-    impl DeviceMemory for Fake {
-        fn device_ptr(&self) -> u64 {
-            0x1000
-        }
-        fn size(&self) -> usize {
-            self.0
-        }
-    }
+    use crate::test_util::FakeDeviceMemory as Fake;
 
     #[test]
     fn append_truncate_and_overflow() {

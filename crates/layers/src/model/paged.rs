@@ -446,7 +446,7 @@ mod tests {
     use super::*;
     use crate::kernels::cpu::attention::attention;
     use crate::kernels::{AttnShape, Backend};
-    use crate::test_util::random_vec;
+    use crate::test_util::{random_vec, FakeDeviceMemory as Fake};
     use crate::Tensor;
 
     /// Tokens written through scattered, shared and partly filled blocks read back as the
@@ -517,19 +517,6 @@ mod tests {
         reused.assume_prefix(1).unwrap();
         reused.with_kv(0, |_, positions| assert_eq!(positions, &[0]));
         assert!(reused.assume_prefix(1).is_err());
-    }
-
-    /// Device memory that is never touched: only its size matters.
-    #[derive(Debug)]
-    struct Fake(usize);
-
-    impl DeviceMemory for Fake {
-        fn device_ptr(&self) -> u64 {
-            0x1000
-        }
-        fn size(&self) -> usize {
-            self.0
-        }
     }
 
     /// A pool in device memory hands attention its blocks through the table (offsets of the
