@@ -5,8 +5,10 @@ Usage: python3 llamacpp_greedy.py MODEL.gguf THREADS N_PROMPTS PROMPT_TOKENS DEC
 Prints one JSON object: {"prompts": [[ids]], "runs": [{"ids": [...], "logprobs": [...],
 "margins": [...]}]}; a continuation stops after an end-of-generation token, as tpctl run does.
 The prompts are the first PROMPT_TOKENS tokens of fixed English and code texts. The KV cache is
-f32, as tpctl's; with quantized weights llama.cpp still rounds activations to 8 bits for its
-dot products, which tpctl does not."""
+f32, as tpctl's, and flash attention is off: llama.cpp's CPU flash attention loses precision (on
+the f32 SmolLM2 its chosen-token log-probabilities are up to 7e-3 away from an f64 forward of the
+same file, scripts/f64_forward.py, against 3e-6 without it). With quantized weights llama.cpp
+still rounds activations to 8 bits for its dot products, which tpctl does not."""
 import json, sys
 import numpy as np
 import llama_cpp as L
@@ -26,6 +28,8 @@ cp.no_perf = True
 # Keys and values in f32, as tpctl keeps them (llama.cpp's default is f16).
 cp.type_k = L.GGML_TYPE_F32
 cp.type_v = L.GGML_TYPE_F32
+# The plain attention path: its softmax and products are f32 throughout (see above).
+cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
 ctx = L.llama_init_from_model(model, cp)
 
 texts = ["The quick brown fox jumps over the lazy dog. ", "Once upon a time there was a small village by the sea. ",
