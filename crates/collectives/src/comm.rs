@@ -276,14 +276,37 @@ pub(crate) mod check {
 
     /// `buf` holds whole, aligned elements of `dtype`.
     pub(crate) fn elements(at: &Site, name: &str, buf: &[u8], dtype: DType) -> Result<()> {
-        if !buf.len().is_multiple_of(dtype.size()) {
-            return Err(invalid(
-                at,
-                format!("{name} has {} bytes, not a whole number of {dtype} elements", buf.len()),
-            ));
-        }
+        device_elements(at, name, buf.len(), dtype)?;
         if !(buf.as_ptr() as usize).is_multiple_of(dtype.size()) {
             return Err(invalid(at, format!("{name} is not aligned for {dtype}")));
+        }
+        Ok(())
+    }
+
+    /// `len` bytes (of a buffer this process cannot see) are whole elements of `dtype`.
+    pub(crate) fn device_elements(at: &Site, name: &str, len: usize, dtype: DType) -> Result<()> {
+        if !len.is_multiple_of(dtype.size()) {
+            return Err(invalid(
+                at,
+                format!("{name} has {len} bytes, not a whole number of {dtype} elements"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The buffers of an all-to-all: equal, and split into one whole chunk per rank.
+    pub(crate) fn exchanged(at: &Site, send: &[u8], recv: &[u8], dtype: DType) -> Result<()> {
+        if send.len() != recv.len() || !send.len().is_multiple_of(at.size * dtype.size()) {
+            return Err(invalid(
+                at,
+                format!(
+                    "send ({} bytes) and receive ({} bytes) must be equal and split into {} \
+                     whole {dtype} chunks",
+                    send.len(),
+                    recv.len(),
+                    at.size
+                ),
+            ));
         }
         Ok(())
     }

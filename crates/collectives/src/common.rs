@@ -87,3 +87,60 @@ pub(crate) fn fnv_bytes(bytes: &[u8]) -> u64 {
         .iter()
         .fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
+
+/// What a rank says about the call it is in, as every backend compares it with each peer's
+/// (shm through the segment's descriptor slots, tcp in each message header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Descriptor {
+    /// [`crate::Op::code`].
+    pub(crate) op: u32,
+    /// [`crate::DType::code`].
+    pub(crate) dtype: u32,
+    /// [`crate::ReduceOp::code`], 0 for none.
+    pub(crate) rop: u32,
+    /// Collective calls (or pieces) so far: a rank that skipped one is caught here.
+    pub(crate) seq: u64,
+    /// The call's bytes.
+    pub(crate) total: u64,
+    /// The call's own number (broadcast root, gather sizes' fingerprint, ...), named `aux_name`.
+    pub(crate) aux: u64,
+}
+
+impl Descriptor {
+    /// Fails naming the first field, in a fixed order (operation, dtype, reduce op, operation
+    /// count, bytes, `aux_name`), where `theirs` (from `peer`) differs from this rank's.
+    pub(crate) fn agree(
+        &self,
+        theirs: &Descriptor,
+        at: &crate::Site,
+        peer: usize,
+        aux_name: &'static str,
+    ) -> crate::Result<()> {
+        use crate::{DType, Error, Op, ReduceOp};
+        let mismatch = |what, mine: String, theirs: String| {
+            Err(Error::Mismatch { at: at.clone(), peer, what, mine, theirs })
+        };
+        let op = |c: u32| Op::from_code(c).map_or("unknown".to_owned(), |o| o.to_string());
+        let dtype = |c: u32| DType::from_code(c).map_or("unknown".to_owned(), |d| d.to_string());
+        let rop = |c: u32| ReduceOp::from_code(c).map_or("none".to_owned(), |o| o.to_string());
+        if self.op != theirs.op {
+            return mismatch("operation", op(self.op), op(theirs.op));
+        }
+        if self.dtype != theirs.dtype {
+            return mismatch("dtype", dtype(self.dtype), dtype(theirs.dtype));
+        }
+        if self.rop != theirs.rop {
+            return mismatch("reduce op", rop(self.rop), rop(theirs.rop));
+        }
+        if self.seq != theirs.seq {
+            return mismatch("operation count", self.seq.to_string(), theirs.seq.to_string());
+        }
+        if self.total != theirs.total {
+            return mismatch("bytes", self.total.to_string(), theirs.total.to_string());
+        }
+        if self.aux != theirs.aux {
+            return mismatch(aux_name, self.aux.to_string(), theirs.aux.to_string());
+        }
+        Ok(())
+    }
+}

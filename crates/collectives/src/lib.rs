@@ -12,6 +12,7 @@
 //! Every call has a deadline; every error names the operation, the group, this rank and the
 //! peer at fault; an [`AbortHandle`] unblocks a call from another thread.
 
+mod call;
 mod comm;
 mod common;
 mod dtype;

@@ -9,8 +9,9 @@
 //! both sides' buffers are full) and every wait observes the deadline and the abort handle.
 //! A failing rank tells its peers with an abort frame, then shuts its connections down.
 
-use crate::comm::{check, AbortHandle, Communicator, DEFAULT_TIMEOUT};
-use crate::common::{blame_word, blamed, fnv, fnv_bytes, part};
+use crate::call::{GroupCore, Transport};
+use crate::comm::{check, DEFAULT_TIMEOUT};
+use crate::common::{blame_word, blamed, fnv, fnv_bytes, part, Descriptor};
 use crate::dtype::{accumulate, reduce, DType, ReduceOp};
 use crate::error::{Error, Op, Result, Site};
 use mesh::Store;
@@ -58,6 +59,18 @@ impl Header {
         b
     }
 
+    /// The fields every rank of the call must agree on.
+    fn descriptor(&self) -> Descriptor {
+        Descriptor {
+            op: self.op,
+            dtype: u32::from(self.dtype),
+            rop: u32::from(self.rop),
+            seq: self.seq,
+            total: self.total,
+            aux: self.aux,
+        }
+    }
+
     fn decode(b: &[u8; HDR]) -> Header {
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
         let u16_at = |i: usize| u16::from_le_bytes(b[i..i + 2].try_into().expect("2 bytes"));
@@ -89,6 +102,12 @@ struct Call {
 }
 
 impl Call {
+    /// A send and its matching receive: both say `send`, with no group-wide sequence number
+    /// (point-to-point calls are not collective).
+    fn point_to_point(dtype: DType, total: usize) -> Call {
+        Call { op: Op::Send, dtype, rop: None, seq: 0, total, aux: 0, aux_name: "" }
+    }
+
     fn header(&self, len: usize) -> Header {
         Header {
             magic: MAGIC_MSG,
@@ -135,24 +154,20 @@ impl In<'_> {
 
 /// A TCP communicator.
 pub struct TcpComm {
-    rank: usize,
-    size: usize,
-    group: Arc<str>,
+    core: GroupCore,
     peers: Vec<Option<TcpStream>>,
     /// Peers we are in the middle of writing a message to (an abort frame would corrupt it).
     mid_write: Vec<bool>,
-    timeout: Duration,
-    abort: AbortHandle,
+    /// Collective calls so far, carried in every header.
     seq: u64,
-    poisoned: Option<String>,
 }
 
 impl std::fmt::Debug for TcpComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TcpComm")
-            .field("group", &self.group)
-            .field("rank", &self.rank)
-            .field("size", &self.size)
+            .field("group", &self.core.group)
+            .field("rank", &self.core.rank)
+            .field("size", &self.core.size)
             .finish_non_exhaustive()
     }
 }
@@ -251,64 +266,11 @@ impl TcpComm {
                 .map_err(|e| Error::io(format!("{at}: non-blocking"), e))?;
         }
         Ok(TcpComm {
-            rank,
-            size,
-            group,
+            core: GroupCore::new(group, rank, size, DEFAULT_TIMEOUT),
             peers,
             mid_write: vec![false; size],
-            timeout: DEFAULT_TIMEOUT,
-            abort: AbortHandle::default(),
             seq: 0,
-            poisoned: None,
         })
-    }
-
-    fn site(&self, op: Op) -> Site {
-        check::site(op, &self.group, self.rank, self.size)
-    }
-
-    fn begin(&mut self, op: Op) -> Result<(Site, Instant)> {
-        let at = self.site(op);
-        if let Some(cause) = &self.poisoned {
-            return Err(Error::Poisoned { at, cause: cause.clone() });
-        }
-        if self.abort.is_aborted() {
-            return Err(Error::Aborted { at });
-        }
-        self.seq += 1;
-        Ok((at, Instant::now() + self.timeout))
-    }
-
-    /// Ends a call: on error, poisons the communicator, sends abort frames where the stream is
-    /// between messages, and shuts every connection down so no peer waits for us.
-    fn finish<T>(&mut self, result: Result<T>) -> Result<T> {
-        if let Err(e) = &result {
-            if self.poisoned.is_none() {
-                self.poisoned = Some(e.to_string());
-                let frame = Header {
-                    magic: MAGIC_ABORT,
-                    op: 0,
-                    dtype: 0,
-                    rop: 0,
-                    blame: blame_word(e, self.rank),
-                    seq: self.seq,
-                    total: 0,
-                    aux: 0,
-                    len: 0,
-                }
-                .encode();
-                for (peer, stream) in self.peers.iter_mut().enumerate() {
-                    if let Some(stream) = stream {
-                        if !self.mid_write[peer] {
-                            // Best effort: a full socket buffer just means the peer sees EOF.
-                            let _ = stream.write(&frame);
-                        }
-                        let _ = stream.shutdown(Shutdown::Both);
-                    }
-                }
-            }
-        }
-        result
     }
 
     fn failpoint(at: &Site, point: &str) -> Result<()> {
@@ -395,7 +357,7 @@ impl TcpComm {
             if interest.is_empty() {
                 return Ok(());
             }
-            if self.abort.is_aborted() {
+            if self.core.abort.is_aborted() {
                 return Err(Error::Aborted { at: at.clone() });
             }
             let now = Instant::now();
@@ -450,29 +412,7 @@ impl TcpComm {
                 format!("bytes {:02x?}", &i.head[..8]),
             );
         }
-        let op_name = |c: u32| Op::from_code(c).map_or("unknown".to_owned(), |o| o.to_string());
-        let dt_name =
-            |c: u16| DType::from_code(u32::from(c)).map_or("unknown".to_owned(), |d| d.to_string());
-        let rop_name =
-            |c: u16| ReduceOp::from_code(u32::from(c)).map_or("none".to_owned(), |o| o.to_string());
-        if got.op != want.op {
-            return mismatch("operation", op_name(want.op), op_name(got.op));
-        }
-        if got.dtype != want.dtype {
-            return mismatch("dtype", dt_name(want.dtype), dt_name(got.dtype));
-        }
-        if got.rop != want.rop {
-            return mismatch("reduce op", rop_name(want.rop), rop_name(got.rop));
-        }
-        if got.seq != want.seq {
-            return mismatch("operation count", want.seq.to_string(), got.seq.to_string());
-        }
-        if got.total != want.total {
-            return mismatch("bytes", want.total.to_string(), got.total.to_string());
-        }
-        if got.aux != want.aux {
-            return mismatch(call.aux_name, want.aux.to_string(), got.aux.to_string());
-        }
+        want.descriptor().agree(&got.descriptor(), at, peer, call.aux_name)?;
         if got.len != want.len {
             return mismatch("message bytes", want.len.to_string(), got.len.to_string());
         }
@@ -480,11 +420,11 @@ impl TcpComm {
     }
 
     fn next(&self) -> usize {
-        (self.rank + 1) % self.size
+        (self.core.rank + 1) % self.core.size
     }
 
     fn prev(&self) -> usize {
-        (self.rank + self.size - 1) % self.size
+        (self.core.rank + self.core.size - 1) % self.core.size
     }
 
     /// Sends `data` to every peer and receives every peer's `sizes[r]` bytes into `recv` at
@@ -498,12 +438,12 @@ impl TcpComm {
         recv: &mut [u8],
         sizes: &[usize],
     ) -> Result<()> {
-        let me = self.rank;
-        let mut outs: Vec<Out<'_>> = (0..self.size)
+        let me = self.core.rank;
+        let mut outs: Vec<Out<'_>> = (0..self.core.size)
             .filter(|&p| p != me)
             .map(|peer| Out { peer, head: call.header(data.len()).encode(), data, done: 0 })
             .collect();
-        let mut ins: Vec<In<'_>> = Vec::with_capacity(self.size);
+        let mut ins: Vec<In<'_>> = Vec::with_capacity(self.core.size);
         let mut rest = recv;
         for (peer, &len) in sizes.iter().enumerate() {
             let (mine, tail) = rest.split_at_mut(len);
@@ -545,12 +485,12 @@ impl TcpComm {
         shift: usize,
     ) -> Result<()> {
         let op = call.rop.expect("a reduction call carries its reduce op");
-        let n = self.size;
+        let n = self.core.size;
         let mut tmp = vec![0u8; chunks.iter().map(|c| c.len()).max().unwrap_or(0)];
         for s in 0..n - 1 {
             // Send the chunk accumulated last step; receive the one to accumulate now.
-            let send = chunks[(self.rank + shift + 2 * n - s - 1) % n].clone();
-            let recv = chunks[(self.rank + shift + 2 * n - s - 2) % n].clone();
+            let send = chunks[(self.core.rank + shift + 2 * n - s - 1) % n].clone();
+            let recv = chunks[(self.core.rank + shift + 2 * n - s - 2) % n].clone();
             let tmp = &mut tmp[..recv.len()];
             self.ring_step(at, deadline, call, &buf[send], tmp)?;
             accumulate(call.dtype, op, &mut buf[recv], tmp);
@@ -568,10 +508,10 @@ impl TcpComm {
         chunks: &[std::ops::Range<usize>],
         shift: usize,
     ) -> Result<()> {
-        let n = self.size;
+        let n = self.core.size;
         for s in 0..n - 1 {
-            let send = chunks[(self.rank + shift + n - s) % n].clone();
-            let recv = chunks[(self.rank + shift + 2 * n - s - 1) % n].clone();
+            let send = chunks[(self.core.rank + shift + n - s) % n].clone();
+            let recv = chunks[(self.core.rank + shift + 2 * n - s - 1) % n].clone();
             let (send, recv) = disjoint(buf, send, recv);
             self.ring_step(at, deadline, call, send, recv)?;
         }
@@ -586,7 +526,6 @@ impl TcpComm {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        check::elements(at, "buffer", buf, dtype)?;
         let call = Call {
             op: Op::AllReduce,
             dtype,
@@ -596,26 +535,26 @@ impl TcpComm {
             aux: 0,
             aux_name: "",
         };
-        if self.size == 1 {
+        if self.core.size == 1 {
             return Ok(());
         }
         let len = buf.len();
-        if len * self.size <= DIRECT_BYTES {
-            let mut all = vec![0u8; len * self.size];
-            let sizes = vec![len; self.size];
+        if len * self.core.size <= DIRECT_BYTES {
+            let mut all = vec![0u8; len * self.core.size];
+            let sizes = vec![len; self.core.size];
             self.direct_gather(at, deadline, &call, buf, &mut all, &sizes)?;
-            all[self.rank * len..(self.rank + 1) * len].copy_from_slice(buf);
+            all[self.core.rank * len..(self.core.rank + 1) * len].copy_from_slice(buf);
             // Every rank reduces the same sources in rank order: identical bits everywhere.
-            let srcs: Vec<&[u8]> = all.chunks(len.max(1)).take(self.size).collect();
+            let srcs: Vec<&[u8]> = all.chunks(len.max(1)).take(self.core.size).collect();
             if len > 0 {
                 reduce(dtype, op, buf, &srcs);
             }
             return Ok(());
         }
         let elems = len / dtype.size();
-        let chunks: Vec<_> = (0..self.size)
+        let chunks: Vec<_> = (0..self.core.size)
             .map(|r| {
-                let e = part(elems, self.size, r);
+                let e = part(elems, self.core.size, r);
                 e.start * dtype.size()..e.end * dtype.size()
             })
             .collect();
@@ -632,7 +571,6 @@ impl TcpComm {
         sizes: &[usize],
         dtype: DType,
     ) -> Result<()> {
-        check::gather(at, send, recv, sizes, dtype)?;
         let total: usize = sizes.iter().sum();
         let call = Call {
             op: at.op,
@@ -645,9 +583,9 @@ impl TcpComm {
         };
         let starts: Vec<usize> =
             sizes.iter().scan(0, |acc, &s| Some(std::mem::replace(acc, *acc + s))).collect();
-        let chunks: Vec<_> = (0..self.size).map(|r| starts[r]..starts[r] + sizes[r]).collect();
-        recv[chunks[self.rank].clone()].copy_from_slice(send);
-        if self.size == 1 {
+        let chunks: Vec<_> = (0..self.core.size).map(|r| starts[r]..starts[r] + sizes[r]).collect();
+        recv[chunks[self.core.rank].clone()].copy_from_slice(send);
+        if self.core.size == 1 {
             return Ok(());
         }
         if total <= DIRECT_BYTES {
@@ -665,9 +603,6 @@ impl TcpComm {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        check::elements(at, "send buffer", send, dtype)?;
-        check::elements(at, "receive buffer", recv, dtype)?;
-        check::chunked(at, send, recv.len(), "send buffer")?;
         let call = Call {
             op: Op::ReduceScatter,
             dtype,
@@ -679,11 +614,11 @@ impl TcpComm {
         };
         let chunk = recv.len();
         let mut work = send.to_vec();
-        let chunks: Vec<_> = (0..self.size).map(|r| r * chunk..(r + 1) * chunk).collect();
-        if self.size > 1 {
+        let chunks: Vec<_> = (0..self.core.size).map(|r| r * chunk..(r + 1) * chunk).collect();
+        if self.core.size > 1 {
             self.ring_reduce_scatter(at, deadline, &call, &mut work, &chunks, 0)?;
         }
-        recv.copy_from_slice(&work[chunks[self.rank].clone()]);
+        recv.copy_from_slice(&work[chunks[self.core.rank].clone()]);
         Ok(())
     }
 
@@ -695,8 +630,6 @@ impl TcpComm {
         dtype: DType,
         root: usize,
     ) -> Result<()> {
-        check::elements(at, "buffer", buf, dtype)?;
-        check::rank(at, "root", root)?;
         let call = Call {
             op: Op::Broadcast,
             dtype,
@@ -706,10 +639,10 @@ impl TcpComm {
             aux: root as u64,
             aux_name: "root",
         };
-        if self.rank == root {
-            let me = self.rank;
+        if self.core.rank == root {
+            let me = self.core.rank;
             let data: &[u8] = buf;
-            let mut outs: Vec<Out<'_>> = (0..self.size)
+            let mut outs: Vec<Out<'_>> = (0..self.core.size)
                 .filter(|&p| p != me)
                 .map(|peer| Out { peer, head: call.header(data.len()).encode(), data, done: 0 })
                 .collect();
@@ -729,19 +662,6 @@ impl TcpComm {
         recv: &mut [u8],
         dtype: DType,
     ) -> Result<()> {
-        check::elements(at, "send buffer", send, dtype)?;
-        check::elements(at, "receive buffer", recv, dtype)?;
-        if send.len() != recv.len() || !send.len().is_multiple_of(self.size * dtype.size()) {
-            return Err(check::invalid(
-                at,
-                format!(
-                    "send ({} bytes) and receive ({} bytes) must be equal and split into {} whole {dtype} chunks",
-                    send.len(),
-                    recv.len(),
-                    self.size
-                ),
-            ));
-        }
         let call = Call {
             op: Op::AllToAll,
             dtype,
@@ -751,8 +671,8 @@ impl TcpComm {
             aux: 0,
             aux_name: "",
         };
-        let chunk = send.len() / self.size;
-        let (r, n) = (self.rank, self.size);
+        let chunk = send.len() / self.core.size;
+        let (r, n) = (self.core.rank, self.core.size);
         recv[r * chunk..(r + 1) * chunk].copy_from_slice(&send[r * chunk..(r + 1) * chunk]);
         for k in 1..n {
             let to = (r + k) % n;
@@ -816,116 +736,142 @@ fn connect_until(addr: SocketAddr, deadline: Instant) -> io::Result<TcpStream> {
     }
 }
 
-impl Communicator for TcpComm {
-    fn rank(&self) -> usize {
-        self.rank
+impl Transport for TcpComm {
+    fn core(&self) -> &GroupCore {
+        &self.core
     }
-    fn size(&self) -> usize {
-        self.size
-    }
-    fn group(&self) -> &str {
-        &self.group
+    fn core_mut(&mut self) -> &mut GroupCore {
+        &mut self.core
     }
     fn backend(&self) -> &'static str {
         "tcp"
     }
-    fn timeout(&self) -> Duration {
-        self.timeout
-    }
-    fn set_timeout(&mut self, timeout: Duration) {
-        self.timeout = timeout;
-    }
-    fn abort_handle(&self) -> AbortHandle {
-        self.abort.clone()
+
+    /// Once: an abort frame to every peer whose stream is between messages, then every
+    /// connection shut down, so no peer waits for this rank.
+    fn publish_failure(&mut self, error: &Error, first: bool) {
+        if !first {
+            return;
+        }
+        let frame = Header {
+            magic: MAGIC_ABORT,
+            op: 0,
+            dtype: 0,
+            rop: 0,
+            blame: blame_word(error, self.core.rank),
+            seq: self.seq,
+            total: 0,
+            aux: 0,
+            len: 0,
+        }
+        .encode();
+        for (peer, stream) in self.peers.iter_mut().enumerate() {
+            if let Some(stream) = stream {
+                if !self.mid_write[peer] {
+                    // Best effort: a full socket buffer just means the peer sees EOF.
+                    let _ = stream.write(&frame);
+                }
+                let _ = stream.shutdown(Shutdown::Both);
+            }
+        }
     }
 
-    fn fail(&mut self, reason: &str) {
-        let at = self.site(Op::Barrier);
-        let _ = self.finish::<()>(Err(check::invalid(&at, format!("this rank failed: {reason}"))));
+    /// Counts the collective calls; point-to-point ones carry no group-wide number.
+    fn enter(&mut self, at: &Site) -> Result<()> {
+        if !matches!(at.op, Op::Send | Op::Recv) {
+            self.seq += 1;
+        }
+        Ok(())
     }
 
-    fn all_reduce_raw(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-        let (at, deadline) = self.begin(Op::AllReduce)?;
-        let r = self.all_reduce_inner(&at, deadline, buf, dtype, op);
-        self.finish(r)
-    }
-
-    fn all_gather_uneven_raw(
+    fn all_reduce(
         &mut self,
+        at: &Site,
+        deadline: Instant,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.all_reduce_inner(at, deadline, buf, dtype, op)
+    }
+
+    fn all_gather(
+        &mut self,
+        at: &Site,
+        deadline: Instant,
         send: &[u8],
         recv: &mut [u8],
         sizes: &[usize],
         dtype: DType,
     ) -> Result<()> {
-        let (at, deadline) = self.begin(Op::AllGatherUneven)?;
-        let r = self.all_gather_inner(&at, deadline, send, recv, sizes, dtype);
-        self.finish(r)
+        self.all_gather_inner(at, deadline, send, recv, sizes, dtype)
     }
 
-    fn all_gather_raw(&mut self, send: &[u8], recv: &mut [u8], dtype: DType) -> Result<()> {
-        let (at, deadline) = self.begin(Op::AllGather)?;
-        let sizes = vec![send.len(); self.size];
-        let r = self.all_gather_inner(&at, deadline, send, recv, &sizes, dtype);
-        self.finish(r)
-    }
-
-    fn reduce_scatter_raw(
+    fn reduce_scatter(
         &mut self,
+        at: &Site,
+        deadline: Instant,
         send: &[u8],
         recv: &mut [u8],
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        let (at, deadline) = self.begin(Op::ReduceScatter)?;
-        let r = self.reduce_scatter_inner(&at, deadline, send, recv, dtype, op);
-        self.finish(r)
+        self.reduce_scatter_inner(at, deadline, send, recv, dtype, op)
     }
 
-    fn broadcast_raw(&mut self, buf: &mut [u8], dtype: DType, root: usize) -> Result<()> {
-        let (at, deadline) = self.begin(Op::Broadcast)?;
-        let r = self.broadcast_inner(&at, deadline, buf, dtype, root);
-        self.finish(r)
+    fn broadcast(
+        &mut self,
+        at: &Site,
+        deadline: Instant,
+        buf: &mut [u8],
+        dtype: DType,
+        root: usize,
+    ) -> Result<()> {
+        self.broadcast_inner(at, deadline, buf, dtype, root)
     }
 
-    fn send_raw(&mut self, buf: &[u8], dtype: DType, peer: usize) -> Result<()> {
-        let (at, deadline) = self.begin(Op::Send)?;
-        // Point-to-point calls are not collective: they carry no group-wide sequence number.
-        self.seq -= 1;
-        let call =
-            Call { op: Op::Send, dtype, rop: None, seq: 0, total: buf.len(), aux: 0, aux_name: "" };
-        let r = check::peer(&at, peer)
-            .and_then(|()| check::elements(&at, "buffer", buf, dtype))
-            .and_then(|()| {
-                let mut outs =
-                    [Out { peer, head: call.header(buf.len()).encode(), data: buf, done: 0 }];
-                self.exchange(&at, deadline, &call, &mut outs, &mut [])
-            });
-        self.finish(r)
+    fn send(
+        &mut self,
+        at: &Site,
+        deadline: Instant,
+        buf: &[u8],
+        dtype: DType,
+        peer: usize,
+    ) -> Result<()> {
+        let call = Call::point_to_point(dtype, buf.len());
+        let mut outs = [Out { peer, head: call.header(buf.len()).encode(), data: buf, done: 0 }];
+        self.exchange(at, deadline, &call, &mut outs, &mut [])
     }
 
-    fn recv_raw(&mut self, buf: &mut [u8], dtype: DType, peer: usize) -> Result<()> {
-        let (at, deadline) = self.begin(Op::Recv)?;
-        self.seq -= 1;
-        let call =
-            Call { op: Op::Send, dtype, rop: None, seq: 0, total: buf.len(), aux: 0, aux_name: "" };
-        let r = check::peer(&at, peer)
-            .and_then(|()| check::elements(&at, "buffer", buf, dtype))
-            .and_then(|()| {
-                let want = call.header(buf.len());
-                let mut ins = [In { peer, want, head: [0; HDR], data: buf, done: 0 }];
-                self.exchange(&at, deadline, &call, &mut [], &mut ins)
-            });
-        self.finish(r)
+    fn recv(
+        &mut self,
+        at: &Site,
+        deadline: Instant,
+        buf: &mut [u8],
+        dtype: DType,
+        peer: usize,
+    ) -> Result<()> {
+        let call = Call::point_to_point(dtype, buf.len());
+        let want = call.header(buf.len());
+        let mut ins = [In { peer, want, head: [0; HDR], data: buf, done: 0 }];
+        self.exchange(at, deadline, &call, &mut [], &mut ins)
     }
 
-    fn all_to_all_raw(&mut self, send: &[u8], recv: &mut [u8], dtype: DType) -> Result<()> {
-        let (at, deadline) = self.begin(Op::AllToAll)?;
-        let r = self.all_to_all_inner(&at, deadline, send, recv, dtype);
-        self.finish(r)
+    fn all_to_all(
+        &mut self,
+        at: &Site,
+        deadline: Instant,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+    ) -> Result<()> {
+        self.all_to_all_inner(at, deadline, send, recv, dtype)
     }
 
-    fn barrier(&mut self) -> Result<()> {
-        let (at, deadline) = self.begin(Op::Barrier)?;
+    fn barrier(&mut self, at: &Site, deadline: Instant) -> Result<()> {
+        if self.core.size == 1 {
+            return Ok(());
+        }
         let call = Call {
             op: Op::Barrier,
             dtype: DType::U8,
@@ -935,12 +881,7 @@ impl Communicator for TcpComm {
             aux: 0,
             aux_name: "",
         };
-        let r = if self.size == 1 {
-            Ok(())
-        } else {
-            let sizes = vec![0; self.size];
-            self.direct_gather(&at, deadline, &call, &[], &mut [], &sizes)
-        };
-        self.finish(r)
+        let sizes = vec![0; self.core.size];
+        self.direct_gather(at, deadline, &call, &[], &mut [], &sizes)
     }
 }

@@ -1,7 +1,10 @@
 //! The NCCL communicator itself (feature `cuda`): set-up, staging, the waiting loop that is its
 //! watchdog, and the device entry points.
 
-use crate::comm::{check, AbortHandle, Communicator};
+use crate::call::{self, GroupCore, Transport};
+use crate::comm::check;
+#[cfg(doc)]
+use crate::comm::Communicator;
 use crate::common::{blame_word, blamed};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Op, Result, Site};
@@ -196,26 +199,21 @@ struct Staging {
 
 /// A member of an NCCL communicator. See the [module documentation](crate::nccl).
 pub struct NcclCommunicator {
-    rank: usize,
-    size: usize,
-    group: Arc<str>,
+    core: GroupCore,
     device: usize,
     comm: RawComm,
     stream: Arc<CudaStream>,
     done: CudaEvent,
     staging: Option<Staging>,
-    timeout: Duration,
-    abort: AbortHandle,
-    poisoned: Option<String>,
     fail_key: Option<FailKey>,
 }
 
 impl std::fmt::Debug for NcclCommunicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NcclCommunicator")
-            .field("group", &self.group)
-            .field("rank", &self.rank)
-            .field("size", &self.size)
+            .field("group", &self.core.group)
+            .field("rank", &self.core.rank)
+            .field("size", &self.core.size)
             .field("device", &self.device)
             .finish_non_exhaustive()
     }
@@ -404,17 +402,12 @@ impl NcclCommunicator {
             )
         };
         let mut comm = NcclCommunicator {
-            rank,
-            size,
-            group,
+            core: GroupCore::new(group, rank, size, timeout),
             device,
             comm: RawComm(raw),
             stream,
             done,
             staging: None,
-            timeout,
-            abort: AbortHandle::default(),
-            poisoned: None,
             fail_key,
         };
         let start = Instant::now();
@@ -428,7 +421,7 @@ impl NcclCommunicator {
                 reason: describe(code, raw),
             }),
         };
-        comm.finish(result)?;
+        call::finish(&mut comm, result)?;
         Ok(comm)
     }
 
@@ -443,47 +436,14 @@ impl NcclCommunicator {
         &self.stream
     }
 
-    fn site(&self, op: Op) -> Site {
-        check::site(op, &self.group, self.rank, self.size)
-    }
-
     fn others(&self) -> Vec<usize> {
-        (0..self.size).filter(|&r| r != self.rank).collect()
-    }
-
-    fn begin(&mut self, op: Op) -> Result<Site> {
-        let at = self.site(op);
-        if let Some(cause) = &self.poisoned {
-            return Err(Error::Poisoned { at, cause: cause.clone() });
-        }
-        if self.abort.is_aborted() {
-            return Err(Error::Aborted { at });
-        }
-        self.stream.context().bind_to_thread().map_err(cuda_err(&at, "cuCtxSetCurrent"))?;
-        Ok(at)
-    }
-
-    /// Ends a call: on error, poisons the communicator, tells the peers through the store
-    /// (unless the error came from them), and aborts the NCCL communicator, which stops any
-    /// kernel of it still running.
-    fn finish<T>(&mut self, result: Result<T>) -> Result<T> {
-        if let Err(e) = &result {
-            if self.poisoned.is_none() {
-                self.poisoned = Some(e.to_string());
-                let from_peer = matches!(e, Error::PeerFailed { .. } | Error::PeerDied { .. });
-                if !from_peer && !matches!(e, Error::Timeout { .. }) {
-                    self.publish(blame_word(e, self.rank));
-                }
-                self.abort_comm();
-            }
-        }
-        result
+        (0..self.core.size).filter(|&r| r != self.core.rank).collect()
     }
 
     fn publish(&self, word: u32) {
         if let Some(f) = &self.fail_key {
-            if let Err(e) = f.store.set(&f.key, format!("{}:{word}", self.rank).as_bytes()) {
-                tracing::warn!(group = %self.group, rank = self.rank, "could not publish a failure: {e}");
+            if let Err(e) = f.store.set(&f.key, format!("{}:{word}", self.core.rank).as_bytes()) {
+                tracing::warn!(group = %self.core.group, rank = self.core.rank, "could not publish a failure: {e}");
             }
         }
     }
@@ -495,7 +455,7 @@ impl NcclCommunicator {
             // `RawComm`), and never used again: the field is null from here on.
             let code = unsafe { sys::ncclCommAbort(raw) };
             if code != sys::ncclResult_t::ncclSuccess {
-                tracing::warn!(group = %self.group, rank = self.rank, "ncclCommAbort: {code:?}");
+                tracing::warn!(group = %self.core.group, rank = self.core.rank, "ncclCommAbort: {code:?}");
             }
         }
     }
@@ -534,13 +494,14 @@ impl NcclCommunicator {
             if self.async_state(at)? && ready(self)? {
                 return Ok(());
             }
-            if self.abort.is_aborted() {
+            if self.core.abort.is_aborted() {
                 return Err(Error::Aborted { at: at.clone() });
             }
             let now = Instant::now();
             if now >= next_store {
                 if let Some(f) = &self.fail_key {
-                    if let Some(e) = peer_failure(&f.store, &f.key, at, self.rank, now - start) {
+                    if let Some(e) = peer_failure(&f.store, &f.key, at, self.core.rank, now - start)
+                    {
                         return Err(e);
                     }
                 }
@@ -570,7 +531,7 @@ impl NcclCommunicator {
         enqueue: impl FnOnce(&Self) -> std::result::Result<(), (&'static str, sys::ncclResult_t)>,
     ) -> Result<()> {
         let start = Instant::now();
-        let deadline = start + self.timeout;
+        let deadline = start + self.core.timeout;
         if let Err((call, code)) = enqueue(self) {
             return Err(Error::Nccl { at: at.clone(), call, reason: describe(code, self.comm.0) });
         }
@@ -814,7 +775,7 @@ impl NcclCommunicator {
         // SAFETY: group calls take no pointers.
         ok("ncclGroupStart", unsafe { sys::ncclGroupStart() })?;
         let mut result = Ok(());
-        for peer in 0..self.size {
+        for peer in 0..self.core.size {
             let off = (peer * chunk) as DevPtr;
             // SAFETY: chunk `peer` of each buffer is in bounds per this function's contract.
             result = unsafe { self.enqueue_send(src + off, chunk, peer) }
@@ -830,219 +791,192 @@ impl NcclCommunicator {
     }
 }
 
-impl Communicator for NcclCommunicator {
-    fn rank(&self) -> usize {
-        self.rank
+impl Transport for NcclCommunicator {
+    fn core(&self) -> &GroupCore {
+        &self.core
     }
-    fn size(&self) -> usize {
-        self.size
-    }
-    fn group(&self) -> &str {
-        &self.group
+    fn core_mut(&mut self) -> &mut GroupCore {
+        &mut self.core
     }
     fn backend(&self) -> &'static str {
         "nccl"
     }
-    fn timeout(&self) -> Duration {
-        self.timeout
-    }
-    fn set_timeout(&mut self, timeout: Duration) {
-        self.timeout = timeout;
-    }
-    fn abort_handle(&self) -> AbortHandle {
-        self.abort.clone()
+
+    /// Once: the failure published through the store (unless it came from a peer, or is a
+    /// timeout every rank sees by itself), then the NCCL communicator aborted, which stops any
+    /// kernel of it still running.
+    fn publish_failure(&mut self, error: &Error, first: bool) {
+        if !first {
+            return;
+        }
+        let from_peer = matches!(error, Error::PeerFailed { .. } | Error::PeerDied { .. });
+        if !from_peer && !matches!(error, Error::Timeout { .. }) {
+            self.publish(blame_word(error, self.core.rank));
+        }
+        self.abort_comm();
     }
 
-    fn fail(&mut self, reason: &str) {
-        if self.poisoned.is_none() {
-            self.poisoned = Some(format!("this rank failed: {reason}"));
-            self.publish(crate::common::encode_blame(crate::common::Blame::Failed, self.rank));
-            self.abort_comm();
-        }
+    /// Makes this communicator's CUDA context current on the calling thread.
+    fn enter(&mut self, at: &Site) -> Result<()> {
+        self.stream.context().bind_to_thread().map_err(cuda_err(at, "cuCtxSetCurrent"))
     }
 
     fn cuda_device(&self) -> Option<usize> {
         Some(self.device)
     }
 
-    unsafe fn all_reduce_device_ptr(
+    unsafe fn all_reduce_device(
         &mut self,
+        at: &Site,
+        _deadline: Instant,
         ptr: u64,
         bytes: usize,
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        self.device_call(Op::AllReduce, |me, at| {
-            device_elements(at, "buffer", bytes, dtype)?;
-            // SAFETY: the caller guarantees `bytes` bytes of this device at `ptr`, untouched by
-            // other work until the reduction (waited for by `run`) completes.
-            me.run(at, |me| unsafe {
-                me.enqueue_all_reduce(ptr, ptr, bytes / dtype.size(), dtype, op)
-            })
+        // SAFETY: the caller guarantees `bytes` bytes of this device at `ptr`, untouched by
+        // other work until the reduction (waited for by `run`) completes.
+        self.run(at, |me| unsafe {
+            me.enqueue_all_reduce(ptr, ptr, bytes / dtype.size(), dtype, op)
         })
     }
 
-    fn all_reduce_raw(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-        let at = self.begin(Op::AllReduce)?;
-        let result = (|| {
-            check::elements(&at, "buffer", buf, dtype)?;
-            let dev = self.staging(&at, buf.len())?;
-            self.upload(&at, dev, buf)?;
-            // SAFETY: the staging buffer holds `buf.len()` bytes at `dev`.
-            self.run(&at, |me| unsafe {
-                me.enqueue_all_reduce(dev, dev, buf.len() / dtype.size(), dtype, op)
-            })?;
-            self.download(&at, buf, dev)?;
-            self.sync(&at)
-        })();
-        self.finish(result)
+    fn all_reduce(
+        &mut self,
+        at: &Site,
+        _deadline: Instant,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let dev = self.staging(at, buf.len())?;
+        self.upload(at, dev, buf)?;
+        // SAFETY: the staging buffer holds `buf.len()` bytes at `dev`.
+        self.run(at, |me| unsafe {
+            me.enqueue_all_reduce(dev, dev, buf.len() / dtype.size(), dtype, op)
+        })?;
+        self.download(at, buf, dev)?;
+        self.sync(at)
     }
 
-    fn all_gather_uneven_raw(
+    fn all_gather(
         &mut self,
+        at: &Site,
+        _deadline: Instant,
         send: &[u8],
         recv: &mut [u8],
         sizes: &[usize],
-        dtype: DType,
+        _dtype: DType,
     ) -> Result<()> {
-        let at = self.begin(Op::AllGatherUneven)?;
-        let result = (|| {
-            check::gather(&at, send, recv, sizes, dtype)?;
-            // NCCL gathers equal shards: pad each to the widest, drop the padding after.
-            let width = sizes.iter().copied().max().unwrap_or(0);
-            let dev = self.staging(&at, width * (self.size + 1))?;
-            let out = dev + width as DevPtr;
-            self.upload(&at, dev, send)?;
-            // SAFETY: the staging buffer holds `width` bytes at `dev` and `size * width` after.
-            self.run(&at, |me| unsafe { me.enqueue_all_gather(dev, out, width) })?;
-            let mut off = 0;
-            for (r, &n) in sizes.iter().enumerate() {
-                let src = out + (r * width) as DevPtr;
-                self.download(&at, &mut recv[off..off + n], src)?;
-                off += n;
-            }
-            self.sync(&at)
-        })();
-        self.finish(result)
+        // NCCL gathers equal shards: pad each to the widest, drop the padding after.
+        let width = sizes.iter().copied().max().unwrap_or(0);
+        let dev = self.staging(at, width * (self.core.size + 1))?;
+        let out = dev + width as DevPtr;
+        self.upload(at, dev, send)?;
+        // SAFETY: the staging buffer holds `width` bytes at `dev` and `size * width` after.
+        self.run(at, |me| unsafe { me.enqueue_all_gather(dev, out, width) })?;
+        let mut off = 0;
+        for (r, &n) in sizes.iter().enumerate() {
+            let src = out + (r * width) as DevPtr;
+            self.download(at, &mut recv[off..off + n], src)?;
+            off += n;
+        }
+        self.sync(at)
     }
 
-    fn reduce_scatter_raw(
+    fn reduce_scatter(
         &mut self,
+        at: &Site,
+        _deadline: Instant,
         send: &[u8],
         recv: &mut [u8],
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        let at = self.begin(Op::ReduceScatter)?;
-        let result = (|| {
-            check::elements(&at, "send buffer", send, dtype)?;
-            check::elements(&at, "receive buffer", recv, dtype)?;
-            check::chunked(&at, send, recv.len(), "send buffer")?;
-            let dev = self.staging(&at, send.len() + recv.len())?;
-            let out = dev + send.len() as DevPtr;
-            self.upload(&at, dev, send)?;
-            let count = recv.len() / dtype.size();
-            // SAFETY: `size * count` elements at `dev`, `count` at `out`.
-            self.run(&at, |me| unsafe { me.enqueue_reduce_scatter(dev, out, count, dtype, op) })?;
-            self.download(&at, recv, out)?;
-            self.sync(&at)
-        })();
-        self.finish(result)
+        let dev = self.staging(at, send.len() + recv.len())?;
+        let out = dev + send.len() as DevPtr;
+        self.upload(at, dev, send)?;
+        let count = recv.len() / dtype.size();
+        // SAFETY: `size * count` elements at `dev`, `count` at `out`.
+        self.run(at, |me| unsafe { me.enqueue_reduce_scatter(dev, out, count, dtype, op) })?;
+        self.download(at, recv, out)?;
+        self.sync(at)
     }
 
-    fn broadcast_raw(&mut self, buf: &mut [u8], dtype: DType, root: usize) -> Result<()> {
-        let at = self.begin(Op::Broadcast)?;
-        let result = (|| {
-            check::elements(&at, "buffer", buf, dtype)?;
-            check::rank(&at, "root", root)?;
-            let dev = self.staging(&at, buf.len())?;
-            if self.rank == root {
-                self.upload(&at, dev, buf)?;
-            }
-            // SAFETY: the staging buffer holds `buf.len()` bytes at `dev`.
-            self.run(&at, |me| unsafe { me.enqueue_broadcast(dev, buf.len(), root) })?;
-            if self.rank != root {
-                self.download(&at, buf, dev)?;
-            }
-            self.sync(&at)
-        })();
-        self.finish(result)
+    fn broadcast(
+        &mut self,
+        at: &Site,
+        _deadline: Instant,
+        buf: &mut [u8],
+        _dtype: DType,
+        root: usize,
+    ) -> Result<()> {
+        let dev = self.staging(at, buf.len())?;
+        if self.core.rank == root {
+            self.upload(at, dev, buf)?;
+        }
+        // SAFETY: the staging buffer holds `buf.len()` bytes at `dev`.
+        self.run(at, |me| unsafe { me.enqueue_broadcast(dev, buf.len(), root) })?;
+        if self.core.rank != root {
+            self.download(at, buf, dev)?;
+        }
+        self.sync(at)
     }
 
-    fn send_raw(&mut self, buf: &[u8], dtype: DType, peer: usize) -> Result<()> {
-        let at = self.begin(Op::Send)?;
-        let result = (|| {
-            check::elements(&at, "buffer", buf, dtype)?;
-            check::peer(&at, peer)?;
-            let dev = self.staging(&at, buf.len())?;
-            self.upload(&at, dev, buf)?;
-            // SAFETY: the staging buffer holds `buf.len()` bytes at `dev`.
-            self.run(&at, |me| unsafe { me.enqueue_send(dev, buf.len(), peer) })
-        })();
-        let result = result.map_err(|e| name_peer(e, peer));
-        self.finish(result)
+    fn send(
+        &mut self,
+        at: &Site,
+        _deadline: Instant,
+        buf: &[u8],
+        _dtype: DType,
+        peer: usize,
+    ) -> Result<()> {
+        let dev = self.staging(at, buf.len())?;
+        self.upload(at, dev, buf)?;
+        // SAFETY: the staging buffer holds `buf.len()` bytes at `dev`.
+        self.run(at, |me| unsafe { me.enqueue_send(dev, buf.len(), peer) })
+            .map_err(|e| name_peer(e, peer))
     }
 
-    fn recv_raw(&mut self, buf: &mut [u8], dtype: DType, peer: usize) -> Result<()> {
-        let at = self.begin(Op::Recv)?;
-        let result = (|| {
-            check::elements(&at, "buffer", buf, dtype)?;
-            check::peer(&at, peer)?;
-            let dev = self.staging(&at, buf.len())?;
-            // SAFETY: the staging buffer holds `buf.len()` bytes at `dev`.
-            self.run(&at, |me| unsafe { me.enqueue_recv(dev, buf.len(), peer) })?;
-            self.download(&at, buf, dev)?;
-            self.sync(&at)
-        })();
-        let result = result.map_err(|e| name_peer(e, peer));
-        self.finish(result)
+    fn recv(
+        &mut self,
+        at: &Site,
+        _deadline: Instant,
+        buf: &mut [u8],
+        _dtype: DType,
+        peer: usize,
+    ) -> Result<()> {
+        let dev = self.staging(at, buf.len())?;
+        // SAFETY: the staging buffer holds `buf.len()` bytes at `dev`.
+        self.run(at, |me| unsafe { me.enqueue_recv(dev, buf.len(), peer) })
+            .and_then(|()| self.download(at, buf, dev))
+            .and_then(|()| self.sync(at))
+            .map_err(|e| name_peer(e, peer))
     }
 
-    fn all_to_all_raw(&mut self, send: &[u8], recv: &mut [u8], dtype: DType) -> Result<()> {
-        let at = self.begin(Op::AllToAll)?;
-        let result = (|| {
-            check::elements(&at, "send buffer", send, dtype)?;
-            check::elements(&at, "receive buffer", recv, dtype)?;
-            if send.len() != recv.len() {
-                return Err(check::invalid(
-                    &at,
-                    format!("send buffer has {} bytes, receive buffer {}", send.len(), recv.len()),
-                ));
-            }
-            if !send.len().is_multiple_of(self.size * dtype.size()) {
-                return Err(check::invalid(
-                    &at,
-                    format!(
-                        "send buffer: {} bytes is not {} equal chunks of {dtype}",
-                        send.len(),
-                        self.size
-                    ),
-                ));
-            }
-            let chunk = send.len() / self.size;
-            let dev = self.staging(&at, 2 * send.len())?;
-            let out = dev + send.len() as DevPtr;
-            self.upload(&at, dev, send)?;
-            // SAFETY: `size * chunk` bytes at `dev` and at `out`.
-            self.run(&at, |me| unsafe { me.enqueue_all_to_all(dev, out, chunk) })?;
-            self.download(&at, recv, out)?;
-            self.sync(&at)
-        })();
-        self.finish(result)
+    fn all_to_all(
+        &mut self,
+        at: &Site,
+        _deadline: Instant,
+        send: &[u8],
+        recv: &mut [u8],
+        _dtype: DType,
+    ) -> Result<()> {
+        let chunk = send.len() / self.core.size;
+        let dev = self.staging(at, 2 * send.len())?;
+        let out = dev + send.len() as DevPtr;
+        self.upload(at, dev, send)?;
+        // SAFETY: `size * chunk` bytes at `dev` and at `out`.
+        self.run(at, |me| unsafe { me.enqueue_all_to_all(dev, out, chunk) })?;
+        self.download(at, recv, out)?;
+        self.sync(at)
     }
 
-    fn barrier(&mut self) -> Result<()> {
-        let at = self.begin(Op::Barrier)?;
-        let result = (|| {
-            let dev = self.staging(&at, 1)?;
-            // SAFETY: the staging buffer holds at least one byte at `dev`; its value is
-            // irrelevant.
-            self.run(&at, |me| unsafe {
-                me.enqueue_all_reduce(dev, dev, 1, DType::U8, ReduceOp::Max)
-            })?;
-            self.sync(&at)
-        })();
-        self.finish(result)
+    fn barrier(&mut self, at: &Site, _deadline: Instant) -> Result<()> {
+        let dev = self.staging(at, 1)?;
+        // SAFETY: the staging buffer holds at least one byte at `dev`; its value is irrelevant.
+        self.run(at, |me| unsafe { me.enqueue_all_reduce(dev, dev, 1, DType::U8, ReduceOp::Max) })?;
+        self.sync(at)
     }
 }
 
@@ -1065,9 +999,7 @@ impl NcclCommunicator {
         op: Op,
         body: impl FnOnce(&mut Self, &Site) -> Result<()>,
     ) -> Result<()> {
-        let at = self.begin(op)?;
-        let result = body(self, &at);
-        self.finish(result)
+        call::run(self, op, |me, at, _| body(me, at))
     }
 
     /// In-place all-reduce of `buf`, which holds elements of `dtype` on this device.
@@ -1082,7 +1014,7 @@ impl NcclCommunicator {
     ) -> Result<()> {
         self.device_call(Op::AllReduce, |me, at| {
             let len = buf.len();
-            device_elements(at, "buffer", len, dtype)?;
+            check::device_elements(at, "buffer", len, dtype)?;
             let stream = me.stream.clone();
             let (ptr, _sync) = buf.device_ptr_mut(&stream);
             // SAFETY: cudarc guarantees `len` bytes at `ptr` while `_sync` lives.
@@ -1105,11 +1037,11 @@ impl NcclCommunicator {
     ) -> Result<()> {
         self.device_call(Op::AllGather, |me, at| {
             let (n, total) = (send.len(), recv.len());
-            device_elements(at, "send buffer", n, dtype)?;
-            if total != n * me.size {
+            check::device_elements(at, "send buffer", n, dtype)?;
+            if total != n * me.core.size {
                 return Err(check::invalid(
                     at,
-                    format!("receive buffer has {total} bytes, not {} ranks x {n}", me.size),
+                    format!("receive buffer has {total} bytes, not {} ranks x {n}", me.core.size),
                 ));
             }
             let stream = me.stream.clone();
@@ -1134,11 +1066,11 @@ impl NcclCommunicator {
     ) -> Result<()> {
         self.device_call(Op::ReduceScatter, |me, at| {
             let (total, n) = (send.len(), recv.len());
-            device_elements(at, "receive buffer", n, dtype)?;
-            if total != n * me.size {
+            check::device_elements(at, "receive buffer", n, dtype)?;
+            if total != n * me.core.size {
                 return Err(check::invalid(
                     at,
-                    format!("send buffer: {total} bytes is not {} ranks x {n} bytes", me.size),
+                    format!("send buffer: {total} bytes is not {} ranks x {n} bytes", me.core.size),
                 ));
             }
             let stream = me.stream.clone();
@@ -1162,7 +1094,7 @@ impl NcclCommunicator {
     ) -> Result<()> {
         self.device_call(Op::Broadcast, |me, at| {
             let len = buf.len();
-            device_elements(at, "buffer", len, dtype)?;
+            check::device_elements(at, "buffer", len, dtype)?;
             check::rank(at, "root", root)?;
             let stream = me.stream.clone();
             let (ptr, _sync) = buf.device_ptr_mut(&stream);
@@ -1184,7 +1116,7 @@ impl NcclCommunicator {
     ) -> Result<()> {
         self.device_call(Op::Send, |me, at| {
             let len = buf.len();
-            device_elements(at, "buffer", len, dtype)?;
+            check::device_elements(at, "buffer", len, dtype)?;
             check::peer(at, peer)?;
             let stream = me.stream.clone();
             let (ptr, _sync) = buf.device_ptr(&stream);
@@ -1206,7 +1138,7 @@ impl NcclCommunicator {
     ) -> Result<()> {
         self.device_call(Op::Recv, |me, at| {
             let len = buf.len();
-            device_elements(at, "buffer", len, dtype)?;
+            check::device_elements(at, "buffer", len, dtype)?;
             check::peer(at, peer)?;
             let stream = me.stream.clone();
             let (ptr, _sync) = buf.device_ptr_mut(&stream);
@@ -1215,16 +1147,6 @@ impl NcclCommunicator {
                 .map_err(|e| name_peer(e, peer))
         })
     }
-}
-
-fn device_elements(at: &Site, name: &str, len: usize, dtype: DType) -> Result<()> {
-    if !len.is_multiple_of(dtype.size()) {
-        return Err(check::invalid(
-            at,
-            format!("{name} has {len} bytes, not a whole number of {dtype} elements"),
-        ));
-    }
-    Ok(())
 }
 
 impl Drop for NcclCommunicator {

@@ -1,13 +1,13 @@
 //! [`NcclCommunicator`] in a build without the feature `cuda`: it cannot be made, and every
 //! constructor says which feature is missing, so callers carry no `#[cfg]`.
 
-use crate::comm::{AbortHandle, Communicator};
+use crate::call::{GroupCore, Transport};
 use crate::dtype::{DType, ReduceOp};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Site};
 use crate::nccl::NcclId;
 use mesh::Store;
 use std::convert::Infallible;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The NCCL communicator; this build has no CUDA support, so no value of it exists.
 #[derive(Debug)]
@@ -53,65 +53,64 @@ impl NcclCommunicator {
     }
 }
 
-impl Communicator for NcclCommunicator {
-    fn rank(&self) -> usize {
+impl Transport for NcclCommunicator {
+    fn core(&self) -> &GroupCore {
         match self.never {}
     }
-    fn size(&self) -> usize {
-        match self.never {}
-    }
-    fn group(&self) -> &str {
+    fn core_mut(&mut self) -> &mut GroupCore {
         match self.never {}
     }
     fn backend(&self) -> &'static str {
         "nccl"
     }
-    fn timeout(&self) -> Duration {
+    fn publish_failure(&mut self, _error: &Error, _first: bool) {
         match self.never {}
     }
-    fn set_timeout(&mut self, _timeout: Duration) {
-        match self.never {}
-    }
-    fn abort_handle(&self) -> AbortHandle {
-        match self.never {}
-    }
-    fn fail(&mut self, _reason: &str) {
-        match self.never {}
-    }
-    fn all_reduce_raw(&mut self, _buf: &mut [u8], _dtype: DType, _op: ReduceOp) -> Result<()> {
-        match self.never {}
-    }
-    fn all_gather_uneven_raw(
+    fn all_reduce(
         &mut self,
-        _send: &[u8],
-        _recv: &mut [u8],
-        _sizes: &[usize],
-        _dtype: DType,
+        _: &Site,
+        _: Instant,
+        _: &mut [u8],
+        _: DType,
+        _: ReduceOp,
     ) -> Result<()> {
         match self.never {}
     }
-    fn reduce_scatter_raw(
+    fn all_gather(
         &mut self,
-        _send: &[u8],
-        _recv: &mut [u8],
-        _dtype: DType,
-        _op: ReduceOp,
+        _: &Site,
+        _: Instant,
+        _: &[u8],
+        _: &mut [u8],
+        _: &[usize],
+        _: DType,
     ) -> Result<()> {
         match self.never {}
     }
-    fn broadcast_raw(&mut self, _buf: &mut [u8], _dtype: DType, _root: usize) -> Result<()> {
+    fn reduce_scatter(
+        &mut self,
+        _: &Site,
+        _: Instant,
+        _: &[u8],
+        _: &mut [u8],
+        _: DType,
+        _: ReduceOp,
+    ) -> Result<()> {
         match self.never {}
     }
-    fn send_raw(&mut self, _buf: &[u8], _dtype: DType, _peer: usize) -> Result<()> {
+    fn broadcast(&mut self, _: &Site, _: Instant, _: &mut [u8], _: DType, _: usize) -> Result<()> {
         match self.never {}
     }
-    fn recv_raw(&mut self, _buf: &mut [u8], _dtype: DType, _peer: usize) -> Result<()> {
+    fn send(&mut self, _: &Site, _: Instant, _: &[u8], _: DType, _: usize) -> Result<()> {
         match self.never {}
     }
-    fn all_to_all_raw(&mut self, _send: &[u8], _recv: &mut [u8], _dtype: DType) -> Result<()> {
+    fn recv(&mut self, _: &Site, _: Instant, _: &mut [u8], _: DType, _: usize) -> Result<()> {
         match self.never {}
     }
-    fn barrier(&mut self) -> Result<()> {
+    fn all_to_all(&mut self, _: &Site, _: Instant, _: &[u8], _: &mut [u8], _: DType) -> Result<()> {
+        match self.never {}
+    }
+    fn barrier(&mut self, _: &Site, _: Instant) -> Result<()> {
         match self.never {}
     }
 }

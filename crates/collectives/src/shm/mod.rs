@@ -22,8 +22,9 @@ mod segment;
 pub(crate) use segment::Segment;
 pub use segment::ShmOptions;
 
-use crate::comm::{check, AbortHandle, Communicator, DEFAULT_TIMEOUT};
-use crate::common::{blame_word, blamed, fnv, part, pieces};
+use crate::call::{self, GroupCore, Transport};
+use crate::comm::{check, DEFAULT_TIMEOUT};
+use crate::common::{blame_word, blamed, fnv, part, pieces, Descriptor};
 use crate::dtype::{reduce, DType, ReduceOp};
 use crate::error::{Error, Op, Result, Site};
 use std::path::Path;
@@ -60,18 +61,13 @@ impl Patience {
 
 /// A shared-memory communicator (`shm` across processes, `local` across threads).
 pub struct ShmComm {
+    core: GroupCore,
     seg: Arc<Segment>,
-    rank: usize,
-    size: usize,
-    group: Arc<str>,
     backend: &'static str,
-    timeout: Duration,
-    abort: AbortHandle,
     /// Operations (pieces) issued; selects the slot parity.
     seq: u64,
     /// Barriers entered.
     epoch: u64,
-    poisoned: Option<String>,
     patience: Patience,
     /// Peer process ids, known once every rank joined.
     pids: Vec<u32>,
@@ -80,9 +76,9 @@ pub struct ShmComm {
 impl std::fmt::Debug for ShmComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShmComm")
-            .field("group", &self.group)
-            .field("rank", &self.rank)
-            .field("size", &self.size)
+            .field("group", &self.core.group)
+            .field("rank", &self.core.rank)
+            .field("size", &self.core.size)
             .field("backend", &self.backend)
             .finish_non_exhaustive()
     }
@@ -145,7 +141,7 @@ impl ShmComm {
                 Ok(c)
             } else {
                 Err(Error::InvalidArgument {
-                    at: check::site(Op::Setup, &c.group, rank, size),
+                    at: check::site(Op::Setup, &c.core.group, rank, size),
                     reason: format!("rank {rank} is not in a segment made for {size} ranks"),
                 })
             }
@@ -169,21 +165,16 @@ impl ShmComm {
         }
         seg.rank(rank).pid.store(std::process::id(), Ordering::Release);
         ring(&seg);
-        let abort = AbortHandle::default();
+        let core = GroupCore::new(group, rank, size, DEFAULT_TIMEOUT);
         let waker = seg.clone();
-        abort.on_abort(move || ring_always(&waker));
+        core.abort.on_abort(move || ring_always(&waker));
         Ok(ShmComm {
+            core,
             patience: Patience::for_group(size),
             seg,
-            rank,
-            size,
-            group,
             backend,
-            timeout: DEFAULT_TIMEOUT,
-            abort,
             seq: 0,
             epoch: 0,
-            poisoned: None,
             pids: vec![0; size],
         })
     }
@@ -194,9 +185,9 @@ impl ShmComm {
     /// # Errors
     /// Timeout naming the ranks that never joined, or abort.
     pub fn wait_for_peers(&mut self) -> Result<()> {
-        let at = self.site(Op::Setup);
-        let deadline = Instant::now() + self.timeout;
-        let size = self.size;
+        let at = self.core.site(Op::Setup);
+        let deadline = Instant::now() + self.core.timeout;
+        let size = self.core.size;
         let result = self.wait(&at, deadline, |seg| {
             let pending = (0..size)
                 .filter(|&r| seg.rank(r).pid.load(Ordering::Acquire) == 0)
@@ -207,44 +198,14 @@ impl ShmComm {
                 Poll::Pending(pending)
             }
         });
-        self.finish(result)?;
+        call::finish(self, result)?;
         self.pids = (0..size).map(|r| self.seg.rank(r).pid.load(Ordering::Acquire)).collect();
         Ok(())
     }
 
     /// Sets the process ids of all ranks (threads of this process).
     pub(crate) fn assume_joined(&mut self) {
-        self.pids = vec![std::process::id(); self.size];
-    }
-
-    fn site(&self, op: Op) -> Site {
-        check::site(op, &self.group, self.rank, self.size)
-    }
-
-    /// Starts a call: refuses it when poisoned or aborted.
-    fn begin(&self, op: Op) -> Result<(Site, Instant)> {
-        let at = self.site(op);
-        if let Some(cause) = &self.poisoned {
-            return Err(Error::Poisoned { at, cause: cause.clone() });
-        }
-        if self.abort.is_aborted() {
-            return Err(Error::Aborted { at });
-        }
-        Ok((at, Instant::now() + self.timeout))
-    }
-
-    /// Ends a call: on error, poisons this communicator and tells the peers.
-    fn finish<T>(&mut self, result: Result<T>) -> Result<T> {
-        if let Err(e) = &result {
-            if self.poisoned.is_none() {
-                self.poisoned = Some(e.to_string());
-            }
-            let word = blame_word(e, self.rank);
-            let ctrl = self.seg.rank(self.rank);
-            let _ = ctrl.failed.compare_exchange(0, word, Ordering::AcqRel, Ordering::Acquire);
-            ring_always(&self.seg);
-        }
-        result
+        self.pids = vec![std::process::id(); self.core.size];
     }
 
     fn failpoint(at: &Site, point: &str) -> Result<()> {
@@ -316,14 +277,14 @@ impl ShmComm {
 
     /// Fails when a peer reported a failure or this call was aborted.
     fn check_peers(&self, at: &Site, start: Instant) -> Result<()> {
-        for r in (0..self.size).filter(|&r| r != self.rank) {
+        for r in (0..self.core.size).filter(|&r| r != self.core.rank) {
             let word = self.seg.rank(r).failed.load(Ordering::Acquire);
             let pid_of = |o: usize| self.pids.get(o).copied().unwrap_or(0);
             if let Some(e) = blamed(word, at, r, pid_of, start.elapsed()) {
                 return Err(e);
             }
         }
-        if self.abort.is_aborted() {
+        if self.core.abort.is_aborted() {
             return Err(Error::Aborted { at: at.clone() });
         }
         Ok(())
@@ -333,7 +294,7 @@ impl ShmComm {
     fn post(&mut self, op: Op, dtype: DType, rop: Option<ReduceOp>, len: usize, aux: u64) -> usize {
         self.seq += 1;
         let parity = (self.seq & 1) as usize;
-        let desc = &self.seg.rank(self.rank).desc[parity];
+        let desc = &self.seg.rank(self.core.rank).desc[parity];
         let kind = u64::from(op.code()) << 32
             | u64::from(dtype.code()) << 16
             | u64::from(rop.map_or(0, ReduceOp::code));
@@ -346,66 +307,31 @@ impl ShmComm {
 
     /// Compares every peer's descriptor with this rank's (after a barrier made them visible).
     fn check_descs(&self, at: &Site, parity: usize, aux_name: &'static str) -> Result<()> {
-        let mine = &self.seg.rank(self.rank).desc[parity];
-        let m = |d: &segment::Desc| {
-            (
-                d.seq.load(Ordering::Relaxed),
-                d.kind.load(Ordering::Relaxed),
-                d.len.load(Ordering::Relaxed),
-                d.aux.load(Ordering::Relaxed),
-            )
+        let read = |r: usize| {
+            let d = &self.seg.rank(r).desc[parity];
+            let kind = d.kind.load(Ordering::Relaxed);
+            Descriptor {
+                op: (kind >> 32) as u32,
+                dtype: (kind >> 16) as u32 & 0xffff,
+                rop: kind as u32 & 0xffff,
+                seq: d.seq.load(Ordering::Relaxed),
+                total: d.len.load(Ordering::Relaxed),
+                aux: d.aux.load(Ordering::Relaxed),
+            }
         };
-        let (seq, kind, len, aux) = m(mine);
-        for r in (0..self.size).filter(|&r| r != self.rank) {
-            let (pseq, pkind, plen, paux) = m(&self.seg.rank(r).desc[parity]);
-            let mismatch = |what, mine: String, theirs: String| Error::Mismatch {
-                at: at.clone(),
-                peer: r,
-                what,
-                mine,
-                theirs,
-            };
-            let (op_of, dt_of, rop_of) = (
-                |k: u64| {
-                    Op::from_code((k >> 32) as u32).map_or("unknown".into(), |o| o.to_string())
-                },
-                |k: u64| {
-                    DType::from_code((k >> 16) as u32 & 0xffff)
-                        .map_or("unknown".into(), |d| d.to_string())
-                },
-                |k: u64| {
-                    ReduceOp::from_code(k as u32 & 0xffff).map_or("none".into(), |o| o.to_string())
-                },
-            );
-            if kind >> 32 != pkind >> 32 {
-                return Err(mismatch("operation", op_of(kind), op_of(pkind)));
-            }
-            if (kind >> 16) & 0xffff != (pkind >> 16) & 0xffff {
-                return Err(mismatch("dtype", dt_of(kind), dt_of(pkind)));
-            }
-            if kind & 0xffff != pkind & 0xffff {
-                return Err(mismatch("reduce op", rop_of(kind), rop_of(pkind)));
-            }
-            if seq != pseq {
-                return Err(mismatch("operation count", seq.to_string(), pseq.to_string()));
-            }
-            if len != plen {
-                return Err(mismatch("bytes", len.to_string(), plen.to_string()));
-            }
-            if aux != paux {
-                return Err(mismatch(aux_name, aux.to_string(), paux.to_string()));
-            }
-        }
-        Ok(())
+        let mine = read(self.core.rank);
+        (0..self.core.size)
+            .filter(|&r| r != self.core.rank)
+            .try_for_each(|r| mine.agree(&read(r), at, r, aux_name))
     }
 
     /// Arrives at the next barrier and waits for every rank.
     fn barrier_wait(&mut self, at: &Site, deadline: Instant) -> Result<()> {
         self.epoch += 1;
         let epoch = self.epoch;
-        self.seg.rank(self.rank).epoch.store(epoch, Ordering::Release);
+        self.seg.rank(self.core.rank).epoch.store(epoch, Ordering::Release);
         ring(&self.seg);
-        let size = self.size;
+        let size = self.core.size;
         self.wait(at, deadline, |seg| {
             let pending = (0..size)
                 .filter(|&r| seg.rank(r).epoch.load(Ordering::Acquire) < epoch)
@@ -426,7 +352,7 @@ impl ShmComm {
         unsafe {
             std::ptr::copy_nonoverlapping(
                 src.as_ptr(),
-                self.seg.slot(self.rank, parity).add(off),
+                self.seg.slot(self.core.rank, parity).add(off),
                 src.len(),
             );
         }
@@ -450,7 +376,9 @@ impl ShmComm {
         // region that peers read only after the next barrier, and no other slice of this
         // region exists while the returned one lives (the callers' other slices are of the
         // user buffer and of peers' slots).
-        unsafe { std::slice::from_raw_parts_mut(self.seg.slot(self.rank, parity).add(off), len) }
+        unsafe {
+            std::slice::from_raw_parts_mut(self.seg.slot(self.core.rank, parity).add(off), len)
+        }
     }
 
     /// Bytes per piece for element type `dtype` when `ways` sub-pieces share one slot.
@@ -469,10 +397,9 @@ impl ShmComm {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        check::elements(at, "buffer", buf, dtype)?;
         let total = buf.len();
         let cap = self.piece_cap(dtype, 1);
-        let size = self.size;
+        let size = self.core.size;
         for (off, len) in pieces(total, cap) {
             let piece = &mut buf[off..off + len];
             let p = self.post(Op::AllReduce, dtype, Some(op), total, 0);
@@ -482,7 +409,7 @@ impl ShmComm {
                 let e = part(elems, size, r);
                 e.start * dtype.size()..e.end * dtype.size()
             };
-            let mine = chunk(self.rank);
+            let mine = chunk(self.core.rank);
             Self::failpoint(at, "shm.send")?;
             if small {
                 self.stage(p, 0, piece);
@@ -504,7 +431,7 @@ impl ShmComm {
             {
                 let srcs: Vec<&[u8]> = (0..size)
                     .map(|r| {
-                        if r == self.rank {
+                        if r == self.core.rank {
                             &piece[mine.clone()]
                         } else {
                             self.peek(r, p, mine.start, mine.len())
@@ -514,9 +441,14 @@ impl ShmComm {
                 let out = self.own_slot_mut(p, mine.start, mine.len());
                 reduce(dtype, op, out, &srcs);
             }
-            piece[mine.clone()].copy_from_slice(self.peek(self.rank, p, mine.start, mine.len()));
+            piece[mine.clone()].copy_from_slice(self.peek(
+                self.core.rank,
+                p,
+                mine.start,
+                mine.len(),
+            ));
             self.barrier_wait(at, deadline)?;
-            for r in (0..size).filter(|&r| r != self.rank) {
+            for r in (0..size).filter(|&r| r != self.core.rank) {
                 let c = chunk(r);
                 piece[c.clone()].copy_from_slice(self.peek(r, p, c.start, c.len()));
             }
@@ -533,7 +465,6 @@ impl ShmComm {
         sizes: &[usize],
         dtype: DType,
     ) -> Result<()> {
-        check::gather(at, send, recv, sizes, dtype)?;
         let total: usize = sizes.iter().sum();
         let most = sizes.iter().copied().max().unwrap_or(0);
         let starts: Vec<usize> =
@@ -547,14 +478,14 @@ impl ShmComm {
             };
             let p = self.post(Op::AllGatherUneven, dtype, None, total, sizes_tag);
             Self::failpoint(at, "shm.send")?;
-            self.stage(p, 0, &send[span(self.rank)]);
+            self.stage(p, 0, &send[span(self.core.rank)]);
             self.barrier_wait(at, deadline)?;
             self.check_descs(at, p, "sizes")?;
             Self::failpoint(at, "shm.recv")?;
-            for r in 0..self.size {
+            for r in 0..self.core.size {
                 let s = span(r);
                 let dst = &mut recv[starts[r] + s.start..starts[r] + s.end];
-                if r == self.rank {
+                if r == self.core.rank {
                     dst.copy_from_slice(&send[s]);
                 } else {
                     dst.copy_from_slice(self.peek(r, p, 0, s.len()));
@@ -572,18 +503,16 @@ impl ShmComm {
         dtype: DType,
         root: usize,
     ) -> Result<()> {
-        check::elements(at, "buffer", buf, dtype)?;
-        check::rank(at, "root", root)?;
         let total = buf.len();
         for (off, len) in pieces(total, self.piece_cap(dtype, 1)) {
             let p = self.post(Op::Broadcast, dtype, None, total, root as u64);
-            if self.rank == root {
+            if self.core.rank == root {
                 Self::failpoint(at, "shm.send")?;
                 self.stage(p, 0, &buf[off..off + len]);
             }
             self.barrier_wait(at, deadline)?;
             self.check_descs(at, p, "root")?;
-            if self.rank != root {
+            if self.core.rank != root {
                 Self::failpoint(at, "shm.recv")?;
                 buf[off..off + len].copy_from_slice(self.peek(root, p, 0, len));
             }
@@ -605,28 +534,28 @@ impl ShmComm {
     ) -> Result<()> {
         let chunk = match op {
             Some(_) => recv.len(),
-            None => recv.len() / self.size.max(1),
+            None => recv.len() / self.core.size.max(1),
         };
-        let cap = self.piece_cap(dtype, self.size);
+        let cap = self.piece_cap(dtype, self.core.size);
         let what = if op.is_some() { Op::ReduceScatter } else { Op::AllToAll };
         for (off, len) in pieces(chunk, cap) {
             let p = self.post(what, dtype, op, send.len(), 0);
             Self::failpoint(at, "shm.send")?;
-            for j in 0..self.size {
+            for j in 0..self.core.size {
                 self.stage(p, j * len, &send[j * chunk + off..j * chunk + off + len]);
             }
             self.barrier_wait(at, deadline)?;
             self.check_descs(at, p, "")?;
             Self::failpoint(at, "shm.recv")?;
-            let me = self.rank;
+            let me = self.core.rank;
             match op {
                 Some(op) => {
                     let srcs: Vec<&[u8]> =
-                        (0..self.size).map(|r| self.peek(r, p, me * len, len)).collect();
+                        (0..self.core.size).map(|r| self.peek(r, p, me * len, len)).collect();
                     reduce(dtype, op, &mut recv[off..off + len], &srcs);
                 }
                 None => {
-                    for s in 0..self.size {
+                    for s in 0..self.core.size {
                         recv[s * chunk + off..s * chunk + off + len].copy_from_slice(self.peek(
                             s,
                             p,
@@ -642,8 +571,8 @@ impl ShmComm {
 
     /// Writes `data` into the ring to `peer`, waiting for space.
     fn stream_write(&self, at: &Site, deadline: Instant, peer: usize, data: &[u8]) -> Result<()> {
-        let pair = self.seg.pair(self.rank, peer);
-        let ring_buf = self.seg.ring(self.rank, peer);
+        let pair = self.seg.pair(self.core.rank, peer);
+        let ring_buf = self.seg.ring(self.core.rank, peer);
         let cap = self.seg.ring_bytes() as u64;
         let mut done = 0;
         while done < data.len() {
@@ -678,8 +607,8 @@ impl ShmComm {
         peer: usize,
         data: &mut [u8],
     ) -> Result<()> {
-        let pair = self.seg.pair(peer, self.rank);
-        let ring_buf = self.seg.ring(peer, self.rank);
+        let pair = self.seg.pair(peer, self.core.rank);
+        let ring_buf = self.seg.ring(peer, self.core.rank);
         let cap = self.seg.ring_bytes() as u64;
         let mut done = 0;
         while done < data.len() {
@@ -731,140 +660,124 @@ fn ring_always(seg: &Segment) {
     futex::wake_all(bell);
 }
 
-impl Communicator for ShmComm {
-    fn rank(&self) -> usize {
-        self.rank
+impl Transport for ShmComm {
+    fn core(&self) -> &GroupCore {
+        &self.core
     }
-    fn size(&self) -> usize {
-        self.size
-    }
-    fn group(&self) -> &str {
-        &self.group
+    fn core_mut(&mut self) -> &mut GroupCore {
+        &mut self.core
     }
     fn backend(&self) -> &'static str {
         self.backend
     }
-    fn timeout(&self) -> Duration {
-        self.timeout
-    }
-    fn set_timeout(&mut self, timeout: Duration) {
-        self.timeout = timeout;
-    }
-    fn abort_handle(&self) -> AbortHandle {
-        self.abort.clone()
+
+    /// Sets this rank's failure word (the first one stays) and wakes every waiter.
+    fn publish_failure(&mut self, error: &Error, _first: bool) {
+        let word = blame_word(error, self.core.rank);
+        let ctrl = self.seg.rank(self.core.rank);
+        let _ = ctrl.failed.compare_exchange(0, word, Ordering::AcqRel, Ordering::Acquire);
+        ring_always(&self.seg);
     }
 
-    fn fail(&mut self, reason: &str) {
-        let at = self.site(Op::Barrier);
-        let _ = self.finish::<()>(Err(check::invalid(&at, format!("this rank failed: {reason}"))));
-    }
-
-    fn all_reduce_raw(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-        let (at, deadline) = self.begin(Op::AllReduce)?;
-        let r = self.all_reduce_inner(&at, deadline, buf, dtype, op);
-        self.finish(r)
-    }
-
-    fn all_gather_uneven_raw(
+    fn all_reduce(
         &mut self,
+        at: &Site,
+        deadline: Instant,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.all_reduce_inner(at, deadline, buf, dtype, op)
+    }
+
+    fn all_gather(
+        &mut self,
+        at: &Site,
+        deadline: Instant,
         send: &[u8],
         recv: &mut [u8],
         sizes: &[usize],
         dtype: DType,
     ) -> Result<()> {
-        let (at, deadline) = self.begin(Op::AllGatherUneven)?;
-        let r = self.all_gather_inner(&at, deadline, send, recv, sizes, dtype);
-        self.finish(r)
+        self.all_gather_inner(at, deadline, send, recv, sizes, dtype)
     }
 
-    fn all_gather_raw(&mut self, send: &[u8], recv: &mut [u8], dtype: DType) -> Result<()> {
-        let (at, deadline) = self.begin(Op::AllGather)?;
-        let sizes = vec![send.len(); self.size];
-        let r = self.all_gather_inner(&at, deadline, send, recv, &sizes, dtype);
-        self.finish(r)
-    }
-
-    fn reduce_scatter_raw(
+    fn reduce_scatter(
         &mut self,
+        at: &Site,
+        deadline: Instant,
         send: &[u8],
         recv: &mut [u8],
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        let (at, deadline) = self.begin(Op::ReduceScatter)?;
-        let r = check::elements(&at, "send buffer", send, dtype)
-            .and_then(|()| check::elements(&at, "receive buffer", recv, dtype))
-            .and_then(|()| check::chunked(&at, send, recv.len(), "send buffer"))
-            .and_then(|()| self.exchange_chunks(&at, deadline, send, recv, dtype, Some(op)));
-        self.finish(r)
+        self.exchange_chunks(at, deadline, send, recv, dtype, Some(op))
     }
 
-    fn broadcast_raw(&mut self, buf: &mut [u8], dtype: DType, root: usize) -> Result<()> {
-        let (at, deadline) = self.begin(Op::Broadcast)?;
-        let r = self.broadcast_inner(&at, deadline, buf, dtype, root);
-        self.finish(r)
+    fn broadcast(
+        &mut self,
+        at: &Site,
+        deadline: Instant,
+        buf: &mut [u8],
+        dtype: DType,
+        root: usize,
+    ) -> Result<()> {
+        self.broadcast_inner(at, deadline, buf, dtype, root)
     }
 
-    fn send_raw(&mut self, buf: &[u8], dtype: DType, peer: usize) -> Result<()> {
-        let (at, deadline) = self.begin(Op::Send)?;
-        let r = check::peer(&at, peer)
-            .and_then(|()| check::elements(&at, "buffer", buf, dtype))
-            .and_then(|()| Self::failpoint(&at, "shm.send"))
-            .and_then(|()| self.stream_write(&at, deadline, peer, &p2p_header(buf.len(), dtype)))
-            .and_then(|()| self.stream_write(&at, deadline, peer, buf));
-        self.finish(r)
+    fn send(
+        &mut self,
+        at: &Site,
+        deadline: Instant,
+        buf: &[u8],
+        dtype: DType,
+        peer: usize,
+    ) -> Result<()> {
+        Self::failpoint(at, "shm.send")?;
+        self.stream_write(at, deadline, peer, &p2p_header(buf.len(), dtype))?;
+        self.stream_write(at, deadline, peer, buf)
     }
 
-    fn recv_raw(&mut self, buf: &mut [u8], dtype: DType, peer: usize) -> Result<()> {
-        let (at, deadline) = self.begin(Op::Recv)?;
-        let r = check::peer(&at, peer)
-            .and_then(|()| check::elements(&at, "buffer", buf, dtype))
-            .and_then(|()| Self::failpoint(&at, "shm.recv"))
-            .and_then(|()| {
-                let mut header = [0u8; 16];
-                self.stream_read(&at, deadline, peer, &mut header)?;
-                if header != p2p_header(buf.len(), dtype) {
-                    let len = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
-                    let code = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
-                    let theirs = DType::from_code(code).map_or("unknown".into(), |d| d.to_string());
-                    return Err(Error::Mismatch {
-                        at: at.clone(),
-                        peer,
-                        what: "message",
-                        mine: format!("{} bytes of {dtype}", buf.len()),
-                        theirs: format!("{len} bytes of {theirs}"),
-                    });
-                }
-                self.stream_read(&at, deadline, peer, buf)
+    fn recv(
+        &mut self,
+        at: &Site,
+        deadline: Instant,
+        buf: &mut [u8],
+        dtype: DType,
+        peer: usize,
+    ) -> Result<()> {
+        Self::failpoint(at, "shm.recv")?;
+        let mut header = [0u8; 16];
+        self.stream_read(at, deadline, peer, &mut header)?;
+        if header != p2p_header(buf.len(), dtype) {
+            let len = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
+            let code = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
+            let theirs = DType::from_code(code).map_or("unknown".into(), |d| d.to_string());
+            return Err(Error::Mismatch {
+                at: at.clone(),
+                peer,
+                what: "message",
+                mine: format!("{} bytes of {dtype}", buf.len()),
+                theirs: format!("{len} bytes of {theirs}"),
             });
-        self.finish(r)
+        }
+        self.stream_read(at, deadline, peer, buf)
     }
 
-    fn all_to_all_raw(&mut self, send: &[u8], recv: &mut [u8], dtype: DType) -> Result<()> {
-        let (at, deadline) = self.begin(Op::AllToAll)?;
-        let r = check::elements(&at, "send buffer", send, dtype)
-            .and_then(|()| check::elements(&at, "receive buffer", recv, dtype))
-            .and_then(|()| {
-                if send.len() != recv.len() || !send.len().is_multiple_of(self.size * dtype.size()) {
-                    return Err(check::invalid(
-                        &at,
-                        format!(
-                            "send ({} bytes) and receive ({} bytes) must be equal and split into {} whole {dtype} chunks",
-                            send.len(),
-                            recv.len(),
-                            self.size
-                        ),
-                    ));
-                }
-                self.exchange_chunks(&at, deadline, send, recv, dtype, None)
-            });
-        self.finish(r)
+    fn all_to_all(
+        &mut self,
+        at: &Site,
+        deadline: Instant,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+    ) -> Result<()> {
+        self.exchange_chunks(at, deadline, send, recv, dtype, None)
     }
 
-    fn barrier(&mut self) -> Result<()> {
-        let (at, deadline) = self.begin(Op::Barrier)?;
+    fn barrier(&mut self, at: &Site, deadline: Instant) -> Result<()> {
         let p = self.post(Op::Barrier, DType::U8, None, 0, 0);
-        let r = self.barrier_wait(&at, deadline).and_then(|()| self.check_descs(&at, p, ""));
-        self.finish(r)
+        self.barrier_wait(at, deadline)?;
+        self.check_descs(at, p, "")
     }
 }
