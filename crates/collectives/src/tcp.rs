@@ -517,184 +517,6 @@ impl TcpComm {
         }
         Ok(())
     }
-
-    fn all_reduce_inner(
-        &mut self,
-        at: &Site,
-        deadline: Instant,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-    ) -> Result<()> {
-        let call = Call {
-            op: Op::AllReduce,
-            dtype,
-            rop: Some(op),
-            seq: self.seq,
-            total: buf.len(),
-            aux: 0,
-            aux_name: "",
-        };
-        if self.core.size == 1 {
-            return Ok(());
-        }
-        let len = buf.len();
-        if len * self.core.size <= DIRECT_BYTES {
-            let mut all = vec![0u8; len * self.core.size];
-            let sizes = vec![len; self.core.size];
-            self.direct_gather(at, deadline, &call, buf, &mut all, &sizes)?;
-            all[self.core.rank * len..(self.core.rank + 1) * len].copy_from_slice(buf);
-            // Every rank reduces the same sources in rank order: identical bits everywhere.
-            let srcs: Vec<&[u8]> = all.chunks(len.max(1)).take(self.core.size).collect();
-            if len > 0 {
-                reduce(dtype, op, buf, &srcs);
-            }
-            return Ok(());
-        }
-        let elems = len / dtype.size();
-        let chunks: Vec<_> = (0..self.core.size)
-            .map(|r| {
-                let e = part(elems, self.core.size, r);
-                e.start * dtype.size()..e.end * dtype.size()
-            })
-            .collect();
-        self.ring_reduce_scatter(at, deadline, &call, buf, &chunks, 1)?;
-        self.ring_all_gather(at, deadline, &call, buf, &chunks, 1)
-    }
-
-    fn all_gather_inner(
-        &mut self,
-        at: &Site,
-        deadline: Instant,
-        send: &[u8],
-        recv: &mut [u8],
-        sizes: &[usize],
-        dtype: DType,
-    ) -> Result<()> {
-        let total: usize = sizes.iter().sum();
-        let call = Call {
-            op: at.op,
-            dtype,
-            rop: None,
-            seq: self.seq,
-            total,
-            aux: fnv(sizes),
-            aux_name: "sizes",
-        };
-        let starts: Vec<usize> =
-            sizes.iter().scan(0, |acc, &s| Some(std::mem::replace(acc, *acc + s))).collect();
-        let chunks: Vec<_> = (0..self.core.size).map(|r| starts[r]..starts[r] + sizes[r]).collect();
-        recv[chunks[self.core.rank].clone()].copy_from_slice(send);
-        if self.core.size == 1 {
-            return Ok(());
-        }
-        if total <= DIRECT_BYTES {
-            return self.direct_gather(at, deadline, &call, send, recv, sizes);
-        }
-        self.ring_all_gather(at, deadline, &call, recv, &chunks, 0)
-    }
-
-    fn reduce_scatter_inner(
-        &mut self,
-        at: &Site,
-        deadline: Instant,
-        send: &[u8],
-        recv: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-    ) -> Result<()> {
-        let call = Call {
-            op: Op::ReduceScatter,
-            dtype,
-            rop: Some(op),
-            seq: self.seq,
-            total: send.len(),
-            aux: 0,
-            aux_name: "",
-        };
-        let chunk = recv.len();
-        let mut work = send.to_vec();
-        let chunks: Vec<_> = (0..self.core.size).map(|r| r * chunk..(r + 1) * chunk).collect();
-        if self.core.size > 1 {
-            self.ring_reduce_scatter(at, deadline, &call, &mut work, &chunks, 0)?;
-        }
-        recv.copy_from_slice(&work[chunks[self.core.rank].clone()]);
-        Ok(())
-    }
-
-    fn broadcast_inner(
-        &mut self,
-        at: &Site,
-        deadline: Instant,
-        buf: &mut [u8],
-        dtype: DType,
-        root: usize,
-    ) -> Result<()> {
-        let call = Call {
-            op: Op::Broadcast,
-            dtype,
-            rop: None,
-            seq: self.seq,
-            total: buf.len(),
-            aux: root as u64,
-            aux_name: "root",
-        };
-        if self.core.rank == root {
-            let me = self.core.rank;
-            let data: &[u8] = buf;
-            let mut outs: Vec<Out<'_>> = (0..self.core.size)
-                .filter(|&p| p != me)
-                .map(|peer| Out { peer, head: call.header(data.len()).encode(), data, done: 0 })
-                .collect();
-            self.exchange(at, deadline, &call, &mut outs, &mut [])
-        } else {
-            let want = call.header(buf.len());
-            let mut ins = [In { peer: root, want, head: [0; HDR], data: buf, done: 0 }];
-            self.exchange(at, deadline, &call, &mut [], &mut ins)
-        }
-    }
-
-    fn all_to_all_inner(
-        &mut self,
-        at: &Site,
-        deadline: Instant,
-        send: &[u8],
-        recv: &mut [u8],
-        dtype: DType,
-    ) -> Result<()> {
-        let call = Call {
-            op: Op::AllToAll,
-            dtype,
-            rop: None,
-            seq: self.seq,
-            total: send.len(),
-            aux: 0,
-            aux_name: "",
-        };
-        let chunk = send.len() / self.core.size;
-        let (r, n) = (self.core.rank, self.core.size);
-        recv[r * chunk..(r + 1) * chunk].copy_from_slice(&send[r * chunk..(r + 1) * chunk]);
-        for k in 1..n {
-            let to = (r + k) % n;
-            let from = (r + n - k) % n;
-            let mut outs = [Out {
-                peer: to,
-                head: call.header(chunk).encode(),
-                data: &send[to * chunk..(to + 1) * chunk],
-                done: 0,
-            }];
-            let want = call.header(chunk);
-            let mut ins = [In {
-                peer: from,
-                want,
-                head: [0; HDR],
-                data: &mut recv[from * chunk..(from + 1) * chunk],
-                done: 0,
-            }];
-            self.exchange(at, deadline, &call, &mut outs, &mut ins)?;
-        }
-        Ok(())
-    }
 }
 
 fn stream_of<'a>(peers: &'a [Option<TcpStream>], at: &Site, peer: usize) -> Result<&'a TcpStream> {
@@ -792,7 +614,40 @@ impl Transport for TcpComm {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        self.all_reduce_inner(at, deadline, buf, dtype, op)
+        let call = Call {
+            op: Op::AllReduce,
+            dtype,
+            rop: Some(op),
+            seq: self.seq,
+            total: buf.len(),
+            aux: 0,
+            aux_name: "",
+        };
+        if self.core.size == 1 {
+            return Ok(());
+        }
+        let len = buf.len();
+        if len * self.core.size <= DIRECT_BYTES {
+            let mut all = vec![0u8; len * self.core.size];
+            let sizes = vec![len; self.core.size];
+            self.direct_gather(at, deadline, &call, buf, &mut all, &sizes)?;
+            all[self.core.rank * len..(self.core.rank + 1) * len].copy_from_slice(buf);
+            // Every rank reduces the same sources in rank order: identical bits everywhere.
+            let srcs: Vec<&[u8]> = all.chunks(len.max(1)).take(self.core.size).collect();
+            if len > 0 {
+                reduce(dtype, op, buf, &srcs);
+            }
+            return Ok(());
+        }
+        let elems = len / dtype.size();
+        let chunks: Vec<_> = (0..self.core.size)
+            .map(|r| {
+                let e = part(elems, self.core.size, r);
+                e.start * dtype.size()..e.end * dtype.size()
+            })
+            .collect();
+        self.ring_reduce_scatter(at, deadline, &call, buf, &chunks, 1)?;
+        self.ring_all_gather(at, deadline, &call, buf, &chunks, 1)
     }
 
     fn all_gather(
@@ -804,7 +659,27 @@ impl Transport for TcpComm {
         sizes: &[usize],
         dtype: DType,
     ) -> Result<()> {
-        self.all_gather_inner(at, deadline, send, recv, sizes, dtype)
+        let total: usize = sizes.iter().sum();
+        let call = Call {
+            op: at.op,
+            dtype,
+            rop: None,
+            seq: self.seq,
+            total,
+            aux: fnv(sizes),
+            aux_name: "sizes",
+        };
+        let starts: Vec<usize> =
+            sizes.iter().scan(0, |acc, &s| Some(std::mem::replace(acc, *acc + s))).collect();
+        let chunks: Vec<_> = (0..self.core.size).map(|r| starts[r]..starts[r] + sizes[r]).collect();
+        recv[chunks[self.core.rank].clone()].copy_from_slice(send);
+        if self.core.size == 1 {
+            return Ok(());
+        }
+        if total <= DIRECT_BYTES {
+            return self.direct_gather(at, deadline, &call, send, recv, sizes);
+        }
+        self.ring_all_gather(at, deadline, &call, recv, &chunks, 0)
     }
 
     fn reduce_scatter(
@@ -816,7 +691,23 @@ impl Transport for TcpComm {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        self.reduce_scatter_inner(at, deadline, send, recv, dtype, op)
+        let call = Call {
+            op: Op::ReduceScatter,
+            dtype,
+            rop: Some(op),
+            seq: self.seq,
+            total: send.len(),
+            aux: 0,
+            aux_name: "",
+        };
+        let chunk = recv.len();
+        let mut work = send.to_vec();
+        let chunks: Vec<_> = (0..self.core.size).map(|r| r * chunk..(r + 1) * chunk).collect();
+        if self.core.size > 1 {
+            self.ring_reduce_scatter(at, deadline, &call, &mut work, &chunks, 0)?;
+        }
+        recv.copy_from_slice(&work[chunks[self.core.rank].clone()]);
+        Ok(())
     }
 
     fn broadcast(
@@ -827,7 +718,28 @@ impl Transport for TcpComm {
         dtype: DType,
         root: usize,
     ) -> Result<()> {
-        self.broadcast_inner(at, deadline, buf, dtype, root)
+        let call = Call {
+            op: Op::Broadcast,
+            dtype,
+            rop: None,
+            seq: self.seq,
+            total: buf.len(),
+            aux: root as u64,
+            aux_name: "root",
+        };
+        if self.core.rank == root {
+            let me = self.core.rank;
+            let data: &[u8] = buf;
+            let mut outs: Vec<Out<'_>> = (0..self.core.size)
+                .filter(|&p| p != me)
+                .map(|peer| Out { peer, head: call.header(data.len()).encode(), data, done: 0 })
+                .collect();
+            self.exchange(at, deadline, &call, &mut outs, &mut [])
+        } else {
+            let want = call.header(buf.len());
+            let mut ins = [In { peer: root, want, head: [0; HDR], data: buf, done: 0 }];
+            self.exchange(at, deadline, &call, &mut [], &mut ins)
+        }
     }
 
     fn send(
@@ -865,7 +777,38 @@ impl Transport for TcpComm {
         recv: &mut [u8],
         dtype: DType,
     ) -> Result<()> {
-        self.all_to_all_inner(at, deadline, send, recv, dtype)
+        let call = Call {
+            op: Op::AllToAll,
+            dtype,
+            rop: None,
+            seq: self.seq,
+            total: send.len(),
+            aux: 0,
+            aux_name: "",
+        };
+        let chunk = send.len() / self.core.size;
+        let (r, n) = (self.core.rank, self.core.size);
+        recv[r * chunk..(r + 1) * chunk].copy_from_slice(&send[r * chunk..(r + 1) * chunk]);
+        for k in 1..n {
+            let to = (r + k) % n;
+            let from = (r + n - k) % n;
+            let mut outs = [Out {
+                peer: to,
+                head: call.header(chunk).encode(),
+                data: &send[to * chunk..(to + 1) * chunk],
+                done: 0,
+            }];
+            let want = call.header(chunk);
+            let mut ins = [In {
+                peer: from,
+                want,
+                head: [0; HDR],
+                data: &mut recv[from * chunk..(from + 1) * chunk],
+                done: 0,
+            }];
+            self.exchange(at, deadline, &call, &mut outs, &mut ins)?;
+        }
+        Ok(())
     }
 
     fn barrier(&mut self, at: &Site, deadline: Instant) -> Result<()> {

@@ -389,137 +389,6 @@ impl ShmComm {
         (per / align * align).max(dtype.size())
     }
 
-    fn all_reduce_inner(
-        &mut self,
-        at: &Site,
-        deadline: Instant,
-        buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
-    ) -> Result<()> {
-        let total = buf.len();
-        let cap = self.piece_cap(dtype, 1);
-        let size = self.core.size;
-        for (off, len) in pieces(total, cap) {
-            let piece = &mut buf[off..off + len];
-            let p = self.post(Op::AllReduce, dtype, Some(op), total, 0);
-            let small = len * size <= SMALL_REDUCE_BYTES;
-            let elems = len / dtype.size();
-            let chunk = |r: usize| {
-                let e = part(elems, size, r);
-                e.start * dtype.size()..e.end * dtype.size()
-            };
-            let mine = chunk(self.core.rank);
-            Self::failpoint(at, "shm.send")?;
-            if small {
-                self.stage(p, 0, piece);
-            } else {
-                // Peers read every chunk of this slot but this rank's own: leave that one out.
-                self.stage(p, 0, &piece[..mine.start]);
-                self.stage(p, mine.end, &piece[mine.end..]);
-            }
-            self.barrier_wait(at, deadline)?;
-            self.check_descs(at, p, "")?;
-            Self::failpoint(at, "shm.recv")?;
-            if small {
-                let srcs: Vec<&[u8]> = (0..size).map(|r| self.peek(r, p, 0, len)).collect();
-                reduce(dtype, op, piece, &srcs);
-                continue;
-            }
-            // Reduce-scatter: this rank reduces its chunk (its own data from the buffer, the
-            // peers' from their slots) into its slot, where the peers gather it from.
-            {
-                let srcs: Vec<&[u8]> = (0..size)
-                    .map(|r| {
-                        if r == self.core.rank {
-                            &piece[mine.clone()]
-                        } else {
-                            self.peek(r, p, mine.start, mine.len())
-                        }
-                    })
-                    .collect();
-                let out = self.own_slot_mut(p, mine.start, mine.len());
-                reduce(dtype, op, out, &srcs);
-            }
-            piece[mine.clone()].copy_from_slice(self.peek(
-                self.core.rank,
-                p,
-                mine.start,
-                mine.len(),
-            ));
-            self.barrier_wait(at, deadline)?;
-            for r in (0..size).filter(|&r| r != self.core.rank) {
-                let c = chunk(r);
-                piece[c.clone()].copy_from_slice(self.peek(r, p, c.start, c.len()));
-            }
-        }
-        Ok(())
-    }
-
-    fn all_gather_inner(
-        &mut self,
-        at: &Site,
-        deadline: Instant,
-        send: &[u8],
-        recv: &mut [u8],
-        sizes: &[usize],
-        dtype: DType,
-    ) -> Result<()> {
-        let total: usize = sizes.iter().sum();
-        let most = sizes.iter().copied().max().unwrap_or(0);
-        let starts: Vec<usize> =
-            sizes.iter().scan(0, |acc, &s| Some(std::mem::replace(acc, *acc + s))).collect();
-        let sizes_tag = fnv(sizes);
-        let cap = self.piece_cap(dtype, 1);
-        for (off, _) in pieces(most, cap) {
-            let span = |r: usize| {
-                let lo = off.min(sizes[r]);
-                lo..(off + cap).min(sizes[r])
-            };
-            let p = self.post(Op::AllGatherUneven, dtype, None, total, sizes_tag);
-            Self::failpoint(at, "shm.send")?;
-            self.stage(p, 0, &send[span(self.core.rank)]);
-            self.barrier_wait(at, deadline)?;
-            self.check_descs(at, p, "sizes")?;
-            Self::failpoint(at, "shm.recv")?;
-            for r in 0..self.core.size {
-                let s = span(r);
-                let dst = &mut recv[starts[r] + s.start..starts[r] + s.end];
-                if r == self.core.rank {
-                    dst.copy_from_slice(&send[s]);
-                } else {
-                    dst.copy_from_slice(self.peek(r, p, 0, s.len()));
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn broadcast_inner(
-        &mut self,
-        at: &Site,
-        deadline: Instant,
-        buf: &mut [u8],
-        dtype: DType,
-        root: usize,
-    ) -> Result<()> {
-        let total = buf.len();
-        for (off, len) in pieces(total, self.piece_cap(dtype, 1)) {
-            let p = self.post(Op::Broadcast, dtype, None, total, root as u64);
-            if self.core.rank == root {
-                Self::failpoint(at, "shm.send")?;
-                self.stage(p, 0, &buf[off..off + len]);
-            }
-            self.barrier_wait(at, deadline)?;
-            self.check_descs(at, p, "root")?;
-            if self.core.rank != root {
-                Self::failpoint(at, "shm.recv")?;
-                buf[off..off + len].copy_from_slice(self.peek(root, p, 0, len));
-            }
-        }
-        Ok(())
-    }
-
     /// Shared body of reduce_scatter (`op` set) and all_to_all (`op` none): every rank stages
     /// sub-piece `j` of its chunk `j` for all `j`, then takes sub-piece `rank` of every slot.
     #[allow(clippy::too_many_arguments)]
@@ -687,7 +556,63 @@ impl Transport for ShmComm {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        self.all_reduce_inner(at, deadline, buf, dtype, op)
+        let total = buf.len();
+        let cap = self.piece_cap(dtype, 1);
+        let size = self.core.size;
+        for (off, len) in pieces(total, cap) {
+            let piece = &mut buf[off..off + len];
+            let p = self.post(Op::AllReduce, dtype, Some(op), total, 0);
+            let small = len * size <= SMALL_REDUCE_BYTES;
+            let elems = len / dtype.size();
+            let chunk = |r: usize| {
+                let e = part(elems, size, r);
+                e.start * dtype.size()..e.end * dtype.size()
+            };
+            let mine = chunk(self.core.rank);
+            Self::failpoint(at, "shm.send")?;
+            if small {
+                self.stage(p, 0, piece);
+            } else {
+                // Peers read every chunk of this slot but this rank's own: leave that one out.
+                self.stage(p, 0, &piece[..mine.start]);
+                self.stage(p, mine.end, &piece[mine.end..]);
+            }
+            self.barrier_wait(at, deadline)?;
+            self.check_descs(at, p, "")?;
+            Self::failpoint(at, "shm.recv")?;
+            if small {
+                let srcs: Vec<&[u8]> = (0..size).map(|r| self.peek(r, p, 0, len)).collect();
+                reduce(dtype, op, piece, &srcs);
+                continue;
+            }
+            // Reduce-scatter: this rank reduces its chunk (its own data from the buffer, the
+            // peers' from their slots) into its slot, where the peers gather it from.
+            {
+                let srcs: Vec<&[u8]> = (0..size)
+                    .map(|r| {
+                        if r == self.core.rank {
+                            &piece[mine.clone()]
+                        } else {
+                            self.peek(r, p, mine.start, mine.len())
+                        }
+                    })
+                    .collect();
+                let out = self.own_slot_mut(p, mine.start, mine.len());
+                reduce(dtype, op, out, &srcs);
+            }
+            piece[mine.clone()].copy_from_slice(self.peek(
+                self.core.rank,
+                p,
+                mine.start,
+                mine.len(),
+            ));
+            self.barrier_wait(at, deadline)?;
+            for r in (0..size).filter(|&r| r != self.core.rank) {
+                let c = chunk(r);
+                piece[c.clone()].copy_from_slice(self.peek(r, p, c.start, c.len()));
+            }
+        }
+        Ok(())
     }
 
     fn all_gather(
@@ -699,7 +624,34 @@ impl Transport for ShmComm {
         sizes: &[usize],
         dtype: DType,
     ) -> Result<()> {
-        self.all_gather_inner(at, deadline, send, recv, sizes, dtype)
+        let total: usize = sizes.iter().sum();
+        let most = sizes.iter().copied().max().unwrap_or(0);
+        let starts: Vec<usize> =
+            sizes.iter().scan(0, |acc, &s| Some(std::mem::replace(acc, *acc + s))).collect();
+        let sizes_tag = fnv(sizes);
+        let cap = self.piece_cap(dtype, 1);
+        for (off, _) in pieces(most, cap) {
+            let span = |r: usize| {
+                let lo = off.min(sizes[r]);
+                lo..(off + cap).min(sizes[r])
+            };
+            let p = self.post(Op::AllGatherUneven, dtype, None, total, sizes_tag);
+            Self::failpoint(at, "shm.send")?;
+            self.stage(p, 0, &send[span(self.core.rank)]);
+            self.barrier_wait(at, deadline)?;
+            self.check_descs(at, p, "sizes")?;
+            Self::failpoint(at, "shm.recv")?;
+            for r in 0..self.core.size {
+                let s = span(r);
+                let dst = &mut recv[starts[r] + s.start..starts[r] + s.end];
+                if r == self.core.rank {
+                    dst.copy_from_slice(&send[s]);
+                } else {
+                    dst.copy_from_slice(self.peek(r, p, 0, s.len()));
+                }
+            }
+        }
+        Ok(())
     }
 
     fn reduce_scatter(
@@ -722,7 +674,21 @@ impl Transport for ShmComm {
         dtype: DType,
         root: usize,
     ) -> Result<()> {
-        self.broadcast_inner(at, deadline, buf, dtype, root)
+        let total = buf.len();
+        for (off, len) in pieces(total, self.piece_cap(dtype, 1)) {
+            let p = self.post(Op::Broadcast, dtype, None, total, root as u64);
+            if self.core.rank == root {
+                Self::failpoint(at, "shm.send")?;
+                self.stage(p, 0, &buf[off..off + len]);
+            }
+            self.barrier_wait(at, deadline)?;
+            self.check_descs(at, p, "root")?;
+            if self.core.rank != root {
+                Self::failpoint(at, "shm.recv")?;
+                buf[off..off + len].copy_from_slice(self.peek(root, p, 0, len));
+            }
+        }
+        Ok(())
     }
 
     fn send(
