@@ -4,6 +4,7 @@
 //! so a typo never silently falls back to a default. Command-line flags override the file.
 
 use anyhow::{Context, Result};
+use mesh::{AxisBackends, Backend};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -519,7 +520,7 @@ pub struct LaunchSettings {
     /// The model as given (a path, catalog name or Hugging Face id), not resolved yet.
     pub model: String,
     /// The backend of the TP, CP and control axes.
-    pub backends: [mesh::Backend; 3],
+    pub backends: AxisBackends,
     /// Compute threads per rank.
     pub threads: usize,
     /// Tokens of one sequence (its KV cache).
@@ -566,21 +567,22 @@ impl Config {
             bail!("tp x cp = {world} ranks do not split evenly over --nnodes {nnodes}");
         }
         let nproc = world / nnodes;
+        let every = |b| AxisBackends { tp: b, cp: b, control: b };
         let backends = match flags.backend {
             // NCCL carries data only: the control axis (step agreement) stays on the host.
-            Some(mesh::Backend::Nccl) => {
-                let control = if nnodes > 1 { mesh::Backend::Tcp } else { mesh::Backend::Shm };
-                [mesh::Backend::Nccl, mesh::Backend::Nccl, control]
+            Some(Backend::Nccl) => {
+                let control = if nnodes > 1 { Backend::Tcp } else { Backend::Shm };
+                AxisBackends { tp: Backend::Nccl, cp: Backend::Nccl, control }
             }
-            Some(b) => [b, b, b],
+            Some(b) => every(b),
             // Across nodes shared memory cannot carry an axis: TCP everywhere.
-            None if nnodes > 1 => [mesh::Backend::Tcp; 3],
+            None if nnodes > 1 => every(Backend::Tcp),
             None => {
                 let b = &self.layout.backends;
-                [b.tp, b.cp, b.control]
+                AxisBackends { tp: b.tp, cp: b.cp, control: b.control }
             }
         };
-        if backends.contains(&mesh::Backend::Nccl) && !cuda_built {
+        if [backends.tp, backends.cp, backends.control].contains(&Backend::Nccl) && !cuda_built {
             bail!(
                 "the nccl backend: this tpctl was built without CUDA; build it with \
                  `cargo build --release -p tpctl --features cuda`"

@@ -706,7 +706,7 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         model,
         tp: settings.tp,
         cp: settings.cp,
-        backends: settings.backends.map(|b| b.to_string()),
+        backends: settings.backends,
         threads: settings.threads,
         native_weights: config.model.weights == WeightsForm::Native,
         kv_cache_tokens: settings.kv_cache_tokens,

@@ -9,7 +9,6 @@ use anyhow::{Context, Result};
 use collectives::{init_parallel_with, InitOptions};
 use layers::kernels::Backend;
 use layers::model::WeightForm;
-use mesh::AxisBackends;
 use session::memory::{ModelMemory, ModelRankMemory, Restore};
 use session::sharded::ShardedFactory;
 use session::sleep::{
@@ -56,11 +55,7 @@ pub fn run() -> Result<()> {
     let spec = RankSpec::from_env()?;
     let config = layers::model::load_config(&spec.model)
         .with_context(|| format!("opening {}", spec.model.display()))?;
-    let backends = AxisBackends {
-        tp: spec.backends[0].parse()?,
-        cp: spec.backends[1].parse()?,
-        control: spec.backends[2].parse()?,
-    };
+    let backends = spec.backends;
     let timeout = Duration::from_secs_f64(spec.timeout_s);
     let rv = mesh::Rendezvous::from_env()?;
     let compute = compute_backend(&spec, &rv)?;

@@ -55,8 +55,9 @@ pub struct RankSpec {
     pub tp: usize,
     /// Context-parallel size.
     pub cp: usize,
-    /// Backends for the tp, cp and control axes (`shm`, `tcp`).
-    pub backends: [String; 3],
+    /// Backends for the tp, cp and control axes.
+    #[serde(with = "axis_backends")]
+    pub backends: mesh::AxisBackends,
     /// Compute threads per rank.
     pub threads: usize,
     /// Keep quantized weights quantized (`false`: convert to f32).
@@ -180,5 +181,34 @@ impl RankSpec {
             serve.api_key = std::env::var(RANK0_API_KEY_ENV).ok().filter(|k| !k.is_empty());
         }
         Ok(spec)
+    }
+}
+
+/// [`mesh::AxisBackends`] in the spec as `{"tp": "shm", "cp": "shm", "control": "shm"}`, the
+/// names `mesh::Backend` parses (mesh itself has no serde).
+mod axis_backends {
+    use mesh::{AxisBackends, Backend};
+    use serde::{de::Error as _, Deserialize, Deserializer, Serialize, Serializer};
+
+    #[derive(Serialize, Deserialize)]
+    struct Names {
+        tp: String,
+        cp: String,
+        control: String,
+    }
+
+    pub(super) fn serialize<S: Serializer>(b: &AxisBackends, s: S) -> Result<S::Ok, S::Error> {
+        Names { tp: b.tp.to_string(), cp: b.cp.to_string(), control: b.control.to_string() }
+            .serialize(s)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<AxisBackends, D::Error> {
+        let names = Names::deserialize(d)?;
+        let parse = |name: &str| name.parse::<Backend>().map_err(D::Error::custom);
+        Ok(AxisBackends {
+            tp: parse(&names.tp)?,
+            cp: parse(&names.cp)?,
+            control: parse(&names.control)?,
+        })
     }
 }

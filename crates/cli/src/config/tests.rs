@@ -1,6 +1,11 @@
 //! The config file: defaults, full files, and the errors people will actually hit.
 
 use super::*;
+use mesh::Backend::{Nccl, Shm, Tcp};
+
+fn axes(tp: Backend, cp: Backend, control: Backend) -> AxisBackends {
+    AxisBackends { tp, cp, control }
+}
 
 #[test]
 fn an_empty_file_is_all_defaults() {
@@ -97,7 +102,7 @@ fn launch_settings_take_flags_over_the_file_over_the_defaults() {
     assert_eq!((none.tp, none.cp, none.nproc, none.threads), (1, 1, 1, 8));
     assert_eq!(none.model, Config::default().model.name);
     assert_eq!(none.kv_cache_tokens, 4096);
-    assert_eq!(none.backends, [mesh::Backend::Shm; 3]);
+    assert_eq!(none.backends, axes(Shm, Shm, Shm));
     let file = Config::parse(
         "[layout]\ntp = 2\ncp = 2\n[runtime]\nthreads = 3\nkv_cache_tokens = 512\n[model]\nname = \"m.gguf\"\n",
         "launch.toml",
@@ -118,18 +123,18 @@ fn launch_settings_take_flags_over_the_file_over_the_defaults() {
     let flagged = file.launch(&over, 8, false).unwrap();
     assert_eq!((flagged.tp, flagged.cp, flagged.threads, flagged.kv_cache_tokens), (4, 1, 1, 64));
     assert_eq!(flagged.model, "x.gguf");
-    assert_eq!(flagged.backends, [mesh::Backend::Tcp; 3]);
+    assert_eq!(flagged.backends, axes(Tcp, Tcp, Tcp));
     // Threads default to the cores over this node's ranks.
     let split = Config::default().launch(&flags(Some(2), Some(2)), 8, false).unwrap();
     assert_eq!(split.threads, 2);
     // Two nodes: half the ranks each, TCP on every axis unless told.
     let two = LaunchFlags { nnodes: 2, node_rank: 1, ..flags(Some(4), None) };
     let two = Config::default().launch(&two, 8, false).unwrap();
-    assert_eq!((two.nproc, two.backends), (2, [mesh::Backend::Tcp; 3]));
+    assert_eq!((two.nproc, two.backends), (2, axes(Tcp, Tcp, Tcp)));
     // NCCL keeps the control axis on the host.
     let nccl = LaunchFlags { backend: Some(mesh::Backend::Nccl), ..flags(Some(2), None) };
     let nccl = Config::default().launch(&nccl, 8, true).unwrap();
-    assert_eq!(nccl.backends, [mesh::Backend::Nccl, mesh::Backend::Nccl, mesh::Backend::Shm]);
+    assert_eq!(nccl.backends, axes(Nccl, Nccl, Shm));
 }
 
 #[test]
