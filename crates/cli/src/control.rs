@@ -39,19 +39,20 @@
 //!   (and rolls back) a sleep whose memory probe on some rank did not drop.
 //! - `wakeup {tags, model}`: materializes `tags` again; empty `tags` means every tag asleep.
 //!   `model`, only while the weights are asleep, names the checkpoint they come back from
-//!   (an `update_weights` first, then the wakeup: [`run_wakeup`]).
+//!   (an `update_weights` first, then the wakeup: [`Controller::wakeup`]).
 //! - `update_weights {model, mode}`: every rank loads its shard of the checkpoint at `model`
 //!   (same architecture and shapes) into its weights, asleep or awake (awake: quiesced per
 //!   `mode` first), two-phase: a failure anywhere leaves the old weights everywhere.
 //! - `status`: the deployment's state and each rank's asleep tags and memory probe.
 //! - `stop`: answers, then stops the deployment (as Ctrl-C on the launcher would).
 //!
-//! Any other method is refused with an error reply. A failed operation replies `ok: false`
-//! with the aggregate error and every failing rank.
+//! Any other method is refused with an error reply naming the methods there are
+//! ([`Request::parse`]). A failed operation replies `ok: false` with the aggregate error and
+//! every failing rank.
 //!
-//! The HTTP API of `tpctl serve` runs the same operations ([`run_op`], [`run_wakeup`],
-//! [`run_update`]); both record them in
-//! the deployment's [`Journal`], which `/metrics` reads.
+//! Rank 0 makes one [`Controller`] (its coordinator and the deployment's [`Journal`]); the
+//! socket and the HTTP API of `tpctl serve` run every operation through a clone of it, so
+//! both record into the journal `/metrics` reads.
 
 pub mod client;
 pub mod paths;
@@ -66,7 +67,7 @@ use session::sleep::{
     QuiesceMode, RankFailure, RankReceipt,
 };
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The tags a sleep without tags releases: every tag a deployment allocates.
 pub const ALL_TAGS: [&str; 2] = ["weights", "kv_cache"];
@@ -74,34 +75,101 @@ pub const ALL_TAGS: [&str; 2] = ["weights", "kv_cache"];
 /// The most tags one request may name.
 pub const MAX_TAGS: usize = 16;
 
-/// One request line.
+/// One request line, tagged by its `method` (see the module docs).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "method", rename_all = "snake_case")]
+pub enum Request {
+    /// Releases tags on every rank.
+    Sleep(SleepArgs),
+    /// Materializes tags again, optionally from another checkpoint.
+    #[serde(alias = "wake_up")]
+    Wakeup(WakeupArgs),
+    /// Replaces the weights on every rank.
+    UpdateWeights(UpdateArgs),
+    /// The deployment's state.
+    Status,
+    /// Stops the deployment.
+    Stop,
+}
+
+/// The options of a `sleep`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Request {
-    /// `sleep`, `wakeup`, `status` or `stop`.
-    pub method: String,
-    /// The tags (sleep, wakeup); empty means all (see the module docs).
+pub struct SleepArgs {
+    /// The tags; empty means all (see the module docs).
     #[serde(default)]
     pub tags: Vec<String>,
     /// vLLM's sleep level, 1 or 2 (see the module docs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub level: Option<u8>,
-    /// What running requests do during a sleep.
+    /// What running requests do during the sleep.
     #[serde(default)]
     pub mode: QuiesceMode,
     /// Fail a sleep whose memory probe did not drop on some rank.
     #[serde(default)]
     pub verify: bool,
-    /// The checkpoint `update_weights` (or a `wakeup` of sleeping weights) loads (a GGUF
-    /// file or a Hugging Face folder).
+}
+
+/// The options of a `wakeup`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WakeupArgs {
+    /// The tags; empty means every tag asleep.
+    #[serde(default)]
+    pub tags: Vec<String>,
+    /// The checkpoint sleeping weights come back from (a GGUF file or a Hugging Face folder).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
 }
 
+/// The options of an `update_weights`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateArgs {
+    /// The checkpoint to load (a GGUF file or a Hugging Face folder).
+    #[serde(default)]
+    pub model: String,
+    /// What running requests do while awake weights are replaced.
+    #[serde(default)]
+    pub mode: QuiesceMode,
+}
+
+/// The methods a request line may name.
+const METHODS: [&str; 5] = ["sleep", "wakeup", "update_weights", "status", "stop"];
+
 impl Request {
-    /// A request of `method` with no tags and default options.
-    pub fn new(method: &str) -> Request {
-        Request { method: method.to_owned(), ..Request::default() }
+    /// The request's method, as the wire names it.
+    pub fn method(&self) -> &'static str {
+        match self {
+            Request::Sleep(_) => "sleep",
+            Request::Wakeup(_) => "wakeup",
+            Request::UpdateWeights(_) => "update_weights",
+            Request::Status => "status",
+            Request::Stop => "stop",
+        }
+    }
+
+    /// Reads one request line. An unknown method is refused by name with the methods there
+    /// are; an unknown field is refused by name.
+    ///
+    /// # Errors
+    /// A message for the caller.
+    pub fn parse(line: &str) -> Result<Request, String> {
+        let not_a_request = |e: serde_json::Error| {
+            format!(
+                "the request is not a JSON control request (one line like {{\"method\":\"status\"}}): {e}"
+            )
+        };
+        let value: serde_json::Value = serde_json::from_str(line).map_err(not_a_request)?;
+        if let Some(method) = value.get("method").and_then(serde_json::Value::as_str) {
+            if !METHODS.contains(&method) && method != "wake_up" {
+                return Err(format!(
+                    "unknown control method `{method}`: expected sleep, wakeup, update_weights, \
+                     status or stop"
+                ));
+            }
+        }
+        serde_json::from_value(value).map_err(not_a_request)
     }
 }
 
@@ -313,83 +381,126 @@ pub fn expand_tags(action: Action, tags: &[String], state: &DeploymentState) -> 
     }
 }
 
-/// Runs a sleep or wakeup on every rank (blocking: up to the coordinator's ACK timeouts),
-/// with the tags expanded per [`expand_tags`], and records it in the deployment's journal.
-///
-/// # Errors
-/// The checked tags are bad ([`ErrorWire::client_error`]), or the operation failed: the
-/// aggregate error with every failing rank.
-pub fn run_op(
-    coordinator: &Arc<Coordinator>,
-    action: Action,
-    tags: &[String],
-    opts: OpOptions,
-) -> Result<OpWire, ErrorWire> {
-    check_tags(tags).map_err(ErrorWire::client)?;
-    let tags = expand_tags(action, tags, &coordinator.state());
-    let journal = journal(coordinator);
-    let result = match action {
-        Action::Sleep => coordinator.sleep(&tags, opts),
-        Action::Wakeup => coordinator.wakeup(&tags, opts),
-        Action::Update | Action::Revert => {
-            return Err(ErrorWire::client(format!("{action} is not a sleep or wakeup")))
-        }
-    };
-    record(&journal, action, result)
+/// Rank 0's handle on its deployment's sleep, wakeup and weight updates: the coordinator and
+/// the journal of what it did. The control socket and the HTTP API hold clones of one handle,
+/// so both record into the one journal `/metrics` reads.
+#[derive(Clone, Debug)]
+pub struct Controller {
+    coordinator: Arc<Coordinator>,
+    journal: Journal,
 }
 
-/// A wakeup that first names the checkpoint it loads: after a sleep that discarded the
-/// weights (level 2), `model` is staged on every rank as a weight update (two-phase, nothing
-/// changed on a failure), and the wakeup then loads it. Without `model`, [`run_op`].
-///
-/// # Errors
-/// `model` while the weights are awake (a client error: that is `update_weights`), or the
-/// update's or the wakeup's error. A wakeup that fails after the update leaves the new
-/// checkpoint staged, still asleep: the next wakeup loads it.
-pub fn run_wakeup(
-    coordinator: &Arc<Coordinator>,
-    tags: &[String],
-    model: Option<&str>,
-    opts: OpOptions,
-) -> Result<OpWire, ErrorWire> {
-    if let Some(model) = model {
-        let weights = ALL_TAGS[0];
-        let asleep = match coordinator.state() {
-            DeploymentState::Sleeping(t) | DeploymentState::Waking(t) => t,
-            _ => Vec::new(),
+impl Controller {
+    /// The handle of `coordinator`'s deployment, with an empty journal.
+    pub fn new(coordinator: Arc<Coordinator>) -> Controller {
+        Controller { coordinator, journal: Journal::default() }
+    }
+
+    /// The deployment's coordinator.
+    pub fn coordinator(&self) -> &Arc<Coordinator> {
+        &self.coordinator
+    }
+
+    /// What the deployment's operations did so far.
+    pub fn journal(&self) -> &Journal {
+        &self.journal
+    }
+
+    /// Serves one request (blocking: up to the coordinator's ACK timeouts); `stop`, which only
+    /// the caller can carry out, is answered as stopping.
+    pub fn execute(&self, request: &Request) -> Reply {
+        let answer = |op: Result<OpWire, ErrorWire>| match op {
+            Ok(op) => Reply { ok: true, op: Some(op), ..Reply::default() },
+            Err(e) => Reply { ok: false, error: Some(e), ..Reply::default() },
         };
-        if !asleep.iter().any(|t| t == weights) {
-            return Err(ErrorWire::client(format!(
-                "a wakeup names a checkpoint (model={model}) only while the weights are asleep; \
-                 awake, replace them with update_weights"
-            )));
+        match request {
+            Request::Sleep(args) => answer(self.sleep(args)),
+            Request::Wakeup(args) => answer(self.wakeup(args)),
+            Request::UpdateWeights(args) => answer(self.update_weights(args)),
+            Request::Status => match self.coordinator.status() {
+                Ok(s) => Reply { ok: true, status: Some(StatusWire::from(&s)), ..Reply::default() },
+                Err(e) => Reply { ok: false, error: Some(ErrorWire::from(&e)), ..Reply::default() },
+            },
+            Request::Stop => Reply { ok: true, stopping: Some(true), ..Reply::default() },
         }
-        check_tags(tags).map_err(ErrorWire::client)?;
-        if !tags.is_empty() && !tags.iter().any(|t| t == weights) {
-            return Err(ErrorWire::client(format!(
-                "a wakeup that names a checkpoint (model={model}) must wake the weights"
-            )));
-        }
-        run_update(coordinator, model, opts)?;
     }
-    run_op(coordinator, Action::Wakeup, tags, opts)
-}
 
-/// Replaces the weights on every rank with those of the checkpoint at `model` (see
-/// [`Coordinator::update_weights`]) and records it in the deployment's journal.
-///
-/// # Errors
-/// The operation's error, on the wire.
-pub fn run_update(
-    coordinator: &Arc<Coordinator>,
-    model: &str,
-    opts: OpOptions,
-) -> Result<OpWire, ErrorWire> {
-    if model.trim().is_empty() {
-        return Err(ErrorWire::client("update_weights needs the checkpoint: model=PATH"));
+    /// Releases `args.tags` on every rank (expanded per [`expand_tags`]) and records it.
+    ///
+    /// # Errors
+    /// A bad level or tag ([`ErrorWire::client_error`]), or the operation failed: the
+    /// aggregate error with every failing rank.
+    pub fn sleep(&self, args: &SleepArgs) -> Result<OpWire, ErrorWire> {
+        if let Some(level) = args.level.filter(|l| !(1..=2).contains(l)) {
+            return Err(ErrorWire::client(format!(
+                "sleep level {level}: only 1 and 2 are supported"
+            )));
+        }
+        let opts = OpOptions { mode: args.mode, verify: args.verify, level: args.level };
+        self.run(Action::Sleep, &args.tags, opts)
     }
-    let result = coordinator.update_weights(model, opts);
-    record(&journal(coordinator), Action::Update, result)
+
+    /// Wakes `args.tags` on every rank. With `args.model`, only while the weights are asleep
+    /// (after a sleep that discarded them, level 2), the checkpoint is first staged on every
+    /// rank as a weight update (two-phase, nothing changed on a failure), and the wakeup then
+    /// loads it.
+    ///
+    /// # Errors
+    /// `model` while the weights are awake (a client error: that is `update_weights`), or the
+    /// update's or the wakeup's error. A wakeup that fails after the update leaves the new
+    /// checkpoint staged, still asleep: the next wakeup loads it.
+    pub fn wakeup(&self, args: &WakeupArgs) -> Result<OpWire, ErrorWire> {
+        let tags = &args.tags;
+        if let Some(model) = &args.model {
+            let weights = ALL_TAGS[0];
+            let asleep = match self.coordinator.state() {
+                DeploymentState::Sleeping(t) | DeploymentState::Waking(t) => t,
+                _ => Vec::new(),
+            };
+            if !asleep.iter().any(|t| t == weights) {
+                return Err(ErrorWire::client(format!(
+                    "a wakeup names a checkpoint (model={model}) only while the weights are \
+                     asleep; awake, replace them with update_weights"
+                )));
+            }
+            check_tags(tags).map_err(ErrorWire::client)?;
+            if !tags.is_empty() && !tags.iter().any(|t| t == weights) {
+                return Err(ErrorWire::client(format!(
+                    "a wakeup that names a checkpoint (model={model}) must wake the weights"
+                )));
+            }
+            self.update_weights(&UpdateArgs {
+                model: model.clone(),
+                mode: QuiesceMode::default(),
+            })?;
+        }
+        self.run(Action::Wakeup, tags, OpOptions::default())
+    }
+
+    /// Replaces the weights on every rank with those of the checkpoint at `args.model` (see
+    /// [`Coordinator::update_weights`]) and records it.
+    ///
+    /// # Errors
+    /// No checkpoint named (a client error), or the operation's error, on the wire.
+    pub fn update_weights(&self, args: &UpdateArgs) -> Result<OpWire, ErrorWire> {
+        if args.model.trim().is_empty() {
+            return Err(ErrorWire::client("update_weights needs the checkpoint: model=PATH"));
+        }
+        let opts = OpOptions { mode: args.mode, ..OpOptions::default() };
+        let result = self.coordinator.update_weights(&args.model, opts);
+        record(&self.journal, Action::Update, result)
+    }
+
+    /// A sleep or wakeup of the checked, expanded `tags`, recorded in the journal.
+    fn run(&self, action: Action, tags: &[String], opts: OpOptions) -> Result<OpWire, ErrorWire> {
+        check_tags(tags).map_err(ErrorWire::client)?;
+        let tags = expand_tags(action, tags, &self.coordinator.state());
+        let result = match action {
+            Action::Wakeup => self.coordinator.wakeup(&tags, opts),
+            _ => self.coordinator.sleep(&tags, opts),
+        };
+        record(&self.journal, action, result)
+    }
 }
 
 fn record(
@@ -489,65 +600,6 @@ impl Journal {
             resident: r.resident.clone(),
             device: r.device.clone(),
         }
-    }
-}
-
-/// The journals of the live coordinators of this process (one in a deployment's rank 0).
-static JOURNALS: Mutex<Vec<(Weak<Coordinator>, Journal)>> = Mutex::new(Vec::new());
-
-/// The journal of `coordinator`'s deployment. Rank 0 starts the control socket and the HTTP
-/// API separately, each with the same coordinator; keyed by it, they share one journal
-/// without either having to hand it to the other.
-pub fn journal(coordinator: &Arc<Coordinator>) -> Journal {
-    let mut all = JOURNALS.lock().unwrap_or_else(|e| e.into_inner());
-    all.retain(|(c, _)| c.strong_count() > 0);
-    let key = Arc::downgrade(coordinator);
-    if let Some((_, j)) = all.iter().find(|(c, _)| c.ptr_eq(&key)) {
-        return j.clone();
-    }
-    let j = Journal::default();
-    all.push((key, j.clone()));
-    j
-}
-
-/// Serves one request on `coordinator` (the socket server's dispatch, without `stop`, which
-/// only the server can do).
-pub(crate) fn dispatch(coordinator: &Arc<Coordinator>, req: &Request) -> Reply {
-    if let Some(level) = req.level {
-        if !(1..=2).contains(&level) {
-            return Reply::refused(format!("sleep level {level}: only 1 and 2 are supported"));
-        }
-    }
-    let opts = OpOptions { mode: req.mode, verify: req.verify, level: req.level };
-    let action = match req.method.as_str() {
-        "sleep" => Action::Sleep,
-        "wakeup" | "wake_up" => Action::Wakeup,
-        "status" => {
-            return match coordinator.status() {
-                Ok(s) => Reply { ok: true, status: Some(StatusWire::from(&s)), ..Reply::default() },
-                Err(e) => Reply { ok: false, error: Some(ErrorWire::from(&e)), ..Reply::default() },
-            }
-        }
-        "update_weights" => {
-            let model = req.model.as_deref().unwrap_or_default();
-            return match run_update(coordinator, model, opts) {
-                Ok(op) => Reply { ok: true, op: Some(op), ..Reply::default() },
-                Err(e) => Reply { ok: false, error: Some(e), ..Reply::default() },
-            };
-        }
-        other => {
-            return Reply::refused(format!(
-                "unknown control method `{other}`: expected sleep, wakeup, update_weights, status or stop"
-            ))
-        }
-    };
-    let result = match action {
-        Action::Wakeup => run_wakeup(coordinator, &req.tags, req.model.as_deref(), opts),
-        _ => run_op(coordinator, action, &req.tags, opts),
-    };
-    match result {
-        Ok(op) => Reply { ok: true, op: Some(op), ..Reply::default() },
-        Err(e) => Reply { ok: false, error: Some(e), ..Reply::default() },
     }
 }
 

@@ -357,35 +357,30 @@ fn main() -> ExitCode {
         Command::Fetch { model } => fetch(&model),
         Command::Models => models(),
         Command::Sleep(args) => {
-            let mode = args.mode.into();
-            let request = control::Request {
-                method: "sleep".into(),
+            let request = control::Request::Sleep(control::SleepArgs {
                 tags: args.tags,
                 level: args.level,
-                mode,
+                mode: args.mode.into(),
                 verify: args.verify,
-                model: None,
-            };
+            });
             control_command(&args.target, &request)
         }
         Command::Reload(args) => {
-            let request = control::Request {
-                model: Some(args.model),
+            let request = control::Request::UpdateWeights(control::UpdateArgs {
+                model: args.model,
                 mode: args.mode.into(),
-                ..control::Request::new("update_weights")
-            };
+            });
             control_command(&args.target, &request)
         }
         Command::Wakeup(args) => {
-            let request = control::Request {
+            let request = control::Request::Wakeup(control::WakeupArgs {
                 tags: args.tags,
                 model: args.model,
-                ..control::Request::new("wakeup")
-            };
+            });
             control_command(&args.target, &request)
         }
-        Command::Status(target) => control_command(&target, &control::Request::new("status")),
-        Command::Stop(target) => control_command(&target, &control::Request::new("stop")),
+        Command::Status(target) => control_command(&target, &control::Request::Status),
+        Command::Stop(target) => control_command(&target, &control::Request::Stop),
         Command::Rank => match tpctl::rank::run() {
             Ok(()) => Ok(0),
             Err(e) => {

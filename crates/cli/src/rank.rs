@@ -103,9 +103,11 @@ pub fn run() -> Result<()> {
         }
     };
     let stop = StopHandle::default();
-    let control = control_socket(&spec, &coordinator, &stop)?;
+    // One handle for the control socket and the HTTP API: one journal of what they did.
+    let controller = crate::control::Controller::new(coordinator.clone());
+    let control = control_socket(&spec, &controller, &stop)?;
     let watch = watch_coordinator(&coordinator, &stop);
-    let ran = lead(&spec, ctx, factory, engine, gate, stop, model, &config, &coordinator);
+    let ran = lead(&spec, ctx, factory, engine, gate, stop, model, &config, &controller);
     watch.engine_done.store(true, Ordering::SeqCst);
     drop(control);
     if let Ok(Some(reason)) = watch.thread.join() {
@@ -189,7 +191,7 @@ fn lead(
     stop: StopHandle,
     model: String,
     config: &layers::LlamaConfig,
-    coordinator: &Arc<Coordinator>,
+    controller: &crate::control::Controller,
 ) -> Result<()> {
     // One tokenizer on rank 0: prompts are encoded and output decoded with the same one.
     let mut tokenizer = layers::Tokenizer::load(&spec.model).context("building the tokenizer")?;
@@ -210,7 +212,7 @@ fn lead(
             max_num_seqs: spec.max_num_seqs,
             gate,
             stop,
-            control: Some(coordinator.clone()),
+            control: Some(controller.clone()),
         };
         return crate::serve::run(rank0, serve);
     }
@@ -345,14 +347,14 @@ fn control_plane(
 /// one. `stop` stops the engine at its next step boundary.
 fn control_socket(
     spec: &RankSpec,
-    coordinator: &Arc<Coordinator>,
+    controller: &crate::control::Controller,
     stop: &StopHandle,
 ) -> Result<Option<crate::control::Server>> {
     let Some(path) = &spec.control_socket else { return Ok(None) };
     let stop = stop.clone();
     let server = crate::control::Server::start(
         path,
-        coordinator.clone(),
+        controller.clone(),
         Arc::new(move || stop.request_stop()),
     )
     .with_context(|| format!("control socket {}", path.display()))?;

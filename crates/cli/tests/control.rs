@@ -16,7 +16,9 @@ use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
-use tpctl::control::{client, paths, Reply, Request, Server};
+use tpctl::control::{
+    client, paths, Controller, Reply, Request, Server, SleepArgs, UpdateArgs, WakeupArgs,
+};
 
 /// The `tpctl` binary under test.
 const TPCTL: &str = env!("CARGO_BIN_EXE_tpctl");
@@ -155,6 +157,21 @@ fn call(socket: &Path, request: &Request) -> Reply {
     client::call(socket, request, DEADLINE).expect("a reply")
 }
 
+/// Sends one raw request line and reads the reply.
+fn call_line(socket: &Path, line: &str) -> Reply {
+    use std::io::{BufRead, BufReader, Write};
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    stream.set_read_timeout(Some(DEADLINE)).unwrap();
+    stream.write_all(format!("{line}\n").as_bytes()).unwrap();
+    let mut reply = String::new();
+    BufReader::new(&stream).read_line(&mut reply).unwrap();
+    serde_json::from_str(&reply).unwrap()
+}
+
+fn sleep_of(tags: Vec<String>) -> Request {
+    Request::Sleep(SleepArgs { tags, ..SleepArgs::default() })
+}
+
 fn tags(t: &[&str]) -> Vec<String> {
     t.iter().map(|s| (*s).to_owned()).collect()
 }
@@ -195,7 +212,8 @@ fn the_socket_is_0600_in_a_0700_directory_and_goes_away_with_the_server() {
     let rt = runtime();
     let dir = sockets(&rt).join("nested");
     let path = dir.join("a.sock");
-    let server = Server::start(&path, world.coordinator.clone(), nothing()).expect("start");
+    let server =
+        Server::start(&path, Controller::new(world.coordinator.clone()), nothing()).expect("start");
     assert_eq!(server.path(), path);
     let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode(&path), 0o600);
@@ -205,7 +223,8 @@ fn the_socket_is_0600_in_a_0700_directory_and_goes_away_with_the_server() {
 
     // An existing directory of this user with a wider mode is narrowed.
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let _server = Server::start(&path, world.coordinator.clone(), nothing()).expect("start");
+    let _server =
+        Server::start(&path, Controller::new(world.coordinator.clone()), nothing()).expect("start");
     assert_eq!(mode(&dir), 0o700);
     assert_eq!(std::fs::metadata(&dir).unwrap().uid(), nix_uid());
 }
@@ -222,9 +241,14 @@ fn sleep_status_wakeup_and_stop_round_trip() {
     let on_stop: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
         let _ = stopped_tx.send(());
     });
-    let _server = Server::start(&path, world.coordinator.clone(), on_stop).expect("start");
+    let _server =
+        Server::start(&path, Controller::new(world.coordinator.clone()), on_stop).expect("start");
 
-    let sleep = Request { tags: tags(&["kv_cache"]), level: Some(2), ..Request::new("sleep") };
+    let sleep = Request::Sleep(SleepArgs {
+        tags: tags(&["kv_cache"]),
+        level: Some(2),
+        ..SleepArgs::default()
+    });
     let reply = call(&path, &sleep);
     assert!(reply.ok, "{reply:?}");
     let op = reply.op.expect("a receipt");
@@ -239,7 +263,7 @@ fn sleep_status_wakeup_and_stop_round_trip() {
         assert_eq!(*m.asleep.lock().unwrap(), BTreeSet::from(["kv_cache".to_owned()]));
     }
 
-    let status = call(&path, &Request::new("status")).status.expect("a status");
+    let status = call(&path, &Request::Status).status.expect("a status");
     assert_eq!(status.state, "sleeping");
     assert_eq!(status.tags, tags(&["kv_cache"]));
     assert_eq!(status.ranks.len(), 3);
@@ -247,21 +271,21 @@ fn sleep_status_wakeup_and_stop_round_trip() {
     assert!(status.failures.is_empty());
 
     // A wakeup without tags wakes what is asleep.
-    let reply = call(&path, &Request::new("wakeup"));
+    let reply = call(&path, &Request::Wakeup(WakeupArgs::default()));
     let op = reply.op.expect("a receipt");
     assert_eq!(
         (op.action.as_str(), op.tags.clone(), op.bytes),
         ("wakeup", tags(&["kv_cache"]), 3 * MIB)
     );
     assert!(world.memory.iter().all(|m| m.asleep.lock().unwrap().is_empty()));
-    assert_eq!(call(&path, &Request::new("status")).status.unwrap().state, "running");
+    assert_eq!(call(&path, &Request::Status).status.unwrap().state, "running");
 
     // A sleep without tags releases every tag.
-    let op = call(&path, &Request::new("sleep")).op.expect("a receipt");
+    let op = call(&path, &sleep_of(Vec::new())).op.expect("a receipt");
     assert_eq!(op.tags, tags(&["weights", "kv_cache"]));
     assert_eq!(op.bytes, 6 * MIB);
 
-    let reply = call(&path, &Request::new("stop"));
+    let reply = call(&path, &Request::Stop);
     assert_eq!(reply, Reply { ok: true, stopping: Some(true), ..Reply::default() });
     stopped.recv_timeout(DEADLINE).expect("stop reached on_stop");
 }
@@ -270,21 +294,26 @@ fn sleep_status_wakeup_and_stop_round_trip() {
 fn unknown_methods_bad_options_and_garbage_are_refused_clearly() {
     let world = World::new(2);
     let path = sockets(&runtime()).join("bad.sock");
-    let _server = Server::start(&path, world.coordinator.clone(), nothing()).expect("start");
+    let _server =
+        Server::start(&path, Controller::new(world.coordinator.clone()), nothing()).expect("start");
+    let line = |r: Request| serde_json::to_string(&r).unwrap();
     for (request, expect) in [
         (
-            Request::new("shutdown"),
+            r#"{"method":"shutdown"}"#.to_owned(),
             "unknown control method `shutdown`: expected sleep, wakeup, update_weights, status or stop",
         ),
-        (Request { level: Some(3), ..Request::new("sleep") }, "sleep level 3: only 1 and 2"),
         (
-            Request { tags: tags(&["kv cache"]), ..Request::new("sleep") },
-            "`kv cache` is not a tag name",
+            line(Request::Sleep(SleepArgs { level: Some(3), ..SleepArgs::default() })),
+            "sleep level 3: only 1 and 2",
         ),
-        (Request { tags: tags(&["bogus"]), ..Request::new("sleep") }, "unknown tag `bogus`"),
-        (Request::new("update_weights"), "update_weights needs the checkpoint: model=PATH"),
+        (line(sleep_of(tags(&["kv cache"]))), "`kv cache` is not a tag name"),
+        (line(sleep_of(tags(&["bogus"]))), "unknown tag `bogus`"),
+        (
+            line(Request::UpdateWeights(UpdateArgs::default())),
+            "update_weights needs the checkpoint: model=PATH",
+        ),
     ] {
-        let reply = call(&path, &request);
+        let reply = call_line(&path, &request);
         assert!(!reply.ok);
         let e = reply.error.expect("an error");
         assert!(e.message.contains(expect), "{}", e.message);
@@ -294,15 +323,10 @@ fn unknown_methods_bad_options_and_garbage_are_refused_clearly() {
     assert!(world.memory.iter().all(|m| m.asleep.lock().unwrap().is_empty()));
 
     // A line that is not a request.
-    use std::io::{BufRead, BufReader, Write};
-    let mut stream = std::os::unix::net::UnixStream::connect(&path).unwrap();
-    stream.set_read_timeout(Some(DEADLINE)).unwrap();
-    stream.write_all(b"sleep please\n").unwrap();
-    let mut line = String::new();
-    BufReader::new(&stream).read_line(&mut line).unwrap();
-    let reply: Reply = serde_json::from_str(&line).unwrap();
+    let reply = call_line(&path, "sleep please");
     assert!(!reply.ok);
-    assert!(reply.error.unwrap().message.contains("not a JSON control request"), "{line}");
+    let message = reply.error.unwrap().message;
+    assert!(message.contains("not a JSON control request"), "{message}");
 }
 
 #[test]
@@ -310,8 +334,9 @@ fn a_failing_rank_is_named_in_the_reply_and_nothing_stays_asleep() {
     let world = World::new(3);
     *world.memory[2].fail_release.lock().unwrap() = Some("spill directory full".into());
     let path = sockets(&runtime()).join("fail.sock");
-    let _server = Server::start(&path, world.coordinator.clone(), nothing()).expect("start");
-    let reply = call(&path, &Request { tags: tags(&["weights"]), ..Request::new("sleep") });
+    let _server =
+        Server::start(&path, Controller::new(world.coordinator.clone()), nothing()).expect("start");
+    let reply = call(&path, &sleep_of(tags(&["weights"])));
     assert!(!reply.ok);
     let e = reply.error.expect("an error");
     assert_eq!(e.failures.iter().map(|f| f.rank).collect::<Vec<_>>(), vec![2]);
@@ -320,31 +345,37 @@ fn a_failing_rank_is_named_in_the_reply_and_nothing_stays_asleep() {
     assert_eq!(e.outcome.as_deref(), Some("rolled_back"));
     assert!(!e.client_error);
     assert!(world.memory.iter().all(|m| m.asleep.lock().unwrap().is_empty()));
-    assert_eq!(call(&path, &Request::new("status")).status.unwrap().state, "running");
+    assert_eq!(call(&path, &Request::Status).status.unwrap().state, "running");
 }
 
 #[test]
 fn a_live_socket_is_never_taken_over_and_a_stale_one_is_replaced() {
     let world = World::new(1);
     let path = sockets(&runtime()).join("dup.sock");
-    let first = Server::start(&path, world.coordinator.clone(), nothing()).expect("start");
-    let err = Server::start(&path, world.coordinator.clone(), nothing()).unwrap_err().to_string();
+    let first =
+        Server::start(&path, Controller::new(world.coordinator.clone()), nothing()).expect("start");
+    let err = Server::start(&path, Controller::new(world.coordinator.clone()), nothing())
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("already running"), "{err}");
     // The refused start left the first server's socket alone.
-    assert!(call(&path, &Request::new("status")).ok);
+    assert!(call(&path, &Request::Status).ok);
     drop(first);
 
     // A socket whose server died without removing it.
     drop(UnixListener::bind(&path).expect("bind"));
     assert_eq!(paths::occupant(&path), paths::Occupant::Stale);
-    let _second = Server::start(&path, world.coordinator.clone(), nothing()).expect("replace");
+    let _second = Server::start(&path, Controller::new(world.coordinator.clone()), nothing())
+        .expect("replace");
     assert_eq!(paths::occupant(&path), paths::Occupant::Live);
-    assert!(call(&path, &Request::new("status")).ok);
+    assert!(call(&path, &Request::Status).ok);
 
     // Something that is not a socket is not replaced.
     let file = path.with_file_name("file.sock");
     std::fs::write(&file, b"keep me").unwrap();
-    let err = Server::start(&file, world.coordinator.clone(), nothing()).unwrap_err().to_string();
+    let err = Server::start(&file, Controller::new(world.coordinator.clone()), nothing())
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("is not a socket"), "{err}");
     assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
 }
@@ -356,12 +387,22 @@ fn discovery_finds_the_only_live_deployment_and_lists_several() {
     let err = paths::resolve(&dir, None, None).unwrap_err().to_string();
     assert!(err.contains("no running tpctl deployment"), "{err}");
 
-    let a = Server::start(&dir.join("alpha.sock"), world.coordinator.clone(), nothing()).unwrap();
+    let a = Server::start(
+        &dir.join("alpha.sock"),
+        Controller::new(world.coordinator.clone()),
+        nothing(),
+    )
+    .unwrap();
     // A stale socket does not count.
     drop(UnixListener::bind(dir.join("ghost.sock")).unwrap());
     assert_eq!(paths::resolve(&dir, None, None).unwrap(), dir.join("alpha.sock"));
 
-    let _b = Server::start(&dir.join("beta.sock"), world.coordinator.clone(), nothing()).unwrap();
+    let _b = Server::start(
+        &dir.join("beta.sock"),
+        Controller::new(world.coordinator.clone()),
+        nothing(),
+    )
+    .unwrap();
     let err = paths::resolve(&dir, None, None).unwrap_err().to_string();
     assert!(err.contains("2 deployments are running (alpha, beta)"), "{err}");
     assert!(err.contains("--deployment NAME"), "{err}");
@@ -383,7 +424,8 @@ fn the_binary_prints_receipts_status_and_failures() {
     let on_stop: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
         let _ = stopped_tx.send(());
     });
-    let _server = Server::start(&path, world.coordinator.clone(), on_stop).expect("start");
+    let _server =
+        Server::start(&path, Controller::new(world.coordinator.clone()), on_stop).expect("start");
 
     let out =
         tpctl(&rt, &["sleep", "--deployment", "chat", "--tags", "kv_cache,weights", "--verify"]);
@@ -441,9 +483,12 @@ fn the_binary_prints_receipts_status_and_failures() {
     assert!(err.contains("rank 1 (commit)") && err.contains("out of spill space"), "{err}");
 
     // A second deployment: a name is needed.
-    let _other =
-        Server::start(&sockets(&rt).join("batch.sock"), world.coordinator.clone(), nothing())
-            .unwrap();
+    let _other = Server::start(
+        &sockets(&rt).join("batch.sock"),
+        Controller::new(world.coordinator.clone()),
+        nothing(),
+    )
+    .unwrap();
     let out = tpctl(&rt, &["status"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("2 deployments are running (batch, chat)"), "{}", stderr(&out));
@@ -460,9 +505,12 @@ fn the_binary_prints_receipts_status_and_failures() {
 fn a_launch_under_a_live_or_bad_name_is_refused_before_any_rank_starts() {
     let world = World::new(1);
     let rt = runtime();
-    let _server =
-        Server::start(&sockets(&rt).join("dup.sock"), world.coordinator.clone(), nothing())
-            .expect("start");
+    let _server = Server::start(
+        &sockets(&rt).join("dup.sock"),
+        Controller::new(world.coordinator.clone()),
+        nothing(),
+    )
+    .expect("start");
     for cmd in ["run", "serve"] {
         let out = tpctl(&rt, &[cmd, "--deployment", "dup", "--model", "/nonexistent.gguf"]);
         assert_eq!(out.status.code(), Some(1), "{cmd}");

@@ -2,9 +2,8 @@
 //! its own thread, one request and one reply, with read and write deadlines.
 
 use super::paths::{self, Occupant};
-use super::{dispatch, Reply, Request};
+use super::{Controller, Reply, Request};
 use anyhow::{bail, Context, Result};
-use session::sleep::Coordinator;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -48,7 +47,7 @@ impl std::fmt::Debug for Server {
 
 impl Server {
     /// Serves the control socket at `path` on a new thread: sleep, wakeup and status go to
-    /// `coordinator`; `stop` is answered, then `on_stop` is called (it should stop the
+    /// `controller`; `stop` is answered, then `on_stop` is called (it should stop the
     /// deployment as a SIGTERM would). The socket's directory is created with mode 0700, the
     /// socket gets mode 0600; a stale socket at `path` is replaced.
     ///
@@ -57,7 +56,7 @@ impl Server {
     /// other than a socket is there, or the directory or socket cannot be set up.
     pub fn start(
         path: &Path,
-        coordinator: Arc<Coordinator>,
+        controller: Controller,
         on_stop: Arc<dyn Fn() + Send + Sync>,
     ) -> Result<Server> {
         let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
@@ -91,7 +90,7 @@ impl Server {
         let flag = stop.clone();
         let thread = std::thread::Builder::new()
             .name("control".into())
-            .spawn(move || accept_loop(listener, coordinator, on_stop, flag))
+            .spawn(move || accept_loop(listener, controller, on_stop, flag))
             .context("starting the control socket thread")?;
         Ok(Server {
             path: path.to_owned(),
@@ -131,7 +130,7 @@ impl Drop for Server {
 
 fn accept_loop(
     listener: UnixListener,
-    coordinator: Arc<Coordinator>,
+    controller: Controller,
     on_stop: Arc<dyn Fn() + Send + Sync>,
     stop: Arc<AtomicBool>,
 ) {
@@ -159,9 +158,9 @@ fn accept_loop(
             let _ = write_reply(&stream, &busy);
             continue;
         }
-        let (coordinator, on_stop, active) = (coordinator.clone(), on_stop.clone(), active.clone());
+        let (controller, on_stop, active) = (controller.clone(), on_stop.clone(), active.clone());
         let spawned = std::thread::Builder::new().name("control-conn".into()).spawn(move || {
-            if let Err(e) = serve_connection(stream, &coordinator, &*on_stop) {
+            if let Err(e) = serve_connection(stream, &controller, &*on_stop) {
                 tracing::warn!("control socket: {e:#}");
             }
             active.fetch_sub(1, Ordering::SeqCst);
@@ -175,7 +174,7 @@ fn accept_loop(
 /// Reads one request line, answers it, and for `stop` calls `on_stop` once the reply is out.
 fn serve_connection(
     stream: UnixStream,
-    coordinator: &Arc<Coordinator>,
+    controller: &Controller,
     on_stop: &(dyn Fn() + Send + Sync),
 ) -> Result<()> {
     stream.set_nonblocking(false).context("configuring a control connection")?;
@@ -196,27 +195,20 @@ fn serve_connection(
         }
         // A liveness probe (`tpctl` looking for deployments) connects and closes at once.
         Ok(0) => return Ok(()),
-        Ok(_) => serde_json::from_str::<Request>(line.trim()),
+        Ok(_) => Request::parse(line.trim()),
     };
     let request = match request {
         Ok(r) => r,
-        Err(e) => {
-            let reply = Reply::refused(format!(
-                "the request is not a JSON control request (one line like {{\"method\":\"status\"}}): {e}"
-            ));
-            return write_reply(&stream, &reply);
-        }
+        Err(e) => return write_reply(&stream, &Reply::refused(e)),
     };
-    tracing::info!(method = %request.method, tags = ?request.tags, "control request");
-    if request.method == "stop" {
-        let reply = Reply { ok: true, stopping: Some(true), ..Reply::default() };
-        let written = write_reply(&stream, &reply);
+    tracing::info!(method = request.method(), ?request, "control request");
+    let reply = controller.execute(&request);
+    let written = write_reply(&stream, &reply);
+    if request == Request::Stop {
         drop(stream);
         on_stop();
-        return written;
     }
-    let reply = dispatch(coordinator, &request);
-    write_reply(&stream, &reply)
+    written
 }
 
 fn write_reply(mut stream: &UnixStream, reply: &Reply) -> Result<()> {

@@ -181,13 +181,35 @@ fn deployment_names_make_short_socket_paths() {
 
 #[test]
 fn a_request_line_defaults_everything_but_the_method_and_refuses_unknown_fields() {
-    let r: Request = serde_json::from_str(r#"{"method":"sleep"}"#).unwrap();
-    assert_eq!(r, Request::new("sleep"));
-    let r: Request = serde_json::from_str(
+    let r = Request::parse(r#"{"method":"sleep"}"#).unwrap();
+    assert_eq!(r, Request::Sleep(SleepArgs::default()));
+    let r = Request::parse(
         r#"{"method":"sleep","tags":["weights"],"level":2,"mode":"keep","verify":true}"#,
     )
     .unwrap();
+    let Request::Sleep(r) = r else { panic!("not a sleep: {r:?}") };
     assert_eq!((r.level, r.mode, r.verify), (Some(2), QuiesceMode::Keep, true));
-    let e = serde_json::from_str::<Request>(r#"{"method":"sleep","tag":["weights"]}"#).unwrap_err();
-    assert!(e.to_string().contains("unknown field `tag`"), "{e}");
+    let e = Request::parse(r#"{"method":"sleep","tag":["weights"]}"#).unwrap_err();
+    assert!(e.contains("unknown field `tag`"), "{e}");
+}
+
+#[test]
+fn every_request_reads_back_as_written_and_an_unknown_method_is_named() {
+    for r in [
+        Request::Sleep(SleepArgs { tags: vec!["kv_cache".into()], ..SleepArgs::default() }),
+        Request::Wakeup(WakeupArgs { tags: Vec::new(), model: Some("m.gguf".into()) }),
+        Request::UpdateWeights(UpdateArgs { model: "m.gguf".into(), mode: QuiesceMode::Abort }),
+        Request::Status,
+        Request::Stop,
+    ] {
+        let line = serde_json::to_string(&r).unwrap();
+        assert!(line.starts_with(&format!(r#"{{"method":"{}""#, r.method())), "{line}");
+        assert_eq!(Request::parse(&line).unwrap(), r);
+    }
+    assert_eq!(
+        Request::parse(r#"{"method":"wake_up"}"#).unwrap(),
+        Request::Wakeup(WakeupArgs::default())
+    );
+    let e = Request::parse(r#"{"method":"hibernate"}"#).unwrap_err();
+    assert!(e.contains("unknown control method `hibernate`: expected sleep, wakeup"), "{e}");
 }

@@ -15,6 +15,7 @@
 
 use super::bridge::{Bridge, Closed};
 use super::metrics::Metrics;
+use crate::control::Controller;
 use anyhow::{Context, Result};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -26,7 +27,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use session::sleep::{Coordinator, DeploymentState};
+use session::sleep::DeploymentState;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -60,8 +61,9 @@ pub struct ApiParts {
     pub api_key: Option<String>,
     /// Whether the engine's session is open.
     pub ready: Arc<AtomicBool>,
-    /// The sleep/wakeup coordinator (`None`: `/sleep`, `/wake_up`, `/is_sleeping` answer 503).
-    pub control: Option<Arc<Coordinator>>,
+    /// The deployment's sleep/wakeup handle (`None`: `/sleep`, `/wake_up`, `/is_sleeping`
+    /// answer 503).
+    pub control: Option<Controller>,
     /// Answer completions with 503 while the deployment sleeps.
     pub refuse_while_asleep: bool,
     /// Otherwise how long a completion waits for the wakeup before it gets 503.
@@ -84,7 +86,7 @@ struct Inner {
     context: usize,
     api_key: Option<String>,
     ready: Arc<AtomicBool>,
-    control: Option<Arc<Coordinator>>,
+    control: Option<Controller>,
     refuse_while_asleep: bool,
     asleep_wait: Duration,
     defaults: Option<crate::spec::SamplingDefaults>,
@@ -346,7 +348,7 @@ async fn metrics(State(api): State<Api>) -> Response {
     let mut text = api.0.metrics.render();
     super::metrics::render_checkpoint(&mut text, &api.checkpoint());
     if let Some(c) = &api.0.control {
-        super::metrics::render_sleep(&mut text, &c.state(), &crate::control::journal(c).snapshot());
+        super::metrics::render_sleep(&mut text, &c.coordinator().state(), &c.journal().snapshot());
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }
@@ -438,7 +440,7 @@ impl Api {
         self.0
             .control
             .as_ref()
-            .and_then(|c| c.checkpoint())
+            .and_then(|c| c.coordinator().checkpoint())
             .unwrap_or_else(|| self.0.checkpoint.clone())
     }
 
@@ -457,7 +459,7 @@ impl Api {
 
     /// The tags asleep (or waking), if the deployment sleeps.
     fn asleep(&self) -> Option<Vec<String>> {
-        self.0.control.as_ref().and_then(|c| asleep_tags(&c.state()))
+        self.0.control.as_ref().and_then(|c| asleep_tags(&c.coordinator().state()))
     }
 
     /// Returns once the deployment is awake: at once with `refuse_while_asleep`'s 503, or

@@ -13,7 +13,7 @@
 //! launcher) ends the session at the next step boundary on every rank.
 //!
 //! With a sleep/wakeup coordinator, vLLM-style `POST /sleep`, `POST /wake_up` and
-//! `GET /is_sleeping` put every rank's memory to sleep and back ([`crate::control::run_op`],
+//! `GET /is_sleeping` put every rank's memory to sleep and back ([`crate::control::Controller`],
 //! the same operations as the control socket). While the deployment sleeps, completion
 //! requests wait for the wakeup (at most `[server] asleep_wait_timeout`, then 503 with
 //! `Retry-After`), or get 503 at once with `[server] refuse_while_asleep`.
@@ -58,7 +58,7 @@ pub struct Rank0<'a> {
     pub stop: session::StopHandle,
     /// The deployment's sleep/wakeup coordinator, for `/sleep`, `/wake_up`, `/is_sleeping`
     /// and the sleep metrics (`None`: those routes answer 503).
-    pub control: Option<Arc<session::sleep::Coordinator>>,
+    pub control: Option<crate::control::Controller>,
 }
 
 /// Refuses to expose an API without a key: a listener outside loopback needs one.

@@ -2,6 +2,7 @@
 //! run on the deployment's coordinator through the control module, as the socket does.
 
 use super::{asleep_tags, no_control, Api, ApiError};
+use crate::control::{SleepArgs, UpdateArgs, WakeupArgs};
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
@@ -91,7 +92,7 @@ fn op_query(query: Pairs, allowed: &[&str]) -> std::result::Result<OpQuery, ApiE
 
 /// Runs a sleep or wakeup on a blocking thread and answers its receipt.
 async fn control_op(api: Api, action: Action, query: Pairs) -> Response {
-    let Some(coordinator) = api.0.control.clone() else {
+    let Some(controller) = api.0.control.clone() else {
         return no_control().into_response();
     };
     let allowed: &[&str] = match action {
@@ -104,13 +105,15 @@ async fn control_op(api: Api, action: Action, query: Pairs) -> Response {
         Err(e) => return e.into_response(),
     };
     let run = tokio::task::spawn_blocking(move || match action {
-        Action::Update | Action::Revert => {
-            crate::control::run_update(&coordinator, q.model.as_deref().unwrap_or_default(), q.opts)
-        }
-        Action::Wakeup => {
-            crate::control::run_wakeup(&coordinator, &q.tags, q.model.as_deref(), q.opts)
-        }
-        Action::Sleep => crate::control::run_op(&coordinator, action, &q.tags, q.opts),
+        Action::Update | Action::Revert => controller
+            .update_weights(&UpdateArgs { model: q.model.unwrap_or_default(), mode: q.opts.mode }),
+        Action::Wakeup => controller.wakeup(&WakeupArgs { tags: q.tags, model: q.model }),
+        Action::Sleep => controller.sleep(&SleepArgs {
+            tags: q.tags,
+            level: q.opts.level,
+            mode: q.opts.mode,
+            verify: q.opts.verify,
+        }),
     })
     .await;
     match run {
@@ -162,6 +165,9 @@ pub(super) async fn update_weights(State(api): State<Api>, query: Pairs) -> Resp
 pub(super) async fn is_sleeping(State(api): State<Api>) -> Response {
     match &api.0.control {
         None => no_control().into_response(),
-        Some(c) => Json(json!({"is_sleeping": asleep_tags(&c.state()).is_some()})).into_response(),
+        Some(c) => {
+            let asleep = asleep_tags(&c.coordinator().state()).is_some();
+            Json(json!({"is_sleeping": asleep})).into_response()
+        }
     }
 }

@@ -161,7 +161,7 @@ impl Http {
             context: 256,
             api_key: key.map(str::to_owned),
             ready: Arc::new(AtomicBool::new(true)),
-            control,
+            control: control.map(crate::control::Controller::new),
             refuse_while_asleep,
             asleep_wait,
             defaults: None,
