@@ -68,9 +68,10 @@ use session::sleep::{
 };
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
+use vmm::Tag;
 
 /// The tags a sleep without tags releases: every tag a deployment allocates.
-pub const ALL_TAGS: [&str; 2] = ["weights", "kv_cache"];
+pub const ALL_TAGS: [Tag; 2] = [Tag::WEIGHTS, Tag::KV_CACHE];
 
 /// The most tags one request may name.
 pub const MAX_TAGS: usize = 16;
@@ -355,10 +356,10 @@ pub fn check_tags(tags: &[String]) -> Result<(), String> {
         if tags[..i].contains(t) {
             return Err(format!("tag `{t}` is given twice"));
         }
-        if !ALL_TAGS.contains(&t.as_str()) {
+        if !ALL_TAGS.iter().any(|a| a.as_str() == t) {
             return Err(format!(
                 "unknown tag `{t}`: a deployment's memory is tagged {}",
-                ALL_TAGS.join(" and ")
+                ALL_TAGS.map(|a| a.as_str().to_owned()).join(" and ")
             ));
         }
     }
@@ -377,7 +378,7 @@ pub fn expand_tags(action: Action, tags: &[String], state: &DeploymentState) -> 
         {
             t.clone()
         }
-        _ => ALL_TAGS.iter().map(|t| (*t).to_owned()).collect(),
+        _ => ALL_TAGS.iter().map(|t| t.as_str().to_owned()).collect(),
     }
 }
 
@@ -452,7 +453,7 @@ impl Controller {
     pub fn wakeup(&self, args: &WakeupArgs) -> Result<OpWire, ErrorWire> {
         let tags = &args.tags;
         if let Some(model) = &args.model {
-            let weights = ALL_TAGS[0];
+            let weights = Tag::WEIGHTS.as_str();
             let asleep = match self.coordinator.state() {
                 DeploymentState::Sleeping(t) | DeploymentState::Waking(t) => t,
                 _ => Vec::new(),

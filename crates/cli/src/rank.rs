@@ -311,12 +311,13 @@ fn model_memory(spec: &RankSpec, compute: &Backend) -> Result<ModelMemory> {
     let spill = spec.sleep.values().find_map(|p| p.spill_dir.clone());
     let memory = ModelMemory::host(
         spill,
-        restore(spec, "weights", Restore::Reload),
-        restore(spec, "kv_cache", Restore::Discard),
+        restore(spec, vmm::Tag::WEIGHTS.as_str(), Restore::Reload),
+        restore(spec, vmm::Tag::KV_CACHE.as_str(), Restore::Discard),
     )
     .map_err(|e| anyhow::anyhow!("sleep policy: {e}"))?;
     // Sleep level 1 keeps the weights' contents, unless their restore is configured.
-    let memory = memory.with_level_one_weights(!spec.sleep.contains_key("weights"));
+    let memory =
+        memory.with_level_one_weights(!spec.sleep.contains_key(vmm::Tag::WEIGHTS.as_str()));
     match compute.device() {
         layers::Device::Cuda(ordinal) => memory.with_device(ordinal).map_err(anyhow::Error::msg),
         _ => Ok(memory),

@@ -149,7 +149,7 @@ fn tags_are_the_deployments_each_given_once() {
 
 #[test]
 fn empty_tags_mean_all_for_a_sleep_and_the_asleep_ones_for_a_wakeup() {
-    let all = strings(&ALL_TAGS);
+    let all: Vec<String> = ALL_TAGS.iter().map(|t| t.as_str().to_owned()).collect();
     let running = DeploymentState::Running;
     let sleeping = DeploymentState::Sleeping(strings(&["kv_cache"]));
     assert_eq!(expand_tags(Action::Sleep, &[], &running), all);
