@@ -11,7 +11,7 @@ mod tests {
     const ALLOWED: [(&str, &[&str]); 6] = [
         ("mesh", &[]),
         ("collectives", &["mesh"]),
-        ("vmm", &[]),
+        ("vmm", &["mesh"]),
         ("layers", &["mesh", "collectives"]),
         ("session", &["mesh", "collectives", "vmm", "layers"]),
         ("cli", &["mesh", "collectives", "vmm", "layers", "session"]),
