@@ -4,7 +4,7 @@
 //! Every value must be the same bits; the 8-bit repackings must hold the same values.
 
 use layers::gguf::{kquant, GgmlType, GgufFile, QuantFormat};
-use layers::kernels::cpu::qmatrix::QBits;
+use layers::kernels::QBits;
 use layers::model::{Shard, WeightSource};
 use std::path::PathBuf;
 

@@ -825,7 +825,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("tiny.gguf");
         let spec = RandomLlama {
-            quantized: Some(layers::kernels::cpu::quant::BlockFormat::Q8_0),
+            quantized: Some(layers::kernels::BlockFormat::Q8_0),
             hidden: 256,
             ffn: 512,
             ..Default::default()

@@ -6,15 +6,16 @@
 //! until host code reads them (see [`crate::tensor::DeviceData`]). Each method documents its
 //! shapes; all compute is f32 with f32 accumulation. Quantized weights are a storage format
 //! only: every product multiplies f32 activations by the dequantized weight values (on the
-//! CPU dequantized in registers, see [`cpu::qmatrix`]), so decode, batches and prefill differ
+//! CPU dequantized in registers, see [`QMatrix`]), so decode, batches and prefill differ
 //! only in summation order; the CUDA backend multiplies the dequantized weights in f32, or
 //! in bf16/f16 with [`GemmDtype`].
 
-pub mod cpu;
+pub(crate) mod cpu;
 pub mod cuda;
 
 pub use cpu::attention::AttnShape;
-pub use cpu::qmatrix::QMatrix;
+pub use cpu::qmatrix::{QBits, QMatrix};
+pub use cpu::quant::BlockFormat;
 use cpu::CpuBackend;
 pub use cuda::{CudaBackend, PoolArena};
 

@@ -21,6 +21,7 @@ const ROWS_PER_TASK: usize = 16;
 /// Dot product with 16 independent accumulators (vectorizes without fast-math), reduced as a
 /// tree: a sequential sum of the lanes would be a chain of 15 dependent adds, which costs more
 /// than the products for short vectors such as attention heads.
+#[cfg(test)]
 #[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());

@@ -11,6 +11,7 @@
 ///
 /// Lengths must agree (`x.len() == positions.len() * heads * head_dim`, `rot_dim` even and at
 /// most `head_dim`); callers check.
+#[cfg(test)]
 pub fn rope(
     x: &mut [f32],
     positions: &[usize],
