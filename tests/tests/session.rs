@@ -254,20 +254,6 @@ fn two_sessions_in_a_row_survive_a_cleanup_past_the_step_deadline() {
 }
 
 #[test]
-fn a_worker_refuses_sinks() {
-    let outs = start(2, "sink-to-worker", &[]);
-    all_ok(&outs);
-    let refused = lines(&outs[1], "refused: ");
-    assert_eq!(refused.len(), 2, "{}", show(&outs));
-    assert!(
-        refused[0].contains("rank 1 is a worker: workers own no output sink"),
-        "{}",
-        refused[0]
-    );
-    assert!(refused[1].contains("no metrics sink"), "{}", refused[1]);
-}
-
-#[test]
 fn a_rank_sigkilled_mid_step_is_named_by_its_peers() {
     for (world, victim) in [(2usize, 1usize), (4, 3)] {
         let spec = format!("{victim}:3");

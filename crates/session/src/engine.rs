@@ -984,22 +984,6 @@ impl Worker {
         Ok(Worker { core: Core::new(ctx, factory, opts) })
     }
 
-    /// Always refuses: a worker owns no output sink.
-    ///
-    /// # Errors
-    /// Always [`Error::WorkerOwnsNo`].
-    pub fn set_output(&mut self, _output: Box<dyn OutputSink>) -> Result<()> {
-        Err(Error::WorkerOwnsNo { rank: self.core.rank, what: "output sink" })
-    }
-
-    /// Always refuses: a worker owns no metrics sink.
-    ///
-    /// # Errors
-    /// Always [`Error::WorkerOwnsNo`].
-    pub fn set_metrics(&mut self, _metrics: Box<dyn MetricsSink>) -> Result<()> {
-        Err(Error::WorkerOwnsNo { rank: self.core.rank, what: "metrics sink" })
-    }
-
     /// The events of this rank so far.
     pub fn events(&self) -> &[Event] {
         &self.core.events

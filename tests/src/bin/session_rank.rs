@@ -15,8 +15,8 @@ use session::replicated::LlamaFactory;
 use session::sharded::{KvCacheConfig, ShardedFactory};
 use session::{
     BoxError, Collect, Decision, EngineOptions, Event, Groups, KvLayout, Logits, MetricsSink,
-    ModelFactory, NoMetrics, Request, Role, SamplingParams, SessionConfig, SessionReport, Sinks,
-    StepMetrics, StepModel, StepPlan, StopHandle,
+    ModelFactory, Request, Role, SamplingParams, SessionConfig, SessionReport, Sinks, StepMetrics,
+    StepModel, StepPlan, StopHandle,
 };
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
@@ -279,14 +279,6 @@ fn scenario_main(scenario: &str, rank: usize, slot: &mut Option<Role>) -> Outcom
     }
     let leader = match role {
         Role::Worker(w) => {
-            if scenario == "sink-to-worker" {
-                // Handing a worker a sink is refused; it then runs as an ordinary worker.
-                let e =
-                    w.set_output(Box::new(collect.clone())).err().ok_or("a worker took a sink")?;
-                println!("refused: {e}");
-                let e = w.set_metrics(Box::new(NoMetrics)).err().ok_or("a worker took metrics")?;
-                println!("refused: {e}");
-            }
             // A worker asked to stop while the session idles (rank 0 waits for input).
             let stopper = (scenario == "stop-waiting" && rank == stop_rank).then(|| {
                 let handle = w.stop_handle();
@@ -322,11 +314,7 @@ fn scenario_main(scenario: &str, rank: usize, slot: &mut Option<Role>) -> Outcom
             requests.push(Request::tokens(4, vec![11, 12], params));
             leader.run(cfg, requests, &mut stop)?;
         }
-        "stop-before-start"
-        | "stop-after-admission"
-        | "worker-early"
-        | "sink-to-worker"
-        | "failure" => {
+        "stop-before-start" | "stop-after-admission" | "worker-early" | "failure" => {
             leader.run(cfg, batch(), &mut stop)?;
         }
         "shared-prefix" => {
