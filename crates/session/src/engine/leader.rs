@@ -1,0 +1,474 @@
+//! Rank 0's engine: the scheduler, the tokenizer, the sampler and the sinks, and the plan of
+//! every step all ranks run.
+
+use super::*;
+
+/// How a session's loop ended.
+enum Ended {
+    /// Every rank leaves the engine.
+    Stop,
+    /// A new session follows.
+    Replace(SessionConfig, Vec<Request>),
+}
+
+/// Rank 0's engine: owns the scheduler, the tokenizer, the sampler, the output and metrics
+/// sinks, and decides what every rank runs.
+pub struct Leader {
+    core: Core,
+    output: Box<dyn OutputSink>,
+    metrics: Box<dyn MetricsSink>,
+}
+
+impl Leader {
+    /// The engine of rank 0.
+    ///
+    /// # Errors
+    /// [`Error::WrongRole`] when `ctx` is not rank 0.
+    pub fn new(
+        ctx: ParallelContext,
+        factory: Box<dyn ModelFactory>,
+        output: Box<dyn OutputSink>,
+        metrics: Box<dyn MetricsSink>,
+        opts: EngineOptions,
+    ) -> Result<Leader> {
+        if ctx.rank() != 0 {
+            return Err(Error::WrongRole { role: "leader", expected: "rank 0", rank: ctx.rank() });
+        }
+        Ok(Leader { core: Core::new(ctx, factory, opts), output, metrics })
+    }
+
+    /// The events of this rank so far.
+    pub fn events(&self) -> &[Event] {
+        &self.core.events
+    }
+
+    /// A handle that asks for a stop at the next boundary.
+    pub fn stop_handle(&self) -> StopHandle {
+        self.core.stop.clone()
+    }
+
+    /// The gate the sleep/wakeup control plane quiesces this engine through.
+    pub fn gate(&self) -> Arc<Gate> {
+        self.core.gate.clone()
+    }
+
+    /// Quiesces through `gate` (made with [`Gate::for_rank`] for this rank) instead.
+    pub fn with_gate(mut self, gate: Arc<Gate>) -> Self {
+        self.core.gate = gate;
+        self
+    }
+
+    /// Stops when `stop` is asked (a handle made before the engine, say for a control
+    /// socket), instead of a handle of its own.
+    pub fn with_stop(mut self, stop: StopHandle) -> Self {
+        self.core.stop = stop;
+        self
+    }
+
+    /// Runs `requests` together in a session of `config`; when its model work ends (every
+    /// request finished, or `max_steps`) `decider` says what follows. Consumes the process
+    /// groups: shut down together on success, dropped on failure.
+    ///
+    /// # Errors
+    /// This rank's own failure (model, sink, tokenizer, failpoint), a failure another rank
+    /// reported ([`Error::PeerFailed`]), a control-group failure naming the peer at fault.
+    pub fn run(
+        &mut self,
+        config: SessionConfig,
+        requests: Vec<Request>,
+        decider: &mut dyn Decider,
+    ) -> Result<RunSummary> {
+        let result = self.drive(config, requests, None, decider);
+        self.core.finish(result)
+    }
+
+    /// Serves requests from `inbox` with continuous batching: they join at the next step
+    /// boundary and leave when finished. While nothing runs, `decider` is asked once per tick
+    /// (`KeepOpen` keeps serving).
+    ///
+    /// # Errors
+    /// As [`Leader::run`].
+    pub fn serve(
+        &mut self,
+        config: SessionConfig,
+        inbox: &Receiver<Request>,
+        decider: &mut dyn Decider,
+    ) -> Result<RunSummary> {
+        let result = self.drive(config, Vec::new(), Some(inbox), decider);
+        self.core.finish(result)
+    }
+
+    fn drive(
+        &mut self,
+        mut config: SessionConfig,
+        mut requests: Vec<Request>,
+        inbox: Option<&Receiver<Request>>,
+        decider: &mut dyn Decider,
+    ) -> Result<RunSummary> {
+        let mut summary = RunSummary::default();
+        for epoch in 0u64.. {
+            let timeout = self.core.opts.transition_timeout;
+            let state = self.core.state();
+            let open = Message::Open(config.clone());
+            let (agreed, _) = self.core.boundary(state, epoch, 0, Some(&open), timeout)?;
+            self.core.events.push(Event::Opened { epoch });
+            summary.sessions += 1;
+            let mut s = LeaderSession::new(epoch);
+            let ended = if agreed.state == State::Stop {
+                Ok(Ended::Stop)
+            } else {
+                self.session(&mut s, &config, std::mem::take(&mut requests), inbox, decider)
+            };
+            summary.steps += s.steps;
+            self.cleanup(s, ended.is_ok());
+            match ended? {
+                Ended::Stop => return Ok(summary),
+                Ended::Replace(c, r) => (config, requests) = (c, r),
+            }
+        }
+        Ok(summary)
+    }
+
+    fn session(
+        &mut self,
+        s: &mut LeaderSession,
+        config: &SessionConfig,
+        requests: Vec<Request>,
+        inbox: Option<&Receiver<Request>>,
+        decider: &mut dyn Decider,
+    ) -> Result<Ended> {
+        let epoch = s.epoch;
+        if let Err(e) = self.open_session(s, config, requests) {
+            return Err(self.core.announce(e, Owed::Admission, epoch, 0));
+        }
+        let mut first = true;
+        loop {
+            let mut replacement = None;
+            if self.core.gate.take_kv_lost() {
+                // A sleep discarded the KV cache: paused sequences prefill again once the
+                // engine runs (no step runs while it is parked).
+                if let Some(sched) = s.sched.as_mut() {
+                    sched.recompute_all();
+                }
+            }
+            let msg = if self.core.stop.is_requested() {
+                Message::Idle
+            } else if let Some(mode) = self.core.gate.request() {
+                self.quiesced_message(s, mode)
+                    .map_err(|e| self.core.announce(e, Owed::Admission, epoch, s.steps))?
+            } else {
+                self.next_message(s, config, inbox, decider, &mut replacement)
+                    .map_err(|e| self.core.announce(e, Owed::Admission, epoch, s.steps))?
+            };
+            let timeout =
+                if first { self.core.opts.transition_timeout } else { self.core.opts.step_timeout };
+            first = false;
+            if matches!(msg, Message::Idle) {
+                // Stands for rank 0 dying or stalling while the session idles.
+                injected("idle tick", "session.idle", 0, epoch, s.steps)
+                    .map_err(|e| self.core.announce(e, Owed::Admission, epoch, s.steps))?;
+            }
+            let state = self.core.state();
+            let t0 = Instant::now();
+            let (agreed, _) = self.core.boundary(state, epoch, s.steps, Some(&msg), timeout)?;
+            if agreed.state == State::Stop {
+                return Ok(Ended::Stop);
+            }
+            match msg {
+                Message::Step(plan) => self.step(s, plan, t0)?,
+                Message::Idle => s.idle_ticks += 1,
+                Message::Close(SessionDecision::Replace(c)) => {
+                    let reqs = replacement.unwrap_or_default();
+                    return Ok(Ended::Replace(c, reqs));
+                }
+                Message::Close(_) | Message::Open(_) => return Ok(Ended::Stop),
+            }
+        }
+    }
+
+    /// Builds the model and tokenizer and admits the first requests.
+    fn open_session(
+        &mut self,
+        s: &mut LeaderSession,
+        config: &SessionConfig,
+        requests: Vec<Request>,
+    ) -> Result<()> {
+        let epoch = s.epoch;
+        let model = self.core.build(config, epoch)?;
+        let codec = self.core.factory.codec(config).map_err(|source| Error::Model {
+            phase: "session init",
+            rank: 0,
+            epoch,
+            step: 0,
+            source,
+        })?;
+        let eos = codec.as_ref().map(|c| c.eos_ids()).unwrap_or_default();
+        s.text = Text { codec, streams: HashMap::new() };
+        let sched = Scheduler::new(config.token_budget, config.max_batch, model.context_len(), eos);
+        s.sched = Some(match model.kv_layout() {
+            Some(layout) => sched.with_kv(layout),
+            None => sched,
+        });
+        s.model = Some(model);
+        for r in requests {
+            self.admit(s, r)?;
+        }
+        Ok(())
+    }
+
+    fn admit(&mut self, s: &mut LeaderSession, r: Request) -> Result<()> {
+        let Some(sched) = s.sched.as_mut() else { return Ok(()) };
+        if let Some(done) = sched.add(r, s.text.codec(), s.epoch)? {
+            s.finished += 1;
+            emit(self.output.as_mut(), &mut s.text, &[done], s.epoch, s.steps)?;
+        }
+        Ok(())
+    }
+
+    /// What rank 0 sends at the next boundary.
+    fn next_message(
+        &mut self,
+        s: &mut LeaderSession,
+        config: &SessionConfig,
+        inbox: Option<&Receiver<Request>>,
+        decider: &mut dyn Decider,
+        replacement: &mut Option<Vec<Request>>,
+    ) -> Result<Message> {
+        let limit = config.max_steps.is_some_and(|m| s.steps >= m);
+        if let Some(sched) = s.sched.as_mut() {
+            for e in sched.take_cancelled() {
+                s.finished += 1;
+                emit(self.output.as_mut(), &mut s.text, &[e], s.epoch, s.steps)?;
+            }
+        }
+        if let Some(inbox) = inbox.filter(|_| !limit) {
+            // Requests that arrived during the last step join now.
+            while let Ok(r) = inbox.try_recv() {
+                self.admit(s, r)?;
+            }
+            let idle = !s.sched.as_ref().is_some_and(Scheduler::has_work);
+            if idle {
+                match inbox.recv_timeout(self.core.opts.tick) {
+                    Ok(r) => {
+                        self.admit(s, r)?;
+                        while let Ok(r) = inbox.try_recv() {
+                            self.admit(s, r)?;
+                        }
+                    }
+                    Err(RecvTimeoutError::Timeout) => {}
+                    // No sender left: nothing will arrive, but the ticks keep their pace.
+                    Err(RecvTimeoutError::Disconnected) => std::thread::sleep(self.core.opts.tick),
+                }
+            }
+        }
+        if !limit {
+            if let Some(plan) = s.sched.as_mut().and_then(|q| q.plan(s.epoch, s.steps + 1)) {
+                return Ok(Message::Step(plan));
+            }
+        }
+        let report = SessionReport {
+            epoch: s.epoch,
+            steps: s.steps,
+            finished: s.finished,
+            step_limit: limit,
+            idle_ticks: s.idle_ticks,
+        };
+        Ok(match decider.decide(&report) {
+            Decision::Stop => Message::Close(SessionDecision::Stop),
+            Decision::KeepOpen => {
+                if inbox.is_none() || limit {
+                    // Nothing to wait on: pace the idle ticks here.
+                    std::thread::sleep(self.core.opts.tick);
+                }
+                Message::Idle
+            }
+            Decision::Replace(cfg, reqs) => {
+                *replacement = Some(reqs);
+                Message::Close(SessionDecision::Replace(cfg))
+            }
+        })
+    }
+
+    /// What rank 0 sends while a sleep quiesces the engine (see [`gate`]): with `wait` the
+    /// running requests go on (no new one is admitted), with `abort` they fail, with `keep`
+    /// they pause; then the engine parks and only idle ticks run until the gate opens.
+    fn quiesced_message(&mut self, s: &mut LeaderSession, mode: QuiesceMode) -> Result<Message> {
+        // The gate's own state, never a copy: a wakeup and the next sleep may both land
+        // between two boundaries.
+        if self.core.gate.is_parked() {
+            std::thread::sleep(self.core.opts.tick);
+            return Ok(Message::Idle);
+        }
+        let Some(sched) = s.sched.as_mut() else {
+            self.core.gate.park();
+            return Ok(Message::Idle);
+        };
+        match mode {
+            QuiesceMode::Wait => {
+                if let Some(plan) = sched.plan(s.epoch, s.steps + 1) {
+                    return Ok(Message::Step(plan));
+                }
+            }
+            QuiesceMode::Abort => {
+                for e in sched.abort_all() {
+                    s.finished += 1;
+                    emit(self.output.as_mut(), &mut s.text, &[e], s.epoch, s.steps)?;
+                }
+            }
+            QuiesceMode::Keep => {}
+        }
+        self.core.gate.park();
+        Ok(Message::Idle)
+    }
+
+    /// Runs an admitted step on rank 0: prepare, confirm, model, sample, sinks.
+    fn step(&mut self, s: &mut LeaderSession, plan: StepPlan, t0: Instant) -> Result<()> {
+        let epoch = s.epoch;
+        let (Some(model), Some(sched)) = (s.model.as_mut(), s.sched.as_mut()) else {
+            return Ok(());
+        };
+        if let Err(e) = self.core.prepare(model.as_mut(), &plan, epoch) {
+            return Err(self.core.announce(e, Owed::Confirmation, epoch, s.steps));
+        }
+        self.core.confirm(State::Go, epoch, s.steps)?;
+        let agreement = t0.elapsed();
+        s.steps += 1;
+        self.core.events.push(Event::Step { epoch, step: s.steps });
+        let t1 = Instant::now();
+        let result = self.core.forward(model.as_mut(), &plan).and_then(|logits| {
+            let logits = logits.unwrap_or_default();
+            sched.apply(&plan, &logits).map_err(|reason| Error::Model {
+                phase: "step",
+                rank: 0,
+                epoch,
+                step: plan.step,
+                source: reason.into(),
+            })
+        });
+        let model_time = t1.elapsed();
+        let emitted = match result {
+            Ok(e) => e,
+            Err(e) => return Err(self.core.announce(e, Owed::Admission, epoch, s.steps)),
+        };
+        let sunk = injected("output sink", "session.sink", 0, epoch, plan.step).and_then(|()| {
+            s.finished +=
+                emitted.iter().filter(|e| matches!(e, Emit::Finished { .. })).count() as u64;
+            emit(self.output.as_mut(), &mut s.text, &emitted, epoch, plan.step)
+        });
+        if let Err(e) = sunk {
+            return Err(self.core.announce(e, Owed::Admission, epoch, s.steps));
+        }
+        let prefill = plan.entries.iter().filter(|e| !e.is_decode()).map(|e| e.tokens.len()).sum();
+        let load = sched.take_load();
+        self.metrics.step(&StepMetrics {
+            epoch,
+            step: plan.step,
+            batch: plan.entries.len(),
+            prefill_tokens: prefill,
+            decode_tokens: plan.tokens() - prefill,
+            agreement,
+            model: model_time,
+            running: load.running,
+            waiting: load.waiting,
+            kv_usage: load.kv_usage,
+            prefix_queries: load.prefix_queries,
+            prefix_hits: load.prefix_hits,
+            preemptions: load.preemptions,
+        });
+        Ok(())
+    }
+
+    /// The fixed cleanup order (see the module docs); no collective.
+    fn cleanup(&mut self, mut s: LeaderSession, success: bool) {
+        let cancelled = s.sched.as_mut().map(Scheduler::cancel_all).unwrap_or_default();
+        if success {
+            // The session is over: a sink failure now has no step left to fail.
+            let _ = emit(self.output.as_mut(), &mut s.text, &cancelled, s.epoch, s.steps);
+        }
+        let (epoch, steps) = (s.epoch, s.steps);
+        let model = s.model.take();
+        self.core.cleanup_model(model);
+        drop(std::mem::take(&mut s.text));
+        if success {
+            self.metrics.session_closed(epoch, steps);
+        }
+        self.core.events.push(Event::Closed { epoch, steps });
+    }
+}
+
+/// Rank 0's state of one session.
+struct LeaderSession {
+    epoch: u64,
+    steps: u64,
+    finished: u64,
+    idle_ticks: u64,
+    model: Option<Box<dyn StepModel>>,
+    sched: Option<Scheduler>,
+    text: Text,
+}
+
+impl LeaderSession {
+    fn new(epoch: u64) -> Self {
+        LeaderSession {
+            epoch,
+            steps: 0,
+            finished: 0,
+            idle_ticks: 0,
+            model: None,
+            sched: None,
+            text: Text::default(),
+        }
+    }
+}
+
+/// Rank 0's tokenizer and the detokenization state of each request with tokens out.
+#[derive(Default)]
+struct Text {
+    codec: Option<Box<dyn TextCodec>>,
+    streams: HashMap<u64, TextStream>,
+}
+
+impl Text {
+    fn codec(&self) -> Option<&dyn TextCodec> {
+        self.codec.as_deref()
+    }
+
+    /// The text `token` adds to `request`, in whole characters (`last` flushes the rest).
+    fn piece(&mut self, request: u64, token: u32, last: bool) -> Result<String, BoxError> {
+        let Some(codec) = &self.codec else { return Ok(String::new()) };
+        let stream = self.streams.entry(request).or_default();
+        let text = codec.decode_next(stream, token, last);
+        if last {
+            self.streams.remove(&request);
+        }
+        text
+    }
+}
+
+/// Hands `events` to the sink in order, with each token's text; a request's last token
+/// (its `Finished` follows in the same events) flushes the characters still open.
+fn emit(
+    out: &mut dyn OutputSink,
+    text: &mut Text,
+    events: &[Emit],
+    epoch: u64,
+    step: u64,
+) -> Result<()> {
+    let sink = |source| Error::Sink { what: "output sink", epoch, step, source };
+    for (i, e) in events.iter().enumerate() {
+        match e {
+            Emit::Token { request, token, logprobs } => {
+                let last = events[i + 1..]
+                    .iter()
+                    .any(|f| matches!(f, Emit::Finished { request: r, .. } if r == request));
+                let piece = text.piece(*request, *token, last).map_err(sink)?;
+                out.token(*request, *token, &piece, logprobs.as_ref()).map_err(sink)?;
+            }
+            Emit::Finished { request, reason, tokens } => {
+                text.streams.remove(request);
+                out.finished(*request, *reason, tokens).map_err(sink)?;
+            }
+        }
+    }
+    Ok(())
+}
