@@ -1,11 +1,12 @@
-"""An f64 forward pass of a Llama-family GGUF whose tensors are f32 (numpy and gguf-py only): the
+"""An f64 forward pass of a Llama-family GGUF (numpy and gguf-py only; quantized tensors are
+dequantized by gguf-py, so the weights are exactly the values both implementations use): the
 exact answer that both tpctl and llama.cpp approximate in f32, to tell which of the two drifts
 when their log-probabilities differ.
 
 Usage: python3 f64_forward.py MODEL.gguf PROMPTS.json DECODE_TOKENS
 PROMPTS.json is a list of token-id lists (llamacpp_greedy.py prints one under "prompts"). Prints
-[{"ids": [...], "logprobs": [...]}] per prompt: the greedy continuation and each chosen token's
-log-probability. Adjacent-pair rotary embedding (GGUF's Q/K order), grouped-query attention, tied
+[{"ids": [...], "logprobs": [...], "margins": [...]}] per prompt: the greedy continuation, each
+chosen token's log-probability and the gap between the two best logits. Adjacent-pair rotary embedding (GGUF's Q/K order), grouped-query attention, tied
 output embedding when output.weight is absent; no rope scaling, biases or other architectures.
 Measured 2026-12-01 on the f32 SmolLM2-135M, 4 prompts x 32 tokens: tpctl serve within 1e-5 of
 it, llama.cpp within 3e-6 without flash attention and 7e-3 with it."""
@@ -17,7 +18,13 @@ def val(k):
     f = kv[k]; return f.parts[f.data[0]].tolist()[0] if len(f.data) == 1 else None
 L = val('llama.block_count'); H = val('llama.attention.head_count'); KVH = val('llama.attention.head_count_kv')
 eps = val('llama.attention.layer_norm_rms_epsilon'); base = val('llama.rope.freq_base')
-T = {t.name: np.array(t.data, dtype=np.float64) for t in r.tensors}
+def values(t):
+    """A tensor's values as f64, shaped [rows, cols]: quantized types through gguf-py's own
+    dequantization (the values llama.cpp multiplies)."""
+    if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return np.array(t.data, dtype=np.float64)
+    return np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64)
+T = {t.name: values(t) for t in r.tensors}
 emb = T['token_embd.weight']; D = emb.shape[1]; hd = D // H
 out_w = T.get('output.weight', emb)
 def rms(x, w): return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
@@ -52,11 +59,12 @@ def forward(ids, cache):
 prompts = json.load(open(prompt_json))
 res = []
 for p in prompts:
-    cache = {'n': 0}; lg = forward(np.array(p), cache); ids, lps = [], []
+    cache = {'n': 0}; lg = forward(np.array(p), cache); ids, lps, margins = [], [], []
     for step in range(n_dec):
         b = int(lg.argmax()); lse = lg.max() + np.log(np.exp(lg - lg.max()).sum())
-        ids.append(b); lps.append(float(lg[b] - lse))
+        top2 = np.partition(lg, -2)[-2:]
+        ids.append(b); lps.append(float(lg[b] - lse)); margins.append(float(top2[1] - top2[0]))
         if step == n_dec - 1: break
         lg = forward(np.array([b]), cache)
-    res.append({"ids": ids, "logprobs": lps})
+    res.append({"ids": ids, "logprobs": lps, "margins": margins})
 print(json.dumps(res))

@@ -24,16 +24,8 @@ pub enum DType {
     BF16,
 }
 
-/// Where a tensor's data lives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
-#[non_exhaustive]
-pub enum Device {
-    /// Host memory.
-    #[default]
-    Cpu,
-    /// A CUDA device by ordinal (needs feature `cuda`).
-    Cuda(usize),
-}
+/// Where a tensor's data lives: the mesh's device (one type for "which device" in every crate).
+pub use mesh::Device;
 
 /// Memory that someone else owns and a tensor can live in, such as a `vmm` allocation whose
 /// pages can be released and restored while the tensor object stays put.

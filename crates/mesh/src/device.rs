@@ -14,9 +14,10 @@ mod cuda;
 pub use cuda::DriverProbe;
 
 /// A device that holds a rank's tensors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Device {
     /// Host memory.
+    #[default]
     Cpu,
     /// The CUDA device with this ordinal (after `CUDA_VISIBLE_DEVICES`).
     Cuda(usize),
