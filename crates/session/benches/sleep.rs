@@ -265,7 +265,11 @@ fn rank_main() {
             let manager =
                 Arc::new(vmm::Manager::builder().spill_dir(&spill).build().expect("manager"));
             let a = manager
-                .allocate(vmm::Tag::WEIGHTS, mib << 20, vmm::Policy::Backup(vmm::Store::Spill))
+                .allocate(
+                    vmm::Tag::WEIGHTS,
+                    mib << 20,
+                    vmm::Policy::Backup(vmm::BackupStore::Spill),
+                )
                 .expect("allocate");
             a.write().expect("write").fill(1);
             synthetic = Some(a);

@@ -66,7 +66,7 @@ impl Restore {
         match self {
             Restore::Discard => Some(vmm::Policy::Discard),
             Restore::Zero => Some(vmm::Policy::Zero),
-            Restore::Backup => Some(vmm::Policy::Backup(vmm::Store::Spill)),
+            Restore::Backup => Some(vmm::Policy::Backup(vmm::BackupStore::Spill)),
             Restore::Reload => None,
         }
     }
@@ -363,7 +363,7 @@ impl ModelMemory {
     /// when NVML cannot say.
     pub fn device_free_bytes(&self, backend: &Backend) -> Option<u64> {
         let layers::Device::Cuda(ordinal) = backend.device() else { return None };
-        let nvml = vmm::DeviceMemory::new().ok()?;
+        let nvml = vmm::NvmlMemory::new().ok()?;
         nvml.device(nvml_index(ordinal)).ok().map(|usage| usage.free)
     }
 
@@ -522,7 +522,7 @@ fn nvml_index(ordinal: usize) -> u32 {
     match &device {
         vmm::NvmlDevice::Index(index) => *index,
         vmm::NvmlDevice::Uuid(_) => {
-            vmm::DeviceMemory::new().and_then(|nvml| nvml.index_of(&device)).unwrap_or(fallback)
+            vmm::NvmlMemory::new().and_then(|nvml| nvml.index_of(&device)).unwrap_or(fallback)
         }
     }
 }
@@ -559,10 +559,13 @@ impl RankMemory for ModelRankMemory {
                 gpu.clear_weight_cache();
             }
         }
-        let backups: Vec<(vmm::Tag, vmm::Store)> = match level {
-            Some(1) => {
-                self.memory.level_one.iter().map(|t| (t.clone(), vmm::Store::Default)).collect()
-            }
+        let backups: Vec<(vmm::Tag, vmm::BackupStore)> = match level {
+            Some(1) => self
+                .memory
+                .level_one
+                .iter()
+                .map(|t| (t.clone(), vmm::BackupStore::Default))
+                .collect(),
             _ => Vec::new(),
         };
         let mut receipts = self.host.release_with(tags, &backups)?;

@@ -7,7 +7,7 @@
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
-use vmm::{Manager, Policy, Source, Store, Tag};
+use vmm::{BackupStore, Manager, Policy, Source, Tag};
 
 const ROUNDS: usize = 5;
 
@@ -136,21 +136,21 @@ fn main() {
         (
             "backup-host",
             &m,
-            Policy::Backup(Store::Host),
+            Policy::Backup(BackupStore::Host),
             None,
             "copy into a fresh buffer; pwrite into a fresh memfd",
         ),
         (
             "backup-host-kept",
             &kept,
-            Policy::Backup(Store::Host),
+            Policy::Backup(BackupStore::Host),
             None,
             "keep_host_backups: buffer reused",
         ),
         (
             "backup-spill",
             &m,
-            Policy::Backup(Store::Spill),
+            Policy::Backup(BackupStore::Spill),
             None,
             "one write to an unnamed file; kernel copy back",
         ),

@@ -11,7 +11,7 @@ pub(crate) mod cuda;
 pub(crate) mod cuda;
 
 use crate::error::{Error, Result};
-use crate::policy::Store;
+use crate::policy::BackupStore;
 use std::fs::File;
 
 /// Which backend a manager drives.
@@ -89,8 +89,8 @@ pub(crate) trait Backend: Send {
     fn granularity(&self) -> usize;
     /// The largest allocation this backend can ever back.
     fn max_bytes(&self) -> u64;
-    /// The store [`Store::Default`] means for this backend.
-    fn default_store(&self) -> Store;
+    /// The store [`BackupStore::Default`] means for this backend.
+    fn default_store(&self) -> BackupStore;
     /// Reserves `len` bytes of inaccessible address space; returns its base.
     fn reserve(&mut self, len: usize) -> Result<u64>;
     /// Backs `[addr, addr + len)` with fresh physical memory filled per `init`.

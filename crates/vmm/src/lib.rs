@@ -8,11 +8,11 @@
 //! captured graphs stay valid.
 //!
 //! ```
-//! use vmm::{Manager, Policy, Store, Tag};
+//! use vmm::{Manager, Policy, BackupStore, Tag};
 //!
 //! let dir = std::env::temp_dir().join("vmm-doc-spill");
 //! let manager = Manager::builder().spill_dir(&dir).build()?;
-//! let kv = manager.allocate(Tag::KV_CACHE, 1 << 20, Policy::Backup(Store::Spill))?;
+//! let kv = manager.allocate(Tag::KV_CACHE, 1 << 20, Policy::Backup(BackupStore::Spill))?;
 //! kv.write()?.fill(7);
 //! let base = kv.base();
 //!
@@ -29,7 +29,7 @@
 //!
 //! Backends: host memory (memfds mapped into a reserved range; the default) and CUDA device
 //! memory (`cuMem*`, feature `cuda`). Probes: [`ProcessMemory`] (procfs) and
-//! [`DeviceMemory`] (NVML, feature `cuda`).
+//! [`NvmlMemory`] (NVML, feature `cuda`).
 
 mod backend;
 mod error;
@@ -47,10 +47,8 @@ pub use error::{Error, Failure, Result};
 pub use manager::{
     total_elapsed, Allocation, AllocationInfo, Manager, ManagerBuilder, ReadGuard, WriteGuard,
 };
-pub use policy::{Policy, Source, Store};
-pub use probe::{
-    nvml_device_of_cuda_ordinal, DeviceMemory, DeviceUsage, NvmlDevice, ProcessMemory,
-};
+pub use policy::{BackupStore, Policy, Source};
+pub use probe::{nvml_device_of_cuda_ordinal, DeviceUsage, NvmlDevice, NvmlMemory, ProcessMemory};
 pub use receipt::{Op, Receipt};
 pub use region::{Region, Regions};
 pub use spill::default_spill_dir;

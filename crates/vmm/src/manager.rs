@@ -3,7 +3,7 @@
 use crate::backend::{self, Backend, BackendKind, HostBuf, Init, Phys};
 use crate::error::{Error, Failure, Result};
 use crate::fail;
-use crate::policy::{Policy, SourceKind, Store};
+use crate::policy::{BackupStore, Policy, SourceKind};
 use crate::receipt::{Op, Receipt};
 use crate::spill::{default_spill_dir, SpillFile, SpillStore};
 use crate::tag::Tag;
@@ -22,7 +22,7 @@ pub struct ManagerBuilder {
     backend: BackendKind,
     spill_dir: Option<PathBuf>,
     spill_limit: Option<u64>,
-    default_store: Option<Store>,
+    default_store: Option<BackupStore>,
     max_allocation: Option<u64>,
     keep_host_backups: bool,
 }
@@ -48,8 +48,8 @@ impl ManagerBuilder {
         self
     }
 
-    /// What [`Store::Default`] means for this manager.
-    pub fn default_store(mut self, store: Store) -> Self {
+    /// What [`BackupStore::Default`] means for this manager.
+    pub fn default_store(mut self, store: BackupStore) -> Self {
         self.default_store = Some(store);
         self
     }
@@ -76,8 +76,8 @@ impl ManagerBuilder {
     /// device), [`Error::NotCompiledWith`] for CUDA without the `cuda` feature.
     pub fn build(self) -> Result<Manager> {
         let backend = backend::create(self.backend)?;
-        let mut default_store = self.default_store.unwrap_or(Store::Default);
-        if default_store == Store::Default {
+        let mut default_store = self.default_store.unwrap_or(BackupStore::Default);
+        if default_store == BackupStore::Default {
             default_store = backend.default_store();
         }
         let limit = backend.max_bytes();
@@ -120,7 +120,7 @@ struct State {
     next_id: u64,
     known: BTreeSet<Tag>,
     spill: SpillStore,
-    default_store: Store,
+    default_store: BackupStore,
     max_allocation: u64,
     keep_host_backups: bool,
 }
@@ -133,7 +133,7 @@ struct Shared {
     mapped: usize,
     base: u64,
     policy: Policy,
-    store: Store,
+    store: BackupStore,
     backend: &'static str,
     host_accessible: bool,
     slot: RwLock<Slot>,
@@ -327,9 +327,9 @@ impl Manager {
             }
         }
         let store = match &policy {
-            Policy::Backup(Store::Default) => state.default_store,
+            Policy::Backup(BackupStore::Default) => state.default_store,
             Policy::Backup(store) => *store,
-            _ => Store::Default,
+            _ => BackupStore::Default,
         };
         let id = state.next_id;
         let wrap = |source| Error::Allocation {
@@ -425,7 +425,7 @@ impl Manager {
     pub fn release_with<T: AsRef<str>>(
         &self,
         tags: impl IntoIterator<Item = T>,
-        backups: &[(Tag, Store)],
+        backups: &[(Tag, BackupStore)],
     ) -> Result<Vec<Receipt>> {
         let mut state = self.state();
         let tags = Self::resolve(&state, tags)?;
@@ -441,7 +441,7 @@ impl Manager {
         let mut saved: Vec<Option<Backup>> = Vec::with_capacity(targets.len());
         for (s, slot) in targets.iter().zip(&mut slots) {
             let asked = backups.iter().find(|(t, _)| *t == s.tag).map(|(_, store)| match store {
-                Store::Default => state.default_store,
+                BackupStore::Default => state.default_store,
                 store => *store,
             });
             let store = match (&s.policy, asked) {
@@ -504,9 +504,14 @@ impl Manager {
         }
     }
 
-    fn backup(state: &State, s: &Shared, store: Store, spare: Option<HostBuf>) -> Result<Backup> {
+    fn backup(
+        state: &State,
+        s: &Shared,
+        store: BackupStore,
+        spare: Option<HostBuf>,
+    ) -> Result<Backup> {
         match store {
-            Store::Host | Store::Default => {
+            BackupStore::Host | BackupStore::Default => {
                 let mut buf = match spare {
                     Some(buf) if buf.as_slice().len() == s.mapped => buf,
                     _ => state.backend.alloc_host(s.mapped)?,
@@ -514,7 +519,7 @@ impl Manager {
                 state.backend.copy_to_host(s.base, buf.as_mut_slice())?;
                 Ok(Backup::Host(buf))
             }
-            Store::Spill => {
+            BackupStore::Spill => {
                 let file = state.spill.create(s.mapped as u64)?;
                 let mut offset = 0u64;
                 state.backend.save(s.base, s.mapped, &mut |piece| {

@@ -15,7 +15,7 @@ pub enum Policy {
     /// Contents are zero after materialize.
     Zero,
     /// Contents are copied to a backing store before release and back on materialize.
-    Backup(Store),
+    Backup(BackupStore),
     /// Contents are refilled from a source on materialize; release copies nothing.
     Reload(Source),
 }
@@ -26,9 +26,9 @@ impl Policy {
         match self {
             Policy::Discard => "discard",
             Policy::Zero => "zero",
-            Policy::Backup(Store::Default) => "backup",
-            Policy::Backup(Store::Host) => "backup-host",
-            Policy::Backup(Store::Spill) => "backup-spill",
+            Policy::Backup(BackupStore::Default) => "backup",
+            Policy::Backup(BackupStore::Host) => "backup-host",
+            Policy::Backup(BackupStore::Spill) => "backup-spill",
             Policy::Reload(_) => "reload",
         }
     }
@@ -36,7 +36,7 @@ impl Policy {
 
 /// Where [`Policy::Backup`] keeps the contents while the allocation is released.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Store {
+pub enum BackupStore {
     /// The manager's default store ([`crate::ManagerBuilder::default_store`]; without one,
     /// `Spill` for the CPU backend and `Host` for CUDA).
     #[default]

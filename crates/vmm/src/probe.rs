@@ -127,7 +127,7 @@ fn kib_field(text: &str, field: &str) -> Option<u64> {
     })
 }
 
-/// Memory use of one device, from [`DeviceMemory::device`].
+/// Memory use of one device, from [`NvmlMemory::device`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DeviceUsage {
     /// Device index (NVML order).
@@ -187,14 +187,14 @@ pub fn nvml_device_of_cuda_ordinal(ordinal: usize, visible: Option<&str>) -> Opt
 }
 
 /// Device memory through NVML (feature `cuda`).
-pub struct DeviceMemory {
+pub struct NvmlMemory {
     #[cfg(feature = "cuda")]
     nvml: nvml_wrapper::Nvml,
 }
 
-impl std::fmt::Debug for DeviceMemory {
+impl std::fmt::Debug for NvmlMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeviceMemory").finish_non_exhaustive()
+        f.debug_struct("NvmlMemory").finish_non_exhaustive()
     }
 }
 
@@ -203,20 +203,20 @@ fn nvml_err(op: &str) -> impl FnOnce(nvml_wrapper::error::NvmlError) -> Error + 
     move |e| Error::Nvml { op: op.to_owned(), reason: e.to_string() }
 }
 
-impl DeviceMemory {
+impl NvmlMemory {
     /// Loads NVML.
     ///
     /// # Errors
     /// [`Error::BackendUnavailable`] when the NVML library (libnvidia-ml) is missing or fails
     /// to initialize; [`Error::NotCompiledWith`] without the `cuda` feature.
-    pub fn new() -> Result<DeviceMemory> {
+    pub fn new() -> Result<NvmlMemory> {
         #[cfg(feature = "cuda")]
         {
             let nvml = nvml_wrapper::Nvml::init().map_err(|e| Error::BackendUnavailable {
                 backend: "nvml",
                 reason: e.to_string(),
             })?;
-            Ok(DeviceMemory { nvml })
+            Ok(NvmlMemory { nvml })
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -297,7 +297,7 @@ impl DeviceMemory {
     /// Memory use of every device.
     ///
     /// # Errors
-    /// As [`DeviceMemory::device`].
+    /// As [`NvmlMemory::device`].
     pub fn devices(&self) -> Result<Vec<DeviceUsage>> {
         (0..self.device_count()?).map(|i| self.device(i)).collect()
     }

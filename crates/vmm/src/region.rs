@@ -122,13 +122,13 @@ impl Region {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Manager, Policy, Store, Tag};
+    use crate::{BackupStore, Manager, Policy, Tag};
 
     #[test]
     fn regions_are_disjoint_aligned_and_survive_a_sleep() {
         let dir = std::env::temp_dir().join(format!("vmm-region-{}", std::process::id()));
         let m = Manager::builder().spill_dir(&dir).build().unwrap();
-        let a = m.allocate(Tag::WEIGHTS, 10_000, Policy::Backup(Store::Spill)).unwrap();
+        let a = m.allocate(Tag::WEIGHTS, 10_000, Policy::Backup(BackupStore::Spill)).unwrap();
         let mut regions = Regions::new(a).unwrap();
         let mut r1 = regions.take(100, 64).unwrap();
         let mut r2 = regions.take(1000, 64).unwrap();

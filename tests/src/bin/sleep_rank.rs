@@ -18,7 +18,7 @@ use session::sleep::{
 };
 use std::sync::Arc;
 use std::time::Duration;
-use vmm::{Allocation, Manager, Policy, Store, Tag};
+use vmm::{Allocation, BackupStore, Manager, Policy, Tag};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -79,7 +79,7 @@ fn run(rank: usize, spill: &std::path::Path) -> Result<(), String> {
     let mut allocs = Vec::new();
     for (i, tag) in [Tag::WEIGHTS, Tag::KV_CACHE].into_iter().enumerate() {
         let a = manager
-            .allocate(tag, mib << 20, Policy::Backup(Store::Spill))
+            .allocate(tag, mib << 20, Policy::Backup(BackupStore::Spill))
             .map_err(|e| e.to_string())?;
         {
             let mut g = a.write().map_err(|e| e.to_string())?;

@@ -92,7 +92,7 @@ pub trait RankMemory: Send + Sync {
 pub struct VmmMemory {
     manager: Arc<vmm::Manager>,
     device: Option<u32>,
-    nvml: Option<Arc<vmm::DeviceMemory>>,
+    nvml: Option<Arc<vmm::NvmlMemory>>,
 }
 
 impl std::fmt::Debug for VmmMemory {
@@ -108,7 +108,7 @@ impl VmmMemory {
         let nvml = if manager.backend_name() == "cpu" {
             None
         } else {
-            vmm::DeviceMemory::new().ok().map(Arc::new)
+            vmm::NvmlMemory::new().ok().map(Arc::new)
         };
         VmmMemory { manager, device, nvml }
     }
@@ -117,7 +117,7 @@ impl VmmMemory {
     /// to the probe, when NVML loads: for ranks whose kernels run on a GPU while their tagged
     /// memory is host memory.
     pub fn with_device(manager: Arc<vmm::Manager>, device: u32) -> VmmMemory {
-        let nvml = vmm::DeviceMemory::new().ok().map(Arc::new);
+        let nvml = vmm::NvmlMemory::new().ok().map(Arc::new);
         VmmMemory { manager, device: Some(device), nvml }
     }
 
@@ -134,7 +134,7 @@ impl VmmMemory {
     pub fn release_with(
         &self,
         tags: &[String],
-        backups: &[(vmm::Tag, vmm::Store)],
+        backups: &[(vmm::Tag, vmm::BackupStore)],
     ) -> Result<Vec<TagReceipt>, MemoryError> {
         let device = self.on_device();
         self.manager.release_with(tags, backups).map(|r| receipts(r, device)).map_err(|e| {

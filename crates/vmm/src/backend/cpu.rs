@@ -6,7 +6,7 @@
 
 use super::{Backend, HostBuf, Init, Phys};
 use crate::error::{Error, Result};
-use crate::policy::Store;
+use crate::policy::BackupStore;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -241,8 +241,8 @@ impl Backend for CpuBackend {
         self.phys_bytes
     }
 
-    fn default_store(&self) -> Store {
-        Store::Spill
+    fn default_store(&self) -> BackupStore {
+        BackupStore::Spill
     }
 
     fn reserve(&mut self, len: usize) -> Result<u64> {

@@ -8,7 +8,7 @@
 
 use super::{Backend, HostBuf, Init, Phys};
 use crate::error::{Error, Result};
-use crate::policy::Store;
+use crate::policy::BackupStore;
 use cudarc::driver::sys;
 use std::os::unix::fs::FileExt;
 
@@ -202,8 +202,8 @@ impl Backend for CudaBackend {
         self.total
     }
 
-    fn default_store(&self) -> Store {
-        Store::Host
+    fn default_store(&self) -> BackupStore {
+        BackupStore::Host
     }
 
     fn reserve(&mut self, len: usize) -> Result<u64> {

@@ -133,7 +133,7 @@ fn handles_are_send_and_sync() {
 #[test]
 fn address_is_stable_over_100_cycles() {
     let m = manager("stable");
-    let a = m.allocate(Tag::KV_CACHE, 3 * 4096 + 5, Policy::Backup(Store::Host)).unwrap();
+    let a = m.allocate(Tag::KV_CACHE, 3 * 4096 + 5, Policy::Backup(BackupStore::Host)).unwrap();
     let w = m.allocate(Tag::WEIGHTS, 10_000, Policy::Zero).unwrap();
     let (base_a, base_w) = (a.base(), w.base());
     assert_eq!(a.mapped_bytes() % m.granularity(), 0);
@@ -156,9 +156,9 @@ fn address_is_stable_over_100_cycles() {
 #[test]
 fn backup_to_host_and_spill_restores_identical_bytes() {
     let m = manager("backup");
-    let host = m.allocate("host-tag", 5 * MIB + 123, Policy::Backup(Store::Host)).unwrap();
-    let spill = m.allocate("spill-tag", 7 * MIB + 1, Policy::Backup(Store::Spill)).unwrap();
-    let default = m.allocate("spill-tag", 4096, Policy::Backup(Store::Default)).unwrap();
+    let host = m.allocate("host-tag", 5 * MIB + 123, Policy::Backup(BackupStore::Host)).unwrap();
+    let spill = m.allocate("spill-tag", 7 * MIB + 1, Policy::Backup(BackupStore::Spill)).unwrap();
+    let default = m.allocate("spill-tag", 4096, Policy::Backup(BackupStore::Default)).unwrap();
     let want: Vec<u64> = [&host, &spill, &default]
         .iter()
         .enumerate()
@@ -186,7 +186,7 @@ fn backup_to_host_and_spill_restores_identical_bytes() {
 fn kept_host_backups_are_reused_and_still_restore_the_bytes() {
     let dir = scratch_dir("kept");
     let m = Manager::builder().spill_dir(&*dir).keep_host_backups(true).build().unwrap();
-    let a = m.allocate(Tag::KV_CACHE, 3 * MIB, Policy::Backup(Store::Host)).unwrap();
+    let a = m.allocate(Tag::KV_CACHE, 3 * MIB, Policy::Backup(BackupStore::Host)).unwrap();
     for i in 0..5 {
         let data = pattern(i, a.bytes());
         a.write().unwrap().copy_from_slice(&data);
@@ -273,7 +273,7 @@ fn zero_gives_zeros_and_discard_is_usable() {
 #[test]
 fn repeated_release_or_materialize_is_a_noop_with_zero_receipts() {
     let m = manager("noop");
-    let a = m.allocate(Tag::KV_CACHE, 4096, Policy::Backup(Store::Spill)).unwrap();
+    let a = m.allocate(Tag::KV_CACHE, 4096, Policy::Backup(BackupStore::Spill)).unwrap();
     let r = m.materialize([Tag::KV_CACHE]).unwrap();
     assert!(r[0].is_noop() && r[0] == Receipt::zero(Tag::KV_CACHE, Op::Materialize));
     m.release([Tag::KV_CACHE]).unwrap();
@@ -355,8 +355,8 @@ fn released_memory_cannot_be_touched_through_the_safe_api() {
 #[test]
 fn a_borrowed_allocation_blocks_release_before_any_change() {
     let m = manager("busy");
-    let a = m.allocate(Tag::KV_CACHE, 4096, Policy::Backup(Store::Spill)).unwrap();
-    let b = m.allocate(Tag::KV_CACHE, 4096, Policy::Backup(Store::Spill)).unwrap();
+    let a = m.allocate(Tag::KV_CACHE, 4096, Policy::Backup(BackupStore::Spill)).unwrap();
+    let b = m.allocate(Tag::KV_CACHE, 4096, Policy::Backup(BackupStore::Spill)).unwrap();
     let guard = b.read().unwrap();
     let err = m.release([Tag::KV_CACHE]).unwrap_err();
     let msg = err.to_string();
@@ -372,8 +372,8 @@ fn a_borrowed_allocation_blocks_release_before_any_change() {
 
 /// Two allocations under one tag with a backup that fails for the second: nothing released.
 fn assert_backup_failure_releases_nothing(m: &Manager, needle: &str, before_release: fn()) {
-    let first = m.allocate("t", 64 * 1024, Policy::Backup(Store::Host)).unwrap();
-    let second = m.allocate("t", 64 * 1024, Policy::Backup(Store::Spill)).unwrap();
+    let first = m.allocate("t", 64 * 1024, Policy::Backup(BackupStore::Host)).unwrap();
+    let second = m.allocate("t", 64 * 1024, Policy::Backup(BackupStore::Spill)).unwrap();
     let other = m.allocate("u", 4096, Policy::Discard).unwrap();
     first.write().unwrap().fill(1);
     second.write().unwrap().fill(2);
@@ -436,8 +436,8 @@ fn a_failed_materialize_rolls_back_what_it_mapped() {
     let m = manager("rollback");
     let fail = Arc::new(AtomicBool::new(true));
     let flag = Arc::clone(&fail);
-    let a = m.allocate(Tag::KV_CACHE, 8192, Policy::Backup(Store::Spill)).unwrap();
-    let b = m.allocate(Tag::KV_CACHE, 8192, Policy::Backup(Store::Host)).unwrap();
+    let a = m.allocate(Tag::KV_CACHE, 8192, Policy::Backup(BackupStore::Spill)).unwrap();
+    let b = m.allocate(Tag::KV_CACHE, 8192, Policy::Backup(BackupStore::Host)).unwrap();
     let c = m
         .allocate(
             Tag::KV_CACHE,
@@ -477,7 +477,7 @@ fn a_failed_materialize_rolls_back_what_it_mapped() {
 #[test]
 fn dropping_frees_the_allocation_and_its_backup() {
     let m = manager("drop");
-    let a = m.allocate("t", MIB, Policy::Backup(Store::Spill)).unwrap();
+    let a = m.allocate("t", MIB, Policy::Backup(BackupStore::Spill)).unwrap();
     let _keep = m.allocate("t", 4096, Policy::Zero).unwrap();
     m.release(["t"]).unwrap();
     assert_eq!(m.spilled_bytes(), MIB as u64);
@@ -503,7 +503,7 @@ fn resident_memory_drops_on_release_and_returns_on_materialize() {
     }
     let m = manager("rss");
     let size = 256 * MIB;
-    let spill = m.allocate(Tag::KV_CACHE, size, Policy::Backup(Store::Spill)).unwrap();
+    let spill = m.allocate(Tag::KV_CACHE, size, Policy::Backup(BackupStore::Spill)).unwrap();
     let data = pattern(5, size);
     let want = hash(&data);
     spill.write().unwrap().copy_from_slice(&data);
@@ -544,7 +544,7 @@ fn concurrent_releases_and_materializes_never_interleave() {
     let tags = [Tag::WEIGHTS, Tag::KV_CACHE, Tag::ACTIVATIONS];
     let allocs: Vec<Allocation> = (0..9)
         .map(|i| {
-            let a = m.allocate(&tags[i % 3], 8192 + i, Policy::Backup(Store::Host)).unwrap();
+            let a = m.allocate(&tags[i % 3], 8192 + i, Policy::Backup(BackupStore::Host)).unwrap();
             a.write().unwrap().fill(i as u8);
             a
         })
@@ -598,8 +598,8 @@ fn cuda_backend_is_unavailable_or_works_and_never_panics() {
         }
     };
     // A usable GPU: the same round trip as on CPU, checked through device copies.
-    let a = m.allocate(Tag::KV_CACHE, 3 * MIB + 1, Policy::Backup(Store::Host)).unwrap();
-    let s = m.allocate(Tag::KV_CACHE, MIB, Policy::Backup(Store::Spill)).unwrap();
+    let a = m.allocate(Tag::KV_CACHE, 3 * MIB + 1, Policy::Backup(BackupStore::Host)).unwrap();
+    let s = m.allocate(Tag::KV_CACHE, MIB, Policy::Backup(BackupStore::Spill)).unwrap();
     let z = m.allocate(Tag::KV_CACHE, MIB, Policy::Zero).unwrap();
     assert!(matches!(a.read().unwrap_err(), Error::NotHostAccessible { .. }));
     let (da, ds) = (pattern(1, a.bytes()), pattern(2, s.bytes()));
@@ -629,7 +629,7 @@ fn cuda_release_returns_device_memory_as_nvml_sees_it() {
     let require = std::env::var("TPCTL_REQUIRE_GPU").is_ok_and(|v| v == "1");
     let (m, nvml) = match (
         Manager::builder().backend(BackendKind::Cuda { device: 0 }).build(),
-        crate::DeviceMemory::new(),
+        crate::NvmlMemory::new(),
     ) {
         (Ok(m), Ok(nvml)) => (m, nvml),
         (m, nvml) => {
@@ -673,7 +673,8 @@ mod failpoints {
         let m = manager("fp-release");
         let allocs: Vec<Allocation> = (0..3)
             .map(|i| {
-                let a = m.allocate(Tag::KV_CACHE, 4096, Policy::Backup(Store::Spill)).unwrap();
+                let a =
+                    m.allocate(Tag::KV_CACHE, 4096, Policy::Backup(BackupStore::Spill)).unwrap();
                 a.write().unwrap().fill(i + 1);
                 a
             })
@@ -713,7 +714,7 @@ mod failpoints {
         }
         let m = manager("fp-map");
         let allocs: Vec<Allocation> = (0..3)
-            .map(|_| m.allocate(Tag::WEIGHTS, 4096, Policy::Backup(Store::Host)).unwrap())
+            .map(|_| m.allocate(Tag::WEIGHTS, 4096, Policy::Backup(BackupStore::Host)).unwrap())
             .collect();
         allocs[0].write().unwrap().fill(7);
         m.release([Tag::WEIGHTS]).unwrap();
@@ -773,8 +774,8 @@ proptest! {
                     let policy = match policy {
                         0 => Policy::Discard,
                         1 => Policy::Zero,
-                        2 => Policy::Backup(Store::Host),
-                        3 => Policy::Backup(Store::Spill),
+                        2 => Policy::Backup(BackupStore::Host),
+                        3 => Policy::Backup(BackupStore::Spill),
                         _ => Policy::Reload(Source::from_fn(move |dst| {
                             dst.copy_from_slice(&src[..dst.len()]);
                             Ok(())
@@ -882,7 +883,7 @@ fn a_release_can_back_up_any_policy_and_its_copy_wins_over_the_policy() {
     let updated = pattern(2, w.bytes());
     w.write().unwrap().copy_from_slice(&updated);
     // Backed up for this release only: the wakeup restores the current bytes, not the source.
-    for store in [Store::Host, Store::Spill] {
+    for store in [BackupStore::Host, BackupStore::Spill] {
         let r = m.release_with([Tag::WEIGHTS, Tag::KV_CACHE], &[(Tag::WEIGHTS, store)]).unwrap();
         assert_eq!(r[0].copied_bytes, w.mapped_bytes() as u64, "{store:?}");
         assert_eq!(r[1].copied_bytes, 0, "{store:?}: the KV cache keeps its policy");

@@ -53,7 +53,7 @@ fn reads_this_process_and_names_a_missing_one() {
 #[test]
 fn device_memory_is_unavailable_without_nvml_and_never_panics() {
     let require = std::env::var("TPCTL_REQUIRE_GPU").is_ok_and(|v| v == "1");
-    match DeviceMemory::new() {
+    match NvmlMemory::new() {
         Ok(nvml) => {
             let devices = nvml.devices().unwrap();
             assert!(!devices.is_empty() || !require, "NVML loaded but sees no device");
