@@ -4,7 +4,7 @@
 //! so a typo never silently falls back to a default. Command-line flags override the file.
 
 use anyhow::{Context, Result};
-use mesh::{AxisBackends, Backend};
+use mesh::{AxisBackends, CommBackend};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -74,7 +74,7 @@ pub struct LayoutConfig {
     pub tp: Option<usize>,
     /// Context-parallel ranks.
     pub cp: Option<usize>,
-    /// Backend per axis.
+    /// Communication backend per axis.
     #[serde(default)]
     pub backends: BackendsConfig,
 }
@@ -85,13 +85,13 @@ pub struct LayoutConfig {
 pub struct BackendsConfig {
     /// Tensor-parallel axis.
     #[serde(default = "shm", deserialize_with = "parsed")]
-    pub tp: mesh::Backend,
+    pub tp: mesh::CommBackend,
     /// Context-parallel axis.
     #[serde(default = "shm", deserialize_with = "parsed")]
-    pub cp: mesh::Backend,
+    pub cp: mesh::CommBackend,
     /// Control messages (step agreement, sleep/wakeup).
     #[serde(default = "shm", deserialize_with = "parsed")]
-    pub control: mesh::Backend,
+    pub control: mesh::CommBackend,
 }
 
 /// Deserializes a string through the type's `FromStr`, keeping its error message.
@@ -105,8 +105,8 @@ where
     text.parse().map_err(serde::de::Error::custom)
 }
 
-fn shm() -> mesh::Backend {
-    mesh::Backend::Shm
+fn shm() -> mesh::CommBackend {
+    mesh::CommBackend::Shm
 }
 
 impl Default for BackendsConfig {
@@ -495,7 +495,7 @@ pub struct LaunchFlags {
     /// `--dtype`.
     pub dtype: Option<ComputeDtype>,
     /// `--backend` (every axis).
-    pub backend: Option<mesh::Backend>,
+    pub backend: Option<mesh::CommBackend>,
     /// `--kv-cache-memory`.
     pub kv_cache_memory: Option<KvMemory>,
     /// `--max-num-seqs`.
@@ -570,19 +570,20 @@ impl Config {
         let every = |b| AxisBackends { tp: b, cp: b, control: b };
         let backends = match flags.backend {
             // NCCL carries data only: the control axis (step agreement) stays on the host.
-            Some(Backend::Nccl) => {
-                let control = if nnodes > 1 { Backend::Tcp } else { Backend::Shm };
-                AxisBackends { tp: Backend::Nccl, cp: Backend::Nccl, control }
+            Some(CommBackend::Nccl) => {
+                let control = if nnodes > 1 { CommBackend::Tcp } else { CommBackend::Shm };
+                AxisBackends { tp: CommBackend::Nccl, cp: CommBackend::Nccl, control }
             }
             Some(b) => every(b),
             // Across nodes shared memory cannot carry an axis: TCP everywhere.
-            None if nnodes > 1 => every(Backend::Tcp),
+            None if nnodes > 1 => every(CommBackend::Tcp),
             None => {
                 let b = &self.layout.backends;
                 AxisBackends { tp: b.tp, cp: b.cp, control: b.control }
             }
         };
-        if [backends.tp, backends.cp, backends.control].contains(&Backend::Nccl) && !cuda_built {
+        if [backends.tp, backends.cp, backends.control].contains(&CommBackend::Nccl) && !cuda_built
+        {
             bail!(
                 "the nccl backend: this tpctl was built without CUDA; build it with \
                  `cargo build --release -p tpctl --features cuda`"

@@ -149,7 +149,7 @@ struct LaunchArgs {
     /// Backend of every axis: shm (one host), tcp (any hosts) or nccl (GPUs; the control
     /// axis then stays on shm or tcp).
     #[arg(long)]
-    backend: Option<mesh::Backend>,
+    backend: Option<mesh::CommBackend>,
     #[command(flatten)]
     nodes: NodeArgs,
     /// The deployment's name, for `tpctl sleep / wakeup / status / stop --deployment NAME`

@@ -60,7 +60,7 @@ pub fn run() -> Result<()> {
     let rv = mesh::Rendezvous::from_env()?;
     let compute = compute_backend(&spec, &rv)?;
     // NCCL groups live on this rank's GPU; every other backend stages through the host.
-    let uses_nccl = [backends.tp, backends.cp].contains(&mesh::Backend::Nccl);
+    let uses_nccl = [backends.tp, backends.cp].contains(&mesh::CommBackend::Nccl);
     let opts = InitOptions {
         tp: Some(spec.tp),
         head_groups: layers::parallel::mesh_head_groups(&config, Some(spec.tp)),

@@ -185,9 +185,9 @@ impl RankSpec {
 }
 
 /// [`mesh::AxisBackends`] in the spec as `{"tp": "shm", "cp": "shm", "control": "shm"}`, the
-/// names `mesh::Backend` parses (mesh itself has no serde).
+/// names `mesh::CommBackend` parses (mesh itself has no serde).
 mod axis_backends {
-    use mesh::{AxisBackends, Backend};
+    use mesh::{AxisBackends, CommBackend};
     use serde::{de::Error as _, Deserialize, Deserializer, Serialize, Serializer};
 
     #[derive(Serialize, Deserialize)]
@@ -204,7 +204,7 @@ mod axis_backends {
 
     pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<AxisBackends, D::Error> {
         let names = Names::deserialize(d)?;
-        let parse = |name: &str| name.parse::<Backend>().map_err(D::Error::custom);
+        let parse = |name: &str| name.parse::<CommBackend>().map_err(D::Error::custom);
         Ok(AxisBackends {
             tp: parse(&names.tp)?,
             cp: parse(&names.cp)?,

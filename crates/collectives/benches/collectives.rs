@@ -6,7 +6,7 @@
 //! of itself) for each configuration and prints one JSON object per measurement, or a table.
 
 use collectives::{init_parallel, Collective, Communicator, InitOptions, ReduceOp};
-use mesh::{AxisBackends, Backend};
+use mesh::{AxisBackends, CommBackend};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -107,7 +107,7 @@ fn iterations(bytes: usize) -> usize {
 }
 
 fn rank_main() {
-    let backend: Backend = std::env::var("TPCTL_BENCH_BACKEND")
+    let backend: CommBackend = std::env::var("TPCTL_BENCH_BACKEND")
         .unwrap_or_else(|_| "shm".into())
         .parse()
         .expect("backend");

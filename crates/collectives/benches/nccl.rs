@@ -8,7 +8,7 @@
 //! per device); prints why and exits successfully with fewer.
 
 use collectives::nccl::{self, NcclCommunicator};
-use collectives::{DType, ReduceOp};
+use collectives::{ElemType, ReduceOp};
 use mesh::{Store, StoreServer};
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
@@ -79,11 +79,11 @@ fn time_all_reduce(comm: &mut NcclCommunicator, bytes: usize) -> f64 {
     let mut buf = stream.alloc_zeros::<u8>(bytes).expect("device buffer");
     let iters = if bytes >= 64 << 20 { 10 } else { 50 };
     for _ in 0..3 {
-        comm.all_reduce_device(&mut buf, DType::F32, ReduceOp::Sum).expect("warm-up");
+        comm.all_reduce_device(&mut buf, ElemType::F32, ReduceOp::Sum).expect("warm-up");
     }
     let start = Instant::now();
     for _ in 0..iters {
-        comm.all_reduce_device(&mut buf, DType::F32, ReduceOp::Sum).expect("all_reduce");
+        comm.all_reduce_device(&mut buf, ElemType::F32, ReduceOp::Sum).expect("all_reduce");
     }
     start.elapsed().as_secs_f64() / iters as f64
 }

@@ -15,7 +15,7 @@
 //!    every later refusal) and let the backend tell its peers ([`Transport::publish_failure`]).
 
 use crate::comm::{check, AbortHandle, Communicator};
-use crate::dtype::{DType, ReduceOp};
+use crate::dtype::{ElemType, ReduceOp};
 use crate::error::{Error, Op, Result, Site};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -100,7 +100,7 @@ pub(crate) trait Transport: Send {
         at: &Site,
         deadline: Instant,
         buf: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()>;
     /// See [`Communicator::all_gather_uneven_raw`] (and the equal-size all-gather).
@@ -111,7 +111,7 @@ pub(crate) trait Transport: Send {
         send: &[u8],
         recv: &mut [u8],
         sizes: &[usize],
-        dtype: DType,
+        dtype: ElemType,
     ) -> Result<()>;
     /// See [`Communicator::reduce_scatter_raw`].
     fn reduce_scatter(
@@ -120,7 +120,7 @@ pub(crate) trait Transport: Send {
         deadline: Instant,
         send: &[u8],
         recv: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()>;
     /// See [`Communicator::broadcast_raw`].
@@ -129,7 +129,7 @@ pub(crate) trait Transport: Send {
         at: &Site,
         deadline: Instant,
         buf: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
         root: usize,
     ) -> Result<()>;
     /// See [`Communicator::send_raw`].
@@ -138,7 +138,7 @@ pub(crate) trait Transport: Send {
         at: &Site,
         deadline: Instant,
         buf: &[u8],
-        dtype: DType,
+        dtype: ElemType,
         peer: usize,
     ) -> Result<()>;
     /// See [`Communicator::recv_raw`].
@@ -147,7 +147,7 @@ pub(crate) trait Transport: Send {
         at: &Site,
         deadline: Instant,
         buf: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
         peer: usize,
     ) -> Result<()>;
     /// See [`Communicator::all_to_all_raw`].
@@ -157,7 +157,7 @@ pub(crate) trait Transport: Send {
         deadline: Instant,
         send: &[u8],
         recv: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
     ) -> Result<()>;
     /// See [`Communicator::barrier`].
     fn barrier(&mut self, at: &Site, deadline: Instant) -> Result<()>;
@@ -179,7 +179,7 @@ pub(crate) trait Transport: Send {
         deadline: Instant,
         ptr: u64,
         bytes: usize,
-        dtype: DType,
+        dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
         let _ = (deadline, ptr, bytes, dtype, op);
@@ -240,7 +240,7 @@ impl<T: Transport> Communicator for T {
             finish::<T, ()>(self, Err(check::invalid(&at, format!("this rank failed: {reason}"))));
     }
 
-    fn all_reduce_raw(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    fn all_reduce_raw(&mut self, buf: &mut [u8], dtype: ElemType, op: ReduceOp) -> Result<()> {
         run(self, Op::AllReduce, |t, at, deadline| {
             check::elements(at, "buffer", buf, dtype)?;
             t.all_reduce(at, deadline, buf, dtype, op)
@@ -252,7 +252,7 @@ impl<T: Transport> Communicator for T {
         send: &[u8],
         recv: &mut [u8],
         sizes: &[usize],
-        dtype: DType,
+        dtype: ElemType,
     ) -> Result<()> {
         run(self, Op::AllGatherUneven, |t, at, deadline| {
             check::gather(at, send, recv, sizes, dtype)?;
@@ -260,7 +260,7 @@ impl<T: Transport> Communicator for T {
         })
     }
 
-    fn all_gather_raw(&mut self, send: &[u8], recv: &mut [u8], dtype: DType) -> Result<()> {
+    fn all_gather_raw(&mut self, send: &[u8], recv: &mut [u8], dtype: ElemType) -> Result<()> {
         run(self, Op::AllGather, |t, at, deadline| {
             let sizes = vec![send.len(); at.size];
             check::gather(at, send, recv, &sizes, dtype)?;
@@ -272,7 +272,7 @@ impl<T: Transport> Communicator for T {
         &mut self,
         send: &[u8],
         recv: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
         run(self, Op::ReduceScatter, |t, at, deadline| {
@@ -283,7 +283,7 @@ impl<T: Transport> Communicator for T {
         })
     }
 
-    fn broadcast_raw(&mut self, buf: &mut [u8], dtype: DType, root: usize) -> Result<()> {
+    fn broadcast_raw(&mut self, buf: &mut [u8], dtype: ElemType, root: usize) -> Result<()> {
         run(self, Op::Broadcast, |t, at, deadline| {
             check::elements(at, "buffer", buf, dtype)?;
             check::rank(at, "root", root)?;
@@ -291,7 +291,7 @@ impl<T: Transport> Communicator for T {
         })
     }
 
-    fn send_raw(&mut self, buf: &[u8], dtype: DType, peer: usize) -> Result<()> {
+    fn send_raw(&mut self, buf: &[u8], dtype: ElemType, peer: usize) -> Result<()> {
         run(self, Op::Send, |t, at, deadline| {
             check::peer(at, peer)?;
             check::elements(at, "buffer", buf, dtype)?;
@@ -299,7 +299,7 @@ impl<T: Transport> Communicator for T {
         })
     }
 
-    fn recv_raw(&mut self, buf: &mut [u8], dtype: DType, peer: usize) -> Result<()> {
+    fn recv_raw(&mut self, buf: &mut [u8], dtype: ElemType, peer: usize) -> Result<()> {
         run(self, Op::Recv, |t, at, deadline| {
             check::peer(at, peer)?;
             check::elements(at, "buffer", buf, dtype)?;
@@ -307,7 +307,7 @@ impl<T: Transport> Communicator for T {
         })
     }
 
-    fn all_to_all_raw(&mut self, send: &[u8], recv: &mut [u8], dtype: DType) -> Result<()> {
+    fn all_to_all_raw(&mut self, send: &[u8], recv: &mut [u8], dtype: ElemType) -> Result<()> {
         run(self, Op::AllToAll, |t, at, deadline| {
             check::elements(at, "send buffer", send, dtype)?;
             check::elements(at, "receive buffer", recv, dtype)?;
@@ -328,7 +328,7 @@ impl<T: Transport> Communicator for T {
         &mut self,
         ptr: u64,
         bytes: usize,
-        dtype: DType,
+        dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
         if Transport::cuda_device(self).is_none() {

@@ -1,7 +1,7 @@
 //! The [`Communicator`] trait every backend implements, its typed front end [`Collective`],
 //! and the [`AbortHandle`] that unblocks a rank stuck in a call.
 
-use crate::dtype::{DType, Element, ReduceOp};
+use crate::dtype::{ElemType, Element, ReduceOp};
 use crate::error::{Error, Op, Result, Site};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -12,7 +12,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A group of ranks that run collectives together.
 ///
-/// Buffers are bytes tagged with a [`DType`]; the typed methods of [`Collective`] are the usual
+/// Buffers are bytes tagged with a [`ElemType`]; the typed methods of [`Collective`] are the usual
 /// way in. Every call has a deadline ([`Communicator::timeout`]); every error names the
 /// operation, the group, this rank and the peer involved. A communicator is owned by one thread
 /// (`&mut self`); other threads hold only its [`AbortHandle`]. After a failed call the
@@ -52,7 +52,7 @@ pub trait Communicator: Send {
     ///
     /// # Errors
     /// Timeout, a dead or failed peer, mismatched arguments across ranks, abort.
-    fn all_reduce_raw(&mut self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()>;
+    fn all_reduce_raw(&mut self, buf: &mut [u8], dtype: ElemType, op: ReduceOp) -> Result<()>;
     /// Concatenation of every rank's `send` of possibly different lengths.
     ///
     /// # Errors
@@ -62,7 +62,7 @@ pub trait Communicator: Send {
         send: &[u8],
         recv: &mut [u8],
         sizes: &[usize],
-        dtype: DType,
+        dtype: ElemType,
     ) -> Result<()>;
     /// Reduction followed by a scatter of equal chunks.
     ///
@@ -72,29 +72,29 @@ pub trait Communicator: Send {
         &mut self,
         send: &[u8],
         recv: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()>;
     /// Copies `root`'s buffer to every rank.
     ///
     /// # Errors
     /// As [`Communicator::all_reduce_raw`].
-    fn broadcast_raw(&mut self, buf: &mut [u8], dtype: DType, root: usize) -> Result<()>;
+    fn broadcast_raw(&mut self, buf: &mut [u8], dtype: ElemType, root: usize) -> Result<()>;
     /// Sends to one peer; the peer must `recv` the same number of bytes and dtype.
     ///
     /// # Errors
     /// As [`Communicator::all_reduce_raw`].
-    fn send_raw(&mut self, buf: &[u8], dtype: DType, peer: usize) -> Result<()>;
+    fn send_raw(&mut self, buf: &[u8], dtype: ElemType, peer: usize) -> Result<()>;
     /// Receives from one peer.
     ///
     /// # Errors
     /// As [`Communicator::all_reduce_raw`].
-    fn recv_raw(&mut self, buf: &mut [u8], dtype: DType, peer: usize) -> Result<()>;
+    fn recv_raw(&mut self, buf: &mut [u8], dtype: ElemType, peer: usize) -> Result<()>;
     /// Personalized exchange of equal chunks.
     ///
     /// # Errors
     /// As [`Communicator::all_reduce_raw`].
-    fn all_to_all_raw(&mut self, send: &[u8], recv: &mut [u8], dtype: DType) -> Result<()>;
+    fn all_to_all_raw(&mut self, send: &[u8], recv: &mut [u8], dtype: ElemType) -> Result<()>;
     /// Returns when every rank has entered the barrier.
     ///
     /// # Errors
@@ -121,7 +121,7 @@ pub trait Communicator: Send {
         &mut self,
         ptr: u64,
         bytes: usize,
-        dtype: DType,
+        dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
         let _ = (ptr, bytes, dtype, op);
@@ -135,7 +135,7 @@ pub trait Communicator: Send {
     ///
     /// # Errors
     /// As [`Communicator::all_reduce_raw`].
-    fn all_gather_raw(&mut self, send: &[u8], recv: &mut [u8], dtype: DType) -> Result<()> {
+    fn all_gather_raw(&mut self, send: &[u8], recv: &mut [u8], dtype: ElemType) -> Result<()> {
         let sizes = vec![send.len(); self.size()];
         self.all_gather_uneven_raw(send, recv, &sizes, dtype)
     }
@@ -275,7 +275,7 @@ pub(crate) mod check {
     }
 
     /// `buf` holds whole, aligned elements of `dtype`.
-    pub(crate) fn elements(at: &Site, name: &str, buf: &[u8], dtype: DType) -> Result<()> {
+    pub(crate) fn elements(at: &Site, name: &str, buf: &[u8], dtype: ElemType) -> Result<()> {
         device_elements(at, name, buf.len(), dtype)?;
         if !(buf.as_ptr() as usize).is_multiple_of(dtype.size()) {
             return Err(invalid(at, format!("{name} is not aligned for {dtype}")));
@@ -284,7 +284,12 @@ pub(crate) mod check {
     }
 
     /// `len` bytes (of a buffer this process cannot see) are whole elements of `dtype`.
-    pub(crate) fn device_elements(at: &Site, name: &str, len: usize, dtype: DType) -> Result<()> {
+    pub(crate) fn device_elements(
+        at: &Site,
+        name: &str,
+        len: usize,
+        dtype: ElemType,
+    ) -> Result<()> {
         if !len.is_multiple_of(dtype.size()) {
             return Err(invalid(
                 at,
@@ -295,7 +300,7 @@ pub(crate) mod check {
     }
 
     /// The buffers of an all-to-all: equal, and split into one whole chunk per rank.
-    pub(crate) fn exchanged(at: &Site, send: &[u8], recv: &[u8], dtype: DType) -> Result<()> {
+    pub(crate) fn exchanged(at: &Site, send: &[u8], recv: &[u8], dtype: ElemType) -> Result<()> {
         if send.len() != recv.len() || !send.len().is_multiple_of(at.size * dtype.size()) {
             return Err(invalid(
                 at,
@@ -331,7 +336,7 @@ pub(crate) mod check {
         send: &[u8],
         recv: &[u8],
         sizes: &[usize],
-        dtype: DType,
+        dtype: ElemType,
     ) -> Result<()> {
         elements(at, "send buffer", send, dtype)?;
         elements(at, "receive buffer", recv, dtype)?;

@@ -94,7 +94,7 @@ pub(crate) fn fnv_bytes(bytes: &[u8]) -> u64 {
 pub(crate) struct Descriptor {
     /// [`crate::Op::code`].
     pub(crate) op: u32,
-    /// [`crate::DType::code`].
+    /// [`crate::ElemType::code`].
     pub(crate) dtype: u32,
     /// [`crate::ReduceOp::code`], 0 for none.
     pub(crate) rop: u32,
@@ -116,12 +116,12 @@ impl Descriptor {
         peer: usize,
         aux_name: &'static str,
     ) -> crate::Result<()> {
-        use crate::{DType, Error, Op, ReduceOp};
+        use crate::{ElemType, Error, Op, ReduceOp};
         let mismatch = |what, mine: String, theirs: String| {
             Err(Error::Mismatch { at: at.clone(), peer, what, mine, theirs })
         };
         let op = |c: u32| Op::from_code(c).map_or("unknown".to_owned(), |o| o.to_string());
-        let dtype = |c: u32| DType::from_code(c).map_or("unknown".to_owned(), |d| d.to_string());
+        let dtype = |c: u32| ElemType::from_code(c).map_or("unknown".to_owned(), |d| d.to_string());
         let rop = |c: u32| ReduceOp::from_code(c).map_or("none".to_owned(), |o| o.to_string());
         if self.op != theirs.op {
             return mismatch("operation", op(self.op), op(theirs.op));

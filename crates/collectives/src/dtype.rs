@@ -6,7 +6,7 @@ use std::fmt;
 /// The element type of a buffer, checked to agree on every rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
-pub enum DType {
+pub enum ElemType {
     /// Raw bytes (no reduction other than wrapping sum, max, min).
     U8,
     /// 32-bit float.
@@ -19,46 +19,46 @@ pub enum DType {
     I64,
 }
 
-impl DType {
+impl ElemType {
     /// Bytes per element.
     pub const fn size(self) -> usize {
         match self {
-            DType::U8 => 1,
-            DType::F16 | DType::BF16 => 2,
-            DType::F32 => 4,
-            DType::I64 => 8,
+            ElemType::U8 => 1,
+            ElemType::F16 | ElemType::BF16 => 2,
+            ElemType::F32 => 4,
+            ElemType::I64 => 8,
         }
     }
 
     /// The name users write.
     pub const fn name(self) -> &'static str {
         match self {
-            DType::U8 => "u8",
-            DType::F32 => "f32",
-            DType::F16 => "f16",
-            DType::BF16 => "bf16",
-            DType::I64 => "i64",
+            ElemType::U8 => "u8",
+            ElemType::F32 => "f32",
+            ElemType::F16 => "f16",
+            ElemType::BF16 => "bf16",
+            ElemType::I64 => "i64",
         }
     }
 
     pub(crate) const fn code(self) -> u32 {
         match self {
-            DType::U8 => 1,
-            DType::F32 => 2,
-            DType::F16 => 3,
-            DType::BF16 => 4,
-            DType::I64 => 5,
+            ElemType::U8 => 1,
+            ElemType::F32 => 2,
+            ElemType::F16 => 3,
+            ElemType::BF16 => 4,
+            ElemType::I64 => 5,
         }
     }
 
-    pub(crate) fn from_code(code: u32) -> Option<DType> {
-        [DType::U8, DType::F32, DType::F16, DType::BF16, DType::I64]
+    pub(crate) fn from_code(code: u32) -> Option<ElemType> {
+        [ElemType::U8, ElemType::F32, ElemType::F16, ElemType::BF16, ElemType::I64]
             .into_iter()
             .find(|d| d.code() == code)
     }
 }
 
-impl fmt::Display for DType {
+impl fmt::Display for ElemType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
@@ -99,26 +99,26 @@ impl fmt::Display for ReduceOp {
     }
 }
 
-/// A plain-data element type with a [`DType`].
+/// A plain-data element type with a [`ElemType`].
 pub trait Element: bytemuck::Pod + Send + Sync {
     /// Its dtype tag.
-    const DTYPE: DType;
+    const DTYPE: ElemType;
 }
 
 impl Element for u8 {
-    const DTYPE: DType = DType::U8;
+    const DTYPE: ElemType = ElemType::U8;
 }
 impl Element for f32 {
-    const DTYPE: DType = DType::F32;
+    const DTYPE: ElemType = ElemType::F32;
 }
 impl Element for f16 {
-    const DTYPE: DType = DType::F16;
+    const DTYPE: ElemType = ElemType::F16;
 }
 impl Element for bf16 {
-    const DTYPE: DType = DType::BF16;
+    const DTYPE: ElemType = ElemType::BF16;
 }
 impl Element for i64 {
-    const DTYPE: DType = DType::I64;
+    const DTYPE: ElemType = ElemType::I64;
 }
 
 /// Elements per block when reducing many sources: small enough that the accumulator stays in L1.
@@ -214,28 +214,32 @@ macro_rules! with_op {
 /// Every rank that reduces the same sources in the same order gets bit-identical results, which
 /// tensor parallelism relies on. All slices must be `out.len()` bytes and aligned for `dtype`
 /// (callers check this at the API boundary).
-pub(crate) fn reduce(dtype: DType, op: ReduceOp, out: &mut [u8], sources: &[&[u8]]) {
+pub(crate) fn reduce(dtype: ElemType, op: ReduceOp, out: &mut [u8], sources: &[&[u8]]) {
     debug_assert!(sources.iter().all(|s| s.len() == out.len()));
     match dtype {
-        DType::U8 => with_op!(op, f => reduce_native::<u8, _>(f, out, sources)),
-        DType::F32 => with_op!(op, f => reduce_native::<f32, _>(f, out, sources)),
-        DType::I64 => with_op!(op, f => reduce_native::<i64, _>(f, out, sources)),
-        DType::F16 => with_op!(op, f => reduce_half(f, out, sources, f16::to_f32, f16::from_f32)),
-        DType::BF16 => {
+        ElemType::U8 => with_op!(op, f => reduce_native::<u8, _>(f, out, sources)),
+        ElemType::F32 => with_op!(op, f => reduce_native::<f32, _>(f, out, sources)),
+        ElemType::I64 => with_op!(op, f => reduce_native::<i64, _>(f, out, sources)),
+        ElemType::F16 => {
+            with_op!(op, f => reduce_half(f, out, sources, f16::to_f32, f16::from_f32))
+        }
+        ElemType::BF16 => {
             with_op!(op, f => reduce_half(f, out, sources, bf16::to_f32, bf16::from_f32))
         }
     }
 }
 
 /// `acc = acc op src`, element-wise (f16/bf16 through f32).
-pub(crate) fn accumulate(dtype: DType, op: ReduceOp, acc: &mut [u8], src: &[u8]) {
+pub(crate) fn accumulate(dtype: ElemType, op: ReduceOp, acc: &mut [u8], src: &[u8]) {
     debug_assert_eq!(acc.len(), src.len());
     match dtype {
-        DType::U8 => with_op!(op, f => accumulate_native::<u8, _>(f, acc, src)),
-        DType::F32 => with_op!(op, f => accumulate_native::<f32, _>(f, acc, src)),
-        DType::I64 => with_op!(op, f => accumulate_native::<i64, _>(f, acc, src)),
-        DType::F16 => with_op!(op, f => accumulate_half(f, acc, src, f16::to_f32, f16::from_f32)),
-        DType::BF16 => {
+        ElemType::U8 => with_op!(op, f => accumulate_native::<u8, _>(f, acc, src)),
+        ElemType::F32 => with_op!(op, f => accumulate_native::<f32, _>(f, acc, src)),
+        ElemType::I64 => with_op!(op, f => accumulate_native::<i64, _>(f, acc, src)),
+        ElemType::F16 => {
+            with_op!(op, f => accumulate_half(f, acc, src, f16::to_f32, f16::from_f32))
+        }
+        ElemType::BF16 => {
             with_op!(op, f => accumulate_half(f, acc, src, bf16::to_f32, bf16::from_f32))
         }
     }
@@ -325,17 +329,22 @@ mod tests {
             (ReduceOp::Min, [1.0, -2.0, -1.0]),
         ] {
             let mut out = vec![0u8; 12];
-            reduce(DType::F32, op, &mut out, &[&bytes(&a), &bytes(&b)]);
+            reduce(ElemType::F32, op, &mut out, &[&bytes(&a), &bytes(&b)]);
             assert_eq!(bytemuck::cast_slice::<u8, f32>(&out), want, "{op}");
         }
         let mut out = vec![0u8; 16];
-        reduce(DType::I64, ReduceOp::Sum, &mut out, &[&bytes(&[i64::MAX, 2]), &bytes(&[1i64, 3])]);
+        reduce(
+            ElemType::I64,
+            ReduceOp::Sum,
+            &mut out,
+            &[&bytes(&[i64::MAX, 2]), &bytes(&[1i64, 3])],
+        );
         assert_eq!(bytemuck::cast_slice::<u8, i64>(&out), [i64::MIN, 5]);
 
         let h = |v: f32| bf16::from_f32(v);
         let mut out = vec![0u8; 4];
         reduce(
-            DType::BF16,
+            ElemType::BF16,
             ReduceOp::Sum,
             &mut out,
             &[&bytes(&[h(1.0), h(2.0)]), &bytes(&[h(0.5), h(-2.0)])],
@@ -350,14 +359,14 @@ mod tests {
         let srcs = [bytes(&[x(2048.0)]), bytes(&[x(1.0)]), bytes(&[x(1.0)])];
         let refs: Vec<&[u8]> = srcs.iter().map(Vec::as_slice).collect();
         let mut out = vec![0u8; 2];
-        reduce(DType::F16, ReduceOp::Sum, &mut out, &refs);
+        reduce(ElemType::F16, ReduceOp::Sum, &mut out, &refs);
         assert_eq!(bytemuck::cast_slice::<u8, f16>(&out)[0].to_f32(), 2050.0);
     }
 
     #[test]
     fn codes_round_trip() {
-        for d in [DType::U8, DType::F32, DType::F16, DType::BF16, DType::I64] {
-            assert_eq!(DType::from_code(d.code()), Some(d));
+        for d in [ElemType::U8, ElemType::F32, ElemType::F16, ElemType::BF16, ElemType::I64] {
+            assert_eq!(ElemType::from_code(d.code()), Some(d));
         }
         for o in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
             assert_eq!(ReduceOp::from_code(o.code()), Some(o));

@@ -13,7 +13,7 @@ use crate::nccl::NcclCommunicator;
 use crate::shm::{ShmComm, ShmOptions};
 use crate::solo::Solo;
 use crate::tcp::TcpComm;
-use mesh::{AxisBackends, Backend, Device, DeviceMesh, Rendezvous, Store, StoreServer};
+use mesh::{AxisBackends, CommBackend, Device, DeviceMesh, Rendezvous, Store, StoreServer};
 use std::net::{IpAddr, Ipv4Addr, UdpSocket};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,7 +27,7 @@ pub struct InitOptions {
     pub tp: Option<usize>,
     /// KV-head groups of the model (the most TP ranks it can be split over).
     pub head_groups: usize,
-    /// Backend per axis.
+    /// Communication backend per axis.
     pub backends: AxisBackends,
     /// The device this rank computes on.
     pub device: Device,
@@ -110,7 +110,7 @@ impl World {
     /// This rank is not a member, the backend cannot serve this group, or set-up fails.
     pub fn group(
         &self,
-        backend: Backend,
+        backend: CommBackend,
         name: &str,
         members: &[usize],
         opts: &InitOptions,
@@ -125,8 +125,8 @@ impl World {
         let key = format!("tpctl/{}/g{generation}/{name}", self.token);
         let mut comm: Box<dyn Communicator> = match backend {
             _ if members.len() == 1 => Box::new(Solo::new(name)),
-            Backend::Shm => Box::new(self.shm_group(&key, name, rank, members, opts)?),
-            Backend::Tcp => Box::new(TcpComm::connect(
+            CommBackend::Shm => Box::new(self.shm_group(&key, name, rank, members, opts)?),
+            CommBackend::Tcp => Box::new(TcpComm::connect(
                 &self.store,
                 &key,
                 name,
@@ -135,7 +135,7 @@ impl World {
                 self.listen_ip(),
                 opts.timeout,
             )?),
-            Backend::Nccl => {
+            CommBackend::Nccl => {
                 let Device::Cuda(device) = opts.device else {
                     return Err(Error::BackendUnavailable {
                         backend: "nccl",
@@ -155,7 +155,7 @@ impl World {
                     opts.timeout,
                 )?)
             }
-            Backend::Local => {
+            CommBackend::Local => {
                 return Err(Error::BackendUnavailable {
                     backend: "local",
                     reason: "connects threads of one process; rank processes need shm or tcp"

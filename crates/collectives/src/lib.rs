@@ -1,7 +1,7 @@
 //! Communicators for the tensor-parallel, context-parallel and control groups of a mesh.
 //!
 //! [`Communicator`] is the interface every backend implements (byte buffers tagged with a
-//! [`DType`]); [`Collective`] adds typed methods over `f32`, `f16`, `bf16`, `i64` and `u8`
+//! [`ElemType`]); [`Collective`] adds typed methods over `f32`, `f16`, `bf16`, `i64` and `u8`
 //! slices. Backends:
 //!
 //! - [`local`]: threads of one process (tests);
@@ -25,7 +25,7 @@ mod solo;
 pub mod tcp;
 
 pub use comm::{AbortHandle, Collective, Communicator, DEFAULT_TIMEOUT};
-pub use dtype::{DType, Element, ReduceOp};
+pub use dtype::{ElemType, Element, ReduceOp};
 pub use error::{Error, Op, Result, Site};
 pub use group::{init_parallel, init_parallel_with, InitOptions, ParallelContext, World};
 pub use shm::{ShmComm, ShmOptions};

@@ -2,7 +2,7 @@
 
 use crate::call::{GroupCore, Transport};
 use crate::comm::DEFAULT_TIMEOUT;
-use crate::dtype::{DType, ReduceOp};
+use crate::dtype::{ElemType, ReduceOp};
 use crate::error::{Error, Result, Site};
 use std::time::Instant;
 
@@ -41,7 +41,7 @@ impl Transport for Solo {
         _: &Site,
         _: Instant,
         _: &mut [u8],
-        _: DType,
+        _: ElemType,
         _: ReduceOp,
     ) -> Result<()> {
         Ok(())
@@ -54,7 +54,7 @@ impl Transport for Solo {
         send: &[u8],
         recv: &mut [u8],
         _: &[usize],
-        _: DType,
+        _: ElemType,
     ) -> Result<()> {
         recv.copy_from_slice(send);
         Ok(())
@@ -66,23 +66,30 @@ impl Transport for Solo {
         _: Instant,
         send: &[u8],
         recv: &mut [u8],
-        _: DType,
+        _: ElemType,
         _: ReduceOp,
     ) -> Result<()> {
         recv.copy_from_slice(send);
         Ok(())
     }
 
-    fn broadcast(&mut self, _: &Site, _: Instant, _: &mut [u8], _: DType, _: usize) -> Result<()> {
+    fn broadcast(
+        &mut self,
+        _: &Site,
+        _: Instant,
+        _: &mut [u8],
+        _: ElemType,
+        _: usize,
+    ) -> Result<()> {
         Ok(())
     }
 
     // A group of one has no peer: the argument check refuses every send and receive first.
-    fn send(&mut self, _: &Site, _: Instant, _: &[u8], _: DType, _: usize) -> Result<()> {
+    fn send(&mut self, _: &Site, _: Instant, _: &[u8], _: ElemType, _: usize) -> Result<()> {
         Ok(())
     }
 
-    fn recv(&mut self, _: &Site, _: Instant, _: &mut [u8], _: DType, _: usize) -> Result<()> {
+    fn recv(&mut self, _: &Site, _: Instant, _: &mut [u8], _: ElemType, _: usize) -> Result<()> {
         Ok(())
     }
 
@@ -92,7 +99,7 @@ impl Transport for Solo {
         _: Instant,
         send: &[u8],
         recv: &mut [u8],
-        _: DType,
+        _: ElemType,
     ) -> Result<()> {
         recv.copy_from_slice(send);
         Ok(())

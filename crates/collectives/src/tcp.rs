@@ -12,7 +12,7 @@
 use crate::call::{GroupCore, Transport};
 use crate::comm::{check, DEFAULT_TIMEOUT};
 use crate::common::{blame_word, blamed, fnv, fnv_bytes, part, Descriptor};
-use crate::dtype::{accumulate, reduce, DType, ReduceOp};
+use crate::dtype::{accumulate, reduce, ElemType, ReduceOp};
 use crate::error::{Error, Op, Result, Site};
 use mesh::Store;
 use std::io::{self, IoSlice, Read, Write};
@@ -93,7 +93,7 @@ impl Header {
 #[derive(Clone, Copy)]
 struct Call {
     op: Op,
-    dtype: DType,
+    dtype: ElemType,
     rop: Option<ReduceOp>,
     seq: u64,
     total: usize,
@@ -104,7 +104,7 @@ struct Call {
 impl Call {
     /// A send and its matching receive: both say `send`, with no group-wide sequence number
     /// (point-to-point calls are not collective).
-    fn point_to_point(dtype: DType, total: usize) -> Call {
+    fn point_to_point(dtype: ElemType, total: usize) -> Call {
         Call { op: Op::Send, dtype, rop: None, seq: 0, total, aux: 0, aux_name: "" }
     }
 
@@ -611,7 +611,7 @@ impl Transport for TcpComm {
         at: &Site,
         deadline: Instant,
         buf: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
         let call = Call {
@@ -657,7 +657,7 @@ impl Transport for TcpComm {
         send: &[u8],
         recv: &mut [u8],
         sizes: &[usize],
-        dtype: DType,
+        dtype: ElemType,
     ) -> Result<()> {
         let total: usize = sizes.iter().sum();
         let call = Call {
@@ -688,7 +688,7 @@ impl Transport for TcpComm {
         deadline: Instant,
         send: &[u8],
         recv: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
         let call = Call {
@@ -715,7 +715,7 @@ impl Transport for TcpComm {
         at: &Site,
         deadline: Instant,
         buf: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
         root: usize,
     ) -> Result<()> {
         let call = Call {
@@ -747,7 +747,7 @@ impl Transport for TcpComm {
         at: &Site,
         deadline: Instant,
         buf: &[u8],
-        dtype: DType,
+        dtype: ElemType,
         peer: usize,
     ) -> Result<()> {
         let call = Call::point_to_point(dtype, buf.len());
@@ -760,7 +760,7 @@ impl Transport for TcpComm {
         at: &Site,
         deadline: Instant,
         buf: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
         peer: usize,
     ) -> Result<()> {
         let call = Call::point_to_point(dtype, buf.len());
@@ -775,7 +775,7 @@ impl Transport for TcpComm {
         deadline: Instant,
         send: &[u8],
         recv: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
     ) -> Result<()> {
         let call = Call {
             op: Op::AllToAll,
@@ -817,7 +817,7 @@ impl Transport for TcpComm {
         }
         let call = Call {
             op: Op::Barrier,
-            dtype: DType::U8,
+            dtype: ElemType::U8,
             rop: None,
             seq: self.seq,
             total: 0,

@@ -5,7 +5,7 @@
 //! without a usable GPU only when `TPCTL_REQUIRE_GPU=1`.
 
 use collectives::{init_parallel, Collective, Error, InitOptions, ReduceOp};
-use mesh::{AxisBackends, Backend, Device};
+use mesh::{AxisBackends, CommBackend, Device};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -87,7 +87,11 @@ fn nccl_process_rank() {
     let opts = InitOptions {
         tp: Some(2),
         head_groups: 2,
-        backends: AxisBackends { tp: Backend::Nccl, cp: Backend::Shm, control: Backend::Shm },
+        backends: AxisBackends {
+            tp: CommBackend::Nccl,
+            cp: CommBackend::Shm,
+            control: CommBackend::Shm,
+        },
         device: Device::Cuda(rank),
         timeout: Duration::from_secs(60),
         shm: None,

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 
 /// A communication backend of the collectives crate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Backend {
+pub enum CommBackend {
     /// Threads of one process (tests).
     Local,
     /// Processes on one host, through shared memory.
@@ -20,32 +20,33 @@ pub enum Backend {
     Nccl,
 }
 
-impl Backend {
-    /// Every backend, in the order of [`Backend::name`]'s documentation.
-    pub const ALL: [Backend; 4] = [Backend::Local, Backend::Shm, Backend::Tcp, Backend::Nccl];
+impl CommBackend {
+    /// Every backend, in the order of [`CommBackend::name`]'s documentation.
+    pub const ALL: [CommBackend; 4] =
+        [CommBackend::Local, CommBackend::Shm, CommBackend::Tcp, CommBackend::Nccl];
 
     /// The backend's name: `local`, `shm`, `tcp` or `nccl`.
     pub fn name(self) -> &'static str {
         match self {
-            Backend::Local => "local",
-            Backend::Shm => "shm",
-            Backend::Tcp => "tcp",
-            Backend::Nccl => "nccl",
+            CommBackend::Local => "local",
+            CommBackend::Shm => "shm",
+            CommBackend::Tcp => "tcp",
+            CommBackend::Nccl => "nccl",
         }
     }
 }
 
-impl fmt::Display for Backend {
+impl fmt::Display for CommBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
 }
 
-impl FromStr for Backend {
+impl FromStr for CommBackend {
     type Err = Error;
 
-    fn from_str(s: &str) -> Result<Backend> {
-        Backend::ALL.into_iter().find(|b| b.name() == s.trim()).ok_or_else(|| Error::Parse {
+    fn from_str(s: &str) -> Result<CommBackend> {
+        CommBackend::ALL.into_iter().find(|b| b.name() == s.trim()).ok_or_else(|| Error::Parse {
             what: "backend",
             value: s.to_owned(),
             expected: "local, shm, tcp or nccl",
@@ -57,39 +58,39 @@ impl FromStr for Backend {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct AxisBackends {
     /// Tensor-parallel group (all-reduce of row-parallel outputs).
-    pub tp: Backend,
+    pub tp: CommBackend,
     /// Context-parallel group (K/V gathers, log-sum-exp merges).
-    pub cp: Backend,
+    pub cp: CommBackend,
     /// The control group (step agreement, sleep/wakeup): host-side messages only.
-    pub control: Backend,
+    pub control: CommBackend,
 }
 
 impl Default for AxisBackends {
     /// Shared memory on every axis: CPU ranks on one host.
     fn default() -> AxisBackends {
-        AxisBackends { tp: Backend::Shm, cp: Backend::Shm, control: Backend::Shm }
+        AxisBackends { tp: CommBackend::Shm, cp: CommBackend::Shm, control: CommBackend::Shm }
     }
 }
 
 impl AxisBackends {
     /// Threads of one process on every axis, for tests; [`AxisBackends::validate`] refuses it.
     pub fn local() -> AxisBackends {
-        AxisBackends { tp: Backend::Local, cp: Backend::Local, control: Backend::Local }
+        AxisBackends { tp: CommBackend::Local, cp: CommBackend::Local, control: CommBackend::Local }
     }
 
     /// The usual choice: NCCL for the data axes on CUDA, shared memory on one host, TCP across
     /// hosts; the control group never uses NCCL.
     pub fn for_device(device: Device, single_host: bool) -> AxisBackends {
-        let host = if single_host { Backend::Shm } else { Backend::Tcp };
+        let host = if single_host { CommBackend::Shm } else { CommBackend::Tcp };
         let data = match device {
-            Device::Cuda(_) => Backend::Nccl,
+            Device::Cuda(_) => CommBackend::Nccl,
             Device::Cpu => host,
         };
         AxisBackends { tp: data, cp: data, control: host }
     }
 
     /// The axes with their names, `tp`, `cp`, `control`.
-    pub fn axes(&self) -> [(&'static str, Backend); 3] {
+    pub fn axes(&self) -> [(&'static str, CommBackend); 3] {
         [("tp", self.tp), ("cp", self.cp), ("control", self.control)]
     }
 
@@ -102,17 +103,17 @@ impl AxisBackends {
     pub fn validate(&self, device: Device, same_host: bool) -> Result<()> {
         for (axis, backend) in self.axes() {
             let reason = match backend {
-                Backend::Nccl if axis == "control" => Some(
+                CommBackend::Nccl if axis == "control" => Some(
                     "cannot carry control messages: they are host-side; use tcp or shm".to_owned(),
                 ),
-                Backend::Nccl if device == Device::Cpu => {
+                CommBackend::Nccl if device == Device::Cpu => {
                     Some("needs a CUDA device but this rank runs on cpu; use shm or tcp".to_owned())
                 }
-                Backend::Shm if !same_host => Some(
+                CommBackend::Shm if !same_host => Some(
                     "needs every rank on one host but the ranks span several hosts; use tcp"
                         .to_owned(),
                 ),
-                Backend::Local => Some(
+                CommBackend::Local => Some(
                     "connects threads of one process (tests) and cannot connect rank processes"
                         .to_owned(),
                 ),

@@ -70,7 +70,7 @@ pub enum Error {
         /// The axis (`tp`, `cp` or `control`).
         axis: &'static str,
         /// The backend chosen for it.
-        backend: crate::Backend,
+        backend: crate::CommBackend,
         /// Why it cannot work there.
         reason: String,
     },

@@ -6,7 +6,7 @@
 //! - [`layout`]: the TP x CP [`DeviceMesh`] ([`plan_mesh`], TP innermost:
 //!   `rank = cp_rank * tp + tp_rank`), its groups, and the [`TokenShard`] of each CP rank
 //!   ([`balanced_ranges`]).
-//! - [`backend`]: the communication [`Backend`] of each axis ([`AxisBackends`]).
+//! - [`backend`]: the communication [`CommBackend`] of each axis ([`AxisBackends`]).
 //! - [`rendezvous`]: who this process is ([`Rendezvous`]), read from the torchrun, Slurm or
 //!   OpenMPI environment.
 //! - [`store`]: the TCP key-value [`Store`] that rank 0 hosts ([`StoreServer`],
@@ -25,7 +25,7 @@ pub mod layout;
 pub mod rendezvous;
 pub mod store;
 
-pub use backend::{AxisBackends, Backend};
+pub use backend::{AxisBackends, CommBackend};
 pub use device::{CudaProbe, Device, DriverProbe};
 pub use error::{Error, Result};
 pub use layout::{balanced_ranges, plan_mesh, DeviceMesh, MeshShape, TokenShard};

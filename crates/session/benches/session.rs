@@ -7,7 +7,7 @@
 //! per configuration with `--json`.
 
 use collectives::{init_parallel, Collective, Communicator, InitOptions, ReduceOp};
-use mesh::{AxisBackends, Backend};
+use mesh::{AxisBackends, CommBackend};
 use session::protocol::{self, Agreement, Contribution, Message, State};
 use session::{PlanEntry, StepPlan};
 mod common;
@@ -146,7 +146,7 @@ fn coordination(seqs: u64) -> impl FnMut(&mut dyn Communicator, u64) {
 }
 
 fn rank_main() {
-    let backend: Backend = std::env::var("TPCTL_BENCH_BACKEND")
+    let backend: CommBackend = std::env::var("TPCTL_BENCH_BACKEND")
         .unwrap_or_else(|_| "shm".into())
         .parse()
         .expect("backend");

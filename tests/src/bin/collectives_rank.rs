@@ -5,7 +5,7 @@
 #![forbid(unsafe_code)]
 
 use collectives::{init_parallel, Collective, InitOptions, ParallelContext, ReduceOp};
-use mesh::{AxisBackends, Backend};
+use mesh::{AxisBackends, CommBackend};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,7 +25,7 @@ fn env_ms(name: &str, default: u64) -> Duration {
 }
 
 fn context(tp: Option<usize>) -> Result<ParallelContext, collectives::Error> {
-    let backend: Backend = std::env::var("TPCTL_BACKEND")
+    let backend: CommBackend = std::env::var("TPCTL_BACKEND")
         .unwrap_or_else(|_| "shm".into())
         .parse()
         .map_err(collectives::Error::Store)?;

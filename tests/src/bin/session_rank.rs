@@ -10,7 +10,7 @@
 #![forbid(unsafe_code)]
 
 use collectives::{init_parallel, Collective, InitOptions, ReduceOp};
-use mesh::{AxisBackends, Backend};
+use mesh::{AxisBackends, CommBackend};
 use session::replicated::LlamaFactory;
 use session::sharded::{KvCacheConfig, ShardedFactory};
 use session::{
@@ -211,7 +211,7 @@ fn run(scenario: &str, rank: usize) -> (Option<Role>, Outcome) {
 
 fn scenario_main(scenario: &str, rank: usize, slot: &mut Option<Role>) -> Outcome {
     let world = env_u64("WORLD_SIZE", 1) as usize;
-    let backend: Backend =
+    let backend: CommBackend =
         std::env::var("TPCTL_BACKEND").unwrap_or_else(|_| "shm".into()).parse()?;
     let opts = InitOptions {
         tp: Some(env_u64("TPCTL_TP", world as u64) as usize),

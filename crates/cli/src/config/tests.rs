@@ -1,9 +1,9 @@
 //! The config file: defaults, full files, and the errors people will actually hit.
 
 use super::*;
-use mesh::Backend::{Nccl, Shm, Tcp};
+use mesh::CommBackend::{Nccl, Shm, Tcp};
 
-fn axes(tp: Backend, cp: Backend, control: Backend) -> AxisBackends {
+fn axes(tp: CommBackend, cp: CommBackend, control: CommBackend) -> AxisBackends {
     AxisBackends { tp, cp, control }
 }
 
@@ -52,7 +52,7 @@ listen = "127.0.0.1:9000"
 "#;
     let c = Config::parse(text, "full.toml").unwrap();
     assert_eq!((c.layout.tp, c.layout.cp), (Some(2), Some(2)));
-    assert_eq!(c.layout.backends.tp, mesh::Backend::Tcp);
+    assert_eq!(c.layout.backends.tp, mesh::CommBackend::Tcp);
     assert_eq!(c.model.weights, WeightsForm::F32);
     assert_eq!(c.sleep["weights"].restore, RestoreMode::Backup);
     assert_eq!(c.sleep["kv_cache"].spill_dir, None);
@@ -117,7 +117,7 @@ fn launch_settings_take_flags_over_the_file_over_the_defaults() {
         model: Some("x.gguf".into()),
         threads: Some(1),
         max_model_len: Some(64),
-        backend: Some(mesh::Backend::Tcp),
+        backend: Some(mesh::CommBackend::Tcp),
         ..flags(None, Some(1))
     };
     let flagged = file.launch(&over, 8, false).unwrap();
@@ -132,7 +132,7 @@ fn launch_settings_take_flags_over_the_file_over_the_defaults() {
     let two = Config::default().launch(&two, 8, false).unwrap();
     assert_eq!((two.nproc, two.backends), (2, axes(Tcp, Tcp, Tcp)));
     // NCCL keeps the control axis on the host.
-    let nccl = LaunchFlags { backend: Some(mesh::Backend::Nccl), ..flags(Some(2), None) };
+    let nccl = LaunchFlags { backend: Some(mesh::CommBackend::Nccl), ..flags(Some(2), None) };
     let nccl = Config::default().launch(&nccl, 8, true).unwrap();
     assert_eq!(nccl.backends, axes(Nccl, Nccl, Shm));
 }
@@ -146,7 +146,7 @@ fn launch_settings_refuse_what_cannot_run() {
     assert_eq!(err(outside, false), "--node-rank 2 is not below --nnodes 2");
     let uneven = LaunchFlags { nnodes: 2, ..flags(Some(3), None) };
     assert!(err(uneven, false).contains("3 ranks do not split evenly over --nnodes 2"));
-    let nccl = LaunchFlags { backend: Some(mesh::Backend::Nccl), ..flags(None, None) };
+    let nccl = LaunchFlags { backend: Some(mesh::CommBackend::Nccl), ..flags(None, None) };
     assert!(err(nccl, false).contains("built without CUDA"));
     let gpu = LaunchFlags { device: Some(ComputeDevice::Cuda), ..flags(None, None) };
     assert!(err(gpu, false).contains("--device cuda"));

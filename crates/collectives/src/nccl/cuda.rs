@@ -6,7 +6,7 @@ use crate::comm::check;
 #[cfg(doc)]
 use crate::comm::Communicator;
 use crate::common::{blame_word, blamed};
-use crate::dtype::{DType, ReduceOp};
+use crate::dtype::{ElemType, ReduceOp};
 use crate::error::{Error, Op, Result, Site};
 use crate::nccl::{NcclId, BINDINGS_VERSION, ID_BYTES, MIN_VERSION};
 use cudarc::driver::{
@@ -157,13 +157,13 @@ fn describe(code: sys::ncclResult_t, comm: sys::ncclComm_t) -> String {
     s
 }
 
-fn nccl_type(dtype: DType) -> sys::ncclDataType_t {
+fn nccl_type(dtype: ElemType) -> sys::ncclDataType_t {
     match dtype {
-        DType::U8 => sys::ncclDataType_t::ncclUint8,
-        DType::F32 => sys::ncclDataType_t::ncclFloat32,
-        DType::F16 => sys::ncclDataType_t::ncclFloat16,
-        DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
-        DType::I64 => sys::ncclDataType_t::ncclInt64,
+        ElemType::U8 => sys::ncclDataType_t::ncclUint8,
+        ElemType::F32 => sys::ncclDataType_t::ncclFloat32,
+        ElemType::F16 => sys::ncclDataType_t::ncclFloat16,
+        ElemType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+        ElemType::I64 => sys::ncclDataType_t::ncclInt64,
     }
 }
 
@@ -632,7 +632,7 @@ impl NcclCommunicator {
         src: DevPtr,
         dst: DevPtr,
         count: usize,
-        dtype: DType,
+        dtype: ElemType,
         op: ReduceOp,
     ) -> std::result::Result<(), (&'static str, sys::ncclResult_t)> {
         // SAFETY: per this function's contract.
@@ -679,7 +679,7 @@ impl NcclCommunicator {
         src: DevPtr,
         dst: DevPtr,
         count: usize,
-        dtype: DType,
+        dtype: ElemType,
         op: ReduceOp,
     ) -> std::result::Result<(), (&'static str, sys::ncclResult_t)> {
         // SAFETY: per this function's contract.
@@ -831,7 +831,7 @@ impl Transport for NcclCommunicator {
         _deadline: Instant,
         ptr: u64,
         bytes: usize,
-        dtype: DType,
+        dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
         // SAFETY: the caller guarantees `bytes` bytes of this device at `ptr`, untouched by
@@ -846,7 +846,7 @@ impl Transport for NcclCommunicator {
         at: &Site,
         _deadline: Instant,
         buf: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
         let dev = self.staging(at, buf.len())?;
@@ -866,7 +866,7 @@ impl Transport for NcclCommunicator {
         send: &[u8],
         recv: &mut [u8],
         sizes: &[usize],
-        _dtype: DType,
+        _dtype: ElemType,
     ) -> Result<()> {
         // NCCL gathers equal shards: pad each to the widest, drop the padding after.
         let width = sizes.iter().copied().max().unwrap_or(0);
@@ -890,7 +890,7 @@ impl Transport for NcclCommunicator {
         _deadline: Instant,
         send: &[u8],
         recv: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
         let dev = self.staging(at, send.len() + recv.len())?;
@@ -908,7 +908,7 @@ impl Transport for NcclCommunicator {
         at: &Site,
         _deadline: Instant,
         buf: &mut [u8],
-        _dtype: DType,
+        _dtype: ElemType,
         root: usize,
     ) -> Result<()> {
         let dev = self.staging(at, buf.len())?;
@@ -928,7 +928,7 @@ impl Transport for NcclCommunicator {
         at: &Site,
         _deadline: Instant,
         buf: &[u8],
-        _dtype: DType,
+        _dtype: ElemType,
         peer: usize,
     ) -> Result<()> {
         let dev = self.staging(at, buf.len())?;
@@ -943,7 +943,7 @@ impl Transport for NcclCommunicator {
         at: &Site,
         _deadline: Instant,
         buf: &mut [u8],
-        _dtype: DType,
+        _dtype: ElemType,
         peer: usize,
     ) -> Result<()> {
         let dev = self.staging(at, buf.len())?;
@@ -960,7 +960,7 @@ impl Transport for NcclCommunicator {
         _deadline: Instant,
         send: &[u8],
         recv: &mut [u8],
-        _dtype: DType,
+        _dtype: ElemType,
     ) -> Result<()> {
         let chunk = send.len() / self.core.size;
         let dev = self.staging(at, 2 * send.len())?;
@@ -975,7 +975,9 @@ impl Transport for NcclCommunicator {
     fn barrier(&mut self, at: &Site, _deadline: Instant) -> Result<()> {
         let dev = self.staging(at, 1)?;
         // SAFETY: the staging buffer holds at least one byte at `dev`; its value is irrelevant.
-        self.run(at, |me| unsafe { me.enqueue_all_reduce(dev, dev, 1, DType::U8, ReduceOp::Max) })?;
+        self.run(at, |me| unsafe {
+            me.enqueue_all_reduce(dev, dev, 1, ElemType::U8, ReduceOp::Max)
+        })?;
         self.sync(at)
     }
 }
@@ -1009,7 +1011,7 @@ impl NcclCommunicator {
     pub fn all_reduce_device(
         &mut self,
         buf: &mut impl DevicePtrMut<u8>,
-        dtype: DType,
+        dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
         self.device_call(Op::AllReduce, |me, at| {
@@ -1033,7 +1035,7 @@ impl NcclCommunicator {
         &mut self,
         send: &impl DevicePtr<u8>,
         recv: &mut impl DevicePtrMut<u8>,
-        dtype: DType,
+        dtype: ElemType,
     ) -> Result<()> {
         self.device_call(Op::AllGather, |me, at| {
             let (n, total) = (send.len(), recv.len());
@@ -1061,7 +1063,7 @@ impl NcclCommunicator {
         &mut self,
         send: &impl DevicePtr<u8>,
         recv: &mut impl DevicePtrMut<u8>,
-        dtype: DType,
+        dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
         self.device_call(Op::ReduceScatter, |me, at| {
@@ -1089,7 +1091,7 @@ impl NcclCommunicator {
     pub fn broadcast_device(
         &mut self,
         buf: &mut impl DevicePtrMut<u8>,
-        dtype: DType,
+        dtype: ElemType,
         root: usize,
     ) -> Result<()> {
         self.device_call(Op::Broadcast, |me, at| {
@@ -1111,7 +1113,7 @@ impl NcclCommunicator {
     pub fn send_device(
         &mut self,
         buf: &impl DevicePtr<u8>,
-        dtype: DType,
+        dtype: ElemType,
         peer: usize,
     ) -> Result<()> {
         self.device_call(Op::Send, |me, at| {
@@ -1133,7 +1135,7 @@ impl NcclCommunicator {
     pub fn recv_device(
         &mut self,
         buf: &mut impl DevicePtrMut<u8>,
-        dtype: DType,
+        dtype: ElemType,
         peer: usize,
     ) -> Result<()> {
         self.device_call(Op::Recv, |me, at| {

@@ -2,7 +2,7 @@
 //! constructor says which feature is missing, so callers carry no `#[cfg]`.
 
 use crate::call::{GroupCore, Transport};
-use crate::dtype::{DType, ReduceOp};
+use crate::dtype::{ElemType, ReduceOp};
 use crate::error::{Error, Result, Site};
 use crate::nccl::NcclId;
 use mesh::Store;
@@ -71,7 +71,7 @@ impl Transport for NcclCommunicator {
         _: &Site,
         _: Instant,
         _: &mut [u8],
-        _: DType,
+        _: ElemType,
         _: ReduceOp,
     ) -> Result<()> {
         match self.never {}
@@ -83,7 +83,7 @@ impl Transport for NcclCommunicator {
         _: &[u8],
         _: &mut [u8],
         _: &[usize],
-        _: DType,
+        _: ElemType,
     ) -> Result<()> {
         match self.never {}
     }
@@ -93,21 +93,35 @@ impl Transport for NcclCommunicator {
         _: Instant,
         _: &[u8],
         _: &mut [u8],
-        _: DType,
+        _: ElemType,
         _: ReduceOp,
     ) -> Result<()> {
         match self.never {}
     }
-    fn broadcast(&mut self, _: &Site, _: Instant, _: &mut [u8], _: DType, _: usize) -> Result<()> {
+    fn broadcast(
+        &mut self,
+        _: &Site,
+        _: Instant,
+        _: &mut [u8],
+        _: ElemType,
+        _: usize,
+    ) -> Result<()> {
         match self.never {}
     }
-    fn send(&mut self, _: &Site, _: Instant, _: &[u8], _: DType, _: usize) -> Result<()> {
+    fn send(&mut self, _: &Site, _: Instant, _: &[u8], _: ElemType, _: usize) -> Result<()> {
         match self.never {}
     }
-    fn recv(&mut self, _: &Site, _: Instant, _: &mut [u8], _: DType, _: usize) -> Result<()> {
+    fn recv(&mut self, _: &Site, _: Instant, _: &mut [u8], _: ElemType, _: usize) -> Result<()> {
         match self.never {}
     }
-    fn all_to_all(&mut self, _: &Site, _: Instant, _: &[u8], _: &mut [u8], _: DType) -> Result<()> {
+    fn all_to_all(
+        &mut self,
+        _: &Site,
+        _: Instant,
+        _: &[u8],
+        _: &mut [u8],
+        _: ElemType,
+    ) -> Result<()> {
         match self.never {}
     }
     fn barrier(&mut self, _: &Site, _: Instant) -> Result<()> {

@@ -244,14 +244,14 @@ fn nccl_device_entry_points_work_on_one_rank() {
     let stream = c.stream().clone();
     let host: Vec<u8> = (0..64u8).collect();
     let mut buf = stream.clone_htod(&host).unwrap();
-    c.all_reduce_device(&mut buf, crate::DType::F32, ReduceOp::Sum).unwrap();
+    c.all_reduce_device(&mut buf, crate::ElemType::F32, ReduceOp::Sum).unwrap();
     let mut gathered = stream.alloc_zeros::<u8>(64).unwrap();
-    c.all_gather_device(&buf, &mut gathered, crate::DType::F32).unwrap();
-    c.broadcast_device(&mut gathered, crate::DType::U8, 0).unwrap();
+    c.all_gather_device(&buf, &mut gathered, crate::ElemType::F32).unwrap();
+    c.broadcast_device(&mut gathered, crate::ElemType::U8, 0).unwrap();
     let mut part = stream.alloc_zeros::<u8>(64).unwrap();
-    c.reduce_scatter_device(&gathered, &mut part, crate::DType::F32, ReduceOp::Max).unwrap();
+    c.reduce_scatter_device(&gathered, &mut part, crate::ElemType::F32, ReduceOp::Max).unwrap();
     assert_eq!(stream.clone_dtoh(&part).unwrap(), host);
-    let err = c.all_reduce_device(&mut part.slice_mut(0..3), crate::DType::F32, ReduceOp::Sum);
+    let err = c.all_reduce_device(&mut part.slice_mut(0..3), crate::ElemType::F32, ReduceOp::Sum);
     assert!(err.unwrap_err().to_string().contains("not a whole number of f32"));
 }
 
@@ -356,9 +356,9 @@ fn nccl_reduces_a_raw_device_buffer_through_the_trait() {
     let ptr = buf.device_ptr(&stream).0;
     stream.synchronize().unwrap();
     // SAFETY: `buf` holds 64 bytes of device 0 and nothing else uses it during the call.
-    unsafe { c.all_reduce_device_ptr(ptr, 64, crate::DType::F32, ReduceOp::Sum) }.unwrap();
+    unsafe { c.all_reduce_device_ptr(ptr, 64, crate::ElemType::F32, ReduceOp::Sum) }.unwrap();
     assert_eq!(stream.clone_dtoh(&buf).unwrap(), host);
     // SAFETY: as above; the call fails before touching the buffer.
-    let err = unsafe { c.all_reduce_device_ptr(ptr, 6, crate::DType::F32, ReduceOp::Sum) };
+    let err = unsafe { c.all_reduce_device_ptr(ptr, 6, crate::ElemType::F32, ReduceOp::Sum) };
     assert!(err.unwrap_err().to_string().contains("not a whole number of f32"));
 }

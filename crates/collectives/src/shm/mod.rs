@@ -25,7 +25,7 @@ pub use segment::ShmOptions;
 use crate::call::{self, GroupCore, Transport};
 use crate::comm::{check, DEFAULT_TIMEOUT};
 use crate::common::{blame_word, blamed, fnv, part, pieces, Descriptor};
-use crate::dtype::{reduce, DType, ReduceOp};
+use crate::dtype::{reduce, ElemType, ReduceOp};
 use crate::error::{Error, Op, Result, Site};
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -291,7 +291,14 @@ impl ShmComm {
     }
 
     /// Posts this rank's descriptor for the next operation piece; returns the slot parity.
-    fn post(&mut self, op: Op, dtype: DType, rop: Option<ReduceOp>, len: usize, aux: u64) -> usize {
+    fn post(
+        &mut self,
+        op: Op,
+        dtype: ElemType,
+        rop: Option<ReduceOp>,
+        len: usize,
+        aux: u64,
+    ) -> usize {
         self.seq += 1;
         let parity = (self.seq & 1) as usize;
         let desc = &self.seg.rank(self.core.rank).desc[parity];
@@ -382,7 +389,7 @@ impl ShmComm {
     }
 
     /// Bytes per piece for element type `dtype` when `ways` sub-pieces share one slot.
-    fn piece_cap(&self, dtype: DType, ways: usize) -> usize {
+    fn piece_cap(&self, dtype: ElemType, ways: usize) -> usize {
         let per = self.seg.slot_bytes() / ways;
         // Keep sub-pieces 64-byte aligned for the copy and reduce loops.
         let align = 64usize.max(dtype.size());
@@ -398,7 +405,7 @@ impl ShmComm {
         deadline: Instant,
         send: &[u8],
         recv: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
         op: Option<ReduceOp>,
     ) -> Result<()> {
         let chunk = match op {
@@ -507,7 +514,7 @@ impl ShmComm {
 }
 
 /// A point-to-point message header: payload bytes and dtype.
-fn p2p_header(len: usize, dtype: DType) -> [u8; 16] {
+fn p2p_header(len: usize, dtype: ElemType) -> [u8; 16] {
     let mut h = [0u8; 16];
     h[..8].copy_from_slice(&(len as u64).to_le_bytes());
     h[8..12].copy_from_slice(&dtype.code().to_le_bytes());
@@ -553,7 +560,7 @@ impl Transport for ShmComm {
         at: &Site,
         deadline: Instant,
         buf: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
         let total = buf.len();
@@ -622,7 +629,7 @@ impl Transport for ShmComm {
         send: &[u8],
         recv: &mut [u8],
         sizes: &[usize],
-        dtype: DType,
+        dtype: ElemType,
     ) -> Result<()> {
         let total: usize = sizes.iter().sum();
         let most = sizes.iter().copied().max().unwrap_or(0);
@@ -660,7 +667,7 @@ impl Transport for ShmComm {
         deadline: Instant,
         send: &[u8],
         recv: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
         self.exchange_chunks(at, deadline, send, recv, dtype, Some(op))
@@ -671,7 +678,7 @@ impl Transport for ShmComm {
         at: &Site,
         deadline: Instant,
         buf: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
         root: usize,
     ) -> Result<()> {
         let total = buf.len();
@@ -696,7 +703,7 @@ impl Transport for ShmComm {
         at: &Site,
         deadline: Instant,
         buf: &[u8],
-        dtype: DType,
+        dtype: ElemType,
         peer: usize,
     ) -> Result<()> {
         Self::failpoint(at, "shm.send")?;
@@ -709,7 +716,7 @@ impl Transport for ShmComm {
         at: &Site,
         deadline: Instant,
         buf: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
         peer: usize,
     ) -> Result<()> {
         Self::failpoint(at, "shm.recv")?;
@@ -718,7 +725,7 @@ impl Transport for ShmComm {
         if header != p2p_header(buf.len(), dtype) {
             let len = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
             let code = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
-            let theirs = DType::from_code(code).map_or("unknown".into(), |d| d.to_string());
+            let theirs = ElemType::from_code(code).map_or("unknown".into(), |d| d.to_string());
             return Err(Error::Mismatch {
                 at: at.clone(),
                 peer,
@@ -736,13 +743,13 @@ impl Transport for ShmComm {
         deadline: Instant,
         send: &[u8],
         recv: &mut [u8],
-        dtype: DType,
+        dtype: ElemType,
     ) -> Result<()> {
         self.exchange_chunks(at, deadline, send, recv, dtype, None)
     }
 
     fn barrier(&mut self, at: &Site, deadline: Instant) -> Result<()> {
-        let p = self.post(Op::Barrier, DType::U8, None, 0, 0);
+        let p = self.post(Op::Barrier, ElemType::U8, None, 0, 0);
         self.barrier_wait(at, deadline)?;
         self.check_descs(at, p, "")
     }

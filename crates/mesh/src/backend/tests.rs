@@ -4,17 +4,17 @@ use super::*;
 
 #[test]
 fn names_round_trip() {
-    for backend in Backend::ALL {
-        assert_eq!(backend.to_string().parse::<Backend>().unwrap(), backend);
+    for backend in CommBackend::ALL {
+        assert_eq!(backend.to_string().parse::<CommBackend>().unwrap(), backend);
     }
-    assert_eq!(" nccl ".parse::<Backend>().unwrap(), Backend::Nccl);
-    let msg = "gloo".parse::<Backend>().unwrap_err().to_string();
+    assert_eq!(" nccl ".parse::<CommBackend>().unwrap(), CommBackend::Nccl);
+    let msg = "gloo".parse::<CommBackend>().unwrap_err().to_string();
     assert_eq!(msg, "unknown backend \"gloo\": expected local, shm, tcp or nccl");
 }
 
 #[test]
 fn defaults_per_device_and_hosts() {
-    use Backend::*;
+    use CommBackend::*;
     let cases = [
         (Device::Cpu, true, (Shm, Shm, Shm)),
         (Device::Cpu, false, (Tcp, Tcp, Tcp)),
@@ -31,13 +31,14 @@ fn defaults_per_device_and_hosts() {
 
 #[test]
 fn axes_are_chosen_independently() {
-    let mixed = AxisBackends { tp: Backend::Nccl, cp: Backend::Shm, control: Backend::Tcp };
+    let mixed =
+        AxisBackends { tp: CommBackend::Nccl, cp: CommBackend::Shm, control: CommBackend::Tcp };
     mixed.validate(Device::Cuda(1), true).unwrap();
 }
 
 #[test]
 fn refusals_name_the_axis() {
-    use Backend::*;
+    use CommBackend::*;
     let cases = [
         ((Nccl, Shm, Shm), Device::Cpu, true, "tp axis: backend nccl needs a CUDA device"),
         ((Tcp, Nccl, Tcp), Device::Cpu, false, "cp axis: backend nccl needs a CUDA device"),

@@ -43,7 +43,7 @@ use crate::kernels::cpu::qmatrix::QBits;
 use crate::kernels::{GemmDtype, Kv, Weight};
 use crate::memory::{alloc_device_exact, DeviceArena, DeviceMemory};
 use crate::tensor::{DeviceData, Tensor};
-use collectives::{Communicator, DType, ReduceOp};
+use collectives::{Communicator, ElemType, ReduceOp};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
@@ -1089,7 +1089,7 @@ impl CudaBackend {
         // SAFETY: `writable` made `ptr` t's own buffer of t.len() floats on this device (the
         // communicator's, checked by the caller), and the idle stream and the borrow of `t`
         // keep other work off it until the reduction returns.
-        unsafe { comm.all_reduce_device_ptr(ptr, 4 * t.len(), DType::F32, ReduceOp::Sum) }?;
+        unsafe { comm.all_reduce_device_ptr(ptr, 4 * t.len(), ElemType::F32, ReduceOp::Sum) }?;
         Ok(())
     }
 
