@@ -32,7 +32,7 @@ pub use engine::{
     StopHandle, Worker,
 };
 pub use error::{BoxError, Error, Result};
-pub use model::{Groups, KvLayout, Logits, ModelFactory, StepModel};
+pub use model::{Groups, KvLayout, ModelFactory, StepLogits, StepModel};
 pub use plan::{PlanEntry, SeqId, SessionConfig, SessionDecision, StepPlan};
 pub use sampler::{argmax, Sampler, SamplingParams, TokenLogprobs};
 pub use scheduler::{Cancel, Prompt, Request};

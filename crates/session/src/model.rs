@@ -48,7 +48,7 @@ pub struct KvLayout {
 }
 
 /// One logits row per sampled entry of a plan, in plan order.
-pub type Logits = Vec<Vec<f32>>;
+pub type StepLogits = Vec<Vec<f32>>;
 
 /// What one rank runs in a step. Every rank runs every admitted step with the same plan; a
 /// sharded model does its TP/CP collectives inside [`StepModel::forward`] on the [`Groups`].
@@ -63,7 +63,7 @@ pub trait StepModel: Send {
         &mut self,
         plan: &StepPlan,
         groups: &mut Groups<'_>,
-    ) -> Result<Option<Logits>, BoxError>;
+    ) -> Result<Option<StepLogits>, BoxError>;
 
     /// Gets ready for a step that every rank was admitted to, before the confirmation (for
     /// example reserving cache room). The default does nothing.

@@ -3,7 +3,7 @@
 //! ([`crate::sharded`]) plugs into the same [`StepModel`] seam.
 
 use crate::error::BoxError;
-use crate::model::{Groups, Logits, ModelFactory, StepModel};
+use crate::model::{Groups, ModelFactory, StepLogits, StepModel};
 use crate::plan::{SeqId, SessionConfig, StepPlan};
 use crate::sequences::Sequences;
 use crate::sink::TextCodec;
@@ -73,7 +73,7 @@ impl StepModel for ReplicatedLlama {
         &mut self,
         plan: &StepPlan,
         _groups: &mut Groups<'_>,
-    ) -> Result<Option<Logits>, BoxError> {
+    ) -> Result<Option<StepLogits>, BoxError> {
         // Replicated: every rank computes the whole model, so no collective is needed.
         let context = self.context_len();
         let model = &self.model;

@@ -2,7 +2,7 @@
 //! as one batched forward pass of a [`ParallelModel`] over them.
 
 use crate::error::BoxError;
-use crate::model::Logits;
+use crate::model::StepLogits;
 use crate::plan::{PlanEntry, SeqId, StepPlan};
 use layers::parallel::{Comms, ParallelCache, ParallelModel, Sequence};
 use std::collections::HashMap;
@@ -53,7 +53,7 @@ impl Sequences {
         comms: &mut Comms<'_>,
         plan: &StepPlan,
         new_cache: impl FnMut(&PlanEntry) -> Result<ParallelCache, BoxError>,
-    ) -> Result<Option<Logits>, BoxError> {
+    ) -> Result<Option<StepLogits>, BoxError> {
         let mut taken = Vec::with_capacity(plan.entries.len());
         let out = self.take(model, plan, new_cache, &mut taken).and_then(|()| {
             let mut seqs: Vec<Sequence<'_>> = taken

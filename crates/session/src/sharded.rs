@@ -3,7 +3,7 @@
 
 use crate::error::BoxError;
 use crate::memory::{ModelMemory, ShardOrigin};
-use crate::model::{Groups, KvLayout, Logits, ModelFactory, StepModel};
+use crate::model::{Groups, KvLayout, ModelFactory, StepLogits, StepModel};
 use crate::plan::{PlanEntry, SeqId, SessionConfig, StepPlan};
 use crate::replicated::LlamaFactory;
 use crate::sequences::Sequences;
@@ -273,7 +273,7 @@ impl StepModel for ShardedLlama {
         &mut self,
         plan: &StepPlan,
         groups: &mut Groups<'_>,
-    ) -> Result<Option<Logits>, BoxError> {
+    ) -> Result<Option<StepLogits>, BoxError> {
         let mut comms = Comms { tp: &mut *groups.tp, cp: &mut *groups.cp };
         let (model, memory, context) = (&self.model, self.memory.as_ref(), self.context);
         // A new sequence's cache holds what it can reach (its prompt and every token it may

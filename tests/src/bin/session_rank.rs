@@ -14,8 +14,8 @@ use mesh::{AxisBackends, CommBackend};
 use session::replicated::LlamaFactory;
 use session::sharded::{KvCacheConfig, ShardedFactory};
 use session::{
-    BoxError, Collect, Decision, EngineOptions, Event, Groups, KvLayout, Logits, MetricsSink,
-    ModelFactory, Request, Role, SamplingParams, SessionConfig, SessionReport, Sinks, StepMetrics,
+    BoxError, Collect, Decision, EngineOptions, Event, Groups, KvLayout, MetricsSink, ModelFactory,
+    Request, Role, SamplingParams, SessionConfig, SessionReport, Sinks, StepLogits, StepMetrics,
     StepModel, StepPlan, StopHandle,
 };
 use std::hash::{Hash, Hasher};
@@ -113,7 +113,7 @@ impl StepModel for Probe {
         &mut self,
         plan: &StepPlan,
         groups: &mut Groups<'_>,
-    ) -> Result<Option<Logits>, BoxError> {
+    ) -> Result<Option<StepLogits>, BoxError> {
         if self.sigkill_at == Some(plan.step) {
             // A real SIGKILL from outside the process, in the middle of the step.
             let me = std::process::id().to_string();

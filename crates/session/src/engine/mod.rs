@@ -469,7 +469,7 @@ impl Core {
         &mut self,
         model: &mut dyn StepModel,
         plan: &StepPlan,
-    ) -> Result<Option<crate::model::Logits>> {
+    ) -> Result<Option<crate::model::StepLogits>> {
         let (rank, epoch, step) = (self.rank, plan.epoch, plan.step);
         let ctx = self.ctx.as_mut().ok_or(Error::Finished { rank })?;
         let mut groups = groups(ctx, self.opts.step_timeout);

@@ -23,7 +23,7 @@ impl StepModel for Count {
         &mut self,
         plan: &StepPlan,
         _groups: &mut Groups<'_>,
-    ) -> std::result::Result<Option<crate::Logits>, BoxError> {
+    ) -> std::result::Result<Option<crate::StepLogits>, BoxError> {
         if self.fail_at == Some(plan.step) {
             return Err("the counting model broke".into());
         }
