@@ -9,7 +9,7 @@
 //! (`--layout 1x1x2` measures that layout alone, for a profiler).
 
 use collectives::{local, ShmOptions};
-use layers::parallel::{Comms, ParallelCache, ParallelModel, Placement, Sequence};
+use layers::parallel::{Comms, LoadOptions, ParallelCache, ParallelModel, Placement, Sequence};
 use layers::{Logits, Tokenizer};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -101,9 +101,9 @@ fn run_layout(
                     let placement = Placement::of(&comms);
                     let model = ParallelModel::load(
                         path,
-                        placement,
-                        threads,
-                        layers::model::WeightForm::Native,
+                        LoadOptions::new(placement)
+                            .threads(threads)
+                            .form(layers::model::WeightForm::Native),
                     )
                     .expect("load model");
                     let (mut best_pf, mut best_dc, mut best_bt) =

@@ -14,7 +14,7 @@
 //! mode is skipped with a note.
 
 use layers::model::WeightForm;
-use layers::parallel::{ParallelCache, ParallelModel, Placement};
+use layers::parallel::{LoadOptions, ParallelCache, ParallelModel, Placement};
 use session::memory::{ModelMemory, Restore, ShardOrigin};
 use session::sleep::transport::{tcp, CoordinatorLink, Incoming};
 use session::sleep::{
@@ -174,7 +174,8 @@ impl ModelShard {
             ModelMemory::host(Some(spill.to_path_buf()), Restore::Reload, Restore::Discard)
                 .expect("model memory");
         let form = WeightForm::Native;
-        let mut model = ParallelModel::load(path, placement, 1, form).expect("load the shard");
+        let mut model = ParallelModel::load(path, LoadOptions::new(placement).form(form))
+            .expect("load the shard");
         let origin = ShardOrigin { path: path.to_path_buf(), placement, form };
         memory.place_weights(&mut model, &origin).expect("place the weights");
         let cache = memory.new_cache(&model, CACHE_TOKENS).expect("a KV cache");

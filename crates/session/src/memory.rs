@@ -25,7 +25,7 @@
 use crate::sleep::{MemoryError, Probe, RankMemory, TagReceipt, VmmMemory};
 use layers::kernels::Backend;
 use layers::model::WeightForm;
-use layers::parallel::{ParallelCache, ParallelModel, Placement};
+use layers::parallel::{LoadOptions, ParallelCache, ParallelModel, Placement};
 use layers::tensor::ExternalMemory;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -219,8 +219,9 @@ impl ModelMemory {
             (current, live.layout.clone(), live.config.clone())
         };
         let origin = ShardOrigin { path: PathBuf::from(model), ..current };
-        let loaded = ParallelModel::load(&origin.path, origin.placement, 1, origin.form)
-            .map_err(|e| format!("loading {model}: {e}"))?;
+        let loaded =
+            ParallelModel::load(&origin.path, LoadOptions::new(origin.placement).form(origin.form))
+                .map_err(|e| format!("loading {model}: {e}"))?;
         let shape = shape_of(loaded.config());
         if config.as_ref() != Some(&shape) {
             return Err(format!(
@@ -269,11 +270,14 @@ impl ModelMemory {
             let message = "no weight update to revert".to_owned();
             return Err(MemoryError { changed: false, message });
         };
-        let model = ParallelModel::load(&previous.path, previous.placement, 1, previous.form)
-            .map_err(|e| MemoryError {
-                changed: false,
-                message: format!("reloading {}: {e}", previous.path.display()),
-            })?;
+        let model = ParallelModel::load(
+            &previous.path,
+            LoadOptions::new(previous.placement).form(previous.form),
+        )
+        .map_err(|e| MemoryError {
+            changed: false,
+            message: format!("reloading {}: {e}", previous.path.display()),
+        })?;
         let written = live.write(&model.weight_buffers())?;
         live.origin = Some(previous);
         Ok(written)
@@ -657,8 +661,9 @@ impl ShardOrigin {
     /// Loads the shard again and writes its weight buffers into `buf` exactly as
     /// [`ParallelModel::move_weights_to`] laid them out through a [`VmmArena`].
     fn fill(&self, buf: &mut [u8]) -> Result<(), String> {
-        let model = ParallelModel::load(&self.path, self.placement, 1, self.form)
-            .map_err(|e| format!("reloading the weights from {}: {e}", self.path.display()))?;
+        let model =
+            ParallelModel::load(&self.path, LoadOptions::new(self.placement).form(self.form))
+                .map_err(|e| format!("reloading the weights from {}: {e}", self.path.display()))?;
         let mut offset = 0usize;
         for b in model.weight_buffers() {
             offset = offset.next_multiple_of(ALIGN);
@@ -838,7 +843,7 @@ mod tests {
         let form = WeightForm::Native;
         let memory =
             ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Backup).unwrap();
-        let mut model = ParallelModel::load(&path, placement, 1, form).unwrap();
+        let mut model = ParallelModel::load(&path, LoadOptions::new(placement).form(form)).unwrap();
         let heap = model.clone();
         memory
             .place_weights(&mut model, &ShardOrigin { path: path.clone(), placement, form })
@@ -883,10 +888,11 @@ mod tests {
                 ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Backup)
                     .unwrap()
                     .with_level_one_weights(keep);
-            let mut model = ParallelModel::load(&path, placement, 1, form).unwrap();
+            let mut model =
+                ParallelModel::load(&path, LoadOptions::new(placement).form(form)).unwrap();
             memory.place_weights(&mut model, &origin).unwrap();
             let mut cache = memory.new_cache(&model, 64).unwrap();
-            let heap = ParallelModel::load(&path, placement, 1, form).unwrap();
+            let heap = ParallelModel::load(&path, LoadOptions::new(placement).form(form)).unwrap();
             let mut heap_cache = heap.new_cache(64);
             let rank = ModelRankMemory::new(&memory, model.backend().clone());
             let mapped = model.weight_bytes().next_multiple_of(memory.manager().granularity());

@@ -9,7 +9,7 @@ use crate::sequences::Sequences;
 use crate::sink::TextCodec;
 use collectives::Solo;
 use layers::model::WeightForm;
-use layers::parallel::{Comms, ParallelModel, Placement};
+use layers::parallel::{Comms, LoadOptions, ParallelModel, Placement};
 
 /// Builds a [`ReplicatedLlama`] from the GGUF file named by [`SessionConfig::model`].
 #[derive(Debug, Clone)]
@@ -33,9 +33,7 @@ impl ModelFactory for LlamaFactory {
         let rank = groups.rank;
         let model = ParallelModel::load(
             &config.model,
-            Placement::single(),
-            self.threads,
-            WeightForm::Native,
+            LoadOptions::new(Placement::single()).threads(self.threads).form(WeightForm::Native),
         )
         .map_err(|e| format!("loading {}: {e}", config.model))?;
         Ok(Box::new(ReplicatedLlama {

@@ -10,7 +10,7 @@ use crate::sequences::Sequences;
 use crate::sink::TextCodec;
 use layers::model::KvPool;
 use layers::model::WeightForm;
-use layers::parallel::{Comms, ParallelModel, Placement};
+use layers::parallel::{Comms, LoadOptions, ParallelModel, Placement};
 use std::sync::Arc;
 
 /// Builds a [`ShardedLlama`] from the GGUF file named by [`SessionConfig::model`].
@@ -196,12 +196,12 @@ impl ModelFactory for ShardedFactory {
             Some(b) => b.clone(),
             None => layers::kernels::Backend::cpu(self.threads)?,
         };
-        let mut model = ParallelModel::load_on(
+        let mut model = ParallelModel::load(
             &config.model,
-            placement,
-            backend,
-            self.form,
-            &mut |done, total| report(done, total),
+            LoadOptions::new(placement)
+                .on(backend)
+                .form(self.form)
+                .progress(&mut |done, total| report(done, total)),
         )
         .map_err(|e| format!("loading the {placement:?} shard of {}: {e}", config.model))?;
         if let Some(memory) = &self.memory {

@@ -363,7 +363,7 @@ mod tests {
 
     #[test]
     fn a_lookup_model_predicts_the_successor_of_every_token() {
-        use crate::parallel::{Comms, ParallelCache, ParallelModel};
+        use crate::parallel::{Comms, LoadOptions, ParallelCache, ParallelModel};
         use crate::Logits;
         let next: Vec<u32> = (0..48).map(|i| (i * 7 + 3) % 48).collect();
         let spec = RandomLlama { next_token: Some(next.clone()), ..Default::default() };
@@ -371,7 +371,7 @@ mod tests {
         spec.write(&path).unwrap();
         let (placement, form) =
             (crate::parallel::Placement::single(), crate::model::WeightForm::F32);
-        let model = ParallelModel::load(&path, placement, 1, form).unwrap();
+        let model = ParallelModel::load(&path, LoadOptions::new(placement).form(form)).unwrap();
         std::fs::remove_file(&path).unwrap();
         let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
         let mut comms = Comms { tp: &mut tp, cp: &mut cp };

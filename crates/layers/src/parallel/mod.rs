@@ -600,6 +600,84 @@ pub struct Sequence<'a> {
     pub sample: bool,
 }
 
+/// How [`ParallelModel::load`] and [`ParallelModel::from_source`] build a rank's shard: its
+/// place in the mesh, where it computes (the CPU with `threads` threads unless a backend is
+/// given), the form of its weights, and who hears of the progress.
+///
+/// ```no_run
+/// # use layers::parallel::{LoadOptions, ParallelModel, Placement};
+/// # use layers::model::WeightForm;
+/// let model = ParallelModel::load(
+///     "model.gguf",
+///     LoadOptions::new(Placement::single()).threads(4).form(WeightForm::F32),
+/// )?;
+/// # Ok::<(), layers::Error>(())
+/// ```
+pub struct LoadOptions<'a> {
+    placement: Placement,
+    backend: Option<Backend>,
+    threads: usize,
+    form: WeightForm,
+    progress: Option<&'a mut dyn FnMut(usize, usize)>,
+}
+
+impl LoadOptions<'static> {
+    /// The shard at `placement`, on the CPU with one thread, weights in their native form,
+    /// no progress reports.
+    pub fn new(placement: Placement) -> LoadOptions<'static> {
+        LoadOptions {
+            placement,
+            backend: None,
+            threads: 1,
+            form: WeightForm::default(),
+            progress: None,
+        }
+    }
+}
+
+impl<'a> LoadOptions<'a> {
+    /// Computes on the CPU with `threads` threads (ignored when a backend is given).
+    #[must_use]
+    pub fn threads(mut self, threads: usize) -> Self {
+        self.threads = threads;
+        self
+    }
+
+    /// Computes on `backend` (a GPU's, say).
+    #[must_use]
+    pub fn on(mut self, backend: Backend) -> Self {
+        self.backend = Some(backend);
+        self
+    }
+
+    /// Keeps the weights in `form`.
+    #[must_use]
+    pub fn form(mut self, form: WeightForm) -> Self {
+        self.form = form;
+        self
+    }
+
+    /// Calls `progress(done, total)` as the shard loads: after the embedding, each layer and
+    /// the head (`total` is the layer count plus 2).
+    #[must_use]
+    pub fn progress<'b>(self, progress: &'b mut dyn FnMut(usize, usize)) -> LoadOptions<'b> {
+        let LoadOptions { placement, backend, threads, form, .. } = self;
+        LoadOptions { placement, backend, threads, form, progress: Some(progress) }
+    }
+}
+
+impl std::fmt::Debug for LoadOptions<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadOptions")
+            .field("placement", &self.placement)
+            .field("backend", &self.backend)
+            .field("threads", &self.threads)
+            .field("form", &self.form)
+            .field("progress", &self.progress.is_some())
+            .finish()
+    }
+}
+
 /// The Llama-family decoder sharded over a `tp × cp` mesh.
 #[derive(Clone, Debug)]
 pub struct ParallelModel {
@@ -617,50 +695,14 @@ impl ParallelModel {
     /// (`config.json` and safetensors); only the rank's slices of each tensor are read.
     ///
     /// # Errors
-    /// Opening the file, reading the config, loading a weight, or a layout the model cannot
-    /// be split into.
-    pub fn load(
-        path: impl AsRef<Path>,
-        placement: Placement,
-        threads: usize,
-        form: WeightForm,
-    ) -> Result<Self> {
-        ParallelModel::load_with_progress(path, placement, threads, form, &mut |_, _| {})
-    }
-
-    /// As [`ParallelModel::load`], calling `progress(done, total)` as the shard loads (after
-    /// the embedding, each layer and the head: `total` is the layer count plus 2).
-    ///
-    /// # Errors
-    /// As [`ParallelModel::load`].
-    pub fn load_with_progress(
-        path: impl AsRef<Path>,
-        placement: Placement,
-        threads: usize,
-        form: WeightForm,
-        progress: &mut dyn FnMut(usize, usize),
-    ) -> Result<Self> {
-        ParallelModel::load_on(path, placement, Backend::cpu(threads)?, form, progress)
-    }
-
-    /// As [`ParallelModel::load_with_progress`], computing on `backend` (a GPU's, say).
-    ///
-    /// # Errors
-    /// As [`ParallelModel::load`].
-    pub fn load_on(
-        path: impl AsRef<Path>,
-        placement: Placement,
-        backend: Backend,
-        form: WeightForm,
-        progress: &mut dyn FnMut(usize, usize),
-    ) -> Result<Self> {
+    /// Starting the CPU kernels, opening the file, reading the config, loading a weight, or a
+    /// layout the model cannot be split into.
+    pub fn load(path: impl AsRef<Path>, opts: LoadOptions<'_>) -> Result<Self> {
         let path = path.as_ref();
         if path.is_dir() {
             let ck = crate::safetensors::HfCheckpoint::open(path)?;
             let config = ck.config()?;
-            return ParallelModel::from_source_with_progress(
-                &ck, config, backend, placement, form, progress,
-            );
+            return ParallelModel::from_source(&ck, config, opts);
         }
         let file = GgufFile::open(path)?;
         let config = LlamaConfig::from_gguf(&file)?;
@@ -671,7 +713,7 @@ impl ParallelModel {
         } else {
             &file
         };
-        ParallelModel::from_source_with_progress(src, config, backend, placement, form, progress)
+        ParallelModel::from_source(src, config, opts)
     }
 
     /// Builds this rank's shard from any weight source.
@@ -681,33 +723,18 @@ impl ParallelModel {
     pub fn from_source(
         src: &dyn WeightSource,
         config: LlamaConfig,
-        backend: Backend,
-        placement: Placement,
-        form: WeightForm,
+        opts: LoadOptions<'_>,
     ) -> Result<Self> {
-        ParallelModel::from_source_with_progress(
-            src,
-            config,
-            backend,
-            placement,
-            form,
-            &mut |_, _| {},
-        )
-    }
-
-    /// As [`ParallelModel::from_source`], reporting progress as
-    /// [`ParallelModel::load_with_progress`] does.
-    ///
-    /// # Errors
-    /// As [`ParallelModel::load`].
-    pub fn from_source_with_progress(
-        src: &dyn WeightSource,
-        config: LlamaConfig,
-        backend: Backend,
-        placement: Placement,
-        form: WeightForm,
-        progress: &mut dyn FnMut(usize, usize),
-    ) -> Result<Self> {
+        let LoadOptions { placement, backend, threads, form, progress } = opts;
+        let backend = match backend {
+            Some(backend) => backend,
+            None => Backend::cpu(threads)?,
+        };
+        let mut silent = |_: usize, _: usize| {};
+        let progress: &mut dyn FnMut(usize, usize) = match progress {
+            Some(progress) => progress,
+            None => &mut silent,
+        };
         let Placement { tp_rank, tp, .. } = placement;
         let total = config.n_layers + 2;
         let vocab = aligned_ranges(config.vocab_size, tp, 1);

@@ -246,9 +246,7 @@ fn check_layouts(spec: &RandomLlama, stem: &str, layouts: &[(usize, usize)]) {
             let model = ParallelModel::from_source(
                 &file,
                 config,
-                Backend::cpu(1).unwrap(),
-                p,
-                WeightForm::F32,
+                LoadOptions::new(p).on(Backend::cpu(1).unwrap()).form(WeightForm::F32),
             )
             .unwrap();
             let mut cache = model.new_cache(64);
@@ -431,7 +429,8 @@ fn parallel_greedy_generation_equals_single_rank() {
     let mut cache = reference.new_cache(64);
     let want = reference.generate(&prompt, 12, &[], &mut cache, |_| {}).unwrap();
     let got = on_mesh(2, 2, |p, comms| {
-        let model = ParallelModel::load(&path, p, 1, WeightForm::Native).unwrap();
+        let model =
+            ParallelModel::load(&path, LoadOptions::new(p).form(WeightForm::Native)).unwrap();
         let mut cache = model.new_cache(64);
         model.generate(comms, &prompt, 12, &[], &mut cache, |_| {}).unwrap()
     });
@@ -446,9 +445,7 @@ fn tp_beyond_the_kv_heads_but_not_a_multiple_is_a_clear_error() {
     let path = write_model(&spec, "toomany.gguf");
     let err = ParallelModel::load(
         &path,
-        Placement { tp_rank: 0, tp: 3, cp_rank: 0, cp: 1 },
-        1,
-        WeightForm::F32,
+        LoadOptions::new(Placement { tp_rank: 0, tp: 3, cp_rank: 0, cp: 1 }).form(WeightForm::F32),
     )
     .unwrap_err();
     let msg = err.to_string();
@@ -545,7 +542,12 @@ fn batched_steps_match_each_sequence_alone() {
             let file = GgufFile::open(&path).unwrap();
             let config = LlamaConfig::from_gguf(&file).unwrap();
             let cpu = Backend::cpu(1).unwrap();
-            let model = ParallelModel::from_source(&file, config, cpu, p, WeightForm::F32).unwrap();
+            let model = ParallelModel::from_source(
+                &file,
+                config,
+                LoadOptions::new(p).on(cpu).form(WeightForm::F32),
+            )
+            .unwrap();
             let mut caches: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
             let out = run_steps(&model, comms, &steps, &mut caches);
             let lens: Vec<usize> = caches.iter().map(ParallelCache::len).collect();
@@ -599,7 +601,12 @@ fn paged_caches_give_the_logits_of_own_buffers() {
             let file = GgufFile::open(&path).unwrap();
             let config = LlamaConfig::from_gguf(&file).unwrap();
             let cpu = Backend::cpu(1).unwrap();
-            let model = ParallelModel::from_source(&file, config, cpu, p, WeightForm::F32).unwrap();
+            let model = ParallelModel::from_source(
+                &file,
+                config,
+                LoadOptions::new(p).on(cpu).form(WeightForm::F32),
+            )
+            .unwrap();
             let pool = Arc::new(model.new_pool(4, 90).unwrap());
             let mut own: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
             let mut paged: Vec<ParallelCache> = (0..5u32)
@@ -622,7 +629,9 @@ fn paged_caches_give_the_logits_of_own_buffers() {
         }
     }
     // Prefix reuse on one rank: B's first block is A's.
-    let model = ParallelModel::load(&path, Placement::single(), 1, WeightForm::F32).unwrap();
+    let model =
+        ParallelModel::load(&path, LoadOptions::new(Placement::single()).form(WeightForm::F32))
+            .unwrap();
     let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
     let mut comms = Comms { tp: &mut tp, cp: &mut cp };
     let pool = Arc::new(model.new_pool(4, 8).unwrap());
@@ -662,7 +671,9 @@ fn paged_caches_give_the_logits_of_own_buffers() {
 fn a_batch_with_no_room_for_one_sequence_is_refused_before_it_runs() {
     let spec = RandomLlama { layers: 1, seed: 5, ..RandomLlama::default() };
     let path = write_model(&spec, "batched-full.gguf");
-    let model = ParallelModel::load(&path, Placement::single(), 1, WeightForm::F32).unwrap();
+    let model =
+        ParallelModel::load(&path, LoadOptions::new(Placement::single()).form(WeightForm::F32))
+            .unwrap();
     let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
     let mut comms = Comms { tp: &mut tp, cp: &mut cp };
     let (mut roomy, mut small) = (model.new_cache(16), model.new_cache(2));
@@ -709,7 +720,7 @@ fn greedy_batched(
     recompute_at: Option<usize>,
 ) -> Vec<Greedy> {
     let ranks = on_mesh(tp, cp, |p, comms| {
-        let model = ParallelModel::load(path, p, 1, form).unwrap();
+        let model = ParallelModel::load(path, LoadOptions::new(p).form(form)).unwrap();
         let mut out: Vec<Greedy> = Vec::new();
         for prompts in prompts.chunks(group) {
             let capacity = prompts.iter().map(Vec::len).max().unwrap_or(0) + n + 1;
@@ -929,7 +940,8 @@ fn weights_and_caches_in_arena_memory_give_bit_identical_logits() {
             let what = format!("{name} ({tp},{cp})");
             on_mesh(tp, cp, |p, comms| {
                 let what = format!("{what} rank {}/{}", p.tp_rank, p.cp_rank);
-                let heap = ParallelModel::load(&path, p, 1, WeightForm::Native).unwrap();
+                let heap = ParallelModel::load(&path, LoadOptions::new(p).form(WeightForm::Native))
+                    .unwrap();
                 let mut moved = heap.clone();
                 let arena = CountingArena::default();
                 moved.move_weights_to(&arena).unwrap();
@@ -991,7 +1003,8 @@ fn a_failing_arena_is_an_error_and_leaves_a_working_model() {
         RandomLlama { seed: 47, quantized: Some(BlockFormat::Q8_0), ..RandomLlama::default() };
     let path = write_model(&spec, "arena-fail.gguf");
     on_mesh(1, 1, |p, comms| {
-        let heap = ParallelModel::load(&path, p, 1, WeightForm::Native).unwrap();
+        let heap =
+            ParallelModel::load(&path, LoadOptions::new(p).form(WeightForm::Native)).unwrap();
         let mut partly = heap.clone();
         let arena = FailingArena { fail_at: 5, count: Default::default() };
         let err = partly.move_weights_to(&arena).unwrap_err();
@@ -1032,7 +1045,9 @@ impl crate::memory::DeviceArena for UnmappedArena {
 fn a_device_cache_on_the_cpu_backend_is_a_clear_error() {
     let path = temp_path("device-cache.gguf");
     RandomLlama::default().write(&path).unwrap();
-    let model = ParallelModel::load(&path, Placement::single(), 1, WeightForm::F32).unwrap();
+    let model =
+        ParallelModel::load(&path, LoadOptions::new(Placement::single()).form(WeightForm::F32))
+            .unwrap();
     let mut cache = model.new_cache_on_device(16, &UnmappedArena).unwrap();
     assert_eq!(cache.capacity(), model.new_cache(16).capacity());
     let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
@@ -1063,7 +1078,9 @@ fn phi3_fused_files_load_the_weights_of_their_llama_twins() {
             for (tp, cp) in [(2, 1), (1, 2)] {
                 let run = |path: &PathBuf| {
                     on_mesh(tp, cp, |p, comms| {
-                        let model = ParallelModel::load(path, p, 1, WeightForm::Native).unwrap();
+                        let model =
+                            ParallelModel::load(path, LoadOptions::new(p).form(WeightForm::Native))
+                                .unwrap();
                         let mut cache = model.new_cache(16);
                         model
                             .forward(comms, &tokens, &mut cache, Logits::Last)

@@ -15,7 +15,7 @@ use crate::kernels::cpu::quant::{quantize, BlockFormat};
 use crate::kernels::{AttnShape, Backend, GemmDtype, Kv, QMatrix, Weight};
 use crate::model::random::RandomLlama;
 use crate::model::{Logits, Model, WeightForm};
-use crate::parallel::{Comms, ParallelModel, Placement};
+use crate::parallel::{Comms, LoadOptions, ParallelModel, Placement};
 use crate::tensor::{Device, Tensor};
 use crate::test_util::{assert_close, random_vec, temp_path};
 use collectives::{local, Communicator, ShmOptions};
@@ -347,9 +347,7 @@ fn cuda_parallel_model_on_a_tp2_cp2_mesh_matches_cpu() {
                     let model = ParallelModel::from_source(
                         &file,
                         config,
-                        gpu,
-                        placement,
-                        WeightForm::Native,
+                        LoadOptions::new(placement).on(gpu).form(WeightForm::Native),
                     )
                     .unwrap();
                     let mut cache = model.new_cache(64);
@@ -403,12 +401,9 @@ fn cuda_device_kv_cache_gives_the_host_cache_logits() {
     RandomLlama { quantized: Some(BlockFormat::Q8_0), seed: 5, ..Default::default() }
         .write(&path)
         .unwrap();
-    let model = ParallelModel::load_on(
+    let model = ParallelModel::load(
         &path,
-        Placement::single(),
-        gpu.clone(),
-        WeightForm::Native,
-        &mut |_, _| {},
+        LoadOptions::new(Placement::single()).on(gpu.clone()).form(WeightForm::Native),
     )
     .unwrap();
     let arena = crate::kernels::PoolArena::new(cuda_of(&gpu), model.cache_bytes(32)).unwrap();
@@ -444,12 +439,9 @@ fn cuda_paged_device_pool_gives_the_host_cache_logits() {
     RandomLlama { quantized: Some(BlockFormat::Q8_0), seed: 7, ..Default::default() }
         .write(&path)
         .unwrap();
-    let model = ParallelModel::load_on(
+    let model = ParallelModel::load(
         &path,
-        Placement::single(),
-        gpu.clone(),
-        WeightForm::Native,
-        &mut |_, _| {},
+        LoadOptions::new(Placement::single()).on(gpu.clone()).form(WeightForm::Native),
     )
     .unwrap();
     let (block_size, blocks) = (4, 16);
@@ -468,12 +460,9 @@ fn cuda_paged_device_pool_gives_the_host_cache_logits() {
     assert_eq!(decode(&model, &mut a, &[4], 5), decode(&model, &mut host_a, &[4], 5));
     assert_eq!((a.len(), b.len()), (host_a.len(), host_b.len()));
     // A CPU model cannot use a device pool: a clear error, not a read of device memory.
-    let cpu_model = ParallelModel::load_on(
+    let cpu_model = ParallelModel::load(
         &path,
-        Placement::single(),
-        cpu(),
-        WeightForm::Native,
-        &mut |_, _| {},
+        LoadOptions::new(Placement::single()).on(cpu()).form(WeightForm::Native),
     )
     .unwrap();
     let err = cpu_model.new_paged_cache(&pool).unwrap_err();
@@ -495,15 +484,14 @@ fn cuda_weights_in_an_arena_are_written_again_in_place_after_a_clear() {
     let cuda = cuda_of(&gpu).clone();
     let arena = std::sync::Arc::new(crate::kernels::PoolArena::new(&cuda, 64 << 20).unwrap());
     cuda.keep_weights_in(arena.clone());
-    let model = ParallelModel::load_on(
+    let model = ParallelModel::load(
         &path,
-        Placement::single(),
-        gpu.clone(),
-        WeightForm::Native,
-        &mut |_, _| {},
+        LoadOptions::new(Placement::single()).on(gpu.clone()).form(WeightForm::Native),
     )
     .unwrap();
-    let cpu = ParallelModel::load(&path, Placement::single(), 1, WeightForm::F32).unwrap();
+    let cpu =
+        ParallelModel::load(&path, LoadOptions::new(Placement::single()).form(WeightForm::F32))
+            .unwrap();
     let prompt = [3u32, 17, 5, 38, 0, 22, 9];
     let first = decode(&model, &mut model.new_cache(32), &prompt, 4);
     let want = decode(&cpu, &mut cpu.new_cache(32), &prompt, 4);
