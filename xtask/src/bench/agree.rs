@@ -8,6 +8,11 @@
 //!   many continuations equal llama.cpp's, and for each that does not, the step where it departs
 //!   and llama.cpp's margin between its two best logits there (a near tie is the two
 //!   implementations' rounding, not a bug).
+//! - The exact answer: `scripts/f64_forward.py`, an f64 numpy forward over the file's weights
+//!   as gguf-py dequantizes them, on the same prompts: how many continuations of tpctl (1x1)
+//!   and of llama.cpp equal it, and the exact top-2 margin where one departs. This tells which
+//!   side a departure above comes from (llama.cpp rounds activations to 8 bits for quantized
+//!   products; tpctl multiplies in f32).
 //! - Log-probabilities: the same prompts through `tpctl serve` (one rank) with `logprobs`: the
 //!   largest difference from llama.cpp's log-probability of the same token, over every token
 //!   both chose alike. llama.cpp runs without flash attention, whose CPU path is itself up to
@@ -69,6 +74,45 @@ fn reference(model: &Path) -> Result<Greedy> {
     let r = Greedy { prompts: serde_json::from_value(list(&v, "prompts"))?, runs };
     ensure!(r.prompts.len() == PROMPTS && r.runs.len() == PROMPTS, "llama.cpp ran other prompts");
     Ok(r)
+}
+
+/// The exact continuations of `prompts` (`scripts/f64_forward.py`), each with the top-2
+/// margins of its steps.
+fn exact(model: &Path, prompts: &[Vec<u32>]) -> Result<Vec<(Vec<u32>, Vec<f64>)>> {
+    let dir = root().join("target/agree");
+    std::fs::create_dir_all(&dir).context("creating target/agree")?;
+    let file = dir.join("prompts.json");
+    std::fs::write(&file, serde_json::to_vec(prompts)?).context("writing the prompts")?;
+    let out = util::output(
+        Command::new("python3")
+            .arg(root().join("scripts/f64_forward.py"))
+            .arg(model)
+            .arg(&file)
+            .arg(DECODE.to_string()),
+    )?;
+    let line =
+        out.lines().rev().find(|l| l.starts_with('[')).context("f64_forward printed nothing")?;
+    let runs: Vec<Value> = serde_json::from_str(line).context("f64_forward's result")?;
+    runs.iter()
+        .map(|r| {
+            let ids = serde_json::from_value(r["ids"].clone()).context("exact ids")?;
+            let margins = serde_json::from_value(r["margins"].clone()).context("exact margins")?;
+            Ok((ids, margins))
+        })
+        .collect()
+}
+
+/// How many of `got` equal the exact continuations over their common length, and the largest
+/// exact top-2 margin at a step where one departs.
+fn against_exact(got: &[Vec<u32>], exact: &[(Vec<u32>, Vec<f64>)]) -> (usize, f64) {
+    let departures: Vec<f64> = got
+        .iter()
+        .zip(exact)
+        .filter_map(|(g, (ids, margins))| {
+            g.iter().zip(ids).position(|(a, b)| a != b).map(|k| margins[k])
+        })
+        .collect();
+    (got.len() - departures.len(), departures.into_iter().fold(0.0, f64::max))
 }
 
 /// `tpctl run`'s greedy ids for every prompt in one layout.
@@ -140,8 +184,12 @@ pub(crate) fn run(json: bool) -> Result<()> {
     }
     for (name, model) in &files {
         let r = reference(model)?;
+        let mut single = Vec::new();
         for layout in LAYOUTS {
             let got = ours(&tpctl, model, layout, &r.prompts)?;
+            if layout == (1, 1) {
+                single.clone_from(&got);
+            }
             let mut departures = Vec::new();
             for (g, want) in got.iter().zip(&r.runs) {
                 if let Some(k) = g.iter().zip(&want.ids).position(|(a, b)| a != b) {
@@ -171,6 +219,24 @@ pub(crate) fn run(json: bool) -> Result<()> {
                     list.join(", ")
                 );
             }
+        }
+        let exact = exact(model, &r.prompts)?;
+        let (ours_same, ours_margin) = against_exact(&single, &exact);
+        let theirs: Vec<Vec<u32>> = r.runs.iter().map(|run| run.ids.clone()).collect();
+        let (theirs_same, theirs_margin) = against_exact(&theirs, &exact);
+        if json {
+            let row = json!({
+                "check": "exact_f64", "file": name, "prompts": PROMPTS,
+                "tpctl_same": ours_same, "tpctl_worst_margin": ours_margin,
+                "llamacpp_same": theirs_same, "llamacpp_worst_margin": theirs_margin,
+            });
+            println!("{row}");
+        } else {
+            println!(
+                "{name:<6} exact f64 forward: tpctl (1x1) equals it in {ours_same} of {PROMPTS} \
+                 (largest exact top-2 margin where one departs {ours_margin:.3}), llama.cpp in \
+                 {theirs_same} of {PROMPTS} ({theirs_margin:.3})"
+            );
         }
         let served = served_logprobs(&tpctl, model, &r.prompts)?;
         let (mut worst, mut tokens) = (0.0f64, 0usize);
