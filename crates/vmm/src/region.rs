@@ -3,9 +3,26 @@
 //!
 //! Unchecked access is what kernels need, so the contract moves to the owner of the memory:
 //! a [`Region`] may be read or written only while its allocation is materialized, and nothing
-//! may release the allocation while a slice of it is in use. The session engine keeps that
-//! contract by quiescing every rank at a step boundary before a sleep. Breaking it on the CPU
-//! backend faults (the range is `PROT_NONE` while released); it never touches other memory.
+//! may release the allocation while a slice of it is in use. Breaking it on the CPU backend
+//! faults (the range is `PROT_NONE` while released); it never touches other memory.
+//!
+//! # Soundness: the gate
+//!
+//! [`Region::bytes`] and [`Region::bytes_mut`] are safe functions, so what makes them sound
+//! is one gate, kept by the only code that releases these allocations (`tpctl`'s sleep path,
+//! through the session crate):
+//!
+//! 1. The slices live only inside a model step (`session::StepModel::forward`, the KV cache
+//!    appends of its `prepare`) or a model build; none is kept across a step boundary.
+//! 2. A sleep's first phase closes every rank's `session::Gate` and waits until its engine is
+//!    parked at a step boundary (no step and no model build running), before any
+//!    [`Manager::release`](crate::Manager::release) on that rank; a step that arrives while the
+//!    gate is closed is refused as a protocol error, never run.
+//! 3. The gate opens again only after [`Manager::materialize`](crate::Manager::materialize) of
+//!    every released tag has succeeded on that rank.
+//!
+//! Any other owner of a `Region` must keep the same order: release only while no slice of it
+//! is alive, and read or write only after the materialize that follows.
 
 use crate::error::{Error, Result};
 use crate::manager::Allocation;
@@ -81,7 +98,7 @@ impl Regions {
 }
 
 impl Region {
-    /// The bytes. See the module docs for when this may be called.
+    /// The bytes. Sound under the gate of the module docs (materialized, not being released).
     pub fn bytes(&self) -> &[u8] {
         if self.len == 0 {
             return &[];
@@ -94,7 +111,7 @@ impl Region {
         unsafe { std::slice::from_raw_parts(self.alloc.as_ptr().add(self.offset), self.len) }
     }
 
-    /// The bytes, mutably. See the module docs for when this may be called.
+    /// The bytes, mutably. Sound under the gate of the module docs.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         if self.len == 0 {
             return &mut [];
