@@ -314,12 +314,12 @@ fn model_memory(spec: &RankSpec, compute: &Backend) -> Result<ModelMemory> {
         restore(spec, vmm::Tag::WEIGHTS.as_str(), Restore::Reload),
         restore(spec, vmm::Tag::KV_CACHE.as_str(), Restore::Discard),
     )
-    .map_err(|e| anyhow::anyhow!("sleep policy: {e}"))?;
+    .context("sleep policy")?;
     // Sleep level 1 keeps the weights' contents, unless their restore is configured.
     let memory =
         memory.with_level_one_weights(!spec.sleep.contains_key(vmm::Tag::WEIGHTS.as_str()));
     match compute.device() {
-        layers::Device::Cuda(ordinal) => memory.with_device(ordinal).map_err(anyhow::Error::msg),
+        layers::Device::Cuda(ordinal) => Ok(memory.with_device(ordinal)?),
         _ => Ok(memory),
     }
 }

@@ -120,6 +120,24 @@ impl std::fmt::Debug for LiveWeights {
     }
 }
 
+/// Why tagged memory for a model could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// The KV cache's restore policy is reload: there is nothing to reload it from.
+    #[error("the KV cache cannot be reloaded: use discard, zero or backup")]
+    KvCacheReload,
+    /// A memory manager could not be built, or a tag defined in it.
+    #[error("{what}: {source}")]
+    Manager {
+        /// Which manager (`memory manager (spill dir …)`, `device memory on cuda:N`).
+        what: String,
+        /// Why.
+        #[source]
+        source: vmm::Error,
+    },
+}
+
 impl ModelMemory {
     /// Weights and KV caches in allocations of `manager` (the tags are defined now, so a
     /// sleep of a tag with no allocation yet is valid and releases nothing).
@@ -130,12 +148,12 @@ impl ModelMemory {
         manager: Arc<vmm::Manager>,
         weights: Restore,
         kv_cache: Restore,
-    ) -> Result<ModelMemory, String> {
-        let kv_policy = kv_cache.policy().ok_or_else(|| {
-            "the KV cache cannot be reloaded: use discard, zero or backup".to_owned()
-        })?;
+    ) -> Result<ModelMemory, SetupError> {
+        let kv_policy = kv_cache.policy().ok_or(SetupError::KvCacheReload)?;
         for tag in [vmm::Tag::WEIGHTS, vmm::Tag::KV_CACHE] {
-            manager.define_tag(tag).map_err(|e| e.to_string())?;
+            manager
+                .define_tag(tag)
+                .map_err(|source| SetupError::Manager { what: "memory manager".into(), source })?;
         }
         Ok(ModelMemory {
             manager,
@@ -154,14 +172,17 @@ impl ModelMemory {
     /// # Errors
     /// The device manager cannot be built (no CUDA driver, no such device, a build without
     /// feature `cuda`).
-    pub fn with_device(mut self, ordinal: usize) -> Result<ModelMemory, String> {
+    pub fn with_device(mut self, ordinal: usize) -> Result<ModelMemory, SetupError> {
+        let what = || format!("device memory on cuda:{ordinal}");
         let manager = vmm::Manager::builder()
             .backend(vmm::BackendKind::Cuda { device: ordinal })
             .spill_dir(self.manager.spill_dir())
             .build()
-            .map_err(|e| format!("device memory on cuda:{ordinal}: {e}"))?;
+            .map_err(|source| SetupError::Manager { what: what(), source })?;
         for tag in [vmm::Tag::WEIGHTS, vmm::Tag::KV_CACHE] {
-            manager.define_tag(tag).map_err(|e| e.to_string())?;
+            manager
+                .define_tag(tag)
+                .map_err(|source| SetupError::Manager { what: what(), source })?;
         }
         self.device = Some((ordinal, Arc::new(manager)));
         Ok(self)
@@ -183,12 +204,14 @@ impl ModelMemory {
         spill_dir: Option<PathBuf>,
         weights: Restore,
         kv_cache: Restore,
-    ) -> Result<ModelMemory, String> {
+    ) -> Result<ModelMemory, SetupError> {
         let dir = spill_dir.unwrap_or_else(vmm::default_spill_dir);
-        let manager = vmm::Manager::builder()
-            .spill_dir(&dir)
-            .build()
-            .map_err(|e| format!("memory manager (spill dir {}): {e}", dir.display()))?;
+        let manager = vmm::Manager::builder().spill_dir(&dir).build().map_err(|source| {
+            SetupError::Manager {
+                what: format!("memory manager (spill dir {})", dir.display()),
+                source,
+            }
+        })?;
         ModelMemory::new(Arc::new(manager), weights, kv_cache)
     }
 
@@ -990,7 +1013,7 @@ mod tests {
         }
         let dir = std::env::temp_dir().join(format!("tpctl-memory-g-{}", std::process::id()));
         let m = ModelMemory::host(Some(dir.clone()), Restore::Reload, Restore::Discard).unwrap();
-        let err = m.with_device(0).unwrap_err();
+        let err = m.with_device(0).unwrap_err().to_string();
         assert!(err.starts_with("device memory on cuda:0: "), "{err}");
         std::fs::remove_dir_all(&dir).ok();
     }
@@ -999,7 +1022,7 @@ mod tests {
     fn the_kv_cache_cannot_be_reloaded_and_discard_is_lossy() {
         let dir = std::env::temp_dir().join(format!("tpctl-memory-p-{}", std::process::id()));
         let err = ModelMemory::host(Some(dir.clone()), Restore::Reload, Restore::Reload);
-        assert!(err.unwrap_err().contains("KV cache cannot be reloaded"));
+        assert!(err.unwrap_err().to_string().contains("KV cache cannot be reloaded"));
         let m = ModelMemory::host(Some(dir.clone()), Restore::Backup, Restore::Discard).unwrap();
         assert_eq!(m.lossy_tags(), vec!["kv_cache".to_string()]);
         std::fs::remove_dir_all(&dir).ok();
