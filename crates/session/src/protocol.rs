@@ -278,11 +278,50 @@ pub fn encode(msg: &Message, epoch: u64, step: u64, out: &mut Vec<u8>) {
     }
 }
 
+/// Why a control message does not decode: the first malformed field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// A field runs past the end of the message.
+    #[error("{what} at byte {at} runs past the end ({len} bytes)")]
+    Truncated {
+        /// The field.
+        what: &'static str,
+        /// Its first byte.
+        at: usize,
+        /// The message's length.
+        len: usize,
+    },
+    /// A count whose bytes would overflow.
+    #[error("{0} count overflows")]
+    Overflow(&'static str),
+    /// More plan entries than the message could hold.
+    #[error("{entries} entries cannot fit in {len} bytes")]
+    TooManyEntries {
+        /// The count read.
+        entries: usize,
+        /// The message's length.
+        len: usize,
+    },
+    /// A message kind this version does not know.
+    #[error("unknown message kind {0}")]
+    UnknownKind(u8),
+    /// A session decision this version does not know.
+    #[error("unknown decision {0}")]
+    UnknownDecision(u8),
+    /// The model name is not UTF-8.
+    #[error("model is not utf-8")]
+    ModelNotUtf8,
+    /// Bytes after the message's last field.
+    #[error("{0} trailing bytes after the message")]
+    Trailing(usize),
+}
+
 /// Decodes a message; returns its epoch, step and content.
 ///
 /// # Errors
 /// A description of the first malformed field.
-pub fn decode(bytes: &[u8]) -> std::result::Result<(u64, u64, Message), String> {
+pub fn decode(bytes: &[u8]) -> std::result::Result<(u64, u64, Message), DecodeError> {
     let mut msg = Message::Idle;
     let (epoch, step) = decode_into(bytes, &mut msg)?;
     Ok((epoch, step, msg))
@@ -293,7 +332,10 @@ pub fn decode(bytes: &[u8]) -> std::result::Result<(u64, u64, Message), String> 
 ///
 /// # Errors
 /// A description of the first malformed field.
-pub fn decode_into(bytes: &[u8], out: &mut Message) -> std::result::Result<(u64, u64), String> {
+pub fn decode_into(
+    bytes: &[u8],
+    out: &mut Message,
+) -> std::result::Result<(u64, u64), DecodeError> {
     let mut r = Reader { bytes, at: 0 };
     let kind = r.u8("kind")?;
     let epoch = r.u64("epoch")?;
@@ -310,7 +352,7 @@ pub fn decode_into(bytes: &[u8], out: &mut Message) -> std::result::Result<(u64,
             let n = r.u32("entry count")? as usize;
             // Each entry takes at least 25 bytes: a count past the end is malformed.
             if n > bytes.len() / 25 {
-                return Err(format!("{n} entries cannot fit in {} bytes", bytes.len()));
+                return Err(DecodeError::TooManyEntries { entries: n, len: bytes.len() });
             }
             plan.entries.truncate(n);
             for i in 0..n {
@@ -330,7 +372,8 @@ pub fn decode_into(bytes: &[u8], out: &mut Message) -> std::result::Result<(u64,
                 r.u32s(len, "blocks", &mut e.blocks)?;
             }
             let n = r.u32("released count")? as usize;
-            let raw = r.take(n.checked_mul(8).ok_or("released count overflows")?, "released")?;
+            let raw =
+                r.take(n.checked_mul(8).ok_or(DecodeError::Overflow("released"))?, "released")?;
             plan.released.clear();
             plan.released.extend(raw.chunks_exact(8).map(|b| {
                 let mut a = [0u8; 8];
@@ -344,13 +387,13 @@ pub fn decode_into(bytes: &[u8], out: &mut Message) -> std::result::Result<(u64,
                 0 => SessionDecision::Stop,
                 1 => SessionDecision::KeepOpen,
                 2 => SessionDecision::Replace(r.config()?),
-                d => return Err(format!("unknown decision {d}")),
+                d => return Err(DecodeError::UnknownDecision(d)),
             })
         }
-        k => return Err(format!("unknown message kind {k}")),
+        k => return Err(DecodeError::UnknownKind(k)),
     }
     if r.at != bytes.len() {
-        return Err(format!("{} trailing bytes after the message", bytes.len() - r.at));
+        return Err(DecodeError::Trailing(bytes.len() - r.at));
     }
     Ok((epoch, step))
 }
@@ -374,20 +417,19 @@ struct Reader<'a> {
 }
 
 impl Reader<'_> {
-    fn take(&mut self, n: usize, what: &str) -> std::result::Result<&[u8], String> {
-        let end = self.at.checked_add(n).filter(|&e| e <= self.bytes.len()).ok_or_else(|| {
-            format!("{what} at byte {} runs past the end ({} bytes)", self.at, self.bytes.len())
-        })?;
+    fn take(&mut self, n: usize, what: &'static str) -> std::result::Result<&[u8], DecodeError> {
+        let past = DecodeError::Truncated { what, at: self.at, len: self.bytes.len() };
+        let end = self.at.checked_add(n).filter(|&e| e <= self.bytes.len()).ok_or(past)?;
         let s = &self.bytes[self.at..end];
         self.at = end;
         Ok(s)
     }
 
-    fn u8(&mut self, what: &str) -> std::result::Result<u8, String> {
+    fn u8(&mut self, what: &'static str) -> std::result::Result<u8, DecodeError> {
         Ok(self.take(1, what)?[0])
     }
 
-    fn u32(&mut self, what: &str) -> std::result::Result<u32, String> {
+    fn u32(&mut self, what: &'static str) -> std::result::Result<u32, DecodeError> {
         let b = self.take(4, what)?;
         Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
@@ -396,26 +438,25 @@ impl Reader<'_> {
     fn u32s(
         &mut self,
         n: usize,
-        what: &str,
+        what: &'static str,
         out: &mut Vec<u32>,
-    ) -> std::result::Result<(), String> {
-        let raw =
-            self.take(n.checked_mul(4).ok_or_else(|| format!("{what} count overflows"))?, what)?;
+    ) -> std::result::Result<(), DecodeError> {
+        let raw = self.take(n.checked_mul(4).ok_or(DecodeError::Overflow(what))?, what)?;
         out.clear();
         out.extend(raw.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])));
         Ok(())
     }
 
-    fn u64(&mut self, what: &str) -> std::result::Result<u64, String> {
+    fn u64(&mut self, what: &'static str) -> std::result::Result<u64, DecodeError> {
         let mut a = [0u8; 8];
         a.copy_from_slice(self.take(8, what)?);
         Ok(u64::from_le_bytes(a))
     }
 
-    fn config(&mut self) -> std::result::Result<SessionConfig, String> {
+    fn config(&mut self) -> std::result::Result<SessionConfig, DecodeError> {
         let len = self.u32("model length")? as usize;
         let model = String::from_utf8(self.take(len, "model")?.to_vec())
-            .map_err(|_| "model is not utf-8".to_owned())?;
+            .map_err(|_| DecodeError::ModelNotUtf8)?;
         let has = self.u8("max_steps flag")? != 0;
         let max = self.u64("max_steps")?;
         let token_budget = self.u32("token_budget")?;

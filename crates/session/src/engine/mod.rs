@@ -343,7 +343,8 @@ impl Core {
         let bad = |reason: String| Error::Protocol { op: "admission", rank, epoch, step, reason };
         // The previous step's plan lends its buffers to this one.
         let mut m = self.recycled.take().unwrap_or(Message::Idle);
-        let (e, s) = protocol::decode_into(self.agreement.message(), &mut m).map_err(bad)?;
+        let (e, s) = protocol::decode_into(self.agreement.message(), &mut m)
+            .map_err(|d| bad(d.to_string()))?;
         if e != epoch || (s != step && s != step + 1) {
             return Err(bad(format!("message is for epoch {e} step {s}")));
         }
