@@ -392,8 +392,7 @@ impl Backend {
     /// [`cpu::rope::rope_scaled`]); factors that are all 1 are no scaling.
     ///
     /// # Errors
-    /// As [`Backend::rope`]; [`Error::Shape`] when there are not `rot_dim / 2` factors;
-    /// [`Error::BackendUnavailable`] for factors other than 1 on the CUDA backend.
+    /// As [`Backend::rope`]; [`Error::Shape`] when there are not `rot_dim / 2` factors.
     pub fn rope_scaled(
         &self,
         x: &mut Tensor,
@@ -427,15 +426,9 @@ impl Backend {
                 theta,
                 factors,
             ),
-            Backend::Cuda(_) if factors.is_some() => {
-                return Err(Error::BackendUnavailable {
-                    backend: "cuda",
-                    reason: "rope frequency factors (Llama 3 or linear rope scaling) are not \
-                             implemented on the GPU yet; run this model with --device cpu"
-                        .into(),
-                })
+            Backend::Cuda(cuda) => {
+                cuda.rope(x, positions, (heads, head_dim, rot_dim), theta, factors)?;
             }
-            Backend::Cuda(cuda) => cuda.rope(x, positions, (heads, head_dim, rot_dim), theta)?,
         }
         Ok(())
     }

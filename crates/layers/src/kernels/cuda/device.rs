@@ -797,6 +797,7 @@ impl CudaBackend {
         positions: &[usize],
         (heads, head_dim, rot_dim): (usize, usize, usize),
         theta: f32,
+        factors: Option<&[f32]>,
     ) -> Result<()> {
         const OP: &str = "rope";
         let pairs = positions.len() * heads * (rot_dim / 2);
@@ -805,6 +806,9 @@ impl CudaBackend {
         }
         let xp = self.writable(OP, x)?;
         let pd = self.positions(OP, positions)?;
+        // The factors' device copy, cached as a model vector; null for none.
+        let fd = factors.map(|f| self.vector(OP, f)).transpose()?;
+        let fp = fd.as_ref().map_or(0, |f| self.slot_addr(f));
         let args = [
             int(OP, "tokens", positions.len())?,
             int(OP, "heads", heads)?,
@@ -817,12 +821,13 @@ impl CudaBackend {
         for a in &args {
             b.arg(a);
         }
-        b.arg(&theta);
-        // SAFETY: the arguments match `rope(float*, const u64*, int, int, int, int, float)`.
-        // Thread (t, h, i) for i < rot_dim/2 reads position t and rewrites elements i and
-        // i + rot_dim/2 of head h of token t; the caller checked x holds tokens·heads·head_dim
-        // floats with rot_dim <= head_dim, and threads past the last pair return at once.
-        // `writable` made x's buffer this tensor's own.
+        b.arg(&theta).arg(&fp);
+        // SAFETY: the arguments match `rope(float*, const u64*, int, int, int, int, float,
+        // const float*)`. Thread (t, h, i) for i < rot_dim/2 reads position t (and factor i:
+        // the caller checked there are rot_dim/2, or the pointer is null and not read) and
+        // rewrites elements i and i + rot_dim/2 of head h of token t; the caller checked x
+        // holds tokens·heads·head_dim floats with rot_dim <= head_dim, and threads past the
+        // last pair return at once. `writable` made x's buffer this tensor's own.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
         Ok(())
     }

@@ -55,9 +55,10 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
 }
 
 // Rotate-half rotary embedding of x[tokens, heads, head_dim] in place; one thread per rotated
-// pair. Angles in double precision, as on the CPU.
+// pair. Angles in double precision, as on the CPU. `factors` (rot_dim / 2 of them, or null)
+// divide each pair's frequency: Llama 3's and linear rope scaling.
 extern "C" __global__ void rope(float* x, const u64* pos, int tokens, int heads, int head_dim,
-                                int rot_dim, float theta) {
+                                int rot_dim, float theta, const float* factors) {
     int half = rot_dim / 2;
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 total = (u64)tokens * heads * half;
@@ -67,6 +68,7 @@ extern "C" __global__ void rope(float* x, const u64* pos, int tokens, int heads,
     int h = (int)(th % heads);
     u64 t = th / heads;
     double inv_freq = pow((double)theta, -(double)(2 * i) / (double)rot_dim);
+    if (factors) inv_freq /= (double)factors[i];
     double a = (double)pos[t] * inv_freq;
     float c = (float)cos(a);
     float s = (float)sin(a);

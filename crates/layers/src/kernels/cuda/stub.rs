@@ -77,6 +77,7 @@ impl CudaBackend {
         _positions: &[usize],
         _dims: (usize, usize, usize),
         _theta: f32,
+        _factors: Option<&[f32]>,
     ) -> Result<()> {
         match self.never {}
     }
