@@ -342,10 +342,12 @@ impl Backend {
                     cpu::qmatrix::qmatmul(wq, x.data(), m, out.data_mut());
                     Ok(())
                 } else {
-                    let wt = wq.dequantize();
-                    if cpu::sgemm::matmul_nt_avx512(x.data(), &wt, out.data_mut(), m, n, k) {
+                    // Each GEMM panel dequantizes its own rows: no f32 copy of the matrix.
+                    let row = |j: usize, dst: &mut [f32]| wq.dequantize_row(j, dst);
+                    if cpu::sgemm::matmul_nt_rows_avx512(x.data(), &row, out.data_mut(), m, n, k) {
                         return Ok(());
                     }
+                    let wt = wq.dequantize();
                     cpu::matmul::matmul_nt(x.data(), &wt, out.data_mut(), m, n, k, cpu.threads())
                 }
             })?,

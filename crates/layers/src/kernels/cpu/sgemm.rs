@@ -1,5 +1,7 @@
-//! Single-precision `out[m, n] = a[m, k] · w[n, k]ᵀ` with AVX-512, for prefill with f32
-//! weights: about twice as fast as the `gemm` crate's AVX2 kernels on the model's shapes.
+//! Single-precision `out[m, n] = a[m, k] · w[n, k]ᵀ` with AVX-512, for prefill: about twice
+//! as fast as the `gemm` crate's AVX2 kernels on the model's shapes. Quantized weights come in
+//! as a row function ([`matmul_nt_rows_avx512`]): each panel task dequantizes its own rows
+//! into a buffer of its own before packing them, so the f32 matrix is never written whole.
 //!
 //! The layout follows BLIS. The columns of `out` are cut into panels of `NR` output
 //! features, one rayon task each. A task copies its panel of `w`, `KC_MAX` values of `k` at
@@ -43,6 +45,32 @@ pub fn matmul_nt_avx512(
     false
 }
 
+/// [`matmul_nt_avx512`] with the rows of `w` given by `row(j, out)`, which writes row `j`
+/// (`k` values) into `out`: each panel task asks for its own `NR` rows once, into a buffer of
+/// its own, so a quantized matrix is dequantized by the tasks in parallel, a panel at a time,
+/// without an f32 copy of the whole matrix. The result is the same bits as
+/// [`matmul_nt_avx512`] on the matrix of those rows.
+///
+/// # Panics
+/// When a slice length does not match `m`, `n`, `k`.
+pub fn matmul_nt_rows_avx512(
+    a: &[f32],
+    row: &(dyn Fn(usize, &mut [f32]) + Sync),
+    out: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+) -> bool {
+    assert_eq!(a.len(), m * k, "sgemm: a has {} values, want {m}x{k}", a.len());
+    assert_eq!(out.len(), m * n, "sgemm: out has {} values, want {m}x{n}", out.len());
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        x86::matmul_nt_with(a, x86::Source::Rows(row), out, m, n, k);
+        return true;
+    }
+    false
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use core::arch::x86_64::*;
@@ -59,8 +87,29 @@ mod x86 {
     /// The most values of `k` packed at once: 256 × 48 floats is 48 KiB, the size of L1.
     const KC_MAX: usize = 256;
 
+    /// Where the rows of `w` come from.
+    #[derive(Clone, Copy)]
+    pub(super) enum Source<'a> {
+        /// `w` itself, `n × k` values.
+        Dense(&'a [f32]),
+        /// Row `j` written by the function (a quantized matrix dequantizing it).
+        Rows(&'a (dyn Fn(usize, &mut [f32]) + Sync)),
+    }
+
     /// The caller has checked the lengths and that the CPU has AVX-512F.
     pub(super) fn matmul_nt(a: &[f32], w: &[f32], out: &mut [f32], m: usize, n: usize, k: usize) {
+        matmul_nt_with(a, Source::Dense(w), out, m, n, k);
+    }
+
+    /// As [`matmul_nt`], the rows of `w` from `w`.
+    pub(super) fn matmul_nt_with(
+        a: &[f32],
+        w: Source<'_>,
+        out: &mut [f32],
+        m: usize,
+        n: usize,
+        k: usize,
+    ) {
         if m == 0 || n == 0 {
             return;
         }
@@ -81,7 +130,7 @@ mod x86 {
     /// One product, shared by the tasks that compute its column panels.
     struct Job<'a> {
         a: &'a [f32],
-        w: &'a [f32],
+        w: Source<'a>,
         out: SharedOut<'a>,
         m: usize,
         n: usize,
@@ -94,6 +143,8 @@ mod x86 {
     /// and zero for the columns `c >= cols` past the end of `w`.
     struct Panel {
         data: Box<Aligned>,
+        /// The panel's rows of `w` (`NR × k`), when they come from a row function.
+        rows: Vec<f32>,
         j0: usize,
         cols: usize,
         p0: usize,
@@ -106,7 +157,14 @@ mod x86 {
 
     impl Panel {
         fn new() -> Self {
-            Panel { data: Box::new(Aligned([0.0; KC_MAX * NR])), j0: 0, cols: 0, p0: 0, depth: 0 }
+            Panel {
+                data: Box::new(Aligned([0.0; KC_MAX * NR])),
+                rows: Vec::new(),
+                j0: 0,
+                cols: 0,
+                p0: 0,
+                depth: 0,
+            }
         }
     }
 
@@ -122,6 +180,12 @@ mod x86 {
         unsafe fn column_panel(&self, panel: &mut Panel, p: usize) {
             panel.j0 = p * NR;
             panel.cols = NR.min(self.n - panel.j0);
+            if let Source::Rows(row) = self.w {
+                panel.rows.resize(panel.cols * self.k, 0.0);
+                for (j, dst) in panel.rows.chunks_exact_mut(self.k).enumerate() {
+                    row(panel.j0 + j, dst);
+                }
+            }
             for p0 in (0..self.k).step_by(self.kc) {
                 panel.p0 = p0;
                 panel.depth = self.kc.min(self.k - p0);
@@ -150,14 +214,19 @@ mod x86 {
         #[target_feature(enable = "avx512f")]
         fn pack(&self, panel: &mut Panel) {
             let (j0, cols, p0, depth) = (panel.j0, panel.cols, panel.p0, panel.depth);
+            // The panel's rows: in `w` from row j0, or in the panel's own buffer from row 0.
+            let (w, first) = match self.w {
+                Source::Dense(w) => (w, j0),
+                Source::Rows(_) => (&panel.rows[..], 0),
+            };
             for v in 0..NV {
                 for q0 in (0..depth).step_by(16) {
                     let width = 16.min(depth - q0);
                     let rows: [__m512; 16] = core::array::from_fn(|r| {
                         let j = v * 16 + r;
                         if j < cols {
-                            let start = (j0 + j) * self.k + p0 + q0;
-                            load_prefix(&self.w[start..start + width])
+                            let start = (first + j) * self.k + p0 + q0;
+                            load_prefix(&w[start..start + width])
                         } else {
                             _mm512_setzero_ps()
                         }
@@ -352,6 +421,28 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// Rows from a function (a quantized matrix's dequantization) give the dense product's
+    /// bits: same packing, same summation order.
+    #[test]
+    fn rows_from_a_function_give_the_dense_bits() {
+        if !has_avx512() {
+            eprintln!("skipped: the CPU lacks AVX-512F");
+            return;
+        }
+        for (seed, (m, n, k)) in
+            [(33, 49, 17), (40, 97, 600), (128, 576, 1536), (35, 48, 256)].into_iter().enumerate()
+        {
+            let a = random_vec(m * k, 3 * seed as u64 + 1);
+            let w = random_vec(n * k, 3 * seed as u64 + 2);
+            let (mut dense, mut rows) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
+            assert!(matmul_nt_avx512(&a, &w, &mut dense, m, n, k));
+            let row = |j: usize, dst: &mut [f32]| dst.copy_from_slice(&w[j * k..(j + 1) * k]);
+            assert!(matmul_nt_rows_avx512(&a, &row, &mut rows, m, n, k));
+            let same = dense.iter().zip(&rows).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{m}x{n}x{k}: rows from a function differ from the dense product");
         }
     }
 
