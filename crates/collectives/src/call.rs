@@ -14,7 +14,7 @@
 //! 5. on any error from 2-4, poison the communicator (the first error is kept as the cause of
 //!    every later refusal) and let the backend tell its peers ([`Transport::publish_failure`]).
 
-use crate::comm::{check, AbortHandle, Communicator};
+use crate::comm::{check, AbortHandle, Communicator, DeviceRange};
 use crate::dtype::{ElemType, ReduceOp};
 use crate::error::{Error, Op, Result, Site};
 use std::sync::Arc;
@@ -177,12 +177,11 @@ pub(crate) trait Transport: Send {
         &mut self,
         at: &Site,
         deadline: Instant,
-        ptr: u64,
-        bytes: usize,
+        buf: DeviceRange,
         dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
-        let _ = (deadline, ptr, bytes, dtype, op);
+        let _ = (deadline, buf, dtype, op);
         Err(check::invalid(at, "this backend has no device buffers"))
     }
 }
@@ -326,12 +325,11 @@ impl<T: Transport> Communicator for T {
 
     unsafe fn all_reduce_device_ptr(
         &mut self,
-        ptr: u64,
-        bytes: usize,
+        buf: DeviceRange,
         dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
-        if Transport::cuda_device(self).is_none() {
+        let Some(device) = Transport::cuda_device(self) else {
             // Refused without a call: a host group is still usable for host buffers.
             return Err(Error::BackendUnavailable {
                 backend: Transport::backend(self),
@@ -340,11 +338,21 @@ impl<T: Transport> Communicator for T {
                     self.core().group
                 ),
             });
-        }
+        };
         run(self, Op::AllReduce, |t, at, deadline| {
-            check::device_elements(at, "buffer", bytes, dtype)?;
-            // SAFETY: forwarded from this function's own contract.
-            unsafe { t.all_reduce_device(at, deadline, ptr, bytes, dtype, op) }
+            if buf.device != device {
+                return Err(check::invalid(
+                    at,
+                    format!(
+                        "the buffer is on cuda:{}, this group works on cuda:{device}",
+                        buf.device
+                    ),
+                ));
+            }
+            check::device_elements(at, "buffer", buf.bytes, dtype)?;
+            // SAFETY: forwarded from this function's own contract; the buffer is on this
+            // group's device (checked above).
+            unsafe { t.all_reduce_device(at, deadline, buf, dtype, op) }
         })
     }
 }

@@ -107,24 +107,23 @@ pub trait Communicator: Send {
         None
     }
 
-    /// In-place all-reduce of `bytes` bytes of `dtype` elements at device address `ptr` on
+    /// In-place all-reduce of the `dtype` elements of `buf`, which must be on
     /// [`Communicator::cuda_device`]; returns when the reduction has completed.
     ///
     /// # Safety
-    /// `ptr..ptr + bytes` is memory of that device, and no other work reads or writes it until
+    /// `buf` is live memory of the device it names, and no other work reads or writes it until
     /// this returns.
     ///
     /// # Errors
-    /// [`Error::BackendUnavailable`] on a backend without device buffers; otherwise as
-    /// [`Communicator::all_reduce_raw`].
+    /// [`Error::BackendUnavailable`] on a backend without device buffers; a buffer on another
+    /// device than the group's; otherwise as [`Communicator::all_reduce_raw`].
     unsafe fn all_reduce_device_ptr(
         &mut self,
-        ptr: u64,
-        bytes: usize,
+        buf: DeviceRange,
         dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
-        let _ = (ptr, bytes, dtype, op);
+        let _ = (buf, dtype, op);
         Err(Error::BackendUnavailable {
             backend: self.backend(),
             reason: format!("the {} group reduces host memory, not device buffers", self.group()),
@@ -139,6 +138,19 @@ pub trait Communicator: Send {
         let sizes = vec![send.len(); self.size()];
         self.all_gather_uneven_raw(send, recv, &sizes, dtype)
     }
+}
+
+/// A range of device memory as a device API names it: its address (a `CUdeviceptr`), its
+/// length in bytes, and the CUDA device (ordinal) it belongs to. Making one is safe and
+/// dereferences nothing; the `unsafe` call it is given to is where the caller vouches for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceRange {
+    /// The device address of the first byte.
+    pub addr: u64,
+    /// The length in bytes.
+    pub bytes: usize,
+    /// The CUDA device ordinal.
+    pub device: usize,
 }
 
 /// Typed collectives over [`Element`] slices, for every [`Communicator`].

@@ -423,9 +423,9 @@ fn nccl_without_a_gpu_is_a_clear_error() {
 fn host_backends_refuse_device_buffers() {
     let mut solo = crate::Solo::new("tp");
     assert_eq!(solo.cuda_device(), None);
+    let range = crate::DeviceRange { addr: 0x1000, bytes: 16, device: 0 };
     // SAFETY: a host backend never dereferences the address (that is what is tested).
-    let err =
-        unsafe { solo.all_reduce_device_ptr(0x1000, 16, crate::ElemType::F32, ReduceOp::Sum) };
+    let err = unsafe { solo.all_reduce_device_ptr(range, crate::ElemType::F32, ReduceOp::Sum) };
     let err = err.unwrap_err();
     assert!(matches!(err, Error::BackendUnavailable { .. }), "{err}");
     assert!(err.to_string().contains("the tp group reduces host memory"), "{err}");

@@ -2,9 +2,9 @@
 //! watchdog, and the device entry points.
 
 use crate::call::{self, GroupCore, Transport};
-use crate::comm::check;
 #[cfg(doc)]
 use crate::comm::Communicator;
+use crate::comm::{check, DeviceRange};
 use crate::common::{blame_word, blamed};
 use crate::dtype::{ElemType, ReduceOp};
 use crate::error::{Error, Op, Result, Site};
@@ -829,11 +829,11 @@ impl Transport for NcclCommunicator {
         &mut self,
         at: &Site,
         _deadline: Instant,
-        ptr: u64,
-        bytes: usize,
+        buf: DeviceRange,
         dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
+        let (ptr, bytes) = (buf.addr, buf.bytes);
         // SAFETY: the caller guarantees `bytes` bytes of this device at `ptr`, untouched by
         // other work until the reduction (waited for by `run`) completes.
         self.run(at, |me| unsafe {

@@ -355,10 +355,11 @@ fn nccl_reduces_a_raw_device_buffer_through_the_trait() {
     let buf = stream.clone_htod(&host).unwrap();
     let ptr = buf.device_ptr(&stream).0;
     stream.synchronize().unwrap();
+    let range = |bytes| crate::DeviceRange { addr: ptr, bytes, device: 0 };
     // SAFETY: `buf` holds 64 bytes of device 0 and nothing else uses it during the call.
-    unsafe { c.all_reduce_device_ptr(ptr, 64, crate::ElemType::F32, ReduceOp::Sum) }.unwrap();
+    unsafe { c.all_reduce_device_ptr(range(64), crate::ElemType::F32, ReduceOp::Sum) }.unwrap();
     assert_eq!(stream.clone_dtoh(&buf).unwrap(), host);
     // SAFETY: as above; the call fails before touching the buffer.
-    let err = unsafe { c.all_reduce_device_ptr(ptr, 6, crate::ElemType::F32, ReduceOp::Sum) };
+    let err = unsafe { c.all_reduce_device_ptr(range(6), crate::ElemType::F32, ReduceOp::Sum) };
     assert!(err.unwrap_err().to_string().contains("not a whole number of f32"));
 }

@@ -43,7 +43,7 @@ use crate::kernels::cpu::qmatrix::QBits;
 use crate::kernels::{GemmDtype, Kv, Weight};
 use crate::memory::{alloc_device_exact, DeviceArena, DeviceMemory};
 use crate::tensor::{DeviceData, Tensor};
-use collectives::{Communicator, ElemType, ReduceOp};
+use collectives::{Communicator, DeviceRange, ElemType, ReduceOp};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
@@ -1091,10 +1091,11 @@ impl CudaBackend {
         }
         let ptr = self.writable(OP, t)?;
         self.stream().synchronize().or_unavailable(|| format!("{OP}: waiting for the device"))?;
+        let buf = DeviceRange { addr: ptr, bytes: 4 * t.len(), device: self.ordinal() };
         // SAFETY: `writable` made `ptr` t's own buffer of t.len() floats on this device (the
         // communicator's, checked by the caller), and the idle stream and the borrow of `t`
         // keep other work off it until the reduction returns.
-        unsafe { comm.all_reduce_device_ptr(ptr, 4 * t.len(), ElemType::F32, ReduceOp::Sum) }?;
+        unsafe { comm.all_reduce_device_ptr(buf, ElemType::F32, ReduceOp::Sum) }?;
         Ok(())
     }
 
