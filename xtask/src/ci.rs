@@ -4,7 +4,9 @@ use crate::util::{self, cargo};
 use anyhow::Result;
 
 /// Feature sets clippy checks; the last one is also the set the tests run with.
-const CLIPPY_FEATURES: [&[&str]; 3] = [&[], &["--features", "cuda"], &["--features", "failpoints"]];
+/// `bench-internals` rides with `cuda` so the benchmark that needs it is checked too.
+const CLIPPY_FEATURES: [&[&str]; 3] =
+    [&[], &["--features", "cuda,bench-internals"], &["--features", "failpoints"]];
 
 pub(crate) fn run(_args: &[String]) -> Result<()> {
     util::run(cargo().args(["fmt", "--all", "--check"]))?;

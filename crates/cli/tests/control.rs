@@ -6,7 +6,7 @@
 use session::sleep::transport::memory::{self, Faults};
 use session::sleep::{
     listener, Coordinator, CoordinatorOptions, Idle, ListenerHandle, MemoryError, Probe,
-    RankMemory, TagReceipt,
+    RankMemory, Refusal, TagReceipt,
 };
 use std::collections::BTreeSet;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -41,9 +41,12 @@ impl FakeMemory {
 }
 
 impl RankMemory for FakeMemory {
-    fn check(&self, tags: &[String]) -> Result<(), String> {
+    fn check(&self, tags: &[String]) -> Result<(), Refusal> {
         match tags.iter().find(|t| !["weights", "kv_cache"].contains(&t.as_str())) {
-            Some(t) => Err(format!("unknown tag `{t}` (known tags: weights, kv_cache)")),
+            Some(t) => Err(Refusal::UnknownTag {
+                tag: t.clone(),
+                known: vec!["weights".into(), "kv_cache".into()],
+            }),
             None => Ok(()),
         }
     }

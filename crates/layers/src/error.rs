@@ -126,6 +126,16 @@ pub enum Error {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// Memory of one device was given to the backend of another.
+    #[error("{op}: memory of {got} given to the backend of {want}")]
+    WrongDevice {
+        /// The operation.
+        op: String,
+        /// Where the memory lives.
+        got: mesh::Device,
+        /// The backend's device.
+        want: mesh::Device,
+    },
     /// The requested backend is not compiled into this build.
     #[error("backend not compiled in: rebuild with feature `{feature}`")]
     NotCompiledWith {

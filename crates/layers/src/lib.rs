@@ -41,7 +41,7 @@ pub mod tokenizer;
 pub use config::{Activation, LlamaConfig};
 pub use error::{Error, Result};
 pub use generation::GenerationConfig;
-pub use memory::{Arena, DeviceArena, DeviceMemory, HeapArena};
+pub use memory::{Arena, DeviceArena, HeapArena};
 pub use model::{KvCache, Logits, Model};
 pub use tensor::{DType, Device, ExternalMemory, Storage, Tensor};
 pub use tokenizer::{ChatMessage, Tokenizer};

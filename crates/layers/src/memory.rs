@@ -11,6 +11,7 @@
 
 use crate::error::{Error, Result};
 use crate::tensor::ExternalMemory;
+use mesh::DeviceMemory;
 
 /// The alignment, in bytes, of every region an [`Arena`] returns.
 pub const ALIGN: usize = 64;
@@ -29,20 +30,6 @@ pub trait Arena {
     /// # Errors
     /// [`Error::Arena`] when the memory cannot be provided.
     fn alloc(&self, bytes: usize) -> Result<Box<dyn ExternalMemory>>;
-}
-
-/// Device memory that someone else owns, such as a `vmm` CUDA allocation that a sleep unmaps
-/// and a wakeup maps again at the same address. The CUDA backend keeps weights and KV caches in
-/// it; this crate never dereferences it on the host.
-///
-/// Implementations return the same address and length on every call. Their owner guarantees
-/// that the memory is mapped whenever a kernel may touch it (the session engine quiesces every
-/// rank before a sleep) and that it belongs to the device of the backend it is given to.
-pub trait DeviceMemory: Send + Sync + std::fmt::Debug {
-    /// The device address of the first byte (a `CUdeviceptr`), a multiple of [`ALIGN`].
-    fn device_ptr(&self) -> u64;
-    /// The length in bytes.
-    fn size(&self) -> usize;
 }
 
 /// A source of device memory for the CUDA backend's weights and KV caches.

@@ -47,11 +47,18 @@ pub(crate) fn naive_matmul_nt(a: &[f32], w: &[f32], m: usize, n: usize, k: usize
 #[derive(Debug)]
 pub(crate) struct FakeDeviceMemory(pub(crate) usize);
 
-impl crate::memory::DeviceMemory for FakeDeviceMemory {
+// SAFETY: it breaks the contract on purpose and is sound only in the tests that use it: they
+// give it to the size and layout checks that run before any kernel, never to a backend that
+// would copy into it or launch on it.
+#[allow(unsafe_code)]
+unsafe impl mesh::DeviceMemory for FakeDeviceMemory {
     fn device_ptr(&self) -> u64 {
         0x1000
     }
     fn size(&self) -> usize {
         self.0
+    }
+    fn device(&self) -> mesh::Device {
+        mesh::Device::Cuda(0)
     }
 }

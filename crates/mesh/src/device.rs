@@ -2,6 +2,10 @@
 //!
 //! Without `LOCAL_RANK` the device current on the caller's thread is kept: a library must not
 //! move a caller that chose its GPU itself back to device 0.
+//!
+//! [`DeviceMemory`] is the contract between the crate that owns device memory (`vmm`, whose
+//! allocations a sleep unmaps and a wakeup maps again at the same address) and the crates
+//! whose kernels read and write it (`layers`).
 
 use std::fmt;
 use std::str::FromStr;
@@ -12,6 +16,33 @@ use crate::rendezvous::Rendezvous;
 mod cuda;
 
 pub use cuda::DriverProbe;
+
+/// A range of memory that someone else owns and kernels may use in place: a weight buffer or
+/// a KV cache that sleep releases and wakeup restores at the same address.
+///
+/// The trait is `unsafe` because code that launches kernels on the range, or copies into it,
+/// trusts what it says without being able to check it.
+///
+/// # Safety
+///
+/// An implementation promises, for as long as the value lives:
+/// - [`device_ptr`](DeviceMemory::device_ptr), [`size`](DeviceMemory::size) and
+///   [`device`](DeviceMemory::device) return the same values on every call;
+/// - `[device_ptr, device_ptr + size)` is memory of [`device`](DeviceMemory::device) (for
+///   CUDA, a `CUdeviceptr` range of that device), not freed and not handed to anyone else
+///   while the value lives;
+/// - the range is mapped whenever a kernel may touch it: its owner unmaps it only while every
+///   engine that was given it is quiesced at a step boundary, and maps it again before that
+///   engine runs (the gate that `vmm::Region` describes, kept by the session's sleep path).
+#[allow(unsafe_code)] // Declaring the contract; implementations carry their own SAFETY notes.
+pub unsafe trait DeviceMemory: Send + Sync + fmt::Debug {
+    /// The address of the first byte (for CUDA, a `CUdeviceptr`).
+    fn device_ptr(&self) -> u64;
+    /// The length in bytes.
+    fn size(&self) -> usize;
+    /// The device the memory belongs to.
+    fn device(&self) -> Device;
+}
 
 /// A device that holds a rank's tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]

@@ -3,7 +3,7 @@
 //! Rank 0 runs a [`Leader`] (scheduler, tokenizer, sampler, output and metrics sinks); every
 //! other rank runs a [`Worker`], which owns none of these (its constructor takes no sink, and
 //! handing it one is an error). At each step boundary all ranks meet on the control group
-//! ([`protocol`]): an admission that agrees on go / stop / failed and carries rank 0's step
+//! (`protocol`): an admission that agrees on go / stop / failed and carries rank 0's step
 //! plan, then a confirmation once every rank prepared the step. Models plug in through
 //! [`StepModel`] and [`ModelFactory`]; [`replicated`] runs the single-rank Llama model of the
 //! `layers` crate on every rank, [`sharded`] its TP/CP-sharded model.
@@ -18,6 +18,11 @@ mod error;
 pub mod memory;
 mod model;
 mod plan;
+#[cfg(not(feature = "bench-internals"))]
+mod protocol;
+/// The step agreement's wire format, public for the `session` benchmark only (feature
+/// `bench-internals`); not part of the API.
+#[cfg(feature = "bench-internals")]
 pub mod protocol;
 pub mod replicated;
 mod sampler;

@@ -22,7 +22,7 @@
 //! Access to this memory is unchecked (plain slices and device addresses, as kernels need):
 //! the engine's gate guarantees that no step runs while it is released.
 
-use crate::sleep::{MemoryError, Probe, RankMemory, TagReceipt, VmmMemory};
+use crate::sleep::{MemoryError, Probe, RankMemory, Refusal, TagReceipt, VmmMemory};
 use layers::kernels::Backend;
 use layers::model::WeightForm;
 use layers::parallel::{LoadOptions, ParallelCache, ParallelModel, Placement};
@@ -138,6 +138,30 @@ pub enum SetupError {
     },
 }
 
+/// Why a model's weights or KV memory could not be placed in tagged allocations.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlaceError {
+    /// The tagged allocation could not be made or written.
+    #[error("allocating {what}: {source}")]
+    Allocate {
+        /// What was allocated, with its size.
+        what: String,
+        /// The manager's error.
+        #[source]
+        source: vmm::Error,
+    },
+    /// The model could not move into the allocation, or build a cache or pool in it.
+    #[error("{what}: {source}")]
+    Model {
+        /// What the model was doing.
+        what: String,
+        /// The model's error.
+        #[source]
+        source: Box<layers::Error>,
+    },
+}
+
 impl ModelMemory {
     /// Weights and KV caches in allocations of `manager` (the tags are defined now, so a
     /// sleep of a tag with no allocation yet is valid and releases nothing).
@@ -235,33 +259,35 @@ impl ModelMemory {
     /// # Errors
     /// The weights are not in tagged memory, the checkpoint does not load, or its buffers
     /// differ (another architecture, other shapes, another quantization).
-    pub fn prepare_update(&self, model: &str) -> Result<(), String> {
+    pub fn prepare_update(&self, model: &str) -> Result<(), Refusal> {
         let (current, layout, config) = {
             let live = lock_live(&self.live);
-            let current = live.origin.clone().ok_or("the weights are not in tagged memory")?;
+            let current = live.origin.clone().ok_or(Refusal::WeightsUntagged)?;
             (current, live.layout.clone(), live.config.clone())
         };
         let origin = ShardOrigin { path: PathBuf::from(model), ..current };
         let loaded =
             ParallelModel::load(&origin.path, LoadOptions::new(origin.placement).form(origin.form))
-                .map_err(|e| format!("loading {model}: {e}"))?;
+                .map_err(|e| Refusal::Unloadable {
+                    model: model.to_owned(),
+                    reason: e.to_string(),
+                })?;
+        let misfit = |detail: String| Refusal::Misfit { model: model.to_owned(), detail };
         let shape = shape_of(loaded.config());
         if config.as_ref() != Some(&shape) {
-            return Err(format!(
-                "{model} does not fit the live weights: its shape {shape:?} differs from the live {config:?}"
-            ));
+            return Err(misfit(format!("its shape {shape:?} differs from the live {config:?}")));
         }
         let got: Vec<usize> = loaded.weight_buffers().iter().map(|b| b.len()).collect();
         if got != layout {
             let at = got.iter().zip(&layout).position(|(a, b)| a != b);
             let at = at.unwrap_or(got.len().min(layout.len()));
-            return Err(format!(
-                "{model} does not fit the live weights: {} weight buffers against {}, the first difference at buffer {at} ({} bytes against {})",
+            return Err(misfit(format!(
+                "{} weight buffers against {}, the first difference at buffer {at} ({} bytes against {})",
                 got.len(),
                 layout.len(),
                 got.get(at).copied().unwrap_or(0),
                 layout.get(at).copied().unwrap_or(0),
-            ));
+            )));
         }
         lock_live(&self.live).staged = Some((origin, loaded));
         Ok(())
@@ -343,7 +369,7 @@ impl ModelMemory {
         &self,
         model: &mut ParallelModel,
         origin: &ShardOrigin,
-    ) -> Result<(), String> {
+    ) -> Result<(), PlaceError> {
         let bytes = model.weight_bytes();
         if bytes == 0 {
             return Ok(());
@@ -357,12 +383,14 @@ impl ModelMemory {
                 origin.fill(buf).map_err(std::io::Error::other)
             }))
         });
-        let alloc = self
-            .manager
-            .allocate(vmm::Tag::WEIGHTS, bytes, policy)
-            .map_err(|e| format!("allocating {bytes} bytes of weights: {e}"))?;
-        let arena = Arc::new(VmmArena::new(alloc).map_err(|e| e.to_string())?);
-        model.move_weights_to(&*arena).map_err(|e| format!("moving the weights: {e}"))?;
+        let allocate =
+            |source| PlaceError::Allocate { what: format!("{bytes} bytes of weights"), source };
+        let alloc = self.manager.allocate(vmm::Tag::WEIGHTS, bytes, policy).map_err(allocate)?;
+        let arena = Arc::new(VmmArena::new(alloc).map_err(allocate)?);
+        model.move_weights_to(&*arena).map_err(|source| PlaceError::Model {
+            what: "moving the weights".into(),
+            source: Box::new(source),
+        })?;
         {
             let mut live = lock_live(&self.live);
             live.layout = model.weight_buffers().iter().map(|b| b.len()).collect();
@@ -406,19 +434,23 @@ impl ModelMemory {
         model: &ParallelModel,
         block_size: usize,
         blocks: usize,
-    ) -> Result<layers::model::KvPool, String> {
+    ) -> Result<layers::model::KvPool, PlaceError> {
         use layers::memory::Arena;
         let bytes = model.pool_bytes(block_size, blocks);
+        let what = format!("a {bytes}-byte KV pool");
+        let failed = |source| PlaceError::Model { what: what.clone(), source: Box::new(source) };
         if let Some(arena) = self.device_kv(model, bytes) {
-            return model
-                .pool_on_device(&arena, block_size, blocks)
-                .map_err(|e| format!("allocating a {bytes}-byte KV pool on the GPU: {e}"));
+            return model.pool_on_device(&arena, block_size, blocks).map_err(|source| {
+                PlaceError::Model {
+                    what: format!("allocating {what} on the GPU"),
+                    source: Box::new(source),
+                }
+            });
         }
         let arena = self.committed_kv(bytes, "KV pool")?;
-        let storage =
-            layers::tensor::Storage::external(arena.alloc(bytes).map_err(|e| e.to_string())?)
-                .map_err(|e| e.to_string())?;
-        model.pool_in(storage, block_size).map_err(|e| e.to_string())
+        let storage = layers::tensor::Storage::external(arena.alloc(bytes).map_err(failed)?)
+            .map_err(failed)?;
+        model.pool_in(storage, block_size).map_err(failed)
     }
 
     /// A KV cache of `capacity` tokens for one sequence of `model`, in its own `kv_cache`
@@ -430,13 +462,17 @@ impl ModelMemory {
         &self,
         model: &ParallelModel,
         capacity: usize,
-    ) -> Result<ParallelCache, String> {
+    ) -> Result<ParallelCache, PlaceError> {
         let bytes = model.cache_bytes(capacity);
+        let failed = |source| PlaceError::Model {
+            what: format!("a {bytes}-byte KV cache"),
+            source: Box::new(source),
+        };
         if let Some(arena) = self.device_kv(model, bytes) {
-            return model.new_cache_on_device(capacity, &arena).map_err(|e| e.to_string());
+            return model.new_cache_on_device(capacity, &arena).map_err(failed);
         }
         let arena = self.committed_kv(bytes, "KV cache")?;
-        model.new_cache_in(capacity, &arena).map_err(|e| e.to_string())
+        model.new_cache_in(capacity, &arena).map_err(failed)
     }
 
     /// One `kv_cache` allocation of exactly `bytes` on `model`'s GPU (allocated zeroed and
@@ -448,13 +484,15 @@ impl ModelMemory {
 
     /// One host `kv_cache` allocation of `bytes`, zeroed (so committed) now, as an arena;
     /// `what` names it in the error.
-    fn committed_kv(&self, bytes: usize, what: &str) -> Result<VmmArena, String> {
+    fn committed_kv(&self, bytes: usize, what: &str) -> Result<VmmArena, PlaceError> {
+        let failed =
+            |source| PlaceError::Allocate { what: format!("a {bytes}-byte {what}"), source };
         let alloc = self
             .manager
             .allocate(vmm::Tag::KV_CACHE, bytes, self.kv_policy.clone())
-            .map_err(|e| format!("allocating a {bytes}-byte {what}: {e}"))?;
-        alloc.write().map_err(|e| e.to_string())?.fill(0);
-        VmmArena::new(alloc).map_err(|e| e.to_string())
+            .map_err(failed)?;
+        alloc.write().map_err(failed)?.fill(0);
+        VmmArena::new(alloc).map_err(failed)
     }
 }
 
@@ -568,7 +606,7 @@ fn merge(into: &mut [TagReceipt], more: Vec<TagReceipt>) {
 }
 
 impl RankMemory for ModelRankMemory {
-    fn check(&self, tags: &[String]) -> Result<(), String> {
+    fn check(&self, tags: &[String]) -> Result<(), Refusal> {
         self.host.check(tags)
     }
 
@@ -628,7 +666,7 @@ impl RankMemory for ModelRankMemory {
         Ok(receipts)
     }
 
-    fn prepare_update(&self, model: &str) -> Result<(), String> {
+    fn prepare_update(&self, model: &str) -> Result<(), Refusal> {
         self.memory.prepare_update(model)
     }
 
@@ -773,7 +811,7 @@ impl VmmDeviceArena {
 }
 
 impl layers::DeviceArena for VmmDeviceArena {
-    fn alloc_device(&self, bytes: usize) -> layers::Result<Box<dyn layers::DeviceMemory>> {
+    fn alloc_device(&self, bytes: usize) -> layers::Result<Box<dyn mesh::DeviceMemory>> {
         let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
         let fits = |(alloc, next): &(Arc<vmm::Allocation>, usize)| {
             let offset = next.next_multiple_of(ALIGN);
@@ -791,33 +829,9 @@ impl layers::DeviceArena for VmmDeviceArena {
             }
         };
         *last = Some((alloc.clone(), offset + bytes));
-        Ok(Box::new(DeviceRegion { alloc, offset, bytes }))
-    }
-}
-
-/// `bytes` bytes of a device allocation, from `offset`.
-struct DeviceRegion {
-    alloc: Arc<vmm::Allocation>,
-    offset: usize,
-    bytes: usize,
-}
-
-impl std::fmt::Debug for DeviceRegion {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeviceRegion")
-            .field("allocation", &self.alloc.id())
-            .field("offset", &self.offset)
-            .field("bytes", &self.bytes)
-            .finish()
-    }
-}
-
-impl layers::DeviceMemory for DeviceRegion {
-    fn device_ptr(&self) -> u64 {
-        self.alloc.base() + self.offset as u64
-    }
-    fn size(&self) -> usize {
-        self.bytes
+        let slice = vmm::DeviceSlice::new(alloc, offset, bytes)
+            .map_err(|e| layers::Error::Arena { bytes, source: Box::new(e) })?;
+        Ok(Box::new(slice))
     }
 }
 

@@ -317,10 +317,12 @@ pub enum DecodeError {
     Trailing(usize),
 }
 
-/// Decodes a message; returns its epoch, step and content.
+/// Decodes a message; returns its epoch, step and content (the engine decodes in place, with
+/// [`decode_into`]).
 ///
 /// # Errors
 /// A description of the first malformed field.
+#[cfg(any(test, feature = "bench-internals"))]
 pub fn decode(bytes: &[u8]) -> std::result::Result<(u64, u64, Message), DecodeError> {
     let mut msg = Message::Idle;
     let (epoch, step) = decode_into(bytes, &mut msg)?;

@@ -55,6 +55,36 @@ pub struct KvCacheConfig {
 /// Sequences of the whole context a default-sized KV pool holds (when its cap allows).
 pub const DEFAULT_SEQUENCES: usize = 2;
 
+/// Why a KV pool cannot be sized.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum KvSizeError {
+    /// The model's KV heads cannot be split as the layout asks.
+    #[error(transparent)]
+    Layout(#[from] layers::Error),
+    /// The configured pool holds less than one sequence of the context length.
+    #[error(
+        "kv_cache_memory of {bytes} bytes holds {blocks} blocks of {block_size} tokens \
+         ({block_bytes} bytes each per rank), but one sequence of the context length {context} \
+         needs {need}: raise kv_cache_memory to at least {} bytes or lower max-model-len",
+        need * block_bytes
+    )]
+    TooSmall {
+        /// The configured pool size.
+        bytes: u64,
+        /// Blocks it holds.
+        blocks: usize,
+        /// Tokens per block.
+        block_size: usize,
+        /// Bytes per block on one rank.
+        block_bytes: usize,
+        /// The context length.
+        context: usize,
+        /// Blocks one sequence needs.
+        need: usize,
+    },
+}
+
 impl KvCacheConfig {
     /// Blocks of `block_size` tokens in a pool of `bytes` bytes for `config` split over `tp`
     /// ranks, and the blocks one sequence of `context` tokens split over `cp` ranks needs.
@@ -67,10 +97,8 @@ impl KvCacheConfig {
         config: &layers::LlamaConfig,
         (tp, cp): (usize, usize),
         context: usize,
-    ) -> Result<usize, String> {
-        let block = layers::parallel::kv_block_bytes(config, tp, self.block_size)
-            .map_err(|e| e.to_string())?
-            .max(1);
+    ) -> Result<usize, KvSizeError> {
+        let block = layers::parallel::kv_block_bytes(config, tp, self.block_size)?.max(1);
         let need = context.div_ceil(cp.max(1)).div_ceil(self.block_size);
         let Some(bytes) = self.bytes else {
             let cap = usize::try_from(self.cap_bytes).unwrap_or(usize::MAX) / block;
@@ -78,13 +106,15 @@ impl KvCacheConfig {
         };
         let blocks = usize::try_from(bytes).unwrap_or(usize::MAX) / block;
         if blocks < need {
-            return Err(format!(
-                "kv_cache_memory of {bytes} bytes holds {blocks} blocks of {} tokens ({block} \
-                 bytes each per rank), but one sequence of the context length {context} needs \
-                 {need}: raise kv_cache_memory to at least {} bytes or lower max-model-len",
-                self.block_size,
-                need * block
-            ));
+            let block_size = self.block_size;
+            return Err(KvSizeError::TooSmall {
+                bytes,
+                blocks,
+                block_size,
+                block_bytes: block,
+                context,
+                need,
+            });
         }
         Ok(blocks)
     }

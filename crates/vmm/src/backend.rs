@@ -85,6 +85,8 @@ impl HostBuf {
 pub(crate) trait Backend: Send {
     /// A short name for messages.
     fn name(&self) -> &'static str;
+    /// Where its memory lives.
+    fn device(&self) -> mesh::Device;
     /// Every size and address is a multiple of this.
     fn granularity(&self) -> usize;
     /// The largest allocation this backend can ever back.

@@ -50,7 +50,7 @@ pub use manager::{
 pub use policy::{BackupStore, Policy, Source};
 pub use probe::{nvml_device_of_cuda_ordinal, DeviceUsage, NvmlDevice, NvmlMemory, ProcessMemory};
 pub use receipt::{Op, Receipt};
-pub use region::{Region, Regions};
+pub use region::{DeviceSlice, Region, Regions};
 pub use spill::default_spill_dir;
 pub use tag::Tag;
 

@@ -135,6 +135,7 @@ struct Shared {
     policy: Policy,
     store: BackupStore,
     backend: &'static str,
+    device: mesh::Device,
     host_accessible: bool,
     slot: RwLock<Slot>,
     /// Mirrors `slot.phys.is_none()`, written with the slot's write lock held, so that state
@@ -359,6 +360,7 @@ impl Manager {
             policy,
             store,
             backend: state.backend.name(),
+            device: state.backend.device(),
             host_accessible,
             slot: RwLock::new(Slot { phys: Some(phys), backup: None, spare: None }),
             released: AtomicBool::new(false),
@@ -714,6 +716,12 @@ impl Allocation {
     /// is the device pointer (`CUdeviceptr`).
     pub fn base(&self) -> u64 {
         self.shared.base
+    }
+
+    /// Where the memory lives: [`mesh::Device::Cpu`] for the host backend, the CUDA device
+    /// for the CUDA backend.
+    pub fn device(&self) -> mesh::Device {
+        self.shared.device
     }
 
     /// The base address as a host pointer; see [`Allocation::base`].

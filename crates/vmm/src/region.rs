@@ -23,6 +23,11 @@
 //!
 //! Any other owner of a `Region` must keep the same order: release only while no slice of it
 //! is alive, and read or write only after the materialize that follows.
+//!
+//! [`DeviceSlice`] is the same for memory the host cannot address (a CUDA allocation): a byte
+//! range that kernels use in place, as a [`mesh::DeviceMemory`]. The same gate makes its
+//! implementation of that `unsafe` trait sound: the session's kernels touch it only inside
+//! steps, and no step runs between a release and the materialize that follows.
 
 use crate::error::{Error, Result};
 use crate::manager::Allocation;
@@ -133,6 +138,63 @@ impl Region {
     /// The allocation it belongs to.
     pub fn allocation(&self) -> &Allocation {
         &self.alloc
+    }
+}
+
+/// A byte range of an allocation that kernels use in place (a weight buffer or a KV cache on
+/// the device), as a [`mesh::DeviceMemory`]. Keeps the allocation alive.
+pub struct DeviceSlice {
+    alloc: Arc<Allocation>,
+    offset: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for DeviceSlice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceSlice")
+            .field("allocation", &self.alloc.id())
+            .field("device", &self.alloc.device())
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl DeviceSlice {
+    /// The `len` bytes of `alloc` from `offset`.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] when they do not lie inside the allocation.
+    pub fn new(alloc: Arc<Allocation>, offset: usize, len: usize) -> Result<DeviceSlice> {
+        let fits = offset.checked_add(len).is_some_and(|end| end <= alloc.bytes());
+        if !fits {
+            return Err(Error::OutOfBounds {
+                id: alloc.id(),
+                tag: alloc.tag().clone(),
+                offset,
+                len,
+                bytes: alloc.bytes() as u64,
+            });
+        }
+        Ok(DeviceSlice { alloc, offset, len })
+    }
+}
+
+// SAFETY: the values never change (the fields are private and set once, and an allocation's
+// base address and device are fixed for its life). The range lies inside the allocation
+// (checked by `new`), whose address reservation and backing stay this allocation's own until
+// its last handle drops, and the `Arc` keeps one. That the range is mapped whenever a kernel
+// may touch it is the gate of the module docs: the only code that releases these allocations
+// quiesces every engine first and opens the gate after the materialize.
+unsafe impl mesh::DeviceMemory for DeviceSlice {
+    fn device_ptr(&self) -> u64 {
+        self.alloc.base() + self.offset as u64
+    }
+    fn size(&self) -> usize {
+        self.len
+    }
+    fn device(&self) -> mesh::Device {
+        self.alloc.device()
     }
 }
 

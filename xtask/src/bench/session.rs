@@ -34,6 +34,8 @@ pub(crate) fn run(json: bool) -> Result<()> {
         "--quiet",
         "-p",
         "tpctl-session",
+        "--features",
+        "bench-internals",
         "--bench",
         "session",
         "--",

@@ -2,7 +2,7 @@
 //!
 //! The engine ([`session::Leader::serve`]) keeps rank 0's main thread, as in `tpctl run`; the
 //! HTTP server runs on a small tokio runtime in other threads. The two meet in the
-//! [`bridge`]: handlers check and tokenize a request, register a channel for its results and
+//! `bridge`: handlers check and tokenize a request, register a channel for its results and
 //! push it into the engine's inbox; the engine's output sink routes every token and the end
 //! of each request back to that channel. Requests join the running batch at the next step
 //! boundary (continuous batching).

@@ -20,9 +20,10 @@ use cpu::CpuBackend;
 pub use cuda::{CudaBackend, PoolArena};
 
 use crate::error::{Error, Result};
-use crate::memory::{Arena, DeviceMemory, WeightBuffers};
+use crate::memory::{Arena, WeightBuffers};
 use crate::tensor::{Device, Tensor};
 use collectives::{Collective, Communicator};
+use mesh::DeviceMemory;
 
 /// A weight matrix `[out_features, in_features]` as a linear layer stores it.
 #[derive(Clone, Debug, PartialEq)]
@@ -373,7 +374,7 @@ impl Backend {
         }
     }
 
-    /// Rotary embedding (rotate-half convention, see [`cpu::rope`]) of `x` viewed as
+    /// Rotary embedding (rotate-half convention, see `cpu::rope`) of `x` viewed as
     /// `[positions.len(), heads, head_dim]`, over the first `rot_dim` elements of each head.
     ///
     /// # Errors
@@ -391,7 +392,7 @@ impl Backend {
     }
 
     /// [`Backend::rope`] with per-pair frequency factors (see
-    /// [`cpu::rope::rope_scaled`]); factors that are all 1 are no scaling.
+    /// `cpu::rope::rope_scaled`); factors that are all 1 are no scaling.
     ///
     /// # Errors
     /// As [`Backend::rope`]; [`Error::Shape`] when there are not `rot_dim / 2` factors.
@@ -435,7 +436,7 @@ impl Backend {
         Ok(())
     }
 
-    /// Causal attention (see [`cpu::attention::attention`]): `q` is `[q_pos.len(), q_heads,
+    /// Causal attention (see `cpu::attention::attention`): `q` is `[q_pos.len(), q_heads,
     /// head_dim]`, the keys and values `[kv_pos.len(), kv_heads, head_dim]` (a cache's filled
     /// prefix). Returns the output shaped like `q` and, when `want_lse`, the per-row
     /// log-sum-exp `[q_pos.len(), q_heads]`.

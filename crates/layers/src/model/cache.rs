@@ -6,8 +6,8 @@
 
 use crate::error::{Error, Result};
 use crate::kernels::{Backend, Kv};
-use crate::memory::DeviceMemory;
 use crate::tensor::Storage;
+use mesh::DeviceMemory;
 
 /// Where a layer's keys and values live.
 #[derive(Debug)]

@@ -14,7 +14,7 @@
 //! - Context parallelism: a rank runs [`Attention::qkv`] for its tokens, appends the keys and
 //!   values it owns to its [`LayerCache`] (which records absolute positions), and
 //!   [`Attention::attend`] with `want_lse` gives partial outputs that
-//!   [`crate::kernels::cpu::attention::merge_partial`] combines exactly.
+//!   `kernels::cpu::attention::merge_partial` combines exactly.
 
 pub mod cache;
 pub mod fused;

@@ -12,8 +12,8 @@
 use crate::error::{Error, Result};
 use crate::kernels::cpu::attention::KvBlocks;
 use crate::kernels::{Backend, DeviceBlocks, Kv};
-use crate::memory::DeviceMemory;
 use crate::tensor::{Storage, Tensor};
+use mesh::DeviceMemory;
 use std::sync::{Arc, PoisonError, RwLock};
 
 /// One rank's KV blocks, in one buffer (a `kv_cache` allocation, say).

@@ -1022,19 +1022,25 @@ fn a_failing_arena_is_an_error_and_leaves_a_working_model() {
 #[derive(Debug)]
 struct Unmapped(usize);
 
-impl crate::memory::DeviceMemory for Unmapped {
+// SAFETY: it breaks the contract on purpose and is sound only in the test that uses it, which
+// checks that the CPU backend refuses device memory before it could touch an address.
+#[allow(unsafe_code)]
+unsafe impl mesh::DeviceMemory for Unmapped {
     fn device_ptr(&self) -> u64 {
         0x7000_0000
     }
     fn size(&self) -> usize {
         self.0
     }
+    fn device(&self) -> mesh::Device {
+        mesh::Device::Cuda(0)
+    }
 }
 
 struct UnmappedArena;
 
 impl crate::memory::DeviceArena for UnmappedArena {
-    fn alloc_device(&self, bytes: usize) -> Result<Box<dyn crate::memory::DeviceMemory>> {
+    fn alloc_device(&self, bytes: usize) -> Result<Box<dyn mesh::DeviceMemory>> {
         Ok(Box::new(Unmapped(bytes)))
     }
 }

@@ -1,11 +1,11 @@
 //! The tokenizer stored in GGUF metadata, giving llama.cpp's ids: byte-level BPE
 //! (`tokenizer.ggml.model` = `gpt2`) rebuilt with the `tokenizers` crate behind the
-//! pre-tokenizer llama.cpp runs for the file's `tokenizer.ggml.pre` tag ([`pre`]), or
-//! SentencePiece (`llama`) merged by score as llama.cpp does ([`spm`]); or a Hugging Face
+//! pre-tokenizer llama.cpp runs for the file's `tokenizer.ggml.pre` tag (`pre`), or
+//! SentencePiece (`llama`) merged by score as llama.cpp does (`spm`); or a Hugging Face
 //! `tokenizer.json`. Plus the special ids and the chat template.
 //!
 //! Control, user-defined and unknown tokens (`token_type` 3, 4 and 2) written in text are
-//! encoded as their single ids (`<|im_start|>`), found as llama.cpp finds them ([`special`]).
+//! encoded as their single ids (`<|im_start|>`), found as llama.cpp finds them (`special`).
 
 pub mod chat;
 mod pre;

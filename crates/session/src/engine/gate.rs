@@ -10,7 +10,7 @@
 //! arrives while it is closed is a protocol error (its memory may be gone), never a step run
 //! over released memory.
 
-use crate::sleep::{Quiesce, QuiesceMode};
+use crate::sleep::{Quiesce, QuiesceError, QuiesceMode};
 use std::collections::BTreeSet;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -113,7 +113,7 @@ impl Gate {
 }
 
 impl Quiesce for Gate {
-    fn quiesce(&self, mode: QuiesceMode) -> Result<(), String> {
+    fn quiesce(&self, mode: QuiesceMode) -> Result<(), QuiesceError> {
         let mut s = self.lock();
         if s.parked {
             return Ok(());
@@ -131,10 +131,7 @@ impl Quiesce for Gate {
             .unwrap_or_else(PoisonError::into_inner);
         if wait.timed_out() && !s.parked {
             s.request = None;
-            return Err(format!(
-                "the engine did not reach a step boundary within {:.1} s (mode {mode:?})",
-                self.timeout.as_secs_f64()
-            ));
+            return Err(QuiesceError::Timeout { mode, waited: self.timeout });
         }
         Ok(())
     }

@@ -501,7 +501,7 @@ fn a_worker_gate_closes_between_steps_and_refuses_a_step_while_closed() {
     let slow = Gate::new(false, Duration::from_millis(30));
     slow.enter_step().unwrap();
     let err = slow.quiesce(QuiesceMode::Wait).unwrap_err();
-    assert!(err.contains("step boundary"), "{err}");
+    assert!(err.to_string().contains("step boundary"), "{err}");
     assert!(!slow.is_parked());
 }
 

@@ -3,7 +3,7 @@
 
 use super::error::{Error, Outcome, RankFailure, Result};
 use super::lock::{Held, LocalLock, OpLock};
-use super::memory::{execute, RankMemory};
+use super::memory::{execute, RankMemory, Refusal};
 use super::message::{Action, Message, Phase, Probe, RankReceipt, Status, TagReceipt};
 use super::quiesce::{Quiesce, QuiesceMode};
 use super::transport::{CoordinatorLink, Incoming};
@@ -355,8 +355,8 @@ impl Coordinator {
             }
             match self.link.send(rank, msg) {
                 Ok(()) => sent.push(rank),
-                Err(message) => {
-                    failures.push(RankFailure { rank, phase: msg.phase, message });
+                Err(e) => {
+                    failures.push(RankFailure { rank, phase: msg.phase, message: e.to_string() });
                     if stop_on_failure {
                         break;
                     }
@@ -513,10 +513,10 @@ impl Coordinator {
         };
         // Only operations change `paused`, and they hold the sleep/wakeup lock.
         if pause {
-            self.engine.quiesce(opts.mode).map_err(|detail| Error::Quiesce {
+            self.engine.quiesce(opts.mode).map_err(|source| Error::Quiesce {
                 action,
                 rank: 0,
-                detail,
+                source,
             })?;
         }
         let paused_here = pause;
@@ -538,11 +538,11 @@ impl Coordinator {
         let (prepared, mut failures) = self.fan_out(&prepare, &peers, true);
         let checked = match (action, model) {
             (Action::Update, Some(model)) => self.memory.prepare_update(model),
-            (Action::Update, None) => Err("a weight update names no checkpoint".into()),
+            (Action::Update, None) => Err(Refusal::NoCheckpoint),
             _ => self.memory.check(tags),
         };
         if let Err(e) = checked {
-            failures.push(RankFailure { rank: 0, phase: Phase::Prepare, message: e });
+            failures.push(RankFailure { rank: 0, phase: Phase::Prepare, message: e.to_string() });
         }
         if let Err(e) = mesh::failpoint::hit("sleep.prepare") {
             failures.push(RankFailure { rank: 0, phase: Phase::Prepare, message: e.to_string() });

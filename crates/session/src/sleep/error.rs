@@ -3,6 +3,8 @@
 //! deployment was left in.
 
 use super::message::{Action, Phase};
+use super::quiesce::QuiesceError;
+use super::transport::LinkError;
 use std::fmt;
 
 /// Result of a control-plane call.
@@ -105,15 +107,23 @@ pub enum Error {
         /// What failed, naming the peer.
         detail: String,
     },
+    /// The control channel failed under a running listener or operation.
+    #[error("control channel (rank {rank}): {source}")]
+    Link {
+        /// The rank reporting it.
+        rank: usize,
+        /// What failed, naming the other end.
+        source: LinkError,
+    },
     /// The engine could not be quiesced.
-    #[error("{action} (rank {rank}): quiescing the engine failed: {detail}")]
+    #[error("{action} (rank {rank}): quiescing the engine failed: {source}")]
     Quiesce {
         /// The operation.
         action: Action,
         /// The rank.
         rank: usize,
         /// The engine's error.
-        detail: String,
+        source: QuiesceError,
     },
     /// A listener thread or a shutdown did not finish in time.
     #[error("rank {rank}: {what} did not finish within {secs:.1} s")]

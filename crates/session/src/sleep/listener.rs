@@ -8,7 +8,7 @@
 //! exits.
 
 use super::error::{Error, Result};
-use super::memory::{execute, RankMemory};
+use super::memory::{execute, RankMemory, Refusal};
 use super::message::{Action, Message, Phase, Probe, RankReceipt, Received, Status};
 use super::quiesce::{Quiesce, QuiesceMode};
 use super::transport::PeerLink;
@@ -50,7 +50,7 @@ struct Peer {
 /// connection).
 ///
 /// # Errors
-/// [`Error::FailStop`] when rank 0 stopped the deployment; [`Error::Channel`] naming rank 0
+/// [`Error::FailStop`] when rank 0 stopped the deployment; [`Error::Link`] naming rank 0
 /// when the connection closed or broke.
 pub fn serve(
     rank: usize,
@@ -80,14 +80,14 @@ pub fn serve(
                     let mut ack = Message::request(op_id, phase, None, &[]).ack(Status::Failed);
                     ack.error =
                         Some(format!("rank {rank} could not decode the request: {}", bad.reason));
-                    if let Err(detail) = link.send(&ack) {
-                        return Err(Error::Channel { rank, detail });
+                    if let Err(source) = link.send(&ack) {
+                        return Err(Error::Link { rank, source });
                     }
                 }
                 continue;
             }
             Ok(None) => continue,
-            Err(detail) => return Err(Error::Channel { rank, detail }),
+            Err(source) => return Err(Error::Link { rank, source }),
         };
         if msg.status != Status::Request {
             tracing::warn!(rank, op_id = msg.op_id, phase = %msg.phase, "dropped a non-request frame");
@@ -100,8 +100,8 @@ pub fn serve(
             Phase::FailStop => return Err(Error::FailStop { rank, op_id: msg.op_id }),
             _ => {}
         }
-        if let Err(detail) = sent {
-            return Err(Error::Channel { rank, detail });
+        if let Err(source) = sent {
+            return Err(Error::Link { rank, source });
         }
     }
 }
@@ -159,7 +159,7 @@ impl Peer {
         }
         let checked = match (msg.action, msg.model.as_deref()) {
             (Some(Action::Update), Some(model)) => self.memory.prepare_update(model),
-            (Some(Action::Update), None) => Err("a weight update names no checkpoint".into()),
+            (Some(Action::Update), None) => Err(Refusal::NoCheckpoint),
             _ => self.memory.check(&msg.tags),
         };
         if let Err(e) = checked {
@@ -332,7 +332,7 @@ impl ListenerHandle {
     ///
     /// # Errors
     /// [`Error::Timeout`] when it is still running (it is left running);
-    /// the listener's own error ([`Error::FailStop`], [`Error::Channel`]); [`Error::Channel`]
+    /// the listener's own error ([`Error::FailStop`], [`Error::Link`]); [`Error::Channel`]
     /// when it panicked.
     pub fn join(&mut self, timeout: Duration) -> Result<ListenerExit> {
         let deadline = Instant::now() + timeout;

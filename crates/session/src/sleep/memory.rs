@@ -16,13 +16,75 @@ pub struct MemoryError {
     pub message: String,
 }
 
+/// Why a rank refuses an operation in its prepare phase, before any memory changed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// A tag is not a valid name.
+    #[error("invalid tag `{tag}`: {why}")]
+    InvalidTag {
+        /// The name.
+        tag: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// A tag names no memory of this rank.
+    #[error("unknown tag `{tag}` (known tags: {})", known.join(", "))]
+    UnknownTag {
+        /// The name.
+        tag: String,
+        /// The tags this rank knows.
+        known: Vec<String>,
+    },
+    /// A weight update names no checkpoint.
+    #[error("a weight update names no checkpoint")]
+    NoCheckpoint,
+    /// This rank's memory cannot take new weights at all.
+    #[error("this rank's memory cannot load new weights (asked for {model})")]
+    CannotUpdate {
+        /// The checkpoint asked for.
+        model: String,
+    },
+    /// The live weights are not in tagged memory, so an update has nothing to write to.
+    #[error("the weights are not in tagged memory")]
+    WeightsUntagged,
+    /// The checkpoint does not load.
+    #[error("loading {model}: {reason}")]
+    Unloadable {
+        /// The checkpoint.
+        model: String,
+        /// The loader's error.
+        reason: String,
+    },
+    /// The checkpoint loads but is not the live weights' architecture, shapes or layout.
+    #[error("{model} does not fit the live weights: {detail}")]
+    Misfit {
+        /// The checkpoint.
+        model: String,
+        /// The first difference.
+        detail: String,
+    },
+    /// The memory refuses for a reason of its own (a tag pinned or in use).
+    #[error("{0}")]
+    Busy(String),
+}
+
+impl From<vmm::Error> for Refusal {
+    fn from(e: vmm::Error) -> Refusal {
+        match e {
+            vmm::Error::InvalidTag { tag, why } => Refusal::InvalidTag { tag, why },
+            other => Refusal::Busy(other.to_string()),
+        }
+    }
+}
+
 /// The memory of one rank, as the control plane drives it.
 pub trait RankMemory: Send + Sync {
     /// Checks that `tags` can be released or materialized, without changing anything.
     ///
     /// # Errors
-    /// Why not (an unknown or malformed tag).
-    fn check(&self, tags: &[String]) -> Result<(), String>;
+    /// Why not: a [`Refusal`] (an unknown or malformed tag, a tag in use).
+    fn check(&self, tags: &[String]) -> Result<(), Refusal>;
 
     /// Releases the physical memory of `tags`; one receipt per distinct tag, in order.
     ///
@@ -51,10 +113,10 @@ pub trait RankMemory: Send + Sync {
     /// changing nothing live. The default refuses.
     ///
     /// # Errors
-    /// Why the checkpoint cannot replace the live weights (unreadable, another architecture
-    /// or other shapes).
-    fn prepare_update(&self, model: &str) -> Result<(), String> {
-        Err(format!("this rank's memory cannot load new weights (asked for {model})"))
+    /// A [`Refusal`] saying why the checkpoint cannot replace the live weights (unreadable,
+    /// another architecture or other shapes).
+    fn prepare_update(&self, model: &str) -> Result<(), Refusal> {
+        Err(Refusal::CannotUpdate { model: model.to_owned() })
     }
 
     /// Makes the staged checkpoint the live weights (asleep: the one the wakeup reloads).
@@ -167,13 +229,13 @@ fn receipts(rs: Vec<vmm::Receipt>, device: bool) -> Vec<TagReceipt> {
 }
 
 impl RankMemory for VmmMemory {
-    fn check(&self, tags: &[String]) -> Result<(), String> {
+    fn check(&self, tags: &[String]) -> Result<(), Refusal> {
         let known = self.manager.known_tags();
         for t in tags {
-            let tag = vmm::Tag::new(t.as_str()).map_err(|e| e.to_string())?;
+            let tag = vmm::Tag::new(t.as_str())?;
             if !known.contains(&tag) {
-                let names: Vec<&str> = known.iter().map(vmm::Tag::as_str).collect();
-                return Err(format!("unknown tag `{t}` (known tags: {})", names.join(", ")));
+                let known = known.iter().map(|k| k.as_str().to_owned()).collect();
+                return Err(Refusal::UnknownTag { tag: t.clone(), known });
             }
         }
         Ok(())
@@ -210,7 +272,7 @@ impl RankMemory for VmmMemory {
 pub struct NoMemory;
 
 impl RankMemory for NoMemory {
-    fn check(&self, _tags: &[String]) -> Result<(), String> {
+    fn check(&self, _tags: &[String]) -> Result<(), Refusal> {
         Ok(())
     }
     fn release(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {

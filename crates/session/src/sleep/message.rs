@@ -284,7 +284,7 @@ impl Message {
     /// to the right request.
     ///
     /// # Errors
-    /// [`Undecodable`] with what could be read and why the rest could not.
+    /// `Undecodable` with what could be read and why the rest could not.
     pub fn decode(body: &[u8]) -> Result<Message, Undecodable> {
         serde_json::from_slice(body).map_err(|e| {
             let partial: Option<serde_json::Value> = serde_json::from_slice(body).ok();

@@ -56,9 +56,10 @@ pub use coordinator::{
 pub use error::{Error, Outcome, RankFailure, Result};
 pub use listener::{ListenerExit, ListenerHandle};
 pub use lock::{LocalLock, OpLock};
-pub use memory::{MemoryError, NoMemory, RankMemory, VmmMemory};
+pub use memory::{MemoryError, NoMemory, RankMemory, Refusal, VmmMemory};
 pub use message::{Action, Message, Phase, Probe, RankReceipt, Status, TagReceipt};
-pub use quiesce::{Idle, Quiesce, QuiesceMode};
+pub use quiesce::{Idle, Quiesce, QuiesceError, QuiesceMode};
+pub use transport::{LinkError, ReadError};
 
 use std::sync::Arc;
 use std::time::Duration;

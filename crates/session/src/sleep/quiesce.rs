@@ -17,6 +17,24 @@
 //! before.
 
 pub use super::message::QuiesceMode;
+use std::time::Duration;
+
+/// Why an engine could not be quiesced; the operation is then aborted with nothing changed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum QuiesceError {
+    /// The running step did not end in time.
+    #[error("the engine did not reach a step boundary within {:.1} s (mode {mode:?})", waited.as_secs_f64())]
+    Timeout {
+        /// The mode asked for.
+        mode: QuiesceMode,
+        /// How long the engine was waited for.
+        waited: Duration,
+    },
+    /// The engine's own reason, for engines outside this crate.
+    #[error(transparent)]
+    Engine(Box<dyn std::error::Error + Send + Sync>),
+}
 
 /// The engine as the control plane sees it. Calls come from the control plane's thread, one
 /// at a time (the sleep/wakeup lock serializes them).
@@ -24,8 +42,8 @@ pub trait Quiesce: Send + Sync {
     /// Brings the engine to a step boundary per `mode`; no step runs until [`Quiesce::resume`].
     ///
     /// # Errors
-    /// Why the engine cannot be quiesced; the operation is then aborted with nothing changed.
-    fn quiesce(&self, mode: QuiesceMode) -> Result<(), String>;
+    /// A [`QuiesceError`]; the operation is then aborted with nothing changed.
+    fn quiesce(&self, mode: QuiesceMode) -> Result<(), QuiesceError>;
 
     /// Told after this rank released the memory of `tags` (while quiesced), so the engine
     /// knows which state a wakeup may not bring back (a discarded KV cache).
@@ -46,7 +64,7 @@ pub trait Quiesce: Send + Sync {
 pub struct Idle;
 
 impl Quiesce for Idle {
-    fn quiesce(&self, _mode: QuiesceMode) -> Result<(), String> {
+    fn quiesce(&self, _mode: QuiesceMode) -> Result<(), QuiesceError> {
         Ok(())
     }
     fn resume(&self) {}

@@ -3,7 +3,7 @@
 //! recording engine that prove what ran, where, and in which order.
 
 use super::transport::memory::{self, Fault, Faults, MemoryPeer};
-use super::transport::CoordinatorLink;
+use super::transport::{CoordinatorLink, LinkError};
 use super::*;
 use std::collections::BTreeSet;
 use std::sync::Mutex;
@@ -68,17 +68,20 @@ impl Fake {
 }
 
 impl RankMemory for Fake {
-    fn check(&self, tags: &[String]) -> std::result::Result<(), String> {
+    fn check(&self, tags: &[String]) -> std::result::Result<(), Refusal> {
         match &self.st.lock().unwrap().fail_check {
-            Some(e) => Err(e.clone()),
-            None if tags.iter().any(|t| t == "bogus") => Err("unknown tag `bogus`".into()),
+            Some(e) => Err(Refusal::Busy(e.clone())),
+            None if tags.iter().any(|t| t == "bogus") => {
+                Err(Refusal::UnknownTag { tag: "bogus".into(), known: vec!["weights".into()] })
+            }
             None => Ok(()),
         }
     }
 
-    fn prepare_update(&self, model: &str) -> std::result::Result<(), String> {
+    fn prepare_update(&self, model: &str) -> std::result::Result<(), Refusal> {
         if model.contains("other-shapes") {
-            return Err(format!("{model} does not fit"));
+            let detail = "other shapes".into();
+            return Err(Refusal::Misfit { model: model.to_owned(), detail });
         }
         self.st.lock().unwrap().weights.1 = Some(model.to_owned());
         Ok(())
@@ -187,7 +190,7 @@ struct Engine {
 }
 
 impl Quiesce for Engine {
-    fn quiesce(&self, mode: QuiesceMode) -> std::result::Result<(), String> {
+    fn quiesce(&self, mode: QuiesceMode) -> std::result::Result<(), QuiesceError> {
         if let Some(d) = self.slow_first.lock().unwrap().take() {
             std::thread::sleep(d);
         }
@@ -196,7 +199,7 @@ impl Quiesce for Engine {
             release.recv_timeout(Duration::from_secs(30)).expect("the test releases the quiesce");
         }
         if let Some(e) = self.fail.lock().unwrap().take() {
-            return Err(e);
+            return Err(QuiesceError::Engine(e.into()));
         }
         self.log.push(format!("r{} quiesce {mode:?}", self.rank));
         Ok(())
@@ -272,7 +275,7 @@ impl CoordinatorLink for SpyLink {
     fn peers(&self) -> Vec<usize> {
         self.inner.peers()
     }
-    fn send(&self, rank: usize, msg: &Message) -> std::result::Result<(), String> {
+    fn send(&self, rank: usize, msg: &Message) -> std::result::Result<(), LinkError> {
         self.inner.send(rank, msg)
     }
     fn recv(&self, deadline: Instant) -> Option<transport::Incoming> {

@@ -232,6 +232,9 @@ impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
     }
+    fn device(&self) -> mesh::Device {
+        mesh::Device::Cpu
+    }
 
     fn granularity(&self) -> usize {
         self.page

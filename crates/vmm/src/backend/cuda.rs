@@ -36,6 +36,8 @@ pub(crate) fn create(device: usize) -> Result<Box<dyn Backend>> {
 
 /// Device memory backend for one device, through its primary context.
 pub(crate) struct CudaBackend {
+    /// The device ordinal, as the caller named it.
+    ordinal: usize,
     device: sys::CUdevice,
     ctx: sys::CUcontext,
     granularity: usize,
@@ -73,7 +75,8 @@ impl CudaBackend {
         let mut total = 0usize;
         // SAFETY: valid out pointer and device handle.
         check(|| "cuDeviceTotalMem".into(), unsafe { sys::cuDeviceTotalMem_v2(&mut total, dev) })?;
-        let mut backend = CudaBackend { device: dev, ctx, granularity: 0, total: total as u64 };
+        let mut backend =
+            CudaBackend { ordinal: device, device: dev, ctx, granularity: 0, total: total as u64 };
         backend.bind()?;
         let prop = backend.prop();
         let mut granularity = 0usize;
@@ -192,6 +195,9 @@ impl Drop for CudaBackend {
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
+    }
+    fn device(&self) -> mesh::Device {
+        mesh::Device::Cuda(self.ordinal)
     }
 
     fn granularity(&self) -> usize {

@@ -9,7 +9,7 @@ use serde_json::Value;
 use session::sleep::transport::memory::{self, Faults};
 use session::sleep::{
     listener, Coordinator, CoordinatorOptions, Idle, ListenerHandle, MemoryError, Probe,
-    RankMemory, TagReceipt,
+    RankMemory, Refusal, TagReceipt,
 };
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
@@ -30,9 +30,12 @@ struct Fake {
 }
 
 impl RankMemory for Fake {
-    fn check(&self, tags: &[String]) -> Result<(), String> {
+    fn check(&self, tags: &[String]) -> Result<(), Refusal> {
         match tags.iter().find(|t| !["weights", "kv_cache"].contains(&t.as_str())) {
-            Some(t) => Err(format!("unknown tag `{t}`")),
+            Some(t) => {
+                let known = vec!["weights".into(), "kv_cache".into()];
+                Err(Refusal::UnknownTag { tag: t.clone(), known })
+            }
             None => Ok(()),
         }
     }

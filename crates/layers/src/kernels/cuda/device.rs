@@ -41,7 +41,7 @@ use crate::error::{Error, Result};
 use crate::kernels::cpu::attention::AttnShape;
 use crate::kernels::cpu::qmatrix::QBits;
 use crate::kernels::{GemmDtype, Kv, Weight};
-use crate::memory::{alloc_device_exact, DeviceArena, DeviceMemory};
+use crate::memory::{alloc_device_exact, DeviceArena};
 use crate::tensor::{DeviceData, Tensor};
 use collectives::{Communicator, DeviceRange, ElemType, ReduceOp};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
@@ -51,6 +51,7 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
+use mesh::DeviceMemory;
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::{Hash, Hasher};
@@ -410,6 +411,16 @@ impl CudaBackend {
         s.device_ptr(self.stream()).0
     }
 
+    /// The address of memory someone else owns, checked to be of this backend's device (what
+    /// [`DeviceMemory`] promises beyond that is its implementation's contract).
+    fn owned_addr(&self, op: &str, mem: &dyn DeviceMemory) -> Result<u64> {
+        let want = mesh::Device::Cuda(self.inner.ordinal);
+        if mem.device() != want {
+            return Err(Error::WrongDevice { op: op.to_owned(), got: mem.device(), want });
+        }
+        Ok(mem.device_ptr())
+    }
+
     /// The device address of a weight slot; see [`CudaBackend::addr`].
     fn slot_addr(&self, slot: &Slot) -> u64 {
         match slot {
@@ -444,10 +455,13 @@ impl CudaBackend {
         if src.is_empty() {
             return Ok(());
         }
+        const OP: &str = "kv cache append";
         debug_assert!(4 * (offset + src.len()) <= dst.size());
-        // SAFETY: `DeviceMemory` promises `dst` is mapped memory of this device while kernels
-        // may run; the range lies inside it (checked by the caller).
-        unsafe { self.copy_to_addr("kv cache append", dst.device_ptr() + 4 * offset as u64, src) }
+        let base = self.owned_addr(OP, dst)?;
+        // SAFETY: `dst` is memory of this device (checked above) that its `DeviceMemory`
+        // implementation promises is mapped while kernels may run; the range lies inside it
+        // (checked by the caller).
+        unsafe { self.copy_to_addr(OP, base + 4 * offset as u64, src) }
     }
 
     /// The device copy of `w` as dense `[rows, cols]` in `dtype`, uploading (and dequantizing)
@@ -542,7 +556,11 @@ impl CudaBackend {
         let slot = match cache.entries.remove(&key) {
             Some(old) if old.slot.bytes() == bytes => old.slot,
             _ => Arc::new(match &cache.arena {
-                Some(arena) => Slot::Arena(alloc_device_exact(arena.as_ref(), bytes)?),
+                Some(arena) => {
+                    let memory = alloc_device_exact(arena.as_ref(), bytes)?;
+                    self.owned_addr(op, memory.as_ref())?;
+                    Slot::Arena(memory)
+                }
                 None => Slot::Pool(
                     self.stream()
                         .alloc_zeros::<u8>(bytes)
@@ -874,7 +892,7 @@ impl CudaBackend {
                 let (kd, vd) = staged.insert((self.upload(OP, k)?, self.upload(OP, v)?));
                 (self.addr(kd), self.addr(vd))
             }
-            Kv::Device { k, v } => (k.device_ptr(), v.device_ptr()),
+            Kv::Device { k, v } => (self.owned_addr(OP, k)?, self.owned_addr(OP, v)?),
             Kv::Paged(blocks) => {
                 // Host blocks are copied into one buffer per tensor and uploaded.
                 let (k, v) = blocks.gather(kv_pos.len(), kv_heads * head_dim);
@@ -886,7 +904,7 @@ impl CudaBackend {
                 table = Some(self.upload(OP, &blocks.table[..used])?);
                 block_size = int(OP, "block_size", blocks.block_size)?;
                 block_stride = blocks.block_stride as u64;
-                let base = blocks.memory.device_ptr();
+                let base = self.owned_addr(OP, blocks.memory)?;
                 (base + 4 * blocks.keys as u64, base + 4 * blocks.values as u64)
             }
         };
@@ -1119,13 +1137,15 @@ impl CudaBackend {
         debug_assert!(4 * (offset + range.len()) <= dst.size() && range.end <= src.len());
         self.bind(OP)?;
         let from = self.addr(buf) + 4 * range.start as u64;
-        // SAFETY: `DeviceMemory` promises `dst` is mapped memory of this device while kernels
-        // may run, and the range lies inside it (checked by the caller); `buf` holds the
+        let to = self.owned_addr(OP, dst)? + 4 * offset as u64;
+        // SAFETY: `dst` is memory of this device (checked above) that its `DeviceMemory`
+        // implementation promises is mapped while kernels may run, and the range lies inside
+        // it (checked by the caller); `buf` holds the
         // src.len() floats of which `range` is read, on this stream, and is freed
         // stream-ordered after the copy.
         unsafe {
             cudarc::driver::result::memcpy_dtod_async(
-                dst.device_ptr() + 4 * offset as u64,
+                to,
                 from,
                 4 * range.len(),
                 self.stream().cu_stream(),
@@ -1190,6 +1210,7 @@ impl DeviceData for DeviceBuf {
 pub struct PoolArena {
     buf: Arc<CudaSlice<u8>>,
     base: u64,
+    ordinal: usize,
     next: Mutex<usize>,
 }
 
@@ -1205,6 +1226,7 @@ struct PoolRegion {
     _buf: Arc<PoolBuf>,
     ptr: u64,
     bytes: usize,
+    ordinal: usize,
 }
 
 /// Keeps a pool buffer alive for its regions (a newtype, so it can be `Debug`).
@@ -1216,12 +1238,18 @@ impl fmt::Debug for PoolBuf {
     }
 }
 
-impl DeviceMemory for PoolRegion {
+// SAFETY: the fields never change; `ptr..ptr + bytes` lies inside the pool buffer (checked
+// by `PoolArena::alloc_device`), a `cudaMalloc`-style allocation of the arena's device that
+// `_buf` keeps alive and that is never unmapped while it lives; regions never overlap.
+unsafe impl DeviceMemory for PoolRegion {
     fn device_ptr(&self) -> u64 {
         self.ptr
     }
     fn size(&self) -> usize {
         self.bytes
+    }
+    fn device(&self) -> mesh::Device {
+        mesh::Device::Cuda(self.ordinal)
     }
 }
 
@@ -1236,7 +1264,8 @@ impl PoolArena {
             .alloc_zeros::<u8>(bytes.max(1))
             .or_unavailable(|| format!("device arena: allocating {bytes} bytes"))?;
         let base = backend.addr(&buf);
-        Ok(PoolArena { buf: Arc::new(buf), base, next: Mutex::new(0) })
+        let ordinal = backend.ordinal();
+        Ok(PoolArena { buf: Arc::new(buf), base, ordinal, next: Mutex::new(0) })
     }
 }
 
@@ -1278,7 +1307,8 @@ impl DeviceArena for PoolArena {
         };
         *next = end;
         let keep = Arc::new(PoolBuf(self.buf.clone()));
-        Ok(Box::new(PoolRegion { _buf: keep, ptr: self.base + offset as u64, bytes }))
+        let ptr = self.base + offset as u64;
+        Ok(Box::new(PoolRegion { _buf: keep, ptr, bytes, ordinal: self.ordinal }))
     }
 }
 

@@ -3,8 +3,9 @@
 
 use crate::error::{Error, Result};
 use crate::kernels::{AttnShape, GemmDtype, Kv, Weight};
-use crate::memory::{DeviceArena, DeviceMemory};
+use crate::memory::DeviceArena;
 use crate::tensor::Tensor;
+use mesh::DeviceMemory;
 use std::convert::Infallible;
 use std::sync::Arc;
 

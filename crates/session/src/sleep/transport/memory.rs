@@ -2,7 +2,7 @@
 //! channels, with fault injection (failed sends, lost frames, closed peers), so the protocol
 //! runs on real threads in unit tests.
 
-use super::{CoordinatorLink, Incoming, PeerLink};
+use super::{CoordinatorLink, Incoming, LinkError, PeerLink};
 use crate::sleep::message::{Message, Phase, Received, Status, Undecodable};
 use std::collections::HashMap;
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
@@ -181,13 +181,13 @@ impl CoordinatorLink for MemoryCoordinator {
         v
     }
 
-    fn send(&self, rank: usize, msg: &Message) -> Result<(), String> {
+    fn send(&self, rank: usize, msg: &Message) -> Result<(), LinkError> {
         if self
             .faults
             .take(|f| matches!(f, Fault::FailSend { rank: r, phase } if *r == rank && *phase == msg.phase))
             .is_some()
         {
-            return Err(format!("send of {} to rank {rank} failed (injected)", msg.phase));
+            return Err(LinkError::Injected { phase: msg.phase, rank });
         }
         let garbled = self
             .faults
@@ -202,8 +202,8 @@ impl CoordinatorLink for MemoryCoordinator {
         } else {
             Received::Frame(Box::new(msg.clone()))
         };
-        let tx = self.to_peer.get(&rank).ok_or_else(|| format!("no peer rank {rank}"))?;
-        tx.send(frame).map_err(|_| format!("rank {rank} closed the in-memory channel"))
+        let tx = self.to_peer.get(&rank).ok_or(LinkError::UnknownPeer { rank })?;
+        tx.send(frame).map_err(|_| LinkError::Closed { rank })
     }
 
     fn recv(&self, deadline: Instant) -> Option<Incoming> {
@@ -215,18 +215,16 @@ impl CoordinatorLink for MemoryCoordinator {
 }
 
 impl PeerLink for MemoryPeer {
-    fn recv(&mut self, deadline: Instant) -> Result<Option<Received>, String> {
+    fn recv(&mut self, deadline: Instant) -> Result<Option<Received>, LinkError> {
         let wait = deadline.saturating_duration_since(Instant::now());
         match self.from_coordinator.recv_timeout(wait) {
             Ok(m) => Ok(Some(m)),
             Err(RecvTimeoutError::Timeout) => Ok(None),
-            Err(RecvTimeoutError::Disconnected) => {
-                Err("rank 0 closed the in-memory channel".into())
-            }
+            Err(RecvTimeoutError::Disconnected) => Err(LinkError::Closed { rank: 0 }),
         }
     }
 
-    fn send(&mut self, msg: &Message) -> Result<(), String> {
+    fn send(&mut self, msg: &Message) -> Result<(), LinkError> {
         let rank = self.rank;
         let faults = &self.faults;
         let extra = |mut m: Message, error: &str| {
@@ -258,8 +256,6 @@ impl PeerLink for MemoryPeer {
             faults.held.lock().unwrap_or_else(|e| e.into_inner()).push(held);
             return Ok(());
         }
-        self.to_coordinator
-            .send(frame)
-            .map_err(|_| "rank 0 closed the in-memory channel".to_string())
+        self.to_coordinator.send(frame).map_err(|_| LinkError::Closed { rank: 0 })
     }
 }

@@ -4,7 +4,7 @@
 //! little-endian length followed by JSON. Every read and write has a deadline; a closed
 //! connection is reported with the peer's rank.
 
-use super::{CoordinatorLink, Incoming, PeerLink};
+use super::{CoordinatorLink, Incoming, LinkError, PeerLink, ReadError};
 use crate::sleep::error::{Error, Result};
 use crate::sleep::message::{Message, Received};
 use std::collections::HashMap;
@@ -39,15 +39,13 @@ impl FrameReader {
         stream: &mut TcpStream,
         deadline: Instant,
         stop: Option<&AtomicBool>,
-    ) -> std::result::Result<Option<Received>, String> {
+    ) -> std::result::Result<Option<Received>, ReadError> {
         loop {
             if self.buf.len() >= 4 {
                 let len = u32::from_le_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]])
                     as usize;
                 if len > MAX_FRAME {
-                    return Err(format!(
-                        "frame of {len} bytes exceeds {MAX_FRAME}: corrupt stream"
-                    ));
+                    return Err(ReadError::Oversized { len, max: MAX_FRAME });
                 }
                 if self.buf.len() >= 4 + len {
                     let frame = match Message::decode(&self.buf[4..4 + len]) {
@@ -63,14 +61,14 @@ impl FrameReader {
                 return Ok(None);
             }
             let wait = (deadline - now).min(POLL).max(Duration::from_millis(1));
-            stream.set_read_timeout(Some(wait)).map_err(|e| format!("set read timeout: {e}"))?;
+            stream.set_read_timeout(Some(wait))?;
             let mut chunk = [0u8; 8192];
             match stream.read(&mut chunk) {
-                Ok(0) => return Err("connection closed".into()),
+                Ok(0) => return Err(ReadError::Closed),
                 Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
                 Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(format!("read failed: {e}")),
+                Err(e) => return Err(ReadError::Io(e)),
             }
         }
     }
@@ -229,7 +227,7 @@ fn pump(rank: usize, mut stream: TcpStream, tx: Sender<Incoming>, stop: &AtomicB
             Ok(None) if stop.load(Ordering::Relaxed) => return,
             Ok(None) => {}
             Err(reason) => {
-                let _ = tx.send(Incoming::Closed { rank, reason });
+                let _ = tx.send(Incoming::Closed { rank, reason: reason.to_string() });
                 return;
             }
         }
@@ -256,10 +254,15 @@ impl CoordinatorLink for TcpCoordinator {
         v
     }
 
-    fn send(&self, rank: usize, msg: &Message) -> std::result::Result<(), String> {
-        let w = self.writers.get(&rank).ok_or_else(|| format!("no peer rank {rank}"))?;
+    fn send(&self, rank: usize, msg: &Message) -> std::result::Result<(), LinkError> {
+        let w = self.writers.get(&rank).ok_or(LinkError::UnknownPeer { rank })?;
         let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
-        write_frame(&mut w, msg).map_err(|e| format!("send {} to rank {rank}: {e}", msg.phase))
+        write_frame(&mut w, msg).map_err(|source| LinkError::Write {
+            phase: msg.phase,
+            ack: false,
+            rank,
+            source,
+        })
     }
 
     fn recv(&self, deadline: Instant) -> Option<Incoming> {
@@ -270,14 +273,18 @@ impl CoordinatorLink for TcpCoordinator {
 }
 
 impl PeerLink for TcpPeer {
-    fn recv(&mut self, deadline: Instant) -> std::result::Result<Option<Received>, String> {
+    fn recv(&mut self, deadline: Instant) -> std::result::Result<Option<Received>, LinkError> {
         self.reader
             .next(&mut self.stream, deadline, None)
-            .map_err(|e| format!("connection to rank 0: {e}"))
+            .map_err(|source| LinkError::Read { rank: 0, source })
     }
 
-    fn send(&mut self, msg: &Message) -> std::result::Result<(), String> {
-        write_frame(&mut self.stream, msg)
-            .map_err(|e| format!("send {} ack to rank 0: {e}", msg.phase))
+    fn send(&mut self, msg: &Message) -> std::result::Result<(), LinkError> {
+        write_frame(&mut self.stream, msg).map_err(|source| LinkError::Write {
+            phase: msg.phase,
+            ack: true,
+            rank: 0,
+            source,
+        })
     }
 }
