@@ -619,9 +619,12 @@ impl RankMemory for ModelRankMemory {
         tags: &[String],
         level: Option<u8>,
     ) -> Result<Vec<TagReceipt>, MemoryError> {
-        if tags.iter().any(|t| t == vmm::Tag::WEIGHTS.as_str()) {
-            if let Backend::Cuda(gpu) = &self.backend {
+        if let Backend::Cuda(gpu) = &self.backend {
+            if tags.iter().any(|t| t == vmm::Tag::WEIGHTS.as_str()) {
                 gpu.clear_weight_cache();
+            } else {
+                // The step temporaries the driver's pool keeps go back to the device too.
+                gpu.trim_pool();
             }
         }
         let backups: Vec<(vmm::Tag, vmm::BackupStore)> = match level {

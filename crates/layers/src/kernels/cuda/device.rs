@@ -82,6 +82,35 @@ impl<T, E: fmt::Display> OrUnavailable<T> for std::result::Result<T, E> {
     }
 }
 
+/// The device's default memory pool, from which cudarc's stream-ordered allocations come;
+/// `None` where the device has no memory pools.
+fn default_pool(ctx: &CudaContext) -> Option<cudarc::driver::sys::CUmemoryPool> {
+    // SAFETY: the device handle is the context's own.
+    unsafe { cudarc::driver::result::device::get_default_mem_pool(ctx.cu_device()) }.ok()
+}
+
+/// Lets the device's default memory pool keep the memory of freed buffers instead of giving
+/// it back to the device at every synchronization (its default release threshold is 0): a
+/// decode step frees and allocates the same temporaries again, and with the memory kept the
+/// next allocation is served from the pool instead of the driver.
+/// [`CudaBackend::trim_pool`] gives it back before a sleep. A failure only costs speed.
+fn keep_pool_memory(ctx: &CudaContext, ordinal: usize) {
+    let Some(pool) = default_pool(ctx) else { return };
+    let mut keep = u64::MAX;
+    // SAFETY: `pool` is valid for the context's life, and the release threshold attribute
+    // takes a pointer to a cuuint64_t.
+    let set = unsafe {
+        cudarc::driver::result::mem_pool::set_attribute(
+            pool,
+            cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut keep as *mut u64).cast(),
+        )
+    };
+    if let Err(e) = set {
+        tracing::warn!("cuda:{ordinal}: keeping freed memory in the pool: {e}");
+    }
+}
+
 /// `x` as an `i32` kernel argument.
 fn int(op: &str, what: &str, x: usize) -> Result<i32> {
     i32::try_from(x)
@@ -282,6 +311,15 @@ impl CudaBackend {
             return Err(at("cuBLAS (libcublas.so.12) is not on the loader path".into()));
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| at(format!("creating a context: {e}")))?;
+        // All of this backend's work runs on its one stream, and its buffers meet other
+        // streams (NCCL's, vmm's copies) only across a host synchronization, so cudarc's
+        // per-buffer events would cost two event creations per allocation and a record per
+        // use for nothing.
+        // SAFETY: this context value is this backend's own (`CudaContext::new` makes a new
+        // one), no buffer has been made from it yet, and every buffer made from it is used on
+        // `stream` alone: none needs events to order its uses.
+        unsafe { ctx.disable_event_tracking() };
+        keep_pool_memory(&ctx, ordinal);
         let stream = ctx.new_stream().map_err(|e| at(format!("creating a stream: {e}")))?;
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| at(format!("creating a cuBLAS handle: {e}")))?;
@@ -347,15 +385,29 @@ impl CudaBackend {
     /// (a sleep); weights that move to new host buffers are uploaded again anyway.
     ///
     /// Copies in pool memory are freed, on the backend's stream, into the driver's memory
-    /// pool; its default release threshold (0) gives the memory back to the device at the
-    /// next synchronization, done here, so a sleep's NVML reading sees it. Copies in arena
-    /// memory keep their regions (the arena's owner releases those).
+    /// pool, which is then trimmed ([`CudaBackend::trim_pool`]) so a sleep's NVML reading
+    /// sees the memory free. Copies in arena memory keep their regions (the arena's owner
+    /// releases those).
     pub fn clear_weight_cache(&self) {
         let mut cache = self.cache();
         cache.entries.retain(|_, w| matches!(*w.slot, Slot::Arena(_)));
         cache.entries.values_mut().for_each(|w| w.fresh = false);
         drop(cache);
+        self.trim_pool();
+    }
+
+    /// Gives the memory the driver's pool keeps between steps back to the device: waits for
+    /// the stream (so every freed buffer is back in the pool), then trims the pool to nothing.
+    /// The pool keeps freed memory otherwise (see `keep_pool_memory`), so a sleep calls this
+    /// before it measures what it released.
+    pub fn trim_pool(&self) {
         self.wait_for_frees();
+        let Some(pool) = default_pool(self.stream().context()) else { return };
+        // SAFETY: `pool` is the device's default pool, which lives as long as the context.
+        let trimmed = unsafe { cudarc::driver::result::mem_pool::trim_to(pool, 0) };
+        if let Err(e) = trimmed {
+            tracing::warn!("cuda:{}: trimming the memory pool: {e}", self.inner.ordinal);
+        }
     }
 
     fn wait_for_frees(&self) {
@@ -395,6 +447,16 @@ impl CudaBackend {
     /// A device buffer of `len` zeros.
     fn zeros(&self, op: &str, len: usize) -> Result<CudaSlice<f32>> {
         self.stream().alloc_zeros(len).or_unavailable(|| format!("{op}: allocating {len} floats"))
+    }
+
+    /// A device buffer of `len` floats for an output that the next kernel or cuBLAS call
+    /// writes whole: no memset (one launch fewer per op). Its contents are unspecified until
+    /// then; every caller says in its SAFETY note why each element is written.
+    fn output_buf(&self, op: &str, len: usize) -> Result<CudaSlice<f32>> {
+        // SAFETY: an unwritten device buffer is never read on the host: it is handed only to
+        // the launch that writes it (each caller), in stream order before any read.
+        unsafe { self.stream().alloc::<f32>(len) }
+            .or_unavailable(|| format!("{op}: allocating {len} floats"))
     }
 
     /// Copies `dev` into `host` (same length) and waits for the stream.
@@ -700,14 +762,15 @@ impl CudaBackend {
         let dtype = self.inner.dtype;
         let wd = self.weight(OP, w, dtype)?;
         let xd = self.input(OP, x)?;
-        let mut od = self.zeros(OP, m * n)?;
+        // Written whole by the product (beta = 0).
+        let mut od = self.output_buf(OP, m * n)?;
         // The activations in the weights' type (a half copy for bf16/f16).
         let half = match dtype {
             GemmDtype::F32 => None,
             _ => {
-                let h = self
-                    .stream()
-                    .alloc_zeros::<u16>(m * k)
+                // SAFETY: written whole by the rounding kernel right below, before the
+                // product reads it (stream order).
+                let h = unsafe { self.stream().alloc::<u16>(m * k) }
                     .or_unavailable(|| format!("{OP}: allocating {} halves", m * k))?;
                 self.round_to(OP, dtype, xd.ptr, self.addr(&h), m * k)?;
                 Some(h)
@@ -796,7 +859,8 @@ impl CudaBackend {
         let xd = self.input(OP, x)?;
         let wd = self.vector(OP, weight.data())?;
         let wp = self.slot_addr(&wd);
-        let mut od = self.zeros(OP, x.len())?;
+        // Written whole: block r writes the d floats of row r.
+        let mut od = self.output_buf(OP, x.len())?;
         let d32 = int(OP, "row length", d)?;
         let cfg = per_row(OP, rows, BLOCK)?;
         let mut b = self.stream().launch_builder(&self.inner.k.rms_norm);
@@ -910,8 +974,9 @@ impl CudaBackend {
         };
         let tp = table.as_ref().map_or(0, |t| self.addr(t));
         let kpd = self.positions(OP, kv_pos)?;
-        let mut od = self.zeros(OP, rows * head_dim)?;
-        let mut ld = self.zeros(OP, rows)?;
+        // Written whole: block r writes row r of out (head_dim floats) and lse[r].
+        let mut od = self.output_buf(OP, rows * head_dim)?;
+        let mut ld = self.output_buf(OP, rows)?;
         let args = [
             int(OP, "keys", kv_pos.len())?,
             int(OP, "q_heads", q_heads)?,
@@ -1034,7 +1099,8 @@ impl CudaBackend {
                 parts.push(Tensor::zeros(&shape));
                 continue;
             }
-            let mut od = self.zeros(OP, rows * size)?;
+            // Written whole: one thread per element.
+            let mut od = self.output_buf(OP, rows * size)?;
             let args = [int(OP, "width", width)?, int(OP, "offset", at)?, int(OP, "size", size)?];
             let n = (rows * size) as u64;
             let cfg = elementwise(OP, rows * size)?;
@@ -1062,7 +1128,8 @@ impl CudaBackend {
         let td = self.weight(OP, table, GemmDtype::F32)?;
         let table_ptr = self.slot_addr(&td);
         let idd = self.upload(OP, ids)?;
-        let mut od = self.zeros(OP, ids.len() * dim)?;
+        // Written whole: one thread per element.
+        let mut od = self.output_buf(OP, ids.len() * dim)?;
         let args = [int(OP, "tokens", ids.len())?, int(OP, "dim", dim)?];
         let cfg = elementwise(OP, ids.len() * dim)?;
         let mut b = self.stream().launch_builder(&self.inner.k.embedding);
