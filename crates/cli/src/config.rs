@@ -131,10 +131,11 @@ pub struct RuntimeConfig {
     /// Where the kernels run: `cpu`, or `cuda` (each rank on the GPU of its `LOCAL_RANK`).
     #[serde(default)]
     pub device: ComputeDevice,
-    /// The element type of the weight matrices on a GPU: `f32`, `bf16` or `f16` (the CPU
-    /// always computes in f32).
+    /// The element type of the weight matrices on a GPU: `f32`, `bf16` or `f16`. Default:
+    /// `bf16` on a GPU (half the device memory and the bytes each step reads), `f32` on the
+    /// CPU, which always computes in f32.
     #[serde(default)]
-    pub dtype: ComputeDtype,
+    pub dtype: Option<ComputeDtype>,
     /// The paged KV pool of each rank: bytes (`4294967296`, `"4GiB"`), or a fraction of the
     /// memory available at launch split over this node's ranks (`0.2`). Default: room for 2
     /// sequences of max-model-len tokens, at most a tenth of the available memory.
@@ -289,7 +290,7 @@ impl Default for RuntimeConfig {
             kv_cache_tokens: default_kv_tokens(),
             timeout_s: default_timeout(),
             device: ComputeDevice::Cpu,
-            dtype: ComputeDtype::F32,
+            dtype: None,
             kv_cache_memory: None,
             block_size: default_block_size(),
             prefix_caching: true,
@@ -601,7 +602,10 @@ impl Config {
                  CUDA; build it with `cargo build --release -p tpctl --features cuda`"
             );
         }
-        let dtype = flags.dtype.unwrap_or(self.runtime.dtype);
+        let dtype = flags.dtype.or(self.runtime.dtype).unwrap_or(match device {
+            ComputeDevice::Cuda => ComputeDtype::Bf16,
+            ComputeDevice::Cpu => ComputeDtype::F32,
+        });
         if dtype != ComputeDtype::F32 && device != ComputeDevice::Cuda {
             bail!(
                 "--dtype {} (or [runtime] dtype): the CPU kernels compute in f32; half \

@@ -142,8 +142,9 @@ struct LaunchArgs {
     /// `--features cuda` and puts each rank on the GPU of its LOCAL_RANK.
     #[arg(long, value_enum)]
     device: Option<ComputeDevice>,
-    /// Element type of the weight matrices on the GPU (default: [runtime] dtype, else f32);
-    /// bf16 and f16 halve their device memory and need --device cuda.
+    /// Element type of the weight matrices on the GPU (default: [runtime] dtype, else bf16 on
+    /// the GPU and f32 on the CPU); bf16 and f16 halve their device memory and need --device
+    /// cuda.
     #[arg(long, value_enum)]
     dtype: Option<ComputeDtype>,
     /// Backend of every axis: shm (one host), tcp (any hosts) or nccl (GPUs; the control

@@ -958,7 +958,8 @@ fn gpu_serve_gives_the_cpu_tokens_and_a_sleep_returns_device_memory() {
 fn gpu_sleep_cycle(expected: &[u64], backend: Option<&str>) {
     let rt = runtime_dir(&format!("gpu-{}", backend.unwrap_or("shm")));
     let env = [("XDG_RUNTIME_DIR", rt.as_str())];
-    let mut args = vec!["--tp", "2", "--device", "cuda", "--deployment", "gpu"];
+    // f32 weights, so the GPU's products are the CPU's up to summation order.
+    let mut args = vec!["--tp", "2", "--device", "cuda", "--dtype", "f32", "--deployment", "gpu"];
     if let Some(b) = backend {
         args.extend(["--backend", b]);
     }

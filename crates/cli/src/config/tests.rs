@@ -154,6 +154,21 @@ fn launch_settings_refuse_what_cannot_run() {
     assert!(err(half, true).contains("half precision needs --device cuda"));
 }
 
+/// The weights' element type defaults by device (bf16 on a GPU, f32 on the CPU); the file
+/// and the flag choose otherwise, the flag over the file.
+#[test]
+fn the_dtype_defaults_to_bf16_on_the_gpu_and_f32_on_the_cpu() {
+    let cfg = Config::default();
+    let cpu = cfg.launch(&flags(None, None), 8, true).unwrap();
+    assert_eq!((cpu.device, cpu.dtype), (ComputeDevice::Cpu, ComputeDtype::F32));
+    let gpu = LaunchFlags { device: Some(ComputeDevice::Cuda), ..flags(None, None) };
+    assert_eq!(cfg.launch(&gpu, 8, true).unwrap().dtype, ComputeDtype::Bf16);
+    let file = Config::parse("[runtime]\ndtype = \"f16\"\n", "dtype.toml").unwrap();
+    assert_eq!(file.launch(&gpu, 8, true).unwrap().dtype, ComputeDtype::F16);
+    let f32_flag = LaunchFlags { dtype: Some(ComputeDtype::F32), ..gpu };
+    assert_eq!(file.launch(&f32_flag, 8, true).unwrap().dtype, ComputeDtype::F32);
+}
+
 /// `kv_cache_memory` takes bytes, sizes with units and fractions, in the file and on the
 /// command line (the flag wins), and refuses what is not a size, naming the key.
 #[test]
