@@ -37,6 +37,7 @@
 //! [`Error::BackendUnavailable`] naming the op.
 #![allow(unsafe_code)]
 
+use super::attention_splits;
 use crate::error::{Error, Result};
 use crate::kernels::cpu::attention::AttnShape;
 use crate::kernels::cpu::qmatrix::QBits;
@@ -63,7 +64,7 @@ const SOURCE: &str = include_str!("kernels.cu");
 /// Threads per block of the element-wise and row kernels (`BLOCK` in `kernels.cu`).
 const BLOCK: u32 = 256;
 /// Threads per block of `attention` (`ATTN_BLOCK` in `kernels.cu`).
-const ATTN_BLOCK: u32 = 128;
+const ATTN_BLOCK: u32 = super::ATTN_TILE as u32;
 /// Largest head dimension `attention` handles (`ATTN_BLOCK * ATTN_DIMS` in `kernels.cu`).
 const ATTN_MAX_HEAD_DIM: usize = 512;
 
@@ -170,6 +171,7 @@ struct Kernels {
     argmax_rows: CudaFunction,
     dequantize: CudaFunction,
     attention: CudaFunction,
+    attention_merge: CudaFunction,
     to_bf16: CudaFunction,
     to_f16: CudaFunction,
     copy_cols: CudaFunction,
@@ -342,6 +344,7 @@ impl CudaBackend {
             argmax_rows: f("argmax_rows")?,
             dequantize: f("dequantize")?,
             attention: f("attention")?,
+            attention_merge: f("attention_merge")?,
             to_bf16: f("to_bf16")?,
             to_f16: f("to_f16")?,
             copy_cols: f("copy_cols")?,
@@ -974,41 +977,84 @@ impl CudaBackend {
         };
         let tp = table.as_ref().map_or(0, |t| self.addr(t));
         let kpd = self.positions(OP, kv_pos)?;
-        // Written whole: block r writes row r of out (head_dim floats) and lse[r].
-        let mut od = self.output_buf(OP, rows * head_dim)?;
-        let mut ld = self.output_buf(OP, rows)?;
+        let n_kv = kv_pos.len();
+        let (splits, chunk) = attention_splits(rows, n_kv);
+        // Written whole: block (r, s) writes row s·rows + r of out (head_dim floats) and of
+        // lse; with one range those are the answer, with several the partial results.
+        let mut od = self.output_buf(OP, splits * rows * head_dim)?;
+        let mut ld = self.output_buf(OP, splits * rows)?;
         let args = [
-            int(OP, "keys", kv_pos.len())?,
+            int(OP, "keys", n_kv)?,
             int(OP, "q_heads", q_heads)?,
             int(OP, "kv_heads", kv_heads)?,
             int(OP, "head_dim", head_dim)?,
         ];
+        let chunk32 = int(OP, "key range", chunk)?;
         // The CPU scales by 1/sqrt(d) computed in f32 the same way.
         let scale = 1.0 / (head_dim as f32).sqrt();
-        let cfg = per_row(OP, rows, ATTN_BLOCK)?;
+        let mut cfg = per_row(OP, rows, ATTN_BLOCK)?;
+        cfg.grid_dim.1 = splits as u32;
         let mut b = self.stream().launch_builder(&self.inner.k.attention);
         b.arg(&qd.ptr).arg(&*qpd).arg(&kp).arg(&vp).arg(&*kpd);
         b.arg(&tp).arg(&block_size).arg(&block_stride);
         for a in &args {
             b.arg(a);
         }
-        b.arg(&scale).arg(&mut od).arg(&mut ld);
+        b.arg(&scale).arg(&chunk32).arg(&mut od).arg(&mut ld);
         // SAFETY: the arguments match `attention(const float*, const u64*, const float*,
-        // const float*, const u64*, const unsigned*, int, u64, int, int, int, int, float,
-        // float*, float*)`. Block r (query token r / q_heads) reads q_pos and row r of q
-        // (head_dim floats), all n_kv key positions and head g of every key and value row,
-        // and writes row r of out and lse[r]. The caller checked q holds
-        // q_pos.len()·q_heads·head_dim floats and that the keys and values hold
-        // kv_pos.len() rows of kv_heads·head_dim: contiguous buffers at least that long
-        // (staged ones are freed stream-ordered, after the kernel; a device cache is mapped
-        // while steps run, as `DeviceMemory` promises), or a paged pool whose table (uploaded
-        // above, ceil(n_kv / block_size) ids, freed stream-ordered) names blocks that lie
-        // inside it (`DeviceBlocks::holds`); q_heads is a multiple of kv_heads (so
-        // g < kv_heads); head_dim <= 512 fits the kernel's per-thread output slots and shared
-        // query copy.
+        // const float*, const u64*, const unsigned*, int, u64, int, int, int, int, float, int,
+        // float*, float*)`. Block (r, s) (query token r / q_heads) reads q_pos and row r of q
+        // (head_dim floats), the key positions of its range [s·chunk, (s+1)·chunk) ∩ [0, n_kv)
+        // and head g of those key and value rows, and writes row s·rows + r of out and lse,
+        // which hold splits·rows rows (splits·chunk >= n_kv, from `attention_splits`, and the
+        // grid is rows × splits). The caller checked q holds q_pos.len()·q_heads·head_dim
+        // floats and that the keys and values hold kv_pos.len() rows of kv_heads·head_dim:
+        // contiguous buffers at least that long (staged ones are freed stream-ordered, after
+        // the kernel; a device cache is mapped while steps run, as `DeviceMemory` promises),
+        // or a paged pool whose table (uploaded above, ceil(n_kv / block_size) ids, freed
+        // stream-ordered) names blocks that lie inside it (`DeviceBlocks::holds`); q_heads is
+        // a multiple of kv_heads (so g < kv_heads); head_dim <= 512 fits the kernel's
+        // per-thread output slots and shared query copy.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        let (od, ld) = if splits == 1 {
+            (od, ld)
+        } else {
+            self.merge_attention(&od, &ld, splits, rows, head_dim)?
+        };
         let lse = want_lse.then(|| self.output(&lse_shape, ld)).transpose()?;
         Ok((self.output(&out_shape, od)?, lse))
+    }
+
+    /// Row r of the combined attention result from the `splits` partial results of key
+    /// ranges in `part` / `part_lse` (rows s·rows + r): `[rows, head_dim]` and `[rows]`.
+    fn merge_attention(
+        &self,
+        part: &CudaSlice<f32>,
+        part_lse: &CudaSlice<f32>,
+        splits: usize,
+        rows: usize,
+        head_dim: usize,
+    ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+        const OP: &str = "attention merge";
+        // Written whole: block r writes row r of out (head_dim floats) and lse[r].
+        let mut od = self.output_buf(OP, rows * head_dim)?;
+        let mut ld = self.output_buf(OP, rows)?;
+        let args =
+            [int(OP, "splits", splits)?, int(OP, "rows", rows)?, int(OP, "head_dim", head_dim)?];
+        let cfg = per_row(OP, rows, ATTN_BLOCK)?;
+        let mut b = self.stream().launch_builder(&self.inner.k.attention_merge);
+        b.arg(part).arg(part_lse);
+        for a in &args {
+            b.arg(a);
+        }
+        b.arg(&mut od).arg(&mut ld);
+        // SAFETY: the arguments match `attention_merge(const float*, const float*, int, int,
+        // int, float*, float*)`. Block r reads rows s·rows + r (s < splits) of part (head_dim
+        // floats each) and part_lse, which hold splits·rows rows, written by the attention
+        // launch before it on this stream, and writes row r of out and lse[r], which hold
+        // rows rows.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        Ok((od, ld))
     }
 
     /// Launches one of the element-wise kernels `f(float* x, const float* y, u64 n, ...)` on

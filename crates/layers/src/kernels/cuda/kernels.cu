@@ -193,19 +193,27 @@ __device__ u64 kv_row(int j, const unsigned int* table, int block_size, u64 bloc
 }
 
 // Causal grouped-query attention with the log-sum-exp of each row. One block per (query
-// token, query head) row; keys are visited in tiles of ATTN_BLOCK with an online softmax
-// (running maximum `m` and sum `l`), each thread owning output elements tid, tid+ATTN_BLOCK, ...
+// token, query head) row and range of keys: block (r, s) visits keys [s*chunk, (s+1)*chunk)
+// in tiles of ATTN_BLOCK with an online softmax (running maximum `m` and sum `l`), each
+// thread owning output elements tid, tid+ATTN_BLOCK, ..., and writes its partial result at
+// row s*rows + r of out and lse (rows = gridDim.x). With one range (chunk >= n_kv) that is
+// the answer; with several, `attention_merge` combines them (flash decoding: a decode step
+// has few rows, and splitting the keys is what fills the GPU).
 // Query i sees key j when kv_pos[j] <= q_pos[i]; a row that sees no key gets zeros and -inf.
 // Keys and values are contiguous rows, or blocks of a paged cache named by `table` (kv_row).
 extern "C" __global__ void attention(const float* q, const u64* q_pos, const float* k,
                                      const float* v, const u64* kv_pos,
                                      const unsigned int* table, int block_size,
                                      u64 block_stride, int n_kv, int q_heads, int kv_heads,
-                                     int head_dim, float scale, float* out, float* lse) {
+                                     int head_dim, float scale, int chunk, float* out,
+                                     float* lse) {
     __shared__ float qs[ATTN_BLOCK * ATTN_DIMS];
     __shared__ float p[ATTN_BLOCK];
     __shared__ float buf[ATTN_BLOCK];
     int row = blockIdx.x;
+    int j_begin = blockIdx.y * chunk;
+    int j_end = min(n_kv, j_begin + chunk);
+    u64 part = (u64)blockIdx.y * gridDim.x + row;
     int i = row / q_heads;
     int h = row % q_heads;
     int g = h / (q_heads / kv_heads);
@@ -219,10 +227,10 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
     for (int e = 0; e < ATTN_DIMS; e++) acc[e] = 0.0f;
     float m = NEG_INF;
     float l = 0.0f;
-    for (int j0 = 0; j0 < n_kv; j0 += ATTN_BLOCK) {
+    for (int j0 = j_begin; j0 < j_end; j0 += ATTN_BLOCK) {
         int j = j0 + tid;
         float s = NEG_INF;
-        if (j < n_kv && kv_pos[j] <= qp) {
+        if (j < j_end && kv_pos[j] <= qp) {
             const float* kr =
                 k + kv_row(j, table, block_size, block_stride, stride) + (u64)g * head_dim;
             float dot = 0.0f;
@@ -239,7 +247,7 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
         float corr = m == NEG_INF ? 0.0f : expf(m - m_new);
         l = l * corr + tile_sum;
         m = m_new;
-        int tile = min(ATTN_BLOCK, n_kv - j0);
+        int tile = min(ATTN_BLOCK, j_end - j0);
         for (int d = 0; d < ATTN_DIMS; d++) {
             int c = tid + d * ATTN_BLOCK;
             if (c >= head_dim) break;
@@ -256,13 +264,42 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
         // p is rewritten by the next tile.
         __syncthreads();
     }
-    float* orow = out + (u64)row * head_dim;
+    float* orow = out + part * head_dim;
     for (int d = 0; d < ATTN_DIMS; d++) {
         int c = tid + d * ATTN_BLOCK;
         if (c >= head_dim) break;
         orow[c] = m == NEG_INF ? 0.0f : acc[d] / l;
     }
-    if (tid == 0) lse[row] = m == NEG_INF ? NEG_INF : m + logf(l);
+    if (tid == 0) lse[part] = m == NEG_INF ? NEG_INF : m + logf(l);
+}
+
+// Combines the `splits` partial results of `attention` over disjoint key ranges (row s*rows + r
+// of part and part_lse) into row r of out and lse, as the CPU merges context-parallel partial
+// results: weights exp(lse_s - max), the output their weighted mean, lse = max + log(sum).
+// One block per row; a row no range saw stays zeros and -inf.
+extern "C" __global__ void attention_merge(const float* part, const float* part_lse, int splits,
+                                           int rows, int head_dim, float* out, float* lse) {
+    int row = blockIdx.x;
+    float mx = NEG_INF;
+    for (int s = 0; s < splits; s++) mx = fmaxf(mx, part_lse[(u64)s * rows + row]);
+    float total = 0.0f;
+    if (mx != NEG_INF) {
+        for (int s = 0; s < splits; s++) total += expf(part_lse[(u64)s * rows + row] - mx);
+    }
+    float* orow = out + (u64)row * head_dim;
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+        float a = 0.0f;
+        if (mx != NEG_INF) {
+            for (int s = 0; s < splits; s++) {
+                u64 at = (u64)s * rows + row;
+                float w = expf(part_lse[at] - mx);
+                if (w != 0.0f) a += w * part[at * head_dim + c];
+            }
+            a /= total;
+        }
+        orow[c] = a;
+    }
+    if (threadIdx.x == 0) lse[row] = mx == NEG_INF ? NEG_INF : mx + logf(total);
 }
 
 // y[i] = x[i] rounded to bfloat16 (nearest, ties to even; NaN stays NaN), as raw bits. Done on

@@ -19,3 +19,25 @@ pub use stub::{CudaBackend, PoolArena};
 
 #[cfg(test)]
 mod tests;
+
+/// Blocks an attention launch should have at least, so a decode step (a few rows, one per
+/// query head) still keeps every multiprocessor of a large GPU busy.
+#[cfg(any(feature = "cuda", test))]
+const ATTN_TARGET_BLOCKS: usize = 512;
+
+/// Keys per tile of the attention kernel (its threads per block, `ATTN_BLOCK` in `kernels.cu`).
+#[cfg(any(feature = "cuda", test))]
+const ATTN_TILE: usize = 128;
+
+/// How attention over `n_kv` keys is split for `rows` query rows: `(splits, chunk)`, key
+/// ranges of `chunk` keys (a multiple of the tile) such that rows·splits reaches
+/// [`ATTN_TARGET_BLOCKS`] when the keys allow, without a range of fewer than about two tiles;
+/// `splits · chunk >= n_kv`, and no range is empty. A prefill (many rows) gets one range.
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn attention_splits(rows: usize, n_kv: usize) -> (usize, usize) {
+    let tile = ATTN_TILE;
+    let most = n_kv.div_ceil(2 * tile).max(1);
+    let want = ATTN_TARGET_BLOCKS.div_ceil(rows.max(1)).clamp(1, most);
+    let chunk = n_kv.div_ceil(want).next_multiple_of(tile).max(tile);
+    (n_kv.div_ceil(chunk).max(1), chunk)
+}

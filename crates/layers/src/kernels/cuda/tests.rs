@@ -247,6 +247,54 @@ fn cuda_attention_matches_cpu_with_log_sum_exp() {
     assert_eq!(lse.unwrap().data(), &[f32::NEG_INFINITY; 2]);
 }
 
+/// The key ranges of a split attention cover every key once, in whole tiles, fill the GPU for
+/// a decode step when there are keys enough, and leave a prefill unsplit (no GPU needed).
+#[test]
+fn attention_key_ranges_cover_the_keys_and_fill_the_gpu_for_decode() {
+    use super::{attention_splits, ATTN_TARGET_BLOCKS, ATTN_TILE};
+    for rows in [1, 9, 32, 100, 511, 512, 4096] {
+        for n_kv in [1, 2, 127, 128, 129, 255, 256, 300, 1000, 4096, 32_768, 131_072] {
+            let (splits, chunk) = attention_splits(rows, n_kv);
+            let at = format!("{rows} rows, {n_kv} keys: {splits} x {chunk}");
+            assert!(splits >= 1 && chunk % ATTN_TILE == 0, "{at}");
+            assert!(splits * chunk >= n_kv && (splits - 1) * chunk < n_kv, "{at}: not a cover");
+            if rows >= ATTN_TARGET_BLOCKS || n_kv < 2 * ATTN_TILE {
+                assert_eq!(splits, 1, "{at}");
+            }
+            if splits > 1 {
+                assert!(chunk >= ATTN_TILE && n_kv > 2 * ATTN_TILE, "{at}");
+            }
+            if n_kv >= 2 * ATTN_TILE * ATTN_TARGET_BLOCKS {
+                assert!(rows * splits >= ATTN_TARGET_BLOCKS, "{at}: the GPU is not filled");
+            }
+        }
+    }
+}
+
+/// Decode over thousands of keys splits them into many ranges and merges the partial results:
+/// the same output and log-sum-exp as the CPU, also where some ranges see no key.
+#[test]
+fn cuda_attention_over_many_key_ranges_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = cpu();
+    let shape = AttnShape { q_heads: 9, kv_heads: 3, head_dim: 64 };
+    let t = 3000;
+    assert!(super::attention_splits(9, t).0 > 4, "the case must split the keys");
+    let q = tensor(&[1, 9, 64], 7);
+    let k = random_vec(t * 3 * 64, 8);
+    let v = random_vec(t * 3 * 64, 9);
+    // Decode at the end; a query that sees only the first 200 keys (later ranges see none).
+    for qp in [vec![t - 1], vec![199]] {
+        let kp: Vec<usize> = (0..t).collect();
+        let (want, want_lse) =
+            cpu.attention(&q, &qp, Kv::Host { k: &k, v: &v }, &kp, shape, true).unwrap();
+        let (got, got_lse) =
+            gpu.attention(&q, &qp, Kv::Host { k: &k, v: &v }, &kp, shape, true).unwrap();
+        assert_close(got.data(), want.data(), 1e-4);
+        assert_close(got_lse.unwrap().data(), want_lse.unwrap().data(), 1e-4);
+    }
+}
+
 /// Prefill logits of `prompt` and 12 greedy tokens after it.
 fn run_model(model: &Model, prompt: &[u32]) -> (Tensor, Vec<u32>) {
     let mut cache = model.new_cache(64);
