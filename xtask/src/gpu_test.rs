@@ -223,13 +223,19 @@ fn bundle(dir: &Path) -> Result<()> {
             copy_stripped(Path::new(&exe), &bin.join("nccl-bench"))?;
         }
     }
+    let mut bench = cargo();
+    bench.args(["test", "-p", "tpctl-vmm", "--features", "cuda", "--bench", "vmm"]);
+    bench.args(["--no-run", "--message-format=json"]);
+    for (_, target, exe) in artifacts(&util::output(&mut bench)?) {
+        if target == "vmm" {
+            copy_stripped(Path::new(&exe), &bin.join("vmm-bench"))?;
+        }
+    }
+    // The test binaries, tpctl and the two benchmarks.
+    let want = GPU_TEST_TARGETS.len() + 3;
     let found = std::fs::read_dir(&bin)?.count();
-    if found != GPU_TEST_TARGETS.len() + 2 {
-        anyhow::bail!(
-            "expected {} binaries in {}, found {found}",
-            GPU_TEST_TARGETS.len() + 2,
-            bin.display()
-        );
+    if found != want {
+        anyhow::bail!("expected {want} binaries in {}, found {found}", bin.display());
     }
     util::run(
         Command::new("tar").arg("-czf").arg(dir.join("bin.tar.gz")).arg("-C").arg(&bin).arg("."),

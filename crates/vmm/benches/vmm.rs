@@ -1,13 +1,17 @@
 //! Release and materialize of one large allocation under each restore policy, against a plain
 //! memcpy of the same bytes measured in the same run.
 //!
-//! `cargo bench -p tpctl-vmm --bench vmm -- [--json] [--bytes 256M]` (or the environment
-//! variable `TPCTL_VMM_BENCH_BYTES`); the default size is 1 GiB. Each number is the median of
-//! several rounds. Run it through `cargo xtask bench vmm [--json]`.
+//! `cargo bench -p tpctl-vmm --bench vmm -- [--json] [--bytes 256M] [--device cuda:N]` (or the
+//! environment variables `TPCTL_VMM_BENCH_BYTES`, `TPCTL_VMM_BENCH_DEVICE`); the default size
+//! is 1 GiB. Each number is the median of several rounds. Run it through
+//! `cargo xtask bench vmm [--json]`. With `--device cuda:N` (feature `cuda`) the allocation is
+//! device memory and the references are a plain device-to-host copy (for a release) and
+//! host-to-device copy (for a materialize) of the same bytes; the GPU bundle runs it so.
 
+use mesh::Device;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
-use vmm::{BackupStore, Manager, Policy, Source, Tag};
+use vmm::{Allocation, BackendKind, BackupStore, Manager, Policy, Source, Tag};
 
 const ROUNDS: usize = 5;
 
@@ -65,6 +69,47 @@ fn memcpy_baseline(bytes: usize) -> Duration {
     median(times)
 }
 
+/// Writes the bench pattern into `a`: in place on the host, by a copy on a device.
+fn fill_alloc(a: &Allocation, seed: u64) {
+    if a.device() == Device::Cpu {
+        fill(&mut a.write().expect("write"), seed);
+    } else {
+        let mut host = vec![0u8; a.bytes()];
+        fill(&mut host, seed);
+        a.write_from(0, &host).expect("copy to the device");
+    }
+}
+
+/// [`sample_sum`] of `a`'s bytes (copied out first on a device).
+fn alloc_sum(a: &Allocation) -> u64 {
+    if a.device() == Device::Cpu {
+        sample_sum(&a.read().expect("read"))
+    } else {
+        let mut host = vec![0u8; a.bytes()];
+        a.read_into(0, &mut host).expect("copy from the device");
+        sample_sum(&host)
+    }
+}
+
+/// A plain copy of `bytes` between a device allocation and pageable host memory, each way:
+/// `(device to host, host to device)`, the references of a device manager's release and
+/// materialize.
+fn device_copy_baseline(m: &Manager, bytes: usize) -> (Duration, Duration) {
+    let a = m.allocate(Tag::WEIGHTS, bytes, Policy::Discard).expect("allocate");
+    let mut host = vec![0u8; bytes];
+    fill(&mut host, 3);
+    let (mut out, mut back) = (Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        let t = Instant::now();
+        a.write_from(0, &host).expect("host to device");
+        back.push(t.elapsed());
+        let t = Instant::now();
+        a.read_into(0, &mut host).expect("device to host");
+        out.push(t.elapsed());
+    }
+    (median(out), median(back))
+}
+
 fn run_policy(
     m: &Manager,
     bytes: usize,
@@ -73,13 +118,13 @@ fn run_policy(
 ) -> (Duration, Duration) {
     let tag = Tag::KV_CACHE;
     let a = m.allocate(&tag, bytes, policy).expect("allocate");
-    fill(&mut a.write().expect("write"), 7);
-    let want = expect.map(sample_sum).unwrap_or_else(|| sample_sum(&a.read().expect("read")));
+    fill_alloc(&a, 7);
+    let want = expect.map(sample_sum).unwrap_or_else(|| alloc_sum(&a));
     let (mut rel, mut mat) = (Vec::new(), Vec::new());
     for round in 0..ROUNDS {
         if round > 0 && matches!(a.policy(), Policy::Discard | Policy::Zero) {
             // Lazily mapped memory: touch it so that the release has pages to give back.
-            fill(&mut a.write().expect("write"), 7);
+            fill_alloc(&a, 7);
         }
         let t = Instant::now();
         m.release([&tag]).expect("release");
@@ -88,12 +133,7 @@ fn run_policy(
         m.materialize([&tag]).expect("materialize");
         mat.push(t.elapsed());
         if !matches!(a.policy(), Policy::Discard | Policy::Zero) {
-            assert_eq!(
-                sample_sum(&a.read().expect("read")),
-                want,
-                "{} lost bytes",
-                a.policy().name()
-            );
+            assert_eq!(alloc_sum(&a), want, "{} lost bytes", a.policy().name());
         }
     }
     (median(rel), median(mat))
@@ -111,6 +151,16 @@ fn main() {
         }),
         None => 1 << 30,
     };
+    let device = args.iter().position(|a| a == "--device").and_then(|i| args.get(i + 1)).cloned();
+    let device = device.or_else(|| std::env::var("TPCTL_VMM_BENCH_DEVICE").ok());
+    match device.as_deref().map(str::parse::<Device>) {
+        None | Some(Ok(Device::Cpu)) => {}
+        Some(Ok(Device::Cuda(ordinal))) => return device_main(ordinal, bytes, json),
+        Some(Err(e)) => {
+            eprintln!("vmm bench: --device: {e}");
+            std::process::exit(2)
+        }
+    }
 
     let memcpy = memcpy_baseline(bytes);
     let m = Manager::cpu().expect("cpu manager");
@@ -219,5 +269,67 @@ fn main() {
             "release with discard: {:.1} ms per GiB (target < 50)",
             d.as_secs_f64() * 1e3 / gib
         );
+    }
+}
+
+/// The device run: release and materialize of `bytes` of CUDA device memory per restore
+/// policy, against plain copies of the same bytes measured in the same run. The backup that
+/// vLLM's level 1 keeps is pinned host memory (`backup-host`); its wakeup is the number the
+/// GPU path aims at (at most 1.5 times the plain host-to-device copy).
+fn device_main(ordinal: usize, bytes: usize, json: bool) {
+    let m = Manager::builder()
+        .backend(BackendKind::Cuda { device: ordinal })
+        .build()
+        .unwrap_or_else(|e| {
+            eprintln!("vmm bench: device memory on cuda:{ordinal}: {e}");
+            std::process::exit(2)
+        });
+    let (d2h, h2d) = device_copy_baseline(&m, bytes);
+    let cases: [(&str, Policy); 4] = [
+        ("discard", Policy::Discard),
+        ("zero", Policy::Zero),
+        ("backup-host", Policy::Backup(BackupStore::Host)),
+        ("backup-spill", Policy::Backup(BackupStore::Spill)),
+    ];
+    let gib = bytes as f64 / f64::from(1u32 << 30);
+    if !json {
+        println!(
+            "vmm on cuda:{ordinal}: {} MiB, median of {ROUNDS} rounds; plain copies: device to host {:.1} ms ({:.2} GB/s), host to device {:.1} ms ({:.2} GB/s)",
+            bytes >> 20,
+            d2h.as_secs_f64() * 1e3,
+            gbps(bytes, d2h),
+            h2d.as_secs_f64() * 1e3,
+            gbps(bytes, h2d)
+        );
+        println!(
+            "{:<14} {:>10} {:>8} {:>10} {:>8} {:>10}",
+            "policy", "release ms", "x d2h", "mater. ms", "x h2d", "s/GiB wake"
+        );
+    } else {
+        println!(
+            "{{\"bench\":\"vmm\",\"device\":\"cuda:{ordinal}\",\"policy\":\"copy\",\"bytes\":{bytes},\"d2h_s\":{:.6},\"h2d_s\":{:.6}}}",
+            d2h.as_secs_f64(),
+            h2d.as_secs_f64()
+        );
+    }
+    for (name, policy) in cases {
+        let (release, materialize) = run_policy(&m, bytes, policy, None);
+        let (r, w) = (release.as_secs_f64(), materialize.as_secs_f64());
+        if json {
+            println!(
+                "{{\"bench\":\"vmm\",\"device\":\"cuda:{ordinal}\",\"policy\":\"{name}\",\"bytes\":{bytes},\"release_s\":{r:.6},\"release_vs_d2h\":{:.3},\"materialize_s\":{w:.6},\"materialize_vs_h2d\":{:.3}}}",
+                r / d2h.as_secs_f64(),
+                w / h2d.as_secs_f64()
+            );
+        } else {
+            println!(
+                "{name:<14} {:>10.1} {:>8.2} {:>10.1} {:>8.2} {:>10.3}",
+                r * 1e3,
+                r / d2h.as_secs_f64(),
+                w * 1e3,
+                w / h2d.as_secs_f64(),
+                w / gib
+            );
+        }
     }
 }

@@ -9,7 +9,8 @@
 # `timeout` with what is left of it (capped per step), so a hung NCCL init or kernel cannot eat
 # the machine's time. A step that timed out is reported as such and counts as a failure.
 #
-# The bundle: bin.tar.gz (the tpctl binary, the GPU test binaries, the NCCL benchmark), model/
+# The bundle: bin.tar.gz (the tpctl binary, the GPU test binaries, the NCCL and vmm
+# benchmarks), model/
 # (the default model in parts, joined here once) and this script. Exits non-zero when a test
 # failed or the preflight found a blocker.
 set -uo pipefail
@@ -145,6 +146,53 @@ step 60 "$here/bin/tpctl" run "$out/f32-weights.toml" --model "$TPCTL_CACHE/$nam
     --max-tokens 64 --temperature 0 --prompt "The capital of France is" >"$out/run-cpu-f32w.txt"
 say "cpu f32 weights: $(grep -a '^-- ' "$out/run-cpu-f32w.txt" || echo "no summary (failed)")"
 say "   text: $(head -c 300 "$out/run-cpu-f32w.txt" | tr '\n' ' ')"
+# Serving: 1 and 8 concurrent greedy streams of 64 tokens through `tpctl serve` (one rank),
+# on the GPU in bf16 (the default there) and on the CPU, tokens/s of all streams together.
+serve_bench() {
+    local device=$1 port=$2
+    "$here/bin/tpctl" serve --model "$TPCTL_CACHE/$name" --device "$device" --quiet \
+        --listen "127.0.0.1:$port" >"$out/serve-$device.log" 2>&1 &
+    local pid=$!
+    say "$device serve:"
+    step 120 python3 - "$port" <<'PY' || status=1
+import json, sys, threading, time, urllib.request
+base = f"http://127.0.0.1:{sys.argv[1]}"
+until = time.time() + 60
+while True:
+    try:
+        urllib.request.urlopen(base + "/health", timeout=2).read()
+        break
+    except Exception:
+        if time.time() > until:
+            sys.exit("tpctl serve did not answer /health within 60 s")
+        time.sleep(0.5)
+def complete(i, got):
+    body = {"prompt": f"Story number {i}: once upon a time", "max_tokens": 64,
+            "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    got[i] = json.load(urllib.request.urlopen(req, timeout=110))["usage"]["completion_tokens"]
+for n in (1, 8):
+    got = [0] * n
+    threads = [threading.Thread(target=complete, args=(i, got)) for i in range(n)]
+    t = time.time()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    dt = time.time() - t
+    print(f"  {n} stream(s): {sum(got)} tokens in {dt:.2f} s, {sum(got) / dt:.1f} tok/s")
+    if sum(got) != 64 * n:
+        sys.exit(f"expected {64 * n} tokens, got {got}")
+PY
+    kill "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+}
+say "== tpctl serve, SmolLM2-135M Q4_1, one rank, 1 and 8 streams of 64 tokens"
+serve_bench cuda 18431
+serve_bench cpu 18432
+say "== vmm: release / materialize of 1 GiB of device memory per policy vs plain copies"
+step 120 "$here/bin/vmm-bench" --bytes 1G --device cuda:0 || status=1
 say "== nccl all_reduce"
 step 60 "$here/bin/nccl-bench" || status=1
 say "exit status $status, $((SECONDS - start))s"
