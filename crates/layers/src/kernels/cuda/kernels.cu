@@ -10,6 +10,9 @@
 #define ATTN_BLOCK 128
 // Output elements per thread in `attention`: head_dim <= ATTN_BLOCK * ATTN_DIMS.
 #define ATTN_DIMS 4
+// Columns of a key tile `attention` stages in shared memory at a time; a staged row is
+// ATTN_CHUNK + 1 floats long, so thread t reading row t hits bank (t + c) % 32: no conflicts.
+#define ATTN_CHUNK 64
 
 typedef unsigned long long u64;
 
@@ -192,7 +195,8 @@ __device__ u64 kv_row(int j, const unsigned int* table, int block_size, u64 bloc
     return (u64)table[j / block_size] * block_stride + (u64)(j % block_size) * stride;
 }
 
-// Causal grouped-query attention with the log-sum-exp of each row. One block per (query
+// Causal grouped-query attention with the log-sum-exp of each row (scores summed over the
+// columns in order, as the CPU does, from keys staged in shared memory). One block per (query
 // token, query head) row and range of keys: block (r, s) visits keys [s*chunk, (s+1)*chunk)
 // in tiles of ATTN_BLOCK with an online softmax (running maximum `m` and sum `l`), each
 // thread owning output elements tid, tid+ATTN_BLOCK, ..., and writes its partial result at
@@ -210,6 +214,10 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
     __shared__ float qs[ATTN_BLOCK * ATTN_DIMS];
     __shared__ float p[ATTN_BLOCK];
     __shared__ float buf[ATTN_BLOCK];
+    // The tile's keys, ATTN_CHUNK columns at a time, and where each key's (and value's) head
+    // g starts.
+    __shared__ float ks[ATTN_BLOCK * (ATTN_CHUNK + 1)];
+    __shared__ u64 roff[ATTN_BLOCK];
     int row = blockIdx.x;
     int j_begin = blockIdx.y * chunk;
     int j_end = min(n_kv, j_begin + chunk);
@@ -229,14 +237,31 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
     float l = 0.0f;
     for (int j0 = j_begin; j0 < j_end; j0 += ATTN_BLOCK) {
         int j = j0 + tid;
-        float s = NEG_INF;
-        if (j < j_end && kv_pos[j] <= qp) {
-            const float* kr =
-                k + kv_row(j, table, block_size, block_stride, stride) + (u64)g * head_dim;
-            float dot = 0.0f;
-            for (int c = 0; c < head_dim; c++) dot += qs[c] * kr[c];
-            s = dot * scale;
+        int tile = min(ATTN_BLOCK, j_end - j0);
+        bool live = j < j_end && kv_pos[j] <= qp;
+        if (j < j_end) {
+            roff[tid] = kv_row(j, table, block_size, block_stride, stride) + (u64)g * head_dim;
         }
+        // Thread t's score is the dot product of the query with key t, summed over columns in
+        // order as before; the keys are staged through shared memory so that the block reads
+        // each key row with consecutive threads on consecutive columns (coalesced).
+        float dot = 0.0f;
+        for (int c0 = 0; c0 < head_dim; c0 += ATTN_CHUNK) {
+            int width = min(ATTN_CHUNK, head_dim - c0);
+            // roff is written, and the previous chunk read, before the stage is overwritten.
+            __syncthreads();
+            for (int e = tid; e < tile * ATTN_CHUNK; e += ATTN_BLOCK) {
+                int r = e / ATTN_CHUNK;
+                int c = e % ATTN_CHUNK;
+                if (c < width) ks[r * (ATTN_CHUNK + 1) + c] = k[roff[r] + (u64)(c0 + c)];
+            }
+            __syncthreads();
+            if (live) {
+                const float* kr = ks + tid * (ATTN_CHUNK + 1);
+                for (int c = 0; c < width; c++) dot += qs[c0 + c] * kr[c];
+            }
+        }
+        float s = live ? dot * scale : NEG_INF;
         float tile_max = block_max(s, buf, ATTN_BLOCK);
         // Uniform across the block: every thread read the same reduced value.
         if (tile_max == NEG_INF) continue;
@@ -247,21 +272,17 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
         float corr = m == NEG_INF ? 0.0f : expf(m - m_new);
         l = l * corr + tile_sum;
         m = m_new;
-        int tile = min(ATTN_BLOCK, j_end - j0);
         for (int d = 0; d < ATTN_DIMS; d++) {
             int c = tid + d * ATTN_BLOCK;
             if (c >= head_dim) break;
             float a = acc[d] * corr;
             for (int jj = 0; jj < tile; jj++) {
                 float w = p[jj];
-                if (w != 0.0f) {
-                    u64 r = kv_row(j0 + jj, table, block_size, block_stride, stride);
-                    a += w * v[r + (u64)g * head_dim + c];
-                }
+                if (w != 0.0f) a += w * v[roff[jj] + (u64)c];
             }
             acc[d] = a;
         }
-        // p is rewritten by the next tile.
+        // p and roff are rewritten by the next tile.
         __syncthreads();
     }
     float* orow = out + part * head_dim;
