@@ -95,4 +95,41 @@ mod tests {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+
+    /// The attention kernels (key ranges, their merge, keys staged through shared memory,
+    /// block tables) compute attention: run on the CPU emulator of `cuda/emulator.h` (blocks one
+    /// after another, a block's threads as real threads with a barrier per `__syncthreads`)
+    /// and compared with a plain double-precision attention by `cuda/emulate_attention.cpp`.
+    #[test]
+    fn the_cuda_attention_kernels_compute_attention_on_the_cpu_emulator() {
+        let cuda = root().join("xtask/src/cuda");
+        let source = root().join("crates/layers/src/kernels/cuda/kernels.cu");
+        let exe =
+            std::env::temp_dir().join(format!("tpctl-emulate-attention-{}", std::process::id()));
+        let built = std::process::Command::new("c++")
+            .args(["-std=c++20", "-O1", "-pthread", "-include"])
+            .arg(cuda.join("emulator.h"))
+            .args(["-x", "c++"])
+            .arg(&source)
+            .args(["-x", "c++"])
+            .arg(cuda.join("emulate_attention.cpp"))
+            .arg("-o")
+            .arg(&exe)
+            .output()
+            .unwrap_or_else(|e| panic!("running `c++` to build the kernel emulator: {e}"));
+        assert!(
+            built.status.success(),
+            "building the kernel emulator failed:\n{}",
+            String::from_utf8_lossy(&built.stderr)
+        );
+        let ran = std::process::Command::new(&exe).output();
+        let _ = std::fs::remove_file(&exe);
+        let ran = ran.unwrap_or_else(|e| panic!("running {}: {e}", exe.display()));
+        assert!(
+            ran.status.success(),
+            "the attention kernels differ from plain attention on the emulator:\n{}{}",
+            String::from_utf8_lossy(&ran.stdout),
+            String::from_utf8_lossy(&ran.stderr)
+        );
+    }
 }
