@@ -59,7 +59,10 @@ static int check(const Case& c) {
     int splits = (c.keys + chunk - 1) / chunk;
     std::vector<float> part((size_t)splits * rows * c.head_dim), part_lse((size_t)splits * rows);
     const unsigned int* tp = table.empty() ? nullptr : table.data();
-    tpctl_launch(rows, splits, THREADS, [&] {
+    // One block per query token, KV head and slice of up to ATTN_GROUP (4) of its query heads.
+    int per_group = c.q_heads / c.kv_heads;
+    unsigned int blocks = (unsigned int)(c.queries * c.kv_heads * ((per_group + 3) / 4));
+    tpctl_launch(blocks, splits, THREADS, [&] {
         attention(q.data(), q_pos.data(), ks.data(), vs.data(), kv_pos.data(), tp,
                   c.block_size > 0 ? c.block_size : 1, block_stride, c.keys, c.q_heads,
                   c.kv_heads, c.head_dim, scale, chunk, part.data(), part_lse.data());
@@ -128,6 +131,8 @@ int main() {
         {9, 3, 64, 1, 700, 3, 16, false},   // the same through a block table
         {4, 2, 160, 3, 300, 2, 0, true},    // head_dim over two chunks, queries that see no key
         {2, 2, 80, 2, 260, 1, 32, true},    // a partial chunk, paged, one range
+        {12, 2, 32, 2, 400, 2, 0, false},   // six heads per KV head: two slices (4 and 2)
+        {8, 1, 64, 1, 300, 2, 8, true},     // eight heads on one KV head, paged, scattered
     };
     for (const Case& c : cases) {
         if (check(c) != 0) return 1;

@@ -37,7 +37,7 @@
 //! [`Error::BackendUnavailable`] naming the op.
 #![allow(unsafe_code)]
 
-use super::attention_splits;
+use super::{attention_blocks, attention_splits};
 use crate::error::{Error, Result};
 use crate::kernels::cpu::attention::AttnShape;
 use crate::kernels::cpu::qmatrix::QBits;
@@ -978,7 +978,8 @@ impl CudaBackend {
         let tp = table.as_ref().map_or(0, |t| self.addr(t));
         let kpd = self.positions(OP, kv_pos)?;
         let n_kv = kv_pos.len();
-        let (splits, chunk) = attention_splits(rows, n_kv);
+        let blocks = attention_blocks(q_pos.len(), q_heads, kv_heads);
+        let (splits, chunk) = attention_splits(blocks, n_kv);
         // Written whole: block (r, s) writes row s·rows + r of out (head_dim floats) and of
         // lse; with one range those are the answer, with several the partial results.
         let mut od = self.output_buf(OP, splits * rows * head_dim)?;
@@ -992,7 +993,7 @@ impl CudaBackend {
         let chunk32 = int(OP, "key range", chunk)?;
         // The CPU scales by 1/sqrt(d) computed in f32 the same way.
         let scale = 1.0 / (head_dim as f32).sqrt();
-        let mut cfg = per_row(OP, rows, ATTN_BLOCK)?;
+        let mut cfg = per_row(OP, blocks, ATTN_BLOCK)?;
         cfg.grid_dim.1 = splits as u32;
         let mut b = self.stream().launch_builder(&self.inner.k.attention);
         b.arg(&qd.ptr).arg(&*qpd).arg(&kp).arg(&vp).arg(&*kpd);
@@ -1003,11 +1004,13 @@ impl CudaBackend {
         b.arg(&scale).arg(&chunk32).arg(&mut od).arg(&mut ld);
         // SAFETY: the arguments match `attention(const float*, const u64*, const float*,
         // const float*, const u64*, const unsigned*, int, u64, int, int, int, int, float, int,
-        // float*, float*)`. Block (r, s) (query token r / q_heads) reads q_pos and row r of q
-        // (head_dim floats), the key positions of its range [s·chunk, (s+1)·chunk) ∩ [0, n_kv)
-        // and head g of those key and value rows, and writes row s·rows + r of out and lse,
-        // which hold splits·rows rows (splits·chunk >= n_kv, from `attention_splits`, and the
-        // grid is rows × splits). The caller checked q holds q_pos.len()·q_heads·head_dim
+        // float*, float*)`. Block (b, s) serves query token i, KV head g and up to ATTN_GROUP
+        // of g's query heads (b = (i·kv_heads + g)·slices + slice, the grid's first dimension
+        // being `attention_blocks`): it reads q_pos[i] and those heads' rows of q (head_dim
+        // floats each), the key positions of its range [s·chunk, (s+1)·chunk) ∩ [0, n_kv) and
+        // head g of those key and value rows, and writes those rows' entries s·rows + row of
+        // out and lse, which hold splits·rows rows (splits·chunk >= n_kv, from
+        // `attention_splits`). The caller checked q holds q_pos.len()·q_heads·head_dim
         // floats and that the keys and values hold kv_pos.len() rows of kv_heads·head_dim:
         // contiguous buffers at least that long (staged ones are freed stream-ordered, after
         // the kernel; a device cache is mapped while steps run, as `DeviceMemory` promises),

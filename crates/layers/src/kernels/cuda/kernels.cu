@@ -13,6 +13,8 @@
 // Columns of a key tile `attention` stages in shared memory at a time; a staged row is
 // ATTN_CHUNK + 1 floats long, so thread t reading row t hits bank (t + c) % 32: no conflicts.
 #define ATTN_CHUNK 64
+// Query heads of one KV head that one `attention` block serves (more are split into slices).
+#define ATTN_GROUP 4
 
 typedef unsigned long long u64;
 
@@ -195,14 +197,18 @@ __device__ u64 kv_row(int j, const unsigned int* table, int block_size, u64 bloc
     return (u64)table[j / block_size] * block_stride + (u64)(j % block_size) * stride;
 }
 
-// Causal grouped-query attention with the log-sum-exp of each row (scores summed over the
-// columns in order, as the CPU does, from keys staged in shared memory). One block per (query
-// token, query head) row and range of keys: block (r, s) visits keys [s*chunk, (s+1)*chunk)
-// in tiles of ATTN_BLOCK with an online softmax (running maximum `m` and sum `l`), each
-// thread owning output elements tid, tid+ATTN_BLOCK, ..., and writes its partial result at
-// row s*rows + r of out and lse (rows = gridDim.x). With one range (chunk >= n_kv) that is
-// the answer; with several, `attention_merge` combines them (flash decoding: a decode step
-// has few rows, and splitting the keys is what fills the GPU).
+// Causal grouped-query attention with the log-sum-exp of each row. One block per query token,
+// KV head g and slice of up to ATTN_GROUP of the query heads that share g, and per range of
+// keys: block (b, s) visits keys [s*chunk, (s+1)*chunk) in tiles of ATTN_BLOCK, staging each
+// tile's keys through shared memory once for all its heads (so K and V are read once per
+// group, not once per query head), with an online softmax per head (running maximum `m` and
+// sum `l`); thread t scores key t for every head, summing over the columns in order as the
+// CPU does, and owns output elements t, t+ATTN_BLOCK, ... of every head. Rows are query token
+// i, head h at i*q_heads + h; the block writes its heads' partial results at row
+// s*rows + row of out and lse. With one range (chunk >= n_kv) that is the answer; with
+// several, `attention_merge` combines them (flash decoding: a decode step has few rows, and
+// splitting the keys is what fills the GPU). The grid is tokens*kv_heads*slices by ranges,
+// slices = ceil((q_heads / kv_heads) / ATTN_GROUP).
 // Query i sees key j when kv_pos[j] <= q_pos[i]; a row that sees no key gets zeros and -inf.
 // Keys and values are contiguous rows, or blocks of a paged cache named by `table` (kv_row).
 extern "C" __global__ void attention(const float* q, const u64* q_pos, const float* k,
@@ -211,30 +217,40 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
                                      u64 block_stride, int n_kv, int q_heads, int kv_heads,
                                      int head_dim, float scale, int chunk, float* out,
                                      float* lse) {
-    __shared__ float qs[ATTN_BLOCK * ATTN_DIMS];
-    __shared__ float p[ATTN_BLOCK];
+    __shared__ float qs[ATTN_GROUP * ATTN_BLOCK * ATTN_DIMS];
+    __shared__ float p[ATTN_GROUP * ATTN_BLOCK];
     __shared__ float buf[ATTN_BLOCK];
     // The tile's keys, ATTN_CHUNK columns at a time, and where each key's (and value's) head
     // g starts.
     __shared__ float ks[ATTN_BLOCK * (ATTN_CHUNK + 1)];
     __shared__ u64 roff[ATTN_BLOCK];
-    int row = blockIdx.x;
+    int per_group = q_heads / kv_heads;
+    int slices = (per_group + ATTN_GROUP - 1) / ATTN_GROUP;
+    int slice = blockIdx.x % slices;
+    int g = (blockIdx.x / slices) % kv_heads;
+    int i = blockIdx.x / slices / kv_heads;
+    int nh = min(ATTN_GROUP, per_group - slice * ATTN_GROUP);
+    u64 rows = (u64)(gridDim.x / (slices * kv_heads)) * q_heads;
+    u64 row0 = (u64)i * q_heads + (u64)g * per_group + (u64)slice * ATTN_GROUP;
     int j_begin = blockIdx.y * chunk;
     int j_end = min(n_kv, j_begin + chunk);
-    u64 part = (u64)blockIdx.y * gridDim.x + row;
-    int i = row / q_heads;
-    int h = row % q_heads;
-    int g = h / (q_heads / kv_heads);
     int tid = threadIdx.x;
     u64 qp = q_pos[i];
     u64 stride = (u64)kv_heads * head_dim;
-    const float* qr = q + (u64)row * head_dim;
-    for (int c = tid; c < head_dim; c += ATTN_BLOCK) qs[c] = qr[c];
+    const int qstride = ATTN_BLOCK * ATTN_DIMS;
+    for (int hh = 0; hh < nh; hh++) {
+        const float* qr = q + (row0 + hh) * head_dim;
+        for (int c = tid; c < head_dim; c += ATTN_BLOCK) qs[hh * qstride + c] = qr[c];
+    }
     __syncthreads();
-    float acc[ATTN_DIMS];
-    for (int e = 0; e < ATTN_DIMS; e++) acc[e] = 0.0f;
-    float m = NEG_INF;
-    float l = 0.0f;
+    float acc[ATTN_GROUP][ATTN_DIMS];
+    float m[ATTN_GROUP];
+    float l[ATTN_GROUP];
+    for (int hh = 0; hh < ATTN_GROUP; hh++) {
+        for (int e = 0; e < ATTN_DIMS; e++) acc[hh][e] = 0.0f;
+        m[hh] = NEG_INF;
+        l[hh] = 0.0f;
+    }
     for (int j0 = j_begin; j0 < j_end; j0 += ATTN_BLOCK) {
         int j = j0 + tid;
         int tile = min(ATTN_BLOCK, j_end - j0);
@@ -242,14 +258,13 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
         if (j < j_end) {
             roff[tid] = kv_row(j, table, block_size, block_stride, stride) + (u64)g * head_dim;
         }
-        // Thread t's score is the dot product of the query with key t, summed over columns in
-        // order as before; the keys are staged through shared memory so that the block reads
-        // each key row with consecutive threads on consecutive columns (coalesced).
-        float dot = 0.0f;
+        float dot[ATTN_GROUP];
+        for (int hh = 0; hh < ATTN_GROUP; hh++) dot[hh] = 0.0f;
         for (int c0 = 0; c0 < head_dim; c0 += ATTN_CHUNK) {
             int width = min(ATTN_CHUNK, head_dim - c0);
             // roff is written, and the previous chunk read, before the stage is overwritten.
             __syncthreads();
+            // Consecutive threads read consecutive columns of a key row: coalesced.
             for (int e = tid; e < tile * ATTN_CHUNK; e += ATTN_BLOCK) {
                 int r = e / ATTN_CHUNK;
                 int c = e % ATTN_CHUNK;
@@ -258,40 +273,63 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
             __syncthreads();
             if (live) {
                 const float* kr = ks + tid * (ATTN_CHUNK + 1);
-                for (int c = 0; c < width; c++) dot += qs[c0 + c] * kr[c];
+                for (int hh = 0; hh < nh; hh++) {
+                    const float* qh = qs + hh * qstride + c0;
+                    float d = dot[hh];
+                    for (int c = 0; c < width; c++) d += qh[c] * kr[c];
+                    dot[hh] = d;
+                }
             }
         }
-        float s = live ? dot * scale : NEG_INF;
-        float tile_max = block_max(s, buf, ATTN_BLOCK);
-        // Uniform across the block: every thread read the same reduced value.
-        if (tile_max == NEG_INF) continue;
-        float m_new = fmaxf(m, tile_max);
-        float e = s == NEG_INF ? 0.0f : expf(s - m_new);
-        p[tid] = e;
-        float tile_sum = block_sum(e, buf, ATTN_BLOCK);
-        float corr = m == NEG_INF ? 0.0f : expf(m - m_new);
-        l = l * corr + tile_sum;
-        m = m_new;
+        // Per head: the tile's softmax weights in p, and the factor its running sums change by
+        // (1 for a head this tile adds nothing to, so its sums stay as they are).
+        float corr[ATTN_GROUP];
+        for (int hh = 0; hh < nh; hh++) {
+            float s = live ? dot[hh] * scale : NEG_INF;
+            float tile_max = block_max(s, buf, ATTN_BLOCK);
+            // Uniform across the block: every thread read the same reduced value.
+            if (tile_max == NEG_INF) {
+                p[hh * ATTN_BLOCK + tid] = 0.0f;
+                corr[hh] = 1.0f;
+                continue;
+            }
+            float m_new = fmaxf(m[hh], tile_max);
+            float e = s == NEG_INF ? 0.0f : expf(s - m_new);
+            p[hh * ATTN_BLOCK + tid] = e;
+            float tile_sum = block_sum(e, buf, ATTN_BLOCK);
+            corr[hh] = m[hh] == NEG_INF ? 0.0f : expf(m[hh] - m_new);
+            l[hh] = l[hh] * corr[hh] + tile_sum;
+            m[hh] = m_new;
+        }
+        // p is complete for every head.
+        __syncthreads();
         for (int d = 0; d < ATTN_DIMS; d++) {
             int c = tid + d * ATTN_BLOCK;
             if (c >= head_dim) break;
-            float a = acc[d] * corr;
+            float a[ATTN_GROUP];
+            for (int hh = 0; hh < nh; hh++) a[hh] = acc[hh][d] * corr[hh];
             for (int jj = 0; jj < tile; jj++) {
-                float w = p[jj];
-                if (w != 0.0f) a += w * v[roff[jj] + (u64)c];
+                float vv = v[roff[jj] + (u64)c];
+                for (int hh = 0; hh < nh; hh++) {
+                    float w = p[hh * ATTN_BLOCK + jj];
+                    if (w != 0.0f) a[hh] += w * vv;
+                }
             }
-            acc[d] = a;
+            for (int hh = 0; hh < nh; hh++) acc[hh][d] = a[hh];
         }
         // p and roff are rewritten by the next tile.
         __syncthreads();
     }
-    float* orow = out + part * head_dim;
-    for (int d = 0; d < ATTN_DIMS; d++) {
-        int c = tid + d * ATTN_BLOCK;
-        if (c >= head_dim) break;
-        orow[c] = m == NEG_INF ? 0.0f : acc[d] / l;
+    for (int hh = 0; hh < nh; hh++) {
+        u64 part = (u64)blockIdx.y * rows + row0 + hh;
+        float* orow = out + part * head_dim;
+        for (int d = 0; d < ATTN_DIMS; d++) {
+            int c = tid + d * ATTN_BLOCK;
+            if (c >= head_dim) break;
+            orow[c] = m[hh] == NEG_INF ? 0.0f : acc[hh][d] / l[hh];
+        }
+        if (tid == 0) lse[part] = m[hh] == NEG_INF ? NEG_INF : m[hh] + logf(l[hh]);
     }
-    if (tid == 0) lse[part] = m == NEG_INF ? NEG_INF : m + logf(l);
 }
 
 // Combines the `splits` partial results of `attention` over disjoint key ranges (row s*rows + r

@@ -29,10 +29,23 @@ const ATTN_TARGET_BLOCKS: usize = 512;
 #[cfg(any(feature = "cuda", test))]
 const ATTN_TILE: usize = 128;
 
-/// How attention over `n_kv` keys is split for `rows` query rows: `(splits, chunk)`, key
-/// ranges of `chunk` keys (a multiple of the tile) such that rows·splits reaches
-/// [`ATTN_TARGET_BLOCKS`] when the keys allow, without a range of fewer than about two tiles;
-/// `splits · chunk >= n_kv`, and no range is empty. A prefill (many rows) gets one range.
+/// Query heads of one KV head that one attention block serves (`ATTN_GROUP` in `kernels.cu`).
+#[cfg(any(feature = "cuda", test))]
+const ATTN_GROUP: usize = 4;
+
+/// Blocks of an attention launch per key range: one per query token, KV head and slice of up
+/// to [`ATTN_GROUP`] of the query heads that share it (their keys and values are read once).
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn attention_blocks(tokens: usize, q_heads: usize, kv_heads: usize) -> usize {
+    let per_group = q_heads / kv_heads.max(1);
+    tokens * kv_heads * per_group.div_ceil(ATTN_GROUP)
+}
+
+/// How attention over `n_kv` keys is split for `rows` blocks per range
+/// ([`attention_blocks`]): `(splits, chunk)`, key ranges of `chunk` keys (a multiple of the
+/// tile) such that rows·splits reaches [`ATTN_TARGET_BLOCKS`] when the keys allow, without a
+/// range of fewer than about two tiles; `splits · chunk >= n_kv`, and no range is empty. A
+/// prefill (many blocks) gets one range.
 #[cfg(any(feature = "cuda", test))]
 pub(crate) fn attention_splits(rows: usize, n_kv: usize) -> (usize, usize) {
     let tile = ATTN_TILE;
