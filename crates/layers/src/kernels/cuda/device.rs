@@ -243,15 +243,18 @@ struct Inner {
     k: Kernels,
     weights: Mutex<WeightCache>,
     /// Position arrays uploaded lately, most recent last (see [`CudaBackend::positions`]).
-    positions: Mutex<Vec<DevicePositions>>,
+    positions: Mutex<Recent<u64>>,
+    /// Block tables of paged KV caches uploaded lately, most recent last.
+    tables: Mutex<Recent<u32>>,
 }
 
-/// A position array and its device copy.
-type DevicePositions = (Vec<u64>, Arc<CudaSlice<u64>>);
+/// Small host arrays and their device copies, most recently used last.
+type Recent<T> = Vec<(Vec<T>, Arc<CudaSlice<T>>)>;
 
-/// Position arrays kept on the device: a step's query positions and its keys' positions (the
-/// same in every layer), with room for a CP rank's two views.
-const POSITION_CACHE: usize = 4;
+/// Arrays of each kind kept on the device: a step's query positions and its keys' positions
+/// (the same in every layer), or its block tables (one per sequence, the same in every layer),
+/// with room for a CP rank's two views.
+const RECENT_UPLOADS: usize = 4;
 
 /// Kernels on CUDA device `ordinal`, taking and returning host tensors (see the module docs
 /// for the copies this implies). Clones share the device state and the weight cache.
@@ -358,6 +361,7 @@ impl CudaBackend {
             k,
             weights: Mutex::default(),
             positions: Mutex::default(),
+            tables: Mutex::default(),
         };
         Ok(CudaBackend { inner: Arc::new(inner) })
     }
@@ -573,7 +577,18 @@ impl CudaBackend {
     /// by value: the host comparison costs far less than a copy and its synchronization).
     fn positions(&self, op: &str, positions: &[usize]) -> Result<Arc<CudaSlice<u64>>> {
         let wanted: Vec<u64> = positions.iter().map(|&p| p as u64).collect();
-        let mut cache = self.inner.positions.lock().unwrap_or_else(|e| e.into_inner());
+        self.recent(op, &self.inner.positions, wanted)
+    }
+
+    /// The device copy of `wanted` from `cache` when it holds the same values, else a new
+    /// upload, kept there in place of the least recently used one.
+    fn recent<T: DeviceRepr + PartialEq>(
+        &self,
+        op: &str,
+        cache: &Mutex<Recent<T>>,
+        wanted: Vec<T>,
+    ) -> Result<Arc<CudaSlice<T>>> {
+        let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(i) = cache.iter().position(|(p, _)| *p == wanted) {
             let hit = cache.remove(i);
             let dev = hit.1.clone();
@@ -581,7 +596,7 @@ impl CudaBackend {
             return Ok(dev);
         }
         let dev = Arc::new(self.upload(op, &wanted)?);
-        if cache.len() == POSITION_CACHE {
+        if cache.len() == RECENT_UPLOADS {
             // Freed in stream order, after the kernels queued with it.
             cache.remove(0);
         }
@@ -968,7 +983,9 @@ impl CudaBackend {
             }
             Kv::PagedDevice(blocks) => {
                 let used = kv_pos.len().div_ceil(blocks.block_size);
-                table = Some(self.upload(OP, &blocks.table[..used])?);
+                // The same table in every layer of a step: uploaded once.
+                let wanted = blocks.table[..used].to_vec();
+                table = Some(self.recent(OP, &self.inner.tables, wanted)?);
                 block_size = int(OP, "block_size", blocks.block_size)?;
                 block_stride = blocks.block_stride as u64;
                 let base = self.owned_addr(OP, blocks.memory)?;
