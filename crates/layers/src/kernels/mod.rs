@@ -659,6 +659,30 @@ impl Backend {
         Ok(())
     }
 
+    /// Rows `range` of `t`'s first dimension ([`Tensor::slice_first`]); a CUDA tensor's rows
+    /// are copied on the device.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the range is outside the first dimension.
+    pub fn slice_first(&self, t: &Tensor, range: std::ops::Range<usize>) -> Result<Tensor> {
+        match self {
+            Backend::Cpu(_) => t.slice_first(range),
+            Backend::Cuda(cuda) => cuda.slice_first(t, range),
+        }
+    }
+
+    /// `parts` stacked along their first dimension ([`Tensor::cat_first`]); CUDA tensors are
+    /// stacked on the device.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when there are no parts or their other dimensions differ.
+    pub fn cat_first(&self, parts: &[Tensor]) -> Result<Tensor> {
+        match self {
+            Backend::Cpu(_) => Tensor::cat_first(parts),
+            Backend::Cuda(cuda) => cuda.cat_first(parts),
+        }
+    }
+
     /// `x[.., i] += bias[i]`: a bias added to every row of `x`.
     ///
     /// # Errors

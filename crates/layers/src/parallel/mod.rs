@@ -251,7 +251,7 @@ impl ParallelAttention {
             if parts.len() == 1 {
                 Ok(t.clone())
             } else {
-                t.slice_first(p.rows.clone())
+                be.slice_first(t, p.rows.clone())
             }
         };
         let kv_width = self.shape.kv_heads * self.shape.head_dim;
@@ -306,7 +306,7 @@ impl ParallelAttention {
             .collect::<Result<Vec<_>>>()?;
         let out = match <[Tensor; 1]>::try_from(outs) {
             Ok([one]) => one,
-            Err(outs) => Tensor::cat_first(&outs)?,
+            Err(outs) => be.cat_first(&outs)?,
         };
         self.finish(be, comms, out)
     }

@@ -1250,6 +1250,87 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Rows `range` of `t`'s first dimension: a device-to-device copy when `t` is this
+    /// backend's output, else [`Tensor::slice_first`] (which also reports a bad range).
+    pub(crate) fn slice_first(&self, t: &Tensor, range: std::ops::Range<usize>) -> Result<Tensor> {
+        const OP: &str = "slice rows";
+        let first = t.shape().first().copied().unwrap_or(0);
+        let Some(buf) = self.own(t.storage().device_data()) else {
+            return t.slice_first(range);
+        };
+        if range.start > range.end || range.end > first {
+            return t.slice_first(range);
+        }
+        let step = t.len() / first.max(1);
+        let mut shape = t.shape().to_vec();
+        shape[0] = range.len();
+        let n = range.len() * step;
+        if n == 0 {
+            return Ok(Tensor::zeros(&shape));
+        }
+        // Written whole by the copy below.
+        let mut od = self.output_buf(OP, n)?;
+        self.bind(OP)?;
+        let from = self.addr(buf) + 4 * (range.start * step) as u64;
+        let (to, record) = od.device_ptr_mut(self.stream());
+        // SAFETY: `buf` holds t.len() floats of this stream's device, of which the n from
+        // range.start·step are read (range checked above); `od` holds n floats; both are
+        // freed stream-ordered, after the copy.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(to, from, 4 * n, self.stream().cu_stream())
+        }
+        .or_unavailable(|| format!("{OP}: copying {n} floats on the device"))?;
+        drop(record);
+        self.output(&shape, od)
+    }
+
+    /// `parts` stacked along their first dimension: device-to-device copies when every part is
+    /// this backend's output, else [`Tensor::cat_first`] (which also checks the shapes).
+    pub(crate) fn cat_first(&self, parts: &[Tensor]) -> Result<Tensor> {
+        const OP: &str = "stack rows";
+        let bufs: Option<Vec<&CudaSlice<f32>>> =
+            parts.iter().map(|p| self.own(p.storage().device_data())).collect();
+        let (Some(bufs), Some(head)) = (bufs, parts.first()) else {
+            return Tensor::cat_first(parts);
+        };
+        let inner = &head.shape()[1.min(head.shape().len())..];
+        if parts.iter().any(|p| p.shape().is_empty() || &p.shape()[1..] != inner) {
+            return Tensor::cat_first(parts);
+        }
+        let mut shape = head.shape().to_vec();
+        shape[0] = parts.iter().map(|p| p.shape()[0]).sum();
+        let total: usize = parts.iter().map(Tensor::len).sum();
+        if total == 0 {
+            return Ok(Tensor::zeros(&shape));
+        }
+        // Written whole: the parts' lengths add up to `total`.
+        let mut od = self.output_buf(OP, total)?;
+        self.bind(OP)?;
+        let (base, record) = od.device_ptr_mut(self.stream());
+        let mut at = 0usize;
+        for (part, buf) in parts.iter().zip(bufs) {
+            let n = part.len();
+            if n == 0 {
+                continue;
+            }
+            // SAFETY: `buf` holds the part's n floats on this stream's device; `od` holds
+            // `total` floats, of which at..at + n are written (the lengths add up to total);
+            // both are freed stream-ordered, after the copy.
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    base + 4 * at as u64,
+                    self.addr(buf),
+                    4 * n,
+                    self.stream().cu_stream(),
+                )
+            }
+            .or_unavailable(|| format!("{OP}: copying {n} floats on the device"))?;
+            at += n;
+        }
+        drop(record);
+        self.output(&shape, od)
+    }
+
     /// Copies elements `range` of `src` to device memory `dst` from its `offset`-th f32 on
     /// (the caller checked that they fit and lie in `src`): a device-to-device copy for this
     /// backend's outputs.

@@ -151,6 +151,18 @@ impl CudaBackend {
         match self.never {}
     }
 
+    pub(crate) fn slice_first(
+        &self,
+        _t: &Tensor,
+        _range: std::ops::Range<usize>,
+    ) -> Result<Tensor> {
+        match self.never {}
+    }
+
+    pub(crate) fn cat_first(&self, _parts: &[Tensor]) -> Result<Tensor> {
+        match self.never {}
+    }
+
     pub(crate) fn embedding(&self, _table: &Weight, _ids: &[u32]) -> Result<Tensor> {
         match self.never {}
     }

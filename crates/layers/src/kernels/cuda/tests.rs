@@ -682,3 +682,27 @@ fn cuda_outputs_stay_on_the_device_until_the_host_reads_them() {
     a.data_mut()[0] += 1.0;
     assert_eq!(a.device(), Device::Cpu);
 }
+
+/// A batch's rows are sliced per sequence and stacked again on the device: exactly the host's
+/// slices and stack of the same values, and the results stay device tensors.
+#[test]
+fn cuda_row_slices_and_stacks_stay_on_the_device() {
+    let Some(gpu) = gpu() else { return };
+    let h = gpu.rms_norm(&tensor(&[5, 3, 8], 41), &tensor(&[8], 42), 1e-5).unwrap();
+    let on_host = Tensor::from_vec(h.shape(), h.data().to_vec()).unwrap();
+    assert_eq!(h.device(), Device::Cuda(0), "reading keeps the device copy");
+    let ranges = [0..2, 2..2, 2..5];
+    let parts = ranges.clone().map(|r| gpu.slice_first(&h, r).unwrap());
+    let want = ranges.map(|r| on_host.slice_first(r).unwrap());
+    for (got, want) in parts.iter().zip(&want) {
+        assert_eq!(got.shape(), want.shape());
+        assert_eq!(got.data(), want.data(), "a slice copies the rows exactly");
+    }
+    assert_eq!(parts[0].device(), Device::Cuda(0), "a slice went to the host");
+    let stacked = gpu.cat_first(&[parts[2].clone(), parts[0].clone()]).unwrap();
+    let want_stacked = Tensor::cat_first(&[want[2].clone(), want[0].clone()]).unwrap();
+    assert_eq!(stacked.device(), Device::Cuda(0), "a stack went to the host");
+    assert_eq!(stacked.shape(), want_stacked.shape());
+    assert_eq!(stacked.data(), want_stacked.data(), "a stack copies the rows exactly");
+    assert!(gpu.slice_first(&parts[2], 2..4).is_err(), "a range past the rows is refused");
+}
