@@ -96,12 +96,14 @@ mod tests {
         );
     }
 
-    /// The attention kernels (key ranges, their merge, keys staged through shared memory,
-    /// block tables) compute attention: run on the CPU emulator of `cuda/emulator.h` (blocks one
-    /// after another, a block's threads as real threads with a barrier per `__syncthreads`)
-    /// and compared with a plain double-precision attention by `cuda/emulate_attention.cpp`.
+    /// The CUDA kernels compute what they should: run on the CPU emulator of
+    /// `cuda/emulator.h` (blocks one after another, a block's threads as real threads with a
+    /// barrier per `__syncthreads`) and compared with plain references by
+    /// `cuda/emulate_kernels.cpp` (attention over key ranges and their merge, staged keys and
+    /// block tables in double precision; norms, rotary embedding, argmax, dequantization, bf16
+    /// rounding, embedding rows, column splits).
     #[test]
-    fn the_cuda_attention_kernels_compute_attention_on_the_cpu_emulator() {
+    fn the_cuda_kernels_compute_their_references_on_the_cpu_emulator() {
         let cuda = root().join("xtask/src/cuda");
         let source = root().join("crates/layers/src/kernels/cuda/kernels.cu");
         let exe =
@@ -112,7 +114,7 @@ mod tests {
             .args(["-x", "c++"])
             .arg(&source)
             .args(["-x", "c++"])
-            .arg(cuda.join("emulate_attention.cpp"))
+            .arg(cuda.join("emulate_kernels.cpp"))
             .arg("-o")
             .arg(&exe)
             .output()
@@ -127,7 +129,7 @@ mod tests {
         let ran = ran.unwrap_or_else(|e| panic!("running {}: {e}", exe.display()));
         assert!(
             ran.status.success(),
-            "the attention kernels differ from plain attention on the emulator:\n{}{}",
+            "a CUDA kernel differs from its reference on the emulator:\n{}{}",
             String::from_utf8_lossy(&ran.stdout),
             String::from_utf8_lossy(&ran.stderr)
         );

@@ -1,0 +1,285 @@
+// The kernels of kernels.cu, run on the CPU emulator (emulator.h), against plain references:
+// attention in double precision over one key range and several (attention_merge), contiguous
+// and paged keys, head sizes that are and are not multiples of the staged chunk, queries that
+// see no key; RMSNorm, RoPE (with frequency factors), argmax (ties, NaN), dequantization of
+// each packing, bf16 rounding, embedding rows and column splits. Exits non-zero with the
+// first difference. Built and run by xtask's tidy tests.
+#include <cstdio>
+#include <cstdlib>
+
+typedef unsigned long long u64;
+extern "C" void attention(const float* q, const u64* q_pos, const float* k, const float* v,
+                          const u64* kv_pos, const unsigned int* table, int block_size,
+                          u64 block_stride, int n_kv, int q_heads, int kv_heads, int head_dim,
+                          float scale, int chunk, float* out, float* lse);
+extern "C" void attention_merge(const float* part, const float* part_lse, int splits, int rows,
+                                int head_dim, float* out, float* lse);
+extern "C" void rms_norm(const float* x, const float* w, float* out, int d, float eps);
+extern "C" void rope(float* x, const u64* pos, int tokens, int heads, int head_dim, int rot_dim,
+                     float theta, const float* factors);
+extern "C" void argmax_rows(const float* x, int cols, unsigned int* out);
+extern "C" void dequantize(const float* scales, const float* mins, const unsigned char* qs,
+                           float* out, u64 n, int kind);
+extern "C" void to_bf16(const float* x, unsigned short* y, u64 n);
+extern "C" void embedding(const float* table, const unsigned int* ids, float* out, int n_ids,
+                          int dim);
+extern "C" void copy_cols(const float* x, float* out, u64 n, int width, int offset, int size);
+
+static const unsigned int BLOCK_THREADS = 256;  // BLOCK
+static float next_value(u64& state);
+
+// Blocks of BLOCK_THREADS for one thread per element.
+static unsigned int elementwise(u64 n) { return (unsigned int)((n + BLOCK_THREADS - 1) / BLOCK_THREADS); }
+
+static int fail(const char* what, size_t at, double got, double want) {
+    std::printf("%s: element %zu is %.9g, want %.9g\n", what, at, got, want);
+    return 1;
+}
+
+static bool near(double got, double want, double tol) {
+    return std::fabs(got - want) <= tol * std::max(1.0, std::fabs(want));
+}
+
+static int check_rows() {
+    u64 seed = 77;
+    // RMSNorm of 3 rows of 300 (over a block's width, so threads take two elements).
+    int rows = 3, d = 300;
+    std::vector<float> x((size_t)rows * d), w(d), out(x.size());
+    for (auto& v : x) v = next_value(seed);
+    for (auto& v : w) v = next_value(seed);
+    tpctl_launch(rows, 1, BLOCK_THREADS, [&] { rms_norm(x.data(), w.data(), out.data(), d, 1e-5f); });
+    for (int r = 0; r < rows; r++) {
+        double ms = 0.0;
+        for (int c = 0; c < d; c++) ms += (double)x[r * d + c] * x[r * d + c];
+        double scale = 1.0 / std::sqrt(ms / d + 1e-5);
+        for (int c = 0; c < d; c++) {
+            double want = x[r * d + c] * scale * w[c];
+            if (!near(out[r * d + c], want, 1e-5)) return fail("rms_norm", r * d + c, out[r * d + c], want);
+        }
+    }
+    // RoPE of 2 tokens x 3 heads of 8, rotating 6 dimensions, with frequency factors.
+    int tokens = 2, heads = 3, head_dim = 8, rot = 6;
+    std::vector<u64> pos = {5, 1000};
+    std::vector<float> factors = {1.0f, 2.0f, 8.0f};
+    std::vector<float> r0((size_t)tokens * heads * head_dim);
+    for (auto& v : r0) v = next_value(seed);
+    std::vector<float> r1 = r0;
+    u64 pairs = (u64)tokens * heads * (rot / 2);
+    tpctl_launch(elementwise(pairs), 1, BLOCK_THREADS, [&] {
+        rope(r1.data(), pos.data(), tokens, heads, head_dim, rot, 10000.0f, factors.data());
+    });
+    for (int t = 0; t < tokens; t++)
+        for (int h = 0; h < heads; h++)
+            for (int i = 0; i < head_dim; i++) {
+                size_t at = ((size_t)t * heads + h) * head_dim + i;
+                double want = r0[at];
+                if (i < rot) {
+                    int p = i % (rot / 2);
+                    double a = (double)pos[t] * std::pow(10000.0, -(double)(2 * p) / rot) / factors[p];
+                    double lo = r0[at - i + p], hi = r0[at - i + p + rot / 2];
+                    want = i < rot / 2 ? lo * std::cos(a) - hi * std::sin(a) : hi * std::cos(a) + lo * std::sin(a);
+                }
+                if (!near(r1[at], want, 1e-5)) return fail("rope", at, r1[at], want);
+            }
+    // Argmax: the first of equal maxima, NaN never wins, a row of NaN gives 0.
+    float nan = std::nanf("");
+    std::vector<float> am = {1.0f, 3.0f, nan, 3.0f, -2.0f,   // ties: index 1
+                             nan, nan, nan, nan, nan,        // nothing qualifies: 0
+                             -5.0f, -1.0f, -1.5f, nan, -1.0f};  // index 1
+    std::vector<unsigned int> idx(3, 99);
+    tpctl_launch(3, 1, BLOCK_THREADS, [&] { argmax_rows(am.data(), 5, idx.data()); });
+    unsigned int want_idx[] = {1, 0, 1};
+    for (int r = 0; r < 3; r++)
+        if (idx[r] != want_idx[r]) return fail("argmax_rows", r, idx[r], want_idx[r]);
+    std::printf("ok: rms_norm, rope with factors, argmax_rows\n");
+    return 0;
+}
+
+static int check_formats() {
+    u64 seed = 99;
+    // Dequantization, 64 weights per packing: kinds 0 (8-bit, a scale per 32), 1 (4-bit with a
+    // minimum, 16 bytes per 32), 2 (8-bit, a scale per 16), 3 (as 2, plus a minimum).
+    u64 n = 64;
+    std::vector<float> scales(4), mins(4);
+    for (auto& v : scales) v = next_value(seed);
+    for (auto& v : mins) v = next_value(seed);
+    std::vector<unsigned char> qs(64);
+    for (size_t i = 0; i < qs.size(); i++) qs[i] = (unsigned char)(i * 37 + 11);
+    for (int kind = 0; kind < 4; kind++) {
+        std::vector<float> out(n, -7.0f);
+        tpctl_launch(elementwise(n), 1, BLOCK_THREADS, [&] {
+            dequantize(scales.data(), mins.data(), qs.data(), out.data(), n, kind);
+        });
+        for (u64 i = 0; i < n; i++) {
+            double want;
+            if (kind == 1) {
+                unsigned char q = qs[(i / 32) * 16 + (i % 32) % 16];
+                int nib = (i % 32) < 16 ? (q & 15) : (q >> 4);
+                want = (double)scales[i / 32] * nib + mins[i / 32];
+            } else if (kind >= 2) {
+                want = (double)scales[i / 16] * (signed char)qs[i] + (kind == 3 ? mins[i / 16] : 0.0);
+            } else {
+                want = (double)scales[i / 32] * (signed char)qs[i];
+            }
+            if (!near(out[i], want, 1e-6)) return fail("dequantize", i, out[i], want);
+        }
+    }
+    // bf16 rounding: nearest, ties to even, NaN kept (quiet), infinities kept.
+    std::vector<float> f = {1.0f, -2.5f, __int_as_float(0x3f808000), __int_as_float(0x3f818000),
+                            __int_as_float(0x3f80c000), INFINITY, std::nanf("")};
+    std::vector<unsigned short> bits(f.size());
+    tpctl_launch(1, 1, BLOCK_THREADS, [&] { to_bf16(f.data(), bits.data(), f.size()); });
+    unsigned short want_bits[] = {0x3f80, 0xc020, 0x3f80, 0x3f82, 0x3f81, 0x7f80, 0x7fc0};
+    for (size_t i = 0; i < f.size(); i++)
+        if (bits[i] != want_bits[i]) return fail("to_bf16", i, bits[i], want_bits[i]);
+    // Embedding rows and a column split.
+    int vocab = 5, dim = 7;
+    std::vector<float> table((size_t)vocab * dim);
+    for (auto& v : table) v = next_value(seed);
+    std::vector<unsigned int> ids = {4, 0, 4, 2};
+    std::vector<float> emb(ids.size() * dim);
+    tpctl_launch(elementwise(emb.size()), 1, BLOCK_THREADS, [&] {
+        embedding(table.data(), ids.data(), emb.data(), (int)ids.size(), dim);
+    });
+    for (size_t i = 0; i < emb.size(); i++) {
+        float want = table[ids[i / dim] * dim + i % dim];
+        if (emb[i] != want) return fail("embedding", i, emb[i], want);
+    }
+    std::vector<float> cols(ids.size() * 3);
+    tpctl_launch(elementwise(cols.size()), 1, BLOCK_THREADS, [&] {
+        copy_cols(emb.data(), cols.data(), cols.size(), dim, 2, 3);
+    });
+    for (size_t i = 0; i < cols.size(); i++) {
+        float want = emb[(i / 3) * dim + 2 + i % 3];
+        if (cols[i] != want) return fail("copy_cols", i, cols[i], want);
+    }
+    std::printf("ok: dequantize (4 packings), to_bf16, embedding, copy_cols\n");
+    return 0;
+}
+
+static const unsigned int THREADS = 128;  // ATTN_BLOCK
+
+float next_value(u64& state) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((double)(state >> 40) / (double)(1ull << 24) * 2.0 - 1.0);
+}
+
+struct Case {
+    int q_heads, kv_heads, head_dim, queries, keys, splits, block_size;
+    bool scattered;
+};
+
+static int check(const Case& c) {
+    u64 seed = 12345 + c.keys * 7 + c.head_dim;
+    int rows = c.queries * c.q_heads;
+    u64 stride = (u64)c.kv_heads * c.head_dim;
+    std::vector<float> q((size_t)rows * c.head_dim);
+    for (auto& x : q) x = next_value(seed);
+    std::vector<u64> q_pos(c.queries), kv_pos(c.keys);
+    for (int i = 0; i < c.queries; i++) q_pos[i] = c.scattered ? (u64)i * 3 : (u64)(c.keys - c.queries + i);
+    for (int j = 0; j < c.keys; j++) kv_pos[j] = c.scattered ? (u64)((j * 37) % (c.keys + 11) + 2) : (u64)j;
+    // Logical key rows; with a block table they are stored in reversed blocks.
+    std::vector<float> kl((size_t)c.keys * stride), vl((size_t)c.keys * stride);
+    for (auto& x : kl) x = next_value(seed);
+    for (auto& x : vl) x = next_value(seed);
+    std::vector<float> ks = kl, vs = vl;
+    std::vector<unsigned int> table;
+    u64 block_stride = 0;
+    if (c.block_size > 0) {
+        int blocks = (c.keys + c.block_size - 1) / c.block_size;
+        block_stride = (u64)c.block_size * stride;
+        ks.assign((size_t)blocks * block_stride, 0.0f);
+        vs.assign(ks.size(), 0.0f);
+        for (int b = 0; b < blocks; b++) table.push_back((unsigned int)(blocks - 1 - b));
+        for (int j = 0; j < c.keys; j++) {
+            u64 at = table[j / c.block_size] * block_stride + (u64)(j % c.block_size) * stride;
+            std::copy_n(&kl[(size_t)j * stride], stride, &ks[at]);
+            std::copy_n(&vl[(size_t)j * stride], stride, &vs[at]);
+        }
+    }
+    float scale = 1.0f / std::sqrt((float)c.head_dim);
+    int chunk = (c.keys + c.splits - 1) / c.splits;
+    chunk = (chunk + 127) / 128 * 128;
+    int splits = (c.keys + chunk - 1) / chunk;
+    std::vector<float> part((size_t)splits * rows * c.head_dim), part_lse((size_t)splits * rows);
+    const unsigned int* tp = table.empty() ? nullptr : table.data();
+    // One block per query token, KV head and slice of up to ATTN_GROUP (4) of its query heads.
+    int per_group = c.q_heads / c.kv_heads;
+    unsigned int blocks = (unsigned int)(c.queries * c.kv_heads * ((per_group + 3) / 4));
+    tpctl_launch(blocks, splits, THREADS, [&] {
+        attention(q.data(), q_pos.data(), ks.data(), vs.data(), kv_pos.data(), tp,
+                  c.block_size > 0 ? c.block_size : 1, block_stride, c.keys, c.q_heads,
+                  c.kv_heads, c.head_dim, scale, chunk, part.data(), part_lse.data());
+    });
+    std::vector<float> out = part, lse = part_lse;
+    if (splits > 1) {
+        out.assign((size_t)rows * c.head_dim, 0.0f);
+        lse.assign(rows, 0.0f);
+        tpctl_launch(rows, 1, THREADS, [&] {
+            attention_merge(part.data(), part_lse.data(), splits, rows, c.head_dim, out.data(),
+                            lse.data());
+        });
+    }
+    for (int r = 0; r < rows; r++) {
+        int i = r / c.q_heads, h = r % c.q_heads, g = h / (c.q_heads / c.kv_heads);
+        std::vector<double> s;
+        double mx = -INFINITY;
+        for (int j = 0; j < c.keys; j++) {
+            double dot = -INFINITY;
+            if (kv_pos[j] <= q_pos[i]) {
+                dot = 0.0;
+                for (int d = 0; d < c.head_dim; d++)
+                    dot += (double)q[(size_t)r * c.head_dim + d] *
+                           kl[(size_t)j * stride + (size_t)g * c.head_dim + d];
+                dot *= scale;
+            }
+            s.push_back(dot);
+            mx = std::max(mx, dot);
+        }
+        double sum = 0.0;
+        for (double x : s) sum += x == -INFINITY ? 0.0 : std::exp(x - mx);
+        double want_lse = mx == -INFINITY ? -INFINITY : mx + std::log(sum);
+        bool lse_ok = (want_lse == -INFINITY && lse[r] == -INFINITY) ||
+                      std::fabs(lse[r] - want_lse) <= 1e-4 * std::max(1.0, std::fabs(want_lse));
+        if (!lse_ok) {
+            std::printf("case keys=%d head_dim=%d splits=%d: row %d lse %.7g, want %.7g\n",
+                        c.keys, c.head_dim, splits, r, lse[r], want_lse);
+            return 1;
+        }
+        for (int d = 0; d < c.head_dim; d++) {
+            double want = 0.0;
+            if (mx != -INFINITY) {
+                for (int j = 0; j < c.keys; j++)
+                    if (s[j] != -INFINITY)
+                        want += std::exp(s[j] - mx) / sum *
+                                vl[(size_t)j * stride + (size_t)g * c.head_dim + d];
+            }
+            float got = out[(size_t)r * c.head_dim + d];
+            if (std::fabs(got - want) > 1e-4 * std::max(1.0, std::fabs(want))) {
+                std::printf("case keys=%d head_dim=%d splits=%d: row %d col %d: %.7g, want %.7g\n",
+                            c.keys, c.head_dim, splits, r, d, got, want);
+                return 1;
+            }
+        }
+    }
+    std::printf("ok: %d queries x %d heads over %d keys (%d kv heads, head_dim %d), %d range(s)%s%s\n",
+                c.queries, c.q_heads, c.keys, c.kv_heads, c.head_dim, splits,
+                c.block_size > 0 ? ", paged" : "", c.scattered ? ", scattered" : "");
+    return 0;
+}
+
+int main() {
+    const Case cases[] = {
+        {6, 2, 16, 9, 9, 1, 0, false},      // GQA prefill, one range
+        {9, 3, 64, 1, 700, 3, 0, false},    // decode over three key ranges
+        {9, 3, 64, 1, 700, 3, 16, false},   // the same through a block table
+        {4, 2, 160, 3, 300, 2, 0, true},    // head_dim over two chunks, queries that see no key
+        {2, 2, 80, 2, 260, 1, 32, true},    // a partial chunk, paged, one range
+        {12, 2, 32, 2, 400, 2, 0, false},   // six heads per KV head: two slices (4 and 2)
+        {8, 1, 64, 1, 300, 2, 8, true},     // eight heads on one KV head, paged, scattered
+    };
+    for (const Case& c : cases) {
+        if (check(c) != 0) return 1;
+    }
+    return check_rows() != 0 || check_formats() != 0;
+}
