@@ -436,13 +436,14 @@ impl ModelMemory {
         blocks: usize,
     ) -> Result<layers::model::KvPool, PlaceError> {
         use layers::memory::Arena;
-        let bytes = model.pool_bytes(block_size, blocks);
+        let elem = self.kv_elem(model);
+        let bytes = model.pool_bytes(block_size, blocks, elem);
         let what = format!("a {bytes}-byte KV pool");
         let failed = |source| PlaceError::Model { what: what.clone(), source: Box::new(source) };
         if let Some(arena) = self.device_kv(model, bytes) {
-            return model.pool_on_device(&arena, block_size, blocks).map_err(|source| {
+            return model.pool_on_device(&arena, block_size, blocks, elem).map_err(|source| {
                 PlaceError::Model {
-                    what: format!("allocating {what} on the GPU"),
+                    what: format!("allocating {what} ({}) on the GPU", elem.name()),
                     source: Box::new(source),
                 }
             });
@@ -451,6 +452,16 @@ impl ModelMemory {
         let storage = layers::tensor::Storage::external(arena.alloc(bytes).map_err(failed)?)
             .map_err(failed)?;
         model.pool_in(storage, block_size).map_err(failed)
+    }
+
+    /// How [`ModelMemory::new_pool`] stores `model`'s keys and values: as the model's
+    /// [`ParallelModel::device_kv_elem`] (bf16 with half-precision weights) in device memory,
+    /// f32 on the host.
+    pub fn kv_elem(&self, model: &ParallelModel) -> layers::kernels::KvElem {
+        match self.device_for(model.backend()) {
+            Some(_) => model.device_kv_elem(),
+            None => layers::kernels::KvElem::F32,
+        }
     }
 
     /// A KV cache of `capacity` tokens for one sequence of `model`, in its own `kv_cache`

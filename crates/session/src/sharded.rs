@@ -8,6 +8,7 @@ use crate::plan::{PlanEntry, SeqId, SessionConfig, StepPlan};
 use crate::replicated::LlamaFactory;
 use crate::sequences::Sequences;
 use crate::sink::TextCodec;
+use layers::kernels::KvElem;
 use layers::model::KvPool;
 use layers::model::WeightForm;
 use layers::parallel::{Comms, LoadOptions, ParallelModel, Placement};
@@ -86,8 +87,9 @@ pub enum KvSizeError {
 }
 
 impl KvCacheConfig {
-    /// Blocks of `block_size` tokens in a pool of `bytes` bytes for `config` split over `tp`
-    /// ranks, and the blocks one sequence of `context` tokens split over `cp` ranks needs.
+    /// Blocks of `block_size` tokens stored as `elem` in a pool of `bytes` bytes for `config`
+    /// split over `tp` ranks, and the blocks one sequence of `context` tokens split over `cp`
+    /// ranks needs.
     ///
     /// # Errors
     /// The heads cannot be split over `tp`, or the pool cannot hold one sequence of
@@ -97,8 +99,9 @@ impl KvCacheConfig {
         config: &layers::LlamaConfig,
         (tp, cp): (usize, usize),
         context: usize,
+        elem: KvElem,
     ) -> Result<usize, KvSizeError> {
-        let block = layers::parallel::kv_block_bytes(config, tp, self.block_size)?.max(1);
+        let block = layers::parallel::kv_block_bytes(config, tp, self.block_size, elem)?.max(1);
         let need = context.div_ceil(cp.max(1)).div_ceil(self.block_size);
         let Some(bytes) = self.bytes else {
             let cap = usize::try_from(self.cap_bytes).unwrap_or(usize::MAX) / block;
@@ -247,7 +250,9 @@ impl ModelFactory for ShardedFactory {
         let pool = match self.kv {
             Some(kv) => {
                 let kv = self.on_this_device(kv, &model);
-                let blocks = kv.blocks(model.config(), (placement.tp, placement.cp), context)?;
+                let elem = self.memory.as_ref().map_or(KvElem::F32, |m| m.kv_elem(&model));
+                let layout = (placement.tp, placement.cp);
+                let blocks = kv.blocks(model.config(), layout, context, elem)?;
                 let pool = match &self.memory {
                     Some(m) => m.new_pool(&model, kv.block_size, blocks)?,
                     None => model.new_pool(kv.block_size, blocks)?,

@@ -11,7 +11,7 @@ typedef unsigned long long u64;
 extern "C" void attention(const float* q, const u64* q_pos, const float* k, const float* v,
                           const u64* kv_pos, const unsigned int* table, int block_size,
                           u64 block_stride, int n_kv, int q_heads, int kv_heads, int head_dim,
-                          float scale, int chunk, float* out, float* lse);
+                          float scale, int chunk, int kv_bf16, float* out, float* lse);
 extern "C" void attention_merge(const float* part, const float* part_lse, int splits, int rows,
                                 int head_dim, float* out, float* lse);
 extern "C" void rms_norm(const float* x, const float* w, float* out, int d, float eps);
@@ -167,7 +167,15 @@ float next_value(u64& state) {
 struct Case {
     int q_heads, kv_heads, head_dim, queries, keys, splits, block_size;
     bool scattered;
+    bool bf16 = false;
 };
+
+// `x` rounded to bf16 bits (nearest, ties to even), as the to_bf16 kernel does.
+static unsigned short bf16_bits(float x) {
+    unsigned int u = __float_as_uint(x);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
 
 static int check(const Case& c) {
     u64 seed = 12345 + c.keys * 7 + c.head_dim;
@@ -197,6 +205,16 @@ static int check(const Case& c) {
             std::copy_n(&vl[(size_t)j * stride], stride, &vs[at]);
         }
     }
+    // bf16 keys and values: the reference uses the rounded values, the kernel their bits.
+    std::vector<unsigned short> kh, vh;
+    if (c.bf16) {
+        for (auto* pair : {&kl, &vl})
+            for (auto& x : *pair) x = __uint_as_float((unsigned int)bf16_bits(x) << 16);
+        for (float x : ks) kh.push_back(bf16_bits(x));
+        for (float x : vs) vh.push_back(bf16_bits(x));
+    }
+    const float* kp = c.bf16 ? (const float*)kh.data() : ks.data();
+    const float* vp = c.bf16 ? (const float*)vh.data() : vs.data();
     float scale = 1.0f / std::sqrt((float)c.head_dim);
     int chunk = (c.keys + c.splits - 1) / c.splits;
     chunk = (chunk + 127) / 128 * 128;
@@ -207,9 +225,10 @@ static int check(const Case& c) {
     int per_group = c.q_heads / c.kv_heads;
     unsigned int blocks = (unsigned int)(c.queries * c.kv_heads * ((per_group + 3) / 4));
     tpctl_launch(blocks, splits, THREADS, [&] {
-        attention(q.data(), q_pos.data(), ks.data(), vs.data(), kv_pos.data(), tp,
+        attention(q.data(), q_pos.data(), kp, vp, kv_pos.data(), tp,
                   c.block_size > 0 ? c.block_size : 1, block_stride, c.keys, c.q_heads,
-                  c.kv_heads, c.head_dim, scale, chunk, part.data(), part_lse.data());
+                  c.kv_heads, c.head_dim, scale, chunk, c.bf16 ? 1 : 0, part.data(),
+                  part_lse.data());
     });
     std::vector<float> out = part, lse = part_lse;
     if (splits > 1) {
@@ -262,9 +281,10 @@ static int check(const Case& c) {
             }
         }
     }
-    std::printf("ok: %d queries x %d heads over %d keys (%d kv heads, head_dim %d), %d range(s)%s%s\n",
+    std::printf("ok: %d queries x %d heads over %d keys (%d kv heads, head_dim %d), %d range(s)%s%s%s\n",
                 c.queries, c.q_heads, c.keys, c.kv_heads, c.head_dim, splits,
-                c.block_size > 0 ? ", paged" : "", c.scattered ? ", scattered" : "");
+                c.block_size > 0 ? ", paged" : "", c.scattered ? ", scattered" : "",
+                c.bf16 ? ", bf16 keys and values" : "");
     return 0;
 }
 
@@ -277,6 +297,8 @@ int main() {
         {2, 2, 80, 2, 260, 1, 32, true},    // a partial chunk, paged, one range
         {12, 2, 32, 2, 400, 2, 0, false},   // six heads per KV head: two slices (4 and 2)
         {8, 1, 64, 1, 300, 2, 8, true},     // eight heads on one KV head, paged, scattered
+        {9, 3, 64, 1, 700, 3, 16, false, true},  // decode over a paged bf16 cache
+        {6, 2, 80, 4, 200, 1, 0, true, true},    // bf16, a partial chunk, scattered
     };
     for (const Case& c : cases) {
         if (check(c) != 0) return 1;

@@ -27,6 +27,11 @@ inline float __int_as_float(int i) {
     std::memcpy(&f, &i, sizeof f);
     return f;
 }
+inline float __uint_as_float(unsigned int u) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
 inline unsigned int __float_as_uint(float f) {
     unsigned int u;
     std::memcpy(&u, &f, sizeof u);

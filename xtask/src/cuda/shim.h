@@ -10,4 +10,5 @@ extern tpctl_dim3 threadIdx, blockIdx, blockDim, gridDim;
 void __syncthreads();
 float __int_as_float(int);
 unsigned int __float_as_uint(float);
+float __uint_as_float(unsigned int);
 int min(int, int);

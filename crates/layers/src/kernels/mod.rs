@@ -153,15 +153,17 @@ pub enum Kv<'a> {
 pub struct DeviceBlocks<'a> {
     /// The pool.
     pub memory: &'a dyn DeviceMemory,
+    /// How the pool stores keys and values.
+    pub elem: KvElem,
     /// The sequence's blocks in token order.
     pub table: &'a [u32],
     /// Tokens per block.
     pub block_size: usize,
-    /// Floats from the start of one block to the next.
+    /// Elements from the start of one block to the next.
     pub block_stride: usize,
-    /// Floats from the start of a block to this layer's keys.
+    /// Elements from the start of a block to this layer's keys.
     pub keys: usize,
-    /// Floats from the start of a block to this layer's values.
+    /// Elements from the start of a block to this layer's values.
     pub values: usize,
 }
 
@@ -177,7 +179,36 @@ impl DeviceBlocks<'_> {
         let Some(&last) = used.iter().max() else { return true };
         let end =
             last as usize * self.block_stride + self.keys.max(self.values) + self.block_size * row;
-        4 * end <= self.memory.size()
+        self.elem.size() * end <= self.memory.size()
+    }
+}
+
+/// How a KV cache in device memory stores keys and values. Host caches are always f32.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KvElem {
+    /// 32-bit floats, as the activations (and the CPU's caches) are.
+    #[default]
+    F32,
+    /// bfloat16, rounded to nearest even when written: half the memory and the bytes each
+    /// attention reads, at about 3 significant digits per value.
+    Bf16,
+}
+
+impl KvElem {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            KvElem::F32 => 4,
+            KvElem::Bf16 => 2,
+        }
+    }
+
+    /// Its name in messages and configuration (`f32`, `bf16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            KvElem::F32 => "f32",
+            KvElem::Bf16 => "bf16",
+        }
     }
 }
 
@@ -552,14 +583,16 @@ impl Backend {
         }
     }
 
-    /// Copies elements `range` of `src` into device memory `dst` from its `offset`-th f32 on
-    /// (a device copy when `src` is the CUDA backend's output).
+    /// Copies elements `range` of `src` into device memory `dst`, stored as `elem`, from its
+    /// `offset`-th element on (a device copy, rounded there for bf16, when `src` is the CUDA
+    /// backend's output).
     ///
     /// # Errors
     /// As [`Backend::write_device`], and [`Error::Shape`] when `range` is not in `src`.
     pub(crate) fn write_tensor(
         &self,
         dst: &dyn DeviceMemory,
+        elem: KvElem,
         offset: usize,
         src: &Tensor,
         range: std::ops::Range<usize>,
@@ -567,10 +600,12 @@ impl Backend {
         check("write_device", range.start <= range.end && range.end <= src.len(), || {
             format!("values {range:?} of a tensor of {}", src.len())
         })?;
-        self.device_writer(dst, offset, range.len())?.write_tensor(dst, offset, src, range)
+        let cuda = self.device_writer(dst, elem, offset, range.len())?;
+        cuda.write_tensor(dst, elem, offset, src, range)
     }
 
-    /// Copies `src` into device memory `dst` from its `offset`-th f32 on.
+    /// Copies `src` into device memory `dst`, stored as `elem`, from its `offset`-th element
+    /// on.
     ///
     /// # Errors
     /// [`Error::Shape`] when the values do not fit; [`Error::BackendUnavailable`] on the CPU
@@ -578,23 +613,26 @@ impl Backend {
     pub(crate) fn write_device(
         &self,
         dst: &dyn DeviceMemory,
+        elem: KvElem,
         offset: usize,
         src: &[f32],
     ) -> Result<()> {
-        self.device_writer(dst, offset, src.len())?.write_device(dst, offset, src)
+        self.device_writer(dst, elem, offset, src.len())?.write_device(dst, elem, offset, src)
     }
 
-    /// The CUDA backend, to write `len` floats into `dst` from its `offset`-th one.
+    /// The CUDA backend, to write `len` values into `dst` (elements of `elem`) from its
+    /// `offset`-th one.
     ///
     /// # Errors
     /// [`Error::Shape`] when they do not fit; [`Error::BackendUnavailable`] on the CPU.
     fn device_writer(
         &self,
         dst: &dyn DeviceMemory,
+        elem: KvElem,
         offset: usize,
         len: usize,
     ) -> Result<&CudaBackend> {
-        let floats = dst.size() / 4;
+        let floats = dst.size() / elem.size();
         check("write_device", offset + len <= floats, || {
             format!("{len} values at {offset} overflow {floats}")
         })?;

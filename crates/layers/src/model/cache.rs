@@ -5,7 +5,7 @@
 //! CUDA backend, in device memory ([`DeviceMemory`]), where attention reads them in place.
 
 use crate::error::{Error, Result};
-use crate::kernels::{Backend, Kv};
+use crate::kernels::{Backend, Kv, KvElem};
 use crate::tensor::Storage;
 use mesh::DeviceMemory;
 
@@ -115,8 +115,8 @@ impl LayerCache {
                 vb.as_mut_slice()[range].copy_from_slice(v);
             }
             Buffers::Device { k: kb, v: vb } => {
-                be.write_device(kb.as_ref(), len * self.row, k)?;
-                be.write_device(vb.as_ref(), len * self.row, v)?;
+                be.write_device(kb.as_ref(), KvElem::F32, len * self.row, k)?;
+                be.write_device(vb.as_ref(), KvElem::F32, len * self.row, v)?;
             }
         }
         self.positions.extend_from_slice(positions);
@@ -140,8 +140,8 @@ impl LayerCache {
             return self.append(be, k.data(), v.data(), positions);
         };
         let len = self.check_append(positions.len(), k.len(), v.len())?;
-        be.write_tensor(kb.as_ref(), len * self.row, k, 0..k.len())?;
-        be.write_tensor(vb.as_ref(), len * self.row, v, 0..v.len())?;
+        be.write_tensor(kb.as_ref(), KvElem::F32, len * self.row, k, 0..k.len())?;
+        be.write_tensor(vb.as_ref(), KvElem::F32, len * self.row, v, 0..v.len())?;
         self.positions.extend_from_slice(positions);
         Ok(())
     }

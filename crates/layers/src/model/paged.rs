@@ -11,7 +11,7 @@
 
 use crate::error::{Error, Result};
 use crate::kernels::cpu::attention::KvBlocks;
-use crate::kernels::{Backend, DeviceBlocks, Kv};
+use crate::kernels::{Backend, DeviceBlocks, Kv, KvElem};
 use crate::tensor::{Storage, Tensor};
 use mesh::DeviceMemory;
 use std::sync::{Arc, PoisonError, RwLock};
@@ -20,6 +20,8 @@ use std::sync::{Arc, PoisonError, RwLock};
 #[derive(Debug)]
 pub struct KvPool {
     data: Blocks,
+    /// How the blocks store values (f32 on the host).
+    elem: KvElem,
     layers: usize,
     /// Values per token of one layer's keys (or values): `kv_heads × head_dim`.
     row: usize,
@@ -55,7 +57,7 @@ impl KvPool {
         block_size: usize,
         blocks: usize,
     ) -> Result<Self> {
-        let floats = Self::bytes(layers, kv_heads, head_dim, block_size, blocks) / 4;
+        let floats = Self::bytes(KvElem::F32, layers, kv_heads, head_dim, block_size, blocks) / 4;
         Self::with_storage(
             Storage::Owned(vec![0.0; floats]),
             layers,
@@ -80,6 +82,7 @@ impl KvPool {
         let floats = storage.len();
         Self::over(
             Blocks::Host(RwLock::new(storage)),
+            KvElem::F32,
             floats,
             layers,
             kv_heads,
@@ -88,25 +91,28 @@ impl KvPool {
         )
     }
 
-    /// A pool over device memory `memory` (one `kv_cache` allocation of a GPU, say), written
-    /// and read by the CUDA backend of that device; it holds as many blocks as fit.
+    /// A pool over device memory `memory` (one `kv_cache` allocation of a GPU, say) storing
+    /// values as `elem`, written and read by the CUDA backend of that device; it holds as many
+    /// blocks as fit.
     ///
     /// # Errors
     /// As [`KvPool::with_storage`].
     pub fn on_device(
         memory: Box<dyn DeviceMemory>,
+        elem: KvElem,
         layers: usize,
         kv_heads: usize,
         head_dim: usize,
         block_size: usize,
     ) -> Result<Self> {
-        let floats = memory.size() / 4;
-        Self::over(Blocks::Device(memory), floats, layers, kv_heads, head_dim, block_size)
+        let values = memory.size() / elem.size();
+        Self::over(Blocks::Device(memory), elem, values, layers, kv_heads, head_dim, block_size)
     }
 
     /// A pool of `data` holding `floats` values, checked to be whole blocks.
     fn over(
         data: Blocks,
+        elem: KvElem,
         floats: usize,
         layers: usize,
         kv_heads: usize,
@@ -131,18 +137,24 @@ impl KvPool {
             ));
         }
         let blocks = floats / block_floats;
-        Ok(KvPool { data, layers, row, block_size, blocks })
+        Ok(KvPool { data, elem, layers, row, block_size, blocks })
     }
 
-    /// Bytes of a pool of `blocks` blocks.
+    /// Bytes of a pool of `blocks` blocks storing values as `elem`.
     pub fn bytes(
+        elem: KvElem,
         layers: usize,
         kv_heads: usize,
         head_dim: usize,
         block_size: usize,
         blocks: usize,
     ) -> usize {
-        blocks * 2 * layers * block_size * kv_heads * head_dim * std::mem::size_of::<f32>()
+        blocks * 2 * layers * block_size * kv_heads * head_dim * elem.size()
+    }
+
+    /// How the pool stores values.
+    pub fn elem(&self) -> KvElem {
+        self.elem
     }
 
     /// Blocks in the pool.
@@ -234,14 +246,14 @@ impl KvPool {
             }
             (Blocks::Device(mem), Rows::Host(k, v)) => {
                 for (dst, src, len) in runs {
-                    be.write_device(mem.as_ref(), dst, &k[src..src + len])?;
-                    be.write_device(mem.as_ref(), dst + bs * row, &v[src..src + len])?;
+                    be.write_device(mem.as_ref(), self.elem, dst, &k[src..src + len])?;
+                    be.write_device(mem.as_ref(), self.elem, dst + bs * row, &v[src..src + len])?;
                 }
             }
             (Blocks::Device(mem), Rows::Tensors(k, v)) => {
                 for (dst, src, len) in runs {
-                    be.write_tensor(mem.as_ref(), dst, k, src..src + len)?;
-                    be.write_tensor(mem.as_ref(), dst + bs * row, v, src..src + len)?;
+                    be.write_tensor(mem.as_ref(), self.elem, dst, k, src..src + len)?;
+                    be.write_tensor(mem.as_ref(), self.elem, dst + bs * row, v, src..src + len)?;
                 }
             }
         }
@@ -397,6 +409,7 @@ impl PagedCache {
                 let keys = self.pool.offset(0, layer);
                 let blocks = DeviceBlocks {
                     memory: memory.as_ref(),
+                    elem: self.pool.elem,
                     table: used,
                     block_size: bs,
                     block_stride: self.pool.offset(1, 0),
@@ -522,14 +535,44 @@ mod tests {
     /// A pool in device memory hands attention its blocks through the table (offsets of the
     /// layer's keys and values, bounds checked against the memory), and the CPU backend
     /// neither writes nor reads it.
+    /// A bf16 device pool counts two bytes a value: the same memory holds twice the blocks,
+    /// its size is half an f32 pool's, and its blocks are checked against the memory in bytes.
+    #[test]
+    fn a_bf16_device_pool_holds_twice_the_blocks_of_its_bytes() {
+        let bytes = 3 * 128 * 4;
+        let pool = KvPool::on_device(Box::new(Fake(bytes)), KvElem::Bf16, 2, 1, 8, 4).unwrap();
+        assert_eq!((pool.blocks(), pool.elem()), (6, KvElem::Bf16));
+        assert_eq!(KvPool::bytes(KvElem::Bf16, 2, 1, 8, 4, 6), bytes);
+        assert_eq!(KvPool::bytes(KvElem::F32, 2, 1, 8, 4, 6), 2 * bytes);
+        let memory = Fake(bytes);
+        let blocks = |table, elem| DeviceBlocks {
+            memory: &memory,
+            elem,
+            table,
+            block_size: 4,
+            block_stride: 128,
+            keys: 64,
+            values: 96,
+        };
+        assert!(blocks(&[5], KvElem::Bf16).holds(4, 8), "block 5 of 6 fits in bf16");
+        assert!(!blocks(&[5], KvElem::F32).holds(4, 8), "but not in f32");
+        let cache = PagedCache::new(Arc::new(pool));
+        cache.with_kv(0, |kv, _| {
+            let Kv::PagedDevice(b) = kv else { panic!("a device pool gave {kv:?}") };
+            assert_eq!(b.elem, KvElem::Bf16);
+        });
+    }
+
     #[test]
     fn a_device_pool_names_its_blocks_and_is_refused_by_the_cpu() {
         let be = Backend::cpu(1).unwrap();
         // 2 layers × (k, v) × 4 tokens × 8 values: blocks of 128 floats.
-        let pool = Arc::new(KvPool::on_device(Box::new(Fake(3 * 128 * 4)), 2, 1, 8, 4).unwrap());
+        let pool = Arc::new(
+            KvPool::on_device(Box::new(Fake(3 * 128 * 4)), KvElem::F32, 2, 1, 8, 4).unwrap(),
+        );
         assert!(pool.is_on_device());
         assert_eq!(pool.blocks(), 3);
-        let err = KvPool::on_device(Box::new(Fake(100 * 4)), 2, 1, 8, 4).unwrap_err();
+        let err = KvPool::on_device(Box::new(Fake(100 * 4)), KvElem::F32, 2, 1, 8, 4).unwrap_err();
         assert!(err.to_string().contains("whole blocks of 128"), "{err}");
         let mut cache = PagedCache::new(pool);
         cache.extend_table(&[2, 0]).unwrap();
@@ -544,6 +587,7 @@ mod tests {
         });
         let blocks = |table| DeviceBlocks {
             memory: &Fake(3 * 128 * 4),
+            elem: KvElem::F32,
             table,
             block_size: 4,
             block_stride: 128,

@@ -39,7 +39,7 @@ use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::kernels::cpu::attention::merge_partial;
-use crate::kernels::{AttnShape, Backend, Kv};
+use crate::kernels::{AttnShape, Backend, GemmDtype, Kv, KvElem};
 use crate::memory::{alloc_device_exact, alloc_exact, padded, Arena, DeviceArena, WeightBuffers};
 use crate::model::{
     load_vector, Attention, KvCache, KvPool, LayerCache, Linear, Logits, Mlp, PagedCache, Shard,
@@ -157,18 +157,23 @@ pub fn kv_head_range(cfg: &LlamaConfig, rank: usize, tp: usize) -> Result<Range<
     Ok(head_shard(cfg, rank, tp)?.kv)
 }
 
-/// Bytes of one KV block of `block_size` tokens on the TP rank holding the most KV heads: a
-/// pool sized in bytes holds this many fewer blocks, the same count on every rank (see
+/// Bytes of one KV block of `block_size` tokens stored as `elem` on the TP rank holding the
+/// most KV heads: a pool sized in bytes holds this many fewer blocks, the same count on every rank (see
 /// [`KvPool`]).
 ///
 /// # Errors
 /// As [`head_shard`].
-pub fn kv_block_bytes(cfg: &LlamaConfig, tp: usize, block_size: usize) -> Result<usize> {
+pub fn kv_block_bytes(
+    cfg: &LlamaConfig,
+    tp: usize,
+    block_size: usize,
+    elem: KvElem,
+) -> Result<usize> {
     let mut most = 0;
     for rank in 0..tp.max(1) {
         most = most.max(kv_head_range(cfg, rank, tp.max(1))?.len());
     }
-    Ok(KvPool::bytes(cfg.n_layers, most, cfg.head_dim, block_size, 1))
+    Ok(KvPool::bytes(elem, cfg.n_layers, most, cfg.head_dim, block_size, 1))
 }
 
 /// The `head_groups` to give `mesh::plan_mesh` (and `InitOptions::head_groups`) for this
@@ -917,10 +922,20 @@ impl ParallelModel {
         KvPool::new(c.n_layers, self.local_kv_heads(), c.head_dim, block_size, blocks)
     }
 
-    /// Bytes of this rank's KV pool of `blocks` blocks of `block_size` tokens.
-    pub fn pool_bytes(&self, block_size: usize, blocks: usize) -> usize {
+    /// Bytes of this rank's KV pool of `blocks` blocks of `block_size` tokens stored as
+    /// `elem`.
+    pub fn pool_bytes(&self, block_size: usize, blocks: usize, elem: KvElem) -> usize {
         let c = &self.config;
-        KvPool::bytes(c.n_layers, self.local_kv_heads(), c.head_dim, block_size, blocks)
+        KvPool::bytes(elem, c.n_layers, self.local_kv_heads(), c.head_dim, block_size, blocks)
+    }
+
+    /// How a KV pool in device memory stores values by default: bf16 when the model's weights
+    /// are half precision on the GPU (as vLLM's `auto` follows the model's type), else f32.
+    pub fn device_kv_elem(&self) -> KvElem {
+        match &self.backend {
+            Backend::Cuda(gpu) if gpu.gemm_dtype() != GemmDtype::F32 => KvElem::Bf16,
+            _ => KvElem::F32,
+        }
     }
 
     /// A KV pool for this rank's heads over `storage` (one `kv_cache` allocation, say): as
@@ -934,8 +949,8 @@ impl ParallelModel {
     }
 
     /// A KV pool of `blocks` blocks of `block_size` tokens for this rank's heads in device
-    /// memory from `arena` (one `kv_cache` allocation on the GPU the model computes on), read
-    /// and written by the CUDA backend in place.
+    /// memory from `arena` (one `kv_cache` allocation on the GPU the model computes on), values
+    /// stored as `elem`, read and written by the CUDA backend in place.
     ///
     /// # Errors
     /// [`Error::Arena`] when the memory cannot be had; as [`KvPool::on_device`].
@@ -944,10 +959,11 @@ impl ParallelModel {
         arena: &dyn DeviceArena,
         block_size: usize,
         blocks: usize,
+        elem: KvElem,
     ) -> Result<KvPool> {
-        let memory = alloc_device_exact(arena, self.pool_bytes(block_size, blocks))?;
+        let memory = alloc_device_exact(arena, self.pool_bytes(block_size, blocks, elem))?;
         let c = &self.config;
-        KvPool::on_device(memory, c.n_layers, self.local_kv_heads(), c.head_dim, block_size)
+        KvPool::on_device(memory, elem, c.n_layers, self.local_kv_heads(), c.head_dim, block_size)
     }
 
     /// An empty cache for one sequence whose keys and values live in blocks of `pool` (none

@@ -41,7 +41,7 @@ use super::{attention_blocks, attention_splits};
 use crate::error::{Error, Result};
 use crate::kernels::cpu::attention::AttnShape;
 use crate::kernels::cpu::qmatrix::QBits;
-use crate::kernels::{GemmDtype, Kv, Weight};
+use crate::kernels::{GemmDtype, Kv, KvElem, Weight};
 use crate::memory::{alloc_device_exact, DeviceArena};
 use crate::tensor::{DeviceData, Tensor};
 use collectives::{Communicator, DeviceRange, ElemType, ReduceOp};
@@ -503,21 +503,23 @@ impl CudaBackend {
     /// # Safety
     /// `dst..dst + 4·src.len()` is device memory of this backend's context that nothing else
     /// uses while the copy runs.
-    unsafe fn copy_to_addr(&self, op: &str, dst: u64, src: &[f32]) -> Result<()> {
+    unsafe fn copy_to_addr<T: DeviceRepr>(&self, op: &str, dst: u64, src: &[T]) -> Result<()> {
         self.bind(op)?;
         let stream = self.stream();
         // SAFETY: the caller vouches for the destination; `src` is a live host slice and the
         // stream is synchronized before it can be dropped.
         unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, stream.cu_stream()) }
-            .or_unavailable(|| format!("{op}: copying {} floats to the device", src.len()))?;
+            .or_unavailable(|| format!("{op}: copying {} values to the device", src.len()))?;
         stream.synchronize().or_unavailable(|| format!("{op}: waiting for the device"))
     }
 
-    /// Copies `src` into device memory `dst` from its `offset`-th f32 on (the caller checked
-    /// that they fit).
+    /// Copies `src` into device memory `dst`, stored as `elem` (bf16 rounded on the host, to
+    /// nearest even as the `to_bf16` kernel rounds), from its `offset`-th element on (the
+    /// caller checked that they fit).
     pub(crate) fn write_device(
         &self,
         dst: &dyn DeviceMemory,
+        elem: KvElem,
         offset: usize,
         src: &[f32],
     ) -> Result<()> {
@@ -525,12 +527,20 @@ impl CudaBackend {
             return Ok(());
         }
         const OP: &str = "kv cache append";
-        debug_assert!(4 * (offset + src.len()) <= dst.size());
-        let base = self.owned_addr(OP, dst)?;
-        // SAFETY: `dst` is memory of this device (checked above) that its `DeviceMemory`
-        // implementation promises is mapped while kernels may run; the range lies inside it
-        // (checked by the caller).
-        unsafe { self.copy_to_addr(OP, base + 4 * offset as u64, src) }
+        debug_assert!(elem.size() * (offset + src.len()) <= dst.size());
+        let at = self.owned_addr(OP, dst)? + (elem.size() * offset) as u64;
+        match elem {
+            // SAFETY: `dst` is memory of this device (checked above) that its `DeviceMemory`
+            // implementation promises is mapped while kernels may run; the src.len() elements
+            // from `offset` lie inside it (checked by the caller).
+            KvElem::F32 => unsafe { self.copy_to_addr(OP, at, src) },
+            KvElem::Bf16 => {
+                let bits: Vec<u16> =
+                    src.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+                // SAFETY: as for f32, with two bytes an element.
+                unsafe { self.copy_to_addr(OP, at, &bits) }
+            }
+        }
     }
 
     /// The device copy of `w` as dense `[rows, cols]` in `dtype`, uploading (and dequantizing)
@@ -969,6 +979,8 @@ impl CudaBackend {
         // Key row j is at `table[j / block_size] · block_stride + (j % block_size) · row`
         // with a table, at `j · row` without.
         let (mut block_size, mut block_stride) = (1, 0u64);
+        // Only a device pool may hold bf16 keys and values.
+        let mut kv_bf16 = 0i32;
         let (kp, vp) = match kv {
             Kv::Host { k, v } => {
                 let (kd, vd) = staged.insert((self.upload(OP, k)?, self.upload(OP, v)?));
@@ -989,7 +1001,9 @@ impl CudaBackend {
                 block_size = int(OP, "block_size", blocks.block_size)?;
                 block_stride = blocks.block_stride as u64;
                 let base = self.owned_addr(OP, blocks.memory)?;
-                (base + 4 * blocks.keys as u64, base + 4 * blocks.values as u64)
+                kv_bf16 = i32::from(blocks.elem == KvElem::Bf16);
+                let at = |elements: usize| base + (blocks.elem.size() * elements) as u64;
+                (at(blocks.keys), at(blocks.values))
             }
         };
         let tp = table.as_ref().map_or(0, |t| self.addr(t));
@@ -1018,10 +1032,11 @@ impl CudaBackend {
         for a in &args {
             b.arg(a);
         }
-        b.arg(&scale).arg(&chunk32).arg(&mut od).arg(&mut ld);
+        b.arg(&scale).arg(&chunk32).arg(&kv_bf16).arg(&mut od).arg(&mut ld);
         // SAFETY: the arguments match `attention(const float*, const u64*, const float*,
         // const float*, const u64*, const unsigned*, int, u64, int, int, int, int, float, int,
-        // float*, float*)`. Block (b, s) serves query token i, KV head g and up to ATTN_GROUP
+        // int, float*, float*)`; keys and values are bf16 (two bytes an element) exactly when
+        // kv_bf16 is 1. Block (b, s) serves query token i, KV head g and up to ATTN_GROUP
         // of g's query heads (b = (i·kv_heads + g)·slices + slice, the grid's first dimension
         // being `attention_blocks`): it reads q_pos[i] and those heads' rows of q (head_dim
         // floats each), the key positions of its range [s·chunk, (s+1)·chunk) ∩ [0, n_kv) and
@@ -1337,21 +1352,28 @@ impl CudaBackend {
     pub(crate) fn write_tensor(
         &self,
         dst: &dyn DeviceMemory,
+        elem: KvElem,
         offset: usize,
         src: &Tensor,
         range: std::ops::Range<usize>,
     ) -> Result<()> {
         const OP: &str = "kv cache append";
         let Some(buf) = self.own(src.storage().device_data()) else {
-            return self.write_device(dst, offset, &src.data()[range]);
+            return self.write_device(dst, elem, offset, &src.data()[range]);
         };
         if range.is_empty() {
             return Ok(());
         }
-        debug_assert!(4 * (offset + range.len()) <= dst.size() && range.end <= src.len());
+        debug_assert!(elem.size() * (offset + range.len()) <= dst.size() && range.end <= src.len());
         self.bind(OP)?;
         let from = self.addr(buf) + 4 * range.start as u64;
-        let to = self.owned_addr(OP, dst)? + 4 * offset as u64;
+        let to = self.owned_addr(OP, dst)? + (elem.size() * offset) as u64;
+        if elem == KvElem::Bf16 {
+            // Rounded on the device straight into the pool: `round_to` writes range.len()
+            // halves at `to`, inside `dst` (checked by the caller), reading range.len() floats
+            // of `buf` from range.start, on this stream.
+            return self.round_to(OP, GemmDtype::Bf16, from, to, range.len());
+        }
         // SAFETY: `dst` is memory of this device (checked above) that its `DeviceMemory`
         // implementation promises is mapped while kernels may run, and the range lies inside
         // it (checked by the caller); `buf` holds the

@@ -197,6 +197,13 @@ __device__ u64 kv_row(int j, const unsigned int* table, int block_size, u64 bloc
     return (u64)table[j / block_size] * block_stride + (u64)(j % block_size) * stride;
 }
 
+// Element `i` of keys or values stored as f32, or as bf16 (`bf16`: raw bits, two bytes each;
+// widening is exact).
+__device__ float kv_at(const float* base, u64 i, int bf16) {
+    if (!bf16) return base[i];
+    return __uint_as_float((unsigned int)((const unsigned short*)base)[i] << 16);
+}
+
 // Causal grouped-query attention with the log-sum-exp of each row. One block per query token,
 // KV head g and slice of up to ATTN_GROUP of the query heads that share g, and per range of
 // keys: block (b, s) visits keys [s*chunk, (s+1)*chunk) in tiles of ATTN_BLOCK, staging each
@@ -210,13 +217,14 @@ __device__ u64 kv_row(int j, const unsigned int* table, int block_size, u64 bloc
 // splitting the keys is what fills the GPU). The grid is tokens*kv_heads*slices by ranges,
 // slices = ceil((q_heads / kv_heads) / ATTN_GROUP).
 // Query i sees key j when kv_pos[j] <= q_pos[i]; a row that sees no key gets zeros and -inf.
-// Keys and values are contiguous rows, or blocks of a paged cache named by `table` (kv_row).
+// Keys and values are contiguous rows, or blocks of a paged cache named by `table` (kv_row),
+// in f32 or (kv_bf16) bf16; offsets count elements either way.
 extern "C" __global__ void attention(const float* q, const u64* q_pos, const float* k,
                                      const float* v, const u64* kv_pos,
                                      const unsigned int* table, int block_size,
                                      u64 block_stride, int n_kv, int q_heads, int kv_heads,
-                                     int head_dim, float scale, int chunk, float* out,
-                                     float* lse) {
+                                     int head_dim, float scale, int chunk, int kv_bf16,
+                                     float* out, float* lse) {
     __shared__ float qs[ATTN_GROUP * ATTN_BLOCK * ATTN_DIMS];
     __shared__ float p[ATTN_GROUP * ATTN_BLOCK];
     __shared__ float buf[ATTN_BLOCK];
@@ -268,7 +276,9 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
             for (int e = tid; e < tile * ATTN_CHUNK; e += ATTN_BLOCK) {
                 int r = e / ATTN_CHUNK;
                 int c = e % ATTN_CHUNK;
-                if (c < width) ks[r * (ATTN_CHUNK + 1) + c] = k[roff[r] + (u64)(c0 + c)];
+                if (c < width) {
+                    ks[r * (ATTN_CHUNK + 1) + c] = kv_at(k, roff[r] + (u64)(c0 + c), kv_bf16);
+                }
             }
             __syncthreads();
             if (live) {
@@ -309,7 +319,7 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
             float a[ATTN_GROUP];
             for (int hh = 0; hh < nh; hh++) a[hh] = acc[hh][d] * corr[hh];
             for (int jj = 0; jj < tile; jj++) {
-                float vv = v[roff[jj] + (u64)c];
+                float vv = kv_at(v, roff[jj] + (u64)c, kv_bf16);
                 for (int hh = 0; hh < nh; hh++) {
                     float w = p[hh * ATTN_BLOCK + jj];
                     if (w != 0.0f) a[hh] += w * vv;

@@ -103,6 +103,7 @@ impl CudaBackend {
     pub(crate) fn write_device(
         &self,
         _dst: &dyn DeviceMemory,
+        _elem: crate::kernels::KvElem,
         _offset: usize,
         _src: &[f32],
     ) -> Result<()> {
@@ -112,6 +113,7 @@ impl CudaBackend {
     pub(crate) fn write_tensor(
         &self,
         _dst: &dyn DeviceMemory,
+        _elem: crate::kernels::KvElem,
         _offset: usize,
         _src: &Tensor,
         _range: std::ops::Range<usize>,

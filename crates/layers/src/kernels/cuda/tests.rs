@@ -12,7 +12,7 @@ use crate::config::LlamaConfig;
 use crate::error::Error;
 use crate::gguf::GgufFile;
 use crate::kernels::cpu::quant::{quantize, BlockFormat};
-use crate::kernels::{AttnShape, Backend, GemmDtype, Kv, QMatrix, Weight};
+use crate::kernels::{AttnShape, Backend, GemmDtype, Kv, KvElem, QMatrix, Weight};
 use crate::model::random::RandomLlama;
 use crate::model::{Logits, Model, WeightForm};
 use crate::parallel::{Comms, LoadOptions, ParallelModel, Placement};
@@ -511,9 +511,10 @@ fn cuda_paged_device_pool_gives_the_host_cache_logits() {
     )
     .unwrap();
     let (block_size, blocks) = (4, 16);
-    let arena = crate::kernels::PoolArena::new(cuda_of(&gpu), model.pool_bytes(block_size, blocks))
-        .unwrap();
-    let pool = std::sync::Arc::new(model.pool_on_device(&arena, block_size, blocks).unwrap());
+    let f32 = KvElem::F32;
+    let bytes = model.pool_bytes(block_size, blocks, f32);
+    let arena = crate::kernels::PoolArena::new(cuda_of(&gpu), bytes).unwrap();
+    let pool = std::sync::Arc::new(model.pool_on_device(&arena, block_size, blocks, f32).unwrap());
     assert!(pool.is_on_device());
     let (mut a, mut b) =
         (model.new_paged_cache(&pool).unwrap(), model.new_paged_cache(&pool).unwrap());
@@ -705,4 +706,53 @@ fn cuda_row_slices_and_stacks_stay_on_the_device() {
     assert_eq!(stacked.shape(), want_stacked.shape());
     assert_eq!(stacked.data(), want_stacked.data(), "a stack copies the rows exactly");
     assert!(gpu.slice_first(&parts[2], 2..4).is_err(), "a range past the rows is refused");
+}
+
+/// Last-position logits of `steps` forward passes of fixed tokens (no sampling, so two caches
+/// see the same inputs even when their logits differ).
+fn forced(
+    model: &ParallelModel,
+    cache: &mut crate::parallel::ParallelCache,
+    steps: &[&[u32]],
+) -> Vec<f32> {
+    let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
+    let mut comms = Comms { tp: &mut tp, cp: &mut cp };
+    let mut rows = Vec::new();
+    for tokens in steps {
+        let out = model.forward(&mut comms, tokens, cache, Logits::Last).unwrap();
+        rows.extend_from_slice(out.row(out.rows() - 1));
+    }
+    rows
+}
+
+/// A bf16 paged pool (what a half-precision GPU deployment gets) holds half the bytes of an
+/// f32 one; keys and values are rounded on the device as they are appended, and the logits
+/// stay within bf16 rounding of the f32 pool's.
+#[test]
+fn cuda_bf16_paged_pool_stays_close_to_the_f32_pool() {
+    let Some(gpu) = gpu() else { return };
+    let path = temp_path("cuda-bf16-kv.gguf");
+    RandomLlama { seed: 11, ..Default::default() }.write(&path).unwrap();
+    let model =
+        ParallelModel::load(&path, LoadOptions::new(Placement::single()).on(gpu.clone())).unwrap();
+    let (block_size, blocks) = (4, 8);
+    let pool = |elem: KvElem| {
+        let bytes = model.pool_bytes(block_size, blocks, elem);
+        let arena = crate::kernels::PoolArena::new(cuda_of(&gpu), bytes).unwrap();
+        let pool = model.pool_on_device(&arena, block_size, blocks, elem).unwrap();
+        assert_eq!(pool.elem(), elem);
+        (std::sync::Arc::new(pool), bytes)
+    };
+    let ((full, full_bytes), (half, half_bytes)) = (pool(KvElem::F32), pool(KvElem::Bf16));
+    assert_eq!(full_bytes, 2 * half_bytes);
+    let steps: [&[u32]; 4] = [&[3, 17, 5, 38, 0, 22, 9], &[4], &[12], &[7]];
+    let mut logits = Vec::new();
+    for pool in [&full, &half] {
+        let mut cache = model.new_paged_cache(pool).unwrap();
+        cache.extend_table(&[6, 1, 3, 0]).unwrap();
+        logits.push(forced(&model, &mut cache, &steps));
+    }
+    assert_ne!(logits[0], logits[1], "the bf16 pool computed in f32");
+    assert_rel(&logits[1], &logits[0], 3e-2, "bf16 KV pool against f32");
+    std::fs::remove_file(path).unwrap();
 }
