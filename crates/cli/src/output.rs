@@ -148,17 +148,44 @@ pub struct Totals {
     pub decode_tokens: usize,
     /// Time in decode-only steps.
     pub decode_time: Duration,
+    /// Decode-only steps.
+    pub decode_steps: u64,
+    /// Of `decode_time`, the time the host spent blocked waiting for the GPU; `None` on the
+    /// CPU.
+    pub decode_gpu_wait: Option<Duration>,
     /// Steps.
     pub steps: u64,
 }
 
-/// Collects [`Totals`] from every step.
+/// Collects [`Totals`] from every step, and with a GPU, the time each step waited for it.
 #[derive(Debug, Clone, Default)]
-pub struct Meter(pub Arc<Mutex<Totals>>);
+pub struct Meter {
+    /// What was collected so far.
+    pub totals: Arc<Mutex<Totals>>,
+    /// The kernels, read after each step for the host's time blocked on the GPU.
+    gpu: Option<layers::kernels::Backend>,
+    /// The GPU wait the last step ended at.
+    waited: Duration,
+}
+
+impl Meter {
+    /// A meter that also splits decode steps into host time and time waiting for the GPU,
+    /// when `compute` runs on one.
+    pub fn with_backend(compute: &layers::kernels::Backend) -> Meter {
+        let waited = compute.device_wait();
+        Meter {
+            gpu: waited.is_some().then(|| compute.clone()),
+            waited: waited.unwrap_or_default(),
+            ..Meter::default()
+        }
+    }
+}
 
 impl MetricsSink for Meter {
     fn step(&mut self, m: &StepMetrics) {
-        let mut t = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let waited = self.gpu.as_ref().and_then(layers::kernels::Backend::device_wait);
+        let step_wait = waited.map(|w| w.saturating_sub(std::mem::replace(&mut self.waited, w)));
+        let mut t = self.totals.lock().unwrap_or_else(|e| e.into_inner());
         let time = m.model + m.agreement;
         t.steps += 1;
         if m.prefill_tokens > 0 {
@@ -167,6 +194,11 @@ impl MetricsSink for Meter {
         } else {
             t.decode_tokens += m.decode_tokens;
             t.decode_time += time;
+            t.decode_steps += 1;
+            if let Some(w) = step_wait {
+                // Waits outside the step's model time (none today) are not the step's.
+                *t.decode_gpu_wait.get_or_insert_default() += w.min(time);
+            }
         }
     }
 }
@@ -183,5 +215,73 @@ pub fn summary(totals: &Totals, first_token: Option<Duration>, wall: Duration) -
         totals.decode_tokens,
         totals.steps,
         wall.as_secs_f64()
+    ) + &gpu_split(totals)
+}
+
+/// With a GPU, the mean decode step split into the host's own time (queueing kernels, the
+/// scheduler, sampling) and the time it waited for the GPU: a step that is mostly host time
+/// is bound by kernel launches, not by the GPU.
+fn gpu_split(totals: &Totals) -> String {
+    let (Some(wait), steps) = (totals.decode_gpu_wait, totals.decode_steps) else {
+        return String::new();
+    };
+    if steps == 0 {
+        return String::new();
+    }
+    let ms = |d: Duration| d.as_secs_f64() * 1e3 / steps as f64;
+    let step = ms(totals.decode_time);
+    let waiting = ms(wait);
+    format!(
+        ", decode step {step:.2} ms: host {:.2} ms + waiting for the GPU {waiting:.2} ms",
+        (step - waiting).max(0.0)
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode(tokens: usize, ms: u64) -> StepMetrics {
+        StepMetrics {
+            decode_tokens: tokens,
+            model: Duration::from_millis(ms),
+            ..StepMetrics::default()
+        }
+    }
+
+    #[test]
+    fn the_summary_counts_prefill_and_decode_apart() {
+        let mut meter = Meter::default();
+        meter.step(&StepMetrics {
+            prefill_tokens: 10,
+            model: Duration::from_millis(100),
+            ..StepMetrics::default()
+        });
+        meter.step(&decode(4, 20));
+        meter.step(&decode(4, 20));
+        let totals = *meter.totals.lock().unwrap();
+        assert_eq!((totals.steps, totals.decode_steps, totals.decode_tokens), (3, 2, 8));
+        let line = summary(&totals, Some(Duration::from_millis(120)), Duration::from_secs(1));
+        assert!(line.contains("prefill 100.0 tok/s (10 tokens)"), "{line}");
+        assert!(line.contains("decode 200.0 tok/s (8 tokens)"), "{line}");
+        // The CPU has no GPU wait to report.
+        assert!(!line.contains("waiting for the GPU"), "{line}");
+    }
+
+    #[test]
+    fn with_a_gpu_the_summary_splits_the_decode_step() {
+        let totals = Totals {
+            decode_tokens: 40,
+            decode_time: Duration::from_millis(50),
+            decode_steps: 10,
+            decode_gpu_wait: Some(Duration::from_millis(15)),
+            steps: 10,
+            ..Totals::default()
+        };
+        let line = summary(&totals, None, Duration::from_secs(1));
+        assert!(
+            line.ends_with("decode step 5.00 ms: host 3.50 ms + waiting for the GPU 1.50 ms"),
+            "{line}"
+        );
+    }
 }

@@ -255,7 +255,7 @@ fn lead(
         })
         .collect();
     let first_token = Arc::new(Mutex::new(None));
-    let meter = Meter::default();
+    let meter = factory.backend().map_or_else(Meter::default, Meter::with_backend);
     let max_tokens = spec.sampling.max_tokens as usize;
     let printer = Printer::new(spec.output, prompts, max_tokens, first_token.clone());
     let mut leader = Leader::new(ctx, factory, Box::new(printer), Box::new(meter.clone()), engine)?
@@ -266,7 +266,7 @@ fn lead(
     let mut stop = |_: &SessionReport| Decision::Stop;
     let session = SessionConfig { max_batch: spec.max_num_seqs, ..SessionConfig::new(model) };
     leader.run(session, requests, &mut stop)?;
-    let totals = *meter.0.lock().unwrap_or_else(|e| e.into_inner());
+    let totals = *meter.totals.lock().unwrap_or_else(|e| e.into_inner());
     let first = *first_token.lock().unwrap_or_else(|e| e.into_inner());
     let line = summary(&totals, first, start.elapsed());
     match spec.output {

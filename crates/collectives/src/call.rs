@@ -14,7 +14,7 @@
 //! 5. on any error from 2-4, poison the communicator (the first error is kept as the cause of
 //!    every later refusal) and let the backend tell its peers ([`Transport::publish_failure`]).
 
-use crate::comm::{check, AbortHandle, Communicator, DeviceRange};
+use crate::comm::{check, AbortHandle, Communicator, DeviceRange, DeviceStream};
 use crate::dtype::{ElemType, ReduceOp};
 use crate::error::{Error, Op, Result, Site};
 use std::sync::Arc;
@@ -183,6 +183,36 @@ pub(crate) trait Transport: Send {
     ) -> Result<()> {
         let _ = (deadline, buf, dtype, op);
         Err(check::invalid(at, "this backend has no device buffers"))
+    }
+
+    /// See [`Communicator::all_reduce_device_enqueue`]; called only when
+    /// [`Transport::cuda_device`] is `Some`, with the buffer and stream checked to be on it.
+    ///
+    /// # Safety
+    /// As [`Communicator::all_reduce_device_enqueue`].
+    unsafe fn all_reduce_device_enqueue(
+        &mut self,
+        at: &Site,
+        deadline: Instant,
+        buf: DeviceRange,
+        dtype: ElemType,
+        op: ReduceOp,
+        stream: DeviceStream,
+    ) -> Result<()> {
+        let _ = (deadline, buf, dtype, op, stream);
+        Err(check::invalid(at, "this backend has no device buffers"))
+    }
+
+    /// Whether a reduction queued by [`Transport::all_reduce_device_enqueue`] has not been
+    /// waited for.
+    fn device_in_flight(&self) -> bool {
+        false
+    }
+
+    /// See [`Communicator::wait_device`]; called only when [`Transport::device_in_flight`].
+    fn wait_device(&mut self, at: &Site) -> Result<()> {
+        let _ = at;
+        Ok(())
     }
 }
 
@@ -354,5 +384,45 @@ impl<T: Transport> Communicator for T {
             // group's device (checked above).
             unsafe { t.all_reduce_device(at, deadline, buf, dtype, op) }
         })
+    }
+
+    unsafe fn all_reduce_device_enqueue(
+        &mut self,
+        buf: DeviceRange,
+        dtype: ElemType,
+        op: ReduceOp,
+        stream: DeviceStream,
+    ) -> Result<()> {
+        let Some(device) = Transport::cuda_device(self) else {
+            // Refused without a call, as `all_reduce_device_ptr` is.
+            return Err(Error::BackendUnavailable {
+                backend: Transport::backend(self),
+                reason: format!(
+                    "the {} group reduces host memory, not device buffers",
+                    self.core().group
+                ),
+            });
+        };
+        run(self, Op::AllReduce, |t, at, deadline| {
+            for (what, on) in [("buffer", buf.device), ("stream", stream.device)] {
+                if on != device {
+                    return Err(check::invalid(
+                        at,
+                        format!("the {what} is on cuda:{on}, this group works on cuda:{device}"),
+                    ));
+                }
+            }
+            check::device_elements(at, "buffer", buf.bytes, dtype)?;
+            // SAFETY: forwarded from this function's own contract; the buffer and the stream
+            // are on this group's device (checked above).
+            unsafe { t.all_reduce_device_enqueue(at, deadline, buf, dtype, op, stream) }
+        })
+    }
+
+    fn wait_device(&mut self) -> Result<()> {
+        if !Transport::device_in_flight(self) {
+            return Ok(());
+        }
+        run(self, Op::AllReduce, |t, at, _| t.wait_device(at))
     }
 }

@@ -130,6 +130,48 @@ pub trait Communicator: Send {
         })
     }
 
+    /// Queues an in-place all-reduce of the `dtype` elements of `buf` on the caller's CUDA
+    /// `stream`, after the work already queued there, and returns once the backend has
+    /// accepted it, before it completes: work queued on `stream` afterwards reads the sums,
+    /// with no host round trip between. A communicator keeps one such reduction in flight: this
+    /// first waits for the previous one (as [`Communicator::wait_device`] does), so the host
+    /// runs at most one reduction ahead of the device.
+    ///
+    /// # Safety
+    /// `buf` is live memory of the device it names, and `stream` a live stream of that
+    /// device's primary context; until the reduction has completed, only work queued on
+    /// `stream` after this call touches `buf` (a host copy that waits for the stream is such
+    /// work), and `buf` is not freed other than in `stream`'s order.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce_device_ptr`]; a stream of another device.
+    unsafe fn all_reduce_device_enqueue(
+        &mut self,
+        buf: DeviceRange,
+        dtype: ElemType,
+        op: ReduceOp,
+        stream: DeviceStream,
+    ) -> Result<()> {
+        let _ = (buf, dtype, op, stream);
+        Err(Error::BackendUnavailable {
+            backend: self.backend(),
+            reason: format!("the {} group reduces host memory, not device buffers", self.group()),
+        })
+    }
+
+    /// Waits until the reduction queued by [`Communicator::all_reduce_device_enqueue`], if one
+    /// is in flight, has completed, within the call deadline counted from its enqueue, and
+    /// with the failure detection of every other call (a peer's published failure, the
+    /// backend's asynchronous errors, an abort). Returns at once when none is in flight, and
+    /// always on a backend without device buffers. A caller must wait through this before it
+    /// blocks on the stream by other means: only this wait has a deadline that names a peer.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce_raw`].
+    fn wait_device(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// Equal-size all-gather.
     ///
     /// # Errors
@@ -149,6 +191,17 @@ pub struct DeviceRange {
     pub addr: u64,
     /// The length in bytes.
     pub bytes: usize,
+    /// The CUDA device ordinal.
+    pub device: usize,
+}
+
+/// A CUDA stream as the driver names it (a `CUstream`, the same handle as a `cudaStream_t`),
+/// and the device (ordinal) whose primary context it belongs to. Making one is safe and
+/// dereferences nothing; the `unsafe` call it is given to is where the caller vouches for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceStream {
+    /// The stream handle, as an integer.
+    pub raw: usize,
     /// The CUDA device ordinal.
     pub device: usize,
 }

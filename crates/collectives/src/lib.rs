@@ -24,7 +24,7 @@ pub mod shm;
 mod solo;
 pub mod tcp;
 
-pub use comm::{AbortHandle, Collective, Communicator, DeviceRange, DEFAULT_TIMEOUT};
+pub use comm::{AbortHandle, Collective, Communicator, DeviceRange, DeviceStream, DEFAULT_TIMEOUT};
 pub use dtype::{ElemType, Element, ReduceOp};
 pub use error::{Error, Op, Result, Site};
 pub use group::{init_parallel, init_parallel_with, InitOptions, ParallelContext, World};

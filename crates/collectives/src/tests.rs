@@ -429,4 +429,13 @@ fn host_backends_refuse_device_buffers() {
     let err = err.unwrap_err();
     assert!(matches!(err, Error::BackendUnavailable { .. }), "{err}");
     assert!(err.to_string().contains("the tp group reduces host memory"), "{err}");
+    let stream = crate::DeviceStream { raw: 0x2000, device: 0 };
+    // SAFETY: as above, for the address and the stream.
+    let err = unsafe {
+        solo.all_reduce_device_enqueue(range, crate::ElemType::F32, ReduceOp::Sum, stream)
+    };
+    assert!(matches!(err, Err(Error::BackendUnavailable { .. })), "{err:?}");
+    // Nothing can be in flight on a host backend, and refusing did not poison it.
+    solo.wait_device().unwrap();
+    solo.all_reduce(&mut [1f32; 4], ReduceOp::Sum).unwrap();
 }

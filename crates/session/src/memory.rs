@@ -454,9 +454,9 @@ impl ModelMemory {
         model.pool_in(storage, block_size).map_err(failed)
     }
 
-    /// How [`ModelMemory::new_pool`] stores `model`'s keys and values: as the model's
-    /// [`ParallelModel::device_kv_elem`] (bf16 with half-precision weights) in device memory,
-    /// f32 on the host.
+    /// How [`ModelMemory::new_pool`] and [`ModelMemory::new_cache`] store `model`'s keys and
+    /// values: as the model's [`ParallelModel::device_kv_elem`] (bf16 with half-precision
+    /// weights) in device memory, f32 on the host.
     pub fn kv_elem(&self, model: &ParallelModel) -> layers::kernels::KvElem {
         match self.device_for(model.backend()) {
             Some(_) => model.device_kv_elem(),
@@ -474,13 +474,14 @@ impl ModelMemory {
         model: &ParallelModel,
         capacity: usize,
     ) -> Result<ParallelCache, PlaceError> {
-        let bytes = model.cache_bytes(capacity);
+        let elem = self.kv_elem(model);
+        let bytes = model.cache_bytes(capacity, elem);
         let failed = |source| PlaceError::Model {
             what: format!("a {bytes}-byte KV cache"),
             source: Box::new(source),
         };
         if let Some(arena) = self.device_kv(model, bytes) {
-            return model.new_cache_on_device(capacity, &arena).map_err(failed);
+            return model.new_cache_on_device(capacity, elem, &arena).map_err(failed);
         }
         let arena = self.committed_kv(bytes, "KV cache")?;
         model.new_cache_in(capacity, &arena).map_err(failed)

@@ -203,6 +203,11 @@ impl ShardedFactory {
         self
     }
 
+    /// The backend given to [`ShardedFactory::with_backend`], if any.
+    pub fn backend(&self) -> Option<&layers::kernels::Backend> {
+        self.backend.as_ref()
+    }
+
     /// Reports the progress of every shard load to `progress` (the file's layers, then the
     /// move into tagged memory).
     pub fn with_progress(mut self, progress: Progress) -> Self {

@@ -4,7 +4,7 @@
 use crate::call::{self, GroupCore, Transport};
 #[cfg(doc)]
 use crate::comm::Communicator;
-use crate::comm::{check, DeviceRange};
+use crate::comm::{check, DeviceRange, DeviceStream};
 use crate::common::{blame_word, blamed};
 use crate::dtype::{ElemType, ReduceOp};
 use crate::error::{Error, Op, Result, Site};
@@ -206,6 +206,10 @@ pub struct NcclCommunicator {
     done: CudaEvent,
     staging: Option<Staging>,
     fail_key: Option<FailKey>,
+    /// When the reduction queued on a caller's stream
+    /// ([`Communicator::all_reduce_device_enqueue`]) started, until it is waited for; `done`
+    /// is recorded on that stream after it.
+    in_flight: Option<Instant>,
 }
 
 impl std::fmt::Debug for NcclCommunicator {
@@ -409,6 +413,7 @@ impl NcclCommunicator {
             done,
             staging: None,
             fail_key,
+            in_flight: None,
         };
         let start = Instant::now();
         let result = match code {
@@ -544,6 +549,17 @@ impl NcclCommunicator {
         })
     }
 
+    /// Waits, under the watchdog, for the reduction queued on a caller's stream, if one is
+    /// in flight: within the call deadline counted from its enqueue.
+    fn settle(&mut self, at: &Site) -> Result<()> {
+        let Some(since) = self.in_flight else { return Ok(()) };
+        self.wait(at, since, since + self.core.timeout, |me| {
+            me.done.try_is_complete().map_err(cuda_err(at, "cuEventQuery"))
+        })?;
+        self.in_flight = None;
+        Ok(())
+    }
+
     /// A device buffer of at least `bytes`, its base address.
     fn staging(&mut self, at: &Site, bytes: usize) -> Result<DevPtr> {
         if self.staging.as_ref().is_none_or(|s| s.buf.len() < bytes) {
@@ -635,6 +651,22 @@ impl NcclCommunicator {
         dtype: ElemType,
         op: ReduceOp,
     ) -> std::result::Result<(), (&'static str, sys::ncclResult_t)> {
+        // SAFETY: per this function's contract; the stream is this communicator's own.
+        unsafe { self.enqueue_all_reduce_on(src, dst, count, dtype, op, self.cu_stream()) }
+    }
+
+    /// # Safety
+    /// As [`NcclCommunicator::enqueue_all_reduce`], and `stream` is a live stream of this
+    /// communicator's device.
+    unsafe fn enqueue_all_reduce_on(
+        &self,
+        src: DevPtr,
+        dst: DevPtr,
+        count: usize,
+        dtype: ElemType,
+        op: ReduceOp,
+        stream: sys::cudaStream_t,
+    ) -> std::result::Result<(), (&'static str, sys::ncclResult_t)> {
         // SAFETY: per this function's contract.
         let code = unsafe {
             sys::ncclAllReduce(
@@ -644,7 +676,7 @@ impl NcclCommunicator {
                 nccl_type(dtype),
                 nccl_op(op),
                 self.raw(),
-                self.cu_stream(),
+                stream,
             )
         };
         ok("ncclAllReduce", code)
@@ -816,9 +848,12 @@ impl Transport for NcclCommunicator {
         self.abort_comm();
     }
 
-    /// Makes this communicator's CUDA context current on the calling thread.
+    /// Makes this communicator's CUDA context current on the calling thread, and waits for a
+    /// reduction still in flight on a caller's stream: the operations of one communicator
+    /// never overlap on the device, whichever streams they were queued on.
     fn enter(&mut self, at: &Site) -> Result<()> {
-        self.stream.context().bind_to_thread().map_err(cuda_err(at, "cuCtxSetCurrent"))
+        self.stream.context().bind_to_thread().map_err(cuda_err(at, "cuCtxSetCurrent"))?;
+        self.settle(at)
     }
 
     fn cuda_device(&self) -> Option<usize> {
@@ -839,6 +874,43 @@ impl Transport for NcclCommunicator {
         self.run(at, |me| unsafe {
             me.enqueue_all_reduce(ptr, ptr, bytes / dtype.size(), dtype, op)
         })
+    }
+
+    unsafe fn all_reduce_device_enqueue(
+        &mut self,
+        at: &Site,
+        deadline: Instant,
+        buf: DeviceRange,
+        dtype: ElemType,
+        op: ReduceOp,
+        stream: DeviceStream,
+    ) -> Result<()> {
+        let start = Instant::now();
+        let (ptr, count) = (buf.addr, buf.bytes / dtype.size());
+        let raw = stream.raw as sys::cudaStream_t;
+        // SAFETY: the caller guarantees `buf` on this device and `stream` a live stream of
+        // it, with only the stream's own work touching `buf` until the reduction completes
+        // (`settle`, from the next call's `enter`).
+        let queued = unsafe { self.enqueue_all_reduce_on(ptr, ptr, count, dtype, op, raw) };
+        if let Err((call, code)) = queued {
+            return Err(Error::Nccl { at: at.clone(), call, reason: describe(code, self.comm.0) });
+        }
+        // A non-blocking communicator may still be enqueuing: wait until it has.
+        self.wait(at, start, deadline, |_| Ok(true))?;
+        // SAFETY: `done` is this communicator's event, of this device's primary context, as
+        // the caller guarantees `stream` is.
+        unsafe { cu::event::record(self.done.cu_event(), stream.raw as _) }
+            .map_err(cuda_err(at, "cuEventRecord"))?;
+        self.in_flight = Some(start);
+        Ok(())
+    }
+
+    fn device_in_flight(&self) -> bool {
+        self.in_flight.is_some()
+    }
+
+    fn wait_device(&mut self, at: &Site) -> Result<()> {
+        self.settle(at)
     }
 
     fn all_reduce(

@@ -363,3 +363,42 @@ fn nccl_reduces_a_raw_device_buffer_through_the_trait() {
     let err = unsafe { c.all_reduce_device_ptr(range(6), crate::ElemType::F32, ReduceOp::Sum) };
     assert!(err.unwrap_err().to_string().contains("not a whole number of f32"));
 }
+
+/// The enqueue entry point on a one-rank NCCL group: the reduction is queued on the caller's
+/// own stream (work queued after it sees the result), waited for by `wait_device` or by the
+/// next call; a stream of another device is refused.
+#[cfg(feature = "cuda")]
+#[test]
+fn nccl_queues_a_reduction_on_the_callers_stream() {
+    if gpus("nccl_queues_a_reduction_on_the_callers_stream", 1).is_none() {
+        return;
+    }
+    use cudarc::driver::DevicePtr;
+    let id = NcclId::new().unwrap();
+    let mut c = NcclCommunicator::from_id(&id, "tp", 0, 1, 0, Duration::from_secs(30)).unwrap();
+    let mine = c.stream().context().new_stream().unwrap();
+    let host: Vec<f32> = (0..32).map(|i| i as f32 * 0.25).collect();
+    let buf = mine.clone_htod(&host).unwrap();
+    let ptr = buf.device_ptr(&mine).0;
+    let range = crate::DeviceRange { addr: ptr, bytes: 128, device: 0 };
+    let stream = crate::DeviceStream { raw: mine.cu_stream() as usize, device: 0 };
+    let (f32_, sum) = (crate::ElemType::F32, ReduceOp::Sum);
+    // SAFETY: `buf` holds 128 bytes of device 0 used only by work on `mine`, a live stream of
+    // the device's primary context that outlives the communicator's use of it.
+    unsafe { c.all_reduce_device_enqueue(range, f32_, sum, stream) }.unwrap();
+    // SAFETY: as above; this one first waits for the previous reduction.
+    unsafe { c.all_reduce_device_enqueue(range, f32_, sum, stream) }.unwrap();
+    c.wait_device().unwrap();
+    c.wait_device().unwrap();
+    assert_eq!(mine.clone_dtoh(&buf).unwrap(), host);
+    // A host call after an enqueue waits for it first.
+    // SAFETY: as above.
+    unsafe { c.all_reduce_device_enqueue(range, f32_, sum, stream) }.unwrap();
+    let mut ones = [1f32; 4];
+    c.all_reduce(&mut ones, ReduceOp::Sum).unwrap();
+    assert_eq!(ones, [1.0; 4]);
+    let elsewhere = crate::DeviceStream { device: 1, ..stream };
+    // SAFETY: refused before NCCL sees the stream.
+    let err = unsafe { c.all_reduce_device_enqueue(range, f32_, sum, elsewhere) }.unwrap_err();
+    assert!(err.to_string().contains("the stream is on cuda:1"), "{err}");
+}

@@ -138,6 +138,8 @@ pub enum Kv<'a> {
         k: &'a dyn DeviceMemory,
         /// Values.
         v: &'a dyn DeviceMemory,
+        /// How they are stored.
+        elem: KvElem,
     },
     /// Host memory in blocks of a paged KV cache.
     Paged(cpu::attention::KvBlocks<'a>),
@@ -328,6 +330,15 @@ impl Backend {
         }
     }
 
+    /// The time the host has spent blocked waiting for the GPU so far
+    /// ([`CudaBackend::device_wait`]); `None` on the CPU, where the host does the work.
+    pub fn device_wait(&self) -> Option<std::time::Duration> {
+        match self {
+            Backend::Cpu(_) => None,
+            Backend::Cuda(cuda) => Some(cuda.device_wait()),
+        }
+    }
+
     /// `x[m, k] · wᵀ` for `w` of `[n, k]`: returns `[m, n]`. `x` may have any leading shape;
     /// the result keeps it and replaces the last dimension by `n`.
     ///
@@ -488,9 +499,9 @@ impl Backend {
         let need = kv_pos.len() * kv_heads * head_dim;
         let (k_len, v_len, fits) = match kv {
             Kv::Host { k, v } => (k.len(), v.len(), k.len() == need && v.len() == need),
-            Kv::Device { k, v } => {
-                let (kf, vf) = (k.size() / 4, v.size() / 4);
-                (kf, vf, kf >= need && vf >= need)
+            Kv::Device { k, v, elem } => {
+                let (kn, vn) = (k.size() / elem.size(), v.size() / elem.size());
+                (kn, vn, kn >= need && vn >= need)
             }
             Kv::Paged(blocks) => {
                 let (k, v) = blocks.blocks();
@@ -565,6 +576,21 @@ impl Backend {
         }
         comm.all_reduce(t.data_mut(), collectives::ReduceOp::Sum)?;
         Ok(())
+    }
+
+    /// Waits for the reductions [`Backend::all_reduce_sum`] left queued on the device over
+    /// `comm` (the CUDA backend queues them on its stream and does not wait), with the
+    /// communicator's deadline and failure detection. A model calls it once its forward has
+    /// queued the last one, so a failed peer is named there rather than found by a later
+    /// wait; a no-op on the CPU.
+    ///
+    /// # Errors
+    /// A failed collective (see [`collectives::Error`]).
+    pub fn wait_collectives(&self, comm: &mut dyn Communicator) -> Result<()> {
+        match self {
+            Backend::Cuda(cuda) => cuda.wait_collectives(comm),
+            Backend::Cpu(_) => Ok(()),
+        }
     }
 
     /// Splits the last dimension of `x` into consecutive parts of `sizes` elements (see

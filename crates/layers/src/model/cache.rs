@@ -13,7 +13,7 @@ use mesh::DeviceMemory;
 #[derive(Debug)]
 enum Buffers {
     Host { k: Storage, v: Storage },
-    Device { k: Box<dyn DeviceMemory>, v: Box<dyn DeviceMemory> },
+    Device { k: Box<dyn DeviceMemory>, v: Box<dyn DeviceMemory>, elem: KvElem },
 }
 
 /// Keys and values of one layer, `[capacity, kv_heads, head_dim]` each with the first `len`
@@ -54,31 +54,33 @@ impl LayerCache {
         Ok(Self::empty(Buffers::Host { k, v }, row, values))
     }
 
-    /// An empty cache over key and value buffers in device memory, read and written only by
-    /// the CUDA backend of that device; the capacity is what they hold.
+    /// An empty cache over key and value buffers in device memory holding `elem` values,
+    /// read and written only by the CUDA backend of that device; the capacity is what they
+    /// hold.
     ///
     /// # Errors
-    /// [`Error::Shape`] when the buffers differ in size or are not whole rows of f32.
+    /// [`Error::Shape`] when the buffers differ in size or are not whole rows of `elem`.
     pub fn on_device(
         k: Box<dyn DeviceMemory>,
         v: Box<dyn DeviceMemory>,
+        elem: KvElem,
         kv_heads: usize,
         head_dim: usize,
     ) -> Result<Self> {
         let row = kv_heads * head_dim;
-        let floats = |m: &dyn DeviceMemory| {
-            if m.size().is_multiple_of(4) {
-                Ok(m.size() / 4)
+        let values = |m: &dyn DeviceMemory| {
+            if m.size().is_multiple_of(elem.size()) {
+                Ok(m.size() / elem.size())
             } else {
                 Err(Error::shape(
                     "LayerCache::on_device",
-                    format!("{} bytes are not whole f32 values", m.size()),
+                    format!("{} bytes are not whole {} values", m.size(), elem.name()),
                 ))
             }
         };
-        let (kf, vf) = (floats(k.as_ref())?, floats(v.as_ref())?);
-        let capacity = Self::capacity_of("LayerCache::on_device", kf, vf, row)?;
-        Ok(Self::empty(Buffers::Device { k, v }, row, capacity))
+        let (kn, vn) = (values(k.as_ref())?, values(v.as_ref())?);
+        let capacity = Self::capacity_of("LayerCache::on_device", kn, vn, row)?;
+        Ok(Self::empty(Buffers::Device { k, v, elem }, row, capacity))
     }
 
     /// Tokens that buffers of `k` and `v` values hold in rows of `row`.
@@ -114,9 +116,9 @@ impl LayerCache {
                 kb.as_mut_slice()[range.clone()].copy_from_slice(k);
                 vb.as_mut_slice()[range].copy_from_slice(v);
             }
-            Buffers::Device { k: kb, v: vb } => {
-                be.write_device(kb.as_ref(), KvElem::F32, len * self.row, k)?;
-                be.write_device(vb.as_ref(), KvElem::F32, len * self.row, v)?;
+            Buffers::Device { k: kb, v: vb, elem } => {
+                be.write_device(kb.as_ref(), *elem, len * self.row, k)?;
+                be.write_device(vb.as_ref(), *elem, len * self.row, v)?;
             }
         }
         self.positions.extend_from_slice(positions);
@@ -136,12 +138,12 @@ impl LayerCache {
         v: &crate::Tensor,
         positions: &[usize],
     ) -> Result<()> {
-        let Buffers::Device { k: kb, v: vb } = &self.buffers else {
+        let Buffers::Device { k: kb, v: vb, elem } = &self.buffers else {
             return self.append(be, k.data(), v.data(), positions);
         };
         let len = self.check_append(positions.len(), k.len(), v.len())?;
-        be.write_tensor(kb.as_ref(), KvElem::F32, len * self.row, k, 0..k.len())?;
-        be.write_tensor(vb.as_ref(), KvElem::F32, len * self.row, v, 0..v.len())?;
+        be.write_tensor(kb.as_ref(), *elem, len * self.row, k, 0..k.len())?;
+        be.write_tensor(vb.as_ref(), *elem, len * self.row, v, 0..v.len())?;
         self.positions.extend_from_slice(positions);
         Ok(())
     }
@@ -168,7 +170,9 @@ impl LayerCache {
             Buffers::Host { k, v } => {
                 Kv::Host { k: &k.as_slice()[..filled], v: &v.as_slice()[..filled] }
             }
-            Buffers::Device { k, v } => Kv::Device { k: k.as_ref(), v: v.as_ref() },
+            Buffers::Device { k, v, elem } => {
+                Kv::Device { k: k.as_ref(), v: v.as_ref(), elem: *elem }
+            }
         }
     }
 
@@ -312,17 +316,25 @@ mod tests {
     /// (leaving it unchanged) rather than touch device memory.
     #[test]
     fn a_device_cache_needs_a_device_backend() {
-        let mut c = LayerCache::on_device(Box::new(Fake(48)), Box::new(Fake(48)), 3, 2).unwrap();
+        let on_device =
+            |k, v, elem| LayerCache::on_device(Box::new(Fake(k)), Box::new(Fake(v)), elem, 3, 2);
+        let mut c = on_device(48, 48, KvElem::F32).unwrap();
         assert!(c.is_on_device());
         assert_eq!(c.capacity(), 2);
         let be = Backend::cpu(1).unwrap();
         let err = c.append(&be, &[0.0; 6], &[0.0; 6], &[0]).unwrap_err();
         assert!(err.to_string().contains("device memory"), "{err}");
         assert!(c.is_empty());
-        assert!(matches!(c.kv(), Kv::Device { k, .. } if k.size() == 48));
-        let err = LayerCache::on_device(Box::new(Fake(48)), Box::new(Fake(24)), 3, 2);
+        assert!(matches!(c.kv(), Kv::Device { k, elem: KvElem::F32, .. } if k.size() == 48));
+        let err = on_device(48, 24, KvElem::F32);
         assert!(err.unwrap_err().to_string().contains("k 12 and v 6 values"));
-        let err = LayerCache::on_device(Box::new(Fake(46)), Box::new(Fake(46)), 3, 2);
+        let err = on_device(46, 46, KvElem::F32);
         assert!(err.unwrap_err().to_string().contains("46 bytes are not whole f32 values"));
+        // bf16 values take two bytes: the same buffers hold twice the tokens.
+        let c = on_device(48, 48, KvElem::Bf16).unwrap();
+        assert_eq!(c.capacity(), 4);
+        assert!(matches!(c.kv(), Kv::Device { elem: KvElem::Bf16, .. }));
+        let err = on_device(47, 47, KvElem::Bf16);
+        assert!(err.unwrap_err().to_string().contains("47 bytes are not whole bf16 values"));
     }
 }

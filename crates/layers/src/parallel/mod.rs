@@ -842,8 +842,8 @@ impl ParallelModel {
     }
 
     /// Bytes of one layer's key (or value) buffer for `capacity` tokens.
-    fn cache_buffer_bytes(&self, capacity: usize) -> usize {
-        capacity * self.local_kv_heads() * self.config.head_dim * std::mem::size_of::<f32>()
+    fn cache_buffer_bytes(&self, capacity: usize, elem: KvElem) -> usize {
+        capacity * self.local_kv_heads() * self.config.head_dim * elem.size()
     }
 
     /// An empty cache for one sequence; `capacity` tokens on this rank.
@@ -859,11 +859,12 @@ impl ParallelModel {
         }
     }
 
-    /// The arena bytes [`ParallelModel::new_cache_in`] needs for `capacity` tokens when its
-    /// allocations are carved out of one region: every layer's key and value buffer rounded up
-    /// to [`crate::memory::ALIGN`], summed.
-    pub fn cache_bytes(&self, capacity: usize) -> usize {
-        2 * self.config.n_layers * padded(self.cache_buffer_bytes(capacity))
+    /// The arena bytes [`ParallelModel::new_cache_in`] (`elem` f32) or
+    /// [`ParallelModel::new_cache_on_device`] needs for `capacity` tokens stored as `elem`
+    /// when its allocations are carved out of one region: every layer's key and value buffer
+    /// rounded up to [`crate::memory::ALIGN`], summed.
+    pub fn cache_bytes(&self, capacity: usize, elem: KvElem) -> usize {
+        2 * self.config.n_layers * padded(self.cache_buffer_bytes(capacity, elem))
     }
 
     /// An empty cache for one sequence, `capacity` tokens on this rank, whose keys and values
@@ -874,7 +875,7 @@ impl ParallelModel {
     /// [`Error::Arena`] when an allocation fails or has the wrong size, [`Error::Shape`] when
     /// one is misaligned.
     pub fn new_cache_in(&self, capacity: usize, arena: &dyn Arena) -> Result<ParallelCache> {
-        let (kv, bytes) = (self.local_kv_heads(), self.cache_buffer_bytes(capacity));
+        let (kv, bytes) = (self.local_kv_heads(), self.cache_buffer_bytes(capacity, KvElem::F32));
         let buffer = || Storage::external(alloc_exact(arena, bytes)?);
         self.cache_of_layers(|| {
             let k = buffer()?;
@@ -883,7 +884,8 @@ impl ParallelModel {
     }
 
     /// An empty cache for one sequence, `capacity` tokens on this rank, whose keys and values
-    /// live in device memory from `arena`, in the allocation order of
+    /// live in device memory from `arena`, stored as `elem` (see
+    /// [`ParallelModel::device_kv_elem`]), in the allocation order of
     /// [`ParallelModel::new_cache_in`] (and [`ParallelModel::cache_bytes`] bytes in all). Only
     /// a model computing on the CUDA backend of that device can use it.
     ///
@@ -892,13 +894,14 @@ impl ParallelModel {
     pub fn new_cache_on_device(
         &self,
         capacity: usize,
+        elem: KvElem,
         arena: &dyn DeviceArena,
     ) -> Result<ParallelCache> {
-        let (kv, bytes) = (self.local_kv_heads(), self.cache_buffer_bytes(capacity));
+        let (kv, bytes) = (self.local_kv_heads(), self.cache_buffer_bytes(capacity, elem));
         let buffer = || alloc_device_exact(arena, bytes);
         self.cache_of_layers(|| {
             let k = buffer()?;
-            LayerCache::on_device(k, buffer()?, kv, self.config.head_dim)
+            LayerCache::on_device(k, buffer()?, elem, kv, self.config.head_dim)
         })
     }
 
@@ -1239,6 +1242,9 @@ impl ParallelModel {
             be.all_reduce_sum(comms.tp, &mut m)?;
             be.add_assign(&mut x, &m)?;
         }
+        // The reductions above are queued on the device without host waits; the last one is
+        // waited for here, where a failed peer is named.
+        be.wait_collectives(comms.tp)?;
         for (s, p) in seqs.iter_mut().zip(&parts) {
             let kept = p.kept(self.placement.cp);
             s.cache.cp_lens.iter_mut().zip(kept).for_each(|(len, k)| *len += k);

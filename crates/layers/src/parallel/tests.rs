@@ -979,7 +979,9 @@ fn weights_and_caches_in_arena_memory_give_bit_identical_logits() {
                 let cache_allocs = cache_arena.allocs();
                 assert_eq!(cache_allocs.len(), 2 * spec.layers, "{what}");
                 assert!(cache_allocs.iter().all(|a| a.0 == buffer), "{what}");
-                assert_eq!(moved.cache_bytes(64), 2 * spec.layers * buffer.div_ceil(64) * 64);
+                let padded = |b: usize| 2 * spec.layers * b.div_ceil(64) * 64;
+                assert_eq!(moved.cache_bytes(64, KvElem::F32), padded(buffer));
+                assert_eq!(moved.cache_bytes(64, KvElem::Bf16), padded(buffer / 2));
                 assert_eq!(cache_in.capacity(), 64, "{what}");
 
                 let mut cache = heap.new_cache(64);
@@ -1054,8 +1056,10 @@ fn a_device_cache_on_the_cpu_backend_is_a_clear_error() {
     let model =
         ParallelModel::load(&path, LoadOptions::new(Placement::single()).form(WeightForm::F32))
             .unwrap();
-    let mut cache = model.new_cache_on_device(16, &UnmappedArena).unwrap();
+    let mut cache = model.new_cache_on_device(16, KvElem::F32, &UnmappedArena).unwrap();
     assert_eq!(cache.capacity(), model.new_cache(16).capacity());
+    let half = model.new_cache_on_device(16, KvElem::Bf16, &UnmappedArena).unwrap();
+    assert_eq!(half.capacity(), 16);
     let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
     let mut comms = Comms { tp: &mut tp, cp: &mut cp };
     let err = model.forward(&mut comms, &[1, 2, 3], &mut cache, Logits::Last).unwrap_err();

@@ -44,7 +44,7 @@ use crate::kernels::cpu::qmatrix::QBits;
 use crate::kernels::{GemmDtype, Kv, KvElem, Weight};
 use crate::memory::{alloc_device_exact, DeviceArena};
 use crate::tensor::{DeviceData, Tensor};
-use collectives::{Communicator, DeviceRange, ElemType, ReduceOp};
+use collectives::{Communicator, DeviceRange, DeviceStream, ElemType, ReduceOp};
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
@@ -56,7 +56,9 @@ use mesh::DeviceMemory;
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::{Hash, Hasher};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
 
 /// The CUDA C source of every kernel.
 const SOURCE: &str = include_str!("kernels.cu");
@@ -246,6 +248,73 @@ struct Inner {
     positions: Mutex<Recent<u64>>,
     /// Block tables of paged KV caches uploaded lately, most recent last.
     tables: Mutex<Recent<u32>>,
+    /// A reduction queued on the stream and not yet waited for through its communicator.
+    in_flight: Mutex<Option<InFlight>>,
+    /// Nanoseconds the host has spent blocked waiting for the device (see
+    /// [`CudaBackend::device_wait`]).
+    waited_ns: AtomicU64,
+}
+
+/// A reduction [`CudaBackend::all_reduce_sum`] queued on the stream: from when, within what
+/// deadline, over which group. While one is in flight the backend's own waits for the stream
+/// are bounded by its deadline, since a reduction whose peer died never completes.
+#[derive(Debug)]
+struct InFlight {
+    since: Instant,
+    limit: Duration,
+    group: String,
+}
+
+impl Inner {
+    /// Waits until the work queued on the stream has completed. With a reduction in flight
+    /// the wait polls until the reduction's deadline and then fails naming its group (the
+    /// communicator's own wait, [`CudaBackend::wait_collectives`], also names a failed peer).
+    fn sync(&self, op: &str) -> Result<()> {
+        let start = Instant::now();
+        let done = self.sync_unmetered(op);
+        self.waited(start);
+        done
+    }
+
+    /// Adds the time since `start` to the host's time blocked on the device.
+    fn waited(&self, start: Instant) {
+        let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.waited_ns.fetch_add(ns, Ordering::Relaxed);
+    }
+
+    fn sync_unmetered(&self, op: &str) -> Result<()> {
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(pending) = in_flight.as_ref() else {
+            return self
+                .stream
+                .synchronize()
+                .or_unavailable(|| format!("{op}: waiting for the device"));
+        };
+        let done = self
+            .stream
+            .record_event(None)
+            .or_unavailable(|| format!("{op}: marking the stream"))?;
+        let deadline = pending.since + pending.limit;
+        let mut nap = Duration::from_micros(20);
+        loop {
+            if done.try_is_complete().or_unavailable(|| format!("{op}: polling the stream"))? {
+                *in_flight = None;
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                // Kept: every later wait fails as fast until the reduction ends (its
+                // communicator's failure aborts it).
+                return Err(unavailable(format!(
+                    "cuda:{}: {op}: the device did not finish within {:?} of an all-reduce over \
+                     the `{}` group queued before it; a rank of that group may have failed",
+                    self.ordinal, pending.limit, pending.group
+                )));
+            }
+            std::thread::sleep(nap.min(deadline - now));
+            nap = (nap * 2).min(Duration::from_millis(1));
+        }
+    }
 }
 
 /// Small host arrays and their device copies, most recently used last.
@@ -362,6 +431,8 @@ impl CudaBackend {
             weights: Mutex::default(),
             positions: Mutex::default(),
             tables: Mutex::default(),
+            in_flight: Mutex::default(),
+            waited_ns: AtomicU64::new(0),
         };
         Ok(CudaBackend { inner: Arc::new(inner) })
     }
@@ -418,9 +489,17 @@ impl CudaBackend {
     }
 
     fn wait_for_frees(&self) {
-        if let Err(e) = self.stream().synchronize() {
+        if let Err(e) = self.inner.sync("freeing") {
             tracing::warn!("cuda:{}: waiting for freed weights: {e}", self.inner.ordinal);
         }
+    }
+
+    /// The time the host has spent blocked waiting for this device since the backend was
+    /// made: copies of results to the host, waits for uploads, and the waits of the
+    /// reductions it queues. A step's wall time minus its share of this is the host's own
+    /// time (queueing kernels, the CPU-side work); the rest the host waited for the GPU.
+    pub fn device_wait(&self) -> Duration {
+        Duration::from_nanos(self.inner.waited_ns.load(Ordering::Relaxed))
     }
 
     /// Device bytes held by cached weights (arena regions included).
@@ -470,7 +549,7 @@ impl CudaBackend {
     fn download<T: DeviceRepr>(&self, op: &str, dev: &CudaSlice<T>, host: &mut [T]) -> Result<()> {
         let stream = self.stream();
         stream.memcpy_dtoh(dev, host).or_unavailable(|| format!("{op}: copying to the host"))?;
-        stream.synchronize().or_unavailable(|| format!("{op}: waiting for the device"))
+        self.inner.sync(op)
     }
 
     /// The device address of `s`, for raw calls on the backend's stream. The slice must
@@ -510,7 +589,7 @@ impl CudaBackend {
         // stream is synchronized before it can be dropped.
         unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, stream.cu_stream()) }
             .or_unavailable(|| format!("{op}: copying {} values to the device", src.len()))?;
-        stream.synchronize().or_unavailable(|| format!("{op}: waiting for the device"))
+        self.inner.sync(op)
     }
 
     /// Copies `src` into device memory `dst`, stored as `elem` (bf16 rounded on the host, to
@@ -577,7 +656,7 @@ impl CudaBackend {
                 };
                 self.round_to(op, half, self.addr(&dense), dst, n)?;
                 // `dense` is freed on return: wait until the rounding has read it.
-                self.stream().synchronize().or_unavailable(|| format!("{op}: waiting"))
+                self.inner.sync(op)
             }
         })
     }
@@ -724,7 +803,7 @@ impl CudaBackend {
         // most what `out` holds (the caller's promise).
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{op}: launching dequantize"))?;
         // The uploaded parts are freed on return: wait until the kernel has read them.
-        self.stream().synchronize().or_unavailable(|| format!("{op}: waiting for dequantize"))
+        self.inner.sync(op)
     }
 
     /// The device address of `t`'s elements for a kernel to read: its own device buffer when
@@ -742,7 +821,7 @@ impl CudaBackend {
     /// `data`'s buffer when it is an output of this backend (same stream, so no ordering to add).
     fn own<'a>(&self, data: Option<&'a Arc<dyn DeviceData>>) -> Option<&'a CudaSlice<f32>> {
         let buf = data?.as_any().downcast_ref::<DeviceBuf>()?;
-        Arc::ptr_eq(&buf.stream, self.stream()).then_some(&buf.buf)
+        Arc::ptr_eq(&buf.owner, &self.inner).then_some(&buf.buf)
     }
 
     /// The device address of `t`'s elements for a kernel to overwrite in place: its own buffer
@@ -766,7 +845,7 @@ impl CudaBackend {
 
     /// `buf` as tensor data that stays on the device until the host reads it.
     fn wrap(&self, buf: CudaSlice<f32>) -> Arc<dyn DeviceData> {
-        Arc::new(DeviceBuf { buf, stream: self.stream().clone(), ordinal: self.inner.ordinal })
+        Arc::new(DeviceBuf { buf, owner: self.inner.clone() })
     }
 
     /// A tensor of `shape` over the output `buf`.
@@ -979,14 +1058,17 @@ impl CudaBackend {
         // Key row j is at `table[j / block_size] · block_stride + (j % block_size) · row`
         // with a table, at `j · row` without.
         let (mut block_size, mut block_stride) = (1, 0u64);
-        // Only a device pool may hold bf16 keys and values.
+        // Only device caches and pools may hold bf16 keys and values.
         let mut kv_bf16 = 0i32;
         let (kp, vp) = match kv {
             Kv::Host { k, v } => {
                 let (kd, vd) = staged.insert((self.upload(OP, k)?, self.upload(OP, v)?));
                 (self.addr(kd), self.addr(vd))
             }
-            Kv::Device { k, v } => (self.owned_addr(OP, k)?, self.owned_addr(OP, v)?),
+            Kv::Device { k, v, elem } => {
+                kv_bf16 = i32::from(elem == KvElem::Bf16);
+                (self.owned_addr(OP, k)?, self.owned_addr(OP, v)?)
+            }
             Kv::Paged(blocks) => {
                 // Host blocks are copied into one buffer per tensor and uploaded.
                 let (k, v) = blocks.gather(kv_pos.len(), kv_heads * head_dim);
@@ -1248,20 +1330,52 @@ impl CudaBackend {
     }
 
     /// `t` summed over `comm`'s group in place on the device (`comm` works on this device:
-    /// NCCL). The stream is synchronized first, so the reduction, on the communicator's own
-    /// stream, reads the finished values; it has completed when this returns.
+    /// NCCL), queued on the backend's stream after the work that computed `t`: the kernels
+    /// queued next read the sums, and the host does not wait. The communicator waits for it
+    /// before its next call; [`CudaBackend::wait_collectives`] waits for it with the
+    /// communicator's failure detection, and the backend's own waits meanwhile are bounded
+    /// by its deadline.
     pub(crate) fn all_reduce_sum(&self, comm: &mut dyn Communicator, t: &mut Tensor) -> Result<()> {
         const OP: &str = "all_reduce";
         if t.is_empty() {
             return Ok(());
         }
         let ptr = self.writable(OP, t)?;
-        self.stream().synchronize().or_unavailable(|| format!("{OP}: waiting for the device"))?;
-        let buf = DeviceRange { addr: ptr, bytes: 4 * t.len(), device: self.ordinal() };
+        let since = Instant::now();
+        let ordinal = self.ordinal();
+        let buf = DeviceRange { addr: ptr, bytes: 4 * t.len(), device: ordinal };
+        let stream = DeviceStream { raw: self.stream().cu_stream() as usize, device: ordinal };
         // SAFETY: `writable` made `ptr` t's own buffer of t.len() floats on this device (the
-        // communicator's, checked by the caller), and the idle stream and the borrow of `t`
-        // keep other work off it until the reduction returns.
-        unsafe { comm.all_reduce_device_ptr(buf, ElemType::F32, ReduceOp::Sum) }?;
+        // communicator's, checked by the caller); only work on this backend's stream touches
+        // it (a host read waits for the stream first), and it is freed in stream order, after
+        // the reduction. The stream, of the device's primary context, lives as long as the
+        // backend, and a stream destroyed with work queued finishes that work first.
+        let queued =
+            unsafe { comm.all_reduce_device_enqueue(buf, ElemType::F32, ReduceOp::Sum, stream) };
+        self.inner.waited(since);
+        queued?;
+        // The enqueue waited for the reduction before it: this one is the only one in flight.
+        let limit = comm.timeout();
+        let group = comm.group().to_owned();
+        *self.inner.in_flight.lock().unwrap_or_else(PoisonError::into_inner) =
+            Some(InFlight { since, limit, group });
+        Ok(())
+    }
+
+    /// Waits, through `comm` (its deadline and failure detection), for the reduction
+    /// [`CudaBackend::all_reduce_sum`] queued last over it, if any.
+    ///
+    /// # Errors
+    /// The communicator's: a timeout or a failed peer, named.
+    pub(crate) fn wait_collectives(&self, comm: &mut dyn Communicator) -> Result<()> {
+        let start = Instant::now();
+        let waited = comm.wait_device();
+        self.inner.waited(start);
+        waited?;
+        let mut in_flight = self.inner.in_flight.lock().unwrap_or_else(PoisonError::into_inner);
+        if in_flight.as_ref().is_some_and(|p| p.group == comm.group()) {
+            *in_flight = None;
+        }
         Ok(())
     }
 
@@ -1397,17 +1511,16 @@ struct Input {
     _staged: Option<CudaSlice<f32>>,
 }
 
-/// An output of a [`CudaBackend`]: its buffer and the stream that writes it.
+/// An output of a [`CudaBackend`]: its buffer and the backend whose stream writes it.
 struct DeviceBuf {
     buf: CudaSlice<f32>,
-    stream: Arc<CudaStream>,
-    ordinal: usize,
+    owner: Arc<Inner>,
 }
 
 impl fmt::Debug for DeviceBuf {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DeviceBuf")
-            .field("ordinal", &self.ordinal)
+            .field("ordinal", &self.owner.ordinal)
             .field("len", &self.buf.len())
             .finish()
     }
@@ -1415,7 +1528,7 @@ impl fmt::Debug for DeviceBuf {
 
 impl DeviceData for DeviceBuf {
     fn device(&self) -> crate::tensor::Device {
-        crate::tensor::Device::Cuda(self.ordinal)
+        crate::tensor::Device::Cuda(self.owner.ordinal)
     }
 
     fn byte_len(&self) -> usize {
@@ -1423,7 +1536,7 @@ impl DeviceData for DeviceBuf {
     }
 
     fn download(&self, out: &mut [u8]) -> std::result::Result<(), String> {
-        let stream = &self.stream;
+        let stream = &self.owner.stream;
         stream.context().bind_to_thread().map_err(|e| e.to_string())?;
         let (src, _record) = self.buf.device_ptr(stream);
         let n = out.len().min(self.byte_len());
@@ -1433,7 +1546,7 @@ impl DeviceData for DeviceBuf {
             cudarc::driver::result::memcpy_dtoh_async(&mut out[..n], src, stream.cu_stream())
         }
         .map_err(|e| e.to_string())?;
-        stream.synchronize().map_err(|e| e.to_string())
+        self.owner.sync("copying a tensor to the host").map_err(|e| e.to_string())
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

@@ -43,6 +43,11 @@ impl CudaBackend {
         match self.never {}
     }
 
+    /// The time the host has spent blocked waiting for the device.
+    pub fn device_wait(&self) -> std::time::Duration {
+        match self.never {}
+    }
+
     /// Drops every cached device copy of a weight.
     pub fn clear_weight_cache(&self) {
         match self.never {}
@@ -146,6 +151,10 @@ impl CudaBackend {
         _comm: &mut dyn collectives::Communicator,
         _t: &mut Tensor,
     ) -> Result<()> {
+        match self.never {}
+    }
+
+    pub(crate) fn wait_collectives(&self, _comm: &mut dyn collectives::Communicator) -> Result<()> {
         match self.never {}
     }
 

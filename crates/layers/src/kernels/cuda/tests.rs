@@ -472,8 +472,9 @@ fn cuda_device_kv_cache_gives_the_host_cache_logits() {
         LoadOptions::new(Placement::single()).on(gpu.clone()).form(WeightForm::Native),
     )
     .unwrap();
-    let arena = crate::kernels::PoolArena::new(cuda_of(&gpu), model.cache_bytes(32)).unwrap();
-    let mut device = model.new_cache_on_device(32, &arena).unwrap();
+    let bytes = model.cache_bytes(32, KvElem::F32);
+    let arena = crate::kernels::PoolArena::new(cuda_of(&gpu), bytes).unwrap();
+    let mut device = model.new_cache_on_device(32, KvElem::F32, &arena).unwrap();
     let mut host = model.new_cache(32);
     let prompt = [3u32, 17, 5, 38, 0, 22, 9];
     assert_eq!(decode(&model, &mut device, &prompt, 8), decode(&model, &mut host, &prompt, 8));
@@ -754,5 +755,30 @@ fn cuda_bf16_paged_pool_stays_close_to_the_f32_pool() {
     }
     assert_ne!(logits[0], logits[1], "the bf16 pool computed in f32");
     assert_rel(&logits[1], &logits[0], 3e-2, "bf16 KV pool against f32");
+    std::fs::remove_file(path).unwrap();
+}
+
+/// A bf16 contiguous device cache (what a half-precision GPU deployment gets without a paged
+/// pool) holds half the bytes of an f32 one, and its logits stay within bf16 rounding of the
+/// f32 cache's.
+#[test]
+fn cuda_bf16_device_cache_stays_close_to_the_f32_cache() {
+    let Some(gpu) = gpu() else { return };
+    let path = temp_path("cuda-bf16-cache.gguf");
+    RandomLlama { seed: 13, ..Default::default() }.write(&path).unwrap();
+    let model =
+        ParallelModel::load(&path, LoadOptions::new(Placement::single()).on(gpu.clone())).unwrap();
+    assert_eq!(model.cache_bytes(32, KvElem::F32), 2 * model.cache_bytes(32, KvElem::Bf16));
+    let steps: [&[u32]; 4] = [&[3, 17, 5, 38, 0, 22, 9], &[4], &[12], &[7]];
+    let mut logits = Vec::new();
+    for elem in [KvElem::F32, KvElem::Bf16] {
+        let bytes = model.cache_bytes(32, elem);
+        let arena = crate::kernels::PoolArena::new(cuda_of(&gpu), bytes).unwrap();
+        let mut cache = model.new_cache_on_device(32, elem, &arena).unwrap();
+        assert_eq!(cache.capacity(), 32);
+        logits.push(forced(&model, &mut cache, &steps));
+    }
+    assert_ne!(logits[0], logits[1], "the bf16 cache computed in f32");
+    assert_rel(&logits[1], &logits[0], 3e-2, "bf16 KV cache against f32");
     std::fs::remove_file(path).unwrap();
 }
