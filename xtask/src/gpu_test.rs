@@ -1,5 +1,6 @@
-//! `cargo xtask gpu-test`: builds with `--features cuda` and runs the GPU tests with
-//! `TPCTL_REQUIRE_GPU=1`, so a test that finds no usable GPU fails instead of skipping.
+//! `cargo xtask gpu-test`: builds the GPU bundle (below) and runs its `run.sh` here, which runs
+//! the GPU tests with `TPCTL_REQUIRE_GPU=1` (a test that finds no usable GPU fails instead of
+//! skipping) and then the benchmarks, exactly as on a device machine.
 //!
 //! The GPU tests are the ones whose names mention `cuda`, `gpu`, `nvml` or `nccl`. The PyPI CUDA
 //! packages ship NCCL, cuBLAS and NVRTC under names cudarc does not look for (`libnccl.so.2`,
@@ -8,51 +9,47 @@
 //! unversioned links to them, and their own folders, are put on `LD_LIBRARY_PATH` first.
 //!
 //! `cargo xtask gpu-test --bundle [DIR]` runs nothing: it builds the same tests and puts them,
-//! stripped, with the `tpctl` binary, the NCCL benchmark, the default model (in parts small
-//! enough for a device machine's 64 MiB transfers) and `run.sh` into DIR (default
-//! `target/gpu-bundle`), for a GPU machine without Rust; `run.sh` does there what this task
-//! does here (see `docs/gpu.md`).
+//! stripped, with the `tpctl` binary, the NCCL and vmm benchmarks, the default model (in parts
+//! small enough for a device machine's 64 MiB transfers) and `run.sh` into DIR (default
+//! `target/gpu-bundle`), for a GPU machine without Rust (see `docs/gpu.md`).
 //!
-//! After the tests, the benchmarks: the default model's prefill and decode tokens/s on the GPU
-//! next to the CPU, one rank each, from `tpctl run`'s summary; and NCCL all-reduce bus
-//! bandwidth on device buffers with nccl-tests' formula (the `nccl` bench of
-//! `tpctl-collectives`, one rank per GPU; it says it skipped on a machine with one GPU).
+//! The benchmarks `run.sh` prints: the default model's tokens/s with `tpctl run` (one rank, the
+//! GPU in f32 and bf16 next to the CPU, with the GPU's decode step split into host time and
+//! time waiting for the GPU), 1 and 8 concurrent streams through `tpctl serve` (the same three
+//! configurations), sleep and wakeup of 1 GiB of device memory per policy next to plain copies
+//! of the same bytes (the vmm bench), and NCCL all-reduce bus bandwidth with nccl-tests'
+//! formula (one rank per GPU; it says it skipped on a machine with one GPU).
 
 use crate::util::{self, cargo, root};
 use anyhow::Result;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Test-name filters selecting the GPU tests.
-const FILTERS: [&str; 4] = ["cuda", "gpu", "nvml", "nccl"];
-
 pub(crate) fn run(args: &[String]) -> Result<()> {
+    let dir = root().join("target/gpu-bundle");
     match args {
         [] => {}
-        [flag] if flag == "--bundle" => return bundle(&root().join("target/gpu-bundle")),
+        [flag] if flag == "--bundle" => return bundle(&dir),
         [flag, dir] if flag == "--bundle" => return bundle(Path::new(dir)),
         _ => anyhow::bail!("usage: cargo xtask gpu-test [--bundle [DIR]]"),
     }
-    // The real-model GPU test needs the default model; fetched once, then reused.
-    let model = crate::fetch_model::fetch_default()?;
-    println!("default model: {}", model.display());
-    let library_path = library_path()?;
-    let mut cmd = cargo();
-    cmd.args(["test", "--workspace", "--features", "cuda", "--"]).args(FILTERS);
-    cmd.env("TPCTL_REQUIRE_GPU", "1");
-    if let Some(paths) = &library_path {
-        cmd.env("LD_LIBRARY_PATH", paths);
+    // Here as on a device machine: the bundle's own script runs the tests and benchmarks, so
+    // both print the same. This machine's CUDA wheels go first on the loader path.
+    bundle(&dir)?;
+    let mut script = Command::new("bash");
+    script.arg(dir.join("run.sh")).arg(dir.join("out"));
+    if let Some(paths) = library_path()? {
+        script.env("LD_LIBRARY_PATH", paths);
     }
-    util::run(&mut cmd)?;
-    benchmark_line(&model, library_path.as_deref())?;
-    let mut bench = cargo();
-    bench.args(["bench", "--quiet", "-p", "tpctl-collectives", "--features", "cuda"]);
-    bench.args(["--bench", "nccl"]);
-    if let Some(paths) = &library_path {
-        bench.env("LD_LIBRARY_PATH", paths);
+    if std::env::var_os("TPCTL_GPU_BUDGET_S").is_none() {
+        script.env("TPCTL_GPU_BUDGET_S", LOCAL_BUDGET_S.to_string());
     }
-    util::run(&mut bench)
+    util::run(&mut script)
 }
+
+/// The time `run.sh` gets on a developer's GPU machine (a device machine's is its own
+/// window's, set by whoever runs it there).
+const LOCAL_BUDGET_S: u32 = 1800;
 
 /// Libraries cudarc loads at run time that the PyPI packages ship under other names.
 const LIBRARIES: [&str; 3] = ["nccl", "cublas", "nvrtc"];
@@ -151,35 +148,6 @@ fn find_all_versioned(dir: &Path, prefix: &str, depth: usize) -> Vec<PathBuf> {
         }
     }
     found
-}
-
-/// Prints the default model's tokens/s on the GPU (f32 and bf16 weights) next to the CPU
-/// (`tpctl run`, one rank, 64 greedy tokens), from each run's summary line.
-fn benchmark_line(model: &Path, library_path: Option<&std::ffi::OsStr>) -> Result<()> {
-    let model = model.to_string_lossy();
-    let mut summaries = Vec::new();
-    for (device, dtype) in [("cpu", "f32"), ("cuda", "f32"), ("cuda", "bf16")] {
-        let mut cmd = cargo();
-        cmd.args(["run", "--quiet", "-p", "tpctl", "--features", "cuda", "--", "run"])
-            .args(["--model", &model, "--device", device, "--dtype", dtype])
-            .args(["--max-tokens", "64"])
-            .args(["--temperature", "0", "--prompt", "The capital of France is"]);
-        if let Some(paths) = library_path {
-            cmd.env("LD_LIBRARY_PATH", paths);
-        }
-        let out = util::output(&mut cmd)?;
-        let summary = out
-            .lines()
-            .find_map(|l| l.strip_prefix("-- "))
-            .map(str::to_owned)
-            .unwrap_or_else(|| format!("no summary line in:\n{out}"));
-        summaries.push(format!("{device:>4} {dtype:>4}: {summary}"));
-    }
-    println!("GPU benchmark (SmolLM2-135M Q4_1, one rank, 64 tokens):");
-    for s in summaries {
-        println!("  {s}");
-    }
-    Ok(())
 }
 
 /// The script that runs a bundle on the GPU machine.

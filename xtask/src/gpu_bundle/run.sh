@@ -147,13 +147,14 @@ step 60 "$here/bin/tpctl" run "$out/f32-weights.toml" --model "$TPCTL_CACHE/$nam
 say "cpu f32 weights: $(grep -a '^-- ' "$out/run-cpu-f32w.txt" || echo "no summary (failed)")"
 say "   text: $(head -c 300 "$out/run-cpu-f32w.txt" | tr '\n' ' ')"
 # Serving: 1 and 8 concurrent greedy streams of 64 tokens through `tpctl serve` (one rank),
-# on the GPU in bf16 (the default there) and on the CPU, tokens/s of all streams together.
+# on the GPU in bf16 (the default there) and f32, and on the CPU, tokens/s of all streams
+# together.
 serve_bench() {
-    local device=$1 port=$2
-    "$here/bin/tpctl" serve --model "$TPCTL_CACHE/$name" --device "$device" --quiet \
-        --listen "127.0.0.1:$port" >"$out/serve-$device.log" 2>&1 &
+    local device=$1 dtype=$2 port=$3
+    "$here/bin/tpctl" serve --model "$TPCTL_CACHE/$name" --device "$device" --dtype "$dtype" \
+        --quiet --listen "127.0.0.1:$port" >"$out/serve-$device-$dtype.log" 2>&1 &
     local pid=$!
-    say "$device serve:"
+    say "$device $dtype serve:"
     step 120 python3 - "$port" <<'PY' || status=1
 import json, sys, threading, time, urllib.request
 base = f"http://127.0.0.1:{sys.argv[1]}"
@@ -189,8 +190,9 @@ PY
     wait "$pid" 2>/dev/null
 }
 say "== tpctl serve, SmolLM2-135M Q4_1, one rank, 1 and 8 streams of 64 tokens"
-serve_bench cuda 18431
-serve_bench cpu 18432
+serve_bench cuda bf16 18431
+serve_bench cuda f32 18433
+serve_bench cpu f32 18432
 say "== vmm: release / materialize of 1 GiB of device memory per policy vs plain copies"
 step 120 "$here/bin/vmm-bench" --bytes 1G --device cuda:0 || status=1
 say "== nccl all_reduce"
