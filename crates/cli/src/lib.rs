@@ -6,6 +6,7 @@
 pub mod catalog;
 pub mod config;
 pub mod control;
+pub mod doctor;
 pub mod launcher;
 pub mod output;
 pub mod progress;

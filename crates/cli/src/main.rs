@@ -97,6 +97,18 @@ enum Command {
     ///
     /// Example: tpctl models
     Models,
+    /// Check this machine's GPU path before a run: opens each visible CUDA device as a rank
+    /// would (driver, NVRTC compiling the kernels, cuBLAS), prints its name, compute
+    /// capability, memory, UUID and the driver's CUDA version, whether NVML lists this process
+    /// there (what sleep receipts read), and the NCCL version. Exits 1 when something blocks
+    /// computing on the GPU, naming it.
+    ///
+    /// Example: CUDA_VISIBLE_DEVICES=1 tpctl doctor
+    Doctor {
+        /// Only this CUDA ordinal (default: every visible device).
+        #[arg(long, value_name = "N")]
+        device: Option<usize>,
+    },
     /// One rank of a job (started by `tpctl run` or `tpctl serve`; reads TPCTL_RANK_SPEC).
     #[command(name = "__rank", hide = true)]
     Rank,
@@ -357,6 +369,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve(*args, cli.verbose, cli.quiet),
         Command::Fetch { model } => fetch(&model),
         Command::Models => models(),
+        Command::Doctor { device } => Ok(tpctl::doctor::run(device)),
         Command::Sleep(args) => {
             let request = control::Request::Sleep(control::SleepArgs {
                 tags: args.tags,

@@ -333,3 +333,18 @@ fn ctrl_c_stops_every_rank() {
     assert_eq!(leftovers(&mark), Vec::<u32>::new(), "processes left behind");
     assert_eq!(out.status.code(), Some(130), "{}", text(&out));
 }
+
+/// `tpctl doctor` on a machine without a usable GPU (this build may lack the `cuda` feature,
+/// or the machine the driver) exits 1 with the blocker named; with a GPU it exits 0.
+#[test]
+fn doctor_names_what_blocks_the_gpu_path() {
+    let out = tpctl(&["doctor"], &[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if out.status.success() {
+        assert!(stdout.contains("tpctl can compute on this machine's GPU"), "{}", text(&out));
+        return;
+    }
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(stdout.contains("BLOCKER  cuda"), "{}", text(&out));
+    assert!(stdout.contains("blocker(s): tpctl cannot compute on a GPU here"), "{}", text(&out));
+}

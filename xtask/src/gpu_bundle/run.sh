@@ -103,6 +103,13 @@ if [ -n "$missing" ]; then
     exit 2
 fi
 say "nvml sees processes: $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>&1 | wc -l) listed now"
+# tpctl's own view: each device opened as a rank opens it (driver, NVRTC, cuBLAS), whether
+# NVML lists this process there, the NCCL version.
+say "== tpctl doctor"
+if ! step 90 "$here/bin/tpctl" doctor; then
+    say "BLOCKER: tpctl doctor (above)"
+    exit 2
+fi
 
 # The default model, where the tests look for it.
 export TPCTL_CACHE="$here/cache"

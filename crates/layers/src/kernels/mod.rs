@@ -17,7 +17,7 @@ pub use cpu::attention::AttnShape;
 pub use cpu::qmatrix::{QBits, QMatrix};
 pub use cpu::quant::BlockFormat;
 use cpu::CpuBackend;
-pub use cuda::{CudaBackend, PoolArena};
+pub use cuda::{CudaBackend, CudaDeviceInfo, PoolArena};
 
 use crate::error::{Error, Result};
 use crate::memory::{Arena, WeightBuffers};

@@ -502,6 +502,34 @@ impl CudaBackend {
         Duration::from_nanos(self.inner.waited_ns.load(Ordering::Relaxed))
     }
 
+    /// What the driver says about this backend's device: name, compute capability, memory,
+    /// UUID, and the CUDA version the driver supports.
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`] when a driver query fails.
+    pub fn describe(&self) -> Result<super::CudaDeviceInfo> {
+        let ctx = self.stream().context();
+        let query = |what: &str| format!("cuda:{}: querying the {what}", self.inner.ordinal);
+        let (free_bytes, total_bytes) = ctx.mem_get_info().or_unavailable(|| query("memory"))?;
+        let uuid = ctx.uuid().or_unavailable(|| query("UUID"))?;
+        let mut version = 0;
+        // SAFETY: the driver is loaded (this backend made a context with it);
+        // `cuDriverGetVersion` writes one int through the pointer, a live local.
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }
+            .result()
+            .or_unavailable(|| query("driver version"))?;
+        Ok(super::CudaDeviceInfo {
+            name: ctx.name().or_unavailable(|| query("name"))?,
+            compute_capability: ctx
+                .compute_capability()
+                .or_unavailable(|| query("compute capability"))?,
+            total_bytes,
+            free_bytes,
+            uuid: super::uuid_text(uuid.bytes.map(|b| b as u8)),
+            driver_cuda: (version / 1000, version % 1000 / 10),
+        })
+    }
+
     /// Device bytes held by cached weights (arena regions included).
     pub fn cached_weight_bytes(&self) -> usize {
         self.cache().entries.values().map(|w| w.slot.bytes()).sum()

@@ -20,6 +20,32 @@ pub use stub::{CudaBackend, PoolArena};
 #[cfg(test)]
 mod tests;
 
+/// What the driver says about a [`CudaBackend`]'s device ([`CudaBackend::describe`]), for a
+/// preflight such as `tpctl doctor`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaDeviceInfo {
+    /// The device's name (`NVIDIA H200`).
+    pub name: String,
+    /// Compute capability, major and minor.
+    pub compute_capability: (i32, i32),
+    /// Device memory, total and free now, in bytes.
+    pub total_bytes: usize,
+    /// See `total_bytes`.
+    pub free_bytes: usize,
+    /// The UUID as `nvidia-smi` and `CUDA_VISIBLE_DEVICES` write it (`GPU-` and 32 hex digits
+    /// in groups of 8-4-4-4-12).
+    pub uuid: String,
+    /// The newest CUDA version the driver supports, major and minor.
+    pub driver_cuda: (i32, i32),
+}
+
+/// `bytes` as `nvidia-smi` writes a device UUID.
+#[cfg(any(feature = "cuda", test))]
+fn uuid_text(bytes: [u8; 16]) -> String {
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!("GPU-{}-{}-{}-{}-{}", &hex[..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..])
+}
+
 /// Blocks an attention launch should have at least, so a decode step (a few rows, one per
 /// query head) still keeps every multiprocessor of a large GPU busy.
 #[cfg(any(feature = "cuda", test))]

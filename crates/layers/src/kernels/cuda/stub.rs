@@ -43,6 +43,14 @@ impl CudaBackend {
         match self.never {}
     }
 
+    /// What the driver says about the device.
+    ///
+    /// # Errors
+    /// Never returns: no value of this type exists.
+    pub fn describe(&self) -> Result<super::CudaDeviceInfo> {
+        match self.never {}
+    }
+
     /// The time the host has spent blocked waiting for the device.
     pub fn device_wait(&self) -> std::time::Duration {
         match self.never {}

@@ -271,6 +271,16 @@ fn attention_key_ranges_cover_the_keys_and_fill_the_gpu_for_decode() {
     }
 }
 
+/// A device UUID reads as `nvidia-smi` and `CUDA_VISIBLE_DEVICES` write it.
+#[test]
+fn device_uuids_are_written_as_nvidia_smi_writes_them() {
+    let bytes = [
+        0x5d, 0x2c, 0x1e, 0x9a, 0x03, 0xf1, 0x4b, 0x7e, 0x8c, 0x00, 0xff, 0x12, 0x34, 0x56, 0x78,
+        0x9a,
+    ];
+    assert_eq!(super::uuid_text(bytes), "GPU-5d2c1e9a-03f1-4b7e-8c00-ff123456789a");
+}
+
 /// An attention block serves up to four query heads of one KV head: grouped-query models need
 /// one block per KV head (two for six heads), multi-head ones one per head.
 #[test]
