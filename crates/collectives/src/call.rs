@@ -240,6 +240,23 @@ pub(crate) fn finish<T: Transport + ?Sized, R>(t: &mut T, result: Result<R>) -> 
     result
 }
 
+/// The CUDA device `t` reduces device buffers on, or the refusal of a host backend (made
+/// without a call: a host group is still usable for host buffers).
+fn device_of<T: Transport + ?Sized>(t: &T) -> Result<usize> {
+    t.cuda_device().ok_or_else(|| check::host_memory_only(t.backend(), &t.core().group))
+}
+
+/// Refuses `what` on device `on` when the group works on `device`.
+fn on_group_device(at: &Site, what: &str, on: usize, device: usize) -> Result<()> {
+    if on == device {
+        return Ok(());
+    }
+    Err(check::invalid(
+        at,
+        format!("the {what} is on cuda:{on}, this group works on cuda:{device}"),
+    ))
+}
+
 impl<T: Transport> Communicator for T {
     fn rank(&self) -> usize {
         self.core().rank
@@ -359,26 +376,9 @@ impl<T: Transport> Communicator for T {
         dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
-        let Some(device) = Transport::cuda_device(self) else {
-            // Refused without a call: a host group is still usable for host buffers.
-            return Err(Error::BackendUnavailable {
-                backend: Transport::backend(self),
-                reason: format!(
-                    "the {} group reduces host memory, not device buffers",
-                    self.core().group
-                ),
-            });
-        };
+        let device = device_of(self)?;
         run(self, Op::AllReduce, |t, at, deadline| {
-            if buf.device != device {
-                return Err(check::invalid(
-                    at,
-                    format!(
-                        "the buffer is on cuda:{}, this group works on cuda:{device}",
-                        buf.device
-                    ),
-                ));
-            }
+            on_group_device(at, "buffer", buf.device, device)?;
             check::device_elements(at, "buffer", buf.bytes, dtype)?;
             // SAFETY: forwarded from this function's own contract; the buffer is on this
             // group's device (checked above).
@@ -393,25 +393,10 @@ impl<T: Transport> Communicator for T {
         op: ReduceOp,
         stream: DeviceStream,
     ) -> Result<()> {
-        let Some(device) = Transport::cuda_device(self) else {
-            // Refused without a call, as `all_reduce_device_ptr` is.
-            return Err(Error::BackendUnavailable {
-                backend: Transport::backend(self),
-                reason: format!(
-                    "the {} group reduces host memory, not device buffers",
-                    self.core().group
-                ),
-            });
-        };
+        let device = device_of(self)?;
         run(self, Op::AllReduce, |t, at, deadline| {
-            for (what, on) in [("buffer", buf.device), ("stream", stream.device)] {
-                if on != device {
-                    return Err(check::invalid(
-                        at,
-                        format!("the {what} is on cuda:{on}, this group works on cuda:{device}"),
-                    ));
-                }
-            }
+            on_group_device(at, "buffer", buf.device, device)?;
+            on_group_device(at, "stream", stream.device, device)?;
             check::device_elements(at, "buffer", buf.bytes, dtype)?;
             // SAFETY: forwarded from this function's own contract; the buffer and the stream
             // are on this group's device (checked above).

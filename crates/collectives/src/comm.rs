@@ -124,10 +124,7 @@ pub trait Communicator: Send {
         op: ReduceOp,
     ) -> Result<()> {
         let _ = (buf, dtype, op);
-        Err(Error::BackendUnavailable {
-            backend: self.backend(),
-            reason: format!("the {} group reduces host memory, not device buffers", self.group()),
-        })
+        Err(check::host_memory_only(self.backend(), self.group()))
     }
 
     /// Queues an in-place all-reduce of the `dtype` elements of `buf` on the caller's CUDA
@@ -153,10 +150,7 @@ pub trait Communicator: Send {
         stream: DeviceStream,
     ) -> Result<()> {
         let _ = (buf, dtype, op, stream);
-        Err(Error::BackendUnavailable {
-            backend: self.backend(),
-            reason: format!("the {} group reduces host memory, not device buffers", self.group()),
-        })
+        Err(check::host_memory_only(self.backend(), self.group()))
     }
 
     /// Waits until the reduction queued by [`Communicator::all_reduce_device_enqueue`], if one
@@ -337,6 +331,14 @@ pub(crate) mod check {
 
     pub(crate) fn invalid(at: &Site, reason: impl Into<String>) -> Error {
         Error::InvalidArgument { at: at.clone(), reason: reason.into() }
+    }
+
+    /// The refusal of a device-buffer call by `backend`, whose `group` reduces host memory.
+    pub(crate) fn host_memory_only(backend: &'static str, group: &str) -> Error {
+        Error::BackendUnavailable {
+            backend,
+            reason: format!("the {group} group reduces host memory, not device buffers"),
+        }
     }
 
     /// `buf` holds whole, aligned elements of `dtype`.
