@@ -385,8 +385,9 @@ impl CudaBackend {
             return Err(at("cuBLAS (libcublas.so.12) is not on the loader path".into()));
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| at(format!("creating a context: {e}")))?;
-        // All of this backend's work runs on its one stream, and its buffers meet other
-        // streams (NCCL's, vmm's copies) only across a host synchronization, so cudarc's
+        // All of this backend's work runs on its one stream (NCCL's reductions of its buffers
+        // included), and its buffers meet other streams (vmm's copies) only across a host
+        // synchronization, so cudarc's
         // per-buffer events would cost two event creations per allocation and a record per
         // use for nothing.
         // SAFETY: this context value is this backend's own (`CudaContext::new` makes a new
