@@ -528,8 +528,8 @@ impl NcclCommunicator {
         }
     }
 
-    /// Runs one NCCL operation: `enqueue` issues its calls on the stream; then waits for it
-    /// under the watchdog.
+    /// Runs one NCCL operation: `enqueue` issues its calls on the communicator's stream; then
+    /// waits for it under the watchdog.
     fn run(
         &mut self,
         at: &Site,
@@ -537,16 +537,26 @@ impl NcclCommunicator {
     ) -> Result<()> {
         let start = Instant::now();
         let deadline = start + self.core.timeout;
-        if let Err((call, code)) = enqueue(self) {
-            return Err(Error::Nccl { at: at.clone(), call, reason: describe(code, self.comm.0) });
-        }
-        // Enqueued (or being enqueued, for a non-blocking communicator): wait for NCCL to
-        // accept it, then mark the stream and wait for the kernels.
-        self.wait(at, start, deadline, |_| Ok(true))?;
+        self.accept(at, start, deadline, enqueue)?;
         self.done.record(&self.stream).map_err(cuda_err(at, "cuEventRecord"))?;
         self.wait(at, start, deadline, |me| {
             me.done.try_is_complete().map_err(cuda_err(at, "cuEventQuery"))
         })
+    }
+
+    /// Issues `enqueue`'s calls and waits until NCCL has accepted them (a non-blocking
+    /// communicator may still be enqueuing when its calls return).
+    fn accept(
+        &mut self,
+        at: &Site,
+        start: Instant,
+        deadline: Instant,
+        enqueue: impl FnOnce(&Self) -> std::result::Result<(), (&'static str, sys::ncclResult_t)>,
+    ) -> Result<()> {
+        if let Err((call, code)) = enqueue(self) {
+            return Err(Error::Nccl { at: at.clone(), call, reason: describe(code, self.comm.0) });
+        }
+        self.wait(at, start, deadline, |_| Ok(true))
     }
 
     /// Waits, under the watchdog, for the reduction queued on a caller's stream, if one is
@@ -642,23 +652,10 @@ fn ok(
 /// be valid for the sizes given, on the communicator's device.
 impl NcclCommunicator {
     /// # Safety
-    /// `src` and `dst` hold `count` elements of `dtype` on this communicator's device.
+    /// `src` and `dst` hold `count` elements of `dtype` on this communicator's device, and
+    /// `stream` is a live stream of it (its own, [`NcclCommunicator::cu_stream`], or a
+    /// caller's).
     unsafe fn enqueue_all_reduce(
-        &self,
-        src: DevPtr,
-        dst: DevPtr,
-        count: usize,
-        dtype: ElemType,
-        op: ReduceOp,
-    ) -> std::result::Result<(), (&'static str, sys::ncclResult_t)> {
-        // SAFETY: per this function's contract; the stream is this communicator's own.
-        unsafe { self.enqueue_all_reduce_on(src, dst, count, dtype, op, self.cu_stream()) }
-    }
-
-    /// # Safety
-    /// As [`NcclCommunicator::enqueue_all_reduce`], and `stream` is a live stream of this
-    /// communicator's device.
-    unsafe fn enqueue_all_reduce_on(
         &self,
         src: DevPtr,
         dst: DevPtr,
@@ -849,8 +846,8 @@ impl Transport for NcclCommunicator {
     }
 
     /// Makes this communicator's CUDA context current on the calling thread, and waits for a
-    /// reduction still in flight on a caller's stream: the operations of one communicator
-    /// never overlap on the device, whichever streams they were queued on.
+    /// reduction still in flight on a caller's stream (`settle`): the operations of one
+    /// communicator never overlap on the device, whichever streams they were queued on.
     fn enter(&mut self, at: &Site) -> Result<()> {
         self.stream.context().bind_to_thread().map_err(cuda_err(at, "cuCtxSetCurrent"))?;
         self.settle(at)
@@ -872,7 +869,7 @@ impl Transport for NcclCommunicator {
         // SAFETY: the caller guarantees `bytes` bytes of this device at `ptr`, untouched by
         // other work until the reduction (waited for by `run`) completes.
         self.run(at, |me| unsafe {
-            me.enqueue_all_reduce(ptr, ptr, bytes / dtype.size(), dtype, op)
+            me.enqueue_all_reduce(ptr, ptr, bytes / dtype.size(), dtype, op, me.cu_stream())
         })
     }
 
@@ -891,12 +888,9 @@ impl Transport for NcclCommunicator {
         // SAFETY: the caller guarantees `buf` on this device and `stream` a live stream of
         // it, with only the stream's own work touching `buf` until the reduction completes
         // (`settle`, from the next call's `enter`).
-        let queued = unsafe { self.enqueue_all_reduce_on(ptr, ptr, count, dtype, op, raw) };
-        if let Err((call, code)) = queued {
-            return Err(Error::Nccl { at: at.clone(), call, reason: describe(code, self.comm.0) });
-        }
-        // A non-blocking communicator may still be enqueuing: wait until it has.
-        self.wait(at, start, deadline, |_| Ok(true))?;
+        self.accept(at, start, deadline, |me| unsafe {
+            me.enqueue_all_reduce(ptr, ptr, count, dtype, op, raw)
+        })?;
         // SAFETY: `done` is this communicator's event, of this device's primary context, as
         // the caller guarantees `stream` is.
         unsafe { cu::event::record(self.done.cu_event(), stream.raw as _) }
@@ -907,10 +901,6 @@ impl Transport for NcclCommunicator {
 
     fn device_in_flight(&self) -> bool {
         self.in_flight.is_some()
-    }
-
-    fn wait_device(&mut self, at: &Site) -> Result<()> {
-        self.settle(at)
     }
 
     fn all_reduce(
@@ -925,7 +915,7 @@ impl Transport for NcclCommunicator {
         self.upload(at, dev, buf)?;
         // SAFETY: the staging buffer holds `buf.len()` bytes at `dev`.
         self.run(at, |me| unsafe {
-            me.enqueue_all_reduce(dev, dev, buf.len() / dtype.size(), dtype, op)
+            me.enqueue_all_reduce(dev, dev, buf.len() / dtype.size(), dtype, op, me.cu_stream())
         })?;
         self.download(at, buf, dev)?;
         self.sync(at)
@@ -1048,7 +1038,7 @@ impl Transport for NcclCommunicator {
         let dev = self.staging(at, 1)?;
         // SAFETY: the staging buffer holds at least one byte at `dev`; its value is irrelevant.
         self.run(at, |me| unsafe {
-            me.enqueue_all_reduce(dev, dev, 1, ElemType::U8, ReduceOp::Max)
+            me.enqueue_all_reduce(dev, dev, 1, ElemType::U8, ReduceOp::Max, me.cu_stream())
         })?;
         self.sync(at)
     }
@@ -1093,7 +1083,7 @@ impl NcclCommunicator {
             let (ptr, _sync) = buf.device_ptr_mut(&stream);
             // SAFETY: cudarc guarantees `len` bytes at `ptr` while `_sync` lives.
             me.run(at, |me| unsafe {
-                me.enqueue_all_reduce(ptr, ptr, len / dtype.size(), dtype, op)
+                me.enqueue_all_reduce(ptr, ptr, len / dtype.size(), dtype, op, me.cu_stream())
             })
         })
     }

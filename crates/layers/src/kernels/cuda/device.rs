@@ -270,19 +270,20 @@ impl Inner {
     /// the wait polls until the reduction's deadline and then fails naming its group (the
     /// communicator's own wait, [`CudaBackend::wait_collectives`], also names a failed peer).
     fn sync(&self, op: &str) -> Result<()> {
-        let start = Instant::now();
-        let done = self.sync_unmetered(op);
-        self.waited(start);
-        done
+        self.blocking(|| self.wait_for_stream(op))
     }
 
-    /// Adds the time since `start` to the host's time blocked on the device.
-    fn waited(&self, start: Instant) {
+    /// Runs `wait`, a wait for the device, counting its time as the host's time blocked on
+    /// the device.
+    fn blocking<R>(&self, wait: impl FnOnce() -> R) -> R {
+        let start = Instant::now();
+        let result = wait();
         let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.waited_ns.fetch_add(ns, Ordering::Relaxed);
+        result
     }
 
-    fn sync_unmetered(&self, op: &str) -> Result<()> {
+    fn wait_for_stream(&self, op: &str) -> Result<()> {
         let mut in_flight = self.in_flight.lock().unwrap_or_else(PoisonError::into_inner);
         let Some(pending) = in_flight.as_ref() else {
             return self
@@ -1379,10 +1380,9 @@ impl CudaBackend {
         // it (a host read waits for the stream first), and it is freed in stream order, after
         // the reduction. The stream, of the device's primary context, lives as long as the
         // backend, and a stream destroyed with work queued finishes that work first.
-        let queued =
-            unsafe { comm.all_reduce_device_enqueue(buf, ElemType::F32, ReduceOp::Sum, stream) };
-        self.inner.waited(since);
-        queued?;
+        self.inner.blocking(|| unsafe {
+            comm.all_reduce_device_enqueue(buf, ElemType::F32, ReduceOp::Sum, stream)
+        })?;
         // The enqueue waited for the reduction before it: this one is the only one in flight.
         let limit = comm.timeout();
         let group = comm.group().to_owned();
@@ -1397,10 +1397,7 @@ impl CudaBackend {
     /// # Errors
     /// The communicator's: a timeout or a failed peer, named.
     pub(crate) fn wait_collectives(&self, comm: &mut dyn Communicator) -> Result<()> {
-        let start = Instant::now();
-        let waited = comm.wait_device();
-        self.inner.waited(start);
-        waited?;
+        self.inner.blocking(|| comm.wait_device())?;
         let mut in_flight = self.inner.in_flight.lock().unwrap_or_else(PoisonError::into_inner);
         if in_flight.as_ref().is_some_and(|p| p.group == comm.group()) {
             *in_flight = None;
