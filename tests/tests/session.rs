@@ -308,6 +308,29 @@ mod faults {
         injected_failure(4, "session.init", 2, 0);
     }
 
+    /// Ranks that fail only because rank 0 did, inside the sharded model's own TP and CP
+    /// collectives (their errors wrapped by the model), say so without claiming to be the
+    /// origin, so every rank names rank 0 by its global rank (rank 3's CP peer is its group's
+    /// rank 0 but global rank 1).
+    #[test]
+    fn failures_seen_inside_the_sharded_model_name_the_origin() {
+        let spec = "session.step=error@0#2";
+        let vars = [("TPCTL_FAILPOINTS", spec), ("TPCTL_SHARDED", "1"), ("TPCTL_PLAN_CHECK", "0")];
+        let outs = start(4, "failure", &vars);
+        let all = show(&outs);
+        for o in &outs {
+            assert_eq!(o.code, Some(3), "{all}");
+            let line = o.last_line();
+            if o.rank == 0 {
+                assert!(line.contains("injected failure at failpoint `session.step`"), "{all}");
+            } else {
+                let origin = "another rank failed: rank 0 reported a failure";
+                assert!(line.contains(origin), "rank {}: {line}\n{all}", o.rank);
+            }
+        }
+        invariants(&outs, &[]);
+    }
+
     #[test]
     fn a_failure_in_rank_0s_output_sink_fails_every_rank() {
         injected_failure(2, "session.sink", 0, 1);

@@ -195,10 +195,72 @@ impl Error {
 
     /// Whether this rank's failure is the consequence of another rank's: the model failed on
     /// a data-group collective that blames a peer (it failed, died, closed or hung).
+    ///
+    /// The collective's error is looked for along the model error's whole source chain: a
+    /// sharded model wraps it (a step's error, then `layers::Error::Collective`).
     pub fn caused_by_peer(&self) -> bool {
         let Error::Model { source, .. } = self else { return false };
-        source
-            .downcast_ref::<collectives::Error>()
+        collective_in(source.as_ref())
             .is_some_and(|e| e.peer().is_some() || matches!(e, collectives::Error::Poisoned { .. }))
+    }
+}
+
+/// The first collectives error along `e`'s source chain, `e` included. `layers::Error`'s
+/// collective variant is transparent (its `source()` skips the collectives error), so it is
+/// unwrapped by hand.
+fn collective_in<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a collectives::Error> {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if let Some(c) = e.downcast_ref::<collectives::Error>() {
+            return Some(c);
+        }
+        if let Some(layers::Error::Collective(c)) = e.downcast_ref::<layers::Error>() {
+            return Some(c);
+        }
+        next = e.source();
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model_error(source: BoxError) -> Error {
+        Error::Model { phase: "step", rank: 1, epoch: 0, step: 2, source }
+    }
+
+    /// A sequence step's error around a layers error around a collectives error, as the
+    /// sharded model reports a collective that failed inside its forward pass.
+    #[derive(Debug, thiserror::Error)]
+    #[error("step 2: {source}")]
+    struct Wrapped {
+        source: layers::Error,
+    }
+
+    #[test]
+    fn a_peer_blamed_deep_in_the_model_errors_chain_makes_the_failure_secondary() {
+        let at = collectives::Site {
+            op: collectives::Op::AllReduce,
+            group: "tp[cp=0]".into(),
+            rank: 1,
+            size: 2,
+        };
+        let dead = || collectives::Error::PeerDied {
+            at: at.clone(),
+            peer: 0,
+            pid: 4242,
+            elapsed: std::time::Duration::from_millis(30),
+        };
+        assert!(model_error(Box::new(dead())).caused_by_peer());
+        assert!(model_error(Box::new(layers::Error::Collective(dead()))).caused_by_peer());
+        let wrapped = Wrapped { source: layers::Error::Collective(dead()) };
+        assert!(model_error(Box::new(wrapped)).caused_by_peer());
+        // A failure of the model's own is the origin.
+        assert!(!model_error("the counting model broke".into()).caused_by_peer());
+        let own = Wrapped {
+            source: layers::Error::Shape { op: "forward", message: "no sequences".into() },
+        };
+        assert!(!model_error(Box::new(own)).caused_by_peer());
     }
 }

@@ -96,6 +96,9 @@ struct Probe {
     stop_at: Option<u64>,
     stop: Arc<Mutex<Option<StopHandle>>>,
     sigkill_at: Option<u64>,
+    /// Whether to check the plan on the TP and CP groups before the model's step (off: the
+    /// model's own collectives are the step's first).
+    check_plans: bool,
 }
 
 impl StepModel for Probe {
@@ -119,6 +122,9 @@ impl StepModel for Probe {
             let me = std::process::id().to_string();
             let _ = std::process::Command::new("kill").args(["-KILL", &me]).status();
             std::thread::sleep(Duration::from_secs(30));
+        }
+        if !self.check_plans {
+            return self.inner.forward(plan, groups);
         }
         // Like a sharded model, meet the TP and CP peers inside the step, and check on the way
         // that every rank runs the same plan.
@@ -181,6 +187,8 @@ impl ModelFactory for ProbeFactory {
             stop_at: self.stop_at,
             stop: self.stop.clone(),
             sigkill_at: self.sigkill_at,
+            // `TPCTL_PLAN_CHECK=0`: a failing peer is seen in the model's own collectives.
+            check_plans: std::env::var("TPCTL_PLAN_CHECK").map_or(true, |v| v != "0"),
         }))
     }
 
