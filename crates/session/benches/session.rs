@@ -81,6 +81,7 @@ fn decode_plan(seqs: u64, step: u64) -> StepPlan {
                 sample: true,
                 reserve: 4096,
                 blocks: Vec::new(),
+                sampling: None,
             })
             .collect(),
         released: Vec::new(),

@@ -1,6 +1,6 @@
 //! The per-rank engine: step agreement, session lifecycle and the failure policy.
 //!
-//! Rank 0 runs a [`Leader`] (scheduler, tokenizer, sampler, output and metrics sinks); every
+//! Rank 0 runs a [`Leader`] (scheduler, tokenizer, output and metrics sinks); every
 //! other rank runs a [`Worker`], which owns none of these (its constructor takes no sink, and
 //! handing it one is an error). At each step boundary all ranks meet on the control group
 //! (`protocol`): an admission that agrees on go / stop / failed and carries rank 0's step
@@ -37,9 +37,9 @@ pub use engine::{
     StopHandle, Worker,
 };
 pub use error::{BoxError, Error, Result};
-pub use model::{Groups, KvLayout, ModelFactory, StepLogits, StepModel};
-pub use plan::{PlanEntry, SeqId, SessionConfig, SessionDecision, StepPlan};
-pub use sampler::{argmax, Sampler, SamplingParams, TokenLogprobs};
+pub use model::{Groups, KvLayout, ModelFactory, SampledToken, StepModel, StepOutput};
+pub use plan::{PlanEntry, SeqId, SeqSampling, SessionConfig, SessionDecision, StepPlan};
+pub use sampler::{argmax, SampleError, Sampler, Samplers, SamplingParams, TokenLogprobs};
 pub use scheduler::{Cancel, Prompt, Request};
 pub use sink::{
     Collect, FinishReason, Finished, MetricsSink, NoMetrics, OutputSink, StepMetrics, TextCodec,

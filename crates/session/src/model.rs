@@ -3,6 +3,7 @@
 
 use crate::error::BoxError;
 use crate::plan::{SeqId, SessionConfig, StepPlan};
+use crate::sampler::TokenLogprobs;
 use crate::sink::TextCodec;
 use collectives::Communicator;
 use mesh::DeviceMesh;
@@ -47,15 +48,29 @@ pub struct KvLayout {
     pub prefix_caching: bool,
 }
 
-/// One logits row per sampled entry of a plan, in plan order.
-pub type StepLogits = Vec<Vec<f32>>;
+/// The token a model runner picked for one sampled entry of a plan (vLLM's model runner
+/// output): its id and, when the request asked for them, its log-probability and the most
+/// likely alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampledToken {
+    /// The token.
+    pub token: u32,
+    /// Its log-probabilities ([`SamplingParams::logprobs`](crate::SamplingParams::logprobs)).
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// One [`SampledToken`] per sampled entry of a plan, in plan order.
+pub type StepOutput = Vec<SampledToken>;
 
 /// What one rank runs in a step. Every rank runs every admitted step with the same plan; a
 /// sharded model does its TP/CP collectives inside [`StepModel::forward`] on the [`Groups`].
 pub trait StepModel: Send {
-    /// Runs the plan's tokens at their positions, keeping each sequence's state (KV cache).
-    /// Returns one logits row per entry with `sample` set, in plan order, on the ranks that
-    /// produce logits (rank 0 at least); other ranks may return `None`.
+    /// Runs the plan's tokens at their positions, keeping each sequence's state (KV cache),
+    /// and samples where the logits are: returns one [`SampledToken`] per entry with `sample`
+    /// set, in plan order, on rank 0 at least (other ranks may return `None`). Sequences
+    /// bring their sampling parameters with their first entry
+    /// ([`PlanEntry::sampling`](crate::PlanEntry::sampling)); [`Samplers`](crate::Samplers)
+    /// keeps them and picks the tokens.
     ///
     /// # Errors
     /// Any failure of the model; the engine reports it with the rank, epoch and step.
@@ -63,7 +78,7 @@ pub trait StepModel: Send {
         &mut self,
         plan: &StepPlan,
         groups: &mut Groups<'_>,
-    ) -> Result<Option<StepLogits>, BoxError>;
+    ) -> Result<Option<StepOutput>, BoxError>;
 
     /// Gets ready for a step that every rank was admitted to, before the confirmation (for
     /// example reserving cache room). The default does nothing.
@@ -75,7 +90,7 @@ pub trait StepModel: Send {
         Ok(())
     }
 
-    /// Frees a finished sequence's state.
+    /// Frees a finished sequence's state (its cache and its sampler).
     fn release(&mut self, seq: SeqId);
 
     /// The paged KV pool, when the model keeps its caches in one: plans then name the blocks

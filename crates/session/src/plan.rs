@@ -1,11 +1,13 @@
 //! What every rank runs in one step: the [`StepPlan`] rank 0 schedules and broadcasts, and the
 //! [`SessionConfig`] every rank builds its model from.
 
+use crate::sampler::SamplingParams;
+
 /// A sequence (one request's tokens) as the model sees it; stable for the request's lifetime.
 pub type SeqId = u64;
 
 /// One sequence's share of a step: a prefill chunk of its prompt or one decode token.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PlanEntry {
     /// The sequence.
     pub seq: SeqId,
@@ -24,6 +26,25 @@ pub struct PlanEntry {
     /// entry with `start > 0` begins with a cached prompt prefix: its first blocks already
     /// hold tokens `0..start`.
     pub blocks: Vec<u32>,
+    /// How the model runner picks the sequence's tokens: set on the sequence's first entry
+    /// (again under its new id after a recompute), `None` on the later ones.
+    pub sampling: Option<Box<SeqSampling>>,
+}
+
+/// What the model runner needs to pick a sequence's tokens where its logits are, sent once
+/// with the sequence's first plan entry (vLLM's new-request data): the request's parameters,
+/// its generator's position, and the tokens its penalties count.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SeqSampling {
+    /// The request's sampling parameters.
+    pub params: SamplingParams,
+    /// Tokens the request generated before this sequence id began (a recomputed sequence
+    /// continues its generator where it stopped).
+    pub drawn: u32,
+    /// The prompt, when a penalty counts it (empty otherwise).
+    pub prompt: Vec<u32>,
+    /// The tokens generated before, when a penalty counts them (empty otherwise).
+    pub generated: Vec<u32>,
 }
 
 impl PlanEntry {
@@ -40,7 +61,7 @@ impl PlanEntry {
 }
 
 /// The inputs of one step, identical on every rank.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepPlan {
     /// The session number.
     pub epoch: u64,
@@ -58,7 +79,7 @@ impl StepPlan {
         self.entries.iter().map(|e| e.tokens.len()).sum()
     }
 
-    /// Entries whose logits rank 0 samples from, in plan order.
+    /// Entries the model runner samples a token for, in plan order.
     pub fn sampled(&self) -> impl Iterator<Item = &PlanEntry> {
         self.entries.iter().filter(|e| e.sample)
     }

@@ -31,7 +31,8 @@
 //!   [`SessionConfig`].
 
 use crate::error::{Error, Result};
-use crate::plan::{PlanEntry, SessionConfig, SessionDecision, StepPlan};
+use crate::plan::{PlanEntry, SeqSampling, SessionConfig, SessionDecision, StepPlan};
+use crate::sampler::SamplingParams;
 use collectives::{Collective, Communicator, ReduceOp};
 
 /// Words of the admission header (and of the whole confirmation).
@@ -89,7 +90,7 @@ pub struct Agreed {
 }
 
 /// Rank 0's message at a boundary.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Message {
     /// A session opens with this config.
     Open(SessionConfig),
@@ -260,6 +261,13 @@ pub fn encode(msg: &Message, epoch: u64, step: u64, out: &mut Vec<u8>) {
                 for b in &e.blocks {
                     put_u32(out, *b);
                 }
+                match &e.sampling {
+                    None => out.push(0),
+                    Some(s) => {
+                        out.push(1);
+                        put_sampling(s, out);
+                    }
+                }
             }
             put_u32(out, plan.released.len() as u32);
             for s in &plan.released {
@@ -364,14 +372,25 @@ pub fn decode_into(
                 let sample = r.u8("sample flag")? != 0;
                 let len = r.u32("token count")? as usize;
                 if i == plan.entries.len() {
-                    let (tokens, blocks) = (Vec::new(), Vec::new());
-                    plan.entries.push(PlanEntry { seq, start, tokens, sample, reserve, blocks });
+                    plan.entries.push(PlanEntry {
+                        seq,
+                        start,
+                        tokens: Vec::new(),
+                        sample,
+                        reserve,
+                        blocks: Vec::new(),
+                        sampling: None,
+                    });
                 }
                 let e = &mut plan.entries[i];
                 (e.seq, e.start, e.sample, e.reserve) = (seq, start, sample, reserve);
                 r.u32s(len, "tokens", &mut e.tokens)?;
                 let len = r.u32("block count")? as usize;
                 r.u32s(len, "blocks", &mut e.blocks)?;
+                e.sampling = match r.u8("sampling flag")? {
+                    0 => None,
+                    _ => Some(Box::new(r.sampling()?)),
+                };
             }
             let n = r.u32("released count")? as usize;
             let raw =
@@ -411,6 +430,56 @@ fn put_config(cfg: &SessionConfig, out: &mut Vec<u8>) {
     out.extend_from_slice(&cfg.max_steps.unwrap_or(0).to_le_bytes());
     put_u32(out, cfg.token_budget);
     put_u32(out, cfg.max_batch);
+}
+
+fn put_f32(out: &mut Vec<u8>, v: f32) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+fn put_u32s(out: &mut Vec<u8>, values: &[u32]) {
+    put_u32(out, values.len() as u32);
+    values.iter().for_each(|v| put_u32(out, *v));
+}
+
+/// A sequence's sampling, every field of its parameters in declaration order (destructured,
+/// so a new field does not compile until it is sent).
+fn put_sampling(s: &SeqSampling, out: &mut Vec<u8>) {
+    let SamplingParams {
+        max_tokens,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        stop,
+        ignore_eos,
+        presence_penalty,
+        frequency_penalty,
+        repetition_penalty,
+        min_p,
+        logit_bias,
+        logprobs,
+    } = &s.params;
+    put_u32(out, *max_tokens);
+    put_f32(out, *temperature);
+    out.extend_from_slice(&(*top_k as u64).to_le_bytes());
+    put_f32(out, *top_p);
+    out.extend_from_slice(&seed.to_le_bytes());
+    put_u32s(out, stop);
+    out.push(u8::from(*ignore_eos));
+    put_f32(out, *presence_penalty);
+    put_f32(out, *frequency_penalty);
+    put_f32(out, *repetition_penalty);
+    put_f32(out, *min_p);
+    put_u32(out, logit_bias.len() as u32);
+    for &(token, bias) in logit_bias {
+        put_u32(out, token);
+        put_f32(out, bias);
+    }
+    out.push(u8::from(logprobs.is_some()));
+    out.extend_from_slice(&(logprobs.unwrap_or(0) as u64).to_le_bytes());
+    put_u32(out, s.drawn);
+    put_u32s(out, &s.prompt);
+    put_u32s(out, &s.generated);
 }
 
 struct Reader<'a> {
@@ -453,6 +522,65 @@ impl Reader<'_> {
         let mut a = [0u8; 8];
         a.copy_from_slice(self.take(8, what)?);
         Ok(u64::from_le_bytes(a))
+    }
+
+    fn f32(&mut self, what: &'static str) -> std::result::Result<f32, DecodeError> {
+        Ok(f32::from_bits(self.u32(what)?))
+    }
+
+    fn usize(&mut self, what: &'static str) -> std::result::Result<usize, DecodeError> {
+        usize::try_from(self.u64(what)?).map_err(|_| DecodeError::Overflow(what))
+    }
+
+    /// A count, then that many u32 values.
+    fn u32_list(&mut self, what: &'static str) -> std::result::Result<Vec<u32>, DecodeError> {
+        let n = self.u32(what)? as usize;
+        let mut out = Vec::new();
+        self.u32s(n, what, &mut out)?;
+        Ok(out)
+    }
+
+    fn sampling(&mut self) -> std::result::Result<SeqSampling, DecodeError> {
+        let max_tokens = self.u32("max_tokens")?;
+        let temperature = self.f32("temperature")?;
+        let top_k = self.usize("top_k")?;
+        let top_p = self.f32("top_p")?;
+        let seed = self.u64("seed")?;
+        let stop = self.u32_list("stop tokens")?;
+        let ignore_eos = self.u8("ignore_eos")? != 0;
+        let presence_penalty = self.f32("presence_penalty")?;
+        let frequency_penalty = self.f32("frequency_penalty")?;
+        let repetition_penalty = self.f32("repetition_penalty")?;
+        let min_p = self.f32("min_p")?;
+        let n = self.u32("logit_bias count")? as usize;
+        if n > self.bytes.len() / 8 {
+            return Err(DecodeError::Overflow("logit_bias"));
+        }
+        let mut logit_bias = Vec::with_capacity(n);
+        for _ in 0..n {
+            logit_bias.push((self.u32("logit_bias token")?, self.f32("logit_bias value")?));
+        }
+        let has_logprobs = self.u8("logprobs flag")? != 0;
+        let top = self.usize("logprobs")?;
+        let params = SamplingParams {
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            stop,
+            ignore_eos,
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
+            min_p,
+            logit_bias,
+            logprobs: has_logprobs.then_some(top),
+        };
+        let drawn = self.u32("drawn")?;
+        let prompt = self.u32_list("penalized prompt")?;
+        let generated = self.u32_list("penalized output")?;
+        Ok(SeqSampling { params, drawn, prompt, generated })
     }
 
     fn config(&mut self) -> std::result::Result<SessionConfig, DecodeError> {

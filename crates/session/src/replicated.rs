@@ -3,7 +3,7 @@
 //! ([`crate::sharded`]) plugs into the same [`StepModel`] seam.
 
 use crate::error::BoxError;
-use crate::model::{Groups, ModelFactory, StepLogits, StepModel};
+use crate::model::{Groups, ModelFactory, StepModel, StepOutput};
 use crate::plan::{SeqId, SessionConfig, StepPlan};
 use crate::sequences::Sequences;
 use crate::sink::TextCodec;
@@ -71,7 +71,7 @@ impl StepModel for ReplicatedLlama {
         &mut self,
         plan: &StepPlan,
         _groups: &mut Groups<'_>,
-    ) -> Result<Option<StepLogits>, BoxError> {
+    ) -> Result<Option<StepOutput>, BoxError> {
         // Replicated: every rank computes the whole model, so no collective is needed.
         let context = self.context_len();
         let model = &self.model;
@@ -80,9 +80,9 @@ impl StepModel for ReplicatedLlama {
         // A new sequence's cache holds what it can reach, not the whole context.
         let capacity =
             |e: &crate::plan::PlanEntry| (e.reserve as usize).clamp(e.tokens.len(), context);
-        let rows =
+        let tokens =
             self.sequences.run(model, &mut comms, plan, |e| Ok(model.new_cache(capacity(e))))?;
-        Ok(rows.filter(|_| self.logits))
+        Ok(tokens.filter(|_| self.logits))
     }
 
     fn release(&mut self, seq: SeqId) {

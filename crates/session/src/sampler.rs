@@ -1,5 +1,15 @@
-//! Rank 0's sampler: greedy, or temperature with top-k and top-p from a seeded generator, so
-//! a request with a seed produces the same tokens on every run.
+//! The model runner's sampling: greedy, or temperature with top-k, top-p and min-p from a
+//! seeded generator, after penalties and a logit bias. A request's `i`-th token takes the
+//! `i`-th draw of its generator, so a seeded request produces the same tokens on every run,
+//! in any batch and after a recompute.
+//!
+//! [`Samplers`] is what a [`StepModel`](crate::StepModel) samples with where its logits are:
+//! each sequence's sampler arrives with its first plan entry ([`SeqSampling`]), and every
+//! sampled entry leaves the model as a [`SampledToken`], never as a logits row.
+
+use crate::model::{SampledToken, StepOutput};
+use crate::plan::{SeqId, SeqSampling, StepPlan};
+use std::collections::HashMap;
 
 /// How a request picks its tokens and when it stops.
 #[derive(Debug, Clone, PartialEq)]
@@ -39,8 +49,9 @@ pub struct SamplingParams {
 }
 
 impl SamplingParams {
-    /// Whether any parameter changes the logits before the choice.
-    fn adjusts_logits(&self) -> bool {
+    /// Whether any parameter changes the logits before the choice (then the runner needs the
+    /// tokens a request saw).
+    pub(crate) fn adjusts_logits(&self) -> bool {
         self.presence_penalty != 0.0
             || self.frequency_penalty != 0.0
             || self.repetition_penalty != 1.0
@@ -126,7 +137,13 @@ pub struct Sampler {
 impl Sampler {
     /// A sampler seeded from `params.seed`.
     pub fn new(params: SamplingParams) -> Self {
-        let state = params.seed ^ 0x9E37_79B9_7F4A_7C15;
+        Sampler::resumed(params, 0)
+    }
+
+    /// A sampler seeded from `params.seed` whose generator already made `drawn` draws: the
+    /// one that picked a request's first `drawn` tokens continues as this one.
+    pub fn resumed(params: SamplingParams, drawn: u64) -> Self {
+        let state = (params.seed ^ GOLDEN).wrapping_add(drawn.wrapping_mul(GOLDEN));
         Sampler { params, state, scratch: Vec::new(), adjusted: Vec::new() }
     }
 
@@ -137,7 +154,7 @@ impl Sampler {
 
     /// A uniform number in `[0, 1)` (SplitMix64).
     fn uniform(&mut self) -> f64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        self.state = self.state.wrapping_add(GOLDEN);
         let mut z = self.state;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -200,7 +217,8 @@ impl Sampler {
     }
 
     /// Picks a token from one logits row. NaN logits are never picked; an all-NaN or empty
-    /// row gives token 0.
+    /// row gives token 0. Sampling (a temperature above 0) takes one draw per token, even
+    /// from such a row, so a request's `i`-th token always takes its `i`-th draw.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.params.temperature <= 0.0 {
             return argmax(logits);
@@ -211,6 +229,7 @@ impl Sampler {
             logits.iter().enumerate().filter(|(_, l)| !l.is_nan()).map(|(i, &l)| (l, i as u32)),
         );
         if cand.is_empty() {
+            self.uniform();
             self.scratch = cand;
             return 0;
         }
@@ -261,6 +280,122 @@ impl Sampler {
         }
         self.scratch = cand;
         pick
+    }
+}
+
+/// SplitMix64's increment (the golden ratio's fraction).
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// Why a model runner could not sample a step.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SampleError {
+    /// The logits do not match the plan's sampled entries.
+    #[error("the model produced {values} logits for {sampled} sampled entries of {vocab} tokens")]
+    Logits {
+        /// Logits produced.
+        values: usize,
+        /// Entries sampled in the plan.
+        sampled: usize,
+        /// The vocabulary (a row's length).
+        vocab: usize,
+    },
+    /// A sampled entry's sequence never had its sampling parameters in a plan.
+    #[error(
+        "sequence {seq} is sampled in step {step}, but no plan carried its sampling parameters"
+    )]
+    Unknown {
+        /// The sequence.
+        seq: SeqId,
+        /// The step.
+        step: u64,
+    },
+}
+
+/// The samplers of the sequences a model runner holds (see the module docs). A runner calls
+/// [`Samplers::sample`] on every step where it holds the logits, and
+/// [`Samplers::release`] for every released sequence.
+#[derive(Debug, Default)]
+pub struct Samplers {
+    seqs: HashMap<SeqId, SeqSampler>,
+}
+
+/// One sequence's sampler, and the tokens its penalties count.
+#[derive(Debug)]
+struct SeqSampler {
+    sampler: Sampler,
+    prompt: Vec<u32>,
+    generated: Vec<u32>,
+}
+
+impl SeqSampler {
+    fn new(s: &SeqSampling) -> Self {
+        SeqSampler {
+            sampler: Sampler::resumed(s.params.clone(), u64::from(s.drawn)),
+            prompt: s.prompt.clone(),
+            generated: s.generated.clone(),
+        }
+    }
+}
+
+impl Samplers {
+    /// No sequences.
+    pub fn new() -> Self {
+        Samplers::default()
+    }
+
+    /// Sequences held.
+    pub fn len(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Whether no sequence is held.
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    /// Forgets a released sequence.
+    pub fn release(&mut self, seq: SeqId) {
+        self.seqs.remove(&seq);
+    }
+
+    /// Takes the sampling of the sequences that begin in `plan`, then picks one token per
+    /// sampled entry, in plan order, from `logits`: the rows `[sampled, vocab]` of the
+    /// sampled entries' last positions, row-major. Each token comes with its
+    /// log-probabilities when its request asked for them.
+    ///
+    /// # Errors
+    /// [`SampleError::Logits`] when `logits` holds another number of rows than the plan
+    /// samples; [`SampleError::Unknown`] for a sampled sequence that never had parameters.
+    pub fn sample(
+        &mut self,
+        plan: &StepPlan,
+        logits: &[f32],
+        vocab: usize,
+    ) -> Result<StepOutput, SampleError> {
+        for e in &plan.entries {
+            if let Some(s) = &e.sampling {
+                self.seqs.insert(e.seq, SeqSampler::new(s));
+            }
+        }
+        let sampled = plan.sampled().count();
+        if logits.len() != sampled * vocab || (vocab == 0 && sampled > 0) {
+            return Err(SampleError::Logits { values: logits.len(), sampled, vocab });
+        }
+        let mut out = Vec::with_capacity(sampled);
+        for (e, row) in plan.sampled().zip(logits.chunks_exact(vocab.max(1))) {
+            let s = self
+                .seqs
+                .get_mut(&e.seq)
+                .ok_or(SampleError::Unknown { seq: e.seq, step: plan.step })?;
+            let token = s.sampler.sample_next(row, &s.prompt, &s.generated);
+            let logprobs = s.sampler.logprobs(row, token);
+            if s.sampler.params().adjusts_logits() {
+                s.generated.push(token);
+            }
+            out.push(SampledToken { token, logprobs });
+        }
+        Ok(out)
     }
 }
 

@@ -1,5 +1,8 @@
 //! Rank 0's continuous-batching scheduler: requests join at step boundaries, running sequences
-//! decode one token per step next to prompt chunks of new ones, within a token budget.
+//! decode one token per step next to prompt chunks of new ones, within a token budget. It is
+//! bookkeeping only: the model runner samples (each sequence's parameters travel with its
+//! first plan entry), and the scheduler takes the tokens it returns and ends the requests that
+//! reached a stop token or a limit.
 //!
 //! With a paged KV pool ([`KvLayout`]) it also hands out the pool's blocks (the same ids on
 //! every rank): a prompt chunk runs only when its blocks are free (requests wait in arrival
@@ -9,9 +12,9 @@
 
 use crate::blocks::BlockManager;
 use crate::error::{BoxError, Error, Result};
-use crate::model::KvLayout;
-use crate::plan::{PlanEntry, SeqId, StepPlan};
-use crate::sampler::{Sampler, SamplingParams, TokenLogprobs};
+use crate::model::{KvLayout, SampledToken};
+use crate::plan::{PlanEntry, SeqId, SeqSampling, StepPlan};
+use crate::sampler::{SamplingParams, TokenLogprobs};
 use crate::sink::{FinishReason, TextCodec};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -89,7 +92,9 @@ struct Seq {
     /// Tokens in the model's KV cache (prompt first, then generated ones).
     prefilled: usize,
     generated: Vec<u32>,
-    sampler: Sampler,
+    params: SamplingParams,
+    /// Whether a plan carried the sampling of the current id to the runner.
+    announced: bool,
     stop: Vec<u32>,
     cancel: Option<Cancel>,
     /// Blocks of the KV pool the sequence holds, in table order.
@@ -110,7 +115,7 @@ impl Seq {
     /// The most tokens the sequence can hold in a model's cache of `context` tokens: its
     /// prompt and every token it may generate.
     fn reserve(&self, context: usize) -> u32 {
-        let limit = self.prompt.len() + self.sampler.params().max_tokens as usize;
+        let limit = self.prompt.len() + self.params.max_tokens as usize;
         u32::try_from(limit.min(context)).unwrap_or(u32::MAX)
     }
 
@@ -123,6 +128,22 @@ impl Seq {
         let blocks = self.blocks[self.sent..].to_vec();
         self.sent = self.blocks.len();
         blocks
+    }
+
+    /// The sampling of the current id for the runner, the first time it is planned: the
+    /// parameters, the generator's position, and the history when a penalty counts it.
+    fn announce(&mut self) -> Option<Box<SeqSampling>> {
+        if std::mem::replace(&mut self.announced, true) {
+            return None;
+        }
+        let history = self.params.adjusts_logits();
+        let seen = |tokens: &[u32]| if history { tokens.to_vec() } else { Vec::new() };
+        Some(Box::new(SeqSampling {
+            params: self.params.clone(),
+            drawn: u32::try_from(self.generated.len()).unwrap_or(u32::MAX),
+            prompt: seen(&self.prompt),
+            generated: seen(&self.generated),
+        }))
     }
 
     /// Token `i` of the sequence: the prompt, then the generated tokens.
@@ -284,7 +305,8 @@ impl Scheduler {
             prompt,
             prefilled: 0,
             generated: Vec::new(),
-            sampler: Sampler::new(req.params),
+            params: req.params,
+            announced: false,
             stop,
             cancel: req.cancel,
             blocks: Vec::new(),
@@ -314,7 +336,7 @@ impl Scheduler {
             let s = &mut self.seqs[i];
             let last = *s.generated.last()?;
             let (start, reserve) = (s.prefilled as u32, s.reserve(self.context));
-            let blocks = s.unsent();
+            let (blocks, sampling) = (s.unsent(), s.announce());
             entries.push(PlanEntry {
                 seq: s.id,
                 start,
@@ -322,6 +344,7 @@ impl Scheduler {
                 sample: true,
                 reserve,
                 blocks,
+                sampling,
             });
             budget -= 1;
             i += 1;
@@ -342,8 +365,8 @@ impl Scheduler {
             // A recomputed sequence already sampled its next token.
             let sample = s.prefilled + chunk == s.context() && s.generated.is_empty();
             let (start, reserve) = (s.prefilled as u32, s.reserve(self.context));
-            let blocks = s.unsent();
-            entries.push(PlanEntry { seq: s.id, start, tokens, sample, reserve, blocks });
+            let (blocks, sampling) = (s.unsent(), s.announce());
+            entries.push(PlanEntry { seq: s.id, start, tokens, sample, reserve, blocks, sampling });
             budget -= chunk;
         }
         if entries.is_empty() {
@@ -389,6 +412,7 @@ impl Scheduler {
             pool.blocks.release(&s.blocks);
         }
         (s.blocks, s.sent, s.registered, s.prefilled) = (Vec::new(), 0, 0, 0);
+        s.announced = false;
         self.released.push(s.id);
         s.id = self.next_seq;
         self.next_seq += 1;
@@ -424,21 +448,21 @@ impl Scheduler {
         }
     }
 
-    /// Takes the results of `plan` (one logits row per sampled entry): samples, and finishes
-    /// the sequences that reached a limit or a stop token.
+    /// Takes the results of `plan` (one token per sampled entry, from the model runner) and
+    /// finishes the sequences that reached a limit or a stop token.
     pub(crate) fn apply(
         &mut self,
         plan: &StepPlan,
-        logits: &[Vec<f32>],
+        sampled: Vec<SampledToken>,
     ) -> std::result::Result<Vec<Emit>, String> {
-        let sampled = plan.sampled().count();
-        if logits.len() != sampled {
+        let expected = plan.sampled().count();
+        if sampled.len() != expected {
             return Err(format!(
-                "the model returned {} logits rows for {sampled} sampled entries",
-                logits.len()
+                "the model returned {} tokens for {expected} sampled entries",
+                sampled.len()
             ));
         }
-        let mut rows = logits.iter();
+        let mut sampled = sampled.into_iter();
         let mut out = Vec::new();
         for e in &plan.entries {
             let Some(i) = self.seqs.iter().position(|s| s.id == e.seq) else {
@@ -458,14 +482,13 @@ impl Scheduler {
             if !e.sample {
                 continue;
             }
-            let row = rows.next().ok_or("fewer logits rows than sampled entries")?;
-            let token = s.sampler.sample_next(row, &s.prompt, &s.generated);
-            let logprobs = s.sampler.logprobs(row, token);
+            let SampledToken { token, logprobs } =
+                sampled.next().ok_or("fewer tokens than sampled entries")?;
             s.generated.push(token);
             out.push(Emit::Token { request: s.request, token, logprobs });
             let reason = if s.stop.contains(&token) {
                 Some(FinishReason::StopToken)
-            } else if s.generated.len() >= s.sampler.params().max_tokens as usize
+            } else if s.generated.len() >= s.params.max_tokens as usize
                 || s.prompt.len() + s.generated.len() >= self.context
             {
                 Some(FinishReason::Length)

@@ -1,9 +1,11 @@
-//! What the `layers` adapters share: the KV caches of a rank's sequences, and a step's plan run
-//! as one batched forward pass of a [`ParallelModel`] over them.
+//! What the `layers` adapters share: the KV caches and samplers of a rank's sequences, and a
+//! step's plan run as one batched forward pass of a [`ParallelModel`] over them, sampled where
+//! the logits are.
 
 use crate::error::BoxError;
-use crate::model::StepLogits;
+use crate::model::StepOutput;
 use crate::plan::{PlanEntry, SeqId, StepPlan};
+use crate::sampler::Samplers;
 use layers::parallel::{Comms, ParallelCache, ParallelModel, Sequence};
 use std::collections::HashMap;
 
@@ -26,10 +28,12 @@ pub(crate) struct StepError {
     source: layers::Error,
 }
 
-/// The KV-cache shards of the sequences this rank holds.
+/// The KV-cache shards of the sequences this rank holds, and their samplers where the logits
+/// are.
 #[derive(Debug, Default)]
 pub(crate) struct Sequences {
     caches: HashMap<SeqId, ParallelCache>,
+    samplers: Samplers,
 }
 
 impl Sequences {
@@ -38,22 +42,23 @@ impl Sequences {
         self.caches.len()
     }
 
-    /// Frees a sequence's cache.
+    /// Frees a sequence's cache and sampler.
     pub(crate) fn release(&mut self, seq: SeqId) {
         self.caches.remove(&seq);
+        self.samplers.release(seq);
     }
 
     /// Runs every entry of `plan` as one forward pass of `model`, each with its sequence's
-    /// cache (made by `new_cache` for the sequence's first entry), after checking that the plan continues
-    /// where each cache ends and that every entry fits. Returns the last logits row of every
-    /// entry that samples, in plan order, where the model delivers logits (TP 0, CP 0).
+    /// cache (made by `new_cache` for the sequence's first entry), after checking that the
+    /// plan continues where each cache ends and that every entry fits. Returns the token of
+    /// every entry that samples, in plan order, where the model delivers logits (TP 0, CP 0).
     pub(crate) fn run(
         &mut self,
         model: &ParallelModel,
         comms: &mut Comms<'_>,
         plan: &StepPlan,
         new_cache: impl FnMut(&PlanEntry) -> Result<ParallelCache, BoxError>,
-    ) -> Result<Option<StepLogits>, BoxError> {
+    ) -> Result<Option<StepOutput>, BoxError> {
         let mut taken = Vec::with_capacity(plan.entries.len());
         let out = self.take(model, plan, new_cache, &mut taken).and_then(|()| {
             let mut seqs: Vec<Sequence<'_>> = taken
@@ -72,8 +77,9 @@ impl Sequences {
             })
         });
         self.caches.extend(taken);
-        let logits = out?;
-        Ok(logits.map(|t| t.data().chunks_exact(t.row_len().max(1)).map(<[f32]>::to_vec).collect()))
+        let Some(logits) = out? else { return Ok(None) };
+        let vocab = model.config().vocab_size;
+        Ok(Some(self.samplers.sample(plan, logits.data(), vocab)?))
     }
 
     /// Moves the caches of `plan`'s sequences into `taken`, in plan order, checking each.

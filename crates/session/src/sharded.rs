@@ -3,7 +3,7 @@
 
 use crate::error::BoxError;
 use crate::memory::{ModelMemory, ShardOrigin};
-use crate::model::{Groups, KvLayout, ModelFactory, StepLogits, StepModel};
+use crate::model::{Groups, KvLayout, ModelFactory, StepModel, StepOutput};
 use crate::plan::{PlanEntry, SeqId, SessionConfig, StepPlan};
 use crate::replicated::LlamaFactory;
 use crate::sequences::Sequences;
@@ -313,7 +313,7 @@ impl StepModel for ShardedLlama {
         &mut self,
         plan: &StepPlan,
         groups: &mut Groups<'_>,
-    ) -> Result<Option<StepLogits>, BoxError> {
+    ) -> Result<Option<StepOutput>, BoxError> {
         let mut comms = Comms { tp: &mut *groups.tp, cp: &mut *groups.cp };
         let (model, memory, context) = (&self.model, self.memory.as_ref(), self.context);
         // A new sequence's cache holds what it can reach (its prompt and every token it may
@@ -323,7 +323,7 @@ impl StepModel for ShardedLlama {
             (e.reserve as usize).clamp(e.tokens.len(), context).div_ceil(model.placement().cp) + 1
         };
         let pool = self.pool.as_ref().map(|(p, _)| p);
-        // The logits come back on rank 0 (TP 0, CP 0) only.
+        // The logits come back on rank 0 (TP 0, CP 0) only, and are sampled there.
         self.sequences.run(model, &mut comms, plan, |e| match (pool, memory) {
             (Some(pool), _) => model.new_paged_cache(pool).map_err(BoxError::from),
             (None, Some(m)) => m.new_cache(model, capacity(e)).map_err(BoxError::from),

@@ -15,8 +15,8 @@ use session::replicated::LlamaFactory;
 use session::sharded::{KvCacheConfig, ShardedFactory};
 use session::{
     BoxError, Collect, Decision, EngineOptions, Event, Groups, KvLayout, MetricsSink, ModelFactory,
-    Request, Role, SamplingParams, SessionConfig, SessionReport, Sinks, StepLogits, StepMetrics,
-    StepModel, StepPlan, StopHandle,
+    Request, Role, SamplingParams, SessionConfig, SessionReport, Sinks, StepMetrics, StepModel,
+    StepOutput, StepPlan, StopHandle,
 };
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
@@ -116,7 +116,7 @@ impl StepModel for Probe {
         &mut self,
         plan: &StepPlan,
         groups: &mut Groups<'_>,
-    ) -> Result<Option<StepLogits>, BoxError> {
+    ) -> Result<Option<StepOutput>, BoxError> {
         if self.sigkill_at == Some(plan.step) {
             // A real SIGKILL from outside the process, in the middle of the step.
             let me = std::process::id().to_string();

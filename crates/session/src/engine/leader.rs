@@ -1,5 +1,5 @@
-//! Rank 0's engine: the scheduler, the tokenizer, the sampler and the sinks, and the plan of
-//! every step all ranks run.
+//! Rank 0's engine: the scheduler, the tokenizer and the sinks, and the plan of every step all
+//! ranks run.
 
 use super::*;
 
@@ -11,8 +11,8 @@ enum Ended {
     Replace(SessionConfig, Vec<Request>),
 }
 
-/// Rank 0's engine: owns the scheduler, the tokenizer, the sampler, the output and metrics
-/// sinks, and decides what every rank runs.
+/// Rank 0's engine: owns the scheduler, the tokenizer, the output and metrics sinks, and
+/// decides what every rank runs (the model runner samples, where its logits are).
 pub struct Leader {
     core: Core,
     output: Box<dyn OutputSink>,
@@ -321,7 +321,8 @@ impl Leader {
         Ok(Message::Idle)
     }
 
-    /// Runs an admitted step on rank 0: prepare, confirm, model, sample, sinks.
+    /// Runs an admitted step on rank 0: prepare, confirm, model (which samples), scheduler
+    /// bookkeeping, sinks.
     fn step(&mut self, s: &mut LeaderSession, plan: StepPlan, t0: Instant) -> Result<()> {
         let epoch = s.epoch;
         let (Some(model), Some(sched)) = (s.model.as_mut(), s.sched.as_mut()) else {
@@ -335,9 +336,8 @@ impl Leader {
         s.steps += 1;
         self.core.events.push(Event::Step { epoch, step: s.steps });
         let t1 = Instant::now();
-        let result = self.core.forward(model.as_mut(), &plan).and_then(|logits| {
-            let logits = logits.unwrap_or_default();
-            sched.apply(&plan, &logits).map_err(|reason| Error::Model {
+        let result = self.core.forward(model.as_mut(), &plan).and_then(|sampled| {
+            sched.apply(&plan, sampled.unwrap_or_default()).map_err(|reason| Error::Model {
                 phase: "step",
                 rank: 0,
                 epoch,

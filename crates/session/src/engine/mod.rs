@@ -9,7 +9,8 @@
 //! 2. **Steps**. Each boundary starts with the admission (see [`crate::protocol`]); rank 0's
 //!    message is a step plan, an idle tick, or the close. For a plan every rank prepares (frees
 //!    finished sequences, [`StepModel::prepare`]; failpoint `session.prepare`), then confirms; a confirmed step runs on
-//!    every rank (failpoint `session.step`); rank 0 samples and writes to its sinks (failpoint
+//!    every rank (failpoint `session.step`), and the model samples where its logits are (rank
+//!    0); rank 0's scheduler takes the tokens and writes to its sinks (failpoint
 //!    `session.sink`). A stop asked for at any time is contributed at the next admission.
 //! 3. **Close**: after the model work ends rank 0 decides ([`Decider`]); `KeepOpen` turns into
 //!    idle ticks (one boundary per `tick`, so workers notice a dead rank 0; failpoint
@@ -470,7 +471,7 @@ impl Core {
         &mut self,
         model: &mut dyn StepModel,
         plan: &StepPlan,
-    ) -> Result<Option<crate::model::StepLogits>> {
+    ) -> Result<Option<crate::model::StepOutput>> {
         let (rank, epoch, step) = (self.rank, plan.epoch, plan.step);
         let ctx = self.ctx.as_mut().ok_or(Error::Finished { rank })?;
         let mut groups = groups(ctx, self.opts.step_timeout);

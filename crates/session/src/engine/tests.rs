@@ -11,9 +11,10 @@ use std::sync::Mutex;
 
 const VOCAB: usize = 16;
 
-/// Next token = last token + 1 (mod 16), as logits.
+/// Next token = last token + 1 (mod 16), as logits, sampled by the runner's samplers.
 struct Count {
     seqs: std::collections::HashMap<SeqIdAlias, usize>,
+    samplers: crate::Samplers,
     fail_at: Option<u64>,
 }
 type SeqIdAlias = crate::plan::SeqId;
@@ -23,25 +24,26 @@ impl StepModel for Count {
         &mut self,
         plan: &StepPlan,
         _groups: &mut Groups<'_>,
-    ) -> std::result::Result<Option<crate::StepLogits>, BoxError> {
+    ) -> std::result::Result<Option<crate::StepOutput>, BoxError> {
         if self.fail_at == Some(plan.step) {
             return Err("the counting model broke".into());
         }
-        let mut rows = Vec::new();
+        let mut rows: Vec<f32> = Vec::new();
         for e in &plan.entries {
             let len = self.seqs.entry(e.seq).or_default();
             assert_eq!(*len, e.start as usize, "positions continue the sequence");
             *len += e.tokens.len();
             if e.sample {
                 let next = (*e.tokens.last().unwrap() as usize + 1) % VOCAB;
-                rows.push((0..VOCAB).map(|i| if i == next { 1.0 } else { 0.0 }).collect());
+                rows.extend((0..VOCAB).map(|i| if i == next { 1.0 } else { 0.0 }));
             }
         }
-        Ok(Some(rows))
+        Ok(Some(self.samplers.sample(plan, &rows, VOCAB)?))
     }
 
     fn release(&mut self, seq: SeqIdAlias) {
         self.seqs.remove(&seq);
+        self.samplers.release(seq);
     }
 
     fn context_len(&self) -> usize {
@@ -65,7 +67,7 @@ impl ModelFactory for Factory {
             return Err("no such model".into());
         }
         let fail_at = config.model.strip_prefix("fail-at-").and_then(|s| s.parse().ok());
-        Ok(Box::new(Count { seqs: Default::default(), fail_at }))
+        Ok(Box::new(Count { seqs: Default::default(), samplers: Default::default(), fail_at }))
     }
 
     fn codec(

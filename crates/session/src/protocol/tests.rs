@@ -15,6 +15,7 @@ fn plan(tokens: usize) -> StepPlan {
                 sample: true,
                 reserve: 64,
                 blocks: vec![3, 0, 7],
+                sampling: None,
             },
             PlanEntry {
                 seq: 9,
@@ -23,10 +24,37 @@ fn plan(tokens: usize) -> StepPlan {
                 sample: true,
                 reserve: 40,
                 blocks: vec![],
+                sampling: None,
             },
         ],
         released: vec![4, 2],
     }
+}
+
+/// [`plan`] whose first entry starts its sequence, with every sampling field set.
+fn sampled_plan(tokens: usize) -> StepPlan {
+    let mut plan = plan(tokens);
+    plan.entries[0].sampling = Some(Box::new(SeqSampling {
+        params: SamplingParams {
+            max_tokens: 9,
+            temperature: 0.7,
+            top_k: 40,
+            top_p: 0.95,
+            seed: u64::MAX - 3,
+            stop: vec![2, 7],
+            ignore_eos: true,
+            presence_penalty: 0.5,
+            frequency_penalty: -0.25,
+            repetition_penalty: 1.1,
+            min_p: 0.05,
+            logit_bias: vec![(11, -100.0), (3, 2.5)],
+            logprobs: Some(5),
+        },
+        drawn: 4,
+        prompt: vec![1, 2, 3],
+        generated: vec![8, 8, 9, 1],
+    }));
+    plan
 }
 
 #[test]
@@ -35,6 +63,7 @@ fn every_message_round_trips() {
     for msg in [
         Message::Open(cfg.clone()),
         Message::Step(plan(3)),
+        Message::Step(sampled_plan(3)),
         Message::Idle,
         Message::Close(SessionDecision::Stop),
         Message::Close(SessionDecision::KeepOpen),
@@ -49,7 +78,7 @@ fn every_message_round_trips() {
 #[test]
 fn truncated_and_padded_messages_are_refused() {
     let mut buf = Vec::new();
-    encode(&Message::Step(plan(2)), 0, 1, &mut buf);
+    encode(&Message::Step(sampled_plan(2)), 0, 1, &mut buf);
     let err = decode(&buf[..buf.len() - 1]).unwrap_err();
     assert!(matches!(err, DecodeError::Truncated { .. }), "{err}");
     assert!(err.to_string().contains("runs past the end"), "{err}");

@@ -3,10 +3,12 @@
 
 use super::*;
 use crate::engine::{Decision, EngineOptions, Leader, SessionReport};
-use crate::sampler::SamplingParams;
+use crate::sampler::{Sampler, SamplingParams, TokenLogprobs};
 use crate::scheduler::Request;
-use crate::sink::{Collect, FinishReason, NoMetrics};
+use crate::sharded::ShardedFactory;
+use crate::sink::{Collect, FinishReason, MetricsSink, NoMetrics, OutputSink, StepMetrics};
 use collectives::{init_parallel_with, InitOptions};
+use std::sync::{Arc, Mutex};
 
 #[test]
 fn batched_chunked_generation_matches_single_sequence_greedy() {
@@ -47,6 +49,133 @@ fn batched_chunked_generation_matches_single_sequence_greedy() {
         let got = done.iter().find(|d| d.request == i as u64).unwrap();
         assert_eq!((got.reason, &got.tokens), (FinishReason::Length, &want), "request {i}");
         assert_eq!(got.text.is_empty(), want.is_empty(), "the tokenizer decoded the pieces");
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
+/// Every token a request generated and its log-probabilities, as the output sink saw them.
+#[derive(Clone, Default)]
+struct Tokens(Arc<Mutex<Seen>>);
+type Seen = std::collections::HashMap<u64, Vec<(u32, Option<TokenLogprobs>)>>;
+
+impl OutputSink for Tokens {
+    fn token(
+        &mut self,
+        request: u64,
+        token: u32,
+        _: &str,
+        logprobs: Option<&TokenLogprobs>,
+    ) -> Result<(), BoxError> {
+        self.0.lock().unwrap().entry(request).or_default().push((token, logprobs.cloned()));
+        Ok(())
+    }
+
+    fn finished(&mut self, _: u64, _: FinishReason, _: &[u32]) -> Result<(), BoxError> {
+        Ok(())
+    }
+}
+
+/// Preemptions the scheduler reported.
+#[derive(Clone, Default)]
+struct Preemptions(Arc<Mutex<u64>>);
+
+impl MetricsSink for Preemptions {
+    fn step(&mut self, m: &StepMetrics) {
+        *self.0.lock().unwrap() += m.preemptions;
+    }
+}
+
+/// Sampling moved from rank 0's scheduler into the model runner: each request's tokens and
+/// log-probabilities must be those of a plain [`Sampler`] over the single-sequence model's
+/// logits, token after token, whatever the batch, the prefill chunks, a prompt prefix reused
+/// from the cache, or a preemption that recomputes a sequence under a new id.
+#[test]
+fn seeded_sampling_with_penalties_gives_what_a_plain_sampler_gives() {
+    let path =
+        std::env::temp_dir().join(format!("tpctl-session-seeded-{}.gguf", std::process::id()));
+    layers::model::random::RandomLlama::default().write(&path).unwrap();
+    let model = path.to_string_lossy().into_owned();
+    let sampling = |seed| SamplingParams {
+        max_tokens: 14,
+        temperature: 0.8,
+        top_k: 20,
+        top_p: 0.9,
+        seed,
+        ignore_eos: true,
+        presence_penalty: 0.3,
+        frequency_penalty: 0.2,
+        repetition_penalty: 1.3,
+        logit_bias: vec![(5, 2.0), (6, -1.5)],
+        logprobs: Some(3),
+        ..SamplingParams::default()
+    };
+    let requests: Vec<(Vec<u32>, SamplingParams)> = vec![
+        (vec![1, 2, 3, 4, 10, 11], sampling(7)),
+        // Shares its first block of 4 with the first prompt.
+        (vec![1, 2, 3, 4, 20, 21, 22], sampling(8)),
+        (vec![9, 8, 7], SamplingParams { temperature: 1.0, min_p: 0.05, ..sampling(9) }),
+        (
+            vec![30, 31, 32, 33, 34],
+            SamplingParams { temperature: 0.0, logprobs: Some(0), ..sampling(0) },
+        ),
+    ];
+
+    // A pool of one 40-token sequence: four requests of about 20 tokens preempt each other.
+    let factory =
+        ShardedFactory::new(1).with_context(40).with_kv_cache(crate::sharded::KvCacheConfig {
+            bytes: None,
+            cap_bytes: 0,
+            block_size: 4,
+            prefix_caching: true,
+            device_fraction: None,
+        });
+    let ctx = init_parallel_with(mesh::Rendezvous::single(), &InitOptions::default()).unwrap();
+    let (seen, preemptions) = (Tokens::default(), Preemptions::default());
+    let mut leader = Leader::new(
+        ctx,
+        Box::new(factory),
+        Box::new(seen.clone()),
+        Box::new(preemptions.clone()),
+        EngineOptions::default(),
+    )
+    .unwrap();
+    let batch = requests
+        .iter()
+        .enumerate()
+        .map(|(i, (p, params))| Request::tokens(i as u64, p.clone(), params.clone()))
+        .collect();
+    let cfg = SessionConfig { token_budget: 5, ..SessionConfig::new(model.clone()) };
+    leader.run(cfg, batch, &mut |_: &SessionReport| Decision::Stop).unwrap();
+    assert!(*preemptions.0.lock().unwrap() > 0, "the pool is small enough to preempt");
+
+    let reference = layers::Model::load(&model, 1).unwrap();
+    let seen = seen.0.lock().unwrap();
+    for (i, (prompt, params)) in requests.iter().enumerate() {
+        let mut sampler = Sampler::new(params.clone());
+        let mut cache = reference.new_cache(64);
+        let positions: Vec<usize> = (0..prompt.len()).collect();
+        let mut logits =
+            reference.forward(prompt, &positions, &mut cache, layers::model::Logits::Last).unwrap();
+        let mut want: Vec<(u32, Option<TokenLogprobs>)> = Vec::new();
+        let mut generated = Vec::new();
+        for n in 0..params.max_tokens as usize {
+            let row = logits.data();
+            let token = sampler.sample_next(row, prompt, &generated);
+            want.push((token, sampler.logprobs(row, token)));
+            generated.push(token);
+            let at = [prompt.len() + n];
+            logits =
+                reference.forward(&[token], &at, &mut cache, layers::model::Logits::Last).unwrap();
+        }
+        let got = &seen[&(i as u64)];
+        let ids = |v: &[(u32, Option<TokenLogprobs>)]| v.iter().map(|t| t.0).collect::<Vec<_>>();
+        assert_eq!(ids(got), ids(&want), "request {i}'s tokens");
+        for (g, w) in got.iter().zip(&want) {
+            let (g, w) = (g.1.as_ref().unwrap(), w.1.as_ref().unwrap());
+            assert!((g.logprob - w.logprob).abs() < 1e-4, "request {i}: {g:?} vs {w:?}");
+            let top = |t: &TokenLogprobs| t.top.iter().map(|x| x.0).collect::<Vec<_>>();
+            assert_eq!(top(g), top(w), "request {i}'s alternatives");
+        }
     }
     let _ = std::fs::remove_file(&path);
 }

@@ -1,6 +1,7 @@
 //! Sampler: greedy ties, seeded reproducibility, top-k and top-p cut-offs.
 
 use super::*;
+use crate::model::SampledToken;
 
 fn params(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> SamplingParams {
     SamplingParams { temperature, top_k, top_p, seed, ..SamplingParams::default() }
@@ -132,4 +133,89 @@ fn logprobs_ignore_temperature_and_bias_and_only_come_when_asked() {
     let lp = s.logprobs(&logits, token).unwrap();
     assert_eq!(lp, TokenLogprobs::of(&logits, 0, 1));
     assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), [1]);
+}
+
+#[test]
+fn a_resumed_generator_continues_where_the_first_stopped() {
+    let logits: Vec<f32> = (0..30).map(|i| ((i * 13) % 7) as f32 * 0.4).collect();
+    let p = params(0.9, 0, 1.0, 21);
+    let mut whole = Sampler::new(p.clone());
+    let all: Vec<u32> = (0..12).map(|_| whole.sample(&logits)).collect();
+    let mut resumed = Sampler::resumed(p.clone(), 5);
+    let rest: Vec<u32> = (0..7).map(|_| resumed.sample(&logits)).collect();
+    assert_eq!(rest, all[5..]);
+    // An all-NaN row still takes its draw, so the tokens after it keep their draws.
+    let mut s = Sampler::new(p.clone());
+    assert_eq!(s.sample(&[f32::NAN; 4]), 0);
+    assert_eq!(s.sample(&logits), Sampler::resumed(p, 1).sample(&logits));
+}
+
+fn plan_of(entries: Vec<crate::PlanEntry>) -> StepPlan {
+    StepPlan { epoch: 0, step: 3, entries, released: Vec::new() }
+}
+
+fn entry(seq: u64, sample: bool, sampling: Option<SeqSampling>) -> crate::PlanEntry {
+    crate::PlanEntry {
+        seq,
+        start: 0,
+        tokens: vec![1],
+        sample,
+        reserve: 8,
+        blocks: Vec::new(),
+        sampling: sampling.map(Box::new),
+    }
+}
+
+#[test]
+fn the_runner_samples_each_sequence_with_the_parameters_its_first_entry_brought() {
+    let mut samplers = Samplers::new();
+    let greedy = SeqSampling::default();
+    let biased = SeqSampling {
+        params: SamplingParams {
+            logit_bias: vec![(0, 10.0)],
+            logprobs: Some(1),
+            ..SamplingParams::default()
+        },
+        ..SeqSampling::default()
+    };
+    let plan = plan_of(vec![entry(1, true, Some(greedy)), entry(2, false, Some(biased))]);
+    // One sampled entry of a 3-token vocabulary.
+    let out = samplers.sample(&plan, &[0.0, 2.0, 1.0], 3).unwrap();
+    assert_eq!(out, vec![SampledToken { token: 1, logprobs: None }]);
+    assert_eq!(samplers.len(), 2);
+    // Later entries bring nothing: each sequence keeps its own sampler.
+    let plan = plan_of(vec![entry(1, true, None), entry(2, true, None)]);
+    let out = samplers.sample(&plan, &[0.0, 2.0, 1.0, 0.0, 2.0, 1.0], 3).unwrap();
+    assert_eq!(out[0].token, 1);
+    assert_eq!(out[1].token, 0, "the bias picks token 0");
+    let lp = out[1].logprobs.as_ref().unwrap();
+    assert_eq!(lp.top[0].0, 1, "log-probabilities are the model's own, before the bias");
+    assert_eq!(*lp, TokenLogprobs::of(&[0.0, 2.0, 1.0], 0, 1));
+
+    let err = samplers.sample(&plan, &[0.0; 3], 3).unwrap_err();
+    assert_eq!(err, SampleError::Logits { values: 3, sampled: 2, vocab: 3 });
+    samplers.release(2);
+    let err = samplers.sample(&plan, &[0.0; 6], 3).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "sequence 2 is sampled in step 3, but no plan carried its sampling parameters"
+    );
+}
+
+#[test]
+fn penalties_count_the_history_sent_and_the_tokens_sampled_since() {
+    let penalized = |generated: Vec<u32>| SeqSampling {
+        params: SamplingParams { presence_penalty: 5.0, ..SamplingParams::default() },
+        drawn: generated.len() as u32,
+        prompt: vec![],
+        generated,
+    };
+    let logits = [3.0, 2.0, 1.0];
+    let mut samplers = Samplers::new();
+    // Token 0 was generated before (a recompute): it is penalized from the first sample on.
+    let plan = plan_of(vec![entry(1, true, Some(penalized(vec![0])))]);
+    assert_eq!(samplers.sample(&plan, &logits, 3).unwrap()[0].token, 1);
+    // Token 1, sampled here, is remembered too.
+    let plan = plan_of(vec![entry(1, true, None)]);
+    assert_eq!(samplers.sample(&plan, &logits, 3).unwrap()[0].token, 2);
 }

@@ -8,9 +8,9 @@ fn req(id: u64, len: usize, max_tokens: u32) -> Request {
     Request::tokens(id, (1..=len as u32).collect(), params)
 }
 
-/// Logits whose argmax is `token` for every sampled entry.
-fn pick(plan: &StepPlan, token: usize) -> Vec<Vec<f32>> {
-    plan.sampled().map(|_| (0..8).map(|i| if i == token { 1.0 } else { 0.0 }).collect()).collect()
+/// The model runner's output: `token` for every sampled entry.
+fn pick(plan: &StepPlan, token: usize) -> Vec<SampledToken> {
+    plan.sampled().map(|_| SampledToken { token: token as u32, logprobs: None }).collect()
 }
 
 #[test]
@@ -23,14 +23,14 @@ fn prompts_are_chunked_to_the_budget_and_decode_goes_first() {
         (p1.entries[0].start, p1.entries[0].tokens.len(), p1.entries[0].sample),
         (0, 4, false)
     );
-    assert!(s.apply(&p1, &[]).unwrap().is_empty());
+    assert!(s.apply(&p1, Vec::new()).unwrap().is_empty());
     let p2 = s.plan(0, 2).unwrap();
     assert_eq!(
         (p2.entries[0].start, p2.entries[0].tokens.clone(), p2.entries[0].sample),
         (4, vec![5, 6], true)
     );
     assert_eq!(
-        s.apply(&p2, &pick(&p2, 3)).unwrap(),
+        s.apply(&p2, pick(&p2, 3)).unwrap(),
         vec![Emit::Token { request: 10, token: 3, logprobs: None }]
     );
     // A second request joins: its prompt is prefilled next to the first one's decode token.
@@ -40,13 +40,21 @@ fn prompts_are_chunked_to_the_budget_and_decode_goes_first() {
     let reserve = 6 + 2;
     assert_eq!(
         p3.entries[0],
-        PlanEntry { seq: 1, start: 6, tokens: vec![3], sample: true, reserve, blocks: vec![] }
+        PlanEntry {
+            seq: 1,
+            start: 6,
+            tokens: vec![3],
+            sample: true,
+            reserve,
+            blocks: vec![],
+            sampling: None
+        }
     );
     assert_eq!(
         (p3.entries[1].seq, p3.entries[1].tokens.len(), p3.entries[1].sample),
         (2, 3, false)
     );
-    let out = s.apply(&p3, &pick(&p3, 5)).unwrap();
+    let out = s.apply(&p3, pick(&p3, 5)).unwrap();
     assert_eq!(
         out,
         vec![
@@ -57,7 +65,7 @@ fn prompts_are_chunked_to_the_budget_and_decode_goes_first() {
     let p4 = s.plan(0, 4).unwrap();
     assert_eq!(p4.released, vec![1]);
     assert_eq!((p4.entries[0].seq, p4.entries[0].start, p4.entries[0].sample), (2, 3, true));
-    let out = s.apply(&p4, &pick(&p4, 7)).unwrap();
+    let out = s.apply(&p4, pick(&p4, 7)).unwrap();
     assert!(matches!(out[1], Emit::Finished { request: 11, .. }));
     assert!(!s.has_work());
     assert!(s.plan(0, 5).is_none());
@@ -68,16 +76,16 @@ fn stop_tokens_eos_and_context_end_requests() {
     let mut s = Scheduler::new(64, 8, 6, vec![7]);
     s.add(req(1, 3, 50), None, 0).unwrap();
     let p = s.plan(0, 1).unwrap();
-    let out = s.apply(&p, &pick(&p, 7)).unwrap();
+    let out = s.apply(&p, pick(&p, 7)).unwrap();
     assert_eq!(
         out[1],
         Emit::Finished { request: 1, reason: FinishReason::StopToken, tokens: vec![7] }
     );
     s.add(req(2, 4, 50), None, 0).unwrap();
     let p = s.plan(0, 2).unwrap();
-    s.apply(&p, &pick(&p, 1)).unwrap();
+    s.apply(&p, pick(&p, 1)).unwrap();
     let p = s.plan(0, 3).unwrap();
-    let out = s.apply(&p, &pick(&p, 1)).unwrap();
+    let out = s.apply(&p, pick(&p, 1)).unwrap();
     assert!(matches!(out[1], Emit::Finished { reason: FinishReason::Length, .. }), "{out:?}");
 }
 
@@ -105,11 +113,11 @@ fn unrunnable_requests_finish_at_once_and_close_cancels_the_rest() {
 }
 
 #[test]
-fn logits_rows_must_match_the_sampled_entries() {
+fn sampled_tokens_must_match_the_sampled_entries() {
     let mut s = Scheduler::new(8, 4, 10, Vec::new());
     s.add(req(1, 2, 4), None, 0).unwrap();
     let p = s.plan(0, 1).unwrap();
-    assert!(s.apply(&p, &[]).unwrap_err().contains("0 logits rows for 1"));
+    assert!(s.apply(&p, Vec::new()).unwrap_err().contains("0 tokens for 1"));
 }
 
 #[test]
@@ -120,7 +128,7 @@ fn a_recomputed_sequence_prefills_its_tokens_again_and_decodes_on() {
     let mut next = |s: &mut Scheduler, token: usize| {
         step += 1;
         let plan = s.plan(0, step).unwrap();
-        s.apply(&plan, &pick(&plan, token)).unwrap();
+        s.apply(&plan, pick(&plan, token)).unwrap();
         plan
     };
     next(&mut s, 5);
@@ -140,13 +148,53 @@ fn a_recomputed_sequence_prefills_its_tokens_again_and_decodes_on() {
 }
 
 #[test]
+fn a_sequence_brings_its_sampling_with_its_first_entry_and_again_after_a_recompute() {
+    let mut s = Scheduler::new(2, 8, 64, Vec::new());
+    let params = SamplingParams {
+        max_tokens: 10,
+        temperature: 0.5,
+        seed: 3,
+        repetition_penalty: 1.2,
+        ..SamplingParams::default()
+    };
+    s.add(Request::tokens(1, vec![4, 5, 6], params.clone()), None, 0).unwrap();
+    let plain = SamplingParams { max_tokens: 10, ..SamplingParams::default() };
+    s.add(Request::tokens(2, vec![7], plain.clone()), None, 0).unwrap();
+    let mut step = 0;
+    let mut next = |s: &mut Scheduler, token: usize| {
+        step += 1;
+        let plan = s.plan(0, step).unwrap();
+        s.apply(&plan, pick(&plan, token)).unwrap();
+        plan
+    };
+    // Budget 2: the first prompt's chunk brings its sampling, its second chunk nothing.
+    let p = next(&mut s, 9);
+    let first = p.entries[0].sampling.as_deref().unwrap();
+    assert_eq!(first.drawn, 0);
+    assert_eq!(first.prompt, vec![4, 5, 6], "a penalty counts the prompt");
+    assert!(first.generated.is_empty());
+    let p = next(&mut s, 9);
+    assert!(p.entries[0].sampling.is_none(), "sent once per sequence id");
+    let request_2 = p.entries.iter().find(|e| e.seq == 2).unwrap();
+    let second = request_2.sampling.as_deref().unwrap();
+    assert_eq!(second.params, plain);
+    assert!(second.prompt.is_empty(), "no penalty: no history is sent");
+    next(&mut s, 8);
+    s.recompute_all();
+    let p = next(&mut s, 0);
+    let again = p.entries[0].sampling.as_deref().unwrap();
+    assert_ne!(p.entries[0].seq, 1);
+    assert_eq!((again.drawn, again.generated.clone()), (2, vec![9, 8]), "the generator resumes");
+}
+
+#[test]
 fn a_cancelled_request_ends_at_the_next_boundary_and_frees_its_sequence() {
     let mut s = Scheduler::new(64, 8, 64, Vec::new());
     let cancel = Cancel::default();
     s.add(req(1, 3, 10).with_cancel(cancel.clone()), None, 0).unwrap();
     s.add(req(2, 2, 10), None, 0).unwrap();
     let plan = s.plan(0, 1).unwrap();
-    s.apply(&plan, &pick(&plan, 5)).unwrap();
+    s.apply(&plan, pick(&plan, 5)).unwrap();
     assert!(s.take_cancelled().is_empty(), "nothing cancelled yet");
     cancel.cancel();
     let ended = s.take_cancelled();
@@ -217,16 +265,16 @@ impl Ranks {
             assert_eq!(held.len(), n, "step {step}: a block held twice");
             assert!(n <= total);
         }
-        let logits: Vec<Vec<f32>> = plan
+        let sampled: Vec<SampledToken> = plan
             .entries
             .iter()
             .filter(|e| e.sample)
             .map(|e| {
                 let pos = e.start as usize + e.tokens.len();
-                (0..8).map(|i| if i == pos % 7 { 1.0 } else { 0.0 }).collect()
+                SampledToken { token: (pos % 7) as u32, logprobs: None }
             })
             .collect();
-        for emit in s.apply(&plan, &logits).unwrap() {
+        for emit in s.apply(&plan, sampled).unwrap() {
             if let Emit::Finished { request, reason, tokens } = emit {
                 assert_eq!(reason, FinishReason::Length);
                 self.out.insert(request, tokens);
@@ -303,7 +351,7 @@ fn a_prompt_starting_with_cached_blocks_skips_them_and_counts_the_hit() {
     let e = &plan.entries[0];
     assert_eq!((e.start, e.tokens.clone()), (8, vec![20, 21, 22]), "the prefix is skipped");
     assert_eq!(&e.blocks[..2], &[0, 1], "the cached blocks come first");
-    s.apply(&plan, &pick(&plan, 1)).unwrap();
+    s.apply(&plan, pick(&plan, 1)).unwrap();
     let load = s.take_load();
     assert_eq!((load.prefix_queries, load.prefix_hits), (8, 8));
     // A prompt that differs in its first block finds nothing.
