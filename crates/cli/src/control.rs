@@ -331,7 +331,9 @@ impl From<&session::sleep::Error> for ErrorWire {
                 }
                 .to_owned()
             }),
-            client_error: matches!(e, session::sleep::Error::MethodNotAllowed { .. }),
+            // The request was checked before it reached the deployment: what fails now is
+            // the deployment's.
+            client_error: false,
         }
     }
 }

@@ -96,15 +96,6 @@ pub struct DeploymentStatus {
     pub in_progress: Option<String>,
 }
 
-/// The reply of [`Coordinator::call`].
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Reply {
-    /// A sleep or wakeup.
-    Op(OpReceipt),
-    /// A status.
-    Status(DeploymentStatus),
-}
-
 struct Inner {
     state: DeploymentState,
     asleep: BTreeSet<String>,
@@ -256,20 +247,6 @@ impl Coordinator {
         lock(&self.inner).checkpoint.clone()
     }
 
-    /// The control API entry point: fans out `method` (`sleep`, `wakeup` or `status`) to
-    /// every rank. Anything else is refused.
-    ///
-    /// # Errors
-    /// [`Error::MethodNotAllowed`] for any other method; otherwise the method's errors.
-    pub fn call(&self, method: &str, tags: &[String], opts: OpOptions) -> Result<Reply> {
-        match method {
-            "sleep" => self.sleep(tags, opts).map(Reply::Op),
-            "wakeup" | "wake_up" => self.wakeup(tags, opts).map(Reply::Op),
-            "status" => self.status().map(Reply::Status),
-            other => Err(Error::MethodNotAllowed { method: other.to_owned() }),
-        }
-    }
-
     /// Asks every rank for its asleep tags and memory probe (bounded by the ACK timeout).
     /// While a sleep or wakeup runs (its quiesce may take minutes) it does not wait: rank 0
     /// answers alone and [`DeploymentStatus::in_progress`] names the operation.
@@ -295,9 +272,11 @@ impl Coordinator {
             let in_progress = running.or_else(|| Some("an operation".into()));
             return Ok(DeploymentStatus { state, ranks, failures: Vec::new(), in_progress });
         }
-        let msg = Message::request(0, Phase::Status, None, &[]);
+        // Its own op id, so a late answer to an earlier status is not taken for this one's.
+        let op_id = self.take_op_id();
+        let msg = Message::request(op_id, Phase::Status, None, &[]);
         let (sent, mut failures) = self.fan_out(&msg, &self.live_peers(), false);
-        let drained = self.drain(0, Phase::Status, &sent);
+        let drained = self.drain(op_id, Phase::Status, &sent);
         failures.extend(drained.failures());
         ranks.extend(drained.acks.into_values().filter_map(|m| m.receipt));
         failures.sort_by_key(|f| f.rank);
@@ -311,9 +290,10 @@ impl Coordinator {
     /// [`Error::Channel`] naming every peer that did not acknowledge.
     pub fn shutdown(&self) -> Result<()> {
         let _guard = Held::acquire(&*self.op_lock);
-        let msg = Message::request(0, Phase::Shutdown, None, &[]);
+        let op_id = self.take_op_id();
+        let msg = Message::request(op_id, Phase::Shutdown, None, &[]);
         let (sent, mut failures) = self.fan_out(&msg, &self.live_peers(), false);
-        failures.extend(self.drain(0, Phase::Shutdown, &sent).failures());
+        failures.extend(self.drain(op_id, Phase::Shutdown, &sent).failures());
         if failures.is_empty() {
             Ok(())
         } else {
@@ -321,6 +301,15 @@ impl Coordinator {
             let list: Vec<String> = failures.iter().map(ToString::to_string).collect();
             Err(Error::Channel { rank: 0, detail: format!("shutdown: {}", list.join("; ")) })
         }
+    }
+
+    /// The next operation id: every message fanned out (an operation, a status, the shutdown)
+    /// has its own, so an ACK answers only the request it was sent for.
+    fn take_op_id(&self) -> u64 {
+        let mut inner = lock(&self.inner);
+        let id = inner.next_op;
+        inner.next_op += 1;
+        id
     }
 
     fn live_peers(&self) -> Vec<usize> {

@@ -93,12 +93,6 @@ pub enum Error {
         /// Why it failed.
         reason: String,
     },
-    /// The control API fans out only sleep, wakeup and status.
-    #[error("control method `{method}` is not allowed: only sleep, wakeup and status are fanned out to all ranks")]
-    MethodNotAllowed {
-        /// The refused method.
-        method: String,
-    },
     /// Setting up or using the control channel failed.
     #[error("control channel (rank {rank}): {detail}")]
     Channel {

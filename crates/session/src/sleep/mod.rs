@@ -51,7 +51,7 @@ pub mod transport;
 
 pub use coordinator::{
     Coordinator, CoordinatorOptions, DeploymentState, DeploymentStatus, OpOptions, OpReceipt,
-    Reply, VERIFY_FRACTION, VERIFY_SLACK,
+    VERIFY_FRACTION, VERIFY_SLACK,
 };
 pub use error::{Error, Outcome, RankFailure, Result};
 pub use listener::{ListenerExit, ListenerHandle};
