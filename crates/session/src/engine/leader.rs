@@ -115,6 +115,7 @@ impl Leader {
             summary.sessions += 1;
             let mut s = LeaderSession::new(epoch);
             let ended = if agreed.state == State::Stop {
+                self.cancel_unopened(&mut s, std::mem::take(&mut requests));
                 Ok(Ended::Stop)
             } else {
                 self.session(&mut s, &config, std::mem::take(&mut requests), inbox, decider)
@@ -172,6 +173,10 @@ impl Leader {
             let t0 = Instant::now();
             let (agreed, _) = self.core.boundary(state, epoch, s.steps, Some(&msg), timeout)?;
             if agreed.state == State::Stop {
+                // A stop agreed where rank 0 closed the session for a replacement.
+                if let Some(requests) = replacement.take() {
+                    self.cancel_unopened(s, requests);
+                }
                 return Ok(Ended::Stop);
             }
             match msg {
@@ -376,6 +381,23 @@ impl Leader {
             preemptions: load.preemptions,
         });
         Ok(())
+    }
+
+    /// Ends the requests of a session that will not open (a stop was agreed at the boundary
+    /// where rank 0 closed the session for its replacement, or at the replacement's open):
+    /// each is reported cancelled, never dropped without a word.
+    fn cancel_unopened(&mut self, s: &mut LeaderSession, requests: Vec<Request>) {
+        let cancelled: Vec<Emit> = requests
+            .into_iter()
+            .map(|r| Emit::Finished {
+                request: r.id,
+                reason: FinishReason::Cancelled,
+                tokens: Vec::new(),
+            })
+            .collect();
+        s.finished += cancelled.len() as u64;
+        // As at cleanup: the session never ran, so a sink failure has no step left to fail.
+        let _ = emit(self.output.as_mut(), &mut s.text, &cancelled, s.epoch, 0);
     }
 
     /// The fixed cleanup order (see the module docs); no collective.

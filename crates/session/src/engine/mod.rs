@@ -42,7 +42,7 @@ use crate::model::{Groups, ModelFactory, StepModel};
 use crate::plan::{SessionConfig, SessionDecision, StepPlan};
 use crate::protocol::{self, Agreed, Agreement, Contribution, Message, State};
 use crate::scheduler::{Emit, Request, Scheduler};
-use crate::sink::{MetricsSink, OutputSink, StepMetrics, TextCodec, TextStream};
+use crate::sink::{FinishReason, MetricsSink, OutputSink, StepMetrics, TextCodec, TextStream};
 use crate::sleep::QuiesceMode;
 use collectives::ParallelContext;
 pub use gate::Gate;

@@ -599,3 +599,32 @@ fn a_failed_agreement_is_an_error_for_every_rank_but_its_origin() {
     let go = Agreed { state: State::Go, failed: None, stopped: None };
     assert!(peer_failure(&go, 1, "admission", 3, 7).is_ok());
 }
+
+/// A stop agreed at the boundary where rank 0 closes a session for its replacement: the
+/// requests it handed to the replacement are reported cancelled (they used to vanish, their
+/// clients waiting until their own timeouts).
+#[test]
+fn the_requests_of_a_session_that_never_opens_are_cancelled() {
+    let (f, out, m) = (Factory::default(), Collect::new(), Metrics::default());
+    let mut l = leader(&f, &out, &m);
+    let handle = l.stop_handle();
+    let mut decide = |r: &SessionReport| {
+        assert_eq!(r.epoch, 0, "the replacement never runs");
+        // A stop asked between the close and the replacement's open.
+        handle.request_stop();
+        Decision::Replace(SessionConfig::new("count"), vec![req(10, &[1], 3), req(11, &[2], 3)])
+    };
+    let summary = l.run(SessionConfig::new("count"), vec![req(1, &[1], 2)], &mut decide).unwrap();
+    assert_eq!(summary.sessions, 1, "the stop is agreed at the close");
+    let done = out.finished();
+    let ends: Vec<(u64, FinishReason, usize)> =
+        done.iter().map(|d| (d.request, d.reason, d.tokens.len())).collect();
+    assert_eq!(
+        ends,
+        vec![
+            (1, FinishReason::Length, 2),
+            (10, FinishReason::Cancelled, 0),
+            (11, FinishReason::Cancelled, 0)
+        ]
+    );
+}
