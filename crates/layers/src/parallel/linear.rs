@@ -405,6 +405,13 @@ impl WeightBuffers for ParallelLmHead {
 
 /// RMSNorm over a hidden dimension split over the TP group: the sum of squares is
 /// all-reduced so every rank normalizes its slice by the full row's RMS.
+///
+/// No model family loaded today needs it: in Megatron's layout every norm (attention, MLP,
+/// final) reads the whole hidden row, which each rank holds after the row-parallel
+/// all-reduce, so the norms are replicated and cost no collective. It is kept, tested against
+/// the full norm, for the norms whose input TP does split: a norm over the whole query or key
+/// projection (OLMo 2's and Cohere's `q_norm` / `k_norm` across all heads), and sequence
+/// parallelism's sharded activations. Per-head norms (Qwen 3, Gemma 3) stay local.
 #[derive(Clone, Debug)]
 pub struct ParallelRmsNorm {
     weight: Vec<f32>,

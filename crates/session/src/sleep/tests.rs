@@ -644,6 +644,35 @@ fn every_prepare_and_abort_ack_is_received_before_the_error_is_raised() {
     w.shutdown();
 }
 
+/// The same order when rank 0's own local operation fails after every peer prepared: the
+/// error waits for every PREPARE ACK and then for the ABORT ACKs of the prepared peers.
+#[test]
+fn every_ack_is_received_before_rank_0s_own_failure_is_raised() {
+    let w = world(3);
+    *w.engines[2].slow_first.lock().unwrap() = Some(Duration::from_millis(300));
+    w.mem[0].set(|s| {
+        s.fail_release = Some(MemoryError { changed: false, message: "spill disk full".into() })
+    });
+    let e = w.coord.sleep(&tags(&["kv_cache"]), OpOptions::default()).unwrap_err();
+    w.log.push("error raised".into());
+    assert_eq!(ranks_of(&e), vec![0]);
+    assert_eq!(e.outcome(), Some(Outcome::Aborted));
+    let all = w.log.all();
+    let pos = |e: &str| all.iter().position(|x| x == e).unwrap_or_else(|| panic!("{e}: {all:?}"));
+    let raised = pos("error raised");
+    for ack in [
+        "link got prepare ack 1 from r1",
+        "link got prepare ack 1 from r2",
+        "link got abort ack 1 from r1",
+        "link got abort ack 1 from r2",
+    ] {
+        assert!(pos(ack) < raised, "{ack} came after the error: {all:?}");
+    }
+    assert!(pos("link got abort ack 1 from r2") < pos("lock given back"));
+    assert!(w.mem.iter().all(|m| m.asleep().is_empty()));
+    w.shutdown();
+}
+
 /// The events of `log` that are not a peer's, in order: the lock's, rank 0's and the link's.
 fn rank0_view(log: &Log) -> Vec<String> {
     log.all().into_iter().filter(|e| !e.starts_with('r') || e.starts_with("r0 ")).collect()
