@@ -236,9 +236,7 @@ impl Coordinator {
     /// rank, with nothing changed.
     pub fn update_weights(&self, model: &str, opts: OpOptions) -> Result<OpReceipt> {
         let tags = [vmm::Tag::WEIGHTS.as_str().to_owned()];
-        let receipt = self.run(Action::Update, &tags, opts, Some(model))?;
-        lock(&self.inner).checkpoint = Some(model.to_owned());
-        Ok(receipt)
+        self.run(Action::Update, &tags, opts, Some(model))
     }
 
     /// The checkpoint the latest weight update loaded; `None` while the deployment runs the
@@ -602,8 +600,12 @@ impl Coordinator {
             return Err(self.fail(action, tags, op_id, failures, outcome));
         }
 
-        // Success everywhere.
+        // Success everywhere, recorded before the sleep/wakeup lock is given back, so the
+        // next operation (and `/v1/models`) sees this one's result.
         let mut inner = lock(&self.inner);
+        if action == Action::Update {
+            inner.checkpoint = model.map(str::to_owned);
+        }
         for t in tags {
             match action {
                 Action::Sleep => inner.asleep.insert(t.clone()),

@@ -6,7 +6,7 @@ use super::transport::memory::{self, Fault, Faults, MemoryPeer};
 use super::transport::{CoordinatorLink, LinkError};
 use super::*;
 use std::collections::BTreeSet;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;
@@ -216,6 +216,8 @@ struct World {
     engines: Vec<Arc<Engine>>,
     log: Log,
     faults: Faults,
+    /// See [`SpyLock`].
+    linger: Arc<Mutex<Option<Duration>>>,
 }
 
 fn tags(t: &[&str]) -> Vec<String> {
@@ -240,10 +242,13 @@ fn parts(n: usize, log: &Log) -> (Vec<Arc<Fake>>, Vec<Arc<Engine>>) {
     (mem, engines)
 }
 
-/// A sleep/wakeup lock that logs when it is taken and given back.
+/// A sleep/wakeup lock that logs when it is taken and given back; `linger` holds up the
+/// next caller that gives it back, right after it did (the window between an operation's
+/// end and its caller's return).
 struct SpyLock {
     inner: LocalLock,
     log: Log,
+    linger: Arc<Mutex<Option<Duration>>>,
 }
 
 impl OpLock for SpyLock {
@@ -261,6 +266,10 @@ impl OpLock for SpyLock {
     fn release(&self) {
         self.log.push("lock given back".into());
         self.inner.release();
+        let linger = self.linger.lock().unwrap().take();
+        if let Some(d) = linger {
+            std::thread::sleep(d);
+        }
     }
 }
 
@@ -314,7 +323,8 @@ fn world_with(n: usize, ack_timeout: Duration, serve: impl Fn(usize) -> bool) ->
     }
     // Silent peers stay connected for the test's life.
     std::mem::forget(silent);
-    let lock = SpyLock { inner: LocalLock::default(), log: log.clone() };
+    let linger = Arc::new(Mutex::new(None));
+    let lock = SpyLock { inner: LocalLock::default(), log: log.clone(), linger: linger.clone() };
     let coord = Coordinator::new(
         link,
         mem[0].clone(),
@@ -322,7 +332,7 @@ fn world_with(n: usize, ack_timeout: Duration, serve: impl Fn(usize) -> bool) ->
         CoordinatorOptions { ack_timeout },
     )
     .with_lock(Arc::new(lock));
-    World { coord: Arc::new(coord), listeners, mem, engines, log, faults }
+    World { coord: Arc::new(coord), listeners, mem, engines, log, faults, linger }
 }
 
 fn world(n: usize) -> World {
@@ -670,6 +680,28 @@ fn every_ack_is_received_before_rank_0s_own_failure_is_raised() {
     }
     assert!(pos("link got abort ack 1 from r2") < pos("lock given back"));
     assert!(w.mem.iter().all(|m| m.asleep().is_empty()));
+    w.shutdown();
+}
+
+/// Two weight updates racing: the live checkpoint is the one of the update the lock let run
+/// last. (It was recorded after the lock was given back, so an update that lingered there
+/// overwrote the later one's.)
+#[test]
+fn racing_updates_leave_the_checkpoint_of_the_last_to_run() {
+    let w = world(2);
+    // The first update to finish lingers after giving the lock back; the other runs then.
+    *w.linger.lock().unwrap() = Some(Duration::from_millis(300));
+    let race: Vec<_> = ["a.gguf", "b.gguf"]
+        .into_iter()
+        .map(|m| {
+            let coord = w.coord.clone();
+            std::thread::spawn(move || (m, coord.update_weights(m, OpOptions::default())))
+        })
+        .collect();
+    let done: Vec<(&str, OpReceipt)> =
+        race.into_iter().map(|t| t.join().unwrap()).map(|(m, r)| (m, r.unwrap())).collect();
+    let last = done.iter().max_by_key(|(_, r)| r.op_id).unwrap().0;
+    assert_eq!(w.coord.checkpoint().as_deref(), Some(last));
     w.shutdown();
 }
 
