@@ -331,9 +331,8 @@ impl From<&session::sleep::Error> for ErrorWire {
                 }
                 .to_owned()
             }),
-            // The request was checked before it reached the deployment: what fails now is
-            // the deployment's.
-            client_error: false,
+            // A state the caller asked in vain; every other failure is the deployment's.
+            client_error: matches!(e, session::sleep::Error::WeightsAwake { .. }),
         }
     }
 }
@@ -440,7 +439,10 @@ impl Controller {
             )));
         }
         let opts = OpOptions { mode: args.mode, verify: args.verify, level: args.level };
-        self.run(Action::Sleep, &args.tags, opts)
+        check_tags(&args.tags).map_err(ErrorWire::client)?;
+        // A sleep's expansion does not depend on the state.
+        let tags = expand_tags(Action::Sleep, &args.tags, &self.coordinator.state());
+        record(&self.journal, Action::Sleep, self.coordinator.sleep(&tags, opts))
     }
 
     /// Wakes `args.tags` on every rank. With `args.model`, only while the weights are asleep
@@ -454,30 +456,28 @@ impl Controller {
     /// checkpoint staged, still asleep: the next wakeup loads it.
     pub fn wakeup(&self, args: &WakeupArgs) -> Result<OpWire, ErrorWire> {
         let tags = &args.tags;
-        if let Some(model) = &args.model {
-            let weights = Tag::WEIGHTS.as_str();
-            let asleep = match self.coordinator.state() {
-                DeploymentState::Sleeping(t) | DeploymentState::Waking(t) => t,
-                _ => Vec::new(),
-            };
-            if !asleep.iter().any(|t| t == weights) {
-                return Err(ErrorWire::client(format!(
-                    "a wakeup names a checkpoint (model={model}) only while the weights are \
-                     asleep; awake, replace them with update_weights"
-                )));
-            }
-            check_tags(tags).map_err(ErrorWire::client)?;
-            if !tags.is_empty() && !tags.iter().any(|t| t == weights) {
-                return Err(ErrorWire::client(format!(
-                    "a wakeup that names a checkpoint (model={model}) must wake the weights"
-                )));
-            }
-            self.update_weights(&UpdateArgs {
-                model: model.clone(),
-                mode: QuiesceMode::default(),
-            })?;
+        check_tags(tags).map_err(ErrorWire::client)?;
+        let resolve = |state: &DeploymentState| expand_tags(Action::Wakeup, tags, state);
+        let Some(model) = &args.model else {
+            let result = self.coordinator.wakeup_resolved(resolve, OpOptions::default());
+            return record(&self.journal, Action::Wakeup, result);
+        };
+        let weights = Tag::WEIGHTS.as_str();
+        if !tags.is_empty() && !tags.iter().any(|t| t == weights) {
+            return Err(ErrorWire::client(format!(
+                "a wakeup that names a checkpoint (model={model}) must wake the weights"
+            )));
         }
-        self.run(Action::Wakeup, tags, OpOptions::default())
+        // The update and the wakeup are one operation: no other caller runs between them.
+        match self.coordinator.wakeup_from(model, resolve, OpOptions::default()) {
+            Ok((updated, woken)) => {
+                record(&self.journal, Action::Update, Ok(updated))?;
+                record(&self.journal, Action::Wakeup, Ok(woken))
+            }
+            // Refused before anything ran: nothing to record.
+            Err(e @ session::sleep::Error::WeightsAwake { .. }) => Err(ErrorWire::from(&e)),
+            Err(e) => record(&self.journal, e.action().unwrap_or(Action::Wakeup), Err(e)),
+        }
     }
 
     /// Replaces the weights on every rank with those of the checkpoint at `args.model` (see
@@ -492,17 +492,6 @@ impl Controller {
         let opts = OpOptions { mode: args.mode, ..OpOptions::default() };
         let result = self.coordinator.update_weights(&args.model, opts);
         record(&self.journal, Action::Update, result)
-    }
-
-    /// A sleep or wakeup of the checked, expanded `tags`, recorded in the journal.
-    fn run(&self, action: Action, tags: &[String], opts: OpOptions) -> Result<OpWire, ErrorWire> {
-        check_tags(tags).map_err(ErrorWire::client)?;
-        let tags = expand_tags(action, tags, &self.coordinator.state());
-        let result = match action {
-            Action::Wakeup => self.coordinator.wakeup(&tags, opts),
-            _ => self.coordinator.sleep(&tags, opts),
-        };
-        record(&self.journal, action, result)
     }
 }
 

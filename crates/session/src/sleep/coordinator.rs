@@ -224,6 +224,55 @@ impl Coordinator {
         self.run(Action::Wakeup, tags, opts, None)
     }
 
+    /// A wakeup of the tags `resolve` picks from the deployment's state once the operation
+    /// holds the sleep/wakeup lock (a wakeup that names no tag wakes every tag asleep then,
+    /// not those asleep when it was asked, which a sleep running meanwhile may have changed).
+    ///
+    /// # Errors
+    /// As [`Coordinator::wakeup`].
+    pub fn wakeup_resolved(
+        &self,
+        resolve: impl FnOnce(&DeploymentState) -> Vec<String>,
+        opts: OpOptions,
+    ) -> Result<OpReceipt> {
+        let _guard = Held::acquire(&*self.op_lock);
+        let tags = resolve(&self.state());
+        self.run_held(Action::Wakeup, &tags, opts, None)
+    }
+
+    /// Wakes the weights from the checkpoint at `model` in one operation under one hold of the
+    /// sleep/wakeup lock: the weights must be asleep, the checkpoint is staged on every rank
+    /// as a weight update (two-phase), then the tags `resolve` picks are woken, so no other
+    /// caller's operation runs between the two. Returns the update's receipt and the
+    /// wakeup's.
+    ///
+    /// # Errors
+    /// [`Error::WeightsAwake`] when the weights are not asleep (nothing runs), else the
+    /// update's or the wakeup's error; a wakeup that fails after the update leaves the new
+    /// checkpoint staged, still asleep, for the next wakeup.
+    pub fn wakeup_from(
+        &self,
+        model: &str,
+        resolve: impl FnOnce(&DeploymentState) -> Vec<String>,
+        opts: OpOptions,
+    ) -> Result<(OpReceipt, OpReceipt)> {
+        let _guard = Held::acquire(&*self.op_lock);
+        let weights = vmm::Tag::WEIGHTS.as_str();
+        let state = self.state();
+        let asleep = match &state {
+            DeploymentState::Sleeping(t) | DeploymentState::Waking(t) => t.as_slice(),
+            _ => &[],
+        };
+        if !asleep.iter().any(|t| t == weights) {
+            return Err(Error::WeightsAwake { model: model.to_owned() });
+        }
+        let update = OpOptions { mode: QuiesceMode::default(), ..OpOptions::default() };
+        let updated = self.run_held(Action::Update, &[weights.to_owned()], update, Some(model))?;
+        let tags = resolve(&self.state());
+        let woken = self.run_held(Action::Wakeup, &tags, opts, None)?;
+        Ok((updated, woken))
+    }
+
     /// Replaces the weights on every rank with those of the checkpoint at `model` (a GGUF
     /// file or a Hugging Face folder of the same architecture and shapes), asleep or awake
     /// (awake: the engine quiesces per `opts.mode` first, and paused requests are computed
@@ -455,8 +504,19 @@ impl Coordinator {
         opts: OpOptions,
         model: Option<&str>,
     ) -> Result<OpReceipt> {
-        let start = Instant::now();
         let _guard = Held::acquire(&*self.op_lock);
+        self.run_held(action, tags, opts, model)
+    }
+
+    /// [`Coordinator::run`] with the sleep/wakeup lock already held by the caller.
+    fn run_held(
+        &self,
+        action: Action,
+        tags: &[String],
+        opts: OpOptions,
+        model: Option<&str>,
+    ) -> Result<OpReceipt> {
+        let start = Instant::now();
         lock(&self.inner).running = Some(match model {
             Some(m) => format!("{action} {m}"),
             None => format!("{action} {tags:?}"),

@@ -93,6 +93,16 @@ pub enum Error {
         /// Why it failed.
         reason: String,
     },
+    /// A wakeup named a checkpoint while the weights are awake (a caller's mistake: an awake
+    /// deployment replaces its weights with a weight update).
+    #[error(
+        "a wakeup names a checkpoint (model={model}) only while the weights are asleep; awake, \
+         replace them with update_weights"
+    )]
+    WeightsAwake {
+        /// The checkpoint named.
+        model: String,
+    },
     /// Setting up or using the control channel failed.
     #[error("control channel (rank {rank}): {detail}")]
     Channel {
@@ -145,6 +155,16 @@ impl Error {
         match self {
             Error::Failed { failures, .. } | Error::Verify { failures, .. } => failures,
             _ => &[],
+        }
+    }
+
+    /// The memory operation that failed, when the error names one.
+    pub fn action(&self) -> Option<Action> {
+        match self {
+            Error::Failed { action, .. }
+            | Error::Verify { action, .. }
+            | Error::Quiesce { action, .. } => Some(*action),
+            _ => None,
         }
     }
 

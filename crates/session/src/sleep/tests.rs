@@ -705,6 +705,72 @@ fn racing_updates_leave_the_checkpoint_of_the_last_to_run() {
     w.shutdown();
 }
 
+/// Every tag asleep in `state`, or every tag when none is (the control socket's rule for a
+/// wakeup that names none).
+fn asleep_or_all(state: &DeploymentState) -> Vec<String> {
+    match state {
+        DeploymentState::Sleeping(t) | DeploymentState::Waking(t) if !t.is_empty() => t.clone(),
+        _ => tags(&["weights", "kv_cache"]),
+    }
+}
+
+/// Waits until the sleep/wakeup lock was taken `n` times.
+fn lock_taken(w: &World, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while w.log.all().iter().filter(|e| *e == "lock taken").count() < n {
+        assert!(Instant::now() < deadline, "the lock was not taken {n} times");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A wakeup that names no tag, asked while a sleep holds the lock, wakes what is asleep once
+/// it runs: the sleep's tags too. (Resolved when asked, it woke only the tags asleep then and
+/// reported success with the sleep's tags still asleep.)
+#[test]
+fn a_tagless_wakeup_racing_a_sleep_wakes_what_the_sleep_released() {
+    let w = world(2);
+    w.coord.sleep(&tags(&["kv_cache"]), OpOptions::default()).unwrap();
+    w.mem.iter().for_each(|m| m.set(|s| s.work = Duration::from_millis(200)));
+    let coord = w.coord.clone();
+    let sleep = std::thread::spawn(move || coord.sleep(&tags(&["weights"]), OpOptions::default()));
+    lock_taken(&w, 2);
+    let woken = w.coord.wakeup_resolved(asleep_or_all, OpOptions::default()).unwrap();
+    let slept = sleep.join().unwrap().unwrap();
+    assert!(slept.op_id < woken.op_id, "the sleep held the lock first");
+    assert_eq!(woken.tags, tags(&["kv_cache", "weights"]));
+    assert_eq!(w.coord.state(), DeploymentState::Running);
+    assert!(w.mem.iter().all(|m| m.asleep().is_empty()));
+    w.shutdown();
+}
+
+/// A wakeup from a checkpoint is one operation: a sleep asked meanwhile runs before the
+/// update or after the wakeup, never between them, and the state agrees with that order.
+#[test]
+fn a_wakeup_from_a_checkpoint_racing_a_sleep_is_one_operation() {
+    let w = world(2);
+    w.coord.sleep(&tags(&["weights"]), OpOptions::default()).unwrap();
+    w.mem.iter().for_each(|m| m.set(|s| s.work = Duration::from_millis(100)));
+    // Whoever gives the lock back first lingers: with two lock holds, the sleep would run
+    // between the update and the wakeup.
+    *w.linger.lock().unwrap() = Some(Duration::from_millis(300));
+    let coord = w.coord.clone();
+    let wake = std::thread::spawn(move || {
+        coord.wakeup_from("new.gguf", asleep_or_all, OpOptions::default())
+    });
+    lock_taken(&w, 2);
+    let slept = w.coord.sleep(&tags(&["kv_cache"]), OpOptions::default()).unwrap();
+    let (updated, woken) = wake.join().unwrap().unwrap();
+    assert_eq!(woken.op_id, updated.op_id + 1, "nothing ran between the update and the wakeup");
+    assert!(woken.op_id < slept.op_id);
+    assert_eq!(w.coord.checkpoint().as_deref(), Some("new.gguf"));
+    assert_eq!(w.coord.state(), DeploymentState::Sleeping(tags(&["kv_cache"])));
+    // Refused while the weights are awake, before anything runs.
+    let e = w.coord.wakeup_from("other.gguf", asleep_or_all, OpOptions::default()).unwrap_err();
+    assert!(matches!(e, Error::WeightsAwake { .. }), "{e}");
+    assert_eq!(w.coord.checkpoint().as_deref(), Some("new.gguf"));
+    w.shutdown();
+}
+
 /// The events of `log` that are not a peer's, in order: the lock's, rank 0's and the link's.
 fn rank0_view(log: &Log) -> Vec<String> {
     log.all().into_iter().filter(|e| !e.starts_with('r') || e.starts_with("r0 ")).collect()
