@@ -25,8 +25,9 @@ fn joined<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     rx.recv_timeout(LONG * 2).expect("store call neither returned nor failed")
 }
 
+/// The launcher's own choice of a free port (one helper in the workspace).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    crate::rendezvous::free_master_port().expect("bind a loopback port")
 }
 
 #[test]
