@@ -269,6 +269,29 @@ fn a_rank_sigkilled_mid_step_is_named_by_its_peers() {
     }
 }
 
+/// A rank SIGKILLed inside the sharded model's step: its peers fail in the model's own TP and
+/// CP collectives (wrapped by the model), announce that they failed after a peer, and every
+/// survivor names the dead rank by its global rank (rank 0, whose own peers only poisoned
+/// their groups, used to name one of them).
+#[test]
+fn a_rank_sigkilled_inside_the_sharded_model_is_named_by_every_survivor() {
+    let victim = 3;
+    let vars = [("TPCTL_SIGKILL", "3:3"), ("TPCTL_SHARDED", "1"), ("TPCTL_PLAN_CHECK", "0")];
+    let outs = start(4, "failure", &vars);
+    let all = show(&outs);
+    assert_eq!(outs[victim].code, None, "killed by a signal\n{all}");
+    for o in outs.iter().filter(|o| o.rank != victim) {
+        assert_eq!(o.code, Some(3), "{all}");
+        let line = o.last_line();
+        assert!(
+            line.contains(&format!("peer rank {victim} died")),
+            "rank {}: {line}\n{all}",
+            o.rank
+        );
+    }
+    invariants(&outs, &[victim]);
+}
+
 #[cfg(feature = "failpoints")]
 mod faults {
     use super::*;
