@@ -350,7 +350,8 @@ impl ParallelLmHead {
     }
 
     /// Greedy tokens per row without gathering the logits: each rank's best (value, id) pair
-    /// is gathered and the largest wins, the lowest id on ties (as a serial argmax).
+    /// is gathered and the largest wins, the lowest id on ties, NaN never, token 0 for a row
+    /// without a number (as a serial argmax).
     ///
     /// # Errors
     /// `x` has the wrong width, or a failed collective.
@@ -366,7 +367,8 @@ impl ParallelLmHead {
         let mut ids = vec![i64::MAX; n];
         for r in 0..n {
             for (j, &v) in local.row(r).iter().enumerate() {
-                if v > best[r] {
+                // The first number counts even at -inf; NaN never does (the serial argmax).
+                if !v.is_nan() && (ids[r] == i64::MAX || v > best[r]) {
                     best[r] = v;
                     ids[r] = (start + j) as i64;
                 }
@@ -386,7 +388,8 @@ impl ParallelLmHead {
                         pick = cand;
                     }
                 }
-                pick.1.max(0) as u32
+                // No rank holds a number: token 0, as the serial argmax gives.
+                u32::try_from(pick.1).unwrap_or(0)
             })
             .collect())
     }

@@ -142,11 +142,15 @@ fn linear_layers_embedding_and_head_match_the_full_layers() {
             let head = ParallelLmHead::new(emb.table().clone(), vocab, p.tp_rank);
             let logits = head.logits(&be, comms.tp, &x).unwrap();
             let argmax = head.argmax(&be, comms.tp, &x).unwrap();
-            (up_all, down_all, e, logits, argmax)
+            // A row without a number (all NaN): token 0, as the serial argmax gives.
+            let nan = Tensor::from_vec(&[1, x.row_len()], vec![f32::NAN; x.row_len()]).unwrap();
+            let nan_ids = head.argmax(&be, comms.tp, &nan).unwrap();
+            (up_all, down_all, e, logits, (argmax, nan_ids))
         });
         let want_ids: Vec<u32> =
             be.argmax_rows(&logits_want).into_iter().map(|i| i as u32).collect();
-        for (up, down, e, logits, argmax) in got {
+        for (up, down, e, logits, (argmax, nan_ids)) in got {
+            assert_eq!(nan_ids, vec![0], "tp {tp} distributed argmax of a NaN row");
             assert!(rel_err(up.data(), up_want.data()) < 1e-5, "tp {tp} column-parallel");
             assert!(rel_err(down.data(), down_want.data()) < 1e-5, "tp {tp} row-parallel");
             assert_eq!(e.data(), emb_want.data(), "tp {tp} embedding");
