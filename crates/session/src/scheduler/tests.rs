@@ -13,6 +13,14 @@ fn pick(plan: &StepPlan, token: usize) -> Vec<SampledToken> {
     plan.sampled().map(|_| SampledToken { token: token as u32, logprobs: None }).collect()
 }
 
+/// Plans step `step + 1`, runs it with `token` for every sampled entry, and returns its plan.
+fn run_step(s: &mut Scheduler, step: &mut u64, token: usize) -> StepPlan {
+    *step += 1;
+    let plan = s.plan(0, *step).unwrap();
+    s.apply(&plan, pick(&plan, token)).unwrap();
+    plan
+}
+
 #[test]
 fn prompts_are_chunked_to_the_budget_and_decode_goes_first() {
     let mut s = Scheduler::new(4, 8, 100, Vec::new());
@@ -125,12 +133,7 @@ fn a_recomputed_sequence_prefills_its_tokens_again_and_decodes_on() {
     let mut s = Scheduler::new(64, 8, 64, Vec::new());
     s.add(req(1, 3, 10), None, 0).unwrap();
     let mut step = 0;
-    let mut next = |s: &mut Scheduler, token: usize| {
-        step += 1;
-        let plan = s.plan(0, step).unwrap();
-        s.apply(&plan, pick(&plan, token)).unwrap();
-        plan
-    };
+    let mut next = |s: &mut Scheduler, token: usize| run_step(s, &mut step, token);
     next(&mut s, 5);
     next(&mut s, 6);
     let decode = next(&mut s, 7);
@@ -161,12 +164,7 @@ fn a_sequence_brings_its_sampling_with_its_first_entry_and_again_after_a_recompu
     let plain = SamplingParams { max_tokens: 10, ..SamplingParams::default() };
     s.add(Request::tokens(2, vec![7], plain.clone()), None, 0).unwrap();
     let mut step = 0;
-    let mut next = |s: &mut Scheduler, token: usize| {
-        step += 1;
-        let plan = s.plan(0, step).unwrap();
-        s.apply(&plan, pick(&plan, token)).unwrap();
-        plan
-    };
+    let mut next = |s: &mut Scheduler, token: usize| run_step(s, &mut step, token);
     // Budget 2: the first prompt's chunk brings its sampling, its second chunk nothing.
     let p = next(&mut s, 9);
     let first = p.entries[0].sampling.as_deref().unwrap();

@@ -111,6 +111,16 @@ struct Inner {
     checkpoint: Option<String>,
 }
 
+impl Inner {
+    /// The next operation id: every message fanned out (an operation, a status, the shutdown)
+    /// has its own, so an ACK answers only the request it was sent for.
+    fn take_op_id(&mut self) -> u64 {
+        let id = self.next_op;
+        self.next_op += 1;
+        id
+    }
+}
+
 /// Rank 0's coordinator of sleep and wakeup. `Sync`: callers on several threads are
 /// serialized by the sleep/wakeup lock.
 pub struct Coordinator {
@@ -350,13 +360,9 @@ impl Coordinator {
         }
     }
 
-    /// The next operation id: every message fanned out (an operation, a status, the shutdown)
-    /// has its own, so an ACK answers only the request it was sent for.
+    /// The next operation id (see [`Inner::take_op_id`]).
     fn take_op_id(&self) -> u64 {
-        let mut inner = lock(&self.inner);
-        let id = inner.next_op;
-        inner.next_op += 1;
-        id
+        lock(&self.inner).take_op_id()
     }
 
     fn live_peers(&self) -> Vec<usize> {
@@ -554,9 +560,7 @@ impl Coordinator {
                 let asleep: Vec<String> = inner.asleep.iter().cloned().collect();
                 return Ok(self.zero_receipt(action, tags, asleep, start));
             }
-            let op_id = inner.next_op;
-            inner.next_op += 1;
-            (op_id, !inner.paused)
+            (inner.take_op_id(), !inner.paused)
         };
         // Only operations change `paused`, and they hold the sleep/wakeup lock.
         if pause {
