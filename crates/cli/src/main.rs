@@ -59,11 +59,12 @@ enum Command {
     ///
     /// Example: tpctl sleep --deployment chat --tags kv_cache,weights --mode wait --verify
     Sleep(SleepArgs),
-    /// Wake a sleeping deployment: materialize the given tags (default: every tag asleep)
-    /// on every rank and restore them per their policy.
+    /// Wake a sleeping deployment: materialize the given tags (default: every tag asleep
+    /// when the wakeup's turn comes) on every rank and restore them per their policy.
     ///
     /// After a sleep that discarded the weights (`--level 2`), `--model PATH` wakes them from
-    /// another checkpoint of the same shapes (as `tpctl reload` then `tpctl wakeup`).
+    /// another checkpoint of the same shapes (as `tpctl reload` then `tpctl wakeup`, in one
+    /// operation: no other sleep or reload runs between them).
     ///
     /// Example: tpctl wakeup --deployment chat --tags weights
     Wakeup(WakeupArgs),
