@@ -354,6 +354,29 @@ mod faults {
         invariants(&outs, &[]);
     }
 
+    /// The origin waits on nobody: rank 0 fails its third step while rank 1 is still in
+    /// its own (delayed 3 s, outside any collective), and rank 0 leaves at once with its own
+    /// error; rank 1 finds rank 0's failure when its step reaches a collective and names it.
+    /// Before, rank 0 announced its failure at the next admission, which waited for rank 1.
+    #[test]
+    fn the_origin_leaves_without_waiting_for_a_peer_still_in_its_step() {
+        let spec = "session.step=error@0#2;session.step=delay(3000)@1#2";
+        let outs = start(2, "failure", &[("TPCTL_FAILPOINTS", spec)]);
+        let all = show(&outs);
+        assert!(
+            outs[0].last_line().contains("injected failure at failpoint `session.step`"),
+            "{all}"
+        );
+        assert!(outs[1].last_line().contains("another rank failed: rank 0 reported"), "{all}");
+        assert!(
+            outs[0].elapsed + Duration::from_millis(1500) < outs[1].elapsed,
+            "rank 0 left after {:?}, rank 1 after {:?}\n{all}",
+            outs[0].elapsed,
+            outs[1].elapsed
+        );
+        invariants(&outs, &[]);
+    }
+
     #[test]
     fn a_failure_in_rank_0s_output_sink_fails_every_rank() {
         injected_failure(2, "session.sink", 0, 1);

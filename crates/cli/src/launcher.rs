@@ -5,8 +5,13 @@
 //!   every other stream is prefixed with `[rank i] ` line by line.
 //! - Each rank runs in a process group of its own, so a terminal's Ctrl-C reaches only the
 //!   launcher, which forwards one SIGINT to every rank, then SIGKILL after the grace period.
-//! - The first rank to fail decides the outcome: the others get SIGTERM, then SIGKILL after
-//!   the grace period, and the launcher reports that rank's exit code and last error lines.
+//! - The first rank to fail on its own (the origin) decides the outcome: the others get
+//!   SIGTERM, then SIGKILL after the grace period, and the launcher reports the origin's exit
+//!   code and last error lines. A rank that failed only because a peer did (exit code 3)
+//!   does not decide it: when one exits first, the others get the grace period to exit on
+//!   their own, so the origin (printing its error as it fails) is not stopped before it has.
+//!   A rank ended by a signal the launcher did not send (a crash, the OOM killer) is an
+//!   origin, reported as such; one ended by the launcher's own signal is not.
 //! - Ranks watch their parent (`TPCTL_LAUNCHER_PID`) and exit if the launcher disappears, so
 //!   no rank outlives it even when the launcher itself is killed.
 
@@ -65,13 +70,24 @@ pub struct RankFailure {
     pub rank: usize,
     /// The process's exit code, or 128 + signal when a signal ended it.
     pub code: i32,
+    /// The signal that ended it when the launcher did not send it (a crash, the OOM killer).
+    pub signal: Option<i32>,
     /// The last lines it wrote to standard error.
     pub stderr_tail: Vec<String>,
 }
 
 impl std::fmt::Display for RankFailure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "rank {} failed with exit code {}", self.rank, self.code)?;
+        match self.signal {
+            Some(sig) => write!(
+                f,
+                "rank {} was killed by signal {sig}{} (exit code {}), not by the launcher",
+                self.rank,
+                signal_name(sig).map(|n| format!(" ({n})")).unwrap_or_default(),
+                self.code
+            )?,
+            None => write!(f, "rank {} failed with exit code {}", self.rank, self.code)?,
+        }
         if let Some(last) = self.stderr_tail.iter().rev().find(|l| !l.trim().is_empty()) {
             write!(f, ": {}", last.trim())?;
         }
@@ -99,6 +115,10 @@ impl Outcome {
             Outcome::Interrupted => 130,
         }
     }
+}
+
+fn signal_name(sig: i32) -> Option<&'static str> {
+    Signal::try_from(sig).ok().map(Signal::as_str)
 }
 
 fn code_of(status: ExitStatus) -> i32 {
@@ -230,51 +250,95 @@ pub fn launch(spec: &Launch, interrupted: &AtomicBool) -> Result<Outcome> {
     Ok(outcome)
 }
 
+/// How a rank's exit bears on the outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Exit {
+    /// Code 0.
+    Success,
+    /// The launcher's own signal ended it (or it left on that signal with "another rank
+    /// failed"): it says nothing about what went wrong.
+    Stopped,
+    /// It failed only because another rank did ([`SECONDARY_EXIT`]).
+    Secondary,
+    /// A failure of its own: an error exit, or a signal the launcher did not send (a crash,
+    /// the OOM killer).
+    Origin,
+}
+
+fn classify(status: ExitStatus, signalled: bool) -> Exit {
+    let code = code_of(status);
+    if status.success() {
+        Exit::Success
+    } else if signalled && (status.signal().is_some() || code > 128 || code == SECONDARY_EXIT) {
+        Exit::Stopped
+    } else if code == SECONDARY_EXIT {
+        Exit::Secondary
+    } else {
+        Exit::Origin
+    }
+}
+
+/// Watches the ranks until every one has exited.
+///
+/// The first failure of a rank's own (an error exit other than [`SECONDARY_EXIT`], or a
+/// signal the launcher did not send) is the origin: the others get SIGTERM at once, then
+/// SIGKILL after `grace`. When a rank that failed only because of a peer exits first, the
+/// origin is still busy reporting: the others get `grace` to exit on their own before the
+/// SIGTERM, so the origin's error is what the report shows.
 fn supervise(mut ranks: Vec<Rank>, grace: Duration, interrupted: &AtomicBool) -> Outcome {
-    let mut outcome: Option<Outcome> = None;
-    // Failures in the order seen: the first original one is reported.
-    let mut failures: Vec<(usize, i32)> = Vec::new();
+    let mut interrupt = false;
+    // Failures in the order seen: the first origin is reported, else the first failure.
+    let mut failures: Vec<(usize, ExitStatus, Exit)> = Vec::new();
+    // The launcher signalled each rank (its exit by that signal is no failure of its own).
+    let mut signalled = vec![false; ranks.len()];
+    let mut term_at: Option<Instant> = None;
     let mut kill_at: Option<Instant> = None;
     loop {
-        for r in &mut ranks {
-            if r.status.is_none() {
-                if let Ok(Some(status)) = r.child.try_wait() {
-                    r.status = Some(status);
-                    if !status.success() {
-                        failures.push((r.rank, code_of(status)));
-                    }
-                    if !status.success() && outcome.is_none() {
-                        // Let the pump finish so the report has the rank's last words.
-                        let code = code_of(status);
-                        tracing::debug!(rank = r.rank, code, "rank failed; stopping the others");
-                        outcome = Some(Outcome::Failed(RankFailure {
-                            rank: r.rank,
-                            code,
-                            stderr_tail: Vec::new(),
-                        }));
-                    }
+        for (i, r) in ranks.iter_mut().enumerate() {
+            if r.status.is_some() {
+                continue;
+            }
+            if let Ok(Some(status)) = r.child.try_wait() {
+                r.status = Some(status);
+                let exit = classify(status, signalled[i]);
+                if exit != Exit::Success {
+                    tracing::debug!(rank = r.rank, code = code_of(status), ?exit, "rank failed");
+                    failures.push((r.rank, status, exit));
                 }
             }
         }
-        if outcome.is_none() && interrupted.load(Ordering::SeqCst) {
-            outcome = Some(Outcome::Interrupted);
-            for r in &ranks {
+        if !interrupt && failures.is_empty() && interrupted.load(Ordering::SeqCst) {
+            interrupt = true;
+            for (i, r) in ranks.iter().enumerate() {
                 r.signal(Signal::SIGINT);
+                signalled[i] = true;
             }
             kill_at = Some(Instant::now() + grace);
         }
-        if let (Some(Outcome::Failed(_)), None) = (&outcome, kill_at) {
-            for r in &ranks {
-                r.signal(Signal::SIGTERM);
+        if !interrupt && kill_at.is_none() {
+            let origin = failures.iter().any(|f| f.2 == Exit::Origin);
+            if origin {
+                term_at = Some(Instant::now());
+            } else if term_at.is_none() && !failures.is_empty() {
+                term_at = Some(Instant::now() + grace);
             }
-            kill_at = Some(Instant::now() + grace);
+            if term_at.is_some_and(|t| Instant::now() >= t) {
+                for (i, r) in ranks.iter().enumerate() {
+                    if r.status.is_none() {
+                        r.signal(Signal::SIGTERM);
+                        signalled[i] = true;
+                    }
+                }
+                kill_at = Some(Instant::now() + grace);
+            }
         }
         if ranks.iter().all(|r| r.status.is_some()) {
             break;
         }
         if kill_at.is_some_and(|t| Instant::now() >= t) {
-            for r in &ranks {
+            for (i, r) in ranks.iter().enumerate() {
                 r.signal(Signal::SIGKILL);
+                signalled[i] = true;
             }
         }
         std::thread::sleep(POLL);
@@ -284,26 +348,22 @@ fn supervise(mut ranks: Vec<Rank>, grace: Duration, interrupted: &AtomicBool) ->
             let _ = pump.join();
         }
     }
-    // Ranks that failed because a peer did, or that the launcher stopped, say less than the
-    // rank whose failure started it all.
-    let stopped = |code: i32| code == SECONDARY_EXIT || code == 128 + 15 || code == 128 + 9;
-    if let (Some(Outcome::Failed(f)), Some(&(rank, code))) =
-        (&mut outcome, failures.iter().find(|(_, c)| !stopped(*c)))
-    {
-        f.rank = rank;
-        f.code = code;
+    if interrupt {
+        return Outcome::Interrupted;
     }
-    match outcome {
-        Some(Outcome::Failed(mut f)) => {
-            if let Some(r) = ranks.iter().find(|r| r.rank == f.rank) {
-                f.stderr_tail =
-                    r.tail.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect();
-            }
-            Outcome::Failed(f)
-        }
-        Some(other) => other,
-        None => Outcome::Success,
-    }
+    let reported = failures
+        .iter()
+        .find(|f| f.2 == Exit::Origin)
+        .or_else(|| failures.iter().find(|f| f.2 == Exit::Secondary))
+        .or(failures.first());
+    let Some(&(rank, status, exit)) = reported else { return Outcome::Success };
+    let stderr_tail = ranks
+        .iter()
+        .find(|r| r.rank == rank)
+        .map(|r| r.tail.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect())
+        .unwrap_or_default();
+    let signal = status.signal().filter(|_| exit == Exit::Origin);
+    Outcome::Failed(RankFailure { rank, code: code_of(status), signal, stderr_tail })
 }
 
 /// In a rank process: exits when the launcher that started it is gone, so a killed launcher

@@ -398,40 +398,16 @@ fn main() -> ExitCode {
         Command::Stop(target) => control_command(&target, &control::Request::Stop),
         Command::Rank => match tpctl::rank::run() {
             Ok(()) => Ok(0),
-            Err(e) => {
-                eprintln!("error: {}", describe(&e));
-                let secondary = tpctl::rank::caused_by_peer(&e);
-                return ExitCode::from(if secondary {
-                    tpctl::rank::EXIT_PEER_FAILED as u8
-                } else {
-                    1
-                });
-            }
+            Err(e) => tpctl::rank::exit_failed(&e, None),
         },
     };
     match result {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(e) => {
-            eprintln!("error: {}", describe(&e));
+            eprintln!("error: {}", tpctl::output::describe(&e));
             ExitCode::from(1)
         }
     }
-}
-
-/// An error with its causes, each once: many errors already quote their cause in their own
-/// message, so a cause whose text is already there is not repeated.
-fn describe(e: &anyhow::Error) -> String {
-    let mut text = String::new();
-    for cause in e.chain() {
-        let part = cause.to_string();
-        if !text.contains(&part) {
-            if !text.is_empty() {
-                text.push_str(": ");
-            }
-            text.push_str(&part);
-        }
-    }
-    text
 }
 
 fn init_logging(verbose: u8, quiet: bool) {

@@ -237,6 +237,22 @@ fn gpu_split(totals: &Totals) -> String {
     )
 }
 
+/// An error with its causes, each once: many errors already quote their cause in their own
+/// message, so a cause whose text is already there is not repeated.
+pub fn describe(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let part = cause.to_string();
+        if !text.contains(&part) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&part);
+        }
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,6 +19,7 @@ use session::{
     Decision, EngineOptions, Gate, Leader, Request, SamplingParams, SessionConfig, SessionReport,
     StopHandle, Worker,
 };
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -44,6 +45,19 @@ pub fn caused_by_peer(e: &anyhow::Error) -> bool {
             || c.downcast_ref::<collectives::Error>().is_some_and(blames_peer)
             || matches!(c.downcast_ref::<layers::Error>(), Some(layers::Error::Collective(ce)) if blames_peer(ce))
     })
+}
+
+/// Ends a failed rank at once: rank 0's output so far, then the error on standard error (the
+/// engine's errors name the rank, epoch and step), then the control socket goes and the
+/// process exits with 1, or [`EXIT_PEER_FAILED`] when the failure follows another rank's.
+/// Nothing else is torn down (the failed session's model, device memory, the groups' buffers:
+/// the OS frees them), so the launcher sees the original error before it decides whom to stop.
+pub fn exit_failed(e: &anyhow::Error, control: Option<crate::control::Server>) -> ! {
+    let code = if caused_by_peer(e) { EXIT_PEER_FAILED } else { 1 };
+    let _ = std::io::stdout().flush();
+    eprintln!("error: {}", crate::output::describe(e));
+    drop(control);
+    std::process::exit(code)
 }
 
 /// Runs this rank of the job described by `TPCTL_RANK_SPEC`.
@@ -93,8 +107,11 @@ pub fn run() -> Result<()> {
             let watch = watch_listener(listener, worker.stop_handle());
             let ran = worker.run();
             watch.engine_done.store(true, Ordering::SeqCst);
-            // A failed rank reports at once: it does not wait for rank 0's shutdown.
-            ran?;
+            // A failed rank reports at once: it waits neither for rank 0's shutdown nor for
+            // its own teardown.
+            if let Err(e) = ran {
+                exit_failed(&e.into(), None);
+            }
             let exit = watch.thread.join().unwrap_or(Ok(ListenerExit::Shutdown));
             if let Err(e @ sleep::Error::FailStop { .. }) = exit {
                 return Err(e).context("the deployment was stopped by a failed sleep/wakeup");
@@ -109,18 +126,17 @@ pub fn run() -> Result<()> {
     let watch = watch_coordinator(&coordinator, &stop);
     let ran = lead(&spec, ctx, factory, engine, gate, stop, model, &config, &controller);
     watch.engine_done.store(true, Ordering::SeqCst);
+    if let Err(e) = ran {
+        exit_failed(&e, control);
+    }
     drop(control);
     if let Ok(Some(reason)) = watch.thread.join() {
-        ran?;
         anyhow::bail!("the deployment was stopped by a failed sleep/wakeup: {reason}");
     }
-    // After a failure no rank waits for its peers: they see the control channel close.
-    if ran.is_ok() {
-        if let Err(e) = coordinator.shutdown() {
-            tracing::debug!("control plane shutdown: {e}");
-        }
+    if let Err(e) = coordinator.shutdown() {
+        tracing::debug!("control plane shutdown: {e}");
     }
-    ran
+    Ok(())
 }
 
 /// A worker's control listener, watched while the engine runs.
@@ -265,7 +281,10 @@ fn lead(
     let start = Instant::now();
     let mut stop = |_: &SessionReport| Decision::Stop;
     let session = SessionConfig { max_batch: spec.max_num_seqs, ..SessionConfig::new(model) };
-    leader.run(session, requests, &mut stop)?;
+    if let Err(e) = leader.run(session, requests, &mut stop) {
+        abandon(leader);
+        return Err(e.into());
+    }
     let totals = *meter.totals.lock().unwrap_or_else(|e| e.into_inner());
     let first = *first_token.lock().unwrap_or_else(|e| e.into_inner());
     let line = summary(&totals, first, start.elapsed());
@@ -274,6 +293,13 @@ fn lead(
         OutputFormat::Jsonl => eprintln!("{line}"),
     }
     Ok(())
+}
+
+/// Leaves a failed engine to the process's exit: after a failure it still holds the failed
+/// session's model ([`Leader::run`]), whose teardown can block, and the rank is about to exit
+/// on the error ([`exit_failed`]) with the OS freeing what it held.
+pub(crate) fn abandon(leader: Leader) {
+    std::mem::forget(leader);
 }
 
 /// The restore policy of `tag` per the spec, else its default.

@@ -312,6 +312,51 @@ fn a_failing_rank_stops_every_rank_with_its_own_error() {
     assert!(err.contains("injected failure at failpoint `session.step`"), "{}", text(&out));
 }
 
+/// The failing rank prints its own error the moment it fails and exits without its teardown
+/// (rank 0's would take 8 s here), so the launcher reports rank 0's injected error and exits
+/// at once, with no rank left. Before, rank 0 tore down first: its peer's "another rank
+/// failed" exit made the launcher SIGTERM it, then SIGKILL it after the grace period, and the
+/// report named the peer.
+#[cfg(feature = "failpoints")]
+#[test]
+fn the_failing_ranks_own_error_is_reported_at_once() {
+    use std::io::{BufRead, BufReader};
+    let mark = marker();
+    let mut child = start(
+        &["run", "--model", model(), "--tp", "2", "--prompt-ids", "1,2", "--max-tokens", "8"],
+        &[("TPCTL_FAILPOINTS", "session.step=error@0#2;session.cleanup=delay(8000)@0")],
+        &mark,
+    );
+    let stderr = child.stderr.take().expect("piped stderr");
+    let reader = std::thread::spawn(move || {
+        let lines = BufReader::new(stderr).lines().map_while(Result::ok);
+        lines.map(|l| (Instant::now(), l)).collect::<Vec<_>>()
+    });
+    let out = wait(child, &mark);
+    let exited = Instant::now();
+    let lines = reader.join().expect("stderr reader");
+    let all: Vec<&str> = lines.iter().map(|(_, l)| l.as_str()).collect();
+    let all = all.join("\n");
+    assert_eq!(leftovers(&mark), Vec::<u32>::new(), "processes left behind\n{all}");
+    assert_eq!(out.status.code(), Some(1), "{all}");
+    let injected = "injected failure at failpoint `session.step`";
+    // The failpoint logs when it fires: the moment of the fault.
+    let (fault, _) = lines
+        .iter()
+        .find(|(_, l)| l.starts_with("[rank 0] ") && l.contains("point=\"session.step\""))
+        .unwrap_or_else(|| panic!("the failpoint never fired\n{all}"));
+    assert!(
+        lines.iter().any(|(_, l)| l.starts_with("[rank 0] error: ") && l.contains(injected)),
+        "rank 0 never printed its error\n{all}"
+    );
+    let report = format!(
+        "error: rank 0 failed with exit code 1: error: step at epoch 0 step 3 (rank 0): {injected}"
+    );
+    assert!(all.contains(&report), "{all}");
+    let after = exited.duration_since(*fault);
+    assert!(after < Duration::from_secs(2), "the launcher exited {after:?} after the fault\n{all}");
+}
+
 #[cfg(feature = "failpoints")]
 #[test]
 fn ctrl_c_stops_every_rank() {

@@ -48,7 +48,9 @@ pub enum State {
     Go = 0,
     /// Asks the session to stop at this boundary.
     Stop = 1,
-    /// Failed on its own (the original failure); it will not run the step.
+    /// Failed on its own (the original failure); it will not run the step. The engine's
+    /// origin does not contribute it (it poisons the control group and waits on nobody); it is
+    /// what the agreement reports when only ranks that failed after a peer met.
     Failed = 2,
     /// Failed because another rank did (a data-group collective reported the peer): says
     /// failed without claiming to be the origin, so the origin is the rank peers name.

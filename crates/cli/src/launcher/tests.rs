@@ -97,3 +97,37 @@ fn a_program_that_cannot_start_is_an_error() {
     let err = launch_within(s, Arc::new(AtomicBool::new(false))).unwrap_err();
     assert!(format!("{err:#}").contains("starting rank 0: /nonexistent/tpctl-rank"), "{err:#}");
 }
+
+/// A rank that failed only because of a peer (exit code 3) exits first; the origin is still
+/// printing its error: it gets the grace period (it was SIGTERMed at once, and counted as
+/// stopped, before), so the report is the origin's.
+#[test]
+fn the_origin_is_reported_when_a_secondary_failure_exits_first() {
+    let script = "if [ \"$RANK\" = 1 ]; then echo 'another rank failed' >&2; exit 3; fi; \
+                  sleep 0.5; echo 'boom: rank 0 broke' >&2; exit 1";
+    let mut s = spec(script, 2);
+    s.grace = Duration::from_secs(5);
+    let out = launch_within(s, Arc::new(AtomicBool::new(false))).unwrap();
+    let Outcome::Failed(f) = out else { panic!("expected a failure, got {out:?}") };
+    assert_eq!((f.rank, f.code, f.signal), (0, 1, None), "{f}");
+    assert!(f.to_string().contains("rank 0 failed with exit code 1: boom: rank 0 broke"), "{f}");
+}
+
+/// A SIGKILL the launcher did not send (the OOM killer, a crash) is the origin, and the
+/// report says so; one the launcher sent after the grace period is not (see
+/// `a_rank_ignoring_sigterm_is_killed_after_the_grace_period`).
+#[test]
+fn a_sigkill_from_elsewhere_is_the_origin() {
+    let script = "if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 0.2; kill -9 $$";
+    let mut s = spec(script, 2);
+    s.grace = Duration::from_secs(5);
+    let out = launch_within(s, Arc::new(AtomicBool::new(false))).unwrap();
+    let Outcome::Failed(f) = out else { panic!("expected a failure, got {out:?}") };
+    assert_eq!((f.rank, f.code, f.signal), (0, 137, Some(9)), "{f}");
+    assert!(
+        f.to_string().contains(
+            "rank 0 was killed by signal 9 (SIGKILL) (exit code 137), not by the launcher"
+        ),
+        "{f}"
+    );
+}

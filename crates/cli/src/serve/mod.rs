@@ -156,6 +156,9 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
     let _ = shutdown_tx.send(());
     drop(inbox);
     bridge.close_all();
+    if result.is_err() {
+        crate::rank::abandon(leader);
+    }
     result.context("serving")?;
     Ok(())
 }

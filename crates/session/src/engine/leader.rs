@@ -67,7 +67,8 @@ impl Leader {
 
     /// Runs `requests` together in a session of `config`; when its model work ends (every
     /// request finished, or `max_steps`) `decider` says what follows. Consumes the process
-    /// groups: shut down together on success, dropped on failure.
+    /// groups: shut down together on success, dropped on failure. After a failure the failed
+    /// session's model is torn down when the leader is dropped, not before the error returns.
     ///
     /// # Errors
     /// This rank's own failure (model, sink, tokenizer, failpoint), a failure another rank
@@ -409,7 +410,7 @@ impl Leader {
         }
         let (epoch, steps) = (s.epoch, s.steps);
         let model = s.model.take();
-        self.core.cleanup_model(model);
+        self.core.retire_model(model, success);
         drop(std::mem::take(&mut s.text));
         if success {
             self.metrics.session_closed(epoch, steps);

@@ -16,25 +16,33 @@
 //!    idle ticks (one boundary per `tick`, so workers notice a dead rank 0; failpoint
 //!    `session.idle` on rank 0), `Stop` and
 //!    `Replace` close the session on every rank at the same boundary.
-//! 4. **Cleanup**, no collective, in this order: failpoint `session.cleanup`; rank 0 reports
-//!    the requests still scheduled as cancelled (success path only); every sequence's state
-//!    and then the model are dropped; rank 0 drops the tokenizer and tells the metrics sink;
-//!    the session is recorded as closed (exactly once, on success and failure alike).
+//! 4. **Cleanup**, no collective, in this order: rank 0 reports the requests still scheduled
+//!    as cancelled (success path only); every sequence's state is dropped, then the model
+//!    (failpoint `session.cleanup`; after a failure the model is kept until the engine is
+//!    dropped, see below); rank 0 drops the tokenizer and tells the metrics sink; the session
+//!    is recorded as closed (exactly once, on success and failure alike).
 //! 5. A replacement opens the next session (epoch + 1) at the next Open boundary, with the
 //!    same process groups; its generous deadline absorbs a slow cleanup on any rank.
 //!
 //! # Failure
 //!
 //! Model code runs under `catch_unwind`: a panic is this rank's error, never an unwinding
-//! across the rank boundary. A rank whose own part fails (init, prepare, step, sink) first
-//! wakes any peer waiting for it inside a TP/CP collective (its data groups report its
-//! failure), then contributes `failed` at the next control call it owes (the confirmation
-//! when preparing, else the next admission), skips everything else and returns its original
-//! error. Its peers raise [`Error::PeerFailed`] naming it; a peer whose own step failed only
-//! because of it ([`Error::caused_by_peer`]) contributes "failed after a peer", which names no
-//! origin, and then reports the origin too. A control-group failure (deadline, dead peer) is
-//! already known to every rank through the communicator. After any failure the process groups
-//! are dropped, which never blocks; after success they are shut down together
+//! across the rank boundary. A rank whose own part fails (init, prepare, step, sink) waits on
+//! nobody: it poisons its control group and then its data groups (each tells the peers
+//! without blocking: a peer waiting for it now, or at its next call, fails at once naming
+//! it), skips everything else and returns its original error. Its peers raise
+//! [`Error::PeerFailed`] naming it. A peer whose own step failed only because of it
+//! ([`Error::caused_by_peer`]: a TP/CP collective of the model was poisoned, or timed out on
+//! a dead or hung rank) poisons its data groups and contributes "failed after a peer" at the
+//! control call it owes (the confirmation when preparing, else the next admission); that call
+//! ends as soon as the origin's poison (or its death) is seen, so the peer reports the origin
+//! by its global rank. A control-group failure (deadline, dead peer) is already known to every
+//! rank through the communicator.
+//!
+//! After any failure the process groups are dropped, which never blocks, and the failed
+//! session's model is not torn down: it stays with the engine until the engine is dropped, so
+//! the error reaches the caller first. A process that exits on the error (the CLI's ranks do)
+//! leaves that teardown to the OS. After success the groups are shut down together
 //! ([`ParallelContext::shutdown`]).
 
 use crate::error::{BoxError, Error, Result};
@@ -251,6 +259,8 @@ struct Core {
     buf: Vec<u8>,
     /// The last decoded plan, whose buffers the next one reuses.
     recycled: Option<Message>,
+    /// The model of a session that failed, torn down when the engine is dropped.
+    failed_model: Option<Box<dyn StepModel>>,
 }
 
 /// Where a local failure is announced.
@@ -311,6 +321,7 @@ impl Core {
             stop: StopHandle::default(),
             buf: Vec::new(),
             recycled: None,
+            failed_model: None,
         }
     }
 
@@ -335,7 +346,7 @@ impl Core {
             protocol::encode(m, e, s, &mut self.buf);
         }
         let c = Contribution { state, epoch, step, message: msg.map(|_| &self.buf[..]) };
-        let agreed = self.agreement.admit(ctx.control.as_mut(), c)?;
+        let agreed = self.agreement.admit(ctx.control.as_mut(), c).map_err(told_by_peer)?;
         self.check(&agreed, "admission", epoch, step)?;
         if agreed.state != State::Go || rank == 0 {
             // Rank 0 knows its own message.
@@ -356,7 +367,7 @@ impl Core {
         let rank = self.rank;
         let ctx = self.ctx.as_mut().ok_or(Error::Finished { rank })?;
         let c = Contribution { state, epoch, step, message: None };
-        let agreed = self.agreement.confirm(ctx.control.as_mut(), c)?;
+        let agreed = self.agreement.confirm(ctx.control.as_mut(), c).map_err(told_by_peer)?;
         self.check(&agreed, "confirmation", epoch, step)?;
         Ok(agreed)
     }
@@ -366,20 +377,29 @@ impl Core {
         peer_failure(agreed, self.rank, op, epoch, step)
     }
 
-    /// After a local failure: tells the peers at the control call this rank owes (best
-    /// effort, within the step deadline), then returns the original error.
+    /// After a local failure: makes it known to the peers, then returns the original error.
+    ///
+    /// A rank that failed on its own (the origin) waits on nobody: it poisons every group it
+    /// belongs to, data and control, which tells each peer at once (one waiting for it now)
+    /// or at its next call ([`Error::PeerFailed`] naming this rank), and returns.
     ///
     /// A rank that failed only because a peer did (its model's data-group collective blamed
-    /// the peer) says so without claiming to be the origin, and then reports what the control
-    /// group tells it: the rank that failed on its own ([`Error::PeerFailed`]), or the
-    /// control group's own error naming a dead or hung rank by its global rank.
+    /// the peer) poisons its data groups, then asks the control group who the origin is, at
+    /// the control call it owes, contributing "failed after a peer": the call ends as soon as
+    /// the origin's poison or death is seen (at once when the origin poisoned the group before
+    /// its data groups, as it does), with the origin named by its global rank. When every
+    /// failing rank failed after a peer (a data-group collective timed out), the call meets
+    /// them all and this rank reports whom its own collective blamed.
     fn announce(&mut self, e: Error, owed: Owed, epoch: u64, step: u64) -> Error {
         if e.known_to_peers() {
             return e;
         }
+        if !e.caused_by_peer() {
+            self.poison_groups();
+            return e;
+        }
         self.poison_data_groups();
-        let follows = e.caused_by_peer();
-        let state = if follows { State::FailedAfterPeer } else { State::Failed };
+        let state = State::FailedAfterPeer;
         let timeout = self.opts.step_timeout;
         let told = match owed {
             Owed::Admission => self.boundary(state, epoch, step, None, timeout).map(|_| ()),
@@ -387,9 +407,8 @@ impl Core {
         };
         match told {
             // What it blamed says more than "no rank was the origin".
-            Err(Error::PeersFailed { .. }) => e,
-            Err(other) if follows => other,
-            _ => e,
+            Err(Error::PeersFailed { .. }) | Ok(()) => e,
+            Err(other) => other,
         }
     }
 
@@ -402,8 +421,23 @@ impl Core {
         }
     }
 
+    /// Tells every group this rank belongs to that it failed, control group first: a peer
+    /// that fails in a data group because of this rank then finds this rank's failure in the
+    /// control group already, and names it as the origin.
+    fn poison_groups(&mut self) {
+        if let Some(ctx) = self.ctx.as_mut() {
+            ctx.control.fail("this rank failed");
+        }
+        self.poison_data_groups();
+    }
+
     /// The exit path: coordinated shutdown after success, a non-blocking drop after failure.
     fn finish<T>(&mut self, result: Result<T>) -> Result<T> {
+        if result.as_ref().is_err_and(|e| !e.known_to_peers()) {
+            // A failure no peer knows of yet (one raised without an announcement, such as a
+            // malformed plan, or a follower's own error) is told the way an origin's is.
+            self.poison_groups();
+        }
         let Some(ctx) = self.ctx.take() else {
             return result.and(Err(Error::Finished { rank: self.rank }));
         };
@@ -487,18 +521,54 @@ impl Core {
         })
     }
 
-    /// The model's part of cleanup, shared by both roles.
-    fn cleanup_model(&mut self, model: Option<Box<dyn StepModel>>) {
-        // A delay here stands for a slow teardown (freeing device memory); cleanup cannot
-        // fail by design, so only the delay action has an effect.
-        let _ = mesh::failpoint::hit("session.cleanup");
-        drop(model);
+    /// The model's part of cleanup, shared by both roles: torn down now after success; after
+    /// a failure kept until the engine is dropped, so the error reaches the caller before any
+    /// teardown that can block (freeing device memory), and a process that exits on the error
+    /// leaves that to the OS.
+    fn retire_model(&mut self, model: Option<Box<dyn StepModel>>, success: bool) {
+        if success {
+            tear_down(model);
+        } else if model.is_some() {
+            self.failed_model = model;
+        }
     }
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        tear_down(self.failed_model.take());
+    }
+}
+
+/// Drops a session's model (failpoint `session.cleanup`).
+fn tear_down(model: Option<Box<dyn StepModel>>) {
+    if model.is_none() {
+        return;
+    }
+    // A delay here stands for a slow teardown (freeing device memory); cleanup cannot fail
+    // by design, so only the delay action has an effect.
+    let _ = mesh::failpoint::hit("session.cleanup");
+    drop(model);
 }
 
 mod gate;
 mod leader;
 mod worker;
+
+/// A control call that failed because a peer published its failure (it poisoned the control
+/// group) is that peer's failure, [`Error::PeerFailed`]: the control group holds every rank in
+/// order, so its group rank is its global rank.
+fn told_by_peer(e: Error) -> Error {
+    match e {
+        Error::Collective { op, rank, epoch, step, source } => match *source {
+            collectives::Error::PeerFailed { peer, .. } => {
+                Error::PeerFailed { op, rank, epoch, step, peer }
+            }
+            other => Error::Collective { op, rank, epoch, step, source: Box::new(other) },
+        },
+        other => other,
+    }
+}
 
 /// The error an agreement in the failed state is for `rank`: the rank that failed on its own
 /// when one did ([`Error::PeerFailed`]); [`Error::PeersFailed`] when every failing rank failed

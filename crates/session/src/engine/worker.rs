@@ -96,7 +96,7 @@ impl Worker {
                 Some(cfg) => self.session(epoch, &cfg, &mut model, &mut steps),
             };
             summary.steps += steps;
-            self.core.cleanup_model(model);
+            self.core.retire_model(model, ended.is_ok());
             self.core.events.push(Event::Closed { epoch, steps });
             match ended? {
                 None => return Ok(summary),
