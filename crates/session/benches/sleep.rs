@@ -15,7 +15,7 @@
 
 use layers::model::WeightForm;
 use layers::parallel::{LoadOptions, ParallelCache, ParallelModel, Placement};
-use session::memory::{ModelMemory, Restore, ShardOrigin};
+use session::model_memory::{ModelMemory, Restore, ShardOrigin};
 use session::sleep::transport::{tcp, CoordinatorLink, Incoming};
 use session::sleep::{
     listener, Action, ControlPlane, Coordinator, CoordinatorOptions, Idle, Message, NoMemory,

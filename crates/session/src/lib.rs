@@ -15,7 +15,7 @@
 mod blocks;
 mod engine;
 mod error;
-pub mod memory;
+pub mod model_memory;
 mod model;
 mod plan;
 #[cfg(not(feature = "bench-internals"))]

@@ -2,7 +2,7 @@
 //! loads the shard of its mesh coordinates and runs its collectives on the lent [`Groups`].
 
 use crate::error::BoxError;
-use crate::memory::{ModelMemory, ShardOrigin};
+use crate::model_memory::{ModelMemory, ShardOrigin};
 use crate::model::{Groups, KvLayout, ModelFactory, StepModel, StepOutput};
 use crate::plan::{PlanEntry, SeqId, SessionConfig, StepPlan};
 use crate::replicated::LlamaFactory;
@@ -191,7 +191,7 @@ impl ShardedFactory {
     }
 
     /// Keeps weights and KV caches in `memory`'s tagged allocations, so the deployment can
-    /// sleep ([`crate::memory`]).
+    /// sleep ([`crate::model_memory`]).
     pub fn with_memory(mut self, memory: ModelMemory) -> Self {
         self.memory = Some(memory);
         self

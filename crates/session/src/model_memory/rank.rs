@@ -1,0 +1,187 @@
+//! The control plane's view of a rank's model memory: [`ModelRankMemory`] releases and
+//! restores the host and device allocations of [`ModelMemory`] as the sleep protocol asks.
+
+use super::{ModelMemory, Restore};
+use crate::sleep::{MemoryError, Probe, RankMemory, Refusal, TagReceipt, VmmMemory};
+use layers::kernels::Backend;
+use std::sync::{Mutex, PoisonError};
+
+/// The control plane's view of one rank's model memory ([`RankMemory`]): the tagged host
+/// allocations and, on a GPU, the device ones, with NVML's reading of the device in the probes.
+/// A sleep of `weights` also clears the CUDA backend's weight cache, so the device copies are
+/// written again (from the restored host weights) at their next use.
+pub struct ModelRankMemory {
+    host: VmmMemory,
+    device: Option<VmmMemory>,
+    backend: Backend,
+    memory: ModelMemory,
+    /// Per tag, how its latest sleep left its contents to come back (for the wakeup's
+    /// receipt).
+    pending: Mutex<std::collections::BTreeMap<String, Restore>>,
+}
+
+impl std::fmt::Debug for ModelRankMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelRankMemory")
+            .field("host", &self.host)
+            .field("device", &self.device)
+            .field("backend", &self.backend.device())
+            .finish()
+    }
+}
+
+impl ModelRankMemory {
+    /// The memory of `memory`'s allocations, for a model computing on `backend`.
+    pub fn new(memory: &ModelMemory, backend: Backend) -> ModelRankMemory {
+        let manager = memory.manager().clone();
+        let (host, device) = match backend.device() {
+            layers::Device::Cuda(ordinal) => {
+                let index = nvml_index(ordinal);
+                (
+                    VmmMemory::with_device(manager, index),
+                    memory.device_for(&backend).map(|m| VmmMemory::new(m.clone(), Some(index))),
+                )
+            }
+            _ => (VmmMemory::new(manager, None), None),
+        };
+        ModelRankMemory { host, device, backend, memory: memory.clone(), pending: Mutex::default() }
+    }
+
+    fn pending(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<String, Restore>> {
+        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// NVML's index of the GPU that CUDA calls `ordinal` (see [`vmm::nvml_device_of_cuda_ordinal`]),
+/// or the ordinal itself when NVML cannot say.
+pub(super) fn nvml_index(ordinal: usize) -> u32 {
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let fallback = u32::try_from(ordinal).unwrap_or(u32::MAX);
+    let Some(device) = vmm::nvml_device_of_cuda_ordinal(ordinal, visible.as_deref()) else {
+        return fallback;
+    };
+    match &device {
+        vmm::NvmlDevice::Index(index) => *index,
+        vmm::NvmlDevice::Uuid(_) => {
+            vmm::NvmlMemory::new().and_then(|nvml| nvml.index_of(&device)).unwrap_or(fallback)
+        }
+    }
+}
+
+/// `more` added into `into`, tag by tag (both list the same tags, in the same order).
+pub(super) fn merge(into: &mut [TagReceipt], more: Vec<TagReceipt>) {
+    for m in more {
+        if let Some(t) = into.iter_mut().find(|t| t.tag == m.tag) {
+            t.allocations += m.allocations;
+            t.bytes += m.bytes;
+            t.device_bytes += m.device_bytes;
+            t.copied_bytes += m.copied_bytes;
+            t.elapsed_us += m.elapsed_us;
+        }
+    }
+}
+
+impl RankMemory for ModelRankMemory {
+    fn check(&self, tags: &[String]) -> Result<(), Refusal> {
+        self.host.check(tags)
+    }
+
+    fn release(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
+        self.release_at(tags, None)
+    }
+
+    fn release_at(
+        &self,
+        tags: &[String],
+        level: Option<u8>,
+    ) -> Result<Vec<TagReceipt>, MemoryError> {
+        if let Backend::Cuda(gpu) = &self.backend {
+            if tags.iter().any(|t| t == vmm::Tag::WEIGHTS.as_str()) {
+                gpu.clear_weight_cache();
+            } else {
+                // The step temporaries the driver's pool keeps go back to the device too.
+                gpu.trim_pool();
+            }
+        }
+        let backups: Vec<(vmm::Tag, vmm::BackupStore)> = match level {
+            Some(1) => self
+                .memory
+                .level_one
+                .iter()
+                .map(|t| (t.clone(), vmm::BackupStore::Default))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let mut receipts = self.host.release_with(tags, &backups)?;
+        if let Some(device) = &self.device {
+            // The host memory is released already: the caller undoes both.
+            let more = device.release(tags).map_err(|e| MemoryError { changed: true, ..e })?;
+            merge(&mut receipts, more);
+        }
+        let mut pending = self.pending();
+        for r in &mut receipts {
+            let backed_up = backups.iter().any(|(t, _)| t.as_str() == r.tag);
+            let restore =
+                if backed_up { Some(Restore::Backup) } else { self.memory.restore_of(&r.tag) };
+            if let Some(restore) = restore {
+                r.restore = restore.name().to_owned();
+                pending.insert(r.tag.clone(), restore);
+            }
+        }
+        Ok(receipts)
+    }
+
+    fn materialize(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
+        let mut receipts = self.host.materialize(tags)?;
+        if let Some(device) = &self.device {
+            let more = device.materialize(tags).map_err(|e| MemoryError { changed: true, ..e })?;
+            merge(&mut receipts, more);
+        }
+        let mut pending = self.pending();
+        for r in &mut receipts {
+            let restore = pending.remove(&r.tag).or_else(|| self.memory.restore_of(&r.tag));
+            r.restore = restore.map(|x| x.name().to_owned()).unwrap_or_default();
+        }
+        Ok(receipts)
+    }
+
+    fn prepare_update(&self, model: &str) -> Result<(), Refusal> {
+        self.memory.prepare_update(model)
+    }
+
+    fn update(&self) -> Result<Vec<TagReceipt>, MemoryError> {
+        let written = self.memory.update()?;
+        Ok(vec![self.weights_written(written)])
+    }
+
+    fn revert(&self) -> Result<Vec<TagReceipt>, MemoryError> {
+        let written = self.memory.revert()?;
+        Ok(vec![self.weights_written(written)])
+    }
+
+    fn drop_update(&self) {
+        self.memory.drop_update();
+    }
+
+    fn probe(&self) -> Probe {
+        self.host.probe()
+    }
+}
+
+impl ModelRankMemory {
+    /// The receipt of weights replaced in place: `written` bytes copied (none while asleep);
+    /// the GPU's copies of the old ones are dropped.
+    fn weights_written(&self, written: u64) -> TagReceipt {
+        if let Backend::Cuda(gpu) = &self.backend {
+            gpu.clear_weight_cache();
+        }
+        TagReceipt {
+            tag: vmm::Tag::WEIGHTS.as_str().to_owned(),
+            allocations: usize::from(written > 0),
+            bytes: written,
+            copied_bytes: written,
+            restore: "reload".into(),
+            ..TagReceipt::default()
+        }
+    }
+}
