@@ -7,6 +7,7 @@ pub mod catalog;
 pub mod config;
 pub mod control;
 pub mod doctor;
+pub mod exit;
 pub mod launcher;
 pub mod output;
 pub mod progress;

@@ -398,7 +398,7 @@ fn main() -> ExitCode {
         Command::Stop(target) => control_command(&target, &control::Request::Stop),
         Command::Rank => match tpctl::rank::run() {
             Ok(()) => Ok(0),
-            Err(e) => tpctl::rank::exit_failed(&e, None),
+            Err(e) => tpctl::exit::exit_failed(&e, None),
         },
     };
     match result {

@@ -121,7 +121,7 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
     .with_gate(rank0.gate)
     .with_stop(rank0.stop);
     let stop = leader.stop_handle();
-    crate::rank::stop_on_signal(stop.clone());
+    crate::exit::stop_on_signal(stop.clone());
     let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
     let server_stop = stop.clone();
     std::thread::Builder::new()
@@ -157,7 +157,7 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
     drop(inbox);
     bridge.close_all();
     if result.is_err() {
-        crate::rank::abandon(leader);
+        crate::exit::abandon(leader);
     }
     result.context("serving")?;
     Ok(())

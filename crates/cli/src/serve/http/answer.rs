@@ -5,7 +5,7 @@
 use super::super::bridge::{Event, Events};
 use super::super::logprobs::Scored;
 use super::super::tools::{ToolFormat, ToolText};
-use super::request::{parse, ChatBody, CompletionBody, Job};
+use super::request::{parse, ChatBody, CompletionBody, Job, Kind};
 use super::{unix_now, Api, ApiError, DEFAULT_COMPLETION_TOKENS};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -31,22 +31,6 @@ pub(super) fn finish_name(reason: FinishReason) -> &'static str {
 
 pub(super) fn usage(prompt: usize, completion: usize) -> Value {
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
-}
-
-/// Which endpoint a response is for: the shape of its objects.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Kind {
-    Completion,
-    Chat,
-}
-
-impl Kind {
-    pub(super) fn id(self, n: u64) -> String {
-        match self {
-            Kind::Completion => format!("cmpl-{n}"),
-            Kind::Chat => format!("chatcmpl-{n}"),
-        }
-    }
 }
 
 pub(super) async fn completions(

@@ -2,7 +2,6 @@
 //! the prompts (text, token ids, chat messages through the template) and the [`Job`] the
 //! engine gets, every failure a 4xx naming the field.
 
-use super::answer::Kind;
 use super::{Api, ApiError, MAX_CHOICES};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -11,6 +10,22 @@ use serde::Deserialize;
 use serde_json::Value;
 use session::SamplingParams;
 use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Which endpoint a request came to: the shape of its answer's objects.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    Completion,
+    Chat,
+}
+
+impl Kind {
+    pub(super) fn id(self, n: u64) -> String {
+        match self {
+            Kind::Completion => format!("cmpl-{n}"),
+            Kind::Chat => format!("chatcmpl-{n}"),
+        }
+    }
+}
 
 /// Sampling fields shared by both generation endpoints.
 #[derive(Debug, Default, Deserialize)]

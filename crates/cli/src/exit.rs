@@ -1,0 +1,56 @@
+//! How a rank process leaves: at a signal (the engine stops at its next step boundary, on
+//! every rank) or on a failure (its error at once, then the process exits without teardown).
+//! Shared by the rank entry point ([`crate::rank`]) and rank 0's HTTP server ([`crate::serve`]).
+
+use session::Leader;
+use std::io::Write;
+
+/// The exit code of a rank whose failure follows another rank's (the launcher reports the
+/// original failure instead).
+pub const EXIT_PEER_FAILED: i32 = 3;
+
+/// Whether `e` is only the consequence of another rank's failure.
+pub fn caused_by_peer(e: &anyhow::Error) -> bool {
+    let blames_peer = |ce: &collectives::Error| {
+        matches!(
+            ce,
+            collectives::Error::PeerFailed { .. }
+                | collectives::Error::PeerDied { .. }
+                | collectives::Error::PeerClosed { .. }
+                | collectives::Error::Poisoned { .. }
+        )
+    };
+    e.chain().any(|c| {
+        c.downcast_ref::<session::Error>()
+            .is_some_and(|s| s.caused_by_peer() || matches!(s, session::Error::PeerFailed { .. }))
+            || c.downcast_ref::<collectives::Error>().is_some_and(blames_peer)
+            || matches!(c.downcast_ref::<layers::Error>(), Some(layers::Error::Collective(ce)) if blames_peer(ce))
+    })
+}
+
+/// Ends a failed rank at once: rank 0's output so far, then the error on standard error (the
+/// engine's errors name the rank, epoch and step), then the control socket goes and the
+/// process exits with 1, or [`EXIT_PEER_FAILED`] when the failure follows another rank's.
+/// Nothing else is torn down (the failed session's model, device memory, the groups' buffers:
+/// the OS frees them), so the launcher sees the original error before it decides whom to stop.
+pub fn exit_failed(e: &anyhow::Error, control: Option<crate::control::Server>) -> ! {
+    let code = if caused_by_peer(e) { EXIT_PEER_FAILED } else { 1 };
+    let _ = std::io::stdout().flush();
+    eprintln!("error: {}", crate::output::describe(e));
+    drop(control);
+    std::process::exit(code)
+}
+
+/// Leaves a failed engine to the process's exit: after a failure it still holds the failed
+/// session's model ([`Leader::run`]), whose teardown can block, and the rank is about to exit
+/// on the error ([`exit_failed`]) with the OS freeing what it held.
+pub(crate) fn abandon(leader: Leader) {
+    std::mem::forget(leader);
+}
+
+/// SIGINT or SIGTERM (forwarded by the launcher) stops the engine at the next step boundary.
+pub(crate) fn stop_on_signal(stop: session::StopHandle) {
+    if let Err(e) = ctrlc::set_handler(move || stop.request_stop()) {
+        tracing::warn!("cannot install the stop handler: {e}");
+    }
+}
