@@ -1,5 +1,5 @@
-//! Helpers for multi-process tests: launch a world of rank processes with the torchrun
-//! environment, and collect what each printed, with a deadline on every wait.
+//! Helpers for multi-process tests and benchmarks: launch a world of rank processes with the
+//! torchrun environment, and collect what each printed, with a deadline on every wait.
 #![forbid(unsafe_code)]
 
 use std::process::{Child, Command, Stdio};
@@ -58,6 +58,35 @@ pub fn launch(
         eprintln!("note: port {port} was taken before rank 0 could listen on it; starting again");
     }
     launch_on(free_port(), program, world, &env, deadline)
+}
+
+/// Starts `world` copies of the running program as the ranks of one job (a benchmark that is
+/// its own launcher), with `env` added, through [`launch`]; returns rank 0's standard output
+/// lines once every rank succeeded. `what` names the configuration in a failure.
+///
+/// # Panics
+/// When a rank fails (its standard error is in the message) or is still running at
+/// `deadline`.
+pub fn launch_self(
+    what: &str,
+    world: usize,
+    env: &[(&str, String)],
+    deadline: Duration,
+) -> Vec<String> {
+    let exe = std::env::current_exe().expect("the path of the running program");
+    let env: Vec<(String, String)> =
+        env.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect();
+    let outs = launch(&exe.to_string_lossy(), world, |_| env.clone(), deadline);
+    for o in &outs {
+        assert!(
+            o.code == Some(0),
+            "rank {} of {what} x{world} failed ({:?}):\n{}",
+            o.rank,
+            o.code,
+            o.stderr
+        );
+    }
+    outs[0].stdout.lines().map(str::to_owned).collect()
 }
 
 /// Starts of a world whose rendezvous port another process took in the meantime.

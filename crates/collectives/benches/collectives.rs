@@ -7,7 +7,6 @@
 
 use collectives::{init_parallel, Collective, Communicator, InitOptions, ReduceOp};
 use mesh::{AxisBackends, CommBackend};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Message sizes in bytes (the OpenMPI anchor uses the same ones).
@@ -65,37 +64,11 @@ fn print_row(json: &str) {
     );
 }
 
-/// Starts `world` ranks on `backend` and returns rank 0's result lines.
+/// Starts `world` ranks on `backend` (the tests' launcher, with its port retry) and returns
+/// rank 0's result lines.
 fn launch(backend: &str, world: usize) -> Vec<String> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
-    let exe = std::env::current_exe().expect("own path");
-    let children: Vec<_> = (0..world)
-        .map(|rank| {
-            Command::new(&exe)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("TPCTL_BENCH_BACKEND", backend)
-                .stdout(Stdio::piped())
-                .spawn()
-                .expect("start a rank")
-        })
-        .collect();
-    let mut lines = Vec::new();
-    for (rank, child) in children.into_iter().enumerate() {
-        let out = child.wait_with_output().expect("rank output");
-        assert!(out.status.success(), "rank {rank} of {backend} x{world} failed: {}", out.status);
-        if rank == 0 {
-            lines.extend(String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned));
-        }
-    }
-    lines
+    let env = [("TPCTL_BENCH_BACKEND", backend.to_owned())];
+    tpctl_tests::launch_self(backend, world, &env, Duration::from_secs(30 * 60))
 }
 
 fn iterations(bytes: usize) -> usize {
