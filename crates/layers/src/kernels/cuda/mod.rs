@@ -3,7 +3,7 @@
 //!
 //! Without feature `cuda` this module is a stub: [`CudaBackend::new`] returns
 //! [`crate::Error::NotCompiledWith`] and no value of the type can exist, so the dispatch in
-//! [`super::Backend`] carries no `#[cfg]`. With it, the real backend (`device.rs`, with the CUDA
+//! [`super::Backend`] carries no `#[cfg]`. With it, the real backend (`device/`, with the CUDA
 //! C source in `kernels.cu`) loads the CUDA libraries at run time and reports
 //! [`crate::Error::BackendUnavailable`] with the reason when it cannot run.
 

@@ -1,0 +1,180 @@
+//! Tensors and device buffers: a backend's outputs ([`DeviceBuf`]), the device address of an
+//! input (read in place or uploaded), buffers written in place, and host copies.
+
+use super::{CudaBackend, Inner, OrUnavailable};
+use crate::error::{Error, Result};
+use crate::tensor::{DeviceData, Tensor};
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
+use mesh::DeviceMemory;
+use std::fmt;
+use std::sync::Arc;
+
+/// A device address for a kernel, with the upload behind it (if any) kept alive.
+pub(super) struct Input {
+    pub(super) ptr: u64,
+    _staged: Option<CudaSlice<f32>>,
+}
+
+/// An output of a [`CudaBackend`]: its buffer and the backend whose stream writes it.
+struct DeviceBuf {
+    buf: CudaSlice<f32>,
+    owner: Arc<Inner>,
+}
+
+impl fmt::Debug for DeviceBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceBuf")
+            .field("ordinal", &self.owner.ordinal)
+            .field("len", &self.buf.len())
+            .finish()
+    }
+}
+
+impl DeviceData for DeviceBuf {
+    fn device(&self) -> crate::tensor::Device {
+        crate::tensor::Device::Cuda(self.owner.ordinal)
+    }
+
+    fn byte_len(&self) -> usize {
+        4 * self.buf.len()
+    }
+
+    fn download(&self, out: &mut [u8]) -> std::result::Result<(), String> {
+        let stream = &self.owner.stream;
+        stream.context().bind_to_thread().map_err(|e| e.to_string())?;
+        let (src, _record) = self.buf.device_ptr(stream);
+        let n = out.len().min(self.byte_len());
+        // SAFETY: `src` holds byte_len bytes of this stream's device; `out` is a live host
+        // slice, and the stream is synchronized before it is returned to the caller.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(&mut out[..n], src, stream.cu_stream())
+        }
+        .map_err(|e| e.to_string())?;
+        self.owner.sync("copying a tensor to the host").map_err(|e| e.to_string())
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl CudaBackend {
+    /// A device copy of `host`.
+    pub(super) fn upload<T: DeviceRepr>(&self, op: &str, host: &[T]) -> Result<CudaSlice<T>> {
+        self.stream().clone_htod(host).or_unavailable(|| format!("{op}: copying to the device"))
+    }
+
+    /// A device buffer of `len` zeros.
+    pub(super) fn zeros(&self, op: &str, len: usize) -> Result<CudaSlice<f32>> {
+        self.stream().alloc_zeros(len).or_unavailable(|| format!("{op}: allocating {len} floats"))
+    }
+
+    /// A device buffer of `len` floats for an output that the next kernel or cuBLAS call
+    /// writes whole: no memset (one launch fewer per op). Its contents are unspecified until
+    /// then; every caller says in its SAFETY note why each element is written.
+    pub(super) fn output_buf(&self, op: &str, len: usize) -> Result<CudaSlice<f32>> {
+        // SAFETY: an unwritten device buffer is never read on the host: it is handed only to
+        // the launch that writes it (each caller), in stream order before any read.
+        unsafe { self.stream().alloc::<f32>(len) }
+            .or_unavailable(|| format!("{op}: allocating {len} floats"))
+    }
+
+    /// Copies `dev` into `host` (same length) and waits for the stream.
+    pub(super) fn download<T: DeviceRepr>(
+        &self,
+        op: &str,
+        dev: &CudaSlice<T>,
+        host: &mut [T],
+    ) -> Result<()> {
+        let stream = self.stream();
+        stream.memcpy_dtoh(dev, host).or_unavailable(|| format!("{op}: copying to the host"))?;
+        self.inner.sync(op)
+    }
+
+    /// The device address of `s`, for raw calls on the backend's stream. The slice must
+    /// outlive the work queued with the address; dropping it is enough, as a slice is freed in
+    /// stream order, after the work queued before.
+    pub(super) fn addr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        s.device_ptr(self.stream()).0
+    }
+
+    /// The address of memory someone else owns, checked to be of this backend's device (what
+    /// [`DeviceMemory`] promises beyond that is its implementation's contract).
+    pub(super) fn owned_addr(&self, op: &str, mem: &dyn DeviceMemory) -> Result<u64> {
+        let want = mesh::Device::Cuda(self.inner.ordinal);
+        if mem.device() != want {
+            return Err(Error::WrongDevice { op: op.to_owned(), got: mem.device(), want });
+        }
+        Ok(mem.device_ptr())
+    }
+
+    /// Copies `src` to device address `dst` and waits for the copy.
+    ///
+    /// # Safety
+    /// `dst..dst + 4·src.len()` is device memory of this backend's context that nothing else
+    /// uses while the copy runs.
+    pub(super) unsafe fn copy_to_addr<T: DeviceRepr>(
+        &self,
+        op: &str,
+        dst: u64,
+        src: &[T],
+    ) -> Result<()> {
+        self.bind(op)?;
+        let stream = self.stream();
+        // SAFETY: the caller vouches for the destination; `src` is a live host slice and the
+        // stream is synchronized before it can be dropped.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, stream.cu_stream()) }
+            .or_unavailable(|| format!("{op}: copying {} values to the device", src.len()))?;
+        self.inner.sync(op)
+    }
+
+    /// The device address of `t`'s elements for a kernel to read: its own device buffer when
+    /// it is this backend's output (read in place), else a copy uploaded for the call (device
+    /// data of another backend goes through the host). The returned [`Input`] keeps an upload
+    /// alive; the caller keeps `t` borrowed while queuing the work.
+    pub(super) fn input(&self, op: &str, t: &Tensor) -> Result<Input> {
+        if let Some(buf) = self.own(t.storage().device_data()) {
+            return Ok(Input { ptr: self.addr(buf), _staged: None });
+        }
+        let staged = self.upload(op, t.data())?;
+        Ok(Input { ptr: self.addr(&staged), _staged: Some(staged) })
+    }
+
+    /// `data`'s buffer when it is an output of this backend (same stream, so no ordering to add).
+    pub(super) fn own<'a>(
+        &self,
+        data: Option<&'a Arc<dyn DeviceData>>,
+    ) -> Option<&'a CudaSlice<f32>> {
+        let buf = data?.as_any().downcast_ref::<DeviceBuf>()?;
+        Arc::ptr_eq(&buf.owner, &self.inner).then_some(&buf.buf)
+    }
+
+    /// The device address of `t`'s elements for a kernel to overwrite in place: its own buffer
+    /// when it is this backend's output and no clone shares it, else a fresh device copy that
+    /// becomes `t`'s data. Either way `t` is device data whose host copy is gone.
+    pub(super) fn writable(&self, op: &str, t: &mut Tensor) -> Result<u64> {
+        if let Some(buf) = self.own(t.storage_mut().device_data_for_write()) {
+            return Ok(self.addr(buf));
+        }
+        let buf = match self.own(t.storage().device_data()) {
+            Some(shared) => self
+                .stream()
+                .clone_dtod(shared)
+                .or_unavailable(|| format!("{op}: copying on the device"))?,
+            None => self.upload(op, t.data())?,
+        };
+        let ptr = self.addr(&buf);
+        t.set_device_data(self.wrap(buf))?;
+        Ok(ptr)
+    }
+
+    /// `buf` as tensor data that stays on the device until the host reads it.
+    fn wrap(&self, buf: CudaSlice<f32>) -> Arc<dyn DeviceData> {
+        Arc::new(DeviceBuf { buf, owner: self.inner.clone() })
+    }
+
+    /// A tensor of `shape` over the output `buf`.
+    pub(super) fn output(&self, shape: &[usize], buf: CudaSlice<f32>) -> Result<Tensor> {
+        Tensor::from_device(shape, self.wrap(buf))
+    }
+}

@@ -1,0 +1,284 @@
+//! What the backend keeps on the device between calls: weight matrices and model vectors
+//! (keyed by their host buffer, checked by a fingerprint, dequantized on upload) and the
+//! small position and block-table arrays that every layer of a step repeats.
+
+use super::{elementwise, CudaBackend, OrUnavailable};
+use crate::error::Result;
+use crate::kernels::cpu::qmatrix::QBits;
+use crate::kernels::{GemmDtype, Weight};
+use crate::memory::{alloc_device_exact, DeviceArena};
+use cudarc::driver::{CudaSlice, DeviceRepr, PushKernelArg};
+use mesh::DeviceMemory;
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex};
+
+/// Where a cached weight came from (the address and length of its first host buffer) and the
+/// element type of its device copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) struct WeightKey {
+    addr: usize,
+    len: usize,
+    dtype: GemmDtype,
+}
+
+/// The device memory of one cached weight: dense, row-major, in its key's dtype.
+pub(super) enum Slot {
+    /// From the driver's memory pool; freed when the weight leaves the cache.
+    Pool(CudaSlice<u8>),
+    /// A region of the weight arena; kept (and written again) when the weight is cleared.
+    Arena(Box<dyn DeviceMemory>),
+}
+
+impl Slot {
+    fn bytes(&self) -> usize {
+        match self {
+            Slot::Pool(s) => s.len(),
+            Slot::Arena(m) => m.size(),
+        }
+    }
+}
+
+pub(super) struct CachedWeight {
+    fingerprint: u64,
+    /// Whether the slot holds the weight's values (false after a clear kept an arena slot).
+    fresh: bool,
+    slot: Arc<Slot>,
+}
+
+/// A hash of the length and 64 evenly spaced 32-bit words of each of `parts` (all of them when
+/// shorter): cheap enough for every call, and enough to notice a different weight at a reused
+/// address.
+fn fingerprint(parts: &[&[u8]]) -> u64 {
+    const SAMPLES: usize = 64;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for p in parts {
+        p.len().hash(&mut h);
+        let words = p.len() / 4;
+        let step = words.div_ceil(SAMPLES).max(1);
+        for w in (0..words).step_by(step) {
+            p[4 * w..4 * w + 4].hash(&mut h);
+        }
+        p[4 * words..].hash(&mut h);
+    }
+    h.finish()
+}
+
+/// The weight cache and where its slots come from.
+#[derive(Default)]
+pub(super) struct WeightCache {
+    pub(super) entries: HashMap<WeightKey, CachedWeight>,
+    arena: Option<Arc<dyn DeviceArena>>,
+}
+
+/// Small host arrays and their device copies, most recently used last.
+pub(super) type Recent<T> = Vec<(Vec<T>, Arc<CudaSlice<T>>)>;
+
+/// Arrays of each kind kept on the device: a step's query positions and its keys' positions
+/// (the same in every layer), or its block tables (one per sequence, the same in every layer),
+/// with room for a CP rank's two views.
+const RECENT_UPLOADS: usize = 4;
+
+impl CudaBackend {
+    /// Keeps the device copies of weights (and norm vectors) in memory from `arena` from now on:
+    /// one region of exactly the copy's size per weight, never returned. The weights cached so
+    /// far are dropped and uploaded there at their next use.
+    pub fn keep_weights_in(&self, arena: Arc<dyn DeviceArena>) {
+        let mut cache = self.cache();
+        cache.entries.clear();
+        cache.arena = Some(arena);
+        drop(cache);
+        self.wait_for_frees();
+    }
+
+    /// Forgets the device values of every cached weight: the next use of a weight uploads it
+    /// again. Needed after weights change in place, and when the arena's memory was unmapped
+    /// (a sleep); weights that move to new host buffers are uploaded again anyway.
+    ///
+    /// Copies in pool memory are freed, on the backend's stream, into the driver's memory
+    /// pool, which is then trimmed ([`CudaBackend::trim_pool`]) so a sleep's NVML reading
+    /// sees the memory free. Copies in arena memory keep their regions (the arena's owner
+    /// releases those).
+    pub fn clear_weight_cache(&self) {
+        let mut cache = self.cache();
+        cache.entries.retain(|_, w| matches!(*w.slot, Slot::Arena(_)));
+        cache.entries.values_mut().for_each(|w| w.fresh = false);
+        drop(cache);
+        self.trim_pool();
+    }
+
+    /// Device bytes held by cached weights (arena regions included).
+    pub fn cached_weight_bytes(&self) -> usize {
+        self.cache().entries.values().map(|w| w.slot.bytes()).sum()
+    }
+
+    pub(super) fn cache(&self) -> std::sync::MutexGuard<'_, WeightCache> {
+        // The map stays consistent even if a holder panicked: entries are inserted whole.
+        self.inner.weights.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The device address of a weight slot; see [`CudaBackend::addr`].
+    pub(super) fn slot_addr(&self, slot: &Slot) -> u64 {
+        match slot {
+            Slot::Pool(s) => self.addr(s),
+            Slot::Arena(m) => m.device_ptr(),
+        }
+    }
+
+    /// The device copy of `w` as dense `[rows, cols]` in `dtype`, uploading (and dequantizing)
+    /// it on first use, or again after a clear.
+    pub(super) fn weight(&self, op: &str, w: &Weight, dtype: GemmDtype) -> Result<Arc<Slot>> {
+        let (addr, len, print) = match w {
+            Weight::F32(t) => {
+                let bytes: &[u8] = bytemuck::cast_slice(t.data());
+                (bytes.as_ptr() as usize, bytes.len(), fingerprint(&[bytes]))
+            }
+            Weight::Quant(q) => {
+                let (scales, mins, qs) = q.parts();
+                let parts: [&[u8]; 3] =
+                    [bytemuck::cast_slice(scales), bytemuck::cast_slice(mins), qs];
+                (qs.as_ptr() as usize, qs.len(), fingerprint(&parts))
+            }
+        };
+        let (rows, cols) = w.dims();
+        let n = rows * cols;
+        self.cached(op, WeightKey { addr, len, dtype }, print, n, |dst| match (dtype, w) {
+            // SAFETY: the slot holds at least n floats of this device and is used by no one
+            // else while the cache's lock is held.
+            (GemmDtype::F32, Weight::F32(t)) => unsafe { self.copy_to_addr(op, dst, t.data()) },
+            (GemmDtype::F32, Weight::Quant(q)) => self.dequantize(op, q, dst),
+            (half, _) => {
+                // Dense f32 first, then rounded into the slot.
+                let dense = match w {
+                    Weight::F32(t) => self.upload(op, t.data())?,
+                    Weight::Quant(q) => {
+                        let out = self.zeros(op, n.max(1))?;
+                        self.dequantize(op, q, self.addr(&out))?;
+                        out
+                    }
+                };
+                self.round_to(op, half, self.addr(&dense), dst, n)?;
+                // `dense` is freed on return: wait until the rounding has read it.
+                self.inner.sync(op)
+            }
+        })
+    }
+
+    /// The device copy of a small f32 vector of the model (a norm's weight), cached like the
+    /// weight matrices.
+    pub(super) fn vector(&self, op: &str, v: &[f32]) -> Result<Arc<Slot>> {
+        let bytes: &[u8] = bytemuck::cast_slice(v);
+        let key =
+            WeightKey { addr: bytes.as_ptr() as usize, len: bytes.len(), dtype: GemmDtype::F32 };
+        // SAFETY: as in `weight`: the slot holds at least v.len() floats and is this call's.
+        self.cached(op, key, fingerprint(&[bytes]), v.len(), |dst| unsafe {
+            self.copy_to_addr(op, dst, v)
+        })
+    }
+
+    /// The cache entry of `key` when it is current (fingerprint `print`, not cleared since),
+    /// else a slot of `elements` values of the key's dtype filled by `fill` (given its device
+    /// address): the entry's old slot when it has that size, so a weight keeps its address.
+    fn cached(
+        &self,
+        op: &str,
+        key: WeightKey,
+        print: u64,
+        elements: usize,
+        fill: impl FnOnce(u64) -> Result<()>,
+    ) -> Result<Arc<Slot>> {
+        // Held through the upload, so two threads never upload the same weight twice.
+        let mut cache = self.cache();
+        if let Some(hit) = cache.entries.get(&key).filter(|c| c.fresh && c.fingerprint == print) {
+            return Ok(hit.slot.clone());
+        }
+        let bytes = elements.max(1) * key.dtype.size();
+        let slot = match cache.entries.remove(&key) {
+            Some(old) if old.slot.bytes() == bytes => old.slot,
+            _ => Arc::new(match &cache.arena {
+                Some(arena) => {
+                    let memory = alloc_device_exact(arena.as_ref(), bytes)?;
+                    self.owned_addr(op, memory.as_ref())?;
+                    Slot::Arena(memory)
+                }
+                None => Slot::Pool(
+                    self.stream()
+                        .alloc_zeros::<u8>(bytes)
+                        .or_unavailable(|| format!("{op}: allocating {bytes} bytes"))?,
+                ),
+            }),
+        };
+        fill(self.slot_addr(&slot))?;
+        cache
+            .entries
+            .insert(key, CachedWeight { fingerprint: print, fresh: true, slot: slot.clone() });
+        Ok(slot)
+    }
+
+    /// Uploads a quantized matrix and expands it to f32 on the device at address `out`, which
+    /// holds at least rows·cols floats.
+    fn dequantize(&self, op: &str, q: &crate::kernels::QMatrix, out: u64) -> Result<()> {
+        let (rows, cols) = q.dims();
+        let n = rows * cols;
+        if n == 0 {
+            return Ok(());
+        }
+        let (scales, mins, qs) = q.parts();
+        let kind: i32 = match q.bits() {
+            QBits::Eight => 0,
+            QBits::Four => 1,
+            QBits::Eight16 if q.parts().1.is_empty() => 2,
+            QBits::Eight16 => 3,
+        };
+        let scales = self.upload(op, scales)?;
+        // 8-bit weights have no minimums (nor may `Eight16` ones); the kernel then never reads
+        // them, but needs a pointer.
+        let mins = if mins.is_empty() { self.zeros(op, 1)? } else { self.upload(op, mins)? };
+        let qs = self.upload(op, qs)?;
+        let n64 = n as u64;
+        let cfg = elementwise(op, n)?;
+        let mut b = self.stream().launch_builder(&self.inner.k.dequantize);
+        b.arg(&scales).arg(&mins).arg(&qs).arg(&out).arg(&n64).arg(&kind);
+        // SAFETY: the arguments match `dequantize(const float*, const float*, const unsigned
+        // char*, float*, u64, int)`. For n = rows·cols elements it reads n/32 scales (n/16 for
+        // kinds 2 and 3), as many minimums (kinds 1 and 3 only), n (8-bit) or n/2 (4-bit)
+        // quant bytes, and writes n floats:
+        // exactly the lengths of the buffers uploaded from a well-formed `QMatrix`, and at
+        // most what `out` holds (the caller's promise).
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{op}: launching dequantize"))?;
+        // The uploaded parts are freed on return: wait until the kernel has read them.
+        self.inner.sync(op)
+    }
+
+    /// `positions` as u64 on the device. Every layer of a step passes the same query and key
+    /// positions, so the last few arrays are kept and a repeat is not uploaded again (checked
+    /// by value: the host comparison costs far less than a copy and its synchronization).
+    pub(super) fn positions(&self, op: &str, positions: &[usize]) -> Result<Arc<CudaSlice<u64>>> {
+        let wanted: Vec<u64> = positions.iter().map(|&p| p as u64).collect();
+        self.recent(op, &self.inner.positions, wanted)
+    }
+
+    /// The device copy of `wanted` from `cache` when it holds the same values, else a new
+    /// upload, kept there in place of the least recently used one.
+    pub(super) fn recent<T: DeviceRepr + PartialEq>(
+        &self,
+        op: &str,
+        cache: &Mutex<Recent<T>>,
+        wanted: Vec<T>,
+    ) -> Result<Arc<CudaSlice<T>>> {
+        let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = cache.iter().position(|(p, _)| *p == wanted) {
+            let hit = cache.remove(i);
+            let dev = hit.1.clone();
+            cache.push(hit);
+            return Ok(dev);
+        }
+        let dev = Arc::new(self.upload(op, &wanted)?);
+        if cache.len() == RECENT_UPLOADS {
+            // Freed in stream order, after the kernels queued with it.
+            cache.remove(0);
+        }
+        cache.push((wanted, dev.clone()));
+        Ok(dev)
+    }
+}

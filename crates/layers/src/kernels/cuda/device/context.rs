@@ -1,0 +1,272 @@
+//! Opening a device: probing the CUDA libraries, the context, its stream and cuBLAS handle,
+//! the kernels compiled once per process with NVRTC, and the driver's memory pool.
+
+use super::{unavailable, CudaBackend, Inner, Kernels, OrUnavailable};
+use crate::error::Result;
+use crate::kernels::cuda::{uuid_text, CudaDeviceInfo};
+use crate::kernels::GemmDtype;
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The CUDA C source of every kernel.
+const SOURCE: &str = include_str!("../kernels.cu");
+
+/// The device's default memory pool, from which cudarc's stream-ordered allocations come;
+/// `None` where the device has no memory pools.
+fn default_pool(ctx: &CudaContext) -> Option<cudarc::driver::sys::CUmemoryPool> {
+    // SAFETY: the device handle is the context's own.
+    unsafe { cudarc::driver::result::device::get_default_mem_pool(ctx.cu_device()) }.ok()
+}
+
+/// Lets the device's default memory pool keep the memory of freed buffers instead of giving
+/// it back to the device at every synchronization (its default release threshold is 0): a
+/// decode step frees and allocates the same temporaries again, and with the memory kept the
+/// next allocation is served from the pool instead of the driver.
+/// [`CudaBackend::trim_pool`] gives it back before a sleep. A failure only costs speed.
+fn keep_pool_memory(ctx: &CudaContext, ordinal: usize) {
+    let Some(pool) = default_pool(ctx) else { return };
+    let mut keep = u64::MAX;
+    // SAFETY: `pool` is valid for the context's life, and the release threshold attribute
+    // takes a pointer to a cuuint64_t.
+    let set = unsafe {
+        cudarc::driver::result::mem_pool::set_attribute(
+            pool,
+            cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut keep as *mut u64).cast(),
+        )
+    };
+    if let Err(e) = set {
+        tracing::warn!("cuda:{ordinal}: keeping freed memory in the pool: {e}");
+    }
+}
+
+/// The kernels' PTX, compiled once per process. A failure is kept too: it does not fix itself.
+fn ptx() -> std::result::Result<&'static Ptx, String> {
+    static PTX: OnceLock<std::result::Result<Ptx, String>> = OnceLock::new();
+    PTX.get_or_init(|| {
+        // No fused multiply-add, so products and sums round as on the CPU.
+        let opts = CompileOptions {
+            fmad: Some(false),
+            name: Some("tpctl_kernels.cu".into()),
+            ..Default::default()
+        };
+        cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| match e {
+            CompileError::CompileError { nvrtc, log, .. } => {
+                format!(
+                    "nvrtc failed to compile the kernels ({nvrtc:?}):\n{}",
+                    log.to_string_lossy()
+                )
+            }
+            other => format!("nvrtc: {other}"),
+        })
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`: checks that the driver, NVRTC and cuBLAS libraries load and the
+    /// device exists, creates a stream and a cuBLAS handle, and loads the kernels.
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`] naming what is missing: the driver library, a device
+    /// `ordinal`, NVRTC or cuBLAS, or the compile log when the kernels fail to compile.
+    ///
+    /// [`Error::BackendUnavailable`]: crate::Error::BackendUnavailable
+    pub fn new(ordinal: usize) -> Result<Self> {
+        Self::with_gemm_dtype(ordinal, GemmDtype::F32)
+    }
+
+    /// Opens device `ordinal` as [`CudaBackend::new`] does, keeping weight matrices in `dtype`.
+    ///
+    /// # Errors
+    /// As [`CudaBackend::new`].
+    pub fn with_gemm_dtype(ordinal: usize, dtype: GemmDtype) -> Result<Self> {
+        let at = |reason: String| unavailable(format!("device {ordinal}: {reason}"));
+        // cudarc panics when a library it calls into cannot be loaded; probe each first.
+        // SAFETY: the probes only try to load the shared libraries by name and drop them
+        // again; loading runs the CUDA libraries' own initializers and nothing else.
+        let (driver, nvrtc, cublas) = unsafe {
+            (
+                cudarc::driver::sys::is_culib_present(),
+                cudarc::nvrtc::sys::is_culib_present(),
+                cudarc::cublas::sys::is_culib_present(),
+            )
+        };
+        if !driver {
+            return Err(
+                at("the CUDA driver library (libcuda.so) is not on the loader path".into()),
+            );
+        }
+        let count = CudaContext::device_count().map_err(|e| at(format!("cuInit failed: {e}")))?;
+        if ordinal >= usize::try_from(count).unwrap_or(0) {
+            return Err(at(format!("no such device: {count} CUDA device(s) visible")));
+        }
+        if !nvrtc {
+            return Err(at("NVRTC (libnvrtc.so.12) is not on the loader path".into()));
+        }
+        if !cublas {
+            return Err(at("cuBLAS (libcublas.so.12) is not on the loader path".into()));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| at(format!("creating a context: {e}")))?;
+        // All of this backend's work runs on its one stream (NCCL's reductions of its buffers
+        // included), and its buffers meet other streams (vmm's copies) only across a host
+        // synchronization, so cudarc's
+        // per-buffer events would cost two event creations per allocation and a record per
+        // use for nothing.
+        // SAFETY: this context value is this backend's own (`CudaContext::new` makes a new
+        // one), no buffer has been made from it yet, and every buffer made from it is used on
+        // `stream` alone: none needs events to order its uses.
+        unsafe { ctx.disable_event_tracking() };
+        keep_pool_memory(&ctx, ordinal);
+        let stream = ctx.new_stream().map_err(|e| at(format!("creating a stream: {e}")))?;
+        let blas = CudaBlas::new(stream.clone())
+            .map_err(|e| at(format!("creating a cuBLAS handle: {e}")))?;
+        let ptx = ptx().map_err(at)?;
+        let module = ctx.load_module(ptx.clone()).map_err(|e| {
+            at(format!("loading the kernels' PTX (a driver older than NVRTC?): {e}"))
+        })?;
+        let f = |name: &str| {
+            module.load_function(name).map_err(|e| at(format!("kernel `{name}`: {e}")))
+        };
+        let k = Kernels {
+            rms_norm: f("rms_norm")?,
+            rope: f("rope")?,
+            silu_mul: f("silu_mul")?,
+            gelu_tanh_mul: f("gelu_tanh_mul")?,
+            scale: f("scale")?,
+            add_assign: f("add_assign")?,
+            add_rows: f("add_rows")?,
+            embedding: f("embedding")?,
+            argmax_rows: f("argmax_rows")?,
+            dequantize: f("dequantize")?,
+            attention: f("attention")?,
+            attention_merge: f("attention_merge")?,
+            to_bf16: f("to_bf16")?,
+            to_f16: f("to_f16")?,
+            copy_cols: f("copy_cols")?,
+        };
+        tracing::debug!(ordinal, dtype = dtype.name(), "cuda backend ready");
+        let inner = Inner {
+            ordinal,
+            dtype,
+            stream,
+            blas,
+            k,
+            weights: Mutex::default(),
+            positions: Mutex::default(),
+            tables: Mutex::default(),
+            in_flight: Mutex::default(),
+            waited_ns: AtomicU64::new(0),
+        };
+        Ok(CudaBackend { inner: Arc::new(inner) })
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.inner.ordinal
+    }
+
+    /// The element type of the weight matrices on the device.
+    pub fn gemm_dtype(&self) -> GemmDtype {
+        self.inner.dtype
+    }
+
+    /// Gives the memory the driver's pool keeps between steps back to the device: waits for
+    /// the stream (so every freed buffer is back in the pool), then trims the pool to nothing.
+    /// The pool keeps freed memory otherwise (see `keep_pool_memory`), so a sleep calls this
+    /// before it measures what it released.
+    pub fn trim_pool(&self) {
+        self.wait_for_frees();
+        let Some(pool) = default_pool(self.stream().context()) else { return };
+        // SAFETY: `pool` is the device's default pool, which lives as long as the context.
+        let trimmed = unsafe { cudarc::driver::result::mem_pool::trim_to(pool, 0) };
+        if let Err(e) = trimmed {
+            tracing::warn!("cuda:{}: trimming the memory pool: {e}", self.inner.ordinal);
+        }
+    }
+
+    /// What the driver says about this backend's device: name, compute capability, memory,
+    /// UUID, and the CUDA version the driver supports.
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`] when a driver query fails.
+    ///
+    /// [`Error::BackendUnavailable`]: crate::Error::BackendUnavailable
+    pub fn describe(&self) -> Result<CudaDeviceInfo> {
+        let ctx = self.stream().context();
+        let query = |what: &str| format!("cuda:{}: querying the {what}", self.inner.ordinal);
+        let (free_bytes, total_bytes) = ctx.mem_get_info().or_unavailable(|| query("memory"))?;
+        let uuid = ctx.uuid().or_unavailable(|| query("UUID"))?;
+        let mut version = 0;
+        // SAFETY: the driver is loaded (this backend made a context with it);
+        // `cuDriverGetVersion` writes one int through the pointer, a live local.
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }
+            .result()
+            .or_unavailable(|| query("driver version"))?;
+        Ok(CudaDeviceInfo {
+            name: ctx.name().or_unavailable(|| query("name"))?,
+            compute_capability: ctx
+                .compute_capability()
+                .or_unavailable(|| query("compute capability"))?,
+            total_bytes,
+            free_bytes,
+            uuid: uuid_text(uuid.bytes.map(|b| b as u8)),
+            driver_cuda: (version / 1000, version % 1000 / 10),
+        })
+    }
+
+    pub(super) fn stream(&self) -> &Arc<CudaStream> {
+        &self.inner.stream
+    }
+
+    /// Makes the backend's context current on this thread, for the raw driver and cuBLAS
+    /// calls (the safe API binds it itself).
+    pub(super) fn bind(&self, op: &str) -> Result<()> {
+        self.stream()
+            .context()
+            .bind_to_thread()
+            .or_unavailable(|| format!("{op}: binding the context"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NVRTC works without a GPU, so this runs wherever `libnvrtc.so.12` loads (skipping with a
+    /// note elsewhere, unless `TPCTL_REQUIRE_GPU=1`).
+    #[test]
+    fn cuda_kernels_compile_with_nvrtc() {
+        // SAFETY: as in `CudaBackend::new`: only loads the library by name.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            let require = std::env::var("TPCTL_REQUIRE_GPU").is_ok_and(|v| v == "1");
+            assert!(!require, "TPCTL_REQUIRE_GPU=1 but NVRTC is not on the loader path");
+            eprintln!("note: NVRTC is not on the loader path, not compiling the kernels");
+            return;
+        }
+        let ptx = ptx().unwrap_or_else(|log| panic!("{log}"));
+        let text = ptx.to_src();
+        for name in [
+            "rms_norm",
+            "rope",
+            "silu_mul",
+            "gelu_tanh_mul",
+            "scale",
+            "add_assign",
+            "add_rows",
+            "embedding",
+            "argmax_rows",
+            "dequantize",
+            "attention",
+            "to_bf16",
+            "to_f16",
+            "copy_cols",
+        ] {
+            assert!(text.contains(&format!(".entry {name}(")), "no kernel `{name}` in the PTX");
+        }
+    }
+}

@@ -1,0 +1,166 @@
+//! Copies on the device: rows sliced and stacked, and tensors written into device memory
+//! someone else owns (a KV cache append).
+
+use super::{CudaBackend, OrUnavailable};
+use crate::error::Result;
+use crate::kernels::{GemmDtype, KvElem};
+use crate::tensor::Tensor;
+use cudarc::driver::{CudaSlice, DevicePtrMut};
+use mesh::DeviceMemory;
+
+impl CudaBackend {
+    /// Copies `src` into device memory `dst`, stored as `elem` (bf16 rounded on the host, to
+    /// nearest even as the `to_bf16` kernel rounds), from its `offset`-th element on (the
+    /// caller checked that they fit).
+    pub(crate) fn write_device(
+        &self,
+        dst: &dyn DeviceMemory,
+        elem: KvElem,
+        offset: usize,
+        src: &[f32],
+    ) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        const OP: &str = "kv cache append";
+        debug_assert!(elem.size() * (offset + src.len()) <= dst.size());
+        let at = self.owned_addr(OP, dst)? + (elem.size() * offset) as u64;
+        match elem {
+            // SAFETY: `dst` is memory of this device (checked above) that its `DeviceMemory`
+            // implementation promises is mapped while kernels may run; the src.len() elements
+            // from `offset` lie inside it (checked by the caller).
+            KvElem::F32 => unsafe { self.copy_to_addr(OP, at, src) },
+            KvElem::Bf16 => {
+                let bits: Vec<u16> =
+                    src.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+                // SAFETY: as for f32, with two bytes an element.
+                unsafe { self.copy_to_addr(OP, at, &bits) }
+            }
+        }
+    }
+
+    /// Rows `range` of `t`'s first dimension: a device-to-device copy when `t` is this
+    /// backend's output, else [`Tensor::slice_first`] (which also reports a bad range).
+    pub(crate) fn slice_first(&self, t: &Tensor, range: std::ops::Range<usize>) -> Result<Tensor> {
+        const OP: &str = "slice rows";
+        let first = t.shape().first().copied().unwrap_or(0);
+        let Some(buf) = self.own(t.storage().device_data()) else {
+            return t.slice_first(range);
+        };
+        if range.start > range.end || range.end > first {
+            return t.slice_first(range);
+        }
+        let step = t.len() / first.max(1);
+        let mut shape = t.shape().to_vec();
+        shape[0] = range.len();
+        let n = range.len() * step;
+        if n == 0 {
+            return Ok(Tensor::zeros(&shape));
+        }
+        // Written whole by the copy below.
+        let mut od = self.output_buf(OP, n)?;
+        self.bind(OP)?;
+        let from = self.addr(buf) + 4 * (range.start * step) as u64;
+        let (to, record) = od.device_ptr_mut(self.stream());
+        // SAFETY: `buf` holds t.len() floats of this stream's device, of which the n from
+        // range.start·step are read (range checked above); `od` holds n floats; both are
+        // freed stream-ordered, after the copy.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(to, from, 4 * n, self.stream().cu_stream())
+        }
+        .or_unavailable(|| format!("{OP}: copying {n} floats on the device"))?;
+        drop(record);
+        self.output(&shape, od)
+    }
+
+    /// `parts` stacked along their first dimension: device-to-device copies when every part is
+    /// this backend's output, else [`Tensor::cat_first`] (which also checks the shapes).
+    pub(crate) fn cat_first(&self, parts: &[Tensor]) -> Result<Tensor> {
+        const OP: &str = "stack rows";
+        let bufs: Option<Vec<&CudaSlice<f32>>> =
+            parts.iter().map(|p| self.own(p.storage().device_data())).collect();
+        let (Some(bufs), Some(head)) = (bufs, parts.first()) else {
+            return Tensor::cat_first(parts);
+        };
+        let inner = &head.shape()[1.min(head.shape().len())..];
+        if parts.iter().any(|p| p.shape().is_empty() || &p.shape()[1..] != inner) {
+            return Tensor::cat_first(parts);
+        }
+        let mut shape = head.shape().to_vec();
+        shape[0] = parts.iter().map(|p| p.shape()[0]).sum();
+        let total: usize = parts.iter().map(Tensor::len).sum();
+        if total == 0 {
+            return Ok(Tensor::zeros(&shape));
+        }
+        // Written whole: the parts' lengths add up to `total`.
+        let mut od = self.output_buf(OP, total)?;
+        self.bind(OP)?;
+        let (base, record) = od.device_ptr_mut(self.stream());
+        let mut at = 0usize;
+        for (part, buf) in parts.iter().zip(bufs) {
+            let n = part.len();
+            if n == 0 {
+                continue;
+            }
+            // SAFETY: `buf` holds the part's n floats on this stream's device; `od` holds
+            // `total` floats, of which at..at + n are written (the lengths add up to total);
+            // both are freed stream-ordered, after the copy.
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    base + 4 * at as u64,
+                    self.addr(buf),
+                    4 * n,
+                    self.stream().cu_stream(),
+                )
+            }
+            .or_unavailable(|| format!("{OP}: copying {n} floats on the device"))?;
+            at += n;
+        }
+        drop(record);
+        self.output(&shape, od)
+    }
+
+    /// Copies elements `range` of `src` to device memory `dst` from its `offset`-th f32 on
+    /// (the caller checked that they fit and lie in `src`): a device-to-device copy for this
+    /// backend's outputs.
+    pub(crate) fn write_tensor(
+        &self,
+        dst: &dyn DeviceMemory,
+        elem: KvElem,
+        offset: usize,
+        src: &Tensor,
+        range: std::ops::Range<usize>,
+    ) -> Result<()> {
+        const OP: &str = "kv cache append";
+        let Some(buf) = self.own(src.storage().device_data()) else {
+            return self.write_device(dst, elem, offset, &src.data()[range]);
+        };
+        if range.is_empty() {
+            return Ok(());
+        }
+        debug_assert!(elem.size() * (offset + range.len()) <= dst.size() && range.end <= src.len());
+        self.bind(OP)?;
+        let from = self.addr(buf) + 4 * range.start as u64;
+        let to = self.owned_addr(OP, dst)? + (elem.size() * offset) as u64;
+        if elem == KvElem::Bf16 {
+            // Rounded on the device straight into the pool: `round_to` writes range.len()
+            // halves at `to`, inside `dst` (checked by the caller), reading range.len() floats
+            // of `buf` from range.start, on this stream.
+            return self.round_to(OP, GemmDtype::Bf16, from, to, range.len());
+        }
+        // SAFETY: `dst` is memory of this device (checked above) that its `DeviceMemory`
+        // implementation promises is mapped while kernels may run, and the range lies inside
+        // it (checked by the caller); `buf` holds the
+        // src.len() floats of which `range` is read, on this stream, and is freed
+        // stream-ordered after the copy.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                to,
+                from,
+                4 * range.len(),
+                self.stream().cu_stream(),
+            )
+        }
+        .or_unavailable(|| format!("{OP}: copying {} floats on the device", range.len()))
+    }
+}

@@ -1,0 +1,167 @@
+//! The CUDA backend proper (feature `cuda`): cuBLAS for products, NVRTC-compiled kernels for
+//! everything else, behind the same tensor seam as the CPU backend.
+//!
+//! How data moves, and what it costs:
+//! - Activations stay on the device. Every op returns a tensor over its output buffer
+//!   ([`DeviceBuf`] as [`DeviceData`]) without waiting; the next op reads it in place (an
+//!   input in host memory is uploaded for the call), in-place ops write the buffer when no
+//!   clone shares it (else a device copy first), and the host gets a copy, after a stream
+//!   synchronization, only when host code reads the numbers. All of a backend's work runs on
+//!   its one stream, so queued kernels see their inputs and buffers are freed in stream order.
+//! - Weight matrices ([`Weight`]) are uploaded once and cached for the life of the backend,
+//!   keyed by the address and length of their host buffer (weights live in allocations that
+//!   keep their addresses), and checked on every use against a fingerprint of 64 sampled
+//!   words, so a freed buffer whose address is reused by another weight is noticed in
+//!   practice. A weight rewritten in place at an unsampled word is not: call
+//!   [`CudaBackend::clear_weight_cache`] after changing weights in place (a restore that
+//!   zeroes or reloads them). The device copies come from the driver's memory pool, or from a
+//!   [`DeviceArena`] given with [`CudaBackend::keep_weights_in`] (tagged `vmm` memory that a
+//!   sleep unmaps): there a cleared weight keeps its region and is written into it again at
+//!   its next use, so the weights keep their device addresses across a sleep.
+//! - A KV cache in device memory ([`Kv::Device`]) is appended to with one host-to-device copy
+//!   of the new rows and read in place by `attention`; a host one is uploaded per call.
+//! - Quantized weights are dequantized on the device at first use, and only the dense copy is
+//!   kept, in the backend's [`GemmDtype`]: products then go through cuBLAS like dense ones
+//!   (sgemm for f32; `cublasGemmEx` with f32 accumulation for bf16/f16, after rounding the
+//!   activations to the same type). In f32 this costs 4x (Q8_0) to 7x (Q4) more device memory
+//!   and bandwidth than the packed form (a 135M-parameter model takes about 540 MB; half that
+//!   in bf16). The dequantization rounds exactly as the CPU's `QMatrix::dequantize`, so an f32
+//!   quantized product here equals the CPU's (an f32 product of the same dequantized values,
+//!   in another summation order).
+//!   Embedding tables are kept in f32 whatever the dtype (a tied LM head has both copies).
+//! - Small per-call vectors (norm weights, biases) are copied per call like activations.
+//!
+//! Kernels are compiled from `kernels.cu` with NVRTC once per process (the PTX is kept in a
+//! `OnceLock`) and loaded into each backend's context; all work runs on one stream per backend.
+//! Runtime failures (out of device memory, a failed launch) are reported as
+//! [`Error::BackendUnavailable`] naming the op.
+//!
+//! The parts: this file holds the backend's state and the helpers every part shares;
+//! [`context`] opens the device and loads the kernels, [`waits`] waits for the stream (and
+//! the reductions queued on it), [`buffers`] moves tensors to and from device buffers,
+//! [`cache`] keeps the uploaded weights and small arrays, [`gemm`], [`ops`] and [`attention`]
+//! launch the work, [`copies`] copies rows on the device, and [`pool_arena`] carves
+//! driver-pool memory into arena regions.
+//!
+//! [`DeviceBuf`]: buffers
+//! [`DeviceData`]: crate::tensor::DeviceData
+//! [`Weight`]: crate::kernels::Weight
+//! [`DeviceArena`]: crate::memory::DeviceArena
+//! [`Kv::Device`]: crate::kernels::Kv::Device
+#![allow(unsafe_code)]
+
+mod attention;
+mod buffers;
+mod cache;
+mod context;
+mod copies;
+mod gemm;
+mod ops;
+mod pool_arena;
+mod waits;
+
+pub use pool_arena::PoolArena;
+
+use crate::error::{Error, Result};
+use crate::kernels::GemmDtype;
+use cache::{Recent, WeightCache};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig};
+use std::fmt;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use waits::InFlight;
+
+/// Threads per block of the element-wise and row kernels (`BLOCK` in `kernels.cu`).
+const BLOCK: u32 = 256;
+
+fn unavailable(reason: impl Into<String>) -> Error {
+    Error::BackendUnavailable { backend: "cuda", reason: reason.into() }
+}
+
+/// Turns a foreign error into [`Error::BackendUnavailable`] with what was being done.
+trait OrUnavailable<T> {
+    fn or_unavailable(self, what: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T, E: fmt::Display> OrUnavailable<T> for std::result::Result<T, E> {
+    fn or_unavailable(self, what: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|e| unavailable(format!("{}: {e}", what())))
+    }
+}
+
+/// `x` as an `i32` kernel argument.
+fn int(op: &str, what: &str, x: usize) -> Result<i32> {
+    i32::try_from(x)
+        .map_err(|_| unavailable(format!("{op}: {what} = {x} exceeds the kernels' 32-bit sizes")))
+}
+
+/// One thread per element, `BLOCK` per block.
+fn elementwise(op: &str, n: usize) -> Result<LaunchConfig> {
+    let blocks = n.div_ceil(BLOCK as usize);
+    let blocks = u32::try_from(blocks)
+        .ok()
+        .filter(|&b| b <= i32::MAX as u32)
+        .ok_or_else(|| unavailable(format!("{op}: {n} elements need too many thread blocks")))?;
+    Ok(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 })
+}
+
+/// One block of `threads` per row.
+fn per_row(op: &str, rows: usize, threads: u32) -> Result<LaunchConfig> {
+    let blocks = int(op, "rows", rows)? as u32;
+    Ok(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 })
+}
+
+/// The loaded kernels of one context.
+struct Kernels {
+    rms_norm: CudaFunction,
+    rope: CudaFunction,
+    silu_mul: CudaFunction,
+    gelu_tanh_mul: CudaFunction,
+    scale: CudaFunction,
+    add_assign: CudaFunction,
+    add_rows: CudaFunction,
+    embedding: CudaFunction,
+    argmax_rows: CudaFunction,
+    dequantize: CudaFunction,
+    attention: CudaFunction,
+    attention_merge: CudaFunction,
+    to_bf16: CudaFunction,
+    to_f16: CudaFunction,
+    copy_cols: CudaFunction,
+}
+
+struct Inner {
+    ordinal: usize,
+    dtype: GemmDtype,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    k: Kernels,
+    weights: Mutex<WeightCache>,
+    /// Position arrays uploaded lately, most recent last (see [`CudaBackend::positions`]).
+    positions: Mutex<Recent<u64>>,
+    /// Block tables of paged KV caches uploaded lately, most recent last.
+    tables: Mutex<Recent<u32>>,
+    /// A reduction queued on the stream and not yet waited for through its communicator.
+    in_flight: Mutex<Option<InFlight>>,
+    /// Nanoseconds the host has spent blocked waiting for the device (see
+    /// [`CudaBackend::device_wait`]).
+    waited_ns: AtomicU64,
+}
+
+/// Kernels on CUDA device `ordinal`, taking and returning host tensors (see the module docs
+/// for the copies this implies). Clones share the device state and the weight cache.
+#[derive(Clone)]
+pub struct CudaBackend {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("ordinal", &self.inner.ordinal)
+            .field("dtype", &self.inner.dtype)
+            .field("cached_weights", &self.cache().entries.len())
+            .finish()
+    }
+}

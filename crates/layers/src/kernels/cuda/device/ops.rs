@@ -1,0 +1,265 @@
+//! Launches of the row and element-wise kernels: norms, rotary embedding, activations,
+//! sums, column splits, embedding lookups, argmax, and rounding to bf16/f16.
+
+use super::{elementwise, int, per_row, unavailable, CudaBackend, OrUnavailable, BLOCK};
+use crate::error::Result;
+use crate::kernels::{GemmDtype, Weight};
+use crate::tensor::Tensor;
+use cudarc::driver::{CudaFunction, PushKernelArg};
+
+impl CudaBackend {
+    /// Rounds `n` floats at device address `src` to `dtype` (bf16 or f16) at `dst`.
+    pub(super) fn round_to(
+        &self,
+        op: &str,
+        dtype: GemmDtype,
+        src: u64,
+        dst: u64,
+        n: usize,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let f = match dtype {
+            GemmDtype::Bf16 => &self.inner.k.to_bf16,
+            GemmDtype::F16 => &self.inner.k.to_f16,
+            GemmDtype::F32 => {
+                return Err(unavailable(format!(
+                    "{op}: rounding f32 to f32 is a copy, not a kernel"
+                )));
+            }
+        };
+        let n64 = n as u64;
+        let cfg = elementwise(op, n)?;
+        let mut b = self.stream().launch_builder(f);
+        b.arg(&src).arg(&dst).arg(&n64);
+        // SAFETY: the arguments match `to_bf16` / `to_f16(const float*, unsigned short*, u64)`;
+        // thread i < n reads float i of `src` and writes half i of `dst`, and the callers pass
+        // buffers of at least n floats and n halves of this device, alive until the stream is
+        // synchronized.
+        unsafe { b.launch(cfg) }
+            .or_unavailable(|| format!("{op}: launching to_{}", dtype.name()))?;
+        Ok(())
+    }
+
+    /// RMSNorm of rows of `weight.len()` elements.
+    pub(crate) fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
+        const OP: &str = "rms_norm";
+        let d = weight.len();
+        if x.is_empty() || d == 0 {
+            return Ok(Tensor::zeros(x.shape()));
+        }
+        let rows = x.len() / d;
+        let xd = self.input(OP, x)?;
+        let wd = self.vector(OP, weight.data())?;
+        let wp = self.slot_addr(&wd);
+        // Written whole: block r writes the d floats of row r.
+        let mut od = self.output_buf(OP, x.len())?;
+        let d32 = int(OP, "row length", d)?;
+        let cfg = per_row(OP, rows, BLOCK)?;
+        let mut b = self.stream().launch_builder(&self.inner.k.rms_norm);
+        b.arg(&xd.ptr).arg(&wp).arg(&mut od).arg(&d32).arg(&eps);
+        // SAFETY: the arguments match `rms_norm(const float*, const float*, float*, int,
+        // float)`; block r reads and writes row r (d floats) of x and out, which hold rows·d
+        // floats, and reads the d floats of the weight's device copy.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        self.output(x.shape(), od)
+    }
+
+    /// Rotate-half rotary embedding in place (see `cpu::rope::rope`).
+    pub(crate) fn rope(
+        &self,
+        x: &mut Tensor,
+        positions: &[usize],
+        (heads, head_dim, rot_dim): (usize, usize, usize),
+        theta: f32,
+        factors: Option<&[f32]>,
+    ) -> Result<()> {
+        const OP: &str = "rope";
+        let pairs = positions.len() * heads * (rot_dim / 2);
+        if pairs == 0 {
+            return Ok(());
+        }
+        let xp = self.writable(OP, x)?;
+        let pd = self.positions(OP, positions)?;
+        // The factors' device copy, cached as a model vector; null for none.
+        let fd = factors.map(|f| self.vector(OP, f)).transpose()?;
+        let fp = fd.as_ref().map_or(0, |f| self.slot_addr(f));
+        let args = [
+            int(OP, "tokens", positions.len())?,
+            int(OP, "heads", heads)?,
+            int(OP, "head_dim", head_dim)?,
+            int(OP, "rot_dim", rot_dim)?,
+        ];
+        let cfg = elementwise(OP, pairs)?;
+        let mut b = self.stream().launch_builder(&self.inner.k.rope);
+        b.arg(&xp).arg(&*pd);
+        for a in &args {
+            b.arg(a);
+        }
+        b.arg(&theta).arg(&fp);
+        // SAFETY: the arguments match `rope(float*, const u64*, int, int, int, int, float,
+        // const float*)`. Thread (t, h, i) for i < rot_dim/2 reads position t (and factor i:
+        // the caller checked there are rot_dim/2, or the pointer is null and not read) and
+        // rewrites elements i and i + rot_dim/2 of head h of token t; the caller checked x
+        // holds tokens·heads·head_dim floats with rot_dim <= head_dim, and threads past the
+        // last pair return at once. `writable` made x's buffer this tensor's own.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        Ok(())
+    }
+
+    /// Launches one of the element-wise kernels `f(float* x, const float* y, u64 n, ...)` on
+    /// `x` with `y` (plus `width` for `add_rows`), in place on `x`'s device data.
+    fn binary(
+        &self,
+        op: &str,
+        f: &CudaFunction,
+        x: &mut Tensor,
+        y: &Tensor,
+        width: Option<i32>,
+    ) -> Result<()> {
+        if x.is_empty() {
+            return Ok(());
+        }
+        let yd = self.input(op, y)?;
+        let xp = self.writable(op, x)?;
+        let n = x.len() as u64;
+        let cfg = elementwise(op, x.len())?;
+        let mut b = self.stream().launch_builder(f);
+        b.arg(&xp).arg(&yd.ptr).arg(&n);
+        if let Some(w) = width.as_ref() {
+            b.arg(w);
+        }
+        // SAFETY: the caller passes a kernel of signature `(float*, const float*, u64)` (or
+        // `(float*, const float*, u64, int)` with `width`); element i < n of x is updated
+        // from element i of y (i % width for add_rows), and the callers checked that y has
+        // x's length (or, for add_rows, that width = y.len() > 0 divides it). x's buffer is
+        // its own (`writable`), so y, read before, is never the same buffer.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{op}: launch"))?;
+        Ok(())
+    }
+
+    /// `gate = silu(gate) · up`.
+    pub(crate) fn silu_mul(&self, gate: &mut Tensor, up: &Tensor) -> Result<()> {
+        self.binary("silu_mul", &self.inner.k.silu_mul, gate, up, None)
+    }
+
+    /// `gate = gelu_tanh(gate) · up`.
+    pub(crate) fn gelu_tanh_mul(&self, gate: &mut Tensor, up: &Tensor) -> Result<()> {
+        self.binary("gelu_tanh_mul", &self.inner.k.gelu_tanh_mul, gate, up, None)
+    }
+
+    /// `x *= s`.
+    pub(crate) fn scale(&self, x: &mut Tensor, s: f32) -> Result<()> {
+        const OP: &str = "scale";
+        if x.is_empty() {
+            return Ok(());
+        }
+        let xp = self.writable(OP, x)?;
+        let n = x.len() as u64;
+        let cfg = elementwise(OP, x.len())?;
+        let mut b = self.stream().launch_builder(&self.inner.k.scale);
+        b.arg(&xp).arg(&s).arg(&n);
+        // SAFETY: the arguments match `scale(float*, float, u64)`; element i < n of x, its own
+        // buffer (`writable`) of n floats, is multiplied in place.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        Ok(())
+    }
+
+    /// `x += y`.
+    pub(crate) fn add_assign(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
+        self.binary("add_assign", &self.inner.k.add_assign, x, y, None)
+    }
+
+    /// `bias` added to every row of `x`.
+    pub(crate) fn add_rows(&self, x: &mut Tensor, bias: &Tensor) -> Result<()> {
+        let width = int("add_bias", "bias length", bias.len())?;
+        self.binary("add_bias", &self.inner.k.add_rows, x, bias, Some(width))
+    }
+
+    /// Consecutive column blocks of `sizes` of every row of `x` (see [`Tensor::split_last`]),
+    /// each a device tensor.
+    pub(crate) fn split_last(&self, x: &Tensor, sizes: &[usize]) -> Result<Vec<Tensor>> {
+        const OP: &str = "split_last";
+        let (rows, width) = (x.rows(), x.row_len());
+        if x.is_empty() {
+            return x.split_last(sizes);
+        }
+        let xd = self.input(OP, x)?;
+        let lead = &x.shape()[..x.shape().len().saturating_sub(1)];
+        let mut at = 0usize;
+        let mut parts = Vec::with_capacity(sizes.len());
+        for &size in sizes {
+            let mut shape = lead.to_vec();
+            shape.push(size);
+            if size == 0 {
+                parts.push(Tensor::zeros(&shape));
+                continue;
+            }
+            // Written whole: one thread per element.
+            let mut od = self.output_buf(OP, rows * size)?;
+            let args = [int(OP, "width", width)?, int(OP, "offset", at)?, int(OP, "size", size)?];
+            let n = (rows * size) as u64;
+            let cfg = elementwise(OP, rows * size)?;
+            let mut b = self.stream().launch_builder(&self.inner.k.copy_cols);
+            b.arg(&xd.ptr).arg(&mut od).arg(&n).arg(&args[0]).arg(&args[1]).arg(&args[2]);
+            // SAFETY: the arguments match `copy_cols(const float*, float*, u64, int, int,
+            // int)`; element i < n = rows·size of out reads x[(i / size)·width + offset +
+            // i % size], inside x's rows·width elements because the caller checked that the
+            // sizes add up to width (so offset + size <= width).
+            unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+            parts.push(self.output(&shape, od)?);
+            at += size;
+        }
+        Ok(parts)
+    }
+
+    /// Rows `ids` of `table` (ids already checked against its row count): `[ids.len(), dim]`.
+    pub(crate) fn embedding(&self, table: &Weight, ids: &[u32]) -> Result<Tensor> {
+        const OP: &str = "embedding";
+        let dim = table.dims().1;
+        let shape = [ids.len(), dim];
+        if ids.is_empty() || dim == 0 {
+            return Ok(Tensor::zeros(&shape));
+        }
+        let td = self.weight(OP, table, GemmDtype::F32)?;
+        let table_ptr = self.slot_addr(&td);
+        let idd = self.upload(OP, ids)?;
+        // Written whole: one thread per element.
+        let mut od = self.output_buf(OP, ids.len() * dim)?;
+        let args = [int(OP, "tokens", ids.len())?, int(OP, "dim", dim)?];
+        let cfg = elementwise(OP, ids.len() * dim)?;
+        let mut b = self.stream().launch_builder(&self.inner.k.embedding);
+        b.arg(&table_ptr).arg(&idd).arg(&mut od).arg(&args[0]).arg(&args[1]);
+        // SAFETY: the arguments match `embedding(const float*, const unsigned int*, float*,
+        // int, int)`; element (r, c) reads ids[r] and table[ids[r]·dim + c], and the caller
+        // checked every id is below the table's row count; out holds ids.len()·dim floats.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        self.output(&shape, od)
+    }
+
+    /// The index of the largest element of each row of `x` (first on ties, NaN never wins, 0
+    /// for a row without a number).
+    pub(crate) fn argmax_rows(&self, x: &Tensor) -> Result<Vec<usize>> {
+        const OP: &str = "argmax_rows";
+        let rows = x.rows();
+        if rows == 0 || x.is_empty() {
+            return Ok(vec![0; rows]);
+        }
+        let cols = int(OP, "columns", x.row_len())?;
+        let xd = self.input(OP, x)?;
+        let mut od = self
+            .stream()
+            .alloc_zeros::<u32>(rows)
+            .or_unavailable(|| format!("{OP}: allocating"))?;
+        let cfg = per_row(OP, rows, BLOCK)?;
+        let mut b = self.stream().launch_builder(&self.inner.k.argmax_rows);
+        b.arg(&xd.ptr).arg(&cols).arg(&mut od);
+        // SAFETY: the arguments match `argmax_rows(const float*, int, unsigned int*)`; block
+        // r reads row r (cols floats) of x, which holds rows·cols, and writes out[r] of rows.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        let mut idx = vec![0u32; rows];
+        self.download(OP, &od, &mut idx)?;
+        Ok(idx.into_iter().map(|i| i as usize).collect())
+    }
+}
