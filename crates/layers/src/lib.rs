@@ -2,7 +2,9 @@
 //!
 //! Layout: [`tensor`] (the `Tensor` type and its storage), [`memory`] (arenas that weights and
 //! KV caches can live in instead of the heap), [`kernels`] (the `Backend` seam and
-//! the CPU kernels), [`gguf`] (reader and writer), [`safetensors`] (Hugging Face checkpoints),
+//! the CPU kernels), [`source`] (what every checkpoint format hands out: `WeightSource` and
+//! the `Shard` a rank reads), [`gguf`] (reader and writer), [`safetensors`] (Hugging Face
+//! checkpoints),
 //! [`config`] (model hyper-parameters), [`tokenizer`] (byte-level BPE and chat template),
 //! [`model`] (the Llama decoder, its shardable attention/MLP blocks, KV cache and greedy
 //! generation). Tensor/context-parallel modules come on top of these.
@@ -33,6 +35,7 @@ mod mmap;
 pub mod model;
 pub mod parallel;
 pub mod safetensors;
+pub mod source;
 pub mod tensor;
 #[cfg(test)]
 mod test_util;

@@ -3,10 +3,10 @@
 //! llama names the loaders ask for: [`FusedSource`] maps `attn_q`, `attn_k`, `attn_v`,
 //! `ffn_gate` and `ffn_up` onto row ranges of the fused tensors.
 
-use super::linear::{Shard, WeightSource};
 use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
 use crate::kernels::QMatrix;
+use crate::source::{Shard, WeightSource};
 use std::ops::Range;
 
 /// A weight source whose Q/K/V and gate/up projections are row ranges of fused tensors.

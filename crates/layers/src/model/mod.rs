@@ -24,8 +24,9 @@ pub mod random;
 #[cfg(test)]
 mod tests;
 
+pub use crate::source::{Shard, WeightSource};
 pub use cache::{KvCache, LayerCache};
-pub use linear::{Linear, Shard, WeightForm, WeightSource};
+pub use linear::{Linear, WeightForm};
 pub use paged::{KvPool, PagedCache};
 
 use crate::config::LlamaConfig;

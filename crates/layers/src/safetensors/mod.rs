@@ -7,7 +7,7 @@
 
 use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
-use crate::model::WeightSource;
+use crate::source::WeightSource;
 use half::{bf16, f16};
 use std::collections::BTreeMap;
 use std::ops::Range;

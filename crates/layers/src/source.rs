@@ -1,0 +1,59 @@
+//! Where weights come from: [`WeightSource`], the reading side every checkpoint format
+//! implements (GGUF in `model::linear`, Hugging Face safetensors in [`crate::safetensors`]),
+//! and the [`Shard`] of a matrix a rank asks it for. Below both the model and the loaders, so
+//! neither depends on the other for it.
+
+use crate::error::Result;
+use crate::kernels::QMatrix;
+use std::ops::Range;
+
+/// A checkpoint that can hand out slices of its tensors as f32. Names are GGUF llama names
+/// (`blk.0.attn_q.weight`); a Hugging Face loader maps its names onto them.
+pub trait WeightSource {
+    /// The shape of `name`, outermost first.
+    ///
+    /// # Errors
+    /// [`Error::Tensor`] when the tensor is missing.
+    fn shape(&self, name: &str) -> Result<Vec<usize>>;
+
+    /// Whether `name` exists.
+    fn has(&self, name: &str) -> bool;
+
+    /// Rows `rows` of `name` viewed as `[rows, row_len]`.
+    ///
+    /// # Errors
+    /// [`Error::Tensor`] when the tensor is missing, unsupported, or the range out of bounds.
+    fn rows(&self, name: &str, rows: Range<usize>) -> Result<Vec<f32>>;
+
+    /// Columns `cols` of every row of `name`.
+    ///
+    /// # Errors
+    /// As [`WeightSource::rows`].
+    fn cols(&self, name: &str, cols: Range<usize>) -> Result<Vec<f32>>;
+
+    /// The slice `shard` of `name` in its stored block-quantized form, or `None` when the
+    /// tensor is not block-quantized or the slice does not fall on block boundaries.
+    ///
+    /// # Errors
+    /// As [`WeightSource::rows`].
+    fn quantized(&self, name: &str, shard: &Shard) -> Result<Option<QMatrix>> {
+        let _ = (name, shard);
+        Ok(None)
+    }
+
+    /// Whether Q/K projection rows (and Q/K biases) are stored permuted for interleaved
+    /// (adjacent-pair) rotary embedding, as GGUF llama files are; they are un-permuted at load.
+    fn qk_interleaved(&self) -> bool;
+}
+
+/// The part of a `[out_features, in_features]` weight matrix a rank keeps.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub enum Shard {
+    /// The whole matrix.
+    #[default]
+    Full,
+    /// Output rows (column-parallel linear: Q/K/V/gate/up).
+    Rows(Range<usize>),
+    /// Input columns (row-parallel linear: O/down; outputs are partial sums).
+    Cols(Range<usize>),
+}
