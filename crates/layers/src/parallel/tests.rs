@@ -6,13 +6,21 @@
 //! against the same model on the heap.
 
 use super::*;
+use crate::config::LlamaConfig;
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
 use crate::kernels::cpu::quant::BlockFormat;
+use crate::kernels::{Backend, KvElem};
 use crate::memory::Arena;
 use crate::model::random::RandomLlama;
-use crate::model::Model;
+use crate::model::{KvCache, Linear, Logits, Model, Shard, WeightForm};
+use crate::tensor::Tensor;
 use crate::test_util::{random_vec, temp_path};
-use collectives::{local, ShmOptions};
+use collectives::{local, Collective, Communicator, ShmOptions};
+use mesh::TokenShard;
+use std::ops::Range;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// TP and CP communicators for every rank of a `tp × cp` thread mesh (TP innermost).

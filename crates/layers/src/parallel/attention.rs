@@ -1,0 +1,200 @@
+//! Self-attention over a TP rank's heads, for prefill and extend steps, with the CP exchange
+//! of keys and values (prefill) or partial outputs (extend).
+
+use super::cache::ParallelCache;
+use super::forward::{Part, Split};
+use super::{head_shard, Comms};
+use crate::config::LlamaConfig;
+use crate::error::{Error, Result};
+use crate::kernels::cpu::attention::merge_partial;
+use crate::kernels::{AttnShape, Backend, Kv};
+use crate::model::{Attention, WeightForm, WeightSource};
+use crate::tensor::Tensor;
+use collectives::{Collective, Communicator};
+
+/// Self-attention over this rank's KV heads, for both step kinds.
+#[derive(Clone, Debug)]
+pub struct ParallelAttention {
+    pub(super) attn: Attention,
+    shape: AttnShape,
+}
+
+impl ParallelAttention {
+    /// Loads layer `layer`'s attention for TP rank `tp_rank` of `tp`.
+    ///
+    /// # Errors
+    /// Missing weights, or a `tp` the heads cannot be split over (see [`head_shard`]).
+    pub fn load(
+        src: &dyn WeightSource,
+        layer: usize,
+        cfg: &LlamaConfig,
+        tp_rank: usize,
+        tp: usize,
+        form: WeightForm,
+    ) -> Result<Self> {
+        let heads = head_shard(cfg, tp_rank, tp)?;
+        let attn = Attention::load_heads(src, layer, cfg, heads.kv.clone(), heads.q.clone(), form)?;
+        let shape =
+            AttnShape { q_heads: heads.q.len(), kv_heads: heads.kv.len(), head_dim: cfg.head_dim };
+        Ok(ParallelAttention { attn, shape })
+    }
+
+    /// Attention of layer `layer` for every sequence of a step: `h` holds this rank's rows of
+    /// all of them, packed in `parts` order, and `caches` their caches in the same order.
+    /// Q/K/V and the output projection are one product each over all rows; each sequence
+    /// attends over its own keys and values; with CP, one collective per layer carries every
+    /// prefill's key/value shards and every extend's partial outputs.
+    pub(super) fn forward(
+        &self,
+        be: &Backend,
+        comms: &mut Comms<'_>,
+        h: &Tensor,
+        parts: &[Part],
+        layer: usize,
+        caches: &mut [&mut ParallelCache],
+    ) -> Result<Tensor> {
+        let positions: Vec<usize> =
+            parts.iter().flat_map(|p| p.positions.iter().copied()).collect();
+        let (q, k, v) = self.attn.qkv(be, h, &positions)?;
+        let cp = comms.cp.size();
+        // A step of one sequence uses the projections as they are (on the device, say).
+        let rows = |t: &Tensor, p: &Part| -> Result<Tensor> {
+            if parts.len() == 1 {
+                Ok(t.clone())
+            } else {
+                be.slice_first(t, p.rows.clone())
+            }
+        };
+        let kv_width = self.shape.kv_heads * self.shape.head_dim;
+        let mut queries = Vec::with_capacity(parts.len());
+        // Extend outputs (partial with CP); prefill outputs come after the exchange.
+        let mut outs: Vec<Option<Tensor>> = Vec::with_capacity(parts.len());
+        let mut mine = Vec::new();
+        for (p, cache) in parts.iter().zip(caches.iter_mut()) {
+            let (qe, ke, ve) = (rows(&q, p)?, rows(&k, p)?, rows(&v, p)?);
+            match &p.split {
+                Split::Prefill(_) => {
+                    cache.append_tensors(be, layer, &ke, &ve, &p.positions)?;
+                    mine.extend_from_slice(ke.data());
+                    mine.extend_from_slice(ve.data());
+                    outs.push(None);
+                }
+                Split::Extend(_) if p.owned.iter().all(|&o| o) => {
+                    // Every new token is this rank's (always without CP).
+                    cache.append_tensors(be, layer, &ke, &ve, &p.positions)?;
+                }
+                Split::Extend(_) => {
+                    let (mut mk, mut mv, mut mp) = (Vec::new(), Vec::new(), Vec::new());
+                    for (i, _) in p.owned.iter().enumerate().filter(|(_, &o)| o) {
+                        mk.extend_from_slice(&ke.data()[i * kv_width..(i + 1) * kv_width]);
+                        mv.extend_from_slice(&ve.data()[i * kv_width..(i + 1) * kv_width]);
+                        mp.push(p.positions[i]);
+                    }
+                    cache.append(be, layer, &mk, &mv, &mp)?;
+                }
+            }
+            if let Split::Extend(_) = p.split {
+                let (out, lse) = cache.with_kv(layer, |kv, kv_pos| {
+                    be.attention(&qe, &p.positions, kv, kv_pos, self.shape, cp > 1)
+                })?;
+                if cp > 1 {
+                    let lse = lse.ok_or_else(|| {
+                        Error::shape("extend attention", "no log-sum-exp returned")
+                    })?;
+                    mine.extend_from_slice(out.data());
+                    mine.extend_from_slice(lse.data());
+                }
+                outs.push(Some(out));
+            }
+            queries.push(qe);
+        }
+        if cp > 1 {
+            self.exchange(be, comms.cp, &mine, parts, &queries, &mut outs)?;
+        }
+        let outs = outs
+            .into_iter()
+            .map(|o| o.ok_or_else(|| Error::shape("attention", "a sequence has no output")))
+            .collect::<Result<Vec<_>>>()?;
+        let out = match <[Tensor; 1]>::try_from(outs) {
+            Ok([one]) => one,
+            Err(outs) => be.cat_first(&outs)?,
+        };
+        self.finish(be, comms, out)
+    }
+
+    /// The CP exchange of one layer: every rank sends `mine` (per part, in order: a prefill's
+    /// keys then values, an extend's partial output then log-sum-exp); then each prefill
+    /// attends to every rank's keys and values and each extend merges the partial outputs in
+    /// rank order, so every rank gets the same bits.
+    fn exchange(
+        &self,
+        be: &Backend,
+        cp: &mut dyn Communicator,
+        mine: &[f32],
+        parts: &[Part],
+        queries: &[Tensor],
+        outs: &mut [Option<Tensor>],
+    ) -> Result<()> {
+        let ranks = cp.size();
+        let AttnShape { q_heads, kv_heads, head_dim } = self.shape;
+        let piece = |p: &Part, r: usize| match &p.split {
+            Split::Prefill(shard) => 2 * shard.sizes()[r] * kv_heads * head_dim,
+            Split::Extend(_) => p.positions.len() * q_heads * (head_dim + 1),
+        };
+        let sizes: Vec<usize> =
+            (0..ranks).map(|r| parts.iter().map(|p| piece(p, r)).sum()).collect();
+        let mut all = vec![0f32; sizes.iter().sum()];
+        cp.all_gather_uneven(mine, &mut all, &sizes)?;
+        // Where each part's piece starts in each rank's segment.
+        let mut at: Vec<usize> =
+            sizes.iter().scan(0, |end, s| Some(std::mem::replace(end, *end + s))).collect();
+        let pieces: Vec<Vec<&[f32]>> = parts
+            .iter()
+            .map(|p| {
+                (0..ranks)
+                    .map(|r| {
+                        let start = at[r];
+                        at[r] += piece(p, r);
+                        &all[start..at[r]]
+                    })
+                    .collect()
+            })
+            .collect();
+        for (((p, q), out), pieces) in parts.iter().zip(queries).zip(outs.iter_mut()).zip(&pieces) {
+            match &p.split {
+                Split::Prefill(_) => {
+                    let total = p.all_positions.len() * kv_heads * head_dim;
+                    let (mut k_all, mut v_all) =
+                        (Vec::with_capacity(total), Vec::with_capacity(total));
+                    for both in pieces {
+                        let (ks, vs) = both.split_at(both.len() / 2);
+                        k_all.extend_from_slice(ks);
+                        v_all.extend_from_slice(vs);
+                    }
+                    let kv = Kv::Host { k: &k_all, v: &v_all };
+                    let (o, _) =
+                        be.attention(q, &p.positions, kv, &p.all_positions, self.shape, false)?;
+                    *out = Some(o);
+                }
+                Split::Extend(_) => {
+                    let width = p.positions.len() * q_heads * head_dim;
+                    let (first_o, first_l) = pieces[0].split_at(width);
+                    let (mut acc_o, mut acc_l) = (first_o.to_vec(), first_l.to_vec());
+                    for rest in &pieces[1..] {
+                        let (o, l) = rest.split_at(width);
+                        merge_partial(&mut acc_o, &mut acc_l, o, l, head_dim);
+                    }
+                    *out = Some(Tensor::from_vec(&[p.positions.len(), q_heads, head_dim], acc_o)?);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Output projection of this rank's heads, all-reduced over TP.
+    fn finish(&self, be: &Backend, comms: &mut Comms<'_>, attn: Tensor) -> Result<Tensor> {
+        let mut y = self.attn.project_out(be, attn)?;
+        be.all_reduce_sum(comms.tp, &mut y)?;
+        Ok(y)
+    }
+}

@@ -1,0 +1,339 @@
+//! The forward pass of [`ParallelModel`]: how a step's tokens split over CP, the decoder
+//! stack, and the logits, argmax and greedy generation built on it.
+
+use super::{gather_tokens, Comms, ParallelCache, ParallelModel, Placement};
+use crate::error::{Error, Result};
+use crate::model::Logits;
+use crate::tensor::Tensor;
+use collectives::Collective;
+use mesh::TokenShard;
+use std::ops::Range;
+
+/// How one sequence's tokens of a step are split over CP.
+pub(super) enum Split {
+    Prefill(TokenShard),
+    /// Which CP rank keeps each new token's keys and values.
+    Extend(Vec<usize>),
+}
+
+/// One sequence's place in a step on this rank.
+pub(super) struct Part {
+    pub(super) split: Split,
+    /// This rank's rows of the sequence in the step's packed activations.
+    pub(super) rows: Range<usize>,
+    /// Positions of all the sequence's tokens in the step.
+    pub(super) all_positions: Vec<usize>,
+    /// Positions of this rank's rows.
+    pub(super) positions: Vec<usize>,
+    /// Extend: which rows' keys and values this rank keeps.
+    pub(super) owned: Vec<bool>,
+}
+
+impl Part {
+    /// Tokens of the step each CP rank keeps.
+    fn kept(&self, ranks: usize) -> Vec<usize> {
+        match &self.split {
+            Split::Prefill(shard) => shard.sizes().to_vec(),
+            Split::Extend(owners) => {
+                let mut kept = vec![0; ranks];
+                owners.iter().for_each(|&o| kept[o] += 1);
+                kept
+            }
+        }
+    }
+}
+
+/// One sequence of a batched step (see [`ParallelModel::forward_batch`]).
+#[derive(Debug)]
+pub struct Sequence<'a> {
+    /// The next token ids, continuing where `cache` ends.
+    pub tokens: &'a [u32],
+    /// The sequence's KV-cache shard on this rank.
+    pub cache: &'a mut ParallelCache,
+    /// Whether the logits of its last token are wanted.
+    pub sample: bool,
+}
+
+impl ParallelModel {
+    /// How `n` more tokens of the sequence in `cache` split over CP: a prefill when the
+    /// cache is empty and every CP rank gets a token (never with one CP rank: an extend keeps
+    /// its keys and values where attention reads them), an extend otherwise.
+    fn split(&self, cache: &ParallelCache, n: usize) -> Result<Split> {
+        let cp = self.placement.cp;
+        if cp > 1 && cache.is_empty() && n >= cp {
+            return Ok(Split::Prefill(TokenShard::new(n, cp, self.placement.cp_rank)?));
+        }
+        let mut lens = cache.cp_lens.clone();
+        let owners = (0..n)
+            .map(|_| {
+                let owner = (0..cp).min_by_key(|&r| (lens[r], r)).unwrap_or(0);
+                lens[owner] += 1;
+                owner
+            })
+            .collect();
+        Ok(Split::Extend(owners))
+    }
+
+    /// Checks that `n` more tokens fit in `cache` on this rank.
+    ///
+    /// # Errors
+    /// [`Error::CacheFull`] when they do not; [`Error::Shape`] for no tokens.
+    pub fn check_room(&self, cache: &ParallelCache, n: usize) -> Result<()> {
+        self.part_into(cache, &[], n, 0, &mut Vec::new()).map(drop)
+    }
+
+    /// The place of `n` tokens of the sequence in `cache` in a step whose rows before it
+    /// number `at`; of `tokens` (empty when only checking), the rows this rank computes are
+    /// appended to `local`.
+    fn part_into(
+        &self,
+        cache: &ParallelCache,
+        tokens: &[u32],
+        n: usize,
+        at: usize,
+        local: &mut Vec<u32>,
+    ) -> Result<Part> {
+        if n == 0 {
+            return Err(Error::shape("ParallelModel::forward", "a sequence with no tokens"));
+        }
+        let start = cache.len();
+        let all_positions: Vec<usize> = (start..start + n).collect();
+        let me = self.placement.cp_rank;
+        let split = self.split(cache, n)?;
+        let (positions, owned, needed) = match &split {
+            Split::Prefill(shard) => {
+                if !tokens.is_empty() {
+                    local.extend_from_slice(shard.select(tokens)?);
+                }
+                let positions = shard.select(&all_positions)?.to_vec();
+                let needed = positions.len();
+                (positions, Vec::new(), needed)
+            }
+            Split::Extend(owners) => {
+                local.extend_from_slice(tokens);
+                let owned: Vec<bool> = owners.iter().map(|&o| o == me).collect();
+                let needed = owned.iter().filter(|&&o| o).count();
+                (all_positions.clone(), owned, needed)
+            }
+        };
+        if cache.local_len() + needed > cache.capacity() {
+            return Err(Error::CacheFull {
+                len: cache.local_len(),
+                capacity: cache.capacity(),
+                requested: needed,
+            });
+        }
+        Ok(Part { rows: at..at + positions.len(), split, all_positions, positions, owned })
+    }
+
+    /// Runs `tokens` (the next ones of the sequence in `cache`) and returns logits
+    /// `[rows, vocab]`, identical on every rank. On error the cache may hold part of the
+    /// step: clear it (the peers failed too).
+    ///
+    /// # Errors
+    /// Empty input, an id outside the vocabulary, a full cache, a failed collective.
+    pub fn forward(
+        &self,
+        comms: &mut Comms<'_>,
+        tokens: &[u32],
+        cache: &mut ParallelCache,
+        logits: Logits,
+    ) -> Result<Tensor> {
+        self.backend.run(|| {
+            let x = self.hidden(comms, tokens, cache, logits)?;
+            self.lm_head.logits(&self.backend, comms.tp, &x)
+        })
+    }
+
+    /// Greedy next tokens (one per returned row) without gathering the logits.
+    ///
+    /// # Errors
+    /// As [`ParallelModel::forward`].
+    pub fn forward_argmax(
+        &self,
+        comms: &mut Comms<'_>,
+        tokens: &[u32],
+        cache: &mut ParallelCache,
+        logits: Logits,
+    ) -> Result<Vec<u32>> {
+        self.backend.run(|| {
+            let x = self.hidden(comms, tokens, cache, logits)?;
+            self.lm_head.argmax(&self.backend, comms.tp, &x)
+        })
+    }
+
+    /// One step of many sequences as one forward pass: their tokens packed into one
+    /// activation matrix (every linear layer one product over all of them, one TP all-reduce
+    /// per layer and, with CP, one exchange per layer), each sequence attending over its own
+    /// cache. Returns the logits `[sampled, vocab]` of the last token of every sequence with
+    /// `sample` set, in order, on the rank at TP 0 and CP 0 only (`None` elsewhere): the other
+    /// ranks send it their share rather than gathering the vocabulary everywhere.
+    ///
+    /// A sequence's logits are those of [`ParallelModel::forward`] on it alone up to f32
+    /// summation order: the kernels a linear layer picks depend on the step's row count.
+    /// On error the caches may hold part of the step: clear them (the peers failed too).
+    ///
+    /// # Errors
+    /// A sequence with no tokens or no room left ([`Error::CacheFull`]), an id outside the
+    /// vocabulary, a failed collective.
+    pub fn forward_batch(
+        &self,
+        comms: &mut Comms<'_>,
+        seqs: &mut [Sequence<'_>],
+    ) -> Result<Option<Tensor>> {
+        self.backend.run(|| self.forward_batch_here(comms, seqs))
+    }
+
+    fn forward_batch_here(
+        &self,
+        comms: &mut Comms<'_>,
+        seqs: &mut [Sequence<'_>],
+    ) -> Result<Option<Tensor>> {
+        let (x, parts) = self.layers(comms, seqs)?;
+        let Placement { cp_rank, cp, .. } = self.placement;
+        let sampled: Vec<&Part> =
+            seqs.iter().zip(&parts).filter(|(s, _)| s.sample).map(|(_, p)| p).collect();
+        let hidden = self.config.hidden;
+        if sampled.is_empty() {
+            // Nothing to sample (prompt chunks only): no rank moves anything.
+            let root = (cp_rank, self.placement.tp_rank) == (0, 0);
+            return Ok(root.then(|| Tensor::zeros(&[0, self.config.vocab_size])));
+        }
+        // Prefill rows end on the last CP rank (shards ascend); it sends them to CP rank 0.
+        let holder = cp - 1;
+        let from_holder: Vec<usize> = sampled
+            .iter()
+            .filter(|p| matches!(p.split, Split::Prefill(_)))
+            .map(|p| p.rows.end - 1)
+            .collect();
+        if cp_rank != 0 {
+            if cp_rank == holder && !from_holder.is_empty() {
+                let mut rows = Vec::with_capacity(from_holder.len() * hidden);
+                from_holder.iter().for_each(|&r| rows.extend_from_slice(x.row(r)));
+                comms.cp.send(&rows, 0)?;
+            }
+            return Ok(None);
+        }
+        let mut received = vec![0f32; from_holder.len() * hidden];
+        if !from_holder.is_empty() {
+            comms.cp.recv(&mut received, holder)?;
+        }
+        let mut received = received.chunks_exact(hidden);
+        let mut rows = Vec::with_capacity(sampled.len() * hidden);
+        for p in &sampled {
+            match p.split {
+                Split::Prefill(_) => rows.extend_from_slice(received.next().unwrap_or_default()),
+                Split::Extend(_) => rows.extend_from_slice(x.row(p.rows.end - 1)),
+            }
+        }
+        let x = Tensor::from_vec(&[sampled.len(), hidden], rows)?;
+        let x = self.backend.rms_norm(&x, &self.norm, self.config.rms_eps)?;
+        self.lm_head.logits_to(&self.backend, comms.tp, &x, 0)
+    }
+
+    /// Greedy generation: `prompt`, then argmax tokens until `max_new`, a `stop` token or a
+    /// full cache. Every rank returns the same tokens.
+    ///
+    /// # Errors
+    /// As [`ParallelModel::forward`].
+    pub fn generate(
+        &self,
+        comms: &mut Comms<'_>,
+        prompt: &[u32],
+        max_new: usize,
+        stop: &[u32],
+        cache: &mut ParallelCache,
+        mut on_token: impl FnMut(u32),
+    ) -> Result<Vec<u32>> {
+        let mut out = Vec::new();
+        if max_new == 0 || prompt.is_empty() {
+            return Ok(out);
+        }
+        let mut next = self.forward_argmax(comms, prompt, cache, Logits::Last)?[0];
+        loop {
+            out.push(next);
+            on_token(next);
+            let full = cache.cp_lens.iter().min().copied().unwrap_or(0) >= cache.capacity();
+            if out.len() >= max_new || stop.contains(&next) || full {
+                return Ok(out);
+            }
+            next = self.forward_argmax(comms, &[next], cache, Logits::Last)?[0];
+        }
+    }
+
+    /// The decoder stack over one step of `seqs`: returns this rank's rows of the last hidden
+    /// states (before the final norm), packed in order, and each sequence's place.
+    fn layers(
+        &self,
+        comms: &mut Comms<'_>,
+        seqs: &mut [Sequence<'_>],
+    ) -> Result<(Tensor, Vec<Part>)> {
+        if seqs.is_empty() {
+            return Err(Error::shape("ParallelModel::forward_batch", "no sequences"));
+        }
+        let (be, c) = (&self.backend, &self.config);
+        let mut tokens = Vec::new();
+        let mut parts = Vec::with_capacity(seqs.len());
+        for s in seqs.iter() {
+            let at = tokens.len();
+            parts.push(self.part_into(s.cache, s.tokens, s.tokens.len(), at, &mut tokens)?);
+        }
+        let mut x = self.embed.forward(be, comms.tp, &tokens)?;
+        if let Some(s) = c.embedding_scale {
+            be.scale(&mut x, s)?;
+        }
+        for (l, b) in self.blocks.iter().enumerate() {
+            let h = be.rms_norm(&x, &b.attn_norm, c.rms_eps)?;
+            let mut caches: Vec<&mut ParallelCache> =
+                seqs.iter_mut().map(|s| &mut *s.cache).collect();
+            let a = b.attn.forward(be, comms, &h, &parts, l, &mut caches)?;
+            be.add_assign(&mut x, &a)?;
+            let h = be.rms_norm(&x, &b.ffn_norm, c.rms_eps)?;
+            let mut m = b.mlp.forward(be, &h)?;
+            be.all_reduce_sum(comms.tp, &mut m)?;
+            be.add_assign(&mut x, &m)?;
+        }
+        // The reductions above are queued on the device without host waits; the last one is
+        // waited for here, where a failed peer is named.
+        be.wait_collectives(comms.tp)?;
+        for (s, p) in seqs.iter_mut().zip(&parts) {
+            let kept = p.kept(self.placement.cp);
+            s.cache.cp_lens.iter_mut().zip(kept).for_each(|(len, k)| *len += k);
+        }
+        Ok((x, parts))
+    }
+
+    /// The final normalized hidden states of the rows `logits` asks for, on every rank.
+    fn hidden(
+        &self,
+        comms: &mut Comms<'_>,
+        tokens: &[u32],
+        cache: &mut ParallelCache,
+        logits: Logits,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let mut seqs = [Sequence { tokens, cache, sample: true }];
+        let (x, mut parts) = self.layers(comms, &mut seqs)?;
+        let part = parts.remove(0);
+        // Bring the rows asked for onto every rank.
+        let x = match (&part.split, logits) {
+            (Split::Prefill(shard), Logits::All) => gather_tokens(comms.cp, &x, shard)?,
+            (Split::Prefill(_), Logits::Last) => {
+                // Shards ascend, so the last CP rank holds the last token.
+                let holder = self.placement.cp - 1;
+                let mut last = if self.placement.cp_rank == holder {
+                    x.row(x.rows() - 1).to_vec()
+                } else {
+                    vec![0f32; c.hidden]
+                };
+                comms.cp.broadcast(&mut last, holder)?;
+                Tensor::from_vec(&[1, c.hidden], last)?
+            }
+            (Split::Extend(_), Logits::All) => x,
+            (Split::Extend(_), Logits::Last) => {
+                Tensor::from_vec(&[1, c.hidden], x.row(x.rows() - 1).to_vec())?
+            }
+        };
+        self.backend.rms_norm(&x, &self.norm, c.rms_eps)
+    }
+}

@@ -1,0 +1,276 @@
+//! The sharded model: [`ParallelModel`], its decoder blocks, how a rank's shard is loaded
+//! ([`LoadOptions`]), and its weight buffers.
+
+use super::{
+    aligned_ranges, ffn_range, ParallelAttention, ParallelLmHead, Placement, VocabParallelEmbedding,
+};
+use crate::config::LlamaConfig;
+use crate::error::Result;
+use crate::gguf::GgufFile;
+use crate::kernels::Backend;
+use crate::memory::{padded, Arena, WeightBuffers};
+use crate::model::{load_vector, Linear, Mlp, Shard, WeightForm, WeightSource};
+use crate::tensor::Tensor;
+use std::path::Path;
+
+#[derive(Clone, Debug)]
+pub(super) struct ParallelBlock {
+    pub(super) attn_norm: Tensor,
+    pub(super) attn: ParallelAttention,
+    pub(super) ffn_norm: Tensor,
+    pub(super) mlp: Mlp,
+}
+
+/// The buffers in the order attention norm, attention (see
+/// [`Attention`](crate::model::Attention)'s order), MLP norm, MLP.
+impl WeightBuffers for ParallelBlock {
+    fn buffers<'a>(&'a self, out: &mut Vec<&'a [u8]>) {
+        self.attn_norm.buffers(out);
+        self.attn.attn.buffers(out);
+        self.ffn_norm.buffers(out);
+        self.mlp.buffers(out);
+    }
+
+    fn move_to(&mut self, arena: &dyn Arena) -> Result<()> {
+        self.attn_norm.move_to(arena)?;
+        self.attn.attn.move_to(arena)?;
+        self.ffn_norm.move_to(arena)?;
+        self.mlp.move_to(arena)
+    }
+}
+
+/// How [`ParallelModel::load`] and [`ParallelModel::from_source`] build a rank's shard: its
+/// place in the mesh, where it computes (the CPU with `threads` threads unless a backend is
+/// given), the form of its weights, and who hears of the progress.
+///
+/// ```no_run
+/// # use layers::parallel::{LoadOptions, ParallelModel, Placement};
+/// # use layers::model::WeightForm;
+/// let model = ParallelModel::load(
+///     "model.gguf",
+///     LoadOptions::new(Placement::single()).threads(4).form(WeightForm::F32),
+/// )?;
+/// # Ok::<(), layers::Error>(())
+/// ```
+pub struct LoadOptions<'a> {
+    placement: Placement,
+    backend: Option<Backend>,
+    threads: usize,
+    form: WeightForm,
+    progress: Option<&'a mut dyn FnMut(usize, usize)>,
+}
+
+impl LoadOptions<'static> {
+    /// The shard at `placement`, on the CPU with one thread, weights in their native form,
+    /// no progress reports.
+    pub fn new(placement: Placement) -> LoadOptions<'static> {
+        LoadOptions {
+            placement,
+            backend: None,
+            threads: 1,
+            form: WeightForm::default(),
+            progress: None,
+        }
+    }
+}
+
+impl<'a> LoadOptions<'a> {
+    /// Computes on the CPU with `threads` threads (ignored when a backend is given).
+    #[must_use]
+    pub fn threads(mut self, threads: usize) -> Self {
+        self.threads = threads;
+        self
+    }
+
+    /// Computes on `backend` (a GPU's, say).
+    #[must_use]
+    pub fn on(mut self, backend: Backend) -> Self {
+        self.backend = Some(backend);
+        self
+    }
+
+    /// Keeps the weights in `form`.
+    #[must_use]
+    pub fn form(mut self, form: WeightForm) -> Self {
+        self.form = form;
+        self
+    }
+
+    /// Calls `progress(done, total)` as the shard loads: after the embedding, each layer and
+    /// the head (`total` is the layer count plus 2).
+    #[must_use]
+    pub fn progress<'b>(self, progress: &'b mut dyn FnMut(usize, usize)) -> LoadOptions<'b> {
+        let LoadOptions { placement, backend, threads, form, .. } = self;
+        LoadOptions { placement, backend, threads, form, progress: Some(progress) }
+    }
+}
+
+impl std::fmt::Debug for LoadOptions<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadOptions")
+            .field("placement", &self.placement)
+            .field("backend", &self.backend)
+            .field("threads", &self.threads)
+            .field("form", &self.form)
+            .field("progress", &self.progress.is_some())
+            .finish()
+    }
+}
+
+/// The Llama-family decoder sharded over a `tp × cp` mesh.
+#[derive(Clone, Debug)]
+pub struct ParallelModel {
+    pub(super) config: LlamaConfig,
+    pub(super) backend: Backend,
+    pub(super) placement: Placement,
+    pub(super) embed: VocabParallelEmbedding,
+    pub(super) blocks: Vec<ParallelBlock>,
+    pub(super) norm: Tensor,
+    pub(super) lm_head: ParallelLmHead,
+}
+
+impl ParallelModel {
+    /// Loads this rank's shard of a model: a GGUF file, or a Hugging Face folder
+    /// (`config.json` and safetensors); only the rank's slices of each tensor are read.
+    ///
+    /// # Errors
+    /// Starting the CPU kernels, opening the file, reading the config, loading a weight, or a
+    /// layout the model cannot be split into.
+    pub fn load(path: impl AsRef<Path>, opts: LoadOptions<'_>) -> Result<Self> {
+        let path = path.as_ref();
+        if path.is_dir() {
+            let ck = crate::safetensors::HfCheckpoint::open(path)?;
+            let config = ck.config()?;
+            return ParallelModel::from_source(&ck, config, opts);
+        }
+        let file = GgufFile::open(path)?;
+        let config = LlamaConfig::from_gguf(&file)?;
+        let fused;
+        let src: &dyn WeightSource = if file.has_fused_projections() {
+            fused = crate::model::fused::FusedSource::new(&file, &config);
+            &fused
+        } else {
+            &file
+        };
+        ParallelModel::from_source(src, config, opts)
+    }
+
+    /// Builds this rank's shard from any weight source.
+    ///
+    /// # Errors
+    /// As [`ParallelModel::load`].
+    pub fn from_source(
+        src: &dyn WeightSource,
+        config: LlamaConfig,
+        opts: LoadOptions<'_>,
+    ) -> Result<Self> {
+        let LoadOptions { placement, backend, threads, form, progress } = opts;
+        let backend = match backend {
+            Some(backend) => backend,
+            None => Backend::cpu(threads)?,
+        };
+        let mut silent = |_: usize, _: usize| {};
+        let progress: &mut dyn FnMut(usize, usize) = match progress {
+            Some(progress) => progress,
+            None => &mut silent,
+        };
+        let Placement { tp_rank, tp, .. } = placement;
+        let total = config.n_layers + 2;
+        let vocab = aligned_ranges(config.vocab_size, tp, 1);
+        let embed =
+            VocabParallelEmbedding::load(src, "token_embd.weight", vocab[tp_rank].clone(), form)?;
+        progress(1, total);
+        let mut blocks = Vec::with_capacity(config.n_layers);
+        for l in 0..config.n_layers {
+            blocks.push(ParallelBlock {
+                attn_norm: load_vector(src, &format!("blk.{l}.attn_norm.weight"), config.hidden)?,
+                attn: ParallelAttention::load(src, l, &config, tp_rank, tp, form)?,
+                ffn_norm: load_vector(src, &format!("blk.{l}.ffn_norm.weight"), config.hidden)?,
+                mlp: Mlp::load(src, l, ffn_range(&config, tp_rank, tp), form)?
+                    .with_activation(config.activation),
+            });
+            progress(l + 2, total);
+        }
+        let norm = load_vector(src, "output_norm.weight", config.hidden)?;
+        let lm_head = if config.tied_embeddings {
+            ParallelLmHead::tied(&embed, vocab, tp_rank)
+        } else {
+            let rows = Shard::Rows(vocab[tp_rank].clone());
+            let weight = Linear::load(src, "output.weight", &rows, form)?.weight().clone();
+            ParallelLmHead::new(weight, vocab, tp_rank)
+        };
+        progress(total, total);
+        Ok(ParallelModel { config, backend, placement, embed, blocks, norm, lm_head })
+    }
+
+    /// The hyper-parameters.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// Where this rank sits.
+    pub fn placement(&self) -> Placement {
+        self.placement
+    }
+
+    /// The backend the model computes on.
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    /// The bytes of every weight buffer this rank holds, in the order
+    /// [`ParallelModel::move_weights_to`] allocates them:
+    /// 1. the embedding table (this rank's vocabulary rows);
+    /// 2. for each layer: the attention norm, the fused Q/K/V projection, the Q/K/V bias (when
+    ///    the model has one), the output projection, the MLP norm, the fused gate/up
+    ///    projection and the down projection;
+    /// 3. the final norm;
+    /// 4. the LM head, unless it is tied to the embedding (the shared table is listed once).
+    ///
+    /// A matrix is one buffer of f32 values, or, quantized, its scales, its minimums (4-bit
+    /// formats only) and its quants. Empty buffers are left out.
+    pub fn weight_buffers(&self) -> Vec<&[u8]> {
+        let mut out = Vec::new();
+        self.embed.buffers(&mut out);
+        for b in &self.blocks {
+            b.buffers(&mut out);
+        }
+        self.norm.buffers(&mut out);
+        if !self.lm_head.is_tied_to(&self.embed) {
+            self.lm_head.buffers(&mut out);
+        }
+        out
+    }
+
+    /// The arena bytes [`ParallelModel::move_weights_to`] needs when its allocations are carved
+    /// out of one region: each of [`ParallelModel::weight_buffers`] rounded up to
+    /// [`crate::memory::ALIGN`], summed.
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_buffers().iter().map(|b| padded(b.len())).sum()
+    }
+
+    /// Moves every weight buffer into memory from `arena`: one allocation per buffer, of
+    /// exactly its length, in the order of [`ParallelModel::weight_buffers`]. The values are
+    /// copied bit for bit and the heap copies are freed; a tied LM head keeps sharing the
+    /// embedding table.
+    ///
+    /// # Errors
+    /// [`Error::Arena`] when an allocation fails or has the wrong size, [`Error::Shape`] when
+    /// one is misaligned. The buffers moved until then stay in the arena and the rest on the
+    /// heap: the model computes the same either way.
+    pub fn move_weights_to(&mut self, arena: &dyn Arena) -> Result<()> {
+        let tied = self.lm_head.is_tied_to(&self.embed);
+        self.embed.move_to(arena)?;
+        if tied {
+            self.lm_head.tie_to(&self.embed);
+        }
+        for b in &mut self.blocks {
+            b.move_to(arena)?;
+        }
+        self.norm.move_to(arena)?;
+        if !tied {
+            self.lm_head.move_to(arena)?;
+        }
+        Ok(())
+    }
+}
