@@ -1,5 +1,6 @@
 //! Tidy checks of the workspace's shape, run as tests (`cargo test -p xtask`, so `cargo xtask
-//! ci` runs them): the crate graph is the one docs/architecture.md draws, and nothing points up.
+//! ci` runs them): the crate graph is the one docs/architecture.md draws, nothing points up,
+//! and no source file outgrows one reading.
 
 #[cfg(test)]
 mod tests {
@@ -58,6 +59,77 @@ mod tests {
                 "{krate} depends on {extra:?}, which docs/architecture.md puts above or beside it"
             );
         }
+    }
+
+    /// The most lines a source file's non-test part may have: a longer file holds several
+    /// concepts and is split by them.
+    const MAX_LINES: usize = 1000;
+
+    /// Lines of `text` before its inline test module (all of them when it has none).
+    fn non_test_lines(text: &str) -> usize {
+        let lines: Vec<&str> = text.lines().collect();
+        lines
+            .windows(2)
+            .position(|w| {
+                let (attr, item) = (w[0].trim(), w[1].trim());
+                attr == "#[cfg(test)]" && item.starts_with("mod ") && item.ends_with('{')
+            })
+            .unwrap_or(lines.len())
+    }
+
+    /// Whether `path` (relative to the root) holds tests only: a `tests.rs`, a `*_tests.rs`,
+    /// or a file in a crate's `tests/` folder (the `tests` crate's own sources are checked).
+    fn is_test_file(path: &std::path::Path) -> bool {
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        name == "tests.rs"
+            || name.ends_with("_tests.rs")
+            || path.components().skip(1).any(|c| c.as_os_str() == "tests")
+    }
+
+    fn rust_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        let Ok(entries) = std::fs::read_dir(dir) else { return };
+        for e in entries.map(|e| e.unwrap().path()) {
+            if e.is_dir() {
+                rust_files(&e, out);
+            } else if e.extension().is_some_and(|x| x == "rs") {
+                out.push(e);
+            }
+        }
+    }
+
+    #[test]
+    fn no_source_file_is_over_a_thousand_lines() {
+        let mut files = Vec::new();
+        for dir in ["crates", "xtask/src", "tests/src"] {
+            rust_files(&root().join(dir), &mut files);
+        }
+        assert!(
+            files.len() > 50,
+            "found only {} source files under {}",
+            files.len(),
+            root().display()
+        );
+        let long: Vec<String> = files
+            .iter()
+            .filter(|f| !is_test_file(f.strip_prefix(root()).unwrap_or(f)))
+            .filter_map(|f| {
+                let n = non_test_lines(&std::fs::read_to_string(f).unwrap());
+                (n > MAX_LINES).then(|| format!("{} ({n} lines)", f.display()))
+            })
+            .collect();
+        assert!(long.is_empty(), "split these by concept: {long:?}");
+    }
+
+    #[test]
+    fn the_line_count_stops_at_the_inline_tests() {
+        assert_eq!(non_test_lines("a\nb\n#[cfg(test)]\nmod tests {\n}\n"), 2);
+        assert_eq!(non_test_lines("a\n#[cfg(test)]\nfn helper() {}\n"), 3);
+        // A test module in a file of its own is declared, not counted out.
+        assert_eq!(non_test_lines("#[cfg(test)]\nmod tests;\nb\n"), 3);
+        assert!(is_test_file(std::path::Path::new("crates/x/src/tests.rs")));
+        assert!(is_test_file(std::path::Path::new("crates/cli/tests/cli.rs")));
+        assert!(!is_test_file(std::path::Path::new("crates/x/src/protocol.rs")));
+        assert!(!is_test_file(std::path::Path::new("tests/src/bin/session_rank.rs")));
     }
 
     #[test]
