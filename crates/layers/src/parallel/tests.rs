@@ -15,7 +15,7 @@ use crate::memory::Arena;
 use crate::model::random::RandomLlama;
 use crate::model::{KvCache, Linear, Logits, Model, Shard, WeightForm};
 use crate::tensor::Tensor;
-use crate::test_util::{random_vec, temp_path};
+use crate::test_util::{random_vec, temp_path, FakeDeviceMemory};
 use collectives::{local, Collective, Communicator, ShmOptions};
 use mesh::TokenShard;
 use std::ops::Range;
@@ -1032,30 +1032,12 @@ fn a_failing_arena_is_an_error_and_leaves_a_working_model() {
     std::fs::remove_file(path).unwrap();
 }
 
-/// Device memory that is never dereferenced (the CPU backend must refuse it).
-#[derive(Debug)]
-struct Unmapped(usize);
-
-// SAFETY: it breaks the contract on purpose and is sound only in the test that uses it, which
-// checks that the CPU backend refuses device memory before it could touch an address.
-#[allow(unsafe_code)]
-unsafe impl mesh::DeviceMemory for Unmapped {
-    fn device_ptr(&self) -> u64 {
-        0x7000_0000
-    }
-    fn size(&self) -> usize {
-        self.0
-    }
-    fn device(&self) -> mesh::Device {
-        mesh::Device::Cuda(0)
-    }
-}
-
+/// Hands out device memory that is never dereferenced (the CPU backend must refuse it).
 struct UnmappedArena;
 
 impl crate::memory::DeviceArena for UnmappedArena {
     fn alloc_device(&self, bytes: usize) -> Result<Box<dyn mesh::DeviceMemory>> {
-        Ok(Box::new(Unmapped(bytes)))
+        Ok(Box::new(FakeDeviceMemory(bytes)))
     }
 }
 
