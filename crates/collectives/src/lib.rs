@@ -7,7 +7,8 @@
 //! - [`local`]: threads of one process (tests);
 //! - [`shm`]: processes on one host, through one shared-memory segment per group;
 //! - [`tcp`]: processes on any hosts, ring algorithms over TCP;
-//! - `nccl` (feature `cuda`): NVIDIA GPUs.
+//! - `nccl` (feature `cuda`): NVIDIA GPUs;
+//! - [`Solo`]: a group of one rank (arguments still checked), for code that runs unsharded.
 //!
 //! Every call has a deadline; every error names the operation, the group, this rank and the
 //! peer at fault; an [`AbortHandle`] unblocks a call from another thread.

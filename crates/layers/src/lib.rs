@@ -20,9 +20,10 @@
 //!   of each row, so partial results over disjoint keys merge exactly.
 //!
 //! `unsafe` is denied crate-wide; the exceptions are local and documented: the `gemm` call in
-//! `kernels::cpu::matmul`, the AVX-512 loads and stores of `kernels::cpu::sgemm`, the prefetch
-//! hint of `kernels::cpu::matvec`, the file map in `mmap`, and the kernel launches and device
-//! copies of `kernels::cuda` (feature `cuda`).
+//! `kernels::cpu::matmul`, the AVX-512 loads and stores of `kernels::cpu::sgemm`, the AVX-512
+//! kernels of the block-quantized product in `kernels::cpu::qdot_avx512`, the prefetch hint of
+//! `kernels::cpu::matvec`, the file map in `mmap`, and the kernel launches and device copies of
+//! `kernels::cuda` (feature `cuda`).
 #![deny(unsafe_code)]
 
 pub mod config;
