@@ -15,8 +15,8 @@
 mod blocks;
 mod engine;
 mod error;
-pub mod model_memory;
 mod model;
+pub mod model_memory;
 mod plan;
 #[cfg(not(feature = "bench-internals"))]
 mod protocol;

@@ -2,8 +2,8 @@
 //! loads the shard of its mesh coordinates and runs its collectives on the lent [`Groups`].
 
 use crate::error::BoxError;
-use crate::model_memory::{ModelMemory, ShardOrigin};
 use crate::model::{Groups, KvLayout, ModelFactory, StepModel, StepOutput};
+use crate::model_memory::{ModelMemory, ShardOrigin};
 use crate::plan::{PlanEntry, SeqId, SessionConfig, StepPlan};
 use crate::replicated::LlamaFactory;
 use crate::sequences::Sequences;
