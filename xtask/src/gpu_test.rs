@@ -157,8 +157,9 @@ const RUN_SH: &str = include_str!("gpu_bundle/run.sh");
 const MODEL_PART: u64 = 60 << 20;
 
 /// Test targets with GPU tests (`package target`), as cargo names them.
-const GPU_TEST_TARGETS: [&str; 7] = [
+const GPU_TEST_TARGETS: [&str; 8] = [
     "tpctl-mesh mesh",
+    "tpctl-tensor tensor",
     "tpctl-layers layers",
     "tpctl-vmm vmm",
     "tpctl-collectives collectives",

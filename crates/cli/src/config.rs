@@ -254,12 +254,12 @@ pub enum ComputeDtype {
     F16,
 }
 
-impl From<ComputeDtype> for layers::kernels::GemmDtype {
+impl From<ComputeDtype> for tensor::kernels::GemmDtype {
     fn from(d: ComputeDtype) -> Self {
         match d {
-            ComputeDtype::F32 => layers::kernels::GemmDtype::F32,
-            ComputeDtype::Bf16 => layers::kernels::GemmDtype::Bf16,
-            ComputeDtype::F16 => layers::kernels::GemmDtype::F16,
+            ComputeDtype::F32 => tensor::kernels::GemmDtype::F32,
+            ComputeDtype::Bf16 => tensor::kernels::GemmDtype::Bf16,
+            ComputeDtype::F16 => tensor::kernels::GemmDtype::F16,
         }
     }
 }
@@ -610,7 +610,7 @@ impl Config {
             bail!(
                 "--dtype {} (or [runtime] dtype): the CPU kernels compute in f32; half \
                  precision needs --device cuda",
-                layers::kernels::GemmDtype::from(dtype).name()
+                tensor::kernels::GemmDtype::from(dtype).name()
             );
         }
         Ok(LaunchSettings {

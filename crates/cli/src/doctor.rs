@@ -77,7 +77,7 @@ pub fn examine(only: Option<usize>) -> Vec<Finding> {
         )));
     }
     for ordinal in ordinals {
-        let backend = match layers::kernels::CudaBackend::new(ordinal) {
+        let backend = match tensor::kernels::CudaBackend::new(ordinal) {
             Ok(b) => b,
             Err(e) => {
                 out.push(Finding::Blocker(format!("cuda:{ordinal}: {e}")));
@@ -106,7 +106,7 @@ pub fn examine(only: Option<usize>) -> Vec<Finding> {
 }
 
 /// One device as the driver describes it.
-fn describe(ordinal: usize, info: &layers::kernels::CudaDeviceInfo) -> String {
+fn describe(ordinal: usize, info: &tensor::kernels::CudaDeviceInfo) -> String {
     let gib = |b: usize| b as f64 / f64::from(1u32 << 30);
     let (major, minor) = info.compute_capability;
     let (cuda_major, cuda_minor) = info.driver_cuda;
@@ -163,7 +163,7 @@ mod tests {
 
     #[test]
     fn a_device_is_described_in_one_line() {
-        let info = layers::kernels::CudaDeviceInfo {
+        let info = tensor::kernels::CudaDeviceInfo {
             name: "NVIDIA H200".into(),
             compute_capability: (9, 0),
             total_bytes: 150_000_000_000,

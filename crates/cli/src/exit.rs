@@ -24,7 +24,8 @@ pub fn caused_by_peer(e: &anyhow::Error) -> bool {
         c.downcast_ref::<session::Error>()
             .is_some_and(|s| s.caused_by_peer() || matches!(s, session::Error::PeerFailed { .. }))
             || c.downcast_ref::<collectives::Error>().is_some_and(blames_peer)
-            || matches!(c.downcast_ref::<layers::Error>(), Some(layers::Error::Collective(ce)) if blames_peer(ce))
+            || c.downcast_ref::<layers::Error>().and_then(layers::Error::collective).is_some_and(blames_peer)
+            || matches!(c.downcast_ref::<tensor::Error>(), Some(tensor::Error::Collective(ce)) if blames_peer(ce))
     })
 }
 

@@ -163,7 +163,7 @@ pub struct Meter {
     /// What was collected so far.
     pub totals: Arc<Mutex<Totals>>,
     /// The kernels, read after each step for the host's time blocked on the GPU.
-    gpu: Option<layers::kernels::Backend>,
+    gpu: Option<tensor::kernels::Backend>,
     /// The GPU wait the last step ended at.
     waited: Duration,
 }
@@ -171,7 +171,7 @@ pub struct Meter {
 impl Meter {
     /// A meter that also splits decode steps into host time and time waiting for the GPU,
     /// when `compute` runs on one.
-    pub fn with_backend(compute: &layers::kernels::Backend) -> Meter {
+    pub fn with_backend(compute: &tensor::kernels::Backend) -> Meter {
         let waited = compute.device_wait();
         Meter {
             gpu: waited.is_some().then(|| compute.clone()),
@@ -183,7 +183,7 @@ impl Meter {
 
 impl MetricsSink for Meter {
     fn step(&mut self, m: &StepMetrics) {
-        let waited = self.gpu.as_ref().and_then(layers::kernels::Backend::device_wait);
+        let waited = self.gpu.as_ref().and_then(tensor::kernels::Backend::device_wait);
         let step_wait = waited.map(|w| w.saturating_sub(std::mem::replace(&mut self.waited, w)));
         let mut t = self.totals.lock().unwrap_or_else(|e| e.into_inner());
         let time = m.model + m.agreement;

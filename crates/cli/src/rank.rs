@@ -8,7 +8,6 @@ use crate::output::{summary, Meter, Printer, PromptInfo};
 use crate::spec::{OutputFormat, RankSpec};
 use anyhow::{Context, Result};
 use collectives::{init_parallel_with, InitOptions};
-use layers::kernels::Backend;
 use layers::model::WeightForm;
 use session::model_memory::{ModelMemory, ModelRankMemory, Restore};
 use session::sharded::ShardedFactory;
@@ -23,6 +22,7 @@ use session::{
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tensor::kernels::Backend;
 
 /// Runs this rank of the job described by `TPCTL_RANK_SPEC`.
 ///
@@ -302,7 +302,7 @@ fn model_memory(spec: &RankSpec, compute: &Backend) -> Result<ModelMemory> {
     let memory =
         memory.with_level_one_weights(!spec.sleep.contains_key(vmm::Tag::WEIGHTS.as_str()));
     match compute.device() {
-        layers::Device::Cuda(ordinal) => Ok(memory.with_device(ordinal)?),
+        tensor::Device::Cuda(ordinal) => Ok(memory.with_device(ordinal)?),
         _ => Ok(memory),
     }
 }

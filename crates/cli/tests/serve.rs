@@ -932,7 +932,7 @@ fn serve_spans_two_nodes() {
 #[cfg(feature = "cuda")]
 #[test]
 fn gpu_serve_gives_the_cpu_tokens_and_a_sleep_returns_device_memory() {
-    if let Err(e) = layers::kernels::Backend::cuda(0) {
+    if let Err(e) = tensor::kernels::Backend::cuda(0) {
         let require = std::env::var("TPCTL_REQUIRE_GPU").is_ok_and(|v| v == "1");
         assert!(!require, "TPCTL_REQUIRE_GPU=1 but the GPU is unusable: {e}");
         eprintln!("note: no usable GPU ({e}); skipping");

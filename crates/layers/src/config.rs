@@ -41,15 +41,8 @@ pub struct LlamaConfig {
     pub embedding_scale: Option<f32>,
 }
 
-/// The activation of an MLP's gate projection, multiplied into its up projection.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Activation {
-    /// `x · sigmoid(x)` (Llama, Qwen2, Phi-3).
-    #[default]
-    Silu,
-    /// GELU in its tanh approximation (Gemma's `gelu_pytorch_tanh`).
-    GeluTanh,
-}
+/// The activation of an MLP's gate projection (a kernel choice, so the tensor crate's).
+pub use tensor::kernels::Activation;
 
 /// Llama 3's rope scaling (`rope_scaling` with `rope_type: "llama3"` in `config.json`): the
 /// frequency factors of its `rot_dim / 2` rotated pairs for rotary base `theta`. Wavelengths

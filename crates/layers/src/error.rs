@@ -14,6 +14,9 @@ pub enum Error {
         /// What went wrong.
         message: String,
     },
+    /// A kernel, a tensor operation or an arena failed.
+    #[error(transparent)]
+    Kernel(#[from] tensor::Error),
     /// A collective call of the parallel model failed.
     #[error(transparent)]
     Collective(#[from] collectives::Error),
@@ -67,14 +70,6 @@ pub enum Error {
         /// What is wrong.
         message: String,
     },
-    /// Shapes of kernel arguments do not agree.
-    #[error("shape mismatch in {op}: {message}")]
-    Shape {
-        /// The operation.
-        op: &'static str,
-        /// What disagrees.
-        message: String,
-    },
     /// The KV cache has no room for more tokens.
     #[error("kv cache full: {len} of {capacity} positions used, {requested} more requested")]
     CacheFull {
@@ -85,71 +80,29 @@ pub enum Error {
         /// Positions requested.
         requested: usize,
     },
-    /// A token id is outside the vocabulary.
-    #[error("token id {id} at index {index} is outside the vocabulary of {vocab} tokens")]
-    TokenOutOfRange {
-        /// The id.
-        id: u32,
-        /// Its index in the input.
-        index: usize,
-        /// The vocabulary size.
-        vocab: usize,
-    },
     /// The tokenizer failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     /// The chat template is missing or failed to render.
     #[error("chat template: {0}")]
     ChatTemplate(String),
-    /// A thread pool could not be built.
-    #[error("building a thread pool with {threads} threads: {message}")]
-    ThreadPool {
-        /// Requested threads.
-        threads: usize,
-        /// The error.
-        message: String,
-    },
-    /// The backend is compiled in but cannot run here.
-    #[error("{backend} backend unavailable: {reason}")]
-    BackendUnavailable {
-        /// The backend.
-        backend: &'static str,
-        /// Why.
-        reason: String,
-    },
-    /// Arena memory for weights or a KV cache could not be provided (see [`crate::Arena`]).
-    #[error("arena allocation of {bytes} bytes: {source}")]
-    Arena {
-        /// The bytes asked for.
-        bytes: usize,
-        /// Why the arena could not provide them.
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
-    /// Memory of one device was given to the backend of another.
-    #[error("{op}: memory of {got} given to the backend of {want}")]
-    WrongDevice {
-        /// The operation.
-        op: String,
-        /// Where the memory lives.
-        got: mesh::Device,
-        /// The backend's device.
-        want: mesh::Device,
-    },
-    /// The requested backend is not compiled into this build.
-    #[error("backend not compiled in: rebuild with feature `{feature}`")]
-    NotCompiledWith {
-        /// The cargo feature that enables it.
-        feature: &'static str,
-    },
 }
 
 /// The result type of the layers crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// The collectives error this is, directly or from a kernel (its variants are transparent,
+    /// so `source()` skips it and a chain walk has to ask).
+    pub fn collective(&self) -> Option<&collectives::Error> {
+        match self {
+            Error::Collective(e) | Error::Kernel(tensor::Error::Collective(e)) => Some(e),
+            _ => None,
+        }
+    }
+
     pub(crate) fn shape(op: &'static str, message: impl Into<String>) -> Self {
-        Error::Shape { op, message: message.into() }
+        Error::Kernel(tensor::Error::shape(op, message))
     }
 
     pub(crate) fn tensor(name: &str, message: impl Into<String>) -> Self {

@@ -1,8 +1,7 @@
-//! Tensors, CPU kernels, the GGUF loader, the tokenizer and the single-rank Llama model.
+//! The GGUF and safetensors loaders, the tokenizer, the Llama-family model and its
+//! tensor/context-parallel modules, on the tensors and kernels of the `tensor` crate.
 //!
-//! Layout: [`tensor`] (the `Tensor` type and its storage), [`memory`] (arenas that weights and
-//! KV caches can live in instead of the heap), [`kernels`] (the `Backend` seam and
-//! the CPU kernels), [`source`] (what every checkpoint format hands out: `WeightSource` and
+//! Layout: [`source`] (what every checkpoint format hands out: `WeightSource` and
 //! the `Shard` a rank reads), [`gguf`] (reader and writer), [`safetensors`] (Hugging Face
 //! checkpoints),
 //! [`config`] (model hyper-parameters), [`tokenizer`] (byte-level BPE and chat template),
@@ -19,25 +18,20 @@
 //! - Attention masks by absolute position (`kv_pos <= q_pos`) and can return the log-sum-exp
 //!   of each row, so partial results over disjoint keys merge exactly.
 //!
-//! `unsafe` is denied crate-wide; the exceptions are local and documented: the `gemm` call in
-//! `kernels::cpu::matmul`, the AVX-512 loads and stores of `kernels::cpu::sgemm`, the AVX-512
-//! kernels of the block-quantized product in `kernels::cpu::qdot_avx512`, the prefetch hint of
-//! `kernels::cpu::matvec`, the file map in `mmap`, and the kernel launches and device copies of
-//! `kernels::cuda` (feature `cuda`).
+//! `unsafe` is denied crate-wide; the one exception is the file map in `mmap`.
 #![deny(unsafe_code)]
 
 pub mod config;
+#[cfg(test)]
+mod cuda_tests;
 pub mod error;
 pub mod generation;
 pub mod gguf;
-pub mod kernels;
-pub mod memory;
 mod mmap;
 pub mod model;
 pub mod parallel;
 pub mod safetensors;
 pub mod source;
-pub mod tensor;
 #[cfg(test)]
 mod test_util;
 pub mod tokenizer;
@@ -45,7 +39,5 @@ pub mod tokenizer;
 pub use config::{Activation, LlamaConfig};
 pub use error::{Error, Result};
 pub use generation::GenerationConfig;
-pub use memory::{Arena, DeviceArena, HeapArena};
 pub use model::{KvCache, Logits, Model};
-pub use tensor::{DType, Device, ExternalMemory, Storage, Tensor};
 pub use tokenizer::{ChatMessage, Tokenizer};

@@ -4,8 +4,8 @@
 //! neither depends on the other for it.
 
 use crate::error::Result;
-use crate::kernels::QMatrix;
 use std::ops::Range;
+use tensor::kernels::QMatrix;
 
 /// A checkpoint that can hand out slices of its tensors as f32. Names are GGUF llama names
 /// (`blk.0.attn_q.weight`); a Hugging Face loader maps its names onto them.
@@ -13,7 +13,7 @@ pub trait WeightSource {
     /// The shape of `name`, outermost first.
     ///
     /// # Errors
-    /// [`Error::Tensor`] when the tensor is missing.
+    /// [`crate::Error::Tensor`] when the tensor is missing.
     fn shape(&self, name: &str) -> Result<Vec<usize>>;
 
     /// Whether `name` exists.
@@ -22,7 +22,7 @@ pub trait WeightSource {
     /// Rows `rows` of `name` viewed as `[rows, row_len]`.
     ///
     /// # Errors
-    /// [`Error::Tensor`] when the tensor is missing, unsupported, or the range out of bounds.
+    /// [`crate::Error::Tensor`] when the tensor is missing, unsupported, or the range out of bounds.
     fn rows(&self, name: &str, rows: Range<usize>) -> Result<Vec<f32>>;
 
     /// Columns `cols` of every row of `name`.

@@ -4,9 +4,9 @@
 //! Every value must be the same bits; the 8-bit repackings must hold the same values.
 
 use layers::gguf::{kquant, GgmlType, GgufFile, QuantFormat};
-use layers::kernels::QBits;
 use layers::model::{Shard, WeightSource};
 use std::path::PathBuf;
+use tensor::kernels::QBits;
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kquant").join(name)

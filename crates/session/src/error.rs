@@ -205,16 +205,19 @@ impl Error {
     }
 }
 
-/// The first collectives error along `e`'s source chain, `e` included. `layers::Error`'s
-/// collective variant is transparent (its `source()` skips the collectives error), so it is
-/// unwrapped by hand.
+/// The first collectives error along `e`'s source chain, `e` included. The collective
+/// variants of `layers::Error` and `tensor::Error` are transparent (their `source()` skips
+/// the collectives error), so those are asked.
 fn collective_in<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a collectives::Error> {
     let mut next = Some(e);
     while let Some(e) = next {
         if let Some(c) = e.downcast_ref::<collectives::Error>() {
             return Some(c);
         }
-        if let Some(layers::Error::Collective(c)) = e.downcast_ref::<layers::Error>() {
+        if let Some(c) = e.downcast_ref::<layers::Error>().and_then(layers::Error::collective) {
+            return Some(c);
+        }
+        if let Some(tensor::Error::Collective(c)) = e.downcast_ref::<tensor::Error>() {
             return Some(c);
         }
         next = e.source();
@@ -256,11 +259,12 @@ mod tests {
         assert!(model_error(Box::new(layers::Error::Collective(dead()))).caused_by_peer());
         let wrapped = Wrapped { source: layers::Error::Collective(dead()) };
         assert!(model_error(Box::new(wrapped)).caused_by_peer());
+        // A kernel's all-reduce (the tensor crate's error inside the layers one).
+        let kernel = Wrapped { source: tensor::Error::Collective(dead()).into() };
+        assert!(model_error(Box::new(kernel)).caused_by_peer());
         // A failure of the model's own is the origin.
         assert!(!model_error("the counting model broke".into()).caused_by_peer());
-        let own = Wrapped {
-            source: layers::Error::Shape { op: "forward", message: "no sequences".into() },
-        };
+        let own = Wrapped { source: tensor::Error::shape("forward", "no sequences").into() };
         assert!(!model_error(Box::new(own)).caused_by_peer());
     }
 }

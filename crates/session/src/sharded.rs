@@ -8,11 +8,11 @@ use crate::plan::{PlanEntry, SeqId, SessionConfig, StepPlan};
 use crate::replicated::LlamaFactory;
 use crate::sequences::Sequences;
 use crate::sink::TextCodec;
-use layers::kernels::KvElem;
 use layers::model::KvPool;
 use layers::model::WeightForm;
 use layers::parallel::{Comms, LoadOptions, ParallelModel, Placement};
 use std::sync::Arc;
+use tensor::kernels::KvElem;
 
 /// Builds a [`ShardedLlama`] from the GGUF file named by [`SessionConfig::model`].
 #[derive(Clone)]
@@ -26,7 +26,7 @@ pub struct ShardedFactory {
     /// Told `(done, total)` while a shard loads.
     progress: Option<Progress>,
     /// The kernels' backend; `None`: the CPU with `threads` threads.
-    backend: Option<layers::kernels::Backend>,
+    backend: Option<tensor::kernels::Backend>,
     /// Rank 0's tokenizer, shared with its caller; `None`: loaded from the model file.
     tokenizer: Option<std::sync::Arc<layers::Tokenizer>>,
     /// A paged KV pool per rank; `None`: a cache per sequence.
@@ -133,7 +133,7 @@ impl std::fmt::Debug for ShardedFactory {
             .field("form", &self.form)
             .field("context", &self.context)
             .field("memory", &self.memory)
-            .field("backend", &self.backend.as_ref().map(layers::kernels::Backend::device))
+            .field("backend", &self.backend.as_ref().map(tensor::kernels::Backend::device))
             .finish_non_exhaustive()
     }
 }
@@ -198,13 +198,13 @@ impl ShardedFactory {
     }
 
     /// Computes on `backend` (a GPU's) instead of the CPU.
-    pub fn with_backend(mut self, backend: layers::kernels::Backend) -> Self {
+    pub fn with_backend(mut self, backend: tensor::kernels::Backend) -> Self {
         self.backend = Some(backend);
         self
     }
 
     /// The backend given to [`ShardedFactory::with_backend`], if any.
-    pub fn backend(&self) -> Option<&layers::kernels::Backend> {
+    pub fn backend(&self) -> Option<&tensor::kernels::Backend> {
         self.backend.as_ref()
     }
 
@@ -232,7 +232,7 @@ impl ModelFactory for ShardedFactory {
         };
         let backend = match &self.backend {
             Some(b) => b.clone(),
-            None => layers::kernels::Backend::cpu(self.threads)?,
+            None => tensor::kernels::Backend::cpu(self.threads)?,
         };
         let mut model = ParallelModel::load(
             &config.model,

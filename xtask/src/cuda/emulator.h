@@ -1,4 +1,4 @@
-// Runs the CUDA kernels of crates/layers/src/kernels/cuda/kernels.cu on the CPU, so their
+// Runs the CUDA kernels of crates/tensor/src/kernels/cuda/kernels.cu on the CPU, so their
 // arithmetic can be tested where there is no GPU (`cargo xtask ci`'s tidy tests, with
 // emulate_attention.cpp). A launch runs its blocks one after another; a block's threads are
 // real threads meeting at a barrier for each __syncthreads, and __shared__ arrays are

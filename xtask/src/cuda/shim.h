@@ -1,4 +1,4 @@
-// Declarations of the CUDA built-ins that crates/layers/src/kernels/cuda/kernels.cu uses, so
+// Declarations of the CUDA built-ins that crates/tensor/src/kernels/cuda/kernels.cu uses, so
 // that a host C++ compiler can check the kernels' syntax and types where there is no NVRTC
 // (`cargo xtask ci`'s tidy test, before a GPU bundle is built). Nothing is run.
 #include <math.h>

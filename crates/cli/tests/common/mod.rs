@@ -113,7 +113,7 @@ pub fn tiny_q4_model() -> &'static str {
     static PATH: OnceLock<String> = OnceLock::new();
     PATH.get_or_init(|| {
         let spec = layers::model::random::RandomLlama {
-            quantized: Some(layers::kernels::BlockFormat::Q4_1),
+            quantized: Some(tensor::kernels::BlockFormat::Q4_1),
             seed: 11,
             ..Default::default()
         };

@@ -6,11 +6,11 @@
 
 use super::*;
 use crate::config::LlamaConfig;
-use crate::kernels::cpu::quant::BlockFormat;
 use crate::model::random::RandomLlama;
 use crate::model::{Shard, WeightSource};
 use crate::test_util::{random_vec, temp_path};
 use proptest::prelude::*;
+use tensor::kernels::cpu::quant::BlockFormat;
 
 /// A file with metadata of every type and tensors of every type (one unsupported, one 1-d,
 /// one 3-d), so mutations reach every branch of the parser.

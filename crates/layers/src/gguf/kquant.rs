@@ -1,6 +1,6 @@
 //! GGML block formats beyond Q8_0/Q4_0/Q4_1: the K-quants (Q2_K..Q6_K, 256-element
 //! super-blocks) and Q5_0, Q5_1, IQ4_NL, IQ4_XS. Layouts, exact dequantization to f32, and
-//! the lossless repackings into the forms [`QMatrix`](crate::kernels::QMatrix) keeps.
+//! the lossless repackings into the forms [`QMatrix`](tensor::kernels::QMatrix) keeps.
 //!
 //! Every formula is ggml's (`dequantize_row_*` in `ggml-quants.c`), evaluated in its order
 //! without fused multiply-adds, so the values are bit for bit those of gguf-py's
@@ -367,7 +367,7 @@ pub fn to_q8_0(format: QuantFormat, bytes: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// Q4_K super-blocks in the 4-bit form of [`QMatrix`](crate::kernels::QMatrix) (`d·q + m`
+/// Q4_K super-blocks in the 4-bit form of [`QMatrix`](tensor::kernels::QMatrix) (`d·q + m`
 /// per block of 32, f32 scales and minimums, nibbles in the Q4_0 order): per block of 32 the
 /// scale `d·sc`, the minimum `−(dmin·m)` and 16 bytes of nibbles. `scale·q + min` is bit for
 /// bit the dequantized value (`scale·q` is exact, and `x + (−y)` is `x − y` in IEEE
@@ -403,7 +403,7 @@ pub fn q4_k_four_bit(bytes: &[u8]) -> FourBit {
     four
 }
 
-/// Blocks in the form of [`QMatrix::eight16`](crate::kernels::QMatrix::eight16): one signed
+/// Blocks in the form of [`QMatrix::eight16`](tensor::kernels::QMatrix::eight16): one signed
 /// byte per element, in order, with a scale per 16 elements and a minimum per 16 (or none).
 /// `scale·q + min` (or `scale·q`) is bit for bit the dequantized value: each scale and minimum
 /// is the product ggml computes before it multiplies the quant, and `x + (−y)` is `x − y` in

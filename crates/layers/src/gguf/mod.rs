@@ -17,12 +17,12 @@ pub use kquant::QuantFormat;
 pub use writer::GgufWriter;
 
 use crate::error::{Error, Result};
-use crate::kernels::cpu::quant::{self, BlockFormat, BLOCK};
-use crate::tensor::{DType, Tensor};
 use half::{bf16, f16};
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use tensor::kernels::cpu::quant::{self, BlockFormat, BLOCK};
+use tensor::{DType, Tensor};
 
 /// `GGUF` in little-endian byte order.
 const MAGIC: u32 = 0x4655_4747;
@@ -149,7 +149,7 @@ pub enum GgmlType {
     F16,
     /// bfloat16 (id 30).
     BF16,
-    /// A block-quantized format that [`QMatrix`](crate::kernels::QMatrix) keeps as stored
+    /// A block-quantized format that [`QMatrix`](tensor::kernels::QMatrix) keeps as stored
     /// (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8).
     Block(BlockFormat),
     /// A block-quantized format read by dequantizing: the K-quants, Q5_0, Q5_1, IQ4_NL and

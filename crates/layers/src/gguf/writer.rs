@@ -3,9 +3,9 @@
 
 use super::{GgmlType, Value, DEFAULT_ALIGNMENT, MAGIC};
 use crate::error::{Error, Result};
-use crate::kernels::cpu::quant::{self, BlockFormat};
 use half::{bf16, f16};
 use std::path::Path;
+use tensor::kernels::cpu::quant::{self, BlockFormat};
 
 /// Collects metadata and tensors, then writes them as one GGUF v3 file.
 #[derive(Clone, Debug, Default)]

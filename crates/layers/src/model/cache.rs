@@ -5,9 +5,9 @@
 //! CUDA backend, in device memory ([`DeviceMemory`]), where attention reads them in place.
 
 use crate::error::{Error, Result};
-use crate::kernels::{Backend, Kv, KvElem};
-use crate::tensor::Storage;
 use mesh::DeviceMemory;
+use tensor::kernels::{Backend, Kv, KvElem};
+use tensor::Storage;
 
 /// Where a layer's keys and values live.
 #[derive(Debug)]
@@ -47,7 +47,7 @@ impl LayerCache {
     /// hold.
     ///
     /// # Errors
-    /// [`Error::Shape`] when the buffers differ in size or are not whole rows.
+    /// [`tensor::Error::Shape`] when the buffers differ in size or are not whole rows.
     pub fn with_storage(k: Storage, v: Storage, kv_heads: usize, head_dim: usize) -> Result<Self> {
         let row = kv_heads * head_dim;
         let values = Self::capacity_of("LayerCache::with_storage", k.len(), v.len(), row)?;
@@ -59,7 +59,7 @@ impl LayerCache {
     /// hold.
     ///
     /// # Errors
-    /// [`Error::Shape`] when the buffers differ in size or are not whole rows of `elem`.
+    /// [`tensor::Error::Shape`] when the buffers differ in size or are not whole rows of `elem`.
     pub fn on_device(
         k: Box<dyn DeviceMemory>,
         v: Box<dyn DeviceMemory>,
@@ -99,8 +99,8 @@ impl LayerCache {
     /// cache lives in device memory (it must then be the CUDA backend of that device).
     ///
     /// # Errors
-    /// [`Error::CacheFull`] when they do not fit; [`Error::Shape`] when the lengths disagree;
-    /// [`Error::BackendUnavailable`] when a device cache is given a CPU backend or the copy
+    /// [`Error::CacheFull`] when they do not fit; [`tensor::Error::Shape`] when the lengths disagree;
+    /// [`tensor::Error::BackendUnavailable`] when a device cache is given a CPU backend or the copy
     /// fails. The cache is unchanged on error.
     pub fn append(
         &mut self,
@@ -134,8 +134,8 @@ impl LayerCache {
     pub fn append_tensors(
         &mut self,
         be: &Backend,
-        k: &crate::Tensor,
-        v: &crate::Tensor,
+        k: &tensor::Tensor,
+        v: &tensor::Tensor,
         positions: &[usize],
     ) -> Result<()> {
         let Buffers::Device { k: kb, v: vb, elem } = &self.buffers else {

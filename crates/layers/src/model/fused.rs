@@ -5,9 +5,9 @@
 
 use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
-use crate::kernels::QMatrix;
 use crate::source::{Shard, WeightSource};
 use std::ops::Range;
+use tensor::kernels::QMatrix;
 
 /// A weight source whose Q/K/V and gate/up projections are row ranges of fused tensors.
 pub struct FusedSource<'a> {

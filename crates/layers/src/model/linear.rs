@@ -7,13 +7,13 @@
 use crate::error::{Error, Result};
 use crate::gguf::kquant::{self, QuantFormat};
 use crate::gguf::{GgmlType, GgufFile};
-use crate::kernels::cpu::quant::{BlockFormat, BLOCK};
-use crate::kernels::{Backend, QMatrix, Weight};
-use crate::memory::{Arena, WeightBuffers};
 use crate::source::{Shard, WeightSource};
-use crate::tensor::Tensor;
 use std::borrow::Cow;
 use std::ops::Range;
+use tensor::kernels::cpu::quant::{BlockFormat, BLOCK};
+use tensor::kernels::{Backend, QMatrix, Weight};
+use tensor::memory::{Arena, WeightBuffers};
+use tensor::Tensor;
 
 impl GgufFile {
     /// Whether the file stores Q/K/V as one `attn_qkv` tensor and the gate with the up
@@ -220,7 +220,7 @@ impl Linear {
     /// side by side (split with [`Tensor::split_last`]).
     ///
     /// # Errors
-    /// [`Error::Shape`] when the parts differ in input width.
+    /// [`tensor::Error::Shape`] when the parts differ in input width.
     pub fn concat(parts: &[&Linear]) -> Result<Linear> {
         let weights: Vec<&Weight> = parts.iter().map(|p| &p.weight).collect();
         Ok(Linear { weight: Weight::concat_rows(&weights)? })
@@ -239,9 +239,9 @@ impl Linear {
     /// `x · Wᵀ` for `x` of `[.., in_features]`.
     ///
     /// # Errors
-    /// [`Error::Shape`] when the input width differs from `in_features`.
+    /// [`tensor::Error::Shape`] when the input width differs from `in_features`.
     pub fn forward(&self, be: &Backend, x: &Tensor) -> Result<Tensor> {
-        be.linear(x, &self.weight)
+        Ok(be.linear(x, &self.weight)?)
     }
 }
 
@@ -250,7 +250,7 @@ impl WeightBuffers for Linear {
         self.weight.buffers(out);
     }
 
-    fn move_to(&mut self, arena: &dyn Arena) -> Result<()> {
+    fn move_to(&mut self, arena: &dyn Arena) -> tensor::Result<()> {
         self.weight.move_to(arena)
     }
 }

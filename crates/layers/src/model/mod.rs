@@ -32,11 +32,11 @@ pub use paged::{KvPool, PagedCache};
 use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::kernels::{AttnShape, Backend, Weight};
-use crate::memory::{Arena, WeightBuffers};
-use crate::tensor::Tensor;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use tensor::kernels::{AttnShape, Backend, Weight};
+use tensor::memory::{Arena, WeightBuffers};
+use tensor::Tensor;
 
 /// The file name of the default model in the model cache (`cargo xtask fetch-model`).
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -64,7 +64,7 @@ pub fn load_vector(src: &dyn WeightSource, name: &str, len: usize) -> Result<Ten
     if shape != [len] {
         return Err(Error::tensor(name, format!("expected shape [{len}], found {shape:?}")));
     }
-    Tensor::from_vec(&[len], src.rows(name, 0..1)?)
+    Ok(Tensor::from_vec(&[len], src.rows(name, 0..1)?)?)
 }
 
 /// The slice of heads `heads` (of `head_dim` rows each) of the optional 1-d bias `name`
@@ -141,7 +141,7 @@ impl Attention {
     /// [`Attention::project_out`] returns a partial sum to be all-reduced.
     ///
     /// # Errors
-    /// [`Error::Tensor`] for missing or misshapen weights, [`Error::Shape`] for a head range
+    /// [`Error::Tensor`] for missing or misshapen weights, [`tensor::Error::Shape`] for a head range
     /// outside the model.
     pub fn load(
         src: &dyn WeightSource,
@@ -163,7 +163,7 @@ impl Attention {
     /// so [`Attention::project_out`] returns a partial sum to be all-reduced.
     ///
     /// # Errors
-    /// [`Error::Tensor`] for missing or misshapen weights, [`Error::Shape`] for a head range
+    /// [`Error::Tensor`] for missing or misshapen weights, [`tensor::Error::Shape`] for a head range
     /// outside the model or query heads that do not belong to `kv_heads` as described.
     pub fn load_heads(
         src: &dyn WeightSource,
@@ -275,7 +275,7 @@ impl Attention {
     /// model has them, are added before the rotation).
     ///
     /// # Errors
-    /// [`Error::Shape`] when `x` and `positions` disagree.
+    /// [`tensor::Error::Shape`] when `x` and `positions` disagree.
     pub fn qkv(
         &self,
         be: &Backend,
@@ -302,7 +302,7 @@ impl Attention {
     /// `[n, q_heads, d]` and, when `want_lse`, the log-sum-exp `[n, q_heads]`.
     ///
     /// # Errors
-    /// [`Error::Shape`] when the sizes disagree.
+    /// [`tensor::Error::Shape`] when the sizes disagree.
     pub fn attend(
         &self,
         be: &Backend,
@@ -311,13 +311,13 @@ impl Attention {
         cache: &LayerCache,
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        be.attention(q, positions, cache.kv(), cache.positions(), self.shape(), want_lse)
+        Ok(be.attention(q, positions, cache.kv(), cache.positions(), self.shape(), want_lse)?)
     }
 
     /// The output projection of attention results `[n, q_heads, d]`: `[n, hidden]`.
     ///
     /// # Errors
-    /// [`Error::Shape`] when the sizes disagree.
+    /// [`tensor::Error::Shape`] when the sizes disagree.
     pub fn project_out(&self, be: &Backend, attn: Tensor) -> Result<Tensor> {
         let n = attn.shape()[0];
         let width = attn.len() / n.max(1);
@@ -327,7 +327,7 @@ impl Attention {
     /// The whole layer on one rank: project, rotate, append to `cache`, attend, project out.
     ///
     /// # Errors
-    /// [`Error::CacheFull`] when the cache has no room; [`Error::Shape`] on size mismatches.
+    /// [`Error::CacheFull`] when the cache has no room; [`tensor::Error::Shape`] on size mismatches.
     pub fn forward(
         &self,
         be: &Backend,
@@ -351,7 +351,7 @@ impl WeightBuffers for Attention {
         self.o.buffers(out);
     }
 
-    fn move_to(&mut self, arena: &dyn Arena) -> Result<()> {
+    fn move_to(&mut self, arena: &dyn Arena) -> tensor::Result<()> {
         self.qkv.move_to(arena)?;
         self.qkv_bias.move_to(arena)?;
         self.o.move_to(arena)
@@ -415,7 +415,7 @@ impl Mlp {
     /// `down(act(gate(x)) · up(x))`, `act` SiLU unless set otherwise.
     ///
     /// # Errors
-    /// [`Error::Shape`] when `x` has the wrong width.
+    /// [`tensor::Error::Shape`] when `x` has the wrong width.
     pub fn forward(&self, be: &Backend, x: &Tensor) -> Result<Tensor> {
         let mut parts =
             be.split_last(&self.gate_up.forward(be, x)?, &[self.inner, self.inner])?.into_iter();
@@ -434,7 +434,7 @@ impl WeightBuffers for Mlp {
         self.down.buffers(out);
     }
 
-    fn move_to(&mut self, arena: &dyn Arena) -> Result<()> {
+    fn move_to(&mut self, arena: &dyn Arena) -> tensor::Result<()> {
         self.gate_up.move_to(arena)?;
         self.down.move_to(arena)
     }
@@ -595,8 +595,8 @@ impl Model {
     /// cache is left as it was.
     ///
     /// # Errors
-    /// [`Error::Shape`] when `tokens` and `positions` differ in length or are empty,
-    /// [`Error::TokenOutOfRange`], [`Error::CacheFull`].
+    /// [`tensor::Error::Shape`] when `tokens` and `positions` differ in length or are empty,
+    /// [`tensor::Error::TokenOutOfRange`], [`Error::CacheFull`].
     pub fn forward(
         &self,
         tokens: &[u32],
@@ -650,7 +650,7 @@ impl Model {
             x = Tensor::from_vec(&[1, c.hidden], x.row(tokens.len() - 1).to_vec())?;
         }
         let x = be.rms_norm(&x, &self.norm, c.rms_eps)?;
-        be.linear(&x, self.lm_head.as_ref().map_or(&self.embed, Linear::weight))
+        Ok(be.linear(&x, self.lm_head.as_ref().map_or(&self.embed, Linear::weight))?)
     }
 
     /// Greedy decoding: prefills `prompt` after whatever `cache` holds, then appends the

@@ -10,11 +10,11 @@
 //! several tables and only read.
 
 use crate::error::{Error, Result};
-use crate::kernels::cpu::attention::KvBlocks;
-use crate::kernels::{Backend, DeviceBlocks, Kv, KvElem};
-use crate::tensor::{Storage, Tensor};
 use mesh::DeviceMemory;
 use std::sync::{Arc, PoisonError, RwLock};
+use tensor::kernels::cpu::attention::KvBlocks;
+use tensor::kernels::{Backend, DeviceBlocks, Kv, KvElem};
+use tensor::{Storage, Tensor};
 
 /// One rank's KV blocks, in one buffer (a `kv_cache` allocation, say).
 #[derive(Debug)]
@@ -49,7 +49,7 @@ impl KvPool {
     /// A pool of `blocks` blocks in owned (heap) memory.
     ///
     /// # Errors
-    /// [`Error::Shape`] when `block_size` is not a power of two.
+    /// [`tensor::Error::Shape`] when `block_size` is not a power of two.
     pub fn new(
         layers: usize,
         kv_heads: usize,
@@ -70,7 +70,7 @@ impl KvPool {
     /// A pool over `storage`; it holds as many blocks as fit.
     ///
     /// # Errors
-    /// [`Error::Shape`] when `block_size` is not a power of two, a token has no values, or
+    /// [`tensor::Error::Shape`] when `block_size` is not a power of two, a token has no values, or
     /// the storage is not a whole number of blocks.
     pub fn with_storage(
         storage: Storage,
@@ -190,7 +190,7 @@ impl KvPool {
     /// Checks that `table` names blocks of this pool.
     ///
     /// # Errors
-    /// [`Error::Shape`] naming the first id out of range.
+    /// [`tensor::Error::Shape`] naming the first id out of range.
     pub fn check_table(&self, table: &[u32]) -> Result<()> {
         match table.iter().find(|&&b| b as usize >= self.blocks) {
             Some(b) => Err(Error::shape(
@@ -291,7 +291,7 @@ impl PagedCache {
     /// Appends `blocks` to the block table (room for more tokens).
     ///
     /// # Errors
-    /// [`Error::Shape`] when a block is not in the pool; the table is unchanged.
+    /// [`tensor::Error::Shape`] when a block is not in the pool; the table is unchanged.
     pub fn extend_table(&mut self, blocks: &[u32]) -> Result<()> {
         self.pool.check_table(blocks)?;
         self.table.extend_from_slice(blocks);
@@ -302,7 +302,7 @@ impl PagedCache {
     /// layer (a prompt prefix whose blocks another sequence filled).
     ///
     /// # Errors
-    /// [`Error::Shape`] when the cache is not empty, [`Error::CacheFull`] when the table does
+    /// [`tensor::Error::Shape`] when the cache is not empty, [`Error::CacheFull`] when the table does
     /// not cover them.
     pub fn assume_prefix(&mut self, tokens: usize) -> Result<()> {
         if !self.positions.is_empty() {
@@ -334,8 +334,8 @@ impl PagedCache {
     /// device).
     ///
     /// # Errors
-    /// [`Error::CacheFull`] when the table has no room; [`Error::Shape`] when the lengths
-    /// disagree; [`Error::BackendUnavailable`] when a device pool is given a CPU backend or
+    /// [`Error::CacheFull`] when the table has no room; [`tensor::Error::Shape`] when the lengths
+    /// disagree; [`tensor::Error::BackendUnavailable`] when a device pool is given a CPU backend or
     /// the copy fails. The cache's length is unchanged on error.
     pub fn append(
         &mut self,
@@ -457,10 +457,10 @@ impl PagedCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::cpu::attention::attention;
-    use crate::kernels::{AttnShape, Backend};
     use crate::test_util::{random_vec, FakeDeviceMemory as Fake};
-    use crate::Tensor;
+    use tensor::kernels::cpu::attention::attention;
+    use tensor::kernels::{AttnShape, Backend};
+    use tensor::Tensor;
 
     /// Tokens written through scattered, shared and partly filled blocks read back as the
     /// contiguous rows, and attention over them gives the contiguous result bit for bit,
@@ -577,7 +577,7 @@ mod tests {
         let mut cache = PagedCache::new(pool);
         cache.extend_table(&[2, 0]).unwrap();
         let err = cache.append(&be, 0, &[0.0; 8], &[0.0; 8], &[0]).unwrap_err();
-        assert!(matches!(err, Error::BackendUnavailable { .. }), "{err}");
+        assert!(matches!(err, Error::Kernel(tensor::Error::BackendUnavailable { .. })), "{err}");
         assert!(cache.is_empty());
         cache.with_kv(1, |kv, positions| {
             let Kv::PagedDevice(b) = kv else { panic!("a device pool gave {kv:?}") };

@@ -3,8 +3,8 @@
 
 use crate::error::Result;
 use crate::gguf::{GgufWriter, Value};
-use crate::kernels::cpu::quant::BlockFormat;
 use std::path::Path;
+use tensor::kernels::cpu::quant::BlockFormat;
 
 /// The shape of a random Llama model. Weights are uniform in ±`scale`, norms near 1.
 #[derive(Clone, Debug, PartialEq)]

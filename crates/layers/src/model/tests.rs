@@ -3,9 +3,9 @@
 
 use super::random::RandomLlama;
 use super::*;
-use crate::kernels::cpu::quant::BlockFormat;
 use crate::test_util::{assert_close, temp_path};
 use crate::tokenizer::Tokenizer;
+use tensor::kernels::cpu::quant::BlockFormat;
 
 fn write_model(spec: &RandomLlama, stem: &str) -> PathBuf {
     let p = temp_path(stem);
@@ -317,7 +317,7 @@ fn attention_split_over_two_caches_merges_by_log_sum_exp() {
     let (mut oa, la) = attn.attend(&be, &q, &pos, &a, true).unwrap();
     let (ob, lb) = attn.attend(&be, &q, &pos, &b, true).unwrap();
     let mut la = la.unwrap();
-    crate::kernels::cpu::attention::merge_partial(
+    tensor::kernels::cpu::attention::merge_partial(
         oa.data_mut(),
         la.data_mut(),
         ob.data(),

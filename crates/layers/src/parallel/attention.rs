@@ -6,11 +6,11 @@ use super::forward::{Part, Split};
 use super::{head_shard, Comms};
 use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
-use crate::kernels::cpu::attention::merge_partial;
-use crate::kernels::{AttnShape, Backend, Kv};
 use crate::model::{Attention, WeightForm, WeightSource};
-use crate::tensor::Tensor;
 use collectives::{Collective, Communicator};
+use tensor::kernels::cpu::attention::merge_partial;
+use tensor::kernels::{AttnShape, Backend, Kv};
+use tensor::Tensor;
 
 /// Self-attention over this rank's KV heads, for both step kinds.
 #[derive(Clone, Debug)]
@@ -62,7 +62,7 @@ impl ParallelAttention {
             if parts.len() == 1 {
                 Ok(t.clone())
             } else {
-                be.slice_first(t, p.rows.clone())
+                Ok(be.slice_first(t, p.rows.clone())?)
             }
         };
         let kv_width = self.shape.kv_heads * self.shape.head_dim;

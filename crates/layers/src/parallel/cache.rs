@@ -3,11 +3,11 @@
 
 use super::{kv_head_range, ParallelModel};
 use crate::error::{Error, Result};
-use crate::kernels::{Backend, GemmDtype, Kv, KvElem};
-use crate::memory::{alloc_device_exact, alloc_exact, padded, Arena, DeviceArena};
 use crate::model::{KvCache, KvPool, LayerCache, PagedCache};
-use crate::tensor::{Storage, Tensor};
 use std::sync::Arc;
+use tensor::kernels::{Backend, GemmDtype, Kv, KvElem};
+use tensor::memory::{alloc_device_exact, alloc_exact, padded, Arena, DeviceArena};
+use tensor::{Storage, Tensor};
 
 /// A sequence's KV cache on one rank: its shard of the keys and values, and how many tokens
 /// every CP rank holds (the same bookkeeping on every rank).
@@ -69,7 +69,7 @@ impl ParallelCache {
     /// Appends blocks of the pool to a paged cache's block table (room for more tokens).
     ///
     /// # Errors
-    /// [`Error::Shape`] for a cache with buffers of its own, or a block outside the pool.
+    /// [`tensor::Error::Shape`] for a cache with buffers of its own, or a block outside the pool.
     pub fn extend_table(&mut self, blocks: &[u32]) -> Result<()> {
         match &mut self.local {
             Local::Paged(c) => c.extend_table(blocks),
@@ -85,7 +85,7 @@ impl ParallelCache {
     /// shared prompt prefix). Only without CP: with CP a rank's blocks hold an uneven share.
     ///
     /// # Errors
-    /// [`Error::Shape`] with CP, for a cache that is not paged or not empty;
+    /// [`tensor::Error::Shape`] with CP, for a cache that is not paged or not empty;
     /// [`Error::CacheFull`] when the table does not cover the prefix.
     pub fn assume_prefix(&mut self, tokens: usize) -> Result<()> {
         match (&mut self.local, self.cp_lens.as_mut_slice()) {
@@ -178,7 +178,7 @@ impl ParallelModel {
     /// The arena bytes [`ParallelModel::new_cache_in`] (`elem` f32) or
     /// [`ParallelModel::new_cache_on_device`] needs for `capacity` tokens stored as `elem`
     /// when its allocations are carved out of one region: every layer's key and value buffer
-    /// rounded up to [`crate::memory::ALIGN`], summed.
+    /// rounded up to [`tensor::memory::ALIGN`], summed.
     pub fn cache_bytes(&self, capacity: usize, elem: KvElem) -> usize {
         2 * self.config.n_layers * padded(self.cache_buffer_bytes(capacity, elem))
     }
@@ -188,7 +188,7 @@ impl ParallelModel {
     /// layer 0 values, layer 1 keys, ... (see [`ParallelModel::cache_bytes`]).
     ///
     /// # Errors
-    /// [`Error::Arena`] when an allocation fails or has the wrong size, [`Error::Shape`] when
+    /// [`tensor::Error::Arena`] when an allocation fails or has the wrong size, [`tensor::Error::Shape`] when
     /// one is misaligned.
     pub fn new_cache_in(&self, capacity: usize, arena: &dyn Arena) -> Result<ParallelCache> {
         let (kv, bytes) = (self.local_kv_heads(), self.cache_buffer_bytes(capacity, KvElem::F32));
@@ -206,7 +206,7 @@ impl ParallelModel {
     /// a model computing on the CUDA backend of that device can use it.
     ///
     /// # Errors
-    /// [`Error::Arena`] when an allocation fails or has the wrong size or alignment.
+    /// [`tensor::Error::Arena`] when an allocation fails or has the wrong size or alignment.
     pub fn new_cache_on_device(
         &self,
         capacity: usize,
@@ -235,7 +235,7 @@ impl ParallelModel {
     /// memory (see [`KvPool`]).
     ///
     /// # Errors
-    /// [`Error::Shape`] when `block_size` is not a power of two.
+    /// [`tensor::Error::Shape`] when `block_size` is not a power of two.
     pub fn new_pool(&self, block_size: usize, blocks: usize) -> Result<KvPool> {
         let c = &self.config;
         KvPool::new(c.n_layers, self.local_kv_heads(), c.head_dim, block_size, blocks)
@@ -272,7 +272,7 @@ impl ParallelModel {
     /// stored as `elem`, read and written by the CUDA backend in place.
     ///
     /// # Errors
-    /// [`Error::Arena`] when the memory cannot be had; as [`KvPool::on_device`].
+    /// [`tensor::Error::Arena`] when the memory cannot be had; as [`KvPool::on_device`].
     pub fn pool_on_device(
         &self,
         arena: &dyn DeviceArena,
@@ -289,14 +289,15 @@ impl ParallelModel {
     /// yet: see [`ParallelCache::extend_table`]).
     ///
     /// # Errors
-    /// [`Error::Shape`] when the pool was made for another model or rank.
+    /// [`tensor::Error::Shape`] when the pool was made for another model or rank.
     pub fn new_paged_cache(&self, pool: &Arc<KvPool>) -> Result<ParallelCache> {
         let row = self.local_kv_heads() * self.config.head_dim;
-        if pool.is_on_device() && self.backend.device() == crate::Device::Cpu {
-            return Err(Error::BackendUnavailable {
+        if pool.is_on_device() && self.backend.device() == tensor::Device::Cpu {
+            return Err(tensor::Error::BackendUnavailable {
                 backend: "cpu",
                 reason: "a KV pool in device memory is read only by the CUDA backend".into(),
-            });
+            }
+            .into());
         }
         if pool.layers() != self.config.n_layers || pool.row() != row {
             return Err(Error::shape(

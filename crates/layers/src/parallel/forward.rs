@@ -4,10 +4,10 @@
 use super::{gather_tokens, Comms, ParallelCache, ParallelModel, Placement};
 use crate::error::{Error, Result};
 use crate::model::Logits;
-use crate::tensor::Tensor;
 use collectives::Collective;
 use mesh::TokenShard;
 use std::ops::Range;
+use tensor::Tensor;
 
 /// How one sequence's tokens of a step are split over CP.
 pub(super) enum Split {
@@ -77,7 +77,7 @@ impl ParallelModel {
     /// Checks that `n` more tokens fit in `cache` on this rank.
     ///
     /// # Errors
-    /// [`Error::CacheFull`] when they do not; [`Error::Shape`] for no tokens.
+    /// [`Error::CacheFull`] when they do not; [`tensor::Error::Shape`] for no tokens.
     pub fn check_room(&self, cache: &ParallelCache, n: usize) -> Result<()> {
         self.part_into(cache, &[], n, 0, &mut Vec::new()).map(drop)
     }
@@ -334,6 +334,6 @@ impl ParallelModel {
                 Tensor::from_vec(&[1, c.hidden], x.row(x.rows() - 1).to_vec())?
             }
         };
-        self.backend.rms_norm(&x, &self.norm, c.rms_eps)
+        Ok(self.backend.rms_norm(&x, &self.norm, c.rms_eps)?)
     }
 }

@@ -4,10 +4,10 @@
 use super::aligned_ranges;
 use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
-use crate::kernels::KvElem;
 use crate::model::KvPool;
 use collectives::Communicator;
 use std::ops::Range;
+use tensor::kernels::KvElem;
 
 /// The communicators a rank's forward pass uses.
 pub struct Comms<'a> {
@@ -65,7 +65,7 @@ pub struct HeadShard {
 /// projections and the cache are replicated) and a balanced share of its query heads.
 ///
 /// # Errors
-/// [`Error::Shape`] when `rank` is not below `tp`, when `tp` exceeds the KV heads without
+/// [`tensor::Error::Shape`] when `rank` is not below `tp`, when `tp` exceeds the KV heads without
 /// being a multiple of them, or when more ranks share a KV head than it has query heads.
 pub fn head_shard(cfg: &LlamaConfig, rank: usize, tp: usize) -> Result<HeadShard> {
     let (n_kv, g) = (cfg.n_kv_heads, cfg.group_size());

@@ -6,13 +6,13 @@
 //! output is a partial sum that an all-reduce over the TP group completes.
 
 use crate::error::{Error, Result};
-use crate::kernels::{Backend, Weight};
-use crate::memory::{Arena, WeightBuffers};
 use crate::model::{Linear, Shard, WeightForm, WeightSource};
-use crate::tensor::Tensor;
 use collectives::{Collective, Communicator, ReduceOp};
 use std::ops::Range;
 use std::sync::Arc;
+use tensor::kernels::{Backend, Weight};
+use tensor::memory::{Arena, WeightBuffers};
+use tensor::Tensor;
 
 /// Ranges of `total` split over `parts`, each boundary a multiple of `align` where possible
 /// (remainder blocks to the low ranks), so quantized blocks are never cut.
@@ -61,7 +61,7 @@ pub fn gather_columns(
     let sizes: Vec<usize> = widths.iter().map(|w| w * rows).collect();
     let mut blocks = vec![0f32; sizes.iter().sum()];
     tp.all_gather_uneven(local.data(), &mut blocks, &sizes)?;
-    Tensor::from_vec(&[rows, widths.iter().sum()], interleave(&blocks, rows, widths))
+    Ok(Tensor::from_vec(&[rows, widths.iter().sum()], interleave(&blocks, rows, widths))?)
 }
 
 /// A linear layer whose output features are split over the TP group.
@@ -225,7 +225,7 @@ impl VocabParallelEmbedding {
     /// An id outside the vocabulary, or a failed collective.
     pub fn forward(&self, be: &Backend, tp: &mut dyn Communicator, ids: &[u32]) -> Result<Tensor> {
         if tp.size() == 1 && self.vocab.len() == self.total {
-            return be.embedding(&self.table, ids);
+            return Ok(be.embedding(&self.table, ids)?);
         }
         let hidden = self.table.dims().1;
         let mut out = Tensor::zeros(&[ids.len(), hidden]);
@@ -234,7 +234,7 @@ impl VocabParallelEmbedding {
         {
             let id_us = id as usize;
             if id_us >= self.total {
-                return Err(Error::TokenOutOfRange { id, index, vocab: self.total });
+                return Err(tensor::Error::TokenOutOfRange { id, index, vocab: self.total }.into());
             }
             if self.vocab.contains(&id_us) {
                 row.copy_from_slice(&self.table.row_f32(id_us - self.vocab.start));
@@ -257,7 +257,7 @@ impl WeightBuffers for VocabParallelEmbedding {
         self.table.buffers(out);
     }
 
-    fn move_to(&mut self, arena: &dyn Arena) -> Result<()> {
+    fn move_to(&mut self, arena: &dyn Arena) -> tensor::Result<()> {
         self.table = Arc::new(self.table.copy_to(arena)?);
         Ok(())
     }
@@ -400,7 +400,7 @@ impl WeightBuffers for ParallelLmHead {
         self.weight.buffers(out);
     }
 
-    fn move_to(&mut self, arena: &dyn Arena) -> Result<()> {
+    fn move_to(&mut self, arena: &dyn Arena) -> tensor::Result<()> {
         self.weight = Arc::new(self.weight.copy_to(arena)?);
         Ok(())
     }

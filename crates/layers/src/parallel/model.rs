@@ -7,11 +7,11 @@ use super::{
 use crate::config::LlamaConfig;
 use crate::error::Result;
 use crate::gguf::GgufFile;
-use crate::kernels::Backend;
-use crate::memory::{padded, Arena, WeightBuffers};
 use crate::model::{load_vector, Linear, Mlp, Shard, WeightForm, WeightSource};
-use crate::tensor::Tensor;
 use std::path::Path;
+use tensor::kernels::Backend;
+use tensor::memory::{padded, Arena, WeightBuffers};
+use tensor::Tensor;
 
 #[derive(Clone, Debug)]
 pub(super) struct ParallelBlock {
@@ -31,7 +31,7 @@ impl WeightBuffers for ParallelBlock {
         self.mlp.buffers(out);
     }
 
-    fn move_to(&mut self, arena: &dyn Arena) -> Result<()> {
+    fn move_to(&mut self, arena: &dyn Arena) -> tensor::Result<()> {
         self.attn_norm.move_to(arena)?;
         self.attn.attn.move_to(arena)?;
         self.ffn_norm.move_to(arena)?;
@@ -244,7 +244,7 @@ impl ParallelModel {
 
     /// The arena bytes [`ParallelModel::move_weights_to`] needs when its allocations are carved
     /// out of one region: each of [`ParallelModel::weight_buffers`] rounded up to
-    /// [`crate::memory::ALIGN`], summed.
+    /// [`tensor::memory::ALIGN`], summed.
     pub fn weight_bytes(&self) -> usize {
         self.weight_buffers().iter().map(|b| padded(b.len())).sum()
     }
@@ -255,7 +255,7 @@ impl ParallelModel {
     /// embedding table.
     ///
     /// # Errors
-    /// [`Error::Arena`] when an allocation fails or has the wrong size, [`Error::Shape`] when
+    /// [`tensor::Error::Arena`] when an allocation fails or has the wrong size, [`tensor::Error::Shape`] when
     /// one is misaligned. The buffers moved until then stay in the arena and the rest on the
     /// heap: the model computes the same either way.
     pub fn move_weights_to(&mut self, arena: &dyn Arena) -> Result<()> {

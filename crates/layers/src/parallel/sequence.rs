@@ -6,9 +6,9 @@
 //! rows for that shard, not just a slice of its own.
 
 use crate::error::Result;
-use crate::tensor::Tensor;
 use collectives::{Collective, Communicator, ReduceOp};
 use mesh::TokenShard;
+use tensor::Tensor;
 
 /// Rows of every CP rank, in token order: `[shard.total(), width]`.
 ///
@@ -30,7 +30,7 @@ pub fn gather_tokens(
     let sizes: Vec<usize> = shard.sizes().iter().map(|s| s * width).collect();
     let mut out = vec![0f32; shard.total() * width];
     cp.all_gather_uneven(local.data(), &mut out, &sizes)?;
-    Tensor::from_vec(&[shard.total(), width], out)
+    Ok(Tensor::from_vec(&[shard.total(), width], out)?)
 }
 
 /// The adjoint of [`gather_tokens`]: given this rank's gradient of the gathered rows
@@ -60,5 +60,5 @@ pub fn gather_tokens_backward(
     let mut mine = vec![0f32; most * width];
     cp.reduce_scatter(&send, &mut mine, ReduceOp::Sum)?;
     mine.truncate(shard.local().len() * width);
-    Tensor::from_vec(&[shard.local().len(), width], mine)
+    Ok(Tensor::from_vec(&[shard.local().len(), width], mine)?)
 }

@@ -7,14 +7,10 @@
 
 use super::*;
 use crate::config::LlamaConfig;
-use crate::error::{Error, Result};
+use crate::error::Error;
 use crate::gguf::GgufFile;
-use crate::kernels::cpu::quant::BlockFormat;
-use crate::kernels::{Backend, KvElem};
-use crate::memory::Arena;
 use crate::model::random::RandomLlama;
 use crate::model::{KvCache, Linear, Logits, Model, Shard, WeightForm};
-use crate::tensor::Tensor;
 use crate::test_util::{random_vec, temp_path, FakeDeviceMemory};
 use collectives::{local, Collective, Communicator, ShmOptions};
 use mesh::TokenShard;
@@ -22,6 +18,10 @@ use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+use tensor::kernels::cpu::quant::BlockFormat;
+use tensor::kernels::{Backend, KvElem};
+use tensor::memory::Arena;
+use tensor::Tensor;
 
 /// TP and CP communicators for every rank of a `tp × cp` thread mesh (TP innermost).
 fn mesh_comms(tp: usize, cp: usize) -> Vec<(Box<dyn Communicator>, Box<dyn Communicator>)> {
@@ -887,8 +887,8 @@ impl CountingArena {
 }
 
 impl Arena for CountingArena {
-    fn alloc(&self, bytes: usize) -> Result<Box<dyn crate::ExternalMemory>> {
-        let mem = crate::HeapArena.alloc(bytes)?;
+    fn alloc(&self, bytes: usize) -> tensor::Result<Box<dyn tensor::ExternalMemory>> {
+        let mem = tensor::HeapArena.alloc(bytes)?;
         self.allocs.lock().unwrap().push((bytes, mem.bytes().as_ptr() as usize));
         Ok(mem)
     }
@@ -901,12 +901,12 @@ struct FailingArena {
 }
 
 impl Arena for FailingArena {
-    fn alloc(&self, bytes: usize) -> Result<Box<dyn crate::ExternalMemory>> {
+    fn alloc(&self, bytes: usize) -> tensor::Result<Box<dyn tensor::ExternalMemory>> {
         let n = self.count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if n >= self.fail_at {
-            return Err(Error::Arena { bytes, source: "the test arena is full".into() });
+            return Err(tensor::Error::Arena { bytes, source: "the test arena is full".into() });
         }
-        crate::HeapArena.alloc(bytes)
+        tensor::HeapArena.alloc(bytes)
     }
 }
 
@@ -1001,7 +1001,7 @@ fn weights_and_caches_in_arena_memory_give_bit_identical_logits() {
                 assert_eq!(cache.cp_lens(), cache_in.cp_lens(), "{what}");
                 // Moving to the plain heap arena works the same way.
                 let mut plain = heap.clone();
-                plain.move_weights_to(&crate::HeapArena).unwrap();
+                plain.move_weights_to(&tensor::HeapArena).unwrap();
                 assert_eq!(plain.weight_buffers(), want, "{what}");
                 let (mut c1, mut c2) = (heap.new_cache(16), plain.new_cache(16));
                 assert_same_logits(comms, (&heap, &mut c1), (&plain, &mut c2), 3, &what);
@@ -1025,7 +1025,7 @@ fn a_failing_arena_is_an_error_and_leaves_a_working_model() {
         assert!(err.to_string().starts_with("arena allocation of "), "{err}");
         assert!(err.to_string().ends_with(": the test arena is full"), "{err}");
         let err = heap.new_cache_in(8, &arena).unwrap_err();
-        assert!(matches!(err, Error::Arena { .. }), "{err}");
+        assert!(matches!(err, Error::Kernel(tensor::Error::Arena { .. })), "{err}");
         let (mut c1, mut c2) = (heap.new_cache(32), partly.new_cache(32));
         assert_same_logits(comms, (&heap, &mut c1), (&partly, &mut c2), 3, "partly moved");
     });
@@ -1035,8 +1035,8 @@ fn a_failing_arena_is_an_error_and_leaves_a_working_model() {
 /// Hands out device memory that is never dereferenced (the CPU backend must refuse it).
 struct UnmappedArena;
 
-impl crate::memory::DeviceArena for UnmappedArena {
-    fn alloc_device(&self, bytes: usize) -> Result<Box<dyn mesh::DeviceMemory>> {
+impl tensor::memory::DeviceArena for UnmappedArena {
+    fn alloc_device(&self, bytes: usize) -> tensor::Result<Box<dyn mesh::DeviceMemory>> {
         Ok(Box::new(FakeDeviceMemory(bytes)))
     }
 }

@@ -1,11 +1,11 @@
 //! The arenas a model's buffers are cut from: [`VmmArena`] over one host vmm allocation,
 //! [`VmmDeviceArena`] over device allocations of one tag.
 
-use layers::memory::ALIGN;
-use layers::tensor::ExternalMemory;
 use std::sync::{Arc, Mutex, PoisonError};
+use tensor::memory::ALIGN;
+use tensor::ExternalMemory;
 
-/// A [`layers::Arena`] over one vmm allocation, handing out its bytes front to back.
+/// A [`tensor::Arena`] over one vmm allocation, handing out its bytes front to back.
 #[derive(Debug)]
 pub struct VmmArena(pub(super) Mutex<vmm::Regions>);
 
@@ -19,12 +19,12 @@ impl VmmArena {
     }
 }
 
-impl layers::Arena for VmmArena {
-    fn alloc(&self, bytes: usize) -> layers::Result<Box<dyn ExternalMemory>> {
+impl tensor::Arena for VmmArena {
+    fn alloc(&self, bytes: usize) -> tensor::Result<Box<dyn ExternalMemory>> {
         let mut regions = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         let region = regions
             .take(bytes, ALIGN)
-            .map_err(|e| layers::Error::Arena { bytes, source: Box::new(e) })?;
+            .map_err(|e| tensor::Error::Arena { bytes, source: Box::new(e) })?;
         Ok(Box::new(VmmBytes(region)))
     }
 }
@@ -42,7 +42,7 @@ impl ExternalMemory for VmmBytes {
     }
 }
 
-/// A [`layers::DeviceArena`] over device allocations of one tag: regions are cut front to
+/// A [`tensor::DeviceArena`] over device allocations of one tag: regions are cut front to
 /// back from the newest allocation, and a region that does not fit starts a new one of
 /// `chunk` bytes (or its own size, when larger). The allocations live as long as their regions.
 pub struct VmmDeviceArena {
@@ -75,8 +75,8 @@ impl VmmDeviceArena {
     }
 }
 
-impl layers::DeviceArena for VmmDeviceArena {
-    fn alloc_device(&self, bytes: usize) -> layers::Result<Box<dyn mesh::DeviceMemory>> {
+impl tensor::DeviceArena for VmmDeviceArena {
+    fn alloc_device(&self, bytes: usize) -> tensor::Result<Box<dyn mesh::DeviceMemory>> {
         let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
         let fits = |(alloc, next): &(Arc<vmm::Allocation>, usize)| {
             let offset = next.next_multiple_of(ALIGN);
@@ -89,13 +89,13 @@ impl layers::DeviceArena for VmmDeviceArena {
                 let alloc = self
                     .manager
                     .allocate(&self.tag, size, self.policy.clone())
-                    .map_err(|e| layers::Error::Arena { bytes, source: Box::new(e) })?;
+                    .map_err(|e| tensor::Error::Arena { bytes, source: Box::new(e) })?;
                 (Arc::new(alloc), 0)
             }
         };
         *last = Some((alloc.clone(), offset + bytes));
         let slice = vmm::DeviceSlice::new(alloc, offset, bytes)
-            .map_err(|e| layers::Error::Arena { bytes, source: Box::new(e) })?;
+            .map_err(|e| tensor::Error::Arena { bytes, source: Box::new(e) })?;
         Ok(Box::new(slice))
     }
 }

@@ -23,13 +23,13 @@
 //! the engine's gate guarantees that no step runs while it is released.
 
 use crate::sleep::{MemoryError, Refusal};
-use layers::kernels::Backend;
-use layers::memory::ALIGN;
 use layers::model::WeightForm;
 use layers::parallel::{LoadOptions, ParallelCache, ParallelModel, Placement};
 use rank::nvml_index;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
+use tensor::kernels::Backend;
+use tensor::memory::ALIGN;
 
 /// How the contents of a tag come back after a wakeup.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -215,7 +215,7 @@ impl ModelMemory {
     /// another device, or the CPU, keeps host memory).
     fn device_for(&self, backend: &Backend) -> Option<&Arc<vmm::Manager>> {
         let (ordinal, manager) = self.device.as_ref()?;
-        (backend.device() == layers::Device::Cuda(*ordinal)).then_some(manager)
+        (backend.device() == tensor::Device::Cuda(*ordinal)).then_some(manager)
     }
 
     /// Host memory (a CPU manager spilling backups to `spill_dir`, default
@@ -416,7 +416,7 @@ impl ModelMemory {
     /// Free bytes of the GPU `backend` computes on, as NVML reports them; `None` on the CPU or
     /// when NVML cannot say.
     pub fn device_free_bytes(&self, backend: &Backend) -> Option<u64> {
-        let layers::Device::Cuda(ordinal) = backend.device() else { return None };
+        let tensor::Device::Cuda(ordinal) = backend.device() else { return None };
         let nvml = vmm::NvmlMemory::new().ok()?;
         nvml.device(nvml_index(ordinal)).ok().map(|usage| usage.free)
     }
@@ -434,11 +434,14 @@ impl ModelMemory {
         block_size: usize,
         blocks: usize,
     ) -> Result<layers::model::KvPool, PlaceError> {
-        use layers::memory::Arena;
+        use tensor::memory::Arena;
         let elem = self.kv_elem(model);
         let bytes = model.pool_bytes(block_size, blocks, elem);
         let what = format!("a {bytes}-byte KV pool");
-        let failed = |source| PlaceError::Model { what: what.clone(), source: Box::new(source) };
+        let failed = |source: layers::Error| PlaceError::Model {
+            what: what.clone(),
+            source: Box::new(source),
+        };
         if let Some(arena) = self.device_kv(model, bytes) {
             return model.pool_on_device(&arena, block_size, blocks, elem).map_err(|source| {
                 PlaceError::Model {
@@ -448,18 +451,18 @@ impl ModelMemory {
             });
         }
         let arena = self.committed_kv(bytes, "KV pool")?;
-        let storage = layers::tensor::Storage::external(arena.alloc(bytes).map_err(failed)?)
-            .map_err(failed)?;
+        let storage = arena.alloc(bytes).and_then(tensor::Storage::external);
+        let storage = storage.map_err(|e| failed(e.into()))?;
         model.pool_in(storage, block_size).map_err(failed)
     }
 
     /// How [`ModelMemory::new_pool`] and [`ModelMemory::new_cache`] store `model`'s keys and
     /// values: as the model's [`ParallelModel::device_kv_elem`] (bf16 with half-precision
     /// weights) in device memory, f32 on the host.
-    pub fn kv_elem(&self, model: &ParallelModel) -> layers::kernels::KvElem {
+    pub fn kv_elem(&self, model: &ParallelModel) -> tensor::kernels::KvElem {
         match self.device_for(model.backend()) {
             Some(_) => model.device_kv_elem(),
-            None => layers::kernels::KvElem::F32,
+            None => tensor::kernels::KvElem::F32,
         }
     }
 

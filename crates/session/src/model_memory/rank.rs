@@ -3,8 +3,8 @@
 
 use super::{ModelMemory, Restore};
 use crate::sleep::{MemoryError, Probe, RankMemory, Refusal, TagReceipt, VmmMemory};
-use layers::kernels::Backend;
 use std::sync::{Mutex, PoisonError};
+use tensor::kernels::Backend;
 
 /// The control plane's view of one rank's model memory ([`RankMemory`]): the tagged host
 /// allocations and, on a GPU, the device ones, with NVML's reading of the device in the probes.
@@ -35,7 +35,7 @@ impl ModelRankMemory {
     pub fn new(memory: &ModelMemory, backend: Backend) -> ModelRankMemory {
         let manager = memory.manager().clone();
         let (host, device) = match backend.device() {
-            layers::Device::Cuda(ordinal) => {
+            tensor::Device::Cuda(ordinal) => {
                 let index = nvml_index(ordinal);
                 (
                     VmmMemory::with_device(manager, index),

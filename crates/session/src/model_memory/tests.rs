@@ -35,7 +35,7 @@ fn a_model_in_vmm_memory_sleeps_and_continues_identically() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("tiny.gguf");
     let spec = RandomLlama {
-        quantized: Some(layers::kernels::BlockFormat::Q8_0),
+        quantized: Some(tensor::kernels::BlockFormat::Q8_0),
         hidden: 256,
         ffn: 512,
         ..Default::default()
@@ -129,7 +129,7 @@ fn sleep_levels_choose_how_the_weights_come_back_and_receipts_say_so() {
 /// every chunk.
 #[test]
 fn the_device_arena_packs_regions_into_chunks_of_its_tag() {
-    use layers::DeviceArena;
+    use tensor::DeviceArena;
     let dir = std::env::temp_dir().join(format!("tpctl-memory-d-{}", std::process::id()));
     let manager = Arc::new(vmm::Manager::builder().spill_dir(&dir).build().unwrap());
     let chunk = 1 << 20;

@@ -3,8 +3,8 @@
 //! Within each head, element `i` is paired with element `i + rot_dim/2` for `i < rot_dim/2`
 //! and the pair is rotated by `pos · theta^(-2i/rot_dim)`; elements at `rot_dim..head_dim`
 //! pass through. GGUF llama checkpoints store the Q/K projection rows permuted for the
-//! interleaved (adjacent-pair) convention instead; the GGUF loader undoes that permutation
-//! (see `crate::model::unpermute_rows`), so every weight in memory is in the HF layout.
+//! interleaved (adjacent-pair) convention instead; the GGUF loader undoes that permutation,
+//! so every weight in memory is in the HF layout.
 
 /// Rotates `x` laid out as `[tokens, heads, head_dim]` in place; `positions[t]` is the absolute
 /// position of token `t`.

@@ -13,7 +13,6 @@ pub const BLOCK: usize = 32;
 
 /// A block-quantized format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
 pub enum BlockFormat {
     /// 8-bit, symmetric.
     Q8_0,

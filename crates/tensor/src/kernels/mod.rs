@@ -10,7 +10,7 @@
 //! only in summation order; the CUDA backend multiplies the dequantized weights in f32, or
 //! in bf16/f16 with [`GemmDtype`].
 
-pub(crate) mod cpu;
+pub mod cpu;
 pub mod cuda;
 
 pub use cpu::attention::AttnShape;
@@ -25,9 +25,18 @@ use crate::tensor::{Device, Tensor};
 use collectives::{Collective, Communicator};
 use mesh::DeviceMemory;
 
+/// The activation of an MLP's gate projection, multiplied into its up projection.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Activation {
+    /// `x · sigmoid(x)` (Llama, Qwen2, Phi-3).
+    #[default]
+    Silu,
+    /// GELU in its tanh approximation (Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
 /// A weight matrix `[out_features, in_features]` as a linear layer stores it.
 #[derive(Clone, Debug, PartialEq)]
-#[non_exhaustive]
 pub enum Weight {
     /// Dense f32, row-major.
     F32(Tensor),
@@ -615,7 +624,7 @@ impl Backend {
     ///
     /// # Errors
     /// As [`Backend::write_device`], and [`Error::Shape`] when `range` is not in `src`.
-    pub(crate) fn write_tensor(
+    pub fn write_tensor(
         &self,
         dst: &dyn DeviceMemory,
         elem: KvElem,
@@ -636,7 +645,7 @@ impl Backend {
     /// # Errors
     /// [`Error::Shape`] when the values do not fit; [`Error::BackendUnavailable`] on the CPU
     /// backend or when the copy fails.
-    pub(crate) fn write_device(
+    pub fn write_device(
         &self,
         dst: &dyn DeviceMemory,
         elem: KvElem,
@@ -651,7 +660,7 @@ impl Backend {
     ///
     /// # Errors
     /// [`Error::Shape`] when they do not fit; [`Error::BackendUnavailable`] on the CPU.
-    fn device_writer(
+    pub fn device_writer(
         &self,
         dst: &dyn DeviceMemory,
         elem: KvElem,
@@ -685,10 +694,10 @@ impl Backend {
     ///
     /// # Errors
     /// [`Error::Shape`] when the lengths differ.
-    pub fn gated(&self, act: crate::Activation, gate: &mut Tensor, up: &Tensor) -> Result<()> {
+    pub fn gated(&self, act: Activation, gate: &mut Tensor, up: &Tensor) -> Result<()> {
         match act {
-            crate::Activation::Silu => return self.silu_mul(gate, up),
-            crate::Activation::GeluTanh => {}
+            Activation::Silu => return self.silu_mul(gate, up),
+            Activation::GeluTanh => {}
         }
         check("gelu_mul", gate.len() == up.len(), || format!("{} vs {}", gate.len(), up.len()))?;
         match self {

@@ -46,10 +46,7 @@ pub trait DeviceArena: Send + Sync {
 ///
 /// # Errors
 /// [`Error::Arena`] when the arena fails or returns a region of another size or alignment.
-pub(crate) fn alloc_device_exact(
-    arena: &dyn DeviceArena,
-    bytes: usize,
-) -> Result<Box<dyn DeviceMemory>> {
+pub fn alloc_device_exact(arena: &dyn DeviceArena, bytes: usize) -> Result<Box<dyn DeviceMemory>> {
     let mem = arena.alloc_device(bytes)?;
     let (got, at) = (mem.size(), mem.device_ptr());
     if got != bytes || at % ALIGN as u64 != 0 {
@@ -66,7 +63,7 @@ pub(crate) fn alloc_device_exact(
 ///
 /// # Errors
 /// [`Error::Arena`] when the arena fails or returns a region of another size.
-pub(crate) fn alloc_exact(arena: &dyn Arena, bytes: usize) -> Result<Box<dyn ExternalMemory>> {
+pub fn alloc_exact(arena: &dyn Arena, bytes: usize) -> Result<Box<dyn ExternalMemory>> {
     let mem = arena.alloc(bytes)?;
     let got = mem.bytes().len();
     if got != bytes {
@@ -121,7 +118,7 @@ impl std::fmt::Debug for HeapRegion {
 /// Something that holds weight buffers: it lists them and moves them into arena memory, both
 /// in one fixed order. Each implementation visits its fields in the same order in both
 /// methods; empty buffers are left out of both.
-pub(crate) trait WeightBuffers {
+pub trait WeightBuffers {
     /// Appends the bytes of every non-empty buffer to `out`, in order.
     fn buffers<'a>(&'a self, out: &mut Vec<&'a [u8]>);
 

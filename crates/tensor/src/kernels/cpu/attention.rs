@@ -107,7 +107,6 @@ impl<'a> KvBlocks<'a> {
 /// log-sum-exp of each row's scaled scores. Runs in the current rayon pool.
 ///
 /// Lengths must agree; callers check.
-#[cfg(test)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: &[f32],

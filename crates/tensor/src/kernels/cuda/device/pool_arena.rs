@@ -72,10 +72,9 @@ impl PoolArena {
     }
 }
 
-#[cfg(test)]
 impl PoolArena {
-    /// Overwrites every byte with `value`, as a lost mapping would (tests).
-    pub(crate) fn scribble(&self, backend: &CudaBackend, value: u8) {
+    /// Overwrites every byte with `value`, as a lost mapping would (for tests).
+    pub fn scribble(&self, backend: &CudaBackend, value: u8) {
         backend.bind("scribble").unwrap();
         let stream = backend.stream();
         // SAFETY: the range is exactly the arena's buffer, alive while `self` is.

@@ -1,0 +1,387 @@
+//! Whole models on the CUDA backend against the CPU: a random model (single rank and on a
+//! 2 x 2 thread mesh) and the default model giving the same greedy tokens and logits, device
+//! KV caches and paged pools, weights in a device arena, half precision. Without a usable GPU
+//! these tests print a note and return, unless `TPCTL_REQUIRE_GPU=1`, when they fail (the
+//! kernels themselves are checked in the tensor crate).
+//!
+//! Tolerances: whole models at 1e-3 relative to the largest logit, since differences compound
+//! over layers.
+
+use crate::config::LlamaConfig;
+use crate::gguf::GgufFile;
+use crate::model::random::RandomLlama;
+use crate::model::{Logits, Model, WeightForm};
+use crate::parallel::{Comms, LoadOptions, ParallelModel, Placement};
+use crate::test_util::{assert_rel, cuda_of, gpu, gpu_in, gpu_required, temp_path};
+use collectives::{local, Communicator, ShmOptions};
+use std::time::Duration;
+use tensor::kernels::{BlockFormat, GemmDtype, KvElem};
+use tensor::{Backend, Tensor};
+
+fn cpu() -> Backend {
+    Backend::cpu(2).unwrap()
+}
+
+/// Prefill logits of `prompt` and 12 greedy tokens after it.
+fn run_model(model: &Model, prompt: &[u32]) -> (Tensor, Vec<u32>) {
+    let mut cache = model.new_cache(64);
+    let positions: Vec<usize> = (0..prompt.len()).collect();
+    let logits = model.forward(prompt, &positions, &mut cache, Logits::All).unwrap();
+    let mut cache = model.new_cache(64);
+    let tokens = model.generate(prompt, 12, &[], &mut cache, |_| {}).unwrap();
+    (logits, tokens)
+}
+
+#[test]
+fn cuda_random_model_gives_the_cpu_greedy_tokens_and_logits() {
+    let Some(gpu) = gpu() else { return };
+    let prompt = [3u32, 17, 5, 38, 0, 22, 9];
+    let specs = [
+        ("f32", RandomLlama::default()),
+        (
+            "q8_0",
+            RandomLlama {
+                quantized: Some(BlockFormat::Q8_0),
+                untied_head: true,
+                seed: 2,
+                ..Default::default()
+            },
+        ),
+        ("qwen2 biases", RandomLlama { attn_bias: true, seed: 3, ..Default::default() }),
+    ];
+    for (name, spec) in specs {
+        let path = temp_path("cuda-model.gguf");
+        spec.write(&path).unwrap();
+        let file = GgufFile::open(&path).unwrap();
+        let config = LlamaConfig::from_gguf(&file).unwrap();
+        // The CPU runs the dequantized weights: the arithmetic the CUDA backend does.
+        let cpu =
+            Model::from_source(&file, config.clone(), Backend::cpu(1).unwrap(), WeightForm::F32)
+                .unwrap();
+        let dev = Model::from_source(&file, config, gpu.clone(), WeightForm::Native).unwrap();
+        let (want_logits, want_tokens) = run_model(&cpu, &prompt);
+        let (got_logits, got_tokens) = run_model(&dev, &prompt);
+        assert_rel(got_logits.data(), want_logits.data(), 1e-3, name);
+        assert_eq!(got_tokens, want_tokens, "{name}");
+        std::fs::remove_file(path).unwrap();
+    }
+}
+
+/// The default model (SmolLM2-135M, Q4_1/Q8_0 weights) on the GPU: the CPU's greedy tokens and
+/// logits within the same tolerance. Needs the model in the cache (`cargo xtask fetch-model`;
+/// `cargo xtask gpu-test` fetches it).
+#[test]
+fn cuda_real_model_gives_the_cpu_greedy_tokens_and_logits() {
+    let Some(gpu) = gpu() else { return };
+    let Some(path) = crate::model::default_model_path() else {
+        assert!(!gpu_required(), "TPCTL_REQUIRE_GPU=1 but the default model is not cached");
+        eprintln!("note: default model not cached; skipping");
+        return;
+    };
+    let file = GgufFile::open(&path).unwrap();
+    let config = LlamaConfig::from_gguf(&file).unwrap();
+    let cpu = Model::from_source(&file, config.clone(), Backend::cpu(2).unwrap(), WeightForm::F32)
+        .unwrap();
+    let dev = Model::from_source(&file, config, gpu, WeightForm::Native).unwrap();
+    // "The capital of France is" in SmolLM2's vocabulary.
+    let tok = crate::Tokenizer::from_gguf(&file).unwrap();
+    let prompt = tok.encode("The capital of France is").unwrap();
+    let (want_logits, want_tokens) = run_model(&cpu, &prompt);
+    let (got_logits, got_tokens) = run_model(&dev, &prompt);
+    assert_rel(got_logits.data(), want_logits.data(), 1e-3, "smollm2");
+    assert_eq!(got_tokens, want_tokens);
+}
+
+#[test]
+fn cuda_parallel_model_on_a_tp2_cp2_mesh_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let spec = RandomLlama { layers: 2, heads: 4, kv_heads: 2, ..Default::default() };
+    let path = temp_path("cuda-parallel.gguf");
+    spec.write(&path).unwrap();
+    let prompt = [3u32, 17, 5, 38, 0, 22, 9];
+    let cpu = Model::load_with(&path, 1, WeightForm::F32).unwrap();
+    let (_, want) = run_model(&cpu, &prompt);
+    let opts = ShmOptions { slot_bytes: 64 << 10, ring_bytes: 16 << 10 };
+    let pairs = local::mesh(2, 2, opts).unwrap();
+    // Four ranks on threads share the one GPU (and its backend, as clones).
+    let got: Vec<Vec<u32>> = std::thread::scope(|s| {
+        let handles: Vec<_> = pairs
+            .into_iter()
+            .map(|(mut t, mut c)| {
+                let (gpu, path) = (gpu.clone(), &path);
+                s.spawn(move || {
+                    t.set_timeout(Duration::from_secs(60));
+                    c.set_timeout(Duration::from_secs(60));
+                    let mut comms = Comms { tp: &mut t, cp: &mut c };
+                    let placement = Placement::of(&comms);
+                    let file = GgufFile::open(path).unwrap();
+                    let config = LlamaConfig::from_gguf(&file).unwrap();
+                    let model = ParallelModel::from_source(
+                        &file,
+                        config,
+                        LoadOptions::new(placement).on(gpu).form(WeightForm::Native),
+                    )
+                    .unwrap();
+                    let mut cache = model.new_cache(64);
+                    model.generate(&mut comms, &prompt, 12, &[], &mut cache, |_| {}).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+    });
+    for (rank, tokens) in got.iter().enumerate() {
+        assert_eq!(tokens, &want, "rank {rank}");
+    }
+    std::fs::remove_file(path).unwrap();
+}
+
+/// `steps` greedy decode steps after `prompt`, returning every step's logits.
+fn decode(
+    model: &ParallelModel,
+    cache: &mut crate::parallel::ParallelCache,
+    prompt: &[u32],
+    steps: usize,
+) -> Vec<Vec<f32>> {
+    let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
+    let mut comms = Comms { tp: &mut tp, cp: &mut cp };
+    let mut tokens = prompt.to_vec();
+    let mut rows = Vec::new();
+    for _ in 0..steps {
+        let out = model.forward(&mut comms, &tokens, cache, Logits::Last).unwrap();
+        let row = out.row(out.rows() - 1).to_vec();
+        let next = row.iter().enumerate().fold(0, |b, (i, &x)| if x > row[b] { i } else { b });
+        tokens = vec![next as u32];
+        rows.push(row);
+    }
+    rows
+}
+
+/// A KV cache in device memory is appended to and read in place; the logits are bit for bit
+/// those of a host cache (uploaded per call) on the same GPU, over prefill and decode.
+#[test]
+fn cuda_device_kv_cache_gives_the_host_cache_logits() {
+    let Some(gpu) = gpu() else { return };
+    let path = temp_path("cuda-device-kv.gguf");
+    RandomLlama { quantized: Some(BlockFormat::Q8_0), seed: 5, ..Default::default() }
+        .write(&path)
+        .unwrap();
+    let model = ParallelModel::load(
+        &path,
+        LoadOptions::new(Placement::single()).on(gpu.clone()).form(WeightForm::Native),
+    )
+    .unwrap();
+    let bytes = model.cache_bytes(32, KvElem::F32);
+    let arena = tensor::kernels::PoolArena::new(cuda_of(&gpu), bytes).unwrap();
+    let mut device = model.new_cache_on_device(32, KvElem::F32, &arena).unwrap();
+    let mut host = model.new_cache(32);
+    let prompt = [3u32, 17, 5, 38, 0, 22, 9];
+    assert_eq!(decode(&model, &mut device, &prompt, 8), decode(&model, &mut host, &prompt, 8));
+    assert_eq!(device.len(), host.len());
+    // Full means full on the device too, and the failed step leaves it usable.
+    let err = model
+        .forward(
+            &mut Comms {
+                tp: &mut collectives::Solo::new("tp"),
+                cp: &mut collectives::Solo::new("cp"),
+            },
+            &[1u32; 32],
+            &mut device,
+            Logits::Last,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("kv cache full"), "{err}");
+    std::fs::remove_file(path).unwrap();
+}
+
+/// A paged KV pool in device memory: two sequences write their tokens through scrambled block
+/// tables (blocks of 4 tokens, so appends cross block boundaries) and attention reads them in
+/// place through the tables; each sequence's logits are bit for bit those of a host cache of
+/// its own, also when it goes on after the other one wrote its blocks.
+#[test]
+fn cuda_paged_device_pool_gives_the_host_cache_logits() {
+    let Some(gpu) = gpu() else { return };
+    let path = temp_path("cuda-paged-kv.gguf");
+    RandomLlama { quantized: Some(BlockFormat::Q8_0), seed: 7, ..Default::default() }
+        .write(&path)
+        .unwrap();
+    let model = ParallelModel::load(
+        &path,
+        LoadOptions::new(Placement::single()).on(gpu.clone()).form(WeightForm::Native),
+    )
+    .unwrap();
+    let (block_size, blocks) = (4, 16);
+    let f32 = KvElem::F32;
+    let bytes = model.pool_bytes(block_size, blocks, f32);
+    let arena = tensor::kernels::PoolArena::new(cuda_of(&gpu), bytes).unwrap();
+    let pool = std::sync::Arc::new(model.pool_on_device(&arena, block_size, blocks, f32).unwrap());
+    assert!(pool.is_on_device());
+    let (mut a, mut b) =
+        (model.new_paged_cache(&pool).unwrap(), model.new_paged_cache(&pool).unwrap());
+    a.extend_table(&[13, 2, 7, 9, 0, 15, 4, 11]).unwrap();
+    b.extend_table(&[1, 3, 5, 6, 8, 10, 12, 14]).unwrap();
+    let (mut host_a, mut host_b) = (model.new_cache(32), model.new_cache(32));
+    let (prompt_a, prompt_b) = ([3u32, 17, 5, 38, 0, 22, 9], [8u32, 1, 30, 2, 2]);
+    assert_eq!(decode(&model, &mut a, &prompt_a, 6), decode(&model, &mut host_a, &prompt_a, 6));
+    assert_eq!(decode(&model, &mut b, &prompt_b, 6), decode(&model, &mut host_b, &prompt_b, 6));
+    assert_eq!(decode(&model, &mut a, &[4], 5), decode(&model, &mut host_a, &[4], 5));
+    assert_eq!((a.len(), b.len()), (host_a.len(), host_b.len()));
+    // A CPU model cannot use a device pool: a clear error, not a read of device memory.
+    let cpu_model = ParallelModel::load(
+        &path,
+        LoadOptions::new(Placement::single()).on(cpu()).form(WeightForm::Native),
+    )
+    .unwrap();
+    let err = cpu_model.new_paged_cache(&pool).unwrap_err();
+    assert!(err.to_string().contains("device memory"), "{err}");
+    std::fs::remove_file(path).unwrap();
+}
+
+/// Weights kept in a device arena: the logits match the CPU's; after the arena's memory is
+/// overwritten (as a sleep loses it) a cleared cache writes every weight again into the same
+/// regions (no new device memory) and the logits are bit for bit the first ones, while without
+/// the clear they are wrong (so the overwrite did hit the weights).
+#[test]
+fn cuda_weights_in_an_arena_are_written_again_in_place_after_a_clear() {
+    let Some(gpu) = gpu() else { return };
+    let path = temp_path("cuda-arena-weights.gguf");
+    RandomLlama { quantized: Some(BlockFormat::Q8_0), seed: 6, ..Default::default() }
+        .write(&path)
+        .unwrap();
+    let cuda = cuda_of(&gpu).clone();
+    let arena = std::sync::Arc::new(tensor::kernels::PoolArena::new(&cuda, 64 << 20).unwrap());
+    cuda.keep_weights_in(arena.clone());
+    let model = ParallelModel::load(
+        &path,
+        LoadOptions::new(Placement::single()).on(gpu.clone()).form(WeightForm::Native),
+    )
+    .unwrap();
+    let cpu =
+        ParallelModel::load(&path, LoadOptions::new(Placement::single()).form(WeightForm::F32))
+            .unwrap();
+    let prompt = [3u32, 17, 5, 38, 0, 22, 9];
+    let first = decode(&model, &mut model.new_cache(32), &prompt, 4);
+    let want = decode(&cpu, &mut cpu.new_cache(32), &prompt, 4);
+    for (got, want) in first.iter().zip(&want) {
+        assert_rel(got, want, 1e-3, "arena weights");
+    }
+    let held = cuda.cached_weight_bytes();
+    assert!(held > 0);
+
+    arena.scribble(&cuda, 0x7f);
+    let stale = decode(&model, &mut model.new_cache(32), &prompt, 1);
+    assert_ne!(stale[0], first[0], "overwriting the arena did not change the weights");
+    cuda.clear_weight_cache();
+    assert_eq!(cuda.cached_weight_bytes(), held, "arena regions are kept by a clear");
+    assert_eq!(decode(&model, &mut model.new_cache(32), &prompt, 4), first);
+    assert_eq!(cuda.cached_weight_bytes(), held, "the weights went back into their regions");
+    std::fs::remove_file(path).unwrap();
+}
+
+/// Whole models with half-precision weights: the random model's logits within 5% (bf16) and
+/// 1% (f16) of the largest CPU logit; the default model in bf16 still says Paris.
+#[test]
+fn cuda_half_precision_models_stay_close_to_the_cpu() {
+    let prompt = [3u32, 17, 5, 38, 0, 22, 9];
+    let path = temp_path("cuda-half-model.gguf");
+    RandomLlama { quantized: Some(BlockFormat::Q8_0), seed: 7, ..Default::default() }
+        .write(&path)
+        .unwrap();
+    let cpu = Model::load_with(&path, 1, WeightForm::F32).unwrap();
+    let (want, _) = run_model(&cpu, &prompt);
+    for (dtype, tol) in [(GemmDtype::Bf16, 5e-2), (GemmDtype::F16, 1e-2)] {
+        let Some(gpu) = gpu_in(dtype) else { return };
+        let file = GgufFile::open(&path).unwrap();
+        let config = LlamaConfig::from_gguf(&file).unwrap();
+        let dev = Model::from_source(&file, config, gpu, WeightForm::Native).unwrap();
+        let (got, _) = run_model(&dev, &prompt);
+        assert_rel(got.data(), want.data(), tol, dtype.name());
+    }
+    std::fs::remove_file(path).unwrap();
+    let Some(gpu) = gpu_in(GemmDtype::Bf16) else { return };
+    let Some(path) = crate::model::default_model_path() else {
+        assert!(!gpu_required(), "TPCTL_REQUIRE_GPU=1 but the default model is not cached");
+        return;
+    };
+    let file = GgufFile::open(&path).unwrap();
+    let config = LlamaConfig::from_gguf(&file).unwrap();
+    let tok = crate::Tokenizer::from_gguf(&file).unwrap();
+    let dev = Model::from_source(&file, config, gpu, WeightForm::Native).unwrap();
+    let prompt = tok.encode("The capital of France is").unwrap();
+    let tokens = dev.generate(&prompt, 8, &[], &mut dev.new_cache(32), |_| {}).unwrap();
+    let text = tok.decode(&tokens, true).unwrap();
+    assert!(text.contains("Paris"), "bf16 continuation: {text:?}");
+}
+
+/// Last-position logits of `steps` forward passes of fixed tokens (no sampling, so two caches
+/// see the same inputs even when their logits differ).
+fn forced(
+    model: &ParallelModel,
+    cache: &mut crate::parallel::ParallelCache,
+    steps: &[&[u32]],
+) -> Vec<f32> {
+    let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
+    let mut comms = Comms { tp: &mut tp, cp: &mut cp };
+    let mut rows = Vec::new();
+    for tokens in steps {
+        let out = model.forward(&mut comms, tokens, cache, Logits::Last).unwrap();
+        rows.extend_from_slice(out.row(out.rows() - 1));
+    }
+    rows
+}
+
+/// A bf16 paged pool (what a half-precision GPU deployment gets) holds half the bytes of an
+/// f32 one; keys and values are rounded on the device as they are appended, and the logits
+/// stay within bf16 rounding of the f32 pool's.
+#[test]
+fn cuda_bf16_paged_pool_stays_close_to_the_f32_pool() {
+    let Some(gpu) = gpu() else { return };
+    let path = temp_path("cuda-bf16-kv.gguf");
+    RandomLlama { seed: 11, ..Default::default() }.write(&path).unwrap();
+    let model =
+        ParallelModel::load(&path, LoadOptions::new(Placement::single()).on(gpu.clone())).unwrap();
+    let (block_size, blocks) = (4, 8);
+    let pool = |elem: KvElem| {
+        let bytes = model.pool_bytes(block_size, blocks, elem);
+        let arena = tensor::kernels::PoolArena::new(cuda_of(&gpu), bytes).unwrap();
+        let pool = model.pool_on_device(&arena, block_size, blocks, elem).unwrap();
+        assert_eq!(pool.elem(), elem);
+        (std::sync::Arc::new(pool), bytes)
+    };
+    let ((full, full_bytes), (half, half_bytes)) = (pool(KvElem::F32), pool(KvElem::Bf16));
+    assert_eq!(full_bytes, 2 * half_bytes);
+    let steps: [&[u32]; 4] = [&[3, 17, 5, 38, 0, 22, 9], &[4], &[12], &[7]];
+    let mut logits = Vec::new();
+    for pool in [&full, &half] {
+        let mut cache = model.new_paged_cache(pool).unwrap();
+        cache.extend_table(&[6, 1, 3, 0]).unwrap();
+        logits.push(forced(&model, &mut cache, &steps));
+    }
+    assert_ne!(logits[0], logits[1], "the bf16 pool computed in f32");
+    assert_rel(&logits[1], &logits[0], 3e-2, "bf16 KV pool against f32");
+    std::fs::remove_file(path).unwrap();
+}
+
+/// A bf16 contiguous device cache (what a half-precision GPU deployment gets without a paged
+/// pool) holds half the bytes of an f32 one, and its logits stay within bf16 rounding of the
+/// f32 cache's.
+#[test]
+fn cuda_bf16_device_cache_stays_close_to_the_f32_cache() {
+    let Some(gpu) = gpu() else { return };
+    let path = temp_path("cuda-bf16-cache.gguf");
+    RandomLlama { seed: 13, ..Default::default() }.write(&path).unwrap();
+    let model =
+        ParallelModel::load(&path, LoadOptions::new(Placement::single()).on(gpu.clone())).unwrap();
+    assert_eq!(model.cache_bytes(32, KvElem::F32), 2 * model.cache_bytes(32, KvElem::Bf16));
+    let steps: [&[u32]; 4] = [&[3, 17, 5, 38, 0, 22, 9], &[4], &[12], &[7]];
+    let mut logits = Vec::new();
+    for elem in [KvElem::F32, KvElem::Bf16] {
+        let bytes = model.cache_bytes(32, elem);
+        let arena = tensor::kernels::PoolArena::new(cuda_of(&gpu), bytes).unwrap();
+        let mut cache = model.new_cache_on_device(32, elem, &arena).unwrap();
+        assert_eq!(cache.capacity(), 32);
+        logits.push(forced(&model, &mut cache, &steps));
+    }
+    assert_ne!(logits[0], logits[1], "the bf16 cache computed in f32");
+    assert_rel(&logits[1], &logits[0], 3e-2, "bf16 KV cache against f32");
+    std::fs::remove_file(path).unwrap();
+}

@@ -1,0 +1,384 @@
+//! The CUDA backend against the CPU backend: every `Backend` method on random inputs (whole
+//! models on the GPU are checked in the layers crate). Without a usable GPU these tests print a note and return, unless
+//! `TPCTL_REQUIRE_GPU=1`, when they fail; the error test runs everywhere.
+//!
+//! Tolerances: 1e-4 relative (to max(1, |want|)) for f32 ops; quantized products are checked
+//! at 1e-4 against the CPU's f32 product on the dequantized matrix and against the CPU's
+//! quantized kernels (the same arithmetic in another order).
+
+use crate::error::Error;
+use crate::kernels::cpu::quant::{quantize, BlockFormat};
+use crate::kernels::{AttnShape, Backend, GemmDtype, Kv, QMatrix, Weight};
+use crate::tensor::{Device, Tensor};
+use crate::test_util::{assert_close, assert_rel, cuda_of, gpu, gpu_in, random_vec};
+
+fn cpu() -> Backend {
+    Backend::cpu(2).unwrap()
+}
+
+fn tensor(shape: &[usize], seed: u64) -> Tensor {
+    Tensor::from_vec(shape, random_vec(shape.iter().product(), seed)).unwrap()
+}
+
+#[test]
+fn cuda_backend_without_a_device_is_a_clear_error() {
+    // No machine has this device, so this checks the error path everywhere.
+    let err = Backend::cuda(4096).unwrap_err();
+    let msg = err.to_string();
+    match err {
+        Error::NotCompiledWith { feature } => assert_eq!(feature, "cuda"),
+        Error::BackendUnavailable { backend, reason } => {
+            assert_eq!(backend, "cuda");
+            assert!(reason.starts_with("device 4096: "), "{msg}");
+        }
+        other => panic!("unexpected error: {other}"),
+    }
+    assert!(msg.contains("cuda"), "{msg}");
+    // Device 0 either works (on a GPU machine) or says why, without panicking.
+    if let Some(be) = gpu() {
+        assert_eq!(be.device(), Device::Cuda(0));
+    }
+}
+
+#[test]
+fn cuda_norm_rope_and_elementwise_ops_match_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = cpu();
+    // RMSNorm: rows wider and narrower than a thread block.
+    for (rows, d) in [(3, 64), (5, 576), (2, 1000)] {
+        let x = tensor(&[rows, d], 1);
+        let w = tensor(&[d], 2);
+        let want = cpu.rms_norm(&x, &w, 1e-5).unwrap();
+        let got = gpu.rms_norm(&x, &w, 1e-5).unwrap();
+        assert_eq!(got.shape(), want.shape());
+        assert_close(got.data(), want.data(), 1e-4);
+    }
+    // RoPE, full and partial, at large positions.
+    for (heads, head_dim, rot_dim) in [(4, 16, 16), (3, 64, 32), (2, 128, 128)] {
+        let positions = [0usize, 1, 7, 1000, 8191];
+        let mut a = tensor(&[positions.len(), heads * head_dim], 3);
+        let mut b = a.clone();
+        cpu.rope(&mut a, &positions, heads, head_dim, rot_dim, 10_000.0).unwrap();
+        gpu.rope(&mut b, &positions, heads, head_dim, rot_dim, 10_000.0).unwrap();
+        assert_close(b.data(), a.data(), 1e-4);
+        // With per-pair frequency factors (Llama 3 scaling divides the low frequencies).
+        let factors: Vec<f32> = (0..rot_dim / 2).map(|i| 1.0 + (i % 5) as f32 * 2.0).collect();
+        let dims = (heads, head_dim, rot_dim);
+        cpu.rope_scaled(&mut a, &positions, dims, 500_000.0, Some(&factors)).unwrap();
+        gpu.rope_scaled(&mut b, &positions, dims, 500_000.0, Some(&factors)).unwrap();
+        assert_close(b.data(), a.data(), 1e-4);
+    }
+    // SiLU-gated product, residual add, bias add.
+    let (mut g1, up) = (tensor(&[7, 300], 4), tensor(&[7, 300], 5));
+    let mut g2 = g1.clone();
+    cpu.silu_mul(&mut g1, &up).unwrap();
+    gpu.silu_mul(&mut g2, &up).unwrap();
+    assert_close(g2.data(), g1.data(), 1e-4);
+    let (mut x1, y) = (tensor(&[3, 1025], 6), tensor(&[3, 1025], 7));
+    let mut x2 = x1.clone();
+    cpu.add_assign(&mut x1, &y).unwrap();
+    gpu.add_assign(&mut x2, &y).unwrap();
+    assert_close(x2.data(), x1.data(), 1e-4);
+    let bias = tensor(&[1025], 8);
+    cpu.add_bias(&mut x1, &bias).unwrap();
+    gpu.add_bias(&mut x2, &bias).unwrap();
+    assert_close(x2.data(), x1.data(), 1e-4);
+    // Shape errors are the same on both.
+    let err = gpu.add_assign(&mut x2, &bias).unwrap_err();
+    assert!(err.to_string().contains("add_assign"), "{err}");
+}
+
+#[test]
+fn cuda_embedding_and_argmax_match_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = cpu();
+    let (vocab, dim) = (50, 64);
+    let dense = random_vec(vocab * dim, 9);
+    let mut tables = vec![Weight::F32(Tensor::from_vec(&[vocab, dim], dense.clone()).unwrap())];
+    for f in [BlockFormat::Q8_0, BlockFormat::Q4_0, BlockFormat::Q4_1] {
+        let q = QMatrix::from_blocks(f, vocab, dim, &quantize(f, &dense)).unwrap();
+        tables.push(Weight::Quant(q));
+    }
+    let ids = [3u32, 0, 49, 3, 17];
+    for table in &tables {
+        let want = cpu.embedding(table, &ids).unwrap();
+        let got = gpu.embedding(table, &ids).unwrap();
+        // A gather of exactly dequantized values: bit-identical.
+        assert_eq!(got.data(), want.data());
+        let err = gpu.embedding(table, &[1, 50]).unwrap_err();
+        assert!(err.to_string().contains("token id 50 at index 1"), "{err}");
+    }
+    // Argmax: ties take the first, NaN never wins, rows wider than a block.
+    let mut x = random_vec(4 * 3000, 10);
+    x[5] = 7.0;
+    x[2900] = 7.0;
+    x[3000] = f32::NAN;
+    x[5999] = 9.0;
+    x[2 * 3000..3 * 3000].fill(f32::NAN);
+    let x = Tensor::from_vec(&[4, 3000], x).unwrap();
+    let want = cpu.argmax_rows(&x);
+    assert_eq!(want[0], 5);
+    assert_eq!(want[2], 0);
+    assert_eq!(gpu.argmax_rows(&x), want);
+    let wide = tensor(&[2, 49152], 11);
+    assert_eq!(gpu.argmax_rows(&wide), cpu.argmax_rows(&wide));
+}
+
+#[test]
+fn cuda_linear_matches_cpu_for_f32_and_quantized_weights() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = cpu();
+    for (n, k) in [(40, 64), (33, 96), (576, 1536)] {
+        let wf = random_vec(n * k, 12);
+        let dense = Weight::F32(Tensor::from_vec(&[n, k], wf.clone()).unwrap());
+        for m in [1, 3, 17] {
+            let x = tensor(&[m, k], 13);
+            let want = cpu.linear(&x, &dense).unwrap();
+            let got = gpu.linear(&x, &dense).unwrap();
+            assert_eq!(got.shape(), &[m, n]);
+            assert_close(got.data(), want.data(), 1e-4);
+        }
+        for f in [BlockFormat::Q8_0, BlockFormat::Q4_0, BlockFormat::Q4_1] {
+            let q = QMatrix::from_blocks(f, n, k, &quantize(f, &wf)).unwrap();
+            let deq = Weight::F32(Tensor::from_vec(&[n, k], q.dequantize()).unwrap());
+            let quant = Weight::Quant(q);
+            for m in [1, 12] {
+                let x = tensor(&[m, k], 14);
+                let got = gpu.linear(&x, &quant).unwrap();
+                assert_close(got.data(), cpu.linear(&x, &deq).unwrap().data(), 1e-4);
+                // The CPU's quantized kernels multiply the same dequantized values in f32.
+                assert_close(got.data(), cpu.linear(&x, &quant).unwrap().data(), 1e-4);
+            }
+        }
+    }
+    // A 3-d input keeps its leading shape.
+    let w = Weight::F32(tensor(&[8, 32], 15));
+    let x = tensor(&[2, 3, 32], 16);
+    let got = gpu.linear(&x, &w).unwrap();
+    assert_eq!(got.shape(), &[2, 3, 8]);
+    assert_close(got.data(), cpu.linear(&x, &w).unwrap().data(), 1e-4);
+}
+
+#[test]
+fn cuda_weight_cache_uploads_once_and_notices_a_new_weight_at_a_reused_address() {
+    let Some(gpu) = gpu() else { return };
+    let Backend::Cuda(dev) = &gpu else { unreachable!("gpu() returns the cuda backend") };
+    let cpu = cpu();
+    let x = tensor(&[2, 64], 17);
+    let before = dev.cached_weight_bytes();
+    let w = Weight::F32(tensor(&[48, 64], 18));
+    gpu.linear(&x, &w).unwrap();
+    let after_one = dev.cached_weight_bytes();
+    assert_eq!(after_one - before, 48 * 64 * 4);
+    gpu.linear(&x, &w).unwrap();
+    assert_eq!(dev.cached_weight_bytes(), after_one, "the second use hits the cache");
+    // Free it and make weights of the same size until one lands at the same address (the
+    // allocator usually reuses it at once); each must give its own product.
+    drop(w);
+    for seed in 19..27 {
+        let w = Weight::F32(tensor(&[48, 64], seed));
+        assert_close(gpu.linear(&x, &w).unwrap().data(), cpu.linear(&x, &w).unwrap().data(), 1e-4);
+    }
+    dev.clear_weight_cache();
+    assert_eq!(dev.cached_weight_bytes(), 0);
+}
+
+#[test]
+fn cuda_attention_matches_cpu_with_log_sum_exp() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = cpu();
+    // (q_heads, kv_heads, head_dim, queries, keys): GQA prefill, decode over many key tiles,
+    // head_dim above the block size, and MHA.
+    let cases = [(6, 2, 16, 9, 9), (9, 3, 64, 1, 300), (4, 2, 160, 5, 130), (2, 2, 128, 40, 40)];
+    for (seed, &(q_heads, kv_heads, head_dim, n, t)) in cases.iter().enumerate() {
+        let shape = AttnShape { q_heads, kv_heads, head_dim };
+        let seed = 100 + 10 * seed as u64;
+        let q = tensor(&[n, q_heads, head_dim], seed);
+        let k = random_vec(t * kv_heads * head_dim, seed + 1);
+        let v = random_vec(t * kv_heads * head_dim, seed + 2);
+        // Prefill-like (queries are the last n keys) and scattered (a CP rank's view, where
+        // some queries see no key).
+        let layouts: [(Vec<usize>, Vec<usize>); 2] = [
+            ((t - n..t).collect(), (0..t).collect()),
+            ((0..n).map(|i| i * 3).collect(), (0..t).map(|j| (j * 37) % (t + 11) + 2).collect()),
+        ];
+        for (qp, kp) in &layouts {
+            let (want, want_lse) =
+                cpu.attention(&q, qp, Kv::Host { k: &k, v: &v }, kp, shape, true).unwrap();
+            let (got, got_lse) =
+                gpu.attention(&q, qp, Kv::Host { k: &k, v: &v }, kp, shape, true).unwrap();
+            assert_eq!(got.shape(), want.shape());
+            assert_close(got.data(), want.data(), 1e-4);
+            assert_close(got_lse.unwrap().data(), want_lse.unwrap().data(), 1e-4);
+            let (plain, none) =
+                gpu.attention(&q, qp, Kv::Host { k: &k, v: &v }, kp, shape, false).unwrap();
+            assert!(none.is_none());
+            assert_eq!(plain.data(), got.data());
+        }
+    }
+    // No keys at all: zeros and -inf.
+    let shape = AttnShape { q_heads: 2, kv_heads: 1, head_dim: 8 };
+    let (out, lse) = gpu
+        .attention(&tensor(&[1, 2, 8], 1), &[4], Kv::Host { k: &[], v: &[] }, &[], shape, true)
+        .unwrap();
+    assert_eq!(out.data(), &[0.0; 16]);
+    assert_eq!(lse.unwrap().data(), &[f32::NEG_INFINITY; 2]);
+}
+
+/// The key ranges of a split attention cover every key once, in whole tiles, fill the GPU for
+/// a decode step when there are keys enough, and leave a prefill unsplit (no GPU needed).
+#[test]
+fn attention_key_ranges_cover_the_keys_and_fill_the_gpu_for_decode() {
+    use super::{attention_splits, ATTN_TARGET_BLOCKS, ATTN_TILE};
+    for rows in [1, 9, 32, 100, 511, 512, 4096] {
+        for n_kv in [1, 2, 127, 128, 129, 255, 256, 300, 1000, 4096, 32_768, 131_072] {
+            let (splits, chunk) = attention_splits(rows, n_kv);
+            let at = format!("{rows} rows, {n_kv} keys: {splits} x {chunk}");
+            assert!(splits >= 1 && chunk % ATTN_TILE == 0, "{at}");
+            assert!(splits * chunk >= n_kv && (splits - 1) * chunk < n_kv, "{at}: not a cover");
+            if rows >= ATTN_TARGET_BLOCKS || n_kv < 2 * ATTN_TILE {
+                assert_eq!(splits, 1, "{at}");
+            }
+            if splits > 1 {
+                assert!(chunk >= ATTN_TILE && n_kv > 2 * ATTN_TILE, "{at}");
+            }
+            if n_kv >= 2 * ATTN_TILE * ATTN_TARGET_BLOCKS {
+                assert!(rows * splits >= ATTN_TARGET_BLOCKS, "{at}: the GPU is not filled");
+            }
+        }
+    }
+}
+
+/// A device UUID reads as `nvidia-smi` and `CUDA_VISIBLE_DEVICES` write it.
+#[test]
+fn device_uuids_are_written_as_nvidia_smi_writes_them() {
+    let bytes = [
+        0x5d, 0x2c, 0x1e, 0x9a, 0x03, 0xf1, 0x4b, 0x7e, 0x8c, 0x00, 0xff, 0x12, 0x34, 0x56, 0x78,
+        0x9a,
+    ];
+    assert_eq!(super::uuid_text(bytes), "GPU-5d2c1e9a-03f1-4b7e-8c00-ff123456789a");
+}
+
+/// An attention block serves up to four query heads of one KV head: grouped-query models need
+/// one block per KV head (two for six heads), multi-head ones one per head.
+#[test]
+fn attention_blocks_group_the_query_heads_of_a_kv_head() {
+    use super::attention_blocks;
+    assert_eq!(attention_blocks(1, 9, 3), 3, "SmolLM2: 3 heads per KV head");
+    assert_eq!(attention_blocks(1, 32, 8), 8, "Llama 3 8B: 4 per KV head");
+    assert_eq!(attention_blocks(1, 12, 2), 4, "6 per KV head: slices of 4 and 2");
+    assert_eq!(attention_blocks(5, 4, 4), 20, "multi-head: one block per head");
+    assert_eq!(attention_blocks(0, 9, 3), 0);
+}
+
+/// Decode over thousands of keys splits them into many ranges and merges the partial results:
+/// the same output and log-sum-exp as the CPU, also where some ranges see no key.
+#[test]
+fn cuda_attention_over_many_key_ranges_matches_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = cpu();
+    let shape = AttnShape { q_heads: 9, kv_heads: 3, head_dim: 64 };
+    let t = 3000;
+    assert!(super::attention_splits(3, t).0 > 4, "the case must split the keys");
+    let q = tensor(&[1, 9, 64], 7);
+    let k = random_vec(t * 3 * 64, 8);
+    let v = random_vec(t * 3 * 64, 9);
+    // Decode at the end; a query that sees only the first 200 keys (later ranges see none).
+    for qp in [vec![t - 1], vec![199]] {
+        let kp: Vec<usize> = (0..t).collect();
+        let (want, want_lse) =
+            cpu.attention(&q, &qp, Kv::Host { k: &k, v: &v }, &kp, shape, true).unwrap();
+        let (got, got_lse) =
+            gpu.attention(&q, &qp, Kv::Host { k: &k, v: &v }, &kp, shape, true).unwrap();
+        assert_close(got.data(), want.data(), 1e-4);
+        assert_close(got_lse.unwrap().data(), want_lse.unwrap().data(), 1e-4);
+    }
+}
+
+/// Half-precision products (weights and activations rounded to bf16 or f16, f32 accumulation)
+/// against the CPU's f32 ones, within the rounding of the type: the largest error relative to
+/// the largest output under 2% for bf16 (8-bit mantissa) and 0.3% for f16 (11-bit), for dense
+/// and quantized weights; the device copy takes 2 bytes per element.
+#[test]
+fn cuda_half_precision_linear_matches_cpu_within_rounding() {
+    for (dtype, tol) in [(GemmDtype::Bf16, 2e-2), (GemmDtype::F16, 3e-3)] {
+        let Some(gpu) = gpu_in(dtype) else { return };
+        let cpu = cpu();
+        let (n, k) = (96, 256);
+        let wf = random_vec(n * k, 21);
+        let dense = Weight::F32(Tensor::from_vec(&[n, k], wf.clone()).unwrap());
+        let q = QMatrix::from_blocks(BlockFormat::Q8_0, n, k, &quantize(BlockFormat::Q8_0, &wf))
+            .unwrap();
+        let deq = Weight::F32(Tensor::from_vec(&[n, k], q.dequantize()).unwrap());
+        // One weight object for every product: the device cache is keyed by its address.
+        let quant = Weight::Quant(q);
+        for m in [1, 9] {
+            let x = tensor(&[m, k], 22);
+            let got = gpu.linear(&x, &dense).unwrap();
+            assert_rel(got.data(), cpu.linear(&x, &dense).unwrap().data(), tol, dtype.name());
+            let got = gpu.linear(&x, &quant).unwrap();
+            assert_rel(got.data(), cpu.linear(&x, &deq).unwrap().data(), tol, dtype.name());
+        }
+        assert_eq!(cuda_of(&gpu).gemm_dtype(), dtype);
+        assert_eq!(cuda_of(&gpu).cached_weight_bytes(), 2 * (2 * n * k), "{}", dtype.name());
+    }
+}
+
+/// Outputs stay on the device between kernels: a norm, a product, a split, a rotation and a
+/// residual add chain on the GPU without a host copy, the result is the CPU's, and only a
+/// host write moves it to the host. A shared output is copied, not overwritten, by an
+/// in-place kernel.
+#[test]
+fn cuda_outputs_stay_on_the_device_until_the_host_reads_them() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = cpu();
+    let x = tensor(&[3, 64], 31);
+    let norm = tensor(&[64], 32);
+    let w = Weight::F32(tensor(&[96, 64], 33));
+    let run = |be: &Backend| {
+        let h = be.rms_norm(&x, &norm, 1e-5).unwrap();
+        let y = be.linear(&h, &w).unwrap();
+        let mut parts = be.split_last(&y, &[64, 32]).unwrap().into_iter();
+        let (mut a, b) = (parts.next().unwrap(), parts.next().unwrap());
+        be.rope(&mut a, &[0, 1, 2], 2, 32, 32, 10_000.0).unwrap();
+        let shared = a.clone();
+        be.add_assign(&mut a, &x).unwrap();
+        (a, b, shared)
+    };
+    let (a, b, shared) = run(&gpu);
+    for t in [&a, &b, &shared] {
+        assert_eq!(t.device(), Device::Cuda(0), "an output went to the host");
+    }
+    let (want_a, want_b, want_shared) = run(&cpu);
+    assert_close(a.data(), want_a.data(), 1e-4);
+    assert_close(b.data(), want_b.data(), 1e-4);
+    assert_close(shared.data(), want_shared.data(), 1e-4);
+    assert_eq!(a.device(), Device::Cuda(0), "reading keeps the device copy");
+    let mut a = a;
+    a.data_mut()[0] += 1.0;
+    assert_eq!(a.device(), Device::Cpu);
+}
+
+/// A batch's rows are sliced per sequence and stacked again on the device: exactly the host's
+/// slices and stack of the same values, and the results stay device tensors.
+#[test]
+fn cuda_row_slices_and_stacks_stay_on_the_device() {
+    let Some(gpu) = gpu() else { return };
+    let h = gpu.rms_norm(&tensor(&[5, 3, 8], 41), &tensor(&[8], 42), 1e-5).unwrap();
+    let on_host = Tensor::from_vec(h.shape(), h.data().to_vec()).unwrap();
+    assert_eq!(h.device(), Device::Cuda(0), "reading keeps the device copy");
+    let ranges = [0..2, 2..2, 2..5];
+    let parts = ranges.clone().map(|r| gpu.slice_first(&h, r).unwrap());
+    let want = ranges.map(|r| on_host.slice_first(r).unwrap());
+    for (got, want) in parts.iter().zip(&want) {
+        assert_eq!(got.shape(), want.shape());
+        assert_eq!(got.data(), want.data(), "a slice copies the rows exactly");
+    }
+    assert_eq!(parts[0].device(), Device::Cuda(0), "a slice went to the host");
+    let stacked = gpu.cat_first(&[parts[2].clone(), parts[0].clone()]).unwrap();
+    let want_stacked = Tensor::cat_first(&[want[2].clone(), want[0].clone()]).unwrap();
+    assert_eq!(stacked.device(), Device::Cuda(0), "a stack went to the host");
+    assert_eq!(stacked.shape(), want_stacked.shape());
+    assert_eq!(stacked.data(), want_stacked.data(), "a stack copies the rows exactly");
+    assert!(gpu.slice_first(&parts[2], 2..4).is_err(), "a range past the rows is refused");
+}
