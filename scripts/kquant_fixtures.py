@@ -12,7 +12,7 @@ quantizer llama.cpp uses for every type, and `llama_model_quantize`) and `gguf` 
 llama.cpp's Python package, `pip install gguf numpy`: `gguf.quants.dequantize` is the
 independent reference for the values).
 
-It writes, under `--out` (default `crates/layers/tests/fixtures/kquant`):
+It writes, under `--out` (default `crates/checkpoint/tests/fixtures/kquant`):
 
 - `blocks.gguf`: for each type in `TYPES`, a tensor named after the type (`q4_k`) of
   `ROWS` rows of 256 random values (rows of different scales: normal, wide, tiny enough for
@@ -208,7 +208,7 @@ def write_model(out: pathlib.Path, stem: str, hidden: int, ffn: int, layers: int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="crates/layers/tests/fixtures/kquant")
+    ap.add_argument("--out", default="crates/checkpoint/tests/fixtures/kquant")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

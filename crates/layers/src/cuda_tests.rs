@@ -7,12 +7,12 @@
 //! Tolerances: whole models at 1e-3 relative to the largest logit, since differences compound
 //! over layers.
 
-use crate::config::LlamaConfig;
-use crate::gguf::GgufFile;
 use crate::model::random::RandomLlama;
 use crate::model::{Logits, Model, WeightForm};
 use crate::parallel::{Comms, LoadOptions, ParallelModel, Placement};
 use crate::test_util::{assert_rel, cuda_of, gpu, gpu_in, gpu_required, temp_path};
+use checkpoint::config::LlamaConfig;
+use checkpoint::gguf::GgufFile;
 use collectives::{local, Communicator, ShmOptions};
 use std::time::Duration;
 use tensor::kernels::{BlockFormat, GemmDtype, KvElem};
@@ -73,7 +73,7 @@ fn cuda_random_model_gives_the_cpu_greedy_tokens_and_logits() {
 #[test]
 fn cuda_real_model_gives_the_cpu_greedy_tokens_and_logits() {
     let Some(gpu) = gpu() else { return };
-    let Some(path) = crate::model::default_model_path() else {
+    let Some(path) = checkpoint::cache::default_model_path() else {
         assert!(!gpu_required(), "TPCTL_REQUIRE_GPU=1 but the default model is not cached");
         eprintln!("note: default model not cached; skipping");
         return;
@@ -298,7 +298,7 @@ fn cuda_half_precision_models_stay_close_to_the_cpu() {
     }
     std::fs::remove_file(path).unwrap();
     let Some(gpu) = gpu_in(GemmDtype::Bf16) else { return };
-    let Some(path) = crate::model::default_model_path() else {
+    let Some(path) = checkpoint::cache::default_model_path() else {
         assert!(!gpu_required(), "TPCTL_REQUIRE_GPU=1 but the default model is not cached");
         return;
     };

@@ -1,12 +1,11 @@
-//! The GGUF and safetensors loaders, the tokenizer, the Llama-family model and its
-//! tensor/context-parallel modules, on the tensors and kernels of the `tensor` crate.
+//! The Llama-family model and its tensor/context-parallel modules, with the tokenizer and chat
+//! templates, on the checkpoints of the `checkpoint` crate and the kernels of the `tensor`
+//! crate.
 //!
-//! Layout: [`source`] (what every checkpoint format hands out: `WeightSource` and
-//! the `Shard` a rank reads), [`gguf`] (reader and writer), [`safetensors`] (Hugging Face
-//! checkpoints),
-//! [`config`] (model hyper-parameters), [`tokenizer`] (byte-level BPE and chat template),
-//! [`model`] (the Llama decoder, its shardable attention/MLP blocks, KV cache and greedy
-//! generation). Tensor/context-parallel modules come on top of these.
+//! Layout: [`tokenizer`] (byte-level BPE, SentencePiece, chat templates), [`model`] (the
+//! Llama decoder's shardable attention/MLP blocks, linear layers, KV caches and the paged
+//! pool, the single-rank [`Model`] that the parallel tests check against, random test
+//! checkpoints), [`parallel`] (the TP/CP model every rank runs).
 //!
 //! Conventions every module relies on:
 //! - Tensors are row-major f32; weight matrices are `[out_features, in_features]`.
@@ -17,27 +16,19 @@
 //!   after the projection, before the rotation.
 //! - Attention masks by absolute position (`kv_pos <= q_pos`) and can return the log-sum-exp
 //!   of each row, so partial results over disjoint keys merge exactly.
-//!
-//! `unsafe` is denied crate-wide; the one exception is the file map in `mmap`.
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
-pub mod config;
+#[cfg(test)]
+mod checkpoint_tests;
 #[cfg(test)]
 mod cuda_tests;
 pub mod error;
-pub mod generation;
-pub mod gguf;
-mod mmap;
 pub mod model;
 pub mod parallel;
-pub mod safetensors;
-pub mod source;
 #[cfg(test)]
 mod test_util;
 pub mod tokenizer;
 
-pub use config::{Activation, LlamaConfig};
 pub use error::{Error, Result};
-pub use generation::GenerationConfig;
 pub use model::{KvCache, Logits, Model};
 pub use tokenizer::{ChatMessage, Tokenizer};

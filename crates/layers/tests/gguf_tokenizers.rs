@@ -6,7 +6,7 @@
 //! SmolLM2 file `cargo xtask fetch-model` caches; those cases are skipped when it is not there)
 //! and metadata to override; the test writes that GGUF copy and builds its tokenizer.
 
-use layers::gguf::{GgufFile, GgufWriter, Value};
+use checkpoint::gguf::{GgufFile, GgufWriter, Value};
 use layers::Tokenizer;
 use std::path::{Path, PathBuf};
 
@@ -60,7 +60,7 @@ fn every_pre_tokenizer_and_sentencepiece_give_llama_cpp_ids() {
     let fixture = fixture();
     let corpus: Vec<&str> =
         fixture["corpus"].as_array().unwrap().iter().map(|s| s.as_str().unwrap()).collect();
-    let default_model = layers::model::default_model_path();
+    let default_model = checkpoint::cache::default_model_path();
     let (mut checked, mut skipped, mut failures) = (0, 0, Vec::new());
     for case in fixture["cases"].as_array().unwrap() {
         let vocab = case["vocab"].as_str().unwrap();

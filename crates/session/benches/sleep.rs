@@ -59,7 +59,7 @@ fn main() {
     let model = std::env::var_os(MODEL_ENV)
         .filter(|p| !p.is_empty())
         .map(PathBuf::from)
-        .or_else(layers::model::default_model_path);
+        .or_else(checkpoint::cache::default_model_path);
     for mode in modes {
         let mut env = Vec::new();
         if mode == "model" {
@@ -90,8 +90,8 @@ fn main() {
 /// heads allow (every rank its own shard where they can be split `world` ways; SmolLM2's 3 KV
 /// heads cannot be split 4 or 8 ways), the rest of the world CP (replicated shards).
 fn model_layout(path: &Path, world: usize) -> (usize, usize) {
-    let file = layers::gguf::GgufFile::open(path).expect("open the model");
-    let cfg = layers::LlamaConfig::from_gguf(&file).expect("the model's config");
+    let file = checkpoint::gguf::GgufFile::open(path).expect("open the model");
+    let cfg = checkpoint::LlamaConfig::from_gguf(&file).expect("the model's config");
     let tp = (1..=world)
         .rev()
         .find(|&tp| world.is_multiple_of(tp) && layers::parallel::check_tp(&cfg, tp).is_ok())

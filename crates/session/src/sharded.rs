@@ -96,7 +96,7 @@ impl KvCacheConfig {
     /// `context` tokens (the message names the sizes and what to change).
     pub fn blocks(
         &self,
-        config: &layers::LlamaConfig,
+        config: &checkpoint::LlamaConfig,
         (tp, cp): (usize, usize),
         context: usize,
         elem: KvElem,

@@ -47,7 +47,7 @@ pub struct Rank0<'a> {
     /// The model path, as the factory reads it.
     pub model: String,
     /// The model's configuration (vocabulary and context).
-    pub config: &'a layers::LlamaConfig,
+    pub config: &'a checkpoint::LlamaConfig,
     /// KV-cache tokens per sequence: with the model's context, the longest sequence.
     pub context_tokens: usize,
     /// The most requests in one step.

@@ -100,7 +100,8 @@ pub fn lookup_model() -> &'static str {
         spec.next_token = Some(next);
         let mut writer = spec.writer();
         let template = "{% for m in messages %}{{ m.content }}{% endfor %}";
-        writer.metadata("tokenizer.chat_template", layers::gguf::Value::String(template.into()));
+        writer
+            .metadata("tokenizer.chat_template", checkpoint::gguf::Value::String(template.into()));
         let path = scratch("lookup.gguf");
         writer.write(&path).expect("write the lookup model");
         path.to_string_lossy().into_owned()

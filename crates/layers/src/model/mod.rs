@@ -17,43 +17,23 @@
 //!   `kernels::cpu::attention::merge_partial` combines exactly.
 
 pub mod cache;
-pub mod fused;
 pub mod linear;
 pub mod paged;
 pub mod random;
 #[cfg(test)]
 mod tests;
 
-pub use crate::source::{Shard, WeightSource};
 pub use cache::{KvCache, LayerCache};
 pub use linear::{Linear, WeightForm};
 pub use paged::{KvPool, PagedCache};
 
-use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
-use crate::gguf::GgufFile;
+use checkpoint::{Checkpoint, LlamaConfig, Shard, WeightSource};
 use std::ops::Range;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use tensor::kernels::{AttnShape, Backend, Weight};
 use tensor::memory::{Arena, WeightBuffers};
 use tensor::Tensor;
-
-/// The file name of the default model in the model cache (`cargo xtask fetch-model`).
-pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
-/// The model cache folder: `$TPCTL_CACHE`, else `$XDG_CACHE_HOME/tpctl/models`, else
-/// `~/.cache/tpctl/models` (the same rule as `cargo xtask fetch-model`).
-pub fn model_cache_dir() -> Option<PathBuf> {
-    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
-    var("TPCTL_CACHE")
-        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("tpctl").join("models")))
-        .or_else(|| var("HOME").map(|d| d.join(".cache").join("tpctl").join("models")))
-}
-
-/// The default model's path, if it has been fetched into the cache.
-pub fn default_model_path() -> Option<PathBuf> {
-    model_cache_dir().map(|d| d.join(DEFAULT_MODEL_FILE)).filter(|p| p.is_file())
-}
 
 /// Loads the 1-d tensor `name` (a norm weight) of `len` elements.
 ///
@@ -89,33 +69,6 @@ fn load_bias(
     } else {
         slice.to_vec()
     })
-}
-
-/// The hyper-parameters of the model at `path`: a GGUF file's metadata, or a Hugging Face
-/// folder's `config.json`.
-///
-/// # Errors
-/// The file or folder cannot be opened, or a key is missing or mistyped.
-pub fn load_config(path: &Path) -> Result<LlamaConfig> {
-    if path.is_dir() {
-        crate::safetensors::HfCheckpoint::open(path)?.config()
-    } else {
-        LlamaConfig::from_gguf(&GgufFile::open(path)?)
-    }
-}
-
-/// Checks that tpctl can read every tensor of the GGUF file at `path` (a Hugging Face
-/// folder's dtypes are checked as it opens), so an unsupported model is refused before any
-/// rank starts.
-///
-/// # Errors
-/// The file cannot be opened, or [`Error::Tensor`] naming the first tensor of a type tpctl
-/// cannot read, with GGML's name of the type (`IQ2_XXS`).
-pub fn check_weights(path: &Path) -> Result<()> {
-    if path.is_dir() {
-        return Ok(());
-    }
-    GgufFile::open(path)?.check_types()
 }
 
 /// Self-attention of one layer over a range of whole KV heads (and their query heads), or
@@ -366,7 +319,7 @@ pub struct Mlp {
     down: Linear,
     inner: usize,
     /// The gate's activation.
-    activation: crate::Activation,
+    activation: checkpoint::Activation,
 }
 
 impl Mlp {
@@ -403,12 +356,12 @@ impl Mlp {
             gate_up: Linear::concat(&[&gate, &up])?,
             down,
             inner: inner.len(),
-            activation: crate::Activation::Silu,
+            activation: checkpoint::Activation::Silu,
         })
     }
 
     /// The same MLP with `activation` on its gate (SiLU when loaded).
-    pub fn with_activation(self, activation: crate::Activation) -> Self {
+    pub fn with_activation(self, activation: checkpoint::Activation) -> Self {
         Mlp { activation, ..self }
     }
 
@@ -484,22 +437,10 @@ impl Model {
     /// # Errors
     /// As [`Model::load`].
     pub fn load_with(path: impl AsRef<Path>, threads: usize, form: WeightForm) -> Result<Self> {
-        let path = path.as_ref();
-        if path.is_dir() {
-            let ck = crate::safetensors::HfCheckpoint::open(path)?;
-            let config = ck.config()?;
-            return Model::from_source(&ck, config, Backend::cpu(threads)?, form);
-        }
-        let file = GgufFile::open(path)?;
-        let config = LlamaConfig::from_gguf(&file)?;
-        let fused;
-        let src: &dyn WeightSource = if file.has_fused_projections() {
-            fused = fused::FusedSource::new(&file, &config);
-            &fused
-        } else {
-            &file
-        };
-        Model::from_source(src, config, Backend::cpu(threads)?, form)
+        let ck = Checkpoint::open(path)?;
+        let config = ck.config()?;
+        let weights = ck.weights(&config);
+        Model::from_source(&*weights, config, Backend::cpu(threads)?, form)
     }
 
     /// Builds the model from any weight source.

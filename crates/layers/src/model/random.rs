@@ -2,7 +2,7 @@
 //! crates above (multi-rank tests need a model file that loads in milliseconds).
 
 use crate::error::Result;
-use crate::gguf::{GgufWriter, Value};
+use checkpoint::gguf::{GgufWriter, Value};
 use std::path::Path;
 use tensor::kernels::cpu::quant::BlockFormat;
 
@@ -246,7 +246,7 @@ impl RandomLlama {
     /// # Errors
     /// [`crate::Error::Io`] when the file cannot be written.
     pub fn write(&self, path: &Path) -> Result<()> {
-        self.writer().write(path)
+        Ok(self.writer().write(path)?)
     }
 
     /// Writes the model as a Hugging Face folder `dir` (created if needed): `config.json`,
@@ -258,17 +258,17 @@ impl RandomLlama {
     /// # Errors
     /// [`crate::Error::Io`] when a file cannot be written.
     pub fn write_hf(&self, dir: &Path, shards: bool) -> Result<()> {
-        use crate::model::WeightSource;
-        use crate::safetensors::{hf_name, write_safetensors, StDType};
         use crate::Error;
+        use checkpoint::safetensors::{hf_name, write_safetensors, StDType};
+        use checkpoint::WeightSource;
         let io = |path: &Path| {
             let path = path.to_owned();
-            move |source| Error::Io { what: "writing", path, source }
+            move |source| Error::io("writing", &path, source)
         };
         std::fs::create_dir_all(dir).map_err(io(dir))?;
         let gguf = dir.join("model.gguf.tmp");
         self.write(&gguf)?;
-        let file = crate::gguf::GgufFile::open(&gguf)?;
+        let file = checkpoint::gguf::GgufFile::open(&gguf)?;
         let d = self.head_dim();
         let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
         for info in file.tensor_infos() {

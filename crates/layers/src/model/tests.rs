@@ -5,6 +5,8 @@ use super::random::RandomLlama;
 use super::*;
 use crate::test_util::{assert_close, temp_path};
 use crate::tokenizer::Tokenizer;
+use checkpoint::gguf::GgufFile;
+use std::path::PathBuf;
 use tensor::kernels::cpu::quant::BlockFormat;
 
 fn write_model(spec: &RandomLlama, stem: &str) -> PathBuf {
@@ -358,7 +360,7 @@ fn bad_inputs_are_errors_and_leave_the_cache_unchanged() {
 
 #[test]
 fn real_model_says_paris_when_cached() {
-    let Some(path) = default_model_path() else {
+    let Some(path) = checkpoint::cache::default_model_path() else {
         eprintln!("note: default model not cached (run `cargo xtask fetch-model`); skipping");
         return;
     };

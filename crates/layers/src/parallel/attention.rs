@@ -4,9 +4,10 @@
 use super::cache::ParallelCache;
 use super::forward::{Part, Split};
 use super::{head_shard, Comms};
-use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
-use crate::model::{Attention, WeightForm, WeightSource};
+use crate::model::{Attention, WeightForm};
+use checkpoint::config::LlamaConfig;
+use checkpoint::WeightSource;
 use collectives::{Collective, Communicator};
 use tensor::kernels::cpu::attention::merge_partial;
 use tensor::kernels::{AttnShape, Backend, Kv};

@@ -2,9 +2,9 @@
 //! a TP rank holds: its attention heads, its MLP units, the bytes of its KV blocks.
 
 use super::aligned_ranges;
-use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
 use crate::model::KvPool;
+use checkpoint::config::LlamaConfig;
 use collectives::Communicator;
 use std::ops::Range;
 use tensor::kernels::KvElem;

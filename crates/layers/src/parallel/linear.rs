@@ -6,7 +6,8 @@
 //! output is a partial sum that an all-reduce over the TP group completes.
 
 use crate::error::{Error, Result};
-use crate::model::{Linear, Shard, WeightForm, WeightSource};
+use crate::model::{Linear, WeightForm};
+use checkpoint::{Shard, WeightSource};
 use collectives::{Collective, Communicator, ReduceOp};
 use std::ops::Range;
 use std::sync::Arc;

@@ -4,10 +4,9 @@
 use super::{
     aligned_ranges, ffn_range, ParallelAttention, ParallelLmHead, Placement, VocabParallelEmbedding,
 };
-use crate::config::LlamaConfig;
 use crate::error::Result;
-use crate::gguf::GgufFile;
-use crate::model::{load_vector, Linear, Mlp, Shard, WeightForm, WeightSource};
+use crate::model::{load_vector, Linear, Mlp, WeightForm};
+use checkpoint::{Checkpoint, LlamaConfig, Shard, WeightSource};
 use std::path::Path;
 use tensor::kernels::Backend;
 use tensor::memory::{padded, Arena, WeightBuffers};
@@ -137,22 +136,10 @@ impl ParallelModel {
     /// Starting the CPU kernels, opening the file, reading the config, loading a weight, or a
     /// layout the model cannot be split into.
     pub fn load(path: impl AsRef<Path>, opts: LoadOptions<'_>) -> Result<Self> {
-        let path = path.as_ref();
-        if path.is_dir() {
-            let ck = crate::safetensors::HfCheckpoint::open(path)?;
-            let config = ck.config()?;
-            return ParallelModel::from_source(&ck, config, opts);
-        }
-        let file = GgufFile::open(path)?;
-        let config = LlamaConfig::from_gguf(&file)?;
-        let fused;
-        let src: &dyn WeightSource = if file.has_fused_projections() {
-            fused = crate::model::fused::FusedSource::new(&file, &config);
-            &fused
-        } else {
-            &file
-        };
-        ParallelModel::from_source(src, config, opts)
+        let ck = Checkpoint::open(path)?;
+        let config = ck.config()?;
+        let weights = ck.weights(&config);
+        ParallelModel::from_source(&*weights, config, opts)
     }
 
     /// Builds this rank's shard from any weight source.

@@ -6,12 +6,13 @@
 //! against the same model on the heap.
 
 use super::*;
-use crate::config::LlamaConfig;
 use crate::error::Error;
-use crate::gguf::GgufFile;
 use crate::model::random::RandomLlama;
-use crate::model::{KvCache, Linear, Logits, Model, Shard, WeightForm};
+use crate::model::{KvCache, Linear, Logits, Model, WeightForm};
 use crate::test_util::{random_vec, temp_path, FakeDeviceMemory};
+use checkpoint::config::LlamaConfig;
+use checkpoint::gguf::GgufFile;
+use checkpoint::Shard;
 use collectives::{local, Collective, Communicator, ShmOptions};
 use mesh::TokenShard;
 use std::ops::Range;
@@ -355,7 +356,7 @@ fn gemma_files_gate_with_gelu_scale_embeddings_and_match_across_layouts() {
     let spec = RandomLlama { gemma: true, seed: 52, ..RandomLlama::default() };
     let path = write_model(&spec, "gemma.gguf");
     let config = LlamaConfig::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
-    assert_eq!(config.activation, crate::Activation::GeluTanh);
+    assert_eq!(config.activation, checkpoint::Activation::GeluTanh);
     assert_eq!(config.embedding_scale, Some((spec.hidden as f32).sqrt()));
     let llama = write_model(&RandomLlama { gemma: false, ..spec.clone() }, "gemma-twin.gguf");
     let logits = |path: &std::path::Path| {
@@ -387,7 +388,7 @@ fn head_shards_cover_every_query_head_once() {
         context_length: 8,
         tied_embeddings: true,
         rope_freq_factors: None,
-        activation: crate::config::Activation::Silu,
+        activation: checkpoint::config::Activation::Silu,
         embedding_scale: None,
     };
     type Shards = Vec<(Range<usize>, Range<usize>)>;
@@ -809,7 +810,7 @@ const TIE: f32 = 1e-3;
 
 #[test]
 fn real_model_greedy_ids_agree_across_layouts_batches_and_recompute_when_cached() {
-    let Some(path) = crate::model::default_model_path() else {
+    let Some(path) = checkpoint::cache::default_model_path() else {
         eprintln!("note: default model not cached (run `cargo xtask fetch-model`); skipping");
         return;
     };

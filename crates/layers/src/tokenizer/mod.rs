@@ -13,7 +13,8 @@ mod special;
 mod spm;
 
 use crate::error::{Error, Result};
-use crate::gguf::GgufFile;
+use checkpoint::gguf::GgufFile;
+use checkpoint::Format;
 use special::{Fragment, Specials};
 use spm::Spm;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -216,10 +217,9 @@ impl Tokenizer {
     /// # Errors
     /// As [`Tokenizer::from_gguf`] and [`Tokenizer::from_hf_dir`].
     pub fn load(path: &std::path::Path) -> Result<Self> {
-        if path.is_dir() {
-            Tokenizer::from_hf_dir(path)
-        } else {
-            Tokenizer::from_gguf(&GgufFile::open(path)?)
+        match Format::of(path) {
+            Format::HfFolder => Tokenizer::from_hf_dir(path),
+            Format::Gguf => Tokenizer::from_gguf(&GgufFile::open(path)?),
         }
     }
 
@@ -236,11 +236,8 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer(format!("{}: {e}", json.display())))?;
         let cfg_path = dir.join("tokenizer_config.json");
         let cfg = if cfg_path.is_file() {
-            let text = std::fs::read_to_string(&cfg_path).map_err(|source| Error::Io {
-                what: "reading",
-                path: cfg_path.clone(),
-                source,
-            })?;
+            let text = std::fs::read_to_string(&cfg_path)
+                .map_err(|source| Error::io("reading", &cfg_path, source))?;
             serde_json::from_str(&text).map_err(|e| {
                 Error::metadata(&cfg_path.display().to_string(), format!("not json: {e}"))
             })?
@@ -262,7 +259,7 @@ impl Tokenizer {
                 .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
             _ => None,
         };
-        let more_eos = crate::GenerationConfig::load(dir)?.map(|g| g.eos).unwrap_or_default();
+        let more_eos = checkpoint::GenerationConfig::load(dir)?.map(|g| g.eos).unwrap_or_default();
         Ok(Tokenizer {
             bos: special("bos_token"),
             eos: special("eos_token"),

@@ -3,8 +3,8 @@
 //! pre-tokenizer against llama.cpp's are checked in `tests/gguf_tokenizers.rs`.
 
 use super::*;
-use crate::gguf::{GgufWriter, Value};
 use crate::test_util::temp_path;
+use checkpoint::gguf::{GgufWriter, Value};
 
 fn strings(v: &[&str]) -> Value {
     Value::Array(v.iter().map(|s| Value::String((*s).to_owned())).collect())
@@ -329,7 +329,7 @@ fn user_defined_tokens_stay_whole_and_show_when_special_ones_are_skipped() {
 
 #[test]
 fn real_model_tokenizer_when_cached() {
-    let Some(path) = crate::model::default_model_path() else {
+    let Some(path) = checkpoint::cache::default_model_path() else {
         eprintln!("note: default model not cached (run `cargo xtask fetch-model`); skipping");
         return;
     };

@@ -86,7 +86,7 @@ impl ModelFactory for Factory {
 const BYTE_PIECES: [&str; 11] = ["<|endoftext|>", "a", "ð", "Ł", "¦", "Ģ", "ç", "Į", "«", "Ã", "©"];
 
 fn byte_tokenizer() -> layers::Tokenizer {
-    use layers::gguf::{GgufFile, GgufWriter, Value};
+    use checkpoint::gguf::{GgufFile, GgufWriter, Value};
     let strings = |v: &[&str]| Value::Array(v.iter().map(|s| Value::String((*s).into())).collect());
     let types = BYTE_PIECES.iter().map(|t| Value::I32(if t.starts_with("<|") { 3 } else { 1 }));
     let mut w = GgufWriter::new();

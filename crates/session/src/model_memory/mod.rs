@@ -102,7 +102,7 @@ struct LiveWeights {
     /// The weight buffers' lengths, in order, and the model's shape (its context length
     /// aside): what another checkpoint must match, on this rank and globally.
     layout: Vec<usize>,
-    config: Option<layers::LlamaConfig>,
+    config: Option<checkpoint::LlamaConfig>,
     /// A checkpoint loaded and checked by a PREPARE.
     staged: Option<(ShardOrigin, ParallelModel)>,
     /// The checkpoint the latest update replaced, for its rollback.
@@ -511,8 +511,8 @@ impl ModelMemory {
 }
 
 /// `config` without what a checkpoint may change (its context length).
-fn shape_of(config: &layers::LlamaConfig) -> layers::LlamaConfig {
-    layers::LlamaConfig { context_length: 0, ..config.clone() }
+fn shape_of(config: &checkpoint::LlamaConfig) -> checkpoint::LlamaConfig {
+    checkpoint::LlamaConfig { context_length: 0, ..config.clone() }
 }
 
 fn lock_live(live: &Mutex<LiveWeights>) -> std::sync::MutexGuard<'_, LiveWeights> {

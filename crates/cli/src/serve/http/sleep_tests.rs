@@ -124,7 +124,7 @@ fn tokenizer() -> layers::Tokenizer {
         spec.write(&path).expect("write the tiny model");
         path
     });
-    let file = layers::gguf::GgufFile::open(path).expect("open the tiny model");
+    let file = checkpoint::gguf::GgufFile::open(path).expect("open the tiny model");
     layers::Tokenizer::from_gguf(&file).expect("its tokenizer")
 }
 

@@ -3,8 +3,8 @@
 //! gives for them, recorded by `scripts/kquant_fixtures.py` under `tests/fixtures/kquant`.
 //! Every value must be the same bits; the 8-bit repackings must hold the same values.
 
-use layers::gguf::{kquant, GgmlType, GgufFile, QuantFormat};
-use layers::model::{Shard, WeightSource};
+use checkpoint::gguf::{kquant, GgmlType, GgufFile, QuantFormat};
+use checkpoint::{Shard, WeightSource};
 use std::path::PathBuf;
 use tensor::kernels::QBits;
 

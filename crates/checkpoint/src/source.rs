@@ -1,7 +1,6 @@
 //! Where weights come from: [`WeightSource`], the reading side every checkpoint format
-//! implements (GGUF in `model::linear`, Hugging Face safetensors in [`crate::safetensors`]),
-//! and the [`Shard`] of a matrix a rank asks it for. Below both the model and the loaders, so
-//! neither depends on the other for it.
+//! implements (GGUF in [`crate::gguf`], Hugging Face safetensors in [`crate::safetensors`]),
+//! and the [`Shard`] of a matrix a rank asks it for.
 
 use crate::error::Result;
 use std::ops::Range;
@@ -44,6 +43,34 @@ pub trait WeightSource {
     /// Whether Q/K projection rows (and Q/K biases) are stored permuted for interleaved
     /// (adjacent-pair) rotary embedding, as GGUF llama files are; they are un-permuted at load.
     fn qk_interleaved(&self) -> bool;
+}
+
+/// A borrowed source reads as the source (so [`crate::Checkpoint::weights`] can hand out a
+/// file it holds).
+impl<T: WeightSource + ?Sized> WeightSource for &T {
+    fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        (**self).shape(name)
+    }
+
+    fn has(&self, name: &str) -> bool {
+        (**self).has(name)
+    }
+
+    fn rows(&self, name: &str, rows: Range<usize>) -> Result<Vec<f32>> {
+        (**self).rows(name, rows)
+    }
+
+    fn cols(&self, name: &str, cols: Range<usize>) -> Result<Vec<f32>> {
+        (**self).cols(name, cols)
+    }
+
+    fn quantized(&self, name: &str, shard: &Shard) -> Result<Option<QMatrix>> {
+        (**self).quantized(name, shard)
+    }
+
+    fn qk_interleaved(&self) -> bool {
+        (**self).qk_interleaved()
+    }
 }
 
 /// The part of a `[out_features, in_features]` weight matrix a rank keeps.

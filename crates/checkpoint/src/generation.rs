@@ -30,7 +30,7 @@ impl GenerationConfig {
     /// file and key when it is not JSON or a field has the wrong type.
     pub fn load(model: &Path) -> Result<Option<GenerationConfig>> {
         let path = model.join("generation_config.json");
-        if !model.is_dir() || !path.is_file() {
+        if crate::Format::of(model) != crate::Format::HfFolder || !path.is_file() {
             return Ok(None);
         }
         let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {

@@ -1,10 +1,11 @@
-//! Safetensors and Hugging Face checkpoint tests: the same random model as GGUF and as a
-//! Hugging Face folder gives the same logits; sharded indexes; malformed files.
+//! A Hugging Face folder against the GGUF file of the same random model: the same logits,
+//! sharded indexes, rope scaling from `config.json`.
 
-use super::*;
 use crate::model::random::RandomLlama;
-use crate::model::{Logits, Model, WeightForm, WeightSource};
+use crate::model::{Logits, Model, WeightForm};
 use crate::test_util::temp_path;
+use checkpoint::safetensors::HfCheckpoint;
+use std::path::PathBuf;
 
 /// Writes `spec` as GGUF and as a Hugging Face folder ([`RandomLlama::write_hf`]); returns
 /// both paths.
@@ -38,66 +39,6 @@ fn a_hugging_face_folder_and_its_gguf_give_the_same_logits() {
     }
 }
 
-#[test]
-fn half_precision_tensors_and_slices_read_back() {
-    let p = temp_path("half.safetensors");
-    let x: Vec<f32> = (0..12).map(|i| i as f32 * 0.5).collect();
-    write_safetensors(&p, &[("a", &[3, 4], StDType::BF16, &x), ("b", &[3, 4], StDType::F16, &x)])
-        .unwrap();
-    let f = SafetensorsFile::open(&p).unwrap();
-    assert_eq!(f.names().collect::<Vec<_>>(), ["a", "b"]);
-    assert_eq!(f.elements("a", 0..12).unwrap(), x);
-    assert_eq!(f.elements("b", 4..8).unwrap(), x[4..8]);
-    std::fs::remove_file(p).unwrap();
-}
-
-#[test]
-fn malformed_files_and_missing_keys_are_named() {
-    let p = temp_path("bad.safetensors");
-    std::fs::write(&p, 1000u64.to_le_bytes()).unwrap();
-    let err = SafetensorsFile::open(&p).unwrap_err().to_string();
-    assert!(err.contains("at offset 0: header of 1000 bytes is larger than the file"), "{err}");
-
-    let header = br#"{"w":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}}"#;
-    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-    bytes.extend(header);
-    bytes.extend([0; 8]);
-    std::fs::write(&p, &bytes).unwrap();
-    let err = SafetensorsFile::open(&p).unwrap_err().to_string();
-    assert!(err.contains("tensor `w`: unsupported dtype Some(\"I64\")"), "{err}");
-
-    let header = br#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#;
-    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-    bytes.extend(header);
-    bytes.extend([0; 8]);
-    std::fs::write(&p, &bytes).unwrap();
-    let err = SafetensorsFile::open(&p).unwrap_err().to_string();
-    assert!(err.contains("tensor `w`: data") && err.contains("does not hold 16 bytes"), "{err}");
-    std::fs::remove_file(&p).unwrap();
-
-    let dir = temp_path("hf-missing");
-    std::fs::create_dir_all(&dir).unwrap();
-    write_safetensors(
-        &dir.join("model.safetensors"),
-        &[("model.norm.weight", &[2], StDType::F32, &[1.0, 1.0])],
-    )
-    .unwrap();
-    std::fs::write(dir.join("config.json"), r#"{"hidden_size": 2}"#).unwrap();
-    let ck = HfCheckpoint::open(&dir).unwrap();
-    let err = ck.config().unwrap_err().to_string();
-    assert_eq!(
-        err,
-        "metadata key `num_attention_heads`: missing from config.json or not an integer"
-    );
-    let err = ck.rows("blk.0.attn_q.weight", 0..1).unwrap_err().to_string();
-    assert!(
-        err.starts_with("tensor `model.layers.0.self_attn.q_proj.weight`: not found in"),
-        "{err}"
-    );
-    assert_eq!(ck.rows("output_norm.weight", 0..1).unwrap(), vec![1.0, 1.0]);
-    std::fs::remove_dir_all(dir).unwrap();
-}
-
 /// `rope_scaling` of kind llama3 gives Llama 3's frequency factors, linear one factor
 /// everywhere, and another kind is refused by its key.
 #[test]
@@ -112,7 +53,7 @@ fn rope_scaling_in_config_json_sets_the_frequency_factors() {
         (
             serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-            Ok(Some(crate::config::llama3_rope_factors(10_000.0, head, 8.0, 1.0, 4.0, 64.0))),
+            Ok(Some(checkpoint::config::llama3_rope_factors(10_000.0, head, 8.0, 1.0, 4.0, 64.0))),
         ),
         (serde_json::json!({"type": "linear", "factor": 2.0}), Ok(Some(vec![2.0; head / 2]))),
         (serde_json::Value::Null, Ok(None)),

@@ -4,13 +4,13 @@
 //! returns must name an offset inside the file; reading every tensor of a file that opens must
 //! not panic either, and its errors must name the tensor.
 
-use super::*;
-use crate::config::LlamaConfig;
 use crate::model::random::RandomLlama;
-use crate::model::{Shard, WeightSource};
 use crate::test_util::{random_vec, temp_path};
+use checkpoint::gguf::{GgmlType, GgufFile, GgufWriter, Value, MAGIC};
+use checkpoint::{Error, LlamaConfig, Shard, WeightSource};
 use proptest::prelude::*;
-use tensor::kernels::cpu::quant::BlockFormat;
+use std::path::Path;
+use tensor::kernels::cpu::quant::{self, BlockFormat};
 
 /// A file with metadata of every type and tensors of every type (one unsupported, one 1-d,
 /// one 3-d), so mutations reach every branch of the parser.

@@ -6,9 +6,8 @@
 //! outermost first like [`Tensor`]. A weight matrix `[out_features, in_features]` therefore has
 //! `rows` = output features and a row length of input features.
 
-#[cfg(test)]
-mod fuzz;
 pub mod kquant;
+mod source;
 #[cfg(test)]
 mod tests;
 mod writer;
@@ -25,7 +24,7 @@ use tensor::kernels::cpu::quant::{self, BlockFormat, BLOCK};
 use tensor::{DType, Tensor};
 
 /// `GGUF` in little-endian byte order.
-const MAGIC: u32 = 0x4655_4747;
+pub const MAGIC: u32 = 0x4655_4747;
 /// Alignment of the data section and tensor offsets when `general.alignment` is absent.
 pub const DEFAULT_ALIGNMENT: u64 = 32;
 

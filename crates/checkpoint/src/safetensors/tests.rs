@@ -1,0 +1,64 @@
+//! Safetensors tests: half-precision tensors and slices, malformed files and missing keys.
+
+use super::*;
+use crate::test_util::temp_path;
+
+#[test]
+fn half_precision_tensors_and_slices_read_back() {
+    let p = temp_path("half.safetensors");
+    let x: Vec<f32> = (0..12).map(|i| i as f32 * 0.5).collect();
+    write_safetensors(&p, &[("a", &[3, 4], StDType::BF16, &x), ("b", &[3, 4], StDType::F16, &x)])
+        .unwrap();
+    let f = SafetensorsFile::open(&p).unwrap();
+    assert_eq!(f.names().collect::<Vec<_>>(), ["a", "b"]);
+    assert_eq!(f.elements("a", 0..12).unwrap(), x);
+    assert_eq!(f.elements("b", 4..8).unwrap(), x[4..8]);
+    std::fs::remove_file(p).unwrap();
+}
+
+#[test]
+fn malformed_files_and_missing_keys_are_named() {
+    let p = temp_path("bad.safetensors");
+    std::fs::write(&p, 1000u64.to_le_bytes()).unwrap();
+    let err = SafetensorsFile::open(&p).unwrap_err().to_string();
+    assert!(err.contains("at offset 0: header of 1000 bytes is larger than the file"), "{err}");
+
+    let header = br#"{"w":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header);
+    bytes.extend([0; 8]);
+    std::fs::write(&p, &bytes).unwrap();
+    let err = SafetensorsFile::open(&p).unwrap_err().to_string();
+    assert!(err.contains("tensor `w`: unsupported dtype Some(\"I64\")"), "{err}");
+
+    let header = br#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header);
+    bytes.extend([0; 8]);
+    std::fs::write(&p, &bytes).unwrap();
+    let err = SafetensorsFile::open(&p).unwrap_err().to_string();
+    assert!(err.contains("tensor `w`: data") && err.contains("does not hold 16 bytes"), "{err}");
+    std::fs::remove_file(&p).unwrap();
+
+    let dir = temp_path("hf-missing");
+    std::fs::create_dir_all(&dir).unwrap();
+    write_safetensors(
+        &dir.join("model.safetensors"),
+        &[("model.norm.weight", &[2], StDType::F32, &[1.0, 1.0])],
+    )
+    .unwrap();
+    std::fs::write(dir.join("config.json"), r#"{"hidden_size": 2}"#).unwrap();
+    let ck = HfCheckpoint::open(&dir).unwrap();
+    let err = ck.config().unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "metadata key `num_attention_heads`: missing from config.json or not an integer"
+    );
+    let err = ck.rows("blk.0.attn_q.weight", 0..1).unwrap_err().to_string();
+    assert!(
+        err.starts_with("tensor `model.layers.0.self_attn.q_proj.weight`: not found in"),
+        "{err}"
+    );
+    assert_eq!(ck.rows("output_norm.weight", 0..1).unwrap(), vec![1.0, 1.0]);
+    std::fs::remove_dir_all(dir).unwrap();
+}
