@@ -1,14 +1,14 @@
 """Render chat templates the way Hugging Face's `apply_chat_template` does, as the reference
-for tpctl's minijinja rendering (crates/layers/tests/chat_templates.rs).
+for tpctl's minijinja rendering (crates/text/tests/chat_templates.rs).
 
 Hugging Face renders with jinja2's ImmutableSandboxedEnvironment(trim_blocks=True,
 lstrip_blocks=True) and the loopcontrols extension, a `tojson` filter that keeps non-ASCII
 characters, and the globals `raise_exception` and `strftime_now`; the template sees
 `messages`, `tools`, `documents`, `add_generation_prompt`, the special tokens and any extra
 keyword arguments. This script does the same with jinja2 (pip package `jinja2`) on the
-templates in crates/layers/tests/fixtures/chat_templates/*.jinja (written for these tests,
+templates in crates/text/tests/fixtures/chat_templates/*.jinja (written for these tests,
 each exercising Python-style methods and whitespace control that published templates use),
-for a few conversations, and writes crates/layers/tests/fixtures/chat_templates.json:
+for a few conversations, and writes crates/text/tests/fixtures/chat_templates.json:
 [{"template": NAME, "case": CASE, "context": {...}, "text": RENDERED}, ...].
 
 Usage: python3 scripts/chat_template_fixtures.py
@@ -21,7 +21,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FIXTURES = ROOT / "crates/layers/tests/fixtures"
+FIXTURES = ROOT / "crates/text/tests/fixtures"
 
 # A fixed date, so the fixture does not change with the day it is made (tests pass the same).
 NOW = datetime(2026, 7, 26)

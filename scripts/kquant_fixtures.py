@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Writes the K-quant fixtures of `tpctl-layers` and `tpctl`: blocks quantized by llama.cpp's own
+"""Writes the K-quant fixtures of `tpctl-checkpoint` and `tpctl`: blocks quantized by llama.cpp's own
 quantizer, with the values gguf-py dequantizes them to.
 
-The Rust tests (`crates/layers/tests/kquant.rs`, `crates/cli/tests/kquant.rs`) read these
+The Rust tests (`crates/checkpoint/tests/kquant.rs`, `crates/cli/tests/kquant.rs`) read these
 files and need neither llama.cpp nor Python; this script only refreshes them:
 
     python3 scripts/kquant_fixtures.py [--out DIR]

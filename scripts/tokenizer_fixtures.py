@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Records llama.cpp's token ids for the GGUF tokenizer tests of `tpctl-layers`.
+"""Records llama.cpp's token ids for the GGUF tokenizer tests of `tpctl-text`.
 
-The Rust test `crates/layers/tests/gguf_tokenizers.rs` rebuilds each tokenizer below and checks
+The Rust test `crates/text/tests/gguf_tokenizers.rs` rebuilds each tokenizer below and checks
 that `Tokenizer::encode` gives the ids llama.cpp gave here, for every string of an awkward
 corpus (digits, emoji, CJK, code, whitespace runs, special tokens). llama.cpp is not needed to
 run that test, only to refresh its fixture, which is this script's job:
@@ -13,7 +13,7 @@ Needs `llama_cpp` (llama-cpp-python; the ids come from its `vocab_only` loader, 
 `gguf` package of llama.cpp's repository, `pip install gguf`). The default model is the one
 `cargo xtask fetch-model` caches: SmolLM2-135M-Instruct Q4_1.
 
-It writes, under `--out` (default `crates/layers/tests/fixtures/tokenizer`):
+It writes, under `--out` (default `crates/text/tests/fixtures/tokenizer`):
 
 - `bpe-vocab.gguf`: a vocabulary-only GGUF with the first 8192 tokens of SmolLM2 and the
   merges that build them (a byte-level BPE closed under its merges), without
@@ -43,7 +43,7 @@ import llama_cpp
 
 DEFAULT_MODEL = os.path.expanduser("~/.cache/tpctl/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUT = os.path.join(REPO, "crates", "layers", "tests", "fixtures", "tokenizer")
+DEFAULT_OUT = os.path.join(REPO, "crates", "text", "tests", "fixtures", "tokenizer")
 
 # A tag of each pre-tokenizer family `Tokenizer::from_gguf` supports, and the aliases the issue
 # names (aliases share their family's regexes; the Rust unit tests check that each resolves).

@@ -732,7 +732,7 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
             .map(|p| {
                 let text = std::fs::read_to_string(p)
                     .with_context(|| format!("--chat-template {}: cannot read it", p.display()))?;
-                layers::tokenizer::chat::check(&text)
+                text::tokenizer::chat::check(&text)
                     .with_context(|| format!("--chat-template {}", p.display()))?;
                 anyhow::Ok(text)
             })

@@ -175,7 +175,7 @@ fn lead(
     controller: &crate::control::Controller,
 ) -> Result<()> {
     // One tokenizer on rank 0: prompts are encoded and output decoded with the same one.
-    let mut tokenizer = layers::Tokenizer::load(&spec.model).context("building the tokenizer")?;
+    let mut tokenizer = text::Tokenizer::load(&spec.model).context("building the tokenizer")?;
     if let Some(template) = &spec.chat_template {
         tokenizer = tokenizer.with_chat_template(template.clone());
     }
@@ -203,8 +203,7 @@ fn lead(
         let ids = match &p.ids {
             Some(ids) => ids.clone(),
             None if p.chat => tokenizer.encode(
-                &tokenizer
-                    .apply_chat_template(&[layers::ChatMessage::new("user", &p.text)], true)?,
+                &tokenizer.apply_chat_template(&[text::ChatMessage::new("user", &p.text)], true)?,
             )?,
             None => tokenizer.encode(&p.text)?,
         };

@@ -10,9 +10,10 @@
 
 use collectives::{local, ShmOptions};
 use layers::parallel::{Comms, LoadOptions, ParallelCache, ParallelModel, Placement, Sequence};
-use layers::{Logits, Tokenizer};
+use layers::Logits;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
+use text::Tokenizer;
 
 /// (tp, cp, threads per rank)
 const LAYOUTS: [(usize, usize, usize); 3] = [(1, 1, 2), (2, 1, 1), (2, 2, 1)];

@@ -84,7 +84,7 @@ fn cuda_real_model_gives_the_cpu_greedy_tokens_and_logits() {
         .unwrap();
     let dev = Model::from_source(&file, config, gpu, WeightForm::Native).unwrap();
     // "The capital of France is" in SmolLM2's vocabulary.
-    let tok = crate::Tokenizer::from_gguf(&file).unwrap();
+    let tok = text::Tokenizer::from_gguf(&file).unwrap();
     let prompt = tok.encode("The capital of France is").unwrap();
     let (want_logits, want_tokens) = run_model(&cpu, &prompt);
     let (got_logits, got_tokens) = run_model(&dev, &prompt);
@@ -304,7 +304,7 @@ fn cuda_half_precision_models_stay_close_to_the_cpu() {
     };
     let file = GgufFile::open(&path).unwrap();
     let config = LlamaConfig::from_gguf(&file).unwrap();
-    let tok = crate::Tokenizer::from_gguf(&file).unwrap();
+    let tok = text::Tokenizer::from_gguf(&file).unwrap();
     let dev = Model::from_source(&file, config, gpu, WeightForm::Native).unwrap();
     let prompt = tok.encode("The capital of France is").unwrap();
     let tokens = dev.generate(&prompt, 8, &[], &mut dev.new_cache(32), |_| {}).unwrap();

@@ -26,12 +26,9 @@ pub enum Error {
         /// Positions requested.
         requested: usize,
     },
-    /// The tokenizer failed.
-    #[error("tokenizer: {0}")]
-    Tokenizer(String),
-    /// The chat template is missing or failed to render.
-    #[error("chat template: {0}")]
-    ChatTemplate(String),
+    /// A tokenizer could not be built or run.
+    #[error(transparent)]
+    Text(#[from] text::Error),
 }
 
 /// The result type of the layers crate.

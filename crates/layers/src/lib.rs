@@ -1,8 +1,7 @@
-//! The Llama-family model and its tensor/context-parallel modules, with the tokenizer and chat
-//! templates, on the checkpoints of the `checkpoint` crate and the kernels of the `tensor`
-//! crate.
+//! The Llama-family model and its tensor/context-parallel modules, on the checkpoints of the
+//! `checkpoint` crate and the kernels of the `tensor` crate.
 //!
-//! Layout: [`tokenizer`] (byte-level BPE, SentencePiece, chat templates), [`model`] (the
+//! Layout: [`model`] (the
 //! Llama decoder's shardable attention/MLP blocks, linear layers, KV caches and the paged
 //! pool, the single-rank [`Model`] that the parallel tests check against, random test
 //! checkpoints), [`parallel`] (the TP/CP model every rank runs).
@@ -27,8 +26,6 @@ pub mod model;
 pub mod parallel;
 #[cfg(test)]
 mod test_util;
-pub mod tokenizer;
 
 pub use error::{Error, Result};
 pub use model::{KvCache, Logits, Model};
-pub use tokenizer::{ChatMessage, Tokenizer};

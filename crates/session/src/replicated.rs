@@ -45,7 +45,7 @@ impl ModelFactory for LlamaFactory {
     }
 
     fn codec(&mut self, config: &SessionConfig) -> Result<Option<Box<dyn TextCodec>>, BoxError> {
-        let tok = layers::Tokenizer::load(std::path::Path::new(&config.model))
+        let tok = text::Tokenizer::load(std::path::Path::new(&config.model))
             .map_err(|e| format!("tokenizer of {}: {e}", config.model))?;
         Ok(Some(Box::new(LlamaCodec(std::sync::Arc::new(tok)))))
     }
@@ -95,7 +95,7 @@ impl StepModel for ReplicatedLlama {
 }
 
 /// The model's tokenizer as a [`TextCodec`].
-pub(crate) struct LlamaCodec(pub(crate) std::sync::Arc<layers::Tokenizer>);
+pub(crate) struct LlamaCodec(pub(crate) std::sync::Arc<text::Tokenizer>);
 
 impl TextCodec for LlamaCodec {
     fn encode(&self, text: &str) -> Result<Vec<u32>, BoxError> {

@@ -28,7 +28,7 @@ pub struct ShardedFactory {
     /// The kernels' backend; `None`: the CPU with `threads` threads.
     backend: Option<tensor::kernels::Backend>,
     /// Rank 0's tokenizer, shared with its caller; `None`: loaded from the model file.
-    tokenizer: Option<std::sync::Arc<layers::Tokenizer>>,
+    tokenizer: Option<std::sync::Arc<text::Tokenizer>>,
     /// A paged KV pool per rank; `None`: a cache per sequence.
     kv: Option<KvCacheConfig>,
 }
@@ -173,7 +173,7 @@ impl ShardedFactory {
 
     /// Decodes rank 0's output with `tokenizer` (the one its caller encodes prompts with), so
     /// rank 0 holds one tokenizer, not two.
-    pub fn with_tokenizer(mut self, tokenizer: std::sync::Arc<layers::Tokenizer>) -> Self {
+    pub fn with_tokenizer(mut self, tokenizer: std::sync::Arc<text::Tokenizer>) -> Self {
         self.tokenizer = Some(tokenizer);
         self
     }

@@ -3,9 +3,9 @@
 
 use crate::error::BoxError;
 use crate::sampler::TokenLogprobs;
-pub use layers::tokenizer::TextStream;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+pub use text::tokenizer::TextStream;
 
 /// Text to tokens and back (rank 0 only).
 pub trait TextCodec: Send {

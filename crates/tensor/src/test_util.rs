@@ -1,5 +1,5 @@
 //! Helpers for the tests of this crate and of the crates above it: deterministic random data,
-//! tolerant comparison, a reference matrix product, fake device memory and the GPU backend when
+//! tolerant comparison, temporary paths, a reference matrix product, fake device memory and the GPU backend when
 //! the machine has one. Nothing in production code calls them.
 
 use crate::kernels::{Backend, CudaBackend, GemmDtype};
@@ -38,6 +38,14 @@ pub fn assert_rel(a: &[f32], b: &[f32], tol: f32, what: &str) {
     let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
     let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale;
     assert!(err < tol, "{what}: off by {err} relative");
+}
+
+/// A fresh path in the system temp folder, unique per process and call.
+pub fn temp_path(stem: &str) -> std::path::PathBuf {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    std::env::temp_dir().join(format!("tpctl-test-{}-{n}-{stem}", std::process::id()))
 }
 
 /// `a[m, k] · w[n, k]ᵀ` summed in f64: the reference the matrix products are checked against.

@@ -48,7 +48,7 @@ pub struct ApiParts {
     /// Counters for `/metrics`.
     pub metrics: Metrics,
     /// The model's tokenizer and chat template.
-    pub tokenizer: std::sync::Arc<layers::Tokenizer>,
+    pub tokenizer: std::sync::Arc<text::Tokenizer>,
     /// The model's name in the API.
     pub model_name: String,
     /// The checkpoint the deployment started with (its path), live until a weight update.
@@ -79,7 +79,7 @@ pub struct Api(Arc<Inner>);
 struct Inner {
     bridge: Bridge,
     metrics: Metrics,
-    tokenizer: std::sync::Arc<layers::Tokenizer>,
+    tokenizer: std::sync::Arc<text::Tokenizer>,
     model_name: String,
     checkpoint: String,
     vocab: usize,

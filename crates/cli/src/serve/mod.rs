@@ -41,7 +41,7 @@ pub struct Rank0<'a> {
     /// Builds the model shard of each session.
     pub factory: Box<dyn ModelFactory>,
     /// The model's tokenizer and chat template (the factory decodes with the same one).
-    pub tokenizer: Arc<layers::Tokenizer>,
+    pub tokenizer: Arc<text::Tokenizer>,
     /// Engine deadlines.
     pub engine: EngineOptions,
     /// The model path, as the factory reads it.

@@ -286,7 +286,7 @@ impl RandomLlama {
                 .ok_or_else(|| Error::tensor(&info.name, "has no Hugging Face name".to_owned()))?;
             tensors.push((name, t.shape().to_vec(), data));
         }
-        let tokenizer = crate::Tokenizer::from_gguf(&file)?;
+        let tokenizer = text::Tokenizer::from_gguf(&file)?;
         drop(file);
         std::fs::remove_file(&gguf).map_err(io(&gguf))?;
         let write = |name: &str, ts: &[(String, Vec<usize>, Vec<f32>)]| {
@@ -344,7 +344,7 @@ impl RandomLlama {
         tokenizer
             .inner()
             .save(&path, false)
-            .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
+            .map_err(|e| text::Error::Tokenizer(format!("{}: {e}", path.display())))?;
         json("tokenizer_config.json", serde_json::json!({ "eos_token": "t0" }))
     }
 }

@@ -4,10 +4,10 @@
 use super::random::RandomLlama;
 use super::*;
 use crate::test_util::{assert_close, temp_path};
-use crate::tokenizer::Tokenizer;
 use checkpoint::gguf::GgufFile;
 use std::path::PathBuf;
 use tensor::kernels::cpu::quant::BlockFormat;
+use text::tokenizer::Tokenizer;
 
 fn write_model(spec: &RandomLlama, stem: &str) -> PathBuf {
     let p = temp_path(stem);

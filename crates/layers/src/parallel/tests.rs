@@ -814,7 +814,7 @@ fn real_model_greedy_ids_agree_across_layouts_batches_and_recompute_when_cached(
         eprintln!("note: default model not cached (run `cargo xtask fetch-model`); skipping");
         return;
     };
-    let tokenizer = crate::Tokenizer::load(&path).unwrap();
+    let tokenizer = text::Tokenizer::load(&path).unwrap();
     let texts = [
         "The capital of France is",
         "def fibonacci(n):",

@@ -85,7 +85,7 @@ impl ModelFactory for Factory {
 /// four bytes of "🦀" (F0 9F A6 80), the three of "猫" (E7 8C AB) and the two of "é" (C3 A9).
 const BYTE_PIECES: [&str; 11] = ["<|endoftext|>", "a", "ð", "Ł", "¦", "Ģ", "ç", "Į", "«", "Ã", "©"];
 
-fn byte_tokenizer() -> layers::Tokenizer {
+fn byte_tokenizer() -> text::Tokenizer {
     use checkpoint::gguf::{GgufFile, GgufWriter, Value};
     let strings = |v: &[&str]| Value::Array(v.iter().map(|s| Value::String((*s).into())).collect());
     let types = BYTE_PIECES.iter().map(|t| Value::I32(if t.starts_with("<|") { 3 } else { 1 }));
@@ -97,7 +97,7 @@ fn byte_tokenizer() -> layers::Tokenizer {
         .metadata("tokenizer.ggml.eos_token_id", Value::U32(0));
     let path = std::env::temp_dir().join(format!("tpctl-engine-bytes-{}.gguf", std::process::id()));
     w.write(&path).unwrap();
-    let t = layers::Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    let t = text::Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
     std::fs::remove_file(path).unwrap();
     t
 }

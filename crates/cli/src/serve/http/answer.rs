@@ -174,7 +174,7 @@ pub(super) struct Answer {
 
 /// Token texts for log-probabilities: each token decoded alone.
 #[derive(Clone)]
-pub(super) struct Scorer(std::sync::Arc<layers::Tokenizer>);
+pub(super) struct Scorer(std::sync::Arc<text::Tokenizer>);
 
 impl Scorer {
     pub(super) fn score(&self, token: u32, logprobs: Option<TokenLogprobs>) -> Option<Scored> {

@@ -309,7 +309,7 @@ impl Api {
             message.insert("content".into(), content.into());
             chat.push(Value::Object(message));
         }
-        let request = layers::tokenizer::chat::ChatRequest {
+        let request = text::tokenizer::chat::ChatRequest {
             messages: chat,
             tools: options.tools.map(|t| Value::Array(t.to_vec())),
             add_generation_prompt: options.add_generation_prompt,

@@ -109,7 +109,7 @@ impl Drop for World {
 }
 
 /// The tiny model's tokenizer (tokens `t0`..`t47`), written once per test process.
-fn tokenizer() -> layers::Tokenizer {
+fn tokenizer() -> text::Tokenizer {
     static PATH: OnceLock<std::path::PathBuf> = OnceLock::new();
     let path = PATH.get_or_init(|| {
         let path = std::env::temp_dir().join(format!("tpctl-http-{}.gguf", std::process::id()));
@@ -125,7 +125,7 @@ fn tokenizer() -> layers::Tokenizer {
         path
     });
     let file = checkpoint::gguf::GgufFile::open(path).expect("open the tiny model");
-    layers::Tokenizer::from_gguf(&file).expect("its tokenizer")
+    text::Tokenizer::from_gguf(&file).expect("its tokenizer")
 }
 
 /// A running HTTP API; the engine's inbox is the test's to read.

@@ -247,7 +247,7 @@ pub(super) static TABLE: &[PreTokenizer] = &[
 /// The family of `tag`.
 ///
 /// # Errors
-/// [`Error::Metadata`] on `tokenizer.ggml.pre` when no family has the tag.
+/// [`checkpoint::Error::Metadata`] on `tokenizer.ggml.pre` when no family has the tag.
 pub(super) fn lookup(tag: &str) -> Result<&'static PreTokenizer> {
     TABLE.iter().find(|p| p.tags.contains(&tag)).ok_or_else(|| {
         let known: Vec<&str> = TABLE.iter().map(|p| p.tags[0]).collect();

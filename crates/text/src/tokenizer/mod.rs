@@ -134,7 +134,7 @@ impl Tokenizer {
     /// and 2, as in llama.cpp.
     ///
     /// # Errors
-    /// [`Error::Metadata`] when a key is missing or mistyped, the model is neither `gpt2` nor
+    /// [`checkpoint::Error::Metadata`] when a key is missing or mistyped, the model is neither `gpt2` nor
     /// `llama`, or `tokenizer.ggml.pre` names no pre-tokenizer llama.cpp has (and this crate
     /// knows); [`Error::Tokenizer`] when the vocabulary and merges do not form a BPE.
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
@@ -228,8 +228,8 @@ impl Tokenizer {
     /// `generation_config.json` (when present) the other ids that end a generation.
     ///
     /// # Errors
-    /// [`Error::Tokenizer`] when `tokenizer.json` cannot be read; [`Error::Io`] or
-    /// [`Error::Metadata`] when `tokenizer_config.json` exists but cannot be read or parsed.
+    /// [`Error::Tokenizer`] when `tokenizer.json` cannot be read; [`checkpoint::Error::Io`] or
+    /// [`checkpoint::Error::Metadata`] when `tokenizer_config.json` exists but cannot be read or parsed.
     pub fn from_hf_dir(dir: &std::path::Path) -> Result<Self> {
         let json = dir.join("tokenizer.json");
         let inner = tokenizers::Tokenizer::from_file(&json)

@@ -3,9 +3,9 @@
 //! jinja2 the way `apply_chat_template` does (scripts/chat_template_fixtures.py), must come
 //! out the same here, character for character, refusals included.
 
-use layers::tokenizer::chat::{render, ChatRequest};
 use serde_json::Value;
 use std::path::Path;
+use text::tokenizer::chat::{render, ChatRequest};
 
 fn fixtures() -> &'static Path {
     Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures"))

@@ -3,8 +3,8 @@
 //! pre-tokenizer against llama.cpp's are checked in `tests/gguf_tokenizers.rs`.
 
 use super::*;
-use crate::test_util::temp_path;
 use checkpoint::gguf::{GgufWriter, Value};
+use tensor::test_util::temp_path;
 
 fn strings(v: &[&str]) -> Value {
     Value::Array(v.iter().map(|s| Value::String((*s).to_owned())).collect())

@@ -7,8 +7,8 @@
 //! and metadata to override; the test writes that GGUF copy and builds its tokenizer.
 
 use checkpoint::gguf::{GgufFile, GgufWriter, Value};
-use layers::Tokenizer;
 use std::path::{Path, PathBuf};
+use text::Tokenizer;
 
 fn fixture_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests").join("fixtures").join("tokenizer")
