@@ -52,10 +52,6 @@ impl Error {
         Error::Checkpoint(checkpoint::Error::tensor(name, message))
     }
 
-    pub(crate) fn metadata(key: &str, message: impl Into<String>) -> Self {
-        Error::Checkpoint(checkpoint::Error::metadata(key, message))
-    }
-
     pub(crate) fn io(what: &'static str, path: &std::path::Path, source: std::io::Error) -> Self {
         Error::Checkpoint(checkpoint::Error::Io { what, path: path.to_owned(), source })
     }

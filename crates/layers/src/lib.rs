@@ -3,8 +3,8 @@
 //!
 //! Layout: [`model`] (the
 //! Llama decoder's shardable attention/MLP blocks, linear layers, KV caches and the paged
-//! pool, the single-rank [`Model`] that the parallel tests check against, random test
-//! checkpoints), [`parallel`] (the TP/CP model every rank runs).
+//! pool, random test checkpoints, and for the tests the single-rank reference decoder),
+//! [`parallel`] (the TP/CP model every rank runs, on one rank too).
 //!
 //! Conventions every module relies on:
 //! - Tensors are row-major f32; weight matrices are `[out_features, in_features]`.
@@ -28,4 +28,4 @@ pub mod parallel;
 mod test_util;
 
 pub use error::{Error, Result};
-pub use model::{KvCache, Logits, Model};
+pub use model::{KvCache, Logits};

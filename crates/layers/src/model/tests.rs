@@ -7,6 +7,7 @@ use crate::test_util::{assert_close, temp_path};
 use checkpoint::gguf::GgufFile;
 use std::path::PathBuf;
 use tensor::kernels::cpu::quant::BlockFormat;
+use tensor::kernels::Weight;
 use text::tokenizer::Tokenizer;
 
 fn write_model(spec: &RandomLlama, stem: &str) -> PathBuf {

@@ -8,7 +8,40 @@ use crate::scheduler::Request;
 use crate::sharded::ShardedFactory;
 use crate::sink::{Collect, FinishReason, MetricsSink, NoMetrics, OutputSink, StepMetrics};
 use collectives::{init_parallel_with, InitOptions};
+use layers::parallel::{Comms, LoadOptions, ParallelCache, ParallelModel, Placement};
+use layers::Logits;
 use std::sync::{Arc, Mutex};
+
+/// The model alone, one sequence at a time (one rank, no engine, no batching, no chunking):
+/// what the engine's batched steps must reproduce.
+struct Reference(ParallelModel);
+
+impl Reference {
+    fn load(path: &str) -> Reference {
+        Reference(ParallelModel::load(path, LoadOptions::new(Placement::single())).unwrap())
+    }
+
+    /// The last row of logits after `tokens` are appended to `cache`.
+    fn next_logits(&self, cache: &mut ParallelCache, tokens: &[u32]) -> Vec<f32> {
+        let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
+        let mut comms = Comms { tp: &mut tp, cp: &mut cp };
+        let logits = self.0.forward(&mut comms, tokens, cache, Logits::Last).unwrap();
+        logits.row(logits.rows() - 1).to_vec()
+    }
+
+    /// `n` greedy tokens after `prompt` (the first of the largest logits).
+    fn greedy(&self, prompt: &[u32], n: usize) -> Vec<u32> {
+        let mut cache = self.0.new_cache(64);
+        let mut out = Vec::new();
+        let mut logits = self.next_logits(&mut cache, prompt);
+        while out.len() < n {
+            let best = tensor::kernels::cpu::activation::argmax(&logits).unwrap() as u32;
+            out.push(best);
+            logits = self.next_logits(&mut cache, &[best]);
+        }
+        out
+    }
+}
 
 #[test]
 fn batched_chunked_generation_matches_single_sequence_greedy() {
@@ -40,12 +73,11 @@ fn batched_chunked_generation_matches_single_sequence_greedy() {
     let mut stop = |_: &SessionReport| Decision::Stop;
     leader.run(cfg, requests, &mut stop).unwrap();
 
-    let reference = layers::Model::load(&model, 1).unwrap();
+    let reference = Reference::load(&model);
     let done = out.finished();
     assert_eq!(done.len(), 3);
     for (i, (p, n)) in prompts.iter().enumerate() {
-        let mut cache = reference.new_cache(64);
-        let want = reference.generate(p, *n as usize, &[], &mut cache, |_| {}).unwrap();
+        let want = reference.greedy(p, *n as usize);
         let got = done.iter().find(|d| d.request == i as u64).unwrap();
         assert_eq!((got.reason, &got.tokens), (FinishReason::Length, &want), "request {i}");
         assert_eq!(got.text.is_empty(), want.is_empty(), "the tokenizer decoded the pieces");
@@ -148,24 +180,20 @@ fn seeded_sampling_with_penalties_gives_what_a_plain_sampler_gives() {
     leader.run(cfg, batch, &mut |_: &SessionReport| Decision::Stop).unwrap();
     assert!(*preemptions.0.lock().unwrap() > 0, "the pool is small enough to preempt");
 
-    let reference = layers::Model::load(&model, 1).unwrap();
+    let reference = Reference::load(&model);
     let seen = seen.0.lock().unwrap();
     for (i, (prompt, params)) in requests.iter().enumerate() {
         let mut sampler = Sampler::new(params.clone());
-        let mut cache = reference.new_cache(64);
-        let positions: Vec<usize> = (0..prompt.len()).collect();
-        let mut logits =
-            reference.forward(prompt, &positions, &mut cache, layers::model::Logits::Last).unwrap();
+        let mut cache = reference.0.new_cache(64);
+        let mut logits = reference.next_logits(&mut cache, prompt);
         let mut want: Vec<(u32, Option<TokenLogprobs>)> = Vec::new();
         let mut generated = Vec::new();
-        for n in 0..params.max_tokens as usize {
-            let row = logits.data();
+        for _ in 0..params.max_tokens {
+            let row = &logits;
             let token = sampler.sample_next(row, prompt, &generated);
             want.push((token, sampler.logprobs(row, token)));
             generated.push(token);
-            let at = [prompt.len() + n];
-            logits =
-                reference.forward(&[token], &at, &mut cache, layers::model::Logits::Last).unwrap();
+            logits = reference.next_logits(&mut cache, &[token]);
         }
         let got = &seen[&(i as u64)];
         let ids = |v: &[(u32, Option<TokenLogprobs>)]| v.iter().map(|t| t.0).collect::<Vec<_>>();
