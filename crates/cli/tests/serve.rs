@@ -872,6 +872,48 @@ fn a_client_that_disconnects_cancels_its_request() {
     assert_eq!(server.interrupt().code(), Some(130));
 }
 
+/// The engine fails mid-answer (rank 1's 31st step): a streaming client hears why, an
+/// `error` event naming the engine's stop, before the stream ends, rather than a stream that
+/// breaks off; the server then exits with the failure.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_stream_the_failed_engine_left_unfinished_ends_with_an_error_event() {
+    let env = [("TPCTL_FAILPOINTS", "session.step=error@1#30")];
+    let server = Server::start_with(model(), &["--tp", "2"], &env);
+    let body = json!({
+        "prompt": prompt_ids("1,2,3"),
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": true,
+        "stream": true,
+    })
+    .to_string();
+    let raw = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut conn = TcpStream::connect(&server.addr).unwrap();
+    conn.set_read_timeout(Some(DEADLINE)).unwrap();
+    conn.write_all(raw.as_bytes()).unwrap();
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match conn.read(&mut buf) {
+            Ok(0) => break,
+            Ok(k) => seen.push_str(&String::from_utf8_lossy(&buf[..k])),
+            Err(e) => panic!("reading the stream: {e}\n{seen}\n{}", server.log()),
+        }
+    }
+    let events: Vec<&str> = seen.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert!(events.len() > 2, "tokens came before the failure: {seen}");
+    let last: serde_json::Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], "engine_stopped", "{seen}\n{}", server.log());
+    assert!(!seen.contains("[DONE]"), "an unfinished answer is not done: {seen}");
+    let log = server.log.clone();
+    let status = server.wait();
+    assert!(!status.success(), "the server fails with its engine\n{}", log.lock().unwrap());
+}
+
 /// Two launchers, as on two nodes (torchrun conventions, over loopback): node 0 serves, node
 /// 1 runs the other half of the ranks; answers match `tpctl run`, and Ctrl-C on node 0 ends
 /// node 1's ranks too.

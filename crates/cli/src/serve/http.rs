@@ -290,17 +290,32 @@ impl ApiError {
             "the server is stopping and takes no more requests",
         )
     }
-}
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = json!({"error": {
+    /// The engine stopped (failed, or the deployment was stopped) before an answer it had
+    /// begun was finished.
+    pub(super) fn engine_stopped() -> Self {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "engine_stopped",
+            "the engine stopped before this answer was finished (see the server's log)",
+        )
+    }
+
+    /// The `{"error": ...}` object, as a response body or a streamed event.
+    pub(super) fn body(&self) -> serde_json::Value {
+        json!({"error": {
             "message": self.message,
             "type": self.kind,
             "code": self.code,
             "param": null,
-        }});
-        let mut response = (self.status, Json(body)).into_response();
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, Json(self.body())).into_response();
         if let Some(seconds) = self.retry_after {
             response.headers_mut().insert(header::RETRY_AFTER, seconds.into());
         }

@@ -31,6 +31,10 @@ use session::{Decision, EngineOptions, Leader, ModelFactory, SessionConfig, Sess
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long a stopping server has to write the answers in flight before the process exits.
+const HTTP_FLUSH: Duration = Duration::from_secs(2);
 
 pub use http::BODY_LIMIT;
 
@@ -107,7 +111,7 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
         ready: ready.clone(),
         control: rank0.control.clone(),
         refuse_while_asleep: spec.refuse_while_asleep,
-        asleep_wait: std::time::Duration::from_millis(spec.asleep_wait_ms),
+        asleep_wait: Duration::from_millis(spec.asleep_wait_ms),
         defaults: spec.defaults,
     });
 
@@ -124,7 +128,7 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
     crate::exit::stop_on_signal(stop.clone());
     let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
     let server_stop = stop.clone();
-    std::thread::Builder::new()
+    let http_thread = std::thread::Builder::new()
         .name("http".into())
         .spawn(move || {
             if let Err(e) = http::serve(listener, api, shutdown_rx) {
@@ -156,6 +160,12 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
     let _ = shutdown_tx.send(());
     drop(inbox);
     bridge.close_all();
+    // The answers in flight end now (an error event for a stream the engine left unfinished):
+    // let the server write them before the process goes, but not for long.
+    let flushed = Instant::now() + HTTP_FLUSH;
+    while !http_thread.is_finished() && Instant::now() < flushed {
+        std::thread::sleep(Duration::from_millis(10));
+    }
     if result.is_err() {
         crate::exit::abandon(leader);
     }

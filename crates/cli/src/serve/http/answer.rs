@@ -222,7 +222,7 @@ pub(super) async fn collect(
             }
         }
     }
-    Err(ApiError::stopping())
+    Err(ApiError::engine_stopped())
 }
 
 /// Stop strings matched on a request's text as it comes: the text before the first match is
@@ -396,7 +396,7 @@ impl Choice {
         let mut completion_tokens = 0;
         // Characters of the completion's token texts so far (`text_offset`).
         let mut offset = 0;
-        let mut reason = FinishReason::Cancelled;
+        let mut reason = None;
         while let Some(event) = rx.recv().await {
             match event {
                 Event::Token { token, text, logprobs } => {
@@ -422,12 +422,12 @@ impl Choice {
                         return None;
                     }
                     if hit {
-                        reason = FinishReason::StopToken;
+                        reason = Some(FinishReason::StopToken);
                         break;
                     }
                 }
                 Event::Finished { reason: r, .. } => {
-                    reason = r;
+                    reason = Some(r);
                     let mut rest = stops.finish();
                     if let Some(tools) = &mut tools {
                         rest = tools.push(&rest);
@@ -439,6 +439,13 @@ impl Choice {
                 }
             }
         }
+        let Some(reason) = reason else {
+            // The events ended without an end: the engine stopped. The client hears why
+            // (an `error` event, as vLLM sends) instead of a stream that just breaks off.
+            let error = ApiError::engine_stopped().body().to_string();
+            let _ = tx.send(Ok(SseEvent::default().data(error))).await;
+            return None;
+        };
         let mut finish = finish_name(reason);
         if let Some(tools) = tools {
             let (rest, calls) = tools.finish();
