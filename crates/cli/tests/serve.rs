@@ -872,9 +872,9 @@ fn a_client_that_disconnects_cancels_its_request() {
     assert_eq!(server.interrupt().code(), Some(130));
 }
 
-/// The engine fails mid-answer (rank 1's 31st step): a streaming client hears why, an
-/// `error` event naming the engine's stop, before the stream ends, rather than a stream that
-/// breaks off; the server then exits with the failure.
+/// The engine fails mid-answer (rank 1's 31st step): a streaming client hears it, the choice
+/// ending with `finish_reason: "error"` and then an `error` event naming the engine's stop,
+/// rather than a stream that ends like a normal one; the server then exits with the failure.
 #[cfg(feature = "failpoints")]
 #[test]
 fn a_stream_the_failed_engine_left_unfinished_ends_with_an_error_event() {
@@ -908,6 +908,8 @@ fn a_stream_the_failed_engine_left_unfinished_ends_with_an_error_event() {
     assert!(events.len() > 2, "tokens came before the failure: {seen}");
     let last: serde_json::Value = serde_json::from_str(events.last().unwrap()).unwrap();
     assert_eq!(last["error"]["code"], "engine_stopped", "{seen}\n{}", server.log());
+    let end: serde_json::Value = serde_json::from_str(events[events.len() - 2]).unwrap();
+    assert_eq!(end["choices"][0]["finish_reason"], "error", "{seen}");
     assert!(!seen.contains("[DONE]"), "an unfinished answer is not done: {seen}");
     let log = server.log.clone();
     let status = server.wait();

@@ -5,7 +5,7 @@
 use super::metrics::Metrics;
 use session::{BoxError, Cancel, FinishReason, OutputSink, Request, SamplingParams, TokenLogprobs};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -76,12 +76,15 @@ pub struct Bridge {
     next_id: Arc<AtomicU64>,
     inbox: Sender<Request>,
     metrics: Metrics,
+    /// Set once the engine stopped: nothing more is taken, and `/health` says so.
+    closed: Arc<AtomicBool>,
 }
 
 impl Bridge {
     /// A bridge that feeds `inbox` (the engine's) and records into `metrics`.
     pub fn new(inbox: Sender<Request>, metrics: Metrics) -> Self {
-        Bridge { pending: Arc::default(), next_id: Arc::new(AtomicU64::new(0)), inbox, metrics }
+        let next_id = Arc::new(AtomicU64::new(0));
+        Bridge { pending: Arc::default(), next_id, inbox, metrics, closed: Arc::default() }
     }
 
     /// Hands a checked request to the engine; its events arrive on the returned [`Events`],
@@ -91,6 +94,9 @@ impl Bridge {
     /// # Errors
     /// [`Closed`] when the engine no longer takes requests.
     pub fn submit(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<Events, Closed> {
+        if self.is_closed() {
+            return Err(Closed);
+        }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = unbounded_channel();
         let prompt_tokens = prompt.len();
@@ -106,9 +112,15 @@ impl Bridge {
         Ok(Events { id, rx, cancel, finished: false })
     }
 
-    /// Closes every pending request's channel (the engine stopped).
+    /// Closes every pending request's channel and takes no more (the engine stopped).
     pub fn close_all(&self) {
+        self.closed.store(true, Ordering::SeqCst);
         self.lock().clear();
+    }
+
+    /// Whether the engine stopped ([`Bridge::close_all`]).
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
     }
 
     /// The engine's output sink.

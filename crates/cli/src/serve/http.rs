@@ -347,8 +347,15 @@ async fn method_not_allowed(req: Request) -> ApiError {
     )
 }
 
-/// `GET /health`: 200 once the model is loaded, asleep or not (as vLLM's), saying which.
+/// `GET /health`: 200 once the model is loaded, asleep or not (as vLLM's), saying which; 503
+/// while loading, and from the engine's stop (a failure, or `tpctl stop`) until the process
+/// is gone.
 async fn health(State(api): State<Api>) -> Response {
+    if api.0.bridge.is_closed() {
+        let body =
+            json!({"status": "stopped", "message": "the engine stopped; the server is exiting"});
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
+    }
     if !api.0.ready.load(Ordering::SeqCst) {
         return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"})))
             .into_response();

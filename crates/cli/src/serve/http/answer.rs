@@ -440,10 +440,21 @@ impl Choice {
             }
         }
         let Some(reason) = reason else {
-            // The events ended without an end: the engine stopped. The client hears why
-            // (an `error` event, as vLLM sends) instead of a stream that just breaks off.
-            let error = ApiError::engine_stopped().body().to_string();
-            let _ = tx.send(Ok(SseEvent::default().data(error))).await;
+            // The events ended without an end: the engine stopped. The choice ends with
+            // `finish_reason: "error"` and the client hears why (an `error` event, as vLLM
+            // sends) instead of a stream that ends like a normal one.
+            let end = match kind {
+                Kind::Completion => {
+                    json!({"index": index, "text": "", "logprobs": null, "finish_reason": "error"})
+                }
+                Kind::Chat => {
+                    json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": "error"})
+                }
+            };
+            if send(end).await {
+                let error = ApiError::engine_stopped().body().to_string();
+                let _ = tx.send(Ok(SseEvent::default().data(error))).await;
+            }
             return None;
         };
         let mut finish = finish_name(reason);

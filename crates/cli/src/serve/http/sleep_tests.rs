@@ -132,6 +132,7 @@ fn tokenizer() -> text::Tokenizer {
 struct Http {
     addr: String,
     inbox: Receiver<session::Request>,
+    bridge: Bridge,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -154,8 +155,9 @@ impl Http {
     ) -> Http {
         let metrics = Metrics::default();
         let (inbox_tx, inbox) = std::sync::mpsc::channel();
+        let bridge = Bridge::new(inbox_tx, metrics.clone());
         let api = Api::new(ApiParts {
-            bridge: Bridge::new(inbox_tx, metrics.clone()),
+            bridge: bridge.clone(),
             metrics,
             tokenizer: tokenizer().into(),
             model_name: "tiny".into(),
@@ -174,7 +176,7 @@ impl Http {
         let addr = listener.local_addr().unwrap().to_string();
         let (tx, rx) = tokio::sync::oneshot::channel();
         let thread = std::thread::spawn(move || serve(listener, api, rx).expect("serve"));
-        Http { addr, inbox, shutdown: Some(tx), thread: Some(thread) }
+        Http { addr, inbox, bridge, shutdown: Some(tx), thread: Some(thread) }
     }
 
     /// One exchange (`Connection: close`): the status and the body.
@@ -339,6 +341,21 @@ fn a_request_that_waits_past_the_limit_gets_503_with_retry_after() {
         "{raw}"
     );
     assert!(http.inbox.try_recv().is_err());
+}
+
+/// Once the engine stopped (failed, or told to stop), `/health` is 503 saying so until the
+/// process is gone, and a new completion is a 503 that never reaches the engine.
+#[test]
+fn health_is_503_once_the_engine_stopped() {
+    let http = Http::start(None, false, None);
+    assert_eq!(http.json("GET", "/health").0, 200);
+    http.bridge.close_all();
+    let (status, body) = http.json("GET", "/health");
+    assert_eq!((status, &body["status"]), (503, &serde_json::json!("stopped")), "{body}");
+    let (status, _) =
+        http.call("POST", "/v1/completions", &[], r#"{"prompt":[1,2],"max_tokens":2}"#);
+    assert_eq!(status, 503);
+    assert!(http.inbox.try_recv().is_err(), "nothing reached the engine");
 }
 
 #[test]
