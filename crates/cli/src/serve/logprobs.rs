@@ -83,13 +83,24 @@ pub(super) struct Scored {
     pub logprobs: TokenLogprobs,
     /// The alternatives' texts, in the order of `logprobs.top`.
     pub top_texts: Vec<String>,
+    /// The token's own bytes (for a part of a multi-byte character, not U+FFFD's).
+    pub bytes: Vec<u8>,
+    /// The alternatives' bytes, in the order of `logprobs.top`.
+    pub top_bytes: Vec<Vec<u8>>,
 }
 
 impl Scored {
-    /// `logprobs` of a token, with texts from `decode` (one token id to its text).
-    pub fn new(token: u32, logprobs: TokenLogprobs, decode: impl Fn(u32) -> String) -> Self {
+    /// `logprobs` of a token, with texts from `decode` (one token id to its text) and bytes
+    /// from `bytes` (one token id to its own bytes).
+    pub fn new(
+        token: u32,
+        logprobs: TokenLogprobs,
+        decode: impl Fn(u32) -> String,
+        bytes: impl Fn(u32) -> Vec<u8>,
+    ) -> Self {
         let top_texts = logprobs.top.iter().map(|&(id, _)| decode(id)).collect();
-        Scored { text: decode(token), logprobs, top_texts }
+        let top_bytes = logprobs.top.iter().map(|&(id, _)| bytes(id)).collect();
+        Scored { text: decode(token), logprobs, top_texts, bytes: bytes(token), top_bytes }
     }
 }
 
@@ -123,19 +134,20 @@ pub(super) fn completion(tokens: &[Scored], mut offset: usize) -> Value {
     })
 }
 
-/// The chat shape of `tokens`.
+/// The chat shape of `tokens`: `bytes` are each token's own, so a client joins them into the
+/// text even where a token is part of a character (whose `token` text reads U+FFFD).
 pub(super) fn chat(tokens: &[Scored]) -> Value {
-    let entry =
-        |text: &str, lp: f32| json!({"token": text, "logprob": num(lp), "bytes": text.as_bytes()});
+    let entry = |text: &str, bytes: &[u8], lp: f32| json!({"token": text, "logprob": num(lp), "bytes": bytes});
     let content: Vec<Value> = tokens
         .iter()
         .map(|t| {
-            let mut e = entry(&t.text, t.logprobs.logprob);
+            let mut e = entry(&t.text, &t.bytes, t.logprobs.logprob);
             e["top_logprobs"] = t
                 .top_texts
                 .iter()
+                .zip(&t.top_bytes)
                 .zip(&t.logprobs.top)
-                .map(|(text, &(_, lp))| entry(text, lp))
+                .map(|((text, bytes), &(_, lp))| entry(text, bytes, lp))
                 .collect();
             e
         })
@@ -152,6 +164,8 @@ mod tests {
             text: text.into(),
             logprobs: TokenLogprobs { logprob, top: top.iter().map(|t| (t.1, t.2)).collect() },
             top_texts: top.iter().map(|t| t.0.to_owned()).collect(),
+            bytes: text.as_bytes().to_vec(),
+            top_bytes: top.iter().map(|t| t.0.as_bytes().to_vec()).collect(),
         }
     }
 
@@ -194,5 +208,8 @@ mod tests {
                     {"token": " Pa", "logprob": -0.5, "bytes": [32, 80, 97]},
                     {"token": " Lo", "logprob": -1.25, "bytes": [32, 76, 111]}]}]})
         );
+        // Half of `é`: the text reads U+FFFD, the bytes are the token's own.
+        let half = Scored { bytes: vec![0xC3], ..scored("\u{fffd}", -0.1, &[]) };
+        assert_eq!(chat(&[half])["content"][0]["bytes"], json!([195]));
     }
 }

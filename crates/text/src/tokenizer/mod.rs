@@ -430,6 +430,39 @@ impl Tokenizer {
         }
     }
 
+    /// The bytes token `id` stands for on its own (OpenAI's log-probability `bytes`): a token
+    /// that is part of a multi-byte character gives its own bytes, not U+FFFD's, so the
+    /// bytes of consecutive tokens join into the text; a special or added token gives its text.
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`] for an id outside the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>> {
+        if let Codec::Spm(_, spm) = &self.codec {
+            return Ok(spm_bytes(spm, id, true)?.into_owned());
+        }
+        let out_of_range = || {
+            Error::Tokenizer(format!(
+                "token id {id} is outside the vocabulary of {}",
+                self.vocab_size()
+            ))
+        };
+        if let Some(added) = self.inner.get_added_vocabulary().simple_id_to_token(id) {
+            return Ok(added.into_bytes());
+        }
+        let piece = self.inner.id_to_token(id).ok_or_else(out_of_range)?;
+        let byte_level =
+            matches!(self.inner.get_decoder(), Some(tokenizers::DecoderWrapper::ByteLevel(_)));
+        if byte_level {
+            if let Some(bytes) = byte_level_bytes(&piece) {
+                return Ok(bytes);
+            }
+        }
+        if let Some(byte) = spm::parse_byte_token(&piece) {
+            return Ok(vec![byte]);
+        }
+        Ok(self.decode(&[id], false)?.into_bytes())
+    }
+
     /// The text form of a token id, as the vocabulary spells it.
     fn token_text(&self, id: u32) -> Option<String> {
         match &self.codec {
@@ -591,6 +624,24 @@ fn spm_bytes(spm: &Spm, id: u32, special: bool) -> Result<std::borrow::Cow<'_, [
     spm.bytes(id, special).ok_or_else(|| {
         Error::Tokenizer(format!("token id {id} is outside the vocabulary of {}", spm.len()))
     })
+}
+
+/// The bytes a byte-level BPE piece spells (GPT-2's table: the printable bytes stand for
+/// themselves, the other 68 for the characters from U+0100 on, in byte order), or `None` when
+/// a character is not in the table.
+fn byte_level_bytes(piece: &str) -> Option<Vec<u8>> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    piece
+        .chars()
+        .map(|c| {
+            let code = u32::from(c);
+            if let Ok(b) = u8::try_from(code) {
+                return printable(b).then_some(b);
+            }
+            let nth = usize::try_from(code.checked_sub(0x100)?).ok()?;
+            (0..=255u8).filter(|&b| !printable(b)).nth(nth)
+        })
+        .collect()
 }
 
 /// The text of the complete characters at the start of `bytes`, which keeps the bytes of an

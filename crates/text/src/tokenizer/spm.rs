@@ -307,7 +307,7 @@ impl Spm {
 }
 
 /// The byte of a `<0xNN>` token.
-fn parse_byte_token(piece: &str) -> Option<u8> {
+pub(super) fn parse_byte_token(piece: &str) -> Option<u8> {
     let hex = piece.strip_prefix("<0x")?.strip_suffix('>')?;
     u8::from_str_radix(hex, 16).ok()
 }

@@ -396,3 +396,47 @@ fn streamed_decoding_keeps_split_characters_whole() {
     assert_eq!(t.decode_next(&mut stream, ids[5], true).unwrap(), "\u{fffd}");
     assert_eq!(t.decode_next(&mut stream, ids[0], true).unwrap(), "a");
 }
+
+/// A token that is part of a multi-byte character gives its own bytes (they join into the
+/// text), where decoding it alone gives U+FFFD: byte-level BPE (`é` as the two tokens `Ã` and
+/// `©`), SentencePiece byte tokens (`中`), and Hugging Face's `tokenizer.json` of the same
+/// vocabularies; special and user-defined tokens give their text.
+#[test]
+fn token_bytes_are_the_tokens_own_bytes_even_inside_a_character() {
+    let tokens = ["<|endoftext|>", "\u{c3}", "\u{a9}", "\u{120}", "a", "<|im_start|>"];
+    let types: Vec<Value> =
+        tokens.iter().map(|t| Value::I32(if t.starts_with("<|") { 3 } else { 1 })).collect();
+    let mut w = GgufWriter::new();
+    w.metadata("tokenizer.ggml.model", Value::String("gpt2".into()))
+        .metadata("tokenizer.ggml.pre", Value::String("smollm".into()))
+        .metadata("tokenizer.ggml.tokens", strings(&tokens))
+        .metadata("tokenizer.ggml.token_type", Value::Array(types))
+        .metadata("tokenizer.ggml.merges", strings(&[]))
+        .metadata("tokenizer.ggml.eos_token_id", Value::U32(0));
+    let bpe = write_and_load(&w, "tok-bytes.gguf").unwrap();
+    let ids = bpe.encode("\u{e9} a").unwrap();
+    assert_eq!(ids, [1, 2, 3, 4]);
+    assert_eq!(bpe.decode(&[1], false).unwrap(), "\u{fffd}", "alone, half a character");
+    let joined: Vec<u8> = ids.iter().flat_map(|&id| bpe.token_bytes(id).unwrap()).collect();
+    assert_eq!(joined, "\u{e9} a".as_bytes());
+    assert_eq!(bpe.token_bytes(1).unwrap(), [0xC3]);
+    assert_eq!(bpe.token_bytes(5).unwrap(), b"<|im_start|>");
+    assert!(bpe.token_bytes(99).is_err(), "an id outside the vocabulary");
+
+    let spm = tiny_spm(true);
+    let ids = spm.encode("\u{4e2d}").unwrap();
+    assert_eq!(ids, [1, 259, 231, 187, 176]);
+    let joined: Vec<u8> = ids[1..].iter().flat_map(|&id| spm.token_bytes(id).unwrap()).collect();
+    assert_eq!(joined, " \u{4e2d}".as_bytes());
+    assert_eq!(spm.token_bytes(231).unwrap(), [0xE4]);
+    assert_eq!(spm.token_bytes(265).unwrap(), b"<|x|>");
+
+    // The same byte-level vocabulary as a Hugging Face folder.
+    let dir = temp_path("hf-bytes");
+    std::fs::create_dir_all(&dir).unwrap();
+    bpe.inner().save(dir.join("tokenizer.json"), false).unwrap();
+    let hf = Tokenizer::from_hf_dir(&dir).unwrap();
+    let joined: Vec<u8> = [1, 2, 3, 4].iter().flat_map(|&id| hf.token_bytes(id).unwrap()).collect();
+    assert_eq!(joined, "\u{e9} a".as_bytes());
+    std::fs::remove_dir_all(dir).unwrap();
+}

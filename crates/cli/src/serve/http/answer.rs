@@ -179,7 +179,8 @@ pub(super) struct Scorer(std::sync::Arc<text::Tokenizer>);
 impl Scorer {
     pub(super) fn score(&self, token: u32, logprobs: Option<TokenLogprobs>) -> Option<Scored> {
         let decode = |id: u32| self.0.decode(&[id], false).unwrap_or_default();
-        logprobs.map(|lp| Scored::new(token, lp, decode))
+        let bytes = |id: u32| self.0.token_bytes(id).unwrap_or_default();
+        logprobs.map(|lp| Scored::new(token, lp, decode, bytes))
     }
 }
 
