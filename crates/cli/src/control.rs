@@ -390,12 +390,22 @@ pub fn expand_tags(action: Action, tags: &[String], state: &DeploymentState) -> 
 pub struct Controller {
     coordinator: Arc<Coordinator>,
     journal: Journal,
+    /// The live model's shapes, which a weight update must match.
+    live: Option<Arc<checkpoint::LlamaConfig>>,
 }
 
 impl Controller {
     /// The handle of `coordinator`'s deployment, with an empty journal.
     pub fn new(coordinator: Arc<Coordinator>) -> Controller {
-        Controller { coordinator, journal: Journal::default() }
+        Controller { coordinator, journal: Journal::default(), live: None }
+    }
+
+    /// Checks every weight update against `config` (the live model's) on rank 0 first, so a
+    /// checkpoint that cannot be opened or has other shapes is refused as the caller's
+    /// mistake, naming what differs, before any rank loads it.
+    pub fn with_live_config(mut self, config: checkpoint::LlamaConfig) -> Controller {
+        self.live = Some(Arc::new(config));
+        self
     }
 
     /// The deployment's coordinator.
@@ -489,10 +499,56 @@ impl Controller {
         if args.model.trim().is_empty() {
             return Err(ErrorWire::client("update_weights needs the checkpoint: model=PATH"));
         }
+        if let Some(live) = &self.live {
+            if let Err(e) = check_fits(&args.model, live) {
+                self.journal.record_failure(Action::Update);
+                return Err(e);
+            }
+        }
         let opts = OpOptions { mode: args.mode, ..OpOptions::default() };
         let result = self.coordinator.update_weights(&args.model, opts);
         record(&self.journal, Action::Update, result)
     }
+}
+
+/// Whether the checkpoint at `path` can replace weights of the shapes `live`: it opens, every
+/// tensor is of a type tpctl reads, and its shapes are the live model's.
+///
+/// # Errors
+/// A client error naming the problem in the model's terms ("the checkpoint has 29 layers;
+/// the live model has 30").
+fn check_fits(path: &str, live: &checkpoint::LlamaConfig) -> Result<(), ErrorWire> {
+    let refuse = |why: String| ErrorWire::client(format!("update_weights: {why}"));
+    let ck = checkpoint::Checkpoint::open(path)
+        .map_err(|e| refuse(format!("cannot open the checkpoint: {e}")))?;
+    ck.check_weights().map_err(|e| refuse(format!("{path}: {e}")))?;
+    let new = ck.config().map_err(|e| refuse(format!("{path}: {e}")))?;
+    let shapes = |c: &checkpoint::LlamaConfig| {
+        [
+            ("layers", c.n_layers),
+            ("hidden size", c.hidden),
+            ("feed-forward size", c.ffn),
+            ("attention heads", c.n_heads),
+            ("key/value heads", c.n_kv_heads),
+            ("head size", c.head_dim),
+            ("vocabulary size", c.vocab_size),
+        ]
+    };
+    for ((what, got), (_, want)) in shapes(&new).into_iter().zip(shapes(live)) {
+        if got != want {
+            return Err(refuse(format!(
+                "the checkpoint {path} has {what} {got}; the live model has {want}"
+            )));
+        }
+    }
+    if new.tied_embeddings != live.tied_embeddings {
+        let (a, b) =
+            if new.tied_embeddings { ("ties", "does not") } else { ("does not tie", "does") };
+        return Err(refuse(format!(
+            "the checkpoint {path} {a} its output layer to the embeddings; the live model {b}"
+        )));
+    }
+    Ok(())
 }
 
 fn record(

@@ -1160,8 +1160,10 @@ fn characters_split_over_tokens_come_out_whole_in_run_sse_and_answers() {
 
 /// A weight update as an RL trainer drives it: the served model's weights replaced by another
 /// checkpoint of the same shapes (awake, then asleep at level 2 with the wakeup loading it),
-/// each time answering exactly as a fresh `tpctl run` on that checkpoint; a checkpoint of other
-/// shapes is refused on every rank and the live weights stay.
+/// each time answering exactly as a fresh `tpctl run` on that checkpoint. A checkpoint of other
+/// shapes, or none at the path, is the caller's mistake (400 over HTTP, naming what differs),
+/// refused before any rank loads it; one of the same shapes but other tensors is refused in
+/// PREPARE on every rank; the live weights stay.
 #[test]
 fn a_weight_update_serves_the_new_checkpoint_like_a_fresh_start() {
     const MAX: u32 = 12;
@@ -1178,6 +1180,10 @@ fn a_weight_update_serves_the_new_checkpoint_like_a_fresh_start() {
     let other_shapes = write(
         "update-c.gguf",
         layers::model::random::RandomLlama { ffn: 96, ..common::tiny_spec() },
+    );
+    let other_tensors = write(
+        "update-d.gguf",
+        layers::model::random::RandomLlama { attn_bias: true, ..common::tiny_spec() },
     );
     let prompts = ["1,2,3", "9,8"];
     let (want_first, want_second) =
@@ -1213,8 +1219,18 @@ fn a_weight_update_serves_the_new_checkpoint_like_a_fresh_start() {
     assert_eq!(models["data"][0]["checkpoint"], second.as_str(), "{models}");
     assert!(server.get("/metrics").body.contains(&live(&second)));
 
-    // Other shapes: refused in PREPARE on every rank, nothing changes.
+    // Other shapes, or no checkpoint: the caller's mistake, refused before any rank loads.
     let (code, reply, err) = control(&rt, &["reload", "--model", &other_shapes]);
+    assert_eq!(code, 1, "{reply}");
+    assert!(err.contains("has feed-forward size 96; the live model has 64"), "{err}");
+    let reply = server.post(&format!("/update_weights?model={other_shapes}"), &json!({}));
+    assert_eq!(reply.status, 400, "{reply:?}");
+    assert_eq!(reply.json()["error"]["code"], "invalid_checkpoint", "{reply:?}");
+    let reply = server.post("/update_weights?model=/nonexistent/model.gguf", &json!({}));
+    assert_eq!(reply.status, 400, "{reply:?}");
+    assert!(reply.body.contains("cannot open the checkpoint"), "{reply:?}");
+    // The same shapes, other tensors (attention biases): refused in PREPARE on every rank.
+    let (code, reply, err) = control(&rt, &["reload", "--model", &other_tensors]);
     assert_eq!(code, 1, "{reply}");
     assert!(err.contains("does not fit the live weights"), "{err}");
     for rank in 0..4 {
@@ -1245,7 +1261,7 @@ fn a_weight_update_serves_the_new_checkpoint_like_a_fresh_start() {
     assert_eq!(models["data"][0]["checkpoint"], second.as_str(), "{models}");
     let metrics = server.get("/metrics").body;
     assert!(metrics.contains("tpctl_sleep_ops_total{action=\"update_weights\"} 3"), "{metrics}");
-    assert!(metrics.contains("tpctl_sleep_op_failures_total{action=\"update_weights\"} 1"));
+    assert!(metrics.contains("tpctl_sleep_op_failures_total{action=\"update_weights\"} 4"));
     assert_eq!(server.interrupt().code(), Some(130));
 }
 

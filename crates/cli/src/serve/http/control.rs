@@ -120,7 +120,12 @@ async fn control_op(api: Api, action: Action, query: Pairs) -> Response {
         Ok(Ok(op)) => Json(op).into_response(),
         Ok(Err(e)) => {
             let (status, kind, code) = if e.client_error {
-                (StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_tags")
+                let code = match action {
+                    Action::Update | Action::Revert => "invalid_checkpoint",
+                    Action::Wakeup => "invalid_request",
+                    Action::Sleep => "invalid_tags",
+                };
+                (StatusCode::BAD_REQUEST, "invalid_request_error", code)
             } else {
                 let code = match action {
                     Action::Update | Action::Revert => "update_failed",
