@@ -232,7 +232,7 @@ impl Tokenizer {
     /// [`checkpoint::Error::Metadata`] when `tokenizer_config.json` exists but cannot be read or parsed.
     pub fn from_hf_dir(dir: &std::path::Path) -> Result<Self> {
         let json = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&json)
+        let mut inner = tokenizers::Tokenizer::from_file(&json)
             .map_err(|e| Error::Tokenizer(format!("{}: {e}", json.display())))?;
         let cfg_path = dir.join("tokenizer_config.json");
         let cfg = if cfg_path.is_file() {
@@ -244,6 +244,7 @@ impl Tokenizer {
         } else {
             serde_json::Value::Null
         };
+        register_config_tokens(&mut inner, &cfg);
         // Special tokens are a string or an object with a `content` string.
         let special = |key: &str| -> Option<u32> {
             let v = cfg.get(key)?;
@@ -624,6 +625,54 @@ fn spm_bytes(spm: &Spm, id: u32, special: bool) -> Result<std::borrow::Cow<'_, [
     spm.bytes(id, special).ok_or_else(|| {
         Error::Tokenizer(format!("token id {id} is outside the vocabulary of {}", spm.len()))
     })
+}
+
+/// Registers the tokens `tokenizer_config.json` names, as Hugging Face's tokenizer does, so
+/// they stay whole in text even when `tokenizer.json` lists no `added_tokens` (older and
+/// converted folders): every entry of `added_tokens_decoder` (with its `special` flag), the
+/// bos/eos/unk/pad/sep/cls/mask tokens and `additional_special_tokens` (special). A token the
+/// vocabulary has keeps its id.
+fn register_config_tokens(inner: &mut tokenizers::Tokenizer, cfg: &serde_json::Value) {
+    // A token is a string or an object with a `content` string.
+    let content = |v: &serde_json::Value| {
+        v.as_str().or_else(|| v.get("content").and_then(|c| c.as_str())).map(str::to_owned)
+    };
+    let (mut special, mut plain) = (Vec::new(), Vec::new());
+    if let Some(decoder) = cfg.get("added_tokens_decoder").and_then(|d| d.as_object()) {
+        for entry in decoder.values() {
+            let Some(text) = content(entry) else { continue };
+            let flag = |key: &str| entry.get(key).and_then(serde_json::Value::as_bool);
+            let token = AddedToken::from(text, flag("special").unwrap_or(false))
+                .lstrip(flag("lstrip").unwrap_or(false))
+                .rstrip(flag("rstrip").unwrap_or(false))
+                .single_word(flag("single_word").unwrap_or(false));
+            let normalized = flag("normalized").unwrap_or(!token.special);
+            let token = token.normalized(normalized);
+            if token.special {
+                special.push(token);
+            } else {
+                plain.push(token);
+            }
+        }
+    }
+    let named = [
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "pad_token",
+        "sep_token",
+        "cls_token",
+        "mask_token",
+    ];
+    let listed = cfg.get("additional_special_tokens").and_then(|l| l.as_array());
+    let names = named.iter().filter_map(|k| cfg.get(*k));
+    for text in names.chain(listed.into_iter().flatten()).filter_map(content) {
+        if !special.iter().any(|t: &AddedToken| t.content == text) {
+            special.push(AddedToken::from(text, true));
+        }
+    }
+    inner.add_tokens(&plain);
+    inner.add_special_tokens(&special);
 }
 
 /// The bytes a byte-level BPE piece spells (GPT-2's table: the printable bytes stand for

@@ -65,6 +65,35 @@ fn chat_template_renders_messages_and_reports_failures() {
     );
 }
 
+/// A folder whose `tokenizer.json` lists no `added_tokens` (older and converted folders):
+/// the special tokens `tokenizer_config.json` names stay whole, with their vocabulary ids, as
+/// Hugging Face's tokenizer keeps them; without the config they are split as text.
+#[test]
+fn special_tokens_of_tokenizer_config_stay_whole_without_added_tokens() {
+    let t = tiny();
+    let dir = temp_path("hf-tok-config");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tokenizer.json");
+    t.inner().save(&path, false).unwrap();
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    json["added_tokens"] = serde_json::json!([]);
+    std::fs::write(&path, json.to_string()).unwrap();
+    let text = "<|im_start|>ab<|endoftext|>";
+    let bare = Tokenizer::from_hf_dir(&dir).unwrap();
+    assert_ne!(bare.encode(text).unwrap(), [9, 3, 0], "the test needs a folder that splits them");
+    let cfg = serde_json::json!({
+        "added_tokens_decoder": {"9": {"content": "<|im_start|>", "special": true}},
+        "eos_token": {"content": "<|endoftext|>"},
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    let hf = Tokenizer::from_hf_dir(&dir).unwrap();
+    assert_eq!(hf.encode(text).unwrap(), [9, 3, 0]);
+    assert_eq!(hf.eos_id(), Some(0));
+    assert_eq!(hf.decode(&[9, 3, 0], true).unwrap(), "ab", "special tokens are skippable");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn a_hugging_face_tokenizer_folder_loads_ids_specials_and_template() {
     let t = tiny();
