@@ -41,8 +41,11 @@ enum Command {
     /// Launch the rank processes and serve an OpenAI-style HTTP API from rank 0.
     ///
     /// Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true
-    /// for SSE), GET /v1/models, /health, /metrics; vLLM-style POST /sleep?level=1&tags=..,
-    /// POST /wake_up?tags=.., GET /is_sleeping. Ctrl-C (or `tpctl stop`) stops every rank.
+    /// for SSE), GET /v1/models, /v1/models/{id}, /health, /metrics (vLLM's metric names,
+    /// labelled model_name, and tpctl_* for what only tpctl has); vLLM's POST /tokenize,
+    /// /detokenize, GET /version; vLLM-style POST /sleep?level=1&tags=.., POST
+    /// /wake_up?tags=.., GET /is_sleeping, POST /update_weights. Ctrl-C (or `tpctl stop`)
+    /// stops every rank.
     ///
     /// Example: tpctl serve --tp 2 --listen 127.0.0.1:8000 --deployment chat
     Serve(Box<ServeArgs>),

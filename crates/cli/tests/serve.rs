@@ -321,9 +321,17 @@ fn with(mut body: Value, extra: &Value) -> Value {
 }
 
 /// The value of the metric line `name` (with labels) in a Prometheus text body.
+/// The value of the sample `name` in a `/metrics` text; vLLM's families (`vllm:...`) are
+/// found by their name alone, whatever their `model_name` label.
 fn metric(text: &str, name: &str) -> f64 {
     text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+        .find_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            match rest.strip_prefix("{model_name=") {
+                Some(labelled) => labelled.split_once("} ").map(|(_, v)| v),
+                None => rest.strip_prefix(' '),
+            }
+        })
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or_else(|| panic!("no `{name}` in\n{text}"))
 }
@@ -474,9 +482,9 @@ fn serve_answers_like_run_and_stops_on_ctrl_c() {
     assert_eq!(metric(m, &format!("{route},status=\"404\"}}")), 1.0, "{m}");
     assert_eq!(metric(m, &format!("{route},status=\"413\"}}")), 1.0, "{m}");
     assert_eq!(metric(m, "tpctl_requests_total"), ok as f64, "{m}");
-    assert_eq!(metric(m, "tpctl_generation_tokens_total"), generated as f64, "{m}");
-    assert_eq!(metric(m, "tpctl_request_latency_seconds_count"), ok as f64, "{m}");
-    assert_eq!(metric(m, "tpctl_requests_running"), 0.0, "{m}");
+    assert_eq!(metric(m, "vllm:generation_tokens_total"), generated as f64, "{m}");
+    assert_eq!(metric(m, "vllm:e2e_request_latency_seconds_count"), ok as f64, "{m}");
+    assert_eq!(metric(m, "vllm:num_requests_running"), 0.0, "{m}");
     assert!(metric(m, "tpctl_steps_total") >= MAX as f64, "{m}");
 
     let status = server.interrupt();
@@ -861,7 +869,7 @@ fn a_client_that_disconnects_cancels_its_request() {
         loop {
             let text = server.get("/metrics").body;
             if text.contains(name) && metric(&text, name) == n {
-                let generated = metric(&text, "tpctl_generation_tokens_total");
+                let generated = metric(&text, "vllm:generation_tokens_total");
                 assert!(generated < f64::from(MAX) * n, "{generated} tokens generated\n{text}");
                 break;
             }
@@ -1686,11 +1694,11 @@ fn a_repeated_prompt_prefix_is_reused_and_counted() {
         let m = &metrics.body;
         // Two full 16-token blocks of the 40 (the last token is always computed).
         let (queries, hits) = if flags.is_empty() { (64.0, 32.0) } else { (0.0, 0.0) };
-        assert_eq!(metric(m, "tpctl_prefix_cache_queries_total"), queries, "{flags:?}\n{m}");
-        assert_eq!(metric(m, "tpctl_prefix_cache_hits_total"), hits, "{flags:?}\n{m}");
-        let usage = metric(m, "tpctl_kv_cache_usage_ratio");
+        assert_eq!(metric(m, "vllm:prefix_cache_queries_total"), queries, "{flags:?}\n{m}");
+        assert_eq!(metric(m, "vllm:prefix_cache_hits_total"), hits, "{flags:?}\n{m}");
+        let usage = metric(m, "vllm:kv_cache_usage_perc");
         assert!((0.0..=1.0).contains(&usage), "{m}");
-        assert_eq!(metric(m, "tpctl_requests_waiting"), 0.0, "{m}");
+        assert_eq!(metric(m, "vllm:num_requests_waiting"), 0.0, "{m}");
         let status = server.interrupt();
         assert_eq!(status.code(), Some(130), "{status:?}");
     }
@@ -1722,8 +1730,8 @@ fn the_prefix_cache_survives_a_backup_sleep_and_a_discard_empties_it() {
         let answer = |r: &Reply| ids(&r.json()["choices"][0]["token_ids"]);
         assert_eq!(answer(&after), answer(&before), "{name}");
         let m = server.get("/metrics").body;
-        assert_eq!(metric(&m, "tpctl_prefix_cache_queries_total"), 64.0, "{name}\n{m}");
-        assert_eq!(metric(&m, "tpctl_prefix_cache_hits_total"), hits, "{name}\n{m}");
+        assert_eq!(metric(&m, "vllm:prefix_cache_queries_total"), 64.0, "{name}\n{m}");
+        assert_eq!(metric(&m, "vllm:prefix_cache_hits_total"), hits, "{name}\n{m}");
         let status = server.interrupt();
         assert_eq!(status.code(), Some(130), "{status:?}");
     }

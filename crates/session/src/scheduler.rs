@@ -103,6 +103,8 @@ struct Seq {
     sent: usize,
     /// Full blocks remembered for prefix reuse.
     registered: usize,
+    /// Whether a plan ever gave the request a step (its queue time ended then).
+    scheduled: bool,
 }
 
 impl Seq {
@@ -209,6 +211,8 @@ pub(crate) struct Scheduler {
     preemptions: u64,
     /// The counters at the previous [`Scheduler::take_load`]: queries, hits, preemptions.
     reported: (u64, u64, u64),
+    /// Requests whose first step was planned since the previous [`Scheduler::take_started`].
+    started: Vec<u64>,
 }
 
 impl Scheduler {
@@ -224,6 +228,7 @@ impl Scheduler {
             pool: None,
             preemptions: 0,
             reported: (0, 0, 0),
+            started: Vec::new(),
         }
     }
 
@@ -257,6 +262,12 @@ impl Scheduler {
             prefix_hits: hits - h0,
             preemptions: self.preemptions - p0,
         }
+    }
+
+    /// The requests whose first step was planned since the previous call, in plan order (a
+    /// preempted request that prefills again is not among them).
+    pub(crate) fn take_started(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.started)
     }
 
     /// Whether any sequence is waiting or running.
@@ -312,6 +323,7 @@ impl Scheduler {
             blocks: Vec::new(),
             sent: 0,
             registered: 0,
+            scheduled: false,
         });
         Ok(None)
     }
@@ -360,6 +372,9 @@ impl Scheduler {
                     // First come, first served: later prompts wait too.
                     break;
                 }
+            }
+            if !std::mem::replace(&mut s.scheduled, true) {
+                self.started.push(s.request);
             }
             let tokens = (s.prefilled..s.prefilled + chunk).map(|i| s.token(i)).collect();
             // A recomputed sequence already sampled its next token.

@@ -89,6 +89,13 @@ pub trait OutputSink: Send {
         text: &str,
         logprobs: Option<&TokenLogprobs>,
     ) -> Result<(), BoxError>;
+    /// Request `request`'s first step begins: it leaves the queue (vLLM's `SCHEDULED` event;
+    /// the time from its arrival to here is its queue time). Called once per request, before
+    /// its first token, and never for a request that finishes without a step. The default
+    /// does nothing.
+    fn scheduled(&mut self, request: u64) {
+        let _ = request;
+    }
     /// Request `request` finished with all its `tokens`.
     ///
     /// # Errors

@@ -393,8 +393,9 @@ fn chat_workload(tpctl: &Path, model: &Path, extra: &[&str]) -> Result<Chat> {
         ureq::get(&format!("{}/metrics", server.base)).call()?.into_body().read_to_string()?;
     best.hits = metrics
         .lines()
-        .find_map(|l| l.strip_prefix("tpctl_prefix_cache_hits_total "))
-        .and_then(|v| v.trim().parse::<f64>().ok())
+        .find_map(|l| l.strip_prefix("vllm:prefix_cache_hits_total{"))
+        .and_then(|l| l.rsplit_once(' '))
+        .and_then(|(_, v)| v.trim().parse::<f64>().ok())
         .unwrap_or(0.0) as u64;
     best.rss_mib = children_rss(server.pid()).into_iter().map(|b| b >> 20).collect();
     Ok(best)

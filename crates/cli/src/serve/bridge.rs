@@ -2,7 +2,7 @@
 //! engine's output sink routes each token and each request's end to the channel its handler
 //! registered.
 
-use super::metrics::Metrics;
+use super::metrics::{Metrics, RequestTimes};
 use session::{BoxError, Cancel, FinishReason, OutputSink, Request, SamplingParams, TokenLogprobs};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -65,8 +65,25 @@ pub struct Closed;
 
 struct Entry {
     tx: UnboundedSender<Event>,
-    start: Instant,
+    /// When its HTTP request arrived: every interval the metrics take starts here.
+    arrival: Instant,
+    prompt_tokens: usize,
+    scheduled: Option<Instant>,
     first_token: Option<Instant>,
+    last_token: Option<Instant>,
+}
+
+impl Entry {
+    /// The request's times since its arrival, ending `now`.
+    fn times(&self, now: Instant) -> RequestTimes {
+        let since = |t: Option<Instant>| t.map(|t| t - self.arrival);
+        RequestTimes {
+            queued: since(self.scheduled),
+            first_token: since(self.first_token),
+            last_token: since(self.last_token),
+            end: now - self.arrival,
+        }
+    }
 }
 
 /// Shared by every handler and the engine's output sink.
@@ -89,11 +106,17 @@ impl Bridge {
 
     /// Hands a checked request to the engine; its events arrive on the returned [`Events`],
     /// which end without [`Event::Finished`] only when the engine stops first. Dropping the
-    /// `Events` before the end (the client went away) cancels the request.
+    /// `Events` before the end (the client went away) cancels the request. `arrival` (when its
+    /// HTTP request came) starts the clock of its queue time, time to first token and latency.
     ///
     /// # Errors
     /// [`Closed`] when the engine no longer takes requests.
-    pub fn submit(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<Events, Closed> {
+    pub fn submit(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        arrival: Instant,
+    ) -> Result<Events, Closed> {
         if self.is_closed() {
             return Err(Closed);
         }
@@ -102,7 +125,15 @@ impl Bridge {
         let prompt_tokens = prompt.len();
         let cancel = Cancel::default();
         // Registered before the engine can see the request, so no event is missed.
-        self.lock().insert(id, Entry { tx, start: Instant::now(), first_token: None });
+        let entry = Entry {
+            tx,
+            arrival,
+            prompt_tokens,
+            scheduled: None,
+            first_token: None,
+            last_token: None,
+        };
+        self.lock().insert(id, entry);
         let request = Request::tokens(id, prompt, params).with_cancel(cancel.clone());
         if self.inbox.send(request).is_err() {
             self.lock().remove(&id);
@@ -146,18 +177,24 @@ impl OutputSink for Sink {
     ) -> Result<(), BoxError> {
         let mut pending = self.0.lock();
         if let Some(entry) = pending.get_mut(&request) {
-            if entry.first_token.is_none() {
-                let now = Instant::now();
-                entry.first_token = Some(now);
-                self.0.metrics.first_token(now - entry.start);
-            }
+            let now = Instant::now();
+            let previous = entry.last_token.replace(now);
+            entry.first_token.get_or_insert(now);
+            self.0.metrics.token(now - entry.arrival, previous.map(|p| now - p));
             // A client that went away still gets its request finished by the engine; its
             // tokens are dropped here.
             let logprobs = logprobs.cloned();
             let _ = entry.tx.send(Event::Token { token, text: text.to_owned(), logprobs });
         }
-        self.0.metrics.generated(1);
         Ok(())
+    }
+
+    fn scheduled(&mut self, request: u64) {
+        if let Some(entry) = self.0.lock().get_mut(&request) {
+            let now = Instant::now();
+            entry.scheduled = Some(now);
+            self.0.metrics.scheduled(now - entry.arrival);
+        }
     }
 
     fn finished(
@@ -168,7 +205,8 @@ impl OutputSink for Sink {
     ) -> Result<(), BoxError> {
         let entry = self.0.lock().remove(&request);
         if let Some(entry) = entry {
-            self.0.metrics.finished(reason, entry.start.elapsed());
+            let times = entry.times(Instant::now());
+            self.0.metrics.finished(reason, entry.prompt_tokens, tokens.len(), times);
             let _ = entry.tx.send(Event::Finished { reason, tokens: tokens.to_vec() });
         }
         Ok(())

@@ -367,7 +367,7 @@ async fn health(State(api): State<Api>) -> Response {
 }
 
 async fn metrics(State(api): State<Api>) -> Response {
-    let mut text = api.0.metrics.render();
+    let mut text = api.0.metrics.render(&api.0.model_name);
     super::metrics::render_checkpoint(&mut text, &api.checkpoint());
     if let Some(c) = &api.0.control {
         super::metrics::render_sleep(&mut text, &c.coordinator().state(), &c.journal().snapshot());
@@ -498,6 +498,8 @@ impl Api {
             ));
         }
         let deadline = tokio::time::Instant::now() + self.0.asleep_wait;
+        // Counted as waiting while it is held here.
+        let _held = self.0.metrics.held();
         while let Some(tags) = self.asleep() {
             if tokio::time::Instant::now() >= deadline {
                 return Err(ApiError::sleeping(

@@ -1,60 +1,116 @@
-//! The numbers behind `GET /metrics`, in the Prometheus text format: HTTP requests by route
-//! and status, prompt and generated tokens, request latency and time to first token
-//! (histograms), finished requests by reason, running requests, and engine steps; with a
-//! sleep/wakeup coordinator, the sleep state and what the latest operations did per rank
-//! ([`render_sleep`]).
+//! The numbers behind `GET /metrics`, in the Prometheus text format.
+//!
+//! What vLLM's dashboards read comes under vLLM's names, each with a `model_name` label:
+//! requests running and waiting, KV-cache usage, prefix-cache queries and hits, preemptions,
+//! prompt and generated tokens, finished requests by reason, and the per-request histograms
+//! (time to first token, inter-token latency, end-to-end latency, queue, prefill, decode and
+//! inference time, prompt and generation lengths, tokens per engine step). A request's clock
+//! starts when its HTTP request arrives, so the time it waits for a wakeup counts in its queue
+//! time, time to first token and latency (as vLLM counts tokenization and queueing).
+//!
+//! What only tpctl has keeps a `tpctl_` name: requests handed to the engine, finished requests
+//! by tpctl's finer reasons, HTTP requests by route and status, engine steps, the live
+//! checkpoint ([`render_checkpoint`]) and, with a sleep/wakeup coordinator, the sleep state and
+//! what the latest operations did per rank ([`render_sleep`]).
 
 use crate::control::JournalSnapshot;
 use session::sleep::DeploymentState;
 use session::{FinishReason, MetricsSink, StepMetrics};
 use std::collections::BTreeMap;
-use std::fmt::Write;
+use std::fmt::{Display, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// Upper bounds of the latency buckets, seconds.
-const BUCKETS: [f64; 14] =
-    [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0];
+/// Bucket bounds of the time to first token, seconds (vLLM's, from 1 ms).
+const TTFT: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+/// Bucket bounds of the time between two tokens, seconds (vLLM's, with the milliseconds a small
+/// model decodes in on a CPU).
+const INTER_TOKEN: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+];
+/// Bucket bounds of request-long intervals, seconds (vLLM's, with the shorter ones below).
+const REQUEST: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+];
+/// Bucket bounds of token counts (1, 2, 5 per decade, as vLLM's).
+const TOKENS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0,
+    50000.0, 100000.0, 200000.0, 500000.0, 1000000.0,
+];
 
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Clone)]
 struct Histogram {
+    bounds: &'static [f64],
     /// Observations per bucket (not cumulative), the last one above every bound.
-    counts: [u64; BUCKETS.len() + 1],
+    counts: Vec<u64>,
     sum: f64,
     count: u64,
 }
 
 impl Histogram {
-    fn observe(&mut self, d: Duration) {
-        let s = d.as_secs_f64();
-        let i = BUCKETS.iter().position(|&b| s <= b).unwrap_or(BUCKETS.len());
+    fn new(bounds: &'static [f64]) -> Self {
+        Histogram { bounds, counts: vec![0; bounds.len() + 1], sum: 0.0, count: 0 }
+    }
+
+    fn observe(&mut self, value: f64) {
+        let i = self.bounds.iter().position(|&b| value <= b).unwrap_or(self.bounds.len());
         self.counts[i] += 1;
-        self.sum += s;
+        self.sum += value;
         self.count += 1;
     }
 
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cumulative = 0;
-        for (bound, n) in BUCKETS.iter().zip(&self.counts) {
-            cumulative += n;
-            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
-        }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
-        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", self.sum, self.count);
+    fn observe_time(&mut self, d: Duration) {
+        self.observe(d.as_secs_f64());
     }
 }
 
-#[derive(Debug, Default)]
+/// One request's times, from its arrival at the HTTP server; every interval the histograms
+/// take is measured on one monotonic clock.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RequestTimes {
+    /// Arrival to its first step (vLLM's queue time; a wait for a wakeup included).
+    pub queued: Option<Duration>,
+    /// Arrival to its first token.
+    pub first_token: Option<Duration>,
+    /// Arrival to its last token.
+    pub last_token: Option<Duration>,
+    /// Arrival to its end.
+    pub end: Duration,
+}
+
+/// Shared counters; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Metrics(Arc<Mutex<Inner>>);
+
+#[derive(Debug)]
 struct Inner {
     http: BTreeMap<(&'static str, u16), u64>,
     submitted: u64,
     prompt_tokens: u64,
     generated_tokens: u64,
+    /// By tpctl's reason ([`FinishReason::name`]).
     finished: BTreeMap<&'static str, u64>,
-    latency: Histogram,
+    /// By vLLM's `finished_reason` (stop, length, abort).
+    success: BTreeMap<&'static str, u64>,
+    /// Requests held by the HTTP server until the deployment wakes up.
+    held: u64,
+    e2e: Histogram,
     first_token: Histogram,
+    inter_token: Histogram,
+    per_output_token: Histogram,
+    queue: Histogram,
+    prefill: Histogram,
+    decode: Histogram,
+    inference: Histogram,
+    request_prompt: Histogram,
+    request_generation: Histogram,
+    iteration_tokens: Histogram,
     steps: u64,
     step_seconds: f64,
     step_prefill_tokens: u64,
@@ -67,9 +123,54 @@ struct Inner {
     preemptions: u64,
 }
 
-/// Shared counters; cheap to clone.
-#[derive(Debug, Clone, Default)]
-pub struct Metrics(Arc<Mutex<Inner>>);
+impl Default for Inner {
+    fn default() -> Self {
+        Inner {
+            http: BTreeMap::new(),
+            submitted: 0,
+            prompt_tokens: 0,
+            generated_tokens: 0,
+            finished: BTreeMap::new(),
+            success: BTreeMap::new(),
+            held: 0,
+            e2e: Histogram::new(REQUEST),
+            first_token: Histogram::new(TTFT),
+            inter_token: Histogram::new(INTER_TOKEN),
+            per_output_token: Histogram::new(INTER_TOKEN),
+            queue: Histogram::new(REQUEST),
+            prefill: Histogram::new(REQUEST),
+            decode: Histogram::new(REQUEST),
+            inference: Histogram::new(REQUEST),
+            request_prompt: Histogram::new(TOKENS),
+            request_generation: Histogram::new(TOKENS),
+            iteration_tokens: Histogram::new(TOKENS),
+            steps: 0,
+            step_seconds: 0.0,
+            step_prefill_tokens: 0,
+            step_decode_tokens: 0,
+            engine_running: 0,
+            kv_usage: 0.0,
+            prefix_queries: 0,
+            prefix_hits: 0,
+            preemptions: 0,
+        }
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics(Arc::new(Mutex::new(Inner::default())))
+    }
+}
+
+/// vLLM's `finished_reason` label of a finish reason.
+fn vllm_reason(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::StopToken => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Cancelled | FinishReason::Aborted | FinishReason::Rejected => "abort",
+    }
+}
 
 impl Metrics {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -88,21 +189,55 @@ impl Metrics {
         m.prompt_tokens += prompt_tokens as u64;
     }
 
-    /// The engine produced `n` tokens.
-    pub fn generated(&self, n: u64) {
-        self.lock().generated_tokens += n;
+    /// A request is held until the deployment wakes up; it counts as waiting until the
+    /// returned guard is dropped.
+    pub fn held(&self) -> Held {
+        self.lock().held += 1;
+        Held(self.clone())
     }
 
-    /// A request's first token came `after` its submission.
-    pub fn first_token(&self, after: Duration) {
-        self.lock().first_token.observe(after);
+    /// A request's first step began `after` its arrival.
+    pub fn scheduled(&self, after: Duration) {
+        self.lock().queue.observe_time(after);
     }
 
-    /// A request ended for `reason`, `after` its submission.
-    pub fn finished(&self, reason: FinishReason, after: Duration) {
+    /// The engine produced a token of a request: its first `after` the request's arrival
+    /// (`since_previous: None`), or `since_previous` after the one before.
+    pub fn token(&self, after: Duration, since_previous: Option<Duration>) {
+        let mut m = self.lock();
+        m.generated_tokens += 1;
+        match since_previous {
+            None => m.first_token.observe_time(after),
+            Some(gap) => m.inter_token.observe_time(gap),
+        }
+    }
+
+    /// A request with `prompt_tokens` ended for `reason` after generating `generated`
+    /// tokens, at the `times` since its arrival.
+    pub fn finished(
+        &self,
+        reason: FinishReason,
+        prompt_tokens: usize,
+        generated: usize,
+        times: RequestTimes,
+    ) {
         let mut m = self.lock();
         *m.finished.entry(reason.name()).or_default() += 1;
-        m.latency.observe(after);
+        *m.success.entry(vllm_reason(reason)).or_default() += 1;
+        m.e2e.observe_time(times.end);
+        m.request_prompt.observe(prompt_tokens as f64);
+        m.request_generation.observe(generated as f64);
+        if let (Some(queued), Some(first), Some(last)) =
+            (times.queued, times.first_token, times.last_token)
+        {
+            m.prefill.observe_time(first.saturating_sub(queued));
+            m.decode.observe_time(last.saturating_sub(first));
+            m.inference.observe_time(last.saturating_sub(queued));
+            if generated > 1 {
+                let per_token = last.saturating_sub(first) / (generated as u32 - 1);
+                m.per_output_token.observe_time(per_token);
+            }
+        }
     }
 
     /// The engine's metrics sink, feeding the step counters; its first step sets `ready`.
@@ -110,121 +245,259 @@ impl Metrics {
         EngineMeter { metrics: self.clone(), ready }
     }
 
-    /// Everything, in the Prometheus text format (version 0.0.4).
-    pub fn render(&self) -> String {
+    /// Everything, in the Prometheus text format (version 0.0.4), vLLM's names labelled with
+    /// `model_name`.
+    pub fn render(&self, model_name: &str) -> String {
         let m = self.lock();
-        let mut out = String::new();
-        let mut counter = |name: &str, help: &str, value: String| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}");
-        };
-        counter(
-            "tpctl_requests_total",
-            "Generation requests handed to the engine.",
-            m.submitted.to_string(),
-        );
-        counter(
-            "tpctl_prompt_tokens_total",
-            "Prompt tokens of the requests handed to the engine.",
-            m.prompt_tokens.to_string(),
-        );
-        counter(
-            "tpctl_generation_tokens_total",
-            "Tokens generated.",
-            m.generated_tokens.to_string(),
-        );
-        counter("tpctl_steps_total", "Engine steps run.", m.steps.to_string());
-        counter(
-            "tpctl_step_seconds_total",
-            "Time in engine steps (agreement and model).",
-            m.step_seconds.to_string(),
-        );
-        counter(
-            "tpctl_step_prefill_tokens_total",
-            "Prompt tokens processed in engine steps.",
-            m.step_prefill_tokens.to_string(),
-        );
-        counter(
-            "tpctl_step_decode_tokens_total",
-            "Decode tokens processed in engine steps.",
-            m.step_decode_tokens.to_string(),
-        );
-        counter(
-            "tpctl_prefix_cache_queries_total",
-            "Prompt tokens looked up in the prefix cache.",
-            m.prefix_queries.to_string(),
-        );
-        counter(
-            "tpctl_prefix_cache_hits_total",
-            "Prompt tokens found in the prefix cache (not computed again).",
-            m.prefix_hits.to_string(),
-        );
-        counter(
-            "tpctl_preemptions_total",
-            "Requests preempted for KV cache room (recomputed later).",
-            m.preemptions.to_string(),
-        );
+        let mut out = Exposition::new(model_name);
         let finished: u64 = m.finished.values().sum();
         let unfinished = m.submitted.saturating_sub(finished);
         let running = (m.engine_running as u64).min(unfinished);
-        let mut gauge = |name: &str, help: &str, value: String| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}");
-        };
-        gauge(
-            "tpctl_requests_running",
-            "Generation requests with tokens in the KV cache.",
-            running.to_string(),
+        out.gauge(
+            "vllm:num_requests_running",
+            "Requests with tokens in the KV cache (in model execution batches).",
+            running,
         );
-        gauge(
-            "tpctl_requests_waiting",
-            "Generation requests not finished and not running (queued, waiting for KV cache \
-             room, or preempted).",
-            (unfinished - running).to_string(),
+        out.gauge(
+            "vllm:num_requests_waiting",
+            "Requests waiting: queued, waiting for KV cache room, preempted, or held until the \
+             deployment wakes up.",
+            unfinished - running + m.held,
         );
-        gauge(
-            "tpctl_kv_cache_usage_ratio",
-            "Share of the KV pool's blocks held by requests (rank 0's view, the same on every \
-             rank).",
-            m.kv_usage.to_string(),
+        out.gauge(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of the KV pool's blocks held by requests (0-1; rank 0's view, the same on \
+             every rank).",
+            m.kv_usage,
         );
-        let _ = writeln!(
-            out,
-            "# HELP tpctl_requests_finished_total Generation requests finished, by reason.\n# TYPE tpctl_requests_finished_total counter"
+        out.counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            m.prefix_queries,
         );
-        for (reason, n) in &m.finished {
-            let _ = writeln!(out, "tpctl_requests_finished_total{{reason=\"{reason}\"}} {n}");
+        out.counter(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (not computed again).",
+            m.prefix_hits,
+        );
+        out.counter(
+            "vllm:num_preemptions",
+            "Requests preempted for KV cache room (recomputed later).",
+            m.preemptions,
+        );
+        out.counter(
+            "vllm:prompt_tokens",
+            "Prompt tokens of the requests handed to the engine.",
+            m.prompt_tokens,
+        );
+        out.counter("vllm:generation_tokens", "Tokens generated.", m.generated_tokens);
+        out.labelled(
+            "vllm:request_success_total",
+            "counter",
+            "Finished requests, by finish reason (stop, length, abort).",
+            m.success.iter().map(|(reason, n)| (vec![("finished_reason", *reason)], *n)),
+        );
+        for (name, help, h) in [
+            (
+                "vllm:time_to_first_token_seconds",
+                "Time from a request's arrival to its first token.",
+                &m.first_token,
+            ),
+            (
+                "vllm:inter_token_latency_seconds",
+                "Time between two successive tokens of a request.",
+                &m.inter_token,
+            ),
+            (
+                "vllm:time_per_output_token_seconds",
+                "Time between two successive tokens of a request (the name older dashboards read).",
+                &m.inter_token,
+            ),
+            (
+                "vllm:request_time_per_output_token_seconds",
+                "A request's decode time over its tokens after the first.",
+                &m.per_output_token,
+            ),
+            (
+                "vllm:e2e_request_latency_seconds",
+                "Time from a request's arrival to its end.",
+                &m.e2e,
+            ),
+            (
+                "vllm:request_queue_time_seconds",
+                "Time from a request's arrival to its first step (a wait for a wakeup included).",
+                &m.queue,
+            ),
+            (
+                "vllm:request_prefill_time_seconds",
+                "Time from a request's first step to its first token.",
+                &m.prefill,
+            ),
+            (
+                "vllm:request_decode_time_seconds",
+                "Time from a request's first token to its last.",
+                &m.decode,
+            ),
+            (
+                "vllm:request_inference_time_seconds",
+                "Time from a request's first step to its last token.",
+                &m.inference,
+            ),
+            ("vllm:request_prompt_tokens", "Prompt tokens per request.", &m.request_prompt),
+            (
+                "vllm:request_generation_tokens",
+                "Generated tokens per request.",
+                &m.request_generation,
+            ),
+            ("vllm:iteration_tokens_total", "Tokens per engine step.", &m.iteration_tokens),
+        ] {
+            out.histogram(name, help, h);
         }
-        let _ = writeln!(
-            out,
-            "# HELP tpctl_http_requests_total HTTP requests answered, by route and status.\n# TYPE tpctl_http_requests_total counter"
+        // tpctl's own, without the model label.
+        out.model_label = None;
+        out.counter(
+            "tpctl_requests_total",
+            "Generation requests handed to the engine.",
+            m.submitted,
         );
-        for ((route, status), n) in &m.http {
-            let _ = writeln!(
-                out,
-                "tpctl_http_requests_total{{route=\"{route}\",status=\"{status}\"}} {n}"
-            );
+        out.counter("tpctl_steps_total", "Engine steps run.", m.steps);
+        out.counter(
+            "tpctl_step_seconds_total",
+            "Time in engine steps (agreement and model).",
+            m.step_seconds,
+        );
+        out.counter(
+            "tpctl_step_prefill_tokens_total",
+            "Prompt tokens processed in engine steps.",
+            m.step_prefill_tokens,
+        );
+        out.counter(
+            "tpctl_step_decode_tokens_total",
+            "Decode tokens processed in engine steps.",
+            m.step_decode_tokens,
+        );
+        out.labelled(
+            "tpctl_requests_finished_total",
+            "counter",
+            "Generation requests finished, by reason (length, stop, cancelled by the client, \
+             abort by a sleep, rejected).",
+            m.finished.iter().map(|(reason, n)| (vec![("reason", *reason)], *n)),
+        );
+        let statuses: Vec<(&str, String, u64)> =
+            m.http.iter().map(|((route, status), n)| (*route, status.to_string(), *n)).collect();
+        out.labelled(
+            "tpctl_http_requests_total",
+            "counter",
+            "HTTP requests answered, by route and status.",
+            statuses.iter().map(|(route, status, n)| {
+                (vec![("route", *route), ("status", status.as_str())], *n)
+            }),
+        );
+        out.text
+    }
+}
+
+/// A request held until the deployment wakes up ([`Metrics::held`]).
+#[derive(Debug)]
+pub struct Held(Metrics);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut m = self.0.lock();
+        m.held = m.held.saturating_sub(1);
+    }
+}
+
+/// Writes metric families in the Prometheus text format, every sample with the model label
+/// while there is one.
+struct Exposition {
+    text: String,
+    /// `model_name="..."`, escaped.
+    model_label: Option<String>,
+}
+
+impl Exposition {
+    fn new(model_name: &str) -> Self {
+        Exposition {
+            text: String::new(),
+            model_label: Some(format!("model_name=\"{}\"", label_value(model_name))),
         }
-        m.latency.render(
-            &mut out,
-            "tpctl_request_latency_seconds",
-            "Time from submission to the end of a generation request.",
-        );
-        m.first_token.render(
-            &mut out,
-            "tpctl_time_to_first_token_seconds",
-            "Time from submission to the first generated token.",
-        );
-        out
+    }
+
+    /// Without the model label (the sleep and checkpoint families).
+    fn unlabelled() -> Self {
+        Exposition { text: String::new(), model_label: None }
+    }
+
+    fn header(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.text, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    }
+
+    /// One sample: `name{labels} value`, the model label last (as vLLM writes it).
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: impl Display) {
+        let mut all: Vec<String> =
+            labels.iter().map(|(k, v)| format!("{k}=\"{}\"", label_value(v))).collect();
+        all.extend(self.model_label.clone());
+        if all.is_empty() {
+            let _ = writeln!(self.text, "{name} {value}");
+        } else {
+            let _ = writeln!(self.text, "{name}{{{}}} {value}", all.join(","));
+        }
+    }
+
+    /// A counter, named with `_total` (the text format's convention; vLLM's
+    /// `vllm:prompt_tokens` is `vllm:prompt_tokens_total` there).
+    fn counter(&mut self, name: &str, help: &str, value: impl Display) {
+        let total =
+            if name.ends_with("_total") { name.to_owned() } else { format!("{name}_total") };
+        self.header(&total, "counter", help);
+        self.sample(&total, &[], value);
+    }
+
+    fn gauge(&mut self, name: &str, help: &str, value: impl Display) {
+        self.header(name, "gauge", help);
+        self.sample(name, &[], value);
+    }
+
+    /// A family with one sample per label set.
+    fn labelled<'a, V: Display>(
+        &mut self,
+        name: &str,
+        kind: &str,
+        help: &str,
+        samples: impl Iterator<Item = (Vec<(&'a str, &'a str)>, V)>,
+    ) {
+        self.header(name, kind, help);
+        for (labels, value) in samples {
+            self.sample(name, &labels, value);
+        }
+    }
+
+    fn histogram(&mut self, name: &str, help: &str, h: &Histogram) {
+        self.header(name, "histogram", help);
+        let bucket = format!("{name}_bucket");
+        let mut cumulative = 0;
+        for (bound, n) in h.bounds.iter().zip(&h.counts) {
+            cumulative += n;
+            self.sample(&bucket, &[("le", &bound.to_string())], cumulative);
+        }
+        self.sample(&bucket, &[("le", "+Inf")], h.count);
+        self.sample(&format!("{name}_sum"), &[], h.sum);
+        self.sample(&format!("{name}_count"), &[], h.count);
     }
 }
 
 /// The live checkpoint as an info gauge: `tpctl_weights_checkpoint_info{checkpoint="PATH"} 1`.
 pub fn render_checkpoint(out: &mut String, checkpoint: &str) {
-    let name = "tpctl_weights_checkpoint_info";
-    let _ = writeln!(
-        out,
-        "# HELP {name} The checkpoint whose weights are live (the latest weight update's, or the one the deployment started with).\n# TYPE {name} gauge\n{name}{{checkpoint=\"{}\"}} 1",
-        label_value(checkpoint)
+    let mut e = Exposition::unlabelled();
+    e.labelled(
+        "tpctl_weights_checkpoint_info",
+        "gauge",
+        "The checkpoint whose weights are live (the latest weight update's, or the one the \
+         deployment started with).",
+        std::iter::once((vec![("checkpoint", checkpoint)], 1)),
     );
+    out.push_str(&e.text);
 }
 
 /// `value` escaped for a Prometheus label: backslash, double quote and newline.
@@ -239,34 +512,33 @@ fn label_value(value: &str) -> String {
 pub fn render_sleep(out: &mut String, state: &DeploymentState, journal: &JournalSnapshot) {
     let sleeping = matches!(state, DeploymentState::Sleeping(_) | DeploymentState::Waking(_));
     let failed = matches!(state, DeploymentState::Failed(_));
-    let mut gauge = |name: &str, help: &str, value: u8| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}");
-    };
-    gauge(
+    let mut e = Exposition::unlabelled();
+    e.gauge(
         "tpctl_sleeping",
         "1 while some memory tag is asleep (or waking) on every rank.",
-        sleeping.into(),
+        u8::from(sleeping),
     );
-    gauge(
+    e.gauge(
         "tpctl_deployment_failed",
         "1 once the deployment failed (fail-stop or a lost rank).",
-        failed.into(),
+        u8::from(failed),
     );
-    let _ = writeln!(
-        out,
-        "# HELP tpctl_sleep_ops_total Sleep, wakeup and weight-update operations that succeeded, by action.\n# TYPE tpctl_sleep_ops_total counter"
-    );
-    for action in ["sleep", "wakeup", "update_weights"] {
-        let n = journal.ops.get(action).copied().unwrap_or(0);
-        let _ = writeln!(out, "tpctl_sleep_ops_total{{action=\"{action}\"}} {n}");
-    }
-    let _ = writeln!(
-        out,
-        "# HELP tpctl_sleep_op_failures_total Sleep, wakeup and weight-update operations that failed, by action.\n# TYPE tpctl_sleep_op_failures_total counter"
-    );
-    for action in ["sleep", "wakeup", "update_weights"] {
-        let n = journal.failures.get(action).copied().unwrap_or(0);
-        let _ = writeln!(out, "tpctl_sleep_op_failures_total{{action=\"{action}\"}} {n}");
+    let actions = ["sleep", "wakeup", "update_weights"];
+    for (name, help, counts) in [
+        (
+            "tpctl_sleep_ops_total",
+            "Sleep, wakeup and weight-update operations that succeeded, by action.",
+            &journal.ops,
+        ),
+        (
+            "tpctl_sleep_op_failures_total",
+            "Sleep, wakeup and weight-update operations that failed, by action.",
+            &journal.failures,
+        ),
+    ] {
+        let by_action =
+            actions.iter().map(|a| (vec![("action", *a)], counts.get(*a).copied().unwrap_or(0)));
+        e.labelled(name, "counter", help, by_action);
     }
     for (name, help, figures) in [
         (
@@ -280,28 +552,37 @@ pub fn render_sleep(out: &mut String, state: &DeploymentState, journal: &Journal
             &journal.restored,
         ),
     ] {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
-        for ((rank, tag), n) in figures {
-            let _ = writeln!(out, "{name}{{rank=\"{rank}\",tag=\"{tag}\"}} {n}");
-        }
-    }
-    let _ = writeln!(
-        out,
-        "# HELP tpctl_rank_resident_bytes Resident host bytes of a rank's process after the latest sleep or wakeup.\n# TYPE tpctl_rank_resident_bytes gauge"
-    );
-    for (rank, n) in &journal.resident {
-        let _ = writeln!(out, "tpctl_rank_resident_bytes{{rank=\"{rank}\"}} {n}");
-    }
-    let _ = writeln!(
-        out,
-        "# HELP tpctl_rank_device_bytes Device bytes of a rank's process after the latest sleep or wakeup.\n# TYPE tpctl_rank_device_bytes gauge"
-    );
-    for ((rank, device), n) in &journal.device {
-        let _ = writeln!(
-            out,
-            "tpctl_rank_device_bytes{{rank=\"{rank}\",device=\"cuda:{device}\"}} {n}"
+        let rows: Vec<(String, &str, u64)> =
+            figures.iter().map(|((rank, tag), n)| (rank.to_string(), tag.as_str(), *n)).collect();
+        e.labelled(
+            name,
+            "gauge",
+            help,
+            rows.iter().map(|(rank, tag, n)| (vec![("rank", rank.as_str()), ("tag", *tag)], *n)),
         );
     }
+    let resident: Vec<(String, u64)> =
+        journal.resident.iter().map(|(rank, n)| (rank.to_string(), *n)).collect();
+    e.labelled(
+        "tpctl_rank_resident_bytes",
+        "gauge",
+        "Resident host bytes of a rank's process after the latest sleep or wakeup.",
+        resident.iter().map(|(rank, n)| (vec![("rank", rank.as_str())], *n)),
+    );
+    let device: Vec<(String, String, u64)> = journal
+        .device
+        .iter()
+        .map(|((rank, device), n)| (rank.to_string(), format!("cuda:{device}"), *n))
+        .collect();
+    e.labelled(
+        "tpctl_rank_device_bytes",
+        "gauge",
+        "Device bytes of a rank's process after the latest sleep or wakeup.",
+        device.iter().map(|(rank, device, n)| {
+            (vec![("rank", rank.as_str()), ("device", device.as_str())], *n)
+        }),
+    );
+    out.push_str(&e.text);
 }
 
 /// The engine's [`MetricsSink`]: step counts and times.
@@ -319,6 +600,7 @@ impl MetricsSink for EngineMeter {
         m.step_seconds += (s.agreement + s.model).as_secs_f64();
         m.step_prefill_tokens += s.prefill_tokens as u64;
         m.step_decode_tokens += s.decode_tokens as u64;
+        m.iteration_tokens.observe((s.prefill_tokens + s.decode_tokens) as f64);
         m.engine_running = s.running;
         m.kv_usage = s.kv_usage;
         m.prefix_queries += s.prefix_queries;

@@ -338,6 +338,9 @@ impl Leader {
             return Err(self.core.announce(e, Owed::Confirmation, epoch, s.steps));
         }
         self.core.confirm(State::Go, epoch, s.steps)?;
+        for request in sched.take_started() {
+            self.output.scheduled(request);
+        }
         let agreement = t0.elapsed();
         s.steps += 1;
         self.core.events.push(Event::Step { epoch, step: s.steps });

@@ -31,8 +31,10 @@ fn prompts_are_chunked_to_the_budget_and_decode_goes_first() {
         (p1.entries[0].start, p1.entries[0].tokens.len(), p1.entries[0].sample),
         (0, 4, false)
     );
+    assert_eq!(s.take_started(), [10], "its first chunk ends its queue time");
     assert!(s.apply(&p1, Vec::new()).unwrap().is_empty());
     let p2 = s.plan(0, 2).unwrap();
+    assert!(s.take_started().is_empty(), "a later chunk starts nothing");
     assert_eq!(
         (p2.entries[0].start, p2.entries[0].tokens.clone(), p2.entries[0].sample),
         (4, vec![5, 6], true)
@@ -221,6 +223,8 @@ struct Ranks {
     preemptions: u64,
     hits: u64,
     load: Load,
+    /// Requests in the order their first step was planned.
+    started: Vec<u64>,
 }
 
 impl Ranks {
@@ -245,6 +249,7 @@ impl Ranks {
         shared: bool,
     ) -> Option<StepPlan> {
         let plan = s.plan(0, step)?;
+        self.started.extend(s.take_started());
         for seq in &plan.released {
             self.tables.remove(seq);
         }
@@ -305,6 +310,9 @@ fn a_full_pool_makes_requests_wait_or_preempts_and_every_request_gets_its_tokens
     assert!(got.preemptions > 0, "the tight pool had to preempt");
     assert_eq!(got.out.len(), 4);
     assert_eq!(got.out, want.out, "preempted requests recompute to the same tokens");
+    // Each request leaves the queue once, in arrival order, preempted or not.
+    assert_eq!(got.started, [0, 1, 2, 3]);
+    assert_eq!(want.started, [0, 1, 2, 3]);
 }
 
 #[test]

@@ -17,6 +17,7 @@ use serde_json::{json, Value};
 use session::{FinishReason, SamplingParams, TokenLogprobs};
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 
 /// The OpenAI name of a finish reason.
@@ -37,6 +38,7 @@ pub(super) async fn completions(
     State(api): State<Api>,
     body: std::result::Result<Bytes, BytesRejection>,
 ) -> std::result::Result<Response, ApiError> {
+    let arrival = Instant::now();
     let body: CompletionBody = parse(body)?;
     api.check_model(body.sampling.model.as_deref())?;
     let prompt = api.completion_prompt(body.prompt.as_ref())?;
@@ -52,13 +54,14 @@ pub(super) async fn completions(
         ));
     }
     job.echo = echo;
-    generate(api, job, Kind::Completion).await
+    generate(api, job, Kind::Completion, arrival).await
 }
 
 pub(super) async fn chat_completions(
     State(api): State<Api>,
     body: std::result::Result<Bytes, BytesRejection>,
 ) -> std::result::Result<Response, ApiError> {
+    let arrival = Instant::now();
     let body: ChatBody = parse(body)?;
     api.check_model(body.sampling.model.as_deref())?;
     let prompt = api.chat_prompt(&body)?;
@@ -69,13 +72,16 @@ pub(super) async fn chat_completions(
     let tools = body.tools.as_ref().is_some_and(|t| !t.is_empty())
         && body.sampling.other.get("tool_choice").and_then(Value::as_str) != Some("none");
     job.tool_calls = tools.then(|| ToolFormat::of_template(api.0.tokenizer.chat_template()));
-    generate(api, job, Kind::Chat).await
+    generate(api, job, Kind::Chat, arrival).await
 }
 
+/// Runs `job` and answers it; `arrival` (when its HTTP request came) starts the clock of its
+/// metrics, so a wait for a wakeup counts in them.
 pub(super) async fn generate(
     api: Api,
     job: Job,
     kind: Kind,
+    arrival: Instant,
 ) -> std::result::Result<Response, ApiError> {
     api.wait_awake().await?;
     let prompt_tokens = job.prompt.len();
@@ -85,7 +91,7 @@ pub(super) async fn generate(
     let mut choices = Vec::with_capacity(job.n);
     for i in 0..job.n as u64 {
         let params = SamplingParams { seed: job.params.seed.wrapping_add(i), ..job.params.clone() };
-        choices.push(api.0.bridge.submit(job.prompt.clone(), params)?);
+        choices.push(api.0.bridge.submit(job.prompt.clone(), params, arrival)?);
     }
     let id = kind.id(choices[0].id);
     let created = unix_now();

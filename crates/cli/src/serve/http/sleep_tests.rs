@@ -319,6 +319,22 @@ fn while_asleep_completions_wait_for_the_wakeup_then_reach_the_engine() {
     assert_eq!(http.json("POST", "/wake_up").0, 200);
     let request = http.inbox.recv_timeout(DEADLINE).expect("the request reached the engine");
     assert_eq!(request.prompt, session::Prompt::Tokens(vec![5, 6]));
+    // The engine runs it: the 200 ms it was held count in its queue time, time to first
+    // token and latency (its clock starts at its arrival, not at the wakeup).
+    use session::OutputSink;
+    let mut engine = http.bridge.sink();
+    engine.scheduled(request.id);
+    engine.token(request.id, 7, "t7", None).unwrap();
+    engine.finished(request.id, session::FinishReason::Length, &[7]).unwrap();
+    for name in [
+        "vllm:request_queue_time_seconds",
+        "vllm:time_to_first_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+    ] {
+        let seconds: f64 =
+            http.metric(&format!("{name}_sum{{model_name=\"tiny\"}} ")).parse().unwrap();
+        assert!(seconds >= 0.2, "{name}: {seconds} s, without the wait for the wakeup");
+    }
 }
 
 #[test]
