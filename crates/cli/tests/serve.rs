@@ -1555,6 +1555,107 @@ fn n_choices_and_echo() {
     assert_eq!(server.interrupt().code(), Some(130));
 }
 
+/// A list of prompts (strings and id lists) answers one choice per prompt and `n`, in
+/// OpenAI's order (`index` = prompt * n + i), each the same as its prompt alone (greedy, and
+/// seeded with `n` = 2), streamed the same; the usage sums the prompts; `echo` repeats each
+/// choice's own prompt; a bad element is a 400 that names it, and so are too many choices.
+#[test]
+fn a_list_of_prompts_answers_each_as_it_would_alone() {
+    const MAX: u32 = 4;
+    let server = Server::start(chat_model(), &[]);
+    let ask = |body: Value| {
+        let reply = server.post("/v1/completions", &body);
+        assert_eq!(reply.status, 200, "{reply:?}");
+        reply.json()
+    };
+    let prompts = [json!([1, 2, 3]), json!("t5t6t7"), json!([9])];
+    let greedy = json!({"max_tokens": MAX, "temperature": 0});
+    let alone: Vec<Value> = prompts
+        .iter()
+        .map(|p| ask(with(greedy.clone(), &json!({"prompt": p})))["choices"][0].clone())
+        .collect();
+    let batch = ask(with(greedy.clone(), &json!({"prompt": prompts})));
+    let choices = batch["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (p, (c, a)) in choices.iter().zip(&alone).enumerate() {
+        assert_eq!(c["index"], p);
+        assert_eq!(c["token_ids"], a["token_ids"], "prompt {p}");
+        assert_eq!(c["text"], a["text"], "prompt {p}");
+    }
+    let tokens = |p: &Value| {
+        server.post("/tokenize", &json!({"prompt": p})).json()["count"].as_u64().unwrap()
+    };
+    let prompt_tokens: u64 = prompts.iter().map(tokens).sum();
+    assert_eq!(batch["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(batch["usage"]["completion_tokens"], 3 * MAX);
+
+    // `n` = 2, seeded: choice `p * 2 + i` is prompt `p` alone with seed `5 + i`.
+    let sampled = json!({"max_tokens": MAX, "temperature": 1.5, "seed": 5});
+    let two = ask(with(sampled.clone(), &json!({"prompt": prompts[..2], "n": 2})));
+    let choices = two["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4);
+    for (index, c) in choices.iter().enumerate() {
+        let (p, i) = (index / 2, index % 2);
+        assert_eq!(c["index"], index);
+        let one = ask(with(sampled.clone(), &json!({"prompt": prompts[p], "seed": 5 + i})));
+        assert_eq!(c["token_ids"], one["choices"][0]["token_ids"], "prompt {p}, choice {i}");
+    }
+
+    // Streamed: each index carries its prompt's tokens; the usage sums the prompts.
+    let streamed = server.post(
+        "/v1/completions",
+        &with(
+            greedy.clone(),
+            &json!({"prompt": prompts, "stream": true, "stream_options": {"include_usage": true}}),
+        ),
+    );
+    let chunks: Vec<Value> = streamed
+        .events()
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    for (p, a) in alone.iter().enumerate() {
+        let got: Vec<u64> = chunks
+            .iter()
+            .filter(|c| c["choices"][0]["index"] == p)
+            .filter(|c| c["choices"][0]["token_ids"].is_array())
+            .flat_map(|c| ids(&c["choices"][0]["token_ids"]))
+            .collect();
+        assert_eq!(got, ids(&a["token_ids"]), "prompt {p}");
+    }
+    assert_eq!(chunks.last().unwrap()["usage"]["prompt_tokens"], prompt_tokens);
+
+    // Echo: each choice begins with its own prompt's text.
+    let echoed = ask(with(greedy.clone(), &json!({"prompt": ["t5t6", "t7"], "echo": true})));
+    for (p, text) in ["t5t6", "t7"].iter().enumerate() {
+        let got = echoed["choices"][p]["text"].as_str().unwrap();
+        assert!(got.starts_with(text), "prompt {p}: {got}");
+    }
+
+    // Bad elements are named; so is a request for more choices than one answers.
+    let refuse = |prompt: Value, extra: Value, code: &str, says: &str| {
+        let reply = server.post("/v1/completions", &with(json!({"prompt": prompt}), &extra));
+        assert_error(&reply, 400, code);
+        assert!(reply.body.contains(says), "{prompt}: {}", reply.body);
+    };
+    refuse(json!(["t5", [1, 2], {"a": 1}]), json!({}), "invalid_prompt", "prompt[2]");
+    refuse(json!(["t5", [1, 99999]]), json!({}), "invalid_token_id", "prompt[1]");
+    refuse(json!([[1], []]), json!({}), "empty_prompt", "prompt[1] is empty");
+    refuse(json!(["t5", ""]), json!({}), "empty_prompt", "prompt[1]");
+    refuse(json!([1, "t5"]), json!({}), "invalid_prompt", "not a token id");
+    let nine = json!(["t5", "t5", "t5", "t5", "t5", "t5", "t5", "t5", "t5"]);
+    refuse(nine, json!({"n": 2}), "too_many_choices", "18 choices");
+    let long = json!([[1], (0..40).map(|_| 1).collect::<Vec<_>>()]);
+    let reply = server.post(
+        "/v1/completions",
+        &json!({"prompt": long, "max_tokens": 1_000_000}),
+    );
+    assert_error(&reply, 400, "context_length_exceeded");
+    assert!(reply.body.contains("prompt[0]"), "{}", reply.body);
+    assert_eq!(server.interrupt().code(), Some(130));
+}
+
 /// vLLM's `--host`, `--port` and `--max-model-len`: the address is theirs, and the context
 /// of a request is the given length.
 #[test]

@@ -39,12 +39,20 @@ pub(super) async fn completions(
 ) -> std::result::Result<Response, ApiError> {
     let body: CompletionBody = parse(body)?;
     api.check_model(body.sampling.model.as_deref())?;
-    let prompt = api.completion_prompt(body.prompt.as_ref())?;
+    let prompts = api.completion_prompts(body.prompt.as_ref())?;
     let max = body.sampling.max_tokens;
     let default_max = api.0.defaults.map_or(DEFAULT_COMPLETION_TOKENS, |d| d.max_tokens);
-    let echo =
-        if body.echo.unwrap_or(false) { Some(api.prompt_text(&body, &prompt)?) } else { None };
-    let mut job = api.job(Kind::Completion, prompt, &body.sampling, max, default_max.into())?;
+    let echo = match body.echo {
+        Some(true) => Some(
+            prompts
+                .iter()
+                .map(|(ids, text)| api.prompt_text(text.as_deref(), ids))
+                .collect::<std::result::Result<Vec<_>, _>>()?,
+        ),
+        _ => None,
+    };
+    let prompts = prompts.into_iter().map(|(ids, _)| ids).collect();
+    let mut job = api.job(Kind::Completion, prompts, &body.sampling, max, default_max.into())?;
     if echo.is_some() && job.wants_logprobs() {
         return Err(ApiError::invalid(
             "unsupported_parameter",
@@ -65,7 +73,7 @@ pub(super) async fn chat_completions(
     let max = body.max_completion_tokens.or(body.sampling.max_tokens);
     // Without a limit a chat reply may fill the context (OpenAI's default).
     let room = api.0.context.saturating_sub(prompt.len()) as u64;
-    let mut job = api.job(Kind::Chat, prompt, &body.sampling, max, room)?;
+    let mut job = api.job(Kind::Chat, vec![prompt], &body.sampling, max, room)?;
     let tools = body.tools.as_ref().is_some_and(|t| !t.is_empty())
         && body.sampling.other.get("tool_choice").and_then(Value::as_str) != Some("none");
     job.tool_calls = tools.then(|| ToolFormat::of_template(api.0.tokenizer.chat_template()));
@@ -78,16 +86,20 @@ pub(super) async fn generate(
     kind: Kind,
 ) -> std::result::Result<Response, ApiError> {
     api.wait_awake().await?;
-    let prompt_tokens = job.prompt.len();
+    let prompt_tokens = job.prompts.iter().map(Vec::len).sum();
     let (stream, include_usage) = (job.stream, job.include_usage);
     let scorer = job.wants_logprobs().then(|| Scorer(api.0.tokenizer.clone()));
-    // One sequence per choice, all in the batch together; dropping them cancels the rest.
-    let mut choices = Vec::with_capacity(job.n);
-    for i in 0..job.n as u64 {
-        let params = SamplingParams { seed: job.params.seed.wrapping_add(i), ..job.params.clone() };
-        choices.push(api.0.bridge.submit(job.prompt.clone(), params)?);
+    // One sequence per prompt and choice, all in the batch together, in OpenAI's order
+    // (choice `i` of prompt `p` is `p * n + i`); dropping them cancels the rest.
+    let mut choices = Vec::with_capacity(job.prompts.len() * job.n);
+    for (prompt, ids) in job.prompts.iter().enumerate() {
+        for i in 0..job.n as u64 {
+            let seed = job.params.seed.wrapping_add(i);
+            let params = SamplingParams { seed, ..job.params.clone() };
+            choices.push(Submitted { events: api.0.bridge.submit(ids.clone(), params)?, prompt });
+        }
     }
-    let id = kind.id(choices[0].id);
+    let id = kind.id(choices[0].events.id);
     let created = unix_now();
     let model = api.0.model_name.clone();
     let answer =
@@ -99,11 +111,12 @@ pub(super) async fn generate(
     }
     let mut out = Vec::with_capacity(choices.len());
     let mut completion_tokens = 0;
-    for (index, rx) in choices.into_iter().enumerate() {
+    for (index, choice) in choices.into_iter().enumerate() {
         let (body, tokens, reason, scored) =
-            collect(rx, StopText::new(answer.stops.clone()), answer.scorer.clone()).await?;
+            collect(choice.events, StopText::new(answer.stops.clone()), answer.scorer.clone())
+                .await?;
         completion_tokens += tokens.len();
-        let text = match &answer.echo {
+        let text = match answer.echo(choice.prompt) {
             Some(prompt) => format!("{prompt}{body}"),
             None => body,
         };
@@ -160,16 +173,31 @@ fn chat_message(
     (json!({"role": "assistant", "content": content, "tool_calls": calls}), "tool_calls")
 }
 
+/// One choice's sequence in the engine: its events, and which of the request's prompts it
+/// answers.
+pub(super) struct Submitted {
+    events: Events,
+    prompt: usize,
+}
+
 /// How a request's choices are answered: the endpoint's shape, the stop strings, the
-/// log-probabilities' token texts, the echoed prompt and whether to parse tool calls.
+/// log-probabilities' token texts, the echoed prompts and whether to parse tool calls.
 #[derive(Clone)]
 pub(super) struct Answer {
     kind: Kind,
     stops: Vec<String>,
     scorer: Option<Scorer>,
-    echo: Option<String>,
+    /// The text of each prompt, when `echo` repeats it.
+    echo: Option<Vec<String>>,
     /// How the answer's tool calls are written, when they are parsed out of it.
     tool_calls: Option<ToolFormat>,
+}
+
+impl Answer {
+    /// The echoed text of prompt `prompt`, when the request asked for it.
+    fn echo(&self, prompt: usize) -> Option<&str> {
+        self.echo.as_ref().and_then(|e| e.get(prompt)).map(String::as_str)
+    }
 }
 
 /// Token texts for log-probabilities: each token decoded alone.
@@ -303,7 +331,7 @@ impl Header {
 /// asked for, then `data: [DONE]`. A task per choice forwards them; they end early when the
 /// client goes away, which cancels the requests (see [`Events`]).
 pub(super) fn sse(
-    choices: Vec<Events>,
+    choices: Vec<Submitted>,
     header: Header,
     answer: Answer,
 ) -> ReceiverStream<std::result::Result<SseEvent, Infallible>> {
@@ -314,9 +342,11 @@ pub(super) fn sse(
         let tasks: Vec<_> = choices
             .into_iter()
             .enumerate()
-            .map(|(index, rx)| {
-                let choice = Choice { index, header: header.clone(), answer: answer.clone() };
-                tokio::spawn(choice.stream(rx, tx.clone()))
+            .map(|(index, submitted)| {
+                let Submitted { events, prompt } = submitted;
+                let choice =
+                    Choice { index, prompt, header: header.clone(), answer: answer.clone() };
+                tokio::spawn(choice.stream(events, tx.clone()))
             })
             .collect();
         let mut completion_tokens = 0;
@@ -352,6 +382,8 @@ pub(super) fn sse(
 /// One choice of a streamed answer.
 pub(super) struct Choice {
     index: usize,
+    /// The request's prompt it answers.
+    prompt: usize,
     header: Arc<Header>,
     answer: Answer,
 }
@@ -364,7 +396,7 @@ impl Choice {
         mut rx: Events,
         tx: tokio::sync::mpsc::Sender<std::result::Result<SseEvent, Infallible>>,
     ) -> Option<usize> {
-        let Choice { index, header, answer } = self;
+        let Choice { index, prompt, header, answer } = self;
         let kind = answer.kind;
         let send = |choice: Value| {
             let tx = tx.clone();
@@ -386,8 +418,8 @@ impl Choice {
                 return None;
             }
         }
-        if let Some(prompt) = &answer.echo {
-            if !send(piece(prompt, None, Value::Null)).await {
+        if let Some(text) = answer.echo(prompt) {
+            if !send(piece(text, None, Value::Null)).await {
                 return None;
             }
         }
