@@ -14,7 +14,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
-use session::{FinishReason, SamplingParams, TokenLogprobs};
+use session::{FinishReason, RankedLogprobs, SamplingParams, TokenLogprobs};
 use std::convert::Infallible;
 use std::sync::Arc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -52,13 +52,17 @@ pub(super) async fn completions(
         _ => None,
     };
     let prompts = prompts.into_iter().map(|(ids, _)| ids).collect();
+    // `echo` with `max_tokens` 0 answers the prompt alone (lm-eval's loglikelihood asks so):
+    // the engine generates one token, which the answer drops, as vLLM does.
+    let prompt_only = echo.is_some() && max == Some(0);
+    let max = if prompt_only { Some(1) } else { max };
     let mut job = api.job(Kind::Completion, prompts, &body.sampling, max, default_max.into())?;
-    if echo.is_some() && job.wants_logprobs() {
-        return Err(ApiError::invalid(
-            "unsupported_parameter",
-            "`echo` with `logprobs` asks for the prompt's log-probabilities, which this server does not compute",
-        ));
+    if echo.is_some() {
+        // `echo` with `logprobs`: the prompt's tokens are scored too, in the same shape.
+        job.echo_top = job.params.logprobs;
+        job.params.prompt_logprobs = job.params.prompt_logprobs.max(job.echo_top);
     }
+    job.prompt_only = prompt_only;
     job.echo = echo;
     generate(api, job, Kind::Completion).await
 }
@@ -88,7 +92,8 @@ pub(super) async fn generate(
     api.wait_awake().await?;
     let prompt_tokens = job.prompts.iter().map(Vec::len).sum();
     let (stream, include_usage) = (job.stream, job.include_usage);
-    let scorer = job.wants_logprobs().then(|| Scorer(api.0.tokenizer.clone()));
+    let scores = job.wants_logprobs() || job.params.prompt_logprobs.is_some();
+    let scorer = scores.then(|| Scorer(api.0.tokenizer.clone()));
     // One sequence per prompt and choice, all in the batch together, in OpenAI's order
     // (choice `i` of prompt `p` is `p * n + i`); dropping them cancels the rest.
     let mut choices = Vec::with_capacity(job.prompts.len() * job.n);
@@ -102,8 +107,17 @@ pub(super) async fn generate(
     let id = kind.id(choices[0].events.id);
     let created = unix_now();
     let model = api.0.model_name.clone();
-    let answer =
-        Answer { kind, stops: job.stop_text, scorer, echo: job.echo, tool_calls: job.tool_calls };
+    let answer = Answer {
+        kind,
+        stops: job.stop_text,
+        scorer,
+        echo: job.echo,
+        tool_calls: job.tool_calls,
+        prompts: Arc::new(job.prompts),
+        prompt_top: job.prompt_top,
+        echo_top: job.echo_top,
+        prompt_only: job.prompt_only,
+    };
     if stream {
         let header = Header { id, created, model, prompt_tokens, include_usage };
         let events = sse(choices, header, answer);
@@ -111,25 +125,52 @@ pub(super) async fn generate(
     }
     let mut out = Vec::with_capacity(choices.len());
     let mut completion_tokens = 0;
+    // A chat's prompt log-probabilities (vLLM's, at the top of the answer).
+    let mut chat_prompt = Value::Null;
     for (index, choice) in choices.into_iter().enumerate() {
-        let (body, tokens, reason, scored) =
-            collect(choice.events, StopText::new(answer.stops.clone()), answer.scorer.clone())
-                .await?;
-        completion_tokens += tokens.len();
+        let stops = StopText::new(answer.stops.clone());
+        let mut c = collect(choice.events, stops, answer.scorer.clone()).await?;
+        if answer.prompt_only {
+            let (text, tokens, reason) = (String::new(), Vec::new(), FinishReason::Length);
+            c = Collected { text, tokens, reason, scored: Some(Vec::new()), prompt: c.prompt };
+        }
+        completion_tokens += c.tokens.len();
         let text = match answer.echo(choice.prompt) {
-            Some(prompt) => format!("{prompt}{body}"),
-            None => body,
+            Some(prompt) => format!("{prompt}{}", c.text),
+            None => c.text,
         };
-        let logprobs = match (kind, scored) {
-            (_, None) => Value::Null,
-            (Kind::Completion, Some(s)) => super::super::logprobs::completion(&s, 0),
-            (Kind::Chat, Some(s)) => super::super::logprobs::chat(&s),
+        let logprobs = match (kind, c.scored, answer.echo_top) {
+            (Kind::Completion, scored, Some(top)) => {
+                let prompt = answer.scored_prompt(choice.prompt, &c.prompt, top);
+                let prompt: Vec<Scored> = prompt.into_iter().map(|(s, _)| s).collect();
+                let first = answer.first_text(choice.prompt);
+                super::super::logprobs::completion_echoed(
+                    &first,
+                    &prompt,
+                    &scored.unwrap_or_default(),
+                )
+            }
+            (_, None, _) => Value::Null,
+            (Kind::Completion, Some(s), None) => super::super::logprobs::completion(&s, 0),
+            (Kind::Chat, Some(s), _) => super::super::logprobs::chat(&s),
         };
+        let prompt_logprobs = answer.prompt_top.map(|top| {
+            let scored = answer.scored_prompt(choice.prompt, &c.prompt, top);
+            super::super::logprobs::vllm_prompt(&answer.prompts[choice.prompt], &scored, top)
+        });
+        let (tokens, reason) = (c.tokens, c.reason);
         out.push(match kind {
             Kind::Completion => {
-                json!({"index": index, "text": text, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish_name(reason)})
+                let mut choice = json!({"index": index, "text": text, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish_name(reason)});
+                if let Some(p) = prompt_logprobs {
+                    choice["prompt_logprobs"] = p;
+                }
+                choice
             }
             Kind::Chat => {
+                if let (Some(p), true) = (prompt_logprobs, chat_prompt.is_null()) {
+                    chat_prompt = p;
+                }
                 let (message, finish) = chat_message(text, reason, answer.tool_calls, &id);
                 json!({"index": index, "message": message, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish})
             }
@@ -139,15 +180,18 @@ pub(super) async fn generate(
         Kind::Completion => "text_completion",
         Kind::Chat => "chat.completion",
     };
-    Ok(Json(json!({
+    let mut body = json!({
         "id": id,
         "object": object,
         "created": created,
         "model": model,
         "choices": out,
         "usage": usage(prompt_tokens, completion_tokens),
-    }))
-    .into_response())
+    });
+    if !chat_prompt.is_null() {
+        body["prompt_logprobs"] = chat_prompt;
+    }
+    Ok(Json(body).into_response())
 }
 
 /// A chat answer's `message` and finish reason: with `tool_calls`, the answer's calls are
@@ -191,12 +235,48 @@ pub(super) struct Answer {
     echo: Option<Vec<String>>,
     /// How the answer's tool calls are written, when they are parsed out of it.
     tool_calls: Option<ToolFormat>,
+    /// The request's prompts.
+    prompts: Arc<Vec<Vec<u32>>>,
+    /// Alternatives per token of vLLM's `prompt_logprobs`, when asked for.
+    prompt_top: Option<usize>,
+    /// Alternatives per token of the echoed prompt's `logprobs`, when asked for.
+    echo_top: Option<usize>,
+    /// Answer the prompt alone (`echo` with `max_tokens` 0).
+    prompt_only: bool,
 }
 
 impl Answer {
     /// The echoed text of prompt `prompt`, when the request asked for it.
     fn echo(&self, prompt: usize) -> Option<&str> {
         self.echo.as_ref().and_then(|e| e.get(prompt)).map(String::as_str)
+    }
+
+    /// The text of prompt `prompt`'s first token (decoded alone).
+    fn first_text(&self, prompt: usize) -> String {
+        let first = self.prompts[prompt].first().copied();
+        match (&self.scorer, first) {
+            (Some(s), Some(id)) => s.text(id),
+            _ => String::new(),
+        }
+    }
+
+    /// Prompt `prompt`'s tokens from the second on, scored by `ranked` (the engine's, one
+    /// per token) with `top` alternatives each, and their ranks.
+    fn scored_prompt(
+        &self,
+        prompt: usize,
+        ranked: &[RankedLogprobs],
+        top: usize,
+    ) -> Vec<(Scored, u32)> {
+        let Some(scorer) = &self.scorer else { return Vec::new() };
+        let ids = self.prompts[prompt].iter().skip(1);
+        ids.zip(ranked)
+            .filter_map(|(&id, r)| {
+                let mut lp = r.logprobs.clone();
+                lp.top.truncate(top);
+                scorer.score(id, Some(lp)).map(|s| (s, r.rank))
+            })
+            .collect()
     }
 }
 
@@ -205,6 +285,11 @@ impl Answer {
 pub(super) struct Scorer(std::sync::Arc<text::Tokenizer>);
 
 impl Scorer {
+    /// A token's text, decoded alone.
+    pub(super) fn text(&self, token: u32) -> String {
+        self.0.decode(&[token], false).unwrap_or_default()
+    }
+
     pub(super) fn score(&self, token: u32, logprobs: Option<TokenLogprobs>) -> Option<Scored> {
         let decode = |id: u32| self.0.decode(&[id], false).unwrap_or_default();
         let bytes = |id: u32| self.0.token_bytes(id).unwrap_or_default();
@@ -212,9 +297,16 @@ impl Scorer {
     }
 }
 
-/// A request's answer: its text, tokens, finish reason, and each token's log-probabilities
-/// when the request asked for them.
-pub(super) type Collected = (String, Vec<u32>, FinishReason, Option<Vec<Scored>>);
+/// A request's answer: its text, tokens, finish reason, each token's log-probabilities and
+/// its prompt's, when the request asked for them.
+pub(super) struct Collected {
+    text: String,
+    tokens: Vec<u32>,
+    reason: FinishReason,
+    scored: Option<Vec<Scored>>,
+    /// The prompt's tokens from the second on.
+    prompt: Vec<RankedLogprobs>,
+}
 
 /// Waits for a request's end.
 pub(super) async fn collect(
@@ -225,8 +317,10 @@ pub(super) async fn collect(
     let mut text = String::new();
     let mut tokens = Vec::new();
     let mut scored = scorer.as_ref().map(|_| Vec::new());
+    let mut prompt = Vec::new();
     while let Some(event) = rx.recv().await {
         match event {
+            Event::PromptLogprobs { tokens, .. } => prompt.extend(tokens),
             Event::Token { token, text: piece, logprobs } => {
                 tokens.push(token);
                 if let (Some(scorer), Some(all)) = (&scorer, &mut scored) {
@@ -236,7 +330,8 @@ pub(super) async fn collect(
                 text.push_str(&out);
                 if hit {
                     // Dropping the events cancels the rest of the generation.
-                    return Ok((text, tokens, FinishReason::StopToken, scored));
+                    let reason = FinishReason::StopToken;
+                    return Ok(Collected { text, tokens, reason, scored, prompt });
                 }
             }
             Event::Finished { reason: FinishReason::Rejected, .. } => {
@@ -247,7 +342,7 @@ pub(super) async fn collect(
             }
             Event::Finished { reason, tokens } => {
                 text.push_str(&stops.finish());
-                return Ok((text, tokens, reason, scored));
+                return Ok(Collected { text, tokens, reason, scored, prompt });
             }
         }
     }
@@ -418,8 +513,32 @@ impl Choice {
                 return None;
             }
         }
+        // Characters of the token texts so far (`text_offset`).
+        let mut offset = 0;
+        // With `echo` and `logprobs` the prompt's tokens are scored first: the engine sends
+        // their log-probabilities before the first token.
+        let mut early = None;
+        let mut echoed = Value::Null;
+        if let Some(top) = answer.echo_top {
+            let mut ranked = Vec::new();
+            while let Some(event) = rx.recv().await {
+                match event {
+                    Event::PromptLogprobs { tokens, .. } => ranked.extend(tokens),
+                    other => {
+                        early = Some(other);
+                        break;
+                    }
+                }
+            }
+            let scored: Vec<Scored> =
+                answer.scored_prompt(prompt, &ranked, top).into_iter().map(|(s, _)| s).collect();
+            let first = answer.first_text(prompt);
+            offset = first.chars().count()
+                + scored.iter().map(|s| s.text.chars().count()).sum::<usize>();
+            echoed = super::super::logprobs::completion_echoed(&first, &scored, &[]);
+        }
         if let Some(text) = answer.echo(prompt) {
-            if !send(piece(text, None, Value::Null)).await {
+            if !send(piece(text, None, echoed)).await {
                 return None;
             }
         }
@@ -427,11 +546,19 @@ impl Choice {
         // Content passes through; from a `<tool_call>` on, the text is held for the end.
         let mut tools = answer.tool_calls.map(ToolText::new);
         let mut completion_tokens = 0;
-        // Characters of the completion's token texts so far (`text_offset`).
-        let mut offset = 0;
         let mut reason = None;
-        while let Some(event) = rx.recv().await {
+        loop {
+            let event = match early.take() {
+                Some(event) => event,
+                None => match rx.recv().await {
+                    Some(event) => event,
+                    None => break,
+                },
+            };
             match event {
+                Event::PromptLogprobs { .. } => {}
+                // The prompt alone: the one generated token is not part of the answer.
+                Event::Token { .. } if answer.prompt_only => {}
                 Event::Token { token, text, logprobs } => {
                     completion_tokens += 1;
                     let scored = answer.scorer.as_ref().and_then(|s| s.score(token, logprobs));
@@ -460,7 +587,7 @@ impl Choice {
                     }
                 }
                 Event::Finished { reason: r, .. } => {
-                    reason = Some(r);
+                    reason = Some(if answer.prompt_only { FinishReason::Length } else { r });
                     let mut rest = stops.finish();
                     if let Some(tools) = &mut tools {
                         rest = tools.push(&rest);

@@ -52,6 +52,8 @@ pub(super) struct SamplingBody {
     pub(super) logprobs: Option<Value>,
     /// Chat: the number of alternatives.
     pub(super) top_logprobs: Option<Value>,
+    /// vLLM's: the number of alternatives per prompt token (see [`super::logprobs`]).
+    pub(super) prompt_logprobs: Option<Value>,
     /// Every other field: accepted only where it asks for nothing ([`check_unsupported`]).
     #[serde(flatten)]
     pub(super) other: serde_json::Map<String, Value>,
@@ -168,6 +170,14 @@ pub(super) struct Job {
     /// Parse the answer for tool calls written in this format (a chat with `tools` and
     /// `tool_choice` `"auto"`).
     pub(super) tool_calls: Option<crate::serve::tools::ToolFormat>,
+    /// Alternatives per prompt token in vLLM's `prompt_logprobs` list, when asked for.
+    pub(super) prompt_top: Option<usize>,
+    /// Alternatives per prompt token in the echoed prompt's `logprobs` (`echo` with
+    /// `logprobs`), when asked for.
+    pub(super) echo_top: Option<usize>,
+    /// Answer the prompt alone (`echo` with `max_tokens` 0): the one token the engine
+    /// generates is dropped.
+    pub(super) prompt_only: bool,
 }
 
 impl Job {
@@ -405,6 +415,13 @@ impl Api {
             Kind::Completion => super::super::logprobs::completion_request(lp, top_lp)?,
             Kind::Chat => super::super::logprobs::chat_request(lp, top_lp)?,
         };
+        let prompt_top = super::super::logprobs::prompt_request(s.prompt_logprobs.as_ref())?;
+        if prompt_top.is_some() && s.stream == Some(true) {
+            return Err(ApiError::invalid(
+                "invalid_logprobs",
+                "`prompt_logprobs` is not streamed: ask without `stream` (as vLLM)",
+            ));
+        }
         let within = |name: &str, v: Option<f32>, ok: fn(f32) -> bool, range: &str| match v {
             Some(x) if !(x.is_finite() && ok(x)) => Err(ApiError::invalid(
                 "invalid_sampling",
@@ -440,7 +457,8 @@ impl Api {
         }
         for (i, prompt) in prompts.iter().enumerate() {
             if prompt.len() as u64 + max_tokens > context as u64 {
-                let which = if prompts.len() > 1 { format!("prompt[{i}]: ") } else { String::new() };
+                let which =
+                    if prompts.len() > 1 { format!("prompt[{i}]: ") } else { String::new() };
                 return Err(ApiError::invalid(
                     "context_length_exceeded",
                     format!(
@@ -521,6 +539,7 @@ impl Api {
             min_p: s.min_p.unwrap_or(0.0),
             logit_bias,
             logprobs,
+            prompt_logprobs: prompt_top,
         };
         Ok(Job {
             prompts,
@@ -531,6 +550,9 @@ impl Api {
             stream: s.stream.unwrap_or(false),
             include_usage: s.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false),
             tool_calls: None,
+            prompt_top,
+            echo_top: None,
+            prompt_only: false,
         })
     }
 }
