@@ -453,7 +453,7 @@ impl Api {
         // A default of 0 (a chat prompt that fills the context) fails the context check below.
         let max_tokens = max_tokens.unwrap_or(default_max.max(1));
         if max_tokens == 0 {
-            return Err(ApiError::invalid("invalid_max_tokens", "`max_tokens` must be at least 1"));
+            return Err(ApiError::invalid("invalid_max_tokens", "`max_tokens` must be at least 1 (a completion with `echo` may ask 0: the prompt alone)"));
         }
         for (i, prompt) in prompts.iter().enumerate() {
             if prompt.len() as u64 + max_tokens > context as u64 {
