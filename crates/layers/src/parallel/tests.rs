@@ -611,7 +611,8 @@ fn every_row_gives_the_logits_of_every_token_in_every_layout() {
     let path = write_model(&spec, "every-row.gguf");
     let ids = |from: u32, n: u32| (from..from + n).map(|t| t % spec.vocab as u32).collect();
     // (sequence, tokens, sample, every row)
-    let steps: Vec<Vec<(usize, Vec<u32>, bool, bool)>> = vec![
+    type Step = Vec<(usize, Vec<u32>, bool, bool)>;
+    let steps: Vec<Step> = vec![
         vec![(0, ids(3, 7), false, true), (1, ids(11, 5), true, false), (2, ids(5, 1), true, true)],
         vec![(0, ids(20, 3), true, true), (1, ids(2, 1), true, false), (3, ids(30, 6), true, true)],
         vec![(0, ids(9, 1), true, true), (3, ids(1, 1), false, false), (2, ids(8, 2), true, false)],

@@ -154,6 +154,9 @@ pub(super) fn parse<T: serde::de::DeserializeOwned>(
     })
 }
 
+/// A prompt's token ids, and its text when it came as text.
+pub(super) type GivenPrompt = (Vec<u32>, Option<String>);
+
 /// A checked request, ready for the engine.
 pub(super) struct Job {
     /// The prompts: one, or a completion's list (each answered with `n` choices).
@@ -247,7 +250,7 @@ impl Api {
     pub(super) fn completion_prompts(
         &self,
         prompt: Option<&Value>,
-    ) -> std::result::Result<Vec<(Vec<u32>, Option<String>)>, ApiError> {
+    ) -> std::result::Result<Vec<GivenPrompt>, ApiError> {
         match prompt {
             None | Some(Value::Null) => {
                 Err(ApiError::invalid("missing_prompt", "`prompt` is required"))
