@@ -1725,9 +1725,18 @@ fn echo_with_logprobs_and_prompt_logprobs_score_the_prompt() {
 
         // Streamed: the echo chunk carries the prompt's numbers.
         let events = server.post("/v1/completions", &with(body.clone(), &json!({"stream": true})));
-        let first: Value = serde_json::from_str(&events.events()[0]).unwrap();
-        assert_eq!(first["choices"][0]["text"], text.as_str(), "{layout:?}");
-        assert_eq!(first["choices"][0]["logprobs"], *lp, "{layout:?}");
+        let chunks: Vec<Value> = events
+            .events()
+            .iter()
+            .filter(|e| *e != "[DONE]")
+            .map(|e| serde_json::from_str(e).unwrap())
+            .collect();
+        assert_eq!(chunks[0]["choices"][0]["text"], text.as_str(), "{layout:?}");
+        assert_eq!(chunks[0]["choices"][0]["logprobs"], *lp, "{layout:?}");
+        // The prompt alone: no generated token follows, and the end says `length`.
+        let rest: Vec<&Value> = chunks[1..].iter().map(|c| &c["choices"][0]).collect();
+        assert!(rest.iter().all(|c| c["text"] == "" && c["logprobs"].is_null()), "{rest:?}");
+        assert_eq!(rest.last().unwrap()["finish_reason"], "length", "{layout:?}");
 
         // vLLM's `prompt_logprobs`: the prompt's token with its rank, and the 3 most likely.
         let vllm = ask(json!({"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 3}));
