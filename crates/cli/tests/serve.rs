@@ -1285,7 +1285,6 @@ fn sampling_fields_apply_and_unsupported_ones_are_refused() {
     for (extra, code, says) in [
         (json!({"logprobs": 21}), "invalid_logprobs", "`logprobs` 21"),
         (json!({"logprobs": true}), "invalid_logprobs", "expected an integer"),
-        (json!({"echo": true, "logprobs": 1}), "unsupported_parameter", "`echo` with `logprobs`"),
         (json!({"n": 17}), "invalid_n", "`n` 17: expected 1 to 16"),
         (
             json!({"response_format": {"type": "json_object"}}),
