@@ -1756,6 +1756,14 @@ fn echo_with_logprobs_and_prompt_logprobs_score_the_prompt() {
                 .collect();
             assert!((1..=3).all(|r| ranks.contains(&r)), "{layout:?} position {p}: {ranks:?}");
         }
+        // Scoring the prompt changes nothing of what follows it.
+        let greedy = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0});
+        let scored = ask(with(greedy.clone(), &json!({"prompt_logprobs": 0})));
+        let plain = ask(greedy);
+        assert_eq!(
+            scored["choices"][0]["token_ids"], plain["choices"][0]["token_ids"],
+            "{layout:?}"
+        );
         assert_eq!(server.interrupt().code(), Some(130));
     }
 

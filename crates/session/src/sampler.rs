@@ -421,9 +421,20 @@ impl Samplers {
 
     /// Whether the model runner computes the logits of every token of `e`, not only of a
     /// sampled entry's last: its sequence's prompt log-probabilities are wanted (after
-    /// [`Samplers::begin`] with its plan).
+    /// [`Samplers::begin`] with its plan). Every rank must answer the same (it decides a CP
+    /// exchange): each calls [`Samplers::end_step`] after every step.
     pub fn every_row(&self, e: &PlanEntry) -> bool {
         self.seqs.get(&e.seq).is_some_and(|s| s.prompt_top.is_some())
+    }
+
+    /// Ends a step on any rank, where the logits are or not: the sequences `plan` sampled
+    /// have their prompts scored, and their later entries are single rows.
+    pub fn end_step(&mut self, plan: &StepPlan) {
+        for e in plan.sampled() {
+            if let Some(s) = self.seqs.get_mut(&e.seq) {
+                s.prompt_top = None;
+            }
+        }
     }
 
     /// Takes the sampling of the sequences that begin in `plan`, then picks one token per

@@ -94,9 +94,14 @@ impl Sequences {
             })
         });
         self.caches.extend(taken);
-        let Some(logits) = out? else { return Ok(None) };
-        let vocab = model.config().vocab_size;
-        let (tokens, prompts) = self.samplers.sample_with_prompts(plan, logits.data(), vocab)?;
+        let out = out?;
+        let samplers = &mut self.samplers;
+        let sampled = out.map(|logits| {
+            let vocab = model.config().vocab_size;
+            samplers.sample_with_prompts(plan, logits.data(), vocab)
+        });
+        self.samplers.end_step(plan);
+        let Some((tokens, prompts)) = sampled.transpose()? else { return Ok(None) };
         self.prompt_logprobs = prompts;
         Ok(Some(tokens))
     }

@@ -273,6 +273,13 @@ fn prompt_rows_score_the_next_prompt_token_across_chunks() {
     assert!(!samplers.every_row(&decode.entries[0]), "the prompt is scored");
     let (out, prompt) = samplers.sample_with_prompts(&decode, &row(1), 4).unwrap();
     assert_eq!((out[0].token, prompt.len()), (1, 0));
+    // A rank without the logits agrees: its sequence's prompt is scored once sampled.
+    let mut elsewhere = Samplers::new();
+    elsewhere.begin(&first);
+    elsewhere.end_step(&first);
+    assert!(elsewhere.every_row(&second.entries[0]));
+    elsewhere.end_step(&second);
+    assert!(!elsewhere.every_row(&decode.entries[0]), "as on the rank with the logits");
     // Too few rows for the plan: the error says so.
     let err = samplers.sample_with_prompts(&decode, &[], 4).unwrap_err();
     assert!(matches!(err, SampleError::Logits { values: 0, .. }), "{err}");
