@@ -47,6 +47,10 @@ enum Command {
     /// /wake_up?tags=.., GET /is_sleeping, POST /update_weights. Ctrl-C (or `tpctl stop`)
     /// stops every rank.
     ///
+    /// Completions take a list of prompts (strings or token-id lists; n choices each); the
+    /// prompt's log-probabilities come with "echo" and "logprobs" ("max_tokens": 0 answers
+    /// the prompt alone) and with vLLM's "prompt_logprobs" (not streamed).
+    ///
     /// Example: tpctl serve --tp 2 --listen 127.0.0.1:8000 --deployment chat
     Serve(Box<ServeArgs>),
     /// Put a running deployment to sleep: release the memory of the given tags on every rank.

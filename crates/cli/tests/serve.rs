@@ -1293,7 +1293,6 @@ fn sampling_fields_apply_and_unsupported_ones_are_refused() {
     for (extra, code, says) in [
         (json!({"logprobs": 21}), "invalid_logprobs", "`logprobs` 21"),
         (json!({"logprobs": true}), "invalid_logprobs", "expected an integer"),
-        (json!({"echo": true, "logprobs": 1}), "unsupported_parameter", "`echo` with `logprobs`"),
         (json!({"n": 17}), "invalid_n", "`n` 17: expected 1 to 16"),
         (
             json!({"response_format": {"type": "json_object"}}),
@@ -1560,6 +1559,265 @@ fn n_choices_and_echo() {
         })
         .collect();
     assert_eq!(text, want);
+    assert_eq!(server.interrupt().code(), Some(130));
+}
+
+/// A list of prompts (strings and id lists) answers one choice per prompt and `n`, in
+/// OpenAI's order (`index` = prompt * n + i), each the same as its prompt alone (greedy, and
+/// seeded with `n` = 2), streamed the same; the usage sums the prompts; `echo` repeats each
+/// choice's own prompt; a bad element is a 400 that names it, and so are too many choices.
+#[test]
+fn a_list_of_prompts_answers_each_as_it_would_alone() {
+    const MAX: u32 = 4;
+    let server = Server::start(chat_model(), &[]);
+    let ask = |body: Value| {
+        let reply = server.post("/v1/completions", &body);
+        assert_eq!(reply.status, 200, "{reply:?}");
+        reply.json()
+    };
+    let prompts = [json!([1, 2, 3]), json!("t5t6t7"), json!([9])];
+    let greedy = json!({"max_tokens": MAX, "temperature": 0});
+    let alone: Vec<Value> = prompts
+        .iter()
+        .map(|p| ask(with(greedy.clone(), &json!({"prompt": p})))["choices"][0].clone())
+        .collect();
+    let batch = ask(with(greedy.clone(), &json!({"prompt": prompts})));
+    let choices = batch["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (p, (c, a)) in choices.iter().zip(&alone).enumerate() {
+        assert_eq!(c["index"], p);
+        assert_eq!(c["token_ids"], a["token_ids"], "prompt {p}");
+        assert_eq!(c["text"], a["text"], "prompt {p}");
+    }
+    let tokens = |p: &Value| {
+        server.post("/tokenize", &json!({"prompt": p})).json()["count"].as_u64().unwrap()
+    };
+    let prompt_tokens: u64 = prompts.iter().map(tokens).sum();
+    assert_eq!(batch["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(batch["usage"]["completion_tokens"], 3 * MAX);
+
+    // `n` = 2, seeded: choice `p * 2 + i` is prompt `p` alone with seed `5 + i`.
+    let sampled = json!({"max_tokens": MAX, "temperature": 1.5, "seed": 5});
+    let two = ask(with(sampled.clone(), &json!({"prompt": prompts[..2], "n": 2})));
+    let choices = two["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4);
+    for (index, c) in choices.iter().enumerate() {
+        let (p, i) = (index / 2, index % 2);
+        assert_eq!(c["index"], index);
+        let one = ask(with(sampled.clone(), &json!({"prompt": prompts[p], "seed": 5 + i})));
+        assert_eq!(c["token_ids"], one["choices"][0]["token_ids"], "prompt {p}, choice {i}");
+    }
+
+    // Streamed: each index carries its prompt's tokens; the usage sums the prompts.
+    let streamed = server.post(
+        "/v1/completions",
+        &with(
+            greedy.clone(),
+            &json!({"prompt": prompts, "stream": true, "stream_options": {"include_usage": true}}),
+        ),
+    );
+    let chunks: Vec<Value> = streamed
+        .events()
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    for (p, a) in alone.iter().enumerate() {
+        let got: Vec<u64> = chunks
+            .iter()
+            .filter(|c| c["choices"][0]["index"] == p)
+            .filter(|c| c["choices"][0]["token_ids"].is_array())
+            .flat_map(|c| ids(&c["choices"][0]["token_ids"]))
+            .collect();
+        assert_eq!(got, ids(&a["token_ids"]), "prompt {p}");
+    }
+    assert_eq!(chunks.last().unwrap()["usage"]["prompt_tokens"], prompt_tokens);
+
+    // Echo: each choice begins with its own prompt's text.
+    let echoed = ask(with(greedy.clone(), &json!({"prompt": ["t5t6", "t7"], "echo": true})));
+    for (p, text) in ["t5t6", "t7"].iter().enumerate() {
+        let got = echoed["choices"][p]["text"].as_str().unwrap();
+        assert!(got.starts_with(text), "prompt {p}: {got}");
+    }
+
+    // Bad elements are named; so is a request for more choices than one answers.
+    let refuse = |prompt: Value, extra: Value, code: &str, says: &str| {
+        let reply = server.post("/v1/completions", &with(json!({"prompt": prompt}), &extra));
+        assert_error(&reply, 400, code);
+        assert!(reply.body.contains(says), "{prompt}: {}", reply.body);
+    };
+    refuse(json!(["t5", [1, 2], {"a": 1}]), json!({}), "invalid_prompt", "prompt[2]");
+    refuse(json!(["t5", [1, 99999]]), json!({}), "invalid_token_id", "prompt[1]");
+    refuse(json!([[1], []]), json!({}), "empty_prompt", "prompt[1] is empty");
+    refuse(json!(["t5", ""]), json!({}), "empty_prompt", "prompt[1]");
+    refuse(json!([1, "t5"]), json!({}), "invalid_prompt", "not a token id");
+    let nine = json!(["t5", "t5", "t5", "t5", "t5", "t5", "t5", "t5", "t5"]);
+    refuse(nine, json!({"n": 2}), "too_many_choices", "18 choices");
+    let long = json!([[1], (0..40).map(|_| 1).collect::<Vec<_>>()]);
+    let reply = server.post("/v1/completions", &json!({"prompt": long, "max_tokens": 1_000_000}));
+    assert_error(&reply, 400, "context_length_exceeded");
+    assert!(reply.body.contains("prompt[0]"), "{}", reply.body);
+    assert_eq!(server.interrupt().code(), Some(130));
+}
+
+/// Prompt log-probabilities in every shape, in the (1,1), TP=2 and CP=2 layouts: `echo`
+/// with `logprobs` lists the prompt's tokens first (`null` for the first, as OpenAI), with
+/// `max_tokens` 0 the prompt alone (lm-eval's loglikelihood requests, a list of prompts too),
+/// streamed the same; vLLM's `prompt_logprobs` map with ranks (completions per choice, chat at
+/// the top). Each prompt position's number equals the generated-token log-probability of the
+/// prefix before it asked alone: an independent path through the same server. (llama.cpp
+/// cannot run here; `cargo xtask bench agree` compares generated logprobs with it.)
+#[test]
+fn echo_with_logprobs_and_prompt_logprobs_score_the_prompt() {
+    let path = scratch("vocab20-prompt.gguf");
+    let spec = layers::model::random::RandomLlama { vocab: 20, ..common::tiny_spec() };
+    spec.write(&path).expect("write the model");
+    let prompt: Vec<u32> = vec![3, 1, 4, 1, 5, 9, 2, 6];
+    let f = |v: &Value| v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"));
+    for layout in [&[][..], &["--tp", "2"], &["--cp", "2"]] {
+        let server = Server::start(path.to_str().unwrap(), layout);
+        let ask = |body: Value| {
+            let reply = server.post("/v1/completions", &body);
+            assert_eq!(reply.status, 200, "{layout:?}: {reply:?}");
+            reply.json()
+        };
+        // The oracle: each prefix alone, its next token's distribution over all 20 tokens.
+        let next: Vec<Value> = (1..prompt.len())
+            .map(|p| {
+                let body = json!({"prompt": prompt[..p], "max_tokens": 1, "logprobs": 20,
+                                  "temperature": 0});
+                ask(body)["choices"][0]["logprobs"]["top_logprobs"][0].clone()
+            })
+            .collect();
+        let oracle = |p: usize| f(&next[p - 1][format!("t{}", prompt[p])]);
+
+        // `echo` + `logprobs` + `max_tokens` 0: the prompt alone, scored.
+        let body = json!({"prompt": prompt, "max_tokens": 0, "echo": true, "logprobs": 2});
+        let alone = ask(body.clone());
+        let c = &alone["choices"][0];
+        let text: String = prompt.iter().map(|t| format!("t{t}")).collect();
+        assert_eq!(c["text"], text.as_str(), "{layout:?}");
+        assert_eq!(c["token_ids"], json!([]), "{layout:?}");
+        assert_eq!(c["finish_reason"], "length", "{layout:?}");
+        assert_eq!(alone["usage"]["completion_tokens"], 0, "{layout:?}");
+        let lp = &c["logprobs"];
+        let names: Vec<String> = prompt.iter().map(|t| format!("t{t}")).collect();
+        assert_eq!(lp["tokens"], json!(names), "{layout:?}");
+        assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null());
+        assert_eq!(lp["text_offset"][0], 0);
+        for p in 1..prompt.len() {
+            let got = f(&lp["token_logprobs"][p]);
+            assert!(
+                (got - oracle(p)).abs() < 1e-4,
+                "{layout:?} position {p}: {got} vs {}",
+                oracle(p)
+            );
+            let top = lp["top_logprobs"][p].as_object().unwrap();
+            assert_eq!(top.len(), 2, "{layout:?} position {p}: {top:?}");
+            for (name, v) in top {
+                assert!((f(v) - f(&next[p - 1][name])).abs() < 1e-4, "{layout:?} {p} {name}");
+            }
+        }
+
+        // `max_tokens` 1: the prompt's entries, then the generated token's, as without echo.
+        let one = ask(with(body.clone(), &json!({"max_tokens": 1, "temperature": 0})));
+        let plain =
+            ask(json!({"prompt": prompt, "max_tokens": 1, "logprobs": 2, "temperature": 0}));
+        let (lp1, plain) = (&one["choices"][0]["logprobs"], &plain["choices"][0]["logprobs"]);
+        assert_eq!(lp1["tokens"].as_array().unwrap().len(), prompt.len() + 1);
+        assert_eq!(lp1["token_logprobs"][prompt.len()], plain["token_logprobs"][0]);
+        assert_eq!(lp1["top_logprobs"][prompt.len()], plain["top_logprobs"][0]);
+        assert_eq!(lp1["token_logprobs"][1], lp["token_logprobs"][1]);
+        assert_eq!(lp1["text_offset"][prompt.len()], text.chars().count());
+
+        // Streamed: the echo chunk carries the prompt's numbers.
+        let events = server.post("/v1/completions", &with(body.clone(), &json!({"stream": true})));
+        let chunks: Vec<Value> = events
+            .events()
+            .iter()
+            .filter(|e| *e != "[DONE]")
+            .map(|e| serde_json::from_str(e).unwrap())
+            .collect();
+        assert_eq!(chunks[0]["choices"][0]["text"], text.as_str(), "{layout:?}");
+        assert_eq!(chunks[0]["choices"][0]["logprobs"], *lp, "{layout:?}");
+        // The prompt alone: no generated token follows, and the end says `length`.
+        let rest: Vec<&Value> = chunks[1..].iter().map(|c| &c["choices"][0]).collect();
+        assert!(rest.iter().all(|c| c["text"] == "" && c["logprobs"].is_null()), "{rest:?}");
+        assert_eq!(rest.last().unwrap()["finish_reason"], "length", "{layout:?}");
+
+        // vLLM's `prompt_logprobs`: the prompt's token with its rank, and the 3 most likely.
+        let vllm = ask(json!({"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 3}));
+        let list = vllm["choices"][0]["prompt_logprobs"].as_array().unwrap().clone();
+        assert_eq!(list.len(), prompt.len(), "{layout:?}");
+        assert!(list[0].is_null());
+        for p in 1..prompt.len() {
+            let own = &list[p][prompt[p].to_string()];
+            assert!((f(&own["logprob"]) - oracle(p)).abs() < 1e-4, "{layout:?} position {p}");
+            assert_eq!(own["decoded_token"], format!("t{}", prompt[p]));
+            let above = next[p - 1].as_object().unwrap().values().filter(|v| f(v) > oracle(p));
+            assert_eq!(own["rank"], above.count() + 1, "{layout:?} position {p}");
+            let ranks: Vec<u64> = list[p]
+                .as_object()
+                .unwrap()
+                .values()
+                .map(|e| e["rank"].as_u64().unwrap())
+                .collect();
+            assert!((1..=3).all(|r| ranks.contains(&r)), "{layout:?} position {p}: {ranks:?}");
+        }
+        // Scoring the prompt changes nothing of what follows it.
+        let greedy = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0});
+        let scored = ask(with(greedy.clone(), &json!({"prompt_logprobs": 0})));
+        let plain = ask(greedy);
+        assert_eq!(
+            scored["choices"][0]["token_ids"], plain["choices"][0]["token_ids"],
+            "{layout:?}"
+        );
+        assert_eq!(server.interrupt().code(), Some(130));
+    }
+
+    // A list of prompts scored alone (lm-eval's batch): each choice its own prompt.
+    let server = Server::start(path.to_str().unwrap(), &[]);
+    let body = json!({"prompt": [[7, 8, 9], [3, 1, 4, 1]], "max_tokens": 0, "echo": true,
+                      "logprobs": 1});
+    let reply = server.post("/v1/completions", &body);
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let both = reply.json();
+    let single = server
+        .post("/v1/completions", &with(body.clone(), &json!({"prompt": [3, 1, 4, 1]})))
+        .json();
+    assert_eq!(both["choices"][1]["logprobs"], single["choices"][0]["logprobs"]);
+    assert_eq!(both["choices"][0]["logprobs"]["tokens"], json!(["t7", "t8", "t9"]));
+    assert_eq!(both["usage"]["prompt_tokens"], 7);
+
+    // Chat: vLLM puts the prompt's list at the top of the answer.
+    server.interrupt();
+    let server = Server::start(chat_model(), &[]);
+    let chat = json!({"messages": [{"role": "user", "content": "t5t6"}], "max_tokens": 2,
+                      "prompt_logprobs": 1});
+    let reply = server.post("/v1/chat/completions", &chat);
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let answer = reply.json();
+    let list = answer["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(list.len() as u64, answer["usage"]["prompt_tokens"].as_u64().unwrap());
+    assert!(list[0].is_null() && list[1].is_object());
+
+    // Refused: streamed vLLM lists (as vLLM), too many alternatives, `max_tokens` 0 alone.
+    let refuse = |path: &str, body: Value, says: &str| {
+        let reply = server.post(path, &body);
+        assert_error(
+            &reply,
+            400,
+            if says.contains("max_tokens") { "invalid_max_tokens" } else { "invalid_logprobs" },
+        );
+        assert!(reply.body.contains(says), "{body}: {}", reply.body);
+    };
+    refuse("/v1/chat/completions", with(chat.clone(), &json!({"stream": true})), "not streamed");
+    refuse(
+        "/v1/completions",
+        json!({"prompt": [1], "prompt_logprobs": 21}),
+        "`prompt_logprobs` 21",
+    );
+    refuse("/v1/completions", json!({"prompt": [1], "max_tokens": 0}), "max_tokens");
     assert_eq!(server.interrupt().code(), Some(130));
 }
 

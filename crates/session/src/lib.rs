@@ -39,7 +39,10 @@ pub use engine::{
 pub use error::{BoxError, Error, Result};
 pub use model::{Groups, KvLayout, ModelFactory, SampledToken, StepModel, StepOutput};
 pub use plan::{PlanEntry, SeqId, SeqSampling, SessionConfig, SessionDecision, StepPlan};
-pub use sampler::{argmax, SampleError, Sampler, Samplers, SamplingParams, TokenLogprobs};
+pub use sampler::{
+    argmax, PromptLogprobs, RankedLogprobs, SampleError, Sampler, Samplers, SamplingParams,
+    TokenLogprobs,
+};
 pub use scheduler::{Cancel, Prompt, Request};
 pub use sink::{
     Collect, FinishReason, Finished, MetricsSink, NoMetrics, OutputSink, StepMetrics, TextCodec,

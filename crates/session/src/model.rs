@@ -3,7 +3,7 @@
 
 use crate::error::BoxError;
 use crate::plan::{SeqId, SessionConfig, StepPlan};
-use crate::sampler::TokenLogprobs;
+use crate::sampler::{PromptLogprobs, TokenLogprobs};
 use crate::sink::TextCodec;
 use collectives::Communicator;
 use mesh::DeviceMesh;
@@ -92,6 +92,14 @@ pub trait StepModel: Send {
 
     /// Frees a finished sequence's state (its cache and its sampler).
     fn release(&mut self, seq: SeqId);
+
+    /// The prompt log-probabilities the last [`StepModel::forward`] computed (for the
+    /// sequences whose parameters ask for them,
+    /// [`SamplingParams::prompt_logprobs`](crate::SamplingParams::prompt_logprobs)), taken:
+    /// on rank 0, where the tokens are sampled. The default has none.
+    fn take_prompt_logprobs(&mut self) -> Vec<PromptLogprobs> {
+        Vec::new()
+    }
 
     /// The paged KV pool, when the model keeps its caches in one: plans then name the blocks
     /// each sequence gets ([`PlanEntry::blocks`](crate::PlanEntry::blocks)). `None` (the

@@ -460,6 +460,7 @@ fn put_sampling(s: &SeqSampling, out: &mut Vec<u8>) {
         min_p,
         logit_bias,
         logprobs,
+        prompt_logprobs,
     } = &s.params;
     put_u32(out, *max_tokens);
     put_f32(out, *temperature);
@@ -479,6 +480,8 @@ fn put_sampling(s: &SeqSampling, out: &mut Vec<u8>) {
     }
     out.push(u8::from(logprobs.is_some()));
     out.extend_from_slice(&(logprobs.unwrap_or(0) as u64).to_le_bytes());
+    out.push(u8::from(prompt_logprobs.is_some()));
+    out.extend_from_slice(&(prompt_logprobs.unwrap_or(0) as u64).to_le_bytes());
     put_u32(out, s.drawn);
     put_u32s(out, &s.prompt);
     put_u32s(out, &s.generated);
@@ -564,6 +567,8 @@ impl Reader<'_> {
         }
         let has_logprobs = self.u8("logprobs flag")? != 0;
         let top = self.usize("logprobs")?;
+        let has_prompt_logprobs = self.u8("prompt_logprobs flag")? != 0;
+        let prompt_top = self.usize("prompt_logprobs")?;
         let params = SamplingParams {
             max_tokens,
             temperature,
@@ -578,6 +583,7 @@ impl Reader<'_> {
             min_p,
             logit_bias,
             logprobs: has_logprobs.then_some(top),
+            prompt_logprobs: has_prompt_logprobs.then_some(prompt_top),
         };
         let drawn = self.u32("drawn")?;
         let prompt = self.u32_list("penalized prompt")?;

@@ -89,6 +89,10 @@ impl StepModel for ReplicatedLlama {
         self.sequences.release(seq);
     }
 
+    fn take_prompt_logprobs(&mut self) -> Vec<crate::sampler::PromptLogprobs> {
+        self.sequences.take_prompt_logprobs()
+    }
+
     fn context_len(&self) -> usize {
         self.model.config().context_length
     }

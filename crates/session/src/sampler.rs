@@ -8,7 +8,7 @@
 //! sampled entry leaves the model as a [`SampledToken`], never as a logits row.
 
 use crate::model::{SampledToken, StepOutput};
-use crate::plan::{SeqId, SeqSampling, StepPlan};
+use crate::plan::{PlanEntry, SeqId, SeqSampling, StepPlan};
 use std::collections::HashMap;
 
 /// How a request picks its tokens and when it stops.
@@ -46,6 +46,11 @@ pub struct SamplingParams {
     /// Report each generated token's log-probability and those of the `n` most likely
     /// tokens at its position (OpenAI's `logprobs` / `top_logprobs`); `None` computes none.
     pub logprobs: Option<usize>,
+    /// Report each prompt token's log-probability given the tokens before it, its rank and
+    /// those of the `n` most likely tokens at its position (vLLM's `prompt_logprobs`, OpenAI's
+    /// `echo` with `logprobs`); `None` computes none. The model runner then computes the
+    /// logits of every prompt position, and the scheduler does not reuse a cached prefix.
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl SamplingParams {
@@ -75,6 +80,7 @@ impl Default for SamplingParams {
             min_p: 0.0,
             logit_bias: Vec::new(),
             logprobs: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -122,6 +128,41 @@ impl TokenLogprobs {
             top: best.into_iter().map(|(l, id)| (id, logprob(l))).collect(),
         }
     }
+}
+
+/// A prompt token's log-probabilities and its rank in the distribution at its position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankedLogprobs {
+    /// The token's log-probability and the most likely alternatives.
+    pub logprobs: TokenLogprobs,
+    /// 1 for the most likely token: one more than the tokens with a higher logit (vLLM's
+    /// `rank`; NaN logits count as impossible).
+    pub rank: u32,
+}
+
+impl RankedLogprobs {
+    /// The log-probabilities of `token` and of the `top` most likely tokens in `logits`,
+    /// with the token's rank.
+    pub fn of(logits: &[f32], token: u32, top: usize) -> RankedLogprobs {
+        let own = logits.get(token as usize).copied().filter(|l| !l.is_nan());
+        let above = own.map_or(logits.len(), |own| logits.iter().filter(|&&l| l > own).count());
+        RankedLogprobs {
+            logprobs: TokenLogprobs::of(logits, token, top),
+            rank: u32::try_from(above + 1).unwrap_or(u32::MAX),
+        }
+    }
+}
+
+/// The log-probabilities of a run of one sequence's prompt tokens, from a step's logits
+/// (vLLM's prompt logprobs): token `start + i` of the sequence given the tokens before it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptLogprobs {
+    /// The sequence.
+    pub seq: SeqId,
+    /// The position of the first token scored (at least 1: the first token has none).
+    pub start: u32,
+    /// One per token from `start` on.
+    pub tokens: Vec<RankedLogprobs>,
 }
 
 /// A request's sampler: its parameters and its generator's state.
@@ -320,12 +361,20 @@ pub struct Samplers {
     seqs: HashMap<SeqId, SeqSampler>,
 }
 
-/// One sequence's sampler, and the tokens its penalties count.
+/// One sequence's sampler, the tokens its penalties count, and where its prompt
+/// log-probabilities stand.
 #[derive(Debug)]
 struct SeqSampler {
     sampler: Sampler,
     prompt: Vec<u32>,
     generated: Vec<u32>,
+    /// Alternatives per prompt token while the prompt's log-probabilities are wanted: from
+    /// the first entry until the first sampled one (a sequence that generated before, a
+    /// recompute, scored its prompt then).
+    prompt_top: Option<usize>,
+    /// The last logits row of a prompt chunk that did not sample: the distribution of the
+    /// next entry's first token.
+    pending: Option<Vec<f32>>,
 }
 
 impl SeqSampler {
@@ -334,6 +383,8 @@ impl SeqSampler {
             sampler: Sampler::resumed(s.params.clone(), u64::from(s.drawn)),
             prompt: s.prompt.clone(),
             generated: s.generated.clone(),
+            prompt_top: s.params.prompt_logprobs.filter(|_| s.drawn == 0),
+            pending: None,
         }
     }
 }
@@ -359,6 +410,33 @@ impl Samplers {
         self.seqs.remove(&seq);
     }
 
+    /// Takes the sampling of the sequences that begin in `plan` (again: the same).
+    pub fn begin(&mut self, plan: &StepPlan) {
+        for e in &plan.entries {
+            if let Some(s) = &e.sampling {
+                self.seqs.insert(e.seq, SeqSampler::new(s));
+            }
+        }
+    }
+
+    /// Whether the model runner computes the logits of every token of `e`, not only of a
+    /// sampled entry's last: its sequence's prompt log-probabilities are wanted (after
+    /// [`Samplers::begin`] with its plan). Every rank must answer the same (it decides a CP
+    /// exchange): each calls [`Samplers::end_step`] after every step.
+    pub fn every_row(&self, e: &PlanEntry) -> bool {
+        self.seqs.get(&e.seq).is_some_and(|s| s.prompt_top.is_some())
+    }
+
+    /// Ends a step on any rank, where the logits are or not: the sequences `plan` sampled
+    /// have their prompts scored, and their later entries are single rows.
+    pub fn end_step(&mut self, plan: &StepPlan) {
+        for e in plan.sampled() {
+            if let Some(s) = self.seqs.get_mut(&e.seq) {
+                s.prompt_top = None;
+            }
+        }
+    }
+
     /// Takes the sampling of the sequences that begin in `plan`, then picks one token per
     /// sampled entry, in plan order, from `logits`: the rows `[sampled, vocab]` of the
     /// sampled entries' last positions, row-major. Each token comes with its
@@ -373,29 +451,96 @@ impl Samplers {
         logits: &[f32],
         vocab: usize,
     ) -> Result<StepOutput, SampleError> {
-        for e in &plan.entries {
-            if let Some(s) = &e.sampling {
-                self.seqs.insert(e.seq, SeqSampler::new(s));
-            }
-        }
+        self.begin(plan);
         let sampled = plan.sampled().count();
         if logits.len() != sampled * vocab || (vocab == 0 && sampled > 0) {
             return Err(SampleError::Logits { values: logits.len(), sampled, vocab });
         }
         let mut out = Vec::with_capacity(sampled);
         for (e, row) in plan.sampled().zip(logits.chunks_exact(vocab.max(1))) {
-            let s = self
-                .seqs
-                .get_mut(&e.seq)
-                .ok_or(SampleError::Unknown { seq: e.seq, step: plan.step })?;
-            let token = s.sampler.sample_next(row, &s.prompt, &s.generated);
-            let logprobs = s.sampler.logprobs(row, token);
-            if s.sampler.params().adjusts_logits() {
-                s.generated.push(token);
-            }
-            out.push(SampledToken { token, logprobs });
+            out.push(self.pick(e, plan.step, row)?);
         }
         Ok(out)
+    }
+
+    /// As [`Samplers::sample`], with `logits` holding every row of the entries for which
+    /// [`Samplers::every_row`] holds and the last row of the other sampled ones, in plan
+    /// order; also returns the prompt log-probabilities those rows give.
+    ///
+    /// # Errors
+    /// As [`Samplers::sample`].
+    pub fn sample_with_prompts(
+        &mut self,
+        plan: &StepPlan,
+        logits: &[f32],
+        vocab: usize,
+    ) -> Result<(StepOutput, Vec<PromptLogprobs>), SampleError> {
+        self.begin(plan);
+        let rows = |e: &PlanEntry| match (self.every_row(e), e.sample) {
+            (true, _) => e.tokens.len(),
+            (false, true) => 1,
+            (false, false) => 0,
+        };
+        let wanted: Vec<usize> = plan.entries.iter().map(rows).collect();
+        let sampled = plan.sampled().count();
+        let total: usize = wanted.iter().sum();
+        if logits.len() != total * vocab || (vocab == 0 && total > 0) {
+            return Err(SampleError::Logits { values: logits.len(), sampled, vocab });
+        }
+        let (mut out, mut prompts) = (Vec::with_capacity(sampled), Vec::new());
+        let mut rows = logits.chunks_exact(vocab.max(1));
+        for (e, n) in plan.entries.iter().zip(wanted) {
+            let mine: Vec<&[f32]> = rows.by_ref().take(n).collect();
+            if self.every_row(e) {
+                prompts.extend(self.score_prompt(e, plan.step, &mine)?);
+            }
+            if e.sample {
+                let last = mine.last().copied().unwrap_or_default();
+                out.push(self.pick(e, plan.step, last)?);
+            }
+        }
+        Ok((out, prompts))
+    }
+
+    /// The prompt log-probabilities that entry `e`'s rows give (every row of it), keeping
+    /// the last row of a chunk that does not sample for the next one's first token.
+    fn score_prompt(
+        &mut self,
+        e: &PlanEntry,
+        step: u64,
+        rows: &[&[f32]],
+    ) -> Result<Option<PromptLogprobs>, SampleError> {
+        let s = self.seqs.get_mut(&e.seq).ok_or(SampleError::Unknown { seq: e.seq, step })?;
+        let Some(top) = s.prompt_top else { return Ok(None) };
+        let mut tokens = Vec::with_capacity(rows.len());
+        let start = match s.pending.take() {
+            Some(before) => {
+                tokens.extend(e.tokens.first().map(|&t| RankedLogprobs::of(&before, t, top)));
+                e.start
+            }
+            None => e.start + 1,
+        };
+        for (row, &next) in rows.iter().zip(e.tokens.iter().skip(1)) {
+            tokens.push(RankedLogprobs::of(row, next, top));
+        }
+        if e.sample {
+            // The last row picks the first generated token: the prompt is scored.
+            s.prompt_top = None;
+        } else {
+            s.pending = rows.last().map(|r| r.to_vec());
+        }
+        Ok((!tokens.is_empty()).then_some(PromptLogprobs { seq: e.seq, start, tokens }))
+    }
+
+    /// Picks entry `e`'s next token from its last logits `row`.
+    fn pick(&mut self, e: &PlanEntry, step: u64, row: &[f32]) -> Result<SampledToken, SampleError> {
+        let s = self.seqs.get_mut(&e.seq).ok_or(SampleError::Unknown { seq: e.seq, step })?;
+        let token = s.sampler.sample_next(row, &s.prompt, &s.generated);
+        let logprobs = s.sampler.logprobs(row, token);
+        if s.sampler.params().adjusts_logits() {
+            s.generated.push(token);
+        }
+        Ok(SampledToken { token, logprobs })
     }
 }
 

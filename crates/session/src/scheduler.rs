@@ -14,7 +14,7 @@ use crate::blocks::BlockManager;
 use crate::error::{BoxError, Error, Result};
 use crate::model::{KvLayout, SampledToken};
 use crate::plan::{PlanEntry, SeqId, SeqSampling, StepPlan};
-use crate::sampler::{SamplingParams, TokenLogprobs};
+use crate::sampler::{PromptLogprobs, RankedLogprobs, SamplingParams, TokenLogprobs};
 use crate::sink::{FinishReason, TextCodec};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -81,6 +81,7 @@ impl PartialEq for Cancel {
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Emit {
     Token { request: u64, token: u32, logprobs: Option<TokenLogprobs> },
+    PromptLogprobs { request: u64, start: u32, tokens: Vec<RankedLogprobs> },
     Finished { request: u64, reason: FinishReason, tokens: Vec<u32> },
 }
 
@@ -105,6 +106,10 @@ struct Seq {
     registered: usize,
     /// Whether a plan ever gave the request a step (its queue time ended then).
     scheduled: bool,
+    /// The next prompt position whose log-probabilities go out (when they are asked for;
+    /// position 0 has none): a recompute that scores the same positions again sends each
+    /// once.
+    prompt_scored: usize,
 }
 
 impl Seq {
@@ -324,6 +329,7 @@ impl Scheduler {
             sent: 0,
             registered: 0,
             scheduled: false,
+            prompt_scored: 1,
         });
         Ok(None)
     }
@@ -437,7 +443,9 @@ impl Scheduler {
     /// A sequence that has none yet first takes the longest cached prefix of its tokens.
     fn admit(pool: &mut Pool, s: &mut Seq, want: usize) -> usize {
         let fresh = s.blocks.is_empty();
-        if fresh && s.prefilled == 0 && pool.prefix_caching {
+        // Prompt log-probabilities need the logits of every prompt position: no reuse.
+        let scored = s.params.prompt_logprobs.is_some();
+        if fresh && s.prefilled == 0 && pool.prefix_caching && !scored {
             let context = s.context();
             let tokens: Vec<u32> = (0..context).map(|i| s.token(i)).collect();
             // At least one token is computed, for its logits.
@@ -461,6 +469,28 @@ impl Scheduler {
             }
             None => 0,
         }
+    }
+
+    /// Takes the prompt log-probabilities a step computed: each prompt position's go out
+    /// once, in order (a recompute scores positions again).
+    pub(crate) fn prompt_logprobs(&mut self, scored: Vec<PromptLogprobs>) -> Vec<Emit> {
+        let mut out = Vec::new();
+        for p in scored {
+            let Some(s) = self.seqs.iter_mut().find(|s| s.id == p.seq) else { continue };
+            let start = p.start as usize;
+            let end = (start + p.tokens.len()).min(s.prompt.len());
+            if start > s.prompt_scored || end <= s.prompt_scored {
+                continue;
+            }
+            let tokens = p.tokens[s.prompt_scored - start..end - start].to_vec();
+            out.push(Emit::PromptLogprobs {
+                request: s.request,
+                start: s.prompt_scored as u32,
+                tokens,
+            });
+            s.prompt_scored = end;
+        }
+        out
     }
 
     /// Takes the results of `plan` (one token per sampled entry, from the model runner) and

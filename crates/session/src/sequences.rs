@@ -5,7 +5,7 @@
 use crate::error::BoxError;
 use crate::model::StepOutput;
 use crate::plan::{PlanEntry, SeqId, StepPlan};
-use crate::sampler::Samplers;
+use crate::sampler::{PromptLogprobs, Samplers};
 use layers::parallel::{Comms, ParallelCache, ParallelModel, Sequence};
 use std::collections::HashMap;
 
@@ -34,12 +34,19 @@ pub(crate) struct StepError {
 pub(crate) struct Sequences {
     caches: HashMap<SeqId, ParallelCache>,
     samplers: Samplers,
+    /// The prompt log-probabilities of the last step, until taken.
+    prompt_logprobs: Vec<PromptLogprobs>,
 }
 
 impl Sequences {
     /// Sequences held.
     pub(crate) fn len(&self) -> usize {
         self.caches.len()
+    }
+
+    /// The prompt log-probabilities the last [`Sequences::run`] computed, taken.
+    pub(crate) fn take_prompt_logprobs(&mut self) -> Vec<PromptLogprobs> {
+        std::mem::take(&mut self.prompt_logprobs)
     }
 
     /// Frees a sequence's cache and sampler.
@@ -51,7 +58,10 @@ impl Sequences {
     /// Runs every entry of `plan` as one forward pass of `model`, each with its sequence's
     /// cache (made by `new_cache` for the sequence's first entry), after checking that the
     /// plan continues where each cache ends and that every entry fits. Returns the token of
-    /// every entry that samples, in plan order, where the model delivers logits (TP 0, CP 0).
+    /// every entry that samples, in plan order, where the model delivers logits (TP 0, CP 0);
+    /// there too, the prompt log-probabilities of the sequences that ask for them are kept
+    /// for [`Sequences::take_prompt_logprobs`] (their entries' logits are computed for every
+    /// token).
     pub(crate) fn run(
         &mut self,
         model: &ParallelModel,
@@ -60,11 +70,18 @@ impl Sequences {
         new_cache: impl FnMut(&PlanEntry) -> Result<ParallelCache, BoxError>,
     ) -> Result<Option<StepOutput>, BoxError> {
         let mut taken = Vec::with_capacity(plan.entries.len());
+        self.samplers.begin(plan);
+        let every: Vec<bool> = plan.entries.iter().map(|e| self.samplers.every_row(e)).collect();
         let out = self.take(model, plan, new_cache, &mut taken).and_then(|()| {
             let mut seqs: Vec<Sequence<'_>> = taken
                 .iter_mut()
-                .zip(&plan.entries)
-                .map(|((_, cache), e)| Sequence { tokens: &e.tokens, cache, sample: e.sample })
+                .zip(plan.entries.iter().zip(&every))
+                .map(|((_, cache), (e, &every_row))| Sequence {
+                    tokens: &e.tokens,
+                    cache,
+                    sample: e.sample,
+                    every_row,
+                })
                 .collect();
             model.forward_batch(comms, &mut seqs).map_err(|source| {
                 let error = StepError {
@@ -77,9 +94,16 @@ impl Sequences {
             })
         });
         self.caches.extend(taken);
-        let Some(logits) = out? else { return Ok(None) };
-        let vocab = model.config().vocab_size;
-        Ok(Some(self.samplers.sample(plan, logits.data(), vocab)?))
+        let out = out?;
+        let samplers = &mut self.samplers;
+        let sampled = out.map(|logits| {
+            let vocab = model.config().vocab_size;
+            samplers.sample_with_prompts(plan, logits.data(), vocab)
+        });
+        self.samplers.end_step(plan);
+        let Some((tokens, prompts)) = sampled.transpose()? else { return Ok(None) };
+        self.prompt_logprobs = prompts;
+        Ok(Some(tokens))
     }
 
     /// Moves the caches of `plan`'s sequences into `taken`, in plan order, checking each.

@@ -335,6 +335,10 @@ impl StepModel for ShardedLlama {
         self.sequences.release(seq);
     }
 
+    fn take_prompt_logprobs(&mut self) -> Vec<crate::sampler::PromptLogprobs> {
+        self.sequences.take_prompt_logprobs()
+    }
+
     fn kv_layout(&self) -> Option<KvLayout> {
         self.pool.as_ref().map(|(_, layout)| *layout)
     }

@@ -2,7 +2,7 @@
 //! Workers own none of these; their constructors take none.
 
 use crate::error::BoxError;
-use crate::sampler::TokenLogprobs;
+use crate::sampler::{RankedLogprobs, TokenLogprobs};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 pub use text::tokenizer::TextStream;
@@ -95,6 +95,24 @@ pub trait OutputSink: Send {
     /// does nothing.
     fn scheduled(&mut self, request: u64) {
         let _ = request;
+    }
+    /// Log-probabilities of request `request`'s prompt tokens from position `start` on
+    /// (each given the tokens before it; position 0 has none), when the request asked for
+    /// them ([`SamplingParams::prompt_logprobs`]): every prompt position once, in order,
+    /// before the request's first token. The default drops them.
+    ///
+    /// # Errors
+    /// As [`OutputSink::token`].
+    ///
+    /// [`SamplingParams::prompt_logprobs`]: crate::SamplingParams::prompt_logprobs
+    fn prompt_logprobs(
+        &mut self,
+        request: u64,
+        start: u32,
+        tokens: &[RankedLogprobs],
+    ) -> Result<(), BoxError> {
+        let _ = (request, start, tokens);
+        Ok(())
     }
     /// Request `request` finished with all its `tokens`.
     ///

@@ -3,7 +3,10 @@
 //! registered.
 
 use super::metrics::{Metrics, RequestTimes};
-use session::{BoxError, Cancel, FinishReason, OutputSink, Request, SamplingParams, TokenLogprobs};
+use session::{
+    BoxError, Cancel, FinishReason, OutputSink, RankedLogprobs, Request, SamplingParams,
+    TokenLogprobs,
+};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
@@ -22,6 +25,14 @@ pub enum Event {
         text: String,
         /// Its log-probabilities, when the request asked for them.
         logprobs: Option<TokenLogprobs>,
+    },
+    /// Log-probabilities of the prompt's tokens from position `start` on (each given the
+    /// tokens before it), when the request asked for them; they come before its first token.
+    PromptLogprobs {
+        /// The prompt position of the first.
+        start: u32,
+        /// One per token.
+        tokens: Vec<RankedLogprobs>,
     },
     /// The request ended.
     Finished {
@@ -195,6 +206,18 @@ impl OutputSink for Sink {
             entry.scheduled = Some(now);
             self.0.metrics.scheduled(now - entry.arrival);
         }
+    }
+
+    fn prompt_logprobs(
+        &mut self,
+        request: u64,
+        start: u32,
+        tokens: &[RankedLogprobs],
+    ) -> Result<(), BoxError> {
+        if let Some(entry) = self.0.lock().get(&request) {
+            let _ = entry.tx.send(Event::PromptLogprobs { start, tokens: tokens.to_vec() });
+        }
+        Ok(())
     }
 
     fn finished(

@@ -9,6 +9,10 @@
 //! control socket's `op` object); a failure is 400 (a bad parameter) or 500 with the
 //! aggregate error and its failing ranks. Without a coordinator they answer 503.
 //!
+//! A completion's `prompt` may be a list of prompts, each answered with `n` choices;
+//! `echo` with `logprobs` and vLLM's `prompt_logprobs` score the prompt
+//! ([`super::logprobs`]).
+//!
 //! Every failure a client causes is a 4xx answer with an OpenAI-style body
 //! `{"error": {"message", "type", "code", "param"}}`; the engine only ever sees checked
 //! token-id prompts.

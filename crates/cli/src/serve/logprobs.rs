@@ -9,7 +9,15 @@
 //!
 //! Streamed chunks carry the same objects for their own tokens. The numbers are the model's
 //! own distribution ([`TokenLogprobs`]: before temperature, penalties and bias), as vLLM
-//! reports by default. Prompt log-probabilities (`echo` with `logprobs`) are not offered.
+//! reports by default.
+//!
+//! Prompt log-probabilities (each prompt token given the tokens before it; the first has
+//! none): a completion with `echo` and `logprobs` lists the prompt's tokens before the
+//! generated ones in the completions shape (`null` first, as OpenAI); vLLM's
+//! `"prompt_logprobs": N` (both endpoints, not streamed) answers `prompt_logprobs`: `null`,
+//! then per token a map from token id to `{"logprob", "rank", "decoded_token"}` of the
+//! prompt's token and the `N` most likely (in each completion choice; at the top of a chat
+//! answer, as vLLM).
 
 use super::http::ApiError;
 use serde_json::{json, Map, Value};
@@ -61,6 +69,14 @@ pub(super) fn chat_request(
         (false, Some(_)) => {
             Err(ApiError::invalid("invalid_logprobs", "`top_logprobs` needs `logprobs`: true"))
         }
+    }
+}
+
+/// How many alternatives vLLM's `prompt_logprobs` asks for per prompt token (`None`: none).
+pub(super) fn prompt_request(prompt_logprobs: Option<&Value>) -> Result<Option<usize>, ApiError> {
+    match prompt_logprobs {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => count("prompt_logprobs", v).map(Some),
     }
 }
 
@@ -132,6 +148,42 @@ pub(super) fn completion(tokens: &[Scored], mut offset: usize) -> Value {
         "top_logprobs": top,
         "text_offset": text_offset,
     })
+}
+
+/// The completions shape of an echoed prompt's tokens (`first`, the first one's text, then
+/// `prompt`, scored) followed by `generated`: the first token has `null` for its
+/// log-probability and its alternatives, as nothing comes before it.
+pub(super) fn completion_echoed(first: &str, prompt: &[Scored], generated: &[Scored]) -> Value {
+    let all: Vec<Scored> = prompt.iter().chain(generated).cloned().collect();
+    let mut out = completion(&all, first.chars().count());
+    let front = |v: &mut Value, x: Value| {
+        if let Some(list) = v.as_array_mut() {
+            list.insert(0, x);
+        }
+    };
+    front(&mut out["tokens"], json!(first));
+    front(&mut out["token_logprobs"], Value::Null);
+    front(&mut out["top_logprobs"], Value::Null);
+    front(&mut out["text_offset"], json!(0));
+    out
+}
+
+/// vLLM's `prompt_logprobs` of a prompt: `null` for its first token, then for each of
+/// `scored` (its tokens from the second on, with their ranks) a map from token id to
+/// `{"logprob", "rank", "decoded_token"}` of the prompt's own token and the `top` most likely.
+pub(super) fn vllm_prompt(prompt: &[u32], scored: &[(Scored, u32)], top: usize) -> Value {
+    let entry = |lp: f32, rank: usize, text: &str| json!({"logprob": num(lp), "rank": rank, "decoded_token": text});
+    let mut out = vec![Value::Null];
+    for (&token, (s, rank)) in prompt.iter().skip(1).zip(scored) {
+        let mut m = Map::new();
+        m.insert(token.to_string(), entry(s.logprobs.logprob, *rank as usize, &s.text));
+        for (i, (text, &(id, lp))) in s.top_texts.iter().zip(&s.logprobs.top).take(top).enumerate()
+        {
+            m.entry(id.to_string()).or_insert_with(|| entry(lp, i + 1, text));
+        }
+        out.push(Value::Object(m));
+    }
+    Value::Array(out)
 }
 
 /// The chat shape of `tokens`: `bytes` are each token's own, so a client joins them into the
@@ -207,6 +259,19 @@ mod tests {
                 "top_logprobs": [
                     {"token": " Pa", "logprob": -0.5, "bytes": [32, 80, 97]},
                     {"token": " Lo", "logprob": -1.25, "bytes": [32, 76, 111]}]}]})
+        );
+        // Echoed: the prompt's first token has nothing before it; offsets run on.
+        let e = completion_echoed("The", &tokens[..1], &tokens[1..]);
+        assert_eq!(e["tokens"], json!(["The", " Pa", "ris"]));
+        assert_eq!(e["token_logprobs"], json!([null, -0.5, f32::MIN]));
+        assert_eq!(e["top_logprobs"], json!([null, {" Pa": -0.5, " Lo": -1.25}, {}]));
+        assert_eq!(e["text_offset"], json!([0, 3, 6]));
+        // vLLM's: the prompt's token with its rank, then the alternatives (here 1).
+        let v = vllm_prompt(&[4, 8], &[(tokens[0].clone(), 2)], 1);
+        assert_eq!(
+            v,
+            json!([null, {"8": {"logprob": -0.5, "rank": 2, "decoded_token": " Pa"},
+                          "7": {"logprob": -0.5, "rank": 1, "decoded_token": " Pa"}}])
         );
         // Half of `é`: the text reads U+FFFD, the bytes are the token's own.
         let half = Scored { bytes: vec![0xC3], ..scored("\u{fffd}", -0.1, &[]) };

@@ -52,6 +52,9 @@ pub struct Sequence<'a> {
     pub cache: &'a mut ParallelCache,
     /// Whether the logits of its last token are wanted.
     pub sample: bool,
+    /// Whether the logits of every token are wanted (prompt log-probabilities), the last
+    /// one's included.
+    pub every_row: bool,
 }
 
 impl ParallelModel {
@@ -165,9 +168,10 @@ impl ParallelModel {
     /// One step of many sequences as one forward pass: their tokens packed into one
     /// activation matrix (every linear layer one product over all of them, one TP all-reduce
     /// per layer and, with CP, one exchange per layer), each sequence attending over its own
-    /// cache. Returns the logits `[sampled, vocab]` of the last token of every sequence with
-    /// `sample` set, in order, on the rank at TP 0 and CP 0 only (`None` elsewhere): the other
-    /// ranks send it their share rather than gathering the vocabulary everywhere.
+    /// cache. Returns logits `[rows, vocab]`, in sequence order: every token's of a sequence
+    /// with `every_row` set, the last token's of one with only `sample` set; on the rank at
+    /// TP 0 and CP 0 only (`None` elsewhere): the other ranks send it their share rather than
+    /// gathering the vocabulary everywhere.
     ///
     /// A sequence's logits are those of [`ParallelModel::forward`] on it alone up to f32
     /// summation order: the kernels a linear layer picks depend on the step's row count.
@@ -191,20 +195,51 @@ impl ParallelModel {
     ) -> Result<Option<Tensor>> {
         let (x, parts) = self.layers(comms, seqs)?;
         let Placement { cp_rank, cp, .. } = self.placement;
-        let sampled: Vec<&Part> =
-            seqs.iter().zip(&parts).filter(|(s, _)| s.sample).map(|(_, p)| p).collect();
+        // Per sequence: whether its every row is wanted, or its last, or none.
+        let wanted: Vec<(bool, bool, &Part)> =
+            seqs.iter().zip(&parts).map(|(s, p)| (s.every_row, s.sample, p)).collect();
         let hidden = self.config.hidden;
-        if sampled.is_empty() {
+        if wanted.iter().all(|&(every, sample, _)| !every && !sample) {
             // Nothing to sample (prompt chunks only): no rank moves anything.
             let root = (cp_rank, self.placement.tp_rank) == (0, 0);
             return Ok(root.then(|| Tensor::zeros(&[0, self.config.vocab_size])));
         }
-        // Prefill rows end on the last CP rank (shards ascend); it sends them to CP rank 0.
-        let holder = cp - 1;
-        let from_holder: Vec<usize> = sampled
+        // Every row of a prefill split over CP: each CP rank's shard, gathered by all of them.
+        let shards: Vec<&TokenShard> = wanted
             .iter()
-            .filter(|p| matches!(p.split, Split::Prefill(_)))
-            .map(|p| p.rows.end - 1)
+            .filter(|w| w.0)
+            .filter_map(|w| match &w.2.split {
+                Split::Prefill(shard) => Some(shard),
+                Split::Extend(_) => None,
+            })
+            .collect();
+        let mut gathered = Vec::new();
+        let mut offsets = vec![0; cp];
+        if !shards.is_empty() {
+            let sizes: Vec<usize> = (0..cp)
+                .map(|r| shards.iter().map(|s| s.ranges()[r].len() * hidden).sum())
+                .collect();
+            let mut mine = Vec::with_capacity(sizes[cp_rank]);
+            for (_, _, p) in wanted.iter().filter(|w| w.0 && matches!(w.2.split, Split::Prefill(_)))
+            {
+                mine.extend_from_slice(&x.data()[p.rows.start * hidden..p.rows.end * hidden]);
+            }
+            gathered = vec![0f32; sizes.iter().sum()];
+            comms.cp.all_gather_uneven(&mine, &mut gathered, &sizes)?;
+            // Where each rank's part begins in `gathered`.
+            let mut at = 0;
+            for (offset, size) in offsets.iter_mut().zip(&sizes) {
+                *offset = at;
+                at += size;
+            }
+        }
+        // The last row of a prefill ends on the last CP rank (shards ascend); it sends it to
+        // CP rank 0.
+        let holder = cp - 1;
+        let from_holder: Vec<usize> = wanted
+            .iter()
+            .filter(|&&(every, sample, p)| !every && sample && matches!(p.split, Split::Prefill(_)))
+            .map(|w| w.2.rows.end - 1)
             .collect();
         if cp_rank != 0 {
             if cp_rank == holder && !from_holder.is_empty() {
@@ -219,14 +254,27 @@ impl ParallelModel {
             comms.cp.recv(&mut received, holder)?;
         }
         let mut received = received.chunks_exact(hidden);
-        let mut rows = Vec::with_capacity(sampled.len() * hidden);
-        for p in &sampled {
-            match p.split {
-                Split::Prefill(_) => rows.extend_from_slice(received.next().unwrap_or_default()),
-                Split::Extend(_) => rows.extend_from_slice(x.row(p.rows.end - 1)),
+        let mut rows = Vec::new();
+        for &(every, sample, p) in &wanted {
+            match (&p.split, every, sample) {
+                (Split::Prefill(shard), true, _) => {
+                    for (r, range) in shard.ranges().iter().enumerate() {
+                        let n = range.len() * hidden;
+                        rows.extend_from_slice(&gathered[offsets[r]..offsets[r] + n]);
+                        offsets[r] += n;
+                    }
+                }
+                (Split::Extend(_), true, _) => {
+                    rows.extend_from_slice(&x.data()[p.rows.start * hidden..p.rows.end * hidden]);
+                }
+                (Split::Prefill(_), false, true) => {
+                    rows.extend_from_slice(received.next().unwrap_or_default());
+                }
+                (Split::Extend(_), false, true) => rows.extend_from_slice(x.row(p.rows.end - 1)),
+                (_, false, false) => {}
             }
         }
-        let x = Tensor::from_vec(&[sampled.len(), hidden], rows)?;
+        let x = Tensor::from_vec(&[rows.len() / hidden, hidden], rows)?;
         let x = self.backend.rms_norm(&x, &self.norm, self.config.rms_eps)?;
         self.lm_head.logits_to(&self.backend, comms.tp, &x, 0)
     }
@@ -312,7 +360,7 @@ impl ParallelModel {
         logits: Logits,
     ) -> Result<Tensor> {
         let c = &self.config;
-        let mut seqs = [Sequence { tokens, cache, sample: true }];
+        let mut seqs = [Sequence { tokens, cache, sample: true, every_row: false }];
         let (x, mut parts) = self.layers(comms, &mut seqs)?;
         let part = parts.remove(0);
         // Bring the rows asked for onto every rank.

@@ -511,6 +511,7 @@ fn run_steps(
                 tokens,
                 cache: by_seq[*seq].take().unwrap(),
                 sample: *sample,
+                every_row: false,
             })
             .collect();
         out.push(model.forward_batch(comms, &mut seqs).unwrap());
@@ -591,6 +592,93 @@ fn batched_steps_match_each_sequence_alone() {
     std::fs::remove_file(path).unwrap();
 }
 
+/// Sequences whose every row is wanted (prompt log-probabilities) get the logits of each of
+/// their tokens, next to sequences sampled at their last token only, in every layout: a
+/// prefill split over CP (gathered), an extend chunk, a one-token entry and a decode, each
+/// equal to the single-rank model's logits of all its tokens.
+#[test]
+fn every_row_gives_the_logits_of_every_token_in_every_layout() {
+    let spec = RandomLlama {
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 80,
+        vocab: 40,
+        layers: 2,
+        seed: 43,
+        ..RandomLlama::default()
+    };
+    let path = write_model(&spec, "every-row.gguf");
+    let ids = |from: u32, n: u32| (from..from + n).map(|t| t % spec.vocab as u32).collect();
+    // (sequence, tokens, sample, every row)
+    type Step = Vec<(usize, Vec<u32>, bool, bool)>;
+    let steps: Vec<Step> = vec![
+        vec![(0, ids(3, 7), false, true), (1, ids(11, 5), true, false), (2, ids(5, 1), true, true)],
+        vec![(0, ids(20, 3), true, true), (1, ids(2, 1), true, false), (3, ids(30, 6), true, true)],
+        vec![(0, ids(9, 1), true, true), (3, ids(1, 1), false, false), (2, ids(8, 2), true, false)],
+    ];
+    let reference = Model::load_with(&path, 1, WeightForm::F32).unwrap();
+    let mut caches: Vec<KvCache> = (0..4).map(|_| reference.new_cache(64)).collect();
+    let want: Vec<Vec<Vec<f32>>> = steps
+        .iter()
+        .map(|step| {
+            let mut rows = Vec::new();
+            for (seq, tokens, sample, every) in step {
+                let cache = &mut caches[*seq];
+                let positions: Vec<usize> = (cache.len()..cache.len() + tokens.len()).collect();
+                let all = reference.forward(tokens, &positions, cache, Logits::All).unwrap();
+                let from = if *every {
+                    0
+                } else if *sample {
+                    tokens.len() - 1
+                } else {
+                    tokens.len()
+                };
+                rows.extend((from..tokens.len()).map(|r| all.row(r).to_vec()));
+            }
+            rows
+        })
+        .collect();
+    for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2)] {
+        let got = on_mesh(tp, cp, |p, comms| {
+            let model =
+                ParallelModel::load(&path, LoadOptions::new(p).form(WeightForm::F32)).unwrap();
+            let mut caches: Vec<ParallelCache> = (0..4).map(|_| model.new_cache(64)).collect();
+            let mut out = Vec::new();
+            for step in &steps {
+                let mut by_seq: Vec<Option<&mut ParallelCache>> =
+                    caches.iter_mut().map(Some).collect();
+                let mut seqs: Vec<Sequence<'_>> = step
+                    .iter()
+                    .map(|(seq, tokens, sample, every)| Sequence {
+                        tokens,
+                        cache: by_seq[*seq].take().unwrap(),
+                        sample: *sample,
+                        every_row: *every,
+                    })
+                    .collect();
+                out.push(model.forward_batch(comms, &mut seqs).unwrap());
+            }
+            (p, out)
+        });
+        for (p, out) in got {
+            if (p.tp_rank, p.cp_rank) != (0, 0) {
+                assert!(out.iter().all(Option::is_none), "({tp},{cp}) {p:?} got logits");
+                continue;
+            }
+            for (i, (logits, want)) in out.iter().zip(&want).enumerate() {
+                let logits = logits.as_ref().expect("rank 0 gets the logits");
+                assert_eq!(logits.shape(), [want.len(), spec.vocab], "({tp},{cp}) step {i}");
+                for (r, w) in want.iter().enumerate() {
+                    let e = rel_err(logits.row(r), w);
+                    assert!(e < 1e-4, "({tp},{cp}) step {i} row {r}: logits off by {e}");
+                }
+            }
+        }
+    }
+    std::fs::remove_file(path).unwrap();
+}
+
 /// The mixed steps of [`mixed_steps`] give the same logits, bit for bit, with every
 /// sequence's keys and values in scattered 4-token blocks of one shared pool as in buffers of
 /// its own, in every layout; and a sequence that takes another's first block as its cached
@@ -654,7 +742,7 @@ fn paged_caches_give_the_logits_of_own_buffers() {
     model
         .forward_batch(
             &mut comms,
-            &mut [Sequence { tokens: &a_tokens, cache: &mut a, sample: true }],
+            &mut [Sequence { tokens: &a_tokens, cache: &mut a, sample: true, every_row: false }],
         )
         .unwrap();
     let mut fresh = model.new_paged_cache(&pool).unwrap();
@@ -662,7 +750,12 @@ fn paged_caches_give_the_logits_of_own_buffers() {
     let want = model
         .forward_batch(
             &mut comms,
-            &mut [Sequence { tokens: &b_tokens, cache: &mut fresh, sample: true }],
+            &mut [Sequence {
+                tokens: &b_tokens,
+                cache: &mut fresh,
+                sample: true,
+                every_row: false,
+            }],
         )
         .unwrap();
     let mut reused = model.new_paged_cache(&pool).unwrap();
@@ -671,7 +764,12 @@ fn paged_caches_give_the_logits_of_own_buffers() {
     let got = model
         .forward_batch(
             &mut comms,
-            &mut [Sequence { tokens: &b_tokens[4..], cache: &mut reused, sample: true }],
+            &mut [Sequence {
+                tokens: &b_tokens[4..],
+                cache: &mut reused,
+                sample: true,
+                every_row: false,
+            }],
         )
         .unwrap();
     assert_eq!(reused.len(), b_tokens.len());
@@ -691,8 +789,8 @@ fn a_batch_with_no_room_for_one_sequence_is_refused_before_it_runs() {
     let mut comms = Comms { tp: &mut tp, cp: &mut cp };
     let (mut roomy, mut small) = (model.new_cache(16), model.new_cache(2));
     let mut seqs = [
-        Sequence { tokens: &[1, 2], cache: &mut roomy, sample: true },
-        Sequence { tokens: &[3, 4, 5], cache: &mut small, sample: true },
+        Sequence { tokens: &[1, 2], cache: &mut roomy, sample: true, every_row: false },
+        Sequence { tokens: &[3, 4, 5], cache: &mut small, sample: true, every_row: false },
     ];
     let err = model.forward_batch(&mut comms, &mut seqs).unwrap_err();
     assert!(matches!(err, Error::CacheFull { capacity: 2, requested: 3, .. }), "{err}");
@@ -751,7 +849,12 @@ fn greedy_batched(
                     let mut seqs: Vec<Sequence<'_>> = contexts
                         .iter()
                         .zip(caches.iter_mut())
-                        .map(|(tokens, cache)| Sequence { tokens, cache, sample: false })
+                        .map(|(tokens, cache)| Sequence {
+                            tokens,
+                            cache,
+                            sample: false,
+                            every_row: false,
+                        })
                         .collect();
                     model.forward_batch(comms, &mut seqs).unwrap();
                 }
@@ -763,7 +866,12 @@ fn greedy_batched(
                 let mut seqs: Vec<Sequence<'_>> = fed
                     .iter()
                     .zip(caches.iter_mut())
-                    .map(|(tokens, cache)| Sequence { tokens, cache, sample: true })
+                    .map(|(tokens, cache)| Sequence {
+                        tokens,
+                        cache,
+                        sample: true,
+                        every_row: false,
+                    })
                     .collect();
                 let logits = model.forward_batch(comms, &mut seqs).unwrap();
                 // Rank 0's picks, sent down its CP column, then along every TP row.

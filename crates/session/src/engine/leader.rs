@@ -346,13 +346,17 @@ impl Leader {
         self.core.events.push(Event::Step { epoch, step: s.steps });
         let t1 = Instant::now();
         let result = self.core.forward(model.as_mut(), &plan).and_then(|sampled| {
-            sched.apply(&plan, sampled.unwrap_or_default()).map_err(|reason| Error::Model {
+            // A prompt's log-probabilities go out before its first token.
+            let mut emitted = sched.prompt_logprobs(model.take_prompt_logprobs());
+            let tokens = sched.apply(&plan, sampled.unwrap_or_default());
+            emitted.extend(tokens.map_err(|reason| Error::Model {
                 phase: "step",
                 rank: 0,
                 epoch,
                 step: plan.step,
                 source: reason.into(),
-            })
+            })?);
+            Ok(emitted)
         });
         let model_time = t1.elapsed();
         let emitted = match result {
@@ -489,6 +493,9 @@ fn emit(
                     .any(|f| matches!(f, Emit::Finished { request: r, .. } if r == request));
                 let piece = text.piece(*request, *token, last).map_err(sink)?;
                 out.token(*request, *token, &piece, logprobs.as_ref()).map_err(sink)?;
+            }
+            Emit::PromptLogprobs { request, start, tokens } => {
+                out.prompt_logprobs(*request, *start, tokens).map_err(sink)?;
             }
             Emit::Finished { request, reason, tokens } => {
                 text.streams.remove(request);

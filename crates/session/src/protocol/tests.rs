@@ -49,6 +49,7 @@ fn sampled_plan(tokens: usize) -> StepPlan {
             min_p: 0.05,
             logit_bias: vec![(11, -100.0), (3, 2.5)],
             logprobs: Some(5),
+            prompt_logprobs: Some(3),
         },
         drawn: 4,
         prompt: vec![1, 2, 3],

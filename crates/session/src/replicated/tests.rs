@@ -207,3 +207,133 @@ fn seeded_sampling_with_penalties_gives_what_a_plain_sampler_gives() {
     }
     let _ = std::fs::remove_file(&path);
 }
+
+/// What the output sink saw of each request, in order: prompt log-probabilities (their first
+/// position and values) and tokens.
+#[derive(Clone, Default)]
+struct Scored(Arc<Mutex<std::collections::HashMap<u64, Vec<Heard>>>>);
+
+#[derive(Debug, Clone)]
+enum Heard {
+    Prompt(u32, Vec<crate::sampler::RankedLogprobs>),
+    Token,
+}
+
+impl OutputSink for Scored {
+    fn token(
+        &mut self,
+        request: u64,
+        _: u32,
+        _: &str,
+        _: Option<&TokenLogprobs>,
+    ) -> Result<(), BoxError> {
+        self.0.lock().unwrap().entry(request).or_default().push(Heard::Token);
+        Ok(())
+    }
+
+    fn prompt_logprobs(
+        &mut self,
+        request: u64,
+        start: u32,
+        tokens: &[crate::sampler::RankedLogprobs],
+    ) -> Result<(), BoxError> {
+        let heard = Heard::Prompt(start, tokens.to_vec());
+        self.0.lock().unwrap().entry(request).or_default().push(heard);
+        Ok(())
+    }
+
+    fn finished(&mut self, _: u64, _: FinishReason, _: &[u32]) -> Result<(), BoxError> {
+        Ok(())
+    }
+}
+
+/// Prompt log-probabilities: position `p` of a prompt is scored by the logits of the prompt's
+/// first `p` tokens run alone (the one-sequence model, a prefix at a time), with its rank and
+/// alternatives, every position once and in order before the first token; whatever the
+/// chunks, a prefix another request left in the cache (not reused for a scored prompt), or
+/// preemptions that recompute sequences. A request that does not ask gets none.
+#[test]
+fn prompt_logprobs_are_each_prefixs_next_token_distribution() {
+    const TOP: usize = 3;
+    let path =
+        std::env::temp_dir().join(format!("tpctl-session-prompt-lp-{}.gguf", std::process::id()));
+    layers::model::random::RandomLlama::default().write(&path).unwrap();
+    let model = path.to_string_lossy().into_owned();
+    let asks = SamplingParams {
+        max_tokens: 12,
+        ignore_eos: true,
+        prompt_logprobs: Some(TOP),
+        ..SamplingParams::default()
+    };
+    let plain = SamplingParams { prompt_logprobs: None, ..asks.clone() };
+    let requests: Vec<(Vec<u32>, SamplingParams)> = vec![
+        (vec![1, 2, 3, 4, 10, 11, 12, 13, 14], plain.clone()),
+        // Its first two blocks of 4 are cached by the first request.
+        (vec![1, 2, 3, 4, 10, 11, 12, 13, 20, 21, 22], asks.clone()),
+        (vec![9, 8, 7, 6, 5, 4, 3], asks.clone()),
+        (vec![30], asks.clone()),
+        (vec![40, 41, 42, 43, 44, 45], SamplingParams { max_tokens: 1, ..asks.clone() }),
+    ];
+    // A pool of one 40-token sequence: the requests preempt each other.
+    let factory =
+        ShardedFactory::new(1).with_context(40).with_kv_cache(crate::sharded::KvCacheConfig {
+            bytes: None,
+            cap_bytes: 0,
+            block_size: 4,
+            prefix_caching: true,
+            device_fraction: None,
+        });
+    let ctx = init_parallel_with(mesh::Rendezvous::single(), &InitOptions::default()).unwrap();
+    let (seen, preemptions) = (Scored::default(), Preemptions::default());
+    let mut leader = Leader::new(
+        ctx,
+        Box::new(factory),
+        Box::new(seen.clone()),
+        Box::new(preemptions.clone()),
+        EngineOptions::default(),
+    )
+    .unwrap();
+    let batch = requests
+        .iter()
+        .enumerate()
+        .map(|(i, (p, params))| Request::tokens(i as u64, p.clone(), params.clone()))
+        .collect();
+    let cfg = SessionConfig { token_budget: 5, ..SessionConfig::new(model.clone()) };
+    leader.run(cfg, batch, &mut |_: &SessionReport| Decision::Stop).unwrap();
+    assert!(*preemptions.0.lock().unwrap() > 0, "the pool is small enough to preempt");
+
+    let reference = Reference::load(&model);
+    let seen = seen.0.lock().unwrap();
+    for (i, (prompt, params)) in requests.iter().enumerate() {
+        let heard = &seen[&(i as u64)];
+        let first_token = heard.iter().position(|h| matches!(h, Heard::Token)).unwrap();
+        let mut got = Vec::new();
+        for h in &heard[..first_token] {
+            let Heard::Prompt(start, tokens) = h else { unreachable!() };
+            assert_eq!(*start as usize, got.len() + 1, "request {i}: positions in order, once");
+            got.extend(tokens.iter().cloned());
+        }
+        assert!(
+            heard[first_token..].iter().all(|h| matches!(h, Heard::Token)),
+            "request {i}: the prompt's log-probabilities come before its first token"
+        );
+        if params.prompt_logprobs.is_none() {
+            assert!(got.is_empty(), "request {i} did not ask");
+            continue;
+        }
+        assert_eq!(got.len(), prompt.len() - 1, "request {i}: every position but the first");
+        for (p, g) in (1..prompt.len()).zip(&got) {
+            let logits = reference.next_logits(&mut reference.0.new_cache(64), &prompt[..p]);
+            let want = crate::sampler::RankedLogprobs::of(&logits, prompt[p], TOP);
+            let (gl, wl) = (&g.logprobs, &want.logprobs);
+            assert!((gl.logprob - wl.logprob).abs() < 1e-4, "request {i} position {p}");
+            assert_eq!(g.rank, want.rank, "request {i} position {p}");
+            let top = |t: &TokenLogprobs| t.top.iter().map(|x| x.0).collect::<Vec<_>>();
+            assert_eq!(top(gl), top(wl), "request {i} position {p}'s alternatives");
+            for (a, b) in gl.top.iter().zip(&wl.top) {
+                assert!((a.1 - b.1).abs() < 1e-4, "request {i} position {p}: {a:?} vs {b:?}");
+            }
+        }
+    }
+    let _ = std::fs::remove_file(&path);
+}

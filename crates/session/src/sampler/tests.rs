@@ -219,3 +219,68 @@ fn penalties_count_the_history_sent_and_the_tokens_sampled_since() {
     let plan = plan_of(vec![entry(1, true, None)]);
     assert_eq!(samplers.sample(&plan, &logits, 3).unwrap()[0].token, 2);
 }
+
+#[test]
+fn a_rank_counts_the_tokens_above_and_nan_is_below_all() {
+    let logits = [1.0f32, 3.0, f32::NAN, 3.0, 0.5];
+    let rank = |t| RankedLogprobs::of(&logits, t, 0).rank;
+    assert_eq!([rank(1), rank(3), rank(0), rank(4)], [1, 1, 3, 4]);
+    assert_eq!(rank(2), 6, "a NaN logit is below every token");
+    assert_eq!(rank(9), 6, "an id outside the row too");
+}
+
+/// Prompt log-probabilities over chunks: each row scores the next prompt token, a chunk that
+/// does not sample keeps its last row for the next chunk's first token, the sampled row picks
+/// the first token, and after it the sequence's decode entries are single rows again.
+#[test]
+fn prompt_rows_score_the_next_prompt_token_across_chunks() {
+    let mut samplers = Samplers::new();
+    let asks = SeqSampling {
+        params: SamplingParams { prompt_logprobs: Some(1), ..SamplingParams::default() },
+        ..SeqSampling::default()
+    };
+    let row = |i: u32| -> Vec<f32> { (0..4).map(|t| if t == i % 4 { 2.0 } else { 0.0 }).collect() };
+    let chunk = |start: u32, tokens: Vec<u32>, sample: bool, sampling: Option<SeqSampling>| {
+        crate::PlanEntry { start, tokens, sample, ..entry(7, sample, sampling) }
+    };
+    // Tokens 0..3 of the prompt [1, 2, 3, 0, 1], then 3..5 with the sample, next to a plain
+    // sequence sampled at its last row.
+    let first = plan_of(vec![
+        chunk(0, vec![1, 2, 3], false, Some(asks)),
+        entry(8, true, Some(SeqSampling::default())),
+    ]);
+    samplers.begin(&first);
+    assert!(samplers.every_row(&first.entries[0]));
+    assert!(!samplers.every_row(&first.entries[1]));
+    let logits: Vec<f32> = [row(2), row(0), row(1), row(3)].concat();
+    let (out, prompt) = samplers.sample_with_prompts(&first, &logits, 4).unwrap();
+    assert_eq!(out.iter().map(|t| t.token).collect::<Vec<_>>(), [3]);
+    assert_eq!(prompt.len(), 1);
+    assert_eq!((prompt[0].seq, prompt[0].start), (7, 1));
+    let want = [RankedLogprobs::of(&row(2), 2, 1), RankedLogprobs::of(&row(0), 3, 1)];
+    assert_eq!(prompt[0].tokens, want);
+    assert_eq!(prompt[0].tokens[0].rank, 1);
+
+    let second = plan_of(vec![chunk(3, vec![0, 1], true, None)]);
+    let logits: Vec<f32> = [row(0), row(2)].concat();
+    let (out, prompt) = samplers.sample_with_prompts(&second, &logits, 4).unwrap();
+    assert_eq!(out[0].token, 2, "greedy over the last row");
+    assert_eq!(prompt[0].start, 3, "the kept row scores the chunk's first token");
+    let want = [RankedLogprobs::of(&row(1), 0, 1), RankedLogprobs::of(&row(0), 1, 1)];
+    assert_eq!(prompt[0].tokens, want);
+
+    let decode = plan_of(vec![chunk(5, vec![2], true, None)]);
+    assert!(!samplers.every_row(&decode.entries[0]), "the prompt is scored");
+    let (out, prompt) = samplers.sample_with_prompts(&decode, &row(1), 4).unwrap();
+    assert_eq!((out[0].token, prompt.len()), (1, 0));
+    // A rank without the logits agrees: its sequence's prompt is scored once sampled.
+    let mut elsewhere = Samplers::new();
+    elsewhere.begin(&first);
+    elsewhere.end_step(&first);
+    assert!(elsewhere.every_row(&second.entries[0]));
+    elsewhere.end_step(&second);
+    assert!(!elsewhere.every_row(&decode.entries[0]), "as on the rank with the logits");
+    // Too few rows for the plan: the error says so.
+    let err = samplers.sample_with_prompts(&decode, &[], 4).unwrap_err();
+    assert!(matches!(err, SampleError::Logits { values: 0, .. }), "{err}");
+}

@@ -370,3 +370,48 @@ fn a_prompt_starting_with_cached_blocks_skips_them_and_counts_the_hit() {
     ranks.run(&mut s, 16, true);
     assert_eq!(ranks.hits, 0, "nothing is reused after the cache was lost");
 }
+
+/// Prompt log-probabilities go out once per position, in order, from position 1 and within
+/// the prompt: a recompute that scores positions again sends only the new ones; a sequence
+/// whose prompt is scored does not take a cached prefix.
+#[test]
+fn prompt_logprobs_go_out_once_per_position_and_skip_the_prefix_cache() {
+    let layout = KvLayout { blocks: 16, block_size: 2, spread: 1, prefix_caching: true };
+    let mut s = Scheduler::new(16, 8, 100, Vec::new()).with_kv(layout);
+    let mut step = 0;
+    s.add(req(1, 6, 1), None, 0).unwrap();
+    run_step(&mut s, &mut step, 9);
+    let scored =
+        SamplingParams { max_tokens: 3, prompt_logprobs: Some(0), ..SamplingParams::default() };
+    s.add(Request::tokens(2, (1..=6).collect(), scored), None, 0).unwrap();
+    let plan = s.plan(0, 2).unwrap();
+    let e = &plan.entries[0];
+    assert_eq!((e.start, e.tokens.len()), (0, 6), "no cached prefix for a scored prompt");
+    let lp = |v: f32| crate::sampler::RankedLogprobs {
+        logprobs: TokenLogprobs { logprob: v, top: Vec::new() },
+        rank: 1,
+    };
+    let run = |start: u32, values: &[f32]| crate::sampler::PromptLogprobs {
+        seq: e.seq,
+        start,
+        tokens: values.iter().map(|&v| lp(v)).collect(),
+    };
+    let sent = |emits: Vec<Emit>| -> Vec<(u32, usize)> {
+        emits
+            .into_iter()
+            .map(|e| match e {
+                Emit::PromptLogprobs { request: 2, start, tokens } => (start, tokens.len()),
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    };
+    assert_eq!(sent(s.prompt_logprobs(vec![run(1, &[-1.0, -2.0, -3.0])])), [(1, 3)]);
+    // Positions 1..=3 again (a recompute), then 4 and 5; one past the prompt is dropped.
+    assert_eq!(
+        sent(s.prompt_logprobs(vec![run(1, &[-1.0, -2.0, -3.0, -4.0, -5.0, -6.0])])),
+        [(4, 2)]
+    );
+    assert!(s.prompt_logprobs(vec![run(5, &[-5.0])]).is_empty(), "position 5 went out");
+    // A run that begins past the next position (a gap) is not sent.
+    assert!(s.prompt_logprobs(vec![run(7, &[-7.0])]).is_empty());
+}

@@ -14,7 +14,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
-use session::{FinishReason, SamplingParams, TokenLogprobs};
+use session::{FinishReason, RankedLogprobs, SamplingParams, TokenLogprobs};
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
@@ -41,18 +41,30 @@ pub(super) async fn completions(
     let arrival = Instant::now();
     let body: CompletionBody = parse(body)?;
     api.check_model(body.sampling.model.as_deref())?;
-    let prompt = api.completion_prompt(body.prompt.as_ref())?;
+    let prompts = api.completion_prompts(body.prompt.as_ref())?;
     let max = body.sampling.max_tokens;
     let default_max = api.0.defaults.map_or(DEFAULT_COMPLETION_TOKENS, |d| d.max_tokens);
-    let echo =
-        if body.echo.unwrap_or(false) { Some(api.prompt_text(&body, &prompt)?) } else { None };
-    let mut job = api.job(Kind::Completion, prompt, &body.sampling, max, default_max.into())?;
-    if echo.is_some() && job.wants_logprobs() {
-        return Err(ApiError::invalid(
-            "unsupported_parameter",
-            "`echo` with `logprobs` asks for the prompt's log-probabilities, which this server does not compute",
-        ));
+    let echo = match body.echo {
+        Some(true) => Some(
+            prompts
+                .iter()
+                .map(|(ids, text)| api.prompt_text(text.as_deref(), ids))
+                .collect::<std::result::Result<Vec<_>, _>>()?,
+        ),
+        _ => None,
+    };
+    let prompts = prompts.into_iter().map(|(ids, _)| ids).collect();
+    // `echo` with `max_tokens` 0 answers the prompt alone (lm-eval's loglikelihood asks so):
+    // the engine generates one token, which the answer drops, as vLLM does.
+    let prompt_only = echo.is_some() && max == Some(0);
+    let max = if prompt_only { Some(1) } else { max };
+    let mut job = api.job(Kind::Completion, prompts, &body.sampling, max, default_max.into())?;
+    if echo.is_some() {
+        // `echo` with `logprobs`: the prompt's tokens are scored too, in the same shape.
+        job.echo_top = job.params.logprobs;
+        job.params.prompt_logprobs = job.params.prompt_logprobs.max(job.echo_top);
     }
+    job.prompt_only = prompt_only;
     job.echo = echo;
     generate(api, job, Kind::Completion, arrival).await
 }
@@ -68,7 +80,7 @@ pub(super) async fn chat_completions(
     let max = body.max_completion_tokens.or(body.sampling.max_tokens);
     // Without a limit a chat reply may fill the context (OpenAI's default).
     let room = api.0.context.saturating_sub(prompt.len()) as u64;
-    let mut job = api.job(Kind::Chat, prompt, &body.sampling, max, room)?;
+    let mut job = api.job(Kind::Chat, vec![prompt], &body.sampling, max, room)?;
     let tools = body.tools.as_ref().is_some_and(|t| !t.is_empty())
         && body.sampling.other.get("tool_choice").and_then(Value::as_str) != Some("none");
     job.tool_calls = tools.then(|| ToolFormat::of_template(api.0.tokenizer.chat_template()));
@@ -84,20 +96,37 @@ pub(super) async fn generate(
     arrival: Instant,
 ) -> std::result::Result<Response, ApiError> {
     api.wait_awake().await?;
-    let prompt_tokens = job.prompt.len();
+    let prompt_tokens = job.prompts.iter().map(Vec::len).sum();
     let (stream, include_usage) = (job.stream, job.include_usage);
-    let scorer = job.wants_logprobs().then(|| Scorer(api.0.tokenizer.clone()));
-    // One sequence per choice, all in the batch together; dropping them cancels the rest.
-    let mut choices = Vec::with_capacity(job.n);
-    for i in 0..job.n as u64 {
-        let params = SamplingParams { seed: job.params.seed.wrapping_add(i), ..job.params.clone() };
-        choices.push(api.0.bridge.submit(job.prompt.clone(), params, arrival)?);
+    let scores = job.wants_logprobs() || job.params.prompt_logprobs.is_some();
+    let scorer = scores.then(|| Scorer(api.0.tokenizer.clone()));
+    // One sequence per prompt and choice, all in the batch together, in OpenAI's order
+    // (choice `i` of prompt `p` is `p * n + i`); dropping them cancels the rest.
+    let mut choices = Vec::with_capacity(job.prompts.len() * job.n);
+    for (prompt, ids) in job.prompts.iter().enumerate() {
+        for i in 0..job.n as u64 {
+            let seed = job.params.seed.wrapping_add(i);
+            let params = SamplingParams { seed, ..job.params.clone() };
+            choices.push(Submitted {
+                events: api.0.bridge.submit(ids.clone(), params, arrival)?,
+                prompt,
+            });
+        }
     }
-    let id = kind.id(choices[0].id);
+    let id = kind.id(choices[0].events.id);
     let created = unix_now();
     let model = api.0.model_name.clone();
-    let answer =
-        Answer { kind, stops: job.stop_text, scorer, echo: job.echo, tool_calls: job.tool_calls };
+    let answer = Answer {
+        kind,
+        stops: job.stop_text,
+        scorer,
+        echo: job.echo,
+        tool_calls: job.tool_calls,
+        prompts: Arc::new(job.prompts),
+        prompt_top: job.prompt_top,
+        echo_top: job.echo_top,
+        prompt_only: job.prompt_only,
+    };
     if stream {
         let header = Header { id, created, model, prompt_tokens, include_usage };
         let events = sse(choices, header, answer);
@@ -105,24 +134,52 @@ pub(super) async fn generate(
     }
     let mut out = Vec::with_capacity(choices.len());
     let mut completion_tokens = 0;
-    for (index, rx) in choices.into_iter().enumerate() {
-        let (body, tokens, reason, scored) =
-            collect(rx, StopText::new(answer.stops.clone()), answer.scorer.clone()).await?;
-        completion_tokens += tokens.len();
-        let text = match &answer.echo {
-            Some(prompt) => format!("{prompt}{body}"),
-            None => body,
+    // A chat's prompt log-probabilities (vLLM's, at the top of the answer).
+    let mut chat_prompt = Value::Null;
+    for (index, choice) in choices.into_iter().enumerate() {
+        let stops = StopText::new(answer.stops.clone());
+        let mut c = collect(choice.events, stops, answer.scorer.clone()).await?;
+        if answer.prompt_only {
+            let (text, tokens, reason) = (String::new(), Vec::new(), FinishReason::Length);
+            c = Collected { text, tokens, reason, scored: Some(Vec::new()), prompt: c.prompt };
+        }
+        completion_tokens += c.tokens.len();
+        let text = match answer.echo(choice.prompt) {
+            Some(prompt) => format!("{prompt}{}", c.text),
+            None => c.text,
         };
-        let logprobs = match (kind, scored) {
-            (_, None) => Value::Null,
-            (Kind::Completion, Some(s)) => super::super::logprobs::completion(&s, 0),
-            (Kind::Chat, Some(s)) => super::super::logprobs::chat(&s),
+        let logprobs = match (kind, c.scored, answer.echo_top) {
+            (Kind::Completion, scored, Some(top)) => {
+                let prompt = answer.scored_prompt(choice.prompt, &c.prompt, top);
+                let prompt: Vec<Scored> = prompt.into_iter().map(|(s, _)| s).collect();
+                let first = answer.first_text(choice.prompt);
+                super::super::logprobs::completion_echoed(
+                    &first,
+                    &prompt,
+                    &scored.unwrap_or_default(),
+                )
+            }
+            (_, None, _) => Value::Null,
+            (Kind::Completion, Some(s), None) => super::super::logprobs::completion(&s, 0),
+            (Kind::Chat, Some(s), _) => super::super::logprobs::chat(&s),
         };
+        let prompt_logprobs = answer.prompt_top.map(|top| {
+            let scored = answer.scored_prompt(choice.prompt, &c.prompt, top);
+            super::super::logprobs::vllm_prompt(&answer.prompts[choice.prompt], &scored, top)
+        });
+        let (tokens, reason) = (c.tokens, c.reason);
         out.push(match kind {
             Kind::Completion => {
-                json!({"index": index, "text": text, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish_name(reason)})
+                let mut choice = json!({"index": index, "text": text, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish_name(reason)});
+                if let Some(p) = prompt_logprobs {
+                    choice["prompt_logprobs"] = p;
+                }
+                choice
             }
             Kind::Chat => {
+                if let (Some(p), true) = (prompt_logprobs, chat_prompt.is_null()) {
+                    chat_prompt = p;
+                }
                 let (message, finish) = chat_message(text, reason, answer.tool_calls, &id);
                 json!({"index": index, "message": message, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish})
             }
@@ -132,15 +189,18 @@ pub(super) async fn generate(
         Kind::Completion => "text_completion",
         Kind::Chat => "chat.completion",
     };
-    Ok(Json(json!({
+    let mut body = json!({
         "id": id,
         "object": object,
         "created": created,
         "model": model,
         "choices": out,
         "usage": usage(prompt_tokens, completion_tokens),
-    }))
-    .into_response())
+    });
+    if !chat_prompt.is_null() {
+        body["prompt_logprobs"] = chat_prompt;
+    }
+    Ok(Json(body).into_response())
 }
 
 /// A chat answer's `message` and finish reason: with `tool_calls`, the answer's calls are
@@ -166,16 +226,67 @@ fn chat_message(
     (json!({"role": "assistant", "content": content, "tool_calls": calls}), "tool_calls")
 }
 
+/// One choice's sequence in the engine: its events, and which of the request's prompts it
+/// answers.
+pub(super) struct Submitted {
+    events: Events,
+    prompt: usize,
+}
+
 /// How a request's choices are answered: the endpoint's shape, the stop strings, the
-/// log-probabilities' token texts, the echoed prompt and whether to parse tool calls.
+/// log-probabilities' token texts, the echoed prompts and whether to parse tool calls.
 #[derive(Clone)]
 pub(super) struct Answer {
     kind: Kind,
     stops: Vec<String>,
     scorer: Option<Scorer>,
-    echo: Option<String>,
+    /// The text of each prompt, when `echo` repeats it.
+    echo: Option<Vec<String>>,
     /// How the answer's tool calls are written, when they are parsed out of it.
     tool_calls: Option<ToolFormat>,
+    /// The request's prompts.
+    prompts: Arc<Vec<Vec<u32>>>,
+    /// Alternatives per token of vLLM's `prompt_logprobs`, when asked for.
+    prompt_top: Option<usize>,
+    /// Alternatives per token of the echoed prompt's `logprobs`, when asked for.
+    echo_top: Option<usize>,
+    /// Answer the prompt alone (`echo` with `max_tokens` 0).
+    prompt_only: bool,
+}
+
+impl Answer {
+    /// The echoed text of prompt `prompt`, when the request asked for it.
+    fn echo(&self, prompt: usize) -> Option<&str> {
+        self.echo.as_ref().and_then(|e| e.get(prompt)).map(String::as_str)
+    }
+
+    /// The text of prompt `prompt`'s first token (decoded alone).
+    fn first_text(&self, prompt: usize) -> String {
+        let first = self.prompts[prompt].first().copied();
+        match (&self.scorer, first) {
+            (Some(s), Some(id)) => s.text(id),
+            _ => String::new(),
+        }
+    }
+
+    /// Prompt `prompt`'s tokens from the second on, scored by `ranked` (the engine's, one
+    /// per token) with `top` alternatives each, and their ranks.
+    fn scored_prompt(
+        &self,
+        prompt: usize,
+        ranked: &[RankedLogprobs],
+        top: usize,
+    ) -> Vec<(Scored, u32)> {
+        let Some(scorer) = &self.scorer else { return Vec::new() };
+        let ids = self.prompts[prompt].iter().skip(1);
+        ids.zip(ranked)
+            .filter_map(|(&id, r)| {
+                let mut lp = r.logprobs.clone();
+                lp.top.truncate(top);
+                scorer.score(id, Some(lp)).map(|s| (s, r.rank))
+            })
+            .collect()
+    }
 }
 
 /// Token texts for log-probabilities: each token decoded alone.
@@ -183,6 +294,11 @@ pub(super) struct Answer {
 pub(super) struct Scorer(std::sync::Arc<text::Tokenizer>);
 
 impl Scorer {
+    /// A token's text, decoded alone.
+    pub(super) fn text(&self, token: u32) -> String {
+        self.0.decode(&[token], false).unwrap_or_default()
+    }
+
     pub(super) fn score(&self, token: u32, logprobs: Option<TokenLogprobs>) -> Option<Scored> {
         let decode = |id: u32| self.0.decode(&[id], false).unwrap_or_default();
         let bytes = |id: u32| self.0.token_bytes(id).unwrap_or_default();
@@ -190,9 +306,16 @@ impl Scorer {
     }
 }
 
-/// A request's answer: its text, tokens, finish reason, and each token's log-probabilities
-/// when the request asked for them.
-pub(super) type Collected = (String, Vec<u32>, FinishReason, Option<Vec<Scored>>);
+/// A request's answer: its text, tokens, finish reason, each token's log-probabilities and
+/// its prompt's, when the request asked for them.
+pub(super) struct Collected {
+    text: String,
+    tokens: Vec<u32>,
+    reason: FinishReason,
+    scored: Option<Vec<Scored>>,
+    /// The prompt's tokens from the second on.
+    prompt: Vec<RankedLogprobs>,
+}
 
 /// Waits for a request's end.
 pub(super) async fn collect(
@@ -203,8 +326,10 @@ pub(super) async fn collect(
     let mut text = String::new();
     let mut tokens = Vec::new();
     let mut scored = scorer.as_ref().map(|_| Vec::new());
+    let mut prompt = Vec::new();
     while let Some(event) = rx.recv().await {
         match event {
+            Event::PromptLogprobs { tokens, .. } => prompt.extend(tokens),
             Event::Token { token, text: piece, logprobs } => {
                 tokens.push(token);
                 if let (Some(scorer), Some(all)) = (&scorer, &mut scored) {
@@ -214,7 +339,8 @@ pub(super) async fn collect(
                 text.push_str(&out);
                 if hit {
                     // Dropping the events cancels the rest of the generation.
-                    return Ok((text, tokens, FinishReason::StopToken, scored));
+                    let reason = FinishReason::StopToken;
+                    return Ok(Collected { text, tokens, reason, scored, prompt });
                 }
             }
             Event::Finished { reason: FinishReason::Rejected, .. } => {
@@ -225,7 +351,7 @@ pub(super) async fn collect(
             }
             Event::Finished { reason, tokens } => {
                 text.push_str(&stops.finish());
-                return Ok((text, tokens, reason, scored));
+                return Ok(Collected { text, tokens, reason, scored, prompt });
             }
         }
     }
@@ -309,7 +435,7 @@ impl Header {
 /// asked for, then `data: [DONE]`. A task per choice forwards them; they end early when the
 /// client goes away, which cancels the requests (see [`Events`]).
 pub(super) fn sse(
-    choices: Vec<Events>,
+    choices: Vec<Submitted>,
     header: Header,
     answer: Answer,
 ) -> ReceiverStream<std::result::Result<SseEvent, Infallible>> {
@@ -320,9 +446,11 @@ pub(super) fn sse(
         let tasks: Vec<_> = choices
             .into_iter()
             .enumerate()
-            .map(|(index, rx)| {
-                let choice = Choice { index, header: header.clone(), answer: answer.clone() };
-                tokio::spawn(choice.stream(rx, tx.clone()))
+            .map(|(index, submitted)| {
+                let Submitted { events, prompt } = submitted;
+                let choice =
+                    Choice { index, prompt, header: header.clone(), answer: answer.clone() };
+                tokio::spawn(choice.stream(events, tx.clone()))
             })
             .collect();
         let mut completion_tokens = 0;
@@ -358,6 +486,8 @@ pub(super) fn sse(
 /// One choice of a streamed answer.
 pub(super) struct Choice {
     index: usize,
+    /// The request's prompt it answers.
+    prompt: usize,
     header: Arc<Header>,
     answer: Answer,
 }
@@ -370,7 +500,7 @@ impl Choice {
         mut rx: Events,
         tx: tokio::sync::mpsc::Sender<std::result::Result<SseEvent, Infallible>>,
     ) -> Option<usize> {
-        let Choice { index, header, answer } = self;
+        let Choice { index, prompt, header, answer } = self;
         let kind = answer.kind;
         let send = |choice: Value| {
             let tx = tx.clone();
@@ -392,8 +522,32 @@ impl Choice {
                 return None;
             }
         }
-        if let Some(prompt) = &answer.echo {
-            if !send(piece(prompt, None, Value::Null)).await {
+        // Characters of the token texts so far (`text_offset`).
+        let mut offset = 0;
+        // With `echo` and `logprobs` the prompt's tokens are scored first: the engine sends
+        // their log-probabilities before the first token.
+        let mut early = None;
+        let mut echoed = Value::Null;
+        if let Some(top) = answer.echo_top {
+            let mut ranked = Vec::new();
+            while let Some(event) = rx.recv().await {
+                match event {
+                    Event::PromptLogprobs { tokens, .. } => ranked.extend(tokens),
+                    other => {
+                        early = Some(other);
+                        break;
+                    }
+                }
+            }
+            let scored: Vec<Scored> =
+                answer.scored_prompt(prompt, &ranked, top).into_iter().map(|(s, _)| s).collect();
+            let first = answer.first_text(prompt);
+            offset = first.chars().count()
+                + scored.iter().map(|s| s.text.chars().count()).sum::<usize>();
+            echoed = super::super::logprobs::completion_echoed(&first, &scored, &[]);
+        }
+        if let Some(text) = answer.echo(prompt) {
+            if !send(piece(text, None, echoed)).await {
                 return None;
             }
         }
@@ -401,11 +555,19 @@ impl Choice {
         // Content passes through; from a `<tool_call>` on, the text is held for the end.
         let mut tools = answer.tool_calls.map(ToolText::new);
         let mut completion_tokens = 0;
-        // Characters of the completion's token texts so far (`text_offset`).
-        let mut offset = 0;
         let mut reason = None;
-        while let Some(event) = rx.recv().await {
+        loop {
+            let event = match early.take() {
+                Some(event) => event,
+                None => match rx.recv().await {
+                    Some(event) => event,
+                    None => break,
+                },
+            };
             match event {
+                Event::PromptLogprobs { .. } => {}
+                // The prompt alone: the one generated token is not part of the answer.
+                Event::Token { .. } if answer.prompt_only => {}
                 Event::Token { token, text, logprobs } => {
                     completion_tokens += 1;
                     let scored = answer.scorer.as_ref().and_then(|s| s.score(token, logprobs));
@@ -434,7 +596,7 @@ impl Choice {
                     }
                 }
                 Event::Finished { reason: r, .. } => {
-                    reason = Some(r);
+                    reason = Some(if answer.prompt_only { FinishReason::Length } else { r });
                     let mut rest = stops.finish();
                     if let Some(tools) = &mut tools {
                         rest = tools.push(&rest);

@@ -52,6 +52,8 @@ pub(super) struct SamplingBody {
     pub(super) logprobs: Option<Value>,
     /// Chat: the number of alternatives.
     pub(super) top_logprobs: Option<Value>,
+    /// vLLM's: the number of alternatives per prompt token (see [`super::logprobs`]).
+    pub(super) prompt_logprobs: Option<Value>,
     /// Every other field: accepted only where it asks for nothing ([`check_unsupported`]).
     #[serde(flatten)]
     pub(super) other: serde_json::Map<String, Value>,
@@ -152,14 +154,18 @@ pub(super) fn parse<T: serde::de::DeserializeOwned>(
     })
 }
 
+/// A prompt's token ids, and its text when it came as text.
+pub(super) type GivenPrompt = (Vec<u32>, Option<String>);
+
 /// A checked request, ready for the engine.
 pub(super) struct Job {
-    pub(super) prompt: Vec<u32>,
+    /// The prompts: one, or a completion's list (each answered with `n` choices).
+    pub(super) prompts: Vec<Vec<u32>>,
     pub(super) params: SamplingParams,
-    /// Choices: independent sequences of the same prompt (seeds `seed`, `seed + 1`, ...).
+    /// Choices per prompt: independent sequences of it (seeds `seed`, `seed + 1`, ...).
     pub(super) n: usize,
-    /// Text every choice begins with (`echo`: the prompt's).
-    pub(super) echo: Option<String>,
+    /// The text each prompt's choices begin with (`echo`: the prompt's), one per prompt.
+    pub(super) echo: Option<Vec<String>>,
     /// Stop strings, matched on the generated text.
     pub(super) stop_text: Vec<String>,
     pub(super) stream: bool,
@@ -167,6 +173,14 @@ pub(super) struct Job {
     /// Parse the answer for tool calls written in this format (a chat with `tools` and
     /// `tool_choice` `"auto"`).
     pub(super) tool_calls: Option<crate::serve::tools::ToolFormat>,
+    /// Alternatives per prompt token in vLLM's `prompt_logprobs` list, when asked for.
+    pub(super) prompt_top: Option<usize>,
+    /// Alternatives per prompt token in the echoed prompt's `logprobs` (`echo` with
+    /// `logprobs`), when asked for.
+    pub(super) echo_top: Option<usize>,
+    /// Answer the prompt alone (`echo` with `max_tokens` 0): the one token the engine
+    /// generates is dropped.
+    pub(super) prompt_only: bool,
 }
 
 impl Job {
@@ -214,41 +228,85 @@ impl Api {
         Ok(id as u32)
     }
 
-    /// The prompt of a completion: a string, token ids, or a one-element list of either.
+    /// The prompt of a request that takes one (`/tokenize`): a string, token ids, or a
+    /// one-element list of either.
     pub(super) fn completion_prompt(
         &self,
         prompt: Option<&Value>,
     ) -> std::result::Result<Vec<u32>, ApiError> {
-        let bad = || {
-            ApiError::invalid(
+        let mut prompts = self.completion_prompts(prompt)?;
+        if prompts.len() > 1 {
+            return Err(ApiError::invalid(
                 "invalid_prompt",
-                "`prompt` must be a string or an array of token ids (one prompt per request)",
-            )
-        };
+                format!("`prompt` holds {} prompts; this endpoint takes one", prompts.len()),
+            ));
+        }
+        Ok(prompts.remove(0).0)
+    }
+
+    /// The prompts of a completion, each with its text when it came as one (OpenAI's forms):
+    /// a string, a list of token ids (one prompt), or a list of prompts, each a string or a
+    /// list of token ids. A bad element is named (`prompt[3]`).
+    pub(super) fn completion_prompts(
+        &self,
+        prompt: Option<&Value>,
+    ) -> std::result::Result<Vec<GivenPrompt>, ApiError> {
         match prompt {
             None | Some(Value::Null) => {
                 Err(ApiError::invalid("missing_prompt", "`prompt` is required"))
             }
-            Some(Value::String(s)) => self.encode(s),
+            Some(Value::String(s)) => Ok(vec![(self.encode(s)?, Some(s.clone()))]),
             Some(Value::Array(items)) if items.is_empty() => {
                 Err(ApiError::invalid("empty_prompt", "the prompt is empty"))
             }
-            Some(Value::Array(items)) if items.len() == 1 && !items[0].is_number() => {
-                self.completion_prompt(items.first())
+            Some(Value::Array(items)) if items.iter().any(Value::is_number) => {
+                Ok(vec![(self.prompt_ids("prompt", items)?, None)])
             }
             Some(Value::Array(items)) => items
                 .iter()
-                .map(|v| match v.as_u64() {
-                    Some(id) => self.check_id("prompt", id),
-                    None if v.is_number() => Err(ApiError::invalid(
-                        "invalid_token_id",
-                        format!("prompt: token id {v} is not a non-negative integer"),
-                    )),
-                    None => Err(bad()),
+                .enumerate()
+                .map(|(i, item)| {
+                    let name = format!("prompt[{i}]");
+                    let named = |mut e: ApiError| {
+                        e.message = format!("{name}: {}", e.message);
+                        e
+                    };
+                    match item {
+                        Value::String(s) => Ok((self.encode(s).map_err(named)?, Some(s.clone()))),
+                        Value::Array(ids) if ids.is_empty() => {
+                            Err(ApiError::invalid("empty_prompt", format!("{name} is empty")))
+                        }
+                        Value::Array(ids) => Ok((self.prompt_ids(&name, ids)?, None)),
+                        _ => Err(ApiError::invalid(
+                            "invalid_prompt",
+                            format!("{name} must be a string or a list of token ids"),
+                        )),
+                    }
                 })
                 .collect(),
-            Some(_) => Err(bad()),
+            Some(_) => Err(ApiError::invalid(
+                "invalid_prompt",
+                "`prompt` must be a string, a list of token ids, or a list of prompts",
+            )),
         }
+    }
+
+    /// The token ids of one prompt given as ids (`name` says which in an error).
+    fn prompt_ids(&self, name: &str, items: &[Value]) -> std::result::Result<Vec<u32>, ApiError> {
+        items
+            .iter()
+            .map(|v| match v.as_u64() {
+                Some(id) => self.check_id(name, id),
+                None if v.is_number() => Err(ApiError::invalid(
+                    "invalid_token_id",
+                    format!("{name}: token id {v} is not a non-negative integer"),
+                )),
+                None => Err(ApiError::invalid(
+                    "invalid_prompt",
+                    format!("{name}: {v} is not a token id (a list of ids is one prompt)"),
+                )),
+            })
+            .collect()
     }
 
     /// The prompt of a chat: its messages (and tools, template arguments) through the
@@ -324,11 +382,11 @@ impl Api {
         self.encode(&text)
     }
 
-    /// Checks the sampling fields against the prompt and the context.
+    /// Checks the sampling fields against the prompts and the context.
     pub(super) fn job(
         &self,
         kind: Kind,
-        prompt: Vec<u32>,
+        prompts: Vec<Vec<u32>>,
         s: &SamplingBody,
         max_tokens: Option<u64>,
         default_max: u64,
@@ -344,12 +402,29 @@ impl Api {
                 ))
             }
         };
+        if prompts.len() * n > MAX_CHOICES as usize {
+            return Err(ApiError::invalid(
+                "too_many_choices",
+                format!(
+                    "{} prompts with `n` {n} ask for {} choices; one request answers at most {MAX_CHOICES}",
+                    prompts.len(),
+                    prompts.len() * n
+                ),
+            ));
+        }
         check_unsupported(&s.other)?;
         let (lp, top_lp) = (s.logprobs.as_ref(), s.top_logprobs.as_ref());
         let logprobs = match kind {
             Kind::Completion => super::super::logprobs::completion_request(lp, top_lp)?,
             Kind::Chat => super::super::logprobs::chat_request(lp, top_lp)?,
         };
+        let prompt_top = super::super::logprobs::prompt_request(s.prompt_logprobs.as_ref())?;
+        if prompt_top.is_some() && s.stream == Some(true) {
+            return Err(ApiError::invalid(
+                "invalid_logprobs",
+                "`prompt_logprobs` is not streamed: ask without `stream` (as vLLM)",
+            ));
+        }
         let within = |name: &str, v: Option<f32>, ok: fn(f32) -> bool, range: &str| match v {
             Some(x) if !(x.is_finite() && ok(x)) => Err(ApiError::invalid(
                 "invalid_sampling",
@@ -381,17 +456,21 @@ impl Api {
         // A default of 0 (a chat prompt that fills the context) fails the context check below.
         let max_tokens = max_tokens.unwrap_or(default_max.max(1));
         if max_tokens == 0 {
-            return Err(ApiError::invalid("invalid_max_tokens", "`max_tokens` must be at least 1"));
+            return Err(ApiError::invalid("invalid_max_tokens", "`max_tokens` must be at least 1 (a completion with `echo` may ask 0: the prompt alone)"));
         }
-        if prompt.len() as u64 + max_tokens > context as u64 {
-            return Err(ApiError::invalid(
-                "context_length_exceeded",
-                format!(
-                    "this model's maximum context length is {context} tokens, but {} were requested ({} in the prompt, {max_tokens} for the completion)",
-                    prompt.len() as u64 + max_tokens,
-                    prompt.len()
-                ),
-            ));
+        for (i, prompt) in prompts.iter().enumerate() {
+            if prompt.len() as u64 + max_tokens > context as u64 {
+                let which =
+                    if prompts.len() > 1 { format!("prompt[{i}]: ") } else { String::new() };
+                return Err(ApiError::invalid(
+                    "context_length_exceeded",
+                    format!(
+                        "{which}this model's maximum context length is {context} tokens, but {} were requested ({} in the prompt, {max_tokens} for the completion)",
+                        prompt.len() as u64 + max_tokens,
+                        prompt.len()
+                    ),
+                ));
+            }
         }
         let d = self.0.defaults;
         let temperature = s.temperature.unwrap_or(d.map_or(1.0, |d| d.temperature));
@@ -463,9 +542,10 @@ impl Api {
             min_p: s.min_p.unwrap_or(0.0),
             logit_bias,
             logprobs,
+            prompt_logprobs: prompt_top,
         };
         Ok(Job {
-            prompt,
+            prompts,
             params,
             n,
             echo: None,
@@ -473,6 +553,9 @@ impl Api {
             stream: s.stream.unwrap_or(false),
             include_usage: s.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false),
             tool_calls: None,
+            prompt_top,
+            echo_top: None,
+            prompt_only: false,
         })
     }
 }
@@ -481,17 +564,11 @@ impl Api {
     /// The text `echo` repeats: the prompt as given, or its token ids decoded.
     pub(super) fn prompt_text(
         &self,
-        body: &CompletionBody,
+        given: Option<&str>,
         ids: &[u32],
     ) -> std::result::Result<String, ApiError> {
-        match &body.prompt {
-            Some(Value::String(s)) => return Ok(s.clone()),
-            Some(Value::Array(items)) if items.len() == 1 => {
-                if let Some(s) = items[0].as_str() {
-                    return Ok(s.to_owned());
-                }
-            }
-            _ => {}
+        if let Some(text) = given {
+            return Ok(text.to_owned());
         }
         self.0.tokenizer.decode(ids, false).map_err(|e| {
             ApiError::invalid("invalid_prompt", format!("the prompt ids do not decode: {e}"))
