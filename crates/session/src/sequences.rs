@@ -60,7 +60,10 @@ impl Sequences {
         new_cache: impl FnMut(&PlanEntry) -> Result<ParallelCache, BoxError>,
     ) -> Result<Option<StepOutput>, BoxError> {
         let mut taken = Vec::with_capacity(plan.entries.len());
-        let out = self.take(model, plan, new_cache, &mut taken).and_then(|()| {
+        let took = self.take(model, plan, new_cache, &mut taken);
+        self.samplers.admit(plan);
+        let samplers = &mut self.samplers;
+        let mut forward = |taken: &mut Vec<(SeqId, ParallelCache)>| {
             let mut seqs: Vec<Sequence<'_>> = taken
                 .iter_mut()
                 .zip(&plan.entries)
@@ -75,11 +78,30 @@ impl Sequences {
                 };
                 BoxError::from(error)
             })
+        };
+        let out = took.and_then(|()| {
+            if !samplers.masks(plan) {
+                return forward(&mut taken);
+            }
+            // The grammars' token masks are computed while the forward pass runs, not after.
+            std::thread::scope(|scope| {
+                let masking = scope.spawn(|| samplers.mask(plan));
+                let out = forward(&mut taken);
+                masking.join().map_err(|_| BoxError::from("computing the token masks panicked"))?;
+                out
+            })
         });
         self.caches.extend(taken);
         let Some(logits) = out? else { return Ok(None) };
         let vocab = model.config().vocab_size;
-        Ok(Some(self.samplers.sample(plan, logits.data(), vocab)?))
+        Ok(Some(self.samplers.pick(plan, logits.data(), vocab)?))
+    }
+
+    /// Masks constrained sequences with grammars compiled by `engine` (given on the rank
+    /// that samples).
+    pub(crate) fn with_grammars(mut self, engine: text::GrammarEngine) -> Self {
+        self.samplers = std::mem::take(&mut self.samplers).with_grammars(engine);
+        self
     }
 
     /// Moves the caches of `plan`'s sequences into `taken`, in plan order, checking each.
