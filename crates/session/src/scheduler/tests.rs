@@ -186,6 +186,27 @@ fn a_sequence_brings_its_sampling_with_its_first_entry_and_again_after_a_recompu
 }
 
 #[test]
+fn a_recomputed_constrained_sequence_brings_its_output_to_replay() {
+    let mut s = Scheduler::new(8, 8, 64, Vec::new());
+    let params = SamplingParams {
+        max_tokens: 10,
+        constraint: Some(text::Grammar::Regex("[0-9]+".into())),
+        ..SamplingParams::default()
+    };
+    s.add(Request::tokens(1, vec![4, 5], params), None, 0).unwrap();
+    let mut step = 0;
+    let p = run_step(&mut s, &mut step, 6);
+    let first = p.entries[0].sampling.as_deref().unwrap();
+    assert!(first.prompt.is_empty() && first.generated.is_empty(), "no penalty, nothing yet");
+    run_step(&mut s, &mut step, 7);
+    s.recompute_all();
+    let p = run_step(&mut s, &mut step, 8);
+    let again = p.entries[0].sampling.as_deref().unwrap();
+    assert_eq!(again.generated, vec![6, 7], "the grammar replays the output");
+    assert!(again.prompt.is_empty(), "no penalty counts the prompt");
+}
+
+#[test]
 fn a_cancelled_request_ends_at_the_next_boundary_and_frees_its_sequence() {
     let mut s = Scheduler::new(64, 8, 64, Vec::new());
     let cancel = Cancel::default();
