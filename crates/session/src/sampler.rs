@@ -395,9 +395,9 @@ impl Constrained {
         self.matcher = None;
     }
 
-    /// `row` with the tokens the grammar does not allow at `-inf` (only `stop` when it failed
-    /// or allows nothing), in `self.masked`.
-    fn apply(&mut self, row: &[f32], stop: &[u32], seq: SeqId) -> &[f32] {
+    /// `row` with the tokens the grammar does not allow at `-inf` (only the `stop` tokens,
+    /// the end ids and the request's own, when it failed or allows nothing), in `self.masked`.
+    fn apply(&mut self, row: &[f32], stop: [&[u32]; 2], seq: SeqId) -> &[f32] {
         self.masked.clear();
         self.masked.resize(row.len(), f32::NEG_INFINITY);
         let mut any = false;
@@ -414,7 +414,7 @@ impl Constrained {
                 tracing::warn!("sequence {seq}: its grammar allows no token; ending it");
                 self.failed = true;
             }
-            for &t in stop {
+            for &t in stop.into_iter().flatten() {
                 if let (Some(out), Some(&l)) =
                     (self.masked.get_mut(t as usize), row.get(t as usize))
                 {
@@ -558,7 +558,8 @@ impl Samplers {
                         .as_ref()
                         .ok_or(SampleError::NoGrammarEngine { seq: e.seq })?;
                     c.prepare(engine, grammar, e.seq);
-                    let masked = c.apply(row, &s.sampler.params.stop, e.seq);
+                    let stop = [engine.end_ids(), &s.sampler.params.stop];
+                    let masked = c.apply(row, stop, e.seq);
                     let token = s.sampler.sample_next(masked, &s.prompt, &s.generated);
                     c.accept(token, e.seq);
                     token

@@ -91,6 +91,7 @@ fn compact(schema: &mut serde_json::Value) {
 pub struct GrammarEngine {
     factory: Arc<ParserFactory>,
     vocab: usize,
+    eos: Vec<u32>,
 }
 
 impl std::fmt::Debug for GrammarEngine {
@@ -151,12 +152,17 @@ impl GrammarEngine {
             .map_err(|e| Error::Grammar(format!("the grammar engine: {e}")))?;
         // Only the command prints: the engine's own logging stays off.
         factory.quiet();
-        Ok(GrammarEngine { factory: Arc::new(factory), vocab })
+        Ok(GrammarEngine { factory: Arc::new(factory), vocab, eos })
     }
 
     /// Tokens in the vocabulary (the mask's length).
     pub fn vocab_size(&self) -> usize {
         self.vocab
+    }
+
+    /// The end-of-sequence ids, the tokens a complete grammar allows.
+    pub fn end_ids(&self) -> &[u32] {
+        &self.eos
     }
 
     /// A matcher at the start of `grammar`.

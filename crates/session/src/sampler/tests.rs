@@ -245,7 +245,6 @@ fn digits_engine() -> GrammarEngine {
 fn constrained(regex: &str, generated: Vec<u32>) -> SeqSampling {
     SeqSampling {
         params: SamplingParams {
-            stop: vec![0],
             logprobs: Some(0),
             constraint: Some(text::Grammar::Regex(regex.into())),
             ..SamplingParams::default()
@@ -295,10 +294,17 @@ fn a_grammar_masks_its_sequence_only_and_ends_it_with_the_end_token() {
 
 #[test]
 fn a_grammar_that_allows_nothing_ends_its_sequence() {
-    // `c` is not in the vocabulary: no token can start it, so the end token is picked.
+    // `c` is not in the vocabulary: no token can start it, so the end token is picked (the
+    // request's stop tokens do not hold it: the scheduler adds the end ids on its side).
     let mut logits = vec![1.0f32; 13];
     logits[0] = -3.0;
     let mut samplers = Samplers::new().with_grammars(digits_engine());
     let plan = plan_of(vec![entry(1, true, Some(constrained("c", vec![])))]);
     assert_eq!(samplers.sample(&plan, &logits, 13).unwrap()[0].token, 0);
+    // The request's own stop tokens may end it too.
+    let mut stopped = constrained("c", vec![]);
+    stopped.params.stop = vec![5];
+    logits[5] = 2.0;
+    let plan = plan_of(vec![entry(2, true, Some(stopped))]);
+    assert_eq!(samplers.sample(&plan, &logits, 13).unwrap()[0].token, 5);
 }
