@@ -50,7 +50,8 @@ pub struct SamplingParams {
     pub logprobs: Option<usize>,
     /// The grammar the output must follow (structured outputs): tokens it does not allow are
     /// masked out before penalties, bias and temperature, and once it is complete only an
-    /// end-of-sequence token may follow. `None` leaves the output free.
+    /// end-of-sequence token may follow, which ends the request even with `ignore_eos`.
+    /// `None` leaves the output free.
     pub constraint: Option<text::Grammar>,
 }
 

@@ -296,7 +296,9 @@ impl Scheduler {
             }));
         }
         let mut stop = req.params.stop.clone();
-        if !req.params.ignore_eos {
+        // A grammar allows an end id only where the answer may end: there it ends, even
+        // with `ignore_eos`.
+        if !req.params.ignore_eos || req.params.constraint.is_some() {
             stop.extend(self.eos.iter().filter(|id| !req.params.stop.contains(id)));
         }
         let id = self.next_seq;

@@ -95,6 +95,22 @@ fn stop_tokens_eos_and_context_end_requests() {
     let p = s.plan(0, 3).unwrap();
     let out = s.apply(&p, pick(&p, 1)).unwrap();
     assert!(matches!(out[1], Emit::Finished { reason: FinishReason::Length, .. }), "{out:?}");
+    // With `ignore_eos` the end id goes on, unless a grammar allowed it (where it ends).
+    let free = SamplingParams { max_tokens: 2, ignore_eos: true, ..SamplingParams::default() };
+    let constrained =
+        SamplingParams { constraint: Some(text::Grammar::Regex("[0-9]".into())), ..free.clone() };
+    s.add(Request::tokens(3, vec![1], free), None, 0).unwrap();
+    s.add(Request::tokens(4, vec![1], constrained), None, 0).unwrap();
+    let p = s.plan(0, 4).unwrap();
+    let out = s.apply(&p, pick(&p, 7)).unwrap();
+    let ended: Vec<u64> = out
+        .iter()
+        .filter_map(|e| match e {
+            Emit::Finished { request, reason: FinishReason::StopToken, .. } => Some(*request),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ended, [4]);
 }
 
 #[test]
