@@ -127,11 +127,13 @@ impl GrammarEngine {
     /// [`Error::Grammar`] when the tokenizer has no end-of-sequence token (a constrained
     /// generation could not end) or the engine refuses the vocabulary.
     pub fn new(tokenizer: &Tokenizer) -> Result<Self> {
-        let eos = tokenizer.eos_ids();
+        let vocab = tokenizer.vocab_size();
+        // An end id past the vocabulary (a `generation_config.json` may list one) is no token.
+        let eos: Vec<u32> =
+            tokenizer.eos_ids().into_iter().filter(|&id| (id as usize) < vocab).collect();
         let first = *eos
             .first()
             .ok_or_else(|| Error::Grammar("the tokenizer has no end-of-sequence token".into()))?;
-        let vocab = tokenizer.vocab_size();
         let words: Vec<Vec<u8>> = (0..vocab as u32)
             .map(|id| {
                 let bytes = tokenizer.token_bytes(id).unwrap_or_default();
@@ -146,9 +148,15 @@ impl GrammarEngine {
             })
             .collect();
         let info = TokRxInfo::new(vocab as u32, first);
-        let trie = TokTrie::from(&info, &words).with_eos_tokens(&eos);
-        let env: TokEnv = Arc::new(Vocabulary { trie });
-        let mut factory = ParserFactory::new_simple(&env)
+        // The engine asserts what it expects of a vocabulary: a refusal is an error here, not
+        // a panic of the rank that builds it.
+        let built = std::panic::catch_unwind(|| {
+            let trie = TokTrie::from(&info, &words).with_eos_tokens(&eos);
+            let env: TokEnv = Arc::new(Vocabulary { trie });
+            ParserFactory::new_simple(&env)
+        });
+        let mut factory = built
+            .map_err(|_| Error::Grammar("the grammar engine refused the vocabulary".into()))?
             .map_err(|e| Error::Grammar(format!("the grammar engine: {e}")))?;
         // Only the command prints: the engine's own logging stays off.
         factory.quiet();

@@ -13,6 +13,11 @@ const CONTROL: u32 = 1;
 /// `<|endoftext|>` (0, the end), `<|im_start|>` (1, control), the characters ' '..='~' from
 /// id 2 on, then `{"`, `":` and `yes`.
 fn vocabulary() -> Tokenizer {
+    vocabulary_ending_also_at(None)
+}
+
+/// [`vocabulary`] with another end-of-turn id.
+fn vocabulary_ending_also_at(eot: Option<u32>) -> Tokenizer {
     let mut tokens: Vec<String> = vec!["<|endoftext|>".into(), "<|im_start|>".into()];
     // Byte-level BPE spells the space as U+0120.
     tokens.extend((b' '..=b'~').map(|b| {
@@ -34,6 +39,9 @@ fn vocabulary() -> Tokenizer {
         .metadata("tokenizer.ggml.token_type", Value::Array(types))
         .metadata("tokenizer.ggml.merges", Value::Array(Vec::new()))
         .metadata("tokenizer.ggml.eos_token_id", Value::U32(EOS));
+    if let Some(eot) = eot {
+        w.metadata("tokenizer.ggml.eot_token_id", Value::U32(eot));
+    }
     let p = temp_path("grammar-vocab.gguf");
     w.write(&p).unwrap();
     let t = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).unwrap();
@@ -167,4 +175,18 @@ fn grammars_that_do_not_compile_are_refused_with_the_problem() {
         let err = e.matcher(&grammar).unwrap_err().to_string();
         assert!(err.starts_with(start) && err.len() > start.len(), "{grammar:?}: {err}");
     }
+}
+
+#[test]
+fn end_ids_past_the_vocabulary_are_not_tokens() {
+    let t = vocabulary_ending_also_at(Some(99_999));
+    assert_eq!(t.eos_ids(), [EOS, 99_999]);
+    let e = GrammarEngine::new(&t).unwrap();
+    assert_eq!(e.end_ids(), [EOS]);
+    let t = vocabulary_ending_also_at(Some(CONTROL));
+    let e = GrammarEngine::new(&t).unwrap();
+    assert_eq!(e.end_ids(), [EOS, CONTROL]);
+    let mut m = e.matcher(&Grammar::Regex("a".into())).unwrap();
+    m.accept(id('a')).unwrap();
+    assert_eq!(allowed(&mut m, t.vocab_size()), [EOS, CONTROL], "every end id ends it");
 }
