@@ -1908,7 +1908,11 @@ fn structured_outputs_follow_their_grammar() {
         (json!({"guided_choice": ["yes", "no"]}), "no"),
         (json!({"guided_grammar": "start: \"ab\"+ \"!\""}), "ab!"),
         (json!({"structured_outputs": {"choice": ["yes", "maybe"]}}), "maybe"),
-        (json!({"structured_outputs": {"json": schema}}), r#"{"name":"Bob","age":42}"#),
+        (
+            json!({"structured_outputs": {"json": schema, "disable_any_whitespace": true},
+                "guided_decoding_backend": "xgrammar"}),
+            r#"{"name":"Bob","age":42}"#,
+        ),
         (json!({"response_format": {"type": "text"}, "guided_regex": "x"}), "x"),
     ] {
         assert_eq!(answer(extra.clone()), expected, "{extra}");
@@ -1975,6 +1979,10 @@ fn structured_outputs_follow_their_grammar() {
     bad(json!({"guided_json": "{\"type\": "}), "not JSON");
     bad(json!({"guided_regex": "a", "guided_choice": ["a"]}), "`guided_regex` and `guided_choice`");
     bad(json!({"response_format": {"type": "yaml"}}), "`response_format` type `yaml`");
+    bad(
+        json!({"structured_outputs": {"structural_tag": "x"}}),
+        "`structured_outputs.structural_tag`",
+    );
     let reply = chat(json!({"tool_choice": "required"}));
     assert_error(&reply, 400, "invalid_tool_choice");
     assert_eq!(server.interrupt().code(), Some(130));

@@ -73,7 +73,8 @@ pub(super) fn check_unsupported(
 ) -> std::result::Result<(), ApiError> {
     for (key, value) in other {
         let neutral = match key.as_str() {
-            "user" | "parallel_tool_calls" => true,
+            // vLLM's choice of grammar engine: there is one, and the output is constrained.
+            "user" | "parallel_tool_calls" | "guided_decoding_backend" => true,
             "best_of" => value.is_null() || value.as_u64() == Some(1),
             "suffix" => value.is_null() || value.as_str() == Some(""),
             "tools" | "functions" => value.is_null() || value.as_array().is_some_and(Vec::is_empty),

@@ -61,7 +61,9 @@ fn response_format(value: &Value) -> Result<Option<Grammar>, ApiError> {
 }
 
 /// vLLM's `structured_outputs` object: one of `json`, `regex`, `choice`, `grammar`,
-/// `json_object`.
+/// `json_object`; its options that this engine's output already satisfies
+/// (`disable_any_whitespace`: JSON is compact anyway; `disable_fallback`: there is one
+/// engine) are accepted.
 fn structured_outputs(value: &Value) -> Result<Vec<(String, Grammar)>, ApiError> {
     let object =
         value.as_object().ok_or_else(|| invalid("`structured_outputs` must be an object"))?;
@@ -78,6 +80,7 @@ fn structured_outputs(value: &Value) -> Result<Vec<(String, Grammar)>, ApiError>
             "grammar" => Grammar::Lark(string(&field, v)?),
             "json_object" if v == &Value::Bool(true) => Grammar::JsonObject,
             "json_object" if v == &Value::Bool(false) => continue,
+            "disable_any_whitespace" | "disable_fallback" if v.is_boolean() => continue,
             _ => {
                 return Err(invalid(format!(
                     "`{field}` is not supported: give one of `json`, `regex`, `choice`, `grammar`, `json_object`"
