@@ -2030,3 +2030,57 @@ fn a_forced_tool_choice_answers_with_a_call() {
     assert!(reply.body.contains("`fly`"), "{reply:?}");
     assert_eq!(server.interrupt().code(), Some(130));
 }
+
+/// A constrained answer whose KV cache a sleep discarded (mode `keep`) is recomputed under a
+/// new id: its grammar is rebuilt and replays the output so far, so the answer continues
+/// exactly as it would have without the sleep.
+#[test]
+fn a_recomputed_constrained_answer_continues_its_grammar() {
+    let rt = runtime_dir("grammar");
+    // Slow steps, so the sleep lands in the middle of the answer.
+    let env = [("XDG_RUNTIME_DIR", rt.as_str()), ("TPCTL_FAILPOINTS", "session.step=delay(10)")];
+    let server = Server::start_with(json_model(), &["--deployment", "grammar"], &env);
+    let schema =
+        json!({"type": "array", "minItems": 40, "maxItems": 40, "items": {"type": "integer"}});
+    let body = json!({"prompt": "?", "max_tokens": 200, "temperature": 0, "guided_json": schema});
+    let alone = server.post("/v1/completions", &body).json()["choices"][0].clone();
+    assert_eq!(alone["finish_reason"], "stop", "{alone}");
+    let expected = alone["text"].as_str().unwrap().to_owned();
+    let items: Vec<f64> = serde_json::from_str(&expected).unwrap();
+    assert_eq!(items, [0.0; 40], "the lowest ids: `-0` forty times");
+
+    let body = with(body, &json!({"stream": true})).to_string();
+    let raw = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut conn = TcpStream::connect(&server.addr).unwrap();
+    conn.set_read_timeout(Some(DEADLINE)).unwrap();
+    conn.write_all(raw.as_bytes()).unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while String::from_utf8_lossy(&seen).matches("data:").count() < 10 {
+        let k = conn.read(&mut buf).expect("streamed tokens");
+        assert!(k > 0, "the stream ended early");
+        seen.extend_from_slice(&buf[..k]);
+    }
+    let (code, reply, err) = control(&rt, &["sleep", "--tags", "kv_cache", "--mode", "keep"]);
+    assert_eq!(code, 0, "{err}\n{reply}\n{}", server.log());
+    let (code, _, err) = control(&rt, &["wakeup"]);
+    assert_eq!(code, 0, "{err}");
+    conn.read_to_end(&mut seen).expect("the rest of the stream");
+    let text = String::from_utf8_lossy(&seen).into_owned();
+    let (_, body) = text.split_once("\r\n\r\n").expect("an HTTP answer");
+    let reply = Reply { status: 200, body: dechunk(body) };
+    let events = reply.events();
+    let mut streamed = String::new();
+    for e in &events[..events.len() - 1] {
+        let chunk: Value = serde_json::from_str(e).unwrap();
+        streamed.push_str(chunk["choices"][0]["text"].as_str().unwrap_or_default());
+    }
+    assert!(streamed.len() > 10, "{events:?}");
+    assert_eq!(streamed, expected, "{}", server.log());
+    let (code, _, err) = control(&rt, &["stop"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(server.wait().success());
+}
