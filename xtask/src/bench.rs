@@ -7,6 +7,7 @@ mod model;
 mod serve;
 mod session;
 mod sleep;
+mod structured;
 mod vmm;
 
 use anyhow::{bail, Result};
@@ -34,6 +35,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "model" => model::run(json)?,
             "sleep" => sleep::run(json)?,
             "serve" => serve::run(json)?,
+            "structured" => structured::run(json)?,
             "cycles" => cycles::run(json)?,
             "agree" => agree::run(json)?,
             "all" => {
@@ -44,7 +46,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             }
             other => {
                 bail!(
-                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, sleep, cycles, agree or all"
+                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, structured, sleep, cycles, agree or all"
                 )
             }
         }

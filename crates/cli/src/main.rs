@@ -51,6 +51,11 @@ enum Command {
     /// prompt's log-probabilities come with "echo" and "logprobs" ("max_tokens": 0 answers
     /// the prompt alone) and with vLLM's "prompt_logprobs" (not streamed).
     ///
+    /// Structured outputs: "response_format" ({"type": "json_object"} or "json_schema"),
+    /// vLLM's "guided_json", "guided_regex", "guided_choice", "guided_grammar" (Lark) and
+    /// "structured_outputs"; "tool_choice": "required" or a named function makes a chat's
+    /// answer a call of its tools.
+    ///
     /// Example: tpctl serve --tp 2 --listen 127.0.0.1:8000 --deployment chat
     Serve(Box<ServeArgs>),
     /// Put a running deployment to sleep: release the memory of the given tags on every rank.

@@ -181,8 +181,20 @@ fn lead(
         tokenizer = tokenizer.with_chat_template(template.clone());
     }
     let tokenizer = Arc::new(tokenizer);
-    let factory = Box::new(factory.with_tokenizer(tokenizer.clone()));
+    let mut factory = factory.with_tokenizer(tokenizer.clone());
     if let Some(serve) = &spec.serve {
+        // Structured outputs: one grammar engine for the HTTP checks and the sampler.
+        let grammars = match text::GrammarEngine::new(&tokenizer) {
+            Ok(engine) => Some(engine),
+            Err(e) => {
+                eprintln!("warning: structured outputs are not available: {e}");
+                None
+            }
+        };
+        if let Some(engine) = &grammars {
+            factory = factory.with_grammars(engine.clone());
+        }
+        let factory = Box::new(factory);
         let rank0 = crate::serve::Rank0 {
             ctx,
             factory,
@@ -195,6 +207,7 @@ fn lead(
             gate,
             stop,
             control: Some(controller.clone()),
+            grammars,
         };
         return crate::serve::run(rank0, serve);
     }
@@ -239,9 +252,10 @@ fn lead(
     let meter = factory.backend().map_or_else(Meter::default, Meter::with_backend);
     let max_tokens = spec.sampling.max_tokens as usize;
     let printer = Printer::new(spec.output, prompts, max_tokens, first_token.clone());
-    let mut leader = Leader::new(ctx, factory, Box::new(printer), Box::new(meter.clone()), engine)?
-        .with_gate(gate)
-        .with_stop(stop);
+    let mut leader =
+        Leader::new(ctx, Box::new(factory), Box::new(printer), Box::new(meter.clone()), engine)?
+            .with_gate(gate)
+            .with_stop(stop);
     stop_on_signal(leader.stop_handle());
     let start = Instant::now();
     let mut stop = |_: &SessionReport| Decision::Stop;

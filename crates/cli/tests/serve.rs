@@ -1295,11 +1295,15 @@ fn sampling_fields_apply_and_unsupported_ones_are_refused() {
         (json!({"logprobs": true}), "invalid_logprobs", "expected an integer"),
         (json!({"n": 17}), "invalid_n", "`n` 17: expected 1 to 16"),
         (
-            json!({"response_format": {"type": "json_object"}}),
-            "unsupported_parameter",
-            "json_object",
+            json!({"response_format": {"type": "yaml"}}),
+            "invalid_structured_output",
+            "`response_format` type `yaml`",
         ),
-        (json!({"guided_json": {}}), "unsupported_parameter", "`guided_json`"),
+        (
+            json!({"guided_whitespace_pattern": " "}),
+            "unsupported_parameter",
+            "`guided_whitespace_pattern`",
+        ),
         (json!({"presence_penalty": 3}), "invalid_sampling", "`presence_penalty` 3"),
         (json!({"repetition_penalty": 0}), "invalid_sampling", "`repetition_penalty`"),
         (json!({"min_p": 1.5}), "invalid_sampling", "`min_p`"),
@@ -1472,9 +1476,9 @@ fn chat_templates_take_tools_arguments_and_python_methods() {
     let reply = server.post(
         "/v1/chat/completions",
         &json!({"messages": [{"role": "user", "content": "t5"}], "tools": [tool],
-                "tool_choice": "required"}),
+                "tool_choice": "sometimes"}),
     );
-    assert_error(&reply, 400, "unsupported_parameter");
+    assert_error(&reply, 400, "invalid_tool_choice");
     assert!(reply.body.contains("tool_choice"), "{}", reply.body);
     let reply = server.post(
         "/v1/chat/completions",
@@ -2087,4 +2091,262 @@ fn tool_calls_are_parsed_out_of_chat_answers() {
     let last = &chunks.last().unwrap()["choices"][0];
     assert_eq!(last["finish_reason"], "tool_calls", "{last}");
     assert_eq!(server.interrupt().code(), Some(130));
+}
+
+/// A model that can write JSON: a lookup table (see `common::lookup_model`) over 128 tokens,
+/// the end token 0 (a control token) and the characters ' '..='~' as tokens 1..=95. Its greedy
+/// choice after a token is the successor below when the request allows it, else the allowed
+/// token of the lowest id (ties at the same logit): after `"` it spells `Bob"`, after `:` it
+/// writes `42}`, after anything else `}`.
+fn json_model() -> &'static str {
+    static PATH: OnceLock<String> = OnceLock::new();
+    PATH.get_or_init(|| {
+        use layers::model::random::byte_level;
+        let id = |c: char| c as u32 - 31;
+        let mut spec = layers::model::random::RandomLlama {
+            heads: 4,
+            kv_heads: 2,
+            hidden: 128,
+            ffn: 64,
+            vocab: 128,
+            seed: 5,
+            ..Default::default()
+        };
+        spec.token_names = (b' '..=b'~').map(|b| (u32::from(b) - 31, byte_level(&[b]))).collect();
+        let mut next = vec![id('}'); spec.vocab];
+        for (a, b) in [('"', 'B'), ('B', 'o'), ('o', 'b'), ('b', '"'), (':', '4'), ('4', '2')] {
+            next[id(a) as usize] = id(b);
+        }
+        spec.next_token = Some(next);
+        let mut writer = spec.writer();
+        let template = "{% for m in messages %}{{ m.content }}{% endfor %}";
+        use checkpoint::gguf::Value as V;
+        writer.metadata("tokenizer.chat_template", V::String(template.into()));
+        let types = (0..spec.vocab).map(|i| V::I32(if i == 0 { 3 } else { 1 })).collect();
+        writer.metadata("tokenizer.ggml.token_type", V::Array(types));
+        let path = scratch("json.gguf");
+        writer.write(&path).expect("write the JSON model");
+        path.to_string_lossy().into_owned()
+    })
+}
+
+/// The strict schema the OpenAI SDK's `client.chat.completions.parse` sends for the pydantic
+/// model `class Person(BaseModel): name: str; age: int`.
+fn person_format() -> Value {
+    json!({"type": "json_schema", "json_schema": {"name": "Person", "strict": true, "schema": {
+        "properties": {"name": {"title": "Name", "type": "string"}, "age": {"title": "Age", "type": "integer"}},
+        "required": ["name", "age"], "title": "Person", "type": "object", "additionalProperties": false}}})
+}
+
+/// Every structured-output field constrains the answer to its grammar, whole or streamed, with
+/// `n` and log-probabilities; a constrained request leaves the free one batched with it as it is
+/// alone; a bad grammar, two at once, or a forced call without tools is a 400 naming it.
+#[test]
+fn structured_outputs_follow_their_grammar() {
+    let server = Server::start(json_model(), &[]);
+    let chat = |extra: Value| {
+        let body = with(
+            json!({"messages": [{"role": "user", "content": "?"}], "max_tokens": 40, "temperature": 0}),
+            &extra,
+        );
+        server.post("/v1/chat/completions", &body)
+    };
+    let answer = |extra: Value| {
+        let reply = chat(extra.clone());
+        assert_eq!(reply.status, 200, "{extra}: {reply:?}\n{}", server.log());
+        let choice = reply.json()["choices"][0].clone();
+        assert_eq!(choice["finish_reason"], "stop", "{extra}: {choice}");
+        choice["message"]["content"].as_str().unwrap().to_owned()
+    };
+    // Free, the model writes `}` over and over.
+    let free = chat(json!({"max_tokens": 4})).json()["choices"][0].clone();
+    assert_eq!(free["message"]["content"], "}}}}", "{free}");
+    let person = answer(json!({"response_format": person_format()}));
+    assert_eq!(person, r#"{"name":"Bob","age":42}"#);
+    let parsed: Value = serde_json::from_str(&person).unwrap();
+    assert_eq!(parsed, json!({"name": "Bob", "age": 42}));
+    let schema = &person_format()["json_schema"]["schema"];
+    for (extra, expected) in [
+        (json!({"response_format": {"type": "json_object"}}), "{}"),
+        (json!({"guided_json": schema}), r#"{"name":"Bob","age":42}"#),
+        (json!({"guided_json": schema.to_string()}), r#"{"name":"Bob","age":42}"#),
+        (json!({"guided_regex": "[0-9]{2}[a-z]"}), "00a"),
+        (json!({"guided_choice": ["yes", "no"]}), "no"),
+        (json!({"guided_grammar": "start: \"ab\"+ \"!\""}), "ab!"),
+        (json!({"structured_outputs": {"choice": ["yes", "maybe"]}}), "maybe"),
+        (
+            json!({"structured_outputs": {"json": schema, "disable_any_whitespace": true},
+                "guided_decoding_backend": "xgrammar"}),
+            r#"{"name":"Bob","age":42}"#,
+        ),
+        (json!({"response_format": {"type": "text"}, "guided_regex": "x"}), "x"),
+    ] {
+        assert_eq!(answer(extra.clone()), expected, "{extra}");
+    }
+    // Completions too, with `n` and log-probabilities (the model's own: its choice is `}`).
+    let body = json!({"prompt": "?", "max_tokens": 40, "temperature": 0, "n": 2, "logprobs": 1,
+        "guided_regex": "[0-9]{2}[a-z]"});
+    let reply = server.post("/v1/completions", &body);
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let choices = reply.json()["choices"].clone();
+    for choice in choices.as_array().unwrap() {
+        assert_eq!(choice["text"], "00a", "{choice}");
+        let top = &choice["logprobs"]["top_logprobs"][0];
+        assert!(top.get("}").is_some(), "{choice}");
+    }
+    // Streamed, each of two choices.
+    let reply = chat(json!({"response_format": person_format(), "stream": true, "n": 2}));
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let events = reply.events();
+    let mut texts = [String::new(), String::new()];
+    for e in &events[..events.len() - 1] {
+        let chunk: Value = serde_json::from_str(e).unwrap();
+        let choice = &chunk["choices"][0];
+        if let Some(t) = choice["delta"]["content"].as_str() {
+            texts[choice["index"].as_u64().unwrap() as usize].push_str(t);
+        }
+    }
+    assert_eq!(texts, [r#"{"name":"Bob","age":42}"#; 2], "{events:?}");
+
+    // A constrained and a free request in one batch: the free one as alone.
+    let alone =
+        server.post("/v1/completions", &json!({"prompt": "?", "max_tokens": 30, "temperature": 0}));
+    let alone = alone.json()["choices"][0]["text"].clone();
+    let addr = server.addr.clone();
+    let constrained = std::thread::spawn(move || {
+        let body = json!({"messages": [{"role": "user", "content": "?"}], "max_tokens": 40,
+            "temperature": 0, "response_format": person_format()});
+        request(&addr, "POST", "/v1/chat/completions", &[], Some(body.to_string().as_bytes()))
+    });
+    let free =
+        server.post("/v1/completions", &json!({"prompt": "?", "max_tokens": 30, "temperature": 0}));
+    let constrained = constrained.join().unwrap();
+    assert_eq!(free.json()["choices"][0]["text"], alone);
+    assert_eq!(
+        constrained.json()["choices"][0]["message"]["content"],
+        r#"{"name":"Bob","age":42}"#
+    );
+
+    // Mistakes are 400s that say what is wrong.
+    let bad = |extra: Value, needle: &str| {
+        let reply = chat(extra.clone());
+        assert_error(&reply, 400, "invalid_structured_output");
+        let message = reply.json()["error"]["message"].as_str().unwrap().to_owned();
+        assert!(message.contains(needle), "{extra}: {message}");
+    };
+    let nonsense = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}});
+    bad(
+        json!({"response_format": nonsense}),
+        "`response_format`: invalid JSON schema: Invalid type: nonsense",
+    );
+    bad(json!({"guided_regex": "(ab"}), "`guided_regex`: invalid regex");
+    bad(json!({"guided_grammar": "start: ("}), "`guided_grammar`: invalid grammar");
+    bad(json!({"guided_choice": []}), "the list of choices is empty");
+    bad(json!({"guided_json": "{\"type\": "}), "not JSON");
+    bad(json!({"guided_regex": "a", "guided_choice": ["a"]}), "`guided_regex` and `guided_choice`");
+    bad(json!({"response_format": {"type": "yaml"}}), "`response_format` type `yaml`");
+    bad(
+        json!({"structured_outputs": {"structural_tag": "x"}}),
+        "`structured_outputs.structural_tag`",
+    );
+    let reply = chat(json!({"tool_choice": "required"}));
+    assert_error(&reply, 400, "invalid_tool_choice");
+    assert_eq!(server.interrupt().code(), Some(130));
+}
+
+/// `tool_choice` "required" or a named function makes the answer a call of the tools, with
+/// their parameters' schema, answered as `tool_calls`.
+#[test]
+fn a_forced_tool_choice_answers_with_a_call() {
+    let server = Server::start(json_model(), &[]);
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+            "properties": {"city": {"type": "string"}}, "required": ["city"],
+            "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "now"}},
+    ]);
+    let chat = |choice: Value, stream: bool| {
+        let body = json!({"messages": [{"role": "user", "content": "?"}], "max_tokens": 60,
+            "temperature": 0, "tools": tools, "tool_choice": choice, "stream": stream});
+        server.post("/v1/chat/completions", &body)
+    };
+    for (choice, name, args) in [
+        (json!("required"), "get_weather", json!({"city": "Bob"})),
+        (json!({"type": "function", "function": {"name": "now"}}), "now", json!({})),
+    ] {
+        let reply = chat(choice.clone(), false);
+        assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
+        let answer = &reply.json()["choices"][0];
+        assert_eq!(answer["finish_reason"], "tool_calls", "{choice}: {answer}");
+        let call = &answer["message"]["tool_calls"][0]["function"];
+        assert_eq!(call["name"], name, "{answer}");
+        let parsed: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+        assert_eq!(parsed, args, "{answer}");
+
+        let events = chat(choice.clone(), true).events();
+        let chunks: Vec<Value> =
+            events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+        let calls: Vec<&Value> =
+            chunks.iter().filter_map(|c| c["choices"][0]["delta"].get("tool_calls")).collect();
+        assert_eq!(calls[0][0]["function"]["name"], name, "{chunks:?}");
+        assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
+    }
+    let reply = chat(json!({"type": "function", "function": {"name": "fly"}}), false);
+    assert_error(&reply, 400, "invalid_tool_choice");
+    assert!(reply.body.contains("`fly`"), "{reply:?}");
+    assert_eq!(server.interrupt().code(), Some(130));
+}
+
+/// A constrained answer whose KV cache a sleep discarded (mode `keep`) is recomputed under a
+/// new id: its grammar is rebuilt and replays the output so far, so the answer continues
+/// exactly as it would have without the sleep.
+#[test]
+fn a_recomputed_constrained_answer_continues_its_grammar() {
+    let rt = runtime_dir("grammar");
+    // Slow steps, so the sleep lands in the middle of the answer.
+    let env = [("XDG_RUNTIME_DIR", rt.as_str()), ("TPCTL_FAILPOINTS", "session.step=delay(10)")];
+    let server = Server::start_with(json_model(), &["--deployment", "grammar"], &env);
+    let schema =
+        json!({"type": "array", "minItems": 40, "maxItems": 40, "items": {"type": "integer"}});
+    let body = json!({"prompt": "?", "max_tokens": 200, "temperature": 0, "guided_json": schema});
+    let alone = server.post("/v1/completions", &body).json()["choices"][0].clone();
+    assert_eq!(alone["finish_reason"], "stop", "{alone}");
+    let expected = alone["text"].as_str().unwrap().to_owned();
+    let items: Vec<f64> = serde_json::from_str(&expected).unwrap();
+    assert_eq!(items, [0.0; 40], "the lowest ids: `-0` forty times");
+
+    let body = with(body, &json!({"stream": true})).to_string();
+    let raw = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut conn = TcpStream::connect(&server.addr).unwrap();
+    conn.set_read_timeout(Some(DEADLINE)).unwrap();
+    conn.write_all(raw.as_bytes()).unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while String::from_utf8_lossy(&seen).matches("data:").count() < 10 {
+        let k = conn.read(&mut buf).expect("streamed tokens");
+        assert!(k > 0, "the stream ended early");
+        seen.extend_from_slice(&buf[..k]);
+    }
+    let (code, reply, err) = control(&rt, &["sleep", "--tags", "kv_cache", "--mode", "keep"]);
+    assert_eq!(code, 0, "{err}\n{reply}\n{}", server.log());
+    let (code, _, err) = control(&rt, &["wakeup"]);
+    assert_eq!(code, 0, "{err}");
+    conn.read_to_end(&mut seen).expect("the rest of the stream");
+    let text = String::from_utf8_lossy(&seen).into_owned();
+    let (_, body) = text.split_once("\r\n\r\n").expect("an HTTP answer");
+    let reply = Reply { status: 200, body: dechunk(body) };
+    let events = reply.events();
+    let mut streamed = String::new();
+    for e in &events[..events.len() - 1] {
+        let chunk: Value = serde_json::from_str(e).unwrap();
+        streamed.push_str(chunk["choices"][0]["text"].as_str().unwrap_or_default());
+    }
+    assert!(streamed.len() > 10, "{events:?}");
+    assert_eq!(streamed, expected, "{}", server.log());
+    let (code, _, err) = control(&rt, &["stop"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(server.wait().success());
 }

@@ -43,7 +43,8 @@ pub struct SeqSampling {
     pub drawn: u32,
     /// The prompt, when a penalty counts it (empty otherwise).
     pub prompt: Vec<u32>,
-    /// The tokens generated before, when a penalty counts them (empty otherwise).
+    /// The tokens generated before, when a penalty counts them or a grammar constrains the
+    /// output (the runner replays them through it); empty otherwise.
     pub generated: Vec<u32>,
 }
 

@@ -34,6 +34,7 @@ use crate::error::{Error, Result};
 use crate::plan::{PlanEntry, SeqSampling, SessionConfig, SessionDecision, StepPlan};
 use crate::sampler::SamplingParams;
 use collectives::{Collective, Communicator, ReduceOp};
+use text::Grammar;
 
 /// Words of the admission header (and of the whole confirmation).
 pub const HEADER_WORDS: usize = 8;
@@ -322,6 +323,12 @@ pub enum DecodeError {
     /// The model name is not UTF-8.
     #[error("model is not utf-8")]
     ModelNotUtf8,
+    /// A text field is not UTF-8.
+    #[error("{0} is not utf-8")]
+    NotUtf8(&'static str),
+    /// A constraint kind this version does not know.
+    #[error("unknown constraint kind {0}")]
+    UnknownConstraint(u8),
     /// Bytes after the message's last field.
     #[error("{0} trailing bytes after the message")]
     Trailing(usize),
@@ -461,6 +468,7 @@ fn put_sampling(s: &SeqSampling, out: &mut Vec<u8>) {
         logit_bias,
         logprobs,
         prompt_logprobs,
+        constraint,
     } = &s.params;
     put_u32(out, *max_tokens);
     put_f32(out, *temperature);
@@ -482,9 +490,40 @@ fn put_sampling(s: &SeqSampling, out: &mut Vec<u8>) {
     out.extend_from_slice(&(logprobs.unwrap_or(0) as u64).to_le_bytes());
     out.push(u8::from(prompt_logprobs.is_some()));
     out.extend_from_slice(&(prompt_logprobs.unwrap_or(0) as u64).to_le_bytes());
+    put_grammar(out, constraint.as_ref());
     put_u32(out, s.drawn);
     put_u32s(out, &s.prompt);
     put_u32s(out, &s.generated);
+}
+
+fn put_str(out: &mut Vec<u8>, text: &str) {
+    put_u32(out, text.len() as u32);
+    out.extend_from_slice(text.as_bytes());
+}
+
+/// A constraint: its kind (0 for none), then its text or its list of choices.
+fn put_grammar(out: &mut Vec<u8>, grammar: Option<&Grammar>) {
+    match grammar {
+        None => out.push(0),
+        Some(Grammar::JsonSchema(schema)) => {
+            out.push(1);
+            put_str(out, schema);
+        }
+        Some(Grammar::JsonObject) => out.push(2),
+        Some(Grammar::Regex(rx)) => {
+            out.push(3);
+            put_str(out, rx);
+        }
+        Some(Grammar::Choice(choices)) => {
+            out.push(4);
+            put_u32(out, choices.len() as u32);
+            choices.iter().for_each(|c| put_str(out, c));
+        }
+        Some(Grammar::Lark(lark)) => {
+            out.push(5);
+            put_str(out, lark);
+        }
+    }
 }
 
 struct Reader<'a> {
@@ -545,6 +584,33 @@ impl Reader<'_> {
         Ok(out)
     }
 
+    /// A length, then that many bytes of UTF-8.
+    fn string(&mut self, what: &'static str) -> std::result::Result<String, DecodeError> {
+        let len = self.u32(what)? as usize;
+        String::from_utf8(self.take(len, what)?.to_vec()).map_err(|_| DecodeError::NotUtf8(what))
+    }
+
+    fn grammar(&mut self) -> std::result::Result<Option<Grammar>, DecodeError> {
+        Ok(Some(match self.u8("constraint kind")? {
+            0 => return Ok(None),
+            1 => Grammar::JsonSchema(self.string("JSON schema")?),
+            2 => Grammar::JsonObject,
+            3 => Grammar::Regex(self.string("regex")?),
+            4 => {
+                let n = self.u32("choice count")? as usize;
+                if n > self.bytes.len() / 4 {
+                    return Err(DecodeError::Overflow("choices"));
+                }
+                (0..n)
+                    .map(|_| self.string("choice"))
+                    .collect::<Result<_, _>>()
+                    .map(Grammar::Choice)?
+            }
+            5 => Grammar::Lark(self.string("grammar")?),
+            kind => return Err(DecodeError::UnknownConstraint(kind)),
+        }))
+    }
+
     fn sampling(&mut self) -> std::result::Result<SeqSampling, DecodeError> {
         let max_tokens = self.u32("max_tokens")?;
         let temperature = self.f32("temperature")?;
@@ -569,6 +635,7 @@ impl Reader<'_> {
         let top = self.usize("logprobs")?;
         let has_prompt_logprobs = self.u8("prompt_logprobs flag")? != 0;
         let prompt_top = self.usize("prompt_logprobs")?;
+        let constraint = self.grammar()?;
         let params = SamplingParams {
             max_tokens,
             temperature,
@@ -584,6 +651,7 @@ impl Reader<'_> {
             logit_bias,
             logprobs: has_logprobs.then_some(top),
             prompt_logprobs: has_prompt_logprobs.then_some(prompt_top),
+            constraint,
         };
         let drawn = self.u32("drawn")?;
         let prompt = self.u32_list("penalized prompt")?;

@@ -5,11 +5,13 @@
 //!
 //! [`Samplers`] is what a [`StepModel`](crate::StepModel) samples with where its logits are:
 //! each sequence's sampler arrives with its first plan entry ([`SeqSampling`]), and every
-//! sampled entry leaves the model as a [`SampledToken`], never as a logits row.
+//! sampled entry leaves the model as a [`SampledToken`], never as a logits row. A constrained
+//! sequence's (structured outputs) disallowed tokens are masked out first.
 
 use crate::model::{SampledToken, StepOutput};
 use crate::plan::{PlanEntry, SeqId, SeqSampling, StepPlan};
 use std::collections::HashMap;
+use text::{GrammarEngine, GrammarMatcher};
 
 /// How a request picks its tokens and when it stops.
 #[derive(Debug, Clone, PartialEq)]
@@ -51,6 +53,11 @@ pub struct SamplingParams {
     /// `echo` with `logprobs`); `None` computes none. The model runner then computes the
     /// logits of every prompt position, and the scheduler does not reuse a cached prefix.
     pub prompt_logprobs: Option<usize>,
+    /// The grammar the output must follow (structured outputs): tokens it does not allow are
+    /// masked out before penalties, bias and temperature, and once it is complete only an
+    /// end-of-sequence token may follow, which ends the request even with `ignore_eos`.
+    /// `None` leaves the output free.
+    pub constraint: Option<text::Grammar>,
 }
 
 impl SamplingParams {
@@ -81,6 +88,7 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             logprobs: None,
             prompt_logprobs: None,
+            constraint: None,
         }
     }
 }
@@ -341,6 +349,14 @@ pub enum SampleError {
         /// The vocabulary (a row's length).
         vocab: usize,
     },
+    /// A constrained sequence reached a runner that has no grammar engine.
+    #[error(
+        "sequence {seq} is constrained by a grammar, but this model runner has no grammar engine"
+    )]
+    NoGrammarEngine {
+        /// The sequence.
+        seq: SeqId,
+    },
     /// A sampled entry's sequence never had its sampling parameters in a plan.
     #[error(
         "sequence {seq} is sampled in step {step}, but no plan carried its sampling parameters"
@@ -354,15 +370,21 @@ pub enum SampleError {
 }
 
 /// The samplers of the sequences a model runner holds (see the module docs). A runner calls
-/// [`Samplers::sample`] on every step where it holds the logits, and
-/// [`Samplers::release`] for every released sequence.
+/// [`Samplers::sample`] on every step where it holds the logits (or its three parts,
+/// [`Samplers::admit`], [`Samplers::mask`] while the forward pass runs, and
+/// [`Samplers::pick`]), and [`Samplers::release`] for every released sequence.
+///
+/// A sequence with a [`SamplingParams::constraint`] is masked by its grammar's matcher, which
+/// the [`GrammarEngine`] given with [`Samplers::with_grammars`] builds on its first masked
+/// step (replaying the tokens it generated before a recompute).
 #[derive(Debug, Default)]
 pub struct Samplers {
     seqs: HashMap<SeqId, SeqSampler>,
+    grammars: Option<GrammarEngine>,
 }
 
-/// One sequence's sampler, the tokens its penalties count, and where its prompt
-/// log-probabilities stand.
+/// One sequence's sampler, the tokens its penalties count, where its prompt
+/// log-probabilities stand, and its grammar's state.
 #[derive(Debug)]
 struct SeqSampler {
     sampler: Sampler,
@@ -375,16 +397,108 @@ struct SeqSampler {
     /// The last logits row of a prompt chunk that did not sample: the distribution of the
     /// next entry's first token.
     pending: Option<Vec<f32>>,
+    constraint: Option<Constrained>,
+}
+
+/// A constrained sequence's matcher and the mask of its next token.
+#[derive(Debug, Default)]
+struct Constrained {
+    /// Built on the first masked step; `None` before, or after the engine failed.
+    matcher: Option<GrammarMatcher>,
+    /// Tokens to replay through the matcher when it is built.
+    replay: Vec<u32>,
+    /// The engine failed for this sequence: only its stop tokens are allowed from now on.
+    failed: bool,
+    /// The allowed tokens of the next step (a bitset), when computed.
+    mask: Option<Vec<u32>>,
+    /// The masked logits of a step.
+    masked: Vec<f32>,
+}
+
+impl Constrained {
+    /// Computes the mask of the next token (building and replaying the matcher first).
+    fn prepare(&mut self, engine: &GrammarEngine, grammar: &text::Grammar, seq: SeqId) {
+        if self.failed || self.mask.is_some() {
+            return;
+        }
+        let result = (|| -> text::Result<Vec<u32>> {
+            if self.matcher.is_none() {
+                let mut m = engine.matcher(grammar)?;
+                for &t in &std::mem::take(&mut self.replay) {
+                    m.accept(t)?;
+                }
+                self.matcher = Some(m);
+            }
+            let m = self.matcher.as_mut().expect("built above");
+            Ok(m.allowed()?.to_vec())
+        })();
+        match result {
+            Ok(mask) => self.mask = Some(mask),
+            Err(e) => self.fail(seq, &e),
+        }
+    }
+
+    /// Gives up on the grammar: the sequence is ended by its stop tokens.
+    fn fail(&mut self, seq: SeqId, e: &text::Error) {
+        tracing::warn!("sequence {seq}: its grammar failed ({e}); ending it");
+        self.failed = true;
+        self.matcher = None;
+    }
+
+    /// `row` with the tokens the grammar does not allow at `-inf` (only the `stop` tokens,
+    /// the end ids and the request's own, when it failed or allows nothing), in `self.masked`.
+    fn apply(&mut self, row: &[f32], stop: [&[u32]; 2], seq: SeqId) -> &[f32] {
+        self.masked.clear();
+        self.masked.resize(row.len(), f32::NEG_INFINITY);
+        let mut any = false;
+        if let Some(mask) = self.mask.as_ref().filter(|_| !self.failed) {
+            for (i, (out, &l)) in self.masked.iter_mut().zip(row).enumerate() {
+                if mask.get(i / 32).is_some_and(|w| w >> (i % 32) & 1 == 1) {
+                    *out = l;
+                    any = true;
+                }
+            }
+        }
+        if !any {
+            if !self.failed {
+                tracing::warn!("sequence {seq}: its grammar allows no token; ending it");
+                self.failed = true;
+            }
+            for &t in stop.into_iter().flatten() {
+                if let (Some(out), Some(&l)) =
+                    (self.masked.get_mut(t as usize), row.get(t as usize))
+                {
+                    *out = l;
+                }
+            }
+        }
+        &self.masked
+    }
+
+    /// Moves the matcher past `token`, the step's pick.
+    fn accept(&mut self, token: u32, seq: SeqId) {
+        self.mask = None;
+        let Some(m) = self.matcher.as_mut().filter(|m| !m.is_finished()) else { return };
+        if let Err(e) = m.accept(token) {
+            self.fail(seq, &e);
+        }
+    }
 }
 
 impl SeqSampler {
     fn new(s: &SeqSampling) -> Self {
+        let constraint = s
+            .params
+            .constraint
+            .as_ref()
+            .map(|_| Constrained { replay: s.generated.clone(), ..Constrained::default() });
         SeqSampler {
             sampler: Sampler::resumed(s.params.clone(), u64::from(s.drawn)),
             prompt: s.prompt.clone(),
             generated: s.generated.clone(),
             prompt_top: s.params.prompt_logprobs.filter(|_| s.drawn == 0),
             pending: None,
+            constraint,
         }
     }
 }
@@ -393,6 +507,13 @@ impl Samplers {
     /// No sequences.
     pub fn new() -> Self {
         Samplers::default()
+    }
+
+    /// Masks constrained sequences with grammars compiled by `engine` (the rank that samples
+    /// gets one; without it a constrained sequence cannot be sampled).
+    pub fn with_grammars(mut self, engine: GrammarEngine) -> Self {
+        self.grammars = Some(engine);
+        self
     }
 
     /// Sequences held.
@@ -410,18 +531,19 @@ impl Samplers {
         self.seqs.remove(&seq);
     }
 
-    /// Takes the sampling of the sequences that begin in `plan` (again: the same).
-    pub fn begin(&mut self, plan: &StepPlan) {
+    /// Takes the sampling of the sequences that begin in `plan`; calling it again for the same
+    /// plan changes nothing (a sequence id begins once: a recompute takes a new one).
+    pub fn admit(&mut self, plan: &StepPlan) {
         for e in &plan.entries {
             if let Some(s) = &e.sampling {
-                self.seqs.insert(e.seq, SeqSampler::new(s));
+                self.seqs.entry(e.seq).or_insert_with(|| SeqSampler::new(s));
             }
         }
     }
 
     /// Whether the model runner computes the logits of every token of `e`, not only of a
     /// sampled entry's last: its sequence's prompt log-probabilities are wanted (after
-    /// [`Samplers::begin`] with its plan). Every rank must answer the same (it decides a CP
+    /// [`Samplers::admit`] with its plan). Every rank must answer the same (it decides a CP
     /// exchange): each calls [`Samplers::end_step`] after every step.
     pub fn every_row(&self, e: &PlanEntry) -> bool {
         self.seqs.get(&e.seq).is_some_and(|s| s.prompt_top.is_some())
@@ -440,25 +562,63 @@ impl Samplers {
     /// Takes the sampling of the sequences that begin in `plan`, then picks one token per
     /// sampled entry, in plan order, from `logits`: the rows `[sampled, vocab]` of the
     /// sampled entries' last positions, row-major. Each token comes with its
-    /// log-probabilities when its request asked for them.
+    /// log-probabilities when its request asked for them. [`Samplers::admit`], then
+    /// [`Samplers::mask`], then [`Samplers::pick`].
     ///
     /// # Errors
-    /// [`SampleError::Logits`] when `logits` holds another number of rows than the plan
-    /// samples; [`SampleError::Unknown`] for a sampled sequence that never had parameters.
+    /// As [`Samplers::pick`].
     pub fn sample(
         &mut self,
         plan: &StepPlan,
         logits: &[f32],
         vocab: usize,
     ) -> Result<StepOutput, SampleError> {
-        self.begin(plan);
+        self.admit(plan);
+        self.mask(plan);
+        self.pick(plan, logits, vocab)
+    }
+
+    /// Whether [`Samplers::mask`] has work in `plan`: a sampled entry of a constrained
+    /// sequence, on the rank with the grammar engine.
+    pub fn masks(&self, plan: &StepPlan) -> bool {
+        self.grammars.is_some()
+            && plan.sampled().any(|e| self.seqs.get(&e.seq).is_some_and(|s| s.constraint.is_some()))
+    }
+
+    /// Computes the token masks of `plan`'s constrained sampled entries (their grammars'
+    /// matchers are built on the first one): the work a runner does while its forward pass
+    /// runs. A grammar that fails ends its sequence (a warning in the log).
+    pub fn mask(&mut self, plan: &StepPlan) {
+        let Some(engine) = &self.grammars else { return };
+        for e in plan.sampled() {
+            let Some(s) = self.seqs.get_mut(&e.seq) else { continue };
+            if let (Some(c), Some(grammar)) = (&mut s.constraint, &s.sampler.params.constraint) {
+                c.prepare(engine, grammar, e.seq);
+            }
+        }
+    }
+
+    /// Picks one token per sampled entry of `plan` (see [`Samplers::sample`]), after the
+    /// masks of the constrained ones ([`Samplers::mask`], computed here if not yet).
+    /// Log-probabilities are the model's own, before the mask.
+    ///
+    /// # Errors
+    /// [`SampleError::Logits`] when `logits` holds another number of rows than the plan
+    /// samples; [`SampleError::Unknown`] for a sampled sequence that never had parameters;
+    /// [`SampleError::NoGrammarEngine`] for a constrained sequence on a runner without one.
+    pub fn pick(
+        &mut self,
+        plan: &StepPlan,
+        logits: &[f32],
+        vocab: usize,
+    ) -> Result<StepOutput, SampleError> {
         let sampled = plan.sampled().count();
         if logits.len() != sampled * vocab || (vocab == 0 && sampled > 0) {
             return Err(SampleError::Logits { values: logits.len(), sampled, vocab });
         }
         let mut out = Vec::with_capacity(sampled);
         for (e, row) in plan.sampled().zip(logits.chunks_exact(vocab.max(1))) {
-            out.push(self.pick(e, plan.step, row)?);
+            out.push(self.pick_one(e, plan.step, row)?);
         }
         Ok(out)
     }
@@ -475,7 +635,7 @@ impl Samplers {
         logits: &[f32],
         vocab: usize,
     ) -> Result<(StepOutput, Vec<PromptLogprobs>), SampleError> {
-        self.begin(plan);
+        self.admit(plan);
         let rows = |e: &PlanEntry| match (self.every_row(e), e.sample) {
             (true, _) => e.tokens.len(),
             (false, true) => 1,
@@ -496,7 +656,7 @@ impl Samplers {
             }
             if e.sample {
                 let last = mine.last().copied().unwrap_or_default();
-                out.push(self.pick(e, plan.step, last)?);
+                out.push(self.pick_one(e, plan.step, last)?);
             }
         }
         Ok((out, prompts))
@@ -533,9 +693,27 @@ impl Samplers {
     }
 
     /// Picks entry `e`'s next token from its last logits `row`.
-    fn pick(&mut self, e: &PlanEntry, step: u64, row: &[f32]) -> Result<SampledToken, SampleError> {
+    /// A constrained sequence's token is picked from the tokens its grammar allows.
+    fn pick_one(
+        &mut self,
+        e: &PlanEntry,
+        step: u64,
+        row: &[f32],
+    ) -> Result<SampledToken, SampleError> {
         let s = self.seqs.get_mut(&e.seq).ok_or(SampleError::Unknown { seq: e.seq, step })?;
-        let token = s.sampler.sample_next(row, &s.prompt, &s.generated);
+        let token = match (&mut s.constraint, &s.sampler.params.constraint) {
+            (Some(c), Some(grammar)) => {
+                let engine =
+                    self.grammars.as_ref().ok_or(SampleError::NoGrammarEngine { seq: e.seq })?;
+                c.prepare(engine, grammar, e.seq);
+                let stop = [engine.end_ids(), &s.sampler.params.stop];
+                let masked = c.apply(row, stop, e.seq);
+                let token = s.sampler.sample_next(masked, &s.prompt, &s.generated);
+                c.accept(token, e.seq);
+                token
+            }
+            _ => s.sampler.sample_next(row, &s.prompt, &s.generated),
+        };
         let logprobs = s.sampler.logprobs(row, token);
         if s.sampler.params().adjusts_logits() {
             s.generated.push(token);

@@ -145,11 +145,13 @@ impl Seq {
         }
         let history = self.params.adjusts_logits();
         let seen = |tokens: &[u32]| if history { tokens.to_vec() } else { Vec::new() };
+        // A constrained sequence replays its output through its grammar after a recompute.
+        let replay = history || self.params.constraint.is_some();
         Some(Box::new(SeqSampling {
             params: self.params.clone(),
             drawn: u32::try_from(self.generated.len()).unwrap_or(u32::MAX),
             prompt: seen(&self.prompt),
-            generated: seen(&self.generated),
+            generated: if replay { self.generated.clone() } else { Vec::new() },
         }))
     }
 
@@ -310,7 +312,9 @@ impl Scheduler {
             }));
         }
         let mut stop = req.params.stop.clone();
-        if !req.params.ignore_eos {
+        // A grammar allows an end id only where the answer may end: there it ends, even
+        // with `ignore_eos`.
+        if !req.params.ignore_eos || req.params.constraint.is_some() {
             stop.extend(self.eos.iter().filter(|id| !req.params.stop.contains(id)));
         }
         let id = self.next_seq;

@@ -70,9 +70,11 @@ impl Sequences {
         new_cache: impl FnMut(&PlanEntry) -> Result<ParallelCache, BoxError>,
     ) -> Result<Option<StepOutput>, BoxError> {
         let mut taken = Vec::with_capacity(plan.entries.len());
-        self.samplers.begin(plan);
+        self.samplers.admit(plan);
         let every: Vec<bool> = plan.entries.iter().map(|e| self.samplers.every_row(e)).collect();
-        let out = self.take(model, plan, new_cache, &mut taken).and_then(|()| {
+        let took = self.take(model, plan, new_cache, &mut taken);
+        let samplers = &mut self.samplers;
+        let mut forward = |taken: &mut Vec<(SeqId, ParallelCache)>| {
             let mut seqs: Vec<Sequence<'_>> = taken
                 .iter_mut()
                 .zip(plan.entries.iter().zip(&every))
@@ -92,6 +94,18 @@ impl Sequences {
                 };
                 BoxError::from(error)
             })
+        };
+        let out = took.and_then(|()| {
+            if !samplers.masks(plan) {
+                return forward(&mut taken);
+            }
+            // The grammars' token masks are computed while the forward pass runs, not after.
+            std::thread::scope(|scope| {
+                let masking = scope.spawn(|| samplers.mask(plan));
+                let out = forward(&mut taken);
+                masking.join().map_err(|_| BoxError::from("computing the token masks panicked"))?;
+                out
+            })
         });
         self.caches.extend(taken);
         let out = out?;
@@ -104,6 +118,13 @@ impl Sequences {
         let Some((tokens, prompts)) = sampled.transpose()? else { return Ok(None) };
         self.prompt_logprobs = prompts;
         Ok(Some(tokens))
+    }
+
+    /// Masks constrained sequences with grammars compiled by `engine` (given on the rank
+    /// that samples).
+    pub(crate) fn with_grammars(mut self, engine: text::GrammarEngine) -> Self {
+        self.samplers = std::mem::take(&mut self.samplers).with_grammars(engine);
+        self
     }
 
     /// Moves the caches of `plan`'s sequences into `taken`, in plan order, checking each.

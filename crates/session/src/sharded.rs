@@ -31,6 +31,8 @@ pub struct ShardedFactory {
     tokenizer: Option<std::sync::Arc<text::Tokenizer>>,
     /// A paged KV pool per rank; `None`: a cache per sequence.
     kv: Option<KvCacheConfig>,
+    /// The grammar engine of constrained sequences, on the rank that samples.
+    grammars: Option<text::GrammarEngine>,
 }
 
 /// A paged KV cache: one pool per rank, the same number of blocks on every rank.
@@ -150,6 +152,7 @@ impl ShardedFactory {
             backend: None,
             tokenizer: None,
             kv: None,
+            grammars: None,
         }
     }
 
@@ -175,6 +178,13 @@ impl ShardedFactory {
     /// rank 0 holds one tokenizer, not two.
     pub fn with_tokenizer(mut self, tokenizer: std::sync::Arc<text::Tokenizer>) -> Self {
         self.tokenizer = Some(tokenizer);
+        self
+    }
+
+    /// Samples constrained sequences (structured outputs) with grammars compiled by
+    /// `engine`, on the rank where the logits are (TP 0, CP 0); give it to rank 0's factory.
+    pub fn with_grammars(mut self, engine: text::GrammarEngine) -> Self {
+        self.grammars = Some(engine);
         self
     }
 
@@ -272,13 +282,13 @@ impl ModelFactory for ShardedFactory {
             }
             None => None,
         };
-        Ok(Box::new(ShardedLlama {
-            model,
-            sequences: Sequences::default(),
-            context,
-            memory: self.memory.clone(),
-            pool,
-        }))
+        let mut sequences = Sequences::default();
+        if let Some(engine) =
+            self.grammars.clone().filter(|_| (placement.tp_rank, placement.cp_rank) == (0, 0))
+        {
+            sequences = sequences.with_grammars(engine);
+        }
+        Ok(Box::new(ShardedLlama { model, sequences, context, memory: self.memory.clone(), pool }))
     }
 
     fn codec(&mut self, config: &SessionConfig) -> Result<Option<Box<dyn TextCodec>>, BoxError> {

@@ -11,6 +11,9 @@ pub enum Error {
     /// The chat template is missing or failed to render.
     #[error("chat template: {0}")]
     ChatTemplate(String),
+    /// A grammar of a structured output does not compile, or its engine failed.
+    #[error("{0}")]
+    Grammar(String),
     /// The checkpoint the tokenizer comes from could not be read (a file, a metadata key).
     #[error(transparent)]
     Checkpoint(#[from] checkpoint::Error),

@@ -74,6 +74,8 @@ pub struct ApiParts {
     pub asleep_wait: Duration,
     /// The sampling of fields a request leaves out (`None`: OpenAI's).
     pub defaults: Option<crate::spec::SamplingDefaults>,
+    /// Compiles the grammars of structured outputs (`None`: they are refused).
+    pub grammars: Option<text::GrammarEngine>,
 }
 
 /// The handlers' shared state.
@@ -94,6 +96,7 @@ struct Inner {
     refuse_while_asleep: bool,
     asleep_wait: Duration,
     defaults: Option<crate::spec::SamplingDefaults>,
+    grammars: Option<text::GrammarEngine>,
     created: u64,
 }
 
@@ -114,6 +117,7 @@ impl Api {
             refuse_while_asleep: parts.refuse_while_asleep,
             asleep_wait: parts.asleep_wait,
             defaults: parts.defaults,
+            grammars: parts.grammars,
             created: unix_now(),
         }))
     }
@@ -547,6 +551,7 @@ fn no_control() -> ApiError {
 mod answer;
 mod control;
 mod request;
+mod structured;
 
 use answer::{chat_completions, completions};
 use control::{is_sleeping, sleep, update_weights, wake_up};

@@ -63,6 +63,9 @@ pub struct Rank0<'a> {
     /// The deployment's sleep/wakeup coordinator, for `/sleep`, `/wake_up`, `/is_sleeping`
     /// and the sleep metrics (`None`: those routes answer 503).
     pub control: Option<crate::control::Controller>,
+    /// The grammar engine of structured outputs, the one the factory samples with (`None`:
+    /// requests for them are refused).
+    pub grammars: Option<text::GrammarEngine>,
 }
 
 /// Refuses to expose an API without a key: a listener outside loopback needs one.
@@ -113,6 +116,7 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
         refuse_while_asleep: spec.refuse_while_asleep,
         asleep_wait: Duration::from_millis(spec.asleep_wait_ms),
         defaults: spec.defaults,
+        grammars: rank0.grammars.clone(),
     });
 
     let mut leader = Leader::new(

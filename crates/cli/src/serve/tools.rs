@@ -48,6 +48,61 @@ impl ToolFormat {
     }
 }
 
+/// The grammar of an answer that is one call of `tools` (or of the one named `only`), in
+/// `format`, for `tool_choice` `"required"` or a named function: the call's JSON is
+/// constrained to the tool's name and its parameters' schema. `control` gives the id of a
+/// marker that is a control token (written as that token, since no text produces it).
+///
+/// # Errors
+/// A tool without a function name, or `only` naming no tool of the list.
+pub(crate) fn call_grammar(
+    format: ToolFormat,
+    tools: &[Value],
+    only: Option<&str>,
+    control: impl Fn(&str) -> Option<u32>,
+) -> Result<text::Grammar, String> {
+    let arguments = match format {
+        ToolFormat::Llama3Json => "parameters",
+        ToolFormat::Hermes | ToolFormat::Mistral => "arguments",
+    };
+    let mut calls = Vec::new();
+    for (i, tool) in tools.iter().enumerate() {
+        let function = &tool["function"];
+        let name = function["name"]
+            .as_str()
+            .ok_or_else(|| format!("`tools[{i}].function.name` is missing"))?;
+        if only.is_some_and(|o| o != name) {
+            continue;
+        }
+        let parameters = match &function["parameters"] {
+            Value::Null => json!({"type": "object"}),
+            p => p.clone(),
+        };
+        calls.push(json!({
+            "type": "object",
+            "properties": {"name": {"const": name}, arguments: parameters},
+            "required": ["name", arguments],
+            "additionalProperties": false,
+        }));
+    }
+    if calls.is_empty() {
+        let name = only.unwrap_or_default();
+        return Err(format!("`tool_choice` names the function `{name}`, which is not in `tools`"));
+    }
+    let mut schema = if calls.len() == 1 { calls.remove(0) } else { json!({"anyOf": calls}) };
+    schema["x-guidance"] = json!({"whitespace_flexible": false});
+    let marker = |m: &str| match control(m) {
+        Some(id) => format!("<[{id}]>"),
+        None => Value::String(m.to_owned()).to_string(),
+    };
+    let start = match format {
+        ToolFormat::Hermes => format!("{} call {}", marker(HERMES_START), marker(HERMES_END)),
+        ToolFormat::Mistral => format!("{} \"[\" call \"]\"", marker(MISTRAL_START)),
+        ToolFormat::Llama3Json => "call".to_owned(),
+    };
+    Ok(text::Grammar::Lark(format!("start: {start}\ncall: %json {schema}\n")))
+}
+
 /// One call: the function's name and its arguments as JSON text (OpenAI's form).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct ToolCall {

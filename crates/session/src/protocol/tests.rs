@@ -50,6 +50,7 @@ fn sampled_plan(tokens: usize) -> StepPlan {
             logit_bias: vec![(11, -100.0), (3, 2.5)],
             logprobs: Some(5),
             prompt_logprobs: Some(3),
+            constraint: Some(text::Grammar::Choice(vec!["a".into(), "b\"ç".into()])),
         },
         drawn: 4,
         prompt: vec![1, 2, 3],
@@ -70,6 +71,26 @@ fn every_message_round_trips() {
         Message::Close(SessionDecision::KeepOpen),
         Message::Close(SessionDecision::Replace(cfg)),
     ] {
+        let mut buf = Vec::new();
+        encode(&msg, 3, 7, &mut buf);
+        assert_eq!(decode(&buf).unwrap(), (3, 7, msg));
+    }
+}
+
+#[test]
+fn every_kind_of_constraint_round_trips() {
+    use text::Grammar;
+    for constraint in [
+        None,
+        Some(Grammar::JsonSchema("{\"type\":\"integer\"}".into())),
+        Some(Grammar::JsonObject),
+        Some(Grammar::Regex("[a-z]+".into())),
+        Some(Grammar::Choice(Vec::new())),
+        Some(Grammar::Lark("start: \"x\"".into())),
+    ] {
+        let mut plan = sampled_plan(2);
+        plan.entries[0].sampling.as_mut().unwrap().params.constraint = constraint;
+        let msg = Message::Step(plan);
         let mut buf = Vec::new();
         encode(&msg, 3, 7, &mut buf);
         assert_eq!(decode(&buf).unwrap(), (3, 7, msg));

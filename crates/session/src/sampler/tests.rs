@@ -1,4 +1,4 @@
-//! Sampler: greedy ties, seeded reproducibility, top-k and top-p cut-offs.
+//! Sampler: greedy ties, seeded reproducibility, top-k and top-p cut-offs, grammar masks.
 
 use super::*;
 use crate::model::SampledToken;
@@ -249,7 +249,7 @@ fn prompt_rows_score_the_next_prompt_token_across_chunks() {
         chunk(0, vec![1, 2, 3], false, Some(asks)),
         entry(8, true, Some(SeqSampling::default())),
     ]);
-    samplers.begin(&first);
+    samplers.admit(&first);
     assert!(samplers.every_row(&first.entries[0]));
     assert!(!samplers.every_row(&first.entries[1]));
     let logits: Vec<f32> = [row(2), row(0), row(1), row(3)].concat();
@@ -275,7 +275,7 @@ fn prompt_rows_score_the_next_prompt_token_across_chunks() {
     assert_eq!((out[0].token, prompt.len()), (1, 0));
     // A rank without the logits agrees: its sequence's prompt is scored once sampled.
     let mut elsewhere = Samplers::new();
-    elsewhere.begin(&first);
+    elsewhere.admit(&first);
     elsewhere.end_step(&first);
     assert!(elsewhere.every_row(&second.entries[0]));
     elsewhere.end_step(&second);
@@ -283,4 +283,93 @@ fn prompt_rows_score_the_next_prompt_token_across_chunks() {
     // Too few rows for the plan: the error says so.
     let err = samplers.sample_with_prompts(&decode, &[], 4).unwrap_err();
     assert!(matches!(err, SampleError::Logits { values: 0, .. }), "{err}");
+}
+
+/// A grammar engine over the vocabulary `<eos>` (0), `a` (1), `b` (2), `0`..`9` (3..=12).
+fn digits_engine() -> GrammarEngine {
+    use checkpoint::gguf::{GgufFile, GgufWriter, Value};
+    let mut tokens = vec!["<eos>".to_owned(), "a".into(), "b".into()];
+    tokens.extend(('0'..='9').map(String::from));
+    let types = (0..tokens.len()).map(|i| Value::I32(if i == 0 { 3 } else { 1 })).collect();
+    let mut w = GgufWriter::new();
+    w.metadata("tokenizer.ggml.model", Value::String("gpt2".into()))
+        .metadata(
+            "tokenizer.ggml.tokens",
+            Value::Array(tokens.into_iter().map(Value::String).collect()),
+        )
+        .metadata("tokenizer.ggml.token_type", Value::Array(types))
+        .metadata("tokenizer.ggml.merges", Value::Array(Vec::new()))
+        .metadata("tokenizer.ggml.eos_token_id", Value::U32(0));
+    let path = tensor::test_util::temp_path("digits.gguf");
+    w.write(&path).unwrap();
+    let tokenizer = text::Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    std::fs::remove_file(path).unwrap();
+    GrammarEngine::new(&tokenizer).unwrap()
+}
+
+fn constrained(regex: &str, generated: Vec<u32>) -> SeqSampling {
+    SeqSampling {
+        params: SamplingParams {
+            logprobs: Some(0),
+            constraint: Some(text::Grammar::Regex(regex.into())),
+            ..SamplingParams::default()
+        },
+        drawn: generated.len() as u32,
+        prompt: vec![],
+        generated,
+    }
+}
+
+#[test]
+fn a_grammar_masks_its_sequence_only_and_ends_it_with_the_end_token() {
+    // The model always prefers `b`, then the end token, then 7.
+    let mut logits = vec![0.0f32; 13];
+    logits[2] = 5.0;
+    logits[0] = 4.0;
+    logits[10] = 3.0;
+    let mut samplers = Samplers::new().with_grammars(digits_engine());
+    let plan = plan_of(vec![
+        entry(1, true, Some(constrained("a[0-9]", vec![]))),
+        entry(2, true, Some(SeqSampling::default())),
+    ]);
+    let rows = [logits.clone(), logits.clone()].concat();
+    let out = samplers.sample(&plan, &rows, 13).unwrap();
+    assert_eq!((out[0].token, out[1].token), (1, 2), "only `a` may start the regex");
+    let lp = out[0].logprobs.as_ref().unwrap();
+    assert_eq!(*lp, TokenLogprobs::of(&logits, 1, 0), "the model's own log-probability");
+    let plan = plan_of(vec![entry(1, true, None), entry(2, true, None)]);
+    let picks = |s: &mut Samplers| {
+        let out = s.sample(&plan, &rows, 13).unwrap();
+        (out[0].token, out[1].token)
+    };
+    assert_eq!(picks(&mut samplers), (10, 2), "the best digit, not `b` or the end");
+    assert_eq!(picks(&mut samplers), (0, 2), "complete: only the end token");
+
+    // A recomputed sequence replays what it generated before.
+    let mut resumed = Samplers::new().with_grammars(digits_engine());
+    let plan = plan_of(vec![entry(3, true, Some(constrained("a[0-9]", vec![1])))]);
+    assert_eq!(resumed.sample(&plan, &logits, 13).unwrap()[0].token, 10);
+
+    // Without an engine a constrained sequence is an error, not free text.
+    let mut bare = Samplers::new();
+    let plan = plan_of(vec![entry(4, true, Some(constrained("a", vec![])))]);
+    let err = bare.sample(&plan, &logits, 13).unwrap_err();
+    assert_eq!(err, SampleError::NoGrammarEngine { seq: 4 });
+}
+
+#[test]
+fn a_grammar_that_allows_nothing_ends_its_sequence() {
+    // `c` is not in the vocabulary: no token can start it, so the end token is picked (the
+    // request's stop tokens do not hold it: the scheduler adds the end ids on its side).
+    let mut logits = vec![1.0f32; 13];
+    logits[0] = -3.0;
+    let mut samplers = Samplers::new().with_grammars(digits_engine());
+    let plan = plan_of(vec![entry(1, true, Some(constrained("c", vec![])))]);
+    assert_eq!(samplers.sample(&plan, &logits, 13).unwrap()[0].token, 0);
+    // The request's own stop tokens may end it too.
+    let mut stopped = constrained("c", vec![]);
+    stopped.params.stop = vec![5];
+    logits[5] = 2.0;
+    let plan = plan_of(vec![entry(2, true, Some(stopped))]);
+    assert_eq!(samplers.sample(&plan, &logits, 13).unwrap()[0].token, 5);
 }

@@ -97,6 +97,22 @@ fn stop_tokens_eos_and_context_end_requests() {
     let p = s.plan(0, 3).unwrap();
     let out = s.apply(&p, pick(&p, 1)).unwrap();
     assert!(matches!(out[1], Emit::Finished { reason: FinishReason::Length, .. }), "{out:?}");
+    // With `ignore_eos` the end id goes on, unless a grammar allowed it (where it ends).
+    let free = SamplingParams { max_tokens: 2, ignore_eos: true, ..SamplingParams::default() };
+    let constrained =
+        SamplingParams { constraint: Some(text::Grammar::Regex("[0-9]".into())), ..free.clone() };
+    s.add(Request::tokens(3, vec![1], free), None, 0).unwrap();
+    s.add(Request::tokens(4, vec![1], constrained), None, 0).unwrap();
+    let p = s.plan(0, 4).unwrap();
+    let out = s.apply(&p, pick(&p, 7)).unwrap();
+    let ended: Vec<u64> = out
+        .iter()
+        .filter_map(|e| match e {
+            Emit::Finished { request, reason: FinishReason::StopToken, .. } => Some(*request),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ended, [4]);
 }
 
 #[test]
@@ -185,6 +201,27 @@ fn a_sequence_brings_its_sampling_with_its_first_entry_and_again_after_a_recompu
     let again = p.entries[0].sampling.as_deref().unwrap();
     assert_ne!(p.entries[0].seq, 1);
     assert_eq!((again.drawn, again.generated.clone()), (2, vec![9, 8]), "the generator resumes");
+}
+
+#[test]
+fn a_recomputed_constrained_sequence_brings_its_output_to_replay() {
+    let mut s = Scheduler::new(8, 8, 64, Vec::new());
+    let params = SamplingParams {
+        max_tokens: 10,
+        constraint: Some(text::Grammar::Regex("[0-9]+".into())),
+        ..SamplingParams::default()
+    };
+    s.add(Request::tokens(1, vec![4, 5], params), None, 0).unwrap();
+    let mut step = 0;
+    let p = run_step(&mut s, &mut step, 6);
+    let first = p.entries[0].sampling.as_deref().unwrap();
+    assert!(first.prompt.is_empty() && first.generated.is_empty(), "no penalty, nothing yet");
+    run_step(&mut s, &mut step, 7);
+    s.recompute_all();
+    let p = run_step(&mut s, &mut step, 8);
+    let again = p.entries[0].sampling.as_deref().unwrap();
+    assert_eq!(again.generated, vec![6, 7], "the grammar replays the output");
+    assert!(again.prompt.is_empty(), "no penalty counts the prompt");
 }
 
 #[test]

@@ -464,6 +464,21 @@ impl Tokenizer {
         Ok(self.decode(&[id], false)?.into_bytes())
     }
 
+    /// Whether `id` is a control token, one that decoding skips (`<|im_start|>`, `</s>`),
+    /// as opposed to text (user-defined tokens included).
+    pub fn is_control(&self, id: u32) -> bool {
+        match &self.codec {
+            Codec::Spm(_, spm) => {
+                spm.bytes(id, false).is_some_and(|b| b.is_empty())
+                    && spm.bytes(id, true).is_some_and(|b| !b.is_empty())
+            }
+            _ => {
+                let added = self.inner.get_added_vocabulary();
+                added.simple_id_to_token(id).is_some_and(|t| added.is_special_token(&t))
+            }
+        }
+    }
+
     /// The text form of a token id, as the vocabulary spells it.
     fn token_text(&self, id: u32) -> Option<String> {
         match &self.codec {

@@ -469,3 +469,22 @@ fn token_bytes_are_the_tokens_own_bytes_even_inside_a_character() {
     assert_eq!(joined, "\u{e9} a".as_bytes());
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn control_tokens_are_told_from_text_in_every_codec() {
+    let t = tiny();
+    let dir = temp_path("hf-control");
+    std::fs::create_dir_all(&dir).unwrap();
+    t.inner().save(dir.join("tokenizer.json"), false).unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), "{}").unwrap();
+    let hf = Tokenizer::from_hf_dir(&dir).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    for t in [&t, &hf] {
+        let control: Vec<u32> = (0..11).filter(|&id| t.is_control(id)).collect();
+        assert_eq!(control, [0, 9], "<|endoftext|> and <|im_start|>");
+    }
+    let spm = tiny_spm(true);
+    // <unk>, <s>, </s>: not the byte tokens, pieces or the user-defined <|x|>.
+    let control: Vec<u32> = (0..266).filter(|&id| spm.is_control(id)).collect();
+    assert_eq!(control, [0, 1, 2]);
+}

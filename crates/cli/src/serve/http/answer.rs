@@ -4,8 +4,9 @@
 
 use super::super::bridge::{Event, Events};
 use super::super::logprobs::Scored;
-use super::super::tools::{ToolFormat, ToolText};
+use super::super::tools::{call_grammar, ToolFormat, ToolText};
 use super::request::{parse, ChatBody, CompletionBody, Job, Kind};
+use super::structured::{self, ToolChoice};
 use super::{unix_now, Api, ApiError, DEFAULT_COMPLETION_TOKENS};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -74,16 +75,37 @@ pub(super) async fn chat_completions(
     body: std::result::Result<Bytes, BytesRejection>,
 ) -> std::result::Result<Response, ApiError> {
     let arrival = Instant::now();
-    let body: ChatBody = parse(body)?;
+    let mut body: ChatBody = parse(body)?;
     api.check_model(body.sampling.model.as_deref())?;
+    let tools = body.tools.as_deref().filter(|t| !t.is_empty());
+    let choice = body.sampling.other.remove("tool_choice");
+    let choice = structured::tool_choice(choice.as_ref(), tools.is_some())?;
     let prompt = api.chat_prompt(&body)?;
     let max = body.max_completion_tokens.or(body.sampling.max_tokens);
     // Without a limit a chat reply may fill the context (OpenAI's default).
     let room = api.0.context.saturating_sub(prompt.len()) as u64;
     let mut job = api.job(Kind::Chat, vec![prompt], &body.sampling, max, room)?;
-    let tools = body.tools.as_ref().is_some_and(|t| !t.is_empty())
-        && body.sampling.other.get("tool_choice").and_then(Value::as_str) != Some("none");
-    job.tool_calls = tools.then(|| ToolFormat::of_template(api.0.tokenizer.chat_template()));
+    let format = ToolFormat::of_template(api.0.tokenizer.chat_template());
+    match (choice, tools) {
+        (ToolChoice::Auto, Some(_)) => job.tool_calls = Some(format),
+        (ToolChoice::Forced(name), Some(tools)) => {
+            if job.params.constraint.is_some() {
+                return Err(ApiError::invalid(
+                    "invalid_tool_choice",
+                    "`tool_choice` forces a tool call, which cannot be combined with a structured output",
+                ));
+            }
+            let tokenizer = &api.0.tokenizer;
+            let control =
+                |marker: &str| tokenizer.token_id(marker).filter(|&id| tokenizer.is_control(id));
+            let grammar = call_grammar(format, tools, name.as_deref(), control)
+                .map_err(|e| ApiError::invalid("invalid_tool_choice", e))?;
+            api.check_grammar("tool_choice", &grammar)?;
+            job.params.constraint = Some(grammar);
+            job.tool_calls = Some(format);
+        }
+        _ => {}
+    }
     generate(api, job, Kind::Chat, arrival).await
 }
 

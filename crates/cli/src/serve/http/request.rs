@@ -54,6 +54,14 @@ pub(super) struct SamplingBody {
     pub(super) top_logprobs: Option<Value>,
     /// vLLM's: the number of alternatives per prompt token (see [`super::logprobs`]).
     pub(super) prompt_logprobs: Option<Value>,
+    /// Structured outputs (see [`super::structured`]): OpenAI's `response_format`, vLLM's
+    /// `guided_*` fields and `structured_outputs`.
+    pub(super) response_format: Option<Value>,
+    pub(super) guided_json: Option<Value>,
+    pub(super) guided_regex: Option<Value>,
+    pub(super) guided_choice: Option<Value>,
+    pub(super) guided_grammar: Option<Value>,
+    pub(super) structured_outputs: Option<Value>,
     /// Every other field: accepted only where it asks for nothing ([`check_unsupported`]).
     #[serde(flatten)]
     pub(super) other: serde_json::Map<String, Value>,
@@ -67,10 +75,10 @@ pub(super) fn check_unsupported(
 ) -> std::result::Result<(), ApiError> {
     for (key, value) in other {
         let neutral = match key.as_str() {
-            "user" | "parallel_tool_calls" => true,
+            // vLLM's choice of grammar engine: there is one, and the output is constrained.
+            "user" | "parallel_tool_calls" | "guided_decoding_backend" => true,
             "best_of" => value.is_null() || value.as_u64() == Some(1),
             "suffix" => value.is_null() || value.as_str() == Some(""),
-            "response_format" => value.is_null() || value["type"] == "text",
             "tools" | "functions" => value.is_null() || value.as_array().is_some_and(Vec::is_empty),
             "function_call" => value.is_null() || value == "none",
             // With `tools`: answers are parsed for calls ("auto") or not ("none").
@@ -413,6 +421,13 @@ impl Api {
             ));
         }
         check_unsupported(&s.other)?;
+        let constraint = match super::structured::requested(s)? {
+            Some((field, grammar)) => {
+                self.check_grammar(&field, &grammar)?;
+                Some(grammar)
+            }
+            None => None,
+        };
         let (lp, top_lp) = (s.logprobs.as_ref(), s.top_logprobs.as_ref());
         let logprobs = match kind {
             Kind::Completion => super::super::logprobs::completion_request(lp, top_lp)?,
@@ -543,6 +558,7 @@ impl Api {
             logit_bias,
             logprobs,
             prompt_logprobs: prompt_top,
+            constraint,
         };
         Ok(Job {
             prompts,

@@ -170,6 +170,7 @@ impl Http {
             refuse_while_asleep,
             asleep_wait,
             defaults: None,
+            grammars: None,
         });
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.set_nonblocking(true).unwrap();
