@@ -84,7 +84,15 @@ pub(super) async fn chat_completions(
     let max = body.max_completion_tokens.or(body.sampling.max_tokens);
     // Without a limit a chat reply may fill the context (OpenAI's default).
     let room = api.0.context.saturating_sub(prompt.len()) as u64;
+    let ignored = tools.is_some() && api.template_ignores_tools(&body, &prompt)?;
     let mut job = api.job(Kind::Chat, vec![prompt], &body.sampling, max, room)?;
+    if ignored {
+        let warning = "the model's chat template does not render `tools`: the prompt is the same \
+                       without them, so the model does not see them (a call in its answer is \
+                       still parsed)";
+        tracing::warn!("a chat request's tools are left out of the prompt: {warning}");
+        job.warning = Some(warning.to_owned());
+    }
     let format = ToolFormat::of_template(api.0.tokenizer.chat_template());
     match (choice, tools) {
         (ToolChoice::Auto, Some(_)) => job.tool_calls = Some(format),
@@ -113,13 +121,14 @@ pub(super) async fn chat_completions(
 /// metrics, so a wait for a wakeup counts in them.
 pub(super) async fn generate(
     api: Api,
-    job: Job,
+    mut job: Job,
     kind: Kind,
     arrival: Instant,
 ) -> std::result::Result<Response, ApiError> {
     api.wait_awake().await?;
     let prompt_tokens = job.prompts.iter().map(Vec::len).sum();
     let (stream, include_usage) = (job.stream, job.include_usage);
+    let warning = job.warning.take();
     let scores = job.wants_logprobs() || job.params.prompt_logprobs.is_some();
     let scorer = scores.then(|| Scorer(api.0.tokenizer.clone()));
     // One sequence per prompt and choice, all in the batch together, in OpenAI's order
@@ -150,7 +159,7 @@ pub(super) async fn generate(
         prompt_only: job.prompt_only,
     };
     if stream {
-        let header = Header { id, created, model, prompt_tokens, include_usage };
+        let header = Header { id, created, model, prompt_tokens, include_usage, warning };
         let events = sse(choices, header, answer);
         return Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response());
     }
@@ -221,6 +230,9 @@ pub(super) async fn generate(
     });
     if !chat_prompt.is_null() {
         body["prompt_logprobs"] = chat_prompt;
+    }
+    if let Some(warning) = warning {
+        body["warning"] = warning.into();
     }
     Ok(Json(body).into_response())
 }
@@ -434,6 +446,8 @@ pub(super) struct Header {
     pub(super) model: String,
     pub(super) prompt_tokens: usize,
     pub(super) include_usage: bool,
+    /// The request's warning ([`Job::warning`]), in every chunk.
+    pub(super) warning: Option<String>,
 }
 
 impl Header {
@@ -442,13 +456,16 @@ impl Header {
             Kind::Completion => "text_completion",
             Kind::Chat => "chat.completion.chunk",
         };
-        let value = json!({
+        let mut value = json!({
             "id": self.id,
             "object": object,
             "created": self.created,
             "model": self.model,
             "choices": choices,
         });
+        if let Some(warning) = &self.warning {
+            value["warning"] = warning.as_str().into();
+        }
         SseEvent::default().data(value.to_string())
     }
 }

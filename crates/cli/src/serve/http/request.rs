@@ -189,6 +189,9 @@ pub(super) struct Job {
     /// Answer the prompt alone (`echo` with `max_tokens` 0): the one token the engine
     /// generates is dropped.
     pub(super) prompt_only: bool,
+    /// Said in the answer's `warning` field (and logged): the request asked for something the
+    /// model cannot honour as asked (`tools` its chat template does not render).
+    pub(super) warning: Option<String>,
 }
 
 impl Job {
@@ -327,6 +330,21 @@ impl Api {
             kwargs: body.chat_template_kwargs.as_ref(),
         };
         self.chat_prompt_with(body.messages.as_deref(), &options)
+    }
+
+    /// Whether the chat template leaves a request's `tools` out: `prompt` (rendered with them)
+    /// is the same without them, so the model never sees them.
+    pub(super) fn template_ignores_tools(
+        &self,
+        body: &ChatBody,
+        prompt: &[u32],
+    ) -> std::result::Result<bool, ApiError> {
+        let options = ChatOptions {
+            add_generation_prompt: body.add_generation_prompt.unwrap_or(true),
+            tools: None,
+            kwargs: body.chat_template_kwargs.as_ref(),
+        };
+        Ok(self.chat_prompt_with(body.messages.as_deref(), &options)? == prompt)
     }
 
     /// The token ids of `messages` through the chat template with `options`.
@@ -572,6 +590,7 @@ impl Api {
             prompt_top,
             echo_top: None,
             prompt_only: false,
+            warning: None,
         })
     }
 }
