@@ -25,7 +25,8 @@ struct Cli {
     /// More logging (-v info, -vv debug); RUST_LOG overrides.
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     verbose: u8,
-    /// Errors only.
+    /// Errors only: no logs or progress, and `sleep`, `wakeup`, `reload` print no receipt
+    /// (their exit code tells; `--json` still prints the reply).
     #[arg(short, long, global = true)]
     quiet: bool,
     #[command(subcommand)]
@@ -390,24 +391,24 @@ fn main() -> ExitCode {
                 mode: args.mode.into(),
                 verify: args.verify,
             });
-            control_command(&args.target, &request)
+            control_command(&args.target, &request, cli.quiet)
         }
         Command::Reload(args) => {
             let request = control::Request::UpdateWeights(control::UpdateArgs {
                 model: args.model,
                 mode: args.mode.into(),
             });
-            control_command(&args.target, &request)
+            control_command(&args.target, &request, cli.quiet)
         }
         Command::Wakeup(args) => {
             let request = control::Request::Wakeup(control::WakeupArgs {
                 tags: args.tags,
                 model: args.model,
             });
-            control_command(&args.target, &request)
+            control_command(&args.target, &request, cli.quiet)
         }
-        Command::Status(target) => control_command(&target, &control::Request::Status),
-        Command::Stop(target) => control_command(&target, &control::Request::Stop),
+        Command::Status(target) => control_command(&target, &control::Request::Status, cli.quiet),
+        Command::Stop(target) => control_command(&target, &control::Request::Stop, cli.quiet),
         Command::Rank => match tpctl::rank::run() {
             Ok(()) => Ok(0),
             Err(e) => tpctl::exit::exit_failed(&e, None),
@@ -486,9 +487,9 @@ fn models() -> Result<i32> {
 }
 
 /// `tpctl sleep / wakeup / status / stop`: one request to the deployment's control socket.
-/// The reply goes to standard output (a table, or JSON); a failure to standard error, with
-/// exit code 1.
-fn control_command(target: &TargetArgs, request: &control::Request) -> Result<i32> {
+/// The reply goes to standard output (a table, or JSON; an operation's receipt not with
+/// `quiet`); a failure to standard error, with exit code 1.
+fn control_command(target: &TargetArgs, request: &control::Request, quiet: bool) -> Result<i32> {
     if !(target.timeout.is_finite() && target.timeout > 0.0) {
         bail!("--timeout must be a positive number of seconds, not {}", target.timeout);
     }
@@ -510,7 +511,9 @@ fn control_command(target: &TargetArgs, request: &control::Request) -> Result<i3
         return Ok(0);
     }
     if let Some(op) = &reply.op {
-        print!("{}", render::receipt(op));
+        if !quiet {
+            print!("{}", render::receipt(op));
+        }
     } else if let Some(status) = &reply.status {
         print!("{}", render::status(status));
         if !status.failures.is_empty() {

@@ -608,6 +608,30 @@ fn chat_completions_apply_the_chat_template() {
     let reply =
         server.post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": 7}]}));
     assert_error(&reply, 400, "invalid_message");
+
+    // `tools` this template does not render: answered as without them, with a warning that
+    // says so, whole and in every streamed chunk; without tools there is none.
+    let tool = json!({"type": "function", "function": {"name": "get_weather", "parameters": {}}});
+    let ask = |extra: Value| {
+        let body = json!({"messages": [{"role": "user", "content": "t5t6"}], "max_tokens": MAX,
+                          "temperature": 0});
+        server.post("/v1/chat/completions", &with(body, &extra))
+    };
+    let plain = ask(json!({}));
+    assert!(plain.json().get("warning").is_none(), "{plain:?}");
+    let ignored = ask(json!({"tools": [tool]}));
+    assert_eq!(ignored.status, 200, "{ignored:?}");
+    let warning = ignored.json()["warning"].as_str().unwrap_or_default().to_owned();
+    assert!(warning.contains("does not render `tools`"), "{ignored:?}");
+    assert_eq!(ignored.json()["choices"][0]["token_ids"], plain.json()["choices"][0]["token_ids"]);
+    let streamed = ask(json!({"tools": [tool], "stream": true}));
+    let events = streamed.events();
+    assert!(
+        events[..events.len() - 1]
+            .iter()
+            .all(|e| serde_json::from_str::<Value>(e).unwrap()["warning"] == warning.as_str()),
+        "{streamed:?}"
+    );
     assert_eq!(server.interrupt().code(), Some(130));
 }
 
@@ -1472,6 +1496,11 @@ fn chat_templates_take_tools_arguments_and_python_methods() {
     let tool = json!({"type": "function", "function": {"name": "get_7", "parameters": {}}});
     assert_eq!(prompt_tokens(json!({"tools": [tool], "tool_choice": "none"})), base + 1);
     assert_eq!(prompt_tokens(json!({"tools": [tool]})), base + 1);
+    // This template renders the tools: no warning.
+    let body = json!({"messages": [{"role": "user", "content": "t5"}], "max_tokens": 1,
+                      "tools": [tool]});
+    let reply = server.post("/v1/chat/completions", &body);
+    assert!(reply.json().get("warning").is_none(), "{reply:?}");
     assert_eq!(prompt_tokens(json!({"chat_template_kwargs": {"flag": true}})), base + 1);
     let reply = server.post(
         "/v1/chat/completions",
@@ -1983,10 +2012,17 @@ fn the_prefix_cache_survives_a_backup_sleep_and_a_discard_empties_it() {
         let server = Server::start_with(model(), &args, &env);
         let before = server.post("/v1/completions", &body);
         assert_eq!(before.status, 200, "{before:?}\n{}", server.log());
-        for op in [&["sleep", "--tags", "kv_cache"][..], &["wakeup"]] {
-            let (code, reply, err) = control(&rt, op);
-            assert_eq!(code, 0, "{name} {op:?}: {err}\n{reply}");
-        }
+        let (code, reply, err) = control(&rt, &["sleep", "--tags", "kv_cache"]);
+        assert_eq!(code, 0, "{name} sleep: {err}\n{reply}");
+        // `-q`: the wakeup succeeds without a word (no receipt table).
+        let quiet = Command::new(tpctl_bin())
+            .args(["-q", "wakeup"])
+            .env("XDG_RUNTIME_DIR", &rt)
+            .env_remove("RUST_LOG")
+            .output()
+            .expect("run tpctl");
+        assert_eq!(quiet.status.code(), Some(0), "{name}: {quiet:?}");
+        assert!(quiet.stdout.is_empty() && quiet.stderr.is_empty(), "{name}: {quiet:?}");
         let after = server.post("/v1/completions", &body);
         assert_eq!(after.status, 200, "{after:?}");
         let answer = |r: &Reply| ids(&r.json()["choices"][0]["token_ids"]);
