@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 /// Rounds of each measurement; the best counts.
 const ROUNDS: usize = 3;
 /// Tokens generated per request.
-const DECODE: usize = 64;
+pub(crate) const DECODE: usize = 64;
 /// Concurrent streams and their prompt length.
 const STREAMS: usize = 8;
 const STREAM_PROMPT: usize = 32;
@@ -153,19 +153,32 @@ impl Drop for Server {
 
 /// When one streamed request's first and last tokens arrived, from a shared start.
 #[derive(Clone, Copy)]
-struct Arrivals {
-    first: Duration,
-    last: Duration,
+pub(crate) struct Arrivals {
+    pub(crate) first: Duration,
+    pub(crate) last: Duration,
 }
 
 /// One greedy streamed completion of `prompt` ids, [`DECODE`] tokens with `ignore_eos`.
 fn stream(base: &str, prompt: &[u32], start: Instant) -> Result<Arrivals> {
+    stream_with(base, prompt, &Value::Null, start)
+}
+
+/// As [`stream`], with the fields of `extra` added to the request's body.
+pub(crate) fn stream_with(
+    base: &str,
+    prompt: &[u32],
+    extra: &Value,
+    start: Instant,
+) -> Result<Arrivals> {
     let agent: ureq::Agent =
         ureq::Agent::config_builder().timeout_global(Some(REQUEST_DEADLINE)).build().into();
-    let body = json!({
+    let mut body = json!({
         "prompt": prompt, "max_tokens": DECODE, "ignore_eos": true,
         "temperature": 0.0, "stream": true,
     });
+    for (k, v) in extra.as_object().into_iter().flatten() {
+        body[k] = v.clone();
+    }
     let response = agent.post(&format!("{base}/v1/completions")).send_json(&body)?;
     let reader = BufReader::new(response.into_body().into_reader());
     let (mut first, mut tokens) = (None, 0);

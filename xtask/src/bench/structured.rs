@@ -7,20 +7,17 @@
 //!
 //! Rounds alternate constrained and free; each figure is the best of [`ROUNDS`] rounds.
 
-use super::serve::Server;
-use anyhow::{ensure, Context, Result};
+use super::serve::{stream_with, Server, DECODE};
+use anyhow::Result;
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Rounds of each measurement; the best counts.
 const ROUNDS: usize = 3;
-/// Concurrent streams, their prompt length and the tokens each generates.
+/// Concurrent streams and their prompt length (each generates the serve benchmark's
+/// [`DECODE`] tokens).
 const STREAMS: usize = 8;
 const PROMPT: usize = 32;
-const DECODE: usize = 64;
-/// How long one request may take.
-const REQUEST_DEADLINE: Duration = Duration::from_secs(300);
 /// The ratio the constrained streams should reach.
 const GOAL: f64 = 0.9;
 
@@ -33,52 +30,13 @@ fn schema() -> Value {
             "required": ["name", "age"], "additionalProperties": false}}}})
 }
 
-/// When one streamed request's first and last tokens arrived, from a shared start.
-struct Arrivals {
-    first: Duration,
-    last: Duration,
-}
-
-/// One greedy streamed completion of `prompt` ids with the fields of `extra`, [`DECODE`]
-/// tokens with `ignore_eos`.
-fn stream(base: &str, prompt: &[u32], extra: &Value, start: Instant) -> Result<Arrivals> {
-    let agent: ureq::Agent =
-        ureq::Agent::config_builder().timeout_global(Some(REQUEST_DEADLINE)).build().into();
-    let mut body = json!({
-        "prompt": prompt, "max_tokens": DECODE, "ignore_eos": true,
-        "temperature": 0.0, "stream": true,
-    });
-    for (k, v) in extra.as_object().into_iter().flatten() {
-        body[k] = v.clone();
-    }
-    let response = agent.post(&format!("{base}/v1/completions")).send_json(&body)?;
-    let reader = BufReader::new(response.into_body().into_reader());
-    let (mut first, mut tokens) = (None, 0);
-    for line in reader.lines() {
-        let line = line?;
-        let Some(data) = line.strip_prefix("data: ") else { continue };
-        if data == "[DONE]" {
-            break;
-        }
-        let event: Value = serde_json::from_str(data).context("a streamed event")?;
-        let ids = event["choices"][0]["token_ids"].as_array().map_or(0, Vec::len);
-        if ids > 0 {
-            first.get_or_insert_with(|| start.elapsed());
-            tokens += ids;
-        }
-    }
-    let last = start.elapsed();
-    ensure!(tokens == DECODE, "the server streamed {tokens} tokens, {DECODE} were asked for");
-    Ok(Arrivals { first: first.context("no token streamed")?, last })
-}
-
 /// The aggregate decode rate of every prompt streamed at once: the tokens after each
 /// stream's first over the time from the last stream's first token to the last token.
 fn aggregate(base: &str, prompts: &[Vec<u32>], extra: &Value) -> Result<f64> {
     let start = Instant::now();
     let all = std::thread::scope(|s| {
         let handles: Vec<_> =
-            prompts.iter().map(|p| s.spawn(|| stream(base, p, extra, start))).collect();
+            prompts.iter().map(|p| s.spawn(|| stream_with(base, p, extra, start))).collect();
         handles
             .into_iter()
             .map(|h| h.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))?)
