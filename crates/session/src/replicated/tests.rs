@@ -117,6 +117,42 @@ impl MetricsSink for Preemptions {
     }
 }
 
+/// Runs `requests` (prompt and parameters; request `i` has id `i`) on one rank whose KV pool
+/// holds one 40-token sequence (blocks of 4, prefix caching on, a token budget of 5), into
+/// `output`, and checks that the pool was small enough to preempt.
+fn run_preempting(
+    model: &str,
+    requests: &[(Vec<u32>, SamplingParams)],
+    output: Box<dyn OutputSink>,
+) {
+    let factory =
+        ShardedFactory::new(1).with_context(40).with_kv_cache(crate::sharded::KvCacheConfig {
+            bytes: None,
+            cap_bytes: 0,
+            block_size: 4,
+            prefix_caching: true,
+            device_fraction: None,
+        });
+    let ctx = init_parallel_with(mesh::Rendezvous::single(), &InitOptions::default()).unwrap();
+    let preemptions = Preemptions::default();
+    let mut leader = Leader::new(
+        ctx,
+        Box::new(factory),
+        output,
+        Box::new(preemptions.clone()),
+        EngineOptions::default(),
+    )
+    .unwrap();
+    let batch = requests
+        .iter()
+        .enumerate()
+        .map(|(i, (p, params))| Request::tokens(i as u64, p.clone(), params.clone()))
+        .collect();
+    let cfg = SessionConfig { token_budget: 5, ..SessionConfig::new(model.to_owned()) };
+    leader.run(cfg, batch, &mut |_: &SessionReport| Decision::Stop).unwrap();
+    assert!(*preemptions.0.lock().unwrap() > 0, "the pool is small enough to preempt");
+}
+
 /// Sampling moved from rank 0's scheduler into the model runner: each request's tokens and
 /// log-probabilities must be those of a plain [`Sampler`] over the single-sequence model's
 /// logits, token after token, whatever the batch, the prefill chunks, a prompt prefix reused
@@ -153,32 +189,8 @@ fn seeded_sampling_with_penalties_gives_what_a_plain_sampler_gives() {
     ];
 
     // A pool of one 40-token sequence: four requests of about 20 tokens preempt each other.
-    let factory =
-        ShardedFactory::new(1).with_context(40).with_kv_cache(crate::sharded::KvCacheConfig {
-            bytes: None,
-            cap_bytes: 0,
-            block_size: 4,
-            prefix_caching: true,
-            device_fraction: None,
-        });
-    let ctx = init_parallel_with(mesh::Rendezvous::single(), &InitOptions::default()).unwrap();
-    let (seen, preemptions) = (Tokens::default(), Preemptions::default());
-    let mut leader = Leader::new(
-        ctx,
-        Box::new(factory),
-        Box::new(seen.clone()),
-        Box::new(preemptions.clone()),
-        EngineOptions::default(),
-    )
-    .unwrap();
-    let batch = requests
-        .iter()
-        .enumerate()
-        .map(|(i, (p, params))| Request::tokens(i as u64, p.clone(), params.clone()))
-        .collect();
-    let cfg = SessionConfig { token_budget: 5, ..SessionConfig::new(model.clone()) };
-    leader.run(cfg, batch, &mut |_: &SessionReport| Decision::Stop).unwrap();
-    assert!(*preemptions.0.lock().unwrap() > 0, "the pool is small enough to preempt");
+    let seen = Tokens::default();
+    run_preempting(&model, &requests, Box::new(seen.clone()));
 
     let reference = Reference::load(&model);
     let seen = seen.0.lock().unwrap();
@@ -275,32 +287,8 @@ fn prompt_logprobs_are_each_prefixs_next_token_distribution() {
         (vec![40, 41, 42, 43, 44, 45], SamplingParams { max_tokens: 1, ..asks.clone() }),
     ];
     // A pool of one 40-token sequence: the requests preempt each other.
-    let factory =
-        ShardedFactory::new(1).with_context(40).with_kv_cache(crate::sharded::KvCacheConfig {
-            bytes: None,
-            cap_bytes: 0,
-            block_size: 4,
-            prefix_caching: true,
-            device_fraction: None,
-        });
-    let ctx = init_parallel_with(mesh::Rendezvous::single(), &InitOptions::default()).unwrap();
-    let (seen, preemptions) = (Scored::default(), Preemptions::default());
-    let mut leader = Leader::new(
-        ctx,
-        Box::new(factory),
-        Box::new(seen.clone()),
-        Box::new(preemptions.clone()),
-        EngineOptions::default(),
-    )
-    .unwrap();
-    let batch = requests
-        .iter()
-        .enumerate()
-        .map(|(i, (p, params))| Request::tokens(i as u64, p.clone(), params.clone()))
-        .collect();
-    let cfg = SessionConfig { token_budget: 5, ..SessionConfig::new(model.clone()) };
-    leader.run(cfg, batch, &mut |_: &SessionReport| Decision::Stop).unwrap();
-    assert!(*preemptions.0.lock().unwrap() > 0, "the pool is small enough to preempt");
+    let seen = Scored::default();
+    run_preempting(&model, &requests, Box::new(seen.clone()));
 
     let reference = Reference::load(&model);
     let seen = seen.0.lock().unwrap();
