@@ -40,10 +40,18 @@
 //! - `wakeup {tags, model}`: materializes `tags` again; empty `tags` means every tag asleep.
 //!   `model`, only while the weights are asleep, names the checkpoint they come back from
 //!   (an `update_weights` first, then the wakeup: [`Controller::wakeup`]).
-//! - `update_weights {model, mode}`: every rank loads its shard of the checkpoint at `model`
-//!   (same architecture and shapes) into its weights, asleep or awake (awake: quiesced per
-//!   `mode` first), two-phase: a failure anywhere leaves the old weights everywhere.
-//! - `status`: the deployment's state and each rank's asleep tags and memory probe.
+//! - `update_weights {model, mode, weight_version}`: every rank loads its shard of the
+//!   checkpoint at `model` (same architecture and shapes) into its weights, asleep or awake
+//!   (awake: quiesced per `mode` first), two-phase: a failure anywhere leaves the old weights
+//!   everywhere. The weights then have version `weight_version` (else the count of updates),
+//!   which every answer carries.
+//! - `pause {mode}`: stops generation without releasing memory (vLLM's `/pause`): `abort`
+//!   (the default) ends the running requests, `wait` lets them finish, `keep` freezes them
+//!   with their KV cache; nothing is admitted until `resume`. Sleeps, wakeups and weight
+//!   updates run while paused and leave it paused.
+//! - `resume`: generation runs again (asleep: at the wakeup).
+//! - `status`: the deployment's state, whether it is paused, the weights' version, and each
+//!   rank's asleep tags and memory probe.
 //! - `stop`: answers, then stops the deployment (as Ctrl-C on the launcher would).
 //!
 //! Any other method is refused with an error reply naming the methods there are
@@ -64,7 +72,7 @@ pub use server::Server;
 use serde::{Deserialize, Serialize};
 use session::sleep::{
     Action, Coordinator, DeploymentState, DeploymentStatus, OpOptions, OpReceipt, Outcome, Phase,
-    QuiesceMode, RankFailure, RankReceipt,
+    QuiesceMode, RankFailure, RankReceipt, WeightUpdate,
 };
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -87,6 +95,10 @@ pub enum Request {
     Wakeup(WakeupArgs),
     /// Replaces the weights on every rank.
     UpdateWeights(UpdateArgs),
+    /// Pauses generation, memory kept.
+    Pause(PauseArgs),
+    /// Resumes generation after a pause.
+    Resume,
     /// The deployment's state.
     Status,
     /// Stops the deployment.
@@ -133,10 +145,53 @@ pub struct UpdateArgs {
     /// What running requests do while awake weights are replaced.
     #[serde(default)]
     pub mode: QuiesceMode,
+    /// The version the new weights take (default: the count of updates).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_version: Option<String>,
+}
+
+/// The options of a `pause`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PauseArgs {
+    /// What running requests do: `abort` (vLLM's default), `wait` or `keep`.
+    #[serde(default = "abort")]
+    pub mode: QuiesceMode,
+}
+
+impl Default for PauseArgs {
+    fn default() -> Self {
+        PauseArgs { mode: abort() }
+    }
+}
+
+fn abort() -> QuiesceMode {
+    QuiesceMode::Abort
+}
+
+/// The most characters of a weight version.
+pub const MAX_VERSION_CHARS: usize = 128;
+
+/// Checks a weight version: 1 to [`MAX_VERSION_CHARS`] printable characters.
+///
+/// # Errors
+/// A message naming what is wrong.
+pub fn check_version(version: &str) -> Result<(), String> {
+    let chars = version.chars().count();
+    if chars == 0 || chars > MAX_VERSION_CHARS {
+        return Err(format!(
+            "weight_version `{version}`: give 1 to {MAX_VERSION_CHARS} characters ({chars} given)"
+        ));
+    }
+    if version.chars().any(char::is_control) {
+        return Err(format!("weight_version {version:?} holds a control character"));
+    }
+    Ok(())
 }
 
 /// The methods a request line may name.
-const METHODS: [&str; 5] = ["sleep", "wakeup", "update_weights", "status", "stop"];
+const METHODS: [&str; 7] =
+    ["sleep", "wakeup", "update_weights", "pause", "resume", "status", "stop"];
 
 impl Request {
     /// The request's method, as the wire names it.
@@ -145,6 +200,8 @@ impl Request {
             Request::Sleep(_) => "sleep",
             Request::Wakeup(_) => "wakeup",
             Request::UpdateWeights(_) => "update_weights",
+            Request::Pause(_) => "pause",
+            Request::Resume => "resume",
             Request::Status => "status",
             Request::Stop => "stop",
         }
@@ -165,8 +222,8 @@ impl Request {
         if let Some(method) = value.get("method").and_then(serde_json::Value::as_str) {
             if !METHODS.contains(&method) && method != "wake_up" {
                 return Err(format!(
-                    "unknown control method `{method}`: expected sleep, wakeup, update_weights, \
-                     status or stop"
+                    "unknown control method `{method}`: expected {}",
+                    METHODS.join(", ")
                 ));
             }
         }
@@ -174,8 +231,8 @@ impl Request {
     }
 }
 
-/// One reply line: `ok` with exactly one of `op`, `status`, `stopping`, or not `ok` with
-/// `error`.
+/// One reply line: `ok` with exactly one of `op`, `status`, `stopping`, `paused`, or not `ok`
+/// with `error`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Reply {
     /// Whether the request succeeded.
@@ -189,6 +246,9 @@ pub struct Reply {
     /// Set by a stop: the deployment is stopping.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stopping: Option<bool>,
+    /// The answer to a pause or a resume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused: Option<PausedWire>,
     /// Why the request failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ErrorWire>,
@@ -199,6 +259,15 @@ impl Reply {
     pub fn refused(message: impl Into<String>) -> Reply {
         Reply { ok: false, error: Some(ErrorWire::client(message)), ..Reply::default() }
     }
+}
+
+/// Whether generation is paused after a `pause` or `resume`, and whether the call changed it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PausedWire {
+    /// Generation is paused.
+    pub paused: bool,
+    /// The call paused (or resumed) it; `false`: it already was.
+    pub changed: bool,
 }
 
 /// [`OpReceipt`] on the wire.
@@ -216,6 +285,9 @@ pub struct OpWire {
     pub elapsed_us: u64,
     /// One receipt per rank, in rank order.
     pub ranks: Vec<RankReceipt>,
+    /// A weight update's: the version the weights have now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_version: Option<String>,
 }
 
 impl From<&OpReceipt> for OpWire {
@@ -227,6 +299,7 @@ impl From<&OpReceipt> for OpWire {
             bytes: r.bytes(),
             elapsed_us: r.elapsed.as_micros() as u64,
             ranks: r.ranks.clone(),
+            weight_version: r.weight_version.clone(),
         }
     }
 }
@@ -250,6 +323,12 @@ pub struct StatusWire {
     /// The sleep or wakeup running when the status was asked: only rank 0 answered.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub in_progress: Option<String>,
+    /// Whether generation is paused (`pause`).
+    #[serde(default)]
+    pub paused: bool,
+    /// The live weights' version.
+    #[serde(default)]
+    pub weight_version: String,
 }
 
 impl From<&DeploymentStatus> for StatusWire {
@@ -262,6 +341,8 @@ impl From<&DeploymentStatus> for StatusWire {
             ranks: s.ranks.clone(),
             failures: s.failures.iter().map(FailureWire::from).collect(),
             in_progress: s.in_progress.clone(),
+            paused: s.paused,
+            weight_version: s.weight_version.clone(),
         }
     }
 }
@@ -429,6 +510,19 @@ impl Controller {
             Request::Sleep(args) => answer(self.sleep(args)),
             Request::Wakeup(args) => answer(self.wakeup(args)),
             Request::UpdateWeights(args) => answer(self.update_weights(args)),
+            Request::Pause(args) => match self.pause(args) {
+                Ok(changed) => Reply {
+                    ok: true,
+                    paused: Some(PausedWire { paused: true, changed }),
+                    ..Reply::default()
+                },
+                Err(e) => Reply { ok: false, error: Some(e), ..Reply::default() },
+            },
+            Request::Resume => {
+                let changed = self.coordinator.resume();
+                let paused = Some(PausedWire { paused: false, changed });
+                Reply { ok: true, paused, ..Reply::default() }
+            }
             Request::Status => match self.coordinator.status() {
                 Ok(s) => Reply { ok: true, status: Some(StatusWire::from(&s)), ..Reply::default() },
                 Err(e) => Reply { ok: false, error: Some(ErrorWire::from(&e)), ..Reply::default() },
@@ -479,7 +573,8 @@ impl Controller {
             )));
         }
         // The update and the wakeup are one operation: no other caller runs between them.
-        match self.coordinator.wakeup_from(model, resolve, OpOptions::default()) {
+        let update = WeightUpdate::from_checkpoint(model.clone());
+        match self.coordinator.wakeup_from(&update, resolve, OpOptions::default()) {
             Ok((updated, woken)) => {
                 record(&self.journal, Action::Update, Ok(updated))?;
                 record(&self.journal, Action::Wakeup, Ok(woken))
@@ -499,6 +594,9 @@ impl Controller {
         if args.model.trim().is_empty() {
             return Err(ErrorWire::client("update_weights needs the checkpoint: model=PATH"));
         }
+        if let Some(version) = &args.weight_version {
+            check_version(version).map_err(ErrorWire::client)?;
+        }
         if let Some(live) = &self.live {
             if let Err(e) = check_fits(&args.model, live) {
                 self.journal.record_failure(Action::Update);
@@ -506,8 +604,19 @@ impl Controller {
             }
         }
         let opts = OpOptions { mode: args.mode, ..OpOptions::default() };
-        let result = self.coordinator.update_weights(&args.model, opts);
+        let update = WeightUpdate::from_checkpoint(args.model.clone())
+            .versioned(args.weight_version.clone());
+        let result = self.coordinator.update_weights(&update, opts);
         record(&self.journal, Action::Update, result)
+    }
+
+    /// Pauses generation on the deployment (see [`Coordinator::pause`]); whether it was
+    /// running.
+    ///
+    /// # Errors
+    /// The engine did not quiesce in time (nothing paused), or the deployment failed.
+    pub fn pause(&self, args: &PauseArgs) -> Result<bool, ErrorWire> {
+        self.coordinator.pause(args.mode).map_err(|e| ErrorWire::from(&e))
     }
 }
 

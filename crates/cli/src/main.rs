@@ -45,8 +45,10 @@ enum Command {
     /// for SSE), GET /v1/models, /v1/models/{id}, /health, /metrics (vLLM's metric names,
     /// labelled model_name, and tpctl_* for what only tpctl has); vLLM's POST /tokenize,
     /// /detokenize, GET /version; vLLM-style POST /sleep?level=1&tags=.., POST
-    /// /wake_up?tags=.., GET /is_sleeping, POST /update_weights. Ctrl-C (or `tpctl stop`)
-    /// stops every rank.
+    /// /wake_up?tags=.., GET /is_sleeping, POST /update_weights?model=..&weight_version=..,
+    /// POST /pause?mode=abort|wait|keep, POST /resume, GET /is_paused, GET
+    /// /get_weight_version. Every answer carries the weights' version (`weight_version` and
+    /// `system_fingerprint`). Ctrl-C (or `tpctl stop`) stops every rank.
     ///
     /// Completions take a list of prompts (strings or token-id lists; n choices each); the
     /// prompt's log-probabilities come with "echo" and "logprobs" ("max_tokens": 0 answers
@@ -89,8 +91,22 @@ enum Command {
     /// Two-phase: every rank loads and checks its shard first, and any failure leaves the old
     /// weights everywhere. Exits 1, naming every failing rank, when it fails.
     ///
-    /// Example: tpctl reload --deployment chat --model /ckpt/step-2000.gguf
+    /// The new weights get the version `--weight-version` (default: the count of updates),
+    /// which every answer carries from then on (`weight_version`, `system_fingerprint`).
+    ///
+    /// Example: tpctl reload --deployment chat --model /ckpt/step-2000.gguf --weight-version 2000
     Reload(ReloadArgs),
+    /// Pause generation without releasing memory (vLLM's `/pause`), e.g. while an RL trainer
+    /// pushes new weights: `--mode abort` (default) ends the running requests, `wait` lets them
+    /// finish, `keep` freezes them with their KV cache until `tpctl resume`. New requests wait.
+    /// Sleeps, wakeups and reloads run while paused and leave it paused.
+    ///
+    /// Example: tpctl pause --deployment chat --mode keep
+    Pause(PauseArgs),
+    /// Resume generation after `tpctl pause`.
+    ///
+    /// Example: tpctl resume --deployment chat
+    Resume(TargetArgs),
     /// Show a deployment's state and, per rank, the tags asleep and the memory in use.
     ///
     /// Example: tpctl status --deployment chat
@@ -337,6 +353,19 @@ struct ReloadArgs {
     /// continue them (recomputed) with the new weights.
     #[arg(long, value_enum, default_value_t = Mode::Wait)]
     mode: Mode,
+    /// The new weights' version, which answers carry (default: the count of updates).
+    #[arg(long, value_name = "VERSION")]
+    weight_version: Option<String>,
+    #[command(flatten)]
+    target: TargetArgs,
+}
+
+#[derive(Args, Debug)]
+struct PauseArgs {
+    /// Running requests: `abort` them (their answers end with what they have), `wait` for
+    /// them to finish, or `keep` them frozen until `tpctl resume`.
+    #[arg(long, value_enum, default_value_t = Mode::Abort)]
+    mode: Mode,
     #[command(flatten)]
     target: TargetArgs,
 }
@@ -397,9 +426,15 @@ fn main() -> ExitCode {
             let request = control::Request::UpdateWeights(control::UpdateArgs {
                 model: args.model,
                 mode: args.mode.into(),
+                weight_version: args.weight_version,
             });
             control_command(&args.target, &request, cli.quiet)
         }
+        Command::Pause(args) => {
+            let request = control::Request::Pause(control::PauseArgs { mode: args.mode.into() });
+            control_command(&args.target, &request, cli.quiet)
+        }
+        Command::Resume(target) => control_command(&target, &control::Request::Resume, cli.quiet),
         Command::Wakeup(args) => {
             let request = control::Request::Wakeup(control::WakeupArgs {
                 tags: args.tags,
@@ -522,6 +557,16 @@ fn control_command(target: &TargetArgs, request: &control::Request, quiet: bool)
         }
     } else if reply.stopping == Some(true) {
         println!("stopping {}", socket.display());
+    } else if let Some(p) = &reply.paused {
+        if !quiet {
+            let what = match (p.paused, p.changed) {
+                (true, true) => "paused",
+                (true, false) => "already paused",
+                (false, true) => "resumed",
+                (false, false) => "not paused: nothing to resume",
+            };
+            println!("{what} ({})", socket.display());
+        }
     } else {
         bail!("{} answered an empty reply", socket.display());
     }

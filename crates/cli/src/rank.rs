@@ -64,8 +64,8 @@ pub fn run() -> Result<()> {
     let rank_memory = Arc::new(ModelRankMemory::new(&memory, compute));
     let plane = control_plane(&ctx, rank_memory, gate.clone(), timeout)?;
     let model = spec.model.to_string_lossy().into_owned();
-    let coordinator = match plane {
-        ControlPlane::Coordinator(c) => Arc::new(c),
+    let coordinator: Arc<Coordinator> = match plane {
+        ControlPlane::Coordinator(c) => Arc::from(c),
         ControlPlane::Listener(listener) => {
             let mut worker = Worker::new(ctx, Box::new(factory), engine)?.with_gate(gate);
             stop_on_signal(worker.stop_handle());
@@ -334,7 +334,8 @@ fn control_plane(
     let Some(world) = ctx.world() else {
         // One rank: a coordinator without peers.
         let (link, _) = sleep::transport::memory::world(1, Default::default());
-        return Ok(ControlPlane::Coordinator(Coordinator::new(link, rank_memory, gate, opts)));
+        let coordinator = Coordinator::new(link, rank_memory, gate, opts);
+        return Ok(ControlPlane::Coordinator(Box::new(coordinator)));
     };
     let rv = world.rendezvous();
     let host = if rv.single_host() { "127.0.0.1" } else { rv.master_addr.as_str() };

@@ -1297,6 +1297,89 @@ fn a_weight_update_serves_the_new_checkpoint_like_a_fresh_start() {
     assert_eq!(server.interrupt().code(), Some(130));
 }
 
+/// The RL loop: `tpctl pause --mode keep` freezes the running requests, `tpctl reload
+/// --weight-version` replaces the weights while paused (the pause holds), a request sent while
+/// paused waits, and `tpctl resume` continues them all. Every answer names the version of the
+/// weights that computed it; one that straddles the update says from which token on the new
+/// version computed it, and its tokens before that are the old checkpoint's.
+#[test]
+fn a_trainer_pauses_updates_the_weights_and_resumes() {
+    const MAX: u32 = 200;
+    let first = common::tiny_q4_model();
+    let second = scratch("rl-loop-b.gguf");
+    let spec = layers::model::random::RandomLlama {
+        quantized: Some(tensor::kernels::BlockFormat::Q4_1),
+        seed: 12,
+        ..Default::default()
+    };
+    spec.write(&second).expect("write the second checkpoint");
+    let second = second.to_string_lossy().into_owned();
+    let prompts = ["1,2,3", "9,8"];
+    let (want_first, want_second) =
+        (reference(first, &prompts, MAX), reference(&second, &prompts, MAX));
+    assert_ne!(want_first, want_second, "the checkpoints must answer differently");
+
+    let rt = runtime_dir("rl-loop");
+    let env = [("XDG_RUNTIME_DIR", rt.as_str())];
+    let server = Arc::new(Server::start_with(first, &["--tp", "2", "--deployment", "rl"], &env));
+    let running: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (server, p) = (server.clone(), p.to_string());
+            std::thread::spawn(move || server.post("/v1/completions", &completion(&p, MAX)))
+        })
+        .collect();
+    let (code, reply, err) = control(&rt, &["pause", "--mode", "keep"]);
+    assert_eq!(code, 0, "{err}\n{reply}\n{}", server.log());
+    assert_eq!(reply["paused"], json!({"paused": true, "changed": true}), "{reply}");
+    let waiting = {
+        let server = server.clone();
+        std::thread::spawn(move || server.post("/v1/completions", &completion("4,5", 3)))
+    };
+    let (code, reply, err) =
+        control(&rt, &["reload", "--model", &second, "--weight-version", "step-1"]);
+    assert_eq!(code, 0, "{err}\n{reply}\n{}", server.log());
+    assert_eq!(reply["op"]["weight_version"], "step-1", "{reply}");
+    let (code, status, err) = control(&rt, &["status"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(status["status"]["paused"], true, "{status}");
+    assert_eq!(status["status"]["weight_version"], "step-1", "{status}");
+    assert_eq!(server.get("/is_paused").json(), json!({"is_paused": true}));
+    let (code, reply, err) = control(&rt, &["resume"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(reply["paused"], json!({"paused": false, "changed": true}), "{reply}");
+
+    for (i, done) in running.into_iter().enumerate() {
+        let done = done.join().unwrap();
+        assert_eq!(done.status, 200, "{done:?}");
+        let body = done.json();
+        let got = ids(&body["choices"][0]["token_ids"]);
+        assert_eq!(body["weight_version"], "step-1", "prompt {i}: {body}");
+        assert_eq!(body["system_fingerprint"], "step-1", "prompt {i}: {body}");
+        match body["choices"][0]["weight_versions"].as_array() {
+            // Paused in the middle: the old weights' tokens, then the new ones'.
+            Some(changes) => {
+                assert_eq!(changes.len(), 2, "prompt {i}: {body}");
+                assert_eq!(changes[0], json!({"from_token": 0, "weight_version": "0"}));
+                assert_eq!(changes[1]["weight_version"], "step-1", "prompt {i}: {body}");
+                let at = changes[1]["from_token"].as_u64().unwrap() as usize;
+                assert!(at > 0 && at < got.len(), "prompt {i}: {body}");
+                assert_eq!(got[..at], want_first[i][..at], "prompt {i}: {body}");
+            }
+            // Paused before its first token: all the new weights'.
+            None => assert_eq!(got, want_second[i], "prompt {i}: {body}"),
+        }
+    }
+    let waited = waiting.join().unwrap().json();
+    assert_eq!(waited["weight_version"], "step-1", "{waited}");
+    assert_eq!(ids(&waited["choices"][0]["token_ids"]), reference(&second, &["4,5"], 3)[0]);
+    let models = server.get("/v1/models").json();
+    assert_eq!(models["data"][0]["weight_version"], "step-1", "{models}");
+    assert_eq!(models["data"][0]["paused"], false, "{models}");
+    let server = Arc::try_unwrap(server).ok().expect("the only handle");
+    assert_eq!(server.interrupt().code(), Some(130));
+}
+
 /// OpenAI's sampling fields take effect, bad values are 400 naming the field, and a field this
 /// server does not implement is refused unless it asks for nothing.
 #[test]

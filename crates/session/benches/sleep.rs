@@ -300,7 +300,7 @@ fn rank_main() {
             // waited for before the next request goes out.
             let seq = sequential_sweep(&link);
             let c = Coordinator::new(link, memory, Arc::new(Idle), opts);
-            (ControlPlane::Coordinator(c), seq)
+            (ControlPlane::Coordinator(Box::new(c)), seq)
         }
         tcp::Endpoint::Peer(link) => (
             ControlPlane::Listener(

@@ -136,6 +136,9 @@ pub fn receipt(op: &OpWire) -> String {
     };
     out.push_str(&total);
     out.push('\n');
+    if let Some(version) = &op.weight_version {
+        out.push_str(&format!("weight version: {version}\n"));
+    }
     out
 }
 
@@ -147,6 +150,12 @@ pub fn status(s: &StatusWire) -> String {
         (state, None) if !s.tags.is_empty() => format!("state: {state} ({})\n", s.tags.join(",")),
         (state, None) => format!("state: {state}\n"),
     };
+    if s.paused {
+        out.push_str("generation: paused (tpctl resume continues it)\n");
+    }
+    if !s.weight_version.is_empty() {
+        out.push_str(&format!("weight version: {}\n", s.weight_version));
+    }
     if let Some(op) = &s.in_progress {
         out.push_str(&format!("in progress: {op} (only rank 0 answered; ask again after it)\n"));
     }

@@ -66,6 +66,7 @@ fn a_receipt_has_a_row_per_rank_and_tag_and_a_total() {
             rank(0, Vec::new(), &[("weights", 1 << 30), ("kv_cache", 1 << 30)]),
             rank(1, vec![(3, 10 << 30)], &[("weights", 1 << 30), ("kv_cache", 1 << 30)]),
         ],
+        weight_version: None,
     };
     let text = receipt(&op);
     let lines: Vec<&str> = text.lines().collect();
@@ -87,6 +88,9 @@ fn a_receipt_has_a_row_per_rank_and_tag_and_a_total() {
         "total: sleep weights,kv_cache on 2 rank(s): 4.0 GiB released in 1.25 s (op 7)"
     );
 
+    let update =
+        OpWire { action: "update_weights".into(), weight_version: Some("7".into()), ..op.clone() };
+    assert!(receipt(&update).ends_with("(op 7)\nweight version: 7\n"), "{}", receipt(&update));
     let nothing = OpWire { op_id: 0, action: "wakeup".into(), ..op };
     assert!(receipt(&nothing).ends_with("nothing to do (already awake)\n"));
 }
@@ -104,6 +108,8 @@ fn a_status_shows_the_state_each_rank_and_who_did_not_answer() {
             message: "no status ack from rank 2 within 10.0 s".into(),
         }],
         in_progress: None,
+        paused: false,
+        weight_version: String::new(),
     };
     let text = status(&s);
     let lines: Vec<&str> = text.lines().collect();
@@ -125,6 +131,13 @@ fn a_status_shows_the_state_each_rank_and_who_did_not_answer() {
     assert_eq!(
         status(&busy).lines().nth(1),
         Some("in progress: sleep [\"weights\"] (only rank 0 answered; ask again after it)")
+    );
+    let paused = StatusWire { paused: true, weight_version: "step-3".into(), ..s.clone() };
+    let text = status(&paused);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(
+        lines[1..3],
+        ["generation: paused (tpctl resume continues it)", "weight version: step-3"]
     );
     let failed = StatusWire { state: "failed".into(), reason: Some("rank 1 is lost".into()), ..s };
     assert!(status(&failed).starts_with("state: failed (rank 1 is lost)\n"));
@@ -198,7 +211,13 @@ fn every_request_reads_back_as_written_and_an_unknown_method_is_named() {
     for r in [
         Request::Sleep(SleepArgs { tags: vec!["kv_cache".into()], ..SleepArgs::default() }),
         Request::Wakeup(WakeupArgs { tags: Vec::new(), model: Some("m.gguf".into()) }),
-        Request::UpdateWeights(UpdateArgs { model: "m.gguf".into(), mode: QuiesceMode::Abort }),
+        Request::UpdateWeights(UpdateArgs {
+            model: "m.gguf".into(),
+            mode: QuiesceMode::Abort,
+            weight_version: Some("step-1".into()),
+        }),
+        Request::Pause(PauseArgs { mode: QuiesceMode::Keep }),
+        Request::Resume,
         Request::Status,
         Request::Stop,
     ] {
@@ -210,6 +229,12 @@ fn every_request_reads_back_as_written_and_an_unknown_method_is_named() {
         Request::parse(r#"{"method":"wake_up"}"#).unwrap(),
         Request::Wakeup(WakeupArgs::default())
     );
+    // A pause without a mode aborts, as vLLM's does.
+    assert_eq!(
+        Request::parse(r#"{"method":"pause"}"#).unwrap(),
+        Request::Pause(PauseArgs::default())
+    );
+    assert_eq!(PauseArgs::default().mode, QuiesceMode::Abort);
     let e = Request::parse(r#"{"method":"hibernate"}"#).unwrap_err();
     assert!(e.contains("unknown control method `hibernate`: expected sleep, wakeup"), "{e}");
 }

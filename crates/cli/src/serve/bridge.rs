@@ -3,6 +3,7 @@
 //! registered.
 
 use super::metrics::{Metrics, RequestTimes};
+use session::sleep::WeightVersion;
 use session::{
     BoxError, Cancel, FinishReason, OutputSink, RankedLogprobs, Request, SamplingParams,
     TokenLogprobs,
@@ -25,6 +26,8 @@ pub enum Event {
         text: String,
         /// Its log-probabilities, when the request asked for them.
         logprobs: Option<TokenLogprobs>,
+        /// The version of the weights that computed it.
+        version: Arc<str>,
     },
     /// Log-probabilities of the prompt's tokens from position `start` on (each given the
     /// tokens before it), when the request asked for them; they come before its first token.
@@ -106,13 +109,36 @@ pub struct Bridge {
     metrics: Metrics,
     /// Set once the engine stopped: nothing more is taken, and `/health` says so.
     closed: Arc<AtomicBool>,
+    /// The live weights' version, which every token is stamped with as the engine emits it
+    /// (the coordinator changes it only while the engine is quiesced).
+    version: WeightVersion,
 }
 
 impl Bridge {
     /// A bridge that feeds `inbox` (the engine's) and records into `metrics`.
     pub fn new(inbox: Sender<Request>, metrics: Metrics) -> Self {
         let next_id = Arc::new(AtomicU64::new(0));
-        Bridge { pending: Arc::default(), next_id, inbox, metrics, closed: Arc::default() }
+        Bridge {
+            pending: Arc::default(),
+            next_id,
+            inbox,
+            metrics,
+            closed: Arc::default(),
+            version: WeightVersion::default(),
+        }
+    }
+
+    /// This bridge, stamping tokens with `version` (the coordinator's) instead of a version
+    /// of its own that never changes.
+    #[must_use]
+    pub fn with_weight_version(mut self, version: WeightVersion) -> Self {
+        self.version = version;
+        self
+    }
+
+    /// The live weights' version.
+    pub fn weight_version(&self) -> &WeightVersion {
+        &self.version
     }
 
     /// Hands a checked request to the engine; its events arrive on the returned [`Events`],
@@ -195,7 +221,9 @@ impl OutputSink for Sink {
             // A client that went away still gets its request finished by the engine; its
             // tokens are dropped here.
             let logprobs = logprobs.cloned();
-            let _ = entry.tx.send(Event::Token { token, text: text.to_owned(), logprobs });
+            let version = self.0.version.get();
+            let text = text.to_owned();
+            let _ = entry.tx.send(Event::Token { token, text, logprobs, version });
         }
         Ok(())
     }

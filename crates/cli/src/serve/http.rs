@@ -172,6 +172,10 @@ fn router(api: Api) -> Router {
         .route("/wake_up", post(wake_up))
         .route("/update_weights", post(update_weights))
         .route("/is_sleeping", get(is_sleeping))
+        .route("/pause", post(pause))
+        .route("/resume", post(resume))
+        .route("/is_paused", get(is_paused))
+        .route("/get_weight_version", get(get_weight_version))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(api.clone(), guard))
@@ -376,8 +380,10 @@ async fn health(State(api): State<Api>) -> Response {
 
 async fn metrics(State(api): State<Api>) -> Response {
     let mut text = api.0.metrics.render(&api.0.model_name);
-    super::metrics::render_checkpoint(&mut text, &api.checkpoint());
+    let version = api.0.bridge.weight_version().get();
+    super::metrics::render_checkpoint(&mut text, &api.checkpoint(), &version);
     if let Some(c) = &api.0.control {
+        super::metrics::render_paused(&mut text, c.coordinator().is_paused());
         super::metrics::render_sleep(&mut text, &c.coordinator().state(), &c.journal().snapshot());
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
@@ -483,7 +489,9 @@ impl Api {
             "owned_by": "tpctl",
             "max_model_len": self.0.context,
             "sleeping": self.asleep().is_some(),
+            "paused": self.0.control.as_ref().is_some_and(|c| c.coordinator().is_paused()),
             "checkpoint": self.checkpoint(),
+            "weight_version": &*self.0.bridge.weight_version().get(),
         })
     }
 
@@ -554,7 +562,9 @@ mod request;
 mod structured;
 
 use answer::{chat_completions, completions};
-use control::{is_sleeping, sleep, update_weights, wake_up};
+use control::{
+    get_weight_version, is_paused, is_sleeping, pause, resume, sleep, update_weights, wake_up,
+};
 use request::{parse, ChatMessageBody};
 
 #[cfg(test)]

@@ -487,8 +487,9 @@ impl Exposition {
     }
 }
 
-/// The live checkpoint as an info gauge: `tpctl_weights_checkpoint_info{checkpoint="PATH"} 1`.
-pub fn render_checkpoint(out: &mut String, checkpoint: &str) {
+/// The live weights as info gauges: `tpctl_weights_checkpoint_info{checkpoint="PATH"} 1` and
+/// `tpctl_weight_version_info{weight_version="V"} 1`.
+pub fn render_checkpoint(out: &mut String, checkpoint: &str, version: &str) {
     let mut e = Exposition::unlabelled();
     e.labelled(
         "tpctl_weights_checkpoint_info",
@@ -496,6 +497,24 @@ pub fn render_checkpoint(out: &mut String, checkpoint: &str) {
         "The checkpoint whose weights are live (the latest weight update's, or the one the \
          deployment started with).",
         std::iter::once((vec![("checkpoint", checkpoint)], 1)),
+    );
+    e.labelled(
+        "tpctl_weight_version_info",
+        "gauge",
+        "The live weights' version (the latest weight update's weight_version, else the count \
+         of updates), which every answer carries.",
+        std::iter::once((vec![("weight_version", version)], 1)),
+    );
+    out.push_str(&e.text);
+}
+
+/// `tpctl_paused`: 1 while generation is paused (`/pause`, `tpctl pause`).
+pub fn render_paused(out: &mut String, paused: bool) {
+    let mut e = Exposition::unlabelled();
+    e.gauge(
+        "tpctl_paused",
+        "1 while generation is paused (/pause until /resume).",
+        u8::from(paused),
     );
     out.push_str(&e.text);
 }

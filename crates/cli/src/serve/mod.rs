@@ -99,7 +99,10 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
 
     let metrics = metrics::Metrics::default();
     let (inbox_tx, inbox) = std::sync::mpsc::channel();
-    let bridge = bridge::Bridge::new(inbox_tx, metrics.clone());
+    let mut bridge = bridge::Bridge::new(inbox_tx, metrics.clone());
+    if let Some(control) = &rank0.control {
+        bridge = bridge.with_weight_version(control.coordinator().weight_version());
+    }
     let ready = Arc::new(AtomicBool::new(false));
     let context = rank0.config.context_length.min(rank0.context_tokens);
     let api = http::Api::new(http::ApiParts {

@@ -7,6 +7,7 @@ use super::memory::{execute, RankMemory, Refusal};
 use super::message::{Action, Message, Phase, Probe, RankReceipt, Status, TagReceipt};
 use super::quiesce::{Quiesce, QuiesceMode};
 use super::transport::{CoordinatorLink, Incoming};
+use super::version::{WeightUpdate, WeightVersion};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -72,6 +73,8 @@ pub struct OpReceipt {
     pub ranks: Vec<RankReceipt>,
     /// Wall time of the whole call, lock and quiesce included.
     pub elapsed: Duration,
+    /// A weight update's: the version the weights took.
+    pub weight_version: Option<String>,
 }
 
 impl OpReceipt {
@@ -94,6 +97,10 @@ pub struct DeploymentStatus {
     /// The sleep or wakeup running when the status was asked (`"sleep [\"kv_cache\"]"`):
     /// the control channel is its, so only rank 0 answered, from what it knows.
     pub in_progress: Option<String>,
+    /// Whether generation is paused ([`Coordinator::pause`]).
+    pub paused: bool,
+    /// The live weights' version.
+    pub weight_version: String,
 }
 
 struct Inner {
@@ -102,6 +109,11 @@ struct Inner {
     next_op: u64,
     /// Whether rank 0's engine is quiesced.
     paused: bool,
+    /// Whether a caller paused generation ([`Coordinator::pause`]): the engine stays quiesced
+    /// after the operations that end while it holds, until [`Coordinator::resume`].
+    held: bool,
+    /// Weight updates committed so far (the default version of the next is one more).
+    updates: u64,
     /// Peers whose connection closed.
     lost: BTreeSet<usize>,
     /// The operation that holds the sleep/wakeup lock, if any.
@@ -130,6 +142,7 @@ pub struct Coordinator {
     opts: CoordinatorOptions,
     op_lock: Arc<dyn OpLock>,
     inner: Mutex<Inner>,
+    version: WeightVersion,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -188,10 +201,13 @@ impl Coordinator {
                 asleep: BTreeSet::new(),
                 next_op: 1,
                 paused: false,
+                held: false,
+                updates: 0,
                 lost: BTreeSet::new(),
                 running: None,
                 checkpoint: None,
             }),
+            version: WeightVersion::default(),
         }
     }
 
@@ -262,7 +278,7 @@ impl Coordinator {
     /// checkpoint staged, still asleep, for the next wakeup.
     pub fn wakeup_from(
         &self,
-        model: &str,
+        update: &WeightUpdate,
         resolve: impl FnOnce(&DeploymentState) -> Vec<String>,
         opts: OpOptions,
     ) -> Result<(OpReceipt, OpReceipt)> {
@@ -274,28 +290,90 @@ impl Coordinator {
             _ => &[],
         };
         if !asleep.iter().any(|t| t == weights) {
-            return Err(Error::WeightsAwake { model: model.to_owned() });
+            return Err(Error::WeightsAwake { model: update.model.clone() });
         }
-        let update = OpOptions { mode: QuiesceMode::default(), ..OpOptions::default() };
-        let updated = self.run_held(Action::Update, &[weights.to_owned()], update, Some(model))?;
+        let quiesce = OpOptions { mode: QuiesceMode::default(), ..OpOptions::default() };
+        let updated =
+            self.run_held(Action::Update, &[weights.to_owned()], quiesce, Some(update))?;
         let tags = resolve(&self.state());
         let woken = self.run_held(Action::Wakeup, &tags, opts, None)?;
         Ok((updated, woken))
     }
 
-    /// Replaces the weights on every rank with those of the checkpoint at `model` (a GGUF
+    /// Replaces the weights on every rank with those of the checkpoint `update.model` (a GGUF
     /// file or a Hugging Face folder of the same architecture and shapes), asleep or awake
     /// (awake: the engine quiesces per `opts.mode` first, and paused requests are computed
     /// again with the new weights). Two-phase like a sleep: every rank loads and checks its
     /// shard before any rank changes, and a failure puts the old weights back everywhere.
-    /// Asleep, the new checkpoint is what the wakeup reloads.
+    /// Asleep, the new checkpoint is what the wakeup reloads. Once it committed, the weights'
+    /// version ([`Coordinator::weight_version`]) is `update.version`, or the count of updates.
     ///
     /// # Errors
     /// As [`Coordinator::sleep`]; a checkpoint that does not fit fails in PREPARE on every
     /// rank, with nothing changed.
-    pub fn update_weights(&self, model: &str, opts: OpOptions) -> Result<OpReceipt> {
+    pub fn update_weights(&self, update: &WeightUpdate, opts: OpOptions) -> Result<OpReceipt> {
         let tags = [vmm::Tag::WEIGHTS.as_str().to_owned()];
-        self.run(Action::Update, &tags, opts, Some(model))
+        self.run(Action::Update, &tags, opts, Some(update))
+    }
+
+    /// The live weights' version, as a cell that follows every update (for the output sink
+    /// that stamps tokens with it).
+    pub fn weight_version(&self) -> WeightVersion {
+        self.version.clone()
+    }
+
+    /// Pauses generation (vLLM's `/pause`): the engine quiesces per `mode` (`wait` lets the
+    /// running requests finish, `abort` ends them, `keep` freezes them with their KV cache)
+    /// and admits nothing until [`Coordinator::resume`]; memory stays. Sleeps, wakeups and
+    /// weight updates run while paused and leave it paused. Returns whether it was running
+    /// (a second pause changes nothing).
+    ///
+    /// # Errors
+    /// [`Error::Quiesce`] when the engine does not reach a step boundary in time (nothing
+    /// paused); [`Error::DeploymentFailed`].
+    pub fn pause(&self, mode: QuiesceMode) -> Result<bool> {
+        let _guard = Held::acquire(&*self.op_lock);
+        let quiesce = {
+            let inner = lock(&self.inner);
+            if let DeploymentState::Failed(reason) = &inner.state {
+                let action = "pause".to_owned();
+                return Err(Error::DeploymentFailed { action, reason: reason.clone() });
+            }
+            if inner.held {
+                return Ok(false);
+            }
+            !inner.paused
+        };
+        // Only operations change `paused`, and they hold the sleep/wakeup lock.
+        if quiesce {
+            self.engine.quiesce(mode).map_err(|source| Error::Pause { source })?;
+        }
+        let mut inner = lock(&self.inner);
+        inner.paused = true;
+        inner.held = true;
+        tracing::info!(?mode, "generation paused");
+        Ok(true)
+    }
+
+    /// Resumes generation after [`Coordinator::pause`] (asleep, the engine runs again at the
+    /// wakeup). Returns whether it was paused.
+    pub fn resume(&self) -> bool {
+        let _guard = Held::acquire(&*self.op_lock);
+        let mut inner = lock(&self.inner);
+        let was = std::mem::replace(&mut inner.held, false);
+        if inner.paused && inner.asleep.is_empty() {
+            self.engine.resume();
+            inner.paused = false;
+        }
+        if was {
+            tracing::info!("generation resumed");
+        }
+        was
+    }
+
+    /// Whether generation is paused ([`Coordinator::pause`]).
+    pub fn is_paused(&self) -> bool {
+        lock(&self.inner).held
     }
 
     /// The checkpoint the latest weight update loaded; `None` while the deployment runs the
@@ -312,11 +390,12 @@ impl Coordinator {
     /// None today: ranks that do not answer are listed in [`DeploymentStatus::failures`].
     pub fn status(&self) -> Result<DeploymentStatus> {
         let guard = Held::try_acquire(&*self.op_lock);
-        let (state, asleep, running) = {
+        let (state, asleep, running, paused) = {
             let inner = lock(&self.inner);
             let asleep = inner.asleep.iter().cloned().collect::<Vec<_>>();
-            (inner.state.clone(), asleep, inner.running.clone())
+            (inner.state.clone(), asleep, inner.running.clone(), inner.held)
         };
+        let weight_version = self.version.get().to_string();
         let probe = self.memory.probe();
         let mut ranks = vec![RankReceipt {
             rank: 0,
@@ -327,7 +406,15 @@ impl Coordinator {
         }];
         if guard.is_none() {
             let in_progress = running.or_else(|| Some("an operation".into()));
-            return Ok(DeploymentStatus { state, ranks, failures: Vec::new(), in_progress });
+            let failures = Vec::new();
+            return Ok(DeploymentStatus {
+                state,
+                ranks,
+                failures,
+                in_progress,
+                paused,
+                weight_version,
+            });
         }
         // Its own op id, so a late answer to an earlier status is not taken for this one's.
         let op_id = self.take_op_id();
@@ -337,7 +424,7 @@ impl Coordinator {
         failures.extend(drained.failures());
         ranks.extend(drained.acks.into_values().filter_map(|m| m.receipt));
         failures.sort_by_key(|f| f.rank);
-        Ok(DeploymentStatus { state, ranks, failures, in_progress: None })
+        Ok(DeploymentStatus { state, ranks, failures, in_progress: None, paused, weight_version })
     }
 
     /// Sends the shutdown sentinel to every listener and drains their ACKs (bounded by the
@@ -481,7 +568,7 @@ impl Coordinator {
     /// restore the state, record lost peers.
     fn end_unchanged(&self, paused_here: bool) {
         let mut inner = lock(&self.inner);
-        if paused_here && inner.asleep.is_empty() {
+        if paused_here && inner.asleep.is_empty() && !inner.held {
             self.engine.resume();
             inner.paused = false;
         }
@@ -508,10 +595,10 @@ impl Coordinator {
         action: Action,
         tags: &[String],
         opts: OpOptions,
-        model: Option<&str>,
+        update: Option<&WeightUpdate>,
     ) -> Result<OpReceipt> {
         let _guard = Held::acquire(&*self.op_lock);
-        self.run_held(action, tags, opts, model)
+        self.run_held(action, tags, opts, update)
     }
 
     /// [`Coordinator::run`] with the sleep/wakeup lock already held by the caller.
@@ -520,14 +607,14 @@ impl Coordinator {
         action: Action,
         tags: &[String],
         opts: OpOptions,
-        model: Option<&str>,
+        update: Option<&WeightUpdate>,
     ) -> Result<OpReceipt> {
         let start = Instant::now();
-        lock(&self.inner).running = Some(match model {
-            Some(m) => format!("{action} {m}"),
+        lock(&self.inner).running = Some(match update {
+            Some(u) => format!("{action} {}", u.model),
             None => format!("{action} {tags:?}"),
         });
-        let result = self.run_locked(action, tags, opts, model, start);
+        let result = self.run_locked(action, tags, opts, update, start);
         lock(&self.inner).running = None;
         result
     }
@@ -540,9 +627,10 @@ impl Coordinator {
         action: Action,
         tags: &[String],
         opts: OpOptions,
-        model: Option<&str>,
+        update: Option<&WeightUpdate>,
         start: Instant,
     ) -> Result<OpReceipt> {
+        let model = update.map(|u| u.model.as_str());
         let (op_id, pause) = {
             let mut inner = lock(&self.inner);
             if let DeploymentState::Failed(reason) = &inner.state {
@@ -667,8 +755,14 @@ impl Coordinator {
         // Success everywhere, recorded before the sleep/wakeup lock is given back, so the
         // next operation (and `/v1/models`) sees this one's result.
         let mut inner = lock(&self.inner);
-        if action == Action::Update {
-            inner.checkpoint = model.map(str::to_owned);
+        let mut weight_version = None;
+        if let (Action::Update, Some(update)) = (action, update) {
+            inner.checkpoint = Some(update.model.clone());
+            inner.updates += 1;
+            // Set before the engine resumes: its next token is the new weights'.
+            let version = update.version.clone().unwrap_or_else(|| inner.updates.to_string());
+            self.version.set(&version);
+            weight_version = Some(version);
         }
         for t in tags {
             match action {
@@ -680,7 +774,7 @@ impl Coordinator {
         let asleep: Vec<String> = inner.asleep.iter().cloned().collect();
         receipts[0].asleep = asleep.clone();
         if asleep.is_empty() {
-            if inner.paused {
+            if inner.paused && !inner.held {
                 self.engine.resume();
                 inner.paused = false;
             }
@@ -697,6 +791,7 @@ impl Coordinator {
             tags: tags.to_vec(),
             ranks: receipts,
             elapsed: start.elapsed(),
+            weight_version,
         })
     }
 
@@ -805,7 +900,9 @@ impl Coordinator {
             return (Outcome::FailStop, failures);
         }
         let mut inner = lock(&self.inner);
-        if undo == Action::Wakeup && inner.asleep.is_empty() && inner.paused {
+        // Undone, a sleep or a weight update leaves nothing asleep (unless something was before):
+        // the engine runs again, as after a success.
+        if inner.asleep.is_empty() && inner.paused && !inner.held {
             self.engine.resume();
             inner.paused = false;
         }
@@ -839,6 +936,7 @@ impl Coordinator {
                 asleep: asleep.clone(),
             })
             .collect();
-        OpReceipt { op_id: 0, action, tags: tags.to_vec(), ranks, elapsed: start.elapsed() }
+        let elapsed = start.elapsed();
+        OpReceipt { op_id: 0, action, tags: tags.to_vec(), ranks, elapsed, weight_version: None }
     }
 }

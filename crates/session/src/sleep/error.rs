@@ -129,6 +129,12 @@ pub enum Error {
         /// The engine's error.
         source: QuiesceError,
     },
+    /// A pause could not quiesce the engine; nothing was paused.
+    #[error("pause: quiescing the engine failed: {source}")]
+    Pause {
+        /// The engine's error.
+        source: QuiesceError,
+    },
     /// A listener thread or a shutdown did not finish in time.
     #[error("rank {rank}: {what} did not finish within {secs:.1} s")]
     Timeout {

@@ -48,6 +48,7 @@ mod memory;
 mod message;
 pub mod quiesce;
 pub mod transport;
+mod version;
 
 pub use coordinator::{
     Coordinator, CoordinatorOptions, DeploymentState, DeploymentStatus, OpOptions, OpReceipt,
@@ -60,6 +61,7 @@ pub use memory::{MemoryError, NoMemory, RankMemory, Refusal, VmmMemory};
 pub use message::{Action, Message, Phase, Probe, RankReceipt, Status, TagReceipt};
 pub use quiesce::{Idle, Quiesce, QuiesceError, QuiesceMode};
 pub use transport::{LinkError, ReadError};
+pub use version::{WeightUpdate, WeightVersion};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -68,7 +70,7 @@ use std::time::Duration;
 #[derive(Debug)]
 pub enum ControlPlane {
     /// Rank 0.
-    Coordinator(Coordinator),
+    Coordinator(Box<Coordinator>),
     /// Every other rank: the listener thread.
     Listener(ListenerHandle),
 }
@@ -92,7 +94,7 @@ pub fn start(
 ) -> Result<ControlPlane> {
     match transport::tcp::connect(store, rank, world, bind_host, timeout)? {
         transport::tcp::Endpoint::Coordinator(link) => {
-            Ok(ControlPlane::Coordinator(Coordinator::new(link, memory, engine, opts)))
+            Ok(ControlPlane::Coordinator(Box::new(Coordinator::new(link, memory, engine, opts))))
         }
         transport::tcp::Endpoint::Peer(link) => {
             listener::spawn(rank, link, memory, engine).map(ControlPlane::Listener)

@@ -689,7 +689,9 @@ fn racing_updates_leave_the_checkpoint_of_the_last_to_run() {
         .into_iter()
         .map(|m| {
             let coord = w.coord.clone();
-            std::thread::spawn(move || (m, coord.update_weights(m, OpOptions::default())))
+            std::thread::spawn(move || {
+                (m, coord.update_weights(&WeightUpdate::from_checkpoint(m), OpOptions::default()))
+            })
         })
         .collect();
     let done: Vec<(&str, OpReceipt)> =
@@ -749,7 +751,11 @@ fn a_wakeup_from_a_checkpoint_racing_a_sleep_is_one_operation() {
     *w.linger.lock().unwrap() = Some(Duration::from_millis(300));
     let coord = w.coord.clone();
     let wake = std::thread::spawn(move || {
-        coord.wakeup_from("new.gguf", asleep_or_all, OpOptions::default())
+        coord.wakeup_from(
+            &WeightUpdate::from_checkpoint("new.gguf"),
+            asleep_or_all,
+            OpOptions::default(),
+        )
     });
     lock_taken(&w, 2);
     let slept = w.coord.sleep(&tags(&["kv_cache"]), OpOptions::default()).unwrap();
@@ -759,7 +765,14 @@ fn a_wakeup_from_a_checkpoint_racing_a_sleep_is_one_operation() {
     assert_eq!(w.coord.checkpoint().as_deref(), Some("new.gguf"));
     assert_eq!(w.coord.state(), DeploymentState::Sleeping(tags(&["kv_cache"])));
     // Refused while the weights are awake, before anything runs.
-    let e = w.coord.wakeup_from("other.gguf", asleep_or_all, OpOptions::default()).unwrap_err();
+    let e = w
+        .coord
+        .wakeup_from(
+            &WeightUpdate::from_checkpoint("other.gguf"),
+            asleep_or_all,
+            OpOptions::default(),
+        )
+        .unwrap_err();
     assert!(matches!(e, Error::WeightsAwake { .. }), "{e}");
     assert_eq!(w.coord.checkpoint().as_deref(), Some("new.gguf"));
     w.shutdown();
@@ -1231,7 +1244,9 @@ fn a_weight_update_reaches_every_rank_or_none() {
     let live = |w: &World| -> Vec<String> {
         w.mem.iter().map(|m| m.st.lock().unwrap().weights.0.clone()).collect()
     };
-    w.coord.update_weights("step-100.gguf", OpOptions::default()).unwrap();
+    w.coord
+        .update_weights(&WeightUpdate::from_checkpoint("step-100.gguf"), OpOptions::default())
+        .unwrap();
     assert_eq!(live(&w), vec!["step-100.gguf"; 3]);
     assert_eq!(w.coord.checkpoint().as_deref(), Some("step-100.gguf"));
     // The engines were paused for it and run again.
@@ -1242,17 +1257,79 @@ fn a_weight_update_reaches_every_rank_or_none() {
         );
     }
     // Refused in PREPARE: nothing changes, nothing stays staged.
-    let e = w.coord.update_weights("other-shapes.gguf", OpOptions::default()).unwrap_err();
+    let e = w
+        .coord
+        .update_weights(&WeightUpdate::from_checkpoint("other-shapes.gguf"), OpOptions::default())
+        .unwrap_err();
     assert_eq!(ranks_of(&e), vec![0, 1, 2]);
     assert_eq!(e.outcome(), Some(Outcome::Aborted));
     assert!(w.mem.iter().all(|m| m.st.lock().unwrap().weights.1.is_none()));
     // Rank 2 fails its COMMIT after the others loaded: they put the old weights back.
     w.mem[2].set(|s| s.fail_update = true);
-    let e = w.coord.update_weights("step-200.gguf", OpOptions::default()).unwrap_err();
+    let e = w
+        .coord
+        .update_weights(&WeightUpdate::from_checkpoint("step-200.gguf"), OpOptions::default())
+        .unwrap_err();
     assert_eq!(ranks_of(&e), vec![2]);
     assert_eq!(e.outcome(), Some(Outcome::RolledBack));
     assert_eq!(live(&w), vec!["step-100.gguf"; 3]);
     assert_eq!(w.coord.checkpoint().as_deref(), Some("step-100.gguf"));
     assert_eq!(w.coord.state(), DeploymentState::Running);
+    // ... and rank 0's engine runs again (a rolled-back update used to leave it quiesced).
+    assert_eq!(engine_calls(&w.log, 0).last().map(String::as_str), Some("r0 resume"));
+    w.shutdown();
+}
+
+/// What `rank`'s engine was told (quiesce, resume), in order.
+fn engine_calls(log: &Log, rank: usize) -> Vec<String> {
+    let quiesce = format!("r{rank} quiesce");
+    let resume = format!("r{rank} resume");
+    log.of(rank).into_iter().filter(|e| e.starts_with(&quiesce) || *e == resume).collect()
+}
+
+/// A pause quiesces rank 0's engine once and holds it through a weight update (no resume
+/// until `resume`); the update's version is what answers are stamped with from then on.
+#[test]
+fn a_pause_holds_the_engine_through_an_update_until_resume() {
+    let w = world(2);
+    let version = w.coord.weight_version();
+    assert_eq!(&*version.get(), WeightVersion::INITIAL);
+    assert!(w.coord.pause(QuiesceMode::Keep).unwrap());
+    assert!(w.coord.is_paused());
+    assert!(!w.coord.pause(QuiesceMode::Abort).unwrap(), "a second pause changes nothing");
+    let update = WeightUpdate::from_checkpoint("step-1.gguf").versioned(Some("step-1".into()));
+    w.coord.update_weights(&update, OpOptions::default()).unwrap();
+    assert_eq!(&*version.get(), "step-1");
+    // A sleep and a wakeup while paused leave it paused.
+    w.coord.sleep(&tags(&["kv_cache"]), OpOptions::default()).unwrap();
+    w.coord.wakeup(&tags(&["kv_cache"]), OpOptions::default()).unwrap();
+    assert!(w.coord.is_paused());
+    assert_eq!(engine_calls(&w.log, 0), vec!["r0 quiesce Keep"], "rank 0 stays quiesced");
+    let status = w.coord.status().unwrap();
+    assert!(status.paused);
+    assert_eq!(status.weight_version, "step-1");
+    assert!(w.coord.resume());
+    assert!(!w.coord.resume(), "a second resume changes nothing");
+    assert!(!w.coord.is_paused());
+    assert_eq!(engine_calls(&w.log, 0), vec!["r0 quiesce Keep", "r0 resume"]);
+    // An update without a version takes the count of updates.
+    w.coord.update_weights(&WeightUpdate::from_checkpoint("b.gguf"), OpOptions::default()).unwrap();
+    assert_eq!(&*version.get(), "2");
+    w.shutdown();
+}
+
+/// A failed update leaves the version as it was; a pause that cannot quiesce pauses nothing.
+#[test]
+fn a_failed_update_keeps_the_version_and_a_failed_pause_pauses_nothing() {
+    let w = world(2);
+    let version = w.coord.weight_version();
+    w.mem[1].set(|s| s.fail_update = true);
+    let update = WeightUpdate::from_checkpoint("step-9.gguf").versioned(Some("9".into()));
+    w.coord.update_weights(&update, OpOptions::default()).unwrap_err();
+    assert_eq!(&*version.get(), WeightVersion::INITIAL);
+    *w.engines[0].fail.lock().unwrap() = Some("stuck in a step".into());
+    let e = w.coord.pause(QuiesceMode::Wait).unwrap_err();
+    assert!(e.to_string().contains("stuck in a step"), "{e}");
+    assert!(!w.coord.is_paused());
     w.shutdown();
 }

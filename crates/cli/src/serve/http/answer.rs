@@ -159,7 +159,8 @@ pub(super) async fn generate(
         prompt_only: job.prompt_only,
     };
     if stream {
-        let header = Header { id, created, model, prompt_tokens, include_usage, warning };
+        let version = api.0.bridge.weight_version().clone();
+        let header = Header { id, created, model, prompt_tokens, include_usage, warning, version };
         let events = sse(choices, header, answer);
         return Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response());
     }
@@ -167,12 +168,16 @@ pub(super) async fn generate(
     let mut completion_tokens = 0;
     // A chat's prompt log-probabilities (vLLM's, at the top of the answer).
     let mut chat_prompt = Value::Null;
+    // The version of the weights that computed the answer's last token (the live one when it
+    // has none).
+    let mut version = api.0.bridge.weight_version().get();
     for (index, choice) in choices.into_iter().enumerate() {
         let stops = StopText::new(answer.stops.clone());
         let mut c = collect(choice.events, stops, answer.scorer.clone()).await?;
         if answer.prompt_only {
             let (text, tokens, reason) = (String::new(), Vec::new(), FinishReason::Length);
-            c = Collected { text, tokens, reason, scored: Some(Vec::new()), prompt: c.prompt };
+            let (scored, prompt, versions) = (Some(Vec::new()), c.prompt, Versions::default());
+            c = Collected { text, tokens, reason, scored, prompt, versions };
         }
         completion_tokens += c.tokens.len();
         let text = match answer.echo(choice.prompt) {
@@ -199,11 +204,18 @@ pub(super) async fn generate(
             super::super::logprobs::vllm_prompt(&answer.prompts[choice.prompt], &scored, top)
         });
         let (tokens, reason) = (c.tokens, c.reason);
+        if let Some(v) = c.versions.last() {
+            version = v.clone();
+        }
+        let changes = c.versions.changes();
         out.push(match kind {
             Kind::Completion => {
                 let mut choice = json!({"index": index, "text": text, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish_name(reason)});
                 if let Some(p) = prompt_logprobs {
                     choice["prompt_logprobs"] = p;
+                }
+                if let Some(changes) = changes {
+                    choice["weight_versions"] = changes;
                 }
                 choice
             }
@@ -212,7 +224,11 @@ pub(super) async fn generate(
                     chat_prompt = p;
                 }
                 let (message, finish) = chat_message(text, reason, answer.tool_calls, &id);
-                json!({"index": index, "message": message, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish})
+                let mut choice = json!({"index": index, "message": message, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish});
+                if let Some(changes) = changes {
+                    choice["weight_versions"] = changes;
+                }
+                choice
             }
         });
     }
@@ -225,6 +241,8 @@ pub(super) async fn generate(
         "object": object,
         "created": created,
         "model": model,
+        "system_fingerprint": &*version,
+        "weight_version": &*version,
         "choices": out,
         "usage": usage(prompt_tokens, completion_tokens),
     });
@@ -349,6 +367,35 @@ pub(super) struct Collected {
     scored: Option<Vec<Scored>>,
     /// The prompt's tokens from the second on.
     prompt: Vec<RankedLogprobs>,
+    /// The weights' versions that computed the tokens: the index of the first token of each.
+    versions: Versions,
+}
+
+/// The versions of the weights that computed a choice's tokens, each with the index of its
+/// first token: one entry unless a weight update ran in the middle (a pause with `keep`).
+#[derive(Debug, Default)]
+pub(super) struct Versions(Vec<(usize, Arc<str>)>);
+
+impl Versions {
+    /// Token `index` was computed by `version`.
+    fn saw(&mut self, index: usize, version: &Arc<str>) {
+        if self.0.last().is_none_or(|(_, v)| v != version) {
+            self.0.push((index, version.clone()));
+        }
+    }
+
+    /// The version of the last token, if any.
+    fn last(&self) -> Option<&Arc<str>> {
+        self.0.last().map(|(_, v)| v)
+    }
+
+    /// The changes as a choice shows them, when there was one:
+    /// `[{"from_token": 0, "weight_version": "1"}, {"from_token": 7, "weight_version": "2"}]`.
+    fn changes(&self) -> Option<Value> {
+        (self.0.len() > 1).then(|| {
+            self.0.iter().map(|(i, v)| json!({"from_token": i, "weight_version": &**v})).collect()
+        })
+    }
 }
 
 /// Waits for a request's end.
@@ -361,10 +408,12 @@ pub(super) async fn collect(
     let mut tokens = Vec::new();
     let mut scored = scorer.as_ref().map(|_| Vec::new());
     let mut prompt = Vec::new();
+    let mut versions = Versions::default();
     while let Some(event) = rx.recv().await {
         match event {
             Event::PromptLogprobs { tokens, .. } => prompt.extend(tokens),
-            Event::Token { token, text: piece, logprobs } => {
+            Event::Token { token, text: piece, logprobs, version } => {
+                versions.saw(tokens.len(), &version);
                 tokens.push(token);
                 if let (Some(scorer), Some(all)) = (&scorer, &mut scored) {
                     all.extend(scorer.score(token, logprobs));
@@ -374,7 +423,7 @@ pub(super) async fn collect(
                 if hit {
                     // Dropping the events cancels the rest of the generation.
                     let reason = FinishReason::StopToken;
-                    return Ok(Collected { text, tokens, reason, scored, prompt });
+                    return Ok(Collected { text, tokens, reason, scored, prompt, versions });
                 }
             }
             Event::Finished { reason: FinishReason::Rejected, .. } => {
@@ -385,7 +434,7 @@ pub(super) async fn collect(
             }
             Event::Finished { reason, tokens } => {
                 text.push_str(&stops.finish());
-                return Ok(Collected { text, tokens, reason, scored, prompt });
+                return Ok(Collected { text, tokens, reason, scored, prompt, versions });
             }
         }
     }
@@ -448,10 +497,13 @@ pub(super) struct Header {
     pub(super) include_usage: bool,
     /// The request's warning ([`Job::warning`]), in every chunk.
     pub(super) warning: Option<String>,
+    /// The live weights' version, for chunks that carry no token.
+    pub(super) version: session::sleep::WeightVersion,
 }
 
 impl Header {
-    pub(super) fn chunk(&self, kind: Kind, choices: Value) -> SseEvent {
+    /// A chunk of `choices`, whose tokens the weights of `version` computed.
+    pub(super) fn chunk(&self, kind: Kind, choices: Value, version: &str) -> SseEvent {
         let object = match kind {
             Kind::Completion => "text_completion",
             Kind::Chat => "chat.completion.chunk",
@@ -461,6 +513,8 @@ impl Header {
             "object": object,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": version,
+            "weight_version": version,
             "choices": choices,
         });
         if let Some(warning) = &self.warning {
@@ -510,6 +564,8 @@ pub(super) fn sse(
                 "object": if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" },
                 "created": header.created,
                 "model": header.model,
+                "system_fingerprint": &*header.version.get(),
+                "weight_version": &*header.version.get(),
                 "choices": [],
                 "usage": usage(header.prompt_tokens, completion_tokens),
             });
@@ -541,9 +597,12 @@ impl Choice {
     ) -> Option<usize> {
         let Choice { index, prompt, header, answer } = self;
         let kind = answer.kind;
+        // The version of the weights that computed this choice's latest token.
+        let version = std::sync::Mutex::new(header.version.get());
+        let version_now = || version.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let send = |choice: Value| {
             let tx = tx.clone();
-            let chunk = header.chunk(kind, json!([choice]));
+            let chunk = header.chunk(kind, json!([choice]), &version_now());
             async move { tx.send(Ok(chunk)).await.is_ok() }
         };
         // A piece of text (with its token and log-probabilities, when it has them).
@@ -607,7 +666,8 @@ impl Choice {
                 Event::PromptLogprobs { .. } => {}
                 // The prompt alone: the one generated token is not part of the answer.
                 Event::Token { .. } if answer.prompt_only => {}
-                Event::Token { token, text, logprobs } => {
+                Event::Token { token, text, logprobs, version: v } => {
+                    *version.lock().unwrap_or_else(|e| e.into_inner()) = v;
                     completion_tokens += 1;
                     let scored = answer.scorer.as_ref().and_then(|s| s.score(token, logprobs));
                     let logprobs = match (kind, &scored) {

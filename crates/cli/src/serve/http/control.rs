@@ -1,8 +1,9 @@
-//! The sleep routes: `POST /sleep`, `/wake_up`, `/update_weights` and `GET /is_sleeping`,
-//! run on the deployment's coordinator through the control module, as the socket does.
+//! The sleep routes: `POST /sleep`, `/wake_up`, `/update_weights`, `/pause`, `/resume` and
+//! `GET /is_sleeping`, `/is_paused`, `/get_weight_version`, run on the deployment's
+//! coordinator through the control module, as the socket does.
 
 use super::{asleep_tags, no_control, Api, ApiError};
-use crate::control::{SleepArgs, UpdateArgs, WakeupArgs};
+use crate::control::{PauseArgs, SleepArgs, UpdateArgs, WakeupArgs};
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
@@ -22,6 +23,10 @@ struct OpQuery {
     opts: OpOptions,
     /// The checkpoint of a weight update.
     model: Option<String>,
+    /// The version a weight update gives the weights.
+    version: Option<String>,
+    /// Whether `mode` was given (a pause's default is `abort`, not a sleep's `wait`).
+    mode_given: bool,
 }
 
 /// Parses `tags` (comma-separated and/or repeated), `level` (1 or 2), `mode` and `verify`;
@@ -30,7 +35,13 @@ fn op_query(query: Pairs, allowed: &[&str]) -> std::result::Result<OpQuery, ApiE
     let Query(pairs) = query.map_err(|e| {
         ApiError::invalid("invalid_query", format!("the query does not parse: {}", e.body_text()))
     })?;
-    let mut out = OpQuery { tags: Vec::new(), opts: OpOptions::default(), model: None };
+    let mut out = OpQuery {
+        tags: Vec::new(),
+        opts: OpOptions::default(),
+        model: None,
+        version: None,
+        mode_given: false,
+    };
     for (key, value) in pairs {
         if !allowed.contains(&key.as_str()) {
             return Err(ApiError::invalid(
@@ -43,6 +54,25 @@ fn op_query(query: Pairs, allowed: &[&str]) -> std::result::Result<OpQuery, ApiE
         }
         match key.as_str() {
             "model" => out.model = Some(value.clone()),
+            "weight_version" => {
+                crate::control::check_version(&value)
+                    .map_err(|e| ApiError::invalid("invalid_weight_version", e))?;
+                out.version = Some(value.clone());
+            }
+            // vLLM's older form of `mode=wait` (false: its default, abort).
+            "wait_for_inflight_requests" => {
+                out.mode_given = true;
+                out.opts.mode = match value.as_str() {
+                    "" | "true" | "1" => QuiesceMode::Wait,
+                    "false" | "0" => QuiesceMode::Abort,
+                    other => {
+                        return Err(ApiError::invalid(
+                            "invalid_query",
+                            format!("wait_for_inflight_requests `{other}`: expected true or false"),
+                        ))
+                    }
+                }
+            }
             "tags" => out.tags.extend(
                 value.split(',').map(str::trim).filter(|t| !t.is_empty()).map(str::to_owned),
             ),
@@ -59,6 +89,7 @@ fn op_query(query: Pairs, allowed: &[&str]) -> std::result::Result<OpQuery, ApiE
                 }
             }
             "mode" => {
+                out.mode_given = true;
                 out.opts.mode = match value.as_str() {
                     "wait" => QuiesceMode::Wait,
                     "abort" => QuiesceMode::Abort,
@@ -98,15 +129,18 @@ async fn control_op(api: Api, action: Action, query: Pairs) -> Response {
     let allowed: &[&str] = match action {
         Action::Sleep => &["tags", "level", "mode", "verify"],
         Action::Wakeup => &["tags", "model"],
-        Action::Update | Action::Revert => &["model", "mode"],
+        Action::Update | Action::Revert => &["model", "mode", "weight_version"],
     };
     let q = match op_query(query, allowed) {
         Ok(q) => q,
         Err(e) => return e.into_response(),
     };
     let run = tokio::task::spawn_blocking(move || match action {
-        Action::Update | Action::Revert => controller
-            .update_weights(&UpdateArgs { model: q.model.unwrap_or_default(), mode: q.opts.mode }),
+        Action::Update | Action::Revert => controller.update_weights(&UpdateArgs {
+            model: q.model.unwrap_or_default(),
+            mode: q.opts.mode,
+            weight_version: q.version,
+        }),
         Action::Wakeup => controller.wakeup(&WakeupArgs { tags: q.tags, model: q.model }),
         Action::Sleep => controller.sleep(&SleepArgs {
             tags: q.tags,
@@ -175,4 +209,66 @@ pub(super) async fn is_sleeping(State(api): State<Api>) -> Response {
             Json(json!({"is_sleeping": asleep})).into_response()
         }
     }
+}
+
+/// `POST /pause?mode=abort|wait|keep` (vLLM's; `wait_for_inflight_requests=true` is `wait`):
+/// generation stops at a step boundary, memory stays, nothing is admitted until `/resume`.
+pub(super) async fn pause(State(api): State<Api>, query: Pairs) -> Response {
+    let Some(controller) = api.0.control.clone() else {
+        return no_control().into_response();
+    };
+    let q = match op_query(query, &["mode", "wait_for_inflight_requests"]) {
+        Ok(q) => q,
+        Err(e) => return e.into_response(),
+    };
+    let args = if q.mode_given { PauseArgs { mode: q.opts.mode } } else { PauseArgs::default() };
+    match tokio::task::spawn_blocking(move || controller.pause(&args)).await {
+        Ok(Ok(changed)) => Json(json!({"paused": true, "changed": changed})).into_response(),
+        Ok(Err(e)) => {
+            let body = json!({"error": {
+                "message": e.message, "type": "server_error", "code": "pause_failed", "param": null,
+            }});
+            (StatusCode::INTERNAL_SERVER_ERROR, Json(body)).into_response()
+        }
+        Err(join) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "pause_failed",
+            format!("the pause did not finish: {join}"),
+        )
+        .into_response(),
+    }
+}
+
+/// `POST /resume`: generation runs again after `/pause`.
+pub(super) async fn resume(State(api): State<Api>, query: Pairs) -> Response {
+    let Some(controller) = api.0.control.clone() else {
+        return no_control().into_response();
+    };
+    if let Err(e) = op_query(query, &[]) {
+        return e.into_response();
+    }
+    match tokio::task::spawn_blocking(move || controller.coordinator().resume()).await {
+        Ok(changed) => Json(json!({"paused": false, "changed": changed})).into_response(),
+        Err(join) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "resume_failed",
+            format!("the resume did not finish: {join}"),
+        )
+        .into_response(),
+    }
+}
+
+/// `GET /is_paused`.
+pub(super) async fn is_paused(State(api): State<Api>) -> Response {
+    match &api.0.control {
+        None => no_control().into_response(),
+        Some(c) => Json(json!({"is_paused": c.coordinator().is_paused()})).into_response(),
+    }
+}
+
+/// `GET /get_weight_version` (SGLang's): the live weights' version.
+pub(super) async fn get_weight_version(State(api): State<Api>) -> Response {
+    Json(json!({"weight_version": &*api.0.bridge.weight_version().get()})).into_response()
 }

@@ -70,6 +70,12 @@ impl RankMemory for Fake {
             })
             .collect())
     }
+    fn prepare_update(&self, _model: &str) -> Result<(), Refusal> {
+        Ok(())
+    }
+    fn update(&self) -> Result<Vec<TagReceipt>, MemoryError> {
+        Ok(vec![TagReceipt { tag: "weights".into(), bytes: MIB, ..Default::default() }])
+    }
     fn probe(&self) -> Probe {
         let awake = 2 - self.asleep.lock().unwrap().len() as u64;
         Probe { resident: 10 * MIB + awake * MIB, ..Probe::default() }
@@ -155,7 +161,10 @@ impl Http {
     ) -> Http {
         let metrics = Metrics::default();
         let (inbox_tx, inbox) = std::sync::mpsc::channel();
-        let bridge = Bridge::new(inbox_tx, metrics.clone());
+        let mut bridge = Bridge::new(inbox_tx, metrics.clone());
+        if let Some(c) = &control {
+            bridge = bridge.with_weight_version(c.weight_version());
+        }
         let api = Api::new(ApiParts {
             bridge: bridge.clone(),
             metrics,
@@ -432,4 +441,117 @@ fn the_api_key_guards_the_sleep_routes() {
         http.call("POST", "/sleep?tags=weights", &["Authorization: Bearer k3y"], "");
     assert_eq!(status, 200, "{body}");
     assert!(world.memory.iter().all(|m| m.asleep.lock().unwrap().contains("weights")));
+}
+
+/// Sends `body` to `path` on a thread; the whole answer (status line, headers, body) comes back
+/// from the join.
+fn post_in_background(addr: &str, path: &str, body: &str) -> std::thread::JoinHandle<String> {
+    let (addr, path, body) = (addr.to_owned(), path.to_owned(), body.to_owned());
+    std::thread::spawn(move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(DEADLINE)).unwrap();
+        let req = format!(
+            "POST {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(req.as_bytes()).unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).expect("an answer within the deadline");
+        raw
+    })
+}
+
+/// `/pause` and `/resume` (vLLM's) and `/is_paused`; the weights' version on every answer,
+/// stamped per token as the engine emits it: a request whose tokens straddle a weight update
+/// (`keep`) names the version of its last token and, per choice, from which token on each
+/// version computed it, whole and streamed.
+#[test]
+fn a_paused_update_versions_the_tokens_after_it() {
+    use serde_json::json;
+    use session::OutputSink;
+    let world = World::new(2);
+    let http = Http::start(Some(world.coordinator.clone()), false, None);
+    assert_eq!(http.json("GET", "/is_paused"), (200, json!({"is_paused": false})));
+    assert_eq!(http.json("GET", "/get_weight_version").1, json!({"weight_version": "0"}));
+    assert_eq!(http.metric("tpctl_paused "), "0");
+
+    let whole =
+        post_in_background(&http.addr, "/v1/completions", r#"{"prompt":[1],"max_tokens":2}"#);
+    let streamed = post_in_background(
+        &http.addr,
+        "/v1/completions",
+        r#"{"prompt":[2],"max_tokens":2,"stream":true}"#,
+    );
+    let mut engine = http.bridge.sink();
+    let ids: Vec<u64> =
+        (0..2).map(|_| http.inbox.recv_timeout(DEADLINE).expect("a request").id).collect();
+    for &id in &ids {
+        engine.token(id, 7, "t7", None).unwrap();
+    }
+    // The trainer's loop: pause keeping the requests, new weights, resume.
+    assert_eq!(
+        http.json("POST", "/pause?mode=keep"),
+        (200, json!({"paused": true, "changed": true}))
+    );
+    assert_eq!(http.json("POST", "/pause").1["changed"], false);
+    assert_eq!(http.json("GET", "/is_paused").1["is_paused"], true);
+    assert_eq!(http.metric("tpctl_paused "), "1");
+    assert_eq!(http.json("GET", "/v1/models").1["data"][0]["paused"], true);
+    let (status, op) = http.json("POST", "/update_weights?model=step-7.gguf&weight_version=step-7");
+    assert_eq!(status, 200, "{op}");
+    assert_eq!(op["weight_version"], "step-7");
+    assert_eq!(http.json("GET", "/is_paused").1["is_paused"], true, "an update keeps the pause");
+    assert_eq!(http.json("POST", "/resume"), (200, json!({"paused": false, "changed": true})));
+    assert_eq!(http.json("GET", "/is_paused").1["is_paused"], false);
+    for &id in &ids {
+        engine.token(id, 8, "t8", None).unwrap();
+        engine.finished(id, session::FinishReason::Length, &[7, 8]).unwrap();
+    }
+
+    let raw = whole.join().unwrap();
+    let body: Value = serde_json::from_str(raw.split_once("\r\n\r\n").unwrap().1).unwrap();
+    assert_eq!(body["weight_version"], "step-7", "{body}");
+    assert_eq!(body["system_fingerprint"], "step-7", "{body}");
+    let changes = json!([
+        {"from_token": 0, "weight_version": "0"},
+        {"from_token": 1, "weight_version": "step-7"},
+    ]);
+    assert_eq!(body["choices"][0]["weight_versions"], changes, "{body}");
+
+    let raw = streamed.join().unwrap();
+    let chunks: Vec<Value> = raw
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let versions: Vec<(String, String)> = chunks
+        .iter()
+        .filter_map(|c| {
+            let id = c["choices"][0]["token_ids"][0].as_u64()?;
+            Some((id.to_string(), c["weight_version"].as_str()?.to_owned()))
+        })
+        .collect();
+    let expect = [("7", "0"), ("8", "step-7")].map(|(a, b)| (a.to_owned(), b.to_owned()));
+    assert_eq!(versions, expect, "{raw}");
+    assert!(chunks.iter().all(|c| c["system_fingerprint"] == c["weight_version"]), "{raw}");
+
+    assert_eq!(http.json("GET", "/get_weight_version").1["weight_version"], "step-7");
+    assert_eq!(http.metric("tpctl_weight_version_info{weight_version=\"step-7\"} "), "1");
+    // Without a version, an update takes the count of updates.
+    assert_eq!(http.json("POST", "/update_weights?model=b.gguf").1["weight_version"], "2");
+    for (path, expect) in [
+        ("/pause?mode=later", "mode `later`"),
+        (
+            "/pause?tags=weights",
+            "unknown query parameter `tags` (this route takes mode, wait_for_inflight_requests)",
+        ),
+        ("/resume?mode=keep", "unknown query parameter `mode`"),
+        ("/update_weights?model=c.gguf&weight_version=", "weight_version ``: give 1 to 128"),
+    ] {
+        let (status, v) = http.json("POST", path);
+        assert_eq!(status, 400, "{path}: {v}");
+        assert!(message(&v).contains(expect), "{path}: {v}");
+    }
+    assert_eq!(http.json("GET", "/get_weight_version").1["weight_version"], "2");
 }
