@@ -288,6 +288,10 @@ pub struct OpWire {
     /// A weight update's: the version the weights have now.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight_version: Option<String>,
+    /// A weight update's: the KV caches and the prefix cache held the old weights' keys and
+    /// values, so they were dropped (running requests are computed again).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub kv_cache_dropped: bool,
 }
 
 impl From<&OpReceipt> for OpWire {
@@ -300,6 +304,7 @@ impl From<&OpReceipt> for OpWire {
             elapsed_us: r.elapsed.as_micros() as u64,
             ranks: r.ranks.clone(),
             weight_version: r.weight_version.clone(),
+            kv_cache_dropped: r.action == Action::Update && r.op_id != 0,
         }
     }
 }

@@ -2118,6 +2118,39 @@ fn the_prefix_cache_survives_a_backup_sleep_and_a_discard_empties_it() {
     }
 }
 
+/// The prefix cache outlives what leaves the KV cache valid: a level-1 sleep of the weights
+/// alone, and a pause; a weight update drops it (its blocks hold the old weights' keys and
+/// values), and its receipt says so.
+#[test]
+fn the_prefix_cache_survives_a_weights_sleep_and_a_pause_but_not_an_update() {
+    let prompt: Vec<u32> = (0..40u32).map(|i| i * 7 % 40 + 2).collect();
+    let body = json!({"prompt": prompt, "max_tokens": 4, "temperature": 0});
+    let rt = runtime_dir("pfx-weights");
+    let env = [("XDG_RUNTIME_DIR", rt.as_str())];
+    let server = Server::start_with(model(), &["--deployment", "pfx-weights"], &env);
+    let hits = |server: &Server| {
+        let reply = server.post("/v1/completions", &body);
+        assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
+        metric(&server.get("/metrics").body, "vllm:prefix_cache_hits_total")
+    };
+    assert_eq!(hits(&server), 0.0);
+    let (code, reply, err) = control(&rt, &["sleep", "--tags", "weights", "--level", "1"]);
+    assert_eq!(code, 0, "{err}\n{reply}");
+    let (code, _, err) = control(&rt, &["wakeup"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(hits(&server), 32.0, "the two full blocks, after the weights slept");
+    let (code, _, err) = control(&rt, &["pause", "--mode", "wait"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = control(&rt, &["resume"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(hits(&server), 64.0, "again after a pause");
+    let (code, reply, err) = control(&rt, &["reload", "--model", model()]);
+    assert_eq!(code, 0, "{err}\n{reply}");
+    assert_eq!(reply["op"]["kv_cache_dropped"], true, "{reply}");
+    assert_eq!(hits(&server), 64.0, "none after a weight update");
+    assert_eq!(server.interrupt().code(), Some(130));
+}
+
 /// A model whose greedy answer to any prompt is "Let me check. " and one Hermes-format tool
 /// call, token by token, then its end token (a lookup table, see `common::lookup_model`).
 fn tool_model() -> &'static str {

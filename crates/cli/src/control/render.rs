@@ -139,6 +139,12 @@ pub fn receipt(op: &OpWire) -> String {
     if let Some(version) = &op.weight_version {
         out.push_str(&format!("weight version: {version}\n"));
     }
+    if op.kv_cache_dropped {
+        out.push_str(
+            "the KV caches and the prefix cache held the old weights' values: dropped (running \
+             requests are computed again)\n",
+        );
+    }
     out
 }
 

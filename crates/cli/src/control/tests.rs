@@ -67,6 +67,7 @@ fn a_receipt_has_a_row_per_rank_and_tag_and_a_total() {
             rank(1, vec![(3, 10 << 30)], &[("weights", 1 << 30), ("kv_cache", 1 << 30)]),
         ],
         weight_version: None,
+        kv_cache_dropped: false,
     };
     let text = receipt(&op);
     let lines: Vec<&str> = text.lines().collect();
