@@ -93,9 +93,12 @@ impl SafetensorsFile {
                 Some("F32") => StDType::F32,
                 Some("F16") => StDType::F16,
                 Some("BF16") => StDType::BF16,
-                other => {
-                    return Err(bad(&format!("unsupported dtype {other:?} (F32, F16, BF16 are)")))
+                Some(other) => {
+                    return Err(bad(&format!(
+                        "dtype {other} is not one tpctl reads (F32, F16 and BF16 are)"
+                    )))
                 }
+                None => return Err(bad("missing or bad dtype")),
             };
             let shape: Vec<usize> = v
                 .get("shape")
@@ -156,33 +159,54 @@ impl SafetensorsFile {
     }
 }
 
+/// Whole-model tensors: (GGUF name, Hugging Face name).
+const MODEL_NAMES: [(&str, &str); 3] = [
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+];
+
+/// Tensors of a block, after `blk.N.` and `model.layers.N.`: (GGUF name, Hugging Face name).
+const LAYER_NAMES: [(&str, &str); 12] = [
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("attn_q.weight", "self_attn.q_proj.weight"),
+    ("attn_k.weight", "self_attn.k_proj.weight"),
+    ("attn_v.weight", "self_attn.v_proj.weight"),
+    ("attn_q.bias", "self_attn.q_proj.bias"),
+    ("attn_k.bias", "self_attn.k_proj.bias"),
+    ("attn_v.bias", "self_attn.v_proj.bias"),
+    ("attn_output.weight", "self_attn.o_proj.weight"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    ("ffn_up.weight", "mlp.up_proj.weight"),
+    ("ffn_down.weight", "mlp.down_proj.weight"),
+];
+
+/// Maps a name through one of the tables: `from` picks the side it is on, the other side is
+/// returned; block tensors keep their layer number under the other prefix.
+fn map_name(
+    name: &str,
+    (from_prefix, to_prefix): (&str, &str),
+    side: impl Fn(&(&'static str, &'static str)) -> (&'static str, &'static str),
+) -> Option<String> {
+    if let Some((_, to)) = MODEL_NAMES.iter().map(&side).find(|(from, _)| *from == name) {
+        return Some(to.to_owned());
+    }
+    let (layer, tail) = name.strip_prefix(from_prefix)?.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (_, to) = LAYER_NAMES.iter().map(&side).find(|(from, _)| *from == tail)?;
+    Some(format!("{to_prefix}{layer}.{to}"))
+}
+
 /// Maps a GGUF llama tensor name to its Hugging Face name.
 pub fn hf_name(gguf: &str) -> Option<String> {
-    match gguf {
-        "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
-        "output_norm.weight" => return Some("model.norm.weight".into()),
-        "output.weight" => return Some("lm_head.weight".into()),
-        _ => {}
-    }
-    let rest = gguf.strip_prefix("blk.")?;
-    let (layer, tail) = rest.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
-    let hf = match tail {
-        "attn_norm.weight" => "input_layernorm.weight",
-        "attn_q.weight" => "self_attn.q_proj.weight",
-        "attn_k.weight" => "self_attn.k_proj.weight",
-        "attn_v.weight" => "self_attn.v_proj.weight",
-        "attn_q.bias" => "self_attn.q_proj.bias",
-        "attn_k.bias" => "self_attn.k_proj.bias",
-        "attn_v.bias" => "self_attn.v_proj.bias",
-        "attn_output.weight" => "self_attn.o_proj.weight",
-        "ffn_norm.weight" => "post_attention_layernorm.weight",
-        "ffn_gate.weight" => "mlp.gate_proj.weight",
-        "ffn_up.weight" => "mlp.up_proj.weight",
-        "ffn_down.weight" => "mlp.down_proj.weight",
-        _ => return None,
-    };
-    Some(format!("model.layers.{layer}.{hf}"))
+    map_name(gguf, ("blk.", "model.layers."), |&(g, h)| (g, h))
+}
+
+/// Maps a Hugging Face tensor name to the GGUF llama name the model asks for: the inverse of
+/// [`hf_name`] (Phi-3's fused `qkv_proj` and `gate_up_proj` have no single llama name).
+pub fn gguf_name(hf: &str) -> Option<String> {
+    map_name(hf, ("model.layers.", "blk."), |&(g, h)| (h, g))
 }
 
 /// A Hugging Face checkpoint folder: `config.json` and one or more `.safetensors` files.
