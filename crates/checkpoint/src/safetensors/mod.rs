@@ -50,6 +50,35 @@ struct StInfo {
     bytes: Range<usize>,
 }
 
+/// A safetensors header's entries in file order, a name given twice kept twice (parsed as a
+/// JSON map, the second would silently replace the first).
+struct HeaderEntries(Vec<(String, serde_json::Value)>);
+
+impl<'de> serde::Deserialize<'de> for HeaderEntries {
+    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
+        struct Entries;
+        impl<'de> serde::de::Visitor<'de> for Entries {
+            type Value = HeaderEntries;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a json object")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(entry) = map.next_entry()? {
+                    entries.push(entry);
+                }
+                Ok(HeaderEntries(entries))
+            }
+        }
+        de.deserialize_map(Entries)
+    }
+}
+
 /// One memory-mapped `.safetensors` file.
 #[derive(Debug)]
 pub struct SafetensorsFile {
@@ -79,12 +108,11 @@ impl SafetensorsFile {
         if n > map.len() - 8 {
             return Err(err(0, format!("header of {n} bytes is larger than the file")));
         }
-        let header: serde_json::Value = serde_json::from_slice(&map[8..8 + n])
-            .map_err(|e| err(8, format!("header is not json: {e}")))?;
-        let obj = header.as_object().ok_or_else(|| err(8, "header is not a json object".into()))?;
+        let HeaderEntries(entries) = serde_json::from_slice(&map[8..8 + n])
+            .map_err(|e| err(8, format!("header is not a json object: {e}")))?;
         let base = 8 + n;
         let mut tensors = BTreeMap::new();
-        for (name, v) in obj {
+        for (name, v) in &entries {
             if name == "__metadata__" {
                 continue;
             }
@@ -122,7 +150,9 @@ impl SafetensorsFile {
                     map.len()
                 )));
             }
-            tensors.insert(name.clone(), StInfo { dtype, shape, bytes: start..end });
+            if tensors.insert(name.clone(), StInfo { dtype, shape, bytes: start..end }).is_some() {
+                return Err(bad("appears twice in the header"));
+            }
         }
         Ok(SafetensorsFile { path, map, tensors })
     }

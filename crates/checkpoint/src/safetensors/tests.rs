@@ -34,6 +34,19 @@ fn malformed_files_and_missing_keys_are_named() {
         "{err}"
     );
 
+    let header = br#"{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},
+        "w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header);
+    bytes.extend([0; 8]);
+    std::fs::write(&p, &bytes).unwrap();
+    let err = SafetensorsFile::open(&p).unwrap_err().to_string();
+    assert!(err.ends_with("at offset 8: tensor `w`: appears twice in the header"), "{err}");
+
+    std::fs::write(&p, [&8u64.to_le_bytes()[..], b"[1, 2]  "].concat()).unwrap();
+    let err = SafetensorsFile::open(&p).unwrap_err().to_string();
+    assert!(err.contains("at offset 8: header is not a json object"), "{err}");
+
     let header = br#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#;
     let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
     bytes.extend(header);
