@@ -162,6 +162,19 @@ impl SafetensorsFile {
         self.tensors.keys().map(String::as_str)
     }
 
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The shape of tensor `name`, outermost first.
+    ///
+    /// # Errors
+    /// [`Error::Tensor`] when the file has no such tensor.
+    pub fn shape(&self, name: &str) -> Result<&[usize]> {
+        Ok(&self.info(name)?.shape)
+    }
+
     fn info(&self, name: &str) -> Result<&StInfo> {
         self.tensors
             .get(name)
@@ -169,7 +182,7 @@ impl SafetensorsFile {
     }
 
     /// Elements `range` (flat, row-major) of tensor `name`, as f32.
-    fn elements(&self, name: &str, range: Range<usize>) -> Result<Vec<f32>> {
+    pub(crate) fn elements(&self, name: &str, range: Range<usize>) -> Result<Vec<f32>> {
         let info = self.info(name)?;
         let sz = info.dtype.size();
         let bytes =
