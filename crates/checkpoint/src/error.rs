@@ -45,6 +45,14 @@ pub enum Error {
         /// What is wrong.
         message: String,
     },
+    /// A bucket of a weight update does not fit the model it updates.
+    #[error("bucket {path}: {message}")]
+    Bucket {
+        /// The bucket's file.
+        path: PathBuf,
+        /// What is wrong, naming the tensor.
+        message: String,
+    },
     /// A metadata key is missing or has the wrong type.
     #[error("metadata key `{key}`: {message}")]
     Metadata {

@@ -8,7 +8,8 @@
 //!
 //! Layout: [`source`] (`WeightSource` and the `Shard` a rank reads), [`gguf`] (reader, writer,
 //! k-quants, GGUF as a `WeightSource`), [`safetensors`] (safetensors files and Hugging Face
-//! folders), [`fused`] (Phi-3's fused projections seen under llama names), [`config`],
+//! folders), [`fused`] (Phi-3's fused projections seen under llama names), [`overlay`] (weight
+//! updates in buckets over a loaded checkpoint), [`config`],
 //! [`generation`], [`cache`] (where tpctl keeps models).
 //!
 //! Every loader brings weights to the Hugging Face layout: GGUF llama files store Q/K rows
@@ -27,6 +28,7 @@ pub mod fused;
 pub mod generation;
 pub mod gguf;
 mod mmap;
+pub mod overlay;
 pub mod safetensors;
 pub mod source;
 #[cfg(test)]
@@ -36,4 +38,5 @@ pub use config::{Activation, LlamaConfig};
 pub use error::{Error, Result};
 pub use format::{Checkpoint, Format};
 pub use generation::GenerationConfig;
+pub use overlay::{Bucket, Overlay};
 pub use source::{Shard, WeightSource};

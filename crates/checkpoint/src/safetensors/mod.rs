@@ -50,6 +50,35 @@ struct StInfo {
     bytes: Range<usize>,
 }
 
+/// A safetensors header's entries in file order, a name given twice kept twice (parsed as a
+/// JSON map, the second would silently replace the first).
+struct HeaderEntries(Vec<(String, serde_json::Value)>);
+
+impl<'de> serde::Deserialize<'de> for HeaderEntries {
+    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
+        struct Entries;
+        impl<'de> serde::de::Visitor<'de> for Entries {
+            type Value = HeaderEntries;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a json object")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(entry) = map.next_entry()? {
+                    entries.push(entry);
+                }
+                Ok(HeaderEntries(entries))
+            }
+        }
+        de.deserialize_map(Entries)
+    }
+}
+
 /// One memory-mapped `.safetensors` file.
 #[derive(Debug)]
 pub struct SafetensorsFile {
@@ -79,12 +108,11 @@ impl SafetensorsFile {
         if n > map.len() - 8 {
             return Err(err(0, format!("header of {n} bytes is larger than the file")));
         }
-        let header: serde_json::Value = serde_json::from_slice(&map[8..8 + n])
-            .map_err(|e| err(8, format!("header is not json: {e}")))?;
-        let obj = header.as_object().ok_or_else(|| err(8, "header is not a json object".into()))?;
+        let HeaderEntries(entries) = serde_json::from_slice(&map[8..8 + n])
+            .map_err(|e| err(8, format!("header is not a json object: {e}")))?;
         let base = 8 + n;
         let mut tensors = BTreeMap::new();
-        for (name, v) in obj {
+        for (name, v) in &entries {
             if name == "__metadata__" {
                 continue;
             }
@@ -93,9 +121,12 @@ impl SafetensorsFile {
                 Some("F32") => StDType::F32,
                 Some("F16") => StDType::F16,
                 Some("BF16") => StDType::BF16,
-                other => {
-                    return Err(bad(&format!("unsupported dtype {other:?} (F32, F16, BF16 are)")))
+                Some(other) => {
+                    return Err(bad(&format!(
+                        "dtype {other} is not one tpctl reads (F32, F16 and BF16 are)"
+                    )))
                 }
+                None => return Err(bad("missing or bad dtype")),
             };
             let shape: Vec<usize> = v
                 .get("shape")
@@ -119,7 +150,9 @@ impl SafetensorsFile {
                     map.len()
                 )));
             }
-            tensors.insert(name.clone(), StInfo { dtype, shape, bytes: start..end });
+            if tensors.insert(name.clone(), StInfo { dtype, shape, bytes: start..end }).is_some() {
+                return Err(bad("appears twice in the header"));
+            }
         }
         Ok(SafetensorsFile { path, map, tensors })
     }
@@ -129,6 +162,19 @@ impl SafetensorsFile {
         self.tensors.keys().map(String::as_str)
     }
 
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The shape of tensor `name`, outermost first.
+    ///
+    /// # Errors
+    /// [`Error::Tensor`] when the file has no such tensor.
+    pub fn shape(&self, name: &str) -> Result<&[usize]> {
+        Ok(&self.info(name)?.shape)
+    }
+
     fn info(&self, name: &str) -> Result<&StInfo> {
         self.tensors
             .get(name)
@@ -136,7 +182,7 @@ impl SafetensorsFile {
     }
 
     /// Elements `range` (flat, row-major) of tensor `name`, as f32.
-    fn elements(&self, name: &str, range: Range<usize>) -> Result<Vec<f32>> {
+    pub(crate) fn elements(&self, name: &str, range: Range<usize>) -> Result<Vec<f32>> {
         let info = self.info(name)?;
         let sz = info.dtype.size();
         let bytes =
@@ -156,33 +202,54 @@ impl SafetensorsFile {
     }
 }
 
+/// Whole-model tensors: (GGUF name, Hugging Face name).
+const MODEL_NAMES: [(&str, &str); 3] = [
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output_norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+];
+
+/// Tensors of a block, after `blk.N.` and `model.layers.N.`: (GGUF name, Hugging Face name).
+const LAYER_NAMES: [(&str, &str); 12] = [
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("attn_q.weight", "self_attn.q_proj.weight"),
+    ("attn_k.weight", "self_attn.k_proj.weight"),
+    ("attn_v.weight", "self_attn.v_proj.weight"),
+    ("attn_q.bias", "self_attn.q_proj.bias"),
+    ("attn_k.bias", "self_attn.k_proj.bias"),
+    ("attn_v.bias", "self_attn.v_proj.bias"),
+    ("attn_output.weight", "self_attn.o_proj.weight"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    ("ffn_up.weight", "mlp.up_proj.weight"),
+    ("ffn_down.weight", "mlp.down_proj.weight"),
+];
+
+/// Maps a name through one of the tables: `from` picks the side it is on, the other side is
+/// returned; block tensors keep their layer number under the other prefix.
+fn map_name(
+    name: &str,
+    (from_prefix, to_prefix): (&str, &str),
+    side: impl Fn(&(&'static str, &'static str)) -> (&'static str, &'static str),
+) -> Option<String> {
+    if let Some((_, to)) = MODEL_NAMES.iter().map(&side).find(|(from, _)| *from == name) {
+        return Some(to.to_owned());
+    }
+    let (layer, tail) = name.strip_prefix(from_prefix)?.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (_, to) = LAYER_NAMES.iter().map(&side).find(|(from, _)| *from == tail)?;
+    Some(format!("{to_prefix}{layer}.{to}"))
+}
+
 /// Maps a GGUF llama tensor name to its Hugging Face name.
 pub fn hf_name(gguf: &str) -> Option<String> {
-    match gguf {
-        "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
-        "output_norm.weight" => return Some("model.norm.weight".into()),
-        "output.weight" => return Some("lm_head.weight".into()),
-        _ => {}
-    }
-    let rest = gguf.strip_prefix("blk.")?;
-    let (layer, tail) = rest.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
-    let hf = match tail {
-        "attn_norm.weight" => "input_layernorm.weight",
-        "attn_q.weight" => "self_attn.q_proj.weight",
-        "attn_k.weight" => "self_attn.k_proj.weight",
-        "attn_v.weight" => "self_attn.v_proj.weight",
-        "attn_q.bias" => "self_attn.q_proj.bias",
-        "attn_k.bias" => "self_attn.k_proj.bias",
-        "attn_v.bias" => "self_attn.v_proj.bias",
-        "attn_output.weight" => "self_attn.o_proj.weight",
-        "ffn_norm.weight" => "post_attention_layernorm.weight",
-        "ffn_gate.weight" => "mlp.gate_proj.weight",
-        "ffn_up.weight" => "mlp.up_proj.weight",
-        "ffn_down.weight" => "mlp.down_proj.weight",
-        _ => return None,
-    };
-    Some(format!("model.layers.{layer}.{hf}"))
+    map_name(gguf, ("blk.", "model.layers."), |&(g, h)| (g, h))
+}
+
+/// Maps a Hugging Face tensor name to the GGUF llama name the model asks for: the inverse of
+/// [`hf_name`] (Phi-3's fused `qkv_proj` and `gate_up_proj` have no single llama name).
+pub fn gguf_name(hf: &str) -> Option<String> {
+    map_name(hf, ("model.layers.", "blk."), |&(g, h)| (h, g))
 }
 
 /// A Hugging Face checkpoint folder: `config.json` and one or more `.safetensors` files.

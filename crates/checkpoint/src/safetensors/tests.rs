@@ -29,7 +29,23 @@ fn malformed_files_and_missing_keys_are_named() {
     bytes.extend([0; 8]);
     std::fs::write(&p, &bytes).unwrap();
     let err = SafetensorsFile::open(&p).unwrap_err().to_string();
-    assert!(err.contains("tensor `w`: unsupported dtype Some(\"I64\")"), "{err}");
+    assert!(
+        err.contains("tensor `w`: dtype I64 is not one tpctl reads (F32, F16 and BF16 are)"),
+        "{err}"
+    );
+
+    let header = br#"{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},
+        "w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header);
+    bytes.extend([0; 8]);
+    std::fs::write(&p, &bytes).unwrap();
+    let err = SafetensorsFile::open(&p).unwrap_err().to_string();
+    assert!(err.ends_with("at offset 8: tensor `w`: appears twice in the header"), "{err}");
+
+    std::fs::write(&p, [&8u64.to_le_bytes()[..], b"[1, 2]  "].concat()).unwrap();
+    let err = SafetensorsFile::open(&p).unwrap_err().to_string();
+    assert!(err.contains("at offset 8: header is not a json object"), "{err}");
 
     let header = br#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#;
     let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
@@ -61,4 +77,36 @@ fn malformed_files_and_missing_keys_are_named() {
     );
     assert_eq!(ck.rows("output_norm.weight", 0..1).unwrap(), vec![1.0, 1.0]);
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn every_llama_name_maps_to_its_hugging_face_name_and_back() {
+    let mut names = vec!["token_embd.weight", "output_norm.weight", "output.weight"]
+        .into_iter()
+        .map(String::from)
+        .collect::<Vec<_>>();
+    for tail in ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm"] {
+        names.push(format!("blk.11.{tail}.weight"));
+    }
+    for tail in ["ffn_gate", "ffn_up", "ffn_down"] {
+        names.push(format!("blk.0.{tail}.weight"));
+    }
+    for tail in ["attn_q", "attn_k", "attn_v"] {
+        names.push(format!("blk.3.{tail}.bias"));
+    }
+    for gguf in &names {
+        let hf = hf_name(gguf).unwrap_or_else(|| panic!("{gguf} has no Hugging Face name"));
+        assert_eq!(gguf_name(&hf).as_deref(), Some(gguf.as_str()), "{gguf} -> {hf}");
+    }
+    assert_eq!(hf_name("blk.11.attn_q.weight").unwrap(), "model.layers.11.self_attn.q_proj.weight");
+    assert_eq!(gguf_name("lm_head.weight").unwrap(), "output.weight");
+    for unknown in [
+        "model.layers.0.self_attn.qkv_proj.weight",
+        "model.layers.x.mlp.up_proj.weight",
+        "model.layers.0.mlp.up_proj",
+        "blk.0.attn_q.weight",
+        "lm_head.bias",
+    ] {
+        assert_eq!(gguf_name(unknown), None, "{unknown}");
+    }
 }
