@@ -50,6 +50,12 @@
 //!   with their KV cache; nothing is admitted until `resume`. Sleeps, wakeups and weight
 //!   updates run while paused and leave it paused.
 //! - `resume`: generation runs again (asleep: at the wakeup).
+//! - `start_weight_update {weight_version}`, `weight_bucket {path}` (any number),
+//!   `finish_weight_update {weight_version, mode}`, `abort_weight_update`: an update from
+//!   memory ([`staging`]): each bucket is a safetensors file of named tensors (Hugging Face or
+//!   GGUF names, the model's shapes, f32/f16/bf16) that rank 0 checks and keeps when it
+//!   arrives; the finish lays every bucket over the live weights on every rank in one
+//!   two-phase update, as `update_weights` does with a checkpoint.
 //! - `status`: the deployment's state, whether it is paused, the weights' version, and each
 //!   rank's asleep tags and memory probe.
 //! - `stop`: answers, then stops the deployment (as Ctrl-C on the launcher would).
@@ -66,6 +72,7 @@ pub mod client;
 pub mod paths;
 pub mod render;
 mod server;
+pub mod staging;
 
 pub use server::Server;
 
@@ -95,6 +102,14 @@ pub enum Request {
     Wakeup(WakeupArgs),
     /// Replaces the weights on every rank.
     UpdateWeights(UpdateArgs),
+    /// Opens an update from memory.
+    StartWeightUpdate(StartUpdateArgs),
+    /// Adds a bucket of tensors to the open update.
+    WeightBucket(BucketArgs),
+    /// Commits the open update on every rank.
+    FinishWeightUpdate(FinishUpdateArgs),
+    /// Drops the open update.
+    AbortWeightUpdate,
     /// Pauses generation, memory kept.
     Pause(PauseArgs),
     /// Resumes generation after a pause.
@@ -150,6 +165,35 @@ pub struct UpdateArgs {
     pub weight_version: Option<String>,
 }
 
+/// The options of a `start_weight_update`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StartUpdateArgs {
+    /// The version the new weights take (the finish may name another).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_version: Option<String>,
+}
+
+/// The options of a `weight_bucket`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BucketArgs {
+    /// A safetensors file of named tensors, as rank 0 sees it (e.g. in `/dev/shm`).
+    pub path: String,
+}
+
+/// The options of a `finish_weight_update`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FinishUpdateArgs {
+    /// The version the new weights take (default: the start's, else the count of updates).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_version: Option<String>,
+    /// What running requests do while the weights are replaced.
+    #[serde(default)]
+    pub mode: QuiesceMode,
+}
+
 /// The options of a `pause`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -190,8 +234,19 @@ pub fn check_version(version: &str) -> Result<(), String> {
 }
 
 /// The methods a request line may name.
-const METHODS: [&str; 7] =
-    ["sleep", "wakeup", "update_weights", "pause", "resume", "status", "stop"];
+const METHODS: [&str; 11] = [
+    "sleep",
+    "wakeup",
+    "update_weights",
+    "start_weight_update",
+    "weight_bucket",
+    "finish_weight_update",
+    "abort_weight_update",
+    "pause",
+    "resume",
+    "status",
+    "stop",
+];
 
 impl Request {
     /// The request's method, as the wire names it.
@@ -200,6 +255,10 @@ impl Request {
             Request::Sleep(_) => "sleep",
             Request::Wakeup(_) => "wakeup",
             Request::UpdateWeights(_) => "update_weights",
+            Request::StartWeightUpdate(_) => "start_weight_update",
+            Request::WeightBucket(_) => "weight_bucket",
+            Request::FinishWeightUpdate(_) => "finish_weight_update",
+            Request::AbortWeightUpdate => "abort_weight_update",
             Request::Pause(_) => "pause",
             Request::Resume => "resume",
             Request::Status => "status",
@@ -249,6 +308,9 @@ pub struct Reply {
     /// The answer to a pause or a resume.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub paused: Option<PausedWire>,
+    /// The answer to a start, a bucket or an abort of an update from memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staged: Option<StagedWire>,
     /// Why the request failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ErrorWire>,
@@ -268,6 +330,18 @@ pub struct PausedWire {
     pub paused: bool,
     /// The call paused (or resumed) it; `false`: it already was.
     pub changed: bool,
+}
+
+/// An update from memory between its start and its finish.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StagedWire {
+    /// Whether an update is open.
+    pub open: bool,
+    /// Its buckets so far (an abort: the buckets it dropped).
+    pub buckets: usize,
+    /// The model's tensors the latest bucket updates.
+    #[serde(default)]
+    pub tensors: usize,
 }
 
 /// [`OpReceipt`] on the wire.
@@ -478,12 +552,34 @@ pub struct Controller {
     journal: Journal,
     /// The live model's shapes, which a weight update must match.
     live: Option<Arc<checkpoint::LlamaConfig>>,
+    /// The checkpoint the deployment started with (live until a weight update).
+    started_from: Option<Arc<str>>,
+    /// The update from memory being pushed, and the buckets the live weights read.
+    staging: staging::Staging,
 }
 
 impl Controller {
     /// The handle of `coordinator`'s deployment, with an empty journal.
     pub fn new(coordinator: Arc<Coordinator>) -> Controller {
-        Controller { coordinator, journal: Journal::default(), live: None }
+        Controller {
+            coordinator,
+            journal: Journal::default(),
+            live: None,
+            started_from: None,
+            staging: staging::Staging::default(),
+        }
+    }
+
+    /// Names the checkpoint the deployment started with, which updates from memory lay their
+    /// buckets over until a weight update replaces it.
+    pub fn with_checkpoint(mut self, model: &str) -> Controller {
+        self.started_from = Some(Arc::from(model));
+        self
+    }
+
+    /// The live checkpoint (the latest update's, else the one the deployment started with).
+    fn live_checkpoint(&self) -> Option<String> {
+        self.coordinator.checkpoint().or_else(|| self.started_from.as_deref().map(str::to_owned))
     }
 
     /// Checks every weight update against `config` (the live model's) on rank 0 first, so a
@@ -511,10 +607,18 @@ impl Controller {
             Ok(op) => Reply { ok: true, op: Some(op), ..Reply::default() },
             Err(e) => Reply { ok: false, error: Some(e), ..Reply::default() },
         };
+        let staged = |s: Result<StagedWire, ErrorWire>| match s {
+            Ok(s) => Reply { ok: true, staged: Some(s), ..Reply::default() },
+            Err(e) => Reply { ok: false, error: Some(e), ..Reply::default() },
+        };
         match request {
             Request::Sleep(args) => answer(self.sleep(args)),
             Request::Wakeup(args) => answer(self.wakeup(args)),
             Request::UpdateWeights(args) => answer(self.update_weights(args)),
+            Request::StartWeightUpdate(args) => staged(self.start_weight_update(args)),
+            Request::WeightBucket(args) => staged(self.weight_bucket(args)),
+            Request::FinishWeightUpdate(args) => answer(self.finish_weight_update(args)),
+            Request::AbortWeightUpdate => staged(self.abort_weight_update()),
             Request::Pause(args) => match self.pause(args) {
                 Ok(changed) => Reply {
                     ok: true,
@@ -612,7 +716,93 @@ impl Controller {
         let update = WeightUpdate::from_checkpoint(args.model.clone())
             .versioned(args.weight_version.clone());
         let result = self.coordinator.update_weights(&update, opts);
+        self.staging.settle(&[], result.is_ok(), &self.coordinator.live_tensors());
         record(&self.journal, Action::Update, result)
+    }
+
+    /// Opens an update from memory (see [`staging`]).
+    ///
+    /// # Errors
+    /// An update is open already, or the version is malformed (client errors).
+    pub fn start_weight_update(&self, args: &StartUpdateArgs) -> Result<StagedWire, ErrorWire> {
+        if let Some(version) = &args.weight_version {
+            check_version(version).map_err(ErrorWire::client)?;
+        }
+        if self.live_checkpoint().is_none() {
+            return Err(ErrorWire::client("this deployment cannot take updates from memory"));
+        }
+        self.staging
+            .start(args.weight_version.clone())
+            .map_err(|e| ErrorWire::client(e.to_string()))?;
+        Ok(StagedWire { open: true, buckets: 0, tensors: 0 })
+    }
+
+    /// Checks the bucket at `args.path` against the live model and keeps it for the open
+    /// update.
+    ///
+    /// # Errors
+    /// No update is open, or the bucket does not fit the model (client errors naming the file
+    /// and the tensor).
+    pub fn weight_bucket(&self, args: &BucketArgs) -> Result<StagedWire, ErrorWire> {
+        if !self.staging.is_open() {
+            return Err(ErrorWire::client(staging::StagingError::NotOpen.to_string()));
+        }
+        let model = self.live_checkpoint().unwrap_or_default();
+        let refuse = |why: String| ErrorWire::client(format!("weight_bucket: {why}"));
+        let ck = checkpoint::Checkpoint::open(&model)
+            .map_err(|e| refuse(format!("opening the live checkpoint {model}: {e}")))?;
+        let config = ck.config().map_err(|e| refuse(e.to_string()))?;
+        let base = ck.weights(&config);
+        let bucket = checkpoint::Bucket::open(&args.path, &config, &*base)
+            .map_err(|e| refuse(e.to_string()))?;
+        let tensors = bucket.names().count();
+        drop(bucket);
+        let buckets = self
+            .staging
+            .add(std::path::Path::new(&args.path))
+            .map_err(|e| ErrorWire::client(e.to_string()))?;
+        Ok(StagedWire { open: true, buckets, tensors })
+    }
+
+    /// Commits the open update on every rank: its buckets laid over the live weights (and
+    /// over the buckets of the updates from memory before it), two-phase as
+    /// [`Controller::update_weights`].
+    ///
+    /// # Errors
+    /// No update is open or it has no bucket (client errors; the open update stays), or the
+    /// operation's error (the update is then closed, the old weights live).
+    pub fn finish_weight_update(&self, args: &FinishUpdateArgs) -> Result<OpWire, ErrorWire> {
+        if let Some(version) = &args.weight_version {
+            check_version(version).map_err(ErrorWire::client)?;
+        }
+        let (buckets, started_version) =
+            self.staging.take().map_err(|e| ErrorWire::client(e.to_string()))?;
+        if buckets.is_empty() {
+            self.staging.settle(&buckets, false, &[]);
+            return Err(ErrorWire::client(
+                "finish_weight_update: the update has no bucket (it is closed; start again)",
+            ));
+        }
+        let mut tensors = self.coordinator.live_tensors();
+        tensors.extend(buckets.iter().map(|p| p.display().to_string()));
+        let update = WeightUpdate {
+            model: self.live_checkpoint().unwrap_or_default(),
+            tensors,
+            version: args.weight_version.clone().or(started_version),
+        };
+        let opts = OpOptions { mode: args.mode, ..OpOptions::default() };
+        let result = self.coordinator.update_weights(&update, opts);
+        self.staging.settle(&buckets, result.is_ok(), &self.coordinator.live_tensors());
+        record(&self.journal, Action::Update, result)
+    }
+
+    /// Drops the open update and its buckets; nothing changed anywhere.
+    ///
+    /// # Errors
+    /// No update is open (a client error).
+    pub fn abort_weight_update(&self) -> Result<StagedWire, ErrorWire> {
+        let buckets = self.staging.abort().map_err(|e| ErrorWire::client(e.to_string()))?;
+        Ok(StagedWire { open: false, buckets, tensors: 0 })
     }
 
     /// Pauses generation on the deployment (see [`Coordinator::pause`]); whether it was

@@ -94,6 +94,11 @@ enum Command {
     /// The new weights get the version `--weight-version` (default: the count of updates),
     /// which every answer carries from then on (`weight_version`, `system_fingerprint`).
     ///
+    /// `--tensors FILE` (repeatable) updates from memory instead: safetensors files of named
+    /// tensors (Hugging Face or GGUF names, the model's shapes, f32/f16/bf16; e.g. what a
+    /// trainer wrote to /dev/shm) laid over the live weights, all committed at once (the
+    /// control socket's start_weight_update, weight_bucket per file, finish_weight_update).
+    ///
     /// Example: tpctl reload --deployment chat --model /ckpt/step-2000.gguf --weight-version 2000
     Reload(ReloadArgs),
     /// Pause generation without releasing memory (vLLM's `/pause`), e.g. while an RL trainer
@@ -345,10 +350,15 @@ struct SleepArgs {
 }
 
 #[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["model", "tensors"])))]
 struct ReloadArgs {
     /// The checkpoint to load: a GGUF file or a Hugging Face folder, as the ranks see it.
     #[arg(long, value_name = "PATH")]
-    model: String,
+    model: Option<String>,
+    /// A safetensors file of tensors to lay over the live weights (repeat for several; a
+    /// later file wins).
+    #[arg(long, value_name = "FILE")]
+    tensors: Vec<String>,
     /// Running requests: `wait` for them to finish, `abort` them, or `keep` them paused and
     /// continue them (recomputed) with the new weights.
     #[arg(long, value_enum, default_value_t = Mode::Wait)]
@@ -422,14 +432,7 @@ fn main() -> ExitCode {
             });
             control_command(&args.target, &request, cli.quiet)
         }
-        Command::Reload(args) => {
-            let request = control::Request::UpdateWeights(control::UpdateArgs {
-                model: args.model,
-                mode: args.mode.into(),
-                weight_version: args.weight_version,
-            });
-            control_command(&args.target, &request, cli.quiet)
-        }
+        Command::Reload(args) => reload(args, cli.quiet),
         Command::Pause(args) => {
             let request = control::Request::Pause(control::PauseArgs { mode: args.mode.into() });
             control_command(&args.target, &request, cli.quiet)
@@ -456,6 +459,46 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// `tpctl reload`: a checkpoint in one request, or `--tensors` as an update from memory (start,
+/// one bucket per file, finish; a refused bucket aborts the update).
+fn reload(args: ReloadArgs, quiet: bool) -> Result<i32> {
+    let mode = args.mode.into();
+    let weight_version = args.weight_version;
+    if let Some(model) = args.model {
+        let update = control::UpdateArgs { model, mode, weight_version };
+        return control_command(&args.target, &control::Request::UpdateWeights(update), quiet);
+    }
+    let step = |request: &control::Request| -> Result<bool> {
+        let target = &args.target;
+        let socket = paths::resolve(
+            &paths::runtime_dir(),
+            target.deployment.as_deref(),
+            target.socket.as_deref(),
+        )?;
+        let reply =
+            control::client::call(&socket, request, Duration::from_secs_f64(target.timeout))?;
+        if let Some(e) = reply.error.as_ref().filter(|_| !reply.ok) {
+            eprintln!("error: {}", e.message);
+            return Ok(false);
+        }
+        Ok(true)
+    };
+    if !step(&control::Request::StartWeightUpdate(control::StartUpdateArgs::default()))? {
+        return Ok(1);
+    }
+    for path in &args.tensors {
+        // The ranks read it: an absolute path, whatever the working directory.
+        let path = std::path::absolute(path).unwrap_or_else(|_| path.into());
+        let bucket = control::BucketArgs { path: path.to_string_lossy().into_owned() };
+        if !step(&control::Request::WeightBucket(bucket))? {
+            step(&control::Request::AbortWeightUpdate)?;
+            return Ok(1);
+        }
+    }
+    let finish = control::FinishUpdateArgs { weight_version, mode };
+    control_command(&args.target, &control::Request::FinishWeightUpdate(finish), quiet)
 }
 
 fn init_logging(verbose: u8, quiet: bool) {

@@ -86,8 +86,9 @@ pub fn run() -> Result<()> {
     };
     let stop = StopHandle::default();
     // One handle for the control socket and the HTTP API: one journal of what they did.
-    let controller =
-        crate::control::Controller::new(coordinator.clone()).with_live_config(config.clone());
+    let controller = crate::control::Controller::new(coordinator.clone())
+        .with_live_config(config.clone())
+        .with_checkpoint(&model);
     let control = control_socket(&spec, &controller, &stop)?;
     let watch = watch_coordinator(&coordinator, &stop);
     let ran = lead(&spec, ctx, factory, engine, gate, stop, model, &config, &controller);

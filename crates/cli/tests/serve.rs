@@ -1380,6 +1380,129 @@ fn a_trainer_pauses_updates_the_weights_and_resumes() {
     assert_eq!(server.interrupt().code(), Some(130));
 }
 
+/// Runs `rl_trainer.py ARGS` (a trainer in Python's standard library) to its end: its
+/// replies, one JSON value per line.
+fn trainer(args: &[&str]) -> Vec<Value> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/rl_trainer.py");
+    let out = Command::new("python3").arg(script).args(args).output().expect("run python3");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// An update from memory, as an RL trainer pushes it (issue 33 item 3): a Python trainer
+/// perturbs three tensors of a Hugging Face folder served with TP 2 and pushes them in two
+/// safetensors buckets (deleting each file as soon as the server took it); the answers then
+/// equal a fresh `tpctl run` on the perturbed checkpoint written to disk, with the trainer's
+/// version. An update aborted after its first bucket, or with a bucket that does not fit,
+/// leaves the old answers; a level-2 sleep reloads the updated weights, not the file's.
+#[test]
+fn a_trainer_pushes_tensors_from_memory_in_buckets() {
+    const MAX: u32 = 12;
+    let base = scratch("rl-mem-base");
+    common::tiny_spec().write_hf(&base, false).expect("write the base folder");
+    let buckets = scratch("rl-mem-buckets");
+    std::fs::create_dir_all(&buckets).unwrap();
+    let perturbed = scratch("rl-mem-perturbed");
+    let (base_s, buckets_s, perturbed_s) = (
+        base.to_string_lossy().into_owned(),
+        buckets.to_string_lossy().into_owned(),
+        perturbed.to_string_lossy().into_owned(),
+    );
+    let prompts = ["1,2,3", "9,8"];
+    let want_base = reference(&base_s, &prompts, MAX);
+    let answers = |server: &Server| -> Vec<Vec<u64>> {
+        prompts
+            .iter()
+            .map(|p| {
+                let reply = server.post("/v1/completions", &completion(p, MAX));
+                assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
+                ids(&reply.json()["choices"][0]["token_ids"])
+            })
+            .collect()
+    };
+
+    let rt = runtime_dir("rl-mem");
+    let env = [("XDG_RUNTIME_DIR", rt.as_str())];
+    let server = Server::start_with(&base_s, &["--tp", "2", "--deployment", "rl-mem"], &env);
+    let url = format!("http://{}", server.addr);
+    assert_eq!(answers(&server), want_base);
+
+    // Aborted after the first bucket: nothing changes, no kept file is left.
+    let replies = trainer(&["abort", &url, &base_s, &buckets_s]);
+    assert_eq!(replies[1]["reply"], json!({"open": true, "buckets": 1, "tensors": 2}));
+    assert_eq!(replies[2]["reply"], json!({"open": false, "buckets": 1, "tensors": 0}));
+    assert_eq!(answers(&server), want_base);
+    let kept = |dir: &std::path::Path| {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with(".tpctl-"))
+            .count()
+    };
+    assert_eq!(kept(&buckets), 0);
+
+    // A bucket that does not fit the model is the trainer's mistake, named; the open update
+    // is then aborted by hand.
+    let wrong = buckets.join("wrong.safetensors");
+    checkpoint::safetensors::write_safetensors(
+        &wrong,
+        &[(
+            "model.layers.0.self_attn.q_proj.weight",
+            &[3, 3],
+            checkpoint::safetensors::StDType::F32,
+            &[0.0; 9],
+        )],
+    )
+    .unwrap();
+    assert_eq!(server.post("/start_weight_update", &json!({})).status, 200);
+    let body = json!({"update_info": {"path": wrong.to_string_lossy()}});
+    let reply = server.post("/update_weights", &body);
+    assert_eq!(reply.status, 400, "{reply:?}");
+    assert!(
+        reply.body.contains("tensor model.layers.0.self_attn.q_proj.weight has shape [3, 3]"),
+        "{reply:?}"
+    );
+    let reply = server.post("/start_weight_update", &json!({}));
+    assert_eq!(reply.status, 400, "{reply:?}");
+    assert!(reply.body.contains("a weight update is already open"), "{reply:?}");
+    assert_eq!(server.post("/abort_weight_update", &json!({})).status, 200);
+    let reply = server.post("/finish_weight_update", &json!({}));
+    assert_eq!(reply.status, 400, "{reply:?}");
+    assert!(reply.body.contains("no weight update is open"), "{reply:?}");
+
+    // Pushed in two buckets and committed: the perturbed checkpoint's answers.
+    let replies = trainer(&["push", &url, &base_s, &buckets_s, &perturbed_s, "step-1"]);
+    let finish = &replies.last().unwrap()["reply"];
+    assert_eq!(finish["weight_version"], "step-1", "{finish}");
+    assert_eq!(finish["ranks"].as_array().map(Vec::len), Some(2), "{finish}");
+    let want_perturbed = reference(&perturbed_s, &prompts, MAX);
+    assert_ne!(want_perturbed, want_base, "the perturbation must change the answers");
+    assert_eq!(answers(&server), want_perturbed);
+    let reply = server.post("/v1/completions", &completion(prompts[0], 2));
+    assert_eq!(reply.json()["weight_version"], "step-1");
+    assert!(!buckets.join("bucket-1.safetensors").exists(), "the trainer deleted its files");
+
+    // A level-2 sleep reloads the weights from the checkpoint and the kept buckets.
+    let (code, _, err) = control(&rt, &["sleep", "--level", "2"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = control(&rt, &["wakeup"]);
+    assert_eq!(code, 0, "{err}\n{}", server.log());
+    assert_eq!(answers(&server), want_perturbed);
+    // A reload of the checkpoint alone drops them, and their kept files.
+    let (code, reply, err) = control(&rt, &["reload", "--model", &base_s]);
+    assert_eq!(code, 0, "{err}\n{reply}");
+    assert_eq!(answers(&server), want_base);
+    assert_eq!(kept(&buckets), 0);
+    // The CLI pushes files the same way.
+    let (code, reply, err) = control(
+        &rt,
+        &["reload", "--tensors", &perturbed.join("model.safetensors").to_string_lossy()],
+    );
+    assert_eq!(code, 0, "{err}\n{reply}");
+    assert_eq!(answers(&server), want_perturbed);
+    assert_eq!(server.interrupt().code(), Some(130));
+}
+
 /// OpenAI's sampling fields take effect, bad values are 400 naming the field, and a field this
 /// server does not implement is refused unless it asks for nothing.
 #[test]

@@ -172,6 +172,9 @@ fn router(api: Api) -> Router {
         .route("/wake_up", post(wake_up))
         .route("/update_weights", post(update_weights))
         .route("/is_sleeping", get(is_sleeping))
+        .route("/start_weight_update", post(start_weight_update))
+        .route("/finish_weight_update", post(finish_weight_update))
+        .route("/abort_weight_update", post(abort_weight_update))
         .route("/pause", post(pause))
         .route("/resume", post(resume))
         .route("/is_paused", get(is_paused))
@@ -281,7 +284,7 @@ impl ApiError {
 
     /// What the answer says.
     #[cfg(test)]
-    pub(super) fn message(&self) -> &str {
+    pub(super) fn message_text(&self) -> &str {
         &self.message
     }
 
@@ -563,7 +566,8 @@ mod structured;
 
 use answer::{chat_completions, completions};
 use control::{
-    get_weight_version, is_paused, is_sleeping, pause, resume, sleep, update_weights, wake_up,
+    abort_weight_update, finish_weight_update, get_weight_version, is_paused, is_sleeping, pause,
+    resume, sleep, start_weight_update, update_weights, wake_up,
 };
 use request::{parse, ChatMessageBody};
 

@@ -229,7 +229,7 @@ mod tests {
         assert_eq!(completion_request(v(json!(0)).as_ref(), None).unwrap(), Some(0));
         for bad in [json!(21), json!(-1), json!(true), json!("2")] {
             let e = completion_request(Some(&bad), None).unwrap_err();
-            assert!(e.message().contains("expected an integer from 0 to 20"), "{bad}");
+            assert!(e.message_text().contains("expected an integer from 0 to 20"), "{bad}");
         }
         assert!(completion_request(None, v(json!(2)).as_ref()).is_err());
         assert_eq!(completion_request(None, v(json!(0)).as_ref()).unwrap(), None);
@@ -237,7 +237,7 @@ mod tests {
         assert_eq!(chat_request(v(json!(true)).as_ref(), v(json!(5)).as_ref()).unwrap(), Some(5));
         assert_eq!(chat_request(v(json!(false)).as_ref(), v(json!(0)).as_ref()).unwrap(), None);
         let e = chat_request(None, v(json!(2)).as_ref()).unwrap_err();
-        assert!(e.message().contains("needs `logprobs`: true"));
+        assert!(e.message_text().contains("needs `logprobs`: true"));
         assert!(chat_request(v(json!(1)).as_ref(), None).is_err());
     }
 

@@ -259,18 +259,26 @@ impl ModelMemory {
     /// The weights are not in tagged memory, the checkpoint does not load, or its buffers
     /// differ (another architecture, other shapes, another quantization).
     pub fn prepare_update(&self, model: &str) -> Result<(), Refusal> {
+        self.prepare_update_with(model, &[])
+    }
+
+    /// [`ModelMemory::prepare_update`] of the checkpoint at `model` with the safetensors files
+    /// `tensors` laid over it (an update from memory: [`checkpoint::Overlay`]).
+    ///
+    /// # Errors
+    /// As [`ModelMemory::prepare_update`]; a bucket that does not fit the model is
+    /// [`Refusal::Unloadable`], naming the file and the tensor.
+    pub fn prepare_update_with(&self, model: &str, tensors: &[String]) -> Result<(), Refusal> {
         let (current, layout, config) = {
             let live = lock_live(&self.live);
             let current = live.origin.clone().ok_or(Refusal::WeightsUntagged)?;
             (current, live.layout.clone(), live.config.clone())
         };
-        let origin = ShardOrigin { path: PathBuf::from(model), ..current };
-        let loaded =
-            ParallelModel::load(&origin.path, LoadOptions::new(origin.placement).form(origin.form))
-                .map_err(|e| Refusal::Unloadable {
-                    model: model.to_owned(),
-                    reason: e.to_string(),
-                })?;
+        let tensors = tensors.iter().map(PathBuf::from).collect();
+        let origin = ShardOrigin { path: PathBuf::from(model), tensors, ..current };
+        let loaded = origin
+            .load()
+            .map_err(|e| Refusal::Unloadable { model: model.to_owned(), reason: e.to_string() })?;
         let misfit = |detail: String| Refusal::Misfit { model: model.to_owned(), detail };
         let shape = shape_of(loaded.config());
         if config.as_ref() != Some(&shape) {
@@ -318,11 +326,7 @@ impl ModelMemory {
             let message = "no weight update to revert".to_owned();
             return Err(MemoryError { changed: false, message });
         };
-        let model = ParallelModel::load(
-            &previous.path,
-            LoadOptions::new(previous.placement).form(previous.form),
-        )
-        .map_err(|e| MemoryError {
+        let model = previous.load().map_err(|e| MemoryError {
             changed: false,
             message: format!("reloading {}: {e}", previous.path.display()),
         })?;
@@ -549,6 +553,9 @@ impl LiveWeights {
 pub struct ShardOrigin {
     /// The model: a GGUF file or a Hugging Face folder.
     pub path: PathBuf,
+    /// Safetensors files laid over the model's tensors, a later one winning (the buckets of
+    /// updates from memory).
+    pub tensors: Vec<PathBuf>,
     /// The shard.
     pub placement: Placement,
     /// The form the weights are kept in.
@@ -559,9 +566,9 @@ impl ShardOrigin {
     /// Loads the shard again and writes its weight buffers into `buf` exactly as
     /// [`ParallelModel::move_weights_to`] laid them out through a [`VmmArena`].
     fn fill(&self, buf: &mut [u8]) -> Result<(), String> {
-        let model =
-            ParallelModel::load(&self.path, LoadOptions::new(self.placement).form(self.form))
-                .map_err(|e| format!("reloading the weights from {}: {e}", self.path.display()))?;
+        let model = self
+            .load()
+            .map_err(|e| format!("reloading the weights from {}: {e}", self.path.display()))?;
         let mut offset = 0usize;
         for b in model.weight_buffers() {
             offset = offset.next_multiple_of(ALIGN);
@@ -574,6 +581,27 @@ impl ShardOrigin {
         drop(model);
         vmm::trim_heap();
         Ok(())
+    }
+
+    /// Loads the shard: from the checkpoint, with [`ShardOrigin::tensors`] laid over it.
+    ///
+    /// # Errors
+    /// The checkpoint or a bucket does not load, or a bucket does not fit the model.
+    pub fn load(&self) -> layers::Result<ParallelModel> {
+        let opts = LoadOptions::new(self.placement).form(self.form);
+        if self.tensors.is_empty() {
+            return ParallelModel::load(&self.path, opts);
+        }
+        let ck = checkpoint::Checkpoint::open(&self.path)?;
+        let config = ck.config()?;
+        let base = ck.weights(&config);
+        let buckets = self
+            .tensors
+            .iter()
+            .map(|p| checkpoint::Bucket::open(p, &config, &*base))
+            .collect::<checkpoint::Result<Vec<_>>>()?;
+        let overlay = checkpoint::Overlay::new(&*base, buckets);
+        ParallelModel::from_source(&overlay, config, opts)
     }
 }
 

@@ -149,6 +149,10 @@ impl RankMemory for ModelRankMemory {
         self.memory.prepare_update(model)
     }
 
+    fn prepare_update_with(&self, update: &crate::sleep::WeightUpdate) -> Result<(), Refusal> {
+        self.memory.prepare_update_with(&update.model, &update.tensors)
+    }
+
     fn update(&self) -> Result<Vec<TagReceipt>, MemoryError> {
         let written = self.memory.update()?;
         Ok(vec![self.weights_written(written)])

@@ -47,7 +47,12 @@ fn a_model_in_vmm_memory_sleeps_and_continues_identically() {
         ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Backup).unwrap();
     let mut model = ParallelModel::load(&path, LoadOptions::new(placement).form(form)).unwrap();
     let heap = model.clone();
-    memory.place_weights(&mut model, &ShardOrigin { path: path.clone(), placement, form }).unwrap();
+    memory
+        .place_weights(
+            &mut model,
+            &ShardOrigin { path: path.clone(), tensors: Vec::new(), placement, form },
+        )
+        .unwrap();
     let mut cache = memory.new_cache(&model, 64).unwrap();
     let mut heap_cache = heap.new_cache(64);
 
@@ -82,7 +87,7 @@ fn sleep_levels_choose_how_the_weights_come_back_and_receipts_say_so() {
     let path = dir.join("tiny.gguf");
     RandomLlama { seed: 9, ..Default::default() }.write(&path).unwrap();
     let (placement, form) = (Placement::single(), WeightForm::Native);
-    let origin = ShardOrigin { path: path.clone(), placement, form };
+    let origin = ShardOrigin { path: path.clone(), tensors: Vec::new(), placement, form };
     for keep in [true, false] {
         let memory = ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Backup)
             .unwrap()

@@ -121,6 +121,8 @@ struct Inner {
     /// The checkpoint the latest weight update loaded (`None`: the one the deployment
     /// started with).
     checkpoint: Option<String>,
+    /// The tensors laid over it by the latest weight update (from memory).
+    tensors: Vec<String>,
 }
 
 impl Inner {
@@ -206,6 +208,7 @@ impl Coordinator {
                 lost: BTreeSet::new(),
                 running: None,
                 checkpoint: None,
+                tensors: Vec::new(),
             }),
             version: WeightVersion::default(),
         }
@@ -380,6 +383,13 @@ impl Coordinator {
     /// one it started with.
     pub fn checkpoint(&self) -> Option<String> {
         lock(&self.inner).checkpoint.clone()
+    }
+
+    /// The safetensors files the latest weight update laid over its checkpoint (empty for a
+    /// checkpoint alone): an update from memory that changes a few tensors keeps these under
+    /// its own.
+    pub fn live_tensors(&self) -> Vec<String> {
+        lock(&self.inner).tensors.clone()
     }
 
     /// Asks every rank for its asleep tags and memory probe (bounded by the ACK timeout).
@@ -674,9 +684,10 @@ impl Coordinator {
         prepare.mode = opts.mode;
         prepare.level = opts.level;
         prepare.model = model.map(str::to_owned);
+        prepare.tensors = update.map(|u| u.tensors.clone()).unwrap_or_default();
         let (prepared, mut failures) = self.fan_out(&prepare, &peers, true);
-        let checked = match (action, model) {
-            (Action::Update, Some(model)) => self.memory.prepare_update(model),
+        let checked = match (action, update) {
+            (Action::Update, Some(update)) => self.memory.prepare_update_with(update),
             (Action::Update, None) => Err(Refusal::NoCheckpoint),
             _ => self.memory.check(tags),
         };
@@ -758,6 +769,7 @@ impl Coordinator {
         let mut weight_version = None;
         if let (Action::Update, Some(update)) = (action, update) {
             inner.checkpoint = Some(update.model.clone());
+            inner.tensors.clone_from(&update.tensors);
             inner.updates += 1;
             // Set before the engine resumes: its next token is the new weights'.
             let version = update.version.clone().unwrap_or_else(|| inner.updates.to_string());

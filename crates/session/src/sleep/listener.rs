@@ -12,6 +12,7 @@ use super::memory::{execute, RankMemory, Refusal};
 use super::message::{Action, Message, Phase, Probe, RankReceipt, Received, Status};
 use super::quiesce::{Quiesce, QuiesceMode};
 use super::transport::PeerLink;
+use super::version::WeightUpdate;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -158,7 +159,14 @@ impl Peer {
             return self.failed(msg, Status::Failed, format!("prepare of op {}: {e}", msg.op_id));
         }
         let checked = match (msg.action, msg.model.as_deref()) {
-            (Some(Action::Update), Some(model)) => self.memory.prepare_update(model),
+            (Some(Action::Update), Some(model)) => {
+                let update = WeightUpdate {
+                    model: model.to_owned(),
+                    tensors: msg.tensors.clone(),
+                    version: None,
+                };
+                self.memory.prepare_update_with(&update)
+            }
             (Some(Action::Update), None) => Err(Refusal::NoCheckpoint),
             _ => self.memory.check(&msg.tags),
         };

@@ -4,6 +4,7 @@
 //! rank's failure is always reported together with whether its memory is as before.
 
 use super::message::{Action, Probe, RankReceipt, Status, TagReceipt};
+use super::version::WeightUpdate;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -117,6 +118,20 @@ pub trait RankMemory: Send + Sync {
     /// another architecture or other shapes).
     fn prepare_update(&self, model: &str) -> Result<(), Refusal> {
         Err(Refusal::CannotUpdate { model: model.to_owned() })
+    }
+
+    /// Stages a weight update that may lay tensors over the checkpoint (see
+    /// [`WeightUpdate::tensors`]). The default takes checkpoints alone, through
+    /// [`RankMemory::prepare_update`].
+    ///
+    /// # Errors
+    /// As [`RankMemory::prepare_update`]; tensors to lay over it when the memory cannot.
+    fn prepare_update_with(&self, update: &WeightUpdate) -> Result<(), Refusal> {
+        if update.tensors.is_empty() {
+            self.prepare_update(&update.model)
+        } else {
+            Err(Refusal::CannotUpdate { model: update.model.clone() })
+        }
     }
 
     /// Makes the staged checkpoint the live weights (asleep: the one the wakeup reloads).

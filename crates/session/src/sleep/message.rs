@@ -231,6 +231,9 @@ pub struct Message {
     /// The checkpoint a weight update loads (prepare).
     #[serde(default)]
     pub model: Option<String>,
+    /// Safetensors files laid over `model` (prepare of an update from memory).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tensors: Vec<String>,
     /// Request, or the outcome of an ACK.
     pub status: Status,
     /// What failed, with the peer's context (ACKs with a failure status).
@@ -252,6 +255,7 @@ impl Message {
             mode: QuiesceMode::default(),
             level: None,
             model: None,
+            tensors: Vec::new(),
             status: Status::Request,
             error: None,
             receipt: None,
@@ -268,6 +272,7 @@ impl Message {
             mode: self.mode,
             level: self.level,
             model: None,
+            tensors: Vec::new(),
             status,
             error: None,
             receipt: None,

@@ -11,6 +11,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 pub struct WeightUpdate {
     /// The checkpoint: a GGUF file or a Hugging Face folder.
     pub model: String,
+    /// Safetensors files of named tensors laid over `model`'s, a later one winning (an RL
+    /// trainer's buckets, [`checkpoint::Overlay`]); empty: the checkpoint alone.
+    pub tensors: Vec<String>,
     /// The version the weights take (an RL trainer's step, say); `None`: the number of
     /// updates so far, counted from 1.
     pub version: Option<String>,
@@ -19,7 +22,7 @@ pub struct WeightUpdate {
 impl WeightUpdate {
     /// An update from the checkpoint at `model`, versioned by the counter.
     pub fn from_checkpoint(model: impl Into<String>) -> WeightUpdate {
-        WeightUpdate { model: model.into(), version: None }
+        WeightUpdate { model: model.into(), tensors: Vec::new(), version: None }
     }
 
     /// This update, taking `version` when it commits.

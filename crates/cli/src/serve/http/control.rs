@@ -1,15 +1,22 @@
 //! The sleep routes: `POST /sleep`, `/wake_up`, `/update_weights`, `/pause`, `/resume` and
-//! `GET /is_sleeping`, `/is_paused`, `/get_weight_version`, run on the deployment's
-//! coordinator through the control module, as the socket does.
+//! `GET /is_sleeping`, `/is_paused`, `/get_weight_version`, and the update from memory
+//! (`POST /start_weight_update`, `/update_weights` with a bucket, `/finish_weight_update`,
+//! `/abort_weight_update`), run on the deployment's coordinator through the control module,
+//! as the socket does.
 
 use super::{asleep_tags, no_control, Api, ApiError};
-use crate::control::{PauseArgs, SleepArgs, UpdateArgs, WakeupArgs};
+use crate::control::{
+    BucketArgs, ErrorWire, FinishUpdateArgs, PauseArgs, SleepArgs, StartUpdateArgs, UpdateArgs,
+    WakeupArgs,
+};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::json;
+use serde_json::{json, Value};
 use session::sleep::{Action, OpOptions, QuiesceMode};
 
 /// A route's query as its pairs in order (repeated keys kept), through axum's `Query`
@@ -197,8 +204,102 @@ pub(super) async fn wake_up(State(api): State<Api>, query: Pairs) -> Response {
 
 /// `POST /update_weights?model=PATH&mode=wait`: every rank loads its shard of the checkpoint
 /// into its live weights (SGLang's `/update_weights_from_disk`, vLLM's `reload_weights`).
-pub(super) async fn update_weights(State(api): State<Api>, query: Pairs) -> Response {
-    control_op(api, Action::Update, query).await
+/// With a body `{"update_info": {"path": "/dev/shm/b0.safetensors"}}` instead (vLLM's weight
+/// transfer), a bucket of the update from memory that `/start_weight_update` opened.
+pub(super) async fn update_weights(
+    State(api): State<Api>,
+    query: Pairs,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> Response {
+    let has_body = body.as_ref().map_or(true, |b| b.iter().any(|c| !c.is_ascii_whitespace()));
+    if !has_body {
+        return control_op(api, Action::Update, query).await;
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Info {
+        path: String,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Body {
+        update_info: Info,
+    }
+    if query.map_or(true, |Query(pairs)| !pairs.is_empty()) {
+        let why = "update_weights takes a checkpoint (?model=PATH, no body) or a bucket of the \
+                   open update from memory (a JSON body, no query), not both";
+        return ApiError::invalid("invalid_query", why).into_response();
+    }
+    let body: Body = match super::request::parse(body) {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let args = BucketArgs { path: body.update_info.path };
+    staging_op(api, move |c| c.weight_bucket(&args).map(|s| json!(s))).await
+}
+
+/// `POST /start_weight_update?weight_version=V`: opens an update from memory.
+pub(super) async fn start_weight_update(State(api): State<Api>, query: Pairs) -> Response {
+    let q = match op_query(query, &["weight_version"]) {
+        Ok(q) => q,
+        Err(e) => return e.into_response(),
+    };
+    let args = StartUpdateArgs { weight_version: q.version };
+    staging_op(api, move |c| c.start_weight_update(&args).map(|s| json!(s))).await
+}
+
+/// `POST /finish_weight_update?weight_version=V&mode=wait`: commits the open update on every
+/// rank (two-phase) and answers its receipt.
+pub(super) async fn finish_weight_update(State(api): State<Api>, query: Pairs) -> Response {
+    let q = match op_query(query, &["weight_version", "mode"]) {
+        Ok(q) => q,
+        Err(e) => return e.into_response(),
+    };
+    let args = FinishUpdateArgs { weight_version: q.version, mode: q.opts.mode };
+    staging_op(api, move |c| c.finish_weight_update(&args).map(|op| json!(op))).await
+}
+
+/// `POST /abort_weight_update`: drops the open update; nothing changed.
+pub(super) async fn abort_weight_update(State(api): State<Api>, query: Pairs) -> Response {
+    if let Err(e) = op_query(query, &[]) {
+        return e.into_response();
+    }
+    staging_op(api, |c| c.abort_weight_update().map(|s| json!(s))).await
+}
+
+/// Runs a step of an update from memory on a blocking thread: its answer, a 400 for the
+/// caller's mistake, a 500 naming every failing rank for a failed commit.
+async fn staging_op(
+    api: Api,
+    op: impl FnOnce(&crate::control::Controller) -> std::result::Result<Value, ErrorWire>
+        + Send
+        + 'static,
+) -> Response {
+    let Some(controller) = api.0.control.clone() else {
+        return no_control().into_response();
+    };
+    match tokio::task::spawn_blocking(move || op(&controller)).await {
+        Ok(Ok(v)) => Json(v).into_response(),
+        Ok(Err(e)) => {
+            let (status, kind, code) = if e.client_error {
+                (StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_update")
+            } else {
+                (StatusCode::INTERNAL_SERVER_ERROR, "server_error", "update_failed")
+            };
+            let body = json!({"error": {
+                "message": e.message, "type": kind, "code": code, "param": null,
+                "failures": e.failures, "outcome": e.outcome,
+            }});
+            (status, Json(body)).into_response()
+        }
+        Err(join) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "update_failed",
+            format!("the weight update did not finish: {join}"),
+        )
+        .into_response(),
+    }
 }
 
 pub(super) async fn is_sleeping(State(api): State<Api>) -> Response {
