@@ -1254,7 +1254,7 @@ fn a_weight_update_serves_the_new_checkpoint_like_a_fresh_start() {
     // Other shapes, or no checkpoint: the caller's mistake, refused before any rank loads.
     let (code, reply, err) = control(&rt, &["reload", "--model", &other_shapes]);
     assert_eq!(code, 1, "{reply}");
-    assert!(err.contains("has feed-forward size 96; the live model has 64"), "{err}");
+    assert!(err.contains("feed-forward size 96; the live model has 64"), "{err}");
     let reply = server.post(&format!("/update_weights?model={other_shapes}"), &json!({}));
     assert_eq!(reply.status, 400, "{reply:?}");
     assert_eq!(reply.json()["error"]["code"], "invalid_checkpoint", "{reply:?}");
