@@ -19,6 +19,12 @@
 //!   allocation per sequence, read in place by attention). Receipts count both, and say which
 //!   bytes were device memory.
 //!
+//! - Weight updates ([`ModelMemory::prepare_update`]): another checkpoint of the same model is
+//!   written over the live buffers when its weights are stored in the same form, else moved
+//!   into a new `weights` allocation that replaces the live one; the engine's model takes
+//!   those weights ([`ModelMemory::take_new_weights`]) before its next step, and the old
+//!   allocation is freed then.
+//!
 //! Access to this memory is unchecked (plain slices and device addresses, as kernels need):
 //! the engine's gate guarantees that no step runs while it is released.
 

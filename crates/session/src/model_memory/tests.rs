@@ -333,3 +333,34 @@ fn updates_that_do_not_fit_are_refused_by_name_before_any_change() {
     assert_eq!(memory.checkpoint(), Some(live.into()));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A Hugging Face folder of the weights a Q8_0 GGUF file holds (f32 safetensors) replaces
+/// them: swapped in, the model answers as a fresh load of the folder.
+#[test]
+fn an_update_from_a_hugging_face_folder_of_a_gguf_model_is_swapped_in() {
+    use crate::sleep::RankMemory;
+    let dir = std::env::temp_dir().join(format!("tpctl-memory-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (gguf, folder) = (dir.join("q8.gguf"), dir.join("hf"));
+    let spec = RandomLlama { seed: 23, ..Default::default() };
+    spec.write_hf(&folder, false).unwrap();
+    RandomLlama { quantized: Some(tensor::kernels::BlockFormat::Q8_0), ..spec }
+        .write(&gguf)
+        .unwrap();
+    let (placement, form) = (Placement::single(), WeightForm::Native);
+    let load = |path: &std::path::Path| {
+        ParallelModel::load(path, LoadOptions::new(placement).form(form)).unwrap()
+    };
+    let answers = |model: &ParallelModel| generate(model, &mut model.new_cache(64), &[4, 5], 4);
+    let memory =
+        ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Backup).unwrap();
+    let mut model = load(&gguf);
+    memory.place_weights(&mut model, &ShardOrigin { path: gguf.clone(), placement, form }).unwrap();
+    let rank = ModelRankMemory::new(&memory, model.backend().clone());
+    rank.prepare_update(folder.to_str().unwrap()).unwrap();
+    rank.update().unwrap();
+    model.adopt_weights(memory.take_new_weights().expect("new buffers")).unwrap();
+    assert_eq!(answers(&model), answers(&load(&folder)));
+    assert_eq!(memory.checkpoint(), Some(folder));
+    std::fs::remove_dir_all(&dir).ok();
+}
