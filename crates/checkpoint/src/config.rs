@@ -211,6 +211,77 @@ impl LlamaConfig {
     pub fn group_size(&self) -> usize {
         self.n_heads / self.n_kv_heads
     }
+
+    /// What keeps weights of this config from replacing those of a `live` model, one line per
+    /// field that differs, in the model's terms ("29 layers; the live model has 30"). The
+    /// context length is left out: another one changes no weight. Empty when they fit.
+    pub fn differences(&self, live: &LlamaConfig) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut count = |what: &str, new: usize, old: usize, before: bool| {
+            if new != old {
+                out.push(if before {
+                    format!("{new} {what}; the live model has {old}")
+                } else {
+                    format!("{what} {new}; the live model has {old}")
+                });
+            }
+        };
+        count("layers", self.n_layers, live.n_layers, true);
+        count("hidden size", self.hidden, live.hidden, false);
+        count("feed-forward size", self.ffn, live.ffn, false);
+        count("attention heads", self.n_heads, live.n_heads, true);
+        count("key/value heads", self.n_kv_heads, live.n_kv_heads, true);
+        count("head size", self.head_dim, live.head_dim, false);
+        count("rotated elements per head", self.rope_dim, live.rope_dim, true);
+        count("vocabulary size", self.vocab_size, live.vocab_size, false);
+        let mut real = |what: &str, new: f32, old: f32| {
+            if new.to_bits() != old.to_bits() {
+                out.push(format!("{what} {new}; the live model has {old}"));
+            }
+        };
+        real("rope theta", self.rope_theta, live.rope_theta);
+        real("RMS norm epsilon", self.rms_eps, live.rms_eps);
+        if self.tied_embeddings != live.tied_embeddings {
+            out.push(if self.tied_embeddings {
+                "an output layer tied to the embeddings; the live model has its own".into()
+            } else {
+                "its own output layer; the live model ties it to the embeddings".into()
+            });
+        }
+        let scaling = |f: &Option<Vec<f32>>| match f {
+            Some(f) => format!("{} rope frequency factors", f.len()),
+            None => "no rope scaling".to_owned(),
+        };
+        let (new, old) = (&self.rope_freq_factors, &live.rope_freq_factors);
+        if new.as_ref().map(|f| f.len()) != old.as_ref().map(|f| f.len()) {
+            out.push(format!("{}; the live model has {}", scaling(new), scaling(old)));
+        } else if new != old {
+            out.push(format!("other {}; the live model has its own", scaling(new)));
+        }
+        if self.activation != live.activation {
+            let name = |a: Activation| match a {
+                Activation::Silu => "SiLU",
+                Activation::GeluTanh => "GELU (tanh)",
+            };
+            out.push(format!(
+                "{} activation; the live model has {}",
+                name(self.activation),
+                name(live.activation)
+            ));
+        }
+        if self.embedding_scale.map(f32::to_bits) != live.embedding_scale.map(f32::to_bits) {
+            let scale = |s: Option<f32>| match s {
+                Some(s) => format!("embeddings scaled by {s}"),
+                None => "unscaled embeddings".to_owned(),
+            };
+            out.push(format!(
+                "{}; the live model has {}",
+                scale(self.embedding_scale),
+                scale(live.embedding_scale)
+            ));
+        }
+        out
+    }
 }
 
 #[cfg(test)]
@@ -352,5 +423,78 @@ mod tests {
         let err = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
         assert!(err.to_string().contains("3 factors for 8 rotated pairs"), "{err}");
         std::fs::remove_file(p).unwrap();
+    }
+
+    /// Every field that changes the weights is named in the model's terms, one line each,
+    /// the checkpoint's value first; the context length alone is no difference.
+    #[test]
+    fn differences_name_each_field_in_the_models_terms() {
+        let p = temp_path("config-diff.gguf");
+        base().write(&p).unwrap();
+        let live = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap();
+        assert_eq!(live.differences(&live), Vec::<String>::new());
+        let longer = LlamaConfig { context_length: 4096, ..live.clone() };
+        assert_eq!(longer.differences(&live), Vec::<String>::new());
+        let cases: Vec<(LlamaConfig, &str)> = vec![
+            (LlamaConfig { n_layers: 1, ..live.clone() }, "1 layers; the live model has 2"),
+            (LlamaConfig { hidden: 32, ..live.clone() }, "hidden size 32; the live model has 64"),
+            (
+                LlamaConfig { ffn: 128, ..live.clone() },
+                "feed-forward size 128; the live model has 96",
+            ),
+            (LlamaConfig { n_heads: 8, ..live.clone() }, "8 attention heads; the live model has 4"),
+            (
+                LlamaConfig { n_kv_heads: 4, ..live.clone() },
+                "4 key/value heads; the live model has 2",
+            ),
+            (LlamaConfig { head_dim: 8, ..live.clone() }, "head size 8; the live model has 16"),
+            (
+                LlamaConfig { rope_dim: 8, ..live.clone() },
+                "8 rotated elements per head; the live model has 16",
+            ),
+            (
+                LlamaConfig { vocab_size: 6, ..live.clone() },
+                "vocabulary size 6; the live model has 5",
+            ),
+            (
+                LlamaConfig { rope_theta: 10_000.0, ..live.clone() },
+                "rope theta 10000; the live model has 100000",
+            ),
+            (
+                LlamaConfig { rms_eps: 1e-6, ..live.clone() },
+                "RMS norm epsilon 0.000001; the live model has 0.00001",
+            ),
+            (
+                LlamaConfig { tied_embeddings: false, ..live.clone() },
+                "its own output layer; the live model ties it to the embeddings",
+            ),
+            (
+                LlamaConfig { rope_freq_factors: Some(vec![1.0; 8]), ..live.clone() },
+                "8 rope frequency factors; the live model has no rope scaling",
+            ),
+            (
+                LlamaConfig { activation: Activation::GeluTanh, ..live.clone() },
+                "GELU (tanh) activation; the live model has SiLU",
+            ),
+            (
+                LlamaConfig { embedding_scale: Some(8.0), ..live.clone() },
+                "embeddings scaled by 8; the live model has unscaled embeddings",
+            ),
+        ];
+        for (new, want) in cases {
+            assert_eq!(new.differences(&live), vec![want.to_owned()]);
+        }
+        let scaled = LlamaConfig { rope_freq_factors: Some(vec![1.0; 8]), ..live.clone() };
+        let rescaled = LlamaConfig { rope_freq_factors: Some(vec![2.0; 8]), ..live.clone() };
+        assert_eq!(
+            rescaled.differences(&scaled),
+            ["other 8 rope frequency factors; the live model has its own"]
+        );
+        let two = LlamaConfig { n_layers: 29, hidden: 32, ..live.clone() };
+        let thirty = LlamaConfig { n_layers: 30, ..live };
+        assert_eq!(
+            two.differences(&thirty),
+            ["29 layers; the live model has 30", "hidden size 32; the live model has 64"]
+        );
     }
 }

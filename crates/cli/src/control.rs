@@ -827,29 +827,11 @@ fn check_fits(path: &str, live: &checkpoint::LlamaConfig) -> Result<(), ErrorWir
         .map_err(|e| refuse(format!("cannot open the checkpoint: {e}")))?;
     ck.check_weights().map_err(|e| refuse(format!("{path}: {e}")))?;
     let new = ck.config().map_err(|e| refuse(format!("{path}: {e}")))?;
-    let shapes = |c: &checkpoint::LlamaConfig| {
-        [
-            ("layers", c.n_layers),
-            ("hidden size", c.hidden),
-            ("feed-forward size", c.ffn),
-            ("attention heads", c.n_heads),
-            ("key/value heads", c.n_kv_heads),
-            ("head size", c.head_dim),
-            ("vocabulary size", c.vocab_size),
-        ]
-    };
-    for ((what, got), (_, want)) in shapes(&new).into_iter().zip(shapes(live)) {
-        if got != want {
-            return Err(refuse(format!(
-                "the checkpoint {path} has {what} {got}; the live model has {want}"
-            )));
-        }
-    }
-    if new.tied_embeddings != live.tied_embeddings {
-        let (a, b) =
-            if new.tied_embeddings { ("ties", "does not") } else { ("does not tie", "does") };
+    let differences = new.differences(live);
+    if !differences.is_empty() {
         return Err(refuse(format!(
-            "the checkpoint {path} {a} its output layer to the embeddings; the live model {b}"
+            "the checkpoint {path} does not fit the live model: {}",
+            differences.join("; ")
         )));
     }
     Ok(())

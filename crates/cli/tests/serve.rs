@@ -1254,7 +1254,7 @@ fn a_weight_update_serves_the_new_checkpoint_like_a_fresh_start() {
     // Other shapes, or no checkpoint: the caller's mistake, refused before any rank loads.
     let (code, reply, err) = control(&rt, &["reload", "--model", &other_shapes]);
     assert_eq!(code, 1, "{reply}");
-    assert!(err.contains("has feed-forward size 96; the live model has 64"), "{err}");
+    assert!(err.contains("feed-forward size 96; the live model has 64"), "{err}");
     let reply = server.post(&format!("/update_weights?model={other_shapes}"), &json!({}));
     assert_eq!(reply.status, 400, "{reply:?}");
     assert_eq!(reply.json()["error"]["code"], "invalid_checkpoint", "{reply:?}");
@@ -1500,6 +1500,60 @@ fn a_trainer_pushes_tensors_from_memory_in_buckets() {
     );
     assert_eq!(code, 0, "{err}\n{reply}");
     assert_eq!(answers(&server), want_perturbed);
+    assert_eq!(server.interrupt().code(), Some(130));
+}
+
+/// A weight update from the same weights in another storage form: a tiny f32 model served
+/// with `--tp 2` reloaded from its Q4_1 quantization (other buffers on every rank) answers as
+/// a fresh `tpctl run` of the Q4_1 file, still after a level-2 sleep (which reloads it into
+/// the new buffers), and a reload of the f32 file brings its answers back.
+#[test]
+fn a_weight_update_in_another_storage_form_serves_it_like_a_fresh_start() {
+    use layers::model::random::RandomLlama;
+    const MAX: u32 = 12;
+    let write = |name: &str, spec: RandomLlama| {
+        let path = scratch(name);
+        spec.write(&path).expect("write a checkpoint");
+        path.to_string_lossy().into_owned()
+    };
+    let spec = RandomLlama { seed: 31, untied_head: true, ..RandomLlama::default() };
+    let f32_file = write("form-f32.gguf", spec.clone());
+    let q4_spec = RandomLlama { quantized: Some(tensor::kernels::BlockFormat::Q4_1), ..spec };
+    let q4_file = write("form-q4.gguf", q4_spec);
+    let prompts = ["1,2,3", "9,8", "40,41,5,6"];
+    let (want_f32, want_q4) =
+        (reference(&f32_file, &prompts, MAX), reference(&q4_file, &prompts, MAX));
+    assert_ne!(want_f32, want_q4, "the two forms must answer differently");
+    let answers = |server: &Server| -> Vec<Vec<u64>> {
+        prompts
+            .iter()
+            .map(|p| {
+                let reply = server.post("/v1/completions", &completion(p, MAX));
+                assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
+                ids(&reply.json()["choices"][0]["token_ids"])
+            })
+            .collect()
+    };
+
+    let rt = runtime_dir("form");
+    let env = [("XDG_RUNTIME_DIR", rt.as_str())];
+    let server = Server::start_with(&f32_file, &["--tp", "2", "--deployment", "rl"], &env);
+    assert_eq!(answers(&server), want_f32);
+    let (code, reply, err) = control(&rt, &["reload", "--model", &q4_file]);
+    assert_eq!(code, 0, "{err}\n{reply}\n{}", server.log());
+    assert_eq!(reply["op"]["ranks"].as_array().map(Vec::len), Some(2), "{reply}");
+    assert_eq!(answers(&server), want_q4, "{}", server.log());
+    assert_eq!(server.get("/v1/models").json()["data"][0]["checkpoint"], q4_file.as_str());
+
+    let (code, _, err) = control(&rt, &["sleep", "--level", "2"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = control(&rt, &["wakeup"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(answers(&server), want_q4, "{}", server.log());
+
+    let (code, reply, err) = control(&rt, &["reload", "--model", &f32_file]);
+    assert_eq!(code, 0, "{err}\n{reply}\n{}", server.log());
+    assert_eq!(answers(&server), want_f32, "{}", server.log());
     assert_eq!(server.interrupt().code(), Some(130));
 }
 

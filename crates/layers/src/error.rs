@@ -26,6 +26,10 @@ pub enum Error {
         /// Positions requested.
         requested: usize,
     },
+    /// Weights offered to a model (`ParallelModel::adopt_weights`) are not another form of
+    /// its own.
+    #[error("cannot take the new weights: {0}")]
+    Mismatch(String),
     /// A tokenizer could not be built or run.
     #[error(transparent)]
     Text(#[from] text::Error),

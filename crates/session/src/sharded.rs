@@ -328,6 +328,17 @@ impl StepModel for ShardedLlama {
         plan: &StepPlan,
         groups: &mut Groups<'_>,
     ) -> Result<Option<StepOutput>, BoxError> {
+        if let Some(new) = self.memory.as_ref().and_then(ModelMemory::take_new_weights) {
+            // A weight update in another form (the engine was quiesced through it): the old
+            // buffers are freed here, as the model drops them.
+            self.model
+                .adopt_weights(new)
+                .map_err(|e| format!("swapping in the updated weights: {e}"))?;
+            if let tensor::kernels::Backend::Cuda(gpu) = self.model.backend() {
+                // Its device copies are found by host address, which new buffers may reuse.
+                gpu.clear_weight_cache();
+            }
+        }
         let mut comms = Comms { tp: &mut *groups.tp, cp: &mut *groups.cp };
         let (model, memory, context) = (&self.model, self.memory.as_ref(), self.context);
         // A new sequence's cache holds what it can reach (its prompt and every token it may

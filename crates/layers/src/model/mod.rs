@@ -299,6 +299,24 @@ impl Attention {
     }
 }
 
+impl Attention {
+    /// Its weights' names and shapes (`[out, in]` for a matrix), in buffer order.
+    pub(crate) fn weight_shapes(&self) -> Vec<(&'static str, Vec<usize>)> {
+        let mut out = vec![("Q/K/V projection", dims_of(&self.qkv))];
+        if let Some(bias) = &self.qkv_bias {
+            out.push(("Q/K/V bias", bias.shape().to_vec()));
+        }
+        out.push(("attention output projection", dims_of(&self.o)));
+        out
+    }
+}
+
+/// A linear layer's `[out_features, in_features]`.
+fn dims_of(l: &Linear) -> Vec<usize> {
+    let (rows, cols) = l.dims();
+    vec![rows, cols]
+}
+
 /// The buffers in the order fused Q/K/V projection, its bias (when the model has one), output
 /// projection.
 impl WeightBuffers for Attention {
@@ -362,6 +380,14 @@ impl Mlp {
             inner: inner.len(),
             activation: checkpoint::Activation::Silu,
         })
+    }
+
+    /// Its weights' names and shapes (`[out, in]`), in buffer order.
+    pub(crate) fn weight_shapes(&self) -> Vec<(&'static str, Vec<usize>)> {
+        vec![
+            ("gate/up projection", dims_of(&self.gate_up)),
+            ("down projection", dims_of(&self.down)),
+        ]
     }
 
     /// The same MLP with `activation` on its gate (SiLU when loaded).

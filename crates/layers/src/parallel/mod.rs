@@ -45,5 +45,5 @@ pub use linear::{
     aligned_ranges, gather_columns, ColumnParallelLinear, ParallelLmHead, ParallelRmsNorm,
     RowParallelLinear, VocabParallelEmbedding,
 };
-pub use model::{LoadOptions, ParallelModel};
+pub use model::{shape_difference, LoadOptions, ParallelModel};
 pub use sequence::{gather_tokens, gather_tokens_backward};

@@ -229,6 +229,60 @@ impl ParallelModel {
         out
     }
 
+    /// Every weight tensor this rank holds, named ("layer 3 Q/K/V bias") with its logical
+    /// shape (`[out, in]` for a matrix, whatever its storage), in the order of
+    /// [`ParallelModel::weight_buffers`]. Two shards with the same list hold the same weights,
+    /// perhaps stored in other forms (f32 and Q8_0, say).
+    pub fn weight_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let dims = |w: &tensor::kernels::Weight| {
+            let (rows, cols) = w.dims();
+            vec![rows, cols]
+        };
+        let mut out = vec![("token embedding".to_owned(), dims(self.embed.table()))];
+        for (l, b) in self.blocks.iter().enumerate() {
+            out.push((format!("layer {l} attention norm"), b.attn_norm.shape().to_vec()));
+            let attn = b.attn.attn.weight_shapes();
+            out.extend(attn.into_iter().map(|(what, shape)| (format!("layer {l} {what}"), shape)));
+            out.push((format!("layer {l} feed-forward norm"), b.ffn_norm.shape().to_vec()));
+            let mlp = b.mlp.weight_shapes();
+            out.extend(mlp.into_iter().map(|(what, shape)| (format!("layer {l} {what}"), shape)));
+        }
+        out.push(("output norm".to_owned(), self.norm.shape().to_vec()));
+        if !self.lm_head.is_tied_to(&self.embed) {
+            out.push(("output layer".to_owned(), dims(self.lm_head.weight())));
+        }
+        out
+    }
+
+    /// Takes `other`'s weights (another checkpoint's shard of the same model, perhaps stored in
+    /// another form and in other memory) in place of its own, which are dropped; the backend,
+    /// the placement and the config stay, so caches and pools made for this model still fit.
+    /// A backend that keeps device copies of weights by host address must forget them
+    /// (`CudaBackend::clear_weight_cache`) once the old buffers are gone.
+    ///
+    /// # Errors
+    /// [`crate::Error::Mismatch`] when `other` is another shard or holds other weights (see
+    /// [`ParallelModel::weight_shapes`]); nothing changes then.
+    pub fn adopt_weights(&mut self, other: ParallelModel) -> Result<()> {
+        if other.placement != self.placement {
+            let at = |p: Placement| {
+                format!("TP rank {} of {}, CP rank {} of {}", p.tp_rank, p.tp, p.cp_rank, p.cp)
+            };
+            return Err(crate::Error::Mismatch(format!(
+                "they are the shard of {}, this model that of {}",
+                at(other.placement),
+                at(self.placement)
+            )));
+        }
+        let (ours, theirs) = (self.weight_shapes(), other.weight_shapes());
+        if let Some(difference) = shape_difference(&theirs, &ours) {
+            return Err(crate::Error::Mismatch(difference));
+        }
+        let ParallelModel { embed, blocks, norm, lm_head, .. } = other;
+        (self.embed, self.blocks, self.norm, self.lm_head) = (embed, blocks, norm, lm_head);
+        Ok(())
+    }
+
     /// The arena bytes [`ParallelModel::move_weights_to`] needs when its allocations are carved
     /// out of one region: each of [`ParallelModel::weight_buffers`] rounded up to
     /// [`tensor::memory::ALIGN`], summed.
@@ -259,5 +313,42 @@ impl ParallelModel {
             self.lm_head.move_to(arena)?;
         }
         Ok(())
+    }
+}
+
+/// The first difference between two lists of [`ParallelModel::weight_shapes`], `new` against
+/// `live`, in words ("layer 0 Q/K/V bias: the checkpoint has it; the live model does not");
+/// `None` when they are the same.
+pub fn shape_difference(
+    new: &[(String, Vec<usize>)],
+    live: &[(String, Vec<usize>)],
+) -> Option<String> {
+    let shape = |s: &[usize]| s.iter().map(usize::to_string).collect::<Vec<_>>().join(" x ");
+    for (i, (n, l)) in new.iter().zip(live).enumerate() {
+        if n.0 != l.0 {
+            // A tensor one has and the other lacks shifts the rest: name it.
+            return Some(if live.iter().skip(i).any(|x| x.0 == n.0) {
+                format!("{}: the live model has it; the checkpoint does not", l.0)
+            } else {
+                format!("{}: the checkpoint has it; the live model does not", n.0)
+            });
+        }
+        if n.1 != l.1 {
+            return Some(format!(
+                "{} is {}; the live model's is {}",
+                n.0,
+                shape(&n.1),
+                shape(&l.1)
+            ));
+        }
+    }
+    match new.len().cmp(&live.len()) {
+        std::cmp::Ordering::Equal => None,
+        std::cmp::Ordering::Greater => {
+            Some(format!("{}: the checkpoint has it; the live model does not", new[live.len()].0))
+        }
+        std::cmp::Ordering::Less => {
+            Some(format!("{}: the live model has it; the checkpoint does not", live[new.len()].0))
+        }
     }
 }

@@ -1209,3 +1209,45 @@ fn phi3_fused_files_load_the_weights_of_their_llama_twins() {
         std::fs::remove_file(phi3).unwrap();
     }
 }
+
+/// A shard takes another form of its weights (Q8_0 in place of f32, on every rank of a TP=2
+/// mesh) and computes as a fresh load of that form does, bit for bit, with the caches it
+/// had; weights of another model (a Q/K/V bias more) or of another shard are refused by
+/// name, and the model keeps its own.
+#[test]
+fn a_shard_adopts_another_form_of_its_weights_and_refuses_other_weights() {
+    let base = RandomLlama { seed: 47, untied_head: true, ..RandomLlama::default() };
+    let f32_path = write_model(&base, "adopt-f32.gguf");
+    let q8 = RandomLlama { quantized: Some(BlockFormat::Q8_0), ..base.clone() };
+    let q8_path = write_model(&q8, "adopt-q8.gguf");
+    let bias_path = write_model(&RandomLlama { attn_bias: true, ..base }, "adopt-bias.gguf");
+    on_mesh(2, 1, |p, comms| {
+        let load = |path: &PathBuf, p: Placement| {
+            ParallelModel::load(path, LoadOptions::new(p).form(WeightForm::Native)).unwrap()
+        };
+        let mut model = load(&f32_path, p);
+        let fresh = load(&q8_path, p);
+        let before = model.weight_buffers().len();
+        let err = model.adopt_weights(load(&bias_path, p)).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "cannot take the new weights: layer 0 Q/K/V bias: the checkpoint has it; \
+             the live model does not"
+        );
+        let other = Placement { tp_rank: 1 - p.tp_rank, ..p };
+        let err = model.adopt_weights(load(&q8_path, other)).unwrap_err().to_string();
+        assert!(err.contains("they are the shard of TP rank"), "{err}");
+        assert_eq!(model.weight_buffers().len(), before, "refused weights change nothing");
+
+        assert_eq!(model.weight_shapes(), fresh.weight_shapes());
+        assert_ne!(model.weight_buffers().len(), fresh.weight_buffers().len());
+        model.adopt_weights(load(&q8_path, p)).unwrap();
+        assert_eq!(model.weight_buffers(), fresh.weight_buffers());
+        let (mut a, mut b) = (model.new_cache(32), fresh.new_cache(32));
+        let what = format!("rank {}", p.tp_rank);
+        assert_same_logits(comms, (&model, &mut a), (&fresh, &mut b), 4, &what);
+    });
+    for path in [f32_path, q8_path, bias_path] {
+        std::fs::remove_file(path).unwrap();
+    }
+}

@@ -19,6 +19,13 @@ impl VmmArena {
     }
 }
 
+impl VmmArena {
+    /// Whether its allocation is released (asleep).
+    pub(super) fn allocation_released(&self) -> bool {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).allocation().is_released()
+    }
+}
+
 impl tensor::Arena for VmmArena {
     fn alloc(&self, bytes: usize) -> tensor::Result<Box<dyn ExternalMemory>> {
         let mut regions = self.0.lock().unwrap_or_else(PoisonError::into_inner);

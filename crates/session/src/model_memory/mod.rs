@@ -19,12 +19,18 @@
 //!   allocation per sequence, read in place by attention). Receipts count both, and say which
 //!   bytes were device memory.
 //!
+//! - Weight updates ([`ModelMemory::prepare_update`]): another checkpoint of the same model is
+//!   written over the live buffers when its weights are stored in the same form, else moved
+//!   into a new `weights` allocation that replaces the live one; the engine's model takes
+//!   those weights ([`ModelMemory::take_new_weights`]) before its next step, and the old
+//!   allocation is freed then.
+//!
 //! Access to this memory is unchecked (plain slices and device addresses, as kernels need):
 //! the engine's gate guarantees that no step runs while it is released.
 
 use crate::sleep::{MemoryError, Refusal};
 use layers::model::WeightForm;
-use layers::parallel::{LoadOptions, ParallelCache, ParallelModel, Placement};
+use layers::parallel::{shape_difference, LoadOptions, ParallelCache, ParallelModel, Placement};
 use rank::nvml_index;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -91,30 +97,78 @@ pub struct ModelMemory {
     level_one: Vec<vmm::Tag>,
     /// Where the weights live and which checkpoint they are (shared by clones).
     live: Arc<Mutex<LiveWeights>>,
+    /// Bytes of host memory available for new allocations (`None`: unknown); a weight
+    /// update in another form checks it before it allocates.
+    host_available: fn() -> Option<u64>,
 }
 
-/// A rank's weights in tagged memory: their allocation, the checkpoint they came from, and
-/// a weight update between its PREPARE and its COMMIT.
+/// A rank's weights in tagged memory: their allocation and the checkpoint they came from, a
+/// weight update between its PREPARE and its COMMIT, and weights in new buffers that a COMMIT
+/// swapped in until the engine takes them.
 #[derive(Default)]
 struct LiveWeights {
-    arena: Option<Arc<VmmArena>>,
-    origin: Option<ShardOrigin>,
-    /// The weight buffers' lengths, in order, and the model's shape (its context length
-    /// aside): what another checkpoint must match, on this rank and globally.
-    layout: Vec<usize>,
-    config: Option<checkpoint::LlamaConfig>,
+    /// The allocation the weights live in (the one a wakeup restores them into), and what
+    /// they are.
+    current: Option<Placed>,
     /// A checkpoint loaded and checked by a PREPARE.
-    staged: Option<(ShardOrigin, ParallelModel)>,
+    staged: Option<Staged>,
     /// The checkpoint the latest update replaced, for its rollback.
     previous: Option<ShardOrigin>,
+    /// Weights in other buffers than those the engine's model reads, until it takes them.
+    swap: Option<Swap>,
+    /// The id of the next allocation placed.
+    next_id: u64,
+}
+
+/// One `weights` allocation and the weights in it.
+struct Placed {
+    /// Tells the allocation's reload apart from the others'.
+    id: u64,
+    arena: Arc<VmmArena>,
+    origin: ShardOrigin,
+    /// The weight buffers' lengths, in order: what a checkpoint written over them must match.
+    layout: Vec<usize>,
+    /// Every weight's name and shape, and the model's config: what a checkpoint in any form
+    /// must match.
+    shapes: Vec<(String, Vec<usize>)>,
+    config: checkpoint::LlamaConfig,
+}
+
+/// A checkpoint a PREPARE loaded and checked.
+struct Staged {
+    origin: ShardOrigin,
+    model: ParallelModel,
+    /// Its own allocation, already holding its weights, when they are in another form than
+    /// the live ones (`None`: they are written over the live buffers at the COMMIT).
+    placed: Option<Placed>,
+}
+
+/// Weights a COMMIT put in new buffers, and the allocation the engine's model reads until it
+/// takes them ([`ModelMemory::take_new_weights`]).
+struct Swap {
+    model: ParallelModel,
+    retired: Placed,
+}
+
+impl LiveWeights {
+    /// The checkpoint allocation `id` holds, while the engine may read it.
+    fn origin_of(&self, id: u64) -> Option<ShardOrigin> {
+        let placed = [
+            self.current.as_ref(),
+            self.swap.as_ref().map(|s| &s.retired),
+            self.staged.as_ref().and_then(|s| s.placed.as_ref()),
+        ];
+        placed.into_iter().flatten().find(|p| p.id == id).map(|p| p.origin.clone())
+    }
 }
 
 impl std::fmt::Debug for LiveWeights {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LiveWeights")
-            .field("origin", &self.origin)
-            .field("staged", &self.staged.as_ref().map(|(o, _)| o))
+            .field("origin", &self.current.as_ref().map(|p| &p.origin))
+            .field("staged", &self.staged.as_ref().map(|s| &s.origin))
             .field("previous", &self.previous)
+            .field("swap", &self.swap.as_ref().map(|s| &s.retired.origin))
             .finish_non_exhaustive()
     }
 }
@@ -186,6 +240,7 @@ impl ModelMemory {
             kv_policy,
             level_one: Vec::new(),
             live: Arc::default(),
+            host_available: available_host_memory,
         })
     }
 
@@ -252,12 +307,17 @@ impl ModelMemory {
         self
     }
 
-    /// Loads this rank's shard of the checkpoint at `model` and checks that its weight
-    /// buffers match the live ones one for one; keeps it for [`ModelMemory::update`].
+    /// Loads this rank's shard of the checkpoint at `model` and checks that it holds the live
+    /// model's weights (its config, and every weight's shape); keeps it for
+    /// [`ModelMemory::update`]. Weights stored as the live ones are (their buffers match one
+    /// for one) are written over them at the COMMIT; weights in another form (another
+    /// quantization) are moved now into a new `weights` allocation, which the COMMIT swaps in.
     ///
     /// # Errors
-    /// The weights are not in tagged memory, the checkpoint does not load, or its buffers
-    /// differ (another architecture, other shapes, another quantization).
+    /// The weights are not in tagged memory, the checkpoint does not load or is another
+    /// model (the refusal names what differs), or its weights are in another form and the
+    /// live ones are asleep, or the host has too little memory for the new buffers, or they
+    /// cannot be allocated.
     pub fn prepare_update(&self, model: &str) -> Result<(), Refusal> {
         self.prepare_update_with(model, &[])
     }
@@ -269,80 +329,144 @@ impl ModelMemory {
     /// As [`ModelMemory::prepare_update`]; a bucket that does not fit the model is
     /// [`Refusal::Unloadable`], naming the file and the tensor.
     pub fn prepare_update_with(&self, model: &str, tensors: &[String]) -> Result<(), Refusal> {
-        let (current, layout, config) = {
+        let (origin, shapes, config, layout, asleep) = {
             let live = lock_live(&self.live);
-            let current = live.origin.clone().ok_or(Refusal::WeightsUntagged)?;
-            (current, live.layout.clone(), live.config.clone())
+            let current = live.current.as_ref().ok_or(Refusal::WeightsUntagged)?;
+            let tensors = tensors.iter().map(PathBuf::from).collect();
+            let origin =
+                ShardOrigin { path: PathBuf::from(model), tensors, ..current.origin.clone() };
+            let asleep = current.arena.allocation_released();
+            let (shapes, config) = (current.shapes.clone(), current.config.clone());
+            (origin, shapes, config, current.layout.clone(), asleep)
         };
-        let tensors = tensors.iter().map(PathBuf::from).collect();
-        let origin = ShardOrigin { path: PathBuf::from(model), tensors, ..current };
-        let loaded = origin
-            .load()
-            .map_err(|e| Refusal::Unloadable { model: model.to_owned(), reason: e.to_string() })?;
+        let unloadable = |reason: String| Refusal::Unloadable { model: model.to_owned(), reason };
+        let mut loaded = origin.load().map_err(|e| unloadable(e.to_string()))?;
         let misfit = |detail: String| Refusal::Misfit { model: model.to_owned(), detail };
-        let shape = shape_of(loaded.config());
-        if config.as_ref() != Some(&shape) {
-            return Err(misfit(format!("its shape {shape:?} differs from the live {config:?}")));
+        let differences = loaded.config().differences(&config);
+        if !differences.is_empty() {
+            return Err(misfit(differences.join("; ")));
         }
-        let got: Vec<usize> = loaded.weight_buffers().iter().map(|b| b.len()).collect();
-        if got != layout {
-            let at = got.iter().zip(&layout).position(|(a, b)| a != b);
-            let at = at.unwrap_or(got.len().min(layout.len()));
-            return Err(misfit(format!(
-                "{} weight buffers against {}, the first difference at buffer {at} ({} bytes against {})",
-                got.len(),
-                layout.len(),
-                got.get(at).copied().unwrap_or(0),
-                layout.get(at).copied().unwrap_or(0),
-            )));
+        if let Some(difference) = shape_difference(&loaded.weight_shapes(), &shapes) {
+            return Err(misfit(difference));
         }
-        lock_live(&self.live).staged = Some((origin, loaded));
+        let fits = loaded.weight_buffers().iter().map(|b| b.len()).eq(layout.iter().copied());
+        let placed = if fits {
+            None
+        } else {
+            if asleep {
+                return Err(Refusal::OtherFormAsleep { model: model.to_owned() });
+            }
+            let needed = loaded.weight_bytes().next_multiple_of(self.manager.granularity());
+            let needed = needed as u64;
+            if let Some(available) = (self.host_available)().filter(|&a| a < needed) {
+                return Err(Refusal::NoRoom { model: model.to_owned(), needed, available });
+            }
+            let placed = self.place(&mut loaded, &origin).map_err(|e| unloadable(e.to_string()))?;
+            vmm::trim_heap();
+            Some(placed)
+        };
+        lock_live(&self.live).staged = Some(Staged { origin, model: loaded, placed });
         Ok(())
     }
 
-    /// Writes the staged checkpoint's weights over the live ones (released weights: only
-    /// makes it what the wakeup reloads). Returns the bytes written.
+    /// Puts the staged checkpoint's weights in place of the live ones: written over them when
+    /// they are in the same form (released weights: only makes it what the wakeup reloads),
+    /// else swapped in, their allocation becoming the live one; the engine's model takes them
+    /// at its next step ([`ModelMemory::take_new_weights`]) and the old allocation is freed
+    /// then. Returns the bytes written (the new buffers' bytes for a swap).
     ///
     /// # Errors
     /// Nothing staged (changed nothing), or the allocation cannot be written.
     pub fn update(&self) -> Result<u64, MemoryError> {
         let mut live = lock_live(&self.live);
-        let Some((origin, model)) = live.staged.take() else {
+        let Some(staged) = live.staged.take() else {
             let message = "no weight update is staged".to_owned();
             return Err(MemoryError { changed: false, message });
         };
-        let written = live.write(&model.weight_buffers())?;
-        live.previous = live.origin.replace(origin);
-        Ok(written)
+        let Staged { origin, model, placed } = staged;
+        match placed {
+            None => {
+                let current = live.current.as_mut().ok_or_else(untagged)?;
+                let written = current.write(&model.weight_buffers())?;
+                live.previous = Some(std::mem::replace(&mut current.origin, origin));
+                Ok(written)
+            }
+            Some(placed) => {
+                let written = model.weight_bytes() as u64;
+                let replaced = live.current.as_ref().map(|c| c.origin.clone());
+                live.swap_in(placed, model)?;
+                live.previous = replaced;
+                Ok(written)
+            }
+        }
     }
 
-    /// Puts back the checkpoint the latest update replaced (loaded again from its file).
+    /// Puts back the checkpoint the latest update replaced (loaded again from its file):
+    /// written over the live buffers when it is in their form, else swapped in as
+    /// [`ModelMemory::update`] does (the allocation the engine still reads, when it has not
+    /// taken the update's weights yet, or a new one).
     ///
     /// # Errors
-    /// No update to revert, or the old checkpoint cannot be loaded or written.
+    /// No update to revert, or the old checkpoint cannot be loaded, allocated or written.
     pub fn revert(&self) -> Result<u64, MemoryError> {
-        let mut live = lock_live(&self.live);
-        let Some(previous) = live.previous.take() else {
+        let Some(previous) = lock_live(&self.live).previous.take() else {
             let message = "no weight update to revert".to_owned();
             return Err(MemoryError { changed: false, message });
         };
-        let model = previous.load().map_err(|e| MemoryError {
+        let failed = |what: &str, e: &dyn std::fmt::Display| MemoryError {
             changed: false,
-            message: format!("reloading {}: {e}", previous.path.display()),
-        })?;
-        let written = live.write(&model.weight_buffers())?;
-        live.origin = Some(previous);
+            message: format!("{what} {}: {e}", previous.path.display()),
+        };
+        let mut model = previous.load().map_err(|e| failed("reloading", &e))?;
+        let layout: Vec<usize> = model.weight_buffers().iter().map(|b| b.len()).collect();
+        {
+            let mut live = lock_live(&self.live);
+            let current = live.current.as_mut().ok_or_else(untagged)?;
+            if current.layout == layout {
+                let written = current.write(&model.weight_buffers())?;
+                current.origin = previous;
+                return Ok(written);
+            }
+            if let Some(swap) = live.swap.take_if(|s| s.retired.layout == layout) {
+                // The engine still reads the buffers the update replaced: they come back.
+                let Swap { model: new, mut retired } = swap;
+                let written = match retired.write(&model.weight_buffers()) {
+                    Ok(written) => written,
+                    Err(e) => {
+                        live.swap = Some(Swap { model: new, retired });
+                        return Err(e);
+                    }
+                };
+                retired.origin = previous;
+                live.current = Some(retired);
+                return Ok(written);
+            }
+        }
+        let placed =
+            self.place(&mut model, &previous).map_err(|e| failed("placing the weights of", &e))?;
+        vmm::trim_heap();
+        let written = model.weight_bytes() as u64;
+        lock_live(&self.live).swap_in(placed, model)?;
         Ok(written)
     }
 
-    /// Forgets a staged update.
+    /// Forgets a staged update (and frees the allocation it was given, if any).
     pub fn drop_update(&self) {
-        lock_live(&self.live).staged = None;
+        let staged = lock_live(&self.live).staged.take();
+        drop(staged);
+    }
+
+    /// Weights that a weight update put in new buffers, for the engine's model to take in
+    /// place of its own ([`ParallelModel::adopt_weights`]) before it computes again; the
+    /// buffers it read until then are freed once it drops them. `None` when there are none.
+    pub fn take_new_weights(&self) -> Option<ParallelModel> {
+        let swap = lock_live(&self.live).swap.take()?;
+        Some(swap.model)
     }
 
     /// The checkpoint the weights came from.
     pub fn checkpoint(&self) -> Option<PathBuf> {
-        lock_live(&self.live).origin.as_ref().map(|o| o.path.clone())
+        lock_live(&self.live).current.as_ref().map(|p| p.origin.path.clone())
     }
 
     /// The configured restore policy of `tag`.
@@ -373,33 +497,14 @@ impl ModelMemory {
         model: &mut ParallelModel,
         origin: &ShardOrigin,
     ) -> Result<(), PlaceError> {
-        let bytes = model.weight_bytes();
-        if bytes == 0 {
+        if model.weight_bytes() == 0 {
             return Ok(());
         }
-        let policy = self.weights.policy().unwrap_or_else(|| {
-            // The checkpoint live at the wakeup: a weight update may have replaced it.
-            let live = self.live.clone();
-            vmm::Policy::Reload(vmm::Source::from_fn(move |buf| {
-                let origin = lock_live(&live).origin.clone();
-                let origin = origin.ok_or_else(|| std::io::Error::other("no live checkpoint"))?;
-                origin.fill(buf).map_err(std::io::Error::other)
-            }))
-        });
-        let allocate =
-            |source| PlaceError::Allocate { what: format!("{bytes} bytes of weights"), source };
-        let alloc = self.manager.allocate(vmm::Tag::WEIGHTS, bytes, policy).map_err(allocate)?;
-        let arena = Arc::new(VmmArena::new(alloc).map_err(allocate)?);
-        model.move_weights_to(&*arena).map_err(|source| PlaceError::Model {
-            what: "moving the weights".into(),
-            source: Box::new(source),
-        })?;
+        let placed = self.place(model, origin)?;
         {
             let mut live = lock_live(&self.live);
-            live.layout = model.weight_buffers().iter().map(|b| b.len()).collect();
-            live.config = Some(shape_of(model.config()));
-            live.origin = Some(origin.clone());
-            live.arena = Some(arena);
+            live.current = Some(placed);
+            live.swap = None;
         }
         // The heap copies are gone; give their pages back rather than keep them resident.
         vmm::trim_heap();
@@ -415,6 +520,45 @@ impl ModelMemory {
             )));
         }
         Ok(())
+    }
+
+    /// Moves `model`'s weights into a new `weights` allocation restored by the weights'
+    /// policy ([`Restore::Reload`]: from the checkpoint it holds when it is restored).
+    fn place(&self, model: &mut ParallelModel, origin: &ShardOrigin) -> Result<Placed, PlaceError> {
+        let bytes = model.weight_bytes();
+        let id = {
+            let mut live = lock_live(&self.live);
+            live.next_id += 1;
+            live.next_id
+        };
+        let policy = self.weights.policy().unwrap_or_else(|| {
+            // Weak: the allocation lives inside what it points to.
+            let live = Arc::downgrade(&self.live);
+            vmm::Policy::Reload(vmm::Source::from_fn(move |buf| {
+                let origin = live.upgrade().and_then(|live| lock_live(&live).origin_of(id));
+                match origin {
+                    Some(origin) => origin.fill(buf).map_err(std::io::Error::other),
+                    // Replaced and read by no model any more: freed with its last weight.
+                    None => Ok(()),
+                }
+            }))
+        });
+        let allocate =
+            |source| PlaceError::Allocate { what: format!("{bytes} bytes of weights"), source };
+        let alloc = self.manager.allocate(vmm::Tag::WEIGHTS, bytes, policy).map_err(allocate)?;
+        let arena = Arc::new(VmmArena::new(alloc).map_err(allocate)?);
+        model.move_weights_to(&*arena).map_err(|source| PlaceError::Model {
+            what: "moving the weights".into(),
+            source: Box::new(source),
+        })?;
+        Ok(Placed {
+            id,
+            arena,
+            origin: origin.clone(),
+            layout: model.weight_buffers().iter().map(|b| b.len()).collect(),
+            shapes: model.weight_shapes(),
+            config: model.config().clone(),
+        })
     }
 
     /// Free bytes of the GPU `backend` computes on, as NVML reports them; `None` on the CPU or
@@ -514,25 +658,44 @@ impl ModelMemory {
     }
 }
 
-/// `config` without what a checkpoint may change (its context length).
-fn shape_of(config: &checkpoint::LlamaConfig) -> checkpoint::LlamaConfig {
-    checkpoint::LlamaConfig { context_length: 0, ..config.clone() }
-}
-
 fn lock_live(live: &Mutex<LiveWeights>) -> std::sync::MutexGuard<'_, LiveWeights> {
     live.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+fn untagged() -> MemoryError {
+    MemoryError { changed: false, message: "the weights are not in tagged memory".into() }
+}
+
+/// `MemAvailable` of /proc/meminfo, in bytes (`None` where there is none).
+fn available_host_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 impl LiveWeights {
-    /// Writes `buffers` over the live weights, laid out as [`ModelMemory::place_weights`]
+    /// Makes `placed` (holding `model`'s weights) the live allocation; the engine's model
+    /// takes `model` at its next step. The allocation it reads until then stays (the one
+    /// replaced, or the one an earlier swap it has not taken yet replaced).
+    fn swap_in(&mut self, placed: Placed, model: ParallelModel) -> Result<(), MemoryError> {
+        let old = self.current.replace(placed);
+        let retired = match self.swap.take() {
+            // The engine never took the weights of `old`: nothing reads it any more.
+            Some(swap) => swap.retired,
+            None => old.ok_or_else(untagged)?,
+        };
+        self.swap = Some(Swap { model, retired });
+        Ok(())
+    }
+}
+
+impl Placed {
+    /// Writes `buffers` over these weights, laid out as [`ModelMemory::place_weights`]
     /// placed them; nothing when the weights are released (the wakeup reloads them).
     fn write(&self, buffers: &[&[u8]]) -> Result<u64, MemoryError> {
         let fail = |message: String| MemoryError { changed: false, message };
-        let arena = self
-            .arena
-            .as_ref()
-            .ok_or_else(|| fail("the weights are not in tagged memory".into()))?;
-        let regions = arena.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let regions = self.arena.0.lock().unwrap_or_else(PoisonError::into_inner);
         let alloc = regions.allocation();
         if alloc.is_released() {
             return Ok(0);

@@ -203,3 +203,174 @@ fn the_kv_cache_cannot_be_reloaded_and_discard_is_lossy() {
     assert_eq!(m.lossy_tags(), vec!["kv_cache".to_string()]);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The `weights` allocations of `memory`'s manager, by size.
+fn weight_allocations(memory: &ModelMemory) -> Vec<u64> {
+    let infos = memory.manager().allocations();
+    infos.iter().filter(|i| i.tag == vmm::Tag::WEIGHTS).map(|i| i.bytes).collect()
+}
+
+/// Weights loaded from an f32 file take an update from the same weights in Q8_0 (other
+/// buffers): the PREPARE puts them in a new allocation, the COMMIT swaps it in, the model
+/// takes them before its next step and answers as a fresh load of the Q8_0 file, and the old
+/// allocation is gone; a level-2 sleep reloads the new file into the new allocation. A revert
+/// swaps the f32 weights back the same way; a rollback before the model took the new weights
+/// gives it back the buffers it never stopped reading.
+#[test]
+fn an_update_in_another_form_is_swapped_in_and_reverted() {
+    use crate::sleep::RankMemory;
+    let dir = std::env::temp_dir().join(format!("tpctl-memory-x-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (f32_path, q8_path) = (dir.join("f32.gguf"), dir.join("q8.gguf"));
+    let spec = RandomLlama { seed: 21, untied_head: true, ..Default::default() };
+    spec.write(&f32_path).unwrap();
+    let q8 = RandomLlama { quantized: Some(tensor::kernels::BlockFormat::Q8_0), ..spec };
+    q8.write(&q8_path).unwrap();
+    let (placement, form) = (Placement::single(), WeightForm::Native);
+    let load = |path: &std::path::Path| {
+        ParallelModel::load(path, LoadOptions::new(placement).form(form)).unwrap()
+    };
+    let answers = |model: &ParallelModel| generate(model, &mut model.new_cache(64), &[1, 2, 3], 4);
+    let (want_f32, want_q8) = (answers(&load(&f32_path)), answers(&load(&q8_path)));
+    assert_ne!(want_f32, want_q8, "the two forms must answer differently");
+    let bytes = |path: &std::path::Path| load(path).weight_bytes() as u64;
+    let (f32_bytes, q8_bytes) = (bytes(&f32_path), bytes(&q8_path));
+
+    let memory =
+        ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Backup).unwrap();
+    let mut model = load(&f32_path);
+    let origin = ShardOrigin { path: f32_path.clone(), tensors: Vec::new(), placement, form };
+    memory.place_weights(&mut model, &origin).unwrap();
+    let rank = ModelRankMemory::new(&memory, model.backend().clone());
+    let q8_name = q8_path.to_str().unwrap();
+
+    rank.prepare_update(q8_name).unwrap();
+    assert_eq!(weight_allocations(&memory), [f32_bytes, q8_bytes], "both until the swap");
+    let receipt = rank.update().unwrap();
+    assert_eq!(receipt[0].bytes, q8_bytes);
+    assert_eq!(memory.checkpoint(), Some(q8_path.clone()));
+    assert_eq!(answers(&model), want_f32, "the model reads its own buffers until it takes them");
+    model.adopt_weights(memory.take_new_weights().expect("new weights")).unwrap();
+    assert!(memory.take_new_weights().is_none());
+    assert_eq!(weight_allocations(&memory), [q8_bytes], "the old buffers are freed");
+    assert_eq!(answers(&model), want_q8);
+    let tags = ["weights".to_owned()];
+    rank.release_at(&tags, Some(2)).unwrap();
+    rank.materialize(&tags).unwrap();
+    assert_eq!(answers(&model), want_q8, "the wakeup reloads the new file into the new buffers");
+
+    rank.revert().unwrap();
+    assert_eq!(memory.checkpoint(), Some(f32_path.clone()));
+    model.adopt_weights(memory.take_new_weights().expect("the old weights")).unwrap();
+    assert_eq!(weight_allocations(&memory), [f32_bytes]);
+    assert_eq!(answers(&model), want_f32);
+
+    // A rollback right after the COMMIT, before the model took the new weights.
+    rank.prepare_update(q8_name).unwrap();
+    rank.update().unwrap();
+    rank.revert().unwrap();
+    assert!(memory.take_new_weights().is_none(), "nothing left to take");
+    assert_eq!(weight_allocations(&memory), [f32_bytes]);
+    assert_eq!(memory.checkpoint(), Some(f32_path.clone()));
+    assert_eq!(answers(&model), want_f32);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// An update that cannot be taken is refused before anything changes, in the model's terms:
+/// another shape names the field, weights in another form are refused while asleep and when
+/// the host lacks the memory for their new buffers (with the numbers); nothing is staged.
+#[test]
+fn updates_that_do_not_fit_are_refused_by_name_before_any_change() {
+    use crate::sleep::RankMemory;
+    let dir = std::env::temp_dir().join(format!("tpctl-memory-r-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let spec = RandomLlama { seed: 22, ..Default::default() };
+    let write = |name: &str, spec: RandomLlama| {
+        let path = dir.join(name);
+        spec.write(&path).unwrap();
+        path.to_str().unwrap().to_owned()
+    };
+    let live = write("live.gguf", spec.clone());
+    let wider = write("wider.gguf", RandomLlama { ffn: 128, layers: 3, ..spec.clone() });
+    let q8 = RandomLlama { quantized: Some(tensor::kernels::BlockFormat::Q8_0), ..spec.clone() };
+    let q8 = write("q8.gguf", q8);
+    let (placement, form) = (Placement::single(), WeightForm::Native);
+    let memory =
+        ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Backup).unwrap();
+    let memory = ModelMemory { host_available: || Some(1000), ..memory };
+    let mut model = ParallelModel::load(&live, LoadOptions::new(placement).form(form)).unwrap();
+    let origin = ShardOrigin { path: live.clone().into(), tensors: Vec::new(), placement, form };
+    memory.place_weights(&mut model, &origin).unwrap();
+    let rank = ModelRankMemory::new(&memory, model.backend().clone());
+    let before = weight_allocations(&memory);
+
+    let err = rank.prepare_update(&wider).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        format!(
+            "{wider} does not fit the live weights: 3 layers; the live model has 2; \
+             feed-forward size 128; the live model has 96"
+        )
+    );
+    let err = rank.prepare_update(&q8).unwrap_err().to_string();
+    let needed = ParallelModel::load(&q8, LoadOptions::new(placement).form(form))
+        .unwrap()
+        .weight_bytes()
+        .next_multiple_of(memory.manager().granularity());
+    assert!(err.starts_with(&format!("{q8} stores the weights in another form")), "{err}");
+    assert!(err.contains(&format!("needs {needed} bytes")), "{err}");
+    assert!(err.ends_with("and 1000 bytes (0 MiB) are available"), "{err}");
+    assert_eq!(weight_allocations(&memory), before);
+
+    let tags = ["weights".to_owned()];
+    rank.release_at(&tags, Some(2)).unwrap();
+    let err = rank.prepare_update(&q8).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        format!(
+            "{q8} stores the weights in another form than the live ones, and those are \
+             asleep: wake them up first, then reload"
+        )
+    );
+    let err = rank.update().unwrap_err();
+    assert_eq!(err.message, "no weight update is staged");
+    rank.materialize(&tags).unwrap();
+    assert_eq!(memory.checkpoint(), Some(live.into()));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A Hugging Face folder of the weights a Q8_0 GGUF file holds (f32 safetensors) replaces
+/// them: swapped in, the model answers as a fresh load of the folder.
+#[test]
+fn an_update_from_a_hugging_face_folder_of_a_gguf_model_is_swapped_in() {
+    use crate::sleep::RankMemory;
+    let dir = std::env::temp_dir().join(format!("tpctl-memory-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (gguf, folder) = (dir.join("q8.gguf"), dir.join("hf"));
+    let spec = RandomLlama { seed: 23, ..Default::default() };
+    spec.write_hf(&folder, false).unwrap();
+    RandomLlama { quantized: Some(tensor::kernels::BlockFormat::Q8_0), ..spec }
+        .write(&gguf)
+        .unwrap();
+    let (placement, form) = (Placement::single(), WeightForm::Native);
+    let load = |path: &std::path::Path| {
+        ParallelModel::load(path, LoadOptions::new(placement).form(form)).unwrap()
+    };
+    let answers = |model: &ParallelModel| generate(model, &mut model.new_cache(64), &[4, 5], 4);
+    let memory =
+        ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Backup).unwrap();
+    let mut model = load(&gguf);
+    memory
+        .place_weights(
+            &mut model,
+            &ShardOrigin { path: gguf.clone(), tensors: Vec::new(), placement, form },
+        )
+        .unwrap();
+    let rank = ModelRankMemory::new(&memory, model.backend().clone());
+    rank.prepare_update(folder.to_str().unwrap()).unwrap();
+    rank.update().unwrap();
+    model.adopt_weights(memory.take_new_weights().expect("new buffers")).unwrap();
+    assert_eq!(answers(&model), answers(&load(&folder)));
+    assert_eq!(memory.checkpoint(), Some(folder));
+    std::fs::remove_dir_all(&dir).ok();
+}

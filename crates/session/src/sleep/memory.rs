@@ -65,6 +65,33 @@ pub enum Refusal {
         /// The first difference.
         detail: String,
     },
+    /// The checkpoint stores the live weights in another form (another quantization), so
+    /// it needs new buffers beside the live ones, and the host has too little memory left.
+    #[error(
+        "{model} stores the weights in another form, so it needs {needed} bytes ({} MiB) of \
+         host memory beside the live weights until they are swapped, and {available} bytes \
+         ({} MiB) are available",
+        needed >> 20,
+        available >> 20
+    )]
+    NoRoom {
+        /// The checkpoint.
+        model: String,
+        /// Bytes of the new buffers.
+        needed: u64,
+        /// Bytes the host has available.
+        available: u64,
+    },
+    /// The checkpoint stores the weights in another form while they are asleep: new buffers
+    /// are made only for weights that are awake.
+    #[error(
+        "{model} stores the weights in another form than the live ones, and those are asleep: \
+         wake them up first, then reload"
+    )]
+    OtherFormAsleep {
+        /// The checkpoint.
+        model: String,
+    },
     /// The memory refuses for a reason of its own (a tag pinned or in use).
     #[error("{0}")]
     Busy(String),

@@ -211,8 +211,13 @@ pub(super) async fn update_weights(
     query: Pairs,
     body: std::result::Result<Bytes, BytesRejection>,
 ) -> Response {
-    let has_body = body.as_ref().map_or(true, |b| b.iter().any(|c| !c.is_ascii_whitespace()));
-    if !has_body {
+    // No body, or an empty object (what clients send with `json={}`): a checkpoint reload.
+    let bucket = body.as_ref().map_or(true, |b| {
+        let blank = b.iter().all(u8::is_ascii_whitespace);
+        let empty = serde_json::from_slice::<Value>(b).is_ok_and(|v| v == json!({}));
+        !blank && !empty
+    });
+    if !bucket {
         return control_op(api, Action::Update, query).await;
     }
     #[derive(serde::Deserialize)]
