@@ -8,6 +8,7 @@ mod serve;
 mod session;
 mod sleep;
 mod structured;
+mod update;
 mod vmm;
 
 use anyhow::{bail, Result};
@@ -36,6 +37,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "sleep" => sleep::run(json)?,
             "serve" => serve::run(json)?,
             "structured" => structured::run(json)?,
+            "update" => update::run(json)?,
             "cycles" => cycles::run(json)?,
             "agree" => agree::run(json)?,
             "all" => {
@@ -46,7 +48,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             }
             other => {
                 bail!(
-                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, structured, sleep, cycles, agree or all"
+                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, structured, update, sleep, cycles, agree or all"
                 )
             }
         }
