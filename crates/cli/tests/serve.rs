@@ -304,6 +304,34 @@ fn reference(model: &str, prompts: &[&str], max_tokens: u32) -> Vec<Vec<u64>> {
         .collect()
 }
 
+/// A completion of each prompt (comma-separated ids), each sent on its own thread: the
+/// replies come from the joins.
+fn completions_in_background(
+    server: &Arc<Server>,
+    prompts: &[&str],
+    max_tokens: u32,
+) -> Vec<std::thread::JoinHandle<Reply>> {
+    prompts
+        .iter()
+        .map(|p| {
+            let (server, body) = (server.clone(), completion(p, max_tokens));
+            std::thread::spawn(move || server.post("/v1/completions", &body))
+        })
+        .collect()
+}
+
+/// A running server's greedy tokens for each prompt (comma-separated ids), one request each.
+fn greedy_ids(server: &Server, prompts: &[&str], max_tokens: u32) -> Vec<Vec<u64>> {
+    prompts
+        .iter()
+        .map(|p| {
+            let reply = server.post("/v1/completions", &completion(p, max_tokens));
+            assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
+            ids(&reply.json()["choices"][0]["token_ids"])
+        })
+        .collect()
+}
+
 fn prompt_ids(p: &str) -> Value {
     json!(p.split(',').map(|t| t.parse::<u32>().unwrap()).collect::<Vec<_>>())
 }
@@ -760,13 +788,7 @@ fn generations_survive_a_sleep_with_mode_keep_and_abort_ends_them() {
         let env = [("XDG_RUNTIME_DIR", rt.as_str())];
         let args = ["--tp", "2", "--cp", "2", "--deployment", name, toml.to_str().unwrap()];
         let server = Arc::new(Server::start_with(model, &args, &env));
-        let running: Vec<_> = prompts
-            .iter()
-            .map(|p| {
-                let (server, p) = (server.clone(), p.to_string());
-                std::thread::spawn(move || server.post("/v1/completions", &completion(&p, MAX)))
-            })
-            .collect();
+        let running = completions_in_background(&server, &prompts, MAX);
         let (code, reply, err) = control(&rt, &["sleep", "--tags", "kv_cache", "--mode", "keep"]);
         assert_eq!(code, 0, "{name}: {err}\n{reply}\n{}", server.log());
         let waiting = {
@@ -1221,16 +1243,7 @@ fn a_weight_update_serves_the_new_checkpoint_like_a_fresh_start() {
     let (want_first, want_second) =
         (reference(&first, &prompts, MAX), reference(&second, &prompts, MAX));
     assert_ne!(want_first, want_second, "the checkpoints must answer differently");
-    let answers = |server: &Server| -> Vec<Vec<u64>> {
-        prompts
-            .iter()
-            .map(|p| {
-                let reply = server.post("/v1/completions", &completion(p, MAX));
-                assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
-                ids(&reply.json()["choices"][0]["token_ids"])
-            })
-            .collect()
-    };
+    let answers = |server: &Server| greedy_ids(server, &prompts, MAX);
 
     let rt = runtime_dir("update");
     let env = [("XDG_RUNTIME_DIR", rt.as_str())];
@@ -1322,13 +1335,7 @@ fn a_trainer_pauses_updates_the_weights_and_resumes() {
     let rt = runtime_dir("rl-loop");
     let env = [("XDG_RUNTIME_DIR", rt.as_str())];
     let server = Arc::new(Server::start_with(first, &["--tp", "2", "--deployment", "rl"], &env));
-    let running: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let (server, p) = (server.clone(), p.to_string());
-            std::thread::spawn(move || server.post("/v1/completions", &completion(&p, MAX)))
-        })
-        .collect();
+    let running = completions_in_background(&server, &prompts, MAX);
     let (code, reply, err) = control(&rt, &["pause", "--mode", "keep"]);
     assert_eq!(code, 0, "{err}\n{reply}\n{}", server.log());
     assert_eq!(reply["paused"], json!({"paused": true, "changed": true}), "{reply}");
@@ -1411,16 +1418,7 @@ fn a_trainer_pushes_tensors_from_memory_in_buckets() {
     );
     let prompts = ["1,2,3", "9,8"];
     let want_base = reference(&base_s, &prompts, MAX);
-    let answers = |server: &Server| -> Vec<Vec<u64>> {
-        prompts
-            .iter()
-            .map(|p| {
-                let reply = server.post("/v1/completions", &completion(p, MAX));
-                assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
-                ids(&reply.json()["choices"][0]["token_ids"])
-            })
-            .collect()
-    };
+    let answers = |server: &Server| greedy_ids(server, &prompts, MAX);
 
     let rt = runtime_dir("rl-mem");
     let env = [("XDG_RUNTIME_DIR", rt.as_str())];
@@ -1524,16 +1522,7 @@ fn a_weight_update_in_another_storage_form_serves_it_like_a_fresh_start() {
     let (want_f32, want_q4) =
         (reference(&f32_file, &prompts, MAX), reference(&q4_file, &prompts, MAX));
     assert_ne!(want_f32, want_q4, "the two forms must answer differently");
-    let answers = |server: &Server| -> Vec<Vec<u64>> {
-        prompts
-            .iter()
-            .map(|p| {
-                let reply = server.post("/v1/completions", &completion(p, MAX));
-                assert_eq!(reply.status, 200, "{reply:?}\n{}", server.log());
-                ids(&reply.json()["choices"][0]["token_ids"])
-            })
-            .collect()
-    };
+    let answers = |server: &Server| greedy_ids(server, &prompts, MAX);
 
     let rt = runtime_dir("form");
     let env = [("XDG_RUNTIME_DIR", rt.as_str())];

@@ -21,9 +21,9 @@ use session::sleep::{
     listener, Action, ControlPlane, Coordinator, CoordinatorOptions, Idle, Message, NoMemory,
     OpOptions, OpReceipt, Phase, RankMemory, VmmMemory,
 };
-use std::hash::{DefaultHasher, Hasher};
 use std::path::{Path, PathBuf};
 mod common;
+use common::{median, memcpy_time, weights_hash};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -106,11 +106,6 @@ fn launch(mode: &str, world: usize, env: &[(&str, String)]) -> Vec<String> {
     common::launch_ranks(mode, world, &env)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Median time of one status round trip to every peer in turn (serially).
 fn sequential_sweep(link: &tcp::TcpCoordinator) -> f64 {
     let peers = link.peers();
@@ -135,20 +130,6 @@ fn sequential_sweep(link: &tcp::TcpCoordinator) -> f64 {
                 }
             }
         }
-        v.push(t.elapsed().as_secs_f64());
-    }
-    median(v)
-}
-
-/// Median time of a memcpy of `bytes` bytes.
-fn memcpy_time(bytes: usize) -> f64 {
-    let src = vec![1u8; bytes];
-    let mut dst = vec![0u8; bytes];
-    let mut v = Vec::new();
-    for _ in 0..5 {
-        let t = Instant::now();
-        dst.copy_from_slice(std::hint::black_box(&src));
-        std::hint::black_box(&dst);
         v.push(t.elapsed().as_secs_f64());
     }
     median(v)
@@ -196,16 +177,6 @@ impl ModelShard {
             std::process::exit(1);
         }
     }
-}
-
-/// A hash of every weight buffer, in order, lengths included.
-fn weights_hash(model: &ParallelModel) -> u64 {
-    let mut h = DefaultHasher::new();
-    for b in model.weight_buffers() {
-        h.write_usize(b.len());
-        h.write(b);
-    }
-    h.finish()
 }
 
 /// What the cycles of one configuration measured on rank 0.

@@ -17,43 +17,16 @@ use checkpoint::WeightSource;
 use layers::model::WeightForm;
 use layers::parallel::{LoadOptions, ParallelModel, Placement};
 use session::model_memory::{ModelMemory, Restore, ShardOrigin};
-use std::hash::{DefaultHasher, Hasher};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+
+mod common;
+use common::{median, memcpy_time, weights_hash};
 
 /// The model (else the default model in the cache).
 const MODEL_ENV: &str = "TPCTL_UPDATE_BENCH_MODEL";
 /// Timed updates of each kind; the median counts.
 const ROUNDS: usize = 3;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn weights_hash(model: &ParallelModel) -> u64 {
-    let mut h = DefaultHasher::new();
-    for b in model.weight_buffers() {
-        h.write_usize(b.len());
-        h.write(b);
-    }
-    h.finish()
-}
-
-/// Median seconds of a copy of `bytes` between two buffers already touched.
-fn memcpy_time(bytes: usize) -> f64 {
-    let src = vec![1u8; bytes];
-    let mut dst = vec![0u8; bytes];
-    let v = (0..5)
-        .map(|_| {
-            let t = Instant::now();
-            dst.copy_from_slice(std::hint::black_box(&src));
-            std::hint::black_box(&dst);
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    median(v)
-}
 
 /// Writes every tensor of the GGUF `model` to `out` as f32 under its Hugging Face name, in
 /// the Hugging Face layout (query and key rows not interleaved): what a trainer holds.

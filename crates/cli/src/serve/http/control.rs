@@ -160,29 +160,12 @@ async fn control_op(api: Api, action: Action, query: Pairs) -> Response {
     match run {
         Ok(Ok(op)) => Json(op).into_response(),
         Ok(Err(e)) => {
-            let (status, kind, code) = if e.client_error {
-                let code = match action {
-                    Action::Update | Action::Revert => "invalid_checkpoint",
-                    Action::Wakeup => "invalid_request",
-                    Action::Sleep => "invalid_tags",
-                };
-                (StatusCode::BAD_REQUEST, "invalid_request_error", code)
-            } else {
-                let code = match action {
-                    Action::Update | Action::Revert => "update_failed",
-                    Action::Sleep | Action::Wakeup => "sleep_failed",
-                };
-                (StatusCode::INTERNAL_SERVER_ERROR, "server_error", code)
+            let codes = match action {
+                Action::Update | Action::Revert => ("invalid_checkpoint", "update_failed"),
+                Action::Wakeup => ("invalid_request", "sleep_failed"),
+                Action::Sleep => ("invalid_tags", "sleep_failed"),
             };
-            let body = json!({"error": {
-                "message": e.message,
-                "type": kind,
-                "code": code,
-                "param": null,
-                "failures": e.failures,
-                "outcome": e.outcome,
-            }});
-            (status, Json(body)).into_response()
+            failed(e, codes)
         }
         Err(join) => ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -192,6 +175,25 @@ async fn control_op(api: Api, action: Action, query: Pairs) -> Response {
         )
         .into_response(),
     }
+}
+
+/// A failed operation as OpenAI-style JSON with every failing rank and the outcome: a 400
+/// with the first code for the caller's mistake, else a 500 with the second.
+fn failed(e: ErrorWire, (client, server): (&'static str, &'static str)) -> Response {
+    let (status, kind, code) = if e.client_error {
+        (StatusCode::BAD_REQUEST, "invalid_request_error", client)
+    } else {
+        (StatusCode::INTERNAL_SERVER_ERROR, "server_error", server)
+    };
+    let body = json!({"error": {
+        "message": e.message,
+        "type": kind,
+        "code": code,
+        "param": null,
+        "failures": e.failures,
+        "outcome": e.outcome,
+    }});
+    (status, Json(body)).into_response()
 }
 
 pub(super) async fn sleep(State(api): State<Api>, query: Pairs) -> Response {
@@ -285,18 +287,7 @@ async fn staging_op(
     };
     match tokio::task::spawn_blocking(move || op(&controller)).await {
         Ok(Ok(v)) => Json(v).into_response(),
-        Ok(Err(e)) => {
-            let (status, kind, code) = if e.client_error {
-                (StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_update")
-            } else {
-                (StatusCode::INTERNAL_SERVER_ERROR, "server_error", "update_failed")
-            };
-            let body = json!({"error": {
-                "message": e.message, "type": kind, "code": code, "param": null,
-                "failures": e.failures, "outcome": e.outcome,
-            }});
-            (status, Json(body)).into_response()
-        }
+        Ok(Err(e)) => failed(e, ("invalid_update", "update_failed")),
         Err(join) => ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "server_error",
