@@ -1546,6 +1546,41 @@ fn a_weight_update_in_another_storage_form_serves_it_like_a_fresh_start() {
     assert_eq!(server.interrupt().code(), Some(130));
 }
 
+/// An update from memory into a quantized model: f32 tensors laid over Q4_1 weights do not fit
+/// their buffers, so every rank loads the shard into new buffers and swaps them in. A bucket
+/// of every tensor of another f32 checkpoint of the same shapes makes the served model that
+/// checkpoint: the answers of a fresh `tpctl run` of it, also after a level-2 sleep.
+#[test]
+fn a_quantized_model_takes_f32_tensors_from_memory() {
+    const MAX: u32 = 12;
+    let q4 = common::tiny_q4_model();
+    let f32_dir = scratch("mem-q4-f32");
+    let spec = layers::model::random::RandomLlama { seed: 12, ..Default::default() };
+    spec.write_hf(&f32_dir, false).expect("write the f32 folder");
+    let f32_dir = f32_dir.to_string_lossy().into_owned();
+    let prompts = ["1,2,3", "9,8"];
+    let (want_q4, want_f32) = (reference(q4, &prompts, MAX), reference(&f32_dir, &prompts, MAX));
+    assert_ne!(want_q4, want_f32, "the checkpoints must answer differently");
+    let rt = runtime_dir("mem-q4");
+    let env = [("XDG_RUNTIME_DIR", rt.as_str())];
+    let server = Server::start_with(q4, &["--tp", "2", "--deployment", "mem-q4"], &env);
+    assert_eq!(greedy_ids(&server, &prompts, MAX), want_q4);
+    let bucket = format!("{f32_dir}/model.safetensors");
+    let (code, reply, err) = control(&rt, &["reload", "--tensors", &bucket]);
+    assert_eq!(code, 0, "{err}\n{reply}\n{}", server.log());
+    assert_eq!(reply["op"]["weight_version"], "1", "{reply}");
+    assert_eq!(greedy_ids(&server, &prompts, MAX), want_f32);
+    let (code, _, err) = control(&rt, &["sleep", "--level", "2"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = control(&rt, &["wakeup"]);
+    assert_eq!(code, 0, "{err}\n{}", server.log());
+    assert_eq!(greedy_ids(&server, &prompts, MAX), want_f32);
+    let (code, reply, err) = control(&rt, &["reload", "--model", q4]);
+    assert_eq!(code, 0, "{err}\n{reply}");
+    assert_eq!(greedy_ids(&server, &prompts, MAX), want_q4);
+    assert_eq!(server.interrupt().code(), Some(130));
+}
+
 /// OpenAI's sampling fields take effect, bad values are 400 naming the field, and a field this
 /// server does not implement is refused unless it asks for nothing.
 #[test]
