@@ -3,7 +3,7 @@
 use super::paths::{check_name, socket_path};
 use super::render::{bytes, micros, receipt, status};
 use super::*;
-use session::sleep::{Probe, TagReceipt};
+use session::sleep::{Phase, Probe, QuiesceMode, RankReceipt, TagReceipt};
 use std::path::Path;
 
 fn strings(t: &[&str]) -> Vec<String> {
