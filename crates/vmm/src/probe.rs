@@ -141,6 +141,8 @@ pub struct DeviceUsage {
     /// Each compute process on the device with its bytes (`None` where the driver does not
     /// say).
     pub processes: Vec<(u32, Option<u64>)>,
+    /// The device's UUID (`GPU-…`, `MIG-…`), where NVML gives it.
+    pub uuid: Option<String>,
 }
 
 impl DeviceUsage {
@@ -285,6 +287,7 @@ impl NvmlMemory {
                 used: info.used,
                 free: info.free,
                 processes,
+                uuid: device.uuid().ok(),
             })
         }
         #[cfg(not(feature = "cuda"))]

@@ -807,43 +807,10 @@ impl Coordinator {
         })
     }
 
-    /// Ranks whose memory dropped by less than [`VERIFY_FRACTION`] of the bytes they released:
-    /// resident host memory against the host bytes, and the device memory NVML reports for the
-    /// process against the device bytes (a rank that released device memory it cannot read
-    /// fails too: nothing would show a leak).
+    /// The ranks whose memory did not drop by [`VERIFY_FRACTION`] of what they released
+    /// (see `sleep::verify`: per rank, and per device for device-wide readings).
     pub(super) fn verify(receipts: &[RankReceipt]) -> Vec<RankFailure> {
-        let pct = VERIFY_FRACTION * 100.0;
-        let need = |bytes: u64| (bytes as f64 * VERIFY_FRACTION) as i64 - VERIFY_SLACK as i64;
-        receipts
-            .iter()
-            .filter_map(|r| {
-                let device = r.device_bytes();
-                let host = r.bytes() - device;
-                let mut short = Vec::new();
-                let freed = r.host_delta(Action::Sleep);
-                if freed < need(host) {
-                    short.push(format!(
-                        "released {host} tagged host bytes but its resident memory dropped by only {freed} bytes (less than {pct:.0}%: a leak)"
-                    ));
-                }
-                if device > 0 {
-                    match r.device_delta(Action::Sleep) {
-                        Some(freed) if freed < need(device) => short.push(format!(
-                            "released {device} tagged device bytes but its device memory dropped by only {freed} bytes (less than {pct:.0}%: a leak)"
-                        )),
-                        Some(_) => {}
-                        None => short.push(format!(
-                            "released {device} tagged device bytes but cannot read its device memory (NVML did not load)"
-                        )),
-                    }
-                }
-                (!short.is_empty()).then(|| RankFailure {
-                    rank: r.rank,
-                    phase: Phase::Commit,
-                    message: short.join("; "),
-                })
-            })
-            .collect()
+        super::verify::verify(receipts)
     }
 
     /// Rolls back rank 0 and every peer that committed (or may have), then sets the state.

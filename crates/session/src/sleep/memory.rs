@@ -297,15 +297,29 @@ impl RankMemory for VmmMemory {
 
     fn probe(&self) -> Probe {
         let resident = vmm::ProcessMemory::resident_now().unwrap_or(0);
-        let (mut devices, mut device_used) = (Vec::new(), Vec::new());
+        let mut probe = Probe { resident, ..Probe::default() };
         if let (Some(nvml), Some(index)) = (&self.nvml, self.device) {
             if let Ok(usage) = nvml.device(index) {
-                devices.push((index, usage.bytes_of(std::process::id()).unwrap_or(usage.used)));
-                device_used.push((index, usage.used));
+                // An unlisted process reads as the whole device, and says so.
+                let bytes = usage.bytes_of(std::process::id()).unwrap_or_else(|| {
+                    probe.device_wide.push(index);
+                    usage.used
+                });
+                probe.devices.push((index, bytes));
+                probe.device_used.push((index, usage.used));
+                let id = usage.uuid.clone().unwrap_or_else(|| format!("{}:nvml{index}", host()));
+                probe.device_ids.push((index, id));
             }
         }
-        Probe { resident, devices, device_used }
+        probe
     }
+}
+
+/// This machine's name (for devices NVML gives no UUID of).
+fn host() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "localhost".into())
 }
 
 /// A rank without tagged memory: every tag is accepted and nothing moves (the control

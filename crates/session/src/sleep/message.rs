@@ -119,9 +119,31 @@ pub struct Probe {
     /// Per device the rank uses: (NVML index, bytes used by all processes together).
     #[serde(default)]
     pub device_used: Vec<(u32, u64)>,
+    /// The NVML indices whose [`Probe::devices`] reading is the whole device's used bytes,
+    /// not this process's (the driver did not list the process, as in most containers): such
+    /// readings can only be verified together with every rank on the device.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub device_wide: Vec<u32>,
+    /// Per device the rank uses: (NVML index, what the device is: its UUID where NVML gives
+    /// it, else `HOST:nvmlINDEX`), so ranks on one physical device are matched.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub device_ids: Vec<(u32, String)>,
 }
 
 impl Probe {
+    /// Whether the reading of device `index` is the whole device's.
+    pub fn is_device_wide(&self, index: u32) -> bool {
+        self.device_wide.contains(&index)
+    }
+
+    /// What device `index` is (its UUID, else `nvmlINDEX`).
+    pub fn device_id(&self, index: u32) -> String {
+        self.device_ids
+            .iter()
+            .find(|(i, _)| *i == index)
+            .map_or_else(|| format!("nvml{index}"), |(_, id)| id.clone())
+    }
+
     /// The bytes the rank's tagged memory lives in: device bytes of this process when it uses
     /// a device, resident host bytes otherwise.
     pub fn measure(&self) -> u64 {

@@ -35,7 +35,9 @@
 //! GPU) and the time taken. With [`OpOptions::verify`], a sleep fails (and is rolled back)
 //! when any single rank's probe dropped by less than 90% of the bytes it released (less 1 MiB
 //! of probe noise, [`VERIFY_SLACK`]), so one rank's leak is never hidden by another rank's
-//! release.
+//! release; ranks whose device readings are the whole device's (the driver does not list
+//! their processes) are verified together per physical device, matched by UUID
+//! (`sleep::verify`).
 //!
 //! Requests around a sleep are the engine's business, through [`Quiesce`] (see
 //! [`quiesce`] for what each mode must do).
@@ -48,6 +50,7 @@ mod memory;
 mod message;
 pub mod quiesce;
 pub mod transport;
+mod verify;
 mod version;
 
 pub use coordinator::{

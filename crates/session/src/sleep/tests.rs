@@ -1333,3 +1333,66 @@ fn a_failed_update_keeps_the_version_and_a_failed_pause_pauses_nothing() {
     assert!(!w.coord.is_paused());
     w.shutdown();
 }
+
+/// Four ranks on one device whose readings are the whole device's (the driver lists no
+/// process): verified together, so a leak on rank 3 fails the sleep although ranks 0-2's own
+/// before/after readings (taken while the others released) each show a big drop; without the
+/// leak the same readings pass. Per-process readings stay verified per rank.
+#[test]
+fn device_wide_readings_are_verified_per_device() {
+    const GIB: u64 = 1 << 30;
+    let wide = |index: u32, bytes: u64| Probe {
+        devices: vec![(index, bytes)],
+        device_wide: vec![index],
+        device_ids: vec![(index, "GPU-1234".into())],
+        ..Probe::default()
+    };
+    let receipt = |rank, before, after| RankReceipt {
+        rank,
+        tags: vec![TagReceipt {
+            tag: "kv_cache".into(),
+            bytes: GIB,
+            device_bytes: GIB,
+            ..TagReceipt::default()
+        }],
+        // Each rank sees the device under its own NVML index order: the UUID matches them.
+        before: wide(rank as u32 % 2, before),
+        after: wide(rank as u32 % 2, after),
+        ..RankReceipt::default()
+    };
+    // 5 GiB used: four 1 GiB caches and 1 GiB of contexts. Rank 3 leaks its cache: the device
+    // ends at 2 GiB, though each of ranks 0-2 saw a drop of at least 1 GiB around its release.
+    let leak = [
+        receipt(0, 5 * GIB, 2 * GIB),
+        receipt(1, 4 * GIB, 3 * GIB),
+        receipt(2, 5 * GIB, 2 * GIB),
+        receipt(3, 5 * GIB, 2 * GIB),
+    ];
+    let failures = Coordinator::verify(&leak);
+    let ranks: Vec<usize> = failures.iter().map(|f| f.rank).collect();
+    assert_eq!(ranks, vec![0, 1, 2, 3], "{failures:?}");
+    assert!(
+        failures[3].message.contains(
+            "the ranks on device GPU-1234 (ranks 0, 1, 2, 3; the driver does not list their \
+             processes"
+        ) && failures[3].message.contains("released 4294967296 tagged device bytes together but the device's memory dropped by only 3221225472"),
+        "{failures:?}"
+    );
+    // No leak: the device ends at the contexts' 1 GiB.
+    let fine = [
+        receipt(0, 5 * GIB, 2 * GIB),
+        receipt(1, 4 * GIB, GIB),
+        receipt(2, 5 * GIB, 3 * GIB),
+        receipt(3, 3 * GIB, GIB),
+    ];
+    assert!(Coordinator::verify(&fine).is_empty());
+    // Per-process readings of the same numbers: each rank on its own (rank 1's 1 GiB drop
+    // passes, rank 2's 2 GiB passes; nothing is summed).
+    let own = |r: RankReceipt| RankReceipt {
+        before: Probe { device_wide: Vec::new(), ..r.before.clone() },
+        after: Probe { device_wide: Vec::new(), ..r.after.clone() },
+        ..r
+    };
+    let failures = Coordinator::verify(&leak.map(own));
+    assert!(failures.is_empty(), "{failures:?}");
+}
