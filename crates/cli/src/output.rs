@@ -23,15 +23,27 @@ struct Timing {
     finished: Option<Duration>,
 }
 
+/// When a run's engine was ready and its first token came.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RunClock {
+    /// From the printer's creation to the session's open: the model built (weights loaded and
+    /// in place, the KV pool committed).
+    pub startup: Option<Duration>,
+    /// From the session's open (the requests' admission) to the first token of any request.
+    pub first_token: Option<Duration>,
+}
+
 /// Prints results as they come.
 pub struct Printer {
     format: OutputFormat,
     prompts: Vec<PromptInfo>,
+    /// The printer's creation until the session opens, then the open: each request's times
+    /// count from there.
     start: Instant,
     texts: HashMap<u64, String>,
     timings: HashMap<u64, Timing>,
     stream: bool,
-    first_token: Arc<Mutex<Option<Duration>>>,
+    clock: Arc<Mutex<RunClock>>,
     /// Tokens generated, or counted as done (a request that finished early), out of `budget`.
     generated: usize,
     budget: usize,
@@ -39,13 +51,13 @@ pub struct Printer {
 }
 
 impl Printer {
-    /// A printer for `prompts` (request ids are their indices); `first_token` receives the
-    /// time to the first token of any request.
+    /// A printer for `prompts` (request ids are their indices); `clock` receives the start-up
+    /// time and the time to the first token of any request.
     pub fn new(
         format: OutputFormat,
         prompts: Vec<PromptInfo>,
         max_tokens: usize,
-        first_token: Arc<Mutex<Option<Duration>>>,
+        clock: Arc<Mutex<RunClock>>,
     ) -> Self {
         let stream = format == OutputFormat::Text && prompts.len() == 1;
         Printer {
@@ -58,7 +70,7 @@ impl Printer {
             texts: HashMap::new(),
             timings: HashMap::new(),
             stream,
-            first_token,
+            clock,
         }
     }
 }
@@ -71,6 +83,16 @@ fn out(text: &str) -> Result<(), BoxError> {
 }
 
 impl OutputSink for Printer {
+    fn opened(&mut self) {
+        let now = Instant::now();
+        let mut clock = self.clock.lock().unwrap_or_else(|e| e.into_inner());
+        // A later session (a replacement) keeps the first start-up.
+        if clock.startup.is_none() {
+            clock.startup = Some(now - self.start);
+        }
+        self.start = now;
+    }
+
     fn token(
         &mut self,
         request: u64,
@@ -82,8 +104,8 @@ impl OutputSink for Printer {
         let t = self.timings.entry(request).or_default();
         if t.first_token.is_none() {
             t.first_token = Some(now);
-            let mut first = self.first_token.lock().unwrap_or_else(|e| e.into_inner());
-            first.get_or_insert(now);
+            let mut clock = self.clock.lock().unwrap_or_else(|e| e.into_inner());
+            clock.first_token.get_or_insert(now);
         }
         if self.stream {
             out(text)?;
@@ -203,11 +225,14 @@ impl MetricsSink for Meter {
     }
 }
 
-/// The closing summary line.
-pub fn summary(totals: &Totals, first_token: Option<Duration>, wall: Duration) -> String {
+/// The closing summary line: the start-up (model built), then what the requests took from
+/// their admission.
+pub fn summary(totals: &Totals, clock: &RunClock, wall: Duration) -> String {
     let rate = |n: usize, t: Duration| if t.is_zero() { 0.0 } else { n as f64 / t.as_secs_f64() };
+    let first_token = clock.first_token;
     format!(
-        "time to first token {}, prefill {:.1} tok/s ({} tokens), decode {:.1} tok/s ({} tokens), {} steps in {:.2} s",
+        "start-up {}, time to first token {}, prefill {:.1} tok/s ({} tokens), decode {:.1} tok/s ({} tokens), {} steps in {:.2} s",
+        clock.startup.map_or("-".to_owned(), |d| format!("{:.2} s", d.as_secs_f64())),
         first_token.map_or("-".to_owned(), |d| format!("{:.0} ms", d.as_secs_f64() * 1e3)),
         rate(totals.prefill_tokens, totals.prefill_time),
         totals.prefill_tokens,
@@ -277,7 +302,12 @@ mod tests {
         meter.step(&decode(4, 20));
         let totals = *meter.totals.lock().unwrap();
         assert_eq!((totals.steps, totals.decode_steps, totals.decode_tokens), (3, 2, 8));
-        let line = summary(&totals, Some(Duration::from_millis(120)), Duration::from_secs(1));
+        let clock = RunClock {
+            startup: Some(Duration::from_millis(1500)),
+            first_token: Some(Duration::from_millis(120)),
+        };
+        let line = summary(&totals, &clock, Duration::from_secs(1));
+        assert!(line.starts_with("start-up 1.50 s, time to first token 120 ms,"), "{line}");
         assert!(line.contains("prefill 100.0 tok/s (10 tokens)"), "{line}");
         assert!(line.contains("decode 200.0 tok/s (8 tokens)"), "{line}");
         // The CPU has no GPU wait to report.
@@ -294,7 +324,7 @@ mod tests {
             steps: 10,
             ..Totals::default()
         };
-        let line = summary(&totals, None, Duration::from_secs(1));
+        let line = summary(&totals, &RunClock::default(), Duration::from_secs(1));
         assert!(
             line.ends_with("decode step 5.00 ms: host 3.50 ms + waiting for the GPU 1.50 ms"),
             "{line}"

@@ -4,7 +4,7 @@
 
 use crate::config::{ComputeDevice, RestoreMode};
 use crate::exit::{abandon, exit_failed, stop_on_signal};
-use crate::output::{summary, Meter, Printer, PromptInfo};
+use crate::output::{summary, Meter, Printer, PromptInfo, RunClock};
 use crate::spec::{OutputFormat, RankSpec};
 use anyhow::{Context, Result};
 use collectives::{init_parallel_with, InitOptions};
@@ -249,10 +249,10 @@ fn lead(
             Request::tokens(i as u64, p.ids.clone(), params)
         })
         .collect();
-    let first_token = Arc::new(Mutex::new(None));
+    let clock = Arc::new(Mutex::new(RunClock::default()));
     let meter = factory.backend().map_or_else(Meter::default, Meter::with_backend);
     let max_tokens = spec.sampling.max_tokens as usize;
-    let printer = Printer::new(spec.output, prompts, max_tokens, first_token.clone());
+    let printer = Printer::new(spec.output, prompts, max_tokens, clock.clone());
     let mut leader =
         Leader::new(ctx, Box::new(factory), Box::new(printer), Box::new(meter.clone()), engine)?
             .with_gate(gate)
@@ -266,8 +266,8 @@ fn lead(
         return Err(e.into());
     }
     let totals = *meter.totals.lock().unwrap_or_else(|e| e.into_inner());
-    let first = *first_token.lock().unwrap_or_else(|e| e.into_inner());
-    let line = summary(&totals, first, start.elapsed());
+    let clock = *clock.lock().unwrap_or_else(|e| e.into_inner());
+    let line = summary(&totals, &clock, start.elapsed());
     match spec.output {
         OutputFormat::Text => println!("-- {line}"),
         OutputFormat::Jsonl => eprintln!("{line}"),

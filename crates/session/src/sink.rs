@@ -89,6 +89,10 @@ pub trait OutputSink: Send {
         text: &str,
         logprobs: Option<&TokenLogprobs>,
     ) -> Result<(), BoxError>;
+    /// A session's model is built (weights loaded and in place, the KV pool committed) and
+    /// its requests are about to be admitted: what a run measures per request (time to first
+    /// token) starts here, not at the start-up before it. The default does nothing.
+    fn opened(&mut self) {}
     /// Request `request`'s first step begins: it leaves the queue (vLLM's `SCHEDULED` event;
     /// the time from its arrival to here is its queue time). Called once per request, before
     /// its first token, and never for a request that finishes without a step. The default

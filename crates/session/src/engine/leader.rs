@@ -216,6 +216,7 @@ impl Leader {
             None => sched,
         });
         s.model = Some(model);
+        self.output.opened();
         for r in requests {
             self.admit(s, r)?;
         }
