@@ -96,7 +96,12 @@ impl RankMemory for FakeMemory {
         let awake = 2 - self.asleep.lock().unwrap().len() as u64;
         let devices =
             if self.gpu { vec![(self.rank as u32, 100 * MIB + awake * MIB)] } else { Vec::new() };
-        Probe { resident: 10 * MIB + awake * MIB, device_used: devices.clone(), devices }
+        Probe {
+            resident: 10 * MIB + awake * MIB,
+            device_used: devices.clone(),
+            devices,
+            ..Probe::default()
+        }
     }
 }
 
