@@ -390,6 +390,7 @@ fn head_shards_cover_every_query_head_once() {
         rope_freq_factors: None,
         activation: checkpoint::config::Activation::Silu,
         embedding_scale: None,
+        qk_norm: false,
     };
     type Shards = Vec<(Range<usize>, Range<usize>)>;
     let shards = |c: &LlamaConfig, tp| -> Shards {
