@@ -39,6 +39,10 @@ pub struct LlamaConfig {
     pub activation: Activation,
     /// A factor on the token embeddings before the first block (Gemma: `sqrt(hidden)`).
     pub embedding_scale: Option<f32>,
+    /// Whether each head's queries and keys are RMS-normalized after their projection and
+    /// before rotary embedding, with one weight of `head_dim` elements shared by every head
+    /// (Qwen3's `q_norm` / `k_norm`, GGUF's `attn_q_norm` / `attn_k_norm`).
+    pub qk_norm: bool,
 }
 
 /// The activation of an MLP's gate projection (a kernel choice, so the tensor crate's).
@@ -78,9 +82,10 @@ pub fn llama3_rope_factors(
 
 impl LlamaConfig {
     /// Reads the config from `general.architecture`-prefixed keys (`llama.block_count`, ...;
-    /// `llama`, `qwen2`, `phi3` and `gemma` are read, and Qwen2's rotary base defaults to 1e6
-    /// as in its checkpoints, the others' to 1e4; Gemma's MLP uses GELU and its embeddings are
-    /// scaled by `sqrt(hidden)`).
+    /// `llama`, `qwen2`, `qwen3`, `phi3` and `gemma` are read, and Qwen's rotary base defaults
+    /// to 1e6 as in its checkpoints, the others' to 1e4; Gemma's MLP uses GELU and its
+    /// embeddings are scaled by `sqrt(hidden)`; Qwen3 normalizes each head's queries and keys).
+    /// Mixture-of-experts variants (`qwen3moe`, ...) are refused by name.
     /// The vocabulary size comes from `tokenizer.ggml.tokens` (else `<arch>.vocab_size`, else
     /// the embedding's rows); the LM head is tied when `output.weight` is absent.
     ///
@@ -90,11 +95,11 @@ impl LlamaConfig {
         let arch = file.get_str("general.architecture")?;
         let default_theta = match arch {
             "llama" | "phi3" | "gemma" => 10_000.0,
-            "qwen2" => 1_000_000.0,
+            "qwen2" | "qwen3" => 1_000_000.0,
             _ => {
                 return Err(Error::metadata(
                     "general.architecture",
-                    format!("`{arch}` is not supported (llama, qwen2, phi3 and gemma are)"),
+                    format!("`{arch}` is not supported (llama, qwen2, qwen3, phi3 and gemma are)"),
                 ))
             }
         };
@@ -204,6 +209,7 @@ impl LlamaConfig {
             // Gemma (its converter already adds Gemma's `1 +` to the norm weights).
             activation: if arch == "gemma" { Activation::GeluTanh } else { Activation::Silu },
             embedding_scale: (arch == "gemma").then(|| (hidden as f32).sqrt()),
+            qk_norm: arch == "qwen3",
         })
     }
 
@@ -280,6 +286,11 @@ impl LlamaConfig {
                 scale(live.embedding_scale)
             ));
         }
+        if self.qk_norm != live.qk_norm {
+            let norm =
+                |on: bool| if on { "per-head query/key norms" } else { "no query/key norms" };
+            out.push(format!("{}; the live model has {}", norm(self.qk_norm), norm(live.qk_norm)));
+        }
         out
     }
 }
@@ -328,6 +339,7 @@ mod tests {
                 activation: Activation::Silu,
                 embedding_scale: None,
                 rope_freq_factors: None,
+                qk_norm: false,
             }
         );
         assert_eq!(c.group_size(), 2);
@@ -358,6 +370,48 @@ mod tests {
         w.write(&p).unwrap();
         let err = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
         assert!(err.to_string().contains("`gemma2` is not supported"), "{err}");
+        std::fs::remove_file(p).unwrap();
+    }
+
+    /// Qwen3 (Qwen3-0.6B's shape, scaled down): heads wider than `hidden / heads` from
+    /// `key_length`, the rotary base of the file, per-head query/key norms; its
+    /// mixture-of-experts sibling is refused by name.
+    #[test]
+    fn qwen3_reads_its_head_size_and_norms_and_refuses_its_mixture_of_experts() {
+        let p = temp_path("config-qwen3.gguf");
+        let qwen3 = |arch: &str| {
+            let mut w = GgufWriter::new();
+            let k = |key: &str| format!("{arch}.{key}");
+            w.metadata("general.architecture", Value::String(arch.into()))
+                .metadata(&k("block_count"), Value::U32(2))
+                .metadata(&k("embedding_length"), Value::U32(32))
+                .metadata(&k("feed_forward_length"), Value::U32(96))
+                .metadata(&k("attention.head_count"), Value::U32(4))
+                .metadata(&k("attention.head_count_kv"), Value::U32(2))
+                .metadata(&k("attention.key_length"), Value::U32(16))
+                .metadata(&k("attention.value_length"), Value::U32(16))
+                .metadata(&k("rope.freq_base"), Value::F32(1_000_000.0))
+                .metadata(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6))
+                .metadata(&k("context_length"), Value::U32(64))
+                .metadata("tokenizer.ggml.tokens", Value::Array(vec![Value::String("a".into()); 3]))
+                .tensor_f32("output.weight", &[3, 32], &[0.0; 96]);
+            w
+        };
+        qwen3("qwen3").write(&p).unwrap();
+        let c = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap();
+        assert_eq!((c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim), (32, 4, 2, 16, 16));
+        assert_eq!((c.rope_theta, c.rms_eps), (1_000_000.0, 1e-6));
+        assert!(c.qk_norm && !c.tied_embeddings, "{c:?}");
+        qwen3("qwen2").write(&p).unwrap();
+        let qwen2 = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap();
+        assert!(!qwen2.qk_norm, "the same keys under qwen2 have no query/key norms");
+        qwen3("qwen3moe").write(&p).unwrap();
+        let err = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "metadata key `general.architecture`: `qwen3moe` is not supported \
+             (llama, qwen2, qwen3, phi3 and gemma are)"
+        );
         std::fs::remove_file(p).unwrap();
     }
 
@@ -479,6 +533,10 @@ mod tests {
             (
                 LlamaConfig { embedding_scale: Some(8.0), ..live.clone() },
                 "embeddings scaled by 8; the live model has unscaled embeddings",
+            ),
+            (
+                LlamaConfig { qk_norm: true, ..live.clone() },
+                "per-head query/key norms; the live model has no query/key norms",
             ),
         ];
         for (new, want) in cases {

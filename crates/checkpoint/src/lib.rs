@@ -15,7 +15,7 @@
 //! Every loader brings weights to the Hugging Face layout: GGUF llama files store Q/K rows
 //! (and Q/K biases) permuted for interleaved rotary embedding, which
 //! [`WeightSource::qk_interleaved`] reports so the model un-permutes them per head; GGUF qwen2,
-//! phi3 and gemma files are rotate-half already.
+//! qwen3, phi3 and gemma files are rotate-half already.
 //!
 //! `unsafe` is denied crate-wide; the one exception is the read-only file map in `mmap`.
 #![deny(unsafe_code)]

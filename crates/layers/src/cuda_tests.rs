@@ -48,6 +48,10 @@ fn cuda_random_model_gives_the_cpu_greedy_tokens_and_logits() {
             },
         ),
         ("qwen2 biases", RandomLlama { attn_bias: true, seed: 3, ..Default::default() }),
+        (
+            "qwen3 per-head norms",
+            RandomLlama { qwen3: true, head_dim: Some(24), seed: 4, ..Default::default() },
+        ),
     ];
     for (name, spec) in specs {
         let path = temp_path("cuda-model.gguf");

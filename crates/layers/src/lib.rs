@@ -11,8 +11,9 @@
 //! - Rotary embedding is rotate-half (Hugging Face). GGUF llama files store Q/K rows (and Q/K
 //!   biases) permuted for the interleaved form; loading un-permutes them per head, so all
 //!   weights in memory are in the Hugging Face layout and both checkpoint formats run the same
-//!   kernels. GGUF qwen2 files are stored rotate-half already; their Q/K/V biases are added
-//!   after the projection, before the rotation.
+//!   kernels. GGUF qwen2 and qwen3 files are stored rotate-half already; Q/K/V biases are
+//!   added after the projection, and Qwen3's per-head query/key norms applied after them,
+//!   before the rotation.
 //! - Attention masks by absolute position (`kv_pos <= q_pos`) and can return the log-sum-exp
 //!   of each row, so partial results over disjoint keys merge exactly.
 #![forbid(unsafe_code)]

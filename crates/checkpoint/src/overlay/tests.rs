@@ -30,6 +30,7 @@ fn config() -> LlamaConfig {
         rope_freq_factors: None,
         activation: Activation::Silu,
         embedding_scale: None,
+        qk_norm: false,
     }
 }
 

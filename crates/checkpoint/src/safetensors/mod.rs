@@ -210,7 +210,7 @@ const MODEL_NAMES: [(&str, &str); 3] = [
 ];
 
 /// Tensors of a block, after `blk.N.` and `model.layers.N.`: (GGUF name, Hugging Face name).
-const LAYER_NAMES: [(&str, &str); 12] = [
+const LAYER_NAMES: [(&str, &str); 14] = [
     ("attn_norm.weight", "input_layernorm.weight"),
     ("attn_q.weight", "self_attn.q_proj.weight"),
     ("attn_k.weight", "self_attn.k_proj.weight"),
@@ -218,6 +218,8 @@ const LAYER_NAMES: [(&str, &str); 12] = [
     ("attn_q.bias", "self_attn.q_proj.bias"),
     ("attn_k.bias", "self_attn.k_proj.bias"),
     ("attn_v.bias", "self_attn.v_proj.bias"),
+    ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+    ("attn_k_norm.weight", "self_attn.k_norm.weight"),
     ("attn_output.weight", "self_attn.o_proj.weight"),
     ("ffn_norm.weight", "post_attention_layernorm.weight"),
     ("ffn_gate.weight", "mlp.gate_proj.weight"),
@@ -340,12 +342,41 @@ impl HfCheckpoint {
         };
         let float = |k: &str, default: f64| cfg.get(k).and_then(|v| v.as_f64()).unwrap_or(default);
         let model_type = cfg.get("model_type").and_then(|v| v.as_str()).unwrap_or("llama");
-        let gemma = model_type == "gemma";
+        let (gemma, qwen3) = (model_type == "gemma", model_type == "qwen3");
         if model_type.starts_with("gemma") && !gemma {
             // Soft-capping, sliding windows and extra norms: not this block.
             return Err(Error::metadata(
                 "model_type",
                 format!("`{model_type}` is not supported (gemma is)"),
+            ));
+        }
+        if model_type.starts_with("qwen3") && !qwen3 {
+            // Mixture-of-experts MLPs (`qwen3_moe`), hybrid attention (`qwen3_next`), ...
+            return Err(Error::metadata(
+                "model_type",
+                format!("`{model_type}` is not supported (qwen3 is)"),
+            ));
+        }
+        if model_type.starts_with("qwen")
+            && cfg.get("use_sliding_window").and_then(|v| v.as_bool()) == Some(true)
+        {
+            return Err(Error::metadata(
+                "use_sliding_window",
+                "sliding-window attention is not supported",
+            ));
+        }
+        // Biases are read when the folder has them; a config that promises them must keep
+        // its word, so a missing tensor is named rather than run as zero.
+        let bias = "model.layers.0.self_attn.q_proj.bias";
+        if cfg.get("attention_bias").and_then(|v| v.as_bool()) == Some(true)
+            && !self.index.contains_key(bias)
+        {
+            return Err(Error::tensor(
+                bias,
+                format!(
+                    "missing from {}, though config.json sets attention_bias",
+                    self.dir.display()
+                ),
             ));
         }
         let hidden = num("hidden_size")?;
@@ -413,6 +444,7 @@ impl HfCheckpoint {
                 crate::config::Activation::Silu
             },
             embedding_scale: gemma.then(|| (hidden as f32).sqrt()),
+            qk_norm: qwen3,
         })
     }
 

@@ -94,12 +94,19 @@ fn every_llama_name_maps_to_its_hugging_face_name_and_back() {
     for tail in ["attn_q", "attn_k", "attn_v"] {
         names.push(format!("blk.3.{tail}.bias"));
     }
+    for tail in ["attn_q_norm", "attn_k_norm"] {
+        names.push(format!("blk.5.{tail}.weight"));
+    }
     for gguf in &names {
         let hf = hf_name(gguf).unwrap_or_else(|| panic!("{gguf} has no Hugging Face name"));
         assert_eq!(gguf_name(&hf).as_deref(), Some(gguf.as_str()), "{gguf} -> {hf}");
     }
     assert_eq!(hf_name("blk.11.attn_q.weight").unwrap(), "model.layers.11.self_attn.q_proj.weight");
     assert_eq!(gguf_name("lm_head.weight").unwrap(), "output.weight");
+    assert_eq!(
+        hf_name("blk.2.attn_k_norm.weight").unwrap(),
+        "model.layers.2.self_attn.k_norm.weight"
+    );
     for unknown in [
         "model.layers.0.self_attn.qkv_proj.weight",
         "model.layers.x.mlp.up_proj.weight",
@@ -109,4 +116,72 @@ fn every_llama_name_maps_to_its_hugging_face_name_and_back() {
     ] {
         assert_eq!(gguf_name(unknown), None, "{unknown}");
     }
+}
+
+/// A folder of Qwen3-0.6B's `config.json` (scaled down): heads wider than `hidden / heads`,
+/// its rotary base, per-head query/key norms, the LM head tied as the file says; Qwen3's
+/// mixture-of-experts, sliding windows and a promise of biases the folder lacks are refused
+/// naming the key or tensor.
+#[test]
+fn qwen3_config_json_is_read_and_its_unsupported_variants_are_named() {
+    let dir = temp_path("hf-qwen3-config");
+    std::fs::create_dir_all(&dir).unwrap();
+    write_safetensors(
+        &dir.join("model.safetensors"),
+        &[("model.norm.weight", &[2], StDType::F32, &[1.0, 1.0])],
+    )
+    .unwrap();
+    let qwen3 = serde_json::json!({
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": false,
+        "head_dim": 16,
+        "hidden_size": 32,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": null,
+        "rope_theta": 1000000,
+        "sliding_window": null,
+        "use_sliding_window": false,
+        "tie_word_embeddings": true,
+        "vocab_size": 10
+    });
+    let config = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut json = qwen3.clone();
+        edit(&mut json);
+        std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+        HfCheckpoint::open(&dir).unwrap().config()
+    };
+    let c = config(&|_| {}).unwrap();
+    assert_eq!((c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim), (32, 4, 2, 16, 16));
+    assert_eq!((c.rope_theta, c.rms_eps), (1_000_000.0, 1e-6));
+    assert!(c.qk_norm && c.tied_embeddings, "{c:?}");
+    let qwen2 = config(&|j| j["model_type"] = "qwen2".into()).unwrap();
+    assert!(!qwen2.qk_norm);
+    let refusals = [
+        (
+            "model_type",
+            serde_json::Value::from("qwen3_moe"),
+            "metadata key `model_type`: `qwen3_moe` is not supported (qwen3 is)",
+        ),
+        (
+            "use_sliding_window",
+            true.into(),
+            "metadata key `use_sliding_window`: sliding-window attention is not supported",
+        ),
+        (
+            "attention_bias",
+            true.into(),
+            "tensor `model.layers.0.self_attn.q_proj.bias`: missing from",
+        ),
+    ];
+    for (key, value, want) in refusals {
+        let err = config(&|j| j[key] = value.clone()).unwrap_err().to_string();
+        assert!(err.starts_with(want), "{key}: {err}");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
 }

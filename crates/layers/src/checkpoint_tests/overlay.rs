@@ -1,7 +1,7 @@
 //! Weight updates through the loader: a model loaded from an [`Overlay`] of a checkpoint and
 //! buckets in the Hugging Face layout computes as the checkpoint the buckets' weights come
 //! from, whatever the base's convention (interleaved llama Q/K rows, quantized, Qwen2's
-//! biases, Gemma's norms, Phi-3's fused projections).
+//! biases, Gemma's norms, Phi-3's fused projections, Qwen3's per-head query/key norms).
 
 use crate::model::random::RandomLlama;
 use crate::model::{Linear, Logits, Model, WeightForm};
@@ -21,7 +21,9 @@ fn a_model_loaded_through_an_overlay_computes_as_the_checkpoint_the_bucket_comes
     let qwen2 = RandomLlama { attn_bias: true, ..llama.clone() };
     let gemma = RandomLlama { gemma: true, ..llama.clone() };
     let phi3 = RandomLlama { fused: true, ..llama.clone() };
-    for (i, shape) in [llama.clone(), quantized, qwen2, gemma, phi3].into_iter().enumerate() {
+    let qwen3 = RandomLlama { qwen3: true, ..llama.clone() };
+    let shapes = [llama.clone(), quantized, qwen2, gemma, phi3, qwen3];
+    for (i, shape) in shapes.into_iter().enumerate() {
         let seed = 31 + 2 * i as u64;
         let base = RandomLlama { seed, ..shape.clone() };
         let update = RandomLlama { seed: seed + 1, quantized: None, ..shape };

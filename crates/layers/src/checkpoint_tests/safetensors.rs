@@ -24,6 +24,18 @@ fn a_hugging_face_folder_and_its_gguf_give_the_same_logits() {
         (RandomLlama { seed: 22, untied_head: true, kv_heads: 1, ..RandomLlama::default() }, true),
         (RandomLlama { seed: 23, attn_bias: true, ..RandomLlama::default() }, false),
         (RandomLlama { seed: 24, gemma: true, ..RandomLlama::default() }, false),
+        (RandomLlama { seed: 25, qwen3: true, ..RandomLlama::default() }, true),
+        (
+            RandomLlama {
+                seed: 26,
+                qwen3: true,
+                attn_bias: true,
+                head_dim: Some(24),
+                untied_head: true,
+                ..RandomLlama::default()
+            },
+            false,
+        ),
     ] {
         let (gguf, dir) = write_both(&spec, &format!("hf-{}", spec.seed), shards);
         let from_gguf = Model::load_with(&gguf, 2, WeightForm::F32).unwrap();

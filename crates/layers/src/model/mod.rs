@@ -75,6 +75,54 @@ fn load_bias(
     })
 }
 
+/// Qwen3's RMSNorm of every query head and every key head, each with one weight of
+/// `head_dim` elements that all heads share. A head is normalized over its own elements, so a
+/// rank normalizes the heads it holds with no collective.
+#[derive(Clone, Debug)]
+struct QkNorm {
+    q: Tensor,
+    k: Tensor,
+    eps: f32,
+}
+
+impl QkNorm {
+    /// Loads layer `layer`'s `attn_q_norm` and `attn_k_norm` (their elements in the order of
+    /// the Q/K rows the model uses: un-permuted when the source interleaves Q/K rows).
+    fn load(src: &dyn WeightSource, layer: usize, cfg: &LlamaConfig) -> Result<Self> {
+        let d = cfg.head_dim;
+        let load = |t: &str| -> Result<Tensor> {
+            let w = load_vector(src, &format!("blk.{layer}.{t}.weight"), d)?;
+            if src.qk_interleaved() {
+                Ok(Tensor::from_vec(&[d], linear::unpermute_rows(w.data(), 1, d))?)
+            } else {
+                Ok(w)
+            }
+        };
+        Ok(QkNorm { q: load("attn_q_norm")?, k: load("attn_k_norm")?, eps: cfg.rms_eps })
+    }
+
+    /// Normalizes every head of `x` (`[n, heads · head_dim]`) over its `head_dim` elements.
+    fn apply(be: &Backend, x: Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
+        let (shape, d) = (x.shape().to_vec(), weight.len());
+        let heads = x.len() / d.max(1);
+        let heads = x.reshape(&[heads, d])?;
+        Ok(be.rms_norm(&heads, weight, eps)?.reshape(&shape)?)
+    }
+}
+
+/// The query norm's buffer, then the key norm's.
+impl WeightBuffers for QkNorm {
+    fn buffers<'a>(&'a self, out: &mut Vec<&'a [u8]>) {
+        self.q.buffers(out);
+        self.k.buffers(out);
+    }
+
+    fn move_to(&mut self, arena: &dyn Arena) -> tensor::Result<()> {
+        self.q.move_to(arena)?;
+        self.k.move_to(arena)
+    }
+}
+
 /// Self-attention of one layer over a range of whole KV heads (and their query heads), or
 /// over one KV head and part of its query heads.
 #[derive(Clone, Debug)]
@@ -83,6 +131,8 @@ pub struct Attention {
     qkv: Linear,
     /// Optional Q, K and V biases (Qwen2), in the same row order as `qkv`.
     qkv_bias: Option<Tensor>,
+    /// Optional per-head query and key norms (Qwen3), applied before the rotation.
+    qk_norm: Option<QkNorm>,
     o: Linear,
     kv_heads: Range<usize>,
     q_heads: Range<usize>,
@@ -191,9 +241,11 @@ impl Attention {
         } else {
             None
         };
+        let qk_norm = if cfg.qk_norm { Some(QkNorm::load(src, layer, cfg)?) } else { None };
         Ok(Attention {
             qkv: Linear::concat(&[&q, &k, &v])?,
             qkv_bias,
+            qk_norm,
             o,
             kv_heads,
             q_heads,
@@ -207,6 +259,11 @@ impl Attention {
     /// Whether the Q/K/V projections carry biases.
     pub fn has_bias(&self) -> bool {
         self.qkv_bias.is_some()
+    }
+
+    /// Whether each query and key head is RMS-normalized before the rotation (Qwen3).
+    pub fn has_qk_norm(&self) -> bool {
+        self.qk_norm.is_some()
     }
 
     /// The query heads this shard computes.
@@ -229,7 +286,8 @@ impl Attention {
 
     /// Projects normalized hidden states `x` (`[n, hidden]`) to rotated queries
     /// `[n, q_heads, d]` and rotated keys and values `[n, kv_heads, d]` (biases, when the
-    /// model has them, are added before the rotation).
+    /// model has them, are added before the rotation, and so are Qwen3's per-head query and
+    /// key norms, after the biases).
     ///
     /// # Errors
     /// [`tensor::Error::Shape`] when `x` and `positions` disagree.
@@ -249,6 +307,10 @@ impl Attention {
         let (Some(mut q), Some(mut k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
             return Err(Error::shape("Attention::qkv", "split gave fewer than three parts"));
         };
+        if let Some(norm) = &self.qk_norm {
+            q = QkNorm::apply(be, q, &norm.q, norm.eps)?;
+            k = QkNorm::apply(be, k, &norm.k, norm.eps)?;
+        }
         let (theta, factors) = (self.rope_theta, self.rope_factors.as_deref());
         be.rope_scaled(&mut q, positions, (s.q_heads, s.head_dim, self.rope_dim), theta, factors)?;
         be.rope_scaled(&mut k, positions, (s.kv_heads, s.head_dim, self.rope_dim), theta, factors)?;
@@ -306,6 +368,10 @@ impl Attention {
         if let Some(bias) = &self.qkv_bias {
             out.push(("Q/K/V bias", bias.shape().to_vec()));
         }
+        if let Some(norm) = &self.qk_norm {
+            out.push(("query norm", norm.q.shape().to_vec()));
+            out.push(("key norm", norm.k.shape().to_vec()));
+        }
         out.push(("attention output projection", dims_of(&self.o)));
         out
     }
@@ -317,18 +383,20 @@ fn dims_of(l: &Linear) -> Vec<usize> {
     vec![rows, cols]
 }
 
-/// The buffers in the order fused Q/K/V projection, its bias (when the model has one), output
-/// projection.
+/// The buffers in the order fused Q/K/V projection, its bias (when the model has one), query
+/// and key norms (when it has them), output projection.
 impl WeightBuffers for Attention {
     fn buffers<'a>(&'a self, out: &mut Vec<&'a [u8]>) {
         self.qkv.buffers(out);
         self.qkv_bias.buffers(out);
+        self.qk_norm.buffers(out);
         self.o.buffers(out);
     }
 
     fn move_to(&mut self, arena: &dyn Arena) -> tensor::Result<()> {
         self.qkv.move_to(arena)?;
         self.qkv_bias.move_to(arena)?;
+        self.qk_norm.move_to(arena)?;
         self.o.move_to(arena)
     }
 }

@@ -51,6 +51,11 @@ pub struct RandomLlama {
     /// Elements per head when not `hidden / heads` (Gemma 7B's heads are wider: its queries
     /// are 4096 wide over a hidden size of 3072).
     pub head_dim: Option<usize>,
+    /// Write the model as a Qwen3 file (architecture `qwen3`, Q/K rows in the rotate-half
+    /// order): with per-head query and key norms (`attn_q_norm`, `attn_k_norm`, from their own
+    /// random stream, so the other weights are those of the llama model of the same seed),
+    /// and Q/K/V biases only when `attn_bias` is set too.
+    pub qwen3: bool,
 }
 
 impl Default for RandomLlama {
@@ -71,6 +76,7 @@ impl Default for RandomLlama {
             fused: false,
             gemma: false,
             head_dim: None,
+            qwen3: false,
         }
     }
 }
@@ -130,12 +136,7 @@ impl RandomLlama {
         let (h, d) = (self.hidden, self.head_dim());
         let mut w = GgufWriter::new();
         let u = |x: usize| Value::U32(x as u32);
-        let arch = match (self.attn_bias, self.fused, self.gemma) {
-            (true, _, _) => "qwen2",
-            (false, true, _) => "phi3",
-            (false, false, true) => "gemma",
-            (false, false, false) => "llama",
-        };
+        let arch = self.architecture();
         let k = |key: &str| format!("{arch}.{key}");
         w.metadata("general.architecture", Value::String(arch.into()))
             .metadata(&k("block_count"), u(self.layers))
@@ -222,11 +223,31 @@ impl RandomLlama {
                 }
             }
         }
+        if self.qwen3 {
+            let mut norm_rng = Rng(self.seed.wrapping_mul(0x94D0_49BB_1331_11EB) | 1);
+            for l in 0..self.layers {
+                for t in ["attn_q_norm", "attn_k_norm"] {
+                    let data: Vec<f32> = norm_rng.vec(d, 0.5).iter().map(|x| 1.0 + x).collect();
+                    w.tensor_f32(&format!("blk.{l}.{t}.weight"), &[d], &data);
+                }
+            }
+        }
         norm(&mut w, &mut rng, "output_norm.weight");
         if self.untied_head || self.next_token.is_some() {
             matrix(&mut w, &mut rng, "output.weight", self.vocab, h);
         }
         w
+    }
+
+    /// The GGUF architecture name the file is written under.
+    fn architecture(&self) -> &'static str {
+        match (self.qwen3, self.attn_bias, self.fused, self.gemma) {
+            (true, ..) => "qwen3",
+            (false, true, _, _) => "qwen2",
+            (false, false, true, _) => "phi3",
+            (false, false, false, true) => "gemma",
+            (false, false, false, false) => "llama",
+        }
     }
 
     /// Elements per head.
@@ -320,12 +341,17 @@ impl RandomLlama {
         json(
             "config.json",
             serde_json::json!({
-                "architectures": [match (self.attn_bias, self.gemma) {
-                    (true, _) => "Qwen2ForCausalLM",
-                    (false, true) => "GemmaForCausalLM",
-                    (false, false) => "LlamaForCausalLM",
+                "architectures": [match self.architecture() {
+                    "qwen3" => "Qwen3ForCausalLM",
+                    "qwen2" => "Qwen2ForCausalLM",
+                    "gemma" => "GemmaForCausalLM",
+                    _ => "LlamaForCausalLM",
                 }],
-                "model_type": if self.gemma { "gemma" } else if self.attn_bias { "qwen2" } else { "llama" },
+                "model_type": match self.architecture() {
+                    arch @ ("qwen3" | "qwen2" | "gemma") => arch,
+                    _ => "llama",
+                },
+                "attention_bias": self.attn_bias,
                 "hidden_activation": if self.gemma { "gelu_pytorch_tanh" } else { "silu" },
                 "hidden_size": self.hidden,
                 "intermediate_size": self.ffn,

@@ -109,6 +109,7 @@ impl Model {
             .map(|b| {
                 b.attn.qkv.weight().nbytes()
                     + b.attn.qkv_bias.as_ref().map_or(0, |t| t.len() * 4)
+                    + b.attn.qk_norm.as_ref().map_or(0, |n| (n.q.len() + n.k.len()) * 4)
                     + b.attn.o.weight().nbytes()
                     + b.mlp.gate_up.weight().nbytes()
                     + b.mlp.down.weight().nbytes()

@@ -19,7 +19,9 @@ fn write_model(spec: &RandomLlama, stem: &str) -> PathBuf {
 /// Straightforward f64 Llama forward over all tokens (positions 0..n), on the GGUF weights
 /// (and Q/K/V biases, when present) as stored, with llama.cpp's rotary embedding for the
 /// architecture: interleaved (adjacent pairs) for llama, an independent check of the
-/// un-permute + rotate-half path; rotate-half (NEOX) for qwen2.
+/// un-permute + rotate-half path; rotate-half (NEOX) for qwen2 and qwen3. Qwen3's per-head
+/// query and key norms (`attn_q_norm`, `attn_k_norm`) are applied after the biases and
+/// before the rotation, as llama.cpp and transformers do.
 fn reference_logits(file: &GgufFile, tokens: &[u32]) -> Vec<f32> {
     let c = LlamaConfig::from_gguf(file).unwrap();
     let get = |name: &str| -> Vec<f64> {
@@ -34,7 +36,7 @@ fn reference_logits(file: &GgufFile, tokens: &[u32]) -> Vec<f32> {
             1.0 / (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + c.rms_eps as f64).sqrt();
         x.iter().zip(w).map(|(a, b)| a * s * b).collect()
     };
-    let neox = file.get_str("general.architecture").unwrap() == "qwen2";
+    let neox = matches!(file.get_str("general.architecture").unwrap(), "qwen2" | "qwen3");
     let rope = |v: &mut [f64], pos: usize| {
         for head in v.chunks_mut(d) {
             for i in 0..d / 2 {
@@ -67,6 +69,14 @@ fn reference_logits(file: &GgufFile, tokens: &[u32]) -> Vec<f32> {
         let mut k: Vec<Vec<f64>> =
             hs.iter().map(|r| plus_bias(matvec(&wk, r), &b("attn_k"))).collect();
         let v: Vec<Vec<f64>> = hs.iter().map(|r| plus_bias(matvec(&wv, r), &b("attn_v"))).collect();
+        if file.has_tensor(&format!("blk.{l}.attn_q_norm.weight")) {
+            let (qn, kn) = (w("attn_q_norm"), w("attn_k_norm"));
+            let per_head = |r: &Vec<f64>, norm: &[f64]| -> Vec<f64> {
+                r.chunks(d).flat_map(|head| rms(head, norm)).collect()
+            };
+            q = q.iter().map(|r| per_head(r, &qn)).collect();
+            k = k.iter().map(|r| per_head(r, &kn)).collect();
+        }
         for t in 0..n {
             rope(&mut q[t], t);
             rope(&mut k[t], t);
@@ -178,6 +188,117 @@ fn attention_biases_match_the_naive_reference() {
     assert!(model.blocks.iter().all(|b| b.attn.has_bias()));
     let got = model.forward(&PROMPT, &pos, &mut model.new_cache(16), Logits::All).unwrap();
     assert_close(got.data(), &reference_logits(&file, &PROMPT), 1e-4);
+    std::fs::remove_file(p).unwrap();
+}
+
+/// A GGUF file with one tensor's rows `rows` multiplied by `factor` as they are read (a 1-d
+/// tensor is one row). Only `rows` is edited: the tensors edited here are loaded by rows.
+struct Scaled<'a> {
+    file: &'a GgufFile,
+    name: String,
+    rows: std::ops::Range<usize>,
+    factor: f32,
+}
+
+impl WeightSource for Scaled<'_> {
+    fn shape(&self, name: &str) -> checkpoint::Result<Vec<usize>> {
+        self.file.shape(name)
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.file.has(name)
+    }
+
+    fn rows(&self, name: &str, rows: std::ops::Range<usize>) -> checkpoint::Result<Vec<f32>> {
+        let mut values = self.file.rows(name, rows.clone())?;
+        if name == self.name {
+            let row_len = values.len() / rows.len().max(1);
+            for (i, row) in values.chunks_mut(row_len).enumerate() {
+                if self.rows.contains(&(rows.start + i)) {
+                    row.iter_mut().for_each(|v| *v *= self.factor);
+                }
+            }
+        }
+        Ok(values)
+    }
+
+    fn cols(&self, name: &str, cols: std::ops::Range<usize>) -> checkpoint::Result<Vec<f32>> {
+        assert_ne!(name, self.name, "only tensors loaded by rows are edited");
+        self.file.cols(name, cols)
+    }
+
+    fn qk_interleaved(&self) -> bool {
+        self.file.qk_interleaved()
+    }
+}
+
+/// Qwen3: every query and key head is RMS-normalized with its shared weight after the
+/// projection (and bias) and before the rotation, as the naive reference does, with heads
+/// narrower or wider than `hidden / heads`. The norms are really applied: other norm weights
+/// give other logits, and one head's projection rows scaled by 4 give the same logits (the
+/// norm is that head's own), where the model without norms changes.
+#[test]
+fn qwen3_normalizes_each_query_and_key_head_before_rotary() {
+    let base = RandomLlama { qwen3: true, heads: 4, kv_heads: 2, seed: 11, ..Default::default() };
+    let wide = RandomLlama { head_dim: Some(24), attn_bias: true, seed: 12, ..base.clone() };
+    for (spec, stem) in [(base.clone(), "ref-qwen3.gguf"), (wide, "ref-qwen3-wide.gguf")] {
+        let p = write_model(&spec, stem);
+        let file = GgufFile::open(&p).unwrap();
+        assert_eq!(file.get_str("general.architecture").unwrap(), "qwen3");
+        assert!(!file.qk_interleaved());
+        let model = Model::load_with(&p, 2, WeightForm::F32).unwrap();
+        assert!(model.config().qk_norm);
+        assert!(model.blocks.iter().all(|b| b.attn.has_qk_norm()));
+        assert_eq!(model.blocks[0].attn.has_bias(), spec.attn_bias);
+        let pos: Vec<usize> = (0..PROMPT.len()).collect();
+        let got = model.forward(&PROMPT, &pos, &mut model.new_cache(16), Logits::All).unwrap();
+        assert_close(got.data(), &reference_logits(&file, &PROMPT), 1e-4);
+        std::fs::remove_file(p).unwrap();
+    }
+
+    let logits = |src: &dyn WeightSource, config: &LlamaConfig| -> Vec<f32> {
+        let be = Backend::cpu(1).unwrap();
+        let model = Model::from_source(src, config.clone(), be, WeightForm::F32).unwrap();
+        let pos: Vec<usize> = (0..PROMPT.len()).collect();
+        let out = model.forward(&PROMPT, &pos, &mut model.new_cache(16), Logits::All).unwrap();
+        out.data().to_vec()
+    };
+    let differ = |a: &[f32], b: &[f32]| a.iter().zip(b).any(|(x, y)| (x - y).abs() > 1e-2);
+    let d = base.hidden / base.heads;
+    let scaled =
+        |file, name: &str, rows, factor| Scaled { file, name: name.to_owned(), rows, factor };
+    let p = write_model(&base, "qwen3-edits.gguf");
+    let file = GgufFile::open(&p).unwrap();
+    let config = LlamaConfig::from_gguf(&file).unwrap();
+    let plain = logits(&file, &config);
+    for t in ["attn_q_norm", "attn_k_norm"] {
+        let edited = scaled(&file, &format!("blk.0.{t}.weight"), 0..1, 2.0);
+        assert!(differ(&logits(&edited, &config), &plain), "{t} weights doubled");
+    }
+    for t in ["attn_q", "attn_k"] {
+        let edited = scaled(&file, &format!("blk.0.{t}.weight"), d..2 * d, 4.0);
+        assert_close(&logits(&edited, &config), &plain, 1e-4);
+    }
+    std::fs::remove_file(p).unwrap();
+    // The same weights without the norms: the scaled head changes the logits.
+    let p = write_model(&RandomLlama { qwen3: false, ..base }, "qwen3-edits-twin.gguf");
+    let file = GgufFile::open(&p).unwrap();
+    let config = LlamaConfig::from_gguf(&file).unwrap();
+    let edited = scaled(&file, "blk.0.attn_q.weight", d..2 * d, 4.0);
+    assert!(differ(&logits(&edited, &config), &logits(&file, &config)));
+    std::fs::remove_file(p).unwrap();
+}
+
+/// A model whose config asks for Qwen3's norms from a file without them is refused naming
+/// the missing tensor, rather than run without the norms.
+#[test]
+fn a_missing_query_norm_is_named() {
+    let p = write_model(&RandomLlama { seed: 13, ..RandomLlama::default() }, "no-qk-norm.gguf");
+    let file = GgufFile::open(&p).unwrap();
+    let config = LlamaConfig { qk_norm: true, ..LlamaConfig::from_gguf(&file).unwrap() };
+    let be = Backend::cpu(1).unwrap();
+    let err = Model::from_source(&file, config, be, WeightForm::F32).unwrap_err().to_string();
+    assert!(err.contains("blk.0.attn_q_norm.weight"), "{err}");
     std::fs::remove_file(p).unwrap();
 }
 

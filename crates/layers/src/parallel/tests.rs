@@ -348,6 +348,49 @@ fn qwen2_biases_are_sharded_with_their_heads() {
     check_layouts(&spec, "qwen2-layouts.gguf", &[(2, 1), (1, 2), (2, 2), (4, 1)]);
 }
 
+/// Qwen3: each TP rank normalizes the query and key heads it holds (no collective), CP
+/// ranks normalize the keys of their own tokens. The logits of the prompt and 16 greedy
+/// steps match the single-rank model in every layout: heads as wide as `hidden / heads`
+/// (3 KV heads split 2 + 1 at TP=2; at TP=6 two ranks share a KV head and both normalize its
+/// keys) and wider (with Q/K/V biases too). The greedy ids of the Hugging Face folder of the
+/// same model, loaded sharded, are the single-rank GGUF model's.
+#[test]
+fn qwen3_per_head_norms_match_the_single_rank_model_in_every_layout() {
+    let spec = RandomLlama {
+        qwen3: true,
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 64,
+        vocab: 40,
+        seed: 54,
+        ..RandomLlama::default()
+    };
+    let layouts = [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (3, 2), (6, 1)];
+    check_layouts(&spec, "qwen3-layouts.gguf", &layouts);
+    let wide = RandomLlama { head_dim: Some(16), attn_bias: true, seed: 55, ..spec.clone() };
+    check_layouts(&wide, "qwen3-wide-layouts.gguf", &[(2, 1), (1, 2), (2, 2)]);
+
+    let path = write_model(&spec, "qwen3-generate.gguf");
+    let dir = temp_path("qwen3-generate-hf");
+    spec.write_hf(&dir, true).unwrap();
+    let reference = Model::load(&path, 1).unwrap();
+    let prompt = [1u32, 2, 3, 4, 5];
+    let want = reference.generate(&prompt, 12, &[], &mut reference.new_cache(64), |_| {}).unwrap();
+    for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2)] {
+        let got = on_mesh(tp, cp, |p, comms| {
+            let model = ParallelModel::load(&dir, LoadOptions::new(p)).unwrap();
+            let mut cache = model.new_cache(64);
+            model.generate(comms, &prompt, 12, &[], &mut cache, |_| {}).unwrap()
+        });
+        for (rank, g) in got.iter().enumerate() {
+            assert_eq!(g, &want, "({tp},{cp}) rank {rank}");
+        }
+    }
+    std::fs::remove_file(path).unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// A Gemma file: GELU-gated MLP and embeddings scaled by `sqrt(hidden)` (read from the
 /// architecture), the same in every layout as on one rank, and not the llama model of the
 /// same weights.
@@ -390,6 +433,7 @@ fn head_shards_cover_every_query_head_once() {
         rope_freq_factors: None,
         activation: checkpoint::config::Activation::Silu,
         embedding_scale: None,
+        qk_norm: false,
     };
     type Shards = Vec<(Range<usize>, Range<usize>)>;
     let shards = |c: &LlamaConfig, tp| -> Shards {
