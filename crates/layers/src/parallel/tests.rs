@@ -431,6 +431,8 @@ fn head_shards_cover_every_query_head_once() {
         context_length: 8,
         tied_embeddings: true,
         rope_freq_factors: None,
+        rope_attn_factor: None,
+        longrope: None,
         activation: checkpoint::config::Activation::Silu,
         embedding_scale: None,
         qk_norm: false,
