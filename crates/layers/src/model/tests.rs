@@ -52,9 +52,9 @@ fn reference_logits(file: &GgufFile, tokens: &[u32]) -> Vec<f32> {
     };
     let rope = |v: &mut [f64], pos: usize| {
         for head in v.chunks_mut(d) {
-            for i in 0..d / 2 {
+            for (i, factor) in factors.iter().enumerate() {
                 let inv_freq = (c.rope_theta as f64).powf(-((2 * i) as f64) / d as f64);
-                let a = pos as f64 * inv_freq / factors[i];
+                let a = pos as f64 * inv_freq / factor;
                 let (cos, sin) = (a.cos() * mscale, a.sin() * mscale);
                 let (i0, i1) = if neox { (i, i + d / 2) } else { (2 * i, 2 * i + 1) };
                 let (x0, x1) = (head[i0], head[i1]);
