@@ -395,7 +395,14 @@ impl LlamaConfig {
             None => "no rope scaling".to_owned(),
         };
         let (new, old) = (&self.rope_freq_factors, &live.rope_freq_factors);
-        if new.as_ref().map(|f| f.len()) != old.as_ref().map(|f| f.len()) {
+        if let (Some(new), Some(old)) = (&self.longrope, &live.longrope) {
+            // Both lists are compared, not the one each picked: a live model may run with
+            // the other for its context.
+            let lists = |r: &LongRope| (r.short.clone(), r.long.clone(), r.original_context);
+            if lists(new) != lists(old) {
+                out.push("other longrope factors; the live model has its own".to_owned());
+            }
+        } else if new.as_ref().map(|f| f.len()) != old.as_ref().map(|f| f.len()) {
             out.push(format!("{}; the live model has {}", scaling(new), scaling(old)));
         } else if new != old {
             out.push(format!("other {}; the live model has its own", scaling(new)));
@@ -779,6 +786,21 @@ mod tests {
             rescaled.differences(&scaled),
             ["other 8 rope frequency factors; the live model has its own"]
         );
+        let longrope = |long: f32| LongRope {
+            short: vec![1.0; 8],
+            long: vec![long; 8],
+            original_context: 32,
+            attn_factor: 1.1,
+        };
+        let phi = LlamaConfig { longrope: Some(longrope(4.0)), ..scaled.clone() };
+        let within = LlamaConfig { rope_freq_factors: Some(vec![4.0; 8]), ..phi.clone() };
+        assert_eq!(
+            within.differences(&phi),
+            Vec::<String>::new(),
+            "the other pick is no difference"
+        );
+        let other = LlamaConfig { longrope: Some(longrope(5.0)), ..phi.clone() };
+        assert_eq!(other.differences(&phi), ["other longrope factors; the live model has its own"]);
         let two = LlamaConfig { n_layers: 29, hidden: 32, ..live.clone() };
         let thirty = LlamaConfig { n_layers: 30, ..live };
         assert_eq!(

@@ -259,6 +259,14 @@ impl Attention {
         })
     }
 
+    /// Rotates as `other` does (its frequency factors and attention factor): the rotation
+    /// belongs to the running model (longrope's factors follow its context), not to weights
+    /// it adopts.
+    pub(crate) fn rotate_as(&mut self, other: &Attention) {
+        self.rope_factors.clone_from(&other.rope_factors);
+        self.rope_attn_factor = other.rope_attn_factor;
+    }
+
     /// Whether the Q/K/V projections carry biases.
     pub fn has_bias(&self) -> bool {
         self.qkv_bias.is_some()

@@ -425,6 +425,22 @@ fn phi3_longrope_matches_the_single_rank_model_in_every_layout() {
     assert_eq!(config.rope_freq_factors, spec.longrope.as_ref().map(|r| r.long.clone()));
     assert!(config.rope_attn_factor.is_some_and(|a| a > 1.0), "{config:?}");
     let prompt = [1u32, 2, 3, 4, 5];
+    // Served within the original context, the model rotates with the short factors, and
+    // keeps them when it adopts the weights of a load that chose the long ones.
+    on_mesh(1, 1, |p, comms| {
+        let mut model = ParallelModel::load(&path, LoadOptions::new(p).context(64)).unwrap();
+        let short = spec.longrope.as_ref().map(|r| r.short.clone());
+        assert_eq!(model.config().rope_freq_factors, short);
+        let mut run = |model: &ParallelModel| {
+            let mut cache = model.new_cache(16);
+            model.forward(comms, &prompt, &mut cache, Logits::All).unwrap().data().to_vec()
+        };
+        let before = run(&model);
+        let long = ParallelModel::load(&path, LoadOptions::new(p)).unwrap();
+        assert!(rel_err(&run(&long), &before) > 1e-3, "the long factors rotate otherwise");
+        model.adopt_weights(long).unwrap();
+        assert_eq!(run(&model), before);
+    });
     let want = reference.generate(&prompt, 12, &[], &mut reference.new_cache(64), |_| {}).unwrap();
     for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2)] {
         let got = on_mesh(tp, cp, |p, comms| {
