@@ -33,8 +33,15 @@ pub struct LlamaConfig {
     pub tied_embeddings: bool,
     /// Rotary frequency factors, one per rotated pair: pair `i`'s angle is divided by
     /// `rope_freq_factors[i]` (Llama 3's rope scaling, GGUF's `rope_freqs.weight`; linear
-    /// scaling is one factor everywhere). `None`: no scaling.
+    /// scaling is one factor everywhere; for longrope, the factors [`LongRope::pick`] chose).
+    /// `None`: no scaling.
     pub rope_freq_factors: Option<Vec<f32>>,
+    /// A factor on the cosines and sines of the rotation, so on the rotated elements of
+    /// queries and keys (longrope's attention factor). `None`: 1.
+    pub rope_attn_factor: Option<f32>,
+    /// Phi-3's long-context rope scaling, when the checkpoint has it: both factor lists and
+    /// the context length that chooses between them.
+    pub longrope: Option<LongRope>,
     /// The MLP's activation of the gate projection.
     pub activation: Activation,
     /// A factor on the token embeddings before the first block (Gemma: `sqrt(hidden)`).
@@ -43,6 +50,79 @@ pub struct LlamaConfig {
     /// before rotary embedding, with one weight of `head_dim` elements shared by every head
     /// (Qwen3's `q_norm` / `k_norm`, GGUF's `attn_q_norm` / `attn_k_norm`).
     pub qk_norm: bool,
+}
+
+/// Phi-3's "longrope" scaling (Phi-3 128k, Phi-3.5, Phi-4-mini): pair `i`'s angle is divided
+/// by `long[i]` when the model runs with a context longer than `original_context`, else by
+/// `short[i]`, and the rotation is scaled by `attn_factor`.
+///
+/// Transformers chooses per forward pass by the current sequence length; llama.cpp once, by
+/// the context it is started with. tpctl does as llama.cpp: [`LlamaConfig`] picks once, by
+/// its `context_length`, so every rank and every layout rotates every position alike and
+/// keys already in the (paged) KV cache never need rotating again.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LongRope {
+    /// Factors for contexts up to `original_context` (`short_factor`,
+    /// `rope_factors_short.weight`).
+    pub short: Vec<f32>,
+    /// Factors for longer contexts (`long_factor`, `rope_factors_long.weight`).
+    pub long: Vec<f32>,
+    /// The context length the model was pre-trained with
+    /// (`original_max_position_embeddings`, `rope.scaling.original_context_length`).
+    pub original_context: usize,
+    /// The factor on cosines and sines (see [`longrope_attn_factor`]).
+    pub attn_factor: f32,
+}
+
+impl LongRope {
+    /// The factors for a context of `context` tokens: long beyond the original context,
+    /// short up to it.
+    pub fn pick(&self, context: usize) -> &[f32] {
+        if context > self.original_context {
+            &self.long
+        } else {
+            &self.short
+        }
+    }
+}
+
+/// Longrope's default attention factor for a model extended from `original_context` to
+/// `context` positions: `sqrt(1 + ln(s) / ln(original_context))` with `s = context /
+/// original_context`, and 1 when `s <= 1` (as transformers and llama.cpp compute it).
+pub fn longrope_attn_factor(context: usize, original_context: usize) -> f32 {
+    let s = context as f64 / original_context as f64;
+    if s <= 1.0 {
+        return 1.0;
+    }
+    (1.0 + s.ln() / (original_context as f64).ln()).sqrt() as f32
+}
+
+/// Checks longrope's two factor lists (`pairs` positive entries each, the rotated pairs of
+/// a head), the original context and the attention factor, naming the key (`short_key`,
+/// `long_key`, `original_key`, `attn_key`) that is wrong.
+pub(crate) fn check_longrope(
+    rope: LongRope,
+    pairs: usize,
+    [short_key, long_key, original_key, attn_key]: [&str; 4],
+) -> Result<LongRope> {
+    for (key, factors) in [(short_key, &rope.short), (long_key, &rope.long)] {
+        if factors.len() != pairs || !factors.iter().all(|&f| f > 0.0 && f.is_finite()) {
+            return Err(Error::metadata(
+                key,
+                format!("{} factors for {pairs} rotated pairs, all positive", factors.len()),
+            ));
+        }
+    }
+    if rope.original_context == 0 {
+        return Err(Error::metadata(original_key, "must be a positive context length"));
+    }
+    if !(rope.attn_factor > 0.0 && rope.attn_factor.is_finite()) {
+        return Err(Error::metadata(
+            attn_key,
+            format!("{} is not a positive factor", rope.attn_factor),
+        ));
+    }
+    Ok(rope)
 }
 
 /// The activation of an MLP's gate projection (a kernel choice, so the tensor crate's).
@@ -156,12 +236,47 @@ impl LlamaConfig {
         } else {
             file.tensor_info("token_embd.weight")?.rows()
         };
-        if file.has_tensor("rope_factors_long.weight") {
-            return Err(Error::metadata(
-                "rope_factors_long.weight",
-                "long-context rope scaling (Phi-3's longrope) is not supported",
-            ));
-        }
+        // Phi-3's longrope: both factor lists as tensors (llama.cpp's converter writes them
+        // for any architecture that has them, so any is read).
+        let longrope = if file.has_tensor("rope_factors_long.weight")
+            || file.has_tensor("rope_factors_short.weight")
+        {
+            let factors = |name: &str| -> Result<Vec<f32>> {
+                if !file.has_tensor(name) {
+                    return Err(Error::tensor(
+                        name,
+                        "missing, though the file has longrope's other factors",
+                    ));
+                }
+                file.tensor_rows(name, 0..1)
+            };
+            let original_key = key("rope.scaling.original_context_length");
+            let original_context = if file.get(&original_key).is_some() {
+                usize_key("rope.scaling.original_context_length")?
+            } else {
+                return Err(Error::metadata(
+                    &original_key,
+                    "missing, though the file has longrope factors",
+                ));
+            };
+            let attn_key = key("rope.scaling.attn_factor");
+            let attn_factor = if file.get(&attn_key).is_some() {
+                file.get_f64(&attn_key)? as f32
+            } else {
+                longrope_attn_factor(context_length, original_context)
+            };
+            let rope = LongRope {
+                short: factors("rope_factors_short.weight")?,
+                long: factors("rope_factors_long.weight")?,
+                original_context,
+                attn_factor,
+            };
+            let keys =
+                ["rope_factors_short.weight", "rope_factors_long.weight", &original_key, &attn_key];
+            Some(check_longrope(rope, rope_dim / 2, keys)?)
+        } else {
+            None
+        };
         let rope_freq_factors = if file.has_tensor("rope_freqs.weight") {
             let factors = file.tensor_rows("rope_freqs.weight", 0..1)?;
             if factors.len() != rope_dim / 2 || !factors.iter().all(|&f| f > 0.0) {
@@ -175,9 +290,17 @@ impl LlamaConfig {
                 ));
             }
             Some(factors)
+        } else if let Some(rope) = &longrope {
+            Some(rope.pick(context_length).to_vec())
         } else {
             match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
                 None | Some("none") => None,
+                Some("longrope") => {
+                    return Err(Error::tensor(
+                        "rope_factors_long.weight",
+                        "missing, though the file's rope scaling is longrope",
+                    ))
+                }
                 Some("linear") => {
                     let factor = file.get_f64(&key("rope.scaling.factor"))? as f32;
                     Some(vec![factor; rope_dim / 2])
@@ -206,11 +329,24 @@ impl LlamaConfig {
             context_length,
             tied_embeddings: !file.has_tensor("output.weight"),
             rope_freq_factors,
+            rope_attn_factor: longrope.as_ref().map(|r| r.attn_factor).filter(|&a| a != 1.0),
+            longrope,
             // Gemma (its converter already adds Gemma's `1 +` to the norm weights).
             activation: if arch == "gemma" { Activation::GeluTanh } else { Activation::Silu },
             embedding_scale: (arch == "gemma").then(|| (hidden as f32).sqrt()),
             qk_norm: arch == "qwen3",
         })
+    }
+
+    /// The config for a model that runs with a context of `context` tokens: for longrope,
+    /// the factors of that context (see [`LongRope`]); otherwise `self` unchanged. The
+    /// context length itself is kept: it is the checkpoint's.
+    #[must_use]
+    pub fn for_context(mut self, context: usize) -> Self {
+        if let Some(rope) = &self.longrope {
+            self.rope_freq_factors = Some(rope.pick(context).to_vec());
+        }
+        self
     }
 
     /// Query heads per key/value head.
@@ -259,10 +395,28 @@ impl LlamaConfig {
             None => "no rope scaling".to_owned(),
         };
         let (new, old) = (&self.rope_freq_factors, &live.rope_freq_factors);
-        if new.as_ref().map(|f| f.len()) != old.as_ref().map(|f| f.len()) {
+        if let (Some(new), Some(old)) = (&self.longrope, &live.longrope) {
+            // Both lists are compared, not the one each picked: a live model may run with
+            // the other for its context.
+            let lists = |r: &LongRope| (r.short.clone(), r.long.clone(), r.original_context);
+            if lists(new) != lists(old) {
+                out.push("other longrope factors; the live model has its own".to_owned());
+            }
+        } else if new.as_ref().map(|f| f.len()) != old.as_ref().map(|f| f.len()) {
             out.push(format!("{}; the live model has {}", scaling(new), scaling(old)));
         } else if new != old {
             out.push(format!("other {}; the live model has its own", scaling(new)));
+        }
+        if self.rope_attn_factor.map(f32::to_bits) != live.rope_attn_factor.map(f32::to_bits) {
+            let factor = |a: Option<f32>| match a {
+                Some(a) => format!("rotation scaled by {a}"),
+                None => "unscaled rotation".to_owned(),
+            };
+            out.push(format!(
+                "{}; the live model has {}",
+                factor(self.rope_attn_factor),
+                factor(live.rope_attn_factor)
+            ));
         }
         if self.activation != live.activation {
             let name = |a: Activation| match a {
@@ -339,6 +493,8 @@ mod tests {
                 activation: Activation::Silu,
                 embedding_scale: None,
                 rope_freq_factors: None,
+                rope_attn_factor: None,
+                longrope: None,
                 qk_norm: false,
             }
         );
@@ -468,14 +624,92 @@ mod tests {
         yarn.write(&p).unwrap();
         let err = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
         assert!(err.to_string().contains("llama.rope.scaling.type"), "{err}");
-        let long = base().tensor_f32("rope_factors_long.weight", &[8], &[1.0; 8]).write(&p);
-        long.unwrap();
-        let err = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
-        assert!(err.to_string().contains("longrope"), "{err}");
         let short = base().tensor_f32("rope_freqs.weight", &[3], &[1.0; 3]).write(&p);
         short.unwrap();
         let err = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
         assert!(err.to_string().contains("3 factors for 8 rotated pairs"), "{err}");
+        std::fs::remove_file(p).unwrap();
+    }
+
+    /// Longrope from a GGUF file: the short factors up to the original context, the long ones
+    /// beyond it (by the file's context length, or [`LlamaConfig::for_context`]'s), the
+    /// attention factor from the file or else from the context ratio; factor lists of the wrong
+    /// length, a missing list or original context are refused by name.
+    #[test]
+    fn longrope_factors_are_chosen_by_the_context_and_checked() {
+        let p = temp_path("longrope.gguf");
+        let short: Vec<f32> = (0..8).map(|i| 1.0 + i as f32 * 0.01).collect();
+        let long: Vec<f32> = (0..8).map(|i| 1.0 + i as f32 * 3.0).collect();
+        let phi = |original: u32| {
+            let mut w = base();
+            w.metadata("llama.rope.scaling.original_context_length", Value::U32(original))
+                .tensor_f32("rope_factors_short.weight", &[8], &short)
+                .tensor_f32("rope_factors_long.weight", &[8], &long);
+            w
+        };
+        let read = |w: &GgufWriter| {
+            w.write(&p).unwrap();
+            LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap())
+        };
+        // Trained on 32 positions, extended to the file's 128: long factors, and
+        // sqrt(1 + ln 4 / ln 32).
+        let c = read(&phi(32)).unwrap();
+        assert_eq!(c.rope_freq_factors.as_deref(), Some(&long[..]));
+        let want = (1.0 + 4f64.ln() / 32f64.ln()).sqrt() as f32;
+        assert_eq!(c.rope_attn_factor, Some(want));
+        assert_eq!(
+            longrope_attn_factor(131_072, 4096),
+            (1.0 + 32f64.ln() / 4096f64.ln()).sqrt() as f32
+        );
+        assert!((longrope_attn_factor(131_072, 4096) - 1.190_238_4).abs() < 1e-6);
+        let rope = c.longrope.clone().unwrap();
+        assert_eq!(
+            (rope.short, rope.long, rope.original_context),
+            (short.clone(), long.clone(), 32)
+        );
+        // The same model run within its original context takes the short factors.
+        let shorter = c.clone().for_context(32);
+        assert_eq!(shorter.rope_freq_factors.as_deref(), Some(&short[..]));
+        assert_eq!(shorter.rope_attn_factor, c.rope_attn_factor);
+        assert_eq!(c.clone().for_context(33).rope_freq_factors, c.rope_freq_factors);
+        // Original context = the file's: short factors, no attention factor.
+        let c = read(&phi(128)).unwrap();
+        assert_eq!(c.rope_freq_factors.as_deref(), Some(&short[..]));
+        assert_eq!(c.rope_attn_factor, None);
+        // The file's attention factor wins.
+        let mut given = phi(32);
+        given.metadata("llama.rope.scaling.attn_factor", Value::F32(1.5));
+        assert_eq!(read(&given).unwrap().rope_attn_factor, Some(1.5));
+
+        let mut bad = base();
+        bad.metadata("llama.rope.scaling.original_context_length", Value::U32(32))
+            .tensor_f32("rope_factors_short.weight", &[8], &short)
+            .tensor_f32("rope_factors_long.weight", &[6], &[1.0; 6]);
+        let err = read(&bad).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "metadata key `rope_factors_long.weight`: 6 factors for 8 rotated pairs, all positive"
+        );
+        let mut one = base();
+        one.metadata("llama.rope.scaling.original_context_length", Value::U32(32)).tensor_f32(
+            "rope_factors_long.weight",
+            &[8],
+            &long,
+        );
+        let err = read(&one).unwrap_err();
+        assert!(err.to_string().contains("rope_factors_short.weight"), "{err}");
+        let mut no_original = base();
+        no_original.tensor_f32("rope_factors_short.weight", &[8], &short).tensor_f32(
+            "rope_factors_long.weight",
+            &[8],
+            &long,
+        );
+        let err = read(&no_original).unwrap_err();
+        assert!(err.to_string().contains("llama.rope.scaling.original_context_length"), "{err}");
+        let mut no_tensors = base();
+        no_tensors.metadata("llama.rope.scaling.type", Value::String("longrope".into()));
+        let err = read(&no_tensors).unwrap_err();
+        assert!(err.to_string().contains("rope_factors_long.weight"), "{err}");
         std::fs::remove_file(p).unwrap();
     }
 
@@ -527,6 +761,10 @@ mod tests {
                 "8 rope frequency factors; the live model has no rope scaling",
             ),
             (
+                LlamaConfig { rope_attn_factor: Some(1.25), ..live.clone() },
+                "rotation scaled by 1.25; the live model has unscaled rotation",
+            ),
+            (
                 LlamaConfig { activation: Activation::GeluTanh, ..live.clone() },
                 "GELU (tanh) activation; the live model has SiLU",
             ),
@@ -548,6 +786,21 @@ mod tests {
             rescaled.differences(&scaled),
             ["other 8 rope frequency factors; the live model has its own"]
         );
+        let longrope = |long: f32| LongRope {
+            short: vec![1.0; 8],
+            long: vec![long; 8],
+            original_context: 32,
+            attn_factor: 1.1,
+        };
+        let phi = LlamaConfig { longrope: Some(longrope(4.0)), ..scaled.clone() };
+        let within = LlamaConfig { rope_freq_factors: Some(vec![4.0; 8]), ..phi.clone() };
+        assert_eq!(
+            within.differences(&phi),
+            Vec::<String>::new(),
+            "the other pick is no difference"
+        );
+        let other = LlamaConfig { longrope: Some(longrope(5.0)), ..phi.clone() };
+        assert_eq!(other.differences(&phi), ["other longrope factors; the live model has its own"]);
         let two = LlamaConfig { n_layers: 29, hidden: 32, ..live.clone() };
         let thirty = LlamaConfig { n_layers: 30, ..live };
         assert_eq!(

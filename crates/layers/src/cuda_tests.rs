@@ -52,6 +52,19 @@ fn cuda_random_model_gives_the_cpu_greedy_tokens_and_logits() {
             "qwen3 per-head norms",
             RandomLlama { qwen3: true, head_dim: Some(24), seed: 4, ..Default::default() },
         ),
+        (
+            "longrope",
+            RandomLlama {
+                longrope: Some(checkpoint::config::LongRope {
+                    short: vec![1.0; 8],
+                    long: (0..8).map(|i| 1.0 + i as f32 * 3.0).collect(),
+                    original_context: 64,
+                    attn_factor: checkpoint::config::longrope_attn_factor(256, 64),
+                }),
+                seed: 5,
+                ..Default::default()
+            },
+        ),
     ];
     for (name, spec) in specs {
         let path = temp_path("cuda-model.gguf");

@@ -244,12 +244,14 @@ impl ModelFactory for ShardedFactory {
             Some(b) => b.clone(),
             None => tensor::kernels::Backend::cpu(self.threads)?,
         };
+        let mut opts = LoadOptions::new(placement).on(backend).form(self.form);
+        if let Some(tokens) = self.context {
+            // Longrope's factors follow the context the session serves.
+            opts = opts.context(tokens);
+        }
         let mut model = ParallelModel::load(
             &config.model,
-            LoadOptions::new(placement)
-                .on(backend)
-                .form(self.form)
-                .progress(&mut |done, total| report(done, total)),
+            opts.progress(&mut |done, total| report(done, total)),
         )
         .map_err(|e| format!("loading the {placement:?} shard of {}: {e}", config.model))?;
         if let Some(memory) = &self.memory {

@@ -28,6 +28,8 @@ fn config() -> LlamaConfig {
         context_length: 64,
         tied_embeddings: false,
         rope_freq_factors: None,
+        rope_attn_factor: None,
+        longrope: None,
         activation: Activation::Silu,
         embedding_scale: None,
         qk_norm: false,

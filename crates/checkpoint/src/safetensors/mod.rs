@@ -266,6 +266,56 @@ pub struct HfCheckpoint {
     norm_offset: f32,
 }
 
+/// Phi-3's longrope from `config.json` (`cfg`, its `rope_scaling` `rs`): both factor lists
+/// (`rope_dim / 2` each), the original context (`original_max_position_embeddings`, in
+/// `rope_scaling` or beside it) and the attention factor (`rope_scaling.attention_factor`,
+/// else [`crate::config::longrope_attn_factor`] of `context` over the original).
+fn longrope_of(
+    cfg: &serde_json::Value,
+    rs: &serde_json::Value,
+    rope_dim: usize,
+    context: usize,
+) -> Result<crate::config::LongRope> {
+    let factors = |k: &str| -> Result<Vec<f32>> {
+        let key = format!("rope_scaling.{k}");
+        let list = rs.get(k).and_then(|v| v.as_array()).ok_or_else(|| {
+            Error::metadata(&key, "missing or not a list, though rope_type is longrope")
+        })?;
+        list.iter()
+            .map(|v| v.as_f64().map(|f| f as f32))
+            .collect::<Option<Vec<f32>>>()
+            .ok_or_else(|| Error::metadata(&key, "holds something other than numbers"))
+    };
+    let original_key = "original_max_position_embeddings";
+    let original_context = rs
+        .get(original_key)
+        .or_else(|| cfg.get(original_key))
+        .and_then(|v| v.as_u64())
+        .ok_or_else(|| {
+            Error::metadata(original_key, "missing or not an integer, though rope_type is longrope")
+        })? as usize;
+    let attn_factor = match rs.get("attention_factor").filter(|v| !v.is_null()) {
+        Some(v) => v
+            .as_f64()
+            .ok_or_else(|| Error::metadata("rope_scaling.attention_factor", "not a number"))?
+            as f32,
+        None => crate::config::longrope_attn_factor(context, original_context),
+    };
+    let rope = crate::config::LongRope {
+        short: factors("short_factor")?,
+        long: factors("long_factor")?,
+        original_context,
+        attn_factor,
+    };
+    let keys = [
+        "rope_scaling.short_factor",
+        "rope_scaling.long_factor",
+        original_key,
+        "rope_scaling.attention_factor",
+    ];
+    crate::config::check_longrope(rope, rope_dim / 2, keys)
+}
+
 fn read_json(path: &Path) -> Result<serde_json::Value> {
     let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
         what: "reading",
@@ -390,6 +440,22 @@ impl HfCheckpoint {
         }
         let head_dim = num("head_dim").unwrap_or(hidden / n_heads);
         let rope_theta = float("rope_theta", 10_000.0);
+        // Phi-4-mini rotates three quarters of each head.
+        let rope_dim = match cfg.get("partial_rotary_factor").and_then(|v| v.as_f64()) {
+            Some(p) => {
+                let dim = (head_dim as f64 * p).round() as usize;
+                if !(p > 0.0 && p <= 1.0 && dim.is_multiple_of(2)) {
+                    return Err(Error::metadata(
+                        "partial_rotary_factor",
+                        format!("{p} of a head of {head_dim} is not an even number of elements"),
+                    ));
+                }
+                dim
+            }
+            None => head_dim,
+        };
+        let context_length = num("max_position_embeddings")?;
+        let mut longrope = None;
         let rope_freq_factors = match cfg.get("rope_scaling").filter(|v| !v.is_null()) {
             None => None,
             Some(rs) => {
@@ -402,19 +468,26 @@ impl HfCheckpoint {
                 match kind {
                     Some("llama3") => Some(crate::config::llama3_rope_factors(
                         rope_theta,
-                        head_dim,
+                        rope_dim,
                         field("factor")?,
                         field("low_freq_factor")?,
                         field("high_freq_factor")?,
                         field("original_max_position_embeddings")?,
                     )),
-                    Some("linear") => Some(vec![field("factor")? as f32; head_dim / 2]),
+                    Some("linear") => Some(vec![field("factor")? as f32; rope_dim / 2]),
+                    Some("longrope") => {
+                        let rope = longrope_of(&cfg, rs, rope_dim, context_length)?;
+                        let factors = rope.pick(context_length).to_vec();
+                        longrope = Some(rope);
+                        Some(factors)
+                    }
                     Some("default") => None,
                     other => {
                         return Err(Error::metadata(
                             "rope_scaling.rope_type",
                             format!(
-                                "{other:?} rope scaling is not supported (llama3 and linear are)"
+                                "{other:?} rope scaling is not supported \
+                                 (llama3, linear and longrope are)"
                             ),
                         ))
                     }
@@ -431,12 +504,14 @@ impl HfCheckpoint {
             n_kv_heads,
             head_dim,
             rope_theta: rope_theta as f32,
-            rope_dim: head_dim,
+            rope_dim,
             rms_eps: float("rms_norm_eps", 1e-6) as f32,
             vocab_size: num("vocab_size")?,
-            context_length: num("max_position_embeddings")?,
+            context_length,
             tied_embeddings: tied,
             rope_freq_factors,
+            rope_attn_factor: longrope.as_ref().map(|r| r.attn_factor).filter(|&a| a != 1.0),
+            longrope,
             // Gemma's `gelu_pytorch_tanh` MLP and `sqrt(hidden)`-scaled embeddings.
             activation: if gemma {
                 crate::config::Activation::GeluTanh

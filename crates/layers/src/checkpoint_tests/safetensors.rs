@@ -27,6 +27,19 @@ fn a_hugging_face_folder_and_its_gguf_give_the_same_logits() {
         (RandomLlama { seed: 25, qwen3: true, ..RandomLlama::default() }, true),
         (
             RandomLlama {
+                seed: 27,
+                longrope: Some(checkpoint::config::LongRope {
+                    short: (0..8).map(|i| 1.0 + i as f32 * 0.1).collect(),
+                    long: (0..8).map(|i| 1.0 + i as f32 * 3.0).collect(),
+                    original_context: 64,
+                    attn_factor: 1.2,
+                }),
+                ..RandomLlama::default()
+            },
+            false,
+        ),
+        (
+            RandomLlama {
                 seed: 26,
                 qwen3: true,
                 attn_bias: true,
@@ -83,4 +96,72 @@ fn rope_scaling_in_config_json_sets_the_frequency_factors() {
             }
         }
     }
+}
+
+/// `rope_scaling` of type longrope: the long factors when `max_position_embeddings` exceeds
+/// `original_max_position_embeddings` (beside `rope_scaling` or in it), else the short; the
+/// attention factor from `attention_factor` or else `sqrt(1 + ln(s) / ln(original))`; factor
+/// lists of another length than the rotated pairs (Phi-4-mini's `partial_rotary_factor`
+/// counts) and a missing list or original context are refused by their key.
+#[test]
+fn longrope_in_config_json_picks_the_factors_by_the_context() {
+    let spec = RandomLlama::default();
+    let (_, dir) = write_both(&spec, "longrope-json", false);
+    let config = dir.join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let base: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let short: Vec<f32> = (0..8).map(|i| 1.0 + i as f32 * 0.1).collect();
+    let long: Vec<f32> = (0..8).map(|i| 1.0 + i as f32 * 2.0).collect();
+    let read = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut json = base.clone();
+        json["rope_scaling"] =
+            serde_json::json!({"type": "longrope", "short_factor": short, "long_factor": long});
+        json["original_max_position_embeddings"] = 64.into();
+        edit(&mut json);
+        std::fs::write(&config, json.to_string()).unwrap();
+        HfCheckpoint::open(&dir).and_then(|ck| ck.config())
+    };
+    let c = read(&|_| {}).unwrap();
+    assert_eq!(c.rope_freq_factors.as_deref(), Some(&long[..]));
+    let want = (1.0 + 4f64.ln() / 64f64.ln()).sqrt() as f32;
+    assert_eq!(c.rope_attn_factor, Some(want));
+    assert_eq!(c.longrope.as_ref().map(|r| r.original_context), Some(64));
+    assert_eq!(c.for_context(64).rope_freq_factors.as_deref(), Some(&short[..]));
+    let c = read(&|j| {
+        j["rope_scaling"]["rope_type"] = "longrope".into();
+        j["rope_scaling"]["original_max_position_embeddings"] = 256.into();
+        j["rope_scaling"]["attention_factor"] = 1.5.into();
+    })
+    .unwrap();
+    assert_eq!(c.rope_freq_factors.as_deref(), Some(&short[..]));
+    assert_eq!(c.rope_attn_factor, Some(1.5));
+    let c = read(&|j| j["original_max_position_embeddings"] = 256.into()).unwrap();
+    assert_eq!((c.rope_freq_factors.as_deref(), c.rope_attn_factor), (Some(&short[..]), None));
+    // Half of each head rotated: 4 pairs.
+    let c = read(&|j| {
+        j["partial_rotary_factor"] = 0.5.into();
+        j["rope_scaling"]["short_factor"] = serde_json::json!([1.0, 1.0, 1.0, 1.0]);
+        j["rope_scaling"]["long_factor"] = serde_json::json!([1.0, 2.0, 3.0, 4.0]);
+    })
+    .unwrap();
+    assert_eq!((c.rope_dim, c.rope_freq_factors), (8, Some(vec![1.0, 2.0, 3.0, 4.0])));
+
+    let err = |edit: &dyn Fn(&mut serde_json::Value)| read(edit).unwrap_err().to_string();
+    assert_eq!(
+        err(&|j| j["rope_scaling"]["long_factor"] = serde_json::json!([1.0, 2.0, 3.0])),
+        "metadata key `rope_scaling.long_factor`: 3 factors for 8 rotated pairs, all positive"
+    );
+    assert_eq!(
+        err(&|j| j["partial_rotary_factor"] = 0.5.into()),
+        "metadata key `rope_scaling.short_factor`: 8 factors for 4 rotated pairs, all positive"
+    );
+    let missing = err(&|j| {
+        j["rope_scaling"].as_object_mut().unwrap().remove("short_factor");
+    });
+    assert!(missing.contains("`rope_scaling.short_factor`"), "{missing}");
+    let no_original = err(&|j| {
+        j.as_object_mut().unwrap().remove("original_max_position_embeddings");
+    });
+    assert!(no_original.contains("`original_max_position_embeddings`"), "{no_original}");
+    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -140,6 +140,8 @@ pub struct Attention {
     rope_dim: usize,
     rope_theta: f32,
     rope_factors: Option<std::sync::Arc<[f32]>>,
+    /// The factor on the rotation's cosines and sines (longrope's attention factor), else 1.
+    rope_attn_factor: f32,
 }
 
 impl Attention {
@@ -253,7 +255,16 @@ impl Attention {
             rope_dim: cfg.rope_dim,
             rope_theta: cfg.rope_theta,
             rope_factors: cfg.rope_freq_factors.as_deref().map(Into::into),
+            rope_attn_factor: cfg.rope_attn_factor.unwrap_or(1.0),
         })
+    }
+
+    /// Rotates as `other` does (its frequency factors and attention factor): the rotation
+    /// belongs to the running model (longrope's factors follow its context), not to weights
+    /// it adopts.
+    pub(crate) fn rotate_as(&mut self, other: &Attention) {
+        self.rope_factors.clone_from(&other.rope_factors);
+        self.rope_attn_factor = other.rope_attn_factor;
     }
 
     /// Whether the Q/K/V projections carry biases.
@@ -312,8 +323,9 @@ impl Attention {
             k = QkNorm::apply(be, k, &norm.k, norm.eps)?;
         }
         let (theta, factors) = (self.rope_theta, self.rope_factors.as_deref());
-        be.rope_scaled(&mut q, positions, (s.q_heads, s.head_dim, self.rope_dim), theta, factors)?;
-        be.rope_scaled(&mut k, positions, (s.kv_heads, s.head_dim, self.rope_dim), theta, factors)?;
+        let (rot, scale) = (self.rope_dim, self.rope_attn_factor);
+        be.rope_scaled(&mut q, positions, (s.q_heads, s.head_dim, rot), theta, factors, scale)?;
+        be.rope_scaled(&mut k, positions, (s.kv_heads, s.head_dim, rot), theta, factors, scale)?;
         Ok((q, k, v))
     }
 

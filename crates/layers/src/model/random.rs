@@ -56,6 +56,11 @@ pub struct RandomLlama {
     /// random stream, so the other weights are those of the llama model of the same seed),
     /// and Q/K/V biases only when `attn_bias` is set too.
     pub qwen3: bool,
+    /// Phi-3's longrope: the GGUF file gets both factor lists (`rope_factors_short.weight`,
+    /// `rope_factors_long.weight`, `head_dim / 2` each), the original context and the
+    /// attention factor under `rope.scaling.*`; the Hugging Face folder gets them in
+    /// `config.json`'s `rope_scaling`. The written context length is 256.
+    pub longrope: Option<checkpoint::config::LongRope>,
 }
 
 impl Default for RandomLlama {
@@ -77,6 +82,7 @@ impl Default for RandomLlama {
             gemma: false,
             head_dim: None,
             qwen3: false,
+            longrope: None,
         }
     }
 }
@@ -232,6 +238,12 @@ impl RandomLlama {
                 }
             }
         }
+        if let Some(rope) = &self.longrope {
+            w.metadata(&k("rope.scaling.original_context_length"), u(rope.original_context))
+                .metadata(&k("rope.scaling.attn_factor"), Value::F32(rope.attn_factor))
+                .tensor_f32("rope_factors_short.weight", &[rope.short.len()], &rope.short)
+                .tensor_f32("rope_factors_long.weight", &[rope.long.len()], &rope.long);
+        }
         norm(&mut w, &mut rng, "output_norm.weight");
         if self.untied_head || self.next_token.is_some() {
             matrix(&mut w, &mut rng, "output.weight", self.vocab, h);
@@ -293,6 +305,9 @@ impl RandomLlama {
         let d = self.head_dim();
         let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
         for info in file.tensor_infos() {
+            if info.name.starts_with("rope_factors_") {
+                continue; // config.json's rope_scaling holds them
+            }
             let t = file.tensor(&info.name)?;
             let mut data = t.data().to_vec();
             let qk = info.name.ends_with("attn_q.weight") || info.name.ends_with("attn_k.weight");
@@ -338,34 +353,41 @@ impl RandomLlama {
         } else {
             write("model.safetensors", &tensors)?;
         }
-        json(
-            "config.json",
-            serde_json::json!({
-                "architectures": [match self.architecture() {
-                    "qwen3" => "Qwen3ForCausalLM",
-                    "qwen2" => "Qwen2ForCausalLM",
-                    "gemma" => "GemmaForCausalLM",
-                    _ => "LlamaForCausalLM",
-                }],
-                "model_type": match self.architecture() {
-                    arch @ ("qwen3" | "qwen2" | "gemma") => arch,
-                    _ => "llama",
-                },
-                "attention_bias": self.attn_bias,
-                "hidden_activation": if self.gemma { "gelu_pytorch_tanh" } else { "silu" },
-                "hidden_size": self.hidden,
-                "intermediate_size": self.ffn,
-                "num_hidden_layers": self.layers,
-                "num_attention_heads": self.heads,
-                "num_key_value_heads": self.kv_heads,
-                "head_dim": self.head_dim(),
-                "rope_theta": 10000.0,
-                "rms_norm_eps": 1e-5,
-                "vocab_size": self.vocab,
-                "max_position_embeddings": 256,
-                "tie_word_embeddings": !(self.untied_head || self.next_token.is_some()),
-            }),
-        )?;
+        let mut config = serde_json::json!({
+            "architectures": [match self.architecture() {
+                "qwen3" => "Qwen3ForCausalLM",
+                "qwen2" => "Qwen2ForCausalLM",
+                "gemma" => "GemmaForCausalLM",
+                _ => "LlamaForCausalLM",
+            }],
+            "model_type": match self.architecture() {
+                arch @ ("qwen3" | "qwen2" | "gemma") => arch,
+                _ => "llama",
+            },
+            "attention_bias": self.attn_bias,
+            "hidden_activation": if self.gemma { "gelu_pytorch_tanh" } else { "silu" },
+            "hidden_size": self.hidden,
+            "intermediate_size": self.ffn,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim(),
+            "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-5,
+            "vocab_size": self.vocab,
+            "max_position_embeddings": 256,
+            "tie_word_embeddings": !(self.untied_head || self.next_token.is_some()),
+        });
+        if let Some(rope) = &self.longrope {
+            config["original_max_position_embeddings"] = rope.original_context.into();
+            config["rope_scaling"] = serde_json::json!({
+                "type": "longrope",
+                "short_factor": rope.short,
+                "long_factor": rope.long,
+                "attention_factor": rope.attn_factor,
+            });
+        }
+        json("config.json", config)?;
         let path = dir.join("tokenizer.json");
         tokenizer
             .inner()

@@ -36,15 +36,30 @@ fn reference_logits(file: &GgufFile, tokens: &[u32]) -> Vec<f32> {
             1.0 / (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + c.rms_eps as f64).sqrt();
         x.iter().zip(w).map(|(a, b)| a * s * b).collect()
     };
-    let neox = matches!(file.get_str("general.architecture").unwrap(), "qwen2" | "qwen3");
+    let arch = file.get_str("general.architecture").unwrap();
+    let neox = matches!(arch, "qwen2" | "qwen3");
+    // Longrope as llama.cpp reads it: the long factors when the context exceeds the original
+    // one, else the short; cosines and sines times the attention factor.
+    let (factors, mscale) = if file.has_tensor("rope_factors_long.weight") {
+        let key = |k: &str| format!("{arch}.{k}");
+        let context = file.get_u64(&key("context_length")).unwrap();
+        let original = file.get_u64(&key("rope.scaling.original_context_length")).unwrap();
+        let long = context > original;
+        let name = if long { "rope_factors_long.weight" } else { "rope_factors_short.weight" };
+        (get(name), file.get_f64(&key("rope.scaling.attn_factor")).unwrap())
+    } else {
+        (vec![1.0; d / 2], 1.0)
+    };
     let rope = |v: &mut [f64], pos: usize| {
         for head in v.chunks_mut(d) {
-            for i in 0..d / 2 {
-                let a = pos as f64 * (c.rope_theta as f64).powf(-((2 * i) as f64) / d as f64);
+            for (i, factor) in factors.iter().enumerate() {
+                let inv_freq = (c.rope_theta as f64).powf(-((2 * i) as f64) / d as f64);
+                let a = pos as f64 * inv_freq / factor;
+                let (cos, sin) = (a.cos() * mscale, a.sin() * mscale);
                 let (i0, i1) = if neox { (i, i + d / 2) } else { (2 * i, 2 * i + 1) };
                 let (x0, x1) = (head[i0], head[i1]);
-                head[i0] = x0 * a.cos() - x1 * a.sin();
-                head[i1] = x1 * a.cos() + x0 * a.sin();
+                head[i0] = x0 * cos - x1 * sin;
+                head[i1] = x1 * cos + x0 * sin;
             }
         }
     };
@@ -145,6 +160,44 @@ fn prefill_matches_the_naive_reference_with_interleaved_rope() {
         assert_close(got.data(), &want, 1e-4);
         std::fs::remove_file(p).unwrap();
     }
+}
+
+/// Longrope: the naive reference with each pair's angle divided by the long factors (the
+/// written context 256 beyond the original 64) or the short ones (original 256), and the
+/// rotation scaled by the attention factor. The two choices, and no scaling, differ; the
+/// Phi-3 file (fused projections) of the same model gives the same logits.
+#[test]
+fn longrope_matches_the_naive_reference_with_either_factor_list() {
+    let longrope = |original: usize| checkpoint::config::LongRope {
+        short: (0..8).map(|i| 1.0 + i as f32 * 0.05).collect(),
+        long: (0..8).map(|i| 1.0 + i as f32 * 4.0).collect(),
+        original_context: original,
+        attn_factor: checkpoint::config::longrope_attn_factor(256, original).max(1.1),
+    };
+    let plain = RandomLlama { seed: 61, untied_head: true, ..RandomLlama::default() };
+    let pos: Vec<usize> = (0..PROMPT.len()).collect();
+    let logits = |spec: &RandomLlama, stem: &str| {
+        let p = write_model(spec, stem);
+        let model = Model::load_with(&p, 2, WeightForm::F32).unwrap();
+        let got = model.forward(&PROMPT, &pos, &mut model.new_cache(16), Logits::All).unwrap();
+        let want = reference_logits(&GgufFile::open(&p).unwrap(), &PROMPT);
+        assert_close(got.data(), &want, 1e-4);
+        std::fs::remove_file(p).unwrap();
+        got.data().to_vec()
+    };
+    let none = logits(&plain, "ref-no-longrope.gguf");
+    let long_spec = RandomLlama { longrope: Some(longrope(64)), ..plain.clone() };
+    let long = logits(&long_spec, "ref-longrope-long.gguf");
+    let short_spec = RandomLlama { longrope: Some(longrope(256)), ..plain.clone() };
+    let short = logits(&short_spec, "ref-longrope-short.gguf");
+    let differ = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f32>();
+    assert!(differ(&long, &short) > 1e-2 && differ(&short, &none) > 1e-2);
+
+    let phi3 = write_model(&RandomLlama { fused: true, ..long_spec }, "ref-longrope-phi3.gguf");
+    let model = Model::load_with(&phi3, 2, WeightForm::F32).unwrap();
+    let got = model.forward(&PROMPT, &pos, &mut model.new_cache(16), Logits::All).unwrap();
+    assert_eq!(got.data(), &long[..]);
+    std::fs::remove_file(phi3).unwrap();
 }
 
 #[test]

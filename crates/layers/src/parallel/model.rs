@@ -56,6 +56,7 @@ pub struct LoadOptions<'a> {
     backend: Option<Backend>,
     threads: usize,
     form: WeightForm,
+    context: Option<usize>,
     progress: Option<&'a mut dyn FnMut(usize, usize)>,
 }
 
@@ -68,6 +69,7 @@ impl LoadOptions<'static> {
             backend: None,
             threads: 1,
             form: WeightForm::default(),
+            context: None,
             progress: None,
         }
     }
@@ -95,12 +97,20 @@ impl<'a> LoadOptions<'a> {
         self
     }
 
+    /// Runs the model with contexts of at most `tokens` (the checkpoint's context length when
+    /// not given): longrope picks its factors by it ([`LlamaConfig::for_context`]).
+    #[must_use]
+    pub fn context(mut self, tokens: usize) -> Self {
+        self.context = Some(tokens);
+        self
+    }
+
     /// Calls `progress(done, total)` as the shard loads: after the embedding, each layer and
     /// the head (`total` is the layer count plus 2).
     #[must_use]
     pub fn progress<'b>(self, progress: &'b mut dyn FnMut(usize, usize)) -> LoadOptions<'b> {
-        let LoadOptions { placement, backend, threads, form, .. } = self;
-        LoadOptions { placement, backend, threads, form, progress: Some(progress) }
+        let LoadOptions { placement, backend, threads, form, context, .. } = self;
+        LoadOptions { placement, backend, threads, form, context, progress: Some(progress) }
     }
 }
 
@@ -111,6 +121,7 @@ impl std::fmt::Debug for LoadOptions<'_> {
             .field("backend", &self.backend)
             .field("threads", &self.threads)
             .field("form", &self.form)
+            .field("context", &self.context)
             .field("progress", &self.progress.is_some())
             .finish()
     }
@@ -151,7 +162,11 @@ impl ParallelModel {
         config: LlamaConfig,
         opts: LoadOptions<'_>,
     ) -> Result<Self> {
-        let LoadOptions { placement, backend, threads, form, progress } = opts;
+        let LoadOptions { placement, backend, threads, form, context, progress } = opts;
+        let config = match context {
+            Some(tokens) => config.for_context(tokens),
+            None => config,
+        };
         let backend = match backend {
             Some(backend) => backend,
             None => Backend::cpu(threads)?,
@@ -256,7 +271,8 @@ impl ParallelModel {
 
     /// Takes `other`'s weights (another checkpoint's shard of the same model, perhaps stored in
     /// another form and in other memory) in place of its own, which are dropped; the backend,
-    /// the placement and the config stay, so caches and pools made for this model still fit.
+    /// the placement, the config and the rotation (longrope's factors, picked for this
+    /// model's context) stay, so caches and pools made for this model still fit.
     /// A backend that keeps device copies of weights by host address must forget them
     /// (`CudaBackend::clear_weight_cache`) once the old buffers are gone.
     ///
@@ -278,7 +294,12 @@ impl ParallelModel {
         if let Some(difference) = shape_difference(&theirs, &ours) {
             return Err(crate::Error::Mismatch(difference));
         }
-        let ParallelModel { embed, blocks, norm, lm_head, .. } = other;
+        let ParallelModel { embed, mut blocks, norm, lm_head, .. } = other;
+        // The rotation is the running model's (longrope's factors follow its context), not
+        // the weights'.
+        for (new, live) in blocks.iter_mut().zip(&self.blocks) {
+            new.attn.attn.rotate_as(&live.attn.attn);
+        }
         (self.embed, self.blocks, self.norm, self.lm_head) = (embed, blocks, norm, lm_head);
         Ok(())
     }

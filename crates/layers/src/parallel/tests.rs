@@ -391,6 +391,70 @@ fn qwen3_per_head_norms_match_the_single_rank_model_in_every_layout() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// Longrope (the long factors and the attention factor): the logits of the prompt and 16
+/// greedy steps match the single-rank model in every layout, and the greedy ids of the
+/// Phi-3 file (fused projections) loaded sharded are the single-rank model's. Every rank
+/// rotates with the same factors, chosen once, so the keys each CP rank caches are those of
+/// the single-rank model.
+#[test]
+fn phi3_longrope_matches_the_single_rank_model_in_every_layout() {
+    let spec = RandomLlama {
+        fused: true,
+        longrope: Some(checkpoint::config::LongRope {
+            short: (0..4).map(|i| 1.0 + i as f32 * 0.1).collect(),
+            long: (0..4).map(|i| 1.0 + i as f32 * 5.0).collect(),
+            original_context: 64,
+            attn_factor: checkpoint::config::longrope_attn_factor(256, 64),
+        }),
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 64,
+        vocab: 40,
+        seed: 62,
+        ..RandomLlama::default()
+    };
+    let layouts = [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)];
+    // `check_layouts` reads the file's tensors as they are: the llama twin (same weights).
+    let twin = RandomLlama { fused: false, ..spec.clone() };
+    check_layouts(&twin, "phi3-longrope-layouts.gguf", &layouts);
+
+    let path = write_model(&spec, "phi3-longrope-generate.gguf");
+    let reference = Model::load(&path, 1).unwrap();
+    let config = reference.config();
+    assert_eq!(config.rope_freq_factors, spec.longrope.as_ref().map(|r| r.long.clone()));
+    assert!(config.rope_attn_factor.is_some_and(|a| a > 1.0), "{config:?}");
+    let prompt = [1u32, 2, 3, 4, 5];
+    // Served within the original context, the model rotates with the short factors, and
+    // keeps them when it adopts the weights of a load that chose the long ones.
+    on_mesh(1, 1, |p, comms| {
+        let mut model = ParallelModel::load(&path, LoadOptions::new(p).context(64)).unwrap();
+        let short = spec.longrope.as_ref().map(|r| r.short.clone());
+        assert_eq!(model.config().rope_freq_factors, short);
+        let mut run = |model: &ParallelModel| {
+            let mut cache = model.new_cache(16);
+            model.forward(comms, &prompt, &mut cache, Logits::All).unwrap().data().to_vec()
+        };
+        let before = run(&model);
+        let long = ParallelModel::load(&path, LoadOptions::new(p)).unwrap();
+        assert!(rel_err(&run(&long), &before) > 1e-3, "the long factors rotate otherwise");
+        model.adopt_weights(long).unwrap();
+        assert_eq!(run(&model), before);
+    });
+    let want = reference.generate(&prompt, 12, &[], &mut reference.new_cache(64), |_| {}).unwrap();
+    for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2)] {
+        let got = on_mesh(tp, cp, |p, comms| {
+            let model = ParallelModel::load(&path, LoadOptions::new(p)).unwrap();
+            let mut cache = model.new_cache(64);
+            model.generate(comms, &prompt, 12, &[], &mut cache, |_| {}).unwrap()
+        });
+        for (rank, g) in got.iter().enumerate() {
+            assert_eq!(g, &want, "({tp},{cp}) rank {rank}");
+        }
+    }
+    std::fs::remove_file(path).unwrap();
+}
+
 /// A Gemma file: GELU-gated MLP and embeddings scaled by `sqrt(hidden)` (read from the
 /// architecture), the same in every layout as on one rank, and not the llama model of the
 /// same weights.
@@ -431,6 +495,8 @@ fn head_shards_cover_every_query_head_once() {
         context_length: 8,
         tied_embeddings: true,
         rope_freq_factors: None,
+        rope_attn_factor: None,
+        longrope: None,
         activation: checkpoint::config::Activation::Silu,
         embedding_scale: None,
         qk_norm: false,

@@ -439,11 +439,11 @@ impl Backend {
         rot_dim: usize,
         theta: f32,
     ) -> Result<()> {
-        self.rope_scaled(x, positions, (heads, head_dim, rot_dim), theta, None)
+        self.rope_scaled(x, positions, (heads, head_dim, rot_dim), theta, None, 1.0)
     }
 
-    /// [`Backend::rope`] with per-pair frequency factors (see
-    /// `cpu::rope::rope_scaled`); factors that are all 1 are no scaling.
+    /// [`Backend::rope`] with per-pair frequency factors and a factor on the cosines and
+    /// sines (see `cpu::rope::rope_scaled`); factors that are all 1 are no scaling.
     ///
     /// # Errors
     /// As [`Backend::rope`]; [`Error::Shape`] when there are not `rot_dim / 2` factors.
@@ -454,6 +454,7 @@ impl Backend {
         (heads, head_dim, rot_dim): (usize, usize, usize),
         theta: f32,
         factors: Option<&[f32]>,
+        attn_factor: f32,
     ) -> Result<()> {
         check(
             "rope",
@@ -479,9 +480,11 @@ impl Backend {
                 (heads, head_dim, rot_dim),
                 theta,
                 factors,
+                attn_factor,
             ),
             Backend::Cuda(cuda) => {
-                cuda.rope(x, positions, (heads, head_dim, rot_dim), theta, factors)?;
+                let dims = (heads, head_dim, rot_dim);
+                cuda.rope(x, positions, dims, theta, factors, attn_factor)?;
             }
         }
         Ok(())

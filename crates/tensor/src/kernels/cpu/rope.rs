@@ -20,18 +20,21 @@ pub fn rope(
     rot_dim: usize,
     theta: f32,
 ) {
-    rope_scaled(x, positions, (heads, head_dim, rot_dim), theta, None);
+    rope_scaled(x, positions, (heads, head_dim, rot_dim), theta, None, 1.0);
 }
 
 /// [`rope`] with the angle of pair `i` divided by `factors[i]` (`rot_dim / 2` of them): the
 /// frequency factors of Llama 3's rope scaling (GGUF's `rope_freqs.weight`), or one factor
-/// everywhere for linear scaling. `None` is [`rope`].
+/// everywhere for linear scaling, or the long or short factors of Phi-3's longrope. The cosines
+/// and sines are multiplied by `attn_factor` (longrope's attention factor: it scales the
+/// rotated elements, not those passed through). `None` and 1 are [`rope`].
 pub fn rope_scaled(
     x: &mut [f32],
     positions: &[usize],
     (heads, head_dim, rot_dim): (usize, usize, usize),
     theta: f32,
     factors: Option<&[f32]>,
+    attn_factor: f32,
 ) {
     let half = rot_dim / 2;
     let inv_freq: Vec<f64> = (0..half)
@@ -46,8 +49,8 @@ pub fn rope_scaled(
         for i in 0..half {
             // f64 angles: positions reach thousands, where f32 products lose the low bits.
             let a = pos as f64 * inv_freq[i];
-            cos[i] = a.cos() as f32;
-            sin[i] = a.sin() as f32;
+            cos[i] = (a.cos() * f64::from(attn_factor)) as f32;
+            sin[i] = (a.sin() * f64::from(attn_factor)) as f32;
         }
         for h in 0..heads {
             let base = (t * heads + h) * head_dim;
@@ -104,12 +107,12 @@ mod tests {
     fn frequency_factors_divide_each_pairs_angle() {
         let orig: Vec<f32> = (0..32).map(|i| (i as f32 * 0.37).sin()).collect();
         let (mut scaled, mut plain) = (orig.clone(), orig.clone());
-        rope_scaled(&mut scaled, &[14, 400], (2, 8, 8), 10000.0, Some(&[2.0; 4]));
+        rope_scaled(&mut scaled, &[14, 400], (2, 8, 8), 10000.0, Some(&[2.0; 4]), 1.0);
         rope(&mut plain, &[7, 200], 2, 8, 8, 10000.0);
         assert_eq!(scaled, plain);
         // Only pair 1 (elements 1 and 5) slows down.
         let mut one = orig[..8].to_vec();
-        rope_scaled(&mut one, &[9], (1, 8, 8), 10000.0, Some(&[1.0, 3.0, 1.0, 1.0]));
+        rope_scaled(&mut one, &[9], (1, 8, 8), 10000.0, Some(&[1.0, 3.0, 1.0, 1.0]), 1.0);
         let mut base = orig[..8].to_vec();
         rope(&mut base, &[9], 1, 8, 8, 10000.0);
         for i in [0, 2, 3, 4, 6, 7] {
@@ -119,5 +122,23 @@ mod tests {
         let (x, y) = (f64::from(orig[1]), f64::from(orig[5]));
         assert!((f64::from(one[1]) - (x * a.cos() - y * a.sin())).abs() < 1e-6);
         assert!((f64::from(one[5]) - (y * a.cos() + x * a.sin())).abs() < 1e-6);
+    }
+
+    /// The attention factor multiplies the rotated elements and leaves the rest alone.
+    #[test]
+    fn the_attention_factor_scales_only_the_rotated_elements() {
+        let orig: Vec<f32> = (0..12).map(|i| (i as f32 * 0.53).cos()).collect();
+        let (mut scaled, mut plain) = (orig.clone(), orig.clone());
+        let factors = [1.5, 4.0];
+        rope_scaled(&mut scaled, &[0, 300], (1, 6, 4), 10000.0, Some(&factors), 1.25);
+        rope_scaled(&mut plain, &[0, 300], (1, 6, 4), 10000.0, Some(&factors), 1.0);
+        for t in 0..2 {
+            for e in 0..6 {
+                let (s, p) = (scaled[t * 6 + e], plain[t * 6 + e]);
+                let want = if e < 4 { p * 1.25 } else { p };
+                assert!((s - want).abs() < 1e-6, "token {t}, element {e}: {s} vs {want}");
+            }
+        }
+        assert_eq!(&scaled[4..6], &orig[4..6]);
     }
 }

@@ -61,9 +61,11 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
 
 // Rotate-half rotary embedding of x[tokens, heads, head_dim] in place; one thread per rotated
 // pair. Angles in double precision, as on the CPU. `factors` (rot_dim / 2 of them, or null)
-// divide each pair's frequency: Llama 3's and linear rope scaling.
+// divide each pair's frequency: Llama 3's, linear and longrope scaling; `attn_factor`
+// multiplies the cosines and sines (longrope's attention factor, 1 otherwise).
 extern "C" __global__ void rope(float* x, const u64* pos, int tokens, int heads, int head_dim,
-                                int rot_dim, float theta, const float* factors) {
+                                int rot_dim, float theta, const float* factors,
+                                float attn_factor) {
     int half = rot_dim / 2;
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 total = (u64)tokens * heads * half;
@@ -75,8 +77,8 @@ extern "C" __global__ void rope(float* x, const u64* pos, int tokens, int heads,
     double inv_freq = pow((double)theta, -(double)(2 * i) / (double)rot_dim);
     if (factors) inv_freq /= (double)factors[i];
     double a = (double)pos[t] * inv_freq;
-    float c = (float)cos(a);
-    float s = (float)sin(a);
+    float c = (float)(cos(a) * (double)attn_factor);
+    float s = (float)(sin(a) * (double)attn_factor);
     float* v = x + (t * heads + h) * (u64)head_dim;
     float lo = v[i], hi = v[i + half];
     v[i] = lo * c - hi * s;

@@ -97,6 +97,7 @@ impl CudaBackend {
         _dims: (usize, usize, usize),
         _theta: f32,
         _factors: Option<&[f32]>,
+        _attn_factor: f32,
     ) -> Result<()> {
         match self.never {}
     }

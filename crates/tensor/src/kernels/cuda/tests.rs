@@ -64,8 +64,12 @@ fn cuda_norm_rope_and_elementwise_ops_match_cpu() {
         // With per-pair frequency factors (Llama 3 scaling divides the low frequencies).
         let factors: Vec<f32> = (0..rot_dim / 2).map(|i| 1.0 + (i % 5) as f32 * 2.0).collect();
         let dims = (heads, head_dim, rot_dim);
-        cpu.rope_scaled(&mut a, &positions, dims, 500_000.0, Some(&factors)).unwrap();
-        gpu.rope_scaled(&mut b, &positions, dims, 500_000.0, Some(&factors)).unwrap();
+        cpu.rope_scaled(&mut a, &positions, dims, 500_000.0, Some(&factors), 1.0).unwrap();
+        gpu.rope_scaled(&mut b, &positions, dims, 500_000.0, Some(&factors), 1.0).unwrap();
+        assert_close(b.data(), a.data(), 1e-4);
+        // And longrope's attention factor on the cosines and sines.
+        cpu.rope_scaled(&mut a, &positions, dims, 10_000.0, Some(&factors), 1.19).unwrap();
+        gpu.rope_scaled(&mut b, &positions, dims, 10_000.0, Some(&factors), 1.19).unwrap();
         assert_close(b.data(), a.data(), 1e-4);
     }
     // SiLU-gated product, residual add, bias add.

@@ -66,7 +66,7 @@ impl CudaBackend {
         self.output(x.shape(), od)
     }
 
-    /// Rotate-half rotary embedding in place (see `cpu::rope::rope`).
+    /// Rotate-half rotary embedding in place (see `cpu::rope::rope_scaled`).
     pub(crate) fn rope(
         &self,
         x: &mut Tensor,
@@ -74,6 +74,7 @@ impl CudaBackend {
         (heads, head_dim, rot_dim): (usize, usize, usize),
         theta: f32,
         factors: Option<&[f32]>,
+        attn_factor: f32,
     ) -> Result<()> {
         const OP: &str = "rope";
         let pairs = positions.len() * heads * (rot_dim / 2);
@@ -97,10 +98,11 @@ impl CudaBackend {
         for a in &args {
             b.arg(a);
         }
-        b.arg(&theta).arg(&fp);
+        b.arg(&theta).arg(&fp).arg(&attn_factor);
         // SAFETY: the arguments match `rope(float*, const u64*, int, int, int, int, float,
-        // const float*)`. Thread (t, h, i) for i < rot_dim/2 reads position t (and factor i:
-        // the caller checked there are rot_dim/2, or the pointer is null and not read) and
+        // const float*, float)`. Thread (t, h, i) for i < rot_dim/2 reads position t (and
+        // factor i: the caller checked there are rot_dim/2, or the pointer is null and not
+        // read) and
         // rewrites elements i and i + rot_dim/2 of head h of token t; the caller checked x
         // holds tokens·heads·head_dim floats with rot_dim <= head_dim, and threads past the
         // last pair return at once. `writable` made x's buffer this tensor's own.
