@@ -47,8 +47,11 @@ enum Command {
     /// /detokenize, GET /version; vLLM-style POST /sleep?level=1&tags=.., POST
     /// /wake_up?tags=.., GET /is_sleeping, POST /update_weights?model=..&weight_version=..,
     /// POST /pause?mode=abort|wait|keep, POST /resume, GET /is_paused, GET
-    /// /get_weight_version. Every answer carries the weights' version (`weight_version` and
-    /// `system_fingerprint`). Ctrl-C (or `tpctl stop`) stops every rank.
+    /// /get_weight_version; an RL trainer's update from memory: POST /start_weight_update,
+    /// POST /update_weights with {"update_info": {"path": "/dev/shm/BUCKET.safetensors"}} per
+    /// bucket, POST /finish_weight_update (or /abort_weight_update). Every answer carries the
+    /// weights' version (`weight_version` and `system_fingerprint`). Ctrl-C (or `tpctl stop`)
+    /// stops every rank.
     ///
     /// Completions take a list of prompts (strings or token-id lists; n choices each); the
     /// prompt's log-probabilities come with "echo" and "logprobs" ("max_tokens": 0 answers

@@ -16,7 +16,7 @@ extern "C" void attention_merge(const float* part, const float* part_lse, int sp
                                 int head_dim, float* out, float* lse);
 extern "C" void rms_norm(const float* x, const float* w, float* out, int d, float eps);
 extern "C" void rope(float* x, const u64* pos, int tokens, int heads, int head_dim, int rot_dim,
-                     float theta, const float* factors);
+                     float theta, const float* factors, float attn_factor);
 extern "C" void argmax_rows(const float* x, int cols, unsigned int* out);
 extern "C" void dequantize(const float* scales, const float* mins, const unsigned char* qs,
                            float* out, u64 n, int kind);
@@ -57,16 +57,18 @@ static int check_rows() {
             if (!near(out[r * d + c], want, 1e-5)) return fail("rms_norm", r * d + c, out[r * d + c], want);
         }
     }
-    // RoPE of 2 tokens x 3 heads of 8, rotating 6 dimensions, with frequency factors.
+    // RoPE of 2 tokens x 3 heads of 8, rotating 6 dimensions, with frequency factors and
+    // longrope's attention factor on the rotated elements.
     int tokens = 2, heads = 3, head_dim = 8, rot = 6;
     std::vector<u64> pos = {5, 1000};
     std::vector<float> factors = {1.0f, 2.0f, 8.0f};
+    const float attn = 1.25f;
     std::vector<float> r0((size_t)tokens * heads * head_dim);
     for (auto& v : r0) v = next_value(seed);
     std::vector<float> r1 = r0;
     u64 pairs = (u64)tokens * heads * (rot / 2);
     tpctl_launch(elementwise(pairs), 1, BLOCK_THREADS, [&] {
-        rope(r1.data(), pos.data(), tokens, heads, head_dim, rot, 10000.0f, factors.data());
+        rope(r1.data(), pos.data(), tokens, heads, head_dim, rot, 10000.0f, factors.data(), attn);
     });
     for (int t = 0; t < tokens; t++)
         for (int h = 0; h < heads; h++)
@@ -77,7 +79,8 @@ static int check_rows() {
                     int p = i % (rot / 2);
                     double a = (double)pos[t] * std::pow(10000.0, -(double)(2 * p) / rot) / factors[p];
                     double lo = r0[at - i + p], hi = r0[at - i + p + rot / 2];
-                    want = i < rot / 2 ? lo * std::cos(a) - hi * std::sin(a) : hi * std::cos(a) + lo * std::sin(a);
+                    double c = std::cos(a) * attn, s = std::sin(a) * attn;
+                    want = i < rot / 2 ? lo * c - hi * s : hi * c + lo * s;
                 }
                 if (!near(r1[at], want, 1e-5)) return fail("rope", at, r1[at], want);
             }
@@ -91,7 +94,7 @@ static int check_rows() {
     unsigned int want_idx[] = {1, 0, 1};
     for (int r = 0; r < 3; r++)
         if (idx[r] != want_idx[r]) return fail("argmax_rows", r, idx[r], want_idx[r]);
-    std::printf("ok: rms_norm, rope with factors, argmax_rows\n");
+    std::printf("ok: rms_norm, rope with factors and an attention factor, argmax_rows\n");
     return 0;
 }
 
