@@ -157,7 +157,7 @@ impl ModelShard {
         let form = WeightForm::Native;
         let mut model = ParallelModel::load(path, LoadOptions::new(placement).form(form))
             .expect("load the shard");
-        let origin = ShardOrigin { path: path.to_path_buf(), tensors: Vec::new(), placement, form };
+        let origin = ShardOrigin::checkpoint(path, placement, form);
         memory.place_weights(&mut model, &origin).expect("place the weights");
         let cache = memory.new_cache(&model, CACHE_TOKENS).expect("a KV cache");
         let hash = weights_hash(&model);

@@ -81,7 +81,7 @@ fn main() {
         .expect("model memory");
     let mut live =
         ParallelModel::load(&model, LoadOptions::new(placement).form(form)).expect("load");
-    let origin = ShardOrigin { path: model.clone(), tensors: Vec::new(), placement, form };
+    let origin = ShardOrigin::checkpoint(model.clone(), placement, form);
     memory.place_weights(&mut live, &origin).expect("place the weights");
     let live_bytes = live.weight_bytes();
     let hash = weights_hash(&live);

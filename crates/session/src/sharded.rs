@@ -255,12 +255,7 @@ impl ModelFactory for ShardedFactory {
         )
         .map_err(|e| format!("loading the {placement:?} shard of {}: {e}", config.model))?;
         if let Some(memory) = &self.memory {
-            let origin = ShardOrigin {
-                path: config.model.clone().into(),
-                tensors: Vec::new(),
-                placement,
-                form: self.form,
-            };
+            let origin = ShardOrigin::checkpoint(config.model.clone(), placement, self.form);
             memory.place_weights(&mut model, &origin)?;
         }
         if let Some(p) = &self.progress {

@@ -231,6 +231,22 @@ fn gather_tokens_and_its_adjoint_match_the_serial_definitions() {
     }
 }
 
+/// The checkpoint at `path` loaded sharded in (1,1) (2,1) (1,2) (2,2) generates the single-rank
+/// `reference`'s 12 greedy ids for `prompt` on every rank.
+fn assert_greedy_in_layouts(reference: &Model, path: &std::path::Path, prompt: &[u32]) {
+    let want = reference.generate(prompt, 12, &[], &mut reference.new_cache(64), |_| {}).unwrap();
+    for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2)] {
+        let got = on_mesh(tp, cp, |p, comms| {
+            let model = ParallelModel::load(path, LoadOptions::new(p)).unwrap();
+            let mut cache = model.new_cache(64);
+            model.generate(comms, prompt, 12, &[], &mut cache, |_| {}).unwrap()
+        });
+        for (rank, g) in got.iter().enumerate() {
+            assert_eq!(g, &want, "({tp},{cp}) rank {rank}");
+        }
+    }
+}
+
 /// Runs `spec` in every `(tp, cp)` of `layouts` and compares prefill logits and 16 decode
 /// steps with the single-rank model (1e-4 relative); the CP ranks must share the tokens evenly.
 fn check_layouts(spec: &RandomLlama, stem: &str, layouts: &[(usize, usize)]) {
@@ -376,17 +392,7 @@ fn qwen3_per_head_norms_match_the_single_rank_model_in_every_layout() {
     spec.write_hf(&dir, true).unwrap();
     let reference = Model::load(&path, 1).unwrap();
     let prompt = [1u32, 2, 3, 4, 5];
-    let want = reference.generate(&prompt, 12, &[], &mut reference.new_cache(64), |_| {}).unwrap();
-    for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2)] {
-        let got = on_mesh(tp, cp, |p, comms| {
-            let model = ParallelModel::load(&dir, LoadOptions::new(p)).unwrap();
-            let mut cache = model.new_cache(64);
-            model.generate(comms, &prompt, 12, &[], &mut cache, |_| {}).unwrap()
-        });
-        for (rank, g) in got.iter().enumerate() {
-            assert_eq!(g, &want, "({tp},{cp}) rank {rank}");
-        }
-    }
+    assert_greedy_in_layouts(&reference, &dir, &prompt);
     std::fs::remove_file(path).unwrap();
     std::fs::remove_dir_all(dir).unwrap();
 }
@@ -441,17 +447,7 @@ fn phi3_longrope_matches_the_single_rank_model_in_every_layout() {
         model.adopt_weights(long).unwrap();
         assert_eq!(run(&model), before);
     });
-    let want = reference.generate(&prompt, 12, &[], &mut reference.new_cache(64), |_| {}).unwrap();
-    for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2)] {
-        let got = on_mesh(tp, cp, |p, comms| {
-            let model = ParallelModel::load(&path, LoadOptions::new(p)).unwrap();
-            let mut cache = model.new_cache(64);
-            model.generate(comms, &prompt, 12, &[], &mut cache, |_| {}).unwrap()
-        });
-        for (rank, g) in got.iter().enumerate() {
-            assert_eq!(g, &want, "({tp},{cp}) rank {rank}");
-        }
-    }
+    assert_greedy_in_layouts(&reference, &path, &prompt);
     std::fs::remove_file(path).unwrap();
 }
 

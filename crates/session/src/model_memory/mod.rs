@@ -726,6 +726,12 @@ pub struct ShardOrigin {
 }
 
 impl ShardOrigin {
+    /// The shard `placement` of the checkpoint at `path` alone (no tensors laid over it),
+    /// kept in `form`.
+    pub fn checkpoint(path: impl Into<PathBuf>, placement: Placement, form: WeightForm) -> Self {
+        ShardOrigin { path: path.into(), tensors: Vec::new(), placement, form }
+    }
+
     /// Loads the shard again and writes its weight buffers into `buf` exactly as
     /// [`ParallelModel::move_weights_to`] laid them out through a [`VmmArena`].
     fn fill(&self, buf: &mut [u8]) -> Result<(), String> {

@@ -48,10 +48,7 @@ fn a_model_in_vmm_memory_sleeps_and_continues_identically() {
     let mut model = ParallelModel::load(&path, LoadOptions::new(placement).form(form)).unwrap();
     let heap = model.clone();
     memory
-        .place_weights(
-            &mut model,
-            &ShardOrigin { path: path.clone(), tensors: Vec::new(), placement, form },
-        )
+        .place_weights(&mut model, &ShardOrigin::checkpoint(path.clone(), placement, form))
         .unwrap();
     let mut cache = memory.new_cache(&model, 64).unwrap();
     let mut heap_cache = heap.new_cache(64);
@@ -87,7 +84,7 @@ fn sleep_levels_choose_how_the_weights_come_back_and_receipts_say_so() {
     let path = dir.join("tiny.gguf");
     RandomLlama { seed: 9, ..Default::default() }.write(&path).unwrap();
     let (placement, form) = (Placement::single(), WeightForm::Native);
-    let origin = ShardOrigin { path: path.clone(), tensors: Vec::new(), placement, form };
+    let origin = ShardOrigin::checkpoint(path.clone(), placement, form);
     for keep in [true, false] {
         let memory = ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Backup)
             .unwrap()
@@ -239,7 +236,7 @@ fn an_update_in_another_form_is_swapped_in_and_reverted() {
     let memory =
         ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Backup).unwrap();
     let mut model = load(&f32_path);
-    let origin = ShardOrigin { path: f32_path.clone(), tensors: Vec::new(), placement, form };
+    let origin = ShardOrigin::checkpoint(f32_path.clone(), placement, form);
     memory.place_weights(&mut model, &origin).unwrap();
     let rank = ModelRankMemory::new(&memory, model.backend().clone());
     let q8_name = q8_path.to_str().unwrap();
@@ -299,7 +296,7 @@ fn updates_that_do_not_fit_are_refused_by_name_before_any_change() {
         ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Backup).unwrap();
     let memory = ModelMemory { host_available: || Some(1000), ..memory };
     let mut model = ParallelModel::load(&live, LoadOptions::new(placement).form(form)).unwrap();
-    let origin = ShardOrigin { path: live.clone().into(), tensors: Vec::new(), placement, form };
+    let origin = ShardOrigin::checkpoint(live.clone(), placement, form);
     memory.place_weights(&mut model, &origin).unwrap();
     let rank = ModelRankMemory::new(&memory, model.backend().clone());
     let before = weight_allocations(&memory);
@@ -361,10 +358,7 @@ fn an_update_from_a_hugging_face_folder_of_a_gguf_model_is_swapped_in() {
         ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Backup).unwrap();
     let mut model = load(&gguf);
     memory
-        .place_weights(
-            &mut model,
-            &ShardOrigin { path: gguf.clone(), tensors: Vec::new(), placement, form },
-        )
+        .place_weights(&mut model, &ShardOrigin::checkpoint(gguf.clone(), placement, form))
         .unwrap();
     let rank = ModelRankMemory::new(&memory, model.backend().clone());
     rank.prepare_update(folder.to_str().unwrap()).unwrap();
