@@ -196,6 +196,61 @@ impl Bucket {
         self.tensors.keys().map(String::as_str)
     }
 
+    /// Whether it holds the model's tensor `name` (a GGUF llama name).
+    pub fn holds(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Writes rows `rows` and columns `cols` of the model's tensor `name` (viewed as
+    /// `[rows, row_len]`, a 1-d tensor as one row) into `dst`, row-major, as the loader ends up
+    /// with them whatever the base's convention: the trainer's values in their own (Hugging
+    /// Face) row order, with Gemma's norm offset added. The values go from the mapped file
+    /// straight into `dst`, which is how an update writes them over live weights.
+    ///
+    /// # Errors
+    /// [`Error::Bucket`] when the bucket does not hold `name`, the ranges fall outside it, or
+    /// `dst` is not `rows.len() * cols.len()` long.
+    pub fn read_into(
+        &self,
+        name: &str,
+        rows: Range<usize>,
+        cols: Range<usize>,
+        dst: &mut [f32],
+    ) -> Result<()> {
+        let err = |message: String| Error::Bucket { path: self.path().to_owned(), message };
+        let part =
+            self.tensors.get(name).ok_or_else(|| err(format!("it holds no tensor {name}")))?;
+        let (n_rows, row_len) = (part.n_rows(), part.row_len());
+        if rows.start > rows.end || rows.end > n_rows || cols.start > cols.end || cols.end > row_len
+        {
+            return Err(err(format!(
+                "rows {rows:?} and columns {cols:?} fall outside {name}, of {n_rows} rows of \
+                 {row_len}"
+            )));
+        }
+        if dst.len() != rows.len() * cols.len() {
+            return Err(err(format!(
+                "{} values asked for rows {rows:?} and columns {cols:?} of {name}",
+                dst.len()
+            )));
+        }
+        let stored = part.stored.as_str();
+        let first = part.first_row;
+        if cols == (0..row_len) {
+            let flat = (first + rows.start) * row_len..(first + rows.end) * row_len;
+            self.file.elements_into(stored, flat, dst)?;
+        } else if !cols.is_empty() {
+            for (row, out) in rows.zip(dst.chunks_exact_mut(cols.len())) {
+                let at = (first + row) * row_len;
+                self.file.elements_into(stored, at + cols.start..at + cols.end, out)?;
+            }
+        }
+        if part.offset != 0.0 {
+            dst.iter_mut().for_each(|v| *v += part.offset);
+        }
+        Ok(())
+    }
+
     /// Rows `rows` and columns `cols` of `part` (in range), as the base presents them.
     fn read(&self, part: &Part, rows: Range<usize>, cols: Range<usize>) -> Result<Vec<f32>> {
         let row_len = part.row_len();

@@ -183,22 +183,43 @@ impl SafetensorsFile {
 
     /// Elements `range` (flat, row-major) of tensor `name`, as f32.
     pub(crate) fn elements(&self, name: &str, range: Range<usize>) -> Result<Vec<f32>> {
+        let mut out = vec![0.0; range.len()];
+        self.elements_into(name, range, &mut out)?;
+        Ok(out)
+    }
+
+    /// Elements `range` (flat, row-major, in bounds) of tensor `name`, converted to f32 into
+    /// `dst` (of `range.len()` values) straight from the mapped file.
+    pub(crate) fn elements_into(
+        &self,
+        name: &str,
+        range: Range<usize>,
+        dst: &mut [f32],
+    ) -> Result<()> {
         let info = self.info(name)?;
         let sz = info.dtype.size();
         let bytes =
             &self.map[info.bytes.start + range.start * sz..info.bytes.start + range.end * sz];
-        Ok(match info.dtype {
-            StDType::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
+        debug_assert_eq!(dst.len(), range.len());
+        match info.dtype {
+            // Written as a plain loop over fixed-size chunks, which compiles to a vector copy.
+            StDType::F32 => {
+                for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
             StDType::F16 => {
-                bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+                for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+                }
             }
             StDType::BF16 => {
-                bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+                for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *d = bf16::from_le_bytes([b[0], b[1]]).to_f32();
+                }
             }
-        })
+        }
+        Ok(())
     }
 }
 

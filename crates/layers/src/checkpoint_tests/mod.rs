@@ -4,4 +4,5 @@
 
 mod gguf_fuzz;
 mod overlay;
+mod provenance;
 mod safetensors;

@@ -20,6 +20,7 @@
 pub mod cache;
 pub mod linear;
 pub mod paged;
+pub mod provenance;
 pub mod random;
 #[cfg(test)]
 mod reference;
@@ -34,6 +35,7 @@ pub(crate) use reference::Model;
 
 use crate::error::{Error, Result};
 use checkpoint::{LlamaConfig, Shard, WeightSource};
+use provenance::{BufferSource, Span};
 use std::ops::Range;
 use tensor::kernels::{AttnShape, Backend};
 use tensor::memory::{Arena, WeightBuffers};
@@ -389,6 +391,41 @@ impl Attention {
     }
 }
 
+impl Attention {
+    /// Where its buffers' values come from in layer `layer`'s tensors, in buffer order (see
+    /// [`provenance`]): the fused projection holds the rows of its query heads, then of its KV
+    /// heads' keys and values; the bias the same elements of the three biases; each norm the
+    /// whole shared weight; the output projection the columns of its query heads.
+    pub(crate) fn weight_sources(&self, layer: usize, out: &mut Vec<BufferSource>) {
+        let d = self.head_dim;
+        let hidden = self.qkv.dims().1;
+        let q = self.q_heads.start * d..self.q_heads.end * d;
+        let kv = self.kv_heads.start * d..self.kv_heads.end * d;
+        let name = |t: &str, kind: &str| format!("blk.{layer}.{t}.{kind}");
+        let parts = [("attn_q", q.clone()), ("attn_k", kv.clone()), ("attn_v", kv)];
+        let mut at = 0;
+        let mut qkv = Vec::new();
+        let mut bias = Vec::new();
+        for (t, rows) in &parts {
+            qkv.push(Span::rows(name(t, "weight"), rows.clone(), hidden, at * hidden));
+            bias.push(Span { tensor: name(t, "bias"), rows: 0..1, cols: rows.clone(), at });
+            at += rows.len();
+        }
+        provenance::weight_sources(self.qkv.weight(), qkv, out);
+        if let Some(b) = &self.qkv_bias {
+            provenance::vector_source(b, bias, out);
+        }
+        if let Some(norm) = &self.qk_norm {
+            for (t, w) in [("attn_q_norm", &norm.q), ("attn_k_norm", &norm.k)] {
+                provenance::vector_source(w, vec![Span::rows(name(t, "weight"), 0..1, d, 0)], out);
+            }
+        }
+        let rows = self.o.dims().0;
+        let o = Span { tensor: name("attn_output", "weight"), rows: 0..rows, cols: q, at: 0 };
+        provenance::weight_sources(self.o.weight(), vec![o], out);
+    }
+}
+
 /// A linear layer's `[out_features, in_features]`.
 fn dims_of(l: &Linear) -> Vec<usize> {
     let (rows, cols) = l.dims();
@@ -419,7 +456,8 @@ pub struct Mlp {
     /// Gate and up projections fused into one product (rows: gate, then up).
     gate_up: Linear,
     down: Linear,
-    inner: usize,
+    /// The inner units it holds.
+    units: Range<usize>,
     /// The gate's activation.
     activation: checkpoint::Activation,
 }
@@ -457,7 +495,7 @@ impl Mlp {
         Ok(Mlp {
             gate_up: Linear::concat(&[&gate, &up])?,
             down,
-            inner: inner.len(),
+            units: inner,
             activation: checkpoint::Activation::Silu,
         })
     }
@@ -470,6 +508,23 @@ impl Mlp {
         ]
     }
 
+    /// Where its buffers' values come from in layer `layer`'s tensors, in buffer order (see
+    /// [`provenance`]): the fused projection holds the gate's rows of its units, then the
+    /// up projection's; the down projection their columns.
+    pub(crate) fn weight_sources(&self, layer: usize, out: &mut Vec<BufferSource>) {
+        let name = |t: &str| format!("blk.{layer}.{t}.weight");
+        let hidden = self.gate_up.dims().1;
+        let units = self.units.clone();
+        let gate_up = vec![
+            Span::rows(name("ffn_gate"), units.clone(), hidden, 0),
+            Span::rows(name("ffn_up"), units.clone(), hidden, units.len() * hidden),
+        ];
+        provenance::weight_sources(self.gate_up.weight(), gate_up, out);
+        let rows = self.down.dims().0;
+        let down = Span { tensor: name("ffn_down"), rows: 0..rows, cols: units, at: 0 };
+        provenance::weight_sources(self.down.weight(), vec![down], out);
+    }
+
     /// The same MLP with `activation` on its gate (SiLU when loaded).
     pub fn with_activation(self, activation: checkpoint::Activation) -> Self {
         Mlp { activation, ..self }
@@ -480,8 +535,9 @@ impl Mlp {
     /// # Errors
     /// [`tensor::Error::Shape`] when `x` has the wrong width.
     pub fn forward(&self, be: &Backend, x: &Tensor) -> Result<Tensor> {
-        let mut parts =
-            be.split_last(&self.gate_up.forward(be, x)?, &[self.inner, self.inner])?.into_iter();
+        let mut parts = be
+            .split_last(&self.gate_up.forward(be, x)?, &[self.units.len(), self.units.len()])?
+            .into_iter();
         let (Some(mut g), Some(u)) = (parts.next(), parts.next()) else {
             return Err(Error::shape("Mlp::forward", "split gave fewer than two parts"));
         };

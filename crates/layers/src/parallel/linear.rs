@@ -249,6 +249,11 @@ impl VocabParallelEmbedding {
     pub fn table(&self) -> &Weight {
         &self.table
     }
+
+    /// The vocabulary rows this rank holds.
+    pub fn vocab(&self) -> Range<usize> {
+        self.vocab.clone()
+    }
 }
 
 /// The one buffer group of the table. Moving replaces the shared table, so a head tied to it
@@ -298,6 +303,11 @@ impl ParallelLmHead {
     /// The weight: this rank's vocabulary rows.
     pub fn weight(&self) -> &Weight {
         &self.weight
+    }
+
+    /// The vocabulary rows this rank holds.
+    pub fn vocab(&self) -> Range<usize> {
+        self.ranges[self.rank].clone()
     }
 
     /// Full logits `[n, vocab]` on every TP rank (local logits gathered over TP).

@@ -5,6 +5,7 @@ use super::{
     aligned_ranges, ffn_range, ParallelAttention, ParallelLmHead, Placement, VocabParallelEmbedding,
 };
 use crate::error::Result;
+use crate::model::provenance::{self, Span, WeightMap};
 use crate::model::{load_vector, Linear, Mlp, WeightForm};
 use checkpoint::{Checkpoint, LlamaConfig, Shard, WeightSource};
 use std::path::Path;
@@ -242,6 +243,31 @@ impl ParallelModel {
             self.lm_head.buffers(&mut out);
         }
         out
+    }
+
+    /// Where the values of each of [`ParallelModel::weight_buffers`] come from in the
+    /// checkpoint, in the same order (see [`provenance`]): a weight update whose tensors fall
+    /// in f32 buffers writes them there directly ([`WeightMap::write`]); a block-quantized
+    /// buffer is [`BufferSource::Other`](provenance::BufferSource::Other).
+    pub fn weight_map(&self) -> WeightMap {
+        let mut out = Vec::new();
+        let hidden = self.config.hidden;
+        let vector = |name: &str| vec![Span::rows(name.to_owned(), 0..1, hidden, 0)];
+        let table = vec![Span::rows("token_embd.weight".into(), self.embed.vocab(), hidden, 0)];
+        provenance::weight_sources(self.embed.table(), table, &mut out);
+        for (l, b) in self.blocks.iter().enumerate() {
+            let norm = |t: &str| vector(&format!("blk.{l}.{t}.weight"));
+            provenance::vector_source(&b.attn_norm, norm("attn_norm"), &mut out);
+            b.attn.attn.weight_sources(l, &mut out);
+            provenance::vector_source(&b.ffn_norm, norm("ffn_norm"), &mut out);
+            b.mlp.weight_sources(l, &mut out);
+        }
+        provenance::vector_source(&self.norm, vector("output_norm.weight"), &mut out);
+        if !self.lm_head.is_tied_to(&self.embed) {
+            let head = vec![Span::rows("output.weight".into(), self.lm_head.vocab(), hidden, 0)];
+            provenance::weight_sources(self.lm_head.weight(), head, &mut out);
+        }
+        WeightMap::checked(out, &self.weight_buffers())
     }
 
     /// Every weight tensor this rank holds, named ("layer 3 Q/K/V bias") with its logical
