@@ -39,4 +39,4 @@ pub use error::{Error, Result};
 pub use format::{Checkpoint, Format};
 pub use generation::GenerationConfig;
 pub use overlay::{Bucket, Overlay};
-pub use source::{Shard, WeightSource};
+pub use source::{ShapeCatalog, Shard, WeightSource};

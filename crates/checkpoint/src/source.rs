@@ -84,3 +84,56 @@ pub enum Shard {
     /// Input columns (row-parallel linear: O/down; outputs are partial sums).
     Cols(Range<usize>),
 }
+
+/// The names and shapes of a model's tensors and its Q/K convention, without their values:
+/// enough to check a [`crate::Bucket`] against the model ([`crate::Bucket::open`]) with no
+/// file open. Reading values from it is an error.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShapeCatalog {
+    shapes: std::collections::BTreeMap<String, Vec<usize>>,
+    qk_interleaved: bool,
+}
+
+impl ShapeCatalog {
+    /// The shapes of those of `names` that `src` has, and its Q/K convention.
+    ///
+    /// # Errors
+    /// `src` cannot give the shape of a tensor it has.
+    pub fn of<'a>(
+        src: &dyn WeightSource,
+        names: impl IntoIterator<Item = &'a str>,
+    ) -> Result<ShapeCatalog> {
+        let shapes = names
+            .into_iter()
+            .filter(|name| src.has(name))
+            .map(|name| Ok((name.to_owned(), src.shape(name)?)))
+            .collect::<Result<_>>()?;
+        Ok(ShapeCatalog { shapes, qk_interleaved: src.qk_interleaved() })
+    }
+
+    fn no_values(name: &str) -> crate::Error {
+        crate::Error::tensor(name, "a shape catalog holds no values")
+    }
+}
+
+impl WeightSource for ShapeCatalog {
+    fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        self.shapes.get(name).cloned().ok_or_else(|| crate::Error::tensor(name, "not in the model"))
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.shapes.contains_key(name)
+    }
+
+    fn rows(&self, name: &str, _: Range<usize>) -> Result<Vec<f32>> {
+        Err(ShapeCatalog::no_values(name))
+    }
+
+    fn cols(&self, name: &str, _: Range<usize>) -> Result<Vec<f32>> {
+        Err(ShapeCatalog::no_values(name))
+    }
+
+    fn qk_interleaved(&self) -> bool {
+        self.qk_interleaved
+    }
+}

@@ -86,28 +86,47 @@ fn main() {
     let live_bytes = live.weight_bytes();
     let hash = weights_hash(&live);
     let path = model.to_string_lossy().into_owned();
-    let tensors = [bucket.to_string_lossy().into_owned()];
 
-    let mut timed = |tensors: &[String]| -> f64 {
+    // Each update pushes the bucket under a name of its own, as the control plane keeps each
+    // bucket it is given; the latest one replaces every tensor of the one before.
+    let mut round = 0;
+    let mut bucket_of_round = || {
+        round += 1;
+        let kept = dir.join(format!("tpctl-update-bench-{}-{round}", std::process::id()));
+        std::fs::hard_link(&bucket, &kept).expect("link the bucket");
+        kept
+    };
+    let mut live_bucket: Option<PathBuf> = None;
+    let mut timed = |from_memory: bool| -> f64 {
         let v = (0..ROUNDS)
             .map(|_| {
+                let kept = from_memory.then(&mut bucket_of_round);
+                let tensors: Vec<String> =
+                    kept.iter().map(|p| p.to_string_lossy().into_owned()).collect();
                 let t = Instant::now();
-                memory.prepare_update_with(&path, tensors).expect("prepare the update");
+                memory.prepare_update_with(&path, &tensors).expect("prepare the update");
                 memory.update().expect("commit the update");
                 let s = t.elapsed().as_secs_f64();
                 if let Some(new) = memory.take_new_weights() {
                     live.adopt_weights(new).expect("adopt the weights");
                 }
                 assert_eq!(weights_hash(&live), hash, "the update changed the weights");
+                // The bucket it replaced goes now, as the control plane settles an update.
+                if let Some(old) = std::mem::replace(&mut live_bucket, kept) {
+                    let _ = std::fs::remove_file(old);
+                }
                 s
             })
             .collect();
         median(v)
     };
-    let from_memory = timed(&tensors);
-    let from_file = timed(&[]);
+    let from_memory = timed(true);
+    let from_file = timed(false);
     let memcpy = memcpy_time(live_bytes);
     let _ = std::fs::remove_file(&bucket);
+    if let Some(kept) = live_bucket {
+        let _ = std::fs::remove_file(kept);
+    }
     let _ = std::fs::remove_dir_all(&spill);
     let ms = |s: f64| (s * 1e4).round() / 10.0;
     println!(

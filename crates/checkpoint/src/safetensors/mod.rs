@@ -202,7 +202,9 @@ impl SafetensorsFile {
             &self.map[info.bytes.start + range.start * sz..info.bytes.start + range.end * sz];
         debug_assert_eq!(dst.len(), range.len());
         match info.dtype {
-            // Written as a plain loop over fixed-size chunks, which compiles to a vector copy.
+            // A plain loop over fixed-size chunks compiles to a vector copy; reading the
+            // mapped pages beats `pread` into `dst` on the machines measured (a bucket in
+            // `/dev/shm`: 2x a memcpy against 5x).
             StDType::F32 => {
                 for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
                     *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);

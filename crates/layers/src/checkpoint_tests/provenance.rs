@@ -120,6 +120,6 @@ fn a_quantized_shard_places_only_its_f32_buffers() {
     for name in ["blk.0.attn_q.weight", "blk.1.ffn_down.weight", "token_embd.weight"] {
         assert!(!map.places(name), "{name}");
     }
-    assert!(map.buffers().iter().any(|b| *b == BufferSource::Other));
+    assert!(map.buffers().contains(&BufferSource::Other));
     std::fs::remove_file(path).unwrap();
 }

@@ -110,6 +110,17 @@ impl WeightMap {
         &self.buffers
     }
 
+    /// The tensors its f32 buffers hold values of (a tensor may be named more than once).
+    pub fn tensors(&self) -> impl Iterator<Item = &str> {
+        self.buffers
+            .iter()
+            .flat_map(|b| match b {
+                BufferSource::F32(spans) => spans.as_slice(),
+                BufferSource::Other => &[],
+            })
+            .map(|s| s.tensor.as_str())
+    }
+
     /// Whether the values of `tensor` that the shard holds are all in f32 buffers, where
     /// [`WeightMap::write`] can put new ones (false for a tensor the shard keeps quantized,
     /// or does not read).

@@ -29,6 +29,7 @@
 //! the engine's gate guarantees that no step runs while it is released.
 
 use crate::sleep::{MemoryError, Refusal};
+use layers::model::provenance::WeightMap;
 use layers::model::WeightForm;
 use layers::parallel::{shape_difference, LoadOptions, ParallelCache, ParallelModel, Placement};
 use rank::nvml_index;
@@ -118,6 +119,9 @@ struct LiveWeights {
     swap: Option<Swap>,
     /// The id of the next allocation placed.
     next_id: u64,
+    /// The tensor shapes of the checkpoint an update was last written in place over (into the
+    /// allocation of that id), to check the next one's buckets without opening it again.
+    catalog: Option<(u64, PathBuf, Arc<checkpoint::ShapeCatalog>)>,
 }
 
 /// One `weights` allocation and the weights in it.
@@ -132,15 +136,29 @@ struct Placed {
     /// must match.
     shapes: Vec<(String, Vec<usize>)>,
     config: checkpoint::LlamaConfig,
+    /// Where each buffer's values come from: what an update written in place follows.
+    map: WeightMap,
 }
 
-/// A checkpoint a PREPARE loaded and checked.
+/// An update a PREPARE checked, for the COMMIT to make.
 struct Staged {
     origin: ShardOrigin,
-    model: ParallelModel,
-    /// Its own allocation, already holding its weights, when they are in another form than
-    /// the live ones (`None`: they are written over the live buffers at the COMMIT).
-    placed: Option<Placed>,
+    change: Change,
+}
+
+/// What the COMMIT of a staged update does.
+#[expect(clippy::large_enum_variant, reason = "one update is staged at a time")]
+enum Change {
+    /// Puts a shard loaded whole in place of the live one.
+    Load {
+        model: ParallelModel,
+        /// Its own allocation, already holding its weights, when they are in another form
+        /// than the live ones (`None`: they are written over the live buffers).
+        placed: Option<Placed>,
+    },
+    /// Writes the tensors of new buckets over the live buffers, straight from the files
+    /// ([`in_place`]).
+    InPlace(Vec<checkpoint::Bucket>),
 }
 
 /// Weights a COMMIT put in new buffers, and the allocation the engine's model reads until it
@@ -156,7 +174,10 @@ impl LiveWeights {
         let placed = [
             self.current.as_ref(),
             self.swap.as_ref().map(|s| &s.retired),
-            self.staged.as_ref().and_then(|s| s.placed.as_ref()),
+            self.staged.as_ref().and_then(|s| match &s.change {
+                Change::Load { placed, .. } => placed.as_ref(),
+                Change::InPlace(_) => None,
+            }),
         ];
         placed.into_iter().flatten().find(|p| p.id == id).map(|p| p.origin.clone())
     }
@@ -329,7 +350,7 @@ impl ModelMemory {
     /// As [`ModelMemory::prepare_update`]; a bucket that does not fit the model is
     /// [`Refusal::Unloadable`], naming the file and the tensor.
     pub fn prepare_update_with(&self, model: &str, tensors: &[String]) -> Result<(), Refusal> {
-        let (origin, shapes, config, layout, asleep) = {
+        let (id, live_origin, origin, shapes, config, layout, map, asleep) = {
             let live = lock_live(&self.live);
             let current = live.current.as_ref().ok_or(Refusal::WeightsUntagged)?;
             let tensors = tensors.iter().map(PathBuf::from).collect();
@@ -337,8 +358,14 @@ impl ModelMemory {
                 ShardOrigin { path: PathBuf::from(model), tensors, ..current.origin.clone() };
             let asleep = current.arena.allocation_released();
             let (shapes, config) = (current.shapes.clone(), current.config.clone());
-            (origin, shapes, config, current.layout.clone(), asleep)
+            let (layout, map) = (current.layout.clone(), current.map.clone());
+            (current.id, current.origin.clone(), origin, shapes, config, layout, map, asleep)
         };
+        if let Some(buckets) = self.in_place(id, &live_origin, &origin, &map, &config) {
+            let change = Change::InPlace(buckets);
+            lock_live(&self.live).staged = Some(Staged { origin, change });
+            return Ok(());
+        }
         let unloadable = |reason: String| Refusal::Unloadable { model: model.to_owned(), reason };
         let mut loaded = origin.load().map_err(|e| unloadable(e.to_string()))?;
         let misfit = |detail: String| Refusal::Misfit { model: model.to_owned(), detail };
@@ -365,8 +392,35 @@ impl ModelMemory {
             vmm::trim_heap();
             Some(placed)
         };
-        lock_live(&self.live).staged = Some(Staged { origin, model: loaded, placed });
+        let change = Change::Load { model: loaded, placed };
+        lock_live(&self.live).staged = Some(Staged { origin, change });
         Ok(())
+    }
+
+    /// The buckets of an update from `live` to `next` that can be written in place
+    /// ([`in_place::new_buckets`]) into allocation `id`, with the checkpoint's catalog opened
+    /// once per checkpoint and allocation.
+    fn in_place(
+        &self,
+        id: u64,
+        live: &ShardOrigin,
+        next: &ShardOrigin,
+        map: &WeightMap,
+        config: &checkpoint::LlamaConfig,
+    ) -> Option<Vec<checkpoint::Bucket>> {
+        if next.tensors.is_empty() {
+            return None;
+        }
+        let cached = lock_live(&self.live).catalog.clone();
+        let catalog = match cached {
+            Some((of, path, catalog)) if of == id && path == next.path => catalog,
+            _ => {
+                let catalog = in_place::catalog(&next.path, map)?;
+                lock_live(&self.live).catalog = Some((id, next.path.clone(), catalog.clone()));
+                catalog
+            }
+        };
+        in_place::new_buckets(live, next, map, &catalog, config)
     }
 
     /// Puts the staged checkpoint's weights in place of the live ones: written over them when
@@ -383,15 +437,21 @@ impl ModelMemory {
             let message = "no weight update is staged".to_owned();
             return Err(MemoryError { changed: false, message });
         };
-        let Staged { origin, model, placed } = staged;
-        match placed {
-            None => {
+        let Staged { origin, change } = staged;
+        match change {
+            Change::InPlace(buckets) => {
+                let current = live.current.as_mut().ok_or_else(untagged)?;
+                let written = current.write_in_place(&buckets)?;
+                live.previous = Some(std::mem::replace(&mut current.origin, origin));
+                Ok(written)
+            }
+            Change::Load { model, placed: None } => {
                 let current = live.current.as_mut().ok_or_else(untagged)?;
                 let written = current.write(&model.weight_buffers())?;
                 live.previous = Some(std::mem::replace(&mut current.origin, origin));
                 Ok(written)
             }
-            Some(placed) => {
+            Change::Load { model, placed: Some(placed) } => {
                 let written = model.weight_bytes() as u64;
                 let replaced = live.current.as_ref().map(|c| c.origin.clone());
                 live.swap_in(placed, model)?;
@@ -558,6 +618,7 @@ impl ModelMemory {
             layout: model.weight_buffers().iter().map(|b| b.len()).collect(),
             shapes: model.weight_shapes(),
             config: model.config().clone(),
+            map: model.weight_map(),
         })
     }
 
@@ -711,6 +772,25 @@ impl Placed {
     }
 }
 
+impl Placed {
+    /// Writes the tensors of `buckets` over these weights where its map places them
+    /// ([`in_place::write`]); nothing when the weights are released (the wakeup reloads them,
+    /// buckets included).
+    fn write_in_place(&self, buckets: &[checkpoint::Bucket]) -> Result<u64, MemoryError> {
+        let regions = self.arena.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let alloc = regions.allocation();
+        if alloc.is_released() {
+            return Ok(0);
+        }
+        let failed = |changed, e: &dyn std::fmt::Display| MemoryError {
+            changed,
+            message: format!("writing the updated weights: {e}"),
+        };
+        let mut bytes = alloc.write().map_err(|e| failed(false, &e))?;
+        in_place::write(&mut bytes, &self.layout, &self.map, buckets).map_err(|e| failed(true, &e))
+    }
+}
+
 /// Where a shard's weights come from, to load them again for [`Restore::Reload`].
 #[derive(Clone, Debug)]
 pub struct ShardOrigin {
@@ -775,6 +855,7 @@ impl ShardOrigin {
 }
 
 mod arena;
+mod in_place;
 mod rank;
 
 pub use arena::{VmmArena, VmmDeviceArena};

@@ -368,3 +368,103 @@ fn an_update_from_a_hugging_face_folder_of_a_gguf_model_is_swapped_in() {
     assert_eq!(memory.checkpoint(), Some(folder));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Writes the Hugging Face tensor `hf_name` (as GGUF name `name` of the folder `folder`)
+/// negated into a bucket of its own at `out`.
+fn one_tensor_bucket(folder: &std::path::Path, name: &str, hf_name: &str, out: &std::path::Path) {
+    use checkpoint::WeightSource;
+    let hf = checkpoint::safetensors::HfCheckpoint::open(folder).unwrap();
+    let shape = hf.shape(name).unwrap();
+    let values: Vec<f32> = hf.rows(name, 0..shape[0]).unwrap().iter().map(|v| -v).collect();
+    let st = checkpoint::safetensors::StDType::F32;
+    checkpoint::safetensors::write_safetensors(out, &[(hf_name, &shape[..], st, &values[..])])
+        .unwrap();
+}
+
+/// Buckets laid over the live f32 weights' own checkpoint are written in place: the receipt
+/// counts only the bytes of the tensors they hold (not the whole weights), no allocation is
+/// added, and the model answers as a fresh load of the checkpoint with the buckets over it,
+/// bucket after bucket (a query projection included, whose rows the GGUF file interleaves).
+/// A level-2 sleep reloads the same weights, a revert brings back the previous ones, and
+/// weights kept quantized take the same bucket through a load into new buffers instead.
+#[test]
+fn buckets_over_the_live_checkpoint_are_written_in_place() {
+    use crate::sleep::RankMemory;
+    let dir = std::env::temp_dir().join(format!("tpctl-memory-in-place-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (gguf, folder) = (dir.join("base.gguf"), dir.join("hf"));
+    let spec = RandomLlama { seed: 27, untied_head: true, ..Default::default() };
+    spec.write(&gguf).unwrap();
+    RandomLlama { seed: 28, ..spec.clone() }.write_hf(&folder, false).unwrap();
+    let (down, q) = (dir.join("down.safetensors"), dir.join("q.safetensors"));
+    one_tensor_bucket(
+        &folder,
+        "blk.0.ffn_down.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        &down,
+    );
+    one_tensor_bucket(&folder, "blk.1.attn_q.weight", "model.layers.1.self_attn.q_proj.weight", &q);
+
+    let (placement, form) = (Placement::single(), WeightForm::F32);
+    let origin = |tensors: &[&std::path::Path]| ShardOrigin {
+        tensors: tensors.iter().map(|p| p.to_path_buf()).collect(),
+        ..ShardOrigin::checkpoint(gguf.clone(), placement, form)
+    };
+    let answers = |model: &ParallelModel| generate(model, &mut model.new_cache(64), &[4, 5], 4);
+    let memory =
+        ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Backup).unwrap();
+    let mut model = origin(&[]).load().unwrap();
+    let all_bytes = model.weight_bytes() as u64;
+    memory.place_weights(&mut model, &origin(&[])).unwrap();
+    let want_base = answers(&model);
+    let rank = ModelRankMemory::new(&memory, model.backend().clone());
+    let name = gguf.to_str().unwrap();
+    let paths = |ps: &[&std::path::Path]| -> Vec<String> {
+        ps.iter().map(|p| p.to_str().unwrap().to_owned()).collect()
+    };
+
+    memory.prepare_update_with(name, &paths(&[&down])).unwrap();
+    let receipt = rank.update().unwrap();
+    let (hidden, ffn) = (spec.hidden as u64, spec.ffn as u64);
+    assert_eq!(receipt[0].bytes, 4 * hidden * ffn, "only the down projection is written");
+    assert_eq!(weight_allocations(&memory).len(), 1, "no new allocation");
+    assert!(memory.take_new_weights().is_none());
+    let want_down = answers(&origin(&[&down]).load().unwrap());
+    assert_ne!(want_down, want_base);
+    assert_eq!(answers(&model), want_down);
+
+    memory.prepare_update_with(name, &paths(&[&down, &q])).unwrap();
+    let receipt = rank.update().unwrap();
+    assert_eq!(receipt[0].bytes, 4 * hidden * hidden, "only the query projection is written");
+    let want_both = answers(&origin(&[&down, &q]).load().unwrap());
+    assert_ne!(want_both, want_down);
+    assert_eq!(answers(&model), want_both);
+    let tags = ["weights".to_owned()];
+    rank.release_at(&tags, Some(2)).unwrap();
+    rank.materialize(&tags).unwrap();
+    assert_eq!(answers(&model), want_both, "the wakeup reloads the checkpoint and both buckets");
+    rank.revert().unwrap();
+    assert_eq!(answers(&model), want_down);
+
+    // A checkpoint reload is a load, of every byte.
+    memory.prepare_update(name).unwrap();
+    assert_eq!(rank.update().unwrap()[0].bytes, all_bytes);
+    assert_eq!(answers(&model), want_base);
+
+    // Quantized weights cannot take floats in place: the bucket's shard is loaded whole.
+    let quantized = dir.join("q8.gguf");
+    RandomLlama { quantized: Some(tensor::kernels::BlockFormat::Q8_0), ..spec }
+        .write(&quantized)
+        .unwrap();
+    let memory =
+        ModelMemory::host(Some(dir.join("spill-q8")), Restore::Reload, Restore::Backup).unwrap();
+    let q8 = ShardOrigin::checkpoint(quantized.clone(), placement, WeightForm::Native);
+    let mut model = q8.load().unwrap();
+    memory.place_weights(&mut model, &q8).unwrap();
+    memory.prepare_update_with(quantized.to_str().unwrap(), &paths(&[&down])).unwrap();
+    memory.update().unwrap();
+    model.adopt_weights(memory.take_new_weights().expect("new buffers")).unwrap();
+    let want = ShardOrigin { tensors: vec![down.clone()], ..q8 }.load().unwrap();
+    assert_eq!(answers(&model), answers(&want));
+    std::fs::remove_dir_all(&dir).ok();
+}
