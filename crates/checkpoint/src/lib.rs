@@ -38,5 +38,5 @@ pub use config::{Activation, LlamaConfig};
 pub use error::{Error, Result};
 pub use format::{Checkpoint, Format};
 pub use generation::GenerationConfig;
-pub use overlay::{Bucket, Overlay};
+pub use overlay::{bucket_tensor_names, live_buckets, Bucket, Overlay};
 pub use source::{ShapeCatalog, Shard, WeightSource};

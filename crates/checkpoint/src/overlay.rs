@@ -16,9 +16,9 @@ use crate::error::{Error, Result};
 use crate::safetensors::{gguf_name, SafetensorsFile};
 use crate::source::{Shard, WeightSource};
 use std::collections::btree_map::Entry;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use tensor::kernels::QMatrix;
 
 /// One safetensors file of a weight update, checked against the model it updates: every
@@ -280,6 +280,37 @@ impl Bucket {
         }
         Ok(values)
     }
+}
+
+/// The model's names of the tensors in the bucket file at `path` (the parts of a fused tensor
+/// each), read from its header alone, unchecked against any model.
+///
+/// # Errors
+/// The file cannot be mapped or its header is malformed.
+pub fn bucket_tensor_names(path: impl AsRef<Path>) -> Result<BTreeSet<String>> {
+    let file = SafetensorsFile::open(path)?;
+    Ok(file.names().flat_map(model_names).collect())
+}
+
+/// Of the bucket files `buckets`, laid over a checkpoint in this order, those that still give
+/// a tensor: a bucket whose every tensor a later one holds is left out, so a trainer that
+/// pushes the whole model at every step keeps one step's files, not all of them. A bucket
+/// whose header cannot be read is kept (loading it reports why).
+pub fn live_buckets(buckets: &[PathBuf]) -> Vec<PathBuf> {
+    let names: Vec<Option<BTreeSet<String>>> =
+        buckets.iter().map(|p| bucket_tensor_names(p).ok()).collect();
+    let mut later: BTreeSet<&str> = BTreeSet::new();
+    let mut live = Vec::new();
+    for (path, names) in buckets.iter().zip(&names).rev() {
+        let shadowed =
+            names.as_ref().is_some_and(|names| names.iter().all(|n| later.contains(n.as_str())));
+        if !shadowed {
+            live.push(path.clone());
+        }
+        later.extend(names.iter().flatten().map(String::as_str));
+    }
+    live.reverse();
+    live
 }
 
 /// A [`WeightSource`] that reads a tensor from the latest bucket holding it, and every other

@@ -379,8 +379,13 @@ impl Controller {
                 "finish_weight_update: the update has no bucket (it is closed; start again)",
             ));
         }
-        let mut tensors = self.coordinator.live_tensors();
-        tensors.extend(buckets.iter().map(|p| p.display().to_string()));
+        // The live buckets the new ones replace whole are dropped (their kept files go when
+        // the update settles), so a trainer pushing every step keeps one step's files.
+        let mut files: Vec<std::path::PathBuf> =
+            self.coordinator.live_tensors().iter().map(std::path::PathBuf::from).collect();
+        files.extend(buckets.iter().cloned());
+        let tensors =
+            checkpoint::live_buckets(&files).iter().map(|p| p.display().to_string()).collect();
         let update = WeightUpdate {
             model: self.live_checkpoint().unwrap_or_default(),
             tensors,

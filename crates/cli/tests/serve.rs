@@ -1479,6 +1479,12 @@ fn a_trainer_pushes_tensors_from_memory_in_buckets() {
     let reply = server.post("/v1/completions", &completion(prompts[0], 2));
     assert_eq!(reply.json()["weight_version"], "step-1");
     assert!(!buckets.join("bucket-1.safetensors").exists(), "the trainer deleted its files");
+    assert_eq!(kept(&buckets), 2, "the two buckets are kept for the live weights");
+    // The next step pushes the same tensors again: the buckets they replace are let go.
+    let replies = trainer(&["push", &url, &base_s, &buckets_s, &perturbed_s, "step-2"]);
+    assert_eq!(replies.last().unwrap()["reply"]["weight_version"], "step-2");
+    assert_eq!(kept(&buckets), 2, "only the latest step's buckets are kept");
+    assert_eq!(answers(&server), want_perturbed);
 
     // A level-2 sleep reloads the weights from the checkpoint and the kept buckets.
     let (code, _, err) = control(&rt, &["sleep", "--level", "2"]);

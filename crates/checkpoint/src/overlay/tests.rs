@@ -463,3 +463,33 @@ fn a_bucket_that_does_not_fit_the_model_is_refused_naming_file_and_tensor() {
     std::fs::remove_file(gguf_path).unwrap();
     std::fs::remove_file(path).unwrap();
 }
+
+/// A bucket every tensor of which later buckets hold is no longer live, under any of its
+/// names (Hugging Face, GGUF, or fused parts); one that still gives a tensor stays, in order,
+/// and so does one whose header cannot be read.
+#[test]
+fn buckets_that_later_ones_replace_are_not_live() {
+    let v = [0.0f32; 4];
+    let (q, k, v_) = ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight");
+    let q_hf = "model.layers.0.self_attn.q_proj.weight";
+    let fused = "model.layers.0.self_attn.qkv_proj.weight";
+    let first = write_bucket("live-1", &[(q_hf, &[2, 2], &v), ("model.norm.weight", &[4], &v)]);
+    let second = write_bucket("live-2", &[(q, &[2, 2], &v)]);
+    let third = write_bucket("live-3", &[("output_norm.weight", &[4], &v)]);
+    let qkv = write_bucket("live-qkv", &[(fused, &[2, 2], &v)]);
+    let broken = temp_path("live-broken");
+    std::fs::write(&broken, b"not a safetensors file").unwrap();
+    let names = bucket_tensor_names(&qkv).unwrap();
+    assert_eq!(names.into_iter().collect::<Vec<_>>(), [k, q, v_]);
+
+    let all = |ps: &[&PathBuf]| ps.iter().map(|p| (*p).clone()).collect::<Vec<_>>();
+    // The first bucket's query projection is replaced, its norm not yet.
+    assert_eq!(live_buckets(&all(&[&first, &second])), all(&[&first, &second]));
+    assert_eq!(live_buckets(&all(&[&first, &second, &third])), all(&[&second, &third]));
+    // A fused bucket replaces its parts; a later unreadable file replaces nothing.
+    assert_eq!(live_buckets(&all(&[&second, &qkv, &broken])), all(&[&qkv, &broken]));
+    assert_eq!(live_buckets(&all(&[&broken, &third])), all(&[&broken, &third]));
+    for p in [first, second, third, qkv, broken] {
+        std::fs::remove_file(p).unwrap();
+    }
+}
