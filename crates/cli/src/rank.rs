@@ -315,8 +315,9 @@ fn model_memory(spec: &RankSpec, compute: &Backend) -> Result<ModelMemory> {
     )
     .context("sleep policy")?;
     // Sleep level 1 keeps the weights' contents, unless their restore is configured.
-    let memory =
-        memory.with_level_one_weights(!spec.sleep.contains_key(vmm::Tag::WEIGHTS.as_str()));
+    let memory = memory
+        .with_level_one_weights(!spec.sleep.contains_key(vmm::Tag::WEIGHTS.as_str()))
+        .with_threads(spec.threads);
     match compute.device() {
         tensor::Device::Cuda(ordinal) => Ok(memory.with_device(ordinal)?),
         _ => Ok(memory),

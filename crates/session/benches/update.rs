@@ -27,6 +27,8 @@ use common::{median, memcpy_time, weights_hash};
 const MODEL_ENV: &str = "TPCTL_UPDATE_BENCH_MODEL";
 /// Timed updates of each kind; the median counts.
 const ROUNDS: usize = 3;
+/// The rank's compute threads, which copy an update written in place (as `--threads 2`).
+const THREADS: usize = 2;
 
 /// Writes every tensor of the GGUF `model` to `out` as f32 under its Hugging Face name, in
 /// the Hugging Face layout (query and key rows not interleaved): what a trainer holds.
@@ -78,7 +80,8 @@ fn main() {
     let placement = Placement { tp_rank: 0, tp: 1, cp_rank: 0, cp: 1 };
     let form = WeightForm::F32;
     let memory = ModelMemory::host(Some(spill.clone()), Restore::Reload, Restore::Discard)
-        .expect("model memory");
+        .expect("model memory")
+        .with_threads(THREADS);
     let mut live =
         ParallelModel::load(&model, LoadOptions::new(placement).form(form)).expect("load");
     let origin = ShardOrigin::checkpoint(model.clone(), placement, form);

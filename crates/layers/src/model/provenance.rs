@@ -136,15 +136,32 @@ impl WeightMap {
     /// values. Returns the values written (none for a buffer of another form).
     ///
     /// # Errors
-    /// `dst` is not the buffer's length, or a bucket cannot give a span's values (see
-    /// [`Bucket::read_into`]); the spans before it are written.
+    /// As [`WeightMap::pieces`] and [`Piece::write_from`]; the spans before it are written.
     pub fn write(
         &self,
         buckets: &[Bucket],
         buffer: usize,
         dst: &mut [f32],
     ) -> checkpoint::Result<usize> {
-        let Some(BufferSource::F32(spans)) = self.buffers.get(buffer) else { return Ok(0) };
+        let pieces = self.pieces(buffer, dst, usize::MAX)?;
+        pieces.into_iter().map(|p| p.write_from(buckets)).sum()
+    }
+
+    /// Cuts `dst`, the f32 values of buffer `buffer`, into the pieces its spans fill, each of
+    /// whole rows and at most `max` values (a row longer than that is a piece of its own), so
+    /// that several threads can write them. None for a buffer of another form.
+    ///
+    /// # Errors
+    /// `dst` is not the buffer's length.
+    pub fn pieces<'a>(
+        &'a self,
+        buffer: usize,
+        dst: &'a mut [f32],
+        max: usize,
+    ) -> checkpoint::Result<Vec<Piece<'a>>> {
+        let Some(BufferSource::F32(spans)) = self.buffers.get(buffer) else {
+            return Ok(Vec::new());
+        };
         let len: usize = spans.iter().map(Span::len).sum();
         if dst.len() != len {
             return Err(checkpoint::Error::tensor(
@@ -152,16 +169,59 @@ impl WeightMap {
                 format!("weight buffer {buffer} holds {len} values, {} given", dst.len()),
             ));
         }
-        let mut written = 0;
-        for span in spans {
-            let Some(bucket) = buckets.iter().rev().find(|b| b.holds(&span.tensor)) else {
-                continue;
-            };
-            let out = &mut dst[span.at..span.at + span.len()];
-            bucket.read_into(&span.tensor, span.rows.clone(), span.cols.clone(), out)?;
-            written += span.len();
+        let mut order: Vec<&Span> = spans.iter().collect();
+        order.sort_unstable_by_key(|s| s.at);
+        let mut rest = dst;
+        let mut pieces = Vec::new();
+        for span in order {
+            let (mut values, tail) = std::mem::take(&mut rest).split_at_mut(span.len());
+            rest = tail;
+            let width = span.cols.len().max(1);
+            let rows_per_piece = (max / width).max(1);
+            let mut row = span.rows.start;
+            while row < span.rows.end {
+                let end = (row + rows_per_piece).min(span.rows.end);
+                let (head, tail) =
+                    std::mem::take(&mut values).split_at_mut((end - row) * span.cols.len());
+                values = tail;
+                pieces.push(Piece {
+                    tensor: &span.tensor,
+                    rows: row..end,
+                    cols: span.cols.clone(),
+                    dst: head,
+                });
+                row = end;
+            }
         }
-        Ok(written)
+        Ok(pieces)
+    }
+}
+
+/// Rows of one span and the memory they fill ([`WeightMap::pieces`]).
+#[derive(Debug)]
+pub struct Piece<'a> {
+    /// The checkpoint tensor.
+    pub tensor: &'a str,
+    /// Its rows.
+    pub rows: Range<usize>,
+    /// Its columns.
+    pub cols: Range<usize>,
+    /// Where their values go, row-major.
+    pub dst: &'a mut [f32],
+}
+
+impl Piece<'_> {
+    /// Writes its values from the last of `buckets` that holds its tensor (none when no
+    /// bucket does); returns the values written.
+    ///
+    /// # Errors
+    /// The bucket cannot give them ([`Bucket::read_into`]).
+    pub fn write_from(self, buckets: &[Bucket]) -> checkpoint::Result<usize> {
+        let Some(bucket) = buckets.iter().rev().find(|b| b.holds(self.tensor)) else {
+            return Ok(0);
+        };
+        bucket.read_into(self.tensor, self.rows, self.cols, self.dst)?;
+        Ok(self.dst.len())
     }
 }
 

@@ -8,7 +8,7 @@
 
 use super::{ShardOrigin, ALIGN};
 use checkpoint::{Bucket, Checkpoint, ShapeCatalog};
-use layers::model::provenance::{BufferSource, WeightMap};
+use layers::model::provenance::{BufferSource, Piece, WeightMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -60,34 +60,75 @@ pub(super) fn new_buckets(
     Some(buckets)
 }
 
+/// Values a thread writes at a time: whole rows of about a mebibyte.
+const PIECE: usize = 1 << 18;
+
 /// Writes the tensors of `buckets` into the weights in `bytes`, laid out as `layout` (one
-/// buffer after another, each at an [`ALIGN`] boundary), through `map`. Returns the bytes
-/// written.
+/// buffer after another, each at an [`ALIGN`] boundary), through `map`, on `threads` threads
+/// (the rank's compute threads, idle while an update commits: reading a bucket's pages costs
+/// about as much again as copying them, and threads overlap both). Returns the bytes written.
 ///
 /// # Errors
 /// The layout does not fit `bytes`, a buffer is misaligned, or a bucket cannot give a value;
-/// the buffers before it are written.
+/// other values may have been written then.
 pub(super) fn write(
     bytes: &mut [u8],
     layout: &[usize],
     map: &WeightMap,
     buckets: &[Bucket],
+    threads: usize,
 ) -> Result<u64, String> {
+    let mut pieces: Vec<Piece<'_>> = Vec::new();
+    let mut rest = bytes;
     let mut offset = 0usize;
-    let mut written = 0u64;
     for (index, (&len, source)) in layout.iter().zip(map.buffers()).enumerate() {
-        offset = offset.next_multiple_of(ALIGN);
-        let buffer = bytes
-            .get_mut(offset..offset + len)
-            .ok_or_else(|| format!("weight buffer {index} lies outside the weights' memory"))?;
-        offset += len;
+        let pad = offset.next_multiple_of(ALIGN) - offset;
+        if rest.len() < pad + len {
+            return Err(format!("weight buffer {index} lies outside the weights' memory"));
+        }
+        let (buffer, tail) = std::mem::take(&mut rest)[pad..].split_at_mut(len);
+        rest = tail;
+        offset += pad + len;
         if matches!(source, BufferSource::Other) {
             continue;
         }
         let values: &mut [f32] = bytemuck::try_cast_slice_mut(buffer)
             .map_err(|e| format!("weight buffer {index} is not f32 memory: {e}"))?;
-        let n = map.write(buckets, index, values).map_err(|e| e.to_string())?;
-        written += 4 * n as u64;
+        let cut = map.pieces(index, values, PIECE).map_err(|e| e.to_string())?;
+        pieces.extend(cut.into_iter().filter(|p| buckets.iter().any(|b| b.holds(p.tensor))));
+    }
+    // Contiguous shares of about equal size, so each thread reads its part of the files in
+    // order.
+    let total: usize = pieces.iter().map(|p| p.dst.len()).sum();
+    let share = total.div_ceil(threads.max(1)).max(1);
+    let mut groups: Vec<Vec<Piece<'_>>> = Vec::new();
+    let mut filled = share;
+    for piece in pieces {
+        if filled >= share {
+            groups.push(Vec::new());
+            filled = 0;
+        }
+        filled += piece.dst.len();
+        groups.last_mut().expect("a group was pushed").push(piece);
+    }
+    let run = |group: Vec<Piece<'_>>| -> checkpoint::Result<usize> {
+        group.into_iter().map(|p| p.write_from(buckets)).sum()
+    };
+    let results: Vec<checkpoint::Result<usize>> = std::thread::scope(|scope| {
+        let mut groups = groups.into_iter();
+        let first = groups.next();
+        let spawned: Vec<_> = groups.map(|g| scope.spawn(move || run(g))).collect();
+        let mut results = vec![first.map_or(Ok(0), run)];
+        for handle in spawned {
+            results.push(handle.join().unwrap_or_else(|_| {
+                Err(checkpoint::Error::tensor("", "a thread writing the weights panicked"))
+            }));
+        }
+        results
+    });
+    let mut written = 0u64;
+    for result in results {
+        written += 4 * result.map_err(|e| e.to_string())? as u64;
     }
     Ok(written)
 }

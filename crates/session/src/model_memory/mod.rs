@@ -101,6 +101,8 @@ pub struct ModelMemory {
     /// Bytes of host memory available for new allocations (`None`: unknown); a weight
     /// update in another form checks it before it allocates.
     host_available: fn() -> Option<u64>,
+    /// Threads a weight update written in place copies on (the rank's compute threads).
+    threads: usize,
 }
 
 /// A rank's weights in tagged memory: their allocation and the checkpoint they came from, a
@@ -262,6 +264,7 @@ impl ModelMemory {
             level_one: Vec::new(),
             live: Arc::default(),
             host_available: available_host_memory,
+            threads: 1,
         })
     }
 
@@ -325,6 +328,13 @@ impl ModelMemory {
     /// launcher turns it on unless the weights' restore policy is configured.
     pub fn with_level_one_weights(mut self, keep: bool) -> ModelMemory {
         self.level_one = if keep { vec![vmm::Tag::WEIGHTS] } else { Vec::new() };
+        self
+    }
+
+    /// Copies the tensors of updates written in place on `threads` threads (at least one): the
+    /// rank's compute threads, idle while an update commits.
+    pub fn with_threads(mut self, threads: usize) -> ModelMemory {
+        self.threads = threads.max(1);
         self
     }
 
@@ -441,7 +451,7 @@ impl ModelMemory {
         match change {
             Change::InPlace(buckets) => {
                 let current = live.current.as_mut().ok_or_else(untagged)?;
-                let written = current.write_in_place(&buckets)?;
+                let written = current.write_in_place(&buckets, self.threads)?;
                 live.previous = Some(std::mem::replace(&mut current.origin, origin));
                 Ok(written)
             }
@@ -776,7 +786,11 @@ impl Placed {
     /// Writes the tensors of `buckets` over these weights where its map places them
     /// ([`in_place::write`]); nothing when the weights are released (the wakeup reloads them,
     /// buckets included).
-    fn write_in_place(&self, buckets: &[checkpoint::Bucket]) -> Result<u64, MemoryError> {
+    fn write_in_place(
+        &self,
+        buckets: &[checkpoint::Bucket],
+        threads: usize,
+    ) -> Result<u64, MemoryError> {
         let regions = self.arena.0.lock().unwrap_or_else(PoisonError::into_inner);
         let alloc = regions.allocation();
         if alloc.is_released() {
@@ -787,7 +801,8 @@ impl Placed {
             message: format!("writing the updated weights: {e}"),
         };
         let mut bytes = alloc.write().map_err(|e| failed(false, &e))?;
-        in_place::write(&mut bytes, &self.layout, &self.map, buckets).map_err(|e| failed(true, &e))
+        in_place::write(&mut bytes, &self.layout, &self.map, buckets, threads)
+            .map_err(|e| failed(true, &e))
     }
 }
 

@@ -411,8 +411,9 @@ fn buckets_over_the_live_checkpoint_are_written_in_place() {
         ..ShardOrigin::checkpoint(gguf.clone(), placement, form)
     };
     let answers = |model: &ParallelModel| generate(model, &mut model.new_cache(64), &[4, 5], 4);
-    let memory =
-        ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Backup).unwrap();
+    let memory = ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Backup)
+        .unwrap()
+        .with_threads(3);
     let mut model = origin(&[]).load().unwrap();
     let all_bytes = model.weight_bytes() as u64;
     memory.place_weights(&mut model, &origin(&[])).unwrap();
