@@ -2,7 +2,7 @@
 //! numbers behind the closing summary.
 
 use crate::spec::OutputFormat;
-use session::{BoxError, FinishReason, MetricsSink, OutputSink, StepMetrics};
+use session::{BoxError, Detokenizer, FinishReason, MetricsSink, OutputSink, StepMetrics};
 use std::collections::HashMap;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -41,6 +41,8 @@ pub struct Printer {
     /// count from there.
     start: Instant,
     texts: HashMap<u64, String>,
+    /// Decodes the engine's token ids.
+    decoder: Detokenizer,
     timings: HashMap<u64, Timing>,
     stream: bool,
     clock: Arc<Mutex<RunClock>>,
@@ -51,11 +53,12 @@ pub struct Printer {
 }
 
 impl Printer {
-    /// A printer for `prompts` (request ids are their indices); `clock` receives the start-up
-    /// time and the time to the first token of any request.
+    /// A printer for `prompts` (request ids are their indices) decoding with `tokenizer`;
+    /// `clock` receives the start-up time and the time to the first token of any request.
     pub fn new(
         format: OutputFormat,
         prompts: Vec<PromptInfo>,
+        tokenizer: Arc<text::Tokenizer>,
         max_tokens: usize,
         clock: Arc<Mutex<RunClock>>,
     ) -> Self {
@@ -68,6 +71,7 @@ impl Printer {
             prompts,
             start: Instant::now(),
             texts: HashMap::new(),
+            decoder: Detokenizer::new(Box::new(session::TokenizerCodec(tokenizer))),
             timings: HashMap::new(),
             stream,
             clock,
@@ -96,10 +100,11 @@ impl OutputSink for Printer {
     fn token(
         &mut self,
         request: u64,
-        _token: u32,
-        text: &str,
+        token: u32,
+        last: bool,
         _logprobs: Option<&session::TokenLogprobs>,
     ) -> Result<(), BoxError> {
+        let text = &self.decoder.piece(request, token, last)?;
         let now = self.start.elapsed();
         let t = self.timings.entry(request).or_default();
         if t.first_token.is_none() {
@@ -124,6 +129,7 @@ impl OutputSink for Printer {
         reason: FinishReason,
         tokens: &[u32],
     ) -> Result<(), BoxError> {
+        self.decoder.forget(request);
         let now = self.start.elapsed();
         let timing = self.timings.entry(request).or_default();
         timing.finished = Some(now);

@@ -252,7 +252,7 @@ fn lead(
     let clock = Arc::new(Mutex::new(RunClock::default()));
     let meter = factory.backend().map_or_else(Meter::default, Meter::with_backend);
     let max_tokens = spec.sampling.max_tokens as usize;
-    let printer = Printer::new(spec.output, prompts, max_tokens, clock.clone());
+    let printer = Printer::new(spec.output, prompts, tokenizer, max_tokens, clock.clone());
     let mut leader =
         Leader::new(ctx, Box::new(factory), Box::new(printer), Box::new(meter.clone()), engine)?
             .with_gate(gate)

@@ -45,5 +45,6 @@ pub use sampler::{
 };
 pub use scheduler::{Cancel, Prompt, Request};
 pub use sink::{
-    Collect, FinishReason, Finished, MetricsSink, NoMetrics, OutputSink, StepMetrics, TextCodec,
+    Collect, Detokenizer, FinishReason, Finished, MetricsSink, NoMetrics, OutputSink, StepMetrics,
+    TextCodec, TokenizerCodec,
 };

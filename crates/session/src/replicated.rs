@@ -47,7 +47,7 @@ impl ModelFactory for LlamaFactory {
     fn codec(&mut self, config: &SessionConfig) -> Result<Option<Box<dyn TextCodec>>, BoxError> {
         let tok = text::Tokenizer::load(std::path::Path::new(&config.model))
             .map_err(|e| format!("tokenizer of {}: {e}", config.model))?;
-        Ok(Some(Box::new(LlamaCodec(std::sync::Arc::new(tok)))))
+        Ok(Some(Box::new(crate::sink::TokenizerCodec(std::sync::Arc::new(tok)))))
     }
 }
 
@@ -95,36 +95,6 @@ impl StepModel for ReplicatedLlama {
 
     fn context_len(&self) -> usize {
         self.model.config().context_length
-    }
-}
-
-/// The model's tokenizer as a [`TextCodec`].
-pub(crate) struct LlamaCodec(pub(crate) std::sync::Arc<text::Tokenizer>);
-
-impl TextCodec for LlamaCodec {
-    fn encode(&self, text: &str) -> Result<Vec<u32>, BoxError> {
-        Ok(self.0.encode(text)?)
-    }
-
-    fn decode(&self, ids: &[u32]) -> Result<String, BoxError> {
-        Ok(self.0.decode(ids, true)?)
-    }
-
-    fn decode_next(
-        &self,
-        stream: &mut crate::sink::TextStream,
-        token: u32,
-        last: bool,
-    ) -> Result<String, BoxError> {
-        Ok(self.0.decode_next(stream, token, last)?)
-    }
-
-    fn eos(&self) -> Option<u32> {
-        self.0.eos_id()
-    }
-
-    fn eos_ids(&self) -> Vec<u32> {
-        self.0.eos_ids()
     }
 }
 

@@ -294,7 +294,7 @@ impl ModelFactory for ShardedFactory {
 
     fn codec(&mut self, config: &SessionConfig) -> Result<Option<Box<dyn TextCodec>>, BoxError> {
         match &self.tokenizer {
-            Some(t) => Ok(Some(Box::new(crate::replicated::LlamaCodec(t.clone())))),
+            Some(t) => Ok(Some(Box::new(crate::sink::TokenizerCodec(t.clone())))),
             None => LlamaFactory::new(1).codec(config),
         }
     }

@@ -45,6 +45,75 @@ pub trait TextCodec: Send {
     }
 }
 
+/// The model's tokenizer as a [`TextCodec`].
+pub struct TokenizerCodec(pub Arc<text::Tokenizer>);
+
+impl TextCodec for TokenizerCodec {
+    fn encode(&self, text: &str) -> Result<Vec<u32>, BoxError> {
+        Ok(self.0.encode(text)?)
+    }
+
+    fn decode(&self, ids: &[u32]) -> Result<String, BoxError> {
+        Ok(self.0.decode(ids, true)?)
+    }
+
+    fn decode_next(
+        &self,
+        stream: &mut TextStream,
+        token: u32,
+        last: bool,
+    ) -> Result<String, BoxError> {
+        Ok(self.0.decode_next(stream, token, last)?)
+    }
+
+    fn eos(&self) -> Option<u32> {
+        self.0.eos_id()
+    }
+
+    fn eos_ids(&self) -> Vec<u32> {
+        self.0.eos_ids()
+    }
+}
+
+/// The text of several requests' tokens as they come, in whole characters: what a sink that
+/// shows text keeps beside the engine, which hands out token ids only.
+pub struct Detokenizer {
+    codec: Box<dyn TextCodec>,
+    streams: std::collections::HashMap<u64, TextStream>,
+}
+
+impl Detokenizer {
+    /// Decodes with `codec`.
+    pub fn new(codec: Box<dyn TextCodec>) -> Self {
+        Detokenizer { codec, streams: std::collections::HashMap::new() }
+    }
+
+    /// The text `token` adds to `request` ([`TextCodec::decode_next`]); `last` (its final
+    /// token) flushes what is left and forgets the request.
+    ///
+    /// # Errors
+    /// As [`TextCodec::decode_next`].
+    pub fn piece(&mut self, request: u64, token: u32, last: bool) -> Result<String, BoxError> {
+        let stream = self.streams.entry(request).or_default();
+        let text = self.codec.decode_next(stream, token, last);
+        if last {
+            self.streams.remove(&request);
+        }
+        text
+    }
+
+    /// Forgets `request` (it ended without a last token: cancelled, say).
+    pub fn forget(&mut self, request: u64) {
+        self.streams.remove(&request);
+    }
+}
+
+impl std::fmt::Debug for Detokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Detokenizer").field("requests", &self.streams.len()).finish_non_exhaustive()
+    }
+}
+
 /// Why a request stopped producing tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
@@ -75,8 +144,11 @@ impl FinishReason {
 
 /// Where rank 0 streams results. Only rank 0 owns one.
 pub trait OutputSink: Send {
-    /// A new token of request `request` (`text`: its decoded piece, empty without a
-    /// tokenizer; `logprobs`: when the request asked for them, [`SamplingParams::logprobs`]).
+    /// A new token of request `request` (`last`: it is the request's final token, and
+    /// [`OutputSink::finished`] follows; `logprobs`: when the request asked for them,
+    /// [`SamplingParams::logprobs`]). The engine hands out ids only: a sink that shows text
+    /// decodes them where it sends them ([`Detokenizer`]), so detokenization stays off the
+    /// engine's thread when the sink passes tokens on (the server's does).
     ///
     /// # Errors
     /// The sink cannot take the token; the engine fails the step with this error.
@@ -86,7 +158,7 @@ pub trait OutputSink: Send {
         &mut self,
         request: u64,
         token: u32,
-        text: &str,
+        last: bool,
         logprobs: Option<&TokenLogprobs>,
     ) -> Result<(), BoxError>;
     /// A session's model is built (weights loaded and in place, the KV pool committed) and
@@ -199,12 +271,19 @@ type Collected = (Vec<Finished>, std::collections::HashMap<u64, String>);
 #[derive(Debug, Default, Clone)]
 pub struct Collect {
     inner: Arc<Mutex<Collected>>,
+    /// Decodes their text (none: the text stays empty).
+    text: Option<Arc<Mutex<Detokenizer>>>,
 }
 
 impl Collect {
-    /// An empty collection.
+    /// An empty collection, keeping no text.
     pub fn new() -> Self {
         Collect::default()
+    }
+
+    /// An empty collection that decodes each request's text with `codec`.
+    pub fn decoding(codec: Box<dyn TextCodec>) -> Self {
+        Collect { text: Some(Arc::new(Mutex::new(Detokenizer::new(codec)))), ..Collect::default() }
     }
 
     /// The requests finished so far, in finishing order.
@@ -217,12 +296,18 @@ impl OutputSink for Collect {
     fn token(
         &mut self,
         request: u64,
-        _token: u32,
-        text: &str,
+        token: u32,
+        last: bool,
         _logprobs: Option<&TokenLogprobs>,
     ) -> Result<(), BoxError> {
+        let piece = match &self.text {
+            Some(text) => {
+                text.lock().unwrap_or_else(|e| e.into_inner()).piece(request, token, last)?
+            }
+            None => String::new(),
+        };
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        g.1.entry(request).or_default().push_str(text);
+        g.1.entry(request).or_default().push_str(&piece);
         Ok(())
     }
 
@@ -232,6 +317,9 @@ impl OutputSink for Collect {
         reason: FinishReason,
         tokens: &[u32],
     ) -> Result<(), BoxError> {
+        if let Some(text) = &self.text {
+            text.lock().unwrap_or_else(|e| e.into_inner()).forget(request);
+        }
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let text = g.1.remove(&request).unwrap_or_default();
         g.0.push(Finished { request, reason, tokens: tokens.to_vec(), text });

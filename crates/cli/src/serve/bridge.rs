@@ -1,6 +1,8 @@
 //! Between the HTTP handlers and the engine: requests go into the engine's inbox, and the
 //! engine's output sink routes each token and each request's end to the channel its handler
-//! registered.
+//! registered. The sink passes token ids on; each handler decodes its own request's text as
+//! it receives them ([`Events::recv`]), so detokenization runs on the HTTP runtime's threads,
+//! never on the engine's.
 
 use super::metrics::{Metrics, RequestTimes};
 use session::sleep::WeightVersion;
@@ -13,6 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
+use text::tokenizer::TextStream;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 /// What the engine produced for one request.
@@ -46,20 +49,48 @@ pub enum Event {
     },
 }
 
-/// The events of one request, as [`Bridge::submit`] returns them.
+/// What the engine's sink sends a request's handler: [`Event`]s, with token ids not yet
+/// decoded.
 #[derive(Debug)]
+enum Sent {
+    /// A new token; `last`: the request's final one (its end follows).
+    Token { token: u32, last: bool, logprobs: Option<TokenLogprobs>, version: Arc<str> },
+    /// Anything else, as the handler gets it.
+    Event(Event),
+}
+
+/// The events of one request, as [`Bridge::submit`] returns them.
 pub struct Events {
     /// The request's id.
     pub id: u64,
-    rx: UnboundedReceiver<Event>,
+    rx: UnboundedReceiver<Sent>,
     cancel: Cancel,
     finished: bool,
+    /// Decodes the request's tokens.
+    tokenizer: Arc<text::Tokenizer>,
+    text: TextStream,
+}
+
+impl std::fmt::Debug for Events {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Events").field("id", &self.id).finish_non_exhaustive()
+    }
 }
 
 impl Events {
-    /// The next event; `None` once the request finished or the engine stopped.
+    /// The next event, a token with the text it adds (in whole characters; its final token
+    /// flushes what is left); `None` once the request finished or the engine stopped.
     pub async fn recv(&mut self) -> Option<Event> {
-        let event = self.rx.recv().await;
+        let event = match self.rx.recv().await {
+            None => None,
+            Some(Sent::Event(event)) => Some(event),
+            Some(Sent::Token { token, last, logprobs, version }) => {
+                // An id the tokenizer cannot decode (outside its vocabulary) adds no text.
+                let text =
+                    self.tokenizer.decode_next(&mut self.text, token, last).unwrap_or_default();
+                Some(Event::Token { token, text, logprobs, version })
+            }
+        };
         self.finished |= matches!(event, Some(Event::Finished { .. }) | None);
         event
     }
@@ -78,7 +109,7 @@ impl Drop for Events {
 pub struct Closed;
 
 struct Entry {
-    tx: UnboundedSender<Event>,
+    tx: UnboundedSender<Sent>,
     /// When its HTTP request arrived: every interval the metrics take starts here.
     arrival: Instant,
     prompt_tokens: usize,
@@ -112,11 +143,14 @@ pub struct Bridge {
     /// The live weights' version, which every token is stamped with as the engine emits it
     /// (the coordinator changes it only while the engine is quiesced).
     version: WeightVersion,
+    /// What each request's handler decodes its tokens with.
+    tokenizer: Arc<text::Tokenizer>,
 }
 
 impl Bridge {
-    /// A bridge that feeds `inbox` (the engine's) and records into `metrics`.
-    pub fn new(inbox: Sender<Request>, metrics: Metrics) -> Self {
+    /// A bridge that feeds `inbox` (the engine's) and records into `metrics`; handlers decode
+    /// with `tokenizer`.
+    pub fn new(inbox: Sender<Request>, metrics: Metrics, tokenizer: Arc<text::Tokenizer>) -> Self {
         let next_id = Arc::new(AtomicU64::new(0));
         Bridge {
             pending: Arc::default(),
@@ -125,6 +159,7 @@ impl Bridge {
             metrics,
             closed: Arc::default(),
             version: WeightVersion::default(),
+            tokenizer,
         }
     }
 
@@ -177,7 +212,8 @@ impl Bridge {
             return Err(Closed);
         }
         self.metrics.submitted(prompt_tokens);
-        Ok(Events { id, rx, cancel, finished: false })
+        let tokenizer = self.tokenizer.clone();
+        Ok(Events { id, rx, cancel, finished: false, tokenizer, text: TextStream::default() })
     }
 
     /// Closes every pending request's channel and takes no more (the engine stopped).
@@ -209,7 +245,7 @@ impl OutputSink for Sink {
         &mut self,
         request: u64,
         token: u32,
-        text: &str,
+        last: bool,
         logprobs: Option<&TokenLogprobs>,
     ) -> Result<(), BoxError> {
         let mut pending = self.0.lock();
@@ -222,8 +258,7 @@ impl OutputSink for Sink {
             // tokens are dropped here.
             let logprobs = logprobs.cloned();
             let version = self.0.version.get();
-            let text = text.to_owned();
-            let _ = entry.tx.send(Event::Token { token, text, logprobs, version });
+            let _ = entry.tx.send(Sent::Token { token, last, logprobs, version });
         }
         Ok(())
     }
@@ -243,7 +278,8 @@ impl OutputSink for Sink {
         tokens: &[RankedLogprobs],
     ) -> Result<(), BoxError> {
         if let Some(entry) = self.0.lock().get(&request) {
-            let _ = entry.tx.send(Event::PromptLogprobs { start, tokens: tokens.to_vec() });
+            let tokens = tokens.to_vec();
+            let _ = entry.tx.send(Sent::Event(Event::PromptLogprobs { start, tokens }));
         }
         Ok(())
     }
@@ -258,7 +294,8 @@ impl OutputSink for Sink {
         if let Some(entry) = entry {
             let times = entry.times(Instant::now());
             self.0.metrics.finished(reason, entry.prompt_tokens, tokens.len(), times);
-            let _ = entry.tx.send(Event::Finished { reason, tokens: tokens.to_vec() });
+            let tokens = tokens.to_vec();
+            let _ = entry.tx.send(Sent::Event(Event::Finished { reason, tokens }));
         }
         Ok(())
     }

@@ -99,7 +99,7 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
 
     let metrics = metrics::Metrics::default();
     let (inbox_tx, inbox) = std::sync::mpsc::channel();
-    let mut bridge = bridge::Bridge::new(inbox_tx, metrics.clone());
+    let mut bridge = bridge::Bridge::new(inbox_tx, metrics.clone(), tokenizer.clone());
     if let Some(control) = &rank0.control {
         bridge = bridge.with_weight_version(control.coordinator().weight_version());
     }

@@ -209,7 +209,7 @@ impl Leader {
             source,
         })?;
         let eos = codec.as_ref().map(|c| c.eos_ids()).unwrap_or_default();
-        s.text = Text { codec, streams: HashMap::new() };
+        s.text = Text { codec };
         let sched = Scheduler::new(config.token_budget, config.max_batch, model.context_len(), eos);
         s.sched = Some(match model.kv_layout() {
             Some(layout) => sched.with_kv(layout),
@@ -227,7 +227,7 @@ impl Leader {
         let Some(sched) = s.sched.as_mut() else { return Ok(()) };
         if let Some(done) = sched.add(r, s.text.codec(), s.epoch)? {
             s.finished += 1;
-            emit(self.output.as_mut(), &mut s.text, &[done], s.epoch, s.steps)?;
+            emit(self.output.as_mut(), &[done], s.epoch, s.steps)?;
         }
         Ok(())
     }
@@ -245,7 +245,7 @@ impl Leader {
         if let Some(sched) = s.sched.as_mut() {
             for e in sched.take_cancelled() {
                 s.finished += 1;
-                emit(self.output.as_mut(), &mut s.text, &[e], s.epoch, s.steps)?;
+                emit(self.output.as_mut(), &[e], s.epoch, s.steps)?;
             }
         }
         if let Some(inbox) = inbox.filter(|_| !limit) {
@@ -319,7 +319,7 @@ impl Leader {
             QuiesceMode::Abort => {
                 for e in sched.abort_all() {
                     s.finished += 1;
-                    emit(self.output.as_mut(), &mut s.text, &[e], s.epoch, s.steps)?;
+                    emit(self.output.as_mut(), &[e], s.epoch, s.steps)?;
                 }
             }
             QuiesceMode::Keep => {}
@@ -367,7 +367,7 @@ impl Leader {
         let sunk = injected("output sink", "session.sink", 0, epoch, plan.step).and_then(|()| {
             s.finished +=
                 emitted.iter().filter(|e| matches!(e, Emit::Finished { .. })).count() as u64;
-            emit(self.output.as_mut(), &mut s.text, &emitted, epoch, plan.step)
+            emit(self.output.as_mut(), &emitted, epoch, plan.step)
         });
         if let Err(e) = sunk {
             return Err(self.core.announce(e, Owed::Admission, epoch, s.steps));
@@ -406,7 +406,7 @@ impl Leader {
             .collect();
         s.finished += cancelled.len() as u64;
         // As at cleanup: the session never ran, so a sink failure has no step left to fail.
-        let _ = emit(self.output.as_mut(), &mut s.text, &cancelled, s.epoch, 0);
+        let _ = emit(self.output.as_mut(), &cancelled, s.epoch, 0);
     }
 
     /// The fixed cleanup order (see the module docs); no collective.
@@ -414,7 +414,7 @@ impl Leader {
         let cancelled = s.sched.as_mut().map(Scheduler::cancel_all).unwrap_or_default();
         if success {
             // The session is over: a sink failure now has no step left to fail.
-            let _ = emit(self.output.as_mut(), &mut s.text, &cancelled, s.epoch, s.steps);
+            let _ = emit(self.output.as_mut(), &cancelled, s.epoch, s.steps);
         }
         let (epoch, steps) = (s.epoch, s.steps);
         let model = s.model.take();
@@ -452,39 +452,22 @@ impl LeaderSession {
     }
 }
 
-/// Rank 0's tokenizer and the detokenization state of each request with tokens out.
+/// Rank 0's tokenizer: it encodes text prompts and names the stop tokens; the sink decodes
+/// the output ([`OutputSink::token`]).
 #[derive(Default)]
 struct Text {
     codec: Option<Box<dyn TextCodec>>,
-    streams: HashMap<u64, TextStream>,
 }
 
 impl Text {
     fn codec(&self) -> Option<&dyn TextCodec> {
         self.codec.as_deref()
     }
-
-    /// The text `token` adds to `request`, in whole characters (`last` flushes the rest).
-    fn piece(&mut self, request: u64, token: u32, last: bool) -> Result<String, BoxError> {
-        let Some(codec) = &self.codec else { return Ok(String::new()) };
-        let stream = self.streams.entry(request).or_default();
-        let text = codec.decode_next(stream, token, last);
-        if last {
-            self.streams.remove(&request);
-        }
-        text
-    }
 }
 
-/// Hands `events` to the sink in order, with each token's text; a request's last token
-/// (its `Finished` follows in the same events) flushes the characters still open.
-fn emit(
-    out: &mut dyn OutputSink,
-    text: &mut Text,
-    events: &[Emit],
-    epoch: u64,
-    step: u64,
-) -> Result<()> {
+/// Hands `events` to the sink in order, telling it which token is a request's last (its
+/// `Finished` follows in the same events).
+fn emit(out: &mut dyn OutputSink, events: &[Emit], epoch: u64, step: u64) -> Result<()> {
     let sink = |source| Error::Sink { what: "output sink", epoch, step, source };
     for (i, e) in events.iter().enumerate() {
         match e {
@@ -492,14 +475,12 @@ fn emit(
                 let last = events[i + 1..]
                     .iter()
                     .any(|f| matches!(f, Emit::Finished { request: r, .. } if r == request));
-                let piece = text.piece(*request, *token, last).map_err(sink)?;
-                out.token(*request, *token, &piece, logprobs.as_ref()).map_err(sink)?;
+                out.token(*request, *token, last, logprobs.as_ref()).map_err(sink)?;
             }
             Emit::PromptLogprobs { request, start, tokens } => {
                 out.prompt_logprobs(*request, *start, tokens).map_err(sink)?;
             }
             Emit::Finished { request, reason, tokens } => {
-                text.streams.remove(request);
                 out.finished(*request, *reason, tokens).map_err(sink)?;
             }
         }

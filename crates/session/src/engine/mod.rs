@@ -45,17 +45,16 @@
 //! leaves that teardown to the OS. After success the groups are shut down together
 //! ([`ParallelContext::shutdown`]).
 
-use crate::error::{BoxError, Error, Result};
+use crate::error::{Error, Result};
 use crate::model::{Groups, ModelFactory, StepModel};
 use crate::plan::{SessionConfig, SessionDecision, StepPlan};
 use crate::protocol::{self, Agreed, Agreement, Contribution, Message, State};
 use crate::scheduler::{Emit, Request, Scheduler};
-use crate::sink::{FinishReason, MetricsSink, OutputSink, StepMetrics, TextCodec, TextStream};
+use crate::sink::{FinishReason, MetricsSink, OutputSink, StepMetrics, TextCodec};
 use crate::sleep::QuiesceMode;
 use collectives::ParallelContext;
 pub use gate::Gate;
 pub use leader::Leader;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;

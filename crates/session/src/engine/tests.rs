@@ -75,9 +75,33 @@ impl ModelFactory for Factory {
         config: &SessionConfig,
     ) -> std::result::Result<Option<Box<dyn crate::sink::TextCodec>>, BoxError> {
         Ok((config.model == "bytes").then(|| {
-            Box::new(crate::replicated::LlamaCodec(Arc::new(byte_tokenizer())))
+            Box::new(EncodeOnly(crate::sink::TokenizerCodec(Arc::new(byte_tokenizer()))))
                 as Box<dyn crate::sink::TextCodec>
         }))
+    }
+}
+
+/// A codec that encodes and names stop tokens but refuses to decode: the engine hands out
+/// token ids only, and decoding is the sink's.
+struct EncodeOnly(crate::sink::TokenizerCodec);
+
+impl crate::sink::TextCodec for EncodeOnly {
+    fn encode(&self, text: &str) -> std::result::Result<Vec<u32>, BoxError> {
+        self.0.encode(text)
+    }
+    fn decode(&self, _: &[u32]) -> std::result::Result<String, BoxError> {
+        Err("the engine decoded a token".into())
+    }
+    fn decode_next(
+        &self,
+        _: &mut crate::sink::TextStream,
+        _: u32,
+        _: bool,
+    ) -> std::result::Result<String, BoxError> {
+        Err("the engine decoded a token".into())
+    }
+    fn eos(&self) -> Option<u32> {
+        self.0.eos()
     }
 }
 
@@ -102,9 +126,12 @@ fn byte_tokenizer() -> text::Tokenizer {
     t
 }
 
+/// The engine hands out ids (its codec refuses to decode) and the sink decodes them, with
+/// characters split over tokens whole and the last token flushing what is left.
 #[test]
 fn characters_split_over_tokens_come_out_whole() {
-    let (f, out, m) = (Factory::default(), Collect::new(), Metrics::default());
+    let codec = crate::sink::TokenizerCodec(Arc::new(byte_tokenizer()));
+    let (f, out, m) = (Factory::default(), Collect::decoding(Box::new(codec)), Metrics::default());
     let mut l = leader(&f, &out, &m);
     // Request 1 writes all ten pieces; request 2 stops after the first two bytes of "🦀".
     let cfg = SessionConfig::new("bytes");
@@ -288,7 +315,7 @@ fn failures_are_reported_with_their_place_and_close_the_session_once() {
             &mut self,
             _: u64,
             _: u32,
-            _: &str,
+            _: bool,
             _: Option<&crate::TokenLogprobs>,
         ) -> std::result::Result<(), BoxError> {
             Err("disk full".into())
@@ -366,7 +393,7 @@ impl OutputSink for Pausing {
         &mut self,
         request: u64,
         token: u32,
-        text: &str,
+        last: bool,
         logprobs: Option<&crate::TokenLogprobs>,
     ) -> std::result::Result<(), BoxError> {
         self.seen += 1;
@@ -379,7 +406,7 @@ impl OutputSink for Pausing {
                 std::thread::yield_now();
             }
         }
-        self.inner.token(request, token, text, logprobs)
+        self.inner.token(request, token, last, logprobs)
     }
     fn finished(
         &mut self,

@@ -51,7 +51,8 @@ fn batched_chunked_generation_matches_single_sequence_greedy() {
     let prompts: [(&[u32], u32); 3] = [(&[1, 2, 3, 4, 5], 6), (&[7], 4), (&[9, 8, 7, 6], 5)];
 
     let ctx = init_parallel_with(mesh::Rendezvous::single(), &InitOptions::default()).unwrap();
-    let out = Collect::new();
+    let tokenizer = Arc::new(text::Tokenizer::load(&path).unwrap());
+    let out = Collect::decoding(Box::new(crate::TokenizerCodec(tokenizer)));
     let mut leader = Leader::new(
         ctx,
         Box::new(LlamaFactory::new(1)),
@@ -80,7 +81,7 @@ fn batched_chunked_generation_matches_single_sequence_greedy() {
         let want = reference.greedy(p, *n as usize);
         let got = done.iter().find(|d| d.request == i as u64).unwrap();
         assert_eq!((got.reason, &got.tokens), (FinishReason::Length, &want), "request {i}");
-        assert_eq!(got.text.is_empty(), want.is_empty(), "the tokenizer decoded the pieces");
+        assert_eq!(got.text.is_empty(), want.is_empty(), "the sink decoded the pieces");
     }
     let _ = std::fs::remove_file(&path);
 }
@@ -95,7 +96,7 @@ impl OutputSink for Tokens {
         &mut self,
         request: u64,
         token: u32,
-        _: &str,
+        _: bool,
         logprobs: Option<&TokenLogprobs>,
     ) -> Result<(), BoxError> {
         self.0.lock().unwrap().entry(request).or_default().push((token, logprobs.cloned()));
@@ -236,7 +237,7 @@ impl OutputSink for Scored {
         &mut self,
         request: u64,
         _: u32,
-        _: &str,
+        _: bool,
         _: Option<&TokenLogprobs>,
     ) -> Result<(), BoxError> {
         self.0.lock().unwrap().entry(request).or_default().push(Heard::Token);

@@ -161,14 +161,15 @@ impl Http {
     ) -> Http {
         let metrics = Metrics::default();
         let (inbox_tx, inbox) = std::sync::mpsc::channel();
-        let mut bridge = Bridge::new(inbox_tx, metrics.clone());
+        let tokenizer: Arc<text::Tokenizer> = tokenizer().into();
+        let mut bridge = Bridge::new(inbox_tx, metrics.clone(), tokenizer.clone());
         if let Some(c) = &control {
             bridge = bridge.with_weight_version(c.weight_version());
         }
         let api = Api::new(ApiParts {
             bridge: bridge.clone(),
             metrics,
-            tokenizer: tokenizer().into(),
+            tokenizer,
             model_name: "tiny".into(),
             checkpoint: "tiny.gguf".into(),
             vocab: 48,
@@ -334,7 +335,7 @@ fn while_asleep_completions_wait_for_the_wakeup_then_reach_the_engine() {
     use session::OutputSink;
     let mut engine = http.bridge.sink();
     engine.scheduled(request.id);
-    engine.token(request.id, 7, "t7", None).unwrap();
+    engine.token(request.id, 7, true, None).unwrap();
     engine.finished(request.id, session::FinishReason::Length, &[7]).unwrap();
     for name in [
         "vllm:request_queue_time_seconds",
@@ -486,7 +487,7 @@ fn a_paused_update_versions_the_tokens_after_it() {
     let ids: Vec<u64> =
         (0..2).map(|_| http.inbox.recv_timeout(DEADLINE).expect("a request").id).collect();
     for &id in &ids {
-        engine.token(id, 7, "t7", None).unwrap();
+        engine.token(id, 7, false, None).unwrap();
     }
     // The trainer's loop: pause keeping the requests, new weights, resume.
     assert_eq!(
@@ -504,7 +505,7 @@ fn a_paused_update_versions_the_tokens_after_it() {
     assert_eq!(http.json("POST", "/resume"), (200, json!({"paused": false, "changed": true})));
     assert_eq!(http.json("GET", "/is_paused").1["is_paused"], false);
     for &id in &ids {
-        engine.token(id, 8, "t8", None).unwrap();
+        engine.token(id, 8, true, None).unwrap();
         engine.finished(id, session::FinishReason::Length, &[7, 8]).unwrap();
     }
 
