@@ -549,6 +549,25 @@ impl Samplers {
         self.seqs.get(&e.seq).is_some_and(|s| s.prompt_top.is_some())
     }
 
+    /// Whether every token `plan` samples is its logits row's argmax and nothing else is
+    /// wanted of the logits (greedy, no log-probabilities, penalties, bias or grammar, no
+    /// prompt scored): a model runner can then find the tokens without moving the logits. Every
+    /// rank answers the same (after [`Samplers::admit`] with `plan`): it decides collectives.
+    pub fn argmax_only(&self, plan: &StepPlan) -> bool {
+        let greedy = |s: &SeqSampler| {
+            let p = s.sampler.params();
+            p.temperature <= 0.0
+                && p.logprobs.is_none()
+                && !p.adjusts_logits()
+                && p.constraint.is_none()
+                && s.prompt_top.is_none()
+        };
+        plan.entries.iter().all(|e| {
+            let s = self.seqs.get(&e.seq);
+            !self.every_row(e) && (!e.sample || s.is_some_and(greedy))
+        })
+    }
+
     /// Ends a step on any rank, where the logits are or not: the sequences `plan` sampled
     /// have their prompts scored, and their later entries are single rows.
     pub fn end_step(&mut self, plan: &StepPlan) {

@@ -3,7 +3,7 @@
 //! the logits are.
 
 use crate::error::BoxError;
-use crate::model::StepOutput;
+use crate::model::{SampledToken, StepOutput};
 use crate::plan::{PlanEntry, SeqId, StepPlan};
 use crate::sampler::{PromptLogprobs, Samplers};
 use layers::parallel::{Comms, ParallelCache, ParallelModel, Sequence};
@@ -72,6 +72,9 @@ impl Sequences {
         let mut taken = Vec::with_capacity(plan.entries.len());
         self.samplers.admit(plan);
         let every: Vec<bool> = plan.entries.iter().map(|e| self.samplers.every_row(e)).collect();
+        // Greedy picks only: the runner finds them where the logits are made, without moving
+        // the logits (each TP rank sends its best value and id).
+        let argmax = self.samplers.argmax_only(plan);
         let took = self.take(model, plan, new_cache, &mut taken);
         let samplers = &mut self.samplers;
         let mut forward = |taken: &mut Vec<(SeqId, ParallelCache)>| {
@@ -85,7 +88,12 @@ impl Sequences {
                     every_row,
                 })
                 .collect();
-            model.forward_batch(comms, &mut seqs).map_err(|source| {
+            let out = if argmax {
+                model.forward_batch_argmax(comms, &mut seqs).map(|ids| ids.map(Picked::Ids))
+            } else {
+                model.forward_batch(comms, &mut seqs).map(|logits| logits.map(Picked::Logits))
+            };
+            out.map_err(|source| {
                 let error = StepError {
                     step: plan.step,
                     sequences: plan.entries.len(),
@@ -110,9 +118,15 @@ impl Sequences {
         self.caches.extend(taken);
         let out = out?;
         let samplers = &mut self.samplers;
-        let sampled = out.map(|logits| {
-            let vocab = model.config().vocab_size;
-            samplers.sample_with_prompts(plan, logits.data(), vocab)
+        let sampled = out.map(|picked| match picked {
+            Picked::Logits(logits) => {
+                let vocab = model.config().vocab_size;
+                samplers.sample_with_prompts(plan, logits.data(), vocab)
+            }
+            Picked::Ids(ids) => {
+                let tokens = ids.into_iter().map(|token| SampledToken { token, logprobs: None });
+                Ok((tokens.collect(), Vec::new()))
+            }
         });
         self.samplers.end_step(plan);
         let Some((tokens, prompts)) = sampled.transpose()? else { return Ok(None) };
@@ -165,4 +179,12 @@ impl Sequences {
         }
         Ok(())
     }
+}
+
+/// What a step's forward pass hands back on the rank that samples.
+enum Picked {
+    /// The logits of the wanted rows, for the samplers.
+    Logits(tensor::Tensor),
+    /// The greedy tokens of the sampled entries, found without the logits.
+    Ids(Vec<u32>),
 }

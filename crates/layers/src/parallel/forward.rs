@@ -57,6 +57,16 @@ pub struct Sequence<'a> {
     pub every_row: bool,
 }
 
+/// Where a batched step's final hidden rows are ([`ParallelModel::forward_batch`]).
+enum FinalRows {
+    /// No row is wanted (prompt chunks only); `root`: this is the rank at TP 0 and CP 0.
+    None { root: bool },
+    /// On CP rank 0: this rank has sent its part.
+    Elsewhere,
+    /// Here (CP rank 0), normed, in sequence order.
+    Here(Tensor),
+}
+
 impl ParallelModel {
     /// How `n` more tokens of the sequence in `cache` split over CP: a prefill when the
     /// cache is empty and every CP rank gets a token (never with one CP rank: an extend keeps
@@ -185,14 +195,42 @@ impl ParallelModel {
         comms: &mut Comms<'_>,
         seqs: &mut [Sequence<'_>],
     ) -> Result<Option<Tensor>> {
-        self.backend.run(|| self.forward_batch_here(comms, seqs))
+        self.backend.run(|| match self.final_rows(comms, seqs)? {
+            FinalRows::None { root } => {
+                Ok(root.then(|| Tensor::zeros(&[0, self.config.vocab_size])))
+            }
+            FinalRows::Elsewhere => Ok(None),
+            FinalRows::Here(x) => self.lm_head.logits_to(&self.backend, comms.tp, &x, 0),
+        })
     }
 
-    fn forward_batch_here(
+    /// [`ParallelModel::forward_batch`] for greedy picks: the argmax of each row it would
+    /// return logits for, in the same order, on the rank at TP 0 and CP 0 (`None` elsewhere),
+    /// found without moving the logits (each TP rank's best value and id are gathered: see
+    /// [`ParallelLmHead::argmax`](super::ParallelLmHead::argmax)). The ids are those of the
+    /// serial argmax of [`ParallelModel::forward_batch`]'s rows.
+    ///
+    /// # Errors
+    /// As [`ParallelModel::forward_batch`].
+    pub fn forward_batch_argmax(
         &self,
         comms: &mut Comms<'_>,
         seqs: &mut [Sequence<'_>],
-    ) -> Result<Option<Tensor>> {
+    ) -> Result<Option<Vec<u32>>> {
+        let root = (self.placement.tp_rank, self.placement.cp_rank) == (0, 0);
+        self.backend.run(|| match self.final_rows(comms, seqs)? {
+            FinalRows::None { root } => Ok(root.then(Vec::new)),
+            FinalRows::Elsewhere => Ok(None),
+            FinalRows::Here(x) => {
+                let ids = self.lm_head.argmax(&self.backend, comms.tp, &x)?;
+                Ok(root.then_some(ids))
+            }
+        })
+    }
+
+    /// Runs the layers over `seqs` and brings the hidden rows whose logits are wanted, normed,
+    /// to CP rank 0 (every TP rank of it).
+    fn final_rows(&self, comms: &mut Comms<'_>, seqs: &mut [Sequence<'_>]) -> Result<FinalRows> {
         let (x, parts) = self.layers(comms, seqs)?;
         let Placement { cp_rank, cp, .. } = self.placement;
         // Per sequence: whether its every row is wanted, or its last, or none.
@@ -201,8 +239,7 @@ impl ParallelModel {
         let hidden = self.config.hidden;
         if wanted.iter().all(|&(every, sample, _)| !every && !sample) {
             // Nothing to sample (prompt chunks only): no rank moves anything.
-            let root = (cp_rank, self.placement.tp_rank) == (0, 0);
-            return Ok(root.then(|| Tensor::zeros(&[0, self.config.vocab_size])));
+            return Ok(FinalRows::None { root: (cp_rank, self.placement.tp_rank) == (0, 0) });
         }
         // Every row of a prefill split over CP: each CP rank's shard, gathered by all of them.
         let shards: Vec<&TokenShard> = wanted
@@ -247,7 +284,7 @@ impl ParallelModel {
                 from_holder.iter().for_each(|&r| rows.extend_from_slice(x.row(r)));
                 comms.cp.send(&rows, 0)?;
             }
-            return Ok(None);
+            return Ok(FinalRows::Elsewhere);
         }
         let mut received = vec![0f32; from_holder.len() * hidden];
         if !from_holder.is_empty() {
@@ -275,8 +312,7 @@ impl ParallelModel {
             }
         }
         let x = Tensor::from_vec(&[rows.len() / hidden, hidden], rows)?;
-        let x = self.backend.rms_norm(&x, &self.norm, self.config.rms_eps)?;
-        self.lm_head.logits_to(&self.backend, comms.tp, &x, 0)
+        Ok(FinalRows::Here(self.backend.rms_norm(&x, &self.norm, self.config.rms_eps)?))
     }
 
     /// Greedy generation: `prompt`, then argmax tokens until `max_new`, a `stop` token or a

@@ -698,6 +698,75 @@ fn batched_steps_match_each_sequence_alone() {
     std::fs::remove_file(path).unwrap();
 }
 
+/// Greedy batched steps find the argmax of each sampled row without moving the logits: the
+/// ids equal the serial argmax of the rows `forward_batch` gives in the same layout, on the
+/// rank at TP 0 and CP 0 only, in every layout (a TP split of the vocabulary included).
+#[test]
+fn batched_argmax_picks_what_the_gathered_logits_pick_in_every_layout() {
+    let spec = RandomLlama {
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 80,
+        vocab: 40,
+        layers: 2,
+        seed: 47,
+        ..RandomLlama::default()
+    };
+    let path = write_model(&spec, "batched-argmax.gguf");
+    let steps = mixed_steps(spec.vocab as u32);
+    for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)] {
+        let got = on_mesh(tp, cp, |p, comms| {
+            let file = GgufFile::open(&path).unwrap();
+            let config = LlamaConfig::from_gguf(&file).unwrap();
+            let opts = LoadOptions::new(p).on(Backend::cpu(1).unwrap()).form(WeightForm::F32);
+            let model = ParallelModel::from_source(&file, config, opts).unwrap();
+            let mut caches: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
+            let logits = run_steps(&model, comms, &steps, &mut caches);
+            let mut caches: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
+            let mut ids = Vec::new();
+            for step in &steps {
+                let mut by_seq: Vec<Option<&mut ParallelCache>> =
+                    caches.iter_mut().map(Some).collect();
+                let mut seqs: Vec<Sequence<'_>> = step
+                    .iter()
+                    .map(|(seq, tokens, sample)| Sequence {
+                        tokens,
+                        cache: by_seq[*seq].take().unwrap(),
+                        sample: *sample,
+                        every_row: false,
+                    })
+                    .collect();
+                ids.push(model.forward_batch_argmax(comms, &mut seqs).unwrap());
+            }
+            (p, logits, ids)
+        });
+        for (p, logits, ids) in got {
+            if (p.tp_rank, p.cp_rank) != (0, 0) {
+                assert!(ids.iter().all(Option::is_none), "({tp},{cp}) {p:?} got ids");
+                continue;
+            }
+            for (i, (logits, ids)) in logits.iter().zip(&ids).enumerate() {
+                let (logits, ids) = (logits.as_ref().unwrap(), ids.as_ref().unwrap());
+                let want: Vec<u32> = (0..logits.rows()).map(|r| argmax(logits.row(r))).collect();
+                assert_eq!(ids, &want, "({tp},{cp}) step {i}");
+            }
+        }
+    }
+    std::fs::remove_file(path).unwrap();
+}
+
+/// The index of the largest value, the lowest on ties (the engine's serial argmax).
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
 /// Sequences whose every row is wanted (prompt log-probabilities) get the logits of each of
 /// their tokens, next to sequences sampled at their last token only, in every layout: a
 /// prefill split over CP (gathered), an extend chunk, a one-token entry and a decode, each

@@ -202,6 +202,39 @@ fn the_runner_samples_each_sequence_with_the_parameters_its_first_entry_brought(
     );
 }
 
+/// A step is argmax-only when every sampled sequence is greedy with nothing else wanted of
+/// its logits; a sequence that is not sampled does not count, unless its prompt is scored.
+#[test]
+fn only_plain_greedy_steps_skip_the_logits() {
+    let with = |params: SamplingParams| SeqSampling { params, ..SeqSampling::default() };
+    let plain = SeqSampling::default();
+    let cases = [
+        ("greedy", plain.clone(), true),
+        ("sampled", with(SamplingParams { temperature: 0.7, ..Default::default() }), false),
+        ("logprobs", with(SamplingParams { logprobs: Some(2), ..Default::default() }), false),
+        ("bias", with(SamplingParams { logit_bias: vec![(1, 1.0)], ..Default::default() }), false),
+        ("penalty", with(SamplingParams { presence_penalty: 0.5, ..Default::default() }), false),
+        ("prompt", with(SamplingParams { prompt_logprobs: Some(1), ..Default::default() }), false),
+    ];
+    for (what, sampling, want) in cases {
+        let mut samplers = Samplers::new();
+        let plan =
+            plan_of(vec![entry(1, true, Some(plain.clone())), entry(2, true, Some(sampling))]);
+        samplers.admit(&plan);
+        assert_eq!(samplers.argmax_only(&plan), want, "{what}");
+    }
+    // Not sampled in this step: only a scored prompt needs its rows.
+    let mut samplers = Samplers::new();
+    let sampled = with(SamplingParams { temperature: 0.7, ..Default::default() });
+    let plan = plan_of(vec![entry(1, true, Some(plain.clone())), entry(2, false, Some(sampled))]);
+    samplers.admit(&plan);
+    assert!(samplers.argmax_only(&plan));
+    let scored = with(SamplingParams { prompt_logprobs: Some(1), ..Default::default() });
+    let plan = plan_of(vec![entry(3, true, Some(plain)), entry(4, false, Some(scored))]);
+    samplers.admit(&plan);
+    assert!(!samplers.argmax_only(&plan));
+}
+
 #[test]
 fn penalties_count_the_history_sent_and_the_tokens_sampled_since() {
     let penalized = |generated: Vec<u32>| SeqSampling {
