@@ -165,9 +165,11 @@ struct LaunchArgs {
     cp: Option<usize>,
     /// Catalog name, path of a GGUF file (the first part of a split one), a Hugging Face
     /// folder (config.json, *.safetensors in F32/F16/BF16, tokenizer.json), or a Hugging Face
-    /// id (org/name) in the local Hugging Face cache
-    #[arg(long)]
-    model: Option<String>,
+    /// id (org/name) in the local Hugging Face cache. `serve` takes several as NAME=PATH
+    /// (repeat the flag): a model host that routes requests by their `model` and swaps the
+    /// models by sleep/wakeup under --memory-budget
+    #[arg(long, value_name = "MODEL")]
+    model: Vec<String>,
     /// Compute threads per rank (default: cores / ranks on this node).
     #[arg(long)]
     threads: Option<usize>,
@@ -219,7 +221,7 @@ impl LaunchArgs {
         LaunchFlags {
             tp: self.tp,
             cp: self.cp,
-            model: self.model.clone(),
+            model: self.model.first().cloned(),
             threads: self.threads,
             max_model_len: self.max_model_len,
             device: self.device,
@@ -311,6 +313,12 @@ struct ServeArgs {
     /// `--model` as given, or the config's.
     #[arg(long, value_name = "NAME")]
     served_model_name: Option<String>,
+    /// With several models: the memory they share, as a share of the host's memory (0.9) or
+    /// bytes (8GiB). A request for a sleeping model wakes it, after the least recently used
+    /// idle models slept to make room (default: 0.9). Each model is measured at start (loaded,
+    /// put to sleep at level 1); a budget that cannot hold one of them is refused.
+    #[arg(long, value_name = "SIZE")]
+    memory_budget: Option<tpctl::host::table::MemoryBudget>,
 }
 
 /// Which deployment a control command talks to, and how.
@@ -421,6 +429,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.verbose, cli.quiet);
     let result = match cli.command {
+        Command::Run(args) if args.launch.model.len() > 1 => Err(anyhow::anyhow!(
+            "`tpctl run` runs one model: give one --model (`tpctl serve` serves several)"
+        )),
         Command::Run(args) => run(*args, None, cli.verbose, cli.quiet),
         Command::Serve(args) => serve(*args, cli.verbose, cli.quiet),
         Command::Fetch { model } => fetch(&model),
@@ -697,6 +708,21 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
         (None, host, port) => join_host_port(&config.server.listen, host, port)?,
     };
     let api_key = args.api_key.or(config.server.api_key).filter(|k| !k.is_empty());
+    if args.launch.model.len() > 1 {
+        return serve_host(
+            args.launch,
+            args.served_model_name,
+            args.memory_budget,
+            config.server.asleep_wait_timeout,
+            listen,
+            api_key,
+            verbose,
+            quiet,
+        );
+    }
+    if args.memory_budget.is_some() {
+        bail!("--memory-budget is for a server of several models: give --model NAME=PATH for each");
+    }
     let refuse_while_asleep = config.server.refuse_while_asleep;
     let has_config = args.launch.config.is_some();
     let asleep_wait_s = config.server.asleep_wait_timeout;
@@ -705,8 +731,10 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
     }
     tpctl::serve::check_listen(&listen, api_key.is_some())?;
     // The name the API knows the model by: the catalog name or the path, as given.
-    let model_name =
-        args.served_model_name.or_else(|| args.launch.model.clone()).unwrap_or(config.model.name);
+    let model_name = args
+        .served_model_name
+        .or_else(|| args.launch.model.first().cloned())
+        .unwrap_or(config.model.name);
     let job = RunArgs {
         launch: args.launch,
         prompts: Vec::new(),
@@ -732,6 +760,88 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
     let spec =
         ServeSpec { listen, api_key, model_name, refuse_while_asleep, asleep_wait_ms, defaults };
     run(job, Some(spec), verbose, quiet)
+}
+
+/// `tpctl serve` with several models: a model host, each model a deployment of its own with
+/// the launch flags they share.
+#[allow(clippy::too_many_arguments)]
+fn serve_host(
+    launch: LaunchArgs,
+    served_model_name: Option<String>,
+    budget: Option<tpctl::host::table::MemoryBudget>,
+    asleep_wait_s: f64,
+    listen: String,
+    api_key: Option<String>,
+    verbose: u8,
+    quiet: bool,
+) -> Result<i32> {
+    if served_model_name.is_some() {
+        bail!("--served-model-name names one model: with several, give each --model NAME=PATH");
+    }
+    if launch.nodes.nnodes > 1 {
+        bail!("a server of several models runs on one node: --nnodes {} is not supported with several --model", launch.nodes.nnodes);
+    }
+    if !(asleep_wait_s.is_finite() && asleep_wait_s >= 0.0) {
+        bail!("[server] asleep_wait_timeout = {asleep_wait_s}: expected seconds, 0 or more");
+    }
+    let models = tpctl::host::parse_models(&launch.model)?;
+    let deployment = launch.deployment.clone().unwrap_or_else(paths::default_name);
+    for (name, _) in &models {
+        control_socket(Some(&format!("{deployment}-{name}")), true)
+            .with_context(|| format!("model `{name}`"))?;
+    }
+    let total = tpctl::host::host_total_bytes().context("reading the host's memory")?;
+    let budget = budget.unwrap_or(tpctl::host::table::MemoryBudget::Fraction(0.9)).bytes(total);
+    let mut args = Vec::new();
+    if let Some(config) = &launch.config {
+        args.push(config.to_string_lossy().into_owned());
+    }
+    let mut flag = |name: &str, value: Option<String>| {
+        if let Some(v) = value {
+            args.extend([format!("--{name}"), v]);
+        }
+    };
+    flag("tp", launch.tp.map(|v| v.to_string()));
+    flag("cp", launch.cp.map(|v| v.to_string()));
+    flag("threads", launch.threads.map(|v| v.to_string()));
+    flag("max-model-len", launch.max_model_len.map(|v| v.to_string()));
+    flag(
+        "kv-cache-memory",
+        launch.kv_cache_memory.map(|m| match m {
+            config::KvMemory::Bytes(b) => b.to_string(),
+            config::KvMemory::Fraction(f) => f.to_string(),
+        }),
+    );
+    flag("max-num-seqs", launch.max_num_seqs.map(|v| v.to_string()));
+    flag("device", launch.device.and_then(|d| value_name(&d)));
+    flag("dtype", launch.dtype.and_then(|d| value_name(&d)));
+    flag("backend", launch.backend.map(|b| b.to_string()));
+    flag("chat-template", launch.chat_template.map(|p| p.to_string_lossy().into_owned()));
+    if launch.no_prefix_caching {
+        args.push("--no-prefix-caching".into());
+    }
+    let verbosity = if quiet {
+        vec!["-q".to_owned()]
+    } else {
+        (0..verbose.min(2)).map(|_| "-v".to_owned()).collect()
+    };
+    let spec = tpctl::host::HostSpec {
+        models,
+        args,
+        deployment,
+        listen,
+        api_key,
+        budget,
+        sleep_level: 1,
+        wait: Duration::from_secs_f64(asleep_wait_s.min(1e9)),
+        verbosity,
+    };
+    tpctl::host::run(spec)
+}
+
+/// A value's name on the command line.
+fn value_name<T: clap::ValueEnum>(value: &T) -> Option<String> {
+    value.to_possible_value().map(|p| p.get_name().to_owned())
 }
 
 /// A server without a config file's `[sampling]` takes its defaults from the model's
@@ -879,6 +989,8 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
     let flag = interrupted.clone();
     ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
         .context("installing the Ctrl-C handler")?;
+    // A model of a model host stops with its host.
+    tpctl::host::child::watch_host(interrupted.clone());
     let outcome = launcher::launch(&launch, &interrupted)?;
     match &outcome {
         Outcome::Success => {}
