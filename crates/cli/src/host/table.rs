@@ -203,6 +203,17 @@ impl Table {
             resident -= self.models[i].swap_bytes;
         }
         if resident + need > self.budget {
+            // A model in the middle of a swap (another request's) may make room once it is
+            // done: wait for it rather than refuse.
+            let moving = self.models.iter().enumerate().find(|(i, m)| {
+                *i != target && matches!(m.state, State::Loading | State::Waking | State::Sleeping)
+            });
+            if let Some((_, m)) = moving {
+                return Plan::Wait(format!(
+                    "model `{}` waits for room: model `{}` is {}",
+                    model.name, m.name, m.state
+                ));
+            }
             return Plan::Unavailable(format!(
                 "model `{}` needs {} to wake; with every other model that can sleep asleep, {} of the --memory-budget {} stays held, leaving {}",
                 model.name,

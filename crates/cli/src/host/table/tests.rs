@@ -107,8 +107,17 @@ fn pinned_failed_and_moving_models_are_never_evicted() {
     let Plan::Unavailable(why) = table.plan(2) else { panic!("{:?}", table.plan(2)) };
     assert_eq!(
         why,
-        "model `b` needs 100.0 MiB to wake; with every other model that can sleep asleep, 140.0 MiB of the --memory-budget 200.0 MiB stays held, leaving 60.0 MiB"
+        "model `b` needs 100.0 MiB to wake; with every other model that can sleep asleep, 180.0 MiB of the --memory-budget 200.0 MiB stays held, leaving 20.0 MiB"
     );
+
+    // The same while another model wakes: that swap may make room, so the request waits.
+    let mut pinned = entry("p", AWAKE, 40, 100, 1, 0);
+    pinned.pinned = true;
+    let table = Table::new(
+        200 * MIB,
+        vec![pinned, entry("a", State::Waking, 40, 10, 9, 0), entry("b", ASLEEP, 0, 100, 1, 0)],
+    );
+    assert_eq!(table.plan(2), Plan::Wait("model `b` waits for room: model `a` is waking".into()));
 
     // A failed model holds nothing (its ranks are gone) and is refused at once.
     let table = Table::new(
