@@ -62,7 +62,15 @@ enum Command {
     /// "structured_outputs"; "tool_choice": "required" or a named function makes a chat's
     /// answer a call of its tools.
     ///
+    /// Several models: `--model NAME=PATH` repeated serves them from one endpoint, routed by
+    /// the request's `model` (GET /v1/models lists each with its state and resident bytes).
+    /// Each is a deployment of its own (HOST-NAME) with the shared launch flags; they are
+    /// swapped by sleep/wakeup within --memory-budget: a request for a sleeping model wakes
+    /// it after the least recently used idle models slept to make room.
+    ///
     /// Example: tpctl serve --tp 2 --listen 127.0.0.1:8000 --deployment chat
+    ///
+    /// Example: tpctl serve --model a=/models/a.gguf --model b=/models/b.gguf --memory-budget 8GiB
     Serve(Box<ServeArgs>),
     /// Put a running deployment to sleep: release the memory of the given tags on every rank.
     ///

@@ -418,3 +418,83 @@ fn bad_model_lists_are_refused_before_anything_starts() {
         assert!(stderr.contains(message), "{args:?}: {stderr}");
     }
 }
+
+/// The launcher of model `name` among the processes carrying `mark`.
+fn model_launcher(mark: &str, name: &str) -> Option<u32> {
+    leftovers(mark).into_iter().find(|pid| {
+        std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+            let args: Vec<&[u8]> = c.split(|&b| b == 0).collect();
+            args.windows(2).any(|w| w[0] == b"--served-model-name" && w[1] == name.as_bytes())
+        })
+    })
+}
+
+/// The processes whose parent is `parent`.
+fn children_of(parent: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        let ppid = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1));
+        if ppid.and_then(|p| p.parse::<u32>().ok()) == Some(parent) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+#[test]
+fn a_model_whose_rank_dies_fails_alone_and_the_others_keep_serving() {
+    const MAX: u32 = 3;
+    let expected: Vec<Vec<u64>> =
+        models().iter().map(|(_, path)| alone(path, &["4,5"], MAX).remove(0)).collect();
+    let specs: Vec<String> = models().iter().map(|(n, p)| format!("{n}={p}")).collect();
+    let (kv, budget) = (format!("{KV_MIB}MiB"), format!("{BUDGET_MIB}MiB"));
+    let mut args = vec!["--threads", "1", "--kv-cache-memory", &kv, "--memory-budget", &budget];
+    for s in &specs {
+        args.extend(["--model", s]);
+    }
+    let host = Host::start(&args);
+    let ask = |name: &str| {
+        host.post(
+            "/v1/completions",
+            &json!({"model": name, "prompt": prompt("4,5"), "max_tokens": MAX, "temperature": 0}),
+        )
+    };
+    assert_eq!(ask("a").status, 200);
+
+    // Kill model b's rank as the OOM killer would.
+    let launcher = model_launcher(&host.mark, "b").expect("model b's launcher");
+    let ranks = children_of(launcher);
+    assert_eq!(ranks.len(), 1, "one rank under model b's launcher: {ranks:?}");
+    let rank = ranks[0].to_string();
+    assert!(Command::new("kill").args(["-KILL", &rank]).status().is_ok_and(|s| s.success()));
+    let start = Instant::now();
+    loop {
+        let listed = host.get("/v1/models").json();
+        if listed["data"][1]["state"] == "failed" {
+            assert!(listed["data"][1]["failure"].as_str().is_some_and(|f| !f.is_empty()));
+            break;
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "model b never marked failed: {listed}\n{}",
+            host.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // Its requests get a 503 naming why; the other two answer as before, swapping.
+    let refused = ask("b");
+    assert_eq!(refused.status, 503, "{refused:?}");
+    let message = refused.json()["error"]["message"].as_str().unwrap_or_default().to_owned();
+    assert!(message.starts_with("model `b` failed: "), "{message}");
+    for (i, name) in [(2, "c"), (0, "a"), (2, "c")] {
+        let reply = ask(name);
+        assert_eq!(reply.status, 200, "{name}: {reply:?}\n{}", host.log());
+        assert_eq!(ids(&reply.json()["choices"][0]["token_ids"]), expected[i], "{name}");
+    }
+    assert_eq!(host.get("/health").status, 200);
+    let status = host.interrupt();
+    assert!(status.success(), "{status:?}");
+}

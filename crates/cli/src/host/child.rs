@@ -202,8 +202,11 @@ impl Child {
     /// Stops the deployment as Ctrl-C would (its launcher stops every rank), killing it after
     /// a grace period, and waits for it.
     pub fn stop(&self) {
-        let pid = self.pid();
-        let _ = kill(pid, Signal::SIGINT);
+        // A reaped launcher's pid may be another process's by now: signal only a live one.
+        if self.exited().is_some() {
+            return;
+        }
+        let _ = kill(self.pid(), Signal::SIGINT);
         let deadline = Instant::now() + STOP_GRACE;
         while self.exited().is_none() {
             if Instant::now() > deadline {
