@@ -36,13 +36,26 @@ const START_TIMEOUT: Duration = Duration::from_secs(600);
 /// How often a waiting request looks at its model again.
 const POLL: Duration = Duration::from_millis(20);
 
+/// One model of the host.
+#[derive(Clone, Debug)]
+pub struct ModelSpec {
+    /// Its name in the API.
+    pub name: String,
+    /// Its checkpoint, as `--model` takes it.
+    pub model: String,
+    /// Its launch flags (layout, threads, KV cache, config file).
+    pub args: Vec<String>,
+    /// Never put to sleep to make room.
+    pub pinned: bool,
+    /// The level it sleeps at to make room.
+    pub sleep_level: u8,
+}
+
 /// What `tpctl serve` hands the host.
 #[derive(Clone, Debug)]
 pub struct HostSpec {
-    /// The models: name and checkpoint, in the order given.
-    pub models: Vec<(String, String)>,
-    /// The launch flags every model shares.
-    pub args: Vec<String>,
+    /// The models, in the order given.
+    pub models: Vec<ModelSpec>,
     /// The host's deployment name; each model's is this, a dash and its name.
     pub deployment: String,
     /// The address of the API.
@@ -51,8 +64,6 @@ pub struct HostSpec {
     pub api_key: Option<String>,
     /// The memory budget, bytes.
     pub budget: u64,
-    /// The level models are put to sleep at.
-    pub sleep_level: u8,
     /// How long a request waits for its model.
     pub wait: Duration,
     /// `-q` / `-v` for the models' deployments.
@@ -100,7 +111,8 @@ pub struct Host {
     /// Serializes swaps: one model sleeps or wakes at a time, in the order asked (tokio's
     /// mutex is fair).
     swap: tokio::sync::Mutex<()>,
-    level: u8,
+    /// Each model's sleep level.
+    levels: Vec<u8>,
     wait: Duration,
     api_key: Option<String>,
     created: u64,
@@ -262,7 +274,7 @@ impl Host {
     async fn swap_out(self: &Arc<Self>, victim: usize, for_model: usize) -> Result<(), Refusal> {
         self.set_state(victim, State::Sleeping);
         let host = self.clone();
-        let level = self.level;
+        let level = self.levels[victim];
         let start = Instant::now();
         let result =
             blocking(move || host.children[victim].sleep(level).map_err(|e| e.message)).await;
@@ -328,7 +340,7 @@ impl Host {
         let host = self.clone();
         let status =
             blocking(move || host.children[index].status().map_err(|e| format!("{e:#}"))).await;
-        let level = self.level;
+        let level = self.levels[index];
         let state = match status {
             Ok(s) if s.state == "running" => State::Awake,
             Ok(s) if s.state == "sleeping" => State::Asleep { level },
@@ -419,7 +431,7 @@ pub fn run(spec: HostSpec) -> Result<i32> {
         table: Mutex::new(table.clone()),
         children,
         swap: tokio::sync::Mutex::new(()),
-        level: spec.sleep_level,
+        levels: spec.models.iter().map(|m| m.sleep_level).collect(),
         wait: spec.wait,
         api_key: spec.api_key.clone(),
         created: std::time::SystemTime::now()
@@ -453,26 +465,34 @@ fn start_models(
     children: &mut Vec<Child>,
     entries: &mut Vec<Entry>,
 ) -> Result<()> {
-    for (name, model) in &spec.models {
+    for m in &spec.models {
         if interrupted.load(Ordering::SeqCst) {
             bail!("interrupted while the models started");
         }
+        let name = &m.name;
         let child_spec = ChildSpec {
             name: name.clone(),
-            model: model.clone(),
+            model: m.model.clone(),
             deployment: format!("{}-{name}", spec.deployment),
-            args: spec.args.clone(),
+            args: m.args.clone(),
         };
         let child = Child::start(&child_spec, verbosity, START_TIMEOUT)?;
         children.push(child);
         let child = children.last().expect("just pushed");
-        let op = child.sleep(spec.sleep_level).map_err(|e| {
-            anyhow::anyhow!("model `{name}`: the first sleep failed: {}", e.message)
-        })?;
-        let mut entry = Entry::loading(name, false);
-        entry.state = State::Asleep { level: spec.sleep_level };
-        entry.asleep_bytes = child::resident(&op.ranks, true);
-        entry.swap_bytes = op.bytes;
+        let mut entry = Entry::loading(name, m.pinned);
+        if m.pinned {
+            // It never sleeps: all it holds counts, awake.
+            let status = child.status().with_context(|| format!("model `{name}`: its status"))?;
+            entry.state = State::Awake;
+            entry.swap_bytes = child::resident(&status.ranks, false);
+        } else {
+            let op = child.sleep(m.sleep_level).map_err(|e| {
+                anyhow::anyhow!("model `{name}`: the first sleep failed: {}", e.message)
+            })?;
+            entry.state = State::Asleep { level: m.sleep_level };
+            entry.asleep_bytes = child::resident(&op.ranks, true);
+            entry.swap_bytes = op.bytes;
+        }
         entries.push(entry);
         table::check_fits(spec.budget, entries).map_err(anyhow::Error::msg)?;
     }

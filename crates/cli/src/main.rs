@@ -716,17 +716,33 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
         (None, host, port) => join_host_port(&config.server.listen, host, port)?,
     };
     let api_key = args.api_key.or(config.server.api_key).filter(|k| !k.is_empty());
-    if args.launch.model.len() > 1 {
-        return serve_host(
-            args.launch,
-            args.served_model_name,
-            args.memory_budget,
-            config.server.asleep_wait_timeout,
+    // Several models: `--model NAME=PATH` repeated, else the config's `[[models]]` (one
+    // `--model` overrides them, as flags override the file).
+    let hosted = if args.launch.model.len() > 1 {
+        let models = tpctl::host::parse_models(&args.launch.model)?;
+        let models = models.into_iter().map(|(name, model)| config::HostedModel {
+            name,
+            model,
+            tp: None,
+            cp: None,
+            pinned: false,
+            sleep_level: 1,
+        });
+        Some(models.collect())
+    } else if args.launch.model.is_empty() && !config.models.is_empty() {
+        Some(config.models.clone())
+    } else {
+        None
+    };
+    if let Some(models) = hosted {
+        let host = HostArgs {
+            models,
+            budget: args.memory_budget.or(config.server.memory_budget),
+            asleep_wait_s: config.server.asleep_wait_timeout,
             listen,
             api_key,
-            verbose,
-            quiet,
-        );
+        };
+        return serve_host(args.launch, args.served_model_name, host, verbose, quiet);
     }
     if args.memory_budget.is_some() {
         bail!("--memory-budget is for a server of several models: give --model NAME=PATH for each");
@@ -770,19 +786,25 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
     run(job, Some(spec), verbose, quiet)
 }
 
-/// `tpctl serve` with several models: a model host, each model a deployment of its own with
-/// the launch flags they share.
-#[allow(clippy::too_many_arguments)]
-fn serve_host(
-    launch: LaunchArgs,
-    served_model_name: Option<String>,
+/// What a server of several models takes beyond the launch flags.
+struct HostArgs {
+    models: Vec<config::HostedModel>,
     budget: Option<tpctl::host::table::MemoryBudget>,
     asleep_wait_s: f64,
     listen: String,
     api_key: Option<String>,
+}
+
+/// `tpctl serve` with several models: a model host, each model a deployment of its own with
+/// the launch flags they share (its own `tp` / `cp` from a `[[models]]` table).
+fn serve_host(
+    launch: LaunchArgs,
+    served_model_name: Option<String>,
+    host: HostArgs,
     verbose: u8,
     quiet: bool,
 ) -> Result<i32> {
+    let HostArgs { models, budget, asleep_wait_s, listen, api_key } = host;
     if served_model_name.is_some() {
         bail!("--served-model-name names one model: with several, give each --model NAME=PATH");
     }
@@ -792,9 +814,8 @@ fn serve_host(
     if !(asleep_wait_s.is_finite() && asleep_wait_s >= 0.0) {
         bail!("[server] asleep_wait_timeout = {asleep_wait_s}: expected seconds, 0 or more");
     }
-    let models = tpctl::host::parse_models(&launch.model)?;
     let deployment = launch.deployment.clone().unwrap_or_else(paths::default_name);
-    for (name, _) in &models {
+    for config::HostedModel { name, .. } in &models {
         control_socket(Some(&format!("{deployment}-{name}")), true)
             .with_context(|| format!("model `{name}`"))?;
     }
@@ -809,8 +830,6 @@ fn serve_host(
             args.extend([format!("--{name}"), v]);
         }
     };
-    flag("tp", launch.tp.map(|v| v.to_string()));
-    flag("cp", launch.cp.map(|v| v.to_string()));
     flag("threads", launch.threads.map(|v| v.to_string()));
     flag("max-model-len", launch.max_model_len.map(|v| v.to_string()));
     flag(
@@ -833,14 +852,30 @@ fn serve_host(
     } else {
         (0..verbose.min(2)).map(|_| "-v".to_owned()).collect()
     };
+    let models = models
+        .into_iter()
+        .map(|m| {
+            let mut args = args.clone();
+            for (flag, value) in [("--tp", m.tp.or(launch.tp)), ("--cp", m.cp.or(launch.cp))] {
+                if let Some(v) = value {
+                    args.extend([flag.to_owned(), v.to_string()]);
+                }
+            }
+            tpctl::host::ModelSpec {
+                name: m.name,
+                model: m.model,
+                args,
+                pinned: m.pinned,
+                sleep_level: m.sleep_level,
+            }
+        })
+        .collect();
     let spec = tpctl::host::HostSpec {
         models,
-        args,
         deployment,
         listen,
         api_key,
         budget,
-        sleep_level: 1,
         wait: Duration::from_secs_f64(asleep_wait_s.min(1e9)),
         verbosity,
     };

@@ -396,6 +396,10 @@ fn a_budget_that_cannot_hold_a_model_is_refused_at_start_with_the_numbers() {
 fn bad_model_lists_are_refused_before_anything_starts() {
     let tiny = common::tiny_model();
     let (a, b) = (format!("a={tiny}"), format!("b={tiny}"));
+    let twice = common::scratch("twice.toml");
+    let table = format!("[[models]]\nname = \"a\"\nmodel = \"{tiny}\"\n");
+    std::fs::write(&twice, format!("{table}\n{table}")).unwrap();
+    let twice = twice.to_string_lossy().into_owned();
     for (args, message) in [
         (
             vec!["serve", "--model", &a, "--model", &a],
@@ -411,6 +415,7 @@ fn bad_model_lists_are_refused_before_anything_starts() {
             "not a memory budget",
         ),
         (vec!["run", "--model", &a, "--model", &b], "`tpctl run` runs one model"),
+        (vec!["serve", &twice], "`models[1].name` `a` is the name of an earlier model"),
     ] {
         let out = common::run_tpctl(&args, DEADLINE);
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -444,24 +449,53 @@ fn children_of(parent: u32) -> Vec<u32> {
 }
 
 #[test]
-fn a_model_whose_rank_dies_fails_alone_and_the_others_keep_serving() {
+fn config_models_pinned_and_at_level_2_and_a_rank_death_that_stays_local() {
     const MAX: u32 = 3;
     let expected: Vec<Vec<u64>> =
         models().iter().map(|(_, path)| alone(path, &["4,5"], MAX).remove(0)).collect();
-    let specs: Vec<String> = models().iter().map(|(n, p)| format!("{n}={p}")).collect();
-    let (kv, budget) = (format!("{KV_MIB}MiB"), format!("{BUDGET_MIB}MiB"));
-    let mut args = vec!["--threads", "1", "--kv-cache-memory", &kv, "--memory-budget", &budget];
-    for s in &specs {
-        args.extend(["--model", s]);
-    }
-    let host = Host::start(&args);
+    // `a` never sleeps; `b` sleeps at level 2 (its weights reloaded from the checkpoint); the
+    // budget holds `a` and one other awake.
+    let [(_, a), (_, b), (_, c)] = models();
+    let config = common::scratch("host.toml");
+    let text = format!(
+        "[server]\nmemory_budget = \"{}MiB\"\n\n\
+         [[models]]\nname = \"a\"\nmodel = \"{a}\"\npinned = true\n\n\
+         [[models]]\nname = \"b\"\nmodel = \"{b}\"\nsleep_level = 2\n\n\
+         [[models]]\nname = \"c\"\nmodel = \"{c}\"\n",
+        BUDGET_MIB + KV_MIB
+    );
+    std::fs::write(&config, text).unwrap();
+    let config = config.to_string_lossy().into_owned();
+    let kv = format!("{KV_MIB}MiB");
+    let host = Host::start(&[&config, "--threads", "1", "--kv-cache-memory", &kv]);
     let ask = |name: &str| {
         host.post(
             "/v1/completions",
             &json!({"model": name, "prompt": prompt("4,5"), "max_tokens": MAX, "temperature": 0}),
         )
     };
-    assert_eq!(ask("a").status, 200);
+    let states = || -> Vec<(String, Value)> {
+        let listed = host.get("/v1/models").json();
+        let cards = listed["data"].as_array().expect("a list").clone();
+        cards
+            .iter()
+            .map(|c| (c["state"].as_str().unwrap().to_owned(), c["sleep_level"].clone()))
+            .collect()
+    };
+    let at = |state: &str, level: Value| (state.to_owned(), level);
+    assert_eq!(
+        states(),
+        [at("awake", Value::Null), at("asleep", json!(2)), at("asleep", json!(1))]
+    );
+    for (i, name) in [(1, "b"), (2, "c"), (1, "b"), (0, "a")] {
+        let reply = ask(name);
+        assert_eq!(reply.status, 200, "{name}: {reply:?}\n{}", host.log());
+        assert_eq!(ids(&reply.json()["choices"][0]["token_ids"]), expected[i], "{name}");
+    }
+    assert_eq!(
+        states(),
+        [at("awake", Value::Null), at("awake", Value::Null), at("asleep", json!(1))]
+    );
 
     // Kill model b's rank as the OOM killer would.
     let launcher = model_launcher(&host.mark, "b").expect("model b's launcher");
@@ -484,12 +518,12 @@ fn a_model_whose_rank_dies_fails_alone_and_the_others_keep_serving() {
         std::thread::sleep(Duration::from_millis(50));
     }
 
-    // Its requests get a 503 naming why; the other two answer as before, swapping.
+    // Its requests get a 503 naming why; the other two answer as before.
     let refused = ask("b");
     assert_eq!(refused.status, 503, "{refused:?}");
     let message = refused.json()["error"]["message"].as_str().unwrap_or_default().to_owned();
     assert!(message.starts_with("model `b` failed: "), "{message}");
-    for (i, name) in [(2, "c"), (0, "a"), (2, "c")] {
+    for (i, name) in [(2, "c"), (0, "a"), (2, "c"), (0, "a")] {
         let reply = ask(name);
         assert_eq!(reply.status, 200, "{name}: {reply:?}\n{}", host.log());
         assert_eq!(ids(&reply.json()["choices"][0]["token_ids"]), expected[i], "{name}");
