@@ -55,6 +55,10 @@ pub struct HostedModel {
     /// reloads them from the checkpoint.
     #[serde(default = "default_sleep_level")]
     pub sleep_level: u8,
+    /// More environment for its deployment's processes (`CUDA_VISIBLE_DEVICES` to place it
+    /// on other GPUs, `TPCTL_FAILPOINTS` in tests).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
 }
 
 fn default_sleep_level() -> u8 {

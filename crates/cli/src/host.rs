@@ -49,6 +49,8 @@ pub struct ModelSpec {
     pub pinned: bool,
     /// The level it sleeps at to make room.
     pub sleep_level: u8,
+    /// More environment for its deployment.
+    pub env: Vec<(String, String)>,
 }
 
 /// What `tpctl serve` hands the host.
@@ -475,6 +477,7 @@ fn start_models(
             model: m.model.clone(),
             deployment: format!("{}-{name}", spec.deployment),
             args: m.args.clone(),
+            env: m.env.clone(),
         };
         let child = Child::start(&child_spec, verbosity, START_TIMEOUT)?;
         children.push(child);

@@ -727,6 +727,7 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
             cp: None,
             pinned: false,
             sleep_level: 1,
+            env: Default::default(),
         });
         Some(models.collect())
     } else if args.launch.model.is_empty() && !config.models.is_empty() {
@@ -867,6 +868,7 @@ fn serve_host(
                 args,
                 pinned: m.pinned,
                 sleep_level: m.sleep_level,
+                env: m.env.into_iter().collect(),
             }
         })
         .collect();

@@ -532,3 +532,53 @@ fn config_models_pinned_and_at_level_2_and_a_rank_death_that_stays_local() {
     let status = host.interrupt();
     assert!(status.success(), "{status:?}");
 }
+
+/// A model whose wakeups fail (a failpoint in its deployment alone): its requests get a 503
+/// naming the failure, it stays asleep, and the other two keep serving.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_failing_wakeup_leaves_that_model_asleep_and_the_others_serving() {
+    const MAX: u32 = 3;
+    let expected: Vec<Vec<u64>> =
+        models().iter().map(|(_, path)| alone(path, &["6"], MAX).remove(0)).collect();
+    let [(_, a), (_, b), (_, c)] = models();
+    let config = common::scratch("failing.toml");
+    // The first prepare (the sleep at start) passes; every later one (a wakeup) fails.
+    let text = format!(
+        "[server]\nmemory_budget = \"{BUDGET_MIB}MiB\"\n\n\
+         [[models]]\nname = \"a\"\nmodel = \"{a}\"\n\n\
+         [[models]]\nname = \"b\"\nmodel = \"{b}\"\n\
+         env = {{ TPCTL_FAILPOINTS = \"sleep.prepare=error#1\" }}\n\n\
+         [[models]]\nname = \"c\"\nmodel = \"{c}\"\n"
+    );
+    std::fs::write(&config, text).unwrap();
+    let config = config.to_string_lossy().into_owned();
+    let kv = format!("{KV_MIB}MiB");
+    let host = Host::start(&[&config, "--threads", "1", "--kv-cache-memory", &kv]);
+    let ask = |name: &str| {
+        host.post(
+            "/v1/completions",
+            &json!({"model": name, "prompt": prompt("6"), "max_tokens": MAX, "temperature": 0}),
+        )
+    };
+    assert_eq!(ask("a").status, 200);
+    for _ in 0..2 {
+        let refused = ask("b");
+        assert_eq!(refused.status, 503, "{refused:?}");
+        assert!(refused.head.to_ascii_lowercase().contains("retry-after:"), "{refused:?}");
+        let message = refused.json()["error"]["message"].as_str().unwrap_or_default().to_owned();
+        assert!(message.starts_with("model `b` could not wake up: "), "{message}");
+        assert!(message.contains("injected failure"), "{message}");
+    }
+    let listed = host.get("/v1/models").json();
+    assert_eq!(listed["data"][1]["state"], "asleep", "{listed}");
+    for (i, name) in [(2, "c"), (0, "a"), (2, "c")] {
+        let reply = ask(name);
+        assert_eq!(reply.status, 200, "{name}: {reply:?}\n{}", host.log());
+        assert_eq!(ids(&reply.json()["choices"][0]["token_ids"]), expected[i], "{name}");
+    }
+    let metrics = host.get("/metrics").body;
+    assert!(metrics.contains("tpctl_host_failed_swaps_total{model=\"b\"} 2"), "{metrics}");
+    let status = host.interrupt();
+    assert!(status.success(), "{status:?}");
+}

@@ -37,8 +37,10 @@ pub struct ChildSpec {
     pub model: String,
     /// Its deployment's name (the host's, a dash, the model's).
     pub deployment: String,
-    /// The launch flags every model of the host shares (layout, threads, KV cache, config).
+    /// Its launch flags (layout, threads, KV cache, config file).
     pub args: Vec<String>,
+    /// More environment for its processes.
+    pub env: Vec<(String, String)>,
 }
 
 /// A running model deployment.
@@ -71,6 +73,7 @@ impl Child {
             .args(["serve", "--model", &spec.model, "--served-model-name", &spec.name])
             .args(["--listen", "127.0.0.1:0", "--deployment", &spec.deployment])
             .args(&spec.args)
+            .envs(spec.env.iter().map(|(k, v)| (k, v)))
             .env(HOST_PID_ENV, std::process::id().to_string())
             // The host checks the API key; a child listens on loopback only.
             .env_remove(crate::spec::API_KEY_ENV)
