@@ -479,7 +479,7 @@ fn start_models(
             args: m.args.clone(),
             env: m.env.clone(),
         };
-        let child = Child::start(&child_spec, verbosity, START_TIMEOUT)?;
+        let child = Child::start(&child_spec, verbosity, START_TIMEOUT, interrupted)?;
         children.push(child);
         let child = children.last().expect("just pushed");
         let mut entry = Entry::loading(name, m.pinned);

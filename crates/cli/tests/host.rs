@@ -582,3 +582,16 @@ fn a_failing_wakeup_leaves_that_model_asleep_and_the_others_serving() {
     let status = host.interrupt();
     assert!(status.success(), "{status:?}");
 }
+
+/// A host killed outright (no chance to stop its models) leaves no process behind: each
+/// model's deployment sees its host gone and stops its ranks.
+#[test]
+fn a_killed_host_leaves_no_rank_behind() {
+    let specs: Vec<String> = models()[..2].iter().map(|(n, p)| format!("{n}={p}")).collect();
+    let host = Host::start(&["--threads", "1", "--model", &specs[0], "--model", &specs[1]]);
+    assert!(host.get("/v1/models").status == 200);
+    let pid = host.child.as_ref().expect("running").id().to_string();
+    assert!(Command::new("kill").args(["-KILL", &pid]).status().is_ok_and(|s| s.success()));
+    let status = host.wait();
+    assert_eq!(status.code(), None, "killed by a signal: {status:?}");
+}

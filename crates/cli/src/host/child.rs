@@ -60,12 +60,19 @@ pub struct Child {
 }
 
 impl Child {
-    /// Starts `tpctl serve` for one model and waits until it serves (`/health` ok).
+    /// Starts `tpctl serve` for one model and waits until it serves (`/health` ok), or
+    /// `interrupted` is set.
     ///
     /// # Errors
     /// The process cannot start, exits before it serves (its last error lines are in the
-    /// message), or does not serve within `timeout`.
-    pub fn start(spec: &ChildSpec, verbosity: &[&str], timeout: Duration) -> Result<Child> {
+    /// message), does not serve within `timeout`, or the host was interrupted (the process
+    /// is then stopped).
+    pub fn start(
+        spec: &ChildSpec,
+        verbosity: &[&str],
+        timeout: Duration,
+        interrupted: &AtomicBool,
+    ) -> Result<Child> {
         let socket = paths::socket_path(&paths::runtime_dir(), &spec.deployment)?;
         let program = std::env::current_exe().context("finding the tpctl executable")?;
         let mut process = Command::new(program)
@@ -101,6 +108,10 @@ impl Child {
             if let Some(why) = child.exited() {
                 bail!("model `{}` ({}) did not start: {why}", child.name, child.model);
             }
+            if interrupted.load(Ordering::SeqCst) {
+                child.stop();
+                bail!("interrupted while model `{}` started", child.name);
+            }
             if Instant::now() > deadline {
                 child.kill();
                 bail!(
@@ -117,6 +128,10 @@ impl Child {
         loop {
             if let Some(why) = child.exited() {
                 bail!("model `{}` ({}) did not start: {why}", child.name, child.model);
+            }
+            if interrupted.load(Ordering::SeqCst) {
+                child.stop();
+                bail!("interrupted while model `{}` started", child.name);
             }
             if health(&child.addr) == Some(200) {
                 return Ok(child);
@@ -294,8 +309,13 @@ pub fn watch_host(stop: Arc<AtomicBool>) {
     };
     let spawned = std::thread::Builder::new().name("host-watch".into()).spawn(move || loop {
         if std::os::unix::process::parent_id() != host {
-            eprintln!("the model host (pid {host}) is gone; this deployment stops");
+            // Stop first: the host held the other end of standard error, so writing to it
+            // may fail now.
             stop.store(true, Ordering::SeqCst);
+            let _ = writeln!(
+                std::io::stderr(),
+                "the model host (pid {host}) is gone; this deployment stops"
+            );
             return;
         }
         std::thread::sleep(Duration::from_millis(200));
