@@ -21,6 +21,7 @@
 
 pub mod child;
 mod http;
+mod metrics;
 pub mod proxy;
 pub mod table;
 

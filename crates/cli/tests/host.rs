@@ -343,6 +343,13 @@ fn three_models_in_a_budget_for_one_answer_interleaved_requests_as_each_alone() 
     assert_eq!(count("tpctl_host_requests_total{"), 31.0, "{metrics}");
     assert!(count("tpctl_host_swaps_in_total{") >= 3.0, "{metrics}");
     assert!(metrics.contains("tpctl_host_swaps_out_total{model=\"a\"}"), "{metrics}");
+    // The models' own metrics, each family once, every model's samples under it.
+    for name in ["a", "b", "c"] {
+        let sample = format!("vllm:prompt_tokens_total{{model_name=\"{name}\"}} ");
+        assert!(metrics.contains(&sample), "{sample}\n{metrics}");
+    }
+    let headers = metrics.lines().filter(|l| l.starts_with("# TYPE vllm:prompt_tokens_total "));
+    assert_eq!(headers.count(), 1, "{metrics}");
 
     // Bad requests: an unknown model is a 404 naming the models, a missing one a 400.
     let unknown = host.post("/v1/completions", &json!({"model": "zz", "prompt": "t1"}));

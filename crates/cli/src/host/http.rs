@@ -255,8 +255,32 @@ async fn health(State(host): State<Arc<Host>>) -> Response {
     (status, Json(json!({"status": word, "models": states}))).into_response()
 }
 
-/// The host's metrics in the Prometheus text format, each labelled with its model.
+/// The host's metrics in the Prometheus text format, each labelled with its model, then the
+/// models' own (vLLM's families labelled `model_name`), joined family by family.
 async fn metrics(State(host): State<Arc<Host>>) -> Response {
+    let mut own = Vec::new();
+    for (i, child) in host.children.iter().enumerate() {
+        if matches!(host.lock().models[i].state, super::State::Failed(_)) {
+            continue;
+        }
+        let Ok(answer) = proxy::forward(&child.addr, "GET", "/metrics", Bytes::new(), ()).await
+        else {
+            continue;
+        };
+        if answer.status() != StatusCode::OK {
+            continue;
+        }
+        if let Ok(body) = axum::body::to_bytes(answer.into_body(), 16 << 20).await {
+            own.push((child.name.clone(), String::from_utf8_lossy(&body).into_owned()));
+        }
+    }
+    let mut out = host_metrics(&host);
+    out.push_str(&super::metrics::merge(&own));
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
+
+/// The host's own families: per model, requests, queue, swaps, bytes; and the budget.
+fn host_metrics(host: &Host) -> String {
     let table = host.lock().clone();
     let mut out = String::new();
     let mut family = |name: &str, kind: &str, help: &str, value: &dyn Fn(usize) -> String| {
@@ -317,5 +341,5 @@ async fn metrics(State(host): State<Arc<Host>>) -> Response {
         "# HELP tpctl_host_memory_budget_bytes The memory budget the models share.\n# TYPE tpctl_host_memory_budget_bytes gauge\ntpctl_host_memory_budget_bytes {}",
         table.budget
     );
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+    out
 }
