@@ -210,6 +210,20 @@ impl Host {
         index: usize,
         deadline: tokio::time::Instant,
     ) -> Result<Option<Admission>, Refusal> {
+        let result = self.swap_in_turn(index, deadline).await;
+        // Only the holder of the swap turn drains models: whatever happened, none is left
+        // refusing requests for a swap that is over.
+        for model in &mut self.lock().models {
+            model.draining = false;
+        }
+        result
+    }
+
+    async fn swap_in_turn(
+        self: &Arc<Self>,
+        index: usize,
+        deadline: tokio::time::Instant,
+    ) -> Result<Option<Admission>, Refusal> {
         loop {
             let plan = self.lock().plan(index);
             let evict = match plan {
@@ -223,8 +237,10 @@ impl Host {
                     continue;
                 }
                 Plan::Drain { evict } => {
+                    // Drained, they are idle and admit nothing: they are the ones to sleep
+                    // (planning again could pick others and leave these draining).
                     self.drain(&evict, deadline).await?;
-                    continue;
+                    evict
                 }
                 Plan::Swap { evict } => evict,
             };

@@ -24,6 +24,9 @@ use std::time::Duration;
 
 /// How often the host looks for a stop request and for models whose deployment exited.
 const TICK: Duration = Duration::from_millis(100);
+/// How long `/metrics` waits for one model's metrics (a model that does not answer in time
+/// is left out of that scrape).
+const METRICS_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Serves the API on `listener` until `stop` is set.
 ///
@@ -263,14 +266,15 @@ async fn metrics(State(host): State<Arc<Host>>) -> Response {
         if matches!(host.lock().models[i].state, super::State::Failed(_)) {
             continue;
         }
-        let Ok(answer) = proxy::forward(&child.addr, "GET", "/metrics", Bytes::new(), ()).await
-        else {
+        let fetch = proxy::forward(&child.addr, "GET", "/metrics", Bytes::new(), ());
+        let Ok(Ok(answer)) = tokio::time::timeout(METRICS_TIMEOUT, fetch).await else {
             continue;
         };
         if answer.status() != StatusCode::OK {
             continue;
         }
-        if let Ok(body) = axum::body::to_bytes(answer.into_body(), 16 << 20).await {
+        let body = axum::body::to_bytes(answer.into_body(), 16 << 20);
+        if let Ok(Ok(body)) = tokio::time::timeout(METRICS_TIMEOUT, body).await {
             own.push((child.name.clone(), String::from_utf8_lossy(&body).into_owned()));
         }
     }
