@@ -17,7 +17,8 @@
 //!   503 with `Retry-After`.
 //! - Failures stay local: a failed sleep or wakeup leaves that model as its deployment
 //!   reports it (rolled back, or failed) and its requests get a 503 naming the reason; a
-//!   model whose deployment exited is marked failed; the others keep serving.
+//!   model whose deployment exited is marked failed, and the next request for it starts it
+//!   again (once: a start that fails is final); the others keep serving.
 
 pub mod child;
 mod http;
@@ -27,8 +28,9 @@ pub mod table;
 
 use anyhow::{bail, Context, Result};
 use child::{Child, ChildSpec};
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use table::{Entry, Plan, State, Table};
 
@@ -103,13 +105,21 @@ struct Counters {
     swap_in_us: AtomicU64,
     swap_out_us: AtomicU64,
     failed_swaps: AtomicU64,
+    restarts: AtomicU64,
     waiting: AtomicUsize,
 }
 
 /// The host's state, shared by the HTTP handlers.
 pub struct Host {
     table: Mutex<Table>,
-    children: Vec<Child>,
+    /// Each model's running deployment (replaced when it is started again).
+    children: Vec<RwLock<Arc<Child>>>,
+    /// What starts each model's deployment.
+    specs: Vec<ChildSpec>,
+    /// `-q` / `-v` for the models' deployments.
+    verbosity: Vec<String>,
+    /// Set when the host stops (a model starting then stops too).
+    stop: Arc<AtomicBool>,
     counters: Vec<Counters>,
     /// Serializes swaps: one model sleeps or wakes at a time, in the order asked (tokio's
     /// mutex is fair).
@@ -145,6 +155,16 @@ impl Host {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Model `index`'s deployment now.
+    fn child(&self, index: usize) -> Arc<Child> {
+        self.children[index].read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Model `index`'s name.
+    fn name(&self, index: usize) -> &str {
+        &self.specs[index].name
+    }
+
     /// Admits a request for model `index`, waking it first (and putting others to sleep to
     /// make room) when it sleeps; waits at most the host's wait.
     ///
@@ -178,10 +198,10 @@ impl Host {
                     }
                     tokio::time::sleep(POLL).await;
                 }
-                Plan::Swap { .. } | Plan::Drain { .. } => {
+                Plan::Swap { .. } | Plan::Drain { .. } | Plan::Restart { .. } => {
                     let Ok(_turn) = tokio::time::timeout_at(deadline, self.swap.lock()).await
                     else {
-                        let name = &self.children[index].name;
+                        let name = self.name(index);
                         return Err(self
                             .timed_out(&format!("model `{name}` waits for other models' swaps")));
                     };
@@ -242,12 +262,16 @@ impl Host {
                     self.drain(&evict, deadline).await?;
                     evict
                 }
-                Plan::Swap { evict } => evict,
+                Plan::Swap { evict } | Plan::Restart { evict } => evict,
             };
             for victim in evict {
                 self.swap_out(victim, index).await?;
             }
-            self.wake(index).await?;
+            if matches!(self.lock().models[index].state, State::Failed(_)) {
+                self.restart(index).await?;
+            } else {
+                self.wake(index).await?;
+            }
             let mut table = self.lock();
             if table.admit(index) {
                 return Ok(Some(Admission { host: self.clone(), index }));
@@ -295,8 +319,7 @@ impl Host {
         let host = self.clone();
         let level = self.levels[victim];
         let start = Instant::now();
-        let result =
-            blocking(move || host.children[victim].sleep(level).map_err(|e| e.message)).await;
+        let result = blocking(move || host.child(victim).sleep(level).map_err(|e| e.message)).await;
         let counters = &self.counters[victim];
         match result {
             Ok(op) => {
@@ -313,7 +336,7 @@ impl Host {
             Err(message) => {
                 counters.failed_swaps.fetch_add(1, Ordering::Relaxed);
                 self.after_failure(victim).await;
-                let (v, t) = (&self.children[victim].name, &self.children[for_model].name);
+                let (v, t) = (self.name(victim), self.name(for_model));
                 Err(Refusal {
                     message: format!(
                         "making room for model `{t}`: model `{v}` could not sleep: {message}"
@@ -329,7 +352,7 @@ impl Host {
         self.set_state(index, State::Waking);
         let host = self.clone();
         let start = Instant::now();
-        let result = blocking(move || host.children[index].wakeup().map_err(|e| e.message)).await;
+        let result = blocking(move || host.child(index).wakeup().map_err(|e| e.message)).await;
         let counters = &self.counters[index];
         match result {
             Ok(op) => {
@@ -344,7 +367,7 @@ impl Host {
             Err(message) => {
                 counters.failed_swaps.fetch_add(1, Ordering::Relaxed);
                 self.after_failure(index).await;
-                let name = &self.children[index].name;
+                let name = self.name(index);
                 Err(Refusal {
                     message: format!("model `{name}` could not wake up: {message}"),
                     retry: true,
@@ -358,7 +381,7 @@ impl Host {
     async fn after_failure(self: &Arc<Self>, index: usize) {
         let host = self.clone();
         let status =
-            blocking(move || host.children[index].status().map_err(|e| format!("{e:#}"))).await;
+            blocking(move || host.child(index).status().map_err(|e| format!("{e:#}"))).await;
         let level = self.levels[index];
         let state = match status {
             Ok(s) if s.state == "running" => State::Awake,
@@ -377,16 +400,49 @@ impl Host {
         self.lock().models[index].state = state;
     }
 
-    /// Marks failed every model whose deployment exited.
-    fn check_children(&self) {
-        for (i, child) in self.children.iter().enumerate() {
-            let failed = matches!(self.lock().models[i].state, State::Failed(_));
-            if failed {
-                continue;
+    /// Starts the failed model `index` again (room was made): its old deployment is reaped,
+    /// a new one loads, awake. A failed start is final for that model.
+    async fn restart(self: &Arc<Self>, index: usize) -> Result<(), Refusal> {
+        self.set_state(index, State::Loading);
+        let name = self.name(index).to_owned();
+        let _ = writeln!(std::io::stderr(), "tpctl: model `{name}` failed; starting it again");
+        let host = self.clone();
+        let result = blocking(move || {
+            host.child(index).stop();
+            let verbosity: Vec<&str> = host.verbosity.iter().map(String::as_str).collect();
+            let spec = &host.specs[index];
+            Child::start(spec, &verbosity, START_TIMEOUT, &host.stop).map_err(|e| format!("{e:#}"))
+        })
+        .await;
+        match result {
+            Ok(child) => {
+                *self.children[index].write().unwrap_or_else(|e| e.into_inner()) = Arc::new(child);
+                self.counters[index].restarts.fetch_add(1, Ordering::Relaxed);
+                self.set_state(index, State::Awake);
+                Ok(())
             }
-            if let Some(why) = child.exited() {
-                eprintln!("error: model `{}`: {why}", child.name);
-                self.set_state(i, State::Failed(why));
+            Err(why) => {
+                let mut table = self.lock();
+                table.models[index].state = State::Failed(format!("its restart failed: {why}"));
+                table.models[index].restartable = false;
+                Err(Refusal {
+                    message: format!("model `{name}` failed and could not start again: {why}"),
+                    retry: false,
+                })
+            }
+        }
+    }
+
+    /// Marks failed every model whose deployment exited (not one being started again).
+    fn check_children(&self) {
+        for i in 0..self.children.len() {
+            let child = self.child(i);
+            let Some(why) = child.exited() else { continue };
+            let mut table = self.lock();
+            let current = Arc::ptr_eq(&child, &self.child(i));
+            if current && !matches!(table.models[i].state, State::Failed(_) | State::Loading) {
+                let _ = writeln!(std::io::stderr(), "error: model `{}`: {why}", child.name);
+                table.models[i].state = State::Failed(why);
             }
         }
     }
@@ -428,9 +484,10 @@ pub fn run(spec: HostSpec) -> Result<i32> {
     let mut entries: Vec<Entry> = Vec::new();
     let started = start_models(&spec, &verbosity, &interrupted, &mut children, &mut entries);
     if let Err(e) = started {
-        stop_all(&children);
+        stop_all(children.iter());
         return Err(e);
     }
+    let specs = spec.models.iter().map(|m| child_spec(&spec, m)).collect();
     let table = Table::new(spec.budget, entries);
     let summary: Vec<String> = table
         .models
@@ -448,7 +505,10 @@ pub fn run(spec: HostSpec) -> Result<i32> {
     let host = Arc::new(Host {
         counters: children.iter().map(|_| Counters::default()).collect(),
         table: Mutex::new(table.clone()),
-        children,
+        children: children.into_iter().map(|c| RwLock::new(Arc::new(c))).collect(),
+        specs,
+        verbosity: spec.verbosity.clone(),
+        stop: interrupted.clone(),
         swap: tokio::sync::Mutex::new(()),
         levels: spec.models.iter().map(|m| m.sleep_level).collect(),
         wait: spec.wait,
@@ -469,7 +529,8 @@ pub fn run(spec: HostSpec) -> Result<i32> {
         names.join(", ")
     );
     let served = http::serve(listener, host.clone(), interrupted);
-    stop_all(&host.children);
+    let current: Vec<Arc<Child>> = (0..host.children.len()).map(|i| host.child(i)).collect();
+    stop_all(current.iter().map(|c| &**c));
     served?;
     eprintln!("stopped: every model's ranks are gone");
     Ok(0)
@@ -489,14 +550,7 @@ fn start_models(
             bail!("interrupted while the models started");
         }
         let name = &m.name;
-        let child_spec = ChildSpec {
-            name: name.clone(),
-            model: m.model.clone(),
-            deployment: format!("{}-{name}", spec.deployment),
-            args: m.args.clone(),
-            env: m.env.clone(),
-        };
-        let child = Child::start(&child_spec, verbosity, START_TIMEOUT, interrupted)?;
+        let child = Child::start(&child_spec(spec, m), verbosity, START_TIMEOUT, interrupted)?;
         children.push(child);
         let child = children.last().expect("just pushed");
         let mut entry = Entry::loading(name, m.pinned);
@@ -519,11 +573,22 @@ fn start_models(
     Ok(())
 }
 
+/// What starts model `m`'s deployment.
+fn child_spec(spec: &HostSpec, m: &ModelSpec) -> ChildSpec {
+    ChildSpec {
+        name: m.name.clone(),
+        model: m.model.clone(),
+        deployment: format!("{}-{}", spec.deployment, m.name),
+        args: m.args.clone(),
+        env: m.env.clone(),
+    }
+}
+
 /// Stops every model's deployment (in parallel: each has its grace period) and waits for them.
-fn stop_all(children: &[Child]) {
+fn stop_all<'a>(children: impl Iterator<Item = &'a Child>) {
     std::thread::scope(|s| {
         for child in children {
-            s.spawn(|| child.stop());
+            s.spawn(move || child.stop());
         }
     });
 }

@@ -140,7 +140,7 @@ async fn chat_completions(State(host): State<Arc<Host>>, body: Bytes) -> Respons
 
 /// The models' names, for messages.
 fn names(host: &Host) -> String {
-    host.children.iter().map(|c| format!("`{}`", c.name)).collect::<Vec<_>>().join(", ")
+    host.specs.iter().map(|c| format!("`{}`", c.name)).collect::<Vec<_>>().join(", ")
 }
 
 /// Finds the request's model, admits the request (waking the model if need be) and forwards
@@ -166,7 +166,7 @@ async fn route(host: Arc<Host>, path: &str, body: Bytes) -> Response {
             format!("this server serves several models: name one in `model` ({})", names(&host)),
         );
     };
-    let Some(index) = host.children.iter().position(|c| c.name == name) else {
+    let Some(index) = host.specs.iter().position(|c| c.name == name) else {
         return error(
             StatusCode::NOT_FOUND,
             "model_not_found",
@@ -186,7 +186,7 @@ async fn route(host: Arc<Host>, path: &str, body: Bytes) -> Response {
             return response;
         }
     };
-    let addr = host.children[index].addr.clone();
+    let addr = host.child(index).addr.clone();
     match proxy::forward(&addr, "POST", path, body, admission).await {
         Ok(response) => response,
         Err(e) => error(
@@ -201,7 +201,7 @@ async fn route(host: Arc<Host>, path: &str, body: Bytes) -> Response {
 fn model_card(host: &Host, index: usize) -> Value {
     let table = host.lock();
     let entry = &table.models[index];
-    let child = &host.children[index];
+    let child = &host.specs[index];
     let mut card = json!({
         "id": entry.name,
         "object": "model",
@@ -237,7 +237,7 @@ async fn models(State(host): State<Arc<Host>>) -> Response {
 }
 
 async fn model_by_id(State(host): State<Arc<Host>>, Path(id): Path<String>) -> Response {
-    match host.children.iter().position(|c| c.name == id) {
+    match host.specs.iter().position(|c| c.name == id) {
         Some(i) => Json(model_card(&host, i)).into_response(),
         None => error(
             StatusCode::NOT_FOUND,
@@ -262,7 +262,8 @@ async fn health(State(host): State<Arc<Host>>) -> Response {
 /// models' own (vLLM's families labelled `model_name`), joined family by family.
 async fn metrics(State(host): State<Arc<Host>>) -> Response {
     let mut own = Vec::new();
-    for (i, child) in host.children.iter().enumerate() {
+    for i in 0..host.children.len() {
+        let child = host.child(i);
         if matches!(host.lock().models[i].state, super::State::Failed(_)) {
             continue;
         }
@@ -324,6 +325,12 @@ fn host_metrics(host: &Host) -> String {
         "counter",
         "Time spent putting the model to sleep.",
         &|i| format!("{:.6}", load(&c[i].swap_out_us) as f64 / 1e6),
+    );
+    family(
+        "tpctl_host_restarts_total",
+        "counter",
+        "Starts of the model after its deployment failed.",
+        &|i| load(&c[i].restarts).to_string(),
     );
     family(
         "tpctl_host_failed_swaps_total",

@@ -29,7 +29,8 @@ pub enum State {
     Waking,
     /// Being put to sleep.
     Sleeping,
-    /// Its deployment failed (a rank died, or a swap could not be rolled back); the reason.
+    /// Its deployment failed (a rank died, or a swap could not be rolled back); the reason. A
+    /// request for it starts it again (see [`Entry::restartable`]).
     Failed(String),
 }
 
@@ -82,6 +83,9 @@ pub struct Entry {
     pub asleep_bytes: u64,
     /// Bytes a wakeup brings back (what its sleep released).
     pub swap_bytes: u64,
+    /// Whether a request for it may restart its deployment once it failed (not after a
+    /// restart failed: the next request would only fail the same way, slowly).
+    pub restartable: bool,
 }
 
 impl Entry {
@@ -96,6 +100,7 @@ impl Entry {
             draining: false,
             asleep_bytes: 0,
             swap_bytes: 0,
+            restartable: true,
         }
     }
 
@@ -116,6 +121,12 @@ pub enum Plan {
     Ready,
     /// Put these models to sleep (all idle, least recently used first), then wake it.
     Swap {
+        /// Indices of the models to put to sleep first (empty: it fits as is).
+        evict: Vec<usize>,
+    },
+    /// Its deployment failed: put these models to sleep, then start it again (it loads
+    /// awake, so it needs room for all it holds).
+    Restart {
         /// Indices of the models to put to sleep first (empty: it fits as is).
         evict: Vec<usize>,
     },
@@ -164,27 +175,33 @@ impl Table {
     /// What a request for model `target` needs before it is admitted.
     pub fn plan(&self, target: usize) -> Plan {
         let model = &self.models[target];
-        match &model.state {
+        let need = match &model.state {
             State::Awake if !model.draining => return Plan::Ready,
-            State::Awake | State::Asleep { .. } => {}
-            State::Failed(why) => {
+            State::Awake => {
+                // Draining for another model's wakeup: wait for that swap.
+                return Plan::Wait(format!(
+                    "model `{}` is about to sleep to make room for another",
+                    model.name
+                ));
+            }
+            State::Asleep { .. } => model.swap_bytes,
+            State::Failed(why) if !model.restartable => {
                 return Plan::Unavailable(format!("model `{}` failed: {why}", model.name))
             }
+            // A start loads it awake: it holds all it has.
+            State::Failed(_) => model.asleep_bytes + model.swap_bytes,
             State::Loading | State::Waking | State::Sleeping => {
                 return Plan::Wait(format!("model `{}` is {}", model.name, model.state))
             }
-        }
-        if model.state == State::Awake {
-            // Draining for another model's wakeup: wait for that swap.
-            return Plan::Wait(format!(
-                "model `{}` is about to sleep to make room for another",
-                model.name
-            ));
-        }
-        let need = model.swap_bytes;
+        };
+        let restart = matches!(model.state, State::Failed(_));
         let mut resident = self.resident();
         if resident + need <= self.budget {
-            return Plan::Swap { evict: Vec::new() };
+            return if restart {
+                Plan::Restart { evict: Vec::new() }
+            } else {
+                Plan::Swap { evict: Vec::new() }
+            };
         }
         // Idle models first, then busy ones; least recently used first within each.
         let mut candidates: Vec<usize> = (0..self.models.len())
@@ -225,6 +242,8 @@ impl Table {
         }
         if evict.iter().any(|&i| self.models[i].in_flight > 0) {
             Plan::Drain { evict }
+        } else if restart {
+            Plan::Restart { evict }
         } else {
             Plan::Swap { evict }
         }

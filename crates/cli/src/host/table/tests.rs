@@ -17,6 +17,7 @@ fn entry(name: &str, state: State, asleep: u64, swap: u64, used: u64, in_flight:
         draining: false,
         asleep_bytes: asleep * MIB,
         swap_bytes: swap * MIB,
+        restartable: true,
     }
 }
 
@@ -119,9 +120,10 @@ fn pinned_failed_and_moving_models_are_never_evicted() {
     );
     assert_eq!(table.plan(2), Plan::Wait("model `b` waits for room: model `a` is waking".into()));
 
-    // A failed model holds nothing (its ranks are gone) and is refused at once.
-    let table = Table::new(
-        150 * MIB,
+    // A failed model holds nothing (its ranks are gone); a request restarts it, with room
+    // for all it holds (it loads awake), unless its restart failed already.
+    let mut table = Table::new(
+        200 * MIB,
         vec![
             entry("f", State::Failed("rank 0 exited".into()), 40, 100, 1, 0),
             entry("b", ASLEEP, 40, 100, 1, 0),
@@ -129,6 +131,15 @@ fn pinned_failed_and_moving_models_are_never_evicted() {
     );
     assert_eq!(table.resident(), 40 * MIB);
     assert_eq!(table.plan(1), Plan::Swap { evict: vec![] });
+    assert_eq!(table.plan(0), Plan::Restart { evict: vec![] });
+    table.models[1].state = AWAKE;
+    assert_eq!(table.plan(0), Plan::Restart { evict: vec![1] });
+    table.budget = 150 * MIB;
+    assert_eq!(
+        table.plan(0),
+        Plan::Unavailable("model `f` needs 140.0 MiB to wake; with every other model that can sleep asleep, 40.0 MiB of the --memory-budget 150.0 MiB stays held, leaving 110.0 MiB".into())
+    );
+    table.models[0].restartable = false;
     assert_eq!(table.plan(0), Plan::Unavailable("model `f` failed: rank 0 exited".into()));
 
     // Requests for a model loading, waking, sleeping or draining wait.
