@@ -22,6 +22,7 @@
 
 pub mod child;
 mod http;
+pub mod launch;
 mod metrics;
 pub mod proxy;
 pub mod table;
@@ -73,6 +74,8 @@ pub struct HostSpec {
     pub wait: Duration,
     /// `-q` / `-v` for the models' deployments.
     pub verbosity: Vec<String>,
+    /// Errors only: no summary of the models at start, no line at the stop.
+    pub quiet: bool,
 }
 
 /// Reads `--model` values as `NAME=PATH` pairs; refuses a value without a name and two models
@@ -517,12 +520,14 @@ pub fn run(spec: HostSpec) -> Result<i32> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
     });
-    eprintln!(
-        "tpctl: model host {}: memory budget {}; {}",
-        spec.deployment,
-        crate::control::render::bytes(spec.budget),
-        summary.join(", ")
-    );
+    if !spec.quiet {
+        eprintln!(
+            "tpctl: model host {}: memory budget {}; {}",
+            spec.deployment,
+            crate::control::render::bytes(spec.budget),
+            summary.join(", ")
+        );
+    }
     println!(
         "tpctl serve: {} models ({}) on http://{local} (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics)",
         names.len(),
@@ -532,7 +537,9 @@ pub fn run(spec: HostSpec) -> Result<i32> {
     let current: Vec<Arc<Child>> = (0..host.children.len()).map(|i| host.child(i)).collect();
     stop_all(current.iter().map(|c| &**c));
     served?;
-    eprintln!("stopped: every model's ranks are gone");
+    if !spec.quiet {
+        eprintln!("stopped: every model's ranks are gone");
+    }
     Ok(0)
 }
 

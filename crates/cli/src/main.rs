@@ -736,14 +736,18 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
         None
     };
     if let Some(models) = hosted {
-        let host = HostArgs {
+        let host = tpctl::host::launch::HostArgs {
             models,
             budget: args.memory_budget.or(config.server.memory_budget),
             asleep_wait_s: config.server.asleep_wait_timeout,
             listen,
             api_key,
+            config: args.launch.config.clone(),
+            chat_template: args.launch.chat_template.clone(),
+            deployment: args.launch.deployment.clone(),
+            served_model_name: args.served_model_name,
         };
-        return serve_host(args.launch, args.served_model_name, host, verbose, quiet);
+        return tpctl::host::launch::serve(&args.launch.flags(), host, verbose, quiet);
     }
     if args.memory_budget.is_some() {
         bail!("--memory-budget is for a server of several models: give --model NAME=PATH for each");
@@ -785,108 +789,6 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
     let spec =
         ServeSpec { listen, api_key, model_name, refuse_while_asleep, asleep_wait_ms, defaults };
     run(job, Some(spec), verbose, quiet)
-}
-
-/// What a server of several models takes beyond the launch flags.
-struct HostArgs {
-    models: Vec<config::HostedModel>,
-    budget: Option<tpctl::host::table::MemoryBudget>,
-    asleep_wait_s: f64,
-    listen: String,
-    api_key: Option<String>,
-}
-
-/// `tpctl serve` with several models: a model host, each model a deployment of its own with
-/// the launch flags they share (its own `tp` / `cp` from a `[[models]]` table).
-fn serve_host(
-    launch: LaunchArgs,
-    served_model_name: Option<String>,
-    host: HostArgs,
-    verbose: u8,
-    quiet: bool,
-) -> Result<i32> {
-    let HostArgs { models, budget, asleep_wait_s, listen, api_key } = host;
-    if served_model_name.is_some() {
-        bail!("--served-model-name names one model: with several, give each --model NAME=PATH");
-    }
-    if launch.nodes.nnodes > 1 {
-        bail!("a server of several models runs on one node: --nnodes {} is not supported with several --model", launch.nodes.nnodes);
-    }
-    if !(asleep_wait_s.is_finite() && asleep_wait_s >= 0.0) {
-        bail!("[server] asleep_wait_timeout = {asleep_wait_s}: expected seconds, 0 or more");
-    }
-    let deployment = launch.deployment.clone().unwrap_or_else(paths::default_name);
-    for config::HostedModel { name, .. } in &models {
-        control_socket(Some(&format!("{deployment}-{name}")), true)
-            .with_context(|| format!("model `{name}`"))?;
-    }
-    let total = tpctl::host::host_total_bytes().context("reading the host's memory")?;
-    let budget = budget.unwrap_or(tpctl::host::table::MemoryBudget::Fraction(0.9)).bytes(total);
-    let mut args = Vec::new();
-    if let Some(config) = &launch.config {
-        args.push(config.to_string_lossy().into_owned());
-    }
-    let mut flag = |name: &str, value: Option<String>| {
-        if let Some(v) = value {
-            args.extend([format!("--{name}"), v]);
-        }
-    };
-    flag("threads", launch.threads.map(|v| v.to_string()));
-    flag("max-model-len", launch.max_model_len.map(|v| v.to_string()));
-    flag(
-        "kv-cache-memory",
-        launch.kv_cache_memory.map(|m| match m {
-            config::KvMemory::Bytes(b) => b.to_string(),
-            config::KvMemory::Fraction(f) => f.to_string(),
-        }),
-    );
-    flag("max-num-seqs", launch.max_num_seqs.map(|v| v.to_string()));
-    flag("device", launch.device.and_then(|d| value_name(&d)));
-    flag("dtype", launch.dtype.and_then(|d| value_name(&d)));
-    flag("backend", launch.backend.map(|b| b.to_string()));
-    flag("chat-template", launch.chat_template.map(|p| p.to_string_lossy().into_owned()));
-    if launch.no_prefix_caching {
-        args.push("--no-prefix-caching".into());
-    }
-    let verbosity = if quiet {
-        vec!["-q".to_owned()]
-    } else {
-        (0..verbose.min(2)).map(|_| "-v".to_owned()).collect()
-    };
-    let models = models
-        .into_iter()
-        .map(|m| {
-            let mut args = args.clone();
-            for (flag, value) in [("--tp", m.tp.or(launch.tp)), ("--cp", m.cp.or(launch.cp))] {
-                if let Some(v) = value {
-                    args.extend([flag.to_owned(), v.to_string()]);
-                }
-            }
-            tpctl::host::ModelSpec {
-                name: m.name,
-                model: m.model,
-                args,
-                pinned: m.pinned,
-                sleep_level: m.sleep_level,
-                env: m.env.into_iter().collect(),
-            }
-        })
-        .collect();
-    let spec = tpctl::host::HostSpec {
-        models,
-        deployment,
-        listen,
-        api_key,
-        budget,
-        wait: Duration::from_secs_f64(asleep_wait_s.min(1e9)),
-        verbosity,
-    };
-    tpctl::host::run(spec)
-}
-
-/// A value's name on the command line.
-fn value_name<T: clap::ValueEnum>(value: &T) -> Option<String> {
-    value.to_possible_value().map(|p| p.get_name().to_owned())
 }
 
 /// A server without a config file's `[sampling]` takes its defaults from the model's
