@@ -134,6 +134,15 @@ pub struct Host {
     created: u64,
 }
 
+/// A request waiting for its model, counted in the queue depth until dropped.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// A request admitted to its model: counted in flight until dropped.
 pub struct Admission {
     host: Arc<Host>,
@@ -177,9 +186,9 @@ impl Host {
         let counters = &self.counters[index];
         counters.requests.fetch_add(1, Ordering::Relaxed);
         counters.waiting.fetch_add(1, Ordering::Relaxed);
-        let result = self.acquire_inner(index).await;
-        counters.waiting.fetch_sub(1, Ordering::Relaxed);
-        result
+        // Counted out however the wait ends, a client that went away included.
+        let _waiting = Waiting(&counters.waiting);
+        self.acquire_inner(index).await
     }
 
     async fn acquire_inner(self: &Arc<Self>, index: usize) -> Result<Admission, Refusal> {
@@ -202,14 +211,29 @@ impl Host {
                     tokio::time::sleep(POLL).await;
                 }
                 Plan::Swap { .. } | Plan::Drain { .. } | Plan::Restart { .. } => {
-                    let Ok(_turn) = tokio::time::timeout_at(deadline, self.swap.lock()).await
-                    else {
-                        let name = self.name(index);
-                        return Err(self
-                            .timed_out(&format!("model `{name}` waits for other models' swaps")));
-                    };
-                    if let Some(admission) = self.swap_in(index, deadline).await? {
-                        return Ok(admission);
+                    // A task of its own: a swap runs to its end (and leaves the table true to
+                    // the deployments) even when the client that asked for it goes away.
+                    let host = self.clone();
+                    let swap = tokio::spawn(async move {
+                        let Ok(_turn) = tokio::time::timeout_at(deadline, host.swap.lock()).await
+                        else {
+                            let name = host.name(index);
+                            let why = format!("model `{name}` waits for other models' swaps");
+                            return Err(host.timed_out(&why));
+                        };
+                        host.swap_in(index, deadline).await
+                    });
+                    match swap.await {
+                        Ok(Ok(Some(admission))) => return Ok(admission),
+                        Ok(Ok(None)) => {}
+                        Ok(Err(refusal)) => return Err(refusal),
+                        Err(e) => {
+                            let name = self.name(index);
+                            return Err(Refusal {
+                                message: format!("the swap for model `{name}` stopped: {e}"),
+                                retry: true,
+                            });
+                        }
                     }
                 }
             }

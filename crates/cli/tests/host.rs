@@ -308,6 +308,44 @@ fn three_models_in_a_budget_for_one_answer_interleaved_requests_as_each_alone() 
         "the ranks held {peak} bytes together, over the budget of {BUDGET_MIB} MiB"
     );
 
+    // A client that goes away while its model is being woken leaves no model stuck in the
+    // middle of a swap, and no request counted as waiting.
+    let asleep = host.get("/v1/models").json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["state"] == "asleep")
+        .map(|c| c["id"].as_str().unwrap().to_owned())
+        .expect("an asleep model");
+    {
+        let body = json!({"model": asleep, "prompt": prompt("1"), "max_tokens": 2}).to_string();
+        let mut stream = TcpStream::connect(&host.addr).unwrap();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        stream.write_all(head.as_bytes()).unwrap();
+        stream.write_all(body.as_bytes()).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let start = Instant::now();
+    loop {
+        let listed = host.get("/v1/models").json();
+        let moving = listed["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["state"] == "waking" || c["state"] == "sleeping" || c["in_flight"] != 0);
+        if !moving {
+            break;
+        }
+        assert!(start.elapsed() < DEADLINE, "a swap never ended: {listed}\n{}", host.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let reply = host
+        .post("/v1/completions", &json!({"model": asleep, "prompt": prompt("1"), "max_tokens": 2}));
+    assert_eq!(reply.status, 200, "{reply:?}");
+
     // A stream passes through event by event, from the model named.
     let stream = host.post(
         "/v1/completions",
@@ -340,7 +378,8 @@ fn three_models_in_a_budget_for_one_answer_interleaved_requests_as_each_alone() 
             .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
             .sum()
     };
-    assert_eq!(count("tpctl_host_requests_total{"), 31.0, "{metrics}");
+    assert_eq!(count("tpctl_host_requests_total{"), 33.0, "{metrics}");
+    assert_eq!(count("tpctl_host_queue_depth{"), 0.0, "{metrics}");
     assert!(count("tpctl_host_swaps_in_total{") >= 3.0, "{metrics}");
     assert!(metrics.contains("tpctl_host_swaps_out_total{model=\"a\"}"), "{metrics}");
     // The models' own metrics, each family once, every model's samples under it.
