@@ -8,6 +8,7 @@ mod serve;
 mod session;
 mod sleep;
 mod structured;
+mod swap;
 mod update;
 mod vmm;
 
@@ -39,6 +40,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "structured" => structured::run(json)?,
             "update" => update::run(json)?,
             "cycles" => cycles::run(json)?,
+            "swap" => swap::run(json)?,
             "agree" => agree::run(json)?,
             "all" => {
                 collectives::run(json)?;
@@ -48,7 +50,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             }
             other => {
                 bail!(
-                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, structured, update, sleep, cycles, agree or all"
+                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, structured, update, sleep, cycles, swap, agree or all"
                 )
             }
         }

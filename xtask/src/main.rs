@@ -17,6 +17,7 @@ tasks:
   ci                      fmt check, clippy (default, failpoints, cuda features), all tests
   bench <what> [--json]   benchmarks with their reference measured in the same run;
                           <what>: collectives | vmm | session | model | serve | sleep | cycles |
+                          swap (a model host's swap vs a cold start) |
                           agree (greedy ids and logprobs vs llama.cpp) | all
   gpu-test [--bundle [DIR]]
                           the GPU tests with --features cuda; fails without a usable GPU;

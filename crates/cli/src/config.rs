@@ -31,6 +31,38 @@ pub struct Config {
     /// HTTP server settings for `tpctl serve`.
     #[serde(default)]
     pub server: ServerConfig,
+    /// `[[models]]`: the models of a server of several (`tpctl serve` without `--model`).
+    #[serde(default)]
+    pub models: Vec<HostedModel>,
+}
+
+/// One `[[models]]` table: a model of a server of several, a deployment of its own.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct HostedModel {
+    /// Its name in the API (requests' `model`).
+    pub name: String,
+    /// Its checkpoint: a catalog name, a GGUF file or a Hugging Face folder.
+    pub model: String,
+    /// Its tensor-parallel ranks (default: `[layout] tp` or `--tp`).
+    pub tp: Option<usize>,
+    /// Its context-parallel ranks (default: `[layout] cp` or `--cp`).
+    pub cp: Option<usize>,
+    /// Never put to sleep to make room for another model.
+    #[serde(default)]
+    pub pinned: bool,
+    /// The level it sleeps at to make room: 1 keeps its weights in a backup (fast wakeup), 2
+    /// reloads them from the checkpoint.
+    #[serde(default = "default_sleep_level")]
+    pub sleep_level: u8,
+    /// More environment for its deployment's processes (`CUDA_VISIBLE_DEVICES` to place it
+    /// on other GPUs, `TPCTL_FAILPOINTS` in tests).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+}
+
+fn default_sleep_level() -> u8 {
+    1
 }
 
 /// `[model]`.
@@ -381,6 +413,9 @@ pub struct ServerConfig {
     /// (with `Retry-After`).
     #[serde(default = "default_asleep_wait_timeout")]
     pub asleep_wait_timeout: f64,
+    /// With several models: the memory they share (`--memory-budget`), a share of the
+    /// host's memory (0.9) or bytes (8589934592, "8GiB").
+    pub memory_budget: Option<crate::host::table::MemoryBudget>,
 }
 
 fn default_listen() -> String {
@@ -398,6 +433,7 @@ impl Default for ServerConfig {
             api_key: None,
             refuse_while_asleep: false,
             asleep_wait_timeout: default_asleep_wait_timeout(),
+            memory_budget: None,
         }
     }
 }
@@ -462,6 +498,27 @@ impl Config {
         }
         if !(s.top_p > 0.0 && s.top_p <= 1.0) {
             return bad("sampling.top_p", format!("must be in (0, 1], not {}", s.top_p));
+        }
+        for (i, m) in self.models.iter().enumerate() {
+            let key = format!("models[{i}]");
+            if m.name.is_empty() {
+                return bad(&format!("{key}.name"), "is empty: each model needs a name".into());
+            }
+            if self.models[..i].iter().any(|o| o.name == m.name) {
+                return bad(
+                    &format!("{key}.name"),
+                    format!("`{}` is the name of an earlier model: each needs its own", m.name),
+                );
+            }
+            if m.tp == Some(0) || m.cp == Some(0) {
+                return bad(&format!("{key}.tp/cp"), "must be at least 1".into());
+            }
+            if !(1..=2).contains(&m.sleep_level) {
+                return bad(
+                    &format!("{key}.sleep_level"),
+                    format!("must be 1 or 2, not {}", m.sleep_level),
+                );
+            }
         }
         for tag in self.sleep.keys() {
             if tag.is_empty()

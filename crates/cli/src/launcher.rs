@@ -378,7 +378,12 @@ pub fn watch_launcher() {
         .name("launcher-watch".into())
         .spawn(move || loop {
             if std::os::unix::process::parent_id() != launcher {
-                eprintln!("the launcher (pid {launcher}) is gone; this rank exits");
+                // The launcher read this rank's standard error: writing to it fails now, and
+                // `eprintln!` would panic this thread instead of exiting.
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "the launcher (pid {launcher}) is gone; this rank exits"
+                );
                 std::process::exit(143);
             }
             std::thread::sleep(Duration::from_millis(200));

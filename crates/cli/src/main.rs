@@ -62,7 +62,15 @@ enum Command {
     /// "structured_outputs"; "tool_choice": "required" or a named function makes a chat's
     /// answer a call of its tools.
     ///
+    /// Several models: `--model NAME=PATH` repeated serves them from one endpoint, routed by
+    /// the request's `model` (GET /v1/models lists each with its state and resident bytes).
+    /// Each is a deployment of its own (HOST-NAME) with the shared launch flags; they are
+    /// swapped by sleep/wakeup within --memory-budget: a request for a sleeping model wakes
+    /// it after the least recently used idle models slept to make room.
+    ///
     /// Example: tpctl serve --tp 2 --listen 127.0.0.1:8000 --deployment chat
+    ///
+    /// Example: tpctl serve --model a=/models/a.gguf --model b=/models/b.gguf --memory-budget 8GiB
     Serve(Box<ServeArgs>),
     /// Put a running deployment to sleep: release the memory of the given tags on every rank.
     ///
@@ -165,9 +173,11 @@ struct LaunchArgs {
     cp: Option<usize>,
     /// Catalog name, path of a GGUF file (the first part of a split one), a Hugging Face
     /// folder (config.json, *.safetensors in F32/F16/BF16, tokenizer.json), or a Hugging Face
-    /// id (org/name) in the local Hugging Face cache
-    #[arg(long)]
-    model: Option<String>,
+    /// id (org/name) in the local Hugging Face cache. `serve` takes several as NAME=PATH
+    /// (repeat the flag): a model host that routes requests by their `model` and swaps the
+    /// models by sleep/wakeup under --memory-budget
+    #[arg(long, value_name = "MODEL")]
+    model: Vec<String>,
     /// Compute threads per rank (default: cores / ranks on this node).
     #[arg(long)]
     threads: Option<usize>,
@@ -219,7 +229,7 @@ impl LaunchArgs {
         LaunchFlags {
             tp: self.tp,
             cp: self.cp,
-            model: self.model.clone(),
+            model: self.model.first().cloned(),
             threads: self.threads,
             max_model_len: self.max_model_len,
             device: self.device,
@@ -311,6 +321,12 @@ struct ServeArgs {
     /// `--model` as given, or the config's.
     #[arg(long, value_name = "NAME")]
     served_model_name: Option<String>,
+    /// With several models: the memory they share, as a share of the host's memory (0.9) or
+    /// bytes (8GiB). A request for a sleeping model wakes it, after the least recently used
+    /// idle models slept to make room (default: 0.9). Each model is measured at start (loaded,
+    /// put to sleep at level 1); a budget that cannot hold one of them is refused.
+    #[arg(long, value_name = "SIZE")]
+    memory_budget: Option<tpctl::host::table::MemoryBudget>,
 }
 
 /// Which deployment a control command talks to, and how.
@@ -421,6 +437,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.verbose, cli.quiet);
     let result = match cli.command {
+        Command::Run(args) if args.launch.model.len() > 1 => Err(anyhow::anyhow!(
+            "`tpctl run` runs one model: give one --model (`tpctl serve` serves several)"
+        )),
         Command::Run(args) => run(*args, None, cli.verbose, cli.quiet),
         Command::Serve(args) => serve(*args, cli.verbose, cli.quiet),
         Command::Fetch { model } => fetch(&model),
@@ -697,6 +716,42 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
         (None, host, port) => join_host_port(&config.server.listen, host, port)?,
     };
     let api_key = args.api_key.or(config.server.api_key).filter(|k| !k.is_empty());
+    // Several models: `--model NAME=PATH` repeated, else the config's `[[models]]` (one
+    // `--model` overrides them, as flags override the file).
+    let hosted = if args.launch.model.len() > 1 {
+        let models = tpctl::host::parse_models(&args.launch.model)?;
+        let models = models.into_iter().map(|(name, model)| config::HostedModel {
+            name,
+            model,
+            tp: None,
+            cp: None,
+            pinned: false,
+            sleep_level: 1,
+            env: Default::default(),
+        });
+        Some(models.collect())
+    } else if args.launch.model.is_empty() && !config.models.is_empty() {
+        Some(config.models.clone())
+    } else {
+        None
+    };
+    if let Some(models) = hosted {
+        let host = tpctl::host::launch::HostArgs {
+            models,
+            budget: args.memory_budget.or(config.server.memory_budget),
+            asleep_wait_s: config.server.asleep_wait_timeout,
+            listen,
+            api_key,
+            config: args.launch.config.clone(),
+            chat_template: args.launch.chat_template.clone(),
+            deployment: args.launch.deployment.clone(),
+            served_model_name: args.served_model_name,
+        };
+        return tpctl::host::launch::serve(&args.launch.flags(), host, verbose, quiet);
+    }
+    if args.memory_budget.is_some() {
+        bail!("--memory-budget is for a server of several models: give --model NAME=PATH for each");
+    }
     let refuse_while_asleep = config.server.refuse_while_asleep;
     let has_config = args.launch.config.is_some();
     let asleep_wait_s = config.server.asleep_wait_timeout;
@@ -705,8 +760,10 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
     }
     tpctl::serve::check_listen(&listen, api_key.is_some())?;
     // The name the API knows the model by: the catalog name or the path, as given.
-    let model_name =
-        args.served_model_name.or_else(|| args.launch.model.clone()).unwrap_or(config.model.name);
+    let model_name = args
+        .served_model_name
+        .or_else(|| args.launch.model.first().cloned())
+        .unwrap_or(config.model.name);
     let job = RunArgs {
         launch: args.launch,
         prompts: Vec::new(),
@@ -879,6 +936,8 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
     let flag = interrupted.clone();
     ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
         .context("installing the Ctrl-C handler")?;
+    // A model of a model host stops with its host.
+    tpctl::host::child::watch_host(interrupted.clone());
     let outcome = launcher::launch(&launch, &interrupted)?;
     match &outcome {
         Outcome::Success => {}

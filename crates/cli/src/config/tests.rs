@@ -220,3 +220,48 @@ fn the_kv_cache_settings_parse_and_bad_ones_name_their_key() {
         assert!(err.contains(key), "{text}: {err}");
     }
 }
+
+#[test]
+fn models_tables_describe_a_server_of_several() {
+    let text = r#"
+[server]
+memory_budget = "6GiB"
+
+[[models]]
+name = "chat"
+model = "smollm2-135m-instruct"
+pinned = true
+
+[[models]]
+name = "code"
+model = "/models/code.gguf"
+tp = 2
+sleep_level = 2
+"#;
+    let c = Config::parse(text, "host.toml").unwrap();
+    assert_eq!(c.server.memory_budget, Some(crate::host::table::MemoryBudget::Bytes(6 << 30)));
+    assert_eq!(c.models.len(), 2);
+    assert_eq!((c.models[0].pinned, c.models[0].sleep_level, c.models[0].tp), (true, 1, None));
+    assert_eq!(
+        (c.models[1].name.as_str(), c.models[1].tp, c.models[1].sleep_level),
+        ("code", Some(2), 2)
+    );
+    let share = Config::parse("[server]\nmemory_budget = 0.5\n", "share.toml").unwrap();
+    assert_eq!(share.server.memory_budget, Some(crate::host::table::MemoryBudget::Fraction(0.5)));
+
+    for (text, message) in [
+        (
+            "[[models]]\nname = \"a\"\nmodel = \"x\"\n[[models]]\nname = \"a\"\nmodel = \"y\"\n",
+            "`models[1].name` `a` is the name of an earlier model: each needs its own",
+        ),
+        (
+            "[[models]]\nname = \"a\"\nmodel = \"x\"\nsleep_level = 3\n",
+            "`models[0].sleep_level` must be 1 or 2, not 3",
+        ),
+        ("[[models]]\nname = \"a\"\nmodel = \"x\"\nlevel = 1\n", "unknown field `level`"),
+        ("[server]\nmemory_budget = 2.5\n", "a share of the host's memory is in (0, 1], not 2.5"),
+    ] {
+        let err = format!("{:#}", Config::parse(text, "bad.toml").unwrap_err());
+        assert!(err.contains(message), "{text}: {err}");
+    }
+}

@@ -1,0 +1,229 @@
+//! The budget arithmetic, table-driven: which models sleep before another wakes, when a
+//! request waits, and the refusals of a budget too small.
+
+use super::*;
+
+const MIB: u64 = 1 << 20;
+
+/// A model measured at `asleep` + `swap` MiB, in `state`, last used at `used`, with
+/// `in_flight` requests.
+fn entry(name: &str, state: State, asleep: u64, swap: u64, used: u64, in_flight: usize) -> Entry {
+    Entry {
+        name: name.to_owned(),
+        state,
+        pinned: false,
+        last_used: used,
+        in_flight,
+        draining: false,
+        asleep_bytes: asleep * MIB,
+        swap_bytes: swap * MIB,
+        restartable: true,
+    }
+}
+
+const AWAKE: State = State::Awake;
+const ASLEEP: State = State::Asleep { level: 1 };
+
+#[test]
+fn a_wakeup_sleeps_the_least_recently_used_idle_models_first() {
+    // (budget MiB, models, target, plan)
+    let cases: Vec<(u64, Vec<Entry>, usize, Plan)> = vec![
+        // Room for the target beside the one awake: nothing sleeps.
+        (
+            300,
+            vec![entry("a", AWAKE, 40, 100, 5, 0), entry("b", ASLEEP, 40, 100, 1, 0)],
+            1,
+            Plan::Swap { evict: vec![] },
+        ),
+        // One fits: the only awake one sleeps.
+        (
+            200,
+            vec![entry("a", AWAKE, 40, 100, 5, 0), entry("b", ASLEEP, 40, 100, 1, 0)],
+            1,
+            Plan::Swap { evict: vec![0] },
+        ),
+        // Two awake, room for one more only after one sleeps: the least recently used.
+        (
+            350,
+            vec![
+                entry("a", AWAKE, 40, 100, 7, 0),
+                entry("b", AWAKE, 40, 100, 3, 0),
+                entry("c", ASLEEP, 40, 100, 1, 0),
+            ],
+            2,
+            Plan::Swap { evict: vec![1] },
+        ),
+        // The least recently used is busy: the idle one sleeps instead.
+        (
+            350,
+            vec![
+                entry("a", AWAKE, 40, 100, 7, 0),
+                entry("b", AWAKE, 40, 100, 3, 2),
+                entry("c", ASLEEP, 40, 100, 1, 0),
+            ],
+            2,
+            Plan::Swap { evict: vec![0] },
+        ),
+        // Only busy models can make room: drain the least recently used of them.
+        (
+            250,
+            vec![
+                entry("a", AWAKE, 40, 100, 7, 1),
+                entry("b", AWAKE, 40, 10, 3, 0),
+                entry("c", ASLEEP, 40, 100, 1, 0),
+            ],
+            2,
+            Plan::Drain { evict: vec![1, 0] },
+        ),
+        // A big model makes two small ones sleep, least recently used first.
+        (
+            280,
+            vec![
+                entry("a", AWAKE, 20, 50, 2, 0),
+                entry("b", AWAKE, 20, 50, 4, 0),
+                entry("c", AWAKE, 20, 50, 3, 0),
+                entry("big", ASLEEP, 20, 150, 1, 0),
+            ],
+            3,
+            Plan::Swap { evict: vec![0, 2] },
+        ),
+        // Already awake.
+        (100, vec![entry("a", AWAKE, 40, 100, 1, 0)], 0, Plan::Ready),
+    ];
+    for (budget, models, target, plan) in cases {
+        let names: Vec<String> = models.iter().map(|m| format!("{}:{}", m.name, m.state)).collect();
+        let table = Table::new(budget * MIB, models);
+        assert_eq!(table.plan(target), plan, "budget {budget} MiB, {names:?}, target {target}");
+    }
+}
+
+#[test]
+fn pinned_failed_and_moving_models_are_never_evicted() {
+    let mut pinned = entry("p", AWAKE, 40, 100, 1, 0);
+    pinned.pinned = true;
+    let table = Table::new(
+        200 * MIB,
+        vec![pinned, entry("a", AWAKE, 40, 10, 9, 0), entry("b", ASLEEP, 0, 100, 1, 0)],
+    );
+    let Plan::Unavailable(why) = table.plan(2) else { panic!("{:?}", table.plan(2)) };
+    assert_eq!(
+        why,
+        "model `b` needs 100.0 MiB to wake; with every other model that can sleep asleep, 180.0 MiB of the --memory-budget 200.0 MiB stays held, leaving 20.0 MiB"
+    );
+
+    // The same while another model wakes: that swap may make room, so the request waits.
+    let mut pinned = entry("p", AWAKE, 40, 100, 1, 0);
+    pinned.pinned = true;
+    let table = Table::new(
+        200 * MIB,
+        vec![pinned, entry("a", State::Waking, 40, 10, 9, 0), entry("b", ASLEEP, 0, 100, 1, 0)],
+    );
+    assert_eq!(table.plan(2), Plan::Wait("model `b` waits for room: model `a` is waking".into()));
+
+    // A failed model holds nothing (its ranks are gone); a request restarts it, with room
+    // for all it holds (it loads awake), unless its restart failed already.
+    let mut table = Table::new(
+        200 * MIB,
+        vec![
+            entry("f", State::Failed("rank 0 exited".into()), 40, 100, 1, 0),
+            entry("b", ASLEEP, 40, 100, 1, 0),
+        ],
+    );
+    assert_eq!(table.resident(), 40 * MIB);
+    assert_eq!(table.plan(1), Plan::Swap { evict: vec![] });
+    assert_eq!(table.plan(0), Plan::Restart { evict: vec![] });
+    table.models[1].state = AWAKE;
+    assert_eq!(table.plan(0), Plan::Restart { evict: vec![1] });
+    table.budget = 150 * MIB;
+    assert_eq!(
+        table.plan(0),
+        Plan::Unavailable("model `f` needs 140.0 MiB to wake; with every other model that can sleep asleep, 40.0 MiB of the --memory-budget 150.0 MiB stays held, leaving 110.0 MiB".into())
+    );
+    table.models[0].restartable = false;
+    assert_eq!(table.plan(0), Plan::Unavailable("model `f` failed: rank 0 exited".into()));
+
+    // Requests for a model loading, waking, sleeping or draining wait.
+    for state in [State::Loading, State::Waking, State::Sleeping] {
+        let table = Table::new(500 * MIB, vec![entry("m", state.clone(), 40, 100, 1, 0)]);
+        assert!(matches!(table.plan(0), Plan::Wait(_)), "{state}");
+    }
+    let mut draining = entry("d", AWAKE, 40, 100, 1, 1);
+    draining.draining = true;
+    let mut table = Table::new(500 * MIB, vec![draining]);
+    assert!(matches!(table.plan(0), Plan::Wait(_)));
+    assert!(!table.admit(0));
+}
+
+#[test]
+fn admitting_counts_requests_and_orders_use() {
+    let mut table = Table::new(
+        1000 * MIB,
+        vec![entry("a", AWAKE, 40, 100, 0, 0), entry("b", AWAKE, 40, 100, 0, 0)],
+    );
+    assert!(table.admit(1));
+    assert!(table.admit(0));
+    assert!(table.admit(0));
+    assert_eq!((table.models[0].in_flight, table.models[1].in_flight), (2, 1));
+    assert!(table.models[0].last_used > table.models[1].last_used);
+    table.finish(0);
+    table.finish(0);
+    table.finish(0);
+    assert_eq!(table.models[0].in_flight, 0, "never below zero");
+    // Resident: awake models count both numbers, asleep ones the first.
+    assert_eq!(table.resident(), 280 * MIB);
+    table.models[1].state = ASLEEP;
+    assert_eq!(table.resident(), 180 * MIB);
+}
+
+#[test]
+fn a_budget_that_cannot_hold_a_model_is_refused_with_the_numbers() {
+    let models = vec![
+        entry("small", ASLEEP, 40, 100, 0, 0),
+        entry("large", ASLEEP, 40, 150, 0, 0),
+        entry("mid", ASLEEP, 40, 120, 0, 0),
+    ];
+    assert_eq!(check_fits(270 * MIB, &models), Ok(()));
+    assert_eq!(
+        check_fits(269 * MIB, &models),
+        Err("--memory-budget 269.0 MiB cannot hold model `large` awake: it needs 150.0 MiB to wake beside the 120.0 MiB every model keeps asleep, 270.0 MiB in all; give at least that".into())
+    );
+    assert_eq!(
+        check_fits(100 * MIB, &models),
+        Err("--memory-budget 100.0 MiB cannot hold the models asleep: their ranks keep 120.0 MiB resident asleep; give at least 120.0 MiB".into())
+    );
+    // A pinned model stays awake: it counts in full beside the largest other.
+    let mut pinned = models.clone();
+    pinned[1].pinned = true;
+    assert_eq!(check_fits(390 * MIB, &pinned), Ok(()));
+    assert_eq!(
+        check_fits(389 * MIB, &pinned),
+        Err("--memory-budget 389.0 MiB cannot hold model `mid` awake: it needs 120.0 MiB to wake beside the 120.0 MiB every model keeps asleep and 150.0 MiB of pinned models, 390.0 MiB in all; give at least that".into())
+    );
+}
+
+#[test]
+fn memory_budgets_parse_as_bytes_or_a_share() {
+    let ok: [(&str, MemoryBudget); 6] = [
+        ("0.9", MemoryBudget::Fraction(0.9)),
+        ("1", MemoryBudget::Bytes(1)),
+        ("1073741824", MemoryBudget::Bytes(1 << 30)),
+        ("512MiB", MemoryBudget::Bytes(512 << 20)),
+        ("1.5 GiB", MemoryBudget::Bytes(3 << 29)),
+        ("2GB", MemoryBudget::Bytes(2_000_000_000)),
+    ];
+    for (text, budget) in ok {
+        assert_eq!(text.parse::<MemoryBudget>(), Ok(budget), "{text}");
+    }
+    for (text, why) in [
+        ("0", "a budget of 0 bytes holds nothing"),
+        ("1.5", "a share of the host's memory is in (0, 1], not 1.5"),
+        ("-0.5", "a share of the host's memory is in (0, 1], not -0.5"),
+        ("lots", "give bytes (1073741824, 512MiB, 4GiB) or a share of the host's memory (0.9)"),
+        ("xMiB", "is not a memory budget"),
+    ] {
+        let err = text.parse::<MemoryBudget>().unwrap_err();
+        assert!(err.contains(why), "{text}: {err}");
+    }
+    assert_eq!(MemoryBudget::Fraction(0.5).bytes(1000), 500);
+    assert_eq!(MemoryBudget::Bytes(7).bytes(1000), 7);
+}
