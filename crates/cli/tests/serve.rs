@@ -1307,6 +1307,13 @@ fn a_weight_update_serves_the_new_checkpoint_like_a_fresh_start() {
     let metrics = server.get("/metrics").body;
     assert!(metrics.contains("tpctl_sleep_ops_total{action=\"update_weights\"} 3"), "{metrics}");
     assert!(metrics.contains("tpctl_sleep_op_failures_total{action=\"update_weights\"} 4"));
+    // At level 1 the weights' bytes are backed up: an update while asleep drops that backup,
+    // so the wakeup brings the new checkpoint, not the weights it replaced.
+    let (code, _, err) = control(&rt, &["sleep", "--level", "1"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, reply, err) = control(&rt, &["wakeup", "--model", &first]);
+    assert_eq!(code, 0, "{err}\n{reply}\n{}", server.log());
+    assert_eq!(answers(&server), want_first, "the wakeup restored the replaced weights");
     assert_eq!(server.interrupt().code(), Some(130));
 }
 

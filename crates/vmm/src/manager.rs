@@ -740,6 +740,18 @@ impl Allocation {
         self.shared.released.load(Ordering::Acquire)
     }
 
+    /// Drops the backup a release took of this released allocation, so that the next
+    /// materialize restores it by its policy instead (a [`Policy::Reload`] source reads what
+    /// the contents should now be: new weights that replaced the backed-up ones while asleep).
+    /// Returns whether there was one; nothing changes for a materialized allocation.
+    pub fn discard_backup(&self) -> bool {
+        let mut slot = self.shared.slot.write().unwrap_or_else(PoisonError::into_inner);
+        if slot.phys.is_some() {
+            return false;
+        }
+        slot.backup.take().is_some()
+    }
+
     fn check(&self, slot: &Slot) -> Result<()> {
         let s = &self.shared;
         if !s.host_accessible {

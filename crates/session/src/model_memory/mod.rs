@@ -763,12 +763,14 @@ impl LiveWeights {
 
 impl Placed {
     /// Writes `buffers` over these weights, laid out as [`ModelMemory::place_weights`]
-    /// placed them; nothing when the weights are released (the wakeup reloads them).
+    /// placed them; nothing when the weights are released (the wakeup reloads them: a backup
+    /// of the weights they replace is dropped).
     fn write(&self, buffers: &[&[u8]]) -> Result<u64, MemoryError> {
         let fail = |message: String| MemoryError { changed: false, message };
         let regions = self.arena.0.lock().unwrap_or_else(PoisonError::into_inner);
         let alloc = regions.allocation();
         if alloc.is_released() {
+            alloc.discard_backup();
             return Ok(0);
         }
         let mut bytes = alloc.write().map_err(|e| fail(format!("writing the weights: {e}")))?;
@@ -785,7 +787,7 @@ impl Placed {
 impl Placed {
     /// Writes the tensors of `buckets` over these weights where its map places them
     /// ([`in_place::write`]); nothing when the weights are released (the wakeup reloads them,
-    /// buckets included).
+    /// buckets included: a backup of the weights they replace is dropped).
     fn write_in_place(
         &self,
         buckets: &[checkpoint::Bucket],
@@ -794,6 +796,7 @@ impl Placed {
         let regions = self.arena.0.lock().unwrap_or_else(PoisonError::into_inner);
         let alloc = regions.allocation();
         if alloc.is_released() {
+            alloc.discard_backup();
             return Ok(0);
         }
         let failed = |changed, e: &dyn std::fmt::Display| MemoryError {

@@ -155,11 +155,14 @@ impl RankMemory for ModelRankMemory {
 
     fn update(&self) -> Result<Vec<TagReceipt>, MemoryError> {
         let written = self.memory.update()?;
+        // Weights replaced while asleep come back by reload, not from a level-1 backup.
+        self.pending().remove(vmm::Tag::WEIGHTS.as_str());
         Ok(vec![self.weights_written(written)])
     }
 
     fn revert(&self) -> Result<Vec<TagReceipt>, MemoryError> {
         let written = self.memory.revert()?;
+        self.pending().remove(vmm::Tag::WEIGHTS.as_str());
         Ok(vec![self.weights_written(written)])
     }
 

@@ -469,3 +469,45 @@ fn buckets_over_the_live_checkpoint_are_written_in_place() {
     assert_eq!(answers(&model), answers(&want));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// An update that lands while the weights sleep at level 1 (their bytes backed up) is what the
+/// wakeup brings back, not the backup of the weights it replaced.
+#[test]
+fn an_update_while_asleep_at_level_one_wakes_with_the_new_weights() {
+    use crate::sleep::RankMemory;
+    let dir = std::env::temp_dir().join(format!("tpctl-memory-l1-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (gguf, folder) = (dir.join("base.gguf"), dir.join("hf"));
+    let spec = RandomLlama { seed: 29, ..Default::default() };
+    spec.write(&gguf).unwrap();
+    RandomLlama { seed: 30, ..spec.clone() }.write_hf(&folder, false).unwrap();
+    let down = dir.join("down.safetensors");
+    one_tensor_bucket(
+        &folder,
+        "blk.0.ffn_down.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        &down,
+    );
+    let (placement, form) = (Placement::single(), WeightForm::F32);
+    let base = ShardOrigin::checkpoint(gguf.clone(), placement, form);
+    let updated = ShardOrigin { tensors: vec![down.clone()], ..base.clone() };
+    let answers = |model: &ParallelModel| generate(model, &mut model.new_cache(64), &[4, 5], 4);
+    let want = answers(&updated.load().unwrap());
+    let memory = ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Backup)
+        .unwrap()
+        .with_level_one_weights(true);
+    let mut model = base.load().unwrap();
+    memory.place_weights(&mut model, &base).unwrap();
+    assert_ne!(answers(&model), want);
+    let rank = ModelRankMemory::new(&memory, model.backend().clone());
+    let tags = ["weights".to_owned()];
+    rank.release_at(&tags, Some(1)).unwrap();
+    memory
+        .prepare_update_with(gguf.to_str().unwrap(), &[down.to_str().unwrap().to_owned()])
+        .unwrap();
+    rank.update().unwrap();
+    let receipts = rank.materialize(&tags).unwrap();
+    assert_eq!(answers(&model), want, "the wakeup restored the replaced weights");
+    assert_eq!(receipts[0].restore, "reload", "{receipts:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}

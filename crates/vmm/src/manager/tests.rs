@@ -153,6 +153,25 @@ fn address_is_stable_over_100_cycles() {
     }
 }
 
+/// A backup dropped while released is not restored: the next materialize follows the
+/// policy (zeros for `Backup` with no backup); a materialized allocation has none to drop.
+#[test]
+fn a_discarded_backup_is_not_restored() {
+    let m = manager("discard-backup");
+    for store in [BackupStore::Host, BackupStore::Spill] {
+        let a = m.allocate("discard", 2 * 4096, Policy::Backup(store)).unwrap();
+        a.write().unwrap().fill(7);
+        assert!(!a.discard_backup(), "{store:?}: nothing to drop while materialized");
+        m.release(["discard"]).unwrap();
+        assert!(a.discard_backup(), "{store:?}");
+        assert!(!a.discard_backup(), "{store:?}: dropped once");
+        m.materialize(["discard"]).unwrap();
+        assert!(a.read().unwrap().iter().all(|&b| b == 0), "{store:?}: the backup came back");
+        drop(a);
+    }
+    assert_eq!(m.spilled_bytes(), 0, "the spill file's bytes are given back");
+}
+
 #[test]
 fn backup_to_host_and_spill_restores_identical_bytes() {
     let m = manager("backup");
