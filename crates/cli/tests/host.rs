@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
+use common::http::{ids, request, Reply};
 use common::{kill_all, leftovers, marker};
 
 const DEADLINE: Duration = Duration::from_secs(180);
@@ -85,11 +86,11 @@ impl Host {
     }
 
     fn post(&self, path: &str, body: &Value) -> Reply {
-        request(&self.addr, "POST", path, Some(body.to_string().as_bytes()))
+        request(&self.addr, "POST", path, &[], Some(body.to_string().as_bytes()))
     }
 
     fn get(&self, path: &str) -> Reply {
-        request(&self.addr, "GET", path, None)
+        request(&self.addr, "GET", path, &[], None)
     }
 
     /// Interrupts the host as a terminal's Ctrl-C would, and waits for it.
@@ -131,68 +132,6 @@ impl Drop for Host {
             kill_all(&self.mark);
         }
     }
-}
-
-/// An HTTP answer.
-#[derive(Debug)]
-struct Reply {
-    status: u16,
-    head: String,
-    body: String,
-}
-
-impl Reply {
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {self:?}"))
-    }
-}
-
-/// One HTTP/1.1 exchange (`Connection: close`) over loopback, with deadlines.
-fn request(addr: &str, method: &str, path: &str, body: Option<&[u8]>) -> Reply {
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
-    let body = body.unwrap_or_default();
-    if method == "POST" {
-        head.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n",
-            body.len()
-        ));
-    }
-    head.push_str("\r\n");
-    let mut stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
-    stream.set_read_timeout(Some(DEADLINE)).unwrap();
-    stream.set_write_timeout(Some(DEADLINE)).unwrap();
-    let _ = stream.write_all(head.as_bytes());
-    let _ = stream.write_all(body);
-    let mut bytes = Vec::new();
-    let _ = stream.read_to_end(&mut bytes);
-    let text = String::from_utf8_lossy(&bytes).into_owned();
-    let (head, body) =
-        text.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP answer: {text:?}"));
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
-    let body = if chunked { dechunk(body) } else { body.to_owned() };
-    Reply { status, head: head.to_owned(), body }
-}
-
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let Ok(n) = usize::from_str_radix(size.trim(), 16) else { break };
-        if n == 0 || rest.len() < n {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        body = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
-    }
-    out
-}
-
-fn ids(v: &Value) -> Vec<u64> {
-    v.as_array()
-        .unwrap_or_else(|| panic!("not token ids: {v}"))
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect()
 }
 
 fn prompt(p: &str) -> Value {

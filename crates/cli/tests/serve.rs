@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
+use common::http::{dechunk, exchange, ids, request, Reply};
 use common::{kill_all, leftovers, marker, scratch, scratch_root, tpctl_bin};
 
 const DEADLINE: Duration = Duration::from_secs(120);
@@ -171,103 +172,6 @@ impl Drop for Server {
             kill_all(&self.mark);
         }
     }
-}
-
-/// An HTTP answer.
-#[derive(Debug)]
-struct Reply {
-    status: u16,
-    body: String,
-}
-
-impl Reply {
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {self:?}"))
-    }
-
-    /// The `data:` payloads of an SSE body.
-    fn events(&self) -> Vec<String> {
-        self.body
-            .lines()
-            .filter_map(|l| l.strip_prefix("data:"))
-            .map(|d| d.trim().to_owned())
-            .collect()
-    }
-}
-
-/// One HTTP/1.1 exchange (`Connection: close`) over loopback, with deadlines.
-fn request(
-    addr: &str,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: Option<&[u8]>,
-) -> Reply {
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
-    for (k, v) in headers {
-        head.push_str(&format!("{k}: {v}\r\n"));
-    }
-    let body = body.unwrap_or_default();
-    if method == "POST" {
-        head.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n",
-            body.len()
-        ));
-    }
-    head.push_str("\r\n");
-    let mut raw = head.into_bytes();
-    raw.extend_from_slice(body);
-    exchange(addr, &raw)
-}
-
-/// Sends `raw`, reads the answer until the server closes.
-fn exchange(addr: &str, raw: &[u8]) -> Reply {
-    let mut stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
-    stream.set_read_timeout(Some(DEADLINE)).unwrap();
-    stream.set_write_timeout(Some(DEADLINE)).unwrap();
-    // A server that refuses early may close before reading everything: answer first.
-    let _ = stream.write_all(raw);
-    let mut bytes = Vec::new();
-    let mut buf = [0u8; 8192];
-    loop {
-        match stream.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => bytes.extend_from_slice(&buf[..n]),
-            Err(e) if bytes.is_empty() => panic!("reading from {addr}: {e}"),
-            Err(_) => break,
-        }
-    }
-    let text = String::from_utf8_lossy(&bytes).into_owned();
-    let (head, body) =
-        text.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP answer: {text:?}"));
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let chunked = head.lines().any(|l| {
-        let l = l.to_ascii_lowercase();
-        l.starts_with("transfer-encoding:") && l.contains("chunked")
-    });
-    let body = if chunked { dechunk(body) } else { body.to_owned() };
-    Reply { status, body }
-}
-
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let Ok(n) = usize::from_str_radix(size.trim(), 16) else { break };
-        if n == 0 || rest.len() < n {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        body = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
-    }
-    out
-}
-
-fn ids(v: &Value) -> Vec<u64> {
-    v.as_array()
-        .unwrap_or_else(|| panic!("not token ids: {v}"))
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect()
 }
 
 /// `tpctl run`'s greedy tokens for each prompt (comma-separated ids), with `--tp 2`.
@@ -2703,7 +2607,7 @@ fn a_recomputed_constrained_answer_continues_its_grammar() {
     conn.read_to_end(&mut seen).expect("the rest of the stream");
     let text = String::from_utf8_lossy(&seen).into_owned();
     let (_, body) = text.split_once("\r\n\r\n").expect("an HTTP answer");
-    let reply = Reply { status: 200, body: dechunk(body) };
+    let reply = Reply { status: 200, head: String::new(), body: dechunk(body) };
     let events = reply.events();
     let mut streamed = String::new();
     for e in &events[..events.len() - 1] {

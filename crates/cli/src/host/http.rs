@@ -8,10 +8,11 @@
 //! (with `Retry-After` when waiting may help).
 
 use super::{proxy, Host, Refusal};
+use crate::serve::bearer_matches;
 use anyhow::{Context, Result};
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -105,18 +106,6 @@ async fn guard(State(host): State<Arc<Host>>, req: Request, next: Next) -> Respo
     }
 }
 
-/// Whether the request carries `Authorization: Bearer key`, compared in constant time.
-fn bearer_matches(headers: &HeaderMap, key: &str) -> bool {
-    let Some(given) = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-    else {
-        return false;
-    };
-    let (a, b) = (given.trim().as_bytes(), key.as_bytes());
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
 
 async fn not_found(req: Request) -> Response {
     error(

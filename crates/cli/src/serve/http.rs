@@ -238,8 +238,9 @@ fn unauthorized() -> ApiError {
     )
 }
 
-/// Whether the request carries `Authorization: Bearer key`, compared in constant time.
-fn bearer_matches(headers: &HeaderMap, key: &str) -> bool {
+/// Whether the request carries `Authorization: Bearer key`, compared in constant time (the
+/// model host checks its own key with it too).
+pub(crate) fn bearer_matches(headers: &HeaderMap, key: &str) -> bool {
     let Some(given) = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())

@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 const HTTP_FLUSH: Duration = Duration::from_secs(2);
 
 pub use http::BODY_LIMIT;
+pub(crate) use http::bearer_matches;
 
 /// What rank 0 brings to the server: its engine parts and the model it loaded.
 pub struct Rank0<'a> {

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)] // each test binary uses a part of these helpers
 
+pub mod http;
+
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;

@@ -608,10 +608,20 @@ fn run_steps(
     steps: &[Vec<Entry>],
     caches: &mut [ParallelCache],
 ) -> Vec<Option<Tensor>> {
+    run_steps_with(comms, steps, caches, |comms, seqs| model.forward_batch(comms, seqs).unwrap())
+}
+
+/// Runs `steps` over `caches` through `step` (one batched forward pass); what each gave.
+fn run_steps_with<T>(
+    comms: &mut Comms<'_>,
+    steps: &[Vec<Entry>],
+    caches: &mut [ParallelCache],
+    mut step: impl FnMut(&mut Comms<'_>, &mut [Sequence<'_>]) -> T,
+) -> Vec<T> {
     let mut out = Vec::new();
-    for step in steps {
+    for entries in steps {
         let mut by_seq: Vec<Option<&mut ParallelCache>> = caches.iter_mut().map(Some).collect();
-        let mut seqs: Vec<Sequence<'_>> = step
+        let mut seqs: Vec<Sequence<'_>> = entries
             .iter()
             .map(|(seq, tokens, sample)| Sequence {
                 tokens,
@@ -620,7 +630,7 @@ fn run_steps(
                 every_row: false,
             })
             .collect();
-        out.push(model.forward_batch(comms, &mut seqs).unwrap());
+        out.push(step(comms, &mut seqs));
     }
     out
 }
@@ -724,21 +734,9 @@ fn batched_argmax_picks_what_the_gathered_logits_pick_in_every_layout() {
             let mut caches: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
             let logits = run_steps(&model, comms, &steps, &mut caches);
             let mut caches: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
-            let mut ids = Vec::new();
-            for step in &steps {
-                let mut by_seq: Vec<Option<&mut ParallelCache>> =
-                    caches.iter_mut().map(Some).collect();
-                let mut seqs: Vec<Sequence<'_>> = step
-                    .iter()
-                    .map(|(seq, tokens, sample)| Sequence {
-                        tokens,
-                        cache: by_seq[*seq].take().unwrap(),
-                        sample: *sample,
-                        every_row: false,
-                    })
-                    .collect();
-                ids.push(model.forward_batch_argmax(comms, &mut seqs).unwrap());
-            }
+            let ids = run_steps_with(comms, &steps, &mut caches, |comms, seqs| {
+                model.forward_batch_argmax(comms, seqs).unwrap()
+            });
             (p, logits, ids)
         });
         for (p, logits, ids) in got {
