@@ -1,10 +1,12 @@
-//! Project automation, run as `cargo xtask <task>`: `ci`, `bench`, `gpu-test`, `fetch-model`.
+//! Project automation, run as `cargo xtask <task>`: `ci`, `bench`, `gpu-test`, `fetch-model`,
+//! `install-mpi`.
 #![forbid(unsafe_code)]
 
 mod bench;
 mod ci;
 mod fetch_model;
 mod gpu_test;
+mod mpi;
 mod tidy;
 mod util;
 
@@ -22,6 +24,7 @@ tasks:
                           the GPU tests with --features cuda; fails without a usable GPU;
                           --bundle: build them with run.sh for a GPU machine without Rust
   fetch-model             download the default model once into the cache; print its path
+  install-mpi             install OpenMPI and libclang (for --features mpi) when missing
   help                    this text
 ";
 
@@ -34,6 +37,7 @@ fn main() -> Result<()> {
         "bench" => bench::run(&rest),
         "fetch-model" => fetch_model::run(&rest),
         "gpu-test" => gpu_test::run(&rest),
+        "install-mpi" => mpi::ensure_openmpi(),
         "help" | "--help" | "-h" => {
             print!("{HELP}");
             Ok(())

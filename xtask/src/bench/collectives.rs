@@ -3,7 +3,7 @@
 
 use super::field;
 use crate::util::{self, cargo, root};
-use anyhow::{Context, Result};
+use anyhow::Result;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Command;
@@ -133,7 +133,7 @@ pub(crate) fn run(json: bool) -> Result<()> {
 fn mpi_anchor() -> Result<BTreeMap<(usize, usize), f64>> {
     let source = root().join("../shared/anchors/mpi_allreduce.c");
     anyhow::ensure!(source.exists(), "{} is missing", source.display());
-    ensure_openmpi()?;
+    crate::mpi::ensure_openmpi()?;
     let dir = root().join("target/anchors");
     std::fs::create_dir_all(&dir)?;
     let exe: PathBuf = dir.join("mpi_allreduce");
@@ -142,7 +142,8 @@ fn mpi_anchor() -> Result<BTreeMap<(usize, usize), f64>> {
     for np in [2usize, 4] {
         let out = util::output(
             Command::new("mpirun")
-                .args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string()])
+                .args(crate::mpi::MPIRUN_ARGS)
+                .args(["-np", &np.to_string()])
                 .arg(&exe)
                 .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
                 .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
@@ -159,19 +160,4 @@ fn mpi_anchor() -> Result<BTreeMap<(usize, usize), f64>> {
     }
     anyhow::ensure!(!times.is_empty(), "the OpenMPI anchor printed nothing");
     Ok(times)
-}
-
-/// Installs OpenMPI with apt when `mpicc` is missing (CI machines and fresh machines).
-fn ensure_openmpi() -> Result<()> {
-    if Command::new("mpicc").arg("--version").output().is_ok_and(|o| o.status.success()) {
-        return Ok(());
-    }
-    eprintln!("mpicc not found: installing openmpi-bin and libopenmpi-dev with apt-get");
-    util::run(Command::new("apt-get").args(["update", "-qq"]))
-        .context("apt-get update (needs root)")?;
-    util::run(
-        Command::new("apt-get")
-            .args(["install", "-y", "-qq", "openmpi-bin", "libopenmpi-dev"])
-            .env("DEBIAN_FRONTEND", "noninteractive"),
-    )
 }
