@@ -16,7 +16,8 @@ const HELP: &str = "\
 cargo xtask <task> [args]
 
 tasks:
-  ci                      fmt check, clippy (default, failpoints, cuda features), all tests
+  ci                      install OpenMPI if missing, fmt check, clippy (default, cuda,
+                          failpoints+mpi features), all tests (failpoints+mpi)
   bench <what> [--json]   benchmarks with their reference measured in the same run;
                           <what>: collectives | vmm | session | model | serve | sleep | cycles |
                           agree (greedy ids and logprobs vs llama.cpp) | all

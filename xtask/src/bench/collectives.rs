@@ -1,5 +1,6 @@
-//! Collectives benchmark (shm and tcp, 2 and 4 ranks) next to OpenMPI's `MPI_Allreduce`,
-//! measured in the same run from `shared/anchors/mpi_allreduce.c`.
+//! Collectives benchmark (shm, tcp and mpi, 2 and 4 ranks) next to OpenMPI's `MPI_Allreduce`,
+//! measured in the same run from `shared/anchors/mpi_allreduce.c`. The mpi rows need OpenMPI,
+//! installed here when missing; where it cannot be, they are left out with a note.
 
 use super::field;
 use crate::util::{self, cargo, root};
@@ -39,17 +40,20 @@ pub(crate) fn run(json: bool) -> Result<()> {
     let mut rows: Vec<Row> = Vec::new();
     let mut mpi: BTreeMap<(usize, usize), f64> = BTreeMap::new();
     let mut mpi_error = None;
+    let features: &[&str] = match crate::mpi::ensure_openmpi() {
+        Ok(()) => &["--features", "mpi"],
+        Err(e) => {
+            eprintln!("no mpi rows: {e:#}");
+            &[]
+        }
+    };
     for _ in 0..ROUNDS {
-        let out = util::output(cargo().args([
-            "bench",
-            "--quiet",
-            "-p",
-            "tpctl-collectives",
-            "--bench",
-            "collectives",
-            "--",
-            "--json",
-        ]))?;
+        let out = util::output(
+            cargo()
+                .args(["bench", "--quiet", "-p", "tpctl-collectives", "--bench", "collectives"])
+                .args(features)
+                .args(["--", "--json"]),
+        )?;
         let round: Vec<Row> = out.lines().filter_map(parse_row).collect();
         anyhow::ensure!(!round.is_empty(), "the collectives benchmark printed no rows:\n{out}");
         for r in round {
