@@ -148,6 +148,8 @@ fn launch_settings_refuse_what_cannot_run() {
     assert!(err(uneven, false).contains("3 ranks do not split evenly over --nnodes 2"));
     let nccl = LaunchFlags { backend: Some(mesh::CommBackend::Nccl), ..flags(None, None) };
     assert!(err(nccl, false).contains("built without CUDA"));
+    let mpi = LaunchFlags { backend: Some(mesh::CommBackend::Mpi), ..flags(Some(2), None) };
+    assert!(err(mpi, false).contains("ranks started by mpirun"));
     let gpu = LaunchFlags { device: Some(ComputeDevice::Cuda), ..flags(None, None) };
     assert!(err(gpu, false).contains("--device cuda"));
     let half = LaunchFlags { dtype: Some(ComputeDtype::Bf16), ..flags(None, None) };

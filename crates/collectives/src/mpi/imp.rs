@@ -65,10 +65,18 @@ pub(super) fn world() -> Result<(usize, usize)> {
 }
 
 /// Waits between polls: spins briefly (a message on one host arrives in microseconds), then
-/// yields the core (ranks may outnumber cores), then sleeps, so a long wait costs little.
-#[derive(Default)]
+/// yields the core (ranks may outnumber cores) for the length of a large transfer, then
+/// sleeps, so a long wait costs little. MPI moves data only inside its calls (no progress
+/// thread), so the sleeps start late and are short.
 struct Backoff {
     polls: u32,
+    since: Instant,
+}
+
+impl Default for Backoff {
+    fn default() -> Backoff {
+        Backoff { polls: 0, since: Instant::now() }
+    }
 }
 
 impl Backoff {
@@ -76,10 +84,10 @@ impl Backoff {
         self.polls = self.polls.saturating_add(1);
         if self.polls < 64 {
             std::hint::spin_loop();
-        } else if self.polls < 20_000 {
+        } else if self.since.elapsed() < Duration::from_millis(100) {
             std::thread::yield_now();
         } else {
-            std::thread::sleep(Duration::from_micros(200));
+            std::thread::sleep(Duration::from_micros(100));
         }
     }
 }
@@ -113,8 +121,8 @@ impl std::fmt::Debug for MpiComm {
 
 // SAFETY: the MPI handles inside (communicators, the posted receive) are plain handles that MPI
 // lets any thread use, because `world` requires MPI_THREAD_MULTIPLE before any communicator
-// exists; the communicator is used by one thread at a time (`&mut self`), and the receive's
-// buffer is leaked, so it outlives every thread.
+// exists; the communicator is used by one thread at a time (`&mut self`, no `Sync`), and the
+// receive's buffer is leaked, so it outlives every thread.
 unsafe impl Send for MpiComm {}
 
 impl MpiComm {
@@ -343,8 +351,7 @@ impl MpiComm {
         let (size, len) = (at.size, send.len());
         let coll = &*self.coll;
         let mut scratch = std::mem::take(&mut self.scratch);
-        scratch.clear();
-        scratch.resize((size * len).div_ceil(8), 0);
+        grow(&mut scratch, size * len);
         let all: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut scratch)[..size * len];
         mpi::request::scope(|scope| {
             let request = coll.immediate_all_gather_into(scope, send, &mut *all);
@@ -381,6 +388,15 @@ fn complete<'a, D: ?Sized, S: Scope<'a>>(
             comm.abort(ABORT_CODE);
         }
         backoff.pause();
+    }
+}
+
+/// Makes `scratch` hold at least `bytes` bytes; what it held is overwritten by the caller, so
+/// it is not cleared (a cleared buffer would be zeroed again on every call).
+fn grow(scratch: &mut Vec<u64>, bytes: usize) {
+    let words = bytes.div_ceil(8);
+    if scratch.len() < words {
+        scratch.resize(words, 0);
     }
 }
 
@@ -504,8 +520,7 @@ impl Transport for MpiComm {
         }
         // MPI reduces from one buffer into another: the input is copied to scratch first.
         let mut input = std::mem::take(&mut self.scratch);
-        input.clear();
-        input.resize(buf.len().div_ceil(8), 0);
+        grow(&mut input, buf.len());
         let send: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut input)[..buf.len()];
         send.copy_from_slice(buf);
         let coll = &*self.coll;
