@@ -36,8 +36,9 @@
 //! Once every rank has agreed, the data moves, and the wait for it is again polled against the
 //! deadline. If that deadline passes, MPI is writing into the caller's buffers and cannot be
 //! stopped; returning would hand those buffers back while MPI may still write into them. The
-//! rank then logs the error (operation, group, rank) and ends the job with `MPI_Abort`, which
-//! under `mpirun` stops every rank. An abort through the handle during the data phase waits
+//! rank then logs the error (operation, group, rank; through `tracing`) and ends the job with
+//! `MPI_Abort` and error code 75, which under `mpirun` stops every rank (`mpirun` reports
+//! "MPI_ABORT was invoked on rank R ... with errorcode 75"). An abort through the handle during the data phase waits
 //! for the data (within the deadline) and then fails with [`Error::Aborted`](crate::Error::Aborted).
 //!
 //! Set-up: MPI is initialized once per process, with `MPI_THREAD_MULTIPLE` (TP, CP and control

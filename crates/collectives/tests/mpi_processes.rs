@@ -24,7 +24,7 @@ fn is_child() -> bool {
 
 /// Runs test `name` of this binary as `ranks` processes under `mpirun`, killing the job at
 /// `deadline`; returns its output, or panics with what it printed when it ran past that.
-fn mpirun(ranks: usize, name: &str, deadline: Duration) -> Output {
+fn mpirun(ranks: usize, name: &str, env: &[(&str, &str)], deadline: Duration) -> Output {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let exe = std::env::current_exe().unwrap();
     let mut child = Command::new("mpirun")
@@ -36,6 +36,7 @@ fn mpirun(ranks: usize, name: &str, deadline: Duration) -> Output {
         .env("MASTER_PORT", port.to_string())
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -70,7 +71,7 @@ fn mpi_ranks_pass_the_conformance_suite() {
         assert!(e.to_string().contains("--features mpi"), "{e}");
         return;
     }
-    let out = mpirun(WORLD, "mpi_rank_conformance", Duration::from_secs(300));
+    let out = mpirun(WORLD, "mpi_rank_conformance", &[], Duration::from_secs(300));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "mpirun failed ({}):\n{stdout}\n{stderr}", out.status);
@@ -85,13 +86,33 @@ fn mpi_rank_that_dies_ends_the_job() {
         return;
     }
     // The survivors wait far longer than this deadline: only mpirun can end them in time.
-    let out = mpirun(3, "mpi_rank_dies", Duration::from_secs(120));
+    let out = mpirun(3, "mpi_rank_dies", &[], Duration::from_secs(120));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "the job succeeded:\n{stdout}\n{stderr}");
     assert!(stdout.contains("rank 1 dies now"), "{stdout}\n{stderr}");
     assert!(!stdout.contains("survived"), "a peer finished its barrier:\n{stdout}");
     assert!(stderr.contains("rank 1"), "mpirun does not name the dead rank:\n{stderr}");
+}
+
+#[test]
+fn mpi_data_phase_past_its_deadline_ends_the_job() {
+    if is_child() || !cfg!(feature = "mpi") || !mesh::failpoint::enabled() {
+        return;
+    }
+    // Rank 1 agrees to an all-reduce, then stalls for 20 s before its data moves; rank 0's
+    // data phase has a 1 s deadline and MPI holds its buffer: it ends the job.
+    let env = [("TPCTL_FAILPOINTS", "mpi.data=delay(20000)@1#1")];
+    let out = mpirun(2, "mpi_rank_stalls_in_data", &env, Duration::from_secs(120));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the job succeeded:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("rank 0 agreed once"), "{stdout}\n{stderr}");
+    assert!(!stdout.contains("returned"), "a rank returned from the stalled call:\n{stdout}");
+    assert!(
+        stderr.contains("MPI_ABORT") && stderr.contains("errorcode 75"),
+        "the job did not end by MPI_Abort from the data phase:\n{stderr}"
+    );
 }
 
 // ---- the ranks ----
@@ -442,4 +463,20 @@ fn mpi_rank_dies() {
     c.set_timeout(Duration::from_secs(600));
     let result = c.barrier();
     println!("rank {} survived the barrier: {result:?}", c.rank());
+}
+
+/// One rank of `mpi_data_phase_past_its_deadline_ends_the_job`: a first all-reduce passes (the
+/// failpoint skips it), the second stalls on rank 1 after the agreement.
+#[test]
+fn mpi_rank_stalls_in_data() {
+    if !is_child() {
+        return;
+    }
+    let Some(mut c) = group(2) else { return };
+    let mut buf = vec![1f32; 1 << 16];
+    c.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+    println!("rank {} agreed once", c.rank());
+    c.set_timeout(Duration::from_secs(1));
+    let result = c.all_reduce(&mut buf, ReduceOp::Sum);
+    println!("rank {} returned: {result:?}", c.rank());
 }

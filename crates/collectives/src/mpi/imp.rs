@@ -193,6 +193,7 @@ impl MpiComm {
         mine: Descriptor,
         aux_name: &'static str,
     ) -> Result<()> {
+        failpoint(at, "mpi.agree")?;
         let started = Instant::now();
         let out = words(&mine);
         let mut inbox = vec![[0u64; 6]; peers.len()];
@@ -290,7 +291,10 @@ impl MpiComm {
             outcome
         });
         self.failure = failure;
-        outcome
+        outcome?;
+        // Where a rank can stall after agreeing, before the data moves (a test makes the
+        // peers' data phase outlive its deadline here).
+        failpoint(at, "mpi.data")
     }
 
     /// The agreement of a collective with every other rank of the group.
@@ -389,6 +393,12 @@ fn complete<'a, D: ?Sized, S: Scope<'a>>(
         }
         backoff.pause();
     }
+}
+
+/// Passes through the failpoint `point` (feature `failpoints`): `mpi.agree` before the
+/// descriptors are sent, `mpi.data` once every rank agreed, before the data moves.
+fn failpoint(at: &Site, point: &str) -> Result<()> {
+    mesh::failpoint::hit(point).map_err(|source| Error::Injected { at: at.clone(), source })
 }
 
 /// Makes `scratch` hold at least `bytes` bytes; what it held is overwritten by the caller, so
