@@ -448,6 +448,22 @@ fn counted(at: &Site, bytes: usize, dtype: ElemType) -> Result<()> {
     Ok(())
 }
 
+/// Whether MPI reduces `dtype` with its own operators (the others are gathered and reduced
+/// here).
+fn reduced_by_mpi(dtype: ElemType) -> bool {
+    matches!(dtype, ElemType::F32 | ElemType::I64 | ElemType::U8)
+}
+
+/// [`counted`] for a reduction of `bytes` per rank: in elements where MPI reduces the dtype,
+/// in bytes gathered from every rank where it is reduced here.
+fn counted_reduction(at: &Site, bytes: usize, dtype: ElemType) -> Result<()> {
+    if reduced_by_mpi(dtype) {
+        counted(at, bytes, dtype)
+    } else {
+        counted(at, bytes.saturating_mul(at.size), ElemType::U8)
+    }
+}
+
 /// Runs `$body` with `$s` and `$r` as the typed views of `$send` and `$recv` for the dtypes
 /// MPI reduces itself; evaluates to `false` for the others.
 macro_rules! typed {
@@ -521,9 +537,9 @@ impl Transport for MpiComm {
         dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
-        counted(at, buf.len(), dtype)?;
+        counted_reduction(at, buf.len(), dtype)?;
         self.agree_all(at, deadline, dtype, Some(op), buf.len(), (0, ""))?;
-        if !matches!(dtype, ElemType::F32 | ElemType::I64 | ElemType::U8) {
+        if !reduced_by_mpi(dtype) {
             let input = buf.to_vec();
             self.reduce_gathered(at, deadline, &input, buf, 0..input.len(), (dtype, op));
             return self.finish(at);
@@ -589,7 +605,7 @@ impl Transport for MpiComm {
         dtype: ElemType,
         op: ReduceOp,
     ) -> Result<()> {
-        counted(at, send.len(), dtype)?;
+        counted_reduction(at, send.len(), dtype)?;
         self.agree_all(at, deadline, dtype, Some(op), send.len(), (0, ""))?;
         let coll = &*self.coll;
         let native = typed!(dtype, send, &mut *recv, |s, r| mpi::request::scope(|scope| {
