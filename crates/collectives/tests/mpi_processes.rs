@@ -89,7 +89,8 @@ fn mpi_rank_that_dies_ends_the_job() {
     let out = mpirun(3, "mpi_rank_dies", &[], Duration::from_secs(120));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "the job succeeded:\n{stdout}\n{stderr}");
+    // mpirun passes on the dead rank's signal (SIGABRT: 128 + 6) and names the rank.
+    assert_eq!(out.status.code(), Some(134), "{stdout}\n{stderr}");
     assert!(stdout.contains("rank 1 dies now"), "{stdout}\n{stderr}");
     assert!(!stdout.contains("survived"), "a peer finished its barrier:\n{stdout}");
     assert!(stderr.contains("rank 1"), "mpirun does not name the dead rank:\n{stderr}");
@@ -109,9 +110,12 @@ fn mpi_data_phase_past_its_deadline_ends_the_job() {
     assert!(!out.status.success(), "the job succeeded:\n{stdout}\n{stderr}");
     assert!(stdout.contains("rank 0 agreed once"), "{stdout}\n{stderr}");
     assert!(!stdout.contains("returned"), "a rank returned from the stalled call:\n{stdout}");
-    assert!(
-        stderr.contains("MPI_ABORT") && stderr.contains("errorcode 75"),
-        "the job did not end by MPI_Abort from the data phase:\n{stderr}"
+    // mpirun exits with the code given to MPI_Abort (its "MPI_ABORT was invoked" notice is
+    // not always delivered before the job ends, so it is not relied on).
+    assert_eq!(
+        out.status.code(),
+        Some(75),
+        "the job did not end by MPI_Abort from the data phase:\n{stdout}\n{stderr}"
     );
 }
 
