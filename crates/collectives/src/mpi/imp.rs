@@ -1,5 +1,5 @@
-//! [`MpiComm`] over the `mpi` crate: the agreement exchange and the data phase described in
-//! the module docs of [`crate::mpi`].
+//! [`MpiComm`] over the `mpi` crate: the agreement exchange, the data phase and its watchdog
+//! described in the module docs of [`crate::mpi`].
 
 use crate::call::{GroupCore, Transport};
 use crate::comm::check;
@@ -10,11 +10,12 @@ use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
 use mpi::environment::Universe;
 use mpi::point_to_point::{Destination, Source};
-use mpi::request::{Request, Scope, StaticScope};
+use mpi::request::{Request, StaticScope};
 use mpi::topology::{Communicator as _, Group as _, SimpleCommunicator};
 use mpi::traits::{CommunicatorCollectives, Root};
 use mpi::Threading;
 use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -137,6 +138,7 @@ impl MpiComm {
     /// is not an MPI world rank.
     pub fn create(group: &str, members: &[usize], timeout: Duration) -> Result<MpiComm> {
         let (me, world_size) = world()?;
+        start_watchdog()?;
         let unavailable = |reason: String| Error::BackendUnavailable { backend: "mpi", reason };
         let rank = members.iter().position(|&m| m == me).ok_or_else(|| {
             unavailable(format!("MPI rank {me} is not a member of group {group} {members:?}"))
@@ -357,10 +359,10 @@ impl MpiComm {
         let mut scratch = std::mem::take(&mut self.scratch);
         grow(&mut scratch, size * len);
         let all: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut scratch)[..size * len];
-        mpi::request::scope(|scope| {
-            let request = coll.immediate_all_gather_into(scope, send, &mut *all);
-            complete(coll, at, deadline, request);
-        });
+        {
+            let _watch = watch(at, deadline);
+            coll.all_gather_into(send, &mut *all);
+        };
         let sources: Vec<&[u8]> =
             (0..size).map(|r| &all[r * len + range.start..r * len + range.end]).collect();
         reduce(dtype, op, out, &sources);
@@ -368,30 +370,61 @@ impl MpiComm {
     }
 }
 
-/// Waits for the data phase's `request` within `deadline`. Past it, MPI still owns the
-/// caller's buffers and cannot be stopped, so this rank ends the job (`MPI_Abort`) instead of
-/// returning them: see the module docs.
-fn complete<'a, D: ?Sized, S: Scope<'a>>(
-    comm: &SimpleCommunicator,
-    at: &Site,
-    deadline: Instant,
-    mut request: Request<'a, D, S>,
-) {
-    let mut backoff = Backoff::default();
+/// Data phases in progress in this process: an id, the deadline, and where (for the log).
+static WATCHED: Mutex<Vec<(u64, Instant, Site)>> = Mutex::new(Vec::new());
+/// Ids of [`WATCHED`] entries.
+static NEXT_WATCH: AtomicU64 = AtomicU64::new(0);
+/// The watchdog thread, started with the first communicator (or why it could not be).
+static WATCHDOG: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+
+/// Starts the process's watchdog thread once.
+fn start_watchdog() -> Result<()> {
+    WATCHDOG
+        .get_or_init(|| {
+            std::thread::Builder::new()
+                .name("mpi-watchdog".into())
+                .spawn(watchdog)
+                .map(drop)
+                .map_err(|e| format!("cannot start the data phases' watchdog thread: {e}"))
+        })
+        .clone()
+        .map_err(|reason| Error::BackendUnavailable { backend: "mpi", reason })
+}
+
+/// Ends the job when a data phase outlives its deadline: MPI's blocking call cannot be
+/// interrupted, and it still owns the caller's buffers, so the rank cannot return.
+fn watchdog() {
     loop {
-        match request.test() {
-            Ok(_) => return,
-            Err(r) => request = r,
-        }
-        if Instant::now() >= deadline {
+        std::thread::sleep(Duration::from_millis(5));
+        let now = Instant::now();
+        let late = {
+            let watched = WATCHED.lock().unwrap_or_else(|e| e.into_inner());
+            watched.iter().find(|(_, deadline, _)| now >= *deadline).map(|(_, _, at)| at.clone())
+        };
+        if let Some(at) = late {
             tracing::error!(
-                "{at}: every rank agreed on the call, but its data did not arrive before the \
+                "{at}: every rank agreed on the call, but its data did not move before the \
                  deadline; MPI cannot cancel it and still holds this rank's buffers, so the \
-                 job ends here (MPI_Abort)"
+                 job ends here (MPI_Abort, error code {ABORT_CODE})"
             );
-            comm.abort(ABORT_CODE);
+            SimpleCommunicator::world().abort(ABORT_CODE);
         }
-        backoff.pause();
+    }
+}
+
+/// A data phase under the watchdog until dropped.
+struct Watch(u64);
+
+/// Puts the data phase of the call at `at` under the watchdog, with `deadline`.
+fn watch(at: &Site, deadline: Instant) -> Watch {
+    let id = NEXT_WATCH.fetch_add(1, Ordering::Relaxed);
+    WATCHED.lock().unwrap_or_else(|e| e.into_inner()).push((id, deadline, at.clone()));
+    Watch(id)
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        WATCHED.lock().unwrap_or_else(|e| e.into_inner()).retain(|(id, ..)| *id != self.0);
     }
 }
 
@@ -550,10 +583,10 @@ impl Transport for MpiComm {
         let send: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut input)[..buf.len()];
         send.copy_from_slice(buf);
         let coll = &*self.coll;
-        typed!(dtype, &*send, &mut *buf, |s, r| mpi::request::scope(|scope| {
-            let request = coll.immediate_all_reduce_into(scope, s, r, operation(op));
-            complete(coll, at, deadline, request);
-        }));
+        typed!(dtype, &*send, &mut *buf, |s, r| {
+            let _watch = watch(at, deadline);
+            coll.all_reduce_into(s, r, operation(op));
+        });
         self.scratch = input;
         self.finish(at)
     }
@@ -573,10 +606,10 @@ impl Transport for MpiComm {
         self.agree_all(at, deadline, dtype, None, recv.len(), (aux, "sizes"))?;
         let coll = &*self.coll;
         if even {
-            mpi::request::scope(|scope| {
-                let request = coll.immediate_all_gather_into(scope, send, recv);
-                complete(coll, at, deadline, request);
-            });
+            {
+                let _watch = watch(at, deadline);
+                coll.all_gather_into(send, recv);
+            };
             return self.finish(at);
         }
         let counts: Vec<i32> = sizes.iter().map(|&s| s as i32).collect();
@@ -589,10 +622,10 @@ impl Transport for MpiComm {
             })
             .collect();
         let mut partition = PartitionMut::new(recv, counts, displs);
-        mpi::request::scope(|scope| {
-            let request = coll.immediate_all_gather_varcount_into(scope, send, &mut partition);
-            complete(coll, at, deadline, request);
-        });
+        {
+            let _watch = watch(at, deadline);
+            coll.all_gather_varcount_into(send, &mut partition);
+        };
         self.finish(at)
     }
 
@@ -608,10 +641,10 @@ impl Transport for MpiComm {
         counted_reduction(at, send.len(), dtype)?;
         self.agree_all(at, deadline, dtype, Some(op), send.len(), (0, ""))?;
         let coll = &*self.coll;
-        let native = typed!(dtype, send, &mut *recv, |s, r| mpi::request::scope(|scope| {
-            let request = coll.immediate_reduce_scatter_block_into(scope, s, r, operation(op));
-            complete(coll, at, deadline, request);
-        }));
+        let native = typed!(dtype, send, &mut *recv, |s, r| {
+            let _watch = watch(at, deadline);
+            coll.reduce_scatter_block_into(s, r, operation(op));
+        });
         if !native {
             let chunk = recv.len();
             let range = at.rank * chunk..(at.rank + 1) * chunk;
@@ -631,10 +664,10 @@ impl Transport for MpiComm {
         counted(at, buf.len(), ElemType::U8)?;
         self.agree_all(at, deadline, dtype, None, buf.len(), (root as u64, "root"))?;
         let coll = &*self.coll;
-        mpi::request::scope(|scope| {
-            let request = coll.process_at_rank(root as i32).immediate_broadcast_into(scope, buf);
-            complete(coll, at, deadline, request);
-        });
+        {
+            let _watch = watch(at, deadline);
+            coll.process_at_rank(root as i32).broadcast_into(buf);
+        };
         self.finish(at)
     }
 
@@ -649,11 +682,10 @@ impl Transport for MpiComm {
         counted(at, buf.len(), ElemType::U8)?;
         self.agree_pair(at, deadline, dtype, buf.len(), peer)?;
         let ctl = &*self.ctl;
-        mpi::request::scope(|scope| {
-            let request =
-                ctl.process_at_rank(peer as i32).immediate_send_with_tag(scope, buf, TAG_DATA);
-            complete(ctl, at, deadline, request);
-        });
+        {
+            let _watch = watch(at, deadline);
+            ctl.process_at_rank(peer as i32).send_with_tag(buf, TAG_DATA);
+        };
         self.finish(at)
     }
 
@@ -668,12 +700,10 @@ impl Transport for MpiComm {
         counted(at, buf.len(), ElemType::U8)?;
         self.agree_pair(at, deadline, dtype, buf.len(), peer)?;
         let ctl = &*self.ctl;
-        mpi::request::scope(|scope| {
-            let request = ctl
-                .process_at_rank(peer as i32)
-                .immediate_receive_into_with_tag(scope, buf, TAG_DATA);
-            complete(ctl, at, deadline, request);
-        });
+        {
+            let _watch = watch(at, deadline);
+            ctl.process_at_rank(peer as i32).receive_into_with_tag(buf, TAG_DATA);
+        };
         self.finish(at)
     }
 
@@ -688,10 +718,10 @@ impl Transport for MpiComm {
         counted(at, send.len(), ElemType::U8)?;
         self.agree_all(at, deadline, dtype, None, send.len(), (0, ""))?;
         let coll = &*self.coll;
-        mpi::request::scope(|scope| {
-            let request = coll.immediate_all_to_all_into(scope, send, recv);
-            complete(coll, at, deadline, request);
-        });
+        {
+            let _watch = watch(at, deadline);
+            coll.all_to_all_into(send, recv);
+        };
         self.finish(at)
     }
 
