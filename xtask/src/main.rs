@@ -1,10 +1,12 @@
-//! Project automation, run as `cargo xtask <task>`: `ci`, `bench`, `gpu-test`, `fetch-model`.
+//! Project automation, run as `cargo xtask <task>`: `ci`, `bench`, `gpu-test`, `fetch-model`,
+//! `install-mpi`.
 #![forbid(unsafe_code)]
 
 mod bench;
 mod ci;
 mod fetch_model;
 mod gpu_test;
+mod mpi;
 mod tidy;
 mod util;
 
@@ -14,7 +16,8 @@ const HELP: &str = "\
 cargo xtask <task> [args]
 
 tasks:
-  ci                      fmt check, clippy (default, failpoints, cuda features), all tests
+  ci                      install OpenMPI if missing, fmt check, clippy (default, cuda,
+                          failpoints+mpi features), all tests (failpoints+mpi)
   bench <what> [--json]   benchmarks with their reference measured in the same run;
                           <what>: collectives | vmm | session | model | serve | sleep | cycles |
                           swap (a model host's swap vs a cold start) |
@@ -23,6 +26,7 @@ tasks:
                           the GPU tests with --features cuda; fails without a usable GPU;
                           --bundle: build them with run.sh for a GPU machine without Rust
   fetch-model             download the default model once into the cache; print its path
+  install-mpi             install OpenMPI and libclang (for --features mpi) when missing
   help                    this text
 ";
 
@@ -35,6 +39,7 @@ fn main() -> Result<()> {
         "bench" => bench::run(&rest),
         "fetch-model" => fetch_model::run(&rest),
         "gpu-test" => gpu_test::run(&rest),
+        "install-mpi" => mpi::ensure_openmpi(),
         "help" | "--help" | "-h" => {
             print!("{HELP}");
             Ok(())

@@ -603,7 +603,8 @@ impl Config {
     ///
     /// # Errors
     /// A layout of zero ranks, a node rank outside `--nnodes`, ranks that do not split over
-    /// the nodes, NCCL or `--device cuda` without CUDA, half precision on the CPU.
+    /// the nodes, NCCL or `--device cuda` without CUDA, half precision on the CPU, the `mpi`
+    /// backend (its ranks are started by `mpirun`, not by tpctl).
     pub fn launch(
         &self,
         flags: &LaunchFlags,
@@ -645,6 +646,15 @@ impl Config {
             bail!(
                 "the nccl backend: this tpctl was built without CUDA; build it with \
                  `cargo build --release -p tpctl --features cuda`"
+            );
+        }
+        if [backends.tp, backends.cp, backends.control].contains(&CommBackend::Mpi) {
+            // MPI's world is the processes mpirun started; the ranks this launcher starts
+            // are not in one (each would be an MPI world of its own).
+            bail!(
+                "the mpi backend connects ranks started by mpirun, and tpctl starts its ranks \
+                 itself: use shm on one host or tcp across hosts (mpi serves programs run \
+                 under mpirun through the collectives library)"
             );
         }
         let threads = flags.threads.unwrap_or(if self.runtime.threads > 0 {

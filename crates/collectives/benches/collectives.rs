@@ -1,9 +1,11 @@
 //! Collectives benchmark: latency and bandwidth of all_reduce, all_gather and broadcast on the
-//! shm and tcp backends, 2 and 4 ranks, 8 B to 16 MiB, with nccl-tests' algbw/busbw formulas.
+//! shm and tcp backends (and mpi, with the feature `mpi`), 2 and 4 ranks, 8 B to 16 MiB, with
+//! nccl-tests' algbw/busbw formulas.
 //!
 //! Run through `cargo xtask bench collectives`, which also measures OpenMPI in the same run.
-//! Without `RANK` in the environment this program is the launcher: it starts the ranks (copies
-//! of itself) for each configuration and prints one JSON object per measurement, or a table.
+//! Without `RANK` (or OpenMPI's rank) in the environment this program is the launcher: it
+//! starts the ranks (copies of itself; under `mpirun` for mpi) for each configuration and
+//! prints one JSON object per measurement, or a table.
 
 use collectives::{init_parallel, Collective, Communicator, InitOptions, ReduceOp};
 use mesh::{AxisBackends, CommBackend};
@@ -14,7 +16,7 @@ const SIZES: [usize; 7] = [8, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16
 const OPS: [&str; 3] = ["all_reduce", "all_gather", "broadcast"];
 
 fn main() {
-    if std::env::var_os("RANK").is_some() {
+    if std::env::var_os("RANK").is_some() || std::env::var_os("OMPI_COMM_WORLD_RANK").is_some() {
         rank_main();
         return;
     }
@@ -22,6 +24,7 @@ fn main() {
     let json = args.iter().any(|a| a == "--json");
     let backends: Vec<String> = match args.iter().position(|a| a == "--backends") {
         Some(i) => args[i + 1].split(',').map(str::to_owned).collect(),
+        None if cfg!(feature = "mpi") => vec!["shm".into(), "tcp".into(), "mpi".into()],
         None => vec!["shm".into(), "tcp".into()],
     };
     if !json {
@@ -67,8 +70,45 @@ fn print_row(json: &str) {
 /// Starts `world` ranks on `backend` (the tests' launcher, with its port retry) and returns
 /// rank 0's result lines.
 fn launch(backend: &str, world: usize) -> Vec<String> {
+    if backend == "mpi" {
+        return launch_mpirun(world, Duration::from_secs(30 * 60));
+    }
     let env = [("TPCTL_BENCH_BACKEND", backend.to_owned())];
     tpctl_tests::launch_self(backend, world, &env, Duration::from_secs(30 * 60))
+}
+
+/// Starts `world` ranks of this program under `mpirun` (one host) and returns rank 0's result
+/// lines; kills the job past `deadline`.
+fn launch_mpirun(world: usize, deadline: Duration) -> Vec<String> {
+    use std::process::{Command, Stdio};
+    let port = tpctl_tests::free_port();
+    let mut child = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-n", &world.to_string()])
+        .arg(std::env::current_exe().expect("this program's path"))
+        .env("TPCTL_BENCH_BACKEND", "mpi")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("mpirun could not start: `cargo xtask install-mpi` installs OpenMPI");
+    let until = Instant::now() + deadline;
+    while child.try_wait().expect("mpirun's status").is_none() {
+        if Instant::now() > until {
+            let _ = child.kill();
+            panic!("mpirun with {world} ranks ran past {deadline:?}; killed");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = child.wait_with_output().expect("mpirun's output");
+    assert!(out.status.success(), "mpirun with {world} ranks failed: {}", out.status);
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(str::to_owned)
+        .collect()
 }
 
 fn iterations(bytes: usize) -> usize {
@@ -84,7 +124,7 @@ fn rank_main() {
         .unwrap_or_else(|_| "shm".into())
         .parse()
         .expect("backend");
-    let world: usize = std::env::var("WORLD_SIZE").expect("WORLD_SIZE").parse().expect("number");
+    let world = mesh::Rendezvous::from_env().expect("the launcher's variables").world_size;
     let opts = InitOptions {
         tp: Some(world),
         head_groups: world,

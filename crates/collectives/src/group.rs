@@ -5,10 +5,12 @@
 //! that axis. A group's first member leads its set-up: for `shm` it creates the segment and
 //! publishes its path; for `tcp` every member publishes its listening address; for `nccl` it
 //! makes the NCCL unique id and publishes it, and each member uses the CUDA device of
-//! [`InitOptions::device`] (normally `cuda:LOCAL_RANK`, from [`Device::select`]).
+//! [`InitOptions::device`] (normally `cuda:LOCAL_RANK`, from [`Device::select`]); for `mpi`
+//! the members meet at a store barrier, then make the group's MPI communicator.
 
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
+use crate::mpi::MpiComm;
 use crate::nccl::NcclCommunicator;
 use crate::shm::{ShmComm, ShmOptions};
 use crate::solo::Solo;
@@ -154,6 +156,24 @@ impl World {
                     device,
                     opts.timeout,
                 )?)
+            }
+            CommBackend::Mpi => {
+                let world = self.rendezvous.world_size;
+                let (mpi_rank, mpi_size) = crate::mpi::world()?;
+                if (mpi_rank, mpi_size) != (me, world) {
+                    return Err(Error::BackendUnavailable {
+                        backend: "mpi",
+                        reason: format!(
+                            "MPI sees this process as rank {mpi_rank} of {mpi_size}, the \
+                             launcher's variables say rank {me} of {world}: start the ranks \
+                             with mpirun"
+                        ),
+                    });
+                }
+                // `MPI_Comm_create_group` waits for every member without a deadline: they
+                // meet here first, where the wait has one.
+                self.store.barrier(&format!("{key}/mpi"), members.len(), opts.timeout)?;
+                Box::new(MpiComm::create(name, members, opts.timeout)?)
             }
             CommBackend::Local => {
                 return Err(Error::BackendUnavailable {

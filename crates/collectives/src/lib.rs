@@ -8,6 +8,7 @@
 //! - [`shm`]: processes on one host, through one shared-memory segment per group;
 //! - [`tcp`]: processes on any hosts, ring algorithms over TCP;
 //! - `nccl` (feature `cuda`): NVIDIA GPUs;
+//! - [`mpi`] (feature `mpi`): processes started by `mpirun`, through the system's MPI library;
 //! - [`Solo`]: a group of one rank (arguments still checked), for code that runs unsharded.
 //!
 //! Every call has a deadline; every error names the operation, the group, this rank and the
@@ -20,6 +21,7 @@ mod dtype;
 mod error;
 mod group;
 pub mod local;
+pub mod mpi;
 pub mod nccl;
 pub mod shm;
 mod solo;
@@ -29,6 +31,7 @@ pub use comm::{AbortHandle, Collective, Communicator, DeviceRange, DeviceStream,
 pub use dtype::{ElemType, Element, ReduceOp};
 pub use error::{Error, Op, Result, Site};
 pub use group::{init_parallel, init_parallel_with, InitOptions, ParallelContext, World};
+pub use mpi::MpiComm;
 pub use shm::{ShmComm, ShmOptions};
 pub use solo::Solo;
 pub use tcp::TcpComm;

@@ -1,5 +1,9 @@
 //! Which communication backend each axis of the mesh uses, chosen independently per axis
 //! (for example NCCL for TP, shared memory for CP, TCP for the control group).
+//!
+//! Which to use where: ranks on one host, `shm`; CPU ranks on several hosts, `mpi` (OpenMPI's
+//! transports, InfiniBand or EFA included, under `mpirun`) or `tcp` (no MPI needed); GPUs,
+//! `nccl` for the data axes.
 
 use std::fmt;
 use std::str::FromStr;
@@ -18,20 +22,28 @@ pub enum CommBackend {
     Tcp,
     /// CUDA devices, through NCCL (feature `cuda`).
     Nccl,
+    /// Processes started by `mpirun`, through the system's MPI library (feature `mpi`).
+    Mpi,
 }
 
 impl CommBackend {
     /// Every backend, in the order of [`CommBackend::name`]'s documentation.
-    pub const ALL: [CommBackend; 4] =
-        [CommBackend::Local, CommBackend::Shm, CommBackend::Tcp, CommBackend::Nccl];
+    pub const ALL: [CommBackend; 5] = [
+        CommBackend::Local,
+        CommBackend::Shm,
+        CommBackend::Tcp,
+        CommBackend::Nccl,
+        CommBackend::Mpi,
+    ];
 
-    /// The backend's name: `local`, `shm`, `tcp` or `nccl`.
+    /// The backend's name: `local`, `shm`, `tcp`, `nccl` or `mpi`.
     pub fn name(self) -> &'static str {
         match self {
             CommBackend::Local => "local",
             CommBackend::Shm => "shm",
             CommBackend::Tcp => "tcp",
             CommBackend::Nccl => "nccl",
+            CommBackend::Mpi => "mpi",
         }
     }
 }
@@ -49,7 +61,7 @@ impl FromStr for CommBackend {
         CommBackend::ALL.into_iter().find(|b| b.name() == s.trim()).ok_or_else(|| Error::Parse {
             what: "backend",
             value: s.to_owned(),
-            expected: "local, shm, tcp or nccl",
+            expected: "local, shm, tcp, nccl or mpi",
         })
     }
 }

@@ -11,7 +11,7 @@
 //! Each entry is `POINT=ACTION[@RANK][#SKIP]`: `ACTION` is `error` (the call returns
 //! [`Injected`]), `delay(MS)` (the call sleeps, then goes on), `kill` (the process exits at once
 //! with code 137, like a SIGKILL, skipping destructors) or `panic`. `@RANK` limits the entry to
-//! the process whose `RANK` variable has that value; `#SKIP` lets the first `SKIP` hits pass, so a
+//! the process whose `RANK` variable (under `mpirun`, `OMPI_COMM_WORLD_RANK`) has that value; `#SKIP` lets the first `SKIP` hits pass, so a
 //! peer can die in the middle of a collective rather than before it.
 
 use std::fmt;
@@ -141,7 +141,11 @@ mod active {
                 eprintln!("{e}");
                 std::process::exit(2)
             });
-            let rank = std::env::var("RANK").ok().and_then(|r| r.parse::<usize>().ok());
+            // torchrun's (and tpctl's) rank, or OpenMPI's under mpirun.
+            let rank = ["RANK", "OMPI_COMM_WORLD_RANK"]
+                .iter()
+                .find_map(|var| std::env::var(var).ok())
+                .and_then(|r| r.parse::<usize>().ok());
             entries
                 .into_iter()
                 .filter(|e| e.rank.is_none() || e.rank == rank)

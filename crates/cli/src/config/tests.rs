@@ -65,7 +65,7 @@ fn errors_name_the_key_line_and_column() {
         ("[layout]\ntp = 2\ntpp = 3\n", &["cfg.toml", "line 3", "unknown field `tpp`"][..]),
         ("[modle]\nname = \"x\"\n", &["line 1", "unknown field `modle`"]),
         ("[layout]\ntp = \"two\"\n", &["line 2", "invalid type"]),
-        ("[layout.backends]\ntp = \"mpi\"\n", &["line 2", "local, shm, tcp or nccl"]),
+        ("[layout.backends]\ntp = \"gloo\"\n", &["line 2", "local, shm, tcp, nccl or mpi"]),
         ("[sleep.kv_cache]\nrestore = \"later\"\n", &["line 2", "unknown variant `later`"]),
         ("[sampling]\ntop_p = 1.5\n", &["`sampling.top_p` must be in (0, 1]"]),
         ("[layout]\ncp = 0\n", &["`layout.cp` must be at least 1"]),
@@ -148,6 +148,8 @@ fn launch_settings_refuse_what_cannot_run() {
     assert!(err(uneven, false).contains("3 ranks do not split evenly over --nnodes 2"));
     let nccl = LaunchFlags { backend: Some(mesh::CommBackend::Nccl), ..flags(None, None) };
     assert!(err(nccl, false).contains("built without CUDA"));
+    let mpi = LaunchFlags { backend: Some(mesh::CommBackend::Mpi), ..flags(Some(2), None) };
+    assert!(err(mpi, false).contains("ranks started by mpirun"));
     let gpu = LaunchFlags { device: Some(ComputeDevice::Cuda), ..flags(None, None) };
     assert!(err(gpu, false).contains("--device cuda"));
     let half = LaunchFlags { dtype: Some(ComputeDtype::Bf16), ..flags(None, None) };

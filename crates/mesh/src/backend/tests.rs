@@ -8,8 +8,9 @@ fn names_round_trip() {
         assert_eq!(backend.to_string().parse::<CommBackend>().unwrap(), backend);
     }
     assert_eq!(" nccl ".parse::<CommBackend>().unwrap(), CommBackend::Nccl);
+    assert_eq!("mpi".parse::<CommBackend>().unwrap(), CommBackend::Mpi);
     let msg = "gloo".parse::<CommBackend>().unwrap_err().to_string();
-    assert_eq!(msg, "unknown backend \"gloo\": expected local, shm, tcp or nccl");
+    assert_eq!(msg, "unknown backend \"gloo\": expected local, shm, tcp, nccl or mpi");
 }
 
 #[test]
