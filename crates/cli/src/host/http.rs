@@ -106,7 +106,6 @@ async fn guard(State(host): State<Arc<Host>>, req: Request, next: Next) -> Respo
     }
 }
 
-
 async fn not_found(req: Request) -> Response {
     error(
         StatusCode::NOT_FOUND,

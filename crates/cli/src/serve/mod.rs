@@ -36,8 +36,8 @@ use std::time::{Duration, Instant};
 /// How long a stopping server has to write the answers in flight before the process exits.
 const HTTP_FLUSH: Duration = Duration::from_secs(2);
 
-pub use http::BODY_LIMIT;
 pub(crate) use http::bearer_matches;
+pub use http::BODY_LIMIT;
 
 /// What rank 0 brings to the server: its engine parts and the model it loaded.
 pub struct Rank0<'a> {
