@@ -91,7 +91,11 @@ impl Sequences {
             let out = if argmax {
                 model.forward_batch_argmax(comms, &mut seqs).map(|ids| ids.map(Picked::Ids))
             } else {
-                model.forward_batch(comms, &mut seqs).map(|logits| logits.map(Picked::Logits))
+                // The logits come to the host here, so a failed copy is this step's error.
+                model.forward_batch(comms, &mut seqs).and_then(|logits| {
+                    let host = logits.map(|l| l.into_host_vec().map(Picked::Logits));
+                    Ok(host.transpose()?)
+                })
             };
             out.map_err(|source| {
                 let error = StepError {
@@ -121,7 +125,7 @@ impl Sequences {
         let sampled = out.map(|picked| match picked {
             Picked::Logits(logits) => {
                 let vocab = model.config().vocab_size;
-                samplers.sample_with_prompts(plan, logits.data(), vocab)
+                samplers.sample_with_prompts(plan, &logits, vocab)
             }
             Picked::Ids(ids) => {
                 let tokens = ids.into_iter().map(|token| SampledToken { token, logprobs: None });
@@ -183,8 +187,8 @@ impl Sequences {
 
 /// What a step's forward pass hands back on the rank that samples.
 enum Picked {
-    /// The logits of the wanted rows, for the samplers.
-    Logits(tensor::Tensor),
+    /// The logits of the wanted rows, on the host for the samplers.
+    Logits(Vec<f32>),
     /// The greedy tokens of the sampled entries, found without the logits.
     Ids(Vec<u32>),
 }

@@ -33,6 +33,15 @@ pub enum Error {
         /// The error.
         message: String,
     },
+    /// Copying a tensor from its device to the host failed: the device is unusable and the
+    /// data is lost with it.
+    #[error("copying a tensor from {device} to the host failed: {reason}")]
+    DeviceCopy {
+        /// The device the data lived on.
+        device: mesh::Device,
+        /// What the driver said.
+        reason: String,
+    },
     /// The backend is compiled in but cannot run here.
     #[error("{backend} backend unavailable: {reason}")]
     BackendUnavailable {

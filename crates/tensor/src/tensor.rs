@@ -68,17 +68,31 @@ pub struct OnDevice<T> {
 }
 
 impl<T: bytemuck::Pod> OnDevice<T> {
-    /// The host copy, made on first use. A copy that fails means the device is gone and the
-    /// data with it; there is nothing to return, so it panics with the reason (the session
-    /// engine turns a panic in a model call into a failed step that names the rank).
-    fn host(&self) -> &Vec<T> {
-        self.host.get_or_init(|| {
-            let mut v = vec![T::zeroed(); self.data.byte_len() / std::mem::size_of::<T>()];
-            if let Err(e) = self.data.download(bytemuck::cast_slice_mut(&mut v)) {
-                panic!("copying a tensor from {:?} to the host failed: {e}", self.data.device());
-            }
-            v
-        })
+    /// The host copy, made by the first call: a failed copy means the device is gone and the
+    /// data with it, and says which device and why.
+    fn fetch(&self) -> Result<&[T]> {
+        if let Some(host) = self.host.get() {
+            return Ok(host);
+        }
+        let mut v = vec![T::zeroed(); self.data.byte_len() / std::mem::size_of::<T>()];
+        self.data
+            .download(bytemuck::cast_slice_mut(&mut v))
+            .map_err(|reason| Error::DeviceCopy { device: self.data.device(), reason })?;
+        // Another thread may have copied it first: both copies hold the same bytes.
+        Ok(self.host.get_or_init(|| v))
+    }
+
+    /// The host copy [`OnDevice::fetch`] made. Reading device data that no call fetched is a
+    /// bug of the caller (host code must copy it with [`Tensor::host`], which can fail), not a
+    /// device failure, so it panics saying so.
+    fn fetched(&self) -> &[T] {
+        match self.host.get() {
+            Some(host) => host,
+            None => panic!(
+                "a tensor on {} was read on the host before Tensor::host copied it there",
+                self.data.device()
+            ),
+        }
     }
 }
 
@@ -169,20 +183,22 @@ impl<T: bytemuck::Pod> Storage<T> {
         Storage::external(mem)
     }
 
-    /// The elements (copied from the device on first use for device data).
+    /// The elements. Device data must have been copied to the host first
+    /// ([`Storage::host`]); reading it otherwise is a bug and panics.
     pub fn as_slice(&self) -> &[T] {
         match self {
             Storage::Owned(v) => v,
             Storage::External(m) => bytemuck::cast_slice(m.bytes()),
-            Storage::Device(d) => d.host(),
+            Storage::Device(d) => d.fetched(),
         }
     }
 
-    /// The elements, mutably. Device data is copied to the host and the storage becomes an
-    /// owned vector.
+    /// The elements, mutably. Device data that was copied to the host becomes an owned
+    /// vector (its device data is let go); device data that was not is a bug, as in
+    /// [`Storage::as_slice`].
     pub fn as_mut_slice(&mut self) -> &mut [T] {
         if let Storage::Device(d) = self {
-            d.host();
+            d.fetched();
             let host = std::mem::take(&mut d.host).into_inner().unwrap_or_default();
             *self = Storage::Owned(host);
         }
@@ -192,6 +208,28 @@ impl<T: bytemuck::Pod> Storage<T> {
             // Not reached: device data was turned into an owned vector just above.
             Storage::Device(d) => d.host.get_mut().map_or(&mut [], Vec::as_mut_slice),
         }
+    }
+
+    /// The elements on the host: device data is copied once, at the first call (later reads,
+    /// [`Storage::as_slice`] included, use that copy, and the device data stays).
+    ///
+    /// # Errors
+    /// [`Error::DeviceCopy`] when the copy from the device fails.
+    pub fn host(&self) -> Result<&[T]> {
+        match self {
+            Storage::Device(d) => d.fetch(),
+            host => Ok(host.as_slice()),
+        }
+    }
+
+    /// The elements on the host, mutably: device data is copied and the storage becomes an
+    /// owned host vector.
+    ///
+    /// # Errors
+    /// As [`Storage::host`].
+    pub fn host_mut(&mut self) -> Result<&mut [T]> {
+        self.host()?;
+        Ok(self.as_mut_slice())
     }
 
     /// The elements as bytes.
@@ -388,23 +426,65 @@ impl Tensor {
         self.shape[..self.shape.len().saturating_sub(1)].iter().product()
     }
 
-    /// The elements in row-major order.
+    /// The elements in row-major order, of a tensor on the host. A device tensor's data
+    /// reaches the host only through [`Tensor::host`], which can fail; reading one that was
+    /// not copied is a bug and panics.
     pub fn data(&self) -> &[f32] {
         self.storage.as_slice()
     }
 
-    /// The elements in row-major order, mutably (device data moves to the host).
+    /// The elements in row-major order, mutably, of a tensor on the host (device data that
+    /// [`Tensor::host`] copied moves to the host; see [`Tensor::host_mut`]).
     pub fn data_mut(&mut self) -> &mut [f32] {
         self.storage.as_mut_slice()
     }
 
-    /// Row `i` of the tensor viewed as `[rows, row_len]`.
+    /// Row `i` of the tensor viewed as `[rows, row_len]`, on the host (as [`Tensor::data`]).
     pub fn row(&self, i: usize) -> &[f32] {
         let n = self.row_len();
         &self.data()[i * n..(i + 1) * n]
     }
 
-    /// The data, consumed (copied out of external memory).
+    /// The elements on the host: a device tensor's data is copied once, at the first call,
+    /// and kept beside the device data (so [`Tensor::data`] reads it from then on).
+    ///
+    /// # Errors
+    /// [`Error::DeviceCopy`] when the copy from the device fails (the device is gone).
+    pub fn host(&self) -> Result<&[f32]> {
+        self.storage.host()
+    }
+
+    /// Row `i` on the host (see [`Tensor::host`]).
+    ///
+    /// # Errors
+    /// As [`Tensor::host`].
+    pub fn host_row(&self, i: usize) -> Result<&[f32]> {
+        let n = self.row_len();
+        Ok(&self.host()?[i * n..(i + 1) * n])
+    }
+
+    /// The elements on the host, mutably: a device tensor is copied and lives on the host
+    /// from then on.
+    ///
+    /// # Errors
+    /// As [`Tensor::host`].
+    pub fn host_mut(&mut self) -> Result<&mut [f32]> {
+        self.storage.host_mut()
+    }
+
+    /// The data, consumed (copied out of external memory or from the device).
+    ///
+    /// # Errors
+    /// As [`Tensor::host`].
+    pub fn into_host_vec(self) -> Result<Vec<f32>> {
+        match self.storage {
+            Storage::Owned(v) => Ok(v),
+            other => Ok(other.host()?.to_vec()),
+        }
+    }
+
+    /// The data, consumed (copied out of external memory), of a tensor on the host (as
+    /// [`Tensor::data`]).
     pub fn into_vec(self) -> Vec<f32> {
         match self.storage {
             Storage::Owned(v) => v,
@@ -616,11 +696,11 @@ mod tests {
         }
     }
 
-    /// Device data is copied to the host once, at the first read; shape queries never copy;
-    /// clones share it (so it is not writable in place until they are gone); a write moves the
-    /// tensor to the host.
+    /// Device data is copied to the host once, by the first [`Tensor::host`]; shape queries
+    /// never copy; clones share it (so it is not writable in place until they are gone); a
+    /// write moves the tensor to the host.
     #[test]
-    fn device_data_is_copied_to_the_host_once_on_first_read() {
+    fn device_data_is_copied_to_the_host_once_by_the_first_host_call() {
         let dev = FakeDevice::new(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
         let counter = dev.downloads.clone();
         let downloads = || counter.load(std::sync::atomic::Ordering::SeqCst);
@@ -631,13 +711,14 @@ mod tests {
         assert!(t.storage_mut().device_data_for_write().is_none(), "a clone shares the data");
         drop(t2);
         assert!(t.storage_mut().device_data_for_write().is_some());
-        assert_eq!(t.row(1), &[4.0, 5.0, 6.0]);
-        assert_eq!(t.data(), &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        assert_eq!(t.host_row(1).unwrap(), &[4.0, 5.0, 6.0]);
+        assert_eq!(t.data(), &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "data() reads the copy");
+        assert_eq!(t.host().unwrap(), t.data());
         assert_eq!(downloads(), 1);
         assert_eq!(t.device(), Device::Cuda(3), "reading keeps the device data");
         // Writing in place drops the host copy: the next read copies again.
         assert!(t.storage_mut().device_data_for_write().is_some());
-        assert_eq!(t.data()[0], 1.0);
+        assert_eq!(t.host().unwrap()[0], 1.0);
         assert_eq!(downloads(), 2);
         t.data_mut()[0] = 9.0;
         assert_eq!(t.device(), Device::Cpu);
@@ -649,24 +730,45 @@ mod tests {
         assert!(err.to_string().contains("needs 4 elements, storage has 3"), "{err}");
         let mut t = Tensor::zeros(&[3]);
         t.set_device_data(FakeDevice::new(vec![7.0; 3])).unwrap();
-        assert_eq!((t.device(), t.data()), (Device::Cuda(3), &[7.0; 3][..]));
+        assert_eq!((t.device(), t.host_mut().unwrap()), (Device::Cuda(3), &mut [7.0; 3][..]));
+        assert_eq!(t.device(), Device::Cpu, "host_mut moves the tensor to the host");
         let err = t.set_device_data(FakeDevice::new(vec![7.0; 2])).unwrap_err();
         assert!(err.to_string().contains("2 elements for a tensor of 3"), "{err}");
+        let t = Tensor::from_device(&[2], FakeDevice::new(vec![1.0, 2.0])).unwrap();
+        assert_eq!(t.into_host_vec().unwrap(), vec![1.0, 2.0]);
     }
 
-    /// A failed copy from the device says which device and why.
+    /// Device data that no call copied is not read behind the caller's back: `data()` on it
+    /// is a bug, named as one (not a download that could fail inside an infallible call).
     #[test]
-    fn a_lost_device_is_named_when_its_data_is_read() {
+    fn device_data_is_not_copied_implicitly() {
+        let dev = FakeDevice::new(vec![1.0, 2.0]);
+        let counter = dev.downloads.clone();
+        let t = Tensor::from_device(&[2], dev).unwrap();
+        let read = std::panic::AssertUnwindSafe(|| t.data().to_vec());
+        let got = std::panic::catch_unwind(read).unwrap_err();
+        let msg = got.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert_eq!(
+            msg,
+            "a tensor on cuda:3 was read on the host before Tensor::host copied it there"
+        );
+        assert_eq!(counter.load(std::sync::atomic::Ordering::SeqCst), 0);
+    }
+
+    /// A failed copy from the device is an error that says which device and why.
+    #[test]
+    fn a_lost_device_is_named_when_its_data_is_copied() {
         let dev = Arc::new(FakeDevice {
             values: vec![0.0; 2],
             downloads: Default::default(),
             fail: true,
         });
-        let t = Tensor::from_device(&[2], dev).unwrap();
-        let read = std::panic::AssertUnwindSafe(|| t.data().to_vec());
-        let got = std::panic::catch_unwind(read).unwrap_err();
-        let msg = got.downcast_ref::<String>().cloned().unwrap_or_default();
-        assert_eq!(msg, "copying a tensor from Cuda(3) to the host failed: device lost");
+        let mut t = Tensor::from_device(&[2], dev).unwrap();
+        let want = "copying a tensor from cuda:3 to the host failed: device lost";
+        assert_eq!(t.host().unwrap_err().to_string(), want);
+        assert_eq!(t.host_row(0).unwrap_err().to_string(), want);
+        assert_eq!(t.host_mut().unwrap_err().to_string(), want);
+        assert_eq!(t.device(), Device::Cuda(3), "a failed copy leaves the tensor as it was");
     }
 
     #[test]

@@ -17,6 +17,17 @@ pub fn random_vec(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// The CPU backend with `threads` threads handing every output out as device data, as the
+/// CUDA backend does (see [`crate::kernels::cpu::CpuBackend::with_device_outputs`]): code
+/// that reads an output on the host without [`crate::Tensor::host`] panics under it.
+///
+/// # Panics
+/// When the threads cannot be spawned.
+pub fn cpu_with_device_outputs(threads: usize) -> Backend {
+    let cpu = crate::kernels::cpu::CpuBackend::with_device_outputs(threads);
+    Backend::Cpu(cpu.expect("spawning the CPU backend's threads"))
+}
+
 /// Asserts `got` and `want` agree element-wise within `tol` relative to max(1, |want|).
 ///
 /// # Panics

@@ -139,7 +139,7 @@ impl LayerCache {
         positions: &[usize],
     ) -> Result<()> {
         let Buffers::Device { k: kb, v: vb, elem } = &self.buffers else {
-            return self.append(be, k.data(), v.data(), positions);
+            return self.append(be, k.host()?, v.host()?, positions);
         };
         let len = self.check_append(positions.len(), k.len(), v.len())?;
         be.write_tensor(kb.as_ref(), *elem, len * self.row, k, 0..k.len())?;

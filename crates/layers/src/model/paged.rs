@@ -235,7 +235,7 @@ impl KvPool {
             (Blocks::Host(data), _) => {
                 let (k, v) = match rows {
                     Rows::Host(k, v) => (k, v),
-                    Rows::Tensors(k, v) => (k.data(), v.data()),
+                    Rows::Tensors(k, v) => (k.host()?, v.host()?),
                 };
                 let mut data = data.write().unwrap_or_else(PoisonError::into_inner);
                 let data = data.as_mut_slice();

@@ -193,7 +193,7 @@ impl Model {
             be.add_assign(&mut x, &m)?;
         }
         if logits == Logits::Last && tokens.len() > 1 {
-            x = Tensor::from_vec(&[1, c.hidden], x.row(tokens.len() - 1).to_vec())?;
+            x = Tensor::from_vec(&[1, c.hidden], x.host_row(tokens.len() - 1)?.to_vec())?;
         }
         let x = be.rms_norm(&x, &self.norm, c.rms_eps)?;
         Ok(be.linear(&x, self.lm_head.as_ref().map_or(&self.embed, Linear::weight))?)
@@ -222,7 +222,7 @@ impl Model {
         let positions: Vec<usize> = (start..start + prompt.len()).collect();
         let mut logits = self.forward(prompt, &positions, cache, Logits::Last)?;
         loop {
-            let next = self.backend.argmax_rows(&logits)[0] as u32;
+            let next = self.backend.argmax_rows(&logits)?[0] as u32;
             out.push(next);
             on_token(next);
             if out.len() >= max_new || stop.contains(&next) || cache.len() >= cache.capacity() {

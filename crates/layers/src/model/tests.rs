@@ -406,7 +406,7 @@ fn greedy_generate_equals_argmax_of_recomputed_prefills() {
         let pos: Vec<usize> = (0..seq.len()).collect();
         let logits =
             model.forward(&seq, &pos, &mut model.new_cache(seq.len()), Logits::Last).unwrap();
-        assert_eq!(model.backend().argmax_rows(&logits)[0] as u32, tok);
+        assert_eq!(model.backend().argmax_rows(&logits).unwrap()[0] as u32, tok);
         seq.push(tok);
     }
     // Stops at a stop token (included) and when the cache is full.

@@ -76,8 +76,8 @@ impl ParallelAttention {
             match &p.split {
                 Split::Prefill(_) => {
                     cache.append_tensors(be, layer, &ke, &ve, &p.positions)?;
-                    mine.extend_from_slice(ke.data());
-                    mine.extend_from_slice(ve.data());
+                    mine.extend_from_slice(ke.host()?);
+                    mine.extend_from_slice(ve.host()?);
                     outs.push(None);
                 }
                 Split::Extend(_) if p.owned.iter().all(|&o| o) => {
@@ -87,8 +87,8 @@ impl ParallelAttention {
                 Split::Extend(_) => {
                     let (mut mk, mut mv, mut mp) = (Vec::new(), Vec::new(), Vec::new());
                     for (i, _) in p.owned.iter().enumerate().filter(|(_, &o)| o) {
-                        mk.extend_from_slice(&ke.data()[i * kv_width..(i + 1) * kv_width]);
-                        mv.extend_from_slice(&ve.data()[i * kv_width..(i + 1) * kv_width]);
+                        mk.extend_from_slice(&ke.host()?[i * kv_width..(i + 1) * kv_width]);
+                        mv.extend_from_slice(&ve.host()?[i * kv_width..(i + 1) * kv_width]);
                         mp.push(p.positions[i]);
                     }
                     cache.append(be, layer, &mk, &mv, &mp)?;
@@ -102,8 +102,8 @@ impl ParallelAttention {
                     let lse = lse.ok_or_else(|| {
                         Error::shape("extend attention", "no log-sum-exp returned")
                     })?;
-                    mine.extend_from_slice(out.data());
-                    mine.extend_from_slice(lse.data());
+                    mine.extend_from_slice(out.host()?);
+                    mine.extend_from_slice(lse.host()?);
                 }
                 outs.push(Some(out));
             }

@@ -259,7 +259,7 @@ impl ParallelModel {
             let mut mine = Vec::with_capacity(sizes[cp_rank]);
             for (_, _, p) in wanted.iter().filter(|w| w.0 && matches!(w.2.split, Split::Prefill(_)))
             {
-                mine.extend_from_slice(&x.data()[p.rows.start * hidden..p.rows.end * hidden]);
+                mine.extend_from_slice(&x.host()?[p.rows.start * hidden..p.rows.end * hidden]);
             }
             gathered = vec![0f32; sizes.iter().sum()];
             comms.cp.all_gather_uneven(&mine, &mut gathered, &sizes)?;
@@ -281,7 +281,9 @@ impl ParallelModel {
         if cp_rank != 0 {
             if cp_rank == holder && !from_holder.is_empty() {
                 let mut rows = Vec::with_capacity(from_holder.len() * hidden);
-                from_holder.iter().for_each(|&r| rows.extend_from_slice(x.row(r)));
+                for &r in &from_holder {
+                    rows.extend_from_slice(x.host_row(r)?);
+                }
                 comms.cp.send(&rows, 0)?;
             }
             return Ok(FinalRows::Elsewhere);
@@ -302,12 +304,14 @@ impl ParallelModel {
                     }
                 }
                 (Split::Extend(_), true, _) => {
-                    rows.extend_from_slice(&x.data()[p.rows.start * hidden..p.rows.end * hidden]);
+                    rows.extend_from_slice(&x.host()?[p.rows.start * hidden..p.rows.end * hidden]);
                 }
                 (Split::Prefill(_), false, true) => {
                     rows.extend_from_slice(received.next().unwrap_or_default());
                 }
-                (Split::Extend(_), false, true) => rows.extend_from_slice(x.row(p.rows.end - 1)),
+                (Split::Extend(_), false, true) => {
+                    rows.extend_from_slice(x.host_row(p.rows.end - 1)?)
+                }
                 (_, false, false) => {}
             }
         }
@@ -406,7 +410,7 @@ impl ParallelModel {
                 // Shards ascend, so the last CP rank holds the last token.
                 let holder = self.placement.cp - 1;
                 let mut last = if self.placement.cp_rank == holder {
-                    x.row(x.rows() - 1).to_vec()
+                    x.host_row(x.rows() - 1)?.to_vec()
                 } else {
                     vec![0f32; c.hidden]
                 };
@@ -415,7 +419,7 @@ impl ParallelModel {
             }
             (Split::Extend(_), Logits::All) => x,
             (Split::Extend(_), Logits::Last) => {
-                Tensor::from_vec(&[1, c.hidden], x.row(x.rows() - 1).to_vec())?
+                Tensor::from_vec(&[1, c.hidden], x.host_row(x.rows() - 1)?.to_vec())?
             }
         };
         Ok(self.backend.rms_norm(&x, &self.norm, c.rms_eps)?)

@@ -61,7 +61,7 @@ pub fn gather_columns(
     let rows = local.rows();
     let sizes: Vec<usize> = widths.iter().map(|w| w * rows).collect();
     let mut blocks = vec![0f32; sizes.iter().sum()];
-    tp.all_gather_uneven(local.data(), &mut blocks, &sizes)?;
+    tp.all_gather_uneven(local.host()?, &mut blocks, &sizes)?;
     Ok(Tensor::from_vec(&[rows, widths.iter().sum()], interleave(&blocks, rows, widths))?)
 }
 
@@ -104,7 +104,7 @@ impl ColumnParallelLinear {
     pub fn forward(&self, be: &Backend, x: &Tensor) -> Result<Tensor> {
         let mut y = self.linear.forward(be, x)?;
         if let Some(b) = &self.bias {
-            for row in y.data_mut().chunks_exact_mut(b.len()) {
+            for row in y.host_mut()?.chunks_exact_mut(b.len()) {
                 row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
             }
         }
@@ -179,7 +179,7 @@ impl RowParallelLinear {
     ) -> Result<Tensor> {
         let mut y = self.linear.forward(be, x_local)?;
         if let Some(b) = &self.bias {
-            for row in y.data_mut().chunks_exact_mut(b.len()) {
+            for row in y.host_mut()?.chunks_exact_mut(b.len()) {
                 row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
             }
         }
@@ -337,7 +337,7 @@ impl ParallelLmHead {
             return Ok(Some(local));
         }
         if tp.rank() != root {
-            tp.send(local.data(), root)?;
+            tp.send(local.host()?, root)?;
             return Ok(None);
         }
         let n = x.rows();
@@ -346,7 +346,7 @@ impl ParallelLmHead {
         let mut part = Vec::new();
         for (r, range) in self.ranges.iter().enumerate() {
             let cols: &[f32] = if r == root {
-                local.data()
+                local.host()?
             } else {
                 part.resize(n * range.len(), 0.0);
                 tp.recv(&mut part, r)?;
@@ -370,14 +370,14 @@ impl ParallelLmHead {
         let local = be.linear(x, &self.weight)?;
         if tp.size() == 1 {
             // The whole vocabulary is here: the backend's argmax (on its device).
-            return Ok(be.argmax_rows(&local).into_iter().map(|i| i as u32).collect());
+            return Ok(be.argmax_rows(&local)?.into_iter().map(|i| i as u32).collect());
         }
         let n = local.rows();
         let start = self.ranges[self.rank].start;
         let mut best = vec![f32::NEG_INFINITY; n];
         let mut ids = vec![i64::MAX; n];
         for r in 0..n {
-            for (j, &v) in local.row(r).iter().enumerate() {
+            for (j, &v) in local.host_row(r)?.iter().enumerate() {
                 // The first number counts even at -inf; NaN never does (the serial argmax).
                 if !v.is_nan() && (ids[r] == i64::MAX || v > best[r]) {
                     best[r] = v;
@@ -452,11 +452,11 @@ impl ParallelRmsNorm {
             ));
         }
         let n = x_local.rows();
-        let mut sums: Vec<f32> =
-            (0..n).map(|r| x_local.row(r).iter().map(|v| v * v).sum()).collect();
+        let rows = x_local.host()?.chunks_exact(w.max(1)).take(n);
+        let mut sums: Vec<f32> = rows.map(|row| row.iter().map(|v| v * v).sum()).collect();
         tp.all_reduce(&mut sums, ReduceOp::Sum)?;
         let mut out = x_local.clone();
-        for (r, row) in out.data_mut().chunks_exact_mut(w).enumerate() {
+        for (r, row) in out.host_mut()?.chunks_exact_mut(w).enumerate() {
             let scale = 1.0 / (sums[r] / self.full_width as f32 + self.eps).sqrt();
             row.iter_mut().zip(&self.weight).for_each(|(x, g)| *x *= scale * g);
         }

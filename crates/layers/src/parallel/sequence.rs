@@ -29,7 +29,7 @@ pub fn gather_tokens(
     }
     let sizes: Vec<usize> = shard.sizes().iter().map(|s| s * width).collect();
     let mut out = vec![0f32; shard.total() * width];
-    cp.all_gather_uneven(local.data(), &mut out, &sizes)?;
+    cp.all_gather_uneven(local.host()?, &mut out, &sizes)?;
     Ok(Tensor::from_vec(&[shard.total(), width], out)?)
 }
 
@@ -54,7 +54,7 @@ pub fn gather_tokens_backward(
     let most = shard.sizes().into_iter().max().unwrap_or(0);
     let mut send = vec![0f32; shard.ranges().len() * most * width];
     for (r, range) in shard.ranges().iter().enumerate() {
-        let src = &grad.data()[range.start * width..range.end * width];
+        let src = &grad.host()?[range.start * width..range.end * width];
         send[r * most * width..r * most * width + src.len()].copy_from_slice(src);
     }
     let mut mine = vec![0f32; most * width];

@@ -157,7 +157,7 @@ fn linear_layers_embedding_and_head_match_the_full_layers() {
             (up_all, down_all, e, logits, (argmax, nan_ids))
         });
         let want_ids: Vec<u32> =
-            be.argmax_rows(&logits_want).into_iter().map(|i| i as u32).collect();
+            be.argmax_rows(&logits_want).unwrap().into_iter().map(|i| i as u32).collect();
         for (up, down, e, logits, (argmax, nan_ids)) in got {
             assert_eq!(nan_ids, vec![0], "tp {tp} distributed argmax of a NaN row");
             assert!(rel_err(up.data(), up_want.data()) < 1e-5, "tp {tp} column-parallel");
@@ -260,13 +260,14 @@ fn check_layouts(spec: &RandomLlama, stem: &str, layouts: &[(usize, usize)]) {
     let prefill = reference.forward(&prompt, &positions, &mut cache, Logits::All).unwrap();
     let last = prefill.row(prompt.len() - 1).to_vec();
     let mut next =
-        reference.backend().argmax_rows(&Tensor::from_vec(&[1, vocab], last).unwrap())[0] as u32;
+        reference.backend().argmax_rows(&Tensor::from_vec(&[1, vocab], last).unwrap()).unwrap()[0]
+            as u32;
     let mut steps = Vec::new();
     for _ in 0..16 {
         let pos = cache.len();
         let logits = reference.forward(&[next], &[pos], &mut cache, Logits::Last).unwrap();
         steps.push((next, logits.clone()));
-        next = reference.backend().argmax_rows(&logits)[0] as u32;
+        next = reference.backend().argmax_rows(&logits).unwrap()[0] as u32;
     }
     for &(tp, cp) in layouts {
         let got = on_mesh(tp, cp, |p, comms| {
@@ -698,7 +699,8 @@ fn batched_steps_match_each_sequence_alone() {
                     let best = |x: &[f32]| {
                         reference
                             .backend()
-                            .argmax_rows(&Tensor::from_vec(&[1, x.len()], x.to_vec()).unwrap())[0]
+                            .argmax_rows(&Tensor::from_vec(&[1, x.len()], x.to_vec()).unwrap())
+                            .unwrap()[0]
                     };
                     assert_eq!(best(logits.row(r)), best(w.data()), "({tp},{cp}) step {i} row {r}");
                 }
@@ -749,6 +751,63 @@ fn batched_argmax_picks_what_the_gathered_logits_pick_in_every_layout() {
                 let want: Vec<u32> = (0..logits.rows()).map(|r| argmax(logits.row(r))).collect();
                 assert_eq!(ids, &want, "({tp},{cp}) step {i}");
             }
+        }
+    }
+    std::fs::remove_file(path).unwrap();
+}
+
+/// A step reads device outputs on the host only through explicit copies ([`Tensor::host`],
+/// which can fail), never behind an infallible call: on a backend whose every output is
+/// device data (any other read panics), single forward passes (all rows, last row),
+/// generation, batched steps and batched greedy picks give the host backend's values bit for
+/// bit in every layout, with Qwen2's biases and an untied head.
+#[test]
+fn steps_read_device_outputs_only_through_explicit_copies() {
+    let spec = RandomLlama {
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 80,
+        vocab: 40,
+        layers: 2,
+        seed: 49,
+        attn_bias: true,
+        untied_head: true,
+        ..RandomLlama::default()
+    };
+    let path = write_model(&spec, "device-outputs.gguf");
+    let steps = mixed_steps(spec.vocab as u32);
+    let prompt: Vec<u32> = vec![3, 17, 5, 38, 0, 22, 9];
+    for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)] {
+        let got = on_mesh(tp, cp, |p, comms| {
+            let mut run = |be: Backend| {
+                let file = GgufFile::open(&path).unwrap();
+                let config = LlamaConfig::from_gguf(&file).unwrap();
+                let opts = LoadOptions::new(p).on(be).form(WeightForm::F32);
+                let model = ParallelModel::from_source(&file, config, opts).unwrap();
+                let host = |t: Tensor| t.into_host_vec().unwrap();
+                let mut cache = model.new_cache(64);
+                let all = model.forward(comms, &prompt, &mut cache, Logits::All).unwrap();
+                let last = model.forward(comms, &[4], &mut cache, Logits::Last).unwrap();
+                let mut cache = model.new_cache(64);
+                let generated = model.generate(comms, &prompt, 6, &[], &mut cache, |_| {});
+                let mut caches: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
+                let logits: Vec<Option<Vec<f32>>> = run_steps(&model, comms, &steps, &mut caches)
+                    .into_iter()
+                    .map(|l| l.map(host))
+                    .collect();
+                let mut caches: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
+                let ids = run_steps_with(comms, &steps, &mut caches, |comms, seqs| {
+                    model.forward_batch_argmax(comms, seqs).unwrap()
+                });
+                (host(all), host(last), generated.unwrap(), logits, ids)
+            };
+            let on_host = run(Backend::cpu(1).unwrap());
+            let on_device = run(tensor::test_util::cpu_with_device_outputs(1));
+            (p, on_host, on_device)
+        });
+        for (p, on_host, on_device) in got {
+            assert!(on_device == on_host, "({tp},{cp}) {p:?}: device outputs changed a result");
         }
     }
     std::fs::remove_file(path).unwrap();
@@ -1212,7 +1271,7 @@ fn assert_same_logits(
         let lb = b.forward(comms, &tokens, b_cache, Logits::All).unwrap();
         assert_eq!(bits(&la), bits(&lb), "{what}: step {step}");
         let last = Tensor::from_vec(&[1, la.row_len()], la.row(la.rows() - 1).to_vec()).unwrap();
-        tokens = vec![a.backend.argmax_rows(&last)[0] as u32];
+        tokens = vec![a.backend.argmax_rows(&last).unwrap()[0] as u32];
     }
 }
 

@@ -368,43 +368,35 @@ impl Backend {
             Backend::Cpu(cpu) => cpu,
             Backend::Cuda(cuda) => return cuda.linear(x, w, (m, n, k), &shape),
         };
+        let x = x.host()?;
         let mut out = Tensor::zeros(&shape);
         match w {
             Weight::F32(wt) => cpu.install(|| {
                 if m <= SMALL_BATCH_MAX_ROWS {
-                    cpu::matvec::matmul_rows(wt.data(), x.data(), m, out.data_mut());
+                    cpu::matvec::matmul_rows(wt.data(), x, m, out.data_mut());
                     Ok(())
-                } else if cpu::sgemm::matmul_nt_avx512(x.data(), wt.data(), out.data_mut(), m, n, k)
-                {
+                } else if cpu::sgemm::matmul_nt_avx512(x, wt.data(), out.data_mut(), m, n, k) {
                     Ok(())
                 } else {
-                    cpu::matmul::matmul_nt(
-                        x.data(),
-                        wt.data(),
-                        out.data_mut(),
-                        m,
-                        n,
-                        k,
-                        cpu.threads(),
-                    )
+                    cpu::matmul::matmul_nt(x, wt.data(), out.data_mut(), m, n, k, cpu.threads())
                 }
             })?,
             Weight::Quant(wq) => cpu.install(|| {
                 if m <= SMALL_BATCH_MAX_ROWS {
-                    cpu::qmatrix::qmatmul(wq, x.data(), m, out.data_mut());
+                    cpu::qmatrix::qmatmul(wq, x, m, out.data_mut());
                     Ok(())
                 } else {
                     // Each GEMM panel dequantizes its own rows: no f32 copy of the matrix.
                     let row = |j: usize, dst: &mut [f32]| wq.dequantize_row(j, dst);
-                    if cpu::sgemm::matmul_nt_rows_avx512(x.data(), &row, out.data_mut(), m, n, k) {
+                    if cpu::sgemm::matmul_nt_rows_avx512(x, &row, out.data_mut(), m, n, k) {
                         return Ok(());
                     }
                     let wt = wq.dequantize();
-                    cpu::matmul::matmul_nt(x.data(), &wt, out.data_mut(), m, n, k, cpu.threads())
+                    cpu::matmul::matmul_nt(x, &wt, out.data_mut(), m, n, k, cpu.threads())
                 }
             })?,
         }
-        Ok(out)
+        cpu.output(out)
     }
 
     /// RMSNorm of every row of `x` with `weight` (one element per column).
@@ -416,10 +408,10 @@ impl Backend {
             format!("rows of {} elements, weight of {}", x.row_len(), weight.len())
         })?;
         match self {
-            Backend::Cpu(_) => {
+            Backend::Cpu(cpu) => {
                 let mut out = Tensor::zeros(x.shape());
-                cpu::norm::rms_norm(x.data(), weight.data(), eps, out.data_mut());
-                Ok(out)
+                cpu::norm::rms_norm(x.host()?, weight.host()?, eps, out.data_mut());
+                cpu.output(out)
             }
             Backend::Cuda(cuda) => cuda.rms_norm(x, weight, eps),
         }
@@ -474,14 +466,16 @@ impl Backend {
         )?;
         let factors = factors.filter(|f| f.iter().any(|&s| s != 1.0));
         match self {
-            Backend::Cpu(_) => cpu::rope::rope_scaled(
-                x.data_mut(),
-                positions,
-                (heads, head_dim, rot_dim),
-                theta,
-                factors,
-                attn_factor,
-            ),
+            Backend::Cpu(cpu) => cpu.in_place(x, |x| {
+                cpu::rope::rope_scaled(
+                    x,
+                    positions,
+                    (heads, head_dim, rot_dim),
+                    theta,
+                    factors,
+                    attn_factor,
+                )
+            })?,
             Backend::Cuda(cuda) => {
                 let dims = (heads, head_dim, rot_dim);
                 cuda.rope(x, positions, dims, theta, factors, attn_factor)?;
@@ -557,9 +551,10 @@ impl Backend {
                 return Err(device_memory_on_cpu("attention"))
             }
         };
+        let q = q.host()?;
         cpu.install(|| {
             cpu::attention::attention_blocks(
-                q.data(),
+                q,
                 q_pos,
                 blocks,
                 kv_pos,
@@ -568,7 +563,7 @@ impl Backend {
                 lse.as_mut().map(|l| l.data_mut()),
             )
         });
-        Ok((out, lse))
+        Ok((cpu.output(out)?, lse.map(|l| cpu.output(l)).transpose()?))
     }
 
     /// `t` summed over `comm`'s group in place. A group of one is the identity (nothing
@@ -586,7 +581,13 @@ impl Backend {
                 return cuda.all_reduce_sum(comm, t);
             }
         }
-        comm.all_reduce(t.data_mut(), collectives::ReduceOp::Sum)?;
+        match self {
+            Backend::Cpu(cpu) => {
+                cpu.in_place(t, |t| comm.all_reduce(t, collectives::ReduceOp::Sum))??
+            }
+            // A device tensor reduced through host memory comes back to the host.
+            Backend::Cuda(_) => comm.all_reduce(t.host_mut()?, collectives::ReduceOp::Sum)?,
+        }
         Ok(())
     }
 
@@ -616,7 +617,10 @@ impl Backend {
             format!("{sizes:?} of a last dimension of {width}")
         })?;
         match self {
-            Backend::Cpu(_) => x.split_last(sizes),
+            Backend::Cpu(cpu) => {
+                x.host()?;
+                x.split_last(sizes)?.into_iter().map(|p| cpu.output(p)).collect()
+            }
             Backend::Cuda(cuda) => cuda.split_last(x, sizes),
         }
     }
@@ -687,7 +691,10 @@ impl Backend {
     pub fn silu_mul(&self, gate: &mut Tensor, up: &Tensor) -> Result<()> {
         check("silu_mul", gate.len() == up.len(), || format!("{} vs {}", gate.len(), up.len()))?;
         match self {
-            Backend::Cpu(_) => cpu::activation::silu_mul(gate.data_mut(), up.data()),
+            Backend::Cpu(cpu) => {
+                let up = up.host()?;
+                cpu.in_place(gate, |gate| cpu::activation::silu_mul(gate, up))?;
+            }
             Backend::Cuda(cuda) => cuda.silu_mul(gate, up)?,
         }
         Ok(())
@@ -704,7 +711,10 @@ impl Backend {
         }
         check("gelu_mul", gate.len() == up.len(), || format!("{} vs {}", gate.len(), up.len()))?;
         match self {
-            Backend::Cpu(_) => cpu::activation::gelu_tanh_mul(gate.data_mut(), up.data()),
+            Backend::Cpu(cpu) => {
+                let up = up.host()?;
+                cpu.in_place(gate, |gate| cpu::activation::gelu_tanh_mul(gate, up))?;
+            }
             Backend::Cuda(cuda) => cuda.gelu_tanh_mul(gate, up)?,
         }
         Ok(())
@@ -716,7 +726,7 @@ impl Backend {
     /// [`Error::BackendUnavailable`] when the device fails.
     pub fn scale(&self, x: &mut Tensor, s: f32) -> Result<()> {
         match self {
-            Backend::Cpu(_) => cpu::activation::scale(x.data_mut(), s),
+            Backend::Cpu(cpu) => cpu.in_place(x, |x| cpu::activation::scale(x, s))?,
             Backend::Cuda(cuda) => cuda.scale(x, s)?,
         }
         Ok(())
@@ -729,7 +739,10 @@ impl Backend {
     pub fn add_assign(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
         check("add_assign", x.len() == y.len(), || format!("{} vs {}", x.len(), y.len()))?;
         match self {
-            Backend::Cpu(_) => cpu::activation::add_assign(x.data_mut(), y.data()),
+            Backend::Cpu(cpu) => {
+                let y = y.host()?;
+                cpu.in_place(x, |x| cpu::activation::add_assign(x, y))?;
+            }
             Backend::Cuda(cuda) => cuda.add_assign(x, y)?,
         }
         Ok(())
@@ -742,7 +755,10 @@ impl Backend {
     /// [`Error::Shape`] when the range is outside the first dimension.
     pub fn slice_first(&self, t: &Tensor, range: std::ops::Range<usize>) -> Result<Tensor> {
         match self {
-            Backend::Cpu(_) => t.slice_first(range),
+            Backend::Cpu(cpu) => {
+                t.host()?;
+                cpu.output(t.slice_first(range)?)
+            }
             Backend::Cuda(cuda) => cuda.slice_first(t, range),
         }
     }
@@ -754,7 +770,12 @@ impl Backend {
     /// [`Error::Shape`] when there are no parts or their other dimensions differ.
     pub fn cat_first(&self, parts: &[Tensor]) -> Result<Tensor> {
         match self {
-            Backend::Cpu(_) => Tensor::cat_first(parts),
+            Backend::Cpu(cpu) => {
+                for p in parts {
+                    p.host()?;
+                }
+                cpu.output(Tensor::cat_first(parts)?)
+            }
             Backend::Cuda(cuda) => cuda.cat_first(parts),
         }
     }
@@ -769,7 +790,10 @@ impl Backend {
             format!("rows of {width} with a bias of {}", bias.len())
         })?;
         match self {
-            Backend::Cpu(_) => cpu::activation::add_rows(x.data_mut(), bias.data()),
+            Backend::Cpu(cpu) => {
+                let bias = bias.host()?;
+                cpu.in_place(x, |x| cpu::activation::add_rows(x, bias))?;
+            }
             Backend::Cuda(cuda) => cuda.add_rows(x, bias)?,
         }
         Ok(())
@@ -784,32 +808,31 @@ impl Backend {
         if let Some((index, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
             return Err(Error::TokenOutOfRange { id, index, vocab });
         }
-        if let Backend::Cuda(cuda) = self {
-            return cuda.embedding(table, ids);
-        }
+        let cpu = match self {
+            Backend::Cpu(cpu) => cpu,
+            Backend::Cuda(cuda) => return cuda.embedding(table, ids),
+        };
         let mut out = Tensor::zeros(&[ids.len(), dim]);
         if dim > 0 {
             for (&id, row) in ids.iter().zip(out.data_mut().chunks_exact_mut(dim)) {
                 row.copy_from_slice(&table.row_f32(id as usize));
             }
         }
-        Ok(out)
+        cpu.output(out)
     }
 
     /// The index of the largest element of each row of `x` (the first on ties; NaN never wins;
     /// 0 for a row without a number).
     ///
-    /// This cannot fail: should the CUDA kernel fail, the host computes the answer from the
-    /// host tensor instead (and logs a warning).
-    pub fn argmax_rows(&self, x: &Tensor) -> Vec<usize> {
-        let host =
-            || (0..x.rows()).map(|r| cpu::activation::argmax(x.row(r)).unwrap_or(0)).collect();
+    /// # Errors
+    /// The CUDA kernel failed, or the CPU backend could not copy a device tensor to the host.
+    pub fn argmax_rows(&self, x: &Tensor) -> Result<Vec<usize>> {
         match self {
-            Backend::Cpu(_) => host(),
-            Backend::Cuda(cuda) => cuda.argmax_rows(x).unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "cuda argmax failed; computed on the host instead");
-                host()
-            }),
+            Backend::Cpu(_) => {
+                x.host()?;
+                Ok((0..x.rows()).map(|r| cpu::activation::argmax(x.row(r)).unwrap_or(0)).collect())
+            }
+            Backend::Cuda(cuda) => cuda.argmax_rows(x),
         }
     }
 }

@@ -18,6 +18,7 @@ pub mod rope;
 pub mod sgemm;
 
 use crate::error::{Error, Result};
+use crate::tensor::{Device, DeviceData, Tensor};
 use std::sync::Arc;
 
 /// Runs CPU kernels on its own rayon pool of a fixed size, so each rank (or each test) decides
@@ -26,6 +27,8 @@ use std::sync::Arc;
 pub struct CpuBackend {
     pool: Arc<rayon::ThreadPool>,
     threads: usize,
+    /// Hand every output out as device data (see [`CpuBackend::with_device_outputs`]).
+    device_outputs: bool,
 }
 
 impl CpuBackend {
@@ -40,7 +43,35 @@ impl CpuBackend {
             .thread_name(|i| format!("layers-cpu-{i}"))
             .build()
             .map_err(|e| Error::ThreadPool { threads, message: e.to_string() })?;
-        Ok(CpuBackend { pool: Arc::new(pool), threads })
+        Ok(CpuBackend { pool: Arc::new(pool), threads, device_outputs: false })
+    }
+
+    /// A backend that computes on the CPU but hands every output out as device data, as the
+    /// CUDA backend does: code above it that reads an output on the host without
+    /// [`Tensor::host`] fails (a test aid; see `test_util::cpu_with_device_outputs`).
+    ///
+    /// # Errors
+    /// As [`CpuBackend::new`].
+    pub fn with_device_outputs(threads: usize) -> Result<Self> {
+        Ok(CpuBackend { device_outputs: true, ..CpuBackend::new(threads)? })
+    }
+
+    /// `t` as this backend hands its outputs out: as it is, or behind the device-data seam.
+    pub(crate) fn output(&self, t: Tensor) -> Result<Tensor> {
+        if !self.device_outputs {
+            return Ok(t);
+        }
+        let shape = t.shape().to_vec();
+        Tensor::from_device(&shape, Arc::new(HeldAsDevice(t.into_host_vec()?)))
+    }
+
+    /// Runs `f` on `x`'s elements on the host, then hands `x` out as [`CpuBackend::output`].
+    pub(crate) fn in_place<R>(&self, x: &mut Tensor, f: impl FnOnce(&mut [f32]) -> R) -> Result<R> {
+        let r = f(x.host_mut()?);
+        if self.device_outputs {
+            *x = self.output(std::mem::replace(x, Tensor::zeros(&[0])))?;
+        }
+        Ok(r)
     }
 
     /// The number of worker threads.
@@ -51,5 +82,29 @@ impl CpuBackend {
     /// Runs `f` inside this backend's pool (rayon calls in `f` use its threads).
     pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
+    }
+}
+
+/// Host memory behind the device-data seam: the outputs of
+/// [`CpuBackend::with_device_outputs`].
+#[derive(Debug)]
+struct HeldAsDevice(Vec<f32>);
+
+impl DeviceData for HeldAsDevice {
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn byte_len(&self) -> usize {
+        std::mem::size_of_val(self.0.as_slice())
+    }
+
+    fn download(&self, out: &mut [u8]) -> std::result::Result<(), String> {
+        out.copy_from_slice(bytemuck::cast_slice(&self.0));
+        Ok(())
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }

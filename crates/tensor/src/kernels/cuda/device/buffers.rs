@@ -136,7 +136,7 @@ impl CudaBackend {
         if let Some(buf) = self.own(t.storage().device_data()) {
             return Ok(Input { ptr: self.addr(buf), _staged: None });
         }
-        let staged = self.upload(op, t.data())?;
+        let staged = self.upload(op, t.host()?)?;
         Ok(Input { ptr: self.addr(&staged), _staged: Some(staged) })
     }
 
@@ -161,7 +161,7 @@ impl CudaBackend {
                 .stream()
                 .clone_dtod(shared)
                 .or_unavailable(|| format!("{op}: copying on the device"))?,
-            None => self.upload(op, t.data())?,
+            None => self.upload(op, t.host()?)?,
         };
         let ptr = self.addr(&buf);
         t.set_device_data(self.wrap(buf))?;

@@ -133,7 +133,7 @@ impl CudaBackend {
     ) -> Result<()> {
         const OP: &str = "kv cache append";
         let Some(buf) = self.own(src.storage().device_data()) else {
-            return self.write_device(dst, elem, offset, &src.data()[range]);
+            return self.write_device(dst, elem, offset, &src.host()?[range]);
         };
         if range.is_empty() {
             return Ok(());
