@@ -26,6 +26,8 @@ pub mod nccl;
 pub mod shm;
 mod solo;
 pub mod tcp;
+#[cfg(any(not(feature = "cuda"), not(feature = "mpi")))]
+mod unavailable;
 
 pub use comm::{AbortHandle, Collective, Communicator, DeviceRange, DeviceStream, DEFAULT_TIMEOUT};
 pub use dtype::{ElemType, Element, ReduceOp};

@@ -1,13 +1,11 @@
 //! [`NcclCommunicator`] in a build without the feature `cuda`: it cannot be made, and every
 //! constructor says which feature is missing, so callers carry no `#[cfg]`.
 
-use crate::call::{GroupCore, Transport};
-use crate::dtype::{ElemType, ReduceOp};
-use crate::error::{Error, Result, Site};
+use crate::error::{Error, Result};
 use crate::nccl::NcclId;
 use mesh::Store;
 use std::convert::Infallible;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The NCCL communicator; this build has no CUDA support, so no value of it exists.
 #[derive(Debug)]
@@ -53,78 +51,4 @@ impl NcclCommunicator {
     }
 }
 
-impl Transport for NcclCommunicator {
-    fn core(&self) -> &GroupCore {
-        match self.never {}
-    }
-    fn core_mut(&mut self) -> &mut GroupCore {
-        match self.never {}
-    }
-    fn backend(&self) -> &'static str {
-        "nccl"
-    }
-    fn publish_failure(&mut self, _error: &Error, _first: bool) {
-        match self.never {}
-    }
-    fn all_reduce(
-        &mut self,
-        _: &Site,
-        _: Instant,
-        _: &mut [u8],
-        _: ElemType,
-        _: ReduceOp,
-    ) -> Result<()> {
-        match self.never {}
-    }
-    fn all_gather(
-        &mut self,
-        _: &Site,
-        _: Instant,
-        _: &[u8],
-        _: &mut [u8],
-        _: &[usize],
-        _: ElemType,
-    ) -> Result<()> {
-        match self.never {}
-    }
-    fn reduce_scatter(
-        &mut self,
-        _: &Site,
-        _: Instant,
-        _: &[u8],
-        _: &mut [u8],
-        _: ElemType,
-        _: ReduceOp,
-    ) -> Result<()> {
-        match self.never {}
-    }
-    fn broadcast(
-        &mut self,
-        _: &Site,
-        _: Instant,
-        _: &mut [u8],
-        _: ElemType,
-        _: usize,
-    ) -> Result<()> {
-        match self.never {}
-    }
-    fn send(&mut self, _: &Site, _: Instant, _: &[u8], _: ElemType, _: usize) -> Result<()> {
-        match self.never {}
-    }
-    fn recv(&mut self, _: &Site, _: Instant, _: &mut [u8], _: ElemType, _: usize) -> Result<()> {
-        match self.never {}
-    }
-    fn all_to_all(
-        &mut self,
-        _: &Site,
-        _: Instant,
-        _: &[u8],
-        _: &mut [u8],
-        _: ElemType,
-    ) -> Result<()> {
-        match self.never {}
-    }
-    fn barrier(&mut self, _: &Site, _: Instant) -> Result<()> {
-        match self.never {}
-    }
-}
+crate::unavailable::unavailable_transport!(NcclCommunicator, "nccl");

@@ -40,7 +40,7 @@ impl NcclCommunicator {
             let (ptr, _sync) = buf.device_ptr_mut(&stream);
             // SAFETY: cudarc guarantees `len` bytes at `ptr` while `_sync` lives.
             me.run(at, |me| unsafe {
-                me.enqueue_all_reduce(ptr, ptr, len / dtype.size(), dtype, op, me.cu_stream())
+                me.enqueue_all_reduce((ptr, ptr), len / dtype.size(), (dtype, op), me.cu_stream())
             })
         })
     }
@@ -99,7 +99,7 @@ impl NcclCommunicator {
             let (dst, _d) = recv.device_ptr_mut(&stream);
             let count = n / dtype.size();
             // SAFETY: cudarc guarantees the sizes checked above while the guards live.
-            me.run(at, |me| unsafe { me.enqueue_reduce_scatter(src, dst, count, dtype, op) })
+            me.run(at, |me| unsafe { me.enqueue_reduce_scatter((src, dst), count, (dtype, op)) })
         })
     }
 

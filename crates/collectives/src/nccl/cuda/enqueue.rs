@@ -1,10 +1,10 @@
-//! The enqueue half of each NCCL operation on device addresses, and the mapping of element
-//! types and reductions to NCCL's.
+//! The enqueue half of each NCCL operation on device addresses, through cudarc's NCCL result
+//! layer, and the mapping of element types and reductions to NCCL's.
 
 use super::{DevPtr, NcclCommunicator};
 use crate::dtype::{ElemType, ReduceOp};
+use cudarc::nccl::result::{self, NcclError, NcclStatus};
 use cudarc::nccl::sys;
-use std::ffi::c_void;
 
 fn nccl_type(dtype: ElemType) -> sys::ncclDataType_t {
     match dtype {
@@ -24,15 +24,13 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
     }
 }
 
-/// An NCCL call's result as `run` wants it.
-fn ok(
-    call: &'static str,
-    code: sys::ncclResult_t,
-) -> std::result::Result<(), (&'static str, sys::ncclResult_t)> {
-    match code {
-        sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => Ok(()),
-        code => Err((call, code)),
-    }
+/// What an enqueue gives `run`: the NCCL call and its code when it failed.
+type Enqueued = std::result::Result<(), (&'static str, sys::ncclResult_t)>;
+
+/// An NCCL call's result as `run` wants it (in progress counts as queued: the communicator
+/// is non-blocking and the watchdog polls it).
+fn ok(call: &'static str, result: std::result::Result<NcclStatus, NcclError>) -> Enqueued {
+    result.map(drop).map_err(|NcclError(code)| (call, code))
 }
 
 /// The enqueue half of each operation, on device addresses. All `unsafe`: the addresses must
@@ -44,26 +42,16 @@ impl NcclCommunicator {
     /// caller's).
     pub(super) unsafe fn enqueue_all_reduce(
         &self,
-        src: DevPtr,
-        dst: DevPtr,
+        (src, dst): (DevPtr, DevPtr),
         count: usize,
-        dtype: ElemType,
-        op: ReduceOp,
+        (dtype, op): (ElemType, ReduceOp),
         stream: sys::cudaStream_t,
-    ) -> std::result::Result<(), (&'static str, sys::ncclResult_t)> {
+    ) -> Enqueued {
+        let (ty, op) = (nccl_type(dtype), nccl_op(op));
         // SAFETY: per this function's contract.
-        let code = unsafe {
-            sys::ncclAllReduce(
-                src as *const c_void,
-                dst as *mut c_void,
-                count,
-                nccl_type(dtype),
-                nccl_op(op),
-                self.raw(),
-                stream,
-            )
-        };
-        ok("ncclAllReduce", code)
+        let r =
+            unsafe { result::all_reduce(src as _, dst as _, count, ty, op, self.raw(), stream) };
+        ok("ncclAllReduce", r)
     }
 
     /// # Safety
@@ -73,44 +61,25 @@ impl NcclCommunicator {
         src: DevPtr,
         dst: DevPtr,
         bytes: usize,
-    ) -> std::result::Result<(), (&'static str, sys::ncclResult_t)> {
+    ) -> Enqueued {
+        let (ty, stream) = (sys::ncclDataType_t::ncclUint8, self.cu_stream());
         // SAFETY: per this function's contract.
-        let code = unsafe {
-            sys::ncclAllGather(
-                src as *const c_void,
-                dst as *mut c_void,
-                bytes,
-                sys::ncclDataType_t::ncclUint8,
-                self.raw(),
-                self.cu_stream(),
-            )
-        };
-        ok("ncclAllGather", code)
+        let r = unsafe { result::all_gather(src as _, dst as _, bytes, ty, self.raw(), stream) };
+        ok("ncclAllGather", r)
     }
 
     /// # Safety
     /// `src` holds `size * count`, `dst` `count` elements of `dtype` on this device.
     pub(super) unsafe fn enqueue_reduce_scatter(
         &self,
-        src: DevPtr,
-        dst: DevPtr,
+        (src, dst): (DevPtr, DevPtr),
         count: usize,
-        dtype: ElemType,
-        op: ReduceOp,
-    ) -> std::result::Result<(), (&'static str, sys::ncclResult_t)> {
+        (dtype, op): (ElemType, ReduceOp),
+    ) -> Enqueued {
+        let (ty, op, comm, stream) = (nccl_type(dtype), nccl_op(op), self.raw(), self.cu_stream());
         // SAFETY: per this function's contract.
-        let code = unsafe {
-            sys::ncclReduceScatter(
-                src as *const c_void,
-                dst as *mut c_void,
-                count,
-                nccl_type(dtype),
-                nccl_op(op),
-                self.raw(),
-                self.cu_stream(),
-            )
-        };
-        ok("ncclReduceScatter", code)
+        let r = unsafe { result::reduce_scatter(src as _, dst as _, count, ty, op, comm, stream) };
+        ok("ncclReduceScatter", r)
     }
 
     /// # Safety
@@ -120,64 +89,30 @@ impl NcclCommunicator {
         buf: DevPtr,
         bytes: usize,
         root: usize,
-    ) -> std::result::Result<(), (&'static str, sys::ncclResult_t)> {
+    ) -> Enqueued {
+        let (ty, comm, stream) = (sys::ncclDataType_t::ncclUint8, self.raw(), self.cu_stream());
         // SAFETY: per this function's contract; in place, as NCCL allows.
-        let code = unsafe {
-            sys::ncclBroadcast(
-                buf as *const c_void,
-                buf as *mut c_void,
-                bytes,
-                sys::ncclDataType_t::ncclUint8,
-                root as i32,
-                self.raw(),
-                self.cu_stream(),
-            )
-        };
-        ok("ncclBroadcast", code)
+        let r =
+            unsafe { result::broadcast(buf as _, buf as _, bytes, ty, root as i32, comm, stream) };
+        ok("ncclBroadcast", r)
     }
 
     /// # Safety
     /// `buf` holds `bytes` on this device.
-    pub(super) unsafe fn enqueue_send(
-        &self,
-        buf: DevPtr,
-        bytes: usize,
-        peer: usize,
-    ) -> std::result::Result<(), (&'static str, sys::ncclResult_t)> {
+    pub(super) unsafe fn enqueue_send(&self, buf: DevPtr, bytes: usize, peer: usize) -> Enqueued {
+        let (ty, comm, stream) = (sys::ncclDataType_t::ncclUint8, self.raw(), self.cu_stream());
         // SAFETY: per this function's contract.
-        let code = unsafe {
-            sys::ncclSend(
-                buf as *const c_void,
-                bytes,
-                sys::ncclDataType_t::ncclUint8,
-                peer as i32,
-                self.raw(),
-                self.cu_stream(),
-            )
-        };
-        ok("ncclSend", code)
+        let r = unsafe { result::send(buf as _, bytes, ty, peer as i32, comm, stream) };
+        ok("ncclSend", r)
     }
 
     /// # Safety
     /// `buf` holds `bytes` on this device.
-    pub(super) unsafe fn enqueue_recv(
-        &self,
-        buf: DevPtr,
-        bytes: usize,
-        peer: usize,
-    ) -> std::result::Result<(), (&'static str, sys::ncclResult_t)> {
+    pub(super) unsafe fn enqueue_recv(&self, buf: DevPtr, bytes: usize, peer: usize) -> Enqueued {
+        let (ty, comm, stream) = (sys::ncclDataType_t::ncclUint8, self.raw(), self.cu_stream());
         // SAFETY: per this function's contract.
-        let code = unsafe {
-            sys::ncclRecv(
-                buf as *mut c_void,
-                bytes,
-                sys::ncclDataType_t::ncclUint8,
-                peer as i32,
-                self.raw(),
-                self.cu_stream(),
-            )
-        };
-        ok("ncclRecv", code)
+        let r = unsafe { result::recv(buf as _, bytes, ty, peer as i32, comm, stream) };
+        ok("ncclRecv", r)
     }
 
     /// # Safety
@@ -187,22 +122,20 @@ impl NcclCommunicator {
         src: DevPtr,
         dst: DevPtr,
         chunk: usize,
-    ) -> std::result::Result<(), (&'static str, sys::ncclResult_t)> {
-        // SAFETY: group calls take no pointers.
-        ok("ncclGroupStart", unsafe { sys::ncclGroupStart() })?;
-        let mut result = Ok(());
+    ) -> Enqueued {
+        ok("ncclGroupStart", result::group_start())?;
+        let mut queued = Ok(());
         for peer in 0..self.core.size {
             let off = (peer * chunk) as DevPtr;
             // SAFETY: chunk `peer` of each buffer is in bounds per this function's contract.
-            result = unsafe { self.enqueue_send(src + off, chunk, peer) }
+            queued = unsafe { self.enqueue_send(src + off, chunk, peer) }
                 .and_then(|()| unsafe { self.enqueue_recv(dst + off, chunk, peer) });
-            if result.is_err() {
+            if queued.is_err() {
                 break;
             }
         }
         // The group is closed even after a failed call, so NCCL's group state stays sane.
-        // SAFETY: as above.
-        let end = ok("ncclGroupEnd", unsafe { sys::ncclGroupEnd() });
-        result.and(end)
+        let end = ok("ncclGroupEnd", result::group_end());
+        queued.and(end)
     }
 }

@@ -60,7 +60,7 @@ impl Transport for NcclCommunicator {
         // SAFETY: the caller guarantees `bytes` bytes of this device at `ptr`, untouched by
         // other work until the reduction (waited for by `run`) completes.
         self.run(at, |me| unsafe {
-            me.enqueue_all_reduce(ptr, ptr, bytes / dtype.size(), dtype, op, me.cu_stream())
+            me.enqueue_all_reduce((ptr, ptr), bytes / dtype.size(), (dtype, op), me.cu_stream())
         })
     }
 
@@ -80,7 +80,7 @@ impl Transport for NcclCommunicator {
         // it, with only the stream's own work touching `buf` until the reduction completes
         // (`settle`, from the next call's `enter`).
         self.accept(at, start, deadline, |me| unsafe {
-            me.enqueue_all_reduce(ptr, ptr, count, dtype, op, raw)
+            me.enqueue_all_reduce((ptr, ptr), count, (dtype, op), raw)
         })?;
         // SAFETY: `done` is this communicator's event, of this device's primary context, as
         // the caller guarantees `stream` is.
@@ -106,7 +106,7 @@ impl Transport for NcclCommunicator {
         self.upload(at, dev, buf)?;
         // SAFETY: the staging buffer holds `buf.len()` bytes at `dev`.
         self.run(at, |me| unsafe {
-            me.enqueue_all_reduce(dev, dev, buf.len() / dtype.size(), dtype, op, me.cu_stream())
+            me.enqueue_all_reduce((dev, dev), buf.len() / dtype.size(), (dtype, op), me.cu_stream())
         })?;
         self.download(at, buf, dev)?;
         self.sync(at)
@@ -151,7 +151,7 @@ impl Transport for NcclCommunicator {
         self.upload(at, dev, send)?;
         let count = recv.len() / dtype.size();
         // SAFETY: `size * count` elements at `dev`, `count` at `out`.
-        self.run(at, |me| unsafe { me.enqueue_reduce_scatter(dev, out, count, dtype, op) })?;
+        self.run(at, |me| unsafe { me.enqueue_reduce_scatter((dev, out), count, (dtype, op)) })?;
         self.download(at, recv, out)?;
         self.sync(at)
     }
@@ -229,7 +229,7 @@ impl Transport for NcclCommunicator {
         let dev = self.staging(at, 1)?;
         // SAFETY: the staging buffer holds at least one byte at `dev`; its value is irrelevant.
         self.run(at, |me| unsafe {
-            me.enqueue_all_reduce(dev, dev, 1, ElemType::U8, ReduceOp::Max, me.cu_stream())
+            me.enqueue_all_reduce((dev, dev), 1, (ElemType::U8, ReduceOp::Max), me.cu_stream())
         })?;
         self.sync(at)
     }
