@@ -51,7 +51,7 @@ pub fn serve(
                 let mut ticks = 0u32;
                 while !stop.load(Ordering::SeqCst) {
                     let host = watched.clone();
-                    let follow = ticks % FOLLOW_TICKS == 0;
+                    let follow = ticks.is_multiple_of(FOLLOW_TICKS);
                     let _ = tokio::task::spawn_blocking(move || {
                         host.check_children();
                         if follow {

@@ -168,6 +168,10 @@ impl Host {
                 "tpctl: model `{}` is {seen} by its deployment's account (booked {before}): following it",
                 self.name(i)
             );
+            if seen == State::Awake {
+                // Woken by hand: the wakeup continued any requests a keep sleep paused.
+                table.models[i].kept = false;
+            }
             table.models[i].state = seen;
             if table.resident() > table.budget {
                 let _ = writeln!(

@@ -233,8 +233,9 @@ fn memory_budgets_parse_as_bytes_or_a_share() {
 
 #[test]
 fn a_level_1_sleep_whose_backup_host_memory_cannot_hold_is_a_level_2_one() {
-    // (configured, backup MiB, available MiB or why not, level, says why)
-    let cases: Vec<(u8, u64, Result<u64, &str>, u8, bool)> = vec![
+    /// Configured level, backup MiB, available MiB or why not, level, whether it says why.
+    type Case = (u8, u64, Result<u64, &'static str>, u8, bool);
+    let cases: Vec<Case> = vec![
         (1, 100, Ok(101), 1, false),
         (1, 100, Ok(100), 1, false),
         (1, 100, Ok(99), 2, true),
