@@ -413,6 +413,11 @@ pub struct ServerConfig {
     /// (with `Retry-After`).
     #[serde(default = "default_asleep_wait_timeout")]
     pub asleep_wait_timeout: f64,
+    /// With several models: the seconds a model that must sleep to make room waits for its
+    /// running requests before it sleeps with them paused (`keep`; they continue once it
+    /// wakes again).
+    #[serde(default = "default_drain_timeout")]
+    pub drain_timeout: f64,
     /// With several models: the memory they share (`--memory-budget`), a share of the
     /// host's memory (0.9) or bytes (8589934592, "8GiB").
     pub memory_budget: Option<crate::host::table::MemoryBudget>,
@@ -426,6 +431,10 @@ fn default_asleep_wait_timeout() -> f64 {
     60.0
 }
 
+fn default_drain_timeout() -> f64 {
+    5.0
+}
+
 impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
@@ -433,6 +442,7 @@ impl Default for ServerConfig {
             api_key: None,
             refuse_while_asleep: false,
             asleep_wait_timeout: default_asleep_wait_timeout(),
+            drain_timeout: default_drain_timeout(),
             memory_budget: None,
         }
     }

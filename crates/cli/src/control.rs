@@ -59,6 +59,14 @@
 //! - `status`: the deployment's state, whether it is paused, the weights' version, and each
 //!   rank's asleep tags and memory probe.
 //! - `stop`: answers, then stops the deployment (as Ctrl-C on the launcher would).
+//! - `restart {deployment}`: only a model host's socket serves it (see [`crate::host`]): it
+//!   starts its failed model `deployment` again. A deployment's own socket refuses it.
+//!
+//! A model host (`tpctl serve` with several models) has a socket of its own, named after the
+//! host's deployment: `status` answers `host`, its table of models (state, resident bytes,
+//! live checkpoint, requests in flight and queued), `restart` starts a failed model again,
+//! `stop` stops the host, and the other methods are refused, naming the models' deployments
+//! (each model's own socket takes them).
 //!
 //! Any other method is refused with an error reply naming the methods there are
 //! ([`Request::parse`]). A failed operation replies `ok: false` with the aggregate error and
@@ -75,11 +83,11 @@ mod server;
 pub mod staging;
 mod wire;
 
-pub use server::Server;
+pub use server::{Handler, Server};
 pub use wire::{
-    check_version, BucketArgs, ErrorWire, FailureWire, FinishUpdateArgs, OpWire, PauseArgs,
-    PausedWire, Reply, Request, SleepArgs, StagedWire, StartUpdateArgs, StatusWire, UpdateArgs,
-    WakeupArgs, MAX_VERSION_CHARS,
+    check_version, BucketArgs, ErrorWire, FailureWire, FinishUpdateArgs, HostModelWire, HostWire,
+    OpWire, PauseArgs, PausedWire, Reply, Request, RestartArgs, SleepArgs, StagedWire,
+    StartUpdateArgs, StatusWire, UpdateArgs, WakeupArgs, MAX_VERSION_CHARS,
 };
 
 use session::sleep::{Action, Coordinator, DeploymentState, OpOptions, OpReceipt, WeightUpdate};
@@ -229,10 +237,18 @@ impl Controller {
                 Reply { ok: true, paused, ..Reply::default() }
             }
             Request::Status => match self.coordinator.status() {
-                Ok(s) => Reply { ok: true, status: Some(StatusWire::from(&s)), ..Reply::default() },
+                Ok(s) => {
+                    let status =
+                        StatusWire { checkpoint: self.live_checkpoint(), ..StatusWire::from(&s) };
+                    Reply { ok: true, status: Some(status), ..Reply::default() }
+                }
                 Err(e) => Reply { ok: false, error: Some(ErrorWire::from(&e)), ..Reply::default() },
             },
             Request::Stop => Reply { ok: true, stopping: Some(true), ..Reply::default() },
+            Request::Restart(args) => Reply::refused(format!(
+                "`restart` starts a failed model of a model host, and this deployment is not a model host: name the model's deployment, `tpctl restart --deployment HOST-NAME` (asked for `{}`)",
+                args.deployment
+            )),
         }
     }
 

@@ -6,13 +6,23 @@
 //!   (deployment `HOST-NAME`, so `tpctl sleep/wakeup/status --deployment HOST-NAME` work on
 //!   it), its API on a loopback port. The host forwards requests there ([`proxy`]), an SSE
 //!   stream as it comes.
-//! - At start the models load one after another; each is measured awake, put to sleep and
-//!   measured asleep, so the budget's arithmetic ([`table`]) runs on measured bytes, and a
-//!   budget that cannot hold some model is refused at start with the numbers.
+//! - The API and the host's control socket (deployment `HOST`: `tpctl status` shows the
+//!   host's table, `tpctl restart --deployment HOST-NAME` starts a failed model again,
+//!   [`socket`]) serve at once; the models then load one after another (`loading` in
+//!   `/v1/models`, requests wait); each is measured awake, put to sleep and measured asleep,
+//!   so the budget's arithmetic ([`table`]) runs on measured bytes, and a budget that cannot
+//!   hold some model is refused at start with the numbers (the host then exits).
 //! - A request for a sleeping model wakes it. When the wakeup would exceed the budget, the
 //!   least recently used idle models sleep first (sleep, then wake: never both resident
 //!   beyond the budget); a model with requests running stops admitting new ones and sleeps
-//!   once they finished. Swaps are serialized (one at a time, in the order they were asked).
+//!   once they finished, or after `[server] drain_timeout` seconds with them paused (the
+//!   sleep's `keep` mode): they continue where they were once it wakes again, which the host
+//!   does as soon as that needs no other model's requests paused. Swaps are serialized (one
+//!   at a time, in the order they were asked). A model sleeps at its level; at level 1 its
+//!   weights' backup needs host memory, and when `MemAvailable` cannot hold it the model
+//!   sleeps at level 2 instead (logged, and counted in `tpctl_host_level2_sleeps_total`).
+//! - The host follows its models' deployments: a model put to sleep or woken by hand (`tpctl
+//!   sleep/wakeup --deployment HOST-NAME`) is seen so within a second ([`Host::follow`]).
 //!   Requests wait for their model at most `[server] asleep_wait_timeout` seconds, then get
 //!   503 with `Retry-After`.
 //! - Failures stay local: a failed sleep or wakeup leaves that model as its deployment
@@ -25,15 +35,18 @@ mod http;
 pub mod launch;
 mod metrics;
 pub mod proxy;
+mod socket;
+mod start;
 pub mod table;
 
 use anyhow::{bail, Context, Result};
 use child::{Child, ChildSpec};
+use session::sleep::QuiesceMode;
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
-use table::{Entry, Plan, State, Table};
+use table::{Plan, State, Table};
 
 /// How long a model may take to load and serve.
 const START_TIMEOUT: Duration = Duration::from_secs(600);
@@ -72,6 +85,8 @@ pub struct HostSpec {
     pub budget: u64,
     /// How long a request waits for its model.
     pub wait: Duration,
+    /// How long a model that must sleep waits for its running requests before it pauses them.
+    pub drain: Duration,
     /// `-q` / `-v` for the models' deployments.
     pub verbosity: Vec<String>,
     /// Errors only: no summary of the models at start, no line at the stop.
@@ -110,13 +125,20 @@ struct Counters {
     failed_swaps: AtomicU64,
     restarts: AtomicU64,
     waiting: AtomicUsize,
+    /// Requests paused by a sleep that did not wait for them (keep).
+    kept: AtomicU64,
+    /// Sleeps at level 2 instead of 1: host memory could not hold the backup.
+    level2: AtomicU64,
 }
 
 /// The host's state, shared by the HTTP handlers.
 pub struct Host {
+    /// The host's deployment name (its control socket's).
+    deployment: String,
     table: Mutex<Table>,
-    /// Each model's running deployment (replaced when it is started again).
-    children: Vec<RwLock<Arc<Child>>>,
+    /// Each model's running deployment (none until it started; replaced when it is started
+    /// again).
+    children: Vec<RwLock<Option<Arc<Child>>>>,
     /// What starts each model's deployment.
     specs: Vec<ChildSpec>,
     /// `-q` / `-v` for the models' deployments.
@@ -130,8 +152,13 @@ pub struct Host {
     /// Each model's sleep level.
     levels: Vec<u8>,
     wait: Duration,
+    drain: Duration,
     api_key: Option<String>,
     created: u64,
+    /// Set while a task wakes the model for its paused requests.
+    reviving: Vec<AtomicBool>,
+    /// Why the models could not start, which ends the host.
+    fatal: Mutex<Option<anyhow::Error>>,
 }
 
 /// A request waiting for its model, counted in the queue depth until dropped.
@@ -167,9 +194,14 @@ impl Host {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Model `index`'s deployment now.
-    fn child(&self, index: usize) -> Arc<Child> {
+    /// Model `index`'s deployment now, once it started.
+    fn child(&self, index: usize) -> Option<Arc<Child>> {
         self.children[index].read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Model `index`'s deployment, for a control call.
+    fn running(&self, index: usize) -> Result<Arc<Child>, String> {
+        self.child(index).ok_or_else(|| format!("model `{}` has not started", self.name(index)))
     }
 
     /// Model `index`'s name.
@@ -273,7 +305,7 @@ impl Host {
     ) -> Result<Option<Admission>, Refusal> {
         loop {
             let plan = self.lock().plan(index);
-            let evict = match plan {
+            let (evict, busy) = match plan {
                 Plan::Ready => return Ok(None),
                 Plan::Unavailable(message) => return Err(Refusal { message, retry: false }),
                 Plan::Wait(why) => {
@@ -284,15 +316,16 @@ impl Host {
                     continue;
                 }
                 Plan::Drain { evict } => {
-                    // Drained, they are idle and admit nothing: they are the ones to sleep
-                    // (planning again could pick others and leave these draining).
-                    self.drain(&evict, deadline).await?;
-                    evict
+                    // Drained (or still busy after the bound, their requests then paused),
+                    // they admit nothing: they are the ones to sleep (planning again could
+                    // pick others and leave these draining).
+                    let busy = self.drain(&evict, deadline).await?;
+                    (evict, busy)
                 }
-                Plan::Swap { evict } | Plan::Restart { evict } => evict,
+                Plan::Swap { evict } | Plan::Restart { evict } => (evict, Vec::new()),
             };
             for victim in evict {
-                self.swap_out(victim, index).await?;
+                self.swap_out(victim, index, busy.contains(&victim)).await?;
             }
             if matches!(self.lock().models[index].state, State::Failed(_)) {
                 self.restart(index).await?;
@@ -306,47 +339,75 @@ impl Host {
         }
     }
 
-    /// Stops admitting requests to `models` and waits until their running requests finished.
-    async fn drain(&self, models: &[usize], deadline: tokio::time::Instant) -> Result<(), Refusal> {
+    /// Stops admitting requests to `models` and waits until their running requests finished,
+    /// at most the drain bound; returns the models still busy then (they sleep with their
+    /// requests paused, and continue them once woken).
+    async fn drain(
+        &self,
+        models: &[usize],
+        deadline: tokio::time::Instant,
+    ) -> Result<Vec<usize>, Refusal> {
         {
             let mut table = self.lock();
             for &m in models {
                 table.models[m].draining = true;
             }
         }
+        let bound = tokio::time::Instant::now() + self.drain;
         loop {
-            let busy: Vec<String> = {
+            let busy: Vec<(usize, usize)> = {
                 let table = self.lock();
                 models
                     .iter()
-                    .filter(|&&m| table.models[m].in_flight > 0)
-                    .map(|&m| table.models[m].name.clone())
+                    .map(|&m| (m, table.models[m].in_flight))
+                    .filter(|&(_, n)| n > 0)
                     .collect()
             };
             if busy.is_empty() {
-                return Ok(());
+                return Ok(Vec::new());
             }
-            if tokio::time::Instant::now() + POLL > deadline {
+            let now = tokio::time::Instant::now();
+            if now >= bound {
+                for &(m, n) in &busy {
+                    let _ = writeln!(
+                        std::io::stderr(),
+                        "tpctl: model `{}` still runs {n} request(s) after {:.1} s ([server] drain_timeout): it sleeps with them paused (keep), to continue once it wakes",
+                        self.name(m),
+                        self.drain.as_secs_f64()
+                    );
+                }
+                return Ok(busy.into_iter().map(|(m, _)| m).collect());
+            }
+            if now + POLL > deadline {
                 let mut table = self.lock();
                 for &m in models {
                     table.models[m].draining = false;
                 }
+                let names: Vec<&str> = busy.iter().map(|&(m, _)| self.name(m)).collect();
                 return Err(self.timed_out(&format!(
                     "making room: model(s) {} still run requests",
-                    busy.join(", ")
+                    names.join(", ")
                 )));
             }
             tokio::time::sleep(POLL).await;
         }
     }
 
-    /// Puts model `victim` to sleep to make room for model `for_model`.
-    async fn swap_out(self: &Arc<Self>, victim: usize, for_model: usize) -> Result<(), Refusal> {
+    /// Puts model `victim` to sleep to make room for model `for_model`; with `keep`, its
+    /// running requests are paused rather than waited for.
+    async fn swap_out(
+        self: &Arc<Self>,
+        victim: usize,
+        for_model: usize,
+        keep: bool,
+    ) -> Result<(), Refusal> {
         self.set_state(victim, State::Sleeping);
+        let level = self.sleep_level(victim);
         let host = self.clone();
-        let level = self.levels[victim];
         let start = Instant::now();
-        let result = blocking(move || host.child(victim).sleep(level).map_err(|e| e.message)).await;
+        let mode = if keep { QuiesceMode::Keep } else { QuiesceMode::Wait };
+        let result =
+            blocking(move || host.running(victim)?.sleep(level, mode).map_err(|e| e.message)).await;
         let counters = &self.counters[victim];
         match result {
             Ok(op) => {
@@ -354,8 +415,12 @@ impl Host {
                 counters.swap_out_us.fetch_add(micros(start), Ordering::Relaxed);
                 let mut table = self.lock();
                 let model = &mut table.models[victim];
-                model.state = State::Asleep { level };
+                model.state = State::Asleep { level: Some(level) };
                 model.draining = false;
+                if keep {
+                    model.kept = true;
+                    counters.kept.fetch_add(model.in_flight as u64, Ordering::Relaxed);
+                }
                 model.asleep_bytes = child::resident(&op.ranks, true);
                 model.swap_bytes = model.swap_bytes.max(op.bytes);
                 Ok(())
@@ -379,7 +444,7 @@ impl Host {
         self.set_state(index, State::Waking);
         let host = self.clone();
         let start = Instant::now();
-        let result = blocking(move || host.child(index).wakeup().map_err(|e| e.message)).await;
+        let result = blocking(move || host.running(index)?.wakeup().map_err(|e| e.message)).await;
         let counters = &self.counters[index];
         match result {
             Ok(op) => {
@@ -388,6 +453,8 @@ impl Host {
                 let mut table = self.lock();
                 let model = &mut table.models[index];
                 model.state = State::Awake;
+                // The wakeup continued the requests a keep sleep paused.
+                model.kept = false;
                 model.swap_bytes = model.swap_bytes.max(op.bytes);
                 Ok(())
             }
@@ -408,11 +475,15 @@ impl Host {
     async fn after_failure(self: &Arc<Self>, index: usize) {
         let host = self.clone();
         let status =
-            blocking(move || host.child(index).status().map_err(|e| format!("{e:#}"))).await;
-        let level = self.levels[index];
+            blocking(move || host.running(index)?.status().map_err(|e| format!("{e:#}"))).await;
+        let before = self.lock().models[index].state.clone();
         let state = match status {
             Ok(s) if s.state == "running" => State::Awake,
-            Ok(s) if s.state == "sleeping" => State::Asleep { level },
+            // Rolled back to asleep: at the level it slept at before.
+            Ok(s) if s.state == "sleeping" => match before {
+                State::Asleep { level } => State::Asleep { level },
+                _ => State::Asleep { level: Some(self.levels[index]) },
+            },
             Ok(s) => {
                 State::Failed(s.reason.unwrap_or_else(|| format!("its deployment is {}", s.state)))
             }
@@ -435,7 +506,9 @@ impl Host {
         let _ = writeln!(std::io::stderr(), "tpctl: model `{name}` failed; starting it again");
         let host = self.clone();
         let result = blocking(move || {
-            host.child(index).stop();
+            if let Some(old) = host.child(index) {
+                old.stop();
+            }
             let verbosity: Vec<&str> = host.verbosity.iter().map(String::as_str).collect();
             let spec = &host.specs[index];
             Child::start(spec, &verbosity, START_TIMEOUT, &host.stop).map_err(|e| format!("{e:#}"))
@@ -443,7 +516,8 @@ impl Host {
         .await;
         match result {
             Ok(child) => {
-                *self.children[index].write().unwrap_or_else(|e| e.into_inner()) = Arc::new(child);
+                *self.children[index].write().unwrap_or_else(|e| e.into_inner()) =
+                    Some(Arc::new(child));
                 self.counters[index].restarts.fetch_add(1, Ordering::Relaxed);
                 self.set_state(index, State::Awake);
                 Ok(())
@@ -463,10 +537,10 @@ impl Host {
     /// Marks failed every model whose deployment exited (not one being started again).
     fn check_children(&self) {
         for i in 0..self.children.len() {
-            let child = self.child(i);
+            let Some(child) = self.child(i) else { continue };
             let Some(why) = child.exited() else { continue };
             let mut table = self.lock();
-            let current = Arc::ptr_eq(&child, &self.child(i));
+            let current = self.child(i).is_some_and(|c| Arc::ptr_eq(&child, &c));
             if current && !matches!(table.models[i].state, State::Failed(_) | State::Loading) {
                 let _ = writeln!(std::io::stderr(), "error: model `{}`: {why}", child.name);
                 table.models[i].state = State::Failed(why);
@@ -490,11 +564,13 @@ async fn blocking<T: Send + 'static>(
     }
 }
 
-/// Runs the host: starts and measures every model, serves the API until Ctrl-C or SIGTERM,
+/// Runs the host: serves the API and the host's control socket at once, starts and measures
+/// every model ([`start`]), serves until Ctrl-C, SIGTERM or `tpctl stop --deployment HOST`,
 /// then stops every model. Returns the exit code.
 ///
 /// # Errors
-/// A model does not start, the budget cannot hold the models, or the API cannot serve.
+/// A model does not start, the budget cannot hold the models, or the API or the control
+/// socket cannot serve.
 pub fn run(spec: HostSpec) -> Result<i32> {
     let addr = crate::serve::check_listen(&spec.listen, spec.api_key.is_some())?;
     let listener = std::net::TcpListener::bind(addr)
@@ -505,61 +581,61 @@ pub fn run(spec: HostSpec) -> Result<i32> {
     let flag = interrupted.clone();
     ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
         .context("installing the Ctrl-C handler")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("host-http")
+        .enable_io()
+        .enable_time()
+        .build()
+        .context("starting the HTTP runtime")?;
 
-    let verbosity: Vec<&str> = spec.verbosity.iter().map(String::as_str).collect();
-    let mut children: Vec<Child> = Vec::new();
-    let mut entries: Vec<Entry> = Vec::new();
-    let started = start_models(&spec, &verbosity, &interrupted, &mut children, &mut entries);
-    if let Err(e) = started {
-        stop_all(children.iter());
-        return Err(e);
-    }
-    let specs = spec.models.iter().map(|m| child_spec(&spec, m)).collect();
-    let table = Table::new(spec.budget, entries);
-    let summary: Vec<String> = table
-        .models
-        .iter()
-        .map(|m| {
-            format!(
-                "{} ({} asleep, {} to wake)",
-                m.name,
-                crate::control::render::bytes(m.asleep_bytes),
-                crate::control::render::bytes(m.swap_bytes)
-            )
-        })
-        .collect();
-    let names: Vec<&str> = table.models.iter().map(|m| m.name.as_str()).collect();
-    let host = Arc::new(Host {
-        counters: children.iter().map(|_| Counters::default()).collect(),
-        table: Mutex::new(table.clone()),
-        children: children.into_iter().map(|c| RwLock::new(Arc::new(c))).collect(),
-        specs,
-        verbosity: spec.verbosity.clone(),
-        stop: interrupted.clone(),
-        swap: tokio::sync::Mutex::new(()),
-        levels: spec.models.iter().map(|m| m.sleep_level).collect(),
-        wait: spec.wait,
-        api_key: spec.api_key.clone(),
-        created: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
-    });
-    if !spec.quiet {
-        eprintln!(
-            "tpctl: model host {}: memory budget {}; {}",
-            spec.deployment,
-            crate::control::render::bytes(spec.budget),
-            summary.join(", ")
-        );
-    }
+    let host = Arc::new(Host::new(&spec, interrupted.clone()));
+    let socket = crate::control::paths::socket_path(
+        &crate::control::paths::runtime_dir(),
+        &spec.deployment,
+    )?;
+    let flag = interrupted.clone();
+    let control = crate::control::Server::start_with(
+        &socket,
+        socket::handler(host.clone(), runtime.handle().clone()),
+        Arc::new(move || flag.store(true, Ordering::SeqCst)),
+    )?;
+    let names: Vec<&str> = spec.models.iter().map(|m| m.name.as_str()).collect();
     println!(
         "tpctl serve: {} models ({}) on http://{local} (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics)",
         names.len(),
         names.join(", ")
     );
-    let served = http::serve(listener, host.clone(), interrupted);
-    let current: Vec<Arc<Child>> = (0..host.children.len()).map(|i| host.child(i)).collect();
+    if !spec.quiet {
+        eprintln!(
+            "tpctl: model host {} (control socket {}): the models load",
+            spec.deployment,
+            socket.display()
+        );
+    }
+    let starter = {
+        let (host, spec) = (host.clone(), spec.clone());
+        std::thread::Builder::new()
+            .name("host-start".into())
+            .spawn(move || {
+                if let Err(e) = start::start_models(&host, &spec) {
+                    *host.fatal.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                    host.stop.store(true, Ordering::SeqCst);
+                }
+            })
+            .context("starting the models' loader")?
+    };
+    let served = http::serve(&runtime, listener, host.clone(), interrupted.clone());
+    // A failed API stops the loading too.
+    interrupted.store(true, Ordering::SeqCst);
+    let _ = starter.join();
+    drop(control);
+    let current: Vec<Arc<Child>> = (0..host.children.len()).filter_map(|i| host.child(i)).collect();
     stop_all(current.iter().map(|c| &**c));
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    if let Some(e) = host.fatal.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        return Err(e);
+    }
     served?;
     if !spec.quiet {
         eprintln!("stopped: every model's ranks are gone");
@@ -567,51 +643,54 @@ pub fn run(spec: HostSpec) -> Result<i32> {
     Ok(0)
 }
 
-/// Starts the models one after another: each loads, is measured awake, sleeps, and is
-/// measured asleep; the budget is checked after each.
-fn start_models(
-    spec: &HostSpec,
-    verbosity: &[&str],
-    interrupted: &AtomicBool,
-    children: &mut Vec<Child>,
-    entries: &mut Vec<Entry>,
-) -> Result<()> {
-    for m in &spec.models {
-        if interrupted.load(Ordering::SeqCst) {
-            bail!("interrupted while the models started");
+impl Host {
+    /// The host of `spec`'s models, every one loading.
+    fn new(spec: &HostSpec, stop: Arc<AtomicBool>) -> Host {
+        let entries = spec
+            .models
+            .iter()
+            .map(|m| table::Entry {
+                checkpoint: m.model.clone(),
+                ..table::Entry::loading(&m.name, m.pinned)
+            })
+            .collect();
+        let mut table = Table::new(spec.budget, entries);
+        table.starting = true;
+        Host {
+            deployment: spec.deployment.clone(),
+            counters: spec.models.iter().map(|_| Counters::default()).collect(),
+            table: Mutex::new(table),
+            children: spec.models.iter().map(|_| RwLock::new(None)).collect(),
+            specs: spec.models.iter().map(|m| start::child_spec(spec, m)).collect(),
+            verbosity: spec.verbosity.clone(),
+            stop,
+            swap: tokio::sync::Mutex::new(()),
+            levels: spec.models.iter().map(|m| m.sleep_level).collect(),
+            wait: spec.wait,
+            drain: spec.drain,
+            api_key: spec.api_key.clone(),
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            reviving: spec.models.iter().map(|_| AtomicBool::new(false)).collect(),
+            fatal: Mutex::new(None),
         }
-        let name = &m.name;
-        let child = Child::start(&child_spec(spec, m), verbosity, START_TIMEOUT, interrupted)?;
-        children.push(child);
-        let child = children.last().expect("just pushed");
-        let mut entry = Entry::loading(name, m.pinned);
-        if m.pinned {
-            // It never sleeps: all it holds counts, awake.
-            let status = child.status().with_context(|| format!("model `{name}`: its status"))?;
-            entry.state = State::Awake;
-            entry.swap_bytes = child::resident(&status.ranks, false);
-        } else {
-            let op = child.sleep(m.sleep_level).map_err(|e| {
-                anyhow::anyhow!("model `{name}`: the first sleep failed: {}", e.message)
-            })?;
-            entry.state = State::Asleep { level: m.sleep_level };
-            entry.asleep_bytes = child::resident(&op.ranks, true);
-            entry.swap_bytes = op.bytes;
-        }
-        entries.push(entry);
-        table::check_fits(spec.budget, entries).map_err(anyhow::Error::msg)?;
     }
-    Ok(())
-}
 
-/// What starts model `m`'s deployment.
-fn child_spec(spec: &HostSpec, m: &ModelSpec) -> ChildSpec {
-    ChildSpec {
-        name: m.name.clone(),
-        model: m.model.clone(),
-        deployment: format!("{}-{}", spec.deployment, m.name),
-        args: m.args.clone(),
-        env: m.env.clone(),
+    /// The level model `index` sleeps at now: its own, except that a level-1 sleep whose
+    /// backup host memory cannot hold (or whose room cannot be read) is a level-2 one, said
+    /// on standard error and counted.
+    fn sleep_level(&self, index: usize) -> u8 {
+        let configured = self.levels[index];
+        let backup = self.lock().models[index].backup_bytes;
+        let available = host_available_bytes().map_err(|e| format!("{e:#}"));
+        let (level, why) = table::sleep_level(configured, backup, available);
+        if let Some(why) = why {
+            self.counters[index].level2.fetch_add(1, Ordering::Relaxed);
+            let name = self.name(index);
+            let _ = writeln!(std::io::stderr(), "tpctl: model `{name}` sleeps at level 2: {why}");
+        }
+        level
     }
 }
 
@@ -624,16 +703,33 @@ fn stop_all<'a>(children: impl Iterator<Item = &'a Child>) {
     });
 }
 
+/// The host's memory available to new allocations (`MemAvailable` of `/proc/meminfo`),
+/// bytes: where a level-1 sleep's backup goes.
+///
+/// # Errors
+/// `/proc/meminfo` cannot be read or has no `MemAvailable` (or the failpoint
+/// `host.mem_available` fires).
+pub fn host_available_bytes() -> Result<u64> {
+    mesh::failpoint::hit("host.mem_available")?;
+    meminfo("MemAvailable")
+}
+
+/// A line of `/proc/meminfo`, bytes.
+fn meminfo(key: &str) -> Result<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
+    let prefix = format!("{key}:");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kib| kib * 1024)
+        .with_context(|| format!("/proc/meminfo has no {key}"))
+}
+
 /// The host's memory (`MemTotal` of `/proc/meminfo`), bytes: what a fraction of
 /// `--memory-budget` is a share of.
 ///
 /// # Errors
 /// `/proc/meminfo` cannot be read or has no `MemTotal`.
 pub fn host_total_bytes() -> Result<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
-    text.lines()
-        .find_map(|l| l.strip_prefix("MemTotal:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kib| kib * 1024)
-        .context("/proc/meminfo has no MemTotal")
+    meminfo("MemTotal")
 }

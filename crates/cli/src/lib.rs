@@ -8,6 +8,7 @@ pub mod config;
 pub mod control;
 pub mod doctor;
 pub mod exit;
+pub mod fetch;
 pub mod host;
 pub mod launcher;
 pub mod output;

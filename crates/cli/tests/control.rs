@@ -308,7 +308,7 @@ fn unknown_methods_bad_options_and_garbage_are_refused_clearly() {
     for (request, expect) in [
         (
             r#"{"method":"shutdown"}"#.to_owned(),
-            "unknown control method `shutdown`: expected sleep, wakeup, update_weights, start_weight_update, weight_bucket, finish_weight_update, abort_weight_update, pause, resume, status, stop",
+            "unknown control method `shutdown`: expected sleep, wakeup, update_weights, start_weight_update, weight_bucket, finish_weight_update, abort_weight_update, pause, resume, status, stop, restart",
         ),
         (
             line(Request::Sleep(SleepArgs { level: Some(3), ..SleepArgs::default() })),

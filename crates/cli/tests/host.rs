@@ -40,12 +40,21 @@ struct Host {
 }
 
 impl Host {
-    /// Starts `tpctl serve ARGS --listen 127.0.0.1:0` and waits for its address.
+    /// Starts `tpctl serve ARGS --listen 127.0.0.1:0` and waits until its models loaded.
     fn start(args: &[&str]) -> Host {
+        let host = Host::announced(args, &[]);
+        host.loaded();
+        host
+    }
+
+    /// Starts `tpctl serve ARGS --listen 127.0.0.1:0` with more environment and waits for
+    /// its address (the models may still load).
+    fn announced(args: &[&str], env: &[(&str, &str)]) -> Host {
         let mark = marker();
         let mut child = common::tpctl_command(&mark)
             .args(["serve", "--listen", "127.0.0.1:0"])
             .args(args)
+            .envs(env.iter().copied())
             .spawn()
             .expect("start tpctl serve");
         let log = Arc::new(Mutex::new(String::new()));
@@ -83,6 +92,36 @@ impl Host {
 
     fn log(&self) -> String {
         self.log.lock().unwrap().clone()
+    }
+
+    /// Waits until no model is loading (`/health` answers 200).
+    fn loaded(&self) {
+        let start = Instant::now();
+        loop {
+            let health = self.get("/health");
+            if health.status == 200 {
+                return;
+            }
+            assert!(
+                start.elapsed() < DEADLINE && health.json()["status"] == "loading",
+                "the models never loaded: {health:?}\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits until `/v1/models` satisfies `done`, and returns it.
+    fn until(&self, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+        let start = Instant::now();
+        loop {
+            let listed = self.get("/v1/models").json();
+            if done(&listed) {
+                return listed;
+            }
+            assert!(start.elapsed() < DEADLINE, "never {what}: {listed}\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     fn post(&self, path: &str, body: &Value) -> Reply {
@@ -579,4 +618,261 @@ fn a_killed_host_leaves_no_rank_behind() {
     assert!(Command::new("kill").args(["-KILL", &pid]).status().is_ok_and(|s| s.success()));
     let status = host.wait();
     assert_eq!(status.code(), None, "killed by a signal: {status:?}");
+}
+
+/// Runs `tpctl ARGS` against the deployments of the runtime folder `rt`, to its end (with a
+/// deadline).
+fn ctl(rt: &str, args: &[&str]) -> std::process::Output {
+    let mark = marker();
+    let mut child = common::tpctl_command(&mark)
+        .env("XDG_RUNTIME_DIR", rt)
+        .args(args)
+        .spawn()
+        .expect("start tpctl");
+    let start = Instant::now();
+    while child.try_wait().expect("wait for tpctl").is_none() {
+        if start.elapsed() > DEADLINE {
+            let _ = child.kill();
+            kill_all(&mark);
+            panic!("tpctl {args:?} still running after {DEADLINE:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("collect output")
+}
+
+/// A completion of `max` greedy tokens of `prompt` from model `name`.
+fn completion(name: &str, prompt_ids: &str, max: u32) -> Value {
+    json!({"model": name, "prompt": prompt(prompt_ids), "max_tokens": max, "temperature": 0})
+}
+
+/// The host's own control socket: `tpctl status` with no deployment shows its table, other
+/// methods are refused naming the models' deployments, `tpctl stop` stops it; and the host
+/// books a model put to sleep or woken by hand (through its own deployment) as its
+/// deployment reports it.
+#[test]
+fn the_host_has_a_control_socket_and_follows_models_slept_and_woken_by_hand() {
+    const MAX: u32 = 3;
+    let two = &models()[..2];
+    let expected: Vec<Vec<u64>> =
+        two.iter().map(|(_, path)| alone(path, &["7"], MAX).remove(0)).collect();
+    let rt = common::scratch("rt-follow").to_string_lossy().into_owned();
+    let specs: Vec<String> = two.iter().map(|(n, p)| format!("{n}={p}")).collect();
+    let (kv, budget) = (format!("{KV_MIB}MiB"), format!("{BUDGET_MIB}MiB"));
+    let mut args = vec!["--threads", "1", "--kv-cache-memory", &kv, "--memory-budget", &budget];
+    args.extend(["--deployment", "h", "--model", &specs[0], "--model", &specs[1]]);
+    let host = Host::announced(&args, &[("XDG_RUNTIME_DIR", rt.as_str())]);
+    host.loaded();
+
+    // With no deployment named, the host and its models are one deployment: its table.
+    let out = ctl(&rt, &["status"]);
+    assert_eq!(out.status.code(), Some(0), "{}", common::describe(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(stdout.starts_with("model host h: memory budget 504.0 MiB, "), "{stdout}");
+    let rows: Vec<Vec<&str>> =
+        stdout.lines().skip(2).map(|l| l.split_whitespace().collect()).collect();
+    assert_eq!(rows[0][..5], ["a", "h-a", "asleep", "(level", "1)"], "{stdout}");
+    assert_eq!(rows[1][..5], ["b", "h-b", "asleep", "(level", "1)"], "{stdout}");
+    assert_eq!(rows[0].last(), Some(&two[0].1), "{stdout}");
+
+    let reply = host.post("/v1/completions", &completion("a", "7", MAX));
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let out = ctl(&rt, &["status", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", common::describe(&out));
+    let table: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let a = &table["host"]["models"][0];
+    assert_eq!(
+        (&a["state"], &a["in_flight"], &a["queued"]),
+        (&json!("awake"), &json!(0), &json!(0))
+    );
+    assert_eq!(a["checkpoint"], two[0].1, "{table}");
+
+    // Put to sleep by hand through its own deployment: booked asleep, at no level it knows.
+    let out = ctl(&rt, &["sleep", "--deployment", "h-a"]);
+    assert_eq!(out.status.code(), Some(0), "{}", common::describe(&out));
+    let listed = host.until("a booked asleep", |l| l["data"][0]["state"] == "asleep");
+    assert_eq!(listed["data"][0]["sleep_level"], Value::Null, "{listed}");
+    // Woken by hand: booked awake.
+    let out = ctl(&rt, &["wakeup", "--deployment", "h-b"]);
+    assert_eq!(out.status.code(), Some(0), "{}", common::describe(&out));
+    host.until("b booked awake", |l| l["data"][1]["state"] == "awake");
+    // A request for `a` wakes it, `b` sleeping first to make room; both answer as alone.
+    for (i, name) in [(0, "a"), (1, "b"), (0, "a")] {
+        let reply = host.post("/v1/completions", &completion(name, "7", MAX));
+        assert_eq!(reply.status, 200, "{name}: {reply:?}\n{}", host.log());
+        assert_eq!(ids(&reply.json()["choices"][0]["token_ids"]), expected[i], "{name}");
+    }
+    let listed = host.get("/v1/models").json();
+    assert_eq!(listed["data"][0]["state"], "awake", "{listed}");
+    assert_eq!(listed["data"][1]["state"], "asleep", "{listed}");
+
+    // The host's socket refuses what goes to a model, naming them.
+    let out = ctl(&rt, &["sleep"]);
+    assert_eq!(out.status.code(), Some(1), "{}", common::describe(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(
+            "`h` is a model host: `sleep` goes to one of its models, --deployment h-a, h-b"
+        ),
+        "{stderr}"
+    );
+    let out = ctl(&rt, &["stop"]);
+    assert_eq!(out.status.code(), Some(0), "{}", common::describe(&out));
+    let status = host.wait();
+    assert!(status.success(), "{status:?}");
+}
+
+/// A model that must sleep to make room while a long request runs waits for it only up to
+/// `[server] drain_timeout`, then sleeps with it paused (keep); the other model answers, and
+/// the paused request continues once its model wakes again, with the tokens it has alone.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_model_still_busy_after_the_drain_bound_sleeps_with_its_requests_paused_and_continues_them() {
+    const LONG: u32 = 40;
+    const MAX: u32 = 3;
+    let [(_, a), (_, b), _] = models();
+    let expected_a = alone(a, &["1,2"], LONG).remove(0);
+    let expected_b = alone(b, &["6"], MAX).remove(0);
+    let config = common::scratch("drain.toml");
+    // Each step of `a` takes 100 ms more: its long request outlives the drain bound.
+    let text = format!(
+        "[server]\nmemory_budget = \"{BUDGET_MIB}MiB\"\ndrain_timeout = 0.2\n\n\
+         [[models]]\nname = \"a\"\nmodel = \"{a}\"\n\
+         env = {{ TPCTL_FAILPOINTS = \"session.step=delay(100)\" }}\n\n\
+         [[models]]\nname = \"b\"\nmodel = \"{b}\"\n"
+    );
+    std::fs::write(&config, text).unwrap();
+    let config = config.to_string_lossy().into_owned();
+    let kv = format!("{KV_MIB}MiB");
+    let host = Arc::new(Host::start(&[&config, "--threads", "1", "--kv-cache-memory", &kv]));
+    let long = {
+        let host = host.clone();
+        std::thread::spawn(move || host.post("/v1/completions", &completion("a", "1,2", LONG)))
+    };
+    host.until("a runs the long request", |l| {
+        l["data"][0]["state"] == "awake" && l["data"][0]["in_flight"] == 1
+    });
+    let reply = host.post("/v1/completions", &completion("b", "6", MAX));
+    assert_eq!(reply.status, 200, "{reply:?}\n{}", host.log());
+    assert_eq!(ids(&reply.json()["choices"][0]["token_ids"]), expected_b);
+    let start = Instant::now();
+    while !long.is_finished() {
+        assert!(start.elapsed() < DEADLINE, "the paused request never ended\n{}", host.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let long = long.join().unwrap();
+    assert_eq!(long.status, 200, "{long:?}\n{}", host.log());
+    assert_eq!(ids(&long.json()["choices"][0]["token_ids"]), expected_a, "{}", host.log());
+    let metrics = host.get("/metrics").body;
+    assert!(metrics.contains("tpctl_host_kept_requests_total{model=\"a\"} 1"), "{metrics}");
+    assert!(
+        host.log().contains("model `a` still runs 1 request(s) after 0.2 s ([server] drain_timeout): it sleeps with them paused (keep)"),
+        "{}",
+        host.log()
+    );
+    let host = Arc::into_inner(host).expect("the client is done");
+    assert!(host.interrupt().success());
+}
+
+/// The models show `loading` while they start (`/health` 503 meanwhile), and a model whose
+/// ranks died starts again with `tpctl restart --deployment HOST-NAME`, with no request for
+/// it; a model that has not failed, or one no host has, is refused.
+#[cfg(feature = "failpoints")]
+#[test]
+fn models_show_loading_at_start_and_a_failed_model_restarts_by_hand() {
+    const MAX: u32 = 3;
+    let [(_, a), (_, b), _] = models();
+    let expected_b = alone(b, &["6"], MAX).remove(0);
+    let rt = common::scratch("rt-restart").to_string_lossy().into_owned();
+    let config = common::scratch("restart.toml");
+    // `b`'s engine starts 1.5 s late: it is still loading when the API first answers.
+    let text = format!(
+        "[server]\nmemory_budget = \"{BUDGET_MIB}MiB\"\n\n\
+         [[models]]\nname = \"a\"\nmodel = \"{a}\"\n\n\
+         [[models]]\nname = \"b\"\nmodel = \"{b}\"\n\
+         env = {{ TPCTL_FAILPOINTS = \"session.init=delay(1500)\" }}\n"
+    );
+    std::fs::write(&config, text).unwrap();
+    let config = config.to_string_lossy().into_owned();
+    let kv = format!("{KV_MIB}MiB");
+    let args = [&config, "--threads", "1", "--kv-cache-memory", &kv, "--deployment", "h"];
+    let host = Host::announced(&args, &[("XDG_RUNTIME_DIR", rt.as_str())]);
+    let health = host.get("/health");
+    assert_eq!(health.status, 503, "{health:?}");
+    assert_eq!(health.json()["status"], "loading", "{health:?}");
+    let listed = host.get("/v1/models").json();
+    assert_eq!(listed["data"][1]["state"], "loading", "{listed}");
+    host.loaded();
+
+    let reply = host.post("/v1/completions", &completion("b", "6", MAX));
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let launcher = model_launcher(&host.mark, "b").expect("model b's launcher");
+    let ranks = children_of(launcher);
+    assert_eq!(ranks.len(), 1, "one rank under model b's launcher: {ranks:?}");
+    assert!(Command::new("kill")
+        .args(["-KILL", &ranks[0].to_string()])
+        .status()
+        .is_ok_and(|s| s.success()));
+    host.until("b failed", |l| l["data"][1]["state"] == "failed");
+
+    let out = ctl(&rt, &["restart", "--deployment", "h-b"]);
+    assert_eq!(out.status.code(), Some(0), "{}\n{}", common::describe(&out), host.log());
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("model h-b started again\n"));
+    let listed = host.get("/v1/models").json();
+    assert_eq!(listed["data"][1]["state"], "awake", "{listed}");
+    let metrics = host.get("/metrics").body;
+    assert!(metrics.contains("tpctl_host_restarts_total{model=\"b\"} 1"), "{metrics}");
+    let reply = host.post("/v1/completions", &completion("b", "6", MAX));
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(ids(&reply.json()["choices"][0]["token_ids"]), expected_b);
+
+    for (deployment, message) in [
+        ("h-a", "model `a` is asleep at level 1, not failed: `tpctl restart` starts a failed model again"),
+        ("h-zz", "no running model host has a model with deployment `h-zz`"),
+    ] {
+        let out = ctl(&rt, &["restart", "--deployment", deployment]);
+        assert_eq!(out.status.code(), Some(1), "{}", common::describe(&out));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(message), "{stderr}");
+    }
+    assert!(host.interrupt().success());
+}
+
+/// A level-1 sleep whose backup host memory cannot hold (here: `MemAvailable` cannot be
+/// read, a failpoint) is a level-2 one, said in the log and counted; the model still answers
+/// as alone after it.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_level_1_sleep_without_host_memory_for_its_backup_is_a_level_2_one() {
+    const MAX: u32 = 3;
+    let two = &models()[..2];
+    let expected: Vec<Vec<u64>> =
+        two.iter().map(|(_, path)| alone(path, &["6"], MAX).remove(0)).collect();
+    let specs: Vec<String> = two.iter().map(|(n, p)| format!("{n}={p}")).collect();
+    let (kv, budget) = (format!("{KV_MIB}MiB"), format!("{BUDGET_MIB}MiB"));
+    let mut args = vec!["--threads", "1", "--kv-cache-memory", &kv, "--memory-budget", &budget];
+    args.extend(["--model", &specs[0], "--model", &specs[1]]);
+    let host = Host::announced(&args, &[("TPCTL_FAILPOINTS", "host.mem_available=error")]);
+    host.loaded();
+    let listed = host.get("/v1/models").json();
+    for card in listed["data"].as_array().unwrap() {
+        assert_eq!((&card["state"], &card["sleep_level"]), (&json!("asleep"), &json!(2)), "{card}");
+    }
+    for (i, name) in [(0, "a"), (1, "b"), (0, "a")] {
+        let reply = host.post("/v1/completions", &completion(name, "6", MAX));
+        assert_eq!(reply.status, 200, "{name}: {reply:?}\n{}", host.log());
+        assert_eq!(ids(&reply.json()["choices"][0]["token_ids"]), expected[i], "{name}");
+    }
+    let listed = host.get("/v1/models").json();
+    assert_eq!(listed["data"][1]["sleep_level"], 2, "{listed}");
+    let metrics = host.get("/metrics").body;
+    assert!(metrics.contains("tpctl_host_level2_sleeps_total{model=\"a\"} 2"), "{metrics}");
+    assert!(metrics.contains("tpctl_host_level2_sleeps_total{model=\"b\"} 2"), "{metrics}");
+    assert!(
+        host.log()
+            .contains("model `a` sleeps at level 2: the host memory its level-1 backup needs"),
+        "{}",
+        host.log()
+    );
+    assert!(host.interrupt().success());
 }

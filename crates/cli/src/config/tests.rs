@@ -89,6 +89,10 @@ fn the_example_config_parses_with_every_key_it_shows() {
     let text = "[server]\nasleep_wait_timeout = 2.5\n";
     assert_eq!(Config::parse(text, "t.toml").unwrap().server.asleep_wait_timeout, 2.5);
     assert_eq!(Config::default().server.asleep_wait_timeout, 60.0);
+    assert_eq!(config.server.drain_timeout, 5.0);
+    let text = "[server]\ndrain_timeout = 0.5\n";
+    assert_eq!(Config::parse(text, "t.toml").unwrap().server.drain_timeout, 0.5);
+    assert_eq!(Config::default().server.drain_timeout, 5.0);
 }
 
 /// One node's flags with the given layout.

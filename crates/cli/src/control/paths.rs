@@ -5,6 +5,9 @@ use anyhow::{bail, Context, Result};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::{client, HostWire, Request};
 
 /// The suffix of a control socket's file name.
 pub const SUFFIX: &str = ".sock";
@@ -171,7 +174,7 @@ pub fn resolve(dir: &Path, name: Option<&str>, socket: Option<&Path>) -> Result<
             Occupant::Other => bail!("{} is not a control socket", path.display()),
         };
     }
-    let live = live_deployments(dir);
+    let live = top_level(dir);
     match live.as_slice() {
         [one] => Ok(one.socket.clone()),
         [] => bail!(
@@ -187,6 +190,43 @@ pub fn resolve(dir: &Path, name: Option<&str>, socket: Option<&Path>) -> Result<
             )
         }
     }
+}
+
+/// How long a client waits for a deployment's status when it looks for model hosts.
+const HOST_PROBE: Duration = Duration::from_secs(10);
+
+/// The live deployments a client may mean when it names none: a model host's models (named
+/// `HOST-NAME`, listed in its table) are left out, so a host and its models read as one.
+pub fn top_level(dir: &Path) -> Vec<Deployment> {
+    let live = live_deployments(dir);
+    let mut models: Vec<String> = Vec::new();
+    for d in &live {
+        let prefix = format!("{}-", d.name);
+        // Only a deployment with others named after it may be a host: others are not asked.
+        if live.iter().any(|e| e.name.starts_with(&prefix)) {
+            if let Some(host) = host_table(&d.socket) {
+                models.extend(host.models.into_iter().map(|m| m.deployment));
+            }
+        }
+    }
+    live.into_iter().filter(|d| !models.contains(&d.name)).collect()
+}
+
+/// The table of the model host at `socket`; `None` when it is not a host or does not answer.
+pub fn host_table(socket: &Path) -> Option<HostWire> {
+    client::call(socket, &Request::Status, HOST_PROBE).ok()?.host
+}
+
+/// The live model host one of whose models is deployment `name` (the host's deployment, a
+/// dash, the model's name; its socket may be gone when the model failed), with its table.
+pub fn host_of(dir: &Path, name: &str) -> Option<(Deployment, HostWire)> {
+    live_deployments(dir)
+        .into_iter()
+        .filter(|d| name.starts_with(&format!("{}-", d.name)))
+        .find_map(|d| {
+            let table = host_table(&d.socket)?;
+            table.models.iter().any(|m| m.deployment == name).then_some((d, table))
+        })
 }
 
 /// ` (running: a, b)` for an error message, or nothing when none runs.

@@ -1,7 +1,7 @@
 //! Control replies as people read them: a receipt table per rank and tag, a status table per
 //! rank, bytes in binary units and times in the unit that fits.
 
-use super::{OpWire, StatusWire};
+use super::{HostWire, OpWire, StatusWire};
 use session::sleep::{Probe, TagReceipt};
 
 /// `n` bytes in binary units: `512 B`, `1.5 KiB`, `3.0 GiB`.
@@ -186,5 +186,42 @@ pub fn status(s: &StatusWire) -> String {
     for f in &s.failures {
         out.push_str(&format!("rank {} did not answer ({}): {}\n", f.rank, f.phase, f.message));
     }
+    out
+}
+
+/// A model host's table: the budget, then one row per model (its deployment, state, resident
+/// bytes, live checkpoint, requests in flight and queued).
+pub fn host(h: &HostWire) -> String {
+    let mut out = format!(
+        "model host {}: memory budget {}, {} resident\n",
+        h.deployment,
+        bytes(h.memory_budget_bytes),
+        bytes(h.resident_bytes)
+    );
+    let header = ["model", "deployment", "state", "resident", "in flight", "queued", "checkpoint"];
+    let mut rows = vec![header.map(str::to_owned).to_vec()];
+    let mut failures = Vec::new();
+    for m in &h.models {
+        let state = match (m.state.as_str(), m.sleep_level) {
+            ("asleep", Some(level)) => format!("asleep (level {level})"),
+            ("asleep", None) => "asleep (put to sleep outside the host)".to_owned(),
+            ("awake", _) if m.pinned => "awake (pinned)".to_owned(),
+            (state, _) => state.to_owned(),
+        };
+        if let Some(why) = &m.failure {
+            failures.push(format!("model {} failed: {why}\n", m.name));
+        }
+        rows.push(vec![
+            m.name.clone(),
+            m.deployment.clone(),
+            state,
+            bytes(m.resident_bytes),
+            m.in_flight.to_string(),
+            m.queued.to_string(),
+            m.checkpoint.clone(),
+        ]);
+    }
+    out.push_str(&table(&rows));
+    out.extend(failures);
     out
 }

@@ -28,6 +28,10 @@ const MAX_CONNECTIONS: usize = 32;
 /// How long dropping a server waits for its accept thread.
 const JOIN_DEADLINE: Duration = Duration::from_secs(5);
 
+/// What answers the requests of a control socket: a deployment's [`Controller`], or a model
+/// host's table.
+pub type Handler = Arc<dyn Fn(&Request) -> Reply + Send + Sync>;
+
 /// A running control socket. Dropping it stops accepting and removes the socket file
 /// (requests being served finish on their own threads).
 pub struct Server {
@@ -57,6 +61,18 @@ impl Server {
     pub fn start(
         path: &Path,
         controller: Controller,
+        on_stop: Arc<dyn Fn() + Send + Sync>,
+    ) -> Result<Server> {
+        Server::start_with(path, Arc::new(move |r| controller.execute(r)), on_stop)
+    }
+
+    /// [`Server::start`] with any `handler` of the requests (a model host's).
+    ///
+    /// # Errors
+    /// As [`Server::start`].
+    pub fn start_with(
+        path: &Path,
+        handler: Handler,
         on_stop: Arc<dyn Fn() + Send + Sync>,
     ) -> Result<Server> {
         let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
@@ -90,7 +106,7 @@ impl Server {
         let flag = stop.clone();
         let thread = std::thread::Builder::new()
             .name("control".into())
-            .spawn(move || accept_loop(listener, controller, on_stop, flag))
+            .spawn(move || accept_loop(listener, handler, on_stop, flag))
             .context("starting the control socket thread")?;
         Ok(Server {
             path: path.to_owned(),
@@ -130,7 +146,7 @@ impl Drop for Server {
 
 fn accept_loop(
     listener: UnixListener,
-    controller: Controller,
+    handler: Handler,
     on_stop: Arc<dyn Fn() + Send + Sync>,
     stop: Arc<AtomicBool>,
 ) {
@@ -158,9 +174,9 @@ fn accept_loop(
             let _ = write_reply(&stream, &busy);
             continue;
         }
-        let (controller, on_stop, active) = (controller.clone(), on_stop.clone(), active.clone());
+        let (handler, on_stop, active) = (handler.clone(), on_stop.clone(), active.clone());
         let spawned = std::thread::Builder::new().name("control-conn".into()).spawn(move || {
-            if let Err(e) = serve_connection(stream, &controller, &*on_stop) {
+            if let Err(e) = serve_connection(stream, &*handler, &*on_stop) {
                 tracing::warn!("control socket: {e:#}");
             }
             active.fetch_sub(1, Ordering::SeqCst);
@@ -174,7 +190,7 @@ fn accept_loop(
 /// Reads one request line, answers it, and for `stop` calls `on_stop` once the reply is out.
 fn serve_connection(
     stream: UnixStream,
-    controller: &Controller,
+    handler: &(dyn Fn(&Request) -> Reply + Send + Sync),
     on_stop: &(dyn Fn() + Send + Sync),
 ) -> Result<()> {
     stream.set_nonblocking(false).context("configuring a control connection")?;
@@ -202,7 +218,7 @@ fn serve_connection(
         Err(e) => return write_reply(&stream, &Reply::refused(e)),
     };
     tracing::info!(method = request.method(), ?request, "control request");
-    let reply = controller.execute(&request);
+    let reply = handler(&request);
     let written = write_reply(&stream, &reply);
     if request == Request::Stop {
         drop(stream);

@@ -111,6 +111,7 @@ fn a_status_shows_the_state_each_rank_and_who_did_not_answer() {
         in_progress: None,
         paused: false,
         weight_version: String::new(),
+        checkpoint: None,
     };
     let text = status(&s);
     let lines: Vec<&str> = text.lines().collect();
@@ -238,4 +239,47 @@ fn every_request_reads_back_as_written_and_an_unknown_method_is_named() {
     assert_eq!(PauseArgs::default().mode, QuiesceMode::Abort);
     let e = Request::parse(r#"{"method":"hibernate"}"#).unwrap_err();
     assert!(e.contains("unknown control method `hibernate`: expected sleep, wakeup"), "{e}");
+}
+
+#[test]
+fn a_model_hosts_status_is_its_table_of_models() {
+    let model = |name: &str, state: &str, level: Option<u8>| HostModelWire {
+        name: name.into(),
+        deployment: format!("h-{name}"),
+        state: state.into(),
+        sleep_level: level,
+        resident_bytes: 3 << 20,
+        checkpoint: format!("/m/{name}.gguf"),
+        in_flight: 1,
+        queued: 2,
+        ..HostModelWire::default()
+    };
+    let mut failed = model("d", "failed", None);
+    failed.failure = Some("its launcher exited with code 1".into());
+    let h = HostWire {
+        deployment: "h".into(),
+        memory_budget_bytes: 1 << 30,
+        resident_bytes: 12 << 20,
+        models: vec![
+            model("a", "awake", None),
+            model("b", "asleep", Some(2)),
+            model("c", "asleep", None),
+            failed,
+        ],
+    };
+    let text = super::render::host(&h);
+    let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split_whitespace().collect()).collect();
+    assert_eq!(text.lines().next(), Some("model host h: memory budget 1.0 GiB, 12.0 MiB resident"));
+    assert_eq!(
+        lines[1],
+        ["model", "deployment", "state", "resident", "in", "flight", "queued", "checkpoint"]
+    );
+    assert_eq!(lines[2], ["a", "h-a", "awake", "3.0", "MiB", "1", "2", "/m/a.gguf"]);
+    assert_eq!(lines[3][..4], ["b", "h-b", "asleep", "(level"]);
+    assert!(text.contains("asleep (put to sleep outside the host)"), "{text}");
+    assert!(text.ends_with("model d failed: its launcher exited with code 1\n"), "{text}");
+    // A host's status travels as `host` in the reply, and a deployment refuses `restart`.
+    let line = r#"{"method":"restart","deployment":"h-d"}"#;
+    let request = Request::parse(line).unwrap();
+    assert_eq!(request, Request::Restart(RestartArgs { deployment: "h-d".into() }));
 }

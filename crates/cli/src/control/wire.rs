@@ -35,6 +35,16 @@ pub enum Request {
     Status,
     /// Stops the deployment.
     Stop,
+    /// Starts a failed model of a model host again (only a host's socket serves it).
+    Restart(RestartArgs),
+}
+
+/// The options of a `restart`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestartArgs {
+    /// The model's deployment (`HOST-NAME`), or its name in the API.
+    pub deployment: String,
 }
 
 /// The options of a `sleep`.
@@ -151,7 +161,7 @@ pub fn check_version(version: &str) -> Result<(), String> {
 }
 
 /// The methods a request line may name.
-const METHODS: [&str; 11] = [
+const METHODS: [&str; 12] = [
     "sleep",
     "wakeup",
     "update_weights",
@@ -163,6 +173,7 @@ const METHODS: [&str; 11] = [
     "resume",
     "status",
     "stop",
+    "restart",
 ];
 
 impl Request {
@@ -180,6 +191,7 @@ impl Request {
             Request::Resume => "resume",
             Request::Status => "status",
             Request::Stop => "stop",
+            Request::Restart(_) => "restart",
         }
     }
 
@@ -207,8 +219,8 @@ impl Request {
     }
 }
 
-/// One reply line: `ok` with exactly one of `op`, `status`, `stopping`, `paused`, or not `ok`
-/// with `error`.
+/// One reply line: `ok` with exactly one of `op`, `status`, `stopping`, `paused`, `staged`,
+/// `host`, or not `ok` with `error`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Reply {
     /// Whether the request succeeded.
@@ -228,9 +240,53 @@ pub struct Reply {
     /// The answer to a start, a bucket or an abort of an update from memory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub staged: Option<StagedWire>,
+    /// A model host's answer to a status or a restart: its table of models.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<HostWire>,
     /// Why the request failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ErrorWire>,
+}
+
+/// A model host's table, as its control socket answers a status.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostWire {
+    /// The host's deployment name; each model's is this, a dash and its name.
+    pub deployment: String,
+    /// The memory budget the models share, bytes.
+    pub memory_budget_bytes: u64,
+    /// Bytes the models count against the budget together.
+    pub resident_bytes: u64,
+    /// The models, in the order given.
+    pub models: Vec<HostModelWire>,
+}
+
+/// One model of a host.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostModelWire {
+    /// Its name in the API.
+    pub name: String,
+    /// Its deployment (`tpctl sleep/wakeup/status --deployment` take it).
+    pub deployment: String,
+    /// `awake`, `asleep`, `waking`, `sleeping`, `loading` or `failed`.
+    pub state: String,
+    /// The level it sleeps at (`asleep`); none when it was put to sleep outside the host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sleep_level: Option<u8>,
+    /// Why it failed (`failed`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
+    /// Bytes it counts against the budget.
+    pub resident_bytes: u64,
+    /// The checkpoint its weights come from now.
+    pub checkpoint: String,
+    /// Requests it is answering (paused ones included).
+    pub in_flight: usize,
+    /// Requests waiting for it to be ready.
+    pub queued: usize,
+    /// Never put to sleep to make room.
+    #[serde(default)]
+    pub pinned: bool,
 }
 
 impl Reply {
@@ -325,6 +381,9 @@ pub struct StatusWire {
     /// The live weights' version.
     #[serde(default)]
     pub weight_version: String,
+    /// The live checkpoint (the latest weight update's, else the one it started with).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<String>,
 }
 
 impl From<&DeploymentStatus> for StatusWire {
@@ -339,6 +398,7 @@ impl From<&DeploymentStatus> for StatusWire {
             in_progress: s.in_progress.clone(),
             paused: s.paused,
             weight_version: s.weight_version.clone(),
+            checkpoint: None,
         }
     }
 }

@@ -171,7 +171,15 @@ impl Child {
     /// # Errors
     /// The socket does not answer, or answers an error.
     pub fn status(&self) -> Result<StatusWire> {
-        let reply = client::call(&self.socket, &control::Request::Status, SWAP_TIMEOUT)?;
+        self.status_within(SWAP_TIMEOUT)
+    }
+
+    /// [`Child::status`], waiting at most `timeout` for the reply.
+    ///
+    /// # Errors
+    /// As [`Child::status`].
+    pub fn status_within(&self, timeout: Duration) -> Result<StatusWire> {
+        let reply = client::call(&self.socket, &control::Request::Status, timeout)?;
         match (reply.status, reply.error) {
             (Some(status), _) => Ok(status),
             (None, Some(e)) => bail!("{}", e.message),
@@ -179,17 +187,13 @@ impl Child {
         }
     }
 
-    /// Puts every tag of the model to sleep at `level`, letting running requests finish.
+    /// Puts every tag of the model to sleep at `level`; running requests finish first
+    /// (`Wait`) or are paused until the wakeup (`Keep`).
     ///
     /// # Errors
     /// The sleep failed (the deployment rolled back, or stopped): the reply's error.
-    pub fn sleep(&self, level: u8) -> Result<OpWire, ErrorWire> {
-        let args = control::SleepArgs {
-            tags: Vec::new(),
-            level: Some(level),
-            mode: session::sleep::QuiesceMode::Wait,
-            verify: false,
-        };
+    pub fn sleep(&self, level: u8, mode: session::sleep::QuiesceMode) -> Result<OpWire, ErrorWire> {
+        let args = control::SleepArgs { tags: Vec::new(), level: Some(level), mode, verify: false };
         self.op(&control::Request::Sleep(args))
     }
 

@@ -23,45 +23,50 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// How often the host looks for a stop request and for models whose deployment exited.
+/// How often the host looks for a stop request, for models whose deployment exited and for
+/// paused requests to continue.
 const TICK: Duration = Duration::from_millis(100);
+/// Ticks between two readings of the models' states from their deployments.
+const FOLLOW_TICKS: u32 = 10;
 /// How long `/metrics` waits for one model's metrics (a model that does not answer in time
 /// is left out of that scrape).
 const METRICS_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Serves the API on `listener` until `stop` is set.
+/// Serves the API on `listener` with `runtime` until `stop` is set.
 ///
 /// # Errors
-/// The runtime cannot start or the listener fails.
+/// The listener fails.
 pub fn serve(
+    runtime: &tokio::runtime::Runtime,
     listener: std::net::TcpListener,
     host: Arc<Host>,
     stop: Arc<AtomicBool>,
 ) -> Result<()> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("host-http")
-        .enable_io()
-        .enable_time()
-        .build()
-        .context("starting the HTTP runtime")?;
     let watched = host.clone();
-    let result = runtime.block_on(async move {
+    runtime.block_on(async move {
         let listener =
             tokio::net::TcpListener::from_std(listener).context("registering the listener")?;
         axum::serve(listener, router(host))
             .with_graceful_shutdown(async move {
+                let mut ticks = 0u32;
                 while !stop.load(Ordering::SeqCst) {
                     let host = watched.clone();
-                    let _ = tokio::task::spawn_blocking(move || host.check_children()).await;
+                    let follow = ticks.is_multiple_of(FOLLOW_TICKS);
+                    let _ = tokio::task::spawn_blocking(move || {
+                        host.check_children();
+                        if follow {
+                            host.follow();
+                        }
+                    })
+                    .await;
+                    watched.revive_kept();
+                    ticks = ticks.wrapping_add(1);
                     tokio::time::sleep(TICK).await;
                 }
             })
             .await
             .context("serving HTTP")
-    });
-    runtime.shutdown_timeout(Duration::from_secs(1));
-    result
+    })
 }
 
 fn router(host: Arc<Host>) -> Router {
@@ -174,8 +179,15 @@ async fn route(host: Arc<Host>, path: &str, body: Bytes) -> Response {
             return response;
         }
     };
-    let addr = host.child(index).addr.clone();
-    match proxy::forward(&addr, "POST", path, body, admission).await {
+    let Some(child) = host.child(index) else {
+        // Admitted models have started; this is a restart's gap.
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "model_unavailable",
+            format!("model `{name}` has not started"),
+        );
+    };
+    match proxy::forward(&child.addr, "POST", path, body, admission).await {
         Ok(response) => response,
         Err(e) => error(
             StatusCode::BAD_GATEWAY,
@@ -199,10 +211,12 @@ fn model_card(host: &Host, index: usize) -> Value {
         "state": entry.state.name(),
         "resident_bytes": entry.resident(),
         "in_flight": entry.in_flight,
+        "queued": host.counters[index].waiting.load(Ordering::Relaxed),
+        "checkpoint": entry.checkpoint,
         "deployment": child.deployment,
     });
     match &entry.state {
-        super::State::Asleep { level } => card["sleep_level"] = json!(level),
+        super::State::Asleep { level: Some(level) } => card["sleep_level"] = json!(level),
         super::State::Failed(why) => card["failure"] = json!(why),
         _ => {}
     }
@@ -235,14 +249,20 @@ async fn model_by_id(State(host): State<Arc<Host>>, Path(id): Path<String>) -> R
     }
 }
 
-/// 200 while some model can serve (awake or asleep), 503 when every model failed.
+/// 200 while some model can serve (awake or asleep), 503 while the models load and when
+/// every model failed.
 async fn health(State(host): State<Arc<Host>>) -> Response {
     let table = host.lock();
     let states: serde_json::Map<String, Value> =
         table.models.iter().map(|m| (m.name.clone(), json!(m.state.name()))).collect();
     let alive = table.models.iter().any(|m| !matches!(m.state, super::State::Failed(_)));
-    let (status, word) =
-        if alive { (StatusCode::OK, "ok") } else { (StatusCode::SERVICE_UNAVAILABLE, "failed") };
+    let (status, word) = if table.starting {
+        (StatusCode::SERVICE_UNAVAILABLE, "loading")
+    } else if alive {
+        (StatusCode::OK, "ok")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "failed")
+    };
     (status, Json(json!({"status": word, "models": states}))).into_response()
 }
 
@@ -251,7 +271,7 @@ async fn health(State(host): State<Arc<Host>>) -> Response {
 async fn metrics(State(host): State<Arc<Host>>) -> Response {
     let mut own = Vec::new();
     for i in 0..host.children.len() {
-        let child = host.child(i);
+        let Some(child) = host.child(i) else { continue };
         if matches!(host.lock().models[i].state, super::State::Failed(_)) {
             continue;
         }
@@ -325,6 +345,18 @@ fn host_metrics(host: &Host) -> String {
         "counter",
         "Sleeps and wakeups of the model that failed.",
         &|i| load(&c[i].failed_swaps).to_string(),
+    );
+    family(
+        "tpctl_host_kept_requests_total",
+        "counter",
+        "Requests paused (keep) by a sleep that made room before they finished; they continue once the model wakes.",
+        &|i| load(&c[i].kept).to_string(),
+    );
+    family(
+        "tpctl_host_level2_sleeps_total",
+        "counter",
+        "Sleeps at level 2 instead of 1: host memory could not hold the level-1 backup.",
+        &|i| load(&c[i].level2).to_string(),
     );
     family(
         "tpctl_host_resident_bytes",

@@ -18,6 +18,9 @@ pub struct HostArgs {
     pub budget: Option<MemoryBudget>,
     /// `[server] asleep_wait_timeout`: how long a request waits for its model, seconds.
     pub asleep_wait_s: f64,
+    /// `[server] drain_timeout`: how long a model that must sleep waits for its running
+    /// requests before it pauses them, seconds.
+    pub drain_s: f64,
     /// The address of the API.
     pub listen: String,
     /// Required bearer token, if any.
@@ -53,11 +56,20 @@ pub fn serve(flags: &LaunchFlags, args: HostArgs, verbose: u8, quiet: bool) -> R
     if !(wait.is_finite() && wait >= 0.0) {
         bail!("[server] asleep_wait_timeout = {wait}: expected seconds, 0 or more");
     }
+    let drain = args.drain_s;
+    if !(drain.is_finite() && drain >= 0.0) {
+        bail!("[server] drain_timeout = {drain}: expected seconds, 0 or more");
+    }
     let deployment = args.deployment.clone().unwrap_or_else(paths::default_name);
-    for HostedModel { name: model, .. } in &args.models {
-        let name = format!("{deployment}-{model}");
+    // The host's own socket, then each model's.
+    let names = std::iter::once((deployment.clone(), "the host".to_owned())).chain(
+        args.models
+            .iter()
+            .map(|m| (format!("{deployment}-{}", m.name), format!("model `{}`", m.name))),
+    );
+    for (name, whose) in names {
         let socket = paths::socket_path(&paths::runtime_dir(), &name)
-            .with_context(|| format!("model `{model}`: its deployment's name"))?;
+            .with_context(|| format!("{whose}: its deployment's name"))?;
         if paths::occupant(&socket) == paths::Occupant::Live {
             bail!(
                 "deployment `{name}` is already running (control socket {}): give another --deployment name, or stop it with `tpctl stop --deployment {name}`",
@@ -100,6 +112,7 @@ pub fn serve(flags: &LaunchFlags, args: HostArgs, verbose: u8, quiet: bool) -> R
         api_key: args.api_key,
         budget,
         wait: Duration::from_secs_f64(wait.min(1e9)),
+        drain: Duration::from_secs_f64(drain.min(1e9)),
         verbosity,
         quiet,
     })

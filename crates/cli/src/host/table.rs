@@ -22,8 +22,9 @@ pub enum State {
     /// Its memory is released; a request wakes it.
     Asleep {
         /// The sleep level it was put to sleep at (1: weights kept in a backup, 2: reloaded
-        /// from the checkpoint).
-        level: u8,
+        /// from the checkpoint); `None` when it was put to sleep outside the host (`tpctl
+        /// sleep --deployment HOST-NAME`), whose level the deployment does not tell.
+        level: Option<u8>,
     },
     /// Being woken.
     Waking,
@@ -57,7 +58,8 @@ impl State {
 impl fmt::Display for State {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            State::Asleep { level } => write!(f, "asleep at level {level}"),
+            State::Asleep { level: Some(level) } => write!(f, "asleep at level {level}"),
+            State::Asleep { level: None } => f.write_str("asleep (put to sleep outside the host)"),
             State::Failed(why) => write!(f, "failed: {why}"),
             other => f.write_str(other.name()),
         }
@@ -86,6 +88,13 @@ pub struct Entry {
     /// Whether a request for it may restart its deployment once it failed (not after a
     /// restart failed: the next request would only fail the same way, slowly).
     pub restartable: bool,
+    /// Bytes a level-1 sleep keeps in a backup in host memory (its weights).
+    pub backup_bytes: u64,
+    /// Asleep with requests paused by a sleep that did not wait for them (keep): it wakes
+    /// for them as soon as there is room.
+    pub kept: bool,
+    /// The checkpoint its weights come from now, as its deployment last told.
+    pub checkpoint: String,
 }
 
 impl Entry {
@@ -101,6 +110,9 @@ impl Entry {
             asleep_bytes: 0,
             swap_bytes: 0,
             restartable: true,
+            backup_bytes: 0,
+            kept: false,
+            checkpoint: String::new(),
         }
     }
 
@@ -151,6 +163,8 @@ pub struct Table {
     pub budget: u64,
     /// The models, in the order they were given.
     pub models: Vec<Entry>,
+    /// The models are still being started and measured: nothing wakes until they are.
+    pub starting: bool,
     /// A logical clock: each admitted request ticks it, so "least recently used" does not
     /// depend on the wall clock's resolution.
     clock: u64,
@@ -159,7 +173,7 @@ pub struct Table {
 impl Table {
     /// A table of `models` sharing `budget` bytes.
     pub fn new(budget: u64, models: Vec<Entry>) -> Table {
-        Table { budget, models, clock: 0 }
+        Table { budget, models, starting: false, clock: 0 }
     }
 
     /// The index of the model named `name`.
@@ -194,6 +208,20 @@ impl Table {
                 return Plan::Wait(format!("model `{}` is {}", model.name, model.state))
             }
         };
+        if self.starting {
+            // The budget's arithmetic needs every model measured.
+            let loading: Vec<&str> = self
+                .models
+                .iter()
+                .filter(|m| m.state == State::Loading)
+                .map(|m| m.name.as_str())
+                .collect();
+            return Plan::Wait(format!(
+                "model `{}` waits for the models to load (loading: {})",
+                model.name,
+                loading.join(", ")
+            ));
+        }
         let restart = matches!(model.state, State::Failed(_));
         let mut resident = self.resident();
         if resident + need <= self.budget {
@@ -301,6 +329,38 @@ pub fn check_fits(budget: u64, models: &[Entry]) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// The level a model whose level is `configured` sleeps at, when its level-1 backup takes
+/// `backup` bytes of host memory and `available` are free (`MemAvailable`, or why it could
+/// not be read): level 2 instead of 1 when the backup does not fit (or the room is unknown),
+/// with the reason for the log.
+pub fn sleep_level(
+    configured: u8,
+    backup: u64,
+    available: Result<u64, String>,
+) -> (u8, Option<String>) {
+    if configured != 1 {
+        return (configured, None);
+    }
+    match available {
+        Ok(free) if backup <= free => (1, None),
+        Ok(free) => (
+            2,
+            Some(format!(
+                "its level-1 backup needs {} of host memory and only {} is available (MemAvailable); its weights reload from the checkpoint at the wakeup",
+                bytes(backup),
+                bytes(free)
+            )),
+        ),
+        Err(why) => (
+            2,
+            Some(format!(
+                "the host memory its level-1 backup needs ({}) cannot be checked ({why}); its weights reload from the checkpoint at the wakeup",
+                bytes(backup)
+            )),
+        ),
+    }
 }
 
 /// The memory budget as given: bytes, or a share of the host's memory.

@@ -18,11 +18,14 @@ fn entry(name: &str, state: State, asleep: u64, swap: u64, used: u64, in_flight:
         asleep_bytes: asleep * MIB,
         swap_bytes: swap * MIB,
         restartable: true,
+        backup_bytes: 0,
+        kept: false,
+        checkpoint: String::new(),
     }
 }
 
 const AWAKE: State = State::Awake;
-const ASLEEP: State = State::Asleep { level: 1 };
+const ASLEEP: State = State::Asleep { level: Some(1) };
 
 #[test]
 fn a_wakeup_sleeps_the_least_recently_used_idle_models_first() {
@@ -226,4 +229,43 @@ fn memory_budgets_parse_as_bytes_or_a_share() {
     }
     assert_eq!(MemoryBudget::Fraction(0.5).bytes(1000), 500);
     assert_eq!(MemoryBudget::Bytes(7).bytes(1000), 7);
+}
+
+#[test]
+fn a_level_1_sleep_whose_backup_host_memory_cannot_hold_is_a_level_2_one() {
+    /// Configured level, backup MiB, available MiB or why not, level, whether it says why.
+    type Case = (u8, u64, Result<u64, &'static str>, u8, bool);
+    let cases: Vec<Case> = vec![
+        (1, 100, Ok(101), 1, false),
+        (1, 100, Ok(100), 1, false),
+        (1, 100, Ok(99), 2, true),
+        (1, 100, Err("no MemAvailable"), 2, true),
+        (2, 100, Ok(1000), 2, false),
+        (2, 100, Ok(1), 2, false),
+    ];
+    for (configured, backup, available, level, why) in cases {
+        let available = available.map(|a| a * MIB).map_err(str::to_owned);
+        let (got, reason) = sleep_level(configured, backup * MIB, available.clone());
+        assert_eq!((got, reason.is_some()), (level, why), "{configured} {backup} {available:?}");
+    }
+    let (_, reason) = sleep_level(1, 100 * MIB, Ok(99 * MIB));
+    assert_eq!(
+        reason.unwrap(),
+        "its level-1 backup needs 100.0 MiB of host memory and only 99.0 MiB is available (MemAvailable); its weights reload from the checkpoint at the wakeup"
+    );
+}
+
+#[test]
+fn nothing_wakes_while_the_models_start() {
+    let mut table = Table::new(
+        1000 * MIB,
+        vec![entry("a", ASLEEP, 40, 100, 0, 0), entry("b", State::Loading, 0, 0, 0, 0)],
+    );
+    table.starting = true;
+    assert_eq!(
+        table.plan(0),
+        Plan::Wait("model `a` waits for the models to load (loading: b)".into())
+    );
+    table.starting = false;
+    assert_eq!(table.plan(0), Plan::Swap { evict: vec![] });
 }
