@@ -15,7 +15,7 @@ use crate::rendezvous::Rendezvous;
 
 mod cuda;
 
-pub use cuda::DriverProbe;
+pub use cuda::{cuda_driver, DriverProbe};
 
 /// A range of memory that someone else owns and kernels may use in place: a weight buffer or
 /// a KV cache that sleep releases and wakeup restores at the same address.

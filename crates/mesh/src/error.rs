@@ -164,6 +164,15 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// Why a backend cannot be used, in words, for a crate that reports it under its own
+    /// error (the reason of [`Error::BackendUnavailable`], else the whole message).
+    pub fn reason(&self) -> String {
+        match self {
+            Error::BackendUnavailable { reason, .. } => reason.clone(),
+            other => other.to_string(),
+        }
+    }
+
     pub(crate) fn mesh(reason: impl Into<String>) -> Self {
         Error::InvalidMesh { reason: reason.into() }
     }

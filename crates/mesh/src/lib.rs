@@ -26,7 +26,7 @@ pub mod rendezvous;
 pub mod store;
 
 pub use backend::{AxisBackends, CommBackend};
-pub use device::{CudaProbe, Device, DeviceMemory, DriverProbe};
+pub use device::{cuda_driver, CudaProbe, Device, DeviceMemory, DriverProbe};
 pub use error::{Error, Result};
 pub use layout::{balanced_ranges, plan_mesh, DeviceMesh, MeshShape, TokenShard};
 pub use rendezvous::Rendezvous;

@@ -54,17 +54,11 @@ pub use region::{DeviceSlice, Region, Regions};
 pub use spill::default_spill_dir;
 pub use tag::Tag;
 
-/// Whether the CUDA driver library can be loaded here (always false without the `cuda`
-/// feature). Creating a CUDA manager can still fail when no device is usable.
+/// Whether the CUDA driver can be loaded and initialized here ([`mesh::cuda_driver`]; always
+/// false without the `cuda` feature). Creating a CUDA manager can still fail when no device
+/// is usable.
 pub fn cuda_driver_present() -> bool {
-    #[cfg(feature = "cuda")]
-    {
-        backend::cuda::driver_present()
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        false
-    }
+    mesh::cuda_driver().is_ok()
 }
 
 /// Returns the C heap's free memory to the OS (glibc `malloc_trim`; nothing elsewhere).

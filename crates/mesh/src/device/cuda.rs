@@ -6,6 +6,24 @@ use super::CudaProbe;
 use crate::error::Error;
 use crate::error::Result;
 
+/// Loads and initializes the CUDA driver, once per process: the one probe of the driver
+/// library that every crate using CUDA goes through (a missing `libcuda` is found here, before
+/// cudarc would panic on it). Returns why the driver cannot be used, in words.
+///
+/// # Errors
+/// [`crate::Error::BackendUnavailable`] naming what is missing or what `cuInit` said;
+/// [`crate::Error::NotCompiledWith`] without the feature `cuda`.
+pub fn cuda_driver() -> Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        driver::init()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(Error::NotCompiledWith { feature: "cuda" })
+    }
+}
+
 /// Asks the CUDA driver, loaded at run time, about the devices of this process.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct DriverProbe;

@@ -111,3 +111,23 @@ fn cuda_keeps_the_callers_current_device() {
     assert_eq!(Device::select(&rv, true).unwrap(), Device::Cuda(count - 1));
     drop(ctx);
 }
+
+/// The one probe of the CUDA driver says why it cannot be used, in words, and answers the same
+/// every time (it runs once per process): the build's missing feature, or the missing library
+/// or failed `cuInit`; on a GPU machine it succeeds.
+#[test]
+fn the_cuda_driver_probe_names_why_it_cannot_be_used() {
+    let first = cuda_driver();
+    match &first {
+        Ok(()) => {}
+        Err(Error::NotCompiledWith { feature }) => assert_eq!(*feature, "cuda"),
+        Err(e @ Error::BackendUnavailable { backend, .. }) => {
+            assert_eq!(*backend, "cuda");
+            let reason = e.reason();
+            assert!(reason.contains("CUDA driver") || reason.contains("cuInit"), "{reason}");
+            assert!(!reason.contains("unavailable"), "the reason alone: {reason}");
+        }
+        Err(other) => panic!("unexpected error: {other}"),
+    }
+    assert_eq!(cuda_driver().map_err(|e| e.to_string()), first.map_err(|e| e.to_string()));
+}

@@ -3,8 +3,8 @@
 //! `cuMemAddressReserve` gives each allocation its address range once; materialize is
 //! `cuMemCreate` + `cuMemMap` + `cuMemSetAccess`, release is `cuMemUnmap` + `cuMemRelease`, so
 //! device pointers held by kernels and captured graphs stay valid across cycles. Host backups
-//! live in pinned memory (`cuMemHostAlloc`). The driver library is loaded at run time; without
-//! it [`create`] returns [`Error::BackendUnavailable`].
+//! live in pinned memory (`cuMemHostAlloc`). The driver library is loaded at run time, through
+//! `mesh::cuda_driver`; without it [`create`] returns [`Error::BackendUnavailable`].
 
 use super::{Backend, HostBuf, Init, Phys};
 use crate::error::{Error, Result};
@@ -21,12 +21,6 @@ fn check(op: impl FnOnce() -> String, r: sys::CUresult) -> Result<()> {
     } else {
         Err(Error::Cuda { op: op(), code: format!("{r:?}") })
     }
-}
-
-/// Whether the CUDA driver library can be loaded; cudarc panics on first use otherwise.
-pub(crate) fn driver_present() -> bool {
-    // SAFETY: the probe only tries to dlopen the driver library and drops it again.
-    unsafe { sys::is_culib_present() }
 }
 
 /// Opens device `device`, or says why it cannot.
@@ -53,16 +47,10 @@ unsafe impl Send for CudaBackend {}
 impl CudaBackend {
     fn new(device: usize) -> Result<CudaBackend> {
         let unavailable = |reason: String| Error::BackendUnavailable { backend: "cuda", reason };
-        if !driver_present() {
-            return Err(unavailable(
-                "the CUDA driver library (libcuda.so) cannot be loaded".into(),
-            ));
-        }
+        // The driver is loaded and initialized (cuInit) by its one probe.
+        mesh::cuda_driver().map_err(|e| unavailable(e.reason()))?;
         let ordinal =
             i32::try_from(device).map_err(|_| unavailable(format!("no device {device}")))?;
-        // SAFETY: the driver library is present (checked above); cuInit has no other preconditions.
-        check(|| "cuInit".into(), unsafe { sys::cuInit(0) })
-            .map_err(|e| unavailable(e.to_string()))?;
         let mut dev: sys::CUdevice = 0;
         // SAFETY: `dev` is a valid out pointer; the driver is initialized.
         check(|| format!("cuDeviceGet({device})"), unsafe { sys::cuDeviceGet(&mut dev, ordinal) })

@@ -34,12 +34,9 @@ pub(in crate::nccl) fn probe() -> std::result::Result<(), String> {
     static PROBE: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     PROBE
         .get_or_init(|| {
-            // SAFETY: the probe only tries to dlopen the library; it calls nothing in it.
-            if !unsafe { cudarc::driver::sys::is_culib_present() } {
-                return Err("the CUDA driver library (libcuda) cannot be loaded".to_owned());
-            }
-            cu::init().map_err(|e| format!("cuInit failed: {e}"))?;
-            // SAFETY: as above, for libnccl.
+            // The driver's one probe loads and initializes it.
+            mesh::cuda_driver().map_err(|e| e.reason())?;
+            // SAFETY: the probe only tries to dlopen libnccl; it calls nothing in it.
             if !unsafe { sys::is_culib_present() } {
                 return Err(format!(
                     "the NCCL library cannot be loaded (looked for {}; NCCL ships as \

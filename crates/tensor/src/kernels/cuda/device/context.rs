@@ -86,22 +86,17 @@ impl CudaBackend {
     /// As [`CudaBackend::new`].
     pub fn with_gemm_dtype(ordinal: usize, dtype: GemmDtype) -> Result<Self> {
         let at = |reason: String| unavailable(format!("device {ordinal}: {reason}"));
-        // cudarc panics when a library it calls into cannot be loaded; probe each first.
+        // cudarc panics when a library it calls into cannot be loaded: the driver has its one
+        // probe (`mesh::cuda_driver`, which also initializes it); NVRTC and cuBLAS are probed
+        // here.
+        mesh::cuda_driver().map_err(|e| at(e.reason()))?;
         // SAFETY: the probes only try to load the shared libraries by name and drop them
         // again; loading runs the CUDA libraries' own initializers and nothing else.
-        let (driver, nvrtc, cublas) = unsafe {
-            (
-                cudarc::driver::sys::is_culib_present(),
-                cudarc::nvrtc::sys::is_culib_present(),
-                cudarc::cublas::sys::is_culib_present(),
-            )
+        let (nvrtc, cublas) = unsafe {
+            (cudarc::nvrtc::sys::is_culib_present(), cudarc::cublas::sys::is_culib_present())
         };
-        if !driver {
-            return Err(
-                at("the CUDA driver library (libcuda.so) is not on the loader path".into()),
-            );
-        }
-        let count = CudaContext::device_count().map_err(|e| at(format!("cuInit failed: {e}")))?;
+        let count =
+            CudaContext::device_count().map_err(|e| at(format!("counting the devices: {e}")))?;
         if ordinal >= usize::try_from(count).unwrap_or(0) {
             return Err(at(format!("no such device: {count} CUDA device(s) visible")));
         }
