@@ -37,33 +37,7 @@ impl Leader {
         Ok(Leader { core: Core::new(ctx, factory, opts), output, metrics })
     }
 
-    /// The events of this rank so far.
-    pub fn events(&self) -> &[Event] {
-        &self.core.events
-    }
-
-    /// A handle that asks for a stop at the next boundary.
-    pub fn stop_handle(&self) -> StopHandle {
-        self.core.stop.clone()
-    }
-
-    /// The gate the sleep/wakeup control plane quiesces this engine through.
-    pub fn gate(&self) -> Arc<Gate> {
-        self.core.gate.clone()
-    }
-
-    /// Quiesces through `gate` (made with [`Gate::for_rank`] for this rank) instead.
-    pub fn with_gate(mut self, gate: Arc<Gate>) -> Self {
-        self.core.gate = gate;
-        self
-    }
-
-    /// Stops when `stop` is asked (a handle made before the engine, say for a control
-    /// socket), instead of a handle of its own.
-    pub fn with_stop(mut self, stop: StopHandle) -> Self {
-        self.core.stop = stop;
-        self
-    }
+    core_accessors!();
 
     /// Runs `requests` together in a session of `config`; when its model work ends (every
     /// request finished, or `max_steps`) `decider` says what follows. Consumes the process

@@ -24,27 +24,7 @@ impl Worker {
         Ok(Worker { core: Core::new(ctx, factory, opts) })
     }
 
-    /// The events of this rank so far.
-    pub fn events(&self) -> &[Event] {
-        &self.core.events
-    }
-
-    /// A handle that asks for a stop at the next boundary (a worker that must leave early:
-    /// every rank stops together).
-    pub fn stop_handle(&self) -> StopHandle {
-        self.core.stop.clone()
-    }
-
-    /// The gate the sleep/wakeup control plane quiesces this engine through.
-    pub fn gate(&self) -> Arc<Gate> {
-        self.core.gate.clone()
-    }
-
-    /// Quiesces through `gate` (made with [`Gate::for_rank`] for this rank) instead.
-    pub fn with_gate(mut self, gate: Arc<Gate>) -> Self {
-        self.core.gate = gate;
-        self
-    }
+    core_accessors!();
 
     /// Follows rank 0 session by session until it stops; consumes the process groups like
     /// [`Leader::run`].

@@ -133,6 +133,18 @@ impl Inner {
         self.next_op += 1;
         id
     }
+
+    /// The state an operation that ended without changing memory (or was undone) leaves: failed
+    /// when a peer is lost, else sleeping while anything is asleep, else running.
+    fn settle(&mut self) {
+        self.state = if let Some(r) = self.lost.iter().next() {
+            DeploymentState::Failed(format!("rank {r} is lost"))
+        } else if self.asleep.is_empty() {
+            DeploymentState::Running
+        } else {
+            DeploymentState::Sleeping(self.asleep.iter().cloned().collect())
+        };
+    }
 }
 
 /// Rank 0's coordinator of sleep and wakeup. `Sync`: callers on several threads are
@@ -582,13 +594,7 @@ impl Coordinator {
             self.engine.resume();
             inner.paused = false;
         }
-        inner.state = if let Some(r) = inner.lost.iter().next() {
-            DeploymentState::Failed(format!("rank {r} is lost"))
-        } else if inner.asleep.is_empty() {
-            DeploymentState::Running
-        } else {
-            DeploymentState::Sleeping(inner.asleep.iter().cloned().collect())
-        };
+        inner.settle();
     }
 
     /// Stops every listener after a failed rollback and marks the deployment failed.
@@ -885,13 +891,7 @@ impl Coordinator {
             self.engine.resume();
             inner.paused = false;
         }
-        inner.state = if let Some(r) = inner.lost.iter().next() {
-            DeploymentState::Failed(format!("rank {r} is lost"))
-        } else if inner.asleep.is_empty() {
-            DeploymentState::Running
-        } else {
-            DeploymentState::Sleeping(inner.asleep.iter().cloned().collect())
-        };
+        inner.settle();
         (Outcome::RolledBack, failures)
     }
 

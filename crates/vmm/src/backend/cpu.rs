@@ -79,54 +79,50 @@ fn memfd(label: &str, len: usize) -> Result<OwnedFd> {
 fn kernel_copy(file: &File, offset: u64, fd: &OwnedFd, len: usize) -> io::Result<bool> {
     let mut off_in = offset as libc::loff_t;
     let mut off_out: libc::loff_t = 0;
-    let mut done = 0;
-    while done < len {
-        // SAFETY: both descriptors are valid and open; the offsets point to live locals.
-        let n = unsafe {
-            libc::copy_file_range(
-                file.as_raw_fd(),
-                &mut off_in,
-                fd.as_raw_fd(),
-                &mut off_out,
-                len - done,
-                0,
-            )
-        };
-        if n < 0 {
-            let err = io::Error::last_os_error();
-            if done == 0
-                && matches!(
-                    err.raw_os_error(),
-                    Some(libc::EXDEV | libc::EINVAL | libc::EOPNOTSUPP | libc::ENOSYS)
+    let copied =
+        copy_loop(len, &[libc::EXDEV, libc::EINVAL, libc::EOPNOTSUPP, libc::ENOSYS], |n| {
+            // SAFETY: both descriptors are valid and open; the offsets point to live locals.
+            unsafe {
+                libc::copy_file_range(
+                    file.as_raw_fd(),
+                    &mut off_in,
+                    fd.as_raw_fd(),
+                    &mut off_out,
+                    n,
+                    0,
                 )
-            {
-                return sendfile_copy(file, offset, fd, len);
             }
-            return Err(err);
-        }
-        if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!("file ends {} bytes short", len - done),
-            ));
-        }
-        done += n as usize;
+        })?;
+    if copied {
+        return Ok(true);
     }
-    Ok(true)
+    sendfile_copy(file, offset, fd, len)
 }
 
 /// `sendfile` into the memfd: the kernel copies page by page without zeroing first.
 fn sendfile_copy(file: &File, offset: u64, fd: &OwnedFd, len: usize) -> io::Result<bool> {
     let mut off_in = offset as libc::off_t;
-    let mut done = 0;
-    while done < len {
+    copy_loop(len, &[libc::EINVAL, libc::ENOSYS], |n| {
         // SAFETY: both descriptors are valid; `off_in` is a live local. The memfd's own file
         // position starts at 0 and advances with each call, which is where the bytes go.
-        let n =
-            unsafe { libc::sendfile(fd.as_raw_fd(), file.as_raw_fd(), &mut off_in, len - done) };
+        unsafe { libc::sendfile(fd.as_raw_fd(), file.as_raw_fd(), &mut off_in, n) }
+    })
+}
+
+/// Calls `copy(remaining)` until `len` bytes are copied, each call returning how many it
+/// copied (negative: failed, with `errno`). Returns false, having copied nothing, when the
+/// first call fails with one of `unsupported` (the caller falls back to another way).
+fn copy_loop(
+    len: usize,
+    unsupported: &[i32],
+    mut copy: impl FnMut(usize) -> isize,
+) -> io::Result<bool> {
+    let mut done = 0;
+    while done < len {
+        let n = copy(len - done);
         if n < 0 {
             let err = io::Error::last_os_error();
-            if done == 0 && matches!(err.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) {
+            if done == 0 && err.raw_os_error().is_some_and(|e| unsupported.contains(&e)) {
                 return Ok(false);
             }
             return Err(err);
