@@ -21,6 +21,7 @@ tasks:
   bench <what> [--json]   benchmarks with their reference measured in the same run;
                           <what>: collectives | vmm | session | model | serve | sleep | cycles |
                           swap (a model host's swap vs a cold start) |
+                          coldstart (run's time to first token vs warm serve's) |
                           agree (greedy ids and logprobs vs llama.cpp) | all
   gpu-test [--bundle [DIR]]
                           the GPU tests with --features cuda; fails without a usable GPU;

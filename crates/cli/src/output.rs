@@ -149,6 +149,8 @@ impl OutputSink for Printer {
             OutputFormat::Text => out(&format!("=== prompt {request}: {}\n{text}\n", prompt.text)),
             OutputFormat::Jsonl => {
                 let ttft = timing.first_token.map(|d| d.as_secs_f64() * 1e3);
+                // The model's build before the admission, apart from the request's times.
+                let startup = self.clock.lock().unwrap_or_else(|e| e.into_inner()).startup;
                 let line = serde_json::json!({
                     "index": request,
                     "prompt": prompt.text,
@@ -158,6 +160,7 @@ impl OutputSink for Printer {
                     "finish_reason": reason.name(),
                     "time_to_first_token_ms": ttft,
                     "total_ms": now.as_secs_f64() * 1e3,
+                    "startup_ms": startup.map(|d| d.as_secs_f64() * 1e3),
                 });
                 out(&format!("{line}\n"))
             }

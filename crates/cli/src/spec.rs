@@ -16,7 +16,7 @@ pub enum OutputFormat {
     /// Generated text (streamed for a single prompt), then a summary.
     Text,
     /// One JSON object per prompt, as each finishes; `index` is the prompt's position in the
-    /// input.
+    /// input; times in ms from the requests' admission, `startup_ms` the start-up before it.
     Jsonl,
 }
 

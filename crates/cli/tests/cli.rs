@@ -188,6 +188,7 @@ fn jsonl_lines_have_every_field() {
         "finish_reason",
         "time_to_first_token_ms",
         "total_ms",
+        "startup_ms",
     ] {
         assert!(line.get(key).is_some(), "missing {key}: {line}");
     }
@@ -305,6 +306,16 @@ fn time_to_first_token_counts_from_admission_and_start_up_apart() {
     let first_token_ms = number("time to first token ", " ms");
     assert!(startup_ms >= 2000.0, "the delayed build is start-up: {line}");
     assert!(first_token_ms < startup_ms, "the build is not in the time to first token: {line}");
+
+    // The same in JSON lines: each prompt's times count from its admission, and `startup_ms`
+    // says what came before.
+    let args = [&args[..], &["--output", "jsonl"]].concat();
+    let out = tpctl(&args, &[("TPCTL_FAILPOINTS", "session.init=delay(2000)@0")]);
+    assert!(out.status.success(), "{}", text(&out));
+    let line = &json_lines(&out)[0];
+    let ms = |key: &str| line[key].as_f64().unwrap_or_else(|| panic!("no {key}: {line}"));
+    assert!(ms("startup_ms") >= 2000.0, "the delayed build is start-up: {line}");
+    assert!(ms("total_ms") < ms("startup_ms"), "the build is in no request's time: {line}");
 }
 
 #[cfg(feature = "failpoints")]

@@ -589,6 +589,28 @@ fn control(runtime: &str, args: &[&str]) -> (i32, Value, String) {
     (out.status.code().unwrap_or(-1), reply, String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
+/// The KV pool is committed during start-up, on every rank: once `/health` answers, each
+/// rank's resident memory already holds its whole pool (here 96 MiB, far more than the tiny
+/// model's weights), so no request pays for faulting it in.
+#[test]
+fn every_ranks_kv_pool_is_resident_when_the_deployment_is_ready() {
+    let rt = runtime_dir("pool");
+    let env = [("XDG_RUNTIME_DIR", rt.as_str())];
+    let args = ["--cp", "2", "--kv-cache-memory", "96MiB", "--deployment", "pool"];
+    let server = Server::start_with(model(), &args, &env);
+    let (code, status, err) = control(&rt, &["status"]);
+    assert_eq!(code, 0, "{err}\n{status}\n{}", server.log());
+    let ranks = status["status"]["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 2, "{status}");
+    for r in ranks {
+        let resident = r["after"]["resident"].as_u64().unwrap_or_else(|| panic!("{r}"));
+        assert!(resident >= 96 << 20, "rank {}: {resident} bytes resident, pool 96 MiB", r["rank"]);
+    }
+    let (code, reply, err) = control(&rt, &["stop"]);
+    assert_eq!(code, 0, "{err}\n{reply}");
+    assert!(server.wait().success());
+}
+
 /// The default model, when `cargo xtask fetch-model` (CI runs it) cached it.
 fn default_model() -> Option<String> {
     let path = checkpoint::cache::default_model_path()?;

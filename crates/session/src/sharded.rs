@@ -234,10 +234,11 @@ impl ModelFactory for ShardedFactory {
     ) -> Result<Box<dyn StepModel>, BoxError> {
         let comms = Comms { tp: &mut *groups.tp, cp: &mut *groups.cp };
         let placement = Placement::of(&comms);
+        // After the file's steps: the move into tagged memory, and the KV pool's commit.
+        let after = 1 + usize::from(self.kv.is_some());
         let report = |done, total| {
             if let Some(p) = &self.progress {
-                // One more step: the move into tagged memory.
-                p(done, total + 1);
+                p(done, total + after);
             }
         };
         let backend = match &self.backend {
@@ -258,9 +259,9 @@ impl ModelFactory for ShardedFactory {
             let origin = ShardOrigin::checkpoint(config.model.clone(), placement, self.form);
             memory.place_weights(&mut model, &origin)?;
         }
+        let steps = model.config().n_layers + 2 + after;
         if let Some(p) = &self.progress {
-            let steps = model.config().n_layers + 3;
-            p(steps, steps);
+            p(steps + 1 - after, steps);
         }
         let context = self.context.unwrap_or(model.config().context_length);
         let pool = match self.kv {
@@ -279,6 +280,10 @@ impl ModelFactory for ShardedFactory {
                     spread: placement.cp as u32,
                     prefix_caching: kv.prefix_caching,
                 };
+                if let Some(p) = &self.progress {
+                    // Committed: the first request faults no page of it in.
+                    p(steps, steps);
+                }
                 Some((Arc::new(pool), layout))
             }
             None => None,

@@ -767,6 +767,27 @@ impl Allocation {
         Ok(())
     }
 
+    /// Commits the allocation's physical memory now, on `threads` threads, so that its first
+    /// use does not fault its pages in one by one (a KV pool committed at start-up, not during
+    /// the first request). Contents are unchanged. Host memory only; device memory is physical
+    /// from its allocation, so there this does nothing. While it runs, a release or
+    /// materialize of this allocation fails with [`Error::Busy`].
+    ///
+    /// # Errors
+    /// [`Error::Released`] while released; [`Error::Os`] when the kernel cannot commit the
+    /// pages (out of memory).
+    pub fn commit(&self, threads: usize) -> Result<()> {
+        let s = &self.shared;
+        let slot = self.shared.slot.write().unwrap_or_else(PoisonError::into_inner);
+        if slot.phys.is_none() {
+            return Err(Error::Released { id: s.id, tag: s.tag.clone(), bytes: s.bytes as u64 });
+        }
+        if s.device != mesh::Device::Cpu {
+            return Ok(());
+        }
+        crate::backend::cpu::commit(s.base, s.mapped, threads)
+    }
+
     /// Shared access to the bytes. While the guard lives, a release or materialize of this
     /// allocation fails with [`Error::Busy`]; a guard requested while one runs waits for it.
     ///

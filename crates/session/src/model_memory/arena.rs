@@ -20,6 +20,11 @@ impl VmmArena {
 }
 
 impl VmmArena {
+    /// Commits its allocation's pages on `threads` threads ([`vmm::Allocation::commit`]).
+    pub(super) fn commit(&self, threads: usize) -> Result<(), vmm::Error> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).allocation().commit(threads)
+    }
+
     /// Whether its allocation is released (asleep).
     pub(super) fn allocation_released(&self) -> bool {
         self.0.lock().unwrap_or_else(PoisonError::into_inner).allocation().is_released()

@@ -101,7 +101,8 @@ pub struct ModelMemory {
     /// Bytes of host memory available for new allocations (`None`: unknown); a weight
     /// update in another form checks it before it allocates.
     host_available: fn() -> Option<u64>,
-    /// Threads a weight update written in place copies on (the rank's compute threads).
+    /// Threads a weight update written in place copies on, and new KV memory is committed on
+    /// (the rank's compute threads).
     threads: usize,
 }
 
@@ -331,8 +332,8 @@ impl ModelMemory {
         self
     }
 
-    /// Copies the tensors of updates written in place on `threads` threads (at least one): the
-    /// rank's compute threads, idle while an update commits.
+    /// Copies the tensors of updates written in place, and commits new KV memory, on
+    /// `threads` threads (at least one): the rank's compute threads, idle meanwhile.
     pub fn with_threads(mut self, threads: usize) -> ModelMemory {
         self.threads = threads.max(1);
         self
@@ -571,6 +572,12 @@ impl ModelMemory {
             return Ok(());
         }
         let placed = self.place(model, origin)?;
+        // The move wrote nearly every page; the commit holds the rest (alignment gaps) too,
+        // so no page of the weights is faulted in during a request.
+        placed.arena.commit(self.threads).map_err(|source| PlaceError::Allocate {
+            what: format!("{} bytes of weights", model.weight_bytes()),
+            source,
+        })?;
         {
             let mut live = lock_live(&self.live);
             live.current = Some(placed);
@@ -715,8 +722,9 @@ impl ModelMemory {
         Some(VmmDeviceArena::new(device.clone(), vmm::Tag::KV_CACHE, self.kv_policy.clone(), bytes))
     }
 
-    /// One host `kv_cache` allocation of `bytes`, zeroed (so committed) now, as an arena;
-    /// `what` names it in the error.
+    /// One host `kv_cache` allocation of `bytes`, committed now on the rank's threads (its
+    /// pages are zeros, faulted in before any request runs), as an arena; `what` names it in
+    /// the error.
     fn committed_kv(&self, bytes: usize, what: &str) -> Result<VmmArena, PlaceError> {
         let failed =
             |source| PlaceError::Allocate { what: format!("a {bytes}-byte {what}"), source };
@@ -724,7 +732,7 @@ impl ModelMemory {
             .manager
             .allocate(vmm::Tag::KV_CACHE, bytes, self.kv_policy.clone())
             .map_err(failed)?;
-        alloc.write().map_err(failed)?.fill(0);
+        alloc.commit(self.threads).map_err(failed)?;
         VmmArena::new(alloc).map_err(failed)
     }
 }

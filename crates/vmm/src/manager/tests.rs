@@ -512,6 +512,36 @@ fn shmem_now() -> u64 {
     ProcessMemory::current().unwrap().shmem
 }
 
+/// A new allocation is zero pages the kernel allocates as they are written; `commit` makes
+/// all of it resident at once (on several threads), keeps its contents, and refuses a
+/// released allocation by name.
+#[test]
+fn commit_makes_an_allocation_resident_and_keeps_its_contents() {
+    // RSS of a test process is noisy when tests run in parallel: measure in a child.
+    const NAME: &str = "manager::tests::commit_makes_an_allocation_resident_and_keeps_its_contents";
+    if !is_child(NAME) {
+        return run_child(NAME, &[]);
+    }
+    let m = manager("commit");
+    let size = 64 * MIB + 4096;
+    let kv = m.allocate(Tag::KV_CACHE, size, Policy::Discard).unwrap();
+    kv.write().unwrap()[..4096].copy_from_slice(&pattern(3, 4096));
+    let before = shmem_now();
+    assert!(before < (size / 2) as u64, "a new allocation is not resident yet: {before}");
+    kv.commit(3).unwrap();
+    let after = shmem_now();
+    assert!(after >= before + (size - 4096) as u64 - MIB as u64, "{before} -> {after}");
+    let bytes = kv.read().unwrap();
+    assert_eq!(&bytes[..4096], &pattern(3, 4096)[..]);
+    assert!(bytes[4096..].iter().all(|&b| b == 0));
+    drop(bytes);
+    // Committing what is committed changes nothing.
+    kv.commit(1).unwrap();
+    m.release([Tag::KV_CACHE]).unwrap();
+    let err = kv.commit(2).unwrap_err();
+    assert!(err.to_string().contains("is released"), "{err}");
+}
+
 #[test]
 fn resident_memory_drops_on_release_and_returns_on_materialize() {
     // RSS of a test process is noisy when tests run in parallel: measure in a child.
