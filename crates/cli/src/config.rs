@@ -243,19 +243,22 @@ impl KvMemory {
     }
 }
 
+/// A memory amount as a config file writes it: bytes (an integer), a share (a float) or text
+/// (`"4GiB"`, `"0.5"`), for the keys that take either.
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(crate) enum MemoryAmount {
+    Int(u64),
+    Float(f64),
+    Text(String),
+}
+
 impl<'de> Deserialize<'de> for KvMemory {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Int(u64),
-            Float(f64),
-            Text(String),
-        }
-        match Raw::deserialize(d)? {
-            Raw::Int(b) => KvMemory::Bytes(b).checked(),
-            Raw::Float(f) => KvMemory::Fraction(f).checked(),
-            Raw::Text(t) => t.parse(),
+        match MemoryAmount::deserialize(d)? {
+            MemoryAmount::Int(b) => KvMemory::Bytes(b).checked(),
+            MemoryAmount::Float(f) => KvMemory::Fraction(f).checked(),
+            MemoryAmount::Text(t) => t.parse(),
         }
         .map_err(serde::de::Error::custom)
     }

@@ -418,17 +418,11 @@ impl std::str::FromStr for MemoryBudget {
 
 impl<'de> serde::Deserialize<'de> for MemoryBudget {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(serde::Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Int(u64),
-            Float(f64),
-            Text(String),
-        }
-        match Raw::deserialize(d)? {
-            Raw::Int(b) => b.to_string().parse(),
-            Raw::Float(f) => f.to_string().parse(),
-            Raw::Text(t) => t.parse(),
+        use crate::config::MemoryAmount;
+        match MemoryAmount::deserialize(d)? {
+            MemoryAmount::Int(b) => b.to_string().parse(),
+            MemoryAmount::Float(f) => f.to_string().parse(),
+            MemoryAmount::Text(t) => t.parse(),
         }
         .map_err(serde::de::Error::custom)
     }
