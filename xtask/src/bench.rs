@@ -1,6 +1,7 @@
 //! `cargo xtask bench <what> [--json]`: benchmarks next to the reference they are judged by.
 
 mod agree;
+mod agree_random;
 mod collectives;
 mod cycles;
 mod model;
@@ -42,6 +43,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "cycles" => cycles::run(json)?,
             "swap" => swap::run(json)?,
             "agree" => agree::run(json)?,
+            "agree-random" => agree_random::run(json)?,
             "all" => {
                 collectives::run(json)?;
                 vmm::run(json)?;
@@ -50,7 +52,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             }
             other => {
                 bail!(
-                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, structured, update, sleep, cycles, swap, agree or all"
+                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, structured, update, sleep, cycles, swap, agree, agree-random or all"
                 )
             }
         }
