@@ -1,6 +1,7 @@
 //! `cargo xtask bench <what> [--json]`: benchmarks next to the reference they are judged by.
 
 mod agree;
+mod agree_random;
 mod coldstart;
 mod collectives;
 mod cycles;
@@ -44,6 +45,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "swap" => swap::run(json)?,
             "agree" => agree::run(json)?,
             "coldstart" => coldstart::run(json)?,
+            "agree-random" => agree_random::run(json)?,
             "all" => {
                 collectives::run(json)?;
                 vmm::run(json)?;
@@ -52,7 +54,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             }
             other => {
                 bail!(
-                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, structured, update, sleep, cycles, swap, agree, coldstart or all"
+                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, structured, update, sleep, cycles, swap, agree, agree-random, coldstart or all"
                 )
             }
         }

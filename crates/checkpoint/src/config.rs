@@ -50,6 +50,39 @@ pub struct LlamaConfig {
     /// before rotary embedding, with one weight of `head_dim` elements shared by every head
     /// (Qwen3's `q_norm` / `k_norm`, GGUF's `attn_q_norm` / `attn_k_norm`).
     pub qk_norm: bool,
+    /// Attention scores soft-capped as `cap · tanh(score / cap)` before the softmax, the
+    /// score already scaled (Gemma 2's `attn_logit_softcapping`). `None`: not capped.
+    pub attn_softcap: Option<f32>,
+    /// Logits soft-capped the same way (Gemma 2's `final_logit_softcapping`). `None`: not
+    /// capped.
+    pub final_softcap: Option<f32>,
+    /// Sliding-window attention on some layers (Gemma 2's even layers). `None`: every layer
+    /// attends to its whole context.
+    pub sliding_window: Option<SlidingWindow>,
+    /// Whether each block normalizes the attention output and the MLP output before adding
+    /// them to the residual stream (Gemma 2's `post_attention_norm` / `post_ffw_norm`).
+    pub post_norms: bool,
+    /// The factor on query-key products when not `1 / sqrt(head_dim)` (Gemma 2 27B's
+    /// `query_pre_attn_scalar^-0.5`).
+    pub query_scale: Option<f32>,
+}
+
+/// Sliding-window attention: on a sliding layer, a query at position `p` sees the keys at
+/// positions `p - tokens + 1 ..= p` only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlidingWindow {
+    /// Positions a query sees, itself included.
+    pub tokens: usize,
+    /// Layer `l` slides when `l % pattern < pattern - 1`: with 2 (Gemma 2), the even layers
+    /// slide and the odd ones attend globally, as llama.cpp and transformers have it.
+    pub pattern: usize,
+}
+
+impl SlidingWindow {
+    /// Whether layer `layer` slides.
+    pub fn slides(&self, layer: usize) -> bool {
+        layer % self.pattern < self.pattern - 1
+    }
 }
 
 /// Phi-3's "longrope" scaling (Phi-3 128k, Phi-3.5, Phi-4-mini): pair `i`'s angle is divided
@@ -162,9 +195,12 @@ pub fn llama3_rope_factors(
 
 impl LlamaConfig {
     /// Reads the config from `general.architecture`-prefixed keys (`llama.block_count`, ...;
-    /// `llama`, `qwen2`, `qwen3`, `phi3` and `gemma` are read, and Qwen's rotary base defaults
-    /// to 1e6 as in its checkpoints, the others' to 1e4; Gemma's MLP uses GELU and its
-    /// embeddings are scaled by `sqrt(hidden)`; Qwen3 normalizes each head's queries and keys).
+    /// `llama`, `qwen2`, `qwen3`, `phi3`, `gemma` and `gemma2` are read, and Qwen's rotary base
+    /// defaults to 1e6 as in its checkpoints, the others' to 1e4; Gemma's MLP uses GELU and its
+    /// embeddings are scaled by `sqrt(hidden)`; Qwen3 normalizes each head's queries and keys;
+    /// Gemma 2 adds soft-capping (`attn_logit_softcapping`, `final_logit_softcapping`, 50 and
+    /// 30 when absent, as llama.cpp has them), sliding windows of `attention.sliding_window`
+    /// on its even layers and post-attention and post-MLP norms).
     /// Mixture-of-experts variants (`qwen3moe`, ...) are refused by name.
     /// The vocabulary size comes from `tokenizer.ggml.tokens` (else `<arch>.vocab_size`, else
     /// the embedding's rows); the LM head is tied when `output.weight` is absent.
@@ -174,12 +210,15 @@ impl LlamaConfig {
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let arch = file.get_str("general.architecture")?;
         let default_theta = match arch {
-            "llama" | "phi3" | "gemma" => 10_000.0,
+            "llama" | "phi3" | "gemma" | "gemma2" => 10_000.0,
             "qwen2" | "qwen3" => 1_000_000.0,
             _ => {
                 return Err(Error::metadata(
                     "general.architecture",
-                    format!("`{arch}` is not supported (llama, qwen2, qwen3, phi3 and gemma are)"),
+                    format!(
+                        "`{arch}` is not supported \
+                         (llama, qwen2, qwen3, phi3, gemma and gemma2 are)"
+                    ),
                 ))
             }
         };
@@ -315,6 +354,37 @@ impl LlamaConfig {
                 }
             }
         };
+        let gemma2 = arch == "gemma2";
+        let gemma = arch == "gemma" || gemma2;
+        let (attn_softcap, final_softcap, sliding_window) = if gemma2 {
+            // llama.cpp's defaults when a file lacks the caps: those of every Gemma 2 model.
+            let cap = |k: &str, default: f64| -> Result<f32> {
+                let cap =
+                    if file.get(&key(k)).is_some() { file.get_f64(&key(k))? } else { default };
+                if !(cap > 0.0 && cap.is_finite()) {
+                    return Err(Error::metadata(&key(k), format!("{cap} is not a positive cap")));
+                }
+                Ok(cap as f32)
+            };
+            let tokens = usize_key("attention.sliding_window")?;
+            if tokens == 0 {
+                return Err(Error::metadata(
+                    &key("attention.sliding_window"),
+                    "a window must hold at least one position",
+                ));
+            }
+            (
+                Some(cap("attn_logit_softcapping", 50.0)?),
+                Some(cap("final_logit_softcapping", 30.0)?),
+                Some(SlidingWindow { tokens, pattern: 2 }),
+            )
+        } else {
+            (None, None, None)
+        };
+        // Gemma 2 27B scales queries by `(hidden / heads)^-0.5`, not by its head size; its
+        // GGUF files do not say so, and llama.cpp knows the model by its 46 layers.
+        let query_scale = (gemma2 && n_layers == 46 && hidden / n_heads != head_dim)
+            .then(|| 1.0 / ((hidden / n_heads) as f32).sqrt());
         Ok(LlamaConfig {
             n_layers,
             hidden,
@@ -332,9 +402,14 @@ impl LlamaConfig {
             rope_attn_factor: longrope.as_ref().map(|r| r.attn_factor).filter(|&a| a != 1.0),
             longrope,
             // Gemma (its converter already adds Gemma's `1 +` to the norm weights).
-            activation: if arch == "gemma" { Activation::GeluTanh } else { Activation::Silu },
-            embedding_scale: (arch == "gemma").then(|| (hidden as f32).sqrt()),
+            activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
+            embedding_scale: gemma.then(|| (hidden as f32).sqrt()),
             qk_norm: arch == "qwen3",
+            attn_softcap,
+            final_softcap,
+            sliding_window,
+            post_norms: gemma2,
+            query_scale,
         })
     }
 
@@ -445,6 +520,38 @@ impl LlamaConfig {
                 |on: bool| if on { "per-head query/key norms" } else { "no query/key norms" };
             out.push(format!("{}; the live model has {}", norm(self.qk_norm), norm(live.qk_norm)));
         }
+        if self.post_norms != live.post_norms {
+            let norm =
+                |on: bool| if on { "post-attention and post-MLP norms" } else { "no post-norms" };
+            out.push(format!(
+                "{}; the live model has {}",
+                norm(self.post_norms),
+                norm(live.post_norms)
+            ));
+        }
+        let attention = |c: &LlamaConfig| {
+            (
+                c.attn_softcap.map(f32::to_bits),
+                c.final_softcap.map(f32::to_bits),
+                c.sliding_window,
+                c.query_scale.map(f32::to_bits),
+            )
+        };
+        if attention(self) != attention(live) {
+            // These change no weight, but weights trained for one do not serve the other.
+            out.push(format!(
+                "soft-caps {:?}/{:?}, sliding window {:?}, query scale {:?}; the live model has \
+                 {:?}/{:?}, {:?}, {:?}",
+                self.attn_softcap,
+                self.final_softcap,
+                self.sliding_window.map(|w| w.tokens),
+                self.query_scale,
+                live.attn_softcap,
+                live.final_softcap,
+                live.sliding_window.map(|w| w.tokens),
+                live.query_scale
+            ));
+        }
         out
     }
 }
@@ -496,6 +603,11 @@ mod tests {
                 rope_attn_factor: None,
                 longrope: None,
                 qk_norm: false,
+                attn_softcap: None,
+                final_softcap: None,
+                sliding_window: None,
+                post_norms: false,
+                query_scale: None,
             }
         );
         assert_eq!(c.group_size(), 2);
@@ -522,10 +634,10 @@ mod tests {
         std::fs::remove_file(p).unwrap();
         let p = temp_path("config-arch.gguf");
         let mut w = base();
-        w.metadata("general.architecture", Value::String("gemma2".into()));
+        w.metadata("general.architecture", Value::String("gemma3".into()));
         w.write(&p).unwrap();
         let err = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
-        assert!(err.to_string().contains("`gemma2` is not supported"), "{err}");
+        assert!(err.to_string().contains("`gemma3` is not supported"), "{err}");
         std::fs::remove_file(p).unwrap();
     }
 
@@ -566,8 +678,65 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "metadata key `general.architecture`: `qwen3moe` is not supported \
-             (llama, qwen2, qwen3, phi3 and gemma are)"
+             (llama, qwen2, qwen3, phi3, gemma and gemma2 are)"
         );
+        std::fs::remove_file(p).unwrap();
+    }
+
+    /// Gemma 2 (its 2B's shape, scaled down): soft-caps from the file or llama.cpp's defaults,
+    /// a window on the even layers, post-norms, GELU and scaled embeddings; the 27B's query
+    /// scale from its 46 layers; a missing or empty window is refused by name.
+    #[test]
+    fn gemma2_reads_its_caps_window_and_post_norms() {
+        let p = temp_path("config-gemma2.gguf");
+        let gemma2 = |layers: u32, hidden: u32, caps: bool, window: Option<u32>| {
+            let mut w = GgufWriter::new();
+            let k = |key: &str| format!("gemma2.{key}");
+            w.metadata("general.architecture", Value::String("gemma2".into()))
+                .metadata(&k("block_count"), Value::U32(layers))
+                .metadata(&k("embedding_length"), Value::U32(hidden))
+                .metadata(&k("feed_forward_length"), Value::U32(96))
+                .metadata(&k("attention.head_count"), Value::U32(4))
+                .metadata(&k("attention.head_count_kv"), Value::U32(2))
+                .metadata(&k("attention.key_length"), Value::U32(16))
+                .metadata(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6))
+                .metadata(&k("context_length"), Value::U32(64))
+                .metadata(
+                    "tokenizer.ggml.tokens",
+                    Value::Array(vec![Value::String("a".into()); 3]),
+                );
+            if caps {
+                w.metadata(&k("attn_logit_softcapping"), Value::F32(20.0))
+                    .metadata(&k("final_logit_softcapping"), Value::F32(10.0));
+            }
+            if let Some(window) = window {
+                w.metadata(&k("attention.sliding_window"), Value::U32(window));
+            }
+            w
+        };
+        let read = |w: GgufWriter| {
+            w.write(&p).unwrap();
+            LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap())
+        };
+        let c = read(gemma2(3, 64, true, Some(4))).unwrap();
+        assert_eq!((c.attn_softcap, c.final_softcap), (Some(20.0), Some(10.0)));
+        let window = c.sliding_window.unwrap();
+        assert_eq!(window.tokens, 4);
+        assert_eq!(
+            (0..4).map(|l| window.slides(l)).collect::<Vec<_>>(),
+            [true, false, true, false]
+        );
+        assert!(c.post_norms && c.tied_embeddings, "{c:?}");
+        assert_eq!((c.activation, c.embedding_scale), (Activation::GeluTanh, Some(8.0)));
+        assert_eq!((c.rope_theta, c.query_scale), (10_000.0, None));
+        assert_eq!(read(gemma2(46, 64, true, Some(4))).unwrap().query_scale, None);
+        let c = read(gemma2(46, 36, false, Some(4))).unwrap();
+        assert_eq!((c.attn_softcap, c.final_softcap), (Some(50.0), Some(30.0)));
+        assert_eq!(c.query_scale, Some(1.0 / 3.0), "27B: (36 / 4)^-0.5, not its head size's");
+        let err = read(gemma2(3, 64, true, None)).unwrap_err();
+        assert!(err.to_string().contains("gemma2.attention.sliding_window"), "{err}");
+        let err = read(gemma2(3, 64, true, Some(0))).unwrap_err();
+        assert!(err.to_string().contains("gemma2.attention.sliding_window"), "{err}");
         std::fs::remove_file(p).unwrap();
     }
 

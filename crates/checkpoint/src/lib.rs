@@ -34,7 +34,7 @@ pub mod source;
 #[cfg(test)]
 mod test_util;
 
-pub use config::{Activation, LlamaConfig};
+pub use config::{Activation, LlamaConfig, SlidingWindow};
 pub use error::{Error, Result};
 pub use format::{Checkpoint, Format};
 pub use generation::GenerationConfig;

@@ -31,7 +31,9 @@ fn put_value(out: &mut Vec<u8>, v: &Value) {
         Value::Bool(x) => out.push(u8::from(*x)),
         Value::String(s) => put_str(out, s),
         Value::Array(items) => {
-            out.extend(items.first().map_or(4, Value::type_id).to_le_bytes());
+            // An empty array's element type is unknowable; string, as llama.cpp requires of
+            // the metadata arrays that are empty in practice (`tokenizer.ggml.merges`).
+            out.extend(items.first().map_or(8, Value::type_id).to_le_bytes());
             out.extend((items.len() as u64).to_le_bytes());
             for it in items {
                 put_value(out, it);

@@ -33,6 +33,11 @@ fn config() -> LlamaConfig {
         activation: Activation::Silu,
         embedding_scale: None,
         qk_norm: false,
+        attn_softcap: None,
+        final_softcap: None,
+        sliding_window: None,
+        post_norms: false,
+        query_scale: None,
     }
 }
 

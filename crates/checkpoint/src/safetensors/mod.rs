@@ -250,6 +250,14 @@ const LAYER_NAMES: [(&str, &str); 14] = [
     ("ffn_down.weight", "mlp.down_proj.weight"),
 ];
 
+/// Gemma 2's block norms whose Hugging Face names differ from the llama names above (its
+/// `post_attention_layernorm` follows attention, and the MLP's pre-norm has its own name).
+const GEMMA2_LAYER_NAMES: [(&str, &str); 3] = [
+    ("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
+    ("post_attention_norm.weight", "post_attention_layernorm.weight"),
+    ("post_ffw_norm.weight", "post_feedforward_layernorm.weight"),
+];
+
 /// Maps a name through one of the tables: `from` picks the side it is on, the other side is
 /// returned; block tensors keep their layer number under the other prefix.
 fn map_name(
@@ -264,6 +272,26 @@ fn map_name(
     let layer: usize = layer.parse().ok()?;
     let (_, to) = LAYER_NAMES.iter().map(&side).find(|(from, _)| *from == tail)?;
     Some(format!("{to_prefix}{layer}.{to}"))
+}
+
+/// [`map_name`] for a Gemma 2 model: its own names of block norms first.
+fn map_gemma2_name(
+    name: &str,
+    (from_prefix, to_prefix): (&str, &str),
+    side: impl Fn(&(&'static str, &'static str)) -> (&'static str, &'static str) + Copy,
+) -> Option<String> {
+    let gemma2 = name.strip_prefix(from_prefix).and_then(|rest| {
+        let (layer, tail) = rest.split_once('.')?;
+        let (_, to) = GEMMA2_LAYER_NAMES.iter().map(side).find(|(from, _)| *from == tail)?;
+        Some(format!("{to_prefix}{layer}.{to}"))
+    });
+    gemma2.or_else(|| map_name(name, (from_prefix, to_prefix), side))
+}
+
+/// Maps a GGUF Gemma 2 tensor name to its Hugging Face name (see [`hf_name`]; the block
+/// norms are named as in Gemma 2's folders).
+pub fn gemma2_hf_name(gguf: &str) -> Option<String> {
+    map_gemma2_name(gguf, ("blk.", "model.layers."), |&(g, h)| (g, h))
 }
 
 /// Maps a GGUF llama tensor name to its Hugging Face name.
@@ -287,6 +315,8 @@ pub struct HfCheckpoint {
     /// Added to every RMSNorm weight as it is read: Gemma's norms scale by `1 + w` (its GGUF
     /// files store the sum); 0 for the others.
     norm_offset: f32,
+    /// Whether the folder is Gemma 2's, whose block norms have their own names.
+    gemma2: bool,
 }
 
 /// Phi-3's longrope from `config.json` (`cfg`, its `rope_scaling` `rs`): both factor lists
@@ -382,8 +412,9 @@ impl HfCheckpoint {
         }
         let config = read_json(&dir.join("config.json")).ok();
         let model_type = config.as_ref().and_then(|c| c.get("model_type")?.as_str());
-        let norm_offset = if model_type == Some("gemma") { 1.0 } else { 0.0 };
-        Ok(HfCheckpoint { dir, files, index, norm_offset })
+        let gemma2 = model_type == Some("gemma2");
+        let norm_offset = if model_type == Some("gemma") || gemma2 { 1.0 } else { 0.0 };
+        Ok(HfCheckpoint { dir, files, index, norm_offset, gemma2 })
     }
 
     /// `values` of tensor `name` (GGUF name) as the model uses them: Gemma's norm weights
@@ -415,12 +446,13 @@ impl HfCheckpoint {
         };
         let float = |k: &str, default: f64| cfg.get(k).and_then(|v| v.as_f64()).unwrap_or(default);
         let model_type = cfg.get("model_type").and_then(|v| v.as_str()).unwrap_or("llama");
-        let (gemma, qwen3) = (model_type == "gemma", model_type == "qwen3");
+        let (gemma2, qwen3) = (model_type == "gemma2", model_type == "qwen3");
+        let gemma = model_type == "gemma" || gemma2;
         if model_type.starts_with("gemma") && !gemma {
-            // Soft-capping, sliding windows and extra norms: not this block.
+            // Gemma 3's query/key norms and local rope base: not this block.
             return Err(Error::metadata(
                 "model_type",
-                format!("`{model_type}` is not supported (gemma is)"),
+                format!("`{model_type}` is not supported (gemma and gemma2 are)"),
             ));
         }
         if model_type.starts_with("qwen3") && !qwen3 {
@@ -517,6 +549,34 @@ impl HfCheckpoint {
                 }
             }
         };
+        let (attn_softcap, final_softcap, sliding_window, query_scale) = if gemma2 {
+            let positive = |k: &str| -> Result<Option<f64>> {
+                match cfg.get(k).filter(|v| !v.is_null()) {
+                    None => Ok(None),
+                    Some(v) => match v.as_f64() {
+                        Some(x) if x > 0.0 && x.is_finite() => Ok(Some(x)),
+                        _ => Err(Error::metadata(k, format!("{v} is not a positive number"))),
+                    },
+                }
+            };
+            let tokens = num("sliding_window")?;
+            if tokens == 0 {
+                return Err(Error::metadata(
+                    "sliding_window",
+                    "a window must hold at least one position",
+                ));
+            }
+            let scalar = positive("query_pre_attn_scalar")?;
+            (
+                positive("attn_logit_softcapping")?.map(|c| c as f32),
+                positive("final_logit_softcapping")?.map(|c| c as f32),
+                Some(crate::config::SlidingWindow { tokens, pattern: 2 }),
+                // `query_pre_attn_scalar^-0.5`, unless it is the head size's own scale.
+                scalar.filter(|&s| s != head_dim as f64).map(|s| (1.0 / s.sqrt()) as f32),
+            )
+        } else {
+            (None, None, None, None)
+        };
         let tied = cfg.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false)
             || !self.index.contains_key("lm_head.weight");
         Ok(LlamaConfig {
@@ -543,11 +603,17 @@ impl HfCheckpoint {
             },
             embedding_scale: gemma.then(|| (hidden as f32).sqrt()),
             qk_norm: qwen3,
+            attn_softcap,
+            final_softcap,
+            sliding_window,
+            post_norms: gemma2,
+            query_scale,
         })
     }
 
     fn locate(&self, gguf: &str) -> Result<(&SafetensorsFile, String)> {
-        let hf = hf_name(gguf).ok_or_else(|| Error::tensor(gguf, "has no Hugging Face name"))?;
+        let hf = if self.gemma2 { gemma2_hf_name(gguf) } else { hf_name(gguf) };
+        let hf = hf.ok_or_else(|| Error::tensor(gguf, "has no Hugging Face name"))?;
         let i = *self
             .index
             .get(&hf)

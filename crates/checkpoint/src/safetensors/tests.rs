@@ -185,3 +185,70 @@ fn qwen3_config_json_is_read_and_its_unsupported_variants_are_named() {
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A folder of Gemma 2 2B's `config.json` (scaled down): its soft-caps, a window on the even
+/// layers, post-norms, GELU and scaled embeddings; its block norms read under Gemma 2's names
+/// as `1 + w`; a query scale only where `query_pre_attn_scalar` is not the head size (27B);
+/// Gemma 3 and a missing window refused by name.
+#[test]
+fn gemma2_config_json_and_norm_names_are_read() {
+    let dir = temp_path("hf-gemma2-config");
+    std::fs::create_dir_all(&dir).unwrap();
+    let norms = [
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.layers.0.pre_feedforward_layernorm.weight",
+        "model.layers.0.post_feedforward_layernorm.weight",
+    ];
+    let values: Vec<[f32; 2]> = (0..4).map(|i| [i as f32, 0.5]).collect();
+    let tensors: Vec<(&str, &[usize], StDType, &[f32])> =
+        norms.iter().zip(&values).map(|(n, v)| (*n, &[2usize][..], StDType::F32, &v[..])).collect();
+    write_safetensors(&dir.join("model.safetensors"), &tensors).unwrap();
+    let gemma2 = serde_json::json!({
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "head_dim": 16,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 36,
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "query_pre_attn_scalar": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "sliding_window": 4,
+        "vocab_size": 10
+    });
+    let config = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut json = gemma2.clone();
+        edit(&mut json);
+        std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+        HfCheckpoint::open(&dir).unwrap().config()
+    };
+    let c = config(&|_| {}).unwrap();
+    assert_eq!((c.attn_softcap, c.final_softcap), (Some(50.0), Some(30.0)));
+    let window = c.sliding_window.unwrap();
+    assert_eq!(window.tokens, 4);
+    assert!(window.slides(0) && !window.slides(1) && window.slides(2));
+    assert!(c.post_norms && !c.qk_norm, "{c:?}");
+    assert_eq!((c.activation, c.embedding_scale), (crate::Activation::GeluTanh, Some(6.0)));
+    assert_eq!(c.query_scale, None, "query_pre_attn_scalar is the head size");
+    let c = config(&|j| j["query_pre_attn_scalar"] = 9.into()).unwrap();
+    assert_eq!(c.query_scale, Some(1.0 / 3.0));
+    let ck = HfCheckpoint::open(&dir).unwrap();
+    for (i, gguf) in
+        ["attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"].into_iter().enumerate()
+    {
+        let read = ck.rows(&format!("blk.0.{gguf}.weight"), 0..1).unwrap();
+        assert_eq!(read, [i as f32 + 1.0, 1.5], "{gguf} is {} plus one", norms[i]);
+    }
+    let err = config(&|j| j["model_type"] = "gemma3".into()).unwrap_err().to_string();
+    assert_eq!(err, "metadata key `model_type`: `gemma3` is not supported (gemma and gemma2 are)");
+    let err = config(&|j| j["sliding_window"] = serde_json::Value::Null).unwrap_err().to_string();
+    assert!(err.contains("sliding_window"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -144,6 +144,8 @@ pub struct Attention {
     rope_factors: Option<std::sync::Arc<[f32]>>,
     /// The factor on the rotation's cosines and sines (longrope's attention factor), else 1.
     rope_attn_factor: f32,
+    /// The score rules of this layer: query scale, soft-cap, sliding window (Gemma 2).
+    scores: (Option<f32>, Option<f32>, Option<usize>),
 }
 
 impl Attention {
@@ -258,6 +260,11 @@ impl Attention {
             rope_theta: cfg.rope_theta,
             rope_factors: cfg.rope_freq_factors.as_deref().map(Into::into),
             rope_attn_factor: cfg.rope_attn_factor.unwrap_or(1.0),
+            scores: (
+                cfg.query_scale,
+                cfg.attn_softcap,
+                cfg.sliding_window.filter(|w| w.slides(layer)).map(|w| w.tokens),
+            ),
         })
     }
 
@@ -289,12 +296,22 @@ impl Attention {
         self.kv_heads.clone()
     }
 
-    fn shape(&self) -> AttnShape {
+    /// Its heads and score rules, as the attention kernel takes them.
+    pub(crate) fn shape(&self) -> AttnShape {
+        let (scale, softcap, window) = self.scores;
         AttnShape {
             q_heads: self.q_heads.len(),
             kv_heads: self.kv_heads.len(),
             head_dim: self.head_dim,
+            scale,
+            softcap,
+            window,
         }
+    }
+
+    /// The sliding window of its queries, when this layer has one.
+    pub fn window(&self) -> Option<usize> {
+        self.scores.2
     }
 
     /// Projects normalized hidden states `x` (`[n, hidden]`) to rotated queries

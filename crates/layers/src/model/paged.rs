@@ -468,7 +468,7 @@ mod tests {
     #[test]
     fn attention_over_blocks_equals_attention_over_contiguous_rows() {
         let be = Backend::cpu(2).unwrap();
-        let shape = AttnShape { q_heads: 6, kv_heads: 2, head_dim: 8 };
+        let shape = AttnShape::new(6, 2, 8);
         let row = 16;
         for (bs, tokens) in [(1usize, 5usize), (4, 13), (16, 16), (16, 40), (32, 7)] {
             let pool = Arc::new(KvPool::new(3, 2, 8, bs, 64).unwrap());
@@ -598,7 +598,7 @@ mod tests {
         assert!(!blocks(&[2, 0]).holds(9, 8), "more tokens than the table's blocks");
         assert!(!blocks(&[3]).holds(1, 8), "a block past the end of the memory");
         let q = Tensor::zeros(&[1, 1, 8]);
-        let shape = AttnShape { q_heads: 1, kv_heads: 1, head_dim: 8 };
+        let shape = AttnShape::new(1, 1, 8);
         let err = be.attention(&q, &[0], Kv::PagedDevice(blocks(&[2])), &[0], shape, false);
         assert!(err.unwrap_err().to_string().contains("device memory"));
     }

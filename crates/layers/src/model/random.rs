@@ -61,6 +61,30 @@ pub struct RandomLlama {
     /// attention factor under `rope.scaling.*`; the Hugging Face folder gets them in
     /// `config.json`'s `rope_scaling`. The written context length is 256.
     pub longrope: Option<checkpoint::config::LongRope>,
+    /// Write the model as a Gemma 2 file (architecture `gemma2`, so Gemma's GELU, scaled
+    /// embeddings and rotate-half Q/K rows): with post-attention and post-MLP norms (from
+    /// their own random stream, so the other weights are those of the Gemma model of the same
+    /// seed), these soft-caps and this sliding window on the even layers.
+    pub gemma2: Option<Gemma2>,
+}
+
+/// Gemma 2's constants for [`RandomLlama::gemma2`]: small ones, so short prompts leave the
+/// window and random scores reach the caps.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Gemma2 {
+    /// Positions a query of a sliding layer sees.
+    pub window: usize,
+    /// `attn_logit_softcapping`.
+    pub attn_softcap: f32,
+    /// `final_logit_softcapping`.
+    pub final_softcap: f32,
+}
+
+impl Default for Gemma2 {
+    /// A window of 4 and caps of 2 (attention scores) and 1.5 (logits).
+    fn default() -> Self {
+        Gemma2 { window: 4, attn_softcap: 2.0, final_softcap: 1.5 }
+    }
 }
 
 impl Default for RandomLlama {
@@ -83,6 +107,7 @@ impl Default for RandomLlama {
             head_dim: None,
             qwen3: false,
             longrope: None,
+            gemma2: None,
         }
     }
 }
@@ -185,6 +210,16 @@ impl RandomLlama {
             w.tensor_f32(name, &[h], &data);
         };
         matrix(&mut w, &mut rng, "token_embd.weight", self.vocab, h);
+        let mut post_rng = Rng(self.seed.wrapping_mul(0xBF58_476D_1CE4_E5B9) | 1);
+        let mut post_norm = |w: &mut GgufWriter, name: &str| {
+            let data: Vec<f32> = post_rng.vec(h, 0.2).iter().map(|x| 1.0 + x).collect();
+            w.tensor_f32(name, &[h], &data);
+        };
+        if let Some(g) = &self.gemma2 {
+            w.metadata(&k("attn_logit_softcapping"), Value::F32(g.attn_softcap))
+                .metadata(&k("final_logit_softcapping"), Value::F32(g.final_softcap))
+                .metadata(&k("attention.sliding_window"), u(g.window));
+        }
         for l in 0..self.layers {
             let n = |t: &str| format!("blk.{l}.{t}.weight");
             norm(&mut w, &mut rng, &n("attn_norm"));
@@ -203,6 +238,9 @@ impl RandomLlama {
                 matrix(&mut w, &mut rng, &n("attn_v"), self.kv_heads * d, h);
             }
             matrix(&mut w, &mut rng, &n("attn_output"), h, self.heads * d);
+            if self.gemma2.is_some() {
+                post_norm(&mut w, &n("post_attention_norm"));
+            }
             norm(&mut w, &mut rng, &n("ffn_norm"));
             if self.fused {
                 let mut gate_up = data(&mut rng, &n("ffn_gate"), self.ffn, h);
@@ -213,6 +251,9 @@ impl RandomLlama {
                 matrix(&mut w, &mut rng, &n("ffn_up"), self.ffn, h);
             }
             matrix(&mut w, &mut rng, &n("ffn_down"), h, self.ffn);
+            if self.gemma2.is_some() {
+                post_norm(&mut w, &n("post_ffw_norm"));
+            }
         }
         if self.attn_bias {
             // A separate stream, so the weights match the bias-free model of the same seed.
@@ -253,6 +294,9 @@ impl RandomLlama {
 
     /// The GGUF architecture name the file is written under.
     fn architecture(&self) -> &'static str {
+        if self.gemma2.is_some() {
+            return "gemma2";
+        }
         match (self.qwen3, self.attn_bias, self.fused, self.gemma) {
             (true, ..) => "qwen3",
             (false, true, _, _) => "qwen2",
@@ -314,11 +358,17 @@ impl RandomLlama {
             if qk && file.qk_interleaved() {
                 data = super::linear::unpermute_rows(&data, t.row_len(), d);
             }
-            if self.gemma && info.name.ends_with("norm.weight") {
+            let gemma = self.gemma || self.gemma2.is_some();
+            if gemma && info.name.ends_with("norm.weight") {
                 // Hugging Face's Gemma norms scale by `1 + w`; its GGUF files store the sum.
                 data.iter_mut().for_each(|v| *v -= 1.0);
             }
-            let name = hf_name(&info.name)
+            let name = if self.gemma2.is_some() {
+                checkpoint::safetensors::gemma2_hf_name(&info.name)
+            } else {
+                hf_name(&info.name)
+            };
+            let name = name
                 .ok_or_else(|| Error::tensor(&info.name, "has no Hugging Face name".to_owned()))?;
             tensors.push((name, t.shape().to_vec(), data));
         }
@@ -358,14 +408,19 @@ impl RandomLlama {
                 "qwen3" => "Qwen3ForCausalLM",
                 "qwen2" => "Qwen2ForCausalLM",
                 "gemma" => "GemmaForCausalLM",
+                "gemma2" => "Gemma2ForCausalLM",
                 _ => "LlamaForCausalLM",
             }],
             "model_type": match self.architecture() {
-                arch @ ("qwen3" | "qwen2" | "gemma") => arch,
+                arch @ ("qwen3" | "qwen2" | "gemma" | "gemma2") => arch,
                 _ => "llama",
             },
             "attention_bias": self.attn_bias,
-            "hidden_activation": if self.gemma { "gelu_pytorch_tanh" } else { "silu" },
+            "hidden_activation": if self.gemma || self.gemma2.is_some() {
+                "gelu_pytorch_tanh"
+            } else {
+                "silu"
+            },
             "hidden_size": self.hidden,
             "intermediate_size": self.ffn,
             "num_hidden_layers": self.layers,
@@ -378,6 +433,12 @@ impl RandomLlama {
             "max_position_embeddings": 256,
             "tie_word_embeddings": !(self.untied_head || self.next_token.is_some()),
         });
+        if let Some(g) = &self.gemma2 {
+            config["attn_logit_softcapping"] = g.attn_softcap.into();
+            config["final_logit_softcapping"] = g.final_softcap.into();
+            config["sliding_window"] = g.window.into();
+            config["query_pre_attn_scalar"] = self.head_dim().into();
+        }
         if let Some(rope) = &self.longrope {
             config["original_max_position_embeddings"] = rope.original_context.into();
             config["rope_scaling"] = serde_json::json!({

@@ -15,6 +15,8 @@ pub struct Block {
     pub(super) attn: Attention,
     pub(super) ffn_norm: Tensor,
     pub(super) mlp: Mlp,
+    /// Gemma 2's norms of the attention output and of the MLP output.
+    pub(super) post_norms: Option<(Tensor, Tensor)>,
 }
 
 /// A single-rank Llama-family decoder.
@@ -82,6 +84,13 @@ impl Model {
                 attn: Attention::load(src, l, &config, 0..config.n_kv_heads, form)?,
                 ffn_norm: load_vector(src, &format!("blk.{l}.ffn_norm.weight"), config.hidden)?,
                 mlp: Mlp::load(src, l, 0..config.ffn, form)?.with_activation(config.activation),
+                post_norms: if config.post_norms {
+                    let norm =
+                        |t: &str| load_vector(src, &format!("blk.{l}.{t}.weight"), config.hidden);
+                    Some((norm("post_attention_norm")?, norm("post_ffw_norm")?))
+                } else {
+                    None
+                },
             });
         }
         let norm = load_vector(src, "output_norm.weight", config.hidden)?;
@@ -102,7 +111,8 @@ impl Model {
 
     /// Bytes held by the weights (quantized ones at their packed size).
     pub fn weight_bytes(&self) -> usize {
-        let norms = (2 * self.blocks.len() + 1) * self.config.hidden * 4;
+        let per_block = if self.config.post_norms { 4 } else { 2 };
+        let norms = (per_block * self.blocks.len() + 1) * self.config.hidden * 4;
         let linears: usize = self
             .blocks
             .iter()
@@ -186,17 +196,30 @@ impl Model {
         }
         for (l, b) in self.blocks.iter().enumerate() {
             let h = be.rms_norm(&x, &b.attn_norm, c.rms_eps)?;
-            let a = b.attn.forward(be, &h, positions, cache.layer_mut(l))?;
+            let mut a = b.attn.forward(be, &h, positions, cache.layer_mut(l))?;
+            if let Some((post, _)) = &b.post_norms {
+                a = be.rms_norm(&a, post, c.rms_eps)?;
+            }
             be.add_assign(&mut x, &a)?;
             let h = be.rms_norm(&x, &b.ffn_norm, c.rms_eps)?;
-            let m = b.mlp.forward(be, &h)?;
+            let mut m = b.mlp.forward(be, &h)?;
+            if let Some((_, post)) = &b.post_norms {
+                m = be.rms_norm(&m, post, c.rms_eps)?;
+            }
             be.add_assign(&mut x, &m)?;
         }
         if logits == Logits::Last && tokens.len() > 1 {
             x = Tensor::from_vec(&[1, c.hidden], x.host_row(tokens.len() - 1)?.to_vec())?;
         }
         let x = be.rms_norm(&x, &self.norm, c.rms_eps)?;
-        Ok(be.linear(&x, self.lm_head.as_ref().map_or(&self.embed, Linear::weight))?)
+        let logits = be.linear(&x, self.lm_head.as_ref().map_or(&self.embed, Linear::weight))?;
+        match c.final_softcap {
+            Some(cap) => {
+                let capped = logits.host()?.iter().map(|&v| cap * (v / cap).tanh()).collect();
+                Ok(Tensor::from_vec(logits.shape(), capped)?)
+            }
+            None => Ok(logits),
+        }
     }
 
     /// Greedy decoding: prefills `prompt` after whatever `cache` holds, then appends the

@@ -35,8 +35,7 @@ impl ParallelAttention {
     ) -> Result<Self> {
         let heads = head_shard(cfg, tp_rank, tp)?;
         let attn = Attention::load_heads(src, layer, cfg, heads.kv.clone(), heads.q.clone(), form)?;
-        let shape =
-            AttnShape { q_heads: heads.q.len(), kv_heads: heads.kv.len(), head_dim: cfg.head_dim };
+        let shape = attn.shape();
         Ok(ParallelAttention { attn, shape })
     }
 
@@ -137,7 +136,7 @@ impl ParallelAttention {
         outs: &mut [Option<Tensor>],
     ) -> Result<()> {
         let ranks = cp.size();
-        let AttnShape { q_heads, kv_heads, head_dim } = self.shape;
+        let AttnShape { q_heads, kv_heads, head_dim, .. } = self.shape;
         let piece = |p: &Part, r: usize| match &p.split {
             Split::Prefill(shard) => 2 * shard.sizes()[r] * kv_heads * head_dim,
             Split::Extend(_) => p.positions.len() * q_heads * (head_dim + 1),

@@ -154,7 +154,8 @@ impl ParallelModel {
     ) -> Result<Tensor> {
         self.backend.run(|| {
             let x = self.hidden(comms, tokens, cache, logits)?;
-            self.lm_head.logits(&self.backend, comms.tp, &x)
+            let logits = self.lm_head.logits(&self.backend, comms.tp, &x)?;
+            self.soft_capped(logits)
         })
     }
 
@@ -200,8 +201,23 @@ impl ParallelModel {
                 Ok(root.then(|| Tensor::zeros(&[0, self.config.vocab_size])))
             }
             FinalRows::Elsewhere => Ok(None),
-            FinalRows::Here(x) => self.lm_head.logits_to(&self.backend, comms.tp, &x, 0),
+            FinalRows::Here(x) => self
+                .lm_head
+                .logits_to(&self.backend, comms.tp, &x, 0)?
+                .map(|logits| self.soft_capped(logits))
+                .transpose(),
         })
+    }
+
+    /// `logits` soft-capped as the model's final logits are (Gemma 2's
+    /// `final_logit_softcapping`); unchanged for other models. The greedy paths pick from
+    /// uncapped logits: `tanh` is increasing, so the argmax is the same, but probabilities
+    /// and log-probabilities come from the capped values this returns.
+    fn soft_capped(&self, mut logits: Tensor) -> Result<Tensor> {
+        if let Some(cap) = self.config.final_softcap {
+            self.backend.soft_cap(&mut logits, cap)?;
+        }
+        Ok(logits)
     }
 
     /// [`ParallelModel::forward_batch`] for greedy picks: the argmax of each row it would
@@ -374,11 +390,18 @@ impl ParallelModel {
             let h = be.rms_norm(&x, &b.attn_norm, c.rms_eps)?;
             let mut caches: Vec<&mut ParallelCache> =
                 seqs.iter_mut().map(|s| &mut *s.cache).collect();
-            let a = b.attn.forward(be, comms, &h, &parts, l, &mut caches)?;
+            let mut a = b.attn.forward(be, comms, &h, &parts, l, &mut caches)?;
+            if let Some(post) = &b.post_norms {
+                a = be.rms_norm(&a, &post.attn, c.rms_eps)?;
+            }
             be.add_assign(&mut x, &a)?;
             let h = be.rms_norm(&x, &b.ffn_norm, c.rms_eps)?;
             let mut m = b.mlp.forward(be, &h)?;
             be.all_reduce_sum(comms.tp, &mut m)?;
+            if let Some(post) = &b.post_norms {
+                // After the all-reduce: the norm reads the whole row.
+                m = be.rms_norm(&m, &post.ffn, c.rms_eps)?;
+            }
             be.add_assign(&mut x, &m)?;
         }
         // The reductions above are queued on the device without host waits; the last one is

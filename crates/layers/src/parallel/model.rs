@@ -19,23 +19,66 @@ pub(super) struct ParallelBlock {
     pub(super) attn: ParallelAttention,
     pub(super) ffn_norm: Tensor,
     pub(super) mlp: Mlp,
+    /// Gemma 2's norms of the attention output and of the MLP output, before each is added
+    /// to the residual stream.
+    pub(super) post_norms: Option<PostNorms>,
+}
+
+/// A block's norms after attention and after the MLP (Gemma 2's `post_attention_norm`,
+/// `post_ffw_norm`).
+#[derive(Clone, Debug)]
+pub(crate) struct PostNorms {
+    pub(crate) attn: Tensor,
+    pub(crate) ffn: Tensor,
+}
+
+impl PostNorms {
+    /// Loads layer `layer`'s post-norms when `cfg` has them.
+    ///
+    /// # Errors
+    /// [`crate::Error::Tensor`] when one is missing or misshapen.
+    pub(crate) fn load(
+        src: &dyn WeightSource,
+        layer: usize,
+        cfg: &LlamaConfig,
+    ) -> Result<Option<Self>> {
+        if !cfg.post_norms {
+            return Ok(None);
+        }
+        let norm = |t: &str| load_vector(src, &format!("blk.{layer}.{t}.weight"), cfg.hidden);
+        Ok(Some(PostNorms { attn: norm("post_attention_norm")?, ffn: norm("post_ffw_norm")? }))
+    }
 }
 
 /// The buffers in the order attention norm, attention (see
-/// [`Attention`](crate::model::Attention)'s order), MLP norm, MLP.
+/// [`Attention`](crate::model::Attention)'s order), post-attention norm (when the model has
+/// one), MLP norm, MLP, post-MLP norm (when it has one).
 impl WeightBuffers for ParallelBlock {
     fn buffers<'a>(&'a self, out: &mut Vec<&'a [u8]>) {
         self.attn_norm.buffers(out);
         self.attn.attn.buffers(out);
+        if let Some(post) = &self.post_norms {
+            post.attn.buffers(out);
+        }
         self.ffn_norm.buffers(out);
         self.mlp.buffers(out);
+        if let Some(post) = &self.post_norms {
+            post.ffn.buffers(out);
+        }
     }
 
     fn move_to(&mut self, arena: &dyn Arena) -> tensor::Result<()> {
         self.attn_norm.move_to(arena)?;
         self.attn.attn.move_to(arena)?;
+        if let Some(post) = &mut self.post_norms {
+            post.attn.move_to(arena)?;
+        }
         self.ffn_norm.move_to(arena)?;
-        self.mlp.move_to(arena)
+        self.mlp.move_to(arena)?;
+        if let Some(post) = &mut self.post_norms {
+            post.ffn.move_to(arena)?;
+        }
+        Ok(())
     }
 }
 
@@ -172,6 +215,21 @@ impl ParallelModel {
             Some(backend) => backend,
             None => Backend::cpu(threads)?,
         };
+        let gemma2 = config.attn_softcap.is_some()
+            || config.final_softcap.is_some()
+            || config.sliding_window.is_some()
+            || config.query_scale.is_some();
+        if gemma2 && backend.device() != tensor::Device::Cpu {
+            // Refused here rather than at the first step: the CUDA kernels would compute
+            // without them.
+            return Err(tensor::Error::BackendUnavailable {
+                backend: "cuda",
+                reason: "Gemma 2's soft-capping, sliding windows and query scale have no CUDA \
+                         kernels yet: run this model on the CPU"
+                    .into(),
+            }
+            .into());
+        }
         let mut silent = |_: usize, _: usize| {};
         let progress: &mut dyn FnMut(usize, usize) = match progress {
             Some(progress) => progress,
@@ -191,6 +249,7 @@ impl ParallelModel {
                 ffn_norm: load_vector(src, &format!("blk.{l}.ffn_norm.weight"), config.hidden)?,
                 mlp: Mlp::load(src, l, ffn_range(&config, tp_rank, tp), form)?
                     .with_activation(config.activation),
+                post_norms: PostNorms::load(src, l, &config)?,
             });
             progress(l + 2, total);
         }
@@ -225,8 +284,9 @@ impl ParallelModel {
     /// [`ParallelModel::move_weights_to`] allocates them:
     /// 1. the embedding table (this rank's vocabulary rows);
     /// 2. for each layer: the attention norm, the fused Q/K/V projection, the Q/K/V bias (when
-    ///    the model has one), the output projection, the MLP norm, the fused gate/up
-    ///    projection and the down projection;
+    ///    the model has one), the output projection, the post-attention norm (Gemma 2), the
+    ///    MLP norm, the fused gate/up projection, the down projection and the post-MLP norm
+    ///    (Gemma 2);
     /// 3. the final norm;
     /// 4. the LM head, unless it is tied to the embedding (the shared table is listed once).
     ///
@@ -259,8 +319,14 @@ impl ParallelModel {
             let norm = |t: &str| vector(&format!("blk.{l}.{t}.weight"));
             provenance::vector_source(&b.attn_norm, norm("attn_norm"), &mut out);
             b.attn.attn.weight_sources(l, &mut out);
+            if let Some(post) = &b.post_norms {
+                provenance::vector_source(&post.attn, norm("post_attention_norm"), &mut out);
+            }
             provenance::vector_source(&b.ffn_norm, norm("ffn_norm"), &mut out);
             b.mlp.weight_sources(l, &mut out);
+            if let Some(post) = &b.post_norms {
+                provenance::vector_source(&post.ffn, norm("post_ffw_norm"), &mut out);
+            }
         }
         provenance::vector_source(&self.norm, vector("output_norm.weight"), &mut out);
         if !self.lm_head.is_tied_to(&self.embed) {
@@ -284,9 +350,15 @@ impl ParallelModel {
             out.push((format!("layer {l} attention norm"), b.attn_norm.shape().to_vec()));
             let attn = b.attn.attn.weight_shapes();
             out.extend(attn.into_iter().map(|(what, shape)| (format!("layer {l} {what}"), shape)));
+            if let Some(post) = &b.post_norms {
+                out.push((format!("layer {l} post-attention norm"), post.attn.shape().to_vec()));
+            }
             out.push((format!("layer {l} feed-forward norm"), b.ffn_norm.shape().to_vec()));
             let mlp = b.mlp.weight_shapes();
             out.extend(mlp.into_iter().map(|(what, shape)| (format!("layer {l} {what}"), shape)));
+            if let Some(post) = &b.post_norms {
+                out.push((format!("layer {l} post-feed-forward norm"), post.ffn.shape().to_vec()));
+            }
         }
         out.push(("output norm".to_owned(), self.norm.shape().to_vec()));
         if !self.lm_head.is_tied_to(&self.embed) {

@@ -497,6 +497,11 @@ fn head_shards_cover_every_query_head_once() {
         activation: checkpoint::config::Activation::Silu,
         embedding_scale: None,
         qk_norm: false,
+        attn_softcap: None,
+        final_softcap: None,
+        sliding_window: None,
+        post_norms: false,
+        query_scale: None,
     };
     type Shards = Vec<(Range<usize>, Range<usize>)>;
     let shards = |c: &LlamaConfig, tp| -> Shards {
@@ -1482,4 +1487,126 @@ fn a_shard_adopts_another_form_of_its_weights_and_refuses_other_weights() {
     for path in [f32_path, q8_path, bias_path] {
         std::fs::remove_file(path).unwrap();
     }
+}
+
+/// A small Gemma 2: uneven heads, a window of 4 on its even layers, caps the random scores
+/// and logits reach.
+fn gemma2_spec(layers: usize, seed: u64) -> RandomLlama {
+    RandomLlama {
+        gemma2: Some(crate::model::random::Gemma2::default()),
+        layers,
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 64,
+        vocab: 40,
+        seed,
+        ..RandomLlama::default()
+    }
+}
+
+/// Gemma 2 (attention and final soft-caps, a window of 4 on layers 0 and 2, post-norms): the
+/// logits of a 7-token prompt and 16 greedy steps match the single-rank model in every layout
+/// (so CP's key exchange and its extends, whose ranks may hold only keys outside a query's
+/// window, mask as one rank does), and the greedy ids of its Hugging Face folder (norms as
+/// `1 + w` under Gemma 2's names), loaded sharded, are the single-rank GGUF model's.
+#[test]
+fn gemma2_matches_the_single_rank_model_in_every_layout() {
+    let spec = gemma2_spec(3, 71);
+    let layouts = [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (1, 3)];
+    check_layouts(&spec, "gemma2-layouts.gguf", &layouts);
+
+    let path = write_model(&spec, "gemma2-generate.gguf");
+    let dir = temp_path("gemma2-generate-hf");
+    spec.write_hf(&dir, true).unwrap();
+    let reference = Model::load(&path, 1).unwrap();
+    let c = reference.config();
+    assert!(c.post_norms && c.sliding_window.is_some() && c.final_softcap == Some(1.5), "{c:?}");
+    let prompt = [1u32, 2, 3, 4, 5, 6, 7, 8, 9];
+    assert_greedy_in_layouts(&reference, &dir, &prompt);
+    assert_greedy_in_layouts(&reference, &path, &prompt);
+    std::fs::remove_file(path).unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// The window at the model's level, in (1,1) (1,2) (2,2): in a one-layer Gemma 2 (its only
+/// layer slides, window 4), the logits at positions 4 and on do not depend on the first token
+/// (it is outside their window), and those before do; the same model without the window
+/// (its config edited) depends on the first token everywhere. Fails when a layout ignores
+/// the window.
+#[test]
+fn gemma2_sliding_window_hides_tokens_before_it_in_every_layout() {
+    let spec = gemma2_spec(1, 72);
+    let path = write_model(&spec, "gemma2-window.gguf");
+    let (a, b) = ([3u32, 17, 5, 38, 0, 22, 9, 11], [30u32, 17, 5, 38, 0, 22, 9, 11]);
+    let vocab = spec.vocab;
+    for window in [true, false] {
+        for (tp, cp) in [(1, 1), (1, 2), (2, 2)] {
+            let got = on_mesh(tp, cp, |p, comms| {
+                let file = GgufFile::open(&path).unwrap();
+                let mut config = LlamaConfig::from_gguf(&file).unwrap();
+                if !window {
+                    config.sliding_window = None;
+                }
+                let opts = LoadOptions::new(p).form(WeightForm::F32);
+                let model = ParallelModel::from_source(&file, config, opts).unwrap();
+                let mut run = |prompt: &[u32]| {
+                    let mut cache = model.new_cache(16);
+                    model.forward(comms, prompt, &mut cache, Logits::All).unwrap()
+                };
+                (run(&a), run(&b))
+            });
+            let (la, lb) = &got[0];
+            for pos in 0..a.len() {
+                let row = |l: &Tensor| l.data()[pos * vocab..(pos + 1) * vocab].to_vec();
+                let e = rel_err(&row(la), &row(lb));
+                let hidden = window && pos >= 4;
+                assert_eq!(
+                    e < 1e-6,
+                    hidden,
+                    "({tp},{cp}) window {window}, position {pos}: difference {e}"
+                );
+            }
+        }
+    }
+    std::fs::remove_file(path).unwrap();
+}
+
+/// Final logit soft-capping: every logit of the single-rank forward and of a batched step
+/// (prompt log-probabilities, `every_row`) is `cap · tanh(l / cap)` of the model without the
+/// cap; the batched greedy ids are the argmax of the capped logits.
+#[test]
+fn gemma2_final_logits_are_soft_capped_on_every_path() {
+    let spec = gemma2_spec(2, 73);
+    let path = write_model(&spec, "gemma2-cap.gguf");
+    let file = GgufFile::open(&path).unwrap();
+    let config = LlamaConfig::from_gguf(&file).unwrap();
+    let cap = config.final_softcap.unwrap();
+    let load = |config: LlamaConfig| {
+        let opts = LoadOptions::new(Placement::single()).form(WeightForm::F32);
+        ParallelModel::from_source(&file, config, opts).unwrap()
+    };
+    let (capped, plain) =
+        (load(config.clone()), load(LlamaConfig { final_softcap: None, ..config }));
+    let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
+    let mut comms = Comms { tp: &mut tp, cp: &mut cp };
+    let prompt = [3u32, 17, 5, 38, 0, 22, 9];
+    let mut run = |m: &ParallelModel| {
+        let mut cache = m.new_cache(16);
+        m.forward(&mut comms, &prompt, &mut cache, Logits::All).unwrap()
+    };
+    let (with, without) = (run(&capped), run(&plain));
+    let want: Vec<f32> = without.data().iter().map(|&l| cap * (l / cap).tanh()).collect();
+    assert!(rel_err(with.data(), &want) < 1e-6);
+    assert!(without.data().iter().any(|l| l.abs() > cap), "the cap must bind somewhere");
+    let mut cache = capped.new_cache(16);
+    let mut seqs = [Sequence { tokens: &prompt, cache: &mut cache, sample: true, every_row: true }];
+    let batched = capped.forward_batch(&mut comms, &mut seqs).unwrap().unwrap();
+    assert!(rel_err(batched.data(), &want) < 1e-5);
+    let mut cache = capped.new_cache(16);
+    let mut seqs = [Sequence { tokens: &prompt, cache: &mut cache, sample: true, every_row: true }];
+    let ids = capped.forward_batch_argmax(&mut comms, &mut seqs).unwrap().unwrap();
+    let argmax = capped.backend().argmax_rows(&batched).unwrap();
+    assert_eq!(ids.iter().map(|&i| i as usize).collect::<Vec<_>>(), argmax);
+    std::fs::remove_file(path).unwrap();
 }

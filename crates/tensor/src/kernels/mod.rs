@@ -501,7 +501,7 @@ impl Backend {
         shape: AttnShape,
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let AttnShape { q_heads, kv_heads, head_dim } = shape;
+        let AttnShape { q_heads, kv_heads, head_dim, .. } = shape;
         let need = kv_pos.len() * kv_heads * head_dim;
         let (k_len, v_len, fits) = match kv {
             Kv::Host { k, v } => (k.len(), v.len(), k.len() == need && v.len() == need),
@@ -728,6 +728,26 @@ impl Backend {
         match self {
             Backend::Cpu(cpu) => cpu.in_place(x, |x| cpu::activation::scale(x, s))?,
             Backend::Cuda(cuda) => cuda.scale(x, s)?,
+        }
+        Ok(())
+    }
+
+    /// `x = cap · tanh(x / cap)`, in place (Gemma 2's final logit soft-capping).
+    ///
+    /// # Errors
+    /// [`Error::BackendUnavailable`] on the CUDA backend, which has no such kernel.
+    pub fn soft_cap(&self, x: &mut Tensor, cap: f32) -> Result<()> {
+        match self {
+            Backend::Cpu(cpu) => cpu.in_place(x, |x| {
+                x.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+            })?,
+            Backend::Cuda(_) => {
+                return Err(Error::BackendUnavailable {
+                    backend: "cuda",
+                    reason: "no logit soft-capping kernel (Gemma 2's): run the model on the CPU"
+                        .into(),
+                })
+            }
         }
         Ok(())
     }

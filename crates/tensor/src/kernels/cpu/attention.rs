@@ -4,16 +4,20 @@
 //! `kv_pos[j] <= q_pos[i]`. That one rule covers prefill over a token range, decode against a
 //! cache, and (later) context parallelism, where a rank holds an arbitrary subset of the keys.
 //! A row that sees no key yields zeros and a log-sum-exp of `-inf`, which is the neutral
-//! element of the log-sum-exp merge of partial results.
+//! element of the log-sum-exp merge of partial results. A sliding window (Gemma 2) narrows the
+//! rule to `q_pos[i] - window < kv_pos[j] <= q_pos[i]`, still by positions, so a CP rank's
+//! subset of the keys is masked alike; soft-capping (Gemma 2) maps each scaled score `s` to
+//! `cap · tanh(s / cap)` before the softmax.
 
 use super::matmul::{gemm_strided, MatRef};
 use super::matvec::{simd_axpy, simd_axpy4, simd_dot};
 use pulp::{Arch, Simd, WithSimd};
 use rayon::prelude::*;
 
-/// Head counts of one attention call. `q_heads` must be a multiple of `kv_heads`; query head
-/// `h` reads key/value head `h / (q_heads / kv_heads)`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Head counts and score rules of one attention call. `q_heads` must be a multiple of
+/// `kv_heads`; query head `h` reads key/value head `h / (q_heads / kv_heads)`. The rules
+/// default to plain causal attention scaled by `1 / sqrt(head_dim)`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct AttnShape {
     /// Query heads.
     pub q_heads: usize,
@@ -21,6 +25,45 @@ pub struct AttnShape {
     pub kv_heads: usize,
     /// Elements per head.
     pub head_dim: usize,
+    /// The factor on `q·k` when not `1 / sqrt(head_dim)`.
+    pub scale: Option<f32>,
+    /// Scaled scores become `cap · tanh(score / cap)` (Gemma 2's attention soft-capping).
+    pub softcap: Option<f32>,
+    /// A query at `p` sees keys at `p - window + 1 ..= p` only (sliding-window attention).
+    pub window: Option<usize>,
+}
+
+impl AttnShape {
+    /// Plain causal attention over these heads.
+    pub fn new(q_heads: usize, kv_heads: usize, head_dim: usize) -> Self {
+        AttnShape { q_heads, kv_heads, head_dim, ..Default::default() }
+    }
+
+    /// Whether soft-capping or a window change the plain causal rule (kernels without them
+    /// must refuse such a call).
+    pub fn has_rules(&self) -> bool {
+        self.softcap.is_some() || self.window.is_some()
+    }
+
+    /// The factor on `q·k`.
+    fn factor(&self) -> f32 {
+        self.scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt())
+    }
+
+    /// The oldest position a query at `q_pos` sees (0 without a window).
+    #[inline(always)]
+    fn first_visible(&self, q_pos: usize) -> usize {
+        self.window.map_or(0, |w| (q_pos + 1).saturating_sub(w))
+    }
+}
+
+/// Soft-caps a scaled score (see [`AttnShape::softcap`]).
+#[inline(always)]
+fn capped(score: f32, cap: Option<f32>) -> f32 {
+    match cap {
+        Some(c) => c * (score / c).tanh(),
+        None => score,
+    }
 }
 
 /// Keys and values in blocks of a power-of-two number of tokens (a paged KV cache): token `j`
@@ -136,9 +179,9 @@ pub fn attention_blocks(
     out: &mut [f32],
     lse: Option<&mut [f32]>,
 ) {
-    let AttnShape { q_heads, kv_heads, head_dim: d } = shape;
+    let AttnShape { q_heads, kv_heads, head_dim: d, .. } = shape;
     let group = q_heads / kv_heads;
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = shape.factor();
     let mut scratch;
     let lse = match lse {
         Some(l) => l,
@@ -164,6 +207,8 @@ pub fn attention_blocks(
             let op = Row {
                 q: &q[row * d..(row + 1) * d],
                 q_pos: q_pos[i],
+                first: shape.first_visible(q_pos[i]),
+                softcap: shape.softcap,
                 kv,
                 kv_pos,
                 stride: kv_heads * d,
@@ -199,9 +244,9 @@ fn attention_blocked(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    let AttnShape { q_heads, kv_heads, head_dim: d } = shape;
+    let AttnShape { q_heads, kv_heads, head_dim: d, .. } = shape;
     let group = q_heads / kv_heads;
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = shape.factor();
     // At least ~8 blocks so both threads stay busy on short prompts.
     let block = q_pos.len().div_ceil(8).clamp(1, MAX_QUERY_BLOCK);
     let kv_stride = kv_heads * d;
@@ -236,7 +281,9 @@ fn attention_blocked(
                     .and_then(|()| {
                         for (r, row) in scores.chunks_exact_mut(t).enumerate() {
                             let lse_at = &mut lb[(r / group) * q_heads + g * group + r % group];
-                            *lse_at = softmax_row(row, kv_pos, bpos[r / group], scale);
+                            let q_pos = bpos[r / group];
+                            let visible = (shape.first_visible(q_pos), q_pos);
+                            *lse_at = softmax_row(row, kv_pos, visible, scale, shape.softcap);
                         }
                         gemm_strided(MatRef::row_major(&scores, t), vg, &mut og, d, m, d, t, 1)
                     });
@@ -257,14 +304,20 @@ fn attention_blocked(
         });
 }
 
-/// Turns one row of raw scores into attention weights in place: keys with `kv_pos > q_pos`
-/// get 0, the rest `softmax(score · scale)`. Returns the log-sum-exp (−∞ and an all-zero row
-/// when no key is visible).
-fn softmax_row(row: &mut [f32], kv_pos: &[usize], q_pos: usize, scale: f32) -> f32 {
+/// Turns one row of raw scores into attention weights in place: keys outside
+/// `first..=q_pos` (by position) get 0, the rest `softmax(capped(score · scale))`. Returns
+/// the log-sum-exp (−∞ and an all-zero row when no key is visible).
+fn softmax_row(
+    row: &mut [f32],
+    kv_pos: &[usize],
+    (first, q_pos): (usize, usize),
+    scale: f32,
+    softcap: Option<f32>,
+) -> f32 {
     let mut max = f32::NEG_INFINITY;
     for (x, &p) in row.iter_mut().zip(kv_pos) {
-        if p <= q_pos {
-            *x *= scale;
+        if p <= q_pos && p >= first {
+            *x = capped(*x * scale, softcap);
             max = max.max(*x);
         } else {
             *x = f32::NEG_INFINITY;
@@ -291,6 +344,9 @@ fn softmax_row(row: &mut [f32], kv_pos: &[usize], q_pos: usize, scale: f32) -> f
 struct Row<'a> {
     q: &'a [f32],
     q_pos: usize,
+    /// The oldest position it sees (sliding window; else 0).
+    first: usize,
+    softcap: Option<f32>,
     kv: KvBlocks<'a>,
     kv_pos: &'a [usize],
     /// Elements between consecutive tokens in `k`/`v`.
@@ -307,7 +363,7 @@ impl WithSimd for Row<'_> {
 
     #[inline(always)]
     fn with_simd<S: Simd>(self, simd: S) -> f32 {
-        let Row { q, q_pos, kv, kv_pos, stride, offset, scale, scores, out } = self;
+        let Row { q, q_pos, first, softcap, kv, kv_pos, stride, offset, scale, scores, out } = self;
         let d = q.len();
         let key = |j: usize| {
             let (b, at) = kv.at(j, stride);
@@ -326,10 +382,14 @@ impl WithSimd for Row<'_> {
         scores.resize(last + 1, f32::NEG_INFINITY);
         let mut max = f32::NEG_INFINITY;
         for (j, s) in scores.iter_mut().enumerate() {
-            if kv_pos[j] <= q_pos {
-                *s = simd_dot(simd, q, key(j)) * scale;
+            if kv_pos[j] <= q_pos && kv_pos[j] >= first {
+                *s = capped(simd_dot(simd, q, key(j)) * scale, softcap);
                 max = max.max(*s);
             }
+        }
+        if max == f32::NEG_INFINITY {
+            // Every key up to the last is outside the window.
+            return f32::NEG_INFINITY;
         }
         // Weights in place (masked keys get 0), then the weighted sum of values four keys at a
         // time.
@@ -408,14 +468,21 @@ mod tests {
                 let g = h * s.kv_heads / s.q_heads;
                 let row = i * s.q_heads + h;
                 let sc: Vec<(usize, f64)> = (0..kp.len())
-                    .filter(|&j| kp[j] <= qpos)
+                    .filter(|&j| kp[j] <= qpos && s.window.is_none_or(|w| kp[j] + w > qpos))
                     .map(|j| {
                         let dotp: f64 = (0..d)
                             .map(|x| q[row * d + x] as f64 * k[(j * s.kv_heads + g) * d + x] as f64)
                             .sum();
-                        (j, dotp / (d as f64).sqrt())
+                        let scale = s.scale.map_or(1.0 / (d as f64).sqrt(), f64::from);
+                        let score = dotp * scale;
+                        let cap = s.softcap.map(f64::from);
+                        (j, cap.map_or(score, |c| c * (score / c).tanh()))
                     })
                     .collect();
+                if sc.is_empty() {
+                    lse[row] = f32::NEG_INFINITY;
+                    continue;
+                }
                 let m = sc.iter().map(|x| x.1).fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = sc.iter().map(|x| (x.1 - m).exp()).sum();
                 lse[row] = (m + z.ln()) as f32;
@@ -432,7 +499,7 @@ mod tests {
 
     #[test]
     fn matches_naive_gqa_prefill_with_offset_positions() {
-        let s = AttnShape { q_heads: 6, kv_heads: 2, head_dim: 8 };
+        let s = AttnShape::new(6, 2, 8);
         let (n, t) = (5, 9);
         let q = random_vec(n * 6 * 8, 10);
         let k = random_vec(t * 2 * 8, 11);
@@ -451,7 +518,7 @@ mod tests {
     fn blocked_and_row_paths_agree_with_naive_on_gqa_shapes_and_scattered_positions() {
         // Keys arrive out of order and some queries see none of them (a context-parallel
         // rank's view); 40 queries take the blocked path, 3 the row path.
-        let s = AttnShape { q_heads: 6, kv_heads: 2, head_dim: 16 };
+        let s = AttnShape::new(6, 2, 16);
         let t = 50;
         let k = random_vec(t * 2 * 16, 30);
         let v = random_vec(t * 2 * 16, 31);
@@ -469,9 +536,42 @@ mod tests {
         }
     }
 
+    /// Soft-capping, a sliding window and a query scale of their own, on both paths, against
+    /// the reference (a single row without keys is checked below), and the
+    /// caps and window change the result (so the test would catch them being ignored).
+    #[test]
+    fn softcap_window_and_scale_match_naive_on_both_paths() {
+        let plain = AttnShape::new(6, 2, 16);
+        let ruled = AttnShape { scale: Some(0.4), softcap: Some(1.5), window: Some(4), ..plain };
+        let t = 40;
+        let k = random_vec(t * 2 * 16, 40);
+        let v = random_vec(t * 2 * 16, 41);
+        // Keys in scrambled order with gaps, as a CP rank holds them.
+        let kp: Vec<usize> = (0..t).map(|j| (j * 37) % 53 + 3).collect();
+        for n in [24, 2] {
+            let q: Vec<f32> = random_vec(n * 6 * 16, 42).iter().map(|x| x * 4.0).collect();
+            let qp: Vec<usize> = (0..n).map(|i| 55 - i * 2).collect();
+            let (want, want_lse) = naive(&q, &qp, &k, &v, &kp, ruled);
+            let mut out = vec![f32::NAN; want.len()];
+            let mut lse = vec![f32::NAN; want_lse.len()];
+            attention(&q, &qp, &k, &v, &kp, ruled, &mut out, Some(&mut lse));
+            assert_close(&out, &want, 1e-5);
+            assert_close(&lse, &want_lse, 1e-5);
+            assert!(out.iter().all(|x| x.is_finite()), "{n} queries: a row without keys is 0");
+            let (plain_out, _) = naive(&q, &qp, &k, &v, &kp, plain);
+            let diff = plain_out.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            assert!(diff > 1e-2, "{n} queries: the rules changed nothing ({diff})");
+        }
+        // Position 9 with a window of 4 sees 6..=9: the key at 5 is out, so no key is visible.
+        let s = AttnShape { window: Some(4), ..AttnShape::new(1, 1, 4) };
+        let (mut out, mut lse) = (vec![1.0; 4], vec![0.0; 1]);
+        attention(&[1.0; 4], &[9], &[1.0; 4], &[1.0; 4], &[5], s, &mut out, Some(&mut lse));
+        assert_eq!((out, lse[0]), (vec![0.0; 4], f32::NEG_INFINITY));
+    }
+
     #[test]
     fn rows_without_visible_keys_give_zero_and_neg_inf() {
-        let s = AttnShape { q_heads: 1, kv_heads: 1, head_dim: 4 };
+        let s = AttnShape::new(1, 1, 4);
         let mut out = vec![1.0; 4];
         let mut lse = vec![0.0; 1];
         attention(&[1.0; 4], &[2], &[1.0; 4], &[1.0; 4], &[3], s, &mut out, Some(&mut lse));
@@ -481,7 +581,7 @@ mod tests {
 
     #[test]
     fn merging_two_key_halves_equals_attention_over_all_keys() {
-        let s = AttnShape { q_heads: 4, kv_heads: 2, head_dim: 8 };
+        let s = AttnShape::new(4, 2, 8);
         let t = 10;
         let q = random_vec(4 * 8, 20);
         let k = random_vec(t * 16, 21);

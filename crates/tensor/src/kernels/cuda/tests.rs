@@ -195,7 +195,7 @@ fn cuda_attention_matches_cpu_with_log_sum_exp() {
     // head_dim above the block size, and MHA.
     let cases = [(6, 2, 16, 9, 9), (9, 3, 64, 1, 300), (4, 2, 160, 5, 130), (2, 2, 128, 40, 40)];
     for (seed, &(q_heads, kv_heads, head_dim, n, t)) in cases.iter().enumerate() {
-        let shape = AttnShape { q_heads, kv_heads, head_dim };
+        let shape = AttnShape::new(q_heads, kv_heads, head_dim);
         let seed = 100 + 10 * seed as u64;
         let q = tensor(&[n, q_heads, head_dim], seed);
         let k = random_vec(t * kv_heads * head_dim, seed + 1);
@@ -221,7 +221,7 @@ fn cuda_attention_matches_cpu_with_log_sum_exp() {
         }
     }
     // No keys at all: zeros and -inf.
-    let shape = AttnShape { q_heads: 2, kv_heads: 1, head_dim: 8 };
+    let shape = AttnShape::new(2, 1, 8);
     let (out, lse) = gpu
         .attention(&tensor(&[1, 2, 8], 1), &[4], Kv::Host { k: &[], v: &[] }, &[], shape, true)
         .unwrap();
@@ -281,7 +281,7 @@ fn attention_blocks_group_the_query_heads_of_a_kv_head() {
 fn cuda_attention_over_many_key_ranges_matches_cpu() {
     let Some(gpu) = gpu() else { return };
     let cpu = cpu();
-    let shape = AttnShape { q_heads: 9, kv_heads: 3, head_dim: 64 };
+    let shape = AttnShape::new(9, 3, 64);
     let t = 3000;
     assert!(super::attention_splits(3, t).0 > 4, "the case must split the keys");
     let q = tensor(&[1, 9, 64], 7);

@@ -27,7 +27,7 @@ impl CudaBackend {
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         const OP: &str = "attention";
-        let AttnShape { q_heads, kv_heads, head_dim } = shape;
+        let AttnShape { q_heads, kv_heads, head_dim, .. } = shape;
         let rows = q_pos.len() * q_heads;
         let (out_shape, lse_shape) = ([q_pos.len(), q_heads, head_dim], [q_pos.len(), q_heads]);
         if head_dim > ATTN_MAX_HEAD_DIM {
@@ -35,6 +35,14 @@ impl CudaBackend {
                 OP,
                 format!("head_dim {head_dim} exceeds the cuda kernel's {ATTN_MAX_HEAD_DIM}"),
             ));
+        }
+        if shape.has_rules() || shape.scale.is_some() {
+            return Err(Error::BackendUnavailable {
+                backend: "cuda",
+                reason: "the attention kernel has no soft-capping, sliding window or query \
+                         scale of its own (Gemma 2's): run the model on the CPU"
+                    .into(),
+            });
         }
         if rows == 0 || head_dim == 0 || kv_pos.is_empty() {
             // No keys at all: zeros and -inf, the neutral partial result.

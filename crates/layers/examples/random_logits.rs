@@ -1,0 +1,71 @@
+//! Writes a random-weight model of an architecture as GGUF and prints tpctl's logits at every
+//! position of a prompt, for `cargo xtask bench agree --random` to compare with llama.cpp's on
+//! the same file (`scripts/llamacpp_logits.py`).
+//!
+//! Usage: `random_logits ARCH OUT.gguf TP CP ID...` (ARCH: `gemma2`); prints one JSON line
+//! `{"vocab": V, "logits": [[...] per position]}` from the rank at TP 0 and CP 0.
+
+use layers::model::random::{Gemma2, RandomLlama};
+use layers::model::WeightForm;
+use layers::parallel::{Comms, LoadOptions, ParallelModel, Placement};
+use layers::Logits;
+use std::path::PathBuf;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let [arch, out, tp, cp, ids @ ..] = &args[..] else {
+        return Err("usage: random_logits ARCH OUT.gguf TP CP ID...".into());
+    };
+    let spec = match arch.as_str() {
+        // Uneven heads, a window of 4 on layers 0 and 2 so a 12-token prompt leaves it, caps
+        // the random scores and logits reach.
+        "gemma2" => RandomLlama {
+            gemma2: Some(Gemma2::default()),
+            layers: 3,
+            heads: 6,
+            kv_heads: 3,
+            hidden: 48,
+            ffn: 64,
+            vocab: 40,
+            seed: 35,
+            ..RandomLlama::default()
+        },
+        other => return Err(format!("no random model for architecture `{other}`").into()),
+    };
+    let path = PathBuf::from(out);
+    spec.write(&path)?;
+    let (tp, cp): (usize, usize) = (tp.parse()?, cp.parse()?);
+    let prompt: Vec<u32> = ids.iter().map(|i| i.parse()).collect::<Result<_, _>>()?;
+    let opts = collectives::ShmOptions { slot_bytes: 64 << 10, ring_bytes: 16 << 10 };
+    let comms = collectives::local::mesh(tp, cp, opts)?;
+    let logits = std::thread::scope(|s| {
+        let runs: Vec<_> = comms
+            .into_iter()
+            .map(|(mut tpc, mut cpc)| {
+                let (path, prompt) = (&path, &prompt);
+                s.spawn(move || -> Result<Vec<f32>, layers::Error> {
+                    let mut comms = Comms { tp: &mut tpc, cp: &mut cpc };
+                    let placement = Placement::of(&comms);
+                    let opts = LoadOptions::new(placement).form(WeightForm::F32);
+                    let model = ParallelModel::load(path, opts)?;
+                    let mut cache = model.new_cache(prompt.len());
+                    let logits = model.forward(&mut comms, prompt, &mut cache, Logits::All)?;
+                    Ok(logits.host()?.to_vec())
+                })
+            })
+            .collect();
+        runs.into_iter().map(|r| r.join().expect("a rank panicked")).next()
+    });
+    let logits = logits.ok_or("no ranks")??;
+    let rows: Vec<&[f32]> = logits.chunks(spec.vocab).collect();
+    let json = format!(
+        "{{\"vocab\": {}, \"logits\": [{}]}}",
+        spec.vocab,
+        rows.iter()
+            .map(|r| format!("[{}]", r.iter().map(f32::to_string).collect::<Vec<_>>().join(",")))
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    println!("{json}");
+    Ok(())
+}
