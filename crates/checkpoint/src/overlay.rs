@@ -13,7 +13,7 @@
 
 use crate::config::LlamaConfig;
 use crate::error::{Error, Result};
-use crate::safetensors::{gguf_name, SafetensorsFile};
+use crate::safetensors::{gemma2_gguf_name, gguf_name, SafetensorsFile};
 use crate::source::{Shard, WeightSource};
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
@@ -67,9 +67,42 @@ const FUSED: [(&str, &[&str]); 3] = [
     ("mlp.gate_up_proj.weight", &["ffn_gate.weight", "ffn_up.weight"]),
 ];
 
+/// Which names a bucket's Hugging Face tensors map to: the llama table, Gemma 2's (whose
+/// block norms have their own names), or neither where the two disagree (a bucket read
+/// without its model, whose name is then kept as stored).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Names {
+    Llama,
+    Gemma2,
+    Unambiguous,
+}
+
+impl Names {
+    /// The table of the model of `config`.
+    fn of(config: &LlamaConfig) -> Names {
+        if config.post_norms {
+            Names::Gemma2
+        } else {
+            Names::Llama
+        }
+    }
+
+    /// The GGUF name of Hugging Face tensor `hf`, if the table has one.
+    fn gguf(self, hf: &str) -> Option<String> {
+        match self {
+            Names::Llama => gguf_name(hf),
+            Names::Gemma2 => gemma2_gguf_name(hf),
+            Names::Unambiguous => {
+                gguf_name(hf).filter(|g| gemma2_gguf_name(hf).as_ref() == Some(g))
+            }
+        }
+    }
+}
+
 /// The model's names of the tensor stored as `stored`: the parts of a fused tensor in row
-/// order, else its GGUF name, else the name itself (already the model's, or unknown).
-fn model_names(stored: &str) -> Vec<String> {
+/// order, else its GGUF name under `names`, else the name itself (already the model's, or
+/// unknown).
+fn model_names(stored: &str, names: Names) -> Vec<String> {
     let layer = stored
         .strip_prefix("model.layers.")
         .or_else(|| stored.strip_prefix("blk."))
@@ -80,7 +113,7 @@ fn model_names(stored: &str) -> Vec<String> {
             return parts.iter().map(|part| format!("blk.{layer}.{part}")).collect();
         }
     }
-    vec![gguf_name(stored).unwrap_or_else(|| stored.to_owned())]
+    vec![names.gguf(stored).unwrap_or_else(|| stored.to_owned())]
 }
 
 /// Whether the model's tensor `name` holds query or key rows (or biases), which rotary
@@ -121,7 +154,7 @@ impl Bucket {
         let norm_offset = if config.embedding_scale.is_some() { 1.0 } else { 0.0 };
         let mut tensors: BTreeMap<String, Part> = BTreeMap::new();
         for stored in file.names() {
-            let names = model_names(stored);
+            let names = model_names(stored, Names::of(config));
             let mut shapes = Vec::with_capacity(names.len());
             for name in &names {
                 if !base.has(name) {
@@ -287,9 +320,13 @@ impl Bucket {
 ///
 /// # Errors
 /// The file cannot be mapped or its header is malformed.
+///
+/// A Hugging Face name that means different tensors in different architectures (Gemma 2's
+/// `post_attention_layernorm` is not the llama `ffn_norm`) is kept as stored, so a bucket is
+/// never taken for one that holds another tensor.
 pub fn bucket_tensor_names(path: impl AsRef<Path>) -> Result<BTreeSet<String>> {
     let file = SafetensorsFile::open(path)?;
-    Ok(file.names().flat_map(model_names).collect())
+    Ok(file.names().flat_map(|n| model_names(n, Names::Unambiguous)).collect())
 }
 
 /// Of the bucket files `buckets`, laid over a checkpoint in this order, those that still give

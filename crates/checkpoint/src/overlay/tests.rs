@@ -498,3 +498,34 @@ fn buckets_that_later_ones_replace_are_not_live() {
         std::fs::remove_file(p).unwrap();
     }
 }
+
+/// Gemma 2's Hugging Face block norms are its own tensors, not the llama names they share a
+/// spelling with: in a Gemma 2 model `post_attention_layernorm` is `post_attention_norm` (in a
+/// llama one, `ffn_norm`), and a bucket read without its model keeps such a name as stored,
+/// so it is never taken for a GGUF bucket's `ffn_norm`.
+#[test]
+fn gemma2_norm_names_map_to_gemma2_tensors() {
+    let post = "model.layers.0.post_attention_layernorm.weight";
+    let pre = "model.layers.1.pre_feedforward_layernorm.weight";
+    assert_eq!(model_names(post, Names::Gemma2), ["blk.0.post_attention_norm.weight"]);
+    assert_eq!(model_names(pre, Names::Gemma2), ["blk.1.ffn_norm.weight"]);
+    assert_eq!(model_names(post, Names::Llama), ["blk.0.ffn_norm.weight"]);
+    assert_eq!(model_names(post, Names::Unambiguous), [post]);
+    let q = "model.layers.0.self_attn.q_proj.weight";
+    for names in [Names::Llama, Names::Gemma2, Names::Unambiguous] {
+        assert_eq!(model_names(q, names), ["blk.0.attn_q.weight"], "{names:?}");
+    }
+    let mut gemma2 = config();
+    gemma2.post_norms = true;
+    assert_eq!(Names::of(&gemma2), Names::Gemma2);
+    assert_eq!(Names::of(&config()), Names::Llama);
+
+    let v = [0.0f32; 4];
+    let hf = write_bucket("live-gemma2-hf", &[(post, &[4], &v)]);
+    let gguf = write_bucket("live-gemma2-gguf", &[("blk.0.ffn_norm.weight", &[4], &v)]);
+    let both = vec![hf.clone(), gguf.clone()];
+    assert_eq!(live_buckets(&both), both, "a Gemma 2 post-attention norm is not ffn_norm");
+    for p in [hf, gguf] {
+        std::fs::remove_file(p).unwrap();
+    }
+}

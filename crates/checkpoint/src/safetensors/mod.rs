@@ -294,6 +294,13 @@ pub fn gemma2_hf_name(gguf: &str) -> Option<String> {
     map_gemma2_name(gguf, ("blk.", "model.layers."), |&(g, h)| (g, h))
 }
 
+/// Maps a Hugging Face Gemma 2 tensor name to the GGUF name the model asks for: the inverse of
+/// [`gemma2_hf_name`] (its `post_attention_layernorm` is `post_attention_norm`, not the llama
+/// `ffn_norm`).
+pub fn gemma2_gguf_name(hf: &str) -> Option<String> {
+    map_gemma2_name(hf, ("model.layers.", "blk."), |&(g, h)| (h, g))
+}
+
 /// Maps a GGUF llama tensor name to its Hugging Face name.
 pub fn hf_name(gguf: &str) -> Option<String> {
     map_name(gguf, ("blk.", "model.layers."), |&(g, h)| (g, h))
