@@ -232,7 +232,7 @@ impl ModelFactory for ShardedFactory {
         config: &SessionConfig,
         groups: &mut Groups<'_>,
     ) -> Result<Box<dyn StepModel>, BoxError> {
-        let comms = Comms { tp: &mut *groups.tp, cp: &mut *groups.cp };
+        let mut comms = Comms { tp: &mut *groups.tp, cp: &mut *groups.cp };
         let placement = Placement::of(&comms);
         // After the file's steps: the move into tagged memory, and the KV pool's commit.
         let after = 1 + usize::from(self.kv.is_some());
@@ -288,6 +288,8 @@ impl ModelFactory for ShardedFactory {
             }
             None => None,
         };
+        warm_up(&model, &mut comms, context)
+            .map_err(|e| format!("the warm-up pass of the {placement:?} shard: {e}"))?;
         let mut sequences = Sequences::default();
         if let Some(engine) =
             self.grammars.clone().filter(|_| (placement.tp_rank, placement.cp_rank) == (0, 0))
@@ -303,6 +305,37 @@ impl ModelFactory for ShardedFactory {
             None => LlamaFactory::new(1).codec(config),
         }
     }
+}
+
+/// Tokens of the warm-up pass (a prompt chunk of the size requests commonly bring).
+const WARM_UP_TOKENS: usize = 128;
+
+/// One throwaway forward pass before the deployment reports ready, so the first request pays
+/// none of the one-time costs of a first pass (the compute threads' first wakeup, the heap
+/// that activations grow into). Every rank builds its model at the same agreed point of the
+/// session's opening, so the passes' collectives meet. Its cache is its own and dropped: the
+/// KV pool and every answer are as without it. CPU backends only: a device backend's
+/// warm-up (uploads, graphs) belongs to its own step.
+fn warm_up(model: &ParallelModel, comms: &mut Comms<'_>, context: usize) -> layers::Result<()> {
+    if !matches!(model.backend(), tensor::kernels::Backend::Cpu(_)) {
+        return Ok(());
+    }
+    let n = WARM_UP_TOKENS.min(context);
+    let cp = comms.cp.size();
+    if n < cp {
+        return Ok(());
+    }
+    // Token 0 is in every vocabulary.
+    let tokens = vec![0u32; n];
+    let mut cache = model.new_cache(n);
+    let mut seqs = [layers::parallel::Sequence {
+        tokens: &tokens,
+        cache: &mut cache,
+        sample: true,
+        every_row: false,
+    }];
+    model.forward_batch(comms, &mut seqs)?;
+    Ok(())
 }
 
 /// This rank's shard of the model, one KV-cache shard per sequence.
