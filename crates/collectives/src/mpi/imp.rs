@@ -359,10 +359,7 @@ impl MpiComm {
         let mut scratch = std::mem::take(&mut self.scratch);
         grow(&mut scratch, size * len);
         let all: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut scratch)[..size * len];
-        {
-            let _watch = watch(at, deadline);
-            coll.all_gather_into(send, &mut *all);
-        };
+        watched(at, deadline, || coll.all_gather_into(send, &mut *all));
         let sources: Vec<&[u8]> =
             (0..size).map(|r| &all[r * len + range.start..r * len + range.end]).collect();
         reduce(dtype, op, out, &sources);
@@ -414,6 +411,12 @@ fn watchdog() {
 
 /// A data phase under the watchdog until dropped.
 struct Watch(u64);
+
+/// Runs `call`, an MPI data phase, under the watchdog (see [`watch`]).
+fn watched<R>(at: &Site, deadline: Instant, call: impl FnOnce() -> R) -> R {
+    let _watch = watch(at, deadline);
+    call()
+}
 
 /// Puts the data phase of the call at `at` under the watchdog, with `deadline`.
 fn watch(at: &Site, deadline: Instant) -> Watch {
@@ -584,8 +587,7 @@ impl Transport for MpiComm {
         send.copy_from_slice(buf);
         let coll = &*self.coll;
         typed!(dtype, &*send, &mut *buf, |s, r| {
-            let _watch = watch(at, deadline);
-            coll.all_reduce_into(s, r, operation(op));
+            watched(at, deadline, || coll.all_reduce_into(s, r, operation(op)));
         });
         self.scratch = input;
         self.finish(at)
@@ -606,10 +608,7 @@ impl Transport for MpiComm {
         self.agree_all(at, deadline, dtype, None, recv.len(), (aux, "sizes"))?;
         let coll = &*self.coll;
         if even {
-            {
-                let _watch = watch(at, deadline);
-                coll.all_gather_into(send, recv);
-            };
+            watched(at, deadline, || coll.all_gather_into(send, recv));
             return self.finish(at);
         }
         let counts: Vec<i32> = sizes.iter().map(|&s| s as i32).collect();
@@ -622,10 +621,7 @@ impl Transport for MpiComm {
             })
             .collect();
         let mut partition = PartitionMut::new(recv, counts, displs);
-        {
-            let _watch = watch(at, deadline);
-            coll.all_gather_varcount_into(send, &mut partition);
-        };
+        watched(at, deadline, || coll.all_gather_varcount_into(send, &mut partition));
         self.finish(at)
     }
 
@@ -642,8 +638,7 @@ impl Transport for MpiComm {
         self.agree_all(at, deadline, dtype, Some(op), send.len(), (0, ""))?;
         let coll = &*self.coll;
         let native = typed!(dtype, send, &mut *recv, |s, r| {
-            let _watch = watch(at, deadline);
-            coll.reduce_scatter_block_into(s, r, operation(op));
+            watched(at, deadline, || coll.reduce_scatter_block_into(s, r, operation(op)));
         });
         if !native {
             let chunk = recv.len();
@@ -664,10 +659,7 @@ impl Transport for MpiComm {
         counted(at, buf.len(), ElemType::U8)?;
         self.agree_all(at, deadline, dtype, None, buf.len(), (root as u64, "root"))?;
         let coll = &*self.coll;
-        {
-            let _watch = watch(at, deadline);
-            coll.process_at_rank(root as i32).broadcast_into(buf);
-        };
+        watched(at, deadline, || coll.process_at_rank(root as i32).broadcast_into(buf));
         self.finish(at)
     }
 
@@ -682,10 +674,7 @@ impl Transport for MpiComm {
         counted(at, buf.len(), ElemType::U8)?;
         self.agree_pair(at, deadline, dtype, buf.len(), peer)?;
         let ctl = &*self.ctl;
-        {
-            let _watch = watch(at, deadline);
-            ctl.process_at_rank(peer as i32).send_with_tag(buf, TAG_DATA);
-        };
+        watched(at, deadline, || ctl.process_at_rank(peer as i32).send_with_tag(buf, TAG_DATA));
         self.finish(at)
     }
 
@@ -700,10 +689,9 @@ impl Transport for MpiComm {
         counted(at, buf.len(), ElemType::U8)?;
         self.agree_pair(at, deadline, dtype, buf.len(), peer)?;
         let ctl = &*self.ctl;
-        {
-            let _watch = watch(at, deadline);
-            ctl.process_at_rank(peer as i32).receive_into_with_tag(buf, TAG_DATA);
-        };
+        watched(at, deadline, || {
+            ctl.process_at_rank(peer as i32).receive_into_with_tag(buf, TAG_DATA)
+        });
         self.finish(at)
     }
 
@@ -718,10 +706,7 @@ impl Transport for MpiComm {
         counted(at, send.len(), ElemType::U8)?;
         self.agree_all(at, deadline, dtype, None, send.len(), (0, ""))?;
         let coll = &*self.coll;
-        {
-            let _watch = watch(at, deadline);
-            coll.all_to_all_into(send, recv);
-        };
+        watched(at, deadline, || coll.all_to_all_into(send, recv));
         self.finish(at)
     }
 
