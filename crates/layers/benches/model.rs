@@ -1,11 +1,12 @@
 //! Model benchmark: prefill and decode tokens/s of SmolLM2 in several `tp × cp` layouts, one
-//! sequence alone and [`BATCH`] sequences decoded together (one batched step for all).
+//! sequence alone and a batch of sequences decoded together (one batched step for all;
+//! [`BATCH`] unless `--batch N`).
 //!
 //! Run through `cargo xtask bench model`, which also measures llama.cpp on the same f32
 //! weights in the same run. Ranks are threads of this process joined by `local` groups (the
 //! shared-memory communicator over anonymous memory), each with its own thread pool.
 //!
-//! `model [--model PATH] [--prompt-tokens N] [--decode-tokens N] [--layout TPxCPxTHREADS] [--json]`
+//! `model [--model PATH] [--prompt-tokens N] [--decode-tokens N] [--batch N] [--layout TPxCPxTHREADS] [--json]`
 //! (`--layout 1x1x2` measures that layout alone, for a profiler).
 
 use collectives::{local, ShmOptions};
@@ -18,7 +19,7 @@ use text::Tokenizer;
 /// (tp, cp, threads per rank)
 const LAYOUTS: [(usize, usize, usize); 3] = [(1, 1, 2), (2, 1, 1), (2, 2, 1)];
 const REPEATS: usize = 3;
-/// Sequences decoded together, and their prompt length.
+/// Sequences decoded together by default, and their prompt length.
 const BATCH: usize = 8;
 const BATCH_PROMPT: usize = 32;
 
@@ -37,6 +38,7 @@ fn main() {
         arg(&args, "--prompt-tokens").map_or(128, |v| v.parse().expect("a number"));
     let n_decode: usize =
         arg(&args, "--decode-tokens").map_or(64, |v| v.parse().expect("a number"));
+    let batch: usize = arg(&args, "--batch").map_or(BATCH, |v| v.parse().expect("a number"));
     let tokenizer = Tokenizer::load(&path).expect("tokenizer");
     // The same prompt as the llama.cpp anchor script.
     let text = "The quick brown fox jumps over the lazy dog. ".repeat(200);
@@ -49,7 +51,7 @@ fn main() {
             "threads",
             "prefill tok/s",
             "decode tok/s",
-            format!("{BATCH}-seq decode tok/s")
+            format!("{batch}-seq decode tok/s")
         );
     }
     let layouts: Vec<(usize, usize, usize)> = match arg(&args, "--layout") {
@@ -60,13 +62,14 @@ fn main() {
         None => LAYOUTS.to_vec(),
     };
     for (tp, cp, threads) in layouts {
-        let (prefill, decode, batch) = run_layout(&path, &prompt, n_decode, tp, cp, threads);
+        let (prefill, decode, batched) =
+            run_layout(&path, &prompt, n_decode, batch, (tp, cp, threads));
         let (pf, dc) =
             (prompt.len() as f64 / prefill.as_secs_f64(), n_decode as f64 / decode.as_secs_f64());
-        let bt = (BATCH * n_decode) as f64 / batch.as_secs_f64();
+        let bt = (batch * n_decode) as f64 / batched.as_secs_f64();
         if json {
             println!(
-                "{{\"tp\":{tp},\"cp\":{cp},\"threads_per_rank\":{threads},\"prompt_tokens\":{},\"prefill_tok_s\":{pf:.1},\"decode_tokens\":{n_decode},\"decode_tok_s\":{dc:.1},\"batch\":{BATCH},\"batch_decode_tok_s\":{bt:.1}}}",
+                "{{\"tp\":{tp},\"cp\":{cp},\"threads_per_rank\":{threads},\"prompt_tokens\":{},\"prefill_tok_s\":{pf:.1},\"decode_tokens\":{n_decode},\"decode_tok_s\":{dc:.1},\"batch\":{batch},\"batch_decode_tok_s\":{bt:.1}}}",
                 prompt.len()
             );
         } else {
@@ -88,9 +91,8 @@ fn run_layout(
     path: &PathBuf,
     prompt: &[u32],
     n_decode: usize,
-    tp: usize,
-    cp: usize,
-    threads: usize,
+    batch: usize,
+    (tp, cp, threads): (usize, usize, usize),
 ) -> (Duration, Duration, Duration) {
     let comms = local::mesh(tp, cp, ShmOptions::default()).expect("thread mesh");
     let times = std::thread::scope(|s| {
@@ -126,7 +128,8 @@ fn run_layout(
                         let t2 = Instant::now();
                         best_pf = best_pf.min(t1 - t0);
                         best_dc = best_dc.min(t2 - t1);
-                        best_bt = best_bt.min(batched_decode(&model, &mut comms, prompt, n_decode));
+                        best_bt = best_bt
+                            .min(batched_decode(&model, &mut comms, prompt, n_decode, batch));
                     }
                     (best_pf, best_dc, best_bt)
                 })
@@ -137,7 +140,7 @@ fn run_layout(
     times[0]
 }
 
-/// [`BATCH`] sequences (prompts of [`BATCH_PROMPT`] ids from `prompt`, each shifted) prefilled
+/// `batch` sequences (prompts of [`BATCH_PROMPT`] ids from `prompt`, each shifted) prefilled
 /// in one step, then `n_decode` steps of one token each for all of them; returns the time of
 /// the decode steps. The fed tokens are fixed (the speed does not depend on them), so no rank
 /// waits for rank 0's logits.
@@ -146,12 +149,13 @@ fn batched_decode(
     comms: &mut Comms<'_>,
     prompt: &[u32],
     n_decode: usize,
+    batch: usize,
 ) -> Duration {
-    let prompts: Vec<Vec<u32>> = (0..BATCH)
+    let prompts: Vec<Vec<u32>> = (0..batch)
         .map(|s| prompt.iter().cycle().skip(s).take(BATCH_PROMPT).copied().collect())
         .collect();
     let mut caches: Vec<ParallelCache> =
-        (0..BATCH).map(|_| model.new_cache(BATCH_PROMPT + n_decode + 1)).collect();
+        (0..batch).map(|_| model.new_cache(BATCH_PROMPT + n_decode + 1)).collect();
     let mut step = |tokens: &[&[u32]], caches: &mut [ParallelCache]| {
         let mut seqs: Vec<Sequence<'_>> = tokens
             .iter()

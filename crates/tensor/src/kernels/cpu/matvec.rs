@@ -199,20 +199,30 @@ impl WithSimd for Rows<'_> {
         let k = x.len() / m;
         let wide = k / (std::mem::size_of::<S::f32s>() / 4);
         let packed = S::as_simd_f32s(packed).0;
+        // 32 registers (AVX-512) hold more weight rows' accumulators beside a tile than 16.
+        let wide_regs = std::mem::size_of::<S::f32s>() >= 64;
         let mut i = 0;
         while i < m {
             let t = (m - i).min(X_TILE);
             let x = &x[i * k..(i + t) * k];
             let p = &packed[i * wide..(i + t) * wide];
-            match t {
-                1 => weight_rows::<S, 1, 8>(simd, w, x, p, m, &mut out[i..]),
-                2 => weight_rows::<S, 2, 4>(simd, w, x, p, m, &mut out[i..]),
-                3 => weight_rows::<S, 3, 2>(simd, w, x, p, m, &mut out[i..]),
-                4 => weight_rows::<S, 4, 2>(simd, w, x, p, m, &mut out[i..]),
-                5 => weight_rows::<S, 5, 1>(simd, w, x, p, m, &mut out[i..]),
-                6 => weight_rows::<S, 6, 1>(simd, w, x, p, m, &mut out[i..]),
-                7 => weight_rows::<S, 7, 1>(simd, w, x, p, m, &mut out[i..]),
-                _ => weight_rows::<S, 8, 1>(simd, w, x, p, m, &mut out[i..]),
+            let out = &mut out[i..];
+            match (t, wide_regs) {
+                (1, _) => weight_rows::<S, 1, 8>(simd, w, x, p, m, out),
+                (2, true) => weight_rows::<S, 2, 8>(simd, w, x, p, m, out),
+                (2, false) => weight_rows::<S, 2, 4>(simd, w, x, p, m, out),
+                (3, true) => weight_rows::<S, 3, 6>(simd, w, x, p, m, out),
+                (3, false) => weight_rows::<S, 3, 2>(simd, w, x, p, m, out),
+                (4, true) => weight_rows::<S, 4, 4>(simd, w, x, p, m, out),
+                (4, false) => weight_rows::<S, 4, 2>(simd, w, x, p, m, out),
+                (5, true) => weight_rows::<S, 5, 4>(simd, w, x, p, m, out),
+                (5, false) => weight_rows::<S, 5, 1>(simd, w, x, p, m, out),
+                (6, true) => weight_rows::<S, 6, 3>(simd, w, x, p, m, out),
+                (6, false) => weight_rows::<S, 6, 1>(simd, w, x, p, m, out),
+                (7, true) => weight_rows::<S, 7, 3>(simd, w, x, p, m, out),
+                (7, false) => weight_rows::<S, 7, 1>(simd, w, x, p, m, out),
+                (_, true) => weight_rows::<S, 8, 3>(simd, w, x, p, m, out),
+                (_, false) => weight_rows::<S, 8, 1>(simd, w, x, p, m, out),
             }
             i += t;
         }
@@ -330,7 +340,7 @@ mod tests {
         let w = random_vec(rows * cols, 5);
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        for m in [1, 2, 3, 4, 5, 9] {
+        for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 40] {
             let x = random_vec(m * cols, 6 + m as u64);
             let want: Vec<f32> = (0..m * rows)
                 .map(|o| {
