@@ -7,7 +7,7 @@ use crate::model::Logits;
 use collectives::Collective;
 use mesh::TokenShard;
 use std::ops::Range;
-use tensor::Tensor;
+use tensor::{Backend, Tensor};
 
 /// How one sequence's tokens of a step are split over CP.
 pub(super) enum Split {
@@ -203,7 +203,7 @@ impl ParallelModel {
             FinalRows::Elsewhere => Ok(None),
             FinalRows::Here(x) => self
                 .lm_head
-                .logits_to(&self.backend, comms.tp, &x, 0)?
+                .logits_to(&self.final_backend(seqs), comms.tp, &x, 0)?
                 .map(|logits| self.soft_capped(logits))
                 .transpose(),
         })
@@ -238,10 +238,17 @@ impl ParallelModel {
             FinalRows::None { root } => Ok(root.then(Vec::new)),
             FinalRows::Elsewhere => Ok(None),
             FinalRows::Here(x) => {
-                let ids = self.lm_head.argmax(&self.backend, comms.tp, &x)?;
+                let ids = self.lm_head.argmax(&self.final_backend(seqs), comms.tp, &x)?;
                 Ok(root.then_some(ids))
             }
         })
+    }
+
+    /// The backend for the LM head over `seqs`' final rows: those of sequences that want only
+    /// their last row's logits come first, one row each, and take the same kernels in a step of
+    /// any size (see [`Backend::for_step`]).
+    fn final_backend(&self, seqs: &[Sequence<'_>]) -> Backend {
+        self.backend.for_step(seqs.iter().take_while(|s| !s.every_row).filter(|s| s.sample).count())
     }
 
     /// Runs the layers over `seqs` and brings the hidden rows whose logits are wanted, normed,
@@ -375,13 +382,16 @@ impl ParallelModel {
         if seqs.is_empty() {
             return Err(Error::shape("ParallelModel::forward_batch", "no sequences"));
         }
-        let (be, c) = (&self.backend, &self.config);
         let mut tokens = Vec::new();
         let mut parts = Vec::with_capacity(seqs.len());
         for s in seqs.iter() {
             let at = tokens.len();
             parts.push(self.part_into(s.cache, s.tokens, s.tokens.len(), at, &mut tokens)?);
         }
+        // Decode rows (a sequence's one new token, on this rank) lead a step as the scheduler
+        // packs it; they take the same kernels in a step of any size.
+        let single = parts.iter().take_while(|p| p.rows.len() == 1 && p.all_positions.len() == 1);
+        let (be, c) = (&self.backend.for_step(single.count()), &self.config);
         let mut x = self.embed.forward(be, comms.tp, &tokens)?;
         if let Some(s) = c.embedding_scale {
             be.scale(&mut x, s)?;

@@ -1610,3 +1610,82 @@ fn gemma2_final_logits_are_soft_capped_on_every_path() {
     assert_eq!(ids.iter().map(|&i| i as usize).collect::<Vec<_>>(), argmax);
     std::fs::remove_file(path).unwrap();
 }
+
+/// A decoded token's logits are the same bits alone and in a step of any size: the decode
+/// rows of a step take the direct kernels even when the step's rows (40 decodes and a prompt
+/// chunk of 20) are far past the size at which a product of that many rows is blocked, with
+/// f32 and block-quantized weights.
+#[test]
+fn decode_rows_are_the_same_bits_alone_and_in_a_step_of_any_size() {
+    for (quantized, name) in [(None, "f32"), (Some(BlockFormat::Q4_0), "q4_0")] {
+        let spec = RandomLlama {
+            heads: 4,
+            kv_heads: 2,
+            hidden: 64,
+            ffn: 96,
+            vocab: 64,
+            layers: 2,
+            quantized,
+            seed: 47,
+            ..RandomLlama::default()
+        };
+        let path = write_model(&spec, &format!("decode_bits_{name}.gguf"));
+        let model = ParallelModel::load(
+            &path,
+            LoadOptions::new(Placement { tp_rank: 0, tp: 1, cp_rank: 0, cp: 1 })
+                .on(Backend::cpu(2).unwrap())
+                .form(WeightForm::Native),
+        )
+        .unwrap();
+        let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
+        let mut comms = Comms { tp: &mut tp, cp: &mut cp };
+        let seqs = 41;
+        let prompt = |s: usize| -> Vec<u32> {
+            (0..3 + s % 4).map(|i| ((s * 5 + i * 3) % 64) as u32).collect()
+        };
+        // Two sets of caches, prefilled alike, one sequence at a time.
+        let mut prefilled = || -> Vec<ParallelCache> {
+            (0..seqs - 1)
+                .map(|s| {
+                    let mut cache = model.new_cache(64);
+                    let mut one = [Sequence {
+                        tokens: &prompt(s),
+                        cache: &mut cache,
+                        sample: true,
+                        every_row: false,
+                    }];
+                    model.forward_batch(&mut comms, &mut one).unwrap();
+                    cache
+                })
+                .collect()
+        };
+        let (mut alone, mut together) = (prefilled(), prefilled());
+        let next = |s: usize| [((s * 11 + 1) % 64) as u32];
+        let want: Vec<Vec<u32>> = alone
+            .iter_mut()
+            .enumerate()
+            .map(|(s, cache)| {
+                let mut one =
+                    [Sequence { tokens: &next(s), cache, sample: true, every_row: false }];
+                let logits = model.forward_batch(&mut comms, &mut one).unwrap().unwrap();
+                logits.data().iter().map(|x| x.to_bits()).collect()
+            })
+            .collect();
+        // All 40 decodes in one step, then a new sequence's prompt chunk of 20 tokens.
+        let tokens: Vec<[u32; 1]> = (0..seqs - 1).map(next).collect();
+        let chunk: Vec<u32> = (0..20).map(|i| (i * 7 % 64) as u32).collect();
+        let mut fresh = model.new_cache(64);
+        let mut step: Vec<Sequence<'_>> = together
+            .iter_mut()
+            .zip(&tokens)
+            .map(|(cache, t)| Sequence { tokens: t, cache, sample: true, every_row: false })
+            .collect();
+        step.push(Sequence { tokens: &chunk, cache: &mut fresh, sample: true, every_row: false });
+        let logits = model.forward_batch(&mut comms, &mut step).unwrap().unwrap();
+        for (s, want) in want.iter().enumerate() {
+            let got: Vec<u32> = logits.row(s).iter().map(|x| x.to_bits()).collect();
+            assert!(&got == want, "{name}: sequence {s}'s decoded logits differ from alone");
+        }
+        std::fs::remove_file(path).unwrap();
+    }
+}

@@ -276,13 +276,6 @@ pub enum Backend {
     Cuda(CudaBackend),
 }
 
-/// Batches up to this many rows (decode steps, short chunks) multiply the weights directly:
-/// each weight row is read once and used for every row of the batch, f32 weights as they are
-/// and quantized ones dequantized in registers, so a row's result does not depend on the rest
-/// of the batch. Larger ones (prefill chunks) use a blocked product (quantized weights
-/// dequantized once per product): [`cpu::sgemm`] with AVX-512, the `gemm` crate without.
-const SMALL_BATCH_MAX_ROWS: usize = 32;
-
 fn check(op: &'static str, ok: bool, msg: impl FnOnce() -> String) -> Result<()> {
     if ok {
         Ok(())
@@ -330,6 +323,19 @@ impl Backend {
         }
     }
 
+    /// This backend for one step of many sequences whose first `single_rows` activation rows
+    /// are each one sequence's single new token (decode rows, in the order the scheduler packs
+    /// a step): linear layers multiply those rows with the direct kernels whatever the size of
+    /// the step, so a decoded token's result is the same bits alone and in a batch of any
+    /// size and mix; the other rows choose their kernels by their own count. The CUDA backend
+    /// is returned as it is.
+    pub fn for_step(&self, single_rows: usize) -> Backend {
+        match self {
+            Backend::Cpu(cpu) => Backend::Cpu(cpu.for_step(single_rows)),
+            Backend::Cuda(_) => self.clone(),
+        }
+    }
+
     /// The device the kernels run on. The CUDA backend takes tensors wherever they are and
     /// returns its outputs on its device (host code reading them gets a copy).
     pub fn device(&self) -> Device {
@@ -370,32 +376,15 @@ impl Backend {
         };
         let x = x.host()?;
         let mut out = Tensor::zeros(&shape);
-        match w {
-            Weight::F32(wt) => cpu.install(|| {
-                if m <= SMALL_BATCH_MAX_ROWS {
-                    cpu::matvec::matmul_rows(wt.data(), x, m, out.data_mut());
-                    Ok(())
-                } else if cpu::sgemm::matmul_nt_avx512(x, wt.data(), out.data_mut(), m, n, k) {
-                    Ok(())
-                } else {
-                    cpu::matmul::matmul_nt(x, wt.data(), out.data_mut(), m, n, k, cpu.threads())
-                }
-            })?,
-            Weight::Quant(wq) => cpu.install(|| {
-                if m <= SMALL_BATCH_MAX_ROWS {
-                    cpu::qmatrix::qmatmul(wq, x, m, out.data_mut());
-                    Ok(())
-                } else {
-                    // Each GEMM panel dequantizes its own rows: no f32 copy of the matrix.
-                    let row = |j: usize, dst: &mut [f32]| wq.dequantize_row(j, dst);
-                    if cpu::sgemm::matmul_nt_rows_avx512(x, &row, out.data_mut(), m, n, k) {
-                        return Ok(());
-                    }
-                    let wt = wq.dequantize();
-                    cpu::matmul::matmul_nt(x, &wt, out.data_mut(), m, n, k, cpu.threads())
-                }
-            })?,
-        }
+        // The step's single rows, then the rest (a prompt chunk's rows), each product
+        // choosing its kernels by its own rows only.
+        let single = cpu.single_rows.min(m);
+        let (x_single, x_rest) = x.split_at(single * k);
+        let (out_single, out_rest) = out.data_mut().split_at_mut(single * n);
+        cpu.install(|| {
+            cpu::linear_rows(w, x_single, single, out_single, true, cpu.threads())?;
+            cpu::linear_rows(w, x_rest, m - single, out_rest, false, cpu.threads())
+        })?;
         cpu.output(out)
     }
 

@@ -17,6 +17,7 @@ pub mod quant;
 pub mod rope;
 pub mod sgemm;
 
+use super::Weight;
 use crate::error::{Error, Result};
 use crate::tensor::{Device, DeviceData, Tensor};
 use std::sync::Arc;
@@ -29,6 +30,9 @@ pub struct CpuBackend {
     threads: usize,
     /// Hand every output out as device data (see [`CpuBackend::with_device_outputs`]).
     device_outputs: bool,
+    /// Leading activation rows that are each one sequence's single new token (see
+    /// [`crate::Backend::for_step`]).
+    pub(crate) single_rows: usize,
 }
 
 impl CpuBackend {
@@ -43,7 +47,7 @@ impl CpuBackend {
             .thread_name(|i| format!("layers-cpu-{i}"))
             .build()
             .map_err(|e| Error::ThreadPool { threads, message: e.to_string() })?;
-        Ok(CpuBackend { pool: Arc::new(pool), threads, device_outputs: false })
+        Ok(CpuBackend { pool: Arc::new(pool), threads, device_outputs: false, single_rows: 0 })
     }
 
     /// A backend that computes on the CPU but hands every output out as device data, as the
@@ -74,6 +78,12 @@ impl CpuBackend {
         Ok(r)
     }
 
+    /// This backend for a step whose first `single_rows` rows are decode rows (see
+    /// [`crate::Backend::for_step`]).
+    pub(crate) fn for_step(&self, single_rows: usize) -> Self {
+        CpuBackend { single_rows, ..self.clone() }
+    }
+
     /// The number of worker threads.
     pub fn threads(&self) -> usize {
         self.threads
@@ -83,6 +93,50 @@ impl CpuBackend {
     pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
     }
+}
+
+/// Products of up to this many rows (short prompt chunks) multiply the weights directly, as
+/// the single rows of a step always do (see [`Backend::for_step`]): each weight row is read
+/// once and used for every row of the batch, f32 weights as they are and quantized ones
+/// dequantized in registers, and a row's result does not depend on the other rows. Larger
+/// ones (prompt chunks) use a blocked product (quantized weights dequantized once per
+/// panel): [`cpu::sgemm`] with AVX-512, the `gemm` crate without; its rows' results do not
+/// depend on the other rows either, but differ from the direct kernels' in summation order.
+pub(crate) const SMALL_BATCH_MAX_ROWS: usize = 32;
+
+/// `out[m, n] = x[m, k] · wᵀ` on the current rayon pool: with the direct kernels when
+/// `direct` or `m <= SMALL_BATCH_MAX_ROWS`, else with the blocked product.
+pub(crate) fn linear_rows(
+    w: &Weight,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    direct: bool,
+    threads: usize,
+) -> Result<()> {
+    if m == 0 {
+        return Ok(());
+    }
+    let (n, k) = w.dims();
+    let direct = direct || m <= SMALL_BATCH_MAX_ROWS;
+    match w {
+        Weight::F32(wt) if direct => matvec::matmul_rows(wt.data(), x, m, out),
+        Weight::F32(wt) => {
+            if !sgemm::matmul_nt_avx512(x, wt.data(), out, m, n, k) {
+                matmul::matmul_nt(x, wt.data(), out, m, n, k, threads)?;
+            }
+        }
+        Weight::Quant(wq) if direct => qmatrix::qmatmul(wq, x, m, out),
+        Weight::Quant(wq) => {
+            // Each GEMM panel dequantizes its own rows: no f32 copy of the matrix.
+            let row = |j: usize, dst: &mut [f32]| wq.dequantize_row(j, dst);
+            if !sgemm::matmul_nt_rows_avx512(x, &row, out, m, n, k) {
+                let wt = wq.dequantize();
+                matmul::matmul_nt(x, &wt, out, m, n, k, threads)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Host memory behind the device-data seam: the outputs of
