@@ -38,6 +38,7 @@ fn config() -> LlamaConfig {
         sliding_window: None,
         post_norms: false,
         query_scale: None,
+        rope_local_theta: None,
     }
 }
 

@@ -502,6 +502,7 @@ fn head_shards_cover_every_query_head_once() {
         sliding_window: None,
         post_norms: false,
         query_scale: None,
+        rope_local_theta: None,
     };
     type Shards = Vec<(Range<usize>, Range<usize>)>;
     let shards = |c: &LlamaConfig, tp| -> Shards {
