@@ -1611,3 +1611,46 @@ fn gemma2_final_logits_are_soft_capped_on_every_path() {
     assert_eq!(ids.iter().map(|&i| i as usize).collect::<Vec<_>>(), argmax);
     std::fs::remove_file(path).unwrap();
 }
+
+/// A small Gemma 3: uneven heads, 7 layers (layer 5 global, the others local with a window
+/// of 4), query/key norms, post-norms, the global layers' rotation scaled by 4.
+fn gemma3_spec(layers: usize, seed: u64) -> RandomLlama {
+    RandomLlama {
+        gemma3: Some(crate::model::random::Gemma3::default()),
+        layers,
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 64,
+        vocab: 40,
+        seed,
+        ..RandomLlama::default()
+    }
+}
+
+/// Gemma 3 (a window of 4 on layers 0-4 and 6, layer 5 global with its own rotary base and
+/// scaling, query/key norms, post-norms, no caps): the logits of a 7-token prompt and 16
+/// greedy steps match the single-rank model in (1,1) (2,1) (1,2) (2,2) (3,1), and the greedy
+/// ids of its GGUF file and of its Hugging Face folder (norms as `1 + w` under Gemma 3's
+/// names), loaded sharded, are the single-rank GGUF model's.
+#[test]
+fn gemma3_matches_the_single_rank_model_in_every_layout() {
+    let spec = gemma3_spec(7, 81);
+    let layouts = [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)];
+    check_layouts(&spec, "gemma3-layouts.gguf", &layouts);
+
+    let path = write_model(&spec, "gemma3-generate.gguf");
+    let dir = temp_path("gemma3-generate-hf");
+    spec.write_hf(&dir, true).unwrap();
+    let reference = Model::load(&path, 1).unwrap();
+    let c = reference.config();
+    assert!(c.post_norms && c.qk_norm && c.final_softcap.is_none(), "{c:?}");
+    assert_eq!((c.rope_theta, c.rope_local_theta), (1e6, Some(1e4)));
+    let hf = checkpoint::Checkpoint::open(&dir).unwrap().config().unwrap();
+    assert_eq!(&hf, c, "the folder's config.json reads as the GGUF file's metadata");
+    let prompt = [1u32, 2, 3, 4, 5, 6, 7, 8, 9];
+    assert_greedy_in_layouts(&reference, &dir, &prompt);
+    assert_greedy_in_layouts(&reference, &path, &prompt);
+    std::fs::remove_file(path).unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}
