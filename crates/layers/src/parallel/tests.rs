@@ -642,24 +642,12 @@ fn run_steps_with<T>(
     out
 }
 
-#[test]
-fn batched_steps_match_each_sequence_alone() {
-    let spec = RandomLlama {
-        heads: 6,
-        kv_heads: 3,
-        hidden: 48,
-        ffn: 80,
-        vocab: 40,
-        layers: 2,
-        seed: 41,
-        ..RandomLlama::default()
-    };
-    let path = write_model(&spec, "batched.gguf");
-    let steps = mixed_steps(spec.vocab as u32);
-    // Each sequence alone on one rank, chunk by chunk as the steps feed it.
-    let reference = Model::load_with(&path, 1, WeightForm::F32).unwrap();
+/// The single-rank model of the file at `path`, and the logits of the sampled rows of
+/// `steps` with each sequence run alone on it, chunk by chunk as the steps feed it.
+fn each_sequence_alone(path: &std::path::Path, steps: &[Vec<Entry>]) -> (Model, Vec<Vec<Tensor>>) {
+    let reference = Model::load_with(path, 1, WeightForm::F32).unwrap();
     let mut caches: Vec<KvCache> = (0..5).map(|_| reference.new_cache(64)).collect();
-    let want: Vec<Vec<Tensor>> = steps
+    let want = steps
         .iter()
         .map(|step| {
             let mut rows = Vec::new();
@@ -674,6 +662,24 @@ fn batched_steps_match_each_sequence_alone() {
             rows
         })
         .collect();
+    (reference, want)
+}
+
+#[test]
+fn batched_steps_match_each_sequence_alone() {
+    let spec = RandomLlama {
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 80,
+        vocab: 40,
+        layers: 2,
+        seed: 41,
+        ..RandomLlama::default()
+    };
+    let path = write_model(&spec, "batched.gguf");
+    let steps = mixed_steps(spec.vocab as u32);
+    let (reference, want) = each_sequence_alone(&path, &steps);
     for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)] {
         let got = on_mesh(tp, cp, |p, comms| {
             let file = GgufFile::open(&path).unwrap();
@@ -1653,4 +1659,46 @@ fn gemma3_matches_the_single_rank_model_in_every_layout() {
     assert_greedy_in_layouts(&reference, &path, &prompt);
     std::fs::remove_file(path).unwrap();
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Gemma 3 batched over one shared pool of scattered 4-token blocks: the mixed steps of
+/// [`mixed_steps`] (sequences of up to 10 tokens, past the window of 4 of the local layers and
+/// through the global layer 5) give in (1,1) (2,1) (1,2) (2,2) (3,1) the logits of each
+/// sequence run alone on one rank (1e-4 relative), so batching, the paged pool and CP's
+/// exchange rotate and window each layer as one rank does.
+#[test]
+fn gemma3_batched_steps_over_a_paged_pool_match_each_sequence_alone() {
+    let spec = gemma3_spec(7, 82);
+    let path = write_model(&spec, "gemma3-paged.gguf");
+    let steps = mixed_steps(spec.vocab as u32);
+    let (_, want) = each_sequence_alone(&path, &steps);
+    for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)] {
+        let got = on_mesh(tp, cp, |p, comms| {
+            let opts = LoadOptions::new(p).form(WeightForm::F32);
+            let model = ParallelModel::load(&path, opts).unwrap();
+            let pool = Arc::new(model.new_pool(4, 90).unwrap());
+            let mut paged: Vec<ParallelCache> = (0..5u32)
+                .map(|s| {
+                    let mut c = model.new_paged_cache(&pool).unwrap();
+                    let table: Vec<u32> = (0..16).map(|b| (s * 16 + b) * 7 % 80).collect();
+                    c.extend_table(&table).unwrap();
+                    c
+                })
+                .collect();
+            (p, run_steps(&model, comms, &steps, &mut paged))
+        });
+        for (p, out) in got {
+            if (p.tp_rank, p.cp_rank) != (0, 0) {
+                continue;
+            }
+            for (i, (logits, want)) in out.iter().zip(&want).enumerate() {
+                let logits = logits.as_ref().expect("rank 0 gets the logits");
+                for (r, w) in want.iter().enumerate() {
+                    let e = rel_err(logits.row(r), w.data());
+                    assert!(e < 1e-4, "({tp},{cp}) step {i} row {r}: logits off by {e}");
+                }
+            }
+        }
+    }
+    std::fs::remove_file(path).unwrap();
 }
