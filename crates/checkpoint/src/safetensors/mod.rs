@@ -342,10 +342,9 @@ fn text_model_name(stored: &str) -> Option<String> {
     {
         return Some(format!("model.{rest}"));
     }
-    stored
-        .strip_prefix("language_model.")
-        .filter(|rest| rest.starts_with("lm_head."))
-        .map(str::to_owned)
+    // The head: `language_model.lm_head.weight` before transformers 4.52, `lm_head.weight` since.
+    let head = stored.strip_prefix("language_model.").unwrap_or(stored);
+    head.starts_with("lm_head.").then(|| head.to_owned())
 }
 
 /// Phi-3's longrope from `config.json` (`cfg`, its `rope_scaling` `rs`): both factor lists

@@ -268,23 +268,20 @@ fn gemma2_config_json_and_norm_names_are_read() {
 fn gemma3_config_json_text_and_multimodal_are_read() {
     let dir = temp_path("hf-gemma3-config");
     std::fs::create_dir_all(&dir).unwrap();
-    let write = |prefix: &str, lm_head: bool| {
-        let names = [
+    let write = |prefix: &str, lm_head: Option<&str>| {
+        let mut names = vec![
             format!("{prefix}layers.0.self_attn.q_norm.weight"),
             format!("{prefix}layers.0.post_attention_layernorm.weight"),
             format!("{prefix}layers.0.pre_feedforward_layernorm.weight"),
             "vision_tower.vision_model.embeddings.patch_embedding.weight".to_owned(),
-            "language_model.lm_head.weight".to_owned(),
         ];
+        names.extend(lm_head.map(str::to_owned));
         let v = [0.25f32, 0.5];
-        let count = if lm_head { 5 } else { 4 };
-        let tensors: Vec<(&str, &[usize], StDType, &[f32])> = names[..count]
-            .iter()
-            .map(|n| (n.as_str(), &[2usize][..], StDType::F32, &v[..]))
-            .collect();
+        let tensors: Vec<(&str, &[usize], StDType, &[f32])> =
+            names.iter().map(|n| (n.as_str(), &[2usize][..], StDType::F32, &v[..])).collect();
         write_safetensors(&dir.join("model.safetensors"), &tensors).unwrap();
     };
-    write("model.", false);
+    write("model.", None);
     let text = serde_json::json!({
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
@@ -360,8 +357,13 @@ fn gemma3_config_json_text_and_multimodal_are_read() {
         },
         "vision_config": { "model_type": "siglip_vision_model" }
     });
-    for (prefix, lm_head) in [("language_model.model.", true), ("model.language_model.", false)] {
-        write(prefix, lm_head);
+    for (prefix, head) in [
+        ("language_model.model.", Some("language_model.lm_head.weight")),
+        ("model.language_model.", Some("lm_head.weight")),
+        ("model.language_model.", None),
+    ] {
+        write(prefix, head);
+        let lm_head = head.is_some();
         let m = config(&multimodal).unwrap();
         assert_eq!((m.n_heads, m.n_kv_heads, m.context_length), (8, 4, 131_072), "{prefix}");
         assert_eq!((m.rope_theta, m.rope_local_theta), (1e6, Some(1e4)));
@@ -370,7 +372,7 @@ fn gemma3_config_json_text_and_multimodal_are_read() {
         assert_eq!(ck.rows("blk.0.attn_q_norm.weight", 0..1).unwrap(), [1.25, 1.5]);
         assert_eq!(ck.has("output.weight"), lm_head, "{prefix}");
     }
-    write("model.", false);
+    write("model.", None);
 
     type Edit<'a> = &'a dyn Fn(&mut serde_json::Value);
     let refusals: [(Edit<'_>, &str); 3] = [
