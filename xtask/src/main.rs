@@ -23,7 +23,8 @@ tasks:
                           swap (a model host's swap vs a cold start) |
                           coldstart (run's time to first token vs warm serve's) |
                           agree (greedy ids and logprobs vs llama.cpp) |
-                          agree-random (logits vs llama.cpp on random Gemma 2 files) | all
+                          agree-random (logits vs llama.cpp on random Gemma 2 and 3 files) |
+                          all
   gpu-test [--bundle [DIR]]
                           the GPU tests with --features cuda; fails without a usable GPU;
                           --bundle: build them with run.sh for a GPU machine without Rust

@@ -65,6 +65,10 @@ pub struct LlamaConfig {
     /// The factor on query-key products when not `1 / sqrt(head_dim)` (Gemma 2 27B's
     /// `query_pre_attn_scalar^-0.5`).
     pub query_scale: Option<f32>,
+    /// The rotary base of the sliding layers, which rotate without `rope_freq_factors`
+    /// (Gemma 3's `rope_local_base_freq`: its global layers use `rope_theta` and the linear
+    /// scaling, its local ones base 10000 unscaled). `None`: every layer rotates alike.
+    pub rope_local_theta: Option<f32>,
 }
 
 /// Sliding-window attention: on a sliding layer, a query at position `p` sees the keys at
@@ -74,7 +78,9 @@ pub struct SlidingWindow {
     /// Positions a query sees, itself included.
     pub tokens: usize,
     /// Layer `l` slides when `l % pattern < pattern - 1`: with 2 (Gemma 2), the even layers
-    /// slide and the odd ones attend globally, as llama.cpp and transformers have it.
+    /// slide and the odd ones attend globally; with 6 (Gemma 3), five local layers come before
+    /// each global one (layers 5, 11, ... are global), as llama.cpp's `set_swa_pattern` and
+    /// transformers' `layer_types` have it.
     pub pattern: usize,
 }
 
@@ -195,12 +201,15 @@ pub fn llama3_rope_factors(
 
 impl LlamaConfig {
     /// Reads the config from `general.architecture`-prefixed keys (`llama.block_count`, ...;
-    /// `llama`, `qwen2`, `qwen3`, `phi3`, `gemma` and `gemma2` are read, and Qwen's rotary base
-    /// defaults to 1e6 as in its checkpoints, the others' to 1e4; Gemma's MLP uses GELU and its
-    /// embeddings are scaled by `sqrt(hidden)`; Qwen3 normalizes each head's queries and keys;
-    /// Gemma 2 adds soft-capping (`attn_logit_softcapping`, `final_logit_softcapping`, 50 and
-    /// 30 when absent, as llama.cpp has them), sliding windows of `attention.sliding_window`
-    /// on its even layers and post-attention and post-MLP norms).
+    /// `llama`, `qwen2`, `qwen3`, `phi3`, `gemma`, `gemma2` and `gemma3` are read, and Qwen's
+    /// and Gemma 3's rotary base defaults to 1e6 as in their checkpoints, the others' to 1e4;
+    /// Gemma's MLP uses GELU and its embeddings are scaled by `sqrt(hidden)`; Qwen3 normalizes
+    /// each head's queries and keys; Gemma 2 adds soft-capping (`attn_logit_softcapping`,
+    /// `final_logit_softcapping`, 50 and 30 when absent, as llama.cpp has them), sliding
+    /// windows of `attention.sliding_window` on its even layers and post-attention and
+    /// post-MLP norms; Gemma 3 has Gemma 2's window and post-norms without caps, Qwen3's
+    /// query/key norms, its window on five of every six layers, and a rotary base of 1e4 on
+    /// those local layers, which llama.cpp fixes and which skip the file's rope scaling).
     /// Mixture-of-experts variants (`qwen3moe`, ...) are refused by name.
     /// The vocabulary size comes from `tokenizer.ggml.tokens` (else `<arch>.vocab_size`, else
     /// the embedding's rows); the LM head is tied when `output.weight` is absent.
@@ -211,13 +220,13 @@ impl LlamaConfig {
         let arch = file.get_str("general.architecture")?;
         let default_theta = match arch {
             "llama" | "phi3" | "gemma" | "gemma2" => 10_000.0,
-            "qwen2" | "qwen3" => 1_000_000.0,
+            "qwen2" | "qwen3" | "gemma3" => 1_000_000.0,
             _ => {
                 return Err(Error::metadata(
                     "general.architecture",
                     format!(
                         "`{arch}` is not supported \
-                         (llama, qwen2, qwen3, phi3, gemma and gemma2 are)"
+                         (llama, qwen2, qwen3, phi3, gemma, gemma2 and gemma3 are)"
                     ),
                 ))
             }
@@ -354,8 +363,18 @@ impl LlamaConfig {
                 }
             }
         };
-        let gemma2 = arch == "gemma2";
-        let gemma = arch == "gemma" || gemma2;
+        let (gemma2, gemma3) = (arch == "gemma2", arch == "gemma3");
+        let gemma = arch == "gemma" || gemma2 || gemma3;
+        let window = |pattern: usize| -> Result<Option<SlidingWindow>> {
+            let tokens = usize_key("attention.sliding_window")?;
+            if tokens == 0 {
+                return Err(Error::metadata(
+                    &key("attention.sliding_window"),
+                    "a window must hold at least one position",
+                ));
+            }
+            Ok(Some(SlidingWindow { tokens, pattern }))
+        };
         let (attn_softcap, final_softcap, sliding_window) = if gemma2 {
             // llama.cpp's defaults when a file lacks the caps: those of every Gemma 2 model.
             let cap = |k: &str, default: f64| -> Result<f32> {
@@ -366,25 +385,24 @@ impl LlamaConfig {
                 }
                 Ok(cap as f32)
             };
-            let tokens = usize_key("attention.sliding_window")?;
-            if tokens == 0 {
-                return Err(Error::metadata(
-                    &key("attention.sliding_window"),
-                    "a window must hold at least one position",
-                ));
-            }
             (
                 Some(cap("attn_logit_softcapping", 50.0)?),
                 Some(cap("final_logit_softcapping", 30.0)?),
-                Some(SlidingWindow { tokens, pattern: 2 }),
+                window(2)?,
             )
+        } else if gemma3 {
+            // Gemma 3 caps nothing; five local layers come before each global one (llama.cpp's
+            // `set_swa_pattern(6)` for gemma3).
+            (None, None, window(6)?)
         } else {
             (None, None, None)
         };
-        // Gemma 2 27B scales queries by `(hidden / heads)^-0.5`, not by its head size; its
-        // GGUF files do not say so, and llama.cpp knows the model by its 46 layers.
-        let query_scale = (gemma2 && n_layers == 46 && hidden / n_heads != head_dim)
-            .then(|| 1.0 / ((hidden / n_heads) as f32).sqrt());
+        // Gemma 2 27B and Gemma 3 27B scale queries by `(hidden / heads)^-0.5`, not by their
+        // head size; their GGUF files do not say so, and llama.cpp knows each model by its
+        // layers (46 and 62).
+        let big = (gemma2 && n_layers == 46) || (gemma3 && n_layers == 62);
+        let query_scale =
+            (big && hidden / n_heads != head_dim).then(|| 1.0 / ((hidden / n_heads) as f32).sqrt());
         Ok(LlamaConfig {
             n_layers,
             hidden,
@@ -401,15 +419,19 @@ impl LlamaConfig {
             rope_freq_factors,
             rope_attn_factor: longrope.as_ref().map(|r| r.attn_factor).filter(|&a| a != 1.0),
             longrope,
-            // Gemma (its converter already adds Gemma's `1 +` to the norm weights).
+            // Gemma (its converter already adds Gemma's `1 +` to the norm weights, Gemma 3's
+            // query and key norms included).
             activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
             embedding_scale: gemma.then(|| (hidden as f32).sqrt()),
-            qk_norm: arch == "qwen3",
+            qk_norm: arch == "qwen3" || gemma3,
             attn_softcap,
             final_softcap,
             sliding_window,
-            post_norms: gemma2,
+            post_norms: gemma2 || gemma3,
             query_scale,
+            // llama.cpp's `rope_freq_base_train_swa` for gemma3: the file's `rope.freq_base`
+            // and rope scaling are the global layers'.
+            rope_local_theta: gemma3.then_some(10_000.0),
         })
     }
 
@@ -422,6 +444,15 @@ impl LlamaConfig {
             self.rope_freq_factors = Some(rope.pick(context).to_vec());
         }
         self
+    }
+
+    /// The rotary base and frequency factors of layer `layer`: the local ones on a sliding
+    /// layer of a model with [`LlamaConfig::rope_local_theta`], else the model's.
+    pub fn rope_of(&self, layer: usize) -> (f32, Option<&[f32]>) {
+        match (self.rope_local_theta, self.sliding_window) {
+            (Some(theta), Some(window)) if window.slides(layer) => (theta, None),
+            _ => (self.rope_theta, self.rope_freq_factors.as_deref()),
+        }
     }
 
     /// Query heads per key/value head.
@@ -458,6 +489,17 @@ impl LlamaConfig {
         };
         real("rope theta", self.rope_theta, live.rope_theta);
         real("RMS norm epsilon", self.rms_eps, live.rms_eps);
+        if self.rope_local_theta.map(f32::to_bits) != live.rope_local_theta.map(f32::to_bits) {
+            let local = |t: Option<f32>| match t {
+                Some(t) => format!("local rope theta {t}"),
+                None => "one rope theta".to_owned(),
+            };
+            out.push(format!(
+                "{}; the live model has {}",
+                local(self.rope_local_theta),
+                local(live.rope_local_theta)
+            ));
+        }
         if self.tied_embeddings != live.tied_embeddings {
             out.push(if self.tied_embeddings {
                 "an output layer tied to the embeddings; the live model has its own".into()
@@ -608,6 +650,7 @@ mod tests {
                 sliding_window: None,
                 post_norms: false,
                 query_scale: None,
+                rope_local_theta: None,
             }
         );
         assert_eq!(c.group_size(), 2);
@@ -634,10 +677,10 @@ mod tests {
         std::fs::remove_file(p).unwrap();
         let p = temp_path("config-arch.gguf");
         let mut w = base();
-        w.metadata("general.architecture", Value::String("gemma3".into()));
+        w.metadata("general.architecture", Value::String("gemma3n".into()));
         w.write(&p).unwrap();
         let err = LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err();
-        assert!(err.to_string().contains("`gemma3` is not supported"), "{err}");
+        assert!(err.to_string().contains("`gemma3n` is not supported"), "{err}");
         std::fs::remove_file(p).unwrap();
     }
 
@@ -678,7 +721,7 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "metadata key `general.architecture`: `qwen3moe` is not supported \
-             (llama, qwen2, qwen3, phi3, gemma and gemma2 are)"
+             (llama, qwen2, qwen3, phi3, gemma, gemma2 and gemma3 are)"
         );
         std::fs::remove_file(p).unwrap();
     }
@@ -737,6 +780,60 @@ mod tests {
         assert!(err.to_string().contains("gemma2.attention.sliding_window"), "{err}");
         let err = read(gemma2(3, 64, true, Some(0))).unwrap_err();
         assert!(err.to_string().contains("gemma2.attention.sliding_window"), "{err}");
+        std::fs::remove_file(p).unwrap();
+    }
+
+    /// Gemma 3 (its 1B's shape, scaled down): no caps, a window on five of every six layers,
+    /// query/key norms and post-norms, a global rotary base from the file with its linear
+    /// scaling and a local one of 1e4 unscaled; the 27B's query scale from its 62 layers; a
+    /// missing window is refused by name.
+    #[test]
+    fn gemma3_reads_its_window_pattern_and_two_rotary_bases() {
+        let p = temp_path("config-gemma3.gguf");
+        let gemma3 = |layers: u32, hidden: u32, window: Option<u32>| {
+            let mut w = GgufWriter::new();
+            let k = |key: &str| format!("gemma3.{key}");
+            w.metadata("general.architecture", Value::String("gemma3".into()))
+                .metadata(&k("block_count"), Value::U32(layers))
+                .metadata(&k("embedding_length"), Value::U32(hidden))
+                .metadata(&k("feed_forward_length"), Value::U32(96))
+                .metadata(&k("attention.head_count"), Value::U32(4))
+                .metadata(&k("attention.head_count_kv"), Value::U32(1))
+                .metadata(&k("attention.key_length"), Value::U32(16))
+                .metadata(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6))
+                .metadata(&k("rope.freq_base"), Value::F32(1_000_000.0))
+                .metadata(&k("rope.scaling.type"), Value::String("linear".into()))
+                .metadata(&k("rope.scaling.factor"), Value::F32(8.0))
+                .metadata(&k("context_length"), Value::U32(64))
+                .metadata(
+                    "tokenizer.ggml.tokens",
+                    Value::Array(vec![Value::String("a".into()); 3]),
+                );
+            if let Some(window) = window {
+                w.metadata(&k("attention.sliding_window"), Value::U32(window));
+            }
+            w
+        };
+        let read = |w: GgufWriter| {
+            w.write(&p).unwrap();
+            LlamaConfig::from_gguf(&GgufFile::open(&p).unwrap())
+        };
+        let c = read(gemma3(13, 64, Some(4))).unwrap();
+        assert_eq!((c.attn_softcap, c.final_softcap, c.query_scale), (None, None, None));
+        let window = c.sliding_window.unwrap();
+        assert_eq!(window.tokens, 4);
+        let global: Vec<usize> = (0..13).filter(|&l| !window.slides(l)).collect();
+        assert_eq!(global, [5, 11], "layer i is global when (i + 1) % 6 == 0");
+        assert!(c.qk_norm && c.post_norms && c.tied_embeddings, "{c:?}");
+        assert_eq!((c.activation, c.embedding_scale), (Activation::GeluTanh, Some(8.0)));
+        assert_eq!((c.rope_theta, c.rope_local_theta), (1_000_000.0, Some(10_000.0)));
+        let eight = [8.0f32; 8];
+        assert_eq!(c.rope_of(5), (1_000_000.0, Some(&eight[..])), "global: scaled");
+        assert_eq!(c.rope_of(4), (10_000.0, None), "local: base 1e4, unscaled");
+        let c = read(gemma3(62, 36, Some(4))).unwrap();
+        assert_eq!(c.query_scale, Some(1.0 / 3.0), "27B: (36 / 4)^-0.5, not its head size's");
+        let err = read(gemma3(3, 64, None)).unwrap_err();
+        assert!(err.to_string().contains("gemma3.attention.sliding_window"), "{err}");
         std::fs::remove_file(p).unwrap();
     }
 
@@ -944,6 +1041,10 @@ mod tests {
             (
                 LlamaConfig { qk_norm: true, ..live.clone() },
                 "per-head query/key norms; the live model has no query/key norms",
+            ),
+            (
+                LlamaConfig { rope_local_theta: Some(10_000.0), ..live.clone() },
+                "local rope theta 10000; the live model has one rope theta",
             ),
         ];
         for (new, want) in cases {

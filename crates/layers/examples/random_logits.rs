@@ -2,10 +2,10 @@
 //! position of a prompt, for `cargo xtask bench agree --random` to compare with llama.cpp's on
 //! the same file (`scripts/llamacpp_logits.py`).
 //!
-//! Usage: `random_logits ARCH OUT.gguf TP CP ID...` (ARCH: `gemma2`); prints one JSON line
+//! Usage: `random_logits ARCH OUT.gguf TP CP ID...` (ARCH: `gemma2`, `gemma3`); prints one JSON line
 //! `{"vocab": V, "logits": [[...] per position]}` from the rank at TP 0 and CP 0.
 
-use layers::model::random::{Gemma2, RandomLlama};
+use layers::model::random::{Gemma2, Gemma3, RandomLlama};
 use layers::model::WeightForm;
 use layers::parallel::{Comms, LoadOptions, ParallelModel, Placement};
 use layers::Logits;
@@ -28,6 +28,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ffn: 64,
             vocab: 40,
             seed: 35,
+            ..RandomLlama::default()
+        },
+        // Uneven heads, 7 layers so layer 5 is global (its rotary base 1e6, scaled by 4) among
+        // local ones (base 1e4, a window of 4 that a 12-token prompt leaves), query/key norms.
+        "gemma3" => RandomLlama {
+            gemma3: Some(Gemma3 { window: 4, rope_scale: Some(4.0) }),
+            layers: 7,
+            heads: 6,
+            kv_heads: 3,
+            hidden: 48,
+            ffn: 64,
+            vocab: 40,
+            seed: 36,
             ..RandomLlama::default()
         },
         other => return Err(format!("no random model for architecture `{other}`").into()),

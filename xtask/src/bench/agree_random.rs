@@ -1,6 +1,6 @@
 //! `cargo xtask bench agree-random`: tpctl's logits at every position of a prompt next to
 //! llama.cpp's, on random-weight files of the architectures whose real checkpoints are too big
-//! to fetch here (Gemma 2). `crates/layers/examples/random_logits.rs` writes the file with
+//! to fetch here (Gemma 2, Gemma 3). `crates/layers/examples/random_logits.rs` writes the file with
 //! `RandomLlama` and prints tpctl's logits in a layout; `scripts/llamacpp_logits.py` prints
 //! llama.cpp's for the same file and ids (f32 keys and values, no flash attention).
 //!
@@ -13,10 +13,10 @@ use serde_json::{json, Value};
 use std::process::Command;
 
 /// The architectures checked (each a case of the example).
-const ARCHS: [&str; 1] = ["gemma2"];
+const ARCHS: [&str; 2] = ["gemma2", "gemma3"];
 /// The layouts compared: (tp, cp).
 const LAYOUTS: [(usize, usize); 3] = [(1, 1), (2, 2), (3, 1)];
-/// 12 ids: three times Gemma 2's test window of 4.
+/// 12 ids: three times the test window of 4 (Gemma 2's and Gemma 3's).
 const PROMPT: [u32; 12] = [3, 17, 5, 38, 0, 22, 9, 11, 30, 2, 14, 27];
 /// The largest difference of a logit from llama.cpp's.
 const TOLERANCE: f64 = 2e-3;

@@ -110,10 +110,10 @@ impl WeightSource for GgufFile {
         Ok(QMatrix::from_blocks(format, row_range.len(), col_range.len(), &picked))
     }
 
-    /// llama.cpp permutes Q/K rows for the llama architecture; Qwen2, Qwen3, Phi-3 and Gemma (1, 2)
-    /// files keep the Hugging Face order (their NEOX rotary is rotate-half already).
+    /// llama.cpp permutes Q/K rows for the llama architecture; Qwen2, Qwen3, Phi-3 and Gemma
+    /// (1, 2, 3) files keep the Hugging Face order (their NEOX rotary is rotate-half already).
     fn qk_interleaved(&self) -> bool {
         let arch = self.get("general.architecture").and_then(|v| v.as_str());
-        !matches!(arch, Some("qwen2" | "qwen3" | "phi3" | "gemma" | "gemma2"))
+        !matches!(arch, Some("qwen2" | "qwen3" | "phi3" | "gemma" | "gemma2" | "gemma3"))
     }
 }

@@ -38,6 +38,7 @@ fn config() -> LlamaConfig {
         sliding_window: None,
         post_norms: false,
         query_scale: None,
+        rope_local_theta: None,
     }
 }
 
@@ -502,7 +503,8 @@ fn buckets_that_later_ones_replace_are_not_live() {
 /// Gemma 2's Hugging Face block norms are its own tensors, not the llama names they share a
 /// spelling with: in a Gemma 2 model `post_attention_layernorm` is `post_attention_norm` (in a
 /// llama one, `ffn_norm`), and a bucket read without its model keeps such a name as stored,
-/// so it is never taken for a GGUF bucket's `ffn_norm`.
+/// so it is never taken for a GGUF bucket's `ffn_norm`. Gemma 3 (post-norms too) maps the
+/// same way, its query/key norms included.
 #[test]
 fn gemma2_norm_names_map_to_gemma2_tensors() {
     let post = "model.layers.0.post_attention_layernorm.weight";
@@ -515,6 +517,9 @@ fn gemma2_norm_names_map_to_gemma2_tensors() {
     for names in [Names::Llama, Names::Gemma2, Names::Unambiguous] {
         assert_eq!(model_names(q, names), ["blk.0.attn_q.weight"], "{names:?}");
     }
+    // Gemma 3 has Gemma 2's names, and its query/key norms the llama table's.
+    let q_norm = "model.layers.2.self_attn.q_norm.weight";
+    assert_eq!(model_names(q_norm, Names::Gemma2), ["blk.2.attn_q_norm.weight"]);
     let mut gemma2 = config();
     gemma2.post_norms = true;
     assert_eq!(Names::of(&gemma2), Names::Gemma2);

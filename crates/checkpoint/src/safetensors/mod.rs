@@ -13,6 +13,8 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+mod gemma3;
+
 /// Element types a safetensors tensor can be read from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -250,8 +252,9 @@ const LAYER_NAMES: [(&str, &str); 14] = [
     ("ffn_down.weight", "mlp.down_proj.weight"),
 ];
 
-/// Gemma 2's block norms whose Hugging Face names differ from the llama names above (its
-/// `post_attention_layernorm` follows attention, and the MLP's pre-norm has its own name).
+/// Gemma 2's (and Gemma 3's) block norms whose Hugging Face names differ from the llama names
+/// above (its `post_attention_layernorm` follows attention, and the MLP's pre-norm has its own
+/// name).
 const GEMMA2_LAYER_NAMES: [(&str, &str); 3] = [
     ("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
     ("post_attention_norm.weight", "post_attention_layernorm.weight"),
@@ -317,13 +320,31 @@ pub fn gguf_name(hf: &str) -> Option<String> {
 pub struct HfCheckpoint {
     dir: PathBuf,
     files: Vec<SafetensorsFile>,
-    /// Hugging Face tensor name -> index into `files`.
+    /// Hugging Face tensor name (of a text model) -> index into `files`.
     index: BTreeMap<String, usize>,
+    /// Hugging Face names of a text model -> the names a multimodal Gemma 3 folder stores
+    /// them under (`language_model.model.layers.0...` or `model.language_model.layers.0...`);
+    /// empty for the others. Its vision tower's tensors are never read.
+    stored: BTreeMap<String, String>,
     /// Added to every RMSNorm weight as it is read: Gemma's norms scale by `1 + w` (its GGUF
     /// files store the sum); 0 for the others.
     norm_offset: f32,
-    /// Whether the folder is Gemma 2's, whose block norms have their own names.
+    /// Whether the folder is Gemma 2's or Gemma 3's, whose block norms have their own names.
     gemma2: bool,
+}
+
+/// The text model's name of tensor `stored` of a multimodal Gemma 3 folder, whichever of
+/// transformers' two layouts saved it; `None` for the vision tower's and the projector's.
+fn text_model_name(stored: &str) -> Option<String> {
+    if let Some(rest) = stored
+        .strip_prefix("language_model.model.")
+        .or(stored.strip_prefix("model.language_model."))
+    {
+        return Some(format!("model.{rest}"));
+    }
+    // The head: `language_model.lm_head.weight` before transformers 4.52, `lm_head.weight` since.
+    let head = stored.strip_prefix("language_model.").unwrap_or(stored);
+    head.starts_with("lm_head.").then(|| head.to_owned())
 }
 
 /// Phi-3's longrope from `config.json` (`cfg`, its `rope_scaling` `rs`): both factor lists
@@ -408,20 +429,31 @@ impl HfCheckpoint {
         } else {
             vec!["model.safetensors".to_owned()]
         };
+        let config = read_json(&dir.join("config.json")).ok();
+        let model_type = config.as_ref().and_then(|c| c.get("model_type")?.as_str());
+        let multimodal = model_type == Some("gemma3");
         let mut files = Vec::new();
         let mut index = BTreeMap::new();
+        let mut stored = BTreeMap::new();
         for (i, name) in names.iter().enumerate() {
             let f = SafetensorsFile::open(dir.join(name))?;
             for t in f.names() {
-                index.insert(t.to_owned(), i);
+                match multimodal.then(|| text_model_name(t)) {
+                    Some(Some(text)) => {
+                        index.insert(text.clone(), i);
+                        stored.insert(text, t.to_owned());
+                    }
+                    Some(None) => {} // the vision tower's
+                    None => {
+                        index.insert(t.to_owned(), i);
+                    }
+                }
             }
             files.push(f);
         }
-        let config = read_json(&dir.join("config.json")).ok();
-        let model_type = config.as_ref().and_then(|c| c.get("model_type")?.as_str());
-        let gemma2 = model_type == Some("gemma2");
+        let gemma2 = matches!(model_type, Some("gemma2" | "gemma3" | "gemma3_text"));
         let norm_offset = if model_type == Some("gemma") || gemma2 { 1.0 } else { 0.0 };
-        Ok(HfCheckpoint { dir, files, index, norm_offset, gemma2 })
+        Ok(HfCheckpoint { dir, files, index, stored, norm_offset, gemma2 })
     }
 
     /// `values` of tensor `name` (GGUF name) as the model uses them: Gemma's norm weights
@@ -438,13 +470,17 @@ impl HfCheckpoint {
         &self.dir
     }
 
-    /// Reads `config.json` into a [`LlamaConfig`].
+    /// Reads `config.json` into a [`LlamaConfig`]. A Gemma 3 folder's is read by
+    /// `gemma3::text_config` first: a multimodal one's text model only.
     ///
     /// # Errors
     /// [`Error::Metadata`] naming the missing or mistyped key.
     pub fn config(&self) -> Result<LlamaConfig> {
         let path = self.dir.join("config.json");
-        let cfg = read_json(&path)?;
+        let raw = read_json(&path)?;
+        let model_type = raw.get("model_type").and_then(|v| v.as_str()).unwrap_or("llama");
+        let gemma3 = matches!(model_type, "gemma3" | "gemma3_text");
+        let cfg = if gemma3 { gemma3::text_config(&raw, model_type)? } else { raw.clone() };
         let num = |k: &str| -> Result<usize> {
             cfg.get(k)
                 .and_then(|v| v.as_u64())
@@ -452,14 +488,15 @@ impl HfCheckpoint {
                 .ok_or_else(|| Error::metadata(k, "missing from config.json or not an integer"))
         };
         let float = |k: &str, default: f64| cfg.get(k).and_then(|v| v.as_f64()).unwrap_or(default);
-        let model_type = cfg.get("model_type").and_then(|v| v.as_str()).unwrap_or("llama");
         let (gemma2, qwen3) = (model_type == "gemma2", model_type == "qwen3");
-        let gemma = model_type == "gemma" || gemma2;
+        let gemma = model_type == "gemma" || gemma2 || gemma3;
         if model_type.starts_with("gemma") && !gemma {
-            // Gemma 3's query/key norms and local rope base: not this block.
+            // Gemma 3n's per-layer embeddings and altered blocks, ...
             return Err(Error::metadata(
                 "model_type",
-                format!("`{model_type}` is not supported (gemma and gemma2 are)"),
+                format!(
+                    "`{model_type}` is not supported (gemma, gemma2, gemma3 and gemma3_text are)"
+                ),
             ));
         }
         if model_type.starts_with("qwen3") && !qwen3 {
@@ -556,7 +593,7 @@ impl HfCheckpoint {
                 }
             }
         };
-        let (attn_softcap, final_softcap, sliding_window, query_scale) = if gemma2 {
+        let (attn_softcap, final_softcap, sliding_window, query_scale) = if gemma2 || gemma3 {
             let positive = |k: &str| -> Result<Option<f64>> {
                 match cfg.get(k).filter(|v| !v.is_null()) {
                     None => Ok(None),
@@ -573,11 +610,16 @@ impl HfCheckpoint {
                     "a window must hold at least one position",
                 ));
             }
+            let pattern = if gemma3 { num("sliding_window_pattern")? } else { 2 };
+            if pattern == 0 {
+                return Err(Error::metadata("sliding_window_pattern", "must be at least 1"));
+            }
             let scalar = positive("query_pre_attn_scalar")?;
             (
                 positive("attn_logit_softcapping")?.map(|c| c as f32),
                 positive("final_logit_softcapping")?.map(|c| c as f32),
-                Some(crate::config::SlidingWindow { tokens, pattern: 2 }),
+                // Gemma 2's even layers; Gemma 3's five of every six.
+                Some(crate::config::SlidingWindow { tokens, pattern }),
                 // `query_pre_attn_scalar^-0.5`, unless it is the head size's own scale.
                 scalar.filter(|&s| s != head_dim as f64).map(|s| (1.0 / s.sqrt()) as f32),
             )
@@ -609,12 +651,13 @@ impl HfCheckpoint {
                 crate::config::Activation::Silu
             },
             embedding_scale: gemma.then(|| (hidden as f32).sqrt()),
-            qk_norm: qwen3,
+            qk_norm: qwen3 || gemma3,
             attn_softcap,
             final_softcap,
             sliding_window,
-            post_norms: gemma2,
+            post_norms: gemma2 || gemma3,
             query_scale,
+            rope_local_theta: gemma3.then(|| float("rope_local_base_freq", 10_000.0) as f32),
         })
     }
 
@@ -625,7 +668,7 @@ impl HfCheckpoint {
             .index
             .get(&hf)
             .ok_or_else(|| Error::tensor(&hf, format!("not found in {}", self.dir.display())))?;
-        Ok((&self.files[i], hf))
+        Ok((&self.files[i], self.stored.get(&hf).cloned().unwrap_or(hf)))
     }
 }
 

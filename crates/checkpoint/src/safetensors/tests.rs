@@ -189,7 +189,7 @@ fn qwen3_config_json_is_read_and_its_unsupported_variants_are_named() {
 /// A folder of Gemma 2 2B's `config.json` (scaled down): its soft-caps, a window on the even
 /// layers, post-norms, GELU and scaled embeddings; its block norms read under Gemma 2's names
 /// as `1 + w`; a query scale only where `query_pre_attn_scalar` is not the head size (27B);
-/// Gemma 3 and a missing window refused by name.
+/// Gemma 3n and a missing window refused by name.
 #[test]
 fn gemma2_config_json_and_norm_names_are_read() {
     let dir = temp_path("hf-gemma2-config");
@@ -246,9 +246,157 @@ fn gemma2_config_json_and_norm_names_are_read() {
         let read = ck.rows(&format!("blk.0.{gguf}.weight"), 0..1).unwrap();
         assert_eq!(read, [i as f32 + 1.0, 1.5], "{gguf} is {} plus one", norms[i]);
     }
-    let err = config(&|j| j["model_type"] = "gemma3".into()).unwrap_err().to_string();
-    assert_eq!(err, "metadata key `model_type`: `gemma3` is not supported (gemma and gemma2 are)");
+    let err = config(&|j| j["model_type"] = "gemma3n".into()).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "metadata key `model_type`: `gemma3n` is not supported \
+         (gemma, gemma2, gemma3 and gemma3_text are)"
+    );
     let err = config(&|j| j["sliding_window"] = serde_json::Value::Null).unwrap_err().to_string();
     assert!(err.contains("sliding_window"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Gemma 3 1B's `config.json` (scaled down), as transformers 4.50 writes it and as 5.x does
+/// (`layer_types`, `rope_parameters`): no caps, a window on five of every six layers, the
+/// global rotary base with its linear scaling and the local one, query/key norms read as
+/// `1 + w`; a multimodal folder's text model (`text_config`, transformers' defaults for what
+/// it leaves out, tensors under `language_model.model.` or `model.language_model.`, the vision
+/// tower's left unread); layer types that are no such pattern, local rope scaling and a
+/// multimodal config without `text_config` refused by name.
+#[test]
+fn gemma3_config_json_text_and_multimodal_are_read() {
+    let dir = temp_path("hf-gemma3-config");
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |prefix: &str, lm_head: Option<&str>| {
+        let mut names = vec![
+            format!("{prefix}layers.0.self_attn.q_norm.weight"),
+            format!("{prefix}layers.0.post_attention_layernorm.weight"),
+            format!("{prefix}layers.0.pre_feedforward_layernorm.weight"),
+            "vision_tower.vision_model.embeddings.patch_embedding.weight".to_owned(),
+        ];
+        names.extend(lm_head.map(str::to_owned));
+        let v = [0.25f32, 0.5];
+        let tensors: Vec<(&str, &[usize], StDType, &[f32])> =
+            names.iter().map(|n| (n.as_str(), &[2usize][..], StDType::F32, &v[..])).collect();
+        write_safetensors(&dir.join("model.safetensors"), &tensors).unwrap();
+    };
+    write("model.", None);
+    let text = serde_json::json!({
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "attn_logit_softcapping": null,
+        "final_logit_softcapping": null,
+        "head_dim": 16,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 13,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 64,
+        "query_pre_attn_scalar": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": { "factor": 8.0, "rope_type": "linear" },
+        "rope_theta": 1000000.0,
+        "sliding_window": 4,
+        "sliding_window_pattern": 6,
+        "vocab_size": 10
+    });
+    let config = |json: &serde_json::Value| {
+        std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+        HfCheckpoint::open(&dir).unwrap().config()
+    };
+    let edited = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut json = text.clone();
+        edit(&mut json);
+        config(&json)
+    };
+    let c = config(&text).unwrap();
+    assert_eq!((c.attn_softcap, c.final_softcap, c.query_scale), (None, None, None));
+    let window = c.sliding_window.unwrap();
+    let global: Vec<usize> = (0..13).filter(|&l| !window.slides(l)).collect();
+    assert_eq!((window.tokens, global), (4, vec![5, 11]));
+    assert!(c.qk_norm && c.post_norms, "{c:?}");
+    assert_eq!((c.activation, c.embedding_scale), (crate::Activation::GeluTanh, Some(8.0)));
+    assert_eq!((c.rope_theta, c.rope_local_theta), (1e6, Some(1e4)));
+    let eight = [8.0f32; 8];
+    assert_eq!((c.rope_of(5), c.rope_of(6)), ((1e6, Some(&eight[..])), (1e4, None)));
+    let ck = HfCheckpoint::open(&dir).unwrap();
+    assert_eq!(ck.rows("blk.0.attn_q_norm.weight", 0..1).unwrap(), [1.25, 1.5]);
+    assert_eq!(ck.rows("blk.0.post_attention_norm.weight", 0..1).unwrap(), [1.25, 1.5]);
+    assert_eq!(ck.rows("blk.0.ffn_norm.weight", 0..1).unwrap(), [1.25, 1.5]);
+
+    // transformers 5's spelling of the same model.
+    let types: Vec<&str> = (0..13)
+        .map(|l| if (l + 1) % 6 == 0 { "full_attention" } else { "sliding_attention" })
+        .collect();
+    let v5 = edited(&|j| {
+        let o = j.as_object_mut().unwrap();
+        for k in ["rope_theta", "rope_local_base_freq", "rope_scaling", "sliding_window_pattern"] {
+            o.remove(k);
+        }
+        j["layer_types"] = serde_json::json!(types);
+        j["rope_parameters"] = serde_json::json!({
+            "full_attention": { "rope_theta": 1e6, "rope_type": "linear", "factor": 8.0 },
+            "sliding_attention": { "rope_theta": 1e4, "rope_type": "default" }
+        });
+    })
+    .unwrap();
+    assert_eq!(v5, c);
+
+    // The multimodal folder: its text model only, transformers' defaults for what its
+    // text_config leaves out, either layout of tensor names.
+    let multimodal = serde_json::json!({
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": {
+            "hidden_size": 64, "intermediate_size": 96, "model_type": "gemma3_text",
+            "num_hidden_layers": 13, "head_dim": 16, "vocab_size": 10,
+            "rope_scaling": { "factor": 8.0, "rope_type": "linear" }, "sliding_window": 4
+        },
+        "vision_config": { "model_type": "siglip_vision_model" }
+    });
+    for (prefix, head) in [
+        ("language_model.model.", Some("language_model.lm_head.weight")),
+        ("model.language_model.", Some("lm_head.weight")),
+        ("model.language_model.", None),
+    ] {
+        write(prefix, head);
+        let lm_head = head.is_some();
+        let m = config(&multimodal).unwrap();
+        assert_eq!((m.n_heads, m.n_kv_heads, m.context_length), (8, 4, 131_072), "{prefix}");
+        assert_eq!((m.rope_theta, m.rope_local_theta), (1e6, Some(1e4)));
+        assert_eq!((m.sliding_window, m.tied_embeddings), (c.sliding_window, !lm_head));
+        let ck = HfCheckpoint::open(&dir).unwrap();
+        assert_eq!(ck.rows("blk.0.attn_q_norm.weight", 0..1).unwrap(), [1.25, 1.5]);
+        assert_eq!(ck.has("output.weight"), lm_head, "{prefix}");
+    }
+    write("model.", None);
+
+    type Edit<'a> = &'a dyn Fn(&mut serde_json::Value);
+    let refusals: [(Edit<'_>, &str); 3] = [
+        (
+            &|j| j["layer_types"] = serde_json::json!(["sliding_attention", "full_attention", "full_attention"]),
+            "metadata key `layer_types`: [\"sliding_attention\", \"full_attention\", \"full_attention\"] is \
+             not a repeating pattern",
+        ),
+        (
+            &|j| {
+                j["rope_parameters"] = serde_json::json!({
+                    "sliding_attention": { "rope_theta": 1e4, "rope_type": "linear", "factor": 2.0 }
+                })
+            },
+            "metadata key `rope_parameters.sliding_attention.rope_type`: `linear`",
+        ),
+        (
+            &|j| *j = serde_json::json!({ "model_type": "gemma3" }),
+            "metadata key `text_config`: missing, though model_type is gemma3",
+        ),
+    ];
+    for (edit, want) in refusals {
+        let err = edited(edit).unwrap_err().to_string();
+        assert!(err.starts_with(want), "{err}");
+    }
     std::fs::remove_dir_all(dir).unwrap();
 }

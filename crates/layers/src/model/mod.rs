@@ -133,7 +133,7 @@ pub struct Attention {
     qkv: Linear,
     /// Optional Q, K and V biases (Qwen2), in the same row order as `qkv`.
     qkv_bias: Option<Tensor>,
-    /// Optional per-head query and key norms (Qwen3), applied before the rotation.
+    /// Optional per-head query and key norms (Qwen3, Gemma 3), applied before the rotation.
     qk_norm: Option<QkNorm>,
     o: Linear,
     kv_heads: Range<usize>,
@@ -144,7 +144,7 @@ pub struct Attention {
     rope_factors: Option<std::sync::Arc<[f32]>>,
     /// The factor on the rotation's cosines and sines (longrope's attention factor), else 1.
     rope_attn_factor: f32,
-    /// The score rules of this layer: query scale, soft-cap, sliding window (Gemma 2).
+    /// The score rules of this layer: query scale, soft-cap, sliding window (Gemma 2 and 3).
     scores: (Option<f32>, Option<f32>, Option<usize>),
 }
 
@@ -248,6 +248,8 @@ impl Attention {
             None
         };
         let qk_norm = if cfg.qk_norm { Some(QkNorm::load(src, layer, cfg)?) } else { None };
+        // Gemma 3's local layers have a rotary base of their own, unscaled.
+        let (rope_theta, rope_factors) = cfg.rope_of(layer);
         Ok(Attention {
             qkv: Linear::concat(&[&q, &k, &v])?,
             qkv_bias,
@@ -257,8 +259,8 @@ impl Attention {
             q_heads,
             head_dim: d,
             rope_dim: cfg.rope_dim,
-            rope_theta: cfg.rope_theta,
-            rope_factors: cfg.rope_freq_factors.as_deref().map(Into::into),
+            rope_theta,
+            rope_factors: rope_factors.map(Into::into),
             rope_attn_factor: cfg.rope_attn_factor.unwrap_or(1.0),
             scores: (
                 cfg.query_scale,

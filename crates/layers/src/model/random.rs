@@ -66,6 +66,12 @@ pub struct RandomLlama {
     /// their own random stream, so the other weights are those of the Gemma model of the same
     /// seed), these soft-caps and this sliding window on the even layers.
     pub gemma2: Option<Gemma2>,
+    /// Write the model as a Gemma 3 file (architecture `gemma3`, so Gemma's GELU, scaled
+    /// embeddings and rotate-half Q/K rows): with Gemma 2's post-norms (the same stream, so the
+    /// other weights are those of the Gemma 2 model of the same seed), Qwen3's query and key
+    /// norms (their stream), no caps, this window on five of every six layers, a global rotary
+    /// base of 1e6 (the local one is 1e4) and this linear scaling of the global layers.
+    pub gemma3: Option<Gemma3>,
 }
 
 /// Gemma 2's constants for [`RandomLlama::gemma2`]: small ones, so short prompts leave the
@@ -78,6 +84,23 @@ pub struct Gemma2 {
     pub attn_softcap: f32,
     /// `final_logit_softcapping`.
     pub final_softcap: f32,
+}
+
+/// Gemma 3's constants for [`RandomLlama::gemma3`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Gemma3 {
+    /// Positions a query of a local layer sees.
+    pub window: usize,
+    /// The linear rope scaling factor of the global layers (`rope_scaling.factor`); `None`:
+    /// unscaled.
+    pub rope_scale: Option<f32>,
+}
+
+impl Default for Gemma3 {
+    /// A window of 4, global layers' rotation scaled by 4.
+    fn default() -> Self {
+        Gemma3 { window: 4, rope_scale: Some(4.0) }
+    }
 }
 
 impl Default for Gemma2 {
@@ -108,6 +131,7 @@ impl Default for RandomLlama {
             qwen3: false,
             longrope: None,
             gemma2: None,
+            gemma3: None,
         }
     }
 }
@@ -175,7 +199,7 @@ impl RandomLlama {
             .metadata(&k("feed_forward_length"), u(self.ffn))
             .metadata(&k("attention.head_count"), u(self.heads))
             .metadata(&k("attention.head_count_kv"), u(self.kv_heads))
-            .metadata(&k("rope.freq_base"), Value::F32(10_000.0))
+            .metadata(&k("rope.freq_base"), Value::F32(self.rope_theta()))
             .metadata(&k("rope.dimension_count"), u(d))
             .metadata(&k("attention.key_length"), u(d))
             .metadata(&k("attention.value_length"), u(d))
@@ -220,6 +244,14 @@ impl RandomLlama {
                 .metadata(&k("final_logit_softcapping"), Value::F32(g.final_softcap))
                 .metadata(&k("attention.sliding_window"), u(g.window));
         }
+        if let Some(g) = &self.gemma3 {
+            w.metadata(&k("attention.sliding_window"), u(g.window));
+            if let Some(factor) = g.rope_scale {
+                w.metadata(&k("rope.scaling.type"), Value::String("linear".into()))
+                    .metadata(&k("rope.scaling.factor"), Value::F32(factor));
+            }
+        }
+        let post_norms = self.gemma2.is_some() || self.gemma3.is_some();
         for l in 0..self.layers {
             let n = |t: &str| format!("blk.{l}.{t}.weight");
             norm(&mut w, &mut rng, &n("attn_norm"));
@@ -238,7 +270,7 @@ impl RandomLlama {
                 matrix(&mut w, &mut rng, &n("attn_v"), self.kv_heads * d, h);
             }
             matrix(&mut w, &mut rng, &n("attn_output"), h, self.heads * d);
-            if self.gemma2.is_some() {
+            if post_norms {
                 post_norm(&mut w, &n("post_attention_norm"));
             }
             norm(&mut w, &mut rng, &n("ffn_norm"));
@@ -251,7 +283,7 @@ impl RandomLlama {
                 matrix(&mut w, &mut rng, &n("ffn_up"), self.ffn, h);
             }
             matrix(&mut w, &mut rng, &n("ffn_down"), h, self.ffn);
-            if self.gemma2.is_some() {
+            if post_norms {
                 post_norm(&mut w, &n("post_ffw_norm"));
             }
         }
@@ -270,7 +302,7 @@ impl RandomLlama {
                 }
             }
         }
-        if self.qwen3 {
+        if self.qwen3 || self.gemma3.is_some() {
             let mut norm_rng = Rng(self.seed.wrapping_mul(0x94D0_49BB_1331_11EB) | 1);
             for l in 0..self.layers {
                 for t in ["attn_q_norm", "attn_k_norm"] {
@@ -294,6 +326,9 @@ impl RandomLlama {
 
     /// The GGUF architecture name the file is written under.
     fn architecture(&self) -> &'static str {
+        if self.gemma3.is_some() {
+            return "gemma3";
+        }
         if self.gemma2.is_some() {
             return "gemma2";
         }
@@ -304,6 +339,20 @@ impl RandomLlama {
             (false, false, false, true) => "gemma",
             (false, false, false, false) => "llama",
         }
+    }
+
+    /// The rotary base written (Gemma 3's global one: its checkpoints' 1e6).
+    fn rope_theta(&self) -> f32 {
+        if self.gemma3.is_some() {
+            1_000_000.0
+        } else {
+            10_000.0
+        }
+    }
+
+    /// Whether the file is any Gemma's (GELU, scaled embeddings, norms stored as `1 + w`).
+    fn any_gemma(&self) -> bool {
+        self.gemma || self.gemma2.is_some() || self.gemma3.is_some()
     }
 
     /// Elements per head.
@@ -358,12 +407,11 @@ impl RandomLlama {
             if qk && file.qk_interleaved() {
                 data = super::linear::unpermute_rows(&data, t.row_len(), d);
             }
-            let gemma = self.gemma || self.gemma2.is_some();
-            if gemma && info.name.ends_with("norm.weight") {
+            if self.any_gemma() && info.name.ends_with("norm.weight") {
                 // Hugging Face's Gemma norms scale by `1 + w`; its GGUF files store the sum.
                 data.iter_mut().for_each(|v| *v -= 1.0);
             }
-            let name = if self.gemma2.is_some() {
+            let name = if self.gemma2.is_some() || self.gemma3.is_some() {
                 checkpoint::safetensors::gemma2_hf_name(&info.name)
             } else {
                 hf_name(&info.name)
@@ -409,14 +457,16 @@ impl RandomLlama {
                 "qwen2" => "Qwen2ForCausalLM",
                 "gemma" => "GemmaForCausalLM",
                 "gemma2" => "Gemma2ForCausalLM",
+                "gemma3" => "Gemma3ForCausalLM",
                 _ => "LlamaForCausalLM",
             }],
             "model_type": match self.architecture() {
                 arch @ ("qwen3" | "qwen2" | "gemma" | "gemma2") => arch,
+                "gemma3" => "gemma3_text",
                 _ => "llama",
             },
             "attention_bias": self.attn_bias,
-            "hidden_activation": if self.gemma || self.gemma2.is_some() {
+            "hidden_activation": if self.any_gemma() {
                 "gelu_pytorch_tanh"
             } else {
                 "silu"
@@ -427,7 +477,7 @@ impl RandomLlama {
             "num_attention_heads": self.heads,
             "num_key_value_heads": self.kv_heads,
             "head_dim": self.head_dim(),
-            "rope_theta": 10000.0,
+            "rope_theta": self.rope_theta(),
             "rms_norm_eps": 1e-5,
             "vocab_size": self.vocab,
             "max_position_embeddings": 256,
@@ -438,6 +488,19 @@ impl RandomLlama {
             config["final_logit_softcapping"] = g.final_softcap.into();
             config["sliding_window"] = g.window.into();
             config["query_pre_attn_scalar"] = self.head_dim().into();
+        }
+        if let Some(g) = &self.gemma3 {
+            // As transformers 4.50 writes Gemma 3's config (the reader's tests cover 5.x's).
+            config["attn_logit_softcapping"] = serde_json::Value::Null;
+            config["final_logit_softcapping"] = serde_json::Value::Null;
+            config["sliding_window"] = g.window.into();
+            config["sliding_window_pattern"] = 6.into();
+            config["rope_local_base_freq"] = 10_000.0.into();
+            config["query_pre_attn_scalar"] = self.head_dim().into();
+            if let Some(factor) = g.rope_scale {
+                config["rope_scaling"] =
+                    serde_json::json!({ "rope_type": "linear", "factor": factor });
+            }
         }
         if let Some(rope) = &self.longrope {
             config["original_max_position_embeddings"] = rope.original_context.into();

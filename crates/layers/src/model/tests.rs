@@ -637,3 +637,46 @@ fn quantized_shards_stay_quantized_and_sum_to_the_full_layer() {
     assert!(is_quant(&m.gate_up) && !is_quant(&m.down));
     std::fs::remove_file(p).unwrap();
 }
+
+/// Gemma 3's layer types by an independent rule: layer `l` is global when `(l + 1) % 6 == 0`
+/// (the file's rotary base 1e6 and its linear scaling, no window), else local (base 1e4
+/// unscaled, a window of 3). Each of 13 layers loaded from a random Gemma 3 file attends as
+/// the same layer loaded with a plain config of its type, and not as one of the other type,
+/// over 8 positions: fails if the bases are swapped, the scaling goes to the local layers or
+/// the pattern is off by one.
+#[test]
+fn gemma3_layers_rotate_and_window_by_their_type() {
+    let g = random::Gemma3 { window: 3, rope_scale: Some(8.0) };
+    let spec = RandomLlama { gemma3: Some(g), layers: 13, seed: 31, ..Default::default() };
+    let p = write_model(&spec, "gemma3-layer-types.gguf");
+    let file = GgufFile::open(&p).unwrap();
+    let cfg = LlamaConfig::from_gguf(&file).unwrap();
+    let be = Backend::cpu(1).unwrap();
+    let n = 8;
+    let x = Tensor::from_vec(&[n, cfg.hidden], crate::test_util::random_vec(n * cfg.hidden, 5))
+        .unwrap();
+    let pos: Vec<usize> = (0..n).collect();
+    let attend = |layer: usize, config: &LlamaConfig| -> Vec<f32> {
+        let attn =
+            Attention::load(&file, layer, config, 0..config.n_kv_heads, WeightForm::F32).unwrap();
+        let mut cache = LayerCache::new(config.n_kv_heads, config.head_dim, n);
+        attn.forward(&be, &x, &pos, &mut cache).unwrap().data().to_vec()
+    };
+    let plain = |global: bool| LlamaConfig {
+        rope_theta: if global { 1e6 } else { 1e4 },
+        rope_freq_factors: global.then(|| vec![8.0; cfg.head_dim / 2]),
+        rope_local_theta: None,
+        // A pattern longer than the model: every layer slides.
+        sliding_window: (!global)
+            .then_some(checkpoint::config::SlidingWindow { tokens: 3, pattern: 64 }),
+        ..cfg.clone()
+    };
+    for layer in 0..cfg.n_layers {
+        let global = (layer + 1) % 6 == 0;
+        let got = attend(layer, &cfg);
+        assert_eq!(got, attend(layer, &plain(global)), "layer {layer} (global: {global})");
+        let other = attend(layer, &plain(!global));
+        assert!(got.iter().zip(&other).any(|(a, b)| (a - b).abs() > 1e-3), "layer {layer}");
+    }
+    std::fs::remove_file(p).unwrap();
+}

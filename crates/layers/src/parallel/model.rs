@@ -19,8 +19,8 @@ pub(super) struct ParallelBlock {
     pub(super) attn: ParallelAttention,
     pub(super) ffn_norm: Tensor,
     pub(super) mlp: Mlp,
-    /// Gemma 2's norms of the attention output and of the MLP output, before each is added
-    /// to the residual stream.
+    /// Gemma 2's and Gemma 3's norms of the attention output and of the MLP output, before
+    /// each is added to the residual stream.
     pub(super) post_norms: Option<PostNorms>,
 }
 
@@ -218,14 +218,15 @@ impl ParallelModel {
         let gemma2 = config.attn_softcap.is_some()
             || config.final_softcap.is_some()
             || config.sliding_window.is_some()
-            || config.query_scale.is_some();
+            || config.query_scale.is_some()
+            || config.rope_local_theta.is_some();
         if gemma2 && backend.device() != tensor::Device::Cpu {
             // Refused here rather than at the first step: the CUDA kernels would compute
             // without them.
             return Err(tensor::Error::BackendUnavailable {
                 backend: "cuda",
-                reason: "Gemma 2's soft-capping, sliding windows and query scale have no CUDA \
-                         kernels yet: run this model on the CPU"
+                reason: "Gemma 2's and Gemma 3's soft-capping, sliding windows and query scale \
+                         have no CUDA kernels yet: run this model on the CPU"
                     .into(),
             }
             .into());

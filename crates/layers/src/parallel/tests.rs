@@ -502,6 +502,7 @@ fn head_shards_cover_every_query_head_once() {
         sliding_window: None,
         post_norms: false,
         query_scale: None,
+        rope_local_theta: None,
     };
     type Shards = Vec<(Range<usize>, Range<usize>)>;
     let shards = |c: &LlamaConfig, tp| -> Shards {
@@ -641,24 +642,12 @@ fn run_steps_with<T>(
     out
 }
 
-#[test]
-fn batched_steps_match_each_sequence_alone() {
-    let spec = RandomLlama {
-        heads: 6,
-        kv_heads: 3,
-        hidden: 48,
-        ffn: 80,
-        vocab: 40,
-        layers: 2,
-        seed: 41,
-        ..RandomLlama::default()
-    };
-    let path = write_model(&spec, "batched.gguf");
-    let steps = mixed_steps(spec.vocab as u32);
-    // Each sequence alone on one rank, chunk by chunk as the steps feed it.
-    let reference = Model::load_with(&path, 1, WeightForm::F32).unwrap();
+/// The single-rank model of the file at `path`, and the logits of the sampled rows of
+/// `steps` with each sequence run alone on it, chunk by chunk as the steps feed it.
+fn each_sequence_alone(path: &std::path::Path, steps: &[Vec<Entry>]) -> (Model, Vec<Vec<Tensor>>) {
+    let reference = Model::load_with(path, 1, WeightForm::F32).unwrap();
     let mut caches: Vec<KvCache> = (0..5).map(|_| reference.new_cache(64)).collect();
-    let want: Vec<Vec<Tensor>> = steps
+    let want = steps
         .iter()
         .map(|step| {
             let mut rows = Vec::new();
@@ -673,6 +662,24 @@ fn batched_steps_match_each_sequence_alone() {
             rows
         })
         .collect();
+    (reference, want)
+}
+
+#[test]
+fn batched_steps_match_each_sequence_alone() {
+    let spec = RandomLlama {
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 80,
+        vocab: 40,
+        layers: 2,
+        seed: 41,
+        ..RandomLlama::default()
+    };
+    let path = write_model(&spec, "batched.gguf");
+    let steps = mixed_steps(spec.vocab as u32);
+    let (reference, want) = each_sequence_alone(&path, &steps);
     for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)] {
         let got = on_mesh(tp, cp, |p, comms| {
             let file = GgufFile::open(&path).unwrap();
@@ -1688,4 +1695,89 @@ fn decode_rows_are_the_same_bits_alone_and_in_a_step_of_any_size() {
         }
         std::fs::remove_file(path).unwrap();
     }
+}
+
+/// A small Gemma 3: uneven heads, 7 layers (layer 5 global, the others local with a window
+/// of 4), query/key norms, post-norms, the global layers' rotation scaled by 4.
+fn gemma3_spec(layers: usize, seed: u64) -> RandomLlama {
+    RandomLlama {
+        gemma3: Some(crate::model::random::Gemma3::default()),
+        layers,
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 64,
+        vocab: 40,
+        seed,
+        ..RandomLlama::default()
+    }
+}
+
+/// Gemma 3 (a window of 4 on layers 0-4 and 6, layer 5 global with its own rotary base and
+/// scaling, query/key norms, post-norms, no caps): the logits of a 7-token prompt and 16
+/// greedy steps match the single-rank model in (1,1) (2,1) (1,2) (2,2) (3,1), and the greedy
+/// ids of its GGUF file and of its Hugging Face folder (norms as `1 + w` under Gemma 3's
+/// names), loaded sharded, are the single-rank GGUF model's.
+#[test]
+fn gemma3_matches_the_single_rank_model_in_every_layout() {
+    let spec = gemma3_spec(7, 81);
+    let layouts = [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)];
+    check_layouts(&spec, "gemma3-layouts.gguf", &layouts);
+
+    let path = write_model(&spec, "gemma3-generate.gguf");
+    let dir = temp_path("gemma3-generate-hf");
+    spec.write_hf(&dir, true).unwrap();
+    let reference = Model::load(&path, 1).unwrap();
+    let c = reference.config();
+    assert!(c.post_norms && c.qk_norm && c.final_softcap.is_none(), "{c:?}");
+    assert_eq!((c.rope_theta, c.rope_local_theta), (1e6, Some(1e4)));
+    let hf = checkpoint::Checkpoint::open(&dir).unwrap().config().unwrap();
+    assert_eq!(&hf, c, "the folder's config.json reads as the GGUF file's metadata");
+    let prompt = [1u32, 2, 3, 4, 5, 6, 7, 8, 9];
+    assert_greedy_in_layouts(&reference, &dir, &prompt);
+    assert_greedy_in_layouts(&reference, &path, &prompt);
+    std::fs::remove_file(path).unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Gemma 3 batched over one shared pool of scattered 4-token blocks: the mixed steps of
+/// [`mixed_steps`] (sequences of up to 10 tokens, past the window of 4 of the local layers and
+/// through the global layer 5) give in (1,1) (2,1) (1,2) (2,2) (3,1) the logits of each
+/// sequence run alone on one rank (1e-4 relative), so batching, the paged pool and CP's
+/// exchange rotate and window each layer as one rank does.
+#[test]
+fn gemma3_batched_steps_over_a_paged_pool_match_each_sequence_alone() {
+    let spec = gemma3_spec(7, 82);
+    let path = write_model(&spec, "gemma3-paged.gguf");
+    let steps = mixed_steps(spec.vocab as u32);
+    let (_, want) = each_sequence_alone(&path, &steps);
+    for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)] {
+        let got = on_mesh(tp, cp, |p, comms| {
+            let opts = LoadOptions::new(p).form(WeightForm::F32);
+            let model = ParallelModel::load(&path, opts).unwrap();
+            let pool = Arc::new(model.new_pool(4, 90).unwrap());
+            let mut paged: Vec<ParallelCache> = (0..5u32)
+                .map(|s| {
+                    let mut c = model.new_paged_cache(&pool).unwrap();
+                    let table: Vec<u32> = (0..16).map(|b| (s * 16 + b) * 7 % 80).collect();
+                    c.extend_table(&table).unwrap();
+                    c
+                })
+                .collect();
+            (p, run_steps(&model, comms, &steps, &mut paged))
+        });
+        for (p, out) in got {
+            if (p.tp_rank, p.cp_rank) != (0, 0) {
+                continue;
+            }
+            for (i, (logits, want)) in out.iter().zip(&want).enumerate() {
+                let logits = logits.as_ref().expect("rank 0 gets the logits");
+                for (r, w) in want.iter().enumerate() {
+                    let e = rel_err(logits.row(r), w.data());
+                    assert!(e < 1e-4, "({tp},{cp}) step {i} row {r}: logits off by {e}");
+                }
+            }
+        }
+    }
+    std::fs::remove_file(path).unwrap();
 }
