@@ -130,21 +130,13 @@ pub fn matmul_rows(w: &[f32], x: &[f32], m: usize, out: &mut [f32]) {
     // One row needs no packing: its vectors are already in order.
     let packed =
         if m == 1 { std::borrow::Cow::Borrowed(x) } else { arch.dispatch(Pack { x, m }).into() };
-    // Tasks own ranges of weight rows; with several activation rows they write a `[rows, m]`
-    // block, transposed into `out` at the end.
-    let mut transposed = if m == 1 { Vec::new() } else { vec![0f32; rows * m] };
-    let target: &mut [f32] = if m == 1 { out } else { &mut transposed };
-    target.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, chunk)| {
-        let w = &w[c * ROWS_PER_TASK * k..][..chunk.len() / m * k];
-        arch.dispatch(Rows { w, x, packed: &packed, m, out: chunk });
+    // Tasks own ranges of weight rows.
+    super::by_weight_rows(rows, m, out, |target| {
+        target.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, chunk)| {
+            let w = &w[c * ROWS_PER_TASK * k..][..chunk.len() / m * k];
+            arch.dispatch(Rows { w, x, packed: &packed, m, out: chunk });
+        });
     });
-    if m > 1 {
-        for (r, col) in transposed.chunks_exact(m).enumerate() {
-            for (i, v) in col.iter().enumerate() {
-                out[i * rows + r] = *v;
-            }
-        }
-    }
 }
 
 /// The activation rows of [`matmul_rows`] interleaved for the SIMD width the dispatch picks:

@@ -139,6 +139,37 @@ pub(crate) fn linear_rows(
     Ok(())
 }
 
+/// `out` (`[m, rows]`: activation rows by weight rows) from `fill`, which writes the products
+/// as a `[rows, m]` block (weight rows by activation rows, the order in which the direct
+/// kernels' tasks own their work). With one activation row that is `out` itself; with more,
+/// a buffer kept by this thread between calls, transposed into `out` after: a fresh buffer
+/// per product (12 MiB for the LM head of a 64-sequence step) would be mapped and faulted in
+/// page by page at every call.
+pub(crate) fn by_weight_rows<R>(
+    rows: usize,
+    m: usize,
+    out: &mut [f32],
+    fill: impl FnOnce(&mut [f32]) -> R,
+) -> R {
+    if m == 1 {
+        return fill(out);
+    }
+    thread_local! {
+        static BLOCK: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+    }
+    // Taken, not borrowed: a nested call (none today) would get a buffer of its own.
+    let mut block = BLOCK.take();
+    block.resize(rows * m, 0.0);
+    let ran = fill(&mut block);
+    for (r, col) in block.chunks_exact(m).enumerate() {
+        for (i, v) in col.iter().enumerate() {
+            out[i * rows + r] = *v;
+        }
+    }
+    BLOCK.set(block);
+    ran
+}
+
 /// Host memory behind the device-data seam: the outputs of
 /// [`CpuBackend::with_device_outputs`].
 #[derive(Debug)]

@@ -338,19 +338,8 @@ fn qmatmul_with(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32], widest: Kerne
     if m == 0 || w.rows == 0 {
         return Kernels::Portable;
     }
-    // Tasks own ranges of weight rows; with several activation rows they write a
-    // `[rows, m]` block, transposed into `out` at the end.
-    let mut transposed = if m == 1 { Vec::new() } else { vec![0f32; w.rows * m] };
-    let target: &mut [f32] = if m == 1 { out } else { &mut transposed };
-    let ran = tasks(w, x, m, target, widest);
-    if m > 1 {
-        for (r, col) in transposed.chunks_exact(m).enumerate() {
-            for (i, v) in col.iter().enumerate() {
-                out[i * w.rows + r] = *v;
-            }
-        }
-    }
-    ran
+    // Tasks own ranges of weight rows.
+    super::by_weight_rows(w.rows, m, out, |target| tasks(w, x, m, target, widest))
 }
 
 /// [`qmatmul_with`]'s tasks, into `target` (`[rows, m]`).
