@@ -142,6 +142,10 @@ impl<'a> Job<'a> {
     /// The CPU has AVX-512F.
     #[target_feature(enable = "avx512f")]
     unsafe fn run<const K: u8>(self, out: &mut [f32]) {
+        if self.m > X_TILE {
+            // SAFETY: the caller's promise.
+            return unsafe { self.run_dequantized::<K>(out) };
+        }
         let mut i = 0;
         while i < self.m {
             let t = (self.m - i).min(X_TILE);
@@ -156,6 +160,94 @@ impl<'a> Job<'a> {
                 _ => self.tile::<8, 2, K>(i, out),
             }
             i += t;
+        }
+    }
+
+    /// [`Job::run`] for more than one tile of activation rows: each pair of weight rows is
+    /// dequantized once, into registers' worth of memory that stays in L1 (the values the
+    /// in-register kernels compute, block by block), and multiplied from there into every
+    /// tile, instead of dequantized again for each tile. Each pair's multiply-adds are those
+    /// of [`row_dots`], in the same order, so the bits are the same.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn run_dequantized<const K: u8>(self, out: &mut [f32]) {
+        let g = 2 * self.nb;
+        let rows = out.len() / self.m;
+        let with_mins = K == FOUR || (K == EIGHT16 && !self.mins.is_empty());
+        let mut deq = vec![_mm512_setzero_ps(); 2 * g];
+        let mut r = 0;
+        while r < rows {
+            let pair = (rows - r).min(2);
+            for j in 0..pair {
+                let row = self.row::<K>(r + j);
+                for b in 0..self.nb {
+                    // SAFETY: `b < nb`, and `Job::row` sliced the row's `nb` blocks with their
+                    // scales, and minimums exactly when `with_mins` (or panicked).
+                    let [lo, hi] = unsafe { block::<K>(row, b, with_mins) };
+                    deq[j * g + 2 * b] = lo;
+                    deq[j * g + 2 * b + 1] = hi;
+                }
+            }
+            let mut i = 0;
+            while i < self.m {
+                let t = (self.m - i).min(X_TILE);
+                match (t, pair) {
+                    (1, 1) => self.deq_tile::<1, 1>(&deq, r, i, out),
+                    (1, _) => self.deq_tile::<1, 2>(&deq, r, i, out),
+                    (2, 1) => self.deq_tile::<2, 1>(&deq, r, i, out),
+                    (2, _) => self.deq_tile::<2, 2>(&deq, r, i, out),
+                    (3, 1) => self.deq_tile::<3, 1>(&deq, r, i, out),
+                    (3, _) => self.deq_tile::<3, 2>(&deq, r, i, out),
+                    (4, 1) => self.deq_tile::<4, 1>(&deq, r, i, out),
+                    (4, _) => self.deq_tile::<4, 2>(&deq, r, i, out),
+                    (5, 1) => self.deq_tile::<5, 1>(&deq, r, i, out),
+                    (5, _) => self.deq_tile::<5, 2>(&deq, r, i, out),
+                    (6, 1) => self.deq_tile::<6, 1>(&deq, r, i, out),
+                    (6, _) => self.deq_tile::<6, 2>(&deq, r, i, out),
+                    (7, 1) => self.deq_tile::<7, 1>(&deq, r, i, out),
+                    (7, _) => self.deq_tile::<7, 2>(&deq, r, i, out),
+                    (_, 1) => self.deq_tile::<8, 1>(&deq, r, i, out),
+                    (_, _) => self.deq_tile::<8, 2>(&deq, r, i, out),
+                }
+                i += t;
+            }
+            r += pair;
+        }
+    }
+
+    /// Activation rows `first..first + T` times the `R` dequantized weight rows in `deq`
+    /// (`2 · nb` registers each, rows `r..r + R` of the task), into `out[r · m + first + t]`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    // `v` indexes `R` weight rows and `T` activation rows in lockstep.
+    #[allow(clippy::needless_range_loop)]
+    fn deq_tile<const T: usize, const R: usize>(
+        self,
+        deq: &[__m512],
+        r: usize,
+        first: usize,
+        out: &mut [f32],
+    ) {
+        let g = 2 * self.nb;
+        let ws: [&[__m512]; R] = core::array::from_fn(|j| &deq[j * g..][..g]);
+        let xs: [&[[f32; 16]]; T] = core::array::from_fn(|t| &self.x[(first + t) * g..][..g]);
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        for v in 0..g {
+            let w: [__m512; R] = core::array::from_fn(|j| ws[j][v]);
+            for t in 0..T {
+                // SAFETY: `v < g`, the length of activation row `t`.
+                let x = unsafe { load(xs[t].as_ptr().add(v)) };
+                for j in 0..R {
+                    acc[j][t] = _mm512_fmadd_ps(w[j], x, acc[j][t]);
+                }
+            }
+        }
+        for j in 0..R {
+            for t in 0..T {
+                out[(r + j) * self.m + first + t] = hsum(acc[j][t]);
+            }
         }
     }
 
@@ -213,14 +305,7 @@ fn row_dots<const T: usize, const R: usize, const K: u8>(
             let ahead = rows[r].qs.as_ptr().wrapping_add(b * per_block).cast::<i8>();
             _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(PREFETCH));
             // SAFETY: `b < nb`, and the row holds `nb` blocks (checked above).
-            let [lo, hi] = unsafe {
-                match K {
-                    FOUR => q4_block(rows[r], b),
-                    EIGHT16 if with_mins => q8x16_block::<true>(rows[r], b),
-                    EIGHT16 => q8x16_block::<false>(rows[r], b),
-                    _ => q8_block(rows[r], b),
-                }
-            };
+            let [lo, hi] = unsafe { block::<K>(rows[r], b, with_mins) };
             for t in 0..T {
                 // SAFETY: `2 · b + 1 < 2 · nb`, the length of activation row `t`.
                 let (xl, xh) = unsafe { (load(xs[t].add(2 * b)), load(xs[t].add(2 * b + 1))) };
@@ -237,6 +322,26 @@ fn row_dots<const T: usize, const R: usize, const K: u8>(
         }
     }
     out
+}
+
+/// Block `b` of a row of form `K` (with its minimums when `with_mins`), dequantized: elements
+/// 0..16 and 16..32.
+///
+/// # Safety
+/// The CPU has AVX-512F, and the row has more than `b` blocks (with their scales, and
+/// minimums when `with_mins`).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn block<const K: u8>(row: Row<'_>, b: usize, with_mins: bool) -> [__m512; 2] {
+    // SAFETY: the caller's promise.
+    unsafe {
+        match K {
+            FOUR => q4_block(row, b),
+            EIGHT16 if with_mins => q8x16_block::<true>(row, b),
+            EIGHT16 => q8x16_block::<false>(row, b),
+            _ => q8_block(row, b),
+        }
+    }
 }
 
 /// Block `b` of a 4-bit row: `d·q + m` for the 16 values of `q`, then each nibble's value.
