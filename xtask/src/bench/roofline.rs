@@ -310,6 +310,70 @@ impl<R: Read> Header<R> {
 mod tests {
     use super::{Cost, Machine};
 
+    /// A GGUF file of `tensors` (name, shape, f32 data), with a llama header of 2 blocks and
+    /// 3 heads over 12 dimensions, and metadata the reader skips (a float, a string array).
+    fn gguf(tensors: &[(&str, &[u64])]) -> Vec<u8> {
+        let mut b = b"GGUF".to_vec();
+        let string = |b: &mut Vec<u8>, s: &str| {
+            b.extend((s.len() as u64).to_le_bytes());
+            b.extend(s.as_bytes());
+        };
+        b.extend(3u32.to_le_bytes());
+        b.extend((tensors.len() as u64).to_le_bytes());
+        b.extend(6u64.to_le_bytes());
+        string(&mut b, "general.architecture");
+        b.extend(8u32.to_le_bytes());
+        string(&mut b, "llama");
+        for (key, v) in [("llama.block_count", 2u32), ("llama.attention.head_count", 3)] {
+            string(&mut b, key);
+            b.extend(4u32.to_le_bytes());
+            b.extend(v.to_le_bytes());
+        }
+        string(&mut b, "llama.embedding_length");
+        b.extend(10u32.to_le_bytes());
+        b.extend(12u64.to_le_bytes());
+        string(&mut b, "llama.rope.freq_base");
+        b.extend(6u32.to_le_bytes());
+        b.extend(1e4f32.to_le_bytes());
+        string(&mut b, "tokenizer.ggml.tokens");
+        b.extend(9u32.to_le_bytes());
+        b.extend(8u32.to_le_bytes());
+        b.extend(2u64.to_le_bytes());
+        string(&mut b, "a");
+        string(&mut b, "bc");
+        let mut offset = 0u64;
+        for (name, shape) in tensors {
+            string(&mut b, name);
+            b.extend((shape.len() as u32).to_le_bytes());
+            shape.iter().for_each(|d| b.extend(d.to_le_bytes()));
+            b.extend(0u32.to_le_bytes());
+            b.extend(offset.to_le_bytes());
+            offset += (shape.iter().product::<u64>() * 4).div_ceil(32) * 32;
+        }
+        b.resize(b.len().div_ceil(32) * 32 + offset as usize, 0);
+        b
+    }
+
+    #[test]
+    fn a_gguf_header_gives_the_weight_bytes_and_the_matmul_parameters() {
+        let tensors: [(&str, &[u64]); 4] = [
+            ("token_embd.weight", &[12, 10]),
+            ("blk.0.attn_norm.weight", &[12]),
+            ("blk.0.attn_q.weight", &[12, 12]),
+            ("blk.1.ffn_down.weight", &[12, 4]),
+        ];
+        let path = std::env::temp_dir().join(format!("xtask-roofline-{}.gguf", std::process::id()));
+        std::fs::write(&path, gguf(&tensors)).unwrap();
+        let cost = Cost::of_gguf(&path);
+        let _ = std::fs::remove_file(&path);
+        let cost = cost.unwrap();
+        // f32 data, each tensor padded to 32 bytes: 480 + 64 + 576 + 192.
+        assert_eq!(cost.weight_bytes, 1312);
+        // The blocks' 2-D weights and the tied embedding table as the LM head; no norm.
+        assert_eq!(cost.matmul_params, 120 + 144 + 48);
+        assert_eq!((cost.layers, cost.heads, cost.head_dim), (2, 3, 4));
+    }
+
     #[test]
     fn the_step_bound_is_the_larger_of_reading_and_computing() {
         let cost =
