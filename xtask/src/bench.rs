@@ -4,8 +4,10 @@ mod agree;
 mod agree_random;
 mod coldstart;
 mod collectives;
+mod concurrency;
 mod cycles;
 mod model;
+mod roofline;
 mod serve;
 mod session;
 mod sleep;
@@ -39,6 +41,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "model" => model::run(json)?,
             "sleep" => sleep::run(json)?,
             "serve" => serve::run(json)?,
+            "concurrency" => concurrency::run(json)?,
             "structured" => structured::run(json)?,
             "update" => update::run(json)?,
             "cycles" => cycles::run(json)?,
@@ -54,7 +57,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             }
             other => {
                 bail!(
-                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, structured, update, sleep, cycles, swap, agree, agree-random, coldstart or all"
+                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, concurrency, structured, update, sleep, cycles, swap, agree, agree-random, coldstart or all"
                 )
             }
         }

@@ -19,7 +19,9 @@ tasks:
   ci                      install OpenMPI if missing, fmt check, clippy (default, cuda,
                           failpoints+mpi features), all tests (failpoints+mpi)
   bench <what> [--json]   benchmarks with their reference measured in the same run;
-                          <what>: collectives | vmm | session | model | serve | sleep | cycles |
+                          <what>: collectives | vmm | session | model | serve (with the
+                          concurrency curve) | concurrency (N = 1..64 streams vs llama.cpp
+                          batched, a same-run roofline, a per-step breakdown) | sleep | cycles |
                           swap (a model host's swap vs a cold start) |
                           coldstart (run's time to first token vs warm serve's) |
                           agree (greedy ids and logprobs vs llama.cpp) |

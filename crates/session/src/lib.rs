@@ -46,5 +46,5 @@ pub use sampler::{
 pub use scheduler::{Cancel, Prompt, Request};
 pub use sink::{
     Collect, Detokenizer, FinishReason, Finished, MetricsSink, NoMetrics, OutputSink, StepMetrics,
-    TextCodec, TokenizerCodec,
+    StepPhases, TextCodec, TokenizerCodec,
 };

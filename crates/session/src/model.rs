@@ -101,6 +101,15 @@ pub trait StepModel: Send {
         Vec::new()
     }
 
+    /// The part of the last [`StepModel::forward`] spent sampling on this rank after the
+    /// logits reached the host (the [`Samplers`](crate::Samplers)), which the engine reports
+    /// apart from the forward pass. A greedy step picks its tokens inside the forward pass
+    /// (an argmax where the logits are made), so that pick is not counted here. The default:
+    /// none measured.
+    fn sampling_time(&self) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
+
     /// The paged KV pool, when the model keeps its caches in one: plans then name the blocks
     /// each sequence gets ([`PlanEntry::blocks`](crate::PlanEntry::blocks)). `None` (the
     /// default): each sequence's cache is the model's own business.

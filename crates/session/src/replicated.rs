@@ -93,6 +93,10 @@ impl StepModel for ReplicatedLlama {
         self.sequences.take_prompt_logprobs()
     }
 
+    fn sampling_time(&self) -> std::time::Duration {
+        self.sequences.sampling_time()
+    }
+
     fn context_len(&self) -> usize {
         self.model.config().context_length
     }

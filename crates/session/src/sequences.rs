@@ -8,6 +8,7 @@ use crate::plan::{PlanEntry, SeqId, StepPlan};
 use crate::sampler::{PromptLogprobs, Samplers};
 use layers::parallel::{Comms, ParallelCache, ParallelModel, Sequence};
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 /// A model failure on one sequence; keeps the cause reachable through `source()`.
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +37,8 @@ pub(crate) struct Sequences {
     samplers: Samplers,
     /// The prompt log-probabilities of the last step, until taken.
     prompt_logprobs: Vec<PromptLogprobs>,
+    /// Time the last step spent in the samplers after its logits reached the host.
+    sampling: Duration,
 }
 
 impl Sequences {
@@ -47,6 +50,12 @@ impl Sequences {
     /// The prompt log-probabilities the last [`Sequences::run`] computed, taken.
     pub(crate) fn take_prompt_logprobs(&mut self) -> Vec<PromptLogprobs> {
         std::mem::take(&mut self.prompt_logprobs)
+    }
+
+    /// Time the last [`Sequences::run`] spent sampling after its logits reached the host
+    /// (zero for greedy steps: their argmax runs inside the forward pass).
+    pub(crate) fn sampling_time(&self) -> Duration {
+        self.sampling
     }
 
     /// Frees a sequence's cache and sampler.
@@ -122,6 +131,7 @@ impl Sequences {
         self.caches.extend(taken);
         let out = out?;
         let samplers = &mut self.samplers;
+        let since = Instant::now();
         let sampled = out.map(|picked| match picked {
             Picked::Logits(logits) => {
                 let vocab = model.config().vocab_size;
@@ -133,6 +143,7 @@ impl Sequences {
             }
         });
         self.samplers.end_step(plan);
+        self.sampling = since.elapsed();
         let Some((tokens, prompts)) = sampled.transpose()? else { return Ok(None) };
         self.prompt_logprobs = prompts;
         Ok(Some(tokens))

@@ -399,6 +399,10 @@ impl StepModel for ShardedLlama {
         self.sequences.take_prompt_logprobs()
     }
 
+    fn sampling_time(&self) -> std::time::Duration {
+        self.sequences.sampling_time()
+    }
+
     fn kv_layout(&self) -> Option<KvLayout> {
         self.pool.as_ref().map(|(_, layout)| *layout)
     }

@@ -231,6 +231,46 @@ pub struct StepMetrics {
     pub prefix_hits: u64,
     /// Requests preempted in this step (their blocks freed; they recompute later).
     pub preemptions: u64,
+    /// Where rank 0's time in the step went, phase by phase.
+    pub phases: StepPhases,
+}
+
+/// Rank 0's time in one step by phase, in the order they run. `agreement` is
+/// [`StepMetrics::agreement`] and `forward + sample + update` is [`StepMetrics::model`]; what
+/// rank 0 does between steps besides `schedule` (idle waits for requests, the metrics sink)
+/// is in none of them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepPhases {
+    /// Admitting the requests that arrived since the last step (encoding text prompts,
+    /// queueing them) and the scheduler's plan of this step; waits for a request to arrive
+    /// are not counted.
+    pub schedule: Duration,
+    /// The model's forward pass on rank 0 (its collectives included), less `sample`. A greedy
+    /// step's argmax runs here, where the logits are made.
+    pub forward: Duration,
+    /// Sampling on the host after the logits came back ([`StepModel::sampling_time`]).
+    ///
+    /// [`StepModel::sampling_time`]: crate::StepModel::sampling_time
+    pub sample: Duration,
+    /// The scheduler taking the sampled tokens (stop tokens, lengths, finished requests,
+    /// prompt log-probabilities).
+    pub update: Duration,
+    /// Handing the step's tokens and ends to the output sink.
+    pub emit: Duration,
+}
+
+impl StepPhases {
+    /// Each phase with its name (`schedule`, `forward`, `sample`, `update`, `emit`), in the
+    /// order they run.
+    pub fn named(&self) -> [(&'static str, Duration); 5] {
+        [
+            ("schedule", self.schedule),
+            ("forward", self.forward),
+            ("sample", self.sample),
+            ("update", self.update),
+            ("emit", self.emit),
+        ]
+    }
 }
 
 /// Where rank 0 records metrics. Only rank 0 owns one.

@@ -15,6 +15,9 @@
 //!   of its own, with and without prefix caching: mean time to first token, aggregate tok/s,
 //!   the prefix cache's hits and each rank's resident memory next to the KV pool's budget.
 //!
+//! - Then the concurrency curve ([`super::concurrency`]): 1 to 64 streams on f32 and Q4_1
+//!   against llama.cpp batched, the same run's roofline and a per-step breakdown.
+//!
 //! Each figure is the best of [`ROUNDS`] rounds, so a burst of noise on a shared machine does
 //! not decide a ratio.
 
@@ -42,14 +45,21 @@ const LOAD_DEADLINE: Duration = Duration::from_secs(300);
 const REQUEST_DEADLINE: Duration = Duration::from_secs(300);
 
 /// What llama.cpp measured on one file, and the prompt ids it used.
-struct Reference {
-    prefill: f64,
-    decode: f64,
-    prompts: Vec<Vec<u32>>,
+pub(super) struct Reference {
+    /// Prompt tokens per second (all prompts in one batch).
+    pub(super) prefill: f64,
+    /// Decoded tokens per second over all sequences (one batch per step).
+    pub(super) decode: f64,
+    pub(super) prompts: Vec<Vec<u32>>,
 }
 
 /// Runs `llamacpp_batch.py` for `seqs` sequences of `prompt` ids and [`DECODE`] tokens.
-fn reference(anchors: &Path, model: &Path, seqs: usize, prompt: usize) -> Result<Reference> {
+pub(super) fn reference(
+    anchors: &Path,
+    model: &Path,
+    seqs: usize,
+    prompt: usize,
+) -> Result<Reference> {
     let out = util::output(
         Command::new("python3")
             .arg(anchors.join("llamacpp_batch.py"))
@@ -151,11 +161,13 @@ impl Drop for Server {
     }
 }
 
-/// When one streamed request's first and last tokens arrived, from a shared start.
-#[derive(Clone, Copy)]
+/// When one streamed request's tokens arrived, from a shared start.
+#[derive(Clone)]
 pub(crate) struct Arrivals {
     pub(crate) first: Duration,
     pub(crate) last: Duration,
+    /// When each event that carried tokens arrived (one per token as the server streams).
+    pub(crate) tokens: Vec<Duration>,
 }
 
 /// One greedy streamed completion of `prompt` ids, [`DECODE`] tokens with `ignore_eos`.
@@ -181,7 +193,7 @@ pub(crate) fn stream_with(
     }
     let response = agent.post(&format!("{base}/v1/completions")).send_json(&body)?;
     let reader = BufReader::new(response.into_body().into_reader());
-    let (mut first, mut tokens) = (None, 0);
+    let (mut first, mut tokens, mut times) = (None, 0, Vec::with_capacity(DECODE));
     for line in reader.lines() {
         let line = line?;
         let Some(data) = line.strip_prefix("data: ") else { continue };
@@ -191,17 +203,19 @@ pub(crate) fn stream_with(
         let event: Value = serde_json::from_str(data).context("a streamed event")?;
         let ids = event["choices"][0]["token_ids"].as_array().map_or(0, Vec::len);
         if ids > 0 {
-            first.get_or_insert_with(|| start.elapsed());
+            let now = start.elapsed();
+            first.get_or_insert(now);
+            times.push(now);
             tokens += ids;
         }
     }
     let last = start.elapsed();
     ensure!(tokens == DECODE, "the server streamed {tokens} tokens, {DECODE} were asked for");
-    Ok(Arrivals { first: first.context("no token streamed")?, last })
+    Ok(Arrivals { first: first.context("no token streamed")?, last, tokens: times })
 }
 
 /// Every prompt streamed at once, one client thread each, timed from one shared start.
-fn concurrently(base: &str, prompts: &[Vec<u32>]) -> Result<Vec<Arrivals>> {
+pub(super) fn concurrently(base: &str, prompts: &[Vec<u32>]) -> Result<Vec<Arrivals>> {
     let start = Instant::now();
     std::thread::scope(|s| {
         let handles: Vec<_> = prompts.iter().map(|p| s.spawn(|| stream(base, p, start))).collect();
@@ -352,8 +366,9 @@ pub(crate) fn run(json: bool) -> Result<()> {
             without.ttft_ms / with.ttft_ms,
             with.tok_s / without.tok_s
         );
+        println!();
     }
-    Ok(())
+    super::concurrency::run(json)
 }
 
 /// The shared system prompt of the chat workload, in tokens.

@@ -69,6 +69,8 @@ pub struct Events {
     /// Decodes the request's tokens.
     tokenizer: Arc<text::Tokenizer>,
     text: TextStream,
+    /// Where the time spent decoding is counted.
+    metrics: Metrics,
 }
 
 impl std::fmt::Debug for Events {
@@ -86,13 +88,20 @@ impl Events {
             Some(Sent::Event(event)) => Some(event),
             Some(Sent::Token { token, last, logprobs, version }) => {
                 // An id the tokenizer cannot decode (outside its vocabulary) adds no text.
+                let since = Instant::now();
                 let text =
                     self.tokenizer.decode_next(&mut self.text, token, last).unwrap_or_default();
+                self.metrics.detokenized(since.elapsed());
                 Some(Event::Token { token, text, logprobs, version })
             }
         };
         self.finished |= matches!(event, Some(Event::Finished { .. }) | None);
         event
+    }
+
+    /// The server's metrics, where a handler counts the time it spends on these events.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
     }
 }
 
@@ -213,7 +222,9 @@ impl Bridge {
         }
         self.metrics.submitted(prompt_tokens);
         let tokenizer = self.tokenizer.clone();
-        Ok(Events { id, rx, cancel, finished: false, tokenizer, text: TextStream::default() })
+        let metrics = self.metrics.clone();
+        let text = TextStream::default();
+        Ok(Events { id, rx, cancel, finished: false, tokenizer, text, metrics })
     }
 
     /// Closes every pending request's channel and takes no more (the engine stopped).

@@ -44,6 +44,10 @@ const TOKENS: &[f64] = &[
     50000.0, 100000.0, 200000.0, 500000.0, 1000000.0,
 ];
 
+/// The `phase` labels of `tpctl_step_phase_seconds_total`, in the order a step runs them:
+/// [`StepPhases`](session::StepPhases)' with the agreement between `schedule` and `forward`.
+const STEP_PHASES: [&str; 6] = ["schedule", "agree", "forward", "sample", "update", "emit"];
+
 #[derive(Debug, Clone)]
 struct Histogram {
     bounds: &'static [f64],
@@ -113,6 +117,12 @@ struct Inner {
     iteration_tokens: Histogram,
     steps: u64,
     step_seconds: f64,
+    /// Rank 0's time per step phase, in the order they run ([`STEP_PHASES`]).
+    phase_seconds: [f64; STEP_PHASES.len()],
+    /// Time the handlers spent decoding token ids to text.
+    detokenize_seconds: f64,
+    /// Time the handlers spent turning tokens into streamed chunks (JSON).
+    encode_seconds: f64,
     step_prefill_tokens: u64,
     step_decode_tokens: u64,
     /// Requests with tokens in the KV cache at the latest step.
@@ -146,6 +156,9 @@ impl Default for Inner {
             iteration_tokens: Histogram::new(TOKENS),
             steps: 0,
             step_seconds: 0.0,
+            phase_seconds: [0.0; STEP_PHASES.len()],
+            detokenize_seconds: 0.0,
+            encode_seconds: 0.0,
             step_prefill_tokens: 0,
             step_decode_tokens: 0,
             engine_running: 0,
@@ -238,6 +251,18 @@ impl Metrics {
                 m.per_output_token.observe_time(per_token);
             }
         }
+    }
+
+    /// A handler spent `took` decoding a token id to text ([`Events::recv`]).
+    ///
+    /// [`Events::recv`]: super::bridge::Events::recv
+    pub fn detokenized(&self, took: Duration) {
+        self.lock().detokenize_seconds += took.as_secs_f64();
+    }
+
+    /// A handler spent `took` turning a token into a streamed chunk.
+    pub fn encoded(&self, took: Duration) {
+        self.lock().encode_seconds += took.as_secs_f64();
     }
 
     /// The engine's metrics sink, feeding the step counters; its first step sets `ready`.
@@ -365,6 +390,29 @@ impl Metrics {
             "tpctl_step_seconds_total",
             "Time in engine steps (agreement and model).",
             m.step_seconds,
+        );
+        let phases = STEP_PHASES.iter().zip(m.phase_seconds);
+        out.labelled(
+            "tpctl_step_phase_seconds_total",
+            "counter",
+            "Rank 0's time in engine steps by phase: schedule (admitting arrived requests and \
+             planning the step, waits for a request not counted), agree (the ranks' step \
+             agreement), forward (the model's forward pass, a greedy argmax included), sample \
+             (host sampling after the forward pass), update (the scheduler taking the tokens), \
+             emit (handing them to the HTTP handlers' channels).",
+            phases.map(|(phase, secs)| (vec![("phase", *phase)], secs)),
+        );
+        out.counter(
+            "tpctl_http_detokenize_seconds_total",
+            "Time the HTTP handlers spent decoding generated token ids to text (on the HTTP \
+             runtime's threads, not the engine's).",
+            m.detokenize_seconds,
+        );
+        out.counter(
+            "tpctl_http_encode_seconds_total",
+            "Time the streaming HTTP handlers spent turning tokens into chunks (stop strings, \
+             log-probabilities, JSON); the socket writes after that are not counted.",
+            m.encode_seconds,
         );
         out.counter(
             "tpctl_step_prefill_tokens_total",
@@ -617,6 +665,11 @@ impl MetricsSink for EngineMeter {
         let mut m = self.metrics.lock();
         m.steps += 1;
         m.step_seconds += (s.agreement + s.model).as_secs_f64();
+        let p = s.phases;
+        let phases = [p.schedule, s.agreement, p.forward, p.sample, p.update, p.emit];
+        for (total, took) in m.phase_seconds.iter_mut().zip(phases) {
+            *total += took.as_secs_f64();
+        }
         m.step_prefill_tokens += s.prefill_tokens as u64;
         m.step_decode_tokens += s.decode_tokens as u64;
         m.iteration_tokens.observe((s.prefill_tokens + s.decode_tokens) as f64);

@@ -216,6 +216,9 @@ impl Leader {
         replacement: &mut Option<Vec<Request>>,
     ) -> Result<Message> {
         let limit = config.max_steps.is_some_and(|m| s.steps >= m);
+        // The step's scheduling time: this call less its waits for a request to arrive.
+        let started = Instant::now();
+        let mut waited = Duration::ZERO;
         if let Some(sched) = s.sched.as_mut() {
             for e in sched.take_cancelled() {
                 s.finished += 1;
@@ -229,7 +232,10 @@ impl Leader {
             }
             let idle = !s.sched.as_ref().is_some_and(Scheduler::has_work);
             if idle {
-                match inbox.recv_timeout(self.core.opts.tick) {
+                let since = Instant::now();
+                let arrived = inbox.recv_timeout(self.core.opts.tick);
+                waited += since.elapsed();
+                match arrived {
                     Ok(r) => {
                         self.admit(s, r)?;
                         while let Ok(r) = inbox.try_recv() {
@@ -238,12 +244,16 @@ impl Leader {
                     }
                     Err(RecvTimeoutError::Timeout) => {}
                     // No sender left: nothing will arrive, but the ticks keep their pace.
-                    Err(RecvTimeoutError::Disconnected) => std::thread::sleep(self.core.opts.tick),
+                    Err(RecvTimeoutError::Disconnected) => {
+                        std::thread::sleep(self.core.opts.tick);
+                        waited += self.core.opts.tick;
+                    }
                 }
             }
         }
         if !limit {
             if let Some(plan) = s.sched.as_mut().and_then(|q| q.plan(s.epoch, s.steps + 1)) {
+                s.schedule = started.elapsed().saturating_sub(waited);
                 return Ok(Message::Step(plan));
             }
         }
@@ -286,7 +296,9 @@ impl Leader {
         };
         match mode {
             QuiesceMode::Wait => {
+                let started = Instant::now();
                 if let Some(plan) = sched.plan(s.epoch, s.steps + 1) {
+                    s.schedule = started.elapsed();
                     return Ok(Message::Step(plan));
                 }
             }
@@ -320,7 +332,11 @@ impl Leader {
         s.steps += 1;
         self.core.events.push(Event::Step { epoch, step: s.steps });
         let t1 = Instant::now();
-        let result = self.core.forward(model.as_mut(), &plan).and_then(|sampled| {
+        let forwarded = self.core.forward(model.as_mut(), &plan);
+        let forward = t1.elapsed();
+        let sample = model.sampling_time().min(forward);
+        let t2 = Instant::now();
+        let result = forwarded.and_then(|sampled| {
             // A prompt's log-probabilities go out before its first token.
             let mut emitted = sched.prompt_logprobs(model.take_prompt_logprobs());
             let tokens = sched.apply(&plan, sampled.unwrap_or_default());
@@ -333,11 +349,13 @@ impl Leader {
             })?);
             Ok(emitted)
         });
+        let update = t2.elapsed();
         let model_time = t1.elapsed();
         let emitted = match result {
             Ok(e) => e,
             Err(e) => return Err(self.core.announce(e, Owed::Admission, epoch, s.steps)),
         };
+        let t3 = Instant::now();
         let sunk = injected("output sink", "session.sink", 0, epoch, plan.step).and_then(|()| {
             s.finished +=
                 emitted.iter().filter(|e| matches!(e, Emit::Finished { .. })).count() as u64;
@@ -346,6 +364,13 @@ impl Leader {
         if let Err(e) = sunk {
             return Err(self.core.announce(e, Owed::Admission, epoch, s.steps));
         }
+        let phases = StepPhases {
+            schedule: std::mem::take(&mut s.schedule),
+            forward: forward - sample,
+            sample,
+            update,
+            emit: t3.elapsed(),
+        };
         let prefill = plan.entries.iter().filter(|e| !e.is_decode()).map(|e| e.tokens.len()).sum();
         let load = sched.take_load();
         self.metrics.step(&StepMetrics {
@@ -362,6 +387,7 @@ impl Leader {
             prefix_queries: load.prefix_queries,
             prefix_hits: load.prefix_hits,
             preemptions: load.preemptions,
+            phases,
         });
         Ok(())
     }
@@ -407,6 +433,8 @@ struct LeaderSession {
     steps: u64,
     finished: u64,
     idle_ticks: u64,
+    /// The scheduling time of the step about to run ([`StepPhases::schedule`]).
+    schedule: Duration,
     model: Option<Box<dyn StepModel>>,
     sched: Option<Scheduler>,
     text: Text,
@@ -419,6 +447,7 @@ impl LeaderSession {
             steps: 0,
             finished: 0,
             idle_ticks: 0,
+            schedule: Duration::ZERO,
             model: None,
             sched: None,
             text: Text::default(),

@@ -50,7 +50,7 @@ use crate::model::{Groups, ModelFactory, StepModel};
 use crate::plan::{SessionConfig, SessionDecision, StepPlan};
 use crate::protocol::{self, Agreed, Agreement, Contribution, Message, State};
 use crate::scheduler::{Emit, Request, Scheduler};
-use crate::sink::{FinishReason, MetricsSink, OutputSink, StepMetrics, TextCodec};
+use crate::sink::{FinishReason, MetricsSink, OutputSink, StepMetrics, StepPhases, TextCodec};
 use crate::sleep::QuiesceMode;
 use collectives::ParallelContext;
 pub use gate::Gate;

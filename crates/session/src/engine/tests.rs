@@ -16,6 +16,11 @@ struct Count {
     seqs: std::collections::HashMap<SeqIdAlias, usize>,
     samplers: crate::Samplers,
     fail_at: Option<u64>,
+    /// Model `slow`: every forward pass takes [`SLOW_FORWARD`] more, and its sampling
+    /// [`SLOW_SAMPLE`] more.
+    slow: bool,
+    /// The last step's sampling time, as a runner reports it.
+    sampling: Duration,
 }
 type SeqIdAlias = crate::plan::SeqId;
 
@@ -38,7 +43,20 @@ impl StepModel for Count {
                 rows.extend((0..VOCAB).map(|i| if i == next { 1.0 } else { 0.0 }));
             }
         }
-        Ok(Some(self.samplers.sample(plan, &rows, VOCAB)?))
+        if self.slow {
+            std::thread::sleep(SLOW_FORWARD);
+        }
+        let since = std::time::Instant::now();
+        if self.slow {
+            std::thread::sleep(SLOW_SAMPLE);
+        }
+        let sampled = self.samplers.sample(plan, &rows, VOCAB)?;
+        self.sampling = since.elapsed();
+        Ok(Some(sampled))
+    }
+
+    fn sampling_time(&self) -> Duration {
+        self.sampling
     }
 
     fn release(&mut self, seq: SeqIdAlias) {
@@ -67,7 +85,13 @@ impl ModelFactory for Factory {
             return Err("no such model".into());
         }
         let fail_at = config.model.strip_prefix("fail-at-").and_then(|s| s.parse().ok());
-        Ok(Box::new(Count { seqs: Default::default(), samplers: Default::default(), fail_at }))
+        Ok(Box::new(Count {
+            seqs: Default::default(),
+            samplers: Default::default(),
+            fail_at,
+            slow: config.model == "slow",
+            sampling: Duration::ZERO,
+        }))
     }
 
     fn codec(
@@ -146,6 +170,10 @@ fn characters_split_over_tokens_come_out_whole() {
         "{two:?}"
     );
 }
+
+/// What model `slow` adds to each forward pass, and to its sampling.
+const SLOW_FORWARD: Duration = Duration::from_millis(4);
+const SLOW_SAMPLE: Duration = Duration::from_millis(3);
 
 #[derive(Clone, Default)]
 struct Metrics(Arc<Mutex<Vec<StepMetrics>>>);
@@ -654,4 +682,23 @@ fn the_requests_of_a_session_that_never_opens_are_cancelled() {
             (11, FinishReason::Cancelled, 0)
         ]
     );
+}
+
+/// Each step's phases account for rank 0's time where it went: the model's sampling apart
+/// from its forward pass, the two and the scheduler's update within the model time.
+#[test]
+fn step_phases_split_the_model_time() {
+    let (f, out, m) = (Factory::default(), Collect::new(), Metrics::default());
+    let mut l = leader(&f, &out, &m);
+    let cfg = SessionConfig { token_budget: 8, ..SessionConfig::new("slow") };
+    l.run(cfg, vec![req(1, &[1, 2, 3], 3), req(2, &[7], 3)], &mut stop).unwrap();
+    let steps = m.0.lock().unwrap().clone();
+    assert_eq!(steps.len(), 3, "{steps:?}");
+    for s in &steps {
+        let p = s.phases;
+        assert!(p.forward >= SLOW_FORWARD && p.sample >= SLOW_SAMPLE, "{s:?}");
+        assert!(p.forward + p.sample + p.update <= s.model, "{s:?}");
+        let named: Vec<&str> = p.named().iter().map(|(n, _)| *n).collect();
+        assert_eq!(named, ["schedule", "forward", "sample", "update", "emit"]);
+    }
 }

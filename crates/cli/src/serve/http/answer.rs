@@ -667,6 +667,7 @@ impl Choice {
                 // The prompt alone: the one generated token is not part of the answer.
                 Event::Token { .. } if answer.prompt_only => {}
                 Event::Token { token, text, logprobs, version: v } => {
+                    let since = std::time::Instant::now();
                     *version.lock().unwrap_or_else(|e| e.into_inner()) = v;
                     completion_tokens += 1;
                     let scored = answer.scorer.as_ref().and_then(|s| s.score(token, logprobs));
@@ -686,7 +687,10 @@ impl Choice {
                     if let Some(tools) = &mut tools {
                         text = tools.push(&text);
                     }
-                    if !send(piece(&text, Some(token), logprobs)).await {
+                    // The chunk is made when `send` is called; its sending is not counted.
+                    let sent = send(piece(&text, Some(token), logprobs));
+                    rx.metrics().encoded(since.elapsed());
+                    if !sent.await {
                         return None;
                     }
                     if hit {

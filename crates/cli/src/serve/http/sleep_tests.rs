@@ -556,3 +556,28 @@ fn a_paused_update_versions_the_tokens_after_it() {
     }
     assert_eq!(http.json("GET", "/get_weight_version").1["weight_version"], "2");
 }
+
+/// A streamed answer's tokens are decoded and encoded on the HTTP runtime's threads, and
+/// `/metrics` counts the time each took.
+#[test]
+fn the_handlers_time_on_tokens_shows_in_the_metrics() {
+    use session::OutputSink;
+    let http = Http::start(None, false, None);
+    let seconds = |name: &str| -> f64 { http.metric(&format!("{name} ")).parse().unwrap() };
+    assert_eq!(seconds("tpctl_http_detokenize_seconds_total"), 0.0);
+    assert_eq!(seconds("tpctl_http_encode_seconds_total"), 0.0);
+    let streamed = post_in_background(
+        &http.addr,
+        "/v1/completions",
+        r#"{"prompt":[2],"max_tokens":2,"stream":true}"#,
+    );
+    let mut engine = http.bridge.sink();
+    let id = http.inbox.recv_timeout(DEADLINE).expect("a request").id;
+    engine.token(id, 7, false, None).unwrap();
+    engine.token(id, 8, true, None).unwrap();
+    engine.finished(id, session::FinishReason::Length, &[7, 8]).unwrap();
+    let raw = streamed.join().unwrap();
+    assert!(raw.contains("data: [DONE]"), "{raw}");
+    assert!(seconds("tpctl_http_detokenize_seconds_total") > 0.0);
+    assert!(seconds("tpctl_http_encode_seconds_total") > 0.0);
+}

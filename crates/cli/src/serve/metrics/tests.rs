@@ -110,3 +110,41 @@ fn a_request_held_for_a_wakeup_counts_as_waiting() {
     drop(held);
     assert_eq!(waiting(&m), "0");
 }
+
+/// The engine's step phases add up per phase label, in the order a step runs them, next to
+/// the step totals; the handlers' detokenization and chunk encoding are counted apart.
+#[test]
+fn step_phases_and_the_handlers_time_are_counted() {
+    use session::{MetricsSink, StepMetrics, StepPhases};
+    let m = Metrics::default();
+    let mut engine = m.engine_sink(std::sync::Arc::default());
+    let phases =
+        StepPhases { schedule: ms(1), forward: ms(10), sample: ms(0), update: ms(3), emit: ms(4) };
+    let step = StepMetrics { agreement: ms(2), model: ms(13), phases, ..StepMetrics::default() };
+    engine.step(&step);
+    engine.step(&step);
+    m.detokenized(ms(5));
+    m.detokenized(ms(5));
+    m.encoded(ms(7));
+    let text = m.render("tiny");
+    let phase = |p: &str, v: &str| format!("tpctl_step_phase_seconds_total{{phase=\"{p}\"}} {v}");
+    let expect = [
+        phase("schedule", "0.002"),
+        phase("agree", "0.004"),
+        phase("forward", "0.02"),
+        phase("sample", "0"),
+        phase("update", "0.006"),
+        phase("emit", "0.008"),
+        "tpctl_steps_total 2".to_owned(),
+        "tpctl_step_seconds_total 0.03".to_owned(),
+        "tpctl_http_detokenize_seconds_total 0.01".to_owned(),
+        "tpctl_http_encode_seconds_total 0.007".to_owned(),
+    ];
+    for line in &expect {
+        assert!(has(&text, line), "`{line}` missing from\n{text}");
+    }
+    let order: Vec<usize> =
+        expect[..6].iter().map(|l| text.find(l.as_str()).unwrap_or(usize::MAX)).collect();
+    assert!(order.windows(2).all(|w| w[0] < w[1]), "phases out of order:\n{text}");
+    assert_eq!(text.matches("# TYPE tpctl_step_phase_seconds_total counter").count(), 1);
+}
