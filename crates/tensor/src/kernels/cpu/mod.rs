@@ -20,6 +20,7 @@ pub mod sgemm;
 use super::Weight;
 use crate::error::{Error, Result};
 use crate::tensor::{Device, DeviceData, Tensor};
+use rayon::prelude::*;
 use std::sync::Arc;
 
 /// Runs CPU kernels on its own rayon pool of a fixed size, so each rank (or each test) decides
@@ -161,11 +162,17 @@ pub(crate) fn by_weight_rows<R>(
     let mut block = BLOCK.take();
     block.resize(rows * m, 0.0);
     let ran = fill(&mut block);
-    for (r, col) in block.chunks_exact(m).enumerate() {
-        for (i, v) in col.iter().enumerate() {
-            out[i * rows + r] = *v;
+    // In parallel bands of 16 activation rows: each band reads its 64 bytes of every weight
+    // row's products (a cache line, read by no other band) and writes its own rows of `out`.
+    let band = m.min(16);
+    out.par_chunks_mut(band * rows).enumerate().for_each(|(b, part)| {
+        let first = b * band;
+        for (r, col) in block.chunks_exact(m).enumerate() {
+            for (j, v) in col[first..][..part.len() / rows].iter().enumerate() {
+                part[j * rows + r] = *v;
+            }
         }
-    }
+    });
     BLOCK.set(block);
     ran
 }
