@@ -9,6 +9,7 @@
 use std::time::Instant;
 use tensor::kernels::cpu::{matvec, qmatrix, sgemm};
 use tensor::kernels::QMatrix;
+use tensor::test_util::random_vec as random;
 
 /// (name, out features, in features) of one layer of SmolLM2-135M, and its LM head.
 const SHAPES: [(&str, usize, usize); 4] =
@@ -16,18 +17,6 @@ const SHAPES: [(&str, usize, usize); 4] =
 
 /// Bytes of f32 weights per shape, cycled through: more than the last level cache.
 const RESIDENT: usize = 256 << 20;
-
-fn random(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        })
-        .collect()
-}
 
 /// Best time of a few runs of `f`, in seconds.
 fn best(mut f: impl FnMut()) -> f64 {
@@ -64,7 +53,7 @@ fn main() {
                     k,
                     random(nb, 2 + c).iter().map(|v| v * 0.01).collect(),
                     random(nb, 3 + c).iter().map(|v| v * 0.1).collect(),
-                    random(nb * 16, 4 + c).iter().map(|v| ((v + 0.5) * 255.0) as u8).collect(),
+                    random(nb * 16, 4 + c).iter().map(|v| ((v + 1.0) * 127.5) as u8).collect(),
                 )
                 .expect("a 4-bit matrix")
             })
