@@ -19,7 +19,8 @@ pub(crate) const MAX_REQUEST: u64 = 64 * 1024;
 /// How long a client has to send its request, and the server to write its reply.
 const IO_DEADLINE: Duration = Duration::from_secs(10);
 
-/// How often the idle accept loop looks at its stop flag.
+/// How often the idle accept loop looks at its stop flag (a client is accepted as soon as it
+/// connects).
 const POLL: Duration = Duration::from_millis(25);
 
 /// Connections served at once; more are answered "busy" at once.
@@ -155,7 +156,7 @@ fn accept_loop(
         let stream = match listener.accept() {
             Ok((stream, _)) => stream,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(POLL);
+                wait_for_client(&listener);
                 continue;
             }
             Err(e) => {
@@ -184,6 +185,19 @@ fn accept_loop(
         if let Err(e) = spawned {
             tracing::warn!("control socket: cannot start a connection thread: {e}");
         }
+    }
+}
+
+/// Waits until a client connects to `listener`, at most [`POLL`] (so the loop still looks at
+/// its stop flag that often): a request is taken up at once, not at the next poll.
+fn wait_for_client(listener: &UnixListener) {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+    let timeout = PollTimeout::try_from(POLL).unwrap_or(PollTimeout::MAX);
+    if poll(&mut fds, timeout).is_err() {
+        // Interrupted by a signal, or the descriptor is gone: pace the loop as before.
+        std::thread::sleep(POLL);
     }
 }
 

@@ -83,6 +83,15 @@ impl Gate {
         }
     }
 
+    /// Waits while the engine is parked, at most `timeout`: returns as soon as the gate opens.
+    pub(crate) fn wait_parked(&self, timeout: Duration) {
+        let s = self.lock();
+        let _ = self
+            .changed
+            .wait_timeout_while(s, timeout, |s| s.parked)
+            .unwrap_or_else(PoisonError::into_inner);
+    }
+
     /// A worker starts a step (or a session's model build: anything that touches the model's
     /// memory). Refused while the gate is closed.
     pub(crate) fn enter_step(&self) -> Result<(), String> {

@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// How often an idle rank 0 looks at its gate and stop flag while it waits for a request.
+const GATE_POLL: Duration = Duration::from_millis(2);
+
 /// How a session's loop ended.
 enum Ended {
     /// Every rank leaves the engine.
@@ -233,7 +236,7 @@ impl Leader {
             let idle = !s.sched.as_ref().is_some_and(Scheduler::has_work);
             if idle {
                 let since = Instant::now();
-                let arrived = inbox.recv_timeout(self.core.opts.tick);
+                let arrived = self.next_request(inbox);
                 waited += since.elapsed();
                 match arrived {
                     Ok(r) => {
@@ -280,6 +283,24 @@ impl Leader {
         })
     }
 
+    /// The next request from `inbox`, waiting at most a tick while nothing runs. The wait
+    /// looks at the gate and the stop flag every [`GATE_POLL`], so a sleep (or a stop) asked of
+    /// an idle engine is taken up within that, not at the end of the tick.
+    fn next_request(&self, inbox: &Receiver<Request>) -> Result<Request, RecvTimeoutError> {
+        let deadline = Instant::now() + self.core.opts.tick;
+        loop {
+            let now = Instant::now();
+            let slice = deadline.saturating_duration_since(now).min(GATE_POLL);
+            match inbox.recv_timeout(slice) {
+                Err(RecvTimeoutError::Timeout)
+                    if Instant::now() < deadline
+                        && self.core.gate.request().is_none()
+                        && !self.core.stop.is_requested() => {}
+                arrived => return arrived,
+            }
+        }
+    }
+
     /// What rank 0 sends while a sleep quiesces the engine (see [`gate`]): with `wait` the
     /// running requests go on (no new one is admitted), with `abort` they fail, with `keep`
     /// they pause; then the engine parks and only idle ticks run until the gate opens.
@@ -287,7 +308,9 @@ impl Leader {
         // The gate's own state, never a copy: a wakeup and the next sleep may both land
         // between two boundaries.
         if self.core.gate.is_parked() {
-            std::thread::sleep(self.core.opts.tick);
+            // Until the tick ends, or at once when the gate opens: a wakeup's first request
+            // does not wait for the rest of a tick.
+            self.core.gate.wait_parked(self.core.opts.tick);
             return Ok(Message::Idle);
         }
         let Some(sched) = s.sched.as_mut() else {

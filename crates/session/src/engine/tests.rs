@@ -638,6 +638,50 @@ fn a_sleep_right_after_a_wakeup_parks_the_engine_again() {
     assert_eq!(out.finished()[0].tokens, vec![2, 3, 4]);
 }
 
+/// An idle rank 0 waits for requests a tick at a time, and a parked one idles a tick at a
+/// time: a sleep asked of it, and the first request after the wakeup, are still taken up at
+/// once, not when the tick ends. With a tick far longer than the deadlines below, either wait
+/// cut short only at the tick's end fails them.
+#[test]
+fn an_idle_engine_parks_and_runs_again_without_waiting_out_its_tick() {
+    use crate::sleep::Quiesce;
+    let (f, out, m) = (Factory::default(), Collect::new(), Metrics::default());
+    let ctx = init_parallel_with(mesh::Rendezvous::single(), &InitOptions::default()).unwrap();
+    let opts = EngineOptions {
+        tick: Duration::from_secs(600),
+        quiesce_timeout: Duration::from_secs(20),
+        ..EngineOptions::default()
+    };
+    let mut l =
+        Leader::new(ctx, Box::new(f.clone()), Box::new(out.clone()), Box::new(m.clone()), opts)
+            .unwrap();
+    let (gate, stop) = (l.gate(), l.stop_handle());
+    let (tx, rx) = std::sync::mpsc::channel::<Request>();
+    let (done_tx, done) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut decide = |_: &SessionReport| Decision::KeepOpen;
+        let _ = done_tx.send(l.serve(SessionConfig::new("count"), &rx, &mut decide));
+    });
+    // The engine idles: one request served, then nothing to do.
+    tx.send(req(1, &[1], 2)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while out.finished().is_empty() {
+        assert!(Instant::now() < deadline, "the first request was never answered");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    gate.quiesce(QuiesceMode::Wait).expect("an idle engine parks before its tick ends");
+    gate.resume();
+    tx.send(req(2, &[5], 2)).unwrap();
+    while out.finished().len() < 2 {
+        assert!(Instant::now() < deadline, "the request after the wakeup was never answered");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    stop.request_stop();
+    let served = done.recv_timeout(Duration::from_secs(20)).expect("the engine stops");
+    served.unwrap();
+    assert_eq!(out.finished()[1].tokens, vec![6, 7]);
+}
+
 #[test]
 fn a_failed_agreement_is_an_error_for_every_rank_but_its_origin() {
     let agreed = |failed| Agreed { state: State::Failed, failed, stopped: None };
