@@ -91,9 +91,26 @@ fn cold(tpctl: &Path, model: &Path, prompt: &[u32]) -> Result<Duration> {
     Ok(stream_with(&serve.base, prompt, &Value::Null, start)?.first)
 }
 
+/// What the swaps of one host took: each request's time to first token, and the host's own
+/// mean time per sleep and per wakeup of a model (from its metrics), the rest being the
+/// prefill and the routing.
+struct Swaps {
+    ttft: Vec<Duration>,
+    sleep: Duration,
+    wakeup: Duration,
+}
+
+/// The sum over models of the host's metric `name` in the exposition `text`.
+fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with('{')))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
 /// A host of the model twice at sleep `level`: the time to first token of requests that each
 /// swap the two.
-fn swaps(tpctl: &Path, model: &Path, prompt: &[u32], level: u8) -> Result<Vec<Duration>> {
+fn swaps(tpctl: &Path, model: &Path, prompt: &[u32], level: u8) -> Result<Swaps> {
     let config =
         std::env::temp_dir().join(format!("tpctl-swap-{}-{level}.toml", std::process::id()));
     let m = model.display();
@@ -117,17 +134,19 @@ fn swaps(tpctl: &Path, model: &Path, prompt: &[u32], level: u8) -> Result<Vec<Du
     }
     let metrics =
         ureq::get(&format!("{}/metrics", host.base)).call()?.into_body().read_to_string()?;
-    let swaps: f64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("tpctl_host_swaps_in_total{"))
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum();
+    let swaps = metric_sum(&metrics, "tpctl_host_swaps_in_total");
+    let mean = |way: &str| {
+        let count = metric_sum(&metrics, &format!("tpctl_host_swaps_{way}_total"));
+        let seconds = metric_sum(&metrics, &format!("tpctl_host_swap_{way}_seconds_total"));
+        Duration::from_secs_f64(if count > 0.0 { seconds / count } else { 0.0 })
+    };
+    let (sleep, wakeup) = (mean("out"), mean("in"));
     ensure!(
         swaps as usize == ROUNDS * 2 + 1,
         "the host swapped {swaps} times for {} requests: the budget did not hold one model",
         ROUNDS * 2 + 1
     );
-    Ok(ttft)
+    Ok(Swaps { ttft, sleep, wakeup })
 }
 
 pub(crate) fn run(json: bool) -> Result<()> {
@@ -137,15 +156,17 @@ pub(crate) fn run(json: bool) -> Result<()> {
     let tpctl = root().join("target/debug/tpctl");
     let prompt: Vec<u32> = (1000..1032).collect();
     let cold = median((0..ROUNDS).map(|_| cold(&tpctl, &model, &prompt)).collect::<Result<_>>()?);
-    let level1 = median(swaps(&tpctl, &model, &prompt, 1)?);
-    let level2 = median(swaps(&tpctl, &model, &prompt, 2)?);
+    let (s1, s2) = (swaps(&tpctl, &model, &prompt, 1)?, swaps(&tpctl, &model, &prompt, 2)?);
+    let (level1, level2) = (median(s1.ttft.clone()), median(s2.ttft.clone()));
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let (r1, r2) = (ms(level1) / ms(cold), ms(level2) / ms(cold));
     if json {
         println!(
             "{}",
             json!({"bench": "swap", "cold_start_ttft_ms": ms(cold), "swap_level1_ttft_ms": ms(level1),
-                   "swap_level2_ttft_ms": ms(level2), "level1_ratio": r1, "level2_ratio": r2})
+                   "swap_level2_ttft_ms": ms(level2), "level1_ratio": r1, "level2_ratio": r2,
+                   "level1_sleep_ms": ms(s1.sleep), "level1_wakeup_ms": ms(s1.wakeup),
+                   "level2_sleep_ms": ms(s2.sleep), "level2_wakeup_ms": ms(s2.wakeup)})
         );
         return Ok(());
     }
@@ -159,6 +180,13 @@ pub(crate) fn run(json: bool) -> Result<()> {
         ms(level1),
         ms(level2)
     );
+    for (level, s) in [(1, &s1), (2, &s2)] {
+        println!(
+            "  level {level}, mean per swap: the other model's sleep {:.0} ms, this one's wakeup {:.0} ms (the rest of the first token: prefill and routing)",
+            ms(s.sleep),
+            ms(s.wakeup)
+        );
+    }
     if r1 > GOAL {
         eprintln!("warning: a level-1 swap took {r1:.2}x a cold start, above {GOAL}x");
     }
