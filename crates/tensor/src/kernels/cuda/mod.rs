@@ -17,8 +17,11 @@ mod stub;
 #[cfg(not(feature = "cuda"))]
 pub use stub::{CudaBackend, PoolArena};
 
+mod counters;
 #[cfg(any(feature = "cuda", test))]
 mod kernel_cache;
+
+pub use counters::{Counters, PerStep};
 
 #[cfg(test)]
 mod tests;

@@ -127,6 +127,7 @@ impl CudaBackend {
             tables: Mutex::default(),
             in_flight: Mutex::default(),
             waited_ns: AtomicU64::new(0),
+            counters: Default::default(),
         };
         Ok(CudaBackend { inner: Arc::new(inner) })
     }

@@ -67,6 +67,7 @@ mod waits;
 pub use pool_arena::PoolArena;
 
 use crate::error::{Error, Result};
+use crate::kernels::cuda::counters::{Count, Counters, DeviceCounters};
 use crate::kernels::GemmDtype;
 use cache::{Recent, WeightCache};
 use cudarc::cublas::CudaBlas;
@@ -153,6 +154,29 @@ struct Inner {
     /// Nanoseconds the host has spent blocked waiting for the device (see
     /// [`CudaBackend::device_wait`]).
     waited_ns: AtomicU64,
+    /// What this backend asked of the driver (see [`CudaBackend::counters`]).
+    counters: DeviceCounters,
+}
+
+impl Inner {
+    /// Counts one call to the driver of kind `what`.
+    fn count(&self, what: Count) {
+        self.counters.add(what);
+    }
+}
+
+impl CudaBackend {
+    /// What this backend (and its clones) has asked of the driver since it opened: launches,
+    /// device copies, allocations, uploads, downloads and host waits. Two snapshots around a
+    /// step give the step's counts ([`Counters::since`]).
+    pub fn counters(&self) -> Counters {
+        self.inner.counters.snapshot()
+    }
+
+    /// Counts one call to the driver of kind `what`.
+    fn count(&self, what: Count) {
+        self.inner.count(what);
+    }
 }
 
 /// Kernels on CUDA device `ordinal`, taking and returning host tensors (see the module docs
