@@ -1,6 +1,7 @@
 //! `tpctl doctor`: whether tpctl can compute on this machine's GPUs, and what it would use
-//! there. Each device is opened as a rank would open it (driver, NVRTC compiling the kernels,
-//! cuBLAS), described, and looked up in NVML while this process holds a context on it, so the
+//! there. Each device is opened as a rank would open it (driver, the kernels: a CUBIN from
+//! the kernel cache or compiled with NVRTC, else the PTX fallback, and which; cuBLAS),
+//! described, and looked up in NVML while this process holds a context on it, so the
 //! report says whether sleep receipts will see this process's device memory.
 
 use std::fmt;
@@ -88,6 +89,7 @@ pub fn examine(only: Option<usize>) -> Vec<Finding> {
             Ok(info) => Finding::Ok(describe(ordinal, &info)),
             Err(e) => Finding::Blocker(format!("cuda:{ordinal}: {e}")),
         });
+        out.push(kernels_finding(ordinal, backend.kernel_image()));
         // While `backend` holds a context here, so NVML should list this process.
         if let Ok(nvml) = &nvml {
             out.push(nvml_finding(nvml, ordinal, visible.as_deref()));
@@ -112,13 +114,27 @@ fn describe(ordinal: usize, info: &tensor::kernels::CudaDeviceInfo) -> String {
     let (cuda_major, cuda_minor) = info.driver_cuda;
     format!(
         "cuda:{ordinal}: {}, compute capability {major}.{minor}, {:.1} GiB ({:.1} GiB free), \
-         {}; the driver supports CUDA {cuda_major}.{cuda_minor}; the kernels compiled (NVRTC) \
-         and loaded, cuBLAS ready",
+         {}; the driver supports CUDA {cuda_major}.{cuda_minor}; the kernels loaded, cuBLAS \
+         ready",
         info.name,
         gib(info.total_bytes),
         gib(info.free_bytes),
         info.uuid
     )
+}
+
+/// Which form of the kernels device `ordinal` loaded: a CUBIN for its architecture is as it
+/// should be; a CUBIN that could not be cached is compiled again by every process, and the PTX
+/// fallback is compiled by the driver at every load and says why the CUBIN failed.
+fn kernels_finding(ordinal: usize, image: &tensor::kernels::cuda::KernelImage) -> Finding {
+    use tensor::kernels::cuda::KernelImage;
+    let line = format!("cuda:{ordinal}: kernels: {image}");
+    match image {
+        KernelImage::CachedCubin { .. } | KernelImage::CompiledCubin { saved: Ok(_), .. } => {
+            Finding::Ok(line)
+        }
+        _ => Finding::Warning(line),
+    }
 }
 
 /// Whether NVML lists this process on CUDA device `ordinal` (which holds a context of it).
@@ -178,6 +194,48 @@ mod tests {
         );
         assert!(line.contains("(138.8 GiB free), GPU-5d2c1e9a-"), "{line}");
         assert!(line.contains("the driver supports CUDA 13.0"), "{line}");
+    }
+
+    #[test]
+    fn the_kernels_line_says_which_form_was_loaded() {
+        use tensor::kernels::cuda::KernelImage;
+        let cached = KernelImage::CachedCubin {
+            arch: "sm_90".into(),
+            path: "/home/u/.cache/tpctl/kernels/sm_90-0123456789abcdef.cubin".into(),
+        };
+        assert_eq!(
+            kernels_finding(0, &cached),
+            Finding::Ok(
+                "cuda:0: kernels: sm_90 CUBIN from the cache at \
+                 /home/u/.cache/tpctl/kernels/sm_90-0123456789abcdef.cubin"
+                    .into()
+            )
+        );
+        let compiled = KernelImage::CompiledCubin {
+            arch: "sm_90".into(),
+            saved: Ok("/k/sm_90-1.cubin".into()),
+        };
+        assert_eq!(
+            kernels_finding(1, &compiled).to_string(),
+            "ok       cuda:1: kernels: sm_90 CUBIN compiled now (NVRTC), cached at /k/sm_90-1.cubin"
+        );
+        let uncached = KernelImage::CompiledCubin {
+            arch: "sm_80".into(),
+            saved: Err("no cache folder".into()),
+        };
+        let Finding::Warning(line) = kernels_finding(0, &uncached) else {
+            panic!("an uncached CUBIN is worth a warning")
+        };
+        assert!(line.ends_with("sm_80 CUBIN compiled now (NVRTC), not cached: no cache folder"));
+        let ptx = KernelImage::PtxFallback {
+            reason: "the driver refused the sm_90 CUBIN (CUDA_ERROR_UNSUPPORTED_PTX_VERSION)"
+                .into(),
+        };
+        let Finding::Warning(line) = kernels_finding(0, &ptx) else {
+            panic!("the PTX fallback is worth a warning")
+        };
+        assert!(line.starts_with("cuda:0: kernels: PTX fallback"), "{line}");
+        assert!(line.contains("because the driver refused the sm_90 CUBIN"), "{line}");
     }
 
     /// Without a usable GPU (no driver, no device, or a build without the `cuda` feature) the

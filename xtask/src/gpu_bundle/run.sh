@@ -102,6 +102,9 @@ if [ -n "$missing" ]; then
     say "$missing"
     exit 2
 fi
+# The compiled kernels (a CUBIN per architecture) are cached here for this run: `tpctl doctor`
+# compiles them, every later process loads them.
+export TPCTL_KERNEL_CACHE="$here/kernel-cache"
 say "nvml sees processes: $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>&1 | wc -l) listed now"
 # tpctl's own view: each device opened as a rank opens it (driver, NVRTC, cuBLAS), whether
 # NVML lists this process there, the NCCL version.

@@ -17,6 +17,12 @@ mod stub;
 #[cfg(not(feature = "cuda"))]
 pub use stub::{CudaBackend, PoolArena};
 
+mod counters;
+#[cfg(any(feature = "cuda", test))]
+mod kernel_cache;
+
+pub use counters::{Counters, PerStep};
+
 #[cfg(test)]
 mod tests;
 
@@ -37,6 +43,62 @@ pub struct CudaDeviceInfo {
     pub uuid: String,
     /// The newest CUDA version the driver supports, major and minor.
     pub driver_cuda: (i32, i32),
+}
+
+/// Which form of the kernels a [`CudaBackend`] loaded ([`CudaBackend::kernel_image`]), for
+/// `tpctl doctor` and the logs: machine code for the device's architecture (a CUBIN), from
+/// the kernel cache or compiled as the backend opened, or generic PTX that the driver compiles
+/// at every load, when the CUBIN path failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KernelImage {
+    /// A CUBIN for `arch` (`sm_90`), read from the kernel cache at `path`.
+    CachedCubin {
+        /// The architecture.
+        arch: String,
+        /// The cache entry.
+        path: std::path::PathBuf,
+    },
+    /// A CUBIN for `arch` compiled with NVRTC as the backend opened, and saved to the kernel
+    /// cache at the path (or not, and why).
+    CompiledCubin {
+        /// The architecture.
+        arch: String,
+        /// The cache entry written, or why none was.
+        saved: std::result::Result<std::path::PathBuf, String>,
+    },
+    /// Generic PTX, compiled by the driver at load, because the CUBIN could not be made or
+    /// loaded (`reason`).
+    PtxFallback {
+        /// What failed on the CUBIN path.
+        reason: String,
+    },
+}
+
+impl KernelImage {
+    /// Whether the kernels are machine code for the device (not the PTX fallback).
+    pub fn is_cubin(&self) -> bool {
+        !matches!(self, KernelImage::PtxFallback { .. })
+    }
+}
+
+impl std::fmt::Display for KernelImage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KernelImage::CachedCubin { arch, path } => {
+                write!(f, "{arch} CUBIN from the cache at {}", path.display())
+            }
+            KernelImage::CompiledCubin { arch, saved: Ok(path) } => {
+                write!(f, "{arch} CUBIN compiled now (NVRTC), cached at {}", path.display())
+            }
+            KernelImage::CompiledCubin { arch, saved: Err(why) } => {
+                write!(f, "{arch} CUBIN compiled now (NVRTC), not cached: {why}")
+            }
+            KernelImage::PtxFallback { reason } => {
+                write!(f, "PTX fallback (compiled by the driver at every load) because {reason}")
+            }
+        }
+    }
 }
 
 /// `bytes` as `nvidia-smi` writes a device UUID.

@@ -51,6 +51,16 @@ impl CudaBackend {
         match self.never {}
     }
 
+    /// What the backend has asked of the driver since it opened (see [`super::Counters`]).
+    pub fn counters(&self) -> super::Counters {
+        match self.never {}
+    }
+
+    /// Which form of the kernels the backend loaded.
+    pub fn kernel_image(&self) -> &super::KernelImage {
+        match self.never {}
+    }
+
     /// The time the host has spent blocked waiting for the device.
     pub fn device_wait(&self) -> std::time::Duration {
         match self.never {}

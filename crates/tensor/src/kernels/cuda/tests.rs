@@ -386,3 +386,36 @@ fn cuda_row_slices_and_stacks_stay_on_the_device() {
     assert_eq!(stacked.data(), want_stacked.data(), "a stack copies the rows exactly");
     assert!(gpu.slice_first(&parts[2], 2..4).is_err(), "a range past the rows is refused");
 }
+
+/// The counters see each call of an op: RMSNorm of a host tensor with a new weight uploads
+/// both (the weight into a zeroed cache slot, waited for), allocates the output and launches
+/// once; again with the cached weight only the input moves; reading the result downloads it
+/// after one wait. And the kernels are the device's own machine code, not the PTX fallback.
+#[test]
+fn cuda_counters_count_each_call_of_an_op() {
+    use crate::kernels::cuda::Counters;
+    let Some(gpu) = gpu() else { return };
+    let cuda = cuda_of(&gpu);
+    let image = cuda.kernel_image();
+    assert!(image.is_cubin(), "kernels: {image}");
+    let (x, w) = (tensor(&[3, 64], 1), tensor(&[64], 2));
+    let start = cuda.counters();
+    let y = gpu.rms_norm(&x, &w, 1e-5).unwrap();
+    let first = cuda.counters();
+    let want = Counters {
+        launches: 1,
+        device_copies: 1,
+        allocations: 3,
+        uploads: 2,
+        downloads: 0,
+        host_waits: 1,
+    };
+    assert_eq!(first.since(&start), want, "first rms_norm");
+    let z = gpu.rms_norm(&x, &w, 1e-5).unwrap();
+    let second = cuda.counters();
+    let want = Counters { launches: 1, allocations: 2, uploads: 1, ..Counters::default() };
+    assert_eq!(second.since(&first), want, "rms_norm with the weight cached");
+    assert_close(z.data(), y.data(), 0.0);
+    let read = cuda.counters().since(&second);
+    assert_eq!(read, Counters { downloads: 2, host_waits: 2, ..Counters::default() }, "reads");
+}

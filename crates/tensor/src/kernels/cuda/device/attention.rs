@@ -1,7 +1,7 @@
 //! Causal GQA attention: one launch over key ranges, read from host, device or paged KV
 //! caches, and the merge of the ranges' partial results.
 
-use super::{int, per_row, CudaBackend, OrUnavailable};
+use super::{int, per_row, Count, CudaBackend, OrUnavailable};
 use crate::error::{Error, Result};
 use crate::kernels::cpu::attention::AttnShape;
 use crate::kernels::cuda::{attention_blocks, attention_splits, ATTN_TILE};
@@ -110,6 +110,7 @@ impl CudaBackend {
         let scale = 1.0 / (head_dim as f32).sqrt();
         let mut cfg = per_row(OP, blocks, ATTN_BLOCK)?;
         cfg.grid_dim.1 = splits as u32;
+        self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.attention);
         b.arg(&qd.ptr).arg(&*qpd).arg(&kp).arg(&vp).arg(&*kpd);
         b.arg(&tp).arg(&block_size).arg(&block_stride);
@@ -161,6 +162,7 @@ impl CudaBackend {
         let args =
             [int(OP, "splits", splits)?, int(OP, "rows", rows)?, int(OP, "head_dim", head_dim)?];
         let cfg = per_row(OP, rows, ATTN_BLOCK)?;
+        self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.attention_merge);
         b.arg(part).arg(part_lse);
         for a in &args {

@@ -1,7 +1,7 @@
 //! Tensors and device buffers: a backend's outputs ([`DeviceBuf`]), the device address of an
 //! input (read in place or uploaded), buffers written in place, and host copies.
 
-use super::{CudaBackend, Inner, OrUnavailable};
+use super::{Count, CudaBackend, Inner, OrUnavailable};
 use crate::error::{Error, Result};
 use crate::tensor::{DeviceData, Tensor};
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
@@ -44,6 +44,7 @@ impl DeviceData for DeviceBuf {
         stream.context().bind_to_thread().map_err(|e| e.to_string())?;
         let (src, _record) = self.buf.device_ptr(stream);
         let n = out.len().min(self.byte_len());
+        self.owner.count(Count::Download);
         // SAFETY: `src` holds byte_len bytes of this stream's device; `out` is a live host
         // slice, and the stream is synchronized before it is returned to the caller.
         unsafe {
@@ -61,11 +62,15 @@ impl DeviceData for DeviceBuf {
 impl CudaBackend {
     /// A device copy of `host`.
     pub(super) fn upload<T: DeviceRepr>(&self, op: &str, host: &[T]) -> Result<CudaSlice<T>> {
+        self.count(Count::Allocation);
+        self.count(Count::Upload);
         self.stream().clone_htod(host).or_unavailable(|| format!("{op}: copying to the device"))
     }
 
     /// A device buffer of `len` zeros.
     pub(super) fn zeros(&self, op: &str, len: usize) -> Result<CudaSlice<f32>> {
+        self.count(Count::Allocation);
+        self.count(Count::DeviceCopy);
         self.stream().alloc_zeros(len).or_unavailable(|| format!("{op}: allocating {len} floats"))
     }
 
@@ -73,6 +78,7 @@ impl CudaBackend {
     /// writes whole: no memset (one launch fewer per op). Its contents are unspecified until
     /// then; every caller says in its SAFETY note why each element is written.
     pub(super) fn output_buf(&self, op: &str, len: usize) -> Result<CudaSlice<f32>> {
+        self.count(Count::Allocation);
         // SAFETY: an unwritten device buffer is never read on the host: it is handed only to
         // the launch that writes it (each caller), in stream order before any read.
         unsafe { self.stream().alloc::<f32>(len) }
@@ -87,6 +93,7 @@ impl CudaBackend {
         host: &mut [T],
     ) -> Result<()> {
         let stream = self.stream();
+        self.count(Count::Download);
         stream.memcpy_dtoh(dev, host).or_unavailable(|| format!("{op}: copying to the host"))?;
         self.inner.sync(op)
     }
@@ -121,6 +128,7 @@ impl CudaBackend {
     ) -> Result<()> {
         self.bind(op)?;
         let stream = self.stream();
+        self.count(Count::Upload);
         // SAFETY: the caller vouches for the destination; `src` is a live host slice and the
         // stream is synchronized before it can be dropped.
         unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, stream.cu_stream()) }
@@ -157,10 +165,13 @@ impl CudaBackend {
             return Ok(self.addr(buf));
         }
         let buf = match self.own(t.storage().device_data()) {
-            Some(shared) => self
-                .stream()
-                .clone_dtod(shared)
-                .or_unavailable(|| format!("{op}: copying on the device"))?,
+            Some(shared) => {
+                self.count(Count::Allocation);
+                self.count(Count::DeviceCopy);
+                self.stream()
+                    .clone_dtod(shared)
+                    .or_unavailable(|| format!("{op}: copying on the device"))?
+            }
             None => self.upload(op, t.host()?)?,
         };
         let ptr = self.addr(&buf);

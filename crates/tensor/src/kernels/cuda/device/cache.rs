@@ -2,7 +2,7 @@
 //! (keyed by their host buffer, checked by a fingerprint, dequantized on upload) and the
 //! small position and block-table arrays that every layer of a step repeats.
 
-use super::{elementwise, CudaBackend, OrUnavailable};
+use super::{elementwise, Count, CudaBackend, OrUnavailable};
 use crate::error::Result;
 use crate::kernels::cpu::qmatrix::QBits;
 use crate::kernels::{GemmDtype, Weight};
@@ -201,11 +201,13 @@ impl CudaBackend {
                     self.owned_addr(op, memory.as_ref())?;
                     Slot::Arena(memory)
                 }
-                None => Slot::Pool(
+                None => Slot::Pool({
+                    self.count(Count::Allocation);
+                    self.count(Count::DeviceCopy);
                     self.stream()
                         .alloc_zeros::<u8>(bytes)
-                        .or_unavailable(|| format!("{op}: allocating {bytes} bytes"))?,
-                ),
+                        .or_unavailable(|| format!("{op}: allocating {bytes} bytes"))?
+                }),
             }),
         };
         fill(self.slot_addr(&slot))?;
@@ -237,6 +239,7 @@ impl CudaBackend {
         let qs = self.upload(op, qs)?;
         let n64 = n as u64;
         let cfg = elementwise(op, n)?;
+        self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.dequantize);
         b.arg(&scales).arg(&mins).arg(&qs).arg(&out).arg(&n64).arg(&kind);
         // SAFETY: the arguments match `dequantize(const float*, const float*, const unsigned

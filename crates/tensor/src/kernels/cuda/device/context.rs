@@ -1,5 +1,6 @@
 //! Opening a device: probing the CUDA libraries, the context, its stream and cuBLAS handle,
-//! the kernels compiled once per process with NVRTC, and the driver's memory pool.
+//! the kernels (`kernel_image`: a CUBIN for the device, cached on disk), and the driver's
+//! memory pool.
 
 use super::{unavailable, CudaBackend, Inner, Kernels, OrUnavailable};
 use crate::error::Result;
@@ -7,12 +8,8 @@ use crate::kernels::cuda::{uuid_text, CudaDeviceInfo};
 use crate::kernels::GemmDtype;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaStream};
-use cudarc::nvrtc::{CompileError, CompileOptions, Ptx};
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex, OnceLock};
-
-/// The CUDA C source of every kernel.
-const SOURCE: &str = include_str!("../kernels.cu");
+use std::sync::{Arc, Mutex};
 
 /// The device's default memory pool, from which cudarc's stream-ordered allocations come;
 /// `None` where the device has no memory pools.
@@ -41,30 +38,6 @@ fn keep_pool_memory(ctx: &CudaContext, ordinal: usize) {
     if let Err(e) = set {
         tracing::warn!("cuda:{ordinal}: keeping freed memory in the pool: {e}");
     }
-}
-
-/// The kernels' PTX, compiled once per process. A failure is kept too: it does not fix itself.
-fn ptx() -> std::result::Result<&'static Ptx, String> {
-    static PTX: OnceLock<std::result::Result<Ptx, String>> = OnceLock::new();
-    PTX.get_or_init(|| {
-        // No fused multiply-add, so products and sums round as on the CPU.
-        let opts = CompileOptions {
-            fmad: Some(false),
-            name: Some("tpctl_kernels.cu".into()),
-            ..Default::default()
-        };
-        cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| match e {
-            CompileError::CompileError { nvrtc, log, .. } => {
-                format!(
-                    "nvrtc failed to compile the kernels ({nvrtc:?}):\n{}",
-                    log.to_string_lossy()
-                )
-            }
-            other => format!("nvrtc: {other}"),
-        })
-    })
-    .as_ref()
-    .map_err(Clone::clone)
 }
 
 impl CudaBackend {
@@ -120,10 +93,7 @@ impl CudaBackend {
         let stream = ctx.new_stream().map_err(|e| at(format!("creating a stream: {e}")))?;
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| at(format!("creating a cuBLAS handle: {e}")))?;
-        let ptx = ptx().map_err(at)?;
-        let module = ctx.load_module(ptx.clone()).map_err(|e| {
-            at(format!("loading the kernels' PTX (a driver older than NVRTC?): {e}"))
-        })?;
+        let (module, kernel_image) = super::kernel_image::load(&ctx, ordinal).map_err(at)?;
         let f = |name: &str| {
             module.load_function(name).map_err(|e| at(format!("kernel `{name}`: {e}")))
         };
@@ -151,11 +121,13 @@ impl CudaBackend {
             stream,
             blas,
             k,
+            kernel_image,
             weights: Mutex::default(),
             positions: Mutex::default(),
             tables: Mutex::default(),
             in_flight: Mutex::default(),
             waited_ns: AtomicU64::new(0),
+            counters: Default::default(),
         };
         Ok(CudaBackend { inner: Arc::new(inner) })
     }
@@ -214,6 +186,12 @@ impl CudaBackend {
         })
     }
 
+    /// Which form of the kernels this backend loaded: a CUBIN for its device's architecture
+    /// (from the kernel cache or compiled as it opened), or the PTX fallback and why.
+    pub fn kernel_image(&self) -> &crate::kernels::cuda::KernelImage {
+        &self.inner.kernel_image
+    }
+
     pub(super) fn stream(&self) -> &Arc<CudaStream> {
         &self.inner.stream
     }
@@ -225,43 +203,5 @@ impl CudaBackend {
             .context()
             .bind_to_thread()
             .or_unavailable(|| format!("{op}: binding the context"))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// NVRTC works without a GPU, so this runs wherever `libnvrtc.so.12` loads (skipping with a
-    /// note elsewhere, unless `TPCTL_REQUIRE_GPU=1`).
-    #[test]
-    fn cuda_kernels_compile_with_nvrtc() {
-        // SAFETY: as in `CudaBackend::new`: only loads the library by name.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            let require = std::env::var("TPCTL_REQUIRE_GPU").is_ok_and(|v| v == "1");
-            assert!(!require, "TPCTL_REQUIRE_GPU=1 but NVRTC is not on the loader path");
-            eprintln!("note: NVRTC is not on the loader path, not compiling the kernels");
-            return;
-        }
-        let ptx = ptx().unwrap_or_else(|log| panic!("{log}"));
-        let text = ptx.to_src();
-        for name in [
-            "rms_norm",
-            "rope",
-            "silu_mul",
-            "gelu_tanh_mul",
-            "scale",
-            "add_assign",
-            "add_rows",
-            "embedding",
-            "argmax_rows",
-            "dequantize",
-            "attention",
-            "to_bf16",
-            "to_f16",
-            "copy_cols",
-        ] {
-            assert!(text.contains(&format!(".entry {name}(")), "no kernel `{name}` in the PTX");
-        }
     }
 }

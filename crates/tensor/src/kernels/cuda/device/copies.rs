@@ -1,7 +1,7 @@
 //! Copies on the device: rows sliced and stacked, and tensors written into device memory
 //! someone else owns (a KV cache append).
 
-use super::{CudaBackend, OrUnavailable};
+use super::{Count, CudaBackend, OrUnavailable};
 use crate::error::Result;
 use crate::kernels::{GemmDtype, KvElem};
 use crate::tensor::Tensor;
@@ -62,6 +62,7 @@ impl CudaBackend {
         self.bind(OP)?;
         let from = self.addr(buf) + 4 * (range.start * step) as u64;
         let (to, record) = od.device_ptr_mut(self.stream());
+        self.count(Count::DeviceCopy);
         // SAFETY: `buf` holds t.len() floats of this stream's device, of which the n from
         // range.start·step are read (range checked above); `od` holds n floats; both are
         // freed stream-ordered, after the copy.
@@ -102,6 +103,7 @@ impl CudaBackend {
             if n == 0 {
                 continue;
             }
+            self.count(Count::DeviceCopy);
             // SAFETY: `buf` holds the part's n floats on this stream's device; `od` holds
             // `total` floats, of which at..at + n are written (the lengths add up to total);
             // both are freed stream-ordered, after the copy.
@@ -148,6 +150,7 @@ impl CudaBackend {
             // of `buf` from range.start, on this stream.
             return self.round_to(OP, GemmDtype::Bf16, from, to, range.len());
         }
+        self.count(Count::DeviceCopy);
         // SAFETY: `dst` is memory of this device (checked above) that its `DeviceMemory`
         // implementation promises is mapped while kernels may run, and the range lies inside
         // it (checked by the caller); `buf` holds the

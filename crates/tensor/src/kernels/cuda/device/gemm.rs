@@ -1,7 +1,7 @@
 //! Products with the weight matrices through cuBLAS: sgemm in f32, `cublasGemmEx` with f32
 //! accumulation in bf16/f16.
 
-use super::{int, CudaBackend, OrUnavailable};
+use super::{int, Count, CudaBackend, OrUnavailable};
 use crate::error::Result;
 use crate::kernels::{GemmDtype, Weight};
 use crate::tensor::Tensor;
@@ -31,6 +31,7 @@ impl CudaBackend {
         let half = match dtype {
             GemmDtype::F32 => None,
             _ => {
+                self.count(Count::Allocation);
                 // SAFETY: written whole by the rounding kernel right below, before the
                 // product reads it (stream order).
                 let h = unsafe { self.stream().alloc::<u16>(m * k) }
@@ -52,6 +53,8 @@ impl CudaBackend {
         self.bind(OP)?;
         let handle = *self.inner.blas.handle();
         let (transa, transb) = (cublasOperation_t::CUBLAS_OP_T, cublasOperation_t::CUBLAS_OP_N);
+        // One product: sgemm or GemmEx below (cuBLAS may run it as more than one kernel).
+        self.count(Count::Launch);
         // SAFETY: the handle was created on this backend's stream and context (bound above).
         // With these dimensions the product reads n·k elements of the weight (lda = k,
         // transposed), k·m of x (ldb = k) and writes n·m floats of out (ldc = n); the weight

@@ -31,13 +31,16 @@
 //!   Embedding tables are kept in f32 whatever the dtype (a tied LM head has both copies).
 //! - Small per-call vectors (norm weights, biases) are copied per call like activations.
 //!
-//! Kernels are compiled from `kernels.cu` with NVRTC once per process (the PTX is kept in a
-//! `OnceLock`) and loaded into each backend's context; all work runs on one stream per backend.
+//! Kernels are compiled from `kernels.cu` with NVRTC for the device's architecture (a CUBIN),
+//! once per architecture and process, and kept in an on-disk cache (`kernel_image`, with the
+//! cache's files in `kernel_cache`) so later processes load them without compiling; generic
+//! PTX is the fallback when the CUBIN cannot be made or loaded. All work runs on one stream
+//! per backend.
 //! Runtime failures (out of device memory, a failed launch) are reported as
 //! [`Error::BackendUnavailable`] naming the op.
 //!
 //! The parts: this file holds the backend's state and the helpers every part shares;
-//! [`context`] opens the device and loads the kernels, [`waits`] waits for the stream (and
+//! [`context`] opens the device, [`kernel_image`] compiles (or finds) and loads the kernels, [`waits`] waits for the stream (and
 //! the reductions queued on it), [`buffers`] moves tensors to and from device buffers,
 //! [`cache`] keeps the uploaded weights and small arrays, [`gemm`], [`ops`] and [`attention`]
 //! launch the work, [`copies`] copies rows on the device, and [`pool_arena`] carves
@@ -56,6 +59,7 @@ mod cache;
 mod context;
 mod copies;
 mod gemm;
+mod kernel_image;
 mod ops;
 mod pool_arena;
 mod waits;
@@ -63,6 +67,7 @@ mod waits;
 pub use pool_arena::PoolArena;
 
 use crate::error::{Error, Result};
+use crate::kernels::cuda::counters::{Count, Counters, DeviceCounters};
 use crate::kernels::GemmDtype;
 use cache::{Recent, WeightCache};
 use cudarc::cublas::CudaBlas;
@@ -137,6 +142,8 @@ struct Inner {
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     k: Kernels,
+    /// Which form of the kernels was loaded.
+    kernel_image: crate::kernels::cuda::KernelImage,
     weights: Mutex<WeightCache>,
     /// Position arrays uploaded lately, most recent last (see [`CudaBackend::positions`]).
     positions: Mutex<Recent<u64>>,
@@ -147,6 +154,29 @@ struct Inner {
     /// Nanoseconds the host has spent blocked waiting for the device (see
     /// [`CudaBackend::device_wait`]).
     waited_ns: AtomicU64,
+    /// What this backend asked of the driver (see [`CudaBackend::counters`]).
+    counters: DeviceCounters,
+}
+
+impl Inner {
+    /// Counts one call to the driver of kind `what`.
+    fn count(&self, what: Count) {
+        self.counters.add(what);
+    }
+}
+
+impl CudaBackend {
+    /// What this backend (and its clones) has asked of the driver since it opened: launches,
+    /// device copies, allocations, uploads, downloads and host waits. Two snapshots around a
+    /// step give the step's counts ([`Counters::since`]).
+    pub fn counters(&self) -> Counters {
+        self.inner.counters.snapshot()
+    }
+
+    /// Counts one call to the driver of kind `what`.
+    fn count(&self, what: Count) {
+        self.inner.count(what);
+    }
 }
 
 /// Kernels on CUDA device `ordinal`, taking and returning host tensors (see the module docs

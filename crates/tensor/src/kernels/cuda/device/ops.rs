@@ -1,7 +1,7 @@
 //! Launches of the row and element-wise kernels: norms, rotary embedding, activations,
 //! sums, column splits, embedding lookups, argmax, and rounding to bf16/f16.
 
-use super::{elementwise, int, per_row, unavailable, CudaBackend, OrUnavailable, BLOCK};
+use super::{elementwise, int, per_row, unavailable, Count, CudaBackend, OrUnavailable, BLOCK};
 use crate::error::Result;
 use crate::kernels::{GemmDtype, Weight};
 use crate::tensor::Tensor;
@@ -31,6 +31,7 @@ impl CudaBackend {
         };
         let n64 = n as u64;
         let cfg = elementwise(op, n)?;
+        self.count(Count::Launch);
         let mut b = self.stream().launch_builder(f);
         b.arg(&src).arg(&dst).arg(&n64);
         // SAFETY: the arguments match `to_bf16` / `to_f16(const float*, unsigned short*, u64)`;
@@ -57,6 +58,7 @@ impl CudaBackend {
         let mut od = self.output_buf(OP, x.len())?;
         let d32 = int(OP, "row length", d)?;
         let cfg = per_row(OP, rows, BLOCK)?;
+        self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.rms_norm);
         b.arg(&xd.ptr).arg(&wp).arg(&mut od).arg(&d32).arg(&eps);
         // SAFETY: the arguments match `rms_norm(const float*, const float*, float*, int,
@@ -93,6 +95,7 @@ impl CudaBackend {
             int(OP, "rot_dim", rot_dim)?,
         ];
         let cfg = elementwise(OP, pairs)?;
+        self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.rope);
         b.arg(&xp).arg(&*pd);
         for a in &args {
@@ -127,6 +130,7 @@ impl CudaBackend {
         let xp = self.writable(op, x)?;
         let n = x.len() as u64;
         let cfg = elementwise(op, x.len())?;
+        self.count(Count::Launch);
         let mut b = self.stream().launch_builder(f);
         b.arg(&xp).arg(&yd.ptr).arg(&n);
         if let Some(w) = width.as_ref() {
@@ -160,6 +164,7 @@ impl CudaBackend {
         let xp = self.writable(OP, x)?;
         let n = x.len() as u64;
         let cfg = elementwise(OP, x.len())?;
+        self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.scale);
         b.arg(&xp).arg(&s).arg(&n);
         // SAFETY: the arguments match `scale(float*, float, u64)`; element i < n of x, its own
@@ -203,6 +208,7 @@ impl CudaBackend {
             let args = [int(OP, "width", width)?, int(OP, "offset", at)?, int(OP, "size", size)?];
             let n = (rows * size) as u64;
             let cfg = elementwise(OP, rows * size)?;
+            self.count(Count::Launch);
             let mut b = self.stream().launch_builder(&self.inner.k.copy_cols);
             b.arg(&xd.ptr).arg(&mut od).arg(&n).arg(&args[0]).arg(&args[1]).arg(&args[2]);
             // SAFETY: the arguments match `copy_cols(const float*, float*, u64, int, int,
@@ -231,6 +237,7 @@ impl CudaBackend {
         let mut od = self.output_buf(OP, ids.len() * dim)?;
         let args = [int(OP, "tokens", ids.len())?, int(OP, "dim", dim)?];
         let cfg = elementwise(OP, ids.len() * dim)?;
+        self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.embedding);
         b.arg(&table_ptr).arg(&idd).arg(&mut od).arg(&args[0]).arg(&args[1]);
         // SAFETY: the arguments match `embedding(const float*, const unsigned int*, float*,
@@ -250,11 +257,14 @@ impl CudaBackend {
         }
         let cols = int(OP, "columns", x.row_len())?;
         let xd = self.input(OP, x)?;
+        self.count(Count::Allocation);
+        self.count(Count::DeviceCopy);
         let mut od = self
             .stream()
             .alloc_zeros::<u32>(rows)
             .or_unavailable(|| format!("{OP}: allocating"))?;
         let cfg = per_row(OP, rows, BLOCK)?;
+        self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.argmax_rows);
         b.arg(&xd.ptr).arg(&cols).arg(&mut od);
         // SAFETY: the arguments match `argmax_rows(const float*, int, unsigned int*)`; block

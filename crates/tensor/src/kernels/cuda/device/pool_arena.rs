@@ -1,6 +1,6 @@
 //! [`PoolArena`]: a [`DeviceArena`] carved out of one buffer of the driver's memory pool.
 
-use super::{CudaBackend, OrUnavailable};
+use super::{Count, CudaBackend, OrUnavailable};
 use crate::error::{Error, Result};
 use crate::memory::DeviceArena;
 use cudarc::driver::CudaSlice;
@@ -62,6 +62,8 @@ impl PoolArena {
     /// # Errors
     /// [`Error::BackendUnavailable`] when the device is out of memory.
     pub fn new(backend: &CudaBackend, bytes: usize) -> Result<PoolArena> {
+        backend.count(Count::Allocation);
+        backend.count(Count::DeviceCopy);
         let buf = backend
             .stream()
             .alloc_zeros::<u8>(bytes.max(1))
@@ -77,6 +79,7 @@ impl PoolArena {
     pub fn scribble(&self, backend: &CudaBackend, value: u8) {
         backend.bind("scribble").unwrap();
         let stream = backend.stream();
+        backend.count(Count::DeviceCopy);
         // SAFETY: the range is exactly the arena's buffer, alive while `self` is.
         unsafe {
             cudarc::driver::result::memset_d8_async(
@@ -87,6 +90,7 @@ impl PoolArena {
             )
         }
         .unwrap();
+        backend.count(Count::HostWait);
         stream.synchronize().unwrap();
     }
 }

@@ -1,7 +1,7 @@
 //! Waiting for the device: stream synchronizations, bounded by the deadline of a reduction
 //! in flight, the host's time spent blocked, and the all-reduce queued on the stream.
 
-use super::{unavailable, CudaBackend, Inner, OrUnavailable};
+use super::{unavailable, Count, CudaBackend, Inner, OrUnavailable};
 use crate::error::Result;
 use crate::tensor::Tensor;
 use collectives::{Communicator, DeviceRange, DeviceStream, ElemType, ReduceOp};
@@ -38,6 +38,7 @@ impl Inner {
     }
 
     fn wait_for_stream(&self, op: &str) -> Result<()> {
+        self.count(Count::HostWait);
         let mut in_flight = self.in_flight.lock().unwrap_or_else(PoisonError::into_inner);
         let Some(pending) = in_flight.as_ref() else {
             return self
@@ -103,6 +104,9 @@ impl CudaBackend {
         let ordinal = self.ordinal();
         let buf = DeviceRange { addr: ptr, bytes: 4 * t.len(), device: ordinal };
         let stream = DeviceStream { raw: self.stream().cu_stream() as usize, device: ordinal };
+        // One reduction queued, after a wait for the one before it (the communicator's).
+        self.count(Count::Launch);
+        self.count(Count::HostWait);
         // SAFETY: `writable` made `ptr` t's own buffer of t.len() floats on this device (the
         // communicator's, checked by the caller); only work on this backend's stream touches
         // it (a host read waits for the stream first), and it is freed in stream order, after
@@ -125,6 +129,7 @@ impl CudaBackend {
     /// # Errors
     /// The communicator's: a timeout or a failed peer, named.
     pub(crate) fn wait_collectives(&self, comm: &mut dyn Communicator) -> Result<()> {
+        self.count(Count::HostWait);
         self.inner.blocking(|| comm.wait_device())?;
         let mut in_flight = self.inner.in_flight.lock().unwrap_or_else(PoisonError::into_inner);
         if in_flight.as_ref().is_some_and(|p| p.group == comm.group()) {
