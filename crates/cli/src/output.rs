@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tensor::kernels::cuda::Counters;
 
 /// What a prompt was, for the report.
 #[derive(Debug, Clone)]
@@ -184,6 +185,9 @@ pub struct Totals {
     /// Of `decode_time`, the time the host spent blocked waiting for the GPU; `None` on the
     /// CPU.
     pub decode_gpu_wait: Option<Duration>,
+    /// What decode-only steps asked of the GPU's driver (launches, allocations, copies, host
+    /// waits); `None` on the CPU.
+    pub decode_gpu_calls: Option<Counters>,
     /// Steps.
     pub steps: u64,
 }
@@ -197,6 +201,8 @@ pub struct Meter {
     gpu: Option<tensor::kernels::Backend>,
     /// The GPU wait the last step ended at.
     waited: Duration,
+    /// The driver calls counted when the last step ended.
+    calls: Counters,
 }
 
 impl Meter {
@@ -207,6 +213,7 @@ impl Meter {
         Meter {
             gpu: waited.is_some().then(|| compute.clone()),
             waited: waited.unwrap_or_default(),
+            calls: compute.device_counters().unwrap_or_default(),
             ..Meter::default()
         }
     }
@@ -216,6 +223,8 @@ impl MetricsSink for Meter {
     fn step(&mut self, m: &StepMetrics) {
         let waited = self.gpu.as_ref().and_then(tensor::kernels::Backend::device_wait);
         let step_wait = waited.map(|w| w.saturating_sub(std::mem::replace(&mut self.waited, w)));
+        let counted = self.gpu.as_ref().and_then(tensor::kernels::Backend::device_counters);
+        let step_calls = counted.map(|c| c.since(&std::mem::replace(&mut self.calls, c)));
         let mut t = self.totals.lock().unwrap_or_else(|e| e.into_inner());
         let time = m.model + m.agreement;
         t.steps += 1;
@@ -229,6 +238,10 @@ impl MetricsSink for Meter {
             if let Some(w) = step_wait {
                 // Waits outside the step's model time (none today) are not the step's.
                 *t.decode_gpu_wait.get_or_insert_default() += w.min(time);
+            }
+            if let Some(c) = step_calls {
+                let total = t.decode_gpu_calls.get_or_insert_default();
+                *total = total.plus(&c);
             }
         }
     }
@@ -265,8 +278,11 @@ fn gpu_split(totals: &Totals) -> String {
     let ms = |d: Duration| d.as_secs_f64() * 1e3 / steps as f64;
     let step = ms(totals.decode_time);
     let waiting = ms(wait);
+    let calls = totals
+        .decode_gpu_calls
+        .map_or(String::new(), |c| format!("; driver calls {}", c.per_step(steps)));
     format!(
-        ", decode step {step:.2} ms: host {:.2} ms + waiting for the GPU {waiting:.2} ms",
+        ", decode step {step:.2} ms: host {:.2} ms + waiting for the GPU {waiting:.2} ms{calls}",
         (step - waiting).max(0.0)
     )
 }
@@ -336,6 +352,18 @@ mod tests {
         let line = summary(&totals, &RunClock::default(), Duration::from_secs(1));
         assert!(
             line.ends_with("decode step 5.00 ms: host 3.50 ms + waiting for the GPU 1.50 ms"),
+            "{line}"
+        );
+        // With the driver's calls counted, their mean per decode step follows.
+        let calls =
+            Counters { launches: 7200, allocations: 5210, downloads: 20, ..Counters::default() };
+        let counted = Totals { decode_gpu_calls: Some(calls), ..totals };
+        let line = summary(&counted, &RunClock::default(), Duration::from_secs(1));
+        assert!(
+            line.ends_with(
+                "waiting for the GPU 1.50 ms; driver calls per step (10 steps): 720.0 launches, \
+                 0.0 device copies, 521.0 allocations, 0.0 uploads, 2.0 downloads, 0.0 host waits"
+            ),
             "{line}"
         );
     }

@@ -354,6 +354,15 @@ impl Backend {
         }
     }
 
+    /// What the backend has asked of the GPU's driver so far (launches, allocations, copies,
+    /// host waits: [`cuda::Counters`]); `None` on the CPU.
+    pub fn device_counters(&self) -> Option<cuda::Counters> {
+        match self {
+            Backend::Cpu(_) => None,
+            Backend::Cuda(cuda) => Some(cuda.counters()),
+        }
+    }
+
     /// `x[m, k] · wᵀ` for `w` of `[n, k]`: returns `[m, n]`. `x` may have any leading shape;
     /// the result keeps it and replaces the last dimension by `n`.
     ///

@@ -42,6 +42,19 @@ impl Counters {
         }
     }
 
+    /// These counts and `other`'s together (the counts of two spans of steps).
+    #[must_use]
+    pub fn plus(&self, other: &Counters) -> Counters {
+        Counters {
+            launches: self.launches + other.launches,
+            device_copies: self.device_copies + other.device_copies,
+            allocations: self.allocations + other.allocations,
+            uploads: self.uploads + other.uploads,
+            downloads: self.downloads + other.downloads,
+            host_waits: self.host_waits + other.host_waits,
+        }
+    }
+
     /// These counts as a mean over `steps` steps, for a report.
     pub fn per_step(&self, steps: u64) -> PerStep {
         PerStep { total: *self, steps }
