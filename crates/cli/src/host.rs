@@ -422,6 +422,7 @@ impl Host {
                     counters.kept.fetch_add(model.in_flight as u64, Ordering::Relaxed);
                 }
                 model.asleep_bytes = child::resident(&op.ranks, true);
+                model.measured = child::resident_by_device(&op.ranks, true);
                 model.swap_bytes = model.swap_bytes.max(op.bytes);
                 Ok(())
             }
@@ -455,6 +456,7 @@ impl Host {
                 model.state = State::Awake;
                 // The wakeup continued the requests a keep sleep paused.
                 model.kept = false;
+                model.measured = child::resident_by_device(&op.ranks, true);
                 model.swap_bytes = model.swap_bytes.max(op.bytes);
                 Ok(())
             }

@@ -347,6 +347,21 @@ fn three_models_in_a_budget_for_one_answer_interleaved_requests_as_each_alone() 
         }
         assert!(card["resident_bytes"].as_u64().is_some_and(|b| b > 0), "{card}");
     }
+    // Each model's resident bytes per device, as its ranks last read them: on the CPU, the
+    // host's alone, and the awake model holds more there than any asleep one.
+    let host_bytes = |state: &str| -> Vec<u64> {
+        cards
+            .iter()
+            .filter(|c| c["state"] == state)
+            .map(|c| {
+                let devices = c["resident_bytes_by_device"].as_object().expect("per device");
+                assert_eq!(devices.keys().collect::<Vec<_>>(), ["host"], "{c}");
+                devices["host"].as_u64().unwrap()
+            })
+            .collect()
+    };
+    let (awake_host, asleep_host) = (host_bytes("awake"), host_bytes("asleep"));
+    assert!(asleep_host.iter().all(|&b| 0 < b && b < awake_host[0]), "{listed}");
     assert!(listed["resident_bytes"].as_u64().unwrap() <= BUDGET_MIB * MIB, "{listed}");
     let metrics = host.get("/metrics").body;
     let count = |family: &str| -> f64 {

@@ -256,6 +256,31 @@ pub fn resident(ranks: &[session::sleep::RankReceipt], after: bool) -> u64 {
     ranks.iter().map(|r| if after { r.after.resident } else { r.before.resident }).sum()
 }
 
+/// Resident bytes of a deployment per device, as its ranks' probes read them (`after` each
+/// receipt's operation, else before it): `host` for the ranks' processes together, then each
+/// GPU by what the probe calls it (its UUID, else `HOST:nvmlINDEX`). A GPU the driver does not
+/// list the processes of is read whole by each rank on it: the largest reading counts, not
+/// their sum.
+pub fn resident_by_device(
+    ranks: &[session::sleep::RankReceipt],
+    after: bool,
+) -> std::collections::BTreeMap<String, u64> {
+    let mut devices = std::collections::BTreeMap::new();
+    devices.insert("host".to_owned(), resident(ranks, after));
+    for r in ranks {
+        let probe = if after { &r.after } else { &r.before };
+        for &(index, bytes) in &probe.devices {
+            let slot = devices.entry(probe.device_id(index)).or_insert(0);
+            if probe.is_device_wide(index) {
+                *slot = (*slot).max(bytes);
+            } else {
+                *slot += bytes;
+            }
+        }
+    }
+    devices
+}
+
 /// Copies a child's stream to the host's standard error, each line prefixed with the model's
 /// name; keeps the last lines in `tail`; sends the address the child announces to `addr`.
 fn pump(

@@ -215,6 +215,9 @@ fn model_card(host: &Host, index: usize) -> Value {
         "checkpoint": entry.checkpoint,
         "deployment": child.deployment,
     });
+    if !entry.measured.is_empty() {
+        card["resident_bytes_by_device"] = json!(entry.measured);
+    }
     match &entry.state {
         super::State::Asleep { level: Some(level) } => card["sleep_level"] = json!(level),
         super::State::Failed(why) => card["failure"] = json!(why),

@@ -12,7 +12,7 @@
 //! - [`Host::revive_kept`] wakes a model whose requests a keep sleep paused, as soon as that
 //!   needs no other model's requests paused.
 
-use super::{Host, Plan, Refusal, State};
+use super::{child, Host, Plan, Refusal, State};
 use crate::control::{ErrorWire, Handler, HostModelWire, HostWire, Reply, Request};
 use std::io::Write;
 use std::sync::atomic::Ordering;
@@ -159,6 +159,9 @@ impl Host {
             let mut table = self.lock();
             if let Some(checkpoint) = status.checkpoint {
                 table.models[i].checkpoint = checkpoint;
+            }
+            if !status.ranks.is_empty() && status.failures.is_empty() {
+                table.models[i].measured = child::resident_by_device(&status.ranks, false);
             }
             if table.models[i].state.name() == seen.name() {
                 continue;

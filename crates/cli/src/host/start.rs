@@ -35,6 +35,7 @@ pub(super) fn start_models(host: &Host, spec: &HostSpec) -> Result<()> {
             let entry = &mut table.models[i];
             entry.state = State::Awake;
             entry.swap_bytes = awake;
+            entry.measured = child::resident_by_device(&status.ranks, false);
         } else {
             // Its weights' bytes are what a level-1 backup holds; measured awake, before the
             // first sleep chooses its level.
@@ -54,6 +55,7 @@ pub(super) fn start_models(host: &Host, spec: &HostSpec) -> Result<()> {
             let entry = &mut table.models[i];
             entry.state = State::Asleep { level: Some(level) };
             entry.asleep_bytes = child::resident(&op.ranks, true);
+            entry.measured = child::resident_by_device(&op.ranks, true);
             entry.swap_bytes = op.bytes;
             entry.backup_bytes = weights;
         }

@@ -10,6 +10,7 @@
 //! wakes only after enough others slept: never both resident beyond the budget.
 
 use crate::control::render::bytes;
+use std::collections::BTreeMap;
 use std::fmt;
 
 /// Where a model is.
@@ -95,6 +96,9 @@ pub struct Entry {
     pub kept: bool,
     /// The checkpoint its weights come from now, as its deployment last told.
     pub checkpoint: String,
+    /// Resident bytes per device (`host`, then each GPU) as its ranks last measured them: at
+    /// its last sleep or wakeup, or its deployment's status (read every second).
+    pub measured: BTreeMap<String, u64>,
 }
 
 impl Entry {
@@ -113,6 +117,7 @@ impl Entry {
             backup_bytes: 0,
             kept: false,
             checkpoint: String::new(),
+            measured: BTreeMap::new(),
         }
     }
 

@@ -21,6 +21,7 @@ fn entry(name: &str, state: State, asleep: u64, swap: u64, used: u64, in_flight:
         backup_bytes: 0,
         kept: false,
         checkpoint: String::new(),
+        measured: Default::default(),
     }
 }
 
