@@ -32,6 +32,7 @@
 //! [`NvmlMemory`] (NVML, feature `cuda`).
 
 mod backend;
+mod chunked;
 mod error;
 mod fail;
 mod manager;

@@ -1,6 +1,7 @@
 //! The manager: tagged allocations with stable addresses, released and materialized by tag.
 
 use crate::backend::{self, Backend, BackendKind, HostBuf, Init, Phys};
+use crate::chunked;
 use crate::error::{Error, Failure, Result};
 use crate::fail;
 use crate::policy::{BackupStore, Policy, SourceKind};
@@ -25,6 +26,9 @@ pub struct ManagerBuilder {
     default_store: Option<BackupStore>,
     max_allocation: Option<u64>,
     keep_host_backups: bool,
+    /// The chunk of backups and restores (default [`chunked::CHUNK`]; tests cut small
+    /// allocations into several).
+    chunk: Option<usize>,
 }
 
 impl ManagerBuilder {
@@ -76,6 +80,21 @@ impl ManagerBuilder {
     /// device), [`Error::NotCompiledWith`] for CUDA without the `cuda` feature.
     pub fn build(self) -> Result<Manager> {
         let backend = backend::create(self.backend)?;
+        Ok(self.build_on(backend))
+    }
+
+    /// A manager of the test backend with `chunk`-byte copies, and the probe that watches it.
+    #[cfg(test)]
+    pub(crate) fn build_fake(
+        mut self,
+        chunk: usize,
+    ) -> (Manager, std::sync::Arc<backend::fake::Probe>) {
+        let (backend, probe) = backend::fake::create();
+        self.chunk = Some(chunk);
+        (self.build_on(backend), probe)
+    }
+
+    fn build_on(self, backend: Box<dyn Backend>) -> Manager {
         let mut default_store = self.default_store.unwrap_or(BackupStore::Default);
         if default_store == BackupStore::Default {
             default_store = backend.default_store();
@@ -93,8 +112,9 @@ impl ManagerBuilder {
             default_store,
             max_allocation,
             keep_host_backups: self.keep_host_backups,
+            chunk: self.chunk.unwrap_or(chunked::CHUNK),
         };
-        Ok(Manager { inner: Arc::new(Inner { state: Mutex::new(state) }) })
+        Manager { inner: Arc::new(Inner { state: Mutex::new(state) }) }
     }
 }
 
@@ -123,6 +143,8 @@ struct State {
     default_store: BackupStore,
     max_allocation: u64,
     keep_host_backups: bool,
+    /// The bytes of one chunk of a backup or restore in host memory.
+    chunk: usize,
 }
 
 /// What a manager and an allocation handle share about one allocation.
@@ -459,7 +481,7 @@ impl Manager {
                 continue;
             }
             let start = Instant::now();
-            let backup = Self::backup(&state, s, store, slot.spare.take())
+            let backup = contents::backup(&state, s, store, slot.spare.take())
                 .map_err(|e| Error::ReleaseAborted { source: Box::new(s.wrap(e)) })?;
             let i = receipt_of(&receipts, &s.tag);
             receipts[i].copied_bytes += backup.bytes();
@@ -506,34 +528,6 @@ impl Manager {
         }
     }
 
-    fn backup(
-        state: &State,
-        s: &Shared,
-        store: BackupStore,
-        spare: Option<HostBuf>,
-    ) -> Result<Backup> {
-        match store {
-            BackupStore::Host | BackupStore::Default => {
-                let mut buf = match spare {
-                    Some(buf) if buf.as_slice().len() == s.mapped => buf,
-                    _ => state.backend.alloc_host(s.mapped)?,
-                };
-                state.backend.copy_to_host(s.base, buf.as_mut_slice())?;
-                Ok(Backup::Host(buf))
-            }
-            BackupStore::Spill => {
-                let file = state.spill.create(s.mapped as u64)?;
-                let mut offset = 0u64;
-                state.backend.save(s.base, s.mapped, &mut |piece| {
-                    state.spill.write_at(&file, piece, offset)?;
-                    offset += piece.len() as u64;
-                    Ok(())
-                })?;
-                Ok(Backup::Spill(file))
-            }
-        }
-    }
-
     /// Maps fresh physical memory behind every released allocation with one of `tags`, at
     /// its old address, and restores its contents per its policy. Allocations already
     /// materialized are left alone. Returns one receipt per distinct tag, in the order given.
@@ -564,7 +558,7 @@ impl Manager {
                 continue;
             }
             let start = Instant::now();
-            match fail::hit("vmm.map").and_then(|()| Self::map_one(&mut state, s, slot)) {
+            match fail::hit("vmm.map").and_then(|()| contents::map_one(&mut state, s, slot)) {
                 Ok(copied) => {
                     let i = receipt_of(&receipts, &s.tag);
                     receipts[i].allocations += 1;
@@ -612,59 +606,6 @@ impl Manager {
             tracing::debug!(tag = %r.tag, allocations = r.allocations, bytes = r.bytes, copied = r.copied_bytes, elapsed = ?r.elapsed, "materialized");
         }
         Ok(receipts)
-    }
-
-    /// Maps and restores one allocation; returns the bytes copied in.
-    fn map_one(state: &mut State, s: &Shared, slot: &mut Slot) -> Result<u64> {
-        let label = s.tag.as_str();
-        // A backup taken by the release is the contents: restored whatever the policy.
-        let (phys, copied) = match (&s.policy, &slot.backup) {
-            (_, Some(Backup::Host(buf))) => (
-                state.backend.map(s.base, s.mapped, label, Init::Bytes(buf.as_slice()))?,
-                buf.as_slice().len() as u64,
-            ),
-            (_, Some(Backup::Spill(file))) => {
-                let what = format!("the spill file in {}", state.spill.dir().display());
-                let len = usize::try_from(file.bytes).unwrap_or(usize::MAX);
-                let init = Init::File { file: &file.file, offset: 0, len, what: &what };
-                (state.backend.map(s.base, s.mapped, label, init)?, file.bytes)
-            }
-            (Policy::Discard, None) => {
-                (state.backend.map(s.base, s.mapped, label, Init::Fresh)?, 0)
-            }
-            (Policy::Zero | Policy::Backup(_), None) => {
-                (state.backend.map(s.base, s.mapped, label, Init::Zero)?, 0)
-            }
-            (Policy::Reload(source), None) => {
-                let what = format!("reload source {}", source.describe());
-                let init = match &*source.0 {
-                    SourceKind::File { file, offset, .. } => {
-                        Init::File { file, offset: *offset, len: s.bytes, what: &what }
-                    }
-                    SourceKind::Fill(fill) => {
-                        let phys = state.backend.map(
-                            s.base,
-                            s.mapped,
-                            label,
-                            Init::Fill {
-                                len: s.bytes,
-                                fill: &mut |dst| {
-                                    fill(dst).map_err(|e| Error::Reload {
-                                        source_desc: source.describe(),
-                                        source: e,
-                                    })
-                                },
-                            },
-                        )?;
-                        slot.phys = Some(phys);
-                        return Ok(s.bytes as u64);
-                    }
-                };
-                (state.backend.map(s.base, s.mapped, label, init)?, s.bytes as u64)
-            }
-        };
-        slot.phys = Some(phys);
-        Ok(copied)
     }
 }
 
@@ -955,5 +896,8 @@ pub fn total_elapsed(receipts: &[Receipt]) -> Duration {
     receipts.iter().map(|r| r.elapsed).sum()
 }
 
+mod contents;
+#[cfg(test)]
+mod device_tests;
 #[cfg(test)]
 mod tests;
