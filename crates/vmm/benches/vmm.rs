@@ -164,7 +164,6 @@ fn main() {
 
     let memcpy = memcpy_baseline(bytes);
     let m = Manager::cpu().expect("cpu manager");
-    let kept = Manager::builder().keep_host_backups(true).build().expect("cpu manager");
     let source_path = m.spill_dir().join(format!("bench-reload-{}.bin", std::process::id()));
     std::fs::create_dir_all(m.spill_dir()).expect("spill dir");
     let mut model = vec![0u8; bytes];
@@ -188,14 +187,7 @@ fn main() {
             &m,
             Policy::Backup(BackupStore::Host),
             None,
-            "copy into a fresh buffer; pwrite into a fresh memfd",
-        ),
-        (
-            "backup-host-kept",
-            &kept,
-            Policy::Backup(BackupStore::Host),
-            None,
-            "keep_host_backups: buffer reused",
+            "chunked copies into the host pool (kept across rounds); back into a fresh memfd",
         ),
         (
             "backup-spill",

@@ -178,6 +178,15 @@ pub enum Error {
         #[source]
         source: Box<Error>,
     },
+    /// The host pool of backups could not grow.
+    #[error("allocating {bytes} bytes of host memory for backups: {source}")]
+    HostPool {
+        /// The bytes it needed.
+        bytes: u64,
+        /// What failed.
+        #[source]
+        source: Box<Error>,
+    },
     /// A chunked copy between an allocation and host memory (a backup or its restore) failed;
     /// `what` names the copy and the chunk.
     #[error("{what}: {source}")]

@@ -37,6 +37,7 @@ mod error;
 mod fail;
 mod manager;
 mod policy;
+mod pool;
 mod probe;
 mod receipt;
 mod region;
