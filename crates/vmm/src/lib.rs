@@ -50,6 +50,7 @@ pub use manager::{
     total_elapsed, Allocation, AllocationInfo, Manager, ManagerBuilder, ReadGuard, WriteGuard,
 };
 pub use policy::{BackupStore, Policy, Source};
+pub use pool::HostBuffer;
 pub use probe::{nvml_device_of_cuda_ordinal, DeviceUsage, NvmlDevice, NvmlMemory, ProcessMemory};
 pub use receipt::{Op, Receipt};
 pub use region::{DeviceSlice, Region, Regions};

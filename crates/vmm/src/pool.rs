@@ -11,7 +11,34 @@
 use crate::backend::{Backend, HostBuf};
 use crate::error::{Error, Result};
 use std::collections::BTreeMap;
+use std::fmt;
 use std::ops::Range;
+
+/// Host memory of the kind a manager's backups live in (pinned for the CUDA backend, so that
+/// copies to and from the device run at the copy engine's speed), from
+/// [`crate::Manager::host_buffer`]: a benchmark's reference copy, or a staging buffer. Freed
+/// when dropped; drop it before its manager.
+pub struct HostBuffer(pub(crate) HostBuf);
+
+impl std::ops::Deref for HostBuffer {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        self.0.as_slice()
+    }
+}
+
+impl std::ops::DerefMut for HostBuffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.0.as_mut_slice()
+    }
+}
+
+impl fmt::Debug for HostBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostBuffer").field("len", &self.len()).finish()
+    }
+}
 
 /// Host memory in slabs, lent out in ranges.
 #[derive(Default)]

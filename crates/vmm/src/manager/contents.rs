@@ -6,7 +6,7 @@ use crate::backend::{Init, Phys};
 use crate::chunked;
 use crate::error::{Error, Result};
 use crate::policy::{BackupStore, Policy, SourceKind};
-use crate::pool::Lease;
+use crate::pool::{HostBuffer, Lease};
 use std::sync::atomic::Ordering;
 
 /// Whether a backup to `store` lives in host memory (the pool).
@@ -182,6 +182,15 @@ impl Manager {
         state.preallocate.extend(tags);
         state.preallocate(None)?;
         Ok(state.pool.capacity())
+    }
+
+    /// `bytes` of host memory of the kind this manager's backups live in: pinned for the
+    /// CUDA backend, memory faulted in at once for the CPU one. Outside the pool.
+    ///
+    /// # Errors
+    /// The backend cannot allocate it (out of memory, for CUDA a driver error).
+    pub fn host_buffer(&self, bytes: usize) -> Result<HostBuffer> {
+        Ok(HostBuffer(self.state().backend.alloc_host(bytes)?))
     }
 
     /// Bytes of host memory the pool holds: lent to backups now, or kept for the next ones.

@@ -180,3 +180,14 @@ fn a_backup_that_fails_gives_its_host_memory_back_to_the_pool() {
     cycle(&m, &[&a, &b], 2);
     assert_eq!((probe.host_allocs(), probe.host_frees()), (1, 0));
 }
+
+#[test]
+fn a_host_buffer_is_the_backups_kind_of_memory_outside_the_pool() {
+    let (m, probe) = fake(CHUNK_FOR_TESTS);
+    let mut buf = m.host_buffer(3 * GRANULARITY).unwrap();
+    buf.fill(7);
+    assert_eq!((buf.len(), probe.host_alloc_sizes()), (3 * GRANULARITY, vec![3 * GRANULARITY]));
+    assert_eq!(m.host_pool_bytes(), 0);
+    drop(buf);
+    assert_eq!(probe.host_frees(), 1);
+}
