@@ -150,11 +150,15 @@ impl FakeBackend {
         Ok(f(mem))
     }
 
-    /// The offset of `addr` in the mapping that holds it.
+    /// The offset of `addr` in the mapping that holds `addr..addr + len`.
     fn offset(&self, addr: u64, len: usize) -> Result<usize> {
-        let base = self.mapped().range(..=addr).next_back().map(|(&b, _)| b);
-        self.with_mem(addr, len, |_| ())?;
-        Ok((addr - base.unwrap_or(addr)) as usize)
+        let mapped = self.mapped();
+        let (&base, mem) = mapped.range(..=addr).next_back().ok_or_else(|| unmapped(addr))?;
+        let offset = (addr - base) as usize;
+        if offset + len > mem.len() {
+            return Err(unmapped(addr));
+        }
+        Ok(offset)
     }
 
     fn pending(&self) -> MutexGuard<'_, Vec<Pending>> {
