@@ -28,7 +28,11 @@
 //! ```
 //!
 //! Backends: host memory (memfds mapped into a reserved range; the default) and CUDA device
-//! memory (`cuMem*`, feature `cuda`). Probes: [`ProcessMemory`] (procfs) and
+//! memory (`cuMem*`, feature `cuda`). Backups to host memory are carved from a host pool
+//! (pinned for CUDA) that is kept and reused across cycles, allocated at the first release or
+//! up front ([`Manager::preallocate_host_backups`]) and freed with the manager or by
+//! [`Manager::free_host_pool`]; they and their restores copy in 64 MiB chunks, the next one
+//! queued while the previous one copies. Probes: [`ProcessMemory`] (procfs) and
 //! [`NvmlMemory`] (NVML, feature `cuda`).
 
 mod backend;
