@@ -183,6 +183,10 @@ pub struct RuntimeConfig {
     /// The most requests in one step (vLLM's max_num_seqs).
     #[serde(default = "default_max_num_seqs")]
     pub max_num_seqs: u32,
+    /// Allocate at start the host memory that level-1 sleeps back the weights up into, and
+    /// keep it across sleeps (`--preallocate-sleep-memory`).
+    #[serde(default)]
+    pub preallocate_sleep_memory: bool,
 }
 
 /// The size of the KV pool: bytes, or a fraction of the memory available at launch.
@@ -330,6 +334,7 @@ impl Default for RuntimeConfig {
             block_size: default_block_size(),
             prefix_caching: true,
             max_num_seqs: default_max_num_seqs(),
+            preallocate_sleep_memory: false,
         }
     }
 }
@@ -573,6 +578,8 @@ pub struct LaunchFlags {
     pub max_num_seqs: Option<u32>,
     /// `--no-prefix-caching`.
     pub no_prefix_caching: bool,
+    /// `--preallocate-sleep-memory`.
+    pub preallocate_sleep_memory: bool,
     /// `--nnodes`.
     pub nnodes: usize,
     /// `--node-rank`.
@@ -608,6 +615,8 @@ pub struct LaunchSettings {
     pub prefix_caching: bool,
     /// The most requests in one step.
     pub max_num_seqs: u32,
+    /// Whether the host memory of level-1 sleeps is allocated at start and kept.
+    pub preallocate_sleep_memory: bool,
 }
 
 impl Config {
@@ -709,6 +718,8 @@ impl Config {
             block_size: self.runtime.block_size,
             prefix_caching: self.runtime.prefix_caching && !flags.no_prefix_caching,
             max_num_seqs: flags.max_num_seqs.unwrap_or(self.runtime.max_num_seqs),
+            preallocate_sleep_memory: flags.preallocate_sleep_memory
+                || self.runtime.preallocate_sleep_memory,
         })
     }
 }

@@ -206,6 +206,12 @@ struct LaunchArgs {
     /// is on by default without context parallelism).
     #[arg(long)]
     no_prefix_caching: bool,
+    /// Allocate at start, not at the first sleep, the host memory that level-1 sleeps back the
+    /// weights up into (pinned, for weights in device memory), and keep it across sleeps
+    /// (default: [runtime] preallocate_sleep_memory). Weights backed up to a spill file (the
+    /// store of host weights, on the CPU and the GPU) need none.
+    #[arg(long)]
+    preallocate_sleep_memory: bool,
     /// Where the kernels run (default: [runtime] device, else cpu); cuda needs a build with
     /// `--features cuda` and puts each rank on the GPU of its LOCAL_RANK.
     #[arg(long, value_enum)]
@@ -246,6 +252,7 @@ impl LaunchArgs {
             kv_cache_memory: self.kv_cache_memory,
             max_num_seqs: self.max_num_seqs,
             no_prefix_caching: self.no_prefix_caching,
+            preallocate_sleep_memory: self.preallocate_sleep_memory,
             nnodes: self.nodes.nnodes,
             node_rank: self.nodes.node_rank,
         }
@@ -878,6 +885,7 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         output: args.output,
         serve,
         sleep: config.sleep.clone(),
+        preallocate_sleep_memory: settings.preallocate_sleep_memory,
         device: settings.device,
         dtype: settings.dtype,
         control_socket: Some(socket.clone()),

@@ -315,9 +315,18 @@ fn model_memory(spec: &RankSpec, compute: &Backend) -> Result<ModelMemory> {
     )
     .context("sleep policy")?;
     // Sleep level 1 keeps the weights' contents, unless their restore is configured.
-    let memory = memory
-        .with_level_one_weights(!spec.sleep.contains_key(vmm::Tag::WEIGHTS.as_str()))
-        .with_threads(spec.threads);
+    let level_one = !spec.sleep.contains_key(vmm::Tag::WEIGHTS.as_str());
+    let memory = memory.with_level_one_weights(level_one).with_threads(spec.threads);
+    if spec.preallocate_sleep_memory && level_one {
+        // The pool grows as the weights are allocated, by what their level-1 backup takes
+        // in host memory: nothing where it goes to a spill file (this host manager's default
+        // store). The device manager's weights are device copies that a sleep discards, not
+        // backs up, so it has nothing to preallocate.
+        memory
+            .manager()
+            .preallocate_host_backups([vmm::Tag::WEIGHTS])
+            .context("--preallocate-sleep-memory")?;
+    }
     match compute.device() {
         tensor::Device::Cuda(ordinal) => Ok(memory.with_device(ordinal)?),
         _ => Ok(memory),

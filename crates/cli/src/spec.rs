@@ -83,6 +83,10 @@ pub struct RankSpec {
     /// (`weights`: reload, `kv_cache`: discard).
     #[serde(default)]
     pub sleep: BTreeMap<String, SleepPolicy>,
+    /// Allocate the host memory of level-1 sleeps at start and keep it across sleeps
+    /// (`--preallocate-sleep-memory`).
+    #[serde(default)]
+    pub preallocate_sleep_memory: bool,
     /// Where rank 0 listens for `tpctl sleep / wakeup / status / stop` (`None`: no socket).
     #[serde(default)]
     pub control_socket: Option<PathBuf>,

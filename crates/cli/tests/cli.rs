@@ -208,6 +208,31 @@ fn text_output_streams_and_summarizes() {
     assert!(stdout.lines().last().is_some_and(|l| l.starts_with("-- start-up ")), "{}", text(&out));
 }
 
+/// `--preallocate-sleep-memory` is a flag of `run` and `serve`, explained in their help, and
+/// ranks started with it (on the CPU, where a level-1 sleep writes a spill file and so nothing
+/// is preallocated) generate what they generate without it.
+#[test]
+fn preallocating_sleep_memory_is_a_flag_of_run_and_serve() {
+    for command in ["run", "serve"] {
+        let out = tpctl(&[command, "--help"], &[]);
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{}", text(&out));
+        assert!(help.contains("--preallocate-sleep-memory"), "tpctl {command} --help:\n{help}");
+        assert!(help.contains("preallocate_sleep_memory"), "tpctl {command} --help:\n{help}");
+    }
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", "--model", model(), "--tp", "2", "--prompt-ids", "1,2"];
+        args.extend(["--max-tokens", "4"]);
+        args.extend(extra);
+        let out = tpctl(&args, &[]);
+        assert!(out.status.success(), "{}", text(&out));
+        // The text, without the summary line and its times.
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        stdout.lines().filter(|l| !l.starts_with("-- ")).collect::<Vec<_>>().join("\n")
+    };
+    assert_eq!(run(&["--preallocate-sleep-memory"]), run(&[]));
+}
+
 /// Without a prompt anywhere, the demo runs and shows its prompt before the answer.
 #[test]
 fn the_demo_shows_its_prompt() {

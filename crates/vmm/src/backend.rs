@@ -9,7 +9,10 @@ pub(crate) mod cuda;
 #[cfg(not(feature = "cuda"))]
 #[path = "backend/cuda_stub.rs"]
 pub(crate) mod cuda;
+#[cfg(test)]
+pub(crate) mod fake;
 
+use crate::chunked::Direction;
 use crate::error::{Error, Result};
 use crate::policy::BackupStore;
 use std::fs::File;
@@ -35,8 +38,6 @@ pub(crate) enum Init<'a> {
     Fresh,
     /// Zeros.
     Zero,
-    /// These bytes, then zeros up to the mapped length.
-    Bytes(&'a [u8]),
     /// `len` bytes read from `file` at `offset`, then zeros; `what` names the file in errors.
     File { file: &'a File, offset: u64, len: usize, what: &'a str },
     /// Zeros, then the function runs on the first `len` bytes.
@@ -59,6 +60,9 @@ pub(crate) enum HostBuf {
     Mapped(cpu::MappedBuf),
     #[cfg(feature = "cuda")]
     Pinned(cuda::PinnedBuf),
+    /// Host memory of the test backend, which counts when it is freed.
+    #[cfg(test)]
+    Fake(fake::FakeHostBuf),
 }
 
 impl HostBuf {
@@ -68,6 +72,8 @@ impl HostBuf {
             HostBuf::Mapped(m) => m.as_slice(),
             #[cfg(feature = "cuda")]
             HostBuf::Pinned(p) => p.as_slice(),
+            #[cfg(test)]
+            HostBuf::Fake(f) => &f.bytes,
         }
     }
 
@@ -77,6 +83,8 @@ impl HostBuf {
             HostBuf::Mapped(m) => m.as_mut_slice(),
             #[cfg(feature = "cuda")]
             HostBuf::Pinned(p) => p.as_mut_slice(),
+            #[cfg(test)]
+            HostBuf::Fake(f) => &mut f.bytes,
         }
     }
 }
@@ -113,6 +121,43 @@ pub(crate) trait Backend: Send {
     fn copy_from_host(&self, addr: u64, src: &[u8]) -> Result<()>;
     /// Calls `sink` with the `len` bytes at `addr`, in order, in one or more pieces.
     fn save(&self, addr: u64, len: usize, sink: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>;
+
+    // Chunked copies between mapped memory and host memory, driven by `crate::chunked`, which
+    // owns the order of these calls (see its docs): a backend that copies asynchronously
+    // overlaps the copy of one chunk with the queueing of the next.
+
+    /// Gets ready for a chunked copy `direction`: the CUDA backend waits for the kernels'
+    /// work on its memory before a backup reads it.
+    fn begin_chunks(&self, direction: Direction) -> Result<()>;
+    /// Queues the copy of the `len` bytes at `addr` (mapped memory of this backend) to host
+    /// memory at `dst`, as chunk `chunk` of a chunked copy; the copy may still run when this
+    /// returns.
+    ///
+    /// # Safety
+    /// `dst..dst + len` is valid for writes, and nothing else reads or writes it, until
+    /// `wait_chunk(chunk)` or `drain_chunks()` returned; at most [`crate::chunked::IN_FLIGHT`]
+    /// chunks are queued and not waited for.
+    unsafe fn start_to_host(&self, addr: u64, dst: *mut u8, len: usize, chunk: usize)
+        -> Result<()>;
+    /// Queues the copy of `len` bytes of host memory at `src` to `addr` (mapped memory of this
+    /// backend), as chunk `chunk`; the copy may still run when this returns.
+    ///
+    /// # Safety
+    /// `src..src + len` is valid for reads, and nothing writes it, until `wait_chunk(chunk)` or
+    /// `drain_chunks()` returned; at most [`crate::chunked::IN_FLIGHT`] chunks are queued and
+    /// not waited for.
+    unsafe fn start_from_host(
+        &self,
+        addr: u64,
+        src: *const u8,
+        len: usize,
+        chunk: usize,
+    ) -> Result<()>;
+    /// Waits until chunk `chunk`, and every chunk queued before it, is copied.
+    fn wait_chunk(&self, chunk: usize) -> Result<()>;
+    /// Waits, after a failure, until no queued chunk can read or write host memory any more;
+    /// when it returns, that holds even if it returns an error.
+    fn drain_chunks(&self) -> Result<()>;
 }
 
 /// Creates the backend `kind`.

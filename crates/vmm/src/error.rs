@@ -178,6 +178,26 @@ pub enum Error {
         #[source]
         source: Box<Error>,
     },
+    /// The host pool of backups could not grow.
+    #[error("allocating {bytes} bytes of host memory for backups: {source}")]
+    HostPool {
+        /// The bytes it needed.
+        bytes: u64,
+        /// What failed.
+        #[source]
+        source: Box<Error>,
+    },
+    /// A chunked copy between an allocation and host memory (a backup or its restore) failed;
+    /// `what` names the copy and the chunk.
+    #[error("{what}: {source}")]
+    Copy {
+        /// The copy and the chunk, for example `restore from host memory, chunk 3 of 16
+        /// (67108864 bytes at offset 134217728)`.
+        what: String,
+        /// What failed.
+        #[source]
+        source: Box<Error>,
+    },
     /// The backend cannot run here (no driver, no device).
     #[error("{backend} backend is unavailable: {reason}")]
     BackendUnavailable {

@@ -28,14 +28,20 @@
 //! ```
 //!
 //! Backends: host memory (memfds mapped into a reserved range; the default) and CUDA device
-//! memory (`cuMem*`, feature `cuda`). Probes: [`ProcessMemory`] (procfs) and
+//! memory (`cuMem*`, feature `cuda`). Backups to host memory are carved from a host pool
+//! (pinned for CUDA) that is kept and reused across cycles, allocated at the first release or
+//! up front ([`Manager::preallocate_host_backups`]) and freed with the manager or by
+//! [`Manager::free_host_pool`]; they and their restores copy in 64 MiB chunks, the next one
+//! queued while the previous one copies. Probes: [`ProcessMemory`] (procfs) and
 //! [`NvmlMemory`] (NVML, feature `cuda`).
 
 mod backend;
+mod chunked;
 mod error;
 mod fail;
 mod manager;
 mod policy;
+mod pool;
 mod probe;
 mod receipt;
 mod region;
@@ -48,6 +54,7 @@ pub use manager::{
     total_elapsed, Allocation, AllocationInfo, Manager, ManagerBuilder, ReadGuard, WriteGuard,
 };
 pub use policy::{BackupStore, Policy, Source};
+pub use pool::HostBuffer;
 pub use probe::{nvml_device_of_cuda_ordinal, DeviceUsage, NvmlDevice, NvmlMemory, ProcessMemory};
 pub use receipt::{Op, Receipt};
 pub use region::{DeviceSlice, Region, Regions};

@@ -1,9 +1,11 @@
 //! The manager: tagged allocations with stable addresses, released and materialized by tag.
 
-use crate::backend::{self, Backend, BackendKind, HostBuf, Init, Phys};
+use crate::backend::{self, Backend, BackendKind, Init, Phys};
+use crate::chunked;
 use crate::error::{Error, Failure, Result};
 use crate::fail;
 use crate::policy::{BackupStore, Policy, SourceKind};
+use crate::pool::{HostPool, Lease};
 use crate::receipt::{Op, Receipt};
 use crate::spill::{default_spill_dir, SpillFile, SpillStore};
 use crate::tag::Tag;
@@ -24,7 +26,10 @@ pub struct ManagerBuilder {
     spill_limit: Option<u64>,
     default_store: Option<BackupStore>,
     max_allocation: Option<u64>,
-    keep_host_backups: bool,
+    preallocate: Vec<Tag>,
+    /// The chunk of backups and restores (default [`chunked::CHUNK`]; tests cut small
+    /// allocations into several).
+    chunk: Option<usize>,
 }
 
 impl ManagerBuilder {
@@ -60,12 +65,11 @@ impl ManagerBuilder {
         self
     }
 
-    /// Keep each host-store backup buffer after materialize and reuse it at the next release
-    /// (default off). Release then costs one copy into memory that is already faulted in,
-    /// instead of allocating the buffer; the price is that the buffer stays allocated (and,
-    /// for CUDA, pinned) for the allocation's whole life.
-    pub fn keep_host_backups(mut self, keep: bool) -> Self {
-        self.keep_host_backups = keep;
+    /// Allocate the host memory that backups of `tags` into host memory take as their
+    /// allocations are made, instead of at their first release; see
+    /// [`Manager::preallocate_host_backups`].
+    pub fn preallocate_host_backups(mut self, tags: impl IntoIterator<Item = Tag>) -> Self {
+        self.preallocate.extend(tags);
         self
     }
 
@@ -76,6 +80,21 @@ impl ManagerBuilder {
     /// device), [`Error::NotCompiledWith`] for CUDA without the `cuda` feature.
     pub fn build(self) -> Result<Manager> {
         let backend = backend::create(self.backend)?;
+        Ok(self.build_on(backend))
+    }
+
+    /// A manager of the test backend with `chunk`-byte copies, and the probe that watches it.
+    #[cfg(test)]
+    pub(crate) fn build_fake(
+        mut self,
+        chunk: usize,
+    ) -> (Manager, std::sync::Arc<backend::fake::Probe>) {
+        let (backend, probe) = backend::fake::create();
+        self.chunk = Some(chunk);
+        (self.build_on(backend), probe)
+    }
+
+    fn build_on(self, backend: Box<dyn Backend>) -> Manager {
         let mut default_store = self.default_store.unwrap_or(BackupStore::Default);
         if default_store == BackupStore::Default {
             default_store = backend.default_store();
@@ -84,17 +103,21 @@ impl ManagerBuilder {
         let max_allocation = self.max_allocation.map_or(limit, |m| m.min(limit));
         let spill =
             SpillStore::new(self.spill_dir.unwrap_or_else(default_spill_dir), self.spill_limit);
+        let mut known: BTreeSet<Tag> = Tag::WELL_KNOWN.into_iter().collect();
+        known.extend(self.preallocate.iter().cloned());
         let state = State {
+            pool: HostPool::default(),
+            preallocate: self.preallocate.into_iter().collect(),
             backend,
             allocs: BTreeMap::new(),
             next_id: 1,
-            known: Tag::WELL_KNOWN.into_iter().collect(),
+            known,
             spill,
             default_store,
             max_allocation,
-            keep_host_backups: self.keep_host_backups,
+            chunk: self.chunk.unwrap_or(chunked::CHUNK),
         };
-        Ok(Manager { inner: Arc::new(Inner { state: Mutex::new(state) }) })
+        Manager { inner: Arc::new(Inner { state: Mutex::new(state) }) }
     }
 }
 
@@ -115,6 +138,11 @@ struct Inner {
 }
 
 struct State {
+    /// The host memory of host backups. Declared before `backend` so that it is freed while
+    /// the backend (for CUDA, its context) still lives.
+    pool: HostPool,
+    /// Tags whose host backups the pool is sized for as their allocations are made.
+    preallocate: BTreeSet<Tag>,
     backend: Box<dyn Backend>,
     allocs: BTreeMap<u64, Arc<Shared>>,
     next_id: u64,
@@ -122,7 +150,8 @@ struct State {
     spill: SpillStore,
     default_store: BackupStore,
     max_allocation: u64,
-    keep_host_backups: bool,
+    /// The bytes of one chunk of a backup or restore in host memory.
+    chunk: usize,
 }
 
 /// What a manager and an allocation handle share about one allocation.
@@ -147,21 +176,20 @@ struct Shared {
 struct Slot {
     /// The physical memory while materialized; `None` while released.
     phys: Option<Phys>,
-    /// The backup while released under [`Policy::Backup`].
+    /// The backup while released under [`Policy::Backup`] (or a level-1 style release).
     backup: Option<Backup>,
-    /// A host backup buffer kept for the next release ([`ManagerBuilder::keep_host_backups`]).
-    spare: Option<HostBuf>,
 }
 
 enum Backup {
-    Host(HostBuf),
+    /// Bytes lent by the manager's host pool; given back, never dropped.
+    Host(Lease),
     Spill(SpillFile),
 }
 
 impl Backup {
     fn bytes(&self) -> u64 {
         match self {
-            Backup::Host(buf) => buf.as_slice().len() as u64,
+            Backup::Host(lease) => lease.len() as u64,
             Backup::Spill(file) => file.bytes,
         }
     }
@@ -339,6 +367,9 @@ impl Manager {
             bytes: bytes as u64,
             source: Box::new(source),
         };
+        if state.preallocates(&tag, store) {
+            state.preallocate(Some(mapped)).map_err(wrap)?;
+        }
         let base = state.backend.reserve(mapped).map_err(wrap)?;
         let phys = match state.backend.map(base, mapped, tag.as_str(), Init::Zero) {
             Ok(phys) => phys,
@@ -362,7 +393,7 @@ impl Manager {
             backend: state.backend.name(),
             device: state.backend.device(),
             host_accessible,
-            slot: RwLock::new(Slot { phys: Some(phys), backup: None, spare: None }),
+            slot: RwLock::new(Slot { phys: Some(phys), backup: None }),
             released: AtomicBool::new(false),
         });
         state.allocs.insert(id, Arc::clone(&shared));
@@ -439,28 +470,50 @@ impl Manager {
         let mut receipts: Vec<Receipt> =
             tags.iter().map(|t| Receipt::zero(t.clone(), Op::Release)).collect();
 
-        // Phase 1: backups. Nothing is released yet, so a failure just drops what was saved.
+        // Phase 1: backups. Nothing is released yet, so a failure just gives back what was
+        // saved. The host pool grows first, at most once, if the host backups do not fit.
+        let stores: Vec<Option<BackupStore>> = targets
+            .iter()
+            .zip(&slots)
+            .map(|(s, slot)| {
+                let asked = backups.iter().find(|(t, _)| *t == s.tag).map(|(_, store)| store);
+                let store = match (&s.policy, asked) {
+                    (_, Some(BackupStore::Default)) => state.default_store,
+                    (_, Some(store)) => *store,
+                    (Policy::Backup(_), None) => s.store,
+                    _ => return None,
+                };
+                slot.phys.as_ref().map(|_| store)
+            })
+            .collect();
+        let in_host: Vec<&Arc<Shared>> = (targets.iter().zip(&stores))
+            .filter(|(_, store)| contents::in_host_memory(**store))
+            .map(|(s, _)| s)
+            .collect();
+        let start = Instant::now();
+        let st = &mut *state;
+        st.pool
+            .reserve(&*st.backend, &in_host.iter().map(|s| s.mapped).collect::<Vec<_>>())
+            .map_err(|e| Error::ReleaseAborted { source: Box::new(e) })?;
+        // Growing the pool counts in the receipt of the first tag that needed it.
+        if let Some(first) = in_host.first() {
+            let i = receipt_of(&receipts, &first.tag);
+            receipts[i].elapsed += start.elapsed();
+        }
         let mut saved: Vec<Option<Backup>> = Vec::with_capacity(targets.len());
-        for (s, slot) in targets.iter().zip(&mut slots) {
-            let asked = backups.iter().find(|(t, _)| *t == s.tag).map(|(_, store)| match store {
-                BackupStore::Default => state.default_store,
-                store => *store,
-            });
-            let store = match (&s.policy, asked) {
-                (_, Some(store)) => store,
-                (Policy::Backup(_), None) => s.store,
-                _ => {
-                    saved.push(None);
-                    continue;
-                }
-            };
-            if slot.phys.is_none() {
+        for (s, store) in targets.iter().zip(stores) {
+            let Some(store) = store else {
                 saved.push(None);
                 continue;
-            }
+            };
             let start = Instant::now();
-            let backup = Self::backup(&state, s, store, slot.spare.take())
-                .map_err(|e| Error::ReleaseAborted { source: Box::new(s.wrap(e)) })?;
+            let backup = match contents::backup(&mut state, s, store) {
+                Ok(backup) => backup,
+                Err(e) => {
+                    saved.into_iter().flatten().for_each(|b| state.give_back(b));
+                    return Err(Error::ReleaseAborted { source: Box::new(s.wrap(e)) });
+                }
+            };
             let i = receipt_of(&receipts, &s.tag);
             receipts[i].copied_bytes += backup.bytes();
             receipts[i].elapsed += start.elapsed();
@@ -485,8 +538,9 @@ impl Manager {
                 }
                 Err((phys, e)) => {
                     slot.phys = Some(phys);
-                    if let Some(b) = &backup {
+                    if let Some(b) = backup {
                         receipts[i].copied_bytes -= b.bytes();
+                        state.give_back(b);
                     }
                     failures.push(Failure { id: s.id, tag: s.tag.clone(), error: s.wrap(e) });
                 }
@@ -503,34 +557,6 @@ impl Manager {
             Ok(receipts)
         } else {
             Err(Error::ReleasePartial { failures, receipts })
-        }
-    }
-
-    fn backup(
-        state: &State,
-        s: &Shared,
-        store: BackupStore,
-        spare: Option<HostBuf>,
-    ) -> Result<Backup> {
-        match store {
-            BackupStore::Host | BackupStore::Default => {
-                let mut buf = match spare {
-                    Some(buf) if buf.as_slice().len() == s.mapped => buf,
-                    _ => state.backend.alloc_host(s.mapped)?,
-                };
-                state.backend.copy_to_host(s.base, buf.as_mut_slice())?;
-                Ok(Backup::Host(buf))
-            }
-            BackupStore::Spill => {
-                let file = state.spill.create(s.mapped as u64)?;
-                let mut offset = 0u64;
-                state.backend.save(s.base, s.mapped, &mut |piece| {
-                    state.spill.write_at(&file, piece, offset)?;
-                    offset += piece.len() as u64;
-                    Ok(())
-                })?;
-                Ok(Backup::Spill(file))
-            }
         }
     }
 
@@ -564,7 +590,7 @@ impl Manager {
                 continue;
             }
             let start = Instant::now();
-            match fail::hit("vmm.map").and_then(|()| Self::map_one(&mut state, s, slot)) {
+            match fail::hit("vmm.map").and_then(|()| contents::map_one(&mut state, s, slot)) {
                 Ok(copied) => {
                     let i = receipt_of(&receipts, &s.tag);
                     receipts[i].allocations += 1;
@@ -591,18 +617,20 @@ impl Manager {
                         // the backup is no longer needed.
                         tracing::error!(id = s.id, tag = %s.tag, error = %e, "rollback could not unmap; allocation stays materialized");
                         slot.phys = Some(phys);
-                        slot.backup = None;
+                        if let Some(b) = slot.backup.take() {
+                            state.give_back(b);
+                        }
                     }
                 }
             }
             publish(&targets, &slots);
             return Err(Error::MaterializeRolledBack { rolled_back, source: Box::new(error) });
         }
-        // Commit: the restored allocations no longer need their backups.
+        // Commit: the restored allocations no longer need their backups; host memory goes
+        // back to the pool.
         for &k in &done {
-            match slots[k].backup.take() {
-                Some(Backup::Host(buf)) if state.keep_host_backups => slots[k].spare = Some(buf),
-                _ => {}
+            if let Some(b) = slots[k].backup.take() {
+                state.give_back(b);
             }
         }
         publish(&targets, &slots);
@@ -612,59 +640,6 @@ impl Manager {
             tracing::debug!(tag = %r.tag, allocations = r.allocations, bytes = r.bytes, copied = r.copied_bytes, elapsed = ?r.elapsed, "materialized");
         }
         Ok(receipts)
-    }
-
-    /// Maps and restores one allocation; returns the bytes copied in.
-    fn map_one(state: &mut State, s: &Shared, slot: &mut Slot) -> Result<u64> {
-        let label = s.tag.as_str();
-        // A backup taken by the release is the contents: restored whatever the policy.
-        let (phys, copied) = match (&s.policy, &slot.backup) {
-            (_, Some(Backup::Host(buf))) => (
-                state.backend.map(s.base, s.mapped, label, Init::Bytes(buf.as_slice()))?,
-                buf.as_slice().len() as u64,
-            ),
-            (_, Some(Backup::Spill(file))) => {
-                let what = format!("the spill file in {}", state.spill.dir().display());
-                let len = usize::try_from(file.bytes).unwrap_or(usize::MAX);
-                let init = Init::File { file: &file.file, offset: 0, len, what: &what };
-                (state.backend.map(s.base, s.mapped, label, init)?, file.bytes)
-            }
-            (Policy::Discard, None) => {
-                (state.backend.map(s.base, s.mapped, label, Init::Fresh)?, 0)
-            }
-            (Policy::Zero | Policy::Backup(_), None) => {
-                (state.backend.map(s.base, s.mapped, label, Init::Zero)?, 0)
-            }
-            (Policy::Reload(source), None) => {
-                let what = format!("reload source {}", source.describe());
-                let init = match &*source.0 {
-                    SourceKind::File { file, offset, .. } => {
-                        Init::File { file, offset: *offset, len: s.bytes, what: &what }
-                    }
-                    SourceKind::Fill(fill) => {
-                        let phys = state.backend.map(
-                            s.base,
-                            s.mapped,
-                            label,
-                            Init::Fill {
-                                len: s.bytes,
-                                fill: &mut |dst| {
-                                    fill(dst).map_err(|e| Error::Reload {
-                                        source_desc: source.describe(),
-                                        source: e,
-                                    })
-                                },
-                            },
-                        )?;
-                        slot.phys = Some(phys);
-                        return Ok(s.bytes as u64);
-                    }
-                };
-                (state.backend.map(s.base, s.mapped, label, init)?, s.bytes as u64)
-            }
-        };
-        slot.phys = Some(phys);
-        Ok(copied)
     }
 }
 
@@ -745,11 +720,15 @@ impl Allocation {
     /// the contents should now be: new weights that replaced the backed-up ones while asleep).
     /// Returns whether there was one; nothing changes for a materialized allocation.
     pub fn discard_backup(&self) -> bool {
-        let mut slot = self.shared.slot.write().unwrap_or_else(PoisonError::into_inner);
-        if slot.phys.is_some() {
-            return false;
-        }
-        slot.backup.take().is_some()
+        let backup = {
+            let mut slot = self.shared.slot.write().unwrap_or_else(PoisonError::into_inner);
+            if slot.phys.is_some() {
+                return false;
+            }
+            slot.backup.take()
+        };
+        // Not under the slot's lock: the manager's lock is taken before a slot's elsewhere.
+        backup.map(|b| lock(&self.inner.state).give_back(b)).is_some()
     }
 
     fn check(&self, slot: &Slot) -> Result<()> {
@@ -875,8 +854,9 @@ impl Drop for Allocation {
         state.allocs.remove(&self.shared.id);
         // No guard can be alive: guards borrow the handle being dropped.
         let mut slot = self.shared.slot.write().unwrap_or_else(PoisonError::into_inner);
-        slot.backup = None;
-        slot.spare = None;
+        if let Some(b) = slot.backup.take() {
+            state.give_back(b);
+        }
         let s = &self.shared;
         if let Err(e) = state.backend.free(s.base, s.mapped, slot.phys.take()) {
             tracing::error!(id = s.id, tag = %s.tag, error = %e, "freeing an allocation failed; its address range leaks");
@@ -955,5 +935,8 @@ pub fn total_elapsed(receipts: &[Receipt]) -> Duration {
     receipts.iter().map(|r| r.elapsed).sum()
 }
 
+mod contents;
+#[cfg(test)]
+mod device_tests;
 #[cfg(test)]
 mod tests;

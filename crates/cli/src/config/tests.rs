@@ -175,6 +175,23 @@ fn the_dtype_defaults_to_bf16_on_the_gpu_and_f32_on_the_cpu() {
     assert_eq!(file.launch(&f32_flag, 8, true).unwrap().dtype, ComputeDtype::F32);
 }
 
+/// `--preallocate-sleep-memory` and `[runtime] preallocate_sleep_memory` each turn it on (it
+/// is off by default), and the rank spec carries it to every rank, off when a spec lacks it.
+#[test]
+fn preallocating_sleep_memory_comes_from_the_flag_or_the_file() {
+    let on = LaunchFlags { preallocate_sleep_memory: true, ..flags(None, None) };
+    let default = Config::default();
+    assert!(!default.launch(&flags(None, None), 8, false).unwrap().preallocate_sleep_memory);
+    assert!(default.launch(&on, 8, false).unwrap().preallocate_sleep_memory);
+    let file = Config::parse("[runtime]\npreallocate_sleep_memory = true\n", "p.toml").unwrap();
+    assert!(file.launch(&flags(None, None), 8, false).unwrap().preallocate_sleep_memory);
+    let err = format!(
+        "{:#}",
+        Config::parse("[runtime]\npreallocate_sleep_memory = 1\n", "p.toml").unwrap_err()
+    );
+    assert!(err.contains("preallocate_sleep_memory"), "{err}");
+}
+
 /// `kv_cache_memory` takes bytes, sizes with units and fractions, in the file and on the
 /// command line (the flag wins), and refuses what is not a size, naming the key.
 #[test]

@@ -146,6 +146,9 @@ fn shared_flags(flags: &LaunchFlags, args: &HostArgs) -> Vec<String> {
     if flags.no_prefix_caching {
         out.push("--no-prefix-caching".into());
     }
+    if flags.preallocate_sleep_memory {
+        out.push("--preallocate-sleep-memory".into());
+    }
     out
 }
 

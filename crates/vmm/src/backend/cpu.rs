@@ -5,6 +5,7 @@
 //! so its pages go back to the kernel; materializing maps a new memfd at the same address.
 
 use super::{Backend, HostBuf, Init, Phys};
+use crate::chunked::Direction;
 use crate::error::{Error, Result};
 use crate::policy::BackupStore;
 use std::fs::File;
@@ -138,26 +139,6 @@ fn copy_loop(
     Ok(true)
 }
 
-fn pwrite_all(fd: &OwnedFd, bytes: &[u8]) -> io::Result<()> {
-    let mut done = 0;
-    while done < bytes.len() {
-        let rest = &bytes[done..];
-        // SAFETY: `rest` is a live slice of `rest.len()` readable bytes; the descriptor is valid.
-        let n = unsafe {
-            libc::pwrite(fd.as_raw_fd(), rest.as_ptr().cast(), rest.len(), done as libc::off_t)
-        };
-        if n < 0 {
-            let err = io::Error::last_os_error();
-            if err.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(err);
-        }
-        done += n as usize;
-    }
-    Ok(())
-}
-
 impl CpuBackend {
     fn map_fd(&self, addr: u64, len: usize, fd: &OwnedFd, populate: bool) -> Result<()> {
         let mut flags = libc::MAP_SHARED | libc::MAP_FIXED;
@@ -191,14 +172,6 @@ impl CpuBackend {
             // that the kernel allocates as they are written.
             Init::Fresh => self.map_fd(addr, len, fd, true),
             Init::Zero => self.map_fd(addr, len, fd, false),
-            Init::Bytes(bytes) => {
-                // Writing into the memfd before mapping it lets the kernel allocate each page
-                // and copy into it once, without zeroing it first.
-                pwrite_all(fd, &bytes[..bytes.len().min(len)]).map_err(|e| {
-                    Error::os_with(format!("pwrite of {} bytes into a memfd", bytes.len()), e)
-                })?;
-                self.map_fd(addr, len, fd, true)
-            }
             Init::File { file, offset, len: n, what } => {
                 let n = n.min(len);
                 let copied = kernel_copy(file, offset, fd, n)
@@ -311,6 +284,47 @@ impl Backend for CpuBackend {
         // SAFETY: as in `copy_to_host`: mapped, and locked against writers.
         let src = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
         sink(src)
+    }
+
+    fn begin_chunks(&self, _direction: Direction) -> Result<()> {
+        Ok(())
+    }
+
+    // The CPU copies each chunk at once (a memcpy): there is nothing to overlap with.
+    unsafe fn start_to_host(
+        &self,
+        addr: u64,
+        dst: *mut u8,
+        len: usize,
+        _chunk: usize,
+    ) -> Result<()> {
+        // SAFETY: the manager copies only a materialized allocation's range, holding its write
+        // lock, so `addr..addr+len` is mapped and not written meanwhile; the caller promises
+        // that `dst..dst+len` is writable and not otherwise accessed. The two do not overlap:
+        // host backups never live inside an allocation.
+        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, dst, len) };
+        Ok(())
+    }
+
+    unsafe fn start_from_host(
+        &self,
+        addr: u64,
+        src: *const u8,
+        len: usize,
+        _chunk: usize,
+    ) -> Result<()> {
+        // SAFETY: as in `start_to_host`, the other way: the allocation's range is mapped
+        // read-write and held by the manager alone, `src..src+len` is readable.
+        unsafe { std::ptr::copy_nonoverlapping(src, addr as *mut u8, len) };
+        Ok(())
+    }
+
+    fn wait_chunk(&self, _chunk: usize) -> Result<()> {
+        Ok(())
+    }
+
+    fn drain_chunks(&self) -> Result<()> {
+        Ok(())
     }
 }
 
@@ -426,6 +440,14 @@ impl Drop for MappedBuf {
 mod tests {
     use super::*;
 
+    /// Copies `data` into the start of a fresh mapping (an `Init::Fill`).
+    fn copier(data: &[u8]) -> impl FnMut(&mut [u8]) -> Result<()> + '_ {
+        move |dst| {
+            dst.copy_from_slice(data);
+            Ok(())
+        }
+    }
+
     fn read_back(addr: u64, len: usize) -> Vec<u8> {
         // SAFETY: the callers pass a range they just mapped and keep mapped during the read.
         unsafe { std::slice::from_raw_parts(addr as *const u8, len) }.to_vec()
@@ -437,7 +459,9 @@ mod tests {
         let len = 3 * b.granularity();
         let addr = b.reserve(len).unwrap();
         let data: Vec<u8> = (0..len / 2).map(|i| (i % 251) as u8 + 1).collect();
-        let phys = b.map(addr, len, "t", Init::Bytes(&data)).unwrap();
+        let phys = b
+            .map(addr, len, "t", Init::Fill { len: data.len(), fill: &mut copier(&data) })
+            .unwrap();
         let got = read_back(addr, len);
         assert_eq!(&got[..data.len()], &data[..]);
         assert!(got[data.len()..].iter().all(|&x| x == 0));
@@ -456,7 +480,9 @@ mod tests {
         let len = 4 * page;
         let addr = b.reserve(len).unwrap();
         let data: Vec<u8> = (0..page + 7).map(|i| (i % 253) as u8 + 1).collect();
-        let phys = b.map(addr, len, "t", Init::Bytes(&data)).unwrap();
+        let phys = b
+            .map(addr, len, "t", Init::Fill { len: data.len(), fill: &mut copier(&data) })
+            .unwrap();
         touch_pages(addr, len, page);
         commit(addr, len, 3).unwrap();
         let got = read_back(addr, len);

@@ -5,8 +5,13 @@
 //! device pointers held by kernels and captured graphs stay valid across cycles. Host backups
 //! live in pinned memory (`cuMemHostAlloc`). The driver library is loaded at run time, through
 //! `mesh::cuda_driver`; without it [`create`] returns [`Error::BackendUnavailable`].
+//!
+//! Backups and restores go in chunks (`crate::chunked`): each chunk is an asynchronous copy
+//! on a stream of the backend's own, followed by an event; the host queues chunk `i + 1` before
+//! it waits for chunk `i`'s event, so the copy engine never waits for the host between chunks.
 
 use super::{Backend, HostBuf, Init, Phys};
+use crate::chunked::{Direction, IN_FLIGHT};
 use crate::error::{Error, Result};
 use crate::policy::BackupStore;
 use cudarc::driver::sys;
@@ -36,12 +41,19 @@ pub(crate) struct CudaBackend {
     ctx: sys::CUcontext,
     granularity: usize,
     total: u64,
+    /// The stream of chunked copies (non-blocking: it does not wait for the legacy default
+    /// stream); null until created in `new`.
+    stream: sys::CUstream,
+    /// One event per chunk in flight, recorded on `stream` after the chunk's copy; chunk `i`
+    /// uses `events[i % IN_FLIGHT]`. Null until created.
+    events: [sys::CUevent; IN_FLIGHT],
 }
 
 // SAFETY: `ctx` is the device's primary context, a process-wide driver handle that is valid
 // on every thread; the backend makes it current on the calling thread before every driver
 // call (`bind`), and the manager's mutex serializes all calls, so moving the backend to
-// another thread cannot race on it.
+// another thread cannot race on it. The stream and events belong to that context and are
+// used under the same lock.
 unsafe impl Send for CudaBackend {}
 
 impl CudaBackend {
@@ -63,9 +75,29 @@ impl CudaBackend {
         let mut total = 0usize;
         // SAFETY: valid out pointer and device handle.
         check(|| "cuDeviceTotalMem".into(), unsafe { sys::cuDeviceTotalMem_v2(&mut total, dev) })?;
-        let mut backend =
-            CudaBackend { ordinal: device, device: dev, ctx, granularity: 0, total: total as u64 };
+        let mut backend = CudaBackend {
+            ordinal: device,
+            device: dev,
+            ctx,
+            granularity: 0,
+            total: total as u64,
+            stream: std::ptr::null_mut(),
+            events: [std::ptr::null_mut(); IN_FLIGHT],
+        };
         backend.bind()?;
+        // SAFETY: valid out pointer; the context is current (just above). `Drop` destroys it.
+        check(|| "cuStreamCreate for chunked copies".into(), unsafe {
+            sys::cuStreamCreate(
+                &mut backend.stream,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+            )
+        })?;
+        for event in &mut backend.events {
+            // SAFETY: valid out pointer; the context is current. `Drop` destroys it.
+            check(|| "cuEventCreate for chunked copies".into(), unsafe {
+                sys::cuEventCreate(event, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+            })?;
+        }
         let prop = backend.prop();
         let mut granularity = 0usize;
         // SAFETY: valid out pointer and a fully initialized property struct.
@@ -140,11 +172,6 @@ impl CudaBackend {
         match init {
             Init::Fresh => Ok(()),
             Init::Zero => self.zero(addr, len),
-            Init::Bytes(bytes) => {
-                let n = bytes.len().min(len);
-                self.copy_in(addr, &bytes[..n])?;
-                self.zero(addr + n as u64, len - n)
-            }
             Init::File { file, offset, len: n, what } => {
                 let n = n.min(len);
                 let mut staging = PinnedBuf::new(n.min(STAGING))?;
@@ -173,6 +200,20 @@ impl CudaBackend {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
+        if self.bind().is_ok() {
+            for &event in &self.events {
+                if !event.is_null() {
+                    // SAFETY: the event was created in `new` in this context (bound above),
+                    // is destroyed once, and no copy waits on it (every chunked copy waited
+                    // for or drained its chunks before returning).
+                    unsafe { sys::cuEventDestroy_v2(event) };
+                }
+            }
+            if !self.stream.is_null() {
+                // SAFETY: as for the events: created in `new`, idle, destroyed once.
+                unsafe { sys::cuStreamDestroy_v2(self.stream) };
+            }
+        }
         // SAFETY: the context was retained in `new` for this device and is released once.
         unsafe {
             sys::cuDevicePrimaryCtxRelease_v2(self.device);
@@ -310,6 +351,76 @@ impl Backend for CudaBackend {
             done += chunk;
         }
         Ok(())
+    }
+
+    fn begin_chunks(&self, direction: Direction) -> Result<()> {
+        match direction {
+            // The kernels' streams finish writing the memory before it is copied out.
+            Direction::ToHost => self.settle(),
+            // The memory was just mapped: no kernel uses it yet.
+            Direction::FromHost => self.bind(),
+        }
+    }
+
+    unsafe fn start_to_host(
+        &self,
+        addr: u64,
+        dst: *mut u8,
+        len: usize,
+        chunk: usize,
+    ) -> Result<()> {
+        // SAFETY: `addr..addr+len` is mapped device memory of this backend (the manager copies
+        // only materialized allocations, under their write lock); the caller keeps
+        // `dst..dst+len` alive and untouched until this chunk's event is waited for or the
+        // stream drained. The context is current (`begin_chunks`).
+        check(|| format!("cuMemcpyDtoHAsync({addr:#x}, {len} bytes)"), unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.cast(), addr, len, self.stream)
+        })?;
+        self.record(chunk)
+    }
+
+    unsafe fn start_from_host(
+        &self,
+        addr: u64,
+        src: *const u8,
+        len: usize,
+        chunk: usize,
+    ) -> Result<()> {
+        // SAFETY: as in `start_to_host`, the other way: mapped device memory, and host memory
+        // the caller keeps readable and unwritten until the chunk is waited for.
+        check(|| format!("cuMemcpyHtoDAsync({addr:#x}, {len} bytes)"), unsafe {
+            sys::cuMemcpyHtoDAsync_v2(addr, src.cast(), len, self.stream)
+        })?;
+        self.record(chunk)
+    }
+
+    fn wait_chunk(&self, chunk: usize) -> Result<()> {
+        let event = self.events[chunk % IN_FLIGHT];
+        // SAFETY: an event of this backend's context, recorded after the chunk's copy.
+        check(|| format!("cuEventSynchronize (chunk {})", chunk + 1), unsafe {
+            sys::cuEventSynchronize(event)
+        })
+    }
+
+    fn drain_chunks(&self) -> Result<()> {
+        // SAFETY: the stream belongs to this backend's context; once the call returns nothing
+        // queued on it runs (an error means the context failed and its work was abandoned).
+        check(|| "cuStreamSynchronize (chunked copies)".into(), unsafe {
+            sys::cuStreamSynchronize(self.stream)
+        })
+    }
+}
+
+impl CudaBackend {
+    /// Records chunk `chunk`'s event after the copies queued on the stream so far.
+    fn record(&self, chunk: usize) -> Result<()> {
+        let event = self.events[chunk % IN_FLIGHT];
+        // SAFETY: the event and the stream belong to this backend's context, which is current.
+        // The event is not waited on elsewhere: the chunk `IN_FLIGHT` before this one, which
+        // used it last, was waited for before this chunk was queued (`crate::chunked`).
+        check(|| format!("cuEventRecord (chunk {})", chunk + 1), unsafe {
+            sys::cuEventRecord(event, self.stream)
+        })
     }
 }
 

@@ -202,17 +202,22 @@ fn backup_to_host_and_spill_restores_identical_bytes() {
 }
 
 #[test]
-fn kept_host_backups_are_reused_and_still_restore_the_bytes() {
-    let dir = scratch_dir("kept");
-    let m = Manager::builder().spill_dir(&*dir).keep_host_backups(true).build().unwrap();
+fn host_backups_reuse_the_pool_and_still_restore_the_bytes() {
+    let m = manager("pool");
     let a = m.allocate(Tag::KV_CACHE, 3 * MIB, Policy::Backup(BackupStore::Host)).unwrap();
     for i in 0..5 {
         let data = pattern(i, a.bytes());
         a.write().unwrap().copy_from_slice(&data);
         m.release([Tag::KV_CACHE]).unwrap();
+        assert_eq!(m.host_pool_lent_bytes(), a.mapped_bytes() as u64, "cycle {i}");
         m.materialize([Tag::KV_CACHE]).unwrap();
         assert_eq!(hash(&a.read().unwrap()), hash(&data), "cycle {i}");
+        // Kept for the next release, not freed.
+        assert_eq!(m.host_pool_bytes(), a.mapped_bytes() as u64, "cycle {i}");
+        assert_eq!(m.host_pool_lent_bytes(), 0, "cycle {i}");
     }
+    assert_eq!(m.free_host_pool(), a.mapped_bytes() as u64);
+    assert_eq!(m.host_pool_bytes(), 0);
 }
 
 #[test]
