@@ -31,7 +31,7 @@
 //! Methods ([`Request`]):
 //! - `sleep {tags, level, mode, verify}`: releases `tags` on every rank. Empty `tags` means
 //!   every tag of a deployment ([`ALL_TAGS`]). `level` is vLLM's: 1 keeps the weights'
-//!   contents for a fast wakeup (host memory on a GPU, a spill file on the CPU), 2 discards
+//!   contents for a fast wakeup (a spill file of the host weights, on a GPU too), 2 discards
 //!   them and reloads them from the checkpoint at the wakeup; the KV cache is discarded at
 //!   both. A tag with its own `[sleep.TAG] restore` keeps it at every level; no level applies
 //!   each tag's configured policy (by default: weights reloaded, KV cache discarded).

@@ -77,8 +77,9 @@ enum Command {
     /// Prints a receipt per rank and tag (device, bytes released, memory probe before ->
     /// after, time, restore) and a total. Without `--level` each tag comes back per its
     /// `[sleep.TAG] restore` (defaults: weights reloaded from the checkpoint, kv_cache
-    /// discarded). `--level` is vLLM's: 1 keeps the weights' contents for a fast wakeup (in
-    /// host memory on a GPU, in a spill file on the CPU), 2 discards them and reloads them from
+    /// discarded). `--level` is vLLM's: 1 keeps the weights' contents for a fast wakeup (in a
+    /// spill file of the ranks' host weights, on a GPU too, whose device copies are dropped),
+    /// 2 discards them and reloads them from
     /// the checkpoint; the KV cache is discarded at both, and a tag with its own `[sleep.TAG]
     /// restore` keeps it. Exits 1, naming every failing rank, when the sleep or its
     /// verification fails (the deployment is rolled back).
