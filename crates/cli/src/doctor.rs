@@ -85,14 +85,16 @@ pub fn examine(only: Option<usize>) -> Vec<Finding> {
                 continue;
             }
         };
-        out.push(match backend.describe() {
+        let info = backend.describe();
+        let uuid = info.as_ref().ok().map(|i| i.uuid.clone());
+        out.push(match info {
             Ok(info) => Finding::Ok(describe(ordinal, &info)),
             Err(e) => Finding::Blocker(format!("cuda:{ordinal}: {e}")),
         });
         out.push(kernels_finding(ordinal, backend.kernel_image()));
         // While `backend` holds a context here, so NVML should list this process.
         if let Ok(nvml) = &nvml {
-            out.push(nvml_finding(nvml, ordinal, visible.as_deref()));
+            out.push(nvml_finding(nvml, ordinal, uuid.as_deref(), visible.as_deref()));
         }
     }
     out.push(match collectives::nccl::version() {
@@ -137,28 +139,43 @@ fn kernels_finding(ordinal: usize, image: &tensor::kernels::cuda::KernelImage) -
     }
 }
 
-/// Whether NVML lists this process on CUDA device `ordinal` (which holds a context of it).
-fn nvml_finding(nvml: &vmm::NvmlMemory, ordinal: usize, visible: Option<&str>) -> Finding {
-    let Some(device) = vmm::nvml_device_of_cuda_ordinal(ordinal, visible) else {
+/// Whether NVML lists this process on CUDA device `ordinal` (which holds a context of it),
+/// found as a rank's sleep probe finds it: by the device's UUID (`uuid`, from the driver),
+/// else through `CUDA_VISIBLE_DEVICES` and `CUDA_DEVICE_ORDER`.
+fn nvml_finding(
+    nvml: &vmm::NvmlMemory,
+    ordinal: usize,
+    uuid: Option<&str>,
+    visible: Option<&str>,
+) -> Finding {
+    let order = std::env::var("CUDA_DEVICE_ORDER").ok();
+    let (device, guess) = vmm::nvml_device_for(ordinal, uuid, visible, order.as_deref());
+    let Some(device) = device else {
         return Finding::Warning(format!(
             "nvml: cuda:{ordinal} is past the CUDA_VISIBLE_DEVICES list NVML is read through"
         ));
     };
-    let usage = nvml.index_of(&device).and_then(|index| nvml.device(index));
-    let usage = match usage {
+    if let Some(guess) = guess {
+        return Finding::Warning(format!("nvml: {guess}"));
+    }
+    let usage = match nvml.usage(&device) {
         Ok(u) => u,
         Err(e) => return Finding::Warning(format!("nvml: cuda:{ordinal} ({device:?}): {e}")),
     };
     let pid = std::process::id();
-    let index = usage.index;
+    let index = if usage.mig {
+        format!("a MIG instance of NVML device {}", usage.index)
+    } else {
+        format!("NVML device {}", usage.index)
+    };
     match usage.processes.iter().find(|(p, _)| *p == pid) {
         Some((_, bytes)) => Finding::Ok(format!(
-            "nvml: cuda:{ordinal} is NVML device {index}, which lists this process (pid {pid}, {}); \
+            "nvml: cuda:{ordinal} is {index}, which lists this process (pid {pid}, {}); \
              sleep receipts read each rank's own device memory",
             bytes.map_or("bytes not reported".to_owned(), |b| format!("{} MiB", b >> 20))
         )),
         None => Finding::Warning(format!(
-            "nvml: cuda:{ordinal} is NVML device {index}, which does not list this process (pid \
+            "nvml: cuda:{ordinal} is {index}, which does not list this process (pid \
              {pid}; {} listed: in a container NVML shows the host's PIDs, or none); sleep \
              receipts will read the device's used memory instead",
             usage.processes.len()

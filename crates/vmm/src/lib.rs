@@ -55,7 +55,10 @@ pub use manager::{
 };
 pub use policy::{BackupStore, Policy, Source};
 pub use pool::HostBuffer;
-pub use probe::{nvml_device_of_cuda_ordinal, DeviceUsage, NvmlDevice, NvmlMemory, ProcessMemory};
+pub use probe::{
+    nvml_device_for, nvml_device_of_cuda_ordinal, DeviceUsage, NvmlDevice, NvmlMemory,
+    ProcessMemory,
+};
 pub use receipt::{Op, Receipt};
 pub use region::{DeviceSlice, Region, Regions};
 pub use spill::default_spill_dir;

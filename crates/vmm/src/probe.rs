@@ -143,6 +143,8 @@ pub struct DeviceUsage {
     pub processes: Vec<(u32, Option<u64>)>,
     /// The device's UUID (`GPU-…`, `MIG-…`), where NVML gives it.
     pub uuid: Option<String>,
+    /// A MIG instance (its memory and processes are the instance's; `index` is its GPU's).
+    pub mig: bool,
 }
 
 impl DeviceUsage {
@@ -186,6 +188,35 @@ pub fn nvml_device_of_cuda_ordinal(ordinal: usize, visible: Option<&str>) -> Opt
             }
         })
         .nth(ordinal)
+}
+
+/// The NVML device a rank on CUDA ordinal `ordinal` reads, and a warning when that is a guess.
+///
+/// `cuda_uuid` is what the driver says the device is (`cuDeviceGetUuid`, as `GPU-…`): NVML
+/// finds it by UUID, whatever the numbering. Without it the ordinal is mapped through
+/// `CUDA_VISIBLE_DEVICES` (`visible`, [`nvml_device_of_cuda_ordinal`]), which holds only when
+/// CUDA numbers devices as NVML does: in PCI bus order (`CUDA_DEVICE_ORDER=PCI_BUS_ID`, `order`).
+/// CUDA's default order is fastest first, so with more than one device to choose from the
+/// mapping is then a guess, and the warning says so.
+pub fn nvml_device_for(
+    ordinal: usize,
+    cuda_uuid: Option<&str>,
+    visible: Option<&str>,
+    order: Option<&str>,
+) -> (Option<NvmlDevice>, Option<String>) {
+    if let Some(uuid) = cuda_uuid.filter(|u| !u.is_empty()) {
+        return (Some(NvmlDevice::Uuid(uuid.to_owned())), None);
+    }
+    let device = nvml_device_of_cuda_ordinal(ordinal, visible);
+    let one_choice = visible.is_some_and(|v| !v.trim().is_empty() && !v.contains(','));
+    let pci_order = order.is_some_and(|o| o.trim() == "PCI_BUS_ID");
+    let warning = match &device {
+        Some(NvmlDevice::Index(index)) if !pci_order && !one_choice => Some(format!(
+            "the memory probe reads NVML device {index} for cuda:{ordinal} without knowing the device's UUID; CUDA numbers devices fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, so on a machine of mixed GPUs that may be another device"
+        )),
+        _ => None,
+    };
+    (device, warning)
 }
 
 /// Device memory through NVML (feature `cuda`).
@@ -264,10 +295,42 @@ impl NvmlMemory {
     /// # Errors
     /// [`Error::Nvml`] when the device does not exist or a query fails.
     pub fn device(&self, index: u32) -> Result<DeviceUsage> {
+        self.usage(&NvmlDevice::Index(index))
+    }
+
+    /// Memory use of `device` and of each compute process on it. A UUID may name a MIG
+    /// instance (`MIG-…`): the reading is then the instance's, not its GPU's. A `GPU-…` UUID
+    /// that NVML does not know is tried as `MIG-…` (the driver's `cuDeviceGetUuid` gives a MIG
+    /// instance's UUID without saying it is one).
+    ///
+    /// # Errors
+    /// [`Error::Nvml`] when the device does not exist or a query fails.
+    pub fn usage(&self, device: &NvmlDevice) -> Result<DeviceUsage> {
         #[cfg(feature = "cuda")]
         {
             use nvml_wrapper::enums::device::UsedGpuMemory;
-            let device = self.nvml.device_by_index(index).map_err(nvml_err("device_by_index"))?;
+            let device = match device {
+                NvmlDevice::Index(index) => {
+                    self.nvml.device_by_index(*index).map_err(nvml_err("device_by_index"))?
+                }
+                NvmlDevice::Uuid(uuid) => match self.nvml.device_by_uuid(uuid.as_str()) {
+                    Ok(d) => d,
+                    Err(e) => match uuid.strip_prefix("GPU-") {
+                        Some(rest) => self
+                            .nvml
+                            .device_by_uuid(format!("MIG-{rest}"))
+                            .map_err(|_| nvml_err("device_by_uuid")(e))?,
+                        None => return Err(nvml_err("device_by_uuid")(e)),
+                    },
+                },
+            };
+            let mig = device.mig_is_mig_device_handle().unwrap_or(false);
+            let index = if mig {
+                device.mig_parent_device().and_then(|p| p.index())
+            } else {
+                device.index()
+            }
+            .map_err(nvml_err("index"))?;
             let info = device.memory_info().map_err(nvml_err("memory_info"))?;
             let processes = device
                 .running_compute_processes()
@@ -288,11 +351,12 @@ impl NvmlMemory {
                 free: info.free,
                 processes,
                 uuid: device.uuid().ok(),
+                mig,
             })
         }
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = index;
+            let _ = device;
             Err(Error::NotCompiledWith { feature: "cuda" })
         }
     }

@@ -32,7 +32,7 @@ use crate::sleep::{MemoryError, Refusal};
 use layers::model::provenance::WeightMap;
 use layers::model::WeightForm;
 use layers::parallel::{shape_difference, LoadOptions, ParallelCache, ParallelModel, Placement};
-use rank::nvml_index;
+use rank::nvml_device;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use tensor::kernels::Backend;
@@ -644,7 +644,7 @@ impl ModelMemory {
     pub fn device_free_bytes(&self, backend: &Backend) -> Option<u64> {
         let tensor::Device::Cuda(ordinal) = backend.device() else { return None };
         let nvml = vmm::NvmlMemory::new().ok()?;
-        nvml.device(nvml_index(ordinal)).ok().map(|usage| usage.free)
+        nvml.usage(&nvml_device(ordinal, backend)).ok().map(|usage| usage.free)
     }
 
     /// `model`'s paged KV pool of `blocks` blocks of `block_size` tokens, in one `kv_cache`

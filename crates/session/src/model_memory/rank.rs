@@ -36,10 +36,10 @@ impl ModelRankMemory {
         let manager = memory.manager().clone();
         let (host, device) = match backend.device() {
             tensor::Device::Cuda(ordinal) => {
-                let index = nvml_index(ordinal);
+                let device = nvml_device(ordinal, &backend);
                 (
-                    VmmMemory::with_device(manager, index),
-                    memory.device_for(&backend).map(|m| VmmMemory::new(m.clone(), Some(index))),
+                    VmmMemory::with_device(manager, device.clone()),
+                    memory.device_for(&backend).map(|m| VmmMemory::new(m.clone(), Some(device))),
                 )
             }
             _ => (VmmMemory::new(manager, None), None),
@@ -52,20 +52,23 @@ impl ModelRankMemory {
     }
 }
 
-/// NVML's index of the GPU that CUDA calls `ordinal` (see [`vmm::nvml_device_of_cuda_ordinal`]),
-/// or the ordinal itself when NVML cannot say.
-pub(super) fn nvml_index(ordinal: usize) -> u32 {
-    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-    let fallback = u32::try_from(ordinal).unwrap_or(u32::MAX);
-    let Some(device) = vmm::nvml_device_of_cuda_ordinal(ordinal, visible.as_deref()) else {
-        return fallback;
+/// NVML's name of the GPU that CUDA calls `ordinal`: its UUID as the driver reads it from
+/// `backend` (so NVML finds it whatever the numbering, a MIG instance included), else the
+/// ordinal through `CUDA_VISIBLE_DEVICES` and `CUDA_DEVICE_ORDER` ([`vmm::nvml_device_for`],
+/// logged when that is a guess), else the ordinal as an NVML index.
+pub(super) fn nvml_device(ordinal: usize, backend: &Backend) -> vmm::NvmlDevice {
+    let uuid = match backend {
+        Backend::Cuda(gpu) => gpu.describe().ok().map(|d| d.uuid),
+        _ => None,
     };
-    match &device {
-        vmm::NvmlDevice::Index(index) => *index,
-        vmm::NvmlDevice::Uuid(_) => {
-            vmm::NvmlMemory::new().and_then(|nvml| nvml.index_of(&device)).unwrap_or(fallback)
-        }
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let order = std::env::var("CUDA_DEVICE_ORDER").ok();
+    let (device, warning) =
+        vmm::nvml_device_for(ordinal, uuid.as_deref(), visible.as_deref(), order.as_deref());
+    if let Some(warning) = warning {
+        tracing::warn!("{warning}");
     }
+    device.unwrap_or(vmm::NvmlDevice::Index(u32::try_from(ordinal).unwrap_or(u32::MAX)))
 }
 
 /// `more` added into `into`, tag by tag (both list the same tags, in the same order).

@@ -195,7 +195,7 @@ pub trait RankMemory: Send + Sync {
 #[derive(Clone)]
 pub struct VmmMemory {
     manager: Arc<vmm::Manager>,
-    device: Option<u32>,
+    device: Option<vmm::NvmlDevice>,
     nvml: Option<Arc<vmm::NvmlMemory>>,
 }
 
@@ -206,9 +206,9 @@ impl std::fmt::Debug for VmmMemory {
 }
 
 impl VmmMemory {
-    /// Wraps `manager`. `device` is the NVML index of the GPU a CUDA manager allocates on
-    /// (ignored, and no NVML loaded, for a CPU manager).
-    pub fn new(manager: Arc<vmm::Manager>, device: Option<u32>) -> VmmMemory {
+    /// Wraps `manager`. `device` is NVML's name of the GPU a CUDA manager allocates on (its
+    /// UUID, or its NVML index; ignored, and no NVML loaded, for a CPU manager).
+    pub fn new(manager: Arc<vmm::Manager>, device: Option<vmm::NvmlDevice>) -> VmmMemory {
         let nvml = if manager.backend_name() == "cpu" {
             None
         } else {
@@ -217,10 +217,10 @@ impl VmmMemory {
         VmmMemory { manager, device, nvml }
     }
 
-    /// Wraps a manager of any backend and adds NVML's reading of GPU `device` (by NVML index)
-    /// to the probe, when NVML loads: for ranks whose kernels run on a GPU while their tagged
-    /// memory is host memory.
-    pub fn with_device(manager: Arc<vmm::Manager>, device: u32) -> VmmMemory {
+    /// Wraps a manager of any backend and adds NVML's reading of GPU `device` (by UUID or NVML
+    /// index) to the probe, when NVML loads: for ranks whose kernels run on a GPU while their
+    /// tagged memory is host memory.
+    pub fn with_device(manager: Arc<vmm::Manager>, device: vmm::NvmlDevice) -> VmmMemory {
         let nvml = vmm::NvmlMemory::new().ok().map(Arc::new);
         VmmMemory { manager, device: Some(device), nvml }
     }
@@ -298,8 +298,9 @@ impl RankMemory for VmmMemory {
     fn probe(&self) -> Probe {
         let resident = vmm::ProcessMemory::resident_now().unwrap_or(0);
         let mut probe = Probe { resident, ..Probe::default() };
-        if let (Some(nvml), Some(index)) = (&self.nvml, self.device) {
-            if let Ok(usage) = nvml.device(index) {
+        if let (Some(nvml), Some(device)) = (&self.nvml, &self.device) {
+            if let Ok(usage) = nvml.usage(device) {
+                let index = usage.index;
                 // An unlisted process reads as the whole device, and says so.
                 let bytes = usage.bytes_of(std::process::id()).unwrap_or_else(|| {
                     probe.device_wide.push(index);

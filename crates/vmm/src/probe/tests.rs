@@ -108,3 +108,30 @@ fn cuda_ordinals_map_to_nvml_devices_through_cuda_visible_devices() {
     assert_eq!(of(1, Some("4,bogus,5")), None);
     assert_eq!(of(0, Some("")), None);
 }
+
+/// The driver's UUID of the device decides, whatever the numbering; without it the ordinal is
+/// mapped through `CUDA_VISIBLE_DEVICES`, which is only sure in PCI bus order or when one
+/// device is visible, and otherwise comes with a warning.
+#[test]
+fn a_rank_reads_its_gpu_by_uuid_and_says_when_the_ordinal_is_a_guess() {
+    let uuid = "GPU-8a1e2f3c-0000-1111-2222-333344445555";
+    let (device, warning) = nvml_device_for(1, Some(uuid), Some("3,2"), None);
+    assert_eq!(device, Some(NvmlDevice::Uuid(uuid.to_owned())));
+    assert_eq!(warning, None);
+
+    // CUDA's default order (fastest first) and two devices to choose from: a guess.
+    let (device, warning) = nvml_device_for(1, None, Some("3,2"), None);
+    assert_eq!(device, Some(NvmlDevice::Index(2)));
+    let warning = warning.expect("a warning");
+    assert!(warning.contains("NVML device 2 for cuda:1"), "{warning}");
+    assert!(warning.contains("CUDA_DEVICE_ORDER=PCI_BUS_ID"), "{warning}");
+    let (_, warning) = nvml_device_for(0, Some(""), None, Some("FASTEST_FIRST"));
+    assert!(warning.is_some(), "an empty UUID is no UUID");
+
+    // PCI bus order, or a single visible device: the mapping holds.
+    assert_eq!(nvml_device_for(1, None, Some("3,2"), Some("PCI_BUS_ID")).1, None);
+    assert_eq!(nvml_device_for(0, None, Some("5"), None), (Some(NvmlDevice::Index(5)), None));
+    // A UUID in the list names the device itself.
+    let (device, warning) = nvml_device_for(0, None, Some(uuid), None);
+    assert_eq!((device, warning), (Some(NvmlDevice::Uuid(uuid.to_owned())), None));
+}
