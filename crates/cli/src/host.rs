@@ -81,8 +81,10 @@ pub struct HostSpec {
     pub listen: String,
     /// Required bearer token, if any.
     pub api_key: Option<String>,
-    /// The memory budget, bytes.
+    /// The memory budget of the host's memory, bytes.
     pub budget: u64,
+    /// The budget as given (a share or bytes), for each GPU the models turn out to use.
+    pub budget_rule: table::MemoryBudget,
     /// How long a request waits for its model.
     pub wait: Duration,
     /// How long a model that must sleep waits for its running requests before it pauses them.
@@ -424,6 +426,12 @@ impl Host {
                 model.asleep_bytes = child::resident(&op.ranks, true);
                 model.measured = child::resident_by_device(&op.ranks, true);
                 model.swap_bytes = model.swap_bytes.max(op.bytes);
+                let (kept, moved) = child::gpu_bytes(&op.ranks);
+                model.gpu_asleep = kept;
+                for (gpu, bytes) in moved {
+                    let slot = model.gpu_swap.entry(gpu).or_insert(0);
+                    *slot = (*slot).max(bytes);
+                }
                 Ok(())
             }
             Err(message) => {
@@ -458,6 +466,10 @@ impl Host {
                 model.kept = false;
                 model.measured = child::resident_by_device(&op.ranks, true);
                 model.swap_bytes = model.swap_bytes.max(op.bytes);
+                for (gpu, bytes) in child::gpu_bytes(&op.ranks).1 {
+                    let slot = model.gpu_swap.entry(gpu).or_insert(0);
+                    *slot = (*slot).max(bytes);
+                }
                 Ok(())
             }
             Err(message) => {

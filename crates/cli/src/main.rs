@@ -338,7 +338,8 @@ struct ServeArgs {
     #[arg(long, value_name = "NAME")]
     served_model_name: Option<String>,
     /// With several models: the memory they share, as a share of the host's memory (0.9) or
-    /// bytes (8GiB). A request for a sleeping model wakes it, after the least recently used
+    /// bytes (8GiB); models on GPUs are held to it on each GPU apart as well (that share of
+    /// the GPU's memory as NVML reads it, or those bytes). A request for a sleeping model wakes it, after the least recently used
     /// idle models slept to make room (default: 0.9). Each model is measured at start (loaded,
     /// `loading` until then, and put to sleep at its level); a budget that cannot hold one of
     /// them is refused. A model with requests running sleeps once they finished, or after

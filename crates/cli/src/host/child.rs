@@ -281,6 +281,31 @@ pub fn resident_by_device(
     devices
 }
 
+/// Per GPU (by the probes' id): the device bytes the ranks of a receipt kept after its
+/// operation (each rank's own reading; a device-wide reading, which cannot tell the ranks
+/// apart, counts nothing), and the device bytes its tags moved (released by a sleep, restored
+/// by a wakeup) on each rank's GPU. Empty on the CPU, and where NVML cannot read the GPU.
+pub fn gpu_bytes(
+    ranks: &[session::sleep::RankReceipt],
+) -> (std::collections::BTreeMap<String, u64>, std::collections::BTreeMap<String, u64>) {
+    let (mut kept, mut moved) =
+        (std::collections::BTreeMap::new(), std::collections::BTreeMap::new());
+    for r in ranks {
+        let probe = &r.after;
+        for &(index, bytes) in &probe.devices {
+            let slot = kept.entry(probe.device_id(index)).or_insert(0);
+            if !probe.is_device_wide(index) {
+                *slot += bytes;
+            }
+        }
+        if let Some(&(index, _)) = probe.devices.first() {
+            let bytes: u64 = r.tags.iter().map(|t| t.device_bytes).sum();
+            *moved.entry(probe.device_id(index)).or_insert(0) += bytes;
+        }
+    }
+    (kept, moved)
+}
+
 /// Copies a child's stream to the host's standard error, each line prefixed with the model's
 /// name; keeps the last lines in `tail`; sends the address the child announces to `addr`.
 fn pump(

@@ -228,17 +228,20 @@ fn model_card(host: &Host, index: usize) -> Value {
 
 async fn models(State(host): State<Arc<Host>>) -> Response {
     let data: Vec<Value> = (0..host.children.len()).map(|i| model_card(&host, i)).collect();
-    let (budget, resident) = {
+    let (budget, resident, gpus) = {
         let table = host.lock();
-        (table.budget, table.resident())
+        (table.budget, table.resident(), table.gpu_budgets.clone())
     };
-    Json(json!({
+    let mut listed = json!({
         "object": "list",
         "data": data,
         "memory_budget_bytes": budget,
         "resident_bytes": resident,
-    }))
-    .into_response()
+    });
+    if !gpus.is_empty() {
+        listed["gpu_memory_budget_bytes"] = json!(gpus);
+    }
+    Json(listed).into_response()
 }
 
 async fn model_by_id(State(host): State<Arc<Host>>, Path(id): Path<String>) -> Response {

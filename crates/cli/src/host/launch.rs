@@ -78,7 +78,8 @@ pub fn serve(flags: &LaunchFlags, args: HostArgs, verbose: u8, quiet: bool) -> R
         }
     }
     let total = super::host_total_bytes().context("reading the host's memory")?;
-    let budget = args.budget.unwrap_or(MemoryBudget::Fraction(0.9)).bytes(total);
+    let budget_rule = args.budget.unwrap_or(MemoryBudget::Fraction(0.9));
+    let budget = budget_rule.bytes(total);
     let shared = shared_flags(flags, &args);
     let verbosity = if quiet {
         vec!["-q".to_owned()]
@@ -111,6 +112,7 @@ pub fn serve(flags: &LaunchFlags, args: HostArgs, verbose: u8, quiet: bool) -> R
         listen: args.listen,
         api_key: args.api_key,
         budget,
+        budget_rule,
         wait: Duration::from_secs_f64(wait.min(1e9)),
         drain: Duration::from_secs_f64(drain.min(1e9)),
         verbosity,

@@ -36,6 +36,8 @@ pub(super) fn start_models(host: &Host, spec: &HostSpec) -> Result<()> {
             entry.state = State::Awake;
             entry.swap_bytes = awake;
             entry.measured = child::resident_by_device(&status.ranks, false);
+            // Awake for good: all it holds on each GPU counts, as on the host.
+            entry.gpu_swap = child::gpu_bytes(&status.ranks).0;
         } else {
             // Its weights' bytes are what a level-1 backup holds; measured awake, before the
             // first sleep chooses its level.
@@ -58,9 +60,25 @@ pub(super) fn start_models(host: &Host, spec: &HostSpec) -> Result<()> {
             entry.measured = child::resident_by_device(&op.ranks, true);
             entry.swap_bytes = op.bytes;
             entry.backup_bytes = weights;
+            (entry.gpu_asleep, entry.gpu_swap) = child::gpu_bytes(&op.ranks);
         }
-        let table = host.lock();
-        table::check_fits(spec.budget, &table.models[..=i]).map_err(anyhow::Error::msg)?;
+        let mut table = host.lock();
+        let gpus: Vec<String> = table.models[i].gpu_swap.keys().cloned().collect();
+        for gpu in gpus {
+            if table.gpu_budgets.contains_key(&gpu) {
+                continue;
+            }
+            match gpu_total(&gpu) {
+                Some(total) => {
+                    table.gpu_budgets.insert(gpu, spec.budget_rule.bytes(total));
+                }
+                None => eprintln!(
+                    "tpctl: warning: NVML cannot read GPU {gpu}'s memory: model `{name}`'s memory there is not held to the budget"
+                ),
+            }
+        }
+        table::check_fits(spec.budget, &table.gpu_budgets, &table.models[..=i])
+            .map_err(anyhow::Error::msg)?;
     }
     let mut table = host.lock();
     table.starting = false;
@@ -96,4 +114,14 @@ pub(super) fn child_spec(spec: &HostSpec, m: &ModelSpec) -> ChildSpec {
         args: m.args.clone(),
         env: m.env.clone(),
     }
+}
+
+/// The total memory of the GPU a probe calls `id` (its UUID, or `HOST:nvmlINDEX` where NVML
+/// gave none), as NVML reads it; `None` where NVML cannot.
+fn gpu_total(id: &str) -> Option<u64> {
+    let device = match id.rsplit_once(":nvml") {
+        Some((_, index)) => vmm::NvmlDevice::Index(index.parse().ok()?),
+        None => vmm::NvmlDevice::Uuid(id.to_owned()),
+    };
+    vmm::NvmlMemory::new().ok()?.usage(&device).ok().map(|u| u.total)
 }

@@ -99,6 +99,11 @@ pub struct Entry {
     /// Resident bytes per device (`host`, then each GPU) as its ranks last measured them: at
     /// its last sleep or wakeup, or its deployment's status (read every second).
     pub measured: BTreeMap<String, u64>,
+    /// Per GPU (by the probes' id) the model uses: device bytes its ranks keep asleep (the
+    /// CUDA contexts), as `asleep_bytes` is for the host. Empty on the CPU.
+    pub gpu_asleep: BTreeMap<String, u64>,
+    /// Per GPU: device bytes a wakeup brings back there, as `swap_bytes` is for the host.
+    pub gpu_swap: BTreeMap<String, u64>,
 }
 
 impl Entry {
@@ -118,18 +123,47 @@ impl Entry {
             kept: false,
             checkpoint: String::new(),
             measured: BTreeMap::new(),
+            gpu_asleep: BTreeMap::new(),
+            gpu_swap: BTreeMap::new(),
         }
     }
 
-    /// The bytes the model counts against the budget in its current state.
+    /// The bytes the model counts against the host's budget in its current state.
     pub fn resident(&self) -> u64 {
+        self.resident_on(HOST)
+    }
+
+    /// What its ranks keep on `place` ([`HOST`] or a GPU's id) while asleep.
+    fn asleep_on(&self, place: &str) -> u64 {
+        if place == HOST {
+            self.asleep_bytes
+        } else {
+            self.gpu_asleep.get(place).copied().unwrap_or(0)
+        }
+    }
+
+    /// What a wakeup brings back on `place`.
+    fn swap_on(&self, place: &str) -> u64 {
+        if place == HOST {
+            self.swap_bytes
+        } else {
+            self.gpu_swap.get(place).copied().unwrap_or(0)
+        }
+    }
+
+    /// The bytes the model counts against `place`'s budget in its current state.
+    fn resident_on(&self, place: &str) -> u64 {
         match &self.state {
             State::Failed(_) => 0,
-            s if s.holds_memory() => self.asleep_bytes + self.swap_bytes,
-            _ => self.asleep_bytes,
+            s if s.holds_memory() => self.asleep_on(place) + self.swap_on(place),
+            _ => self.asleep_on(place),
         }
     }
 }
+
+/// The place of the host's memory in the budget's arithmetic; each GPU is a place of its own,
+/// named by its id in the ranks' probes (its UUID).
+pub const HOST: &str = "host";
 
 /// What must happen before a request for a model can be admitted.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -164,8 +198,11 @@ pub enum Plan {
 /// Every model of the host and the budget they share.
 #[derive(Clone, Debug)]
 pub struct Table {
-    /// The most bytes the models may hold together.
+    /// The most bytes the models may hold together in host memory.
     pub budget: u64,
+    /// The most bytes the models may hold together on each GPU they use, by its id: the same
+    /// `--memory-budget` as a share of that GPU, or the same bytes.
+    pub gpu_budgets: BTreeMap<String, u64>,
     /// The models, in the order they were given.
     pub models: Vec<Entry>,
     /// The models are still being started and measured: nothing wakes until they are.
@@ -178,7 +215,7 @@ pub struct Table {
 impl Table {
     /// A table of `models` sharing `budget` bytes.
     pub fn new(budget: u64, models: Vec<Entry>) -> Table {
-        Table { budget, models, starting: false, clock: 0 }
+        Table { budget, gpu_budgets: BTreeMap::new(), models, starting: false, clock: 0 }
     }
 
     /// The index of the model named `name`.
@@ -194,7 +231,7 @@ impl Table {
     /// What a request for model `target` needs before it is admitted.
     pub fn plan(&self, target: usize) -> Plan {
         let model = &self.models[target];
-        let need = match &model.state {
+        match &model.state {
             State::Awake if !model.draining => return Plan::Ready,
             State::Awake => {
                 // Draining for another model's wakeup: wait for that swap.
@@ -203,16 +240,16 @@ impl Table {
                     model.name
                 ));
             }
-            State::Asleep { .. } => model.swap_bytes,
+            State::Asleep { .. } => {}
             State::Failed(why) if !model.restartable => {
                 return Plan::Unavailable(format!("model `{}` failed: {why}", model.name))
             }
-            // A start loads it awake: it holds all it has.
-            State::Failed(_) => model.asleep_bytes + model.swap_bytes,
+            // A start loads it awake: it needs room for all it holds (see `need` below).
+            State::Failed(_) => {}
             State::Loading | State::Waking | State::Sleeping => {
                 return Plan::Wait(format!("model `{}` is {}", model.name, model.state))
             }
-        };
+        }
         if self.starting {
             // The budget's arithmetic needs every model measured.
             let loading: Vec<&str> = self
@@ -228,15 +265,30 @@ impl Table {
             ));
         }
         let restart = matches!(model.state, State::Failed(_));
-        let mut resident = self.resident();
-        if resident + need <= self.budget {
+        // Every place with a budget: the host, then each GPU.
+        let places: Vec<(&str, u64)> = std::iter::once((HOST, self.budget))
+            .chain(self.gpu_budgets.iter().map(|(id, b)| (id.as_str(), *b)))
+            .collect();
+        let need = |place: &str| match &model.state {
+            State::Failed(_) => model.asleep_on(place) + model.swap_on(place),
+            _ => model.swap_on(place),
+        };
+        let mut held: Vec<u64> = places
+            .iter()
+            .map(|(p, _)| self.models.iter().map(|m| m.resident_on(p)).sum())
+            .collect();
+        let short = |held: &[u64]| {
+            places.iter().zip(held).position(|(&(p, budget), &h)| h + need(p) > budget)
+        };
+        if short(&held).is_none() {
             return if restart {
                 Plan::Restart { evict: Vec::new() }
             } else {
                 Plan::Swap { evict: Vec::new() }
             };
         }
-        // Idle models first, then busy ones; least recently used first within each.
+        // Idle models first, then busy ones; least recently used first within each. A model
+        // that frees nothing where room is short (another GPU's) is left awake.
         let mut candidates: Vec<usize> = (0..self.models.len())
             .filter(|&i| {
                 let m = &self.models[i];
@@ -246,13 +298,17 @@ impl Table {
         candidates.sort_by_key(|&i| (self.models[i].in_flight > 0, self.models[i].last_used));
         let mut evict = Vec::new();
         for i in candidates {
-            if resident + need <= self.budget {
-                break;
+            let Some(k) = short(&held) else { break };
+            let m = &self.models[i];
+            if m.swap_on(places[k].0) == 0 {
+                continue;
             }
             evict.push(i);
-            resident -= self.models[i].swap_bytes;
+            for ((p, _), h) in places.iter().zip(held.iter_mut()) {
+                *h = h.saturating_sub(m.swap_on(p));
+            }
         }
-        if resident + need > self.budget {
+        if let Some(k) = short(&held) {
             // A model in the middle of a swap (another request's) may make room once it is
             // done: wait for it rather than refuse.
             let moving = self.models.iter().enumerate().find(|(i, m)| {
@@ -264,14 +320,27 @@ impl Table {
                     model.name, m.name, m.state
                 ));
             }
-            return Plan::Unavailable(format!(
-                "model `{}` needs {} to wake; with every other model that can sleep asleep, {} of the --memory-budget {} stays held, leaving {}",
-                model.name,
-                bytes(need),
-                bytes(resident),
-                bytes(self.budget),
-                bytes(self.budget.saturating_sub(resident)),
-            ));
+            let (place, budget) = places[k];
+            let (need, held) = (need(place), held[k]);
+            return Plan::Unavailable(if place == HOST {
+                format!(
+                    "model `{}` needs {} to wake; with every other model that can sleep asleep, {} of the --memory-budget {} stays held, leaving {}",
+                    model.name,
+                    bytes(need),
+                    bytes(held),
+                    bytes(budget),
+                    bytes(budget.saturating_sub(held)),
+                )
+            } else {
+                format!(
+                    "model `{}` needs {} on GPU {place} to wake; with every other model that can sleep asleep, {} of that GPU's --memory-budget {} stays held, leaving {}",
+                    model.name,
+                    bytes(need),
+                    bytes(held),
+                    bytes(budget),
+                    bytes(budget.saturating_sub(held)),
+                )
+            });
         }
         if evict.iter().any(|&i| self.models[i].in_flight > 0) {
             Plan::Drain { evict }
@@ -303,34 +372,47 @@ impl Table {
 }
 
 /// Refuses a budget that cannot hold some model awake even with every other model asleep
-/// (pinned ones awake), naming the model and the numbers. `models` are those measured so
-/// far: a refusal from part of them stands, since more models only take more.
+/// (pinned ones awake), naming the model and the numbers: the host's `budget`, then each GPU's
+/// in `gpu_budgets`. `models` are those measured so far: a refusal from part of them stands,
+/// since more models only take more.
 ///
 /// # Errors
 /// The message for the person who chose the budget.
-pub fn check_fits(budget: u64, models: &[Entry]) -> Result<(), String> {
-    let asleep: u64 = models.iter().map(|m| m.asleep_bytes).sum();
-    let pinned: u64 = models.iter().filter(|m| m.pinned).map(|m| m.swap_bytes).sum();
+pub fn check_fits(
+    budget: u64,
+    gpu_budgets: &BTreeMap<String, u64>,
+    models: &[Entry],
+) -> Result<(), String> {
+    std::iter::once((HOST, budget))
+        .chain(gpu_budgets.iter().map(|(id, b)| (id.as_str(), *b)))
+        .try_for_each(|(place, budget)| check_place(place, budget, models))
+}
+
+/// [`check_fits`] for one place: the host, or a GPU.
+fn check_place(place: &str, budget: u64, models: &[Entry]) -> Result<(), String> {
+    let on = if place == HOST { String::new() } else { format!(" on GPU {place}") };
+    let asleep: u64 = models.iter().map(|m| m.asleep_on(place)).sum();
+    let pinned: u64 = models.iter().filter(|m| m.pinned).map(|m| m.swap_on(place)).sum();
     let base = asleep + pinned;
     if base > budget {
         return Err(format!(
-            "--memory-budget {} cannot hold the models asleep: their ranks keep {} resident asleep{}; give at least {}",
+            "--memory-budget {}{on} cannot hold the models asleep: their ranks keep {} resident asleep{}; give at least {}",
             bytes(budget),
             bytes(asleep),
             if pinned > 0 { format!(" and the pinned models {} awake", bytes(pinned)) } else { String::new() },
             bytes(base),
         ));
     }
-    let largest = models.iter().filter(|m| !m.pinned).max_by_key(|m| m.swap_bytes);
-    if let Some(m) = largest.filter(|m| base + m.swap_bytes > budget) {
+    let largest = models.iter().filter(|m| !m.pinned).max_by_key(|m| m.swap_on(place));
+    if let Some(m) = largest.filter(|m| base + m.swap_on(place) > budget) {
         return Err(format!(
-            "--memory-budget {} cannot hold model `{}` awake: it needs {} to wake beside the {} every model keeps asleep{}, {} in all; give at least that",
+            "--memory-budget {}{on} cannot hold model `{}` awake: it needs {} to wake beside the {} every model keeps asleep{}, {} in all; give at least that",
             bytes(budget),
             m.name,
-            bytes(m.swap_bytes),
+            bytes(m.swap_on(place)),
             bytes(asleep),
             if pinned > 0 { format!(" and {} of pinned models", bytes(pinned)) } else { String::new() },
-            bytes(base + m.swap_bytes),
+            bytes(base + m.swap_on(place)),
         ));
     }
     Ok(())

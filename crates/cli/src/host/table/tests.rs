@@ -22,10 +22,17 @@ fn entry(name: &str, state: State, asleep: u64, swap: u64, used: u64, in_flight:
         kept: false,
         checkpoint: String::new(),
         measured: Default::default(),
+        gpu_asleep: Default::default(),
+        gpu_swap: Default::default(),
     }
 }
 
 const AWAKE: State = State::Awake;
+
+/// [`check_fits`] with the host's budget alone (CPU models).
+fn check_fits_host(budget: u64, models: &[Entry]) -> Result<(), String> {
+    check_fits(budget, &BTreeMap::new(), models)
+}
 const ASLEEP: State = State::Asleep { level: Some(1) };
 
 #[test]
@@ -186,21 +193,21 @@ fn a_budget_that_cannot_hold_a_model_is_refused_with_the_numbers() {
         entry("large", ASLEEP, 40, 150, 0, 0),
         entry("mid", ASLEEP, 40, 120, 0, 0),
     ];
-    assert_eq!(check_fits(270 * MIB, &models), Ok(()));
+    assert_eq!(check_fits_host(270 * MIB, &models), Ok(()));
     assert_eq!(
-        check_fits(269 * MIB, &models),
+        check_fits_host(269 * MIB, &models),
         Err("--memory-budget 269.0 MiB cannot hold model `large` awake: it needs 150.0 MiB to wake beside the 120.0 MiB every model keeps asleep, 270.0 MiB in all; give at least that".into())
     );
     assert_eq!(
-        check_fits(100 * MIB, &models),
+        check_fits_host(100 * MIB, &models),
         Err("--memory-budget 100.0 MiB cannot hold the models asleep: their ranks keep 120.0 MiB resident asleep; give at least 120.0 MiB".into())
     );
     // A pinned model stays awake: it counts in full beside the largest other.
     let mut pinned = models.clone();
     pinned[1].pinned = true;
-    assert_eq!(check_fits(390 * MIB, &pinned), Ok(()));
+    assert_eq!(check_fits_host(390 * MIB, &pinned), Ok(()));
     assert_eq!(
-        check_fits(389 * MIB, &pinned),
+        check_fits_host(389 * MIB, &pinned),
         Err("--memory-budget 389.0 MiB cannot hold model `mid` awake: it needs 120.0 MiB to wake beside the 120.0 MiB every model keeps asleep and 150.0 MiB of pinned models, 390.0 MiB in all; give at least that".into())
     );
 }
@@ -269,4 +276,45 @@ fn nothing_wakes_while_the_models_start() {
     );
     table.starting = false;
     assert_eq!(table.plan(0), Plan::Swap { evict: vec![] });
+}
+
+/// `e` with `asleep` + `swap` MiB on GPU `gpu` as well.
+fn on_gpu(mut e: Entry, gpu: &str, asleep: u64, swap: u64) -> Entry {
+    e.gpu_asleep.insert(gpu.to_owned(), asleep * MIB);
+    e.gpu_swap.insert(gpu.to_owned(), swap * MIB);
+    e
+}
+
+/// Each GPU has a budget of its own: a wakeup on one GPU puts to sleep models of that GPU
+/// only (a model elsewhere frees nothing there, however long unused), and a GPU too small for
+/// a model is refused by its name, whatever room the host has.
+#[test]
+fn each_gpu_has_its_own_budget() {
+    let models = vec![
+        // `b`, on the other GPU, is the least recently used.
+        on_gpu(entry("a", AWAKE, 10, 10, 5, 0), "GPU-0", 2, 80),
+        on_gpu(entry("b", AWAKE, 10, 10, 1, 0), "GPU-1", 2, 80),
+        on_gpu(entry("c", ASLEEP, 10, 10, 3, 0), "GPU-0", 2, 60),
+        on_gpu(entry("d", ASLEEP, 10, 10, 4, 0), "GPU-1", 2, 10),
+    ];
+    let mut table = Table::new(1000 * MIB, models.clone());
+    table.gpu_budgets = [("GPU-0".to_owned(), 100 * MIB), ("GPU-1".to_owned(), 100 * MIB)].into();
+    assert_eq!(table.plan(2), Plan::Swap { evict: vec![0] }, "c needs GPU-0's room: a sleeps");
+    assert_eq!(table.plan(3), Plan::Swap { evict: vec![] }, "d fits beside b on GPU-1");
+
+    // A pinned model holds its GPU: nothing else there can make room.
+    table.models[0].pinned = true;
+    assert_eq!(
+        table.plan(2),
+        Plan::Unavailable("model `c` needs 60.0 MiB on GPU GPU-0 to wake; with every other model that can sleep asleep, 84.0 MiB of that GPU's --memory-budget 100.0 MiB stays held, leaving 16.0 MiB".into())
+    );
+
+    // At start: a GPU whose budget cannot hold a model awake beside the others asleep.
+    let budgets = [("GPU-0".to_owned(), 100 * MIB), ("GPU-1".to_owned(), 100 * MIB)].into();
+    assert_eq!(check_fits(1000 * MIB, &budgets, &models), Ok(()));
+    let small = [("GPU-0".to_owned(), 80 * MIB), ("GPU-1".to_owned(), 100 * MIB)].into();
+    assert_eq!(
+        check_fits(1000 * MIB, &small, &models),
+        Err("--memory-budget 80.0 MiB on GPU GPU-0 cannot hold model `a` awake: it needs 80.0 MiB to wake beside the 4.0 MiB every model keeps asleep, 84.0 MiB in all; give at least that".into())
+    );
 }
