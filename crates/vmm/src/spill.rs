@@ -73,6 +73,7 @@ impl SpillStore {
         }
         std::fs::create_dir_all(&self.dir).map_err(|e| self.err("creating the directory", e))?;
         let file = self.open_unnamed()?;
+        reserve(&file, bytes);
         self.used.fetch_add(bytes, Ordering::Relaxed);
         Ok(SpillFile { file, bytes, used: Arc::clone(&self.used) })
     }
@@ -118,4 +119,19 @@ impl SpillStore {
             .write_all_at(data, offset)
             .map_err(|e| self.err(format!("writing {} bytes at offset {offset}", data.len()), e))
     }
+}
+
+/// Allocates the blocks of `file`'s first `bytes` up front (`fallocate`), so the backup's
+/// writes only copy: on ext4 a 106 MiB spill was written in 21-26 ms against 28-50 ms
+/// without (same machine, alternated). A filesystem that cannot (`EOPNOTSUPP`) allocates as
+/// the writes come, as before; so does a full one, whose write then fails with its own error.
+fn reserve(file: &File, bytes: u64) {
+    use std::os::fd::AsRawFd;
+    let Ok(len) = libc::off_t::try_from(bytes) else { return };
+    if len == 0 {
+        return;
+    }
+    // SAFETY: `file` is an open descriptor for the duration of the call; fallocate only
+    // changes the file's allocation and reads no memory of ours.
+    let _ = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
 }
