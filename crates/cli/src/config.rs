@@ -111,7 +111,8 @@ pub struct LayoutConfig {
     pub backends: BackendsConfig,
 }
 
-/// `[layout.backends]`: `local`, `shm`, `tcp` or `nccl` per axis.
+/// `[layout.backends]`: `local`, `shm`, `tcp`, `nccl` or `mpi` (the ranks then start under
+/// one `mpirun`) per axis.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct BackendsConfig {

@@ -389,13 +389,14 @@ fn supervise(
         if let Some(status) = exited {
             return (status, ends, interrupt);
         }
-        if !interrupt && interrupted.load(Ordering::SeqCst) {
+        let failed = ends.iter().any(|e| e.1.exit() != Exit::Success);
+        // After a failure the job is ending already: a Ctrl-C then changes nothing.
+        if !interrupt && !failed && interrupted.load(Ordering::SeqCst) {
             interrupt = true;
             // OpenMPI stops every process it started when mpirun gets SIGINT.
             let _ = kill(pid, Signal::SIGINT);
             kill_at = Some(Instant::now() + grace);
         }
-        let failed = ends.iter().any(|e| e.1.exit() != Exit::Success);
         if failed && term_at.is_none() && kill_at.is_none() {
             // mpirun ends the job itself when a rank fails; it gets the grace period to.
             term_at = Some(Instant::now() + grace);
@@ -415,20 +416,28 @@ fn supervise(
 /// Waits up to `grace` for every rank process (their shims wrote their pids) to be gone, then
 /// kills those left. They watch their shims, so this is quick after mpirun is gone.
 fn reap_ranks(dir: &Path, world: usize, grace: Duration) {
-    let pids: Vec<Pid> = (0..world)
-        .filter_map(|r| std::fs::read_to_string(pid_file(dir, r)).ok())
-        .filter_map(|t| t.trim().parse::<i32>().ok())
-        .map(Pid::from_raw)
+    // A pid is this launch's rank only while its environment names this rank's exit file: a
+    // pid the system gave to another process since is left alone.
+    let pids: Vec<(Pid, Vec<u8>)> = (0..world)
+        .filter_map(|r| {
+            let pid = std::fs::read_to_string(pid_file(dir, r)).ok()?.trim().parse().ok()?;
+            let mut entry = format!("{}=", crate::exit::EXIT_FILE_ENV).into_bytes();
+            entry.extend_from_slice(exit_file(dir, r).as_os_str().as_encoded_bytes());
+            Some((Pid::from_raw(pid), entry))
+        })
         .collect();
-    let alive = |p: &Pid| {
-        std::fs::read_to_string(format!("/proc/{p}/stat"))
+    let alive = |(p, entry): &(Pid, Vec<u8>)| {
+        let running = std::fs::read_to_string(format!("/proc/{p}/stat"))
             .map(|s| !s.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z')))
-            .unwrap_or(false)
+            .unwrap_or(false);
+        running
+            && std::fs::read(format!("/proc/{p}/environ"))
+                .is_ok_and(|env| env.split(|&b| b == 0).any(|kv| kv == entry.as_slice()))
     };
     let until = Instant::now() + grace;
     while pids.iter().any(alive) {
         if Instant::now() >= until {
-            for p in pids.iter().filter(|p| alive(p)) {
+            for (p, _) in pids.iter().filter(|p| alive(p)) {
                 tracing::warn!(pid = %p, "a rank outlived mpirun; killing it");
                 let _ = kill(*p, Signal::SIGKILL);
             }
