@@ -111,7 +111,8 @@ pub struct LayoutConfig {
     pub backends: BackendsConfig,
 }
 
-/// `[layout.backends]`: `local`, `shm`, `tcp` or `nccl` per axis.
+/// `[layout.backends]`: `local`, `shm`, `tcp`, `nccl` or `mpi` (the ranks then start under
+/// one `mpirun`) per axis.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct BackendsConfig {
@@ -619,20 +620,35 @@ pub struct LaunchSettings {
     pub preallocate_sleep_memory: bool,
 }
 
+/// The optional backends compiled into this tpctl.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Built {
+    /// Feature `cuda`: NCCL and `--device cuda`.
+    pub cuda: bool,
+    /// Feature `mpi`: the `mpi` backend.
+    pub mpi: bool,
+}
+
+impl Built {
+    /// This build's.
+    pub const THIS: Built = Built { cuda: cfg!(feature = "cuda"), mpi: cfg!(feature = "mpi") };
+}
+
 impl Config {
     /// The launch `flags` ask for on a machine with `cores` cores, this config filling what
-    /// they leave out; `cuda_built` says whether this tpctl has the CUDA backends.
+    /// they leave out; `built` says which optional backends this tpctl has.
     ///
     /// # Errors
     /// A layout of zero ranks, a node rank outside `--nnodes`, ranks that do not split over
     /// the nodes, NCCL or `--device cuda` without CUDA, half precision on the CPU, the `mpi`
-    /// backend (its ranks are started by `mpirun`, not by tpctl).
+    /// backend without MPI or over several nodes (one mpirun on this host starts its ranks).
     pub fn launch(
         &self,
         flags: &LaunchFlags,
         cores: usize,
-        cuda_built: bool,
+        built: Built,
     ) -> Result<LaunchSettings> {
+        let Built { cuda: cuda_built, mpi: mpi_built } = built;
         use anyhow::bail;
         let tp = flags.tp.or(self.layout.tp).unwrap_or(1);
         let cp = flags.cp.or(self.layout.cp).unwrap_or(1);
@@ -671,13 +687,19 @@ impl Config {
             );
         }
         if [backends.tp, backends.cp, backends.control].contains(&CommBackend::Mpi) {
-            // MPI's world is the processes mpirun started; the ranks this launcher starts
-            // are not in one (each would be an MPI world of its own).
-            bail!(
-                "the mpi backend connects ranks started by mpirun, and tpctl starts its ranks \
-                 itself: use shm on one host or tcp across hosts (mpi serves programs run \
-                 under mpirun through the collectives library)"
-            );
+            if !mpi_built {
+                bail!(
+                    "the mpi backend: this tpctl was built without MPI; build it with \
+                     `cargo build --release -p tpctl --features mpi` (needs OpenMPI)"
+                );
+            }
+            // One mpirun on this host starts the whole world.
+            if nnodes > 1 {
+                bail!(
+                    "the mpi backend starts every rank from one mpirun on this host: \
+                     --nnodes {nnodes} needs --backend tcp"
+                );
+            }
         }
         let threads = flags.threads.unwrap_or(if self.runtime.threads > 0 {
             self.runtime.threads

@@ -39,6 +39,24 @@ pub fn exit_failed(e: &anyhow::Error, control: Option<crate::control::Server>) -
     let _ = std::io::stdout().flush();
     eprintln!("error: {}", crate::output::describe(e));
     drop(control);
+    leave(code)
+}
+
+/// Where a rank started by tpctl's mpirun shim leaves its exit code (see [`leave`]).
+pub const EXIT_FILE_ENV: &str = "TPCTL_RANK_EXIT_FILE";
+
+/// Exits with `code`. Under tpctl's mpirun ([`EXIT_FILE_ENV`] set) the process writes the code
+/// for its shim and ends itself with SIGKILL instead, skipping its exit handlers: one of them
+/// is `MPI_Finalize`, which waits for every other rank to finalize too, so a failed rank would
+/// wait for peers still busy in their calls instead of leaving; this way mpirun sees it leave
+/// and ends the job at once, and the shim reports the code.
+pub fn leave(code: i32) -> ! {
+    if let Some(path) = std::env::var_os(EXIT_FILE_ENV) {
+        let _ = std::io::stdout().flush();
+        if std::fs::write(&path, format!("{code}\n")).is_ok() {
+            let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+        }
+    }
     std::process::exit(code)
 }
 

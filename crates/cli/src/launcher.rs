@@ -14,6 +14,8 @@
 //!   origin, reported as such; one ended by the launcher's own signal is not.
 //! - Ranks watch their parent (`TPCTL_LAUNCHER_PID`) and exit if the launcher disappears, so
 //!   no rank outlives it even when the launcher itself is killed.
+//! - For the `mpi` backend the ranks are started by one `mpirun` instead ([`mpirun`]), with
+//!   the same output and the same report of the failure's origin.
 
 use crate::progress::{self, ProgressBars};
 use anyhow::{Context, Result};
@@ -61,6 +63,8 @@ pub struct Launch {
     pub rank0_env: Vec<(String, String)>,
     /// Time ranks get to stop after SIGINT or SIGTERM before SIGKILL.
     pub grace: Duration,
+    /// Start the ranks through one `mpirun` (the `mpi` backend) rather than each one here.
+    pub mpirun: bool,
 }
 
 /// How a rank failed.
@@ -195,8 +199,12 @@ fn pump_stderr(
 /// `interrupted` is set by the caller's signal handler (Ctrl-C, SIGTERM).
 ///
 /// # Errors
-/// A rank process cannot be started (the ranks already started are stopped first).
+/// A rank process cannot be started (the ranks already started are stopped first); under
+/// mpirun, see [`mpirun::launch`].
 pub fn launch(spec: &Launch, interrupted: &AtomicBool) -> Result<Outcome> {
+    if spec.mpirun {
+        return mpirun::launch(spec, interrupted);
+    }
     let world = spec.nproc_per_node * spec.nnodes;
     let mut ranks: Vec<Rank> = Vec::with_capacity(spec.nproc_per_node);
     let bar = Arc::new(ProgressBars::new(spec.nproc_per_node));
@@ -384,13 +392,15 @@ pub fn watch_launcher() {
                     std::io::stderr(),
                     "the launcher (pid {launcher}) is gone; this rank exits"
                 );
-                std::process::exit(143);
+                crate::exit::leave(143);
             }
             std::thread::sleep(Duration::from_millis(200));
         })
         .map(drop)
         .unwrap_or_else(|e| tracing::warn!("cannot watch the launcher: {e}"));
 }
+
+pub mod mpirun;
 
 #[cfg(test)]
 mod tests;

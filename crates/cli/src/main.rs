@@ -167,6 +167,12 @@ enum Command {
     /// One rank of a job (started by `tpctl run` or `tpctl serve`; reads TPCTL_RANK_SPEC).
     #[command(name = "__rank", hide = true)]
     Rank,
+    /// A process mpirun started for the mpi backend: runs `tpctl ARGS` as its rank.
+    #[command(name = "__mpirun-rank", hide = true)]
+    MpirunRank {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
 }
 
 /// What `tpctl run` and `tpctl serve` share: the model, the layout, the nodes, the runtime.
@@ -222,8 +228,9 @@ struct LaunchArgs {
     /// cuda.
     #[arg(long, value_enum)]
     dtype: Option<ComputeDtype>,
-    /// Backend of every axis: shm (one host), tcp (any hosts) or nccl (GPUs; the control
-    /// axis then stays on shm or tcp).
+    /// Backend of every axis: shm (one host), tcp (any hosts), mpi (OpenMPI; the ranks are
+    /// started by one mpirun on this host; needs a build with `--features mpi`) or nccl
+    /// (GPUs; the control axis then stays on shm or tcp).
     #[arg(long)]
     backend: Option<mesh::CommBackend>,
     #[command(flatten)]
@@ -495,6 +502,7 @@ fn main() -> ExitCode {
             Ok(()) => Ok(0),
             Err(e) => tpctl::exit::exit_failed(&e, None),
         },
+        Command::MpirunRank { args } => launcher::mpirun::run_rank(&args),
     };
     match result {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
@@ -839,7 +847,7 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         None => Config::default(),
     };
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    let settings = config.launch(&args.launch.flags(), cores, cfg!(feature = "cuda"))?;
+    let settings = config.launch(&args.launch.flags(), cores, config::Built::THIS)?;
     let nodes = &args.launch.nodes;
     // Rank 0, which serves the socket, runs on node 0.
     let (deployment, socket) =
@@ -931,6 +939,7 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
             .into_iter()
             .collect(),
         grace: Duration::from_secs(5),
+        mpirun: settings.backends.axes().iter().any(|&(_, b)| b == mesh::CommBackend::Mpi),
     };
     if nodes.node_rank == 0 && !quiet {
         eprintln!("tpctl: deployment {deployment} (control socket {})", socket.display());

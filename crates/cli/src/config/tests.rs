@@ -1,7 +1,11 @@
 //! The config file: defaults, full files, and the errors people will actually hit.
 
 use super::*;
-use mesh::CommBackend::{Nccl, Shm, Tcp};
+use mesh::CommBackend::{Mpi, Nccl, Shm, Tcp};
+
+/// A build without the optional backends, and one with CUDA.
+const NONE: Built = Built { cuda: false, mpi: false };
+const CUDA: Built = Built { cuda: true, mpi: false };
 
 fn axes(tp: CommBackend, cp: CommBackend, control: CommBackend) -> AxisBackends {
     AxisBackends { tp, cp, control }
@@ -102,7 +106,7 @@ fn flags(tp: Option<usize>, cp: Option<usize>) -> LaunchFlags {
 
 #[test]
 fn launch_settings_take_flags_over_the_file_over_the_defaults() {
-    let none = Config::default().launch(&flags(None, None), 8, false).unwrap();
+    let none = Config::default().launch(&flags(None, None), 8, NONE).unwrap();
     assert_eq!((none.tp, none.cp, none.nproc, none.threads), (1, 1, 1, 8));
     assert_eq!(none.model, Config::default().model.name);
     assert_eq!(none.kv_cache_tokens, 4096);
@@ -112,7 +116,7 @@ fn launch_settings_take_flags_over_the_file_over_the_defaults() {
         "launch.toml",
     )
     .unwrap();
-    let from_file = file.launch(&flags(None, None), 8, false).unwrap();
+    let from_file = file.launch(&flags(None, None), 8, NONE).unwrap();
     assert_eq!((from_file.tp, from_file.cp, from_file.nproc), (2, 2, 4));
     assert_eq!((from_file.threads, from_file.kv_cache_tokens), (3, 512));
     assert_eq!(from_file.model, "m.gguf");
@@ -124,27 +128,29 @@ fn launch_settings_take_flags_over_the_file_over_the_defaults() {
         backend: Some(mesh::CommBackend::Tcp),
         ..flags(None, Some(1))
     };
-    let flagged = file.launch(&over, 8, false).unwrap();
+    let flagged = file.launch(&over, 8, NONE).unwrap();
     assert_eq!((flagged.tp, flagged.cp, flagged.threads, flagged.kv_cache_tokens), (4, 1, 1, 64));
     assert_eq!(flagged.model, "x.gguf");
     assert_eq!(flagged.backends, axes(Tcp, Tcp, Tcp));
     // Threads default to the cores over this node's ranks.
-    let split = Config::default().launch(&flags(Some(2), Some(2)), 8, false).unwrap();
+    let split = Config::default().launch(&flags(Some(2), Some(2)), 8, NONE).unwrap();
     assert_eq!(split.threads, 2);
     // Two nodes: half the ranks each, TCP on every axis unless told.
     let two = LaunchFlags { nnodes: 2, node_rank: 1, ..flags(Some(4), None) };
-    let two = Config::default().launch(&two, 8, false).unwrap();
+    let two = Config::default().launch(&two, 8, NONE).unwrap();
     assert_eq!((two.nproc, two.backends), (2, axes(Tcp, Tcp, Tcp)));
     // NCCL keeps the control axis on the host.
     let nccl = LaunchFlags { backend: Some(mesh::CommBackend::Nccl), ..flags(Some(2), None) };
-    let nccl = Config::default().launch(&nccl, 8, true).unwrap();
+    let nccl = Config::default().launch(&nccl, 8, CUDA).unwrap();
     assert_eq!(nccl.backends, axes(Nccl, Nccl, Shm));
 }
 
 #[test]
 fn launch_settings_refuse_what_cannot_run() {
     let cfg = Config::default();
-    let err = |f: LaunchFlags, cuda: bool| cfg.launch(&f, 8, cuda).unwrap_err().to_string();
+    let err = |f: LaunchFlags, cuda: bool| {
+        cfg.launch(&f, 8, Built { cuda, mpi: false }).unwrap_err().to_string()
+    };
     assert_eq!(err(flags(Some(0), None), false), "--tp and --cp must be at least 1");
     let outside = LaunchFlags { nnodes: 2, node_rank: 2, ..flags(Some(2), None) };
     assert_eq!(err(outside, false), "--node-rank 2 is not below --nnodes 2");
@@ -152,12 +158,35 @@ fn launch_settings_refuse_what_cannot_run() {
     assert!(err(uneven, false).contains("3 ranks do not split evenly over --nnodes 2"));
     let nccl = LaunchFlags { backend: Some(mesh::CommBackend::Nccl), ..flags(None, None) };
     assert!(err(nccl, false).contains("built without CUDA"));
-    let mpi = LaunchFlags { backend: Some(mesh::CommBackend::Mpi), ..flags(Some(2), None) };
-    assert!(err(mpi, false).contains("ranks started by mpirun"));
+    let mpi = LaunchFlags { backend: Some(Mpi), ..flags(Some(2), None) };
+    assert_eq!(
+        err(mpi, false),
+        "the mpi backend: this tpctl was built without MPI; build it with \
+         `cargo build --release -p tpctl --features mpi` (needs OpenMPI)"
+    );
     let gpu = LaunchFlags { device: Some(ComputeDevice::Cuda), ..flags(None, None) };
     assert!(err(gpu, false).contains("--device cuda"));
     let half = LaunchFlags { dtype: Some(ComputeDtype::Bf16), ..flags(None, None) };
     assert!(err(half, true).contains("half precision needs --device cuda"));
+}
+
+/// The mpi backend, by flag or on one axis of the file, in a build with MPI: one host only.
+#[test]
+fn the_mpi_backend_runs_on_one_host_in_a_build_with_mpi() {
+    let with_mpi = Built { cuda: false, mpi: true };
+    let flag = LaunchFlags { backend: Some(Mpi), ..flags(Some(2), Some(2)) };
+    let s = Config::default().launch(&flag, 8, with_mpi).unwrap();
+    assert_eq!(s.backends, axes(Mpi, Mpi, Mpi));
+    let file = Config::parse("[layout.backends]\ncp = \"mpi\"\n", "mpi.toml").unwrap();
+    assert_eq!(file.launch(&flags(None, None), 8, with_mpi).unwrap().backends.cp, Mpi);
+    assert!(file
+        .launch(&flags(None, None), 8, NONE)
+        .unwrap_err()
+        .to_string()
+        .contains("--features mpi"));
+    let nodes = LaunchFlags { nnodes: 2, ..flag };
+    let err = Config::default().launch(&nodes, 8, with_mpi).unwrap_err().to_string();
+    assert!(err.contains("one mpirun on this host: --nnodes 2 needs --backend tcp"), "{err}");
 }
 
 /// The weights' element type defaults by device (bf16 on a GPU, f32 on the CPU); the file
@@ -165,14 +194,14 @@ fn launch_settings_refuse_what_cannot_run() {
 #[test]
 fn the_dtype_defaults_to_bf16_on_the_gpu_and_f32_on_the_cpu() {
     let cfg = Config::default();
-    let cpu = cfg.launch(&flags(None, None), 8, true).unwrap();
+    let cpu = cfg.launch(&flags(None, None), 8, CUDA).unwrap();
     assert_eq!((cpu.device, cpu.dtype), (ComputeDevice::Cpu, ComputeDtype::F32));
     let gpu = LaunchFlags { device: Some(ComputeDevice::Cuda), ..flags(None, None) };
-    assert_eq!(cfg.launch(&gpu, 8, true).unwrap().dtype, ComputeDtype::Bf16);
+    assert_eq!(cfg.launch(&gpu, 8, CUDA).unwrap().dtype, ComputeDtype::Bf16);
     let file = Config::parse("[runtime]\ndtype = \"f16\"\n", "dtype.toml").unwrap();
-    assert_eq!(file.launch(&gpu, 8, true).unwrap().dtype, ComputeDtype::F16);
+    assert_eq!(file.launch(&gpu, 8, CUDA).unwrap().dtype, ComputeDtype::F16);
     let f32_flag = LaunchFlags { dtype: Some(ComputeDtype::F32), ..gpu };
-    assert_eq!(file.launch(&f32_flag, 8, true).unwrap().dtype, ComputeDtype::F32);
+    assert_eq!(file.launch(&f32_flag, 8, CUDA).unwrap().dtype, ComputeDtype::F32);
 }
 
 /// `--preallocate-sleep-memory` and `[runtime] preallocate_sleep_memory` each turn it on (it
@@ -181,10 +210,10 @@ fn the_dtype_defaults_to_bf16_on_the_gpu_and_f32_on_the_cpu() {
 fn preallocating_sleep_memory_comes_from_the_flag_or_the_file() {
     let on = LaunchFlags { preallocate_sleep_memory: true, ..flags(None, None) };
     let default = Config::default();
-    assert!(!default.launch(&flags(None, None), 8, false).unwrap().preallocate_sleep_memory);
-    assert!(default.launch(&on, 8, false).unwrap().preallocate_sleep_memory);
+    assert!(!default.launch(&flags(None, None), 8, NONE).unwrap().preallocate_sleep_memory);
+    assert!(default.launch(&on, 8, NONE).unwrap().preallocate_sleep_memory);
     let file = Config::parse("[runtime]\npreallocate_sleep_memory = true\n", "p.toml").unwrap();
-    assert!(file.launch(&flags(None, None), 8, false).unwrap().preallocate_sleep_memory);
+    assert!(file.launch(&flags(None, None), 8, NONE).unwrap().preallocate_sleep_memory);
     let err = format!(
         "{:#}",
         Config::parse("[runtime]\npreallocate_sleep_memory = 1\n", "p.toml").unwrap_err()
@@ -212,7 +241,7 @@ fn the_kv_cache_settings_parse_and_bad_ones_name_their_key() {
         "kv.toml",
     )
     .unwrap();
-    let s = file.launch(&flags(None, None), 8, false).unwrap();
+    let s = file.launch(&flags(None, None), 8, NONE).unwrap();
     assert_eq!(
         (s.kv_cache_memory, s.block_size, s.prefix_caching, s.max_num_seqs),
         (Some(KvMemory::Bytes(64 << 20)), 32, false, 4)
@@ -222,15 +251,15 @@ fn the_kv_cache_settings_parse_and_bad_ones_name_their_key() {
         max_num_seqs: Some(2),
         ..flags(None, None)
     };
-    let s = file.launch(&over, 8, false).unwrap();
+    let s = file.launch(&over, 8, NONE).unwrap();
     assert_eq!((s.kv_cache_memory, s.max_num_seqs), (Some(KvMemory::Fraction(0.1)), 2));
-    let d = Config::default().launch(&flags(None, None), 8, false).unwrap();
+    let d = Config::default().launch(&flags(None, None), 8, NONE).unwrap();
     assert_eq!(
         (d.kv_cache_memory, d.block_size, d.prefix_caching, d.max_num_seqs),
         (None, 16, true, 32)
     );
     let no = LaunchFlags { no_prefix_caching: true, ..flags(None, None) };
-    assert!(!Config::default().launch(&no, 8, false).unwrap().prefix_caching);
+    assert!(!Config::default().launch(&no, 8, NONE).unwrap().prefix_caching);
 
     for (text, key) in [
         ("[runtime]\nkv_cache_memory = 0\n", "kv_cache_memory"),

@@ -14,6 +14,7 @@ fn spec(script: &str, nproc: usize) -> Launch {
         env: vec![("EXTRA".into(), "yes".into())],
         rank0_env: Vec::new(),
         grace: Duration::from_millis(300),
+        mpirun: false,
     }
 }
 
