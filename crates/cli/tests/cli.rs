@@ -3,13 +3,13 @@
 //! behind. Every wait has a deadline.
 
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 mod common;
 
 use common::describe as text;
 
-use common::{kill_all, leftovers, marker, scratch, tpctl_bin};
+use common::{leftovers, marker, scratch, tpctl_bin};
 
 const DEADLINE: Duration = Duration::from_secs(90);
 
@@ -31,17 +31,8 @@ fn start(args: &[&str], extra_env: &[(&str, &str)], mark: &str) -> Child {
     cmd.spawn().expect("start tpctl")
 }
 
-fn wait(mut child: Child, mark: &str) -> Output {
-    let start = Instant::now();
-    while child.try_wait().expect("wait for tpctl").is_none() {
-        if start.elapsed() > DEADLINE {
-            let _ = child.kill();
-            kill_all(mark);
-            panic!("tpctl still running after {DEADLINE:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().expect("collect output")
+fn wait(child: Child, mark: &str) -> Output {
+    common::wait_within(child, mark, DEADLINE)
 }
 
 fn tpctl(args: &[&str], extra_env: &[(&str, &str)]) -> Output {
@@ -386,10 +377,10 @@ fn the_failing_ranks_own_error_is_reported_at_once() {
     let stderr = child.stderr.take().expect("piped stderr");
     let reader = std::thread::spawn(move || {
         let lines = BufReader::new(stderr).lines().map_while(Result::ok);
-        lines.map(|l| (Instant::now(), l)).collect::<Vec<_>>()
+        lines.map(|l| (std::time::Instant::now(), l)).collect::<Vec<_>>()
     });
     let out = wait(child, &mark);
-    let exited = Instant::now();
+    let exited = std::time::Instant::now();
     let lines = reader.join().expect("stderr reader");
     let all: Vec<&str> = lines.iter().map(|(_, l)| l.as_str()).collect();
     let all = all.join("\n");
@@ -423,7 +414,7 @@ fn ctrl_c_stops_every_rank() {
         &mark,
     );
     // Wait until the ranks run, then interrupt the launcher as a terminal would.
-    let start = Instant::now();
+    let start = std::time::Instant::now();
     while leftovers(&mark).len() < 3 && start.elapsed() < DEADLINE {
         std::thread::sleep(Duration::from_millis(20));
     }

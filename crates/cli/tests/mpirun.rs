@@ -5,12 +5,12 @@
 #![cfg(feature = "mpi")]
 
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 mod common;
 
 use common::describe as text;
-use common::{kill_all, leftovers, marker, tpctl_bin};
+use common::{leftovers, marker, tpctl_bin};
 
 const DEADLINE: Duration = Duration::from_secs(120);
 
@@ -29,17 +29,8 @@ fn start(args: &[&str], extra_env: &[(&str, &str)], mark: &str) -> Child {
 
 /// Waits for tpctl with a deadline, then checks that none of its processes (mpirun, its
 /// shims, the ranks) is left.
-fn finish(mut child: Child, mark: &str) -> Output {
-    let start = Instant::now();
-    while child.try_wait().expect("wait for tpctl").is_none() {
-        if start.elapsed() > DEADLINE {
-            let _ = child.kill();
-            kill_all(mark);
-            panic!("tpctl still running after {DEADLINE:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().expect("collect output");
+fn finish(child: Child, mark: &str) -> Output {
+    let out = common::wait_within(child, mark, DEADLINE);
     assert_eq!(leftovers(mark), Vec::<u32>::new(), "processes left behind\n{}", text(&out));
     out
 }

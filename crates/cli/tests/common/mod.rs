@@ -6,8 +6,9 @@
 pub mod http;
 
 use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 /// The `tpctl` binary under test: `$TPCTL_BIN` when set (the tests run from a bundle on a
 /// machine without the build tree, see `cargo xtask gpu-test --bundle`), else cargo's build.
@@ -166,4 +167,19 @@ pub fn run_tpctl(args: &[&str], deadline: std::time::Duration) -> Output {
     let out = child.wait_with_output().expect("collect output");
     assert_eq!(leftovers(&mark), Vec::<u32>::new(), "processes left behind");
     out
+}
+
+/// Waits for `child` (a tpctl started with marker `mark`) at most `deadline`; past it, kills it
+/// and every process of the marker, and fails the test.
+pub fn wait_within(mut child: Child, mark: &str, deadline: Duration) -> Output {
+    let start = Instant::now();
+    while child.try_wait().expect("wait for tpctl").is_none() {
+        if start.elapsed() > deadline {
+            let _ = child.kill();
+            kill_all(mark);
+            panic!("tpctl still running after {deadline:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("collect output")
 }
