@@ -213,10 +213,10 @@ struct LaunchArgs {
     /// is on by default without context parallelism).
     #[arg(long)]
     no_prefix_caching: bool,
-    /// Allocate at start, not at the first sleep, the host memory that level-1 sleeps back the
-    /// weights up into (pinned, for weights in device memory), and keep it across sleeps
-    /// (default: [runtime] preallocate_sleep_memory). Weights backed up to a spill file (the
-    /// store of host weights, on the CPU and the GPU) need none.
+    /// Allocate at start, not at the first sleep, the host memory that level-1 sleeps back
+    /// device-resident weights up into (pinned), and keep it across sleeps (default: [runtime]
+    /// preallocate_sleep_memory). Today a level-1 sleep writes the weights to a spill file, on
+    /// the CPU and on a GPU alike, which needs no such memory: the flag reserves nothing yet.
     #[arg(long)]
     preallocate_sleep_memory: bool,
     /// Where the kernels run (default: [runtime] device, else cpu); cuda needs a build with
