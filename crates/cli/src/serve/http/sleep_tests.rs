@@ -324,7 +324,13 @@ fn while_asleep_completions_wait_for_the_wakeup_then_reach_the_engine() {
         let _ = s.write_all(req.as_bytes());
         let _ = s.read_to_end(&mut Vec::new());
     });
-    // Asleep: it waits in the server, not in the parked engine's queue.
+    // Asleep: it waits in the server, not in the parked engine's queue. The 200 ms below
+    // start once the server holds it (after its arrival), however late the client connects.
+    let since = std::time::Instant::now();
+    while http.metric("vllm:num_requests_waiting{model_name=\"tiny\"} ") != "1" {
+        assert!(since.elapsed() < DEADLINE, "the request was never held");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     std::thread::sleep(Duration::from_millis(200));
     assert!(http.inbox.try_recv().is_err(), "reached the engine while asleep");
     assert_eq!(http.json("POST", "/wake_up").0, 200);
