@@ -42,6 +42,27 @@ pub fn exit_failed(e: &anyhow::Error, control: Option<crate::control::Server>) -
     leave(code)
 }
 
+/// The exit code of a rank that panicked where no engine turned the panic into its error
+/// (Rust's own code for a panic that ends `main`).
+pub const EXIT_PANICKED: i32 = 101;
+
+/// Runs a rank's body; a panic that escapes it (the engine turns a panic in model code into
+/// the rank's error; one in start-up, teardown or the control plane reaches here) ends the
+/// rank at once as a failure: its message as the rank's last line, then [`leave`] with
+/// [`EXIT_PANICKED`]. Unwinding out of `main` instead would run the exit handlers, and under
+/// `mpirun` one of them is `MPI_Finalize`, which waits for every peer: the peers would then
+/// fail on their own deadlines and the user would read their errors instead of this one.
+pub fn failing_on_panic<T>(body: impl FnOnce() -> T) -> T {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
+        Ok(value) => value,
+        Err(payload) => {
+            let _ = std::io::stdout().flush();
+            eprintln!("error: panicked: {}", session::panic_message(&*payload));
+            leave(EXIT_PANICKED)
+        }
+    }
+}
+
 /// Where a rank started by tpctl's mpirun shim leaves its exit code (see [`leave`]).
 pub const EXIT_FILE_ENV: &str = "TPCTL_RANK_EXIT_FILE";
 

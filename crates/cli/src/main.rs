@@ -498,7 +498,7 @@ fn main() -> ExitCode {
         Command::Status(target) => control_command(&target, &control::Request::Status, cli.quiet),
         Command::Stop(target) => control_command(&target, &control::Request::Stop, cli.quiet),
         Command::Restart(target) => restart(target, cli.quiet),
-        Command::Rank => match tpctl::rank::run() {
+        Command::Rank => match tpctl::exit::failing_on_panic(tpctl::rank::run) {
             Ok(()) => Ok(0),
             Err(e) => tpctl::exit::exit_failed(&e, None),
         },

@@ -359,6 +359,20 @@ fn a_failing_rank_stops_every_rank_with_its_own_error() {
     assert!(err.contains("injected failure at failpoint `session.step`"), "{}", text(&out));
 }
 
+/// A panic outside the engine's model code (here in a rank's teardown) is reported with its
+/// message, not with the last line of Rust's backtrace note.
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_rank_that_panics_is_named_with_its_panic() {
+    let args = ["run", "--model", model(), "--tp", "2", "--prompt-ids", "1,2", "--max-tokens", "2"];
+    let out = tpctl(&args, &[("TPCTL_FAILPOINTS", "session.cleanup=panic@1")]);
+    assert_eq!(out.status.code(), Some(101), "the failed rank's code\n{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let report = "error: rank 1 failed with exit code 101: error: panicked: failpoint \
+                  `session.cleanup` fired";
+    assert!(err.contains(report), "{}", text(&out));
+}
+
 /// The failing rank prints its own error the moment it fails and exits without its teardown
 /// (rank 0's would take 8 s here), so the launcher reports rank 0's injected error and exits
 /// at once, with no rank left. Before, rank 0 tore down first: its peer's "another rank

@@ -93,6 +93,22 @@ fn a_failing_rank_under_mpirun_is_named_with_its_own_error() {
     assert!(err.contains(report), "{}", text(&out));
 }
 
+/// A rank that panics where no engine catches it (here in its teardown, after MPI started) is
+/// the failure the user reads, at once. Before, its unwinding ran `MPI_Finalize`, which waited
+/// for rank 0, itself waiting 30 s at the shutdown barrier for rank 1: the report was rank 0's
+/// "1 of 2 ranks still missing".
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_rank_that_panics_under_mpirun_is_named_with_its_panic() {
+    let out = tpctl(&run_args("mpi", "2", "1"), &[("TPCTL_FAILPOINTS", "session.cleanup=panic@1")]);
+    assert_eq!(out.status.code(), Some(101), "the failed rank's code\n{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let report = "error: rank 1 failed with exit code 101: error: panicked: failpoint \
+                  `session.cleanup` fired";
+    assert!(err.contains(report), "{}", text(&out));
+    assert!(!err.contains("still missing"), "a peer's deadline was reached\n{}", text(&out));
+}
+
 /// Ctrl-C reaches the launcher alone; it forwards one SIGINT to mpirun, which stops its
 /// processes, and every one of them is gone when tpctl exits with 130.
 #[cfg(feature = "failpoints")]

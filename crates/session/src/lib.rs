@@ -33,8 +33,8 @@ mod sink;
 pub mod sleep;
 
 pub use engine::{
-    Decider, Decision, EngineOptions, Event, Gate, Leader, Role, RunSummary, SessionReport, Sinks,
-    StopHandle, Worker,
+    panic_message, Decider, Decision, EngineOptions, Event, Gate, Leader, Role, RunSummary,
+    SessionReport, Sinks, StopHandle, Worker,
 };
 pub use error::{BoxError, Error, Result};
 pub use model::{Groups, KvLayout, ModelFactory, SampledToken, StepModel, StepOutput};

@@ -288,13 +288,18 @@ fn guarded<T>(
     f: impl FnOnce() -> Result<T>,
 ) -> Result<T> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
-        let what = panic
-            .downcast_ref::<&str>()
-            .map(|s| (*s).to_owned())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a non-string payload".to_owned());
+        let what = panic_message(&*panic);
         Err(Error::Model { phase, rank, epoch, step, source: format!("panicked: {what}").into() })
     })
+}
+
+/// The message a panic was given (its payload as `panic!` makes it: a `&str` or a `String`).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-string payload".to_owned())
 }
 
 fn injected(phase: &'static str, point: &str, rank: usize, epoch: u64, step: u64) -> Result<()> {
