@@ -2642,3 +2642,29 @@ fn a_recomputed_constrained_answer_continues_its_grammar() {
     assert_eq!(code, 0, "{err}");
     assert!(server.wait().success());
 }
+
+/// `tpctl serve --backend mpi`: the ranks start under one `mpirun`, answer with the greedy
+/// tokens of `tpctl run` on shm, sleep and wake on every rank through the control socket
+/// (the same tokens after), and Ctrl-C stops every process.
+#[cfg(feature = "mpi")]
+#[test]
+fn serve_over_mpirun_answers_like_run_sleeps_and_stops_on_ctrl_c() {
+    const MAX: u32 = 6;
+    let prompts = ["1,2,3,4,5", "7,8"];
+    let expected = reference(model(), &prompts, MAX);
+    let rt = runtime_dir("mpi");
+    let env = [("XDG_RUNTIME_DIR", rt.as_str())];
+    let args = ["--tp", "2", "--backend", "mpi", "--deployment", "mpi"];
+    let server = Server::start_with(model(), &args, &env);
+    assert_eq!(greedy_ids(&server, &prompts, MAX), expected, "{}", server.log());
+
+    let (code, reply, err) = control(&rt, &["sleep"]);
+    assert_eq!(code, 0, "{err}\n{reply}\n{}", server.log());
+    assert_eq!(reply["op"]["ranks"].as_array().map(Vec::len), Some(2), "{reply}");
+    let (code, reply, err) = control(&rt, &["wakeup"]);
+    assert_eq!(code, 0, "{err}\n{reply}\n{}", server.log());
+    assert_eq!(greedy_ids(&server, &prompts, MAX), expected, "after the wakeup");
+
+    let status = server.interrupt();
+    assert_eq!(status.code(), Some(130), "{status:?}");
+}
