@@ -628,11 +628,11 @@ pub fn run(spec: HostSpec) -> Result<i32> {
         );
     }
     let starter = {
-        let (host, spec) = (host.clone(), spec.clone());
+        let (host, spec, handle) = (host.clone(), spec.clone(), runtime.handle().clone());
         std::thread::Builder::new()
             .name("host-start".into())
             .spawn(move || {
-                if let Err(e) = start::start_models(&host, &spec) {
+                if let Err(e) = start::start_models(&host, &spec, &handle) {
                     *host.fatal.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
                     host.stop.store(true, Ordering::SeqCst);
                 }

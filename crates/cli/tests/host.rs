@@ -853,6 +853,39 @@ fn models_show_loading_at_start_and_a_failed_model_restarts_by_hand() {
     assert!(host.interrupt().success());
 }
 
+/// A model answers as soon as it is measured, while the next still loads: the request for
+/// `a`, sent while the host starts, is answered as `a` alone answers it while `b` (its engine
+/// held 30 s by a failpoint) is still loading; then `a` is put to sleep for `b`'s load. Before,
+/// every request waited until all the models had loaded.
+#[test]
+fn a_model_serves_before_the_others_have_loaded() {
+    const MAX: u32 = 3;
+    let [(_, a), (_, b), _] = models();
+    let expected_a = alone(a, &["5,6"], MAX).remove(0);
+    let config = common::scratch("early.toml");
+    let text = format!(
+        "[server]\nmemory_budget = \"{BUDGET_MIB}MiB\"\n\n\
+         [[models]]\nname = \"a\"\nmodel = \"{a}\"\n\n\
+         [[models]]\nname = \"b\"\nmodel = \"{b}\"\n\
+         env = {{ TPCTL_FAILPOINTS = \"session.init=delay(30000)\" }}\n"
+    );
+    std::fs::write(&config, text).unwrap();
+    let config = config.to_string_lossy().into_owned();
+    let kv = format!("{KV_MIB}MiB");
+    let host = Host::announced(&[&config, "--threads", "1", "--kv-cache-memory", &kv], &[]);
+
+    let reply = host.post("/v1/completions", &completion("a", "5,6", MAX));
+    assert_eq!(reply.status, 200, "{reply:?}\n{}", host.log());
+    assert_eq!(ids(&reply.json()["choices"][0]["token_ids"]), expected_a);
+    let listed = host.get("/v1/models").json();
+    assert_eq!(listed["data"][1]["state"], "loading", "b is still loading\n{listed}");
+    assert_eq!(host.get("/health").json()["status"], "loading");
+    // `b`'s load starts with `a` asleep again: its size is not known before it is measured.
+    let listed = host.until("a asleep", |l| l["data"][0]["state"] != "awake");
+    assert_eq!(listed["data"][1]["state"], "loading", "{listed}");
+    host.interrupt();
+}
+
 /// A level-1 sleep whose backup host memory cannot hold (here: `MemAvailable` cannot be
 /// read, a failpoint) is a level-2 one, said in the log and counted; the model still answers
 /// as alone after it.

@@ -1,29 +1,42 @@
-//! The host's start: its models load one after another while the API already answers (each
-//! `loading` until it is measured); each is measured awake, put to sleep and measured asleep,
-//! and the budget is checked after each, so a budget that cannot hold some model ends the host
-//! with the numbers.
+//! The host's start: its models load one after another while the API already answers. Each
+//! is `loading` until it is measured (awake, then put to sleep and measured asleep), and the
+//! budget is checked after each, so a budget that cannot hold some model ends the host with the
+//! numbers. A measured model serves at once: between two loads, requests wake the models
+//! measured so far as at any other time; each load holds the swap turn and starts with every
+//! model that can sleep asleep, since its size is not known before it is measured.
 
 use super::child::{self, Child, ChildSpec};
-use super::table::{self, State};
-use super::{Host, HostSpec, ModelSpec, START_TIMEOUT};
-use anyhow::{bail, Context, Result};
+use super::table::{self, Plan, State};
+use super::{Host, HostSpec, ModelSpec, POLL, START_TIMEOUT};
+use anyhow::{anyhow, bail, Context, Result};
 use session::sleep::QuiesceMode;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Instant;
 
-/// Starts and measures every model of `spec` into `host`, then opens the budget's arithmetic
-/// to requests.
+/// Starts and measures every model of `spec` into `host`, one at a time, each load holding the
+/// swap turn (so no request's wakeup runs beside it) with the models that can sleep asleep;
+/// requests for the models measured so far are served between loads.
 ///
 /// # Errors
-/// A model does not start or its first sleep fails, the host was stopped meanwhile, or the
-/// budget cannot hold the models measured so far.
-pub(super) fn start_models(host: &Host, spec: &HostSpec) -> Result<()> {
+/// A model does not start or its first sleep fails, a served model cannot sleep before the
+/// next load, the host was stopped meanwhile, or the budget cannot hold the models measured so
+/// far.
+pub(super) fn start_models(
+    host: &Arc<Host>,
+    spec: &HostSpec,
+    runtime: &tokio::runtime::Handle,
+) -> Result<()> {
     let verbosity: Vec<&str> = spec.verbosity.iter().map(String::as_str).collect();
     for (i, m) in spec.models.iter().enumerate() {
         if host.stop.load(Ordering::SeqCst) {
             bail!("interrupted while the models started");
         }
         let name = &m.name;
+        serve_waiting(host, i);
+        // Held until this model is measured and asleep (the end of the iteration).
+        let _turn = runtime.block_on(host.swap.lock());
+        runtime.block_on(sleep_before_load(host, i))?;
         let child = Child::start(&child_spec(spec, m), &verbosity, START_TIMEOUT, &host.stop)?;
         let child = Arc::new(child);
         *host.children[i].write().unwrap_or_else(|e| e.into_inner()) = Some(child.clone());
@@ -103,6 +116,55 @@ pub(super) fn start_models(host: &Host, spec: &HostSpec) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Before model `next` loads: lets the requests waiting for a model measured so far that can
+/// be admitted now take the swap turn first (for at most the drain bound), so that a request
+/// waits for its own model's load and the one under way, not for every load after them.
+fn serve_waiting(host: &Host, next: usize) {
+    let until = Instant::now() + host.drain;
+    while Instant::now() < until && !host.stop.load(Ordering::SeqCst) {
+        let admissible = {
+            let table = host.lock();
+            (0..next).any(|j| {
+                host.counters[j].waiting.load(Ordering::Relaxed) > 0
+                    && !matches!(table.plan(j), Plan::Wait(_) | Plan::Unavailable(_))
+            })
+        };
+        if !admissible {
+            return;
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+/// Puts every model a request woke (pinned ones aside) back to sleep before model `loading`
+/// loads: running requests drain first, within the drain bound, then are paused (`keep`).
+/// Called with the swap turn held.
+async fn sleep_before_load(host: &Arc<Host>, loading: usize) -> Result<()> {
+    let awake: Vec<usize> = {
+        let table = host.lock();
+        (0..table.models.len())
+            .filter(|&j| !table.models[j].pinned && table.models[j].state == State::Awake)
+            .collect()
+    };
+    if awake.is_empty() {
+        return Ok(());
+    }
+    let deadline = tokio::time::Instant::now() + host.drain + START_TIMEOUT;
+    let slept: Result<()> = async {
+        let busy = host.drain(&awake, deadline).await.map_err(|r| anyhow!(r.message))?;
+        for &j in &awake {
+            let keep = busy.contains(&j);
+            host.swap_out(j, loading, keep).await.map_err(|r| anyhow!(r.message))?;
+        }
+        Ok(())
+    }
+    .await;
+    for model in &mut host.lock().models {
+        model.draining = false;
+    }
+    slept.with_context(|| format!("before model `{}` loads", host.name(loading)))
 }
 
 /// What starts model `m`'s deployment.

@@ -205,7 +205,10 @@ pub struct Table {
     pub gpu_budgets: BTreeMap<String, u64>,
     /// The models, in the order they were given.
     pub models: Vec<Entry>,
-    /// The models are still being started and measured: nothing wakes until they are.
+    /// The models are still being started and measured: `/health` says `loading` and the
+    /// control socket follows no model yet. A model measured (asleep) is woken by a request
+    /// as at any time: the one loading holds the swap turn, and those not started yet hold
+    /// nothing.
     pub starting: bool,
     /// A logical clock: each admitted request ticks it, so "least recently used" does not
     /// depend on the wall clock's resolution.
@@ -249,20 +252,6 @@ impl Table {
             State::Loading | State::Waking | State::Sleeping => {
                 return Plan::Wait(format!("model `{}` is {}", model.name, model.state))
             }
-        }
-        if self.starting {
-            // The budget's arithmetic needs every model measured.
-            let loading: Vec<&str> = self
-                .models
-                .iter()
-                .filter(|m| m.state == State::Loading)
-                .map(|m| m.name.as_str())
-                .collect();
-            return Plan::Wait(format!(
-                "model `{}` waits for the models to load (loading: {})",
-                model.name,
-                loading.join(", ")
-            ));
         }
         let restart = matches!(model.state, State::Failed(_));
         // Every place with a budget: the host, then each GPU.

@@ -263,19 +263,25 @@ fn a_level_1_sleep_whose_backup_host_memory_cannot_hold_is_a_level_2_one() {
     );
 }
 
+/// While the models start, a measured model wakes as at any time (the load beside it holds
+/// the swap turn); a model still loading waits, and so does one whose room depends on a model
+/// still loading.
 #[test]
-fn nothing_wakes_while_the_models_start() {
+fn a_measured_model_wakes_while_others_still_load() {
     let mut table = Table::new(
         1000 * MIB,
         vec![entry("a", ASLEEP, 40, 100, 0, 0), entry("b", State::Loading, 0, 0, 0, 0)],
     );
     table.starting = true;
+    assert_eq!(table.plan(0), Plan::Swap { evict: vec![] });
+    assert_eq!(table.plan(1), Plan::Wait("model `b` is loading".into()));
+    table.budget = 200 * MIB;
+    table.models.push(entry("c", State::Awake, 40, 100, 0, 0));
     assert_eq!(
         table.plan(0),
-        Plan::Wait("model `a` waits for the models to load (loading: b)".into())
+        Plan::Swap { evict: vec![2] },
+        "an awake model makes room, as after the start"
     );
-    table.starting = false;
-    assert_eq!(table.plan(0), Plan::Swap { evict: vec![] });
 }
 
 /// `e` with `asleep` + `swap` MiB on GPU `gpu` as well.
