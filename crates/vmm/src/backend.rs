@@ -21,7 +21,8 @@ use std::fs::File;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum BackendKind {
-    /// Host memory: a memfd mapped into a reserved range of the process's address space.
+    /// Host memory: private anonymous memory mapped into a reserved range of the process's
+    /// address space.
     #[default]
     Cpu,
     /// Device memory through the CUDA driver's virtual memory API (feature `cuda`).
@@ -47,8 +48,8 @@ pub(crate) enum Init<'a> {
 /// The physical memory behind a mapped allocation.
 #[derive(Debug)]
 pub(crate) enum Phys {
-    /// The memfd of the CPU backend; closing it (on drop) returns the pages.
-    Fd(#[allow(dead_code)] std::os::fd::OwnedFd),
+    /// Anonymous memory of the CPU backend, returned when its range is mapped over again.
+    Anonymous,
     /// A `CUmemGenericAllocationHandle` of the CUDA backend.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     Cuda(u64),

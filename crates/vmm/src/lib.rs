@@ -27,7 +27,7 @@
 //! # Ok::<(), vmm::Error>(())
 //! ```
 //!
-//! Backends: host memory (memfds mapped into a reserved range; the default) and CUDA device
+//! Backends: host memory (anonymous memory mapped into a reserved range; the default) and CUDA device
 //! memory (`cuMem*`, feature `cuda`). Backups to host memory are carved from a host pool
 //! (pinned for CUDA) that is kept and reused across cycles, allocated at the first release or
 //! up front ([`Manager::preallocate_host_backups`]) and freed with the manager or by

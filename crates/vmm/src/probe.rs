@@ -13,14 +13,13 @@ pub struct ProcessMemory {
     pub pid: u32,
     /// Resident bytes (`Rss`).
     pub resident: u64,
-    /// Resident anonymous bytes (`Anonymous`; `RssAnon` in `status`). Excludes shared
-    /// memory such as the memfds of the CPU backend.
+    /// Resident anonymous bytes (`Anonymous`; `RssAnon` in `status`). This is where the CPU
+    /// backend's allocations show up.
     pub anonymous: u64,
     /// Resident bytes in shared pages (`Shared_Clean + Shared_Dirty`; `RssFile + RssShmem`
     /// in `status`).
     pub shared: u64,
-    /// Resident shared-memory bytes (`RssShmem` from `status`): memfds and tmpfs. This is
-    /// where the CPU backend's allocations show up.
+    /// Resident shared-memory bytes (`RssShmem` from `status`): memfds and tmpfs.
     pub shmem: u64,
 }
 

@@ -1,16 +1,21 @@
-//! The CPU backend: a `PROT_NONE` reservation per allocation, with a memfd mapped over it
-//! (`MAP_FIXED | MAP_SHARED`) while the allocation is materialized.
+//! The CPU backend: a `PROT_NONE` reservation per allocation, with private anonymous memory
+//! mapped over it (`MAP_FIXED`) while the allocation is materialized.
 //!
-//! Releasing replaces the mapping by a fresh inaccessible reservation and closes the memfd,
-//! so its pages go back to the kernel; materializing maps a new memfd at the same address.
+//! Releasing replaces the mapping by a fresh inaccessible reservation, so its pages go back to
+//! the kernel; materializing maps new memory at the same address. Reservations of 2 MiB or
+//! more start on a 2 MiB boundary and their memory is advised for transparent huge pages
+//! (`MADV_HUGEPAGE`): where the kernel grants them, a 106 MiB allocation is faulted in with 53
+//! faults instead of 27,000, which on this project's virtual machines took the refault of
+//! 106 MiB from about 50 ms to about 17 ms (a memcpy of it: about 10 ms). Where it does not,
+//! the advice changes nothing.
 
 use super::{Backend, HostBuf, Init, Phys};
 use crate::chunked::Direction;
 use crate::error::{Error, Result};
 use crate::policy::BackupStore;
+#[cfg(test)]
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 #[cfg(test)]
 use std::path::Path;
@@ -40,6 +45,10 @@ fn physical_memory() -> u64 {
     u64::try_from(pages).unwrap_or(0).saturating_mul(page_size() as u64)
 }
 
+/// The size of a transparent huge page on x86-64 and of the alignment that lets the kernel
+/// use them for a whole range.
+const HUGE_PAGE: usize = 2 << 20;
+
 /// Maps an inaccessible, unbacked range; with `at` it replaces whatever is mapped there.
 fn reserve_at(at: Option<u64>, len: usize) -> Result<u64> {
     let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
@@ -58,140 +67,72 @@ fn reserve_at(at: Option<u64>, len: usize) -> Result<u64> {
     Ok(ptr as u64)
 }
 
-fn memfd(label: &str, len: usize) -> Result<OwnedFd> {
-    let name = std::ffi::CString::new(format!("tpctl-vmm:{label}")).unwrap_or_default();
-    // SAFETY: `name` is a valid NUL-terminated string that outlives the call.
-    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(Error::os("memfd_create"));
+/// A new reservation of `len` bytes; from [`HUGE_PAGE`] bytes on, it starts on a huge-page
+/// boundary (a larger range is reserved and its ends given back).
+fn reserve_aligned(len: usize) -> Result<u64> {
+    if len < HUGE_PAGE {
+        return reserve_at(None, len);
     }
-    // SAFETY: `fd` was just returned by memfd_create and nothing else owns it.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: ftruncate on a valid descriptor; the length fits in off_t (checked by the manager,
-    // which caps allocations at physical memory).
-    if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
-        return Err(Error::os(format!("ftruncate of a memfd to {len} bytes")));
-    }
-    Ok(fd)
-}
-
-/// Copies `len` bytes of `file` at `offset` into the memfd at 0 inside the kernel.
-/// Returns false, having copied nothing, when the kernel cannot do it for this pair of files.
-fn kernel_copy(file: &File, offset: u64, fd: &OwnedFd, len: usize) -> io::Result<bool> {
-    let mut off_in = offset as libc::loff_t;
-    let mut off_out: libc::loff_t = 0;
-    let copied =
-        copy_loop(len, &[libc::EXDEV, libc::EINVAL, libc::EOPNOTSUPP, libc::ENOSYS], |n| {
-            // SAFETY: both descriptors are valid and open; the offsets point to live locals.
-            unsafe {
-                libc::copy_file_range(
-                    file.as_raw_fd(),
-                    &mut off_in,
-                    fd.as_raw_fd(),
-                    &mut off_out,
-                    n,
-                    0,
-                )
-            }
-        })?;
-    if copied {
-        return Ok(true);
-    }
-    sendfile_copy(file, offset, fd, len)
-}
-
-/// `sendfile` into the memfd: the kernel copies page by page without zeroing first.
-fn sendfile_copy(file: &File, offset: u64, fd: &OwnedFd, len: usize) -> io::Result<bool> {
-    let mut off_in = offset as libc::off_t;
-    copy_loop(len, &[libc::EINVAL, libc::ENOSYS], |n| {
-        // SAFETY: both descriptors are valid; `off_in` is a live local. The memfd's own file
-        // position starts at 0 and advances with each call, which is where the bytes go.
-        unsafe { libc::sendfile(fd.as_raw_fd(), file.as_raw_fd(), &mut off_in, n) }
-    })
-}
-
-/// Calls `copy(remaining)` until `len` bytes are copied, each call returning how many it
-/// copied (negative: failed, with `errno`). Returns false, having copied nothing, when the
-/// first call fails with one of `unsupported` (the caller falls back to another way).
-fn copy_loop(
-    len: usize,
-    unsupported: &[i32],
-    mut copy: impl FnMut(usize) -> isize,
-) -> io::Result<bool> {
-    let mut done = 0;
-    while done < len {
-        let n = copy(len - done);
-        if n < 0 {
-            let err = io::Error::last_os_error();
-            if done == 0 && err.raw_os_error().is_some_and(|e| unsupported.contains(&e)) {
-                return Ok(false);
-            }
-            return Err(err);
+    let raw = reserve_at(None, len + HUGE_PAGE)?;
+    let start = raw.next_multiple_of(HUGE_PAGE as u64);
+    let (head, tail) = ((start - raw) as usize, HUGE_PAGE - (start - raw) as usize);
+    for (at, n) in [(raw, head), (start + len as u64, tail)] {
+        // SAFETY: both pieces lie inside the reservation just made, outside `start..start+len`,
+        // and nothing references them.
+        if n > 0 && unsafe { libc::munmap(at as *mut libc::c_void, n) } != 0 {
+            return Err(Error::os(format!("munmap of {n} bytes around a reservation")));
         }
-        if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!("file ends {} bytes short", len - done),
-            ));
-        }
-        done += n as usize;
     }
-    Ok(true)
+    Ok(start)
+}
+
+/// Maps private anonymous memory (zero pages, allocated as they are touched) over the
+/// reservation `addr..addr+len`, advised for huge pages when it is large enough.
+fn map_anonymous(addr: u64, len: usize) -> Result<()> {
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE;
+    // SAFETY: `addr..addr+len` is a reservation this backend owns (the manager passes only
+    // its own allocations' ranges) and nothing references it, so MAP_FIXED replaces only our
+    // PROT_NONE placeholder.
+    let ptr = unsafe {
+        libc::mmap(addr as *mut libc::c_void, len, libc::PROT_READ | libc::PROT_WRITE, flags, -1, 0)
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(Error::os(format!("mmap of {len} bytes of memory at {addr:#x}")));
+    }
+    debug_assert_eq!(ptr as u64, addr);
+    if len >= HUGE_PAGE {
+        // SAFETY: advice on the range just mapped; it never changes contents. A kernel without
+        // transparent huge pages refuses it, which changes nothing.
+        let _ = unsafe { libc::madvise(ptr, len, libc::MADV_HUGEPAGE) };
+    }
+    Ok(())
 }
 
 impl CpuBackend {
-    fn map_fd(&self, addr: u64, len: usize, fd: &OwnedFd, populate: bool) -> Result<()> {
-        let mut flags = libc::MAP_SHARED | libc::MAP_FIXED;
-        if populate {
-            flags |= libc::MAP_POPULATE;
-        }
-        // SAFETY: `addr..addr+len` is a reservation this backend owns (the manager passes only
-        // its own allocations' ranges) and nothing references it, so MAP_FIXED replaces only
-        // our PROT_NONE placeholder. `fd` is a memfd of at least `len` bytes.
-        let ptr = unsafe {
-            libc::mmap(
-                addr as *mut libc::c_void,
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                flags,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(Error::os(format!("mmap of a {len}-byte memfd at {addr:#x}")));
-        }
-        debug_assert_eq!(ptr as u64, addr);
-        Ok(())
-    }
-
-    fn fill(&self, addr: u64, len: usize, fd: &OwnedFd, init: Init<'_>) -> Result<()> {
+    fn fill(&self, addr: u64, len: usize, init: Init<'_>) -> Result<()> {
+        map_anonymous(addr, len)?;
         match init {
             // A discarded allocation comes back held, as device memory does after a materialize
             // (so the next release gives back what a receipt says); a new one is zero pages
             // that the kernel allocates as they are written.
-            Init::Fresh => self.map_fd(addr, len, fd, true),
-            Init::Zero => self.map_fd(addr, len, fd, false),
+            Init::Fresh => commit(addr, len, 1),
+            Init::Zero => Ok(()),
             Init::File { file, offset, len: n, what } => {
                 let n = n.min(len);
-                let copied = kernel_copy(file, offset, fd, n)
-                    .map_err(|e| Error::os_with(format!("copying {n} bytes from {what}"), e))?;
-                self.map_fd(addr, len, fd, true)?;
-                if !copied {
-                    // SAFETY: the range was just mapped read-write with `len >= n` bytes and no
-                    // other reference to it exists yet.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, n) };
-                    file.read_exact_at(dst, offset)
-                        .map_err(|e| Error::os_with(format!("reading {n} bytes from {what}"), e))?;
-                }
-                Ok(())
+                // SAFETY: the range was just mapped read-write with `len >= n` bytes and no
+                // other reference to it exists yet.
+                let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, n) };
+                file.read_exact_at(dst, offset)
+                    .map_err(|e| Error::os_with(format!("reading {n} bytes from {what}"), e))?;
+                // Held whole, as `Fresh` (the tail past the file's bytes too).
+                commit(addr, len, 1)
             }
             Init::Fill { len: n, fill } => {
-                self.map_fd(addr, len, fd, true)?;
                 // SAFETY: as above, a fresh read-write mapping of `len >= n` bytes that nothing
                 // else references.
                 let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, n.min(len)) };
-                fill(dst)
+                fill(dst)?;
+                commit(addr, len, 1)
             }
         }
     }
@@ -218,35 +159,33 @@ impl Backend for CpuBackend {
     }
 
     fn reserve(&mut self, len: usize) -> Result<u64> {
-        reserve_at(None, len)
+        reserve_aligned(len)
     }
 
-    fn map(&mut self, addr: u64, len: usize, label: &str, init: Init<'_>) -> Result<Phys> {
-        let fd = memfd(label, len)?;
-        if let Err(e) = self.fill(addr, len, &fd, init) {
-            // Put the placeholder back: the range may be mapped to the memfd by now.
+    fn map(&mut self, addr: u64, len: usize, _label: &str, init: Init<'_>) -> Result<Phys> {
+        if let Err(e) = self.fill(addr, len, init) {
+            // Put the placeholder back: the range may be mapped by now.
             if let Err(undo) = reserve_at(Some(addr), len) {
                 tracing::error!(addr, len, error = %undo, "could not restore a reservation after a failed map");
             }
             return Err(e);
         }
-        Ok(Phys::Fd(fd))
+        Ok(Phys::Anonymous)
     }
 
     fn unmap(&mut self, addr: u64, len: usize, phys: Phys) -> Result<(), (Phys, Error)> {
         match reserve_at(Some(addr), len) {
-            // Dropping the memfd closes it; with the mapping gone its pages are freed.
+            // With the mapping replaced, its pages are freed.
             Ok(_) => Ok(()),
             Err(e) => Err((phys, e)),
         }
     }
 
-    fn free(&mut self, addr: u64, len: usize, phys: Option<Phys>) -> Result<()> {
-        // SAFETY: the range is a reservation (maybe with a memfd mapped over it) that this
+    fn free(&mut self, addr: u64, len: usize, _phys: Option<Phys>) -> Result<()> {
+        // SAFETY: the range is a reservation (maybe with memory mapped over it) that this
         // backend owns; the manager frees an allocation only when its handle is dropped, so no
-        // reference into the range is alive.
+        // reference into the range is alive. Unmapping it frees its pages.
         let rc = unsafe { libc::munmap(addr as *mut libc::c_void, len) };
-        drop(phys);
         if rc != 0 {
             return Err(Error::os(format!("munmap of {len} bytes at {addr:#x}")));
         }
@@ -491,8 +430,38 @@ mod tests {
         b.free(addr, len, Some(phys)).unwrap();
     }
 
-    /// Files on disk and on tmpfs take different kernel copy paths (`copy_file_range` or
-    /// `sendfile`); both must land the same bytes.
+    /// A reservation of 2 MiB or more starts on a huge-page boundary, and its memory is
+    /// eligible for transparent huge pages wherever the kernel has them enabled (the smaps
+    /// field `THPeligible` of its mapping).
+    #[test]
+    fn large_allocations_are_aligned_and_advised_for_huge_pages() {
+        let mut b = CpuBackend::new().unwrap();
+        let len = 3 * HUGE_PAGE + b.granularity();
+        let addr = b.reserve(len).unwrap();
+        assert_eq!(addr % HUGE_PAGE as u64, 0, "{addr:#x}");
+        let phys = b.map(addr, len, "t", Init::Zero).unwrap();
+        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .unwrap_or_default();
+        if !thp.is_empty() && !thp.contains("[never]") {
+            let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+            let start = format!("{addr:x}-");
+            // The mapping's header line, then its fields (`Name: value`) up to the next one.
+            let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&start));
+            let header = lines.next().unwrap_or_default();
+            let fields =
+                lines.take_while(|l| l.split_whitespace().next().is_some_and(|k| k.ends_with(':')));
+            let mapping: String =
+                std::iter::once(header).chain(fields).collect::<Vec<_>>().join("\n");
+            let eligible = mapping.lines().find_map(|l| l.strip_prefix("THPeligible:"));
+            assert_eq!(eligible.map(str::trim), Some("1"), "{thp}\n{mapping}");
+        }
+        b.free(addr, len, Some(phys)).unwrap();
+        // A small one needs no alignment.
+        let small = b.reserve(b.granularity()).unwrap();
+        b.free(small, b.granularity(), None).unwrap();
+    }
+
+    /// Files on disk and on tmpfs land the same bytes, the tail past them zero.
     #[test]
     fn maps_file_contents_from_disk_and_tmpfs() {
         let mut b = CpuBackend::new().unwrap();
