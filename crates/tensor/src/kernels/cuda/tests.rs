@@ -52,6 +52,18 @@ fn cuda_norm_rope_and_elementwise_ops_match_cpu() {
         let got = gpu.rms_norm(&x, &w, 1e-5).unwrap();
         assert_eq!(got.shape(), want.shape());
         assert_close(got.data(), want.data(), 1e-4);
+        // The residual add fused with the norm: close to the CPU's, and the same bits as the
+        // GPU's two separate kernels.
+        let y = tensor(&[rows, d], 3);
+        let (mut xc, mut xg, mut apart) = (x.clone(), x.clone(), x.clone());
+        let want = cpu.add_rms_norm(&mut xc, &y, &w, 1e-5).unwrap();
+        let got = gpu.add_rms_norm(&mut xg, &y, &w, 1e-5).unwrap();
+        assert_close(xg.host().unwrap(), xc.data(), 1e-4);
+        assert_close(got.host().unwrap(), want.data(), 1e-4);
+        gpu.add_assign(&mut apart, &y).unwrap();
+        let two = gpu.rms_norm(&apart, &w, 1e-5).unwrap();
+        assert_close(xg.host().unwrap(), apart.host().unwrap(), 0.0);
+        assert_close(got.host().unwrap(), two.host().unwrap(), 0.0);
     }
     // RoPE, full and partial, at large positions.
     for (heads, head_dim, rot_dim) in [(4, 16, 16), (3, 64, 32), (2, 128, 128)] {
@@ -418,4 +430,10 @@ fn cuda_counters_count_each_call_of_an_op() {
     assert_close(z.data(), y.data(), 0.0);
     let read = cuda.counters().since(&second);
     assert_eq!(read, Counters { downloads: 2, host_waits: 2, ..Counters::default() }, "reads");
+    // The residual add and the norm are one launch (x, on the host, is uploaded for it).
+    let (mut x, y) = (x, tensor(&[3, 64], 3));
+    let before = cuda.counters();
+    gpu.add_rms_norm(&mut x, &y, &w, 1e-5).unwrap();
+    let fused = cuda.counters().since(&before);
+    assert_eq!((fused.launches, fused.uploads), (1, 2), "add_rms_norm: {fused:?}");
 }

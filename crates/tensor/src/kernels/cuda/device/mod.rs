@@ -120,6 +120,7 @@ fn per_row(op: &str, rows: usize, threads: u32) -> Result<LaunchConfig> {
 /// The loaded kernels of one context.
 struct Kernels {
     rms_norm: CudaFunction,
+    add_rms_norm: CudaFunction,
     rope: CudaFunction,
     silu_mul: CudaFunction,
     gelu_tanh_mul: CudaFunction,
