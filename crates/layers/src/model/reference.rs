@@ -28,6 +28,9 @@ pub struct Model {
     pub(super) blocks: Vec<Block>,
     pub(super) norm: Tensor,
     pub(super) lm_head: Option<Linear>,
+    /// Says the weights are freed when the model drops them (after the fields above), so a
+    /// backend's device copies found by their addresses are not reused for other weights.
+    pub(super) _holder: tensor::memory::WeightsHolder,
 }
 
 impl Model {
@@ -99,7 +102,9 @@ impl Model {
         } else {
             Some(Linear::load(src, "output.weight", &Shard::Full, form)?)
         };
-        let model = Model { config, backend, embed: embed.weight().clone(), blocks, norm, lm_head };
+        let embed = embed.weight().clone();
+        let _holder = tensor::memory::WeightsHolder::default();
+        let model = Model { config, backend, embed, blocks, norm, lm_head, _holder };
         tracing::debug!(
             layers = model.config.n_layers,
             hidden = model.config.hidden,
