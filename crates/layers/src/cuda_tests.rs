@@ -285,8 +285,13 @@ fn cuda_weights_in_an_arena_are_written_again_in_place_after_a_clear() {
     assert!(held > 0);
 
     arena.scribble(&cuda, 0x7f);
+    let generation = tensor::memory::weights_generation();
     let stale = decode(&model, &mut model.new_cache(32), &prompt, 1);
-    assert_ne!(stale[0], first[0], "overwriting the arena did not change the weights");
+    // Unless a model of another test was dropped meanwhile: its drop bumps the weights
+    // generation, which makes every copy stale and uploads it again.
+    if tensor::memory::weights_generation() == generation {
+        assert_ne!(stale[0], first[0], "overwriting the arena did not change the weights");
+    }
     cuda.clear_weight_cache();
     assert_eq!(cuda.cached_weight_bytes(), held, "arena regions are kept by a clear");
     assert_eq!(decode(&model, &mut model.new_cache(32), &prompt, 4), first);

@@ -370,7 +370,8 @@ impl StepModel for ShardedLlama {
                 .adopt_weights(new)
                 .map_err(|e| format!("swapping in the updated weights: {e}"))?;
             if let tensor::kernels::Backend::Cuda(gpu) = self.model.backend() {
-                // Its device copies are found by host address, which new buffers may reuse.
+                // The old weights' device copies are stale (adopting bumped the weights
+                // generation) and never used again: give their device memory back.
                 gpu.clear_weight_cache();
             }
         }

@@ -8,6 +8,14 @@
 //! A model moves its buffers one [`Arena::alloc`] each, in a fixed order, and reports the total
 //! of their sizes rounded up to [`ALIGN`] ([`padded`]), so a caller can reserve one region of
 //! that size and carve it by bumping a cursor in the same order.
+//!
+//! Whoever rewrites weight bytes in place or frees them while a backend may hold device
+//! copies of them says so with [`weights_changed`]: device copies are trusted only within one
+//! [`weights_generation`].
+
+mod generation;
+
+pub use generation::{weights_changed, weights_generation, WeightsHolder};
 
 use crate::error::{Error, Result};
 use crate::tensor::ExternalMemory;

@@ -1,7 +1,8 @@
 // The kernels of kernels.cu, run on the CPU emulator (emulator.h), against plain references:
 // attention in double precision over one key range and several (attention_merge), contiguous
 // and paged keys, head sizes that are and are not multiples of the staged chunk, queries that
-// see no key; RMSNorm, RoPE (with frequency factors), argmax (ties, NaN), dequantization of
+// see no key; RMSNorm (alone, and fused with the residual add, also against add_assign then
+// rms_norm bit for bit), RoPE (with frequency factors), argmax (ties, NaN), dequantization of
 // each packing, bf16 rounding, embedding rows and column splits. Exits non-zero with the
 // first difference. Built and run by xtask's tidy tests.
 #include <cstdio>
@@ -15,6 +16,9 @@ extern "C" void attention(const float* q, const u64* q_pos, const float* k, cons
 extern "C" void attention_merge(const float* part, const float* part_lse, int splits, int rows,
                                 int head_dim, float* out, float* lse);
 extern "C" void rms_norm(const float* x, const float* w, float* out, int d, float eps);
+extern "C" void add_rms_norm(float* x, const float* y, const float* w, float* out, int d,
+                             float eps);
+extern "C" void add_assign(float* x, const float* y, u64 n);
 extern "C" void rope(float* x, const u64* pos, int tokens, int heads, int head_dim, int rot_dim,
                      float theta, const float* factors, float attn_factor);
 extern "C" void argmax_rows(const float* x, int cols, unsigned int* out);
@@ -57,6 +61,32 @@ static int check_rows() {
             if (!near(out[r * d + c], want, 1e-5)) return fail("rms_norm", r * d + c, out[r * d + c], want);
         }
     }
+    // The residual add fused with RMSNorm, on the same rows: the sum written back exactly
+    // (one float addition per element), the norm of the sum as above, and both the same bits
+    // as the add_assign and rms_norm kernels run one after the other.
+    std::vector<float> y(x.size()), fx = x, fout(x.size()), sx = x, sout(x.size());
+    for (auto& v : y) v = next_value(seed);
+    tpctl_launch(rows, 1, BLOCK_THREADS, [&] {
+        add_rms_norm(fx.data(), y.data(), w.data(), fout.data(), d, 1e-5f);
+    });
+    tpctl_launch(elementwise(sx.size()), 1, BLOCK_THREADS, [&] { add_assign(sx.data(), y.data(), sx.size()); });
+    tpctl_launch(rows, 1, BLOCK_THREADS, [&] { rms_norm(sx.data(), w.data(), sout.data(), d, 1e-5f); });
+    for (int r = 0; r < rows; r++) {
+        double ms = 0.0;
+        for (int c = 0; c < d; c++) {
+            float sum = x[r * d + c] + y[r * d + c];
+            if (fx[r * d + c] != sum) return fail("add_rms_norm sum", r * d + c, fx[r * d + c], sum);
+            ms += (double)sum * sum;
+        }
+        double scale = 1.0 / std::sqrt(ms / d + 1e-5);
+        for (int c = 0; c < d; c++) {
+            size_t at = (size_t)r * d + c;
+            double want = fx[at] * scale * w[c];
+            if (!near(fout[at], want, 1e-5)) return fail("add_rms_norm", at, fout[at], want);
+            if (__float_as_uint(fout[at]) != __float_as_uint(sout[at]) || fx[at] != sx[at])
+                return fail("add_rms_norm vs add_assign then rms_norm", at, fout[at], sout[at]);
+        }
+    }
     // RoPE of 2 tokens x 3 heads of 8, rotating 6 dimensions, with frequency factors and
     // longrope's attention factor on the rotated elements.
     int tokens = 2, heads = 3, head_dim = 8, rot = 6;
@@ -94,7 +124,7 @@ static int check_rows() {
     unsigned int want_idx[] = {1, 0, 1};
     for (int r = 0; r < 3; r++)
         if (idx[r] != want_idx[r]) return fail("argmax_rows", r, idx[r], want_idx[r]);
-    std::printf("ok: rms_norm, rope with factors and an attention factor, argmax_rows\n");
+    std::printf("ok: rms_norm, add_rms_norm, rope with factors and an attention factor, argmax_rows\n");
     return 0;
 }
 

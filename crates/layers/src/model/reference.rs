@@ -28,6 +28,9 @@ pub struct Model {
     pub(super) blocks: Vec<Block>,
     pub(super) norm: Tensor,
     pub(super) lm_head: Option<Linear>,
+    /// Says the weights are freed when the model drops them (after the fields above), so a
+    /// backend's device copies found by their addresses are not reused for other weights.
+    pub(super) _holder: tensor::memory::WeightsHolder,
 }
 
 impl Model {
@@ -99,7 +102,9 @@ impl Model {
         } else {
             Some(Linear::load(src, "output.weight", &Shard::Full, form)?)
         };
-        let model = Model { config, backend, embed: embed.weight().clone(), blocks, norm, lm_head };
+        let embed = embed.weight().clone();
+        let _holder = tensor::memory::WeightsHolder::default();
+        let model = Model { config, backend, embed, blocks, norm, lm_head, _holder };
         tracing::debug!(
             layers = model.config.n_layers,
             hidden = model.config.hidden,
@@ -194,19 +199,29 @@ impl Model {
         if let Some(s) = c.embedding_scale {
             be.scale(&mut x, s)?;
         }
+        // Each residual add is fused with the norm that reads the sum (the FFN's, then the
+        // next block's attention norm); the last block's sum is normed after the row choice.
+        let mut normed = None;
         for (l, b) in self.blocks.iter().enumerate() {
-            let h = be.rms_norm(&x, &b.attn_norm, c.rms_eps)?;
+            let h = match normed.take() {
+                Some(h) => h,
+                None => be.rms_norm(&x, &b.attn_norm, c.rms_eps)?,
+            };
             let mut a = b.attn.forward(be, &h, positions, cache.layer_mut(l))?;
             if let Some((post, _)) = &b.post_norms {
                 a = be.rms_norm(&a, post, c.rms_eps)?;
             }
-            be.add_assign(&mut x, &a)?;
-            let h = be.rms_norm(&x, &b.ffn_norm, c.rms_eps)?;
+            let h = be.add_rms_norm(&mut x, &a, &b.ffn_norm, c.rms_eps)?;
             let mut m = b.mlp.forward(be, &h)?;
             if let Some((_, post)) = &b.post_norms {
                 m = be.rms_norm(&m, post, c.rms_eps)?;
             }
-            be.add_assign(&mut x, &m)?;
+            match self.blocks.get(l + 1) {
+                Some(next) => {
+                    normed = Some(be.add_rms_norm(&mut x, &m, &next.attn_norm, c.rms_eps)?)
+                }
+                None => be.add_assign(&mut x, &m)?,
+            }
         }
         if logits == Logits::Last && tokens.len() > 1 {
             x = Tensor::from_vec(&[1, c.hidden], x.host_row(tokens.len() - 1)?.to_vec())?;

@@ -396,23 +396,34 @@ impl ParallelModel {
         if let Some(s) = c.embedding_scale {
             be.scale(&mut x, s)?;
         }
+        // Each residual add is fused with the norm that reads the sum (the FFN's, then the
+        // next block's attention norm): one kernel instead of two. The last block's sum is
+        // normed by the caller, after the rows it needs are gathered.
+        let mut normed = None;
         for (l, b) in self.blocks.iter().enumerate() {
-            let h = be.rms_norm(&x, &b.attn_norm, c.rms_eps)?;
+            let h = match normed.take() {
+                Some(h) => h,
+                None => be.rms_norm(&x, &b.attn_norm, c.rms_eps)?,
+            };
             let mut caches: Vec<&mut ParallelCache> =
                 seqs.iter_mut().map(|s| &mut *s.cache).collect();
             let mut a = b.attn.forward(be, comms, &h, &parts, l, &mut caches)?;
             if let Some(post) = &b.post_norms {
                 a = be.rms_norm(&a, &post.attn, c.rms_eps)?;
             }
-            be.add_assign(&mut x, &a)?;
-            let h = be.rms_norm(&x, &b.ffn_norm, c.rms_eps)?;
+            let h = be.add_rms_norm(&mut x, &a, &b.ffn_norm, c.rms_eps)?;
             let mut m = b.mlp.forward(be, &h)?;
             be.all_reduce_sum(comms.tp, &mut m)?;
             if let Some(post) = &b.post_norms {
                 // After the all-reduce: the norm reads the whole row.
                 m = be.rms_norm(&m, &post.ffn, c.rms_eps)?;
             }
-            be.add_assign(&mut x, &m)?;
+            match self.blocks.get(l + 1) {
+                Some(next) => {
+                    normed = Some(be.add_rms_norm(&mut x, &m, &next.attn_norm, c.rms_eps)?)
+                }
+                None => be.add_assign(&mut x, &m)?,
+            }
         }
         // The reductions above are queued on the device without host waits; the last one is
         // waited for here, where a failed peer is named.

@@ -181,6 +181,9 @@ pub struct ParallelModel {
     pub(super) blocks: Vec<ParallelBlock>,
     pub(super) norm: Tensor,
     pub(super) lm_head: ParallelLmHead,
+    /// Says the weights are freed when the model drops them (after the fields above), so a
+    /// backend's device copies found by their addresses are not reused for other weights.
+    pub(super) _holder: tensor::memory::WeightsHolder,
 }
 
 impl ParallelModel {
@@ -263,7 +266,8 @@ impl ParallelModel {
             ParallelLmHead::new(weight, vocab, tp_rank)
         };
         progress(total, total);
-        Ok(ParallelModel { config, backend, placement, embed, blocks, norm, lm_head })
+        let _holder = tensor::memory::WeightsHolder::default();
+        Ok(ParallelModel { config, backend, placement, embed, blocks, norm, lm_head, _holder })
     }
 
     /// The hyper-parameters.
@@ -372,8 +376,9 @@ impl ParallelModel {
     /// another form and in other memory) in place of its own, which are dropped; the backend,
     /// the placement, the config and the rotation (longrope's factors, picked for this
     /// model's context) stay, so caches and pools made for this model still fit.
-    /// A backend that keeps device copies of weights by host address must forget them
-    /// (`CudaBackend::clear_weight_cache`) once the old buffers are gone.
+    /// The old buffers are freed, which bumps the weights generation
+    /// ([`tensor::memory::weights_changed`]): a backend's device copies of them are stale, and
+    /// `CudaBackend::clear_weight_cache` gives their device memory back.
     ///
     /// # Errors
     /// [`crate::Error::Mismatch`] when `other` is another shard or holds other weights (see
@@ -400,6 +405,8 @@ impl ParallelModel {
             new.attn.attn.rotate_as(&live.attn.attn);
         }
         (self.embed, self.blocks, self.norm, self.lm_head) = (embed, blocks, norm, lm_head);
+        // The old buffers are freed: device copies found by their addresses are stale.
+        tensor::memory::weights_changed();
         Ok(())
     }
 
@@ -420,6 +427,15 @@ impl ParallelModel {
     /// one is misaligned. The buffers moved until then stay in the arena and the rest on the
     /// heap: the model computes the same either way.
     pub fn move_weights_to(&mut self, arena: &dyn Arena) -> Result<()> {
+        let moved = self.move_each_to(arena);
+        // Heap copies were freed (on a failure too): device copies found by their addresses
+        // are stale.
+        tensor::memory::weights_changed();
+        moved
+    }
+
+    /// [`ParallelModel::move_weights_to`] without the bump.
+    fn move_each_to(&mut self, arena: &dyn Arena) -> Result<()> {
         let tied = self.lm_head.is_tied_to(&self.embed);
         self.embed.move_to(arena)?;
         if tied {

@@ -788,6 +788,8 @@ impl Placed {
             bytes[offset..offset + b.len()].copy_from_slice(b);
             offset += b.len();
         }
+        // New bytes under the old addresses: a backend's device copies of them are stale.
+        tensor::memory::weights_changed();
         Ok(offset as u64)
     }
 }
@@ -812,8 +814,10 @@ impl Placed {
             message: format!("writing the updated weights: {e}"),
         };
         let mut bytes = alloc.write().map_err(|e| failed(false, &e))?;
-        in_place::write(&mut bytes, &self.layout, &self.map, buckets, threads)
-            .map_err(|e| failed(true, &e))
+        let written = in_place::write(&mut bytes, &self.layout, &self.map, buckets, threads);
+        // New bytes under the old addresses (some, on a failure): device copies are stale.
+        tensor::memory::weights_changed();
+        written.map_err(|e| failed(true, &e))
     }
 }
 

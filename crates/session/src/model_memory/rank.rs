@@ -8,8 +8,10 @@ use tensor::kernels::Backend;
 
 /// The control plane's view of one rank's model memory ([`RankMemory`]): the tagged host
 /// allocations and, on a GPU, the device ones, with NVML's reading of the device in the probes.
-/// A sleep of `weights` also clears the CUDA backend's weight cache, so the device copies are
-/// written again (from the restored host weights) at their next use.
+/// A sleep of `weights` also clears the CUDA backend's weight cache (its pool memory goes back
+/// to the device, its arena regions lose their contents), and a wakeup that restores them says
+/// the host bytes changed ([`tensor::memory::weights_changed`]), so the device copies are
+/// written again from the restored host weights at their next use.
 pub struct ModelRankMemory {
     host: VmmMemory,
     device: Option<VmmMemory>,
@@ -135,7 +137,13 @@ impl RankMemory for ModelRankMemory {
     }
 
     fn materialize(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
-        let mut receipts = self.host.materialize(tags)?;
+        let restored = self.host.materialize(tags);
+        if tags.iter().any(|t| t == vmm::Tag::WEIGHTS.as_str()) {
+            // The weights' bytes were restored (reloaded, zeroed, read back) under their old
+            // addresses, or partly so on a failure: no device copy of them is current.
+            tensor::memory::weights_changed();
+        }
+        let mut receipts = restored?;
         if let Some(device) = &self.device {
             let more = device.materialize(tags).map_err(|e| MemoryError { changed: true, ..e })?;
             merge(&mut receipts, more);
@@ -179,12 +187,11 @@ impl RankMemory for ModelRankMemory {
 }
 
 impl ModelRankMemory {
-    /// The receipt of weights replaced in place: `written` bytes copied (none while asleep);
-    /// the GPU's copies of the old ones are dropped.
+    /// The receipt of weights replaced in place: `written` bytes copied (none while asleep).
+    /// The GPU's copies of the old ones need no clear: the write bumped the weights generation
+    /// (`Placed::write`), so each is written again, into the same device memory, at its next
+    /// use; weights swapped into new buffers are dropped with the model's old ones.
     fn weights_written(&self, written: u64) -> TagReceipt {
-        if let Backend::Cuda(gpu) = &self.backend {
-            gpu.clear_weight_cache();
-        }
         TagReceipt {
             tag: vmm::Tag::WEIGHTS.as_str().to_owned(),
             allocations: usize::from(written > 0),

@@ -424,8 +424,13 @@ fn buckets_over_the_live_checkpoint_are_written_in_place() {
         ps.iter().map(|p| p.to_str().unwrap().to_owned()).collect()
     };
 
+    // Bytes written under live addresses are announced, so a GPU's copies of them go stale
+    // (other tests may bump the generation too: only an increase is certain).
+    let generation = tensor::memory::weights_generation;
+    let before = generation();
     memory.prepare_update_with(name, &paths(&[&down])).unwrap();
     let receipt = rank.update().unwrap();
+    assert!(generation() > before, "an update in place bumps the weights generation");
     let (hidden, ffn) = (spec.hidden as u64, spec.ffn as u64);
     assert_eq!(receipt[0].bytes, 4 * hidden * ffn, "only the down projection is written");
     assert_eq!(weight_allocations(&memory).len(), 1, "no new allocation");
@@ -442,7 +447,9 @@ fn buckets_over_the_live_checkpoint_are_written_in_place() {
     assert_eq!(answers(&model), want_both);
     let tags = ["weights".to_owned()];
     rank.release_at(&tags, Some(2)).unwrap();
+    let before = generation();
     rank.materialize(&tags).unwrap();
+    assert!(generation() > before, "restoring the weights bumps the weights generation");
     assert_eq!(answers(&model), want_both, "the wakeup reloads the checkpoint and both buckets");
     rank.revert().unwrap();
     assert_eq!(answers(&model), want_down);

@@ -415,6 +415,37 @@ impl Backend {
         }
     }
 
+    /// `x += y` (the residual connection), then returns the RMSNorm of every row of the sum
+    /// with `weight`: [`Backend::add_assign`] followed by [`Backend::rms_norm`] in one pass
+    /// over the rows (one kernel launch on the GPU), with the same bits.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `x` and `y` differ in length or the row length differs from the
+    /// weight length.
+    pub fn add_rms_norm(
+        &self,
+        x: &mut Tensor,
+        y: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<Tensor> {
+        check("add_rms_norm", x.len() == y.len(), || {
+            format!("a sum of {} and {} elements", x.len(), y.len())
+        })?;
+        check("add_rms_norm", x.row_len() == weight.len(), || {
+            format!("rows of {} elements, weight of {}", x.row_len(), weight.len())
+        })?;
+        match self {
+            Backend::Cpu(cpu) => {
+                let (y, weight) = (y.host()?, weight.host()?);
+                let mut out = Tensor::zeros(x.shape());
+                cpu.in_place(x, |x| cpu::norm::add_rms_norm(x, y, weight, eps, out.data_mut()))?;
+                cpu.output(out)
+            }
+            Backend::Cuda(cuda) => cuda.add_rms_norm(x, y, weight, eps),
+        }
+    }
+
     /// Rotary embedding (rotate-half convention, see `cpu::rope`) of `x` viewed as
     /// `[positions.len(), heads, head_dim]`, over the first `rot_dim` elements of each head.
     ///
@@ -896,6 +927,35 @@ mod tests {
             }
         }
         assert_eq!(quant.row_f32(5), dense.row_f32(5));
+    }
+
+    /// The greedy-token tests compare models bit for bit, so the fused residual add and norm
+    /// must be exactly the two ops it replaces, also behind the device-data seam.
+    #[test]
+    fn add_rms_norm_is_add_assign_then_rms_norm_bit_for_bit() {
+        let bits = |t: &Tensor| t.host().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for be in [Backend::cpu(2).unwrap(), crate::test_util::cpu_with_device_outputs(1)] {
+            for shape in [&[1, 1][..], &[3, 64], &[2, 5, 576], &[4, 1000]] {
+                let (n, d) = (shape.iter().product(), shape[shape.len() - 1]);
+                let x = Tensor::from_vec(shape, random_vec(n, 5)).unwrap();
+                let y = Tensor::from_vec(shape, random_vec(n, 6)).unwrap();
+                let w = Tensor::from_vec(&[d], random_vec(d, 7)).unwrap();
+                let (mut apart, mut fused) = (x.clone(), x);
+                be.add_assign(&mut apart, &y).unwrap();
+                let want = be.rms_norm(&apart, &w, 1e-5).unwrap();
+                let got = be.add_rms_norm(&mut fused, &y, &w, 1e-5).unwrap();
+                assert_eq!(got.shape(), shape);
+                assert_eq!(bits(&fused), bits(&apart), "{shape:?}: the sum");
+                assert_eq!(bits(&got), bits(&want), "{shape:?}: the norm");
+            }
+        }
+        let be = Backend::cpu(1).unwrap();
+        let (mut x, w) = (Tensor::zeros(&[2, 4]), Tensor::zeros(&[4]));
+        let err = be.add_rms_norm(&mut x, &Tensor::zeros(&[2, 3]), &w, 1e-5).unwrap_err();
+        assert!(err.to_string().contains("a sum of 8 and 6 elements"), "{err}");
+        let err = be.add_rms_norm(&mut x, &Tensor::zeros(&[8]), &Tensor::zeros(&[3]), 1e-5);
+        let err = err.unwrap_err().to_string();
+        assert!(err.contains("rows of 4 elements, weight of 3"), "{err}");
     }
 
     #[test]

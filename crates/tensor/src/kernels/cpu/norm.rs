@@ -1,22 +1,51 @@
-//! RMSNorm: `y = x / sqrt(mean(x²) + eps) · weight`, row by row.
+//! RMSNorm: `y = x / sqrt(mean(x²) + eps) · weight`, row by row, alone or after a residual add.
+
+use super::activation::add_assign;
 
 /// Normalizes each row of `x` (rows of `weight.len()` elements) into `out`.
 ///
 /// Lengths must agree (`x.len() == out.len()`, a multiple of `weight.len()`); callers check.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
+    if d == 0 {
+        return;
+    }
     for (xr, yr) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let ms = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
-        let scale = 1.0 / (ms + eps).sqrt();
-        for ((y, v), w) in yr.iter_mut().zip(xr).zip(weight) {
-            *y = v * scale * w;
-        }
+        rms_norm_row(xr, weight, eps, yr);
+    }
+}
+
+/// `x += y`, then RMSNorm of each row of the sum into `out`: one pass over each row while it
+/// is in cache, with the same arithmetic in the same order as [`add_assign`] over all of `x`
+/// followed by [`rms_norm`], so the bits are the same.
+///
+/// Lengths must agree (`x`, `y` and `out` of one length, a multiple of `weight.len()`);
+/// callers check.
+pub fn add_rms_norm(x: &mut [f32], y: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    if d == 0 {
+        return;
+    }
+    let rows = x.chunks_exact_mut(d).zip(y.chunks_exact(d)).zip(out.chunks_exact_mut(d));
+    for ((xr, yr), or) in rows {
+        add_assign(xr, yr);
+        rms_norm_row(xr, weight, eps, or);
+    }
+}
+
+/// One row of [`rms_norm`].
+fn rms_norm_row(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let ms = x.iter().map(|v| v * v).sum::<f32>() / weight.len() as f32;
+    let scale = 1.0 / (ms + eps).sqrt();
+    for ((y, v), w) in out.iter_mut().zip(x).zip(weight) {
+        *y = v * scale * w;
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_util::random_vec;
 
     #[test]
     fn matches_hand_computed_values() {
@@ -31,5 +60,21 @@ mod tests {
         let mut out2 = [1.0; 4];
         rms_norm(&x, &w, 1e-5, &mut out2);
         assert_eq!(&out2[2..], &[0.0, 0.0]);
+    }
+
+    #[test]
+    fn the_fused_add_is_the_add_then_the_norm_bit_for_bit() {
+        for (rows, d) in [(1, 1), (3, 64), (2, 1000), (5, 7)] {
+            let (x, y, w) = (random_vec(rows * d, 1), random_vec(rows * d, 2), random_vec(d, 3));
+            let (mut apart, mut fused) = (x.clone(), x);
+            add_assign(&mut apart, &y);
+            let mut want = vec![0.0; rows * d];
+            rms_norm(&apart, &w, 1e-6, &mut want);
+            let mut got = vec![0.0; rows * d];
+            add_rms_norm(&mut fused, &y, &w, 1e-6, &mut got);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fused), bits(&apart), "{rows}x{d}: the sum");
+            assert_eq!(bits(&got), bits(&want), "{rows}x{d}: the norm");
+        }
     }
 }

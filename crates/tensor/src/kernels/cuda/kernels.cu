@@ -47,16 +47,39 @@ __device__ float block_max(float v, float* buf, int n) {
     return r;
 }
 
+// yr = xr / sqrt(mean(xr^2) + eps) * w for the block's row xr of `d` elements, given each
+// thread's share `acc` of the sum of squares (elements threadIdx.x, + BLOCK, ...), which are
+// also the elements each thread reads back: it sees its own writes to xr without a barrier.
+__device__ void rms_norm_row(const float* xr, const float* w, float* yr, int d, float eps,
+                             float acc, float* buf) {
+    float ms = block_sum(acc, buf, BLOCK) / (float)d;
+    float scale = 1.0f / sqrtf(ms + eps);
+    for (int i = threadIdx.x; i < d; i += BLOCK) yr[i] = xr[i] * scale * w[i];
+}
+
 // out = x / sqrt(mean(x^2) + eps) * w, one block per row of `d` elements.
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int d, float eps) {
     __shared__ float buf[BLOCK];
     const float* xr = x + (u64)blockIdx.x * d;
-    float* yr = out + (u64)blockIdx.x * d;
     float acc = 0.0f;
     for (int i = threadIdx.x; i < d; i += BLOCK) acc += xr[i] * xr[i];
-    float ms = block_sum(acc, buf, BLOCK) / (float)d;
-    float scale = 1.0f / sqrtf(ms + eps);
-    for (int i = threadIdx.x; i < d; i += BLOCK) yr[i] = xr[i] * scale * w[i];
+    rms_norm_row(xr, w, out + (u64)blockIdx.x * d, d, eps, acc, buf);
+}
+
+// x += y, then out = rms_norm(x): `add_assign` and `rms_norm` in one launch, with the same
+// arithmetic per element, so the same bits. One block per row of `d` elements.
+extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out,
+                                        int d, float eps) {
+    __shared__ float buf[BLOCK];
+    float* xr = x + (u64)blockIdx.x * d;
+    const float* yr = y + (u64)blockIdx.x * d;
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < d; i += BLOCK) {
+        float v = xr[i] + yr[i];
+        xr[i] = v;
+        acc += v * v;
+    }
+    rms_norm_row(xr, w, out + (u64)blockIdx.x * d, d, eps, acc, buf);
 }
 
 // Rotate-half rotary embedding of x[tokens, heads, head_dim] in place; one thread per rotated

@@ -20,6 +20,8 @@ pub use stub::{CudaBackend, PoolArena};
 mod counters;
 #[cfg(any(feature = "cuda", test))]
 mod kernel_cache;
+#[cfg(any(feature = "cuda", test))]
+mod weight_stamps;
 
 pub use counters::{Counters, PerStep};
 

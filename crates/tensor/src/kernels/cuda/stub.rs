@@ -100,6 +100,16 @@ impl CudaBackend {
         match self.never {}
     }
 
+    pub(crate) fn add_rms_norm(
+        &self,
+        _x: &mut Tensor,
+        _y: &Tensor,
+        _w: &Tensor,
+        _eps: f32,
+    ) -> Result<Tensor> {
+        match self.never {}
+    }
+
     pub(crate) fn rope(
         &self,
         _x: &mut Tensor,

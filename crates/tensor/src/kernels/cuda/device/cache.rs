@@ -1,26 +1,16 @@
 //! What the backend keeps on the device between calls: weight matrices and model vectors
-//! (keyed by their host buffer, checked by a fingerprint, dequantized on upload) and the
-//! small position and block-table arrays that every layer of a step repeats.
+//! (keyed by their host buffer, trusted within one weights generation, dequantized on upload)
+//! and the small position and block-table arrays that every layer of a step repeats.
 
 use super::{elementwise, Count, CudaBackend, OrUnavailable};
 use crate::error::Result;
 use crate::kernels::cpu::qmatrix::QBits;
+use crate::kernels::cuda::weight_stamps::{WeightKey, WeightStamps};
 use crate::kernels::{GemmDtype, Weight};
-use crate::memory::{alloc_device_exact, DeviceArena};
+use crate::memory::{alloc_device_exact, weights_generation, DeviceArena};
 use cudarc::driver::{CudaSlice, DeviceRepr, PushKernelArg};
 use mesh::DeviceMemory;
-use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
-
-/// Where a cached weight came from (the address and length of its first host buffer) and the
-/// element type of its device copy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(super) struct WeightKey {
-    addr: usize,
-    len: usize,
-    dtype: GemmDtype,
-}
 
 /// The device memory of one cached weight: dense, row-major, in its key's dtype.
 pub(super) enum Slot {
@@ -40,16 +30,19 @@ impl Slot {
 }
 
 pub(super) struct CachedWeight {
-    fingerprint: u64,
-    /// Whether the slot holds the weight's values (false after a clear kept an arena slot).
-    fresh: bool,
     slot: Arc<Slot>,
+    /// A fingerprint of the host bytes it was made from, in builds with debug assertions only:
+    /// a hit whose bytes changed without a generation bump is then logged and uploaded again,
+    /// so a writer that forgot [`crate::memory::weights_changed`] shows in tests.
+    #[cfg(debug_assertions)]
+    print: u64,
 }
 
 /// A hash of the length and 64 evenly spaced 32-bit words of each of `parts` (all of them when
-/// shorter): cheap enough for every call, and enough to notice a different weight at a reused
-/// address.
+/// shorter), the debug builds' check of the weights generation (see [`CachedWeight`]).
+#[cfg(debug_assertions)]
 fn fingerprint(parts: &[&[u8]]) -> u64 {
+    use std::hash::{Hash, Hasher};
     const SAMPLES: usize = 64;
     let mut h = std::collections::hash_map::DefaultHasher::new();
     for p in parts {
@@ -67,7 +60,7 @@ fn fingerprint(parts: &[&[u8]]) -> u64 {
 /// The weight cache and where its slots come from.
 #[derive(Default)]
 pub(super) struct WeightCache {
-    pub(super) entries: HashMap<WeightKey, CachedWeight>,
+    pub(super) entries: WeightStamps<CachedWeight>,
     arena: Option<Arc<dyn DeviceArena>>,
 }
 
@@ -92,8 +85,10 @@ impl CudaBackend {
     }
 
     /// Forgets the device values of every cached weight: the next use of a weight uploads it
-    /// again. Needed after weights change in place, and when the arena's memory was unmapped
-    /// (a sleep); weights that move to new host buffers are uploaded again anyway.
+    /// again. Needed when the arena's memory was unmapped (a sleep), and to give back the
+    /// device memory of copies whose host weights are gone (new weights adopted). Host weights
+    /// changed in place need no clear: their writer bumps the weights generation
+    /// ([`crate::memory::weights_changed`]), which makes every copy stale.
     ///
     /// Copies in pool memory are freed, on the backend's stream, into the driver's memory
     /// pool, which is then trimmed ([`CudaBackend::trim_pool`]) so a sleep's NVML reading
@@ -101,8 +96,7 @@ impl CudaBackend {
     /// releases those).
     pub fn clear_weight_cache(&self) {
         let mut cache = self.cache();
-        cache.entries.retain(|_, w| matches!(*w.slot, Slot::Arena(_)));
-        cache.entries.values_mut().for_each(|w| w.fresh = false);
+        cache.entries.mark_stale(|w| matches!(*w.slot, Slot::Arena(_)));
         drop(cache);
         self.trim_pool();
     }
@@ -126,23 +120,20 @@ impl CudaBackend {
     }
 
     /// The device copy of `w` as dense `[rows, cols]` in `dtype`, uploading (and dequantizing)
-    /// it on first use, or again after a clear.
+    /// it on first use, or again after a clear or a change of the weights generation.
     pub(super) fn weight(&self, op: &str, w: &Weight, dtype: GemmDtype) -> Result<Arc<Slot>> {
-        let (addr, len, print) = match w {
-            Weight::F32(t) => {
-                let bytes: &[u8] = bytemuck::cast_slice(t.data());
-                (bytes.as_ptr() as usize, bytes.len(), fingerprint(&[bytes]))
-            }
+        // Keyed by the values' buffer (a quantized matrix's quants).
+        let (values, scales, mins): (&[u8], &[u8], &[u8]) = match w {
+            Weight::F32(t) => (bytemuck::cast_slice(t.data()), &[], &[]),
             Weight::Quant(q) => {
                 let (scales, mins, qs) = q.parts();
-                let parts: [&[u8]; 3] =
-                    [bytemuck::cast_slice(scales), bytemuck::cast_slice(mins), qs];
-                (qs.as_ptr() as usize, qs.len(), fingerprint(&parts))
+                (qs, bytemuck::cast_slice(scales), bytemuck::cast_slice(mins))
             }
         };
+        let key = WeightKey { addr: values.as_ptr() as usize, len: values.len(), dtype };
         let (rows, cols) = w.dims();
         let n = rows * cols;
-        self.cached(op, WeightKey { addr, len, dtype }, print, n, |dst| match (dtype, w) {
+        self.cached(op, key, &[values, scales, mins], n, |dst| match (dtype, w) {
             // SAFETY: the slot holds at least n floats of this device and is used by no one
             // else while the cache's lock is held.
             (GemmDtype::F32, Weight::F32(t)) => unsafe { self.copy_to_addr(op, dst, t.data()) },
@@ -171,29 +162,47 @@ impl CudaBackend {
         let key =
             WeightKey { addr: bytes.as_ptr() as usize, len: bytes.len(), dtype: GemmDtype::F32 };
         // SAFETY: as in `weight`: the slot holds at least v.len() floats and is this call's.
-        self.cached(op, key, fingerprint(&[bytes]), v.len(), |dst| unsafe {
-            self.copy_to_addr(op, dst, v)
-        })
+        self.cached(op, key, &[bytes], v.len(), |dst| unsafe { self.copy_to_addr(op, dst, v) })
     }
 
-    /// The cache entry of `key` when it is current (fingerprint `print`, not cleared since),
-    /// else a slot of `elements` values of the key's dtype filled by `fill` (given its device
-    /// address): the entry's old slot when it has that size, so a weight keeps its address.
+    /// The cache entry of `key` when it is current (made in this weights generation, not
+    /// cleared since), else a slot of `elements` values of the key's dtype filled by `fill`
+    /// (given its device address) from the host bytes `parts`: the entry's old slot when it
+    /// has that size, so a weight keeps its address.
     fn cached(
         &self,
         op: &str,
         key: WeightKey,
-        print: u64,
+        parts: &[&[u8]],
         elements: usize,
         fill: impl FnOnce(u64) -> Result<()>,
     ) -> Result<Arc<Slot>> {
+        // Read before the host bytes are: a change during the upload leaves the copy stale.
+        let generation = weights_generation();
+        #[cfg(debug_assertions)]
+        let print = fingerprint(parts);
+        #[cfg(not(debug_assertions))]
+        let _ = parts;
         // Held through the upload, so two threads never upload the same weight twice.
         let mut cache = self.cache();
-        if let Some(hit) = cache.entries.get(&key).filter(|c| c.fresh && c.fingerprint == print) {
+        if let Some(hit) = cache.entries.current(&key, generation) {
+            #[cfg(debug_assertions)]
+            if hit.print != print {
+                tracing::warn!(
+                    op,
+                    addr = key.addr,
+                    len = key.len,
+                    "host weight bytes changed without tensor::memory::weights_changed(): \
+                     uploading them again (a release build would use the old copy)"
+                );
+            } else {
+                return Ok(hit.slot.clone());
+            }
+            #[cfg(not(debug_assertions))]
             return Ok(hit.slot.clone());
         }
         let bytes = elements.max(1) * key.dtype.size();
-        let slot = match cache.entries.remove(&key) {
+        let slot = match cache.entries.take(&key) {
             Some(old) if old.slot.bytes() == bytes => old.slot,
             _ => Arc::new(match &cache.arena {
                 Some(arena) => {
@@ -211,9 +220,12 @@ impl CudaBackend {
             }),
         };
         fill(self.slot_addr(&slot))?;
-        cache
-            .entries
-            .insert(key, CachedWeight { fingerprint: print, fresh: true, slot: slot.clone() });
+        let entry = CachedWeight {
+            slot: slot.clone(),
+            #[cfg(debug_assertions)]
+            print,
+        };
+        cache.entries.insert(key, generation, entry);
         Ok(slot)
     }
 

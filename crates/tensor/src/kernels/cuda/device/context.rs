@@ -99,6 +99,7 @@ impl CudaBackend {
         };
         let k = Kernels {
             rms_norm: f("rms_norm")?,
+            add_rms_norm: f("add_rms_norm")?,
             rope: f("rope")?,
             silu_mul: f("silu_mul")?,
             gelu_tanh_mul: f("gelu_tanh_mul")?,

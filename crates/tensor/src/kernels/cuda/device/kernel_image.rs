@@ -218,6 +218,7 @@ mod tests {
         let text = ptx.to_src();
         for name in [
             "rms_norm",
+            "add_rms_norm",
             "rope",
             "silu_mul",
             "gelu_tanh_mul",

@@ -10,11 +10,12 @@
 //!   its one stream, so queued kernels see their inputs and buffers are freed in stream order.
 //! - Weight matrices ([`Weight`]) are uploaded once and cached for the life of the backend,
 //!   keyed by the address and length of their host buffer (weights live in allocations that
-//!   keep their addresses), and checked on every use against a fingerprint of 64 sampled
-//!   words, so a freed buffer whose address is reused by another weight is noticed in
-//!   practice. A weight rewritten in place at an unsampled word is not: call
-//!   [`CudaBackend::clear_weight_cache`] after changing weights in place (a restore that
-//!   zeroes or reloads them). The device copies come from the driver's memory pool, or from a
+//!   keep their addresses) and trusted within one weights generation: whoever rewrites weight
+//!   bytes in place or frees them calls [`weights_changed`] (a weight update, a wakeup's
+//!   restore, a dropped model), and every copy is uploaded again at its next use, without the
+//!   host bytes being read to check (`cache`, with the rules in `weight_stamps`; builds with
+//!   debug assertions also compare a fingerprint and log a change nobody announced). The
+//!   device copies come from the driver's memory pool, or from a
 //!   [`DeviceArena`] given with [`CudaBackend::keep_weights_in`] (tagged `vmm` memory that a
 //!   sleep unmaps): there a cleared weight keeps its region and is written into it again at
 //!   its next use, so the weights keep their device addresses across a sleep.
@@ -51,6 +52,7 @@
 //! [`Weight`]: crate::kernels::Weight
 //! [`DeviceArena`]: crate::memory::DeviceArena
 //! [`Kv::Device`]: crate::kernels::Kv::Device
+//! [`weights_changed`]: crate::memory::weights_changed
 #![allow(unsafe_code)]
 
 mod attention;
@@ -120,6 +122,7 @@ fn per_row(op: &str, rows: usize, threads: u32) -> Result<LaunchConfig> {
 /// The loaded kernels of one context.
 struct Kernels {
     rms_norm: CudaFunction,
+    add_rms_norm: CudaFunction,
     rope: CudaFunction,
     silu_mul: CudaFunction,
     gelu_tanh_mul: CudaFunction,

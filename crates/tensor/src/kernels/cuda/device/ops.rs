@@ -1,5 +1,6 @@
-//! Launches of the row and element-wise kernels: norms, rotary embedding, activations,
-//! sums, column splits, embedding lookups, argmax, and rounding to bf16/f16.
+//! Launches of the row and element-wise kernels: norms (alone and fused with the residual
+//! add), rotary embedding, activations, sums, column splits, embedding lookups, argmax, and
+//! rounding to bf16/f16.
 
 use super::{elementwise, int, per_row, unavailable, Count, CudaBackend, OrUnavailable, BLOCK};
 use crate::error::Result;
@@ -64,6 +65,42 @@ impl CudaBackend {
         // SAFETY: the arguments match `rms_norm(const float*, const float*, float*, int,
         // float)`; block r reads and writes row r (d floats) of x and out, which hold rows·d
         // floats, and reads the d floats of the weight's device copy.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        self.output(x.shape(), od)
+    }
+
+    /// `x += y`, then RMSNorm of rows of `weight.len()` elements of the sum: one launch for
+    /// the residual add and the norm that reads it.
+    pub(crate) fn add_rms_norm(
+        &self,
+        x: &mut Tensor,
+        y: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<Tensor> {
+        const OP: &str = "add_rms_norm";
+        let d = weight.len();
+        if x.is_empty() || d == 0 {
+            return Ok(Tensor::zeros(x.shape()));
+        }
+        let rows = x.len() / d;
+        let yd = self.input(OP, y)?;
+        let wd = self.vector(OP, weight.data())?;
+        let wp = self.slot_addr(&wd);
+        let xp = self.writable(OP, x)?;
+        // Written whole: block r writes the d floats of row r.
+        let mut od = self.output_buf(OP, x.len())?;
+        let d32 = int(OP, "row length", d)?;
+        let cfg = per_row(OP, rows, BLOCK)?;
+        self.count(Count::Launch);
+        let mut b = self.stream().launch_builder(&self.inner.k.add_rms_norm);
+        b.arg(&xp).arg(&yd.ptr).arg(&wp).arg(&mut od).arg(&d32).arg(&eps);
+        // SAFETY: the arguments match `add_rms_norm(float*, const float*, const float*,
+        // float*, int, float)`; block r rewrites row r (d floats) of x and reads row r of y
+        // and writes row r of out, all of which hold rows·d floats (the caller checked that y
+        // has x's length and d is the row length), and reads the d floats of the weight's
+        // device copy. x's buffer is its own (`writable`), so y, read before, and the fresh
+        // out are other buffers.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
         self.output(x.shape(), od)
     }
