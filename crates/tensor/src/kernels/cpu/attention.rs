@@ -46,7 +46,7 @@ impl AttnShape {
     }
 
     /// The factor on `q·k`.
-    fn factor(&self) -> f32 {
+    pub(crate) fn factor(&self) -> f32 {
         self.scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt())
     }
 
