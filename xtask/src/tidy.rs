@@ -178,7 +178,8 @@ mod tests {
     /// `cuda/emulator.h` (blocks one after another, a block's threads as real threads with a
     /// barrier per `__syncthreads`) and compared with plain references by
     /// `cuda/emulate_kernels.cpp` (attention over key ranges and their merge, staged keys and
-    /// block tables in double precision; norms, rotary embedding, argmax, dequantization, bf16
+    /// block tables in double precision, also with Gemma's query scale, soft-cap and sliding
+    /// window; norms, rotary embedding, argmax, logit soft-capping, dequantization, bf16
     /// rounding, embedding rows, column splits).
     #[test]
     fn the_cuda_kernels_compute_their_references_on_the_cpu_emulator() {

@@ -1,13 +1,15 @@
 //! Whole models on the CUDA backend against the CPU: a random model (single rank and on a
-//! 2 x 2 thread mesh) and the default model giving the same greedy tokens and logits, device
-//! KV caches and paged pools, weights in a device arena, half precision. Without a usable GPU
+//! 2 x 2 thread mesh; also Gemma 2 and Gemma 3, with their caps, windows and local rotation)
+//! and the default model giving the same greedy tokens and logits, device KV caches and paged
+//! pools (a Gemma's windows read through a paged pool too), weights in a device arena, half
+//! precision. Without a usable GPU
 //! these tests print a note and return, unless `TPCTL_REQUIRE_GPU=1`, when they fail (the
 //! kernels themselves are checked in the tensor crate).
 //!
 //! Tolerances: whole models at 1e-3 relative to the largest logit, since differences compound
 //! over layers.
 
-use crate::model::random::RandomLlama;
+use crate::model::random::{Gemma2, Gemma3, RandomLlama};
 use crate::model::{Logits, Model, WeightForm};
 use crate::parallel::{Comms, LoadOptions, ParallelModel, Placement};
 use crate::test_util::{assert_rel, cuda_of, gpu, gpu_in, gpu_required, temp_path};
@@ -65,6 +67,8 @@ fn cuda_random_model_gives_the_cpu_greedy_tokens_and_logits() {
                 ..Default::default()
             },
         ),
+        ("gemma2", gemma2_spec()),
+        ("gemma3", gemma3_spec()),
     ];
     for (name, spec) in specs {
         let path = temp_path("cuda-model.gguf");
@@ -109,10 +113,31 @@ fn cuda_real_model_gives_the_cpu_greedy_tokens_and_logits() {
     assert_eq!(got_tokens, want_tokens);
 }
 
+/// Gemma 2 with its default constants (a window of 4 on the even layers, caps of 2 on the
+/// scores and 1.5 on the logits, which random weights reach) over three layers.
+fn gemma2_spec() -> RandomLlama {
+    RandomLlama { gemma2: Some(Gemma2::default()), layers: 3, seed: 8, ..Default::default() }
+}
+
+/// Gemma 3 with six layers, so the last one is global (base 1e6, scaled by 4) and the others
+/// local (a window of 4, base 1e4 unscaled), with its per-head query and key norms.
+fn gemma3_spec() -> RandomLlama {
+    RandomLlama { gemma3: Some(Gemma3::default()), layers: 6, seed: 9, ..Default::default() }
+}
+
+/// A Llama, a Gemma 2 and a Gemma 3 sharded over a 2 x 2 thread mesh on one GPU: the greedy
+/// tokens of the single-rank CPU model (the Gemmas' windows and caps through TP heads, CP's
+/// key exchange and its merged extends).
 #[test]
 fn cuda_parallel_model_on_a_tp2_cp2_mesh_matches_cpu() {
     let Some(gpu) = gpu() else { return };
-    let spec = RandomLlama { layers: 2, heads: 4, kv_heads: 2, ..Default::default() };
+    let llama = RandomLlama { layers: 2, heads: 4, kv_heads: 2, ..Default::default() };
+    for spec in [llama, gemma2_spec(), gemma3_spec()] {
+        parallel_model_matches_cpu(&gpu, &spec);
+    }
+}
+
+fn parallel_model_matches_cpu(gpu: &Backend, spec: &RandomLlama) {
     let path = temp_path("cuda-parallel.gguf");
     spec.write(&path).unwrap();
     let prompt = [3u32, 17, 5, 38, 0, 22, 9];
@@ -147,9 +172,41 @@ fn cuda_parallel_model_on_a_tp2_cp2_mesh_matches_cpu() {
         handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
     });
     for (rank, tokens) in got.iter().enumerate() {
-        assert_eq!(tokens, &want, "rank {rank}");
+        assert_eq!(tokens, &want, "rank {rank} of {spec:?}");
     }
     std::fs::remove_file(path).unwrap();
+}
+
+/// Gemma 2 and Gemma 3 on one GPU rank with a paged device pool (blocks of 4 tokens, the
+/// window's size, through a scrambled table, so windowed layers read keys across blocks and
+/// skip whole blocks): each decode step's logits (soft-capped for Gemma 2) within 1e-3 of the
+/// CPU model's with a host cache, and the same greedy tokens, well past the window.
+#[test]
+fn cuda_gemma_models_with_a_paged_device_pool_match_cpu() {
+    let Some(gpu) = gpu() else { return };
+    for (name, spec) in [("gemma2", gemma2_spec()), ("gemma3", gemma3_spec())] {
+        let path = temp_path("cuda-gemma-paged.gguf");
+        spec.write(&path).unwrap();
+        let load = |be: Backend| {
+            let opts = LoadOptions::new(Placement::single()).on(be).form(WeightForm::F32);
+            ParallelModel::load(&path, opts).unwrap()
+        };
+        let (dev, host) = (load(gpu.clone()), load(cpu()));
+        let (block_size, blocks) = (4, 8);
+        let bytes = dev.pool_bytes(block_size, blocks, KvElem::F32);
+        let arena = tensor::kernels::PoolArena::new(cuda_of(&gpu), bytes).unwrap();
+        let pool = dev.pool_on_device(&arena, block_size, blocks, KvElem::F32).unwrap();
+        let mut paged = dev.new_paged_cache(&std::sync::Arc::new(pool)).unwrap();
+        paged.extend_table(&[5, 2, 7, 0, 6, 1, 3, 4]).unwrap();
+        let mut cache = host.new_cache(32);
+        let prompt = [3u32, 17, 5, 38, 0, 22, 9];
+        let got = decode(&dev, &mut paged, &prompt, 12);
+        let want = decode(&host, &mut cache, &prompt, 12);
+        for (step, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_rel(g, w, 1e-3, &format!("{name} step {step}"));
+        }
+        std::fs::remove_file(path).unwrap();
+    }
 }
 
 /// `steps` greedy decode steps after `prompt`, returning every step's logits.

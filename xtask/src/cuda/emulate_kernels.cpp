@@ -1,9 +1,10 @@
 // The kernels of kernels.cu, run on the CPU emulator (emulator.h), against plain references:
 // attention in double precision over one key range and several (attention_merge), contiguous
 // and paged keys, head sizes that are and are not multiples of the staged chunk, queries that
-// see no key; RMSNorm (alone, and fused with the residual add, also against add_assign then
+// see no key, Gemma's score rules (query scale, soft-cap, sliding window; each case also
+// fails if the rules change nothing); RMSNorm (alone, and fused with the residual add, also against add_assign then
 // rms_norm bit for bit), RoPE (with frequency factors), argmax (ties, NaN), dequantization of
-// each packing, bf16 rounding, embedding rows and column splits. Exits non-zero with the
+// each packing, logit soft-capping, bf16 rounding, embedding rows and column splits. Exits non-zero with the
 // first difference. Built and run by xtask's tidy tests.
 #include <cstdio>
 #include <cstdlib>
@@ -12,13 +13,15 @@ typedef unsigned long long u64;
 extern "C" void attention(const float* q, const u64* q_pos, const float* k, const float* v,
                           const u64* kv_pos, const unsigned int* table, int block_size,
                           u64 block_stride, int n_kv, int q_heads, int kv_heads, int head_dim,
-                          float scale, int chunk, int kv_bf16, float* out, float* lse);
+                          float scale, float softcap, u64 window, int chunk, int kv_bf16,
+                          float* out, float* lse);
 extern "C" void attention_merge(const float* part, const float* part_lse, int splits, int rows,
                                 int head_dim, float* out, float* lse);
 extern "C" void rms_norm(const float* x, const float* w, float* out, int d, float eps);
 extern "C" void add_rms_norm(float* x, const float* y, const float* w, float* out, int d,
                              float eps);
 extern "C" void add_assign(float* x, const float* y, u64 n);
+extern "C" void soft_cap(float* x, float cap, u64 n);
 extern "C" void rope(float* x, const u64* pos, int tokens, int heads, int head_dim, int rot_dim,
                      float theta, const float* factors, float attn_factor);
 extern "C" void argmax_rows(const float* x, int cols, unsigned int* out);
@@ -124,7 +127,18 @@ static int check_rows() {
     unsigned int want_idx[] = {1, 0, 1};
     for (int r = 0; r < 3; r++)
         if (idx[r] != want_idx[r]) return fail("argmax_rows", r, idx[r], want_idx[r]);
-    std::printf("ok: rms_norm, add_rms_norm, rope with factors and an attention factor, argmax_rows\n");
+    // Logit soft-capping of 300 values up to +-6 with a cap of 1.5: most are pulled in far.
+    std::vector<float> logits(300), capped;
+    for (auto& v : logits) v = 6.0f * next_value(seed);
+    capped = logits;
+    tpctl_launch(elementwise(capped.size()), 1, BLOCK_THREADS, [&] {
+        soft_cap(capped.data(), 1.5f, capped.size());
+    });
+    for (size_t i = 0; i < logits.size(); i++) {
+        double want = 1.5 * std::tanh((double)logits[i] / 1.5);
+        if (!near(capped[i], want, 1e-6)) return fail("soft_cap", i, capped[i], want);
+    }
+    std::printf("ok: rms_norm, add_rms_norm, rope with factors and an attention factor, argmax_rows, soft_cap\n");
     return 0;
 }
 
@@ -201,7 +215,48 @@ struct Case {
     int q_heads, kv_heads, head_dim, queries, keys, splits, block_size;
     bool scattered;
     bool bf16 = false;
+    // Score rules: a query scale (0: 1/sqrt(head_dim)), a soft-cap (0: none) and a sliding
+    // window in positions (0: none).
+    float qscale = 0.0f, cap = 0.0f;
+    u64 window = 0;
+    bool ruled() const { return qscale != 0.0f || cap != 0.0f || window != 0; }
 };
+
+// The reference of one row of attention in double precision: the output (head_dim values)
+// and the log-sum-exp, with or without the case's score rules. Query at q_pos sees the keys
+// at q_pos - window + 1 ..= q_pos (cpu::attention's rule), scores capped before the softmax.
+static double reference_row(const Case& c, bool rules, const float* qr, u64 qp,
+                            const std::vector<u64>& kv_pos, const std::vector<float>& kl,
+                            const std::vector<float>& vl, int g, std::vector<double>& out) {
+    u64 stride = (u64)c.kv_heads * c.head_dim;
+    double scale = rules && c.qscale != 0.0f ? (double)c.qscale : 1.0 / std::sqrt((double)c.head_dim);
+    std::vector<double> s;
+    double mx = -INFINITY;
+    for (int j = 0; j < c.keys; j++) {
+        double score = -INFINITY;
+        bool in_window = !rules || c.window == 0 || kv_pos[j] + c.window > qp;
+        if (kv_pos[j] <= qp && in_window) {
+            double dot = 0.0;
+            for (int d = 0; d < c.head_dim; d++)
+                dot += (double)qr[d] * kl[(size_t)j * stride + (size_t)g * c.head_dim + d];
+            score = dot * scale;
+            if (rules && c.cap != 0.0f) score = c.cap * std::tanh(score / c.cap);
+        }
+        s.push_back(score);
+        mx = std::max(mx, score);
+    }
+    out.assign(c.head_dim, 0.0);
+    if (mx == -INFINITY) return -INFINITY;
+    double sum = 0.0;
+    for (double x : s) sum += x == -INFINITY ? 0.0 : std::exp(x - mx);
+    for (int j = 0; j < c.keys; j++) {
+        if (s[j] == -INFINITY) continue;
+        double w = std::exp(s[j] - mx) / sum;
+        for (int d = 0; d < c.head_dim; d++)
+            out[d] += w * vl[(size_t)j * stride + (size_t)g * c.head_dim + d];
+    }
+    return mx + std::log(sum);
+}
 
 // `x` rounded to bf16 bits (nearest, ties to even), as the to_bf16 kernel does.
 static unsigned short bf16_bits(float x) {
@@ -248,7 +303,8 @@ static int check(const Case& c) {
     }
     const float* kp = c.bf16 ? (const float*)kh.data() : ks.data();
     const float* vp = c.bf16 ? (const float*)vh.data() : vs.data();
-    float scale = 1.0f / std::sqrt((float)c.head_dim);
+    float scale = c.qscale != 0.0f ? c.qscale : 1.0f / std::sqrt((float)c.head_dim);
+    u64 window = c.window != 0 ? c.window : ~0ull;
     int chunk = (c.keys + c.splits - 1) / c.splits;
     chunk = (chunk + 127) / 128 * 128;
     int splits = (c.keys + chunk - 1) / chunk;
@@ -260,7 +316,7 @@ static int check(const Case& c) {
     tpctl_launch(blocks, splits, THREADS, [&] {
         attention(q.data(), q_pos.data(), kp, vp, kv_pos.data(), tp,
                   c.block_size > 0 ? c.block_size : 1, block_stride, c.keys, c.q_heads,
-                  c.kv_heads, c.head_dim, scale, chunk, c.bf16 ? 1 : 0, part.data(),
+                  c.kv_heads, c.head_dim, scale, c.cap, window, chunk, c.bf16 ? 1 : 0, part.data(),
                   part_lse.data());
     });
     std::vector<float> out = part, lse = part_lse;
@@ -272,25 +328,23 @@ static int check(const Case& c) {
                             lse.data());
         });
     }
+    // With rules, the reference without them must differ somewhere, so a kernel that
+    // ignored the window, the cap or the scale would fail this case.
+    bool rules_matter = false;
     for (int r = 0; r < rows; r++) {
         int i = r / c.q_heads, h = r % c.q_heads, g = h / (c.q_heads / c.kv_heads);
-        std::vector<double> s;
-        double mx = -INFINITY;
-        for (int j = 0; j < c.keys; j++) {
-            double dot = -INFINITY;
-            if (kv_pos[j] <= q_pos[i]) {
-                dot = 0.0;
-                for (int d = 0; d < c.head_dim; d++)
-                    dot += (double)q[(size_t)r * c.head_dim + d] *
-                           kl[(size_t)j * stride + (size_t)g * c.head_dim + d];
-                dot *= scale;
-            }
-            s.push_back(dot);
-            mx = std::max(mx, dot);
+        const float* qr = &q[(size_t)r * c.head_dim];
+        std::vector<double> want;
+        double want_lse = reference_row(c, true, qr, q_pos[i], kv_pos, kl, vl, g, want);
+        if (c.ruled()) {
+            std::vector<double> plain;
+            double plain_lse = reference_row(c, false, qr, q_pos[i], kv_pos, kl, vl, g, plain);
+            if ((plain_lse == -INFINITY) != (want_lse == -INFINITY) ||
+                (want_lse != -INFINITY && !near(plain_lse, want_lse, 1e-3)))
+                rules_matter = true;
+            for (int d = 0; d < c.head_dim; d++)
+                if (!near(plain[d], want[d], 1e-3)) rules_matter = true;
         }
-        double sum = 0.0;
-        for (double x : s) sum += x == -INFINITY ? 0.0 : std::exp(x - mx);
-        double want_lse = mx == -INFINITY ? -INFINITY : mx + std::log(sum);
         bool lse_ok = (want_lse == -INFINITY && lse[r] == -INFINITY) ||
                       std::fabs(lse[r] - want_lse) <= 1e-4 * std::max(1.0, std::fabs(want_lse));
         if (!lse_ok) {
@@ -299,25 +353,26 @@ static int check(const Case& c) {
             return 1;
         }
         for (int d = 0; d < c.head_dim; d++) {
-            double want = 0.0;
-            if (mx != -INFINITY) {
-                for (int j = 0; j < c.keys; j++)
-                    if (s[j] != -INFINITY)
-                        want += std::exp(s[j] - mx) / sum *
-                                vl[(size_t)j * stride + (size_t)g * c.head_dim + d];
-            }
             float got = out[(size_t)r * c.head_dim + d];
-            if (std::fabs(got - want) > 1e-4 * std::max(1.0, std::fabs(want))) {
+            if (std::fabs(got - want[d]) > 1e-4 * std::max(1.0, std::fabs(want[d]))) {
                 std::printf("case keys=%d head_dim=%d splits=%d: row %d col %d: %.7g, want %.7g\n",
-                            c.keys, c.head_dim, splits, r, d, got, want);
+                            c.keys, c.head_dim, splits, r, d, got, want[d]);
                 return 1;
             }
         }
     }
-    std::printf("ok: %d queries x %d heads over %d keys (%d kv heads, head_dim %d), %d range(s)%s%s%s\n",
+    if (c.ruled() && !rules_matter) {
+        std::printf("case keys=%d head_dim=%d: the score rules change nothing, so the case "
+                    "cannot tell whether the kernel applies them\n", c.keys, c.head_dim);
+        return 1;
+    }
+    std::printf("ok: %d queries x %d heads over %d keys (%d kv heads, head_dim %d), %d range(s)%s%s%s",
                 c.queries, c.q_heads, c.keys, c.kv_heads, c.head_dim, splits,
                 c.block_size > 0 ? ", paged" : "", c.scattered ? ", scattered" : "",
                 c.bf16 ? ", bf16 keys and values" : "");
+    if (c.ruled())
+        std::printf(", query scale %g, soft-cap %g, window %llu", c.qscale, c.cap, c.window);
+    std::printf("\n");
     return 0;
 }
 
@@ -332,6 +387,15 @@ int main() {
         {8, 1, 64, 1, 300, 2, 8, true},     // eight heads on one KV head, paged, scattered
         {9, 3, 64, 1, 700, 3, 16, false, true},  // decode over a paged bf16 cache
         {6, 2, 80, 4, 200, 1, 0, true, true},    // bf16, a partial chunk, scattered
+        // Gemma 2's and 3's score rules, each alone and together.
+        {6, 2, 16, 9, 9, 1, 0, false, false, 0.0f, 0.0f, 4},    // a window of 4, prefill
+        {2, 1, 16, 6, 6, 1, 0, false, false, 0.0f, 0.0f, 1},    // a window of 1: itself only
+        {6, 2, 32, 5, 40, 1, 0, false, false, 0.0f, 0.3f, 0},   // a soft-cap alone
+        {6, 2, 16, 9, 9, 1, 0, false, false, 0.5f, 0.0f, 0},    // a query scale alone
+        {6, 2, 16, 9, 9, 1, 0, false, false, 1.0f, 0.5f, 4},    // all three, prefill
+        {9, 3, 64, 1, 700, 3, 16, false, false, 0.0f, 2.0f, 100},  // decode, paged: two ranges out
+        {4, 2, 160, 3, 300, 2, 0, true, false, 0.0f, 1.0f, 50},  // scattered, two chunks
+        {9, 3, 64, 1, 700, 3, 16, false, true, 0.125f, 1.5f, 300},  // bf16 paged decode
     };
     for (const Case& c : cases) {
         if (check(c) != 0) return 1;

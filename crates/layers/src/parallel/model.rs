@@ -218,22 +218,6 @@ impl ParallelModel {
             Some(backend) => backend,
             None => Backend::cpu(threads)?,
         };
-        let gemma2 = config.attn_softcap.is_some()
-            || config.final_softcap.is_some()
-            || config.sliding_window.is_some()
-            || config.query_scale.is_some()
-            || config.rope_local_theta.is_some();
-        if gemma2 && backend.device() != tensor::Device::Cpu {
-            // Refused here rather than at the first step: the CUDA kernels would compute
-            // without them.
-            return Err(tensor::Error::BackendUnavailable {
-                backend: "cuda",
-                reason: "Gemma 2's and Gemma 3's soft-capping, sliding windows and query scale \
-                         have no CUDA kernels yet: run this model on the CPU"
-                    .into(),
-            }
-            .into());
-        }
         let mut silent = |_: usize, _: usize| {};
         let progress: &mut dyn FnMut(usize, usize) = match progress {
             Some(progress) => progress,

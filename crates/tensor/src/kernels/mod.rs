@@ -764,19 +764,13 @@ impl Backend {
     /// `x = cap · tanh(x / cap)`, in place (Gemma 2's final logit soft-capping).
     ///
     /// # Errors
-    /// [`Error::BackendUnavailable`] on the CUDA backend, which has no such kernel.
+    /// [`Error::BackendUnavailable`] when the device fails.
     pub fn soft_cap(&self, x: &mut Tensor, cap: f32) -> Result<()> {
         match self {
             Backend::Cpu(cpu) => cpu.in_place(x, |x| {
                 x.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
             })?,
-            Backend::Cuda(_) => {
-                return Err(Error::BackendUnavailable {
-                    backend: "cuda",
-                    reason: "no logit soft-capping kernel (Gemma 2's): run the model on the CPU"
-                        .into(),
-                })
-            }
+            Backend::Cuda(cuda) => cuda.soft_cap(x, cap)?,
         }
         Ok(())
     }

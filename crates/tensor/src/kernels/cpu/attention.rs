@@ -39,14 +39,14 @@ impl AttnShape {
         AttnShape { q_heads, kv_heads, head_dim, ..Default::default() }
     }
 
-    /// Whether soft-capping or a window change the plain causal rule (kernels without them
-    /// must refuse such a call).
+    /// Whether soft-capping or a window change the plain causal rule (the CPU and CUDA
+    /// kernels both apply them).
     pub fn has_rules(&self) -> bool {
         self.softcap.is_some() || self.window.is_some()
     }
 
     /// The factor on `q·k`.
-    fn factor(&self) -> f32 {
+    pub(crate) fn factor(&self) -> f32 {
         self.scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt())
     }
 

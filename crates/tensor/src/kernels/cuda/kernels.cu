@@ -133,6 +133,12 @@ extern "C" __global__ void scale(float* x, float s, u64 n) {
     if (i < n) x[i] *= s;
 }
 
+// x = cap * tanh(x / cap) (Gemma 2's final logit soft-capping, as Backend::soft_cap on the CPU).
+extern "C" __global__ void soft_cap(float* x, float cap, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = cap * tanhf(x[i] / cap);
+}
+
 // x += y.
 extern "C" __global__ void add_assign(float* x, const float* y, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -241,15 +247,18 @@ __device__ float kv_at(const float* base, u64 i, int bf16) {
 // several, `attention_merge` combines them (flash decoding: a decode step has few rows, and
 // splitting the keys is what fills the GPU). The grid is tokens*kv_heads*slices by ranges,
 // slices = ceil((q_heads / kv_heads) / ATTN_GROUP).
-// Query i sees key j when kv_pos[j] <= q_pos[i]; a row that sees no key gets zeros and -inf.
+// Query i sees key j when kv_pos[j] <= q_pos[i] and, with a sliding window (`window` positions;
+// ~0 for none), kv_pos[j] >= q_pos[i] + 1 - window (as cpu::attention's first_visible); a row
+// that sees no key gets zeros and -inf. Scores are q.k * scale, then, when softcap > 0,
+// softcap * tanh(score / softcap) (Gemma 2's soft-capping), before the softmax.
 // Keys and values are contiguous rows, or blocks of a paged cache named by `table` (kv_row),
 // in f32 or (kv_bf16) bf16; offsets count elements either way.
 extern "C" __global__ void attention(const float* q, const u64* q_pos, const float* k,
                                      const float* v, const u64* kv_pos,
                                      const unsigned int* table, int block_size,
                                      u64 block_stride, int n_kv, int q_heads, int kv_heads,
-                                     int head_dim, float scale, int chunk, int kv_bf16,
-                                     float* out, float* lse) {
+                                     int head_dim, float scale, float softcap, u64 window,
+                                     int chunk, int kv_bf16, float* out, float* lse) {
     __shared__ float qs[ATTN_GROUP * ATTN_BLOCK * ATTN_DIMS];
     __shared__ float p[ATTN_GROUP * ATTN_BLOCK];
     __shared__ float buf[ATTN_BLOCK];
@@ -269,6 +278,8 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
     int j_end = min(n_kv, j_begin + chunk);
     int tid = threadIdx.x;
     u64 qp = q_pos[i];
+    // The oldest position the query sees: (qp + 1) - window, saturating at 0.
+    u64 first = qp + 1 > window ? qp + 1 - window : 0;
     u64 stride = (u64)kv_heads * head_dim;
     const int qstride = ATTN_BLOCK * ATTN_DIMS;
     for (int hh = 0; hh < nh; hh++) {
@@ -287,7 +298,7 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
     for (int j0 = j_begin; j0 < j_end; j0 += ATTN_BLOCK) {
         int j = j0 + tid;
         int tile = min(ATTN_BLOCK, j_end - j0);
-        bool live = j < j_end && kv_pos[j] <= qp;
+        bool live = j < j_end && kv_pos[j] <= qp && kv_pos[j] >= first;
         if (j < j_end) {
             roff[tid] = kv_row(j, table, block_size, block_stride, stride) + (u64)g * head_dim;
         }
@@ -321,6 +332,7 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
         float corr[ATTN_GROUP];
         for (int hh = 0; hh < nh; hh++) {
             float s = live ? dot[hh] * scale : NEG_INF;
+            if (live && softcap > 0.0f) s = softcap * tanhf(s / softcap);
             float tile_max = block_max(s, buf, ATTN_BLOCK);
             // Uniform across the block: every thread read the same reduced value.
             if (tile_max == NEG_INF) {

@@ -167,6 +167,10 @@ impl CudaBackend {
         match self.never {}
     }
 
+    pub(crate) fn soft_cap(&self, _x: &mut Tensor, _cap: f32) -> Result<()> {
+        match self.never {}
+    }
+
     pub(crate) fn add_assign(&self, _x: &mut Tensor, _y: &Tensor) -> Result<()> {
         match self.never {}
     }

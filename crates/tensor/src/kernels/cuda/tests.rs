@@ -326,6 +326,62 @@ fn cuda_attention_over_many_key_ranges_matches_cpu() {
     }
 }
 
+/// Gemma 2's and 3's score rules (a query scale, soft-capped scores, a sliding window), each
+/// alone and together, for a prefill and for a decode step over many key ranges (the older
+/// ranges wholly outside the window): the CPU's output and log-sum-exp. Each ruled result
+/// must differ from the plain one, so a kernel that ignored a rule would fail. Then the
+/// final-logit soft-cap, and a cap the kernel cannot take refused by name.
+#[test]
+fn cuda_attention_score_rules_and_logit_soft_cap_match_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let cpu = cpu();
+    let plain = AttnShape::new(6, 2, 32);
+    let rules = [
+        AttnShape { window: Some(4), ..plain },
+        AttnShape { window: Some(1), ..plain },
+        AttnShape { softcap: Some(0.3), ..plain },
+        AttnShape { scale: Some(0.5), ..plain },
+        AttnShape { scale: Some(1.0), softcap: Some(0.5), window: Some(4), ..plain },
+    ];
+    let t = 3000;
+    let q_prefill = tensor(&[9, 6, 32], 40);
+    let q_decode = tensor(&[1, 6, 32], 41);
+    let k = random_vec(t * 2 * 32, 42);
+    let v = random_vec(t * 2 * 32, 43);
+    let kv = Kv::Host { k: &k, v: &v };
+    let kp: Vec<usize> = (0..t).collect();
+    assert!(super::attention_splits(2, t).0 > 4, "the decode case must split the keys");
+    let prefill: (Vec<usize>, Vec<usize>) = ((0..9).collect(), (0..9).collect());
+    let (k9, v9) = (&k[..9 * 2 * 32], &v[..9 * 2 * 32]);
+    for shape in rules {
+        let at = format!("{shape:?}");
+        let cases = [
+            (&q_prefill, &prefill.0, Kv::Host { k: k9, v: v9 }, &prefill.1),
+            (&q_decode, &vec![t - 1], kv, &kp),
+        ];
+        for (q, qp, kv, kp) in cases {
+            let (want, want_lse) = cpu.attention(q, qp, kv, kp, shape, true).unwrap();
+            let (got, got_lse) = gpu.attention(q, qp, kv, kp, shape, true).unwrap();
+            assert_close(got.data(), want.data(), 1e-4);
+            assert_close(got_lse.unwrap().data(), want_lse.unwrap().data(), 1e-4);
+            let (unruled, _) = cpu.attention(q, qp, kv, kp, plain, false).unwrap();
+            let apart = unruled.data().iter().zip(want.data()).any(|(a, b)| (a - b).abs() > 1e-3);
+            assert!(apart, "{at}: the rules change nothing, so this case proves nothing");
+        }
+    }
+    // Logits up to ±6 under a cap of 1.5.
+    let mut want = tensor(&[3, 500], 44);
+    cpu.scale(&mut want, 6.0).unwrap();
+    let mut got = want.clone();
+    cpu.soft_cap(&mut want, 1.5).unwrap();
+    gpu.soft_cap(&mut got, 1.5).unwrap();
+    assert_close(got.data(), want.data(), 1e-5);
+    let bad = AttnShape { softcap: Some(0.0), ..plain };
+    let one = Kv::Host { k: &k[..2 * 32], v: &v[..2 * 32] };
+    let err = gpu.attention(&q_decode, &[0], one, &[0], bad, false).unwrap_err();
+    assert!(err.to_string().contains("soft-cap 0 is not a positive finite number"), "{err}");
+}
+
 /// Half-precision products (weights and activations rounded to bf16 or f16, f32 accumulation)
 /// against the CPU's f32 ones, within the rounding of the type: the largest error relative to
 /// the largest output under 2% for bf16 (8-bit mantissa) and 0.3% for f16 (11-bit), for dense

@@ -1,5 +1,6 @@
 //! Causal GQA attention: one launch over key ranges, read from host, device or paged KV
-//! caches, and the merge of the ranges' partial results.
+//! caches, with the score rules of `AttnShape` (query scale, soft-cap, sliding window), and
+//! the merge of the ranges' partial results.
 
 use super::{int, per_row, Count, CudaBackend, OrUnavailable};
 use crate::error::{Error, Result};
@@ -36,13 +37,12 @@ impl CudaBackend {
                 format!("head_dim {head_dim} exceeds the cuda kernel's {ATTN_MAX_HEAD_DIM}"),
             ));
         }
-        if shape.has_rules() || shape.scale.is_some() {
-            return Err(Error::BackendUnavailable {
-                backend: "cuda",
-                reason: "the attention kernel has no soft-capping, sliding window or query \
-                         scale of its own (Gemma 2's): run the model on the CPU"
-                    .into(),
-            });
+        // The kernel reads a cap of 0 as none, so only a positive one can be passed on.
+        if let Some(cap) = shape.softcap.filter(|c| !(c.is_finite() && *c > 0.0)) {
+            return Err(Error::shape(
+                OP,
+                format!("attention soft-cap {cap} is not a positive finite number"),
+            ));
         }
         if rows == 0 || head_dim == 0 || kv_pos.is_empty() {
             // No keys at all: zeros and -inf, the neutral partial result.
@@ -106,8 +106,12 @@ impl CudaBackend {
             int(OP, "head_dim", head_dim)?,
         ];
         let chunk32 = int(OP, "key range", chunk)?;
-        // The CPU scales by 1/sqrt(d) computed in f32 the same way.
-        let scale = 1.0 / (head_dim as f32).sqrt();
+        // The CPU's factor (the query scale, or 1/sqrt(d) computed in f32 the same way), its
+        // cap (0: none) and its window in positions (all ones: none, so every key from
+        // position 0 on is in it).
+        let scale = shape.factor();
+        let softcap = shape.softcap.unwrap_or(0.0);
+        let window = shape.window.map_or(u64::MAX, |w| w as u64);
         let mut cfg = per_row(OP, blocks, ATTN_BLOCK)?;
         cfg.grid_dim.1 = splits as u32;
         self.count(Count::Launch);
@@ -117,10 +121,16 @@ impl CudaBackend {
         for a in &args {
             b.arg(a);
         }
-        b.arg(&scale).arg(&chunk32).arg(&kv_bf16).arg(&mut od).arg(&mut ld);
+        b.arg(&scale)
+            .arg(&softcap)
+            .arg(&window)
+            .arg(&chunk32)
+            .arg(&kv_bf16)
+            .arg(&mut od)
+            .arg(&mut ld);
         // SAFETY: the arguments match `attention(const float*, const u64*, const float*,
-        // const float*, const u64*, const unsigned*, int, u64, int, int, int, int, float, int,
-        // int, float*, float*)`; keys and values are bf16 (two bytes an element) exactly when
+        // const float*, const u64*, const unsigned*, int, u64, int, int, int, int, float,
+        // float, u64, int, int, float*, float*)`; keys and values are bf16 (two bytes an element) exactly when
         // kv_bf16 is 1. Block (b, s) serves query token i, KV head g and up to ATTN_GROUP
         // of g's query heads (b = (i·kv_heads + g)·slices + slice, the grid's first dimension
         // being `attention_blocks`): it reads q_pos[i] and those heads' rows of q (head_dim

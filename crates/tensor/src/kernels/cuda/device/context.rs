@@ -104,6 +104,7 @@ impl CudaBackend {
             silu_mul: f("silu_mul")?,
             gelu_tanh_mul: f("gelu_tanh_mul")?,
             scale: f("scale")?,
+            soft_cap: f("soft_cap")?,
             add_assign: f("add_assign")?,
             add_rows: f("add_rows")?,
             embedding: f("embedding")?,

@@ -127,6 +127,7 @@ struct Kernels {
     silu_mul: CudaFunction,
     gelu_tanh_mul: CudaFunction,
     scale: CudaFunction,
+    soft_cap: CudaFunction,
     add_assign: CudaFunction,
     add_rows: CudaFunction,
     embedding: CudaFunction,

@@ -194,19 +194,29 @@ impl CudaBackend {
 
     /// `x *= s`.
     pub(crate) fn scale(&self, x: &mut Tensor, s: f32) -> Result<()> {
-        const OP: &str = "scale";
+        self.with_scalar("scale", &self.inner.k.scale, x, s)
+    }
+
+    /// `x = cap · tanh(x / cap)` (Gemma 2's final logit soft-capping).
+    pub(crate) fn soft_cap(&self, x: &mut Tensor, cap: f32) -> Result<()> {
+        self.with_scalar("soft_cap", &self.inner.k.soft_cap, x, cap)
+    }
+
+    /// Runs `kernel(float* x, float s, u64 n)`, which changes each element of `x` in place
+    /// from its own value and `s`.
+    fn with_scalar(&self, op: &str, kernel: &CudaFunction, x: &mut Tensor, s: f32) -> Result<()> {
         if x.is_empty() {
             return Ok(());
         }
-        let xp = self.writable(OP, x)?;
+        let xp = self.writable(op, x)?;
         let n = x.len() as u64;
-        let cfg = elementwise(OP, x.len())?;
+        let cfg = elementwise(op, x.len())?;
         self.count(Count::Launch);
-        let mut b = self.stream().launch_builder(&self.inner.k.scale);
+        let mut b = self.stream().launch_builder(kernel);
         b.arg(&xp).arg(&s).arg(&n);
-        // SAFETY: the arguments match `scale(float*, float, u64)`; element i < n of x, its own
-        // buffer (`writable`) of n floats, is multiplied in place.
-        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        // SAFETY: `kernel` is `scale` or `soft_cap`, both `(float*, float, u64)`; element
+        // i < n of x, its own buffer (`writable`) of n floats, is rewritten in place.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{op}: launch"))?;
         Ok(())
     }
 
