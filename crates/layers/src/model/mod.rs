@@ -18,6 +18,7 @@
 //!   `kernels::cpu::attention::merge_partial` combines exactly.
 
 pub mod cache;
+pub mod kv_groups;
 pub mod linear;
 pub mod paged;
 pub mod provenance;
@@ -28,6 +29,7 @@ mod reference;
 mod tests;
 
 pub use cache::{KvCache, LayerCache};
+pub use kv_groups::{window_dead_blocks, KvGroups};
 pub use linear::{Linear, WeightForm};
 pub use paged::{KvPool, PagedCache};
 #[cfg(test)]

@@ -2,13 +2,19 @@
 //! rank, shared by its sequences, and per sequence a block table naming the blocks that hold
 //! its tokens in order.
 //!
-//! A block holds `block_size` tokens of every layer: block `b`'s keys of layer `l` are
-//! `[block_size, kv_heads, head_dim]` at element `(b · layers + l) · 2 · block_size · row`,
-//! its values right after them. Who holds which block is decided elsewhere (rank 0's
-//! scheduler, which hands the same ids to every rank); the pool only stores, and a sequence
-//! writes only the blocks its table names. Blocks of a shared prompt prefix are named by
-//! several tables and only read.
+//! A block holds `block_size` tokens of the layers of one group ([`KvGroups`]: all the layers
+//! of a model without a sliding window): block `b`'s keys of the layer in slot `s` are
+//! `[block_size, kv_heads, head_dim]` at element `(b · slots + s) · 2 · block_size · row`,
+//! its values right after them. A sequence has a block table per group, all as long. Who
+//! holds which block is decided elsewhere (rank 0's scheduler, which hands the same ids to
+//! every rank); the pool only stores, and a sequence writes only the blocks its tables name.
+//! Blocks of a shared prompt prefix are named by several tables and only read. A windowed
+//! group's leading blocks that the window has left ([`window_dead_blocks`]) are never read
+//! again, so the scheduler may give them to other sequences.
 
+#[cfg(doc)]
+use super::kv_groups::window_dead_blocks;
+use super::kv_groups::KvGroups;
 use crate::error::{Error, Result};
 use mesh::DeviceMemory;
 use std::sync::{Arc, PoisonError, RwLock};
@@ -22,7 +28,8 @@ pub struct KvPool {
     data: Blocks,
     /// How the blocks store values (f32 on the host).
     elem: KvElem,
-    layers: usize,
+    /// Which layers a block holds, and where.
+    groups: KvGroups,
     /// Values per token of one layer's keys (or values): `kv_heads × head_dim`.
     row: usize,
     block_size: usize,
@@ -46,18 +53,21 @@ enum Rows<'a> {
 }
 
 impl KvPool {
-    /// A pool of `blocks` blocks in owned (heap) memory.
+    /// A pool of `blocks` blocks in owned (heap) memory, for `layers`: a number of layers
+    /// (one group) or their [`KvGroups`].
     ///
     /// # Errors
     /// [`tensor::Error::Shape`] when `block_size` is not a power of two.
     pub fn new(
-        layers: usize,
+        layers: impl Into<KvGroups>,
         kv_heads: usize,
         head_dim: usize,
         block_size: usize,
         blocks: usize,
     ) -> Result<Self> {
-        let floats = Self::bytes(KvElem::F32, layers, kv_heads, head_dim, block_size, blocks) / 4;
+        let layers = layers.into();
+        let slots = layers.slots();
+        let floats = Self::bytes(KvElem::F32, slots, kv_heads, head_dim, block_size, blocks) / 4;
         Self::with_storage(
             Storage::Owned(vec![0.0; floats]),
             layers,
@@ -74,7 +84,7 @@ impl KvPool {
     /// the storage is not a whole number of blocks.
     pub fn with_storage(
         storage: Storage,
-        layers: usize,
+        layers: impl Into<KvGroups>,
         kv_heads: usize,
         head_dim: usize,
         block_size: usize,
@@ -84,7 +94,7 @@ impl KvPool {
             Blocks::Host(RwLock::new(storage)),
             KvElem::F32,
             floats,
-            layers,
+            layers.into(),
             kv_heads,
             head_dim,
             block_size,
@@ -100,12 +110,13 @@ impl KvPool {
     pub fn on_device(
         memory: Box<dyn DeviceMemory>,
         elem: KvElem,
-        layers: usize,
+        layers: impl Into<KvGroups>,
         kv_heads: usize,
         head_dim: usize,
         block_size: usize,
     ) -> Result<Self> {
         let values = memory.size() / elem.size();
+        let layers = layers.into();
         Self::over(Blocks::Device(memory), elem, values, layers, kv_heads, head_dim, block_size)
     }
 
@@ -114,12 +125,12 @@ impl KvPool {
         data: Blocks,
         elem: KvElem,
         floats: usize,
-        layers: usize,
+        groups: KvGroups,
         kv_heads: usize,
         head_dim: usize,
         block_size: usize,
     ) -> Result<Self> {
-        let row = kv_heads * head_dim;
+        let (row, layers) = (kv_heads * head_dim, groups.slots());
         let block_floats = 2 * layers * block_size * row;
         if !block_size.is_power_of_two() || block_floats == 0 {
             return Err(Error::shape(
@@ -137,10 +148,11 @@ impl KvPool {
             ));
         }
         let blocks = floats / block_floats;
-        Ok(KvPool { data, elem, layers, row, block_size, blocks })
+        Ok(KvPool { data, elem, groups, row, block_size, blocks })
     }
 
-    /// Bytes of a pool of `blocks` blocks storing values as `elem`.
+    /// Bytes of a pool of `blocks` blocks of `layers` layers each ([`KvGroups::slots`])
+    /// storing values as `elem`.
     pub fn bytes(
         elem: KvElem,
         layers: usize,
@@ -167,9 +179,14 @@ impl KvPool {
         self.block_size
     }
 
-    /// Layers per block.
+    /// Layers of the model the pool is for.
     pub fn layers(&self) -> usize {
-        self.layers
+        self.groups.layers()
+    }
+
+    /// Which layers a block holds, and where.
+    pub fn groups(&self) -> &KvGroups {
+        &self.groups
     }
 
     /// Values per token of one layer's keys.
@@ -182,9 +199,9 @@ impl KvPool {
         matches!(self.data, Blocks::Device(_))
     }
 
-    /// Element offset of block `block`'s keys of `layer` (its values follow).
-    fn offset(&self, block: u32, layer: usize) -> usize {
-        (block as usize * self.layers + layer) * 2 * self.block_size * self.row
+    /// Element offset of block `block`'s keys of the layer in `slot` (its values follow).
+    fn offset(&self, block: u32, slot: usize) -> usize {
+        (block as usize * self.groups.slots() + slot) * 2 * self.block_size * self.row
     }
 
     /// Checks that `table` names blocks of this pool.
@@ -201,8 +218,9 @@ impl KvPool {
         }
     }
 
-    /// Writes the keys and values of tokens `at..at + n` of a sequence with block table
-    /// `table` in `layer` (`n` from the lengths of the rows); `be` writes a device pool.
+    /// Writes the keys and values of tokens `at..at + n` of a sequence whose block table of
+    /// `layer`'s group is `table` in `layer` (`n` from the lengths of the rows); `be` writes a
+    /// device pool.
     fn write(
         &self,
         be: &Backend,
@@ -217,19 +235,23 @@ impl KvPool {
             Rows::Tensors(k, v) => (k.len(), v.len()),
         };
         let n = k_len / row;
-        if k_len != v_len || k_len != n * row || layer >= self.layers {
+        let slot = self.groups.place(layer).map(|(_, slot)| slot);
+        let Some(slot) = slot.filter(|_| k_len == v_len && k_len == n * row) else {
             return Err(Error::shape(
                 "kv pool write",
-                format!("layer {layer} of {}, k {k_len} v {v_len} for rows of {row}", self.layers),
+                format!(
+                    "layer {layer} of {}, k {k_len} v {v_len} for rows of {row}",
+                    self.layers()
+                ),
             ));
-        }
+        };
         if at + n > table.len() * bs {
             return Err(Error::CacheFull { len: at, capacity: table.len() * bs, requested: n });
         }
         // Runs of tokens within one block, contiguous there and in the source: (offset in the
         // pool, offset in the source, values).
         let runs = block_runs(at, n, bs).map(|(t, len)| {
-            (self.offset(table[t / bs], layer) + (t % bs) * row, (t - at) * row, len * row)
+            (self.offset(table[t / bs], slot) + (t % bs) * row, (t - at) * row, len * row)
         });
         match (&self.data, rows) {
             (Blocks::Host(data), _) => {
@@ -271,12 +293,14 @@ fn block_runs(at: usize, n: usize, block_size: usize) -> impl Iterator<Item = (u
     .map(move |t| (t, (block_size - t % block_size).min(end - t)))
 }
 
-/// One sequence's tokens on this rank in a [`KvPool`]: its block table, and per layer how many
-/// tokens are written (layers fill one after another within a forward pass).
+/// One sequence's tokens on this rank in a [`KvPool`]: its block table per group (see
+/// [`KvGroups`]), and per layer how many tokens are written (layers fill one after another
+/// within a forward pass).
 #[derive(Debug)]
 pub struct PagedCache {
     pool: Arc<KvPool>,
-    table: Vec<u32>,
+    /// One table per group, all as long: logical block `i` of group `g` is `tables[g][i]`.
+    tables: Vec<Vec<u32>>,
     positions: Vec<usize>,
     filled: Vec<usize>,
 }
@@ -284,17 +308,34 @@ pub struct PagedCache {
 impl PagedCache {
     /// An empty cache with no blocks yet.
     pub fn new(pool: Arc<KvPool>) -> Self {
-        let filled = vec![0; pool.layers];
-        PagedCache { pool, table: Vec::new(), positions: Vec::new(), filled }
+        let filled = vec![0; pool.layers()];
+        let tables = vec![Vec::new(); pool.groups.len()];
+        PagedCache { pool, tables, positions: Vec::new(), filled }
     }
 
-    /// Appends `blocks` to the block table (room for more tokens).
+    /// Appends `blocks` to the block tables (room for more tokens): one id per group for each
+    /// `block_size` tokens, in group order (`[b0 of group 0, b0 of group 1, ..., b1 of group
+    /// 0, ...]`; one group: the table itself).
     ///
     /// # Errors
-    /// [`tensor::Error::Shape`] when a block is not in the pool; the table is unchanged.
+    /// [`tensor::Error::Shape`] when a block is not in the pool or the ids are not a whole
+    /// number per group; the tables are unchanged.
     pub fn extend_table(&mut self, blocks: &[u32]) -> Result<()> {
         self.pool.check_table(blocks)?;
-        self.table.extend_from_slice(blocks);
+        let groups = self.tables.len();
+        if let [table] = self.tables.as_mut_slice() {
+            table.extend_from_slice(blocks);
+            return Ok(());
+        }
+        if !blocks.len().is_multiple_of(groups) {
+            return Err(Error::shape(
+                "kv block table",
+                format!("{} block ids for {groups} groups", blocks.len()),
+            ));
+        }
+        for ids in blocks.chunks_exact(groups) {
+            self.tables.iter_mut().zip(ids).for_each(|(t, &id)| t.push(id));
+        }
         Ok(())
     }
 
@@ -319,9 +360,14 @@ impl PagedCache {
         Ok(())
     }
 
-    /// The block table.
+    /// The block table of the first group (with one group: the table).
     pub fn table(&self) -> &[u32] {
-        &self.table
+        &self.tables[0]
+    }
+
+    /// The block table of each group.
+    pub fn tables(&self) -> &[Vec<u32>] {
+        &self.tables
     }
 
     /// The pool.
@@ -371,9 +417,15 @@ impl PagedCache {
         rows: Rows<'_>,
         positions: &[usize],
     ) -> Result<()> {
-        let at = *self.filled.get(layer).ok_or_else(|| {
-            Error::shape("kv cache append", format!("layer {layer} of {}", self.filled.len()))
-        })?;
+        let (at, place) = match (self.filled.get(layer), self.pool.groups.place(layer)) {
+            (Some(&at), Some(place)) => (at, place),
+            _ => {
+                return Err(Error::shape(
+                    "kv cache append",
+                    format!("layer {layer} of {}", self.filled.len()),
+                ))
+            }
+        };
         let k_len = match rows {
             Rows::Host(k, _) => k.len(),
             Rows::Tensors(k, _) => k.len(),
@@ -388,7 +440,7 @@ impl PagedCache {
                 ),
             ));
         }
-        self.pool.write(be, layer, &self.table, at, rows)?;
+        self.pool.write(be, layer, &self.tables[place.0], at, rows)?;
         // The first layer to reach a token records its position.
         let known = self.positions.len().saturating_sub(at).min(positions.len());
         self.positions.extend_from_slice(&positions[known..]);
@@ -398,15 +450,34 @@ impl PagedCache {
 
     /// Calls `f` with `layer`'s keys and values (blocks of the pool, read in place) and their
     /// positions.
-    pub fn with_kv<R>(&self, layer: usize, f: impl FnOnce(Kv<'_>, &[usize]) -> R) -> R {
+    ///
+    /// `first_query` is the position of the step's first query: a windowed layer's leading
+    /// blocks whose every token lies before that query's window are left out (they are
+    /// masked anyway, and rank 0 may have given them to another sequence: see
+    /// [`window_dead_blocks`]).
+    pub fn with_kv<R>(
+        &self,
+        layer: usize,
+        first_query: usize,
+        f: impl FnOnce(Kv<'_>, &[usize]) -> R,
+    ) -> R {
         let tokens = self.filled.get(layer).copied().unwrap_or(0);
         let (bs, row) = (self.pool.block_size, self.pool.row);
-        let used = &self.table[..tokens.div_ceil(bs)];
-        let positions = &self.positions[..tokens];
+        let (group, slot) = self.pool.groups.place(layer).unwrap_or((0, 0));
+        // Whole blocks whose last token is before the window of the first query.
+        let skip = match self.pool.groups.windows()[group] {
+            Some(w) => {
+                let seen_from = (first_query + 1).saturating_sub(w);
+                self.positions[..tokens].partition_point(|&p| p < seen_from) / bs
+            }
+            None => 0,
+        };
+        let used = &self.tables[group][skip..tokens.div_ceil(bs)];
+        let positions = &self.positions[skip * bs..tokens];
         let data = match &self.pool.data {
             Blocks::Host(data) => data.read().unwrap_or_else(PoisonError::into_inner),
             Blocks::Device(memory) => {
-                let keys = self.pool.offset(0, layer);
+                let keys = self.pool.offset(0, slot);
                 let blocks = DeviceBlocks {
                     memory: memory.as_ref(),
                     elem: self.pool.elem,
@@ -421,10 +492,10 @@ impl PagedCache {
         };
         let data = data.as_slice();
         let k: Vec<&[f32]> =
-            used.iter().map(|&b| &data[self.pool.offset(b, layer)..][..bs * row]).collect();
+            used.iter().map(|&b| &data[self.pool.offset(b, slot)..][..bs * row]).collect();
         let v: Vec<&[f32]> = used
             .iter()
-            .map(|&b| &data[self.pool.offset(b, layer) + bs * row..][..bs * row])
+            .map(|&b| &data[self.pool.offset(b, slot) + bs * row..][..bs * row])
             .collect();
         // The table's blocks were checked against the pool and the size is a power of two.
         let blocks = KvBlocks::new(&k, &v, bs).expect("a power-of-two block size");
@@ -441,9 +512,9 @@ impl PagedCache {
         self.len() == 0
     }
 
-    /// Tokens the block table has room for.
+    /// Tokens the block tables have room for.
     pub fn capacity(&self) -> usize {
-        self.table.len() * self.pool.block_size
+        self.tables[0].len() * self.pool.block_size
     }
 
     /// Keeps the first `len` tokens (drops a failed step's partial appends); the block table
@@ -451,6 +522,17 @@ impl PagedCache {
     pub fn truncate(&mut self, len: usize) {
         self.positions.truncate(len);
         self.filled.iter_mut().for_each(|f| *f = (*f).min(len));
+    }
+
+    /// Overwrites every value of block `block` with NaN, as another sequence given the block
+    /// might: a test's check that nobody reads a block rank 0 gave back.
+    #[cfg(test)]
+    pub(crate) fn poison(pool: &KvPool, block: u32) {
+        let Blocks::Host(data) = &pool.data else { return };
+        let mut data = data.write().unwrap_or_else(PoisonError::into_inner);
+        let floats = 2 * pool.groups.slots() * pool.block_size * pool.row;
+        let start = pool.offset(block, 0);
+        data.as_mut_slice()[start..start + floats].fill(f32::NAN);
     }
 }
 
@@ -494,8 +576,9 @@ mod tests {
                 let mut want_lse = vec![0.0; n_q * 6];
                 attention(&q, &qp, &k, &v, &pos, shape, &mut want, Some(&mut want_lse));
                 let qt = Tensor::from_vec(&[n_q, 6, 8], q.clone()).unwrap();
-                let (out, lse) =
-                    cache.with_kv(1, |kv, kp| be.attention(&qt, &qp, kv, kp, shape, true)).unwrap();
+                let (out, lse) = cache
+                    .with_kv(1, 0, |kv, kp| be.attention(&qt, &qp, kv, kp, shape, true))
+                    .unwrap();
                 assert_eq!(
                     out.data(),
                     &want[..],
@@ -528,7 +611,7 @@ mod tests {
         let mut reused = PagedCache::new(pool);
         reused.extend_table(&[2]).unwrap();
         reused.assume_prefix(1).unwrap();
-        reused.with_kv(0, |_, positions| assert_eq!(positions, &[0]));
+        reused.with_kv(0, 0, |_, positions| assert_eq!(positions, &[0]));
         assert!(reused.assume_prefix(1).is_err());
     }
 
@@ -557,7 +640,7 @@ mod tests {
         assert!(blocks(&[5], KvElem::Bf16).holds(4, 8), "block 5 of 6 fits in bf16");
         assert!(!blocks(&[5], KvElem::F32).holds(4, 8), "but not in f32");
         let cache = PagedCache::new(Arc::new(pool));
-        cache.with_kv(0, |kv, _| {
+        cache.with_kv(0, 0, |kv, _| {
             let Kv::PagedDevice(b) = kv else { panic!("a device pool gave {kv:?}") };
             assert_eq!(b.elem, KvElem::Bf16);
         });
@@ -579,7 +662,7 @@ mod tests {
         let err = cache.append(&be, 0, &[0.0; 8], &[0.0; 8], &[0]).unwrap_err();
         assert!(matches!(err, Error::Kernel(tensor::Error::BackendUnavailable { .. })), "{err}");
         assert!(cache.is_empty());
-        cache.with_kv(1, |kv, positions| {
+        cache.with_kv(1, 0, |kv, positions| {
             let Kv::PagedDevice(b) = kv else { panic!("a device pool gave {kv:?}") };
             assert!(positions.is_empty());
             assert_eq!((b.block_size, b.block_stride, b.keys, b.values), (4, 128, 64, 96));

@@ -3,7 +3,7 @@
 
 use super::{kv_head_range, ParallelModel};
 use crate::error::{Error, Result};
-use crate::model::{KvCache, KvPool, LayerCache, PagedCache};
+use crate::model::{KvCache, KvGroups, KvPool, LayerCache, PagedCache};
 use std::sync::Arc;
 use tensor::kernels::{Backend, GemmDtype, Kv, KvElem};
 use tensor::memory::{alloc_device_exact, alloc_exact, padded, Arena, DeviceArena};
@@ -58,11 +58,13 @@ impl ParallelCache {
         }
     }
 
-    /// Calls `f` with `layer`'s keys and values and their positions.
+    /// Calls `f` with `layer`'s keys and values and their positions, during a step (whose
+    /// first query is at [`ParallelCache::len`]: the lengths grow after the last layer). A
+    /// paged cache leaves out a windowed layer's blocks that no query of the step sees.
     pub(super) fn with_kv<R>(&self, layer: usize, f: impl FnOnce(Kv<'_>, &[usize]) -> R) -> R {
         match &self.local {
             Local::Own(c) => f(c.layer(layer).kv(), c.layer(layer).positions()),
-            Local::Paged(c) => c.with_kv(layer, f),
+            Local::Paged(c) => c.with_kv(layer, self.len(), f),
         }
     }
 
@@ -101,10 +103,18 @@ impl ParallelCache {
         }
     }
 
-    /// The block table of a paged cache (empty otherwise).
+    /// The block table of a paged cache's first group (empty otherwise).
     pub fn table(&self) -> &[u32] {
         match &self.local {
             Local::Paged(c) => c.table(),
+            Local::Own(_) => &[],
+        }
+    }
+
+    /// The block tables of a paged cache, one per group of its pool (none otherwise).
+    pub fn tables(&self) -> &[Vec<u32>] {
+        match &self.local {
+            Local::Paged(c) => c.tables(),
             Local::Own(_) => &[],
         }
     }
@@ -231,21 +241,27 @@ impl ParallelModel {
         })
     }
 
+    /// How this model's KV pools group its layers ([`KvGroups::of`]: one group unless some
+    /// layers have a sliding window).
+    pub fn kv_groups(&self) -> KvGroups {
+        KvGroups::of(&self.config)
+    }
+
     /// A KV pool of `blocks` blocks of `block_size` tokens for this rank's heads, in owned
-    /// memory (see [`KvPool`]).
+    /// memory (see [`KvPool`]), its layers grouped by [`ParallelModel::kv_groups`].
     ///
     /// # Errors
     /// [`tensor::Error::Shape`] when `block_size` is not a power of two.
     pub fn new_pool(&self, block_size: usize, blocks: usize) -> Result<KvPool> {
         let c = &self.config;
-        KvPool::new(c.n_layers, self.local_kv_heads(), c.head_dim, block_size, blocks)
+        KvPool::new(self.kv_groups(), self.local_kv_heads(), c.head_dim, block_size, blocks)
     }
 
     /// Bytes of this rank's KV pool of `blocks` blocks of `block_size` tokens stored as
     /// `elem`.
     pub fn pool_bytes(&self, block_size: usize, blocks: usize, elem: KvElem) -> usize {
-        let c = &self.config;
-        KvPool::bytes(elem, c.n_layers, self.local_kv_heads(), c.head_dim, block_size, blocks)
+        let (c, slots) = (&self.config, self.kv_groups().slots());
+        KvPool::bytes(elem, slots, self.local_kv_heads(), c.head_dim, block_size, blocks)
     }
 
     /// How a KV pool in device memory stores values by default: bf16 when the model's weights
@@ -263,8 +279,8 @@ impl ParallelModel {
     /// # Errors
     /// As [`KvPool::with_storage`].
     pub fn pool_in(&self, storage: Storage, block_size: usize) -> Result<KvPool> {
-        let c = &self.config;
-        KvPool::with_storage(storage, c.n_layers, self.local_kv_heads(), c.head_dim, block_size)
+        let (c, groups) = (&self.config, self.kv_groups());
+        KvPool::with_storage(storage, groups, self.local_kv_heads(), c.head_dim, block_size)
     }
 
     /// A KV pool of `blocks` blocks of `block_size` tokens for this rank's heads in device
@@ -281,8 +297,8 @@ impl ParallelModel {
         elem: KvElem,
     ) -> Result<KvPool> {
         let memory = alloc_device_exact(arena, self.pool_bytes(block_size, blocks, elem))?;
-        let c = &self.config;
-        KvPool::on_device(memory, elem, c.n_layers, self.local_kv_heads(), c.head_dim, block_size)
+        let (c, groups) = (&self.config, self.kv_groups());
+        KvPool::on_device(memory, elem, groups, self.local_kv_heads(), c.head_dim, block_size)
     }
 
     /// An empty cache for one sequence whose keys and values live in blocks of `pool` (none
@@ -299,7 +315,7 @@ impl ParallelModel {
             }
             .into());
         }
-        if pool.layers() != self.config.n_layers || pool.row() != row {
+        if *pool.groups() != self.kv_groups() || pool.row() != row {
             return Err(Error::shape(
                 "paged kv cache",
                 format!(

@@ -3,7 +3,7 @@
 
 use super::aligned_ranges;
 use crate::error::{Error, Result};
-use crate::model::KvPool;
+use crate::model::{KvGroups, KvPool};
 use checkpoint::config::LlamaConfig;
 use collectives::Communicator;
 use std::ops::Range;
@@ -114,9 +114,9 @@ pub fn kv_head_range(cfg: &LlamaConfig, rank: usize, tp: usize) -> Result<Range<
     Ok(head_shard(cfg, rank, tp)?.kv)
 }
 
-/// Bytes of one KV block of `block_size` tokens stored as `elem` on the TP rank holding the
-/// most KV heads: a pool sized in bytes holds this many fewer blocks, the same count on every rank (see
-/// [`KvPool`]).
+/// Bytes of one KV block of `block_size` tokens of one group of layers ([`KvGroups::of`])
+/// stored as `elem` on the TP rank holding the most KV heads: a pool sized in bytes holds this
+/// many fewer blocks, the same count on every rank (see [`KvPool`]).
 ///
 /// # Errors
 /// As [`head_shard`].
@@ -130,7 +130,8 @@ pub fn kv_block_bytes(
     for rank in 0..tp.max(1) {
         most = most.max(kv_head_range(cfg, rank, tp.max(1))?.len());
     }
-    Ok(KvPool::bytes(elem, cfg.n_layers, most, cfg.head_dim, block_size, 1))
+    let slots = KvGroups::of(cfg).slots();
+    Ok(KvPool::bytes(elem, slots, most, cfg.head_dim, block_size, 1))
 }
 
 /// The `head_groups` to give `mesh::plan_mesh` (and `InitOptions::head_groups`) for this

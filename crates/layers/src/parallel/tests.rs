@@ -1755,11 +1755,15 @@ fn gemma3_batched_steps_over_a_paged_pool_match_each_sequence_alone() {
         let got = on_mesh(tp, cp, |p, comms| {
             let opts = LoadOptions::new(p).form(WeightForm::F32);
             let model = ParallelModel::load(&path, opts).unwrap();
-            let pool = Arc::new(model.new_pool(4, 90).unwrap());
+            // A block per group (the global layer's, and one per local layer) per 4 tokens.
+            let g = model.kv_groups().len() as u32;
+            assert_eq!(g, 7);
+            let pool = Arc::new(model.new_pool(4, 90 * g as usize).unwrap());
             let mut paged: Vec<ParallelCache> = (0..5u32)
                 .map(|s| {
                     let mut c = model.new_paged_cache(&pool).unwrap();
-                    let table: Vec<u32> = (0..16).map(|b| (s * 16 + b) * 7 % 80).collect();
+                    let table: Vec<u32> =
+                        (0..16 * g).map(|b| (s * 16 * g + b) * 11 % (80 * g)).collect();
                     c.extend_table(&table).unwrap();
                     c
                 })
@@ -1780,4 +1784,92 @@ fn gemma3_batched_steps_over_a_paged_pool_match_each_sequence_alone() {
         }
     }
     std::fs::remove_file(path).unwrap();
+}
+
+/// Greedy decoding far past the window through a paged pool whose windowed groups give their
+/// blocks back as rank 0 would ([`window_dead_blocks`]): each block given back is filled
+/// with NaN (as another sequence's keys might overwrite it) and handed out again, this
+/// sequence's later blocks included. Gemma 2 (4 layers: 2 windowed, 2 global; 2 groups) and
+/// Gemma 3 (7 layers: 1 global; 7 groups), window 4, blocks of 4 tokens: a 6-token prompt and
+/// 40 greedy steps give in (1,1) (2,1) (1,2) (2,2) the single-rank unpaged model's ids and
+/// logits (1e-4), while each windowed group holds at most `ceil(4 / 4) + 1` blocks and the
+/// global ones every block. Fails when a rank reads a block it gave back.
+#[test]
+fn windowed_groups_give_back_blocks_past_the_window_and_decode_as_before() {
+    use crate::model::{window_dead_blocks, PagedCache};
+    let (window, bs, steps) = (4usize, 4usize, 40usize);
+    for (spec, name) in
+        [(gemma2_spec(4, 91), "gemma2-freeing.gguf"), (gemma3_spec(7, 92), "gemma3-freeing.gguf")]
+    {
+        let path = write_model(&spec, name);
+        let vocab = spec.vocab as u32;
+        let prompt: Vec<u32> = (0..6).map(|i| (i * 7 + 3) % vocab).collect();
+        let reference =
+            ParallelModel::load(&path, LoadOptions::new(Placement::single()).form(WeightForm::F32))
+                .unwrap();
+        let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
+        let mut comms = Comms { tp: &mut tp, cp: &mut cp };
+        let mut cache = reference.new_cache(64);
+        let mut tokens = prompt.clone();
+        let mut want = Vec::new();
+        for _ in 0..steps {
+            let logits = reference.forward(&mut comms, &tokens, &mut cache, Logits::Last).unwrap();
+            let next = reference.backend().argmax_rows(&logits).unwrap()[0] as u32;
+            want.push((logits.data().to_vec(), next));
+            tokens = vec![next];
+        }
+        for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2)] {
+            let got = on_mesh(tp, cp, |p, comms| {
+                let opts = LoadOptions::new(p).form(WeightForm::F32);
+                let model = ParallelModel::load(&path, opts).unwrap();
+                let groups = model.kv_groups();
+                let windowed: Vec<usize> =
+                    (0..groups.len()).filter(|&g| groups.windows()[g].is_some()).collect();
+                assert!(!windowed.is_empty() && windowed.len() < groups.len(), "{groups:?}");
+                let pool = Arc::new(model.new_pool(bs, 64).unwrap());
+                // Rank 0's bookkeeping, done alike on every rank: free ids, the logical
+                // blocks handed out, how many of them the windowed groups gave back.
+                let mut free: Vec<u32> = (0..64).rev().collect();
+                let (mut logical, mut dropped, mut most) = (0, 0, 0);
+                let mut cache = model.new_paged_cache(&pool).unwrap();
+                let mut tokens = prompt.clone();
+                let mut out = Vec::new();
+                for _ in 0..steps {
+                    let next = cache.len();
+                    let dead = window_dead_blocks(next, p.cp, window, bs).min(logical);
+                    for b in dropped..dead {
+                        for &g in &windowed {
+                            let id = cache.tables()[g][b];
+                            PagedCache::poison(&pool, id);
+                            free.push(id);
+                        }
+                    }
+                    dropped = dropped.max(dead);
+                    let need = (next + tokens.len()).div_ceil(p.cp).div_ceil(bs);
+                    while logical < need {
+                        let ids: Vec<u32> =
+                            (0..groups.len()).map(|_| free.pop().expect("a free block")).collect();
+                        cache.extend_table(&ids).unwrap();
+                        logical += 1;
+                    }
+                    most = most.max(logical - dropped);
+                    let logits = model.forward(comms, &tokens, &mut cache, Logits::Last).unwrap();
+                    let id = model.backend().argmax_rows(&logits).unwrap()[0] as u32;
+                    out.push((logits.data().to_vec(), id));
+                    tokens = vec![id];
+                }
+                (p, out, logical, most)
+            });
+            for (p, out, logical, most) in got {
+                assert!(logical >= (6 + steps) / (cp * bs), "({tp},{cp}) global blocks grow");
+                assert!(most <= window.div_ceil(bs) + 1, "({tp},{cp}) {p:?}: {most} blocks held");
+                for (i, ((logits, id), (w, wid))) in out.iter().zip(&want).enumerate() {
+                    assert_eq!(id, wid, "{name} ({tp},{cp}) {p:?} step {i}");
+                    let e = rel_err(logits, w);
+                    assert!(e < 1e-4, "{name} ({tp},{cp}) {p:?} step {i}: logits off by {e}");
+                }
+            }
+        }
+        std::fs::remove_file(path).unwrap();
+    }
 }
