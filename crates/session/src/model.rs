@@ -46,6 +46,24 @@ pub struct KvLayout {
     /// Whether full blocks are remembered by their tokens and reused by later prompts that
     /// start the same way.
     pub prefix_caching: bool,
+    /// Groups of layers whose blocks a sequence holds apart (vLLM's KV cache groups,
+    /// `layers::model::KvGroups`): a sequence gets one block per group for each `block_size`
+    /// tokens, in group order. 1 for a model without a sliding window.
+    pub groups: u32,
+    /// How many of the groups, the last ones, hold sliding-window layers: their blocks that
+    /// the window has left go back to the pool as the sequence advances. 0 without a window.
+    pub windowed: u32,
+    /// The positions a query of a windowed layer sees (itself included); unused without
+    /// windowed groups.
+    pub window: u32,
+}
+
+impl KvLayout {
+    /// A pool of `blocks` blocks of `block_size` tokens of every layer (one group, no
+    /// window), with sequences spread over `spread` ranks.
+    pub fn single(blocks: u32, block_size: u32, spread: u32, prefix_caching: bool) -> Self {
+        KvLayout { blocks, block_size, spread, prefix_caching, groups: 1, windowed: 0, window: 0 }
+    }
 }
 
 /// The token a model runner picked for one sampled entry of a plan (vLLM's model runner

@@ -9,6 +9,13 @@
 //! order, never fail), a running sequence that needs a block when none is free preempts the
 //! most recently arrived sequence holding blocks (which recomputes later, with the same
 //! tokens), and a new prompt starts after the longest cached prefix of full blocks.
+//!
+//! A model with sliding-window layers (Gemma 2 and 3) has its layers in groups
+//! ([`KvLayout::groups`]): a sequence gets one block per group for each `block_size` tokens,
+//! and before each plan the blocks of its windowed groups that no later query can see go
+//! back to the pool (`layers::model::window_dead_blocks`, which the ranks follow when they
+//! read), so a long sequence holds about `window / block_size` blocks of each windowed group.
+//! Such a model caches no prefixes.
 
 use crate::blocks::BlockManager;
 use crate::error::{BoxError, Error, Result};
@@ -98,8 +105,12 @@ struct Seq {
     announced: bool,
     stop: Vec<u32>,
     cancel: Option<Cancel>,
-    /// Blocks of the KV pool the sequence holds, in table order.
+    /// Blocks of the KV pool the sequence got, in table order: one per group for each
+    /// `block_size` tokens (see [`KvLayout::groups`]).
     blocks: Vec<u32>,
+    /// Leading table entries (`block_size` tokens each) whose windowed groups' blocks went
+    /// back to the pool: `blocks` still names them, but the sequence no longer holds them.
+    dropped: usize,
     /// How many of `blocks` the ranks were given already.
     sent: usize,
     /// Full blocks remembered for prefix reuse.
@@ -172,9 +183,51 @@ struct Pool {
     prefix_caching: bool,
     /// Blocks a new sequence leaves free for the running ones to grow into.
     watermark: usize,
+    /// Block ids a sequence gets per `block_size` tokens (one per group).
+    groups: usize,
+    /// The last `windowed` groups hold sliding-window layers of this window.
+    windowed: usize,
+    window: usize,
 }
 
 impl Pool {
+    /// Table entries of `s` (`block_size` tokens of every group each).
+    fn entries(&self, s: &Seq) -> usize {
+        s.blocks.len() / self.groups
+    }
+
+    /// Gives back the blocks of `s`'s windowed groups that no query of its next step (at
+    /// `s.prefilled`) sees on any rank.
+    fn give_back(&mut self, s: &mut Seq) {
+        if self.windowed == 0 {
+            return;
+        }
+        let (bs, g) = (self.blocks.block_size(), self.groups);
+        let dead = layers::model::window_dead_blocks(s.prefilled, self.spread, self.window, bs)
+            .min(self.entries(s));
+        for entry in s.dropped..dead {
+            self.blocks.release(&s.blocks[entry * g + g - self.windowed..(entry + 1) * g]);
+        }
+        s.dropped = s.dropped.max(dead);
+    }
+
+    /// Gives back every block `s` holds.
+    fn release(&mut self, s: &Seq) {
+        if s.dropped == 0 {
+            self.blocks.release(&s.blocks);
+            return;
+        }
+        let (g, kept) = (self.groups, self.groups - self.windowed);
+        let held: Vec<u32> = s
+            .blocks
+            .chunks(g)
+            .enumerate()
+            .flat_map(|(entry, ids)| if entry < s.dropped { &ids[..kept] } else { ids })
+            .copied()
+            .collect();
+        self.blocks.release(&held);
+    }
+
     /// Blocks a rank needs for `tokens` tokens of one sequence.
     fn blocks_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.spread).div_ceil(self.blocks.block_size())
@@ -242,11 +295,24 @@ impl Scheduler {
     /// Hands out the blocks of a paged KV pool of `layout` (see the module docs).
     pub(crate) fn with_kv(mut self, layout: KvLayout) -> Self {
         let spread = (layout.spread as usize).max(1);
-        // Prefix reuse needs a rank's blocks to hold the same tokens for every sequence.
-        let prefix_caching = layout.prefix_caching && spread == 1;
+        let groups = (layout.groups as usize).max(1);
+        let windowed = (layout.windowed as usize).min(groups);
+        // Prefix reuse needs a rank's blocks to hold the same tokens for every sequence, and
+        // one table per sequence: a model with layer groups (sliding windows) reuses nothing.
+        let prefix_caching = layout.prefix_caching && spread == 1 && groups == 1;
+        if layout.prefix_caching && groups > 1 {
+            tracing::info!(
+                groups,
+                windowed,
+                "prefix caching is off: the model's sliding-window layers keep their KV blocks \
+                 apart and give them back past the window"
+            );
+        }
         let blocks = BlockManager::new(layout.blocks, layout.block_size, prefix_caching);
         let watermark = (blocks.total() / 100).max(1);
-        self.pool = Some(Pool { blocks, spread, prefix_caching, watermark });
+        let window = (layout.window as usize).max(1);
+        self.pool =
+            Some(Pool { blocks, spread, prefix_caching, watermark, groups, windowed, window });
         self
     }
 
@@ -330,6 +396,7 @@ impl Scheduler {
             stop,
             cancel: req.cancel,
             blocks: Vec::new(),
+            dropped: 0,
             sent: 0,
             registered: 0,
             scheduled: false,
@@ -342,6 +409,9 @@ impl Scheduler {
     /// ones in arrival order, within the token budget, the batch size and the KV pool's free
     /// blocks. `None` when nothing can run.
     pub(crate) fn plan(&mut self, epoch: u64, step: u64) -> Option<StepPlan> {
+        if let Some(pool) = self.pool.as_mut().filter(|p| p.windowed > 0) {
+            self.seqs.iter_mut().for_each(|s| pool.give_back(s));
+        }
         let mut budget = self.budget;
         let mut entries = Vec::new();
         let mut i = 0;
@@ -408,12 +478,14 @@ impl Scheduler {
         else {
             return true;
         };
+        let groups = self.pool.as_ref().map_or(1, |p| p.groups);
         loop {
-            let missing = need.saturating_sub(self.seqs[i].blocks.len());
+            let missing = need.saturating_sub(self.seqs[i].blocks.len() / groups);
             if missing == 0 {
                 return true;
             }
-            if let Some(got) = self.pool.as_mut().and_then(|p| p.blocks.allocate(missing)) {
+            if let Some(got) = self.pool.as_mut().and_then(|p| p.blocks.allocate(missing * groups))
+            {
                 self.seqs[i].blocks.extend(got);
                 return true;
             }
@@ -434,9 +506,9 @@ impl Scheduler {
     fn requeue(&mut self, i: usize) {
         let s = &mut self.seqs[i];
         if let Some(pool) = &mut self.pool {
-            pool.blocks.release(&s.blocks);
+            pool.release(s);
         }
-        (s.blocks, s.sent, s.registered, s.prefilled) = (Vec::new(), 0, 0, 0);
+        (s.blocks, s.dropped, s.sent, s.registered, s.prefilled) = (Vec::new(), 0, 0, 0, 0);
         s.announced = false;
         self.released.push(s.id);
         s.id = self.next_seq;
@@ -460,13 +532,15 @@ impl Scheduler {
         }
         let want = want.min(s.context() - s.prefilled);
         let spare = if fresh { pool.watermark } else { 0 };
-        let room = s.blocks.len() + pool.blocks.available().saturating_sub(spare);
+        // Table entries it can have: each takes a block of every group (a windowed group's
+        // old ones went back before the plan).
+        let room = pool.entries(s) + pool.blocks.available().saturating_sub(spare) / pool.groups;
         let chunk = want.min(pool.tokens_in(room).saturating_sub(s.prefilled));
-        let missing = pool.blocks_for(s.prefilled + chunk).saturating_sub(s.blocks.len());
+        let missing = pool.blocks_for(s.prefilled + chunk).saturating_sub(pool.entries(s));
         if chunk == 0 || missing == 0 {
             return chunk;
         }
-        match pool.blocks.allocate(missing) {
+        match pool.blocks.allocate(missing * pool.groups) {
             Some(got) => {
                 s.blocks.extend(got);
                 chunk
@@ -578,7 +652,7 @@ impl Scheduler {
     fn free(&mut self, s: &Seq) {
         self.released.push(s.id);
         if let Some(pool) = &mut self.pool {
-            pool.blocks.release(&s.blocks);
+            pool.release(s);
         }
     }
 

@@ -104,7 +104,11 @@ impl KvCacheConfig {
         elem: KvElem,
     ) -> Result<usize, KvSizeError> {
         let block = layers::parallel::kv_block_bytes(config, tp, self.block_size, elem)?.max(1);
-        let need = context.div_ceil(cp.max(1)).div_ceil(self.block_size);
+        // A block holds one group of layers; a sequence holds one per group for each
+        // `block_size` tokens (its windowed groups fewer once it is past the window, but a
+        // prompt chunk of the whole context needs them all).
+        let groups = layers::model::KvGroups::of(config).len();
+        let need = context.div_ceil(cp.max(1)).div_ceil(self.block_size) * groups;
         let Some(bytes) = self.bytes else {
             let cap = usize::try_from(self.cap_bytes).unwrap_or(usize::MAX) / block;
             return Ok((need * DEFAULT_SEQUENCES).min(cap).max(need));
@@ -274,11 +278,18 @@ impl ModelFactory for ShardedFactory {
                     Some(m) => m.new_pool(&model, kv.block_size, blocks)?,
                     None => model.new_pool(kv.block_size, blocks)?,
                 };
+                let groups = model.kv_groups();
+                let windows = groups.windows();
+                let windowed = windows.iter().filter(|w| w.is_some()).count();
                 let layout = KvLayout {
                     blocks: u32::try_from(blocks).map_err(|_| format!("{blocks} KV blocks"))?,
                     block_size: kv.block_size as u32,
                     spread: placement.cp as u32,
                     prefix_caching: kv.prefix_caching,
+                    groups: windows.len() as u32,
+                    windowed: windowed as u32,
+                    // One window in every model read so far; the widest frees least.
+                    window: windows.iter().flatten().max().map_or(0, |&w| w as u32),
                 };
                 if let Some(p) = &self.progress {
                     // Committed: the first request faults no page of it in.

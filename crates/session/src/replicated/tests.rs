@@ -326,3 +326,62 @@ fn prompt_logprobs_are_each_prefixs_next_token_distribution() {
     }
     let _ = std::fs::remove_file(&path);
 }
+
+/// A Gemma 3 (7 layers: layer 5 global, the others with a window of 4) through the engine
+/// with a paged pool of blocks of 4 tokens that holds one 64-token sequence: four requests
+/// decode 40 tokens each, far past the window, while their windowed groups give blocks back
+/// before every step; each gets the greedy tokens of the model alone on its own unpaged
+/// cache.
+#[test]
+fn a_windowed_model_over_a_paged_pool_generates_what_it_generates_alone() {
+    let path =
+        std::env::temp_dir().join(format!("tpctl-session-gemma3-{}.gguf", std::process::id()));
+    let spec = layers::model::random::RandomLlama {
+        gemma3: Some(layers::model::random::Gemma3::default()),
+        layers: 7,
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 64,
+        vocab: 40,
+        seed: 93,
+        ..layers::model::random::RandomLlama::default()
+    };
+    spec.write(&path).unwrap();
+    let model = path.to_string_lossy().into_owned();
+    let factory =
+        ShardedFactory::new(1).with_context(64).with_kv_cache(crate::sharded::KvCacheConfig {
+            bytes: None,
+            cap_bytes: 0,
+            block_size: 4,
+            prefix_caching: true,
+            device_fraction: None,
+        });
+    let ctx = init_parallel_with(mesh::Rendezvous::single(), &InitOptions::default()).unwrap();
+    let out = Tokens::default();
+    let mut leader = Leader::new(
+        ctx,
+        Box::new(factory),
+        Box::new(out.clone()),
+        Box::new(NoMetrics),
+        EngineOptions::default(),
+    )
+    .unwrap();
+    let prompts: Vec<Vec<u32>> =
+        (0..4u32).map(|i| (0..6).map(|j| (i * 11 + j * 7 + 1) % 40).collect()).collect();
+    let params = SamplingParams { max_tokens: 40, ignore_eos: true, ..SamplingParams::default() };
+    let batch = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Request::tokens(i as u64, p.clone(), params.clone()))
+        .collect();
+    let cfg = SessionConfig { token_budget: 5, ..SessionConfig::new(model.clone()) };
+    leader.run(cfg, batch, &mut |_: &SessionReport| Decision::Stop).unwrap();
+    let reference = Reference::load(&model);
+    let seen = out.0.lock().unwrap();
+    for (i, p) in prompts.iter().enumerate() {
+        let got: Vec<u32> = seen[&(i as u64)].iter().map(|(t, _)| *t).collect();
+        assert_eq!(got, reference.greedy(p, 40), "request {i}");
+    }
+    let _ = std::fs::remove_file(&path);
+}

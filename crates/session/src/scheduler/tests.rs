@@ -2,6 +2,8 @@
 
 use super::*;
 use crate::model::KvLayout;
+use layers::model::window_dead_blocks;
+use std::collections::HashMap;
 
 fn req(id: u64, len: usize, max_tokens: u32) -> Request {
     let params = SamplingParams { max_tokens, ..SamplingParams::default() };
@@ -247,7 +249,7 @@ fn a_cancelled_request_ends_at_the_next_boundary_and_frees_its_sequence() {
 
 /// A paged pool of `blocks` blocks of 4 tokens, no context parallelism.
 fn paged(budget: u32, context: usize, blocks: u32, prefix_caching: bool) -> Scheduler {
-    let layout = KvLayout { blocks, block_size: 4, spread: 1, prefix_caching };
+    let layout = KvLayout::single(blocks, 4, 1, prefix_caching);
     Scheduler::new(budget, 8, context, Vec::new()).with_kv(layout)
 }
 
@@ -413,7 +415,7 @@ fn a_prompt_starting_with_cached_blocks_skips_them_and_counts_the_hit() {
 /// whose prompt is scored does not take a cached prefix.
 #[test]
 fn prompt_logprobs_go_out_once_per_position_and_skip_the_prefix_cache() {
-    let layout = KvLayout { blocks: 16, block_size: 2, spread: 1, prefix_caching: true };
+    let layout = KvLayout::single(16, 2, 1, true);
     let mut s = Scheduler::new(16, 8, 100, Vec::new()).with_kv(layout);
     let mut step = 0;
     s.add(req(1, 6, 1), None, 0).unwrap();
@@ -451,4 +453,109 @@ fn prompt_logprobs_go_out_once_per_position_and_skip_the_prefix_cache() {
     assert!(s.prompt_logprobs(vec![run(5, &[-5.0])]).is_empty(), "position 5 went out");
     // A run that begins past the next position (a gap) is not sent.
     assert!(s.prompt_logprobs(vec![run(7, &[-7.0])]).is_empty());
+}
+
+/// A model of 7 layer groups (one global, six of sliding-window layers with a window of 8
+/// tokens), blocks of 4 tokens, no context parallelism; `windowed: 0` keeps every block.
+fn windowed_layout(blocks: u32, windowed: u32) -> KvLayout {
+    KvLayout { groups: 7, windowed, window: 8, ..KvLayout::single(blocks, 4, 1, true) }
+}
+
+/// What the ranks of a windowed model do with the plans, run to the end: every sequence's
+/// tables (one block per group per 4 tokens), of which a windowed group's entries before the
+/// window of the sequence's next token are never read again. Checks on every step that no
+/// block is read by two sequences or two groups, that the pool counts exactly the blocks
+/// still read, and that each windowed group reads at most `ceil(8 / 4) + 1` blocks. Returns
+/// the preemptions, the most sequences running at once and the most blocks held at once.
+fn run_windowed(s: &mut Scheduler, layout: KvLayout) -> (u64, usize, usize) {
+    let (g, windowed) = (layout.groups as usize, layout.windowed as usize);
+    let mut tables: HashMap<SeqId, (Vec<u32>, usize)> = HashMap::new();
+    let (mut preemptions, mut running, mut most) = (0, 0, 0);
+    for step in 1..10_000 {
+        let Some(plan) = s.plan(0, step) else { break };
+        for seq in &plan.released {
+            tables.remove(seq);
+        }
+        for e in &plan.entries {
+            let (table, len) = tables.entry(e.seq).or_default();
+            assert_eq!(*len, e.start as usize, "step {step}: {e:?}");
+            table.extend(&e.blocks);
+            assert!(table.len().is_multiple_of(g));
+            assert!(e.start as usize + e.tokens.len() <= table.len() / g * 4, "step {step}");
+        }
+        let mut live = Vec::new();
+        for (table, len) in tables.values() {
+            let dead = if windowed == 0 { 0 } else { window_dead_blocks(*len, 1, 8, 4) };
+            for (entry, ids) in table.chunks(g).enumerate() {
+                let read = if entry < dead { &ids[..g - windowed] } else { ids };
+                live.extend_from_slice(read);
+            }
+            if windowed > 0 {
+                let per_group = table.len() / g - dead.min(table.len() / g);
+                assert!(per_group <= 8 / 4 + 1, "step {step}: {per_group} blocks of a window");
+            }
+        }
+        let n = live.len();
+        live.sort_unstable();
+        live.dedup();
+        assert_eq!(live.len(), n, "step {step}: a block is read twice");
+        assert_eq!(s.pool.as_ref().unwrap().blocks.used(), n, "step {step}: blocks held");
+        most = most.max(n);
+        running = running.max(plan.entries.len());
+        let sampled: Vec<SampledToken> = plan
+            .entries
+            .iter()
+            .filter(|e| e.sample)
+            .map(|e| SampledToken {
+                token: ((e.start as usize + e.tokens.len()) % 7) as u32,
+                logprobs: None,
+            })
+            .collect();
+        for e in &plan.entries {
+            tables.get_mut(&e.seq).unwrap().1 += e.tokens.len();
+        }
+        s.apply(&plan, sampled).unwrap();
+        preemptions += s.take_load().preemptions;
+    }
+    assert!(!s.has_work(), "every request finished");
+    (preemptions, running, most)
+}
+
+/// One long sequence of a windowed model (prompt 10, 200 new tokens): its global group's
+/// blocks grow with it, each windowed group holds at most 3 blocks, so it holds
+/// `53 + 6 · 3` blocks at most, where keeping every block takes `7 · 53`.
+#[test]
+fn a_long_windowed_sequence_holds_its_global_blocks_and_a_window_of_the_others() {
+    let mut most = Vec::new();
+    for windowed in [6, 0] {
+        let layout = windowed_layout(400, windowed);
+        let mut s = Scheduler::new(16, 8, 512, Vec::new()).with_kv(layout);
+        assert!(!s.pool.as_ref().unwrap().prefix_caching, "no prefix caching with groups");
+        s.add(req(1, 10, 200), None, 0).unwrap();
+        let (preemptions, _, held) = run_windowed(&mut s, layout);
+        assert_eq!(preemptions, 0);
+        most.push(held);
+    }
+    // 210 tokens: 53 table entries (the last token is sampled, never cached: 209 held).
+    assert_eq!(most, [53 + 6 * 3, 7 * 53]);
+}
+
+/// A pool too small for four long sequences of a windowed model that keep every block (4 ·
+/// 7 · 17 blocks) holds them at once when the windowed groups give their blocks back (4 ·
+/// (17 + 6 · 3)): no preemption, every sequence running together; keeping every block, the
+/// same pool preempts.
+#[test]
+fn a_pool_too_small_to_keep_every_block_runs_windowed_sequences_together() {
+    let mut runs = Vec::new();
+    for windowed in [6, 0] {
+        let layout = windowed_layout(160, windowed);
+        let mut s = Scheduler::new(64, 8, 512, Vec::new()).with_kv(layout);
+        for id in 0..4 {
+            s.add(req(id, 6, 60), None, 0).unwrap();
+        }
+        runs.push(run_windowed(&mut s, layout));
+    }
+    let [(freeing, together, _), (keeping, _, _)] = runs[..] else { unreachable!() };
+    assert_eq!((freeing, together), (0, 4), "giving blocks back, all four run at once");
+    assert!(keeping > 0, "keeping every block, the pool must preempt");
 }
