@@ -192,12 +192,14 @@ fn cuda_gemma_models_with_a_paged_device_pool_match_cpu() {
             ParallelModel::load(&path, opts).unwrap()
         };
         let (dev, host) = (load(gpu.clone()), load(cpu()));
-        let (block_size, blocks) = (4, 8);
+        // 8 blocks of 4 tokens for each group of layers (see `KvGroups`), scrambled.
+        let (block_size, blocks) = (4, 8 * dev.kv_groups().len());
         let bytes = dev.pool_bytes(block_size, blocks, KvElem::F32);
         let arena = tensor::kernels::PoolArena::new(cuda_of(&gpu), bytes).unwrap();
         let pool = dev.pool_on_device(&arena, block_size, blocks, KvElem::F32).unwrap();
         let mut paged = dev.new_paged_cache(&std::sync::Arc::new(pool)).unwrap();
-        paged.extend_table(&[5, 2, 7, 0, 6, 1, 3, 4]).unwrap();
+        let table: Vec<u32> = (0..blocks).map(|i| ((blocks + 2 - i) % blocks) as u32).collect();
+        paged.extend_table(&table).unwrap();
         let mut cache = host.new_cache(32);
         let prompt = [3u32, 17, 5, 38, 0, 22, 9];
         let got = decode(&dev, &mut paged, &prompt, 12);
