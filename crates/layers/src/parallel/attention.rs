@@ -1,5 +1,10 @@
 //! Self-attention over a TP rank's heads, for prefill and extend steps, with the CP exchange
 //! of keys and values (prefill) or partial outputs (extend).
+//!
+//! A prefill's queries on CP rank `r` are positions after every key of the ranks before it,
+//! so in a sliding-window layer (Gemma 2 and 3) they see at most the last `window - 1` keys
+//! of the ranks before: a rank sends only those of its shard, and attends to them and its
+//! own keys.
 
 use super::cache::ParallelCache;
 use super::forward::{Part, Split};
@@ -12,6 +17,10 @@ use collectives::{Collective, Communicator};
 use tensor::kernels::cpu::attention::merge_partial;
 use tensor::kernels::{AttnShape, Backend, Kv};
 use tensor::Tensor;
+
+/// A rank's own keys and values of a windowed layer's prefill shard (it sends only its last
+/// ones).
+type OwnKv = (Vec<f32>, Vec<f32>);
 
 /// Self-attention over this rank's KV heads, for both step kinds.
 #[derive(Clone, Debug)]
@@ -69,19 +78,27 @@ impl ParallelAttention {
         let mut queries = Vec::with_capacity(parts.len());
         // Extend outputs (partial with CP); prefill outputs come after the exchange.
         let mut outs: Vec<Option<Tensor>> = Vec::with_capacity(parts.len());
+        // A windowed layer's prefill keys and values of this rank, all of them (it sends
+        // only the last few).
+        let mut own: Vec<Option<OwnKv>> = Vec::with_capacity(parts.len());
         let mut mine = Vec::new();
         for (p, cache) in parts.iter().zip(caches.iter_mut()) {
             let (qe, ke, ve) = (rows(&q, p)?, rows(&k, p)?, rows(&v, p)?);
             match &p.split {
                 Split::Prefill(_) => {
                     cache.append_tensors(be, layer, &ke, &ve, &p.positions)?;
-                    mine.extend_from_slice(ke.host()?);
-                    mine.extend_from_slice(ve.host()?);
+                    let (kh, vh) = (ke.host()?, ve.host()?);
+                    let rows = p.positions.len();
+                    let from = (rows - self.prefill_rows_sent(rows)) * kv_width;
+                    mine.extend_from_slice(&kh[from..]);
+                    mine.extend_from_slice(&vh[from..]);
+                    own.push(self.attn.window().map(|_| (kh.to_vec(), vh.to_vec())));
                     outs.push(None);
                 }
                 Split::Extend(_) if p.owned.iter().all(|&o| o) => {
                     // Every new token is this rank's (always without CP).
                     cache.append_tensors(be, layer, &ke, &ve, &p.positions)?;
+                    own.push(None);
                 }
                 Split::Extend(_) => {
                     let (mut mk, mut mv, mut mp) = (Vec::new(), Vec::new(), Vec::new());
@@ -91,6 +108,7 @@ impl ParallelAttention {
                         mp.push(p.positions[i]);
                     }
                     cache.append(be, layer, &mk, &mv, &mp)?;
+                    own.push(None);
                 }
             }
             if let Split::Extend(_) = p.split {
@@ -109,7 +127,7 @@ impl ParallelAttention {
             queries.push(qe);
         }
         if cp > 1 {
-            self.exchange(be, comms.cp, &mine, parts, &queries, &mut outs)?;
+            self.exchange(be, comms.cp, &mine, parts, (&queries, &own), &mut outs)?;
         }
         let outs = outs
             .into_iter()
@@ -122,23 +140,36 @@ impl ParallelAttention {
         self.finish(be, comms, out)
     }
 
+    /// Rows of a prefill shard of `rows` tokens that a rank sends the others: all of them, or
+    /// in a windowed layer the last `window - 1`, the only ones a later rank's queries see.
+    fn prefill_rows_sent(&self, rows: usize) -> usize {
+        match self.attn.window() {
+            Some(w) => rows.min(w.saturating_sub(1)),
+            None => rows,
+        }
+    }
+
     /// The CP exchange of one layer: every rank sends `mine` (per part, in order: a prefill's
-    /// keys then values, an extend's partial output then log-sum-exp); then each prefill
-    /// attends to every rank's keys and values and each extend merges the partial outputs in
-    /// rank order, so every rank gets the same bits.
+    /// keys then values, those of a windowed layer cut to [`Self::prefill_rows_sent`], an
+    /// extend's partial output then log-sum-exp); then each prefill attends to every rank's
+    /// keys and values (a windowed layer's: the earlier ranks' it got and its own, `own`)
+    /// and each extend merges the partial outputs in rank order, so every rank gets the same
+    /// bits.
     fn exchange(
         &self,
         be: &Backend,
         cp: &mut dyn Communicator,
         mine: &[f32],
         parts: &[Part],
-        queries: &[Tensor],
+        (queries, own): (&[Tensor], &[Option<OwnKv>]),
         outs: &mut [Option<Tensor>],
     ) -> Result<()> {
         let ranks = cp.size();
         let AttnShape { q_heads, kv_heads, head_dim, .. } = self.shape;
         let piece = |p: &Part, r: usize| match &p.split {
-            Split::Prefill(shard) => 2 * shard.sizes()[r] * kv_heads * head_dim,
+            Split::Prefill(shard) => {
+                2 * self.prefill_rows_sent(shard.sizes()[r]) * kv_heads * head_dim
+            }
             Split::Extend(_) => p.positions.len() * q_heads * (head_dim + 1),
         };
         let sizes: Vec<usize> =
@@ -160,9 +191,27 @@ impl ParallelAttention {
                     .collect()
             })
             .collect();
-        for (((p, q), out), pieces) in parts.iter().zip(queries).zip(outs.iter_mut()).zip(&pieces) {
-            match &p.split {
-                Split::Prefill(_) => {
+        let parts_out = parts.iter().zip(queries).zip(own).zip(outs.iter_mut()).zip(&pieces);
+        for ((((p, q), own), out), pieces) in parts_out {
+            match (&p.split, own) {
+                (Split::Prefill(shard), Some((k_own, v_own))) => {
+                    // The last keys of the ranks before this one, then its own.
+                    let (mut k_all, mut v_all, mut at) = (Vec::new(), Vec::new(), Vec::new());
+                    for (both, range) in pieces.iter().zip(shard.ranges()).take(shard.rank()) {
+                        let (ks, vs) = both.split_at(both.len() / 2);
+                        k_all.extend_from_slice(ks);
+                        v_all.extend_from_slice(vs);
+                        let n = ks.len() / (kv_heads * head_dim);
+                        at.extend_from_slice(&p.all_positions[range.end - n..range.end]);
+                    }
+                    k_all.extend_from_slice(k_own);
+                    v_all.extend_from_slice(v_own);
+                    at.extend_from_slice(&p.positions);
+                    let kv = Kv::Host { k: &k_all, v: &v_all };
+                    let (o, _) = be.attention(q, &p.positions, kv, &at, self.shape, false)?;
+                    *out = Some(o);
+                }
+                (Split::Prefill(_), None) => {
                     let total = p.all_positions.len() * kv_heads * head_dim;
                     let (mut k_all, mut v_all) =
                         (Vec::with_capacity(total), Vec::with_capacity(total));
@@ -176,7 +225,7 @@ impl ParallelAttention {
                         be.attention(q, &p.positions, kv, &p.all_positions, self.shape, false)?;
                     *out = Some(o);
                 }
-                Split::Extend(_) => {
+                (Split::Extend(_), _) => {
                     let width = p.positions.len() * q_heads * head_dim;
                     let (first_o, first_l) = pieces[0].split_at(width);
                     let (mut acc_o, mut acc_l) = (first_o.to_vec(), first_l.to_vec());

@@ -1873,3 +1873,148 @@ fn windowed_groups_give_back_blocks_past_the_window_and_decode_as_before() {
         std::fs::remove_file(path).unwrap();
     }
 }
+
+/// A communicator that records the bytes each all-gather sends, and passes every call on.
+struct Counting {
+    inner: Box<dyn Communicator>,
+    gathers: Vec<usize>,
+}
+
+impl Communicator for Counting {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn group(&self) -> &str {
+        self.inner.group()
+    }
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+    fn timeout(&self) -> Duration {
+        self.inner.timeout()
+    }
+    fn set_timeout(&mut self, timeout: Duration) {
+        self.inner.set_timeout(timeout)
+    }
+    fn abort_handle(&self) -> collectives::AbortHandle {
+        self.inner.abort_handle()
+    }
+    fn fail(&mut self, reason: &str) {
+        self.inner.fail(reason)
+    }
+    fn all_reduce_raw(
+        &mut self,
+        buf: &mut [u8],
+        dtype: collectives::ElemType,
+        op: collectives::ReduceOp,
+    ) -> collectives::Result<()> {
+        self.inner.all_reduce_raw(buf, dtype, op)
+    }
+    fn all_gather_uneven_raw(
+        &mut self,
+        send: &[u8],
+        recv: &mut [u8],
+        sizes: &[usize],
+        dtype: collectives::ElemType,
+    ) -> collectives::Result<()> {
+        self.gathers.push(send.len());
+        self.inner.all_gather_uneven_raw(send, recv, sizes, dtype)
+    }
+    fn reduce_scatter_raw(
+        &mut self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: collectives::ElemType,
+        op: collectives::ReduceOp,
+    ) -> collectives::Result<()> {
+        self.inner.reduce_scatter_raw(send, recv, dtype, op)
+    }
+    fn broadcast_raw(
+        &mut self,
+        buf: &mut [u8],
+        dtype: collectives::ElemType,
+        root: usize,
+    ) -> collectives::Result<()> {
+        self.inner.broadcast_raw(buf, dtype, root)
+    }
+    fn send_raw(
+        &mut self,
+        buf: &[u8],
+        dtype: collectives::ElemType,
+        peer: usize,
+    ) -> collectives::Result<()> {
+        self.inner.send_raw(buf, dtype, peer)
+    }
+    fn recv_raw(
+        &mut self,
+        buf: &mut [u8],
+        dtype: collectives::ElemType,
+        peer: usize,
+    ) -> collectives::Result<()> {
+        self.inner.recv_raw(buf, dtype, peer)
+    }
+    fn all_to_all_raw(
+        &mut self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: collectives::ElemType,
+    ) -> collectives::Result<()> {
+        self.inner.all_to_all_raw(send, recv, dtype)
+    }
+    fn barrier(&mut self) -> collectives::Result<()> {
+        self.inner.barrier()
+    }
+}
+
+/// CP's prefill exchange carries of a windowed layer only the keys a later rank's queries
+/// see: a Gemma 3 (7 layers, window 4, layer 5 global) prefills 24 tokens over CP 2 and 3,
+/// and each rank's all-gather of a local layer sends the last 3 of its keys and values, of
+/// the global layer all of them; every rank's logits of every position are the single-rank
+/// model's (1e-4), so the keys left out were seen by no query.
+#[test]
+fn cp_prefill_sends_a_windowed_layer_only_the_keys_a_later_rank_sees() {
+    let spec = gemma3_spec(7, 94);
+    let path = write_model(&spec, "gemma3-exchange.gguf");
+    let prompt: Vec<u32> = (0..24).map(|i| (i * 5 + 2) % spec.vocab as u32).collect();
+    let single = |p| ParallelModel::load(&path, LoadOptions::new(p).form(WeightForm::F32));
+    let reference = single(Placement::single()).unwrap();
+    let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
+    let mut comms = Comms { tp: &mut tp, cp: &mut cp };
+    let mut cache = reference.new_cache(32);
+    let want = reference.forward(&mut comms, &prompt, &mut cache, Logits::All).unwrap();
+    // Keys and values of one token on a rank: 3 KV heads of 8 values, f32.
+    let row_bytes = 2 * 3 * 8 * 4;
+    for cp in [2, 3] {
+        let got = std::thread::scope(|s| {
+            let handles: Vec<_> = mesh_comms(1, cp)
+                .into_iter()
+                .map(|(mut t, c)| {
+                    let (single, prompt) = (&single, &prompt);
+                    s.spawn(move || {
+                        let mut c = Counting { inner: c, gathers: Vec::new() };
+                        let mut comms = Comms { tp: &mut *t, cp: &mut c };
+                        let p = Placement::of(&comms);
+                        let model = single(p).unwrap();
+                        let mut cache = model.new_cache(32);
+                        let logits =
+                            model.forward(&mut comms, prompt, &mut cache, Logits::All).unwrap();
+                        (p, logits, c.gathers)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        });
+        for (p, logits, gathers) in got {
+            let shard = TokenShard::new(24, cp, p.cp_rank).unwrap().local().len();
+            let layers: Vec<usize> =
+                (0..7).map(|l| if l == 5 { shard } else { shard.min(3) } * row_bytes).collect();
+            assert_eq!(gathers[..7], layers, "cp {cp} rank {}", p.cp_rank);
+            let e = rel_err(logits.data(), want.data());
+            assert!(e < 1e-4, "cp {cp} rank {}: logits off by {e}", p.cp_rank);
+        }
+    }
+    std::fs::remove_file(path).unwrap();
+}
