@@ -297,10 +297,11 @@ impl Scheduler {
         let spread = (layout.spread as usize).max(1);
         let groups = (layout.groups as usize).max(1);
         let windowed = (layout.windowed as usize).min(groups);
-        // Prefix reuse needs a rank's blocks to hold the same tokens for every sequence, and
-        // one table per sequence: a model with layer groups (sliding windows) reuses nothing.
-        let prefix_caching = layout.prefix_caching && spread == 1 && groups == 1;
-        if layout.prefix_caching && groups > 1 {
+        // Prefix reuse needs a rank's blocks to hold the same tokens for every sequence, one
+        // table per sequence, and every block of the prefix still held: a model with
+        // sliding-window layers reuses nothing.
+        let prefix_caching = layout.prefix_caching && spread == 1 && groups == 1 && windowed == 0;
+        if layout.prefix_caching && (groups > 1 || windowed > 0) {
             tracing::info!(
                 groups,
                 windowed,
