@@ -469,6 +469,7 @@ fn windowed_layout(blocks: u32, windowed: u32) -> KvLayout {
 /// the preemptions, the most sequences running at once and the most blocks held at once.
 fn run_windowed(s: &mut Scheduler, layout: KvLayout) -> (u64, usize, usize) {
     let (g, windowed) = (layout.groups as usize, layout.windowed as usize);
+    let spread = layout.spread as usize;
     let mut tables: HashMap<SeqId, (Vec<u32>, usize)> = HashMap::new();
     let (mut preemptions, mut running, mut most) = (0, 0, 0);
     for step in 1..10_000 {
@@ -481,11 +482,12 @@ fn run_windowed(s: &mut Scheduler, layout: KvLayout) -> (u64, usize, usize) {
             assert_eq!(*len, e.start as usize, "step {step}: {e:?}");
             table.extend(&e.blocks);
             assert!(table.len().is_multiple_of(g));
-            assert!(e.start as usize + e.tokens.len() <= table.len() / g * 4, "step {step}");
+            let end = e.start as usize + e.tokens.len();
+            assert!(end.div_ceil(spread) <= table.len() / g * 4, "step {step}");
         }
         let mut live = Vec::new();
         for (table, len) in tables.values() {
-            let dead = if windowed == 0 { 0 } else { window_dead_blocks(*len, 1, 8, 4) };
+            let dead = if windowed == 0 { 0 } else { window_dead_blocks(*len, spread, 8, 4) };
             for (entry, ids) in table.chunks(g).enumerate() {
                 let read = if entry < dead { &ids[..g - windowed] } else { ids };
                 live.extend_from_slice(read);
@@ -523,7 +525,8 @@ fn run_windowed(s: &mut Scheduler, layout: KvLayout) -> (u64, usize, usize) {
 
 /// One long sequence of a windowed model (prompt 10, 200 new tokens): its global group's
 /// blocks grow with it, each windowed group holds at most 3 blocks, so it holds
-/// `53 + 6 · 3` blocks at most, where keeping every block takes `7 · 53`.
+/// `53 + 6 · 3` blocks at most, where keeping every block takes `7 · 53`; spread over 2 CP
+/// ranks, half the global blocks and still 3 of each windowed group.
 #[test]
 fn a_long_windowed_sequence_holds_its_global_blocks_and_a_window_of_the_others() {
     let mut most = Vec::new();
@@ -538,6 +541,14 @@ fn a_long_windowed_sequence_holds_its_global_blocks_and_a_window_of_the_others()
     }
     // 210 tokens: 53 table entries (the last token is sampled, never cached: 209 held).
     assert_eq!(most, [53 + 6 * 3, 7 * 53]);
+    // Spread over 2 CP ranks: each rank holds half the tokens, the windowed groups still at
+    // most 3 blocks each (checked in `run_windowed`).
+    let layout = KvLayout { spread: 2, ..windowed_layout(400, 6) };
+    let mut s = Scheduler::new(16, 8, 512, Vec::new()).with_kv(layout);
+    s.add(req(1, 10, 200), None, 0).unwrap();
+    let (preemptions, _, held) = run_windowed(&mut s, layout);
+    assert_eq!(preemptions, 0);
+    assert!(held <= 27 + 6 * 3, "{held} blocks");
 }
 
 /// A pool too small for four long sequences of a windowed model that keep every block (4 ·
