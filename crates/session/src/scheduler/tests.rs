@@ -554,7 +554,7 @@ fn a_long_windowed_sequence_holds_its_global_blocks_and_a_window_of_the_others()
 /// A pool too small for four long sequences of a windowed model that keep every block (4 ·
 /// 7 · 17 blocks) holds them at once when the windowed groups give their blocks back (4 ·
 /// (17 + 6 · 3)): no preemption, every sequence running together; keeping every block, the
-/// same pool preempts.
+/// same pool preempts. One sequence that needs 364 blocks kept runs alone in a pool of 80.
 #[test]
 fn a_pool_too_small_to_keep_every_block_runs_windowed_sequences_together() {
     let mut runs = Vec::new();
@@ -569,4 +569,10 @@ fn a_pool_too_small_to_keep_every_block_runs_windowed_sequences_together() {
     let [(freeing, together, _), (keeping, _, _)] = runs[..] else { unreachable!() };
     assert_eq!((freeing, together), (0, 4), "giving blocks back, all four run at once");
     assert!(keeping > 0, "keeping every block, the pool must preempt");
+    // One sequence of 6 + 200 tokens needs 52 table entries: 364 blocks kept, 52 + 6 · 3
+    // given back; a pool of 80 runs it without a preemption.
+    let layout = windowed_layout(80, 6);
+    let mut s = Scheduler::new(64, 8, 512, Vec::new()).with_kv(layout);
+    s.add(req(1, 6, 200), None, 0).unwrap();
+    assert_eq!(run_windowed(&mut s, layout), (0, 1, 52 + 6 * 3));
 }
