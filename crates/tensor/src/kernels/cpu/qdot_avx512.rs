@@ -37,6 +37,11 @@ pub(super) const X_TILE: usize = 8;
 /// How far ahead of each row's quants the kernels prefetch, in bytes (several tiles of rows
 /// ahead; 2 KiB was slower, 8 KiB no faster).
 const PREFETCH: usize = 4096;
+/// Weight rows dequantized together by [`Job::run_dequantized`]: their 24 accumulators against
+/// a tile of [`X_TILE`] activation rows, a register of each weight row and an activation
+/// register fit in the 32 zmm registers (each activation load then serves three rows; with
+/// two, 32-row products of SmolLM2's shapes ran 10-25% slower).
+const DEQ_ROWS: usize = 3;
 
 /// The weight forms, as the kernels' const parameter (see [`QBits`]).
 const EIGHT: u8 = 0;
@@ -91,6 +96,43 @@ impl Avx512 {
     }
 }
 
+impl Avx512 {
+    /// Row `r` of `w`, dequantized into `out` (`cols` values): the values the kernels multiply
+    /// by, the same bits as [`QMatrix::dequantize_row_scalar`], a block's two halves as two
+    /// registers instead of 32 scalar multiply-adds (a prefill GEMM dequantizes every weight
+    /// row of the model this way).
+    ///
+    /// # Panics
+    /// When `out` is not `cols` long or the matrix has no row `r`.
+    pub(super) fn dequantize_row(self, w: &QMatrix, r: usize, out: &mut [f32]) {
+        let (scales, mins, qs) = w.parts();
+        let nb = w.dims().1 / BLOCK;
+        assert_eq!(
+            out.len(),
+            nb * BLOCK,
+            "dequantize_row: {} values for a row of {}",
+            out.len(),
+            nb * BLOCK
+        );
+        let out = pulp::as_arrays_mut::<16, f32>(out).0;
+        let job = Job { scales, mins, qs, nb, x: &[], m: 0 };
+        match w.bits() {
+            QBits::Four => {
+                // SAFETY: `self` exists only when the CPU has AVX-512F.
+                unsafe { job.dequantize::<FOUR>(r, out) }
+            }
+            QBits::Eight => {
+                // SAFETY: as above.
+                unsafe { job.dequantize::<EIGHT>(r, out) }
+            }
+            QBits::Eight16 => {
+                // SAFETY: as above.
+                unsafe { job.dequantize::<EIGHT16>(r, out) }
+            }
+        }
+    }
+}
+
 /// A task's weight rows and every activation row.
 #[derive(Clone, Copy)]
 struct Job<'a> {
@@ -132,6 +174,28 @@ impl<'a> Job<'a> {
         }
     }
 
+    /// Weight row `r` (of the whole matrix: the job's slices start at row 0) of form `K`,
+    /// dequantized into `out` (`2 · nb` arrays).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn dequantize<const K: u8>(self, r: usize, out: &mut [[f32; 16]]) {
+        let with_mins = K == FOUR || (K == EIGHT16 && !self.mins.is_empty());
+        let row = self.row::<K>(r);
+        let out = &mut out[..2 * self.nb];
+        for b in 0..self.nb {
+            // SAFETY: `b < nb`, and `Job::row` sliced the row's `nb` blocks with their scales,
+            // and minimums exactly when `with_mins` (or panicked).
+            let [lo, hi] = unsafe { block::<K>(row, b, with_mins) };
+            // SAFETY: `2 · b + 1 < 2 · nb`, the length of `out`; the stores need no alignment.
+            unsafe {
+                _mm512_storeu_ps(out[2 * b].as_mut_ptr(), lo);
+                _mm512_storeu_ps(out[2 * b + 1].as_mut_ptr(), hi);
+            }
+        }
+    }
+
     /// Every activation row, in tiles of up to [`X_TILE`], each against `R` weight rows at a
     /// time: 4 for a lone row (independent chains of multiply-adds for the core), 2 for more
     /// (each activation load then serves two rows; on the model's shapes this was faster than
@@ -163,11 +227,12 @@ impl<'a> Job<'a> {
         }
     }
 
-    /// [`Job::run`] for more than one tile of activation rows: each pair of weight rows is
-    /// dequantized once, into registers' worth of memory that stays in L1 (the values the
-    /// in-register kernels compute, block by block), and multiplied from there into every
-    /// tile, instead of dequantized again for each tile. Each pair's multiply-adds are those
-    /// of [`row_dots`], in the same order, so the bits are the same.
+    /// [`Job::run`] for more than one tile of activation rows: each group of [`DEQ_ROWS`]
+    /// weight rows is dequantized once, into registers' worth of memory that stays in L1 (the
+    /// values the in-register kernels compute, block by block), and multiplied from there into
+    /// every tile, instead of dequantized again for each tile. Each (weight row, activation
+    /// row) pair's multiply-adds are those of [`row_dots`], in the same order, so the bits are
+    /// the same.
     ///
     /// # Safety
     /// The CPU has AVX-512F.
@@ -176,11 +241,11 @@ impl<'a> Job<'a> {
         let g = 2 * self.nb;
         let rows = out.len() / self.m;
         let with_mins = K == FOUR || (K == EIGHT16 && !self.mins.is_empty());
-        let mut deq = vec![_mm512_setzero_ps(); 2 * g];
+        let mut deq = vec![_mm512_setzero_ps(); DEQ_ROWS * g];
         let mut r = 0;
         while r < rows {
-            let pair = (rows - r).min(2);
-            for j in 0..pair {
+            let group = (rows - r).min(DEQ_ROWS);
+            for j in 0..group {
                 let row = self.row::<K>(r + j);
                 for b in 0..self.nb {
                     // SAFETY: `b < nb`, and `Job::row` sliced the row's `nb` blocks with their
@@ -190,30 +255,34 @@ impl<'a> Job<'a> {
                     deq[j * g + 2 * b + 1] = hi;
                 }
             }
-            let mut i = 0;
-            while i < self.m {
-                let t = (self.m - i).min(X_TILE);
-                match (t, pair) {
-                    (1, 1) => self.deq_tile::<1, 1>(&deq, r, i, out),
-                    (1, _) => self.deq_tile::<1, 2>(&deq, r, i, out),
-                    (2, 1) => self.deq_tile::<2, 1>(&deq, r, i, out),
-                    (2, _) => self.deq_tile::<2, 2>(&deq, r, i, out),
-                    (3, 1) => self.deq_tile::<3, 1>(&deq, r, i, out),
-                    (3, _) => self.deq_tile::<3, 2>(&deq, r, i, out),
-                    (4, 1) => self.deq_tile::<4, 1>(&deq, r, i, out),
-                    (4, _) => self.deq_tile::<4, 2>(&deq, r, i, out),
-                    (5, 1) => self.deq_tile::<5, 1>(&deq, r, i, out),
-                    (5, _) => self.deq_tile::<5, 2>(&deq, r, i, out),
-                    (6, 1) => self.deq_tile::<6, 1>(&deq, r, i, out),
-                    (6, _) => self.deq_tile::<6, 2>(&deq, r, i, out),
-                    (7, 1) => self.deq_tile::<7, 1>(&deq, r, i, out),
-                    (7, _) => self.deq_tile::<7, 2>(&deq, r, i, out),
-                    (_, 1) => self.deq_tile::<8, 1>(&deq, r, i, out),
-                    (_, _) => self.deq_tile::<8, 2>(&deq, r, i, out),
-                }
-                i += t;
+            match group {
+                1 => self.deq_tiles::<1>(&deq, r, out),
+                2 => self.deq_tiles::<2>(&deq, r, out),
+                _ => self.deq_tiles::<DEQ_ROWS>(&deq, r, out),
             }
-            r += pair;
+            r += group;
+        }
+    }
+
+    /// Every tile of activation rows times the `R` dequantized weight rows in `deq` (rows
+    /// `r..r + R` of the task).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn deq_tiles<const R: usize>(self, deq: &[__m512], r: usize, out: &mut [f32]) {
+        let mut i = 0;
+        while i < self.m {
+            let t = (self.m - i).min(X_TILE);
+            match t {
+                1 => self.deq_tile::<1, R>(deq, r, i, out),
+                2 => self.deq_tile::<2, R>(deq, r, i, out),
+                3 => self.deq_tile::<3, R>(deq, r, i, out),
+                4 => self.deq_tile::<4, R>(deq, r, i, out),
+                5 => self.deq_tile::<5, R>(deq, r, i, out),
+                6 => self.deq_tile::<6, R>(deq, r, i, out),
+                7 => self.deq_tile::<7, R>(deq, r, i, out),
+                _ => self.deq_tile::<8, R>(deq, r, i, out),
+            }
+            i += t;
         }
     }
 

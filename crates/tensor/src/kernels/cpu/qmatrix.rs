@@ -238,8 +238,19 @@ impl QMatrix {
         self.qs.len() + 4 * (self.scales.len() + self.mins.len())
     }
 
-    /// Dequantizes row `r` into `out` (`cols` values).
+    /// Dequantizes row `r` into `out` (`cols` values), with AVX-512 when the CPU has it: the
+    /// same bits either way.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(k) = super::qdot_avx512::Avx512::try_new() {
+            return k.dequantize_row(self, r, out);
+        }
+        self.dequantize_row_scalar(r, out);
+    }
+
+    /// [`QMatrix::dequantize_row`] one value at a time: `d·q` (plus `m`), multiplied, then
+    /// added, as the kernels do.
+    pub(crate) fn dequantize_row_scalar(&self, r: usize, out: &mut [f32]) {
         let nb = self.cols / BLOCK;
         let (scales, mins, qs) = (self.scales.as_slice(), self.mins.as_slice(), self.qs.as_slice());
         for (b, o) in out.chunks_exact_mut(BLOCK).enumerate() {
@@ -578,6 +589,24 @@ mod tests {
         let picked = m.select_rows(&[2, 0]).dequantize();
         assert_eq!(picked[..cols], deq[2 * cols..]);
         assert_eq!(picked[cols..], deq[..cols]);
+    }
+
+    /// The GEMM panels take their weights from `dequantize_row`, the direct kernels compute
+    /// them in registers: with AVX-512 the two must be the same values, or a prompt chunk's rows
+    /// would multiply other weights than the decode rows beside it.
+    #[test]
+    fn every_form_dequantizes_to_the_same_bits_with_and_without_avx512() {
+        let (rows, cols) = (5, 96);
+        let w = random_vec(rows * cols, 4);
+        for (name, m) in forms(rows, cols, &w) {
+            for r in 0..rows {
+                let (mut fast, mut scalar) = (vec![f32::NAN; cols], vec![f32::NAN; cols]);
+                m.dequantize_row(r, &mut fast);
+                m.dequantize_row_scalar(r, &mut scalar);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&fast), bits(&scalar), "{name}, row {r}");
+            }
+        }
     }
 
     /// `w` (`[rows, cols]`) as a matrix of every form: Q8_0, Q4_0 and Q4_1 blocks, and bytes
