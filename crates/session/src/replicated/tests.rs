@@ -118,6 +118,18 @@ impl MetricsSink for Preemptions {
     }
 }
 
+/// One rank's factory for a `context`-token sequence over a paged pool of 4-token blocks, with
+/// prefix caching on.
+fn paged_factory(context: usize) -> ShardedFactory {
+    ShardedFactory::new(1).with_context(context).with_kv_cache(crate::sharded::KvCacheConfig {
+        bytes: None,
+        cap_bytes: 0,
+        block_size: 4,
+        prefix_caching: true,
+        device_fraction: None,
+    })
+}
+
 /// Runs `requests` (prompt and parameters; request `i` has id `i`) on one rank whose KV pool
 /// holds one 40-token sequence (blocks of 4, prefix caching on, a token budget of 5), into
 /// `output`, and checks that the pool was small enough to preempt.
@@ -126,14 +138,7 @@ fn run_preempting(
     requests: &[(Vec<u32>, SamplingParams)],
     output: Box<dyn OutputSink>,
 ) {
-    let factory =
-        ShardedFactory::new(1).with_context(40).with_kv_cache(crate::sharded::KvCacheConfig {
-            bytes: None,
-            cap_bytes: 0,
-            block_size: 4,
-            prefix_caching: true,
-            device_fraction: None,
-        });
+    let factory = paged_factory(40);
     let ctx = init_parallel_with(mesh::Rendezvous::single(), &InitOptions::default()).unwrap();
     let preemptions = Preemptions::default();
     let mut leader = Leader::new(
@@ -349,14 +354,7 @@ fn a_windowed_model_over_a_paged_pool_generates_what_it_generates_alone() {
     };
     spec.write(&path).unwrap();
     let model = path.to_string_lossy().into_owned();
-    let factory =
-        ShardedFactory::new(1).with_context(64).with_kv_cache(crate::sharded::KvCacheConfig {
-            bytes: None,
-            cap_bytes: 0,
-            block_size: 4,
-            prefix_caching: true,
-            device_fraction: None,
-        });
+    let factory = paged_factory(64);
     let ctx = init_parallel_with(mesh::Rendezvous::single(), &InitOptions::default()).unwrap();
     let out = Tokens::default();
     let mut leader = Leader::new(
