@@ -210,7 +210,8 @@ struct LaunchArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     max_num_seqs: Option<u32>,
     /// Do not reuse the KV blocks of earlier prompts that start the same way (prefix caching
-    /// is on by default without context parallelism).
+    /// is on by default, except with context parallelism and for models with sliding-window
+    /// layers such as Gemma 2 and 3).
     #[arg(long)]
     no_prefix_caching: bool,
     /// Allocate at start, not at the first sleep, the host memory that level-1 sleeps back
