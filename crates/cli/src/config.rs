@@ -178,7 +178,7 @@ pub struct RuntimeConfig {
     #[serde(default = "default_block_size")]
     pub block_size: usize,
     /// Whether prompts reuse the cached blocks of earlier prompts that start the same way
-    /// (without context parallelism).
+    /// (without context parallelism, and never for models with sliding-window layers).
     #[serde(default = "yes")]
     pub prefix_caching: bool,
     /// The most requests in one step (vLLM's max_num_seqs).
