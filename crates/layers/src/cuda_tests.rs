@@ -82,7 +82,7 @@ fn cuda_random_model_gives_the_cpu_greedy_tokens_and_logits() {
         let dev = Model::from_source(&file, config, gpu.clone(), WeightForm::Native).unwrap();
         let (want_logits, want_tokens) = run_model(&cpu, &prompt);
         let (got_logits, got_tokens) = run_model(&dev, &prompt);
-        assert_rel(got_logits.data(), want_logits.data(), 1e-3, name);
+        assert_rel(got_logits.host().unwrap(), want_logits.host().unwrap(), 1e-3, name);
         assert_eq!(got_tokens, want_tokens, "{name}");
         std::fs::remove_file(path).unwrap();
     }
@@ -109,7 +109,7 @@ fn cuda_real_model_gives_the_cpu_greedy_tokens_and_logits() {
     let prompt = tok.encode("The capital of France is").unwrap();
     let (want_logits, want_tokens) = run_model(&cpu, &prompt);
     let (got_logits, got_tokens) = run_model(&dev, &prompt);
-    assert_rel(got_logits.data(), want_logits.data(), 1e-3, "smollm2");
+    assert_rel(got_logits.host().unwrap(), want_logits.host().unwrap(), 1e-3, "smollm2");
     assert_eq!(got_tokens, want_tokens);
 }
 
@@ -224,7 +224,7 @@ fn decode(
     let mut rows = Vec::new();
     for _ in 0..steps {
         let out = model.forward(&mut comms, &tokens, cache, Logits::Last).unwrap();
-        let row = out.row(out.rows() - 1).to_vec();
+        let row = out.host_row(out.rows() - 1).unwrap().to_vec();
         let next = row.iter().enumerate().fold(0, |b, (i, &x)| if x > row[b] { i } else { b });
         tokens = vec![next as u32];
         rows.push(row);
@@ -375,7 +375,7 @@ fn cuda_half_precision_models_stay_close_to_the_cpu() {
         let config = LlamaConfig::from_gguf(&file).unwrap();
         let dev = Model::from_source(&file, config, gpu, WeightForm::Native).unwrap();
         let (got, _) = run_model(&dev, &prompt);
-        assert_rel(got.data(), want.data(), tol, dtype.name());
+        assert_rel(got.host().unwrap(), want.host().unwrap(), tol, dtype.name());
     }
     std::fs::remove_file(path).unwrap();
     let Some(gpu) = gpu_in(GemmDtype::Bf16) else { return };
@@ -405,7 +405,7 @@ fn forced(
     let mut rows = Vec::new();
     for tokens in steps {
         let out = model.forward(&mut comms, tokens, cache, Logits::Last).unwrap();
-        rows.extend_from_slice(out.row(out.rows() - 1));
+        rows.extend_from_slice(out.host_row(out.rows() - 1).unwrap());
     }
     rows
 }

@@ -149,6 +149,15 @@ for cfg in "cpu f32" "cuda f32" "cuda bf16"; do
     say "$1 $2: $(grep -a '^-- ' "$out/run-$1-$2.txt" || echo "no summary (failed)")"
     say "   text: $(head -c 300 "$out/run-$1-$2.txt" | tr '\n' ' ')"
 done
+# A long prompt (about 1,500 tokens): the prefill's products and the split-over-keys attention
+# of every decode step over a long context, which the short prompt never reaches.
+long="$(python3 -c 'print(" ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 110))')"
+for cfg in "cpu f32" "cuda bf16"; do
+    set -- $cfg
+    step 90 "$here/bin/tpctl" run --model "$TPCTL_CACHE/$name" --device "$1" --dtype "$2" \
+        --max-tokens 64 --temperature 0 --prompt "$long" >"$out/run-long-$1-$2.txt"
+    say "$1 $2 long prompt: $(grep -a '^-- ' "$out/run-long-$1-$2.txt" || echo "no summary (failed)")"
+done
 # The CPU with the weights dequantized to f32 computes what the GPU computes (f32 products of
 # the same values; the native CPU decode rounds activations to 8 bits): the texts should agree.
 printf '[model]\nweights = "f32"\n' >"$out/f32-weights.toml"
@@ -156,7 +165,7 @@ step 60 "$here/bin/tpctl" run "$out/f32-weights.toml" --model "$TPCTL_CACHE/$nam
     --max-tokens 64 --temperature 0 --prompt "The capital of France is" >"$out/run-cpu-f32w.txt"
 say "cpu f32 weights: $(grep -a '^-- ' "$out/run-cpu-f32w.txt" || echo "no summary (failed)")"
 say "   text: $(head -c 300 "$out/run-cpu-f32w.txt" | tr '\n' ' ')"
-# Serving: 1 and 8 concurrent greedy streams of 64 tokens through `tpctl serve` (one rank),
+# Serving: one warm-up request, then 1, 8 and 32 concurrent greedy streams of 64 tokens through `tpctl serve` (one rank),
 # on the GPU in bf16 (the default there) and f32, and on the CPU, tokens/s of all streams
 # together.
 serve_bench() {
@@ -183,7 +192,13 @@ def complete(i, got):
     req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     got[i] = json.load(urllib.request.urlopen(req, timeout=110))["usage"]["completion_tokens"]
-for n in (1, 8):
+def warm_up():
+    body = {"prompt": "Warm-up", "max_tokens": 8, "temperature": 0}
+    req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=60).read()
+warm_up()
+for n in (1, 8, 32):
     got = [0] * n
     threads = [threading.Thread(target=complete, args=(i, got)) for i in range(n)]
     t = time.time()
@@ -199,7 +214,7 @@ PY
     kill "$pid" 2>/dev/null
     wait "$pid" 2>/dev/null
 }
-say "== tpctl serve, SmolLM2-135M Q4_1, one rank, 1 and 8 streams of 64 tokens"
+say "== tpctl serve, SmolLM2-135M Q4_1, one rank, 1, 8 and 32 streams of 64 tokens"
 serve_bench cuda bf16 18431
 serve_bench cuda f32 18433
 serve_bench cpu f32 18432
@@ -207,5 +222,9 @@ say "== vmm: release / materialize of 1 GiB of device memory per policy vs plain
 step 120 "$here/bin/vmm-bench" --bytes 1G --device cuda:0 || status=1
 say "== nccl all_reduce"
 step 60 "$here/bin/nccl-bench" || status=1
+# The summary the caller's tail keeps: every result line of the log, nothing else.
+say "== summary"
+grep -aE '^(== test-|FAILED|TIMED OUT|SKIPPED|test result|(cpu|cuda) (f32|bf16)|  [0-9]+ stream|kernels:|BLOCKER)' "$log" | grep -v '^   text' >"$out/summary.txt"
+tee -a "$log" <"$out/summary.txt"
 say "exit status $status, $((SECONDS - start))s"
 exit $status

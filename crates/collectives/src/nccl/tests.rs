@@ -224,9 +224,8 @@ fn nccl_bad_arguments_fail_here_and_poison() {
         NcclCommunicator::from_id(&id, "tp[cp=0]", 0, 1, 0, Duration::from_secs(30)).unwrap();
     let err = c.all_gather(&[1f32, 2.0], &mut [0f32; 3]).unwrap_err();
     assert!(
-        err.to_string().starts_with(
-            "all_gather_uneven on tp[cp=0] group (rank 0 of 1): receive buffer has 12 bytes"
-        ),
+        err.to_string()
+            .starts_with("all_gather on tp[cp=0] group (rank 0 of 1): receive buffer has 12 bytes"),
         "{err}"
     );
     let err = c.barrier().unwrap_err();

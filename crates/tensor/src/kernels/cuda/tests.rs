@@ -51,15 +51,15 @@ fn cuda_norm_rope_and_elementwise_ops_match_cpu() {
         let want = cpu.rms_norm(&x, &w, 1e-5).unwrap();
         let got = gpu.rms_norm(&x, &w, 1e-5).unwrap();
         assert_eq!(got.shape(), want.shape());
-        assert_close(got.data(), want.data(), 1e-4);
+        assert_close(got.host().unwrap(), want.host().unwrap(), 1e-4);
         // The residual add fused with the norm: close to the CPU's, and the same bits as the
         // GPU's two separate kernels.
         let y = tensor(&[rows, d], 3);
         let (mut xc, mut xg, mut apart) = (x.clone(), x.clone(), x.clone());
         let want = cpu.add_rms_norm(&mut xc, &y, &w, 1e-5).unwrap();
         let got = gpu.add_rms_norm(&mut xg, &y, &w, 1e-5).unwrap();
-        assert_close(xg.host().unwrap(), xc.data(), 1e-4);
-        assert_close(got.host().unwrap(), want.data(), 1e-4);
+        assert_close(xg.host().unwrap(), xc.host().unwrap(), 1e-4);
+        assert_close(got.host().unwrap(), want.host().unwrap(), 1e-4);
         gpu.add_assign(&mut apart, &y).unwrap();
         let two = gpu.rms_norm(&apart, &w, 1e-5).unwrap();
         assert_close(xg.host().unwrap(), apart.host().unwrap(), 0.0);
@@ -72,33 +72,33 @@ fn cuda_norm_rope_and_elementwise_ops_match_cpu() {
         let mut b = a.clone();
         cpu.rope(&mut a, &positions, heads, head_dim, rot_dim, 10_000.0).unwrap();
         gpu.rope(&mut b, &positions, heads, head_dim, rot_dim, 10_000.0).unwrap();
-        assert_close(b.data(), a.data(), 1e-4);
+        assert_close(b.host().unwrap(), a.host().unwrap(), 1e-4);
         // With per-pair frequency factors (Llama 3 scaling divides the low frequencies).
         let factors: Vec<f32> = (0..rot_dim / 2).map(|i| 1.0 + (i % 5) as f32 * 2.0).collect();
         let dims = (heads, head_dim, rot_dim);
         cpu.rope_scaled(&mut a, &positions, dims, 500_000.0, Some(&factors), 1.0).unwrap();
         gpu.rope_scaled(&mut b, &positions, dims, 500_000.0, Some(&factors), 1.0).unwrap();
-        assert_close(b.data(), a.data(), 1e-4);
+        assert_close(b.host().unwrap(), a.host().unwrap(), 1e-4);
         // And longrope's attention factor on the cosines and sines.
         cpu.rope_scaled(&mut a, &positions, dims, 10_000.0, Some(&factors), 1.19).unwrap();
         gpu.rope_scaled(&mut b, &positions, dims, 10_000.0, Some(&factors), 1.19).unwrap();
-        assert_close(b.data(), a.data(), 1e-4);
+        assert_close(b.host().unwrap(), a.host().unwrap(), 1e-4);
     }
     // SiLU-gated product, residual add, bias add.
     let (mut g1, up) = (tensor(&[7, 300], 4), tensor(&[7, 300], 5));
     let mut g2 = g1.clone();
     cpu.silu_mul(&mut g1, &up).unwrap();
     gpu.silu_mul(&mut g2, &up).unwrap();
-    assert_close(g2.data(), g1.data(), 1e-4);
+    assert_close(g2.host().unwrap(), g1.host().unwrap(), 1e-4);
     let (mut x1, y) = (tensor(&[3, 1025], 6), tensor(&[3, 1025], 7));
     let mut x2 = x1.clone();
     cpu.add_assign(&mut x1, &y).unwrap();
     gpu.add_assign(&mut x2, &y).unwrap();
-    assert_close(x2.data(), x1.data(), 1e-4);
+    assert_close(x2.host().unwrap(), x1.host().unwrap(), 1e-4);
     let bias = tensor(&[1025], 8);
     cpu.add_bias(&mut x1, &bias).unwrap();
     gpu.add_bias(&mut x2, &bias).unwrap();
-    assert_close(x2.data(), x1.data(), 1e-4);
+    assert_close(x2.host().unwrap(), x1.host().unwrap(), 1e-4);
     // Shape errors are the same on both.
     let err = gpu.add_assign(&mut x2, &bias).unwrap_err();
     assert!(err.to_string().contains("add_assign"), "{err}");
@@ -120,7 +120,7 @@ fn cuda_embedding_and_argmax_match_cpu() {
         let want = cpu.embedding(table, &ids).unwrap();
         let got = gpu.embedding(table, &ids).unwrap();
         // A gather of exactly dequantized values: bit-identical.
-        assert_eq!(got.data(), want.data());
+        assert_eq!(got.host().unwrap(), want.host().unwrap());
         let err = gpu.embedding(table, &[1, 50]).unwrap_err();
         assert!(err.to_string().contains("token id 50 at index 1"), "{err}");
     }
@@ -152,7 +152,7 @@ fn cuda_linear_matches_cpu_for_f32_and_quantized_weights() {
             let want = cpu.linear(&x, &dense).unwrap();
             let got = gpu.linear(&x, &dense).unwrap();
             assert_eq!(got.shape(), &[m, n]);
-            assert_close(got.data(), want.data(), 1e-4);
+            assert_close(got.host().unwrap(), want.host().unwrap(), 1e-4);
         }
         for f in [BlockFormat::Q8_0, BlockFormat::Q4_0, BlockFormat::Q4_1] {
             let q = QMatrix::from_blocks(f, n, k, &quantize(f, &wf)).unwrap();
@@ -161,9 +161,17 @@ fn cuda_linear_matches_cpu_for_f32_and_quantized_weights() {
             for m in [1, 12] {
                 let x = tensor(&[m, k], 14);
                 let got = gpu.linear(&x, &quant).unwrap();
-                assert_close(got.data(), cpu.linear(&x, &deq).unwrap().data(), 1e-4);
+                assert_close(
+                    got.host().unwrap(),
+                    cpu.linear(&x, &deq).unwrap().host().unwrap(),
+                    1e-4,
+                );
                 // The CPU's quantized kernels multiply the same dequantized values in f32.
-                assert_close(got.data(), cpu.linear(&x, &quant).unwrap().data(), 1e-4);
+                assert_close(
+                    got.host().unwrap(),
+                    cpu.linear(&x, &quant).unwrap().host().unwrap(),
+                    1e-4,
+                );
             }
             // The next format's quants may land at these (Q4_0 and Q4_1 have the same
             // length): the free is announced, as a model's drop does.
@@ -176,7 +184,7 @@ fn cuda_linear_matches_cpu_for_f32_and_quantized_weights() {
     let x = tensor(&[2, 3, 32], 16);
     let got = gpu.linear(&x, &w).unwrap();
     assert_eq!(got.shape(), &[2, 3, 8]);
-    assert_close(got.data(), cpu.linear(&x, &w).unwrap().data(), 1e-4);
+    assert_close(got.host().unwrap(), cpu.linear(&x, &w).unwrap().host().unwrap(), 1e-4);
 }
 
 /// The weight cache trusts a copy within one weights generation: a weight rewritten in place
@@ -200,7 +208,11 @@ fn cuda_weight_cache_uploads_once_and_again_after_a_generation_bump() {
     let Weight::F32(t) = &mut w else { unreachable!("an f32 weight") };
     t.data_mut().iter_mut().for_each(|v| *v = -*v);
     weights_changed();
-    assert_close(gpu.linear(&x, &w).unwrap().data(), cpu.linear(&x, &w).unwrap().data(), 1e-4);
+    assert_close(
+        gpu.linear(&x, &w).unwrap().host().unwrap(),
+        cpu.linear(&x, &w).unwrap().host().unwrap(),
+        1e-4,
+    );
     assert_eq!(dev.cached_weight_bytes(), after_one, "uploaded again into the same slot");
     // Free it and make weights of the same size until one lands at the same address (the
     // allocator usually reuses it at once); each must give its own product.
@@ -208,7 +220,11 @@ fn cuda_weight_cache_uploads_once_and_again_after_a_generation_bump() {
     for seed in 19..27 {
         weights_changed();
         let w = Weight::F32(tensor(&[48, 64], seed));
-        assert_close(gpu.linear(&x, &w).unwrap().data(), cpu.linear(&x, &w).unwrap().data(), 1e-4);
+        assert_close(
+            gpu.linear(&x, &w).unwrap().host().unwrap(),
+            cpu.linear(&x, &w).unwrap().host().unwrap(),
+            1e-4,
+        );
     }
     dev.clear_weight_cache();
     assert_eq!(dev.cached_weight_bytes(), 0);
@@ -239,12 +255,12 @@ fn cuda_attention_matches_cpu_with_log_sum_exp() {
             let (got, got_lse) =
                 gpu.attention(&q, qp, Kv::Host { k: &k, v: &v }, kp, shape, true).unwrap();
             assert_eq!(got.shape(), want.shape());
-            assert_close(got.data(), want.data(), 1e-4);
-            assert_close(got_lse.unwrap().data(), want_lse.unwrap().data(), 1e-4);
+            assert_close(got.host().unwrap(), want.host().unwrap(), 1e-4);
+            assert_close(got_lse.unwrap().host().unwrap(), want_lse.unwrap().host().unwrap(), 1e-4);
             let (plain, none) =
                 gpu.attention(&q, qp, Kv::Host { k: &k, v: &v }, kp, shape, false).unwrap();
             assert!(none.is_none());
-            assert_eq!(plain.data(), got.data());
+            assert_eq!(plain.host().unwrap(), got.host().unwrap());
         }
     }
     // No keys at all: zeros and -inf.
@@ -252,8 +268,8 @@ fn cuda_attention_matches_cpu_with_log_sum_exp() {
     let (out, lse) = gpu
         .attention(&tensor(&[1, 2, 8], 1), &[4], Kv::Host { k: &[], v: &[] }, &[], shape, true)
         .unwrap();
-    assert_eq!(out.data(), &[0.0; 16]);
-    assert_eq!(lse.unwrap().data(), &[f32::NEG_INFINITY; 2]);
+    assert_eq!(out.host().unwrap(), &[0.0; 16]);
+    assert_eq!(lse.unwrap().host().unwrap(), &[f32::NEG_INFINITY; 2]);
 }
 
 /// The key ranges of a split attention cover every key once, in whole tiles, fill the GPU for
@@ -321,8 +337,8 @@ fn cuda_attention_over_many_key_ranges_matches_cpu() {
             cpu.attention(&q, &qp, Kv::Host { k: &k, v: &v }, &kp, shape, true).unwrap();
         let (got, got_lse) =
             gpu.attention(&q, &qp, Kv::Host { k: &k, v: &v }, &kp, shape, true).unwrap();
-        assert_close(got.data(), want.data(), 1e-4);
-        assert_close(got_lse.unwrap().data(), want_lse.unwrap().data(), 1e-4);
+        assert_close(got.host().unwrap(), want.host().unwrap(), 1e-4);
+        assert_close(got_lse.unwrap().host().unwrap(), want_lse.unwrap().host().unwrap(), 1e-4);
     }
 }
 
@@ -362,10 +378,15 @@ fn cuda_attention_score_rules_and_logit_soft_cap_match_cpu() {
         for (q, qp, kv, kp) in cases {
             let (want, want_lse) = cpu.attention(q, qp, kv, kp, shape, true).unwrap();
             let (got, got_lse) = gpu.attention(q, qp, kv, kp, shape, true).unwrap();
-            assert_close(got.data(), want.data(), 1e-4);
-            assert_close(got_lse.unwrap().data(), want_lse.unwrap().data(), 1e-4);
+            assert_close(got.host().unwrap(), want.host().unwrap(), 1e-4);
+            assert_close(got_lse.unwrap().host().unwrap(), want_lse.unwrap().host().unwrap(), 1e-4);
             let (unruled, _) = cpu.attention(q, qp, kv, kp, plain, false).unwrap();
-            let apart = unruled.data().iter().zip(want.data()).any(|(a, b)| (a - b).abs() > 1e-3);
+            let apart = unruled
+                .host()
+                .unwrap()
+                .iter()
+                .zip(want.host().unwrap())
+                .any(|(a, b)| (a - b).abs() > 1e-3);
             assert!(apart, "{at}: the rules change nothing, so this case proves nothing");
         }
     }
@@ -375,7 +396,7 @@ fn cuda_attention_score_rules_and_logit_soft_cap_match_cpu() {
     let mut got = want.clone();
     cpu.soft_cap(&mut want, 1.5).unwrap();
     gpu.soft_cap(&mut got, 1.5).unwrap();
-    assert_close(got.data(), want.data(), 1e-5);
+    assert_close(got.host().unwrap(), want.host().unwrap(), 1e-5);
     let bad = AttnShape { softcap: Some(0.0), ..plain };
     let one = Kv::Host { k: &k[..2 * 32], v: &v[..2 * 32] };
     let err = gpu.attention(&q_decode, &[0], one, &[0], bad, false).unwrap_err();
@@ -402,9 +423,19 @@ fn cuda_half_precision_linear_matches_cpu_within_rounding() {
         for m in [1, 9] {
             let x = tensor(&[m, k], 22);
             let got = gpu.linear(&x, &dense).unwrap();
-            assert_rel(got.data(), cpu.linear(&x, &dense).unwrap().data(), tol, dtype.name());
+            assert_rel(
+                got.host().unwrap(),
+                cpu.linear(&x, &dense).unwrap().host().unwrap(),
+                tol,
+                dtype.name(),
+            );
             let got = gpu.linear(&x, &quant).unwrap();
-            assert_rel(got.data(), cpu.linear(&x, &deq).unwrap().data(), tol, dtype.name());
+            assert_rel(
+                got.host().unwrap(),
+                cpu.linear(&x, &deq).unwrap().host().unwrap(),
+                tol,
+                dtype.name(),
+            );
         }
         assert_eq!(cuda_of(&gpu).gemm_dtype(), dtype);
         assert_eq!(cuda_of(&gpu).cached_weight_bytes(), 2 * (2 * n * k), "{}", dtype.name());
@@ -437,9 +468,9 @@ fn cuda_outputs_stay_on_the_device_until_the_host_reads_them() {
         assert_eq!(t.device(), Device::Cuda(0), "an output went to the host");
     }
     let (want_a, want_b, want_shared) = run(&cpu);
-    assert_close(a.data(), want_a.data(), 1e-4);
-    assert_close(b.data(), want_b.data(), 1e-4);
-    assert_close(shared.data(), want_shared.data(), 1e-4);
+    assert_close(a.host().unwrap(), want_a.host().unwrap(), 1e-4);
+    assert_close(b.host().unwrap(), want_b.host().unwrap(), 1e-4);
+    assert_close(shared.host().unwrap(), want_shared.host().unwrap(), 1e-4);
     assert_eq!(a.device(), Device::Cuda(0), "reading keeps the device copy");
     let mut a = a;
     a.data_mut()[0] += 1.0;
@@ -452,21 +483,25 @@ fn cuda_outputs_stay_on_the_device_until_the_host_reads_them() {
 fn cuda_row_slices_and_stacks_stay_on_the_device() {
     let Some(gpu) = gpu() else { return };
     let h = gpu.rms_norm(&tensor(&[5, 3, 8], 41), &tensor(&[8], 42), 1e-5).unwrap();
-    let on_host = Tensor::from_vec(h.shape(), h.data().to_vec()).unwrap();
+    let on_host = Tensor::from_vec(h.shape(), h.host().unwrap().to_vec()).unwrap();
     assert_eq!(h.device(), Device::Cuda(0), "reading keeps the device copy");
     let ranges = [0..2, 2..2, 2..5];
     let parts = ranges.clone().map(|r| gpu.slice_first(&h, r).unwrap());
     let want = ranges.map(|r| on_host.slice_first(r).unwrap());
     for (got, want) in parts.iter().zip(&want) {
         assert_eq!(got.shape(), want.shape());
-        assert_eq!(got.data(), want.data(), "a slice copies the rows exactly");
+        assert_eq!(got.host().unwrap(), want.host().unwrap(), "a slice copies the rows exactly");
     }
     assert_eq!(parts[0].device(), Device::Cuda(0), "a slice went to the host");
     let stacked = gpu.cat_first(&[parts[2].clone(), parts[0].clone()]).unwrap();
     let want_stacked = Tensor::cat_first(&[want[2].clone(), want[0].clone()]).unwrap();
     assert_eq!(stacked.device(), Device::Cuda(0), "a stack went to the host");
     assert_eq!(stacked.shape(), want_stacked.shape());
-    assert_eq!(stacked.data(), want_stacked.data(), "a stack copies the rows exactly");
+    assert_eq!(
+        stacked.host().unwrap(),
+        want_stacked.host().unwrap(),
+        "a stack copies the rows exactly"
+    );
     assert!(gpu.slice_first(&parts[2], 2..4).is_err(), "a range past the rows is refused");
 }
 
@@ -503,7 +538,7 @@ fn cuda_counters_count_each_call_of_an_op() {
     if crate::memory::weights_generation() == generation {
         assert_eq!(second.since(&first), want, "rms_norm with the weight cached");
     }
-    assert_close(z.data(), y.data(), 0.0);
+    assert_close(z.host().unwrap(), y.host().unwrap(), 0.0);
     let read = cuda.counters().since(&second);
     assert_eq!(read, Counters { downloads: 2, host_waits: 2, ..Counters::default() }, "reads");
     // The residual add and the norm are one launch (x, on the host, is uploaded for it).
