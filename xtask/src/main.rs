@@ -25,7 +25,8 @@ tasks:
                           swap (a model host's swap vs a cold start) |
                           coldstart (run's time to first token vs warm serve's) |
                           agree (greedy ids and logprobs vs llama.cpp) |
-                          agree-random (logits vs llama.cpp on random Gemma 2 and 3 files) |
+                          agree-random (logits vs llama.cpp on random Gemma 2, Gemma 3,
+                          Qwen3 and Phi-3 longrope files) |
                           all
   gpu-test [--bundle [DIR]]
                           the GPU tests with --features cuda; fails without a usable GPU;

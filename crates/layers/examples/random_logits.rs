@@ -2,9 +2,10 @@
 //! position of a prompt, for `cargo xtask bench agree --random` to compare with llama.cpp's on
 //! the same file (`scripts/llamacpp_logits.py`).
 //!
-//! Usage: `random_logits ARCH OUT.gguf TP CP ID...` (ARCH: `gemma2`, `gemma3`); prints one JSON line
+//! Usage: `random_logits ARCH OUT.gguf TP CP ID...` (ARCH: `gemma2`, `gemma3`, `qwen3`, `phi3`); prints one JSON line
 //! `{"vocab": V, "logits": [[...] per position]}` from the rank at TP 0 and CP 0.
 
+use checkpoint::config::{longrope_attn_factor, LongRope};
 use layers::model::random::{Gemma2, Gemma3, RandomLlama};
 use layers::model::WeightForm;
 use layers::parallel::{Comms, LoadOptions, ParallelModel, Placement};
@@ -41,6 +42,39 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ffn: 64,
             vocab: 40,
             seed: 36,
+            ..RandomLlama::default()
+        },
+        // Uneven heads wider than hidden / heads (12 x 6 = 72 over a hidden size of 48, as
+        // Qwen3's heads of 128 are wider than its hidden size over its heads), query/key norms.
+        "qwen3" => RandomLlama {
+            qwen3: true,
+            layers: 3,
+            heads: 6,
+            kv_heads: 3,
+            hidden: 48,
+            head_dim: Some(12),
+            ffn: 64,
+            vocab: 40,
+            seed: 37,
+            ..RandomLlama::default()
+        },
+        // Fused QKV and gate/up, longrope past an original context of 32 (llama.cpp's context
+        // of 64 and the file's of 256 both pick the long factors, far from 1).
+        "phi3" => RandomLlama {
+            fused: true,
+            longrope: Some(LongRope {
+                short: vec![1.0, 1.05, 1.1, 1.2],
+                long: vec![1.0, 3.0, 7.0, 19.0],
+                original_context: 32,
+                attn_factor: longrope_attn_factor(256, 32),
+            }),
+            layers: 3,
+            heads: 6,
+            kv_heads: 3,
+            hidden: 48,
+            ffn: 64,
+            vocab: 40,
+            seed: 38,
             ..RandomLlama::default()
         },
         other => return Err(format!("no random model for architecture `{other}`").into()),

@@ -1,8 +1,9 @@
 //! `cargo xtask bench agree-random`: tpctl's logits at every position of a prompt next to
 //! llama.cpp's, on random-weight files of the architectures whose real checkpoints are too big
-//! to fetch here (Gemma 2, Gemma 3). `crates/layers/examples/random_logits.rs` writes the file with
-//! `RandomLlama` and prints tpctl's logits in a layout; `scripts/llamacpp_logits.py` prints
-//! llama.cpp's for the same file and ids (f32 keys and values, no flash attention).
+//! to fetch here (Gemma 2, Gemma 3, Qwen3, Phi-3 with longrope).
+//! `crates/layers/examples/random_logits.rs` writes the file with `RandomLlama` and prints
+//! tpctl's logits in a layout; `scripts/llamacpp_logits.py` prints llama.cpp's for the same file
+//! and ids (f32 keys and values, no flash attention).
 //!
 //! Passes when, in every layout of [`LAYOUTS`], every logit is within [`TOLERANCE`] of
 //! llama.cpp's and the argmax is the same at every position.
@@ -13,7 +14,7 @@ use serde_json::{json, Value};
 use std::process::Command;
 
 /// The architectures checked (each a case of the example).
-const ARCHS: [&str; 2] = ["gemma2", "gemma3"];
+const ARCHS: [&str; 4] = ["gemma2", "gemma3", "qwen3", "phi3"];
 /// The layouts compared: (tp, cp).
 const LAYOUTS: [(usize, usize); 3] = [(1, 1), (2, 2), (3, 1)];
 /// 12 ids: three times the test window of 4 (Gemma 2's and Gemma 3's).

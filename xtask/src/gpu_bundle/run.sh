@@ -218,13 +218,71 @@ say "== tpctl serve, SmolLM2-135M Q4_1, one rank, 1, 8 and 32 streams of 64 toke
 serve_bench cuda bf16 18431
 serve_bench cuda f32 18433
 serve_bench cpu f32 18432
+# Sleep and wakeup of a GPU deployment (issue 30): the device memory NVML reads (the process
+# and the device) awake, asleep and awake again at each level, each receipt, and the time to
+# first token of a 128-token prompt before the sleep and for the first request after the
+# wakeup (which pays whatever the wakeup left undone).
+sleep_bench() {
+    local port=18435 dep=gpu-sleep
+    "$here/bin/tpctl" serve --model "$TPCTL_CACHE/$name" --device cuda --dtype bf16 --quiet \
+        --deployment "$dep" --kv-cache-memory 0.05 --listen "127.0.0.1:$port" \
+        >"$out/serve-sleep.log" 2>&1 &
+    local pid=$!
+    mem() {
+        # The ranks are child processes of serve: every process NVML lists.
+        say "   $1: processes $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null | tr -d ' ' | tr '\n' ';'), device $(nvidia-smi --query-gpu=memory.used --format=csv,noheader | tr -d ' ')"
+    }
+    ttft() {
+        step 60 python3 - "$port" "$1" <<'PY'
+import json, sys, time, urllib.request
+base, label = f"http://127.0.0.1:{sys.argv[1]}", sys.argv[2]
+until = time.time() + 60
+while True:
+    try:
+        urllib.request.urlopen(base + "/health", timeout=2).read()
+        break
+    except Exception:
+        if time.time() > until:
+            sys.exit("tpctl serve did not answer /health within 60 s")
+        time.sleep(0.3)
+# A new prompt per request (no prefix-cache hits): 128 ids from a per-request stream.
+count = [int(time.time() * 1000) % 100000]
+def once():
+    count[0] += 1
+    ids = [(count[0] * 7919 + i * 104729) % 40000 + 100 for i in range(128)]
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0}
+    req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    t = time.time()
+    urllib.request.urlopen(req, timeout=50).read()
+    return (time.time() - t) * 1000
+first = once()
+rest = sorted(once() for _ in range(5))
+print(f"  ttft {label}: first request {first:.1f} ms, then median {rest[2]:.1f} ms")
+PY
+    }
+    say "cuda bf16 sleep/wakeup (128-token prompt, 1 token):"
+    ttft "awake" || status=1
+    mem "awake"
+    for level in 1 2; do
+        step 60 "$here/bin/tpctl" sleep --deployment "$dep" --level "$level" --verify || status=1
+        mem "asleep at level $level"
+        step 60 "$here/bin/tpctl" wakeup --deployment "$dep" || status=1
+        ttft "after a level-$level wakeup" || status=1
+        mem "awake again"
+    done
+    kill "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+}
+say "== sleep and wakeup on the GPU"
+sleep_bench
 say "== vmm: release / materialize of 1 GiB of device memory per policy vs plain copies"
 step 120 "$here/bin/vmm-bench" --bytes 1G --device cuda:0 || status=1
 say "== nccl all_reduce"
 step 60 "$here/bin/nccl-bench" || status=1
 # The summary the caller's tail keeps: every result line of the log, nothing else.
 say "== summary"
-grep -aE '^(== test-|FAILED|TIMED OUT|SKIPPED|test result|(cpu|cuda) (f32|bf16)|  [0-9]+ stream|kernels:|BLOCKER)' "$log" | grep -v '^   text' >"$out/summary.txt"
+grep -aE '^(== test-|FAILED|TIMED OUT|SKIPPED|test result|(cpu|cuda) (f32|bf16)|  [0-9]+ stream|  ttft|   (awake|asleep)|total|kernels:|BLOCKER)' "$log" | grep -v '^   text' >"$out/summary.txt"
 tee -a "$log" <"$out/summary.txt"
 say "exit status $status, $((SECONDS - start))s"
 exit $status
