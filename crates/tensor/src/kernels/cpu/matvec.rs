@@ -271,14 +271,23 @@ fn row_dots<S: Simd, const T: usize, const R: usize>(
     let per_line = (16 / lanes.max(1)).max(1);
     for (i, xv) in p[..wide * T].chunks_exact(T).enumerate() {
         if i % per_line == 0 {
+            // Past a row's end the hint moves on to the row `R` further, which the next
+            // call reads in this row's place (the rows are consecutive in memory).
+            let mut ahead = i * lanes + PREFETCH_AHEAD / 4;
+            if ahead >= n {
+                ahead += (R - 1) * n;
+            }
             for w in &ws {
-                prefetch(w.as_ptr().wrapping_add(i * lanes + PREFETCH_AHEAD / 4));
+                prefetch(w.as_ptr().wrapping_add(ahead));
             }
         }
-        for r in 0..R {
-            let wv = whs[r][i];
-            for t in 0..T {
-                acc[r][t] = simd.mul_add_e_f32s(wv, xv[t], acc[r][t]);
+        // The weights in registers and one activation vector at a time: with the activations
+        // loaded first, 8 of them beside 24 accumulators and a weight overflow AVX-512's 32
+        // registers, and an accumulator spilled to the stack became the loop's critical path.
+        let wv: [S::f32s; R] = core::array::from_fn(|r| whs[r][i]);
+        for (t, x) in xv.iter().enumerate() {
+            for r in 0..R {
+                acc[r][t] = simd.mul_add_e_f32s(wv[r], *x, acc[r][t]);
             }
         }
     }

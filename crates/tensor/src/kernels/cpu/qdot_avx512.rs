@@ -58,18 +58,26 @@ impl Avx512 {
         std::is_x86_feature_detected!("avx512f").then_some(Avx512(()))
     }
 
-    /// Rows `first_row..` of [`super::qmatrix::qmatmul`] of `w` and the `m` rows of `x`
-    /// (`[m, cols]`): `out` is `[rows of the task, m]`, `out[r · m + i]` the product of weight
-    /// row `first_row + r` and activation row `i`.
+    /// Rows `first_row..` of [`super::qmatrix::qmatmul`] of `w` and `m` activation rows of
+    /// `cols` values, as [`interleave`] lays them out in `packed` (one row is its own
+    /// interleaving): `out` is `[rows of the task, m]`, `out[r · m + i]` the product of
+    /// weight row `first_row + r` and activation row `i`.
     ///
-    /// Lengths must agree (`x.len() == m · cols`, `out.len()` a multiple of `m`, the rows in
-    /// `w`); slicing panics otherwise.
-    pub(super) fn rows(self, w: &QMatrix, x: &[f32], m: usize, first_row: usize, out: &mut [f32]) {
+    /// Lengths must agree (`packed.len() · 16 == m · cols`, `out.len()` a multiple of `m`,
+    /// the rows in `w`); slicing panics otherwise.
+    pub(super) fn rows(
+        self,
+        w: &QMatrix,
+        packed: &[[f32; 16]],
+        m: usize,
+        first_row: usize,
+        out: &mut [f32],
+    ) {
         let (scales, mins, qs) = w.parts();
         let nb = w.dims().1 / BLOCK;
         let rows = out.len() / m;
-        let x = pulp::as_arrays::<16, f32>(&x[..m * nb * BLOCK]).0;
-        let job = Job { scales: &scales[first_row * nb..][..rows * nb], mins, qs, nb, x, m };
+        let packed = &packed[..m * 2 * nb];
+        let job = Job { scales: &scales[first_row * nb..][..rows * nb], mins, qs, nb, packed, m };
         match w.bits() {
             QBits::Four => {
                 let mins = &mins[first_row * nb..][..rows * nb];
@@ -115,7 +123,7 @@ impl Avx512 {
             nb * BLOCK
         );
         let out = pulp::as_arrays_mut::<16, f32>(out).0;
-        let job = Job { scales, mins, qs, nb, x: &[], m: 0 };
+        let job = Job { scales, mins, qs, nb, packed: &[], m: 0 };
         match w.bits() {
             QBits::Four => {
                 // SAFETY: `self` exists only when the CPU has AVX-512F.
@@ -145,9 +153,29 @@ struct Job<'a> {
     qs: &'a [u8],
     /// Blocks per row.
     nb: usize,
-    /// The activations, 16 values per array, `2 · nb` arrays per row.
-    x: &'a [[f32; 16]],
+    /// The activations, 16 values per array, `2 · nb` arrays per row, interleaved by
+    /// [`interleave`].
+    packed: &'a [[f32; 16]],
     m: usize,
+}
+
+/// The activation rows (`m` rows of `g` arrays of 16) interleaved for [`Job::deq_tile`]: in
+/// each tile of up to [`X_TILE`] rows (starting at row `i`, at offset `i · g`), array `v` of
+/// every row of the tile, row after row, then array `v + 1`. The kernel then reads a tile's
+/// activations through one pointer at fixed offsets: with a pointer per row, eight pointers
+/// beside the weight rows' overflowed the general registers and were reloaded from the stack
+/// at every step of the loop.
+pub(super) fn interleave(x: &[f32], m: usize) -> Vec<[f32; 16]> {
+    let x = pulp::as_arrays::<16, f32>(x).0;
+    let g = x.len() / m.max(1);
+    let mut packed = Vec::with_capacity(x.len());
+    for i in (0..m).step_by(X_TILE) {
+        let tile = (m - i).min(X_TILE);
+        for v in 0..g {
+            packed.extend((i..i + tile).map(|t| x[t * g + v]));
+        }
+    }
+    packed
 }
 
 /// One weight row's blocks: `qs` holds 16 bytes per block (4-bit) or 32 (8-bit); a scale per
@@ -301,13 +329,13 @@ impl<'a> Job<'a> {
     ) {
         let g = 2 * self.nb;
         let ws: [&[__m512]; R] = core::array::from_fn(|j| &deq[j * g..][..g]);
-        let xs: [&[[f32; 16]]; T] = core::array::from_fn(|t| &self.x[(first + t) * g..][..g]);
+        let p = &self.packed[first * g..][..T * g];
         let mut acc = [[_mm512_setzero_ps(); T]; R];
-        for v in 0..g {
+        for (v, xv) in p.chunks_exact(T).enumerate() {
             let w: [__m512; R] = core::array::from_fn(|j| ws[j][v]);
             for t in 0..T {
-                // SAFETY: `v < g`, the length of activation row `t`.
-                let x = unsafe { load(xs[t].as_ptr().add(v)) };
+                // SAFETY: `t < T`, the length of the chunk (array `v` of the tile's rows).
+                let x = unsafe { load(xv.as_ptr().add(t)) };
                 for j in 0..R {
                     acc[j][t] = _mm512_fmadd_ps(w[j], x, acc[j][t]);
                 }
@@ -326,7 +354,7 @@ impl<'a> Job<'a> {
     #[inline]
     fn tile<const T: usize, const R: usize, const K: u8>(self, first: usize, out: &mut [f32]) {
         let g = 2 * self.nb;
-        let xs: [&[[f32; 16]]; T] = core::array::from_fn(|t| &self.x[(first + t) * g..][..g]);
+        let xs = &self.packed[first * g..][..T * g];
         let rows = out.len() / self.m;
         let mut r = 0;
         while r + R <= rows {
@@ -343,16 +371,16 @@ impl<'a> Job<'a> {
     }
 }
 
-/// `rows[r] · xs[t]` for `R` weight rows and `T` activation rows (each `2 · nb` arrays of 16),
-/// one accumulator per pair.
+/// `rows[r] · x[t]` for `R` weight rows and `T` activation rows (each `2 · nb` arrays of 16,
+/// interleaved in `xs` as [`interleave`] lays out a tile), one accumulator per pair.
 ///
 /// # Panics
-/// When the rows do not all hold `nb` blocks, or an activation row is not `2 · nb` arrays.
+/// When the rows do not all hold `nb` blocks, or `xs` is not `T` rows of `2 · nb` arrays.
 #[target_feature(enable = "avx512f")]
 #[inline]
 fn row_dots<const T: usize, const R: usize, const K: u8>(
     rows: [Row<'_>; R],
-    xs: [&[[f32; 16]]; T],
+    xs: &[[f32; 16]],
 ) -> [[f32; T]; R] {
     let per_block = if K == FOUR { 1 } else { 2 };
     let nb = rows[0].qs.len() / per_block;
@@ -363,9 +391,9 @@ fn row_dots<const T: usize, const R: usize, const K: u8>(
             && r.qs.len() == per_block * nb
             && r.mins.len() == if with_mins { ns } else { 0 }
     }));
-    assert!(xs.iter().all(|x| x.len() == 2 * nb));
-    // Pointers, checked above: with slices, every load would keep its bounds check.
-    let xs: [*const [f32; 16]; T] = core::array::from_fn(|t| xs[t].as_ptr());
+    assert_eq!(xs.len(), T * 2 * nb);
+    // A pointer, checked above: with slices, every load would keep its bounds check.
+    let xs = xs.as_ptr();
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     for b in 0..nb {
         for r in 0..R {
@@ -375,10 +403,10 @@ fn row_dots<const T: usize, const R: usize, const K: u8>(
             _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(PREFETCH));
             // SAFETY: `b < nb`, and the row holds `nb` blocks (checked above).
             let [lo, hi] = unsafe { block::<K>(rows[r], b, with_mins) };
-            for t in 0..T {
-                // SAFETY: `2 · b + 1 < 2 · nb`, the length of activation row `t`.
-                let (xl, xh) = unsafe { (load(xs[t].add(2 * b)), load(xs[t].add(2 * b + 1))) };
-                let a = &mut acc[r][t];
+            for (t, a) in acc[r].iter_mut().enumerate() {
+                // SAFETY: `(2 · b + 1) · T + t < 2 · nb · T`, the length of `xs`.
+                let (xl, xh) =
+                    unsafe { (load(xs.add(2 * b * T + t)), load(xs.add((2 * b + 1) * T + t))) };
                 *a = _mm512_fmadd_ps(lo, xl, *a);
                 *a = _mm512_fmadd_ps(hi, xh, *a);
             }

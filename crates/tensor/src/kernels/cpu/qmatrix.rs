@@ -358,8 +358,16 @@ fn qmatmul_with(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32], widest: Kerne
 fn tasks(w: &QMatrix, x: &[f32], m: usize, target: &mut [f32], widest: Kernels) -> Kernels {
     use super::qdot_avx512::Avx512;
     if let Some(k) = Avx512::try_new().filter(|_| widest >= Kernels::Avx512) {
+        // Interleaved once per product (one row is its own interleaving).
+        let owned;
+        let packed = if m == 1 {
+            pulp::as_arrays::<16, f32>(&x[..w.cols]).0
+        } else {
+            owned = super::qdot_avx512::interleave(&x[..m * w.cols], m);
+            &owned[..]
+        };
         target.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, part)| {
-            k.rows(w, x, m, c * ROWS_PER_TASK, part);
+            k.rows(w, packed, m, c * ROWS_PER_TASK, part);
         });
         return Kernels::Avx512;
     }
