@@ -75,6 +75,12 @@ impl ParallelAttention {
             }
         };
         let kv_width = self.shape.kv_heads * self.shape.head_dim;
+        // Without CP, the leading one-row parts (a step's decode rows, as the scheduler packs
+        // them) attend in one call after the loop (see `Backend::attention_rows`).
+        let singles = match parts.iter().enumerate().take_while(|(i, p)| p.rows == (*i..i + 1)) {
+            leading if cp == 1 && parts.len() > 1 => leading.count(),
+            _ => 0,
+        };
         let mut queries = Vec::with_capacity(parts.len());
         // Extend outputs (partial with CP); prefill outputs come after the exchange.
         let mut outs: Vec<Option<Tensor>> = Vec::with_capacity(parts.len());
@@ -82,7 +88,11 @@ impl ParallelAttention {
         // only the last few).
         let mut own: Vec<Option<OwnKv>> = Vec::with_capacity(parts.len());
         let mut mine = Vec::new();
-        for (p, cache) in parts.iter().zip(caches.iter_mut()) {
+        for (i, (p, cache)) in parts.iter().zip(caches.iter_mut()).enumerate() {
+            if i < singles {
+                cache.append_tensors(be, layer, &rows(&k, p)?, &rows(&v, p)?, &p.positions)?;
+                continue;
+            }
             let (qe, ke, ve) = (rows(&q, p)?, rows(&k, p)?, rows(&v, p)?);
             match &p.split {
                 Split::Prefill(_) => {
@@ -128,6 +138,15 @@ impl ParallelAttention {
         }
         if cp > 1 {
             self.exchange(be, comms.cp, &mine, parts, (&queries, &own), &mut outs)?;
+        }
+        if singles > 0 {
+            let q = if singles == parts.len() { q } else { be.slice_first(&q, 0..singles)? };
+            let positions: Vec<usize> = parts[..singles].iter().map(|p| p.positions[0]).collect();
+            let caches = &caches[..singles];
+            let out = be.attention_rows(&q, &positions, self.shape, &|i, f| {
+                caches[i].with_kv(layer, |kv, kv_pos| f(kv, kv_pos));
+            })?;
+            outs.insert(0, Some(out));
         }
         let outs = outs
             .into_iter()

@@ -12,12 +12,14 @@
 
 pub mod cpu;
 pub mod cuda;
+mod step_attention;
 
 pub use cpu::attention::AttnShape;
 pub use cpu::qmatrix::{QBits, QMatrix};
 pub use cpu::quant::BlockFormat;
 use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaDeviceInfo, PoolArena};
+pub use step_attention::RowKv;
 
 use crate::error::{Error, Result};
 use crate::memory::{Arena, WeightBuffers};
@@ -531,23 +533,7 @@ impl Backend {
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let AttnShape { q_heads, kv_heads, head_dim, .. } = shape;
-        let need = kv_pos.len() * kv_heads * head_dim;
-        let (k_len, v_len, fits) = match kv {
-            Kv::Host { k, v } => (k.len(), v.len(), k.len() == need && v.len() == need),
-            Kv::Device { k, v, elem } => {
-                let (kn, vn) = (k.size() / elem.size(), v.size() / elem.size());
-                (kn, vn, kn >= need && vn >= need)
-            }
-            Kv::Paged(blocks) => {
-                let (k, v) = blocks.blocks();
-                let sum = |b: &[&[f32]]| b.iter().map(|x| x.len()).sum::<usize>();
-                (sum(k), sum(v), blocks.holds(kv_pos.len(), kv_heads * head_dim))
-            }
-            Kv::PagedDevice(blocks) => {
-                let floats = blocks.memory.size() / 4;
-                (floats, floats, blocks.holds(kv_pos.len(), kv_heads * head_dim))
-            }
-        };
+        let (k_len, v_len, fits) = step_attention::extent(&kv, kv_pos.len(), kv_heads * head_dim);
         check(
             "attention",
             kv_heads > 0

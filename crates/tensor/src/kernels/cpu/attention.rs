@@ -222,6 +222,49 @@ pub fn attention_blocks(
     );
 }
 
+/// Sequence `i`'s keys and values for [`attention_rows`]: `kv(i, f)` calls `f` with its
+/// blocks and their positions.
+pub type RowBlocks<'a> = dyn Fn(usize, &mut dyn FnMut(KvBlocks<'_>, &[usize])) + Sync + 'a;
+
+/// Query rows `q` (`[n, q_heads, head_dim]`) of `n` sequences, one row each at `q_pos[i]`
+/// (the decode rows of a step), each against its own keys and values: `kv(i, f)` calls `f`
+/// with sequence `i`'s blocks and positions. Row `i` of `out` is [`attention_blocks`]' result
+/// for that row alone, bit for bit. One parallel loop over the step's rows, each row's heads on
+/// one thread, instead of a parallel loop per sequence (of only `q_heads` rows). `kv` runs
+/// on the pool's threads, one call per row, and no work of the pool runs inside `f`.
+///
+/// Lengths must agree; callers check (see [`KvBlocks::holds`]).
+pub fn attention_rows(
+    q: &[f32],
+    q_pos: &[usize],
+    shape: AttnShape,
+    out: &mut [f32],
+    kv: &RowBlocks<'_>,
+) {
+    let AttnShape { q_heads, kv_heads, head_dim: d, .. } = shape;
+    let (group, scale, width) = (q_heads / kv_heads, shape.factor(), q_heads * d);
+    let arch = Arch::new();
+    out.par_chunks_mut(width).enumerate().for_each_init(Vec::new, |scores, (i, o)| {
+        kv(i, &mut |blocks, kv_pos| {
+            for (h, o) in o.chunks_exact_mut(d).enumerate() {
+                arch.dispatch(Row {
+                    q: &q[(i * q_heads + h) * d..][..d],
+                    q_pos: q_pos[i],
+                    first: shape.first_visible(q_pos[i]),
+                    softcap: shape.softcap,
+                    kv: blocks,
+                    kv_pos,
+                    stride: kv_heads * d,
+                    offset: (h / group) * d,
+                    scale,
+                    scores,
+                    out: o,
+                });
+            }
+        });
+    });
+}
+
 /// From this many query tokens on, [`attention`] works on blocks of queries with `gemm`;
 /// below it (decode), one task per query row keeps both threads busy.
 const BLOCKED_MIN_QUERIES: usize = 4;
