@@ -12,7 +12,6 @@
 //! 131 to 163 tokens/s (AVX2) and to 180 with the interleaving, on 2 threads.
 
 use pulp::{Arch, Simd, WithSimd};
-use rayon::prelude::*;
 
 /// Rows per parallel task: large enough that scheduling is negligible, small enough that the
 /// two halves of a 576-row projection still land on different threads.
@@ -131,11 +130,9 @@ pub fn matmul_rows(w: &[f32], x: &[f32], m: usize, out: &mut [f32]) {
     let packed =
         if m == 1 { std::borrow::Cow::Borrowed(x) } else { arch.dispatch(Pack { x, m }).into() };
     // Tasks own ranges of weight rows.
-    super::by_weight_rows(rows, m, out, |target| {
-        target.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, chunk)| {
-            let w = &w[c * ROWS_PER_TASK * k..][..chunk.len() / m * k];
-            arch.dispatch(Rows { w, x, packed: &packed, m, out: chunk });
-        });
+    super::shared_out::by_weight_rows(rows, m, ROWS_PER_TASK, out, |first, chunk| {
+        let w = &w[first * k..][..chunk.len() / m * k];
+        arch.dispatch(Rows { w, x, packed: &packed, m, out: chunk });
     });
 }
 

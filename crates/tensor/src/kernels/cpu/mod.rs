@@ -16,11 +16,11 @@ pub mod qmatrix;
 pub mod quant;
 pub mod rope;
 pub mod sgemm;
+mod shared_out;
 
 use super::Weight;
 use crate::error::{Error, Result};
 use crate::tensor::{Device, DeviceData, Tensor};
-use rayon::prelude::*;
 use std::sync::Arc;
 
 /// Runs CPU kernels on its own rayon pool of a fixed size, so each rank (or each test) decides
@@ -138,43 +138,6 @@ pub(crate) fn linear_rows(
         }
     }
     Ok(())
-}
-
-/// `out` (`[m, rows]`: activation rows by weight rows) from `fill`, which writes the products
-/// as a `[rows, m]` block (weight rows by activation rows, the order in which the direct
-/// kernels' tasks own their work). With one activation row that is `out` itself; with more,
-/// a buffer kept by this thread between calls, transposed into `out` after: a fresh buffer
-/// per product (12 MiB for the LM head of a 64-sequence step) would be mapped and faulted in
-/// page by page at every call.
-pub(crate) fn by_weight_rows<R>(
-    rows: usize,
-    m: usize,
-    out: &mut [f32],
-    fill: impl FnOnce(&mut [f32]) -> R,
-) -> R {
-    if m == 1 {
-        return fill(out);
-    }
-    thread_local! {
-        static BLOCK: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
-    }
-    // Taken, not borrowed: a nested call (none today) would get a buffer of its own.
-    let mut block = BLOCK.take();
-    block.resize(rows * m, 0.0);
-    let ran = fill(&mut block);
-    // In parallel bands of 16 activation rows: each band reads its 64 bytes of every weight
-    // row's products (a cache line, read by no other band) and writes its own rows of `out`.
-    let band = m.min(16);
-    out.par_chunks_mut(band * rows).enumerate().for_each(|(b, part)| {
-        let first = b * band;
-        for (r, col) in block.chunks_exact(m).enumerate() {
-            for (j, v) in col[first..][..part.len() / rows].iter().enumerate() {
-                part[j * rows + r] = *v;
-            }
-        }
-    });
-    BLOCK.set(block);
-    ran
 }
 
 /// Host memory behind the device-data seam: the outputs of

@@ -349,14 +349,15 @@ fn qmatmul_with(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32], widest: Kerne
     if m == 0 || w.rows == 0 {
         return Kernels::Portable;
     }
-    // Tasks own ranges of weight rows.
-    super::by_weight_rows(w.rows, m, out, |target| tasks(w, x, m, target, widest))
+    tasks(w, x, m, out, widest)
 }
 
-/// [`qmatmul_with`]'s tasks, into `target` (`[rows, m]`).
+/// [`qmatmul_with`]'s tasks, which own ranges of weight rows (see
+/// [`super::shared_out::by_weight_rows`]), into `out`.
 #[cfg(target_arch = "x86_64")]
-fn tasks(w: &QMatrix, x: &[f32], m: usize, target: &mut [f32], widest: Kernels) -> Kernels {
+fn tasks(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32], widest: Kernels) -> Kernels {
     use super::qdot_avx512::Avx512;
+    use super::shared_out::by_weight_rows;
     if let Some(k) = Avx512::try_new().filter(|_| widest >= Kernels::Avx512) {
         // Interleaved once per product (one row is its own interleaving).
         let owned;
@@ -366,8 +367,8 @@ fn tasks(w: &QMatrix, x: &[f32], m: usize, target: &mut [f32], widest: Kernels) 
             owned = super::qdot_avx512::interleave(&x[..m * w.cols], m);
             &owned[..]
         };
-        target.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, part)| {
-            k.rows(w, packed, m, c * ROWS_PER_TASK, part);
+        by_weight_rows(w.rows, m, ROWS_PER_TASK, out, |first, part| {
+            k.rows(w, packed, m, first, part);
         });
         return Kernels::Avx512;
     }
@@ -376,30 +377,27 @@ fn tasks(w: &QMatrix, x: &[f32], m: usize, target: &mut [f32], widest: Kernels) 
         let x: Vec<core::arch::x86_64::__m256> =
             pulp::as_arrays::<8, f32>(x).0.iter().map(|a| pulp::cast(*a)).collect();
         let x = &x[..];
-        target.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, part)| {
-            <pulp::x86::V3 as Simd>::vectorize(
-                v3,
-                Avx2Rows { v3, w, x, m, first_row: c * ROWS_PER_TASK, out: part },
-            );
+        by_weight_rows(w.rows, m, ROWS_PER_TASK, out, |first_row, part| {
+            <pulp::x86::V3 as Simd>::vectorize(v3, Avx2Rows { v3, w, x, m, first_row, out: part });
         });
         return Kernels::Avx2;
     }
-    portable(w, x, m, target);
+    portable(w, x, m, out);
     Kernels::Portable
 }
 
-/// [`qmatmul_with`]'s tasks, into `target` (`[rows, m]`).
+/// [`qmatmul_with`]'s tasks, into `out`.
 #[cfg(not(target_arch = "x86_64"))]
-fn tasks(w: &QMatrix, x: &[f32], m: usize, target: &mut [f32], _widest: Kernels) -> Kernels {
-    portable(w, x, m, target);
+fn tasks(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32], _widest: Kernels) -> Kernels {
+    portable(w, x, m, out);
     Kernels::Portable
 }
 
-/// [`qmatmul_with`]'s tasks on the portable kernels, into `target` (`[rows, m]`).
-fn portable(w: &QMatrix, x: &[f32], m: usize, target: &mut [f32]) {
+/// [`qmatmul_with`]'s tasks on the portable kernels, into `out`.
+fn portable(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32]) {
     let arch = Arch::new();
-    target.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(c, part)| {
-        arch.dispatch(RowsOp { w, x, m, first_row: c * ROWS_PER_TASK, out: part });
+    super::shared_out::by_weight_rows(w.rows, m, ROWS_PER_TASK, out, |first_row, part| {
+        arch.dispatch(RowsOp { w, x, m, first_row, out: part });
     });
 }
 

@@ -73,8 +73,8 @@ pub fn matmul_nt_rows_avx512(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use crate::kernels::cpu::shared_out::SharedOut;
     use core::arch::x86_64::*;
-    use core::marker::PhantomData;
     use rayon::prelude::*;
 
     /// Rows of `a` per microkernel tile.
@@ -353,36 +353,6 @@ mod x86 {
             out[12 + c] = _mm512_shuffle_f32x4::<ODD>(odd01, odd23);
         }
         out
-    }
-
-    /// `out` as rows of `n` values, shared by the tasks that compute its column panels.
-    struct SharedOut<'a> {
-        ptr: *mut f32,
-        len: usize,
-        n: usize,
-        _out: PhantomData<&'a mut [f32]>,
-    }
-
-    // SAFETY: the pointer comes from a `&mut [f32]` borrowed for `'a`, so nothing outside the
-    // tasks reads or writes `out` meanwhile, and the tasks write disjoint columns of it (`at`
-    // is unsafe, and its callers promise that).
-    unsafe impl Sync for SharedOut<'_> {}
-
-    impl<'a> SharedOut<'a> {
-        fn new(out: &'a mut [f32], n: usize) -> Self {
-            SharedOut { ptr: out.as_mut_ptr(), len: out.len(), n, _out: PhantomData }
-        }
-
-        /// A pointer to `out[i, j]`.
-        ///
-        /// # Safety
-        /// `out[i, j ..]` holds as many values as the caller accesses through the pointer, and
-        /// no other thread touches them meanwhile.
-        unsafe fn at(&self, i: usize, j: usize) -> *mut f32 {
-            debug_assert!(i * self.n + j < self.len);
-            // SAFETY: inside `out`, by the caller's promise.
-            unsafe { self.ptr.add(i * self.n + j) }
-        }
     }
 }
 
