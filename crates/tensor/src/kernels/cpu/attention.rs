@@ -180,8 +180,6 @@ pub fn attention_blocks(
     lse: Option<&mut [f32]>,
 ) {
     let AttnShape { q_heads, kv_heads, head_dim: d, .. } = shape;
-    let group = q_heads / kv_heads;
-    let scale = shape.factor();
     let mut scratch;
     let lse = match lse {
         Some(l) => l,
@@ -204,20 +202,8 @@ pub fn attention_blocks(
         Vec::new,
         |scores, (row, (o, l))| {
             let (i, h) = (row / q_heads, row % q_heads);
-            let op = Row {
-                q: &q[row * d..(row + 1) * d],
-                q_pos: q_pos[i],
-                first: shape.first_visible(q_pos[i]),
-                softcap: shape.softcap,
-                kv,
-                kv_pos,
-                stride: kv_heads * d,
-                offset: (h / group) * d,
-                scale,
-                scores,
-                out: o,
-            };
-            *l = arch.dispatch(op);
+            let q = &q[row * d..(row + 1) * d];
+            *l = arch.dispatch(Row::new(shape, (q, q_pos[i], h), (kv, kv_pos), scores, o));
         },
     );
 }
@@ -241,25 +227,13 @@ pub fn attention_rows(
     out: &mut [f32],
     kv: &RowBlocks<'_>,
 ) {
-    let AttnShape { q_heads, kv_heads, head_dim: d, .. } = shape;
-    let (group, scale, width) = (q_heads / kv_heads, shape.factor(), q_heads * d);
+    let AttnShape { q_heads, head_dim: d, .. } = shape;
     let arch = Arch::new();
-    out.par_chunks_mut(width).enumerate().for_each_init(Vec::new, |scores, (i, o)| {
+    out.par_chunks_mut(q_heads * d).enumerate().for_each_init(Vec::new, |scores, (i, o)| {
         kv(i, &mut |blocks, kv_pos| {
             for (h, o) in o.chunks_exact_mut(d).enumerate() {
-                arch.dispatch(Row {
-                    q: &q[(i * q_heads + h) * d..][..d],
-                    q_pos: q_pos[i],
-                    first: shape.first_visible(q_pos[i]),
-                    softcap: shape.softcap,
-                    kv: blocks,
-                    kv_pos,
-                    stride: kv_heads * d,
-                    offset: (h / group) * d,
-                    scale,
-                    scores,
-                    out: o,
-                });
+                let q = &q[(i * q_heads + h) * d..][..d];
+                arch.dispatch(Row::new(shape, (q, q_pos[i], h), (blocks, kv_pos), scores, o));
             }
         });
     });
@@ -399,6 +373,33 @@ struct Row<'a> {
     scale: f32,
     scores: &'a mut Vec<f32>,
     out: &'a mut [f32],
+}
+
+impl<'a> Row<'a> {
+    /// Query head `h`'s row `q` at position `q_pos` against `kv` at `kv_pos`, under `shape`'s
+    /// rules, into `out`.
+    fn new(
+        shape: AttnShape,
+        (q, q_pos, h): (&'a [f32], usize, usize),
+        (kv, kv_pos): (KvBlocks<'a>, &'a [usize]),
+        scores: &'a mut Vec<f32>,
+        out: &'a mut [f32],
+    ) -> Self {
+        let AttnShape { q_heads, kv_heads, head_dim: d, .. } = shape;
+        Row {
+            q,
+            q_pos,
+            first: shape.first_visible(q_pos),
+            softcap: shape.softcap,
+            kv,
+            kv_pos,
+            stride: kv_heads * d,
+            offset: (h / (q_heads / kv_heads)) * d,
+            scale: shape.factor(),
+            scores,
+            out,
+        }
+    }
 }
 
 impl WithSimd for Row<'_> {
