@@ -77,9 +77,10 @@ impl ParallelAttention {
         let kv_width = self.shape.kv_heads * self.shape.head_dim;
         // Without CP, the leading one-row parts (a step's decode rows, as the scheduler packs
         // them) attend in one call after the loop (see `Backend::attention_rows`).
-        let singles = match parts.iter().enumerate().take_while(|(i, p)| p.rows == (*i..i + 1)) {
-            leading if cp == 1 && parts.len() > 1 => leading.count(),
-            _ => 0,
+        let singles = if cp == 1 && parts.len() > 1 {
+            parts.iter().enumerate().take_while(|(i, p)| p.rows == (*i..i + 1)).count()
+        } else {
+            0
         };
         let mut queries = Vec::with_capacity(parts.len());
         // Extend outputs (partial with CP); prefill outputs come after the exchange.

@@ -137,11 +137,28 @@ pub fn matmul_rows(w: &[f32], x: &[f32], m: usize, out: &mut [f32]) {
     });
 }
 
-/// The activation rows of [`matmul_rows`] interleaved for the SIMD width the dispatch picks:
-/// within each tile of up to [`X_TILE`] rows, vector `i` of every row of the tile, row after
-/// row, then vector `i + 1`. The product then reads one stream through one pointer instead of
-/// one per row (which would not fit the registers beside the accumulators). The rows' tails
-/// past the last whole vector are not packed; they are read from `x`.
+/// The `m` rows of `x` interleaved by vectors of `lanes` values: within each tile of up to
+/// `tile` rows, vector `v` of every row of the tile, row after row, then vector `v + 1`. A
+/// product then reads a tile's activations through one pointer at fixed offsets instead of one
+/// pointer per row (which would not fit the registers beside the accumulators). The rows'
+/// tails past the last whole vector are left out. Used by [`matmul_rows`] (the dispatch's SIMD
+/// width, tiles of [`X_TILE`]) and the AVX-512 block-quantized kernels (16 lanes).
+pub(super) fn interleave(x: &[f32], m: usize, lanes: usize, tile: usize) -> Vec<f32> {
+    let k = x.len() / m.max(1);
+    let wide = k / lanes;
+    let mut packed = Vec::with_capacity(m * wide * lanes);
+    for i0 in (0..m).step_by(tile) {
+        let rows = i0..(i0 + tile).min(m);
+        for v in 0..wide {
+            for t in rows.clone() {
+                packed.extend_from_slice(&x[t * k + v * lanes..][..lanes]);
+            }
+        }
+    }
+    packed
+}
+
+/// [`interleave`] for the SIMD width the dispatch picks.
 struct Pack<'a> {
     x: &'a [f32],
     m: usize,
@@ -152,20 +169,7 @@ impl WithSimd for Pack<'_> {
 
     #[inline(always)]
     fn with_simd<S: Simd>(self, _simd: S) -> Vec<f32> {
-        let Pack { x, m } = self;
-        let k = x.len() / m;
-        let lanes = std::mem::size_of::<S::f32s>() / 4;
-        let wide = k / lanes;
-        let mut packed = Vec::with_capacity(m * wide * lanes);
-        for i0 in (0..m).step_by(X_TILE) {
-            let tile = (m - i0).min(X_TILE);
-            for v in 0..wide {
-                for t in i0..i0 + tile {
-                    packed.extend_from_slice(&x[t * k + v * lanes..][..lanes]);
-                }
-            }
-        }
-        packed
+        interleave(self.x, self.m, std::mem::size_of::<S::f32s>() / 4, X_TILE)
     }
 }
 

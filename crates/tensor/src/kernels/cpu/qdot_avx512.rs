@@ -59,8 +59,10 @@ impl Avx512 {
     }
 
     /// Rows `first_row..` of [`super::qmatrix::qmatmul`] of `w` and `m` activation rows of
-    /// `cols` values, as [`interleave`] lays them out in `packed` (one row is its own
-    /// interleaving): `out` is `[rows of the task, m]`, `out[r · m + i]` the product of
+    /// `cols` values, as [`super::matvec::interleave`] lays them out in `packed` by 16 lanes
+    /// and tiles of [`X_TILE`] (one row is its own interleaving; the kernels read a tile
+    /// through one pointer at fixed offsets, where eight row pointers beside the weight rows'
+    /// overflowed the general registers): `out` is `[rows of the task, m]`, `out[r · m + i]` the product of
     /// weight row `first_row + r` and activation row `i`.
     ///
     /// Lengths must agree (`packed.len() · 16 == m · cols`, `out.len()` a multiple of `m`,
@@ -154,28 +156,9 @@ struct Job<'a> {
     /// Blocks per row.
     nb: usize,
     /// The activations, 16 values per array, `2 · nb` arrays per row, interleaved by
-    /// [`interleave`].
+    /// [`super::matvec::interleave`].
     packed: &'a [[f32; 16]],
     m: usize,
-}
-
-/// The activation rows (`m` rows of `g` arrays of 16) interleaved for [`Job::deq_tile`]: in
-/// each tile of up to [`X_TILE`] rows (starting at row `i`, at offset `i · g`), array `v` of
-/// every row of the tile, row after row, then array `v + 1`. The kernel then reads a tile's
-/// activations through one pointer at fixed offsets: with a pointer per row, eight pointers
-/// beside the weight rows' overflowed the general registers and were reloaded from the stack
-/// at every step of the loop.
-pub(super) fn interleave(x: &[f32], m: usize) -> Vec<[f32; 16]> {
-    let x = pulp::as_arrays::<16, f32>(x).0;
-    let g = x.len() / m.max(1);
-    let mut packed = Vec::with_capacity(x.len());
-    for i in (0..m).step_by(X_TILE) {
-        let tile = (m - i).min(X_TILE);
-        for v in 0..g {
-            packed.extend((i..i + tile).map(|t| x[t * g + v]));
-        }
-    }
-    packed
 }
 
 /// One weight row's blocks: `qs` holds 16 bytes per block (4-bit) or 32 (8-bit); a scale per
@@ -372,7 +355,8 @@ impl<'a> Job<'a> {
 }
 
 /// `rows[r] · x[t]` for `R` weight rows and `T` activation rows (each `2 · nb` arrays of 16,
-/// interleaved in `xs` as [`interleave`] lays out a tile), one accumulator per pair.
+/// interleaved in `xs` as [`super::matvec::interleave`] lays out a tile), one accumulator per
+/// pair.
 ///
 /// # Panics
 /// When the rows do not all hold `nb` blocks, or `xs` is not `T` rows of `2 · nb` arrays.

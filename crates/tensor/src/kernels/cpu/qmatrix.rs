@@ -364,8 +364,8 @@ fn tasks(w: &QMatrix, x: &[f32], m: usize, out: &mut [f32], widest: Kernels) -> 
         let packed = if m == 1 {
             pulp::as_arrays::<16, f32>(&x[..w.cols]).0
         } else {
-            owned = super::qdot_avx512::interleave(&x[..m * w.cols], m);
-            &owned[..]
+            owned = super::matvec::interleave(&x[..m * w.cols], m, 16, super::qdot_avx512::X_TILE);
+            pulp::as_arrays::<16, f32>(&owned).0
         };
         by_weight_rows(w.rows, m, ROWS_PER_TASK, out, |first, part| {
             k.rows(w, packed, m, first, part);
