@@ -282,7 +282,7 @@ say "== nccl all_reduce"
 step 60 "$here/bin/nccl-bench" || status=1
 # The summary the caller's tail keeps: every result line of the log, nothing else.
 say "== summary"
-grep -aE '^(== test-|FAILED|TIMED OUT|SKIPPED|test result|(cpu|cuda) (f32|bf16)|  [0-9]+ stream|  ttft|   (awake|asleep)|total|kernels:|BLOCKER)' "$log" | grep -v '^   text' >"$out/summary.txt"
+grep -aE '^(== test-|FAILED|TIMED OUT|SKIPPED|test result|(cpu|cuda) (f32|bf16)|  [0-9]+ stream|  ttft|   (awake|asleep)|total|kernels:|vmm on|(discard|zero|backup-host|backup-spill) |nccl all_reduce|BLOCKER)' "$log" | grep -v '^   text' >"$out/summary.txt"
 tee -a "$log" <"$out/summary.txt"
 say "exit status $status, $((SECONDS - start))s"
 exit $status
