@@ -77,6 +77,7 @@
 //! both record into the journal `/metrics` reads.
 
 pub mod client;
+pub mod ipc_bucket;
 pub mod paths;
 pub mod render;
 mod server;
@@ -92,6 +93,7 @@ pub use wire::{
 
 use session::sleep::{Action, Coordinator, DeploymentState, OpOptions, OpReceipt, WeightUpdate};
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use vmm::Tag;
 
@@ -349,30 +351,59 @@ impl Controller {
         Ok(StagedWire { open: true, buckets: 0, tensors: 0 })
     }
 
-    /// Checks the bucket at `args.path` against the live model and keeps it for the open
-    /// update.
+    /// Checks the bucket (the file at `args.path`, or the tensors behind `args.ipc`'s CUDA IPC
+    /// handles, read into a file of this server's) against the live model and keeps it for
+    /// the open update.
     ///
     /// # Errors
-    /// No update is open, or the bucket does not fit the model (client errors naming the file
-    /// and the tensor).
+    /// No update is open, the arguments name no bucket or two, the tensors cannot be read, or
+    /// the bucket does not fit the model (client errors naming the file and the tensor).
     pub fn weight_bucket(&self, args: &BucketArgs) -> Result<StagedWire, ErrorWire> {
+        self.weight_bucket_with(args, vmm::ipc::read_exported)
+    }
+
+    /// [`Controller::weight_bucket`] reading IPC handles with `read`.
+    fn weight_bucket_with(
+        &self,
+        args: &BucketArgs,
+        read: impl FnOnce(&[vmm::ipc::ExportedSpan]) -> vmm::Result<Vec<Vec<u8>>>,
+    ) -> Result<StagedWire, ErrorWire> {
         if !self.staging.is_open() {
             return Err(ErrorWire::client(staging::StagingError::NotOpen.to_string()));
         }
+        let refuse = |why: String| ErrorWire::client(format!("weight_bucket: {why}"));
+        match (&args.path, &args.ipc) {
+            (Some(path), None) => self.stage_bucket(Path::new(path)),
+            (None, Some(ipc)) => {
+                let file = staging::scratch_file("ipc.safetensors");
+                ipc_bucket::write_bucket(ipc, &file, read).map_err(|e| refuse(e.to_string()))?;
+                let staged = self.stage_bucket(&file);
+                let _ = std::fs::remove_file(&file);
+                staged
+            }
+            (Some(_), Some(_)) => Err(refuse(
+                "give the bucket as a file (`path`) or as CUDA IPC handles, not both".into(),
+            )),
+            (None, None) => Err(refuse(
+                "no bucket: give a safetensors file (`path`) or the tensors' CUDA IPC handles"
+                    .into(),
+            )),
+        }
+    }
+
+    /// Checks the bucket at `path` against the live model and keeps it for the open update.
+    fn stage_bucket(&self, path: &Path) -> Result<StagedWire, ErrorWire> {
         let model = self.live_checkpoint().unwrap_or_default();
         let refuse = |why: String| ErrorWire::client(format!("weight_bucket: {why}"));
         let ck = checkpoint::Checkpoint::open(&model)
             .map_err(|e| refuse(format!("opening the live checkpoint {model}: {e}")))?;
         let config = ck.config().map_err(|e| refuse(e.to_string()))?;
         let base = ck.weights(&config);
-        let bucket = checkpoint::Bucket::open(&args.path, &config, &*base)
-            .map_err(|e| refuse(e.to_string()))?;
+        let bucket =
+            checkpoint::Bucket::open(path, &config, &*base).map_err(|e| refuse(e.to_string()))?;
         let tensors = bucket.names().count();
         drop(bucket);
-        let buckets = self
-            .staging
-            .add(std::path::Path::new(&args.path))
-            .map_err(|e| ErrorWire::client(e.to_string()))?;
+        let buckets = self.staging.add(path).map_err(|e| ErrorWire::client(e.to_string()))?;
         Ok(StagedWire { open: true, buckets, tensors })
     }
 

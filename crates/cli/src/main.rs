@@ -49,7 +49,9 @@ enum Command {
     /// POST /pause?mode=abort|wait|keep, POST /resume, GET /is_paused, GET
     /// /get_weight_version; an RL trainer's update from memory: POST /start_weight_update,
     /// POST /update_weights with {"update_info": {"path": "/dev/shm/BUCKET.safetensors"}} per
-    /// bucket, POST /finish_weight_update (or /abort_weight_update). Every answer carries the
+    /// bucket (or, from a trainer's GPU, {"update_info": {"names", "dtype_names", "shapes",
+    /// "ipc_handles"}} with CUDA IPC handles; a build with the cuda feature), POST
+    /// /finish_weight_update (or /abort_weight_update). Every answer carries the
     /// weights' version (`weight_version` and `system_fingerprint`). Ctrl-C (or `tpctl stop`)
     /// stops every rank.
     ///
@@ -544,7 +546,8 @@ fn reload(args: ReloadArgs, quiet: bool) -> Result<i32> {
     for path in &args.tensors {
         // The ranks read it: an absolute path, whatever the working directory.
         let path = std::path::absolute(path).unwrap_or_else(|_| path.into());
-        let bucket = control::BucketArgs { path: path.to_string_lossy().into_owned() };
+        let bucket =
+            control::BucketArgs { path: Some(path.to_string_lossy().into_owned()), ipc: None };
         if !step(&control::Request::WeightBucket(bucket))? {
             step(&control::Request::AbortWeightUpdate)?;
             return Ok(1);

@@ -1393,6 +1393,34 @@ fn a_trainer_pushes_tensors_from_memory_in_buckets() {
         reply.body.contains("tensor model.layers.0.self_attn.q_proj.weight has shape [3, 3]"),
         "{reply:?}"
     );
+    // Tensors as CUDA IPC handles: a malformed bucket is named before any device is touched,
+    // and a build without CUDA says so (the update stays open through both).
+    let handle = "AQ".repeat(42) + "AQ==";
+    let ipc = json!({
+        "names": ["model.layers.0.self_attn.q_proj.weight"],
+        "dtype_names": ["float32"],
+        "shapes": [[16, 16]],
+        "ipc_handles": [{"device": "GPU-3a4b5c6d-0011-2233-4455-66778899aabb", "handle": handle}],
+    });
+    let mut partial = ipc.clone();
+    partial.as_object_mut().unwrap().remove("shapes");
+    let reply = server.post("/update_weights", &json!({"update_info": partial}));
+    assert_eq!(reply.status, 400, "{reply:?}");
+    assert!(reply.body.contains("takes all of `names`, `dtype_names`, `shapes`"), "{reply:?}");
+    let mut both = ipc.clone();
+    both["path"] = json!(wrong.to_string_lossy());
+    let reply = server.post("/update_weights", &json!({"update_info": both}));
+    assert_eq!(reply.status, 400, "{reply:?}");
+    assert!(reply.body.contains("not both"), "{reply:?}");
+    let mut twice = ipc.clone();
+    twice["dtype_names"] = json!(["int4"]);
+    let reply = server.post("/update_weights", &json!({"update_info": twice}));
+    assert_eq!(reply.status, 400, "{reply:?}");
+    assert!(reply.body.contains("dtype `int4` is none of float32"), "{reply:?}");
+    let reply = server.post("/update_weights", &json!({"update_info": ipc}));
+    assert_eq!(reply.status, 400, "{reply:?}");
+    #[cfg(not(feature = "cuda"))]
+    assert!(reply.body.contains("built without CUDA"), "{reply:?}");
     let reply = server.post("/start_weight_update", &json!({}));
     assert_eq!(reply.status, 400, "{reply:?}");
     assert!(reply.body.contains("a weight update is already open"), "{reply:?}");

@@ -39,6 +39,7 @@ mod backend;
 mod chunked;
 mod error;
 mod fail;
+pub mod ipc;
 mod manager;
 mod policy;
 mod pool;

@@ -46,6 +46,23 @@ step() {
     return "$rc"
 }
 
+# What the Python sections share: wait_healthy(base) polls a server's /health for 60 s.
+mkdir -p "$out/py"
+cat >"$out/py/tpctl_gpu.py" <<'PY'
+import sys, time, urllib.request
+def wait_healthy(base, seconds=60):
+    until = time.time() + seconds
+    while True:
+        try:
+            urllib.request.urlopen(base + "/health", timeout=2).read()
+            return
+        except Exception:
+            if time.time() > until:
+                sys.exit(f"tpctl serve did not answer /health within {seconds} s")
+            time.sleep(0.3)
+PY
+export PYTHONPATH="$out/py${PYTHONPATH:+:$PYTHONPATH}"
+
 # Fresh binaries every run: a warm machine may hold an older bundle's.
 rm -rf "$here/bin"
 mkdir -p "$here/bin"
@@ -176,16 +193,9 @@ serve_bench() {
     say "$device $dtype serve:"
     step 120 python3 - "$port" <<'PY' || status=1
 import json, sys, threading, time, urllib.request
+from tpctl_gpu import wait_healthy
 base = f"http://127.0.0.1:{sys.argv[1]}"
-until = time.time() + 60
-while True:
-    try:
-        urllib.request.urlopen(base + "/health", timeout=2).read()
-        break
-    except Exception:
-        if time.time() > until:
-            sys.exit("tpctl serve did not answer /health within 60 s")
-        time.sleep(0.5)
+wait_healthy(base)
 def complete(i, got):
     body = {"prompt": f"Story number {i}: once upon a time", "max_tokens": 64,
             "temperature": 0, "ignore_eos": True}
@@ -235,16 +245,9 @@ sleep_bench() {
     ttft() {
         step 60 python3 - "$port" "$1" <<'PY'
 import json, sys, time, urllib.request
+from tpctl_gpu import wait_healthy
 base, label = f"http://127.0.0.1:{sys.argv[1]}", sys.argv[2]
-until = time.time() + 60
-while True:
-    try:
-        urllib.request.urlopen(base + "/health", timeout=2).read()
-        break
-    except Exception:
-        if time.time() > until:
-            sys.exit("tpctl serve did not answer /health within 60 s")
-        time.sleep(0.3)
+wait_healthy(base)
 # A new prompt per request (no prefix-cache hits): 128 ids from a per-request stream.
 count = [int(time.time() * 1000) % 100000]
 def once():
@@ -276,13 +279,92 @@ PY
 }
 say "== sleep and wakeup on the GPU"
 sleep_bench
+# A weight update from a trainer's GPU through CUDA IPC handles (issue 33): PyTorch makes two
+# tensors on the device (the final norm and the 113 MiB embedding) and pushes them by handle to
+# a GPU deployment with f32 weights (written in place); the answers must equal those after the
+# same tensors pushed as a safetensors file, and differ from the base model's. Timed against a
+# device-to-device copy of the same bytes.
+ipc_bench() {
+    local port=18437
+    "$here/bin/tpctl" serve "$out/f32-weights.toml" --model "$TPCTL_CACHE/$name" --device cuda \
+        --dtype f32 --quiet --deployment gpu-ipc --listen "127.0.0.1:$port" \
+        >"$out/serve-ipc.log" 2>&1 &
+    local pid=$!
+    step 120 python3 - "$port" <<'PY' || status=1
+import base64, json, sys, time, urllib.error, urllib.request
+import torch
+from safetensors.torch import save_file
+from tpctl_gpu import wait_healthy
+base = f"http://127.0.0.1:{sys.argv[1]}"
+wait_healthy(base)
+def post(path, body=None):
+    req = urllib.request.Request(base + path, json.dumps(body or {}).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        return json.load(urllib.request.urlopen(req, timeout=100))
+    except urllib.error.HTTPError as e:
+        sys.exit(f"  ipc: POST {path} answered {e.code}: {e.read().decode()[:400]}")
+def greedy():
+    body = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
+    return post("/v1/completions", body)["choices"][0]["text"]
+def push(label, bucket):
+    post(f"/start_weight_update?weight_version={label}")
+    t = time.time()
+    post("/update_weights", {"update_info": bucket})
+    staged = time.time() - t
+    post("/finish_weight_update")
+    return staged, time.time() - t
+before = greedy()
+dev = torch.device("cuda:0")
+g = torch.Generator(device=dev).manual_seed(0)
+tensors = {
+    "model.norm.weight": torch.rand(576, device=dev, generator=g) + 0.5,
+    "model.embed_tokens.weight": torch.randn(49152, 576, device=dev, generator=g) * 0.05,
+}
+torch.cuda.synchronize()
+uuid = str(torch.cuda.get_device_properties(dev).uuid)
+def entry(t):
+    (_, handle, _, offset, *_) = t.untyped_storage()._share_cuda_()
+    return {"device": uuid, "handle": base64.b64encode(handle).decode(),
+            "offset": offset + t.storage_offset() * t.element_size()}
+bucket = {"names": list(tensors), "dtype_names": ["float32"] * len(tensors),
+          "shapes": [list(t.shape) for t in tensors.values()],
+          "ipc_handles": [entry(t) for t in tensors.values()]}
+staged, total = push("ipc", bucket)
+after_ipc = greedy()
+save_file({k: v.cpu() for k, v in tensors.items()}, "/dev/shm/tpctl-ipc-same.safetensors")
+file_staged, file_total = push("file", {"path": "/dev/shm/tpctl-ipc-same.safetensors"})
+after_file = greedy()
+nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+copies = [torch.empty_like(t) for t in tensors.values()]
+for _ in range(3):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for c, t in zip(copies, tensors.values()):
+        c.copy_(t)
+    end.record()
+    torch.cuda.synchronize()
+d2d = start.elapsed_time(end)
+print(f"  ipc update of {nbytes / 2**20:.1f} MiB: bucket read {staged * 1e3:.1f} ms, with the commit "
+      f"{total * 1e3:.1f} ms ({total * 1e3 / d2d:.0f}x a {d2d:.3f} ms device-to-device copy); "
+      f"the same as a file: {file_total * 1e3:.1f} ms")
+same = after_ipc == after_file
+print(f"  ipc answers: {'the same as the file bucket' if same else 'DIFFER from the file bucket'}, "
+      f"{'changed' if after_ipc != before else 'UNCHANGED'} from the base model")
+sys.exit(0 if same and after_ipc != before else 1)
+PY
+    kill "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+}
+say "== weight update through CUDA IPC"
+ipc_bench
 say "== vmm: release / materialize of 1 GiB of device memory per policy vs plain copies"
 step 120 "$here/bin/vmm-bench" --bytes 1G --device cuda:0 || status=1
 say "== nccl all_reduce"
 step 60 "$here/bin/nccl-bench" || status=1
 # The summary the caller's tail keeps: every result line of the log, nothing else.
 say "== summary"
-grep -aE '^(== test-|FAILED|TIMED OUT|SKIPPED|test result|(cpu|cuda) (f32|bf16)|  [0-9]+ stream|  ttft|   (awake|asleep)|total|kernels:|vmm on|(discard|zero|backup-host|backup-spill) |nccl all_reduce|BLOCKER)' "$log" | grep -v '^   text' >"$out/summary.txt"
+grep -aE '^(== test-|FAILED|TIMED OUT|SKIPPED|test result|(cpu|cuda) (f32|bf16)|  [0-9]+ stream|  ttft|  ipc|   (awake|asleep)|total|kernels:|vmm on|(discard|zero|backup-host|backup-spill) |nccl all_reduce|BLOCKER)' "$log" | grep -v '^   text' >"$out/summary.txt"
 tee -a "$log" <"$out/summary.txt"
 say "exit status $status, $((SECONDS - start))s"
 exit $status

@@ -28,14 +28,28 @@ pub enum StDType {
 }
 
 impl StDType {
-    fn size(self) -> usize {
+    /// The element type a name gives: safetensors' (`F32`, `F16`, `BF16`) or PyTorch's
+    /// (`float32`, `torch.bfloat16`, `half`, ...); `None` for any other.
+    pub fn from_name(name: &str) -> Option<StDType> {
+        let n = name.trim();
+        match n.strip_prefix("torch.").unwrap_or(n).to_ascii_lowercase().as_str() {
+            "f32" | "float32" | "float" => Some(StDType::F32),
+            "f16" | "float16" | "half" => Some(StDType::F16),
+            "bf16" | "bfloat16" => Some(StDType::BF16),
+            _ => None,
+        }
+    }
+
+    /// Bytes of one element.
+    pub fn size(self) -> usize {
         match self {
             StDType::F32 => 4,
             StDType::F16 | StDType::BF16 => 2,
         }
     }
 
-    fn name(self) -> &'static str {
+    /// The name safetensors headers give it.
+    pub fn name(self) -> &'static str {
         match self {
             StDType::F32 => "F32",
             StDType::F16 => "F16",
@@ -719,23 +733,69 @@ impl WeightSource for HfCheckpoint {
     }
 }
 
-/// Writes tensors (Hugging Face names, f32 or bf16 data) as one `.safetensors` file: a
-/// fixture writer for tests.
+/// Writes tensors (Hugging Face names, f32 values stored as `dtype`) as one `.safetensors`
+/// file: a fixture writer for tests.
 pub fn write_safetensors(path: &Path, tensors: &[(&str, &[usize], StDType, &[f32])]) -> Result<()> {
+    let stored: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, dtype, values)| {
+            values
+                .iter()
+                .flat_map(|&v| match dtype {
+                    StDType::F32 => v.to_le_bytes().to_vec(),
+                    StDType::F16 => f16::from_f32(v).to_le_bytes().to_vec(),
+                    StDType::BF16 => bf16::from_f32(v).to_le_bytes().to_vec(),
+                })
+                .collect()
+        })
+        .collect();
+    let raw: Vec<RawTensor<'_>> = tensors
+        .iter()
+        .zip(&stored)
+        .map(|((name, shape, dtype, _), bytes)| RawTensor { name, shape, dtype: *dtype, bytes })
+        .collect();
+    write_raw_safetensors(path, &raw)
+}
+
+/// A tensor as stored: little-endian elements of `dtype`, row-major in `shape`.
+#[derive(Clone, Copy, Debug)]
+pub struct RawTensor<'a> {
+    /// Its name.
+    pub name: &'a str,
+    /// Its shape.
+    pub shape: &'a [usize],
+    /// Its element type.
+    pub dtype: StDType,
+    /// Its bytes: the product of `shape` elements of `dtype`.
+    pub bytes: &'a [u8],
+}
+
+/// Writes `tensors`, as they are stored, as one `.safetensors` file (a weight bucket made
+/// from memory that was not a file, such as tensors read from a GPU).
+///
+/// # Errors
+/// A tensor whose bytes are not its shape's elements (naming it), or the write's error.
+pub fn write_raw_safetensors(path: &Path, tensors: &[RawTensor<'_>]) -> Result<()> {
     let mut header = serde_json::Map::new();
     let mut data = Vec::new();
-    for (name, shape, dtype, values) in tensors {
-        let start = data.len();
-        for &v in *values {
-            match dtype {
-                StDType::F32 => data.extend(v.to_le_bytes()),
-                StDType::F16 => data.extend(f16::from_f32(v).to_le_bytes()),
-                StDType::BF16 => data.extend(bf16::from_f32(v).to_le_bytes()),
-            }
+    for t in tensors {
+        let want = t.shape.iter().product::<usize>() * t.dtype.size();
+        if t.bytes.len() != want {
+            return Err(Error::tensor(
+                t.name,
+                format!(
+                    "{} bytes for shape {:?} of {} ({want} bytes)",
+                    t.bytes.len(),
+                    t.shape,
+                    t.dtype.name()
+                ),
+            ));
         }
+        let start = data.len();
+        data.extend_from_slice(t.bytes);
         header.insert(
-            (*name).to_owned(),
-            serde_json::json!({ "dtype": dtype.name(), "shape": shape, "data_offsets": [start, data.len()] }),
+            t.name.to_owned(),
+            serde_json::json!({ "dtype": t.dtype.name(), "shape": t.shape, "data_offsets": [start, data.len()] }),
         );
     }
     let mut head = serde_json::Value::Object(header).to_string().into_bytes();

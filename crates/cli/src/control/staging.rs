@@ -157,16 +157,26 @@ fn remove(paths: &[PathBuf]) {
     }
 }
 
+/// A name no other file of this process has: `.tpctl-PID-N-{suffix}`.
+fn unique(suffix: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!(".tpctl-{}-{n}-{suffix}", std::process::id())
+}
+
+/// A path for a bucket this process writes itself (tensors read from a trainer's GPU): in
+/// `/dev/shm` (memory, like the trainers' own buckets) where there is one, else in the
+/// temporary directory. Nothing is created.
+pub fn scratch_file(suffix: &str) -> PathBuf {
+    let shm = Path::new("/dev/shm");
+    let dir = if shm.is_dir() { shm.to_path_buf() } else { std::env::temp_dir() };
+    dir.join(unique(suffix))
+}
+
 /// A file of this process with the contents of `path`: a hard link next to it (no copy; the
 /// trainer's file may go), else a copy in the temporary directory.
 fn keep(path: &Path) -> std::io::Result<PathBuf> {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let name = format!(
-        ".tpctl-{}-{n}-{}",
-        std::process::id(),
-        path.file_name().map_or_else(|| "bucket".into(), |f| f.to_string_lossy())
-    );
+    let name = unique(&path.file_name().map_or_else(|| "bucket".into(), |f| f.to_string_lossy()));
     let beside = path.parent().unwrap_or(Path::new(".")).join(&name);
     if std::fs::hard_link(path, &beside).is_ok() {
         return Ok(beside);

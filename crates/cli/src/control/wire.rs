@@ -106,7 +106,11 @@ pub struct StartUpdateArgs {
 #[serde(deny_unknown_fields)]
 pub struct BucketArgs {
     /// A safetensors file of named tensors, as rank 0 sees it (e.g. in `/dev/shm`).
-    pub path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// Or the tensors as CUDA IPC handles of the trainer's device memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ipc: Option<super::ipc_bucket::IpcBucket>,
 }
 
 /// The options of a `finish_weight_update`.

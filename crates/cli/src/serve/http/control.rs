@@ -5,6 +5,7 @@
 //! as the socket does.
 
 use super::{asleep_tags, no_control, Api, ApiError};
+use crate::control::ipc_bucket::{IpcBucket, IpcHandle};
 use crate::control::{
     BucketArgs, ErrorWire, FinishUpdateArgs, PauseArgs, SleepArgs, StartUpdateArgs, UpdateArgs,
     WakeupArgs,
@@ -207,7 +208,10 @@ pub(super) async fn wake_up(State(api): State<Api>, query: Pairs) -> Response {
 /// `POST /update_weights?model=PATH&mode=wait`: every rank loads its shard of the checkpoint
 /// into its live weights (SGLang's `/update_weights_from_disk`, vLLM's `reload_weights`).
 /// With a body `{"update_info": {"path": "/dev/shm/b0.safetensors"}}` instead (vLLM's weight
-/// transfer), a bucket of the update from memory that `/start_weight_update` opened.
+/// transfer), a bucket of the update from memory that `/start_weight_update` opened; or the
+/// bucket's tensors as CUDA IPC handles of the trainer's GPU memory: `{"update_info": {"names":
+/// [...], "dtype_names": [...], "shapes": [...], "ipc_handles": [{"device": UUID, "handle":
+/// BASE64, "offset": BYTES}, ...]}}` (see [`crate::control::ipc_bucket`]).
 pub(super) async fn update_weights(
     State(api): State<Api>,
     query: Pairs,
@@ -222,10 +226,15 @@ pub(super) async fn update_weights(
     if !bucket {
         return control_op(api, Action::Update, query).await;
     }
+    /// A file (`path`), or the tensors' CUDA IPC handles in vLLM's field names.
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Info {
-        path: String,
+        path: Option<String>,
+        names: Option<Vec<String>>,
+        dtype_names: Option<Vec<String>>,
+        shapes: Option<Vec<Vec<usize>>>,
+        ipc_handles: Option<Vec<IpcHandle>>,
     }
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
@@ -241,7 +250,19 @@ pub(super) async fn update_weights(
         Ok(b) => b,
         Err(e) => return e.into_response(),
     };
-    let args = BucketArgs { path: body.update_info.path };
+    let Info { path, names, dtype_names, shapes, ipc_handles } = body.update_info;
+    let ipc = match (names, dtype_names, shapes, ipc_handles) {
+        (None, None, None, None) => None,
+        (Some(names), Some(dtype_names), Some(shapes), Some(ipc_handles)) => {
+            Some(IpcBucket { names, dtype_names, shapes, ipc_handles })
+        }
+        _ => {
+            let why = "update_info: a bucket of CUDA IPC handles takes all of `names`, \
+                       `dtype_names`, `shapes` and `ipc_handles`";
+            return ApiError::invalid("invalid_request_error", why).into_response();
+        }
+    };
+    let args = BucketArgs { path, ipc };
     staging_op(api, move |c| c.weight_bucket(&args).map(|s| json!(s))).await
 }
 
