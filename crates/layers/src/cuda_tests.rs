@@ -466,3 +466,51 @@ fn cuda_bf16_device_cache_stays_close_to_the_f32_cache() {
     assert_rel(&logits[1], &logits[0], 3e-2, "bf16 KV cache against f32");
     std::fs::remove_file(path).unwrap();
 }
+
+/// `ParallelModel::prepare_device` makes every device copy of a weight that a step reads: a
+/// forward pass after it caches no more weight bytes, and gives the logits a model without it
+/// gives. In f32 with a tied head, and in bf16 with Q8_0 weights, an untied head and Qwen3's
+/// per-head norms; and Gemma 2's post-norms.
+#[test]
+fn cuda_prepared_weights_are_every_weight_a_step_reads() {
+    let specs = [
+        (GemmDtype::F32, RandomLlama { seed: 11, ..Default::default() }),
+        (
+            GemmDtype::Bf16,
+            RandomLlama {
+                quantized: Some(BlockFormat::Q8_0),
+                untied_head: true,
+                qwen3: true,
+                head_dim: Some(24),
+                seed: 12,
+                ..Default::default()
+            },
+        ),
+        (GemmDtype::F32, gemma2_spec()),
+    ];
+    let prompt = [3u32, 17, 5, 38, 0, 22, 9];
+    for (i, (dtype, spec)) in specs.into_iter().enumerate() {
+        let Some(gpu) = gpu_in(dtype) else { return };
+        let path = temp_path(&format!("cuda-prepared-{i}.gguf"));
+        spec.write(&path).unwrap();
+        let load = |be: &Backend| {
+            let opts = LoadOptions::new(Placement::single()).on(be.clone());
+            ParallelModel::load(&path, opts.form(WeightForm::Native)).unwrap()
+        };
+        let model = load(&gpu);
+        let cuda = cuda_of(&gpu);
+        model.prepare_device().unwrap();
+        let prepared = cuda.cached_weight_bytes();
+        assert!(prepared > 0, "case {i}: nothing was prepared");
+        let got = decode(&model, &mut model.new_cache(32), &prompt, 2);
+        assert_eq!(
+            cuda.cached_weight_bytes(),
+            prepared,
+            "case {i}: a step copied weights that prepare_device did not"
+        );
+        let plain = Backend::cuda_with(0, dtype).unwrap();
+        let unprepared = load(&plain);
+        assert_eq!(got, decode(&unprepared, &mut unprepared.new_cache(32), &prompt, 2), "case {i}");
+        std::fs::remove_file(path).unwrap();
+    }
+}

@@ -11,7 +11,7 @@ use crate::sink::TextCodec;
 use layers::model::KvPool;
 use layers::model::WeightForm;
 use layers::parallel::{Comms, LoadOptions, ParallelModel, Placement};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 use tensor::kernels::KvElem;
 
 /// Builds a [`ShardedLlama`] from the GGUF file named by [`SessionConfig::model`].
@@ -299,13 +299,31 @@ impl ModelFactory for ShardedFactory {
             }
             None => None,
         };
-        warm_up(&model, &mut comms, context)
-            .map_err(|e| format!("the warm-up pass of the {placement:?} shard: {e}"))?;
+        let on_cpu = matches!(model.backend(), tensor::kernels::Backend::Cpu(_));
+        if on_cpu {
+            warm_up(&model, &mut comms, context)
+                .map_err(|e| format!("the warm-up pass of the {placement:?} shard: {e}"))?;
+        } else {
+            // A device backend's first request would otherwise upload every weight.
+            model
+                .prepare_device()
+                .map_err(|e| format!("the device copies of the {placement:?} shard: {e}"))?;
+        }
         let mut sequences = Sequences::default();
         if let Some(engine) =
             self.grammars.clone().filter(|_| (placement.tp_rank, placement.cp_rank) == (0, 0))
         {
             sequences = sequences.with_grammars(engine);
+        }
+        let model = Arc::new(RwLock::new(model));
+        if let Some(memory) = self.memory.as_ref().filter(|_| !on_cpu) {
+            // A wakeup makes this model's device copies before its receipt. The memory keeps a
+            // weak handle: a session's model goes with its session.
+            let weak = Arc::downgrade(&model);
+            memory.set_device_preparation(Some(Arc::new(move || match weak.upgrade() {
+                Some(model) => read(&model).prepare_device().map_err(|e| e.to_string()),
+                None => Ok(()),
+            })));
         }
         Ok(Box::new(ShardedLlama { model, sequences, context, memory: self.memory.clone(), pool }))
     }
@@ -325,12 +343,9 @@ const WARM_UP_TOKENS: usize = 128;
 /// none of the one-time costs of a first pass (the compute threads' first wakeup, the heap
 /// that activations grow into). Every rank builds its model at the same agreed point of the
 /// session's opening, so the passes' collectives meet. Its cache is its own and dropped: the
-/// KV pool and every answer are as without it. CPU backends only: a device backend's
-/// warm-up (uploads, graphs) belongs to its own step.
+/// KV pool and every answer are as without it. CPU backends only: a device backend makes its
+/// weights' device copies instead ([`ParallelModel::prepare_device`]).
 fn warm_up(model: &ParallelModel, comms: &mut Comms<'_>, context: usize) -> layers::Result<()> {
-    if !matches!(model.backend(), tensor::kernels::Backend::Cpu(_)) {
-        return Ok(());
-    }
     let n = WARM_UP_TOKENS.min(context);
     let cp = comms.cp.size();
     if n < cp {
@@ -349,9 +364,19 @@ fn warm_up(model: &ParallelModel, comms: &mut Comms<'_>, context: usize) -> laye
     Ok(())
 }
 
+/// The model behind its lock (see [`ShardedLlama::model`]); a panic while it was held left
+/// nothing half written that a read could see (the weights are written through the memory's
+/// own paths, not under this lock).
+fn read(model: &RwLock<ParallelModel>) -> std::sync::RwLockReadGuard<'_, ParallelModel> {
+    model.read().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// This rank's shard of the model, one KV-cache shard per sequence.
 pub struct ShardedLlama {
-    model: ParallelModel,
+    /// Shared with the model memory's device preparation, which runs on the sleep thread
+    /// while the engine is quiesced; the engine reads it for its steps and writes it only to
+    /// adopt new weights.
+    model: Arc<RwLock<ParallelModel>>,
     sequences: Sequences,
     context: usize,
     memory: Option<ModelMemory>,
@@ -362,7 +387,7 @@ pub struct ShardedLlama {
 impl std::fmt::Debug for ShardedLlama {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShardedLlama")
-            .field("placement", &self.model.placement())
+            .field("placement", &read(&self.model).placement())
             .field("sequences", &self.sequences.len())
             .finish()
     }
@@ -377,17 +402,19 @@ impl StepModel for ShardedLlama {
         if let Some(new) = self.memory.as_ref().and_then(ModelMemory::take_new_weights) {
             // A weight update in another form (the engine was quiesced through it): the old
             // buffers are freed here, as the model drops them.
-            self.model
+            let mut model = self.model.write().unwrap_or_else(PoisonError::into_inner);
+            model
                 .adopt_weights(new)
                 .map_err(|e| format!("swapping in the updated weights: {e}"))?;
-            if let tensor::kernels::Backend::Cuda(gpu) = self.model.backend() {
+            if let tensor::kernels::Backend::Cuda(gpu) = model.backend() {
                 // The old weights' device copies are stale (adopting bumped the weights
                 // generation) and never used again: give their device memory back.
                 gpu.clear_weight_cache();
             }
         }
         let mut comms = Comms { tp: &mut *groups.tp, cp: &mut *groups.cp };
-        let (model, memory, context) = (&self.model, self.memory.as_ref(), self.context);
+        let model = read(&self.model);
+        let (model, memory, context) = (&*model, self.memory.as_ref(), self.context);
         // A new sequence's cache holds what it can reach (its prompt and every token it may
         // generate), not the whole context. A CP rank holds about 1/cp of a sequence; one
         // more token absorbs the rounding.

@@ -134,6 +134,12 @@ impl Linear {
     }
 }
 
+impl super::WeightUses for Linear {
+    fn weight_uses<'a>(&'a self, out: &mut Vec<tensor::kernels::WeightUse<'a>>) {
+        out.push(tensor::kernels::WeightUse::Linear(&self.weight));
+    }
+}
+
 impl WeightBuffers for Linear {
     fn buffers<'a>(&'a self, out: &mut Vec<&'a [u8]>) {
         self.weight.buffers(out);

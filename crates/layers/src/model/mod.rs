@@ -39,7 +39,7 @@ use crate::error::{Error, Result};
 use checkpoint::{LlamaConfig, Shard, WeightSource};
 use provenance::{BufferSource, Span};
 use std::ops::Range;
-use tensor::kernels::{AttnShape, Backend};
+use tensor::kernels::{AttnShape, Backend, WeightUse};
 use tensor::memory::{Arena, WeightBuffers};
 use tensor::Tensor;
 
@@ -111,6 +111,20 @@ impl QkNorm {
         let heads = x.len() / d.max(1);
         let heads = x.reshape(&[heads, d])?;
         Ok(be.rms_norm(&heads, weight, eps)?.reshape(&shape)?)
+    }
+}
+
+/// Something that holds weights a device backend copies at their first use: it lists each
+/// as that use reads it ([`WeightUse`]), for [`Backend::prepare_weights`]. Biases are left
+/// out (a device backend copies them with each call, like activations).
+pub(crate) trait WeightUses {
+    /// Appends each weight's use to `out`.
+    fn weight_uses<'a>(&'a self, out: &mut Vec<WeightUse<'a>>);
+}
+
+impl WeightUses for QkNorm {
+    fn weight_uses<'a>(&'a self, out: &mut Vec<WeightUse<'a>>) {
+        out.extend([WeightUse::Norm(&self.q), WeightUse::Norm(&self.k)]);
     }
 }
 
@@ -453,6 +467,16 @@ fn dims_of(l: &Linear) -> Vec<usize> {
     vec![rows, cols]
 }
 
+impl WeightUses for Attention {
+    fn weight_uses<'a>(&'a self, out: &mut Vec<WeightUse<'a>>) {
+        self.qkv.weight_uses(out);
+        if let Some(norms) = &self.qk_norm {
+            norms.weight_uses(out);
+        }
+        self.o.weight_uses(out);
+    }
+}
+
 /// The buffers in the order fused Q/K/V projection, its bias (when the model has one), query
 /// and key norms (when it has them), output projection.
 impl WeightBuffers for Attention {
@@ -564,6 +588,13 @@ impl Mlp {
         };
         be.gated(self.activation, &mut g, &u)?;
         self.down.forward(be, &g)
+    }
+}
+
+impl WeightUses for Mlp {
+    fn weight_uses<'a>(&'a self, out: &mut Vec<WeightUse<'a>>) {
+        self.gate_up.weight_uses(out);
+        self.down.weight_uses(out);
     }
 }
 

@@ -6,12 +6,12 @@
 //! output is a partial sum that an all-reduce over the TP group completes.
 
 use crate::error::{Error, Result};
-use crate::model::{Linear, WeightForm};
+use crate::model::{Linear, WeightForm, WeightUses};
 use checkpoint::{Shard, WeightSource};
 use collectives::{Collective, Communicator, ReduceOp};
 use std::ops::Range;
 use std::sync::Arc;
-use tensor::kernels::{Backend, Weight};
+use tensor::kernels::{Backend, Weight, WeightUse};
 use tensor::memory::{Arena, WeightBuffers};
 use tensor::Tensor;
 
@@ -256,6 +256,12 @@ impl VocabParallelEmbedding {
     }
 }
 
+impl WeightUses for VocabParallelEmbedding {
+    fn weight_uses<'a>(&'a self, out: &mut Vec<WeightUse<'a>>) {
+        out.push(WeightUse::Embedding(&self.table));
+    }
+}
+
 /// The one buffer group of the table. Moving replaces the shared table, so a head tied to it
 /// keeps the heap copy until it is tied again ([`ParallelLmHead::tie_to`]).
 impl WeightBuffers for VocabParallelEmbedding {
@@ -403,6 +409,12 @@ impl ParallelLmHead {
                 u32::try_from(pick.1).unwrap_or(0)
             })
             .collect())
+    }
+}
+
+impl WeightUses for ParallelLmHead {
+    fn weight_uses<'a>(&'a self, out: &mut Vec<WeightUse<'a>>) {
+        out.push(WeightUse::Linear(&self.weight));
     }
 }
 

@@ -6,10 +6,10 @@ use super::{
 };
 use crate::error::Result;
 use crate::model::provenance::{self, Span, WeightMap};
-use crate::model::{load_vector, Linear, Mlp, WeightForm};
+use crate::model::{load_vector, Linear, Mlp, WeightForm, WeightUses};
 use checkpoint::{Checkpoint, LlamaConfig, Shard, WeightSource};
 use std::path::Path;
-use tensor::kernels::Backend;
+use tensor::kernels::{Backend, WeightUse};
 use tensor::memory::{padded, Arena, WeightBuffers};
 use tensor::Tensor;
 
@@ -47,6 +47,18 @@ impl PostNorms {
         }
         let norm = |t: &str| load_vector(src, &format!("blk.{layer}.{t}.weight"), cfg.hidden);
         Ok(Some(PostNorms { attn: norm("post_attention_norm")?, ffn: norm("post_ffw_norm")? }))
+    }
+}
+
+impl WeightUses for ParallelBlock {
+    fn weight_uses<'a>(&'a self, out: &mut Vec<WeightUse<'a>>) {
+        out.push(WeightUse::Norm(&self.attn_norm));
+        self.attn.attn.weight_uses(out);
+        out.push(WeightUse::Norm(&self.ffn_norm));
+        self.mlp.weight_uses(out);
+        if let Some(post) = &self.post_norms {
+            out.extend([WeightUse::Norm(&post.attn), WeightUse::Norm(&post.ffn)]);
+        }
     }
 }
 
@@ -292,6 +304,23 @@ impl ParallelModel {
             self.lm_head.buffers(&mut out);
         }
         out
+    }
+
+    /// Makes the backend's device copies of every weight now, as their first uses would make
+    /// them (nothing on the CPU): after a load, and after a wakeup brought the weights back,
+    /// so the first request does not pay for the uploads ([`Backend::prepare_weights`]).
+    ///
+    /// # Errors
+    /// The backend's.
+    pub fn prepare_device(&self) -> Result<()> {
+        let mut uses = Vec::new();
+        self.embed.weight_uses(&mut uses);
+        for b in &self.blocks {
+            b.weight_uses(&mut uses);
+        }
+        uses.push(WeightUse::Norm(&self.norm));
+        self.lm_head.weight_uses(&mut uses);
+        Ok(self.backend.prepare_weights(&uses)?)
     }
 
     /// Where the values of each of [`ParallelModel::weight_buffers`] come from in the

@@ -104,6 +104,8 @@ pub struct ModelMemory {
     /// Threads a weight update written in place copies on, and new KV memory is committed on
     /// (the rank's compute threads).
     threads: usize,
+    /// What a wakeup that restored the weights runs before its receipt ([`prepare`]).
+    prepare: prepare::Preparation,
 }
 
 /// A rank's weights in tagged memory: their allocation and the checkpoint they came from, a
@@ -266,6 +268,7 @@ impl ModelMemory {
             live: Arc::default(),
             host_available: available_host_memory,
             threads: 1,
+            prepare: prepare::Preparation::default(),
         })
     }
 
@@ -886,9 +889,11 @@ impl ShardOrigin {
 
 mod arena;
 mod in_place;
+mod prepare;
 mod rank;
 
 pub use arena::{VmmArena, VmmDeviceArena};
+pub use prepare::Prepare;
 pub use rank::ModelRankMemory;
 
 #[cfg(test)]

@@ -518,3 +518,50 @@ fn an_update_while_asleep_at_level_one_wakes_with_the_new_weights() {
     assert_eq!(receipts[0].restore, "reload", "{receipts:?}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A wakeup that brings the weights back runs the registered device preparation before it
+/// returns its receipts, in the weights' time; a wakeup of the KV cache alone does not run
+/// it; a failing one leaves the wakeup done (the first use then makes the copies).
+#[test]
+fn a_wakeup_of_the_weights_makes_the_device_copies_before_its_receipt() {
+    use crate::sleep::RankMemory;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let dir = std::env::temp_dir().join(format!("tpctl-memory-prep-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tiny.gguf");
+    RandomLlama { seed: 10, ..Default::default() }.write(&path).unwrap();
+    let (placement, form) = (Placement::single(), WeightForm::Native);
+    let origin = ShardOrigin::checkpoint(path.clone(), placement, form);
+    let memory =
+        ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Backup).unwrap();
+    let mut model = ParallelModel::load(&path, LoadOptions::new(placement).form(form)).unwrap();
+    memory.place_weights(&mut model, &origin).unwrap();
+    let _cache = memory.new_cache(&model, 64).unwrap();
+    let rank = ModelRankMemory::new(&memory, model.backend().clone());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let pause = std::time::Duration::from_millis(30);
+    memory.set_device_preparation(Some(Arc::new(move || {
+        counted.fetch_add(1, Ordering::SeqCst);
+        std::thread::sleep(pause);
+        Ok(())
+    })));
+    let tags = |t: &[&str]| t.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+
+    rank.release(&tags(&["kv_cache"])).unwrap();
+    rank.materialize(&tags(&["kv_cache"])).unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "a KV-cache wakeup prepared the weights");
+
+    rank.release(&tags(&["weights", "kv_cache"])).unwrap();
+    let woke = rank.materialize(&tags(&["weights", "kv_cache"])).unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the weights' wakeup did not prepare them");
+    assert_eq!(woke[0].tag, "weights");
+    assert!(woke[0].elapsed_us >= pause.as_micros() as u64, "{:?}", woke[0]);
+
+    memory.set_device_preparation(Some(Arc::new(|| Err("the device is gone".into()))));
+    rank.release(&tags(&["weights"])).unwrap();
+    let woke = rank.materialize(&tags(&["weights"])).unwrap();
+    assert_eq!(woke[0].restore, "reload");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    std::fs::remove_dir_all(&dir).ok();
+}

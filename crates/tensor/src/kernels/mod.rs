@@ -12,6 +12,7 @@
 
 pub mod cpu;
 pub mod cuda;
+mod prepare;
 mod step_attention;
 
 pub use cpu::attention::AttnShape;
@@ -19,6 +20,7 @@ pub use cpu::qmatrix::{QBits, QMatrix};
 pub use cpu::quant::BlockFormat;
 use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaDeviceInfo, PoolArena};
+pub use prepare::WeightUse;
 pub use step_attention::RowKv;
 
 use crate::error::{Error, Result};

@@ -81,6 +81,10 @@ impl CudaBackend {
         match self.never {}
     }
 
+    pub(crate) fn prepare_weights(&self, _weights: &[crate::kernels::WeightUse<'_>]) -> Result<()> {
+        match self.never {}
+    }
+
     /// Device bytes held by cached weights.
     pub fn cached_weight_bytes(&self) -> usize {
         match self.never {}

@@ -6,7 +6,7 @@ use super::{elementwise, Count, CudaBackend, OrUnavailable};
 use crate::error::Result;
 use crate::kernels::cpu::qmatrix::QBits;
 use crate::kernels::cuda::weight_stamps::{WeightKey, WeightStamps};
-use crate::kernels::{GemmDtype, Weight};
+use crate::kernels::{GemmDtype, Weight, WeightUse};
 use crate::memory::{alloc_device_exact, weights_generation, DeviceArena};
 use cudarc::driver::{CudaSlice, DeviceRepr, PushKernelArg};
 use mesh::DeviceMemory;
@@ -99,6 +99,21 @@ impl CudaBackend {
         cache.entries.mark_stale(|w| matches!(*w.slot, Slot::Arena(_)));
         drop(cache);
         self.trim_pool();
+    }
+
+    /// The device copies of `weights`, made now (see [`crate::kernels::Backend::prepare_weights`]):
+    /// each as its use would make it (a linear layer's in the matrix type, an embedding table
+    /// in f32, a norm's vector), then a wait until every copy is written.
+    pub(crate) fn prepare_weights(&self, weights: &[WeightUse<'_>]) -> Result<()> {
+        const OP: &str = "prepare_weights";
+        for w in weights {
+            match w {
+                WeightUse::Linear(w) => drop(self.weight(OP, w, self.inner.dtype)?),
+                WeightUse::Embedding(t) => drop(self.weight(OP, t, GemmDtype::F32)?),
+                WeightUse::Norm(v) => drop(self.vector(OP, v.host()?)?),
+            }
+        }
+        self.inner.sync(OP)
     }
 
     /// Device bytes held by cached weights (arena regions included).
