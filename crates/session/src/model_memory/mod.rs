@@ -475,6 +475,11 @@ impl ModelMemory {
         }
     }
 
+    /// Whether weights in new buffers wait for the engine's model to take them.
+    pub(super) fn swap_pending(&self) -> bool {
+        lock_live(&self.live).swap.is_some()
+    }
+
     /// Puts back the checkpoint the latest update replaced (loaded again from its file):
     /// written over the live buffers when it is in their form, else swapped in as
     /// [`ModelMemory::update`] does (the allocation the engine still reads, when it has not

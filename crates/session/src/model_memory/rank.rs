@@ -149,20 +149,8 @@ impl RankMemory for ModelRankMemory {
             let more = device.materialize(tags).map_err(|e| MemoryError { changed: true, ..e })?;
             merge(&mut receipts, more);
         }
-        if let Some(prepare) = self.memory.device_preparation().filter(|_| weights) {
-            // The wakeup ends when the model is usable: its device copies are made now, in
-            // the weights' time, not by the first request.
-            let started = std::time::Instant::now();
-            if let Err(e) = prepare() {
-                tracing::warn!(
-                    "making the device copies of the weights after the wakeup: {e} (the first \
-                     request makes them)"
-                );
-            }
-            let spent = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
-            if let Some(r) = receipts.iter_mut().find(|r| r.tag == vmm::Tag::WEIGHTS.as_str()) {
-                r.elapsed_us = r.elapsed_us.saturating_add(spent);
-            }
+        if weights {
+            self.prepare_device("wakeup", &mut receipts);
         }
         let mut pending = self.pending();
         for r in &mut receipts {
@@ -184,13 +172,13 @@ impl RankMemory for ModelRankMemory {
         let written = self.memory.update()?;
         // Weights replaced while asleep come back by reload, not from a level-1 backup.
         self.pending().remove(vmm::Tag::WEIGHTS.as_str());
-        Ok(vec![self.weights_written(written)])
+        Ok(self.written_and_prepared("weight update", written))
     }
 
     fn revert(&self) -> Result<Vec<TagReceipt>, MemoryError> {
         let written = self.memory.revert()?;
         self.pending().remove(vmm::Tag::WEIGHTS.as_str());
-        Ok(vec![self.weights_written(written)])
+        Ok(self.written_and_prepared("rollback", written))
     }
 
     fn drop_update(&self) {
@@ -203,6 +191,37 @@ impl RankMemory for ModelRankMemory {
 }
 
 impl ModelRankMemory {
+    /// Runs the registered device preparation (see [`ModelMemory::set_device_preparation`]),
+    /// adding its time to the weights' receipt in `receipts`: the `what` (a wakeup, an update)
+    /// ends when the model is usable, so the first request does not make the weights' device
+    /// copies. A failure is logged; the first use then makes them.
+    fn prepare_device(&self, what: &str, receipts: &mut [TagReceipt]) {
+        let Some(prepare) = self.memory.device_preparation() else { return };
+        let started = std::time::Instant::now();
+        if let Err(e) = prepare() {
+            tracing::warn!(
+                "making the device copies of the weights after the {what}: {e} (the first \
+                 request makes them)"
+            );
+        }
+        let spent = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        if let Some(r) = receipts.iter_mut().find(|r| r.tag == vmm::Tag::WEIGHTS.as_str()) {
+            r.elapsed_us = r.elapsed_us.saturating_add(spent);
+        }
+    }
+
+    /// The receipt of an update or a rollback that wrote `written` bytes, after the device
+    /// copies of weights written into the live buffers were made again (weights swapped into
+    /// new buffers are the engine's to take at its next step; nothing is written while
+    /// asleep).
+    fn written_and_prepared(&self, what: &str, written: u64) -> Vec<TagReceipt> {
+        let mut receipts = vec![self.weights_written(written)];
+        if written > 0 && !self.memory.swap_pending() {
+            self.prepare_device(what, &mut receipts);
+        }
+        receipts
+    }
+
     /// The receipt of weights replaced in place: `written` bytes copied (none while asleep).
     /// The GPU's copies of the old ones need no clear: the write bumped the weights generation
     /// (`Placed::write`), so each is written again, into the same device memory, at its next

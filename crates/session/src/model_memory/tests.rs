@@ -520,8 +520,9 @@ fn an_update_while_asleep_at_level_one_wakes_with_the_new_weights() {
 }
 
 /// A wakeup that brings the weights back runs the registered device preparation before it
-/// returns its receipts, in the weights' time; a wakeup of the KV cache alone does not run
-/// it; a failing one leaves the wakeup done (the first use then makes the copies).
+/// returns its receipts, in the weights' time, and so does an update written over the live
+/// buffers; a wakeup of the KV cache alone does not run it; a failing one leaves the wakeup
+/// done (the first use then makes the copies).
 #[test]
 fn a_wakeup_of_the_weights_makes_the_device_copies_before_its_receipt() {
     use crate::sleep::RankMemory;
@@ -558,10 +559,16 @@ fn a_wakeup_of_the_weights_makes_the_device_copies_before_its_receipt() {
     assert_eq!(woke[0].tag, "weights");
     assert!(woke[0].elapsed_us >= pause.as_micros() as u64, "{:?}", woke[0]);
 
+    // An update written over the live buffers makes them again too (a reload of the file).
+    rank.prepare_update(path.to_str().unwrap()).unwrap();
+    let updated = rank.update().unwrap();
+    assert!(updated[0].copied_bytes > 0);
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "the update did not prepare the weights");
+
     memory.set_device_preparation(Some(Arc::new(|| Err("the device is gone".into()))));
     rank.release(&tags(&["weights"])).unwrap();
     let woke = rank.materialize(&tags(&["weights"])).unwrap();
     assert_eq!(woke[0].restore, "reload");
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
     std::fs::remove_dir_all(&dir).ok();
 }
