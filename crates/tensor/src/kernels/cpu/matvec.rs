@@ -274,15 +274,26 @@ fn row_dots<S: Simd, const T: usize, const R: usize>(
     let mut acc = [[simd.splat_f32s(0.0); T]; R];
     let lanes = std::mem::size_of::<S::f32s>() / 4;
     let per_line = (16 / lanes.max(1)).max(1);
+    // The element the hints ask for, `i · lanes + PREFETCH_AHEAD / 4` from each row's start,
+    // and how many rows' ends it has passed: past a row's end the hint moves on to the row
+    // `R` further, which the next call reads in this row's place (the rows are consecutive in
+    // memory), and so on. Counted as the loop goes: a division in the loop (the quotient
+    // recomputed at every step) took as long as the multiply-adds of a step.
+    let row = n.max(1);
+    let mut ahead = PREFETCH_AHEAD / 4;
+    let mut passed = ahead / row;
+    let mut next_end = (passed + 1) * row;
     for (i, xv) in p[..wide * T].chunks_exact(T).enumerate() {
         if i % per_line == 0 {
-            // Past a row's end the hint moves on to the row `R` further, which the next
-            // call reads in this row's place (the rows are consecutive in memory), and so on.
-            let ahead = i * lanes + PREFETCH_AHEAD / 4;
-            let ahead = ahead + ahead / n * (R - 1) * n;
+            let at = ahead + passed * (R - 1) * row;
             for w in &ws {
-                prefetch(w.as_ptr().wrapping_add(ahead));
+                prefetch(w.as_ptr().wrapping_add(at));
             }
+        }
+        ahead += lanes;
+        while ahead >= next_end {
+            passed += 1;
+            next_end += row;
         }
         // The weights in registers and one activation vector at a time: with the activations
         // loaded first, 8 of them beside 24 accumulators and a weight overflow AVX-512's 32
