@@ -20,7 +20,8 @@ use std::os::unix::fs::FileExt;
 /// Host staging buffer size for spill files and file sources.
 const STAGING: usize = 64 << 20;
 
-fn check(op: impl FnOnce() -> String, r: sys::CUresult) -> Result<()> {
+/// `Ok` for `CUDA_SUCCESS`, else [`Error::Cuda`] naming `op`.
+pub(crate) fn check(op: impl FnOnce() -> String, r: sys::CUresult) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {

@@ -1,19 +1,12 @@
 //! Reading exported spans through the CUDA driver (feature `cuda`).
 
 use super::{by_allocation, span_error, ExportedSpan, ExportingDevice};
+use crate::backend::cuda::check;
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
 
 fn unavailable(reason: String) -> Error {
     Error::BackendUnavailable { backend: "cuda", reason }
-}
-
-fn check(op: impl FnOnce() -> String, r: sys::CUresult) -> Result<()> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Cuda { op: op(), code: format!("{r:?}") })
-    }
 }
 
 pub(super) fn read(spans: &[ExportedSpan]) -> Result<Vec<Vec<u8>>> {
