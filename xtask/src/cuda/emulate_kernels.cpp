@@ -3,7 +3,8 @@
 // and paged keys, head sizes that are and are not multiples of the staged chunk, queries that
 // see no key, Gemma's score rules (query scale, soft-cap, sliding window; each case also
 // fails if the rules change nothing); RMSNorm (alone, and fused with the residual add, also against add_assign then
-// rms_norm bit for bit), RoPE (with frequency factors), argmax (ties, NaN), dequantization of
+// rms_norm bit for bit), RoPE (with frequency factors), the fused split_rope and gated_halves
+// (against the kernels they replace, bit for bit), argmax (ties, NaN), dequantization of
 // each packing, logit soft-capping, bf16 rounding, embedding rows and column splits. Exits non-zero with the
 // first difference. Built and run by xtask's tidy tests.
 #include <cstdio>
@@ -24,6 +25,12 @@ extern "C" void add_assign(float* x, const float* y, u64 n);
 extern "C" void soft_cap(float* x, float cap, u64 n);
 extern "C" void rope(float* x, const u64* pos, int tokens, int heads, int head_dim, int rot_dim,
                      float theta, const float* factors, float attn_factor);
+extern "C" void split_rope(const float* y, float* q, float* k, float* v, const u64* pos,
+                           int tokens, int q_heads, int kv_heads, int head_dim, int rot_dim,
+                           float theta, const float* factors, float attn_factor);
+extern "C" void silu_mul(float* gate, const float* up, u64 n);
+extern "C" void gelu_tanh_mul(float* gate, const float* up, u64 n);
+extern "C" void gated_halves(const float* x, float* out, u64 n, int units, int gelu);
 extern "C" void argmax_rows(const float* x, int cols, unsigned int* out);
 extern "C" void dequantize(const float* scales, const float* mins, const unsigned char* qs,
                            float* out, u64 n, int kind);
@@ -45,6 +52,89 @@ static int fail(const char* what, size_t at, double got, double want) {
 
 static bool near(double got, double want, double tol) {
     return std::fabs(got - want) <= tol * std::max(1.0, std::fabs(want));
+}
+
+// The fused kernels against the kernels they replace, bit for bit: split_rope against
+// copy_cols then rope (GQA, a partial rotation with factors and an attention factor, and a
+// whole one), gated_halves against copy_cols then silu_mul / gelu_tanh_mul (and SiLU against
+// its formula, so a kernel that swapped the halves or the activation fails).
+static int check_fused(u64& seed) {
+    struct Rope {
+        int tokens, q_heads, kv_heads, head_dim, rot;
+        bool factors;
+    };
+    const Rope ropes[] = {{3, 6, 2, 8, 6, true}, {2, 4, 4, 16, 16, false}, {1, 3, 1, 10, 4, true}};
+    for (const Rope& c : ropes) {
+        int width = (c.q_heads + 2 * c.kv_heads) * c.head_dim;
+        std::vector<float> y((size_t)c.tokens * width);
+        for (auto& v : y) v = next_value(seed);
+        std::vector<u64> pos;
+        for (int t = 0; t < c.tokens; t++) pos.push_back(7 + 1000 * (u64)t);
+        std::vector<float> factors;
+        for (int i = 0; i < c.rot / 2; i++) factors.push_back(1.0f + (float)(i % 3));
+        const float* f = c.factors ? factors.data() : nullptr;
+        float attn = c.factors ? 1.25f : 1.0f;
+        int qw = c.q_heads * c.head_dim, kw = c.kv_heads * c.head_dim;
+        std::vector<float> q((size_t)c.tokens * qw), k((size_t)c.tokens * kw), v(k.size());
+        u64 n = (u64)c.tokens * width;
+        tpctl_launch(elementwise(n), 1, BLOCK_THREADS, [&] {
+            split_rope(y.data(), q.data(), k.data(), v.data(), pos.data(), c.tokens, c.q_heads,
+                       c.kv_heads, c.head_dim, c.rot, 10000.0f, f, attn);
+        });
+        std::vector<float> q2(q.size()), k2(k.size()), v2(v.size());
+        const int offsets[] = {0, qw, qw + kw}, sizes[] = {qw, kw, kw};
+        std::vector<float>* parts[] = {&q2, &k2, &v2};
+        for (int p = 0; p < 3; p++) {
+            tpctl_launch(elementwise(parts[p]->size()), 1, BLOCK_THREADS, [&] {
+                copy_cols(y.data(), parts[p]->data(), parts[p]->size(), width, offsets[p], sizes[p]);
+            });
+        }
+        const int heads[] = {c.q_heads, c.kv_heads};
+        for (int p = 0; p < 2; p++) {
+            u64 pairs = (u64)c.tokens * heads[p] * (c.rot / 2);
+            tpctl_launch(elementwise(pairs), 1, BLOCK_THREADS, [&] {
+                rope(parts[p]->data(), pos.data(), c.tokens, heads[p], c.head_dim, c.rot, 10000.0f,
+                     f, attn);
+            });
+        }
+        const std::vector<float>* got[] = {&q, &k, &v};
+        const char* names[] = {"split_rope q", "split_rope k", "split_rope v"};
+        for (int p = 0; p < 3; p++)
+            for (size_t i = 0; i < got[p]->size(); i++)
+                if (__float_as_uint((*got[p])[i]) != __float_as_uint((*parts[p])[i]))
+                    return fail(names[p], i, (*got[p])[i], (*parts[p])[i]);
+        // The rotation happened: some query differs from its unrotated value.
+        bool rotated = false;
+        for (size_t i = 0; i < q.size(); i++) rotated |= q[i] != y[(i / qw) * width + i % qw];
+        if (!rotated) return fail("split_rope rotates nothing", 0, 0, 1);
+    }
+    for (int gelu = 0; gelu < 2; gelu++) {
+        int rows = 3, units = 300;
+        std::vector<float> x((size_t)rows * 2 * units), out((size_t)rows * units);
+        for (auto& v : x) v = 4.0f * next_value(seed);
+        tpctl_launch(elementwise(out.size()), 1, BLOCK_THREADS, [&] {
+            gated_halves(x.data(), out.data(), out.size(), units, gelu);
+        });
+        std::vector<float> g(out.size()), u(out.size());
+        tpctl_launch(elementwise(g.size()), 1, BLOCK_THREADS, [&] {
+            copy_cols(x.data(), g.data(), g.size(), 2 * units, 0, units);
+            copy_cols(x.data(), u.data(), u.size(), 2 * units, units, units);
+        });
+        tpctl_launch(elementwise(g.size()), 1, BLOCK_THREADS, [&] {
+            if (gelu) gelu_tanh_mul(g.data(), u.data(), g.size());
+            else silu_mul(g.data(), u.data(), g.size());
+        });
+        for (size_t i = 0; i < out.size(); i++) {
+            if (__float_as_uint(out[i]) != __float_as_uint(g[i]))
+                return fail(gelu ? "gated_halves (gelu)" : "gated_halves (silu)", i, out[i], g[i]);
+            if (gelu) continue;
+            double gv = x[(i / units) * 2 * units + i % units];
+            double uv = x[(i / units) * 2 * units + units + i % units];
+            double want = gv / (1.0 + std::exp(-gv)) * uv;
+            if (!near(out[i], want, 1e-5)) return fail("gated_halves formula", i, out[i], want);
+        }
+    }
+    return 0;
 }
 
 static int check_rows() {
@@ -117,6 +207,7 @@ static int check_rows() {
                 }
                 if (!near(r1[at], want, 1e-5)) return fail("rope", at, r1[at], want);
             }
+    if (check_fused(seed) != 0) return 1;
     // Argmax: the first of equal maxima, NaN never wins, a row of NaN gives 0.
     float nan = std::nanf("");
     std::vector<float> am = {1.0f, 3.0f, nan, 3.0f, -2.0f,   // ties: index 1
@@ -138,7 +229,7 @@ static int check_rows() {
         double want = 1.5 * std::tanh((double)logits[i] / 1.5);
         if (!near(capped[i], want, 1e-6)) return fail("soft_cap", i, capped[i], want);
     }
-    std::printf("ok: rms_norm, add_rms_norm, rope with factors and an attention factor, argmax_rows, soft_cap\n");
+    std::printf("ok: rms_norm, add_rms_norm, rope with factors and an attention factor, split_rope, gated_halves, argmax_rows, soft_cap\n");
     return 0;
 }
 

@@ -351,6 +351,13 @@ impl Attention {
         if let Some(bias) = &self.qkv_bias {
             be.add_bias(&mut y, bias)?;
         }
+        let (theta, factors) = (self.rope_theta, self.rope_factors.as_deref());
+        let (rot, scale) = (self.rope_dim, self.rope_attn_factor);
+        if self.qk_norm.is_none() {
+            // One pass (one kernel on a GPU): the split and both rotations.
+            let dims = (s.q_heads, s.kv_heads, s.head_dim, rot);
+            return Ok(be.split_rope(&y, positions, dims, theta, factors, scale)?);
+        }
         let mut parts = be.split_last(&y, &[qw, kvw, kvw])?.into_iter();
         let (Some(mut q), Some(mut k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
             return Err(Error::shape("Attention::qkv", "split gave fewer than three parts"));
@@ -359,8 +366,6 @@ impl Attention {
             q = QkNorm::apply(be, q, &norm.q, norm.eps)?;
             k = QkNorm::apply(be, k, &norm.k, norm.eps)?;
         }
-        let (theta, factors) = (self.rope_theta, self.rope_factors.as_deref());
-        let (rot, scale) = (self.rope_dim, self.rope_attn_factor);
         be.rope_scaled(&mut q, positions, (s.q_heads, s.head_dim, rot), theta, factors, scale)?;
         be.rope_scaled(&mut k, positions, (s.kv_heads, s.head_dim, rot), theta, factors, scale)?;
         Ok((q, k, v))
@@ -580,14 +585,9 @@ impl Mlp {
     /// # Errors
     /// [`tensor::Error::Shape`] when `x` has the wrong width.
     pub fn forward(&self, be: &Backend, x: &Tensor) -> Result<Tensor> {
-        let mut parts = be
-            .split_last(&self.gate_up.forward(be, x)?, &[self.units.len(), self.units.len()])?
-            .into_iter();
-        let (Some(mut g), Some(u)) = (parts.next(), parts.next()) else {
-            return Err(Error::shape("Mlp::forward", "split gave fewer than two parts"));
-        };
-        be.gated(self.activation, &mut g, &u)?;
-        self.down.forward(be, &g)
+        // The gate and up halves read in place (one kernel on a GPU).
+        let h = be.gated_halves(self.activation, &self.gate_up.forward(be, x)?)?;
+        self.down.forward(be, &h)
     }
 }
 

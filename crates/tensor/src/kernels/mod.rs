@@ -12,6 +12,7 @@
 
 pub mod cpu;
 pub mod cuda;
+mod fused;
 mod prepare;
 mod step_attention;
 

@@ -82,10 +82,21 @@ extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w
     rms_norm_row(xr, w, out + (u64)blockIdx.x * d, d, eps, acc, buf);
 }
 
+// The cosine and sine of rotated pair `i` (of rot_dim / 2) at position `p`, in double
+// precision as on the CPU. `factors` (rot_dim / 2 of them, or null) divide each pair's
+// frequency: Llama 3's, linear and longrope scaling; `attn_factor` multiplies both (longrope's
+// attention factor, 1 otherwise).
+__device__ void rope_angle(u64 p, int i, int rot_dim, float theta, const float* factors,
+                           float attn_factor, float* c, float* s) {
+    double inv_freq = pow((double)theta, -(double)(2 * i) / (double)rot_dim);
+    if (factors) inv_freq /= (double)factors[i];
+    double a = (double)p * inv_freq;
+    *c = (float)(cos(a) * (double)attn_factor);
+    *s = (float)(sin(a) * (double)attn_factor);
+}
+
 // Rotate-half rotary embedding of x[tokens, heads, head_dim] in place; one thread per rotated
-// pair. Angles in double precision, as on the CPU. `factors` (rot_dim / 2 of them, or null)
-// divide each pair's frequency: Llama 3's, linear and longrope scaling; `attn_factor`
-// multiplies the cosines and sines (longrope's attention factor, 1 otherwise).
+// pair (see rope_angle).
 extern "C" __global__ void rope(float* x, const u64* pos, int tokens, int heads, int head_dim,
                                 int rot_dim, float theta, const float* factors,
                                 float attn_factor) {
@@ -97,34 +108,79 @@ extern "C" __global__ void rope(float* x, const u64* pos, int tokens, int heads,
     u64 th = idx / half;
     int h = (int)(th % heads);
     u64 t = th / heads;
-    double inv_freq = pow((double)theta, -(double)(2 * i) / (double)rot_dim);
-    if (factors) inv_freq /= (double)factors[i];
-    double a = (double)pos[t] * inv_freq;
-    float c = (float)(cos(a) * (double)attn_factor);
-    float s = (float)(sin(a) * (double)attn_factor);
+    float c, s;
+    rope_angle(pos[t], i, rot_dim, theta, factors, attn_factor, &c, &s);
     float* v = x + (t * heads + h) * (u64)head_dim;
     float lo = v[i], hi = v[i + half];
     v[i] = lo * c - hi * s;
     v[i + half] = hi * c + lo * s;
 }
 
+// A fused projection's rows y[tokens, (q_heads + 2 kv_heads) head_dim] split into queries
+// q[tokens, q_heads, head_dim], keys k and values v[tokens, kv_heads, head_dim], the queries
+// and keys rotated as `rope` rotates them (the same products, so the same bits as copy_cols
+// then rope). One thread per output element: a rotated one computes its pair's angle.
+extern "C" __global__ void split_rope(const float* y, float* q, float* k, float* v,
+                                      const u64* pos, int tokens, int q_heads, int kv_heads,
+                                      int head_dim, int rot_dim, float theta,
+                                      const float* factors, float attn_factor) {
+    int slots = q_heads + 2 * kv_heads;
+    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (u64)tokens * slots * head_dim) return;
+    int d = (int)(idx % head_dim);
+    u64 ts = idx / head_dim;
+    int slot = (int)(ts % slots);
+    u64 t = ts / slots;
+    const float* src = y + idx - d;
+    float* out;
+    if (slot < q_heads) {
+        out = q + (t * q_heads + slot) * (u64)head_dim;
+    } else if (slot < q_heads + kv_heads) {
+        out = k + (t * kv_heads + (slot - q_heads)) * (u64)head_dim;
+    } else {
+        v[(t * kv_heads + (slot - q_heads - kv_heads)) * (u64)head_dim + d] = src[d];
+        return;
+    }
+    int half = rot_dim / 2;
+    if (d >= rot_dim) {
+        out[d] = src[d];
+        return;
+    }
+    int i = d < half ? d : d - half;
+    float c, s;
+    rope_angle(pos[t], i, rot_dim, theta, factors, attn_factor, &c, &s);
+    float lo = src[i], hi = src[i + half];
+    out[d] = d < half ? lo * c - hi * s : hi * c + lo * s;
+}
+
+// silu(g) * u and gelu(g) * u, GELU in its tanh approximation (as cpu::activation's).
+__device__ float silu_gate(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+__device__ float gelu_tanh_gate(float x, float u) {
+    float t = tanhf(0.7978846f * x * (1.0f + 0.044715f * x * x));
+    return 0.5f * x * (1.0f + t) * u;
+}
+
 // gate = silu(gate) * up.
 extern "C" __global__ void silu_mul(float* gate, const float* up, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        float g = gate[i];
-        gate[i] = g / (1.0f + expf(-g)) * up[i];
-    }
+    if (i < n) gate[i] = silu_gate(gate[i], up[i]);
 }
 
-// gate = gelu(gate) * up, GELU in its tanh approximation (as cpu::activation::gelu_tanh).
+// gate = gelu(gate) * up.
 extern "C" __global__ void gelu_tanh_mul(float* gate, const float* up, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        float x = gate[i];
-        float t = tanhf(0.7978846f * x * (1.0f + 0.044715f * x * x));
-        gate[i] = 0.5f * x * (1.0f + t) * up[i];
-    }
+    if (i < n) gate[i] = gelu_tanh_gate(gate[i], up[i]);
+}
+
+// out[r, j] = act(x[r, j]) * x[r, units + j]: the gated activation of a fused gate/up
+// projection's rows (of 2 units), read in place; `gelu` chooses GELU over SiLU. One thread per
+// output element.
+extern "C" __global__ void gated_halves(const float* x, float* out, u64 n, int units, int gelu) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float* row = x + (i / (u64)units) * 2 * (u64)units;
+    int j = (int)(i % (u64)units);
+    out[i] = gelu ? gelu_tanh_gate(row[j], row[units + j]) : silu_gate(row[j], row[units + j]);
 }
 
 // x *= s.

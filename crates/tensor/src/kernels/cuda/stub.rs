@@ -159,6 +159,26 @@ impl CudaBackend {
         match self.never {}
     }
 
+    pub(crate) fn split_rope(
+        &self,
+        _y: &Tensor,
+        _positions: &[usize],
+        _dims: (usize, usize, usize, usize),
+        _theta: f32,
+        _factors: Option<&[f32]>,
+        _attn_factor: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        match self.never {}
+    }
+
+    pub(crate) fn gated_halves(
+        &self,
+        _act: crate::kernels::Activation,
+        _x: &Tensor,
+    ) -> Result<Tensor> {
+        match self.never {}
+    }
+
     pub(crate) fn silu_mul(&self, _gate: &mut Tensor, _up: &Tensor) -> Result<()> {
         match self.never {}
     }

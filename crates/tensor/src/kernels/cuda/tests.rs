@@ -548,3 +548,53 @@ fn cuda_counters_count_each_call_of_an_op() {
     let fused = cuda.counters().since(&before);
     assert_eq!((fused.launches, fused.uploads), (1, 2), "add_rms_norm: {fused:?}");
 }
+
+/// The fused kernels against the CPU and against the GPU kernels they replace (the same bits),
+/// each one launch.
+#[test]
+fn cuda_split_rope_and_gated_halves_match_the_ops_they_replace_in_one_launch() {
+    use crate::kernels::Activation;
+    let Some(gpu) = gpu() else { return };
+    let (cpu, cuda) = (cpu(), cuda_of(&gpu));
+    let bits = |t: &Tensor| t.host().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (q_heads, kv_heads, head_dim, rot, scaled) in
+        [(6, 2, 64, 32, true), (4, 4, 128, 128, false)]
+    {
+        let positions = [0usize, 9, 4000];
+        let width = (q_heads + 2 * kv_heads) * head_dim;
+        let y = tensor(&[3, width], 11);
+        let factors: Vec<f32> = (0..rot / 2).map(|i| 1.0 + (i % 5) as f32).collect();
+        let (factors, attn) = if scaled { (Some(&factors[..]), 1.25) } else { (None, 1.0) };
+        let dims = (q_heads, kv_heads, head_dim, rot);
+        let before = cuda.counters();
+        let got = gpu.split_rope(&y, &positions, dims, 1e4, factors, attn).unwrap();
+        assert_eq!(cuda.counters().since(&before).launches, 1, "split_rope");
+        let want = cpu.split_rope(&y, &positions, dims, 1e4, factors, attn).unwrap();
+        let (qw, kw) = (q_heads * head_dim, kv_heads * head_dim);
+        let parts = gpu.split_last(&y, &[qw, kw, kw]).unwrap();
+        let (mut q2, mut k2) = (parts[0].clone(), parts[1].clone());
+        gpu.rope_scaled(&mut q2, &positions, (q_heads, head_dim, rot), 1e4, factors, attn).unwrap();
+        gpu.rope_scaled(&mut k2, &positions, (kv_heads, head_dim, rot), 1e4, factors, attn)
+            .unwrap();
+        for (g, (w, apart)) in [&got.0, &got.1, &got.2].into_iter().zip([
+            (&want.0, &q2),
+            (&want.1, &k2),
+            (&want.2, &parts[2]),
+        ]) {
+            assert_close(g.host().unwrap(), w.host().unwrap(), 1e-4);
+            assert_eq!(bits(g), bits(apart));
+        }
+    }
+    let x = tensor(&[5, 2 * 700], 12);
+    for act in [Activation::Silu, Activation::GeluTanh] {
+        let before = cuda.counters();
+        let got = gpu.gated_halves(act, &x).unwrap();
+        assert_eq!(cuda.counters().since(&before).launches, 1, "gated_halves");
+        let want = cpu.gated_halves(act, &x).unwrap();
+        assert_close(got.host().unwrap(), want.host().unwrap(), 1e-4);
+        let parts = gpu.split_last(&x, &[700, 700]).unwrap();
+        let mut g = parts[0].clone();
+        gpu.gated(act, &mut g, &parts[1]).unwrap();
+        assert_eq!(bits(&got), bits(&g), "{act:?}");
+    }
+}

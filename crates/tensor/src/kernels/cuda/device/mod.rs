@@ -60,6 +60,7 @@ mod buffers;
 mod cache;
 mod context;
 mod copies;
+mod fused;
 mod gemm;
 mod kernel_image;
 mod ops;
@@ -124,7 +125,9 @@ struct Kernels {
     rms_norm: CudaFunction,
     add_rms_norm: CudaFunction,
     rope: CudaFunction,
+    split_rope: CudaFunction,
     silu_mul: CudaFunction,
+    gated_halves: CudaFunction,
     gelu_tanh_mul: CudaFunction,
     scale: CudaFunction,
     soft_cap: CudaFunction,

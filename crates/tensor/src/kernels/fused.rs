@@ -1,0 +1,168 @@
+//! Ops that do in one pass what a layer did in several: on the CUDA backend each is one
+//! kernel launch and one output per tensor where the separate ops made several (issue 29's
+//! launch count), with the same arithmetic, so the same bits as the ops they replace; on the
+//! CPU they are those ops (the gated activation reads its two halves in place).
+
+use super::{check, cpu, Activation, Backend};
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+impl Backend {
+    /// Queries `[tokens, q_heads·head_dim]`, keys and values `[tokens, kv_heads·head_dim]`
+    /// from a fused QKV projection's rows `y` (`[tokens, (q_heads + 2·kv_heads)·head_dim]`),
+    /// the queries and keys rotated as [`Backend::rope_scaled`] rotates them: the same values
+    /// as [`Backend::split_last`] then two rotations.
+    ///
+    /// # Errors
+    /// [`crate::Error::Shape`] when the sizes disagree, as [`Backend::rope_scaled`] checks
+    /// them.
+    pub fn split_rope(
+        &self,
+        y: &Tensor,
+        positions: &[usize],
+        (q_heads, kv_heads, head_dim, rot_dim): (usize, usize, usize, usize),
+        theta: f32,
+        factors: Option<&[f32]>,
+        attn_factor: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (qw, kw) = (q_heads * head_dim, kv_heads * head_dim);
+        check(
+            "split_rope",
+            y.len() == positions.len() * (qw + 2 * kw)
+                && rot_dim.is_multiple_of(2)
+                && rot_dim <= head_dim
+                && factors.is_none_or(|f| f.len() == rot_dim / 2),
+            || {
+                format!(
+                    "{} elements for {} positions x ({q_heads} + 2 x {kv_heads}) heads x \
+                     {head_dim}, rot_dim {rot_dim}, {:?} frequency factors",
+                    y.len(),
+                    positions.len(),
+                    factors.map(<[f32]>::len)
+                )
+            },
+        )?;
+        match self {
+            Backend::Cpu(_) => {
+                let mut parts = self.split_last(y, &[qw, kw, kw])?.into_iter();
+                let (Some(mut q), Some(mut k), Some(v)) =
+                    (parts.next(), parts.next(), parts.next())
+                else {
+                    unreachable!("split_last gives one part per size");
+                };
+                let dims = |heads| (heads, head_dim, rot_dim);
+                self.rope_scaled(&mut q, positions, dims(q_heads), theta, factors, attn_factor)?;
+                self.rope_scaled(&mut k, positions, dims(kv_heads), theta, factors, attn_factor)?;
+                Ok((q, k, v))
+            }
+            Backend::Cuda(cuda) => {
+                // As `rope_scaled`: factors that are all 1 are no scaling.
+                let factors = factors.filter(|f| f.iter().any(|&s| s != 1.0));
+                let dims = (q_heads, kv_heads, head_dim, rot_dim);
+                cuda.split_rope(y, positions, dims, theta, factors, attn_factor)
+            }
+        }
+    }
+
+    /// `act(gate) · up` for every row of `x`, whose last dimension is the gate's values then
+    /// the up projection's (a fused gate/up projection's output): the last dimension halved.
+    /// The same values as [`Backend::split_last`] then [`Backend::gated`], read in place.
+    ///
+    /// # Errors
+    /// [`crate::Error::Shape`] when the rows have an odd length.
+    pub fn gated_halves(&self, act: Activation, x: &Tensor) -> Result<Tensor> {
+        let width = x.row_len();
+        check("gated_halves", width.is_multiple_of(2), || {
+            format!("a row of {width} values is not a gate and an up half")
+        })?;
+        let units = width / 2;
+        match self {
+            Backend::Cpu(cpu) => {
+                let mut shape = x.shape().to_vec();
+                if let Some(last) = shape.last_mut() {
+                    *last = units;
+                }
+                let rows = x.host()?.chunks_exact(width.max(1));
+                let mut out = vec![0f32; x.rows() * units];
+                for (o, row) in out.chunks_exact_mut(units.max(1)).zip(rows) {
+                    let (gate, up) = row.split_at(units);
+                    o.copy_from_slice(gate);
+                    match act {
+                        Activation::Silu => cpu::activation::silu_mul(o, up),
+                        Activation::GeluTanh => cpu::activation::gelu_tanh_mul(o, up),
+                    }
+                }
+                cpu.output(Tensor::from_vec(&shape, out)?)
+            }
+            Backend::Cuda(cuda) => cuda.gated_halves(act, x),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_util::{cpu_with_device_outputs, random_vec};
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.host().unwrap().iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// The fused ops against the ops they replace, bit for bit, on the plain CPU backend and on
+    /// one that hands outputs out as device data: GQA with a partial rotation, frequency
+    /// factors and an attention factor, then a whole rotation; both activations.
+    #[test]
+    fn fused_ops_give_the_bits_of_the_ops_they_replace() {
+        let backends = [Backend::cpu(2).unwrap(), cpu_with_device_outputs(2)];
+        for be in &backends {
+            for (q_heads, kv_heads, head_dim, rot, scaled) in
+                [(6, 2, 8, 6, true), (4, 4, 16, 16, false)]
+            {
+                let positions = [3usize, 40, 1000];
+                let width = (q_heads + 2 * kv_heads) * head_dim;
+                let y = Tensor::from_vec(&[3, width], random_vec(3 * width, 5)).unwrap();
+                let factors: Vec<f32> = (0..rot / 2).map(|i| 1.0 + (i % 3) as f32).collect();
+                let (factors, attn) = if scaled { (Some(&factors[..]), 1.25) } else { (None, 1.0) };
+                let dims = (q_heads, kv_heads, head_dim, rot);
+                let (q, k, v) = be.split_rope(&y, &positions, dims, 500.0, factors, attn).unwrap();
+                let (qw, kw) = (q_heads * head_dim, kv_heads * head_dim);
+                let parts = be.split_last(&y, &[qw, kw, kw]).unwrap();
+                let (mut q2, mut k2) = (parts[0].clone(), parts[1].clone());
+                let rope = |t: &mut Tensor, heads| {
+                    be.rope_scaled(t, &positions, (heads, head_dim, rot), 500.0, factors, attn)
+                };
+                rope(&mut q2, q_heads).unwrap();
+                rope(&mut k2, kv_heads).unwrap();
+                assert_eq!(q.shape(), &[3, qw]);
+                assert_eq!((k.shape(), v.shape()), (&[3, kw][..], &[3, kw][..]));
+                assert_eq!((bits(&q), bits(&k)), (bits(&q2), bits(&k2)));
+                assert_eq!(bits(&v), bits(&parts[2]));
+                assert_ne!(bits(&q), bits(&parts[0]), "the queries were rotated");
+            }
+            let x = Tensor::from_vec(&[4, 2, 30], random_vec(240, 6)).unwrap();
+            for act in [Activation::Silu, Activation::GeluTanh] {
+                let h = be.gated_halves(act, &x).unwrap();
+                assert_eq!(h.shape(), &[4, 2, 15]);
+                let parts = be.split_last(&x, &[15, 15]).unwrap();
+                let mut g = parts[0].clone();
+                be.gated(act, &mut g, &parts[1]).unwrap();
+                assert_eq!(bits(&h), bits(&g), "{act:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn fused_ops_name_a_size_that_does_not_fit() {
+        let be = Backend::cpu(1).unwrap();
+        let y = Tensor::zeros(&[2, 40]);
+        let err = be.split_rope(&y, &[0, 1], (2, 1, 8, 8), 1e4, None, 1.0).unwrap_err();
+        assert!(
+            err.to_string().contains("80 elements for 2 positions x (2 + 2 x 1) heads"),
+            "{err}"
+        );
+        let err = be.split_rope(&Tensor::zeros(&[2, 32]), &[0, 1], (2, 1, 4, 6), 1e4, None, 1.0);
+        assert!(err.unwrap_err().to_string().contains("rot_dim 6"));
+        let err = be.gated_halves(Activation::Silu, &Tensor::zeros(&[2, 7])).unwrap_err();
+        assert!(err.to_string().contains("a row of 7 values"), "{err}");
+    }
+}
