@@ -15,7 +15,7 @@ extern "C" void attention(const float* q, const u64* q_pos, const float* k, cons
                           const u64* kv_pos, const unsigned int* table, int block_size,
                           u64 block_stride, int n_kv, int q_heads, int kv_heads, int head_dim,
                           float scale, float softcap, u64 window, int chunk, int kv_bf16,
-                          float* out, float* lse);
+                          const u64* seqs, float* out, float* lse);
 extern "C" void attention_merge(const float* part, const float* part_lse, int splits, int rows,
                                 int head_dim, float* out, float* lse);
 extern "C" void rms_norm(const float* x, const float* w, float* out, int d, float eps);
@@ -407,8 +407,8 @@ static int check(const Case& c) {
     tpctl_launch(blocks, splits, THREADS, [&] {
         attention(q.data(), q_pos.data(), kp, vp, kv_pos.data(), tp,
                   c.block_size > 0 ? c.block_size : 1, block_stride, c.keys, c.q_heads,
-                  c.kv_heads, c.head_dim, scale, c.cap, window, chunk, c.bf16 ? 1 : 0, part.data(),
-                  part_lse.data());
+                  c.kv_heads, c.head_dim, scale, c.cap, window, chunk, c.bf16 ? 1 : 0, nullptr,
+                  part.data(), part_lse.data());
     });
     std::vector<float> out = part, lse = part_lse;
     if (splits > 1) {
@@ -467,6 +467,97 @@ static int check(const Case& c) {
     return 0;
 }
 
+// A step's decode rows in one launch (`seqs`): three sequences of 5, 130 and 300 keys in one
+// paged pool (blocks of 16, scattered), one query each at its last position, key ranges of
+// 128 (so the shorter ones have empty ranges). Each row against the double-precision
+// reference, and bit for bit against its sequence launched alone over the same ranges.
+static int check_batched() {
+    u64 seed = 4242;
+    const int q_heads = 6, kv_heads = 2, head_dim = 32, bs = 16, n = 3, chunk = 128;
+    const int lens[n] = {5, 130, 300};
+    const u64 stride = (u64)kv_heads * head_dim, block_stride = (u64)bs * stride;
+    int total_blocks = 0;
+    for (int len : lens) total_blocks += (len + bs - 1) / bs;
+    std::vector<float> ks((size_t)total_blocks * block_stride), vs(ks.size());
+    for (auto& x : ks) x = next_value(seed);
+    for (auto& x : vs) x = next_value(seed);
+    std::vector<unsigned int> table;
+    std::vector<u64> kv_pos, seqs, q_pos;
+    int handed = 0;
+    for (int s = 0; s < n; s++) {
+        seqs.push_back(kv_pos.size());
+        seqs.push_back(table.size());
+        seqs.push_back((u64)lens[s]);
+        for (int b = 0; b < (lens[s] + bs - 1) / bs; b++)
+            table.push_back((unsigned int)((handed++ * 7) % total_blocks));
+        for (int j = 0; j < lens[s]; j++) kv_pos.push_back((u64)j);
+        q_pos.push_back((u64)lens[s] - 1);
+    }
+    std::vector<float> q((size_t)n * q_heads * head_dim);
+    for (auto& x : q) x = next_value(seed);
+    float scale = 1.0f / std::sqrt((float)head_dim);
+    int rows = n * q_heads, splits = (300 + chunk - 1) / chunk;
+    // Runs attention and its merge over `tokens` query tokens: rows of `out` and `lse`.
+    auto run = [&](const float* qp, const u64* qpos, const u64* kpos, const unsigned int* tab,
+                   int n_kv, int tokens, int ranges, const u64* sq, std::vector<float>& out,
+                   std::vector<float>& lse) {
+        int r = tokens * q_heads;
+        std::vector<float> part((size_t)ranges * r * head_dim), part_lse((size_t)ranges * r);
+        tpctl_launch((unsigned int)(tokens * kv_heads), ranges, THREADS, [&] {
+            attention(qp, qpos, ks.data(), vs.data(), kpos, tab, bs, block_stride, n_kv, q_heads,
+                      kv_heads, head_dim, scale, 0.0f, ~0ull, chunk, 0, sq, part.data(),
+                      part_lse.data());
+        });
+        out = part;
+        lse = part_lse;
+        if (ranges > 1) {
+            out.assign((size_t)r * head_dim, 0.0f);
+            lse.assign(r, 0.0f);
+            tpctl_launch(r, 1, THREADS, [&] {
+                attention_merge(part.data(), part_lse.data(), ranges, r, head_dim, out.data(),
+                                lse.data());
+            });
+        }
+    };
+    std::vector<float> out, lse;
+    run(q.data(), q_pos.data(), kv_pos.data(), table.data(), 300, n, splits, seqs.data(), out, lse);
+    for (int s = 0; s < n; s++) {
+        const float* qs = &q[(size_t)s * q_heads * head_dim];
+        const u64* kpos = &kv_pos[seqs[3 * s]];
+        const unsigned int* tab = &table[seqs[3 * s + 1]];
+        std::vector<float> alone, alone_lse;
+        run(qs, &q_pos[s], kpos, tab, lens[s], 1, (lens[s] + chunk - 1) / chunk, nullptr, alone,
+            alone_lse);
+        Case c = {q_heads, kv_heads, head_dim, 1, lens[s], 1, bs, false};
+        std::vector<float> kl((size_t)lens[s] * stride), vl(kl.size());
+        for (int j = 0; j < lens[s]; j++) {
+            u64 at = tab[j / bs] * block_stride + (u64)(j % bs) * stride;
+            std::copy_n(&ks[at], stride, &kl[(size_t)j * stride]);
+            std::copy_n(&vs[at], stride, &vl[(size_t)j * stride]);
+        }
+        std::vector<u64> pos(kpos, kpos + lens[s]);
+        for (int h = 0; h < q_heads; h++) {
+            size_t r = (size_t)s * q_heads + h;
+            std::vector<double> want;
+            double want_lse =
+                reference_row(c, false, qs + (size_t)h * head_dim, q_pos[s], pos, kl, vl,
+                              h / (q_heads / kv_heads), want);
+            if (!near(lse[r], want_lse, 1e-4)) return fail("batched attention lse", r, lse[r], want_lse);
+            if (__float_as_uint(lse[r]) != __float_as_uint(alone_lse[h]))
+                return fail("batched attention lse vs alone", r, lse[r], alone_lse[h]);
+            for (int d = 0; d < head_dim; d++) {
+                float got = out[r * head_dim + d];
+                if (!near(got, want[d], 1e-4)) return fail("batched attention", r, got, want[d]);
+                if (__float_as_uint(got) != __float_as_uint(alone[(size_t)h * head_dim + d]))
+                    return fail("batched attention vs alone", r, got, alone[(size_t)h * head_dim + d]);
+            }
+        }
+    }
+    std::printf("ok: a step's decode rows of 3 sequences (5, 130, 300 keys) in one launch, each "
+                "the bits of its sequence alone\n");
+    return 0;
+}
+
 int main() {
     const Case cases[] = {
         {6, 2, 16, 9, 9, 1, 0, false},      // GQA prefill, one range
@@ -491,5 +582,5 @@ int main() {
     for (const Case& c : cases) {
         if (check(c) != 0) return 1;
     }
-    return check_rows() != 0 || check_formats() != 0;
+    return check_rows() != 0 || check_formats() != 0 || check_batched() != 0;
 }

@@ -33,6 +33,24 @@ pub(super) fn extent(kv: &Kv<'_>, tokens: usize, row: usize) -> (usize, usize, b
     }
 }
 
+/// The error of row `i`'s keys and values when they do not hold `tokens` tokens of `row`
+/// floats each.
+pub(super) fn misfit(
+    kv: &Kv<'_>,
+    tokens: usize,
+    row: usize,
+    i: usize,
+    shape: AttnShape,
+) -> Option<Error> {
+    let (k_len, v_len, fits) = extent(kv, tokens, row);
+    (!fits).then(|| {
+        Error::shape(
+            "attention",
+            format!("k {k_len} v {v_len} for {tokens} keys of row {i}, {shape:?}"),
+        )
+    })
+}
+
 impl Backend {
     /// [`Backend::attention`] of `n = q_pos.len()` sequences' single query rows at once: row
     /// `i` of `q` (`[n, q_heads, head_dim]`), at position `q_pos[i]`, against sequence `i`'s
@@ -41,7 +59,9 @@ impl Backend {
     ///
     /// On the CPU this is one parallel loop over the rows (a decode step of 64 sequences on a
     /// 30-layer model made 1,920 parallel loops of a few heads each before); `kv` is called on
-    /// the pool's threads. The CUDA backend runs the rows one after another.
+    /// the pool's threads. On the CUDA backend it is one launch when every row's keys are
+    /// blocks of one device pool (the engine's paged KV cache), else the rows one after
+    /// another.
     ///
     /// # Errors
     /// As [`Backend::attention`], for the first row whose keys and values do not fit.
@@ -61,7 +81,12 @@ impl Backend {
         )?;
         let cpu = match self {
             Backend::Cpu(cpu) => cpu,
-            Backend::Cuda(_) => return self.attention_each_row(q, q_pos, shape, kv),
+            Backend::Cuda(cuda) => {
+                if let Some(out) = cuda.attention_rows(q, q_pos, shape, kv)? {
+                    return Ok(out);
+                }
+                return self.attention_each_row(q, q_pos, shape, kv);
+            }
         };
         let row = kv_heads * head_dim;
         let first_error = Mutex::new(None);
@@ -70,15 +95,8 @@ impl Backend {
         };
         let blocks = |i: usize, f: &mut dyn FnMut(KvBlocks<'_>, &[usize])| {
             kv(i, &mut |kv, kv_pos| {
-                let (k_len, v_len, fits) = extent(&kv, kv_pos.len(), row);
-                if !fits {
-                    return fail(Error::shape(
-                        "attention",
-                        format!(
-                            "k {k_len} v {v_len} for {} keys of row {i}, {shape:?}",
-                            kv_pos.len()
-                        ),
-                    ));
+                if let Some(e) = misfit(&kv, kv_pos.len(), row, i, shape) {
+                    return fail(e);
                 }
                 match kv {
                     Kv::Host { k, v } => {

@@ -309,12 +309,17 @@ __device__ float kv_at(const float* base, u64 i, int bf16) {
 // softcap * tanh(score / softcap) (Gemma 2's soft-capping), before the softmax.
 // Keys and values are contiguous rows, or blocks of a paged cache named by `table` (kv_row),
 // in f32 or (kv_bf16) bf16; offsets count elements either way.
+// With `seqs` (null: every query token sees the same n_kv keys), query token i is one
+// sequence's row of a step over a shared paged pool: seqs[3i..3i+3] are the offset of its key
+// positions in kv_pos, of its blocks in table, and its number of keys; a range past its keys
+// is empty (zeros and -inf, which attention_merge weighs 0).
 extern "C" __global__ void attention(const float* q, const u64* q_pos, const float* k,
                                      const float* v, const u64* kv_pos,
                                      const unsigned int* table, int block_size,
                                      u64 block_stride, int n_kv, int q_heads, int kv_heads,
                                      int head_dim, float scale, float softcap, u64 window,
-                                     int chunk, int kv_bf16, float* out, float* lse) {
+                                     int chunk, int kv_bf16, const u64* seqs, float* out,
+                                     float* lse) {
     __shared__ float qs[ATTN_GROUP * ATTN_BLOCK * ATTN_DIMS];
     __shared__ float p[ATTN_GROUP * ATTN_BLOCK];
     __shared__ float buf[ATTN_BLOCK];
@@ -330,6 +335,11 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
     int nh = min(ATTN_GROUP, per_group - slice * ATTN_GROUP);
     u64 rows = (u64)(gridDim.x / (slices * kv_heads)) * q_heads;
     u64 row0 = (u64)i * q_heads + (u64)g * per_group + (u64)slice * ATTN_GROUP;
+    if (seqs) {
+        kv_pos += seqs[3 * (u64)i];
+        if (table) table += seqs[3 * (u64)i + 1];
+        n_kv = (int)seqs[3 * (u64)i + 2];
+    }
     int j_begin = blockIdx.y * chunk;
     int j_end = min(n_kv, j_begin + chunk);
     int tid = threadIdx.x;

@@ -159,6 +159,16 @@ impl CudaBackend {
         match self.never {}
     }
 
+    pub(crate) fn attention_rows(
+        &self,
+        _q: &Tensor,
+        _q_pos: &[usize],
+        _shape: crate::kernels::AttnShape,
+        _kv: &crate::kernels::RowKv<'_>,
+    ) -> Result<Option<Tensor>> {
+        match self.never {}
+    }
+
     pub(crate) fn split_rope(
         &self,
         _y: &Tensor,

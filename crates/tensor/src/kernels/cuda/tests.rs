@@ -598,3 +598,81 @@ fn cuda_split_rope_and_gated_halves_match_the_ops_they_replace_in_one_launch() {
         assert_eq!(bits(&got), bits(&g), "{act:?}");
     }
 }
+
+/// A step's decode rows over one paged device pool are one attention launch (plus the merge of
+/// its key ranges), and each row is the CPU's attention of its sequence alone; rows whose keys
+/// are not all in one pool still work, one at a time.
+#[test]
+fn cuda_decode_rows_over_one_pool_attend_in_one_launch() {
+    use crate::kernels::{DeviceBlocks, KvElem, PoolArena};
+    use crate::memory::DeviceArena;
+    let Some(gpu) = gpu() else { return };
+    let (cpu, cuda) = (cpu(), cuda_of(&gpu));
+    let shape = AttnShape::new(9, 3, 64);
+    let (row, bs) = (3 * 64, 16);
+    let lens = [5usize, 130, 700];
+    let blocks: usize = lens.iter().map(|l| l.div_ceil(bs)).sum();
+    let arena = PoolArena::new(cuda, 4 * blocks * 2 * bs * row).unwrap();
+    let pool = arena.alloc_device(4 * blocks * 2 * bs * row).unwrap();
+    // Blocks hold a layer's keys then its values; handed out scattered.
+    let block_stride = 2 * bs * row;
+    let (mut tables, mut handed) = (Vec::new(), 0);
+    let keys: Vec<(Vec<f32>, Vec<f32>)> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| (random_vec(t * row, 20 + i as u64), random_vec(t * row, 30 + i as u64)))
+        .collect();
+    for (&t, (k, v)) in lens.iter().zip(&keys) {
+        let table: Vec<u32> = (0..t.div_ceil(bs))
+            .map(|_| {
+                handed += 1;
+                ((handed * 7) % blocks) as u32
+            })
+            .collect();
+        for j in 0..t {
+            let at = table[j / bs] as usize * block_stride + (j % bs) * row;
+            let range = j * row..(j + 1) * row;
+            gpu.write_device(&*pool, KvElem::F32, at, &k[range.clone()]).unwrap();
+            gpu.write_device(&*pool, KvElem::F32, at + bs * row, &v[range]).unwrap();
+        }
+        tables.push(table);
+    }
+    let positions: Vec<Vec<usize>> = lens.iter().map(|&t| (0..t).collect()).collect();
+    let kv = |i: usize, f: &mut dyn FnMut(Kv<'_>, &[usize])| {
+        let blocks = DeviceBlocks {
+            memory: &*pool,
+            elem: KvElem::F32,
+            table: &tables[i],
+            block_size: bs,
+            block_stride,
+            keys: 0,
+            values: bs * row,
+        };
+        f(Kv::PagedDevice(blocks), &positions[i]);
+    };
+    let q = tensor(&[3, 9, 64], 40);
+    let q_pos: Vec<usize> = lens.iter().map(|&t| t - 1).collect();
+    let before = cuda.counters();
+    let got = gpu.attention_rows(&q, &q_pos, shape, &kv).unwrap();
+    let launches = cuda.counters().since(&before).launches;
+    assert!(launches <= 2, "{launches} launches for 3 rows");
+    for (i, &p) in q_pos.iter().enumerate() {
+        let (k, v) = &keys[i];
+        let qi = q.host().unwrap()[i * 576..(i + 1) * 576].to_vec();
+        let qi = Tensor::from_vec(&[1, 9, 64], qi).unwrap();
+        let (want, _) =
+            cpu.attention(&qi, &[p], Kv::Host { k, v }, &positions[i], shape, false).unwrap();
+        let got = &got.host().unwrap()[i * 576..(i + 1) * 576];
+        assert_close(got, want.host().unwrap(), 1e-4);
+    }
+    // A row with host keys: the rows run one at a time, with the same results.
+    let mixed = |i: usize, f: &mut dyn FnMut(Kv<'_>, &[usize])| {
+        if i == 1 {
+            f(Kv::Host { k: &keys[1].0, v: &keys[1].1 }, &positions[1]);
+        } else {
+            kv(i, f);
+        }
+    };
+    let apart = gpu.attention_rows(&q, &q_pos, shape, &mixed).unwrap();
+    assert_close(apart.host().unwrap(), got.host().unwrap(), 1e-4);
+}

@@ -6,6 +6,7 @@ use super::{int, per_row, Count, CudaBackend, OrUnavailable};
 use crate::error::{Error, Result};
 use crate::kernels::cpu::attention::AttnShape;
 use crate::kernels::cuda::{attention_blocks, attention_splits, ATTN_TILE};
+use crate::kernels::step_attention::{misfit, RowKv};
 use crate::kernels::{Kv, KvElem};
 use crate::tensor::Tensor;
 use cudarc::driver::{CudaSlice, PushKernelArg};
@@ -14,6 +15,37 @@ use cudarc::driver::{CudaSlice, PushKernelArg};
 const ATTN_BLOCK: u32 = ATTN_TILE as u32;
 /// Largest head dimension `attention` handles (`ATTN_BLOCK * ATTN_DIMS` in `kernels.cu`).
 const ATTN_MAX_HEAD_DIM: usize = 512;
+
+/// Where `attention` finds keys and values: device addresses of the keys, the values, their
+/// positions and the block table (0: contiguous rows), and the table's block layout.
+struct Keys {
+    k: u64,
+    v: u64,
+    pos: u64,
+    table: u64,
+    block_size: i32,
+    block_stride: u64,
+}
+
+/// What the kernel cannot take: a head larger than its output slots, a soft-cap that is not a
+/// positive finite number (it reads 0 as none).
+fn check_shape(shape: AttnShape) -> Result<()> {
+    const OP: &str = "attention";
+    let head_dim = shape.head_dim;
+    if head_dim > ATTN_MAX_HEAD_DIM {
+        return Err(Error::shape(
+            OP,
+            format!("head_dim {head_dim} exceeds the cuda kernel's {ATTN_MAX_HEAD_DIM}"),
+        ));
+    }
+    if let Some(cap) = shape.softcap.filter(|c| !(c.is_finite() && *c > 0.0)) {
+        return Err(Error::shape(
+            OP,
+            format!("attention soft-cap {cap} is not a positive finite number"),
+        ));
+    }
+    Ok(())
+}
 
 impl CudaBackend {
     /// Causal GQA attention with per-row log-sum-exp (see `cpu::attention::attention`):
@@ -31,19 +63,7 @@ impl CudaBackend {
         let AttnShape { q_heads, kv_heads, head_dim, .. } = shape;
         let rows = q_pos.len() * q_heads;
         let (out_shape, lse_shape) = ([q_pos.len(), q_heads, head_dim], [q_pos.len(), q_heads]);
-        if head_dim > ATTN_MAX_HEAD_DIM {
-            return Err(Error::shape(
-                OP,
-                format!("head_dim {head_dim} exceeds the cuda kernel's {ATTN_MAX_HEAD_DIM}"),
-            ));
-        }
-        // The kernel reads a cap of 0 as none, so only a positive one can be passed on.
-        if let Some(cap) = shape.softcap.filter(|c| !(c.is_finite() && *c > 0.0)) {
-            return Err(Error::shape(
-                OP,
-                format!("attention soft-cap {cap} is not a positive finite number"),
-            ));
-        }
+        check_shape(shape)?;
         if rows == 0 || head_dim == 0 || kv_pos.is_empty() {
             // No keys at all: zeros and -inf, the neutral partial result.
             let lse = want_lse
@@ -92,8 +112,143 @@ impl CudaBackend {
         };
         let tp = table.as_ref().map_or(0, |t| self.addr(t));
         let kpd = self.positions(OP, kv_pos)?;
-        let n_kv = kv_pos.len();
-        let blocks = attention_blocks(q_pos.len(), q_heads, kv_heads);
+        let keys =
+            Keys { k: kp, v: vp, pos: self.addr(&*kpd), table: tp, block_size, block_stride };
+        let (od, ld) = self.launch_attention(
+            qd.ptr,
+            &qpd,
+            keys,
+            kv_pos.len(),
+            kv_bf16,
+            0,
+            q_pos.len(),
+            shape,
+        )?;
+        let lse = want_lse.then(|| self.output(&lse_shape, ld)).transpose()?;
+        Ok((self.output(&out_shape, od)?, lse))
+    }
+
+    /// [`crate::Backend::attention_rows`] in one launch when every row's keys and values are
+    /// blocks of the same device pool (a step's decode rows over the engine's paged KV cache on
+    /// a GPU): the rows' key positions and block tables are concatenated (uploaded once per
+    /// step: every layer of the step has the same), and the kernel finds each row's through
+    /// `seqs`. Key ranges are cut for the longest row; a shorter row's ranges past its keys are
+    /// empty and weigh nothing in the merge. `None` when the rows' keys are elsewhere (the
+    /// caller then runs them one at a time). The caller checked `q`'s size.
+    ///
+    /// # Errors
+    /// A row whose blocks do not hold its keys (named), and those of [`CudaBackend::attention`].
+    pub(crate) fn attention_rows(
+        &self,
+        q: &Tensor,
+        q_pos: &[usize],
+        shape: AttnShape,
+        kv: &RowKv<'_>,
+    ) -> Result<Option<Tensor>> {
+        const OP: &str = "attention";
+        let AttnShape { q_heads, kv_heads, head_dim, .. } = shape;
+        let n = q_pos.len();
+        /// Where a row's keys live: the pool and its layout, equal for every row.
+        #[derive(PartialEq)]
+        struct Pool {
+            base: u64,
+            keys: usize,
+            values: usize,
+            block_size: usize,
+            block_stride: usize,
+            elem: KvElem,
+        }
+        let (mut pool, mut one_pool, mut failed) = (None::<Pool>, true, None);
+        let (mut kv_pos_all, mut table_all) = (Vec::new(), Vec::new());
+        let mut seqs = Vec::with_capacity(3 * n);
+        for i in 0..n {
+            kv(i, &mut |kv, kv_pos| {
+                let Kv::PagedDevice(b) = &kv else {
+                    one_pool = false;
+                    return;
+                };
+                if let Some(e) = misfit(&kv, kv_pos.len(), kv_heads * head_dim, i, shape) {
+                    failed = Some(e);
+                    return;
+                }
+                let base = match self.owned_addr(OP, b.memory) {
+                    Ok(base) => base,
+                    Err(e) => return failed = Some(e),
+                };
+                let this = Pool {
+                    base,
+                    keys: b.keys,
+                    values: b.values,
+                    block_size: b.block_size,
+                    block_stride: b.block_stride,
+                    elem: b.elem,
+                };
+                match &pool {
+                    Some(p) if *p != this => one_pool = false,
+                    Some(_) => {}
+                    None => pool = Some(this),
+                }
+                seqs.extend([kv_pos_all.len(), table_all.len(), kv_pos.len()]);
+                kv_pos_all.extend_from_slice(kv_pos);
+                let used = kv_pos.len().div_ceil(b.block_size.max(1));
+                table_all.extend_from_slice(&b.table[..used]);
+            });
+            if let Some(e) = failed.take() {
+                return Err(e);
+            }
+            if !one_pool {
+                return Ok(None);
+            }
+        }
+        let (Some(pool), Some(&most)) = (pool, seqs.iter().skip(2).step_by(3).max()) else {
+            return Ok(None);
+        };
+        let out_shape = [n, q_heads, head_dim];
+        if most == 0 || head_dim == 0 {
+            return Ok(Some(Tensor::zeros(&out_shape)));
+        }
+        check_shape(shape)?;
+        let qd = self.input(OP, q)?;
+        let qpd = self.positions(OP, q_pos)?;
+        // The same in every layer of a step: each uploaded once per step.
+        let kpd = self.positions(OP, &kv_pos_all)?;
+        let sd = self.positions(OP, &seqs)?;
+        let table = self.recent(OP, &self.inner.tables, table_all)?;
+        let at = |elements: usize| pool.base + (pool.elem.size() * elements) as u64;
+        let keys = Keys {
+            k: at(pool.keys),
+            v: at(pool.values),
+            pos: self.addr(&*kpd),
+            table: self.addr(&*table),
+            block_size: int(OP, "block_size", pool.block_size)?,
+            block_stride: pool.block_stride as u64,
+        };
+        let kv_bf16 = i32::from(pool.elem == KvElem::Bf16);
+        let seqs_ptr = self.addr(&*sd);
+        let (od, _) =
+            self.launch_attention(qd.ptr, &qpd, keys, most, kv_bf16, seqs_ptr, n, shape)?;
+        Ok(Some(self.output(&out_shape, od)?))
+    }
+
+    /// Launches `attention` over `tokens` query tokens (and the merge of its key ranges when
+    /// there are several): the output and log-sum-exp rows. `n_kv` is the keys of every token,
+    /// or with `seqs` (a device address; 0 for none) the most of any.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_attention(
+        &self,
+        q: u64,
+        q_pos: &CudaSlice<u64>,
+        keys: Keys,
+        n_kv: usize,
+        kv_bf16: i32,
+        seqs: u64,
+        tokens: usize,
+        shape: AttnShape,
+    ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+        const OP: &str = "attention";
+        let AttnShape { q_heads, kv_heads, head_dim, .. } = shape;
+        let rows = tokens * q_heads;
+        let blocks = attention_blocks(tokens, q_heads, kv_heads);
         let (splits, chunk) = attention_splits(blocks, n_kv);
         // Written whole: block (r, s) writes row s·rows + r of out (head_dim floats) and of
         // lse; with one range those are the answer, with several the partial results.
@@ -116,8 +271,8 @@ impl CudaBackend {
         cfg.grid_dim.1 = splits as u32;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.attention);
-        b.arg(&qd.ptr).arg(&*qpd).arg(&kp).arg(&vp).arg(&*kpd);
-        b.arg(&tp).arg(&block_size).arg(&block_stride);
+        b.arg(&q).arg(q_pos).arg(&keys.k).arg(&keys.v).arg(&keys.pos);
+        b.arg(&keys.table).arg(&keys.block_size).arg(&keys.block_stride);
         for a in &args {
             b.arg(a);
         }
@@ -126,33 +281,36 @@ impl CudaBackend {
             .arg(&window)
             .arg(&chunk32)
             .arg(&kv_bf16)
+            .arg(&seqs)
             .arg(&mut od)
             .arg(&mut ld);
         // SAFETY: the arguments match `attention(const float*, const u64*, const float*,
         // const float*, const u64*, const unsigned*, int, u64, int, int, int, int, float,
-        // float, u64, int, int, float*, float*)`; keys and values are bf16 (two bytes an element) exactly when
-        // kv_bf16 is 1. Block (b, s) serves query token i, KV head g and up to ATTN_GROUP
-        // of g's query heads (b = (i·kv_heads + g)·slices + slice, the grid's first dimension
-        // being `attention_blocks`): it reads q_pos[i] and those heads' rows of q (head_dim
-        // floats each), the key positions of its range [s·chunk, (s+1)·chunk) ∩ [0, n_kv) and
-        // head g of those key and value rows, and writes those rows' entries s·rows + row of
-        // out and lse, which hold splits·rows rows (splits·chunk >= n_kv, from
-        // `attention_splits`). The caller checked q holds q_pos.len()·q_heads·head_dim
-        // floats and that the keys and values hold kv_pos.len() rows of kv_heads·head_dim:
-        // contiguous buffers at least that long (staged ones are freed stream-ordered, after
-        // the kernel; a device cache is mapped while steps run, as `DeviceMemory` promises),
-        // or a paged pool whose table (uploaded above, ceil(n_kv / block_size) ids, freed
-        // stream-ordered) names blocks that lie inside it (`DeviceBlocks::holds`); q_heads is
-        // a multiple of kv_heads (so g < kv_heads); head_dim <= 512 fits the kernel's
-        // per-thread output slots and shared query copy.
+        // float, u64, int, int, const u64*, float*, float*)`; keys and values are bf16 (two
+        // bytes an element) exactly when kv_bf16 is 1. Block (b, s) serves query token i, KV
+        // head g and up to ATTN_GROUP of g's query heads (b = (i·kv_heads + g)·slices +
+        // slice, the grid's first dimension being `attention_blocks`): it reads q_pos[i] and
+        // those heads' rows of q (head_dim floats each), the key positions of its range
+        // [s·chunk, (s+1)·chunk) ∩ [0, n_i) and head g of those key and value rows, and writes
+        // those rows' entries s·rows + row of out and lse, which hold splits·rows rows
+        // (splits·chunk >= n_kv >= n_i, from `attention_splits`). Without `seqs`, n_i = n_kv
+        // and the callers checked q holds tokens·q_heads·head_dim floats and that the keys
+        // and values hold n_kv rows of kv_heads·head_dim: contiguous buffers at least that
+        // long (staged ones are freed stream-ordered, after the kernel; a device cache is
+        // mapped while steps run, as `DeviceMemory` promises), or a paged pool whose table
+        // (uploaded, ceil(n_kv / block_size) ids, freed stream-ordered) names blocks that lie
+        // inside it (`DeviceBlocks::holds`). With `seqs` (3 u64 per token, uploaded by
+        // `attention_rows`), token i reads its n_i = seqs[3i + 2] key positions from offset
+        // seqs[3i] of the concatenated positions and its ceil(n_i / block_size) block ids
+        // from offset seqs[3i + 1] of the concatenated table, each checked to hold its keys
+        // inside the one pool. q_heads is a multiple of kv_heads (so g < kv_heads); head_dim
+        // <= 512 fits the kernel's per-thread output slots and shared query copy.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
-        let (od, ld) = if splits == 1 {
-            (od, ld)
+        if splits == 1 {
+            Ok((od, ld))
         } else {
-            self.merge_attention(&od, &ld, splits, rows, head_dim)?
-        };
-        let lse = want_lse.then(|| self.output(&lse_shape, ld)).transpose()?;
-        Ok((self.output(&out_shape, od)?, lse))
+            self.merge_attention(&od, &ld, splits, rows, head_dim)
+        }
     }
 
     /// Row r of the combined attention result from the `splits` partial results of key
