@@ -283,6 +283,42 @@ impl KvPool {
     }
 }
 
+impl KvPool {
+    /// Writes one token's keys and values for each of `places`: row `s` of `k` and of `v`
+    /// (rows of [`KvPool::row`] values) as the keys at element `d` of the pool and the values
+    /// after them (see [`PagedCache::next_place`]). A device pool takes all of them in one
+    /// launch for the keys and one for the values (`Backend::write_rows`), where
+    /// [`PagedCache::append_tensors`] made two copies per sequence.
+    fn write_token_rows(
+        &self,
+        be: &Backend,
+        k: &Tensor,
+        v: &Tensor,
+        places: &[(usize, usize)],
+    ) -> Result<()> {
+        let (row, values) = (self.row, self.block_size * self.row);
+        let to_values: Vec<(usize, usize)> = places.iter().map(|&(s, d)| (s, d + values)).collect();
+        match &self.data {
+            Blocks::Host(data) => {
+                let (k, v) = (k.host()?, v.host()?);
+                let mut data = data.write().unwrap_or_else(PoisonError::into_inner);
+                let data = data.as_mut_slice();
+                for (src, &(s, d)) in [(k, places), (v, &to_values[..])]
+                    .into_iter()
+                    .flat_map(|(src, moves)| moves.iter().map(move |m| (src, m)))
+                {
+                    data[d..d + row].copy_from_slice(&src[s * row..(s + 1) * row]);
+                }
+            }
+            Blocks::Device(mem) => {
+                be.write_rows(mem.as_ref(), self.elem, k, row, places)?;
+                be.write_rows(mem.as_ref(), self.elem, v, row, &to_values)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Tokens `at..at + n` cut where blocks of `block_size` tokens end: (first token, tokens).
 fn block_runs(at: usize, n: usize, block_size: usize) -> impl Iterator<Item = (usize, usize)> {
     let end = at + n;
@@ -448,6 +484,82 @@ impl PagedCache {
         Ok(())
     }
 
+    /// The element offset in the pool where `layer`'s next token's keys go (its values follow
+    /// [`KvPool::block_size`] rows later), for a write of many sequences' tokens at once
+    /// ([`PagedCache::append_tokens`]); nothing is taken.
+    ///
+    /// # Errors
+    /// [`tensor::Error::Shape`] for a layer the pool does not have; [`Error::CacheFull`] when
+    /// the table has no room for one more token.
+    pub fn next_place(&self, layer: usize) -> Result<usize> {
+        let (at, place) = match (self.filled.get(layer), self.pool.groups.place(layer)) {
+            (Some(&at), Some(place)) => (at, place),
+            _ => {
+                return Err(Error::shape(
+                    "kv cache append",
+                    format!("layer {layer} of {}", self.filled.len()),
+                ))
+            }
+        };
+        let (table, bs) = (&self.tables[place.0], self.pool.block_size);
+        let Some(&block) = table.get(at / bs) else {
+            return Err(Error::CacheFull { len: at, capacity: table.len() * bs, requested: 1 });
+        };
+        Ok(self.pool.offset(block, place.1) + (at % bs) * self.pool.row)
+    }
+
+    /// Appends one token to `layer` of each cache of `caches` (all of one pool): row `i` of
+    /// `k` and `v` (rows of [`KvPool::row`] values; more rows may follow) at `positions[i]`,
+    /// written in one pass (one launch each for the keys and the values on a device pool)
+    /// instead of two copies per cache.
+    /// Nothing is taken unless every cache has room and the write succeeds.
+    ///
+    /// # Errors
+    /// As [`PagedCache::next_place`] for the first cache without room; [`tensor::Error::Shape`]
+    /// when the caches are not of one pool or the lengths disagree; the write's errors.
+    pub fn append_tokens(
+        be: &Backend,
+        layer: usize,
+        caches: &mut [&mut PagedCache],
+        k: &Tensor,
+        v: &Tensor,
+        positions: &[usize],
+    ) -> Result<()> {
+        let Some(pool) = caches.first().map(|c| Arc::clone(&c.pool)) else { return Ok(()) };
+        let n = caches.len();
+        if caches.iter().any(|c| !Arc::ptr_eq(&c.pool, &pool))
+            || positions.len() != n
+            || k.len() < n * pool.row
+            || v.len() < n * pool.row
+        {
+            return Err(Error::shape(
+                "kv cache append",
+                format!(
+                    "{n} caches (of one pool: {}), {} positions, k {} v {} for rows of {}",
+                    caches.iter().all(|c| Arc::ptr_eq(&c.pool, &pool)),
+                    positions.len(),
+                    k.len(),
+                    v.len(),
+                    pool.row
+                ),
+            ));
+        }
+        let places = caches
+            .iter()
+            .enumerate()
+            .map(|(i, c)| c.next_place(layer).map(|d| (i, d)))
+            .collect::<Result<Vec<_>>>()?;
+        pool.write_token_rows(be, k, v, &places)?;
+        for (c, &p) in caches.iter_mut().zip(positions) {
+            // The first layer to reach a token records its position.
+            if c.positions.len() == c.filled[layer] {
+                c.positions.push(p);
+            }
+            c.filled[layer] += 1;
+        }
+        Ok(())
+    }
+
     /// Calls `f` with `layer`'s keys and values (blocks of the pool, read in place) and their
     /// positions.
     ///
@@ -587,6 +699,78 @@ mod tests {
                 assert_eq!(lse.unwrap().data(), &want_lse[..]);
             }
         }
+    }
+
+    /// One token per cache in one write is what each cache's own append writes, layer after
+    /// layer over scattered blocks and across block boundaries; a cache without room fails the
+    /// write before anything is taken, and caches of two pools are refused.
+    #[test]
+    fn one_write_of_many_caches_tokens_is_each_caches_append() {
+        let be = Backend::cpu(1).unwrap();
+        let (row, bs, layers) = (16, 4, 3);
+        let pools = [(); 2].map(|_| Arc::new(KvPool::new(layers, 2, 8, bs, 32).unwrap()));
+        let starts = [0usize, 3, 6];
+        let caches = |pool: &Arc<KvPool>| -> Vec<PagedCache> {
+            starts
+                .iter()
+                .enumerate()
+                .map(|(i, &start)| {
+                    let mut c = PagedCache::new(pool.clone());
+                    let table: Vec<u32> = (0..3).map(|b| ((i * 3 + b) * 7 % 32) as u32).collect();
+                    c.extend_table(&table).unwrap();
+                    let pos: Vec<usize> = (0..start).collect();
+                    let (k, v) = (random_vec(start * row, 1), random_vec(start * row, 2));
+                    for layer in 0..layers {
+                        c.append(&be, layer, &k, &v, &pos).unwrap();
+                    }
+                    c
+                })
+                .collect()
+        };
+        let (mut batched, mut alone) = (caches(&pools[0]), caches(&pools[1]));
+        // Three steps: the third crosses the first cache's block boundary (tokens 3 -> 4).
+        for step in 0..3 {
+            let positions: Vec<usize> = starts.iter().map(|s| s + step).collect();
+            for layer in 0..layers {
+                let seed = (10 * step + layer) as u64;
+                let k = Tensor::from_vec(&[3, row], random_vec(3 * row, seed)).unwrap();
+                let v = Tensor::from_vec(&[3, row], random_vec(3 * row, seed + 100)).unwrap();
+                let mut all: Vec<&mut PagedCache> = batched.iter_mut().collect();
+                PagedCache::append_tokens(&be, layer, &mut all, &k, &v, &positions).unwrap();
+                for (i, c) in alone.iter_mut().enumerate() {
+                    let (ki, vi) = (&k.data()[i * row..][..row], &v.data()[i * row..][..row]);
+                    c.append(&be, layer, ki, vi, &positions[i..=i]).unwrap();
+                }
+            }
+        }
+        for (b, a) in batched.iter().zip(&alone) {
+            assert_eq!(b.len(), a.len());
+            for layer in 0..layers {
+                let read = |c: &PagedCache| {
+                    c.with_kv(layer, 0, |kv, pos| match kv {
+                        Kv::Paged(blocks) => (blocks.gather(pos.len(), row), pos.to_vec()),
+                        _ => unreachable!("a host pool"),
+                    })
+                };
+                assert_eq!(read(b), read(a), "layer {layer}");
+            }
+        }
+        // The second cache is full (3 blocks of 4: 12 tokens): nothing is taken.
+        let mut full = caches(&pools[0]);
+        for layer in 0..layers {
+            let (k, v) = (random_vec(6 * row, 3), random_vec(6 * row, 4));
+            full[1].append(&be, layer, &k, &v, &(3..9).collect::<Vec<_>>()).unwrap();
+            full[1].append(&be, layer, &k[..3 * row], &v[..3 * row], &[9, 10, 11]).unwrap();
+        }
+        let lens: Vec<usize> = full.iter().map(PagedCache::len).collect();
+        let k = Tensor::zeros(&[3, row]);
+        let mut all: Vec<&mut PagedCache> = full.iter_mut().collect();
+        let err = PagedCache::append_tokens(&be, 0, &mut all, &k, &k, &[9, 12, 9]).unwrap_err();
+        assert!(matches!(err, Error::CacheFull { capacity: 12, requested: 1, .. }), "{err}");
+        assert_eq!(full.iter().map(PagedCache::len).collect::<Vec<_>>(), lens);
+        let mut mixed = vec![&mut batched[0], &mut alone[1]];
+        let err = PagedCache::append_tokens(&be, 0, &mut mixed, &k, &k, &[7, 7]).unwrap_err();
+        assert!(err.to_string().contains("of one pool: false"), "{err}");
     }
 
     #[test]

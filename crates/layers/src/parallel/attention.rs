@@ -89,9 +89,13 @@ impl ParallelAttention {
         // only the last few).
         let mut own: Vec<Option<OwnKv>> = Vec::with_capacity(parts.len());
         let mut mine = Vec::new();
+        if singles > 0 {
+            // The decode rows' keys and values in one write (their rows lead k and v).
+            let at = &positions[..singles];
+            ParallelCache::append_singles(be, layer, &mut caches[..singles], &k, &v, at)?;
+        }
         for (i, (p, cache)) in parts.iter().zip(caches.iter_mut()).enumerate() {
             if i < singles {
-                cache.append_tensors(be, layer, &rows(&k, p)?, &rows(&v, p)?, &p.positions)?;
                 continue;
             }
             let (qe, ke, ve) = (rows(&q, p)?, rows(&k, p)?, rows(&v, p)?);

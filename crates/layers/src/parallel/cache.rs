@@ -58,6 +58,37 @@ impl ParallelCache {
         }
     }
 
+    /// Appends one token to `layer` of each of `caches`: row `i` of `k` and `v` at
+    /// `positions[i]` (a step's decode rows, which lead its rows). When every cache is blocks of one pool that is
+    /// one write for all of them ([`PagedCache::append_tokens`]: one launch each for the keys
+    /// and the values on a GPU); else each cache appends its row.
+    pub(super) fn append_singles(
+        be: &Backend,
+        layer: usize,
+        caches: &mut [&mut ParallelCache],
+        k: &Tensor,
+        v: &Tensor,
+        positions: &[usize],
+    ) -> Result<()> {
+        let paged: Option<Vec<&mut PagedCache>> = caches
+            .iter_mut()
+            .map(|c| match &mut c.local {
+                Local::Paged(p) => Some(p),
+                Local::Own(_) => None,
+            })
+            .collect();
+        if let Some(mut paged) = paged.filter(|p| {
+            p.first().is_none_or(|first| p.iter().all(|c| Arc::ptr_eq(c.pool(), first.pool())))
+        }) {
+            return PagedCache::append_tokens(be, layer, &mut paged, k, v, positions);
+        }
+        for (i, (c, &p)) in caches.iter_mut().zip(positions).enumerate() {
+            let (ki, vi) = (be.slice_first(k, i..i + 1)?, be.slice_first(v, i..i + 1)?);
+            c.append_tensors(be, layer, &ki, &vi, &[p])?;
+        }
+        Ok(())
+    }
+
     /// Calls `f` with `layer`'s keys and values and their positions, during a step (whose
     /// first query is at [`ParallelCache::len`]: the lengths grow after the last layer). A
     /// paged cache leaves out a windowed layer's blocks that no query of the step sees.

@@ -1,11 +1,13 @@
 //! Ops that do in one pass what a layer did in several: on the CUDA backend each is one
 //! kernel launch and one output per tensor where the separate ops made several (issue 29's
 //! launch count), with the same arithmetic, so the same bits as the ops they replace; on the
-//! CPU they are those ops (the gated activation reads its two halves in place).
+//! CPU they are those ops (the gated activation reads its two halves in place). Also the write
+//! of a step's new key (or value) rows of every sequence into a device pool in one launch.
 
-use super::{check, cpu, Activation, Backend};
+use super::{check, cpu, device_memory_on_cpu, Activation, Backend, KvElem};
 use crate::error::Result;
 use crate::tensor::Tensor;
+use mesh::DeviceMemory;
 
 impl Backend {
     /// Queries `[tokens, q_heads·head_dim]`, keys and values `[tokens, kv_heads·head_dim]`
@@ -61,6 +63,37 @@ impl Backend {
                 let dims = (q_heads, kv_heads, head_dim, rot_dim);
                 cuda.split_rope(y, positions, dims, theta, factors, attn_factor)
             }
+        }
+    }
+
+    /// Row `s` of `src` (rows of `row` floats) into elements `d..d + row` of device memory
+    /// `dst`, stored as `elem` (bf16 rounded as [`Backend::write_tensor`] rounds), for every
+    /// `(s, d)` of `moves`: one launch for a step's new keys (or values) of every sequence of
+    /// a paged pool, where [`Backend::write_tensor`] made one copy per row.
+    ///
+    /// # Errors
+    /// [`crate::Error::Shape`] naming the first move whose row is not in `src` or whose place
+    /// is not inside `dst`; [`crate::Error::BackendUnavailable`] on the CPU backend or when the
+    /// copy fails.
+    pub fn write_rows(
+        &self,
+        dst: &dyn DeviceMemory,
+        elem: KvElem,
+        src: &Tensor,
+        row: usize,
+        moves: &[(usize, usize)],
+    ) -> Result<()> {
+        let (rows, floats) = (src.len() / row.max(1), dst.size() / elem.size());
+        if let Some((i, &(s, d))) =
+            moves.iter().enumerate().find(|(_, &(s, d))| s >= rows || d + row > floats)
+        {
+            check("write_rows", false, || {
+                format!("move {i}: row {s} of {rows} rows of {row} into values {d}.. of {floats}")
+            })?;
+        }
+        match self {
+            Backend::Cpu(_) => Err(device_memory_on_cpu("kv cache append")),
+            Backend::Cuda(cuda) => cuda.write_rows(dst, elem, src, row, moves),
         }
     }
 

@@ -474,18 +474,38 @@ extern "C" __global__ void attention_merge(const float* part, const float* part_
     if (threadIdx.x == 0) lse[row] = mx == NEG_INF ? NEG_INF : mx + logf(total);
 }
 
-// y[i] = x[i] rounded to bfloat16 (nearest, ties to even; NaN stays NaN), as raw bits. Done on
-// the bits, so it needs neither cuda_bf16.h nor an sm_80 conversion instruction.
+// x rounded to bfloat16 (nearest, ties to even; NaN stays NaN), as raw bits. Done on the bits,
+// so it needs neither cuda_bf16.h nor an sm_80 conversion instruction.
+__device__ unsigned short bf16_of(float x) {
+    unsigned int u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+// y[i] = x[i] rounded to bfloat16 (bf16_of).
 extern "C" __global__ void to_bf16(const float* x, unsigned short* y, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    unsigned int u = __float_as_uint(x[i]);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        y[i] = (unsigned short)((u >> 16) | 0x40u);
-        return;
+    if (i < n) y[i] = bf16_of(x[i]);
+}
+
+// Rows of `src` (`row` floats each) written into `dst` at element offsets: row moves[2m] of
+// src to elements moves[2m + 1] .. + row of dst, f32, or rounded to bf16 bits as to_bf16 rounds
+// when `bf16` (dst then holds two-byte elements). A step's new key (or value) rows of every
+// sequence into the paged pool in one launch. One thread per element written.
+extern "C" __global__ void write_rows(const float* src, float* dst, const u64* moves, int n,
+                                      int row, int bf16) {
+    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (u64)n * row) return;
+    u64 m = idx / row;
+    int c = (int)(idx % row);
+    float x = src[moves[2 * m] * row + c];
+    u64 at = moves[2 * m + 1] + c;
+    if (bf16) {
+        ((unsigned short*)dst)[at] = bf16_of(x);
+    } else {
+        dst[at] = x;
     }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    y[i] = (unsigned short)(u >> 16);
 }
 
 // y[i] = x[i] rounded to IEEE half (nearest, ties to even; saturating to infinity), as raw

@@ -169,6 +169,17 @@ impl CudaBackend {
         match self.never {}
     }
 
+    pub(crate) fn write_rows(
+        &self,
+        _dst: &dyn mesh::DeviceMemory,
+        _elem: crate::kernels::KvElem,
+        _src: &Tensor,
+        _row: usize,
+        _moves: &[(usize, usize)],
+    ) -> Result<()> {
+        match self.never {}
+    }
+
     pub(crate) fn split_rope(
         &self,
         _y: &Tensor,

@@ -606,6 +606,7 @@ fn cuda_split_rope_and_gated_halves_match_the_ops_they_replace_in_one_launch() {
 fn cuda_decode_rows_over_one_pool_attend_in_one_launch() {
     use crate::kernels::{DeviceBlocks, KvElem, PoolArena};
     use crate::memory::DeviceArena;
+    let tensor_of = |shape: &[usize], v: &[f32]| Tensor::from_vec(shape, v.to_vec()).unwrap();
     let Some(gpu) = gpu() else { return };
     let (cpu, cuda) = (cpu(), cuda_of(&gpu));
     let shape = AttnShape::new(9, 3, 64);
@@ -665,6 +666,42 @@ fn cuda_decode_rows_over_one_pool_attend_in_one_launch() {
         let got = &got.host().unwrap()[i * 576..(i + 1) * 576];
         assert_close(got, want.host().unwrap(), 1e-4);
     }
+    // The same pool written with one `write_rows` launch per sequence for its keys and one for
+    // its values reads the same.
+    let arena2 = PoolArena::new(cuda, 4 * blocks * 2 * bs * row).unwrap();
+    let pool2 = arena2.alloc_device(4 * blocks * 2 * bs * row).unwrap();
+    for ((&t, (k, v)), table) in lens.iter().zip(&keys).zip(&tables) {
+        let moves: Vec<(usize, usize)> =
+            (0..t).map(|j| (j, table[j / bs] as usize * block_stride + (j % bs) * row)).collect();
+        let (kt, vt) = (tensor_of(&[t, row], k), tensor_of(&[t, row], v));
+        let before = cuda.counters();
+        gpu.write_rows(&*pool2, KvElem::F32, &kt, row, &moves).unwrap();
+        let to_v: Vec<(usize, usize)> = moves.iter().map(|&(s, d)| (s, d + bs * row)).collect();
+        gpu.write_rows(&*pool2, KvElem::F32, &vt, row, &to_v).unwrap();
+        assert_eq!(cuda.counters().since(&before).launches, 2, "write_rows");
+    }
+    let kv2 = |i: usize, f: &mut dyn FnMut(Kv<'_>, &[usize])| {
+        let blocks = DeviceBlocks {
+            memory: &*pool2,
+            elem: KvElem::F32,
+            table: &tables[i],
+            block_size: bs,
+            block_stride,
+            keys: 0,
+            values: bs * row,
+        };
+        f(Kv::PagedDevice(blocks), &positions[i]);
+    };
+    let again = gpu.attention_rows(&q, &q_pos, shape, &kv2).unwrap();
+    assert_eq!(again.host().unwrap(), got.host().unwrap());
+    let err = gpu.write_rows(
+        &*pool2,
+        KvElem::F32,
+        &tensor_of(&[1, row], &keys[0].0[..row]),
+        row,
+        &[(1, 0)],
+    );
+    assert!(err.unwrap_err().to_string().contains("move 0: row 1 of 1 rows"));
     // A row with host keys: the rows run one at a time, with the same results.
     let mixed = |i: usize, f: &mut dyn FnMut(Kv<'_>, &[usize])| {
         if i == 1 {

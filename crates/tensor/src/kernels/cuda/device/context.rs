@@ -117,6 +117,7 @@ impl CudaBackend {
             to_bf16: f("to_bf16")?,
             to_f16: f("to_f16")?,
             copy_cols: f("copy_cols")?,
+            write_rows: f("write_rows")?,
         };
         tracing::debug!(ordinal, dtype = dtype.name(), "cuda backend ready");
         let inner = Inner {

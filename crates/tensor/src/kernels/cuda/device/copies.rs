@@ -1,11 +1,11 @@
 //! Copies on the device: rows sliced and stacked, and tensors written into device memory
-//! someone else owns (a KV cache append).
+//! someone else owns (a KV cache append, also row by row to scattered places in one launch).
 
-use super::{Count, CudaBackend, OrUnavailable};
+use super::{elementwise, int, Count, CudaBackend, OrUnavailable};
 use crate::error::Result;
 use crate::kernels::{GemmDtype, KvElem};
 use crate::tensor::Tensor;
-use cudarc::driver::{CudaSlice, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtrMut, PushKernelArg};
 use mesh::DeviceMemory;
 
 impl CudaBackend {
@@ -37,6 +37,41 @@ impl CudaBackend {
                 unsafe { self.copy_to_addr(OP, at, &bits) }
             }
         }
+    }
+
+    /// Row `s` of `src` (rows of `row` floats) into elements `d..d + row` of `dst`, stored as
+    /// `elem`, for every `(s, d)` of `moves`, in one launch (the caller checked that the rows
+    /// are in `src` and the places inside `dst`).
+    pub(crate) fn write_rows(
+        &self,
+        dst: &dyn DeviceMemory,
+        elem: KvElem,
+        src: &Tensor,
+        row: usize,
+        moves: &[(usize, usize)],
+    ) -> Result<()> {
+        const OP: &str = "kv cache append";
+        if moves.is_empty() || row == 0 {
+            return Ok(());
+        }
+        let to = self.owned_addr(OP, dst)?;
+        let sd = self.input(OP, src)?;
+        let flat: Vec<u64> = moves.iter().flat_map(|&(s, d)| [s as u64, d as u64]).collect();
+        let md = self.upload(OP, &flat)?;
+        let (n, row32) = (int(OP, "rows", moves.len())?, int(OP, "row", row)?);
+        let bf16 = i32::from(elem == KvElem::Bf16);
+        let cfg = elementwise(OP, moves.len() * row)?;
+        self.count(Count::Launch);
+        let mut b = self.stream().launch_builder(&self.inner.k.write_rows);
+        b.arg(&sd.ptr).arg(&to).arg(&md).arg(&n).arg(&row32).arg(&bf16);
+        // SAFETY: the arguments match `write_rows(const float*, float*, const u64*, int, int,
+        // int)`; thread (m, c) for m < n reads element moves[m].0·row + c of src, inside its
+        // rows (checked by the caller), and writes element moves[m].1 + c of dst, in f32 or
+        // (bf16 = 1, two bytes an element) bf16, inside `dst` (checked by the caller), memory
+        // of this device (checked above) that its `DeviceMemory` implementation promises is
+        // mapped while kernels may run; the moves' upload is freed stream-ordered.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        Ok(())
     }
 
     /// Rows `range` of `t`'s first dimension: a device-to-device copy when `t` is this

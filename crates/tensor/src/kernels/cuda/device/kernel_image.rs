@@ -234,6 +234,7 @@ mod tests {
             "to_bf16",
             "to_f16",
             "copy_cols",
+            "write_rows",
         ] {
             assert!(text.contains(&format!(".entry {name}(")), "no kernel `{name}` in the PTX");
         }

@@ -141,6 +141,7 @@ struct Kernels {
     to_bf16: CudaFunction,
     to_f16: CudaFunction,
     copy_cols: CudaFunction,
+    write_rows: CudaFunction,
 }
 
 struct Inner {
