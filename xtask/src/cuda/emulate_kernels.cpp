@@ -35,8 +35,8 @@ extern "C" void argmax_rows(const float* x, int cols, unsigned int* out);
 extern "C" void dequantize(const float* scales, const float* mins, const unsigned char* qs,
                            float* out, u64 n, int kind);
 extern "C" void to_bf16(const float* x, unsigned short* y, u64 n);
-extern "C" void write_rows(const float* src, float* dst, const u64* moves, int n, int row,
-                           int bf16);
+extern "C" void write_rows(const float* src, float* dst, const u64* moves, u64 shift, int n,
+                           int row, int bf16);
 extern "C" void embedding(const float* table, const unsigned int* ids, float* out, int n_ids,
                           int dim);
 extern "C" void copy_cols(const float* x, float* out, u64 n, int width, int offset, int size);
@@ -293,28 +293,28 @@ static int check_formats() {
         float want = emb[(i / 3) * dim + 2 + i % 3];
         if (cols[i] != want) return fail("copy_cols", i, cols[i], want);
     }
-    // write_rows: rows 2, 0 and 3 of 4 rows of 5 to scattered offsets, f32 and bf16 (as to_bf16
-    // rounds); elements not written stay as they were.
+    // write_rows: rows 2, 0 and 3 of 4 rows of 5 to scattered offsets shifted by 2, f32 and bf16
+    // (as to_bf16 rounds); elements not written stay as they were.
     {
         std::vector<float> src(20), dst(64, -7.0f);
         for (auto& v : src) v = next_value(seed);
-        std::vector<u64> moves = {2, 40, 0, 3, 3, 21};
+        std::vector<u64> moves = {2, 38, 0, 1, 3, 19};
         tpctl_launch(elementwise(15), 1, BLOCK_THREADS, [&] {
-            write_rows(src.data(), dst.data(), moves.data(), 3, 5, 0);
+            write_rows(src.data(), dst.data(), moves.data(), 2, 3, 5, 0);
         });
         std::vector<float> want(64, -7.0f);
         for (int m = 0; m < 3; m++)
-            for (int c = 0; c < 5; c++) want[moves[2 * m + 1] + c] = src[moves[2 * m] * 5 + c];
+            for (int c = 0; c < 5; c++) want[2 + moves[2 * m + 1] + c] = src[moves[2 * m] * 5 + c];
         for (size_t i = 0; i < dst.size(); i++)
             if (__float_as_uint(dst[i]) != __float_as_uint(want[i])) return fail("write_rows", i, dst[i], want[i]);
         std::vector<unsigned short> half(64, 0xffff), rounded(20);
         tpctl_launch(elementwise(20), 1, BLOCK_THREADS, [&] { to_bf16(src.data(), rounded.data(), 20); });
         tpctl_launch(elementwise(15), 1, BLOCK_THREADS, [&] {
-            write_rows(src.data(), (float*)half.data(), moves.data(), 3, 5, 1);
+            write_rows(src.data(), (float*)half.data(), moves.data(), 2, 3, 5, 1);
         });
         std::vector<unsigned short> hwant(64, 0xffff);
         for (int m = 0; m < 3; m++)
-            for (int c = 0; c < 5; c++) hwant[moves[2 * m + 1] + c] = rounded[moves[2 * m] * 5 + c];
+            for (int c = 0; c < 5; c++) hwant[2 + moves[2 * m + 1] + c] = rounded[moves[2 * m] * 5 + c];
         for (size_t i = 0; i < half.size(); i++)
             if (half[i] != hwant[i]) return fail("write_rows (bf16)", i, half[i], hwant[i]);
     }

@@ -284,35 +284,38 @@ impl KvPool {
 }
 
 impl KvPool {
-    /// Writes one token's keys and values for each of `places`: row `s` of `k` and of `v`
-    /// (rows of [`KvPool::row`] values) as the keys at element `d` of the pool and the values
-    /// after them (see [`PagedCache::next_place`]). A device pool takes all of them in one
-    /// launch for the keys and one for the values (`Backend::write_rows`), where
-    /// [`PagedCache::append_tensors`] made two copies per sequence.
+    /// Writes one token's keys and values for each of `places` of `layer`: row `s` of `k` and
+    /// of `v` (rows of [`KvPool::row`] values) as the keys at element `d` of the layer's slot
+    /// 0 place (see [`PagedCache::next_place`]) and the values after them. A device pool takes
+    /// all of them in one launch for the keys and one for the values (`Backend::write_rows`,
+    /// shifted to the layer's slot, so a step's places are the same, and uploaded once, in
+    /// every layer of a group), where [`PagedCache::append_tensors`] made two copies per
+    /// sequence.
     fn write_token_rows(
         &self,
         be: &Backend,
+        layer: usize,
         k: &Tensor,
         v: &Tensor,
         places: &[(usize, usize)],
     ) -> Result<()> {
         let (row, values) = (self.row, self.block_size * self.row);
-        let to_values: Vec<(usize, usize)> = places.iter().map(|&(s, d)| (s, d + values)).collect();
+        let slot = self.groups.place(layer).map_or(0, |(_, slot)| slot);
+        let shift = self.offset(0, slot);
         match &self.data {
             Blocks::Host(data) => {
                 let (k, v) = (k.host()?, v.host()?);
                 let mut data = data.write().unwrap_or_else(PoisonError::into_inner);
                 let data = data.as_mut_slice();
-                for (src, &(s, d)) in [(k, places), (v, &to_values[..])]
-                    .into_iter()
-                    .flat_map(|(src, moves)| moves.iter().map(move |m| (src, m)))
-                {
-                    data[d..d + row].copy_from_slice(&src[s * row..(s + 1) * row]);
+                for &(s, d) in places {
+                    let d = shift + d;
+                    data[d..d + row].copy_from_slice(&k[s * row..(s + 1) * row]);
+                    data[d + values..d + values + row].copy_from_slice(&v[s * row..(s + 1) * row]);
                 }
             }
             Blocks::Device(mem) => {
-                be.write_rows(mem.as_ref(), self.elem, k, row, places)?;
-                be.write_rows(mem.as_ref(), self.elem, v, row, &to_values)?;
+                be.write_rows(mem.as_ref(), self.elem, k, row, places, shift)?;
+                be.write_rows(mem.as_ref(), self.elem, v, row, places, shift + values)?;
             }
         }
         Ok(())
@@ -544,12 +547,15 @@ impl PagedCache {
                 ),
             ));
         }
+        // Relative to the layer's slot: the same places in every layer of its group.
+        let slot = pool.groups.place(layer).map_or(0, |(_, slot)| slot);
+        let shift = pool.offset(0, slot);
         let places = caches
             .iter()
             .enumerate()
-            .map(|(i, c)| c.next_place(layer).map(|d| (i, d)))
+            .map(|(i, c)| c.next_place(layer).map(|d| (i, d - shift)))
             .collect::<Result<Vec<_>>>()?;
-        pool.write_token_rows(be, k, v, &places)?;
+        pool.write_token_rows(be, layer, k, v, &places)?;
         for (c, &p) in caches.iter_mut().zip(positions) {
             // The first layer to reach a token records its position.
             if c.positions.len() == c.filled[layer] {

@@ -66,10 +66,12 @@ impl Backend {
         }
     }
 
-    /// Row `s` of `src` (rows of `row` floats) into elements `d..d + row` of device memory
-    /// `dst`, stored as `elem` (bf16 rounded as [`Backend::write_tensor`] rounds), for every
-    /// `(s, d)` of `moves`: one launch for a step's new keys (or values) of every sequence of
-    /// a paged pool, where [`Backend::write_tensor`] made one copy per row.
+    /// Row `s` of `src` (rows of `row` floats) into elements `shift + d..` of device memory
+    /// `dst` (`row` of them), stored as `elem` (bf16 rounded as [`Backend::write_tensor`]
+    /// rounds), for every `(s, d)` of `moves`: one launch for a step's new keys (or values) of
+    /// every sequence of a paged pool, where [`Backend::write_tensor`] made one copy per row.
+    /// `shift` is what differs between layers (their place in a block), so a step's moves are
+    /// the same, and uploaded once, for every layer.
     ///
     /// # Errors
     /// [`crate::Error::Shape`] naming the first move whose row is not in `src` or whose place
@@ -82,18 +84,22 @@ impl Backend {
         src: &Tensor,
         row: usize,
         moves: &[(usize, usize)],
+        shift: usize,
     ) -> Result<()> {
         let (rows, floats) = (src.len() / row.max(1), dst.size() / elem.size());
         if let Some((i, &(s, d))) =
-            moves.iter().enumerate().find(|(_, &(s, d))| s >= rows || d + row > floats)
+            moves.iter().enumerate().find(|(_, &(s, d))| s >= rows || shift + d + row > floats)
         {
             check("write_rows", false, || {
-                format!("move {i}: row {s} of {rows} rows of {row} into values {d}.. of {floats}")
+                format!(
+                    "move {i}: row {s} of {rows} rows of {row} into values {}.. of {floats}",
+                    shift + d
+                )
             })?;
         }
         match self {
             Backend::Cpu(_) => Err(device_memory_on_cpu("kv cache append")),
-            Backend::Cuda(cuda) => cuda.write_rows(dst, elem, src, row, moves),
+            Backend::Cuda(cuda) => cuda.write_rows(dst, elem, src, row, moves, shift),
         }
     }
 
@@ -182,6 +188,23 @@ mod tests {
                 assert_eq!(bits(&h), bits(&g), "{act:?}");
             }
         }
+    }
+
+    /// A move out of its source or past the memory is named before anything is written; the
+    /// CPU backend writes no device memory.
+    #[test]
+    fn write_rows_names_a_move_that_does_not_fit() {
+        use crate::test_util::FakeDeviceMemory;
+        let be = Backend::cpu(1).unwrap();
+        let mem = FakeDeviceMemory(4 * 64);
+        let src = Tensor::zeros(&[3, 8]);
+        let bad = be.write_rows(&mem, KvElem::F32, &src, 8, &[(0, 0), (3, 8)], 0).unwrap_err();
+        assert!(bad.to_string().contains("move 1: row 3 of 3 rows of 8"), "{bad}");
+        let past = be.write_rows(&mem, KvElem::F32, &src, 8, &[(2, 50)], 8).unwrap_err();
+        assert!(past.to_string().contains("into values 58.. of 64"), "{past}");
+        // Two bytes an element: the same memory holds 128 bf16 values.
+        let err = be.write_rows(&mem, KvElem::Bf16, &src, 8, &[(2, 112)], 8).unwrap_err();
+        assert!(matches!(err, crate::Error::BackendUnavailable { .. }), "{err}");
     }
 
     #[test]

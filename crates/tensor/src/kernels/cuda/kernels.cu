@@ -490,17 +490,18 @@ extern "C" __global__ void to_bf16(const float* x, unsigned short* y, u64 n) {
 }
 
 // Rows of `src` (`row` floats each) written into `dst` at element offsets: row moves[2m] of
-// src to elements moves[2m + 1] .. + row of dst, f32, or rounded to bf16 bits as to_bf16 rounds
-// when `bf16` (dst then holds two-byte elements). A step's new key (or value) rows of every
-// sequence into the paged pool in one launch. One thread per element written.
-extern "C" __global__ void write_rows(const float* src, float* dst, const u64* moves, int n,
-                                      int row, int bf16) {
+// src to elements shift + moves[2m + 1] .. + row of dst, f32, or rounded to bf16 bits as to_bf16
+// rounds when `bf16` (dst then holds two-byte elements). A step's new key (or value) rows of
+// every sequence into the paged pool in one launch (`shift` is the layer's place in a block, so
+// the moves are the same in every layer). One thread per element written.
+extern "C" __global__ void write_rows(const float* src, float* dst, const u64* moves, u64 shift,
+                                      int n, int row, int bf16) {
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (u64)n * row) return;
     u64 m = idx / row;
     int c = (int)(idx % row);
     float x = src[moves[2 * m] * row + c];
-    u64 at = moves[2 * m + 1] + c;
+    u64 at = shift + moves[2 * m + 1] + c;
     if (bf16) {
         ((unsigned short*)dst)[at] = bf16_of(x);
     } else {

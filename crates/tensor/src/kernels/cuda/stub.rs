@@ -176,6 +176,7 @@ impl CudaBackend {
         _src: &Tensor,
         _row: usize,
         _moves: &[(usize, usize)],
+        _shift: usize,
     ) -> Result<()> {
         match self.never {}
     }

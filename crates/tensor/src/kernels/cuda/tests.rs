@@ -675,9 +675,8 @@ fn cuda_decode_rows_over_one_pool_attend_in_one_launch() {
             (0..t).map(|j| (j, table[j / bs] as usize * block_stride + (j % bs) * row)).collect();
         let (kt, vt) = (tensor_of(&[t, row], k), tensor_of(&[t, row], v));
         let before = cuda.counters();
-        gpu.write_rows(&*pool2, KvElem::F32, &kt, row, &moves).unwrap();
-        let to_v: Vec<(usize, usize)> = moves.iter().map(|&(s, d)| (s, d + bs * row)).collect();
-        gpu.write_rows(&*pool2, KvElem::F32, &vt, row, &to_v).unwrap();
+        gpu.write_rows(&*pool2, KvElem::F32, &kt, row, &moves, 0).unwrap();
+        gpu.write_rows(&*pool2, KvElem::F32, &vt, row, &moves, bs * row).unwrap();
         assert_eq!(cuda.counters().since(&before).launches, 2, "write_rows");
     }
     let kv2 = |i: usize, f: &mut dyn FnMut(Kv<'_>, &[usize])| {
@@ -694,13 +693,8 @@ fn cuda_decode_rows_over_one_pool_attend_in_one_launch() {
     };
     let again = gpu.attention_rows(&q, &q_pos, shape, &kv2).unwrap();
     assert_eq!(again.host().unwrap(), got.host().unwrap());
-    let err = gpu.write_rows(
-        &*pool2,
-        KvElem::F32,
-        &tensor_of(&[1, row], &keys[0].0[..row]),
-        row,
-        &[(1, 0)],
-    );
+    let one = tensor_of(&[1, row], &keys[0].0[..row]);
+    let err = gpu.write_rows(&*pool2, KvElem::F32, &one, row, &[(1, 0)], 0);
     assert!(err.unwrap_err().to_string().contains("move 0: row 1 of 1 rows"));
     // A row with host keys: the rows run one at a time, with the same results.
     let mixed = |i: usize, f: &mut dyn FnMut(Kv<'_>, &[usize])| {

@@ -67,10 +67,13 @@ pub(super) struct WeightCache {
 /// Small host arrays and their device copies, most recently used last.
 pub(super) type Recent<T> = Vec<(Vec<T>, Arc<CudaSlice<T>>)>;
 
-/// Arrays of each kind kept on the device: a step's query positions and its keys' positions
-/// (the same in every layer), or its block tables (one per sequence, the same in every layer),
-/// with room for a CP rank's two views.
-const RECENT_UPLOADS: usize = 4;
+/// Arrays of each kind kept on the device: a step's query positions, its keys' positions, the
+/// per-row offsets of a batched attention and the places of its decode rows' keys and values
+/// in the pool (each the same in every layer of a group), or its block tables, with room for a
+/// CP rank's two views and a few sequences' own arrays. A step visits its arrays in the same
+/// order in every layer, so fewer slots than arrays would miss every time (with 4, a batched
+/// step's 6 arrays did).
+const RECENT_UPLOADS: usize = 16;
 
 impl CudaBackend {
     /// Keeps the device copies of weights (and norm vectors) in memory from `arena` from now on:

@@ -39,9 +39,11 @@ impl CudaBackend {
         }
     }
 
-    /// Row `s` of `src` (rows of `row` floats) into elements `d..d + row` of `dst`, stored as
-    /// `elem`, for every `(s, d)` of `moves`, in one launch (the caller checked that the rows
-    /// are in `src` and the places inside `dst`).
+    /// Row `s` of `src` (rows of `row` floats) into elements `shift + d..` of `dst` (`row` of
+    /// them), stored as `elem`, for every `(s, d)` of `moves`, in one launch (the caller
+    /// checked that the rows are in `src` and the places inside `dst`). The moves are uploaded
+    /// through the recent-arrays cache: a step passes the same ones in every layer of a group.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn write_rows(
         &self,
         dst: &dyn DeviceMemory,
@@ -49,6 +51,7 @@ impl CudaBackend {
         src: &Tensor,
         row: usize,
         moves: &[(usize, usize)],
+        shift: usize,
     ) -> Result<()> {
         const OP: &str = "kv cache append";
         if moves.is_empty() || row == 0 {
@@ -56,20 +59,21 @@ impl CudaBackend {
         }
         let to = self.owned_addr(OP, dst)?;
         let sd = self.input(OP, src)?;
-        let flat: Vec<u64> = moves.iter().flat_map(|&(s, d)| [s as u64, d as u64]).collect();
-        let md = self.upload(OP, &flat)?;
+        let flat: Vec<usize> = moves.iter().flat_map(|&(s, d)| [s, d]).collect();
+        let md = self.positions(OP, &flat)?;
         let (n, row32) = (int(OP, "rows", moves.len())?, int(OP, "row", row)?);
-        let bf16 = i32::from(elem == KvElem::Bf16);
+        let (shift, bf16) = (shift as u64, i32::from(elem == KvElem::Bf16));
         let cfg = elementwise(OP, moves.len() * row)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.write_rows);
-        b.arg(&sd.ptr).arg(&to).arg(&md).arg(&n).arg(&row32).arg(&bf16);
-        // SAFETY: the arguments match `write_rows(const float*, float*, const u64*, int, int,
-        // int)`; thread (m, c) for m < n reads element moves[m].0·row + c of src, inside its
-        // rows (checked by the caller), and writes element moves[m].1 + c of dst, in f32 or
-        // (bf16 = 1, two bytes an element) bf16, inside `dst` (checked by the caller), memory
-        // of this device (checked above) that its `DeviceMemory` implementation promises is
-        // mapped while kernels may run; the moves' upload is freed stream-ordered.
+        b.arg(&sd.ptr).arg(&to).arg(&*md).arg(&shift).arg(&n).arg(&row32).arg(&bf16);
+        // SAFETY: the arguments match `write_rows(const float*, float*, const u64*, u64, int,
+        // int, int)`; thread (m, c) for m < n reads element moves[m].0·row + c of src, inside
+        // its rows (checked by the caller), and writes element shift + moves[m].1 + c of dst,
+        // in f32 or (bf16 = 1, two bytes an element) bf16, inside `dst` (checked by the
+        // caller), memory of this device (checked above) that its `DeviceMemory`
+        // implementation promises is mapped while kernels may run; the moves' upload is kept
+        // by the cache or freed stream-ordered.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
         Ok(())
     }
