@@ -18,9 +18,10 @@ extern "C" void attention(const float* q, const u64* q_pos, const float* k, cons
                           const u64* seqs, float* out, float* lse);
 extern "C" void attention_merge(const float* part, const float* part_lse, int splits, int rows,
                                 int head_dim, float* out, float* lse);
-extern "C" void rms_norm(const float* x, const float* w, float* out, int d, float eps);
+extern "C" void rms_norm(const float* x, const float* w, float* out, int d, float eps,
+                         unsigned short* half);
 extern "C" void add_rms_norm(float* x, const float* y, const float* w, float* out, int d,
-                             float eps);
+                             float eps, unsigned short* half);
 extern "C" void add_assign(float* x, const float* y, u64 n);
 extern "C" void soft_cap(float* x, float cap, u64 n);
 extern "C" void rope(float* x, const u64* pos, int tokens, int heads, int head_dim, int rot_dim,
@@ -30,7 +31,8 @@ extern "C" void split_rope(const float* y, float* q, float* k, float* v, const u
                            float theta, const float* factors, float attn_factor);
 extern "C" void silu_mul(float* gate, const float* up, u64 n);
 extern "C" void gelu_tanh_mul(float* gate, const float* up, u64 n);
-extern "C" void gated_halves(const float* x, float* out, u64 n, int units, int gelu);
+extern "C" void gated_halves(const float* x, float* out, u64 n, int units, int gelu,
+                             unsigned short* half);
 extern "C" void argmax_rows(const float* x, int cols, unsigned int* out);
 extern "C" void dequantize(const float* scales, const float* mins, const unsigned char* qs,
                            float* out, u64 n, int kind);
@@ -114,9 +116,15 @@ static int check_fused(u64& seed) {
         int rows = 3, units = 300;
         std::vector<float> x((size_t)rows * 2 * units), out((size_t)rows * units);
         for (auto& v : x) v = 4.0f * next_value(seed);
+        std::vector<unsigned short> half(out.size()), rounded(out.size());
         tpctl_launch(elementwise(out.size()), 1, BLOCK_THREADS, [&] {
-            gated_halves(x.data(), out.data(), out.size(), units, gelu);
+            gated_halves(x.data(), out.data(), out.size(), units, gelu, half.data());
         });
+        tpctl_launch(elementwise(out.size()), 1, BLOCK_THREADS, [&] {
+            to_bf16(out.data(), rounded.data(), out.size());
+        });
+        for (size_t i = 0; i < half.size(); i++)
+            if (half[i] != rounded[i]) return fail("gated_halves' bf16 outputs", i, half[i], rounded[i]);
         std::vector<float> g(out.size()), u(out.size());
         tpctl_launch(elementwise(g.size()), 1, BLOCK_THREADS, [&] {
             copy_cols(x.data(), g.data(), g.size(), 2 * units, 0, units);
@@ -146,7 +154,16 @@ static int check_rows() {
     std::vector<float> x((size_t)rows * d), w(d), out(x.size());
     for (auto& v : x) v = next_value(seed);
     for (auto& v : w) v = next_value(seed);
-    tpctl_launch(rows, 1, BLOCK_THREADS, [&] { rms_norm(x.data(), w.data(), out.data(), d, 1e-5f); });
+    // Also its outputs rounded to bf16 (the input of a bf16 product), as to_bf16 rounds them.
+    std::vector<unsigned short> half(x.size()), rounded(x.size());
+    tpctl_launch(rows, 1, BLOCK_THREADS, [&] {
+        rms_norm(x.data(), w.data(), out.data(), d, 1e-5f, half.data());
+    });
+    tpctl_launch(elementwise(out.size()), 1, BLOCK_THREADS, [&] {
+        to_bf16(out.data(), rounded.data(), out.size());
+    });
+    for (size_t i = 0; i < half.size(); i++)
+        if (half[i] != rounded[i]) return fail("rms_norm's bf16 outputs", i, half[i], rounded[i]);
     for (int r = 0; r < rows; r++) {
         double ms = 0.0;
         for (int c = 0; c < d; c++) ms += (double)x[r * d + c] * x[r * d + c];
@@ -162,10 +179,17 @@ static int check_rows() {
     std::vector<float> y(x.size()), fx = x, fout(x.size()), sx = x, sout(x.size());
     for (auto& v : y) v = next_value(seed);
     tpctl_launch(rows, 1, BLOCK_THREADS, [&] {
-        add_rms_norm(fx.data(), y.data(), w.data(), fout.data(), d, 1e-5f);
+        add_rms_norm(fx.data(), y.data(), w.data(), fout.data(), d, 1e-5f, half.data());
     });
+    tpctl_launch(elementwise(fout.size()), 1, BLOCK_THREADS, [&] {
+        to_bf16(fout.data(), rounded.data(), fout.size());
+    });
+    for (size_t i = 0; i < half.size(); i++)
+        if (half[i] != rounded[i]) return fail("add_rms_norm's bf16 outputs", i, half[i], rounded[i]);
     tpctl_launch(elementwise(sx.size()), 1, BLOCK_THREADS, [&] { add_assign(sx.data(), y.data(), sx.size()); });
-    tpctl_launch(rows, 1, BLOCK_THREADS, [&] { rms_norm(sx.data(), w.data(), sout.data(), d, 1e-5f); });
+    tpctl_launch(rows, 1, BLOCK_THREADS, [&] {
+        rms_norm(sx.data(), w.data(), sout.data(), d, 1e-5f, nullptr);
+    });
     for (int r = 0; r < rows; r++) {
         double ms = 0.0;
         for (int c = 0; c < d; c++) {

@@ -21,6 +21,15 @@ typedef unsigned long long u64;
 // NVRTC compiles without the C headers, so neither INFINITY nor isnan is assumed.
 #define NEG_INF __int_as_float((int)0xff800000u)
 
+// x rounded to bfloat16 (nearest, ties to even; NaN stays NaN), as raw bits. Done on the bits,
+// so it needs neither cuda_bf16.h nor an sm_80 conversion instruction.
+__device__ unsigned short bf16_of(float x) {
+    unsigned int u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
 // Sum of `v` over the block; every thread gets the result. `buf` holds BLOCK floats.
 __device__ float block_sum(float v, float* buf, int n) {
     buf[threadIdx.x] = v;
@@ -50,26 +59,36 @@ __device__ float block_max(float v, float* buf, int n) {
 // yr = xr / sqrt(mean(xr^2) + eps) * w for the block's row xr of `d` elements, given each
 // thread's share `acc` of the sum of squares (elements threadIdx.x, + BLOCK, ...), which are
 // also the elements each thread reads back: it sees its own writes to xr without a barrier.
-__device__ void rms_norm_row(const float* xr, const float* w, float* yr, int d, float eps,
-                             float acc, float* buf) {
+// With `hr` (else null) each output is also written rounded to bf16 (bf16_of): the input of a
+// bf16 product, without a rounding launch of its own.
+__device__ void rms_norm_row(const float* xr, const float* w, float* yr, unsigned short* hr,
+                             int d, float eps, float acc, float* buf) {
     float ms = block_sum(acc, buf, BLOCK) / (float)d;
     float scale = 1.0f / sqrtf(ms + eps);
-    for (int i = threadIdx.x; i < d; i += BLOCK) yr[i] = xr[i] * scale * w[i];
+    for (int i = threadIdx.x; i < d; i += BLOCK) {
+        float y = xr[i] * scale * w[i];
+        yr[i] = y;
+        if (hr) hr[i] = bf16_of(y);
+    }
 }
 
-// out = x / sqrt(mean(x^2) + eps) * w, one block per row of `d` elements.
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int d, float eps) {
+// out = x / sqrt(mean(x^2) + eps) * w, one block per row of `d` elements; `half` (or null)
+// gets out rounded to bf16 too.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int d, float eps,
+                                    unsigned short* half) {
     __shared__ float buf[BLOCK];
     const float* xr = x + (u64)blockIdx.x * d;
     float acc = 0.0f;
     for (int i = threadIdx.x; i < d; i += BLOCK) acc += xr[i] * xr[i];
-    rms_norm_row(xr, w, out + (u64)blockIdx.x * d, d, eps, acc, buf);
+    unsigned short* hr = half ? half + (u64)blockIdx.x * d : 0;
+    rms_norm_row(xr, w, out + (u64)blockIdx.x * d, hr, d, eps, acc, buf);
 }
 
 // x += y, then out = rms_norm(x): `add_assign` and `rms_norm` in one launch, with the same
-// arithmetic per element, so the same bits. One block per row of `d` elements.
+// arithmetic per element, so the same bits. One block per row of `d` elements; `half` as for
+// rms_norm.
 extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out,
-                                        int d, float eps) {
+                                        int d, float eps, unsigned short* half) {
     __shared__ float buf[BLOCK];
     float* xr = x + (u64)blockIdx.x * d;
     const float* yr = y + (u64)blockIdx.x * d;
@@ -79,7 +98,8 @@ extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w
         xr[i] = v;
         acc += v * v;
     }
-    rms_norm_row(xr, w, out + (u64)blockIdx.x * d, d, eps, acc, buf);
+    unsigned short* hr = half ? half + (u64)blockIdx.x * d : 0;
+    rms_norm_row(xr, w, out + (u64)blockIdx.x * d, hr, d, eps, acc, buf);
 }
 
 // The cosine and sine of rotated pair `i` (of rot_dim / 2) at position `p`, in double
@@ -173,14 +193,17 @@ extern "C" __global__ void gelu_tanh_mul(float* gate, const float* up, u64 n) {
 }
 
 // out[r, j] = act(x[r, j]) * x[r, units + j]: the gated activation of a fused gate/up
-// projection's rows (of 2 units), read in place; `gelu` chooses GELU over SiLU. One thread per
-// output element.
-extern "C" __global__ void gated_halves(const float* x, float* out, u64 n, int units, int gelu) {
+// projection's rows (of 2 units), read in place; `gelu` chooses GELU over SiLU; `half` (or
+// null) gets out rounded to bf16 too. One thread per output element.
+extern "C" __global__ void gated_halves(const float* x, float* out, u64 n, int units, int gelu,
+                                        unsigned short* half) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const float* row = x + (i / (u64)units) * 2 * (u64)units;
     int j = (int)(i % (u64)units);
-    out[i] = gelu ? gelu_tanh_gate(row[j], row[units + j]) : silu_gate(row[j], row[units + j]);
+    float y = gelu ? gelu_tanh_gate(row[j], row[units + j]) : silu_gate(row[j], row[units + j]);
+    out[i] = y;
+    if (half) half[i] = bf16_of(y);
 }
 
 // x *= s.
@@ -472,15 +495,6 @@ extern "C" __global__ void attention_merge(const float* part, const float* part_
         orow[c] = a;
     }
     if (threadIdx.x == 0) lse[row] = mx == NEG_INF ? NEG_INF : mx + logf(total);
-}
-
-// x rounded to bfloat16 (nearest, ties to even; NaN stays NaN), as raw bits. Done on the bits,
-// so it needs neither cuda_bf16.h nor an sm_80 conversion instruction.
-__device__ unsigned short bf16_of(float x) {
-    unsigned int u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
 }
 
 // y[i] = x[i] rounded to bfloat16 (bf16_of).

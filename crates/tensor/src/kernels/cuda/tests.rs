@@ -707,3 +707,39 @@ fn cuda_decode_rows_over_one_pool_attend_in_one_launch() {
     let apart = gpu.attention_rows(&q, &q_pos, shape, &mixed).unwrap();
     assert_close(apart.host().unwrap(), got.host().unwrap(), 1e-4);
 }
+
+/// On a bf16 backend the norms and the gated activation also write their outputs rounded to
+/// bf16, and a product of such an output takes that copy: one launch (no rounding kernel), the
+/// same bits as the product of the same values uploaded from the host. An in-place change of
+/// the output drops the copy, so the product then sees the new values.
+#[test]
+fn cuda_bf16_products_take_the_rounded_copy_their_input_kernel_wrote() {
+    use crate::kernels::{Activation, GemmDtype};
+    if gpu().is_none() {
+        return;
+    }
+    let gpu = Backend::cuda_with(0, GemmDtype::Bf16).unwrap();
+    let cuda = cuda_of(&gpu);
+    let w = Weight::F32(tensor(&[48, 64], 1));
+    let (x, nw) = (tensor(&[3, 64], 2), tensor(&[64], 3));
+    let host_copy = |t: &Tensor| Tensor::from_vec(t.shape(), t.host().unwrap().to_vec()).unwrap();
+    let bits = |t: &Tensor| t.host().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let normed = gpu.rms_norm(&x, &nw, 1e-5).unwrap();
+    let mut summed = x.clone();
+    let added = gpu.add_rms_norm(&mut summed, &tensor(&[3, 64], 4), &nw, 1e-5).unwrap();
+    let gated = gpu.gated_halves(Activation::Silu, &tensor(&[3, 128], 5)).unwrap();
+    for (what, y) in [("rms_norm", &normed), ("add_rms_norm", &added), ("gated_halves", &gated)] {
+        gpu.linear(&y.clone(), &w).unwrap();
+        let before = cuda.counters();
+        let got = gpu.linear(y, &w).unwrap();
+        let spent = cuda.counters().since(&before);
+        assert_eq!((spent.launches, spent.allocations), (1, 1), "{what}: {spent:?}");
+        let want = gpu.linear(&host_copy(y), &w).unwrap();
+        assert_eq!(bits(&got), bits(&want), "{what}");
+    }
+    let mut scaled = normed;
+    gpu.scale(&mut scaled, 2.0).unwrap();
+    let got = gpu.linear(&scaled, &w).unwrap();
+    let want = gpu.linear(&host_copy(&scaled), &w).unwrap();
+    assert_eq!(bits(&got), bits(&want), "after an in-place change");
+}

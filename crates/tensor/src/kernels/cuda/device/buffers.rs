@@ -7,7 +7,7 @@ use crate::tensor::{DeviceData, Tensor};
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use mesh::DeviceMemory;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// A device address for a kernel, with the upload behind it (if any) kept alive.
 pub(super) struct Input {
@@ -15,10 +15,14 @@ pub(super) struct Input {
     _staged: Option<CudaSlice<f32>>,
 }
 
-/// An output of a [`CudaBackend`]: its buffer and the backend whose stream writes it.
+/// An output of a [`CudaBackend`]: its buffer and the backend whose stream writes it, and
+/// the same values rounded to bf16 when the kernel that wrote them also wrote those (the input
+/// of a bf16 product, which then needs no rounding launch of its own); dropped when the buffer
+/// is written in place.
 struct DeviceBuf {
     buf: CudaSlice<f32>,
     owner: Arc<Inner>,
+    half: Mutex<Option<CudaSlice<u16>>>,
 }
 
 impl fmt::Debug for DeviceBuf {
@@ -161,7 +165,12 @@ impl CudaBackend {
     /// when it is this backend's output and no clone shares it, else a fresh device copy that
     /// becomes `t`'s data. Either way `t` is device data whose host copy is gone.
     pub(super) fn writable(&self, op: &str, t: &mut Tensor) -> Result<u64> {
-        if let Some(buf) = self.own(t.storage_mut().device_data_for_write()) {
+        let data = t.storage_mut().device_data_for_write();
+        if let Some(buf) = self.own(data) {
+            // The rounded copy would no longer be these values.
+            if let Some(d) = data.and_then(|d| d.as_any().downcast_ref::<DeviceBuf>()) {
+                d.half.lock().unwrap_or_else(|e| e.into_inner()).take();
+            }
             return Ok(self.addr(buf));
         }
         let buf = match self.own(t.storage().device_data()) {
@@ -181,11 +190,56 @@ impl CudaBackend {
 
     /// `buf` as tensor data that stays on the device until the host reads it.
     fn wrap(&self, buf: CudaSlice<f32>) -> Arc<dyn DeviceData> {
-        Arc::new(DeviceBuf { buf, owner: self.inner.clone() })
+        Arc::new(DeviceBuf { buf, owner: self.inner.clone(), half: Mutex::new(None) })
     }
 
     /// A tensor of `shape` over the output `buf`.
     pub(super) fn output(&self, shape: &[usize], buf: CudaSlice<f32>) -> Result<Tensor> {
         Tensor::from_device(shape, self.wrap(buf))
+    }
+
+    /// A buffer for `len` outputs rounded to bf16 beside their f32 values, when this backend's
+    /// products take bf16 (else none: the kernel is passed a null pointer).
+    pub(super) fn half_buf(&self, op: &str, len: usize) -> Result<Option<CudaSlice<u16>>> {
+        if self.inner.dtype != crate::kernels::GemmDtype::Bf16 || len == 0 {
+            return Ok(None);
+        }
+        self.count(Count::Allocation);
+        // SAFETY: handed only to the launch that writes every element of it (each caller),
+        // in stream order before any read.
+        let h = unsafe { self.stream().alloc::<u16>(len) }
+            .or_unavailable(|| format!("{op}: allocating {len} halves"))?;
+        Ok(Some(h))
+    }
+
+    /// The device address of `half` for a kernel (0, a null pointer, for none).
+    pub(super) fn half_addr(&self, half: &Option<CudaSlice<u16>>) -> u64 {
+        half.as_ref().map_or(0, |h| self.addr(h))
+    }
+
+    /// A tensor of `shape` over the output `buf`, with `half`, its values rounded to bf16 by
+    /// the same launch (see [`DeviceBuf`]).
+    pub(super) fn output_with_half(
+        &self,
+        shape: &[usize],
+        buf: CudaSlice<f32>,
+        half: Option<CudaSlice<u16>>,
+    ) -> Result<Tensor> {
+        let data = DeviceBuf { buf, owner: self.inner.clone(), half: Mutex::new(half) };
+        Tensor::from_device(shape, Arc::new(data))
+    }
+
+    /// Runs `f` with the device address of `t`'s values rounded to bf16 when an output of this
+    /// backend carries them (see [`DeviceBuf`]), else with `None`; the rounded copy stays
+    /// alive (and unchanged) while `f` queues work on it.
+    pub(super) fn with_half<R>(&self, t: &Tensor, f: impl FnOnce(Option<u64>) -> R) -> R {
+        let buf = t.storage().device_data().and_then(|d| d.as_any().downcast_ref::<DeviceBuf>());
+        match buf.filter(|b| Arc::ptr_eq(&b.owner, &self.inner)) {
+            Some(b) => {
+                let half = b.half.lock().unwrap_or_else(|e| e.into_inner());
+                f(half.as_ref().map(|h| self.addr(h)))
+            }
+            None => f(None),
+        }
     }
 }

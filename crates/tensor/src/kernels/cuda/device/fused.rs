@@ -92,17 +92,21 @@ impl CudaBackend {
         let xd = self.input(OP, x)?;
         // Written whole: one thread per element.
         let mut od = self.output_buf(OP, n)?;
+        // The values rounded for a bf16 product too (the down projection's input).
+        let half = self.half_buf(OP, n)?;
+        let hp = self.half_addr(&half);
         let gelu = i32::from(matches!(act, Activation::GeluTanh));
         let (len, units_arg) = (n as u64, int(OP, "units", units)?);
         let cfg = elementwise(OP, n)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.gated_halves);
-        b.arg(&xd.ptr).arg(&mut od).arg(&len).arg(&units_arg).arg(&gelu);
-        // SAFETY: the arguments match `gated_halves(const float*, float*, u64, int, int)`;
-        // element i < n = rows·units of out reads elements i % units and units + i % units of
-        // row i / units of x, which holds rows·2·units floats (the caller checked the row
-        // length is 2·units); out is a fresh buffer of n floats.
+        b.arg(&xd.ptr).arg(&mut od).arg(&len).arg(&units_arg).arg(&gelu).arg(&hp);
+        // SAFETY: the arguments match `gated_halves(const float*, float*, u64, int, int,
+        // unsigned short*)`; element i < n = rows·units of out (and of `half`, n halves,
+        // unless it is null) reads elements i % units and units + i % units of row i / units
+        // of x, which holds rows·2·units floats (the caller checked the row length is
+        // 2·units); out is a fresh buffer of n floats.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
-        self.output(&shape, od)
+        self.output_with_half(&shape, od, half)
     }
 }

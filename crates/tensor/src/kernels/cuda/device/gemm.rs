@@ -23,10 +23,16 @@ impl CudaBackend {
             return Ok(Tensor::zeros(shape));
         }
         let dtype = self.inner.dtype;
-        let wd = self.weight(OP, w, dtype)?;
+        // The activations already rounded to bf16 by the kernel that wrote them, if it did.
+        if dtype == GemmDtype::Bf16 {
+            let done = self.with_half(x, |half| {
+                half.map(|xp| self.product(w, xp, (m, n, k), shape)).transpose()
+            })?;
+            if let Some(out) = done {
+                return Ok(out);
+            }
+        }
         let xd = self.input(OP, x)?;
-        // Written whole by the product (beta = 0).
-        let mut od = self.output_buf(OP, m * n)?;
         // The activations in the weights' type (a half copy for bf16/f16).
         let half = match dtype {
             GemmDtype::F32 => None,
@@ -41,6 +47,23 @@ impl CudaBackend {
             }
         };
         let xp = half.as_ref().map_or(xd.ptr, |h| self.addr(h));
+        self.product(w, xp, (m, n, k), shape)
+    }
+
+    /// `x · wᵀ` with the activations `x` at device address `xp` in the backend's product type
+    /// (f32, or a half copy), which the caller keeps alive while the product is queued.
+    fn product(
+        &self,
+        w: &Weight,
+        xp: u64,
+        (m, n, k): (usize, usize, usize),
+        shape: &[usize],
+    ) -> Result<Tensor> {
+        const OP: &str = "linear";
+        let dtype = self.inner.dtype;
+        let wd = self.weight(OP, w, dtype)?;
+        // Written whole by the product (beta = 0).
+        let mut od = self.output_buf(OP, m * n)?;
         let wp = self.slot_addr(&wd);
         // cuBLAS is column-major. Row-major out[m, n] is column-major outᵀ[n, m] = W·xᵀ, where
         // the row-major weight buffer read column-major is Wᵀ[k, n] (so transpose it back) and

@@ -57,16 +57,20 @@ impl CudaBackend {
         let wp = self.slot_addr(&wd);
         // Written whole: block r writes the d floats of row r.
         let mut od = self.output_buf(OP, x.len())?;
+        // The values rounded for a bf16 product too, when this backend's products are bf16.
+        let half = self.half_buf(OP, x.len())?;
+        let hp = self.half_addr(&half);
         let d32 = int(OP, "row length", d)?;
         let cfg = per_row(OP, rows, BLOCK)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.rms_norm);
-        b.arg(&xd.ptr).arg(&wp).arg(&mut od).arg(&d32).arg(&eps);
+        b.arg(&xd.ptr).arg(&wp).arg(&mut od).arg(&d32).arg(&eps).arg(&hp);
         // SAFETY: the arguments match `rms_norm(const float*, const float*, float*, int,
-        // float)`; block r reads and writes row r (d floats) of x and out, which hold rows·d
-        // floats, and reads the d floats of the weight's device copy.
+        // float, unsigned short*)`; block r reads and writes row r (d floats) of x and out,
+        // which hold rows·d floats, and of `half` (rows·d halves) unless it is null, and reads
+        // the d floats of the weight's device copy.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
-        self.output(x.shape(), od)
+        self.output_with_half(x.shape(), od, half)
     }
 
     /// `x += y`, then RMSNorm of rows of `weight.len()` elements of the sum: one launch for
@@ -90,19 +94,22 @@ impl CudaBackend {
         let xp = self.writable(OP, x)?;
         // Written whole: block r writes the d floats of row r.
         let mut od = self.output_buf(OP, x.len())?;
+        let half = self.half_buf(OP, x.len())?;
+        let hp = self.half_addr(&half);
         let d32 = int(OP, "row length", d)?;
         let cfg = per_row(OP, rows, BLOCK)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.add_rms_norm);
-        b.arg(&xp).arg(&yd.ptr).arg(&wp).arg(&mut od).arg(&d32).arg(&eps);
+        b.arg(&xp).arg(&yd.ptr).arg(&wp).arg(&mut od).arg(&d32).arg(&eps).arg(&hp);
         // SAFETY: the arguments match `add_rms_norm(float*, const float*, const float*,
-        // float*, int, float)`; block r rewrites row r (d floats) of x and reads row r of y
-        // and writes row r of out, all of which hold rows·d floats (the caller checked that y
-        // has x's length and d is the row length), and reads the d floats of the weight's
-        // device copy. x's buffer is its own (`writable`), so y, read before, and the fresh
-        // out are other buffers.
+        // float*, int, float, unsigned short*)`; block r rewrites row r (d floats) of x and
+        // reads row r of y and writes row r of out (and of `half`, rows·d halves, unless it is
+        // null), all of which hold rows·d elements (the caller checked that y has x's length
+        // and d is the row length), and reads the d floats of the weight's device copy. x's
+        // buffer is its own (`writable`), so y, read before, and the fresh out are other
+        // buffers.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
-        self.output(x.shape(), od)
+        self.output_with_half(x.shape(), od, half)
     }
 
     /// Rotate-half rotary embedding in place (see `cpu::rope::rope_scaled`).
