@@ -15,9 +15,9 @@ extern "C" void attention(const float* q, const u64* q_pos, const float* k, cons
                           const u64* kv_pos, const unsigned int* table, int block_size,
                           u64 block_stride, int n_kv, int q_heads, int kv_heads, int head_dim,
                           float scale, float softcap, u64 window, int chunk, int kv_bf16,
-                          const u64* seqs, float* out, float* lse);
+                          const u64* seqs, float* out, float* lse, unsigned short* half);
 extern "C" void attention_merge(const float* part, const float* part_lse, int splits, int rows,
-                                int head_dim, float* out, float* lse);
+                                int head_dim, float* out, float* lse, unsigned short* half);
 extern "C" void rms_norm(const float* x, const float* w, float* out, int d, float eps,
                          unsigned short* half);
 extern "C" void add_rms_norm(float* x, const float* y, const float* w, float* out, int d,
@@ -455,11 +455,14 @@ static int check(const Case& c) {
     // One block per query token, KV head and slice of up to ATTN_GROUP (4) of its query heads.
     int per_group = c.q_heads / c.kv_heads;
     unsigned int blocks = (unsigned int)(c.queries * c.kv_heads * ((per_group + 3) / 4));
+    // The final outputs rounded to bf16 too: by the attention kernel with one range, by the
+    // merge with several.
+    std::vector<unsigned short> half((size_t)rows * c.head_dim), rounded(half.size());
     tpctl_launch(blocks, splits, THREADS, [&] {
         attention(q.data(), q_pos.data(), kp, vp, kv_pos.data(), tp,
                   c.block_size > 0 ? c.block_size : 1, block_stride, c.keys, c.q_heads,
                   c.kv_heads, c.head_dim, scale, c.cap, window, chunk, c.bf16 ? 1 : 0, nullptr,
-                  part.data(), part_lse.data());
+                  part.data(), part_lse.data(), splits == 1 ? half.data() : nullptr);
     });
     std::vector<float> out = part, lse = part_lse;
     if (splits > 1) {
@@ -467,9 +470,14 @@ static int check(const Case& c) {
         lse.assign(rows, 0.0f);
         tpctl_launch(rows, 1, THREADS, [&] {
             attention_merge(part.data(), part_lse.data(), splits, rows, c.head_dim, out.data(),
-                            lse.data());
+                            lse.data(), half.data());
         });
     }
+    tpctl_launch(elementwise(out.size()), 1, BLOCK_THREADS, [&] {
+        to_bf16(out.data(), rounded.data(), out.size());
+    });
+    for (size_t i = 0; i < half.size(); i++)
+        if (half[i] != rounded[i]) return fail("attention's bf16 outputs", i, half[i], rounded[i]);
     // With rules, the reference without them must differ somewhere, so a kernel that
     // ignored the window, the cap or the scale would fail this case.
     bool rules_matter = false;
@@ -557,7 +565,7 @@ static int check_batched() {
         tpctl_launch((unsigned int)(tokens * kv_heads), ranges, THREADS, [&] {
             attention(qp, qpos, ks.data(), vs.data(), kpos, tab, bs, block_stride, n_kv, q_heads,
                       kv_heads, head_dim, scale, 0.0f, ~0ull, chunk, 0, sq, part.data(),
-                      part_lse.data());
+                      part_lse.data(), nullptr);
         });
         out = part;
         lse = part_lse;
@@ -566,7 +574,7 @@ static int check_batched() {
             lse.assign(r, 0.0f);
             tpctl_launch(r, 1, THREADS, [&] {
                 attention_merge(part.data(), part_lse.data(), ranges, r, head_dim, out.data(),
-                                lse.data());
+                                lse.data(), nullptr);
             });
         }
     };

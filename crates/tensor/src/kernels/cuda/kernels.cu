@@ -335,14 +335,15 @@ __device__ float kv_at(const float* base, u64 i, int bf16) {
 // With `seqs` (null: every query token sees the same n_kv keys), query token i is one
 // sequence's row of a step over a shared paged pool: seqs[3i..3i+3] are the offset of its key
 // positions in kv_pos, of its blocks in table, and its number of keys; a range past its keys
-// is empty (zeros and -inf, which attention_merge weighs 0).
+// is empty (zeros and -inf, which attention_merge weighs 0). With one range, `half` (or null)
+// gets the outputs rounded to bf16 too (bf16_of: a bf16 product's input).
 extern "C" __global__ void attention(const float* q, const u64* q_pos, const float* k,
                                      const float* v, const u64* kv_pos,
                                      const unsigned int* table, int block_size,
                                      u64 block_stride, int n_kv, int q_heads, int kv_heads,
                                      int head_dim, float scale, float softcap, u64 window,
                                      int chunk, int kv_bf16, const u64* seqs, float* out,
-                                     float* lse) {
+                                     float* lse, unsigned short* half) {
     __shared__ float qs[ATTN_GROUP * ATTN_BLOCK * ATTN_DIMS];
     __shared__ float p[ATTN_GROUP * ATTN_BLOCK];
     __shared__ float buf[ATTN_BLOCK];
@@ -462,7 +463,9 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
         for (int d = 0; d < ATTN_DIMS; d++) {
             int c = tid + d * ATTN_BLOCK;
             if (c >= head_dim) break;
-            orow[c] = m[hh] == NEG_INF ? 0.0f : acc[hh][d] / l[hh];
+            float o = m[hh] == NEG_INF ? 0.0f : acc[hh][d] / l[hh];
+            orow[c] = o;
+            if (half) half[part * head_dim + c] = bf16_of(o);
         }
         if (tid == 0) lse[part] = m[hh] == NEG_INF ? NEG_INF : m[hh] + logf(l[hh]);
     }
@@ -471,9 +474,11 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
 // Combines the `splits` partial results of `attention` over disjoint key ranges (row s*rows + r
 // of part and part_lse) into row r of out and lse, as the CPU merges context-parallel partial
 // results: weights exp(lse_s - max), the output their weighted mean, lse = max + log(sum).
-// One block per row; a row no range saw stays zeros and -inf.
+// One block per row; a row no range saw stays zeros and -inf. `half` (or null) gets out rounded
+// to bf16 too.
 extern "C" __global__ void attention_merge(const float* part, const float* part_lse, int splits,
-                                           int rows, int head_dim, float* out, float* lse) {
+                                           int rows, int head_dim, float* out, float* lse,
+                                           unsigned short* half) {
     int row = blockIdx.x;
     float mx = NEG_INF;
     for (int s = 0; s < splits; s++) mx = fmaxf(mx, part_lse[(u64)s * rows + row]);
@@ -493,6 +498,7 @@ extern "C" __global__ void attention_merge(const float* part, const float* part_
             a /= total;
         }
         orow[c] = a;
+        if (half) half[(u64)row * head_dim + c] = bf16_of(a);
     }
     if (threadIdx.x == 0) lse[row] = mx == NEG_INF ? NEG_INF : mx + logf(total);
 }

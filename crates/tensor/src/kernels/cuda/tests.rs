@@ -708,8 +708,8 @@ fn cuda_decode_rows_over_one_pool_attend_in_one_launch() {
     assert_close(apart.host().unwrap(), got.host().unwrap(), 1e-4);
 }
 
-/// On a bf16 backend the norms and the gated activation also write their outputs rounded to
-/// bf16, and a product of such an output takes that copy: one launch (no rounding kernel), the
+/// On a bf16 backend the norms, the gated activation and attention also write their outputs
+/// rounded to bf16, and a product of such an output takes that copy: one launch (no rounding kernel), the
 /// same bits as the product of the same values uploaded from the host. An in-place change of
 /// the output drops the copy, so the product then sees the new values.
 #[test]
@@ -728,7 +728,19 @@ fn cuda_bf16_products_take_the_rounded_copy_their_input_kernel_wrote() {
     let mut summed = x.clone();
     let added = gpu.add_rms_norm(&mut summed, &tensor(&[3, 64], 4), &nw, 1e-5).unwrap();
     let gated = gpu.gated_halves(Activation::Silu, &tensor(&[3, 128], 5)).unwrap();
-    for (what, y) in [("rms_norm", &normed), ("add_rms_norm", &added), ("gated_halves", &gated)] {
+    // Attention over one key range and over several (its merge writes the copy).
+    let shape = AttnShape::new(4, 2, 16);
+    let (k, v) = (random_vec(600 * 32, 6), random_vec(600 * 32, 7));
+    let kv = Kv::Host { k: &k, v: &v };
+    let positions: Vec<usize> = (0..600).collect();
+    let q = tensor(&[3, 4, 16], 8);
+    let one = gpu.attention(&q, &[4, 5, 6], kv, &positions[..7], shape, false).unwrap().0;
+    let (k, v) = (&k[..], &v[..]);
+    let many = gpu.attention(&q, &[597, 598, 599], Kv::Host { k, v }, &positions, shape, false);
+    let many = many.unwrap().0;
+    let attended = [("attention", &one), ("attention over key ranges", &many)];
+    let made = [("rms_norm", &normed), ("add_rms_norm", &added), ("gated_halves", &gated)];
+    for (what, y) in made.into_iter().chain(attended) {
         gpu.linear(&y.clone(), &w).unwrap();
         let before = cuda.counters();
         let got = gpu.linear(y, &w).unwrap();

@@ -27,6 +27,10 @@ struct Keys {
     block_stride: u64,
 }
 
+/// What an attention launch leaves: the outputs, their log-sum-exps, and on a bf16 backend the
+/// outputs rounded to bf16.
+type Attended = (CudaSlice<f32>, CudaSlice<f32>, Option<CudaSlice<u16>>);
+
 /// What the kernel cannot take: a head larger than its output slots, a soft-cap that is not a
 /// positive finite number (it reads 0 as none).
 fn check_shape(shape: AttnShape) -> Result<()> {
@@ -114,7 +118,7 @@ impl CudaBackend {
         let kpd = self.positions(OP, kv_pos)?;
         let keys =
             Keys { k: kp, v: vp, pos: self.addr(&*kpd), table: tp, block_size, block_stride };
-        let (od, ld) = self.launch_attention(
+        let (od, ld, half) = self.launch_attention(
             qd.ptr,
             &qpd,
             keys,
@@ -125,7 +129,7 @@ impl CudaBackend {
             shape,
         )?;
         let lse = want_lse.then(|| self.output(&lse_shape, ld)).transpose()?;
-        Ok((self.output(&out_shape, od)?, lse))
+        Ok((self.output_with_half(&out_shape, od, half)?, lse))
     }
 
     /// [`crate::Backend::attention_rows`] in one launch when every row's keys and values are
@@ -225,14 +229,15 @@ impl CudaBackend {
         };
         let kv_bf16 = i32::from(pool.elem == KvElem::Bf16);
         let seqs_ptr = self.addr(&*sd);
-        let (od, _) =
+        let (od, _, half) =
             self.launch_attention(qd.ptr, &qpd, keys, most, kv_bf16, seqs_ptr, n, shape)?;
-        Ok(Some(self.output(&out_shape, od)?))
+        Ok(Some(self.output_with_half(&out_shape, od, half)?))
     }
 
     /// Launches `attention` over `tokens` query tokens (and the merge of its key ranges when
-    /// there are several): the output and log-sum-exp rows. `n_kv` is the keys of every token,
-    /// or with `seqs` (a device address; 0 for none) the most of any.
+    /// there are several): the output and log-sum-exp rows, and on a bf16 backend the output
+    /// rounded to bf16 by the same launch (the output projection's input). `n_kv` is the keys
+    /// of every token, or with `seqs` (a device address; 0 for none) the most of any.
     #[allow(clippy::too_many_arguments)]
     fn launch_attention(
         &self,
@@ -244,12 +249,15 @@ impl CudaBackend {
         seqs: u64,
         tokens: usize,
         shape: AttnShape,
-    ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    ) -> Result<Attended> {
         const OP: &str = "attention";
         let AttnShape { q_heads, kv_heads, head_dim, .. } = shape;
         let rows = tokens * q_heads;
         let blocks = attention_blocks(tokens, q_heads, kv_heads);
         let (splits, chunk) = attention_splits(blocks, n_kv);
+        let half = self.half_buf(OP, rows * head_dim)?;
+        // Written by the attention kernel with one range, by the merge with several.
+        let hp = if splits == 1 { self.half_addr(&half) } else { 0 };
         // Written whole: block (r, s) writes row s·rows + r of out (head_dim floats) and of
         // lse; with one range those are the answer, with several the partial results.
         let mut od = self.output_buf(OP, splits * rows * head_dim)?;
@@ -283,11 +291,13 @@ impl CudaBackend {
             .arg(&kv_bf16)
             .arg(&seqs)
             .arg(&mut od)
-            .arg(&mut ld);
+            .arg(&mut ld)
+            .arg(&hp);
         // SAFETY: the arguments match `attention(const float*, const u64*, const float*,
         // const float*, const u64*, const unsigned*, int, u64, int, int, int, int, float,
-        // float, u64, int, int, const u64*, float*, float*)`; keys and values are bf16 (two
-        // bytes an element) exactly when kv_bf16 is 1. Block (b, s) serves query token i, KV
+        // float, u64, int, int, const u64*, float*, float*, unsigned short*)`; keys and
+        // values are bf16 (two bytes an element) exactly when kv_bf16 is 1; `half`, when not
+        // null (one range only), holds rows·head_dim halves, written as out is. Block (b, s) serves query token i, KV
         // head g and up to ATTN_GROUP of g's query heads (b = (i·kv_heads + g)·slices +
         // slice, the grid's first dimension being `attention_blocks`): it reads q_pos[i] and
         // those heads' rows of q (head_dim floats each), the key positions of its range
@@ -307,10 +317,11 @@ impl CudaBackend {
         // <= 512 fits the kernel's per-thread output slots and shared query copy.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
         if splits == 1 {
-            Ok((od, ld))
-        } else {
-            self.merge_attention(&od, &ld, splits, rows, head_dim)
+            return Ok((od, ld, half));
         }
+        let mp = self.half_addr(&half);
+        let (od, ld) = self.merge_attention(&od, &ld, splits, rows, head_dim, mp)?;
+        Ok((od, ld, half))
     }
 
     /// Row r of the combined attention result from the `splits` partial results of key
@@ -322,6 +333,7 @@ impl CudaBackend {
         splits: usize,
         rows: usize,
         head_dim: usize,
+        half: u64,
     ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
         const OP: &str = "attention merge";
         // Written whole: block r writes row r of out (head_dim floats) and lse[r].
@@ -336,12 +348,12 @@ impl CudaBackend {
         for a in &args {
             b.arg(a);
         }
-        b.arg(&mut od).arg(&mut ld);
+        b.arg(&mut od).arg(&mut ld).arg(&half);
         // SAFETY: the arguments match `attention_merge(const float*, const float*, int, int,
-        // int, float*, float*)`. Block r reads rows s·rows + r (s < splits) of part (head_dim
-        // floats each) and part_lse, which hold splits·rows rows, written by the attention
-        // launch before it on this stream, and writes row r of out and lse[r], which hold
-        // rows rows.
+        // int, float*, float*, unsigned short*)`. Block r reads rows s·rows + r (s < splits) of
+        // part (head_dim floats each) and part_lse, which hold splits·rows rows, written by the
+        // attention launch before it on this stream, and writes row r of out and lse[r], which
+        // hold rows rows, and of `half` (rows·head_dim halves) unless it is null.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
         Ok((od, ld))
     }
