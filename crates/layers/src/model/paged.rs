@@ -456,15 +456,7 @@ impl PagedCache {
         rows: Rows<'_>,
         positions: &[usize],
     ) -> Result<()> {
-        let (at, place) = match (self.filled.get(layer), self.pool.groups.place(layer)) {
-            (Some(&at), Some(place)) => (at, place),
-            _ => {
-                return Err(Error::shape(
-                    "kv cache append",
-                    format!("layer {layer} of {}", self.filled.len()),
-                ))
-            }
-        };
+        let (at, place) = self.layer_at(layer)?;
         let k_len = match rows {
             Rows::Host(k, _) => k.len(),
             Rows::Tensors(k, _) => k.len(),
@@ -487,6 +479,17 @@ impl PagedCache {
         Ok(())
     }
 
+    /// How many tokens `layer` holds, and its (group, slot) in the pool's blocks.
+    fn layer_at(&self, layer: usize) -> Result<(usize, (usize, usize))> {
+        match (self.filled.get(layer), self.pool.groups.place(layer)) {
+            (Some(&at), Some(place)) => Ok((at, place)),
+            _ => Err(Error::shape(
+                "kv cache append",
+                format!("layer {layer} of {}", self.filled.len()),
+            )),
+        }
+    }
+
     /// The element offset in the pool where `layer`'s next token's keys go (its values follow
     /// [`KvPool::block_size`] rows later), for a write of many sequences' tokens at once
     /// ([`PagedCache::append_tokens`]); nothing is taken.
@@ -495,15 +498,7 @@ impl PagedCache {
     /// [`tensor::Error::Shape`] for a layer the pool does not have; [`Error::CacheFull`] when
     /// the table has no room for one more token.
     pub fn next_place(&self, layer: usize) -> Result<usize> {
-        let (at, place) = match (self.filled.get(layer), self.pool.groups.place(layer)) {
-            (Some(&at), Some(place)) => (at, place),
-            _ => {
-                return Err(Error::shape(
-                    "kv cache append",
-                    format!("layer {layer} of {}", self.filled.len()),
-                ))
-            }
-        };
+        let (at, place) = self.layer_at(layer)?;
         let (table, bs) = (&self.tables[place.0], self.pool.block_size);
         let Some(&block) = table.get(at / bs) else {
             return Err(Error::CacheFull { len: at, capacity: table.len() * bs, requested: 1 });

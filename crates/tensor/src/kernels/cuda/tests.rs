@@ -639,17 +639,19 @@ fn cuda_decode_rows_over_one_pool_attend_in_one_launch() {
         tables.push(table);
     }
     let positions: Vec<Vec<usize>> = lens.iter().map(|&t| (0..t).collect()).collect();
+    // A sequence's blocks of `memory` (its `table`): keys at the start of each block of
+    // `bs` tokens, values after them.
+    fn blocks_of<'a>(
+        memory: &'a dyn mesh::DeviceMemory,
+        table: &'a [u32],
+        (bs, row): (usize, usize),
+    ) -> DeviceBlocks<'a> {
+        let (block_size, block_stride) = (bs, 2 * bs * row);
+        let elem = KvElem::F32;
+        DeviceBlocks { memory, elem, table, block_size, block_stride, keys: 0, values: bs * row }
+    }
     let kv = |i: usize, f: &mut dyn FnMut(Kv<'_>, &[usize])| {
-        let blocks = DeviceBlocks {
-            memory: &*pool,
-            elem: KvElem::F32,
-            table: &tables[i],
-            block_size: bs,
-            block_stride,
-            keys: 0,
-            values: bs * row,
-        };
-        f(Kv::PagedDevice(blocks), &positions[i]);
+        f(Kv::PagedDevice(blocks_of(&*pool, &tables[i], (bs, row))), &positions[i]);
     };
     let q = tensor(&[3, 9, 64], 40);
     let q_pos: Vec<usize> = lens.iter().map(|&t| t - 1).collect();
@@ -680,16 +682,7 @@ fn cuda_decode_rows_over_one_pool_attend_in_one_launch() {
         assert_eq!(cuda.counters().since(&before).launches, 2, "write_rows");
     }
     let kv2 = |i: usize, f: &mut dyn FnMut(Kv<'_>, &[usize])| {
-        let blocks = DeviceBlocks {
-            memory: &*pool2,
-            elem: KvElem::F32,
-            table: &tables[i],
-            block_size: bs,
-            block_stride,
-            keys: 0,
-            values: bs * row,
-        };
-        f(Kv::PagedDevice(blocks), &positions[i]);
+        f(Kv::PagedDevice(blocks_of(&*pool2, &tables[i], (bs, row))), &positions[i]);
     };
     let again = gpu.attention_rows(&q, &q_pos, shape, &kv2).unwrap();
     assert_eq!(again.host().unwrap(), got.host().unwrap());
