@@ -29,6 +29,10 @@ extern "C" void rope(float* x, const u64* pos, int tokens, int heads, int head_d
 extern "C" void split_rope(const float* y, float* q, float* k, float* v, const u64* pos,
                            int tokens, int q_heads, int kv_heads, int head_dim, int rot_dim,
                            float theta, const float* factors, float attn_factor);
+extern "C" void split_rope_append(const float* y, float* q, float* pool, const u64* places,
+                                  u64 shift, u64 values, int bf16, const u64* pos, int tokens,
+                                  int q_heads, int kv_heads, int head_dim, int rot_dim,
+                                  float theta, const float* factors, float attn_factor);
 extern "C" void silu_mul(float* gate, const float* up, u64 n);
 extern "C" void gelu_tanh_mul(float* gate, const float* up, u64 n);
 extern "C" void gated_halves(const float* x, float* out, u64 n, int units, int gelu,
@@ -37,11 +41,12 @@ extern "C" void argmax_rows(const float* x, int cols, unsigned int* out);
 extern "C" void dequantize(const float* scales, const float* mins, const unsigned char* qs,
                            float* out, u64 n, int kind);
 extern "C" void to_bf16(const float* x, unsigned short* y, u64 n);
-extern "C" void write_rows(const float* src, float* dst, const u64* moves, u64 shift, int n,
-                           int row, int bf16);
+
 extern "C" void embedding(const float* table, const unsigned int* ids, float* out, int n_ids,
                           int dim);
 extern "C" void copy_cols(const float* x, float* out, u64 n, int width, int offset, int size);
+extern "C" void write_rows(const float* src, float* dst, const u64* moves, u64 shift, int n,
+                           int row, int bf16);
 
 static const unsigned int BLOCK_THREADS = 256;  // BLOCK
 static float next_value(u64& state);
@@ -107,6 +112,37 @@ static int check_fused(u64& seed) {
             for (size_t i = 0; i < got[p]->size(); i++)
                 if (__float_as_uint((*got[p])[i]) != __float_as_uint((*parts[p])[i]))
                     return fail(names[p], i, (*got[p])[i], (*parts[p])[i]);
+        // With the keys and values written into a pool (scattered places, a shift, f32 and
+        // bf16): the same queries, and the pool as write_rows writes split_rope's k and v.
+        for (int bf16 = 0; bf16 < 2; bf16++) {
+            u64 stride = 2 * (u64)kw + 5, shift = 7, values = (u64)kw;
+            std::vector<u64> places, moves;
+            for (int t = 0; t < c.tokens; t++) {
+                places.push_back((u64)(c.tokens - 1 - t) * stride);
+                moves.push_back((u64)t);
+                moves.push_back(places.back());
+            }
+            size_t cells = (size_t)(shift + c.tokens * stride);
+            // Two-byte cells for bf16 live in the same buffer (as the pool's memory would).
+            std::vector<float> pa(cells, -3.0f), pb(cells, -3.0f), qa(q.size());
+            tpctl_launch(elementwise(n), 1, BLOCK_THREADS, [&] {
+                split_rope_append(y.data(), qa.data(), pa.data(), places.data(), shift, values,
+                                  bf16, pos.data(), c.tokens, c.q_heads, c.kv_heads, c.head_dim,
+                                  c.rot, 10000.0f, f, attn);
+            });
+            u64 rows_n = (u64)c.tokens * kw;
+            tpctl_launch(elementwise(rows_n), 1, BLOCK_THREADS, [&] {
+                write_rows(k.data(), pb.data(), moves.data(), shift, c.tokens, kw, bf16);
+                write_rows(v.data(), pb.data(), moves.data(), shift + values, c.tokens, kw, bf16);
+            });
+            for (size_t i = 0; i < qa.size(); i++)
+                if (__float_as_uint(qa[i]) != __float_as_uint(q[i]))
+                    return fail("split_rope_append q", i, qa[i], q[i]);
+            for (size_t i = 0; i < cells; i++)
+                if (__float_as_uint(pa[i]) != __float_as_uint(pb[i]))
+                    return fail(bf16 ? "split_rope_append pool (bf16)" : "split_rope_append pool", i,
+                                pa[i], pb[i]);
+        }
         // The rotation happened: some query differs from its unrotated value.
         bool rotated = false;
         for (size_t i = 0; i < q.size(); i++) rotated |= q[i] != y[(i / qw) * width + i % qw];

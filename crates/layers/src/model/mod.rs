@@ -31,7 +31,7 @@ mod tests;
 pub use cache::{KvCache, LayerCache};
 pub use kv_groups::{window_dead_blocks, KvGroups};
 pub use linear::{Linear, WeightForm};
-pub use paged::{KvPool, PagedCache};
+pub use paged::{KvPool, PagedCache, SplitRope};
 #[cfg(test)]
 pub(crate) use reference::Model;
 
@@ -355,8 +355,7 @@ impl Attention {
         let (rot, scale) = (self.rope_dim, self.rope_attn_factor);
         if self.qk_norm.is_none() {
             // One pass (one kernel on a GPU): the split and both rotations.
-            let dims = (s.q_heads, s.kv_heads, s.head_dim, rot);
-            return Ok(be.split_rope(&y, positions, dims, theta, factors, scale)?);
+            return Ok(be.split_rope(&y, positions, self.split_dims(), theta, factors, scale)?);
         }
         let mut parts = be.split_last(&y, &[qw, kvw, kvw])?.into_iter();
         let (Some(mut q), Some(mut k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
@@ -369,6 +368,37 @@ impl Attention {
         be.rope_scaled(&mut q, positions, (s.q_heads, s.head_dim, rot), theta, factors, scale)?;
         be.rope_scaled(&mut k, positions, (s.kv_heads, s.head_dim, rot), theta, factors, scale)?;
         Ok((q, k, v))
+    }
+
+    /// The fused QKV projection of normalized hidden states `x` with its bias, for
+    /// [`Backend::split_rope`] (with [`Attention::split_dims`] and [`Attention::rotation`]);
+    /// `None` for a layer whose queries and keys are normed between the split and the rotation
+    /// (Qwen3), which only [`Attention::qkv`] computes.
+    ///
+    /// # Errors
+    /// [`tensor::Error::Shape`] when `x` has the wrong width.
+    pub fn fused_projection(&self, be: &Backend, x: &Tensor) -> Result<Option<Tensor>> {
+        if self.qk_norm.is_some() {
+            return Ok(None);
+        }
+        let mut y = self.qkv.forward(be, x)?;
+        if let Some(bias) = &self.qkv_bias {
+            be.add_bias(&mut y, bias)?;
+        }
+        Ok(Some(y))
+    }
+
+    /// Query heads, KV heads, head size and rotated size, as [`Backend::split_rope`] takes
+    /// them.
+    pub fn split_dims(&self) -> (usize, usize, usize, usize) {
+        let s = self.shape();
+        (s.q_heads, s.kv_heads, s.head_dim, self.rope_dim)
+    }
+
+    /// The rotation's base, frequency factors and attention factor, as
+    /// [`Backend::split_rope_append`] takes them.
+    pub fn rotation(&self) -> (f32, Option<&[f32]>, f32) {
+        (self.rope_theta, self.rope_factors.as_deref(), self.rope_attn_factor)
     }
 
     /// Attention of rotated queries at `positions` over everything in `cache`; returns

@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use mesh::DeviceMemory;
 use std::sync::{Arc, PoisonError, RwLock};
 use tensor::kernels::cpu::attention::KvBlocks;
-use tensor::kernels::{Backend, DeviceBlocks, Kv, KvElem};
+use tensor::kernels::{Backend, DeviceBlocks, Kv, KvElem, PoolMemory, PoolRows};
 use tensor::{Storage, Tensor};
 
 /// One rank's KV blocks, in one buffer (a `kv_cache` allocation, say).
@@ -35,6 +35,11 @@ pub struct KvPool {
     block_size: usize,
     blocks: usize,
 }
+
+/// A layer's split of its fused QKV projection and its rotation, as
+/// [`PagedCache::split_rope_append`] takes them: query heads, KV heads, head size and rotated
+/// size; the rotation's base, frequency factors and attention factor.
+pub type SplitRope<'a> = ((usize, usize, usize, usize), (f32, Option<&'a [f32]>, f32));
 
 /// Where a pool's blocks live.
 #[derive(Debug)]
@@ -300,8 +305,7 @@ impl KvPool {
         places: &[(usize, usize)],
     ) -> Result<()> {
         let (row, values) = (self.row, self.block_size * self.row);
-        let slot = self.groups.place(layer).map_or(0, |(_, slot)| slot);
-        let shift = self.offset(0, slot);
+        let shift = self.slot_shift(layer);
         match &self.data {
             Blocks::Host(data) => {
                 let (k, v) = (k.host()?, v.host()?);
@@ -319,6 +323,41 @@ impl KvPool {
             }
         }
         Ok(())
+    }
+}
+
+impl KvPool {
+    /// Where `layer`'s keys start in every block (elements): what a layer's token places are
+    /// relative to in [`KvPool::write_token_rows`] and [`KvPool::split_rope_append`].
+    fn slot_shift(&self, layer: usize) -> usize {
+        self.offset(0, self.groups.place(layer).map_or(0, |(_, slot)| slot))
+    }
+
+    /// The queries of a fused projection `y`, each token's rotated keys and its values written
+    /// at `shift + places[t]` of the pool (values a block's rows after): see
+    /// [`PagedCache::split_rope_append`].
+    fn split_rope_append(
+        &self,
+        be: &Backend,
+        y: &Tensor,
+        positions: &[usize],
+        (dims, rotation): SplitRope<'_>,
+        places: &[usize],
+        shift: usize,
+    ) -> Result<Tensor> {
+        let values = self.block_size * self.row;
+        let rows = |memory| PoolRows { memory, places, shift, values };
+        Ok(match &self.data {
+            Blocks::Host(data) => {
+                let mut data = data.write().unwrap_or_else(PoisonError::into_inner);
+                let memory = PoolMemory::Host(data.as_mut_slice());
+                be.split_rope_append(y, positions, dims, rotation, rows(memory))?
+            }
+            Blocks::Device(mem) => {
+                let memory = PoolMemory::Device(mem.as_ref(), self.elem);
+                be.split_rope_append(y, positions, dims, rotation, rows(memory))?
+            }
+        })
     }
 }
 
@@ -543,14 +582,56 @@ impl PagedCache {
             ));
         }
         // Relative to the layer's slot: the same places in every layer of its group.
-        let slot = pool.groups.place(layer).map_or(0, |(_, slot)| slot);
-        let shift = pool.offset(0, slot);
+        let shift = pool.slot_shift(layer);
         let places = caches
             .iter()
             .enumerate()
             .map(|(i, c)| c.next_place(layer).map(|d| (i, d - shift)))
             .collect::<Result<Vec<_>>>()?;
         pool.write_token_rows(be, layer, k, v, &places)?;
+        Self::took_tokens(caches, layer, positions);
+        Ok(())
+    }
+
+    /// The queries of a decode step's fused projection `y` (one token per cache of `caches`,
+    /// all of one pool, row `i` at `positions[i]`), with each token's rotated keys and its
+    /// values appended to `layer` of its cache in the same pass
+    /// ([`Backend::split_rope_append`]: one launch on a device pool for the split, the
+    /// rotations and the append). Nothing is taken unless every cache has room and the write
+    /// succeeds.
+    ///
+    /// # Errors
+    /// As [`PagedCache::append_tokens`], and those of [`Backend::split_rope_append`].
+    pub fn split_rope_append(
+        be: &Backend,
+        layer: usize,
+        caches: &mut [&mut PagedCache],
+        y: &Tensor,
+        positions: &[usize],
+        (dims, rotation): SplitRope<'_>,
+    ) -> Result<Tensor> {
+        let Some(pool) = caches.first().map(|c| Arc::clone(&c.pool)) else {
+            return Ok(Tensor::zeros(&[0, dims.0 * dims.2]));
+        };
+        let n = caches.len();
+        if caches.iter().any(|c| !Arc::ptr_eq(&c.pool, &pool)) || positions.len() != n {
+            return Err(Error::shape(
+                "kv cache append",
+                format!("{n} caches of more than one pool, or {} positions", positions.len()),
+            ));
+        }
+        let shift = pool.slot_shift(layer);
+        let places = caches
+            .iter()
+            .map(|c| c.next_place(layer).map(|d| d - shift))
+            .collect::<Result<Vec<_>>>()?;
+        let q = pool.split_rope_append(be, y, positions, (dims, rotation), &places, shift)?;
+        Self::took_tokens(caches, layer, positions);
+        Ok(q)
+    }
+
+    /// Takes one token at `positions[i]` into `layer` of cache `i`, whose rows were written.
+    fn took_tokens(caches: &mut [&mut PagedCache], layer: usize, positions: &[usize]) {
         for (c, &p) in caches.iter_mut().zip(positions) {
             // The first layer to reach a token records its position.
             if c.positions.len() == c.filled[layer] {
@@ -558,7 +639,6 @@ impl PagedCache {
             }
             c.filled[layer] += 1;
         }
-        Ok(())
     }
 
     /// Calls `f` with `layer`'s keys and values (blocks of the pool, read in place) and their

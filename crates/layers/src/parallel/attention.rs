@@ -64,8 +64,13 @@ impl ParallelAttention {
     ) -> Result<Tensor> {
         let positions: Vec<usize> =
             parts.iter().flat_map(|p| p.positions.iter().copied()).collect();
-        let (q, k, v) = self.attn.qkv(be, h, &positions)?;
         let cp = comms.cp.size();
+        if cp == 1 {
+            if let Some(out) = self.decode_in_one_pass(be, h, &positions, parts, layer, caches)? {
+                return self.finish(be, comms, out);
+            }
+        }
+        let (q, k, v) = self.attn.qkv(be, h, &positions)?;
         // A step of one sequence uses the projections as they are (on the device, say).
         let rows = |t: &Tensor, p: &Part| -> Result<Tensor> {
             if parts.len() == 1 {
@@ -162,6 +167,40 @@ impl ParallelAttention {
             Err(outs) => be.cat_first(&outs)?,
         };
         self.finish(be, comms, out)
+    }
+
+    /// A decode step (one new token per sequence; the caller checked there is no CP) whose
+    /// caches are blocks of one pool: the projection's split, both rotations and the KV append in one pass
+    /// ([`ParallelCache::split_rope_append`]: one launch on a GPU), then every row's attention
+    /// in one call. `None` for any other step (or a layer with Qwen3's q/k norms), before
+    /// anything is computed.
+    fn decode_in_one_pass(
+        &self,
+        be: &Backend,
+        h: &Tensor,
+        positions: &[usize],
+        parts: &[Part],
+        layer: usize,
+        caches: &mut [&mut ParallelCache],
+    ) -> Result<Option<Tensor>> {
+        let decode = parts.iter().enumerate().all(|(i, p)| {
+            p.rows == (i..i + 1)
+                && matches!(p.split, Split::Extend(_))
+                && p.owned.iter().all(|&o| o)
+        });
+        if !decode || !ParallelCache::in_one_pool(caches) {
+            return Ok(None);
+        }
+        let Some(y) = self.attn.fused_projection(be, h)? else { return Ok(None) };
+        let rope = (self.attn.split_dims(), self.attn.rotation());
+        let Some(q) = ParallelCache::split_rope_append(be, layer, caches, &y, positions, rope)?
+        else {
+            return Ok(None);
+        };
+        let out = be.attention_rows(&q, positions, self.shape, &|i, f| {
+            caches[i].with_kv(layer, |kv, kv_pos| f(kv, kv_pos));
+        })?;
+        Ok(Some(out))
     }
 
     /// Rows of a prefill shard of `rows` tokens that a rank sends the others: all of them, or

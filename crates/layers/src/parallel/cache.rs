@@ -3,7 +3,7 @@
 
 use super::{kv_head_range, ParallelModel};
 use crate::error::{Error, Result};
-use crate::model::{KvCache, KvGroups, KvPool, LayerCache, PagedCache};
+use crate::model::{KvCache, KvGroups, KvPool, LayerCache, PagedCache, SplitRope};
 use std::sync::Arc;
 use tensor::kernels::{Backend, GemmDtype, Kv, KvElem};
 use tensor::memory::{alloc_device_exact, alloc_exact, padded, Arena, DeviceArena};
@@ -58,6 +58,43 @@ impl ParallelCache {
         }
     }
 
+    /// The paged caches of `caches` when every one is blocks of one pool, else `None`.
+    fn one_pool<'c>(caches: &'c mut [&mut ParallelCache]) -> Option<Vec<&'c mut PagedCache>> {
+        let paged: Vec<&mut PagedCache> = caches
+            .iter_mut()
+            .map(|c| match &mut c.local {
+                Local::Paged(p) => Some(p),
+                Local::Own(_) => None,
+            })
+            .collect::<Option<_>>()?;
+        let same = paged
+            .first()
+            .is_none_or(|first| paged.iter().all(|c| Arc::ptr_eq(c.pool(), first.pool())));
+        same.then_some(paged)
+    }
+
+    /// Whether every cache of `caches` is blocks of one pool (see
+    /// [`ParallelCache::split_rope_append`]).
+    pub(super) fn in_one_pool(caches: &mut [&mut ParallelCache]) -> bool {
+        Self::one_pool(caches).is_some()
+    }
+
+    /// The queries of a decode step's fused QKV projection `y` (row `i` the one new token of
+    /// cache `i`, at `positions[i]`), each token's rotated keys and values appended to `layer`
+    /// of its cache in the same pass ([`PagedCache::split_rope_append`]), when every cache is
+    /// blocks of one pool; else `None`, and nothing is written.
+    pub(super) fn split_rope_append(
+        be: &Backend,
+        layer: usize,
+        caches: &mut [&mut ParallelCache],
+        y: &Tensor,
+        positions: &[usize],
+        rope: SplitRope<'_>,
+    ) -> Result<Option<Tensor>> {
+        let Some(mut paged) = Self::one_pool(caches) else { return Ok(None) };
+        Ok(Some(PagedCache::split_rope_append(be, layer, &mut paged, y, positions, rope)?))
+    }
+
     /// Appends one token to `layer` of each of `caches`: row `i` of `k` and `v` at
     /// `positions[i]` (a step's decode rows, which lead its rows). When every cache is blocks of one pool that is
     /// one write for all of them ([`PagedCache::append_tokens`]: one launch each for the keys
@@ -70,16 +107,7 @@ impl ParallelCache {
         v: &Tensor,
         positions: &[usize],
     ) -> Result<()> {
-        let paged: Option<Vec<&mut PagedCache>> = caches
-            .iter_mut()
-            .map(|c| match &mut c.local {
-                Local::Paged(p) => Some(p),
-                Local::Own(_) => None,
-            })
-            .collect();
-        if let Some(mut paged) = paged.filter(|p| {
-            p.first().is_none_or(|first| p.iter().all(|c| Arc::ptr_eq(c.pool(), first.pool())))
-        }) {
+        if let Some(mut paged) = Self::one_pool(caches) {
             return PagedCache::append_tokens(be, layer, &mut paged, k, v, positions);
         }
         for (i, (c, &p)) in caches.iter_mut().zip(positions).enumerate() {

@@ -604,6 +604,10 @@ fn mixed_steps(vocab: u32) -> Vec<Vec<Entry>> {
             (1, ids(11, 1), false),
             (2, ids(12, 1), true),
         ],
+        // Decode rows only (a paged pool then splits, rotates and appends in one pass), five
+        // sequences and then one.
+        (0..5).map(|s| (s as usize, ids(14 + s, 1), true)).collect(),
+        vec![(2, ids(19, 1), true)],
     ]
 }
 
@@ -697,7 +701,7 @@ fn batched_steps_match_each_sequence_alone() {
             (p, out, lens)
         });
         for (p, out, lens) in got {
-            assert_eq!(lens, [9, 7, 10, 2, 8], "({tp},{cp}) {p:?}: tokens per sequence");
+            assert_eq!(lens, [10, 8, 12, 3, 9], "({tp},{cp}) {p:?}: tokens per sequence");
             if (p.tp_rank, p.cp_rank) != (0, 0) {
                 assert!(out.iter().all(Option::is_none), "({tp},{cp}) {p:?} got logits");
                 continue;

@@ -9,7 +9,115 @@ use crate::error::Result;
 use crate::tensor::Tensor;
 use mesh::DeviceMemory;
 
+/// That `y` holds the fused projections of `positions.len()` tokens of `dims` (query heads,
+/// KV heads, head size, rotated size: even, at most the head size) and `factors` are one per
+/// rotated pair.
+fn check_split_rope(
+    y: &Tensor,
+    positions: &[usize],
+    (q_heads, kv_heads, head_dim, rot_dim): (usize, usize, usize, usize),
+    factors: Option<&[f32]>,
+) -> Result<()> {
+    let (qw, kw) = (q_heads * head_dim, kv_heads * head_dim);
+    check(
+        "split_rope",
+        y.len() == positions.len() * (qw + 2 * kw)
+            && rot_dim.is_multiple_of(2)
+            && rot_dim <= head_dim
+            && factors.is_none_or(|f| f.len() == rot_dim / 2),
+        || {
+            format!(
+                "{} elements for {} positions x ({q_heads} + 2 x {kv_heads}) heads x \
+                 {head_dim}, rot_dim {rot_dim}, {:?} frequency factors",
+                y.len(),
+                positions.len(),
+                factors.map(<[f32]>::len)
+            )
+        },
+    )
+}
+
+/// Where [`Backend::split_rope_append`] writes each token's keys and values: a paged pool in
+/// device memory or on the host, token `t`'s key row at element `shift + places[t]`, its value
+/// row `values` elements after.
+pub struct PoolRows<'a> {
+    /// The pool's memory.
+    pub memory: PoolMemory<'a>,
+    /// Each token's place, relative to `shift`.
+    pub places: &'a [usize],
+    /// What every place is relative to (a layer's place in a block).
+    pub shift: usize,
+    /// Elements from a key row to its value row.
+    pub values: usize,
+}
+
+/// A pool's memory, for [`PoolRows`].
+pub enum PoolMemory<'a> {
+    /// Device memory, in elements of `elem`.
+    Device(&'a dyn DeviceMemory, KvElem),
+    /// Host memory, f32.
+    Host(&'a mut [f32]),
+}
+
 impl Backend {
+    /// [`Backend::split_rope`] with each token's keys and values written into a paged pool
+    /// (`dst`) instead of returned: the queries. On the CUDA backend over device memory that is
+    /// one launch for the projection's split, both rotations and the KV append, where they
+    /// made three (the split with the rotations, then the keys' and the values' writes); the
+    /// same bits either way.
+    ///
+    /// # Errors
+    /// As [`Backend::split_rope`]; [`crate::Error::Shape`] when the places are not one per
+    /// token or a row does not fit the memory; [`crate::Error::BackendUnavailable`] for device
+    /// memory on the CPU backend.
+    pub fn split_rope_append(
+        &self,
+        y: &Tensor,
+        positions: &[usize],
+        dims: (usize, usize, usize, usize),
+        (theta, factors, attn_factor): (f32, Option<&[f32]>, f32),
+        dst: PoolRows<'_>,
+    ) -> Result<Tensor> {
+        let (_, kv_heads, head_dim, _) = dims;
+        let row = kv_heads * head_dim;
+        let PoolRows { memory, places, shift, values } = dst;
+        let floats = match &memory {
+            PoolMemory::Device(mem, elem) => mem.size() / elem.size(),
+            PoolMemory::Host(data) => data.len(),
+        };
+        // A value row ends after its key row: the last one bounds both.
+        let far = places.iter().map(|&p| shift + p + values + row).max().unwrap_or(0);
+        check("split_rope_append", places.len() == positions.len() && far <= floats, || {
+            format!(
+                "{} places for {} tokens, rows reaching value {far} of {floats}",
+                places.len(),
+                positions.len()
+            )
+        })?;
+        match (self, memory) {
+            (Backend::Cuda(cuda), PoolMemory::Device(mem, elem)) => {
+                check_split_rope(y, positions, dims, factors)?;
+                let factors = factors.filter(|f| f.iter().any(|&s| s != 1.0));
+                let pool = (mem, elem, places, shift, values);
+                cuda.split_rope_append(y, positions, dims, (theta, factors, attn_factor), pool)
+            }
+            (Backend::Cpu(_), PoolMemory::Device(..)) => {
+                Err(device_memory_on_cpu("kv cache append"))
+            }
+            (_, PoolMemory::Host(data)) => {
+                let (q, k, v) = self.split_rope(y, positions, dims, theta, factors, attn_factor)?;
+                let (k, v) = (k.host()?, v.host()?);
+                for (t, &p) in places.iter().enumerate() {
+                    let at = shift + p;
+                    data[at..at + row].copy_from_slice(&k[t * row..(t + 1) * row]);
+                    data[at + values..at + values + row]
+                        .copy_from_slice(&v[t * row..(t + 1) * row]);
+                }
+                Ok(q)
+            }
+        }
+    }
+
     /// Queries `[tokens, q_heads·head_dim]`, keys and values `[tokens, kv_heads·head_dim]`
     /// from a fused QKV projection's rows `y` (`[tokens, (q_heads + 2·kv_heads)·head_dim]`),
     /// the queries and keys rotated as [`Backend::rope_scaled`] rotates them: the same values
@@ -28,22 +136,7 @@ impl Backend {
         attn_factor: f32,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (qw, kw) = (q_heads * head_dim, kv_heads * head_dim);
-        check(
-            "split_rope",
-            y.len() == positions.len() * (qw + 2 * kw)
-                && rot_dim.is_multiple_of(2)
-                && rot_dim <= head_dim
-                && factors.is_none_or(|f| f.len() == rot_dim / 2),
-            || {
-                format!(
-                    "{} elements for {} positions x ({q_heads} + 2 x {kv_heads}) heads x \
-                     {head_dim}, rot_dim {rot_dim}, {:?} frequency factors",
-                    y.len(),
-                    positions.len(),
-                    factors.map(<[f32]>::len)
-                )
-            },
-        )?;
+        check_split_rope(y, positions, (q_heads, kv_heads, head_dim, rot_dim), factors)?;
         match self {
             Backend::Cpu(_) => {
                 let mut parts = self.split_last(y, &[qw, kw, kw])?.into_iter();
@@ -204,6 +297,50 @@ mod tests {
         assert!(past.to_string().contains("into values 58.. of 64"), "{past}");
         // Two bytes an element: the same memory holds 128 bf16 values.
         let err = be.write_rows(&mem, KvElem::Bf16, &src, 8, &[(2, 112)], 8).unwrap_err();
+        assert!(matches!(err, crate::Error::BackendUnavailable { .. }), "{err}");
+    }
+
+    /// The queries of `split_rope`, and its keys and values at each token's place of a host
+    /// pool (shifted, values a block after), nothing else written; places that do not fit and
+    /// device memory on the CPU are refused.
+    #[test]
+    fn split_rope_append_writes_split_ropes_keys_and_values_at_their_places() {
+        use crate::test_util::FakeDeviceMemory;
+        let be = Backend::cpu(1).unwrap();
+        let dims = (6, 2, 8, 6);
+        let positions = [5usize, 9, 40];
+        let y = Tensor::from_vec(&[3, 80], random_vec(240, 3)).unwrap();
+        let factors: Vec<f32> = vec![1.0, 2.0, 4.0];
+        let rope = (500.0, Some(&factors[..]), 1.25);
+        let (q, k, v) = be.split_rope(&y, &positions, dims, rope.0, rope.1, rope.2).unwrap();
+        let (row, values, shift) = (16, 64, 3);
+        let places = [130usize, 0, 260];
+        let mut pool = vec![-1.0f32; 3 + 260 + 64 + 16];
+        let len = pool.len();
+        let memory = PoolMemory::Host(&mut pool);
+        let got = be.split_rope_append(
+            &y,
+            &positions,
+            dims,
+            rope,
+            PoolRows { memory, places: &places, shift, values },
+        );
+        assert_eq!(bits(&got.unwrap()), bits(&q));
+        let mut want = vec![-1.0f32; len];
+        for (t, &p) in places.iter().enumerate() {
+            want[shift + p..][..row].copy_from_slice(&k.data()[t * row..][..row]);
+            want[shift + p + values..][..row].copy_from_slice(&v.data()[t * row..][..row]);
+        }
+        assert_eq!(pool, want);
+        let mut short = vec![0.0f32; len - 1];
+        let memory = PoolMemory::Host(&mut short);
+        let dst = PoolRows { memory, places: &places, shift, values };
+        let err = be.split_rope_append(&y, &positions, dims, rope, dst).unwrap_err();
+        assert!(err.to_string().contains("rows reaching value 343 of 342"), "{err}");
+        let mem = FakeDeviceMemory(4 * len);
+        let memory = PoolMemory::Device(&mem, KvElem::F32);
+        let dst = PoolRows { memory, places: &places, shift, values };
+        let err = be.split_rope_append(&y, &positions, dims, rope, dst).unwrap_err();
         assert!(matches!(err, crate::Error::BackendUnavailable { .. }), "{err}");
     }
 

@@ -21,6 +21,7 @@ pub use cpu::qmatrix::{QBits, QMatrix};
 pub use cpu::quant::BlockFormat;
 use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaDeviceInfo, PoolArena};
+pub use fused::{PoolMemory, PoolRows};
 pub use prepare::WeightUse;
 pub use step_attention::RowKv;
 

@@ -136,10 +136,26 @@ extern "C" __global__ void rope(float* x, const u64* pos, int tokens, int heads,
     v[i + half] = hi * c + lo * s;
 }
 
-// A fused projection's rows y[tokens, (q_heads + 2 kv_heads) head_dim] split into queries
-// q[tokens, q_heads, head_dim], keys k and values v[tokens, kv_heads, head_dim], the queries
-// and keys rotated as `rope` rotates them (the same products, so the same bits as copy_cols
-// then rope). One thread per output element: a rotated one computes its pair's angle.
+// Element d of head `slot` of a fused projection's row t (y[tokens, (q_heads + 2 kv_heads)
+// head_dim]: the query heads, then the key heads, then the value heads), the query and key
+// heads rotated as `rope` rotates them (the same products, so the same bits as copy_cols then
+// rope). Element `idx` of y in order is (t, slot, d).
+__device__ float split_rope_at(const float* y, u64 idx, int head_dim, int q_heads, int kv_heads,
+                               int rot_dim, u64 t, int slot, int d, const u64* pos, float theta,
+                               const float* factors, float attn_factor) {
+    const float* src = y + idx - d;
+    if (slot >= q_heads + kv_heads || d >= rot_dim) return src[d];
+    int half = rot_dim / 2;
+    int i = d < half ? d : d - half;
+    float c, s;
+    rope_angle(pos[t], i, rot_dim, theta, factors, attn_factor, &c, &s);
+    float lo = src[i], hi = src[i + half];
+    return d < half ? lo * c - hi * s : hi * c + lo * s;
+}
+
+// A fused projection's rows split into queries q[tokens, q_heads, head_dim], keys k and values
+// v[tokens, kv_heads, head_dim], the queries and keys rotated (split_rope_at). One thread per
+// output element.
 extern "C" __global__ void split_rope(const float* y, float* q, float* k, float* v,
                                       const u64* pos, int tokens, int q_heads, int kv_heads,
                                       int head_dim, int rot_dim, float theta,
@@ -151,26 +167,48 @@ extern "C" __global__ void split_rope(const float* y, float* q, float* k, float*
     u64 ts = idx / head_dim;
     int slot = (int)(ts % slots);
     u64 t = ts / slots;
-    const float* src = y + idx - d;
-    float* out;
+    float x = split_rope_at(y, idx, head_dim, q_heads, kv_heads, rot_dim, t, slot, d, pos, theta,
+                            factors, attn_factor);
     if (slot < q_heads) {
-        out = q + (t * q_heads + slot) * (u64)head_dim;
+        q[(t * q_heads + slot) * (u64)head_dim + d] = x;
     } else if (slot < q_heads + kv_heads) {
-        out = k + (t * kv_heads + (slot - q_heads)) * (u64)head_dim;
+        k[(t * kv_heads + (slot - q_heads)) * (u64)head_dim + d] = x;
     } else {
-        v[(t * kv_heads + (slot - q_heads - kv_heads)) * (u64)head_dim + d] = src[d];
+        v[(t * kv_heads + (slot - q_heads - kv_heads)) * (u64)head_dim + d] = x;
+    }
+}
+
+// split_rope with each token's keys and values written into a paged pool instead of k and v:
+// token t's key row (kv_heads head_dim elements) at element shift + places[t] of `pool`, its
+// value row `values` elements after, in f32 or (bf16) rounded as to_bf16 rounds: a decode
+// step's projection, rotation and KV append in one launch. One thread per element.
+extern "C" __global__ void split_rope_append(const float* y, float* q, float* pool,
+                                             const u64* places, u64 shift, u64 values, int bf16,
+                                             const u64* pos, int tokens, int q_heads,
+                                             int kv_heads, int head_dim, int rot_dim,
+                                             float theta, const float* factors,
+                                             float attn_factor) {
+    int slots = q_heads + 2 * kv_heads;
+    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (u64)tokens * slots * head_dim) return;
+    int d = (int)(idx % head_dim);
+    u64 ts = idx / head_dim;
+    int slot = (int)(ts % slots);
+    u64 t = ts / slots;
+    float x = split_rope_at(y, idx, head_dim, q_heads, kv_heads, rot_dim, t, slot, d, pos, theta,
+                            factors, attn_factor);
+    if (slot < q_heads) {
+        q[(t * q_heads + slot) * (u64)head_dim + d] = x;
         return;
     }
-    int half = rot_dim / 2;
-    if (d >= rot_dim) {
-        out[d] = src[d];
-        return;
+    int kv_slot = slot < q_heads + kv_heads ? slot - q_heads : slot - q_heads - kv_heads;
+    u64 at = shift + places[t] + (slot < q_heads + kv_heads ? 0 : values) +
+             (u64)kv_slot * head_dim + d;
+    if (bf16) {
+        ((unsigned short*)pool)[at] = bf16_of(x);
+    } else {
+        pool[at] = x;
     }
-    int i = d < half ? d : d - half;
-    float c, s;
-    rope_angle(pos[t], i, rot_dim, theta, factors, attn_factor, &c, &s);
-    float lo = src[i], hi = src[i + half];
-    out[d] = d < half ? lo * c - hi * s : hi * c + lo * s;
 }
 
 // silu(g) * u and gelu(g) * u, GELU in its tanh approximation (as cpu::activation's).

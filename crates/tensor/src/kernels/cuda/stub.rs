@@ -181,6 +181,17 @@ impl CudaBackend {
         match self.never {}
     }
 
+    pub(crate) fn split_rope_append(
+        &self,
+        _y: &Tensor,
+        _positions: &[usize],
+        _dims: (usize, usize, usize, usize),
+        _rope: (f32, Option<&[f32]>, f32),
+        _pool: (&dyn mesh::DeviceMemory, crate::kernels::KvElem, &[usize], usize, usize),
+    ) -> Result<Tensor> {
+        match self.never {}
+    }
+
     pub(crate) fn split_rope(
         &self,
         _y: &Tensor,

@@ -748,3 +748,63 @@ fn cuda_bf16_products_take_the_rounded_copy_their_input_kernel_wrote() {
     let want = gpu.linear(&host_copy(&scaled), &w).unwrap();
     assert_eq!(bits(&got), bits(&want), "after an in-place change");
 }
+
+/// The projection's split, rotations and KV append in one launch write the pool as
+/// `split_rope` then `write_rows` do (attention over either pool gives the same bits) and
+/// return the same queries.
+#[test]
+fn cuda_split_rope_append_writes_what_split_rope_and_write_rows_write() {
+    use crate::kernels::{DeviceBlocks, KvElem, PoolArena, PoolMemory, PoolRows};
+    use crate::memory::DeviceArena;
+    let Some(gpu) = gpu() else { return };
+    let cuda = cuda_of(&gpu);
+    let (dims, bs) = ((6, 2, 64, 32), 16);
+    let (row, block_stride) = (2 * 64, 2 * bs * 2 * 64);
+    let factors: Vec<f32> = (0..16).map(|i| 1.0 + (i % 3) as f32).collect();
+    let rope = (1e4, Some(&factors[..]), 1.25);
+    let bytes = 4 * 8 * block_stride;
+    let (a, b) = (PoolArena::new(cuda, bytes).unwrap(), PoolArena::new(cuda, bytes).unwrap());
+    let (a, b) = (a.alloc_device(bytes).unwrap(), b.alloc_device(bytes).unwrap());
+    // Three sequences in blocks 5, 1 and 6: a first token written alike, then the second.
+    let blocks = [5u32, 1, 6];
+    let first = random_vec(row, 9);
+    for pool in [&a, &b] {
+        for &blk in &blocks {
+            let at = blk as usize * block_stride;
+            gpu.write_device(&**pool, KvElem::F32, at, &first).unwrap();
+            gpu.write_device(&**pool, KvElem::F32, at + bs * row, &first).unwrap();
+        }
+    }
+    let y = tensor(&[3, (6 + 4) * 64], 10);
+    let positions = [1usize, 1, 1];
+    let places: Vec<usize> = blocks.iter().map(|&b| b as usize * block_stride + row).collect();
+    let before = cuda.counters();
+    let memory = PoolMemory::Device(&*a, KvElem::F32);
+    let dst = PoolRows { memory, places: &places, shift: 0, values: bs * row };
+    let q = gpu.split_rope_append(&y, &positions, dims, rope, dst).unwrap();
+    assert_eq!(cuda.counters().since(&before).launches, 1, "split_rope_append");
+    let (q2, k, v) = gpu.split_rope(&y, &positions, dims, rope.0, rope.1, rope.2).unwrap();
+    let moves: Vec<(usize, usize)> = places.iter().copied().enumerate().collect();
+    gpu.write_rows(&*b, KvElem::F32, &k, row, &moves, 0).unwrap();
+    gpu.write_rows(&*b, KvElem::F32, &v, row, &moves, bs * row).unwrap();
+    assert_eq!(q.host().unwrap(), q2.host().unwrap());
+    let shape = AttnShape::new(6, 2, 64);
+    let attend = |pool: &dyn mesh::DeviceMemory| {
+        let kv = |i: usize, f: &mut dyn FnMut(Kv<'_>, &[usize])| {
+            let table = &blocks[i..=i];
+            let (keys, values, elem) = (0, bs * row, KvElem::F32);
+            let blocks = DeviceBlocks {
+                memory: pool,
+                elem,
+                table,
+                block_size: bs,
+                block_stride,
+                keys,
+                values,
+            };
+            f(Kv::PagedDevice(blocks), &[0, 1]);
+        };
+        gpu.attention_rows(&q, &positions, shape, &kv).unwrap().host().unwrap().to_vec()
+    };
+    assert_eq!(attend(&*a), attend(&*b));
+}

@@ -102,6 +102,7 @@ impl CudaBackend {
             add_rms_norm: f("add_rms_norm")?,
             rope: f("rope")?,
             split_rope: f("split_rope")?,
+            split_rope_append: f("split_rope_append")?,
             silu_mul: f("silu_mul")?,
             gated_halves: f("gated_halves")?,
             gelu_tanh_mul: f("gelu_tanh_mul")?,

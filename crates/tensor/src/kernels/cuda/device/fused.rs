@@ -7,9 +7,10 @@
 
 use super::{elementwise, int, Count, CudaBackend, OrUnavailable};
 use crate::error::Result;
-use crate::kernels::Activation;
+use crate::kernels::{Activation, KvElem};
 use crate::tensor::Tensor;
 use cudarc::driver::PushKernelArg;
+use mesh::DeviceMemory;
 
 impl CudaBackend {
     /// Queries `[tokens, q_heads·head_dim]`, keys and values `[tokens, kv_heads·head_dim]`
@@ -108,5 +109,70 @@ impl CudaBackend {
         // 2·units); out is a fresh buffer of n floats.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
         self.output_with_half(&shape, od, half)
+    }
+}
+
+/// A paged pool's device memory for [`CudaBackend::split_rope_append`]: the memory, its
+/// element, each token's place, the shift of every place, and the values' distance from the
+/// keys (see `kernels::PoolRows`).
+pub(crate) type DevicePool<'a> = (&'a dyn DeviceMemory, KvElem, &'a [usize], usize, usize);
+
+impl CudaBackend {
+    /// [`CudaBackend::split_rope`] with each token's keys and values written into `pool`
+    /// instead of returned (the caller checked that the rows fit it): the queries, in one
+    /// launch.
+    pub(crate) fn split_rope_append(
+        &self,
+        y: &Tensor,
+        positions: &[usize],
+        (q_heads, kv_heads, head_dim, rot_dim): (usize, usize, usize, usize),
+        (theta, factors, attn_factor): (f32, Option<&[f32]>, f32),
+        (memory, elem, places, shift, values): DevicePool<'_>,
+    ) -> Result<Tensor> {
+        const OP: &str = "split_rope_append";
+        let tokens = positions.len();
+        let qw = q_heads * head_dim;
+        let n = tokens * (qw + 2 * kv_heads * head_dim);
+        if n == 0 {
+            return Ok(Tensor::zeros(&[tokens, qw]));
+        }
+        let to = self.owned_addr(OP, memory)?;
+        let yd = self.input(OP, y)?;
+        let pd = self.positions(OP, positions)?;
+        let placed = self.positions(OP, places)?;
+        let fd = factors.map(|f| self.vector(OP, f)).transpose()?;
+        let fp = fd.as_ref().map_or(0, |f| self.slot_addr(f));
+        // Written whole: one thread per query element.
+        let mut qd = self.output_buf(OP, tokens * qw)?;
+        let (shift, values) = (shift as u64, values as u64);
+        let bf16 = i32::from(elem == KvElem::Bf16);
+        let args = [
+            int(OP, "tokens", tokens)?,
+            int(OP, "q_heads", q_heads)?,
+            int(OP, "kv_heads", kv_heads)?,
+            int(OP, "head_dim", head_dim)?,
+            int(OP, "rot_dim", rot_dim)?,
+        ];
+        let cfg = elementwise(OP, n)?;
+        self.count(Count::Launch);
+        let mut b = self.stream().launch_builder(&self.inner.k.split_rope_append);
+        b.arg(&yd.ptr).arg(&mut qd).arg(&to).arg(&*placed).arg(&shift).arg(&values).arg(&bf16);
+        b.arg(&*pd);
+        for a in &args {
+            b.arg(a);
+        }
+        b.arg(&theta).arg(&fp).arg(&attn_factor);
+        // SAFETY: the arguments match `split_rope_append(const float*, float*, float*, const
+        // u64*, u64, u64, int, const u64*, int, int, int, int, int, float, const float*,
+        // float)`. Thread (t, slot, d) reads position t, place t (one per token, uploaded),
+        // factor i < rot_dim/2 (or none: a null pointer) and elements of head `slot` of y's row
+        // t, which holds (q_heads + 2·kv_heads)·head_dim floats per row for `tokens` rows
+        // (checked by the caller), and writes element d of that head in q (a fresh buffer of
+        // tokens·q_heads·head_dim floats) or at shift + places[t] (+ values) + the head's
+        // offset in `memory`, in f32 or (bf16 = 1, two bytes) bf16: inside it, as the caller
+        // checked every row does, memory of this device (checked above) that its
+        // `DeviceMemory` implementation promises is mapped while kernels may run.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        self.output(&[tokens, qw], qd)
     }
 }

@@ -221,6 +221,7 @@ mod tests {
             "add_rms_norm",
             "rope",
             "split_rope",
+            "split_rope_append",
             "silu_mul",
             "gated_halves",
             "gelu_tanh_mul",

@@ -126,6 +126,7 @@ struct Kernels {
     add_rms_norm: CudaFunction,
     rope: CudaFunction,
     split_rope: CudaFunction,
+    split_rope_append: CudaFunction,
     silu_mul: CudaFunction,
     gated_halves: CudaFunction,
     gelu_tanh_mul: CudaFunction,
