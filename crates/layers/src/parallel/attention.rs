@@ -170,10 +170,11 @@ impl ParallelAttention {
     }
 
     /// A decode step (one new token per sequence; the caller checked there is no CP) whose
-    /// caches are blocks of one pool: the projection's split, both rotations and the KV append in one pass
-    /// ([`ParallelCache::split_rope_append`]: one launch on a GPU), then every row's attention
-    /// in one call. `None` for any other step (or a layer with Qwen3's q/k norms), before
-    /// anything is computed.
+    /// caches are blocks of one pool: the projection's split, both rotations and the KV append
+    /// in one pass ([`ParallelCache::split_rope_append`]: one launch on a GPU), then every
+    /// row's attention in one call (one sequence: its attention, over the CPU's threads).
+    /// `None` for any other step (or a layer with Qwen3's q/k norms), before anything is
+    /// computed.
     fn decode_in_one_pass(
         &self,
         be: &Backend,
@@ -197,6 +198,14 @@ impl ParallelAttention {
         else {
             return Ok(None);
         };
+        if let [cache] = caches {
+            // One row: the attention of its own, whose heads share the CPU's threads
+            // (`attention_rows` gives each row one thread).
+            let (out, _) = cache.with_kv(layer, |kv, kv_pos| {
+                be.attention(&q, positions, kv, kv_pos, self.shape, false)
+            })?;
+            return Ok(Some(out));
+        }
         let out = be.attention_rows(&q, positions, self.shape, &|i, f| {
             caches[i].with_kv(layer, |kv, kv_pos| f(kv, kv_pos));
         })?;
