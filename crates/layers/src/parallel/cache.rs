@@ -96,9 +96,9 @@ impl ParallelCache {
     }
 
     /// Appends one token to `layer` of each of `caches`: row `i` of `k` and `v` at
-    /// `positions[i]` (a step's decode rows, which lead its rows). When every cache is blocks of one pool that is
-    /// one write for all of them ([`PagedCache::append_tokens`]: one launch each for the keys
-    /// and the values on a GPU); else each cache appends its row.
+    /// `positions[i]` (a step's decode rows, which lead its rows). When every cache is blocks
+    /// of one pool that is one write for all of them ([`PagedCache::append_tokens`]: one
+    /// launch each for the keys and the values on a GPU); else each cache appends its row.
     pub(super) fn append_singles(
         be: &Backend,
         layer: usize,

@@ -702,9 +702,9 @@ fn cuda_decode_rows_over_one_pool_attend_in_one_launch() {
 }
 
 /// On a bf16 backend the norms, the gated activation and attention also write their outputs
-/// rounded to bf16, and a product of such an output takes that copy: one launch (no rounding kernel), the
-/// same bits as the product of the same values uploaded from the host. An in-place change of
-/// the output drops the copy, so the product then sees the new values.
+/// rounded to bf16, and a product of such an output takes that copy: one launch (no rounding
+/// kernel), the same bits as the product of the same values uploaded from the host. An
+/// in-place change of the output drops the copy, so the product then sees the new values.
 #[test]
 fn cuda_bf16_products_take_the_rounded_copy_their_input_kernel_wrote() {
     use crate::kernels::{Activation, GemmDtype};

@@ -297,9 +297,10 @@ impl CudaBackend {
         // const float*, const u64*, const unsigned*, int, u64, int, int, int, int, float,
         // float, u64, int, int, const u64*, float*, float*, unsigned short*)`; keys and
         // values are bf16 (two bytes an element) exactly when kv_bf16 is 1; `half`, when not
-        // null (one range only), holds rows·head_dim halves, written as out is. Block (b, s) serves query token i, KV
-        // head g and up to ATTN_GROUP of g's query heads (b = (i·kv_heads + g)·slices +
-        // slice, the grid's first dimension being `attention_blocks`): it reads q_pos[i] and
+        // null (one range only), holds rows·head_dim halves, written as out is. Block (b, s)
+        // serves query token i, KV head g and up to ATTN_GROUP of g's query heads (b =
+        // (i·kv_heads + g)·slices + slice, the grid's first dimension being
+        // `attention_blocks`): it reads q_pos[i] and
         // those heads' rows of q (head_dim floats each), the key positions of its range
         // [s·chunk, (s+1)·chunk) ∩ [0, n_i) and head g of those key and value rows, and writes
         // those rows' entries s·rows + row of out and lse, which hold splits·rows rows
