@@ -136,21 +136,37 @@ extern "C" __global__ void rope(float* x, const u64* pos, int tokens, int heads,
     v[i + half] = hi * c + lo * s;
 }
 
-// Element d of head `slot` of a fused projection's row t (y[tokens, (q_heads + 2 kv_heads)
-// head_dim]: the query heads, then the key heads, then the value heads), the query and key
-// heads rotated as `rope` rotates them (the same products, so the same bits as copy_cols then
-// rope). Element `idx` of y in order is (t, slot, d).
-__device__ float split_rope_at(const float* y, u64 idx, int head_dim, int q_heads, int kv_heads,
-                               int rot_dim, u64 t, int slot, int d, const u64* pos, float theta,
-                               const float* factors, float attn_factor) {
-    const float* src = y + idx - d;
-    if (slot >= q_heads + kv_heads || d >= rot_dim) return src[d];
+// Element `idx` of a fused projection y[tokens, (q_heads + 2 kv_heads) head_dim] (the query
+// heads, then the key heads, then the value heads), in order element d of head `slot` of row
+// t; x is its value with the query and key heads rotated as `rope` rotates them (the same
+// products, so the same bits as copy_cols then rope).
+struct SplitElem {
+    u64 t;
+    int slot, d;
+    float x;
+};
+
+__device__ SplitElem split_rope_at(const float* y, u64 idx, const u64* pos, int q_heads,
+                                   int kv_heads, int head_dim, int rot_dim, float theta,
+                                   const float* factors, float attn_factor) {
+    SplitElem e;
+    e.d = (int)(idx % head_dim);
+    u64 ts = idx / head_dim;
+    int slots = q_heads + 2 * kv_heads;
+    e.slot = (int)(ts % slots);
+    e.t = ts / slots;
+    const float* src = y + idx - e.d;
+    if (e.slot >= q_heads + kv_heads || e.d >= rot_dim) {
+        e.x = src[e.d];
+        return e;
+    }
     int half = rot_dim / 2;
-    int i = d < half ? d : d - half;
+    int i = e.d < half ? e.d : e.d - half;
     float c, s;
-    rope_angle(pos[t], i, rot_dim, theta, factors, attn_factor, &c, &s);
+    rope_angle(pos[e.t], i, rot_dim, theta, factors, attn_factor, &c, &s);
     float lo = src[i], hi = src[i + half];
-    return d < half ? lo * c - hi * s : hi * c + lo * s;
+    e.x = e.d < half ? lo * c - hi * s : hi * c + lo * s;
+    return e;
 }
 
 // A fused projection's rows split into queries q[tokens, q_heads, head_dim], keys k and values
@@ -160,21 +176,16 @@ extern "C" __global__ void split_rope(const float* y, float* q, float* k, float*
                                       const u64* pos, int tokens, int q_heads, int kv_heads,
                                       int head_dim, int rot_dim, float theta,
                                       const float* factors, float attn_factor) {
-    int slots = q_heads + 2 * kv_heads;
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (u64)tokens * slots * head_dim) return;
-    int d = (int)(idx % head_dim);
-    u64 ts = idx / head_dim;
-    int slot = (int)(ts % slots);
-    u64 t = ts / slots;
-    float x = split_rope_at(y, idx, head_dim, q_heads, kv_heads, rot_dim, t, slot, d, pos, theta,
-                            factors, attn_factor);
-    if (slot < q_heads) {
-        q[(t * q_heads + slot) * (u64)head_dim + d] = x;
-    } else if (slot < q_heads + kv_heads) {
-        k[(t * kv_heads + (slot - q_heads)) * (u64)head_dim + d] = x;
+    if (idx >= (u64)tokens * (q_heads + 2 * kv_heads) * head_dim) return;
+    SplitElem e = split_rope_at(y, idx, pos, q_heads, kv_heads, head_dim, rot_dim, theta, factors,
+                                attn_factor);
+    if (e.slot < q_heads) {
+        q[(e.t * q_heads + e.slot) * (u64)head_dim + e.d] = e.x;
+    } else if (e.slot < q_heads + kv_heads) {
+        k[(e.t * kv_heads + (e.slot - q_heads)) * (u64)head_dim + e.d] = e.x;
     } else {
-        v[(t * kv_heads + (slot - q_heads - kv_heads)) * (u64)head_dim + d] = x;
+        v[(e.t * kv_heads + (e.slot - q_heads - kv_heads)) * (u64)head_dim + e.d] = e.x;
     }
 }
 
@@ -188,26 +199,21 @@ extern "C" __global__ void split_rope_append(const float* y, float* q, float* po
                                              int kv_heads, int head_dim, int rot_dim,
                                              float theta, const float* factors,
                                              float attn_factor) {
-    int slots = q_heads + 2 * kv_heads;
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (u64)tokens * slots * head_dim) return;
-    int d = (int)(idx % head_dim);
-    u64 ts = idx / head_dim;
-    int slot = (int)(ts % slots);
-    u64 t = ts / slots;
-    float x = split_rope_at(y, idx, head_dim, q_heads, kv_heads, rot_dim, t, slot, d, pos, theta,
-                            factors, attn_factor);
-    if (slot < q_heads) {
-        q[(t * q_heads + slot) * (u64)head_dim + d] = x;
+    if (idx >= (u64)tokens * (q_heads + 2 * kv_heads) * head_dim) return;
+    SplitElem e = split_rope_at(y, idx, pos, q_heads, kv_heads, head_dim, rot_dim, theta, factors,
+                                attn_factor);
+    if (e.slot < q_heads) {
+        q[(e.t * q_heads + e.slot) * (u64)head_dim + e.d] = e.x;
         return;
     }
-    int kv_slot = slot < q_heads + kv_heads ? slot - q_heads : slot - q_heads - kv_heads;
-    u64 at = shift + places[t] + (slot < q_heads + kv_heads ? 0 : values) +
-             (u64)kv_slot * head_dim + d;
+    bool key = e.slot < q_heads + kv_heads;
+    int kv_slot = key ? e.slot - q_heads : e.slot - q_heads - kv_heads;
+    u64 at = shift + places[e.t] + (key ? 0 : values) + (u64)kv_slot * head_dim + e.d;
     if (bf16) {
-        ((unsigned short*)pool)[at] = bf16_of(x);
+        ((unsigned short*)pool)[at] = bf16_of(e.x);
     } else {
-        pool[at] = x;
+        pool[at] = e.x;
     }
 }
 

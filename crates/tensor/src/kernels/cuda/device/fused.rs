@@ -5,12 +5,42 @@
 //! activation read from the fused gate/up projection in place: two column copies and an
 //! activation before).
 
+use super::buffers::Input;
+use super::cache::Slot;
 use super::{elementwise, int, Count, CudaBackend, OrUnavailable};
 use crate::error::Result;
 use crate::kernels::{Activation, KvElem};
 use crate::tensor::Tensor;
-use cudarc::driver::PushKernelArg;
+use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 use mesh::DeviceMemory;
+use std::sync::Arc;
+
+/// The arguments `split_rope` and `split_rope_append` share, from `pos` on: the step's
+/// positions, the head geometry and the rotation, with the device copies behind them kept
+/// alive; and the projection they read.
+struct SplitArgs {
+    y: Input,
+    positions: Arc<CudaSlice<u64>>,
+    /// `tokens, q_heads, kv_heads, head_dim, rot_dim`.
+    dims: [i32; 5],
+    theta: f32,
+    /// The factors' device copy (a cached model vector), and its address (null for none).
+    _factors: Option<Arc<Slot>>,
+    factors: u64,
+    attn_factor: f32,
+}
+
+impl SplitArgs {
+    /// Pushes `pos, tokens, q_heads, kv_heads, head_dim, rot_dim, theta, factors,
+    /// attn_factor`, the kernels' common tail.
+    fn push_tail<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(&*self.positions);
+        for a in &self.dims {
+            b.arg(a);
+        }
+        b.arg(&self.theta).arg(&self.factors).arg(&self.attn_factor);
+    }
+}
 
 impl CudaBackend {
     /// Queries `[tokens, q_heads·head_dim]`, keys and values `[tokens, kv_heads·head_dim]`
@@ -22,12 +52,13 @@ impl CudaBackend {
         &self,
         y: &Tensor,
         positions: &[usize],
-        (q_heads, kv_heads, head_dim, rot_dim): (usize, usize, usize, usize),
+        dims: (usize, usize, usize, usize),
         theta: f32,
         factors: Option<&[f32]>,
         attn_factor: f32,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         const OP: &str = "split_rope";
+        let (q_heads, kv_heads, head_dim, _) = dims;
         let tokens = positions.len();
         let (qw, kw) = (q_heads * head_dim, kv_heads * head_dim);
         let n = tokens * (qw + 2 * kw);
@@ -38,30 +69,16 @@ impl CudaBackend {
                 Tensor::zeros(&[tokens, kw]),
             ));
         }
-        let yd = self.input(OP, y)?;
-        let pd = self.positions(OP, positions)?;
-        // The factors' device copy, cached as a model vector; null for none.
-        let fd = factors.map(|f| self.vector(OP, f)).transpose()?;
-        let fp = fd.as_ref().map_or(0, |f| self.slot_addr(f));
+        let split = self.split_args(OP, y, positions, dims, (theta, factors, attn_factor))?;
         // Each written whole: one thread per element of the three.
         let mut qd = self.output_buf(OP, tokens * qw)?;
         let mut kd = self.output_buf(OP, tokens * kw)?;
         let mut vd = self.output_buf(OP, tokens * kw)?;
-        let args = [
-            int(OP, "tokens", tokens)?,
-            int(OP, "q_heads", q_heads)?,
-            int(OP, "kv_heads", kv_heads)?,
-            int(OP, "head_dim", head_dim)?,
-            int(OP, "rot_dim", rot_dim)?,
-        ];
         let cfg = elementwise(OP, n)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.split_rope);
-        b.arg(&yd.ptr).arg(&mut qd).arg(&mut kd).arg(&mut vd).arg(&*pd);
-        for a in &args {
-            b.arg(a);
-        }
-        b.arg(&theta).arg(&fp).arg(&attn_factor);
+        b.arg(&split.y.ptr).arg(&mut qd).arg(&mut kd).arg(&mut vd);
+        split.push_tail(&mut b);
         // SAFETY: the arguments match `split_rope(const float*, float*, float*, float*, const
         // u64*, int, int, int, int, int, float, const float*, float)`. Thread (t, slot, d) for
         // t < tokens reads position t, factor i < rot_dim/2 (the caller checked there are
@@ -125,11 +142,12 @@ impl CudaBackend {
         &self,
         y: &Tensor,
         positions: &[usize],
-        (q_heads, kv_heads, head_dim, rot_dim): (usize, usize, usize, usize),
-        (theta, factors, attn_factor): (f32, Option<&[f32]>, f32),
+        dims: (usize, usize, usize, usize),
+        rotation: (f32, Option<&[f32]>, f32),
         (memory, elem, places, shift, values): DevicePool<'_>,
     ) -> Result<Tensor> {
         const OP: &str = "split_rope_append";
+        let (q_heads, kv_heads, head_dim, _) = dims;
         let tokens = positions.len();
         let qw = q_heads * head_dim;
         let n = tokens * (qw + 2 * kv_heads * head_dim);
@@ -137,31 +155,18 @@ impl CudaBackend {
             return Ok(Tensor::zeros(&[tokens, qw]));
         }
         let to = self.owned_addr(OP, memory)?;
-        let yd = self.input(OP, y)?;
-        let pd = self.positions(OP, positions)?;
+        let split = self.split_args(OP, y, positions, dims, rotation)?;
         let placed = self.positions(OP, places)?;
-        let fd = factors.map(|f| self.vector(OP, f)).transpose()?;
-        let fp = fd.as_ref().map_or(0, |f| self.slot_addr(f));
         // Written whole: one thread per query element.
         let mut qd = self.output_buf(OP, tokens * qw)?;
         let (shift, values) = (shift as u64, values as u64);
         let bf16 = i32::from(elem == KvElem::Bf16);
-        let args = [
-            int(OP, "tokens", tokens)?,
-            int(OP, "q_heads", q_heads)?,
-            int(OP, "kv_heads", kv_heads)?,
-            int(OP, "head_dim", head_dim)?,
-            int(OP, "rot_dim", rot_dim)?,
-        ];
         let cfg = elementwise(OP, n)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.split_rope_append);
-        b.arg(&yd.ptr).arg(&mut qd).arg(&to).arg(&*placed).arg(&shift).arg(&values).arg(&bf16);
-        b.arg(&*pd);
-        for a in &args {
-            b.arg(a);
-        }
-        b.arg(&theta).arg(&fp).arg(&attn_factor);
+        b.arg(&split.y.ptr).arg(&mut qd).arg(&to).arg(&*placed).arg(&shift).arg(&values);
+        b.arg(&bf16);
+        split.push_tail(&mut b);
         // SAFETY: the arguments match `split_rope_append(const float*, float*, float*, const
         // u64*, u64, u64, int, const u64*, int, int, int, int, int, float, const float*,
         // float)`. Thread (t, slot, d) reads position t, place t (one per token, uploaded),
@@ -174,5 +179,36 @@ impl CudaBackend {
         // `DeviceMemory` implementation promises is mapped while kernels may run.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
         self.output(&[tokens, qw], qd)
+    }
+}
+
+impl CudaBackend {
+    /// The arguments the split kernels share (see [`SplitArgs`]), for `y`'s rows at
+    /// `positions`, heads `(q_heads, kv_heads, head_dim, rot_dim)` and rotation `(theta,
+    /// factors, attn_factor)`.
+    fn split_args(
+        &self,
+        op: &str,
+        y: &Tensor,
+        positions: &[usize],
+        (q_heads, kv_heads, head_dim, rot_dim): (usize, usize, usize, usize),
+        (theta, factors, attn_factor): (f32, Option<&[f32]>, f32),
+    ) -> Result<SplitArgs> {
+        let factors = factors.map(|f| self.vector(op, f)).transpose()?;
+        Ok(SplitArgs {
+            y: self.input(op, y)?,
+            positions: self.positions(op, positions)?,
+            dims: [
+                int(op, "tokens", positions.len())?,
+                int(op, "q_heads", q_heads)?,
+                int(op, "kv_heads", kv_heads)?,
+                int(op, "head_dim", head_dim)?,
+                int(op, "rot_dim", rot_dim)?,
+            ],
+            theta,
+            factors: factors.as_ref().map_or(0, |f| self.slot_addr(f)),
+            _factors: factors,
+            attn_factor,
+        })
     }
 }
