@@ -38,6 +38,7 @@ extern "C" void gelu_tanh_mul(float* gate, const float* up, u64 n);
 extern "C" void gated_halves(const float* x, float* out, u64 n, int units, int gelu,
                              unsigned short* half);
 extern "C" void argmax_rows(const float* x, int cols, unsigned int* out);
+extern "C" void top_k_rows(const float* x, int cols, int k, float* vals, unsigned int* ids);
 extern "C" void dequantize(const float* scales, const float* mins, const unsigned char* qs,
                            float* out, u64 n, int kind);
 extern "C" void to_bf16(const float* x, unsigned short* y, u64 n);
@@ -61,6 +62,75 @@ static int fail(const char* what, size_t at, double got, double want) {
 
 static bool near(double got, double want, double tol) {
     return std::fabs(got - want) <= tol * std::max(1.0, std::fabs(want));
+}
+
+// top_k_rows against a sort of each row (the larger value first, the lower column among equal
+// values, NaN never, padding past a row's numbers): rows with few distinct values (ties across
+// the threads' stretches and at the k-th value), NaN, infinities and signed zeros, k from 1 to
+// the row's length and past its numbers, and k = 1024 over 3000 columns.
+static int check_top_k(u64& seed) {
+    struct TopCase {
+        int cols, k, levels;  // levels: distinct values (0: any)
+        bool holes;           // NaN, infinities and zeros among them
+    };
+    const TopCase cases[] = {{7, 3, 3, true},   {300, 1, 0, false}, {300, 5, 4, true},
+                             {300, 300, 0, true}, {513, 40, 2, false}, {3000, 1024, 0, false},
+                             {3000, 700, 50, true}, {16, 16, 0, true}};
+    for (const TopCase& c : cases) {
+        const int rows = 3;
+        std::vector<float> x((size_t)rows * c.cols);
+        for (size_t i = 0; i < x.size(); i++) {
+            float v = next_value(seed);
+            if (c.levels > 0) v = std::floor((v + 1.0f) * 0.5f * c.levels);
+            if (c.holes) {
+                u64 r = (u64)(std::fabs(next_value(seed)) * 16.0f);
+                if (r == 0) v = std::nanf("");
+                if (r == 1) v = -INFINITY;
+                if (r == 2) v = INFINITY;
+                if (r == 3) v = -0.0f;
+                if (r == 4) v = 0.0f;
+            }
+            x[i] = v;
+        }
+        // The last row: NaN but for two numbers, so k runs past its numbers.
+        for (int i = 0; i < c.cols; i++) x[(size_t)2 * c.cols + i] = std::nanf("");
+        x[(size_t)2 * c.cols + c.cols / 2] = 1.0f;
+        x[(size_t)2 * c.cols] = -1.0f;
+        std::vector<float> vals((size_t)rows * c.k, 7.0f);
+        std::vector<unsigned int> ids((size_t)rows * c.k, 7u);
+        tpctl_launch(rows, 1, BLOCK_THREADS,
+                     [&] { top_k_rows(x.data(), c.cols, c.k, vals.data(), ids.data()); });
+        for (int r = 0; r < rows; r++) {
+            std::vector<std::pair<float, unsigned int>> want;
+            for (int i = 0; i < c.cols; i++) {
+                float v = x[(size_t)r * c.cols + i];
+                if (v == v) want.push_back({v, (unsigned int)i});
+            }
+            auto key = [](float v) {
+                unsigned int u;
+                std::memcpy(&u, &v, 4);
+                return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+            };
+            std::stable_sort(want.begin(), want.end(), [&](auto& a, auto& b) {
+                return key(a.first) > key(b.first);
+            });
+            for (int j = 0; j < c.k; j++) {
+                size_t at = (size_t)r * c.k + j;
+                bool real = (size_t)j < want.size();
+                unsigned int want_id = real ? want[j].second : 0xffffffffu;
+                if (ids[at] != want_id) {
+                    std::printf("top_k_rows (%d columns, k %d, row %d): ", c.cols, c.k, r);
+                    return fail("id", j, ids[at], want_id);
+                }
+                bool same = real ? std::memcmp(&vals[at], &want[j].first, 4) == 0 : vals[at] != vals[at];
+                if (!same) {
+                    std::printf("top_k_rows (%d columns, k %d, row %d): ", c.cols, c.k, r);
+                    return fail("value", j, vals[at], real ? want[j].first : NAN);
+                }
+            }
+        }
+    }
+    return 0;
 }
 
 // The fused kernels against the kernels they replace, bit for bit: split_rope against
@@ -280,6 +350,7 @@ static int check_rows() {
     unsigned int want_idx[] = {1, 0, 1};
     for (int r = 0; r < 3; r++)
         if (idx[r] != want_idx[r]) return fail("argmax_rows", r, idx[r], want_idx[r]);
+    if (check_top_k(seed) != 0) return 1;
     // Logit soft-capping of 300 values up to +-6 with a cap of 1.5: most are pulled in far.
     std::vector<float> logits(300), capped;
     for (auto& v : logits) v = 6.0f * next_value(seed);
@@ -291,7 +362,7 @@ static int check_rows() {
         double want = 1.5 * std::tanh((double)logits[i] / 1.5);
         if (!near(capped[i], want, 1e-6)) return fail("soft_cap", i, capped[i], want);
     }
-    std::printf("ok: rms_norm, add_rms_norm, rope with factors and an attention factor, split_rope, gated_halves, argmax_rows, soft_cap\n");
+    std::printf("ok: rms_norm, add_rms_norm, rope with factors and an attention factor, split_rope, gated_halves, argmax_rows, top_k_rows, soft_cap\n");
     return 0;
 }
 

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 #include <algorithm>
+#include <atomic>
 
 #define __global__
 #define __device__
@@ -39,6 +40,9 @@ inline unsigned int __float_as_uint(float f) {
 }
 using std::max;
 using std::min;
+inline unsigned int atomicAdd(unsigned int* p, unsigned int v) {
+    return std::atomic_ref<unsigned int>(*p).fetch_add(v);
+}
 // Inline PTX (the f16 rounding) has no CPU meaning: it compiles to nothing here, and the
 // kernels that use it are not emulated.
 #define asm(...)

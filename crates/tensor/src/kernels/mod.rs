@@ -14,6 +14,7 @@ pub mod cpu;
 pub mod cuda;
 mod fused;
 mod prepare;
+mod select;
 mod step_attention;
 
 pub use cpu::attention::AttnShape;
@@ -23,6 +24,7 @@ use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaDeviceInfo, PoolArena};
 pub use fused::{PoolMemory, PoolRows};
 pub use prepare::WeightUse;
+pub use select::{candidate_order, TopK, TOP_K_MAX};
 pub use step_attention::RowKv;
 
 use crate::error::{Error, Result};

@@ -319,6 +319,133 @@ extern "C" __global__ void argmax_rows(const float* x, int cols, unsigned int* o
     if (threadIdx.x == 0) out[blockIdx.x] = idxs[0] < 0 ? 0u : (unsigned int)idxs[0];
 }
 
+// A float's order as an unsigned key: a larger float has a larger key; 0 is no float (a NaN
+// maps to 0 here, as top_k_rows never takes one).
+__device__ unsigned int order_key(float v) {
+    if (v != v) return 0u;
+    unsigned int u = __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Whether candidate (ka, ia) comes before (kb, ib): the larger key, then the lower column.
+__device__ bool before(unsigned int ka, unsigned int ia, unsigned int kb, unsigned int ib) {
+    return ka > kb || (ka == kb && ia < ib);
+}
+
+// The most candidates of one row (the shared arrays below; TOP_K_MAX in kernels::select).
+#define TOP_K_MAX 1024
+
+// The k largest values of each row and their columns, the largest first and the lower column
+// first among equal values, NaN never; past a row's numbers, (NaN, 0xffffffff). One block per
+// row, k <= min(cols, TOP_K_MAX). First the k-th largest key, 8 bits at a time from the top
+// (a histogram of the keys that match the bits found so far); then every key above it and
+// the lowest columns of those equal to it, which each thread finds in its own contiguous
+// stretch of the row; then a bitonic sort of those candidates.
+extern "C" __global__ void top_k_rows(const float* x, int cols, int k, float* vals,
+                                      unsigned int* ids) {
+    __shared__ unsigned int hist[256];
+    __shared__ unsigned int ties[BLOCK];
+    __shared__ unsigned int keys[TOP_K_MAX];
+    __shared__ unsigned int cols_of[TOP_K_MAX];
+    __shared__ unsigned int prefix, want, count;
+    const float* row = x + (u64)blockIdx.x * cols;
+    unsigned int t = threadIdx.x;
+    if (t == 0) {
+        prefix = 0u;
+        want = (unsigned int)k;
+        count = 0u;
+    }
+    unsigned int high = 0u;  // the bits of the key found so far
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = t; b < 256; b += BLOCK) hist[b] = 0u;
+        __syncthreads();
+        for (int i = t; i < cols; i += BLOCK) {
+            unsigned int key = order_key(row[i]);
+            if (key != 0u && (key & high) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (t == 0 && want > 0u) {
+            // From the top bin down: the bin where the want-th key of this prefix lies.
+            unsigned int above = 0u;
+            int b = 255;
+            while (b >= 0 && above + hist[b] < want) above += hist[b--];
+            if (b < 0) {
+                // Fewer numbers than k: every number is a candidate (keys above 0).
+                prefix = 0u;
+                want = 0u;
+            } else {
+                want -= above;
+                prefix |= (unsigned int)b << shift;
+            }
+        }
+        high |= 255u << shift;
+        __syncthreads();
+        if (want == 0u) break;
+    }
+    // Every key above `prefix` is a candidate, and the `want` lowest columns whose key is
+    // `prefix` (none when the row has fewer numbers than k: then prefix is 0, below them all).
+    int stretch = (cols + BLOCK - 1) / BLOCK;
+    int from = min((int)t * stretch, cols), to = min(from + stretch, cols);
+    unsigned int mine = 0u;
+    for (int i = from; i < to; i++) mine += order_key(row[i]) == prefix && prefix != 0u;
+    ties[t] = mine;
+    __syncthreads();
+    if (t == 0) {
+        unsigned int at = 0u;
+        for (int i = 0; i < BLOCK; i++) {
+            unsigned int n = ties[i];
+            ties[i] = at;
+            at += n;
+        }
+    }
+    __syncthreads();
+    unsigned int rank = ties[t];
+    for (int i = from; i < to; i++) {
+        unsigned int key = order_key(row[i]);
+        bool take = key > prefix || (key == prefix && prefix != 0u && rank++ < want);
+        if (take) {
+            unsigned int at = atomicAdd(&count, 1u);
+            keys[at] = key;
+            cols_of[at] = (unsigned int)i;
+        }
+    }
+    __syncthreads();
+    // Sort the candidates (padding with key 0 last) by a bitonic network over a power of two.
+    unsigned int n = count, size = 1u;
+    while (size < n) size *= 2u;
+    for (unsigned int i = n + t; i < size; i += BLOCK) {
+        keys[i] = 0u;
+        cols_of[i] = 0xffffffffu;
+    }
+    __syncthreads();
+    for (unsigned int span = 2u; span <= size; span *= 2u) {
+        for (unsigned int stride = span / 2u; stride > 0u; stride /= 2u) {
+            for (unsigned int i = t; i < size; i += BLOCK) {
+                unsigned int j = i ^ stride;
+                if (j > i) {
+                    bool forward = (i & span) == 0u;
+                    bool swap = forward ? before(keys[j], cols_of[j], keys[i], cols_of[i])
+                                        : before(keys[i], cols_of[i], keys[j], cols_of[j]);
+                    if (swap) {
+                        unsigned int kk = keys[i], cc = cols_of[i];
+                        keys[i] = keys[j];
+                        cols_of[i] = cols_of[j];
+                        keys[j] = kk;
+                        cols_of[j] = cc;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    for (int j = t; j < k; j += BLOCK) {
+        u64 at = (u64)blockIdx.x * k + j;
+        bool real = (unsigned int)j < n;
+        vals[at] = real ? row[cols_of[j]] : __uint_as_float(0x7fc00000u);
+        ids[at] = real ? cols_of[j] : 0xffffffffu;
+    }
+}
+
 // Dequantizes a repacked `QMatrix` (see `kernels::cpu::qmatrix`), by `kind`: 0, 8-bit w = d*q
 // (a scale per 32); 1, 4-bit w = d*nibble + m with nibbles 0..16 of a block in the low halves
 // of its 16 bytes; 2, 8-bit w = d*q with a scale per 16; 3, as 2 with w = d*q + m, a minimum

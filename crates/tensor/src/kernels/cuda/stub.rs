@@ -271,6 +271,10 @@ impl CudaBackend {
     pub(crate) fn argmax_rows(&self, _x: &Tensor) -> Result<Vec<usize>> {
         match self.never {}
     }
+
+    pub(crate) fn top_k_rows(&self, _x: &Tensor, _k: usize) -> Result<(Vec<f32>, Vec<u32>)> {
+        match self.never {}
+    }
 }
 
 /// A device arena in the driver's memory pool, not compiled into this build.

@@ -140,6 +140,35 @@ fn cuda_embedding_and_argmax_match_cpu() {
     assert_eq!(gpu.argmax_rows(&wide).unwrap(), cpu.argmax_rows(&wide).unwrap());
 }
 
+/// The candidates of rows with ties, NaN and infinities, from 1 to 1024 per row over a
+/// vocabulary-wide row: the CPU's, and only they come to the host (no logits row).
+#[test]
+fn cuda_top_k_rows_are_the_cpus_candidates() {
+    let Some(gpu) = gpu() else { return };
+    let cuda = cuda_of(&gpu);
+    let cpu = cpu();
+    let cols = 49152;
+    let mut x: Vec<f32> = random_vec(3 * cols, 12).iter().map(|v| (v * 20.0).round()).collect();
+    x[7] = f32::INFINITY;
+    x[100] = f32::NAN;
+    x[cols + 5] = f32::NEG_INFINITY;
+    x[2 * cols..].fill(f32::NAN);
+    x[2 * cols + 9] = 1.0;
+    let x = Tensor::from_vec(&[3, cols], x).unwrap();
+    for k in [1, 5, 50, 1024] {
+        let want = cpu.top_k_rows(&x, k).unwrap();
+        let before = cuda.counters();
+        let got = gpu.top_k_rows(&x, k).unwrap();
+        let moved = cuda.counters().since(&before);
+        assert_eq!(got.ids(), want.ids(), "k {k}");
+        for r in 0..3 {
+            let (g, w): (Vec<_>, Vec<_>) = (got.row(r).collect(), want.row(r).collect());
+            assert_eq!(g, w, "k {k}, row {r}");
+        }
+        assert_eq!((moved.launches, moved.downloads), (1, 2), "k {k}: {moved:?}");
+    }
+}
+
 #[test]
 fn cuda_linear_matches_cpu_for_f32_and_quantized_weights() {
     let Some(gpu) = gpu() else { return };

@@ -112,6 +112,7 @@ impl CudaBackend {
             add_rows: f("add_rows")?,
             embedding: f("embedding")?,
             argmax_rows: f("argmax_rows")?,
+            top_k_rows: f("top_k_rows")?,
             dequantize: f("dequantize")?,
             attention: f("attention")?,
             attention_merge: f("attention_merge")?,

@@ -230,6 +230,7 @@ mod tests {
             "add_rows",
             "embedding",
             "argmax_rows",
+            "top_k_rows",
             "dequantize",
             "attention",
             "to_bf16",

@@ -136,6 +136,7 @@ struct Kernels {
     add_rows: CudaFunction,
     embedding: CudaFunction,
     argmax_rows: CudaFunction,
+    top_k_rows: CudaFunction,
     dequantize: CudaFunction,
     attention: CudaFunction,
     attention_merge: CudaFunction,

@@ -328,4 +328,39 @@ impl CudaBackend {
         self.download(OP, &od, &mut idx)?;
         Ok(idx.into_iter().map(|i| i as usize).collect())
     }
+
+    /// The `k` largest values of each row of `x` and their columns, in the order of
+    /// `kernels::candidate_order`, padded with (NaN, `u32::MAX`) past a row's numbers (see
+    /// `Backend::top_k_rows`); `k` is at most the row length and `TOP_K_MAX`, as the caller
+    /// checked. One block per row; only the candidates come to the host.
+    pub(crate) fn top_k_rows(&self, x: &Tensor, k: usize) -> Result<(Vec<f32>, Vec<u32>)> {
+        const OP: &str = "top_k_rows";
+        let rows = x.rows();
+        if rows == 0 || k == 0 {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let cols = int(OP, "columns", x.row_len())?;
+        let k_arg = int(OP, "k", k)?;
+        let xd = self.input(OP, x)?;
+        // Written whole: block r writes its row's k values and ids.
+        let mut vd = self.output_buf(OP, rows * k)?;
+        self.count(Count::Allocation);
+        // SAFETY: handed only to the launch below, which writes every element of it.
+        let mut id = unsafe { self.stream().alloc::<u32>(rows * k) }
+            .or_unavailable(|| format!("{OP}: allocating {} ids", rows * k))?;
+        let cfg = per_row(OP, rows, BLOCK)?;
+        self.count(Count::Launch);
+        let mut b = self.stream().launch_builder(&self.inner.k.top_k_rows);
+        b.arg(&xd.ptr).arg(&cols).arg(&k_arg).arg(&mut vd).arg(&mut id);
+        // SAFETY: the arguments match `top_k_rows(const float*, int, int, float*, unsigned
+        // int*)`; block r reads row r (cols floats) of x, which holds rows·cols, and writes
+        // elements r·k..(r+1)·k of vals and ids, each rows·k long; k <= cols and k <=
+        // TOP_K_MAX (1024, the kernel's shared arrays), as the caller checked.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        let mut values = vec![0f32; rows * k];
+        let mut ids = vec![0u32; rows * k];
+        self.download(OP, &vd, &mut values)?;
+        self.download(OP, &id, &mut ids)?;
+        Ok((values, ids))
+    }
 }
