@@ -7,6 +7,7 @@ use crate::model::Logits;
 use collectives::Collective;
 use mesh::TokenShard;
 use std::ops::Range;
+use tensor::kernels::TopK;
 use tensor::{Backend, Tensor};
 
 /// How one sequence's tokens of a step are split over CP.
@@ -240,6 +241,38 @@ impl ParallelModel {
             FinalRows::Here(x) => {
                 let ids = self.lm_head.argmax(&self.final_backend(seqs), comms.tp, &x)?;
                 Ok(root.then_some(ids))
+            }
+        })
+    }
+
+    /// [`ParallelModel::forward_batch`] for samplers that keep at most `k` tokens (at most
+    /// [`tensor::kernels::TOP_K_MAX`]): the `k` most likely tokens of each row it would return
+    /// logits for, with their (soft-capped) logits, in the same order, on the rank at TP 0 and
+    /// CP 0 (`None` elsewhere), found without moving the logits (see
+    /// [`ParallelLmHead::top_k`](super::ParallelLmHead::top_k)). The candidates are those of
+    /// [`Backend::top_k_rows`](tensor::Backend::top_k_rows) over
+    /// [`ParallelModel::forward_batch`]'s rows.
+    ///
+    /// # Errors
+    /// As [`ParallelModel::forward_batch`], and `k` too large.
+    pub fn forward_batch_top_k(
+        &self,
+        comms: &mut Comms<'_>,
+        seqs: &mut [Sequence<'_>],
+        k: usize,
+    ) -> Result<Option<TopK>> {
+        let root = (self.placement.tp_rank, self.placement.cp_rank) == (0, 0);
+        let softcap = self.config.final_softcap;
+        self.backend.run(|| match self.final_rows(comms, seqs)? {
+            FinalRows::None { root } => {
+                let per_row = k.min(self.config.vocab_size);
+                Ok(root.then(|| TopK::from_parts(per_row, Vec::new(), Vec::new())))
+            }
+            FinalRows::Elsewhere => Ok(None),
+            FinalRows::Here(x) => {
+                let top =
+                    self.lm_head.top_k(&self.final_backend(seqs), comms.tp, &x, k, softcap)?;
+                Ok(root.then_some(top))
             }
         })
     }

@@ -11,7 +11,7 @@ use checkpoint::{Shard, WeightSource};
 use collectives::{Collective, Communicator, ReduceOp};
 use std::ops::Range;
 use std::sync::Arc;
-use tensor::kernels::{Backend, Weight, WeightUse};
+use tensor::kernels::{Backend, TopK, Weight, WeightUse};
 use tensor::memory::{Arena, WeightBuffers};
 use tensor::Tensor;
 
@@ -409,6 +409,65 @@ impl ParallelLmHead {
                 u32::try_from(pick.1).unwrap_or(0)
             })
             .collect())
+    }
+}
+
+impl ParallelLmHead {
+    /// The `k` most likely tokens of each row (at most [`tensor::kernels::TOP_K_MAX`]): their
+    /// logits, soft-capped by `softcap` as the model's final logits are, and ids, the largest
+    /// first and the lower id among equal logits, without gathering the logits: each rank
+    /// finds its own vocabulary's `k` best on its device and the ranks gather those (the `k`
+    /// best of the union are the row's). The same candidates as
+    /// [`Backend::top_k_rows`] of the gathered, soft-capped logits.
+    ///
+    /// # Errors
+    /// `x` has the wrong width, `k` is too large, or a failed collective.
+    pub fn top_k(
+        &self,
+        be: &Backend,
+        tp: &mut dyn Communicator,
+        x: &Tensor,
+        k: usize,
+        softcap: Option<f32>,
+    ) -> Result<TopK> {
+        let mut local = be.linear(x, &self.weight)?;
+        if let Some(cap) = softcap {
+            be.soft_cap(&mut local, cap)?;
+        }
+        let mine = be.top_k_rows(&local, k)?;
+        if k == 0 {
+            return Ok(mine);
+        }
+        let start = self.ranges[self.rank].start as i64;
+        let tp_size = tp.size();
+        if tp_size == 1 {
+            return Ok(mine);
+        }
+        // Every rank sends k entries per row (a narrow shard pads), its ids in the model's
+        // numbering; padding keeps its id.
+        let n = x.rows();
+        let (mut values, mut ids) = (Vec::with_capacity(n * k), Vec::with_capacity(n * k));
+        for r in 0..n {
+            let row: Vec<(f32, u32)> = mine.row(r).collect();
+            values.extend(row.iter().map(|c| c.0));
+            ids.extend(row.iter().map(|c| i64::from(c.1) + start));
+            values.extend(std::iter::repeat_n(f32::NAN, k - row.len()));
+            ids.extend(std::iter::repeat_n(i64::from(u32::MAX), k - row.len()));
+        }
+        let mut all_values = vec![0f32; n * k * tp_size];
+        let mut all_ids = vec![0i64; n * k * tp_size];
+        tp.all_gather(&values, &mut all_values)?;
+        tp.all_gather(&ids, &mut all_ids)?;
+        let parts: Vec<TopK> = all_values
+            .chunks_exact(n * k)
+            .zip(all_ids.chunks_exact(n * k))
+            .map(|(v, i)| {
+                let ids = i.iter().map(|&id| u32::try_from(id).unwrap_or(u32::MAX)).collect();
+                TopK::from_parts(k, v.to_vec(), ids)
+            })
+            .collect();
+        let vocab = self.ranges.last().map_or(0, |r| r.end);
+        Ok(TopK::merge(&parts, k.min(vocab)))
     }
 }
 

@@ -772,6 +772,69 @@ fn batched_argmax_picks_what_the_gathered_logits_pick_in_every_layout() {
     std::fs::remove_file(path).unwrap();
 }
 
+/// Batched steps for samplers that keep the k most likely tokens find them without moving the
+/// logits: the candidates (logits and ids, in order) are those of the rows `forward_batch`
+/// gives in the same layout, bit for bit, on the rank at TP 0 and CP 0 only, in every layout
+/// (a TP split of the vocabulary into uneven shards included), for k from 1 to past the
+/// vocabulary.
+#[test]
+fn batched_top_k_finds_the_gathered_logits_candidates_in_every_layout() {
+    let spec = RandomLlama {
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 80,
+        vocab: 40,
+        layers: 2,
+        seed: 53,
+        ..RandomLlama::default()
+    };
+    let path = write_model(&spec, "batched-top-k.gguf");
+    let steps = mixed_steps(spec.vocab as u32);
+    for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)] {
+        let got = on_mesh(tp, cp, |p, comms| {
+            let file = GgufFile::open(&path).unwrap();
+            let config = LlamaConfig::from_gguf(&file).unwrap();
+            let opts = LoadOptions::new(p).on(Backend::cpu(1).unwrap()).form(WeightForm::F32);
+            let model = ParallelModel::from_source(&file, config, opts).unwrap();
+            let mut caches: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
+            let logits = run_steps(&model, comms, &steps, &mut caches);
+            let tops: Vec<_> = [1, 3, 40, 50]
+                .into_iter()
+                .map(|k| {
+                    let mut caches: Vec<ParallelCache> =
+                        (0..5).map(|_| model.new_cache(64)).collect();
+                    run_steps_with(comms, &steps, &mut caches, |comms, seqs| {
+                        model.forward_batch_top_k(comms, seqs, k).unwrap()
+                    })
+                })
+                .collect();
+            (p, logits, tops)
+        });
+        let cpu = Backend::cpu(1).unwrap();
+        for (p, logits, tops) in got {
+            if (p.tp_rank, p.cp_rank) != (0, 0) {
+                assert!(tops.iter().flatten().all(Option::is_none), "({tp},{cp}) {p:?} got some");
+                continue;
+            }
+            for (top, k) in tops.iter().zip([1, 3, 40, 50]) {
+                for (i, (logits, top)) in logits.iter().zip(top).enumerate() {
+                    let (logits, top) = (logits.as_ref().unwrap(), top.as_ref().unwrap());
+                    let want = cpu.top_k_rows(logits, k).unwrap();
+                    assert_eq!(top.per_row(), k.min(40), "({tp},{cp}) k {k} step {i}");
+                    assert_eq!(top.rows(), logits.rows(), "({tp},{cp}) k {k} step {i}");
+                    for r in 0..logits.rows() {
+                        let (got, want): (Vec<_>, Vec<_>) =
+                            (top.row(r).collect(), want.row(r).collect());
+                        assert_eq!(got, want, "({tp},{cp}) k {k} step {i} row {r}");
+                    }
+                }
+            }
+        }
+    }
+    std::fs::remove_file(path).unwrap();
+}
+
 /// A step reads device outputs on the host only through explicit copies ([`Tensor::host`],
 /// which can fail), never behind an infallible call: on a backend whose every output is
 /// device data (any other read panics), single forward passes (all rows, last row),
@@ -1619,6 +1682,12 @@ fn gemma2_final_logits_are_soft_capped_on_every_path() {
     let ids = capped.forward_batch_argmax(&mut comms, &mut seqs).unwrap().unwrap();
     let argmax = capped.backend().argmax_rows(&batched).unwrap();
     assert_eq!(ids.iter().map(|&i| i as usize).collect::<Vec<_>>(), argmax);
+    // The candidates of a top-k sampler carry the capped logits.
+    let mut cache = capped.new_cache(16);
+    let mut seqs = [Sequence { tokens: &prompt, cache: &mut cache, sample: true, every_row: true }];
+    let top = capped.forward_batch_top_k(&mut comms, &mut seqs, 5).unwrap().unwrap();
+    let want = capped.backend().top_k_rows(&batched, 5).unwrap();
+    assert_eq!(top, want);
     std::fs::remove_file(path).unwrap();
 }
 
