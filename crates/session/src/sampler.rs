@@ -11,6 +11,7 @@
 use crate::model::{SampledToken, StepOutput};
 use crate::plan::{PlanEntry, SeqId, SeqSampling, StepPlan};
 use std::collections::HashMap;
+use tensor::kernels::{candidate_order, TopK, TOP_K_MAX};
 use text::{GrammarEngine, GrammarMatcher};
 
 /// How a request picks its tokens and when it stops.
@@ -277,21 +278,53 @@ impl Sampler {
         cand.extend(
             logits.iter().enumerate().filter(|(_, l)| !l.is_nan()).map(|(i, &l)| (l, i as u32)),
         );
+        let k = self.params.top_k;
+        if k > 0 && k < cand.len() {
+            // Only the k best need ordering: a full sort of a 150k vocabulary costs milliseconds.
+            cand.select_nth_unstable_by(k - 1, candidate_order);
+            cand.truncate(k);
+            cand.sort_unstable_by(candidate_order);
+        } else if self.params.top_p < 1.0 {
+            cand.sort_unstable_by(candidate_order);
+        }
+        self.draw(cand)
+    }
+
+    /// Picks a token from a logits row's candidates: its non-NaN logits and their ids in
+    /// [`candidate_order`], the row's best `n` of them for an `n` above `top_k` (above 1 for
+    /// greedy decoding), or all of them where the row holds no more (then fewer than `n`
+    /// came, which says the row's every number is here). The token
+    /// [`Sampler::sample`] picks from the whole row, after the same draw: a sampler that keeps
+    /// the `top_k` most likely tokens needs the row's `top_k` best, not the row (see
+    /// [`Samplers::candidates`]).
+    pub fn sample_candidates(&mut self, candidates: impl Iterator<Item = (f32, u32)>) -> u32 {
+        let mut candidates = candidates;
+        if self.params.temperature <= 0.0 {
+            // The first candidate is the argmax: -0 and +0 tie, and the lower id leads.
+            return candidates.next().map_or(0, |c| c.1);
+        }
+        let mut cand = std::mem::take(&mut self.scratch);
+        cand.clear();
+        cand.extend(candidates);
+        let k = self.params.top_k;
+        if k > 0 && k < cand.len() {
+            // The row holds more than k numbers (more candidates than k came).
+            cand.truncate(k);
+        } else if self.params.top_p >= 1.0 {
+            // No more than k came: the row's every number, which `sample` weighs in the
+            // row's order.
+            cand.sort_unstable_by_key(|c| c.1);
+        }
+        self.draw(cand)
+    }
+
+    /// The draw over the candidates of a row (`sample`'s, in the order it weighs them):
+    /// temperature, min-p and top-p, then one uniform number.
+    fn draw(&mut self, cand: Vec<(f32, u32)>) -> u32 {
         if cand.is_empty() {
             self.uniform();
             self.scratch = cand;
             return 0;
-        }
-        // Highest logit first; ties by the lower id, so the order never depends on the sort.
-        let order = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
-        let k = self.params.top_k;
-        if k > 0 && k < cand.len() {
-            // Only the k best need ordering: a full sort of a 150k vocabulary costs milliseconds.
-            cand.select_nth_unstable_by(k - 1, order);
-            cand.truncate(k);
-            cand.sort_unstable_by(order);
-        } else if self.params.top_p < 1.0 {
-            cand.sort_unstable_by(order);
         }
         // Without top-p the order of the candidates does not matter, only their weights.
         let t = f64::from(self.params.temperature);
@@ -348,6 +381,14 @@ pub enum SampleError {
         sampled: usize,
         /// The vocabulary (a row's length).
         vocab: usize,
+    },
+    /// The candidates do not match the plan's sampled entries.
+    #[error("the model found candidates for {rows} rows, for {sampled} sampled entries")]
+    Candidates {
+        /// Rows of candidates found.
+        rows: usize,
+        /// Entries sampled in the plan.
+        sampled: usize,
     },
     /// A constrained sequence reached a runner that has no grammar engine.
     #[error(
@@ -566,6 +607,65 @@ impl Samplers {
             let s = self.seqs.get(&e.seq);
             !self.every_row(e) && (!e.sample || s.is_some_and(greedy))
         })
+    }
+
+    /// The candidates per row a model runner must find for [`Samplers::pick_candidates`] to
+    /// pick every token `plan` samples, when that is enough: every sampled entry keeps fewer
+    /// than [`TOP_K_MAX`] tokens (greedy keeps 1, sampling its `top_k`) and nothing else is
+    /// wanted of the logits (no log-probabilities, penalties, bias or grammar, no prompt
+    /// scored); `None` otherwise. One more than the most any entry keeps: a row that gives
+    /// fewer has no more numbers, which changes the order its sampler weighs them in (see
+    /// [`Sampler::sample_candidates`]). The runner then moves a few candidates per row, not the
+    /// logits. Every rank answers the same (after [`Samplers::admit`] with `plan`): it decides
+    /// collectives.
+    pub fn candidates(&self, plan: &StepPlan) -> Option<usize> {
+        let mut most = 1;
+        for e in &plan.entries {
+            if self.every_row(e) {
+                return None;
+            }
+            if !e.sample {
+                continue;
+            }
+            let s = self.seqs.get(&e.seq)?;
+            let p = s.sampler.params();
+            if p.logprobs.is_some() || p.adjusts_logits() || p.constraint.is_some() {
+                return None;
+            }
+            let keep = match (p.temperature <= 0.0, p.top_k) {
+                (true, _) => 1,
+                (false, k @ 1..TOP_K_MAX) => k,
+                (false, _) => return None,
+            };
+            most = most.max(keep);
+        }
+        Some(most + 1)
+    }
+
+    /// Picks one token per sampled entry of `plan`, in plan order, from each row's candidates
+    /// in `top` (found as [`Samplers::candidates`] asked): the tokens [`Samplers::pick`] picks
+    /// from the rows' logits, after the same draws.
+    ///
+    /// # Errors
+    /// [`SampleError::Candidates`] when `top` holds another number of rows than the plan
+    /// samples; [`SampleError::Unknown`] for a sampled sequence that never had parameters.
+    pub fn pick_candidates(
+        &mut self,
+        plan: &StepPlan,
+        top: &TopK,
+    ) -> Result<StepOutput, SampleError> {
+        let sampled = plan.sampled().count();
+        if top.rows() != sampled {
+            return Err(SampleError::Candidates { rows: top.rows(), sampled });
+        }
+        let mut out = Vec::with_capacity(sampled);
+        for (r, e) in plan.sampled().enumerate() {
+            let step = plan.step;
+            let s = self.seqs.get_mut(&e.seq).ok_or(SampleError::Unknown { seq: e.seq, step })?;
+            let token = s.sampler.sample_candidates(top.row(r));
+            out.push(SampledToken { token, logprobs: None });
+        }
+        Ok(out)
     }
 
     /// Ends a step on any rank, where the logits are or not: the sequences `plan` sampled

@@ -9,6 +9,7 @@ use crate::sampler::{PromptLogprobs, Samplers};
 use layers::parallel::{Comms, ParallelCache, ParallelModel, Sequence};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
+use tensor::kernels::TopK;
 
 /// A model failure on one sequence; keeps the cause reachable through `source()`.
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +85,9 @@ impl Sequences {
         // Greedy picks only: the runner finds them where the logits are made, without moving
         // the logits (each TP rank sends its best value and id).
         let argmax = self.samplers.argmax_only(plan);
+        // Else, samplers that keep a few tokens each: the runner finds the candidates where the
+        // logits are made, and only those move (each TP rank sends its own best).
+        let candidates = (!argmax).then(|| self.samplers.candidates(plan)).flatten();
         let took = self.take(model, plan, new_cache, &mut taken);
         let samplers = &mut self.samplers;
         let mut forward = |taken: &mut Vec<(SeqId, ParallelCache)>| {
@@ -99,6 +103,8 @@ impl Sequences {
                 .collect();
             let out = if argmax {
                 model.forward_batch_argmax(comms, &mut seqs).map(|ids| ids.map(Picked::Ids))
+            } else if let Some(k) = candidates {
+                model.forward_batch_top_k(comms, &mut seqs, k).map(|top| top.map(Picked::Top))
             } else {
                 // The logits come to the host here, so a failed copy is this step's error.
                 model.forward_batch(comms, &mut seqs).and_then(|logits| {
@@ -136,6 +142,9 @@ impl Sequences {
             Picked::Logits(logits) => {
                 let vocab = model.config().vocab_size;
                 samplers.sample_with_prompts(plan, &logits, vocab)
+            }
+            Picked::Top(top) => {
+                samplers.pick_candidates(plan, &top).map(|tokens| (tokens, Vec::new()))
             }
             Picked::Ids(ids) => {
                 let tokens = ids.into_iter().map(|token| SampledToken { token, logprobs: None });
@@ -202,4 +211,6 @@ enum Picked {
     Logits(Vec<f32>),
     /// The greedy tokens of the sampled entries, found without the logits.
     Ids(Vec<u32>),
+    /// The most likely tokens of each sampled entry's row, for samplers that keep a few.
+    Top(TopK),
 }

@@ -66,7 +66,7 @@ static bool near(double got, double want, double tol) {
 
 // top_k_rows against a sort of each row (the larger value first, the lower column among equal
 // values, NaN never, padding past a row's numbers): rows with few distinct values (ties across
-// the threads' stretches and at the k-th value), NaN, infinities and signed zeros, k from 1 to
+// the threads' stretches and at the k-th value), NaN, infinities and signed zeros (equal), k from 1 to
 // the row's length and past its numbers, and k = 1024 over 3000 columns.
 static int check_top_k(u64& seed) {
     struct TopCase {
@@ -107,8 +107,8 @@ static int check_top_k(u64& seed) {
                 if (v == v) want.push_back({v, (unsigned int)i});
             }
             auto key = [](float v) {
-                unsigned int u;
-                std::memcpy(&u, &v, 4);
+                unsigned int u = 0;
+                if (v != 0.0f) std::memcpy(&u, &v, 4);
                 return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
             };
             std::stable_sort(want.begin(), want.end(), [&](auto& a, auto& b) {

@@ -235,6 +235,97 @@ fn only_plain_greedy_steps_skip_the_logits() {
     assert!(!samplers.argmax_only(&plan));
 }
 
+/// A step can pick from a few candidates per row when every sampled sequence keeps fewer than
+/// `TOP_K_MAX` tokens and nothing else is wanted of its logits: one more than the most any
+/// keeps.
+#[test]
+fn steps_of_samplers_that_keep_a_few_tokens_need_only_candidates() {
+    let with = |params: SamplingParams| SeqSampling { params, ..SeqSampling::default() };
+    let plain = SeqSampling::default();
+    let top =
+        |k| with(SamplingParams { temperature: 0.8, top_k: k, top_p: 0.9, ..Default::default() });
+    let cases = [
+        ("greedy", plain.clone(), Some(1)),
+        ("top-k", top(40), Some(40)),
+        ("top-k at the most", top(TOP_K_MAX - 1), Some(TOP_K_MAX - 1)),
+        ("top-k above the most", top(TOP_K_MAX), None),
+        ("no top-k", top(0), None),
+        ("logprobs", with(SamplingParams { logprobs: Some(2), ..Default::default() }), None),
+        ("bias", with(SamplingParams { logit_bias: vec![(1, 1.0)], ..Default::default() }), None),
+        ("penalty", with(SamplingParams { presence_penalty: 0.5, ..Default::default() }), None),
+        ("prompt", with(SamplingParams { prompt_logprobs: Some(1), ..Default::default() }), None),
+    ];
+    for (what, sampling, want) in cases {
+        let mut samplers = Samplers::new();
+        let plan = plan_of(vec![entry(1, true, Some(top(3))), entry(2, true, Some(sampling))]);
+        samplers.admit(&plan);
+        assert_eq!(samplers.candidates(&plan), want.map(|k: usize| k.max(3) + 1), "{what}");
+    }
+    // A sequence that is not sampled in the step does not count.
+    let mut samplers = Samplers::new();
+    let plan = plan_of(vec![entry(1, true, Some(top(3))), entry(2, false, Some(top(0)))]);
+    samplers.admit(&plan);
+    assert_eq!(samplers.candidates(&plan), Some(4));
+}
+
+/// A row's candidates give the token its whole row gives, draw after draw: greedy (the first
+/// of equal maxima, -0 equal to +0), top-k with and without top-p and min-p, from one more
+/// candidate than top-k or more (a batch's largest), and rows with no more numbers than top-k
+/// (NaN), where the row's order weighs them. Rows of few distinct values, so ties decide often.
+#[test]
+fn sampling_from_a_rows_candidates_picks_what_the_row_picks() {
+    let be = tensor::Backend::cpu(1).unwrap();
+    let vocab = 300;
+    let mut state = 1u64;
+    let mut next = move || {
+        state =
+            state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        (state >> 33) as u32
+    };
+    let mut checked = 0;
+    for case in 0..200 {
+        let levels = [3, 20, 1000][case % 3];
+        let holes = case % 4 == 0;
+        let row: Vec<f32> = (0..vocab)
+            .map(|_| {
+                let v = (next() % levels) as f32 * 0.25 - 2.0;
+                match (holes, next() % 8) {
+                    (true, 0) => f32::NAN,
+                    (true, 1) => -0.0,
+                    (true, 2) => 0.0,
+                    _ => v,
+                }
+            })
+            .collect();
+        let numbers = row.iter().filter(|v| !v.is_nan()).count();
+        let temperature = [0.0, 0.5, 1.0, 1.7][case % 4];
+        let top_k = [1, 2, 7, 50, 299, 400][(next() % 6) as usize];
+        let top_p = [1.0, 0.9, 0.5][(next() % 3) as usize];
+        let min_p = [0.0, 0.05][(next() % 2) as usize];
+        let p = SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seed: case as u64,
+            ..Default::default()
+        };
+        let keep = if temperature <= 0.0 { 1 } else { top_k };
+        // One more than the row keeps, or more (a batch's largest).
+        let n = keep + 1 + [0, 5][case % 2];
+        let x = tensor::Tensor::from_vec(&[1, vocab], row.clone()).unwrap();
+        let top = be.top_k_rows(&x, n).unwrap();
+        let (mut whole, mut part) = (Sampler::new(p.clone()), Sampler::new(p));
+        for draw in 0..20 {
+            let want = whole.sample(&row);
+            let got = part.sample_candidates(top.row(0));
+            assert_eq!(got, want, "case {case} draw {draw}: {numbers} numbers, k {top_k}, n {n}");
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 4000);
+}
+
 #[test]
 fn penalties_count_the_history_sent_and_the_tokens_sampled_since() {
     let penalized = |generated: Vec<u32>| SeqSampling {

@@ -91,9 +91,11 @@ impl TopK {
     }
 }
 
-/// The candidates' order: the larger value first, the lower id among equal values.
+/// The candidates' order: the larger value first, the lower id among equal values (-0 and
+/// +0 are equal, as for an argmax, so the first candidate is the row's argmax). For values
+/// that are not NaN.
 pub fn candidate_order(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
-    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
+    b.0.partial_cmp(&a.0).unwrap_or(Ordering::Equal).then(a.1.cmp(&b.1))
 }
 
 /// Appends the `k` best of `row` (no NaN in it), in order, then padding up to `k`.
@@ -180,9 +182,9 @@ mod tests {
                 7.0,
                 5.0, //
                 nan,
-                nan,
+                -0.0,
                 2.0,
-                nan,
+                0.0,
                 f32::NEG_INFINITY,
                 nan, //
                 nan,
@@ -198,10 +200,12 @@ mod tests {
         assert_eq!(top.per_row(), 3);
         assert_eq!(top.rows(), 3);
         assert_eq!(top.row(0).collect::<Vec<_>>(), [(7.0, 4), (5.0, 1), (5.0, 2)]);
+        // -0 and +0 are equal (the lower column first).
+        assert_eq!(top.row(1).map(|c| c.1).collect::<Vec<_>>(), [2, 1, 3]);
+        assert_eq!(be.top_k_rows(&x, 4).unwrap().row(1).last(), Some((f32::NEG_INFINITY, 4)));
         // Fewer numbers than asked: padded, and the padding is not a candidate.
-        assert_eq!(top.row(1).collect::<Vec<_>>(), [(2.0, 2), (f32::NEG_INFINITY, 4)]);
         assert_eq!(top.row(2).count(), 0);
-        assert_eq!(&top.ids()[3..6], [2, 4, u32::MAX]);
+        assert_eq!(&top.ids()[6..9], [u32::MAX; 3]);
         // More than the columns: all of them.
         assert_eq!(be.top_k_rows(&x, 10).unwrap().per_row(), 6);
         let err = be.top_k_rows(&x, TOP_K_MAX + 1).unwrap_err().to_string();

@@ -319,11 +319,11 @@ extern "C" __global__ void argmax_rows(const float* x, int cols, unsigned int* o
     if (threadIdx.x == 0) out[blockIdx.x] = idxs[0] < 0 ? 0u : (unsigned int)idxs[0];
 }
 
-// A float's order as an unsigned key: a larger float has a larger key; 0 is no float (a NaN
-// maps to 0 here, as top_k_rows never takes one).
+// A float's order as an unsigned key: a larger float has a larger key, -0 and +0 the same
+// one; 0 is no float (a NaN maps to 0 here, as top_k_rows never takes one).
 __device__ unsigned int order_key(float v) {
     if (v != v) return 0u;
-    unsigned int u = __float_as_uint(v);
+    unsigned int u = v == 0.0f ? 0u : __float_as_uint(v);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
