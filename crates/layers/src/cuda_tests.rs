@@ -514,3 +514,42 @@ fn cuda_prepared_weights_are_every_weight_a_step_reads() {
         std::fs::remove_file(path).unwrap();
     }
 }
+
+/// A step's top-k candidates found on the GPU (only they come to the host) are those of the
+/// step's logits brought to the host, bit for bit: a Llama and a Gemma 2 (whose candidates
+/// carry the soft-capped logits), two sequences, k from 1 to past the vocabulary.
+#[test]
+fn cuda_top_k_candidates_of_a_step_are_those_of_its_logits() {
+    use crate::parallel::Sequence;
+    let Some(gpu) = gpu() else { return };
+    let prompts: [&[u32]; 2] = [&[3, 17, 5, 38], &[0, 22, 9]];
+    for (i, spec) in [RandomLlama::default(), gemma2_spec()].into_iter().enumerate() {
+        let path = temp_path(&format!("cuda-top-k-{i}.gguf"));
+        spec.write(&path).unwrap();
+        let opts = LoadOptions::new(Placement::single()).on(gpu.clone());
+        let model = ParallelModel::load(&path, opts.form(WeightForm::Native)).unwrap();
+        let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
+        let mut comms = Comms { tp: &mut tp, cp: &mut cp };
+        let mut step = |pick: &mut dyn FnMut(&mut Comms<'_>, &mut [Sequence<'_>])| {
+            let mut caches = [model.new_cache(16), model.new_cache(16)];
+            let [a, b] = &mut caches;
+            let mut seqs = [
+                Sequence { tokens: prompts[0], cache: a, sample: true, every_row: false },
+                Sequence { tokens: prompts[1], cache: b, sample: true, every_row: false },
+            ];
+            pick(&mut comms, &mut seqs);
+        };
+        let mut logits = None;
+        step(&mut |comms, seqs| logits = model.forward_batch(comms, seqs).unwrap());
+        let logits = logits.unwrap();
+        let vocab = logits.row_len();
+        let host = Tensor::from_vec(&[2, vocab], logits.into_host_vec().unwrap()).unwrap();
+        for k in [1, 7, vocab + 3] {
+            let mut top = None;
+            step(&mut |comms, seqs| top = model.forward_batch_top_k(comms, seqs, k).unwrap());
+            let want = cpu().top_k_rows(&host, k).unwrap();
+            assert_eq!(top.unwrap(), want, "case {i}, k {k}");
+        }
+        std::fs::remove_file(path).unwrap();
+    }
+}
