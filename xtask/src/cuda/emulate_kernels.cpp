@@ -39,6 +39,7 @@ extern "C" void gated_halves(const float* x, float* out, u64 n, int units, int g
                              unsigned short* half);
 extern "C" void argmax_rows(const float* x, int cols, unsigned int* out);
 extern "C" void top_k_rows(const float* x, int cols, int k, float* vals, unsigned int* ids);
+extern "C" void sample_rows(const float* x, int cols, const double* params, unsigned int* out);
 extern "C" void dequantize(const float* scales, const float* mins, const unsigned char* qs,
                            float* out, u64 n, int kind);
 extern "C" void to_bf16(const float* x, unsigned short* y, u64 n);
@@ -133,7 +134,114 @@ static int check_top_k(u64& seed) {
     return 0;
 }
 
-// The fused kernels against the kernels they replace, bit for bit: split_rope against
+// kernels::exp_det's definition, written out again: range reduction and Taylor polynomial.
+static double ref_exp(double x) {
+    static const double inv_factorial[14] = {
+        1.0, 1.0, 0.5, 0.16666666666666666, 0.041666666666666664, 0.008333333333333333,
+        0.001388888888888889, 0.0001984126984126984, 2.48015873015873e-05,
+        2.7557319223985893e-06, 2.7557319223985894e-07, 2.505210838544172e-08,
+        2.08767569878681e-09, 1.6059043836821616e-10};
+    if (!(x >= -708.0 && x <= 0.0)) return x > 0.0 ? INFINITY : 0.0;
+    double n = std::round(x * 1.4426950408889634);
+    double r = std::fma(-n, 0.6931471803691238, x);
+    r = std::fma(-n, 1.9082149292705877e-10, r);
+    double p = inv_factorial[13];
+    for (int k = 12; k >= 0; k--) p = std::fma(p, r, inv_factorial[k]);
+    return std::ldexp(p, (int)n);
+}
+
+// kernels::draw_columns over a whole row, written out plainly: every column's weight, the
+// chunk sums in column order, their total, the walk.
+static unsigned int ref_draw(const float* row, int cols, double t, double floor, double u) {
+    int first = -1, best = -1;
+    for (int i = 0; i < cols; i++) {
+        if (row[i] != row[i]) continue;
+        if (first < 0) first = i;
+        if (best < 0 || row[i] > row[best]) best = i;
+    }
+    if (first < 0) return 0;
+    if (t <= 0.0) return (unsigned int)best;
+    std::vector<double> w(cols, 0.0);
+    int last = -1;
+    for (int i = 0; i < cols; i++) {
+        if (row[i] != row[i]) continue;
+        double x = ref_exp(((double)row[i] - (double)row[best]) / t);
+        w[i] = x >= floor ? x : 0.0;
+        if (w[i] > 0.0) last = i;
+    }
+    unsigned int fallback = (unsigned int)(last >= 0 ? last : first);
+    std::vector<double> sums;
+    for (int c = 0; c < cols; c += 256) {
+        double s = 0.0;
+        for (int i = c; i < std::min(c + 256, cols); i++) s += w[i];
+        sums.push_back(s);
+    }
+    double total = 0.0;
+    for (double s : sums) total += s;
+    double left = u * total;
+    for (size_t c = 0; c < sums.size(); c++) {
+        if (left < sums[c]) {
+            for (int i = (int)c * 256; i < std::min((int)c * 256 + 256, cols); i++) {
+                if (row[i] != row[i]) continue;
+                if (left < w[i]) return (unsigned int)i;
+                left -= w[i];
+            }
+            return fallback;
+        }
+        left -= sums[c];
+    }
+    return fallback;
+}
+
+// sample_rows against ref_draw, id for id: rows of few levels (ties), NaN and -inf, greedy,
+// temperatures from 0.2 to 3, min-p, u near 0 and near 1, a row of NaN, a row of one number,
+// a row narrower than a chunk and one of 3,000 columns; and ref_exp within 4 ulps of exp.
+static int check_sample(u64& seed) {
+    for (int i = 0; i <= 7000; i++) {
+        double x = -0.1013 * i;
+        double got = ref_exp(x), want = std::exp(x);
+        if (x >= -708.0 && std::fabs(got - want) > 4.0 * 2.220446049250313e-16 * want)
+            return fail("exp_det", (size_t)i, got, want);
+    }
+    for (int cols : {100, 3000}) {
+        const int rows = 20;
+        std::vector<float> x((size_t)rows * cols);
+        std::vector<double> params(3 * rows);
+        for (int r = 0; r < rows; r++) {
+            for (int i = 0; i < cols; i++) {
+                float v = std::floor((next_value(seed) + 1.0f) * 4.0f) - 4.0f;
+                float h = std::fabs(next_value(seed));
+                if (r % 3 == 0 && h < 0.1f) v = std::nanf("");
+                if (r % 3 == 0 && h >= 0.1f && h < 0.15f) v = -INFINITY;
+                x[(size_t)r * cols + i] = v;
+            }
+            double u = std::fabs((double)next_value(seed));
+            if (r == 5) u = 0.0;
+            if (r == 6) u = 0.9999999999;
+            params[3 * r] = (double)(float)(r % 4 == 0 ? 0.0 : 0.2 + 0.1 * r);
+            params[3 * r + 1] = (double)(float)(r % 2 == 0 ? 0.0 : 0.05);
+            params[3 * r + 2] = u;
+        }
+        for (int i = 0; i < cols; i++) x[(size_t)(rows - 2) * cols + i] = std::nanf("");
+        for (int i = 0; i < cols; i++) x[(size_t)(rows - 1) * cols + i] = std::nanf("");
+        x[(size_t)(rows - 1) * cols + cols / 3] = -2.0f;
+        params[3 * (rows - 2)] = params[3 * (rows - 1)] = 1.0;
+        std::vector<unsigned int> ids(rows, 99999);
+        tpctl_launch(rows, 1, BLOCK_THREADS,
+                     [&] { sample_rows(x.data(), cols, params.data(), ids.data()); });
+        for (int r = 0; r < rows; r++) {
+            unsigned int want = ref_draw(&x[(size_t)r * cols], cols, params[3 * r],
+                                         params[3 * r + 1], params[3 * r + 2]);
+            if (ids[r] != want) {
+                std::printf("sample_rows (%d columns): ", cols);
+                return fail("row", (size_t)r, ids[r], want);
+            }
+        }
+    }
+    return 0;
+}
+
+// The fused kernels against the kernels they replace, bit for bit:// The fused kernels against the kernels they replace, bit for bit: split_rope against
 // copy_cols then rope (GQA, a partial rotation with factors and an attention factor, and a
 // whole one), gated_halves against copy_cols then silu_mul / gelu_tanh_mul (and SiLU against
 // its formula, so a kernel that swapped the halves or the activation fails).
@@ -351,6 +459,7 @@ static int check_rows() {
     for (int r = 0; r < 3; r++)
         if (idx[r] != want_idx[r]) return fail("argmax_rows", r, idx[r], want_idx[r]);
     if (check_top_k(seed) != 0) return 1;
+    if (check_sample(seed) != 0) return 1;
     // Logit soft-capping of 300 values up to +-6 with a cap of 1.5: most are pulled in far.
     std::vector<float> logits(300), capped;
     for (auto& v : logits) v = 6.0f * next_value(seed);
@@ -362,7 +471,7 @@ static int check_rows() {
         double want = 1.5 * std::tanh((double)logits[i] / 1.5);
         if (!near(capped[i], want, 1e-6)) return fail("soft_cap", i, capped[i], want);
     }
-    std::printf("ok: rms_norm, add_rms_norm, rope with factors and an attention factor, split_rope, gated_halves, argmax_rows, top_k_rows, soft_cap\n");
+    std::printf("ok: rms_norm, add_rms_norm, rope with factors and an attention factor, split_rope, gated_halves, argmax_rows, top_k_rows, sample_rows, soft_cap\n");
     return 0;
 }
 

@@ -33,6 +33,11 @@ inline float __uint_as_float(unsigned int u) {
     std::memcpy(&f, &u, sizeof f);
     return f;
 }
+inline double __longlong_as_double(long long i) {
+    double d;
+    std::memcpy(&d, &i, sizeof d);
+    return d;
+}
 inline unsigned int __float_as_uint(float f) {
     unsigned int u;
     std::memcpy(&u, &f, sizeof u);

@@ -12,4 +12,6 @@ float __int_as_float(int);
 unsigned int __float_as_uint(float);
 float __uint_as_float(unsigned int);
 int min(int, int);
+int max(int, int);
 unsigned int atomicAdd(unsigned int*, unsigned int);
+double __longlong_as_double(long long);

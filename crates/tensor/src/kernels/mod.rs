@@ -14,6 +14,7 @@ pub mod cpu;
 pub mod cuda;
 mod fused;
 mod prepare;
+mod sample;
 mod select;
 mod step_attention;
 
@@ -24,6 +25,7 @@ use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaDeviceInfo, PoolArena};
 pub use fused::{PoolMemory, PoolRows};
 pub use prepare::WeightUse;
+pub use sample::{draw_columns, exp_det, Draw, DRAW_CHUNK, DRAW_MAX_COLUMNS};
 pub use select::{candidate_order, TopK, TOP_K_MAX};
 pub use step_attention::RowKv;
 

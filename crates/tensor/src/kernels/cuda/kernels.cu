@@ -446,6 +446,141 @@ extern "C" __global__ void top_k_rows(const float* x, int cols, int k, float* va
     }
 }
 
+// e^x for x <= 0 (0 below -708, for -inf and NaN) by the operations of kernels::exp_det, so
+// the same bits as the CPU: n = round(x log2 e) (half away from zero), r = x - n ln 2 in two
+// fused multiply-adds, e^r by its degree-13 Taylor polynomial in Horner's form (one fused
+// multiply-add a degree), times 2^n from the exponent bits.
+__device__ double exp_det(double x) {
+    const double inv_factorial[14] = {1.0,
+                                      1.0,
+                                      0.5,
+                                      0.16666666666666666,
+                                      0.041666666666666664,
+                                      0.008333333333333333,
+                                      0.001388888888888889,
+                                      0.0001984126984126984,
+                                      2.48015873015873e-05,
+                                      2.7557319223985893e-06,
+                                      2.7557319223985894e-07,
+                                      2.505210838544172e-08,
+                                      2.08767569878681e-09,
+                                      1.6059043836821616e-10};
+    if (!(x >= -708.0 && x <= 0.0)) return x > 0.0 ? __longlong_as_double(0x7ff0000000000000LL) : 0.0;
+    double n = round(x * 1.4426950408889634);
+    double r = fma(-n, 1.9082149292705877e-10, fma(-n, 0.6931471803691238, x));
+    double p = inv_factorial[13];
+    for (int k = 12; k >= 0; k--) p = fma(p, r, inv_factorial[k]);
+    return p * __longlong_as_double((long long)((int)n + 1023) << 52);
+}
+
+// The draw's weight of logit l (kernels::sample's `weight`): exp_det((l - top) / t), 0 below
+// `floor`.
+__device__ double draw_weight(float l, float top, double t, double floor) {
+    double w = exp_det(((double)l - (double)top) / t);
+    return w >= floor ? w : 0.0;
+}
+
+// Columns per chunk of a row's weight sums (DRAW_CHUNK), and the most chunks of a row
+// (DRAW_MAX_COLUMNS / DRAW_CHUNK).
+#define DRAW_CHUNK 256
+#define DRAW_MAX_CHUNKS 2048
+
+// One token per row by kernels::draw_columns: params holds (temperature, min_p, u) per row.
+// Greedy (temperature <= 0) is the argmax (the first of equal values, NaN never, 0 for none).
+// Else each thread sums its chunks' weights in column order (thread t: chunks t, t + BLOCK,
+// ...), thread 0 sums the chunk sums in order and walks them, then the chosen chunk's
+// weights, with u times the total; past the end (rounding), the last column with a weight
+// (else the first number's). One block per row.
+extern "C" __global__ void sample_rows(const float* x, int cols, const double* params,
+                                       unsigned int* out) {
+    __shared__ float vals[BLOCK];
+    __shared__ int idxs[BLOCK];
+    __shared__ int lasts[BLOCK];
+    __shared__ double sums[DRAW_MAX_CHUNKS];
+    const float* row = x + (u64)blockIdx.x * cols;
+    double t = params[3 * blockIdx.x], floor = params[3 * blockIdx.x + 1];
+    double u = params[3 * blockIdx.x + 2];
+    // The argmax (as argmax_rows): the top logit and the first column holding it.
+    float best = 0.0f;
+    int bi = -1;
+    for (int i = threadIdx.x; i < cols; i += BLOCK) {
+        float v = row[i];
+        if (v == v && (bi < 0 || v > best)) {
+            best = v;
+            bi = i;
+        }
+    }
+    vals[threadIdx.x] = best;
+    idxs[threadIdx.x] = bi;
+    __syncthreads();
+    for (int s = BLOCK / 2; s > 0; s /= 2) {
+        if ((int)threadIdx.x < s) {
+            int j = idxs[threadIdx.x + s];
+            float v = vals[threadIdx.x + s];
+            int i0 = idxs[threadIdx.x];
+            float v0 = vals[threadIdx.x];
+            if (j >= 0 && (i0 < 0 || v > v0 || (v == v0 && j < i0))) {
+                vals[threadIdx.x] = v;
+                idxs[threadIdx.x] = j;
+            }
+        }
+        __syncthreads();
+    }
+    int arg = idxs[0];
+    float top = vals[0];
+    if (arg < 0 || t <= 0.0) {
+        if (threadIdx.x == 0) out[blockIdx.x] = arg < 0 ? 0u : (unsigned int)arg;
+        return;
+    }
+    // Each thread's chunks: their sums, and the last column with a weight among them.
+    int chunks = (cols + DRAW_CHUNK - 1) / DRAW_CHUNK;
+    int last = -1;
+    for (int c = threadIdx.x; c < chunks; c += BLOCK) {
+        double s = 0.0;
+        int end = min((c + 1) * DRAW_CHUNK, cols);
+        for (int i = c * DRAW_CHUNK; i < end; i++) {
+            float l = row[i];
+            if (l != l) continue;
+            double w = draw_weight(l, top, t, floor);
+            if (w > 0.0) last = i;
+            s += w;
+        }
+        sums[c] = s;
+    }
+    lasts[threadIdx.x] = last;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    int fallback = -1;
+    double total = 0.0;
+    for (int i = 0; i < BLOCK; i++) fallback = max(fallback, lasts[i]);
+    for (int c = 0; c < chunks; c++) total += sums[c];
+    if (fallback < 0) {
+        // No weight: the first number's column (the lowest column with a number).
+        for (int i = 0; i < cols && fallback < 0; i++)
+            if (row[i] == row[i]) fallback = i;
+    }
+    double left = u * total;
+    unsigned int pick = (unsigned int)fallback;
+    for (int c = 0; c < chunks; c++) {
+        if (left < sums[c]) {
+            int end = min((c + 1) * DRAW_CHUNK, cols);
+            for (int i = c * DRAW_CHUNK; i < end; i++) {
+                float l = row[i];
+                if (l != l) continue;
+                double w = draw_weight(l, top, t, floor);
+                if (left < w) {
+                    pick = (unsigned int)i;
+                    break;
+                }
+                left -= w;
+            }
+            break;
+        }
+        left -= sums[c];
+    }
+    out[blockIdx.x] = pick;
+}
+
 // Dequantizes a repacked `QMatrix` (see `kernels::cpu::qmatrix`), by `kind`: 0, 8-bit w = d*q
 // (a scale per 32); 1, 4-bit w = d*nibble + m with nibbles 0..16 of a block in the low halves
 // of its 16 bytes; 2, 8-bit w = d*q with a scale per 16; 3, as 2 with w = d*q + m, a minimum

@@ -275,6 +275,14 @@ impl CudaBackend {
     pub(crate) fn top_k_rows(&self, _x: &Tensor, _k: usize) -> Result<(Vec<f32>, Vec<u32>)> {
         match self.never {}
     }
+
+    pub(crate) fn sample_rows(
+        &self,
+        _x: &Tensor,
+        _draws: &[crate::kernels::Draw],
+    ) -> Result<Vec<u32>> {
+        match self.never {}
+    }
 }
 
 /// A device arena in the driver's memory pool, not compiled into this build.

@@ -169,6 +169,35 @@ fn cuda_top_k_rows_are_the_cpus_candidates() {
     }
 }
 
+/// Tokens drawn on the GPU from whole rows are the CPU's draws, id for id (the same f64
+/// arithmetic, see `kernels::sample`): greedy, temperatures with and without min-p, a row of
+/// NaN, over a vocabulary-wide row; one launch, one upload and one download.
+#[test]
+fn cuda_sample_rows_draw_the_cpus_tokens() {
+    use crate::kernels::Draw;
+    let Some(gpu) = gpu() else { return };
+    let cuda = cuda_of(&gpu);
+    let cpu = cpu();
+    let (rows, cols) = (24, 49152);
+    let mut x: Vec<f32> = random_vec(rows * cols, 13).iter().map(|v| v * 12.0).collect();
+    x[3 * cols..4 * cols].fill(f32::NAN);
+    x[5 * cols + 77] = f32::NAN;
+    let x = Tensor::from_vec(&[rows, cols], x).unwrap();
+    let draws: Vec<Draw> = (0..rows)
+        .map(|r| Draw {
+            temperature: [0.0, 0.4, 1.0, 2.0][r % 4],
+            min_p: [0.0, 0.1][r % 2],
+            u: (r as f64 * 0.618_033_988_75).fract(),
+        })
+        .collect();
+    let want = cpu.sample_rows(&x, &draws).unwrap();
+    let before = cuda.counters();
+    let got = gpu.sample_rows(&x, &draws).unwrap();
+    let moved = cuda.counters().since(&before);
+    assert_eq!(got, want);
+    assert_eq!((moved.launches, moved.downloads), (1, 1), "{moved:?}");
+}
+
 #[test]
 fn cuda_linear_matches_cpu_for_f32_and_quantized_weights() {
     let Some(gpu) = gpu() else { return };

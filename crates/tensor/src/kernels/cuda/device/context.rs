@@ -113,6 +113,7 @@ impl CudaBackend {
             embedding: f("embedding")?,
             argmax_rows: f("argmax_rows")?,
             top_k_rows: f("top_k_rows")?,
+            sample_rows: f("sample_rows")?,
             dequantize: f("dequantize")?,
             attention: f("attention")?,
             attention_merge: f("attention_merge")?,

@@ -231,6 +231,7 @@ mod tests {
             "embedding",
             "argmax_rows",
             "top_k_rows",
+            "sample_rows",
             "dequantize",
             "attention",
             "to_bf16",

@@ -137,6 +137,7 @@ struct Kernels {
     embedding: CudaFunction,
     argmax_rows: CudaFunction,
     top_k_rows: CudaFunction,
+    sample_rows: CudaFunction,
     dequantize: CudaFunction,
     attention: CudaFunction,
     attention_merge: CudaFunction,

@@ -363,4 +363,42 @@ impl CudaBackend {
         self.download(OP, &id, &mut ids)?;
         Ok((values, ids))
     }
+
+    /// One token per row of `x` by `draws` (see `Backend::sample_rows`), drawn on the device:
+    /// the draws' numbers go up in one copy, the ids come down in one. The caller checked the
+    /// counts and the row length.
+    pub(crate) fn sample_rows(
+        &self,
+        x: &Tensor,
+        draws: &[crate::kernels::Draw],
+    ) -> Result<Vec<u32>> {
+        const OP: &str = "sample_rows";
+        let rows = x.rows();
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let cols = int(OP, "columns", x.row_len())?;
+        let params: Vec<f64> = draws
+            .iter()
+            .flat_map(|d| [f64::from(d.temperature), f64::from(d.min_p), d.u])
+            .collect();
+        let xd = self.input(OP, x)?;
+        let pd = self.upload(OP, &params)?;
+        self.count(Count::Allocation);
+        // SAFETY: handed only to the launch below, whose block r writes element r.
+        let mut od = unsafe { self.stream().alloc::<u32>(rows) }
+            .or_unavailable(|| format!("{OP}: allocating {rows} ids"))?;
+        let cfg = per_row(OP, rows, BLOCK)?;
+        self.count(Count::Launch);
+        let mut b = self.stream().launch_builder(&self.inner.k.sample_rows);
+        b.arg(&xd.ptr).arg(&cols).arg(&pd).arg(&mut od);
+        // SAFETY: the arguments match `sample_rows(const float*, int, const double*, unsigned
+        // int*)`; block r reads row r (cols floats) of x, which holds rows·cols, and params
+        // 3r..3r+3 of 3·rows, and writes out[r] of rows; cols is at most DRAW_MAX_COLUMNS (the
+        // kernel's chunk sums in shared memory), as the caller checked.
+        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        let mut ids = vec![0u32; rows];
+        self.download(OP, &od, &mut ids)?;
+        Ok(ids)
+    }
 }
