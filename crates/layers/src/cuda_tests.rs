@@ -516,11 +516,14 @@ fn cuda_prepared_weights_are_every_weight_a_step_reads() {
 }
 
 /// A step's top-k candidates found on the GPU (only they come to the host) are those of the
-/// step's logits brought to the host, bit for bit: a Llama and a Gemma 2 (whose candidates
-/// carry the soft-capped logits), two sequences, k from 1 to past the vocabulary.
+/// step's logits brought to the host, bit for bit, and its tokens drawn on the GPU are those
+/// the CPU draws from them: a Llama and a Gemma 2 (whose candidates and draws see the
+/// soft-capped logits), two sequences, k from 1 to past the vocabulary, greedy and sampled
+/// draws.
 #[test]
-fn cuda_top_k_candidates_of_a_step_are_those_of_its_logits() {
+fn cuda_top_k_candidates_and_draws_of_a_step_are_those_of_its_logits() {
     use crate::parallel::Sequence;
+    use tensor::kernels::Draw;
     let Some(gpu) = gpu() else { return };
     let prompts: [&[u32]; 2] = [&[3, 17, 5, 38], &[0, 22, 9]];
     for (i, spec) in [RandomLlama::default(), gemma2_spec()].into_iter().enumerate() {
@@ -549,6 +552,13 @@ fn cuda_top_k_candidates_of_a_step_are_those_of_its_logits() {
             step(&mut |comms, seqs| top = model.forward_batch_top_k(comms, seqs, k).unwrap());
             let want = cpu().top_k_rows(&host, k).unwrap();
             assert_eq!(top.unwrap(), want, "case {i}, k {k}");
+        }
+        for (temperature, u) in [(0.0, 0.0), (0.8, 0.3), (1.5, 0.97)] {
+            let draws = [Draw { temperature, min_p: 0.0, u }, Draw { temperature, min_p: 0.05, u }];
+            let mut ids = None;
+            step(&mut |comms, seqs| ids = model.forward_batch_sample(comms, seqs, &draws).unwrap());
+            let want = cpu().sample_rows(&host, &draws).unwrap();
+            assert_eq!(ids.unwrap(), want, "case {i}, temperature {temperature}");
         }
         std::fs::remove_file(path).unwrap();
     }

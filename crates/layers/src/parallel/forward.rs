@@ -7,7 +7,7 @@ use crate::model::Logits;
 use collectives::Collective;
 use mesh::TokenShard;
 use std::ops::Range;
-use tensor::kernels::TopK;
+use tensor::kernels::{Draw, TopK};
 use tensor::{Backend, Tensor};
 
 /// How one sequence's tokens of a step are split over CP.
@@ -275,6 +275,25 @@ impl ParallelModel {
                 Ok(root.then_some(top))
             }
         })
+    }
+
+    /// [`ParallelModel::forward_batch`] for samplers that weigh every token of a row: one
+    /// token per row it would return logits for, drawn by `draws` (one per row, in the same
+    /// order; see [`Backend::sample_rows`]) where the logits are, on the rank at TP 0 and CP 0
+    /// (`None` elsewhere, whose `draws` are not read): on a GPU of one TP rank the logits stay
+    /// on the device and only the ids come to the host. The tokens
+    /// [`tensor::kernels::draw_columns`] draws from [`ParallelModel::forward_batch`]'s rows.
+    ///
+    /// # Errors
+    /// As [`ParallelModel::forward_batch`], and another number of draws than rows.
+    pub fn forward_batch_sample(
+        &self,
+        comms: &mut Comms<'_>,
+        seqs: &mut [Sequence<'_>],
+        draws: &[Draw],
+    ) -> Result<Option<Vec<u32>>> {
+        let Some(logits) = self.forward_batch(comms, seqs)? else { return Ok(None) };
+        Ok(Some(self.backend.run(|| self.backend.sample_rows(&logits, draws))?))
     }
 
     /// The backend for the LM head over `seqs`' final rows: those of sequences that want only

@@ -835,6 +835,74 @@ fn batched_top_k_finds_the_gathered_logits_candidates_in_every_layout() {
     std::fs::remove_file(path).unwrap();
 }
 
+/// Batched steps drawn where the logits are give, row for row, the tokens
+/// `draw_columns` draws from the rows `forward_batch` gives in the same layout, on the rank at
+/// TP 0 and CP 0 only, in every layout.
+#[test]
+fn batched_draws_pick_what_the_gathered_logits_give_in_every_layout() {
+    use tensor::kernels::{draw_columns, Draw};
+    let spec = RandomLlama {
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 80,
+        vocab: 40,
+        layers: 2,
+        seed: 59,
+        ..RandomLlama::default()
+    };
+    let path = write_model(&spec, "batched-draws.gguf");
+    let steps = mixed_steps(spec.vocab as u32);
+    // Per step, a draw for each row it samples (the rows of `forward_batch`).
+    let draw = |step: usize, row: usize| Draw {
+        temperature: [0.0, 0.5, 1.0, 2.0][(step + row) % 4],
+        min_p: [0.0, 0.1][row % 2],
+        u: ((step * 7 + row) as f64 * 0.618_033_988_75).fract(),
+    };
+    for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)] {
+        let got = on_mesh(tp, cp, |p, comms| {
+            let file = GgufFile::open(&path).unwrap();
+            let config = LlamaConfig::from_gguf(&file).unwrap();
+            let opts = LoadOptions::new(p).on(Backend::cpu(1).unwrap()).form(WeightForm::F32);
+            let model = ParallelModel::from_source(&file, config, opts).unwrap();
+            let mut caches: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
+            let logits = run_steps(&model, comms, &steps, &mut caches);
+            let mut caches: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
+            let mut step = 0;
+            let ids = run_steps_with(comms, &steps, &mut caches, |comms, seqs| {
+                let rows = seqs.iter().filter(|s| s.sample).count();
+                let draws: Vec<Draw> = (0..rows).map(|r| draw(step, r)).collect();
+                step += 1;
+                model.forward_batch_sample(comms, seqs, &draws).unwrap()
+            });
+            (p, logits, ids)
+        });
+        for (p, logits, ids) in got {
+            if (p.tp_rank, p.cp_rank) != (0, 0) {
+                assert!(ids.iter().all(Option::is_none), "({tp},{cp}) {p:?} got ids");
+                continue;
+            }
+            for (i, (logits, ids)) in logits.iter().zip(&ids).enumerate() {
+                let (logits, ids) = (logits.as_ref().unwrap(), ids.as_ref().unwrap());
+                let want: Vec<u32> = (0..logits.rows())
+                    .map(|r| {
+                        let pairs: Vec<(f32, u32)> = logits
+                            .row(r)
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, l)| !l.is_nan())
+                            .map(|(c, &l)| (l, c as u32))
+                            .collect();
+                        draw_columns(&pairs, &draw(i, r))
+                    })
+                    .collect();
+                assert_eq!(ids, &want, "({tp},{cp}) step {i}");
+            }
+        }
+    }
+    std::fs::remove_file(path).unwrap();
+}
+
 /// A step reads device outputs on the host only through explicit copies ([`Tensor::host`],
 /// which can fail), never behind an infallible call: on a backend whose every output is
 /// device data (any other read panics), single forward passes (all rows, last row),
