@@ -11,7 +11,7 @@
 use crate::model::{SampledToken, StepOutput};
 use crate::plan::{PlanEntry, SeqId, SeqSampling, StepPlan};
 use std::collections::HashMap;
-use tensor::kernels::{candidate_order, TopK, TOP_K_MAX};
+use tensor::kernels::{candidate_order, draw_columns, Draw, TopK, DRAW_MAX_COLUMNS, TOP_K_MAX};
 use text::{GrammarEngine, GrammarMatcher};
 
 /// How a request picks its tokens and when it stops.
@@ -279,15 +279,19 @@ impl Sampler {
             logits.iter().enumerate().filter(|(_, l)| !l.is_nan()).map(|(i, &l)| (l, i as u32)),
         );
         let k = self.params.top_k;
-        if k > 0 && k < cand.len() {
+        let in_row_order = if k > 0 && k < cand.len() {
             // Only the k best need ordering: a full sort of a 150k vocabulary costs milliseconds.
             cand.select_nth_unstable_by(k - 1, candidate_order);
             cand.truncate(k);
             cand.sort_unstable_by(candidate_order);
+            false
         } else if self.params.top_p < 1.0 {
             cand.sort_unstable_by(candidate_order);
-        }
-        self.draw(cand)
+            false
+        } else {
+            true
+        };
+        self.draw(cand, in_row_order)
     }
 
     /// Picks a token from a logits row's candidates: its non-NaN logits and their ids in
@@ -307,20 +311,45 @@ impl Sampler {
         cand.clear();
         cand.extend(candidates);
         let k = self.params.top_k;
-        if k > 0 && k < cand.len() {
+        let in_row_order = if k > 0 && k < cand.len() {
             // The row holds more than k numbers (more candidates than k came).
             cand.truncate(k);
+            false
         } else if self.params.top_p >= 1.0 {
             // No more than k came: the row's every number, which `sample` weighs in the
             // row's order.
             cand.sort_unstable_by_key(|c| c.1);
-        }
-        self.draw(cand)
+            true
+        } else {
+            false
+        };
+        self.draw(cand, in_row_order)
+    }
+
+    /// The next token's draw when it weighs every token of its row (see
+    /// [`Samplers::draws`]): greedy takes no number from the generator, sampling its next.
+    fn next_draw(&mut self) -> Draw {
+        let p = &self.params;
+        let (temperature, min_p) = (p.temperature, p.min_p);
+        let u = if temperature > 0.0 { self.uniform() } else { 0.0 };
+        Draw { temperature, min_p, u }
     }
 
     /// The draw over the candidates of a row (`sample`'s, in the order it weighs them):
-    /// temperature, min-p and top-p, then one uniform number.
-    fn draw(&mut self, cand: Vec<(f32, u32)>) -> u32 {
+    /// temperature, min-p and top-p, then one uniform number. A row weighed whole, in its
+    /// order (`in_row_order`, no top-p), is drawn by [`draw_columns`], the definition the
+    /// backends' `sample_rows` share, so the token is the same where the row was drawn.
+    fn draw(&mut self, cand: Vec<(f32, u32)>, in_row_order: bool) -> u32 {
+        if in_row_order && self.params.top_p >= 1.0 {
+            let d = Draw {
+                temperature: self.params.temperature,
+                min_p: self.params.min_p,
+                u: self.uniform(),
+            };
+            let token = draw_columns(&cand, &d);
+            self.scratch = cand;
+            return token;
+        }
         if cand.is_empty() {
             self.uniform();
             self.scratch = cand;
@@ -640,6 +669,46 @@ impl Samplers {
             most = most.max(keep);
         }
         Some(most + 1)
+    }
+
+    /// Whether the model runner can draw every token `plan` samples where the logits are,
+    /// from rows of `vocab` logits ([`Samplers::draws`]): every sampled entry is greedy or
+    /// weighs every token of its row (a temperature, perhaps min-p, no top-k or top-p) and
+    /// nothing else is wanted of the logits (no log-probabilities, penalties, bias or grammar,
+    /// no prompt scored). Every rank answers the same (after [`Samplers::admit`] with
+    /// `plan`).
+    pub fn drawable(&self, plan: &StepPlan, vocab: usize) -> bool {
+        vocab <= DRAW_MAX_COLUMNS
+            && plan.entries.iter().all(|e| {
+                let s = self.seqs.get(&e.seq);
+                !self.every_row(e)
+                    && (!e.sample
+                        || s.is_some_and(|s| {
+                            let p = s.sampler.params();
+                            p.logprobs.is_none()
+                                && !p.adjusts_logits()
+                                && p.constraint.is_none()
+                                && (p.temperature <= 0.0 || (p.top_k == 0 && p.top_p >= 1.0))
+                        }))
+            })
+    }
+
+    /// The draws of the tokens `plan` samples, in plan order, for the backend's
+    /// `sample_rows` (when [`Samplers::drawable`]): each sampling sequence's generator gives
+    /// its next number, as [`Samplers::pick`] would take it, so the tokens are those
+    /// [`Samplers::pick`] picks from the same rows.
+    ///
+    /// # Errors
+    /// [`SampleError::Unknown`] for a sampled sequence that never had parameters.
+    pub fn draws(&mut self, plan: &StepPlan) -> Result<Vec<Draw>, SampleError> {
+        let step = plan.step;
+        plan.sampled()
+            .map(|e| {
+                let s =
+                    self.seqs.get_mut(&e.seq).ok_or(SampleError::Unknown { seq: e.seq, step })?;
+                Ok(s.sampler.next_draw())
+            })
+            .collect()
     }
 
     /// Picks one token per sampled entry of `plan`, in plan order, from each row's candidates

@@ -88,6 +88,14 @@ impl Sequences {
         // Else, samplers that keep a few tokens each: the runner finds the candidates where the
         // logits are made, and only those move (each TP rank sends its own best).
         let candidates = (!argmax).then(|| self.samplers.candidates(plan)).flatten();
+        // Else, samplers that weigh every token: the runner draws where the logits are, with
+        // each sequence's next number (taken here, on every rank alike).
+        let vocab = model.config().vocab_size;
+        let draws = if !argmax && candidates.is_none() && self.samplers.drawable(plan, vocab) {
+            Some(self.samplers.draws(plan).map_err(BoxError::from)?)
+        } else {
+            None
+        };
         let took = self.take(model, plan, new_cache, &mut taken);
         let samplers = &mut self.samplers;
         let mut forward = |taken: &mut Vec<(SeqId, ParallelCache)>| {
@@ -105,6 +113,8 @@ impl Sequences {
                 model.forward_batch_argmax(comms, &mut seqs).map(|ids| ids.map(Picked::Ids))
             } else if let Some(k) = candidates {
                 model.forward_batch_top_k(comms, &mut seqs, k).map(|top| top.map(Picked::Top))
+            } else if let Some(draws) = &draws {
+                model.forward_batch_sample(comms, &mut seqs, draws).map(|ids| ids.map(Picked::Ids))
             } else {
                 // The logits come to the host here, so a failed copy is this step's error.
                 model.forward_batch(comms, &mut seqs).and_then(|logits| {

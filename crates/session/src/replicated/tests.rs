@@ -272,6 +272,50 @@ fn seeded_top_k_sampling_from_candidates_gives_what_a_plain_sampler_gives() {
     let _ = std::fs::remove_file(&path);
 }
 
+/// Requests that weigh every token of their rows (a temperature, perhaps min-p) or decode
+/// greedily, and want nothing else of the logits, are drawn where the logits are (the
+/// backend's `sample_rows`, with each request's next number): their tokens are still those of
+/// a plain [`Sampler`] over the single-sequence model's rows, whatever the batch, the chunks or
+/// a preemption.
+#[test]
+fn seeded_sampling_drawn_where_the_logits_are_gives_what_a_plain_sampler_gives() {
+    let path =
+        std::env::temp_dir().join(format!("tpctl-session-drawn-{}.gguf", std::process::id()));
+    layers::model::random::RandomLlama::default().write(&path).unwrap();
+    let model = path.to_string_lossy().into_owned();
+    let sampling = |seed, temperature| SamplingParams {
+        max_tokens: 14,
+        temperature,
+        seed,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let requests: Vec<(Vec<u32>, SamplingParams)> = vec![
+        (vec![1, 2, 3, 4, 10, 11], sampling(7, 0.9)),
+        (vec![1, 2, 3, 4, 20, 21, 22], SamplingParams { min_p: 0.05, ..sampling(8, 1.4) }),
+        (vec![9, 8, 7], sampling(9, 0.4)),
+        (vec![30, 31, 32, 33, 34], sampling(0, 0.0)),
+    ];
+    let seen = Tokens::default();
+    run_preempting(&model, &requests, Box::new(seen.clone()));
+    let reference = Reference::load(&model);
+    let seen = seen.0.lock().unwrap();
+    for (i, (prompt, params)) in requests.iter().enumerate() {
+        let mut sampler = Sampler::new(params.clone());
+        let mut cache = reference.0.new_cache(64);
+        let mut logits = reference.next_logits(&mut cache, prompt);
+        let mut want = Vec::new();
+        for _ in 0..params.max_tokens {
+            let token = sampler.sample(&logits);
+            want.push(token);
+            logits = reference.next_logits(&mut cache, &[token]);
+        }
+        let got: Vec<u32> = seen[&(i as u64)].iter().map(|t| t.0).collect();
+        assert_eq!(got, want, "request {i}'s tokens");
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
 /// What the output sink saw of each request, in order: prompt log-probabilities (their first
 /// position and values) and tokens.
 #[derive(Clone, Default)]

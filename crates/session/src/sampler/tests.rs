@@ -326,6 +326,72 @@ fn sampling_from_a_rows_candidates_picks_what_the_row_picks() {
     assert_eq!(checked, 4000);
 }
 
+/// A step is drawn where its logits are when every sampled sequence is greedy or weighs every
+/// token of its row, with nothing else wanted of its logits, and the vocabulary fits the
+/// kernel.
+#[test]
+fn steps_of_samplers_that_weigh_every_token_are_drawn_where_the_logits_are() {
+    let with = |params: SamplingParams| SeqSampling { params, ..SeqSampling::default() };
+    let warm = |p: SamplingParams| with(SamplingParams { temperature: 0.8, ..p });
+    let cases = [
+        ("greedy", SeqSampling::default(), true),
+        ("temperature", warm(SamplingParams::default()), true),
+        ("min-p", warm(SamplingParams { min_p: 0.1, ..Default::default() }), true),
+        ("top-k", warm(SamplingParams { top_k: 5, ..Default::default() }), false),
+        ("top-p", warm(SamplingParams { top_p: 0.9, ..Default::default() }), false),
+        ("logprobs", warm(SamplingParams { logprobs: Some(1), ..Default::default() }), false),
+        ("penalty", warm(SamplingParams { frequency_penalty: 0.5, ..Default::default() }), false),
+        ("prompt", warm(SamplingParams { prompt_logprobs: Some(1), ..Default::default() }), false),
+    ];
+    for (what, sampling, want) in cases {
+        let mut samplers = Samplers::new();
+        let plan = plan_of(vec![
+            entry(1, true, Some(warm(SamplingParams::default()))),
+            entry(2, true, Some(sampling)),
+        ]);
+        samplers.admit(&plan);
+        assert_eq!(samplers.drawable(&plan, 1000), want, "{what}");
+    }
+    let mut samplers = Samplers::new();
+    let plan = plan_of(vec![entry(1, true, None)]);
+    samplers.admit(&plan);
+    assert!(!samplers.drawable(&plan, 1000), "a sequence without parameters");
+    let plan = plan_of(vec![entry(2, true, Some(SeqSampling::default()))]);
+    samplers.admit(&plan);
+    assert!(!samplers.drawable(&plan, tensor::kernels::DRAW_MAX_COLUMNS + 1), "too wide");
+}
+
+/// A sampler's draws, drawn where the row is (`sample_rows`), give the tokens the sampler picks
+/// from the row, draw after draw, and greedy rows take no number from the generator.
+#[test]
+fn draws_where_the_row_is_pick_what_the_sampler_picks() {
+    let be = tensor::Backend::cpu(1).unwrap();
+    let vocab = 700;
+    for case in 0..24u64 {
+        let row: Vec<f32> = (0..vocab)
+            .map(|i| match (i * 31 + case as usize * 7) % 97 {
+                0 => f32::NAN,
+                v => (v % 13) as f32 * 0.5 - 3.0,
+            })
+            .collect();
+        let x = tensor::Tensor::from_vec(&[1, vocab], row.clone()).unwrap();
+        let p = SamplingParams {
+            temperature: [0.0, 0.3, 1.0, 1.9][case as usize % 4],
+            min_p: [0.0, 0.2][case as usize % 2],
+            seed: case,
+            ..Default::default()
+        };
+        let (mut whole, mut there) = (Sampler::new(p.clone()), Sampler::new(p));
+        for draw in 0..30 {
+            let want = whole.sample(&row);
+            let got = be.sample_rows(&x, &[there.next_draw()]).unwrap()[0];
+            assert_eq!(got, want, "case {case} draw {draw}");
+        }
+        // Both generators are at the same place: the next draws agree.
+        assert_eq!(whole.uniform(), there.uniform(), "case {case}");
+    }
+}
+
 #[test]
 fn penalties_count_the_history_sent_and_the_tokens_sampled_since() {
     let penalized = |generated: Vec<u32>| SeqSampling {
