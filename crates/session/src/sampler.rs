@@ -3,6 +3,10 @@
 //! `i`-th draw of its generator, so a seeded request produces the same tokens on every run,
 //! in any batch and after a recompute.
 //!
+//! A row weighed whole in its order (no top-k or top-p cut) is drawn by
+//! [`tensor::kernels::draw_columns`], the definition the backends' `sample_rows` share, so a
+//! GPU can draw it without sending the row to the host and give the same token.
+//!
 //! [`Samplers`] is what a [`StepModel`](crate::StepModel) samples with where its logits are:
 //! each sequence's sampler arrives with its first plan entry ([`SeqSampling`]), and every
 //! sampled entry leaves the model as a [`SampledToken`], never as a logits row. A constrained
