@@ -554,7 +554,10 @@ fn cuda_top_k_candidates_and_draws_of_a_step_are_those_of_its_logits() {
             assert_eq!(top.unwrap(), want, "case {i}, k {k}");
         }
         for (temperature, u) in [(0.0, 0.0), (0.8, 0.3), (1.5, 0.97)] {
-            let draws = [Draw { temperature, min_p: 0.0, u }, Draw { temperature, min_p: 0.05, u }];
+            let draws = [
+                Draw { temperature, min_p: 0.0, u, top_p: 1.0 },
+                Draw { temperature, min_p: 0.05, u, top_p: 0.8 },
+            ];
             let mut ids = None;
             step(&mut |comms, seqs| ids = model.forward_batch_sample(comms, seqs, &draws).unwrap());
             let want = cpu().sample_rows(&host, &draws).unwrap();

@@ -3,8 +3,8 @@
 //! `i`-th draw of its generator, so a seeded request produces the same tokens on every run,
 //! in any batch and after a recompute.
 //!
-//! A row weighed whole in its order (no top-k or top-p cut) is drawn by
-//! [`tensor::kernels::draw_columns`], the definition the backends' `sample_rows` share, so a
+//! A row weighed whole (no top-k cut; top-p keeps the tokens at or above a threshold) is drawn
+//! by [`tensor::kernels::draw_columns`], the definition the backends' `sample_rows` share, so a
 //! GPU can draw it without sending the row to the host and give the same token.
 //!
 //! [`Samplers`] is what a [`StepModel`](crate::StepModel) samples with where its logits are:
@@ -289,10 +289,8 @@ impl Sampler {
             cand.truncate(k);
             cand.sort_unstable_by(candidate_order);
             false
-        } else if self.params.top_p < 1.0 {
-            cand.sort_unstable_by(candidate_order);
-            false
         } else {
+            // The whole row, in its order: `draw_columns` (top-p by a threshold, no sort).
             true
         };
         self.draw(cand, in_row_order)
@@ -319,13 +317,11 @@ impl Sampler {
             // The row holds more than k numbers (more candidates than k came).
             cand.truncate(k);
             false
-        } else if self.params.top_p >= 1.0 {
-            // No more than k came: the row's every number, which `sample` weighs in the
-            // row's order.
+        } else {
+            // No more than k came: the row's every number, which `sample` draws in the row's
+            // order.
             cand.sort_unstable_by_key(|c| c.1);
             true
-        } else {
-            false
         };
         self.draw(cand, in_row_order)
     }
@@ -334,22 +330,21 @@ impl Sampler {
     /// [`Samplers::draws`]): greedy takes no number from the generator, sampling its next.
     fn next_draw(&mut self) -> Draw {
         let p = &self.params;
-        let (temperature, min_p) = (p.temperature, p.min_p);
+        let (temperature, min_p, top_p) = (p.temperature, p.min_p, p.top_p);
         let u = if temperature > 0.0 { self.uniform() } else { 0.0 };
-        Draw { temperature, min_p, u }
+        Draw { temperature, min_p, u, top_p }
     }
 
     /// The draw over the candidates of a row (`sample`'s, in the order it weighs them):
-    /// temperature, min-p and top-p, then one uniform number. A row weighed whole, in its
-    /// order (`in_row_order`, no top-p), is drawn by [`draw_columns`], the definition the
-    /// backends' `sample_rows` share, so the token is the same where the row was drawn.
+    /// temperature, min-p and top-p, then one uniform number. A whole row in its order
+    /// (`in_row_order`: no top-k cut) is drawn by [`draw_columns`], the definition the
+    /// backends' `sample_rows` share, so the token is the same where the row was drawn; top-k
+    /// candidates (in [`candidate_order`]) keep the smallest most likely run holding `top_p`.
     fn draw(&mut self, cand: Vec<(f32, u32)>, in_row_order: bool) -> u32 {
-        if in_row_order && self.params.top_p >= 1.0 {
-            let d = Draw {
-                temperature: self.params.temperature,
-                min_p: self.params.min_p,
-                u: self.uniform(),
-            };
+        if in_row_order {
+            let p = &self.params;
+            let (temperature, min_p, top_p) = (p.temperature, p.min_p, p.top_p);
+            let d = Draw { temperature, min_p, u: self.uniform(), top_p };
             let token = draw_columns(&cand, &d);
             self.scratch = cand;
             return token;
@@ -677,7 +672,7 @@ impl Samplers {
 
     /// Whether the model runner can draw every token `plan` samples where the logits are,
     /// from rows of `vocab` logits ([`Samplers::draws`]): every sampled entry is greedy or
-    /// weighs every token of its row (a temperature, perhaps min-p, no top-k or top-p) and
+    /// draws from its whole row (a temperature, perhaps min-p and top-p, no top-k) and
     /// nothing else is wanted of the logits (no log-probabilities, penalties, bias or grammar,
     /// no prompt scored). Every rank answers the same (after [`Samplers::admit`] with
     /// `plan`).
@@ -692,7 +687,7 @@ impl Samplers {
                             p.logprobs.is_none()
                                 && !p.adjusts_logits()
                                 && p.constraint.is_none()
-                                && (p.temperature <= 0.0 || (p.top_k == 0 && p.top_p >= 1.0))
+                                && (p.temperature <= 0.0 || p.top_k == 0)
                         }))
             })
     }

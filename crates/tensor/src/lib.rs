@@ -14,8 +14,9 @@
 //! `unsafe` is denied crate-wide; the exceptions are local and documented: the `gemm` call in
 //! `kernels::cpu::matmul`, the AVX-512 loads and stores of `kernels::cpu::sgemm`, the AVX-512
 //! kernels of the block-quantized product in `kernels::cpu::qdot_avx512`, the prefetch hint of
-//! `kernels::cpu::matvec`, and the kernel launches and device copies of `kernels::cuda`
-//! (feature `cuda`).
+//! `kernels::cpu::matvec`, the call of the draw's weights compiled for the CPU's fused
+//! multiply-add in `kernels::sample`, and the kernel launches and device copies of
+//! `kernels::cuda` (feature `cuda`).
 #![deny(unsafe_code)]
 
 pub mod error;

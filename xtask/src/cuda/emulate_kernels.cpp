@@ -39,7 +39,8 @@ extern "C" void gated_halves(const float* x, float* out, u64 n, int units, int g
                              unsigned short* half);
 extern "C" void argmax_rows(const float* x, int cols, unsigned int* out);
 extern "C" void top_k_rows(const float* x, int cols, int k, float* vals, unsigned int* ids);
-extern "C" void sample_rows(const float* x, int cols, const double* params, unsigned int* out);
+extern "C" void sample_rows(const float* x, int cols, const double* params, double* weights,
+                            unsigned int* out);
 extern "C" void dequantize(const float* scales, const float* mins, const unsigned char* qs,
                            float* out, u64 n, int kind);
 extern "C" void to_bf16(const float* x, unsigned short* y, u64 n);
@@ -150,9 +151,19 @@ static double ref_exp(double x) {
     return std::ldexp(p, (int)n);
 }
 
+// A float's order key, -0 and +0 the same, NaN 0 (the kernels' order_key).
+static unsigned int ref_key(float v) {
+    if (v != v) return 0u;
+    unsigned int b = 0;
+    if (v != 0.0f) std::memcpy(&b, &v, 4);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
 // kernels::draw_columns over a whole row, written out plainly: every column's weight, the
-// chunk sums in column order, their total, the walk.
-static unsigned int ref_draw(const float* row, int cols, double t, double floor, double u) {
+// top-p key found bit by bit (each weight summed per chunk in column order, then the chunk
+// sums), the kept weights' chunk sums, their total, the walk.
+static unsigned int ref_draw(const float* row, int cols, double t, double floor, double u,
+                             double top_p) {
     int first = -1, best = -1;
     for (int i = 0; i < cols; i++) {
         if (row[i] != row[i]) continue;
@@ -162,11 +173,30 @@ static unsigned int ref_draw(const float* row, int cols, double t, double floor,
     if (first < 0) return 0;
     if (t <= 0.0) return (unsigned int)best;
     std::vector<double> w(cols, 0.0);
-    int last = -1;
     for (int i = 0; i < cols; i++) {
         if (row[i] != row[i]) continue;
         double x = ref_exp(((double)row[i] - (double)row[best]) / t);
         w[i] = x >= floor ? x : 0.0;
+    }
+    auto mass = [&](unsigned int at_least) {
+        double total = 0.0;
+        for (int c = 0; c < cols; c += 256) {
+            double s = 0.0;
+            for (int i = c; i < std::min(c + 256, cols); i++)
+                if (ref_key(row[i]) >= at_least) s += w[i];
+            total += s;
+        }
+        return total;
+    };
+    unsigned int kept = 0;
+    if (top_p < 1.0) {
+        double target = mass(0) * top_p;
+        for (int bit = 31; bit >= 0; bit--)
+            if (mass(kept | (1u << bit)) >= target) kept |= 1u << bit;
+    }
+    int last = -1;
+    for (int i = 0; i < cols; i++) {
+        if (ref_key(row[i]) < kept) w[i] = 0.0;
         if (w[i] > 0.0) last = i;
     }
     unsigned int fallback = (unsigned int)(last >= 0 ? last : first);
@@ -194,8 +224,9 @@ static unsigned int ref_draw(const float* row, int cols, double t, double floor,
 }
 
 // sample_rows against ref_draw, id for id: rows of few levels (ties), NaN and -inf, greedy,
-// temperatures from 0.2 to 3, min-p, u near 0 and near 1, a row of NaN, a row of one number,
-// a row narrower than a chunk and one of 3,000 columns; and ref_exp within 4 ulps of exp.
+// temperatures from 0.2 to 3, min-p, top-p of 0.9 and 0.3, u near 0 and near 1, a row of NaN,
+// a row of one number, a row narrower than a chunk and one of 3,000 columns; and ref_exp within
+// 4 ulps of exp.
 static int check_sample(u64& seed) {
     for (int i = 0; i <= 7000; i++) {
         double x = -0.1013 * i;
@@ -206,7 +237,7 @@ static int check_sample(u64& seed) {
     for (int cols : {100, 3000}) {
         const int rows = 20;
         std::vector<float> x((size_t)rows * cols);
-        std::vector<double> params(3 * rows);
+        std::vector<double> params(4 * rows);
         for (int r = 0; r < rows; r++) {
             for (int i = 0; i < cols; i++) {
                 float v = std::floor((next_value(seed) + 1.0f) * 4.0f) - 4.0f;
@@ -218,20 +249,23 @@ static int check_sample(u64& seed) {
             double u = std::fabs((double)next_value(seed));
             if (r == 5) u = 0.0;
             if (r == 6) u = 0.9999999999;
-            params[3 * r] = (double)(float)(r % 4 == 0 ? 0.0 : 0.2 + 0.1 * r);
-            params[3 * r + 1] = (double)(float)(r % 2 == 0 ? 0.0 : 0.05);
-            params[3 * r + 2] = u;
+            params[4 * r] = (double)(float)(r % 4 == 0 ? 0.0 : 0.2 + 0.1 * r);
+            params[4 * r + 1] = (double)(float)(r % 2 == 0 ? 0.0 : 0.05);
+            params[4 * r + 2] = u;
+            params[4 * r + 3] = (double)(float)(r % 3 == 0 ? 1.0 : r % 3 == 1 ? 0.9 : 0.3);
         }
         for (int i = 0; i < cols; i++) x[(size_t)(rows - 2) * cols + i] = std::nanf("");
         for (int i = 0; i < cols; i++) x[(size_t)(rows - 1) * cols + i] = std::nanf("");
         x[(size_t)(rows - 1) * cols + cols / 3] = -2.0f;
-        params[3 * (rows - 2)] = params[3 * (rows - 1)] = 1.0;
+        params[4 * (rows - 2)] = params[4 * (rows - 1)] = 1.0;
         std::vector<unsigned int> ids(rows, 99999);
-        tpctl_launch(rows, 1, BLOCK_THREADS,
-                     [&] { sample_rows(x.data(), cols, params.data(), ids.data()); });
+        std::vector<double> weights((size_t)rows * cols, -1.0);
+        tpctl_launch(rows, 1, BLOCK_THREADS, [&] {
+            sample_rows(x.data(), cols, params.data(), weights.data(), ids.data());
+        });
         for (int r = 0; r < rows; r++) {
-            unsigned int want = ref_draw(&x[(size_t)r * cols], cols, params[3 * r],
-                                         params[3 * r + 1], params[3 * r + 2]);
+            const double* p = &params[4 * r];
+            unsigned int want = ref_draw(&x[(size_t)r * cols], cols, p[0], p[1], p[2], p[3]);
             if (ids[r] != want) {
                 std::printf("sample_rows (%d columns): ", cols);
                 return fail("row", (size_t)r, ids[r], want);

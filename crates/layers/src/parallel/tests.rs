@@ -858,6 +858,7 @@ fn batched_draws_pick_what_the_gathered_logits_give_in_every_layout() {
         temperature: [0.0, 0.5, 1.0, 2.0][(step + row) % 4],
         min_p: [0.0, 0.1][row % 2],
         u: ((step * 7 + row) as f64 * 0.618_033_988_75).fract(),
+        top_p: [1.0, 0.7][step % 2],
     };
     for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)] {
         let got = on_mesh(tp, cp, |p, comms| {

@@ -272,7 +272,7 @@ fn seeded_top_k_sampling_from_candidates_gives_what_a_plain_sampler_gives() {
     let _ = std::fs::remove_file(&path);
 }
 
-/// Requests that weigh every token of their rows (a temperature, perhaps min-p) or decode
+/// Requests that draw from their whole rows (a temperature, perhaps min-p or top-p) or decode
 /// greedily, and want nothing else of the logits, are drawn where the logits are (the
 /// backend's `sample_rows`, with each request's next number): their tokens are still those of
 /// a plain [`Sampler`] over the single-sequence model's rows, whatever the batch, the chunks or
@@ -293,7 +293,7 @@ fn seeded_sampling_drawn_where_the_logits_are_gives_what_a_plain_sampler_gives()
     let requests: Vec<(Vec<u32>, SamplingParams)> = vec![
         (vec![1, 2, 3, 4, 10, 11], sampling(7, 0.9)),
         (vec![1, 2, 3, 4, 20, 21, 22], SamplingParams { min_p: 0.05, ..sampling(8, 1.4) }),
-        (vec![9, 8, 7], sampling(9, 0.4)),
+        (vec![9, 8, 7], SamplingParams { top_p: 0.8, ..sampling(9, 0.4) }),
         (vec![30, 31, 32, 33, 34], sampling(0, 0.0)),
     ];
     let seen = Tokens::default();

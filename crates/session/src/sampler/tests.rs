@@ -326,9 +326,9 @@ fn sampling_from_a_rows_candidates_picks_what_the_row_picks() {
     assert_eq!(checked, 4000);
 }
 
-/// A step is drawn where its logits are when every sampled sequence is greedy or weighs every
-/// token of its row, with nothing else wanted of its logits, and the vocabulary fits the
-/// kernel.
+/// A step is drawn where its logits are when every sampled sequence is greedy or draws from
+/// its whole row (no top-k), with nothing else wanted of its logits, and the vocabulary fits
+/// the kernel.
 #[test]
 fn steps_of_samplers_that_weigh_every_token_are_drawn_where_the_logits_are() {
     let with = |params: SamplingParams| SeqSampling { params, ..SeqSampling::default() };
@@ -338,7 +338,12 @@ fn steps_of_samplers_that_weigh_every_token_are_drawn_where_the_logits_are() {
         ("temperature", warm(SamplingParams::default()), true),
         ("min-p", warm(SamplingParams { min_p: 0.1, ..Default::default() }), true),
         ("top-k", warm(SamplingParams { top_k: 5, ..Default::default() }), false),
-        ("top-p", warm(SamplingParams { top_p: 0.9, ..Default::default() }), false),
+        ("top-p", warm(SamplingParams { top_p: 0.9, ..Default::default() }), true),
+        (
+            "top-k and top-p",
+            warm(SamplingParams { top_k: 9, top_p: 0.9, ..Default::default() }),
+            false,
+        ),
         ("logprobs", warm(SamplingParams { logprobs: Some(1), ..Default::default() }), false),
         ("penalty", warm(SamplingParams { frequency_penalty: 0.5, ..Default::default() }), false),
         ("prompt", warm(SamplingParams { prompt_logprobs: Some(1), ..Default::default() }), false),
@@ -378,6 +383,7 @@ fn draws_where_the_row_is_pick_what_the_sampler_picks() {
         let p = SamplingParams {
             temperature: [0.0, 0.3, 1.0, 1.9][case as usize % 4],
             min_p: [0.0, 0.2][case as usize % 2],
+            top_p: [1.0, 0.9, 0.6][case as usize % 3],
             seed: case,
             ..Default::default()
         };

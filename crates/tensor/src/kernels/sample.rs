@@ -24,8 +24,9 @@ pub const DRAW_CHUNK: usize = 256;
 pub const DRAW_MAX_COLUMNS: usize = 2048 * DRAW_CHUNK;
 
 /// One row's draw: greedy (the argmax) when `temperature <= 0`, else every token weighted by
-/// `e^((l - top) / temperature)`, those below `min_p` of the top's weight left out, and `u`,
-/// the request's uniform number in `[0, 1)`, picking one.
+/// `e^((l - top) / temperature)`, those below `min_p` of the top's weight left out, the most
+/// likely holding `top_p` of the weight kept, and `u`, the request's uniform number in
+/// `[0, 1)`, picking one.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Draw {
     /// 0 or below is greedy.
@@ -34,6 +35,9 @@ pub struct Draw {
     pub min_p: f32,
     /// The uniform number that picks.
     pub u: f64,
+    /// Keeps the most likely tokens that hold this share of the weight (1 keeps all; see
+    /// [`draw_columns`]).
+    pub top_p: f32,
 }
 
 /// `1/k!` for `k` in `0..=13`, each the previous one divided by `k` (the same literals in the
@@ -60,6 +64,7 @@ const INV_FACTORIAL: [f64; 14] = [
 /// from two fused multiply-adds (ln 2 in two parts), `e^r` by its Taylor polynomial of degree
 /// 13 in Horner's form (one fused multiply-add per degree; |r| <= 0.35 keeps it within a few
 /// ulps), and `2^n` as the exponent bits.
+#[inline(always)]
 pub fn exp_det(x: f64) -> f64 {
     const LOG2E: f64 = std::f64::consts::LOG2_E;
     const LN2_HI: f64 = 0.6931471803691238;
@@ -78,6 +83,7 @@ pub fn exp_det(x: f64) -> f64 {
 }
 
 /// The draw's weight of logit `l`: `exp_det((l - top) / t)`, or 0 below `floor`.
+#[inline(always)]
 fn weight(l: f32, top: f32, t: f64, floor: f64) -> f64 {
     let w = exp_det((f64::from(l) - f64::from(top)) / t);
     if w >= floor {
@@ -87,12 +93,93 @@ fn weight(l: f32, top: f32, t: f64, floor: f64) -> f64 {
     }
 }
 
+/// A logit's order as an unsigned key: a larger logit has a larger key, -0 and +0 the same
+/// one (the CUDA kernels' `order_key`). For numbers, not NaN.
+fn order_key(l: f32) -> u32 {
+    let u = if l == 0.0 { 0 } else { l.to_bits() };
+    if u & 0x8000_0000 != 0 {
+        !u
+    } else {
+        u | 0x8000_0000
+    }
+}
+
+/// A column that weighs in a draw: its column, its logit's order key and its weight (above 0).
+#[derive(Clone, Copy)]
+struct Weighed {
+    column: u32,
+    key: u32,
+    weight: f64,
+}
+
+/// The pairs' columns with a weight above 0, in column order. A column of weight 0 adds 0 to
+/// every sum of the draw and is never picked, so leaving it out changes nothing.
+fn weighed(pairs: &[(f32, u32)], top: f32, t: f64, floor: f64) -> Vec<Weighed> {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("sse4.1") {
+        // SAFETY: the CPU has the features the function is compiled for.
+        #[allow(unsafe_code)]
+        return unsafe { weighed_fma(pairs, top, t, floor) };
+    }
+    weighed_plain(pairs, top, t, floor)
+}
+
+/// [`weighed`], in a plain loop so that all of it is compiled into [`weighed_fma`].
+#[inline(always)]
+fn weighed_plain(pairs: &[(f32, u32)], top: f32, t: f64, floor: f64) -> Vec<Weighed> {
+    let mut out = Vec::with_capacity(pairs.len());
+    for &(l, column) in pairs {
+        let weight = weight(l, top, t, floor);
+        if weight > 0.0 {
+            out.push(Weighed { column, key: order_key(l), weight });
+        }
+    }
+    out
+}
+
+/// [`weighed_plain`] with the CPU's fused multiply-add and rounding instructions: the same
+/// bits as the library's `fma` and `round`, which `mul_add` and `round` call without them,
+/// about four times slower.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma,sse4.1")]
+fn weighed_fma(pairs: &[(f32, u32)], top: f32, t: f64, floor: f64) -> Vec<Weighed> {
+    weighed_plain(pairs, top, t, floor)
+}
+
+/// The sum of the weights of `live` whose key is at least `floor_key`, summed as the kernels
+/// sum a row: per chunk of [`DRAW_CHUNK`] columns in column order, then the chunk sums in
+/// chunk order (the columns left out add 0 to both).
+fn chunked_sum(live: &[Weighed], floor_key: u32) -> f64 {
+    let mut total = 0.0;
+    let mut chunk = None;
+    let mut sum = 0.0;
+    for w in live {
+        let c = w.column as usize / DRAW_CHUNK;
+        if chunk != Some(c) {
+            if chunk.is_some() {
+                total += sum;
+            }
+            chunk = Some(c);
+            sum = 0.0;
+        }
+        sum += if w.key >= floor_key { w.weight } else { 0.0 };
+    }
+    if chunk.is_some() {
+        total += sum;
+    }
+    total
+}
+
 /// The token `d` draws from a row's numbers: `(logit, column)` pairs in column order, NaN
 /// left out (see the module docs); token 0 for a row without numbers. Greedy picks the
 /// largest logit, the lowest column among equal ones (-0 and +0 equal).
 ///
-/// Where rounding leaves the draw past the last weight, the last column with a weight takes
-/// it (else the first number's).
+/// Top-p keeps the tokens whose logit is at least the largest logit `θ` at which the weight
+/// of the tokens at or above it reaches `top_p` of the total (ties at `θ` all kept); `θ` is
+/// found bit by bit over the logits' order keys, each weight summed as [`chunked_sum`] sums,
+/// so the GPU finds the same one. The draw walks the kept weights' chunk sums, then the chosen
+/// chunk. Where rounding leaves the draw past the last kept weight, the last kept column with
+/// a weight takes it (else the first number's).
 pub fn draw_columns(pairs: &[(f32, u32)], d: &Draw) -> u32 {
     let Some(first) = pairs.first() else { return 0 };
     let mut best = *first;
@@ -104,39 +191,41 @@ pub fn draw_columns(pairs: &[(f32, u32)], d: &Draw) -> u32 {
     if d.temperature <= 0.0 {
         return best.1;
     }
-    let (top, t, floor) = (best.0, f64::from(d.temperature), f64::from(d.min_p));
-    let chunk_of = |p: &(f32, u32)| p.1 as usize / DRAW_CHUNK;
-    // Per chunk with numbers: its range in `pairs` and its sum, in column order.
-    let mut chunks: Vec<(usize, usize, f64)> = Vec::new();
-    let mut last = None;
-    for (i, p) in pairs.iter().enumerate() {
-        let w = weight(p.0, top, t, floor);
-        if w > 0.0 {
-            last = Some(p.1);
-        }
-        match chunks.last_mut() {
-            Some((start, end, s)) if chunk_of(&pairs[*start]) == chunk_of(p) => {
-                *end = i + 1;
-                *s += w;
+    let (t, floor) = (f64::from(d.temperature), f64::from(d.min_p));
+    let mut live = weighed(pairs, best.0, t, floor);
+    if d.top_p < 1.0 {
+        let target = chunked_sum(&live, 0) * f64::from(d.top_p);
+        // The smallest key kept, bit by bit. A column below the keys tried from then on adds
+        // 0 to every later sum: it leaves `live`.
+        let mut kept = 0u32;
+        for bit in (0..32).rev() {
+            let trial = kept | (1 << bit);
+            if chunked_sum(&live, trial) >= target {
+                kept = trial;
+                live.retain(|w| w.key >= kept);
             }
-            _ => chunks.push((i, i + 1, 0.0 + w)),
         }
     }
-    let total = chunks.iter().fold(0.0, |acc, c| acc + c.2);
-    let fallback = last.unwrap_or(first.1);
-    let mut u = d.u * total;
-    for &(start, end, s) in &chunks {
+    let fallback = live.last().map_or(first.1, |w| w.column);
+    let mut u = d.u * chunked_sum(&live, 0);
+    // The walk: per chunk its run in `live` and its sum (as `chunked_sum` sums it).
+    let mut i = 0;
+    while i < live.len() {
+        let c = live[i].column as usize / DRAW_CHUNK;
+        let run = &live[i..]
+            [..live[i..].iter().take_while(|w| w.column as usize / DRAW_CHUNK == c).count()];
+        let s = run.iter().fold(0.0, |acc, w| acc + w.weight);
         if u < s {
-            for p in &pairs[start..end] {
-                let w = weight(p.0, top, t, floor);
-                if u < w {
-                    return p.1;
+            for w in run {
+                if u < w.weight {
+                    return w.column;
                 }
-                u -= w;
+                u -= w.weight;
             }
             return fallback;
         }
         u -= s;
+        i += run.len();
     }
     fallback
 }
@@ -186,6 +275,27 @@ impl Backend {
 mod tests {
     use super::*;
 
+    /// The weights with the CPU's instructions are the library's, bit for bit.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn weights_with_the_fma_instruction_are_the_library_fmas() {
+        if !(std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("sse4.1")) {
+            return;
+        }
+        let pairs: Vec<(f32, u32)> =
+            (0..20_000).map(|i| (((i * 7919) % 20_011) as f32 * -0.013 + 3.0, i)).collect();
+        for t in [0.1, 0.7, 1.0, 3.3] {
+            let plain = weighed_plain(&pairs, 3.0, t, 1e-12);
+            #[allow(unsafe_code)]
+            // SAFETY: the CPU has the features (checked above).
+            let fast = unsafe { weighed_fma(&pairs, 3.0, t, 1e-12) };
+            assert_eq!(plain.len(), fast.len());
+            for (a, b) in plain.iter().zip(&fast) {
+                assert_eq!((a.column, a.weight.to_bits()), (b.column, b.weight.to_bits()), "{t}");
+            }
+        }
+    }
+
     #[test]
     fn exp_det_is_within_a_few_ulps_of_exp() {
         for i in 0..=70_000 {
@@ -203,8 +313,8 @@ mod tests {
         assert_eq!(exp_det(f64::NAN), 0.0);
     }
 
-    /// The plain definition: every column's weight, summed in column order by chunk, then
-    /// the walk.
+    /// The plain definition over the whole row: every column's weight (0 for NaN), the
+    /// top-p key by bits, each sum per chunk in column order, then the walk.
     fn reference(row: &[f32], d: &Draw) -> u32 {
         let nums: Vec<usize> = (0..row.len()).filter(|&i| !row[i].is_nan()).collect();
         let Some(&first) = nums.first() else { return 0 };
@@ -221,6 +331,26 @@ mod tests {
         let (t, floor) = (f64::from(d.temperature), f64::from(d.min_p));
         let w: Vec<f64> =
             row.iter().map(|&l| if l.is_nan() { 0.0 } else { weight(l, top, t, floor) }).collect();
+        let key = |i: usize| if row[i].is_nan() { 0 } else { order_key(row[i]) };
+        let mass = |at_least: u32| {
+            let sums = w.chunks(DRAW_CHUNK).enumerate().map(|(c, ch)| {
+                ch.iter().enumerate().fold(0.0, |a, (j, &x)| {
+                    a + if key(c * DRAW_CHUNK + j) >= at_least { x } else { 0.0 }
+                })
+            });
+            sums.fold(0.0, |a, x| a + x)
+        };
+        let mut kept = 0u32;
+        if d.top_p < 1.0 {
+            let target = mass(0) * f64::from(d.top_p);
+            for bit in (0..32).rev() {
+                if mass(kept | (1 << bit)) >= target {
+                    kept |= 1 << bit;
+                }
+            }
+        }
+        let w: Vec<f64> =
+            w.iter().enumerate().map(|(i, &x)| if key(i) >= kept { x } else { 0.0 }).collect();
         let sums: Vec<f64> =
             w.chunks(DRAW_CHUNK).map(|c| c.iter().fold(0.0, |a, &x| a + x)).collect();
         let total = sums.iter().fold(0.0, |a, &x| a + x);
@@ -229,6 +359,9 @@ mod tests {
         for (c, &s) in sums.iter().enumerate() {
             if u < s {
                 for (i, &x) in w.iter().enumerate().skip(c * DRAW_CHUNK).take(DRAW_CHUNK) {
+                    if row[i].is_nan() {
+                        continue;
+                    }
                     if u < x {
                         return i as u32;
                     }
@@ -239,6 +372,29 @@ mod tests {
             u -= s;
         }
         fallback
+    }
+
+    /// Top-p keeps the most likely tokens holding at least `top_p` of the weight, ties at the
+    /// edge all kept: a row of weights 4, 2, 2, 1 (as logits of the log of those) keeps the
+    /// first with `top_p` up to 4/9, the first three up to 8/9.
+    #[test]
+    fn top_p_keeps_the_likeliest_tokens_that_hold_its_share() {
+        let row = [4f32.ln(), 2f32.ln(), 2f32.ln(), 0.0];
+        let pairs: Vec<(f32, u32)> = row.iter().enumerate().map(|(i, &l)| (l, i as u32)).collect();
+        let kept = |top_p: f32| {
+            let mut seen = std::collections::BTreeSet::new();
+            for i in 0..400 {
+                let d = Draw { temperature: 1.0, min_p: 0.0, u: (i as f64 + 0.5) / 400.0, top_p };
+                seen.insert(draw_columns(&pairs, &d));
+            }
+            seen.into_iter().collect::<Vec<_>>()
+        };
+        assert_eq!(kept(0.3), [0]);
+        assert_eq!(kept(0.44), [0]);
+        assert_eq!(kept(0.5), [0, 1, 2]);
+        assert_eq!(kept(0.88), [0, 1, 2]);
+        assert_eq!(kept(0.95), [0, 1, 2, 3]);
+        assert_eq!(kept(1.0), [0, 1, 2, 3]);
     }
 
     #[test]
@@ -262,15 +418,20 @@ mod tests {
                 .collect();
             rows.extend_from_slice(&row);
             let temperature = [0.0, 0.3, 1.0, 2.5][r % 4];
-            draws.push(Draw { temperature, min_p: [0.0, 0.1][r % 2], u: next() });
+            draws.push(Draw {
+                temperature,
+                min_p: [0.0, 0.1][r % 2],
+                u: next(),
+                top_p: [1.0, 0.9, 0.5, 0.05, 1.0][r % 5],
+            });
         }
         // A row of NaN only, and a row with one number.
         rows.extend(vec![f32::NAN; cols]);
-        draws.push(Draw { temperature: 1.0, min_p: 0.0, u: 0.5 });
+        draws.push(Draw { temperature: 1.0, min_p: 0.0, u: 0.5, top_p: 0.9 });
         let mut one = vec![f32::NAN; cols];
         one[777] = -3.0;
         rows.extend(one);
-        draws.push(Draw { temperature: 0.7, min_p: 0.0, u: 0.999 });
+        draws.push(Draw { temperature: 0.7, min_p: 0.0, u: 0.999, top_p: 0.5 });
         let n = draws.len();
         let x = Tensor::from_vec(&[n, cols], rows).unwrap();
         let got = be.sample_rows(&x, &draws).unwrap();
@@ -286,7 +447,7 @@ mod tests {
         let row = [0.0f32, 1.0, f32::NAN, -1.0, 1.0];
         let pairs: Vec<(f32, u32)> =
             [(0.0, 0), (1.0, 1), (-1.0, 3), (1.0, 4)].into_iter().collect();
-        let d = |u| Draw { temperature: 1.5, min_p: 0.0, u };
+        let d = |u| Draw { temperature: 1.5, min_p: 0.0, u, top_p: 1.0 };
         let mut counts = [0usize; 5];
         let trials = 20_000;
         for _ in 0..trials {

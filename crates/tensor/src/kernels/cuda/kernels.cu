@@ -485,21 +485,45 @@ __device__ double draw_weight(float l, float top, double t, double floor) {
 #define DRAW_CHUNK 256
 #define DRAW_MAX_CHUNKS 2048
 
-// One token per row by kernels::draw_columns: params holds (temperature, min_p, u) per row.
-// Greedy (temperature <= 0) is the argmax (the first of equal values, NaN never, 0 for none).
-// Else each thread sums its chunks' weights in column order (thread t: chunks t, t + BLOCK,
-// ...), thread 0 sums the chunk sums in order and walks them, then the chosen chunk's
-// weights, with u times the total; past the end (rounding), the last column with a weight
-// (else the first number's). One block per row.
+// Per chunk of this thread (chunks t, t + BLOCK, ...): the sum in column order of the weights
+// `w` of the columns whose key is at least `kept` (a NaN column's weight is 0), into `sums`;
+// returns the last such column with a weight among them (-1 for none).
+__device__ int chunk_sums(const float* row, const double* w, int cols, unsigned int kept,
+                          double* sums) {
+    int chunks = (cols + DRAW_CHUNK - 1) / DRAW_CHUNK;
+    int last = -1;
+    for (int c = threadIdx.x; c < chunks; c += BLOCK) {
+        double s = 0.0;
+        int end = min((c + 1) * DRAW_CHUNK, cols);
+        for (int i = c * DRAW_CHUNK; i < end; i++) {
+            double x = order_key(row[i]) >= kept ? w[i] : 0.0;
+            if (x > 0.0) last = i;
+            s += x;
+        }
+        sums[c] = s;
+    }
+    return last;
+}
+
+// One token per row by kernels::draw_columns: params holds (temperature, min_p, u, top_p) per
+// row, `weights` a row's worth of doubles per row. Greedy (temperature <= 0) is the argmax (the
+// first of equal values, NaN never, 0 for none). Else each thread weighs its chunks' columns;
+// with top-p < 1 the smallest key kept is found bit by bit, each trial's weight summed per
+// chunk by the chunk's thread and the chunk sums in order by thread 0; then thread 0 walks the
+// kept weights' chunk sums and the chosen chunk with u times their total; past the end
+// (rounding), the last kept column with a weight (else the first number's). One block per row.
 extern "C" __global__ void sample_rows(const float* x, int cols, const double* params,
-                                       unsigned int* out) {
+                                       double* weights, unsigned int* out) {
     __shared__ float vals[BLOCK];
     __shared__ int idxs[BLOCK];
     __shared__ int lasts[BLOCK];
     __shared__ double sums[DRAW_MAX_CHUNKS];
+    __shared__ unsigned int kept;
+    __shared__ double target;
     const float* row = x + (u64)blockIdx.x * cols;
-    double t = params[3 * blockIdx.x], floor = params[3 * blockIdx.x + 1];
-    double u = params[3 * blockIdx.x + 2];
+    double* w = weights + (u64)blockIdx.x * cols;
+    const double* p = params + 4 * (u64)blockIdx.x;
+    double t = p[0], floor = p[1], u = p[2], top_p = p[3];
     // The argmax (as argmax_rows): the top logit and the first column holding it.
     float best = 0.0f;
     int bi = -1;
@@ -532,22 +556,39 @@ extern "C" __global__ void sample_rows(const float* x, int cols, const double* p
         if (threadIdx.x == 0) out[blockIdx.x] = arg < 0 ? 0u : (unsigned int)arg;
         return;
     }
-    // Each thread's chunks: their sums, and the last column with a weight among them.
+    // Each thread weighs the columns of its chunks (and only it reads them until the walk).
     int chunks = (cols + DRAW_CHUNK - 1) / DRAW_CHUNK;
-    int last = -1;
     for (int c = threadIdx.x; c < chunks; c += BLOCK) {
-        double s = 0.0;
         int end = min((c + 1) * DRAW_CHUNK, cols);
         for (int i = c * DRAW_CHUNK; i < end; i++) {
             float l = row[i];
-            if (l != l) continue;
-            double w = draw_weight(l, top, t, floor);
-            if (w > 0.0) last = i;
-            s += w;
+            w[i] = l != l ? 0.0 : draw_weight(l, top, t, floor);
         }
-        sums[c] = s;
     }
-    lasts[threadIdx.x] = last;
+    if (threadIdx.x == 0) kept = 0u;
+    if (top_p < 1.0) {
+        chunk_sums(row, w, cols, 0u, sums);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            double total = 0.0;
+            for (int c = 0; c < chunks; c++) total += sums[c];
+            target = total * top_p;
+        }
+        __syncthreads();
+        for (int bit = 31; bit >= 0; bit--) {
+            unsigned int trial = kept | (1u << bit);
+            chunk_sums(row, w, cols, trial, sums);
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                double mass = 0.0;
+                for (int c = 0; c < chunks; c++) mass += sums[c];
+                if (mass >= target) kept = trial;
+            }
+            __syncthreads();
+        }
+    }
+    __syncthreads();
+    lasts[threadIdx.x] = chunk_sums(row, w, cols, kept, sums);
     __syncthreads();
     if (threadIdx.x != 0) return;
     int fallback = -1;
@@ -565,14 +606,13 @@ extern "C" __global__ void sample_rows(const float* x, int cols, const double* p
         if (left < sums[c]) {
             int end = min((c + 1) * DRAW_CHUNK, cols);
             for (int i = c * DRAW_CHUNK; i < end; i++) {
-                float l = row[i];
-                if (l != l) continue;
-                double w = draw_weight(l, top, t, floor);
-                if (left < w) {
+                if (row[i] != row[i]) continue;
+                double wi = order_key(row[i]) >= kept ? w[i] : 0.0;
+                if (left < wi) {
                     pick = (unsigned int)i;
                     break;
                 }
-                left -= w;
+                left -= wi;
             }
             break;
         }

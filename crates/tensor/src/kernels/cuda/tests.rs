@@ -170,8 +170,8 @@ fn cuda_top_k_rows_are_the_cpus_candidates() {
 }
 
 /// Tokens drawn on the GPU from whole rows are the CPU's draws, id for id (the same f64
-/// arithmetic, see `kernels::sample`): greedy, temperatures with and without min-p, a row of
-/// NaN, over a vocabulary-wide row; one launch, one upload and one download.
+/// arithmetic, see `kernels::sample`): greedy, temperatures with and without min-p and top-p,
+/// a row of NaN, over a vocabulary-wide row; one launch and one download.
 #[test]
 fn cuda_sample_rows_draw_the_cpus_tokens() {
     use crate::kernels::Draw;
@@ -188,6 +188,7 @@ fn cuda_sample_rows_draw_the_cpus_tokens() {
             temperature: [0.0, 0.4, 1.0, 2.0][r % 4],
             min_p: [0.0, 0.1][r % 2],
             u: (r as f64 * 0.618_033_988_75).fract(),
+            top_p: [1.0, 0.9, 0.3][r % 3],
         })
         .collect();
     let want = cpu.sample_rows(&x, &draws).unwrap();

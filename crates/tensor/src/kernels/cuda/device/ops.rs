@@ -380,7 +380,7 @@ impl CudaBackend {
         let cols = int(OP, "columns", x.row_len())?;
         let params: Vec<f64> = draws
             .iter()
-            .flat_map(|d| [f64::from(d.temperature), f64::from(d.min_p), d.u])
+            .flat_map(|d| [f64::from(d.temperature), f64::from(d.min_p), d.u, f64::from(d.top_p)])
             .collect();
         let xd = self.input(OP, x)?;
         let pd = self.upload(OP, &params)?;
@@ -388,13 +388,19 @@ impl CudaBackend {
         // SAFETY: handed only to the launch below, whose block r writes element r.
         let mut od = unsafe { self.stream().alloc::<u32>(rows) }
             .or_unavailable(|| format!("{OP}: allocating {rows} ids"))?;
+        self.count(Count::Allocation);
+        // SAFETY: handed only to the launch below, where each row's block writes a weight to
+        // every column of its row before reading it.
+        let mut wd = unsafe { self.stream().alloc::<f64>(x.len()) }
+            .or_unavailable(|| format!("{OP}: allocating {} weights", x.len()))?;
         let cfg = per_row(OP, rows, BLOCK)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.sample_rows);
-        b.arg(&xd.ptr).arg(&cols).arg(&pd).arg(&mut od);
-        // SAFETY: the arguments match `sample_rows(const float*, int, const double*, unsigned
-        // int*)`; block r reads row r (cols floats) of x, which holds rows·cols, and params
-        // 3r..3r+3 of 3·rows, and writes out[r] of rows; cols is at most DRAW_MAX_COLUMNS (the
+        b.arg(&xd.ptr).arg(&cols).arg(&pd).arg(&mut wd).arg(&mut od);
+        // SAFETY: the arguments match `sample_rows(const float*, int, const double*, double*,
+        // unsigned int*)`; block r reads row r (cols floats) of x, which holds rows·cols,
+        // params 4r..4r+4 of 4·rows, and weights r·cols..(r+1)·cols of rows·cols (which it
+        // writes first), and writes out[r] of rows; cols is at most DRAW_MAX_COLUMNS (the
         // kernel's chunk sums in shared memory), as the caller checked.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
         let mut ids = vec![0u32; rows];
