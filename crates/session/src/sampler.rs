@@ -27,7 +27,9 @@ pub struct SamplingParams {
     pub temperature: f32,
     /// Keep the `top_k` most likely tokens (0 keeps all).
     pub top_k: usize,
-    /// Keep the smallest set of most likely tokens whose probability reaches `top_p`.
+    /// Keep the smallest set of most likely tokens whose probability reaches `top_p` (among
+    /// the `top_k` kept; without `top_k`, every token as likely as the least likely kept one
+    /// is kept too).
     pub top_p: f32,
     /// Seed of the request's generator.
     pub seed: u64,
