@@ -611,6 +611,19 @@ fn mixed_steps(vocab: u32) -> Vec<Vec<Entry>> {
     ]
 }
 
+/// The model at `path` on this rank of a mesh, f32 weights on a one-thread CPU backend.
+fn f32_model_on(path: &std::path::Path, p: Placement) -> ParallelModel {
+    let file = GgufFile::open(path).unwrap();
+    let config = LlamaConfig::from_gguf(&file).unwrap();
+    let opts = LoadOptions::new(p).on(Backend::cpu(1).unwrap()).form(WeightForm::F32);
+    ParallelModel::from_source(&file, config, opts).unwrap()
+}
+
+/// A cache of 64 tokens for each of `mixed_steps`' five sequences.
+fn five_caches(model: &ParallelModel) -> Vec<ParallelCache> {
+    (0..5).map(|_| model.new_cache(64)).collect()
+}
+
 /// Runs `steps` (entries of sequence index, tokens, sample) as batched forward passes over
 /// `caches`; each step's logits.
 fn run_steps(
@@ -745,14 +758,9 @@ fn batched_argmax_picks_what_the_gathered_logits_pick_in_every_layout() {
     let steps = mixed_steps(spec.vocab as u32);
     for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)] {
         let got = on_mesh(tp, cp, |p, comms| {
-            let file = GgufFile::open(&path).unwrap();
-            let config = LlamaConfig::from_gguf(&file).unwrap();
-            let opts = LoadOptions::new(p).on(Backend::cpu(1).unwrap()).form(WeightForm::F32);
-            let model = ParallelModel::from_source(&file, config, opts).unwrap();
-            let mut caches: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
-            let logits = run_steps(&model, comms, &steps, &mut caches);
-            let mut caches: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
-            let ids = run_steps_with(comms, &steps, &mut caches, |comms, seqs| {
+            let model = f32_model_on(&path, p);
+            let logits = run_steps(&model, comms, &steps, &mut five_caches(&model));
+            let ids = run_steps_with(comms, &steps, &mut five_caches(&model), |comms, seqs| {
                 model.forward_batch_argmax(comms, seqs).unwrap()
             });
             (p, logits, ids)
@@ -793,18 +801,12 @@ fn batched_top_k_finds_the_gathered_logits_candidates_in_every_layout() {
     let steps = mixed_steps(spec.vocab as u32);
     for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)] {
         let got = on_mesh(tp, cp, |p, comms| {
-            let file = GgufFile::open(&path).unwrap();
-            let config = LlamaConfig::from_gguf(&file).unwrap();
-            let opts = LoadOptions::new(p).on(Backend::cpu(1).unwrap()).form(WeightForm::F32);
-            let model = ParallelModel::from_source(&file, config, opts).unwrap();
-            let mut caches: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
-            let logits = run_steps(&model, comms, &steps, &mut caches);
+            let model = f32_model_on(&path, p);
+            let logits = run_steps(&model, comms, &steps, &mut five_caches(&model));
             let tops: Vec<_> = [1, 3, 40, 50]
                 .into_iter()
                 .map(|k| {
-                    let mut caches: Vec<ParallelCache> =
-                        (0..5).map(|_| model.new_cache(64)).collect();
-                    run_steps_with(comms, &steps, &mut caches, |comms, seqs| {
+                    run_steps_with(comms, &steps, &mut five_caches(&model), |comms, seqs| {
                         model.forward_batch_top_k(comms, seqs, k).unwrap()
                     })
                 })
@@ -862,15 +864,10 @@ fn batched_draws_pick_what_the_gathered_logits_give_in_every_layout() {
     };
     for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)] {
         let got = on_mesh(tp, cp, |p, comms| {
-            let file = GgufFile::open(&path).unwrap();
-            let config = LlamaConfig::from_gguf(&file).unwrap();
-            let opts = LoadOptions::new(p).on(Backend::cpu(1).unwrap()).form(WeightForm::F32);
-            let model = ParallelModel::from_source(&file, config, opts).unwrap();
-            let mut caches: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
-            let logits = run_steps(&model, comms, &steps, &mut caches);
-            let mut caches: Vec<ParallelCache> = (0..5).map(|_| model.new_cache(64)).collect();
+            let model = f32_model_on(&path, p);
+            let logits = run_steps(&model, comms, &steps, &mut five_caches(&model));
             let mut step = 0;
-            let ids = run_steps_with(comms, &steps, &mut caches, |comms, seqs| {
+            let ids = run_steps_with(comms, &steps, &mut five_caches(&model), |comms, seqs| {
                 let rows = seqs.iter().filter(|s| s.sample).count();
                 let draws: Vec<Draw> = (0..rows).map(|r| draw(step, r)).collect();
                 step += 1;

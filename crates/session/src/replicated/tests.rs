@@ -233,43 +233,16 @@ fn seeded_sampling_with_penalties_gives_what_a_plain_sampler_gives() {
 /// batch, the chunks or a preemption.
 #[test]
 fn seeded_top_k_sampling_from_candidates_gives_what_a_plain_sampler_gives() {
-    let path =
-        std::env::temp_dir().join(format!("tpctl-session-top-k-{}.gguf", std::process::id()));
-    layers::model::random::RandomLlama::default().write(&path).unwrap();
-    let model = path.to_string_lossy().into_owned();
-    let sampling = |seed, top_k| SamplingParams {
-        max_tokens: 14,
-        temperature: 0.9,
-        top_k,
-        seed,
-        ignore_eos: true,
-        ..SamplingParams::default()
-    };
-    let requests: Vec<(Vec<u32>, SamplingParams)> = vec![
-        (vec![1, 2, 3, 4, 10, 11], sampling(7, 5)),
-        (vec![1, 2, 3, 4, 20, 21, 22], SamplingParams { top_p: 0.8, ..sampling(8, 40) }),
-        (vec![9, 8, 7], SamplingParams { temperature: 1.3, min_p: 0.02, ..sampling(9, 2) }),
-        (vec![30, 31, 32, 33, 34], SamplingParams { temperature: 0.0, ..sampling(0, 0) }),
-    ];
-    let seen = Tokens::default();
-    run_preempting(&model, &requests, Box::new(seen.clone()));
-    let reference = Reference::load(&model);
-    let seen = seen.0.lock().unwrap();
-    for (i, (prompt, params)) in requests.iter().enumerate() {
-        let mut sampler = Sampler::new(params.clone());
-        let mut cache = reference.0.new_cache(64);
-        let mut logits = reference.next_logits(&mut cache, prompt);
-        let mut want = Vec::new();
-        for _ in 0..params.max_tokens {
-            let token = sampler.sample(&logits);
-            want.push(token);
-            logits = reference.next_logits(&mut cache, &[token]);
-        }
-        let got: Vec<u32> = seen[&(i as u64)].iter().map(|t| t.0).collect();
-        assert_eq!(got, want, "request {i}'s tokens");
-        assert!(seen[&(i as u64)].iter().all(|t| t.1.is_none()), "request {i}: no logprobs");
-    }
-    let _ = std::fs::remove_file(&path);
+    let sampling = |seed, top_k| SamplingParams { temperature: 0.9, top_k, ..plain(seed) };
+    assert_plain_sampler_tokens(
+        "top-k",
+        &[
+            (vec![1, 2, 3, 4, 10, 11], sampling(7, 5)),
+            (vec![1, 2, 3, 4, 20, 21, 22], SamplingParams { top_p: 0.8, ..sampling(8, 40) }),
+            (vec![9, 8, 7], SamplingParams { temperature: 1.3, min_p: 0.02, ..sampling(9, 2) }),
+            (vec![30, 31, 32, 33, 34], SamplingParams { temperature: 0.0, ..sampling(0, 0) }),
+        ],
+    );
 }
 
 /// Requests that draw from their whole rows (a temperature, perhaps min-p or top-p) or decode
@@ -279,25 +252,32 @@ fn seeded_top_k_sampling_from_candidates_gives_what_a_plain_sampler_gives() {
 /// a preemption.
 #[test]
 fn seeded_sampling_drawn_where_the_logits_are_gives_what_a_plain_sampler_gives() {
+    let sampling = |seed, temperature| SamplingParams { temperature, ..plain(seed) };
+    assert_plain_sampler_tokens(
+        "drawn",
+        &[
+            (vec![1, 2, 3, 4, 10, 11], sampling(7, 0.9)),
+            (vec![1, 2, 3, 4, 20, 21, 22], SamplingParams { min_p: 0.05, ..sampling(8, 1.4) }),
+            (vec![9, 8, 7], SamplingParams { top_p: 0.8, ..sampling(9, 0.4) }),
+            (vec![30, 31, 32, 33, 34], sampling(0, 0.0)),
+        ],
+    );
+}
+
+/// 14 tokens past the end-of-sequence token, seeded.
+fn plain(seed: u64) -> SamplingParams {
+    SamplingParams { max_tokens: 14, seed, ignore_eos: true, ..SamplingParams::default() }
+}
+
+/// Runs `requests` through a preempting engine on a random model and checks each one's tokens
+/// against a plain [`Sampler`] over the single-sequence model's rows.
+fn assert_plain_sampler_tokens(name: &str, requests: &[(Vec<u32>, SamplingParams)]) {
     let path =
-        std::env::temp_dir().join(format!("tpctl-session-drawn-{}.gguf", std::process::id()));
+        std::env::temp_dir().join(format!("tpctl-session-{name}-{}.gguf", std::process::id()));
     layers::model::random::RandomLlama::default().write(&path).unwrap();
     let model = path.to_string_lossy().into_owned();
-    let sampling = |seed, temperature| SamplingParams {
-        max_tokens: 14,
-        temperature,
-        seed,
-        ignore_eos: true,
-        ..SamplingParams::default()
-    };
-    let requests: Vec<(Vec<u32>, SamplingParams)> = vec![
-        (vec![1, 2, 3, 4, 10, 11], sampling(7, 0.9)),
-        (vec![1, 2, 3, 4, 20, 21, 22], SamplingParams { min_p: 0.05, ..sampling(8, 1.4) }),
-        (vec![9, 8, 7], SamplingParams { top_p: 0.8, ..sampling(9, 0.4) }),
-        (vec![30, 31, 32, 33, 34], sampling(0, 0.0)),
-    ];
     let seen = Tokens::default();
-    run_preempting(&model, &requests, Box::new(seen.clone()));
+    run_preempting(&model, requests, Box::new(seen.clone()));
     let reference = Reference::load(&model);
     let seen = seen.0.lock().unwrap();
     for (i, (prompt, params)) in requests.iter().enumerate() {
@@ -311,7 +291,8 @@ fn seeded_sampling_drawn_where_the_logits_are_gives_what_a_plain_sampler_gives()
             logits = reference.next_logits(&mut cache, &[token]);
         }
         let got: Vec<u32> = seen[&(i as u64)].iter().map(|t| t.0).collect();
-        assert_eq!(got, want, "request {i}'s tokens");
+        assert_eq!(got, want, "{name}: request {i}'s tokens");
+        assert!(seen[&(i as u64)].iter().all(|t| t.1.is_none()), "{name}: request {i}: logprobs");
     }
     let _ = std::fs::remove_file(&path);
 }

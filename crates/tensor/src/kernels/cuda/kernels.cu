@@ -284,12 +284,10 @@ extern "C" __global__ void embedding(const float* table, const unsigned int* ids
     out[idx] = table[(u64)ids[r] * dim + c];
 }
 
-// Index of the largest element of each row (first on ties, NaN never wins, 0 when nothing
-// qualifies); one block per row.
-extern "C" __global__ void argmax_rows(const float* x, int cols, unsigned int* out) {
-    __shared__ float vals[BLOCK];
-    __shared__ int idxs[BLOCK];
-    const float* row = x + (u64)blockIdx.x * cols;
+// The column of the largest element of `row` (the first on ties, NaN never wins; -1 when
+// nothing qualifies), by every thread of the block over the block's shared `vals` and `idxs`
+// (BLOCK each), where vals[0] is then that element.
+__device__ int row_argmax(const float* row, int cols, float* vals, int* idxs) {
     float best = 0.0f;
     int bi = -1;
     for (int i = threadIdx.x; i < cols; i += BLOCK) {
@@ -316,7 +314,16 @@ extern "C" __global__ void argmax_rows(const float* x, int cols, unsigned int* o
         }
         __syncthreads();
     }
-    if (threadIdx.x == 0) out[blockIdx.x] = idxs[0] < 0 ? 0u : (unsigned int)idxs[0];
+    return idxs[0];
+}
+
+// Index of the largest element of each row (first on ties, NaN never wins, 0 when nothing
+// qualifies); one block per row.
+extern "C" __global__ void argmax_rows(const float* x, int cols, unsigned int* out) {
+    __shared__ float vals[BLOCK];
+    __shared__ int idxs[BLOCK];
+    int arg = row_argmax(x + (u64)blockIdx.x * cols, cols, vals, idxs);
+    if (threadIdx.x == 0) out[blockIdx.x] = arg < 0 ? 0u : (unsigned int)arg;
 }
 
 // A float's order as an unsigned key: a larger float has a larger key, -0 and +0 the same
@@ -524,33 +531,8 @@ extern "C" __global__ void sample_rows(const float* x, int cols, const double* p
     double* w = weights + (u64)blockIdx.x * cols;
     const double* p = params + 4 * (u64)blockIdx.x;
     double t = p[0], floor = p[1], u = p[2], top_p = p[3];
-    // The argmax (as argmax_rows): the top logit and the first column holding it.
-    float best = 0.0f;
-    int bi = -1;
-    for (int i = threadIdx.x; i < cols; i += BLOCK) {
-        float v = row[i];
-        if (v == v && (bi < 0 || v > best)) {
-            best = v;
-            bi = i;
-        }
-    }
-    vals[threadIdx.x] = best;
-    idxs[threadIdx.x] = bi;
-    __syncthreads();
-    for (int s = BLOCK / 2; s > 0; s /= 2) {
-        if ((int)threadIdx.x < s) {
-            int j = idxs[threadIdx.x + s];
-            float v = vals[threadIdx.x + s];
-            int i0 = idxs[threadIdx.x];
-            float v0 = vals[threadIdx.x];
-            if (j >= 0 && (i0 < 0 || v > v0 || (v == v0 && j < i0))) {
-                vals[threadIdx.x] = v;
-                idxs[threadIdx.x] = j;
-            }
-        }
-        __syncthreads();
-    }
-    int arg = idxs[0];
+    // The argmax: the top logit and the first column holding it.
+    int arg = row_argmax(row, cols, vals, idxs);
     float top = vals[0];
     if (arg < 0 || t <= 0.0) {
         if (threadIdx.x == 0) out[blockIdx.x] = arg < 0 ? 0u : (unsigned int)arg;
