@@ -219,7 +219,8 @@ impl Sequences {
 enum Picked {
     /// The logits of the wanted rows, on the host for the samplers.
     Logits(Vec<f32>),
-    /// The greedy tokens of the sampled entries, found without the logits.
+    /// The tokens of the sampled entries, picked where the logits are (greedy, or drawn with
+    /// each sequence's next number).
     Ids(Vec<u32>),
     /// The most likely tokens of each sampled entry's row, for samplers that keep a few.
     Top(TopK),
