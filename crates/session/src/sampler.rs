@@ -15,7 +15,9 @@
 use crate::model::{SampledToken, StepOutput};
 use crate::plan::{PlanEntry, SeqId, SeqSampling, StepPlan};
 use std::collections::HashMap;
-use tensor::kernels::{candidate_order, draw_columns, Draw, TopK, DRAW_MAX_COLUMNS, TOP_K_MAX};
+use tensor::kernels::{
+    candidate_order, draw_columns, row_numbers, Draw, TopK, DRAW_MAX_COLUMNS, TOP_K_MAX,
+};
 use text::{GrammarEngine, GrammarMatcher};
 
 /// How a request picks its tokens and when it stops.
@@ -281,9 +283,7 @@ impl Sampler {
         }
         let mut cand = std::mem::take(&mut self.scratch);
         cand.clear();
-        cand.extend(
-            logits.iter().enumerate().filter(|(_, l)| !l.is_nan()).map(|(i, &l)| (l, i as u32)),
-        );
+        cand.extend(row_numbers(logits));
         let k = self.params.top_k;
         let in_row_order = if k > 0 && k < cand.len() {
             // Only the k best need ordering: a full sort of a 150k vocabulary costs milliseconds.
@@ -557,6 +557,16 @@ impl Constrained {
 }
 
 impl SeqSampler {
+    /// Whether the sequence wants nothing of its logits but its sampled token: no
+    /// log-probabilities, penalties, bias or grammar, and no prompt scored.
+    fn token_only(&self) -> bool {
+        let p = self.sampler.params();
+        p.logprobs.is_none()
+            && !p.adjusts_logits()
+            && p.constraint.is_none()
+            && self.prompt_top.is_none()
+    }
+
     fn new(s: &SeqSampling) -> Self {
         let constraint = s
             .params
@@ -625,17 +635,15 @@ impl Samplers {
     /// prompt scored): a model runner can then find the tokens without moving the logits. Every
     /// rank answers the same (after [`Samplers::admit`] with `plan`): it decides collectives.
     pub fn argmax_only(&self, plan: &StepPlan) -> bool {
-        let greedy = |s: &SeqSampler| {
-            let p = s.sampler.params();
-            p.temperature <= 0.0
-                && p.logprobs.is_none()
-                && !p.adjusts_logits()
-                && p.constraint.is_none()
-                && s.prompt_top.is_none()
-        };
+        self.every_sampled(plan, |s| s.sampler.params().temperature <= 0.0)
+    }
+
+    /// Whether every entry of `plan` wants only its sampled token of the logits (no prompt
+    /// scored) and every sampled one's sequence is [`SeqSampler::token_only`] and `ok`.
+    fn every_sampled(&self, plan: &StepPlan, ok: impl Fn(&SeqSampler) -> bool) -> bool {
         plan.entries.iter().all(|e| {
             let s = self.seqs.get(&e.seq);
-            !self.every_row(e) && (!e.sample || s.is_some_and(greedy))
+            !self.every_row(e) && (!e.sample || s.is_some_and(|s| s.token_only() && ok(s)))
         })
     }
 
@@ -657,11 +665,8 @@ impl Samplers {
             if !e.sample {
                 continue;
             }
-            let s = self.seqs.get(&e.seq)?;
+            let s = self.seqs.get(&e.seq).filter(|s| s.token_only())?;
             let p = s.sampler.params();
-            if p.logprobs.is_some() || p.adjusts_logits() || p.constraint.is_some() {
-                return None;
-            }
             let keep = match (p.temperature <= 0.0, p.top_k) {
                 (true, _) => 1,
                 (false, k @ 1..TOP_K_MAX) => k,
@@ -680,17 +685,9 @@ impl Samplers {
     /// `plan`).
     pub fn drawable(&self, plan: &StepPlan, vocab: usize) -> bool {
         vocab <= DRAW_MAX_COLUMNS
-            && plan.entries.iter().all(|e| {
-                let s = self.seqs.get(&e.seq);
-                !self.every_row(e)
-                    && (!e.sample
-                        || s.is_some_and(|s| {
-                            let p = s.sampler.params();
-                            p.logprobs.is_none()
-                                && !p.adjusts_logits()
-                                && p.constraint.is_none()
-                                && (p.temperature <= 0.0 || p.top_k == 0)
-                        }))
+            && self.every_sampled(plan, |s| {
+                let p = s.sampler.params();
+                p.temperature <= 0.0 || p.top_k == 0
             })
     }
 

@@ -842,7 +842,7 @@ fn batched_top_k_finds_the_gathered_logits_candidates_in_every_layout() {
 /// TP 0 and CP 0 only, in every layout.
 #[test]
 fn batched_draws_pick_what_the_gathered_logits_give_in_every_layout() {
-    use tensor::kernels::{draw_columns, Draw};
+    use tensor::kernels::{draw_columns, row_numbers, Draw};
     let spec = RandomLlama {
         heads: 6,
         kv_heads: 3,
@@ -884,13 +884,7 @@ fn batched_draws_pick_what_the_gathered_logits_give_in_every_layout() {
                 let (logits, ids) = (logits.as_ref().unwrap(), ids.as_ref().unwrap());
                 let want: Vec<u32> = (0..logits.rows())
                     .map(|r| {
-                        let pairs: Vec<(f32, u32)> = logits
-                            .row(r)
-                            .iter()
-                            .enumerate()
-                            .filter(|(_, l)| !l.is_nan())
-                            .map(|(c, &l)| (l, c as u32))
-                            .collect();
+                        let pairs: Vec<(f32, u32)> = row_numbers(logits.row(r)).collect();
                         draw_columns(&pairs, &draw(i, r))
                     })
                     .collect();

@@ -26,7 +26,7 @@ pub use cuda::{CudaBackend, CudaDeviceInfo, PoolArena};
 pub use fused::{PoolMemory, PoolRows};
 pub use prepare::WeightUse;
 pub use sample::{draw_columns, exp_det, Draw, DRAW_CHUNK, DRAW_MAX_COLUMNS};
-pub use select::{candidate_order, TopK, TOP_K_MAX};
+pub use select::{candidate_order, row_numbers, TopK, TOP_K_MAX};
 pub use step_attention::RowKv;
 
 use crate::error::{Error, Result};

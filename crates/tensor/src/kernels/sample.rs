@@ -11,6 +11,7 @@
 //! chosen chunk's weights. The host sampler draws the same way ([`draw_columns`]), so a
 //! request's tokens are the same wherever its logits were.
 
+use super::select::row_numbers;
 use super::{check, Backend};
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -207,14 +208,15 @@ pub fn draw_columns(pairs: &[(f32, u32)], d: &Draw) -> u32 {
         }
     }
     let fallback = live.last().map_or(first.1, |w| w.column);
-    let mut u = d.u * chunked_sum(&live, 0);
-    // The walk: per chunk its run in `live` and its sum (as `chunked_sum` sums it).
-    let mut i = 0;
-    while i < live.len() {
-        let c = live[i].column as usize / DRAW_CHUNK;
-        let run = &live[i..]
-            [..live[i..].iter().take_while(|w| w.column as usize / DRAW_CHUNK == c).count()];
-        let s = run.iter().fold(0.0, |acc, w| acc + w.weight);
+    // Per chunk its run in `live` and its sum, as `chunked_sum` sums them; then the walk.
+    let same_chunk =
+        |a: &Weighed, b: &Weighed| a.column as usize / DRAW_CHUNK == b.column as usize / DRAW_CHUNK;
+    let runs: Vec<(&[Weighed], f64)> = live
+        .chunk_by(same_chunk)
+        .map(|run| (run, run.iter().fold(0.0, |acc, w| acc + w.weight)))
+        .collect();
+    let mut u = d.u * runs.iter().fold(0.0, |acc, r| acc + r.1);
+    for (run, s) in runs {
         if u < s {
             for w in run {
                 if u < w.weight {
@@ -225,7 +227,6 @@ pub fn draw_columns(pairs: &[(f32, u32)], d: &Draw) -> u32 {
             return fallback;
         }
         u -= s;
-        i += run.len();
     }
     fallback
 }
@@ -249,13 +250,7 @@ impl Backend {
                         .par_iter()
                         .enumerate()
                         .map(|(r, d)| {
-                            let pairs: Vec<(f32, u32)> = x
-                                .row(r)
-                                .iter()
-                                .enumerate()
-                                .filter(|(_, l)| !l.is_nan())
-                                .map(|(i, &l)| (l, i as u32))
-                                .collect();
+                            let pairs: Vec<(f32, u32)> = row_numbers(x.row(r)).collect();
                             draw_columns(&pairs, d)
                         })
                         .collect()

@@ -91,6 +91,12 @@ impl TopK {
     }
 }
 
+/// A row's numbers as (value, column) pairs in column order, NaN left out: what
+/// [`Backend::top_k_rows`] chooses from and `draw_columns` draws from.
+pub fn row_numbers(row: &[f32]) -> impl Iterator<Item = (f32, u32)> + '_ {
+    row.iter().enumerate().filter(|(_, v)| !v.is_nan()).map(|(i, &v)| (v, i as u32))
+}
+
 /// The candidates' order: the larger value first, the lower id among equal values (-0 and
 /// +0 are equal, as for an argmax, so the first candidate is the row's argmax). For values
 /// that are not NaN.
@@ -132,28 +138,18 @@ impl Backend {
         match self {
             Backend::Cpu(cpu) => {
                 x.host()?;
-                let rows: Vec<(Vec<f32>, Vec<u32>)> = cpu.install(|| {
+                let (values, ids): (Vec<Vec<f32>>, Vec<Vec<u32>>) = cpu.install(|| {
                     (0..x.rows())
                         .into_par_iter()
                         .map(|r| {
-                            let mut row: Vec<(f32, u32)> = x
-                                .row(r)
-                                .iter()
-                                .enumerate()
-                                .filter(|(_, v)| !v.is_nan())
-                                .map(|(i, &v)| (v, i as u32))
-                                .collect();
+                            let mut row: Vec<(f32, u32)> = row_numbers(x.row(r)).collect();
                             let (mut values, mut ids) = (Vec::new(), Vec::new());
                             push_best(&mut row, per_row, &mut values, &mut ids);
                             (values, ids)
                         })
-                        .collect()
+                        .unzip()
                 });
-                let (values, ids) = rows.into_iter().fold((Vec::new(), Vec::new()), |mut a, r| {
-                    a.0.extend(r.0);
-                    a.1.extend(r.1);
-                    a
-                });
+                let (values, ids) = (values.concat(), ids.concat());
                 Ok(TopK { per_row, values, ids })
             }
             Backend::Cuda(cuda) => {
