@@ -188,6 +188,9 @@ pub struct Totals {
     /// What decode-only steps asked of the GPU's driver (launches, allocations, copies, host
     /// waits); `None` on the CPU.
     pub decode_gpu_calls: Option<Counters>,
+    /// What the GPU's step workspaces have done (see `tensor::kernels::workspace`); `None`
+    /// on the CPU.
+    pub workspaces: Option<tensor::kernels::workspace::WorkspaceStats>,
     /// Steps.
     pub steps: u64,
 }
@@ -225,9 +228,11 @@ impl MetricsSink for Meter {
         let step_wait = waited.map(|w| w.saturating_sub(std::mem::replace(&mut self.waited, w)));
         let counted = self.gpu.as_ref().and_then(tensor::kernels::Backend::device_counters);
         let step_calls = counted.map(|c| c.since(&std::mem::replace(&mut self.calls, c)));
+        let workspaces = self.gpu.as_ref().and_then(tensor::kernels::Backend::workspace_stats);
         let mut t = self.totals.lock().unwrap_or_else(|e| e.into_inner());
         let time = m.model + m.agreement;
         t.steps += 1;
+        t.workspaces = workspaces;
         if m.prefill_tokens > 0 {
             t.prefill_tokens += m.prefill_tokens;
             t.prefill_time += time;
@@ -281,8 +286,17 @@ fn gpu_split(totals: &Totals) -> String {
     let calls = totals
         .decode_gpu_calls
         .map_or(String::new(), |c| format!("; driver calls {}", c.per_step(steps)));
+    let workspaces = totals.workspaces.map_or(String::new(), |w| {
+        format!(
+            "; step workspaces: {} ({:.1} MiB), {} of {} buffers from their slots",
+            w.workspaces,
+            w.planned_bytes as f64 / (1u64 << 20) as f64,
+            w.slots,
+            w.slots + w.fallbacks
+        )
+    });
     format!(
-        ", decode step {step:.2} ms: host {:.2} ms + waiting for the GPU {waiting:.2} ms{calls}",
+        ", decode step {step:.2} ms: host {:.2} ms + waiting for the GPU {waiting:.2} ms{calls}{workspaces}",
         (step - waiting).max(0.0)
     )
 }
@@ -363,6 +377,22 @@ mod tests {
             line.ends_with(
                 "waiting for the GPU 1.50 ms; driver calls per step (10 steps): 720.0 launches, \
                  0.0 device copies, 521.0 allocations, 0.0 uploads, 2.0 downloads, 0.0 host waits"
+            ),
+            "{line}"
+        );
+        // And what the step workspaces served.
+        let workspaces = tensor::kernels::workspace::WorkspaceStats {
+            slots: 900,
+            fallbacks: 100,
+            recordings: 2,
+            workspaces: 2,
+            planned_bytes: 3 << 19,
+        };
+        let planned = Totals { workspaces: Some(workspaces), ..counted };
+        let line = summary(&planned, &RunClock::default(), Duration::from_secs(1));
+        assert!(
+            line.ends_with(
+                "0.0 host waits; step workspaces: 2 (1.5 MiB), 900 of 1000 buffers from their slots"
             ),
             "{line}"
         );

@@ -566,3 +566,59 @@ fn cuda_top_k_candidates_and_draws_of_a_step_are_those_of_its_logits() {
         std::fs::remove_file(path).unwrap();
     }
 }
+
+/// Warm decode steps on a GPU take every buffer their kernels write from the step shape's
+/// workspace (`tensor::kernels::workspace`): after the prompt step and the first decode step
+/// (recorded), no buffer of a step takes the driver's allocator, every allocation left is an
+/// upload's, and the greedy ids are the CPU's (f32) at every step, the context growing past
+/// a split of the attention's keys.
+#[test]
+fn cuda_warm_decode_steps_take_their_buffers_from_the_step_workspace() {
+    use crate::parallel::Sequence;
+    for dtype in [GemmDtype::F32, GemmDtype::Bf16] {
+        let Some(gpu) = gpu_in(dtype) else { return };
+        let path = temp_path(&format!("cuda-workspace-{}.gguf", dtype.name()));
+        RandomLlama { seed: 21, ..Default::default() }.write(&path).unwrap();
+        let run = |be: &Backend| {
+            let opts = LoadOptions::new(Placement::single()).on(be.clone());
+            let model = ParallelModel::load(&path, opts.form(WeightForm::Native)).unwrap();
+            let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
+            let mut comms = Comms { tp: &mut tp, cp: &mut cp };
+            let mut caches = [model.new_cache(400), model.new_cache(400), model.new_cache(400)];
+            let mut next: Vec<Vec<u32>> = vec![vec![3, 17, 5, 38], vec![0, 22, 9], vec![1, 2]];
+            let mut out = Vec::new();
+            for _ in 0..300 {
+                let before = (be.workspace_stats(), be.device_counters());
+                let [a, b, c] = &mut caches;
+                let mut seqs = [
+                    Sequence { tokens: &next[0], cache: a, sample: true, every_row: false },
+                    Sequence { tokens: &next[1], cache: b, sample: true, every_row: false },
+                    Sequence { tokens: &next[2], cache: c, sample: true, every_row: false },
+                ];
+                let ids = model.forward_batch_argmax(&mut comms, &mut seqs).unwrap().unwrap();
+                next = ids.iter().map(|&t| vec![t]).collect();
+                let after = (be.workspace_stats(), be.device_counters());
+                out.push((ids, before, after));
+            }
+            out
+        };
+        let on_gpu = run(&gpu);
+        for (step, (_, (ws0, c0), (ws1, c1))) in on_gpu.iter().enumerate().skip(2) {
+            let (ws0, ws1) = (ws0.unwrap(), ws1.unwrap());
+            let c = c1.unwrap().since(&c0.unwrap());
+            assert_eq!(
+                ws1.fallbacks, ws0.fallbacks,
+                "{dtype:?} step {step}: a buffer took the pool"
+            );
+            assert!(ws1.slots > ws0.slots, "{dtype:?} step {step}: no slot");
+            assert_eq!(c.allocations, c.uploads, "{dtype:?} step {step}: {c:?}");
+        }
+        if dtype == GemmDtype::F32 {
+            let on_cpu = run(&cpu());
+            for (step, (g, c)) in on_gpu.iter().zip(&on_cpu).enumerate() {
+                assert_eq!(g.0, c.0, "step {step}: the GPU's greedy ids are not the CPU's");
+            }
+        }
+        std::fs::remove_file(path).unwrap();
+    }
+}

@@ -28,6 +28,19 @@ pub fn cpu_with_device_outputs(threads: usize) -> Backend {
     Backend::Cpu(cpu.expect("spawning the CPU backend's threads"))
 }
 
+/// [`cpu_with_device_outputs`] whose outputs inside a model step ([`Backend::step`]) are
+/// placed in slots of one host buffer per step shape, at the offsets the CUDA backend's step
+/// workspace plans (see [`crate::kernels::workspace`] and
+/// [`crate::kernels::cpu::CpuBackend::with_planned_device_outputs`]): a plan that handed out a
+/// slot over a tensor still in use would change that tensor's values.
+///
+/// # Panics
+/// When the threads cannot be spawned.
+pub fn cpu_with_planned_device_outputs(threads: usize) -> Backend {
+    let cpu = crate::kernels::cpu::CpuBackend::with_planned_device_outputs(threads);
+    Backend::Cpu(cpu.expect("spawning the CPU backend's threads"))
+}
+
 /// Asserts `got` and `want` agree element-wise within `tol` relative to max(1, |want|).
 ///
 /// # Panics

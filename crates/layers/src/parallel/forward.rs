@@ -197,6 +197,7 @@ impl ParallelModel {
         comms: &mut Comms<'_>,
         seqs: &mut [Sequence<'_>],
     ) -> Result<Option<Tensor>> {
+        let _step = self.step(seqs);
         self.backend.run(|| match self.final_rows(comms, seqs)? {
             FinalRows::None { root } => {
                 Ok(root.then(|| Tensor::zeros(&[0, self.config.vocab_size])))
@@ -235,6 +236,7 @@ impl ParallelModel {
         seqs: &mut [Sequence<'_>],
     ) -> Result<Option<Vec<u32>>> {
         let root = (self.placement.tp_rank, self.placement.cp_rank) == (0, 0);
+        let _step = self.step(seqs);
         self.backend.run(|| match self.final_rows(comms, seqs)? {
             FinalRows::None { root } => Ok(root.then(Vec::new)),
             FinalRows::Elsewhere => Ok(None),
@@ -263,6 +265,7 @@ impl ParallelModel {
     ) -> Result<Option<TopK>> {
         let root = (self.placement.tp_rank, self.placement.cp_rank) == (0, 0);
         let softcap = self.config.final_softcap;
+        let _step = self.step(seqs);
         self.backend.run(|| match self.final_rows(comms, seqs)? {
             FinalRows::None { root } => {
                 let per_row = k.min(self.config.vocab_size);
@@ -292,8 +295,17 @@ impl ParallelModel {
         seqs: &mut [Sequence<'_>],
         draws: &[Draw],
     ) -> Result<Option<Vec<u32>>> {
+        let _step = self.step(seqs);
         let Some(logits) = self.forward_batch(comms, seqs)? else { return Ok(None) };
         Ok(Some(self.backend.run(|| self.backend.sample_rows(&logits, draws))?))
+    }
+
+    /// Starts the backend's step over `seqs` (see [`Backend::step`]): until it is dropped, the
+    /// buffers the kernels write are planned per step shape, so that on a GPU a warm step
+    /// allocates nothing.
+    fn step(&self, seqs: &[Sequence<'_>]) -> tensor::kernels::workspace::StepScope {
+        let tokens = seqs.iter().map(|s| s.tokens.len()).sum();
+        self.backend.step(tokens, seqs.len())
     }
 
     /// The backend for the LM head over `seqs`' final rows: those of sequences that want only

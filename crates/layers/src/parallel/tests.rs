@@ -895,6 +895,30 @@ fn batched_draws_pick_what_the_gathered_logits_give_in_every_layout() {
     std::fs::remove_file(path).unwrap();
 }
 
+/// A small Llama with Qwen2's attention biases and an untied head.
+fn biased_untied_spec(seed: u64) -> RandomLlama {
+    RandomLlama {
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 80,
+        vocab: 40,
+        layers: 2,
+        seed,
+        attn_bias: true,
+        untied_head: true,
+        ..RandomLlama::default()
+    }
+}
+
+/// The shard at `p` of the model file at `path`, in f32, on `be`.
+fn load_f32_on(path: &std::path::Path, p: Placement, be: Backend) -> ParallelModel {
+    let file = GgufFile::open(path).unwrap();
+    let config = LlamaConfig::from_gguf(&file).unwrap();
+    let opts = LoadOptions::new(p).on(be).form(WeightForm::F32);
+    ParallelModel::from_source(&file, config, opts).unwrap()
+}
+
 /// A step reads device outputs on the host only through explicit copies ([`Tensor::host`],
 /// which can fail), never behind an infallible call: on a backend whose every output is
 /// device data (any other read panics), single forward passes (all rows, last row),
@@ -902,28 +926,14 @@ fn batched_draws_pick_what_the_gathered_logits_give_in_every_layout() {
 /// bit in every layout, with Qwen2's biases and an untied head.
 #[test]
 fn steps_read_device_outputs_only_through_explicit_copies() {
-    let spec = RandomLlama {
-        heads: 6,
-        kv_heads: 3,
-        hidden: 48,
-        ffn: 80,
-        vocab: 40,
-        layers: 2,
-        seed: 49,
-        attn_bias: true,
-        untied_head: true,
-        ..RandomLlama::default()
-    };
+    let spec = biased_untied_spec(49);
     let path = write_model(&spec, "device-outputs.gguf");
     let steps = mixed_steps(spec.vocab as u32);
     let prompt: Vec<u32> = vec![3, 17, 5, 38, 0, 22, 9];
     for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)] {
         let got = on_mesh(tp, cp, |p, comms| {
             let mut run = |be: Backend| {
-                let file = GgufFile::open(&path).unwrap();
-                let config = LlamaConfig::from_gguf(&file).unwrap();
-                let opts = LoadOptions::new(p).on(be).form(WeightForm::F32);
-                let model = ParallelModel::from_source(&file, config, opts).unwrap();
+                let model = load_f32_on(&path, p, be);
                 let host = |t: Tensor| t.into_host_vec().unwrap();
                 let mut cache = model.new_cache(64);
                 let all = model.forward(comms, &prompt, &mut cache, Logits::All).unwrap();
@@ -2148,6 +2158,68 @@ fn cp_prefill_sends_a_windowed_layer_only_the_keys_a_later_rank_sees() {
             let e = rel_err(logits.data(), want.data());
             assert!(e < 1e-4, "cp {cp} rank {}: logits off by {e}", p.cp_rank);
         }
+    }
+    std::fs::remove_file(path).unwrap();
+}
+
+/// Model steps whose kernels' buffers are placed as the CUDA backend's step workspace places
+/// them (slots of one buffer per step shape, at offsets planned from the shape's first step:
+/// `tensor::kernels::workspace`) give the plain backend's logits and greedy ids bit for bit
+/// in every layout, and a warm decode step takes every buffer it frees from a slot. A plan
+/// that handed out a slot over a tensor still in use would change that tensor's values.
+#[test]
+fn planned_step_buffers_change_no_result_and_serve_warm_decode_steps() {
+    let spec = biased_untied_spec(53);
+    let path = write_model(&spec, "planned-steps.gguf");
+    let steps = mixed_steps(spec.vocab as u32);
+    // Three prompts, then eight decode steps of the three sequences.
+    let mut decode: Vec<Vec<Entry>> = vec![vec![
+        (0, vec![3, 17, 5, 38, 0], true),
+        (1, vec![22, 9, 4], true),
+        (2, vec![1, 2, 3, 4], true),
+    ]];
+    for i in 0..8u32 {
+        decode.push((0..3).map(|s| (s, vec![(i * 7 + s as u32 * 11) % 40], true)).collect());
+    }
+    for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2)] {
+        let got = on_mesh(tp, cp, |p, comms| {
+            let run = |be: Backend, comms: &mut Comms<'_>| {
+                let model = load_f32_on(&path, p, be.clone());
+                let host = |t: Option<Tensor>| t.map(|t| t.into_host_vec().unwrap());
+                // The mixed steps twice, so that each shape is planned, then served.
+                let mut logits = Vec::new();
+                for _ in 0..2 {
+                    let got = run_steps(&model, comms, &steps, &mut five_caches(&model));
+                    logits.extend(got.into_iter().map(host));
+                }
+                let mut caches = five_caches(&model);
+                let mut stats = Vec::new();
+                let ids = run_steps_with(comms, &decode, &mut caches, |comms, seqs| {
+                    let before = be.workspace_stats();
+                    let ids = model.forward_batch_argmax(comms, seqs).unwrap();
+                    stats.push(before.zip(be.workspace_stats()));
+                    ids
+                });
+                (logits, ids, stats)
+            };
+            let plain = run(Backend::cpu(1).unwrap(), comms);
+            let planned = run(tensor::test_util::cpu_with_planned_device_outputs(1), comms);
+            (p, plain, planned)
+        });
+        let mut warm_slots = 0;
+        for (p, plain, planned) in got {
+            assert!(plain.0 == planned.0, "({tp},{cp}) {p:?}: planned buffers changed logits");
+            assert_eq!(plain.1, planned.1, "({tp},{cp}) {p:?}: planned buffers changed ids");
+            assert!(plain.2.iter().all(Option::is_none), "the plain backend plans nothing");
+            // The prompt step and the first decode step are recorded; the rest are served.
+            for (i, s) in planned.2.iter().enumerate().skip(2) {
+                let (before, after) = s.unwrap();
+                assert_eq!(after.fallbacks, before.fallbacks, "({tp},{cp}) {p:?} decode step {i}");
+                assert_eq!(after.recordings, before.recordings, "({tp},{cp}) {p:?} step {i}");
+                warm_slots += after.slots - before.slots;
+            }
+        }
+        assert!(warm_slots > 0, "({tp},{cp}): no warm step took a slot");
     }
     std::fs::remove_file(path).unwrap();
 }

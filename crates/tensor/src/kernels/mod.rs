@@ -17,6 +17,7 @@ mod prepare;
 mod sample;
 mod select;
 mod step_attention;
+pub mod workspace;
 
 pub use cpu::attention::AttnShape;
 pub use cpu::qmatrix::{QBits, QMatrix};

@@ -18,10 +18,15 @@ pub mod rope;
 pub mod sgemm;
 mod shared_out;
 
+use super::workspace::{Placement, Slot, StepMemory, Tracked};
 use super::Weight;
 use crate::error::{Error, Result};
 use crate::tensor::{Device, DeviceData, Tensor};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+/// Host memory standing for a step workspace on a device (see
+/// [`CpuBackend::with_planned_device_outputs`]).
+type HostWorkspace = Mutex<Vec<f32>>;
 
 /// Runs CPU kernels on its own rayon pool of a fixed size, so each rank (or each test) decides
 /// how many cores it uses regardless of what else runs in the process.
@@ -31,6 +36,9 @@ pub struct CpuBackend {
     threads: usize,
     /// Hand every output out as device data (see [`CpuBackend::with_device_outputs`]).
     device_outputs: bool,
+    /// Place those outputs as a device backend's step workspace would (see
+    /// [`CpuBackend::with_planned_device_outputs`]).
+    planned: Option<Arc<Mutex<StepMemory<HostWorkspace>>>>,
     /// Leading activation rows that are each one sequence's single new token (see
     /// [`crate::Backend::for_step`]).
     pub(crate) single_rows: usize,
@@ -48,7 +56,13 @@ impl CpuBackend {
             .thread_name(|i| format!("layers-cpu-{i}"))
             .build()
             .map_err(|e| Error::ThreadPool { threads, message: e.to_string() })?;
-        Ok(CpuBackend { pool: Arc::new(pool), threads, device_outputs: false, single_rows: 0 })
+        Ok(CpuBackend {
+            pool: Arc::new(pool),
+            threads,
+            device_outputs: false,
+            planned: None,
+            single_rows: 0,
+        })
     }
 
     /// A backend that computes on the CPU but hands every output out as device data, as the
@@ -61,13 +75,52 @@ impl CpuBackend {
         Ok(CpuBackend { device_outputs: true, ..CpuBackend::new(threads)? })
     }
 
-    /// `t` as this backend hands its outputs out: as it is, or behind the device-data seam.
+    /// [`CpuBackend::with_device_outputs`] whose outputs inside a step
+    /// ([`crate::Backend::step`]) are placed as the CUDA backend places its buffers: in slots
+    /// of one host buffer per step shape, at the offsets planned from the shape's first step
+    /// (see [`crate::kernels::workspace`]). A slot handed out while a tensor in the bytes
+    /// it overlaps is still read would change that tensor's values, so model steps on this
+    /// backend check the plans with real data (a test aid; see
+    /// `test_util::cpu_with_planned_device_outputs`).
+    ///
+    /// # Errors
+    /// As [`CpuBackend::new`].
+    pub fn with_planned_device_outputs(threads: usize) -> Result<Self> {
+        let planned = Some(Arc::new(Mutex::new(StepMemory::default())));
+        Ok(CpuBackend { planned, ..CpuBackend::with_device_outputs(threads)? })
+    }
+
+    /// Runs `f` on the step memory of a backend that plans its outputs (`None` for others).
+    pub(crate) fn with_step_memory<R>(
+        &self,
+        f: impl FnOnce(&mut StepMemory<HostWorkspace>) -> R,
+    ) -> Option<R> {
+        let planned = self.planned.as_ref()?;
+        Some(f(&mut planned.lock().unwrap_or_else(|e| e.into_inner())))
+    }
+
+    /// `t` as this backend hands its outputs out: as it is, or behind the device-data seam
+    /// (in a planned slot, for a backend that plans them).
     pub(crate) fn output(&self, t: Tensor) -> Result<Tensor> {
         if !self.device_outputs {
             return Ok(t);
         }
         let shape = t.shape().to_vec();
-        Tensor::from_device(&shape, Arc::new(HeldAsDevice(t.into_host_vec()?)))
+        let values = t.into_host_vec()?;
+        let bytes = std::mem::size_of_val(values.as_slice());
+        let make = |bytes: usize| Ok::<_, ()>(Mutex::new(vec![0f32; bytes / 4]));
+        let data = match self.with_step_memory(|m| m.place(bytes, make)) {
+            Some(Placement::Slot(slot)) => {
+                let at = slot.offset() / 4;
+                let mut ws = slot.workspace().lock().unwrap_or_else(|e| e.into_inner());
+                ws[at..at + values.len()].copy_from_slice(&values);
+                drop(ws);
+                HeldAsDevice::Slot { slot, len: values.len() }
+            }
+            Some(Placement::Own(tracked)) => HeldAsDevice::Own { values, _tracked: tracked },
+            None => HeldAsDevice::Own { values, _tracked: None },
+        };
+        Tensor::from_device(&shape, Arc::new(data))
     }
 
     /// Runs `f` on `x`'s elements on the host, then hands `x` out as [`CpuBackend::output`].
@@ -141,9 +194,23 @@ pub(crate) fn linear_rows(
 }
 
 /// Host memory behind the device-data seam: the outputs of
-/// [`CpuBackend::with_device_outputs`].
-#[derive(Debug)]
-struct HeldAsDevice(Vec<f32>);
+/// [`CpuBackend::with_device_outputs`], in their own vector or in a slot of a planned step
+/// workspace.
+enum HeldAsDevice {
+    Own { values: Vec<f32>, _tracked: Option<Tracked> },
+    Slot { slot: Slot<HostWorkspace>, len: usize },
+}
+
+impl std::fmt::Debug for HeldAsDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HeldAsDevice::Own { values, .. } => write!(f, "HeldAsDevice({} floats)", values.len()),
+            HeldAsDevice::Slot { slot, len } => {
+                write!(f, "HeldAsDevice({len} floats at byte {} of a workspace)", slot.offset())
+            }
+        }
+    }
+}
 
 impl DeviceData for HeldAsDevice {
     fn device(&self) -> Device {
@@ -151,11 +218,21 @@ impl DeviceData for HeldAsDevice {
     }
 
     fn byte_len(&self) -> usize {
-        std::mem::size_of_val(self.0.as_slice())
+        4 * match self {
+            HeldAsDevice::Own { values, .. } => values.len(),
+            HeldAsDevice::Slot { len, .. } => *len,
+        }
     }
 
     fn download(&self, out: &mut [u8]) -> std::result::Result<(), String> {
-        out.copy_from_slice(bytemuck::cast_slice(&self.0));
+        match self {
+            HeldAsDevice::Own { values, .. } => out.copy_from_slice(bytemuck::cast_slice(values)),
+            HeldAsDevice::Slot { slot, len } => {
+                let at = slot.offset() / 4;
+                let ws = slot.workspace().lock().unwrap_or_else(|e| e.into_inner());
+                out.copy_from_slice(bytemuck::cast_slice(&ws[at..at + len]));
+            }
+        }
         Ok(())
     }
 

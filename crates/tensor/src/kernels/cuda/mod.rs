@@ -144,3 +144,13 @@ pub(crate) fn attention_splits(rows: usize, n_kv: usize) -> (usize, usize) {
     let chunk = n_kv.div_ceil(want).next_multiple_of(tile).max(tile);
     (n_kv.div_ceil(chunk).max(1), chunk)
 }
+
+/// The most key ranges [`attention_splits`] gives `rows` blocks per range at any number of
+/// keys: 1 for a launch that fills the GPU (a prefill, never split), else enough for
+/// [`ATTN_TARGET_BLOCKS`]. A decode step's launch takes the split path and sizes its partial
+/// results for this many ranges whatever its keys, so its buffers do not change as the
+/// context grows (the step workspace, `kernels::workspace`, plans them once).
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn attention_most_splits(rows: usize) -> usize {
+    ATTN_TARGET_BLOCKS.div_ceil(rows.max(1)).max(1)
+}

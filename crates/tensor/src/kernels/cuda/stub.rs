@@ -76,6 +76,21 @@ impl CudaBackend {
         match self.never {}
     }
 
+    /// Starts a step of shape `key` (see [`crate::Backend::step`]).
+    pub(crate) fn begin_step(&self, _key: Option<crate::kernels::workspace::StepKey>) {
+        match self.never {}
+    }
+
+    /// Ends the step begun last.
+    pub(crate) fn end_step(&self) {
+        match self.never {}
+    }
+
+    /// What the step workspaces have done so far.
+    pub(crate) fn workspace_stats(&self) -> crate::kernels::workspace::WorkspaceStats {
+        match self.never {}
+    }
+
     /// Keeps the device copies of weights in memory from `arena`.
     pub fn keep_weights_in(&self, _arena: Arc<dyn DeviceArena>) {
         match self.never {}

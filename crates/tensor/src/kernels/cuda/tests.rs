@@ -335,12 +335,16 @@ fn cuda_attention_matches_cpu_with_log_sum_exp() {
 /// a decode step when there are keys enough, and leave a prefill unsplit (no GPU needed).
 #[test]
 fn attention_key_ranges_cover_the_keys_and_fill_the_gpu_for_decode() {
-    use super::{attention_splits, ATTN_TARGET_BLOCKS, ATTN_TILE};
+    use super::{attention_most_splits, attention_splits, ATTN_TARGET_BLOCKS, ATTN_TILE};
     for rows in [1, 9, 32, 100, 511, 512, 4096] {
-        for n_kv in [1, 2, 127, 128, 129, 255, 256, 300, 1000, 4096, 32_768, 131_072] {
+        for n_kv in [1, 2, 127, 128, 129, 255, 256, 300, 1000, 4096, 32_768, 131_072, 1 << 20] {
             let (splits, chunk) = attention_splits(rows, n_kv);
             let at = format!("{rows} rows, {n_kv} keys: {splits} x {chunk}");
             assert!(splits >= 1 && chunk % ATTN_TILE == 0, "{at}");
+            assert!(splits <= attention_most_splits(rows), "{at}: more than the most");
+            if rows >= ATTN_TARGET_BLOCKS {
+                assert_eq!(attention_most_splits(rows), 1, "{at}");
+            }
             assert!(splits * chunk >= n_kv && (splits - 1) * chunk < n_kv, "{at}: not a cover");
             if rows >= ATTN_TARGET_BLOCKS || n_kv < 2 * ATTN_TILE {
                 assert_eq!(splits, 1, "{at}");

@@ -2,10 +2,11 @@
 //! caches, with the score rules of `AttnShape` (query scale, soft-cap, sliding window), and
 //! the merge of the ranges' partial results.
 
+use super::buffers::StepBuf;
 use super::{int, per_row, Count, CudaBackend, OrUnavailable};
 use crate::error::{Error, Result};
 use crate::kernels::cpu::attention::AttnShape;
-use crate::kernels::cuda::{attention_blocks, attention_splits, ATTN_TILE};
+use crate::kernels::cuda::{attention_blocks, attention_most_splits, attention_splits, ATTN_TILE};
 use crate::kernels::step_attention::{misfit, RowKv};
 use crate::kernels::{Kv, KvElem};
 use crate::tensor::Tensor;
@@ -29,7 +30,7 @@ struct Keys {
 
 /// What an attention launch leaves: the outputs, their log-sum-exps, and on a bf16 backend the
 /// outputs rounded to bf16.
-type Attended = (CudaSlice<f32>, CudaSlice<f32>, Option<CudaSlice<u16>>);
+type Attended = (StepBuf<f32>, StepBuf<f32>, Option<StepBuf<u16>>);
 
 /// What the kernel cannot take: a head larger than its output slots, a soft-cap that is not a
 /// positive finite number (it reads 0 as none).
@@ -255,13 +256,17 @@ impl CudaBackend {
         let rows = tokens * q_heads;
         let blocks = attention_blocks(tokens, q_heads, kv_heads);
         let (splits, chunk) = attention_splits(blocks, n_kv);
+        // A launch that may split its keys (a decode step's) always merges, from partial
+        // results sized for the most ranges it can have: its buffers are the same at every
+        // context length (see `attention_most_splits`).
+        let most = attention_most_splits(blocks);
         let half = self.half_buf(OP, rows * head_dim)?;
         // Written by the attention kernel with one range, by the merge with several.
-        let hp = if splits == 1 { self.half_addr(&half) } else { 0 };
-        // Written whole: block (r, s) writes row s·rows + r of out (head_dim floats) and of
-        // lse; with one range those are the answer, with several the partial results.
-        let mut od = self.output_buf(OP, splits * rows * head_dim)?;
-        let mut ld = self.output_buf(OP, splits * rows)?;
+        let hp = if most == 1 { self.half_addr(&half) } else { 0 };
+        // Block (r, s) writes row s·rows + r of out (head_dim floats) and of lse, for s <
+        // splits <= most; with one range those are the answer, else the partial results.
+        let od = self.output_buf(OP, most * rows * head_dim)?;
+        let ld = self.output_buf(OP, most * rows)?;
         let args = [
             int(OP, "keys", n_kv)?,
             int(OP, "q_heads", q_heads)?,
@@ -290,8 +295,8 @@ impl CudaBackend {
             .arg(&chunk32)
             .arg(&kv_bf16)
             .arg(&seqs)
-            .arg(&mut od)
-            .arg(&mut ld)
+            .arg(&od.ptr)
+            .arg(&ld.ptr)
             .arg(&hp);
         // SAFETY: the arguments match `attention(const float*, const u64*, const float*,
         // const float*, const u64*, const unsigned*, int, u64, int, int, int, int, float,
@@ -303,8 +308,8 @@ impl CudaBackend {
         // `attention_blocks`): it reads q_pos[i] and
         // those heads' rows of q (head_dim floats each), the key positions of its range
         // [s·chunk, (s+1)·chunk) ∩ [0, n_i) and head g of those key and value rows, and writes
-        // those rows' entries s·rows + row of out and lse, which hold splits·rows rows
-        // (splits·chunk >= n_kv >= n_i, from `attention_splits`). Without `seqs`, n_i = n_kv
+        // those rows' entries s·rows + row of out and lse, which hold most·rows rows
+        // (splits·chunk >= n_kv >= n_i and splits <= most, from `attention_splits`). Without `seqs`, n_i = n_kv
         // and the callers checked q holds tokens·q_heads·head_dim floats and that the keys
         // and values hold n_kv rows of kv_heads·head_dim: contiguous buffers at least that
         // long (staged ones are freed stream-ordered, after the kernel; a device cache is
@@ -317,7 +322,7 @@ impl CudaBackend {
         // inside the one pool. q_heads is a multiple of kv_heads (so g < kv_heads); head_dim
         // <= 512 fits the kernel's per-thread output slots and shared query copy.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
-        if splits == 1 {
+        if most == 1 {
             return Ok((od, ld, half));
         }
         let mp = self.half_addr(&half);
@@ -329,30 +334,30 @@ impl CudaBackend {
     /// ranges in `part` / `part_lse` (rows s·rows + r): `[rows, head_dim]` and `[rows]`.
     fn merge_attention(
         &self,
-        part: &CudaSlice<f32>,
-        part_lse: &CudaSlice<f32>,
+        part: &StepBuf<f32>,
+        part_lse: &StepBuf<f32>,
         splits: usize,
         rows: usize,
         head_dim: usize,
         half: u64,
-    ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    ) -> Result<(StepBuf<f32>, StepBuf<f32>)> {
         const OP: &str = "attention merge";
         // Written whole: block r writes row r of out (head_dim floats) and lse[r].
-        let mut od = self.output_buf(OP, rows * head_dim)?;
-        let mut ld = self.output_buf(OP, rows)?;
+        let od = self.output_buf(OP, rows * head_dim)?;
+        let ld = self.output_buf(OP, rows)?;
         let args =
             [int(OP, "splits", splits)?, int(OP, "rows", rows)?, int(OP, "head_dim", head_dim)?];
         let cfg = per_row(OP, rows, ATTN_BLOCK)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.attention_merge);
-        b.arg(part).arg(part_lse);
+        b.arg(&part.ptr).arg(&part_lse.ptr);
         for a in &args {
             b.arg(a);
         }
-        b.arg(&mut od).arg(&mut ld).arg(&half);
+        b.arg(&od.ptr).arg(&ld.ptr).arg(&half);
         // SAFETY: the arguments match `attention_merge(const float*, const float*, int, int,
         // int, float*, float*, unsigned short*)`. Block r reads rows s·rows + r (s < splits) of
-        // part (head_dim floats each) and part_lse, which hold splits·rows rows, written by the
+        // part (head_dim floats each) and part_lse, which hold at least splits·rows rows, written by the
         // attention launch before it on this stream, and writes row r of out and lse[r], which
         // hold rows rows, and of `half` (rows·head_dim halves) unless it is null.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;

@@ -1,13 +1,39 @@
-//! Tensors and device buffers: a backend's outputs ([`DeviceBuf`]), the device address of an
+//! Tensors and device buffers: the buffers kernels write ([`StepBuf`]: from the driver's pool
+//! or a step workspace's slot), a backend's outputs ([`DeviceBuf`]), the device address of an
 //! input (read in place or uploaded), buffers written in place, and host copies.
 
 use super::{Count, CudaBackend, Inner, OrUnavailable};
 use crate::error::{Error, Result};
+use crate::kernels::workspace::{Placement, Slot, Tracked};
 use crate::tensor::{DeviceData, Tensor};
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use mesh::DeviceMemory;
 use std::fmt;
 use std::sync::{Arc, Mutex};
+
+/// A buffer of `len` elements of `T` that kernels write, at device address `ptr`: the
+/// backend's own allocation from the driver's pool, or a slot of the step's workspace (see
+/// [`crate::kernels::workspace`]). Either is given back in stream order when dropped.
+pub(super) struct StepBuf<T> {
+    pub(super) ptr: u64,
+    len: usize,
+    _mem: StepMem<T>,
+}
+
+/// What keeps a [`StepBuf`]'s memory.
+enum StepMem<T> {
+    /// An allocation of the driver's pool, and the recording of the step it belongs to.
+    Pool(#[allow(dead_code)] CudaSlice<T>, #[allow(dead_code)] Option<Tracked>),
+    /// A slot of a step workspace.
+    Slot(#[allow(dead_code)] Slot<CudaSlice<u8>>),
+}
+
+impl<T> StepBuf<T> {
+    /// Elements.
+    pub(super) fn len(&self) -> usize {
+        self.len
+    }
+}
 
 /// A device address for a kernel, with the upload behind it (if any) kept alive.
 pub(super) struct Input {
@@ -20,9 +46,9 @@ pub(super) struct Input {
 /// of a bf16 product, which then needs no rounding launch of its own); dropped when the buffer
 /// is written in place.
 struct DeviceBuf {
-    buf: CudaSlice<f32>,
+    buf: StepBuf<f32>,
     owner: Arc<Inner>,
-    half: Mutex<Option<CudaSlice<u16>>>,
+    half: Mutex<Option<StepBuf<u16>>>,
 }
 
 impl fmt::Debug for DeviceBuf {
@@ -46,7 +72,7 @@ impl DeviceData for DeviceBuf {
     fn download(&self, out: &mut [u8]) -> std::result::Result<(), String> {
         let stream = &self.owner.stream;
         stream.context().bind_to_thread().map_err(|e| e.to_string())?;
-        let (src, _record) = self.buf.device_ptr(stream);
+        let src = self.buf.ptr;
         let n = out.len().min(self.byte_len());
         self.owner.count(Count::Download);
         // SAFETY: `src` holds byte_len bytes of this stream's device; `out` is a live host
@@ -81,24 +107,60 @@ impl CudaBackend {
     /// A device buffer of `len` floats for an output that the next kernel or cuBLAS call
     /// writes whole: no memset (one launch fewer per op). Its contents are unspecified until
     /// then; every caller says in its SAFETY note why each element is written.
-    pub(super) fn output_buf(&self, op: &str, len: usize) -> Result<CudaSlice<f32>> {
+    pub(super) fn output_buf(&self, op: &str, len: usize) -> Result<StepBuf<f32>> {
+        self.step_buf(op, len)
+    }
+
+    /// A buffer of `len` elements of `T` that the caller's next launch writes whole, in a slot
+    /// of the step's workspace when the step's plan has one for it, else from the driver's
+    /// pool (see [`StepBuf`]). Its contents are unspecified until then; every caller says in
+    /// its SAFETY note why each element is written.
+    pub(super) fn step_buf<T: DeviceRepr>(&self, op: &str, len: usize) -> Result<StepBuf<T>> {
+        let bytes = len * std::mem::size_of::<T>();
+        let make = |bytes: usize| {
+            self.count(Count::Allocation);
+            // SAFETY: a workspace is only carved into slots, each handed to launches that
+            // write it before any read (each caller of `step_buf`).
+            unsafe { self.stream().alloc::<u8>(bytes) }
+        };
+        let placed = self.workspace().place(bytes, make);
+        let tracked = match placed {
+            Placement::Slot(slot) => {
+                let ptr = self.addr(slot.workspace()) + slot.offset() as u64;
+                return Ok(StepBuf { ptr, len, _mem: StepMem::Slot(slot) });
+            }
+            Placement::Own(tracked) => tracked,
+        };
         self.count(Count::Allocation);
         // SAFETY: an unwritten device buffer is never read on the host: it is handed only to
         // the launch that writes it (each caller), in stream order before any read.
-        unsafe { self.stream().alloc::<f32>(len) }
-            .or_unavailable(|| format!("{op}: allocating {len} floats"))
+        let buf = unsafe { self.stream().alloc::<T>(len) }
+            .or_unavailable(|| format!("{op}: allocating {len} elements"))?;
+        Ok(StepBuf { ptr: self.addr(&buf), len, _mem: StepMem::Pool(buf, tracked) })
     }
 
-    /// Copies `dev` into `host` (same length) and waits for the stream.
+    /// `buf`, an allocation made outside the step's plan (an upload), as a [`StepBuf`].
+    fn unplanned<T>(&self, buf: CudaSlice<T>) -> StepBuf<T> {
+        StepBuf { ptr: self.addr(&buf), len: buf.len(), _mem: StepMem::Pool(buf, None) }
+    }
+
+    /// Copies `host.len()` elements at device address `src` into `host` and waits for the
+    /// stream.
     pub(super) fn download<T: DeviceRepr>(
         &self,
         op: &str,
-        dev: &CudaSlice<T>,
+        src: &StepBuf<T>,
         host: &mut [T],
     ) -> Result<()> {
+        debug_assert!(host.len() <= src.len());
+        self.bind(op)?;
         let stream = self.stream();
         self.count(Count::Download);
-        stream.memcpy_dtoh(dev, host).or_unavailable(|| format!("{op}: copying to the host"))?;
+        // SAFETY: `src` holds at least host.len() elements of this stream's device, alive
+        // while borrowed here; `host` is a live host slice, and the stream is synchronized
+        // before it is returned to the caller.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(host, src.ptr, stream.cu_stream()) }
+            .or_unavailable(|| format!("{op}: copying to the host"))?;
         self.inner.sync(op)
     }
 
@@ -146,7 +208,7 @@ impl CudaBackend {
     /// alive; the caller keeps `t` borrowed while queuing the work.
     pub(super) fn input(&self, op: &str, t: &Tensor) -> Result<Input> {
         if let Some(buf) = self.own(t.storage().device_data()) {
-            return Ok(Input { ptr: self.addr(buf), _staged: None });
+            return Ok(Input { ptr: buf.ptr, _staged: None });
         }
         let staged = self.upload(op, t.host()?)?;
         Ok(Input { ptr: self.addr(&staged), _staged: Some(staged) })
@@ -156,7 +218,7 @@ impl CudaBackend {
     pub(super) fn own<'a>(
         &self,
         data: Option<&'a Arc<dyn DeviceData>>,
-    ) -> Option<&'a CudaSlice<f32>> {
+    ) -> Option<&'a StepBuf<f32>> {
         let buf = data?.as_any().downcast_ref::<DeviceBuf>()?;
         Arc::ptr_eq(&buf.owner, &self.inner).then_some(&buf.buf)
     }
@@ -171,50 +233,58 @@ impl CudaBackend {
             if let Some(d) = data.and_then(|d| d.as_any().downcast_ref::<DeviceBuf>()) {
                 d.half.lock().unwrap_or_else(|e| e.into_inner()).take();
             }
-            return Ok(self.addr(buf));
+            return Ok(buf.ptr);
         }
         let buf = match self.own(t.storage().device_data()) {
             Some(shared) => {
-                self.count(Count::Allocation);
+                let copy = self.step_buf::<f32>(op, shared.len())?;
+                self.bind(op)?;
                 self.count(Count::DeviceCopy);
-                self.stream()
-                    .clone_dtod(shared)
-                    .or_unavailable(|| format!("{op}: copying on the device"))?
+                // SAFETY: both are buffers of this stream's device of `shared.len()` floats,
+                // alive while queued work uses them (stream-ordered frees); the copy is fresh,
+                // so they do not overlap.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(
+                        copy.ptr,
+                        shared.ptr,
+                        4 * shared.len(),
+                        self.stream().cu_stream(),
+                    )
+                }
+                .or_unavailable(|| format!("{op}: copying on the device"))?;
+                copy
             }
-            None => self.upload(op, t.host()?)?,
+            None => self.unplanned(self.upload(op, t.host()?)?),
         };
-        let ptr = self.addr(&buf);
+        let ptr = buf.ptr;
         t.set_device_data(self.wrap(buf))?;
         Ok(ptr)
     }
 
     /// `buf` as tensor data that stays on the device until the host reads it.
-    fn wrap(&self, buf: CudaSlice<f32>) -> Arc<dyn DeviceData> {
+    fn wrap(&self, buf: StepBuf<f32>) -> Arc<dyn DeviceData> {
         Arc::new(DeviceBuf { buf, owner: self.inner.clone(), half: Mutex::new(None) })
     }
 
     /// A tensor of `shape` over the output `buf`.
-    pub(super) fn output(&self, shape: &[usize], buf: CudaSlice<f32>) -> Result<Tensor> {
+    pub(super) fn output(&self, shape: &[usize], buf: StepBuf<f32>) -> Result<Tensor> {
         Tensor::from_device(shape, self.wrap(buf))
     }
 
     /// A buffer for `len` outputs rounded to bf16 beside their f32 values, when this backend's
     /// products take bf16 (else none: the kernel is passed a null pointer).
-    pub(super) fn half_buf(&self, op: &str, len: usize) -> Result<Option<CudaSlice<u16>>> {
+    pub(super) fn half_buf(&self, op: &str, len: usize) -> Result<Option<StepBuf<u16>>> {
         if self.inner.dtype != crate::kernels::GemmDtype::Bf16 || len == 0 {
             return Ok(None);
         }
-        self.count(Count::Allocation);
-        // SAFETY: handed only to the launch that writes every element of it (each caller),
-        // in stream order before any read.
-        let h = unsafe { self.stream().alloc::<u16>(len) }
-            .or_unavailable(|| format!("{op}: allocating {len} halves"))?;
-        Ok(Some(h))
+        // Handed only to the launch that writes every element of it (each caller), in stream
+        // order before any read.
+        Ok(Some(self.step_buf(op, len)?))
     }
 
     /// The device address of `half` for a kernel (0, a null pointer, for none).
-    pub(super) fn half_addr(&self, half: &Option<CudaSlice<u16>>) -> u64 {
-        half.as_ref().map_or(0, |h| self.addr(h))
+    pub(super) fn half_addr(&self, half: &Option<StepBuf<u16>>) -> u64 {
+        half.as_ref().map_or(0, |h| h.ptr)
     }
 
     /// A tensor of `shape` over the output `buf`, with `half`, its values rounded to bf16 by
@@ -222,8 +292,8 @@ impl CudaBackend {
     pub(super) fn output_with_half(
         &self,
         shape: &[usize],
-        buf: CudaSlice<f32>,
-        half: Option<CudaSlice<u16>>,
+        buf: StepBuf<f32>,
+        half: Option<StepBuf<u16>>,
     ) -> Result<Tensor> {
         let data = DeviceBuf { buf, owner: self.inner.clone(), half: Mutex::new(half) };
         Tensor::from_device(shape, Arc::new(data))
@@ -237,7 +307,7 @@ impl CudaBackend {
         match buf.filter(|b| Arc::ptr_eq(&b.owner, &self.inner)) {
             Some(b) => {
                 let half = b.half.lock().unwrap_or_else(|e| e.into_inner());
-                f(half.as_ref().map(|h| self.addr(h)))
+                f(half.as_ref().map(|h| h.ptr))
             }
             None => f(None),
         }

@@ -134,6 +134,7 @@ impl CudaBackend {
             positions: Mutex::default(),
             tables: Mutex::default(),
             in_flight: Mutex::default(),
+            workspace: Mutex::default(),
             waited_ns: AtomicU64::new(0),
             counters: Default::default(),
         };
@@ -155,6 +156,8 @@ impl CudaBackend {
     /// The pool keeps freed memory otherwise (see `keep_pool_memory`), so a sleep calls this
     /// before it measures what it released.
     pub fn trim_pool(&self) {
+        // The step workspaces first: their memory is the pool's once no slot is held.
+        self.workspace().clear();
         self.wait_for_frees();
         let Some(pool) = default_pool(self.stream().context()) else { return };
         // SAFETY: `pool` is the device's default pool, which lives as long as the context.
@@ -162,6 +165,30 @@ impl CudaBackend {
         if let Err(e) = trimmed {
             tracing::warn!("cuda:{}: trimming the memory pool: {e}", self.inner.ordinal);
         }
+    }
+
+    /// Starts a step of shape `key` (see [`crate::Backend::step`]).
+    pub(crate) fn begin_step(&self, key: Option<crate::kernels::workspace::StepKey>) {
+        self.workspace().begin(key);
+    }
+
+    /// Ends the step begun last.
+    pub(crate) fn end_step(&self) {
+        self.workspace().end();
+    }
+
+    /// What the step workspaces have done so far (see [`crate::Backend::workspace_stats`]).
+    pub(crate) fn workspace_stats(&self) -> crate::kernels::workspace::WorkspaceStats {
+        self.workspace().stats()
+    }
+
+    pub(super) fn workspace(
+        &self,
+    ) -> std::sync::MutexGuard<
+        '_,
+        crate::kernels::workspace::StepMemory<cudarc::driver::CudaSlice<u8>>,
+    > {
+        self.inner.workspace.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// What the driver says about this backend's device: name, compute capability, memory,

@@ -1,11 +1,12 @@
 //! Copies on the device: rows sliced and stacked, and tensors written into device memory
 //! someone else owns (a KV cache append, also row by row to scattered places in one launch).
 
+use super::buffers::StepBuf;
 use super::{elementwise, int, Count, CudaBackend, OrUnavailable};
 use crate::error::Result;
 use crate::kernels::{GemmDtype, KvElem};
 use crate::tensor::Tensor;
-use cudarc::driver::{CudaSlice, DevicePtrMut, PushKernelArg};
+use cudarc::driver::PushKernelArg;
 use mesh::DeviceMemory;
 
 impl CudaBackend {
@@ -97,10 +98,10 @@ impl CudaBackend {
             return Ok(Tensor::zeros(&shape));
         }
         // Written whole by the copy below.
-        let mut od = self.output_buf(OP, n)?;
+        let od = self.output_buf(OP, n)?;
         self.bind(OP)?;
-        let from = self.addr(buf) + 4 * (range.start * step) as u64;
-        let (to, record) = od.device_ptr_mut(self.stream());
+        let from = buf.ptr + 4 * (range.start * step) as u64;
+        let to = od.ptr;
         self.count(Count::DeviceCopy);
         // SAFETY: `buf` holds t.len() floats of this stream's device, of which the n from
         // range.start·step are read (range checked above); `od` holds n floats; both are
@@ -109,7 +110,6 @@ impl CudaBackend {
             cudarc::driver::result::memcpy_dtod_async(to, from, 4 * n, self.stream().cu_stream())
         }
         .or_unavailable(|| format!("{OP}: copying {n} floats on the device"))?;
-        drop(record);
         self.output(&shape, od)
     }
 
@@ -117,7 +117,7 @@ impl CudaBackend {
     /// this backend's output, else [`Tensor::cat_first`] (which also checks the shapes).
     pub(crate) fn cat_first(&self, parts: &[Tensor]) -> Result<Tensor> {
         const OP: &str = "stack rows";
-        let bufs: Option<Vec<&CudaSlice<f32>>> =
+        let bufs: Option<Vec<&StepBuf<f32>>> =
             parts.iter().map(|p| self.own(p.storage().device_data())).collect();
         let (Some(bufs), Some(head)) = (bufs, parts.first()) else {
             return Tensor::cat_first(parts);
@@ -133,9 +133,9 @@ impl CudaBackend {
             return Ok(Tensor::zeros(&shape));
         }
         // Written whole: the parts' lengths add up to `total`.
-        let mut od = self.output_buf(OP, total)?;
+        let od = self.output_buf(OP, total)?;
         self.bind(OP)?;
-        let (base, record) = od.device_ptr_mut(self.stream());
+        let base = od.ptr;
         let mut at = 0usize;
         for (part, buf) in parts.iter().zip(bufs) {
             let n = part.len();
@@ -149,7 +149,7 @@ impl CudaBackend {
             unsafe {
                 cudarc::driver::result::memcpy_dtod_async(
                     base + 4 * at as u64,
-                    self.addr(buf),
+                    buf.ptr,
                     4 * n,
                     self.stream().cu_stream(),
                 )
@@ -157,7 +157,6 @@ impl CudaBackend {
             .or_unavailable(|| format!("{OP}: copying {n} floats on the device"))?;
             at += n;
         }
-        drop(record);
         self.output(&shape, od)
     }
 
@@ -181,7 +180,7 @@ impl CudaBackend {
         }
         debug_assert!(elem.size() * (offset + range.len()) <= dst.size() && range.end <= src.len());
         self.bind(OP)?;
-        let from = self.addr(buf) + 4 * range.start as u64;
+        let from = buf.ptr + 4 * range.start as u64;
         let to = self.owned_addr(OP, dst)? + (elem.size() * offset) as u64;
         if elem == KvElem::Bf16 {
             // Rounded on the device straight into the pool: `round_to` writes range.len()

@@ -71,13 +71,13 @@ impl CudaBackend {
         }
         let split = self.split_args(OP, y, positions, dims, (theta, factors, attn_factor))?;
         // Each written whole: one thread per element of the three.
-        let mut qd = self.output_buf(OP, tokens * qw)?;
-        let mut kd = self.output_buf(OP, tokens * kw)?;
-        let mut vd = self.output_buf(OP, tokens * kw)?;
+        let qd = self.output_buf(OP, tokens * qw)?;
+        let kd = self.output_buf(OP, tokens * kw)?;
+        let vd = self.output_buf(OP, tokens * kw)?;
         let cfg = elementwise(OP, n)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.split_rope);
-        b.arg(&split.y.ptr).arg(&mut qd).arg(&mut kd).arg(&mut vd);
+        b.arg(&split.y.ptr).arg(&qd.ptr).arg(&kd.ptr).arg(&vd.ptr);
         split.push_tail(&mut b);
         // SAFETY: the arguments match `split_rope(const float*, float*, float*, float*, const
         // u64*, int, int, int, int, int, float, const float*, float)`. Thread (t, slot, d) for
@@ -109,7 +109,7 @@ impl CudaBackend {
         }
         let xd = self.input(OP, x)?;
         // Written whole: one thread per element.
-        let mut od = self.output_buf(OP, n)?;
+        let od = self.output_buf(OP, n)?;
         // The values rounded for a bf16 product too (the down projection's input).
         let half = self.half_buf(OP, n)?;
         let hp = self.half_addr(&half);
@@ -118,7 +118,7 @@ impl CudaBackend {
         let cfg = elementwise(OP, n)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.gated_halves);
-        b.arg(&xd.ptr).arg(&mut od).arg(&len).arg(&units_arg).arg(&gelu).arg(&hp);
+        b.arg(&xd.ptr).arg(&od.ptr).arg(&len).arg(&units_arg).arg(&gelu).arg(&hp);
         // SAFETY: the arguments match `gated_halves(const float*, float*, u64, int, int,
         // unsigned short*)`; element i < n = rows·units of out (and of `half`, n halves,
         // unless it is null) reads elements i % units and units + i % units of row i / units
@@ -158,13 +158,13 @@ impl CudaBackend {
         let split = self.split_args(OP, y, positions, dims, rotation)?;
         let placed = self.positions(OP, places)?;
         // Written whole: one thread per query element.
-        let mut qd = self.output_buf(OP, tokens * qw)?;
+        let qd = self.output_buf(OP, tokens * qw)?;
         let (shift, values) = (shift as u64, values as u64);
         let bf16 = i32::from(elem == KvElem::Bf16);
         let cfg = elementwise(OP, n)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.split_rope_append);
-        b.arg(&split.y.ptr).arg(&mut qd).arg(&to).arg(&*placed).arg(&shift).arg(&values);
+        b.arg(&split.y.ptr).arg(&qd.ptr).arg(&to).arg(&*placed).arg(&shift).arg(&values);
         b.arg(&bf16);
         split.push_tail(&mut b);
         // SAFETY: the arguments match `split_rope_append(const float*, float*, float*, const

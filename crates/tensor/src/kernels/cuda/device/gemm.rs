@@ -6,7 +6,6 @@ use crate::error::Result;
 use crate::kernels::{GemmDtype, Weight};
 use crate::tensor::Tensor;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::driver::DevicePtrMut;
 
 impl CudaBackend {
     /// `x[m, k] · wᵀ` (`w` of `[n, k]`) shaped `shape`, with cuBLAS: sgemm in f32, GemmEx with
@@ -37,16 +36,14 @@ impl CudaBackend {
         let half = match dtype {
             GemmDtype::F32 => None,
             _ => {
-                self.count(Count::Allocation);
-                // SAFETY: written whole by the rounding kernel right below, before the
-                // product reads it (stream order).
-                let h = unsafe { self.stream().alloc::<u16>(m * k) }
-                    .or_unavailable(|| format!("{OP}: allocating {} halves", m * k))?;
-                self.round_to(OP, dtype, xd.ptr, self.addr(&h), m * k)?;
+                // Written whole by the rounding kernel right below, before the product reads
+                // it (stream order).
+                let h = self.step_buf::<u16>(OP, m * k)?;
+                self.round_to(OP, dtype, xd.ptr, h.ptr, m * k)?;
                 Some(h)
             }
         };
-        let xp = half.as_ref().map_or(xd.ptr, |h| self.addr(h));
+        let xp = half.as_ref().map_or(xd.ptr, |h| h.ptr);
         self.product(w, xp, (m, n, k), shape)
     }
 
@@ -63,7 +60,7 @@ impl CudaBackend {
         let dtype = self.inner.dtype;
         let wd = self.weight(OP, w, dtype)?;
         // Written whole by the product (beta = 0).
-        let mut od = self.output_buf(OP, m * n)?;
+        let od = self.output_buf(OP, m * n)?;
         let wp = self.slot_addr(&wd);
         // cuBLAS is column-major. Row-major out[m, n] is column-major outᵀ[n, m] = W·xᵀ, where
         // the row-major weight buffer read column-major is Wᵀ[k, n] (so transpose it back) and
@@ -72,7 +69,7 @@ impl CudaBackend {
         let cols = int(OP, "rows", m)?;
         let inner = int(OP, "in_features", k)?;
         let (alpha, beta) = (1.0f32, 0.0f32);
-        let (out_ptr, record) = od.device_ptr_mut(self.stream());
+        let out_ptr = od.ptr;
         self.bind(OP)?;
         let handle = *self.inner.blas.handle();
         let (transa, transb) = (cublasOperation_t::CUBLAS_OP_T, cublasOperation_t::CUBLAS_OP_N);
@@ -133,7 +130,6 @@ impl CudaBackend {
             }
         };
         done.or_unavailable(|| format!("{OP}: {} gemm {m}x{k} by {k}x{n}", dtype.name()))?;
-        drop(record);
         self.output(shape, od)
     }
 }

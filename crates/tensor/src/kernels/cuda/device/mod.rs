@@ -8,6 +8,9 @@
 //!   clone shares it (else a device copy first), and the host gets a copy, after a stream
 //!   synchronization, only when host code reads the numbers. All of a backend's work runs on
 //!   its one stream, so queued kernels see their inputs and buffers are freed in stream order.
+//!   Inside a model step the output buffers are slots of the step shape's workspace, planned
+//!   from its first step ([`crate::kernels::workspace`], `buffers::StepBuf`), so a warm step
+//!   allocates none.
 //! - Weight matrices ([`Weight`]) are uploaded once and cached for the life of the backend,
 //!   keyed by the address and length of their host buffer (weights live in allocations that
 //!   keep their addresses) and trusted within one weights generation: whoever rewrites weight
@@ -162,6 +165,9 @@ struct Inner {
     tables: Mutex<Recent<u32>>,
     /// A reduction queued on the stream and not yet waited for through its communicator.
     in_flight: Mutex<Option<InFlight>>,
+    /// The step workspaces (see [`crate::kernels::workspace`]): the buffers of a planned
+    /// step's kernels.
+    workspace: Mutex<crate::kernels::workspace::StepMemory<cudarc::driver::CudaSlice<u8>>>,
     /// Nanoseconds the host has spent blocked waiting for the device (see
     /// [`CudaBackend::device_wait`]).
     waited_ns: AtomicU64,

@@ -56,7 +56,7 @@ impl CudaBackend {
         let wd = self.vector(OP, weight.data())?;
         let wp = self.slot_addr(&wd);
         // Written whole: block r writes the d floats of row r.
-        let mut od = self.output_buf(OP, x.len())?;
+        let od = self.output_buf(OP, x.len())?;
         // The values rounded for a bf16 product too, when this backend's products are bf16.
         let half = self.half_buf(OP, x.len())?;
         let hp = self.half_addr(&half);
@@ -64,7 +64,7 @@ impl CudaBackend {
         let cfg = per_row(OP, rows, BLOCK)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.rms_norm);
-        b.arg(&xd.ptr).arg(&wp).arg(&mut od).arg(&d32).arg(&eps).arg(&hp);
+        b.arg(&xd.ptr).arg(&wp).arg(&od.ptr).arg(&d32).arg(&eps).arg(&hp);
         // SAFETY: the arguments match `rms_norm(const float*, const float*, float*, int,
         // float, unsigned short*)`; block r reads and writes row r (d floats) of x and out,
         // which hold rows·d floats, and of `half` (rows·d halves) unless it is null, and reads
@@ -93,14 +93,14 @@ impl CudaBackend {
         let wp = self.slot_addr(&wd);
         let xp = self.writable(OP, x)?;
         // Written whole: block r writes the d floats of row r.
-        let mut od = self.output_buf(OP, x.len())?;
+        let od = self.output_buf(OP, x.len())?;
         let half = self.half_buf(OP, x.len())?;
         let hp = self.half_addr(&half);
         let d32 = int(OP, "row length", d)?;
         let cfg = per_row(OP, rows, BLOCK)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.add_rms_norm);
-        b.arg(&xp).arg(&yd.ptr).arg(&wp).arg(&mut od).arg(&d32).arg(&eps).arg(&hp);
+        b.arg(&xp).arg(&yd.ptr).arg(&wp).arg(&od.ptr).arg(&d32).arg(&eps).arg(&hp);
         // SAFETY: the arguments match `add_rms_norm(float*, const float*, const float*,
         // float*, int, float, unsigned short*)`; block r rewrites row r (d floats) of x and
         // reads row r of y and writes row r of out (and of `half`, rows·d halves, unless it is
@@ -258,13 +258,13 @@ impl CudaBackend {
                 continue;
             }
             // Written whole: one thread per element.
-            let mut od = self.output_buf(OP, rows * size)?;
+            let od = self.output_buf(OP, rows * size)?;
             let args = [int(OP, "width", width)?, int(OP, "offset", at)?, int(OP, "size", size)?];
             let n = (rows * size) as u64;
             let cfg = elementwise(OP, rows * size)?;
             self.count(Count::Launch);
             let mut b = self.stream().launch_builder(&self.inner.k.copy_cols);
-            b.arg(&xd.ptr).arg(&mut od).arg(&n).arg(&args[0]).arg(&args[1]).arg(&args[2]);
+            b.arg(&xd.ptr).arg(&od.ptr).arg(&n).arg(&args[0]).arg(&args[1]).arg(&args[2]);
             // SAFETY: the arguments match `copy_cols(const float*, float*, u64, int, int,
             // int)`; element i < n = rows·size of out reads x[(i / size)·width + offset +
             // i % size], inside x's rows·width elements because the caller checked that the
@@ -288,12 +288,12 @@ impl CudaBackend {
         let table_ptr = self.slot_addr(&td);
         let idd = self.upload(OP, ids)?;
         // Written whole: one thread per element.
-        let mut od = self.output_buf(OP, ids.len() * dim)?;
+        let od = self.output_buf(OP, ids.len() * dim)?;
         let args = [int(OP, "tokens", ids.len())?, int(OP, "dim", dim)?];
         let cfg = elementwise(OP, ids.len() * dim)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.embedding);
-        b.arg(&table_ptr).arg(&idd).arg(&mut od).arg(&args[0]).arg(&args[1]);
+        b.arg(&table_ptr).arg(&idd).arg(&od.ptr).arg(&args[0]).arg(&args[1]);
         // SAFETY: the arguments match `embedding(const float*, const unsigned int*, float*,
         // int, int)`; element (r, c) reads ids[r] and table[ids[r]·dim + c], and the caller
         // checked every id is below the table's row count; out holds ids.len()·dim floats.
@@ -311,16 +311,12 @@ impl CudaBackend {
         }
         let cols = int(OP, "columns", x.row_len())?;
         let xd = self.input(OP, x)?;
-        self.count(Count::Allocation);
-        self.count(Count::DeviceCopy);
-        let mut od = self
-            .stream()
-            .alloc_zeros::<u32>(rows)
-            .or_unavailable(|| format!("{OP}: allocating"))?;
+        // Written whole: block r writes out[r].
+        let od = self.step_buf::<u32>(OP, rows)?;
         let cfg = per_row(OP, rows, BLOCK)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.argmax_rows);
-        b.arg(&xd.ptr).arg(&cols).arg(&mut od);
+        b.arg(&xd.ptr).arg(&cols).arg(&od.ptr);
         // SAFETY: the arguments match `argmax_rows(const float*, int, unsigned int*)`; block
         // r reads row r (cols floats) of x, which holds rows·cols, and writes out[r] of rows.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
@@ -343,15 +339,12 @@ impl CudaBackend {
         let k_arg = int(OP, "k", k)?;
         let xd = self.input(OP, x)?;
         // Written whole: block r writes its row's k values and ids.
-        let mut vd = self.output_buf(OP, rows * k)?;
-        self.count(Count::Allocation);
-        // SAFETY: handed only to the launch below, which writes every element of it.
-        let mut id = unsafe { self.stream().alloc::<u32>(rows * k) }
-            .or_unavailable(|| format!("{OP}: allocating {} ids", rows * k))?;
+        let vd = self.output_buf(OP, rows * k)?;
+        let id = self.step_buf::<u32>(OP, rows * k)?;
         let cfg = per_row(OP, rows, BLOCK)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.top_k_rows);
-        b.arg(&xd.ptr).arg(&cols).arg(&k_arg).arg(&mut vd).arg(&mut id);
+        b.arg(&xd.ptr).arg(&cols).arg(&k_arg).arg(&vd.ptr).arg(&id.ptr);
         // SAFETY: the arguments match `top_k_rows(const float*, int, int, float*, unsigned
         // int*)`; block r reads row r (cols floats) of x, which holds rows·cols, and writes
         // elements r·k..(r+1)·k of vals and ids, each rows·k long; k <= cols and k <=
@@ -384,19 +377,13 @@ impl CudaBackend {
             .collect();
         let xd = self.input(OP, x)?;
         let pd = self.upload(OP, &params)?;
-        self.count(Count::Allocation);
-        // SAFETY: handed only to the launch below, whose block r writes element r.
-        let mut od = unsafe { self.stream().alloc::<u32>(rows) }
-            .or_unavailable(|| format!("{OP}: allocating {rows} ids"))?;
-        self.count(Count::Allocation);
-        // SAFETY: handed only to the launch below, where each row's block writes a weight to
-        // every column of its row before reading it.
-        let mut wd = unsafe { self.stream().alloc::<f64>(x.len()) }
-            .or_unavailable(|| format!("{OP}: allocating {} weights", x.len()))?;
+        // Block r writes out[r], and a weight to every column of its row before reading it.
+        let od = self.step_buf::<u32>(OP, rows)?;
+        let wd = self.step_buf::<f64>(OP, x.len())?;
         let cfg = per_row(OP, rows, BLOCK)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.sample_rows);
-        b.arg(&xd.ptr).arg(&cols).arg(&pd).arg(&mut wd).arg(&mut od);
+        b.arg(&xd.ptr).arg(&cols).arg(&pd).arg(&wd.ptr).arg(&od.ptr);
         // SAFETY: the arguments match `sample_rows(const float*, int, const double*, double*,
         // unsigned int*)`; block r reads row r (cols floats) of x, which holds rows·cols,
         // params 4r..4r+4 of 4·rows, and weights r·cols..(r+1)·cols of rows·cols (which it
