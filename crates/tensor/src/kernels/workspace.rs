@@ -308,12 +308,18 @@ impl<B> StepMemory<B> {
         };
     }
 
+    /// Whether a step is in progress.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn in_step(&self) -> bool {
+        self.depth > 0
+    }
+
     /// Ends the step [`StepMemory::begin`] started (the outermost one: a recording becomes
-    /// its shape's plan).
-    pub(crate) fn end(&mut self) {
+    /// its shape's plan). Returns whether that was the outermost step.
+    pub(crate) fn end(&mut self) -> bool {
         self.depth = self.depth.saturating_sub(1);
         if self.depth > 0 {
-            return;
+            return false;
         }
         match std::mem::replace(&mut self.mode, Mode::Off) {
             Mode::Off => {}
@@ -324,7 +330,7 @@ impl<B> StepMemory<B> {
                     std::mem::take(&mut r.lifetimes)
                 };
                 self.stats.recordings += 1;
-                let Some(shape) = self.shapes.get_mut(&key) else { return };
+                let Some(shape) = self.shapes.get_mut(&key) else { return true };
                 let mut lifetimes = lifetimes;
                 if shape.sizes.len() == lifetimes.len() {
                     for (l, &old) in lifetimes.iter_mut().zip(&shape.sizes) {
@@ -345,6 +351,7 @@ impl<B> StepMemory<B> {
                 }
             }
         }
+        true
     }
 
     /// Where the step's next buffer of `bytes` comes from. `make` makes a workspace of the

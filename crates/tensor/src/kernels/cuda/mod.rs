@@ -21,6 +21,8 @@ mod counters;
 #[cfg(any(feature = "cuda", test))]
 mod kernel_cache;
 #[cfg(any(feature = "cuda", test))]
+mod stage_layout;
+#[cfg(any(feature = "cuda", test))]
 mod weight_stamps;
 
 pub use counters::{Counters, PerStep};

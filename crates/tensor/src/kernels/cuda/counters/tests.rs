@@ -116,6 +116,7 @@ const CALLS: &[(&str, &[&str])] = &[
     ("clone_dtod(", &["DeviceCopy", "Allocation"]),
     ("alloc_zeros", &["Allocation", "DeviceCopy"]),
     (".alloc::<", &["Allocation"]),
+    ("alloc_pinned", &["Allocation"]),
     ("clone_htod(", &["Upload", "Allocation"]),
     ("memcpy_htod", &["Upload"]),
     ("memcpy_dtoh", &["Download"]),

@@ -10,7 +10,7 @@ use crate::kernels::cuda::{attention_blocks, attention_most_splits, attention_sp
 use crate::kernels::step_attention::{misfit, RowKv};
 use crate::kernels::{Kv, KvElem};
 use crate::tensor::Tensor;
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::PushKernelArg;
 
 /// Threads per block of `attention` (`ATTN_BLOCK` in `kernels.cu`).
 const ATTN_BLOCK: u32 = ATTN_TILE as u32;
@@ -106,7 +106,7 @@ impl CudaBackend {
                 let used = kv_pos.len().div_ceil(blocks.block_size);
                 // The same table in every layer of a step: uploaded once.
                 let wanted = blocks.table[..used].to_vec();
-                table = Some(self.recent(OP, &self.inner.tables, wanted)?);
+                table = Some(self.table(OP, wanted)?);
                 block_size = int(OP, "block_size", blocks.block_size)?;
                 block_stride = blocks.block_stride as u64;
                 let base = self.owned_addr(OP, blocks.memory)?;
@@ -115,13 +115,12 @@ impl CudaBackend {
                 (at(blocks.keys), at(blocks.values))
             }
         };
-        let tp = table.as_ref().map_or(0, |t| self.addr(t));
+        let tp = table.as_ref().map_or(0, |t| t.ptr);
         let kpd = self.positions(OP, kv_pos)?;
-        let keys =
-            Keys { k: kp, v: vp, pos: self.addr(&*kpd), table: tp, block_size, block_stride };
+        let keys = Keys { k: kp, v: vp, pos: kpd.ptr, table: tp, block_size, block_stride };
         let (od, ld, half) = self.launch_attention(
             qd.ptr,
-            &qpd,
+            qpd.ptr,
             keys,
             kv_pos.len(),
             kv_bf16,
@@ -218,20 +217,20 @@ impl CudaBackend {
         // The same in every layer of a step: each uploaded once per step.
         let kpd = self.positions(OP, &kv_pos_all)?;
         let sd = self.positions(OP, &seqs)?;
-        let table = self.recent(OP, &self.inner.tables, table_all)?;
+        let table = self.table(OP, table_all)?;
         let at = |elements: usize| pool.base + (pool.elem.size() * elements) as u64;
         let keys = Keys {
             k: at(pool.keys),
             v: at(pool.values),
-            pos: self.addr(&*kpd),
-            table: self.addr(&*table),
+            pos: kpd.ptr,
+            table: table.ptr,
             block_size: int(OP, "block_size", pool.block_size)?,
             block_stride: pool.block_stride as u64,
         };
         let kv_bf16 = i32::from(pool.elem == KvElem::Bf16);
-        let seqs_ptr = self.addr(&*sd);
+        let seqs_ptr = sd.ptr;
         let (od, _, half) =
-            self.launch_attention(qd.ptr, &qpd, keys, most, kv_bf16, seqs_ptr, n, shape)?;
+            self.launch_attention(qd.ptr, qpd.ptr, keys, most, kv_bf16, seqs_ptr, n, shape)?;
         Ok(Some(self.output_with_half(&out_shape, od, half)?))
     }
 
@@ -243,7 +242,7 @@ impl CudaBackend {
     fn launch_attention(
         &self,
         q: u64,
-        q_pos: &CudaSlice<u64>,
+        q_pos: u64,
         keys: Keys,
         n_kv: usize,
         kv_bf16: i32,
@@ -284,7 +283,7 @@ impl CudaBackend {
         cfg.grid_dim.1 = splits as u32;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.attention);
-        b.arg(&q).arg(q_pos).arg(&keys.k).arg(&keys.v).arg(&keys.pos);
+        b.arg(&q).arg(&q_pos).arg(&keys.k).arg(&keys.v).arg(&keys.pos);
         b.arg(&keys.table).arg(&keys.block_size).arg(&keys.block_stride);
         for a in &args {
             b.arg(a);

@@ -2,6 +2,7 @@
 //! (keyed by their host buffer, trusted within one weights generation, dequantized on upload)
 //! and the small position and block-table arrays that every layer of a step repeats.
 
+use super::staging::Staged;
 use super::{elementwise, Count, CudaBackend, OrUnavailable};
 use crate::error::Result;
 use crate::kernels::cpu::qmatrix::QBits;
@@ -286,9 +287,15 @@ impl CudaBackend {
     /// `positions` as u64 on the device. Every layer of a step passes the same query and key
     /// positions, so the last few arrays are kept and a repeat is not uploaded again (checked
     /// by value: the host comparison costs far less than a copy and its synchronization).
-    pub(super) fn positions(&self, op: &str, positions: &[usize]) -> Result<Arc<CudaSlice<u64>>> {
+    /// In a step, every such array is staged instead (see [`super::staging`]).
+    pub(super) fn positions(&self, op: &str, positions: &[usize]) -> Result<Staged<u64>> {
         let wanted: Vec<u64> = positions.iter().map(|&p| p as u64).collect();
-        self.recent(op, &self.inner.positions, wanted)
+        self.stage(op, &wanted, || self.recent(op, &self.inner.positions, wanted.clone()))
+    }
+
+    /// A block table on the device: staged in a step, else kept as the positions are.
+    pub(super) fn table(&self, op: &str, table: Vec<u32>) -> Result<Staged<u32>> {
+        self.stage(op, &table, || self.recent(op, &self.inner.tables, table.clone()))
     }
 
     /// The device copy of `wanted` from `cache` when it holds the same values, else a new

@@ -135,6 +135,7 @@ impl CudaBackend {
             tables: Mutex::default(),
             in_flight: Mutex::default(),
             workspace: Mutex::default(),
+            staging: Mutex::default(),
             waited_ns: AtomicU64::new(0),
             counters: Default::default(),
         };
@@ -159,6 +160,8 @@ impl CudaBackend {
         // The step workspaces first: their memory is the pool's once no slot is held.
         self.workspace().clear();
         self.wait_for_frees();
+        // After the wait: no copy reads the pinned buffer any more.
+        self.drop_staging();
         let Some(pool) = default_pool(self.stream().context()) else { return };
         // SAFETY: `pool` is the device's default pool, which lives as long as the context.
         let trimmed = unsafe { cudarc::driver::result::mem_pool::trim_to(pool, 0) };
@@ -174,7 +177,10 @@ impl CudaBackend {
 
     /// Ends the step begun last.
     pub(crate) fn end_step(&self) {
-        self.workspace().end();
+        let outermost = self.workspace().end();
+        if outermost {
+            self.end_staging();
+        }
     }
 
     /// What the step workspaces have done so far (see [`crate::Backend::workspace_stats`]).

@@ -67,7 +67,7 @@ impl CudaBackend {
         let cfg = elementwise(OP, moves.len() * row)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.write_rows);
-        b.arg(&sd.ptr).arg(&to).arg(&*md).arg(&shift).arg(&n).arg(&row32).arg(&bf16);
+        b.arg(&sd.ptr).arg(&to).arg(&md.ptr).arg(&shift).arg(&n).arg(&row32).arg(&bf16);
         // SAFETY: the arguments match `write_rows(const float*, float*, const u64*, u64, int,
         // int, int)`; thread (m, c) for m < n reads element moves[m].0·row + c of src, inside
         // its rows (checked by the caller), and writes element shift + moves[m].1 + c of dst,

@@ -7,11 +7,12 @@
 
 use super::buffers::Input;
 use super::cache::Slot;
+use super::staging::Staged;
 use super::{elementwise, int, Count, CudaBackend, OrUnavailable};
 use crate::error::Result;
 use crate::kernels::{Activation, KvElem};
 use crate::tensor::Tensor;
-use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
+use cudarc::driver::{LaunchArgs, PushKernelArg};
 use mesh::DeviceMemory;
 use std::sync::Arc;
 
@@ -20,7 +21,7 @@ use std::sync::Arc;
 /// alive; and the projection they read.
 struct SplitArgs {
     y: Input,
-    positions: Arc<CudaSlice<u64>>,
+    positions: Staged<u64>,
     /// `tokens, q_heads, kv_heads, head_dim, rot_dim`.
     dims: [i32; 5],
     theta: f32,
@@ -34,7 +35,7 @@ impl SplitArgs {
     /// Pushes `pos, tokens, q_heads, kv_heads, head_dim, rot_dim, theta, factors,
     /// attn_factor`, the kernels' common tail.
     fn push_tail<'a>(&'a self, b: &mut LaunchArgs<'a>) {
-        b.arg(&*self.positions);
+        b.arg(&self.positions.ptr);
         for a in &self.dims {
             b.arg(a);
         }
@@ -164,7 +165,7 @@ impl CudaBackend {
         let cfg = elementwise(OP, n)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.split_rope_append);
-        b.arg(&split.y.ptr).arg(&qd.ptr).arg(&to).arg(&*placed).arg(&shift).arg(&values);
+        b.arg(&split.y.ptr).arg(&qd.ptr).arg(&to).arg(&placed.ptr).arg(&shift).arg(&values);
         b.arg(&bf16);
         split.push_tail(&mut b);
         // SAFETY: the arguments match `split_rope_append(const float*, float*, float*, const

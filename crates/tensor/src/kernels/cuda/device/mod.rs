@@ -47,8 +47,8 @@
 //! [`context`] opens the device, [`kernel_image`] compiles (or finds) and loads the kernels, [`waits`] waits for the stream (and
 //! the reductions queued on it), [`buffers`] moves tensors to and from device buffers,
 //! [`cache`] keeps the uploaded weights and small arrays, [`gemm`], [`ops`] and [`attention`]
-//! launch the work, [`copies`] copies rows on the device, and [`pool_arena`] carves
-//! driver-pool memory into arena regions.
+//! launch the work, [`copies`] copies rows on the device, [`staging`] puts a step's small
+//! inputs at fixed addresses, and [`pool_arena`] carves driver-pool memory into arena regions.
 //!
 //! [`DeviceBuf`]: buffers
 //! [`DeviceData`]: crate::tensor::DeviceData
@@ -68,6 +68,7 @@ mod gemm;
 mod kernel_image;
 mod ops;
 mod pool_arena;
+mod staging;
 mod waits;
 
 pub use pool_arena::PoolArena;
@@ -168,6 +169,8 @@ struct Inner {
     /// The step workspaces (see [`crate::kernels::workspace`]): the buffers of a planned
     /// step's kernels.
     workspace: Mutex<crate::kernels::workspace::StepMemory<cudarc::driver::CudaSlice<u8>>>,
+    /// The step inputs' staging buffers (see [`staging`]), made at the first step.
+    staging: Mutex<Option<staging::InputStaging>>,
     /// Nanoseconds the host has spent blocked waiting for the device (see
     /// [`CudaBackend::device_wait`]).
     waited_ns: AtomicU64,

@@ -7,6 +7,7 @@ use crate::error::Result;
 use crate::kernels::{GemmDtype, Weight};
 use crate::tensor::Tensor;
 use cudarc::driver::{CudaFunction, PushKernelArg};
+use std::sync::Arc;
 
 impl CudaBackend {
     /// Rounds `n` floats at device address `src` to `dtype` (bf16 or f16) at `dst`.
@@ -141,7 +142,7 @@ impl CudaBackend {
         let cfg = elementwise(OP, pairs)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.rope);
-        b.arg(&xp).arg(&*pd);
+        b.arg(&xp).arg(&pd.ptr);
         for a in &args {
             b.arg(a);
         }
@@ -286,14 +287,14 @@ impl CudaBackend {
         }
         let td = self.weight(OP, table, GemmDtype::F32)?;
         let table_ptr = self.slot_addr(&td);
-        let idd = self.upload(OP, ids)?;
+        let idd = self.stage(OP, ids, || Ok(Arc::new(self.upload(OP, ids)?)))?;
         // Written whole: one thread per element.
         let od = self.output_buf(OP, ids.len() * dim)?;
         let args = [int(OP, "tokens", ids.len())?, int(OP, "dim", dim)?];
         let cfg = elementwise(OP, ids.len() * dim)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.embedding);
-        b.arg(&table_ptr).arg(&idd).arg(&od.ptr).arg(&args[0]).arg(&args[1]);
+        b.arg(&table_ptr).arg(&idd.ptr).arg(&od.ptr).arg(&args[0]).arg(&args[1]);
         // SAFETY: the arguments match `embedding(const float*, const unsigned int*, float*,
         // int, int)`; element (r, c) reads ids[r] and table[ids[r]·dim + c], and the caller
         // checked every id is below the table's row count; out holds ids.len()·dim floats.
@@ -376,14 +377,14 @@ impl CudaBackend {
             .flat_map(|d| [f64::from(d.temperature), f64::from(d.min_p), d.u, f64::from(d.top_p)])
             .collect();
         let xd = self.input(OP, x)?;
-        let pd = self.upload(OP, &params)?;
+        let pd = self.stage(OP, &params, || Ok(Arc::new(self.upload(OP, &params)?)))?;
         // Block r writes out[r], and a weight to every column of its row before reading it.
         let od = self.step_buf::<u32>(OP, rows)?;
         let wd = self.step_buf::<f64>(OP, x.len())?;
         let cfg = per_row(OP, rows, BLOCK)?;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.sample_rows);
-        b.arg(&xd.ptr).arg(&cols).arg(&pd).arg(&wd.ptr).arg(&od.ptr);
+        b.arg(&xd.ptr).arg(&cols).arg(&pd.ptr).arg(&wd.ptr).arg(&od.ptr);
         // SAFETY: the arguments match `sample_rows(const float*, int, const double*, double*,
         // unsigned int*)`; block r reads row r (cols floats) of x, which holds rows·cols,
         // params 4r..4r+4 of 4·rows, and weights r·cols..(r+1)·cols of rows·cols (which it
