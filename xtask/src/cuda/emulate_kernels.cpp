@@ -28,11 +28,14 @@ extern "C" void rope(float* x, const u64* pos, int tokens, int heads, int head_d
                      float theta, const float* factors, float attn_factor);
 extern "C" void split_rope(const float* y, float* q, float* k, float* v, const u64* pos,
                            int tokens, int q_heads, int kv_heads, int head_dim, int rot_dim,
-                           float theta, const float* factors, float attn_factor);
+                           float theta, const float* factors, float attn_factor,
+                           const float* bias);
 extern "C" void split_rope_append(const float* y, float* q, float* pool, const u64* places,
                                   u64 shift, u64 values, int bf16, const u64* pos, int tokens,
                                   int q_heads, int kv_heads, int head_dim, int rot_dim,
-                                  float theta, const float* factors, float attn_factor);
+                                  float theta, const float* factors, float attn_factor,
+                                  const float* bias);
+extern "C" void add_rows(float* x, const float* bias, u64 n, int width);
 extern "C" void silu_mul(float* gate, const float* up, u64 n);
 extern "C" void gelu_tanh_mul(float* gate, const float* up, u64 n);
 extern "C" void gated_halves(const float* x, float* out, u64 n, int units, int gelu,
@@ -278,17 +281,28 @@ static int check_sample(u64& seed) {
 // The fused kernels against the kernels they replace, bit for bit:// The fused kernels against the kernels they replace, bit for bit: split_rope against
 // copy_cols then rope (GQA, a partial rotation with factors and an attention factor, and a
 // whole one), gated_halves against copy_cols then silu_mul / gelu_tanh_mul (and SiLU against
-// its formula, so a kernel that swapped the halves or the activation fails).
+// its formula, so a kernel that swapped the halves or the activation fails). Each split also
+// with the projection's bias: against add_rows then the same kernels.
 static int check_fused(u64& seed) {
     struct Rope {
         int tokens, q_heads, kv_heads, head_dim, rot;
         bool factors;
     };
     const Rope ropes[] = {{3, 6, 2, 8, 6, true}, {2, 4, 4, 16, 16, false}, {1, 3, 1, 10, 4, true}};
+    for (int biased = 0; biased < 2; biased++)
     for (const Rope& c : ropes) {
         int width = (c.q_heads + 2 * c.kv_heads) * c.head_dim;
         std::vector<float> y((size_t)c.tokens * width);
         for (auto& v : y) v = next_value(seed);
+        // The references read y with the bias added (add_rows); the fused kernels add it.
+        std::vector<float> bias(width), yb = y;
+        for (auto& v : bias) v = next_value(seed);
+        const float* bp = biased ? bias.data() : nullptr;
+        if (biased) {
+            tpctl_launch(elementwise(yb.size()), 1, BLOCK_THREADS, [&] {
+                add_rows(yb.data(), bias.data(), yb.size(), width);
+            });
+        }
         std::vector<u64> pos;
         for (int t = 0; t < c.tokens; t++) pos.push_back(7 + 1000 * (u64)t);
         std::vector<float> factors;
@@ -300,14 +314,14 @@ static int check_fused(u64& seed) {
         u64 n = (u64)c.tokens * width;
         tpctl_launch(elementwise(n), 1, BLOCK_THREADS, [&] {
             split_rope(y.data(), q.data(), k.data(), v.data(), pos.data(), c.tokens, c.q_heads,
-                       c.kv_heads, c.head_dim, c.rot, 10000.0f, f, attn);
+                       c.kv_heads, c.head_dim, c.rot, 10000.0f, f, attn, bp);
         });
         std::vector<float> q2(q.size()), k2(k.size()), v2(v.size());
         const int offsets[] = {0, qw, qw + kw}, sizes[] = {qw, kw, kw};
         std::vector<float>* parts[] = {&q2, &k2, &v2};
         for (int p = 0; p < 3; p++) {
             tpctl_launch(elementwise(parts[p]->size()), 1, BLOCK_THREADS, [&] {
-                copy_cols(y.data(), parts[p]->data(), parts[p]->size(), width, offsets[p], sizes[p]);
+                copy_cols(yb.data(), parts[p]->data(), parts[p]->size(), width, offsets[p], sizes[p]);
             });
         }
         const int heads[] = {c.q_heads, c.kv_heads};
@@ -340,7 +354,7 @@ static int check_fused(u64& seed) {
             tpctl_launch(elementwise(n), 1, BLOCK_THREADS, [&] {
                 split_rope_append(y.data(), qa.data(), pa.data(), places.data(), shift, values,
                                   bf16, pos.data(), c.tokens, c.q_heads, c.kv_heads, c.head_dim,
-                                  c.rot, 10000.0f, f, attn);
+                                  c.rot, 10000.0f, f, attn, bp);
             });
             u64 rows_n = (u64)c.tokens * kw;
             tpctl_launch(elementwise(rows_n), 1, BLOCK_THREADS, [&] {
@@ -357,8 +371,13 @@ static int check_fused(u64& seed) {
         }
         // The rotation happened: some query differs from its unrotated value.
         bool rotated = false;
-        for (size_t i = 0; i < q.size(); i++) rotated |= q[i] != y[(i / qw) * width + i % qw];
+        for (size_t i = 0; i < q.size(); i++) rotated |= q[i] != yb[(i / qw) * width + i % qw];
         if (!rotated) return fail("split_rope rotates nothing", 0, 0, 1);
+        // The bias was added: some value differs from y's.
+        bool added = false;
+        for (size_t i = 0; i < v.size(); i++)
+            added |= v[i] != y[(i / kw) * width + qw + kw + i % kw];
+        if (added != (biased == 1)) return fail("split_rope's bias", 0, added, biased);
     }
     for (int gelu = 0; gelu < 2; gelu++) {
         int rows = 3, units = 300;
@@ -808,13 +827,13 @@ static int check_batched() {
     int rows = n * q_heads, splits = (300 + chunk - 1) / chunk;
     // Runs attention and its merge over `tokens` query tokens: rows of `out` and `lse`.
     auto run = [&](const float* qp, const u64* qpos, const u64* kpos, const unsigned int* tab,
-                   int n_kv, int tokens, int ranges, const u64* sq, std::vector<float>& out,
-                   std::vector<float>& lse) {
+                   int n_kv, int tokens, int ranges, int range_keys, const u64* sq,
+                   std::vector<float>& out, std::vector<float>& lse) {
         int r = tokens * q_heads;
         std::vector<float> part((size_t)ranges * r * head_dim), part_lse((size_t)ranges * r);
         tpctl_launch((unsigned int)(tokens * kv_heads), ranges, THREADS, [&] {
             attention(qp, qpos, ks.data(), vs.data(), kpos, tab, bs, block_stride, n_kv, q_heads,
-                      kv_heads, head_dim, scale, 0.0f, ~0ull, chunk, 0, sq, part.data(),
+                      kv_heads, head_dim, scale, 0.0f, ~0ull, range_keys, 0, sq, part.data(),
                       part_lse.data(), nullptr);
         });
         out = part;
@@ -828,14 +847,21 @@ static int check_batched() {
             });
         }
     };
+    // Ranges of 128 keys, as many as the longest needs; then grids of 2 and 8 ranges whatever
+    // the keys (chunk 0: each token's keys split evenly over them, in whole tiles: 2 ranges
+    // of 256 keys for 300, 8 ranges of 128 with the last five empty).
+    for (int fixed : {0, 2, 8}) {
+    int ranges = fixed ? fixed : splits, chunk_arg = fixed ? 0 : chunk;
     std::vector<float> out, lse;
-    run(q.data(), q_pos.data(), kv_pos.data(), table.data(), 300, n, splits, seqs.data(), out, lse);
+    run(q.data(), q_pos.data(), kv_pos.data(), table.data(), 300, n, ranges, chunk_arg,
+        seqs.data(), out, lse);
     for (int s = 0; s < n; s++) {
         const float* qs = &q[(size_t)s * q_heads * head_dim];
         const u64* kpos = &kv_pos[seqs[3 * s]];
         const unsigned int* tab = &table[seqs[3 * s + 1]];
         std::vector<float> alone, alone_lse;
-        run(qs, &q_pos[s], kpos, tab, lens[s], 1, (lens[s] + chunk - 1) / chunk, nullptr, alone,
+        int alone_ranges = fixed ? fixed : (lens[s] + chunk - 1) / chunk;
+        run(qs, &q_pos[s], kpos, tab, lens[s], 1, alone_ranges, chunk_arg, nullptr, alone,
             alone_lse);
         Case c = {q_heads, kv_heads, head_dim, 1, lens[s], 1, bs, false};
         std::vector<float> kl((size_t)lens[s] * stride), vl(kl.size());
@@ -862,8 +888,10 @@ static int check_batched() {
             }
         }
     }
-    std::printf("ok: a step's decode rows of 3 sequences (5, 130, 300 keys) in one launch, each "
-                "the bits of its sequence alone\n");
+    }
+    std::printf("ok: a step's decode rows of 3 sequences (5, 130, 300 keys) in one launch, over "
+                "ranges of 128 keys and over fixed grids of 2 and 8 ranges, each the bits of its "
+                "sequence alone\n");
     return 0;
 }
 

@@ -39,7 +39,7 @@ use crate::error::{Error, Result};
 use checkpoint::{LlamaConfig, Shard, WeightSource};
 use provenance::{BufferSource, Span};
 use std::ops::Range;
-use tensor::kernels::{AttnShape, Backend, WeightUse};
+use tensor::kernels::{AttnShape, Backend, Projected, WeightUse};
 use tensor::memory::{Arena, WeightBuffers};
 use tensor::Tensor;
 
@@ -348,14 +348,15 @@ impl Attention {
         let s = self.shape();
         let (qw, kvw) = (s.q_heads * s.head_dim, s.kv_heads * s.head_dim);
         let mut y = self.qkv.forward(be, x)?;
-        if let Some(bias) = &self.qkv_bias {
-            be.add_bias(&mut y, bias)?;
-        }
         let (theta, factors) = (self.rope_theta, self.rope_factors.as_deref());
         let (rot, scale) = (self.rope_dim, self.rope_attn_factor);
         if self.qk_norm.is_none() {
-            // One pass (one kernel on a GPU): the split and both rotations.
-            return Ok(be.split_rope(&y, positions, self.split_dims(), theta, factors, scale)?);
+            // One pass (one kernel on a GPU): the bias, the split and both rotations.
+            let p = self.projected(&y);
+            return Ok(be.split_rope(p, positions, self.split_dims(), self.rotation())?);
+        }
+        if let Some(bias) = &self.qkv_bias {
+            be.add_bias(&mut y, bias)?;
         }
         let mut parts = be.split_last(&y, &[qw, kvw, kvw])?.into_iter();
         let (Some(mut q), Some(mut k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
@@ -370,10 +371,11 @@ impl Attention {
         Ok((q, k, v))
     }
 
-    /// The fused QKV projection of normalized hidden states `x` with its bias, for
-    /// [`Backend::split_rope`] (with [`Attention::split_dims`] and [`Attention::rotation`]);
-    /// `None` for a layer whose queries and keys are normed between the split and the rotation
-    /// (Qwen3), which only [`Attention::qkv`] computes.
+    /// The fused QKV projection of normalized hidden states `x`, without its bias (see
+    /// [`Attention::projected`]), for [`Backend::split_rope`] (with [`Attention::split_dims`]
+    /// and [`Attention::rotation`]), which adds it; `None` for a layer whose queries and keys
+    /// are normed between the split and the rotation (Qwen3), which only [`Attention::qkv`]
+    /// computes.
     ///
     /// # Errors
     /// [`tensor::Error::Shape`] when `x` has the wrong width.
@@ -381,11 +383,13 @@ impl Attention {
         if self.qk_norm.is_some() {
             return Ok(None);
         }
-        let mut y = self.qkv.forward(be, x)?;
-        if let Some(bias) = &self.qkv_bias {
-            be.add_bias(&mut y, bias)?;
-        }
-        Ok(Some(y))
+        Ok(Some(self.qkv.forward(be, x)?))
+    }
+
+    /// The fused projection's rows `y` with this layer's bias, which [`Backend::split_rope`]
+    /// adds in its pass.
+    pub fn projected<'a>(&'a self, y: &'a Tensor) -> Projected<'a> {
+        Projected { y, bias: self.qkv_bias.as_ref() }
     }
 
     /// Query heads, KV heads, head size and rotated size, as [`Backend::split_rope`] takes

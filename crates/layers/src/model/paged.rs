@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use mesh::DeviceMemory;
 use std::sync::{Arc, PoisonError, RwLock};
 use tensor::kernels::cpu::attention::KvBlocks;
-use tensor::kernels::{Backend, DeviceBlocks, Kv, KvElem, PoolMemory, PoolRows};
+use tensor::kernels::{Backend, DeviceBlocks, Kv, KvElem, PoolMemory, PoolRows, Projected};
 use tensor::{Storage, Tensor};
 
 /// One rank's KV blocks, in one buffer (a `kv_cache` allocation, say).
@@ -339,7 +339,7 @@ impl KvPool {
     fn split_rope_append(
         &self,
         be: &Backend,
-        y: &Tensor,
+        y: Projected<'_>,
         positions: &[usize],
         (dims, rotation): SplitRope<'_>,
         places: &[usize],
@@ -606,7 +606,7 @@ impl PagedCache {
         be: &Backend,
         layer: usize,
         caches: &mut [&mut PagedCache],
-        y: &Tensor,
+        y: Projected<'_>,
         positions: &[usize],
         (dims, rotation): SplitRope<'_>,
     ) -> Result<Tensor> {

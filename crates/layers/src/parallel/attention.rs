@@ -194,7 +194,8 @@ impl ParallelAttention {
         }
         let Some(y) = self.attn.fused_projection(be, h)? else { return Ok(None) };
         let rope = (self.attn.split_dims(), self.attn.rotation());
-        let Some(q) = ParallelCache::split_rope_append(be, layer, caches, &y, positions, rope)?
+        let y = self.attn.projected(&y);
+        let Some(q) = ParallelCache::split_rope_append(be, layer, caches, y, positions, rope)?
         else {
             return Ok(None);
         };

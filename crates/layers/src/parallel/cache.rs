@@ -5,7 +5,7 @@ use super::{kv_head_range, ParallelModel};
 use crate::error::{Error, Result};
 use crate::model::{KvCache, KvGroups, KvPool, LayerCache, PagedCache, SplitRope};
 use std::sync::Arc;
-use tensor::kernels::{Backend, GemmDtype, Kv, KvElem};
+use tensor::kernels::{Backend, GemmDtype, Kv, KvElem, Projected};
 use tensor::memory::{alloc_device_exact, alloc_exact, padded, Arena, DeviceArena};
 use tensor::{Storage, Tensor};
 
@@ -87,7 +87,7 @@ impl ParallelCache {
         be: &Backend,
         layer: usize,
         caches: &mut [&mut ParallelCache],
-        y: &Tensor,
+        y: Projected<'_>,
         positions: &[usize],
         rope: SplitRope<'_>,
     ) -> Result<Option<Tensor>> {

@@ -9,11 +9,28 @@ use crate::error::Result;
 use crate::tensor::Tensor;
 use mesh::DeviceMemory;
 
-/// That `y` holds the fused projections of `positions.len()` tokens of `dims` (query heads,
-/// KV heads, head size, rotated size: even, at most the head size) and `factors` are one per
-/// rotated pair.
+/// A fused QKV projection's rows (`[tokens, (q_heads + 2·kv_heads)·head_dim]`) and its bias
+/// (one such row, or none), not yet added: [`Backend::split_rope`] adds it in the same pass.
+#[derive(Clone, Copy, Debug)]
+pub struct Projected<'a> {
+    /// The projection's rows.
+    pub y: &'a Tensor,
+    /// The bias of every row.
+    pub bias: Option<&'a Tensor>,
+}
+
+impl<'a> Projected<'a> {
+    /// Rows without a bias.
+    pub fn rows(y: &'a Tensor) -> Projected<'a> {
+        Projected { y, bias: None }
+    }
+}
+
+/// That `p` holds the fused projections of `positions.len()` tokens of `dims` (query heads,
+/// KV heads, head size, rotated size: even, at most the head size) with a bias of one row (if
+/// any), and `factors` are one per rotated pair.
 fn check_split_rope(
-    y: &Tensor,
+    p: Projected<'_>,
     positions: &[usize],
     (q_heads, kv_heads, head_dim, rot_dim): (usize, usize, usize, usize),
     factors: Option<&[f32]>,
@@ -21,16 +38,18 @@ fn check_split_rope(
     let (qw, kw) = (q_heads * head_dim, kv_heads * head_dim);
     check(
         "split_rope",
-        y.len() == positions.len() * (qw + 2 * kw)
+        p.y.len() == positions.len() * (qw + 2 * kw)
+            && p.bias.is_none_or(|b| b.len() == qw + 2 * kw)
             && rot_dim.is_multiple_of(2)
             && rot_dim <= head_dim
             && factors.is_none_or(|f| f.len() == rot_dim / 2),
         || {
             format!(
                 "{} elements for {} positions x ({q_heads} + 2 x {kv_heads}) heads x \
-                 {head_dim}, rot_dim {rot_dim}, {:?} frequency factors",
-                y.len(),
+                 {head_dim}, a bias of {:?}, rot_dim {rot_dim}, {:?} frequency factors",
+                p.y.len(),
                 positions.len(),
+                p.bias.map(Tensor::len),
                 factors.map(<[f32]>::len)
             )
         },
@@ -72,7 +91,7 @@ impl Backend {
     /// memory on the CPU backend.
     pub fn split_rope_append(
         &self,
-        y: &Tensor,
+        y: Projected<'_>,
         positions: &[usize],
         dims: (usize, usize, usize, usize),
         (theta, factors, attn_factor): (f32, Option<&[f32]>, f32),
@@ -105,7 +124,8 @@ impl Backend {
                 Err(device_memory_on_cpu("kv cache append"))
             }
             (_, PoolMemory::Host(data)) => {
-                let (q, k, v) = self.split_rope(y, positions, dims, theta, factors, attn_factor)?;
+                let (q, k, v) =
+                    self.split_rope(y, positions, dims, (theta, factors, attn_factor))?;
                 let (k, v) = (k.host()?, v.host()?);
                 for (t, &p) in places.iter().enumerate() {
                     let at = shift + p;
@@ -119,26 +139,34 @@ impl Backend {
     }
 
     /// Queries `[tokens, q_heads·head_dim]`, keys and values `[tokens, kv_heads·head_dim]`
-    /// from a fused QKV projection's rows `y` (`[tokens, (q_heads + 2·kv_heads)·head_dim]`),
-    /// the queries and keys rotated as [`Backend::rope_scaled`] rotates them: the same values
-    /// as [`Backend::split_last`] then two rotations.
+    /// from a fused QKV projection's rows and bias `p`, the queries and keys rotated by
+    /// `(theta, factors, attn_factor)` as [`Backend::rope_scaled`] rotates them: the same
+    /// values as [`Backend::add_bias`], [`Backend::split_last`] then two rotations.
     ///
     /// # Errors
     /// [`crate::Error::Shape`] when the sizes disagree, as [`Backend::rope_scaled`] checks
     /// them.
     pub fn split_rope(
         &self,
-        y: &Tensor,
+        p: Projected<'_>,
         positions: &[usize],
         (q_heads, kv_heads, head_dim, rot_dim): (usize, usize, usize, usize),
-        theta: f32,
-        factors: Option<&[f32]>,
-        attn_factor: f32,
+        (theta, factors, attn_factor): (f32, Option<&[f32]>, f32),
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (qw, kw) = (q_heads * head_dim, kv_heads * head_dim);
-        check_split_rope(y, positions, (q_heads, kv_heads, head_dim, rot_dim), factors)?;
+        check_split_rope(p, positions, (q_heads, kv_heads, head_dim, rot_dim), factors)?;
         match self {
             Backend::Cpu(_) => {
+                let biased;
+                let y = match p.bias {
+                    Some(bias) => {
+                        let mut y = p.y.clone();
+                        self.add_bias(&mut y, bias)?;
+                        biased = y;
+                        &biased
+                    }
+                    None => p.y,
+                };
                 let mut parts = self.split_last(y, &[qw, kw, kw])?.into_iter();
                 let (Some(mut q), Some(mut k), Some(v)) =
                     (parts.next(), parts.next(), parts.next())
@@ -154,7 +182,7 @@ impl Backend {
                 // As `rope_scaled`: factors that are all 1 are no scaling.
                 let factors = factors.filter(|f| f.iter().any(|&s| s != 1.0));
                 let dims = (q_heads, kv_heads, head_dim, rot_dim);
-                cuda.split_rope(y, positions, dims, theta, factors, attn_factor)
+                cuda.split_rope(p, positions, dims, (theta, factors, attn_factor))
             }
         }
     }
@@ -256,7 +284,9 @@ mod tests {
                 let factors: Vec<f32> = (0..rot / 2).map(|i| 1.0 + (i % 3) as f32).collect();
                 let (factors, attn) = if scaled { (Some(&factors[..]), 1.25) } else { (None, 1.0) };
                 let dims = (q_heads, kv_heads, head_dim, rot);
-                let (q, k, v) = be.split_rope(&y, &positions, dims, 500.0, factors, attn).unwrap();
+                let rotation = (500.0, factors, attn);
+                let rows = Projected::rows(&y);
+                let (q, k, v) = be.split_rope(rows, &positions, dims, rotation).unwrap();
                 let (qw, kw) = (q_heads * head_dim, kv_heads * head_dim);
                 let parts = be.split_last(&y, &[qw, kw, kw]).unwrap();
                 let (mut q2, mut k2) = (parts[0].clone(), parts[1].clone());
@@ -270,6 +300,18 @@ mod tests {
                 assert_eq!((bits(&q), bits(&k)), (bits(&q2), bits(&k2)));
                 assert_eq!(bits(&v), bits(&parts[2]));
                 assert_ne!(bits(&q), bits(&parts[0]), "the queries were rotated");
+                // With a bias: the split of the rows with the bias added.
+                let bias = Tensor::from_vec(&[width], random_vec(width, 6)).unwrap();
+                let with_bias = Projected { y: &y, bias: Some(&bias) };
+                let got = be.split_rope(with_bias, &positions, dims, rotation).unwrap();
+                let mut added = y.clone();
+                be.add_bias(&mut added, &bias).unwrap();
+                let want = be.split_rope(Projected::rows(&added), &positions, dims, rotation);
+                let want = want.unwrap();
+                for (g, w) in [(&got.0, &want.0), (&got.1, &want.1), (&got.2, &want.2)] {
+                    assert_eq!(bits(g), bits(w), "with a bias");
+                }
+                assert_ne!(bits(&got.2), bits(&v), "the bias was added");
             }
             let x = Tensor::from_vec(&[4, 2, 30], random_vec(240, 6)).unwrap();
             for act in [Activation::Silu, Activation::GeluTanh] {
@@ -312,14 +354,14 @@ mod tests {
         let y = Tensor::from_vec(&[3, 80], random_vec(240, 3)).unwrap();
         let factors: Vec<f32> = vec![1.0, 2.0, 4.0];
         let rope = (500.0, Some(&factors[..]), 1.25);
-        let (q, k, v) = be.split_rope(&y, &positions, dims, rope.0, rope.1, rope.2).unwrap();
+        let (q, k, v) = be.split_rope(Projected::rows(&y), &positions, dims, rope).unwrap();
         let (row, values, shift) = (16, 64, 3);
         let places = [130usize, 0, 260];
         let mut pool = vec![-1.0f32; 3 + 260 + 64 + 16];
         let len = pool.len();
         let memory = PoolMemory::Host(&mut pool);
         let got = be.split_rope_append(
-            &y,
+            Projected::rows(&y),
             &positions,
             dims,
             rope,
@@ -335,12 +377,14 @@ mod tests {
         let mut short = vec![0.0f32; len - 1];
         let memory = PoolMemory::Host(&mut short);
         let dst = PoolRows { memory, places: &places, shift, values };
-        let err = be.split_rope_append(&y, &positions, dims, rope, dst).unwrap_err();
+        let err =
+            be.split_rope_append(Projected::rows(&y), &positions, dims, rope, dst).unwrap_err();
         assert!(err.to_string().contains("rows reaching value 343 of 342"), "{err}");
         let mem = FakeDeviceMemory(4 * len);
         let memory = PoolMemory::Device(&mem, KvElem::F32);
         let dst = PoolRows { memory, places: &places, shift, values };
-        let err = be.split_rope_append(&y, &positions, dims, rope, dst).unwrap_err();
+        let err =
+            be.split_rope_append(Projected::rows(&y), &positions, dims, rope, dst).unwrap_err();
         assert!(matches!(err, crate::Error::BackendUnavailable { .. }), "{err}");
     }
 
@@ -348,12 +392,14 @@ mod tests {
     fn fused_ops_name_a_size_that_does_not_fit() {
         let be = Backend::cpu(1).unwrap();
         let y = Tensor::zeros(&[2, 40]);
-        let err = be.split_rope(&y, &[0, 1], (2, 1, 8, 8), 1e4, None, 1.0).unwrap_err();
+        let err = be.split_rope(Projected::rows(&y), &[0, 1], (2, 1, 8, 8), (1e4, None, 1.0));
+        let err = err.unwrap_err();
         assert!(
             err.to_string().contains("80 elements for 2 positions x (2 + 2 x 1) heads"),
             "{err}"
         );
-        let err = be.split_rope(&Tensor::zeros(&[2, 32]), &[0, 1], (2, 1, 4, 6), 1e4, None, 1.0);
+        let zeros = Tensor::zeros(&[2, 32]);
+        let err = be.split_rope(Projected::rows(&zeros), &[0, 1], (2, 1, 4, 6), (1e4, None, 1.0));
         assert!(err.unwrap_err().to_string().contains("rot_dim 6"));
         let err = be.gated_halves(Activation::Silu, &Tensor::zeros(&[2, 7])).unwrap_err();
         assert!(err.to_string().contains("a row of 7 values"), "{err}");

@@ -24,7 +24,7 @@ pub use cpu::qmatrix::{QBits, QMatrix};
 pub use cpu::quant::BlockFormat;
 use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaDeviceInfo, PoolArena};
-pub use fused::{PoolMemory, PoolRows};
+pub use fused::{PoolMemory, PoolRows, Projected};
 pub use prepare::WeightUse;
 pub use sample::{draw_columns, exp_det, Draw, DRAW_CHUNK, DRAW_MAX_COLUMNS};
 pub use select::{candidate_order, row_numbers, TopK, TOP_K_MAX};

@@ -146,9 +146,15 @@ struct SplitElem {
     float x;
 };
 
+// Element c of a head's projection, with its bias added when there is one (the sum add_rows
+// makes).
+__device__ float biased(const float* src, const float* b, int c) {
+    return b ? src[c] + b[c] : src[c];
+}
+
 __device__ SplitElem split_rope_at(const float* y, u64 idx, const u64* pos, int q_heads,
                                    int kv_heads, int head_dim, int rot_dim, float theta,
-                                   const float* factors, float attn_factor) {
+                                   const float* factors, float attn_factor, const float* bias) {
     SplitElem e;
     e.d = (int)(idx % head_dim);
     u64 ts = idx / head_dim;
@@ -156,30 +162,33 @@ __device__ SplitElem split_rope_at(const float* y, u64 idx, const u64* pos, int 
     e.slot = (int)(ts % slots);
     e.t = ts / slots;
     const float* src = y + idx - e.d;
+    const float* b = bias ? bias + (u64)e.slot * head_dim : nullptr;
     if (e.slot >= q_heads + kv_heads || e.d >= rot_dim) {
-        e.x = src[e.d];
+        e.x = biased(src, b, e.d);
         return e;
     }
     int half = rot_dim / 2;
     int i = e.d < half ? e.d : e.d - half;
     float c, s;
     rope_angle(pos[e.t], i, rot_dim, theta, factors, attn_factor, &c, &s);
-    float lo = src[i], hi = src[i + half];
+    float lo = biased(src, b, i), hi = biased(src, b, i + half);
     e.x = e.d < half ? lo * c - hi * s : hi * c + lo * s;
     return e;
 }
 
 // A fused projection's rows split into queries q[tokens, q_heads, head_dim], keys k and values
-// v[tokens, kv_heads, head_dim], the queries and keys rotated (split_rope_at). One thread per
-// output element.
+// v[tokens, kv_heads, head_dim], the queries and keys rotated (split_rope_at), the
+// projection's bias (a row of (q_heads + 2 kv_heads) head_dim, or null for none) added
+// first. One thread per output element.
 extern "C" __global__ void split_rope(const float* y, float* q, float* k, float* v,
                                       const u64* pos, int tokens, int q_heads, int kv_heads,
                                       int head_dim, int rot_dim, float theta,
-                                      const float* factors, float attn_factor) {
+                                      const float* factors, float attn_factor,
+                                      const float* bias) {
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (u64)tokens * (q_heads + 2 * kv_heads) * head_dim) return;
     SplitElem e = split_rope_at(y, idx, pos, q_heads, kv_heads, head_dim, rot_dim, theta, factors,
-                                attn_factor);
+                                attn_factor, bias);
     if (e.slot < q_heads) {
         q[(e.t * q_heads + e.slot) * (u64)head_dim + e.d] = e.x;
     } else if (e.slot < q_heads + kv_heads) {
@@ -198,11 +207,11 @@ extern "C" __global__ void split_rope_append(const float* y, float* q, float* po
                                              const u64* pos, int tokens, int q_heads,
                                              int kv_heads, int head_dim, int rot_dim,
                                              float theta, const float* factors,
-                                             float attn_factor) {
+                                             float attn_factor, const float* bias) {
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (u64)tokens * (q_heads + 2 * kv_heads) * head_dim) return;
     SplitElem e = split_rope_at(y, idx, pos, q_heads, kv_heads, head_dim, rot_dim, theta, factors,
-                                attn_factor);
+                                attn_factor, bias);
     if (e.slot < q_heads) {
         q[(e.t * q_heads + e.slot) * (u64)head_dim + e.d] = e.x;
         return;
@@ -665,6 +674,10 @@ __device__ float kv_at(const float* base, u64 i, int bf16) {
 // positions in kv_pos, of its blocks in table, and its number of keys; a range past its keys
 // is empty (zeros and -inf, which attention_merge weighs 0). With one range, `half` (or null)
 // gets the outputs rounded to bf16 too (bf16_of: a bf16 product's input).
+// `chunk` <= 0 splits each query token's keys evenly over the grid's ranges, in whole tiles
+// (max(ATTN_BLOCK, ceil(n_kv / ranges) rounded up to ATTN_BLOCK): kernels::cuda::attention_chunk),
+// so the launch's shape and arguments do not depend on the number of keys (a decode step's);
+// ranges past a token's keys are empty.
 extern "C" __global__ void attention(const float* q, const u64* q_pos, const float* k,
                                      const float* v, const u64* kv_pos,
                                      const unsigned int* table, int block_size,
@@ -691,6 +704,10 @@ extern "C" __global__ void attention(const float* q, const u64* q_pos, const flo
         kv_pos += seqs[3 * (u64)i];
         if (table) table += seqs[3 * (u64)i + 1];
         n_kv = (int)seqs[3 * (u64)i + 2];
+    }
+    if (chunk <= 0) {
+        int per = (n_kv + (int)gridDim.y - 1) / (int)gridDim.y;
+        chunk = max(ATTN_BLOCK, (per + ATTN_BLOCK - 1) / ATTN_BLOCK * ATTN_BLOCK);
     }
     int j_begin = blockIdx.y * chunk;
     int j_end = min(n_kv, j_begin + chunk);

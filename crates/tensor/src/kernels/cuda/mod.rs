@@ -133,26 +133,22 @@ pub(crate) fn attention_blocks(tokens: usize, q_heads: usize, kv_heads: usize) -
     tokens * kv_heads * per_group.div_ceil(ATTN_GROUP)
 }
 
-/// How attention over `n_kv` keys is split for `rows` blocks per range
-/// ([`attention_blocks`]): `(splits, chunk)`, key ranges of `chunk` keys (a multiple of the
-/// tile) such that rows·splits reaches [`ATTN_TARGET_BLOCKS`] when the keys allow, without a
-/// range of fewer than about two tiles; `splits · chunk >= n_kv`, and no range is empty. A
-/// prefill (many blocks) gets one range.
-#[cfg(any(feature = "cuda", test))]
-pub(crate) fn attention_splits(rows: usize, n_kv: usize) -> (usize, usize) {
-    let tile = ATTN_TILE;
-    let most = n_kv.div_ceil(2 * tile).max(1);
-    let want = ATTN_TARGET_BLOCKS.div_ceil(rows.max(1)).clamp(1, most);
-    let chunk = n_kv.div_ceil(want).next_multiple_of(tile).max(tile);
-    (n_kv.div_ceil(chunk).max(1), chunk)
-}
-
-/// The most key ranges [`attention_splits`] gives `rows` blocks per range at any number of
-/// keys: 1 for a launch that fills the GPU (a prefill, never split), else enough for
-/// [`ATTN_TARGET_BLOCKS`]. A decode step's launch takes the split path and sizes its partial
-/// results for this many ranges whatever its keys, so its buffers do not change as the
-/// context grows (the step workspace, `kernels::workspace`, plans them once).
+/// The key ranges of an attention launch of `rows` blocks per range ([`attention_blocks`]):
+/// 1 for a launch that fills the GPU (a prefill), else enough for [`ATTN_TARGET_BLOCKS`]
+/// blocks. It depends on the step's shape, not on its keys: the kernel splits each token's
+/// keys over the ranges ([`attention_chunk`]), a range past its keys is empty, and the merge
+/// weighs it 0. So a decode step's launch, its partial results and its merge are the same
+/// at every context length (the step workspace, `kernels::workspace`, plans them once, and
+/// a CUDA graph can replay them).
 #[cfg(any(feature = "cuda", test))]
 pub(crate) fn attention_most_splits(rows: usize) -> usize {
     ATTN_TARGET_BLOCKS.div_ceil(rows.max(1)).max(1)
+}
+
+/// Keys per range of a token with `n_kv` keys over `ranges` ranges: its keys split evenly, in
+/// whole tiles (the attention kernel's rule when its `chunk` is 0, written here for the
+/// tests and the docs).
+#[cfg(test)]
+pub(crate) fn attention_chunk(ranges: usize, n_kv: usize) -> usize {
+    n_kv.div_ceil(ranges.max(1)).next_multiple_of(ATTN_TILE).max(ATTN_TILE)
 }

@@ -198,7 +198,7 @@ impl CudaBackend {
 
     pub(crate) fn split_rope_append(
         &self,
-        _y: &Tensor,
+        _y: crate::kernels::Projected<'_>,
         _positions: &[usize],
         _dims: (usize, usize, usize, usize),
         _rope: (f32, Option<&[f32]>, f32),
@@ -209,12 +209,10 @@ impl CudaBackend {
 
     pub(crate) fn split_rope(
         &self,
-        _y: &Tensor,
+        _y: crate::kernels::Projected<'_>,
         _positions: &[usize],
         _dims: (usize, usize, usize, usize),
-        _theta: f32,
-        _factors: Option<&[f32]>,
-        _attn_factor: f32,
+        _rope: (f32, Option<&[f32]>, f32),
     ) -> Result<(Tensor, Tensor, Tensor)> {
         match self.never {}
     }

@@ -8,7 +8,7 @@
 
 use crate::error::Error;
 use crate::kernels::cpu::quant::{quantize, BlockFormat};
-use crate::kernels::{AttnShape, Backend, GemmDtype, Kv, QMatrix, Weight};
+use crate::kernels::{AttnShape, Backend, GemmDtype, Kv, Projected, QMatrix, Weight};
 use crate::tensor::{Device, Tensor};
 use crate::test_util::{assert_close, assert_rel, cuda_of, gpu, gpu_in, random_vec};
 
@@ -331,29 +331,27 @@ fn cuda_attention_matches_cpu_with_log_sum_exp() {
     assert_eq!(lse.unwrap().host().unwrap(), &[f32::NEG_INFINITY; 2]);
 }
 
-/// The key ranges of a split attention cover every key once, in whole tiles, fill the GPU for
-/// a decode step when there are keys enough, and leave a prefill unsplit (no GPU needed).
+/// The key ranges of an attention launch cover every key of a token once, in whole tiles,
+/// fill the GPU for a decode step when there are keys enough, and leave a prefill unsplit
+/// (no GPU needed).
 #[test]
 fn attention_key_ranges_cover_the_keys_and_fill_the_gpu_for_decode() {
-    use super::{attention_most_splits, attention_splits, ATTN_TARGET_BLOCKS, ATTN_TILE};
+    use super::{attention_chunk, attention_most_splits, ATTN_TARGET_BLOCKS, ATTN_TILE};
     for rows in [1, 9, 32, 100, 511, 512, 4096] {
+        let ranges = attention_most_splits(rows);
+        assert!(rows * ranges >= ATTN_TARGET_BLOCKS, "{rows} rows: the grid is too small");
+        assert!(rows * (ranges - 1) < ATTN_TARGET_BLOCKS, "{rows} rows: more ranges than needed");
+        if rows >= ATTN_TARGET_BLOCKS {
+            assert_eq!(ranges, 1, "{rows} rows");
+        }
         for n_kv in [1, 2, 127, 128, 129, 255, 256, 300, 1000, 4096, 32_768, 131_072, 1 << 20] {
-            let (splits, chunk) = attention_splits(rows, n_kv);
-            let at = format!("{rows} rows, {n_kv} keys: {splits} x {chunk}");
-            assert!(splits >= 1 && chunk % ATTN_TILE == 0, "{at}");
-            assert!(splits <= attention_most_splits(rows), "{at}: more than the most");
-            if rows >= ATTN_TARGET_BLOCKS {
-                assert_eq!(attention_most_splits(rows), 1, "{at}");
-            }
-            assert!(splits * chunk >= n_kv && (splits - 1) * chunk < n_kv, "{at}: not a cover");
-            if rows >= ATTN_TARGET_BLOCKS || n_kv < 2 * ATTN_TILE {
-                assert_eq!(splits, 1, "{at}");
-            }
-            if splits > 1 {
-                assert!(chunk >= ATTN_TILE && n_kv > 2 * ATTN_TILE, "{at}");
-            }
-            if n_kv >= 2 * ATTN_TILE * ATTN_TARGET_BLOCKS {
-                assert!(rows * splits >= ATTN_TARGET_BLOCKS, "{at}: the GPU is not filled");
+            let chunk = attention_chunk(ranges, n_kv);
+            let used = n_kv.div_ceil(chunk);
+            let at = format!("{rows} rows, {n_kv} keys: {used} of {ranges} ranges of {chunk}");
+            assert!(chunk >= ATTN_TILE && chunk.is_multiple_of(ATTN_TILE), "{at}");
+            assert!(used <= ranges && ranges * chunk >= n_kv, "{at}: not a cover");
+            if n_kv >= ATTN_TILE * ranges {
+                assert!(used + 1 >= ranges * 3 / 4, "{at}: the GPU is not filled");
             }
         }
     }
@@ -388,8 +386,9 @@ fn cuda_attention_over_many_key_ranges_matches_cpu() {
     let Some(gpu) = gpu() else { return };
     let cpu = cpu();
     let shape = AttnShape::new(9, 3, 64);
-    let t = 3000;
-    assert!(super::attention_splits(3, t).0 > 4, "the case must split the keys");
+    let t: usize = 3000;
+    let ranges = super::attention_most_splits(3);
+    assert!(t.div_ceil(super::attention_chunk(ranges, t)) > 4, "the case must split the keys");
     let q = tensor(&[1, 9, 64], 7);
     let k = random_vec(t * 3 * 64, 8);
     let v = random_vec(t * 3 * 64, 9);
@@ -429,7 +428,9 @@ fn cuda_attention_score_rules_and_logit_soft_cap_match_cpu() {
     let v = random_vec(t * 2 * 32, 43);
     let kv = Kv::Host { k: &k, v: &v };
     let kp: Vec<usize> = (0..t).collect();
-    assert!(super::attention_splits(2, t).0 > 4, "the decode case must split the keys");
+    let ranges = super::attention_most_splits(2);
+    let used = t.div_ceil(super::attention_chunk(ranges, t));
+    assert!(used > 4, "the decode case must split the keys");
     let prefill: (Vec<usize>, Vec<usize>) = ((0..9).collect(), (0..9).collect());
     let (k9, v9) = (&k[..9 * 2 * 32], &v[..9 * 2 * 32]);
     for shape in rules {
@@ -630,9 +631,20 @@ fn cuda_split_rope_and_gated_halves_match_the_ops_they_replace_in_one_launch() {
         let (factors, attn) = if scaled { (Some(&factors[..]), 1.25) } else { (None, 1.0) };
         let dims = (q_heads, kv_heads, head_dim, rot);
         let before = cuda.counters();
-        let got = gpu.split_rope(&y, &positions, dims, 1e4, factors, attn).unwrap();
+        let rotation = (1e4, factors, attn);
+        let got = gpu.split_rope(Projected::rows(&y), &positions, dims, rotation).unwrap();
         assert_eq!(cuda.counters().since(&before).launches, 1, "split_rope");
-        let want = cpu.split_rope(&y, &positions, dims, 1e4, factors, attn).unwrap();
+        let want = cpu.split_rope(Projected::rows(&y), &positions, dims, rotation).unwrap();
+        // With the projection's bias, added in the same launch: the CPU's bits.
+        let bias = tensor(&[width], 12);
+        let biased = Projected { y: &y, bias: Some(&bias) };
+        let before = cuda.counters();
+        let got_b = gpu.split_rope(biased, &positions, dims, rotation).unwrap();
+        assert_eq!(cuda.counters().since(&before).launches, 1, "split_rope with a bias");
+        let want_b = cpu.split_rope(biased, &positions, dims, rotation).unwrap();
+        for (g, w) in [(&got_b.0, &want_b.0), (&got_b.1, &want_b.1), (&got_b.2, &want_b.2)] {
+            assert_eq!(bits(g), bits(w), "split_rope with a bias");
+        }
         let (qw, kw) = (q_heads * head_dim, kv_heads * head_dim);
         let parts = gpu.split_last(&y, &[qw, kw, kw]).unwrap();
         let (mut q2, mut k2) = (parts[0].clone(), parts[1].clone());
@@ -844,9 +856,9 @@ fn cuda_split_rope_append_writes_what_split_rope_and_write_rows_write() {
     let before = cuda.counters();
     let memory = PoolMemory::Device(&*a, KvElem::F32);
     let dst = PoolRows { memory, places: &places, shift: 0, values: bs * row };
-    let q = gpu.split_rope_append(&y, &positions, dims, rope, dst).unwrap();
+    let q = gpu.split_rope_append(Projected::rows(&y), &positions, dims, rope, dst).unwrap();
     assert_eq!(cuda.counters().since(&before).launches, 1, "split_rope_append");
-    let (q2, k, v) = gpu.split_rope(&y, &positions, dims, rope.0, rope.1, rope.2).unwrap();
+    let (q2, k, v) = gpu.split_rope(Projected::rows(&y), &positions, dims, rope).unwrap();
     let moves: Vec<(usize, usize)> = places.iter().copied().enumerate().collect();
     gpu.write_rows(&*b, KvElem::F32, &k, row, &moves, 0).unwrap();
     gpu.write_rows(&*b, KvElem::F32, &v, row, &moves, bs * row).unwrap();

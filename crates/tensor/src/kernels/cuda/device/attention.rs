@@ -6,7 +6,7 @@ use super::buffers::StepBuf;
 use super::{int, per_row, Count, CudaBackend, OrUnavailable};
 use crate::error::{Error, Result};
 use crate::kernels::cpu::attention::AttnShape;
-use crate::kernels::cuda::{attention_blocks, attention_most_splits, attention_splits, ATTN_TILE};
+use crate::kernels::cuda::{attention_blocks, attention_most_splits, ATTN_TILE};
 use crate::kernels::step_attention::{misfit, RowKv};
 use crate::kernels::{Kv, KvElem};
 use crate::tensor::Tensor;
@@ -254,16 +254,16 @@ impl CudaBackend {
         let AttnShape { q_heads, kv_heads, head_dim, .. } = shape;
         let rows = tokens * q_heads;
         let blocks = attention_blocks(tokens, q_heads, kv_heads);
-        let (splits, chunk) = attention_splits(blocks, n_kv);
-        // A launch that may split its keys (a decode step's) always merges, from partial
-        // results sized for the most ranges it can have: its buffers are the same at every
-        // context length (see `attention_most_splits`).
+        // As many key ranges as the step's shape wants, whatever its keys: the kernel splits
+        // each token's keys over them (chunk 0) and a range past them is empty, so a decode
+        // step's launch, buffers and merge are the same at every context length (see
+        // `attention_most_splits`).
         let most = attention_most_splits(blocks);
         let half = self.half_buf(OP, rows * head_dim)?;
         // Written by the attention kernel with one range, by the merge with several.
         let hp = if most == 1 { self.half_addr(&half) } else { 0 };
         // Block (r, s) writes row s·rows + r of out (head_dim floats) and of lse, for s <
-        // splits <= most; with one range those are the answer, else the partial results.
+        // most; with one range those are the answer, else the partial results.
         let od = self.output_buf(OP, most * rows * head_dim)?;
         let ld = self.output_buf(OP, most * rows)?;
         let args = [
@@ -272,7 +272,8 @@ impl CudaBackend {
             int(OP, "kv_heads", kv_heads)?,
             int(OP, "head_dim", head_dim)?,
         ];
-        let chunk32 = int(OP, "key range", chunk)?;
+        // 0: each token's keys split evenly over the ranges, in whole tiles.
+        let chunk32 = 0i32;
         // The CPU's factor (the query scale, or 1/sqrt(d) computed in f32 the same way), its
         // cap (0: none) and its window in positions (all ones: none, so every key from
         // position 0 on is in it).
@@ -280,7 +281,7 @@ impl CudaBackend {
         let softcap = shape.softcap.unwrap_or(0.0);
         let window = shape.window.map_or(u64::MAX, |w| w as u64);
         let mut cfg = per_row(OP, blocks, ATTN_BLOCK)?;
-        cfg.grid_dim.1 = splits as u32;
+        cfg.grid_dim.1 = int(OP, "key ranges", most)? as u32;
         self.count(Count::Launch);
         let mut b = self.stream().launch_builder(&self.inner.k.attention);
         b.arg(&q).arg(&q_pos).arg(&keys.k).arg(&keys.v).arg(&keys.pos);
@@ -306,9 +307,10 @@ impl CudaBackend {
         // (i·kv_heads + g)·slices + slice, the grid's first dimension being
         // `attention_blocks`): it reads q_pos[i] and
         // those heads' rows of q (head_dim floats each), the key positions of its range
-        // [s·chunk, (s+1)·chunk) ∩ [0, n_i) and head g of those key and value rows, and writes
-        // those rows' entries s·rows + row of out and lse, which hold most·rows rows
-        // (splits·chunk >= n_kv >= n_i and splits <= most, from `attention_splits`). Without `seqs`, n_i = n_kv
+        // [s·chunk_i, (s+1)·chunk_i) ∩ [0, n_i) (chunk_i from n_i and the grid's `most`
+        // ranges, `attention_chunk`) and head g of those key and value rows, and writes those
+        // rows' entries s·rows + row of out and lse, which hold most·rows rows (s < most, the
+        // grid's second dimension). Without `seqs`, n_i = n_kv
         // and the callers checked q holds tokens·q_heads·head_dim floats and that the keys
         // and values hold n_kv rows of kv_heads·head_dim: contiguous buffers at least that
         // long (staged ones are freed stream-ordered, after the kernel; a device cache is
@@ -325,7 +327,7 @@ impl CudaBackend {
             return Ok((od, ld, half));
         }
         let mp = self.half_addr(&half);
-        let (od, ld) = self.merge_attention(&od, &ld, splits, rows, head_dim, mp)?;
+        let (od, ld) = self.merge_attention(&od, &ld, most, rows, head_dim, mp)?;
         Ok((od, ld, half))
     }
 

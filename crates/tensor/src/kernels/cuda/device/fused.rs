@@ -10,7 +10,7 @@ use super::cache::Slot;
 use super::staging::Staged;
 use super::{elementwise, int, Count, CudaBackend, OrUnavailable};
 use crate::error::Result;
-use crate::kernels::{Activation, KvElem};
+use crate::kernels::{Activation, KvElem, Projected};
 use crate::tensor::Tensor;
 use cudarc::driver::{LaunchArgs, PushKernelArg};
 use mesh::DeviceMemory;
@@ -29,17 +29,20 @@ struct SplitArgs {
     _factors: Option<Arc<Slot>>,
     factors: u64,
     attn_factor: f32,
+    /// The projection's bias (a cached model vector), and its address (null for none).
+    _bias: Option<Arc<Slot>>,
+    bias: u64,
 }
 
 impl SplitArgs {
     /// Pushes `pos, tokens, q_heads, kv_heads, head_dim, rot_dim, theta, factors,
-    /// attn_factor`, the kernels' common tail.
+    /// attn_factor, bias`, the kernels' common tail.
     fn push_tail<'a>(&'a self, b: &mut LaunchArgs<'a>) {
         b.arg(&self.positions.ptr);
         for a in &self.dims {
             b.arg(a);
         }
-        b.arg(&self.theta).arg(&self.factors).arg(&self.attn_factor);
+        b.arg(&self.theta).arg(&self.factors).arg(&self.attn_factor).arg(&self.bias);
     }
 }
 
@@ -51,12 +54,10 @@ impl CudaBackend {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn split_rope(
         &self,
-        y: &Tensor,
+        y: Projected<'_>,
         positions: &[usize],
         dims: (usize, usize, usize, usize),
-        theta: f32,
-        factors: Option<&[f32]>,
-        attn_factor: f32,
+        rotation: (f32, Option<&[f32]>, f32),
     ) -> Result<(Tensor, Tensor, Tensor)> {
         const OP: &str = "split_rope";
         let (q_heads, kv_heads, head_dim, _) = dims;
@@ -70,7 +71,7 @@ impl CudaBackend {
                 Tensor::zeros(&[tokens, kw]),
             ));
         }
-        let split = self.split_args(OP, y, positions, dims, (theta, factors, attn_factor))?;
+        let split = self.split_args(OP, y, positions, dims, rotation)?;
         // Each written whole: one thread per element of the three.
         let qd = self.output_buf(OP, tokens * qw)?;
         let kd = self.output_buf(OP, tokens * kw)?;
@@ -81,10 +82,11 @@ impl CudaBackend {
         b.arg(&split.y.ptr).arg(&qd.ptr).arg(&kd.ptr).arg(&vd.ptr);
         split.push_tail(&mut b);
         // SAFETY: the arguments match `split_rope(const float*, float*, float*, float*, const
-        // u64*, int, int, int, int, int, float, const float*, float)`. Thread (t, slot, d) for
-        // t < tokens reads position t, factor i < rot_dim/2 (the caller checked there are
-        // rot_dim/2, or the pointer is null and not read) and elements of head `slot` of y's
-        // row t, which holds (q_heads + 2·kv_heads)·head_dim floats per row for `tokens` rows
+        // u64*, int, int, int, int, int, float, const float*, float, const float*)`. Thread
+        // (t, slot, d) for t < tokens reads position t, factor i < rot_dim/2 (the caller
+        // checked there are rot_dim/2, or the pointer is null and not read), elements of head
+        // `slot` of the bias (a row of (q_heads + 2·kv_heads)·head_dim, checked by the
+        // caller, or null) and of y's row t, which holds (q_heads + 2·kv_heads)·head_dim floats per row for `tokens` rows
         // (checked by the caller), and writes element d of that head in q, k or v, each a
         // fresh buffer of tokens·heads·head_dim floats; threads past n return at once.
         unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
@@ -141,7 +143,7 @@ impl CudaBackend {
     /// launch.
     pub(crate) fn split_rope_append(
         &self,
-        y: &Tensor,
+        y: Projected<'_>,
         positions: &[usize],
         dims: (usize, usize, usize, usize),
         rotation: (f32, Option<&[f32]>, f32),
@@ -170,9 +172,9 @@ impl CudaBackend {
         split.push_tail(&mut b);
         // SAFETY: the arguments match `split_rope_append(const float*, float*, float*, const
         // u64*, u64, u64, int, const u64*, int, int, int, int, int, float, const float*,
-        // float)`. Thread (t, slot, d) reads position t, place t (one per token, uploaded),
-        // factor i < rot_dim/2 (or none: a null pointer) and elements of head `slot` of y's row
-        // t, which holds (q_heads + 2·kv_heads)·head_dim floats per row for `tokens` rows
+        // float, const float*)`. Thread (t, slot, d) reads position t, place t (one per token,
+        // uploaded), factor i < rot_dim/2 (or none: a null pointer) and elements of head
+        // `slot` of the bias (one row, or null) and of y's row t, which holds (q_heads + 2·kv_heads)·head_dim floats per row for `tokens` rows
         // (checked by the caller), and writes element d of that head in q (a fresh buffer of
         // tokens·q_heads·head_dim floats) or at shift + places[t] (+ values) + the head's
         // offset in `memory`, in f32 or (bf16 = 1, two bytes) bf16: inside it, as the caller
@@ -184,20 +186,21 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// The arguments the split kernels share (see [`SplitArgs`]), for `y`'s rows at
-    /// `positions`, heads `(q_heads, kv_heads, head_dim, rot_dim)` and rotation `(theta,
-    /// factors, attn_factor)`.
+    /// The arguments the split kernels share (see [`SplitArgs`]), for the projection `p`'s
+    /// rows at `positions`, heads `(q_heads, kv_heads, head_dim, rot_dim)` and rotation
+    /// `(theta, factors, attn_factor)`.
     fn split_args(
         &self,
         op: &str,
-        y: &Tensor,
+        p: Projected<'_>,
         positions: &[usize],
         (q_heads, kv_heads, head_dim, rot_dim): (usize, usize, usize, usize),
         (theta, factors, attn_factor): (f32, Option<&[f32]>, f32),
     ) -> Result<SplitArgs> {
         let factors = factors.map(|f| self.vector(op, f)).transpose()?;
+        let bias = p.bias.map(|b| self.vector(op, b.host()?)).transpose()?;
         Ok(SplitArgs {
-            y: self.input(op, y)?,
+            y: self.input(op, p.y)?,
             positions: self.positions(op, positions)?,
             dims: [
                 int(op, "tokens", positions.len())?,
@@ -210,6 +213,8 @@ impl CudaBackend {
             factors: factors.as_ref().map_or(0, |f| self.slot_addr(f)),
             _factors: factors,
             attn_factor,
+            bias: bias.as_ref().map_or(0, |b| self.slot_addr(b)),
+            _bias: bias,
         })
     }
 }
