@@ -413,7 +413,9 @@ pub enum SampleError {
         vocab: usize,
     },
     /// The candidates do not match the plan's sampled entries.
-    #[error("the model found candidates for {rows} rows, for {sampled} sampled entries")]
+    #[error(
+        "the model found candidates or drawn tokens for {rows} rows, for {sampled} sampled entries"
+    )]
     Candidates {
         /// Rows of candidates found.
         rows: usize,
@@ -554,6 +556,12 @@ impl Constrained {
             self.fail(seq, &e);
         }
     }
+}
+
+/// Whether a sampler draws from a few candidates of its row (a temperature and a top-k below
+/// [`TOP_K_MAX`]) rather than from its whole row or greedily.
+fn keeps_candidates(p: &SamplingParams) -> bool {
+    p.temperature > 0.0 && (1..TOP_K_MAX).contains(&p.top_k)
 }
 
 impl SeqSampler {
@@ -707,6 +715,87 @@ impl Samplers {
                 Ok(s.sampler.next_draw())
             })
             .collect()
+    }
+
+    /// For a step whose sampled entries mix the two kinds above (some keep a few tokens, the
+    /// others weigh their whole row or are greedy), the candidates per row a model runner must
+    /// find besides drawing every row where the logits are (from rows of `vocab` logits):
+    /// one more than the most any entry keeps, when every sampled entry is one kind or the
+    /// other and nothing else is wanted of the logits; `None` otherwise. The runner then finds
+    /// the candidates of every row and draws every row with [`Samplers::mixed_draws`], and
+    /// [`Samplers::pick_mixed`] takes each row's token from the kind it is. Every rank
+    /// answers the same (after [`Samplers::admit`] with `plan`).
+    pub fn mixed(&self, plan: &StepPlan, vocab: usize) -> Option<usize> {
+        if vocab > DRAW_MAX_COLUMNS || !self.every_sampled(plan, |_| true) {
+            return None;
+        }
+        let mut most = 1;
+        for e in plan.sampled() {
+            let p = self.seqs.get(&e.seq)?.sampler.params();
+            if keeps_candidates(p) {
+                most = most.max(p.top_k);
+            } else if p.temperature > 0.0 && p.top_k != 0 {
+                return None;
+            }
+        }
+        Some(most + 1)
+    }
+
+    /// The draws of a step [`Samplers::mixed`] allows, one per sampled entry in plan order:
+    /// an entry that weighs its whole row (or is greedy) takes its next number as
+    /// [`Samplers::draws`] does; one that keeps a few tokens gets a greedy draw that takes no
+    /// number (its token comes from its candidates, after its own draw there).
+    ///
+    /// # Errors
+    /// [`SampleError::Unknown`] for a sampled sequence that never had parameters.
+    pub fn mixed_draws(&mut self, plan: &StepPlan) -> Result<Vec<Draw>, SampleError> {
+        let step = plan.step;
+        plan.sampled()
+            .map(|e| {
+                let s =
+                    self.seqs.get_mut(&e.seq).ok_or(SampleError::Unknown { seq: e.seq, step })?;
+                Ok(if keeps_candidates(s.sampler.params()) {
+                    Draw { temperature: 0.0, min_p: 0.0, u: 0.0, top_p: 1.0 }
+                } else {
+                    s.sampler.next_draw()
+                })
+            })
+            .collect()
+    }
+
+    /// Picks one token per sampled entry of a step [`Samplers::mixed`] allows, in plan order:
+    /// from its row's candidates in `top` for an entry that keeps a few tokens, else the token
+    /// drawn where the logits are (`drawn`, after [`Samplers::mixed_draws`]'s draws). The
+    /// tokens [`Samplers::pick`] picks from the rows' logits.
+    ///
+    /// # Errors
+    /// [`SampleError::Candidates`] when `top` or `drawn` holds another number of rows than
+    /// the plan samples; [`SampleError::Unknown`] for a sampled sequence that never had
+    /// parameters.
+    pub fn pick_mixed(
+        &mut self,
+        plan: &StepPlan,
+        top: &TopK,
+        drawn: &[u32],
+    ) -> Result<StepOutput, SampleError> {
+        let sampled = plan.sampled().count();
+        for rows in [top.rows(), drawn.len()] {
+            if rows != sampled {
+                return Err(SampleError::Candidates { rows, sampled });
+            }
+        }
+        let mut out = Vec::with_capacity(sampled);
+        for (r, e) in plan.sampled().enumerate() {
+            let step = plan.step;
+            let s = self.seqs.get_mut(&e.seq).ok_or(SampleError::Unknown { seq: e.seq, step })?;
+            let token = if keeps_candidates(s.sampler.params()) {
+                s.sampler.sample_candidates(top.row(r))
+            } else {
+                drawn[r]
+            };
+            out.push(SampledToken { token, logprobs: None });
+        }
+        Ok(out)
     }
 
     /// Picks one token per sampled entry of `plan`, in plan order, from each row's candidates

@@ -96,6 +96,16 @@ impl Sequences {
         } else {
             None
         };
+        // Else, a mix of the two: the runner finds every row's candidates and draws every row
+        // where the logits are, and each row's token comes from its kind.
+        let mixed = if !argmax && candidates.is_none() && draws.is_none() {
+            match self.samplers.mixed(plan, vocab) {
+                Some(k) => Some((k, self.samplers.mixed_draws(plan).map_err(BoxError::from)?)),
+                None => None,
+            }
+        } else {
+            None
+        };
         let took = self.take(model, plan, new_cache, &mut taken);
         let samplers = &mut self.samplers;
         let mut forward = |taken: &mut Vec<(SeqId, ParallelCache)>| {
@@ -115,6 +125,10 @@ impl Sequences {
                 model.forward_batch_top_k(comms, &mut seqs, k).map(|top| top.map(Picked::Top))
             } else if let Some(draws) = &draws {
                 model.forward_batch_sample(comms, &mut seqs, draws).map(|ids| ids.map(Picked::Ids))
+            } else if let Some((k, draws)) = &mixed {
+                model
+                    .forward_batch_top_k_and_sample(comms, &mut seqs, *k, draws)
+                    .map(|both| both.map(|(top, ids)| Picked::Mixed(top, ids)))
             } else {
                 // The logits come to the host here, so a failed copy is this step's error.
                 model.forward_batch(comms, &mut seqs).and_then(|logits| {
@@ -159,6 +173,9 @@ impl Sequences {
             Picked::Ids(ids) => {
                 let tokens = ids.into_iter().map(|token| SampledToken { token, logprobs: None });
                 Ok((tokens.collect(), Vec::new()))
+            }
+            Picked::Mixed(top, ids) => {
+                samplers.pick_mixed(plan, &top, &ids).map(|tokens| (tokens, Vec::new()))
             }
         });
         self.samplers.end_step(plan);
@@ -224,4 +241,6 @@ enum Picked {
     Ids(Vec<u32>),
     /// The most likely tokens of each sampled entry's row, for samplers that keep a few.
     Top(TopK),
+    /// Both, for a step that mixes those samplers with ones drawn where the logits are.
+    Mixed(TopK, Vec<u32>),
 }

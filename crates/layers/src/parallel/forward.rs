@@ -300,6 +300,32 @@ impl ParallelModel {
         Ok(Some(self.backend.run(|| self.backend.sample_rows(&logits, draws))?))
     }
 
+    /// [`ParallelModel::forward_batch`] for a step whose samplers mix those of
+    /// [`ParallelModel::forward_batch_top_k`] and [`ParallelModel::forward_batch_sample`]:
+    /// the `k` candidates of every row it would return logits for
+    /// ([`Backend::top_k_rows`](tensor::Backend::top_k_rows)) and one token per row drawn by
+    /// `draws` ([`Backend::sample_rows`]), both from the same logits where they are, on the
+    /// rank at TP 0 and CP 0 (`None` elsewhere, whose `draws` are not read). On a GPU of one TP
+    /// rank the logits never leave the device.
+    ///
+    /// # Errors
+    /// As [`ParallelModel::forward_batch`], `k` too large, and another number of draws than
+    /// rows.
+    pub fn forward_batch_top_k_and_sample(
+        &self,
+        comms: &mut Comms<'_>,
+        seqs: &mut [Sequence<'_>],
+        k: usize,
+        draws: &[Draw],
+    ) -> Result<Option<(TopK, Vec<u32>)>> {
+        let _step = self.step(seqs);
+        let Some(logits) = self.forward_batch(comms, seqs)? else { return Ok(None) };
+        let be = &self.backend;
+        Ok(Some(be.run(|| {
+            Ok::<_, Error>((be.top_k_rows(&logits, k)?, be.sample_rows(&logits, draws)?))
+        })?))
+    }
+
     /// Starts the backend's step over `seqs` (see [`Backend::step`]): until it is dropped, the
     /// buffers the kernels write are planned per step shape, so that on a GPU a warm step
     /// allocates nothing.

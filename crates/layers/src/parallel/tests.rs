@@ -873,15 +873,28 @@ fn batched_draws_pick_what_the_gathered_logits_give_in_every_layout() {
                 step += 1;
                 model.forward_batch_sample(comms, seqs, &draws).unwrap()
             });
-            (p, logits, ids)
+            // Candidates and draws of the same rows in one step (a step of mixed samplers).
+            let mut step = 0;
+            let both = run_steps_with(comms, &steps, &mut five_caches(&model), |comms, seqs| {
+                let rows = seqs.iter().filter(|s| s.sample).count();
+                let draws: Vec<Draw> = (0..rows).map(|r| draw(step, r)).collect();
+                step += 1;
+                model.forward_batch_top_k_and_sample(comms, seqs, 5, &draws).unwrap()
+            });
+            (p, logits, ids, both)
         });
-        for (p, logits, ids) in got {
+        for (p, logits, ids, both) in got {
             if (p.tp_rank, p.cp_rank) != (0, 0) {
                 assert!(ids.iter().all(Option::is_none), "({tp},{cp}) {p:?} got ids");
+                assert!(both.iter().all(Option::is_none), "({tp},{cp}) {p:?} got candidates");
                 continue;
             }
-            for (i, (logits, ids)) in logits.iter().zip(&ids).enumerate() {
+            for (i, ((logits, ids), both)) in logits.iter().zip(&ids).zip(&both).enumerate() {
                 let (logits, ids) = (logits.as_ref().unwrap(), ids.as_ref().unwrap());
+                let (top, drawn) = both.as_ref().unwrap();
+                assert_eq!(drawn, ids, "({tp},{cp}) step {i}: mixed draws");
+                let want_top = Backend::cpu(1).unwrap().top_k_rows(logits, 5).unwrap();
+                assert_eq!(top, &want_top, "({tp},{cp}) step {i}: mixed candidates");
                 let want: Vec<u32> = (0..logits.rows())
                     .map(|r| {
                         let pairs: Vec<(f32, u32)> = row_numbers(logits.row(r)).collect();

@@ -264,6 +264,25 @@ fn seeded_sampling_drawn_where_the_logits_are_gives_what_a_plain_sampler_gives()
     );
 }
 
+/// Requests that keep a few tokens (top-k) beside requests that weigh their whole row and
+/// greedy ones, batched into the same steps (candidates found and rows drawn where the logits
+/// are): each one's tokens are those a plain sampler picks from the single-sequence model's
+/// rows, with batching, chunked prefill and preemption.
+#[test]
+fn seeded_sampling_of_mixed_steps_gives_what_a_plain_sampler_gives() {
+    let sampling = |seed, temperature| SamplingParams { temperature, ..plain(seed) };
+    assert_plain_sampler_tokens(
+        "mixed",
+        &[
+            (vec![1, 2, 3, 4, 10, 11], SamplingParams { top_k: 6, ..sampling(7, 0.9) }),
+            (vec![1, 2, 3, 4, 20, 21, 22], SamplingParams { top_p: 0.8, ..sampling(8, 1.2) }),
+            (vec![9, 8, 7], SamplingParams { top_k: 3, top_p: 0.7, ..sampling(9, 0.6) }),
+            (vec![30, 31, 32, 33, 34], sampling(0, 0.0)),
+            (vec![5, 6], SamplingParams { min_p: 0.05, ..sampling(10, 1.0) }),
+        ],
+    );
+}
+
 /// 14 tokens past the end-of-sequence token, seeded.
 fn plain(seed: u64) -> SamplingParams {
     SamplingParams { max_tokens: 14, seed, ignore_eos: true, ..SamplingParams::default() }

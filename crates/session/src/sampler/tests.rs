@@ -569,3 +569,102 @@ fn a_grammar_that_allows_nothing_ends_its_sequence() {
     let plan = plan_of(vec![entry(2, true, Some(stopped))]);
     assert_eq!(samplers.sample(&plan, &logits, 13).unwrap()[0].token, 5);
 }
+
+/// A step whose samplers mix those that keep a few tokens with those that weigh their whole
+/// row (or are greedy) is neither the candidates' path nor the draws' but both at once; a
+/// sampler that wants more of its logits, or a top-k too large, leaves it to the host.
+#[test]
+fn steps_that_mix_candidates_and_whole_rows_are_sampled_where_the_logits_are() {
+    let with = |params: SamplingParams| SeqSampling { params, ..SeqSampling::default() };
+    let warm = |p: SamplingParams| with(SamplingParams { temperature: 0.8, ..p });
+    let top_k = |k| warm(SamplingParams { top_k: k, ..Default::default() });
+    let cases = [
+        ("top-k and whole row", vec![top_k(5), warm(SamplingParams::default())], Some(6)),
+        (
+            "top-k, top-p and greedy",
+            vec![
+                top_k(9),
+                warm(SamplingParams { top_p: 0.9, ..Default::default() }),
+                SeqSampling::default(),
+            ],
+            Some(10),
+        ),
+        ("top-k alone is the candidates' path", vec![top_k(5), top_k(7)], Some(8)),
+        ("a top-k too large", vec![top_k(5), top_k(TOP_K_MAX)], None),
+        (
+            "log-probabilities",
+            vec![top_k(5), warm(SamplingParams { logprobs: Some(2), ..Default::default() })],
+            None,
+        ),
+        (
+            "a penalty",
+            vec![top_k(5), warm(SamplingParams { presence_penalty: 1.0, ..Default::default() })],
+            None,
+        ),
+    ];
+    for (what, samplings, want) in cases {
+        let mut samplers = Samplers::new();
+        let entries =
+            samplings.into_iter().enumerate().map(|(i, s)| entry(i as u64 + 1, true, Some(s)));
+        let plan = plan_of(entries.collect());
+        samplers.admit(&plan);
+        assert_eq!(samplers.mixed(&plan, 1000), want, "{what}");
+        if want.is_some() && !what.contains("alone") {
+            // Neither path alone takes the step.
+            assert_eq!(samplers.candidates(&plan), None, "{what}");
+            assert!(!samplers.drawable(&plan, 1000), "{what}");
+        }
+        if want.is_some() {
+            assert_eq!(samplers.mixed(&plan, DRAW_MAX_COLUMNS + 1), None, "{what}: too wide");
+        }
+    }
+}
+
+/// The tokens of mixed steps, candidates picked on the host and whole rows drawn where the
+/// logits are, are those the samplers pick from the rows' logits, step after step (so each
+/// generator takes its numbers as the plain path takes them).
+#[test]
+fn mixed_steps_pick_what_the_samplers_pick_from_the_rows() {
+    let be = tensor::Backend::cpu(1).unwrap();
+    let vocab = 300;
+    let seeded = |seed, p: SamplingParams| SeqSampling {
+        params: SamplingParams { seed, temperature: 0.9, ..p },
+        ..SeqSampling::default()
+    };
+    let samplings = || {
+        vec![
+            seeded(1, SamplingParams { top_k: 7, ..Default::default() }),
+            seeded(2, SamplingParams { top_p: 0.8, ..Default::default() }),
+            SeqSampling::default(),
+            seeded(3, SamplingParams { top_k: 2, top_p: 0.7, ..Default::default() }),
+            seeded(4, SamplingParams { min_p: 0.1, ..Default::default() }),
+        ]
+    };
+    let (mut plain, mut mixed) = (Samplers::new(), Samplers::new());
+    for step in 0..12u64 {
+        let admit = |s: Vec<SeqSampling>| {
+            s.into_iter()
+                .enumerate()
+                .map(|(i, s)| entry(i as u64 + 1, true, (step == 0).then_some(s)))
+        };
+        let plan = plan_of(admit(samplings()).collect());
+        let rows = 5;
+        let logits: Vec<f32> = (0..rows * vocab)
+            .map(|i| ((i as u64 * 2654435761 + step * 97) % 1000) as f32 / 250.0 - 2.0)
+            .collect();
+        let want = plain.sample(&plan, &logits, vocab).unwrap();
+        mixed.admit(&plan);
+        let k = mixed.mixed(&plan, vocab).expect("a mixed step");
+        let draws = mixed.mixed_draws(&plan).unwrap();
+        let x = tensor::Tensor::from_vec(&[rows, vocab], logits).unwrap();
+        let top = be.top_k_rows(&x, k).unwrap();
+        let drawn = be.sample_rows(&x, &draws).unwrap();
+        let got = mixed.pick_mixed(&plan, &top, &drawn).unwrap();
+        mixed.end_step(&plan);
+        let tokens = |out: &StepOutput| out.iter().map(|t| t.token).collect::<Vec<_>>();
+        assert_eq!(tokens(&got), tokens(&want), "step {step}");
+    }
+    let plan = plan_of(vec![entry(1, true, None)]);
+    let top = be.top_k_rows(&tensor::Tensor::zeros(&[2, vocab]), 3).unwrap();
+    assert!(mixed.pick_mixed(&plan, &top, &[0]).is_err(), "rows the plan does not sample");
+}
