@@ -42,6 +42,10 @@ pub const SLOT_ALIGN: usize = 256;
 pub const PLANNED_TOKENS_MAX: usize = 512;
 /// How many times a shape is recorded before its plan is kept as it is.
 pub const RECORDINGS_MAX: usize = 8;
+/// The bytes the plans of one backend may hold together (a prefill chunk's workspace of a
+/// large model is hundreds of MiB): past it the least recently used plans are dropped, and
+/// their shapes are recorded again at their next step.
+pub const WORKSPACE_BUDGET: usize = 1 << 30;
 
 /// The shape a step's plan is keyed by: its tokens and its sequences, each rounded up to a
 /// power of two.
@@ -252,6 +256,8 @@ struct Shape<B> {
     recordings: usize,
     /// Record the next step of this shape (the plan proved too small).
     rerecord: bool,
+    /// When a step of this shape last began (steps counted by the memory).
+    used: u64,
 }
 
 /// The step workspaces of one backend: a plan per step shape, the step in progress, counts.
@@ -261,6 +267,10 @@ pub(crate) struct StepMemory<B> {
     mode: Mode<B>,
     /// Nested [`StepMemory::begin`]s open now.
     depth: usize,
+    /// Outermost steps begun so far.
+    steps: u64,
+    /// See [`WORKSPACE_BUDGET`].
+    budget: usize,
     stats: WorkspaceStats,
 }
 
@@ -275,11 +285,18 @@ impl<B> std::fmt::Debug for StepMemory<B> {
 
 impl<B> Default for StepMemory<B> {
     fn default() -> Self {
-        StepMemory { shapes: HashMap::new(), mode: Mode::Off, depth: 0, stats: Default::default() }
+        StepMemory::with_budget(WORKSPACE_BUDGET)
     }
 }
 
 impl<B> StepMemory<B> {
+    /// A step memory whose plans hold at most `budget` bytes together (see
+    /// [`WORKSPACE_BUDGET`]; a plan larger than that alone is kept while it is the only one).
+    pub(crate) fn with_budget(budget: usize) -> Self {
+        let stats = WorkspaceStats::default();
+        StepMemory { shapes: HashMap::new(), mode: Mode::Off, depth: 0, steps: 0, budget, stats }
+    }
+
     /// Starts a step of shape `key` (`None`: not planned). Steps nest: only the outermost
     /// one counts, so a step that calls another is one step.
     pub(crate) fn begin(&mut self, key: Option<StepKey>) {
@@ -287,6 +304,7 @@ impl<B> StepMemory<B> {
         if self.depth > 1 {
             return;
         }
+        self.steps += 1;
         let Some(key) = key else {
             self.mode = Mode::Off;
             return;
@@ -296,7 +314,9 @@ impl<B> StepMemory<B> {
             sizes: Vec::new(),
             recordings: 0,
             rerecord: false,
+            used: 0,
         });
+        shape.used = self.steps;
         self.mode = match &shape.planned {
             Some(planned) if !shape.rerecord => {
                 Mode::Replay { key, planned: planned.clone(), next: 0, outgrown: false }
@@ -343,6 +363,7 @@ impl<B> StepMemory<B> {
                 let layout = plan(&lifetimes);
                 let held = (0..lifetimes.len()).map(|_| AtomicBool::new(false)).collect();
                 shape.planned = Some(Arc::new(Planned { layout, buf: OnceLock::new(), held }));
+                self.keep_within_budget(key);
                 self.stats.planned_bytes = self.planned_bytes();
             }
             Mode::Replay { key, outgrown, .. } => {
@@ -424,6 +445,24 @@ impl<B> StepMemory<B> {
     /// What this has done so far.
     pub(crate) fn stats(&self) -> WorkspaceStats {
         self.stats
+    }
+
+    /// Drops the least recently used plans (never `keep`'s) until the plans kept fit the
+    /// budget.
+    fn keep_within_budget(&mut self, keep: StepKey) {
+        while self.planned_bytes() > self.budget {
+            let oldest = self
+                .shapes
+                .iter()
+                .filter(|(k, s)| **k != keep && s.planned.is_some())
+                .min_by_key(|(_, s)| s.used)
+                .map(|(k, _)| *k);
+            let Some(oldest) = oldest else { return };
+            if let Some(shape) = self.shapes.get_mut(&oldest) {
+                // Its workspace goes once the slots still held are dropped.
+                shape.planned = None;
+            }
+        }
     }
 
     /// The bytes of the workspaces of every plan kept now.

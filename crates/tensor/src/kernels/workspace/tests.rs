@@ -337,3 +337,26 @@ fn a_workspace_that_cannot_be_made_leaves_buffers_to_the_allocator_and_clear_rec
     assert_eq!(run_step(&mut mem, key, &[(10, Some(0))], &mut tag, &mut kept), 0, "recorded again");
     assert_eq!(mem.stats().recordings, 2);
 }
+
+#[test]
+fn plans_past_the_budget_drop_the_least_recently_used_and_record_it_again() {
+    // Each plan is one buffer of 1,024 words (4 KiB); room for two.
+    let mut mem = StepMemory::<Words>::with_budget(2 * 4096);
+    let (mut tag, mut kept) = (0, Vec::new());
+    let keys: Vec<StepKey> = [1, 2, 4].iter().map(|&t| StepKey::of(t, 1).unwrap()).collect();
+    let program = [(1024, Some(0))];
+    run_step(&mut mem, keys[0], &program, &mut tag, &mut kept);
+    run_step(&mut mem, keys[1], &program, &mut tag, &mut kept);
+    assert_eq!(run_step(&mut mem, keys[0], &program, &mut tag, &mut kept), 1, "served");
+    assert_eq!(mem.stats().planned_bytes, 2 * 4096);
+    // A third shape: the least recently used (keys[1]) goes, keys[0] stays.
+    run_step(&mut mem, keys[2], &program, &mut tag, &mut kept);
+    assert_eq!(mem.stats().planned_bytes, 2 * 4096);
+    assert_eq!(run_step(&mut mem, keys[0], &program, &mut tag, &mut kept), 1, "kept");
+    assert_eq!(run_step(&mut mem, keys[1], &program, &mut tag, &mut kept), 0, "recorded again");
+    assert_eq!(mem.stats().recordings, 4);
+    // A plan larger than the budget alone is kept while it is the only one.
+    let mut small = StepMemory::<Words>::with_budget(1024);
+    run_step(&mut small, keys[0], &program, &mut tag, &mut kept);
+    assert_eq!(run_step(&mut small, keys[0], &program, &mut tag, &mut kept), 1);
+}
