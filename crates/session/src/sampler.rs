@@ -15,9 +15,7 @@
 use crate::model::{SampledToken, StepOutput};
 use crate::plan::{PlanEntry, SeqId, SeqSampling, StepPlan};
 use std::collections::HashMap;
-use tensor::kernels::{
-    candidate_order, draw_columns, row_numbers, Draw, TopK, DRAW_MAX_COLUMNS, TOP_K_MAX,
-};
+use tensor::kernels::{candidate_order, draw_columns, row_numbers, Draw};
 use text::{GrammarEngine, GrammarMatcher};
 
 /// How a request picks its tokens and when it stops.
@@ -558,12 +556,6 @@ impl Constrained {
     }
 }
 
-/// Whether a sampler draws from a few candidates of its row (a temperature and a top-k below
-/// [`TOP_K_MAX`]) rather than from its whole row or greedily.
-fn keeps_candidates(p: &SamplingParams) -> bool {
-    p.temperature > 0.0 && (1..TOP_K_MAX).contains(&p.top_k)
-}
-
 impl SeqSampler {
     /// Whether the sequence wants nothing of its logits but its sampled token: no
     /// log-probabilities, penalties, bias or grammar, and no prompt scored.
@@ -636,192 +628,6 @@ impl Samplers {
     /// exchange): each calls [`Samplers::end_step`] after every step.
     pub fn every_row(&self, e: &PlanEntry) -> bool {
         self.seqs.get(&e.seq).is_some_and(|s| s.prompt_top.is_some())
-    }
-
-    /// Whether every token `plan` samples is its logits row's argmax and nothing else is
-    /// wanted of the logits (greedy, no log-probabilities, penalties, bias or grammar, no
-    /// prompt scored): a model runner can then find the tokens without moving the logits. Every
-    /// rank answers the same (after [`Samplers::admit`] with `plan`): it decides collectives.
-    pub fn argmax_only(&self, plan: &StepPlan) -> bool {
-        self.every_sampled(plan, |s| s.sampler.params().temperature <= 0.0)
-    }
-
-    /// Whether every entry of `plan` wants only its sampled token of the logits (no prompt
-    /// scored) and every sampled one's sequence is [`SeqSampler::token_only`] and `ok`.
-    fn every_sampled(&self, plan: &StepPlan, ok: impl Fn(&SeqSampler) -> bool) -> bool {
-        plan.entries.iter().all(|e| {
-            let s = self.seqs.get(&e.seq);
-            !self.every_row(e) && (!e.sample || s.is_some_and(|s| s.token_only() && ok(s)))
-        })
-    }
-
-    /// The candidates per row a model runner must find for [`Samplers::pick_candidates`] to
-    /// pick every token `plan` samples, when that is enough: every sampled entry keeps fewer
-    /// than [`TOP_K_MAX`] tokens (greedy keeps 1, sampling its `top_k`) and nothing else is
-    /// wanted of the logits (no log-probabilities, penalties, bias or grammar, no prompt
-    /// scored); `None` otherwise. One more than the most any entry keeps: a row that gives
-    /// fewer has no more numbers, which changes the order its sampler weighs them in (see
-    /// [`Sampler::sample_candidates`]). The runner then moves a few candidates per row, not the
-    /// logits. Every rank answers the same (after [`Samplers::admit`] with `plan`): it decides
-    /// collectives.
-    pub fn candidates(&self, plan: &StepPlan) -> Option<usize> {
-        let mut most = 1;
-        for e in &plan.entries {
-            if self.every_row(e) {
-                return None;
-            }
-            if !e.sample {
-                continue;
-            }
-            let s = self.seqs.get(&e.seq).filter(|s| s.token_only())?;
-            let p = s.sampler.params();
-            let keep = match (p.temperature <= 0.0, p.top_k) {
-                (true, _) => 1,
-                (false, k @ 1..TOP_K_MAX) => k,
-                (false, _) => return None,
-            };
-            most = most.max(keep);
-        }
-        Some(most + 1)
-    }
-
-    /// Whether the model runner can draw every token `plan` samples where the logits are,
-    /// from rows of `vocab` logits ([`Samplers::draws`]): every sampled entry is greedy or
-    /// draws from its whole row (a temperature, perhaps min-p and top-p, no top-k) and
-    /// nothing else is wanted of the logits (no log-probabilities, penalties, bias or grammar,
-    /// no prompt scored). Every rank answers the same (after [`Samplers::admit`] with
-    /// `plan`).
-    pub fn drawable(&self, plan: &StepPlan, vocab: usize) -> bool {
-        vocab <= DRAW_MAX_COLUMNS
-            && self.every_sampled(plan, |s| {
-                let p = s.sampler.params();
-                p.temperature <= 0.0 || p.top_k == 0
-            })
-    }
-
-    /// The draws of the tokens `plan` samples, in plan order, for the backend's
-    /// `sample_rows` (when [`Samplers::drawable`]): each sampling sequence's generator gives
-    /// its next number, as [`Samplers::pick`] would take it, so the tokens are those
-    /// [`Samplers::pick`] picks from the same rows.
-    ///
-    /// # Errors
-    /// [`SampleError::Unknown`] for a sampled sequence that never had parameters.
-    pub fn draws(&mut self, plan: &StepPlan) -> Result<Vec<Draw>, SampleError> {
-        let step = plan.step;
-        plan.sampled()
-            .map(|e| {
-                let s =
-                    self.seqs.get_mut(&e.seq).ok_or(SampleError::Unknown { seq: e.seq, step })?;
-                Ok(s.sampler.next_draw())
-            })
-            .collect()
-    }
-
-    /// For a step whose sampled entries mix the two kinds above (some keep a few tokens, the
-    /// others weigh their whole row or are greedy), the candidates per row a model runner must
-    /// find besides drawing every row where the logits are (from rows of `vocab` logits):
-    /// one more than the most any entry keeps, when every sampled entry is one kind or the
-    /// other and nothing else is wanted of the logits; `None` otherwise. The runner then finds
-    /// the candidates of every row and draws every row with [`Samplers::mixed_draws`], and
-    /// [`Samplers::pick_mixed`] takes each row's token from the kind it is. Every rank
-    /// answers the same (after [`Samplers::admit`] with `plan`).
-    pub fn mixed(&self, plan: &StepPlan, vocab: usize) -> Option<usize> {
-        if vocab > DRAW_MAX_COLUMNS || !self.every_sampled(plan, |_| true) {
-            return None;
-        }
-        let mut most = 1;
-        for e in plan.sampled() {
-            let p = self.seqs.get(&e.seq)?.sampler.params();
-            if keeps_candidates(p) {
-                most = most.max(p.top_k);
-            } else if p.temperature > 0.0 && p.top_k != 0 {
-                return None;
-            }
-        }
-        Some(most + 1)
-    }
-
-    /// The draws of a step [`Samplers::mixed`] allows, one per sampled entry in plan order:
-    /// an entry that weighs its whole row (or is greedy) takes its next number as
-    /// [`Samplers::draws`] does; one that keeps a few tokens gets a greedy draw that takes no
-    /// number (its token comes from its candidates, after its own draw there).
-    ///
-    /// # Errors
-    /// [`SampleError::Unknown`] for a sampled sequence that never had parameters.
-    pub fn mixed_draws(&mut self, plan: &StepPlan) -> Result<Vec<Draw>, SampleError> {
-        let step = plan.step;
-        plan.sampled()
-            .map(|e| {
-                let s =
-                    self.seqs.get_mut(&e.seq).ok_or(SampleError::Unknown { seq: e.seq, step })?;
-                Ok(if keeps_candidates(s.sampler.params()) {
-                    Draw { temperature: 0.0, min_p: 0.0, u: 0.0, top_p: 1.0 }
-                } else {
-                    s.sampler.next_draw()
-                })
-            })
-            .collect()
-    }
-
-    /// Picks one token per sampled entry of a step [`Samplers::mixed`] allows, in plan order:
-    /// from its row's candidates in `top` for an entry that keeps a few tokens, else the token
-    /// drawn where the logits are (`drawn`, after [`Samplers::mixed_draws`]'s draws). The
-    /// tokens [`Samplers::pick`] picks from the rows' logits.
-    ///
-    /// # Errors
-    /// [`SampleError::Candidates`] when `top` or `drawn` holds another number of rows than
-    /// the plan samples; [`SampleError::Unknown`] for a sampled sequence that never had
-    /// parameters.
-    pub fn pick_mixed(
-        &mut self,
-        plan: &StepPlan,
-        top: &TopK,
-        drawn: &[u32],
-    ) -> Result<StepOutput, SampleError> {
-        let sampled = plan.sampled().count();
-        for rows in [top.rows(), drawn.len()] {
-            if rows != sampled {
-                return Err(SampleError::Candidates { rows, sampled });
-            }
-        }
-        let mut out = Vec::with_capacity(sampled);
-        for (r, e) in plan.sampled().enumerate() {
-            let step = plan.step;
-            let s = self.seqs.get_mut(&e.seq).ok_or(SampleError::Unknown { seq: e.seq, step })?;
-            let token = if keeps_candidates(s.sampler.params()) {
-                s.sampler.sample_candidates(top.row(r))
-            } else {
-                drawn[r]
-            };
-            out.push(SampledToken { token, logprobs: None });
-        }
-        Ok(out)
-    }
-
-    /// Picks one token per sampled entry of `plan`, in plan order, from each row's candidates
-    /// in `top` (found as [`Samplers::candidates`] asked): the tokens [`Samplers::pick`] picks
-    /// from the rows' logits, after the same draws.
-    ///
-    /// # Errors
-    /// [`SampleError::Candidates`] when `top` holds another number of rows than the plan
-    /// samples; [`SampleError::Unknown`] for a sampled sequence that never had parameters.
-    pub fn pick_candidates(
-        &mut self,
-        plan: &StepPlan,
-        top: &TopK,
-    ) -> Result<StepOutput, SampleError> {
-        let sampled = plan.sampled().count();
-        if top.rows() != sampled {
-            return Err(SampleError::Candidates { rows: top.rows(), sampled });
-        }
-        let mut out = Vec::with_capacity(sampled);
-        for (r, e) in plan.sampled().enumerate() {
-            let step = plan.step;
-            let s = self.seqs.get_mut(&e.seq).ok_or(SampleError::Unknown { seq: e.seq, step })?;
-            let token = s.sampler.sample_candidates(top.row(r));
-            out.push(SampledToken { token, logprobs: None });
-        }
-        Ok(out)
     }
 
     /// Ends a step on any rank, where the logits are or not: the sequences `plan` sampled
@@ -1007,6 +813,8 @@ pub fn argmax(logits: &[f32]) -> u32 {
     }
     best.map_or(0, |(i, _)| i as u32)
 }
+
+mod where_logits;
 
 #[cfg(test)]
 mod tests;

@@ -100,7 +100,7 @@ impl Sequences {
         // where the logits are, and each row's token comes from its kind.
         let mixed = if !argmax && candidates.is_none() && draws.is_none() {
             match self.samplers.mixed(plan, vocab) {
-                Some(k) => Some((k, self.samplers.mixed_draws(plan).map_err(BoxError::from)?)),
+                Some(k) => Some((k, self.samplers.draws(plan).map_err(BoxError::from)?)),
                 None => None,
             }
         } else {

@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::model::SampledToken;
+use tensor::kernels::{DRAW_MAX_COLUMNS, TOP_K_MAX};
 
 fn params(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> SamplingParams {
     SamplingParams { temperature, top_k, top_p, seed, ..SamplingParams::default() }
@@ -655,7 +656,7 @@ fn mixed_steps_pick_what_the_samplers_pick_from_the_rows() {
         let want = plain.sample(&plan, &logits, vocab).unwrap();
         mixed.admit(&plan);
         let k = mixed.mixed(&plan, vocab).expect("a mixed step");
-        let draws = mixed.mixed_draws(&plan).unwrap();
+        let draws = mixed.draws(&plan).unwrap();
         let x = tensor::Tensor::from_vec(&[rows, vocab], logits).unwrap();
         let top = be.top_k_rows(&x, k).unwrap();
         let drawn = be.sample_rows(&x, &draws).unwrap();
