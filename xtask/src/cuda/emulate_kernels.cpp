@@ -853,8 +853,9 @@ static int check_batched() {
     for (int fixed : {0, 2, 8}) {
     int ranges = fixed ? fixed : splits, chunk_arg = fixed ? 0 : chunk;
     std::vector<float> out, lse;
-    run(q.data(), q_pos.data(), kv_pos.data(), table.data(), 300, n, ranges, chunk_arg,
-        seqs.data(), out, lse);
+    // The backend passes no key count with `seqs` (0): each token reads its own.
+    run(q.data(), q_pos.data(), kv_pos.data(), table.data(), fixed ? 0 : 300, n, ranges,
+        chunk_arg, seqs.data(), out, lse);
     for (int s = 0; s < n; s++) {
         const float* qs = &q[(size_t)s * q_heads * head_dim];
         const u64* kpos = &kv_pos[seqs[3 * s]];

@@ -334,6 +334,15 @@ impl<B> StepMemory<B> {
         self.depth > 0
     }
 
+    /// The shape of the step in progress (`None`: not planned, or no step).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn key(&self) -> Option<StepKey> {
+        match &self.mode {
+            Mode::Off => None,
+            Mode::Record { key, .. } | Mode::Replay { key, .. } => Some(*key),
+        }
+    }
+
     /// Ends the step [`StepMemory::begin`] started (the outermost one: a recording becomes
     /// its shape's plan). Returns whether that was the outermost step.
     pub(crate) fn end(&mut self) -> bool {

@@ -228,16 +228,18 @@ impl CudaBackend {
             block_stride: pool.block_stride as u64,
         };
         let kv_bf16 = i32::from(pool.elem == KvElem::Bf16);
-        let seqs_ptr = sd.ptr;
+        // Each token reads its own count of keys from `seqs`: the launch's arguments do not
+        // depend on the context (0 keys), so they repeat at every step of the shape.
         let (od, _, half) =
-            self.launch_attention(qd.ptr, qpd.ptr, keys, most, kv_bf16, seqs_ptr, n, shape)?;
+            self.launch_attention(qd.ptr, qpd.ptr, keys, 0, kv_bf16, sd.ptr, n, shape)?;
         Ok(Some(self.output_with_half(&out_shape, od, half)?))
     }
 
     /// Launches `attention` over `tokens` query tokens (and the merge of its key ranges when
     /// there are several): the output and log-sum-exp rows, and on a bf16 backend the output
     /// rounded to bf16 by the same launch (the output projection's input). `n_kv` is the keys
-    /// of every token, or with `seqs` (a device address; 0 for none) the most of any.
+    /// of every token; with `seqs` (a device address; 0 for none) each token's own count is
+    /// there and `n_kv` is unread.
     #[allow(clippy::too_many_arguments)]
     fn launch_attention(
         &self,

@@ -3,8 +3,9 @@
 //! asynchronously, into one device buffer at the same offset, so an input costs no
 //! allocation, no pageable copy and no host wait.
 //!
-//! Offsets are handed out front to back within a step and start again at the next step;
-//! the same values staged twice in a step (every layer passes the same positions) are staged
+//! Where each input goes is `stage_layout`'s: a slot per input, kept by the step's shape,
+//! so an input has the same address at every step of a shape while it fits its slot; the
+//! same values staged twice in a step (every layer passes the same positions) are staged
 //! once. The host buffer is written again only after the copies of the step before it are
 //! done (an event recorded at each step's end, waited for before the next step's first write,
 //! usually long complete); the device buffer is written by copies queued on the stream after
@@ -83,7 +84,8 @@ impl CudaBackend {
             *guard = Some(self.new_staging(op, FIRST_CAPACITY.max(2 * bytes.len()))?);
         }
         let staging = guard.as_mut().expect("made above");
-        if staging.layout.is_fresh() && staging.pending {
+        let first = staging.layout.is_fresh();
+        if first && staging.pending {
             // The copies of the step before must have read the host buffer.
             self.count(Count::HostWait);
             self.inner
@@ -91,9 +93,16 @@ impl CudaBackend {
                 .or_unavailable(|| format!("{op}: waiting for the last step's inputs"))?;
             staging.pending = false;
         }
-        if let Some(capacity) = staging.grow_to.filter(|_| staging.layout.is_fresh()) {
-            // Larger buffers; the old ones are unread now (the wait above).
+        if let Some(capacity) = staging.grow_to.filter(|_| first) {
+            // Larger buffers; the old ones are unread now (the wait above). The shapes keep
+            // their slots.
+            let layout = std::mem::take(&mut staging.layout);
             *staging = self.new_staging(op, capacity)?;
+            staging.layout = layout;
+            staging.layout.resize(capacity);
+        }
+        if first {
+            staging.layout.begin(self.workspace().key());
         }
         let at = match staging.layout.place(bytes) {
             Place::Again(at) => {
