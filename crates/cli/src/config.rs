@@ -188,6 +188,10 @@ pub struct RuntimeConfig {
     /// keep it across sleeps (`--preallocate-sleep-memory`).
     #[serde(default)]
     pub preallocate_sleep_memory: bool,
+    /// Run every step eagerly: no CUDA graphs of decode steps (`--enforce-eager`, vLLM's
+    /// flag). Only a GPU captures graphs.
+    #[serde(default)]
+    pub enforce_eager: bool,
 }
 
 /// The size of the KV pool: bytes, or a fraction of the memory available at launch.
@@ -336,6 +340,7 @@ impl Default for RuntimeConfig {
             prefix_caching: true,
             max_num_seqs: default_max_num_seqs(),
             preallocate_sleep_memory: false,
+            enforce_eager: false,
         }
     }
 }
@@ -581,6 +586,8 @@ pub struct LaunchFlags {
     pub no_prefix_caching: bool,
     /// `--preallocate-sleep-memory`.
     pub preallocate_sleep_memory: bool,
+    /// `--enforce-eager`.
+    pub enforce_eager: bool,
     /// `--nnodes`.
     pub nnodes: usize,
     /// `--node-rank`.
@@ -618,6 +625,8 @@ pub struct LaunchSettings {
     pub max_num_seqs: u32,
     /// Whether the host memory of level-1 sleeps is allocated at start and kept.
     pub preallocate_sleep_memory: bool,
+    /// Whether every step runs eagerly (no CUDA graphs).
+    pub enforce_eager: bool,
 }
 
 /// The optional backends compiled into this tpctl.
@@ -742,6 +751,7 @@ impl Config {
             max_num_seqs: flags.max_num_seqs.unwrap_or(self.runtime.max_num_seqs),
             preallocate_sleep_memory: flags.preallocate_sleep_memory
                 || self.runtime.preallocate_sleep_memory,
+            enforce_eager: flags.enforce_eager || self.runtime.enforce_eager,
         })
     }
 }

@@ -222,6 +222,11 @@ struct LaunchArgs {
     /// the CPU and on a GPU alike, which needs no such memory: the flag reserves nothing yet.
     #[arg(long)]
     preallocate_sleep_memory: bool,
+    /// Run every step eagerly (default: [runtime] enforce_eager, else false). On a GPU, decode
+    /// steps that repeat their shape are otherwise captured as CUDA graphs and replayed with
+    /// one launch each; a shape whose capture fails runs eagerly, with a log line.
+    #[arg(long)]
+    enforce_eager: bool,
     /// Where the kernels run (default: [runtime] device, else cpu); cuda needs a build with
     /// `--features cuda` and puts each rank on the GPU of its LOCAL_RANK.
     #[arg(long, value_enum)]
@@ -264,6 +269,7 @@ impl LaunchArgs {
             max_num_seqs: self.max_num_seqs,
             no_prefix_caching: self.no_prefix_caching,
             preallocate_sleep_memory: self.preallocate_sleep_memory,
+            enforce_eager: self.enforce_eager,
             nnodes: self.nodes.nnodes,
             node_rank: self.nodes.node_rank,
         }
@@ -900,6 +906,7 @@ fn run(args: RunArgs, serve: Option<ServeSpec>, verbose: u8, quiet: bool) -> Res
         serve,
         sleep: config.sleep.clone(),
         preallocate_sleep_memory: settings.preallocate_sleep_memory,
+        enforce_eager: settings.enforce_eager,
         device: settings.device,
         dtype: settings.dtype,
         control_socket: Some(socket.clone()),

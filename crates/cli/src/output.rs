@@ -191,6 +191,8 @@ pub struct Totals {
     /// What the GPU's step workspaces have done (see `tensor::kernels::workspace`); `None`
     /// on the CPU.
     pub workspaces: Option<tensor::kernels::workspace::WorkspaceStats>,
+    /// What the GPU's step graphs have done; `None` on the CPU.
+    pub graphs: Option<tensor::kernels::cuda::GraphStats>,
     /// Steps.
     pub steps: u64,
 }
@@ -229,10 +231,12 @@ impl MetricsSink for Meter {
         let counted = self.gpu.as_ref().and_then(tensor::kernels::Backend::device_counters);
         let step_calls = counted.map(|c| c.since(&std::mem::replace(&mut self.calls, c)));
         let workspaces = self.gpu.as_ref().and_then(tensor::kernels::Backend::workspace_stats);
+        let graphs = self.gpu.as_ref().and_then(tensor::kernels::Backend::graph_stats);
         let mut t = self.totals.lock().unwrap_or_else(|e| e.into_inner());
         let time = m.model + m.agreement;
         t.steps += 1;
         t.workspaces = workspaces;
+        t.graphs = graphs;
         if m.prefill_tokens > 0 {
             t.prefill_tokens += m.prefill_tokens;
             t.prefill_time += time;
@@ -295,8 +299,14 @@ fn gpu_split(totals: &Totals) -> String {
             w.slots + w.fallbacks
         )
     });
+    let graphs = totals.graphs.map_or(String::new(), |g| {
+        format!(
+            "; graphs: {} captured, {} replayed, {} stopped matching, {} failed captures",
+            g.captures, g.replays, g.misses, g.failed_captures
+        )
+    });
     format!(
-        ", decode step {step:.2} ms: host {:.2} ms + waiting for the GPU {waiting:.2} ms{calls}{workspaces}",
+        ", decode step {step:.2} ms: host {:.2} ms + waiting for the GPU {waiting:.2} ms{calls}{workspaces}{graphs}",
         (step - waiting).max(0.0)
     )
 }
@@ -376,7 +386,8 @@ mod tests {
         assert!(
             line.ends_with(
                 "waiting for the GPU 1.50 ms; driver calls per step (10 steps): 720.0 launches, \
-                 0.0 device copies, 521.0 allocations, 0.0 uploads, 2.0 downloads, 0.0 host waits"
+                 0.0 device copies, 521.0 allocations, 0.0 uploads, 2.0 downloads, 0.0 host \
+                 waits, 0.0 graph launches"
             ),
             "{line}"
         );
@@ -392,7 +403,24 @@ mod tests {
         let line = summary(&planned, &RunClock::default(), Duration::from_secs(1));
         assert!(
             line.ends_with(
-                "0.0 host waits; step workspaces: 2 (1.5 MiB), 900 of 1000 buffers from their slots"
+                "0.0 graph launches; step workspaces: 2 (1.5 MiB), 900 of 1000 buffers from their \
+                 slots"
+            ),
+            "{line}"
+        );
+        // And what the step graphs did.
+        let graphs = tensor::kernels::cuda::GraphStats {
+            captures: 3,
+            replays: 590,
+            misses: 2,
+            ..Default::default()
+        };
+        let graphed = Totals { graphs: Some(graphs), ..planned };
+        let line = summary(&graphed, &RunClock::default(), Duration::from_secs(1));
+        assert!(
+            line.ends_with(
+                "from their slots; graphs: 3 captured, 590 replayed, 2 stopped matching, 0 failed \
+                 captures"
             ),
             "{line}"
         );

@@ -298,8 +298,10 @@ fn compute_backend(spec: &RankSpec, rv: &mesh::Rendezvous) -> Result<Backend> {
                 anyhow::bail!("--device cuda: this machine has no CUDA device");
             }
             let ordinal = rv.local_rank.unwrap_or(0) % count;
-            Backend::cuda_with(ordinal, spec.dtype.into())
-                .with_context(|| format!("starting the CUDA kernels on cuda:{ordinal}"))
+            let backend = Backend::cuda_with(ordinal, spec.dtype.into())
+                .with_context(|| format!("starting the CUDA kernels on cuda:{ordinal}"))?;
+            backend.set_graphs(!spec.enforce_eager);
+            Ok(backend)
         }
     }
 }

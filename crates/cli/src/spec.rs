@@ -87,6 +87,9 @@ pub struct RankSpec {
     /// (`--preallocate-sleep-memory`).
     #[serde(default)]
     pub preallocate_sleep_memory: bool,
+    /// Run every step eagerly: no CUDA graphs (`--enforce-eager`).
+    #[serde(default)]
+    pub enforce_eager: bool,
     /// Where rank 0 listens for `tpctl sleep / wakeup / status / stop` (`None`: no socket).
     #[serde(default)]
     pub control_socket: Option<PathBuf>,

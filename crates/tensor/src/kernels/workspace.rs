@@ -298,16 +298,17 @@ impl<B> StepMemory<B> {
     }
 
     /// Starts a step of shape `key` (`None`: not planned). Steps nest: only the outermost
-    /// one counts, so a step that calls another is one step.
-    pub(crate) fn begin(&mut self, key: Option<StepKey>) {
+    /// one counts, so a step that calls another is one step. Returns whether this is the
+    /// outermost.
+    pub(crate) fn begin(&mut self, key: Option<StepKey>) -> bool {
         self.depth += 1;
         if self.depth > 1 {
-            return;
+            return false;
         }
         self.steps += 1;
         let Some(key) = key else {
             self.mode = Mode::Off;
-            return;
+            return true;
         };
         let shape = self.shapes.entry(key).or_insert_with(|| Shape {
             planned: None,
@@ -326,6 +327,7 @@ impl<B> StepMemory<B> {
                 Mode::Record { key, recording: Arc::new(Mutex::new(recording)) }
             }
         };
+        true
     }
 
     /// Whether a step is in progress.
@@ -504,9 +506,11 @@ impl super::Backend {
         let key = StepKey::of(tokens, seqs);
         match self {
             super::Backend::Cpu(cpu) => {
-                cpu.with_step_memory(|m| m.begin(key));
+                cpu.with_step_memory(|m| {
+                    m.begin(key);
+                });
             }
-            super::Backend::Cuda(cuda) => cuda.begin_step(key),
+            super::Backend::Cuda(cuda) => cuda.begin_step(key, (tokens, seqs)),
         }
         StepScope { backend: self.clone() }
     }
@@ -526,6 +530,23 @@ impl super::Backend {
         match self {
             super::Backend::Cpu(cpu) => cpu.with_step_memory(|m| m.stats()),
             super::Backend::Cuda(cuda) => Some(cuda.workspace_stats()),
+        }
+    }
+
+    /// Turns CUDA graphs of steps on or off (on by default; vLLM's `--enforce-eager` turns
+    /// them off): a GPU backend captures a step whose launches repeat those of the last two
+    /// steps of its shape, and replays it with one graph launch. The CPU has none.
+    pub fn set_graphs(&self, enabled: bool) {
+        if let super::Backend::Cuda(cuda) = self {
+            cuda.set_graphs(enabled);
+        }
+    }
+
+    /// What the step graphs have done so far; `None` on the CPU.
+    pub fn graph_stats(&self) -> Option<super::cuda::GraphStats> {
+        match self {
+            super::Backend::Cpu(_) => None,
+            super::Backend::Cuda(cuda) => Some(cuda.graph_stats()),
         }
     }
 }

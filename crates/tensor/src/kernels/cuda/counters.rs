@@ -25,6 +25,9 @@ pub struct Counters {
     /// Times the host blocked until the device caught up: stream synchronizations (every
     /// download ends with one), and waits for a queued reduction.
     pub host_waits: u64,
+    /// CUDA graphs launched: each does the launches, products and copies of a step (or its
+    /// part up to its first host read), which are not counted again.
+    pub graph_launches: u64,
 }
 
 impl Counters {
@@ -39,6 +42,7 @@ impl Counters {
             uploads: self.uploads.saturating_sub(earlier.uploads),
             downloads: self.downloads.saturating_sub(earlier.downloads),
             host_waits: self.host_waits.saturating_sub(earlier.host_waits),
+            graph_launches: self.graph_launches.saturating_sub(earlier.graph_launches),
         }
     }
 
@@ -52,6 +56,7 @@ impl Counters {
             uploads: self.uploads + other.uploads,
             downloads: self.downloads + other.downloads,
             host_waits: self.host_waits + other.host_waits,
+            graph_launches: self.graph_launches + other.graph_launches,
         }
     }
 
@@ -60,7 +65,7 @@ impl Counters {
         PerStep { total: *self, steps }
     }
 
-    fn fields(&self) -> [(u64, &'static str); 6] {
+    fn fields(&self) -> [(u64, &'static str); 7] {
         [
             (self.launches, "launches"),
             (self.device_copies, "device copies"),
@@ -68,12 +73,14 @@ impl Counters {
             (self.uploads, "uploads"),
             (self.downloads, "downloads"),
             (self.host_waits, "host waits"),
+            (self.graph_launches, "graph launches"),
         ]
     }
 }
 
 impl fmt::Display for Counters {
-    /// `720 launches, 8 device copies, 521 allocations, 5 uploads, 2 downloads, 2 host waits`.
+    /// `720 launches, 8 device copies, 521 allocations, 5 uploads, 2 downloads, 2 host waits,
+    /// 0 graph launches`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         for (i, (n, what)) in self.fields().into_iter().enumerate() {
             let sep = if i == 0 { "" } else { ", " };
@@ -125,6 +132,7 @@ pub(crate) enum Count {
     Upload,
     Download,
     HostWait,
+    GraphLaunch,
 }
 
 /// The live counts of one backend, shared by its clones and its output buffers.
@@ -137,6 +145,7 @@ pub(crate) struct DeviceCounters {
     uploads: std::sync::atomic::AtomicU64,
     downloads: std::sync::atomic::AtomicU64,
     host_waits: std::sync::atomic::AtomicU64,
+    graph_launches: std::sync::atomic::AtomicU64,
 }
 
 #[cfg(any(feature = "cuda", test))]
@@ -150,6 +159,7 @@ impl DeviceCounters {
             Count::Upload => &self.uploads,
             Count::Download => &self.downloads,
             Count::HostWait => &self.host_waits,
+            Count::GraphLaunch => &self.graph_launches,
         };
         // Relaxed: each count stands alone; a snapshot taken while another thread counts may
         // hold that thread's latest calls or not.
@@ -166,8 +176,24 @@ impl DeviceCounters {
             uploads: load(&self.uploads),
             downloads: load(&self.downloads),
             host_waits: load(&self.host_waits),
+            graph_launches: load(&self.graph_launches),
         }
     }
+}
+
+/// What a backend's graphs have done (the CUDA backend's step graphs, `graph_book`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    /// Graphs captured.
+    pub captures: u64,
+    /// Steps that replayed a graph.
+    pub replays: u64,
+    /// Replays that stopped matching their graph (the step went on eagerly).
+    pub misses: u64,
+    /// Captures that failed or were abandoned.
+    pub failed_captures: u64,
+    /// Shapes that stay eager (a capture failed, or too many misses).
+    pub eager_shapes: u64,
 }
 
 #[cfg(test)]

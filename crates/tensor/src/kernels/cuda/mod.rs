@@ -19,13 +19,15 @@ pub use stub::{CudaBackend, PoolArena};
 
 mod counters;
 #[cfg(any(feature = "cuda", test))]
+mod graph_book;
+#[cfg(any(feature = "cuda", test))]
 mod kernel_cache;
 #[cfg(any(feature = "cuda", test))]
 mod stage_layout;
 #[cfg(any(feature = "cuda", test))]
 mod weight_stamps;
 
-pub use counters::{Counters, PerStep};
+pub use counters::{Counters, GraphStats, PerStep};
 
 #[cfg(test)]
 mod tests;

@@ -96,6 +96,13 @@ impl StageLayout {
         Place::New(at)
     }
 
+    /// The size of the slot the last [`Place::New`] went into: what its copy copies, the
+    /// same at every step of a shape while the input fits it.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn last_slot(&self) -> usize {
+        self.slots.get(self.staged.len().wrapping_sub(1)).copied().unwrap_or(0)
+    }
+
     /// Whether this step staged anything yet.
     pub(crate) fn is_fresh(&self) -> bool {
         self.staged.is_empty()
@@ -131,6 +138,7 @@ mod tests {
         assert!(l.is_fresh());
         assert_eq!(l.place(&[1, 2, 3]), Place::New(0));
         assert_eq!(l.place(&[9; 20]), Place::New(16), "after a slot of 16");
+        assert_eq!(l.last_slot(), 32);
         assert_eq!(l.place(&[1, 2, 3]), Place::Again(0), "the same values are staged once");
         assert_eq!(l.place(&[7; 16]), Place::New(48), "after a slot of 32");
         assert_eq!(l.place(&[5; 65]), Place::Full, "a slot of 128 at 64 is past the capacity");

@@ -77,7 +77,21 @@ impl CudaBackend {
     }
 
     /// Starts a step of shape `key` (see [`crate::Backend::step`]).
-    pub(crate) fn begin_step(&self, _key: Option<crate::kernels::workspace::StepKey>) {
+    pub(crate) fn begin_step(
+        &self,
+        _key: Option<crate::kernels::workspace::StepKey>,
+        _shape: (usize, usize),
+    ) {
+        match self.never {}
+    }
+
+    /// Turns CUDA graphs of decode steps on or off.
+    pub fn set_graphs(&self, _enabled: bool) {
+        match self.never {}
+    }
+
+    /// What this backend's graphs have done.
+    pub fn graph_stats(&self) -> super::GraphStats {
         match self.never {}
     }
 

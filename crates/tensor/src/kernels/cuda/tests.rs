@@ -592,6 +592,7 @@ fn cuda_counters_count_each_call_of_an_op() {
         uploads: 2,
         downloads: 0,
         host_waits: 1,
+        graph_launches: 0,
     };
     assert_eq!(first.since(&start), want, "first rms_norm");
     let z = gpu.rms_norm(&x, &w, 1e-5).unwrap();

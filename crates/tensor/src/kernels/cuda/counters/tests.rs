@@ -15,6 +15,7 @@ fn each_kind_is_counted_apart() {
         (Count::Upload, 3),
         (Count::Download, 2),
         (Count::HostWait, 4),
+        (Count::GraphLaunch, 6),
     ];
     for (kind, n) in kinds {
         for _ in 0..n {
@@ -28,6 +29,7 @@ fn each_kind_is_counted_apart() {
         uploads: 3,
         downloads: 2,
         host_waits: 4,
+        graph_launches: 6,
     };
     assert_eq!(live.snapshot(), want);
 }
@@ -88,10 +90,12 @@ fn counts_read_as_totals_and_means_per_step() {
         uploads: 18,
         downloads: 8,
         host_waits: 9,
+        graph_launches: 0,
     };
     assert_eq!(
         run.to_string(),
-        "2880 launches, 4 device copies, 2084 allocations, 18 uploads, 8 downloads, 9 host waits"
+        "2880 launches, 4 device copies, 2084 allocations, 18 uploads, 8 downloads, 9 host \
+         waits, 0 graph launches"
     );
     let per = run.per_step(4);
     assert_eq!(per.mean(run.launches), 720.0);
@@ -99,7 +103,7 @@ fn counts_read_as_totals_and_means_per_step() {
     assert_eq!(
         per.to_string(),
         "per step (4 steps): 720.0 launches, 1.0 device copies, 521.0 allocations, 4.5 uploads, \
-         2.0 downloads, 2.2 host waits"
+         2.0 downloads, 2.2 host waits, 0.0 graph launches"
     );
     assert_eq!(run.per_step(0).mean(run.launches), 0.0);
 }
@@ -107,7 +111,9 @@ fn counts_read_as_totals_and_means_per_step() {
 /// What each driver call of the backend is counted as: the text that names the call in the
 /// sources, and the counts it must have in the same function.
 const CALLS: &[(&str, &[&str])] = &[
-    ("launch(cfg", &["Launch"]),
+    ("launch_kernel(", &["Launch"]),
+    ("0.launch()", &["GraphLaunch"]),
+    ("graph.launch()", &["GraphLaunch"]),
     ("result::sgemm(", &["Launch"]),
     ("result::gemm_ex(", &["Launch"]),
     ("all_reduce_device_enqueue(", &["Launch", "HostWait"]),

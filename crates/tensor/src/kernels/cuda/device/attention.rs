@@ -3,14 +3,14 @@
 //! the merge of the ranges' partial results.
 
 use super::buffers::StepBuf;
-use super::{int, per_row, Count, CudaBackend, OrUnavailable};
+use super::graphs::{Call, KernelCall};
+use super::{int, per_row, CudaBackend};
 use crate::error::{Error, Result};
 use crate::kernels::cpu::attention::AttnShape;
 use crate::kernels::cuda::{attention_blocks, attention_most_splits, ATTN_TILE};
 use crate::kernels::step_attention::{misfit, RowKv};
 use crate::kernels::{Kv, KvElem};
 use crate::tensor::Tensor;
-use cudarc::driver::PushKernelArg;
 
 /// Threads per block of `attention` (`ATTN_BLOCK` in `kernels.cu`).
 const ATTN_BLOCK: u32 = ATTN_TILE as u32;
@@ -284,22 +284,19 @@ impl CudaBackend {
         let window = shape.window.map_or(u64::MAX, |w| w as u64);
         let mut cfg = per_row(OP, blocks, ATTN_BLOCK)?;
         cfg.grid_dim.1 = int(OP, "key ranges", most)? as u32;
-        self.count(Count::Launch);
-        let mut b = self.stream().launch_builder(&self.inner.k.attention);
-        b.arg(&q).arg(&q_pos).arg(&keys.k).arg(&keys.v).arg(&keys.pos);
-        b.arg(&keys.table).arg(&keys.block_size).arg(&keys.block_stride);
-        for a in &args {
-            b.arg(a);
-        }
-        b.arg(&scale)
-            .arg(&softcap)
-            .arg(&window)
-            .arg(&chunk32)
-            .arg(&kv_bf16)
-            .arg(&seqs)
-            .arg(&od.ptr)
-            .arg(&ld.ptr)
-            .arg(&hp);
+        let mut b = KernelCall::new(&self.inner.k.attention, cfg);
+        b.arg(q).arg(q_pos).arg(keys.k).arg(keys.v).arg(keys.pos);
+        b.arg(keys.table).arg(keys.block_size).arg(keys.block_stride);
+        b.args(&args);
+        b.arg(scale)
+            .arg(softcap)
+            .arg(window)
+            .arg(chunk32)
+            .arg(kv_bf16)
+            .arg(seqs)
+            .arg(od.ptr)
+            .arg(ld.ptr)
+            .arg(hp);
         // SAFETY: the arguments match `attention(const float*, const u64*, const float*,
         // const float*, const u64*, const unsigned*, int, u64, int, int, int, int, float,
         // float, u64, int, int, const u64*, float*, float*, unsigned short*)`; keys and
@@ -324,7 +321,7 @@ impl CudaBackend {
         // from offset seqs[3i + 1] of the concatenated table, each checked to hold its keys
         // inside the one pool. q_heads is a multiple of kv_heads (so g < kv_heads); head_dim
         // <= 512 fits the kernel's per-thread output slots and shared query copy.
-        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        unsafe { self.issue(OP, Call::Kernel(b)) }?;
         if most == 1 {
             return Ok((od, ld, half));
         }
@@ -351,19 +348,16 @@ impl CudaBackend {
         let args =
             [int(OP, "splits", splits)?, int(OP, "rows", rows)?, int(OP, "head_dim", head_dim)?];
         let cfg = per_row(OP, rows, ATTN_BLOCK)?;
-        self.count(Count::Launch);
-        let mut b = self.stream().launch_builder(&self.inner.k.attention_merge);
-        b.arg(&part.ptr).arg(&part_lse.ptr);
-        for a in &args {
-            b.arg(a);
-        }
-        b.arg(&od.ptr).arg(&ld.ptr).arg(&half);
+        let mut b = KernelCall::new(&self.inner.k.attention_merge, cfg);
+        b.arg(part.ptr).arg(part_lse.ptr);
+        b.args(&args);
+        b.arg(od.ptr).arg(ld.ptr).arg(half);
         // SAFETY: the arguments match `attention_merge(const float*, const float*, int, int,
         // int, float*, float*, unsigned short*)`. Block r reads rows s·rows + r (s < splits) of
         // part (head_dim floats each) and part_lse, which hold at least splits·rows rows, written by the
         // attention launch before it on this stream, and writes row r of out and lse[r], which
         // hold rows rows, and of `half` (rows·head_dim halves) unless it is null.
-        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        unsafe { self.issue(OP, Call::Kernel(b)) }?;
         Ok((od, ld))
     }
 }

@@ -2,6 +2,7 @@
 //! or a step workspace's slot), a backend's outputs ([`DeviceBuf`]), the device address of an
 //! input (read in place or uploaded), buffers written in place, and host copies.
 
+use super::graphs::Call;
 use super::{Count, CudaBackend, Inner, OrUnavailable};
 use crate::error::{Error, Result};
 use crate::kernels::workspace::{Placement, Slot, Tracked};
@@ -239,19 +240,11 @@ impl CudaBackend {
             Some(shared) => {
                 let copy = self.step_buf::<f32>(op, shared.len())?;
                 self.bind(op)?;
-                self.count(Count::DeviceCopy);
+                let call = Call::Copy { dst: copy.ptr, src: shared.ptr, bytes: 4 * shared.len() };
                 // SAFETY: both are buffers of this stream's device of `shared.len()` floats,
                 // alive while queued work uses them (stream-ordered frees); the copy is fresh,
                 // so they do not overlap.
-                unsafe {
-                    cudarc::driver::result::memcpy_dtod_async(
-                        copy.ptr,
-                        shared.ptr,
-                        4 * shared.len(),
-                        self.stream().cu_stream(),
-                    )
-                }
-                .or_unavailable(|| format!("{op}: copying on the device"))?;
+                unsafe { self.issue(op, call) }?;
                 copy
             }
             None => self.unplanned(self.upload(op, t.host()?)?),

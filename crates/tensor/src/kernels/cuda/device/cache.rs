@@ -2,6 +2,7 @@
 //! (keyed by their host buffer, trusted within one weights generation, dequantized on upload)
 //! and the small position and block-table arrays that every layer of a step repeats.
 
+use super::graphs::{Call, KernelCall};
 use super::staging::Staged;
 use super::{elementwise, Count, CudaBackend, OrUnavailable};
 use crate::error::Result;
@@ -9,7 +10,7 @@ use crate::kernels::cpu::qmatrix::QBits;
 use crate::kernels::cuda::weight_stamps::{WeightKey, WeightStamps};
 use crate::kernels::{GemmDtype, Weight, WeightUse};
 use crate::memory::{alloc_device_exact, weights_generation, DeviceArena};
-use cudarc::driver::{CudaSlice, DeviceRepr, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 use mesh::DeviceMemory;
 use std::sync::{Arc, Mutex};
 
@@ -270,16 +271,16 @@ impl CudaBackend {
         let qs = self.upload(op, qs)?;
         let n64 = n as u64;
         let cfg = elementwise(op, n)?;
-        self.count(Count::Launch);
-        let mut b = self.stream().launch_builder(&self.inner.k.dequantize);
-        b.arg(&scales).arg(&mins).arg(&qs).arg(&out).arg(&n64).arg(&kind);
+        let mut b = KernelCall::new(&self.inner.k.dequantize, cfg);
+        b.arg(self.addr(&scales)).arg(self.addr(&mins)).arg(self.addr(&qs));
+        b.arg(out).arg(n64).arg(kind);
         // SAFETY: the arguments match `dequantize(const float*, const float*, const unsigned
         // char*, float*, u64, int)`. For n = rows·cols elements it reads n/32 scales (n/16 for
         // kinds 2 and 3), as many minimums (kinds 1 and 3 only), n (8-bit) or n/2 (4-bit)
         // quant bytes, and writes n floats:
         // exactly the lengths of the buffers uploaded from a well-formed `QMatrix`, and at
         // most what `out` holds (the caller's promise).
-        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{op}: launching dequantize"))?;
+        unsafe { self.issue(op, Call::Kernel(b)) }?;
         // The uploaded parts are freed on return: wait until the kernel has read them.
         self.inner.sync(op)
     }

@@ -136,6 +136,7 @@ impl CudaBackend {
             in_flight: Mutex::default(),
             workspace: Mutex::default(),
             staging: Mutex::default(),
+            graphs: super::graphs::Graphs::new(true),
             waited_ns: AtomicU64::new(0),
             counters: Default::default(),
         };
@@ -157,7 +158,9 @@ impl CudaBackend {
     /// The pool keeps freed memory otherwise (see `keep_pool_memory`), so a sleep calls this
     /// before it measures what it released.
     pub fn trim_pool(&self) {
-        // The step workspaces first: their memory is the pool's once no slot is held.
+        // The graphs first: they name the workspaces' memory. Then the step workspaces:
+        // their memory is the pool's once no slot is held.
+        self.clear_graphs();
         self.workspace().clear();
         self.wait_for_frees();
         // After the wait: no copy reads the pinned buffer any more.
@@ -170,17 +173,33 @@ impl CudaBackend {
         }
     }
 
-    /// Starts a step of shape `key` (see [`crate::Backend::step`]).
-    pub(crate) fn begin_step(&self, key: Option<crate::kernels::workspace::StepKey>) {
-        self.workspace().begin(key);
+    /// Starts a step of `tokens` tokens over `seqs` sequences, planned as shape `key` (see
+    /// [`crate::Backend::step`]); a planned step may be captured as a graph, or replay one.
+    pub(crate) fn begin_step(
+        &self,
+        key: Option<crate::kernels::workspace::StepKey>,
+        (tokens, seqs): (usize, usize),
+    ) {
+        let outermost = self.workspace().begin(key);
+        if outermost {
+            self.ready_staging();
+            self.begin_graph(key.map(|_| (tokens, seqs)));
+        }
     }
 
     /// Ends the step begun last.
     pub(crate) fn end_step(&self) {
         let outermost = self.workspace().end();
         if outermost {
+            self.end_graph();
             self.end_staging();
         }
+    }
+
+    /// Turns CUDA graphs of decode steps on or off (vLLM's `--enforce-eager` turns them
+    /// off); on by default.
+    pub fn set_graphs(&self, enabled: bool) {
+        self.inner.graphs().set_enabled(enabled);
     }
 
     /// What the step workspaces have done so far (see [`crate::Backend::workspace_stats`]).

@@ -2,11 +2,11 @@
 //! someone else owns (a KV cache append, also row by row to scattered places in one launch).
 
 use super::buffers::StepBuf;
-use super::{elementwise, int, Count, CudaBackend, OrUnavailable};
+use super::graphs::{Call, KernelCall};
+use super::{elementwise, int, CudaBackend};
 use crate::error::Result;
 use crate::kernels::{GemmDtype, KvElem};
 use crate::tensor::Tensor;
-use cudarc::driver::PushKernelArg;
 use mesh::DeviceMemory;
 
 impl CudaBackend {
@@ -65,9 +65,8 @@ impl CudaBackend {
         let (n, row32) = (int(OP, "rows", moves.len())?, int(OP, "row", row)?);
         let (shift, bf16) = (shift as u64, i32::from(elem == KvElem::Bf16));
         let cfg = elementwise(OP, moves.len() * row)?;
-        self.count(Count::Launch);
-        let mut b = self.stream().launch_builder(&self.inner.k.write_rows);
-        b.arg(&sd.ptr).arg(&to).arg(&md.ptr).arg(&shift).arg(&n).arg(&row32).arg(&bf16);
+        let mut b = KernelCall::new(&self.inner.k.write_rows, cfg);
+        b.arg(sd.ptr).arg(to).arg(md.ptr).arg(shift).arg(n).arg(row32).arg(bf16);
         // SAFETY: the arguments match `write_rows(const float*, float*, const u64*, u64, int,
         // int, int)`; thread (m, c) for m < n reads element moves[m].0·row + c of src, inside
         // its rows (checked by the caller), and writes element shift + moves[m].1 + c of dst,
@@ -75,7 +74,7 @@ impl CudaBackend {
         // caller), memory of this device (checked above) that its `DeviceMemory`
         // implementation promises is mapped while kernels may run; the moves' upload is kept
         // by the cache or freed stream-ordered.
-        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        unsafe { self.issue(OP, Call::Kernel(b)) }?;
         Ok(())
     }
 
@@ -102,14 +101,10 @@ impl CudaBackend {
         self.bind(OP)?;
         let from = buf.ptr + 4 * (range.start * step) as u64;
         let to = od.ptr;
-        self.count(Count::DeviceCopy);
         // SAFETY: `buf` holds t.len() floats of this stream's device, of which the n from
         // range.start·step are read (range checked above); `od` holds n floats; both are
         // freed stream-ordered, after the copy.
-        unsafe {
-            cudarc::driver::result::memcpy_dtod_async(to, from, 4 * n, self.stream().cu_stream())
-        }
-        .or_unavailable(|| format!("{OP}: copying {n} floats on the device"))?;
+        unsafe { self.issue(OP, Call::Copy { dst: to, src: from, bytes: 4 * n }) }?;
         self.output(&shape, od)
     }
 
@@ -142,19 +137,11 @@ impl CudaBackend {
             if n == 0 {
                 continue;
             }
-            self.count(Count::DeviceCopy);
+            let copy = Call::Copy { dst: base + 4 * at as u64, src: buf.ptr, bytes: 4 * n };
             // SAFETY: `buf` holds the part's n floats on this stream's device; `od` holds
             // `total` floats, of which at..at + n are written (the lengths add up to total);
             // both are freed stream-ordered, after the copy.
-            unsafe {
-                cudarc::driver::result::memcpy_dtod_async(
-                    base + 4 * at as u64,
-                    buf.ptr,
-                    4 * n,
-                    self.stream().cu_stream(),
-                )
-            }
-            .or_unavailable(|| format!("{OP}: copying {n} floats on the device"))?;
+            unsafe { self.issue(OP, copy) }?;
             at += n;
         }
         self.output(&shape, od)
@@ -188,20 +175,10 @@ impl CudaBackend {
             // of `buf` from range.start, on this stream.
             return self.round_to(OP, GemmDtype::Bf16, from, to, range.len());
         }
-        self.count(Count::DeviceCopy);
         // SAFETY: `dst` is memory of this device (checked above) that its `DeviceMemory`
         // implementation promises is mapped while kernels may run, and the range lies inside
-        // it (checked by the caller); `buf` holds the
-        // src.len() floats of which `range` is read, on this stream, and is freed
-        // stream-ordered after the copy.
-        unsafe {
-            cudarc::driver::result::memcpy_dtod_async(
-                to,
-                from,
-                4 * range.len(),
-                self.stream().cu_stream(),
-            )
-        }
-        .or_unavailable(|| format!("{OP}: copying {} floats on the device", range.len()))
+        // it (checked by the caller); `buf` holds the src.len() floats of which `range` is
+        // read, on this stream, and is freed stream-ordered after the copy.
+        unsafe { self.issue(OP, Call::Copy { dst: to, src: from, bytes: 4 * range.len() }) }
     }
 }

@@ -7,12 +7,12 @@
 
 use super::buffers::Input;
 use super::cache::Slot;
+use super::graphs::{Call, KernelCall};
 use super::staging::Staged;
-use super::{elementwise, int, Count, CudaBackend, OrUnavailable};
+use super::{elementwise, int, CudaBackend};
 use crate::error::Result;
 use crate::kernels::{Activation, KvElem, Projected};
 use crate::tensor::Tensor;
-use cudarc::driver::{LaunchArgs, PushKernelArg};
 use mesh::DeviceMemory;
 use std::sync::Arc;
 
@@ -37,12 +37,10 @@ struct SplitArgs {
 impl SplitArgs {
     /// Pushes `pos, tokens, q_heads, kv_heads, head_dim, rot_dim, theta, factors,
     /// attn_factor, bias`, the kernels' common tail.
-    fn push_tail<'a>(&'a self, b: &mut LaunchArgs<'a>) {
-        b.arg(&self.positions.ptr);
-        for a in &self.dims {
-            b.arg(a);
-        }
-        b.arg(&self.theta).arg(&self.factors).arg(&self.attn_factor).arg(&self.bias);
+    fn push_tail(&self, b: &mut KernelCall) {
+        b.arg(self.positions.ptr);
+        b.args(&self.dims);
+        b.arg(self.theta).arg(self.factors).arg(self.attn_factor).arg(self.bias);
     }
 }
 
@@ -77,9 +75,8 @@ impl CudaBackend {
         let kd = self.output_buf(OP, tokens * kw)?;
         let vd = self.output_buf(OP, tokens * kw)?;
         let cfg = elementwise(OP, n)?;
-        self.count(Count::Launch);
-        let mut b = self.stream().launch_builder(&self.inner.k.split_rope);
-        b.arg(&split.y.ptr).arg(&qd.ptr).arg(&kd.ptr).arg(&vd.ptr);
+        let mut b = KernelCall::new(&self.inner.k.split_rope, cfg);
+        b.arg(split.y.ptr).arg(qd.ptr).arg(kd.ptr).arg(vd.ptr);
         split.push_tail(&mut b);
         // SAFETY: the arguments match `split_rope(const float*, float*, float*, float*, const
         // u64*, int, int, int, int, int, float, const float*, float, const float*)`. Thread
@@ -89,7 +86,7 @@ impl CudaBackend {
         // caller, or null) and of y's row t, which holds (q_heads + 2·kv_heads)·head_dim floats per row for `tokens` rows
         // (checked by the caller), and writes element d of that head in q, k or v, each a
         // fresh buffer of tokens·heads·head_dim floats; threads past n return at once.
-        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        unsafe { self.issue(OP, Call::Kernel(b)) }?;
         Ok((
             self.output(&[tokens, qw], qd)?,
             self.output(&[tokens, kw], kd)?,
@@ -119,15 +116,14 @@ impl CudaBackend {
         let gelu = i32::from(matches!(act, Activation::GeluTanh));
         let (len, units_arg) = (n as u64, int(OP, "units", units)?);
         let cfg = elementwise(OP, n)?;
-        self.count(Count::Launch);
-        let mut b = self.stream().launch_builder(&self.inner.k.gated_halves);
-        b.arg(&xd.ptr).arg(&od.ptr).arg(&len).arg(&units_arg).arg(&gelu).arg(&hp);
+        let mut b = KernelCall::new(&self.inner.k.gated_halves, cfg);
+        b.arg(xd.ptr).arg(od.ptr).arg(len).arg(units_arg).arg(gelu).arg(hp);
         // SAFETY: the arguments match `gated_halves(const float*, float*, u64, int, int,
         // unsigned short*)`; element i < n = rows·units of out (and of `half`, n halves,
         // unless it is null) reads elements i % units and units + i % units of row i / units
         // of x, which holds rows·2·units floats (the caller checked the row length is
         // 2·units); out is a fresh buffer of n floats.
-        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        unsafe { self.issue(OP, Call::Kernel(b)) }?;
         self.output_with_half(&shape, od, half)
     }
 }
@@ -165,10 +161,9 @@ impl CudaBackend {
         let (shift, values) = (shift as u64, values as u64);
         let bf16 = i32::from(elem == KvElem::Bf16);
         let cfg = elementwise(OP, n)?;
-        self.count(Count::Launch);
-        let mut b = self.stream().launch_builder(&self.inner.k.split_rope_append);
-        b.arg(&split.y.ptr).arg(&qd.ptr).arg(&to).arg(&placed.ptr).arg(&shift).arg(&values);
-        b.arg(&bf16);
+        let mut b = KernelCall::new(&self.inner.k.split_rope_append, cfg);
+        b.arg(split.y.ptr).arg(qd.ptr).arg(to).arg(placed.ptr).arg(shift).arg(values);
+        b.arg(bf16);
         split.push_tail(&mut b);
         // SAFETY: the arguments match `split_rope_append(const float*, float*, float*, const
         // u64*, u64, u64, int, const u64*, int, int, int, int, int, float, const float*,
@@ -180,7 +175,7 @@ impl CudaBackend {
         // offset in `memory`, in f32 or (bf16 = 1, two bytes) bf16: inside it, as the caller
         // checked every row does, memory of this device (checked above) that its
         // `DeviceMemory` implementation promises is mapped while kernels may run.
-        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        unsafe { self.issue(OP, Call::Kernel(b)) }?;
         self.output(&[tokens, qw], qd)
     }
 }

@@ -65,6 +65,7 @@ mod context;
 mod copies;
 mod fused;
 mod gemm;
+mod graphs;
 mod kernel_image;
 mod ops;
 mod pool_arena;
@@ -169,6 +170,8 @@ struct Inner {
     /// The step workspaces (see [`crate::kernels::workspace`]): the buffers of a planned
     /// step's kernels.
     workspace: Mutex<crate::kernels::workspace::StepMemory<cudarc::driver::CudaSlice<u8>>>,
+    /// The step graphs (see [`graphs`]).
+    graphs: Mutex<graphs::Graphs>,
     /// The step inputs' staging buffers (see [`staging`]), made at the first step.
     staging: Mutex<Option<staging::InputStaging>>,
     /// Nanoseconds the host has spent blocked waiting for the device (see
@@ -179,8 +182,11 @@ struct Inner {
 }
 
 impl Inner {
-    /// Counts one call to the driver of kind `what`.
+    /// Counts one call to the driver of kind `what`, made outside [`CudaBackend::issue`]: it
+    /// ends the step's graph first (a host read launches it; anything else goes on eagerly,
+    /// see [`graphs`]).
     fn count(&self, what: Count) {
+        self.leave_graph(matches!(what, Count::Download | Count::HostWait));
         self.counters.add(what);
     }
 }

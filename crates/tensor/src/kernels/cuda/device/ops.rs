@@ -2,11 +2,12 @@
 //! add), rotary embedding, activations, sums, column splits, embedding lookups, argmax, and
 //! rounding to bf16/f16.
 
-use super::{elementwise, int, per_row, unavailable, Count, CudaBackend, OrUnavailable, BLOCK};
+use super::graphs::{Call, KernelCall};
+use super::{elementwise, int, per_row, unavailable, CudaBackend, BLOCK};
 use crate::error::Result;
 use crate::kernels::{GemmDtype, Weight};
 use crate::tensor::Tensor;
-use cudarc::driver::{CudaFunction, PushKernelArg};
+use cudarc::driver::CudaFunction;
 use std::sync::Arc;
 
 impl CudaBackend {
@@ -33,15 +34,13 @@ impl CudaBackend {
         };
         let n64 = n as u64;
         let cfg = elementwise(op, n)?;
-        self.count(Count::Launch);
-        let mut b = self.stream().launch_builder(f);
-        b.arg(&src).arg(&dst).arg(&n64);
+        let mut b = KernelCall::new(f, cfg);
+        b.arg(src).arg(dst).arg(n64);
         // SAFETY: the arguments match `to_bf16` / `to_f16(const float*, unsigned short*, u64)`;
         // thread i < n reads float i of `src` and writes half i of `dst`, and the callers pass
         // buffers of at least n floats and n halves of this device, alive until the stream is
         // synchronized.
-        unsafe { b.launch(cfg) }
-            .or_unavailable(|| format!("{op}: launching to_{}", dtype.name()))?;
+        unsafe { self.issue(op, Call::Kernel(b)) }?;
         Ok(())
     }
 
@@ -63,14 +62,13 @@ impl CudaBackend {
         let hp = self.half_addr(&half);
         let d32 = int(OP, "row length", d)?;
         let cfg = per_row(OP, rows, BLOCK)?;
-        self.count(Count::Launch);
-        let mut b = self.stream().launch_builder(&self.inner.k.rms_norm);
-        b.arg(&xd.ptr).arg(&wp).arg(&od.ptr).arg(&d32).arg(&eps).arg(&hp);
+        let mut b = KernelCall::new(&self.inner.k.rms_norm, cfg);
+        b.arg(xd.ptr).arg(wp).arg(od.ptr).arg(d32).arg(eps).arg(hp);
         // SAFETY: the arguments match `rms_norm(const float*, const float*, float*, int,
         // float, unsigned short*)`; block r reads and writes row r (d floats) of x and out,
         // which hold rows·d floats, and of `half` (rows·d halves) unless it is null, and reads
         // the d floats of the weight's device copy.
-        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        unsafe { self.issue(OP, Call::Kernel(b)) }?;
         self.output_with_half(x.shape(), od, half)
     }
 
@@ -99,9 +97,8 @@ impl CudaBackend {
         let hp = self.half_addr(&half);
         let d32 = int(OP, "row length", d)?;
         let cfg = per_row(OP, rows, BLOCK)?;
-        self.count(Count::Launch);
-        let mut b = self.stream().launch_builder(&self.inner.k.add_rms_norm);
-        b.arg(&xp).arg(&yd.ptr).arg(&wp).arg(&od.ptr).arg(&d32).arg(&eps).arg(&hp);
+        let mut b = KernelCall::new(&self.inner.k.add_rms_norm, cfg);
+        b.arg(xp).arg(yd.ptr).arg(wp).arg(od.ptr).arg(d32).arg(eps).arg(hp);
         // SAFETY: the arguments match `add_rms_norm(float*, const float*, const float*,
         // float*, int, float, unsigned short*)`; block r rewrites row r (d floats) of x and
         // reads row r of y and writes row r of out (and of `half`, rows·d halves, unless it is
@@ -109,7 +106,7 @@ impl CudaBackend {
         // and d is the row length), and reads the d floats of the weight's device copy. x's
         // buffer is its own (`writable`), so y, read before, and the fresh out are other
         // buffers.
-        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        unsafe { self.issue(OP, Call::Kernel(b)) }?;
         self.output_with_half(x.shape(), od, half)
     }
 
@@ -140,13 +137,8 @@ impl CudaBackend {
             int(OP, "rot_dim", rot_dim)?,
         ];
         let cfg = elementwise(OP, pairs)?;
-        self.count(Count::Launch);
-        let mut b = self.stream().launch_builder(&self.inner.k.rope);
-        b.arg(&xp).arg(&pd.ptr);
-        for a in &args {
-            b.arg(a);
-        }
-        b.arg(&theta).arg(&fp).arg(&attn_factor);
+        let mut b = KernelCall::new(&self.inner.k.rope, cfg);
+        b.arg(xp).arg(pd.ptr).args(&args).arg(theta).arg(fp).arg(attn_factor);
         // SAFETY: the arguments match `rope(float*, const u64*, int, int, int, int, float,
         // const float*, float)`. Thread (t, h, i) for i < rot_dim/2 reads position t (and
         // factor i: the caller checked there are rot_dim/2, or the pointer is null and not
@@ -154,7 +146,7 @@ impl CudaBackend {
         // rewrites elements i and i + rot_dim/2 of head h of token t; the caller checked x
         // holds tokens·heads·head_dim floats with rot_dim <= head_dim, and threads past the
         // last pair return at once. `writable` made x's buffer this tensor's own.
-        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        unsafe { self.issue(OP, Call::Kernel(b)) }?;
         Ok(())
     }
 
@@ -175,9 +167,8 @@ impl CudaBackend {
         let xp = self.writable(op, x)?;
         let n = x.len() as u64;
         let cfg = elementwise(op, x.len())?;
-        self.count(Count::Launch);
-        let mut b = self.stream().launch_builder(f);
-        b.arg(&xp).arg(&yd.ptr).arg(&n);
+        let mut b = KernelCall::new(f, cfg);
+        b.arg(xp).arg(yd.ptr).arg(n);
         if let Some(w) = width.as_ref() {
             b.arg(w);
         }
@@ -186,7 +177,7 @@ impl CudaBackend {
         // from element i of y (i % width for add_rows), and the callers checked that y has
         // x's length (or, for add_rows, that width = y.len() > 0 divides it). x's buffer is
         // its own (`writable`), so y, read before, is never the same buffer.
-        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{op}: launch"))?;
+        unsafe { self.issue(op, Call::Kernel(b)) }?;
         Ok(())
     }
 
@@ -219,12 +210,11 @@ impl CudaBackend {
         let xp = self.writable(op, x)?;
         let n = x.len() as u64;
         let cfg = elementwise(op, x.len())?;
-        self.count(Count::Launch);
-        let mut b = self.stream().launch_builder(kernel);
-        b.arg(&xp).arg(&s).arg(&n);
+        let mut b = KernelCall::new(kernel, cfg);
+        b.arg(xp).arg(s).arg(n);
         // SAFETY: `kernel` is `scale` or `soft_cap`, both `(float*, float, u64)`; element
         // i < n of x, its own buffer (`writable`) of n floats, is rewritten in place.
-        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{op}: launch"))?;
+        unsafe { self.issue(op, Call::Kernel(b)) }?;
         Ok(())
     }
 
@@ -263,14 +253,13 @@ impl CudaBackend {
             let args = [int(OP, "width", width)?, int(OP, "offset", at)?, int(OP, "size", size)?];
             let n = (rows * size) as u64;
             let cfg = elementwise(OP, rows * size)?;
-            self.count(Count::Launch);
-            let mut b = self.stream().launch_builder(&self.inner.k.copy_cols);
-            b.arg(&xd.ptr).arg(&od.ptr).arg(&n).arg(&args[0]).arg(&args[1]).arg(&args[2]);
+            let mut b = KernelCall::new(&self.inner.k.copy_cols, cfg);
+            b.arg(xd.ptr).arg(od.ptr).arg(n).arg(args[0]).arg(args[1]).arg(args[2]);
             // SAFETY: the arguments match `copy_cols(const float*, float*, u64, int, int,
             // int)`; element i < n = rows·size of out reads x[(i / size)·width + offset +
             // i % size], inside x's rows·width elements because the caller checked that the
             // sizes add up to width (so offset + size <= width).
-            unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+            unsafe { self.issue(OP, Call::Kernel(b)) }?;
             parts.push(self.output(&shape, od)?);
             at += size;
         }
@@ -292,13 +281,12 @@ impl CudaBackend {
         let od = self.output_buf(OP, ids.len() * dim)?;
         let args = [int(OP, "tokens", ids.len())?, int(OP, "dim", dim)?];
         let cfg = elementwise(OP, ids.len() * dim)?;
-        self.count(Count::Launch);
-        let mut b = self.stream().launch_builder(&self.inner.k.embedding);
-        b.arg(&table_ptr).arg(&idd.ptr).arg(&od.ptr).arg(&args[0]).arg(&args[1]);
+        let mut b = KernelCall::new(&self.inner.k.embedding, cfg);
+        b.arg(table_ptr).arg(idd.ptr).arg(od.ptr).arg(args[0]).arg(args[1]);
         // SAFETY: the arguments match `embedding(const float*, const unsigned int*, float*,
         // int, int)`; element (r, c) reads ids[r] and table[ids[r]·dim + c], and the caller
         // checked every id is below the table's row count; out holds ids.len()·dim floats.
-        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        unsafe { self.issue(OP, Call::Kernel(b)) }?;
         self.output(&shape, od)
     }
 
@@ -315,12 +303,11 @@ impl CudaBackend {
         // Written whole: block r writes out[r].
         let od = self.step_buf::<u32>(OP, rows)?;
         let cfg = per_row(OP, rows, BLOCK)?;
-        self.count(Count::Launch);
-        let mut b = self.stream().launch_builder(&self.inner.k.argmax_rows);
-        b.arg(&xd.ptr).arg(&cols).arg(&od.ptr);
+        let mut b = KernelCall::new(&self.inner.k.argmax_rows, cfg);
+        b.arg(xd.ptr).arg(cols).arg(od.ptr);
         // SAFETY: the arguments match `argmax_rows(const float*, int, unsigned int*)`; block
         // r reads row r (cols floats) of x, which holds rows·cols, and writes out[r] of rows.
-        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        unsafe { self.issue(OP, Call::Kernel(b)) }?;
         let mut idx = vec![0u32; rows];
         self.download(OP, &od, &mut idx)?;
         Ok(idx.into_iter().map(|i| i as usize).collect())
@@ -343,14 +330,13 @@ impl CudaBackend {
         let vd = self.output_buf(OP, rows * k)?;
         let id = self.step_buf::<u32>(OP, rows * k)?;
         let cfg = per_row(OP, rows, BLOCK)?;
-        self.count(Count::Launch);
-        let mut b = self.stream().launch_builder(&self.inner.k.top_k_rows);
-        b.arg(&xd.ptr).arg(&cols).arg(&k_arg).arg(&vd.ptr).arg(&id.ptr);
+        let mut b = KernelCall::new(&self.inner.k.top_k_rows, cfg);
+        b.arg(xd.ptr).arg(cols).arg(k_arg).arg(vd.ptr).arg(id.ptr);
         // SAFETY: the arguments match `top_k_rows(const float*, int, int, float*, unsigned
         // int*)`; block r reads row r (cols floats) of x, which holds rows·cols, and writes
         // elements r·k..(r+1)·k of vals and ids, each rows·k long; k <= cols and k <=
         // TOP_K_MAX (1024, the kernel's shared arrays), as the caller checked.
-        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        unsafe { self.issue(OP, Call::Kernel(b)) }?;
         let mut values = vec![0f32; rows * k];
         let mut ids = vec![0u32; rows * k];
         self.download(OP, &vd, &mut values)?;
@@ -382,15 +368,14 @@ impl CudaBackend {
         let od = self.step_buf::<u32>(OP, rows)?;
         let wd = self.step_buf::<f64>(OP, x.len())?;
         let cfg = per_row(OP, rows, BLOCK)?;
-        self.count(Count::Launch);
-        let mut b = self.stream().launch_builder(&self.inner.k.sample_rows);
-        b.arg(&xd.ptr).arg(&cols).arg(&pd.ptr).arg(&wd.ptr).arg(&od.ptr);
+        let mut b = KernelCall::new(&self.inner.k.sample_rows, cfg);
+        b.arg(xd.ptr).arg(cols).arg(pd.ptr).arg(wd.ptr).arg(od.ptr);
         // SAFETY: the arguments match `sample_rows(const float*, int, const double*, double*,
         // unsigned int*)`; block r reads row r (cols floats) of x, which holds rows·cols,
         // params 4r..4r+4 of 4·rows, and weights r·cols..(r+1)·cols of rows·cols (which it
         // writes first), and writes out[r] of rows; cols is at most DRAW_MAX_COLUMNS (the
         // kernel's chunk sums in shared memory), as the caller checked.
-        unsafe { b.launch(cfg) }.or_unavailable(|| format!("{OP}: launch"))?;
+        unsafe { self.issue(OP, Call::Kernel(b)) }?;
         let mut ids = vec![0u32; rows];
         self.download(OP, &od, &mut ids)?;
         Ok(ids)

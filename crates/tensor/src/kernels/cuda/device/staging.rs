@@ -12,6 +12,7 @@
 //! the kernels of the step before, which read it. A step that outgrows the buffers stages the
 //! rest the old way (an allocation and an upload each) and the buffers grow at the next step.
 
+use super::graphs::Call;
 use super::{Count, CudaBackend, OrUnavailable};
 use crate::error::Result;
 use crate::kernels::cuda::stage_layout::{Place, StageLayout};
@@ -86,8 +87,9 @@ impl CudaBackend {
         let staging = guard.as_mut().expect("made above");
         let first = staging.layout.is_fresh();
         if first && staging.pending {
-            // The copies of the step before must have read the host buffer.
-            self.count(Count::HostWait);
+            // The copies of the step before must have read the host buffer (waited for at
+            // the step's start, `ready_staging`, unless the buffers were made since).
+            self.inner.counters.add(Count::HostWait);
             self.inner
                 .blocking(|| staging.copied.synchronize())
                 .or_unavailable(|| format!("{op}: waiting for the last step's inputs"))?;
@@ -124,15 +126,34 @@ impl CudaBackend {
         };
         host.copy_from_slice(bytes);
         let dst = self.addr(&staging.dev) + at as u64;
+        // The whole slot: the same copy at every step of the shape (a graph replays it).
+        let bytes = staging.layout.last_slot();
+        let src = host.as_ptr() as usize;
         self.bind(op)?;
-        self.count(Count::Upload);
-        // SAFETY: `dst..dst + bytes.len()` is inside the device buffer; the source is pinned
-        // memory that stays unwritten until the event recorded after this step's copies has
+        // SAFETY: `dst..dst + bytes` is inside the device buffer and `src..src + bytes`
+        // inside the pinned host buffer (`place` checked the slot against the capacity); the
+        // host bytes stay unwritten until the event recorded after this step's copies has
         // completed; kernels that read `dst` are queued after this copy on the same stream.
-        unsafe { cudarc::driver::result::memcpy_htod_async(dst, host, self.stream().cu_stream()) }
-            .or_unavailable(|| format!("{op}: copying {} bytes to the device", bytes.len()))?;
+        unsafe { self.issue(op, Call::Upload { dst, src, bytes }) }?;
         staging.pending = true;
         Ok(Staged { ptr: dst, _upload: None })
+    }
+
+    /// Waits, at a step's start, until the copies of the step before have read the host
+    /// buffer, so that no wait falls inside the step (where it would end the step's graph).
+    pub(super) fn ready_staging(&self) {
+        let mut guard = self.inner.staging.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(staging) = guard.as_mut().filter(|s| s.pending) else { return };
+        self.inner.counters.add(Count::HostWait);
+        match self.inner.blocking(|| staging.copied.synchronize()) {
+            Ok(()) => staging.pending = false,
+            Err(e) => {
+                tracing::warn!(
+                    "cuda:{}: waiting for the last step's inputs: {e}",
+                    self.inner.ordinal
+                );
+            }
+        }
     }
 
     /// Ends the step's inputs (the outermost step's end): marks their copies with the event

@@ -39,6 +39,8 @@ impl Inner {
 
     fn wait_for_stream(&self, op: &str) -> Result<()> {
         self.count(Count::HostWait);
+        // What the step's graph left undone (and why) is this wait's answer.
+        self.graph_failure(op)?;
         let mut in_flight = self.in_flight.lock().unwrap_or_else(PoisonError::into_inner);
         let Some(pending) = in_flight.as_ref() else {
             return self
