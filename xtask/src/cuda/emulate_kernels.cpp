@@ -9,6 +9,7 @@
 // first difference. Built and run by xtask's tidy tests.
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 typedef unsigned long long u64;
 extern "C" void attention(const float* q, const u64* q_pos, const float* k, const float* v,
@@ -47,6 +48,8 @@ extern "C" void sample_rows(const float* x, int cols, const double* params, doub
 extern "C" void dequantize(const float* scales, const float* mins, const unsigned char* qs,
                            float* out, u64 n, int kind);
 extern "C" void to_bf16(const float* x, unsigned short* y, u64 n);
+extern "C" void qmatvec(const float* scales, const float* mins, const unsigned char* qs,
+                        const float* x, float* out, int n, int k, int m, int kind);
 
 extern "C" void embedding(const float* table, const unsigned int* ids, float* out, int n_ids,
                           int dim);
@@ -799,6 +802,74 @@ static int check(const Case& c) {
 // paged pool (blocks of 16, scattered), one query each at its last position, key ranges of
 // 128 (so the shorter ones have empty ranges). Each row against the double-precision
 // reference, and bit for bit against its sequence launched alone over the same ranges.
+// qmatvec: every packing, 1 and 11 rows of x (two blocks of rows), a row of W longer than a block's groups (so
+// threads take three) and one shorter, against the products of the weights `dequantize`
+// gives in double precision; a second launch gives the same bits; reading the 4-bit nibbles
+// in the other order (a deliberate fault) is caught.
+static int check_qmatvec() {
+    u64 seed = 515;
+    const int QMV = 64;  // QMV_BLOCK
+    for (int k : {32 * 130, 96}) {
+        const int n = 2;
+        u64 elems = (u64)n * k;
+        std::vector<float> scales(elems / 16), mins(elems / 16);
+        for (auto& v : scales) v = 0.05f * next_value(seed);
+        for (auto& v : mins) v = 0.05f * next_value(seed);
+        std::vector<unsigned char> qs(elems);
+        for (auto& q : qs) q = (unsigned char)(next_value(seed) * 1e6);
+        for (int kind = 0; kind < 4; kind++) {
+            std::vector<float> dense(elems);
+            tpctl_launch(elementwise(elems), 1, BLOCK_THREADS, [&] {
+                dequantize(scales.data(), mins.data(), qs.data(), dense.data(), elems, kind);
+            });
+            for (int m : {1, 11}) {
+                std::vector<float> x((size_t)m * k);
+                for (auto& v : x) v = next_value(seed);
+                std::vector<float> out((size_t)m * n, -7.0f), again(out);
+                for (auto* o : {&out, &again}) {
+                    if (o == &again && m == 1) continue;
+                    tpctl_launch(n, (m + 7) / 8, QMV, [&] {
+                        qmatvec(scales.data(), mins.data(), qs.data(), x.data(), o->data(), n, k, m,
+                                kind);
+                    });
+                }
+                for (int i = 0; i < m; i++) {
+                    for (int r = 0; r < n; r++) {
+                        double want = 0.0, scale = 0.0;
+                        for (int c = 0; c < k; c++) {
+                            double p = (double)x[(size_t)i * k + c] * dense[(size_t)r * k + c];
+                            want += p;
+                            scale += std::fabs(p);
+                        }
+                        float got = out[(size_t)i * n + r];
+                        if (std::fabs(got - want) > 1e-5 * scale + 1e-6)
+                            return fail("qmatvec", i * n + r, got, want);
+                        if (m > 1 && std::memcmp(&got, &again[(size_t)i * n + r], 4) != 0)
+                            return fail("qmatvec again", i * n + r, again[(size_t)i * n + r], got);
+                    }
+                }
+            }
+        }
+        // The fault: the 4-bit block's nibbles swapped gives other weights, which must show.
+        std::vector<unsigned char> swapped(qs);
+        for (auto& q : swapped) q = (unsigned char)((q << 4) | (q >> 4));
+        std::vector<float> x(k), good(n), bad(n);
+        for (auto& v : x) v = next_value(seed);
+        tpctl_launch(n, 1, QMV, [&] {
+            qmatvec(scales.data(), mins.data(), qs.data(), x.data(), good.data(), n, k, 1, 1);
+        });
+        tpctl_launch(n, 1, QMV, [&] {
+            qmatvec(scales.data(), mins.data(), swapped.data(), x.data(), bad.data(), n, k, 1, 1);
+        });
+        if (good == bad) {
+            std::fprintf(stderr, "qmatvec: swapped nibbles went unnoticed\n");
+            return 1;
+        }
+    }
+    std::printf("ok: qmatvec (4 packings; 1 and 11 rows; the same bits again)\n");
+    return 0;
+}
+
 static int check_batched() {
     u64 seed = 4242;
     const int q_heads = 6, kv_heads = 2, head_dim = 32, bs = 16, n = 3, chunk = 128;
@@ -920,5 +991,6 @@ int main() {
     for (const Case& c : cases) {
         if (check(c) != 0) return 1;
     }
-    return check_rows() != 0 || check_formats() != 0 || check_batched() != 0;
+    return check_rows() != 0 || check_formats() != 0 || check_batched() != 0 ||
+           check_qmatvec() != 0;
 }

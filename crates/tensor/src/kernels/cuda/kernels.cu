@@ -635,6 +635,72 @@ extern "C" __global__ void dequantize(const float* scales, const float* mins,
     }
 }
 
+// Threads per block of `qmatvec`, and the activation rows one block takes.
+#define QMV_BLOCK 64
+#define QMV_ROWS 8
+
+// out[i * n + r] = sum over c of x[i * k + c] * W[r, c], for rows i < m of x and every row
+// r < n of W, a repacked QMatrix (kinds as `dequantize`) of k columns (a multiple of 32),
+// dequantized in registers: a decode step's product reads the packed weight (4 to 7 times
+// fewer bytes than f32) and nothing else of it. Block (r, c) takes row r of W and rows
+// [c * QMV_ROWS, c * QMV_ROWS + QMV_ROWS) of x: thread t takes the row's groups of 32 columns
+// t, t + QMV_BLOCK, ..., dequantizing each once for all those rows of x (a group's 32 products
+// summed in column order, then added to the thread's sum), and the block adds its threads'
+// sums in a fixed tree, so a result never depends on the launch.
+extern "C" __global__ void qmatvec(const float* scales, const float* mins,
+                                   const unsigned char* qs, const float* x, float* out, int n,
+                                   int k, int m, int kind) {
+    __shared__ float part[QMV_ROWS][QMV_BLOCK];
+    int r = blockIdx.x, t = threadIdx.x, first = blockIdx.y * QMV_ROWS;
+    x += (u64)first * k;
+    out += (u64)first * n;
+    m = min(QMV_ROWS, m - first);
+    float acc[QMV_ROWS];
+    for (int i = 0; i < QMV_ROWS; i++) acc[i] = 0.0f;
+    int groups = k / 32;
+    for (int g = t; g < groups; g += QMV_BLOCK) {
+        u64 b = (u64)r * groups + g;
+        float w[32];
+        if (kind == 1) {
+            const unsigned char* q = qs + b * 16;
+            float d = scales[b], lo = mins[b];
+            for (int j = 0; j < 16; j++) {
+                unsigned char v = q[j];
+                w[j] = d * (float)(v & 15) + lo;
+                w[j + 16] = d * (float)(v >> 4) + lo;
+            }
+        } else if (kind >= 2) {
+            const signed char* q = (const signed char*)qs + b * 32;
+            for (int h = 0; h < 2; h++) {
+                float d = scales[2 * b + h], lo = kind == 3 ? mins[2 * b + h] : 0.0f;
+                for (int j = 16 * h; j < 16 * h + 16; j++) {
+                    float v = d * (float)q[j];
+                    w[j] = kind == 3 ? v + lo : v;
+                }
+            }
+        } else {
+            const signed char* q = (const signed char*)qs + b * 32;
+            float d = scales[b];
+            for (int j = 0; j < 32; j++) w[j] = d * (float)q[j];
+        }
+        for (int i = 0; i < m; i++) {
+            const float* xi = x + (u64)i * k + (u64)g * 32;
+            float s = 0.0f;
+            for (int j = 0; j < 32; j++) s += xi[j] * w[j];
+            acc[i] += s;
+        }
+    }
+    for (int i = 0; i < QMV_ROWS; i++) part[i][t] = acc[i];
+    __syncthreads();
+    for (int half = QMV_BLOCK / 2; half > 0; half /= 2) {
+        if (t < half) {
+            for (int i = 0; i < m; i++) part[i][t] += part[i][t + half];
+        }
+        __syncthreads();
+    }
+    if (t < m) out[(u64)t * n + r] = part[t][0];
+}
+
 // Offset in floats of key (and value) row j from `k` (and `v`): j * stride for contiguous
 // keys (table == 0); with a paged cache's block table, row j % block_size of block
 // table[j / block_size], blocks `block_stride` floats apart.

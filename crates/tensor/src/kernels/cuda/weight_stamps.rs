@@ -13,12 +13,13 @@ use crate::kernels::GemmDtype;
 use std::collections::HashMap;
 
 /// Where a cached weight came from (the address and length of its first host buffer) and the
-/// element type of its device copy.
+/// form of its device copy: dense in an element type, or a quantized matrix's packed arrays.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct WeightKey {
     pub(crate) addr: usize,
     pub(crate) len: usize,
     pub(crate) dtype: GemmDtype,
+    pub(crate) packed: bool,
 }
 
 /// A value and the generation its host bytes were read at; `None` once a clear marked it

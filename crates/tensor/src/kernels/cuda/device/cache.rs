@@ -6,7 +6,6 @@ use super::graphs::{Call, KernelCall};
 use super::staging::Staged;
 use super::{elementwise, Count, CudaBackend, OrUnavailable};
 use crate::error::Result;
-use crate::kernels::cpu::qmatrix::QBits;
 use crate::kernels::cuda::weight_stamps::{WeightKey, WeightStamps};
 use crate::kernels::{GemmDtype, Weight, WeightUse};
 use crate::memory::{alloc_device_exact, weights_generation, DeviceArena};
@@ -113,6 +112,10 @@ impl CudaBackend {
         const OP: &str = "prepare_weights";
         for w in weights {
             match w {
+                // A quantized matrix stays packed (see `quant`).
+                WeightUse::Linear(Weight::Quant(q)) if q.dims().1 % 32 == 0 => {
+                    drop(self.packed(OP, q)?)
+                }
                 WeightUse::Linear(w) => drop(self.weight(OP, w, self.inner.dtype)?),
                 WeightUse::Embedding(t) => drop(self.weight(OP, t, GemmDtype::F32)?),
                 WeightUse::Norm(v) => drop(self.vector(OP, v.host()?)?),
@@ -150,7 +153,8 @@ impl CudaBackend {
                 (qs, bytemuck::cast_slice(scales), bytemuck::cast_slice(mins))
             }
         };
-        let key = WeightKey { addr: values.as_ptr() as usize, len: values.len(), dtype };
+        let key =
+            WeightKey { addr: values.as_ptr() as usize, len: values.len(), dtype, packed: false };
         let (rows, cols) = w.dims();
         let n = rows * cols;
         self.cached(op, key, &[values, scales, mins], n, |dst| match (dtype, w) {
@@ -179,8 +183,12 @@ impl CudaBackend {
     /// weight matrices.
     pub(super) fn vector(&self, op: &str, v: &[f32]) -> Result<Arc<Slot>> {
         let bytes: &[u8] = bytemuck::cast_slice(v);
-        let key =
-            WeightKey { addr: bytes.as_ptr() as usize, len: bytes.len(), dtype: GemmDtype::F32 };
+        let key = WeightKey {
+            addr: bytes.as_ptr() as usize,
+            len: bytes.len(),
+            dtype: GemmDtype::F32,
+            packed: false,
+        };
         // SAFETY: as in `weight`: the slot holds at least v.len() floats and is this call's.
         self.cached(op, key, &[bytes], v.len(), |dst| unsafe { self.copy_to_addr(op, dst, v) })
     }
@@ -189,7 +197,7 @@ impl CudaBackend {
     /// cleared since), else a slot of `elements` values of the key's dtype filled by `fill`
     /// (given its device address) from the host bytes `parts`: the entry's old slot when it
     /// has that size, so a weight keeps its address.
-    fn cached(
+    pub(super) fn cached(
         &self,
         op: &str,
         key: WeightKey,
@@ -258,12 +266,7 @@ impl CudaBackend {
             return Ok(());
         }
         let (scales, mins, qs) = q.parts();
-        let kind: i32 = match q.bits() {
-            QBits::Eight => 0,
-            QBits::Four => 1,
-            QBits::Eight16 if q.parts().1.is_empty() => 2,
-            QBits::Eight16 => 3,
-        };
+        let kind = super::quant::packing(q);
         let scales = self.upload(op, scales)?;
         // 8-bit weights have no minimums (nor may `Eight16` ones); the kernel then never reads
         // them, but needs a pointer.

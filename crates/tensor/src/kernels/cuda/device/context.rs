@@ -115,6 +115,7 @@ impl CudaBackend {
             top_k_rows: f("top_k_rows")?,
             sample_rows: f("sample_rows")?,
             dequantize: f("dequantize")?,
+            qmatvec: f("qmatvec")?,
             attention: f("attention")?,
             attention_merge: f("attention_merge")?,
             to_bf16: f("to_bf16")?,

@@ -1,7 +1,9 @@
 //! Products with the weight matrices through cuBLAS: sgemm in f32, `cublasGemmEx` with f32
-//! accumulation in bf16/f16.
+//! accumulation in bf16/f16; a quantized weight's few-row products through `qmatvec` (see
+//! `quant`).
 
 use super::graphs::{Call, GemmCall};
+use super::quant::QMV_ROWS_MAX;
 use super::{int, CudaBackend};
 use crate::error::Result;
 use crate::kernels::{GemmDtype, Weight};
@@ -9,7 +11,8 @@ use crate::tensor::Tensor;
 
 impl CudaBackend {
     /// `x[m, k] · wᵀ` (`w` of `[n, k]`) shaped `shape`, with cuBLAS: sgemm in f32, GemmEx with
-    /// f32 accumulation in bf16/f16.
+    /// f32 accumulation in bf16/f16; a quantized `w` times at most
+    /// [`QMV_ROWS_MAX`] rows reads its packed copy instead.
     pub(crate) fn linear(
         &self,
         x: &Tensor,
@@ -20,6 +23,11 @@ impl CudaBackend {
         const OP: &str = "linear";
         if m == 0 || n == 0 || k == 0 {
             return Ok(Tensor::zeros(shape));
+        }
+        if let Weight::Quant(q) = w {
+            if k % 32 == 0 && m <= QMV_ROWS_MAX {
+                return self.quantized_product(q, x, (m, n, k), shape);
+            }
         }
         let dtype = self.inner.dtype;
         // The activations already rounded to bf16 by the kernel that wrote them, if it did.
@@ -58,10 +66,20 @@ impl CudaBackend {
     ) -> Result<Tensor> {
         const OP: &str = "linear";
         let dtype = self.inner.dtype;
-        let wd = self.weight(OP, w, dtype)?;
+        // The weight in `dtype`: its cached dense copy, or a quantized one's dequantized for
+        // this product (kept packed, see `quant`). Alive until the product is queued.
+        let (wp, _cached, _dense) = match w {
+            Weight::Quant(q) if k % 32 == 0 => {
+                let (wp, dense, half) = self.dequantized(q, dtype)?;
+                (wp, None, Some((dense, half)))
+            }
+            _ => {
+                let wd = self.weight(OP, w, dtype)?;
+                (self.slot_addr(&wd), Some(wd), None)
+            }
+        };
         // Written whole by the product (beta = 0).
         let od = self.output_buf(OP, m * n)?;
-        let wp = self.slot_addr(&wd);
         // cuBLAS's dimensions (column-major: see `GemmCall`).
         let rows = int(OP, "out_features", n)?;
         let cols = int(OP, "rows", m)?;
@@ -69,11 +87,10 @@ impl CudaBackend {
         let out_ptr = od.ptr;
         let call = GemmCall { dtype, n: rows, m: cols, k: inner, w: wp, x: xp, out: out_ptr };
         // SAFETY: with these dimensions the product reads n·k elements of the weight, k·m of
-        // x and writes n·m floats of out; the weight slot holds the n·k values of `w` in
-        // `dtype`, x (or its half copy, of the weight's type) and out hold m·k and m·n
-        // elements. Every buffer is freed stream-ordered, after the product (the weight slot
-        // and out live at least as long as the step). One product (cuBLAS may run it as
-        // more than one kernel).
+        // x and writes n·m floats of out; the weight's slot (or its dequantized step buffer)
+        // holds the n·k values of `w` in `dtype`, x (or its half copy, of the weight's type)
+        // and out hold m·k and m·n elements. Every buffer is freed stream-ordered, after the
+        // product. One product (cuBLAS may run it as more than one kernel).
         unsafe { self.issue(OP, Call::Gemm(call)) }?;
         self.output(shape, od)
     }

@@ -24,14 +24,13 @@
 //!   its next use, so the weights keep their device addresses across a sleep.
 //! - A KV cache in device memory ([`Kv::Device`]) is appended to with one host-to-device copy
 //!   of the new rows and read in place by `attention`; a host one is uploaded per call.
-//! - Quantized weights are dequantized on the device at first use, and only the dense copy is
-//!   kept, in the backend's [`GemmDtype`]: products then go through cuBLAS like dense ones
-//!   (sgemm for f32; `cublasGemmEx` with f32 accumulation for bf16/f16, after rounding the
-//!   activations to the same type). In f32 this costs 4x (Q8_0) to 7x (Q4) more device memory
-//!   and bandwidth than the packed form (a 135M-parameter model takes about 540 MB; half that
-//!   in bf16). The dequantization rounds exactly as the CPU's `QMatrix::dequantize`, so an f32
-//!   quantized product here equals the CPU's (an f32 product of the same dequantized values,
-//!   in another summation order).
+//! - Quantized linear weights stay packed on the device ([`quant`]): a product of up to 64
+//!   rows (decode) reads the packed arrays and dequantizes in registers (`qmatvec`); a larger
+//!   one (a prefill) dequantizes the weight into a step buffer first and goes through cuBLAS
+//!   like a dense one (sgemm for f32; `cublasGemmEx` with f32 accumulation for bf16/f16, after
+//!   rounding the activations to the same type). The dequantization rounds as the CPU's
+//!   `QMatrix::dequantize`, so an f32 quantized product here is a product of the CPU's
+//!   dequantized values, in another summation order.
 //!   Embedding tables are kept in f32 whatever the dtype (a tied LM head has both copies).
 //! - Small per-call vectors (norm weights, biases) are copied per call like activations.
 //!
@@ -69,6 +68,7 @@ mod graphs;
 mod kernel_image;
 mod ops;
 mod pool_arena;
+mod quant;
 mod staging;
 mod waits;
 
@@ -144,6 +144,7 @@ struct Kernels {
     top_k_rows: CudaFunction,
     sample_rows: CudaFunction,
     dequantize: CudaFunction,
+    qmatvec: CudaFunction,
     attention: CudaFunction,
     attention_merge: CudaFunction,
     to_bf16: CudaFunction,

@@ -4,7 +4,7 @@ use super::{WeightKey, WeightStamps};
 use crate::kernels::GemmDtype;
 
 fn key(addr: usize, len: usize) -> WeightKey {
-    WeightKey { addr, len, dtype: GemmDtype::F32 }
+    WeightKey { addr, len, dtype: GemmDtype::F32, packed: false }
 }
 
 #[test]
