@@ -48,6 +48,8 @@ extern "C" void sample_rows(const float* x, int cols, const double* params, doub
 extern "C" void dequantize(const float* scales, const float* mins, const unsigned char* qs,
                            float* out, u64 n, int kind);
 extern "C" void to_bf16(const float* x, unsigned short* y, u64 n);
+extern "C" void edit_rows(float* x, int cols, const unsigned int* offsets,
+                          const unsigned int* edits, u64 first);
 extern "C" void qmatvec(const float* scales, const float* mins, const unsigned char* qs,
                         const float* x, float* out, int n, int k, int m, int kind);
 
@@ -802,6 +804,35 @@ static int check(const Case& c) {
 // paged pool (blocks of 16, scattered), one query each at its last position, key ranges of
 // 128 (so the shorter ones have empty ranges). Each row against the double-precision
 // reference, and bit for bit against its sequence launched alone over the same ranges.
+// edit_rows: two rows of 6 columns holding tokens 4..10 (a shard), edits in order against the
+// host sampler's operations (bit for bit: token 5's penalty before its subtraction, which the
+// other order would not give), tokens outside the shard skipped, a row without edits
+// untouched.
+static int check_edit_rows() {
+    const int cols = 6;
+    const u64 first = 4;
+    float x[2 * cols] = {0.5f, 3.0f, -2.0f, 1.0f, 7.0f, 0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f};
+    auto bits = [](float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; };
+    // Token 5: repetition 1.5 then minus 0.25; token 6: repetition; token 7: + 1e-8 then + 2;
+    // tokens 3 and 10 are outside.
+    unsigned int edits[] = {5, 0, bits(1.5f), 6, 0, bits(1.5f), 5, 1, bits(0.25f),
+                            7, 2, bits(1e-8f), 7, 2, bits(2.0f), 3, 2, bits(9.0f),
+                            10, 2, bits(9.0f)};
+    unsigned int offsets[] = {0, 7, 7};
+    float want[2 * cols];
+    std::memcpy(want, x, sizeof x);
+    want[1] = 3.0f / 1.5f - 0.25f;
+    want[2] = -2.0f * 1.5f;
+    want[3] = (1.0f + 1e-8f) + 2.0f;
+    tpctl_launch(2, 1, 32, [&] { edit_rows(x, cols, offsets, edits, first); });
+    if (std::memcmp(x, want, sizeof x) != 0) {
+        for (int i = 0; i < 2 * cols; i++)
+            if (std::memcmp(&x[i], &want[i], 4) != 0) return fail("edit_rows", i, x[i], want[i]);
+    }
+    std::printf("ok: edit_rows (in order, a shard's columns, the host's operations)\n");
+    return 0;
+}
+
 // qmatvec: every packing, 1 and 11 rows of x (two blocks of rows), a row of W longer than a block's groups (so
 // threads take three) and one shorter, against the products of the weights `dequantize`
 // gives in double precision; a second launch gives the same bits; reading the 4-bit nibbles
@@ -992,5 +1023,5 @@ int main() {
         if (check(c) != 0) return 1;
     }
     return check_rows() != 0 || check_formats() != 0 || check_batched() != 0 ||
-           check_qmatvec() != 0;
+           check_qmatvec() != 0 || check_edit_rows() != 0;
 }

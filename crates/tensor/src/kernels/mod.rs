@@ -12,6 +12,7 @@
 
 pub mod cpu;
 pub mod cuda;
+mod edit;
 mod fused;
 mod prepare;
 mod sample;
@@ -24,6 +25,7 @@ pub use cpu::qmatrix::{QBits, QMatrix};
 pub use cpu::quant::BlockFormat;
 use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaDeviceInfo, PoolArena};
+pub use edit::{EditKind, LogitEdit, LogitEdits};
 pub use fused::{PoolMemory, PoolRows, Projected};
 pub use prepare::WeightUse;
 pub use sample::{draw_columns, exp_det, Draw, DRAW_CHUNK, DRAW_MAX_COLUMNS};

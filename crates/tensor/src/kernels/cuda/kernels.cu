@@ -635,6 +635,32 @@ extern "C" __global__ void dequantize(const float* scales, const float* mins,
     }
 }
 
+// The logits of row i of x (cols floats: the vocabulary's columns first..first + cols) changed
+// by the edits offsets[i]..offsets[i + 1] of `edits` (three words each: token, kind, the
+// value's bits), in order, by one thread per row (edits of one token must keep their order):
+// kind 0 divides a positive logit by the value and multiplies any other by it (a repetition
+// penalty), 1 subtracts the value, 2 adds it; a token outside the columns is skipped. The
+// host sampler's `LogitEdit::apply`, operation for operation.
+extern "C" __global__ void edit_rows(float* x, int cols, const unsigned int* offsets,
+                                     const unsigned int* edits, u64 first) {
+    if (threadIdx.x != 0) return;
+    float* row = x + (u64)blockIdx.x * cols;
+    for (unsigned int e = offsets[blockIdx.x]; e < offsets[blockIdx.x + 1]; e++) {
+        u64 token = edits[3 * (u64)e];
+        if (token < first || token - first >= (u64)cols) continue;
+        float* l = row + (token - first);
+        unsigned int kind = edits[3 * (u64)e + 1];
+        float v = __uint_as_float(edits[3 * (u64)e + 2]);
+        if (kind == 0) {
+            *l = *l > 0.0f ? *l / v : *l * v;
+        } else if (kind == 1) {
+            *l = *l - v;
+        } else {
+            *l = *l + v;
+        }
+    }
+}
+
 // Threads per block of `qmatvec`, and the activation rows one block takes.
 #define QMV_BLOCK 64
 #define QMV_ROWS 8

@@ -85,6 +85,15 @@ impl CudaBackend {
         match self.never {}
     }
 
+    pub(crate) fn edit_rows(
+        &self,
+        _x: &mut crate::tensor::Tensor,
+        _edits: &crate::kernels::LogitEdits,
+        _first: usize,
+    ) -> crate::error::Result<()> {
+        match self.never {}
+    }
+
     /// Turns CUDA graphs of decode steps on or off.
     pub fn set_graphs(&self, _enabled: bool) {
         match self.never {}

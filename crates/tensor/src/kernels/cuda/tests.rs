@@ -895,3 +895,34 @@ fn cuda_split_rope_append_writes_what_split_rope_and_write_rows_write() {
     };
     assert_eq!(attend(&*a), attend(&*b));
 }
+
+/// Logit edits (penalties, bias) on the device give the CPU's bits: rows of 1,000 logits, a
+/// few hundred edits of every kind (repeated tokens among them) in a shard from column 300.
+#[test]
+fn cuda_edit_rows_give_the_cpus_bits() {
+    use crate::kernels::{EditKind, LogitEdit, LogitEdits};
+    let Some(gpu) = gpu() else { return };
+    let cpu = cpu();
+    let kinds = [EditKind::Repetition, EditKind::Subtract, EditKind::Add];
+    let rows: Vec<Vec<LogitEdit>> = (0..3u32)
+        .map(|r| {
+            (0..200 * r)
+                .map(|i| LogitEdit {
+                    token: (i * 37 + r) % 1400,
+                    kind: kinds[(i % 3) as usize],
+                    value: 1.0 + 0.01 * i as f32,
+                })
+                .collect()
+        })
+        .collect();
+    let edits = LogitEdits::from_rows(rows.iter().map(Vec::as_slice));
+    let x = tensor(&[3, 1000], 41);
+    let (mut on_gpu, mut on_cpu) = (x.clone(), x.clone());
+    gpu.edit_rows(&mut on_gpu, &edits, 300).unwrap();
+    cpu.edit_rows(&mut on_cpu, &edits, 300).unwrap();
+    let (g, c) = (on_gpu.host().unwrap(), on_cpu.host().unwrap());
+    assert_ne!(c, x.host().unwrap(), "the edits change something");
+    for (i, (g, c)) in g.iter().zip(c).enumerate() {
+        assert_eq!(g.to_bits(), c.to_bits(), "logit {i}: {g} on the GPU, {c} on the CPU");
+    }
+}

@@ -116,6 +116,7 @@ impl CudaBackend {
             sample_rows: f("sample_rows")?,
             dequantize: f("dequantize")?,
             qmatvec: f("qmatvec")?,
+            edit_rows: f("edit_rows")?,
             attention: f("attention")?,
             attention_merge: f("attention_merge")?,
             to_bf16: f("to_bf16")?,

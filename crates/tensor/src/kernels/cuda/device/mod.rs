@@ -145,6 +145,7 @@ struct Kernels {
     sample_rows: CudaFunction,
     dequantize: CudaFunction,
     qmatvec: CudaFunction,
+    edit_rows: CudaFunction,
     attention: CudaFunction,
     attention_merge: CudaFunction,
     to_bf16: CudaFunction,

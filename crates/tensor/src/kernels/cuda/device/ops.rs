@@ -347,6 +347,34 @@ impl CudaBackend {
     /// One token per row of `x` by `draws` (see `Backend::sample_rows`), drawn on the device:
     /// the draws' numbers go up in one copy, the ids come down in one. The caller checked the
     /// counts and the row length.
+    /// [`crate::Backend::edit_rows`]: one thread per row applies the row's edits in order.
+    pub(crate) fn edit_rows(
+        &self,
+        x: &mut Tensor,
+        edits: &crate::kernels::LogitEdits,
+        first: usize,
+    ) -> Result<()> {
+        const OP: &str = "edit_rows";
+        let rows = x.rows();
+        if rows == 0 {
+            return Ok(());
+        }
+        let cols = int(OP, "columns", x.row_len())?;
+        let (offsets, words) = edits.words();
+        let od = self.stage(OP, &offsets, || Ok(Arc::new(self.upload(OP, &offsets)?)))?;
+        let ed = self.stage(OP, &words, || Ok(Arc::new(self.upload(OP, &words)?)))?;
+        let xp = self.writable(OP, x)?;
+        let mut b = KernelCall::new(&self.inner.k.edit_rows, per_row(OP, rows, 32)?);
+        b.arg(xp).arg(cols).arg(od.ptr).arg(ed.ptr).arg(first as u64);
+        // SAFETY: the arguments match `edit_rows(float*, int, const unsigned int*, const
+        // unsigned int*, u64)`; block r's first thread reads offsets r and r + 1 of the rows + 1
+        // staged (the caller checked there is a row of edits per row of x), the 3 words of
+        // each edit between them (three per edit, staged), and rewrites elements of row r of
+        // x (cols floats of rows·cols, `writable` made it this tensor's own), each only at a
+        // column inside the row.
+        unsafe { self.issue(OP, Call::Kernel(b)) }
+    }
+
     pub(crate) fn sample_rows(
         &self,
         x: &Tensor,
