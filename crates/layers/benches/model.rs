@@ -160,7 +160,13 @@ fn batched_decode(
         let mut seqs: Vec<Sequence<'_>> = tokens
             .iter()
             .zip(caches.iter_mut())
-            .map(|(tokens, cache)| Sequence { tokens, cache, sample: true, every_row: false })
+            .map(|(tokens, cache)| Sequence {
+                tokens,
+                cache,
+                sample: true,
+                every_row: false,
+                edits: &[],
+            })
             .collect();
         model.forward_batch(comms, &mut seqs).expect("batched step");
     };

@@ -15,7 +15,7 @@
 use crate::model::{SampledToken, StepOutput};
 use crate::plan::{PlanEntry, SeqId, SeqSampling, StepPlan};
 use std::collections::HashMap;
-use tensor::kernels::{candidate_order, draw_columns, row_numbers, Draw};
+use tensor::kernels::{candidate_order, draw_columns, row_numbers, Draw, EditKind, LogitEdit};
 use text::{GrammarEngine, GrammarMatcher};
 
 /// How a request picks its tokens and when it stops.
@@ -233,37 +233,49 @@ impl Sampler {
         token
     }
 
-    /// Applies the repetition, frequency and presence penalties, then the logit bias.
+    /// Applies the repetition, frequency and presence penalties, then the logit bias (the
+    /// edits of [`Sampler::edits`], in order).
     fn adjust(&self, logits: &mut [f32], prompt: &[u32], generated: &[u32]) {
+        for e in self.edits(prompt, generated) {
+            if let Some(l) = logits.get_mut(e.token as usize) {
+                *l = e.apply(*l);
+            }
+        }
+    }
+
+    /// The changes the penalties and the bias make to the logits of the token after `prompt`
+    /// and `generated`, in the order they are made: the repetition penalty of every token
+    /// seen, then the presence and frequency penalties of each token generated, then the
+    /// bias. A model runner applies the same edits where the logits are
+    /// (`tensor::Backend::edit_rows`) and gets the same bits.
+    pub fn edits(&self, prompt: &[u32], generated: &[u32]) -> Vec<LogitEdit> {
         let p = &self.params;
+        let mut out = Vec::new();
         if p.repetition_penalty != 1.0 {
             let mut seen: Vec<u32> = prompt.iter().chain(generated).copied().collect();
             seen.sort_unstable();
             seen.dedup();
-            for &t in &seen {
-                if let Some(l) = logits.get_mut(t as usize) {
-                    *l = if *l > 0.0 {
-                        *l / p.repetition_penalty
-                    } else {
-                        *l * p.repetition_penalty
-                    };
-                }
-            }
+            out.extend(seen.into_iter().map(|token| LogitEdit {
+                token,
+                kind: EditKind::Repetition,
+                value: p.repetition_penalty,
+            }));
         }
         if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
             let mut counts: Vec<u32> = generated.to_vec();
             counts.sort_unstable();
-            for run in counts.chunk_by(|a, b| a == b) {
-                if let Some(l) = logits.get_mut(run[0] as usize) {
-                    *l -= p.presence_penalty + p.frequency_penalty * run.len() as f32;
-                }
-            }
+            out.extend(counts.chunk_by(|a, b| a == b).map(|run| LogitEdit {
+                token: run[0],
+                kind: EditKind::Subtract,
+                value: p.presence_penalty + p.frequency_penalty * run.len() as f32,
+            }));
         }
-        for &(t, bias) in &p.logit_bias {
-            if let Some(l) = logits.get_mut(t as usize) {
-                *l += bias;
-            }
-        }
+        out.extend(p.logit_bias.iter().map(|&(token, value)| LogitEdit {
+            token,
+            kind: EditKind::Add,
+            value,
+        }));
+        out
     }
 
     /// The log-probabilities the request asked for (see [`SamplingParams::logprobs`]) of
@@ -469,6 +481,9 @@ struct SeqSampler {
     /// next entry's first token.
     pending: Option<Vec<f32>>,
     constraint: Option<Constrained>,
+    /// Its last entry sampled a token, which its next entry starts with: the token joins
+    /// `generated` then, on every rank alike (see [`Samplers::admit`]).
+    sampled_last: bool,
 }
 
 /// A constrained sequence's matcher and the mask of its next token.
@@ -557,14 +572,20 @@ impl Constrained {
 }
 
 impl SeqSampler {
-    /// Whether the sequence wants nothing of its logits but its sampled token: no
-    /// log-probabilities, penalties, bias or grammar, and no prompt scored.
+    /// Whether the sequence wants nothing of its logits but its sampled token, picked after
+    /// its penalties and bias ([`SeqSampler::edits`], which the model runner applies): no
+    /// log-probabilities or grammar, and no prompt scored.
     fn token_only(&self) -> bool {
         let p = self.sampler.params();
-        p.logprobs.is_none()
-            && !p.adjusts_logits()
-            && p.constraint.is_none()
-            && self.prompt_top.is_none()
+        p.logprobs.is_none() && p.constraint.is_none() && self.prompt_top.is_none()
+    }
+
+    /// The edits of its next token's logits (see [`Sampler::edits`]).
+    fn edits(&self) -> Vec<LogitEdit> {
+        if !self.sampler.params().adjusts_logits() {
+            return Vec::new();
+        }
+        self.sampler.edits(&self.prompt, &self.generated)
     }
 
     fn new(s: &SeqSampling) -> Self {
@@ -580,6 +601,7 @@ impl SeqSampler {
             prompt_top: s.params.prompt_logprobs.filter(|_| s.drawn == 0),
             pending: None,
             constraint,
+            sampled_last: false,
         }
     }
 }
@@ -612,14 +634,35 @@ impl Samplers {
         self.seqs.remove(&seq);
     }
 
-    /// Takes the sampling of the sequences that begin in `plan`; calling it again for the same
-    /// plan changes nothing (a sequence id begins once: a recompute takes a new one).
+    /// Takes the sampling of the sequences that begin in `plan`, and the tokens the last step
+    /// sampled (each continuing sequence's entry starts with its own) into the history its
+    /// penalties count; calling it again for the same plan changes nothing (a sequence id
+    /// begins once: a recompute takes a new one).
     pub fn admit(&mut self, plan: &StepPlan) {
         for e in &plan.entries {
             if let Some(s) = &e.sampling {
                 self.seqs.entry(e.seq).or_insert_with(|| SeqSampler::new(s));
+            } else if let Some(s) = self.seqs.get_mut(&e.seq) {
+                if std::mem::take(&mut s.sampled_last) && s.sampler.params().adjusts_logits() {
+                    s.generated.extend(e.tokens.first());
+                }
             }
         }
+    }
+
+    /// Each entry of `plan`'s changes to its logits before its token is picked (its
+    /// penalties and bias, [`Sampler::edits`]; none for an entry that does not sample), in
+    /// plan order, for a model runner that picks where the logits are (after
+    /// [`Samplers::admit`] with `plan`). Every rank gives the same (each TP rank edits its
+    /// share of the vocabulary).
+    pub fn edits(&self, plan: &StepPlan) -> Vec<Vec<LogitEdit>> {
+        plan.entries
+            .iter()
+            .map(|e| match self.seqs.get(&e.seq) {
+                Some(s) if e.sample => s.edits(),
+                _ => Vec::new(),
+            })
+            .collect()
     }
 
     /// Whether the model runner computes the logits of every token of `e`, not only of a
@@ -636,6 +679,7 @@ impl Samplers {
         for e in plan.sampled() {
             if let Some(s) = self.seqs.get_mut(&e.seq) {
                 s.prompt_top = None;
+                s.sampled_last = true;
             }
         }
     }
@@ -796,9 +840,7 @@ impl Samplers {
             _ => s.sampler.sample_next(row, &s.prompt, &s.generated),
         };
         let logprobs = s.sampler.logprobs(row, token);
-        if s.sampler.params().adjusts_logits() {
-            s.generated.push(token);
-        }
+        s.sampled_last = true;
         Ok(SampledToken { token, logprobs })
     }
 }

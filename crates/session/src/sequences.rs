@@ -106,17 +106,21 @@ impl Sequences {
         } else {
             None
         };
+        // What each sampled entry's penalties and bias change in its logits, applied where
+        // they are (every rank alike; the host path applies them itself).
+        let edits = self.samplers.edits(plan);
         let took = self.take(model, plan, new_cache, &mut taken);
         let samplers = &mut self.samplers;
         let mut forward = |taken: &mut Vec<(SeqId, ParallelCache)>| {
             let mut seqs: Vec<Sequence<'_>> = taken
                 .iter_mut()
-                .zip(plan.entries.iter().zip(&every))
-                .map(|((_, cache), (e, &every_row))| Sequence {
+                .zip(plan.entries.iter().zip(&every).zip(&edits))
+                .map(|((_, cache), ((e, &every_row), edits))| Sequence {
                     tokens: &e.tokens,
                     cache,
                     sample: e.sample,
                     every_row,
+                    edits,
                 })
                 .collect();
             let out = if argmax {

@@ -359,6 +359,7 @@ fn warm_up(model: &ParallelModel, comms: &mut Comms<'_>, context: usize) -> laye
         cache: &mut cache,
         sample: true,
         every_row: false,
+        edits: &[],
     }];
     model.forward_batch(comms, &mut seqs)?;
     Ok(())

@@ -7,7 +7,7 @@ use crate::model::Logits;
 use collectives::Collective;
 use mesh::TokenShard;
 use std::ops::Range;
-use tensor::kernels::{Draw, TopK};
+use tensor::kernels::{Draw, LogitEdit, LogitEdits, TopK};
 use tensor::{Backend, Tensor};
 
 /// How one sequence's tokens of a step are split over CP.
@@ -56,6 +56,11 @@ pub struct Sequence<'a> {
     /// Whether the logits of every token are wanted (prompt log-probabilities), the last
     /// one's included.
     pub every_row: bool,
+    /// What its sampler changes in its last row's logits before the token is picked there
+    /// (penalties, a bias: [`LogitEdit`]), in order. The paths that pick where the logits
+    /// are apply them ([`ParallelModel::forward_batch_argmax`] and the others);
+    /// [`ParallelModel::forward_batch`] returns the logits unedited.
+    pub edits: &'a [LogitEdit],
 }
 
 /// Where a batched step's final hidden rows are ([`ParallelModel::forward_batch`]).
@@ -173,7 +178,7 @@ impl ParallelModel {
     ) -> Result<Vec<u32>> {
         self.backend.run(|| {
             let x = self.hidden(comms, tokens, cache, logits)?;
-            self.lm_head.argmax(&self.backend, comms.tp, &x)
+            self.lm_head.argmax(&self.backend, comms.tp, &x, None, None)
         })
     }
 
@@ -236,12 +241,15 @@ impl ParallelModel {
         seqs: &mut [Sequence<'_>],
     ) -> Result<Option<Vec<u32>>> {
         let root = (self.placement.tp_rank, self.placement.cp_rank) == (0, 0);
+        let edits = row_edits(seqs);
+        let softcap = self.config.final_softcap;
         let _step = self.step(seqs);
         self.backend.run(|| match self.final_rows(comms, seqs)? {
             FinalRows::None { root } => Ok(root.then(Vec::new)),
             FinalRows::Elsewhere => Ok(None),
             FinalRows::Here(x) => {
-                let ids = self.lm_head.argmax(&self.final_backend(seqs), comms.tp, &x)?;
+                let be = self.final_backend(seqs);
+                let ids = self.lm_head.argmax(&be, comms.tp, &x, edits.as_ref(), softcap)?;
                 Ok(root.then_some(ids))
             }
         })
@@ -265,6 +273,7 @@ impl ParallelModel {
     ) -> Result<Option<TopK>> {
         let root = (self.placement.tp_rank, self.placement.cp_rank) == (0, 0);
         let softcap = self.config.final_softcap;
+        let edits = row_edits(seqs);
         let _step = self.step(seqs);
         self.backend.run(|| match self.final_rows(comms, seqs)? {
             FinalRows::None { root } => {
@@ -273,8 +282,8 @@ impl ParallelModel {
             }
             FinalRows::Elsewhere => Ok(None),
             FinalRows::Here(x) => {
-                let top =
-                    self.lm_head.top_k(&self.final_backend(seqs), comms.tp, &x, k, softcap)?;
+                let be = self.final_backend(seqs);
+                let top = self.lm_head.top_k(&be, comms.tp, &x, k, softcap, edits.as_ref())?;
                 Ok(root.then_some(top))
             }
         })
@@ -297,6 +306,7 @@ impl ParallelModel {
     ) -> Result<Option<Vec<u32>>> {
         let _step = self.step(seqs);
         let Some(logits) = self.forward_batch(comms, seqs)? else { return Ok(None) };
+        let logits = self.edited(logits, seqs)?;
         Ok(Some(self.backend.run(|| self.backend.sample_rows(&logits, draws))?))
     }
 
@@ -320,10 +330,20 @@ impl ParallelModel {
     ) -> Result<Option<(TopK, Vec<u32>)>> {
         let _step = self.step(seqs);
         let Some(logits) = self.forward_batch(comms, seqs)? else { return Ok(None) };
+        let logits = self.edited(logits, seqs)?;
         let be = &self.backend;
         Ok(Some(be.run(|| {
             Ok::<_, Error>((be.top_k_rows(&logits, k)?, be.sample_rows(&logits, draws)?))
         })?))
+    }
+
+    /// `logits`, [`ParallelModel::forward_batch`]'s rows of `seqs` (the whole vocabulary),
+    /// with each sequence's edits applied to its last row.
+    fn edited(&self, mut logits: Tensor, seqs: &[Sequence<'_>]) -> Result<Tensor> {
+        if let Some(edits) = row_edits(seqs) {
+            self.backend.run(|| self.backend.edit_rows(&mut logits, &edits, 0))?;
+        }
+        Ok(logits)
     }
 
     /// Starts the backend's step over `seqs` (see [`Backend::step`]): until it is dropped, the
@@ -534,7 +554,7 @@ impl ParallelModel {
         logits: Logits,
     ) -> Result<Tensor> {
         let c = &self.config;
-        let mut seqs = [Sequence { tokens, cache, sample: true, every_row: false }];
+        let mut seqs = [Sequence { tokens, cache, sample: true, every_row: false, edits: &[] }];
         let (x, mut parts) = self.layers(comms, &mut seqs)?;
         let part = parts.remove(0);
         // Bring the rows asked for onto every rank.
@@ -558,4 +578,23 @@ impl ParallelModel {
         };
         Ok(self.backend.rms_norm(&x, &self.norm, c.rms_eps)?)
     }
+}
+
+/// The edits of the rows [`ParallelModel::forward_batch`] returns for `seqs`: each sequence's
+/// on its last row (the one its token is picked from), none on the others; `None` when no
+/// sequence has any.
+fn row_edits(seqs: &[Sequence<'_>]) -> Option<LogitEdits> {
+    if seqs.iter().all(|s| s.edits.is_empty()) {
+        return None;
+    }
+    let mut rows: Vec<&[LogitEdit]> = Vec::new();
+    for s in seqs {
+        if s.every_row {
+            rows.extend(std::iter::repeat_n(&[][..], s.tokens.len().saturating_sub(1)));
+            rows.push(s.edits);
+        } else if s.sample {
+            rows.push(s.edits);
+        }
+    }
+    Some(LogitEdits::from_rows(rows))
 }

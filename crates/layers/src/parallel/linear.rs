@@ -11,7 +11,7 @@ use checkpoint::{Shard, WeightSource};
 use collectives::{Collective, Communicator, ReduceOp};
 use std::ops::Range;
 use std::sync::Arc;
-use tensor::kernels::{Backend, TopK, Weight, WeightUse};
+use tensor::kernels::{Backend, LogitEdits, TopK, Weight, WeightUse};
 use tensor::memory::{Arena, WeightBuffers};
 use tensor::Tensor;
 
@@ -368,12 +368,27 @@ impl ParallelLmHead {
 
     /// Greedy tokens per row without gathering the logits: each rank's best (value, id) pair
     /// is gathered and the largest wins, the lowest id on ties, NaN never, token 0 for a row
-    /// without a number (as a serial argmax).
+    /// without a number (as a serial argmax). With `edits`, each rank first edits its
+    /// vocabulary's share of the logits, soft-capped by `softcap` as the model's final logits
+    /// are (the host sampler edits the capped logits); without, the cap changes no argmax.
     ///
     /// # Errors
     /// `x` has the wrong width, or a failed collective.
-    pub fn argmax(&self, be: &Backend, tp: &mut dyn Communicator, x: &Tensor) -> Result<Vec<u32>> {
-        let local = be.linear(x, &self.weight)?;
+    pub fn argmax(
+        &self,
+        be: &Backend,
+        tp: &mut dyn Communicator,
+        x: &Tensor,
+        edits: Option<&LogitEdits>,
+        softcap: Option<f32>,
+    ) -> Result<Vec<u32>> {
+        let mut local = be.linear(x, &self.weight)?;
+        if let Some(edits) = edits {
+            if let Some(cap) = softcap {
+                be.soft_cap(&mut local, cap)?;
+            }
+            be.edit_rows(&mut local, edits, self.ranges[self.rank].start)?;
+        }
         if tp.size() == 1 {
             // The whole vocabulary is here: the backend's argmax (on its device).
             return Ok(be.argmax_rows(&local)?.into_iter().map(|i| i as u32).collect());
@@ -414,7 +429,8 @@ impl ParallelLmHead {
 
 impl ParallelLmHead {
     /// The `k` most likely tokens of each row (at most [`tensor::kernels::TOP_K_MAX`]): their
-    /// logits, soft-capped by `softcap` as the model's final logits are, and ids, the largest
+    /// logits, soft-capped by `softcap` as the model's final logits are and then edited by
+    /// `edits` (each rank its share of the vocabulary), and ids, the largest
     /// first and the lower id among equal logits, without gathering the logits: each rank
     /// finds its own vocabulary's `k` best on its device and the ranks gather those (the `k`
     /// best of the union are the row's). The same candidates as
@@ -429,10 +445,14 @@ impl ParallelLmHead {
         x: &Tensor,
         k: usize,
         softcap: Option<f32>,
+        edits: Option<&LogitEdits>,
     ) -> Result<TopK> {
         let mut local = be.linear(x, &self.weight)?;
         if let Some(cap) = softcap {
             be.soft_cap(&mut local, cap)?;
+        }
+        if let Some(edits) = edits {
+            be.edit_rows(&mut local, edits, self.ranges[self.rank].start)?;
         }
         let mine = be.top_k_rows(&local, k)?;
         if k == 0 {

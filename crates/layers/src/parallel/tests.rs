@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use tensor::kernels::cpu::quant::BlockFormat;
-use tensor::kernels::{Backend, KvElem};
+use tensor::kernels::{Backend, KvElem, LogitEdit, LogitEdits};
 use tensor::memory::Arena;
 use tensor::Tensor;
 
@@ -150,10 +150,10 @@ fn linear_layers_embedding_and_head_match_the_full_layers() {
             let e = emb.forward(&be, comms.tp, &ids).unwrap();
             let head = ParallelLmHead::new(emb.table().clone(), vocab, p.tp_rank);
             let logits = head.logits(&be, comms.tp, &x).unwrap();
-            let argmax = head.argmax(&be, comms.tp, &x).unwrap();
+            let argmax = head.argmax(&be, comms.tp, &x, None, None).unwrap();
             // A row without a number (all NaN): token 0, as the serial argmax gives.
             let nan = Tensor::from_vec(&[1, x.row_len()], vec![f32::NAN; x.row_len()]).unwrap();
-            let nan_ids = head.argmax(&be, comms.tp, &nan).unwrap();
+            let nan_ids = head.argmax(&be, comms.tp, &nan, None, None).unwrap();
             (up_all, down_all, e, logits, (argmax, nan_ids))
         });
         let want_ids: Vec<u32> =
@@ -640,6 +640,17 @@ fn run_steps_with<T>(
     comms: &mut Comms<'_>,
     steps: &[Vec<Entry>],
     caches: &mut [ParallelCache],
+    step: impl FnMut(&mut Comms<'_>, &mut [Sequence<'_>]) -> T,
+) -> Vec<T> {
+    run_steps_edited(comms, steps, caches, &[], step)
+}
+
+/// [`run_steps_with`], sequence `i` with `edits[i]` (none past `edits`).
+fn run_steps_edited<T>(
+    comms: &mut Comms<'_>,
+    steps: &[Vec<Entry>],
+    caches: &mut [ParallelCache],
+    edits: &[Vec<LogitEdit>],
     mut step: impl FnMut(&mut Comms<'_>, &mut [Sequence<'_>]) -> T,
 ) -> Vec<T> {
     let mut out = Vec::new();
@@ -652,6 +663,7 @@ fn run_steps_with<T>(
                 cache: by_seq[*seq].take().unwrap(),
                 sample: *sample,
                 every_row: false,
+                edits: edits.get(*seq).map_or(&[], Vec::as_slice),
             })
             .collect();
         out.push(step(comms, &mut seqs));
@@ -778,6 +790,88 @@ fn batched_argmax_picks_what_the_gathered_logits_pick_in_every_layout() {
         }
     }
     std::fs::remove_file(path).unwrap();
+}
+
+/// Edits (penalties, a bias) applied where the logits are: greedy ids and top-k candidates are
+/// those of the rows `forward_batch` gives in the same layout with the edits applied on the
+/// host, bit for bit, in every layout (each TP rank edits its share of the vocabulary; edits
+/// in every shard, and a soft-capped model, whose logits are capped before they are edited).
+#[test]
+fn edits_where_the_logits_are_pick_what_the_edited_gathered_logits_pick_in_every_layout() {
+    use tensor::kernels::EditKind;
+    for gemma in [false, true] {
+        let spec = RandomLlama {
+            heads: 6,
+            kv_heads: 3,
+            hidden: 48,
+            ffn: 80,
+            vocab: 40,
+            layers: 2,
+            seed: 61,
+            gemma2: gemma.then(crate::model::random::Gemma2::default),
+            ..RandomLlama::default()
+        };
+        let path = write_model(&spec, "batched-edits.gguf");
+        let steps = mixed_steps(spec.vocab as u32);
+        let kinds = [EditKind::Repetition, EditKind::Subtract, EditKind::Add];
+        // Per sequence, edits that move its best tokens: every shard of a 3-way split is hit.
+        let edits: Vec<Vec<LogitEdit>> = (0..5u32)
+            .map(|s| {
+                (0..12u32)
+                    .map(|i| LogitEdit {
+                        token: (s * 11 + i * 7) % 40,
+                        kind: kinds[(i % 3) as usize],
+                        value: [1.7, 3.0, 4.0][(i % 3) as usize] + 0.1 * s as f32,
+                    })
+                    .collect()
+            })
+            .collect();
+        for (tp, cp) in [(1, 1), (2, 1), (1, 2), (3, 1)] {
+            let got = on_mesh(tp, cp, |p, comms| {
+                let model = f32_model_on(&path, p);
+                let logits = run_steps(&model, comms, &steps, &mut five_caches(&model));
+                let mut caches = five_caches(&model);
+                let ids = run_steps_edited(comms, &steps, &mut caches, &edits, |comms, seqs| {
+                    model.forward_batch_argmax(comms, seqs).unwrap()
+                });
+                let mut caches = five_caches(&model);
+                let tops = run_steps_edited(comms, &steps, &mut caches, &edits, |comms, seqs| {
+                    model.forward_batch_top_k(comms, seqs, 5).unwrap()
+                });
+                (p, logits, ids, tops)
+            });
+            let cpu = Backend::cpu(1).unwrap();
+            let mut changed = false;
+            for (p, logits, ids, tops) in got {
+                if (p.tp_rank, p.cp_rank) != (0, 0) {
+                    continue;
+                }
+                for (i, step) in steps.iter().enumerate() {
+                    let logits = logits[i].as_ref().unwrap();
+                    let sampled: Vec<usize> = step.iter().filter(|e| e.2).map(|e| e.0).collect();
+                    let mut edited = logits.clone();
+                    let rows = LogitEdits::from_rows(sampled.iter().map(|&s| &edits[s][..]));
+                    cpu.edit_rows(&mut edited, &rows, 0).unwrap();
+                    let want: Vec<u32> =
+                        (0..edited.rows()).map(|r| argmax(edited.row(r))).collect();
+                    let what = format!("({tp},{cp}) gemma {gemma} step {i}");
+                    assert_eq!(ids[i].as_ref().unwrap(), &want, "{what}");
+                    let plain: Vec<u32> =
+                        (0..logits.rows()).map(|r| argmax(logits.row(r))).collect();
+                    changed |= plain != want;
+                    let top = tops[i].as_ref().unwrap();
+                    let want = cpu.top_k_rows(&edited, 5).unwrap();
+                    for r in 0..edited.rows() {
+                        let (got, want): (Vec<_>, Vec<_>) =
+                            (top.row(r).collect(), want.row(r).collect());
+                        assert_eq!(got, want, "{what} row {r}");
+                    }
+                }
+            }
+            assert!(changed, "({tp},{cp}) gemma {gemma}: the edits change no pick");
+        }
+        std::fs::remove_file(path).unwrap();
+    }
 }
 
 /// Batched steps for samplers that keep the k most likely tokens find them without moving the
@@ -1049,6 +1143,7 @@ fn every_row_gives_the_logits_of_every_token_in_every_layout() {
                         cache: by_seq[*seq].take().unwrap(),
                         sample: *sample,
                         every_row: *every,
+                        edits: &[],
                     })
                     .collect();
                 out.push(model.forward_batch(comms, &mut seqs).unwrap());
@@ -1136,7 +1231,13 @@ fn paged_caches_give_the_logits_of_own_buffers() {
     model
         .forward_batch(
             &mut comms,
-            &mut [Sequence { tokens: &a_tokens, cache: &mut a, sample: true, every_row: false }],
+            &mut [Sequence {
+                tokens: &a_tokens,
+                cache: &mut a,
+                sample: true,
+                every_row: false,
+                edits: &[],
+            }],
         )
         .unwrap();
     let mut fresh = model.new_paged_cache(&pool).unwrap();
@@ -1149,6 +1250,7 @@ fn paged_caches_give_the_logits_of_own_buffers() {
                 cache: &mut fresh,
                 sample: true,
                 every_row: false,
+                edits: &[],
             }],
         )
         .unwrap();
@@ -1163,6 +1265,7 @@ fn paged_caches_give_the_logits_of_own_buffers() {
                 cache: &mut reused,
                 sample: true,
                 every_row: false,
+                edits: &[],
             }],
         )
         .unwrap();
@@ -1183,8 +1286,14 @@ fn a_batch_with_no_room_for_one_sequence_is_refused_before_it_runs() {
     let mut comms = Comms { tp: &mut tp, cp: &mut cp };
     let (mut roomy, mut small) = (model.new_cache(16), model.new_cache(2));
     let mut seqs = [
-        Sequence { tokens: &[1, 2], cache: &mut roomy, sample: true, every_row: false },
-        Sequence { tokens: &[3, 4, 5], cache: &mut small, sample: true, every_row: false },
+        Sequence { tokens: &[1, 2], cache: &mut roomy, sample: true, every_row: false, edits: &[] },
+        Sequence {
+            tokens: &[3, 4, 5],
+            cache: &mut small,
+            sample: true,
+            every_row: false,
+            edits: &[],
+        },
     ];
     let err = model.forward_batch(&mut comms, &mut seqs).unwrap_err();
     assert!(matches!(err, Error::CacheFull { capacity: 2, requested: 3, .. }), "{err}");
@@ -1248,6 +1357,7 @@ fn greedy_batched(
                             cache,
                             sample: false,
                             every_row: false,
+                            edits: &[],
                         })
                         .collect();
                     model.forward_batch(comms, &mut seqs).unwrap();
@@ -1265,6 +1375,7 @@ fn greedy_batched(
                         cache,
                         sample: true,
                         every_row: false,
+                        edits: &[],
                     })
                     .collect();
                 let logits = model.forward_batch(comms, &mut seqs).unwrap();
@@ -1757,17 +1868,35 @@ fn gemma2_final_logits_are_soft_capped_on_every_path() {
     assert!(rel_err(with.data(), &want) < 1e-6);
     assert!(without.data().iter().any(|l| l.abs() > cap), "the cap must bind somewhere");
     let mut cache = capped.new_cache(16);
-    let mut seqs = [Sequence { tokens: &prompt, cache: &mut cache, sample: true, every_row: true }];
+    let mut seqs = [Sequence {
+        tokens: &prompt,
+        cache: &mut cache,
+        sample: true,
+        every_row: true,
+        edits: &[],
+    }];
     let batched = capped.forward_batch(&mut comms, &mut seqs).unwrap().unwrap();
     assert!(rel_err(batched.data(), &want) < 1e-5);
     let mut cache = capped.new_cache(16);
-    let mut seqs = [Sequence { tokens: &prompt, cache: &mut cache, sample: true, every_row: true }];
+    let mut seqs = [Sequence {
+        tokens: &prompt,
+        cache: &mut cache,
+        sample: true,
+        every_row: true,
+        edits: &[],
+    }];
     let ids = capped.forward_batch_argmax(&mut comms, &mut seqs).unwrap().unwrap();
     let argmax = capped.backend().argmax_rows(&batched).unwrap();
     assert_eq!(ids.iter().map(|&i| i as usize).collect::<Vec<_>>(), argmax);
     // The candidates of a top-k sampler carry the capped logits.
     let mut cache = capped.new_cache(16);
-    let mut seqs = [Sequence { tokens: &prompt, cache: &mut cache, sample: true, every_row: true }];
+    let mut seqs = [Sequence {
+        tokens: &prompt,
+        cache: &mut cache,
+        sample: true,
+        every_row: true,
+        edits: &[],
+    }];
     let top = capped.forward_batch_top_k(&mut comms, &mut seqs, 5).unwrap().unwrap();
     let want = capped.backend().top_k_rows(&batched, 5).unwrap();
     assert_eq!(top, want);
@@ -1816,6 +1945,7 @@ fn decode_rows_are_the_same_bits_alone_and_in_a_step_of_any_size() {
                         cache: &mut cache,
                         sample: true,
                         every_row: false,
+                        edits: &[],
                     }];
                     model.forward_batch(&mut comms, &mut one).unwrap();
                     cache
@@ -1828,8 +1958,13 @@ fn decode_rows_are_the_same_bits_alone_and_in_a_step_of_any_size() {
             .iter_mut()
             .enumerate()
             .map(|(s, cache)| {
-                let mut one =
-                    [Sequence { tokens: &next(s), cache, sample: true, every_row: false }];
+                let mut one = [Sequence {
+                    tokens: &next(s),
+                    cache,
+                    sample: true,
+                    every_row: false,
+                    edits: &[],
+                }];
                 let logits = model.forward_batch(&mut comms, &mut one).unwrap().unwrap();
                 logits.data().iter().map(|x| x.to_bits()).collect()
             })
@@ -1841,9 +1976,21 @@ fn decode_rows_are_the_same_bits_alone_and_in_a_step_of_any_size() {
         let mut step: Vec<Sequence<'_>> = together
             .iter_mut()
             .zip(&tokens)
-            .map(|(cache, t)| Sequence { tokens: t, cache, sample: true, every_row: false })
+            .map(|(cache, t)| Sequence {
+                tokens: t,
+                cache,
+                sample: true,
+                every_row: false,
+                edits: &[],
+            })
             .collect();
-        step.push(Sequence { tokens: &chunk, cache: &mut fresh, sample: true, every_row: false });
+        step.push(Sequence {
+            tokens: &chunk,
+            cache: &mut fresh,
+            sample: true,
+            every_row: false,
+            edits: &[],
+        });
         let logits = model.forward_batch(&mut comms, &mut step).unwrap().unwrap();
         for (s, want) in want.iter().enumerate() {
             let got: Vec<u32> = logits.row(s).iter().map(|x| x.to_bits()).collect();

@@ -283,6 +283,43 @@ fn seeded_sampling_of_mixed_steps_gives_what_a_plain_sampler_gives() {
     );
 }
 
+/// Penalties and a logit bias in each path that picks where the logits are (greedy picks,
+/// candidates, whole rows drawn, and a mix), the edits applied there: each request's tokens
+/// are those a plain sampler picks after the same penalties from the single-sequence model's
+/// rows, with batching, chunked prefill and preemption.
+#[test]
+fn penalties_and_bias_applied_where_the_logits_are_give_what_a_plain_sampler_gives() {
+    let sampling = |seed, temperature| SamplingParams { temperature, ..plain(seed) };
+    let penalized = |p: SamplingParams| SamplingParams {
+        repetition_penalty: 1.3,
+        presence_penalty: 0.4,
+        frequency_penalty: 0.2,
+        logit_bias: vec![(7, 0.5), (11, -1.0)],
+        ..p
+    };
+    let greedy = [
+        (vec![1, 2, 3, 4, 10, 11], penalized(sampling(0, 0.0))),
+        (vec![9, 8, 7], SamplingParams { repetition_penalty: 1.8, ..sampling(0, 0.0) }),
+        (vec![30, 31, 32], sampling(0, 0.0)),
+    ];
+    let top_k = [
+        (vec![1, 2, 3, 4, 10, 11], penalized(SamplingParams { top_k: 6, ..sampling(7, 0.9) })),
+        (vec![5, 6], SamplingParams { top_k: 3, frequency_penalty: 1.0, ..sampling(9, 0.6) }),
+        (vec![12, 13, 14, 15], SamplingParams { top_k: 4, ..sampling(11, 0.7) }),
+    ];
+    let whole = [
+        (vec![1, 2, 3, 4, 20], penalized(SamplingParams { top_p: 0.8, ..sampling(8, 1.2) })),
+        (vec![5, 6], SamplingParams { logit_bias: vec![(3, 2.0)], ..sampling(10, 1.0) }),
+        (vec![16, 17, 18], SamplingParams { min_p: 0.05, ..sampling(12, 1.0) }),
+    ];
+    let mixed: Vec<_> = top_k.iter().chain(&whole).cloned().collect();
+    for (name, requests) in
+        [("greedy", &greedy[..]), ("top-k", &top_k[..]), ("whole", &whole[..]), ("mixed", &mixed)]
+    {
+        assert_plain_sampler_tokens(&format!("penalized-{name}"), requests);
+    }
+}
+
 /// 14 tokens past the end-of-sequence token, seeded.
 fn plain(seed: u64) -> SamplingParams {
     SamplingParams { max_tokens: 14, seed, ignore_eos: true, ..SamplingParams::default() }
@@ -305,7 +342,7 @@ fn assert_plain_sampler_tokens(name: &str, requests: &[(Vec<u32>, SamplingParams
         let mut logits = reference.next_logits(&mut cache, prompt);
         let mut want = Vec::new();
         for _ in 0..params.max_tokens {
-            let token = sampler.sample(&logits);
+            let token = sampler.sample_next(&logits, prompt, &want);
             want.push(token);
             logits = reference.next_logits(&mut cache, &[token]);
         }

@@ -204,7 +204,8 @@ fn the_runner_samples_each_sequence_with_the_parameters_its_first_entry_brought(
 }
 
 /// A step is argmax-only when every sampled sequence is greedy with nothing else wanted of
-/// its logits; a sequence that is not sampled does not count, unless its prompt is scored.
+/// its logits (a penalty or a bias is an edit the runner applies first); a sequence that is
+/// not sampled does not count, unless its prompt is scored.
 #[test]
 fn only_plain_greedy_steps_skip_the_logits() {
     let with = |params: SamplingParams| SeqSampling { params, ..SeqSampling::default() };
@@ -213,8 +214,8 @@ fn only_plain_greedy_steps_skip_the_logits() {
         ("greedy", plain.clone(), true),
         ("sampled", with(SamplingParams { temperature: 0.7, ..Default::default() }), false),
         ("logprobs", with(SamplingParams { logprobs: Some(2), ..Default::default() }), false),
-        ("bias", with(SamplingParams { logit_bias: vec![(1, 1.0)], ..Default::default() }), false),
-        ("penalty", with(SamplingParams { presence_penalty: 0.5, ..Default::default() }), false),
+        ("bias", with(SamplingParams { logit_bias: vec![(1, 1.0)], ..Default::default() }), true),
+        ("penalty", with(SamplingParams { presence_penalty: 0.5, ..Default::default() }), true),
         ("prompt", with(SamplingParams { prompt_logprobs: Some(1), ..Default::default() }), false),
     ];
     for (what, sampling, want) in cases {
@@ -223,6 +224,9 @@ fn only_plain_greedy_steps_skip_the_logits() {
             plan_of(vec![entry(1, true, Some(plain.clone())), entry(2, true, Some(sampling))]);
         samplers.admit(&plan);
         assert_eq!(samplers.argmax_only(&plan), want, "{what}");
+        let edits = samplers.edits(&plan);
+        assert!(edits[0].is_empty(), "{what}: a plain sampler edits nothing");
+        assert_eq!(edits[1].is_empty(), !what.starts_with('b'), "{what}: only the bias edits");
     }
     // Not sampled in this step: only a scored prompt needs its rows.
     let mut samplers = Samplers::new();
@@ -252,8 +256,12 @@ fn steps_of_samplers_that_keep_a_few_tokens_need_only_candidates() {
         ("top-k above the most", top(TOP_K_MAX), None),
         ("no top-k", top(0), None),
         ("logprobs", with(SamplingParams { logprobs: Some(2), ..Default::default() }), None),
-        ("bias", with(SamplingParams { logit_bias: vec![(1, 1.0)], ..Default::default() }), None),
-        ("penalty", with(SamplingParams { presence_penalty: 0.5, ..Default::default() }), None),
+        (
+            "bias",
+            with(SamplingParams { logit_bias: vec![(1, 1.0)], ..Default::default() }),
+            Some(1),
+        ),
+        ("penalty", with(SamplingParams { presence_penalty: 0.5, ..Default::default() }), Some(1)),
         ("prompt", with(SamplingParams { prompt_logprobs: Some(1), ..Default::default() }), None),
     ];
     for (what, sampling, want) in cases {
@@ -346,7 +354,7 @@ fn steps_of_samplers_that_weigh_every_token_are_drawn_where_the_logits_are() {
             false,
         ),
         ("logprobs", warm(SamplingParams { logprobs: Some(1), ..Default::default() }), false),
-        ("penalty", warm(SamplingParams { frequency_penalty: 0.5, ..Default::default() }), false),
+        ("penalty", warm(SamplingParams { frequency_penalty: 0.5, ..Default::default() }), true),
         ("prompt", warm(SamplingParams { prompt_logprobs: Some(1), ..Default::default() }), false),
     ];
     for (what, sampling, want) in cases {
@@ -600,7 +608,7 @@ fn steps_that_mix_candidates_and_whole_rows_are_sampled_where_the_logits_are() {
         (
             "a penalty",
             vec![top_k(5), warm(SamplingParams { presence_penalty: 1.0, ..Default::default() })],
-            None,
+            Some(6),
         ),
     ];
     for (what, samplings, want) in cases {

@@ -17,9 +17,10 @@ fn keeps_candidates(p: &SamplingParams) -> bool {
 
 impl Samplers {
     /// Whether every token `plan` samples is its logits row's argmax and nothing else is
-    /// wanted of the logits (greedy, no log-probabilities, penalties, bias or grammar, no
-    /// prompt scored): a model runner can then find the tokens without moving the logits. Every
-    /// rank answers the same (after [`Samplers::admit`] with `plan`): it decides collectives.
+    /// wanted of the logits (greedy, no log-probabilities or grammar, no prompt scored;
+    /// penalties and a bias are edits the runner applies first, [`Samplers::edits`]): a
+    /// model runner can then find the tokens without moving the logits. Every rank answers
+    /// the same (after [`Samplers::admit`] with `plan`): it decides collectives.
     pub fn argmax_only(&self, plan: &StepPlan) -> bool {
         self.every_sampled(plan, |s| s.sampler.params().temperature <= 0.0)
     }
@@ -36,11 +37,12 @@ impl Samplers {
     /// The candidates per row a model runner must find for [`Samplers::pick_candidates`] to
     /// pick every token `plan` samples, when that is enough: every sampled entry keeps fewer
     /// than [`TOP_K_MAX`] tokens (greedy keeps 1, sampling its `top_k`) and nothing else is
-    /// wanted of the logits (no log-probabilities, penalties, bias or grammar, no prompt
-    /// scored); `None` otherwise. One more than the most any entry keeps: a row that gives
-    /// fewer has no more numbers, which changes the order its sampler weighs them in (see
-    /// [`super::Sampler::sample_candidates`]). The runner then moves a few candidates per row, not the
-    /// logits. Every rank answers the same (after [`Samplers::admit`] with `plan`): it decides
+    /// wanted of the logits (no log-probabilities or grammar, no prompt scored; penalties and
+    /// a bias are edits the runner applies first, [`Samplers::edits`]); `None` otherwise.
+    /// One more than the most any entry keeps: a row that gives fewer has no more numbers,
+    /// which changes the order its sampler weighs them in (see
+    /// [`super::Sampler::sample_candidates`]). The runner then moves a few candidates per
+    /// row, not the logits. Every rank answers the same (after [`Samplers::admit`] with `plan`): it decides
     /// collectives.
     pub fn candidates(&self, plan: &StepPlan) -> Option<usize> {
         let mut most = 1;
@@ -66,8 +68,9 @@ impl Samplers {
     /// Whether the model runner can draw every token `plan` samples where the logits are,
     /// from rows of `vocab` logits ([`Samplers::draws`]): every sampled entry is greedy or
     /// draws from its whole row (a temperature, perhaps min-p and top-p, no top-k) and
-    /// nothing else is wanted of the logits (no log-probabilities, penalties, bias or grammar,
-    /// no prompt scored). Every rank answers the same (after [`Samplers::admit`] with
+    /// nothing else is wanted of the logits (no log-probabilities or grammar, no prompt
+    /// scored; penalties and a bias are edits the runner applies first,
+    /// [`Samplers::edits`]). Every rank answers the same (after [`Samplers::admit`] with
     /// `plan`).
     pub fn drawable(&self, plan: &StepPlan, vocab: usize) -> bool {
         vocab <= DRAW_MAX_COLUMNS
