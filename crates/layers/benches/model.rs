@@ -160,13 +160,7 @@ fn batched_decode(
         let mut seqs: Vec<Sequence<'_>> = tokens
             .iter()
             .zip(caches.iter_mut())
-            .map(|(tokens, cache)| Sequence {
-                tokens,
-                cache,
-                sample: true,
-                every_row: false,
-                edits: &[],
-            })
+            .map(|(tokens, cache)| Sequence::sampled(tokens, cache))
             .collect();
         model.forward_batch(comms, &mut seqs).expect("batched step");
     };

@@ -536,22 +536,7 @@ fn cuda_top_k_candidates_and_draws_of_a_step_are_those_of_its_logits() {
         let mut step = |pick: &mut dyn FnMut(&mut Comms<'_>, &mut [Sequence<'_>])| {
             let mut caches = [model.new_cache(16), model.new_cache(16)];
             let [a, b] = &mut caches;
-            let mut seqs = [
-                Sequence {
-                    tokens: prompts[0],
-                    cache: a,
-                    sample: true,
-                    every_row: false,
-                    edits: &[],
-                },
-                Sequence {
-                    tokens: prompts[1],
-                    cache: b,
-                    sample: true,
-                    every_row: false,
-                    edits: &[],
-                },
-            ];
+            let mut seqs = [Sequence::sampled(prompts[0], a), Sequence::sampled(prompts[1], b)];
             pick(&mut comms, &mut seqs);
         };
         let mut logits = None;
@@ -683,9 +668,9 @@ fn decode_three_sequences<T>(
         let before = measure(be);
         let [a, b, c] = &mut caches;
         let mut seqs = [
-            Sequence { tokens: &next[0], cache: a, sample: true, every_row: false, edits: &[] },
-            Sequence { tokens: &next[1], cache: b, sample: true, every_row: false, edits: &[] },
-            Sequence { tokens: &next[2], cache: c, sample: true, every_row: false, edits: &[] },
+            Sequence::sampled(&next[0], a),
+            Sequence::sampled(&next[1], b),
+            Sequence::sampled(&next[2], c),
         ];
         let ids = model.forward_batch_argmax(&mut comms, &mut seqs).unwrap().unwrap();
         next = ids.iter().map(|&t| vec![t]).collect();

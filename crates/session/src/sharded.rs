@@ -354,13 +354,7 @@ fn warm_up(model: &ParallelModel, comms: &mut Comms<'_>, context: usize) -> laye
     // Token 0 is in every vocabulary.
     let tokens = vec![0u32; n];
     let mut cache = model.new_cache(n);
-    let mut seqs = [layers::parallel::Sequence {
-        tokens: &tokens,
-        cache: &mut cache,
-        sample: true,
-        every_row: false,
-        edits: &[],
-    }];
+    let mut seqs = [layers::parallel::Sequence::sampled(&tokens, &mut cache)];
     model.forward_batch(comms, &mut seqs)?;
     Ok(())
 }

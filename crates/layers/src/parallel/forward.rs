@@ -63,6 +63,13 @@ pub struct Sequence<'a> {
     pub edits: &'a [LogitEdit],
 }
 
+impl<'a> Sequence<'a> {
+    /// `tokens` continuing `cache`, its last token's logits wanted (sampled), with no edits.
+    pub fn sampled(tokens: &'a [u32], cache: &'a mut ParallelCache) -> Self {
+        Sequence { tokens, cache, sample: true, every_row: false, edits: &[] }
+    }
+}
+
 /// Where a batched step's final hidden rows are ([`ParallelModel::forward_batch`]).
 enum FinalRows {
     /// No row is wanted (prompt chunks only); `root`: this is the rank at TP 0 and CP 0.
@@ -554,7 +561,7 @@ impl ParallelModel {
         logits: Logits,
     ) -> Result<Tensor> {
         let c = &self.config;
-        let mut seqs = [Sequence { tokens, cache, sample: true, every_row: false, edits: &[] }];
+        let mut seqs = [Sequence::sampled(tokens, cache)];
         let (x, mut parts) = self.layers(comms, &mut seqs)?;
         let part = parts.remove(0);
         // Bring the rows asked for onto every rank.

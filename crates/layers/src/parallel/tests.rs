@@ -305,16 +305,7 @@ fn check_layouts(spec: &RandomLlama, stem: &str, layouts: &[(usize, usize)]) {
 #[test]
 fn every_layout_matches_the_single_rank_model() {
     // Uneven heads (3 KV heads over TP=2 split 2 + 1) and uneven tokens over CP.
-    let spec = RandomLlama {
-        heads: 6,
-        kv_heads: 3,
-        hidden: 48,
-        ffn: 80,
-        vocab: 40,
-        layers: 2,
-        seed: 33,
-        ..RandomLlama::default()
-    };
+    let spec = batched_spec(33);
     let layouts = [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (1, 3), (3, 2), (6, 1)];
     check_layouts(&spec, "layouts.gguf", &layouts);
 }
@@ -619,6 +610,21 @@ fn f32_model_on(path: &std::path::Path, p: Placement) -> ParallelModel {
     ParallelModel::from_source(&file, config, opts).unwrap()
 }
 
+/// The small model of the batched-step tests (6 heads over 3 KV heads, a vocabulary of 40,
+/// so TP splits it unevenly in three), with weights from `seed`.
+fn batched_spec(seed: u64) -> RandomLlama {
+    RandomLlama {
+        heads: 6,
+        kv_heads: 3,
+        hidden: 48,
+        ffn: 80,
+        vocab: 40,
+        layers: 2,
+        seed,
+        ..RandomLlama::default()
+    }
+}
+
 /// A cache of 64 tokens for each of `mixed_steps`' five sequences.
 fn five_caches(model: &ParallelModel) -> Vec<ParallelCache> {
     (0..5).map(|_| model.new_cache(64)).collect()
@@ -696,16 +702,7 @@ fn each_sequence_alone(path: &std::path::Path, steps: &[Vec<Entry>]) -> (Model, 
 
 #[test]
 fn batched_steps_match_each_sequence_alone() {
-    let spec = RandomLlama {
-        heads: 6,
-        kv_heads: 3,
-        hidden: 48,
-        ffn: 80,
-        vocab: 40,
-        layers: 2,
-        seed: 41,
-        ..RandomLlama::default()
-    };
+    let spec = batched_spec(41);
     let path = write_model(&spec, "batched.gguf");
     let steps = mixed_steps(spec.vocab as u32);
     let (reference, want) = each_sequence_alone(&path, &steps);
@@ -756,16 +753,7 @@ fn batched_steps_match_each_sequence_alone() {
 /// rank at TP 0 and CP 0 only, in every layout (a TP split of the vocabulary included).
 #[test]
 fn batched_argmax_picks_what_the_gathered_logits_pick_in_every_layout() {
-    let spec = RandomLlama {
-        heads: 6,
-        kv_heads: 3,
-        hidden: 48,
-        ffn: 80,
-        vocab: 40,
-        layers: 2,
-        seed: 47,
-        ..RandomLlama::default()
-    };
+    let spec = batched_spec(47);
     let path = write_model(&spec, "batched-argmax.gguf");
     let steps = mixed_steps(spec.vocab as u32);
     for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)] {
@@ -801,15 +789,8 @@ fn edits_where_the_logits_are_pick_what_the_edited_gathered_logits_pick_in_every
     use tensor::kernels::EditKind;
     for gemma in [false, true] {
         let spec = RandomLlama {
-            heads: 6,
-            kv_heads: 3,
-            hidden: 48,
-            ffn: 80,
-            vocab: 40,
-            layers: 2,
-            seed: 61,
             gemma2: gemma.then(crate::model::random::Gemma2::default),
-            ..RandomLlama::default()
+            ..batched_spec(61)
         };
         let path = write_model(&spec, "batched-edits.gguf");
         let steps = mixed_steps(spec.vocab as u32);
@@ -881,16 +862,7 @@ fn edits_where_the_logits_are_pick_what_the_edited_gathered_logits_pick_in_every
 /// vocabulary.
 #[test]
 fn batched_top_k_finds_the_gathered_logits_candidates_in_every_layout() {
-    let spec = RandomLlama {
-        heads: 6,
-        kv_heads: 3,
-        hidden: 48,
-        ffn: 80,
-        vocab: 40,
-        layers: 2,
-        seed: 53,
-        ..RandomLlama::default()
-    };
+    let spec = batched_spec(53);
     let path = write_model(&spec, "batched-top-k.gguf");
     let steps = mixed_steps(spec.vocab as u32);
     for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1)] {
@@ -937,16 +909,7 @@ fn batched_top_k_finds_the_gathered_logits_candidates_in_every_layout() {
 #[test]
 fn batched_draws_pick_what_the_gathered_logits_give_in_every_layout() {
     use tensor::kernels::{draw_columns, row_numbers, Draw};
-    let spec = RandomLlama {
-        heads: 6,
-        kv_heads: 3,
-        hidden: 48,
-        ffn: 80,
-        vocab: 40,
-        layers: 2,
-        seed: 59,
-        ..RandomLlama::default()
-    };
+    let spec = batched_spec(59);
     let path = write_model(&spec, "batched-draws.gguf");
     let steps = mixed_steps(spec.vocab as u32);
     // Per step, a draw for each row it samples (the rows of `forward_batch`).
@@ -1004,18 +967,7 @@ fn batched_draws_pick_what_the_gathered_logits_give_in_every_layout() {
 
 /// A small Llama with Qwen2's attention biases and an untied head.
 fn biased_untied_spec(seed: u64) -> RandomLlama {
-    RandomLlama {
-        heads: 6,
-        kv_heads: 3,
-        hidden: 48,
-        ffn: 80,
-        vocab: 40,
-        layers: 2,
-        seed,
-        attn_bias: true,
-        untied_head: true,
-        ..RandomLlama::default()
-    }
+    RandomLlama { attn_bias: true, untied_head: true, ..batched_spec(seed) }
 }
 
 /// The shard at `p` of the model file at `path`, in f32, on `be`.
@@ -1086,16 +1038,7 @@ fn argmax(row: &[f32]) -> u32 {
 /// equal to the single-rank model's logits of all its tokens.
 #[test]
 fn every_row_gives_the_logits_of_every_token_in_every_layout() {
-    let spec = RandomLlama {
-        heads: 6,
-        kv_heads: 3,
-        hidden: 48,
-        ffn: 80,
-        vocab: 40,
-        layers: 2,
-        seed: 43,
-        ..RandomLlama::default()
-    };
+    let spec = batched_spec(43);
     let path = write_model(&spec, "every-row.gguf");
     let ids = |from: u32, n: u32| (from..from + n).map(|t| t % spec.vocab as u32).collect();
     // (sequence, tokens, sample, every row)
@@ -1174,16 +1117,7 @@ fn every_row_gives_the_logits_of_every_token_in_every_layout() {
 /// prefix continues exactly as one that computed it.
 #[test]
 fn paged_caches_give_the_logits_of_own_buffers() {
-    let spec = RandomLlama {
-        heads: 6,
-        kv_heads: 3,
-        hidden: 48,
-        ffn: 80,
-        vocab: 40,
-        layers: 2,
-        seed: 43,
-        ..RandomLlama::default()
-    };
+    let spec = batched_spec(43);
     let path = write_model(&spec, "paged.gguf");
     let steps = mixed_steps(spec.vocab as u32);
     for (tp, cp) in [(1, 1), (2, 1), (1, 2), (2, 2)] {
@@ -1228,46 +1162,16 @@ fn paged_caches_give_the_logits_of_own_buffers() {
     let (a_tokens, b_tokens) = ([3, 9, 4, 1, 7, 7], [3, 9, 4, 1, 2, 5, 8]);
     let mut a = model.new_paged_cache(&pool).unwrap();
     a.extend_table(&[5, 2]).unwrap();
-    model
-        .forward_batch(
-            &mut comms,
-            &mut [Sequence {
-                tokens: &a_tokens,
-                cache: &mut a,
-                sample: true,
-                every_row: false,
-                edits: &[],
-            }],
-        )
-        .unwrap();
+    model.forward_batch(&mut comms, &mut [Sequence::sampled(&a_tokens, &mut a)]).unwrap();
     let mut fresh = model.new_paged_cache(&pool).unwrap();
     fresh.extend_table(&[0, 1]).unwrap();
-    let want = model
-        .forward_batch(
-            &mut comms,
-            &mut [Sequence {
-                tokens: &b_tokens,
-                cache: &mut fresh,
-                sample: true,
-                every_row: false,
-                edits: &[],
-            }],
-        )
-        .unwrap();
+    let want =
+        model.forward_batch(&mut comms, &mut [Sequence::sampled(&b_tokens, &mut fresh)]).unwrap();
     let mut reused = model.new_paged_cache(&pool).unwrap();
     reused.extend_table(&[5, 3]).unwrap();
     reused.assume_prefix(4).unwrap();
     let got = model
-        .forward_batch(
-            &mut comms,
-            &mut [Sequence {
-                tokens: &b_tokens[4..],
-                cache: &mut reused,
-                sample: true,
-                every_row: false,
-                edits: &[],
-            }],
-        )
+        .forward_batch(&mut comms, &mut [Sequence::sampled(&b_tokens[4..], &mut reused)])
         .unwrap();
     assert_eq!(reused.len(), b_tokens.len());
     let e = rel_err(got.unwrap().data(), want.unwrap().data());
@@ -1370,13 +1274,7 @@ fn greedy_batched(
                 let mut seqs: Vec<Sequence<'_>> = fed
                     .iter()
                     .zip(caches.iter_mut())
-                    .map(|(tokens, cache)| Sequence {
-                        tokens,
-                        cache,
-                        sample: true,
-                        every_row: false,
-                        edits: &[],
-                    })
+                    .map(|(tokens, cache)| Sequence::sampled(tokens, cache))
                     .collect();
                 let logits = model.forward_batch(comms, &mut seqs).unwrap();
                 // Rank 0's picks, sent down its CP column, then along every TP row.
@@ -1868,35 +1766,17 @@ fn gemma2_final_logits_are_soft_capped_on_every_path() {
     assert!(rel_err(with.data(), &want) < 1e-6);
     assert!(without.data().iter().any(|l| l.abs() > cap), "the cap must bind somewhere");
     let mut cache = capped.new_cache(16);
-    let mut seqs = [Sequence {
-        tokens: &prompt,
-        cache: &mut cache,
-        sample: true,
-        every_row: true,
-        edits: &[],
-    }];
+    let mut seqs = [Sequence { every_row: true, ..Sequence::sampled(&prompt, &mut cache) }];
     let batched = capped.forward_batch(&mut comms, &mut seqs).unwrap().unwrap();
     assert!(rel_err(batched.data(), &want) < 1e-5);
     let mut cache = capped.new_cache(16);
-    let mut seqs = [Sequence {
-        tokens: &prompt,
-        cache: &mut cache,
-        sample: true,
-        every_row: true,
-        edits: &[],
-    }];
+    let mut seqs = [Sequence { every_row: true, ..Sequence::sampled(&prompt, &mut cache) }];
     let ids = capped.forward_batch_argmax(&mut comms, &mut seqs).unwrap().unwrap();
     let argmax = capped.backend().argmax_rows(&batched).unwrap();
     assert_eq!(ids.iter().map(|&i| i as usize).collect::<Vec<_>>(), argmax);
     // The candidates of a top-k sampler carry the capped logits.
     let mut cache = capped.new_cache(16);
-    let mut seqs = [Sequence {
-        tokens: &prompt,
-        cache: &mut cache,
-        sample: true,
-        every_row: true,
-        edits: &[],
-    }];
+    let mut seqs = [Sequence { every_row: true, ..Sequence::sampled(&prompt, &mut cache) }];
     let top = capped.forward_batch_top_k(&mut comms, &mut seqs, 5).unwrap().unwrap();
     let want = capped.backend().top_k_rows(&batched, 5).unwrap();
     assert_eq!(top, want);
@@ -1940,13 +1820,8 @@ fn decode_rows_are_the_same_bits_alone_and_in_a_step_of_any_size() {
             (0..seqs - 1)
                 .map(|s| {
                     let mut cache = model.new_cache(64);
-                    let mut one = [Sequence {
-                        tokens: &prompt(s),
-                        cache: &mut cache,
-                        sample: true,
-                        every_row: false,
-                        edits: &[],
-                    }];
+                    let tokens = prompt(s);
+                    let mut one = [Sequence::sampled(&tokens, &mut cache)];
                     model.forward_batch(&mut comms, &mut one).unwrap();
                     cache
                 })
@@ -1958,13 +1833,8 @@ fn decode_rows_are_the_same_bits_alone_and_in_a_step_of_any_size() {
             .iter_mut()
             .enumerate()
             .map(|(s, cache)| {
-                let mut one = [Sequence {
-                    tokens: &next(s),
-                    cache,
-                    sample: true,
-                    every_row: false,
-                    edits: &[],
-                }];
+                let tokens = next(s);
+                let mut one = [Sequence::sampled(&tokens, cache)];
                 let logits = model.forward_batch(&mut comms, &mut one).unwrap().unwrap();
                 logits.data().iter().map(|x| x.to_bits()).collect()
             })
@@ -1976,21 +1846,9 @@ fn decode_rows_are_the_same_bits_alone_and_in_a_step_of_any_size() {
         let mut step: Vec<Sequence<'_>> = together
             .iter_mut()
             .zip(&tokens)
-            .map(|(cache, t)| Sequence {
-                tokens: t,
-                cache,
-                sample: true,
-                every_row: false,
-                edits: &[],
-            })
+            .map(|(cache, t)| Sequence::sampled(t, cache))
             .collect();
-        step.push(Sequence {
-            tokens: &chunk,
-            cache: &mut fresh,
-            sample: true,
-            every_row: false,
-            edits: &[],
-        });
+        step.push(Sequence::sampled(&chunk, &mut fresh));
         let logits = model.forward_batch(&mut comms, &mut step).unwrap().unwrap();
         for (s, want) in want.iter().enumerate() {
             let got: Vec<u32> = logits.row(s).iter().map(|x| x.to_bits()).collect();
