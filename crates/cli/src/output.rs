@@ -185,6 +185,9 @@ pub struct Totals {
     /// Of `decode_time`, the time the host spent blocked waiting for the GPU; `None` on the
     /// CPU.
     pub decode_gpu_wait: Option<Duration>,
+    /// Of `decode_time`, the time the GPU worked on the steps (events on its stream around
+    /// each, read as the device passes them); `None` on the CPU.
+    pub decode_gpu_busy: Option<Duration>,
     /// What decode-only steps asked of the GPU's driver (launches, allocations, copies, host
     /// waits); `None` on the CPU.
     pub decode_gpu_calls: Option<Counters>,
@@ -206,6 +209,8 @@ pub struct Meter {
     gpu: Option<tensor::kernels::Backend>,
     /// The GPU wait the last step ended at.
     waited: Duration,
+    /// The GPU's busy time the last step ended at.
+    busy: Duration,
     /// The driver calls counted when the last step ended.
     calls: Counters,
 }
@@ -218,6 +223,7 @@ impl Meter {
         Meter {
             gpu: waited.is_some().then(|| compute.clone()),
             waited: waited.unwrap_or_default(),
+            busy: compute.device_busy().unwrap_or_default(),
             calls: compute.device_counters().unwrap_or_default(),
             ..Meter::default()
         }
@@ -228,6 +234,9 @@ impl MetricsSink for Meter {
     fn step(&mut self, m: &StepMetrics) {
         let waited = self.gpu.as_ref().and_then(tensor::kernels::Backend::device_wait);
         let step_wait = waited.map(|w| w.saturating_sub(std::mem::replace(&mut self.waited, w)));
+        // Read as the device passes the steps' ends: a step's share may land in a later one's.
+        let busy = self.gpu.as_ref().and_then(tensor::kernels::Backend::device_busy);
+        let step_busy = busy.map(|b| b.saturating_sub(std::mem::replace(&mut self.busy, b)));
         let counted = self.gpu.as_ref().and_then(tensor::kernels::Backend::device_counters);
         let step_calls = counted.map(|c| c.since(&std::mem::replace(&mut self.calls, c)));
         let workspaces = self.gpu.as_ref().and_then(tensor::kernels::Backend::workspace_stats);
@@ -247,6 +256,9 @@ impl MetricsSink for Meter {
             if let Some(w) = step_wait {
                 // Waits outside the step's model time (none today) are not the step's.
                 *t.decode_gpu_wait.get_or_insert_default() += w.min(time);
+            }
+            if let Some(b) = step_busy {
+                *t.decode_gpu_busy.get_or_insert_default() += b;
             }
             if let Some(c) = step_calls {
                 let total = t.decode_gpu_calls.get_or_insert_default();
@@ -299,6 +311,9 @@ fn gpu_split(totals: &Totals) -> String {
             w.slots + w.fallbacks
         )
     });
+    let busy = totals
+        .decode_gpu_busy
+        .map_or(String::new(), |b| format!(" (the GPU busy {:.2} ms of it)", ms(b)));
     let graphs = totals.graphs.map_or(String::new(), |g| {
         format!(
             "; graphs: {} captured, {} replayed, {} stopped matching, {} failed captures",
@@ -306,7 +321,7 @@ fn gpu_split(totals: &Totals) -> String {
         )
     });
     format!(
-        ", decode step {step:.2} ms: host {:.2} ms + waiting for the GPU {waiting:.2} ms{calls}{workspaces}{graphs}",
+        ", decode step {step:.2} ms{busy}: host {:.2} ms + waiting for the GPU {waiting:.2} ms{calls}{workspaces}{graphs}",
         (step - waiting).max(0.0)
     )
 }
@@ -376,6 +391,16 @@ mod tests {
         let line = summary(&totals, &RunClock::default(), Duration::from_secs(1));
         assert!(
             line.ends_with("decode step 5.00 ms: host 3.50 ms + waiting for the GPU 1.50 ms"),
+            "{line}"
+        );
+        // The GPU's own time, from events around the steps, beside the step's.
+        let busy = Totals { decode_gpu_busy: Some(Duration::from_millis(32)), ..totals };
+        let line = summary(&busy, &RunClock::default(), Duration::from_secs(1));
+        assert!(
+            line.ends_with(
+                "decode step 5.00 ms (the GPU busy 3.20 ms of it): host 3.50 ms + waiting for \
+                 the GPU 1.50 ms"
+            ),
             "{line}"
         );
         // With the driver's calls counted, their mean per decode step follows.

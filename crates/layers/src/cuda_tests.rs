@@ -605,7 +605,8 @@ fn cuda_warm_decode_steps_take_their_buffers_from_the_step_workspace() {
 /// sequences with graphs on give the ids of the same steps run eagerly (`set_graphs(false)`)
 /// bit for bit, f32 and bf16 (and in f32 the CPU's). Once warm, most steps replay a graph:
 /// one graph launch, no launch or upload outside it; the misses are the few steps whose
-/// inputs outgrew their staging slots as the contexts grew.
+/// inputs outgrew their staging slots as the contexts grew. The device's time in the steps
+/// (events around each) is some, and no more than the run's.
 #[test]
 fn cuda_decode_steps_replay_graphs_with_the_tokens_of_eager_steps() {
     for dtype in [GemmDtype::F32, GemmDtype::Bf16] {
@@ -622,8 +623,13 @@ fn cuda_decode_steps_replay_graphs_with_the_tokens_of_eager_steps() {
                 })
                 .collect::<Vec<_>>()
         };
+        let started = std::time::Instant::now();
         let with_graphs = run(&graphed);
+        let wall = started.elapsed();
         let without = run(&eager);
+        // The device's time in the steps, from events around each: some, and within the run.
+        let busy = graphed.device_busy().unwrap();
+        assert!(busy > std::time::Duration::ZERO && busy <= wall, "{dtype:?}: busy {busy:?}");
         for (step, (g, e)) in with_graphs.iter().zip(&without).enumerate() {
             assert_eq!(g.0, e.0, "{dtype:?} step {step}: a replayed graph changed the ids");
             assert_eq!(e.1.graph_launches, 0, "{dtype:?} step {step}: eager steps launch no graph");

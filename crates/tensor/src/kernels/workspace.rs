@@ -542,6 +542,15 @@ impl super::Backend {
         }
     }
 
+    /// The time the GPU spent in this backend's steps so far, measured on the device (events
+    /// around each step, [`super::CudaBackend::device_busy`]); `None` on the CPU.
+    pub fn device_busy(&self) -> Option<std::time::Duration> {
+        match self {
+            super::Backend::Cpu(_) => None,
+            super::Backend::Cuda(cuda) => Some(cuda.device_busy()),
+        }
+    }
+
     /// What the step graphs have done so far; `None` on the CPU.
     pub fn graph_stats(&self) -> Option<super::cuda::GraphStats> {
         match self {

@@ -94,6 +94,11 @@ impl CudaBackend {
         match self.never {}
     }
 
+    /// The time the device spent in this backend's steps so far.
+    pub fn device_busy(&self) -> std::time::Duration {
+        match self.never {}
+    }
+
     /// Turns CUDA graphs of decode steps on or off.
     pub fn set_graphs(&self, _enabled: bool) {
         match self.never {}

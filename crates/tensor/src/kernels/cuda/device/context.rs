@@ -139,6 +139,7 @@ impl CudaBackend {
             workspace: Mutex::default(),
             staging: Mutex::default(),
             graphs: super::graphs::Graphs::new(true),
+            times: Mutex::default(),
             waited_ns: AtomicU64::new(0),
             counters: Default::default(),
         };
@@ -185,6 +186,7 @@ impl CudaBackend {
         let outermost = self.workspace().begin(key);
         if outermost {
             self.ready_staging();
+            self.start_step_timing();
             self.begin_graph(key.map(|_| (tokens, seqs)));
         }
     }
@@ -194,6 +196,7 @@ impl CudaBackend {
         let outermost = self.workspace().end();
         if outermost {
             self.end_graph();
+            self.end_step_timing();
             self.end_staging();
         }
     }

@@ -70,6 +70,7 @@ mod ops;
 mod pool_arena;
 mod quant;
 mod staging;
+mod timing;
 mod waits;
 
 pub use pool_arena::PoolArena;
@@ -172,6 +173,8 @@ struct Inner {
     /// The step workspaces (see [`crate::kernels::workspace`]): the buffers of a planned
     /// step's kernels.
     workspace: Mutex<crate::kernels::workspace::StepMemory<cudarc::driver::CudaSlice<u8>>>,
+    /// The events around each step (see [`timing`]).
+    times: Mutex<timing::StepTimes>,
     /// The step graphs (see [`graphs`]).
     graphs: Mutex<graphs::Graphs>,
     /// The step inputs' staging buffers (see [`staging`]), made at the first step.
