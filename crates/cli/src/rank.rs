@@ -195,6 +195,7 @@ fn lead(
         if let Some(engine) = &grammars {
             factory = factory.with_grammars(engine.clone());
         }
+        let compute = factory.backend().cloned();
         let factory = Box::new(factory);
         let rank0 = crate::serve::Rank0 {
             ctx,
@@ -209,6 +210,7 @@ fn lead(
             stop,
             control: Some(controller.clone()),
             grammars,
+            compute,
         };
         return crate::serve::run(rank0, serve);
     }

@@ -131,6 +131,8 @@ struct Inner {
     prefix_queries: u64,
     prefix_hits: u64,
     preemptions: u64,
+    /// What rank 0's CUDA graphs did, at the latest step (`None`: no GPU).
+    graphs: Option<tensor::kernels::cuda::GraphStats>,
 }
 
 impl Default for Inner {
@@ -166,6 +168,7 @@ impl Default for Inner {
             prefix_queries: 0,
             prefix_hits: 0,
             preemptions: 0,
+            graphs: None,
         }
     }
 }
@@ -267,7 +270,7 @@ impl Metrics {
 
     /// The engine's metrics sink, feeding the step counters; its first step sets `ready`.
     pub fn engine_sink(&self, ready: Arc<AtomicBool>) -> EngineMeter {
-        EngineMeter { metrics: self.clone(), ready }
+        EngineMeter { metrics: self.clone(), ready, graphs: None }
     }
 
     /// Everything, in the Prometheus text format (version 0.0.4), vLLM's names labelled with
@@ -386,6 +389,26 @@ impl Metrics {
             m.submitted,
         );
         out.counter("tpctl_steps_total", "Engine steps run.", m.steps);
+        if let Some(g) = m.graphs {
+            for (name, help, n) in [
+                ("captures", "CUDA graphs of decode steps captured on rank 0.", g.captures),
+                ("replays", "Steps that replayed a CUDA graph on rank 0.", g.replays),
+                (
+                    "misses",
+                    "Replays on rank 0 that stopped matching their graph (the step went on \
+                     eagerly).",
+                    g.misses,
+                ),
+                (
+                    "failed_captures",
+                    "Captures on rank 0 that failed or were abandoned (their shape's steps run \
+                     eagerly).",
+                    g.failed_captures,
+                ),
+            ] {
+                out.counter(&format!("tpctl_cuda_graph_{name}_total"), help, n);
+            }
+        }
         out.counter(
             "tpctl_step_seconds_total",
             "Time in engine steps (agreement and model).",
@@ -656,6 +679,23 @@ pub fn render_sleep(out: &mut String, state: &DeploymentState, journal: &Journal
 pub struct EngineMeter {
     metrics: Metrics,
     ready: Arc<AtomicBool>,
+    /// Reads what rank 0's CUDA graphs did (see [`EngineMeter::with_graphs`]).
+    graphs: Option<GraphReader>,
+}
+
+/// Reads a backend's graph counts.
+type GraphReader = Box<dyn Fn() -> Option<tensor::kernels::cuda::GraphStats> + Send>;
+
+impl EngineMeter {
+    /// Also reads, after each step, what rank 0's CUDA graphs did (`Backend::graph_stats`),
+    /// for the `tpctl_cuda_graph_*` counters.
+    pub fn with_graphs(
+        mut self,
+        read: impl Fn() -> Option<tensor::kernels::cuda::GraphStats> + Send + 'static,
+    ) -> Self {
+        self.graphs = Some(Box::new(read));
+        self
+    }
 }
 
 impl MetricsSink for EngineMeter {
@@ -678,6 +718,9 @@ impl MetricsSink for EngineMeter {
         m.prefix_queries += s.prefix_queries;
         m.prefix_hits += s.prefix_hits;
         m.preemptions += s.preemptions;
+        if let Some(read) = &self.graphs {
+            m.graphs = read();
+        }
     }
 }
 

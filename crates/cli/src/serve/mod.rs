@@ -67,6 +67,8 @@ pub struct Rank0<'a> {
     /// The grammar engine of structured outputs, the one the factory samples with (`None`:
     /// requests for them are refused).
     pub grammars: Option<text::GrammarEngine>,
+    /// Rank 0's kernels, for the metrics of its CUDA graphs (`None`: the factory's default).
+    pub compute: Option<tensor::kernels::Backend>,
 }
 
 /// Refuses to expose an API without a key: a listener outside loopback needs one.
@@ -127,7 +129,11 @@ pub fn run(rank0: Rank0<'_>, spec: &ServeSpec) -> Result<()> {
         rank0.ctx,
         rank0.factory,
         Box::new(bridge.sink()),
-        Box::new(metrics.engine_sink(ready.clone())),
+        Box::new({
+            let compute = rank0.compute.clone();
+            let graphs = move || compute.as_ref().and_then(tensor::kernels::Backend::graph_stats);
+            metrics.engine_sink(ready.clone()).with_graphs(graphs)
+        }),
         rank0.engine,
     )?
     .with_gate(rank0.gate)

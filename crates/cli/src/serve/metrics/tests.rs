@@ -111,6 +111,35 @@ fn a_request_held_for_a_wakeup_counts_as_waiting() {
     assert_eq!(waiting(&m), "0");
 }
 
+/// What rank 0's CUDA graphs did is read after each step into the `tpctl_cuda_graph_*`
+/// counters; without a GPU there are none.
+#[test]
+fn cuda_graph_counts_are_read_after_each_step() {
+    use session::{MetricsSink, StepMetrics};
+    let m = Metrics::default();
+    let mut plain = m.engine_sink(std::sync::Arc::default());
+    plain.step(&StepMetrics::default());
+    assert!(!m.render("tiny").contains("tpctl_cuda_graph"), "no GPU, no graph counters");
+    let stats = tensor::kernels::cuda::GraphStats {
+        captures: 3,
+        replays: 590,
+        misses: 2,
+        failed_captures: 1,
+        eager_shapes: 1,
+    };
+    let mut engine = m.engine_sink(std::sync::Arc::default()).with_graphs(move || Some(stats));
+    engine.step(&StepMetrics::default());
+    let text = m.render("tiny");
+    for line in [
+        "tpctl_cuda_graph_captures_total 3",
+        "tpctl_cuda_graph_replays_total 590",
+        "tpctl_cuda_graph_misses_total 2",
+        "tpctl_cuda_graph_failed_captures_total 1",
+    ] {
+        assert!(has(&text, line), "{line} in\n{text}");
+    }
+}
+
 /// The engine's step phases add up per phase label, in the order a step runs them, next to
 /// the step totals; the handlers' detokenization and chunk encoding are counted apart.
 #[test]
