@@ -140,6 +140,7 @@ impl CudaBackend {
             staging: Mutex::default(),
             graphs: super::graphs::Graphs::new(true),
             times: Mutex::default(),
+            step_armed: Default::default(),
             waited_ns: AtomicU64::new(0),
             counters: Default::default(),
         };

@@ -289,6 +289,9 @@ impl Inner {
 
     /// Issues `calls` now, in order (calls a replay skipped, or a capture abandoned).
     fn run_all(&self, op: &str, calls: &[Call]) -> Result<()> {
+        if !calls.is_empty() {
+            self.work_starts();
+        }
         for call in calls {
             // SAFETY: each was a call of this step, compared equal to what the step asked
             // for (so with its arguments checked by its caller), and what it touches is the
@@ -319,6 +322,7 @@ impl Inner {
         let done = match leave {
             Leave::Nothing => Ok(()),
             Leave::Launch(g) => {
+                self.work_starts();
                 self.counters.add(Count::GraphLaunch);
                 g.0.launch().or_unavailable(|| "launching the step's graph".to_owned())
             }
@@ -390,6 +394,9 @@ impl CudaBackend {
             OnCall::Recover(skipped) => inner.run_all(op, &skipped)?,
         }
         let capturing = graphs.book.capturing();
+        if !capturing {
+            inner.work_starts();
+        }
         // SAFETY: the caller's.
         let done = unsafe { inner.run(op, &call) };
         if done.is_err() && capturing {
@@ -409,6 +416,9 @@ impl CudaBackend {
         if !graphs.book.begin(shape) {
             return;
         }
+        // The step's start goes on the stream before the capture: nothing inside it runs
+        // until the graph is launched.
+        inner.work_starts();
         if let Err(e) =
             inner.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         {

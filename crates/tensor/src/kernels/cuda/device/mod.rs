@@ -175,6 +175,8 @@ struct Inner {
     workspace: Mutex<crate::kernels::workspace::StepMemory<cudarc::driver::CudaSlice<u8>>>,
     /// The events around each step (see [`timing`]).
     times: Mutex<timing::StepTimes>,
+    /// A step is open whose start event waits for its first work.
+    step_armed: std::sync::atomic::AtomicBool,
     /// The step graphs (see [`graphs`]).
     graphs: Mutex<graphs::Graphs>,
     /// The step inputs' staging buffers (see [`staging`]), made at the first step.
@@ -192,6 +194,9 @@ impl Inner {
     /// see [`graphs`]).
     fn count(&self, what: Count) {
         self.leave_graph(matches!(what, Count::Download | Count::HostWait));
+        if !matches!(what, Count::HostWait | Count::Allocation) {
+            self.work_starts();
+        }
         self.counters.add(what);
     }
 }
