@@ -156,15 +156,18 @@ for t in "$here"/bin/test-*; do
     fi
 done
 
-# Benchmarks: the default model's tokens/s on the GPU (f32 and bf16 weights) next to the CPU,
-# one rank, 64 greedy tokens; then NCCL all-reduce bus bandwidth (needs two GPUs).
+# Benchmarks: the default model's tokens/s on the GPU (f32 and bf16 weights, bf16 also without
+# CUDA graphs) next to the CPU, one rank, 64 greedy tokens; then NCCL all-reduce bus bandwidth
+# (needs two GPUs).
 say "== tpctl run, SmolLM2-135M Q4_1, one rank, 64 tokens"
-for cfg in "cpu f32" "cuda f32" "cuda bf16"; do
+for cfg in "cpu f32" "cuda f32" "cuda bf16" "cuda bf16 --enforce-eager"; do
     set -- $cfg
+    run="$1-$2${3:+-eager}"
     step 60 "$here/bin/tpctl" run --model "$TPCTL_CACHE/$name" --device "$1" --dtype "$2" \
-        --max-tokens 64 --temperature 0 --prompt "The capital of France is" >"$out/run-$1-$2.txt"
-    say "$1 $2: $(grep -a '^-- ' "$out/run-$1-$2.txt" || echo "no summary (failed)")"
-    say "   text: $(head -c 300 "$out/run-$1-$2.txt" | tr '\n' ' ')"
+        ${3:-} --max-tokens 64 --temperature 0 --prompt "The capital of France is" \
+        >"$out/run-$run.txt"
+    say "$run: $(grep -a '^-- ' "$out/run-$run.txt" || echo "no summary (failed)")"
+    say "   text: $(head -c 300 "$out/run-$run.txt" | tr '\n' ' ')"
 done
 # A long prompt (about 1,500 tokens): the prefill's products and the split-over-keys attention
 # of every decode step over a long context, which the short prompt never reaches.
