@@ -36,10 +36,24 @@ impl<T> StepBuf<T> {
     }
 }
 
-/// A device address for a kernel, with the upload behind it (if any) kept alive.
-pub(super) struct Input {
+/// A device address for a kernel, with what keeps its memory alive while the caller queues its
+/// work: an upload made for the call (`K`), or nothing (a buffer someone else holds, a staged
+/// input at its fixed address).
+pub(super) struct Input<K = CudaSlice<f32>> {
     pub(super) ptr: u64,
-    _staged: Option<CudaSlice<f32>>,
+    _keep: Option<K>,
+}
+
+impl<K> Input<K> {
+    /// An address whose memory someone else keeps.
+    pub(super) fn at(ptr: u64) -> Input<K> {
+        Input { ptr, _keep: None }
+    }
+
+    /// An address in `keep`, kept alive with it.
+    pub(super) fn kept(ptr: u64, keep: K) -> Input<K> {
+        Input { ptr, _keep: Some(keep) }
+    }
 }
 
 /// An output of a [`CudaBackend`]: its buffer and the backend whose stream writes it, and
@@ -209,10 +223,10 @@ impl CudaBackend {
     /// alive; the caller keeps `t` borrowed while queuing the work.
     pub(super) fn input(&self, op: &str, t: &Tensor) -> Result<Input> {
         if let Some(buf) = self.own(t.storage().device_data()) {
-            return Ok(Input { ptr: buf.ptr, _staged: None });
+            return Ok(Input::at(buf.ptr));
         }
         let staged = self.upload(op, t.host()?)?;
-        Ok(Input { ptr: self.addr(&staged), _staged: Some(staged) })
+        Ok(Input::kept(self.addr(&staged), staged))
     }
 
     /// `data`'s buffer when it is an output of this backend (same stream, so no ordering to add).

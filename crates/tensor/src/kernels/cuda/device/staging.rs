@@ -12,6 +12,7 @@
 //! the kernels of the step before, which read it. A step that outgrows the buffers stages the
 //! rest the old way (an allocation and an upload each) and the buffers grow at the next step.
 
+use super::buffers::Input;
 use super::graphs::Call;
 use super::{Count, CudaBackend, OrUnavailable};
 use crate::error::Result;
@@ -36,18 +37,8 @@ pub(super) struct InputStaging {
 const FIRST_CAPACITY: usize = 64 << 10;
 
 /// A staged input's device address, and the upload behind it when it was not staged (outside
-/// a step, or past the buffers), kept alive while the caller queues its work.
-pub(super) struct Staged<T> {
-    pub(super) ptr: u64,
-    _upload: Option<Arc<CudaSlice<T>>>,
-}
-
-impl<T> Staged<T> {
-    /// An upload made the old way, as a staged input.
-    pub(super) fn uploaded(ptr: u64, upload: Arc<CudaSlice<T>>) -> Staged<T> {
-        Staged { ptr, _upload: Some(upload) }
-    }
-}
+/// a step, or past the buffers).
+pub(super) type Staged<T> = Input<Arc<CudaSlice<T>>>;
 
 impl CudaBackend {
     /// Buffers of `capacity` bytes for the step inputs.
@@ -75,7 +66,7 @@ impl CudaBackend {
         values: &[T],
         otherwise: impl FnOnce() -> Result<Arc<CudaSlice<T>>>,
     ) -> Result<Staged<T>> {
-        let uploaded = |up: Arc<CudaSlice<T>>| Staged::uploaded(self.addr(&*up), up);
+        let uploaded = |up: Arc<CudaSlice<T>>| Staged::kept(self.addr(&*up), up);
         if !self.workspace().in_step() || values.is_empty() {
             return otherwise().map(uploaded);
         }
@@ -108,7 +99,7 @@ impl CudaBackend {
         }
         let at = match staging.layout.place(bytes) {
             Place::Again(at) => {
-                return Ok(Staged { ptr: self.addr(&staging.dev) + at as u64, _upload: None })
+                return Ok(Staged::at(self.addr(&staging.dev) + at as u64));
             }
             Place::New(at) => at,
             Place::Full => {
@@ -136,7 +127,7 @@ impl CudaBackend {
         // completed; kernels that read `dst` are queued after this copy on the same stream.
         unsafe { self.issue(op, Call::Upload { dst, src, bytes }) }?;
         staging.pending = true;
-        Ok(Staged { ptr: dst, _upload: None })
+        Ok(Staged::at(dst))
     }
 
     /// Waits, at a step's start, until the copies of the step before have read the host
