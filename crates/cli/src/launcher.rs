@@ -194,6 +194,16 @@ fn pump_stderr(
     })
 }
 
+/// A test override: with a prefix, each rank gets `NCCL_HOSTID=PREFIX-RANK`, so NCCL takes
+/// ranks on one machine for ranks on different hosts (with `mesh::SHARE_DEVICE_ENV`, two
+/// ranks on one GPU; see docs/gpu.md).
+pub const NCCL_HOSTID_PER_RANK_ENV: &str = "TPCTL_NCCL_HOSTID_PER_RANK";
+
+/// The `NCCL_HOSTID` of `rank` under the override `prefix` (see [`NCCL_HOSTID_PER_RANK_ENV`]).
+fn nccl_hostid(prefix: Option<&str>, rank: usize) -> Option<(&'static str, String)> {
+    prefix.filter(|p| !p.is_empty()).map(|p| ("NCCL_HOSTID", format!("{p}-{rank}")))
+}
+
 /// Starts the ranks and supervises them until all have exited.
 ///
 /// `interrupted` is set by the caller's signal handler (Ctrl-C, SIGTERM).
@@ -221,6 +231,7 @@ pub fn launch(spec: &Launch, interrupted: &AtomicBool) -> Result<Outcome> {
             .env("MASTER_PORT", spec.master_port.to_string())
             .env("TPCTL_LAUNCHER_PID", std::process::id().to_string())
             .envs(spec.env.iter().map(|(k, v)| (k, v)))
+            .envs(nccl_hostid(std::env::var(NCCL_HOSTID_PER_RANK_ENV).ok().as_deref(), rank))
             // The launcher's own API key variable is not every rank's business.
             .env_remove(crate::spec::API_KEY_ENV)
             .stdin(Stdio::null())

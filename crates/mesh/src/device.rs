@@ -101,6 +101,12 @@ pub trait CudaProbe {
     fn current_device(&self) -> Result<Option<usize>>;
 }
 
+/// A test override: `1` lets ranks whose `LOCAL_RANK` is past the visible devices share them
+/// (`cuda:LOCAL_RANK % count`) instead of failing, so two NCCL ranks can run on one GPU (each
+/// with its own `NCCL_HOSTID` and NCCL's P2P and SHM transports off, NCCL then sees two hosts;
+/// see docs/gpu.md). Not for production: ranks on one device contend for it.
+pub const SHARE_DEVICE_ENV: &str = "TPCTL_SHARE_DEVICE";
+
 impl Device {
     /// Whether this is a CUDA device.
     pub fn is_cuda(self) -> bool {
@@ -113,7 +119,8 @@ impl Device {
     /// # Errors
     /// See [`Device::select_with`].
     pub fn select(rv: &Rendezvous, want_cuda: bool) -> Result<Device> {
-        Device::select_with(rv, want_cuda, &DriverProbe)
+        let share = std::env::var_os(SHARE_DEVICE_ENV).is_some_and(|v| v == "1");
+        Device::select_with(rv, want_cuda, &DriverProbe, share)
     }
 
     /// The device this rank owns: the CPU unless `want_cuda`; otherwise `cuda:LOCAL_RANK`, or,
@@ -124,7 +131,15 @@ impl Device {
     /// [`Error::NotCompiledWith`] or [`Error::BackendUnavailable`] when CUDA is wanted but not
     /// usable (no driver, no device); [`Error::InvalidDevice`] when `LOCAL_RANK` names a device
     /// that is not visible.
-    pub fn select_with(rv: &Rendezvous, want_cuda: bool, probe: &dyn CudaProbe) -> Result<Device> {
+    ///
+    /// With `share` ([`SHARE_DEVICE_ENV`], a test override), a `LOCAL_RANK` past the visible
+    /// devices wraps around instead (ranks share a device), with a warning.
+    pub fn select_with(
+        rv: &Rendezvous,
+        want_cuda: bool,
+        probe: &dyn CudaProbe,
+        share: bool,
+    ) -> Result<Device> {
         if !want_cuda {
             return Ok(Device::Cpu);
         }
@@ -139,6 +154,14 @@ impl Device {
             });
         }
         let device = match rv.local_rank {
+            Some(local) if local >= count && share => {
+                tracing::warn!(
+                    rank = rv.rank,
+                    "LOCAL_RANK={local} shares cuda:{} ({SHARE_DEVICE_ENV}=1: a test override)",
+                    local % count
+                );
+                local % count
+            }
             Some(local) if local >= count => {
                 return Err(Error::InvalidDevice {
                     reason: format!(

@@ -178,6 +178,17 @@ for cfg in "cpu f32" "cuda bf16"; do
         --max-tokens 64 --temperature 0 --prompt "$long" >"$out/run-long-$1-$2.txt"
     say "$1 $2 long prompt: $(grep -a '^-- ' "$out/run-long-$1-$2.txt" || echo "no summary (failed)")"
 done
+# TP over NCCL inside model steps with the one GPU (issue 29, item 9; reported to work
+# elsewhere, unverified here): two ranks share cuda:0 (TPCTL_SHARE_DEVICE, a test override),
+# each with its own NCCL_HOSTID (TPCTL_NCCL_HOSTID_PER_RANK) and NCCL's P2P and SHM transports
+# off, so NCCL sees two hosts over loopback sockets. The text should be the TP 1 f32 run's.
+say "== tpctl run --tp 2 --backend nccl, both ranks on cuda:0 (f32)"
+TPCTL_SHARE_DEVICE=1 TPCTL_NCCL_HOSTID_PER_RANK=tpctl-gpu-test NCCL_P2P_DISABLE=1 \
+    NCCL_SHM_DISABLE=1 step 90 "$here/bin/tpctl" run --tp 2 --backend nccl \
+    --model "$TPCTL_CACHE/$name" --device cuda --dtype f32 --max-tokens 64 --temperature 0 \
+    --prompt "The capital of France is" >"$out/run-tp2-nccl.txt" 2>&1 || true
+say "tp2 nccl: $(grep -a '^-- ' "$out/run-tp2-nccl.txt" || tail -n 3 "$out/run-tp2-nccl.txt")"
+say "   text: $(head -c 300 "$out/run-tp2-nccl.txt" | tr '\n' ' ')"
 # The CPU with the weights dequantized to f32 computes what the GPU computes (f32 products of
 # the same values; the native CPU decode rounds activations to 8 bits): the texts should agree.
 printf '[model]\nweights = "f32"\n' >"$out/f32-weights.toml"

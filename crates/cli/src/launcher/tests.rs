@@ -132,3 +132,11 @@ fn a_sigkill_from_elsewhere_is_the_origin() {
         "{f}"
     );
 }
+
+#[test]
+fn the_nccl_host_id_override_gives_each_rank_its_own_host() {
+    assert_eq!(super::nccl_hostid(None, 1), None);
+    assert_eq!(super::nccl_hostid(Some(""), 1), None);
+    assert_eq!(super::nccl_hostid(Some("gpu-test"), 0), Some(("NCCL_HOSTID", "gpu-test-0".into())));
+    assert_eq!(super::nccl_hostid(Some("gpu-test"), 1), Some(("NCCL_HOSTID", "gpu-test-1".into())));
+}

@@ -43,7 +43,8 @@ fn selection_table() {
         (true, None, 4, None, Device::Cuda(0)),
     ];
     for (want_cuda, local, count, current, want) in cases {
-        let got = Device::select_with(&rank(local), want_cuda, &FakeProbe { count, current });
+        let got =
+            Device::select_with(&rank(local), want_cuda, &FakeProbe { count, current }, false);
         assert_eq!(got.unwrap(), want, "LOCAL_RANK={local:?} count={count} current={current:?}");
     }
 }
@@ -51,11 +52,17 @@ fn selection_table() {
 #[test]
 fn selection_refusals() {
     let rv = Rendezvous { local_rank: Some(2), ..Rendezvous::single() };
-    let msg = Device::select_with(&rv, true, &FakeProbe { count: 2, current: None })
+    let msg = Device::select_with(&rv, true, &FakeProbe { count: 2, current: None }, false)
         .unwrap_err()
         .to_string();
     assert_eq!(msg, "LOCAL_RANK=2 selects cuda:2 but rank 0 sees only 2 CUDA devices");
-    let msg = Device::select_with(&rv, true, &FakeProbe { count: 0, current: None })
+    // The test override shares the devices instead; no device is still no device.
+    let shared = Device::select_with(&rv, true, &FakeProbe { count: 2, current: None }, true);
+    assert_eq!(shared.unwrap(), Device::Cuda(0));
+    let one = Rendezvous { local_rank: Some(1), ..Rendezvous::single() };
+    let shared = Device::select_with(&one, true, &FakeProbe { count: 1, current: None }, true);
+    assert_eq!(shared.unwrap(), Device::Cuda(0));
+    let msg = Device::select_with(&rv, true, &FakeProbe { count: 0, current: None }, true)
         .unwrap_err()
         .to_string();
     assert!(msg.starts_with("cuda is unavailable: rank 0 sees no CUDA device"), "{msg}");
