@@ -123,6 +123,8 @@ pub(crate) struct GraphBook<C, G> {
     step: Step<C>,
     /// A capture ended by [`GraphBook::flush`], waiting for its graph.
     pending: Option<(Shape, Vec<C>)>,
+    /// The shape whose graph [`GraphBook::flush`] gave to launch last.
+    launched: Option<Shape>,
     steps: u64,
     stats: GraphStats,
 }
@@ -145,6 +147,7 @@ impl<C: Clone + PartialEq, G> GraphBook<C, G> {
             shapes: HashMap::new(),
             step: Step::Off,
             pending: None,
+            launched: None,
             steps: 0,
             stats: GraphStats::default(),
         }
@@ -286,7 +289,10 @@ impl<C: Clone + PartialEq, G> GraphBook<C, G> {
                     st.replays += 1;
                     st.graph.as_ref()
                 }) {
-                    Some((g, _)) => Leave::Launch(g),
+                    Some((g, _)) => {
+                        self.launched = Some(shape);
+                        Leave::Launch(g)
+                    }
                     // Dropped while the step ran (a clear): what it skipped is still to do.
                     None => Leave::Issue(calls[..at].to_vec()),
                 }
@@ -349,6 +355,15 @@ impl<C: Clone + PartialEq, G> GraphBook<C, G> {
         self.stats.failed_captures += 1;
         self.stay_eager(shape);
         calls
+    }
+
+    /// The graph [`GraphBook::flush`] gave to launch could not be launched: its shape stays
+    /// eager (the step's calls are lost with the launch: the caller reports the error).
+    pub(crate) fn launch_failed(&mut self) {
+        if let Some(shape) = self.launched.take() {
+            self.stats.failed_captures += 1;
+            self.stay_eager(shape);
+        }
     }
 
     /// Drops every graph and what the shapes showed (a sleep: addresses change at the

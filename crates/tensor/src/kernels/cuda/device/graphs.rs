@@ -324,7 +324,11 @@ impl Inner {
             Leave::Launch(g) => {
                 self.work_starts();
                 self.counters.add(Count::GraphLaunch);
-                g.0.launch().or_unavailable(|| "launching the step's graph".to_owned())
+                let launched = g.0.launch();
+                if launched.is_err() {
+                    book.launch_failed();
+                }
+                launched.or_unavailable(|| "launching the step's graph".to_owned())
             }
             Leave::Issue(calls) => self.run_all("graph", &calls),
             Leave::AbortCapture(calls) => {

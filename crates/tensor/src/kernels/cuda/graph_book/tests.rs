@@ -192,6 +192,19 @@ fn anything_but_a_call_ends_a_replay_or_a_capture_and_a_failed_capture_stays_eag
         dev.step(&mut book, (2, 1), &[1, 2]);
     }
     assert_eq!(book.graphs(), 1);
+    // A graph that fails to launch: its shape stays eager too.
+    book.begin(Some((2, 1)));
+    book.call(&1);
+    book.call(&2);
+    assert!(matches!(book.flush(), Leave::Launch(_)));
+    book.launch_failed();
+    assert_eq!((book.graphs(), book.stats().eager_shapes), (0, 2));
+    assert!(!book.begin(Some((2, 1))) && !book.replaying());
+    book.flush();
+    dev.step(&mut book, (3, 1), &[1, 2]);
+    dev.step(&mut book, (3, 1), &[1, 2]);
+    dev.step(&mut book, (3, 1), &[1, 2]);
+    assert_eq!(book.graphs(), 1);
     book.clear();
     assert_eq!(book.graphs(), 0, "a sleep drops the graphs");
 }
