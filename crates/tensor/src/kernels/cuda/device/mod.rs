@@ -32,7 +32,12 @@
 //!   `QMatrix::dequantize`, so an f32 quantized product here is a product of the CPU's
 //!   dequantized values, in another summation order.
 //!   Embedding tables are kept in f32 whatever the dtype (a tied LM head has both copies).
-//! - Small per-call vectors (norm weights, biases) are copied per call like activations.
+//! - A model's small vectors (norm weights, biases) are cached like the weight matrices
+//!   (`CudaBackend::vector`); a step's small inputs (ids, positions, block tables, per-row
+//!   offsets, draws, logit edits) are staged at addresses fixed per step shape ([`staging`]).
+//! - A step's launches, products and copies are [`graphs`]' `Call`s, issued through one door:
+//!   a decode step that repeats its shape's calls is captured as a CUDA graph and replayed
+//!   with one launch.
 //!
 //! Kernels are compiled from `kernels.cu` with NVRTC for the device's architecture (a CUBIN),
 //! once per architecture and process, and kept in an on-disk cache (`kernel_image`, with the
