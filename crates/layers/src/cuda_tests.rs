@@ -655,19 +655,39 @@ fn cuda_decode_steps_replay_graphs_with_the_tokens_of_eager_steps() {
 
 /// `steps` greedy steps of three sequences (prompts of 4, 3 and 2 tokens, then one token
 /// each) of the model at `path` on `be`: each step's ids, with what `measure` reads of the
-/// backend before and after it.
+/// backend before and after it. On a GPU the sequences' keys and values are in a paged device
+/// pool, as a serving engine's are (blocks of 16, scattered); on the CPU in host caches.
 fn decode_three_sequences<T>(
     be: &Backend,
     path: &std::path::Path,
     steps: usize,
     measure: impl Fn(&Backend) -> T,
 ) -> Vec<(Vec<u32>, T, T)> {
-    use crate::parallel::Sequence;
+    use crate::parallel::{ParallelCache, Sequence};
+    const CONTEXT: usize = 400;
     let opts = LoadOptions::new(Placement::single()).on(be.clone());
     let model = ParallelModel::load(path, opts.form(WeightForm::Native)).unwrap();
     let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
     let mut comms = Comms { tp: &mut tp, cp: &mut cp };
-    let mut caches = [model.new_cache(400), model.new_cache(400), model.new_cache(400)];
+    let (block_size, per_seq) = (16, CONTEXT.div_ceil(16));
+    // Kept alive while the caches use the pool's memory.
+    let mut _arena = None;
+    let mut caches: [ParallelCache; 3] = if let Backend::Cuda(gpu) = be {
+        let elem = model.device_kv_elem();
+        let bytes = model.pool_bytes(block_size, 3 * per_seq, elem);
+        let arena = _arena.insert(tensor::kernels::PoolArena::new(gpu, bytes).unwrap());
+        let pool = model.pool_on_device(arena, block_size, 3 * per_seq, elem).unwrap();
+        let pool = std::sync::Arc::new(pool);
+        std::array::from_fn(|s| {
+            let mut cache = model.new_paged_cache(&pool).unwrap();
+            // Sequence s takes every third block, from block s: scattered in the pool.
+            let blocks: Vec<u32> = (0..per_seq).map(|b| (3 * b + s) as u32).collect();
+            cache.extend_table(&blocks).unwrap();
+            cache
+        })
+    } else {
+        std::array::from_fn(|_| model.new_cache(CONTEXT))
+    };
     let mut next: Vec<Vec<u32>> = vec![vec![3, 17, 5, 38], vec![0, 22, 9], vec![1, 2]];
     let mut out = Vec::new();
     for _ in 0..steps {
