@@ -316,8 +316,13 @@ fn gpu_split(totals: &Totals) -> String {
         .map_or(String::new(), |b| format!(" (the GPU busy {:.2} ms of it)", ms(b)));
     let graphs = totals.graphs.map_or(String::new(), |g| {
         format!(
-            "; graphs: {} captured, {} replayed, {} stopped matching, {} failed captures",
-            g.captures, g.replays, g.misses, g.failed_captures
+            "; graphs: {} captured ({:.1} ms), {} replayed, {} stopped matching, {} failed \
+             captures",
+            g.captures,
+            g.capture_time.as_secs_f64() * 1e3,
+            g.replays,
+            g.misses,
+            g.failed_captures
         )
     });
     format!(
@@ -438,14 +443,15 @@ mod tests {
             captures: 3,
             replays: 590,
             misses: 2,
+            capture_time: Duration::from_micros(4500),
             ..Default::default()
         };
         let graphed = Totals { graphs: Some(graphs), ..planned };
         let line = summary(&graphed, &RunClock::default(), Duration::from_secs(1));
         assert!(
             line.ends_with(
-                "from their slots; graphs: 3 captured, 590 replayed, 2 stopped matching, 0 failed \
-                 captures"
+                "from their slots; graphs: 3 captured (4.5 ms), 590 replayed, 2 stopped matching, 0 \
+                 failed captures"
             ),
             "{line}"
         );

@@ -408,6 +408,12 @@ impl Metrics {
             ] {
                 out.counter(&format!("tpctl_cuda_graph_{name}_total"), help, n);
             }
+            out.counter(
+                "tpctl_cuda_graph_capture_seconds_total",
+                "Rank 0's host time in the steps it captured as CUDA graphs, from the capture's \
+                 start to the graph made.",
+                g.capture_time.as_secs_f64(),
+            );
         }
         out.counter(
             "tpctl_step_seconds_total",

@@ -126,6 +126,7 @@ fn cuda_graph_counts_are_read_after_each_step() {
         misses: 2,
         failed_captures: 1,
         eager_shapes: 1,
+        capture_time: Duration::from_millis(250),
     };
     let mut engine = m.engine_sink(std::sync::Arc::default()).with_graphs(move || Some(stats));
     engine.step(&StepMetrics::default());
@@ -135,6 +136,7 @@ fn cuda_graph_counts_are_read_after_each_step() {
         "tpctl_cuda_graph_replays_total 590",
         "tpctl_cuda_graph_misses_total 2",
         "tpctl_cuda_graph_failed_captures_total 1",
+        "tpctl_cuda_graph_capture_seconds_total 0.25",
     ] {
         assert!(has(&text, line), "{line} in\n{text}");
     }

@@ -194,6 +194,9 @@ pub struct GraphStats {
     pub failed_captures: u64,
     /// Shapes that stay eager (a capture failed, or too many misses).
     pub eager_shapes: u64,
+    /// The host's time in the steps captured, from the capture's start to its graph made
+    /// (the step's own work, queued into the capture, and the instantiation).
+    pub capture_time: std::time::Duration,
 }
 
 #[cfg(test)]

@@ -330,10 +330,12 @@ impl<C: Clone + PartialEq, G> GraphBook<C, G> {
         }
     }
 
-    /// The graph of the capture [`GraphBook::flush`] ended, made and launched.
-    pub(crate) fn captured(&mut self, graph: G) {
+    /// The graph of the capture [`GraphBook::flush`] ended, made and launched; the capture
+    /// took `took` (see [`GraphStats::capture_time`]).
+    pub(crate) fn captured(&mut self, graph: G, took: std::time::Duration) {
         let Some((shape, calls)) = self.pending.take() else { return };
         self.stats.captures += 1;
+        self.stats.capture_time += took;
         let with_graphs = self.shapes.values().filter(|s| s.graph.is_some()).count();
         if with_graphs >= GRAPHS_MAX {
             let oldest = self

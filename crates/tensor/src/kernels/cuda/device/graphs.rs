@@ -150,11 +150,13 @@ unsafe impl Send for StepGraph {}
 pub(super) struct Graphs {
     book: GraphBook<Call, StepGraph>,
     failed: Option<String>,
+    /// When the capture in progress began.
+    capture_began: Option<std::time::Instant>,
 }
 
 impl Graphs {
     pub(super) fn new(enabled: bool) -> Mutex<Graphs> {
-        Mutex::new(Graphs { book: GraphBook::new(enabled), failed: None })
+        Mutex::new(Graphs { book: GraphBook::new(enabled), failed: None, capture_began: None })
     }
 
     /// Turns graphs on or off for the steps that begin from now on.
@@ -314,7 +316,7 @@ impl Inner {
     /// for the next wait or call to report.
     pub(super) fn leave_graph(&self, host_read: bool) {
         let mut graphs = self.graphs();
-        let Graphs { book, failed } = &mut *graphs;
+        let Graphs { book, failed, capture_began } = &mut *graphs;
         if !book.in_graph() {
             return;
         }
@@ -335,7 +337,7 @@ impl Inner {
                 self.abandon_capture();
                 self.run_all("graph", &calls)
             }
-            Leave::EndCapture => self.end_capture(book),
+            Leave::EndCapture => self.end_capture(book, capture_began.take()),
         };
         if let Err(e) = done {
             failed.get_or_insert(e.to_string());
@@ -344,7 +346,11 @@ impl Inner {
 
     /// Ends the capture of the step, makes its graph and launches it; a capture that made no
     /// graph leaves its shape eager, and its calls are issued.
-    fn end_capture(&self, book: &mut GraphBook<Call, StepGraph>) -> Result<()> {
+    fn end_capture(
+        &self,
+        book: &mut GraphBook<Call, StepGraph>,
+        began: Option<std::time::Instant>,
+    ) -> Result<()> {
         let made = self
             .stream
             .end_capture(CUgraphInstantiate_flags(0))
@@ -352,9 +358,10 @@ impl Inner {
             .and_then(|g| g.ok_or_else(|| "the capture made no graph".to_owned()));
         match made {
             Ok(graph) => {
+                let took = began.map(|t| t.elapsed()).unwrap_or_default();
                 self.counters.add(Count::GraphLaunch);
                 let launched = graph.launch();
-                book.captured(StepGraph(graph));
+                book.captured(StepGraph(graph), took);
                 launched.or_unavailable(|| "launching the step's graph".to_owned())
             }
             Err(why) => {
@@ -423,6 +430,7 @@ impl CudaBackend {
         // The step's start goes on the stream before the capture: nothing inside it runs
         // until the graph is launched.
         inner.work_starts();
+        graphs.capture_began = Some(std::time::Instant::now());
         if let Err(e) =
             inner.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         {

@@ -52,7 +52,7 @@ impl Device {
                 } else {
                     self.ran.extend(&graph);
                     self.launches += 1;
-                    book.captured(graph);
+                    book.captured(graph, std::time::Duration::from_millis(2));
                 }
             }
             Leave::Launch(graph) => {
@@ -95,7 +95,7 @@ fn two_equal_eager_steps_capture_the_third_and_later_steps_replay_it() {
         assert_eq!(book.call(&c), OnCall::Issue);
     }
     assert_eq!(book.flush(), Leave::EndCapture);
-    book.captured(vec![1, 2, 3]);
+    book.captured(vec![1, 2, 3], std::time::Duration::from_millis(3));
     for _ in 0..3 {
         assert!(!book.begin(Some((1, 1))));
         assert!(book.replaying());
@@ -108,6 +108,7 @@ fn two_equal_eager_steps_capture_the_third_and_later_steps_replay_it() {
     }
     let stats = book.stats();
     assert_eq!((stats.captures, stats.replays, stats.misses), (1, 3, 0));
+    assert_eq!(stats.capture_time, std::time::Duration::from_millis(3));
     assert_eq!(book.graphs(), 1);
     dev.step(&mut book, (2, 2), &calls);
     assert_eq!(dev.launches, 0, "another shape has graphs of its own");
