@@ -210,6 +210,7 @@ fn preallocating_sleep_memory_is_a_flag_of_run_and_serve() {
         assert!(out.status.success(), "{}", text(&out));
         assert!(help.contains("--preallocate-sleep-memory"), "tpctl {command} --help:\n{help}");
         assert!(help.contains("preallocate_sleep_memory"), "tpctl {command} --help:\n{help}");
+        assert!(help.contains("--enforce-eager"), "tpctl {command} --help:\n{help}");
     }
     let run = |extra: &[&str]| {
         let mut args = vec!["run", "--model", model(), "--tp", "2", "--prompt-ids", "1,2"];

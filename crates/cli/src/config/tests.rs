@@ -221,6 +221,21 @@ fn preallocating_sleep_memory_comes_from_the_flag_or_the_file() {
     assert!(err.contains("preallocate_sleep_memory"), "{err}");
 }
 
+/// `--enforce-eager` and `[runtime] enforce_eager` each turn CUDA graphs off (they are on by
+/// default); a value that is not a boolean is refused, naming the key.
+#[test]
+fn enforcing_eager_steps_comes_from_the_flag_or_the_file() {
+    let on = LaunchFlags { enforce_eager: true, ..flags(None, None) };
+    let default = Config::default();
+    assert!(!default.launch(&flags(None, None), 8, NONE).unwrap().enforce_eager);
+    assert!(default.launch(&on, 8, NONE).unwrap().enforce_eager);
+    let file = Config::parse("[runtime]\nenforce_eager = true\n", "e.toml").unwrap();
+    assert!(file.launch(&flags(None, None), 8, NONE).unwrap().enforce_eager);
+    let err =
+        format!("{:#}", Config::parse("[runtime]\nenforce_eager = 1\n", "e.toml").unwrap_err());
+    assert!(err.contains("enforce_eager"), "{err}");
+}
+
 /// `kv_cache_memory` takes bytes, sizes with units and fractions, in the file and on the
 /// command line (the flag wins), and refuses what is not a size, naming the key.
 #[test]
