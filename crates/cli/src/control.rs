@@ -30,7 +30,8 @@
 //!
 //! Methods ([`Request`]):
 //! - `sleep {tags, level, mode, verify}`: releases `tags` on every rank. Empty `tags` means
-//!   every tag of a deployment ([`ALL_TAGS`]). `level` is vLLM's: 1 keeps the weights'
+//!   every tag of a deployment ([`ALL_TAGS`]: `weights`, `kv_cache`, and what the runtime
+//!   holds, `cuda_graph` and `workspace`). `level` is vLLM's: 1 keeps the weights'
 //!   contents for a fast wakeup (a spill file of the host weights, on a GPU too), 2 discards
 //!   them and reloads them from the checkpoint at the wakeup; the KV cache is discarded at
 //!   both. A tag with its own `[sleep.TAG] restore` keeps it at every level; no level applies
@@ -91,14 +92,18 @@ pub use wire::{
     StartUpdateArgs, StatusWire, UpdateArgs, WakeupArgs, MAX_VERSION_CHARS,
 };
 
+use session::model_memory::runtime::{CUDA_GRAPH, WORKSPACE};
 use session::sleep::{Action, Coordinator, DeploymentState, OpOptions, OpReceipt, WeightUpdate};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use vmm::Tag;
 
-/// The tags a sleep without tags releases: every tag a deployment allocates.
-pub const ALL_TAGS: [Tag; 2] = [Tag::WEIGHTS, Tag::KV_CACHE];
+/// The tags a sleep without tags releases: the weights, the KV cache, and what the runtime
+/// holds on the device besides them (the CUDA graphs of decode steps, the step workspaces:
+/// [`session::model_memory::runtime`]; a rank that holds none of them reports each as
+/// `none`).
+pub const ALL_TAGS: [&str; 4] = ["weights", "kv_cache", CUDA_GRAPH, WORKSPACE];
 
 /// The most tags one request may name.
 pub const MAX_TAGS: usize = 16;
@@ -123,10 +128,11 @@ pub fn check_tags(tags: &[String]) -> Result<(), String> {
         if tags[..i].contains(t) {
             return Err(format!("tag `{t}` is given twice"));
         }
-        if !ALL_TAGS.iter().any(|a| a.as_str() == t) {
+        if !ALL_TAGS.contains(&t.as_str()) {
+            let (last, first) = ALL_TAGS.split_last().unwrap_or((&"", &[]));
             return Err(format!(
-                "unknown tag `{t}`: a deployment's memory is tagged {}",
-                ALL_TAGS.map(|a| a.as_str().to_owned()).join(" and ")
+                "unknown tag `{t}`: a deployment's memory is tagged {} and {last}",
+                first.join(", ")
             ));
         }
     }
@@ -145,7 +151,7 @@ pub fn expand_tags(action: Action, tags: &[String], state: &DeploymentState) -> 
         {
             t.clone()
         }
-        _ => ALL_TAGS.iter().map(|t| t.as_str().to_owned()).collect(),
+        _ => ALL_TAGS.iter().map(|t| (*t).to_owned()).collect(),
     }
 }
 

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 use tpctl::control::{
-    client, paths, Controller, Reply, Request, Server, SleepArgs, UpdateArgs, WakeupArgs,
+    client, paths, Controller, Reply, Request, Server, SleepArgs, UpdateArgs, WakeupArgs, ALL_TAGS,
 };
 
 /// The `tpctl` binary under test.
@@ -25,7 +25,11 @@ const TPCTL: &str = env!("CARGO_BIN_EXE_tpctl");
 const MIB: u64 = 1 << 20;
 const DEADLINE: Duration = Duration::from_secs(60);
 
-/// Rank memory with 1 MiB per tag (`weights`, `kv_cache`): resident is 10 MiB plus 1 MiB per
+/// The tags of memory in [`FakeMemory`]; the runtime's tags (graphs, workspaces) hold nothing.
+const MEMORY_TAGS: [&str; 2] = ["weights", "kv_cache"];
+
+/// Rank memory with 1 MiB per tag of memory ([`MEMORY_TAGS`]; every tag of [`ALL_TAGS`] is
+/// accepted): resident is 10 MiB plus 1 MiB per
 /// awake tag; a GPU rank also reports 100 MiB plus 1 MiB per awake tag on device `rank`.
 struct FakeMemory {
     rank: usize,
@@ -42,10 +46,10 @@ impl FakeMemory {
 
 impl RankMemory for FakeMemory {
     fn check(&self, tags: &[String]) -> Result<(), Refusal> {
-        match tags.iter().find(|t| !["weights", "kv_cache"].contains(&t.as_str())) {
+        match tags.iter().find(|t| !ALL_TAGS.contains(&t.as_str())) {
             Some(t) => Err(Refusal::UnknownTag {
                 tag: t.clone(),
-                known: vec!["weights".into(), "kv_cache".into()],
+                known: ALL_TAGS.iter().map(|t| (*t).to_owned()).collect(),
             }),
             None => Ok(()),
         }
@@ -59,7 +63,7 @@ impl RankMemory for FakeMemory {
         Ok(tags
             .iter()
             .map(|t| {
-                let moved = asleep.insert(t.clone());
+                let moved = asleep.insert(t.clone()) && MEMORY_TAGS.contains(&t.as_str());
                 TagReceipt {
                     tag: t.clone(),
                     allocations: usize::from(moved),
@@ -78,7 +82,7 @@ impl RankMemory for FakeMemory {
         Ok(tags
             .iter()
             .map(|t| {
-                let moved = asleep.remove(t);
+                let moved = asleep.remove(t) && MEMORY_TAGS.contains(&t.as_str());
                 TagReceipt {
                     tag: t.clone(),
                     allocations: usize::from(moved),
@@ -93,7 +97,8 @@ impl RankMemory for FakeMemory {
     }
 
     fn probe(&self) -> Probe {
-        let awake = 2 - self.asleep.lock().unwrap().len() as u64;
+        let asleep = self.asleep.lock().unwrap();
+        let awake = MEMORY_TAGS.iter().filter(|t| !asleep.contains(**t)).count() as u64;
         let devices =
             if self.gpu { vec![(self.rank as u32, 100 * MIB + awake * MIB)] } else { Vec::new() };
         Probe {
@@ -288,9 +293,10 @@ fn sleep_status_wakeup_and_stop_round_trip() {
     assert!(world.memory.iter().all(|m| m.asleep.lock().unwrap().is_empty()));
     assert_eq!(call(&path, &Request::Status).status.unwrap().state, "running");
 
-    // A sleep without tags releases every tag.
+    // A sleep without tags releases every tag: the weights, the KV cache, and what the
+    // runtime holds (graphs, workspaces).
     let op = call(&path, &sleep_of(Vec::new())).op.expect("a receipt");
-    assert_eq!(op.tags, tags(&["weights", "kv_cache"]));
+    assert_eq!(op.tags, tags(&["weights", "kv_cache", "cuda_graph", "workspace"]));
     assert_eq!(op.bytes, 6 * MIB);
 
     let reply = call(&path, &Request::Stop);

@@ -652,6 +652,16 @@ fn sleep_frees_every_ranks_memory_and_wakeup_gives_the_same_text() {
         let tags: Vec<&str> =
             r["tags"].as_array().unwrap().iter().map(|t| t["tag"].as_str().unwrap()).collect();
         assert!(tags.contains(&"weights") && tags.contains(&"kv_cache"), "{r}");
+        // What the runtime holds sleeps too; a CPU rank holds none of it, and says so.
+        for held in ["cuda_graph", "workspace"] {
+            let t = r["tags"].as_array().unwrap().iter().find(|t| t["tag"] == held);
+            let t = t.unwrap_or_else(|| panic!("no {held} in {r}"));
+            assert_eq!(
+                (t["restore"].as_str(), t["bytes"].as_u64()),
+                (Some("none"), Some(0)),
+                "{r}"
+            );
+        }
         // The KV cache is one pool per rank, released whole.
         let kv = r["tags"].as_array().unwrap().iter().find(|t| t["tag"] == "kv_cache").unwrap();
         assert_eq!(kv["allocations"], 1, "{r}");
@@ -1018,6 +1028,25 @@ fn gpu_sleep_cycle(expected: &[u64], backend: Option<&str>) {
     let (code, _, err) = control(&rt, &["wakeup"]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(tokens(&server), expected, "the same tokens after the wakeup ({backend:?})");
+    // A sleep without tags releases what the runtime holds too: the step workspaces the
+    // request above planned (their device bytes back from the driver's pool) and the graphs
+    // (to be captured again), and still verifies.
+    let (code, reply, err) = control(&rt, &["sleep", "--verify"]);
+    assert_eq!(code, 0, "{err}\n{reply}\n{}", server.log());
+    for r in reply["op"]["ranks"].as_array().expect("ranks") {
+        let tag = |name: &str| {
+            let tags = r["tags"].as_array().expect("tags");
+            tags.iter().find(|t| t["tag"] == name).cloned().unwrap_or_else(|| panic!("{r}"))
+        };
+        let workspace = tag("workspace");
+        assert_eq!(workspace["restore"], "replan", "{r}");
+        assert!(workspace["allocations"].as_u64() >= Some(1), "no plan released: {r}");
+        assert!(workspace["device_bytes"].as_u64() > Some(0), "no pool bytes released: {r}");
+        assert_eq!(tag("cuda_graph")["restore"], "recapture", "{r}");
+    }
+    let (code, _, err) = control(&rt, &["wakeup"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(tokens(&server), expected, "the same tokens after a full sleep ({backend:?})");
     let (code, _, err) = control(&rt, &["stop"]);
     assert_eq!(code, 0, "{err}");
     assert!(server.wait().success());

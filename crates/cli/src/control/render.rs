@@ -2,6 +2,7 @@
 //! rank, bytes in binary units and times in the unit that fits.
 
 use super::{HostWire, OpWire, StatusWire};
+use session::model_memory::runtime::NOTHING_HELD;
 use session::sleep::{Probe, TagReceipt};
 
 /// `n` bytes in binary units: `512 B`, `1.5 KiB`, `3.0 GiB`.
@@ -68,10 +69,12 @@ fn tag_bytes(t: &TagReceipt) -> String {
 }
 
 /// How a tag comes back, and the bytes copied to (sleep) or from (wakeup) its backup or
-/// checkpoint when there were any: `reload`, `backup (1.0 GiB copied)`.
+/// checkpoint when there were any: `reload`, `backup (1.0 GiB copied)`; `nothing held` for
+/// what the runtime holds where a rank holds none of it (graphs on a CPU).
 fn restore(t: &TagReceipt) -> String {
     match (t.restore.as_str(), t.copied_bytes) {
         ("", _) => "-".into(),
+        (NOTHING_HELD, _) => "nothing held".into(),
         (r, 0) => r.to_owned(),
         (r, n) => format!("{r} ({} copied)", bytes(n)),
     }

@@ -96,6 +96,28 @@ fn a_receipt_has_a_row_per_rank_and_tag_and_a_total() {
     assert!(receipt(&nothing).ends_with("nothing to do (already awake)\n"));
 }
 
+/// A runtime tag a rank holds none of (graphs on a CPU) reads `nothing held`, not `none`.
+#[test]
+fn a_runtime_tag_a_rank_holds_none_of_reads_nothing_held() {
+    let mut r = rank(0, Vec::new(), &[("cuda_graph", 0), ("workspace", 0)]);
+    r.tags[0].restore = "none".into();
+    r.tags[1].restore = "replan".into();
+    let op = OpWire {
+        op_id: 3,
+        action: "sleep".into(),
+        tags: strings(&["cuda_graph", "workspace"]),
+        bytes: 0,
+        elapsed_us: 10,
+        ranks: vec![r],
+        weight_version: None,
+        kv_cache_dropped: false,
+    };
+    let text = receipt(&op);
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines[1].ends_with("nothing held"), "{text}");
+    assert!(lines[2].ends_with("replan"), "{text}");
+}
+
 #[test]
 fn a_status_shows_the_state_each_rank_and_who_did_not_answer() {
     let s = StatusWire {
@@ -164,7 +186,7 @@ fn tags_are_the_deployments_each_given_once() {
 
 #[test]
 fn empty_tags_mean_all_for_a_sleep_and_the_asleep_ones_for_a_wakeup() {
-    let all: Vec<String> = ALL_TAGS.iter().map(|t| t.as_str().to_owned()).collect();
+    let all: Vec<String> = ALL_TAGS.iter().map(|t| (*t).to_owned()).collect();
     let running = DeploymentState::Running;
     let sleeping = DeploymentState::Sleeping(strings(&["kv_cache"]));
     assert_eq!(expand_tags(Action::Sleep, &[], &running), all);

@@ -896,6 +896,7 @@ mod arena;
 mod in_place;
 mod prepare;
 mod rank;
+pub mod runtime;
 
 pub use arena::{VmmArena, VmmDeviceArena};
 pub use prepare::Prepare;

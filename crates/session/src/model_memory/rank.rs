@@ -1,13 +1,14 @@
 //! The control plane's view of a rank's model memory: [`ModelRankMemory`] releases and
 //! restores the host and device allocations of [`ModelMemory`] as the sleep protocol asks.
 
-use super::{ModelMemory, Restore};
+use super::{runtime, ModelMemory, Restore};
 use crate::sleep::{MemoryError, Probe, RankMemory, Refusal, TagReceipt, VmmMemory};
 use std::sync::{Mutex, PoisonError};
 use tensor::kernels::Backend;
 
 /// The control plane's view of one rank's model memory ([`RankMemory`]): the tagged host
-/// allocations and, on a GPU, the device ones, with NVML's reading of the device in the probes.
+/// allocations and, on a GPU, the device ones, with NVML's reading of the device in the probes,
+/// and what the compute backend holds outside them under the tags of [`runtime`].
 /// A sleep of `weights` also clears the CUDA backend's weight cache (its pool memory goes back
 /// to the device, its arena regions lose their contents), and a wakeup that restores them says
 /// the host bytes changed ([`tensor::memory::weights_changed`]), so the device copies are
@@ -86,9 +87,28 @@ pub(super) fn merge(into: &mut [TagReceipt], more: Vec<TagReceipt>) {
     }
 }
 
+/// `tags` split into the runtime's (see [`runtime`]) and those of tagged memory.
+fn split(tags: &[String]) -> (Vec<&str>, Vec<String>) {
+    let runtime = tags.iter().map(String::as_str).filter(|t| runtime::is_runtime(t)).collect();
+    let tagged = tags.iter().filter(|t| !runtime::is_runtime(t)).cloned().collect();
+    (runtime, tagged)
+}
+
+/// `receipts` in the order of `tags` (one per distinct tag).
+fn in_order(tags: &[String], mut receipts: Vec<TagReceipt>) -> Vec<TagReceipt> {
+    let mut ordered = Vec::with_capacity(receipts.len());
+    for t in tags {
+        if let Some(i) = receipts.iter().position(|r| &r.tag == t) {
+            ordered.push(receipts.swap_remove(i));
+        }
+    }
+    ordered.extend(receipts);
+    ordered
+}
+
 impl RankMemory for ModelRankMemory {
     fn check(&self, tags: &[String]) -> Result<(), Refusal> {
-        self.host.check(tags)
+        self.host.check(&split(tags).1)
     }
 
     fn release(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
@@ -100,12 +120,22 @@ impl RankMemory for ModelRankMemory {
         tags: &[String],
         level: Option<u8>,
     ) -> Result<Vec<TagReceipt>, MemoryError> {
+        let (asked, tagged) = split(tags);
+        // What the runtime holds goes first, graphs before the workspaces they name: nothing
+        // of it needs undoing when the rest fails (the steps make it again).
+        let mut receipts: Vec<TagReceipt> = runtime::RUNTIME_TAGS
+            .into_iter()
+            .filter(|t| asked.contains(t))
+            .map(|t| runtime::release(&self.backend, t))
+            .collect();
+        if tagged.is_empty() {
+            return Ok(in_order(tags, receipts));
+        }
         if let Backend::Cuda(gpu) = &self.backend {
-            if tags.iter().any(|t| t == vmm::Tag::WEIGHTS.as_str()) {
+            if tagged.iter().any(|t| t == vmm::Tag::WEIGHTS.as_str()) {
+                // The weights' device copies in pool memory are freed, and with them the
+                // graphs and workspaces, which name them.
                 gpu.clear_weight_cache();
-            } else {
-                // The step temporaries the driver's pool keeps go back to the device too.
-                gpu.trim_pool();
             }
         }
         let backups: Vec<(vmm::Tag, vmm::BackupStore)> = match level {
@@ -117,14 +147,18 @@ impl RankMemory for ModelRankMemory {
                 .collect(),
             _ => Vec::new(),
         };
-        let mut receipts = self.host.release_with(tags, &backups)?;
+        let mut released = self.host.release_with(&tagged, &backups).map_err(|e| MemoryError {
+            // Released runtime memory is a change the undo must see too.
+            changed: e.changed || !receipts.is_empty(),
+            ..e
+        })?;
         if let Some(device) = &self.device {
             // The host memory is released already: the caller undoes both.
-            let more = device.release(tags).map_err(|e| MemoryError { changed: true, ..e })?;
-            merge(&mut receipts, more);
+            let more = device.release(&tagged).map_err(|e| MemoryError { changed: true, ..e })?;
+            merge(&mut released, more);
         }
         let mut pending = self.pending();
-        for r in &mut receipts {
+        for r in &mut released {
             let backed_up = backups.iter().any(|(t, _)| t.as_str() == r.tag);
             let restore =
                 if backed_up { Some(Restore::Backup) } else { self.memory.restore_of(&r.tag) };
@@ -133,31 +167,16 @@ impl RankMemory for ModelRankMemory {
                 pending.insert(r.tag.clone(), restore);
             }
         }
-        Ok(receipts)
+        receipts.extend(released);
+        Ok(in_order(tags, receipts))
     }
 
     fn materialize(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
-        let restored = self.host.materialize(tags);
-        let weights = tags.iter().any(|t| t == vmm::Tag::WEIGHTS.as_str());
-        if weights {
-            // The weights' bytes were restored (reloaded, zeroed, read back) under their old
-            // addresses, or partly so on a failure: no device copy of them is current.
-            tensor::memory::weights_changed();
-        }
-        let mut receipts = restored?;
-        if let Some(device) = &self.device {
-            let more = device.materialize(tags).map_err(|e| MemoryError { changed: true, ..e })?;
-            merge(&mut receipts, more);
-        }
-        if weights {
-            self.prepare_device("wakeup", &mut receipts);
-        }
-        let mut pending = self.pending();
-        for r in &mut receipts {
-            let restore = pending.remove(&r.tag).or_else(|| self.memory.restore_of(&r.tag));
-            r.restore = restore.map(|x| x.name().to_owned()).unwrap_or_default();
-        }
-        Ok(receipts)
+        let (asked, tagged) = split(tags);
+        let mut receipts =
+            if tagged.is_empty() { Vec::new() } else { self.materialize_tagged(&tagged)? };
+        receipts.extend(asked.into_iter().map(|t| runtime::materialize(&self.backend, t)));
+        Ok(in_order(tags, receipts))
     }
 
     fn prepare_update(&self, model: &str) -> Result<(), Refusal> {
@@ -191,6 +210,31 @@ impl RankMemory for ModelRankMemory {
 }
 
 impl ModelRankMemory {
+    /// Maps the tagged memory of `tags` again and restores it.
+    fn materialize_tagged(&self, tags: &[String]) -> Result<Vec<TagReceipt>, MemoryError> {
+        let restored = self.host.materialize(tags);
+        let weights = tags.iter().any(|t| t == vmm::Tag::WEIGHTS.as_str());
+        if weights {
+            // The weights' bytes were restored (reloaded, zeroed, read back) under their old
+            // addresses, or partly so on a failure: no device copy of them is current.
+            tensor::memory::weights_changed();
+        }
+        let mut receipts = restored?;
+        if let Some(device) = &self.device {
+            let more = device.materialize(tags).map_err(|e| MemoryError { changed: true, ..e })?;
+            merge(&mut receipts, more);
+        }
+        if weights {
+            self.prepare_device("wakeup", &mut receipts);
+        }
+        let mut pending = self.pending();
+        for r in &mut receipts {
+            let restore = pending.remove(&r.tag).or_else(|| self.memory.restore_of(&r.tag));
+            r.restore = restore.map(|x| x.name().to_owned()).unwrap_or_default();
+        }
+        Ok(receipts)
+    }
+
     /// Runs the registered device preparation (see [`ModelMemory::set_device_preparation`]),
     /// adding its time to the weights' receipt in `receipts`: the `what` (a wakeup, an update)
     /// ends when the model is usable, so the first request does not make the weights' device

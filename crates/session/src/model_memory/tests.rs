@@ -572,3 +572,93 @@ fn a_wakeup_of_the_weights_makes_the_device_copies_before_its_receipt() {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Greedy ids of `model` continuing `prompt` for `steps` batched decode steps (through the
+/// backend's planned steps), on a cache from `memory`.
+fn batched_ids(
+    model: &ParallelModel,
+    memory: &ModelMemory,
+    prompt: &[u32],
+    steps: usize,
+) -> Vec<u32> {
+    let (mut tp, mut cp) = (collectives::Solo::new("tp"), collectives::Solo::new("cp"));
+    let mut comms = Comms { tp: &mut tp, cp: &mut cp };
+    let mut cache = memory.new_cache(model, 64).unwrap();
+    let mut tokens = prompt.to_vec();
+    let mut ids = Vec::new();
+    for _ in 0..steps {
+        let mut seqs = [layers::parallel::Sequence::sampled(&tokens, &mut cache)];
+        let id = model.forward_batch_argmax(&mut comms, &mut seqs).unwrap().unwrap()[0];
+        ids.push(id);
+        tokens = vec![id];
+    }
+    ids
+}
+
+/// What the runtime holds sleeps under tags of its own (`cuda_graph`, `workspace`), asked in
+/// any order beside the tagged memory: where the backend holds none of it (the plain CPU) each
+/// is reported `none` with nothing released; on a backend that plans its step buffers, a sleep
+/// of `workspace` gives back every plan's bytes (the workspaces the stats counted) and the
+/// steps after the wakeup plan again, with the same tokens.
+#[test]
+fn runtime_tags_release_the_step_workspaces_and_say_none_where_nothing_is_held() {
+    use super::runtime::{CUDA_GRAPH, NOTHING_HELD, WORKSPACE};
+    use crate::sleep::RankMemory;
+    let dir = std::env::temp_dir().join(format!("tpctl-memory-rt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tiny.gguf");
+    RandomLlama { seed: 12, ..Default::default() }.write(&path).unwrap();
+    let (placement, form) = (Placement::single(), WeightForm::F32);
+    let origin = ShardOrigin::checkpoint(path.clone(), placement, form);
+    let tags: Vec<String> =
+        [WORKSPACE, "weights", CUDA_GRAPH, "kv_cache"].map(str::to_owned).to_vec();
+    for planned in [false, true] {
+        let be = if planned {
+            tensor::test_util::cpu_with_planned_device_outputs(1)
+        } else {
+            Backend::cpu(1).unwrap()
+        };
+        let memory =
+            ModelMemory::host(Some(dir.join("spill")), Restore::Reload, Restore::Discard).unwrap();
+        let opts = LoadOptions::new(placement).on(be.clone()).form(form);
+        let mut model = ParallelModel::load(&path, opts).unwrap();
+        memory.place_weights(&mut model, &origin).unwrap();
+        let rank = ModelRankMemory::new(&memory, be.clone());
+        let prompt = [3, 1, 4, 1, 5];
+        let before = batched_ids(&model, &memory, &prompt, 4);
+        let planned_bytes = be.workspace_stats().map_or(0, |s| s.planned_bytes as u64);
+        assert_eq!(planned, planned_bytes > 0, "planned {planned}: {:?}", be.workspace_stats());
+
+        rank.check(&tags).unwrap();
+        let slept = rank.release(&tags).unwrap();
+        let order: Vec<&str> = slept.iter().map(|r| r.tag.as_str()).collect();
+        assert_eq!(order, tags.iter().map(String::as_str).collect::<Vec<_>>(), "as asked");
+        let (workspace, graphs) = (&slept[0], &slept[2]);
+        assert_eq!(
+            (graphs.restore.as_str(), graphs.bytes),
+            (NOTHING_HELD, 0),
+            "the CPU has no graphs"
+        );
+        if planned {
+            assert_eq!(workspace.restore, "replan");
+            assert_eq!(workspace.bytes, planned_bytes, "every plan's workspace");
+            assert!(workspace.allocations >= 1, "{workspace:?}");
+            assert_eq!(be.workspace_stats().unwrap().planned_bytes, 0, "the plans are gone");
+        } else {
+            assert_eq!((workspace.restore.as_str(), workspace.bytes), (NOTHING_HELD, 0));
+        }
+        assert_eq!((slept[1].restore.as_str(), slept[3].restore.as_str()), ("reload", "discard"));
+        assert!(slept[1].bytes > 0, "the weights are released beside them");
+
+        let woke = rank.materialize(&tags).unwrap();
+        let restores: Vec<&str> = woke.iter().map(|r| r.restore.as_str()).collect();
+        let runtime = if planned { "replan" } else { NOTHING_HELD };
+        assert_eq!(restores, [runtime, "reload", NOTHING_HELD, "discard"], "planned {planned}");
+        let made = be.workspace_stats().map(|s| s.workspaces);
+        assert_eq!(batched_ids(&model, &memory, &prompt, 4), before, "planned {planned}");
+        if planned {
+            assert!(be.workspace_stats().unwrap().workspaces > made.unwrap(), "planned again");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -453,6 +453,15 @@ impl<B> StepMemory<B> {
         self.stats.planned_bytes = 0;
     }
 
+    /// Forgets every plan, as [`StepMemory::clear`] does, and says what they held: the
+    /// plans' count and their workspaces' bytes (gone once no slot of them is held).
+    pub(crate) fn release(&mut self) -> Released {
+        let plans = self.shapes.values().filter(|s| s.planned.is_some()).count();
+        let bytes = self.planned_bytes() as u64;
+        self.clear();
+        Released { items: plans, device_bytes: bytes, host_bytes: 0 }
+    }
+
     /// What this has done so far.
     pub(crate) fn stats(&self) -> WorkspaceStats {
         self.stats
@@ -480,6 +489,20 @@ impl<B> StepMemory<B> {
     fn planned_bytes(&self) -> usize {
         self.shapes.values().filter_map(|s| s.planned.as_ref()).map(|p| p.layout.total).sum()
     }
+}
+
+/// What a backend gave back when a sleep released memory it holds outside tagged memory
+/// (its step workspaces, its graphs: [`super::Backend::release_workspace`],
+/// [`super::Backend::release_graphs`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    /// The things released: workspace plans, graphs.
+    pub items: usize,
+    /// Device bytes given back (a backend that simulates device buffers counts its host
+    /// buffers here).
+    pub device_bytes: u64,
+    /// Host bytes given back (pinned staging buffers).
+    pub host_bytes: u64,
 }
 
 /// A step of a [`super::Backend`] in progress ([`super::Backend::step`]): the buffers its
@@ -548,6 +571,27 @@ impl super::Backend {
         match self {
             super::Backend::Cpu(_) => None,
             super::Backend::Cuda(cuda) => Some(cuda.device_busy()),
+        }
+    }
+
+    /// Gives back the memory of the step workspaces (see [`crate::kernels::workspace`]): the
+    /// plans are forgotten and the next steps of each shape plan again. On a GPU the graphs
+    /// go too (they name the workspaces' addresses), and so do the step inputs' staging
+    /// buffers and the temporaries the driver's memory pool keeps, whose bytes are counted.
+    /// `None` for a backend that holds no workspace (the CPU).
+    pub fn release_workspace(&self) -> Option<Released> {
+        match self {
+            super::Backend::Cpu(cpu) => cpu.with_step_memory(StepMemory::release),
+            super::Backend::Cuda(cuda) => Some(cuda.release_workspace()),
+        }
+    }
+
+    /// Destroys the CUDA graphs of steps; each shape's next steps capture theirs again.
+    /// `None` for a backend that has none (the CPU).
+    pub fn release_graphs(&self) -> Option<Released> {
+        match self {
+            super::Backend::Cpu(_) => None,
+            super::Backend::Cuda(cuda) => Some(cuda.release_graphs()),
         }
     }
 

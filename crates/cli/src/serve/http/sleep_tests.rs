@@ -3,6 +3,7 @@
 //! threads, fake rank memory). Every wait has a deadline.
 
 use super::{serve, Api, ApiParts};
+use crate::control::ALL_TAGS;
 use crate::serve::bridge::Bridge;
 use crate::serve::metrics::Metrics;
 use serde_json::Value;
@@ -22,7 +23,11 @@ use std::time::Duration;
 const MIB: u64 = 1 << 20;
 const DEADLINE: Duration = Duration::from_secs(30);
 
-/// 1 MiB per tag (`weights`, `kv_cache`); resident 10 MiB plus 1 MiB per awake tag.
+/// The tags of memory in [`Fake`]; the runtime's tags (graphs, workspaces) hold nothing.
+const MEMORY_TAGS: [&str; 2] = ["weights", "kv_cache"];
+
+/// 1 MiB per tag of memory ([`MEMORY_TAGS`]), none for the runtime's; resident 10 MiB plus
+/// 1 MiB per awake tag of memory.
 #[derive(Default)]
 struct Fake {
     asleep: Mutex<BTreeSet<String>>,
@@ -31,9 +36,9 @@ struct Fake {
 
 impl RankMemory for Fake {
     fn check(&self, tags: &[String]) -> Result<(), Refusal> {
-        match tags.iter().find(|t| !["weights", "kv_cache"].contains(&t.as_str())) {
+        match tags.iter().find(|t| !ALL_TAGS.contains(&t.as_str())) {
             Some(t) => {
-                let known = vec!["weights".into(), "kv_cache".into()];
+                let known = ALL_TAGS.iter().map(|t| (*t).to_owned()).collect();
                 Err(Refusal::UnknownTag { tag: t.clone(), known })
             }
             None => Ok(()),
@@ -47,7 +52,7 @@ impl RankMemory for Fake {
         Ok(tags
             .iter()
             .map(|t| {
-                let moved = asleep.insert(t.clone());
+                let moved = asleep.insert(t.clone()) && MEMORY_TAGS.contains(&t.as_str());
                 TagReceipt {
                     tag: t.clone(),
                     bytes: if moved { MIB } else { 0 },
@@ -61,7 +66,7 @@ impl RankMemory for Fake {
         Ok(tags
             .iter()
             .map(|t| {
-                let moved = asleep.remove(t);
+                let moved = asleep.remove(t) && MEMORY_TAGS.contains(&t.as_str());
                 TagReceipt {
                     tag: t.clone(),
                     bytes: if moved { MIB } else { 0 },
@@ -77,7 +82,8 @@ impl RankMemory for Fake {
         Ok(vec![TagReceipt { tag: "weights".into(), bytes: MIB, ..Default::default() }])
     }
     fn probe(&self) -> Probe {
-        let awake = 2 - self.asleep.lock().unwrap().len() as u64;
+        let asleep = self.asleep.lock().unwrap();
+        let awake = MEMORY_TAGS.iter().filter(|t| !asleep.contains(**t)).count() as u64;
         Probe { resident: 10 * MIB + awake * MIB, ..Probe::default() }
     }
 }
@@ -403,7 +409,8 @@ fn bad_sleep_parameters_are_400_and_change_nothing() {
         ("/sleep?tags=kv_cache,kv_cache", "given twice"),
         (
             "/sleep?tags=bogus",
-            "unknown tag `bogus`: a deployment's memory is tagged weights and kv_cache",
+            "unknown tag `bogus`: a deployment's memory is tagged weights, kv_cache, cuda_graph and \
+             workspace",
         ),
         ("/wake_up?tags=weights,bogus", "unknown tag `bogus`"),
         // A stray `%` is kept as it is (the URL standard), then refused as a tag.

@@ -381,7 +381,7 @@ impl<C: Clone + PartialEq, G> GraphBook<C, G> {
     }
 
     /// Graphs kept now.
-    #[cfg(test)]
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn graphs(&self) -> usize {
         self.shapes.values().filter(|s| s.graph.is_some()).count()
     }

@@ -5,6 +5,7 @@
 use super::{unavailable, CudaBackend, Inner, Kernels, OrUnavailable};
 use crate::error::Result;
 use crate::kernels::cuda::{uuid_text, CudaDeviceInfo};
+use crate::kernels::workspace::Released;
 use crate::kernels::GemmDtype;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaStream};
@@ -38,6 +39,21 @@ fn keep_pool_memory(ctx: &CudaContext, ordinal: usize) {
     if let Err(e) = set {
         tracing::warn!("cuda:{ordinal}: keeping freed memory in the pool: {e}");
     }
+}
+
+/// The bytes `pool` holds from the device now (`None` when the driver cannot say).
+fn pool_reserved(pool: cudarc::driver::sys::CUmemoryPool) -> Option<u64> {
+    let mut bytes = 0u64;
+    // SAFETY: `pool` is valid for the context's life, and the reserved-memory attribute is
+    // written through a pointer to a cuuint64_t, a live local.
+    let read = unsafe {
+        cudarc::driver::result::mem_pool::get_attribute(
+            pool,
+            cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+            (&mut bytes as *mut u64).cast(),
+        )
+    };
+    read.ok().map(|()| bytes)
 }
 
 impl CudaBackend {
@@ -157,24 +173,55 @@ impl CudaBackend {
         self.inner.dtype
     }
 
-    /// Gives the memory the driver's pool keeps between steps back to the device: waits for
-    /// the stream (so every freed buffer is back in the pool), then trims the pool to nothing.
-    /// The pool keeps freed memory otherwise (see `keep_pool_memory`), so a sleep calls this
-    /// before it measures what it released.
+    /// Gives the memory the driver's pool keeps between steps back to the device, with the
+    /// step workspaces and graphs (see [`CudaBackend::release_workspace`]). The pool keeps
+    /// freed memory otherwise (see `keep_pool_memory`), so a sleep calls this before it
+    /// measures what it released.
     pub fn trim_pool(&self) {
+        let _ = self.release_workspace();
+    }
+
+    /// Destroys the step graphs (a sleep of `cuda_graph`), once the stream is waited for: how
+    /// many there were. Their memory is the driver's, which says nothing of it per process (a
+    /// device-wide reading would count what other ranks on the device free meanwhile), so no
+    /// bytes are claimed; the probes around the sleep show it. Each shape's next steps
+    /// capture theirs again.
+    pub fn release_graphs(&self) -> Released {
+        self.wait_for_frees();
+        Released { items: self.clear_graphs(), device_bytes: 0, host_bytes: 0 }
+    }
+
+    /// Gives back what the steps hold between them (a sleep of `workspace`): the graphs
+    /// (they name the workspaces' memory), the step workspaces, the step inputs' staging
+    /// buffers and the temporaries the driver's pool keeps. Counts the workspace plans, the
+    /// pool's bytes given back to the device (the workspaces' and the staging's device
+    /// buffer among them) and the pinned host bytes.
+    pub fn release_workspace(&self) -> Released {
         // The graphs first: they name the workspaces' memory. Then the step workspaces:
         // their memory is the pool's once no slot is held.
         self.clear_graphs();
-        self.workspace().clear();
+        let plans = self.workspace().release();
         self.wait_for_frees();
         // After the wait: no copy reads the pinned buffer any more.
-        self.drop_staging();
-        let Some(pool) = default_pool(self.stream().context()) else { return };
+        let (pinned, staged) = self.drop_staging();
+        let Some(pool) = default_pool(self.stream().context()) else {
+            return Released {
+                items: plans.items,
+                device_bytes: plans.device_bytes,
+                host_bytes: pinned,
+            };
+        };
+        let held = pool_reserved(pool);
         // SAFETY: `pool` is the device's default pool, which lives as long as the context.
         let trimmed = unsafe { cudarc::driver::result::mem_pool::trim_to(pool, 0) };
         if let Err(e) = trimmed {
             tracing::warn!("cuda:{}: trimming the memory pool: {e}", self.inner.ordinal);
         }
+        let device_bytes = match (held, pool_reserved(pool)) {
+            (Some(before), Some(after)) => before.saturating_sub(after),
+            _ => plans.device_bytes + staged,
+        };
+        Released { items: plans.items, device_bytes, host_bytes: pinned }
     }
 
     /// Starts a step of `tokens` tokens over `seqs` sequences, planned as shape `key` (see

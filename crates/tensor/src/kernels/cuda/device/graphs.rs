@@ -447,8 +447,11 @@ impl CudaBackend {
     }
 
     /// Drops every graph (a sleep: the buffers they name may go).
-    pub(super) fn clear_graphs(&self) {
-        self.inner.graphs().book.clear();
+    pub(super) fn clear_graphs(&self) -> usize {
+        let mut graphs = self.inner.graphs();
+        let held = graphs.book.graphs();
+        graphs.book.clear();
+        held
     }
 
     /// What this backend's graphs have done.

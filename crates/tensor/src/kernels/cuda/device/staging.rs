@@ -167,8 +167,10 @@ impl CudaBackend {
         staging.grow_to = staging.layout.next_step();
     }
 
-    /// Gives the step inputs' buffers back (a sleep), once the stream has been waited for.
-    pub(super) fn drop_staging(&self) {
-        *self.inner.staging.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    /// Gives the step inputs' buffers back (a sleep), once the stream has been waited for;
+    /// the bytes of the pinned host buffer and of the device buffer dropped.
+    pub(super) fn drop_staging(&self) -> (u64, u64) {
+        let dropped = self.inner.staging.lock().unwrap_or_else(|e| e.into_inner()).take();
+        dropped.map_or((0, 0), |s| (s.host.len() as u64, s.dev.len() as u64))
     }
 }
