@@ -31,7 +31,7 @@
 //! Methods ([`Request`]):
 //! - `sleep {tags, level, mode, verify}`: releases `tags` on every rank. Empty `tags` means
 //!   every tag of a deployment ([`ALL_TAGS`]: `weights`, `kv_cache`, and what the runtime
-//!   holds, `cuda_graph` and `workspace`). `level` is vLLM's: 1 keeps the weights'
+//!   holds, `cuda_graph`, `workspace` and `nccl`). `level` is vLLM's: 1 keeps the weights'
 //!   contents for a fast wakeup (a spill file of the host weights, on a GPU too), 2 discards
 //!   them and reloads them from the checkpoint at the wakeup; the KV cache is discarded at
 //!   both. A tag with its own `[sleep.TAG] restore` keeps it at every level; no level applies
@@ -92,7 +92,7 @@ pub use wire::{
     StartUpdateArgs, StatusWire, UpdateArgs, WakeupArgs, MAX_VERSION_CHARS,
 };
 
-use session::model_memory::runtime::{CUDA_GRAPH, WORKSPACE};
+use session::model_memory::runtime::{CUDA_GRAPH, NCCL, WORKSPACE};
 use session::sleep::{Action, Coordinator, DeploymentState, OpOptions, OpReceipt, WeightUpdate};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -100,10 +100,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use vmm::Tag;
 
 /// The tags a sleep without tags releases: the weights, the KV cache, and what the runtime
-/// holds on the device besides them (the CUDA graphs of decode steps, the step workspaces:
-/// [`session::model_memory::runtime`]; a rank that holds none of them reports each as
-/// `none`).
-pub const ALL_TAGS: [&str; 4] = ["weights", "kv_cache", CUDA_GRAPH, WORKSPACE];
+/// holds on the device besides them (the CUDA graphs of decode steps, the step workspaces,
+/// the NCCL communicators: [`session::model_memory::runtime`]; a rank that holds none of
+/// them reports each as `none`).
+pub const ALL_TAGS: [&str; 5] = ["weights", "kv_cache", CUDA_GRAPH, WORKSPACE, NCCL];
 
 /// The most tags one request may name.
 pub const MAX_TAGS: usize = 16;

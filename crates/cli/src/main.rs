@@ -387,8 +387,8 @@ struct TargetArgs {
 #[derive(Args, Debug)]
 struct SleepArgs {
     /// Memory tags to release, comma-separated: weights, kv_cache, cuda_graph (the CUDA graphs
-    /// of decode steps) and workspace (step buffers and pooled temporaries on a GPU); default:
-    /// all of them.
+    /// of decode steps), workspace (step buffers and pooled temporaries on a GPU) and nccl (the
+    /// NCCL communicators, made again at the wakeup); default: all of them.
     #[arg(long, value_delimiter = ',', value_name = "TAGS")]
     tags: Vec<String>,
     /// vLLM's sleep level: 1 keeps the weights' contents for a fast wakeup, 2 reloads them

@@ -61,7 +61,8 @@ pub fn run() -> Result<()> {
     let engine = EngineOptions { step_timeout: timeout, ..EngineOptions::default() };
     let gate = Gate::for_rank(ctx.rank(), engine.quiesce_timeout);
     gate.set_lossy(memory.lossy_tags());
-    let rank_memory = Arc::new(ModelRankMemory::new(&memory, compute));
+    let rank_memory =
+        Arc::new(ModelRankMemory::new(&memory, compute).with_communicators(ctx.device_resources()));
     let plane = control_plane(&ctx, rank_memory, gate.clone(), timeout)?;
     let model = spec.model.to_string_lossy().into_owned();
     let coordinator: Arc<Coordinator> = match plane {

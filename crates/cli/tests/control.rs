@@ -294,9 +294,9 @@ fn sleep_status_wakeup_and_stop_round_trip() {
     assert_eq!(call(&path, &Request::Status).status.unwrap().state, "running");
 
     // A sleep without tags releases every tag: the weights, the KV cache, and what the
-    // runtime holds (graphs, workspaces).
+    // runtime holds (graphs, workspaces, communicators).
     let op = call(&path, &sleep_of(Vec::new())).op.expect("a receipt");
-    assert_eq!(op.tags, tags(&["weights", "kv_cache", "cuda_graph", "workspace"]));
+    assert_eq!(op.tags, tags(&["weights", "kv_cache", "cuda_graph", "workspace", "nccl"]));
     assert_eq!(op.bytes, 6 * MIB);
 
     let reply = call(&path, &Request::Stop);

@@ -653,7 +653,7 @@ fn sleep_frees_every_ranks_memory_and_wakeup_gives_the_same_text() {
             r["tags"].as_array().unwrap().iter().map(|t| t["tag"].as_str().unwrap()).collect();
         assert!(tags.contains(&"weights") && tags.contains(&"kv_cache"), "{r}");
         // What the runtime holds sleeps too; a CPU rank holds none of it, and says so.
-        for held in ["cuda_graph", "workspace"] {
+        for held in ["cuda_graph", "workspace", "nccl"] {
             let t = r["tags"].as_array().unwrap().iter().find(|t| t["tag"] == held);
             let t = t.unwrap_or_else(|| panic!("no {held} in {r}"));
             assert_eq!(
@@ -1029,8 +1029,8 @@ fn gpu_sleep_cycle(expected: &[u64], backend: Option<&str>) {
     assert_eq!(code, 0, "{err}");
     assert_eq!(tokens(&server), expected, "the same tokens after the wakeup ({backend:?})");
     // A sleep without tags releases what the runtime holds too: the step workspaces the
-    // request above planned (their device bytes back from the driver's pool) and the graphs
-    // (to be captured again), and still verifies.
+    // request above planned (their device bytes back from the driver's pool), the graphs (to
+    // be captured again) and the NCCL communicators, and still verifies.
     let (code, reply, err) = control(&rt, &["sleep", "--verify"]);
     assert_eq!(code, 0, "{err}\n{reply}\n{}", server.log());
     for r in reply["op"]["ranks"].as_array().expect("ranks") {
@@ -1043,6 +1043,10 @@ fn gpu_sleep_cycle(expected: &[u64], backend: Option<&str>) {
         assert!(workspace["allocations"].as_u64() >= Some(1), "no plan released: {r}");
         assert!(workspace["device_bytes"].as_u64() > Some(0), "no pool bytes released: {r}");
         assert_eq!(tag("cuda_graph")["restore"], "recapture", "{r}");
+        // NCCL's communicators are destroyed and made again by the wakeup, which the tokens
+        // after it then use; shared memory holds nothing on the device.
+        let nccl = if backend == Some("nccl") { "reconnect" } else { "none" };
+        assert_eq!(tag("nccl")["restore"], nccl, "{r}");
     }
     let (code, _, err) = control(&rt, &["wakeup"]);
     assert_eq!(code, 0, "{err}");

@@ -17,6 +17,7 @@
 use crate::comm::{check, AbortHandle, Communicator, DeviceRange, DeviceStream};
 use crate::dtype::{ElemType, ReduceOp};
 use crate::error::{Error, Op, Result, Site};
+use crate::release::{DeviceResources, Lease};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -210,6 +211,17 @@ pub(crate) trait Transport: Send {
     fn device_in_flight(&self) -> bool {
         false
     }
+
+    /// The lease every call enters, for a backend whose device resources can be released
+    /// from another thread ([`Transport::device_resources`]); `None` for the others.
+    fn lease(&self) -> Option<Arc<Lease>> {
+        None
+    }
+
+    /// See [`Communicator::device_resources`].
+    fn device_resources(&self) -> Option<Arc<dyn DeviceResources>> {
+        None
+    }
 }
 
 /// Runs one call of `op` through the lifecycle of the module docs: `body` checks the
@@ -223,6 +235,13 @@ pub(crate) fn run<T: Transport + ?Sized, R>(
     body: impl FnOnce(&mut T, &Site, Instant) -> Result<R>,
 ) -> Result<R> {
     let (at, deadline) = t.core().begin(op)?;
+    // A communicator whose device resources can be released: the call holds them for its
+    // duration, or is refused (without poisoning) while they are released.
+    let lease = t.lease();
+    let _inside = match &lease {
+        Some(lease) => Some(lease.enter().map_err(|_| Error::Released { at: at.clone() })?),
+        None => None,
+    };
     let result = t.enter(&at).and_then(|()| body(t, &at, deadline));
     finish(t, result)
 }
@@ -274,6 +293,10 @@ impl<T: Transport> Communicator for T {
     }
     fn abort_handle(&self) -> AbortHandle {
         self.core().abort.clone()
+    }
+
+    fn device_resources(&self) -> Option<Arc<dyn DeviceResources>> {
+        Transport::device_resources(self)
     }
 
     fn fail(&mut self, reason: &str) {

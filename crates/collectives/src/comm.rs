@@ -42,6 +42,13 @@ pub trait Communicator: Send {
     /// A handle another thread can use to abort a call in progress.
     fn abort_handle(&self) -> AbortHandle;
 
+    /// What this communicator holds on a device that a sleep can give back (NCCL's buffers),
+    /// as a handle another thread releases and restores while this one makes no call (see
+    /// [`crate::release`]); `None` for a backend that holds none (the host backends).
+    fn device_resources(&self) -> Option<Arc<dyn crate::DeviceResources>> {
+        None
+    }
+
     /// Tells the group that this rank failed for `reason`, without blocking: peers waiting
     /// for this rank (now or in their next call) fail with [`Error::PeerFailed`] naming it,
     /// and this communicator is poisoned. A rank whose step failed calls this so that its

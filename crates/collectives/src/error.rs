@@ -168,6 +168,14 @@ pub enum Error {
         /// Where.
         at: Site,
     },
+    /// The communicator's device resources are released for a sleep
+    /// ([`DeviceResources`](crate::DeviceResources)); the call was refused before it touched
+    /// them, and the communicator works again after their restore.
+    #[error("{at}: the group's device resources are released for a sleep (wake it up first)")]
+    Released {
+        /// Where.
+        at: Site,
+    },
     /// An earlier call failed; a communicator is not reused after a failure.
     #[error("{at}: communicator is unusable after an earlier failure: {cause}")]
     Poisoned {

@@ -276,6 +276,15 @@ impl std::fmt::Debug for ParallelContext {
 }
 
 impl ParallelContext {
+    /// What this rank's groups hold on a device that a sleep can give back (the NCCL
+    /// communicators among them; see [`crate::release`]), one handle per such group.
+    pub fn device_resources(&self) -> Vec<Arc<dyn crate::DeviceResources>> {
+        [&self.tp, &self.cp, &self.control]
+            .into_iter()
+            .filter_map(|c| c.device_resources())
+            .collect()
+    }
+
     /// This rank's index in the world.
     pub fn rank(&self) -> usize {
         self.rank

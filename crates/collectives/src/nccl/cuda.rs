@@ -5,6 +5,7 @@
 mod device;
 mod enqueue;
 mod library;
+mod sleep;
 mod staging;
 mod transport;
 mod watchdog;
@@ -22,6 +23,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
 use cudarc::nccl::sys;
 use library::describe;
 use mesh::Store;
+use sleep::{Rejoin, Shared};
 use staging::Staging;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -55,7 +57,8 @@ struct FailKey {
 pub struct NcclCommunicator {
     core: GroupCore,
     device: usize,
-    comm: RawComm,
+    /// The NCCL handle, shared with the handle that releases it for a sleep (`sleep`).
+    shared: Arc<Shared>,
     stream: Arc<CudaStream>,
     done: CudaEvent,
     staging: Option<Staging>,
@@ -172,7 +175,9 @@ impl NcclCommunicator {
         let mut own = Store::connect(store.server_addr(), timeout)?;
         own.set_timeout(STORE_TIMEOUT);
         let fail = FailKey { store: own, key: fail_key };
-        Self::init(&id, group, rank, size, device, timeout, Some(fail))
+        // And one for the sleep's handle, which meets the peers again at a wakeup.
+        let rejoin = Rejoin::new(Store::connect(store.server_addr(), timeout)?, key_prefix);
+        Self::init(&id, group, rank, size, device, timeout, Some(fail), Some(rejoin))
     }
 
     /// Joins the communicator named by `id` as rank `rank` of `size`, on CUDA device `device`,
@@ -189,9 +194,10 @@ impl NcclCommunicator {
         device: usize,
         timeout: Duration,
     ) -> Result<NcclCommunicator> {
-        Self::init(id, group, rank, size, device, timeout, None)
+        Self::init(id, group, rank, size, device, timeout, None, None)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn init(
         id: &NcclId,
         group: &str,
@@ -200,6 +206,7 @@ impl NcclCommunicator {
         device: usize,
         timeout: Duration,
         fail_key: Option<FailKey>,
+        rejoin: Option<Rejoin>,
     ) -> Result<NcclCommunicator> {
         crate::nccl::available()?;
         let group: Arc<str> = group.into();
@@ -222,47 +229,17 @@ impl NcclCommunicator {
         let stream = ctx.new_stream().map_err(cuda_err(&at, "cuStreamCreate"))?;
         let done = ctx.new_event(None).map_err(cuda_err(&at, "cuEventCreate"))?;
 
-        let mut config = sys::ncclConfig_t {
-            size: std::mem::size_of::<sys::ncclConfig_t>(),
-            magic: 0xcafe_beef,
-            // NCCL reads only the fields it knows (up to its own `size`) and fills in the rest.
-            version: BINDINGS_VERSION as u32,
-            blocking: 0,
-            cgaClusterSize: UNDEF,
-            minCTAs: UNDEF,
-            maxCTAs: UNDEF,
-            netName: std::ptr::null(),
-            splitShare: UNDEF,
-            trafficClass: UNDEF,
-            commName: std::ptr::null(),
-            collnetEnable: UNDEF,
-            CTAPolicy: UNDEF,
-            shrinkShare: UNDEF,
-            nvlsCTAs: UNDEF,
-            nChannelsPerNetPeer: UNDEF,
-            nvlinkCentricSched: UNDEF,
-            graphUsageMode: UNDEF,
-            numRmaCtx: UNDEF,
-            maxP2pPeers: UNDEF,
-        };
-        let internal = id.as_bytes().map(|b| b as std::ffi::c_char);
-        let mut raw: sys::ncclComm_t = std::ptr::null_mut();
-        // SAFETY: `raw` and `config` are valid for the call; the device's context is current on
-        // this thread, which is how NCCL picks the device. Non-blocking: NCCL finishes the set-up
-        // in the background and `wait` below polls it.
-        let code = unsafe {
-            sys::ncclCommInitRankConfig(
-                &mut raw,
-                nranks,
-                sys::ncclUniqueId { internal },
-                myrank,
-                &mut config,
-            )
-        };
+        let (raw, code) = start_init(id, nranks, myrank);
         let mut comm = NcclCommunicator {
-            core: GroupCore::new(group, rank, size, timeout),
+            core: GroupCore::new(group.clone(), rank, size, timeout),
             device,
-            comm: RawComm(raw),
+            shared: Arc::new(Shared::new(
+                RawComm(raw),
+                rejoin,
+                (group.clone(), rank, size),
+                device,
+                timeout,
+            )),
             stream,
             done,
             staging: None,
@@ -300,7 +277,7 @@ impl NcclCommunicator {
     }
 
     fn raw(&self) -> sys::ncclComm_t {
-        self.comm.0
+        self.shared.raw()
     }
 
     fn cu_stream(&self) -> sys::cudaStream_t {
@@ -308,10 +285,56 @@ impl NcclCommunicator {
     }
 }
 
+/// Starts NCCL's set-up of rank `myrank` of `nranks` in the communicator `id` names, on the
+/// device whose context is current on this thread (how NCCL picks the device), non-blocking:
+/// NCCL finishes it in the background, and the caller polls it. The handle (null when the
+/// call failed at once) and the call's code.
+fn start_init(id: &NcclId, nranks: i32, myrank: i32) -> (sys::ncclComm_t, sys::ncclResult_t) {
+    let mut config = sys::ncclConfig_t {
+        size: std::mem::size_of::<sys::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        // NCCL reads only the fields it knows (up to its own `size`) and fills in the rest.
+        version: BINDINGS_VERSION as u32,
+        blocking: 0,
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: std::ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF,
+        CTAPolicy: UNDEF,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+        graphUsageMode: UNDEF,
+        numRmaCtx: UNDEF,
+        maxP2pPeers: UNDEF,
+    };
+    let internal = id.as_bytes().map(|b| b as std::ffi::c_char);
+    let mut raw: sys::ncclComm_t = std::ptr::null_mut();
+    // SAFETY: `raw` and `config` are valid for the call; the caller made the device's context
+    // current on this thread.
+    let code = unsafe {
+        sys::ncclCommInitRankConfig(
+            &mut raw,
+            nranks,
+            sys::ncclUniqueId { internal },
+            myrank,
+            &mut config,
+        )
+    };
+    (raw, code)
+}
+
 impl Drop for NcclCommunicator {
     fn drop(&mut self) {
         // Abort, not finalize: finalizing waits for the peers, and dropping must never block.
         // The staging buffer is freed on the stream, after any kernel still queued there.
         self.abort_comm();
+        // A sleep's handle that outlives this restores nothing.
+        self.shared.owner_gone();
     }
 }

@@ -3,7 +3,7 @@
 
 use super::{runtime, ModelMemory, Restore};
 use crate::sleep::{MemoryError, Probe, RankMemory, Refusal, TagReceipt, VmmMemory};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use tensor::kernels::Backend;
 
 /// The control plane's view of one rank's model memory ([`RankMemory`]): the tagged host
@@ -18,6 +18,8 @@ pub struct ModelRankMemory {
     device: Option<VmmMemory>,
     backend: Backend,
     memory: ModelMemory,
+    /// The device resources of the rank's groups (NCCL communicators), for the `nccl` tag.
+    comms: Vec<Arc<dyn collectives::DeviceResources>>,
     /// Per tag, how its latest sleep left its contents to come back (for the wakeup's
     /// receipt).
     pending: Mutex<std::collections::BTreeMap<String, Restore>>,
@@ -47,7 +49,25 @@ impl ModelRankMemory {
             }
             _ => (VmmMemory::new(manager, None), None),
         };
-        ModelRankMemory { host, device, backend, memory: memory.clone(), pending: Mutex::default() }
+        ModelRankMemory {
+            host,
+            device,
+            backend,
+            memory: memory.clone(),
+            comms: Vec::new(),
+            pending: Mutex::default(),
+        }
+    }
+
+    /// Releases and restores `comms` (the device resources of the rank's groups:
+    /// [`collectives::ParallelContext::device_resources`]) under the `nccl` tag.
+    pub fn with_communicators(mut self, comms: Vec<Arc<dyn collectives::DeviceResources>>) -> Self {
+        self.comms = comms;
+        self
+    }
+
+    fn runtime(&self) -> runtime::Runtime<'_> {
+        runtime::Runtime { backend: &self.backend, comms: &self.comms }
     }
 
     fn pending(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<String, Restore>> {
@@ -123,11 +143,15 @@ impl RankMemory for ModelRankMemory {
         let (asked, tagged) = split(tags);
         // What the runtime holds goes first, graphs before the workspaces they name: nothing
         // of it needs undoing when the rest fails (the steps make it again).
-        let mut receipts: Vec<TagReceipt> = runtime::RUNTIME_TAGS
-            .into_iter()
-            .filter(|t| asked.contains(t))
-            .map(|t| runtime::release(&self.backend, t))
-            .collect();
+        let mut receipts = Vec::new();
+        for t in runtime::RUNTIME_TAGS.into_iter().filter(|t| asked.contains(t)) {
+            let released = self.runtime().release(t).map_err(|e| MemoryError {
+                // What was released before it is a change the undo must see.
+                changed: e.changed || !receipts.is_empty(),
+                ..e
+            })?;
+            receipts.push(released);
+        }
         if tagged.is_empty() {
             return Ok(in_order(tags, receipts));
         }
@@ -175,7 +199,10 @@ impl RankMemory for ModelRankMemory {
         let (asked, tagged) = split(tags);
         let mut receipts =
             if tagged.is_empty() { Vec::new() } else { self.materialize_tagged(&tagged)? };
-        receipts.extend(asked.into_iter().map(|t| runtime::materialize(&self.backend, t)));
+        for t in asked {
+            let made = self.runtime().materialize(t);
+            receipts.push(made.map_err(|e| MemoryError { changed: true, ..e })?);
+        }
         Ok(in_order(tags, receipts))
     }
 

@@ -662,3 +662,90 @@ fn runtime_tags_release_the_step_workspaces_and_say_none_where_nothing_is_held()
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A group's device resources that record what was done to them, and fail when told to.
+#[derive(Debug)]
+struct FakeComm {
+    group: &'static str,
+    released: std::sync::atomic::AtomicBool,
+    refuse_release: bool,
+}
+
+impl FakeComm {
+    fn new(group: &'static str, refuse_release: bool) -> Arc<FakeComm> {
+        Arc::new(FakeComm { group, released: Default::default(), refuse_release })
+    }
+}
+
+impl collectives::DeviceResources for FakeComm {
+    fn group(&self) -> &str {
+        self.group
+    }
+    fn release(&self) -> collectives::Result<()> {
+        if self.refuse_release {
+            let at = collectives::Site {
+                op: collectives::Op::Setup,
+                group: self.group.into(),
+                rank: 0,
+                size: 2,
+            };
+            return Err(collectives::Error::Released { at });
+        }
+        self.released.store(true, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+    fn restore(&self) -> collectives::Result<()> {
+        self.released.store(false, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+    fn is_released(&self) -> bool {
+        self.released.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// The `nccl` tag releases every group's device resources and the wakeup restores them, one
+/// receipt counting the groups; a rank without any says `none`; a group that cannot release
+/// fails the sleep naming it, saying whether an earlier group was released already (the undo
+/// then restores it).
+#[test]
+fn the_nccl_tag_releases_and_restores_every_groups_communicator() {
+    use super::runtime::{NCCL, NOTHING_HELD};
+    use crate::sleep::RankMemory;
+    use collectives::DeviceResources;
+    let memory = ModelMemory::host(None, Restore::Reload, Restore::Discard).unwrap();
+    let be = Backend::cpu(1).unwrap();
+    let tags = vec![NCCL.to_owned()];
+
+    let none = ModelRankMemory::new(&memory, be.clone());
+    let r = none.release(&tags).unwrap();
+    assert_eq!((r[0].restore.as_str(), r[0].allocations), (NOTHING_HELD, 0));
+    assert_eq!(none.materialize(&tags).unwrap()[0].restore, NOTHING_HELD);
+
+    let (tp, cp) = (FakeComm::new("tp", false), FakeComm::new("cp", false));
+    let comms: Vec<Arc<dyn DeviceResources>> = vec![tp.clone(), cp.clone()];
+    let rank = ModelRankMemory::new(&memory, be.clone()).with_communicators(comms);
+    rank.check(&tags).unwrap();
+    let slept = rank.release(&tags).unwrap();
+    assert_eq!((slept[0].restore.as_str(), slept[0].allocations), ("reconnect", 2));
+    assert!(tp.is_released() && cp.is_released());
+    let woke = rank.materialize(&tags).unwrap();
+    assert_eq!((woke[0].restore.as_str(), woke[0].allocations), ("reconnect", 2));
+    assert!(!tp.is_released() && !cp.is_released());
+
+    for (first_refuses, changed) in [(false, true), (true, false)] {
+        let (a, b) = if first_refuses {
+            (FakeComm::new("tp", true), FakeComm::new("cp", false))
+        } else {
+            (FakeComm::new("tp", false), FakeComm::new("cp", true))
+        };
+        let comms: Vec<Arc<dyn DeviceResources>> = vec![a.clone(), b.clone()];
+        let rank = ModelRankMemory::new(&memory, be.clone()).with_communicators(comms);
+        let e = rank.release(&tags).unwrap_err();
+        let refused = if first_refuses { "tp" } else { "cp" };
+        assert!(e.message.contains(&format!("releasing the {refused} communicator")), "{e:?}");
+        assert_eq!(e.changed, changed, "{e:?}");
+        assert_eq!(a.is_released(), !first_refuses);
+        rank.materialize(&tags).unwrap();
+        assert!(!a.is_released() && !b.is_released(), "the undo restores what was released");
+    }
+}

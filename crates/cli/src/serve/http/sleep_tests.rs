@@ -409,8 +409,8 @@ fn bad_sleep_parameters_are_400_and_change_nothing() {
         ("/sleep?tags=kv_cache,kv_cache", "given twice"),
         (
             "/sleep?tags=bogus",
-            "unknown tag `bogus`: a deployment's memory is tagged weights, kv_cache, cuda_graph and \
-             workspace",
+            "unknown tag `bogus`: a deployment's memory is tagged weights, kv_cache, cuda_graph, \
+             workspace and nccl",
         ),
         ("/wake_up?tags=weights,bogus", "unknown tag `bogus`"),
         // A stray `%` is kept as it is (the URL standard), then refused as a tag.

@@ -10,11 +10,13 @@ use std::sync::OnceLock;
 
 /// Functions this backend calls, checked once so that a library missing one is a clear error
 /// instead of cudarc's panic at the first call.
-const SYMBOLS: [&str; 16] = [
+const SYMBOLS: [&str; 18] = [
     "ncclGetVersion",
     "ncclGetUniqueId",
     "ncclCommInitRankConfig",
     "ncclCommAbort",
+    "ncclCommFinalize",
+    "ncclCommDestroy",
     "ncclCommGetAsyncError",
     "ncclGetErrorString",
     "ncclGetLastError",

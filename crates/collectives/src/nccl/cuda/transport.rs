@@ -7,8 +7,10 @@ use crate::comm::{DeviceRange, DeviceStream};
 use crate::common::blame_word;
 use crate::dtype::{ElemType, ReduceOp};
 use crate::error::{Error, Result, Site};
+use crate::release::{DeviceResources, Lease};
 use cudarc::driver::result as cu;
 use cudarc::nccl::sys;
+use std::sync::Arc;
 use std::time::Instant;
 
 impl Transport for NcclCommunicator {
@@ -46,6 +48,17 @@ impl Transport for NcclCommunicator {
 
     fn cuda_device(&self) -> Option<usize> {
         Some(self.device)
+    }
+
+    fn lease(&self) -> Option<Arc<Lease>> {
+        Some(self.shared.lease())
+    }
+
+    /// The NCCL communicator, released by finalizing and destroying it and restored by a new
+    /// rendezvous through the store (`sleep`); none for one made without a store.
+    fn device_resources(&self) -> Option<Arc<dyn DeviceResources>> {
+        let shared: Arc<dyn DeviceResources> = self.shared.clone();
+        self.shared.rejoins().then_some(shared)
     }
 
     unsafe fn all_reduce_device(

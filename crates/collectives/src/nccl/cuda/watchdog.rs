@@ -29,10 +29,12 @@ impl NcclCommunicator {
     }
 
     pub(super) fn abort_comm(&mut self) {
-        let raw = std::mem::replace(&mut self.comm.0, std::ptr::null_mut());
+        let raw = self.shared.take_comm().0;
         if !raw.is_null() {
             // SAFETY: `raw` is this communicator's live handle, used by no other thread (see
-            // `RawComm`), and never used again: the field is null from here on.
+            // `RawComm`; the sleep's handle touches it only while no call is inside the lease,
+            // and this runs in a call or in the owner's drop), and never used again: the
+            // shared slot is null from here on.
             let code = unsafe { sys::ncclCommAbort(raw) };
             if code != sys::ncclResult_t::ncclSuccess {
                 tracing::warn!(group = %self.core.group, rank = self.core.rank, "ncclCommAbort: {code:?}");
@@ -43,7 +45,7 @@ impl NcclCommunicator {
     /// NCCL's asynchronous state: `Ok(true)` when idle, `Ok(false)` while an operation is still
     /// being set up or enqueued (`ncclInProgress`), an error when NCCL failed.
     fn async_state(&self, at: &Site) -> Result<bool> {
-        let raw = self.comm.0;
+        let raw = self.raw();
         if raw.is_null() {
             return Err(Error::Aborted { at: at.clone() });
         }
@@ -129,7 +131,7 @@ impl NcclCommunicator {
         enqueue: impl FnOnce(&Self) -> std::result::Result<(), (&'static str, sys::ncclResult_t)>,
     ) -> Result<()> {
         if let Err((call, code)) = enqueue(self) {
-            return Err(Error::Nccl { at: at.clone(), call, reason: describe(code, self.comm.0) });
+            return Err(Error::Nccl { at: at.clone(), call, reason: describe(code, self.raw()) });
         }
         self.wait(at, start, deadline, |_| Ok(true))
     }
