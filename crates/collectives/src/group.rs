@@ -276,13 +276,11 @@ impl std::fmt::Debug for ParallelContext {
 }
 
 impl ParallelContext {
-    /// What this rank's groups hold on a device that a sleep can give back (the NCCL
-    /// communicators among them; see [`crate::release`]), one handle per such group.
+    /// What this rank's data groups (TP and CP) hold on a device that a sleep can give back
+    /// (the NCCL communicators among them; see [`crate::release`]), one handle per such
+    /// group. Never the control group's: the sleep itself runs over it.
     pub fn device_resources(&self) -> Vec<Arc<dyn crate::DeviceResources>> {
-        [&self.tp, &self.cp, &self.control]
-            .into_iter()
-            .filter_map(|c| c.device_resources())
-            .collect()
+        [&self.tp, &self.cp].into_iter().filter_map(|c| c.device_resources()).collect()
     }
 
     /// This rank's index in the world.

@@ -439,3 +439,13 @@ fn host_backends_refuse_device_buffers() {
     solo.wait_device().unwrap();
     solo.all_reduce(&mut [1f32; 4], ReduceOp::Sum).unwrap();
 }
+
+/// Host backends hold nothing on a device: a sleep's `nccl` tag finds no resources in them.
+#[test]
+fn host_backends_have_no_device_resources() {
+    for kind in KINDS {
+        let (comms, _server) = make_group(kind, 2, tiny());
+        assert!(comms.iter().all(|c| c.device_resources().is_none()), "{kind:?}");
+    }
+    assert!(crate::Solo::new("tp").device_resources().is_none());
+}
