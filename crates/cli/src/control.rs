@@ -92,7 +92,7 @@ pub use wire::{
     StartUpdateArgs, StatusWire, UpdateArgs, WakeupArgs, MAX_VERSION_CHARS,
 };
 
-use session::model_memory::runtime::{CUDA_GRAPH, NCCL, WORKSPACE};
+use session::model_memory::runtime::{is_runtime, CUDA_GRAPH, NCCL, WORKSPACE};
 use session::sleep::{Action, Coordinator, DeploymentState, OpOptions, OpReceipt, WeightUpdate};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -140,10 +140,24 @@ pub fn check_tags(tags: &[String]) -> Result<(), String> {
 }
 
 /// The tags an operation runs on: `tags` as given, or when empty, [`ALL_TAGS`] for a sleep
-/// and the tags asleep for a wakeup (all of them when the state names none).
+/// and the tags asleep for a wakeup (all of them when the state names none). A wakeup of the
+/// last tags of memory asleep wakes what the runtime holds with them (graphs, workspaces,
+/// communicators): vLLM's clients wake `weights`, then `kv_cache`, and expect the engine
+/// awake after that, as SGLang's name `cuda_graph` with the KV cache.
 pub fn expand_tags(action: Action, tags: &[String], state: &DeploymentState) -> Vec<String> {
     if !tags.is_empty() {
-        return tags.to_vec();
+        let mut tags = tags.to_vec();
+        if let (
+            Action::Wakeup,
+            DeploymentState::Sleeping(asleep) | DeploymentState::Waking(asleep),
+        ) = (action, state)
+        {
+            let rest: Vec<&String> = asleep.iter().filter(|t| !tags.contains(t)).collect();
+            if rest.iter().all(|t| is_runtime(t)) {
+                tags.extend(rest.into_iter().cloned());
+            }
+        }
+        return tags;
     }
     match (action, state) {
         (Action::Wakeup, DeploymentState::Sleeping(t) | DeploymentState::Waking(t))

@@ -199,6 +199,32 @@ fn empty_tags_mean_all_for_a_sleep_and_the_asleep_ones_for_a_wakeup() {
     );
 }
 
+/// vLLM's RL clients sleep everything, wake `weights` (to load new ones), then `kv_cache`:
+/// the last wakeup of memory wakes what the runtime holds too, so the engine is awake after
+/// it; while memory is still asleep, the runtime's tags stay asleep with it.
+#[test]
+fn waking_the_last_memory_tags_wakes_the_runtimes_with_them() {
+    let all: Vec<String> = ALL_TAGS.iter().map(|t| (*t).to_owned()).collect();
+    let asleep = DeploymentState::Sleeping(all.clone());
+    assert_eq!(expand_tags(Action::Wakeup, &strings(&["weights"]), &asleep), strings(&["weights"]));
+    let kv_left =
+        DeploymentState::Sleeping(strings(&["kv_cache", "cuda_graph", "workspace", "nccl"]));
+    assert_eq!(
+        expand_tags(Action::Wakeup, &strings(&["kv_cache"]), &kv_left),
+        strings(&["kv_cache", "cuda_graph", "workspace", "nccl"])
+    );
+    // SGLang names `cuda_graph` itself; the rest comes along.
+    assert_eq!(
+        expand_tags(Action::Wakeup, &strings(&["kv_cache", "cuda_graph"]), &kv_left),
+        strings(&["kv_cache", "cuda_graph", "workspace", "nccl"])
+    );
+    // A sleep is as asked.
+    assert_eq!(
+        expand_tags(Action::Sleep, &strings(&["kv_cache"]), &kv_left),
+        strings(&["kv_cache"])
+    );
+}
+
 #[test]
 fn deployment_names_make_short_socket_paths() {
     for good in ["chat", "tpctl-1234", "a.b_c-9"] {

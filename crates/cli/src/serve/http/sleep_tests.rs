@@ -314,6 +314,25 @@ fn sleep_and_wake_up_reach_every_rank_and_show_in_the_metrics() {
     assert_eq!(http.metric("tpctl_http_requests_total{route=\"/sleep\",status=\"200\"} "), "1");
 }
 
+/// vLLM's RL flow over HTTP: `/sleep` (every tag), `/wake_up?tags=weights` (still asleep:
+/// the KV cache is), then `/wake_up?tags=kv_cache`: awake, the runtime's tags woken with it.
+#[test]
+fn waking_weights_then_the_kv_cache_leaves_the_deployment_awake() {
+    let world = World::new(2);
+    let http = Http::start(Some(world.coordinator.clone()), false, None);
+    assert_eq!(http.json("POST", "/sleep").0, 200);
+    let (status, op) = http.json("POST", "/wake_up?tags=weights");
+    assert_eq!(status, 200, "{op}");
+    assert_eq!(op["tags"], serde_json::json!(["weights"]));
+    assert_eq!(http.json("GET", "/is_sleeping").1["is_sleeping"], true);
+    let (status, op) = http.json("POST", "/wake_up?tags=kv_cache");
+    assert_eq!(status, 200, "{op}");
+    // The rest in the order the deployment lists what is asleep.
+    assert_eq!(op["tags"], serde_json::json!(["kv_cache", "cuda_graph", "nccl", "workspace"]));
+    assert_eq!(http.json("GET", "/is_sleeping").1["is_sleeping"], false);
+    assert!(world.memory.iter().all(|m| m.asleep.lock().unwrap().is_empty()));
+}
+
 #[test]
 fn while_asleep_completions_wait_for_the_wakeup_then_reach_the_engine() {
     let world = World::new(2);
