@@ -83,13 +83,17 @@ enum Command {
     /// spill file of the ranks' host weights, on a GPU too, whose device copies are dropped),
     /// 2 discards them and reloads them from
     /// the checkpoint; the KV cache is discarded at both, and a tag with its own `[sleep.TAG]
-    /// restore` keeps it. Exits 1, naming every failing rank, when the sleep or its
-    /// verification fails (the deployment is rolled back).
+    /// restore` keeps it. What the runtime holds on a GPU (cuda_graph, workspace, nccl) has no
+    /// contents to keep: graphs and workspaces are made again by the steps after the wakeup,
+    /// NCCL communicators by the wakeup (restore recapture, replan, reconnect); a rank that
+    /// holds none of them (a CPU rank) reports "nothing held". Exits 1, naming every failing
+    /// rank, when the sleep or its verification fails (the deployment is rolled back).
     ///
     /// Example: tpctl sleep --deployment chat --tags kv_cache,weights --mode wait --verify
     Sleep(SleepArgs),
     /// Wake a sleeping deployment: materialize the given tags (default: every tag asleep
-    /// when the wakeup's turn comes) on every rank and restore them per their policy.
+    /// when the wakeup's turn comes; the last tags of memory asleep bring the runtime's with
+    /// them) on every rank and restore them per their policy.
     ///
     /// After a sleep that discarded the weights (`--level 2`), `--model PATH` wakes them from
     /// another checkpoint of the same shapes (as `tpctl reload` then `tpctl wakeup`, in one
