@@ -74,18 +74,23 @@ impl Runtime<'_> {
         let (held, items) = match tag {
             CUDA_GRAPH => (!matches!(self.backend, Backend::Cpu(_)), 0),
             NCCL => {
-                for c in self.comms {
-                    c.restore().map_err(|e| MemoryError {
-                        changed: true,
-                        message: format!("making the {} communicator again: {e}", c.group()),
-                    })?;
-                }
+                self.restore_comms()?;
                 (!self.comms.is_empty(), self.comms.len())
             }
             _ => (self.backend.workspace_stats().is_some(), 0),
         };
         let released = held.then_some(Released { items, ..Released::default() });
         Ok(receipt(tag, released, started))
+    }
+
+    fn restore_comms(&self) -> Result<(), MemoryError> {
+        for c in self.comms {
+            c.restore().map_err(|e| MemoryError {
+                changed: true,
+                message: format!("making the {} communicator again: {e}", c.group()),
+            })?;
+        }
+        Ok(())
     }
 
     fn release_comms(&self) -> Result<Option<Released>, MemoryError> {

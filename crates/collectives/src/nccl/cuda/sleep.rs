@@ -141,8 +141,18 @@ impl Shared {
     }
 }
 
-/// Polls NCCL's asynchronous state of `raw` until it is no longer in progress, or `deadline`.
-fn settle(at: &Site, raw: sys::ncclComm_t, call: &'static str, deadline: Instant) -> Result<()> {
+/// Waits for `call` on `raw`, which returned `code` (non-blocking: success or in progress
+/// go on in the background): polls NCCL's asynchronous state until it is no longer in
+/// progress, or `deadline`. Any other code is the call's failure.
+fn settle(
+    at: &Site,
+    raw: sys::ncclComm_t,
+    (call, code): (&'static str, sys::ncclResult_t),
+    deadline: Instant,
+) -> Result<()> {
+    if !matches!(code, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) {
+        return Err(Error::Nccl { at: at.clone(), call, reason: describe(code, raw) });
+    }
     let start = Instant::now();
     loop {
         let mut state = sys::ncclResult_t::ncclSuccess;
@@ -199,17 +209,8 @@ impl DeviceResources for Shared {
         // SAFETY: `raw` was taken out of the shared slot: no call can reach it (the lease is
         // taken) and nothing else will.
         let code = unsafe { sys::ncclCommFinalize(raw) };
-        let finalized = match code {
-            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => {
-                settle(&at, raw, "ncclCommFinalize", Instant::now() + self.timeout)
-            }
-            code => Err(Error::Nccl {
-                at: at.clone(),
-                call: "ncclCommFinalize",
-                reason: describe(code, raw),
-            }),
-        };
-        match finalized {
+        let deadline = Instant::now() + self.timeout;
+        match settle(&at, raw, ("ncclCommFinalize", code), deadline) {
             Ok(()) => {
                 // SAFETY: as above; `raw` is finalized and never used after this.
                 let code = unsafe { sys::ncclCommDestroy(raw) };
@@ -248,17 +249,8 @@ impl DeviceResources for Shared {
             ));
         };
         let (raw, code) = start_init(&id, nranks, myrank);
-        let made = match code {
-            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => {
-                settle(&at, raw, "ncclCommInitRankConfig", Instant::now() + self.timeout)
-            }
-            code => Err(Error::Nccl {
-                at: at.clone(),
-                call: "ncclCommInitRankConfig",
-                reason: describe(code, raw),
-            }),
-        };
-        if let Err(e) = made {
+        let deadline = Instant::now() + self.timeout;
+        if let Err(e) = settle(&at, raw, ("ncclCommInitRankConfig", code), deadline) {
             if !raw.is_null() {
                 abort(raw, &self.group);
             }
