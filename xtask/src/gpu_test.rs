@@ -9,7 +9,8 @@
 //! unversioned links to them, and their own folders, are put on `LD_LIBRARY_PATH` first.
 //!
 //! `cargo xtask gpu-test --bundle [DIR]` runs nothing: it builds the same tests and puts them,
-//! stripped, with the `tpctl` binary, the NCCL and vmm benchmarks, the default model (in parts
+//! stripped, with the `tpctl` binary, the NCCL and vmm benchmarks, `shaped-llama` (which writes
+//! a Llama 3 8B-shaped file of random weights there), the default model (in parts
 //! small enough for a device machine's 64 MiB transfers) and `run.sh` into DIR (default
 //! `target/gpu-bundle`), for a GPU machine without Rust (see `docs/gpu.md`).
 //!
@@ -183,6 +184,8 @@ fn bundle(dir: &Path) -> Result<()> {
             copy_stripped(Path::new(&exe), &bin.join(format!("test-{target}")))?;
         } else if package == "tpctl" && target == "tpctl" && !exe.contains("/deps/") {
             copy_stripped(Path::new(&exe), &bin.join("tpctl"))?;
+        } else if package == "tpctl-layers" && target == "shaped_llama" {
+            copy_stripped(Path::new(&exe), &bin.join("shaped-llama"))?;
         }
     }
     let mut bench = cargo();
@@ -201,8 +204,8 @@ fn bundle(dir: &Path) -> Result<()> {
             copy_stripped(Path::new(&exe), &bin.join("vmm-bench"))?;
         }
     }
-    // The test binaries, tpctl and the two benchmarks.
-    let want = GPU_TEST_TARGETS.len() + 3;
+    // The test binaries, tpctl, the writer of the 8B-shaped model and the two benchmarks.
+    let want = GPU_TEST_TARGETS.len() + 4;
     let found = std::fs::read_dir(&bin)?.count();
     if found != want {
         anyhow::bail!("expected {want} binaries in {}, found {found}", bin.display());

@@ -10,7 +10,7 @@
 # the machine's time. A step that timed out is reported as such and counts as a failure.
 #
 # The bundle: bin.tar.gz (the tpctl binary, the GPU test binaries, the NCCL and vmm
-# benchmarks), model/
+# benchmarks, shaped-llama), model/
 # (the default model in parts, joined here once) and this script. Exits non-zero when a test
 # failed or the preflight found a blocker.
 set -uo pipefail
@@ -376,6 +376,62 @@ say "== vmm: release / materialize of 1 GiB of device memory per policy vs plain
 step 120 "$here/bin/vmm-bench" --bytes 1G --device cuda:0 || status=1
 say "== nccl all_reduce"
 step 60 "$here/bin/nccl-bench" || status=1
+# An 8B-shaped Llama (Llama 3 8B's dimensions, 32 blocks; random weights written here by
+# `shaped-llama` from a seed, bf16 and Q4_K: no file to carry), one rank, 64 greedy tokens, next
+# to its memory roofline: the bytes a decode step reads from the weights (as the file stores
+# them) over the bandwidth of a device-to-device copy measured in the same run. The files go to
+# /tmp (not $out, which comes back) and are removed after. Only with the budget's rest.
+shaped_bench() {
+    local dir=/tmp/tpctl-shaped
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    step 60 python3 - "$dir/bw" <<'PY' || return 1
+import sys, torch
+n = 2 << 30
+a = torch.empty(n, dtype=torch.uint8, device="cuda")
+b = torch.empty_like(a)
+for _ in range(3):
+    b.copy_(a)
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+start.record()
+for _ in range(10):
+    b.copy_(a)
+end.record()
+torch.cuda.synchronize()
+bw = 2 * n * 10 / (start.elapsed_time(end) / 1e3) / 1e9
+print(f"  d2d copy: {bw:.0f} GB/s (bytes read and written)")
+open(sys.argv[1], "w").write(f"{bw}\n")
+PY
+    for storage in bf16 q4_k; do
+        local file="$dir/llama8b-$storage.gguf"
+        step 150 "$here/bin/shaped-llama" "$storage" 7 "$file" >"$dir/$storage.json" || return 1
+        step 240 "$here/bin/tpctl" run --model "$file" --device cuda --dtype bf16 \
+            --max-tokens 64 --temperature 0 --prompt "The capital of France is" \
+            >"$out/run-8b-$storage.txt" || say "8b-shaped $storage: tpctl run FAILED"
+        python3 - "$dir/$storage.json" "$dir/bw" "$out/run-8b-$storage.txt" "$storage" <<'PY' | tee -a "$log"
+import json, re, sys
+spec = json.load(open(sys.argv[1]))
+bw = float(open(sys.argv[2]).read())
+summary = [l for l in open(sys.argv[3], errors="replace") if l.startswith("-- ")]
+m = re.search(r"decode ([0-9.]+) tok/s", summary[-1]) if summary else None
+step_gb = spec["step_weight_bytes"] / 1e9
+roof = bw / step_gb
+if m:
+    tok_s = float(m.group(1))
+    print(f"8b-shaped {sys.argv[4]}: decode {tok_s:.1f} tok/s, roofline {roof:.1f} tok/s "
+          f"({step_gb:.2f} GB per step at {bw:.0f} GB/s), {tok_s / roof:.2f}x of it; "
+          f"file written in {spec['seconds']} s; {summary[-1].strip()}")
+else:
+    print(f"8b-shaped {sys.argv[4]}: no decode figure (roofline {roof:.1f} tok/s)")
+PY
+        rm -f "$file"
+    done
+    rm -rf "$dir"
+}
+if [ $((budget - (SECONDS - start))) -gt 150 ]; then
+    say "== an 8B-shaped Llama (random weights), bf16 and Q4_K, one rank, next to its roofline"
+    shaped_bench || say "8b-shaped: FAILED (see above)"
+fi
 # The serving test again with its NCCL variant on the one GPU (two ranks as two NCCL hosts,
 # as in `tpctl run --tp 2 --backend nccl` above): a full sleep destroys the NCCL communicators
 # (`nccl` tag) and the wakeup makes them again before the tokens are compared. Reported, not
@@ -392,7 +448,7 @@ if [ $((budget - (SECONDS - start))) -gt 90 ]; then
 fi
 # The summary the caller's tail keeps: every result line of the log, nothing else.
 say "== summary"
-grep -aE '^(== test-|FAILED|TIMED OUT|SKIPPED|test result|(cpu|cuda) (f32|bf16)|  [0-9]+ stream|  ttft|  ipc|   (awake|asleep)|total|kernels:|vmm on|(discard|zero|backup-host|backup-spill) |nccl all_reduce|nccl on one GPU|BLOCKER)' "$log" | grep -v '^   text' >"$out/summary.txt"
+grep -aE '^(== test-|FAILED|TIMED OUT|SKIPPED|test result|(cpu|cuda) (f32|bf16)|  [0-9]+ stream|  ttft|  ipc|   (awake|asleep)|total|kernels:|vmm on|(discard|zero|backup-host|backup-spill) |nccl all_reduce|nccl on one GPU|8b-shaped|  d2d copy|BLOCKER)' "$log" | grep -v '^   text' >"$out/summary.txt"
 tee -a "$log" <"$out/summary.txt"
 say "exit status $status, $((SECONDS - start))s"
 exit $status

@@ -13,7 +13,7 @@ mod tests;
 mod writer;
 
 pub use kquant::QuantFormat;
-pub use writer::GgufWriter;
+pub use writer::{GgufWriter, StreamedTensor, STREAM_CHUNK};
 
 use crate::error::{Error, Result};
 use half::{bf16, f16};

@@ -301,3 +301,57 @@ fn check_types_names_the_first_unreadable_tensor_and_its_type() {
         std::fs::remove_file(p).unwrap();
     }
 }
+
+/// A streamed file is the file of the same tensors held in memory, byte for byte, however
+/// many chunks a tensor takes (each asked for once, in order, at its offset); a tensor whose
+/// elements are not whole blocks of its type is refused by name before anything is written.
+#[test]
+fn streamed_tensors_write_the_same_file_as_held_ones() {
+    let pattern =
+        |i: usize, at: usize| (at as u64).wrapping_mul(2654435761).wrapping_add(i as u64) as u8;
+    let shapes = [vec![1, STREAM_CHUNK / 2 + 100], vec![3, 256], vec![7]];
+    let types = [GgmlType::BF16, GgmlType::Quant(QuantFormat::Q4_K), GgmlType::F32];
+    let mut head = GgufWriter::new();
+    head.metadata("general.architecture", Value::String("llama".into())).tensor_f32(
+        "norm",
+        &[4],
+        &[1.0, 2.0, 3.0, 4.0],
+    );
+    let mut held = head.clone();
+    let mut streamed = Vec::new();
+    for (i, (shape, ty)) in shapes.iter().zip(types).enumerate() {
+        let len = ty.bytes_for(shape.iter().product()).unwrap();
+        held.tensor_raw(&format!("t{i}"), shape, ty, (0..len).map(|at| pattern(i, at)).collect());
+        streamed.push(StreamedTensor { name: format!("t{i}"), shape: shape.clone(), ty });
+    }
+    let p = temp_path("streamed.gguf");
+    let mut asked = Vec::new();
+    head.write_streamed(&p, &streamed, |i, offset, chunk| {
+        asked.push((i, offset, chunk.len()));
+        for (j, b) in chunk.iter_mut().enumerate() {
+            *b = pattern(i, offset + j);
+        }
+    })
+    .unwrap();
+    assert_eq!(std::fs::read(&p).unwrap(), held.to_bytes());
+    let first = shapes[0].iter().product::<usize>() * 2;
+    assert_eq!(
+        asked[..2],
+        [(0, 0, STREAM_CHUNK), (0, STREAM_CHUNK, first - STREAM_CHUNK)],
+        "{asked:?}"
+    );
+    assert_eq!(asked.len(), 4);
+    let f = GgufFile::open(&p).unwrap();
+    assert_eq!(f.tensor_info("t1").unwrap().shape(), vec![3, 256]);
+    assert_close(f.tensor("norm").unwrap().data(), &[1.0, 2.0, 3.0, 4.0], 0.0);
+    std::fs::remove_file(&p).unwrap();
+
+    let odd = [StreamedTensor {
+        name: "blk.0.ffn_up.weight".into(),
+        shape: vec![2, 100],
+        ty: GgmlType::Quant(QuantFormat::Q4_K),
+    }];
+    let err = head.write_streamed(&p, &odd, |_, _, _| unreachable!()).unwrap_err().to_string();
+    assert_eq!(err, "tensor `blk.0.ffn_up.weight`: 200 elements are not whole blocks of Q4_K");
+    assert!(!p.exists());
+}

@@ -7,6 +7,23 @@ use half::{bf16, f16};
 use std::path::Path;
 use tensor::kernels::cpu::quant::{self, BlockFormat};
 
+/// The most bytes of a streamed tensor [`GgufWriter::write_streamed`] asks for at once: a
+/// multiple of every block size of the formats one would stream (2-byte floats, 144-byte
+/// `Q4_K` and 210-byte `Q6_K` blocks), so every chunk holds whole blocks.
+pub const STREAM_CHUNK: usize = 144 * 210 * 2 * 64;
+
+/// A tensor of [`GgufWriter::write_streamed`]: named and shaped here, its bytes made while the
+/// file is written.
+#[derive(Clone, Debug)]
+pub struct StreamedTensor {
+    /// The tensor's name in the file.
+    pub name: String,
+    /// Its shape, outermost first.
+    pub shape: Vec<usize>,
+    /// How it is stored.
+    pub ty: GgmlType,
+}
+
 /// Collects metadata and tensors, then writes them as one GGUF v3 file.
 #[derive(Clone, Debug, Default)]
 pub struct GgufWriter {
@@ -102,19 +119,33 @@ impl GgufWriter {
 
     /// The file's bytes.
     pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = self.header(&[]);
+        self.put_data(&mut out);
+        out
+    }
+
+    /// The header, metadata and tensor list of the file: the tensors held, then `streamed`
+    /// (name, dimensions innermost first, type, bytes), padded to the alignment where the data
+    /// begins.
+    fn header(&self, streamed: &[(&str, Vec<u64>, GgmlType, usize)]) -> Vec<u8> {
         let align = DEFAULT_ALIGNMENT as usize;
         let mut out = Vec::new();
         out.extend(MAGIC.to_le_bytes());
         out.extend(3u32.to_le_bytes());
-        out.extend((self.tensors.len() as u64).to_le_bytes());
+        out.extend(((self.tensors.len() + streamed.len()) as u64).to_le_bytes());
         out.extend((self.metadata.len() as u64).to_le_bytes());
         for (k, v) in &self.metadata {
             put_str(&mut out, k);
             out.extend(v.type_id().to_le_bytes());
             put_value(&mut out, v);
         }
+        let held = self
+            .tensors
+            .iter()
+            .map(|(name, dims, ty, bytes)| (name.as_str(), dims, *ty, bytes.len()));
+        let streamed = streamed.iter().map(|(name, dims, ty, len)| (*name, dims, *ty, *len));
         let mut offset = 0usize;
-        for (name, dims, ty, bytes) in &self.tensors {
+        for (name, dims, ty, len) in held.chain(streamed) {
             put_str(&mut out, name);
             out.extend((dims.len() as u32).to_le_bytes());
             for d in dims {
@@ -122,14 +153,64 @@ impl GgufWriter {
             }
             out.extend(ty.id().to_le_bytes());
             out.extend((offset as u64).to_le_bytes());
-            offset = (offset + bytes.len()).div_ceil(align) * align;
+            offset = (offset + len).div_ceil(align) * align;
         }
         out.resize(out.len().div_ceil(align) * align, 0);
+        out
+    }
+
+    /// Appends the held tensors' bytes, each padded to the alignment.
+    fn put_data(&self, out: &mut Vec<u8>) {
+        let align = DEFAULT_ALIGNMENT as usize;
         for (_, _, _, bytes) in &self.tensors {
             out.extend(bytes);
             out.resize(out.len().div_ceil(align) * align, 0);
         }
-        out
+    }
+
+    /// Writes the file with the tensors held and then `streamed`, whose bytes are made while
+    /// the file is written, so a model far larger than memory can be: `fill(i, offset, chunk)`
+    /// writes bytes `offset..offset + chunk.len()` of streamed tensor `i`, in order, in chunks of
+    /// at most [`STREAM_CHUNK`] bytes (each chunk starts at a multiple of it).
+    ///
+    /// # Errors
+    /// [`Error::Tensor`] when a streamed tensor's element count does not fit its type's
+    /// blocks; [`Error::Io`] when the file cannot be written.
+    pub fn write_streamed(
+        &self,
+        path: &Path,
+        streamed: &[StreamedTensor],
+        mut fill: impl FnMut(usize, usize, &mut [u8]),
+    ) -> Result<()> {
+        use std::io::Write;
+        let mut list = Vec::with_capacity(streamed.len());
+        for t in streamed {
+            let n = t.shape.iter().product();
+            let len = t.ty.bytes_for(n).ok_or_else(|| Error::Tensor {
+                name: t.name.clone(),
+                message: format!("{n} elements are not whole blocks of {}", t.ty),
+            })?;
+            let dims = t.shape.iter().rev().map(|&d| d as u64).collect();
+            list.push((t.name.as_str(), dims, t.ty, len));
+        }
+        let io = |source| Error::Io { what: "writing", path: path.to_owned(), source };
+        let mut out = self.header(&list);
+        self.put_data(&mut out);
+        let file = std::fs::File::create(path).map_err(io)?;
+        let mut file = std::io::BufWriter::with_capacity(STREAM_CHUNK, file);
+        file.write_all(&out).map_err(io)?;
+        let align = DEFAULT_ALIGNMENT as usize;
+        let mut chunk = vec![0u8; STREAM_CHUNK];
+        for (i, (_, _, _, len)) in list.iter().enumerate() {
+            for offset in (0..*len).step_by(STREAM_CHUNK) {
+                let part = &mut chunk[..STREAM_CHUNK.min(len - offset)];
+                fill(i, offset, part);
+                file.write_all(part).map_err(io)?;
+            }
+            let pad = len.div_ceil(align) * align - len;
+            file.write_all(&vec![0u8; pad]).map_err(io)?;
+        }
+        file.into_inner().map_err(|e| io(e.into_error()))?.sync_all().map_err(io)
     }
 
     /// Writes the model split in `parts` files as llama.cpp's `gguf-split` does:

@@ -25,6 +25,7 @@ pub mod provenance;
 pub mod random;
 #[cfg(test)]
 mod reference;
+pub mod shaped;
 #[cfg(test)]
 mod tests;
 
