@@ -195,15 +195,24 @@ impl DeviceResources for Shared {
 
     fn release(&self) -> Result<()> {
         let at = self.site();
+        if self.lease.is_taken() {
+            // Released already: nothing is held.
+            return Ok(());
+        }
         self.lease
             .take()
             .map_err(|_| check::invalid(&at, "a collective call of the group is in progress"))?;
+        // The device first: a failure to reach it leaves the handle where it was and lets
+        // calls in again, instead of losing the handle.
+        if let Err(e) = self.bind(&at) {
+            self.lease.give_back();
+            return Err(e);
+        }
         let raw = self.take_comm().0;
         if raw.is_null() {
-            // Released already, or aborted after a failure: nothing is held.
+            // Aborted after a failure: nothing is held.
             return Ok(());
         }
-        self.bind(&at)?;
         // Finalize (every operation issued so far completes, the network resources go), then
         // destroy. A teardown that fails is an abort, which frees the memory all the same.
         // SAFETY: `raw` was taken out of the shared slot: no call can reach it (the lease is
