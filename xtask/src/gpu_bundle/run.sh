@@ -411,7 +411,8 @@ PY
             >"$out/run-8b-$storage.txt" || say "8b-shaped $storage: tpctl run FAILED"
         python3 - "$dir/$storage.json" "$dir/bw" "$out/run-8b-$storage.txt" "$storage" <<'PY' | tee -a "$log"
 import json, re, sys
-spec = json.load(open(sys.argv[1]))
+# The writer's JSON line (step's own lines follow it in the file).
+spec = json.loads(next(l for l in open(sys.argv[1]) if l.startswith("{")))
 bw = float(open(sys.argv[2]).read())
 summary = [l for l in open(sys.argv[3], errors="replace") if l.startswith("-- ")]
 m = re.search(r"decode ([0-9.]+) tok/s", summary[-1]) if summary else None
