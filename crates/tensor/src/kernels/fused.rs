@@ -8,6 +8,7 @@ use super::{check, cpu, device_memory_on_cpu, Activation, Backend, KvElem};
 use crate::error::Result;
 use crate::tensor::Tensor;
 use mesh::DeviceMemory;
+use rayon::prelude::*;
 
 /// A fused QKV projection's rows (`[tokens, (q_heads + 2·kv_heads)·head_dim]`) and its bias
 /// (one such row, or none), not yet added: [`Backend::split_rope`] adds it in the same pass.
@@ -242,15 +243,24 @@ impl Backend {
                 if let Some(last) = shape.last_mut() {
                     *last = units;
                 }
-                let rows = x.host()?.chunks_exact(width.max(1));
                 let mut out = vec![0f32; x.rows() * units];
-                for (o, row) in out.chunks_exact_mut(units.max(1)).zip(rows) {
+                let gate_row = |(o, row): (&mut [f32], &[f32])| {
                     let (gate, up) = row.split_at(units);
                     o.copy_from_slice(gate);
                     match act {
                         Activation::Silu => cpu::activation::silu_mul(o, up),
                         Activation::GeluTanh => cpu::activation::gelu_tanh_mul(o, up),
                     }
+                };
+                let (outs, rows) = (units.max(1), width.max(1));
+                if x.rows() <= 1 {
+                    out.chunks_exact_mut(outs).zip(x.host()?.chunks_exact(rows)).for_each(gate_row);
+                } else {
+                    // The rows of a batch on the pool's threads, a few to a task (one thread
+                    // doing a 32-row step's left the other idle); each row's values as alone.
+                    let pairs =
+                        out.par_chunks_exact_mut(outs).zip(x.host()?.par_chunks_exact(rows));
+                    pairs.with_min_len(4).for_each(gate_row);
                 }
                 cpu.output(Tensor::from_vec(&shape, out)?)
             }

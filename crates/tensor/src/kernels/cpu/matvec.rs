@@ -150,17 +150,24 @@ pub fn matmul_rows(w: &[f32], x: &[f32], m: usize, out: &mut [f32]) {
 /// tails past the last whole vector are left out. Used by [`matmul_rows`] (the dispatch's SIMD
 /// width, tiles of [`X_TILE`]) and the AVX-512 block-quantized kernels (16 lanes).
 pub(super) fn interleave(x: &[f32], m: usize, lanes: usize, tile: usize) -> Vec<f32> {
+    use rayon::prelude::*;
     let k = x.len() / m.max(1);
     let wide = k / lanes;
-    let mut packed = Vec::with_capacity(m * wide * lanes);
-    for i0 in (0..m).step_by(tile) {
-        let rows = i0..(i0 + tile).min(m);
+    let mut packed = vec![0f32; m * wide * lanes];
+    // The tiles on the pool's threads (one thread packing a 32-row step's activations left
+    // the other idle before every product).
+    let per_tile = (tile * wide * lanes).max(1);
+    packed.par_chunks_mut(per_tile).enumerate().for_each(|(n, out)| {
+        let i0 = n * tile;
+        let rows = out.len() / (wide * lanes).max(1);
+        let mut at = 0;
         for v in 0..wide {
-            for t in rows.clone() {
-                packed.extend_from_slice(&x[t * k + v * lanes..][..lanes]);
+            for t in i0..i0 + rows {
+                out[at..at + lanes].copy_from_slice(&x[t * k + v * lanes..][..lanes]);
+                at += lanes;
             }
         }
-    }
+    });
     packed
 }
 
