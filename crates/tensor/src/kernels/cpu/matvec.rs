@@ -134,12 +134,17 @@ pub fn matmul_rows(w: &[f32], x: &[f32], m: usize, out: &mut [f32]) {
     debug_assert_eq!(w.len(), rows * k);
     let arch = Arch::new();
     // One row needs no packing: its vectors are already in order.
-    let packed =
-        if m == 1 { std::borrow::Cow::Borrowed(x) } else { arch.dispatch(Pack { x, m }).into() };
+    let owned;
+    let packed = if m == 1 {
+        x
+    } else {
+        owned = arch.dispatch(Pack { x, m });
+        &owned[..]
+    };
     // Tasks own ranges of weight rows.
     super::shared_out::by_weight_rows(rows, m, ROWS_PER_TASK, out, |first, chunk| {
         let w = &w[first * k..][..chunk.len() / m * k];
-        arch.dispatch(Rows { w, x, packed: &packed, m, out: chunk });
+        arch.dispatch(Rows { w, x, packed, m, out: chunk });
     });
 }
 
@@ -149,11 +154,14 @@ pub fn matmul_rows(w: &[f32], x: &[f32], m: usize, out: &mut [f32]) {
 /// pointer per row (which would not fit the registers beside the accumulators). The rows'
 /// tails past the last whole vector are left out. Used by [`matmul_rows`] (the dispatch's SIMD
 /// width, tiles of [`X_TILE`]) and the AVX-512 block-quantized kernels (16 lanes).
-pub(super) fn interleave(x: &[f32], m: usize, lanes: usize, tile: usize) -> Vec<f32> {
+pub(super) fn interleave(x: &[f32], m: usize, lanes: usize, tile: usize) -> Interleaved {
     use rayon::prelude::*;
     let k = x.len() / m.max(1);
     let wide = k / lanes;
-    let mut packed = vec![0f32; m * wide * lanes];
+    // Every value is written below: a longer buffer is cut (nothing cleared), a shorter one
+    // grows (cleared once).
+    let mut packed = PACKED.take();
+    packed.resize(m * wide * lanes, 0.0);
     // The tiles on the pool's threads (one thread packing a 32-row step's activations left
     // the other idle before every product).
     let per_tile = (tile * wide * lanes).max(1);
@@ -168,7 +176,31 @@ pub(super) fn interleave(x: &[f32], m: usize, lanes: usize, tile: usize) -> Vec<
             }
         }
     });
-    packed
+    Interleaved(packed)
+}
+
+thread_local! {
+    /// The thread's buffer for [`interleave`], kept between products (a new one per product
+    /// was a cleared allocation of up to 400 KB on the step's thread).
+    static PACKED: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// Activations laid out by [`interleave`], in a buffer that goes back to the thread's when
+/// dropped (a product on the same thread meanwhile makes its own).
+pub(super) struct Interleaved(Vec<f32>);
+
+impl std::ops::Deref for Interleaved {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        &self.0
+    }
+}
+
+impl Drop for Interleaved {
+    fn drop(&mut self) {
+        PACKED.set(std::mem::take(&mut self.0));
+    }
 }
 
 /// [`interleave`] for the SIMD width the dispatch picks.
@@ -178,10 +210,10 @@ struct Pack<'a> {
 }
 
 impl WithSimd for Pack<'_> {
-    type Output = Vec<f32>;
+    type Output = Interleaved;
 
     #[inline(always)]
-    fn with_simd<S: Simd>(self, _simd: S) -> Vec<f32> {
+    fn with_simd<S: Simd>(self, _simd: S) -> Interleaved {
         interleave(self.x, self.m, std::mem::size_of::<S::f32s>() / 4, X_TILE)
     }
 }

@@ -311,11 +311,20 @@ impl<'a> Job<'a> {
         out: &mut [f32],
     ) {
         let g = 2 * self.nb;
-        let ws: [&[__m512]; R] = core::array::from_fn(|j| &deq[j * g..][..g]);
+        // Arrays filled by loops, not `core::array::from_fn`: its closure is compiled without
+        // this function's target features, so it is called instead of inlined (a call per
+        // step of the loop below).
+        let mut ws: [&[__m512]; R] = [&deq[..g]; R];
+        for (j, w) in ws.iter_mut().enumerate() {
+            *w = &deq[j * g..][..g];
+        }
         let p = &self.packed[first * g..][..T * g];
         let mut acc = [[_mm512_setzero_ps(); T]; R];
         for (v, xv) in p.chunks_exact(T).enumerate() {
-            let w: [__m512; R] = core::array::from_fn(|j| ws[j][v]);
+            let mut w = [_mm512_setzero_ps(); R];
+            for j in 0..R {
+                w[j] = ws[j][v];
+            }
             for t in 0..T {
                 // SAFETY: `t < T`, the length of the chunk (array `v` of the tile's rows).
                 let x = unsafe { load(xv.as_ptr().add(t)) };
@@ -341,7 +350,11 @@ impl<'a> Job<'a> {
         let rows = out.len() / self.m;
         let mut r = 0;
         while r + R <= rows {
-            let dots = row_dots::<T, R, K>(core::array::from_fn(|j| self.row::<K>(r + j)), xs);
+            let mut rows = [self.row::<K>(r); R];
+            for (j, row) in rows.iter_mut().enumerate().skip(1) {
+                *row = self.row::<K>(r + j);
+            }
+            let dots = row_dots::<T, R, K>(rows, xs);
             for (j, d) in dots.iter().enumerate() {
                 out[(r + j) * self.m + first..][..T].copy_from_slice(d);
             }
