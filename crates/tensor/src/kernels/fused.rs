@@ -244,24 +244,20 @@ impl Backend {
                     *last = units;
                 }
                 let mut out = vec![0f32; x.rows() * units];
-                let gate_row = |(o, row): (&mut [f32], &[f32])| {
-                    let (gate, up) = row.split_at(units);
-                    o.copy_from_slice(gate);
-                    match act {
-                        Activation::Silu => cpu::activation::silu_mul(o, up),
-                        Activation::GeluTanh => cpu::activation::gelu_tanh_mul(o, up),
-                    }
-                };
-                let (outs, rows) = (units.max(1), width.max(1));
-                if x.rows() <= 1 {
-                    out.chunks_exact_mut(outs).zip(x.host()?.chunks_exact(rows)).for_each(gate_row);
-                } else {
-                    // The rows of a batch on the pool's threads, a few to a task (one thread
-                    // doing a 32-row step's left the other idle); each row's values as alone.
-                    let pairs =
-                        out.par_chunks_exact_mut(outs).zip(x.host()?.par_chunks_exact(rows));
-                    pairs.with_min_len(4).for_each(gate_row);
-                }
+                let rows = x.host()?.par_chunks_exact(width.max(1));
+                // The rows of a batch on the pool's threads, a few to a task (one thread doing
+                // a 32-row step's left the other idle); each row's values as alone.
+                let pairs = out.par_chunks_exact_mut(units.max(1)).zip(rows).with_min_len(4);
+                cpu.install(|| {
+                    pairs.for_each(|(o, row)| {
+                        let (gate, up) = row.split_at(units);
+                        o.copy_from_slice(gate);
+                        match act {
+                            Activation::Silu => cpu::activation::silu_mul(o, up),
+                            Activation::GeluTanh => cpu::activation::gelu_tanh_mul(o, up),
+                        }
+                    })
+                });
                 cpu.output(Tensor::from_vec(&shape, out)?)
             }
             Backend::Cuda(cuda) => cuda.gated_halves(act, x),

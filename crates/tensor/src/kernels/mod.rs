@@ -421,7 +421,8 @@ impl Backend {
         match self {
             Backend::Cpu(cpu) => {
                 let mut out = Tensor::zeros(x.shape());
-                cpu::norm::rms_norm(x.host()?, weight.host()?, eps, out.data_mut());
+                let (x, weight, rows) = (x.host()?, weight.host()?, out.data_mut());
+                cpu.install(|| cpu::norm::rms_norm(x, weight, eps, rows));
                 cpu.output(out)
             }
             Backend::Cuda(cuda) => cuda.rms_norm(x, weight, eps),
@@ -452,7 +453,10 @@ impl Backend {
             Backend::Cpu(cpu) => {
                 let (y, weight) = (y.host()?, weight.host()?);
                 let mut out = Tensor::zeros(x.shape());
-                cpu.in_place(x, |x| cpu::norm::add_rms_norm(x, y, weight, eps, out.data_mut()))?;
+                let rows = out.data_mut();
+                cpu.in_place(x, |x| {
+                    cpu.install(|| cpu::norm::add_rms_norm(x, y, weight, eps, rows))
+                })?;
                 cpu.output(out)
             }
             Backend::Cuda(cuda) => cuda.add_rms_norm(x, y, weight, eps),
@@ -868,19 +872,18 @@ impl Backend {
     /// The CUDA kernel failed, or the CPU backend could not copy a device tensor to the host.
     pub fn argmax_rows(&self, x: &Tensor) -> Result<Vec<usize>> {
         match self {
-            Backend::Cpu(_) => {
+            Backend::Cpu(cpu) => {
                 use rayon::prelude::*;
                 let width = x.row_len();
                 if width == 0 {
                     return Ok(vec![0; x.rows()]);
                 }
-                let best = |row: &[f32]| cpu::activation::argmax(row).unwrap_or(0);
                 // A batch's rows on the pool's threads (32 rows of a 49k vocabulary are a
                 // millisecond on one).
-                Ok(match x.rows() {
-                    0 | 1 => x.host()?.chunks_exact(width).map(best).collect(),
-                    _ => x.host()?.par_chunks_exact(width).map(best).collect(),
-                })
+                let rows = x.host()?.par_chunks_exact(width);
+                Ok(cpu.install(|| {
+                    rows.map(|row| cpu::activation::argmax(row).unwrap_or(0)).collect()
+                }))
             }
             Backend::Cuda(cuda) => cuda.argmax_rows(x),
         }

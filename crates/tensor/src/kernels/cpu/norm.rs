@@ -1,11 +1,12 @@
 //! RMSNorm: `y = x / sqrt(mean(x²) + eps) · weight`, row by row, alone or after a residual add.
-//! The rows of a batch go to the pool's threads (each row's arithmetic is the same on any
-//! thread): one thread normalizing a 32-row decode step left the other idle.
+//! The rows of a batch go to the current rayon pool's threads (each row's arithmetic is the
+//! same on any thread): one thread normalizing a 32-row decode step left the other idle.
 
 use super::activation::add_assign;
 use rayon::prelude::*;
 
-/// Rows per parallel task (a task of SmolLM2's 576 columns is a few microseconds).
+/// Rows per parallel task (a task of SmolLM2's 576 columns is a few microseconds; fewer rows
+/// stay on the calling thread).
 const ROWS_PER_TASK: usize = 4;
 
 /// Normalizes each row of `x` (rows of `weight.len()` elements) into `out`.
@@ -14,13 +15,6 @@ const ROWS_PER_TASK: usize = 4;
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
     if d == 0 {
-        return;
-    }
-    if x.len() <= d {
-        // One row: no task to hand out.
-        x.chunks_exact(d)
-            .zip(out.chunks_exact_mut(d))
-            .for_each(|(xr, yr)| rms_norm_row(xr, weight, eps, yr));
         return;
     }
     x.par_chunks_exact(d)
@@ -40,18 +34,12 @@ pub fn add_rms_norm(x: &mut [f32], y: &[f32], weight: &[f32], eps: f32, out: &mu
     if d == 0 {
         return;
     }
-    let row = |((xr, yr), or): ((&mut [f32], &[f32]), &mut [f32])| {
-        add_assign(xr, yr);
-        rms_norm_row(xr, weight, eps, or);
-    };
-    if x.len() <= d {
-        // One row: no task to hand out.
-        x.chunks_exact_mut(d).zip(y.chunks_exact(d)).zip(out.chunks_exact_mut(d)).for_each(row);
-        return;
-    }
     let rows =
         x.par_chunks_exact_mut(d).zip(y.par_chunks_exact(d)).zip(out.par_chunks_exact_mut(d));
-    rows.with_min_len(ROWS_PER_TASK).for_each(row);
+    rows.with_min_len(ROWS_PER_TASK).for_each(|((xr, yr), or)| {
+        add_assign(xr, yr);
+        rms_norm_row(xr, weight, eps, or);
+    });
 }
 
 /// One row of [`rms_norm`].
