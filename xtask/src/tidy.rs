@@ -179,8 +179,8 @@ mod tests {
     /// barrier per `__syncthreads`) and compared with plain references by
     /// `cuda/emulate_kernels.cpp` (attention over key ranges and their merge, staged keys and
     /// block tables in double precision, also with Gemma's query scale, soft-cap and sliding
-    /// window; norms, rotary embedding, argmax, logit soft-capping, dequantization, bf16
-    /// rounding, embedding rows, column splits).
+    /// window; norms, rotary embedding, argmax, row normalizers, logit soft-capping,
+    /// dequantization, bf16 rounding, embedding rows, column splits).
     #[test]
     fn the_cuda_kernels_compute_their_references_on_the_cpu_emulator() {
         let cuda = root().join("xtask/src/cuda");

@@ -4,7 +4,8 @@
 // see no key, Gemma's score rules (query scale, soft-cap, sliding window; each case also
 // fails if the rules change nothing); RMSNorm (alone, and fused with the residual add, also against add_assign then
 // rms_norm bit for bit), RoPE (with frequency factors), the fused split_rope and gated_halves
-// (against the kernels they replace, bit for bit), argmax (ties, NaN), dequantization of
+// (against the kernels they replace, bit for bit), argmax (ties, NaN), row normalizers and
+// columns (bit for bit against kernels::logprob's definition), dequantization of
 // each packing, logit soft-capping, bf16 rounding, embedding rows and column splits. Exits non-zero with the
 // first difference. Built and run by xtask's tidy tests.
 #include <cstdio>
@@ -45,6 +46,9 @@ extern "C" void argmax_rows(const float* x, int cols, unsigned int* out);
 extern "C" void top_k_rows(const float* x, int cols, int k, float* vals, unsigned int* ids);
 extern "C" void sample_rows(const float* x, int cols, const double* params, double* weights,
                             unsigned int* out);
+extern "C" void normalizers(const float* x, int cols, float* tops, double* sums);
+extern "C" void columns_at(const float* x, int cols, const unsigned int* columns, float* out,
+                           int rows);
 extern "C" void dequantize(const float* scales, const float* mins, const unsigned char* qs,
                            float* out, u64 n, int kind);
 extern "C" void to_bf16(const float* x, unsigned short* y, u64 n);
@@ -278,6 +282,61 @@ static int check_sample(u64& seed) {
                 std::printf("sample_rows (%d columns): ", cols);
                 return fail("row", (size_t)r, ids[r], want);
             }
+        }
+    }
+    return 0;
+}
+
+// normalizers against kernels::logprob's definition (the row's first largest number, each
+// number's ref_exp(l - top) summed per chunk of 256 in column order, the chunk sums in
+// order), bit for bit: NaN and -inf in rows, a row of NaN only, one of -inf only, signed
+// zeros, rows narrower than a chunk and of 3,000 columns; and columns_at inside and past a row.
+static int check_normalizers(u64& seed) {
+    for (int cols : {100, 3000}) {
+        const int rows = 9;
+        std::vector<float> x((size_t)rows * cols);
+        for (size_t i = 0; i < x.size(); i++) {
+            float v = next_value(seed) * 12.0f;
+            float h = std::fabs(next_value(seed));
+            if (h < 0.05f) v = std::nanf("");
+            if (h >= 0.05f && h < 0.08f) v = -INFINITY;
+            x[i] = v;
+        }
+        for (int i = 0; i < cols; i++) x[(size_t)6 * cols + i] = std::nanf("");
+        for (int i = 0; i < cols; i++) x[(size_t)7 * cols + i] = -INFINITY;
+        for (int i = 0; i < cols; i++) x[(size_t)8 * cols + i] = i % 2 ? 0.0f : -0.0f;
+        std::vector<float> tops(rows, 7.0f);
+        std::vector<double> sums(rows, -1.0);
+        tpctl_launch(rows, 1, BLOCK_THREADS, [&] { normalizers(x.data(), cols, tops.data(), sums.data()); });
+        for (int r = 0; r < rows; r++) {
+            const float* row = &x[(size_t)r * cols];
+            float top = -INFINITY;
+            bool any = false;
+            for (int i = 0; i < cols; i++) {
+                if (row[i] == row[i] && (!any || row[i] > top)) {
+                    top = row[i];
+                    any = true;
+                }
+            }
+            double total = 0.0;
+            for (int c = 0; c * 256 < cols; c++) {
+                double s = 0.0;
+                for (int i = c * 256; i < std::min(cols, (c + 1) * 256); i++)
+                    s += row[i] != row[i] ? 0.0 : ref_exp((double)row[i] - (double)top);
+                total += s;
+            }
+            if (std::memcmp(&tops[r], &top, 4) != 0) return fail("normalizers top", (size_t)r, tops[r], top);
+            if (std::memcmp(&sums[r], &total, 8) != 0) return fail("normalizers sum", (size_t)r, sums[r], total);
+            if (r == 6 || r == 7 ? total != 0.0 : total < 1.0) return fail("normalizers sum", (size_t)r, total, 1.0);
+        }
+        std::vector<unsigned int> at(rows);
+        for (int r = 0; r < rows; r++) at[r] = r == 3 ? (unsigned int)cols : (unsigned int)((r * 37) % cols);
+        std::vector<float> got(rows, 5.0f);
+        tpctl_launch(1, 1, BLOCK_THREADS, [&] { columns_at(x.data(), cols, at.data(), got.data(), rows); });
+        for (int r = 0; r < rows; r++) {
+            float want = r == 3 ? std::nanf("") : x[(size_t)r * cols + at[r]];
+            if (std::memcmp(&got[r], &want, 4) != 0 && !(got[r] != got[r] && want != want))
+                return fail("columns_at", (size_t)r, got[r], want);
         }
     }
     return 0;
@@ -518,6 +577,7 @@ static int check_rows() {
         if (idx[r] != want_idx[r]) return fail("argmax_rows", r, idx[r], want_idx[r]);
     if (check_top_k(seed) != 0) return 1;
     if (check_sample(seed) != 0) return 1;
+    if (check_normalizers(seed) != 0) return 1;
     // Logit soft-capping of 300 values up to +-6 with a cap of 1.5: most are pulled in far.
     std::vector<float> logits(300), capped;
     for (auto& v : logits) v = 6.0f * next_value(seed);
@@ -529,7 +589,7 @@ static int check_rows() {
         double want = 1.5 * std::tanh((double)logits[i] / 1.5);
         if (!near(capped[i], want, 1e-6)) return fail("soft_cap", i, capped[i], want);
     }
-    std::printf("ok: rms_norm, add_rms_norm, rope with factors and an attention factor, split_rope, gated_halves, argmax_rows, top_k_rows, sample_rows, soft_cap\n");
+    std::printf("ok: rms_norm, add_rms_norm, rope with factors and an attention factor, split_rope, gated_halves, argmax_rows, top_k_rows, sample_rows, normalizers, columns_at, soft_cap\n");
     return 0;
 }
 

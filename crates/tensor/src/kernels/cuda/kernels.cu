@@ -612,6 +612,46 @@ extern "C" __global__ void sample_rows(const float* x, int cols, const double* p
     out[blockIdx.x] = pick;
 }
 
+// Each row's normalizer (kernels::logprob's `Normalizer`): its largest number (the first of
+// equal ones; -inf for none) into tops, and the sum of exp_det(l - top) over its numbers into
+// sums, each chunk's weights summed in column order by the chunk's thread and the chunk sums
+// in chunk order by thread 0 (the draws' sums). One block per row, cols <= DRAW_MAX_COLUMNS.
+extern "C" __global__ void normalizers(const float* x, int cols, float* tops, double* sums) {
+    __shared__ float vals[BLOCK];
+    __shared__ int idxs[BLOCK];
+    __shared__ double parts[DRAW_MAX_CHUNKS];
+    const float* row = x + (u64)blockIdx.x * cols;
+    int arg = row_argmax(row, cols, vals, idxs);
+    float top = arg < 0 ? NEG_INF : vals[0];
+    int chunks = (cols + DRAW_CHUNK - 1) / DRAW_CHUNK;
+    for (int c = threadIdx.x; c < chunks; c += BLOCK) {
+        double s = 0.0;
+        int end = min((c + 1) * DRAW_CHUNK, cols);
+        for (int i = c * DRAW_CHUNK; i < end; i++) {
+            float l = row[i];
+            s += l != l ? 0.0 : exp_det((double)l - (double)top);
+        }
+        parts[c] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double total = 0.0;
+        for (int c = 0; c < chunks; c++) total += parts[c];
+        tops[blockIdx.x] = top;
+        sums[blockIdx.x] = total;
+    }
+}
+
+// out[r] = x[r, columns[r]] for each of `rows` rows of `cols` floats, NaN for a column past
+// the row; one thread per row.
+extern "C" __global__ void columns_at(const float* x, int cols, const unsigned int* columns,
+                                      float* out, int rows) {
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    unsigned int c = columns[r];
+    out[r] = c < (unsigned int)cols ? x[(u64)r * cols + c] : __int_as_float(0x7fc00000);
+}
+
 // Dequantizes a repacked `QMatrix` (see `kernels::cpu::qmatrix`), by `kind`: 0, 8-bit w = d*q
 // (a scale per 32); 1, 4-bit w = d*nibble + m with nibbles 0..16 of a block in the low halves
 // of its 16 bytes; 2, 8-bit w = d*q with a scale per 16; 3, as 2 with w = d*q + m, a minimum

@@ -334,6 +334,14 @@ impl CudaBackend {
     ) -> Result<Vec<u32>> {
         match self.never {}
     }
+
+    pub(crate) fn normalizers(&self, _x: &Tensor) -> Result<Vec<crate::kernels::Normalizer>> {
+        match self.never {}
+    }
+
+    pub(crate) fn columns_at(&self, _x: &Tensor, _columns: &[u32]) -> Result<Vec<f32>> {
+        match self.never {}
+    }
 }
 
 /// A device arena in the driver's memory pool, not compiled into this build.

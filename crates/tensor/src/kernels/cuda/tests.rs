@@ -199,6 +199,36 @@ fn cuda_sample_rows_draw_the_cpus_tokens() {
     assert_eq!((moved.launches, moved.downloads), (1, 1), "{moved:?}");
 }
 
+/// Row normalizers and picked columns on the GPU are the CPU's, bit for bit (the same f64
+/// arithmetic, see `kernels::logprob`), over vocabulary-wide rows with NaN and -inf; each one
+/// launch, the normalizers two downloads (tops and sums).
+#[test]
+fn cuda_normalizers_and_columns_are_the_cpus() {
+    let Some(gpu) = gpu() else { return };
+    let cuda = cuda_of(&gpu);
+    let cpu = cpu();
+    let (rows, cols) = (9, 49152);
+    let mut x: Vec<f32> = random_vec(rows * cols, 17).iter().map(|v| v * 12.0).collect();
+    x[2 * cols..3 * cols].fill(f32::NAN);
+    x[4 * cols + 5] = f32::NEG_INFINITY;
+    x[6 * cols + 77] = f32::NAN;
+    let x = Tensor::from_vec(&[rows, cols], x).unwrap();
+    let want = cpu.normalizers(&x).unwrap();
+    let before = cuda.counters();
+    let got = gpu.normalizers(&x).unwrap();
+    let moved = cuda.counters().since(&before);
+    let bits = |n: &[crate::kernels::Normalizer]| -> Vec<(u32, u64)> {
+        n.iter().map(|n| (n.top.to_bits(), n.sum.to_bits())).collect()
+    };
+    assert_eq!(bits(&got), bits(&want));
+    assert_eq!((moved.launches, moved.downloads), (1, 2), "{moved:?}");
+    let columns: Vec<u32> = (0..rows as u32).map(|r| r * 4099 % cols as u32).collect();
+    let want = cpu.columns_at(&x, &columns).unwrap();
+    let got = gpu.columns_at(&x, &columns).unwrap();
+    let bits = |v: &[f32]| -> Vec<u32> { v.iter().map(|v| v.to_bits()).collect() };
+    assert_eq!(bits(&got), bits(&want));
+}
+
 #[test]
 fn cuda_linear_matches_cpu_for_f32_and_quantized_weights() {
     let Some(gpu) = gpu() else { return };

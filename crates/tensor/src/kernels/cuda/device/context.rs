@@ -130,6 +130,8 @@ impl CudaBackend {
             argmax_rows: f("argmax_rows")?,
             top_k_rows: f("top_k_rows")?,
             sample_rows: f("sample_rows")?,
+            normalizers: f("normalizers")?,
+            columns_at: f("columns_at")?,
             dequantize: f("dequantize")?,
             qmatvec: f("qmatvec")?,
             edit_rows: f("edit_rows")?,

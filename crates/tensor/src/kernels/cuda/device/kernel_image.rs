@@ -232,6 +232,8 @@ mod tests {
             "argmax_rows",
             "top_k_rows",
             "sample_rows",
+            "normalizers",
+            "columns_at",
             "dequantize",
             "attention",
             "to_bf16",

@@ -149,6 +149,8 @@ struct Kernels {
     argmax_rows: CudaFunction,
     top_k_rows: CudaFunction,
     sample_rows: CudaFunction,
+    normalizers: CudaFunction,
+    columns_at: CudaFunction,
     dequantize: CudaFunction,
     qmatvec: CudaFunction,
     edit_rows: CudaFunction,

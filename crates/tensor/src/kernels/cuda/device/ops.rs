@@ -408,4 +408,61 @@ impl CudaBackend {
         self.download(OP, &od, &mut ids)?;
         Ok(ids)
     }
+
+    /// Each row's normalizer (`Backend::normalizers`): one block per row; two numbers per
+    /// row come to the host. The caller checked the row length.
+    pub(crate) fn normalizers(&self, x: &Tensor) -> Result<Vec<crate::kernels::Normalizer>> {
+        const OP: &str = "normalizers";
+        let rows = x.rows();
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let cols = int(OP, "columns", x.row_len())?;
+        let xd = self.input(OP, x)?;
+        // Written whole: block r writes tops[r] and sums[r].
+        let td = self.step_buf::<f32>(OP, rows)?;
+        let sd = self.step_buf::<f64>(OP, rows)?;
+        let mut b = KernelCall::new(&self.inner.k.normalizers, per_row(OP, rows, BLOCK)?);
+        b.arg(xd.ptr).arg(cols).arg(td.ptr).arg(sd.ptr);
+        // SAFETY: the arguments match `normalizers(const float*, int, float*, double*)`; block
+        // r reads row r (cols floats) of x, which holds rows·cols, and writes element r of
+        // tops and sums, rows each; cols is at most DRAW_MAX_COLUMNS (the kernel's chunk sums
+        // in shared memory), as the caller checked.
+        unsafe { self.issue(OP, Call::Kernel(b)) }?;
+        let mut tops = vec![0f32; rows];
+        let mut sums = vec![0f64; rows];
+        self.download(OP, &td, &mut tops)?;
+        self.download(OP, &sd, &mut sums)?;
+        Ok(tops
+            .into_iter()
+            .zip(sums)
+            .map(|(top, sum)| crate::kernels::Normalizer { top, sum })
+            .collect())
+    }
+
+    /// `x[r, columns[r]]` per row (`Backend::columns_at`): the columns go up in one copy,
+    /// the values come down in one. The caller checked there is a column per row.
+    pub(crate) fn columns_at(&self, x: &Tensor, columns: &[u32]) -> Result<Vec<f32>> {
+        const OP: &str = "columns_at";
+        let rows = x.rows();
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let cols = int(OP, "columns", x.row_len())?;
+        let rows_arg = int(OP, "rows", rows)?;
+        let xd = self.input(OP, x)?;
+        let cd = self.stage(OP, columns, || Ok(Arc::new(self.upload(OP, columns)?)))?;
+        // Written whole: thread r writes out[r].
+        let od = self.step_buf::<f32>(OP, rows)?;
+        let mut b = KernelCall::new(&self.inner.k.columns_at, elementwise(OP, rows)?);
+        b.arg(xd.ptr).arg(cols).arg(cd.ptr).arg(od.ptr).arg(rows_arg);
+        // SAFETY: the arguments match `columns_at(const float*, int, const unsigned int*,
+        // float*, int)`; thread r < rows reads columns[r] of the rows staged and, when it is
+        // inside the row, element r·cols + columns[r] of x (rows·cols), and writes out[r] of
+        // rows.
+        unsafe { self.issue(OP, Call::Kernel(b)) }?;
+        let mut out = vec![0f32; rows];
+        self.download(OP, &od, &mut out)?;
+        Ok(out)
+    }
 }
