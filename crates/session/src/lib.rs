@@ -41,7 +41,7 @@ pub use model::{Groups, KvLayout, ModelFactory, SampledToken, StepModel, StepOut
 pub use plan::{PlanEntry, SeqId, SeqSampling, SessionConfig, SessionDecision, StepPlan};
 pub use sampler::{
     argmax, PromptLogprobs, RankedLogprobs, SampleError, Sampler, Samplers, SamplingParams,
-    TokenLogprobs,
+    Scoring, TokenLogprobs,
 };
 pub use scheduler::{Cancel, Prompt, Request};
 pub use sink::{

@@ -15,7 +15,9 @@
 use crate::model::{SampledToken, StepOutput};
 use crate::plan::{PlanEntry, SeqId, SeqSampling, StepPlan};
 use std::collections::HashMap;
-use tensor::kernels::{candidate_order, draw_columns, row_numbers, Draw, EditKind, LogitEdit};
+use tensor::kernels::{
+    candidate_order, draw_columns, row_numbers, Draw, EditKind, LogitEdit, Normalizer,
+};
 use text::{GrammarEngine, GrammarMatcher};
 
 /// How a request picks its tokens and when it stops.
@@ -114,33 +116,34 @@ pub struct TokenLogprobs {
 
 impl TokenLogprobs {
     /// The log-probabilities of `token` and of the `top` most likely tokens in `logits`.
-    /// NaN logits count as impossible.
+    /// NaN logits count as impossible. The row's log-normalizer is [`Normalizer`]'s, so a
+    /// runner that finds it where the logits are gets the same bits
+    /// ([`TokenLogprobs::from_parts`]).
     pub fn of(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
-        let max = logits.iter().copied().filter(|l| !l.is_nan()).fold(f32::NEG_INFINITY, f32::max);
-        let sum: f64 = logits
-            .iter()
-            .filter(|l| !l.is_nan())
-            .map(|&l| (f64::from(l) - f64::from(max)).exp())
-            .sum();
-        let lse = f64::from(max) + sum.ln();
-        let logprob =
-            |l: f32| if l.is_nan() { f32::NEG_INFINITY } else { (f64::from(l) - lse) as f32 };
-        let mut best: Vec<(f32, u32)> = logits
-            .iter()
-            .enumerate()
-            .filter(|(_, l)| !l.is_nan())
-            .map(|(i, &l)| (l, i as u32))
-            .collect();
-        let order = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+        let mut best: Vec<(f32, u32)> = row_numbers(logits).collect();
         let top = top.min(best.len());
         if top > 0 && top < best.len() {
-            best.select_nth_unstable_by(top - 1, order);
+            best.select_nth_unstable_by(top - 1, candidate_order);
         }
         best.truncate(top);
-        best.sort_unstable_by(order);
+        best.sort_unstable_by(candidate_order);
+        let own = logits.get(token as usize).copied().unwrap_or(f32::NAN);
+        TokenLogprobs::from_parts(&Normalizer::of(logits), own, best.into_iter(), top)
+    }
+
+    /// The log-probabilities of a token whose logit is `own` (NaN: impossible) and of the
+    /// first `top` of `best`, a row's most likely tokens in [`candidate_order`] (those of
+    /// `tensor::Backend::top_k_rows`), given the row's `normalizer`: what
+    /// [`TokenLogprobs::of`] gives for the row, from numbers found where the row is.
+    pub fn from_parts(
+        normalizer: &Normalizer,
+        own: f32,
+        best: impl Iterator<Item = (f32, u32)>,
+        top: usize,
+    ) -> TokenLogprobs {
         TokenLogprobs {
-            logprob: logits.get(token as usize).map_or(f32::NEG_INFINITY, |&l| logprob(l)),
-            top: best.into_iter().map(|(l, id)| (id, logprob(l))).collect(),
+            logprob: normalizer.logprob(own),
+            top: best.take(top).map(|(l, id)| (id, normalizer.logprob(l))).collect(),
         }
     }
 }
@@ -857,6 +860,7 @@ pub fn argmax(logits: &[f32]) -> u32 {
 }
 
 mod where_logits;
+pub use where_logits::Scoring;
 
 #[cfg(test)]
 mod tests;

@@ -6,7 +6,7 @@ use crate::error::BoxError;
 use crate::model::{SampledToken, StepOutput};
 use crate::plan::{PlanEntry, SeqId, StepPlan};
 use crate::sampler::{PromptLogprobs, Samplers};
-use layers::parallel::{Comms, ParallelCache, ParallelModel, Sequence};
+use layers::parallel::{Comms, ParallelCache, ParallelModel, Scored, Sequence};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use tensor::kernels::TopK;
@@ -106,6 +106,15 @@ impl Sequences {
         } else {
             None
         };
+        // Else, samplers that want their tokens' log-probabilities (and draw as the two
+        // kinds above do): the runner finds each row's normalizer and most likely tokens
+        // before the edits, draws (and finds candidates) after them, and after the picks
+        // reads each picked token's logit where the logits are.
+        let picked_otherwise = argmax || candidates.is_some() || draws.is_some() || mixed.is_some();
+        let scored = match self.samplers.scored(plan, vocab).filter(|_| !picked_otherwise) {
+            Some(how) => Some((how, self.samplers.draws(plan).map_err(BoxError::from)?)),
+            None => None,
+        };
         // What each sampled entry's penalties and bias change in its logits, applied where
         // they are (every rank alike; the host path applies them itself).
         let edits = self.samplers.edits(plan);
@@ -133,6 +142,10 @@ impl Sequences {
                 model
                     .forward_batch_top_k_and_sample(comms, &mut seqs, *k, draws)
                     .map(|both| both.map(|(top, ids)| Picked::Mixed(top, ids)))
+            } else if let Some((how, draws)) = &scored {
+                model
+                    .forward_batch_scored(comms, &mut seqs, how.candidates, draws, how.top)
+                    .map(|scored| scored.map(Picked::Scored))
             } else {
                 // The logits come to the host here, so a failed copy is this step's error.
                 model.forward_batch(comms, &mut seqs).and_then(|logits| {
@@ -166,20 +179,28 @@ impl Sequences {
         let out = out?;
         let samplers = &mut self.samplers;
         let since = Instant::now();
-        let sampled = out.map(|picked| match picked {
-            Picked::Logits(logits) => {
-                let vocab = model.config().vocab_size;
-                samplers.sample_with_prompts(plan, &logits, vocab)
-            }
-            Picked::Top(top) => {
-                samplers.pick_candidates(plan, &top).map(|tokens| (tokens, Vec::new()))
-            }
-            Picked::Ids(ids) => {
-                let tokens = ids.into_iter().map(|token| SampledToken { token, logprobs: None });
-                Ok((tokens.collect(), Vec::new()))
-            }
-            Picked::Mixed(top, ids) => {
-                samplers.pick_mixed(plan, &top, &ids).map(|tokens| (tokens, Vec::new()))
+        let sampled = out.map(|picked| -> Result<_, BoxError> {
+            match picked {
+                Picked::Logits(logits) => {
+                    let vocab = model.config().vocab_size;
+                    Ok(samplers.sample_with_prompts(plan, &logits, vocab)?)
+                }
+                Picked::Top(top) => Ok((samplers.pick_candidates(plan, &top)?, Vec::new())),
+                Picked::Ids(ids) => {
+                    let tokens =
+                        ids.into_iter().map(|token| SampledToken { token, logprobs: None });
+                    Ok((tokens.collect(), Vec::new()))
+                }
+                Picked::Mixed(top, ids) => Ok((samplers.pick_mixed(plan, &top, &ids)?, Vec::new())),
+                Picked::Scored(scored) => {
+                    let mut tokens =
+                        samplers.pick_scored(plan, scored.top.as_ref(), &scored.drawn)?;
+                    let picked: Vec<u32> = tokens.iter().map(|t| t.token).collect();
+                    let own = model.logits_at(&scored.logits, &picked)?;
+                    let (normalizers, best) = (&scored.normalizers, &scored.best);
+                    samplers.score_picks(plan, &mut tokens, normalizers, best, &own)?;
+                    Ok((tokens, Vec::new()))
+                }
             }
         });
         self.samplers.end_step(plan);
@@ -247,4 +268,6 @@ enum Picked {
     Top(TopK),
     /// Both, for a step that mixes those samplers with ones drawn where the logits are.
     Mixed(TopK, Vec<u32>),
+    /// What a step whose samplers want log-probabilities found where the logits are.
+    Scored(Scored),
 }

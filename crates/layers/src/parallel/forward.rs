@@ -7,7 +7,7 @@ use crate::model::Logits;
 use collectives::Collective;
 use mesh::TokenShard;
 use std::ops::Range;
-use tensor::kernels::{Draw, LogitEdit, LogitEdits, TopK};
+use tensor::kernels::{Draw, LogitEdit, LogitEdits, Normalizer, TopK};
 use tensor::{Backend, Tensor};
 
 /// How one sequence's tokens of a step are split over CP.
@@ -344,6 +344,60 @@ impl ParallelModel {
         })?))
     }
 
+    /// [`ParallelModel::forward_batch`] for a step whose samplers want their tokens'
+    /// log-probabilities, picked where the logits are (session's `Samplers::scored`): of the
+    /// rows it would return logits for, on the rank at TP 0 and CP 0 (`None` elsewhere, whose
+    /// `draws` are not read), each row's [`Normalizer`] and `top` most likely tokens of the
+    /// logits as they are ([`Backend::normalizers`], [`Backend::top_k_rows`]); then, after
+    /// each sequence's edits, each row drawn by `draws` ([`Backend::sample_rows`]) and, with
+    /// `candidates`, its candidates. The logits themselves stay in [`Scored::logits`] (on a
+    /// GPU of one TP rank, on the device) for the picked tokens' logits
+    /// ([`ParallelModel::logits_at`]).
+    ///
+    /// # Errors
+    /// As [`ParallelModel::forward_batch`], a count of candidates or alternatives too large,
+    /// and another number of draws than rows.
+    pub fn forward_batch_scored(
+        &self,
+        comms: &mut Comms<'_>,
+        seqs: &mut [Sequence<'_>],
+        candidates: Option<usize>,
+        draws: &[Draw],
+        top: usize,
+    ) -> Result<Option<Scored>> {
+        let _step = self.step(seqs);
+        let Some(logits) = self.forward_batch(comms, seqs)? else { return Ok(None) };
+        let be = &self.backend;
+        let (normalizers, best) = be.run(|| {
+            let best = match top {
+                0 => Ok(TopK::from_parts(0, Vec::new(), Vec::new())),
+                top => be.top_k_rows(&logits, top),
+            };
+            Ok::<_, Error>((be.normalizers(&logits)?, best?))
+        })?;
+        // The edits change a copy (on a GPU, a device copy made by the first edit); the
+        // logits as they are stay for the picked tokens' own.
+        let edited = match row_edits(seqs) {
+            Some(_) => Some(self.edited(logits.clone(), seqs)?),
+            None => None,
+        };
+        let picks = edited.as_ref().unwrap_or(&logits);
+        let (top, drawn) = be.run(|| {
+            let top = candidates.map(|k| be.top_k_rows(picks, k)).transpose()?;
+            Ok::<_, Error>((top, be.sample_rows(picks, draws)?))
+        })?;
+        Ok(Some(Scored { normalizers, best, top, drawn, logits }))
+    }
+
+    /// `logits[r, tokens[r]]` of a [`Scored`] step's logits (NaN past a row), read where
+    /// they are: the picked tokens' own logits, for their log-probabilities.
+    ///
+    /// # Errors
+    /// Another number of tokens than rows; the backend failed.
+    pub fn logits_at(&self, logits: &Tensor, tokens: &[u32]) -> Result<Vec<f32>> {
+        Ok(self.backend.run(|| self.backend.columns_at(logits, tokens))?)
+    }
+
     /// `logits`, [`ParallelModel::forward_batch`]'s rows of `seqs` (the whole vocabulary),
     /// with each sequence's edits applied to its last row.
     fn edited(&self, mut logits: Tensor, seqs: &[Sequence<'_>]) -> Result<Tensor> {
@@ -585,6 +639,22 @@ impl ParallelModel {
         };
         Ok(self.backend.rms_norm(&x, &self.norm, c.rms_eps)?)
     }
+}
+
+/// What [`ParallelModel::forward_batch_scored`] finds of a step's rows (one per sampled
+/// entry, in plan order) where the logits are.
+#[derive(Debug)]
+pub struct Scored {
+    /// Each row's normalizer, of the logits before the edits.
+    pub normalizers: Vec<Normalizer>,
+    /// Each row's most likely tokens before the edits (as many as asked; none for 0).
+    pub best: TopK,
+    /// Each row's candidates after the edits, when asked for.
+    pub top: Option<TopK>,
+    /// Each row's token drawn after the edits.
+    pub drawn: Vec<u32>,
+    /// The logits before the edits, where they are.
+    pub logits: Tensor,
 }
 
 /// The edits of the rows [`ParallelModel::forward_batch`] returns for `seqs`: each sequence's

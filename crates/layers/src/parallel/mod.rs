@@ -36,7 +36,7 @@ mod tests;
 
 pub use attention::ParallelAttention;
 pub use cache::ParallelCache;
-pub use forward::Sequence;
+pub use forward::{Scored, Sequence};
 pub use layout::{
     check_tp, ffn_range, head_shard, kv_block_bytes, kv_head_range, mesh_head_groups, Comms,
     HeadShard, Placement,

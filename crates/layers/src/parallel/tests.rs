@@ -855,6 +855,90 @@ fn edits_where_the_logits_are_pick_what_the_edited_gathered_logits_pick_in_every
     }
 }
 
+/// Steps scored where the logits are (samplers that want log-probabilities) find, of the rows
+/// `forward_batch` gives in the same layout, bit for bit: each row's normalizer and most
+/// likely tokens before the edits, the candidates and draws after them, and keep the logits
+/// before the edits for the picked tokens' own, which `logits_at` reads; on the rank at TP 0
+/// and CP 0 only, in every layout, with edits in every shard.
+#[test]
+fn scored_steps_find_what_the_gathered_logits_give_before_and_after_the_edits() {
+    use tensor::kernels::{draw_columns, row_numbers, Draw, EditKind};
+    let spec = batched_spec(67);
+    let path = write_model(&spec, "batched-scored.gguf");
+    let steps = mixed_steps(spec.vocab as u32);
+    let edits: Vec<Vec<LogitEdit>> = (0..5u32)
+        .map(|s| {
+            (0..9u32)
+                .map(|i| LogitEdit {
+                    token: (s * 13 + i * 5) % 40,
+                    kind: [EditKind::Repetition, EditKind::Subtract, EditKind::Add]
+                        [(i % 3) as usize],
+                    value: [1.5, 2.5, 6.0][(i % 3) as usize],
+                })
+                .collect()
+        })
+        .collect();
+    let draw = |step: usize, row: usize| Draw {
+        temperature: [0.0, 0.6, 1.3][(step + row) % 3],
+        min_p: 0.0,
+        u: ((step * 5 + row) as f64 * 0.618_033_988_75).fract(),
+        top_p: [1.0, 0.8][row % 2],
+    };
+    for (tp, cp) in [(1, 1), (2, 1), (1, 2), (3, 1)] {
+        let got = on_mesh(tp, cp, |p, comms| {
+            let model = f32_model_on(&path, p);
+            let logits = run_steps(&model, comms, &steps, &mut five_caches(&model));
+            let mut caches = five_caches(&model);
+            let mut step = 0;
+            let scored = run_steps_edited(comms, &steps, &mut caches, &edits, |comms, seqs| {
+                let rows = seqs.iter().filter(|s| s.sample).count();
+                let draws: Vec<Draw> = (0..rows).map(|r| draw(step, r)).collect();
+                step += 1;
+                let scored = model.forward_batch_scored(comms, seqs, Some(4), &draws, 3).unwrap();
+                scored.map(|s| {
+                    let own = model.logits_at(&s.logits, &s.drawn).unwrap();
+                    (s, own)
+                })
+            });
+            (p, logits, scored)
+        });
+        let cpu = Backend::cpu(1).unwrap();
+        let mut changed = false;
+        for (p, logits, scored) in got {
+            if (p.tp_rank, p.cp_rank) != (0, 0) {
+                assert!(scored.iter().all(Option::is_none), "({tp},{cp}) {p:?} scored");
+                continue;
+            }
+            for (i, step) in steps.iter().enumerate() {
+                let what = format!("({tp},{cp}) step {i}");
+                let logits = logits[i].as_ref().unwrap();
+                let (s, own) = scored[i].as_ref().unwrap();
+                let sampled: Vec<usize> = step.iter().filter(|e| e.2).map(|e| e.0).collect();
+                let mut edited = logits.clone();
+                let rows = LogitEdits::from_rows(sampled.iter().map(|&s| &edits[s][..]));
+                cpu.edit_rows(&mut edited, &rows, 0).unwrap();
+                assert_eq!(s.normalizers, cpu.normalizers(logits).unwrap(), "{what}");
+                assert_eq!(s.best, cpu.top_k_rows(logits, 3).unwrap(), "{what}");
+                assert_eq!(s.top.as_ref(), Some(&cpu.top_k_rows(&edited, 4).unwrap()), "{what}");
+                let drawn: Vec<u32> = (0..edited.rows())
+                    .map(|r| {
+                        let pairs: Vec<(f32, u32)> = row_numbers(edited.row(r)).collect();
+                        draw_columns(&pairs, &draw(i, r))
+                    })
+                    .collect();
+                assert_eq!(s.drawn, drawn, "{what}");
+                assert_eq!(s.logits.host().unwrap(), logits.host().unwrap(), "{what}");
+                let want: Vec<f32> =
+                    drawn.iter().enumerate().map(|(r, &t)| logits.row(r)[t as usize]).collect();
+                assert_eq!(own, &want, "{what}: the picked tokens' logits before the edits");
+                changed |= (0..edited.rows()).any(|r| edited.row(r)[drawn[r] as usize] != want[r]);
+            }
+        }
+        assert!(changed, "({tp},{cp}): no picked token's logit was edited");
+    }
+    std::fs::remove_file(path).unwrap();
+}
+
 /// Batched steps for samplers that keep the k most likely tokens find them without moving the
 /// logits: the candidates (logits and ids, in order) are those of the rows `forward_batch`
 /// gives in the same layout, bit for bit, on the rank at TP 0 and CP 0 only, in every layout

@@ -677,3 +677,139 @@ fn mixed_steps_pick_what_the_samplers_pick_from_the_rows() {
     let top = be.top_k_rows(&tensor::Tensor::zeros(&[2, vocab]), 3).unwrap();
     assert!(mixed.pick_mixed(&plan, &top, &[0]).is_err(), "rows the plan does not sample");
 }
+
+/// Which steps are scored where the logits are: those whose sampled entries want their
+/// tokens' log-probabilities, each drawn from its whole row, greedy or from a few
+/// candidates, with nothing else wanted of the logits.
+#[test]
+fn steps_that_want_log_probabilities_are_scored_where_the_logits_are() {
+    let with = |params: SamplingParams| SeqSampling { params, ..SeqSampling::default() };
+    let scored = |n| SamplingParams { logprobs: Some(n), ..Default::default() };
+    let warm = |p: SamplingParams| with(SamplingParams { temperature: 0.8, ..p });
+    let cases = [
+        (
+            "greedy beside one that wants two",
+            vec![with(scored(2)), SeqSampling::default()],
+            Some((None, 2)),
+        ),
+        ("its own only", vec![warm(scored(0))], Some((None, 0))),
+        (
+            "a top-k beside",
+            vec![warm(SamplingParams { top_k: 5, ..Default::default() }), with(scored(3))],
+            Some((Some(6), 3)),
+        ),
+        (
+            "penalties and a bias",
+            vec![warm(SamplingParams {
+                presence_penalty: 0.5,
+                logit_bias: vec![(3, 2.0)],
+                ..scored(1)
+            })],
+            Some((None, 1)),
+        ),
+        ("none wanted", vec![warm(SamplingParams::default())], None),
+        ("too many alternatives", vec![with(scored(TOP_K_MAX + 1))], None),
+        ("a top-k too large", vec![warm(SamplingParams { top_k: TOP_K_MAX, ..scored(1) })], None),
+        (
+            "a scored prompt",
+            vec![with(SamplingParams { prompt_logprobs: Some(1), ..scored(1) })],
+            None,
+        ),
+    ];
+    for (what, samplings, want) in cases {
+        let mut samplers = Samplers::new();
+        let entries =
+            samplings.into_iter().enumerate().map(|(i, s)| entry(i as u64 + 1, true, Some(s)));
+        let plan = plan_of(entries.collect());
+        samplers.admit(&plan);
+        let want = want.map(|(candidates, top)| Scoring { candidates, top });
+        assert_eq!(samplers.scored(&plan, 1000), want, "{what}");
+        if want.is_some() {
+            assert_eq!(samplers.scored(&plan, DRAW_MAX_COLUMNS + 1), None, "{what}: too wide");
+            assert!(!samplers.argmax_only(&plan) && samplers.candidates(&plan).is_none());
+            assert!(!samplers.drawable(&plan, 1000) && samplers.mixed(&plan, 1000).is_none());
+        }
+    }
+}
+
+/// Scored steps give what the samplers give from the rows' logits, tokens and
+/// log-probabilities bit for bit, step after step: each row's normalizer and most likely
+/// tokens before the edits, the draws and candidates after them, the picked tokens' logits
+/// read back; penalties, a bias, NaN and -inf logits among them.
+#[test]
+fn scored_steps_give_what_the_samplers_give_from_the_rows() {
+    let be = tensor::Backend::cpu(2).unwrap();
+    let vocab = 700;
+    let seeded = |seed, p: SamplingParams| SeqSampling {
+        params: SamplingParams { seed, temperature: 0.9, ..p },
+        ..SeqSampling::default()
+    };
+    let samplings = || {
+        vec![
+            seeded(1, SamplingParams { top_k: 7, logprobs: Some(3), ..Default::default() }),
+            seeded(2, SamplingParams { top_p: 0.8, logprobs: Some(0), ..Default::default() }),
+            SeqSampling {
+                params: SamplingParams {
+                    logprobs: Some(5),
+                    presence_penalty: 0.7,
+                    repetition_penalty: 1.3,
+                    logit_bias: vec![(4, 9.0), (650, -3.0)],
+                    ..Default::default()
+                },
+                ..SeqSampling::default()
+            },
+            seeded(3, SamplingParams { min_p: 0.1, ..Default::default() }),
+            seeded(
+                4,
+                SamplingParams {
+                    logprobs: Some(20),
+                    logit_bias: vec![(9, 4.0)],
+                    ..Default::default()
+                },
+            ),
+        ]
+    };
+    let (mut plain, mut scored) = (Samplers::new(), Samplers::new());
+    let mut wanted = 0;
+    for step in 0..10u64 {
+        let admit = |s: Vec<SeqSampling>| {
+            s.into_iter()
+                .enumerate()
+                .map(|(i, s)| entry(i as u64 + 1, true, (step == 0).then_some(s)))
+        };
+        let plan = plan_of(admit(samplings()).collect());
+        let rows = 5;
+        let mut logits: Vec<f32> = (0..rows * vocab)
+            .map(|i| ((i as u64 * 2654435761 + step * 97) % 1000) as f32 / 150.0 - 2.0)
+            .collect();
+        logits[vocab + 11] = f32::NAN;
+        logits[2 * vocab + 4] = f32::NEG_INFINITY;
+        let want = plain.sample(&plan, &logits, vocab).unwrap();
+        scored.admit(&plan);
+        let how = scored.scored(&plan, vocab).expect("a scored step");
+        let draws = scored.draws(&plan).unwrap();
+        let raw = tensor::Tensor::from_vec(&[rows, vocab], logits).unwrap();
+        let normalizers = be.normalizers(&raw).unwrap();
+        let best = be.top_k_rows(&raw, how.top).unwrap();
+        let mut edited = raw.clone();
+        let edits = scored.edits(&plan);
+        let rows_of: Vec<&[tensor::kernels::LogitEdit]> = edits.iter().map(Vec::as_slice).collect();
+        be.edit_rows(&mut edited, &tensor::kernels::LogitEdits::from_rows(rows_of), 0).unwrap();
+        let top = how.candidates.map(|k| be.top_k_rows(&edited, k).unwrap());
+        let drawn = be.sample_rows(&edited, &draws).unwrap();
+        let mut got = scored.pick_scored(&plan, top.as_ref(), &drawn).unwrap();
+        let picked: Vec<u32> = got.iter().map(|t| t.token).collect();
+        let own = be.columns_at(&raw, &picked).unwrap();
+        scored.score_picks(&plan, &mut got, &normalizers, &best, &own).unwrap();
+        scored.end_step(&plan);
+        assert_eq!(got, want, "step {step}");
+        wanted +=
+            got.iter().filter(|t| t.logprobs.as_ref().is_some_and(|l| !l.top.is_empty())).count();
+    }
+    assert_eq!(wanted, 10 * 3, "three rows a step list alternatives");
+    let plan = plan_of(vec![entry(1, true, None)]);
+    let normalizers = vec![tensor::kernels::Normalizer { top: 0.0, sum: 1.0 }; 2];
+    let best = be.top_k_rows(&tensor::Tensor::zeros(&[2, vocab]), 3).unwrap();
+    let mut out = vec![SampledToken { token: 0, logprobs: None }];
+    assert!(scored.score_picks(&plan, &mut out, &normalizers, &best, &[0.0]).is_err());
+}

@@ -4,10 +4,22 @@
 //! from what the runner brings back. Each gives the tokens [`Samplers::pick`] picks from the
 //! rows' logits.
 
-use super::{SampleError, Samplers, SamplingParams, SeqSampler};
+use super::{SampleError, Samplers, SamplingParams, SeqSampler, TokenLogprobs};
 use crate::model::{SampledToken, StepOutput};
 use crate::plan::StepPlan;
-use tensor::kernels::{Draw, TopK, DRAW_MAX_COLUMNS, TOP_K_MAX};
+use tensor::kernels::{Draw, Normalizer, TopK, DRAW_MAX_COLUMNS, TOP_K_MAX};
+
+/// What a model runner finds where the logits are for a step whose samplers want their
+/// tokens' log-probabilities ([`Samplers::scored`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scoring {
+    /// The candidates per row to find for the samplers that keep a few tokens (as
+    /// [`Samplers::mixed`] counts them); `None` when no sampled entry keeps a few.
+    pub candidates: Option<usize>,
+    /// The most likely tokens per row of the raw logits to find for the log-probabilities'
+    /// alternatives: the most any sampled entry asks for (0: the token's own only).
+    pub top: usize,
+}
 
 /// Whether a sampler draws from a few candidates of its row (a temperature and a top-k below
 /// [`TOP_K_MAX`]) rather than from its whole row or greedily.
@@ -126,6 +138,103 @@ impl Samplers {
             }
         }
         Some(most + 1)
+    }
+
+    /// For a step where some sampled entries want their tokens' log-probabilities, what a
+    /// model runner finds where the logits are so that only a few numbers per row move: each
+    /// row's [`Normalizer`] and its [`Scoring::top`] most likely tokens, both of the logits
+    /// before the edits (the log-probabilities are the model's own), then, from the edited
+    /// logits, every row drawn with [`Samplers::draws`] and, when some entry keeps a few
+    /// tokens, the [`Scoring::candidates`] of every row; after the picks
+    /// ([`Samplers::pick_scored`]), each picked token's logit before the edits. `None` when
+    /// no sampled entry wants log-probabilities, when an entry wants more than
+    /// [`TOP_K_MAX`] alternatives or something else of the logits (a grammar, a scored
+    /// prompt), when a sampler keeps a cut of its row other than a few tokens, or over
+    /// [`DRAW_MAX_COLUMNS`] columns. Every rank answers the same (after [`Samplers::admit`]
+    /// with `plan`).
+    pub fn scored(&self, plan: &StepPlan, vocab: usize) -> Option<Scoring> {
+        if vocab > DRAW_MAX_COLUMNS || plan.entries.iter().any(|e| self.every_row(e)) {
+            return None;
+        }
+        let (mut top, mut candidates) = (None, None);
+        for e in plan.sampled() {
+            let s = self.seqs.get(&e.seq)?;
+            let p = s.sampler.params();
+            if p.constraint.is_some() || s.prompt_top.is_some() {
+                return None;
+            }
+            if let Some(n) = p.logprobs {
+                if n > TOP_K_MAX {
+                    return None;
+                }
+                top = Some(top.map_or(n, |t: usize| t.max(n)));
+            }
+            if keeps_candidates(p) {
+                candidates = Some(candidates.map_or(p.top_k, |k: usize| k.max(p.top_k)));
+            } else if p.temperature > 0.0 && p.top_k != 0 {
+                return None;
+            }
+        }
+        top.map(|top| Scoring { candidates: candidates.map(|k| k + 1), top })
+    }
+
+    /// Picks one token per sampled entry of a step [`Samplers::scored`] allows, in plan
+    /// order: from its row's candidates in `top` (found as [`Scoring::candidates`] asked) for
+    /// an entry that keeps a few tokens, else the token drawn where the logits are (`drawn`,
+    /// after [`Samplers::draws`]'s draws). The log-probabilities come after, with the picked
+    /// tokens' logits ([`Samplers::score_picks`]).
+    ///
+    /// # Errors
+    /// As [`Samplers::pick_mixed`].
+    pub fn pick_scored(
+        &mut self,
+        plan: &StepPlan,
+        top: Option<&TopK>,
+        drawn: &[u32],
+    ) -> Result<StepOutput, SampleError> {
+        if let Some(top) = top {
+            return self.pick_mixed(plan, top, drawn);
+        }
+        let sampled = plan.sampled().count();
+        if drawn.len() != sampled {
+            return Err(SampleError::Candidates { rows: drawn.len(), sampled });
+        }
+        Ok(drawn.iter().map(|&token| SampledToken { token, logprobs: None }).collect())
+    }
+
+    /// Gives each picked token of a [`Samplers::scored`] step whose request wants them its
+    /// log-probabilities, from its row's `normalizers`, the row's most likely tokens in
+    /// `best` (of the logits before the edits) and each picked token's logit before the edits
+    /// (`own`, one per sampled entry): what [`Samplers::pick`] gives from the rows' logits.
+    ///
+    /// # Errors
+    /// [`SampleError::Candidates`] when a part holds another number of rows than the plan
+    /// samples; [`SampleError::Unknown`] for a sampled sequence that never had parameters.
+    pub fn score_picks(
+        &self,
+        plan: &StepPlan,
+        picked: &mut StepOutput,
+        normalizers: &[Normalizer],
+        best: &TopK,
+        own: &[f32],
+    ) -> Result<(), SampleError> {
+        let sampled = plan.sampled().count();
+        let best_rows = if best.per_row() == 0 { sampled } else { best.rows() };
+        for rows in [picked.len(), normalizers.len(), best_rows, own.len()] {
+            if rows != sampled {
+                return Err(SampleError::Candidates { rows, sampled });
+            }
+        }
+        for (r, e) in plan.sampled().enumerate() {
+            let step = plan.step;
+            let s = self.seqs.get(&e.seq).ok_or(SampleError::Unknown { seq: e.seq, step })?;
+            if let Some(n) = s.sampler.params().logprobs {
+                let best = best.row(r);
+                picked[r].logprobs =
+                    Some(TokenLogprobs::from_parts(&normalizers[r], own[r], best, n));
+            }
+        }
+        Ok(())
     }
 
     /// Picks one token per sampled entry of a step [`Samplers::mixed`] allows, in plan order:
