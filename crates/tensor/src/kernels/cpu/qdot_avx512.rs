@@ -262,6 +262,7 @@ impl<'a> Job<'a> {
             for j in 0..group {
                 let row = self.row::<K>(r + j);
                 for b in 0..self.nb {
+                    prefetch_ahead::<K>(row, b);
                     // SAFETY: `b < nb`, and `Job::row` sliced the row's `nb` blocks with their
                     // scales, and minimums exactly when `with_mins` (or panicked).
                     let [lo, hi] = unsafe { block::<K>(row, b, with_mins) };
@@ -384,8 +385,7 @@ fn row_dots<const T: usize, const R: usize, const K: u8>(
 ) -> [[f32; T]; R] {
     let per_block = if K == FOUR { 1 } else { 2 };
     let nb = rows[0].qs.len() / per_block;
-    let per_scale = if K == EIGHT16 { 2 } else { 1 };
-    let ns = per_scale * nb;
+    let ns = if K == EIGHT16 { 2 * nb } else { nb };
     let with_mins = K == FOUR || (K == EIGHT16 && !rows[0].mins.is_empty());
     assert!(rows.iter().all(|r| {
         r.scales.len() == ns
@@ -398,19 +398,13 @@ fn row_dots<const T: usize, const R: usize, const K: u8>(
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     for b in 0..nb {
         for r in 0..R {
-            // A hint only: the address may lie past the matrix, which a prefetch does not
-            // fault on (`wrapping_add` keeps the pointer arithmetic defined).
-            let ahead = rows[r].qs.as_ptr().wrapping_add(b * per_block).cast::<i8>();
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(PREFETCH));
-            if T == 1 && (b * per_scale) % 16 == 0 {
-                // A lone row's scales and minimums too, a line (16 of them) at a time, at
-                // least as many blocks ahead as the quants (4 or 8 bytes a block against 16 or
-                // 32): left to the hardware, their streams stalled the loads. (With a tile of
-                // 8 rows, 8 streams of SmolLM2 ran 5% slower with them.)
-                for p in [rows[r].scales.as_ptr(), rows[r].mins.as_ptr()] {
-                    let at = p.wrapping_add(b * per_scale).cast::<i8>();
-                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH / 4));
-                }
+            if T == 1 {
+                // A lone row's scales and minimums too: left to the hardware, their streams
+                // stalled the loads. (With a tile of 8 rows, 8 streams of SmolLM2 ran 5%
+                // slower with them.)
+                prefetch_ahead::<K>(rows[r], b);
+            } else {
+                prefetch_quants::<K>(rows[r], b);
             }
             // SAFETY: `b < nb`, and the row holds `nb` blocks (checked above).
             let [lo, hi] = unsafe { block::<K>(rows[r], b, with_mins) };
@@ -430,6 +424,33 @@ fn row_dots<const T: usize, const R: usize, const K: u8>(
         }
     }
     out
+}
+
+/// Asks for the quants of a row of form `K` [`PREFETCH`] bytes past block `b`'s: a hint only
+/// (the address may lie past the matrix, which a prefetch does not fault on; `wrapping_add`
+/// keeps the pointer arithmetic defined).
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn prefetch_quants<const K: u8>(row: Row<'_>, b: usize) {
+    let per_block = if K == FOUR { 1 } else { 2 };
+    let ahead = row.qs.as_ptr().wrapping_add(b * per_block).cast::<i8>();
+    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(PREFETCH));
+}
+
+/// [`prefetch_quants`], and the row's scales and minimums, a line (16 of them) at a time, at
+/// least as many blocks ahead (4 or 8 bytes a block against 16 or 32): each row is three
+/// streams from memory, which the core's prefetchers alone did not keep up with.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn prefetch_ahead<const K: u8>(row: Row<'_>, b: usize) {
+    prefetch_quants::<K>(row, b);
+    let per_scale = if K == EIGHT16 { 2 } else { 1 };
+    if (b * per_scale).is_multiple_of(16) {
+        for p in [row.scales.as_ptr(), row.mins.as_ptr()] {
+            let at = p.wrapping_add(b * per_scale).cast::<i8>();
+            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH / 4));
+        }
+    }
 }
 
 /// Block `b` of a row of form `K` (with its minimums when `with_mins`), dequantized: elements
