@@ -6,6 +6,7 @@ mod coldstart;
 mod collectives;
 mod concurrency;
 mod cycles;
+mod large;
 mod model;
 mod roofline;
 mod serve;
@@ -48,6 +49,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "swap" => swap::run(json)?,
             "agree" => agree::run(json)?,
             "coldstart" => coldstart::run(json)?,
+            "large" => large::run(json)?,
             "agree-random" => agree_random::run(json)?,
             "all" => {
                 collectives::run(json)?;
@@ -57,7 +59,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             }
             other => {
                 bail!(
-                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, concurrency, structured, update, sleep, cycles, swap, agree, agree-random, coldstart or all"
+                    "unknown benchmark `{other}`: expected collectives, vmm, session, model, serve, concurrency, structured, update, sleep, cycles, swap, agree, agree-random, coldstart, large or all"
                 )
             }
         }

@@ -24,6 +24,7 @@ tasks:
                           batched, a same-run roofline, a per-step breakdown) | sleep | cycles |
                           swap (a model host's swap vs a cold start) |
                           coldstart (run's time to first token vs warm serve's) |
+                          large (an 8B-shaped Q4_K model on the CPU vs llama.cpp) |
                           agree (greedy ids and logprobs vs llama.cpp) |
                           agree-random (logits vs llama.cpp on random Gemma 2, Gemma 3,
                           Qwen3 and Phi-3 longrope files) |
