@@ -336,17 +336,41 @@ impl ModelFactory for ShardedFactory {
     }
 }
 
-/// Tokens of the warm-up pass (a prompt chunk of the size requests commonly bring).
+/// Tokens of the warm-up pass (a prompt chunk of the size requests commonly bring), for a
+/// model whose pass of that many costs at most [`WARM_UP_MACS`].
 const WARM_UP_TOKENS: usize = 128;
+
+/// The most multiply-adds the warm-up pass costs a rank: a little above SmolLM2-135M's 128
+/// tokens (17 G). A larger model warms up on fewer tokens, down to [`WARM_UP_MIN_TOKENS`]:
+/// 128 tokens of a model of Llama 3 8B's shapes took about 10 s of its 35 s start-up on 2
+/// cores, for costs a first pass pays once whatever its size.
+const WARM_UP_MACS: usize = 20_000_000_000;
+
+/// The fewest tokens of the warm-up pass.
+const WARM_UP_MIN_TOKENS: usize = 8;
+
+/// The multiply-adds of one token through a rank's share of the model's matrices (its
+/// projections, MLP and LM head, split over `ranks` tensor-parallel ranks).
+fn macs_per_token(c: &checkpoint::LlamaConfig, ranks: usize) -> usize {
+    let attention = c.hidden * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads);
+    let mlp = 3 * c.hidden * c.ffn;
+    (c.n_layers * (attention + mlp) + c.vocab_size * c.hidden) / ranks.max(1)
+}
+
+/// Tokens of the warm-up pass for a model that costs `macs` multiply-adds a token per rank.
+fn warm_up_tokens(macs: usize) -> usize {
+    (WARM_UP_MACS / macs.max(1)).clamp(WARM_UP_MIN_TOKENS, WARM_UP_TOKENS)
+}
 
 /// One throwaway forward pass before the deployment reports ready, so the first request pays
 /// none of the one-time costs of a first pass (the compute threads' first wakeup, the heap
 /// that activations grow into). Every rank builds its model at the same agreed point of the
-/// session's opening, so the passes' collectives meet. Its cache is its own and dropped: the
+/// session's opening, so the passes' collectives meet (and each computes the same number of
+/// tokens from the same configuration). Its cache is its own and dropped: the
 /// KV pool and every answer are as without it. CPU backends only: a device backend makes its
 /// weights' device copies instead ([`ParallelModel::prepare_device`]).
 fn warm_up(model: &ParallelModel, comms: &mut Comms<'_>, context: usize) -> layers::Result<()> {
-    let n = WARM_UP_TOKENS.min(context);
+    let n = warm_up_tokens(macs_per_token(model.config(), comms.tp.size())).min(context);
     let cp = comms.cp.size();
     if n < cp {
         return Ok(());
@@ -443,5 +467,50 @@ impl StepModel for ShardedLlama {
 
     fn context_len(&self) -> usize {
         self.context
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SmolLM2-135M warms up on a whole 128-token chunk, a model of Llama 3 8B's shapes on 8
+    /// tokens (128 would cost 60 times the budget), and a tensor-parallel rank counts its
+    /// share of the matrices.
+    #[test]
+    fn the_warm_up_pass_costs_a_rank_at_most_a_budget_of_multiply_adds() {
+        let path =
+            std::env::temp_dir().join(format!("tpctl-session-warm-up-{}.gguf", std::process::id()));
+        layers::model::random::RandomLlama::default().write(&path).unwrap();
+        let file = checkpoint::gguf::GgufFile::open(&path).unwrap();
+        let small = checkpoint::LlamaConfig::from_gguf(&file).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(warm_up_tokens(macs_per_token(&small, 1)), WARM_UP_TOKENS);
+        let smollm2 = checkpoint::LlamaConfig {
+            n_layers: 30,
+            hidden: 576,
+            ffn: 1536,
+            n_heads: 9,
+            n_kv_heads: 3,
+            head_dim: 64,
+            vocab_size: 49152,
+            ..small.clone()
+        };
+        assert_eq!(macs_per_token(&smollm2, 1), 134_479_872);
+        assert_eq!(warm_up_tokens(macs_per_token(&smollm2, 1)), 128);
+        let llama3_8b = checkpoint::LlamaConfig {
+            n_layers: 32,
+            hidden: 4096,
+            ffn: 14336,
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim: 128,
+            vocab_size: 128_256,
+            ..small
+        };
+        assert_eq!(warm_up_tokens(macs_per_token(&llama3_8b, 1)), WARM_UP_MIN_TOKENS);
+        let (one, eight) = (macs_per_token(&llama3_8b, 1), macs_per_token(&llama3_8b, 8));
+        assert_eq!(eight, one / 8);
+        assert_eq!(warm_up_tokens(eight), 21, "an eighth of the matrices each");
     }
 }
