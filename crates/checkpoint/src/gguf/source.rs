@@ -63,6 +63,12 @@ impl WeightSource for GgufFile {
             if f.fits_eight16() {
                 let (_, stored) = self.raw_rows(name, row_range.clone())?;
                 let Some(e) = kquant::to_eight16(f, stored) else { return Ok(None) };
+                if col_range == (0..cols) {
+                    // Every column: the repacked rows as they are (a copy of gigabytes of
+                    // fresh memory less for a large model).
+                    let (scales, mins, qs) = (e.scales, e.mins, e.qs);
+                    return Ok(QMatrix::eight16(row_range.len(), cols, scales, mins, qs));
+                }
                 // Per row: `2·nb` scales (and minimums) and `cols` bytes; the columns' share.
                 let (ng, g0, g1) = (cols / 16, col_range.start / 16, col_range.end / 16);
                 let (mut scales, mut mins, mut qs) = (Vec::new(), Vec::new(), Vec::new());
@@ -81,6 +87,11 @@ impl WeightSource for GgufFile {
         let Some(format) = format else {
             let (_, stored) = self.raw_rows(name, row_range.clone())?;
             let four = kquant::q4_k_four_bit(stored);
+            if col_range == (0..cols) {
+                // Every column: the repacked rows as they are, as above.
+                let (scales, mins, qs) = (four.scales, four.mins, four.qs);
+                return Ok(QMatrix::four_bit(row_range.len(), cols, scales, mins, qs));
+            }
             let (nb, c0, c1) = (cols / BLOCK, col_range.start / BLOCK, col_range.end / BLOCK);
             let picked = (0..row_range.len()).map(|r| r * nb + c0..r * nb + c1);
             let (mut scales, mut mins, mut qs) = (Vec::new(), Vec::new(), Vec::new());
