@@ -377,9 +377,9 @@ impl ParallelModel {
         })?;
         // The edits change a copy (on a GPU, a device copy made by the first edit); the
         // logits as they are stay for the picked tokens' own.
-        let edited = match row_edits(seqs) {
-            Some(_) => Some(self.edited(logits.clone(), seqs)?),
-            None => None,
+        let edited = match seqs.iter().any(|s| !s.edits.is_empty()) {
+            true => Some(self.edited(logits.clone(), seqs)?),
+            false => None,
         };
         let picks = edited.as_ref().unwrap_or(&logits);
         let (top, drawn) = be.run(|| {

@@ -613,9 +613,7 @@ fn steps_that_mix_candidates_and_whole_rows_are_sampled_where_the_logits_are() {
     ];
     for (what, samplings, want) in cases {
         let mut samplers = Samplers::new();
-        let entries =
-            samplings.into_iter().enumerate().map(|(i, s)| entry(i as u64 + 1, true, Some(s)));
-        let plan = plan_of(entries.collect());
+        let plan = step_plan(0, samplings);
         samplers.admit(&plan);
         assert_eq!(samplers.mixed(&plan, 1000), want, "{what}");
         if want.is_some() && !what.contains("alone") {
@@ -629,6 +627,21 @@ fn steps_that_mix_candidates_and_whole_rows_are_sampled_where_the_logits_are() {
     }
 }
 
+/// Sampling at temperature 0.9 with `seed`, the rest of `p`.
+fn seeded(seed: u64, p: SamplingParams) -> SeqSampling {
+    SeqSampling { params: SamplingParams { seed, temperature: 0.9, ..p }, ..SeqSampling::default() }
+}
+
+/// Step `step` of sequences 1, 2, ... each sampling one token, with `samplings` brought by
+/// their first entries (step 0).
+fn step_plan(step: u64, samplings: Vec<SeqSampling>) -> StepPlan {
+    let entries = samplings
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| entry(i as u64 + 1, true, (step == 0).then_some(s)));
+    plan_of(entries.collect())
+}
+
 /// The tokens of mixed steps, candidates picked on the host and whole rows drawn where the
 /// logits are, are those the samplers pick from the rows' logits, step after step (so each
 /// generator takes its numbers as the plain path takes them).
@@ -636,10 +649,6 @@ fn steps_that_mix_candidates_and_whole_rows_are_sampled_where_the_logits_are() {
 fn mixed_steps_pick_what_the_samplers_pick_from_the_rows() {
     let be = tensor::Backend::cpu(1).unwrap();
     let vocab = 300;
-    let seeded = |seed, p: SamplingParams| SeqSampling {
-        params: SamplingParams { seed, temperature: 0.9, ..p },
-        ..SeqSampling::default()
-    };
     let samplings = || {
         vec![
             seeded(1, SamplingParams { top_k: 7, ..Default::default() }),
@@ -651,12 +660,7 @@ fn mixed_steps_pick_what_the_samplers_pick_from_the_rows() {
     };
     let (mut plain, mut mixed) = (Samplers::new(), Samplers::new());
     for step in 0..12u64 {
-        let admit = |s: Vec<SeqSampling>| {
-            s.into_iter()
-                .enumerate()
-                .map(|(i, s)| entry(i as u64 + 1, true, (step == 0).then_some(s)))
-        };
-        let plan = plan_of(admit(samplings()).collect());
+        let plan = step_plan(step, samplings());
         let rows = 5;
         let logits: Vec<f32> = (0..rows * vocab)
             .map(|i| ((i as u64 * 2654435761 + step * 97) % 1000) as f32 / 250.0 - 2.0)
@@ -718,9 +722,7 @@ fn steps_that_want_log_probabilities_are_scored_where_the_logits_are() {
     ];
     for (what, samplings, want) in cases {
         let mut samplers = Samplers::new();
-        let entries =
-            samplings.into_iter().enumerate().map(|(i, s)| entry(i as u64 + 1, true, Some(s)));
-        let plan = plan_of(entries.collect());
+        let plan = step_plan(0, samplings);
         samplers.admit(&plan);
         let want = want.map(|(candidates, top)| Scoring { candidates, top });
         assert_eq!(samplers.scored(&plan, 1000), want, "{what}");
@@ -740,10 +742,6 @@ fn steps_that_want_log_probabilities_are_scored_where_the_logits_are() {
 fn scored_steps_give_what_the_samplers_give_from_the_rows() {
     let be = tensor::Backend::cpu(2).unwrap();
     let vocab = 700;
-    let seeded = |seed, p: SamplingParams| SeqSampling {
-        params: SamplingParams { seed, temperature: 0.9, ..p },
-        ..SeqSampling::default()
-    };
     let samplings = || {
         vec![
             seeded(1, SamplingParams { top_k: 7, logprobs: Some(3), ..Default::default() }),
@@ -772,12 +770,7 @@ fn scored_steps_give_what_the_samplers_give_from_the_rows() {
     let (mut plain, mut scored) = (Samplers::new(), Samplers::new());
     let mut wanted = 0;
     for step in 0..10u64 {
-        let admit = |s: Vec<SeqSampling>| {
-            s.into_iter()
-                .enumerate()
-                .map(|(i, s)| entry(i as u64 + 1, true, (step == 0).then_some(s)))
-        };
-        let plan = plan_of(admit(samplings()).collect());
+        let plan = step_plan(step, samplings());
         let rows = 5;
         let mut logits: Vec<f32> = (0..rows * vocab)
             .map(|i| ((i as u64 * 2654435761 + step * 97) % 1000) as f32 / 150.0 - 2.0)
