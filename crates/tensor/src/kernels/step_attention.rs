@@ -153,7 +153,7 @@ mod tests {
     }
 
     /// Each row of a step is the same bits as its sequence's attention alone, for contiguous
-    /// and paged keys of different lengths, on a GQA shape with a window, a soft cap and a
+    /// and paged keys of different lengths (up to several chunks), on a GQA shape with a window, a soft cap and a
     /// scale of its own; also the one-row-at-a-time path the CUDA backend takes.
     #[test]
     fn a_steps_rows_are_each_rows_attention_alone() {
@@ -161,7 +161,9 @@ mod tests {
         let plain = AttnShape::new(6, 2, 16);
         let shape = AttnShape { scale: Some(0.3), softcap: Some(2.0), window: Some(9), ..plain };
         let row = 2 * 16;
-        let lens = [1, 5, 12, 17, 30, 3, 8];
+        // Past 128 keys a row's keys are taken in chunks, merged: 300 is three of them, and
+        // with the window of 9 the first two see no key.
+        let lens = [1, 5, 12, 17, 30, 3, 8, 300, 129];
         let keys: Vec<(Vec<f32>, Vec<f32>)> = lens
             .iter()
             .enumerate()

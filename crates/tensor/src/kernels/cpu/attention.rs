@@ -9,9 +9,8 @@
 //! subset of the keys is masked alike; soft-capping (Gemma 2) maps each scaled score `s` to
 //! `cap · tanh(s / cap)` before the softmax.
 
+use super::decode_attention;
 use super::matmul::{gemm_strided, MatRef};
-use super::matvec::{simd_axpy, simd_axpy4, simd_dot};
-use pulp::{Arch, Simd, WithSimd};
 use rayon::prelude::*;
 
 /// Head counts and score rules of one attention call. `q_heads` must be a multiple of
@@ -52,14 +51,14 @@ impl AttnShape {
 
     /// The oldest position a query at `q_pos` sees (0 without a window).
     #[inline(always)]
-    fn first_visible(&self, q_pos: usize) -> usize {
+    pub(super) fn first_visible(&self, q_pos: usize) -> usize {
         self.window.map_or(0, |w| (q_pos + 1).saturating_sub(w))
     }
 }
 
 /// Soft-caps a scaled score (see [`AttnShape::softcap`]).
 #[inline(always)]
-fn capped(score: f32, cap: Option<f32>) -> f32 {
+pub(super) fn capped(score: f32, cap: Option<f32>) -> f32 {
     match cap {
         Some(c) => c * (score / c).tanh(),
         None => score,
@@ -126,6 +125,20 @@ impl<'a> KvBlocks<'a> {
         (j >> self.shift, (j & ((1usize << self.shift) - 1)) * stride)
     }
 
+    /// Token `j`'s key of `d` values at `offset` in its row of `stride` values.
+    #[inline(always)]
+    pub(super) fn key(&self, j: usize, stride: usize, offset: usize, d: usize) -> &'a [f32] {
+        let (b, at) = self.at(j, stride);
+        &self.k[b][at + offset..][..d]
+    }
+
+    /// Token `j`'s value, as [`KvBlocks::key`].
+    #[inline(always)]
+    pub(super) fn value(&self, j: usize, stride: usize, offset: usize, d: usize) -> &'a [f32] {
+        let (b, at) = self.at(j, stride);
+        &self.v[b][at + offset..][..d]
+    }
+
     /// The first `tokens` rows of `row` values of keys and of values, copied into two
     /// contiguous buffers.
     pub fn gather(&self, tokens: usize, row: usize) -> (Vec<f32>, Vec<f32>) {
@@ -166,8 +179,9 @@ pub fn attention(
 }
 
 /// [`attention`] over keys and values in blocks (a paged KV cache): the same results, bit for
-/// bit, as over the same rows laid out contiguously. One query row per task reads the blocks
-/// in place; many queries (prefill) work on a contiguous copy of the rows.
+/// bit, as over the same rows laid out contiguously. A few query tokens (decode) read the
+/// blocks in place, each token's keys in chunks that are tasks of their own
+/// (`decode_attention`); many queries (prefill) work on a contiguous copy of the rows.
 ///
 /// Lengths must agree; callers check (see [`KvBlocks::holds`]).
 pub fn attention_blocks(
@@ -197,15 +211,7 @@ pub fn attention_blocks(
         }
         return;
     }
-    let arch = Arch::new();
-    out.par_chunks_mut(d).zip(lse.par_iter_mut()).enumerate().for_each_init(
-        Vec::new,
-        |scores, (row, (o, l))| {
-            let (i, h) = (row / q_heads, row % q_heads);
-            let q = &q[row * d..(row + 1) * d];
-            *l = arch.dispatch(Row::new(shape, (q, q_pos[i], h), (kv, kv_pos), scores, o));
-        },
-    );
+    decode_attention::attend(q, q_pos, kv, kv_pos, shape, out, lse);
 }
 
 /// Sequence `i`'s keys and values for [`attention_rows`]: `kv(i, f)` calls `f` with its
@@ -228,19 +234,19 @@ pub fn attention_rows(
     kv: &RowBlocks<'_>,
 ) {
     let AttnShape { q_heads, head_dim: d, .. } = shape;
-    let arch = Arch::new();
-    out.par_chunks_mut(q_heads * d).enumerate().for_each_init(Vec::new, |scores, (i, o)| {
-        kv(i, &mut |blocks, kv_pos| {
-            for (h, o) in o.chunks_exact_mut(d).enumerate() {
-                let q = &q[(i * q_heads + h) * d..][..d];
-                arch.dispatch(Row::new(shape, (q, q_pos[i], h), (blocks, kv_pos), scores, o));
-            }
-        });
-    });
+    out.par_chunks_mut(q_heads * d).enumerate().for_each_init(
+        || (decode_attention::Scratch::default(), vec![0.0f32; q_heads]),
+        |(scratch, lse), (i, o)| {
+            kv(i, &mut |blocks, kv_pos| {
+                let q = &q[i * q_heads * d..][..q_heads * d];
+                decode_attention::attend_row(q, q_pos[i], blocks, kv_pos, shape, scratch, o, lse);
+            });
+        },
+    );
 }
 
 /// From this many query tokens on, [`attention`] works on blocks of queries with `gemm`;
-/// below it (decode), one task per query row keeps both threads busy.
+/// below it (decode), each token's chunks of keys are tasks ([`decode_attention`]).
 const BLOCKED_MIN_QUERIES: usize = 4;
 
 /// Most query tokens per block of [`attention_blocked`].
@@ -354,115 +360,6 @@ fn softmax_row(
         *x *= inv;
     }
     max + sum.ln()
-}
-
-/// One query row of [`attention`], dispatched to the widest SIMD level available so the
-/// plain loops below vectorize for it. Returns the row's log-sum-exp.
-struct Row<'a> {
-    q: &'a [f32],
-    q_pos: usize,
-    /// The oldest position it sees (sliding window; else 0).
-    first: usize,
-    softcap: Option<f32>,
-    kv: KvBlocks<'a>,
-    kv_pos: &'a [usize],
-    /// Elements between consecutive tokens in `k`/`v`.
-    stride: usize,
-    /// This row's KV head within a token.
-    offset: usize,
-    scale: f32,
-    scores: &'a mut Vec<f32>,
-    out: &'a mut [f32],
-}
-
-impl<'a> Row<'a> {
-    /// Query head `h`'s row `q` at position `q_pos` against `kv` at `kv_pos`, under `shape`'s
-    /// rules, into `out`.
-    fn new(
-        shape: AttnShape,
-        (q, q_pos, h): (&'a [f32], usize, usize),
-        (kv, kv_pos): (KvBlocks<'a>, &'a [usize]),
-        scores: &'a mut Vec<f32>,
-        out: &'a mut [f32],
-    ) -> Self {
-        let AttnShape { q_heads, kv_heads, head_dim: d, .. } = shape;
-        Row {
-            q,
-            q_pos,
-            first: shape.first_visible(q_pos),
-            softcap: shape.softcap,
-            kv,
-            kv_pos,
-            stride: kv_heads * d,
-            offset: (h / (q_heads / kv_heads)) * d,
-            scale: shape.factor(),
-            scores,
-            out,
-        }
-    }
-}
-
-impl WithSimd for Row<'_> {
-    type Output = f32;
-
-    #[inline(always)]
-    fn with_simd<S: Simd>(self, simd: S) -> f32 {
-        let Row { q, q_pos, first, softcap, kv, kv_pos, stride, offset, scale, scores, out } = self;
-        let d = q.len();
-        let key = |j: usize| {
-            let (b, at) = kv.at(j, stride);
-            &kv.k[b][at + offset..][..d]
-        };
-        let value = |j: usize| {
-            let (b, at) = kv.at(j, stride);
-            &kv.v[b][at + offset..][..d]
-        };
-        out.fill(0.0);
-        // Keys after the last visible one never contribute: stop there.
-        let Some(last) = kv_pos.iter().rposition(|&p| p <= q_pos) else {
-            return f32::NEG_INFINITY;
-        };
-        scores.clear();
-        scores.resize(last + 1, f32::NEG_INFINITY);
-        let mut max = f32::NEG_INFINITY;
-        for (j, s) in scores.iter_mut().enumerate() {
-            if kv_pos[j] <= q_pos && kv_pos[j] >= first {
-                *s = capped(simd_dot(simd, q, key(j)) * scale, softcap);
-                max = max.max(*s);
-            }
-        }
-        if max == f32::NEG_INFINITY {
-            // Every key up to the last is outside the window.
-            return f32::NEG_INFINITY;
-        }
-        // Weights in place (masked keys get 0), then the weighted sum of values four keys at a
-        // time.
-        let mut sum = 0.0f32;
-        for s in scores.iter_mut() {
-            *s = if *s == f32::NEG_INFINITY { 0.0 } else { (*s - max).exp() };
-            sum += *s;
-        }
-        let quads = scores.chunks_exact(4);
-        let rest = quads.remainder().len();
-        for (c, e) in quads.enumerate() {
-            let j = 4 * c;
-            simd_axpy4(
-                simd,
-                [e[0], e[1], e[2], e[3]],
-                [value(j), value(j + 1), value(j + 2), value(j + 3)],
-                out,
-            );
-        }
-        let tail = scores.len() - rest;
-        for (j, &e) in scores.iter().enumerate().skip(tail) {
-            simd_axpy(simd, e, value(j), out);
-        }
-        let inv = 1.0 / sum;
-        for a in out.iter_mut() {
-            *a *= inv;
-        }
-        max + sum.ln()
-    }
 }
 
 /// Merges two partial attention results over disjoint key sets: `(out_a, lse_a)` is updated to
@@ -611,6 +508,34 @@ mod tests {
         let (mut out, mut lse) = (vec![1.0; 4], vec![0.0; 1]);
         attention(&[1.0; 4], &[9], &[1.0; 4], &[1.0; 4], &[5], s, &mut out, Some(&mut lse));
         assert_eq!((out, lse[0]), (vec![0.0; 4], f32::NEG_INFINITY));
+    }
+
+    /// Decode rows over many keys (taken in chunks, merged): against the reference with keys
+    /// in order and a window that leaves whole chunks unseen, and with scrambled positions;
+    /// one to three query tokens.
+    #[test]
+    fn decode_rows_over_many_chunks_of_keys_match_naive() {
+        let plain = AttnShape::new(6, 2, 16);
+        let ruled = AttnShape { scale: Some(0.4), softcap: Some(1.5), window: Some(150), ..plain };
+        let t = 600;
+        let k = random_vec(t * 2 * 16, 60);
+        let v = random_vec(t * 2 * 16, 61);
+        let ordered: Vec<usize> = (0..t).collect();
+        let scrambled: Vec<usize> = (0..t).map(|j| (j * 37) % 613 + 3).collect();
+        for (kp, s) in
+            [(&ordered, plain), (&ordered, ruled), (&scrambled, plain), (&scrambled, ruled)]
+        {
+            for n in 1..=3 {
+                let q: Vec<f32> = random_vec(n * 6 * 16, 62).iter().map(|x| x * 3.0).collect();
+                let qp: Vec<usize> = (0..n).map(|i| 599 - 170 * i).collect();
+                let (want, want_lse) = naive(&q, &qp, &k, &v, kp, s);
+                let mut out = vec![f32::NAN; want.len()];
+                let mut lse = vec![f32::NAN; want_lse.len()];
+                attention(&q, &qp, &k, &v, kp, s, &mut out, Some(&mut lse));
+                assert_close(&out, &want, 1e-5);
+                assert_close(&lse, &want_lse, 1e-5);
+            }
+        }
     }
 
     #[test]

@@ -366,7 +366,7 @@ fn row_dots<S: Simd, const T: usize, const R: usize>(
 /// 15-20% slower at 1 and 8 sequences on this project's Zen 4 machines. The one `unsafe` of this module: the intrinsic takes a raw pointer.
 #[inline(always)]
 #[allow(unsafe_code)]
-fn prefetch(p: *const f32) {
+pub(super) fn prefetch(p: *const f32) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch never faults and reads nothing into the program, whatever the
     // address (`p` may point past the slice; it is only a hint).

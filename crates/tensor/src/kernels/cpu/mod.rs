@@ -5,6 +5,7 @@
 
 pub mod activation;
 pub mod attention;
+mod decode_attention;
 pub mod matmul;
 pub mod matvec;
 pub mod norm;
