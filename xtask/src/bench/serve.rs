@@ -11,6 +11,8 @@
 //!   stream.
 //!
 //! - The same on llama.cpp's own Q4_K_M and Q6_K quantizations of the model (one rank).
+//! - A long context: one stream of [`LONG_PROMPT`] prompt ids, 64 tokens, f32 and Q4_1 on one
+//!   rank, where a decode step's attention reads hundreds of keys per layer.
 //! - A chat workload: 8 clients at once, each a 400-token shared system prompt and 32 tokens
 //!   of its own, with and without prefix caching: mean time to first token, aggregate tok/s,
 //!   the prefix cache's hits and each rank's resident memory next to the KV pool's budget.
@@ -39,6 +41,8 @@ const STREAMS: usize = 8;
 const STREAM_PROMPT: usize = 32;
 /// The single stream's prompt length.
 const SINGLE_PROMPT: usize = 128;
+/// The long-context stream's prompt length (the reference's prompts reach about 640 ids).
+const LONG_PROMPT: usize = 512;
 /// How long a server may take to load before the benchmark gives up.
 const LOAD_DEADLINE: Duration = Duration::from_secs(300);
 /// How long one request may take.
@@ -328,6 +332,7 @@ pub(crate) fn run(json: bool) -> Result<()> {
              best of {ROUNDS} rounds each, same machine, same run"
         );
     }
+    long_context(&tpctl, &anchors, &models[..2], json)?;
     let q4 = &models[1].1;
     let with = chat_workload(&tpctl, q4, &[])?;
     let without = chat_workload(&tpctl, q4, &["--no-prefix-caching"])?;
@@ -369,6 +374,56 @@ pub(crate) fn run(json: bool) -> Result<()> {
         println!();
     }
     super::concurrency::run(json)
+}
+
+/// One stream of [`LONG_PROMPT`] ids on each of `models` (one rank, 2 threads): prefill and
+/// decode tok/s next to llama.cpp's on the same ids, best of [`ROUNDS`].
+fn long_context(
+    tpctl: &Path,
+    anchors: &Path,
+    models: &[(&str, PathBuf)],
+    json: bool,
+) -> Result<()> {
+    if !json {
+        println!(
+            "\nlong context: one stream of {LONG_PROMPT} prompt ids, {DECODE} tokens (1x1, 2 \
+             threads, no prefix caching)"
+        );
+        println!("{:<6} | {:>24} | {:>22}", "file", "prefill tok/s", "decode tok/s");
+    }
+    for (name, model) in models {
+        let reference = reference(anchors, model, 1, LONG_PROMPT)?;
+        let prompt = &reference.prompts[0];
+        let server = Server::start(tpctl, model, (1, 1, 2), &["--no-prefix-caching"])?;
+        stream(&server.base, &prompt[..8], Instant::now())?;
+        let (mut prefill, mut decode) = (0.0f64, 0.0f64);
+        for _ in 0..ROUNDS {
+            let a = stream(&server.base, prompt, Instant::now())?;
+            prefill = prefill.max(prompt.len() as f64 / a.first.as_secs_f64());
+            decode = decode.max((DECODE - 1) as f64 / (a.last - a.first).as_secs_f64());
+        }
+        drop(server);
+        if json {
+            let row = json!({
+                "workload": "long_context", "file": name, "tp": 1, "cp": 1,
+                "threads_per_rank": 2, "prompt": LONG_PROMPT,
+                "prefill_tok_s": round1(prefill), "llamacpp_prefill_tok_s": reference.prefill,
+                "decode_tok_s": round1(decode), "llamacpp_decode_tok_s": reference.decode,
+                "prefill_ratio": round2(prefill / reference.prefill),
+                "decode_ratio": round2(decode / reference.decode),
+            });
+            println!("{row}");
+        } else {
+            let cell =
+                |ours: f64, theirs: f64| format!("{ours:.1} ({theirs:.1}) {:.2}x", ours / theirs);
+            println!(
+                "{name:<6} | {:>24} | {:>22}",
+                cell(prefill, reference.prefill),
+                cell(decode, reference.decode)
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The shared system prompt of the chat workload, in tokens.
