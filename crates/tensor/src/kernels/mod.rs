@@ -12,6 +12,7 @@
 
 pub mod cpu;
 pub mod cuda;
+mod draw_grid;
 mod edit;
 mod fused;
 mod logprob;

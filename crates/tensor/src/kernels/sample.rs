@@ -43,7 +43,7 @@ pub struct Draw {
 
 /// `1/k!` for `k` in `0..=13`, each the previous one divided by `k` (the same literals in the
 /// CUDA kernel).
-const INV_FACTORIAL: [f64; 14] = [
+pub(super) const INV_FACTORIAL: [f64; 14] = [
     1.0,
     1.0,
     0.5,
@@ -85,7 +85,7 @@ pub fn exp_det(x: f64) -> f64 {
 
 /// The draw's weight of logit `l`: `exp_det((l - top) / t)`, or 0 below `floor`.
 #[inline(always)]
-fn weight(l: f32, top: f32, t: f64, floor: f64) -> f64 {
+pub(super) fn weight(l: f32, top: f32, t: f64, floor: f64) -> f64 {
     let w = exp_det((f64::from(l) - f64::from(top)) / t);
     if w >= floor {
         w
@@ -96,7 +96,7 @@ fn weight(l: f32, top: f32, t: f64, floor: f64) -> f64 {
 
 /// A logit's order as an unsigned key: a larger logit has a larger key, -0 and +0 the same
 /// one (the CUDA kernels' `order_key`). For numbers, not NaN.
-fn order_key(l: f32) -> u32 {
+pub(super) fn order_key(l: f32) -> u32 {
     let u = if l == 0.0 { 0 } else { l.to_bits() };
     if u & 0x8000_0000 != 0 {
         !u
@@ -107,7 +107,7 @@ fn order_key(l: f32) -> u32 {
 
 /// A column that weighs in a draw: its column, its logit's order key and its weight (above 0).
 #[derive(Clone, Copy)]
-struct Weighed {
+pub(super) struct Weighed {
     column: u32,
     key: u32,
     weight: f64,
@@ -115,7 +115,7 @@ struct Weighed {
 
 /// The pairs' columns with a weight above 0, in column order. A column of weight 0 adds 0 to
 /// every sum of the draw and is never picked, so leaving it out changes nothing.
-fn weighed(pairs: &[(f32, u32)], top: f32, t: f64, floor: f64) -> Vec<Weighed> {
+pub(super) fn weighed(pairs: &[(f32, u32)], top: f32, t: f64, floor: f64) -> Vec<Weighed> {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("sse4.1") {
         // SAFETY: the CPU has the features the function is compiled for.
@@ -150,7 +150,7 @@ fn weighed_fma(pairs: &[(f32, u32)], top: f32, t: f64, floor: f64) -> Vec<Weighe
 /// The sum of the weights of `live` whose key is at least `floor_key`, summed as the kernels
 /// sum a row: per chunk of [`DRAW_CHUNK`] columns in column order, then the chunk sums in
 /// chunk order (the columns left out add 0 to both).
-fn chunked_sum(live: &[Weighed], floor_key: u32) -> f64 {
+pub(super) fn chunked_sum(live: &[Weighed], floor_key: u32) -> f64 {
     let mut total = 0.0;
     let mut chunk = None;
     let mut sum = 0.0;
@@ -192,8 +192,20 @@ pub fn draw_columns(pairs: &[(f32, u32)], d: &Draw) -> u32 {
     if d.temperature <= 0.0 {
         return best.1;
     }
+    // The same token from the weights laid out for SIMD, where the columns are dense enough.
+    if let Some(token) = super::draw_grid::draw(pairs, d, best.0) {
+        return token;
+    }
+    draw_listed(pairs, d, best.0)
+}
+
+/// [`draw_columns`] past the greedy pick, over the numbers with a weight in a list: the
+/// definition as the module docs say it, for columns too sparse for
+/// [`super::draw_grid`]'s grid (and the reference its tests check against).
+pub(super) fn draw_listed(pairs: &[(f32, u32)], d: &Draw, top: f32) -> u32 {
+    let Some(first) = pairs.first() else { return 0 };
     let (t, floor) = (f64::from(d.temperature), f64::from(d.min_p));
-    let mut live = weighed(pairs, best.0, t, floor);
+    let mut live = weighed(pairs, top, t, floor);
     if d.top_p < 1.0 {
         let target = chunked_sum(&live, 0) * f64::from(d.top_p);
         // The smallest key kept, bit by bit. A column below the keys tried from then on adds
