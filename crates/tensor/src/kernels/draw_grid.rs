@@ -80,9 +80,66 @@ pub(super) fn weight_lanes(l: f32, top: f32, t: f64, floor: f64) -> f64 {
     }
 }
 
-/// Each number's weight and key (`pairs`' order).
+/// A row's numbers: a whole row without NaN, or `(logit, column)` pairs in column order.
+#[derive(Clone, Copy)]
+enum Numbers<'a> {
+    Row(&'a [f32]),
+    Pairs(&'a [(f32, u32)]),
+}
+
+impl Numbers<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Numbers::Row(row) => row.len(),
+            Numbers::Pairs(pairs) => pairs.len(),
+        }
+    }
+
+    /// The column of number `i`.
+    fn column(&self, i: usize) -> usize {
+        match self {
+            Numbers::Row(_) => i,
+            Numbers::Pairs(pairs) => pairs[i].1 as usize,
+        }
+    }
+}
+
+/// The largest number of `row` and whether it has no NaN, lane by lane (NaN never compares
+/// larger) and then across the lanes: the value, which of equal ones aside (-0 or +0).
+#[inline(always)]
+pub(super) fn largest<S: Simd>(simd: S, row: &[f32]) -> (f32, bool) {
+    let (head, tail) = S::as_simd_f32s(row);
+    let mut lanes = simd.splat_f32s(f32::NEG_INFINITY);
+    let mut numbers = simd.equal_f32s(lanes, lanes);
+    for &x in head {
+        lanes = simd.select_f32s(simd.greater_than_f32s(x, lanes), x, lanes);
+        numbers = simd.and_m32s(numbers, simd.equal_f32s(x, x));
+    }
+    let numbers = simd.select_u32s(numbers, simd.splat_u32s(u32::MAX), simd.splat_u32s(0));
+    let numbers: &[u32] = bytemuck::cast_slice(core::slice::from_ref(&numbers));
+    let lanes: &[f32] = bytemuck::cast_slice(core::slice::from_ref(&lanes));
+    let max = lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
+    let no_nan = numbers.iter().all(|&m| m == u32::MAX) && !tail.iter().any(|l| l.is_nan());
+    (max, no_nan)
+}
+
+/// [`largest`] on the widest SIMD the CPU has.
+struct Largest<'a> {
+    row: &'a [f32],
+}
+
+impl WithSimd for Largest<'_> {
+    type Output = (f32, bool);
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, simd: S) -> (f32, bool) {
+        largest(simd, self.row)
+    }
+}
+
+/// Each number's weight and key (in the numbers' order).
 struct Weigh<'a> {
-    pairs: &'a [(f32, u32)],
+    numbers: Numbers<'a>,
     top: f32,
     t: f64,
     floor: f64,
@@ -95,10 +152,22 @@ impl WithSimd for Weigh<'_> {
 
     #[inline(always)]
     fn with_simd<S: Simd>(self, _simd: S) {
-        let Weigh { pairs, top, t, floor, weights, keys } = self;
-        for ((w, k), &(l, _)) in weights.iter_mut().zip(keys.iter_mut()).zip(pairs) {
-            *w = weight_lanes(l, top, t, floor);
-            *k = order_key(l);
+        let Weigh { numbers, top, t, floor, weights, keys } = self;
+        #[inline(always)]
+        fn weigh(
+            logits: impl Iterator<Item = f32>,
+            w: &mut [f64],
+            k: &mut [u32],
+            by: (f32, f64, f64),
+        ) {
+            for ((w, k), l) in w.iter_mut().zip(k.iter_mut()).zip(logits) {
+                *w = weight_lanes(l, by.0, by.1, by.2);
+                *k = order_key(l);
+            }
+        }
+        match numbers {
+            Numbers::Row(row) => weigh(row.iter().copied(), weights, keys, (top, t, floor)),
+            Numbers::Pairs(p) => weigh(p.iter().map(|p| p.0), weights, keys, (top, t, floor)),
         }
     }
 }
@@ -151,26 +220,27 @@ impl WithSimd for Mass<'_> {
 impl Grid {
     /// Lays out `pairs` (columns ascending, below `chunks · DRAW_CHUNK`) weighed by `top`,
     /// `t` and `floor`.
-    fn fill(&mut self, arch: Arch, pairs: &[(f32, u32)], (top, t, floor): (f32, f64, f64)) {
-        let last = pairs.last().map_or(0, |p| p.1 as usize);
+    fn fill(&mut self, arch: Arch, numbers: Numbers<'_>, (top, t, floor): (f32, f64, f64)) {
+        let n = numbers.len();
+        let last = if n == 0 { 0 } else { numbers.column(n - 1) };
         self.chunks = last / DRAW_CHUNK + 1;
         let len = self.chunks.next_multiple_of(LANES) * DRAW_CHUNK;
         // A row with every column up to its last (no NaN) writes every slot before it: the
         // grid needs clearing only where the last row left something past that.
-        let dense = pairs.len() == last + 1;
-        if !(dense && self.weights.len() == len && self.clear_from <= pairs.len()) {
+        let dense = n == last + 1;
+        if !(dense && self.weights.len() == len && self.clear_from <= n) {
             self.weights.clear();
             self.weights.resize(len, 0.0);
             self.keys.clear();
             self.keys.resize(len, 0);
         }
         self.clear_from = last + 1;
-        self.row_weights.resize(pairs.len(), 0.0);
-        self.row_keys.resize(pairs.len(), 0);
+        self.row_weights.resize(n, 0.0);
+        self.row_keys.resize(n, 0);
         let (weights, keys) = (&mut self.row_weights[..], &mut self.row_keys[..]);
-        arch.dispatch(Weigh { pairs, top, t, floor, weights, keys });
-        for (i, &(_, col)) in pairs.iter().enumerate() {
-            let at = slot(col as usize);
+        arch.dispatch(Weigh { numbers, top, t, floor, weights, keys });
+        for i in 0..n {
+            let at = slot(numbers.column(i));
             self.weights[at] = self.row_weights[i];
             self.keys[at] = u64::from(self.row_keys[i]);
         }
@@ -193,9 +263,9 @@ impl Grid {
 
     /// The token `d` draws from `pairs` (not greedy), whose largest number is `top`; see
     /// [`super::draw_columns`].
-    fn draw(&mut self, pairs: &[(f32, u32)], d: &Draw, top: f32) -> u32 {
+    fn draw(&mut self, numbers: Numbers<'_>, d: &Draw, top: f32) -> u32 {
         let arch = Arch::new();
-        self.fill(arch, pairs, (top, f64::from(d.temperature), f64::from(d.min_p)));
+        self.fill(arch, numbers, (top, f64::from(d.temperature), f64::from(d.min_p)));
         let mut kept = 0u32;
         if d.top_p < 1.0 {
             let target = self.mass(arch, 0, false) * f64::from(d.top_p);
@@ -208,7 +278,8 @@ impl Grid {
         }
         let total = self.mass(arch, kept, true);
         let live = |i: usize| self.row_weights[i] > 0.0 && self.row_keys[i] >= kept;
-        let fallback = (0..pairs.len()).rev().find(|&i| live(i)).map_or(pairs[0].1, |i| pairs[i].1);
+        let found = (0..numbers.len()).rev().find(|&i| live(i));
+        let fallback = numbers.column(found.unwrap_or(0)) as u32;
         let mut u = d.u * total;
         for (c, &s) in self.sums[..self.chunks].iter().enumerate() {
             if u < s {
@@ -238,7 +309,20 @@ pub(super) fn draw(pairs: &[(f32, u32)], d: &Draw, top: f32) -> Option<u32> {
     if last > 4 * pairs.len() + DRAW_CHUNK {
         return None;
     }
-    Some(GRID.with(|g| g.borrow_mut().draw(pairs, d, top)))
+    Some(GRID.with(|g| g.borrow_mut().draw(Numbers::Pairs(pairs), d, top)))
+}
+
+/// [`super::draw_columns`] of a whole logits row (`row_numbers`' pairs of it), on this
+/// thread's grid straight from the row where it has no NaN and is not drawn greedily.
+pub(super) fn draw_row(row: &[f32], d: &Draw) -> u32 {
+    if d.temperature > 0.0 && !row.is_empty() {
+        // Only the largest number's value weighs (-0 and +0 give the same weights).
+        if let (top, true) = Arch::new().dispatch(Largest { row }) {
+            return GRID.with(|g| g.borrow_mut().draw(Numbers::Row(row), d, top));
+        }
+    }
+    let pairs: Vec<(f32, u32)> = super::select::row_numbers(row).collect();
+    super::draw_columns(&pairs, d)
 }
 
 #[cfg(test)]
@@ -274,6 +358,38 @@ mod tests {
         }
     }
 
+    /// A whole row draws what its pairs draw: without NaN straight from the row, with NaN
+    /// (in the vector part of the row or its tail) from its pairs; rows of -inf only, of
+    /// zeros of both signs, and greedy draws too.
+    #[test]
+    fn whole_rows_draw_what_their_pairs_draw() {
+        let mut next = uniforms(17);
+        let mut rows: Vec<Vec<f32>> = Vec::new();
+        for cols in [49_152usize, 1_000, 37] {
+            let row: Vec<f32> = (0..cols).map(|_| ((next() - 0.5) * 12.0) as f32).collect();
+            let mut early_nan = row.clone();
+            early_nan[3] = f32::NAN;
+            let mut late_nan = row.clone();
+            late_nan[cols - 1] = f32::NAN;
+            rows.extend([row, early_nan, late_nan]);
+        }
+        rows.push(vec![f32::NEG_INFINITY; 40]);
+        rows.push(vec![-0.0, 0.0, -1.0, -0.0, -3.0]);
+        for row in &rows {
+            let pairs: Vec<(f32, u32)> = crate::kernels::row_numbers(row).collect();
+            let (top, no_nan) = Arch::new().dispatch(Largest { row });
+            assert_eq!(no_nan, pairs.len() == row.len());
+            assert_eq!(top, pairs.iter().fold(f32::NEG_INFINITY, |m, p| m.max(p.0)));
+            for (temperature, top_p) in [(0.0, 1.0), (0.7, 1.0), (1.0, 0.9), (1.3, 0.5)] {
+                for _ in 0..6 {
+                    let d = Draw { temperature, min_p: 0.0, u: next(), top_p };
+                    let want = crate::kernels::draw_columns(&pairs, &d);
+                    assert_eq!(draw_row(row, &d), want, "{} columns, {d:?}", row.len());
+                }
+            }
+        }
+    }
+
     /// The grid's sums are the definition's, bit for bit, at every floor the top-p search
     /// tries (a token rarely shows a sum's last bit).
     #[test]
@@ -288,7 +404,7 @@ mod tests {
         let top = pairs.iter().fold(f32::NEG_INFINITY, |m, p| m.max(p.0));
         let mut grid = Grid::default();
         let arch = Arch::new();
-        grid.fill(arch, &pairs, (top, 0.8, 0.0));
+        grid.fill(arch, Numbers::Pairs(&pairs), (top, 0.8, 0.0));
         let live = weighed(&pairs, top, 0.8, 0.0);
         let floors = pairs.iter().step_by(97).map(|p| order_key(p.0)).chain([0, u32::MAX]);
         for floor in floors {

@@ -9,7 +9,8 @@
 //! chunk sums in chunk order; the logarithm is taken on the host ([`Normalizer::log_total`]).
 //! So a row gives the same bits on the CPU, on a GPU, and in the host sampler.
 
-use super::sample::{exp_det, DRAW_CHUNK, DRAW_MAX_COLUMNS};
+use super::draw_grid::{largest, weight_lanes};
+use super::sample::{DRAW_CHUNK, DRAW_MAX_COLUMNS};
 use super::{check, Backend};
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -28,13 +29,7 @@ pub struct Normalizer {
 impl Normalizer {
     /// The normalizer of one row.
     pub fn of(row: &[f32]) -> Normalizer {
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("sse4.1") {
-            // SAFETY: the CPU has the features the function is compiled for.
-            #[allow(unsafe_code)]
-            return unsafe { normalizer_fma(row) };
-        }
-        normalizer_plain(row)
+        pulp::Arch::new().dispatch(Normalize { row })
     }
 
     /// `ln Σ e^l` over the row's numbers: `top + ln(sum)` (-inf for a row without numbers).
@@ -52,35 +47,42 @@ impl Normalizer {
     }
 }
 
-/// [`Normalizer::of`] in a plain loop, so that all of it is compiled into
-/// [`normalizer_fma`].
-#[inline(always)]
-fn normalizer_plain(row: &[f32]) -> Normalizer {
-    let mut top = f32::NEG_INFINITY;
-    let mut any = false;
-    for &l in row {
-        if !l.is_nan() && (!any || l > top) {
-            top = l;
-            any = true;
-        }
-    }
-    let mut sum = 0.0;
-    for chunk in row.chunks(DRAW_CHUNK) {
-        let mut s = 0.0;
-        for &l in chunk {
-            s += if l.is_nan() { 0.0 } else { exp_det(f64::from(l) - f64::from(top)) };
-        }
-        sum += s;
-    }
-    Normalizer { top, sum }
+/// [`Normalizer::of`] on the widest SIMD the CPU has: each chunk's weights by
+/// [`weight_lanes`] (`exp_det`'s operations without its branches, vectorized; 0 for NaN),
+/// then summed in column order.
+struct Normalize<'a> {
+    row: &'a [f32],
 }
 
-/// [`normalizer_plain`] with the CPU's fused multiply-add and rounding instructions: the
-/// same bits as the library's `fma` and `round`, about four times faster.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "fma,sse4.1")]
-fn normalizer_fma(row: &[f32]) -> Normalizer {
-    normalizer_plain(row)
+impl pulp::WithSimd for Normalize<'_> {
+    type Output = Normalizer;
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, simd: S) -> Normalizer {
+        let row = self.row;
+        // Of equal numbers only zeros differ (-0 and +0): the first one is the top.
+        let (largest, _) = largest(simd, row);
+        let top = match largest {
+            0.0 => row.iter().copied().find(|&l| l == 0.0).unwrap_or(largest),
+            // No number above -inf: the first number, if any (-inf), else -inf.
+            f32::NEG_INFINITY => f32::NEG_INFINITY,
+            _ => largest,
+        };
+        let mut sum = 0.0;
+        let mut weights = [0.0f64; DRAW_CHUNK];
+        for chunk in row.chunks(DRAW_CHUNK) {
+            let weights = &mut weights[..chunk.len()];
+            for (w, &l) in weights.iter_mut().zip(chunk) {
+                *w = weight_lanes(l, top, 1.0, 0.0);
+            }
+            let mut s = 0.0;
+            for &w in weights.iter() {
+                s += w;
+            }
+            sum += s;
+        }
+        Normalizer { top, sum }
+    }
 }
 
 impl Backend {
@@ -133,6 +135,7 @@ impl Backend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::sample::exp_det;
 
     /// The plain definition: the row's largest number, each number's weight in column order
     /// per chunk of 256, the chunk sums in order, without the CPU's fused instructions.

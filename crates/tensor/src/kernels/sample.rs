@@ -11,7 +11,6 @@
 //! chosen chunk's weights. The host sampler draws the same way ([`draw_columns`]), so a
 //! request's tokens are the same wherever its logits were.
 
-use super::select::row_numbers;
 use super::{check, Backend};
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -261,10 +260,7 @@ impl Backend {
                     draws
                         .par_iter()
                         .enumerate()
-                        .map(|(r, d)| {
-                            let pairs: Vec<(f32, u32)> = row_numbers(x.row(r)).collect();
-                            draw_columns(&pairs, d)
-                        })
+                        .map(|(r, d)| super::draw_grid::draw_row(x.row(r), d))
                         .collect()
                 }))
             }
