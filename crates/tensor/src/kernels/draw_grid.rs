@@ -10,7 +10,8 @@
 //! in its chunk's column order. A column without a number holds weight 0 and key 0, which
 //! adds +0 to every sum and is never picked, as the definition leaves such columns out. The
 //! weights themselves are [`weight_lanes`], [`exp_det`](super::exp_det)'s operations without
-//! its branches, so the compiler vectorizes them too.
+//! its branches, so the compiler vectorizes them too; a whole row without NaN
+//! ([`draw_row`]) is weighed straight from the row, its largest number found lane by lane.
 
 use super::sample::{order_key, Draw, DRAW_CHUNK};
 use pulp::{Arch, Simd, WithSimd};
@@ -52,18 +53,16 @@ fn slot(col: usize) -> usize {
 /// branches: the same bits, in a form the compiler vectorizes.
 #[inline(always)]
 pub(super) fn weight_lanes(l: f32, top: f32, t: f64, floor: f64) -> f64 {
-    const LOG2E: f64 = std::f64::consts::LOG2_E;
-    const LN2_HI: f64 = 0.6931471803691238;
-    const LN2_LO: f64 = 1.9082149292705877e-10;
+    use super::sample::{INV_FACTORIAL, LN2_HI, LN2_LO};
     // 2^52 + 1023: `n` added to it leaves n + 1023 in the low bits of the sum.
     const EXPONENT: f64 = 4_503_599_627_371_519.0;
     let x = (f64::from(l) - f64::from(top)) / t;
     let inside = (-708.0..=0.0).contains(&x);
     let xc = if inside { x } else { 0.0 };
-    let n = (xc * LOG2E).round();
+    let n = (xc * std::f64::consts::LOG2_E).round();
     let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, xc));
-    let mut p = super::sample::INV_FACTORIAL[13];
-    for c in super::sample::INV_FACTORIAL[..13].iter().rev() {
+    let mut p = INV_FACTORIAL[13];
+    for c in INV_FACTORIAL[..13].iter().rev() {
         p = p.mul_add(r, *c);
     }
     // n is in -1022..=0: the exponent field n + 1023, nothing else.

@@ -59,6 +59,11 @@ pub(super) const INV_FACTORIAL: [f64; 14] = [
     1.6059043836821616e-10,
 ];
 
+/// ln 2 in two parts for [`exp_det`]'s reduction: the high one with few enough bits that its
+/// product with `n` is exact.
+pub(super) const LN2_HI: f64 = 0.6931471803691238;
+pub(super) const LN2_LO: f64 = 1.9082149292705877e-10;
+
 /// `e^x` for `x <= 0` (0 below -708, for -inf and for NaN), by operations that give the same
 /// bits on every IEEE machine: `x = n·ln 2 + r` with `n` rounded half away from zero and `r`
 /// from two fused multiply-adds (ln 2 in two parts), `e^r` by its Taylor polynomial of degree
@@ -66,13 +71,10 @@ pub(super) const INV_FACTORIAL: [f64; 14] = [
 /// ulps), and `2^n` as the exponent bits.
 #[inline(always)]
 pub fn exp_det(x: f64) -> f64 {
-    const LOG2E: f64 = std::f64::consts::LOG2_E;
-    const LN2_HI: f64 = 0.6931471803691238;
-    const LN2_LO: f64 = 1.9082149292705877e-10;
     if !(-708.0..=0.0).contains(&x) {
         return if x > 0.0 { f64::INFINITY } else { 0.0 };
     }
-    let n = (x * LOG2E).round();
+    let n = (x * std::f64::consts::LOG2_E).round();
     let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
     let mut p = INV_FACTORIAL[13];
     for c in INV_FACTORIAL[..13].iter().rev() {
