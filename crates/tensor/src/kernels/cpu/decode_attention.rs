@@ -278,6 +278,23 @@ pub(super) fn attend(
     let tasks: Vec<(usize, Range<usize>, Range<usize>)> = tasks.collect();
     let arch = Arch::new();
     let per_task = heads_per_task * group * part_len(d);
+    // A task's partials into `part`.
+    let run =
+        |task: &(usize, Range<usize>, Range<usize>), scores: &mut Vec<f32>, part: &mut [f32]| {
+            let (i, keys, heads) = task.clone();
+            let q = &q[(i * q_heads + heads.start * group) * d..][..heads.len() * group * d];
+            arch.dispatch(Chunk {
+                q,
+                heads,
+                q_pos: q_pos[i],
+                shape,
+                kv,
+                kv_pos,
+                keys,
+                scores,
+                out: part,
+            });
+        };
     if starts.windows(2).all(|w| w[1] == w[0] + 1) {
         // One chunk per token (short contexts): each task merges its own heads' one partial
         // (the merge of a lone chunk), so there is no second loop.
@@ -285,21 +302,16 @@ pub(super) fn attend(
         let lses = lse.par_chunks_mut(heads_per_task * group);
         let init = || (Vec::new(), vec![0.0f32; per_task]);
         outs.zip(lses).zip(&tasks).for_each_init(init, |(scores, part), ((o, l), task)| {
-            let (i, keys, heads) = task.clone();
-            let q = &q[(i * q_heads + heads.start * group) * d..][..heads.len() * group * d];
-            let c = Chunk { q, heads, q_pos: q_pos[i], shape, kv, kv_pos, keys, scores, out: part };
-            arch.dispatch(c);
+            run(task, scores, part);
             merge(part, d, o, l);
         });
         return;
     }
     let mut parts = vec![0.0f32; chunks.len() * per_chunk];
-    parts.par_chunks_mut(per_task).zip(&tasks).for_each_init(Vec::new, |scores, (part, task)| {
-        let (i, keys, heads) = task.clone();
-        let q = &q[(i * q_heads + heads.start * group) * d..][..heads.len() * group * d];
-        let c = Chunk { q, heads, q_pos: q_pos[i], shape, kv, kv_pos, keys, scores, out: part };
-        arch.dispatch(c);
-    });
+    parts
+        .par_chunks_mut(per_task)
+        .zip(&tasks)
+        .for_each_init(Vec::new, |scores, (part, task)| run(task, scores, part));
     out.par_chunks_mut(q_heads * d).zip(lse.par_chunks_mut(q_heads)).enumerate().for_each(
         |(i, (o, l))| merge(&parts[starts[i] * per_chunk..starts[i + 1] * per_chunk], d, o, l),
     );
